@@ -1,0 +1,31 @@
+# `make demo` and `make test` each create .venv and install the pinned CPU set first.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all lint typecheck bench clean
+
+$(STAMP): requirements-ci.txt setup.cfg
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements-ci.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m hf_dynamic_ckpt.demo --output_dir demo_out
+
+# Default run: unit + integration + 2-process DDP tests; `slow` ones are left to test-all.
+test: $(STAMP)
+	$(BIN)/ruff check hf_dynamic_ckpt tests scripts recipes
+	$(BIN)/python -m pytest -m "not slow and not gpu" -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -m "not gpu" -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check hf_dynamic_ckpt tests scripts recipes
+	$(BIN)/mypy hf_dynamic_ckpt
+
+clean:
+	rm -rf $(VENV) demo_out bench_out .pytest_cache

@@ -1,0 +1,317 @@
+"""Configuration: frozen dataclasses, validated on construction, loadable from YAML.
+
+The YAML shape is the article's ``checkpoint_config.yaml``; every top-level knob of
+:class:`SmartCkptConfig` may also appear at the top level of the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .constants import DEFAULT_TASK_ID
+from .errors import ConfigError
+
+
+class Compression(enum.StrEnum):
+    NONE = "none"
+    ZSTD = "zstd"
+    GZIP = "gzip"
+
+
+class FallbackStrategy(enum.StrEnum):
+    """What a resume does when a tier of the chosen checkpoint cannot be loaded.
+
+    - ``full``: load every tier; a broken L1 resumes from weights with a fresh optimizer
+      (warning), a broken L0 falls back to the next older checkpoint.
+    - ``level_0_1``: weights and optimizer must both load; a broken L1 moves to the next
+      older checkpoint whose L1 is intact instead of resuming with a fresh optimizer.
+    - ``level_0_only``: restore weights and L2 state only; the optimizer starts fresh.
+    """
+
+    FULL = "full"
+    LEVEL_0_1 = "level_0_1"
+    LEVEL_0_ONLY = "level_0_only"
+
+
+class EngineMode(enum.StrEnum):
+    THREAD = "thread"
+    PROCESS = "process"
+    SYNC = "sync"
+
+
+def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}.")
+
+
+def _enum(enum_cls: type[enum.Enum], name: str, value: Any) -> Any:
+    try:
+        return enum_cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum_cls)  # type: ignore[attr-defined]
+        raise ConfigError(f"{name}={value!r} is invalid: expected one of {allowed}.") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LevelConfig:
+    """Storage settings of one tier (``storage_levels.level_N`` in YAML).
+
+    Args:
+        compression (`str`, *optional*, defaults to `"none"`): `"none"`, `"zstd"` or `"gzip"`.
+        compression_level (`int`, *optional*, defaults to `3`): zstd level, 1 to 19 (<= 3 advised).
+        device (`str`, *optional*): storage class label from the article (`ssd`, `nvme`); informative.
+        retention_days (`float`, *optional*): files of this tier older than this are pruned
+            (pinned checkpoints excepted). `None` keeps them.
+    """
+
+    compression: Compression = Compression.NONE
+    compression_level: int = 3
+    device: str | None = None
+    retention_days: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compression", _enum(Compression, "compression", self.compression))
+        _check(1 <= self.compression_level <= 19, "compression_level", self.compression_level, "1 <= level <= 19")
+        if self.retention_days is not None:
+            _check(self.retention_days > 0, "retention_days", self.retention_days, "a positive number or null")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageLevels:
+    level_0: LevelConfig = field(default_factory=lambda: LevelConfig(device="ssd", retention_days=30))
+    level_1: LevelConfig = field(
+        default_factory=lambda: LevelConfig(compression=Compression.ZSTD, compression_level=3, device="nvme", retention_days=7)
+    )
+    level_2: LevelConfig = field(default_factory=lambda: LevelConfig(device="ssd", retention_days=90))
+
+    def __post_init__(self) -> None:
+        for name in ("level_0", "level_1", "level_2"):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, _build(LevelConfig, value, f"storage_levels.{name}"))
+        _check(
+            self.level_0.compression == Compression.NONE,
+            "storage_levels.level_0.compression",
+            self.level_0.compression.value,
+            "'none' (weights stay uncompressed so they can be memory-mapped)",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SmartCkptConfig:
+    """Everything the checkpointer can be told. `SmartCkptConfig()` works as is.
+
+    Args:
+        root (`str`, *optional*): store directory; defaults to `<output_dir>/smart_ckpt`.
+        task_id (`str`, *optional*, defaults to `"default"`): sub-directory of one run's checkpoints.
+        base_interval (`int`, *optional*): save every this many steps while training is calm.
+            `None` derives it from the measured save cost (Young/Daly `sqrt(2 * C * MTBF)`).
+        min_interval (`int`, *optional*, defaults to `1`): never two regular saves closer than this.
+        max_interval (`int`, *optional*, defaults to `2000`): never a calm gap longer than this.
+        mtbf_hours (`float`, *optional*, defaults to `24.0`): expected time between failures.
+        stability_window (`int`, *optional*, defaults to `100`): steps of loss history for stability.
+        risk_threshold (`float`, *optional*, defaults to `0.68`): smoothed risk above which an
+            immediate save fires (on the rising edge only).
+        risk_release (`float`, *optional*, defaults to `0.2`): smoothed risk below which the
+            trigger re-arms (hysteresis).
+        risk_smoothing (`int`, *optional*, defaults to `10`): steps of the risk moving average.
+        loss_spike_z (`float`, *optional*, defaults to `6.0`): robust z-score of a loss spike.
+        grad_surge_ratio (`float`, *optional*, defaults to `5.0`): grad-norm ratio to its running
+            level that counts as a surge (global and per LoRA layer).
+        memory_threshold (`float`, *optional*, defaults to `0.92`): memory fraction counted as risk.
+        memory_sample_every (`int`, *optional*, defaults to `5`): steps between memory samples.
+        overhead_budget (`float`, *optional*, defaults to `0.02`): blocking save time allowed as a
+            fraction of training time.
+        pre_anomaly_capture (`bool`, *optional*, defaults to `True`): save and pin the state from
+            before an update whose gradients surge or are not finite.
+        skip_bad_update (`bool`, *optional*, defaults to `False`): also skip that update.
+        keep_last (`int`, *optional*, defaults to `3`): newest checkpoints always kept.
+        keep_log_spaced (`bool`, *optional*, defaults to `True`): thin older ones to log-spaced steps.
+        async_save (`bool`, *optional*, defaults to `True`): write in the background.
+        engine (`str`, *optional*, defaults to `"thread"`): `"thread"`, `"process"` or `"sync"`.
+        memory_margin (`float`, *optional*, defaults to `0.15`): host memory fraction kept free;
+            a snapshot that would cut into it is streamed synchronously instead.
+        preemption_signals (`tuple[str]`, *optional*): signals that request a final save.
+        preemption_grace_s (`float`, *optional*, defaults to `30.0`): deadline of that save.
+        storage_levels (`StorageLevels`, *optional*): per-tier compression and retention.
+        recovery_timeout_ms (`int`, *optional*, defaults to `5000`): a resume slower than this is logged.
+        fallback_strategy (`str`, *optional*, defaults to `"full"`): see `FallbackStrategy`.
+        learned_model (`str`, *optional*): path of a learned double-check model (rules stay in charge).
+        report_to_trainer (`bool`, *optional*, defaults to `True`): add `smart_ckpt/*` to Trainer logs.
+
+    Example:
+        ```python
+        >>> from hf_dynamic_ckpt import SmartCkptConfig
+        >>> SmartCkptConfig(base_interval=4).base_interval
+        4
+        ```
+    """
+
+    root: str | None = None
+    task_id: str = DEFAULT_TASK_ID
+    base_interval: int | None = None
+    min_interval: int = 1
+    max_interval: int = 2000
+    mtbf_hours: float = 24.0
+    stability_window: int = 100
+    risk_threshold: float = 0.68
+    risk_release: float = 0.2
+    risk_smoothing: int = 10
+    loss_spike_z: float = 6.0
+    grad_surge_ratio: float = 5.0
+    memory_threshold: float = 0.92
+    memory_sample_every: int = 5
+    overhead_budget: float = 0.02
+    pre_anomaly_capture: bool = True
+    skip_bad_update: bool = False
+    keep_last: int = 3
+    keep_log_spaced: bool = True
+    async_save: bool = True
+    engine: EngineMode = EngineMode.THREAD
+    memory_margin: float = 0.15
+    preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    preemption_grace_s: float = 30.0
+    storage_levels: StorageLevels = field(default_factory=StorageLevels)
+    recovery_timeout_ms: int = 5000
+    fallback_strategy: FallbackStrategy = FallbackStrategy.FULL
+    learned_model: str | None = None
+    report_to_trainer: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "engine", _enum(EngineMode, "engine", self.engine))
+        set_(self, "fallback_strategy", _enum(FallbackStrategy, "fallback_strategy", self.fallback_strategy))
+        if isinstance(self.storage_levels, Mapping):
+            set_(self, "storage_levels", _build(StorageLevels, self.storage_levels, "storage_levels"))
+        set_(self, "preemption_signals", tuple(self.preemption_signals))
+        _check(bool(self.task_id) and "/" not in self.task_id and not self.task_id.startswith("."),
+               "task_id", self.task_id, "a non-empty name without '/' that does not start with '.'")
+        if self.base_interval is not None:
+            _check(isinstance(self.base_interval, int) and self.base_interval >= 1, "base_interval",
+                   self.base_interval, "an integer >= 1 or null (derive it from the save cost)")
+        _check(isinstance(self.min_interval, int) and self.min_interval >= 1, "min_interval", self.min_interval, "an integer >= 1")
+        _check(isinstance(self.max_interval, int) and self.max_interval >= self.min_interval, "max_interval",
+               self.max_interval, f"an integer >= min_interval ({self.min_interval})")
+        _check(self.mtbf_hours > 0, "mtbf_hours", self.mtbf_hours, "a positive number of hours")
+        _check(isinstance(self.stability_window, int) and self.stability_window >= 4, "stability_window",
+               self.stability_window, "an integer >= 4")
+        _check(0.0 < self.risk_threshold <= 1.0, "risk_threshold", self.risk_threshold, "0 < value <= 1")
+        _check(0.0 <= self.risk_release < self.risk_threshold, "risk_release", self.risk_release,
+               f"0 <= value < risk_threshold ({self.risk_threshold})")
+        _check(isinstance(self.risk_smoothing, int) and self.risk_smoothing >= 1, "risk_smoothing",
+               self.risk_smoothing, "an integer >= 1")
+        _check(self.loss_spike_z > 0, "loss_spike_z", self.loss_spike_z, "a positive number")
+        _check(self.grad_surge_ratio > 1, "grad_surge_ratio", self.grad_surge_ratio, "a number > 1")
+        _check(0.0 < self.memory_threshold <= 1.0, "memory_threshold", self.memory_threshold, "0 < value <= 1")
+        _check(isinstance(self.memory_sample_every, int) and self.memory_sample_every >= 1, "memory_sample_every",
+               self.memory_sample_every, "an integer >= 1")
+        _check(0.0 < self.overhead_budget <= 1.0, "overhead_budget", self.overhead_budget, "0 < value <= 1")
+        _check(isinstance(self.keep_last, int) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")
+        _check(0.0 <= self.memory_margin < 1.0, "memory_margin", self.memory_margin, "0 <= value < 1")
+        _check(self.preemption_grace_s > 0, "preemption_grace_s", self.preemption_grace_s, "a positive number of seconds")
+        _check(self.recovery_timeout_ms > 0, "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
+        import signal as _signal
+
+        for name in self.preemption_signals:
+            _check(isinstance(getattr(_signal, str(name), None), _signal.Signals), "preemption_signals", name,
+                   "names of signals of this platform such as 'SIGTERM'")
+
+    @property
+    def compression_level(self) -> int:
+        """zstd level of the optimizer tier (L1)."""
+        return self.storage_levels.level_1.compression_level
+
+    def resolve_root(self, output_dir: str | os.PathLike[str] | None) -> str:
+        """The store directory: `root` when set, else `<output_dir>/smart_ckpt`."""
+        if self.root is not None:
+            return os.fspath(self.root)
+        if output_dir is None:
+            raise ConfigError("root=None is invalid without an output_dir: set SmartCkptConfig(root=...).")
+        return os.path.join(os.fspath(output_dir), "smart_ckpt")
+
+    def replace(self, **changes: Any) -> SmartCkptConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SmartCkptConfig:
+        """Build from a mapping in the shape of the article's `checkpoint_config.yaml`."""
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> SmartCkptConfig:
+        """Read a `checkpoint_config.yaml`. Unknown keys are an error naming the key.
+
+        Example:
+            ```yaml
+            base_interval: 2000
+            stability_window: 100
+            risk_threshold: 0.68
+            storage_levels:
+              level_1: {compression: zstd, compression_level: 3, device: nvme, retention_days: 7}
+            recovery_timeout_ms: 5000
+            fallback_strategy: level_0_only
+            ```
+        """
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{os.fspath(path)}: expected a mapping at the top level, got {type(data).__name__}.")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        def conv(v: Any) -> Any:
+            if isinstance(v, enum.Enum):
+                return v.value
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            if isinstance(v, tuple):
+                return [conv(x) for x in v]
+            return v
+
+        return conv(self)  # type: ignore[no-any-return]
+
+
+def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown config key {prefix}{unknown[0]!r}: allowed keys are {', '.join(sorted(names))}."
+        )
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ConfigError(f"invalid config {where or cls.__name__}: {e}") from e
+
+
+@dataclass(kw_only=True)
+class SmartCkptArguments:
+    """Command-line arguments for scripts built on `transformers.HfArgumentParser`.
+
+    Args:
+        resume_from_smart_checkpoint (`str`, *optional*): `auto`, `best`, `fastest`, `step:N`
+            or a checkpoint path. `auto` starts fresh when the store is empty.
+        smart_ckpt_config (`str`, *optional*): path of a `checkpoint_config.yaml`.
+        smart_ckpt_root (`str`, *optional*): store directory (overrides the YAML's `root`).
+    """
+
+    resume_from_smart_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "Resume point: auto | best | fastest | step:N | PATH (auto starts fresh on an empty store)."},
+    )
+    smart_ckpt_config: str | None = field(default=None, metadata={"help": "Path of a checkpoint_config.yaml."})
+    smart_ckpt_root: str | None = field(default=None, metadata={"help": "Store directory (default <output_dir>/smart_ckpt)."})
+
+    def to_config(self) -> SmartCkptConfig:
+        config = SmartCkptConfig.from_yaml(self.smart_ckpt_config) if self.smart_ckpt_config else SmartCkptConfig()
+        if self.smart_ckpt_root is not None:
+            config = config.replace(root=self.smart_ckpt_root)
+        return config

@@ -1,0 +1,63 @@
+"""Every file name, manifest key and format number of the on-disk layout, in one place."""
+
+from __future__ import annotations
+
+import enum
+
+FORMAT_VERSION = 1
+"""Version of the on-disk format written into every manifest. Readers refuse newer versions."""
+
+# Store layout: <root>/<task_id>/step-<N>/...
+CATALOG_NAME = "catalog.db"
+BLOBS_DIR = "blobs"
+STEP_DIR_PREFIX = "step-"
+TMP_MARKER = ".tmp-"
+PINNED_MARKER = "PINNED"
+DEFAULT_TASK_ID = "default"
+
+# Files of one checkpoint.
+MANIFEST_NAME = "manifest.json"
+WEIGHTS_NAME = "weights.safetensors"
+OPTIMIZER_NAME = "optimizer.tensors.zst"
+OPTIMIZER_META_NAME = "optimizer.json"
+RNG_NAME_TEMPLATE = "rng-rank{rank}.json"
+SAMPLER_NAME = "sampler.json"
+RANK_DONE_TEMPLATE = "done-rank{rank}.json"
+
+# Manifest keys.
+KEY_FORMAT_VERSION = "format_version"
+KEY_TASK_ID = "task_id"
+KEY_STEP = "step"
+KEY_EPOCH = "epoch"
+KEY_REASON = "reason"
+KEY_TIERS = "tiers"
+KEY_PINNED = "pinned"
+KEY_HEALTHY = "healthy"
+KEY_WORLD_SIZE = "world_size"
+KEY_CREATED_AT = "created_at"
+KEY_FILES = "files"
+KEY_BLOBS = "blobs"
+KEY_SIGNALS = "signals"
+KEY_DEBUG_INFO = "debug_info"
+KEY_EXTRA = "extra"
+KEY_VERSIONS = "versions"
+KEY_TIMINGS = "timings_ms"
+KEY_MANIFEST_CHECKSUM = "manifest_checksum"
+KEY_SIZE = "size"
+KEY_CHECKSUM = "checksum"
+KEY_TIER = "tier"
+KEY_RANK = "rank"
+
+CHECKSUM_ALGO = "sha256"
+DEBUG_INFO_STEPS = 10
+
+
+class Tier(enum.StrEnum):
+    """What a checkpoint holds, by level of the article's tiered scheme."""
+
+    WEIGHTS = "weights"  # L0: trainable weights, safetensors, mmap-able, must be exact
+    OPTIMIZER = "optimizer"  # L1: optimizer + scheduler + AMP scaler, zstd, no pickle
+    STATE = "state"  # L2: RNG per rank, sampler position, step/epoch, metadata (JSON)
+
+
+ALL_TIERS: frozenset[Tier] = frozenset(Tier)

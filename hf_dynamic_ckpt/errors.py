@@ -1,0 +1,35 @@
+"""Exception types. Each also inherits the builtin a caller would naturally catch."""
+
+from __future__ import annotations
+
+
+class DynamicCkptError(Exception):
+    """Base class of every error raised by hf_dynamic_ckpt."""
+
+
+class ConfigError(DynamicCkptError, ValueError):
+    """A configuration value is out of range or of the wrong kind."""
+
+
+class CheckpointNotFoundError(DynamicCkptError, FileNotFoundError):
+    """A path or reference does not name a committed checkpoint."""
+
+
+class CorruptCheckpointError(DynamicCkptError, ValueError):
+    """A checkpoint file is missing, truncated, or fails its checksum."""
+
+
+class FormatVersionError(DynamicCkptError, ValueError):
+    """A checkpoint was written by a newer, unknown version of the on-disk format."""
+
+
+class IncompatibleStateError(DynamicCkptError, ValueError):
+    """Saved weights or optimizer state do not fit the model (names or shapes differ)."""
+
+
+class SaveError(DynamicCkptError, RuntimeError):
+    """A save failed; the previous checkpoint stays the restore point."""
+
+
+class DistributedError(DynamicCkptError, RuntimeError):
+    """Ranks disagree (restore point, files, decisions) or a rank did not finish in time."""

@@ -1,0 +1,1 @@
+"""Tiered checkpoint store: formats, atomic commit, catalog."""

@@ -1,0 +1,112 @@
+"""Plain data passed between the engine, the store and the restore path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..constants import Tier
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """A tensor known to be stored already, content-addressed under `<task>/blobs/`.
+
+    The engine passes one instead of a tensor when the tensor did not change since it was
+    last stored (frozen weights), so it is neither copied nor written again.
+    """
+
+    digest: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class CheckpointState:
+    """What one rank hands to `CheckpointStore.save`: CPU tensors and JSON-able data.
+
+    Args:
+        step (`int`): optimizer steps completed when this state was taken.
+        epoch (`float`, *optional*): fractional epoch, as Trainer reports it.
+        weights (`dict[str, torch.Tensor | BlobRef]`, *optional*): L0, model key names
+            (PEFT key names for an adapter). Written by rank 0 only.
+        dedup_keys (`frozenset[str]`): weight keys to store content-addressed (frozen).
+        optimizer / scheduler / scaler (`dict`, *optional*): L1, the objects' `state_dict()`
+            forms. Written by rank 0 only.
+        rng (`dict`, *optional*): L2, this rank's RNG states (`store.rng.capture_rng_state`).
+        sampler (`dict`, *optional*): L2, data position (JSON-able), written by rank 0.
+        extra (`dict`): JSON-able data that goes into the manifest's `extra` (e.g. the
+            Trainer state needed to resume).
+    """
+
+    step: int
+    epoch: float = 0.0
+    weights: dict[str, torch.Tensor | BlobRef] | None = None
+    dedup_keys: frozenset[str] = frozenset()
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    sampler: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tiers(self) -> frozenset[Tier]:
+        tiers = set()
+        if self.weights is not None:
+            tiers.add(Tier.WEIGHTS)
+        if self.optimizer is not None or self.scheduler is not None or self.scaler is not None:
+            tiers.add(Tier.OPTIMIZER)
+        if self.rng is not None or self.sampler is not None:
+            tiers.add(Tier.STATE)
+        return frozenset(tiers)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint as the catalog and `CheckpointStore.list()` describe it."""
+
+    task_id: str
+    step: int
+    path: str
+    reason: str
+    tiers: frozenset[Tier]
+    bytes: int
+    loss: float | None
+    gpu_mem_percent: float | None
+    save_time: float
+    recovery_cost_ms: float | None
+    healthy: bool
+    pinned: bool
+    status: str  # "ok" | "missing" | "corrupt"
+    world_size: int = 1
+
+
+@dataclass
+class LoadedCheckpoint:
+    """Tensors and state read back (and verified) from one checkpoint."""
+
+    info: CheckpointInfo
+    manifest: dict[str, Any]
+    weights: dict[str, torch.Tensor] | None = None
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    sampler: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tiers(self) -> frozenset[Tier]:
+        tiers = set()
+        if self.weights is not None:
+            tiers.add(Tier.WEIGHTS)
+        if self.optimizer is not None or self.scheduler is not None:
+            tiers.add(Tier.OPTIMIZER)
+        if self.rng is not None or self.sampler is not None:
+            tiers.add(Tier.STATE)
+        return frozenset(tiers)
