@@ -1,0 +1,111 @@
+"""Level 2: exact random-number-generator state of one rank, as versioned JSON.
+
+Captured: Python's `random`, NumPy's global legacy `RandomState`, torch's CPU generator,
+and every CUDA device's generator when CUDA is initialised. Stored as plain JSON (lists of
+ints, base64 for torch's byte states), so a checkpoint's `rng-rank<R>.json` needs no pickle
+and restores the generators bit-exactly.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError, FormatVersionError
+
+logger = logging.getLogger(__name__)
+
+RNG_FORMAT_VERSION = 1
+"""Version of the JSON written by `capture_rng_state`; readers refuse newer versions."""
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8).clone()
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Captures this process's RNG states in JSON-able form.
+
+    Returns:
+        `dict[str, Any]`: `{"format_version", "python", "numpy", "torch_cpu", "cuda"}`;
+        `"cuda"` is a list with one base64 state per device, or `None` when CUDA is not
+        available or not initialised (capturing would initialise it).
+
+    Example:
+    ```python
+    >>> state = capture_rng_state()
+    >>> a = torch.rand(3)
+    >>> restore_rng_state(state)
+    >>> torch.equal(a, torch.rand(3))
+    True
+    ```
+    """
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return {
+        "format_version": RNG_FORMAT_VERSION,
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {"kind": kind, "keys": [int(k) for k in keys], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "torch_cpu": _b64(torch.get_rng_state()),
+        "cuda": cuda,
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restores RNG states captured by `capture_rng_state` (after a JSON round trip).
+
+    CUDA states are restored when CUDA is available and the number of devices matches;
+    otherwise a warning is logged and the CUDA generators are left alone.
+
+    Args:
+        state (`dict[str, Any]`): the captured state.
+
+    Raises:
+        `FormatVersionError`: the state was written by a newer format version.
+        `CorruptCheckpointError`: a field is missing or malformed.
+    """
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if not isinstance(version, int):
+        raise CorruptCheckpointError(f"RNG state has no integer format_version (got {version!r}); the file is corrupt.")
+    if version > RNG_FORMAT_VERSION:
+        raise FormatVersionError(
+            f"RNG state has format_version {version}, newer than this library's {RNG_FORMAT_VERSION}; "
+            "upgrade hf_dynamic_ckpt to resume from it."
+        )
+    try:
+        py = state["python"]
+        py_state = (int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"])
+        npst = state["numpy"]
+        np_state = (str(npst["kind"]), np.asarray(npst["keys"], dtype=np.uint32), int(npst["pos"]),
+                    int(npst["has_gauss"]), float(npst["cached_gaussian"]))
+        torch_cpu = _unb64(state["torch_cpu"])
+        cuda = state.get("cuda")
+        cuda_states = [_unb64(s) for s in cuda] if cuda else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"RNG state is malformed ({type(e).__name__}: {e}); the file is corrupt.") from e
+    try:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_cpu)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CorruptCheckpointError(f"RNG state was rejected by its generator ({e}); the file is corrupt.") from e
+    if cuda_states:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
+            torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            logger.warning("RNG state holds %d CUDA generator(s) but %d CUDA device(s) are visible; "
+                           "CUDA generators not restored, GPU randomness will differ.", len(cuda_states), have)
