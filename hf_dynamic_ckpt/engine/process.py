@@ -1,0 +1,165 @@
+"""Writer process for `EngineMode.PROCESS`: the store runs outside the training interpreter.
+
+The snapshot buffers live in shared memory (`BufferPool(shared=True)`), are sent to the
+writer process once per (re)allocation and then referred to by name, so a save ships
+only a small message. The child opens its own `CheckpointStore` (a SQLite connection
+must not cross processes) with the parent store's constructor arguments. A parent-side
+thread sends each job and waits for the reply; it only blocks on a pipe, so it takes no
+CPU from training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing as mp
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..store.types import CheckpointInfo, CheckpointState
+from .snapshot import BufferPool
+
+logger = logging.getLogger(__name__)
+
+_STOP_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _BufRef:
+    name: str
+
+
+def _externalize(obj: Any, names: Mapping[int, str]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        name = names.get(id(obj))
+        return _BufRef(name) if name is not None else obj
+    if isinstance(obj, dict):
+        return {k: _externalize(v, names) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_externalize(v, names) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_externalize(v, names) for v in obj)
+    return obj
+
+
+def _internalize(obj: Any, buffers: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(obj, _BufRef):
+        return buffers[obj.name]
+    if isinstance(obj, dict):
+        return {k: _internalize(v, buffers) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_internalize(v, buffers) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_internalize(v, buffers) for v in obj)
+    return obj
+
+
+_TENSOR_FIELDS = ("weights", "optimizer", "scheduler", "scaler")
+
+
+def _map_state(state: CheckpointState, fn: Callable[[Any], Any]) -> CheckpointState:
+    return dataclasses.replace(state, **{f: fn(getattr(state, f)) for f in _TENSOR_FIELDS})
+
+
+def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any) -> None:
+    """Entry point of the writer process: receive buffers and save requests until told to stop."""
+    torch.set_num_threads(1)
+    store = store_cls(**spec)
+    buffers: dict[str, torch.Tensor] = {}
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return
+            kind = msg[0]
+            if kind == "stop":
+                return
+            if kind == "buffers":
+                buffers = msg[1]
+                continue
+            state = _map_state(msg[1], lambda v, b=buffers: _internalize(v, b))
+            try:
+                info = store.save(state, **msg[2])
+            except BaseException as e:
+                conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+            else:
+                conn.send(("ok", info, None))
+            del state
+    finally:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+        conn.close()
+
+
+class WriterProcessError(RuntimeError):
+    """The writer process reported an error (its message and traceback are in the text)."""
+
+
+class ProcessWriter:
+    """Runs `CheckpointStore.save` in a spawned process over shared-memory buffers.
+
+    Args:
+        store_spec (`dict`): keyword arguments that rebuild the store in the child.
+        store_cls (`type`): the store class.
+        run_job (`Callable`): the engine's job runner; called with `remote=` the remote save.
+        pool (`BufferPool`): the engine's shared-memory buffer pool.
+    """
+
+    def __init__(self, store_spec: dict[str, Any], store_cls: type, run_job: Callable[..., None],
+                 pool: BufferPool) -> None:
+        from .writer import _ThreadWriter
+
+        ctx = mp.get_context("spawn")  # fork would copy the training process's threads and CUDA state
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child), daemon=True,
+                                 name="hf-dynamic-ckpt-writer")
+        self._proc.start()
+        child.close()
+        self._pool = pool
+        self._sent_generation = -1
+        self._thread = _ThreadWriter(lambda job: run_job(job, remote=self._remote), name="hf-dynamic-ckpt-ipc")
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def submit(self, job: Any) -> None:
+        self._thread.submit(job)
+
+    def _remote(self, state: CheckpointState, **kwargs: Any) -> CheckpointInfo | None:
+        if not self._proc.is_alive():
+            raise WriterProcessError(f"writer process {self._proc.pid} exited with code {self._proc.exitcode}")
+        buffers = self._pool.buffers
+        if self._pool.generation != self._sent_generation:
+            self._conn.send(("buffers", dict(buffers)))
+            self._sent_generation = self._pool.generation
+        names = {id(t): name for name, t in buffers.items()}
+        self._conn.send(("save", _map_state(state, lambda v: _externalize(v, names)), kwargs))
+        try:
+            kind, payload, tb = self._conn.recv()
+        except EOFError as e:
+            raise WriterProcessError(f"writer process {self._proc.pid} died during the save") from e
+        if kind == "ok":
+            return payload  # type: ignore[no-any-return]
+        logger.debug("writer process traceback:\n%s", tb)
+        raise WriterProcessError(payload)
+
+    def stop(self) -> None:
+        self._thread.stop()
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(("stop",))
+            self._proc.join(_STOP_TIMEOUT_S)
+            if self._proc.is_alive():
+                logger.warning("writer process %s did not stop in %.0f s; terminating it", self._proc.pid,
+                               _STOP_TIMEOUT_S)
+                self._proc.terminate()
+                self._proc.join()
+        self._conn.close()
+        self._proc.close()

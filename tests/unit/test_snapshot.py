@@ -1,0 +1,222 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
+from hf_dynamic_ckpt.engine.snapshot import BufferPool, Snapshotter, StateSources
+from hf_dynamic_ckpt.errors import SaveError
+from hf_dynamic_ckpt.store.types import BlobRef
+
+
+def _setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    _train_step(model, opt, sched)
+    return model, opt, sched
+
+
+def _train_step(model, opt, sched=None):
+    loss = model(torch.randn(4, 6)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if sched is not None:
+        sched.step()
+
+
+def _clone_sd(sd):
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def test_buffered_snapshot_is_immune_to_later_steps():
+    model, opt, sched = _setup()
+    sources = StateSources(weights=model.state_dict, optimizer=opt, scheduler=sched)
+    snap = Snapshotter()
+    before_w = _clone_sd(model.state_dict())
+    before_m = opt.state_dict()["state"][0]["exp_avg"].clone()
+    before_lr = sched.get_last_lr()
+    s = snap.take(snap.collect(sources, step=1, epoch=0.0, tiers=ALL_TIERS, rng={"seed": 1}))
+    for _ in range(3):
+        _train_step(model, opt, sched)
+    for k, v in before_w.items():
+        assert torch.equal(s.state.weights[k], v), k
+        assert not torch.equal(model.state_dict()[k], v), f"{k} did not train: test is vacuous"
+    assert torch.equal(s.state.optimizer["state"][0]["exp_avg"], before_m)
+    assert s.state.scheduler["_last_lr"] == before_lr != sched.get_last_lr()
+    assert s.copied_bytes == sum(v.numel() * v.element_size() for v in before_w.values()) + sum(
+        t.numel() * t.element_size() for st in opt.state_dict()["state"].values() for t in st.values()
+    )
+    assert s.live_bytes == 0
+
+
+def test_direct_snapshot_aliases_live_tensors():
+    model, opt, _ = _setup()
+    snap = Snapshotter()
+    s = snap.take(snap.collect(StateSources(weights=model.state_dict, optimizer=opt), step=1, epoch=0.0,
+                               tiers={Tier.WEIGHTS, Tier.OPTIMIZER}), copy=False)
+    assert s.copied_bytes == 0 and len(snap.pool) == 0
+    w = model.state_dict()
+    for k, v in s.state.weights.items():
+        assert v.data_ptr() == w[k].data_ptr()
+    live_m = opt.state[next(iter(model.parameters()))]["exp_avg"]
+    assert s.state.optimizer["state"][0]["exp_avg"].data_ptr() == live_m.data_ptr()
+
+
+def test_buffers_are_reused_across_saves():
+    model, opt, _ = _setup()
+    sources = StateSources(weights=model.state_dict, optimizer=opt)
+    snap = Snapshotter()
+    live = snap.collect(sources, step=1, epoch=0.0, tiers={Tier.WEIGHTS, Tier.OPTIMIZER})
+    first_needed = snap.extra_bytes_needed(live)
+    assert first_needed == live.copy_bytes > 0
+    s1 = snap.take(live)
+    gen = snap.pool.generation
+    ptrs = {k: v.data_ptr() for k, v in s1.state.weights.items()}
+    _train_step(model, opt)
+    live2 = snap.collect(sources, step=2, epoch=0.0, tiers={Tier.WEIGHTS, Tier.OPTIMIZER})
+    assert snap.extra_bytes_needed(live2) == 0
+    s2 = snap.take(live2)
+    assert snap.pool.generation == gen
+    assert {k: v.data_ptr() for k, v in s2.state.weights.items()} == ptrs
+    for k, v in model.state_dict().items():
+        assert torch.equal(s2.state.weights[k], v)
+
+
+def test_tier_subset_keeps_other_buffers_and_shape_change_reallocates():
+    model, opt, _ = _setup()
+    snap = Snapshotter()
+    snap.take(snap.collect(StateSources(weights=model.state_dict, optimizer=opt), step=1, epoch=0.0,
+                           tiers={Tier.WEIGHTS, Tier.OPTIMIZER}))
+    n_all = len(snap.pool)
+    snap.take(snap.collect(StateSources(weights=model.state_dict), step=2, epoch=0.0, tiers={Tier.WEIGHTS}))
+    assert len(snap.pool) == n_all  # a weights-only save keeps the optimizer buffers
+    gen = snap.pool.generation
+    bigger = {"0.weight": torch.ones(7, 6)}
+    s = snap.take(snap.collect(StateSources(weights=lambda: bigger), step=3, epoch=0.0, tiers={Tier.WEIGHTS}))
+    assert snap.pool.generation > gen
+    assert list(s.state.weights) == ["0.weight"]
+    assert torch.equal(s.state.weights["0.weight"], bigger["0.weight"])
+    # Weight buffers of keys that disappeared are freed; optimizer buffers stay.
+    assert {n for n in snap.pool.buffers if n.startswith("weights/")} == {"weights/0.weight"}
+    assert any(n.startswith("optimizer/") for n in snap.pool.buffers)
+
+
+def test_frozen_weights_are_not_copied_and_become_blob_refs():
+    model, _, _ = _setup()
+    frozen = frozenset({"0.weight", "0.bias"})
+    sources = StateSources(weights=model.state_dict, frozen_keys=frozen)
+    snap = Snapshotter()
+    s1 = snap.take(snap.collect(sources, step=1, epoch=0.0, tiers={Tier.WEIGHTS}))
+    live = model.state_dict()
+    assert s1.state.weights["0.weight"].data_ptr() == live["0.weight"].data_ptr()
+    assert s1.state.dedup_keys == frozen
+    assert set(s1.pending_blobs) == frozen
+    assert s1.copied_bytes == sum(live[k].numel() * 4 for k in ("2.weight", "2.bias"))
+    blobs = {k: {"digest": f"d{k}", "dtype": "float32", "shape": list(live[k].shape), "size": 1} for k in frozen}
+    snap.mark_blobs_stored(s1.pending_blobs, blobs)
+    s2 = snap.take(snap.collect(sources, step=2, epoch=0.0, tiers={Tier.WEIGHTS}))
+    assert s2.state.weights["0.weight"] == BlobRef("d0.weight", "float32", (5, 6))
+    assert s2.state.dedup_keys == frozen and not s2.pending_blobs
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # an in-place change bumps the version: no stale BlobRef
+    s3 = snap.take(snap.collect(sources, step=3, epoch=0.0, tiers={Tier.WEIGHTS}))
+    assert isinstance(s3.state.weights["0.weight"], torch.Tensor)
+    assert isinstance(s3.state.weights["0.bias"], BlobRef)
+    assert set(s3.pending_blobs) == {"0.weight"}
+
+
+def test_blob_that_disappeared_is_written_again():
+    model, _, _ = _setup()
+    sources = StateSources(weights=model.state_dict, frozen_keys=frozenset({"0.weight"}))
+    alive = {"yes": True}
+    snap = Snapshotter(blob_exists=lambda ref: alive["yes"])
+    s1 = snap.take(snap.collect(sources, step=1, epoch=0.0, tiers={Tier.WEIGHTS}))
+    snap.mark_blobs_stored(s1.pending_blobs, {"0.weight": {"digest": "x", "dtype": "float32", "shape": [5, 6]}})
+    alive["yes"] = False
+    s2 = snap.take(snap.collect(sources, step=2, epoch=0.0, tiers={Tier.WEIGHTS}))
+    assert isinstance(s2.state.weights["0.weight"], torch.Tensor)
+
+
+def test_shared_pool_copies_frozen_weights_too():
+    model, _, _ = _setup()
+    snap = Snapshotter(shared=True)
+    s = snap.take(snap.collect(StateSources(weights=model.state_dict, frozen_keys=frozenset({"0.weight"})),
+                               step=1, epoch=0.0, tiers={Tier.WEIGHTS}))
+    w = s.state.weights["0.weight"]
+    assert w.data_ptr() != model[0].weight.data_ptr() and w.is_shared()
+    assert torch.equal(w, model[0].weight)
+
+
+def test_state_tier_uses_overrides_and_small_state_is_deep_copied():
+    model, opt, sched = _setup()
+    pos = {"epoch": 0, "batches": [3, 4]}
+    extra = {"trainer_state": {"global_step": 5}}
+    sources = StateSources(weights=model.state_dict, optimizer=opt, scheduler=sched,
+                           sampler=lambda: pos, extra=lambda: extra)
+    snap = Snapshotter()
+    s = snap.take(snap.collect(sources, step=5, epoch=0.5, tiers=ALL_TIERS, rng={"python": [1, 2]}))
+    pos["batches"].append(5)
+    extra["trainer_state"]["global_step"] = 6
+    assert s.state.rng == {"python": [1, 2]}
+    assert s.state.sampler == {"epoch": 0, "batches": [3, 4]}
+    assert s.state.extra == {"trainer_state": {"global_step": 5}}
+    assert (s.state.step, s.state.epoch) == (5, 0.5)
+    assert s.state.tiers == ALL_TIERS
+    s2 = snap.take(snap.collect(sources, step=5, epoch=0.5, tiers={Tier.STATE}, sampler={"epoch": 9}))
+    assert s2.state.sampler == {"epoch": 9}
+    assert s2.state.rng is not None and s2.state.weights is None and s2.state.optimizer is None
+
+
+def test_missing_sources_raise_named_errors():
+    snap = Snapshotter()
+    with pytest.raises(SaveError, match=r"tiers include 'weights' but StateSources.weights is None"):
+        snap.collect(StateSources(), step=1, epoch=0.0, tiers={Tier.WEIGHTS})
+    with pytest.raises(SaveError, match=r"tiers include 'optimizer' but StateSources has no optimizer"):
+        snap.collect(StateSources(), step=1, epoch=0.0, tiers={Tier.OPTIMIZER})
+    with pytest.raises(SaveError, match=r"weight 'w' is a list, not a torch.Tensor"):
+        snap.collect(StateSources(weights=lambda: {"w": [1.0]}), step=1, epoch=0.0, tiers={Tier.WEIGHTS})
+
+
+def test_noncontiguous_and_bf16_tensors_copy_exactly():
+    base = torch.randn(6, 4).to(torch.bfloat16)
+    tensors = {"t": base.t(), "s": base[::2]}
+    snap = Snapshotter()
+    s = snap.take(snap.collect(StateSources(weights=lambda: tensors), step=1, epoch=0.0, tiers={Tier.WEIGHTS}))
+    for k, v in tensors.items():
+        out = s.state.weights[k]
+        assert out.is_contiguous() and out.dtype == torch.bfloat16 and torch.equal(out, v)
+
+
+def test_buffer_pool_clear_and_generation():
+    pool = BufferPool()
+    a = pool.get("a", torch.zeros(3))
+    assert pool.get("a", torch.ones(3)) is a and pool.generation == 1
+    assert pool.nbytes == 12
+    pool.get("a", torch.zeros(3, dtype=torch.float64))
+    assert pool.generation == 2 and pool.nbytes == 24
+    pool.clear()
+    assert len(pool) == 0 and pool.nbytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_snapshot_pinned_and_ordered_before_next_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    opt.step()
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    snap = Snapshotter()
+    s = snap.take(snap.collect(StateSources(weights=model.state_dict, optimizer=opt), step=1, epoch=0.0,
+                               tiers={Tier.WEIGHTS, Tier.OPTIMIZER}))
+    opt.zero_grad()
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    opt.step()  # queued on the current stream, which waits on the snapshot's event
+    s.wait_copies()
+    for k, v in expected.items():
+        assert s.state.weights[k].is_pinned()
+        assert torch.equal(s.state.weights[k], v)
