@@ -1,0 +1,295 @@
+"""The manifest: the one file that makes a checkpoint directory a committed checkpoint.
+
+It is written last, into the temporary directory, before the atomic rename. It lists every
+file of the checkpoint with its size, checksum, tier and rank, and carries its own checksum
+(`manifest_checksum`, over the canonical JSON of every other key) so a tampered or torn
+manifest is refused instead of trusted. The file itself is indented JSON with only finite
+numbers (non-finite floats become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``),
+so ``jq`` reads it: ``jq '.debug_info[] | select(.loss > 3)' manifest.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..constants import (
+    CHECKSUM_ALGO,
+    DEBUG_INFO_STEPS,
+    FORMAT_VERSION,
+    KEY_BLOBS,
+    KEY_CHECKSUM,
+    KEY_CREATED_AT,
+    KEY_DEBUG_INFO,
+    KEY_EPOCH,
+    KEY_EXTRA,
+    KEY_FILES,
+    KEY_FORMAT_VERSION,
+    KEY_HEALTHY,
+    KEY_MANIFEST_CHECKSUM,
+    KEY_PINNED,
+    KEY_REASON,
+    KEY_SIGNALS,
+    KEY_SIZE,
+    KEY_STEP,
+    KEY_TASK_ID,
+    KEY_TIER,
+    KEY_TIERS,
+    KEY_TIMINGS,
+    KEY_VERSIONS,
+    KEY_WORLD_SIZE,
+    MANIFEST_NAME,
+    Tier,
+)
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+
+# Manifest keys owned by the store core (the shared ones live in constants.py).
+KEY_BYTES = "bytes"
+"""Bytes of the files inside the checkpoint directory (blobs excluded: they are shared)."""
+KEY_RECOVERY_COST = "recovery_cost_ms"
+"""Estimated milliseconds to verify and load every tier (see `estimate_recovery_cost_ms`)."""
+KEY_SESSION_ID = "session_id"
+
+_NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+# Throughputs of the recovery-cost model (bytes per millisecond). Loading a file means
+# checksumming it first (sha256, ~0.5-1 GB/s on one core), then mapping (L0) or
+# decompressing + rebuilding the state (L1, zstd ~0.3-1 GB/s, plus per-tensor work).
+_L0_BYTES_PER_MS = 500_000.0
+_L1_BYTES_PER_MS = 200_000.0
+_PER_FILE_MS = 2.0
+
+
+def json_safe(obj: Any) -> Any:
+    """Replace non-finite floats by strings, tuples by lists, so the result is strict JSON."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "NaN"
+        return _NONFINITE.get(obj, obj)
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    if obj is None or isinstance(obj, bool | int | str):
+        return obj
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return json_safe(obj.item())
+    return str(obj)
+
+
+def as_float(value: Any) -> float | None:
+    """Inverse of `json_safe` for one number: ``"NaN"`` -> nan; anything else unusable -> None."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def canonical_bytes(manifest: Mapping[str, Any]) -> bytes:
+    """The bytes the manifest checksum covers: sorted, compact JSON without the checksum key."""
+    body = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def compute_manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """``"<algo>:<hex>"`` of `canonical_bytes(manifest)`."""
+    return f"{CHECKSUM_ALGO}:{hashlib.new(CHECKSUM_ALGO, canonical_bytes(manifest)).hexdigest()}"
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries whose objects a checkpoint holds, for the manifest."""
+    from importlib import metadata
+
+    from .. import __version__
+
+    versions = {"hf_dynamic_ckpt": __version__, "python": platform.python_version()}
+    for dist in ("torch", "transformers", "accelerate", "peft", "safetensors", "zstandard", "numpy"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def estimate_recovery_cost_ms(files: Mapping[str, Mapping[str, Any]], blobs: Mapping[str, Mapping[str, Any]]) -> float:
+    """Estimated time to verify and load a checkpoint, from its bytes per tier.
+
+    The estimate is ``bytes / throughput`` per tier plus a fixed cost per file, with fixed
+    throughputs (L0: 500 MB/s, checksum + memory map; L1: 200 MB/s, checksum + zstd +
+    rebuilding the state; L2: per-file cost only). It ranks checkpoints for
+    ``resolve("fastest")``; it is not a measurement of this machine.
+
+    Args:
+        files (`Mapping[str, Mapping]`): the manifest's file entries.
+        blobs (`Mapping[str, Mapping]`): the manifest's blob records (``"size"`` each; read as L0).
+
+    Returns:
+        `float`: milliseconds, rounded to 0.1.
+    """
+    cost = 0.0
+    unique_blobs = {str(b.get("digest")): {KEY_SIZE: b.get("size", 0), KEY_TIER: Tier.WEIGHTS.value} for b in blobs.values()}
+    for entry in list(files.values()) + list(unique_blobs.values()):
+        size = float(entry.get(KEY_SIZE, 0))
+        tier = entry.get(KEY_TIER, Tier.WEIGHTS.value)
+        cost += _PER_FILE_MS
+        if tier == Tier.WEIGHTS.value:
+            cost += size / _L0_BYTES_PER_MS
+        elif tier == Tier.OPTIMIZER.value:
+            cost += size / _L1_BYTES_PER_MS
+    return round(cost, 1)
+
+
+def build_manifest(
+    *,
+    task_id: str,
+    step: int,
+    epoch: float,
+    reason: str,
+    tiers: frozenset[Tier] | set[Tier],
+    pinned: bool,
+    healthy: bool,
+    world_size: int,
+    files: Mapping[str, Mapping[str, Any]],
+    blobs: Mapping[str, Mapping[str, Any]],
+    session_id: str,
+    signals: Mapping[str, Any] | None = None,
+    debug_info: list[Mapping[str, Any]] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    timings: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Assemble a manifest (with its checksum) from what the ranks wrote.
+
+    Args:
+        files (`Mapping[str, FileEntry]`): every file in the checkpoint directory.
+        blobs (`Mapping[str, dict]`): weight key -> ``{"digest", "dtype", "shape", "size"}`` of
+            deduplicated tensors (their files live in ``<task>/blobs/`` and are checked by digest).
+        debug_info (`list[dict]`, *optional*): per-step records; only the last
+            `DEBUG_INFO_STEPS` are kept.
+
+    Returns:
+        `dict`: the manifest, `manifest_checksum` included.
+    """
+    manifest: dict[str, Any] = {
+        KEY_FORMAT_VERSION: FORMAT_VERSION,
+        KEY_TASK_ID: task_id,
+        KEY_STEP: int(step),
+        KEY_EPOCH: float(epoch),
+        KEY_REASON: reason,
+        KEY_TIERS: sorted(t.value for t in tiers),
+        KEY_PINNED: bool(pinned),
+        KEY_HEALTHY: bool(healthy),
+        KEY_WORLD_SIZE: int(world_size),
+        KEY_CREATED_AT: time.time(),
+        KEY_SESSION_ID: session_id,
+        KEY_FILES: {name: dict(entry) for name, entry in sorted(files.items())},
+        KEY_BLOBS: {key: dict(meta) for key, meta in sorted(blobs.items())},
+        KEY_BYTES: int(sum(int(e[KEY_SIZE]) for e in files.values())),
+        KEY_RECOVERY_COST: estimate_recovery_cost_ms(files, blobs),
+        KEY_SIGNALS: dict(signals or {}),
+        KEY_DEBUG_INFO: list(debug_info or [])[-DEBUG_INFO_STEPS:],
+        KEY_EXTRA: dict(extra or {}),
+        KEY_VERSIONS: library_versions(),
+        KEY_TIMINGS: dict(timings or {}),
+    }
+    manifest = json_safe(manifest)
+    manifest[KEY_MANIFEST_CHECKSUM] = compute_manifest_checksum(manifest)
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: Mapping[str, Any], *, name: str = MANIFEST_NAME) -> Path:
+    """Write `manifest` as ``directory/name`` and fsync it (the caller renames the directory)."""
+    path = Path(directory) / name
+    data = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n"
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def validate_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
+    """Check version, checksum and shape of a parsed manifest.
+
+    Raises:
+        `FormatVersionError`: written by a newer on-disk format than this library reads.
+        `CorruptCheckpointError`: checksum mismatch, or keys missing / of the wrong type.
+    """
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{where}: the manifest is not a JSON object; the checkpoint is damaged.")
+    version = manifest.get(KEY_FORMAT_VERSION)
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: format_version={version} is newer than the version this library reads "
+            f"({FORMAT_VERSION}); upgrade hf_dynamic_ckpt to load it."
+        )
+    recorded = manifest.get(KEY_MANIFEST_CHECKSUM)
+    try:
+        actual = compute_manifest_checksum(manifest)
+    except (TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: the manifest cannot be re-encoded ({e}); the checkpoint is damaged.") from e
+    if recorded != actual:
+        raise CorruptCheckpointError(
+            f"{where}: manifest checksum mismatch (recorded {recorded!r}, actual {actual!r}): the manifest was "
+            "modified or damaged after the commit; restore from another checkpoint."
+        )
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CorruptCheckpointError(f"{where}: format_version={version!r} is not a valid format version.")
+    for key, kind in ((KEY_STEP, int), (KEY_FILES, dict), (KEY_TIERS, list), (KEY_TASK_ID, str)):
+        if not isinstance(manifest.get(key), kind):
+            raise CorruptCheckpointError(f"{where}: manifest key {key!r} is missing or not a {kind.__name__}.")
+    for name, entry in manifest[KEY_FILES].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get(KEY_SIZE), int) or not isinstance(
+            entry.get(KEY_CHECKSUM), str
+        ):
+            raise CorruptCheckpointError(f"{where}: manifest entry of file {name!r} lacks an integer size or a checksum.")
+    return manifest
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate ``directory/manifest.json``.
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed checkpoint directory.
+
+    Returns:
+        `dict`: the manifest.
+
+    Raises:
+        `CheckpointNotFoundError`: there is no manifest (not a committed checkpoint).
+        `CorruptCheckpointError`: unreadable JSON or checksum mismatch.
+        `FormatVersionError`: written by a newer format version.
+    """
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(
+            f"{directory}: no {MANIFEST_NAME}, so this is not a committed checkpoint (an interrupted save "
+            "or another directory)."
+        ) from e
+    except IsADirectoryError as e:
+        raise CorruptCheckpointError(f"{path}: is a directory, expected the manifest file.") from e
+    try:
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: the manifest is not valid JSON ({e}); the checkpoint is damaged.") from e
+    return validate_manifest(manifest, where=str(path))
+
+
+def tiers_of(manifest: Mapping[str, Any]) -> frozenset[Tier]:
+    """The manifest's tiers as `Tier` members (unknown names are ignored)."""
+    known = {t.value: t for t in Tier}
+    return frozenset(known[t] for t in manifest.get(KEY_TIERS, []) if t in known)

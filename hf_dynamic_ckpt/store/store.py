@@ -1,0 +1,873 @@
+"""`CheckpointStore`: atomic multi-rank commit, verified loads, and the catalog.
+
+Layout (see docs/internals.md)::
+
+    <root>/catalog.db                       index (SQLite, WAL), rebuildable by `reindex`
+    <root>/<task_id>/step-<N>/              one committed checkpoint, manifest.json last
+    <root>/<task_id>/step-<N>.tmp-<sid>/    a save in progress (or an interrupted one)
+    <root>/<task_id>/blobs/                 content-addressed tensors shared by checkpoints
+
+Invariants:
+
+- A directory is a checkpoint only once it is named ``step-<N>`` and holds a manifest
+  whose checksum matches; both happen at the atomic rename, after every file of every
+  rank was fsynced. A crash at any instant therefore leaves each committed checkpoint
+  intact and at most a ``.tmp-`` directory behind, which the next open removes.
+- No tensor leaves `load` before the size and checksum of its file (and the content
+  digest of each blob) matched the manifest.
+- `save` runs no collectives: ranks meet through ``done-rank<R>.json`` files in the
+  temporary directory, so it can run in a background thread of every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..constants import (
+    ALL_TIERS,
+    BLOBS_DIR,
+    CATALOG_NAME,
+    DEFAULT_TASK_ID,
+    KEY_BLOBS,
+    KEY_CHECKSUM,
+    KEY_CREATED_AT,
+    KEY_EXTRA,
+    KEY_FILES,
+    KEY_HEALTHY,
+    KEY_MANIFEST_CHECKSUM,
+    KEY_PINNED,
+    KEY_RANK,
+    KEY_REASON,
+    KEY_SIGNALS,
+    KEY_SIZE,
+    KEY_STEP,
+    KEY_TASK_ID,
+    KEY_TIER,
+    KEY_WORLD_SIZE,
+    MANIFEST_NAME,
+    OPTIMIZER_META_NAME,
+    OPTIMIZER_NAME,
+    PINNED_MARKER,
+    RANK_DONE_TEMPLATE,
+    RNG_NAME_TEMPLATE,
+    SAMPLER_NAME,
+    STEP_DIR_PREFIX,
+    TMP_MARKER,
+    WEIGHTS_NAME,
+    Tier,
+)
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DistributedError,
+    DynamicCkptError,
+    FormatVersionError,
+    SaveError,
+)
+from . import manifest as mf
+from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, Catalog
+from .checksum import FileEntry, file_checksum, fsync_dir, fsync_file, new_hasher
+from .types import CheckpointInfo, CheckpointState, LoadedCheckpoint
+
+logger = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(\d+)$")
+_L1_PARTS = ("optimizer", "scheduler", "scaler")
+_POLL_S = 0.02
+_NAMED_SPECS = ("auto", "best", "fastest")
+
+
+def step_dir_name(step: int) -> str:
+    """``step-<N>``, the directory name of the committed checkpoint of `step`."""
+    return f"{STEP_DIR_PREFIX}{int(step)}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed directory name (``step-12`` -> 12), else `None`."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _write_json(path: Path, obj: Any, *, tier: Tier, rank: int | None) -> FileEntry:
+    """Write JSON, fsync, and return its manifest entry (checksum of the bytes written)."""
+    data = json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
+    hasher = new_hasher()
+    hasher.update(data)
+    with open(path, "wb") as f:
+        f.write(data)
+        fsync_file(f)
+    return {KEY_SIZE: len(data), KEY_CHECKSUM: f"{hasher.name}:{hasher.hexdigest()}", KEY_TIER: tier.value, KEY_RANK: rank}
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path} is unreadable or not JSON ({e}); the checkpoint is damaged.") from e
+
+
+def _info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK) -> CheckpointInfo:
+    signals = manifest.get(KEY_SIGNALS) or {}
+    gpu = mf.as_float(signals.get("gpu_mem_percent"))
+    if gpu is None and mf.as_float(signals.get("device_mem_frac")) is not None:
+        gpu = 100.0 * float(mf.as_float(signals.get("device_mem_frac")) or 0.0)
+    loss = mf.as_float(signals.get("loss"))
+    return CheckpointInfo(
+        task_id=str(manifest[KEY_TASK_ID]),
+        step=int(manifest[KEY_STEP]),
+        path=str(path),
+        reason=str(manifest.get(KEY_REASON, "")),
+        tiers=mf.tiers_of(manifest),
+        bytes=int(manifest.get(mf.KEY_BYTES, 0)),
+        loss=loss if loss is None or loss == loss else None,  # NaN is no loss to rank by
+        gpu_mem_percent=gpu,
+        save_time=float(manifest.get(KEY_CREATED_AT, 0.0)),
+        recovery_cost_ms=mf.as_float(manifest.get(mf.KEY_RECOVERY_COST)),
+        healthy=bool(manifest.get(KEY_HEALTHY, True)),
+        pinned=bool(manifest.get(KEY_PINNED, False)) or (path / PINNED_MARKER).exists(),
+        status=status,
+        world_size=int(manifest.get(KEY_WORLD_SIZE, 1)),
+    )
+
+
+def _broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointInfo:
+    """Catalog row of a directory whose manifest cannot be trusted."""
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        mtime = 0.0
+    return CheckpointInfo(task_id=task_id, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0,
+                          loss=None, gpu_mem_percent=None, save_time=mtime, recovery_cost_ms=None,
+                          healthy=False, pinned=(path / PINNED_MARKER).exists(), status=status)
+
+
+class CheckpointStore:
+    """Tiered checkpoints of one task under a store root, committed atomically.
+
+    Args:
+        root (`str` or `os.PathLike`): store directory; holds `catalog.db` and one folder per task.
+        task_id (`str`, *optional*, defaults to `"default"`): the run's folder under `root`.
+        rank (`int`, *optional*, defaults to `0`): this process's rank; rank 0 commits.
+        world_size (`int`, *optional*, defaults to `1`): number of ranks that write each save.
+        session_id (`str`, *optional*): names the temporary directories of this run; must be
+            the same on every rank (broadcast it). Generated when `world_size == 1`.
+        compression_level (`int`, *optional*, defaults to `3`): zstd level of the optimizer tier.
+        compression_threads (`int`, *optional*, defaults to `0`): zstd threads (0: all CPUs).
+        rank_timeout_s (`float`, *optional*, defaults to `600.0`): how long rank 0 waits for the
+            other ranks' files before giving up on a save (`DistributedError`).
+        cleanup (`bool`, *optional*, defaults to `True`): on rank 0, remove temporary
+            directories left by other sessions and sync the catalog with the directories.
+            Tools that only look (the CLI) pass `False`.
+
+    Example:
+        ```python
+        >>> store = CheckpointStore("out/smart_ckpt", task_id="run1")
+        >>> info = store.save(CheckpointState(step=10, weights=model.state_dict()), reason="interval")
+        >>> store.load("auto").weights["lm_head.weight"].shape
+        ```
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        task_id: str = DEFAULT_TASK_ID,
+        rank: int = 0,
+        world_size: int = 1,
+        session_id: str | None = None,
+        compression_level: int = 3,
+        compression_threads: int = 0,
+        rank_timeout_s: float = 600.0,
+        cleanup: bool = True,
+    ) -> None:
+        if not task_id or "/" in task_id or task_id.startswith(".") or task_id == BLOBS_DIR:
+            raise ConfigError(f"task_id={task_id!r} is invalid: expected a non-empty name without '/' that does not start with '.'.")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank={rank}, world_size={world_size} is invalid: expected 0 <= rank < world_size.")
+        if session_id is None:
+            if world_size > 1:
+                raise ConfigError(
+                    "session_id=None is invalid with world_size > 1: every rank must use the same id; "
+                    "create one on rank 0 and broadcast it (distributed.broadcast_object)."
+                )
+            session_id = uuid.uuid4().hex[:12]
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", session_id):
+            raise ConfigError(f"session_id={session_id!r} is invalid: use letters, digits, '_' or '-' only.")
+        if rank_timeout_s <= 0:
+            raise ConfigError(f"rank_timeout_s={rank_timeout_s!r} is invalid: expected a positive number of seconds.")
+        self.root = Path(root).absolute()
+        self.task_id = task_id
+        self.rank = rank
+        self.world_size = world_size
+        self.session_id = session_id
+        self.compression_level = compression_level
+        self.compression_threads = compression_threads
+        self.rank_timeout_s = float(rank_timeout_s)
+        self.task_dir = self.root / task_id
+        self.blobs_dir = self.task_dir / BLOBS_DIR
+        self._lock = threading.RLock()
+        self.task_dir.mkdir(parents=True, exist_ok=True)
+        self.catalog = Catalog(self.root / CATALOG_NAME)
+        if rank == 0 and cleanup:
+            self._remove_leftovers()
+            self.sync_catalog()
+
+    # -- housekeeping ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the catalog connection (idempotent)."""
+        self.catalog.close()
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _remove_leftovers(self) -> None:
+        """Delete temporary directories of other sessions (interrupted saves and deletes)."""
+        own = f"{TMP_MARKER}{self.session_id}"
+        for entry in self.task_dir.iterdir():
+            if TMP_MARKER in entry.name and entry.name.startswith(STEP_DIR_PREFIX) and not entry.name.endswith(own):
+                logger.info("removing leftover temporary directory %s", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+        if self.blobs_dir.is_dir():
+            for entry in self.blobs_dir.iterdir():
+                if TMP_MARKER in entry.name:
+                    entry.unlink(missing_ok=True)
+
+    def _committed_dirs(self, task_dir: Path | None = None) -> dict[int, Path]:
+        task_dir = task_dir or self.task_dir
+        out: dict[int, Path] = {}
+        if task_dir.is_dir():
+            for entry in task_dir.iterdir():
+                step = parse_step_dir(entry.name)
+                if step is not None and entry.is_dir():
+                    out[step] = entry
+        return out
+
+    def _scan_task(self, task_id: str, task_dir: Path) -> list[CheckpointInfo]:
+        infos = []
+        for step, path in sorted(self._committed_dirs(task_dir).items()):
+            try:
+                infos.append(_info_from_manifest(mf.read_manifest(path), path))
+            except CheckpointNotFoundError:
+                continue  # no manifest: not a checkpoint
+            except (CorruptCheckpointError, FormatVersionError) as e:
+                logger.warning("checkpoint %s has an unusable manifest: %s", path, e)
+                infos.append(_broken_info(task_id, step, path, STATUS_CORRUPT))
+        return infos
+
+    def sync_catalog(self) -> None:
+        """Make this task's catalog rows agree with its directories.
+
+        Adds rows for committed directories the catalog lacks (a crash between the rename
+        and the catalog row) and marks rows whose directory is gone as ``"missing"``.
+        Manifests of known rows are not re-read; `verify` checks content.
+        """
+        with self._lock:
+            dirs = self._committed_dirs()
+            rows = {r["step"]: r for r in self.catalog.rows(self.task_id)}
+            for step, path in dirs.items():
+                if step not in rows and (path / MANIFEST_NAME).exists():
+                    for info in self._scan_one(step, path):
+                        self.catalog.upsert(info, root=self.root)
+            for step, row in rows.items():
+                present = step in dirs and (dirs[step] / MANIFEST_NAME).exists()
+                if not present and row["status"] != STATUS_MISSING:
+                    self.catalog.set_status(self.task_id, step, STATUS_MISSING)
+                elif present and row["status"] == STATUS_MISSING:
+                    self.catalog.upsert(next(iter(self._scan_one(step, dirs[step]))), root=self.root)
+
+    def _scan_one(self, step: int, path: Path) -> list[CheckpointInfo]:
+        try:
+            return [_info_from_manifest(mf.read_manifest(path), path)]
+        except (CorruptCheckpointError, FormatVersionError):
+            return [_broken_info(self.task_id, step, path, STATUS_CORRUPT)]
+
+    def reindex(self) -> int:
+        """Rebuild the whole catalog (every task under `root`) from the manifests.
+
+        Returns:
+            `int`: number of rows written. Directories with a damaged manifest get a row
+            with status ``"corrupt"``.
+        """
+        with self._lock:
+            infos: list[CheckpointInfo] = []
+            for task_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                infos.extend(self._scan_task(task_dir.name, task_dir))
+            n = self.catalog.replace_all(infos, root=self.root)
+            logger.info("reindexed %s: %d checkpoints", self.root, n)
+            return n
+
+    # -- save -----------------------------------------------------------------------------
+    def save(
+        self,
+        state: CheckpointState,
+        *,
+        reason: str,
+        pinned: bool = False,
+        healthy: bool = True,
+        signals: Mapping[str, Any] | None = None,
+        debug_info: list[Mapping[str, Any]] | None = None,
+        timings: Mapping[str, Any] | None = None,
+    ) -> CheckpointInfo | None:
+        """Write this rank's part of a checkpoint; on rank 0, commit it once all ranks are done.
+
+        Rank 0 writes weights (L0), optimizer/scheduler/scaler (L1) and the sampler state;
+        every rank writes its own `rng-rank<R>.json`. Thread-safe; runs no collectives.
+
+        Args:
+            state (`CheckpointState`): CPU tensors and JSON-able state of this rank.
+            reason (`str`): why this save happened (recorded in the manifest and catalog).
+            pinned (`bool`, *optional*, defaults to `False`): retention never deletes it.
+            healthy (`bool`, *optional*, defaults to `True`): `False` for states taken after
+                an anomaly; `resolve("auto")` skips them.
+            signals (`dict`, *optional*): signals at save time (`loss`, `grad_norm`, ...).
+            debug_info (`list[dict]`, *optional*): recent steps; the last 10 are kept.
+            timings (`dict`, *optional*): caller's timings in ms (e.g. snapshot time).
+
+        Returns:
+            `CheckpointInfo` on rank 0 (also when the step was committed before), `None`
+            on other ranks once their files are durable.
+
+        Raises:
+            `DistributedError`: rank 0 waited `rank_timeout_s` for other ranks; nothing is committed.
+            `SaveError`: writing failed; the previous checkpoints are untouched.
+        """
+        step = int(state.step)
+        if step < 0:
+            raise SaveError(f"step={step} is invalid: a checkpoint step must be >= 0.")
+        with self._lock:
+            final = self.task_dir / step_dir_name(step)
+            if (final / MANIFEST_NAME).exists():
+                if self.rank != 0:
+                    return None
+                logger.info("step %d is already committed at %s; not rewritten", step, final)
+                return self._existing_info(step, final)
+            tmp = self.task_dir / f"{step_dir_name(step)}{TMP_MARKER}{self.session_id}"
+            t0 = time.perf_counter()
+            try:
+                tmp.mkdir(parents=True, exist_ok=True)
+                files, blobs = self._write_rank_files(state, tmp)
+                self._write_done(tmp, files, blobs, state.tiers)
+            except (OSError, DynamicCkptError) as e:
+                if self.rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, SaveError):
+                    raise
+                raise SaveError(
+                    f"saving step {step} of task {self.task_id!r} to {tmp} failed on rank {self.rank}: {e}; "
+                    "the previous checkpoints are untouched."
+                ) from e
+            if self.rank != 0:
+                return None
+            t_written = time.perf_counter()
+            parts = self._wait_for_ranks(tmp, step)
+            t_ranks = time.perf_counter()
+            try:
+                info = self._commit(tmp, final, step, state, parts, reason=reason, pinned=pinned, healthy=healthy,
+                                    signals=signals, debug_info=debug_info,
+                                    timings={**dict(timings or {}),
+                                             "write_ms": round(1000 * (t_written - t0), 2),
+                                             "wait_ranks_ms": round(1000 * (t_ranks - t_written), 2)})
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise SaveError(f"committing step {step} to {final} failed: {e}; the previous checkpoints are untouched.") from e
+            return info
+
+    def _existing_info(self, step: int, final: Path) -> CheckpointInfo:
+        row = self.catalog.get(self.task_id, step)
+        if row is not None:
+            return Catalog.to_info(row, root=self.root)
+        info = self._scan_one(step, final)[0]
+        self.catalog.upsert(info, root=self.root)
+        return info
+
+    def _write_rank_files(self, state: CheckpointState, tmp: Path) -> tuple[dict[str, FileEntry], dict[str, Any]]:
+        from .tensorpack import flatten_state, write_tensor_file
+        from .weights import save_weights
+
+        files: dict[str, FileEntry] = {}
+        blobs: dict[str, Any] = {}
+        if self.rank == 0:
+            if state.weights is not None:
+                record = save_weights(state.weights, tmp, blobs_dir=self.blobs_dir, dedup_keys=state.dedup_keys)
+                files.update(record.files)
+                blobs.update(record.blobs)
+            parts = {name: getattr(state, name) for name in _L1_PARTS}
+            if any(v is not None for v in parts.values()):
+                structure, tensors = flatten_state(parts)
+                entry = write_tensor_file(tensors, tmp / OPTIMIZER_NAME, level=self.compression_level,
+                                          threads=self.compression_threads)
+                files[OPTIMIZER_NAME] = {**entry, KEY_TIER: Tier.OPTIMIZER.value, KEY_RANK: None}
+                files[OPTIMIZER_META_NAME] = _write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER, rank=None)
+            if state.sampler is not None:
+                files[SAMPLER_NAME] = _write_json(tmp / SAMPLER_NAME, mf.json_safe(state.sampler), tier=Tier.STATE, rank=None)
+        if state.rng is not None:
+            name = RNG_NAME_TEMPLATE.format(rank=self.rank)
+            files[name] = _write_json(tmp / name, state.rng, tier=Tier.STATE, rank=self.rank)
+        return files, blobs
+
+    def _write_done(self, tmp: Path, files: Mapping[str, FileEntry], blobs: Mapping[str, Any], tiers: Iterable[Tier]) -> None:
+        """Publish this rank's entries atomically (write + fsync + rename), after its files."""
+        fsync_dir(tmp)
+        done = tmp / RANK_DONE_TEMPLATE.format(rank=self.rank)
+        part = done.with_name(done.name + ".part")
+        own_tiers = sorted(t.value for t in tiers) if self.rank == 0 else ([Tier.STATE.value] if files else [])
+        _write_json(part, {"rank": self.rank, "session_id": self.session_id, "files": files, "blobs": blobs,
+                           "tiers": own_tiers}, tier=Tier.STATE, rank=self.rank)
+        os.replace(part, done)
+        fsync_dir(tmp)
+
+    def _wait_for_ranks(self, tmp: Path, step: int) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + self.rank_timeout_s
+        while True:
+            present = [r for r in range(self.world_size) if (tmp / RANK_DONE_TEMPLATE.format(rank=r)).exists()]
+            if len(present) == self.world_size:
+                break
+            if time.monotonic() >= deadline:
+                missing = sorted(set(range(self.world_size)) - set(present))
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise DistributedError(
+                    f"step {step}: rank(s) {missing} of {self.world_size} did not finish writing within "
+                    f"{self.rank_timeout_s:g} s (rank_timeout_s); nothing was committed and the previous checkpoint "
+                    "stays the restore point. Check those ranks' logs, or raise rank_timeout_s for slow storage."
+                )
+            time.sleep(_POLL_S)
+        parts = []
+        for r in range(self.world_size):
+            done = tmp / RANK_DONE_TEMPLATE.format(rank=r)
+            part = _read_json(done)
+            if part.get("session_id") != self.session_id:
+                raise DistributedError(f"{done} belongs to session {part.get('session_id')!r}, not {self.session_id!r}.")
+            parts.append(part)
+        return parts
+
+    def _commit(self, tmp: Path, final: Path, step: int, state: CheckpointState, parts: list[dict[str, Any]], *,
+                reason: str, pinned: bool, healthy: bool, signals: Mapping[str, Any] | None,
+                debug_info: list[Mapping[str, Any]] | None, timings: dict[str, Any]) -> CheckpointInfo:
+        files: dict[str, FileEntry] = {}
+        blobs: dict[str, Any] = {}
+        tiers: set[Tier] = set()
+        for part in parts:
+            files.update(part["files"])
+            blobs.update(part["blobs"])
+            tiers.update(Tier(t) for t in part["tiers"])
+        for r in range(self.world_size):  # the done files have served their purpose
+            (tmp / RANK_DONE_TEMPLATE.format(rank=r)).unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        manifest = mf.build_manifest(
+            task_id=self.task_id, step=step, epoch=state.epoch, reason=reason, tiers=tiers, pinned=pinned,
+            healthy=healthy, world_size=self.world_size, files=files, blobs=blobs, session_id=self.session_id,
+            signals=signals, debug_info=list(debug_info or []), extra=state.extra, timings=timings,
+        )
+        mf.write_manifest(tmp, manifest)
+        fsync_dir(tmp)
+        os.rename(tmp, final)  # the commit point
+        fsync_dir(self.task_dir)
+        info = _info_from_manifest(manifest, final)
+        self.catalog.upsert(info, root=self.root)
+        logger.info("committed %s step %d (%s; tiers %s; %d bytes; commit %.1f ms)", self.task_id, step, reason,
+                    ",".join(manifest["tiers"]), info.bytes, 1000 * (time.perf_counter() - t0))
+        return info
+
+    # -- lookup ---------------------------------------------------------------------------
+    def list(self, include_unhealthy: bool = False) -> list[CheckpointInfo]:
+        """Checkpoints of this task, newest first.
+
+        Args:
+            include_unhealthy (`bool`, *optional*, defaults to `False`): also list unhealthy
+                checkpoints and rows whose status is ``"missing"`` or ``"corrupt"``.
+        """
+        out = []
+        for row in self.catalog.rows(self.task_id):
+            info = Catalog.to_info(row, root=self.root)
+            if info.status == STATUS_OK and not (Path(info.path) / MANIFEST_NAME).exists():
+                self.catalog.set_status(self.task_id, info.step, STATUS_MISSING)
+                info = Catalog.to_info({**row, "status": STATUS_MISSING}, root=self.root)
+            if include_unhealthy or (info.healthy and info.status == STATUS_OK):
+                out.append(info)
+        return out
+
+    def _available_text(self) -> str:
+        infos = self.list(include_unhealthy=True)
+        if not infos:
+            return f"the store has no checkpoints of task {self.task_id!r} under {self.root}"
+        steps = ", ".join(f"{i.step}" + ("" if i.status == STATUS_OK and i.healthy else f" ({i.status if i.status != STATUS_OK else 'unhealthy'})")
+                          for i in sorted(infos, key=lambda i: i.step))
+        return f"available steps of task {self.task_id!r}: {steps}"
+
+    def resolve(self, spec: str | int | os.PathLike[str] | CheckpointInfo) -> CheckpointInfo:
+        """Turn a restore-point spec into a checkpoint.
+
+        Args:
+            spec (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"`` (newest healthy
+                checkpoint with weights), ``"best"`` (lowest recorded loss), ``"fastest"``
+                (lowest estimated recovery cost), ``"step:N"`` or ``N`` (that step, whatever
+                its health), or the path of a checkpoint directory.
+
+        Raises:
+            `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
+        """
+        if isinstance(spec, CheckpointInfo):
+            return spec
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            return self._by_step(spec)
+        text = os.fspath(spec)
+        if text in _NAMED_SPECS:
+            candidates = [i for i in self.list() if Tier.WEIGHTS in i.tiers]
+            if text == "best":
+                candidates = [i for i in candidates if i.loss is not None]
+                if not candidates:
+                    raise CheckpointNotFoundError(f"resolve('best'): no healthy checkpoint records a loss; {self._available_text()}.")
+                return min(candidates, key=lambda i: (i.loss, -i.step))
+            if not candidates:
+                raise CheckpointNotFoundError(f"resolve({text!r}): no healthy committed checkpoint with weights; {self._available_text()}.")
+            if text == "fastest":
+                return min(candidates, key=lambda i: (i.recovery_cost_ms if i.recovery_cost_ms is not None else float("inf"), -i.step))
+            return candidates[0]
+        if text.startswith("step:") or text.isdigit():
+            raw = text.removeprefix("step:")
+            try:
+                return self._by_step(int(raw))
+            except ValueError as e:
+                raise CheckpointNotFoundError(f"spec {text!r} is invalid: expected step:N with an integer N.") from e
+        return self._by_path(Path(text))
+
+    def _by_step(self, step: int) -> CheckpointInfo:
+        row = self.catalog.get(self.task_id, step)
+        path = self.task_dir / step_dir_name(step)
+        if row is not None and (path / MANIFEST_NAME).exists():
+            return Catalog.to_info(row, root=self.root)
+        if (path / MANIFEST_NAME).exists():  # committed, catalog row not written yet
+            info = self._scan_one(step, path)[0]
+            self.catalog.upsert(info, root=self.root)
+            return info
+        if row is not None:
+            self.catalog.set_status(self.task_id, step, STATUS_MISSING)
+        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.task_dir}; {self._available_text()}.")
+
+    def _by_path(self, path: Path) -> CheckpointInfo:
+        path = path.absolute()
+        if path.parent == self.task_dir and parse_step_dir(path.name) is not None:
+            return self._by_step(int(parse_step_dir(path.name) or 0))
+        if not path.is_dir():
+            raise CheckpointNotFoundError(
+                f"{path} is neither 'auto', 'best', 'fastest', 'step:N' nor an existing checkpoint directory; "
+                f"{self._available_text()}."
+            )
+        if TMP_MARKER in path.name:
+            raise CheckpointNotFoundError(f"{path} is an unfinished save (temporary directory), not a checkpoint; {self._available_text()}.")
+        if not (path / MANIFEST_NAME).exists():
+            raise CheckpointNotFoundError(
+                f"{path} is not a checkpoint directory (no {MANIFEST_NAME}); pass a step-<N> directory of a store; "
+                f"{self._available_text()}."
+            )
+        return _info_from_manifest(mf.read_manifest(path), path)
+
+    # -- verification ---------------------------------------------------------------------
+    def _blobs_dir_of(self, info: CheckpointInfo) -> Path:
+        return Path(info.path).parent / BLOBS_DIR
+
+    def _file_problems(self, directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> list[str]:
+        problems = []
+        files = manifest[KEY_FILES]
+        for name in names:
+            entry = files[name]
+            path = directory / name
+            where = f"{name} (tier {entry.get(KEY_TIER)}" + (f", rank {entry.get(KEY_RANK)})" if entry.get(KEY_RANK) is not None else ")")
+            if not path.is_file():
+                problems.append(f"{where}: file is missing")
+                continue
+            size = path.stat().st_size
+            if size != entry[KEY_SIZE]:
+                problems.append(f"{where}: size {size} bytes, manifest says {entry[KEY_SIZE]} (truncated or overwritten)")
+                continue
+            actual = file_checksum(path)
+            if actual != entry[KEY_CHECKSUM]:
+                problems.append(f"{where}: checksum mismatch ({actual} != {entry[KEY_CHECKSUM]}), the file is corrupt")
+        return problems
+
+    def _blob_problems(self, blobs_dir: Path, blobs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+        from .weights import verify_blob
+
+        problems = []
+        seen: set[str] = set()
+        for key, rec in sorted(blobs.items()):
+            if rec.get("digest") in seen:
+                continue
+            seen.add(str(rec.get("digest")))
+            problems.extend(f"{p} (weight {key!r}, tier weights)" for p in verify_blob(blobs_dir, rec))
+        return problems
+
+    def _structure_problems(self, manifest: Mapping[str, Any]) -> list[str]:
+        """Files the manifest should list but does not (per tier and per rank)."""
+        files = manifest[KEY_FILES]
+        tiers = mf.tiers_of(manifest)
+        problems = []
+        if Tier.WEIGHTS in tiers and WEIGHTS_NAME not in files:
+            problems.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
+        if Tier.OPTIMIZER in tiers and OPTIMIZER_META_NAME not in files:
+            problems.append(f"tier optimizer is recorded but {OPTIMIZER_META_NAME} is not listed")
+        rng_ranks = {e.get(KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
+        if rng_ranks:
+            for r in range(int(manifest.get(KEY_WORLD_SIZE, 1))):
+                if r not in rng_ranks:
+                    problems.append(f"{RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed")
+        return problems
+
+    def verify(self, ref: str | int | os.PathLike[str] | CheckpointInfo) -> list[str]:
+        """Check a checkpoint completely: manifest, every file's size and checksum, blobs.
+
+        Also records the outcome in the catalog (status ``"ok"``, ``"corrupt"`` or ``"missing"``).
+
+        Args:
+            ref: anything `resolve` accepts.
+
+        Returns:
+            `list[str]`: one line per problem; empty when the checkpoint is intact.
+        """
+        info = self.resolve(ref)
+        directory = Path(info.path)
+        try:
+            manifest = mf.read_manifest(directory)
+        except CheckpointNotFoundError as e:
+            self._set_status(info, STATUS_MISSING)
+            return [f"{MANIFEST_NAME}: missing ({e})"]
+        except (CorruptCheckpointError, FormatVersionError) as e:
+            self._set_status(info, STATUS_CORRUPT)
+            return [f"{MANIFEST_NAME}: {e}"]
+        problems = self._structure_problems(manifest)
+        problems += self._file_problems(directory, manifest, sorted(manifest[KEY_FILES]))
+        problems += self._blob_problems(self._blobs_dir_of(info), manifest.get(KEY_BLOBS) or {})
+        self._set_status(info, STATUS_CORRUPT if problems else STATUS_OK)
+        return problems
+
+    def _set_status(self, info: CheckpointInfo, status: str) -> None:
+        if Path(info.path).parent == self.task_dir and info.task_id == self.task_id:
+            self.catalog.set_status(self.task_id, info.step, status)
+
+    # -- load -----------------------------------------------------------------------------
+    def load(
+        self,
+        ref: str | int | os.PathLike[str] | CheckpointInfo,
+        *,
+        tiers: Collection[Tier] = ALL_TIERS,
+        rank: int | None = None,
+        mmap: bool = True,
+    ) -> LoadedCheckpoint:
+        """Verify, then read the requested tiers of a checkpoint.
+
+        Every file read is checked (size, checksum; blobs by content digest) before any
+        tensor is returned. A tier the checkpoint does not hold is left `None` with a
+        note in `warnings`.
+
+        Args:
+            ref: anything `resolve` accepts (``"auto"``, ``"step:N"``, a path, ...).
+            tiers (`Collection[Tier]`, *optional*, defaults to all tiers): what to read.
+            rank (`int`, *optional*): whose RNG file to read; defaults to this store's rank.
+            mmap (`bool`, *optional*, defaults to `True`): weights backed by a read-only
+                memory map (no copy); `False` reads them into memory.
+
+        Returns:
+            `LoadedCheckpoint`.
+
+        Raises:
+            `CheckpointNotFoundError`: `ref` names no committed checkpoint.
+            `CorruptCheckpointError`: a needed file is missing, truncated or altered (the
+                message lists each problem), or the manifest is damaged.
+            `FormatVersionError`: the checkpoint was written by a newer format.
+        """
+        info = self.resolve(ref)
+        rank = self.rank if rank is None else rank
+        directory = Path(info.path)
+        try:
+            manifest = mf.read_manifest(directory)
+        except CheckpointNotFoundError:
+            self._set_status(info, STATUS_MISSING)
+            raise
+        except CorruptCheckpointError:
+            self._set_status(info, STATUS_CORRUPT)
+            raise
+        wanted = {Tier(t) for t in tiers}
+        held = mf.tiers_of(manifest)
+        loaded = LoadedCheckpoint(info=info, manifest=manifest, extra=dict(manifest.get(KEY_EXTRA) or {}))
+        for tier in sorted(wanted - held):
+            loaded.warnings.append(f"step {info.step} has no {tier.value} tier (saved tiers: {', '.join(sorted(t.value for t in held)) or 'none'})")
+        wanted &= held
+        names = self._files_for(manifest, wanted, rank, loaded.warnings, step=info.step)
+        problems = self._file_problems(directory, manifest, names)
+        if Tier.WEIGHTS in wanted:
+            if WEIGHTS_NAME not in manifest[KEY_FILES]:
+                problems.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
+            problems += self._blob_problems(self._blobs_dir_of(info), manifest.get(KEY_BLOBS) or {})
+        if problems:
+            self._set_status(info, STATUS_CORRUPT)
+            raise CorruptCheckpointError(
+                f"checkpoint {directory} failed verification, nothing was loaded: " + "; ".join(problems)
+                + ". Restore another checkpoint (restore.load_for_resume falls back automatically)."
+            )
+        self._read_tiers(directory, manifest, wanted, names, loaded, rank=rank, mmap=mmap, blobs_dir=self._blobs_dir_of(info))
+        return loaded
+
+    def _files_for(self, manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warnings: list[str], *, step: int) -> list[str]:
+        names = []
+        rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
+        for name, entry in sorted(manifest[KEY_FILES].items()):
+            tier = entry.get(KEY_TIER)
+            if tier not in {t.value for t in wanted}:
+                continue
+            if name.startswith("rng-rank") and name != rng_name:
+                continue
+            names.append(name)
+        if Tier.STATE in wanted and rng_name not in names and any(n.startswith("rng-rank") for n in manifest[KEY_FILES]):
+            warnings.append(
+                f"step {step} has no RNG state for rank {rank} (saved with world_size={manifest.get(KEY_WORLD_SIZE)}); "
+                "this rank's random streams start fresh"
+            )
+        return names
+
+    def _read_tiers(self, directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: list[str],
+                    loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs_dir: Path) -> None:
+        from .tensorpack import read_tensor_file, unflatten_state
+        from .weights import load_weights
+
+        if Tier.WEIGHTS in wanted:
+            loaded.weights = load_weights(directory, manifest.get(KEY_BLOBS) or {}, blobs_dir=blobs_dir, mmap=mmap)
+        if Tier.OPTIMIZER in wanted:
+            structure = _read_json(directory / OPTIMIZER_META_NAME)
+            tensors = read_tensor_file(directory / OPTIMIZER_NAME) if OPTIMIZER_NAME in names else {}
+            if not isinstance(structure, dict):
+                raise CorruptCheckpointError(f"{directory / OPTIMIZER_META_NAME} is not a JSON object.")
+            state = unflatten_state(structure, tensors)
+            loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in _L1_PARTS)
+        if Tier.STATE in wanted:
+            rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
+            if rng_name in names:
+                loaded.rng = _read_json(directory / rng_name)
+            if SAMPLER_NAME in names:
+                loaded.sampler = _read_json(directory / SAMPLER_NAME)
+
+    def load_scheduler_only(self, ref: str | int | os.PathLike[str] | CheckpointInfo) -> dict[str, Any] | None:
+        """Salvage the LR-scheduler state when the optimizer tensor file is broken.
+
+        The scheduler state holds no tensors, so it lives entirely in the verified
+        `optimizer.json`; returns `None` when that file is broken too or holds tensors refs.
+        """
+        from .tensorpack import unflatten_state
+
+        info = self.resolve(ref)
+        directory = Path(info.path)
+        manifest = mf.read_manifest(directory)
+        if OPTIMIZER_META_NAME not in manifest[KEY_FILES] or self._file_problems(directory, manifest, [OPTIMIZER_META_NAME]):
+            return None
+        structure = _read_json(directory / OPTIMIZER_META_NAME)
+        try:
+            sched = unflatten_state(structure.get("scheduler"), {})
+        except (CorruptCheckpointError, AttributeError):
+            return None
+        return sched if isinstance(sched, dict) else None
+
+    # -- management -----------------------------------------------------------------------
+    def pin(self, ref: str | int | os.PathLike[str] | CheckpointInfo) -> CheckpointInfo:
+        """Protect a checkpoint from retention (writes a `PINNED` marker next to the manifest)."""
+        with self._lock:
+            info = self.resolve(ref)
+            marker = Path(info.path) / PINNED_MARKER
+            with open(marker, "wb") as f:
+                fsync_file(f)
+            fsync_dir(marker.parent)
+            self._set_pinned(info)
+            return Catalog.to_info({**self._row_of(info), "pinned": 1}, root=self.root) if self._row_of(info) else info
+
+    def _row_of(self, info: CheckpointInfo) -> dict[str, Any] | None:
+        return self.catalog.get(info.task_id, info.step) if Path(info.path).parent == self.task_dir else None
+
+    def _set_pinned(self, info: CheckpointInfo) -> None:
+        if Path(info.path).parent == self.task_dir:
+            self.catalog.set_pinned(self.task_id, info.step, True)
+
+    def delete(self, ref: str | int | os.PathLike[str] | CheckpointInfo, *, tiers: Collection[Tier] | None = None,
+               force: bool = False) -> None:
+        """Delete a checkpoint, or only some of its tiers.
+
+        A whole checkpoint is first renamed to a temporary name (one atomic step, so a crash
+        never leaves half a checkpoint that looks committed), then removed; blobs no other
+        checkpoint references are removed too. Deleting tiers rewrites the manifest
+        atomically before the files go.
+
+        Args:
+            ref: anything `resolve` accepts.
+            tiers (`Collection[Tier]`, *optional*): only these tiers (e.g. `{Tier.OPTIMIZER}`).
+            force (`bool`, *optional*, defaults to `False`): also delete a pinned checkpoint.
+
+        Raises:
+            `DynamicCkptError`: the checkpoint is pinned and `force` is not set.
+        """
+        with self._lock:
+            info = self.resolve(ref)
+            if info.pinned and not force:
+                raise DynamicCkptError(f"step {info.step} ({info.path}) is pinned; pass force=True to delete it anyway.")
+            path = Path(info.path)
+            if tiers is not None and set(tiers) != set(ALL_TIERS) and set(info.tiers) - set(tiers):
+                self._delete_tiers(info, {Tier(t) for t in tiers})
+                return
+            trash = path.with_name(f"{path.name}{TMP_MARKER}deleted-{uuid.uuid4().hex[:8]}")
+            os.rename(path, trash)
+            fsync_dir(path.parent)
+            if path.parent == self.task_dir:
+                self.catalog.remove(self.task_id, info.step)
+            shutil.rmtree(trash, ignore_errors=True)
+            logger.info("deleted %s step %d", info.task_id, info.step)
+            self._gc_blobs()
+
+    def _delete_tiers(self, info: CheckpointInfo, tiers: set[Tier]) -> None:
+        path = Path(info.path)
+        manifest = mf.read_manifest(path)
+        drop = {n for n, e in manifest[KEY_FILES].items() if e.get(KEY_TIER) in {t.value for t in tiers}}
+        files = {n: e for n, e in manifest[KEY_FILES].items() if n not in drop}
+        blobs = {} if Tier.WEIGHTS in tiers else manifest.get(KEY_BLOBS) or {}
+        new = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
+        new.update({KEY_FILES: files, KEY_BLOBS: blobs, "tiers": sorted(set(manifest["tiers"]) - {t.value for t in tiers}),
+                    mf.KEY_BYTES: sum(int(e[KEY_SIZE]) for e in files.values()),
+                    mf.KEY_RECOVERY_COST: mf.estimate_recovery_cost_ms(files, blobs)})
+        new[KEY_MANIFEST_CHECKSUM] = mf.compute_manifest_checksum(new)
+        mf.write_manifest(path, new, name=MANIFEST_NAME + ".new")
+        os.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
+        fsync_dir(path)
+        for name in drop:
+            (path / name).unlink(missing_ok=True)
+        if path.parent == self.task_dir:
+            self.catalog.upsert(_info_from_manifest(new, path), root=self.root)
+        logger.info("deleted tiers %s of %s step %d", sorted(t.value for t in tiers), info.task_id, info.step)
+        self._gc_blobs()
+
+    def _gc_blobs(self) -> None:
+        """Remove blobs no committed checkpoint of this task references."""
+        if not self.blobs_dir.is_dir():
+            return
+        used: set[str] = set()
+        for path in self._committed_dirs().values():
+            try:
+                manifest = mf.read_manifest(path)
+            except CheckpointNotFoundError:
+                continue
+            except (CorruptCheckpointError, FormatVersionError):
+                logger.warning("not collecting blobs: %s has an unreadable manifest", path)
+                return
+            used.update(str(b.get("digest")) for b in (manifest.get(KEY_BLOBS) or {}).values())
+        for entry in self.blobs_dir.iterdir():
+            digest = entry.name.split(".")[0]
+            if TMP_MARKER not in entry.name and digest not in used:
+                entry.unlink(missing_ok=True)
