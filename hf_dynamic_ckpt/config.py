@@ -49,6 +49,14 @@ def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}.")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
 def _enum(enum_cls: type[enum.Enum], name: str, value: Any) -> Any:
     try:
         return enum_cls(value)
@@ -76,9 +84,9 @@ class LevelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", _enum(Compression, "compression", self.compression))
-        _check(1 <= self.compression_level <= 19, "compression_level", self.compression_level, "1 <= level <= 19")
+        _check(_is_int(self.compression_level) and 1 <= self.compression_level <= 19, "compression_level", self.compression_level, "1 <= level <= 19")
         if self.retention_days is not None:
-            _check(self.retention_days > 0, "retention_days", self.retention_days, "a positive number or null")
+            _check(_is_number(self.retention_days) and self.retention_days > 0, "retention_days", self.retention_days, "a positive number or null")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +135,16 @@ class SmartCkptConfig:
         memory_sample_every (`int`, *optional*, defaults to `5`): steps between memory samples.
         overhead_budget (`float`, *optional*, defaults to `0.02`): blocking save time allowed as a
             fraction of training time.
+        risk_gain (`float`, *optional*, defaults to `4.0`): `k` in `T = T_base * alpha / (1 + k * beta)`;
+            at full risk the interval is `1 + k` times shorter.
+        stability_cv (`float`, *optional*, defaults to `0.1`): loss noise relative to the loss level
+            (scale-free) up to which training counts as calm (`alpha = 1`); above it the interval
+            shrinks as `stability_cv / cv`, down to 0.2.
+        capture_cooldown (`int`, *optional*): steps after a pre-update capture during which another
+            finite surge or spike is not captured again (non-finite values always are, once per run
+            of them). `None` uses `stability_window`.
+        memory_lookahead (`int`, *optional*, defaults to `50`): a minimal save fires when the memory
+            trend predicts crossing `memory_threshold` within this many steps.
         pre_anomaly_capture (`bool`, *optional*, defaults to `True`): save and pin the state from
             before an update whose gradients surge or are not finite.
         skip_bad_update (`bool`, *optional*, defaults to `False`): also skip that update.
@@ -167,6 +185,10 @@ class SmartCkptConfig:
     memory_threshold: float = 0.92
     memory_sample_every: int = 5
     overhead_budget: float = 0.02
+    risk_gain: float = 4.0
+    stability_cv: float = 0.1
+    capture_cooldown: int | None = None
+    memory_lookahead: int = 50
     pre_anomaly_capture: bool = True
     skip_bad_update: bool = False
     keep_last: int = 3
@@ -192,29 +214,37 @@ class SmartCkptConfig:
         _check(bool(self.task_id) and "/" not in self.task_id and not self.task_id.startswith("."),
                "task_id", self.task_id, "a non-empty name without '/' that does not start with '.'")
         if self.base_interval is not None:
-            _check(isinstance(self.base_interval, int) and self.base_interval >= 1, "base_interval",
+            _check(_is_int(self.base_interval) and self.base_interval >= 1, "base_interval",
                    self.base_interval, "an integer >= 1 or null (derive it from the save cost)")
-        _check(isinstance(self.min_interval, int) and self.min_interval >= 1, "min_interval", self.min_interval, "an integer >= 1")
-        _check(isinstance(self.max_interval, int) and self.max_interval >= self.min_interval, "max_interval",
+        _check(_is_int(self.min_interval) and self.min_interval >= 1, "min_interval", self.min_interval, "an integer >= 1")
+        _check(_is_int(self.max_interval) and self.max_interval >= self.min_interval, "max_interval",
                self.max_interval, f"an integer >= min_interval ({self.min_interval})")
-        _check(self.mtbf_hours > 0, "mtbf_hours", self.mtbf_hours, "a positive number of hours")
-        _check(isinstance(self.stability_window, int) and self.stability_window >= 4, "stability_window",
+        _check(_is_number(self.mtbf_hours) and self.mtbf_hours > 0, "mtbf_hours", self.mtbf_hours, "a positive number of hours")
+        _check(_is_int(self.stability_window) and self.stability_window >= 4, "stability_window",
                self.stability_window, "an integer >= 4")
-        _check(0.0 < self.risk_threshold <= 1.0, "risk_threshold", self.risk_threshold, "0 < value <= 1")
-        _check(0.0 <= self.risk_release < self.risk_threshold, "risk_release", self.risk_release,
+        _check(_is_number(self.risk_threshold) and 0.0 < self.risk_threshold <= 1.0, "risk_threshold", self.risk_threshold, "0 < value <= 1")
+        _check(_is_number(self.risk_release) and 0.0 <= self.risk_release < self.risk_threshold, "risk_release", self.risk_release,
                f"0 <= value < risk_threshold ({self.risk_threshold})")
-        _check(isinstance(self.risk_smoothing, int) and self.risk_smoothing >= 1, "risk_smoothing",
+        _check(_is_int(self.risk_smoothing) and self.risk_smoothing >= 1, "risk_smoothing",
                self.risk_smoothing, "an integer >= 1")
-        _check(self.loss_spike_z > 0, "loss_spike_z", self.loss_spike_z, "a positive number")
-        _check(self.grad_surge_ratio > 1, "grad_surge_ratio", self.grad_surge_ratio, "a number > 1")
-        _check(0.0 < self.memory_threshold <= 1.0, "memory_threshold", self.memory_threshold, "0 < value <= 1")
-        _check(isinstance(self.memory_sample_every, int) and self.memory_sample_every >= 1, "memory_sample_every",
+        _check(_is_number(self.loss_spike_z) and self.loss_spike_z > 0, "loss_spike_z", self.loss_spike_z, "a positive number")
+        _check(_is_number(self.grad_surge_ratio) and self.grad_surge_ratio > 1, "grad_surge_ratio", self.grad_surge_ratio, "a number > 1")
+        _check(_is_number(self.memory_threshold) and 0.0 < self.memory_threshold <= 1.0, "memory_threshold", self.memory_threshold, "0 < value <= 1")
+        _check(_is_int(self.memory_sample_every) and self.memory_sample_every >= 1, "memory_sample_every",
                self.memory_sample_every, "an integer >= 1")
-        _check(0.0 < self.overhead_budget <= 1.0, "overhead_budget", self.overhead_budget, "0 < value <= 1")
-        _check(isinstance(self.keep_last, int) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")
-        _check(0.0 <= self.memory_margin < 1.0, "memory_margin", self.memory_margin, "0 <= value < 1")
-        _check(self.preemption_grace_s > 0, "preemption_grace_s", self.preemption_grace_s, "a positive number of seconds")
-        _check(self.recovery_timeout_ms > 0, "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
+        _check(_is_number(self.overhead_budget) and 0.0 < self.overhead_budget <= 1.0, "overhead_budget", self.overhead_budget, "0 < value <= 1")
+        _check(_is_number(self.risk_gain) and 0 < self.risk_gain <= 100, "risk_gain", self.risk_gain, "0 < value <= 100")
+        _check(_is_number(self.stability_cv) and self.stability_cv > 0, "stability_cv", self.stability_cv,
+               "a positive number (relative loss noise counted as calm, e.g. 0.1)")
+        if self.capture_cooldown is not None:
+            _check(_is_int(self.capture_cooldown) and self.capture_cooldown >= 1, "capture_cooldown",
+                   self.capture_cooldown, "an integer >= 1 or null (use stability_window)")
+        _check(_is_int(self.memory_lookahead) and self.memory_lookahead >= 1, "memory_lookahead",
+               self.memory_lookahead, "an integer >= 1")
+        _check(_is_int(self.keep_last) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")
+        _check(_is_number(self.memory_margin) and 0.0 <= self.memory_margin < 1.0, "memory_margin", self.memory_margin, "0 <= value < 1")
+        _check(_is_number(self.preemption_grace_s) and self.preemption_grace_s > 0, "preemption_grace_s", self.preemption_grace_s, "a positive number of seconds")
+        _check(_is_number(self.recovery_timeout_ms) and self.recovery_timeout_ms > 0, "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
         import signal as _signal
 
         for name in self.preemption_signals:

@@ -1,0 +1,9 @@
+"""Decision policy: when to save (`RulePolicy`), what (`Decision.tiers`), what to keep (retention)."""
+
+from __future__ import annotations
+
+from .decision import MINIMAL_TIERS, NO_SAVE, Decision
+from .retention import level_retention_from_config, plan_retention
+from .rules import RulePolicy
+
+__all__ = ["MINIMAL_TIERS", "NO_SAVE", "Decision", "RulePolicy", "level_retention_from_config", "plan_retention"]

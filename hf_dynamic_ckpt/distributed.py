@@ -1,0 +1,153 @@
+"""Rank helpers and the one collective that makes every rank take the same decision.
+
+Everything here is a no-op (or the identity) without an initialised process group, so
+single-process code calls the same functions. Objects are exchanged as JSON bytes, never
+pickled (`broadcast_object_list` unpickles what it receives).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .errors import DistributedError
+from .signals.frame import SignalFrame
+
+# Layout of the packed frame: (field, reduction). Missing values are packed as -inf so
+# MAX ignores them; the loss is packed twice (value, present) so SUM knows how many ranks had one.
+_MAX_FIELDS = ("grad_norm", "lora_max_ratio", "device_mem_frac", "host_mem_frac", "step_time_s", "lr")
+
+
+def _dist() -> Any:
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return torch.distributed
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    d = _dist()
+    return d.get_rank() if d else 0
+
+
+def world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    d = _dist()
+    return d.get_world_size() if d else 1
+
+
+def is_main() -> bool:
+    """Whether this is rank 0."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op alone)."""
+    d = _dist()
+    if d:
+        d.barrier()
+
+
+def _device() -> torch.device:
+    d = _dist()
+    if d and d.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Send a JSON-able object from rank `src` to every rank; returns it on every rank.
+
+    Two tiny collectives (length, then bytes). Without a process group returns `obj`.
+
+    Raises:
+        DistributedError: `obj` on `src` is not JSON-serialisable.
+    """
+    d = _dist()
+    if not d:
+        return obj
+    dev = _device()
+    payload = b""
+    if d.get_rank() == src:
+        try:
+            payload = json.dumps(obj, allow_nan=True).encode()
+        except (TypeError, ValueError) as e:
+            raise DistributedError(
+                f"broadcast_object: {type(obj).__name__} is not JSON-serialisable ({e}); pass plain dicts/lists/numbers."
+            ) from e
+    length = torch.tensor([len(payload)], dtype=torch.long, device=dev)
+    d.broadcast(length, src=src)
+    buf = torch.zeros(int(length.item()), dtype=torch.uint8, device=dev)
+    if d.get_rank() == src:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    d.broadcast(buf, src=src)
+    return json.loads(bytes(buf.cpu().tolist()).decode())
+
+
+def pack_frame(frame: SignalFrame, layer_names: Sequence[str] = ()) -> torch.Tensor:
+    """The frame's reducible fields as one float64 vector (see `reduce_frame`)."""
+    loss = frame.loss
+    layer = layer_names.index(frame.lora_max_layer) if frame.lora_max_layer in layer_names else -1
+    values = [
+        loss if loss is not None else 0.0,
+        1.0 if loss is not None else 0.0,
+        1.0 if frame.any_nonfinite else 0.0,
+        1.0 if frame.preempt else 0.0,
+    ]
+    for name in _MAX_FIELDS:
+        v = getattr(frame, name)
+        values.append(-math.inf if v is None else float(v))
+    # The winning layer rides along as (ratio, index) pairs: index decides ties the same way everywhere.
+    values.append(float(layer))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def combine_frames(step: int, rows: torch.Tensor, layer_names: Sequence[str] = ()) -> SignalFrame:
+    """Reduce gathered packed frames (one row per rank) into one frame, deterministically."""
+    loss_present = rows[:, 1] > 0
+    loss = float(rows[loss_present, 0].sum()) if bool(loss_present.any()) else None
+    nonfinite = bool(rows[:, 2].max() > 0)
+    preempt = bool(rows[:, 3].max() > 0)
+    maxes = rows[:, 4 : 4 + len(_MAX_FIELDS)].max(dim=0).values.tolist()
+    fields = {name: (None if v == -math.inf else v) for name, v in zip(_MAX_FIELDS, maxes)}
+    layer = None
+    ratios = rows[:, 4 + _MAX_FIELDS.index("lora_max_ratio")]
+    if fields["lora_max_ratio"] is not None and not math.isnan(fields["lora_max_ratio"]):
+        winner = int(torch.argmax(ratios))  # first rank with the max: same answer on every rank
+        idx = int(rows[winner, -1])
+        layer = layer_names[idx] if 0 <= idx < len(layer_names) else None
+    if loss is not None and not math.isfinite(loss):
+        nonfinite = True
+    return SignalFrame(step=step, loss=loss, nonfinite=nonfinite, preempt=preempt, lora_max_layer=layer, **fields)
+
+
+def reduce_frame(frame: SignalFrame, *, layer_names: Sequence[str] = ()) -> SignalFrame:
+    """Reduce a frame across ranks in ONE collective so every rank decides the same.
+
+    The frame is packed into a small float64 vector, all-gathered (one `all_gather_into_tensor`),
+    and reduced locally by the same code on every rank: SUM for the loss, MAX for the
+    gradient norms, the LoRA ratio, memory, step time and learning rate, OR for the
+    non-finite and preemption flags. The LoRA layer name travels as an index into
+    `layer_names` (identical on every rank: `GradProbe.layer_names`).
+
+    Args:
+        frame (`SignalFrame`): this rank's local signals.
+        layer_names (`Sequence[str]`, *optional*): names the LoRA layer index refers to.
+
+    Returns:
+        `SignalFrame`: the reduced frame (identical on every rank); `frame` itself without a
+        process group. Local frames must agree on `step`.
+    """
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return frame
+    dev = _device()
+    local = pack_frame(frame, layer_names).to(dev)
+    gathered = torch.empty(d.get_world_size() * local.numel(), dtype=local.dtype, device=dev)
+    d.all_gather_into_tensor(gathered, local)
+    rows = gathered.view(d.get_world_size(), -1).cpu()
+    return combine_frames(frame.step, rows, layer_names)

@@ -1,0 +1,101 @@
+"""What to keep (separate from when to save): pinned, the newest N, log-spaced history.
+
+Log spacing: older checkpoints are grouped by age in steps into power-of-two buckets
+`[2^k, 2^(k+1))` behind the newest one, and only the *oldest* checkpoint of each
+bucket survives. A checkpoint only ever moves to higher buckets as training goes on,
+so the very first checkpoint is never thinned and the number kept grows like
+`log2(steps)`. Per-tier retention (`retention_days` of each storage level) then removes
+expired tiers from what is kept: the optimizer tier (7 days by default) goes before the
+weights (30 days), and a checkpoint whose weights expire is deleted whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ..config import SmartCkptConfig
+from ..constants import ALL_TIERS, Tier
+from ..store.types import CheckpointInfo
+
+SECONDS_PER_DAY = 86400.0
+
+
+def level_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | None]:
+    """`{tier: retention_days}` from `config.storage_levels` (L0 weights, L1 optimizer, L2 state)."""
+    levels = config.storage_levels
+    return {
+        Tier.WEIGHTS: levels.level_0.retention_days,
+        Tier.OPTIMIZER: levels.level_1.retention_days,
+        Tier.STATE: levels.level_2.retention_days,
+    }
+
+
+def plan_retention(
+    infos: Iterable[CheckpointInfo],
+    *,
+    keep_last: int,
+    log_spaced: bool = True,
+    level_retention: Mapping[Tier, float | None] | None = None,
+    now: float,
+) -> list[tuple[CheckpointInfo, frozenset[Tier]]]:
+    """Decide what to delete. Pure: reads only the infos given, deletes nothing.
+
+    Args:
+        infos (`Iterable[CheckpointInfo]`): the task's committed checkpoints (any order).
+        keep_last (`int`): the newest this many are kept whole (never thinned, no tier expires).
+        log_spaced (`bool`, *optional*, defaults to `True`): keep the oldest checkpoint of each
+            power-of-two age bucket; `False` keeps only pinned + the newest `keep_last`.
+        level_retention (`Mapping[Tier, float | None]`, *optional*): retention in days per tier
+            (`None`: forever), see `level_retention_from_config`.
+        now (`float`): current time (seconds since the epoch) for the per-tier ages.
+
+    Returns:
+        `list[tuple[CheckpointInfo, frozenset[Tier]]]`: what to delete, oldest first. A set
+        containing `Tier.WEIGHTS` (it is then `ALL_TIERS`) means delete the whole checkpoint;
+        otherwise delete only those tiers' files. Pinned checkpoints never appear.
+
+    Example:
+        ```python
+        >>> plan = plan_retention(store.list(include_unhealthy=True), keep_last=3, now=time.time())
+        ```
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} is invalid: expected an integer >= 1.")
+    ordered = sorted(infos, key=lambda i: i.step, reverse=True)
+    if not ordered:
+        return []
+    newest = ordered[0].step
+    protected = {id(i) for i in ordered[:keep_last]}
+    # Keep the newest healthy checkpoint too: it is the restore point `auto` resolves to.
+    healthy = next((i for i in ordered if i.healthy), None)
+    if healthy is not None:
+        protected.add(id(healthy))
+    kept_by_bucket: dict[int, CheckpointInfo] = {}
+    if log_spaced:
+        for info in ordered:  # newest -> oldest: the last one seen in a bucket is its oldest
+            if id(info) in protected or info.pinned:
+                continue
+            kept_by_bucket[_bucket(newest - info.step)] = info
+    keep = protected | {id(i) for i in kept_by_bucket.values()}
+    plan: list[tuple[CheckpointInfo, frozenset[Tier]]] = []
+    for info in reversed(ordered):
+        if info.pinned:
+            continue
+        if id(info) not in keep:
+            plan.append((info, ALL_TIERS))
+            continue
+        if id(info) in protected or not level_retention:
+            continue
+        age_days = (now - info.save_time) / SECONDS_PER_DAY
+        expired = frozenset(
+            t for t in info.tiers if level_retention.get(t) is not None and age_days > level_retention[t]  # type: ignore[operator]
+        )
+        if Tier.WEIGHTS in expired:
+            plan.append((info, ALL_TIERS))
+        elif expired:
+            plan.append((info, expired))
+    return plan
+
+
+def _bucket(age_steps: int) -> int:
+    return max(0, age_steps).bit_length()  # floor(log2(age)) + 1, and 0 for age 0

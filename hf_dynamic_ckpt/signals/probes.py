@@ -1,0 +1,477 @@
+"""Probes that measure one training step cheaply: loss, gradient norms, memory, preemption.
+
+Each probe does one job and never synchronises the device more than once per step:
+the loss stays a tensor until the decision needs it, gradient norms come from one
+fused `torch._foreach_norm` call per (device, dtype) group and one `.tolist()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .stats import Ema
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+# --------------------------------------------------------------------------- loss
+def _extract_loss(output: Any) -> torch.Tensor | None:
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+class LossProbe:
+    """Sums `outputs.loss` of the step's micro-batches through a forward hook.
+
+    The hook fires only while the module is in training mode, so evaluation forwards do
+    not leak into the step loss. The sum stays a (detached) tensor on the model's device:
+    no `.item()` per micro-batch, one sync when `pop()`'s caller converts it.
+
+    Args:
+        model (`torch.nn.Module`, *optional*): module whose forward returns an output with
+            a `loss` (a `ModelOutput` or a dict). `None` creates a probe fed through `add`.
+
+    Example:
+        ```python
+        >>> probe = LossProbe(model)
+        >>> model(**batch).loss.backward()       # one micro-batch
+        >>> float(probe.pop())                    # the step's summed loss
+        ```
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._sum: torch.Tensor | None = None
+        self.micro_batches = 0
+        self._handle = model.register_forward_hook(self._hook) if model is not None else None
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if module.training:
+            loss = _extract_loss(output)
+            if loss is not None:
+                self.add(loss)
+
+    def add(self, loss: torch.Tensor) -> None:
+        """Add one micro-batch's loss (for loops that compute the loss outside the model)."""
+        loss = loss.detach()
+        if loss.numel() != 1:  # DataParallel returns one loss per replica; Trainer averages them
+            loss = loss.float().mean()
+        loss = loss.reshape(())
+        self._sum = loss if self._sum is None else self._sum + loss
+        self.micro_batches += 1
+
+    def pop(self) -> torch.Tensor | None:
+        """The summed loss since the last `pop()` (a 0-d tensor), or `None`; resets the sum."""
+        total, self._sum, self.micro_batches = self._sum, None, 0
+        return total
+
+    def remove(self) -> None:
+        """Detach the hook (idempotent)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+# --------------------------------------------------------------------------- gradients
+def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Trainable LoRA parameters per LoRA layer, found by type (`peft.tuners.lora.LoraLayer`).
+
+    Returns an empty dict when peft is not installed or the model has no LoRA layer.
+    """
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft is optional
+        return {}
+    layers: dict[str, list[nn.Parameter]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        params = []
+        for attr in LoraLayer.adapter_layer_names:
+            sub = getattr(module, attr, None)
+            if isinstance(sub, nn.Module):
+                params.extend(p for p in sub.parameters() if p.requires_grad)
+        if params:
+            layers[name] = params
+    return layers
+
+
+class GradProbe:
+    """Global and per-LoRA-layer gradient norms, with each layer's own running level.
+
+    Call `measure()` once per optimizer step when the gradients are complete. The global
+    norm must be the *pre-clip* norm: either call `measure()` before clipping, or pass the
+    norm the clipping returned (`pre_clip_norm`, see `ClipNormRecorder`). Clipping scales
+    every gradient by the same factor, so the per-layer norms measured after clipping are
+    rescaled exactly by `pre_clip_norm / post_clip_norm`. With `pre_clip_norm` given and
+    no LoRA layer, nothing is computed at all.
+
+    Args:
+        model (`torch.nn.Module`): the model (a PEFT model for per-layer norms).
+        level_decay (`float`, *optional*, defaults to `0.9`): EMA decay of each layer's level.
+        warmup (`int`, *optional*, defaults to `3`): steps a layer needs before its ratio counts.
+        level_cap (`float`, *optional*, defaults to `2.0`): a value enters the running level
+            clipped to `level_cap` x the level, so a surge does not raise the bar it is judged by.
+
+    Example:
+        ```python
+        >>> probe = GradProbe(peft_model)
+        >>> loss.backward()
+        >>> fields = probe.frame_fields()   # grad_norm, lora_max_ratio, lora_max_layer, nonfinite
+        ```
+    """
+
+    def __init__(self, model: nn.Module, *, level_decay: float = 0.9, warmup: int = 3, level_cap: float = 2.0) -> None:
+        self.layers = find_lora_layers(model)
+        self.layer_names: list[str] = list(self.layers)
+        lora_ids = {id(p): i for i, ps in enumerate(self.layers.values()) for p in ps}
+        self._params: list[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
+        # Parameters of LoRA layers that are frozen (other adapters) still count in the layer set.
+        seen = {id(p) for p in self._params}
+        self._params += [p for ps in self.layers.values() for p in ps if id(p) not in seen]
+        n_layers = len(self.layer_names)
+        self._bucket = [lora_ids.get(id(p), n_layers) for p in self._params]
+        self.level_decay = level_decay
+        self.warmup = warmup
+        self.level_cap = level_cap
+        self.levels: dict[str, Ema] = {name: Ema(level_decay) for name in self.layer_names}
+        self._index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+    def measure(self, pre_clip_norm: float | torch.Tensor | None = None) -> tuple[float | None, dict[str, float]]:
+        """Return `(global_norm, {layer: norm})` for the gradients now in `.grad`.
+
+        Args:
+            pre_clip_norm (`float` or `torch.Tensor`, *optional*): the norm returned by the
+                clipping call of this step; per-layer norms are rescaled to pre-clip values.
+
+        Returns:
+            `tuple`: the pre-clip global L2 norm (`None` when no gradient exists; NaN/inf when
+            a gradient is not finite) and each LoRA layer's pre-clip L2 norm.
+        """
+        pre = float(pre_clip_norm) if pre_clip_norm is not None else None
+        if pre is not None and not self.layer_names:
+            return pre, {}
+        present = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
+        if not present:
+            return pre, {}
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+        for i, g in present:
+            groups.setdefault((g.device, g.dtype), []).append((i, g))
+        target = present[0][1].device
+        squares, order = [], []
+        for items in groups.values():
+            norms = torch._foreach_norm([g for _, g in items], 2.0)
+            squares.append(torch.stack([n.to(device=target, dtype=torch.float32) for n in norms]).square())
+            order.extend(self._bucket[i] for i, _ in items)
+        sq = torch.cat(squares)
+        n_layers = len(self.layer_names)
+        idx = self._index(target, tuple(order))
+        buckets = torch.zeros(n_layers + 1, device=target, dtype=torch.float32).index_add_(0, idx, sq)
+        values = torch.cat([sq.sum().reshape(1), buckets[:n_layers]]).sqrt().tolist()  # the one sync
+        post, layer_norms = values[0], values[1:]
+        if pre is not None and math.isfinite(post) and post > 0.0:
+            scale = pre / post
+            layer_norms = [v * scale for v in layer_norms]
+        return (pre if pre is not None else post), dict(zip(self.layer_names, layer_norms))
+
+    def _index(self, device: torch.device, order: tuple[int, ...]) -> torch.Tensor:
+        key = (device, order)
+        idx = self._index_cache.get(key)
+        if idx is None:
+            if len(self._index_cache) > 8:
+                self._index_cache.clear()
+            idx = self._index_cache[key] = torch.tensor(order, dtype=torch.long, device=device)
+        return idx
+
+    def observe(self, layer_norms: Mapping[str, float]) -> tuple[float | None, str | None]:
+        """Ratio of each layer's norm to its own running level, then fold the norms in.
+
+        Returns:
+            `tuple`: `(max_ratio, layer)`; `(None, None)` while no layer is warmed up. A
+            non-finite layer norm gives `(inf, layer)` and leaves the levels untouched.
+        """
+        best: tuple[float | None, str | None] = (None, None)
+        for name, norm in layer_norms.items():
+            level = self.levels.setdefault(name, Ema(self.level_decay))
+            if not math.isfinite(norm):
+                return math.inf, name
+            ref = level.value
+            if ref is not None and level.count >= self.warmup:
+                ratio = norm / max(ref, 1e-12)
+                if best[0] is None or ratio > best[0]:
+                    best = (ratio, name)
+            level.add(norm if ref is None else min(norm, self.level_cap * ref))
+        return best
+
+    def frame_fields(self, pre_clip_norm: float | torch.Tensor | None = None) -> dict[str, Any]:
+        """`measure()` + `observe()` as `SignalFrame` keyword arguments."""
+        global_norm, layer_norms = self.measure(pre_clip_norm)
+        ratio, layer = self.observe(layer_norms)
+        nonfinite = (global_norm is not None and not math.isfinite(global_norm)) or (
+            ratio is not None and not math.isfinite(ratio)
+        )
+        return {"grad_norm": global_norm, "lora_max_ratio": ratio, "lora_max_layer": layer, "nonfinite": nonfinite}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running per-layer levels (JSON-able), so a resumed run measures the same ratios."""
+        return {"levels": {name: ema.state_dict() for name, ema in self.levels.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for name, s in state.get("levels", {}).items():
+            ema = self.levels.setdefault(name, Ema(self.level_decay))
+            ema.load_state_dict(s)
+
+
+class ClipNormRecorder:
+    """Wraps a `clip_grad_norm_` method and keeps the pre-clip norm it returns.
+
+    `accelerator.clip_grad_norm_(params, max_norm)` (what `Trainer` calls) returns the
+    total norm *before* clipping; recording it gives the pre-clip norm without any extra
+    work and without the user writing code.
+
+    Args:
+        owner (`Any`): the object whose method is wrapped (e.g. an `accelerate.Accelerator`).
+        attr (`str`, *optional*, defaults to `"clip_grad_norm_"`): the method name.
+
+    Example:
+        ```python
+        >>> rec = ClipNormRecorder(trainer.accelerator)
+        >>> ...                          # training step clips as usual
+        >>> probe.frame_fields(pre_clip_norm=rec.pop())
+        >>> rec.remove()
+        ```
+    """
+
+    def __init__(self, owner: Any, attr: str = "clip_grad_norm_") -> None:
+        self.owner, self.attr = owner, attr
+        self._had_instance_attr = attr in getattr(owner, "__dict__", {})
+        self._original: Callable[..., Any] = getattr(owner, attr)
+        self.last: Any = None
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            norm = self._original(*args, **kwargs)
+            self.last = norm
+            return norm
+
+        self._wrapper = wrapper
+        setattr(owner, attr, wrapper)
+
+    def pop(self) -> Any:
+        """The norm recorded since the last `pop()` (tensor or float), or `None`."""
+        norm, self.last = self.last, None
+        return norm
+
+    def remove(self) -> None:
+        """Restore the original method (idempotent)."""
+        if getattr(self.owner, self.attr, None) is self._wrapper:
+            if self._had_instance_attr:
+                setattr(self.owner, self.attr, self._original)
+            else:
+                delattr(self.owner, self.attr)
+
+
+# --------------------------------------------------------------------------- memory
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def find_cgroup_dir(root: Path = DEFAULT_CGROUP_ROOT) -> Path | None:
+    """This process's cgroup v2 directory when it has a memory limit, else `None`."""
+    candidates = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                candidates.append(root / line[3:].lstrip("/"))
+    except OSError:
+        pass
+    candidates.append(root)
+    for path in candidates:
+        if _read_int(path / "memory.max") is not None:
+            return path
+    return None
+
+
+class MemoryProbe:
+    """Device and host memory in use, as fractions, sampled every `sample_every` steps.
+
+    Device: the larger of the CUDA caching allocator's reserved bytes and NVML's used bytes
+    (other processes and fragmentation included) over the device total. Host: the cgroup v2
+    working set (`memory.current - inactive_file`) over `memory.max` when the cgroup has a
+    limit (Kubernetes), else the machine's `(total - available) / total` from psutil.
+
+    Args:
+        sample_every (`int`, *optional*, defaults to `5`): steps between samples; sampling
+            every step is measurably slow with NVML.
+        cgroup_dir (`str` or `Path`, *optional*): cgroup v2 directory to read; `None` finds this
+            process's one; `False` never uses cgroups.
+        device (`int`, *optional*): CUDA device index; defaults to the current device.
+    """
+
+    def __init__(self, sample_every: int = 5, *, cgroup_dir: str | os.PathLike[str] | bool | None = None,
+                 device: int | None = None) -> None:
+        if sample_every < 1:
+            raise ValueError(f"sample_every={sample_every} is invalid: expected an integer >= 1.")
+        self.sample_every = sample_every
+        if cgroup_dir is False:
+            self.cgroup_dir: Path | None = None
+        elif cgroup_dir is None or cgroup_dir is True:
+            self.cgroup_dir = find_cgroup_dir()
+        else:
+            self.cgroup_dir = Path(cgroup_dir)
+        self.device = device
+        self._nvml_handle: Any = None
+        self._nvml_failed = False
+
+    def sample(self, step: int) -> tuple[float | None, float | None]:
+        """`(device_frac, host_frac)` on steps divisible by `sample_every`, else `(None, None)`."""
+        if step % self.sample_every:
+            return None, None
+        return self.read()
+
+    def read(self) -> tuple[float | None, float | None]:
+        """Sample now: `(device_frac, host_frac)`; `None` for what cannot be measured."""
+        return self.device_fraction(), self.host_fraction()
+
+    def host_fraction(self) -> float | None:
+        if self.cgroup_dir is not None:
+            limit = _read_int(self.cgroup_dir / "memory.max")  # "max" (no limit) reads as None
+            current = _read_int(self.cgroup_dir / "memory.current")
+            if limit and current is not None:
+                return max(0.0, current - self._inactive_file()) / limit
+        try:
+            import psutil
+        except ImportError:
+            return None
+        vm = psutil.virtual_memory()
+        return (vm.total - vm.available) / vm.total
+
+    def _inactive_file(self) -> int:
+        # Page cache the kernel can drop does not count toward an OOM kill (kubelet's working set).
+        assert self.cgroup_dir is not None
+        try:
+            for line in (self.cgroup_dir / "memory.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "inactive_file":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def device_fraction(self) -> float | None:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        dev = torch.cuda.current_device() if self.device is None else self.device
+        total = torch.cuda.get_device_properties(dev).total_memory
+        frac = torch.cuda.memory_reserved(dev) / total
+        used = self._nvml_used(dev)
+        return max(frac, used / total) if used is not None else frac
+
+    def _nvml_used(self, dev: int) -> int | None:
+        if self._nvml_failed:
+            return None
+        try:
+            import pynvml
+
+            if self._nvml_handle is None:
+                pynvml.nvmlInit()
+                uuid = str(torch.cuda.get_device_properties(dev).uuid)
+                self._nvml_handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            return int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle).used)
+        except Exception as e:  # NVML missing or unusable (containers): the allocator view remains
+            logger.debug("NVML unavailable (%s); using the CUDA allocator only", e)
+            self._nvml_failed = True
+            return None
+
+
+# --------------------------------------------------------------------------- preemption
+class PreemptionFlag:
+    """Signal handlers that only set a flag; the save happens at the next step boundary.
+
+    Any previous Python handler is chained (called after the flag is set), so a
+    framework's own handler keeps working. The default action (terminate) is *not*
+    chained: not dying immediately is the point. `install()` and `uninstall()` are
+    idempotent; handlers can only be installed from the main thread.
+
+    Args:
+        signals (`Iterable[str | int]`, *optional*, defaults to `("SIGTERM", "SIGUSR1")`).
+
+    Example:
+        ```python
+        >>> flag = PreemptionFlag()
+        >>> flag.install()
+        >>> if flag.is_set: ...   # at a step boundary: save once, then exit
+        >>> flag.uninstall()
+        ```
+    """
+
+    def __init__(self, signals: Iterable[str | int] = ("SIGTERM", "SIGUSR1")) -> None:
+        self.signals = [signal.Signals[s] if isinstance(s, str) else signal.Signals(s) for s in signals]
+        self._previous: dict[signal.Signals, Any] = {}
+        self._event = threading.Event()
+        self.signum: int | None = None
+
+    @property
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def set(self, signum: int | None = None) -> None:
+        """Raise the flag by hand (e.g. from a scheduler's HTTP notice)."""
+        self.signum = signum
+        self._event.set()
+
+    def clear(self) -> None:
+        self.signum = None
+        self._event.clear()
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        # No logging here: a handler may interrupt code that holds the logging lock.
+        self.set(signum)
+        previous = self._previous.get(signal.Signals(signum))
+        if callable(previous):
+            previous(signum, frame)
+
+    def install(self) -> bool:
+        """Install the handlers; returns `False` (and logs) when not on the main thread."""
+        if self._previous:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("PreemptionFlag.install() called off the main thread: preemption signals are not watched.")
+            return False
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return True
+
+    def uninstall(self) -> None:
+        """Put the previous handlers back where ours is still the active one (idempotent)."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handler:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            else:
+                logger.debug("handler of %s was replaced after install; leaving it", sig.name)
+        self._previous = {}
+
+    def __enter__(self) -> PreemptionFlag:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()

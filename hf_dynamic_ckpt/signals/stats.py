@@ -1,0 +1,170 @@
+"""Rolling and robust statistics for the policy, all JSON-serialisable for exact resume.
+
+Robust statistics (median / MAD) are used instead of mean / std because the values
+they summarise are exactly the ones that contain outliers (loss spikes, gradient
+surges): a single spike must not move the level it is compared against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+MAD_TO_STD = 1.4826
+"""Scale factor turning a median absolute deviation into a normal standard deviation."""
+
+
+class RollingWindow:
+    """The last `maxlen` finite values with robust summaries.
+
+    Args:
+        maxlen (`int`): number of values kept.
+
+    Example:
+        ```python
+        >>> w = RollingWindow(5)
+        >>> for v in [1.0, 2.0, 3.0, 100.0]:
+        ...     w.add(v)
+        >>> w.median()
+        2.5
+        ```
+    """
+
+    def __init__(self, maxlen: int) -> None:
+        if maxlen < 1:
+            raise ValueError(f"maxlen={maxlen} is invalid: expected an integer >= 1.")
+        self.maxlen = maxlen
+        self._values: deque[float] = deque(maxlen=maxlen)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def add(self, value: float) -> bool:
+        """Append `value` if it is finite; returns whether it was kept."""
+        if value is None or not math.isfinite(value):
+            return False
+        self._values.append(float(value))
+        return True
+
+    @property
+    def values(self) -> list[float]:
+        return list(self._values)
+
+    def last(self) -> float | None:
+        return self._values[-1] if self._values else None
+
+    def median(self) -> float | None:
+        return statistics.median(self._values) if self._values else None
+
+    def mad(self) -> float | None:
+        """Median absolute deviation from the median (unscaled)."""
+        med = self.median()
+        if med is None:
+            return None
+        return statistics.median(abs(v - med) for v in self._values)
+
+    def robust_z(self, value: float, *, rel_floor: float = 0.0) -> float | None:
+        """How many robust standard deviations `value` lies above the window's median.
+
+        The scale is `max(1.4826 * MAD, rel_floor * |median|)`, so a nearly constant
+        series does not turn a tiny wobble into a huge z-score.
+        """
+        if len(self._values) < 2 or not math.isfinite(value):
+            return None
+        med = self.median()
+        assert med is not None
+        scale = max(MAD_TO_STD * (self.mad() or 0.0), rel_floor * abs(med), 1e-12)
+        return (value - med) / scale
+
+    def diff_noise(self) -> float | None:
+        """Robust standard deviation of the step-to-step noise, ignoring a linear trend.
+
+        Computed from first differences (MAD of the differences / sqrt(2)), so a loss that
+        falls steadily is not mistaken for an unstable one.
+        """
+        if len(self._values) < 3:
+            return None
+        vals = list(self._values)
+        diffs = [b - a for a, b in itertools.pairwise(vals)]
+        med = statistics.median(diffs)
+        mad = statistics.median(abs(d - med) for d in diffs)
+        return MAD_TO_STD * mad / math.sqrt(2.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"maxlen": self.maxlen, "values": list(self._values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.maxlen = int(state["maxlen"])
+        self._values = deque((float(v) for v in state["values"]), maxlen=self.maxlen)
+
+
+class Ema:
+    """Exponential moving average with bias correction (Adam style), JSON-serialisable.
+
+    Args:
+        decay (`float`): weight of the old value, in [0, 1).
+    """
+
+    def __init__(self, decay: float) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay={decay} is invalid: expected 0 <= decay < 1.")
+        self.decay = decay
+        self._raw = 0.0
+        self.count = 0
+
+    def add(self, value: float | None) -> bool:
+        """Fold in `value` if it is finite; returns whether it was used."""
+        if value is None or not math.isfinite(value):
+            return False
+        self._raw = self.decay * self._raw + (1.0 - self.decay) * float(value)
+        self.count += 1
+        return True
+
+    @property
+    def value(self) -> float | None:
+        if self.count == 0:
+            return None
+        return self._raw / (1.0 - self.decay**self.count)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "raw": self._raw, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decay = float(state["decay"])
+        self._raw = float(state["raw"])
+        self.count = int(state["count"])
+
+
+def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least-squares line through `(x, y)` points: returns `(slope, intercept)`.
+
+    `None` with fewer than two points or when all `x` are equal.
+    """
+    n = len(points)
+    if n < 2:
+        return None
+    mx = sum(p[0] for p in points) / n
+    my = sum(p[1] for p in points) / n
+    sxx = sum((p[0] - mx) ** 2 for p in points)
+    if sxx == 0.0:
+        return None
+    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx
+    return slope, my - slope * mx
+
+
+def ramp(value: float, lo: float, hi: float) -> float:
+    """0 at or below `lo`, 1 at or above `hi`, linear in between (`hi > lo`)."""
+    if value <= lo:
+        return 0.0
+    if value >= hi:
+        return 1.0
+    return (value - lo) / (hi - lo)
+
+
+def finite(values: Iterable[float | None]) -> list[float]:
+    """The finite, non-`None` values of `values`."""
+    return [float(v) for v in values if v is not None and math.isfinite(v)]
