@@ -1,0 +1,274 @@
+"""L1: flatten/unflatten of optimizer-like state and the zstd tensor container."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hf_dynamic_ckpt import toy
+from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
+from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.tensorpack import (
+    flatten_state,
+    read_header,
+    read_tensor_file,
+    resolve_threads,
+    unflatten_state,
+    write_tensor_file,
+)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def assert_identical(a: Any, b: Any, path: str = "") -> None:
+    """Deep equality that also checks types (int vs bool vs float, tuple vs list) and NaN."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert _same(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert type(k) is type(next(kk for kk in b if kk == k)), f"{path}: key {k!r}"
+            assert_identical(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{path}/{i}")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), path
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, path
+
+
+def _json_round_trip(structure: Any) -> Any:
+    return json.loads(json.dumps(structure, allow_nan=False))  # strict JSON: jq can read it
+
+
+def _round_trip(obj: Any, tmp_path: Path, **kw: Any) -> Any:
+    structure, tensors = flatten_state(obj)
+    write_tensor_file(tensors, tmp_path / "t.zst", **kw)
+    return unflatten_state(_json_round_trip(structure), read_tensor_file(tmp_path / "t.zst"))
+
+
+def test_flatten_round_trip_keeps_every_python_type(tmp_path: Path) -> None:
+    obj = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)}, 7: {}},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False,
+                          "foreach": None, "params": [0, 7], "weird": [1, [2, (3, [4.5])]]}],
+        "floats": [float("inf"), float("-inf"), float("nan"), -0.0, 1.0, 5e-324],
+        "big": 2**70, "flag": True, "zero": 0,
+        "__dunder__": "kept", ("tuple", 1): "tuple key", 2.5: "float key", None: "none key",
+        "bytes": b"\x00\xff", "dtype": torch.bfloat16,
+        "np_scalar": np.float32(1.5), "np_int": np.int64(-3), "np_array": np.arange(5, dtype=np.int16),
+        "empty": {"list": [], "tuple": (), "dict": {}},
+        "scalar_int": torch.tensor(7, dtype=torch.int64),
+    }
+    back = _round_trip(obj, tmp_path)
+    assert_identical(obj, back)
+
+
+def test_plain_str_dicts_stay_plain_json() -> None:
+    structure, tensors = flatten_state({"lr": 0.1, "last_epoch": 3, "_last_lr": [0.1]})
+    assert structure == {"lr": 0.1, "last_epoch": 3, "_last_lr": [0.1]} and tensors == {}
+    structure, _ = flatten_state({0: "a"})
+    assert structure == {"__dict__": [[0, "a"]]}
+
+
+def test_tensor_names_are_paths_and_unique() -> None:
+    _, tensors = flatten_state({"state": {0: {"exp_avg": torch.ones(1)}}, "a/b": torch.ones(1), "a": {"b": torch.ones(1)}})
+    assert list(tensors) == ["state/0/exp_avg", "a/b", "a/b#1"]
+
+
+def test_unsupported_value_names_its_path() -> None:
+    with pytest.raises(SaveError, match=r"State value at 'lr_lambdas/0' is a builtins.function"):
+        flatten_state({"lr_lambdas": [lambda step: 1.0]})
+
+
+def test_missing_tensor_or_bad_tag_is_corrupt() -> None:
+    with pytest.raises(CorruptCheckpointError, match=r"refers to tensor 'x'"):
+        unflatten_state({"a": {"__tensor__": "x"}}, {})
+    with pytest.raises(CorruptCheckpointError, match=r"Malformed __float__ entry"):
+        unflatten_state({"__float__": "1.5"}, {})
+
+
+def _trained_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, torch.amp.GradScaler]:
+    torch.manual_seed(0)
+    model = toy.tiny_qwen2(seed=0, hidden_size=32, num_layers=1, vocab_size=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (2, 16))
+        loss = model(input_ids=ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched, scaler
+
+
+def test_real_adamw_scheduler_scaler_round_trip_bit_exact(tmp_path: Path) -> None:
+    model, opt, sched, scaler = _trained_state()
+    full = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "scaler": scaler.state_dict()}
+    back = _round_trip(full, tmp_path)
+    assert_identical(full, back)
+    assert isinstance(back["optimizer"]["state"][0]["step"], torch.Tensor)
+    assert back["optimizer"]["state"][0]["step"].dim() == 0
+
+    # A fresh optimizer (empty state, same weights) loaded from it takes exactly the same next step.
+    model2 = toy.tiny_qwen2(seed=5, hidden_size=32, num_layers=1, vocab_size=128)
+    model2.load_state_dict(model.state_dict())
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (1 + s))
+    scaler2 = torch.amp.GradScaler("cpu")
+    opt2.load_state_dict(back["optimizer"])
+    sched2.load_state_dict(back["scheduler"])
+    scaler2.load_state_dict(back["scaler"])
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(9))
+    for m, o, s in ((model, opt, scaler), (model2, opt2, scaler2)):
+        s.scale(m(input_ids=ids, labels=ids).loss).backward()
+        s.step(o)
+        s.update()
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        assert _same(p.detach(), p2.detach())
+
+
+_DT = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+       torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.complex64,
+       torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _many_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    out: dict[str, torch.Tensor] = {}
+    for dtype in _DT:
+        base = torch.randn(7, 5, generator=g) * 20
+        out[str(dtype)] = base.to(torch.complex64).to(dtype) if dtype.is_complex else base.to(dtype)
+    out["empty"] = torch.zeros(0, 3, dtype=torch.bfloat16)
+    out["zero_dim"] = torch.tensor(4.0)
+    out["one"] = torch.tensor([1.5], dtype=torch.float16)
+    out["non_contiguous"] = torch.randn(6, 4, generator=g).t()
+    out["special"] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-45])
+    return out
+
+
+@pytest.mark.parametrize(("byte_group", "threads", "level"), [(True, 0, 3), (False, 1, 3), (True, 1, 1), (True, 2, 19)])
+def test_container_round_trip_every_dtype(tmp_path: Path, byte_group: bool, threads: int, level: int) -> None:
+    tensors = _many_tensors()
+    path = tmp_path / "t.zst"
+    entry = write_tensor_file(tensors, path, byte_group=byte_group, threads=threads, level=level)
+    assert entry == {"size": path.stat().st_size, "checksum": file_checksum(path), "tier": "optimizer", "rank": None}
+    back = read_tensor_file(path)
+    assert list(back) == list(tensors)
+    for k, t in tensors.items():
+        assert _same(back[k], t.contiguous()), k
+    header, _, _ = read_header(path)
+    flags = {e["name"]: e["byte_grouped"] for e in header["tensors"]}
+    grouped = {k for k, v in flags.items() if v}
+    expected = {"torch.float32", "torch.float16", "torch.bfloat16", "torch.float64", "non_contiguous", "special"}
+    assert grouped == (expected if byte_group else set())
+    assert header["level"] == level
+
+
+def test_byte_grouping_shrinks_real_adamw_state(tmp_path: Path) -> None:
+    _, opt, _, _ = _trained_state()
+    _, tensors = flatten_state(opt.state_dict())
+    a = write_tensor_file(tensors, tmp_path / "g.zst", byte_group=True)
+    b = write_tensor_file(tensors, tmp_path / "p.zst", byte_group=False)
+    raw = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert a["size"] < b["size"] < raw
+
+
+def test_unsupported_dtype_and_layout_rejected(tmp_path: Path) -> None:
+    with pytest.raises(SaveError, match=r"Tensor 'q' has dtype torch.complex32, which the L1 container does not support"):
+        write_tensor_file({"q": torch.zeros(2, dtype=torch.complex32)}, tmp_path / "x")
+    with pytest.raises(SaveError, match=r"Tensor 's' has layout torch.sparse_coo"):
+        write_tensor_file({"s": torch.eye(2).to_sparse()}, tmp_path / "x")
+    with pytest.raises(SaveError, match=r"threads=-2 is invalid"):
+        write_tensor_file({"a": torch.ones(1)}, tmp_path / "x", threads=-2)
+
+
+def test_resolve_threads() -> None:
+    assert resolve_threads(1) == 0
+    assert resolve_threads(4) == 4
+    assert resolve_threads(0) == resolve_threads(-1) >= 0
+
+
+def _small_file(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    tensors = {"exp_avg": torch.randn(40, generator=g), "step": torch.tensor(5.0),
+               "ids": torch.arange(10), "half": torch.randn(16, generator=g).half()}
+    path = tmp_path / "c.zst"
+    write_tensor_file(tensors, path, threads=1)
+    return path, tensors
+
+
+def test_every_flipped_byte_is_an_error_or_harmless(tmp_path: Path) -> None:
+    path, tensors = _small_file(tmp_path)
+    good = path.read_bytes()
+    detected = 0
+    for i in range(len(good)):
+        bad = bytearray(good)
+        bad[i] ^= 0x04
+        path.write_bytes(bad)
+        try:
+            back = read_tensor_file(path)
+        except CorruptCheckpointError:
+            detected += 1
+            continue
+        # Not detected: must be a bit that carries no information, never wrong tensors.
+        assert all(_same(back[k], t) for k, t in tensors.items()), f"wrong tensors after flipping byte {i}"
+    assert detected >= len(good) - 8  # only a few zstd frame-descriptor bits are don't-care
+
+
+def test_truncation_extension_and_missing_file(tmp_path: Path) -> None:
+    path, _ = _small_file(tmp_path)
+    good = path.read_bytes()
+    for n in range(len(good)):
+        path.write_bytes(good[:n])
+        with pytest.raises(CorruptCheckpointError):
+            read_tensor_file(path)
+    path.write_bytes(good + b"\0")
+    with pytest.raises(CorruptCheckpointError, match="truncated or has extra bytes"):
+        read_tensor_file(path)
+    path.unlink()
+    with pytest.raises(CorruptCheckpointError, match="is missing"):
+        read_tensor_file(path)
+
+
+def test_specific_corruptions_give_specific_messages(tmp_path: Path) -> None:
+    path, _ = _small_file(tmp_path)
+    good = path.read_bytes()
+    bad = bytearray(good)
+    bad[0] ^= 1
+    path.write_bytes(bad)
+    with pytest.raises(CorruptCheckpointError, match="is not an hf_dynamic_ckpt tensor file"):
+        read_tensor_file(path)
+    bad = bytearray(good)
+    bad[30] ^= 1  # inside the JSON header
+    path.write_bytes(bad)
+    with pytest.raises(CorruptCheckpointError, match=r"damaged header \(CRC mismatch\)"):
+        read_tensor_file(path)
+    bad = bytearray(good)
+    bad[-30] ^= 1  # inside the compressed data
+    path.write_bytes(bad)
+    with pytest.raises(CorruptCheckpointError, match="failed decompression or its checksum"):
+        read_tensor_file(path)

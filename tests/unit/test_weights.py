@@ -1,0 +1,255 @@
+"""L0 weights: safetensors bytes, tied weights, dedup blobs, errors."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hf_dynamic_ckpt import toy
+from hf_dynamic_ckpt.constants import WEIGHTS_NAME
+from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
+from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.types import BlobRef
+from hf_dynamic_ckpt.store.weights import (
+    _DTYPES,
+    ALIASES_METADATA_KEY,
+    blob_path,
+    load_weights,
+    save_weights,
+    tensor_digest,
+    verify_blob,
+)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (dtype, shape, bytes), NaN-safe."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _header(path: Path) -> dict:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n])
+
+
+def _all_dtypes() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for i, dtype in enumerate(_DTYPES):
+        base = torch.randn(3, 5, generator=g) * 50
+        out[f"layer.{i}.w"] = base.to(torch.complex64).to(dtype) if dtype.is_complex else base.to(dtype)
+    out["b.empty"] = torch.zeros(0, 4)
+    out["a.scalar"] = torch.tensor(2.5, dtype=torch.bfloat16)
+    out["z.nan_inf"] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])
+    out["ü.non_ascii"] = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    return out
+
+
+def test_bytes_equal_safetensors_save_file_for_every_dtype(tmp_path: Path) -> None:
+    tensors = _all_dtypes()
+    rec = save_weights(tensors, tmp_path, blobs_dir=None)
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    ours = tmp_path / WEIGHTS_NAME
+    assert ours.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    entry = rec.files[WEIGHTS_NAME]
+    assert entry["size"] == ours.stat().st_size
+    assert entry["checksum"] == file_checksum(ours)
+    assert entry["tier"] == "weights"
+    assert rec.blobs == {} and rec.digests == {}
+    loaded = load_weights(tmp_path, {}, blobs_dir=tmp_path / "blobs")
+    assert loaded.keys() == tensors.keys()
+    for key, t in tensors.items():
+        assert _same(loaded[key], t), key
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_round_trip_mmap_modes_and_non_contiguous(tmp_path: Path, mmap: bool) -> None:
+    base = torch.randn(4, 6)
+    tensors = {"t": base.t(), "slice": base[:, ::2], "bf": base.to(torch.bfloat16).t()}
+    assert not tensors["t"].is_contiguous()
+    save_weights(tensors, tmp_path, blobs_dir=None)
+    loaded = load_weights(tmp_path, {}, blobs_dir=tmp_path / "blobs", mmap=mmap)
+    for key, t in tensors.items():
+        assert _same(loaded[key], t.contiguous()), key
+        assert loaded[key].is_contiguous()
+    # Writing to a loaded tensor must never reach the file (copy-on-write or owned memory).
+    loaded["t"].add_(1.0)
+    again = load_weights(tmp_path, {}, blobs_dir=tmp_path / "blobs", mmap=mmap)
+    assert _same(again["t"], tensors["t"].contiguous())
+
+
+def test_lora_adapter_is_a_drop_in_adapter_model_safetensors(tmp_path: Path) -> None:
+    from peft import get_peft_model_state_dict
+
+    model = toy.lora(toy.tiny_qwen2(seed=1), r=4)
+    with torch.no_grad():  # lora_B starts at zero; make every tensor distinct
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
+    adapter = get_peft_model_state_dict(model)
+    assert len(adapter) == 8 and all("lora_" in k for k in adapter)
+    save_weights(adapter, tmp_path, blobs_dir=None)
+    model.save_pretrained(tmp_path / "peft")
+    assert (tmp_path / WEIGHTS_NAME).read_bytes() == (tmp_path / "peft" / "adapter_model.safetensors").read_bytes()
+
+
+def test_tied_weights_stored_once_and_realiased(tmp_path: Path) -> None:
+    model = toy.tiny_qwen2(seed=2, tie_word_embeddings=True)
+    sd = model.state_dict()
+    emb, head = "model.embed_tokens.weight", "lm_head.weight"
+    assert sd[emb].data_ptr() == sd[head].data_ptr()  # precondition: real shared storage
+    save_weights(sd, tmp_path, blobs_dir=None)
+    header = _header(tmp_path / WEIGHTS_NAME)
+    assert emb in header and head not in header
+    assert json.loads(header["__metadata__"][ALIASES_METADATA_KEY]) == {head: emb}
+    loaded = load_weights(tmp_path, {}, blobs_dir=tmp_path / "blobs")
+    assert loaded.keys() == sd.keys()
+    assert loaded[head] is loaded[emb]
+    for key, t in sd.items():
+        assert _same(loaded[key], t), key
+    # Loads into a fresh tied model with nothing missing.
+    fresh = toy.tiny_qwen2(seed=3, tie_word_embeddings=True)
+    result = fresh.load_state_dict(loaded, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert _same(fresh.lm_head.weight.detach(), sd[head])
+
+
+def test_views_of_one_storage_that_differ_are_stored_separately(tmp_path: Path) -> None:
+    fused = torch.randn(6, 4)
+    tensors = {"q": fused[:2], "k": fused[2:4], "whole": fused}
+    save_weights(tensors, tmp_path, blobs_dir=None)
+    assert ALIASES_METADATA_KEY not in _header(tmp_path / WEIGHTS_NAME)["__metadata__"]
+    loaded = load_weights(tmp_path, {}, blobs_dir=tmp_path)
+    for key, t in tensors.items():
+        assert _same(loaded[key], t), key
+
+
+def test_dedup_writes_blob_once_and_blobref_writes_nothing(tmp_path: Path) -> None:
+    blobs = tmp_path / "blobs"
+    frozen = torch.randn(32, 16)
+    live = torch.randn(4, 16)
+    d1, d2, d3 = (tmp_path / f"s{i}" for i in range(3))
+    for d in (d1, d2, d3):
+        d.mkdir()
+    rec1 = save_weights({"frozen": frozen, "live": live}, d1, blobs_dir=blobs, dedup_keys={"frozen"})
+    digest = tensor_digest(frozen)
+    assert rec1.blobs == {"frozen": {"digest": digest, "dtype": "float32", "shape": [32, 16],
+                                     "size": blob_path(blobs, digest).stat().st_size}}
+    assert rec1.digests == {"frozen": BlobRef(digest, "float32", (32, 16))}
+    assert set(_header(d1 / WEIGHTS_NAME)) == {"__metadata__", "live"}
+    stat1 = blob_path(blobs, digest).stat()
+
+    # Same tensor again in dedup_keys: blob not rewritten. BlobRef: nothing written.
+    rec2 = save_weights({"frozen": frozen.clone(), "live": live}, d2, blobs_dir=blobs, dedup_keys={"frozen"})
+    rec3 = save_weights({"frozen": rec1.digests["frozen"], "live": live}, d3, blobs_dir=blobs)
+    stat_after = blob_path(blobs, digest).stat()
+    assert (stat_after.st_ino, stat_after.st_mtime_ns) == (stat1.st_ino, stat1.st_mtime_ns)
+    assert sorted(p.name for p in blobs.iterdir()) == [f"{digest}.safetensors"]
+    assert rec2.blobs == rec1.blobs == rec3.blobs
+    for d, rec in ((d1, rec1), (d2, rec2), (d3, rec3)):
+        loaded = load_weights(d, rec.blobs, blobs_dir=blobs)
+        assert _same(loaded["frozen"], frozen) and _same(loaded["live"], live)
+    assert verify_blob(blobs, rec1.blobs["frozen"]) == []
+
+
+def test_tied_and_frozen_embedding_goes_to_one_blob(tmp_path: Path) -> None:
+    sd = toy.tiny_qwen2(seed=4, tie_word_embeddings=True).state_dict()
+    emb, head = "model.embed_tokens.weight", "lm_head.weight"
+    rec = save_weights(sd, tmp_path, blobs_dir=tmp_path / "blobs", dedup_keys={emb, head})
+    assert list(rec.blobs) == [emb]
+    assert len(list((tmp_path / "blobs").iterdir())) == 1
+    loaded = load_weights(tmp_path, rec.blobs, blobs_dir=tmp_path / "blobs")
+    assert loaded[head] is loaded[emb] and _same(loaded[head], sd[head])
+    assert loaded.keys() == sd.keys()
+
+
+def test_tensor_digest_depends_on_bytes_dtype_and_shape() -> None:
+    t = torch.arange(12, dtype=torch.float32)
+    assert tensor_digest(t) == tensor_digest(t.clone())
+    assert tensor_digest(t) != tensor_digest(t.reshape(3, 4))
+    assert tensor_digest(t) != tensor_digest(t.view(torch.int32))
+    bumped = t.clone()
+    bumped[7] = torch.nextafter(bumped[7], torch.tensor(100.0))
+    assert tensor_digest(t) != tensor_digest(bumped)
+    assert tensor_digest(t.reshape(3, 4).t()) == tensor_digest(t.reshape(3, 4).t().contiguous())
+
+
+def test_missing_blob_on_load_names_key_and_path(tmp_path: Path) -> None:
+    blobs = tmp_path / "blobs"
+    rec = save_weights({"w": torch.ones(3)}, tmp_path, blobs_dir=blobs, dedup_keys={"w"})
+    path = blob_path(blobs, rec.blobs["w"]["digest"])
+    path.unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"Weight 'w' is stored in blob .*missing") as exc:
+        load_weights(tmp_path, rec.blobs, blobs_dir=blobs)
+    assert str(path) in str(exc.value)
+    assert verify_blob(blobs, rec.blobs["w"]) == [f"blob {path} is missing"]
+
+
+def test_blob_with_wrong_content_is_caught(tmp_path: Path) -> None:
+    blobs = tmp_path / "blobs"
+    rec = save_weights({"w": torch.arange(64, dtype=torch.float32)}, tmp_path, blobs_dir=blobs, dedup_keys={"w"})
+    path = blob_path(blobs, rec.blobs["w"]["digest"])
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x10
+    path.write_bytes(raw)
+    assert verify_blob(blobs, rec.blobs["w"]) == [f"blob {path} content does not match its digest (corrupt)"]
+    wrong_shape = {"w": {**rec.blobs["w"], "shape": [8, 8]}}
+    with pytest.raises(CorruptCheckpointError, match=r"holds float32\[64\], but the manifest records float32\[8, 8\]"):
+        load_weights(tmp_path, wrong_shape, blobs_dir=blobs)
+
+
+def test_save_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(SaveError, match=r"Weight 'c' has dtype complex128, which safetensors cannot store"):
+        save_weights({"c": torch.zeros(2, dtype=torch.complex128)}, tmp_path, blobs_dir=None)
+    with pytest.raises(SaveError, match=r"Weight 'x' is a list, expected a torch.Tensor or BlobRef"):
+        save_weights({"x": [1, 2]}, tmp_path, blobs_dir=None)  # type: ignore[dict-item]
+    with pytest.raises(SaveError, match=r"blobs_dir=None"):
+        save_weights({"x": torch.ones(1)}, tmp_path, blobs_dir=None, dedup_keys={"x"})
+    ref = BlobRef("0" * 64, "float32", (1,))
+    with pytest.raises(SaveError, match=r"Weight 'x' was passed as BlobRef\(000000000000...\) but .* does not exist"):
+        save_weights({"x": ref}, tmp_path, blobs_dir=tmp_path / "blobs")
+    with pytest.raises(SaveError, match=r"layout torch.sparse_coo"):
+        save_weights({"s": torch.eye(2).to_sparse()}, tmp_path, blobs_dir=None)
+
+
+def test_corrupt_or_missing_weights_file_raises(tmp_path: Path) -> None:
+    with pytest.raises(CorruptCheckpointError, match="is missing"):
+        load_weights(tmp_path, {}, blobs_dir=tmp_path)
+    save_weights({"w": torch.randn(10, 10)}, tmp_path, blobs_dir=None)
+    path = tmp_path / WEIGHTS_NAME
+    good = path.read_bytes()
+    path.write_bytes(good[:-7])  # truncated data
+    with pytest.raises(CorruptCheckpointError, match="not a readable safetensors file"):
+        load_weights(tmp_path, {}, blobs_dir=tmp_path)
+    path.write_bytes(good[:20])  # truncated header
+    with pytest.raises(CorruptCheckpointError, match="not a readable safetensors file"):
+        load_weights(tmp_path, {}, blobs_dir=tmp_path)
+    bad = bytearray(good)
+    bad[9] = ord("!")  # JSON syntax destroyed
+    path.write_bytes(bad)
+    with pytest.raises(CorruptCheckpointError, match="not a readable safetensors file"):
+        load_weights(tmp_path, {}, blobs_dir=tmp_path)
+
+
+def test_alias_to_unknown_key_is_corrupt(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, str(tmp_path / WEIGHTS_NAME),
+              metadata={"format": "pt", ALIASES_METADATA_KEY: json.dumps({"b": "nope"})})
+    with pytest.raises(CorruptCheckpointError, match=r"Weight 'b' aliases 'nope', which is not stored"):
+        load_weights(tmp_path, {}, blobs_dir=tmp_path)
+
+
+def test_written_file_is_readable_by_safe_open_with_metadata(tmp_path: Path) -> None:
+    save_weights({"w": torch.ones(2, 2)}, tmp_path, blobs_dir=None)
+    with safe_open(str(tmp_path / WEIGHTS_NAME), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert list(f.keys()) == ["w"]
