@@ -34,7 +34,7 @@ from typing import Any
 
 from ..config import EngineMode
 from ..constants import ALL_TIERS, KEY_BLOBS, Tier
-from ..errors import ConfigError, SaveError
+from ..errors import ConfigError, DynamicCkptError, SaveError
 from ..store.types import BlobRef, CheckpointInfo
 from .snapshot import Snapshot, Snapshotter, StateSources, state_dict_tensor_bytes
 from .staging import StagingMode, StagingPlan, env_cgroup_dir, host_headroom, plan_staging
@@ -139,8 +139,15 @@ class _ThreadWriter:
             self._thread.join()
 
 
+_STORE_ARGS = ("root", "task_id", "rank", "world_size", "session_id", "compression_level", "compression_threads",
+               "rank_timeout_s")
+
+
 def _store_spec(store: Any) -> dict[str, Any]:
-    return {name: getattr(store, name) for name in store.__init__.__code__.co_varnames if hasattr(store, name)}
+    """Constructor arguments that rebuild `store` in a writer process (same session, no cleanup)."""
+    spec = {name: getattr(store, name) for name in _STORE_ARGS if hasattr(store, name)}
+    spec["cleanup"] = False  # the parent's store already cleaned up; the child only writes
+    return spec
 
 
 class SaveEngine:
@@ -445,10 +452,11 @@ class SaveEngine:
             handle.write_ms = (time.perf_counter() - start) * 1e3
             restore = (f"step {self._last_committed.step}" if self._last_committed is not None
                        else "none written by this engine")
+            detail = str(e).rstrip(".") if isinstance(e, DynamicCkptError) else f"{type(e).__name__}: {e}"
             error = SaveError(
-                f"save of step {handle.step} ({handle.reason}) failed: {type(e).__name__}: {e}. Nothing of it was "
-                f"committed; the previous checkpoint ({restore}) stays the restore point. Free disk space or fix "
-                "the store directory's permissions; training continues."
+                f"save of step {handle.step} ({handle.reason}) failed: {detail}. Nothing of it was committed; the "
+                f"previous checkpoint ({restore}) stays the restore point. Free disk space or fix the store "
+                "directory's permissions; training continues."
             )
             error.__cause__ = e
             logger.error("%s", error)

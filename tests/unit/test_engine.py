@@ -1,0 +1,297 @@
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+
+import pytest
+import torch
+
+from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
+from hf_dynamic_ckpt.engine import OnBusy, SaveEngine, SaveHandle, StateSources
+from hf_dynamic_ckpt.engine.staging import Headroom
+from hf_dynamic_ckpt.errors import ConfigError, SaveError
+from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store.checksum import HashingWriter
+
+RNG = {"python": "fixed", "torch": [1, 2, 3]}
+
+
+def _model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    _step(model, opt, sched)
+    return model, opt, sched
+
+
+def _step(model, opt, sched=None):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if sched is not None:
+        sched.step()
+
+
+def _sources(model, opt, sched=None, **kw):
+    return StateSources(weights=model.state_dict, optimizer=opt, scheduler=sched, **kw)
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+def _assert_state_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for k in a:
+            _assert_state_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_state_equal(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+class _GatedSave:
+    """Holds `store.save` until released, to observe what happens while a write is in flight."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self._orig = store.save
+        store.save = self  # type: ignore[method-assign]
+
+    def __call__(self, *args, **kwargs):
+        self.entered.set()
+        self.gate.wait()
+        return self._orig(*args, **kwargs)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = CheckpointStore(tmp_path / "ckpt")
+    yield s
+    s.close()
+
+
+def test_save_returns_before_write_and_later_steps_do_not_leak_into_it(store):
+    model, opt, sched = _model()
+    gated = _GatedSave(store)
+    expected = {"w": _clone(model.state_dict()), "o": _clone(opt.state_dict()), "s": _clone(sched.state_dict())}
+    with SaveEngine(store) as engine:
+        handle = engine.save(_sources(model, opt, sched), step=1, epoch=0.25, tiers=ALL_TIERS, reason="interval",
+                             rng=RNG)
+        assert gated.entered.wait(30)
+        assert not handle.done() and engine.busy
+        assert not (store.task_dir / "step-1").exists()
+        for _ in range(3):  # training goes on while the write is held
+            _step(model, opt, sched)
+        assert not torch.equal(model.state_dict()["0.weight"], expected["w"]["0.weight"])
+        gated.gate.set()
+        info = handle.wait(60)
+    assert info is not None and info.step == 1 and info.tiers == ALL_TIERS
+    loaded = store.load("step:1")
+    _assert_state_equal(loaded.weights, expected["w"], "weights")
+    _assert_state_equal(loaded.optimizer, expected["o"], "optimizer")
+    _assert_state_equal(loaded.scheduler, expected["s"], "scheduler")
+    assert loaded.rng == RNG
+    assert handle.staging == "buffered" and handle.write_ms is not None
+
+
+def test_background_failure_surfaces_and_previous_checkpoint_stays(store, monkeypatch, caplog):
+    model, opt, _ = _model()
+    engine = SaveEngine(store)
+    assert engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER},
+                       reason="interval").wait(60).step == 1
+
+    def no_space(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(HashingWriter, "write", no_space)
+    _step(model, opt)
+    caplog.set_level(logging.ERROR, logger="hf_dynamic_ckpt.engine.writer")
+    handle = engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval")
+    with pytest.raises(SaveError, match=r"No space left on device") as excinfo:
+        handle.wait(60)
+    message = str(excinfo.value)
+    assert "save of step 2 (interval) failed" in message
+    assert "the previous checkpoint (step 1) stays the restore point" in message
+    cause = excinfo.value.__cause__
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__
+    assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+    assert any("save of step 2 (interval) failed" in r.getMessage() for r in caplog.records)
+    assert isinstance(handle.exception(), SaveError)
+    with pytest.raises(SaveError):  # engine.wait() reports the same failure
+        engine.wait()
+    assert store.resolve("auto").step == 1
+    assert sorted(p.name for p in store.task_dir.iterdir() if p.name.startswith("step-")) == ["step-1"]
+
+    monkeypatch.undo()  # disk space is back: training and saving continue
+    _step(model, opt)
+    info = engine.save(_sources(model, opt), step=3, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval").wait(60)
+    assert info.step == 3 and store.resolve("auto").step == 3
+    _assert_state_equal(store.load("step:3").weights, _clone(model.state_dict()))
+    engine.close()
+
+
+def test_on_busy_skip_logs_and_wait_serialises(store, caplog):
+    model, opt, _ = _model()
+    gated = _GatedSave(store)
+    engine = SaveEngine(store, on_busy="skip")
+    first = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="interval")
+    assert gated.entered.wait(30)
+    caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.engine.writer")
+    skipped = engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS}, reason="risk")
+    assert skipped.done() and skipped.wait() is None
+    assert skipped.skipped == "save of step 2 (risk) skipped: step 1 is still writing (on_busy='skip')"
+    assert skipped.skipped in caplog.text
+    # A blocking save never skips: it waits for the write in flight.
+    results: list[SaveHandle] = []
+    t = threading.Thread(target=lambda: results.append(
+        engine.save(_sources(model, opt), step=3, tiers={Tier.WEIGHTS}, reason="final", blocking=True)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not results  # still waiting for step 1
+    gated.gate.set()
+    t.join(60)
+    assert first.wait(60).step == 1 and results[0].done() and results[0].wait().step == 3
+    assert [i.step for i in store.list()] == [3, 1]
+    engine.close()
+
+
+def test_wait_policy_is_the_default_and_waits_for_the_write_in_flight(store):
+    model, opt, _ = _model()
+    gated = _GatedSave(store)
+    engine = SaveEngine(store)
+    assert engine.on_busy == OnBusy.WAIT
+    first = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="interval")
+    assert gated.entered.wait(30)
+    out: list[SaveHandle] = []
+    t = threading.Thread(target=lambda: out.append(
+        engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS}, reason="interval")))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()
+    gated.gate.set()
+    t.join(60)
+    assert first.done() and out[0].wait(60).step == 2
+    engine.close()
+
+
+def test_streaming_when_the_snapshot_does_not_fit(store, caplog):
+    model, opt, _ = _model()
+    tight = Headroom(total_bytes=100 << 20, available_bytes=10 << 20, source="cgroup")
+    engine = SaveEngine(store, headroom=lambda: tight)
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
+    expected = _clone(model.state_dict())
+    handle = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval")
+    assert handle.done() and handle.staging == "streaming"  # synchronous: nothing left to write
+    assert engine.buffer_bytes == 0  # no second copy was made
+    assert "save of step 1 streams synchronously: a buffered snapshot would need" in caplog.text
+    _step(model, opt)
+    _assert_state_equal(store.load(handle.wait()).weights, expected)
+    engine.close()
+
+
+def test_buffered_when_it_fits_and_buffers_are_reused(store):
+    model, opt, _ = _model()
+    roomy = Headroom(total_bytes=1 << 40, available_bytes=1 << 39, source="host")
+    engine = SaveEngine(store, headroom=lambda: roomy)
+    engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a").wait(60)
+    held = engine.buffer_bytes
+    n_params = len(list(model.parameters()))
+    # weights + exp_avg + exp_avg_sq (float32) + one float32 `step` per parameter
+    assert held == sum(v.numel() * 4 for v in model.state_dict().values()) * 3 + 4 * n_params
+    assert engine.last_plan.mode == "buffered"
+    _step(model, opt)
+    engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="b").wait(60)
+    assert engine.buffer_bytes == held
+    assert engine.last_plan.reason == "snapshot buffers already allocated"
+    engine.close()
+    assert engine.buffer_bytes == 0
+
+
+def test_frozen_weights_are_stored_once(store):
+    model, _, _ = _model()
+    frozen = frozenset({"0.weight", "0.bias"})
+    sources = StateSources(weights=model.state_dict, frozen_keys=frozen)
+    with SaveEngine(store) as engine:
+        engine.save(sources, step=1, tiers={Tier.WEIGHTS}, reason="a").wait(60)
+        blobs = sorted(p.name for p in store.blobs_dir.iterdir())
+        assert len(blobs) == 2
+        mtimes = {p.name: p.stat().st_mtime_ns for p in store.blobs_dir.iterdir()}
+        with torch.no_grad():
+            model[2].weight.add_(1.0)
+        handle = engine.save(sources, step=2, tiers={Tier.WEIGHTS}, reason="b")
+        handle.wait(60)
+    assert {p.name: p.stat().st_mtime_ns for p in store.blobs_dir.iterdir()} == mtimes
+    loaded = store.load("step:2").weights
+    _assert_state_equal(loaded, _clone(model.state_dict()))
+
+
+def test_emergency_save_drops_optimizer_when_out_of_time(store, caplog):
+    model, opt, sched = _model()
+    engine = SaveEngine(store)
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
+    info = engine.emergency_save(_sources(model, opt, sched), step=5, epoch=1.0, reason="SIGTERM", deadline_s=1e-9,
+                                 rng=RNG)
+    assert info.tiers == frozenset({Tier.WEIGHTS, Tier.STATE}) and info.reason == "emergency: SIGTERM"
+    assert "emergency save of step 5: dropping the optimizer tier" in caplog.text
+    info = engine.emergency_save(_sources(model, opt, sched), step=6, reason="SIGTERM", deadline_s=600.0, rng=RNG)
+    assert info.tiers == ALL_TIERS
+    loaded = store.load("step:6")
+    _assert_state_equal(loaded.optimizer, _clone(opt.state_dict()))
+    assert loaded.rng == RNG
+    engine.close()
+
+
+def test_close_is_idempotent_and_refuses_later_saves(store):
+    model, opt, _ = _model()
+    engine = SaveEngine(store)
+    handle = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="a")
+    engine.close()
+    assert handle.done() and handle.wait().step == 1  # close flushed it
+    engine.close()
+    with pytest.raises(SaveError, match=r"SaveEngine is closed: create a new SaveEngine to save again."):
+        engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS}, reason="a")
+
+
+def test_invalid_arguments_name_the_value(store):
+    with pytest.raises(ConfigError, match=r"mode='fast' is invalid: expected one of 'thread', 'process', 'sync'."):
+        SaveEngine(store, mode="fast")
+    with pytest.raises(ConfigError, match=r"on_busy='queue' is invalid: expected 'wait' or 'skip'."):
+        SaveEngine(store, on_busy="queue")
+    with pytest.raises(ConfigError, match=r"memory_margin=1.5 is invalid"):
+        SaveEngine(store, memory_margin=1.5)
+
+
+def test_sync_mode_writes_before_returning(store):
+    model, opt, _ = _model()
+    with SaveEngine(store, mode="sync") as engine:
+        h = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a")
+        assert h.done() and h.staging == "sync" and engine.buffer_bytes == 0
+        assert (store.task_dir / "step-1" / "manifest.json").exists()
+
+
+def test_handle_wait_timeout(store):
+    gated = _GatedSave(store)
+    model, opt, _ = _model()
+    engine = SaveEngine(store)
+    h = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="a")
+    with pytest.raises(TimeoutError, match=r"save of step 1 still writing after 0.01 s; call wait\(\) again."):
+        h.wait(0.01)
+    gated.gate.set()
+    assert h.wait(60).step == 1
+    engine.close()
