@@ -217,7 +217,7 @@ class CheckpointStore:
         self.task_dir = self.root / task_id
         self.blobs_dir = self.task_dir / BLOBS_DIR
         self._lock = threading.RLock()
-        self.task_dir.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)  # the task folder appears with the first save
         self.catalog = Catalog(self.root / CATALOG_NAME)
         if rank == 0 and cleanup:
             self._remove_leftovers()
@@ -237,6 +237,8 @@ class CheckpointStore:
     def _remove_leftovers(self) -> None:
         """Delete temporary directories of other sessions (interrupted saves and deletes)."""
         own = f"{TMP_MARKER}{self.session_id}"
+        if not self.task_dir.is_dir():
+            return
         for entry in self.task_dir.iterdir():
             if TMP_MARKER in entry.name and entry.name.startswith(STEP_DIR_PREFIX) and not entry.name.endswith(own):
                 logger.info("removing leftover temporary directory %s", entry)

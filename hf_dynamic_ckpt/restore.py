@@ -1,0 +1,210 @@
+"""Choose a restore point, verify it, and load it tier by tier with fallback.
+
+Outcomes per broken tier (see `config.FallbackStrategy`):
+
+==================  ===========================================  ==============================
+broken tier         ``full`` (default)                           ``level_0_1``
+==================  ===========================================  ==============================
+L0 weights          next older checkpoint, warning naming both   same
+L1 optimizer        weights only: optimizer/scaler `None`,        next older checkpoint whose
+                    scheduler salvaged from ``optimizer.json``    L0 and L1 are intact
+                    when intact; warning
+L2 state            RNG/sampler `None`, warning                  same
+==================  ===========================================  ==============================
+
+With ``level_0_only`` the optimizer tier is not read at all. Every warning is also logged
+(``logging.WARNING``) and kept in `LoadedCheckpoint.warnings`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .config import FallbackStrategy
+from .constants import Tier
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompatibleStateError,
+)
+from .store.types import CheckpointInfo, LoadedCheckpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from .store.store import CheckpointStore
+
+logger = logging.getLogger(__name__)
+
+_MAX_LISTED_KEYS = 10
+
+
+def _warn(loaded: LoadedCheckpoint, message: str) -> None:
+    loaded.warnings.append(message)
+    logger.warning(message)
+
+
+def _older_candidates(store: CheckpointStore, info: CheckpointInfo) -> list[CheckpointInfo]:
+    """Healthy committed checkpoints with weights older than `info`, newest first."""
+    if info.task_id != store.task_id:
+        return []
+    return [i for i in store.list() if i.step < info.step and Tier.WEIGHTS in i.tiers]
+
+
+def load_for_resume(
+    store: CheckpointStore,
+    spec: str | int | os.PathLike[str] | CheckpointInfo,
+    *,
+    rank: int = 0,
+    fallback: FallbackStrategy | str = FallbackStrategy.FULL,
+    mmap: bool = True,
+) -> LoadedCheckpoint:
+    """Load the state to resume from, falling back when a tier is broken.
+
+    Args:
+        store (`CheckpointStore`): the run's store.
+        spec (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"``, ``"best"``,
+            ``"fastest"``, ``"step:N"`` or a path (see `CheckpointStore.resolve`).
+        rank (`int`, *optional*, defaults to `0`): whose RNG state to load.
+        fallback (`FallbackStrategy` or `str`, *optional*, defaults to `"full"`): what to do
+            when a tier cannot be loaded (module docstring).
+        mmap (`bool`, *optional*, defaults to `True`): memory-map the weights.
+
+    Returns:
+        `LoadedCheckpoint`: `info` is the checkpoint actually used; `warnings` says what was
+        lost on the way (each also logged).
+
+    Raises:
+        `CheckpointNotFoundError`: `spec` names nothing, or no checkpoint at or below it
+            has loadable weights (and, with ``level_0_1``, optimizer state).
+        `FormatVersionError`: the chosen checkpoint needs a newer library.
+
+    Example:
+        ```python
+        >>> loaded = load_for_resume(store, "auto")
+        >>> model.load_state_dict(loaded.weights, strict=False)
+        >>> if loaded.optimizer is not None:
+        ...     optimizer.load_state_dict(loaded.optimizer)
+        ```
+    """
+    fallback = FallbackStrategy(fallback)
+    first = store.resolve(spec)
+    candidates = [first, *_older_candidates(store, first)]
+    notes: list[str] = []
+    for info in candidates:
+        loaded = _try_checkpoint(store, info, rank=rank, fallback=fallback, mmap=mmap, notes=notes)
+        if loaded is not None:
+            for note in notes:
+                _warn(loaded, note)
+            for message in list(loaded.warnings):
+                if message not in notes:
+                    logger.warning(message)
+            return loaded
+    tried = ", ".join(str(i.step) for i in candidates)
+    raise CheckpointNotFoundError(
+        f"no loadable checkpoint at or below step {first.step} of task {first.task_id!r} (tried steps {tried}): "
+        + "; ".join(notes)
+        + ". Run `hf-dynamic-ckpt verify` on the store, or start fresh."
+    )
+
+
+def _try_checkpoint(store: CheckpointStore, info: CheckpointInfo, *, rank: int, fallback: FallbackStrategy,
+                    mmap: bool, notes: list[str]) -> LoadedCheckpoint | None:
+    """Load one checkpoint per `fallback`; `None` (with a note) when it cannot serve."""
+    try:
+        loaded = store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap)
+    except FormatVersionError:
+        raise
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        notes.append(f"weights of step {info.step} cannot be loaded ({e}); falling back to the next older checkpoint")
+        return None
+    if loaded.weights is None:
+        notes.append(f"step {info.step} holds no weights; falling back to the next older checkpoint")
+        return None
+    if notes:  # the requested checkpoint was skipped: say which one replaces it
+        notes[-1] += f": using step {info.step} instead"
+
+    if fallback != FallbackStrategy.LEVEL_0_ONLY:
+        reason = _load_optimizer(store, info, loaded, rank=rank)
+        if reason is not None:
+            if fallback == FallbackStrategy.LEVEL_0_1:
+                notes.append(f"optimizer state of step {info.step} cannot be loaded ({reason}); fallback_strategy="
+                             "level_0_1 requires it, falling back to the next older checkpoint")
+                return None
+            _warn(loaded, f"resuming from weights only: optimizer state of step {info.step} is lost ({reason}); "
+                          f"the learning-rate schedule continues at step {info.step}")
+    try:
+        state = store.load(info, tiers={Tier.STATE}, rank=rank, mmap=mmap)
+    except CorruptCheckpointError as e:
+        _warn(loaded, f"RNG and data-loader state of step {info.step} cannot be loaded ({e}); "
+                      "random streams and the data order start fresh")
+    else:
+        loaded.rng, loaded.sampler = state.rng, state.sampler
+        loaded.warnings.extend(w for w in state.warnings if w not in loaded.warnings)
+    return loaded
+
+
+def _load_optimizer(store: CheckpointStore, info: CheckpointInfo, loaded: LoadedCheckpoint, *, rank: int) -> str | None:
+    """Fill the optimizer tier into `loaded`; return why it failed, or `None`."""
+    if Tier.OPTIMIZER not in info.tiers:
+        return "the checkpoint was saved without it"
+    try:
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank)
+    except CorruptCheckpointError as e:
+        loaded.scheduler = store.load_scheduler_only(info)
+        return str(e)
+    loaded.optimizer, loaded.scheduler, loaded.scaler = opt.optimizer, opt.scheduler, opt.scaler
+    return None
+
+
+def _fmt_keys(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
+    return shown + (f", ... and {len(keys) - _MAX_LISTED_KEYS} more" if len(keys) > _MAX_LISTED_KEYS else "")
+
+
+def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]) -> None:
+    """Check that saved weights fit a model's state dict, by key names and shapes.
+
+    Args:
+        saved (`Mapping[str, torch.Tensor]`): weights read from a checkpoint.
+        expected (`Mapping[str, torch.Tensor]`): what the model holds (e.g. `model.state_dict()`,
+            or the PEFT adapter dict).
+
+    Raises:
+        `IncompatibleStateError`: with the message
+
+            ``saved weights do not fit the model: <parts>. Resume with the model (and adapter)
+            configuration the checkpoint was saved from.``
+
+            where ``<parts>`` joins with ``"; "`` the non-empty ones of
+            ``missing from the checkpoint (N): k1, k2``,
+            ``unexpected in the checkpoint (N): k3`` and
+            ``shape mismatch (N): k4 saved [2, 3] vs model [2, 4]``; keys are sorted and at
+            most 10 are listed per part (``..., ... and M more``).
+
+    Example:
+        ```python
+        >>> check_weights({"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)})
+        IncompatibleStateError: saved weights do not fit the model: shape mismatch (1): w saved [2, 3] vs model [2, 4]. ...
+        ```
+    """
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    mismatched = sorted(k for k in set(saved) & set(expected) if tuple(saved[k].shape) != tuple(expected[k].shape))
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint ({len(missing)}): {_fmt_keys(missing)}")
+    if unexpected:
+        parts.append(f"unexpected in the checkpoint ({len(unexpected)}): {_fmt_keys(unexpected)}")
+    if mismatched:
+        shown = [f"{k} saved {list(saved[k].shape)} vs model {list(expected[k].shape)}" for k in mismatched]
+        parts.append(f"shape mismatch ({len(mismatched)}): {_fmt_keys(shown)}")
+    if parts:
+        raise IncompatibleStateError(
+            "saved weights do not fit the model: " + "; ".join(parts)
+            + ". Resume with the model (and adapter) configuration the checkpoint was saved from."
+        )
