@@ -44,8 +44,7 @@ _MAX_LISTED_KEYS = 10
 
 
 def _warn(loaded: LoadedCheckpoint, message: str) -> None:
-    loaded.warnings.append(message)
-    logger.warning(message)
+    loaded.warnings.append(message)  # logged once, in order, by load_for_resume
 
 
 def _older_candidates(store: CheckpointStore, info: CheckpointInfo) -> list[CheckpointInfo]:
@@ -98,11 +97,9 @@ def load_for_resume(
     for info in candidates:
         loaded = _try_checkpoint(store, info, rank=rank, fallback=fallback, mmap=mmap, notes=notes)
         if loaded is not None:
-            for note in notes:
-                _warn(loaded, note)
-            for message in list(loaded.warnings):
-                if message not in notes:
-                    logger.warning(message)
+            loaded.warnings[:0] = notes
+            for message in loaded.warnings:
+                logger.warning(message)
             return loaded
     tried = ", ".join(str(i.step) for i in candidates)
     raise CheckpointNotFoundError(

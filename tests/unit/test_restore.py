@@ -1,0 +1,213 @@
+"""Restore with fallback: every kind of damage gives its documented outcome, never wrong tensors."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hf_dynamic_ckpt.config import FallbackStrategy
+from hf_dynamic_ckpt.constants import (
+    BLOBS_DIR,
+    MANIFEST_NAME,
+    OPTIMIZER_META_NAME,
+    OPTIMIZER_NAME,
+    SAMPLER_NAME,
+    WEIGHTS_NAME,
+)
+from hf_dynamic_ckpt.errors import CheckpointNotFoundError, FormatVersionError, IncompatibleStateError
+from hf_dynamic_ckpt.restore import check_weights, load_for_resume
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
+from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
+
+FROZEN = "embed.weight"
+
+
+def _state(step: int) -> CheckpointState:
+    g = torch.Generator().manual_seed(step)
+    weights = {"layer.weight": torch.randn(16, 8, generator=g), "layer.bias": torch.randn(16, generator=g),
+               FROZEN: torch.arange(64, dtype=torch.float32).reshape(8, 8)}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(step)
+        model = torch.nn.Linear(8, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for _ in range(step):
+        model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+    return CheckpointState(step=step, weights=weights, dedup_keys=frozenset({FROZEN}), optimizer=opt.state_dict(),
+                           scheduler=sched.state_dict(), rng={"python": [step]}, sampler={"batches": step})
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    s = CheckpointStore(tmp_path / "root", task_id="run")
+    for step in (1, 2):
+        s.save(_state(step), reason="interval", signals={"loss": 1.0 / step})
+    yield s
+    s.close()
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0x10
+    else:
+        data = data[: len(data) // 2]
+    path.write_bytes(bytes(data))
+
+
+def _file(store: CheckpointStore, kind: str) -> Path:
+    if kind == "blob":
+        return next((store.task_dir / BLOBS_DIR).iterdir())
+    return store.task_dir / "step-2" / kind
+
+
+def _assert_exact(loaded: Any, step: int) -> None:
+    """Whatever was handed out equals what was saved at that step."""
+    expected = _state(step)
+    assert _same(loaded.weights, expected.weights)
+    if loaded.optimizer is not None:
+        assert _same(loaded.optimizer, expected.optimizer)
+    if loaded.scheduler is not None:
+        assert _same(loaded.scheduler, expected.scheduler)
+    if loaded.rng is not None:
+        assert loaded.rng == expected.rng and loaded.sampler == expected.sampler
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+@pytest.mark.parametrize(
+    ("kind", "outcome"),
+    [
+        (WEIGHTS_NAME, "older"),
+        (MANIFEST_NAME, "older"),
+        (OPTIMIZER_NAME, "weights_only_scheduler_kept"),
+        (OPTIMIZER_META_NAME, "weights_only"),
+        ("rng-rank0.json", "no_state"),
+        (SAMPLER_NAME, "no_state"),
+        ("blob", "error"),
+    ],
+)
+def test_damaged_file_gives_documented_outcome(store: CheckpointStore, kind: str, outcome: str, how: str,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    _damage(_file(store, kind), how)
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.restore")
+    if outcome == "error":  # the shared blob of the frozen tensor is referenced by every checkpoint
+        with pytest.raises(CheckpointNotFoundError, match=r"no loadable checkpoint at or below step 2 of task 'run' \(tried steps 2, 1\)"):
+            load_for_resume(store, "auto")
+        return
+    loaded = load_for_resume(store, "auto")
+    assert loaded.warnings and [r.getMessage() for r in caplog.records] == loaded.warnings
+    if outcome == "older":
+        assert loaded.info.step == 1
+        assert loaded.warnings[0].startswith("weights of step 2 cannot be loaded (")
+        assert loaded.warnings[0].endswith("falling back to the next older checkpoint: using step 1 instead")
+        assert loaded.optimizer is not None and loaded.rng is not None
+        _assert_exact(loaded, 1)
+        return
+    assert loaded.info.step == 2
+    _assert_exact(loaded, 2)
+    if outcome.startswith("weights_only"):
+        assert loaded.optimizer is None and loaded.scaler is None
+        assert loaded.warnings[0].startswith("resuming from weights only: optimizer state of step 2 is lost (")
+        assert loaded.warnings[0].endswith("); the learning-rate schedule continues at step 2")
+        assert (loaded.scheduler is not None) == (outcome == "weights_only_scheduler_kept")
+        assert loaded.rng == {"python": [2]}
+    else:
+        assert loaded.rng is None and loaded.sampler is None and loaded.optimizer is not None
+        assert loaded.warnings[0].startswith("RNG and data-loader state of step 2 cannot be loaded (")
+
+
+def test_deleted_manifest_means_no_checkpoint(store: CheckpointStore) -> None:
+    (store.task_dir / "step-2" / MANIFEST_NAME).unlink()
+    loaded = load_for_resume(store, "auto")
+    assert loaded.info.step == 1 and loaded.warnings == []
+    _assert_exact(loaded, 1)
+    assert {i.step: i.status for i in store.list(include_unhealthy=True)} == {2: "missing", 1: "ok"}
+    with pytest.raises(CheckpointNotFoundError, match="step 2 has no committed checkpoint"):
+        load_for_resume(store, "step:2")
+
+
+def test_explicit_step_with_broken_weights_falls_back_too(store: CheckpointStore) -> None:
+    _damage(_file(store, WEIGHTS_NAME), "flip")
+    loaded = load_for_resume(store, "step:2")
+    assert loaded.info.step == 1
+
+
+def test_level_0_1_moves_to_older_checkpoint_with_intact_optimizer(store: CheckpointStore) -> None:
+    _damage(_file(store, OPTIMIZER_NAME), "flip")
+    loaded = load_for_resume(store, "auto", fallback=FallbackStrategy.LEVEL_0_1)
+    assert loaded.info.step == 1 and loaded.optimizer is not None
+    _assert_exact(loaded, 1)
+    assert loaded.warnings[0].startswith("optimizer state of step 2 cannot be loaded (")
+    assert loaded.warnings[0].endswith("fallback_strategy=level_0_1 requires it, falling back to the next older "
+                                       "checkpoint: using step 1 instead")
+
+
+def test_level_0_only_skips_optimizer(store: CheckpointStore) -> None:
+    loaded = load_for_resume(store, "auto", fallback="level_0_only")
+    assert loaded.info.step == 2 and loaded.optimizer is None and loaded.scheduler is None
+    assert loaded.rng == {"python": [2]} and loaded.warnings == []
+    _assert_exact(loaded, 2)
+
+
+def test_full_fallback_when_everything_is_intact(store: CheckpointStore) -> None:
+    loaded = load_for_resume(store, "best")
+    assert loaded.info.step == 2 and loaded.warnings == []
+    _assert_exact(loaded, 2)
+    assert loaded.optimizer is not None and loaded.scheduler is not None
+
+
+def test_checkpoint_without_optimizer_tier_warns(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, task_id="run")
+    store.save(CheckpointState(step=3, weights={"w": torch.ones(2)}, rng={"a": 1}), reason="memory")
+    loaded = load_for_resume(store, "auto")
+    assert loaded.warnings == ["resuming from weights only: optimizer state of step 3 is lost (the checkpoint was saved "
+                               "without it); the learning-rate schedule continues at step 3"]
+    store.close()
+
+
+def test_newer_format_is_an_error_not_a_fallback(store: CheckpointStore) -> None:
+    import json
+
+    path = store.task_dir / "step-2" / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 2
+    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(FormatVersionError, match="format_version=2 is newer"):
+        load_for_resume(store, "auto")
+
+
+def test_check_weights_message_lists_every_kind_of_mismatch() -> None:
+    saved = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "extra": torch.zeros(1)}
+    expected = {"a": torch.zeros(2, 4), "b": torch.zeros(4), "c": torch.zeros(1), "d": torch.zeros(1)}
+    with pytest.raises(IncompatibleStateError) as exc:
+        check_weights(saved, expected)
+    assert str(exc.value) == (
+        "saved weights do not fit the model: missing from the checkpoint (2): c, d; "
+        "unexpected in the checkpoint (1): extra; shape mismatch (1): a saved [2, 3] vs model [2, 4]. "
+        "Resume with the model (and adapter) configuration the checkpoint was saved from."
+    )
+    check_weights({"b": torch.ones(4)}, {"b": torch.zeros(4)})  # same names and shapes: fine
+
+
+def test_check_weights_truncates_long_lists() -> None:
+    with pytest.raises(IncompatibleStateError) as exc:
+        check_weights({}, {f"k{i:02d}": torch.zeros(1) for i in range(13)})
+    assert "missing from the checkpoint (13): k00, k01, k02, k03, k04, k05, k06, k07, k08, k09, ... and 3 more." in str(exc.value)
+    assert "unexpected" not in str(exc.value)
