@@ -70,31 +70,32 @@ def plan_retention(
     healthy = next((i for i in ordered if i.healthy), None)
     if healthy is not None:
         protected.add(id(healthy))
+    expired = {id(i): _expired_tiers(i, level_retention, now) for i in ordered if id(i) not in protected and not i.pinned}
+    # Checkpoints whose weights expired go first, so thinning never keeps one that is about to vanish.
+    dead = {k for k, tiers in expired.items() if Tier.WEIGHTS in tiers}
     kept_by_bucket: dict[int, CheckpointInfo] = {}
     if log_spaced:
         for info in ordered:  # newest -> oldest: the last one seen in a bucket is its oldest
-            if id(info) in protected or info.pinned:
+            if id(info) in protected or info.pinned or id(info) in dead:
                 continue
             kept_by_bucket[_bucket(newest - info.step)] = info
     keep = protected | {id(i) for i in kept_by_bucket.values()}
     plan: list[tuple[CheckpointInfo, frozenset[Tier]]] = []
     for info in reversed(ordered):
-        if info.pinned:
+        if info.pinned or id(info) in protected:
             continue
-        if id(info) not in keep:
+        if id(info) not in keep or id(info) in dead:
             plan.append((info, ALL_TIERS))
-            continue
-        if id(info) in protected or not level_retention:
-            continue
-        age_days = (now - info.save_time) / SECONDS_PER_DAY
-        expired = frozenset(
-            t for t in info.tiers if level_retention.get(t) is not None and age_days > level_retention[t]  # type: ignore[operator]
-        )
-        if Tier.WEIGHTS in expired:
-            plan.append((info, ALL_TIERS))
-        elif expired:
-            plan.append((info, expired))
+        elif expired[id(info)]:
+            plan.append((info, expired[id(info)]))
     return plan
+
+
+def _expired_tiers(info: CheckpointInfo, level_retention: Mapping[Tier, float | None] | None, now: float) -> frozenset[Tier]:
+    if not level_retention:
+        return frozenset()
+    age_days = (now - info.save_time) / SECONDS_PER_DAY
+    return frozenset(t for t in info.tiers if (days := level_retention.get(t)) is not None and age_days > days)
 
 
 def _bucket(age_steps: int) -> int:

@@ -99,6 +99,7 @@ class RulePolicy:
         self._preempt_done = False
         self._poisoned = False
         self._prev_nonfinite = False
+        self._prev_beta = 0.0
         self._pre_step: int | None = None
         self._suppressed: set[str] = set()
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
@@ -123,6 +124,8 @@ class RulePolicy:
             a.lora_ratio = frame.lora_max_ratio
             a.components["lora_surge"] = ramp(a.lora_ratio, c.grad_surge_ratio / 2, c.grad_surge_ratio)
         mem = frame.mem_frac
+        if mem is None and self._mem:
+            mem = self._mem[-1][1]  # memory is sampled every few steps: the last sample stands
         if mem is not None and math.isfinite(mem):
             a.mem = mem
             a.components["memory"] = ramp(mem, c.memory_threshold - 0.1, c.memory_threshold)
@@ -141,7 +144,8 @@ class RulePolicy:
 
     @property
     def risk(self) -> float:
-        """Smoothed risk beta: mean of the last `risk_smoothing` raw betas."""
+        """Smoothed risk beta: mean over `risk_smoothing` steps of the debounced raw beta
+        (`min` of this and the previous step's), so one-step blips do not count."""
         return sum(self._risk) / len(self._risk) if self._risk else 0.0
 
     @property
@@ -274,14 +278,18 @@ class RulePolicy:
             self._step_time.add(frame.step_time_s)
             self.train_time_s += frame.step_time_s
         a = self.assess(frame)
-        self._risk.append(a.beta)
+        # Debounce: a risk counts once seen on two consecutive steps. A one-step blip is
+        # noise for the interval (pre_update already captured it if it was a real surge).
+        self._risk.append(min(a.beta, self._prev_beta))
+        self._prev_beta = a.beta
         if frame.any_nonfinite:
             if self._pre_step != step:
                 self._poisoned = True  # no pre_update call saw it: the bad update went through
         elif frame.loss is not None or frame.grad_norm is not None:
             self._poisoned = False  # finite signals computed from the current weights: they are sane
-        if a.mem is not None:
-            self._mem.append((step, a.mem))
+        mem = frame.mem_frac
+        if mem is not None and math.isfinite(mem):
+            self._mem.append((step, mem))  # new samples only: the trend is fitted on real points
         decision = self._choose(frame, a)
         # Update the levels after judging the frame, so a spike is measured against the past.
         if frame.loss is not None:
@@ -311,6 +319,11 @@ class RulePolicy:
             return save("preemption")
         if frame.preempt:
             self._suppress("preempt", step, "preemption flag still set: final save already taken")
+        if self._poisoned:
+            # Writing NaN weights would only push healthy restore points out of retention.
+            self._suppress("poisoned", step, "saves paused: a non-finite update was applied (state unhealthy)")
+            return Decision(save=False, risk=beta, interval=interval, healthy=False)
+        self._suppressed.discard("poisoned")
 
         if beta < c.risk_release and not self._edge_armed:
             self._edge_armed = True
@@ -399,6 +412,7 @@ class RulePolicy:
             "preempt_done": self._preempt_done,
             "poisoned": self._poisoned,
             "prev_nonfinite": self._prev_nonfinite,
+            "prev_beta": self._prev_beta,
             "suppressed": sorted(self._suppressed),
             "history": list(self.history),
             "decisions": list(self.decisions),
@@ -428,6 +442,7 @@ class RulePolicy:
         self._preempt_done = bool(state["preempt_done"])
         self._poisoned = bool(state["poisoned"])
         self._prev_nonfinite = bool(state["prev_nonfinite"])
+        self._prev_beta = float(state["prev_beta"])
         self._suppressed = set(state["suppressed"])
         self.history = deque(state["history"], maxlen=HISTORY_STEPS)
         self.decisions = deque(state["decisions"], maxlen=DECISION_HISTORY)

@@ -1,0 +1,90 @@
+"""Two gloo processes with different local signals take identical decisions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hf_dynamic_ckpt import distributed
+from hf_dynamic_ckpt.config import SmartCkptConfig
+from hf_dynamic_ckpt.policy import RulePolicy
+from hf_dynamic_ckpt.signals import SignalFrame
+
+pytestmark = pytest.mark.distributed
+
+LAYERS = ["base_model.model.layers.0.q_proj", "base_model.model.layers.1.v_proj"]
+
+
+def local_frame(rank: int, step: int) -> SignalFrame:
+    """Each rank sees something different: only rank 1 has the surge, only rank 0 the memory ramp."""
+    loss = 1.0 + 0.1 * rank + 0.01 * math.sin(step + rank)
+    grad = 1.0 + 0.05 * math.cos(3 * step + rank)
+    fields: dict[str, object] = {"loss": loss, "grad_norm": grad, "step_time_s": 0.1 + 0.01 * rank, "lr": 1e-4}
+    if rank == 1 and step == 60:
+        fields["grad_norm"] = 25.0
+    if rank == 1 and step == 90:
+        fields.update(lora_max_ratio=9.0, lora_max_layer=LAYERS[1])
+    if rank == 0 and step % 5 == 0:
+        fields["device_mem_frac"] = min(0.97, 0.5 + 0.004 * step)
+    if rank == 1 and step == 150:
+        fields["preempt"] = True
+    return SignalFrame(step=step, **fields)  # type: ignore[arg-type]
+
+
+def simulate(rank: int, *, reduce: bool) -> list[dict[str, object]]:
+    policy = RulePolicy(SmartCkptConfig(base_interval=25, stability_window=20))
+    out = []
+    for step in range(1, 181):
+        frame = local_frame(rank, step)
+        if reduce:
+            frame = distributed.reduce_frame(frame, layer_names=LAYERS)
+        for d in (policy.pre_update(frame), policy.decide(frame)):
+            if d.save:
+                out.append({"at": step, **d.to_dict()})
+                policy.record_save(step, 0.01)
+    return out
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        assert distributed.world_size() == 2 and distributed.rank() == rank
+        token = distributed.broadcast_object({"session": "abc", "n": [1, 2]} if rank == 0 else None)
+        result = {"decisions": simulate(rank, reduce=True), "token": token, "is_main": distributed.is_main()}
+        distributed.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_with_different_signals_decide_identically(tmp_path: Path) -> None:
+    local = [simulate(r, reduce=False) for r in (0, 1)]
+    assert local[0] != local[1]  # without the reduction the ranks would disagree (and deadlock a save)
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["decisions"] == r1["decisions"]
+    assert r0["token"] == r1["token"] == {"session": "abc", "n": [1, 2]}
+    assert (r0["is_main"], r1["is_main"]) == (True, False)
+    reasons = [d["reason"] for d in r0["decisions"]]
+    # Rank 1's surge and LoRA-layer surge and rank 0's memory ramp all reached both ranks.
+    assert any(r.startswith("pre_update grad_surge") for r in reasons)
+    assert any(r.startswith("pre_update lora_surge") and LAYERS[1] in r for r in reasons)
+    assert any(r.startswith("memory_ramp") for r in reasons)
+    assert [d["at"] for d in r0["decisions"] if d["reason"] == "preemption"] == [150]

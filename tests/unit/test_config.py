@@ -1,0 +1,115 @@
+"""Configuration: the article's checkpoint_config.yaml loads; bad values name field and range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_dynamic_ckpt.config import Compression, FallbackStrategy, SmartCkptArguments, SmartCkptConfig
+from hf_dynamic_ckpt.errors import ConfigError
+
+ARTICLE_YAML = """\
+# dynamic frequency
+base_interval: 2000
+stability_window: 100
+risk_threshold: 0.68
+# storage strategy
+storage_levels:
+  level_0:  # weights
+    compression: none
+    device: ssd
+    retention_days: 30
+  level_1:  # optimizer
+    compression: zstd
+    compression_level: 3
+    device: nvme
+    retention_days: 7
+  level_2:  # metadata
+    compression: gzip
+    device: ssd
+    retention_days: 90
+# recovery strategy
+recovery_timeout_ms: 5000  # degrade the load beyond this
+fallback_strategy: "level_0_only"  # level_0_only, level_0_1, full
+"""
+
+
+def test_article_yaml_loads(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint_config.yaml"
+    path.write_text(ARTICLE_YAML)
+    cfg = SmartCkptConfig.from_yaml(path)
+    assert (cfg.base_interval, cfg.stability_window, cfg.risk_threshold) == (2000, 100, 0.68)
+    assert cfg.storage_levels.level_1.compression is Compression.ZSTD
+    assert cfg.storage_levels.level_1.compression_level == 3 == cfg.compression_level
+    assert cfg.storage_levels.level_2.compression is Compression.GZIP
+    assert cfg.storage_levels.level_0.retention_days == 30
+    assert cfg.fallback_strategy is FallbackStrategy.LEVEL_0_ONLY
+    assert cfg.recovery_timeout_ms == 5000
+    assert SmartCkptConfig.from_dict(cfg.to_dict()) == cfg  # YAML maps 1:1 onto the dataclasses
+
+
+def test_policy_knobs_load_from_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("risk_gain: 2.5\nstability_cv: 0.05\ncapture_cooldown: 40\nmemory_lookahead: 20\n"
+                    "grad_surge_ratio: 8\noverhead_budget: 0.01\nskip_bad_update: true\n")
+    cfg = SmartCkptConfig.from_yaml(path)
+    assert (cfg.risk_gain, cfg.stability_cv, cfg.capture_cooldown, cfg.memory_lookahead) == (2.5, 0.05, 40, 20)
+    assert cfg.grad_surge_ratio == 8 and cfg.overhead_budget == 0.01 and cfg.skip_bad_update is True
+    assert SmartCkptArguments(smart_ckpt_config=str(path), smart_ckpt_root="/r").to_config().root == "/r"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("base_interval", 0, "base_interval=0 is invalid: expected an integer >= 1 or null"),
+        ("base_interval", True, "base_interval=True is invalid: expected an integer >= 1"),
+        ("min_interval", 0, "min_interval=0 is invalid: expected an integer >= 1."),
+        ("stability_window", 2, "stability_window=2 is invalid: expected an integer >= 4."),
+        ("risk_threshold", 1.5, "risk_threshold=1.5 is invalid: expected 0 < value <= 1."),
+        ("risk_threshold", "high", "risk_threshold='high' is invalid: expected 0 < value <= 1."),
+        ("risk_release", 0.9, "risk_release=0.9 is invalid: expected 0 <= value < risk_threshold (0.68)."),
+        ("risk_smoothing", 0, "risk_smoothing=0 is invalid: expected an integer >= 1."),
+        ("loss_spike_z", -1, "loss_spike_z=-1 is invalid: expected a positive number."),
+        ("grad_surge_ratio", 1.0, "grad_surge_ratio=1.0 is invalid: expected a number > 1."),
+        ("memory_threshold", 0.0, "memory_threshold=0.0 is invalid: expected 0 < value <= 1."),
+        ("memory_sample_every", 0, "memory_sample_every=0 is invalid: expected an integer >= 1."),
+        ("overhead_budget", 2.0, "overhead_budget=2.0 is invalid: expected 0 < value <= 1."),
+        ("risk_gain", 0, "risk_gain=0 is invalid: expected 0 < value <= 100."),
+        ("stability_cv", float("nan"), "stability_cv=nan is invalid: expected a positive number"),
+        ("capture_cooldown", 0, "capture_cooldown=0 is invalid: expected an integer >= 1 or null"),
+        ("memory_lookahead", 2.5, "memory_lookahead=2.5 is invalid: expected an integer >= 1."),
+        ("mtbf_hours", 0, "mtbf_hours=0 is invalid: expected a positive number of hours."),
+        ("keep_last", 0, "keep_last=0 is invalid: expected an integer >= 1."),
+        ("fallback_strategy", "half", "fallback_strategy='half' is invalid: expected one of 'full', 'level_0_1', 'level_0_only'."),
+    ],
+)
+def test_invalid_values_name_field_and_range(field: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        SmartCkptConfig(**{field: value})
+    assert str(e.value).startswith(message)
+    assert isinstance(e.value, ValueError)
+
+
+def test_max_interval_below_min_names_both() -> None:
+    with pytest.raises(ConfigError, match=r"^max_interval=5 is invalid: expected an integer >= min_interval \(10\)\.$"):
+        SmartCkptConfig(min_interval=10, max_interval=5)
+
+
+def test_yaml_errors_name_the_nested_field(tmp_path: Path) -> None:
+    bad_level = tmp_path / "a.yaml"
+    bad_level.write_text("storage_levels:\n  level_1: {compression: zstd, compression_level: 25}\n")
+    with pytest.raises(ConfigError, match=r"^compression_level=25 is invalid: expected 1 <= level <= 19\.$"):
+        SmartCkptConfig.from_yaml(bad_level)
+    l0 = tmp_path / "b.yaml"
+    l0.write_text("storage_levels:\n  level_0: {compression: zstd}\n")
+    with pytest.raises(ConfigError, match=r"^storage_levels\.level_0\.compression='zstd' is invalid"):
+        SmartCkptConfig.from_yaml(l0)
+    unknown = tmp_path / "c.yaml"
+    unknown.write_text("storage_levels:\n  level_3: {compression: none}\n")
+    with pytest.raises(ConfigError, match=r"^unknown config key storage_levels\.'level_3'"):
+        SmartCkptConfig.from_yaml(unknown)
+    top = tmp_path / "d.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping at the top level, got list"):
+        SmartCkptConfig.from_yaml(top)

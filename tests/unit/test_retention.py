@@ -1,0 +1,89 @@
+"""Retention: pinned never dropped, last N kept, log-spaced history, per-tier expiry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hf_dynamic_ckpt.config import SmartCkptConfig
+from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
+from hf_dynamic_ckpt.policy import level_retention_from_config, plan_retention
+from hf_dynamic_ckpt.store.types import CheckpointInfo
+
+DAY = 86400.0
+
+
+def info(step: int, *, pinned: bool = False, healthy: bool = True, age_days: float = 0.0,
+         tiers: frozenset[Tier] = ALL_TIERS, now: float = 1e9) -> CheckpointInfo:
+    return CheckpointInfo(task_id="t", step=step, path=f"/x/step-{step}", reason="interval", tiers=tiers, bytes=1,
+                          loss=None, gpu_mem_percent=None, save_time=now - age_days * DAY, recovery_cost_ms=None,
+                          healthy=healthy, pinned=pinned, status="ok")
+
+
+def test_log_spaced_retention_over_10000_steps_is_logarithmic_and_keeps_pinned() -> None:
+    keep_last, pinned_steps = 3, {1230, 5550, 7770}
+    kept: list[CheckpointInfo] = []
+    max_count: dict[int, int] = {}
+    deleted_whole: list[int] = []
+    for step in range(10, 10001, 10):
+        kept.append(info(step, pinned=step in pinned_steps))
+        plan = plan_retention(kept, keep_last=keep_last, now=1e9)
+        assert all(tiers == ALL_TIERS for _, tiers in plan)
+        gone = {id(i) for i, _ in plan}
+        deleted_whole += [i.step for i, _ in plan]
+        kept = [i for i in kept if id(i) not in gone]
+        max_count[step] = len(kept)
+    steps = sorted(i.step for i in kept)
+    assert pinned_steps <= set(steps)  # never drops pinned
+    assert not pinned_steps & set(deleted_whole)
+    assert steps[-keep_last:] == [9980, 9990, 10000]
+    assert steps[0] == 10  # the first checkpoint is never thinned
+    # O(log n): bounded by keep_last + pinned + one per power-of-two age bucket.
+    for step, count in max_count.items():
+        bound = keep_last + len(pinned_steps) + math.floor(math.log2(step)) + 2
+        assert count <= bound, (step, count, bound)
+    assert max_count[10000] <= 3 + 3 + 15
+    assert len(deleted_whole) == 1000 - max_count[10000]  # everything else was pruned
+
+
+def test_without_log_spacing_only_last_n_and_pinned_survive() -> None:
+    infos = [info(s, pinned=s == 20) for s in range(10, 110, 10)]
+    plan = plan_retention(infos, keep_last=2, log_spaced=False, now=1e9)
+    assert sorted(i.step for i, _ in plan) == [10, 30, 40, 50, 60, 70, 80]
+
+
+def test_newest_healthy_is_kept_even_beyond_keep_last() -> None:
+    infos = [info(10), info(20), info(30, healthy=False), info(40, healthy=False)]
+    plan = plan_retention(infos, keep_last=1, log_spaced=False, now=1e9)
+    assert sorted(i.step for i, _ in plan) == [10, 30]
+
+
+def test_per_tier_retention_drops_old_optimizer_before_weights() -> None:
+    retention = level_retention_from_config(SmartCkptConfig())
+    assert retention == {Tier.WEIGHTS: 30, Tier.OPTIMIZER: 7, Tier.STATE: 90}
+    infos = [
+        info(100, age_days=40),               # weights expired: whole checkpoint goes
+        info(200, age_days=10),               # optimizer (7 d) expired, weights (30 d) not
+        info(300, age_days=10, tiers=frozenset({Tier.WEIGHTS, Tier.STATE})),  # no L1 to drop
+        info(400, age_days=50, pinned=True),  # pinned: untouched
+        info(500, age_days=3),
+        info(600, age_days=20),               # newest (keep_last): nothing expires on it
+    ]
+    plan = plan_retention(infos, keep_last=1, log_spaced=False, level_retention=retention, now=1e9)
+    assert [(i.step, tiers) for i, tiers in plan] == [(100, ALL_TIERS), (200, ALL_TIERS), (300, ALL_TIERS),
+                                                      (500, ALL_TIERS)]  # thinning alone: only last + pinned
+    # Log-spaced: ages behind step 600 are 500, 400, 300, 100 -> buckets 9, 9, 9, 7. Step 100's weights
+    # expired, so the oldest *surviving* checkpoint of bucket 9 (step 200) is kept, without its optimizer.
+    plan = plan_retention(infos, keep_last=1, level_retention=retention, now=1e9)
+    assert [(i.step, tiers) for i, tiers in plan] == [
+        (100, ALL_TIERS),
+        (200, frozenset({Tier.OPTIMIZER})),
+        (300, ALL_TIERS),
+    ]
+
+
+def test_retention_rejects_bad_keep_last_and_handles_empty() -> None:
+    assert plan_retention([], keep_last=3, now=0.0) == []
+    with pytest.raises(ValueError, match="keep_last=0"):
+        plan_retention([info(1)], keep_last=0, now=0.0)
