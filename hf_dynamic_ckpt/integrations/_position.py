@@ -1,0 +1,205 @@
+"""Exact data position for Accelerate loops: batches seen, and the RNG that ordered the epoch.
+
+`Accelerator.save_state` does not record how far a map-style dataloader got. This wrapper
+counts the batches it hands out and remembers, per epoch, the RNG states from just before
+the epoch's iterator was created (the permutation and the worker seeds are drawn then).
+On resume it restores those, skips the batches already seen with
+`accelerator.skip_first_batches`, and re-applies the RNG state of the moment of the save
+once the first batch has been fetched: creating the iterator consumed random numbers that
+the interrupted run had consumed long before the save, so applying the saved RNG earlier
+(as `load_state` does) leaves dropout masks shifted.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpointError
+from ..store.rng import capture_rng_state, restore_rng_state
+
+logger = logging.getLogger(__name__)
+
+POSITION_VERSION = 1
+KEY_EPOCH = "epoch"
+KEY_BATCHES_SEEN = "batches_seen"
+KEY_EPOCH_START_RNG = "epoch_start_rng"  # one entry per rank (rank 0 writes the sampler file)
+KEY_EPOCH_START_GENERATOR = "epoch_start_generator"
+KEY_WORLD_SIZE = "world_size"
+
+
+def _all_gather_json(obj: Any) -> list[Any]:
+    """Every rank's `obj` (JSON-able), in rank order; `[obj]` without a process group.
+
+    JSON bytes in uint8 tensors, never pickle (what `all_gather_object` would do).
+    """
+    import json
+
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    chunks = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(chunks, padded)
+    return [json.loads(bytes(c[: int(s.item())].cpu().tolist()).decode()) for c, s in zip(chunks, sizes)]
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _generator(dataloader: Any) -> torch.Generator | None:
+    """The generator that orders the epoch (Accelerate's synchronized one, else the sampler's)."""
+    gen = getattr(dataloader, "synchronized_generator", None)
+    if isinstance(gen, torch.Generator):
+        return gen
+    for holder in (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)):
+        gen = getattr(holder, "generator", None)
+        if isinstance(gen, torch.Generator):
+            return gen
+    return None
+
+
+def _gen_b64(gen: torch.Generator | None) -> str | None:
+    return None if gen is None else base64.b64encode(gen.get_state().numpy().tobytes()).decode("ascii")
+
+
+def _set_gen(gen: torch.Generator | None, state: str | None) -> None:
+    if gen is not None and state is not None:
+        gen.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8).clone())
+
+
+class ResumableLoader:
+    """Iterate a prepared dataloader one epoch per `iter()`, tracking an exact position.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): provides `skip_first_batches`.
+        dataloader (`torch.utils.data.DataLoader`): the prepared training dataloader.
+
+    Example:
+        ```python
+        >>> loader = ResumableLoader(accelerator, train_dataloader)
+        >>> while loader.epoch < num_epochs:
+        ...     for batch in loader:
+        ...         ...
+        ```
+    """
+
+    def __init__(self, accelerator: Any, dataloader: Any) -> None:
+        self.accelerator = accelerator
+        self.dataloader = dataloader
+        self.epoch = 0
+        self.batches_seen = 0
+        self._epoch_start_rngs: list[Any] = []
+        self._epoch_start_gen: str | None = None
+        self._boundary: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        self._pending_rng: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def position(self) -> dict[str, Any]:
+        """JSON-able position now: epoch, batches handed out in it, and the epoch-start RNG of every rank."""
+        return {
+            "version": POSITION_VERSION,
+            KEY_EPOCH: self.epoch,
+            KEY_BATCHES_SEEN: self.batches_seen,
+            KEY_WORLD_SIZE: len(self._epoch_start_rngs) or _rank_and_world()[1],
+            KEY_EPOCH_START_GENERATOR: self._epoch_start_gen,
+            KEY_EPOCH_START_RNG: list(self._epoch_start_rngs),
+        }
+
+    def mark_boundary(self) -> None:
+        """Remember the position at an optimizer-step boundary (what `boundary_position` returns).
+
+        A save taken before the next update (a pre-anomaly capture) holds the state of the
+        last completed step, while the loader has already handed out the next step's batches.
+        """
+        self._boundary = self.position()
+
+    def boundary_position(self) -> dict[str, Any]:
+        """The position at the last `mark_boundary()` (the live one before any)."""
+        return dict(self._boundary) if self._boundary is not None else self.position()
+
+    def resume_from(self, position: dict[str, Any], *, rng: dict[str, Any] | None) -> None:
+        """Arm the next `iter()` to continue exactly after `position`.
+
+        Args:
+            position (`dict`): what `position()` returned at save time.
+            rng (`dict`, *optional*): this rank's RNG at save time; applied after the first
+                batch of the resumed epoch is fetched (or at its end if none is left).
+
+        Raises:
+            `CorruptCheckpointError`: `position` lacks the epoch or the batch count.
+        """
+        try:
+            epoch, seen = int(position[KEY_EPOCH]), int(position[KEY_BATCHES_SEEN])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(
+                f"data position {position!r:.200} has no integer {KEY_EPOCH!r}/{KEY_BATCHES_SEEN!r}; "
+                "the sampler state of this checkpoint is corrupt."
+            ) from e
+        rank, world = _rank_and_world()
+        starts = list(position.get(KEY_EPOCH_START_RNG) or [])
+        if len(starts) != world:
+            logger.warning(
+                "data position was saved with %d rank(s), resuming with %d: the data order of the resumed epoch "
+                "and the random streams will differ from the interrupted run", len(starts), world)
+        self.epoch, self.batches_seen = epoch, seen
+        self._boundary = None
+        self._pending = {"seen": seen, "gen": position.get(KEY_EPOCH_START_GENERATOR), "starts": starts,
+                         "rng0": starts[rank] if rank < len(starts) else None}
+        self._pending_rng = rng
+
+    def __iter__(self) -> Iterator[Any]:
+        dl = self.dataloader
+        if hasattr(dl, "set_epoch"):
+            dl.set_epoch(self.epoch)
+        pending, self._pending = self._pending, None
+        gen = _generator(dl)
+        if pending is not None:
+            if pending["rng0"] is not None:
+                restore_rng_state(pending["rng0"])
+            _set_gen(gen, pending["gen"])
+            self._epoch_start_rngs, self._epoch_start_gen = pending["starts"], pending["gen"]
+            source = self.accelerator.skip_first_batches(dl, pending["seen"]) if pending["seen"] else dl
+            self.batches_seen = pending["seen"]
+            logger.info("resuming epoch %d after %d batches", self.epoch, self.batches_seen)
+        else:
+            self._epoch_start_rngs = _all_gather_json(capture_rng_state())
+            self._epoch_start_gen = _gen_b64(gen)
+            source, self.batches_seen = dl, 0
+        it = iter(source)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            finally:
+                self._apply_pending_rng()
+            self.batches_seen += 1
+            yield batch
+        self.epoch += 1
+        self.batches_seen = 0
+        if hasattr(dl, "set_epoch"):
+            dl.set_epoch(self.epoch)
+
+    def _apply_pending_rng(self) -> None:
+        if self._pending_rng is not None:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None

@@ -1,0 +1,95 @@
+"""Worker: a custom Accelerate loop with SmartCheckpointer (tiny LoRA Qwen2, dropout, CPU).
+
+Run alone or under `torchrun --nproc_per_node 2`. Rank 0 appends one JSON line per optimizer
+step to --losses: the step, the step's all-reduced loss and this rank's micro-batch losses,
+as float.hex (exact). --kill_at_step makes every rank SIGKILL itself right after that step's
+save decision (a crash with no cleanup, possibly mid-write). At the end rank 0 writes the
+adapter weights to --final (safetensors) for a bitwise comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+
+torch.set_num_threads(1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--losses", required=True)
+    p.add_argument("--final", default=None)
+    p.add_argument("--max_steps", type=int, default=12)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--kill_at_step", type=int, default=None)
+    p.add_argument("--grad_accum", type=int, default=1)
+    p.add_argument("--base_interval", type=int, default=3)
+    p.add_argument("--examples", type=int, default=40)
+    args = p.parse_args()
+
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from safetensors.torch import save_file
+
+    from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig, toy
+    from hf_dynamic_ckpt.checkpointer import trainable_state_dict
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)
+    set_seed(0)
+    model = toy.lora(toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=0.1), r=4, dropout=0.1)
+    data = toy.random_token_dataset(num_examples=args.examples, seq_len=8, vocab_size=128, seed=1).with_format("torch")
+    loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=5e-3)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, total_iters=args.max_steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    config = SmartCkptConfig(base_interval=args.base_interval, overhead_budget=1.0, keep_last=100)
+    ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config,
+                             output_dir=args.output_dir)
+    loaded = ckpt.resume(args.resume)
+    main_rank = accelerator.is_main_process
+    out = open(args.losses, "a", encoding="utf-8") if main_rank else None  # noqa: SIM115
+    if out is not None:
+        out.write(json.dumps({"resumed_from": loaded.info.step if loaded else None}) + "\n")
+        out.flush()
+    micro: list[str] = []
+    while ckpt.step < args.max_steps and not ckpt.should_stop:
+        for batch in ckpt.loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                micro.append(float(loss.detach()).hex())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                ckpt.before_update()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            decision = ckpt.after_update()
+            if decision is None:
+                continue
+            if out is not None:
+                frame = ckpt.core.last_frame
+                out.write(json.dumps({"step": ckpt.step, "loss": float(frame.loss).hex(), "micro": micro,
+                                      "save": decision.save}) + "\n")
+                out.flush()
+            micro = []
+            if ckpt.step == args.kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if ckpt.step >= args.max_steps or ckpt.should_stop:
+                break
+    ckpt.close()
+    if main_rank and args.final:
+        unwrapped = accelerator.unwrap_model(model)
+        save_file({k: v.detach().contiguous() for k, v in trainable_state_dict(unwrapped).items()}, args.final)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
