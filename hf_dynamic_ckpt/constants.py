@@ -24,6 +24,10 @@ RNG_NAME_TEMPLATE = "rng-rank{rank}.json"
 SAMPLER_NAME = "sampler.json"
 RANK_DONE_TEMPLATE = "done-rank{rank}.json"
 
+# Per-task files next to the step directories (written by rank 0 of the checkpointer).
+TIMELINE_NAME = "timeline.jsonl"  # one JSON line per optimizer step (signals, risk, saves) + events
+RESUME_DIR = ".resume"  # under the store root: Trainer-style folders materialised for a resume
+
 # Manifest keys.
 KEY_FORMAT_VERSION = "format_version"
 KEY_TASK_ID = "task_id"

@@ -1,0 +1,642 @@
+"""The one orchestrator both integrations call: probes -> policy -> snapshot/writer -> store.
+
+`Checkpointer` is framework-free: it knows torch modules, optimizers and schedulers, never
+`Trainer` or `Accelerator`. An integration calls, per optimizer step:
+
+```
+step_begin()                          # start of the step (timing)
+pre_update(step)                      # gradients complete, weights not yet updated
+    -> Decision (skip_update: drop this step's gradients)
+step_end(step, epoch)                 # after optimizer.step / scheduler.step / zero_grad
+    -> Decision (preempt: the run should stop now; a committed checkpoint exists)
+```
+
+and `resume(spec)` + `apply_optimizer_state` / `apply_weights` / `restore_rng_state` to
+come back. Under DDP every rank calls the same methods: the signals are reduced in one
+collective per step so every rank takes the same decision, each rank writes its own RNG
+file and rank 0 commits once all ranks wrote (see `CheckpointStore.save`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import distributed as dist
+from .config import EngineMode, SmartCkptConfig
+from .constants import ALL_TIERS, TIMELINE_NAME, Tier
+from .engine import SaveEngine, SaveHandle, StateSources
+from .errors import CheckpointNotFoundError, DistributedError
+from .policy.decision import Decision
+from .policy.rules import RulePolicy
+from .signals.frame import SignalFrame
+from .signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe, PreemptionFlag
+from .store.rng import capture_rng_state
+from .store.store import CheckpointStore
+from .store.types import CheckpointInfo, LoadedCheckpoint
+
+logger = logging.getLogger(__name__)
+
+METRIC_PREFIX = "smart_ckpt/"
+
+
+@dataclass
+class SaveEvent:
+    """One save as the training loop saw it (the catalog holds the committed facts).
+
+    Args:
+        step (`int`): step of the saved state.
+        at_step (`int`): step during which the save was taken (`step + 1` for a pre-update capture).
+        reason (`str`): the policy's reason.
+        tiers (`frozenset[Tier]`): what was saved.
+        pinned (`bool`): protected from retention.
+        blocking_ms (`float`): time training was stopped by the save.
+        bytes (`int`, *optional*): bytes on disk once committed (rank 0).
+        write_ms (`float`, *optional*): background write time once committed.
+        error (`str`, *optional*): why the save failed.
+    """
+
+    step: int
+    at_step: int
+    reason: str
+    tiers: frozenset[Tier]
+    pinned: bool
+    blocking_ms: float
+    bytes: int | None = None
+    write_ms: float | None = None
+    path: str | None = None
+    error: str | None = None
+    handle: SaveHandle | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "at_step": self.at_step, "reason": self.reason,
+                "tiers": sorted(t.value for t in self.tiers), "pinned": self.pinned,
+                "blocking_ms": round(self.blocking_ms, 3), "bytes": self.bytes,
+                "write_ms": None if self.write_ms is None else round(self.write_ms, 3),
+                "path": self.path, "error": self.error}
+
+
+class Checkpointer:
+    """Signal-driven, tiered, non-blocking checkpointing of one training run.
+
+    Args:
+        config (`SmartCkptConfig`): the knobs; `config.root` or `root` names the store.
+        root (`str` or `Path`, *optional*): store directory (overrides `config.root`).
+        rank (`int`, *optional*): this process's rank; defaults to the process group's.
+        world_size (`int`, *optional*): number of ranks; defaults to the process group's.
+
+    Example:
+        ```python
+        >>> ckpt = Checkpointer(SmartCkptConfig(base_interval=50), root="out/smart_ckpt")
+        >>> ckpt.attach(model, optimizer=opt, scheduler=sched)
+        >>> for step, batch in enumerate(loader, start=1):
+        ...     ckpt.step_begin()
+        ...     model(**batch).loss.backward()
+        ...     ckpt.pre_update(step - 1)
+        ...     opt.step(); sched.step(); opt.zero_grad()
+        ...     if ckpt.step_end(step, epoch=0.0).reason == "preemption":
+        ...         break
+        >>> ckpt.close()
+        ```
+    """
+
+    def __init__(self, config: SmartCkptConfig, *, root: str | Path | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        self.config = config
+        self.rank = dist.rank() if rank is None else rank
+        self.world_size = dist.world_size() if world_size is None else world_size
+        root = root if root is not None else config.root
+        if root is None:
+            from .errors import ConfigError
+
+            raise ConfigError("root=None is invalid: pass Checkpointer(config, root=...) or SmartCkptConfig(root=...).")
+        self.root = Path(root)
+        session = uuid.uuid4().hex[:12] if self.rank == 0 else None
+        session = dist.broadcast_object(session) if self.world_size > 1 else session
+        self.store = CheckpointStore(self.root, task_id=config.task_id, rank=self.rank, world_size=self.world_size,
+                                     session_id=session, compression_level=config.compression_level)
+        mode = config.engine if config.async_save else EngineMode.SYNC
+        self.engine = SaveEngine(self.store, mode=mode, memory_margin=config.memory_margin)
+        self.policy = RulePolicy(config)
+        self.events: list[SaveEvent] = []
+        self.last_frame: SignalFrame | None = None
+        self.last_decision: Decision | None = None
+        self.preempted = False
+        self._sources: StateSources | None = None
+        self._model: nn.Module | None = None
+        self._loss: LossProbe | None = None
+        self._grad: GradProbe | None = None
+        self._mem: MemoryProbe | None = None
+        self._flag: PreemptionFlag | None = None
+        self._clip: ClipNormRecorder | None = None
+        self._frame: SignalFrame | None = None  # reduced frame of the step in progress
+        self._boundary_rng: dict[str, Any] | None = None  # RNG at the end of the previous step
+        self._boundary_step: int | None = None
+        self._last_pre_t: float | None = None
+        self._stall_ms_since_log = 0.0
+        self._timeline: Any = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ wiring
+    def attach(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        scaler: Any | None = None,
+        weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+        frozen_keys: Iterable[str] = (),
+        extra: Callable[[], dict[str, Any]] | None = None,
+        sampler: Callable[[], dict[str, Any]] | None = None,
+        clip_owner: Any | None = None,
+        loss_model: nn.Module | None = None,
+    ) -> None:
+        """Install the probes and remember what a save reads.
+
+        Args:
+            model (`nn.Module`): the trained model (gradients and LoRA layers are read from it).
+            optimizer, scheduler, scaler (*optional*): L1 sources.
+            weights (`Callable`, *optional*): returns the L0 tensors; defaults to `trainable_state_dict(model)`.
+            frozen_keys (`Iterable[str]`, *optional*): weight names that never change (stored once).
+            extra (`Callable`, *optional*): JSON-able data for the manifest's `extra`.
+            sampler (`Callable`, *optional*): JSON-able data position (L2).
+            clip_owner (*optional*): object whose `clip_grad_norm_` returns the pre-clip norm
+                (an `accelerate.Accelerator`); wrapped so the policy sees the pre-clip norm.
+            loss_model (`nn.Module`, *optional*): module whose forward output carries `loss`
+                (defaults to `model`).
+        """
+        self.detach()
+        self._model = model
+        if weights is None:
+            weights = lambda: trainable_state_dict(model)  # noqa: E731
+        main = self.rank == 0
+        self._sources = StateSources(
+            weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
+            optimizer=optimizer if main else None, scheduler=scheduler if main else None,
+            scaler=scaler if main else None, sampler=sampler, extra=extra,
+        )
+        self._loss = LossProbe(loss_model if loss_model is not None else model)
+        self._grad = GradProbe(model)
+        self._mem = MemoryProbe(self.config.memory_sample_every)
+        self._flag = PreemptionFlag(self.config.preemption_signals)
+        self._flag.install()
+        self._clip = ClipNormRecorder(clip_owner) if clip_owner is not None else None
+        self._last_pre_t = None
+        if main:
+            self.store.task_dir.mkdir(parents=True, exist_ok=True)
+            path = self.store.task_dir / TIMELINE_NAME
+            self._timeline = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed in detach
+
+    def detach(self) -> None:
+        """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
+        for probe in (self._loss, self._clip):
+            if probe is not None:
+                probe.remove()
+        if self._flag is not None:
+            self._flag.uninstall()
+        self._loss = self._clip = self._flag = None
+        self._grad = self._mem = None
+        if self._timeline is not None:
+            self._timeline.close()
+            self._timeline = None
+
+    @property
+    def preemption_flag(self) -> PreemptionFlag | None:
+        """The installed preemption flag (tests and schedulers may `set()` it)."""
+        return self._flag
+
+    # ------------------------------------------------------------------ per step
+    def step_begin(self) -> None:
+        """Mark the start of an optimizer step (reserved: timing is taken between `pre_update` calls)."""
+
+    def note_boundary(self, step: int) -> None:
+        """Record the RNG state at the end of `step` (what a later pre-update capture saves).
+
+        Weights, optimizer and `extra` are still those of `step` when the next step's
+        `pre_update` runs; only the RNG has moved on (dropout of the next step's forward).
+        """
+        if self.config.pre_anomaly_capture:
+            self._boundary_rng = capture_rng_state()
+            self._boundary_step = step
+
+    def _measure(self, step: int) -> SignalFrame:
+        loss_t = self._loss.pop() if self._loss is not None else None
+        pre_clip = self._clip.pop() if self._clip is not None else None
+        fields: dict[str, Any] = {}
+        if self._grad is not None:
+            fields = self._grad.frame_fields(pre_clip)
+        device_mem = host_mem = None
+        if self._mem is not None:
+            device_mem, host_mem = self._mem.sample(step)
+        now = time.perf_counter()
+        step_time = None if self._last_pre_t is None else now - self._last_pre_t
+        self._last_pre_t = now
+        frame = SignalFrame(
+            step=step, loss=None if loss_t is None else float(loss_t), device_mem_frac=device_mem,
+            host_mem_frac=host_mem, step_time_s=step_time,
+            preempt=bool(self._flag is not None and self._flag.is_set), **fields,
+        )
+        names = self._grad.layer_names if self._grad is not None else ()
+        return dist.reduce_frame(frame, layer_names=names)
+
+    def pre_update(self, step: int, *, epoch: float | None = None) -> Decision:
+        """Gradients are complete, the update not applied: measure, and capture if the policy says so.
+
+        Args:
+            step (`int`): optimizer steps completed *before* this update (Trainer's `global_step`).
+            epoch (`float`, *optional*): fractional epoch of the state of `step`.
+
+        Returns:
+            `Decision`: the policy's pre-update answer. With `skip_update`, the gradients
+            have been dropped (`param.grad = None`): the optimizer skips the update.
+        """
+        frame = self._measure(step + 1)
+        self._frame = frame
+        decision = self.policy.pre_update(frame)
+        if decision.save:
+            if self._boundary_step == step and self._boundary_rng is not None:
+                self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
+                           rng=self._boundary_rng)
+            else:
+                logger.info("step %d: pre-update capture (%s) not taken: no RNG state recorded at the end of step %d",
+                            step + 1, decision.reason, step)
+        if decision.skip_update and self._model is not None:
+            logger.warning("step %d: skipping the optimizer update (%s)", step + 1, decision.reason or "bad update")
+            for p in self._model.parameters():
+                p.grad = None
+        return decision
+
+    def step_end(self, step: int, epoch: float, *, lr: float | None = None) -> Decision:
+        """After the update of step `step`: decide, and save (or stop on preemption).
+
+        Args:
+            step (`int`): optimizer steps completed (Trainer's `global_step` after the increment).
+            epoch (`float`): fractional epoch.
+            lr (`float`, *optional*): learning rate used by this step.
+
+        Returns:
+            `Decision`. When `reason == "preemption"` a checkpoint has been committed
+            synchronously and `self.preempted` is set: the caller should stop training.
+        """
+        frame = self._frame if self._frame is not None and self._frame.step == step else self._measure(step)
+        self._frame = None
+        frame.lr = lr
+        decision = self.policy.decide(frame)
+        self.last_frame, self.last_decision = frame, decision
+        self._collect_finished()
+        if decision.save:
+            if decision.reason == "preemption":
+                self._preempt_save(step, epoch, frame)
+            else:
+                self._save(decision, step=step, epoch=epoch, at_step=step)
+        self._write_timeline(frame, decision)
+        self.note_boundary(step)
+        return decision
+
+    def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
+                 pin: bool = False, blocking: bool = True) -> SaveEvent:
+        """Save the current state of `step` outside the policy (e.g. the end of training)."""
+        decision = Decision(save=True, tiers=frozenset(tiers), reason=reason, pin=pin, step=step)
+        return self._save(decision, step=step, epoch=epoch, at_step=step, blocking=blocking)
+
+    # ------------------------------------------------------------------ saving
+    def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: dict[str, Any] | None = None,
+              blocking: bool = False) -> SaveEvent:
+        assert self._sources is not None, "attach() first"
+        sources = self._sources
+        tiers = frozenset(decision.tiers or ALL_TIERS)
+        if self.rank != 0:
+            tiers = frozenset({Tier.STATE})  # rank 0 writes weights and optimizer; every rank its RNG
+        signals = self.last_frame.to_dict() if self.last_frame is not None else None
+        handle = self.engine.save(sources, step=step, epoch=epoch, tiers=tiers, reason=decision.reason,
+                                  pinned=decision.pin, healthy=decision.healthy, signals=signals,
+                                  debug_info=self.policy.debug_info(), rng=rng, blocking=blocking)
+        event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
+                          pinned=decision.pin, blocking_ms=handle.blocking_ms, handle=handle)
+        if handle.skipped:
+            event.error = handle.skipped
+        self.events.append(event)
+        self._stall_ms_since_log += handle.blocking_ms
+        self.policy.record_save(step, handle.blocking_ms / 1e3, tiers)
+        logger.info("save step %d (%s): blocked %.1f ms", step, decision.reason, handle.blocking_ms)
+        if handle.done():
+            self._collect(event)
+        return event
+
+    def _preempt_save(self, step: int, epoch: float, frame: SignalFrame) -> None:
+        assert self._sources is not None, "attach() first"
+        start = time.perf_counter()
+        signum = self._flag.signum if self._flag is not None else None
+        name = f"preemption: signal {signum}" if signum is not None else "preemption"
+        try:
+            import signal as _signal
+
+            name = f"preemption: {_signal.Signals(signum).name}" if signum is not None else name
+        except ValueError:
+            pass
+        sources = self._sources
+        info = self.engine.emergency_save(sources, step=step, epoch=epoch, reason=name,
+                                          deadline_s=self.config.preemption_grace_s, signals=frame.to_dict(),
+                                          debug_info=self.policy.debug_info())
+        blocking_ms = (time.perf_counter() - start) * 1e3
+        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else ALL_TIERS,
+                          pinned=False, blocking_ms=blocking_ms, bytes=info.bytes if info else None,
+                          path=info.path if info else None)
+        self.events.append(event)
+        self._stall_ms_since_log += blocking_ms
+        self.preempted = True
+        dist.barrier()
+        logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
+
+    def _collect(self, event: SaveEvent) -> None:
+        handle = event.handle
+        if handle is None or not handle.done():
+            return
+        event.handle = None
+        exc = handle.exception()
+        if exc is not None:
+            event.error = f"{type(exc).__name__}: {exc}"
+            logger.error("save of step %d (%s) failed: %s; the previous checkpoint stays the restore point",
+                         event.step, event.reason, event.error)
+            return
+        info = handle.wait()
+        event.write_ms = handle.write_ms
+        if info is not None:
+            event.bytes, event.path = info.bytes, info.path
+            if event.pinned and not info.pinned:
+                self.store.pin(info)
+
+    def _collect_finished(self) -> None:
+        for event in self.events[-4:]:
+            if event.handle is not None:
+                self._collect(event)
+
+    def _write_timeline(self, frame: SignalFrame, decision: Decision) -> None:
+        if self._timeline is None:
+            return
+        row = {"step": frame.step, "loss": _num(frame.loss), "grad_norm": _num(frame.grad_norm),
+               "lora_max_ratio": _num(frame.lora_max_ratio), "lr": _num(frame.lr), "risk": round(decision.risk, 6),
+               "mem": _num(frame.mem_frac), "step_time_s": _num(frame.step_time_s), "time": time.time()}
+        saves = [e for e in self.events if e.at_step == frame.step]
+        if saves:
+            row["saves"] = [{"step": e.step, "reason": e.reason, "pinned": e.pinned} for e in saves]
+        self._timeline.write(json.dumps(row) + "\n")
+
+    def log_event(self, kind: str, **data: Any) -> None:
+        """Append a non-step event (e.g. a resume) to the timeline (rank 0)."""
+        if self._timeline is None and self.rank == 0:
+            self.store.task_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.store.task_dir / TIMELINE_NAME, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"event": kind, "time": time.time(), **data}) + "\n")
+        elif self._timeline is not None:
+            self._timeline.write(json.dumps({"event": kind, "time": time.time(), **data}) + "\n")
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self) -> dict[str, float]:
+        """`smart_ckpt/*` numbers for the training logs (saves, last save step, stall, risk)."""
+        self._collect_finished()
+        done = [e for e in self.events if e.error is None]
+        out: dict[str, float] = {
+            f"{METRIC_PREFIX}saves": float(len(done)),
+            f"{METRIC_PREFIX}stall_ms": round(self._stall_ms_since_log, 3),
+            f"{METRIC_PREFIX}risk": round(self.last_decision.risk, 6) if self.last_decision is not None else 0.0,
+        }
+        if done:
+            out[f"{METRIC_PREFIX}last_save_step"] = float(done[-1].step)
+        if self.last_decision is not None and self.last_decision.interval:
+            out[f"{METRIC_PREFIX}interval"] = round(self.last_decision.interval, 3)
+        self._stall_ms_since_log = 0.0
+        return out
+
+    # ------------------------------------------------------------------ shutdown
+    def finish(self) -> CheckpointInfo | None:
+        """Wait for the last background write (re-raising its error) and collect its result."""
+        try:
+            return self.engine.wait()
+        finally:
+            for event in self.events:
+                self._collect(event)
+
+    def close(self) -> None:
+        """Wait for pending writes, remove the probes, close the engine and store (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.finish()
+        finally:
+            self.detach()
+            self.engine.close()
+            self.store.close()
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, spec: str | None) -> LoadedCheckpoint | None:
+        """Choose, verify and load a restore point on every rank (rank 0 decides).
+
+        Rank 0 resolves `spec` with `restore.load_for_resume` (a broken L0 falls back to the
+        next older checkpoint, a broken L1 resumes with a fresh optimizer, both with a
+        warning). Every rank then checks its own RNG file for that checkpoint; if any rank
+        cannot, all fall back to the newest checkpoint that is complete on every rank.
+
+        Args:
+            spec (`str`, *optional*): `auto`, `best`, `fastest`, `step:N` or a path; `None`
+                means a fresh start.
+
+        Returns:
+            `LoadedCheckpoint | None`: this rank's view (its own RNG), or `None` for a fresh
+            start (`auto` on an empty store).
+
+        Raises:
+            `CheckpointNotFoundError`: an explicit spec names nothing loadable.
+            `DistributedError`: no checkpoint is complete on every rank.
+        """
+        from .restore import load_for_resume
+
+        if spec is None:
+            return None
+        chosen: dict[str, Any] | None = None
+        loaded: LoadedCheckpoint | None = None
+        if self.rank == 0:
+            try:
+                loaded = load_for_resume(self.store, spec, rank=0, fallback=self.config.fallback_strategy)
+                older = [i.step for i in self.store.list() if i.step < loaded.info.step and Tier.WEIGHTS in i.tiers]
+                chosen = {"candidates": [loaded.info.step, *older], "error": None}
+            except CheckpointNotFoundError as e:
+                if spec == "auto" and not self.store.list(include_unhealthy=True):
+                    chosen = None
+                else:
+                    chosen = {"candidates": [], "error": str(e)}
+        if self.world_size > 1:
+            chosen = dist.broadcast_object(chosen)
+        if chosen is None:
+            return None
+        if chosen["error"] is not None:
+            raise CheckpointNotFoundError(chosen["error"])
+        candidates: list[int] = chosen["candidates"]
+        step = candidates[0]
+        if self.world_size > 1:
+            step = self._agree_on_step(candidates)
+            if self.rank == 0 and loaded is not None and step != loaded.info.step:
+                msg = (f"resume: step {loaded.info.step} is not complete on every rank (a rank's RNG file is "
+                       f"missing or corrupt); falling back to step {step}, the newest checkpoint complete on all ranks")
+                logger.warning(msg)
+                warnings.warn(msg, stacklevel=2)
+                loaded = load_for_resume(self.store, f"step:{step}", rank=0, fallback=self.config.fallback_strategy)
+            # Rank 0's tier outcome (e.g. a broken L1) is what every rank applies.
+            tiers = dist.broadcast_object(sorted(t.value for t in loaded.tiers) if loaded is not None else None)
+            if self.rank != 0:
+                loaded = self.store.load(f"step:{step}", tiers=[Tier(t) for t in tiers], rank=self.rank)
+                if Tier.OPTIMIZER not in {Tier(t) for t in tiers}:
+                    loaded.scheduler = self.store.load_scheduler_only(f"step:{step}")
+            dist.barrier()
+        assert loaded is not None
+        for w in loaded.warnings:
+            logger.warning("resume: %s", w)
+        self.log_event("resume", step=loaded.info.step, spec=str(spec), warnings=list(loaded.warnings))
+        return loaded
+
+    def _agree_on_step(self, candidates: list[int]) -> int:
+        """The newest candidate whose files of every rank verify (one all-reduce)."""
+        ok = []
+        for step in candidates:
+            try:
+                self.store.load(f"step:{step}", tiers=[Tier.STATE], rank=self.rank)
+                ok.append(1)
+            except Exception as e:  # any unreadable own file rules the candidate out
+                logger.warning("resume: rank %d cannot use step %d: %s", self.rank, step, e)
+                ok.append(0)
+        flags = torch.tensor(ok, dtype=torch.int64)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+        for step, good in zip(candidates, flags.tolist()):
+            if good:
+                return step
+        raise DistributedError(
+            f"resume: none of the checkpoints {candidates} is complete on all {self.world_size} ranks; "
+            "start fresh (no resume) or restore the missing rng-rank<R>.json files."
+        )
+
+    def load_policy_state(self, loaded: LoadedCheckpoint) -> None:
+        """Restore the policy's running statistics saved in the checkpoint (when present)."""
+        state = loaded.extra.get("policy")
+        if state:
+            try:
+                self.policy.load_state_dict(state)
+            except Exception as e:  # the policy restarts its statistics; training is unaffected
+                logger.warning("resume: policy statistics not restored (%s); they restart from scratch", e)
+        probe = loaded.extra.get("grad_probe")
+        if probe and self._grad is not None:
+            self._grad.load_state_dict(probe)
+
+    def extra_state(self) -> dict[str, Any]:
+        """Policy and probe statistics, for `StateSources.extra` (so a resumed run decides the same)."""
+        out: dict[str, Any] = {"policy": self.policy.state_dict()}
+        if self._grad is not None:
+            out["grad_probe"] = self._grad.state_dict()
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+def _num(v: float | None) -> float | str | None:
+    if v is None:
+        return None
+    return float(v) if math.isfinite(v) else str(float(v))
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether `model` is a PEFT model (adapter-only checkpoints)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What L0 holds: the adapter only for a PEFT model (PEFT key names), else the full state dict.
+
+    The tensors alias the live parameters; the engine copies them.
+    """
+    if is_peft_model(model):
+        from peft import get_peft_model_state_dict
+
+        return dict(get_peft_model_state_dict(model))
+    return dict(model.state_dict())
+
+
+def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
+    """State-dict keys of parameters that do not train (stored once, content-addressed)."""
+    if is_peft_model(model):
+        return frozenset()
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    named = dict(model.named_parameters())
+    return frozenset(k for k in model.state_dict() if k in named and id(named[k]) not in trainable)
+
+
+def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy saved L0 tensors into the live model in place (after `restore.check_weights`).
+
+    Raises:
+        `IncompatibleStateError`: names or shapes do not match the model.
+    """
+    from .restore import check_weights
+
+    if is_peft_model(model):
+        from peft import set_peft_model_state_dict
+
+        check_weights(weights, trainable_state_dict(model))
+        set_peft_model_state_dict(model, dict(weights))
+        return
+    check_weights(weights, model.state_dict())
+    model.load_state_dict(dict(weights), strict=False)
+
+
+def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, scheduler: Any | None,
+                          scaler: Any | None = None) -> None:
+    """Load L1 straight into the live optimizer / scheduler / scaler (no intermediate files).
+
+    When L1 was lost (`loaded.optimizer is None`), the optimizer stays fresh and the
+    scheduler is moved to the checkpoint's step so the learning-rate schedule continues
+    where it was; a warning says so.
+    """
+    step = loaded.info.step
+    if loaded.optimizer is not None and optimizer is not None:
+        optimizer.load_state_dict(loaded.optimizer)
+    elif optimizer is not None:
+        msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "
+               "weights with a fresh optimizer (moments reset)")
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=2)
+    if scheduler is not None:
+        if loaded.scheduler is not None:
+            scheduler.load_state_dict(loaded.scheduler)
+        else:
+            fast_forward_scheduler(scheduler, step)
+            logger.warning("resume from step %d: LR scheduler state not saved; schedule moved to step %d", step, step)
+    if scaler is not None and loaded.scaler is not None:
+        scaler.load_state_dict(loaded.scaler)
+
+
+def fast_forward_scheduler(scheduler: Any, step: int) -> None:
+    """Put a fresh LR scheduler at `step` (its optimizer's learning rates follow)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            # Closed form: every transformers schedule is a LambdaLR, O(1) for any step.
+            scheduler.last_epoch = step - 1
+            scheduler._step_count = step
+            scheduler.step()
+            return
+        for _ in range(step):
+            scheduler.step()

@@ -1,0 +1,116 @@
+"""Runnable worker for the Trainer integration tests (not a test module; run as a script).
+
+One training run of a tiny model with `SmartCkptCallback`, recording every training
+micro-batch loss as a hex float. Faults are injected from inside: `--kill_at N` sends
+SIGKILL to this process at the end of step N, `--sigterm_at N` sends SIGTERM.
+Writes `<out>/<tag>.json`: losses, the step resumed from, and the save events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+
+class PlainLM(torch.nn.Module):
+    """A tiny language model that is not a `PreTrainedModel` (embedding, dropout, MLP)."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.drop = torch.nn.Dropout(0.1)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, vocab))
+
+    def forward(self, input_ids, labels=None, attention_mask=None):  # type: ignore[no-untyped-def]
+        logits = self.mlp(self.drop(self.emb(input_ids)))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)),
+                                                            labels[:, 1:].reshape(-1))
+        return out
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    from hf_dynamic_ckpt import toy
+
+    if kind == "plain":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return PlainLM()
+    model = toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=0.1)
+    if kind == "lora":
+        model = toy.lora(model, r=4, dropout=0.1)
+    return model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--tag", required=True)
+    p.add_argument("--model", default="full", choices=["full", "lora", "plain"])
+    p.add_argument("--max_steps", type=int, default=8)
+    p.add_argument("--ga", type=int, default=2)
+    p.add_argument("--examples", type=int, default=40)
+    p.add_argument("--base_interval", type=int, default=3)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--kill_at", type=int, default=None)
+    p.add_argument("--sigterm_at", type=int, default=None)
+    p.add_argument("--use_cpu_ddp", action="store_true")
+    args = p.parse_args()
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint, toy
+
+    model = build_model(args.model)
+    ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
+    losses: list[str] = []
+    inner = model.base_model.model if args.model == "lora" else model
+
+    def hook(mod, inp, out):  # type: ignore[no-untyped-def]
+        if mod.training:
+            loss = out["loss"] if isinstance(out, dict) else out.loss
+            losses.append(loss.detach().double().item().hex())
+
+    inner.register_forward_hook(hook)
+    rank = int(os.environ.get("RANK", "0"))
+
+    class Fault(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
+            if args.kill_at is not None and state.global_step == args.kill_at and rank == int(os.environ.get("KILL_RANK", "0")):
+                _dump(args, rank, losses, cb, killed=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.sigterm_at is not None and state.global_step == args.sigterm_at and rank == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    cb = SmartCkptCallback(SmartCkptConfig(base_interval=args.base_interval, stability_window=8, overhead_budget=1.0))
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,
+        gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
+        save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault()])
+    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, args.resume))
+    _dump(args, rank, losses, cb, killed=False)
+
+
+def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed: bool) -> None:  # type: ignore[no-untyped-def]
+    ck = cb.checkpointer
+    events = [e.to_dict() for e in ck.events] if ck is not None else []
+    resumed = cb.resumed_from.info.step if cb.resumed_from is not None else None
+    path = os.path.join(args.out, f"{args.tag}-rank{rank}.json")
+    with open(path, "w") as f:
+        json.dump({"losses": losses, "resumed_from": resumed, "events": events, "killed": killed,
+                   "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else []}, f)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
