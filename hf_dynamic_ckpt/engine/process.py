@@ -14,7 +14,9 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import sys
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -97,6 +99,23 @@ def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any) -> None:
         conn.close()
 
 
+def _start_without_main(proc: Any) -> None:
+    """Start a spawn-context process without re-running the caller's `__main__` in the child.
+
+    Spawn normally re-imports the main script in the child, which re-runs a training
+    script that lacks an `if __name__ == "__main__":` guard. The writer needs nothing from
+    `__main__` (its target lives in this module), so a bare stand-in is shown while the
+    preparation data is taken.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        proc.start()
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 class WriterProcessError(RuntimeError):
     """The writer process reported an error (its message and traceback are in the text)."""
 
@@ -119,7 +138,7 @@ class ProcessWriter:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child), daemon=True,
                                  name="hf-dynamic-ckpt-writer")
-        self._proc.start()
+        _start_without_main(self._proc)
         child.close()
         self._pool = pool
         self._sent_generation = -1
