@@ -10,6 +10,7 @@ so ``jq`` reads it: ``jq '.debug_info[] | select(.loss > 3)' manifest.json``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -111,6 +112,11 @@ def compute_manifest_checksum(manifest: Mapping[str, Any]) -> str:
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries whose objects a checkpoint holds, for the manifest."""
+    return dict(_library_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _library_versions() -> dict[str, str]:
     from importlib import metadata
 
     from .. import __version__

@@ -1,0 +1,87 @@
+"""Helper of test_crash_consistency.py: SIGKILL a saving process at seeded random moments.
+
+    python tests/integration/crash_runner.py ROOT SNAPSHOTS TRIALS SEED
+
+Imports torch once, then per trial forks a child that opens the store (cleaning up what the
+previous victim left) and saves checkpoints in a loop (and deletes old ones, which
+collects blobs), kills it with SIGKILL after a random delay, and copies the store to
+``SNAPSHOTS/trial-<k>`` for the test to inspect. Prints one JSON line with per-trial facts.
+Forking a process that has only imported torch (no threads, no open store) is safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, tensorpack  # noqa: F401 (tensorpack: import before forking)
+from hf_dynamic_ckpt.store import manifest as store_manifest
+from hf_dynamic_ckpt.store import weights as store_weights  # noqa: F401 (import before forking)
+
+TASK = "crash"
+KEEP = 4
+
+
+def expected_state(step: int) -> CheckpointState:
+    """The state saved at `step`: a pure function of the step, so a test can recompute it."""
+    g = torch.Generator().manual_seed(step)
+    weights = {"w": torch.randn(64, 64, generator=g), "frozen": torch.full((512,), float(step // 5))}
+    optimizer = {"state": {0: {"exp_avg": torch.randn(64, 64, generator=g), "step": torch.tensor(float(step))}},
+                 "param_groups": [{"lr": 0.1, "params": [0]}]}
+    return CheckpointState(step=step, weights=weights, dedup_keys=frozenset({"frozen"}), optimizer=optimizer,
+                           scheduler={"last_epoch": step}, rng={"s": step}, sampler={"batches": step})
+
+
+def _child(root: Path) -> None:
+    try:
+        torch.set_num_threads(1)
+        store = CheckpointStore(root, task_id=TASK, compression_threads=1)
+        steps = [i.step for i in store.list(include_unhealthy=True)]
+        step = max(steps, default=0) + 1
+        while True:
+            store.save(expected_state(step), reason="interval", signals={"loss": 1.0 / step})
+            for old in [i.step for i in store.list()][KEEP:]:
+                store.delete(old)
+            step += 1
+    except BaseException:
+        traceback.print_exc()
+        os._exit(3)
+
+
+def main() -> None:
+    root, snapshots, trials, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    torch.set_num_threads(1)
+    import safetensors.torch  # noqa: F401
+    import zstandard  # noqa: F401
+
+    store_manifest.library_versions()
+    rng = random.Random(seed)
+    facts = []
+    for k in range(trials):
+        delay = rng.uniform(0.01, 0.35)
+        pid = os.fork()
+        if pid == 0:
+            _child(root)
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        shutil.copytree(root, snapshots / f"trial-{k}")
+        facts.append({"trial": k, "delay": round(delay, 4), "killed": killed,
+                      "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None})
+    print(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    main()
