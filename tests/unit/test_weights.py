@@ -222,23 +222,65 @@ def test_save_errors_name_the_problem(tmp_path: Path) -> None:
         save_weights({"s": torch.eye(2).to_sparse()}, tmp_path, blobs_dir=None)
 
 
-def test_corrupt_or_missing_weights_file_raises(tmp_path: Path) -> None:
+def _raw_file(header: dict, data: bytes) -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_corrupt_or_missing_weights_file_raises(tmp_path: Path, mmap: bool) -> None:
+    def load() -> dict[str, torch.Tensor]:
+        return load_weights(tmp_path, {}, blobs_dir=tmp_path, mmap=mmap)
+
     with pytest.raises(CorruptCheckpointError, match="is missing"):
-        load_weights(tmp_path, {}, blobs_dir=tmp_path)
-    save_weights({"w": torch.randn(10, 10)}, tmp_path, blobs_dir=None)
+        load()
+    save_weights({"w": torch.randn(10, 10), "b": torch.randn(10)}, tmp_path, blobs_dir=None)
     path = tmp_path / WEIGHTS_NAME
     good = path.read_bytes()
-    path.write_bytes(good[:-7])  # truncated data
-    with pytest.raises(CorruptCheckpointError, match="not a readable safetensors file"):
-        load_weights(tmp_path, {}, blobs_dir=tmp_path)
-    path.write_bytes(good[:20])  # truncated header
-    with pytest.raises(CorruptCheckpointError, match="not a readable safetensors file"):
-        load_weights(tmp_path, {}, blobs_dir=tmp_path)
-    bad = bytearray(good)
-    bad[9] = ord("!")  # JSON syntax destroyed
-    path.write_bytes(bad)
-    with pytest.raises(CorruptCheckpointError, match="not a readable safetensors file"):
-        load_weights(tmp_path, {}, blobs_dir=tmp_path)
+    cases = {
+        "truncated data": (good[:-7], r"truncated or extended"),
+        "appended byte": (good + b"\0", r"truncated or extended"),
+        "truncated header": (good[:20], r"does not fit a 20-byte file"),
+        "empty file": (b"", r"shorter than the 8-byte header length"),
+        "broken JSON": (good[:9] + b"!" + good[10:], r"not a valid safetensors file"),
+        "unknown dtype": (_raw_file({"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}}, bytes(4)), r"'Q7'"),
+        "size mismatch": (_raw_file({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4)),
+                          r"offsets 0..4 do not match float32\[2\]"),
+        "overlap": (_raw_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                               "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4)),
+                    r"starts at 0, expected 4 \(overlap or gap\)"),
+        "gap": (_raw_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)),
+                r"starts at 4, expected 0"),
+        "negative dim": (_raw_file({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4)),
+                         r"has shape \[-1\]"),
+        "bad metadata": (_raw_file({"__metadata__": {"x": 1}}, b""), r"__metadata__ is not a str -> str map"),
+    }
+    for raw, msg in cases.values():
+        path.write_bytes(raw)
+        with pytest.raises(CorruptCheckpointError, match=msg):
+            load()
+
+
+def test_mmap_tensors_outlive_the_loader_and_file(tmp_path: Path) -> None:
+    import gc
+
+    w = torch.randn(64, 8)
+    save_weights({"w": w}, tmp_path, blobs_dir=None)
+    loaded = load_weights(tmp_path, {}, blobs_dir=tmp_path, mmap=True)["w"]
+    (tmp_path / WEIGHTS_NAME).unlink()
+    gc.collect()
+    assert _same(loaded, w)
+
+
+def test_files_are_readable_by_safetensors_load_file(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    tensors = _all_dtypes()
+    save_weights(tensors, tmp_path, blobs_dir=None)
+    back = load_file(str(tmp_path / WEIGHTS_NAME))
+    assert back.keys() == tensors.keys()
+    for key, t in tensors.items():
+        assert _same(back[key], t), key
 
 
 def test_alias_to_unknown_key_is_corrupt(tmp_path: Path) -> None:

@@ -1,0 +1,72 @@
+"""File checksums, the checksumming writer, fsync helpers."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from hf_dynamic_ckpt.store.checksum import (
+    FILE_CHECKSUM_ALGO,
+    HashingWriter,
+    checksum_algo,
+    file_checksum,
+    fsync_dir,
+    fsync_file,
+    make_file_entry,
+    new_hasher,
+)
+
+
+def test_file_checksum_matches_reference_implementations(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 70_000  # > one 8 MiB chunk boundary
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert FILE_CHECKSUM_ALGO == "xxh3_128"
+    assert file_checksum(path) == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest()
+    assert file_checksum(path, algo="sha256") == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert checksum_algo(file_checksum(path, algo="sha256")) == "sha256"
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert file_checksum(empty) == "xxh3_128:" + xxhash.xxh3_128(b"").hexdigest()
+
+
+def test_one_flipped_bit_changes_the_checksum(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    data = bytearray(b"\0" * 10_000)
+    path.write_bytes(data)
+    before = file_checksum(path)
+    data[5_000] ^= 0x01
+    path.write_bytes(data)
+    assert file_checksum(path) != before
+
+
+def test_hashing_writer_checksum_equals_reread(tmp_path: Path) -> None:
+    path = tmp_path / "w.bin"
+    with open(path, "wb") as raw:
+        f = HashingWriter(raw)
+        f.write(b"abc")
+        f.write(memoryview(bytearray(b"xyz" * 1000)))
+        assert f.tell() == f.size == 3003
+        mid = f.checksum()  # taking a checksum does not finish the hash
+        f.write(b"!")
+        fsync_file(f)
+        final = f.checksum()
+    assert mid != final
+    assert final == file_checksum(path)
+    entry = make_file_entry(path, tier="weights", rank=1, checksum=final)
+    assert entry == {"size": 3004, "checksum": final, "tier": "weights", "rank": 1}
+    assert make_file_entry(path, tier="state") == {"size": 3004, "checksum": final, "tier": "state", "rank": None}
+    fsync_file(path)
+    fsync_dir(tmp_path)
+
+
+def test_new_hasher_names_and_unknown_algorithm() -> None:
+    h = new_hasher()
+    h.update(b"x")
+    assert h.name == "xxh3_128" and h.copy().hexdigest() == h.hexdigest()
+    assert new_hasher("sha256").name == "sha256"
+    with pytest.raises(ValueError, match="Unknown checksum algorithm 'nope'"):
+        new_hasher("nope")
