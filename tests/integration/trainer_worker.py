@@ -84,9 +84,14 @@ def main() -> None:
 
     class Fault(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
-            if args.kill_at is not None and state.global_step == args.kill_at and rank == int(os.environ.get("KILL_RANK", "0")):
+            if args.kill_at is not None and state.global_step == args.kill_at:
+                # The crash comes after the last save committed on every rank: a known restore point.
+                cb.checkpointer.finish()
+                if torch.distributed.is_initialized():
+                    torch.distributed.barrier()
                 _dump(args, rank, losses, cb, killed=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                if rank == int(os.environ.get("KILL_RANK", "0")):
+                    os.kill(os.getpid(), signal.SIGKILL)
             if args.sigterm_at is not None and state.global_step == args.sigterm_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
 
