@@ -4,16 +4,19 @@
 
 Imports torch once, then per trial forks a child that opens the store (cleaning up what the
 previous victim left) and saves checkpoints in a loop (and deletes old ones, which
-collects blobs), kills it with SIGKILL after a random delay, and copies the store to
+collects blobs), kills it with SIGKILL after a random delay (on even trials counted from
+the victim's first commit, so the store surely grows), and copies the store to
 ``SNAPSHOTS/trial-<k>`` for the test to inspect. Prints one JSON line with per-trial facts.
 Forking a process that has only imported torch (no threads, no open store) is safe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import sys
@@ -43,7 +46,7 @@ def expected_state(step: int) -> CheckpointState:
                            scheduler={"last_epoch": step}, rng={"s": step}, sampler={"batches": step})
 
 
-def _child(root: Path) -> None:
+def _child(root: Path, ready_fd: int) -> None:
     try:
         torch.set_num_threads(1)
         store = CheckpointStore(root, task_id=TASK, compression_threads=1)
@@ -51,6 +54,11 @@ def _child(root: Path) -> None:
         step = max(steps, default=0) + 1
         while True:
             store.save(expected_state(step), reason="interval", signals={"loss": 1.0 / step})
+            if ready_fd >= 0:  # tell the parent that this victim committed something
+                with contextlib.suppress(BrokenPipeError):  # odd trials do not listen
+                    os.write(ready_fd, b"x")
+                os.close(ready_fd)
+                ready_fd = -1
             for old in [i.step for i in store.list()][KEEP:]:
                 store.delete(old)
             step += 1
@@ -69,10 +77,17 @@ def main() -> None:
     rng = random.Random(seed)
     facts = []
     for k in range(trials):
-        delay = rng.uniform(0.01, 0.35)
+        delay = rng.uniform(0.0, 0.3)
+        read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _child(root)
+            os.close(read_fd)
+            _child(root, write_fd)
+        os.close(write_fd)
+        if k % 2 == 0:  # even trials: the delay starts after the victim's first commit
+            ready, _, _ = select.select([read_fd], [], [], 120.0)
+            assert ready and os.read(read_fd, 1) == b"x", "the saving process never committed"
+        os.close(read_fd)
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
