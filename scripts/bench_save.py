@@ -1,0 +1,287 @@
+#!/usr/bin/env python
+"""Save-engine benchmark (issue 3): blocking time per save, step-time inflation, bytes on disk.
+
+One run, CPU, a ~60M-parameter Qwen2 built from config, full fine-tune and LoRA, AdamW,
+one real Trainer step so the optimizer state exists. For each variant:
+
+1. blocking time per save of the same state (weights + optimizer + scheduler + RNG):
+   - ours: `SaveEngine.save` (thread writer), until it returns (median of warm saves;
+     the first save, which allocates the reusable buffers, is reported separately);
+   - HF: `Trainer._save_checkpoint(model, trial=None)` (synchronous, transformers' own);
+   - DCP: `torch.distributed.checkpoint.async_save` on a single-process gloo group, until
+     it returns (its blocking part; state dicts prepared beforehand, not timed);
+   - floor: one `memcpy` (`Tensor.copy_`) of the same number of bytes between two
+     preallocated buffers.
+2. training-step time while a background write is in flight vs. without, for the thread
+   writer and the process writer (interleaved cycles: N clean steps, a save, steps until
+   the write is done).
+3. bytes on disk per checkpoint, ours vs. HF's.
+
+Run:  python scripts/bench_save.py            (~3-4 min on 2 CPU cores)
+      python scripts/bench_save.py --quick    (smaller model, for a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_dynamic_ckpt.constants import ALL_TIERS  # noqa: E402
+from hf_dynamic_ckpt.engine import SaveEngine, StateSources  # noqa: E402
+from hf_dynamic_ckpt.engine.snapshot import state_dict_tensor_bytes  # noqa: E402
+from hf_dynamic_ckpt.store import CheckpointStore  # noqa: E402
+from hf_dynamic_ckpt.toy import lora, tiny_qwen2  # noqa: E402
+
+MB = 1e6
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _build_trainer(kind: str, args: argparse.Namespace, out: Path) -> Any:
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_qwen2(seed=0, hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab)
+    if kind == "lora":
+        model = lora(model, r=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (16, args.seq), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    targs = TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=args.batch, max_steps=1, use_cpu=True,
+        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=1e-4,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=data)
+    trainer.train()  # one step: AdamW state exists
+    return trainer
+
+
+def _sources(trainer: Any, kind: str) -> StateSources:
+    model = trainer.model
+    if kind == "lora":
+        from peft import get_peft_model_state_dict
+
+        weights = lambda: get_peft_model_state_dict(model)  # noqa: E731
+    else:
+        weights = model.state_dict
+    return StateSources(weights=weights, optimizer=trainer.optimizer, scheduler=trainer.lr_scheduler)
+
+
+def _train_step(trainer: Any, args: argparse.Namespace, seed: int) -> float:
+    model, opt = trainer.model, trainer.optimizer
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    start = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def _memcpy_ms(nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages once, as reused buffers are
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 1e3 * statistics.median(times)
+
+
+def _ours(trainer: Any, kind: str, root: Path, repeats: int, threads: int) -> dict[str, float]:
+    sources = _sources(trainer, kind)
+    out: dict[str, float] = {}
+    with CheckpointStore(root, compression_threads=threads) as store, SaveEngine(store) as engine:
+        blocking, writes = [], []
+        info = None
+        for i in range(repeats + 1):
+            handle = engine.save(sources, step=i + 1, tiers=ALL_TIERS, reason="bench")
+            info = handle.wait()
+            blocking.append(handle.blocking_ms)
+            writes.append(handle.write_ms or 0.0)
+        assert info is not None
+        out["first_ms"] = blocking[0]
+        out["blocking_ms"] = statistics.median(blocking[1:])
+        out["write_ms"] = statistics.median(writes[1:])
+        out["disk_bytes"] = _dir_bytes(Path(info.path)) + (_dir_bytes(store.blobs_dir) if store.blobs_dir.exists() else 0)
+        out["buffer_bytes"] = engine.buffer_bytes
+    return out
+
+
+def _hf(trainer: Any, repeats: int) -> dict[str, float]:
+    times, size = [], 0
+    run_dir = Path(trainer.args.output_dir)
+    for i in range(repeats):
+        trainer.state.global_step = 1000 + i
+        start = time.perf_counter()
+        trainer._save_checkpoint(trainer.model, trial=None)
+        times.append(time.perf_counter() - start)
+        folder = run_dir / f"checkpoint-{1000 + i}"
+        size = _dir_bytes(folder)
+        shutil.rmtree(folder)
+    return {"blocking_ms": 1e3 * statistics.median(times), "disk_bytes": size}
+
+
+def _dcp(trainer: Any, root: Path, repeats: int) -> dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer.optimizer
+                                        if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(root / f"dcp-{i}"))
+        times.append(time.perf_counter() - start)
+        future.result()
+    return {"first_ms": 1e3 * times[0], "blocking_ms": 1e3 * statistics.median(times[1:])}
+
+
+def _inflation(trainer: Any, kind: str, root: Path, mode: str, args: argparse.Namespace) -> dict[str, float]:
+    sources = _sources(trainer, kind)
+    clean: list[float] = []
+    during: list[float] = []
+    seed = 10_000
+    with CheckpointStore(root, compression_threads=args.compression_threads) as store, \
+            SaveEngine(store, mode=mode) as engine:
+        engine.save(sources, step=1, tiers=ALL_TIERS, reason="warm-up").wait()  # buffers, writer process
+        step = 1
+        for _ in range(args.cycles):
+            for _ in range(args.clean_steps):
+                seed += 1
+                clean.append(_train_step(trainer, args, seed))
+            step += 1
+            handle = engine.save(sources, step=step, tiers=ALL_TIERS, reason="bench")
+            while not handle.done():
+                seed += 1
+                t = _train_step(trainer, args, seed)
+                if not handle.done():  # the whole step overlapped the write
+                    during.append(t)
+            handle.wait()
+    base = statistics.median(clean)
+    mid = statistics.median(during) if during else float("nan")
+    return {"clean_ms": 1e3 * base, "during_ms": 1e3 * mid, "inflation": mid / base - 1.0, "n_during": len(during)}
+
+
+def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    trainer = _build_trainer(kind, args, work / f"hf-{kind}")
+    sources = _sources(trainer, kind)
+    weights = sources.weights()
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    nbytes += state_dict_tensor_bytes(trainer.optimizer.state_dict())
+    params = sum(p.numel() for p in trainer.model.parameters())
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    print(f"[{kind}] {params / 1e6:.1f}M params ({trainable / 1e6:.2f}M trainable), "
+          f"{nbytes / MB:.1f} MB to snapshot", flush=True)
+    res: dict[str, Any] = {"kind": kind, "params": params, "trainable": trainable, "bytes": nbytes}
+    res["memcpy_ms"] = _memcpy_ms(nbytes, args.repeats)
+    res["ours"] = _ours(trainer, kind, work / f"ours-{kind}", args.repeats, args.compression_threads)
+    print(f"[{kind}] ours {res['ours']}", flush=True)
+    res["hf"] = _hf(trainer, args.hf_repeats)
+    print(f"[{kind}] hf {res['hf']}", flush=True)
+    res["dcp"] = _dcp(trainer, work / f"dcp-{kind}", args.repeats)
+    print(f"[{kind}] dcp {res['dcp']}", flush=True)
+    if not args.skip_inflation:
+        for mode in ("thread", "process"):
+            res[f"infl_{mode}"] = _inflation(trainer, kind, work / f"infl-{kind}-{mode}", mode, args)
+            print(f"[{kind}] inflation {mode} {res[f'infl_{mode}']}", flush=True)
+    shutil.rmtree(work / f"hf-{kind}", ignore_errors=True)
+    return res
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| variant | snapshot MB | memcpy floor ms | ours ms (x floor) | ours first save ms | HF `_save_checkpoint` ms "
+        "(ours / HF) | DCP `async_save` ms (ours / DCP) | ours bg write ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        o, hf, dcp = r["ours"], r["hf"], r["dcp"]
+        lines.append(
+            f"| {r['kind']} | {r['bytes'] / MB:.1f} | {r['memcpy_ms']:.1f} | {o['blocking_ms']:.1f} "
+            f"({o['blocking_ms'] / r['memcpy_ms']:.2f}x) | {o['first_ms']:.1f} | {hf['blocking_ms']:.1f} "
+            f"({o['blocking_ms'] / hf['blocking_ms']:.3f}) | {dcp['blocking_ms']:.1f} "
+            f"({o['blocking_ms'] / dcp['blocking_ms']:.2f}) | {o['write_ms']:.0f} |"
+        )
+    lines += ["", "| variant | clean step ms | step ms during write, thread (inflation, n) | "
+              "step ms during write, process (inflation, n) | disk MB ours | disk MB HF | ours / HF |",
+              "|---|---|---|---|---|---|---|"]
+    for r in results:
+        cells = []
+        for mode in ("thread", "process"):
+            i = r.get(f"infl_{mode}")
+            cells.append("-" if i is None else f"{i['during_ms']:.0f} ({i['inflation']:+.1%}, {i['n_during']})")
+        clean = r.get("infl_thread", {}).get("clean_ms")
+        lines.append(
+            f"| {r['kind']} | {'-' if clean is None else f'{clean:.0f}'} | {cells[0]} | {cells[1]} | "
+            f"{r['ours']['disk_bytes'] / MB:.1f} | {r['hf']['disk_bytes'] / MB:.1f} | "
+            f"{r['ours']['disk_bytes'] / r['hf']['disk_bytes']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed saves per method (after one warm-up)")
+    p.add_argument("--hf-repeats", type=int, default=2)
+    p.add_argument("--cycles", type=int, default=2, help="clean-steps/save cycles per inflation measurement")
+    p.add_argument("--clean-steps", type=int, default=4)
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads of training (1 leaves a core to the writer on a 2-core box)")
+    p.add_argument("--compression-threads", type=int, default=1, help="store zstd threads (0: all CPUs)")
+    p.add_argument("--variants", default="full,lora")
+    p.add_argument("--skip-inflation", action="store_true")
+    p.add_argument("--quick", action="store_true", help="small model, for a smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.vocab, args.repeats, args.hf_repeats, args.cycles = 128, 2, 4000, 2, 1, 1
+    torch.set_num_threads(args.torch_threads)
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="bench_save-"))
+    try:
+        results = [_bench_variant(kind, args, work) for kind in args.variants.split(",")]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        dist.destroy_process_group()
+    print()
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {args.torch_threads}, "
+          f"zstd threads {args.compression_threads}, total {time.perf_counter() - start:.0f} s")
+    print(_table(results))
+
+
+if __name__ == "__main__":
+    main()
