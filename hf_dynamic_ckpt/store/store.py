@@ -77,7 +77,7 @@ from ..errors import (
 )
 from . import manifest as mf
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, Catalog
-from .checksum import FileEntry, file_checksum, fsync_dir, fsync_file, new_hasher
+from .checksum import FileEntry, checksum_algo, file_checksum, fsync_dir, fsync_file, new_hasher
 from .types import CheckpointInfo, CheckpointState, LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -596,7 +596,11 @@ class CheckpointStore:
             if size != entry[KEY_SIZE]:
                 problems.append(f"{where}: size {size} bytes, manifest says {entry[KEY_SIZE]} (truncated or overwritten)")
                 continue
-            actual = file_checksum(path)
+            try:  # verify with the algorithm the entry was written with
+                actual = file_checksum(path, algo=checksum_algo(entry[KEY_CHECKSUM]))
+            except ValueError as e:
+                problems.append(f"{where}: {e}")
+                continue
             if actual != entry[KEY_CHECKSUM]:
                 problems.append(f"{where}: checksum mismatch ({actual} != {entry[KEY_CHECKSUM]}), the file is corrupt")
         return problems

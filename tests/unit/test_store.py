@@ -420,3 +420,16 @@ def test_concurrent_saves_from_threads_are_serialised(store: CheckpointStore) ->
     for step in range(1, 7):
         assert store.verify(step) == []
         assert_same(store.load(step).weights, _tiny_state(step).weights)
+
+
+def test_entries_are_verified_with_their_own_checksum_algorithm(store: CheckpointStore) -> None:
+    info = store.save(_tiny_state(1), reason="r")
+    directory = Path(info.path)
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest["files"][SAMPLER_NAME]["checksum"] = file_checksum(directory / SAMPLER_NAME, algo="sha256")
+    manifest["files"][WEIGHTS_NAME]["checksum"] = "crc99:00"
+    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    problems = store.verify("step:1")
+    assert len(problems) == 1 and problems[0].startswith(f"{WEIGHTS_NAME} (tier weights): Unknown checksum algorithm 'crc99'")
+    assert store.load("step:1", tiers={Tier.STATE}).sampler == {"batches": 1}  # sha256 entry still verifies

@@ -1,0 +1,129 @@
+"""hf-dynamic-ckpt CLI: output and exit codes of ls, show, verify, reindex."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dynamic_ckpt.cli import SUBCOMMANDS, build_parser, human_size, main
+from hf_dynamic_ckpt.constants import CATALOG_NAME, MANIFEST_NAME, WEIGHTS_NAME
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    store = CheckpointStore(tmp_path, task_id="run")
+    for step in (10, 20):
+        state = CheckpointState(step=step, weights={"w": torch.zeros(256, 8)}, optimizer={"state": {}, "param_groups": []},
+                                rng={"s": step})
+        store.save(state, reason="interval" if step == 10 else "loss_spike", signals={"loss": 2.5 / step},
+                   debug_info=[{"step": s, "loss": 0.1 * s, "grad_norm": 1.0} for s in range(step - 3, step + 1)])
+    store.pin("step:10")
+    store.close()
+    return tmp_path
+
+
+def test_human_size() -> None:
+    assert [human_size(n) for n in (0, 1023, 1536, 5 * 1024**2, 3 * 1024**4)] == ["0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 TiB"]
+
+
+def test_ls_prints_a_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["TASK", "STEP", "REASON", "TIERS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"]
+    assert lines[1].split() == ["run", "20", "loss_spike", "optimizer,state,weights", *human_size(_bytes(root, 20)).split(),
+                                "0.125", "yes", "no", "ok"]
+    assert lines[2].split()[:3] == ["run", "10", "interval"] and lines[2].split()[-3:] == ["yes", "yes", "ok"]
+    assert len(lines) == 3
+
+
+def _bytes(root: Path, step: int) -> int:
+    d = root / "run" / f"step-{step}"
+    return sum(p.stat().st_size for p in d.iterdir() if p.name not in (MANIFEST_NAME, "PINNED"))
+
+
+def test_ls_empty_and_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"no checkpoints under {tmp_path}\n"
+    assert main(["ls", str(tmp_path / "nope")]) == 2
+    assert "is not a directory; pass the store directory holding catalog.db" in capsys.readouterr().err
+
+
+def test_show_text_and_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(root), "step:20"]) == 0
+    out = capsys.readouterr().out
+    assert "task / step  run / 20" in out and "reason       loss_spike" in out
+    assert "tiers        optimizer, state, weights" in out
+    assert f"  {WEIGHTS_NAME}" in out and "rng-rank0.json" in out
+    assert "debug_info (last steps):" in out and "grad_norm" in out
+    assert "signals:     loss=0.125" in out
+
+    assert main(["show", str(root), "10", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == json.loads((root / "run" / "step-10" / MANIFEST_NAME).read_text())
+
+
+def test_show_unknown_ref_is_exit_2_with_available_steps(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(root), "step:15"]) == 2
+    assert capsys.readouterr().err.strip().endswith("available steps of task 'run': 10, 20.")
+
+
+def test_show_needs_task_when_there_are_several(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = CheckpointStore(root, task_id="other")
+    other.save(CheckpointState(step=1, weights={"w": torch.ones(1)}), reason="x")
+    other.close()
+    assert main(["show", str(root), "step:1"]) == 2
+    assert "holds several tasks (other, run); choose one with --task" in capsys.readouterr().err
+    assert main(["show", str(root), "step:1", "--task", "other"]) == 0
+
+
+def test_verify_all_ok_then_corrupt(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", str(root), "--all"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == ["OK   run/step-10", "OK   run/step-20", "2 of 2 checkpoint(s) intact"]
+    assert captured.err.splitlines() == ["verify [############............] 1/2 run/step-10",
+                                         "verify [########################] 2/2 run/step-20"]
+
+    weights = root / "run" / "step-20" / WEIGHTS_NAME
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert main(["verify", str(root)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "OK   run/step-10" and out[1] == "FAIL run/step-20"
+    assert out[2].startswith(f"  - {WEIGHTS_NAME} (tier weights): checksum mismatch")
+    assert out[-1] == "1 of 2 checkpoint(s) intact, 1 with problems"
+    assert main(["verify", str(root), "step:10"]) == 0
+    assert main(["verify", str(root), "step:20"]) == 1
+    capsys.readouterr()
+    assert main(["ls", str(root)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[-1] == "corrupt"  # verify recorded it
+    assert main(["verify", str(root), "step:20", "--all"]) == 2
+
+
+def test_reindex_rebuilds_catalog(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{root / CATALOG_NAME}{suffix}").unlink(missing_ok=True)
+    assert main(["reindex", str(root)]) == 0
+    assert capsys.readouterr().out == f"reindexed {root}: 2 checkpoint(s)\n"
+    assert main(["ls", str(root)]) == 0
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]] == ["20", "10"]
+
+
+def test_parser_is_extensible_and_runs_as_a_module(root: Path) -> None:
+    names = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    assert {"ls", "show", "verify", "reindex"} <= names and len(SUBCOMMANDS) >= 4
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli", "verify", str(root), "step:10"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0] == "OK   run/step-10"
+    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "COMMAND" in proc.stderr
