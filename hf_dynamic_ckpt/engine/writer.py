@@ -162,7 +162,8 @@ class SaveEngine:
             cgroup) memory limit a snapshot must leave free; otherwise the save streams
             synchronously from the live tensors.
         on_busy (`str`, *optional*, defaults to `"wait"`): what a save does while the previous
-            one is still writing: `"wait"` for it, or `"skip"` (logged).
+            one is still writing: `"wait"` for it, or `"skip"` (logged; single process only,
+            since ranks could disagree on what to skip).
         cgroup_dir (`str` or `Path`, *optional*): cgroup v2 directory to read the memory limit
             from; defaults to `$HF_DYNAMIC_CKPT_CGROUP_DIR`, else the process's own cgroup.
         headroom (`Callable[[], Headroom]`, *optional*): replaces the memory probe entirely.
@@ -200,6 +201,13 @@ class SaveEngine:
             raise ConfigError(f"on_busy={on_busy!r} is invalid: expected 'wait' or 'skip'.") from None
         if not 0.0 <= memory_margin < 1.0:
             raise ConfigError(f"memory_margin={memory_margin!r} is invalid: expected 0 <= value < 1.")
+        if self.on_busy == OnBusy.SKIP and getattr(store, "world_size", 1) > 1:
+            # Ranks finish writing at different times: one rank skipping a step the others
+            # write would leave rank 0 waiting for files that never come.
+            raise ConfigError(
+                f"on_busy='skip' is invalid with world_size={store.world_size}: ranks could disagree on which "
+                "saves to skip; use on_busy='wait'."
+            )
         self.store = store
         self.memory_margin = memory_margin
         cg = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()

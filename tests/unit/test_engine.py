@@ -277,6 +277,13 @@ def test_invalid_arguments_name_the_value(store):
         SaveEngine(store, memory_margin=1.5)
 
 
+def test_skip_policy_refused_with_several_ranks(tmp_path):
+    with CheckpointStore(tmp_path / "c", rank=0, world_size=2, session_id="s1") as two_ranks:
+        with pytest.raises(ConfigError, match=r"on_busy='skip' is invalid with world_size=2: ranks could disagree"):
+            SaveEngine(two_ranks, on_busy="skip")
+        SaveEngine(two_ranks).close()  # 'wait' is fine
+
+
 def test_sync_mode_writes_before_returning(store):
     model, opt, _ = _model()
     with SaveEngine(store, mode="sync") as engine:
