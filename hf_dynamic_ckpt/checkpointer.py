@@ -616,11 +616,16 @@ def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, sc
     elif optimizer is not None:
         msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "
                "weights with a fresh optimizer (moments reset)")
-        logger.warning(msg)
+        if not any("optimizer state" in w for w in loaded.warnings):  # restore already said it otherwise
+            logger.warning(msg)
         warnings.warn(msg, stacklevel=2)
     if scheduler is not None:
         if loaded.scheduler is not None:
             scheduler.load_state_dict(loaded.scheduler)
+            if loaded.optimizer is None and optimizer is not None:
+                # A fresh optimizer still holds the schedule's initial rates: set the saved step's.
+                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                    group["lr"] = lr
         else:
             fast_forward_scheduler(scheduler, step)
             logger.warning("resume from step %d: LR scheduler state not saved; schedule moved to step %d", step, step)
