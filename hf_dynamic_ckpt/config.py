@@ -143,6 +143,9 @@ class SmartCkptConfig:
         capture_cooldown (`int`, *optional*): steps after a pre-update capture during which another
             finite surge or spike is not captured again (non-finite values always are, once per run
             of them). `None` uses `stability_window`.
+        lr_surge_ratio (`float`, *optional*, defaults to `2.0`): a learning rate above this multiple of
+            the highest rate of the last `stability_window` steps is a surge (captured before the update it would drive).
+            Linear warmup never more than doubles the rate from one step to the next.
         memory_lookahead (`int`, *optional*, defaults to `50`): a minimal save fires when the memory
             trend predicts crossing `memory_threshold` within this many steps.
         pre_anomaly_capture (`bool`, *optional*, defaults to `True`): save and pin the state from
@@ -188,6 +191,7 @@ class SmartCkptConfig:
     risk_gain: float = 4.0
     stability_cv: float = 0.1
     capture_cooldown: int | None = None
+    lr_surge_ratio: float = 2.0
     memory_lookahead: int = 50
     pre_anomaly_capture: bool = True
     skip_bad_update: bool = False
@@ -239,6 +243,8 @@ class SmartCkptConfig:
         if self.capture_cooldown is not None:
             _check(_is_int(self.capture_cooldown) and self.capture_cooldown >= 1, "capture_cooldown",
                    self.capture_cooldown, "an integer >= 1 or null (use stability_window)")
+        _check(_is_number(self.lr_surge_ratio) and self.lr_surge_ratio > 1, "lr_surge_ratio", self.lr_surge_ratio,
+               "a number > 1")
         _check(_is_int(self.memory_lookahead) and self.memory_lookahead >= 1, "memory_lookahead",
                self.memory_lookahead, "an integer >= 1")
         _check(_is_int(self.keep_last) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")

@@ -38,6 +38,7 @@ class Assessment:
     loss_z: float | None = None
     grad_ratio: float | None = None
     lora_ratio: float | None = None
+    lr_ratio: float | None = None
     mem: float | None = None
     components: dict[str, float] = field(default_factory=dict)
 
@@ -100,6 +101,8 @@ class RulePolicy:
         self._poisoned = False
         self._prev_nonfinite = False
         self._prev_beta = 0.0
+        self._lr: deque[float] = deque(maxlen=c.stability_window)
+        self._forecast: tuple[int | None, tuple[float, float] | None] = (None, None)
         self._pre_step: int | None = None
         self._suppressed: set[str] = set()
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
@@ -123,6 +126,11 @@ class RulePolicy:
         if frame.lora_max_ratio is not None and math.isfinite(frame.lora_max_ratio):
             a.lora_ratio = frame.lora_max_ratio
             a.components["lora_surge"] = ramp(a.lora_ratio, c.grad_surge_ratio / 2, c.grad_surge_ratio)
+        lr_ref = max(self._lr, default=0.0)
+        if frame.lr is not None and math.isfinite(frame.lr) and len(self._lr) >= MIN_HISTORY and lr_ref > 0:
+            a.lr_ratio = frame.lr / lr_ref
+            r = c.lr_surge_ratio
+            a.components["lr_surge"] = ramp(a.lr_ratio, (1.0 + r) / 2.0, r)
         mem = frame.mem_frac
         if mem is None and self._mem:
             mem = self._mem[-1][1]  # memory is sampled every few steps: the last sample stands
@@ -192,6 +200,12 @@ class RulePolicy:
 
     def _memory_forecast(self) -> tuple[float, float] | None:
         """(current, predicted in `memory_lookahead` steps) from a line through recent samples."""
+        key = self._mem[-1][0] if self._mem else None
+        if self._forecast[0] != key:  # refit only when a new sample arrived
+            self._forecast = (key, self._fit_memory())
+        return self._forecast[1]
+
+    def _fit_memory(self) -> tuple[float, float] | None:
         if len(self._mem) < 3:
             return None
         fit = linear_fit(list(self._mem))
@@ -208,8 +222,9 @@ class RulePolicy:
 
         Called when gradients are complete and the weights are still those of step
         `frame.step - 1`. A non-finite value, a global or LoRA-layer grad-norm surge
-        (`>= grad_surge_ratio` x running level) or a loss spike (robust z >=
-        `loss_spike_z`) asks to save that state now, pinned and healthy. Finite triggers
+        (`>= grad_surge_ratio` x running level), a learning-rate jump (`> lr_surge_ratio`
+        x the highest rate of the last `stability_window` steps; `frame.lr` is the rate this update will use) or a
+        loss spike (robust z >= `loss_spike_z`) asks to save that state now, pinned and healthy. Finite triggers
         have a cooldown of `capture_cooldown` steps (one capture per episode, no storms);
         non-finite ones fire on the first of a run of non-finite steps.
 
@@ -231,6 +246,8 @@ class RulePolicy:
             trigger = f"grad_surge x{a.grad_ratio:.1f}"
         elif a.lora_ratio is not None and a.lora_ratio >= c.grad_surge_ratio:
             trigger = f"lora_surge x{a.lora_ratio:.1f} in {frame.lora_max_layer}"
+        elif a.lr_ratio is not None and a.lr_ratio > c.lr_surge_ratio:
+            trigger = f"lr_surge x{a.lr_ratio:.1f}"
         elif a.loss_z is not None and a.loss_z >= c.loss_spike_z:
             trigger = f"loss_spike z={a.loss_z:.1f}"
         skip = c.skip_bad_update and trigger is not None
@@ -296,6 +313,8 @@ class RulePolicy:
             self._loss.add(frame.loss)
         if frame.grad_norm is not None:
             self._grad.add(frame.grad_norm)
+        if frame.lr is not None and math.isfinite(frame.lr):
+            self._lr.append(float(frame.lr))
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
                              "save": decision.save, "reason": decision.reason})
@@ -413,6 +432,7 @@ class RulePolicy:
             "poisoned": self._poisoned,
             "prev_nonfinite": self._prev_nonfinite,
             "prev_beta": self._prev_beta,
+            "lr": list(self._lr),
             "suppressed": sorted(self._suppressed),
             "history": list(self.history),
             "decisions": list(self.decisions),
@@ -443,6 +463,7 @@ class RulePolicy:
         self._poisoned = bool(state["poisoned"])
         self._prev_nonfinite = bool(state["prev_nonfinite"])
         self._prev_beta = float(state["prev_beta"])
+        self._lr = deque((float(v) for v in state["lr"]), maxlen=self.config.stability_window)
         self._suppressed = set(state["suppressed"])
         self.history = deque(state["history"], maxlen=HISTORY_STEPS)
         self.decisions = deque(state["decisions"], maxlen=DECISION_HISTORY)

@@ -146,7 +146,6 @@ class GradProbe:
         self.warmup = warmup
         self.level_cap = level_cap
         self.levels: dict[str, Ema] = {name: Ema(level_decay) for name in self.layer_names}
-        self._index_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
     def measure(self, pre_clip_norm: float | torch.Tensor | None = None) -> tuple[float | None, dict[str, float]]:
         """Return `(global_norm, {layer: norm})` for the gradients now in `.grad`.
@@ -169,30 +168,23 @@ class GradProbe:
         for i, g in present:
             groups.setdefault((g.device, g.dtype), []).append((i, g))
         target = present[0][1].device
-        squares, order = [], []
+        stacked, order = [], []
         for items in groups.values():
-            norms = torch._foreach_norm([g for _, g in items], 2.0)
-            squares.append(torch.stack([n.to(device=target, dtype=torch.float32) for n in norms]).square())
+            norms = torch.stack(torch._foreach_norm([g for _, g in items], 2.0))
+            stacked.append(norms.to(device=target, dtype=torch.float64))
             order.extend(self._bucket[i] for i, _ in items)
-        sq = torch.cat(squares)
+        values = (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).tolist()  # the one device sync
+        # Summing a few hundred floats in Python is cheaper than more kernel launches.
         n_layers = len(self.layer_names)
-        idx = self._index(target, tuple(order))
-        buckets = torch.zeros(n_layers + 1, device=target, dtype=torch.float32).index_add_(0, idx, sq)
-        values = torch.cat([sq.sum().reshape(1), buckets[:n_layers]]).sqrt().tolist()  # the one sync
-        post, layer_norms = values[0], values[1:]
+        sq = [0.0] * (n_layers + 1)
+        for bucket, v in zip(order, values):
+            sq[bucket] += v * v
+        post = math.sqrt(sum(sq))  # NaN and inf propagate: the non-finite flag relies on it
+        layer_norms = [math.sqrt(x) for x in sq[:n_layers]]
         if pre is not None and math.isfinite(post) and post > 0.0:
             scale = pre / post
             layer_norms = [v * scale for v in layer_norms]
         return (pre if pre is not None else post), dict(zip(self.layer_names, layer_norms))
-
-    def _index(self, device: torch.device, order: tuple[int, ...]) -> torch.Tensor:
-        key = (device, order)
-        idx = self._index_cache.get(key)
-        if idx is None:
-            if len(self._index_cache) > 8:
-                self._index_cache.clear()
-            idx = self._index_cache[key] = torch.tensor(order, dtype=torch.long, device=device)
-        return idx
 
     def observe(self, layer_norms: Mapping[str, float]) -> tuple[float | None, str | None]:
         """Ratio of each layer's norm to its own running level, then fold the norms in.

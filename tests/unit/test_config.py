@@ -78,6 +78,7 @@ def test_policy_knobs_load_from_yaml(tmp_path: Path) -> None:
         ("risk_gain", 0, "risk_gain=0 is invalid: expected 0 < value <= 100."),
         ("stability_cv", float("nan"), "stability_cv=nan is invalid: expected a positive number"),
         ("capture_cooldown", 0, "capture_cooldown=0 is invalid: expected an integer >= 1 or null"),
+        ("lr_surge_ratio", 1, "lr_surge_ratio=1 is invalid: expected a number > 1."),
         ("memory_lookahead", 2.5, "memory_lookahead=2.5 is invalid: expected an integer >= 1."),
         ("mtbf_hours", 0, "mtbf_hours=0 is invalid: expected a positive number of hours."),
         ("keep_last", 0, "keep_last=0 is invalid: expected an integer >= 1."),

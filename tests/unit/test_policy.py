@@ -110,6 +110,7 @@ def test_alpha_is_scale_free() -> None:
         ({"grad_norm": 10.0}, "grad_surge"),
         ({"lora_max_ratio": 10.0, "lora_max_layer": "model.layers.0.self_attn.q_proj"}, "lora_surge"),
         ({"grad_norm": math.nan, "nonfinite": True}, "nonfinite"),
+        ({"lr": 1e-3}, "lr_surge x10.0"),
     ],
 )
 def test_anomaly_at_step_k_captures_state_before_update(anomaly: dict[str, object], reason: str) -> None:
@@ -124,6 +125,12 @@ def test_anomaly_at_step_k_captures_state_before_update(anomaly: dict[str, objec
     assert d.pre_update and d.pin and d.healthy and d.tiers == ALL_TIERS
     assert reason in d.reason
     assert not d.skip_update
+
+
+def test_linear_warmup_is_not_an_lr_surge() -> None:
+    policy = RulePolicy(SmartCkptConfig(base_interval=1000, max_interval=1000))
+    events = run(policy, [calm(s, lr=1e-4 * min(1.0, s / 100)) for s in range(1, 300)])
+    assert events == []
 
 
 def test_skip_bad_update_is_requested_when_configured() -> None:
