@@ -17,7 +17,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -299,3 +299,17 @@ def tiers_of(manifest: Mapping[str, Any]) -> frozenset[Tier]:
     """The manifest's tiers as `Tier` members (unknown names are ignored)."""
     known = {t.value: t for t in Tier}
     return frozenset(known[t] for t in manifest.get(KEY_TIERS, []) if t in known)
+
+
+def without_tiers(manifest: Mapping[str, Any], tiers: Collection[Tier]) -> tuple[dict[str, Any], set[str]]:
+    """A copy of `manifest` that no longer holds `tiers` (re-checksummed), and the file names dropped."""
+    values = {Tier(t).value for t in tiers}
+    drop = {n for n, e in manifest[KEY_FILES].items() if e.get(KEY_TIER) in values}
+    files = {n: e for n, e in manifest[KEY_FILES].items() if n not in drop}
+    blobs = {} if Tier.WEIGHTS.value in values else dict(manifest.get(KEY_BLOBS) or {})
+    new = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
+    new.update({KEY_FILES: files, KEY_BLOBS: blobs, KEY_TIERS: sorted(set(manifest[KEY_TIERS]) - values),
+                KEY_BYTES: sum(int(e[KEY_SIZE]) for e in files.values()),
+                KEY_RECOVERY_COST: estimate_recovery_cost_ms(files, blobs)})
+    new[KEY_MANIFEST_CHECKSUM] = compute_manifest_checksum(new)
+    return new, drop

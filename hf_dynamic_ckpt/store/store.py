@@ -21,7 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -29,7 +28,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,28 +38,11 @@ from ..constants import (
     CATALOG_NAME,
     DEFAULT_TASK_ID,
     KEY_BLOBS,
-    KEY_CHECKSUM,
-    KEY_CREATED_AT,
     KEY_EXTRA,
     KEY_FILES,
-    KEY_HEALTHY,
-    KEY_MANIFEST_CHECKSUM,
-    KEY_PINNED,
-    KEY_RANK,
-    KEY_REASON,
-    KEY_SIGNALS,
-    KEY_SIZE,
-    KEY_STEP,
-    KEY_TASK_ID,
-    KEY_TIER,
-    KEY_WORLD_SIZE,
     MANIFEST_NAME,
     OPTIMIZER_META_NAME,
-    OPTIMIZER_NAME,
     PINNED_MARKER,
-    RANK_DONE_TEMPLATE,
-    RNG_NAME_TEMPLATE,
-    SAMPLER_NAME,
     STEP_DIR_PREFIX,
     TMP_MARKER,
     WEIGHTS_NAME,
@@ -70,21 +52,29 @@ from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
-    DistributedError,
     DynamicCkptError,
     FormatVersionError,
     SaveError,
 )
 from . import manifest as mf
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, Catalog
-from .checksum import FileEntry, checksum_algo, file_checksum, fsync_dir, fsync_file, new_hasher
+from .checksum import fsync_dir, fsync_file
+from .commit import merge_rank_parts, wait_for_ranks, write_done, write_rank_files
+from .layout import (
+    blob_problems,
+    broken_info,
+    file_problems,
+    files_for,
+    info_from_manifest,
+    read_json,
+    read_tiers,
+    structure_problems,
+)
 from .types import CheckpointInfo, CheckpointState, LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(\d+)$")
-_L1_PARTS = ("optimizer", "scheduler", "scaler")
-_POLL_S = 0.02
 _NAMED_SPECS = ("auto", "best", "fastest")
 
 
@@ -97,59 +87,6 @@ def parse_step_dir(name: str) -> int | None:
     """The step of a committed directory name (``step-12`` -> 12), else `None`."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
-
-
-def _write_json(path: Path, obj: Any, *, tier: Tier, rank: int | None) -> FileEntry:
-    """Write JSON, fsync, and return its manifest entry (checksum of the bytes written)."""
-    data = json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
-    hasher = new_hasher()
-    hasher.update(data)
-    with open(path, "wb") as f:
-        f.write(data)
-        fsync_file(f)
-    return {KEY_SIZE: len(data), KEY_CHECKSUM: f"{hasher.name}:{hasher.hexdigest()}", KEY_TIER: tier.value, KEY_RANK: rank}
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{path} is unreadable or not JSON ({e}); the checkpoint is damaged.") from e
-
-
-def _info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK) -> CheckpointInfo:
-    signals = manifest.get(KEY_SIGNALS) or {}
-    gpu = mf.as_float(signals.get("gpu_mem_percent"))
-    if gpu is None and mf.as_float(signals.get("device_mem_frac")) is not None:
-        gpu = 100.0 * float(mf.as_float(signals.get("device_mem_frac")) or 0.0)
-    loss = mf.as_float(signals.get("loss"))
-    return CheckpointInfo(
-        task_id=str(manifest[KEY_TASK_ID]),
-        step=int(manifest[KEY_STEP]),
-        path=str(path),
-        reason=str(manifest.get(KEY_REASON, "")),
-        tiers=mf.tiers_of(manifest),
-        bytes=int(manifest.get(mf.KEY_BYTES, 0)),
-        loss=loss if loss is None or loss == loss else None,  # NaN is no loss to rank by
-        gpu_mem_percent=gpu,
-        save_time=float(manifest.get(KEY_CREATED_AT, 0.0)),
-        recovery_cost_ms=mf.as_float(manifest.get(mf.KEY_RECOVERY_COST)),
-        healthy=bool(manifest.get(KEY_HEALTHY, True)),
-        pinned=bool(manifest.get(KEY_PINNED, False)) or (path / PINNED_MARKER).exists(),
-        status=status,
-        world_size=int(manifest.get(KEY_WORLD_SIZE, 1)),
-    )
-
-
-def _broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointInfo:
-    """Catalog row of a directory whose manifest cannot be trusted."""
-    try:
-        mtime = path.stat().st_mtime
-    except OSError:
-        mtime = 0.0
-    return CheckpointInfo(task_id=task_id, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0,
-                          loss=None, gpu_mem_percent=None, save_time=mtime, recovery_cost_ms=None,
-                          healthy=False, pinned=(path / PINNED_MARKER).exists(), status=status)
 
 
 class CheckpointStore:
@@ -262,12 +199,12 @@ class CheckpointStore:
         infos = []
         for step, path in sorted(self._committed_dirs(task_dir).items()):
             try:
-                infos.append(_info_from_manifest(mf.read_manifest(path), path))
+                infos.append(info_from_manifest(mf.read_manifest(path), path))
             except CheckpointNotFoundError:
                 continue  # no manifest: not a checkpoint
             except (CorruptCheckpointError, FormatVersionError) as e:
                 logger.warning("checkpoint %s has an unusable manifest: %s", path, e)
-                infos.append(_broken_info(task_id, step, path, STATUS_CORRUPT))
+                infos.append(broken_info(task_id, step, path, STATUS_CORRUPT))
         return infos
 
     def sync_catalog(self) -> None:
@@ -293,9 +230,9 @@ class CheckpointStore:
 
     def _scan_one(self, step: int, path: Path) -> list[CheckpointInfo]:
         try:
-            return [_info_from_manifest(mf.read_manifest(path), path)]
+            return [info_from_manifest(mf.read_manifest(path), path)]
         except (CorruptCheckpointError, FormatVersionError):
-            return [_broken_info(self.task_id, step, path, STATUS_CORRUPT)]
+            return [broken_info(self.task_id, step, path, STATUS_CORRUPT)]
 
     def reindex(self) -> int:
         """Rebuild the whole catalog (every task under `root`) from the manifests.
@@ -361,8 +298,9 @@ class CheckpointStore:
             t0 = time.perf_counter()
             try:
                 tmp.mkdir(parents=True, exist_ok=True)
-                files, blobs = self._write_rank_files(state, tmp)
-                self._write_done(tmp, files, blobs, state.tiers)
+                files, blobs = write_rank_files(state, tmp, rank=self.rank, blobs_dir=self.blobs_dir,
+                                                level=self.compression_level, threads=self.compression_threads)
+                write_done(tmp, rank=self.rank, session_id=self.session_id, files=files, blobs=blobs, tiers=state.tiers)
             except (OSError, DynamicCkptError) as e:
                 if self.rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -375,7 +313,8 @@ class CheckpointStore:
             if self.rank != 0:
                 return None
             t_written = time.perf_counter()
-            parts = self._wait_for_ranks(tmp, step)
+            parts = wait_for_ranks(tmp, step=step, world_size=self.world_size, session_id=self.session_id,
+                                   timeout_s=self.rank_timeout_s)
             t_ranks = time.perf_counter()
             try:
                 info = self._commit(tmp, final, step, state, parts, reason=reason, pinned=pinned, healthy=healthy,
@@ -396,78 +335,10 @@ class CheckpointStore:
         self.catalog.upsert(info, root=self.root)
         return info
 
-    def _write_rank_files(self, state: CheckpointState, tmp: Path) -> tuple[dict[str, FileEntry], dict[str, Any]]:
-        from .tensorpack import flatten_state, write_tensor_file
-        from .weights import save_weights
-
-        files: dict[str, FileEntry] = {}
-        blobs: dict[str, Any] = {}
-        if self.rank == 0:
-            if state.weights is not None:
-                record = save_weights(state.weights, tmp, blobs_dir=self.blobs_dir, dedup_keys=state.dedup_keys)
-                files.update(record.files)
-                blobs.update(record.blobs)
-            parts = {name: getattr(state, name) for name in _L1_PARTS}
-            if any(v is not None for v in parts.values()):
-                structure, tensors = flatten_state(parts)
-                entry = write_tensor_file(tensors, tmp / OPTIMIZER_NAME, level=self.compression_level,
-                                          threads=self.compression_threads)
-                files[OPTIMIZER_NAME] = {**entry, KEY_TIER: Tier.OPTIMIZER.value, KEY_RANK: None}
-                files[OPTIMIZER_META_NAME] = _write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER, rank=None)
-            if state.sampler is not None:
-                files[SAMPLER_NAME] = _write_json(tmp / SAMPLER_NAME, mf.json_safe(state.sampler), tier=Tier.STATE, rank=None)
-        if state.rng is not None:
-            name = RNG_NAME_TEMPLATE.format(rank=self.rank)
-            files[name] = _write_json(tmp / name, state.rng, tier=Tier.STATE, rank=self.rank)
-        return files, blobs
-
-    def _write_done(self, tmp: Path, files: Mapping[str, FileEntry], blobs: Mapping[str, Any], tiers: Iterable[Tier]) -> None:
-        """Publish this rank's entries atomically (write + fsync + rename), after its files."""
-        fsync_dir(tmp)
-        done = tmp / RANK_DONE_TEMPLATE.format(rank=self.rank)
-        part = done.with_name(done.name + ".part")
-        own_tiers = sorted(t.value for t in tiers) if self.rank == 0 else ([Tier.STATE.value] if files else [])
-        _write_json(part, {"rank": self.rank, "session_id": self.session_id, "files": files, "blobs": blobs,
-                           "tiers": own_tiers}, tier=Tier.STATE, rank=self.rank)
-        os.replace(part, done)
-        fsync_dir(tmp)
-
-    def _wait_for_ranks(self, tmp: Path, step: int) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + self.rank_timeout_s
-        while True:
-            present = [r for r in range(self.world_size) if (tmp / RANK_DONE_TEMPLATE.format(rank=r)).exists()]
-            if len(present) == self.world_size:
-                break
-            if time.monotonic() >= deadline:
-                missing = sorted(set(range(self.world_size)) - set(present))
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise DistributedError(
-                    f"step {step}: rank(s) {missing} of {self.world_size} did not finish writing within "
-                    f"{self.rank_timeout_s:g} s (rank_timeout_s); nothing was committed and the previous checkpoint "
-                    "stays the restore point. Check those ranks' logs, or raise rank_timeout_s for slow storage."
-                )
-            time.sleep(_POLL_S)
-        parts = []
-        for r in range(self.world_size):
-            done = tmp / RANK_DONE_TEMPLATE.format(rank=r)
-            part = _read_json(done)
-            if part.get("session_id") != self.session_id:
-                raise DistributedError(f"{done} belongs to session {part.get('session_id')!r}, not {self.session_id!r}.")
-            parts.append(part)
-        return parts
-
     def _commit(self, tmp: Path, final: Path, step: int, state: CheckpointState, parts: list[dict[str, Any]], *,
                 reason: str, pinned: bool, healthy: bool, signals: Mapping[str, Any] | None,
                 debug_info: list[Mapping[str, Any]] | None, timings: dict[str, Any]) -> CheckpointInfo:
-        files: dict[str, FileEntry] = {}
-        blobs: dict[str, Any] = {}
-        tiers: set[Tier] = set()
-        for part in parts:
-            files.update(part["files"])
-            blobs.update(part["blobs"])
-            tiers.update(Tier(t) for t in part["tiers"])
-        for r in range(self.world_size):  # the done files have served their purpose
-            (tmp / RANK_DONE_TEMPLATE.format(rank=r)).unlink(missing_ok=True)
+        files, blobs, tiers = merge_rank_parts(tmp, parts)
         t0 = time.perf_counter()
         manifest = mf.build_manifest(
             task_id=self.task_id, step=step, epoch=state.epoch, reason=reason, tiers=tiers, pinned=pinned,
@@ -478,7 +349,7 @@ class CheckpointStore:
         fsync_dir(tmp)
         os.rename(tmp, final)  # the commit point
         fsync_dir(self.task_dir)
-        info = _info_from_manifest(manifest, final)
+        info = info_from_manifest(manifest, final)
         self.catalog.upsert(info, root=self.root)
         logger.info("committed %s step %d (%s; tiers %s; %d bytes; commit %.1f ms)", self.task_id, step, reason,
                     ",".join(manifest["tiers"]), info.bytes, 1000 * (time.perf_counter() - t0))
@@ -576,62 +447,11 @@ class CheckpointStore:
                 f"{path} is not a checkpoint directory (no {MANIFEST_NAME}); pass a step-<N> directory of a store; "
                 f"{self._available_text()}."
             )
-        return _info_from_manifest(mf.read_manifest(path), path)
+        return info_from_manifest(mf.read_manifest(path), path)
 
     # -- verification ---------------------------------------------------------------------
     def _blobs_dir_of(self, info: CheckpointInfo) -> Path:
         return Path(info.path).parent / BLOBS_DIR
-
-    def _file_problems(self, directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> list[str]:
-        problems = []
-        files = manifest[KEY_FILES]
-        for name in names:
-            entry = files[name]
-            path = directory / name
-            where = f"{name} (tier {entry.get(KEY_TIER)}" + (f", rank {entry.get(KEY_RANK)})" if entry.get(KEY_RANK) is not None else ")")
-            if not path.is_file():
-                problems.append(f"{where}: file is missing")
-                continue
-            size = path.stat().st_size
-            if size != entry[KEY_SIZE]:
-                problems.append(f"{where}: size {size} bytes, manifest says {entry[KEY_SIZE]} (truncated or overwritten)")
-                continue
-            try:  # verify with the algorithm the entry was written with
-                actual = file_checksum(path, algo=checksum_algo(entry[KEY_CHECKSUM]))
-            except ValueError as e:
-                problems.append(f"{where}: {e}")
-                continue
-            if actual != entry[KEY_CHECKSUM]:
-                problems.append(f"{where}: checksum mismatch ({actual} != {entry[KEY_CHECKSUM]}), the file is corrupt")
-        return problems
-
-    def _blob_problems(self, blobs_dir: Path, blobs: Mapping[str, Mapping[str, Any]]) -> list[str]:
-        from .weights import verify_blob
-
-        problems = []
-        seen: set[str] = set()
-        for key, rec in sorted(blobs.items()):
-            if rec.get("digest") in seen:
-                continue
-            seen.add(str(rec.get("digest")))
-            problems.extend(f"{p} (weight {key!r}, tier weights)" for p in verify_blob(blobs_dir, rec))
-        return problems
-
-    def _structure_problems(self, manifest: Mapping[str, Any]) -> list[str]:
-        """Files the manifest should list but does not (per tier and per rank)."""
-        files = manifest[KEY_FILES]
-        tiers = mf.tiers_of(manifest)
-        problems = []
-        if Tier.WEIGHTS in tiers and WEIGHTS_NAME not in files:
-            problems.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
-        if Tier.OPTIMIZER in tiers and OPTIMIZER_META_NAME not in files:
-            problems.append(f"tier optimizer is recorded but {OPTIMIZER_META_NAME} is not listed")
-        rng_ranks = {e.get(KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
-        if rng_ranks:
-            for r in range(int(manifest.get(KEY_WORLD_SIZE, 1))):
-                if r not in rng_ranks:
-                    problems.append(f"{RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed")
-        return problems
 
     def verify(self, ref: str | int | os.PathLike[str] | CheckpointInfo) -> list[str]:
         """Check a checkpoint completely: manifest, every file's size and checksum, blobs.
@@ -654,9 +474,9 @@ class CheckpointStore:
         except (CorruptCheckpointError, FormatVersionError) as e:
             self._set_status(info, STATUS_CORRUPT)
             return [f"{MANIFEST_NAME}: {e}"]
-        problems = self._structure_problems(manifest)
-        problems += self._file_problems(directory, manifest, sorted(manifest[KEY_FILES]))
-        problems += self._blob_problems(self._blobs_dir_of(info), manifest.get(KEY_BLOBS) or {})
+        problems = structure_problems(manifest)
+        problems += file_problems(directory, manifest, sorted(manifest[KEY_FILES]))
+        problems += blob_problems(self._blobs_dir_of(info), manifest.get(KEY_BLOBS) or {})
         self._set_status(info, STATUS_CORRUPT if problems else STATUS_OK)
         return problems
 
@@ -712,58 +532,20 @@ class CheckpointStore:
         for tier in sorted(wanted - held):
             loaded.warnings.append(f"step {info.step} has no {tier.value} tier (saved tiers: {', '.join(sorted(t.value for t in held)) or 'none'})")
         wanted &= held
-        names = self._files_for(manifest, wanted, rank, loaded.warnings, step=info.step)
-        problems = self._file_problems(directory, manifest, names)
+        names = files_for(manifest, wanted, rank, loaded.warnings, step=info.step)
+        problems = file_problems(directory, manifest, names)
         if Tier.WEIGHTS in wanted:
             if WEIGHTS_NAME not in manifest[KEY_FILES]:
                 problems.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
-            problems += self._blob_problems(self._blobs_dir_of(info), manifest.get(KEY_BLOBS) or {})
+            problems += blob_problems(self._blobs_dir_of(info), manifest.get(KEY_BLOBS) or {})
         if problems:
             self._set_status(info, STATUS_CORRUPT)
             raise CorruptCheckpointError(
                 f"checkpoint {directory} failed verification, nothing was loaded: " + "; ".join(problems)
                 + ". Restore another checkpoint (restore.load_for_resume falls back automatically)."
             )
-        self._read_tiers(directory, manifest, wanted, names, loaded, rank=rank, mmap=mmap, blobs_dir=self._blobs_dir_of(info))
+        read_tiers(directory, manifest, wanted, names, loaded, rank=rank, mmap=mmap, blobs_dir=self._blobs_dir_of(info))
         return loaded
-
-    def _files_for(self, manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warnings: list[str], *, step: int) -> list[str]:
-        names = []
-        rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
-        for name, entry in sorted(manifest[KEY_FILES].items()):
-            tier = entry.get(KEY_TIER)
-            if tier not in {t.value for t in wanted}:
-                continue
-            if name.startswith("rng-rank") and name != rng_name:
-                continue
-            names.append(name)
-        if Tier.STATE in wanted and rng_name not in names and any(n.startswith("rng-rank") for n in manifest[KEY_FILES]):
-            warnings.append(
-                f"step {step} has no RNG state for rank {rank} (saved with world_size={manifest.get(KEY_WORLD_SIZE)}); "
-                "this rank's random streams start fresh"
-            )
-        return names
-
-    def _read_tiers(self, directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: list[str],
-                    loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs_dir: Path) -> None:
-        from .tensorpack import read_tensor_file, unflatten_state
-        from .weights import load_weights
-
-        if Tier.WEIGHTS in wanted:
-            loaded.weights = load_weights(directory, manifest.get(KEY_BLOBS) or {}, blobs_dir=blobs_dir, mmap=mmap)
-        if Tier.OPTIMIZER in wanted:
-            structure = _read_json(directory / OPTIMIZER_META_NAME)
-            tensors = read_tensor_file(directory / OPTIMIZER_NAME) if OPTIMIZER_NAME in names else {}
-            if not isinstance(structure, dict):
-                raise CorruptCheckpointError(f"{directory / OPTIMIZER_META_NAME} is not a JSON object.")
-            state = unflatten_state(structure, tensors)
-            loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in _L1_PARTS)
-        if Tier.STATE in wanted:
-            rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
-            if rng_name in names:
-                loaded.rng = _read_json(directory / rng_name)
-            if SAMPLER_NAME in names:
-                loaded.sampler = _read_json(directory / SAMPLER_NAME)
 
     def load_scheduler_only(self, ref: str | int | os.PathLike[str] | CheckpointInfo) -> dict[str, Any] | None:
         """Salvage the LR-scheduler state when the optimizer tensor file is broken.
@@ -776,9 +558,9 @@ class CheckpointStore:
         info = self.resolve(ref)
         directory = Path(info.path)
         manifest = mf.read_manifest(directory)
-        if OPTIMIZER_META_NAME not in manifest[KEY_FILES] or self._file_problems(directory, manifest, [OPTIMIZER_META_NAME]):
+        if OPTIMIZER_META_NAME not in manifest[KEY_FILES] or file_problems(directory, manifest, [OPTIMIZER_META_NAME]):
             return None
-        structure = _read_json(directory / OPTIMIZER_META_NAME)
+        structure = read_json(directory / OPTIMIZER_META_NAME)
         try:
             sched = unflatten_state(structure.get("scheduler"), {})
         except (CorruptCheckpointError, AttributeError):
@@ -840,22 +622,14 @@ class CheckpointStore:
 
     def _delete_tiers(self, info: CheckpointInfo, tiers: set[Tier]) -> None:
         path = Path(info.path)
-        manifest = mf.read_manifest(path)
-        drop = {n for n, e in manifest[KEY_FILES].items() if e.get(KEY_TIER) in {t.value for t in tiers}}
-        files = {n: e for n, e in manifest[KEY_FILES].items() if n not in drop}
-        blobs = {} if Tier.WEIGHTS in tiers else manifest.get(KEY_BLOBS) or {}
-        new = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
-        new.update({KEY_FILES: files, KEY_BLOBS: blobs, "tiers": sorted(set(manifest["tiers"]) - {t.value for t in tiers}),
-                    mf.KEY_BYTES: sum(int(e[KEY_SIZE]) for e in files.values()),
-                    mf.KEY_RECOVERY_COST: mf.estimate_recovery_cost_ms(files, blobs)})
-        new[KEY_MANIFEST_CHECKSUM] = mf.compute_manifest_checksum(new)
+        new, drop = mf.without_tiers(mf.read_manifest(path), tiers)
         mf.write_manifest(path, new, name=MANIFEST_NAME + ".new")
         os.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
         fsync_dir(path)
         for name in drop:
             (path / name).unlink(missing_ok=True)
         if path.parent == self.task_dir:
-            self.catalog.upsert(_info_from_manifest(new, path), root=self.root)
+            self.catalog.upsert(info_from_manifest(new, path), root=self.root)
         logger.info("deleted tiers %s of %s step %d", sorted(t.value for t in tiers), info.task_id, info.step)
         self._gc_blobs()
 

@@ -1,0 +1,195 @@
+"""One committed checkpoint directory: its small JSON files, its catalog description, and
+the checks of its files against the manifest (presence, size, checksum, blob digests).
+
+These are the pieces `CheckpointStore` uses to verify before it loads; they never trust a
+file whose size or checksum differs from the manifest entry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..constants import (
+    KEY_BLOBS,
+    KEY_CHECKSUM,
+    KEY_CREATED_AT,
+    KEY_FILES,
+    KEY_HEALTHY,
+    KEY_PINNED,
+    KEY_RANK,
+    KEY_REASON,
+    KEY_SIGNALS,
+    KEY_SIZE,
+    KEY_STEP,
+    KEY_TASK_ID,
+    KEY_TIER,
+    KEY_WORLD_SIZE,
+    OPTIMIZER_META_NAME,
+    OPTIMIZER_NAME,
+    PINNED_MARKER,
+    RNG_NAME_TEMPLATE,
+    SAMPLER_NAME,
+    WEIGHTS_NAME,
+    Tier,
+)
+from ..errors import CorruptCheckpointError
+from . import manifest as mf
+from .catalog import STATUS_OK
+from .checksum import FileEntry, checksum_algo, file_checksum, fsync_file, new_hasher
+from .types import CheckpointInfo, LoadedCheckpoint
+
+L1_PARTS = ("optimizer", "scheduler", "scaler")
+"""Keys of the L1 structure (`optimizer.json`): `flatten_state({part: state_dict, ...})`."""
+
+
+def write_json(path: Path, obj: Any, *, tier: Tier, rank: int | None) -> FileEntry:
+    """Write JSON, fsync, and return its manifest entry (checksum of the bytes written)."""
+    data = json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
+    hasher = new_hasher()
+    hasher.update(data)
+    with open(path, "wb") as f:
+        f.write(data)
+        fsync_file(f)
+    return {KEY_SIZE: len(data), KEY_CHECKSUM: f"{hasher.name}:{hasher.hexdigest()}", KEY_TIER: tier.value, KEY_RANK: rank}
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file of a checkpoint; unreadable or invalid -> `CorruptCheckpointError`."""
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path} is unreadable or not JSON ({e}); the checkpoint is damaged.") from e
+
+
+def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK) -> CheckpointInfo:
+    """The `CheckpointInfo` (catalog row) a valid manifest describes."""
+    signals = manifest.get(KEY_SIGNALS) or {}
+    gpu = mf.as_float(signals.get("gpu_mem_percent"))
+    if gpu is None and mf.as_float(signals.get("device_mem_frac")) is not None:
+        gpu = 100.0 * float(mf.as_float(signals.get("device_mem_frac")) or 0.0)
+    loss = mf.as_float(signals.get("loss"))
+    return CheckpointInfo(
+        task_id=str(manifest[KEY_TASK_ID]),
+        step=int(manifest[KEY_STEP]),
+        path=str(path),
+        reason=str(manifest.get(KEY_REASON, "")),
+        tiers=mf.tiers_of(manifest),
+        bytes=int(manifest.get(mf.KEY_BYTES, 0)),
+        loss=loss if loss is None or loss == loss else None,  # NaN is no loss to rank by
+        gpu_mem_percent=gpu,
+        save_time=float(manifest.get(KEY_CREATED_AT, 0.0)),
+        recovery_cost_ms=mf.as_float(manifest.get(mf.KEY_RECOVERY_COST)),
+        healthy=bool(manifest.get(KEY_HEALTHY, True)),
+        pinned=bool(manifest.get(KEY_PINNED, False)) or (path / PINNED_MARKER).exists(),
+        status=status,
+        world_size=int(manifest.get(KEY_WORLD_SIZE, 1)),
+    )
+
+
+def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointInfo:
+    """Catalog row of a directory whose manifest cannot be trusted."""
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        mtime = 0.0
+    return CheckpointInfo(task_id=task_id, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0,
+                          loss=None, gpu_mem_percent=None, save_time=mtime, recovery_cost_ms=None,
+                          healthy=False, pinned=(path / PINNED_MARKER).exists(), status=status)
+
+
+def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> list[str]:
+    problems = []
+    files = manifest[KEY_FILES]
+    for name in names:
+        entry = files[name]
+        path = directory / name
+        where = f"{name} (tier {entry.get(KEY_TIER)}" + (f", rank {entry.get(KEY_RANK)})" if entry.get(KEY_RANK) is not None else ")")
+        if not path.is_file():
+            problems.append(f"{where}: file is missing")
+            continue
+        size = path.stat().st_size
+        if size != entry[KEY_SIZE]:
+            problems.append(f"{where}: size {size} bytes, manifest says {entry[KEY_SIZE]} (truncated or overwritten)")
+            continue
+        try:  # verify with the algorithm the entry was written with
+            actual = file_checksum(path, algo=checksum_algo(entry[KEY_CHECKSUM]))
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+            continue
+        if actual != entry[KEY_CHECKSUM]:
+            problems.append(f"{where}: checksum mismatch ({actual} != {entry[KEY_CHECKSUM]}), the file is corrupt")
+    return problems
+
+
+def blob_problems(blobs_dir: Path, blobs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    from .weights import verify_blob
+
+    problems = []
+    seen: set[str] = set()
+    for key, rec in sorted(blobs.items()):
+        if rec.get("digest") in seen:
+            continue
+        seen.add(str(rec.get("digest")))
+        problems.extend(f"{p} (weight {key!r}, tier weights)" for p in verify_blob(blobs_dir, rec))
+    return problems
+
+
+def structure_problems(manifest: Mapping[str, Any]) -> list[str]:
+    """Files the manifest should list but does not (per tier and per rank)."""
+    files = manifest[KEY_FILES]
+    tiers = mf.tiers_of(manifest)
+    problems = []
+    if Tier.WEIGHTS in tiers and WEIGHTS_NAME not in files:
+        problems.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
+    if Tier.OPTIMIZER in tiers and OPTIMIZER_META_NAME not in files:
+        problems.append(f"tier optimizer is recorded but {OPTIMIZER_META_NAME} is not listed")
+    rng_ranks = {e.get(KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
+    if rng_ranks:
+        for r in range(int(manifest.get(KEY_WORLD_SIZE, 1))):
+            if r not in rng_ranks:
+                problems.append(f"{RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed")
+    return problems
+
+
+def files_for(manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warnings: list[str], *, step: int) -> list[str]:
+    names = []
+    rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
+    for name, entry in sorted(manifest[KEY_FILES].items()):
+        tier = entry.get(KEY_TIER)
+        if tier not in {t.value for t in wanted}:
+            continue
+        if name.startswith("rng-rank") and name != rng_name:
+            continue
+        names.append(name)
+    if Tier.STATE in wanted and rng_name not in names and any(n.startswith("rng-rank") for n in manifest[KEY_FILES]):
+        warnings.append(
+            f"step {step} has no RNG state for rank {rank} (saved with world_size={manifest.get(KEY_WORLD_SIZE)}); "
+            "this rank's random streams start fresh"
+        )
+    return names
+
+
+def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: list[str],
+                loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs_dir: Path) -> None:
+    """Read the verified files `names` of the `wanted` tiers into `loaded`."""
+    from .tensorpack import read_tensor_file, unflatten_state
+    from .weights import load_weights
+
+    if Tier.WEIGHTS in wanted:
+        loaded.weights = load_weights(directory, manifest.get(KEY_BLOBS) or {}, blobs_dir=blobs_dir, mmap=mmap)
+    if Tier.OPTIMIZER in wanted:
+        structure = read_json(directory / OPTIMIZER_META_NAME)
+        tensors = read_tensor_file(directory / OPTIMIZER_NAME) if OPTIMIZER_NAME in names else {}
+        if not isinstance(structure, dict):
+            raise CorruptCheckpointError(f"{directory / OPTIMIZER_META_NAME} is not a JSON object.")
+        state = unflatten_state(structure, tensors)
+        loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in L1_PARTS)
+    if Tier.STATE in wanted:
+        rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
+        if rng_name in names:
+            loaded.rng = read_json(directory / rng_name)
+        if SAMPLER_NAME in names:
+            loaded.sampler = read_json(directory / SAMPLER_NAME)
