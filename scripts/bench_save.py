@@ -13,8 +13,8 @@ one real Trainer step so the optimizer state exists. For each variant:
    - floor: one `memcpy` (`Tensor.copy_`) of the same number of bytes between two
      preallocated buffers.
 2. training-step time while a background write is in flight vs. without, for the thread
-   writer and the process writer (interleaved cycles: N clean steps, a save, steps until
-   the write is done).
+   writer and the process writer (cycles of: k clean steps, a save, the steps started while
+   it writes, k clean steps; an A/A comparison of the two clean windows gives the noise).
 3. bytes on disk per checkpoint, ours vs. HF's.
 
 Run:  python scripts/bench_save.py            (~3-4 min on 2 CPU cores)
@@ -38,11 +38,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_dynamic_ckpt.constants import ALL_TIERS  # noqa: E402
-from hf_dynamic_ckpt.engine import SaveEngine, StateSources  # noqa: E402
-from hf_dynamic_ckpt.engine.snapshot import state_dict_tensor_bytes  # noqa: E402
-from hf_dynamic_ckpt.store import CheckpointStore  # noqa: E402
-from hf_dynamic_ckpt.toy import lora, tiny_qwen2  # noqa: E402
+from hf_dynamic_ckpt.constants import ALL_TIERS
+from hf_dynamic_ckpt.engine import CachedWeights, SaveEngine, StateSources
+from hf_dynamic_ckpt.engine.snapshot import state_dict_tensor_bytes
+from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.toy import lora, tiny_qwen2
 
 MB = 1e6
 
@@ -82,10 +82,12 @@ def _sources(trainer: Any, kind: str) -> StateSources:
     if kind == "lora":
         from peft import get_peft_model_state_dict
 
-        weights = lambda: get_peft_model_state_dict(model)  # noqa: E731
+        build = lambda: get_peft_model_state_dict(model)  # noqa: E731
     else:
-        weights = model.state_dict
-    return StateSources(weights=weights, optimizer=trainer.optimizer, scheduler=trainer.lr_scheduler)
+        build = model.state_dict
+    # CachedWeights: the mapping is built once and re-validated (storage pointers) per save.
+    return StateSources(weights=CachedWeights(model, build), optimizer=trainer.optimizer,
+                        scheduler=trainer.lr_scheduler)
 
 
 def _train_step(trainer: Any, args: argparse.Namespace, seed: int) -> float:
@@ -163,29 +165,42 @@ def _dcp(trainer: Any, root: Path, repeats: int) -> dict[str, float]:
 
 
 def _inflation(trainer: Any, kind: str, root: Path, mode: str, args: argparse.Namespace) -> dict[str, float]:
+    """Per cycle: k clean steps, a save, the steps started while it writes, k clean steps.
+
+    Inflation of a cycle = median(steps during the write) / median(clean steps) - 1; the
+    A/A line compares the clean steps after the write with those before (the noise floor
+    of this machine). Both are reported as the median over cycles.
+    """
     sources = _sources(trainer, kind)
-    clean: list[float] = []
-    during: list[float] = []
     seed = 10_000
+    inflations, noise, during_ms, clean_ms = [], [], [], []
     with CheckpointStore(root, compression_threads=args.compression_threads) as store, \
             SaveEngine(store, mode=mode) as engine:
         engine.save(sources, step=1, tiers=ALL_TIERS, reason="warm-up").wait()  # buffers, writer process
-        step = 1
-        for _ in range(args.cycles):
-            for _ in range(args.clean_steps):
+
+        def steps(n: int) -> list[float]:
+            nonlocal seed
+            out = []
+            for _ in range(n):
                 seed += 1
-                clean.append(_train_step(trainer, args, seed))
-            step += 1
-            handle = engine.save(sources, step=step, tiers=ALL_TIERS, reason="bench")
+                out.append(_train_step(trainer, args, seed))
+            return out
+
+        for cycle in range(args.cycles):
+            pre = steps(args.clean_steps)
+            handle = engine.save(sources, step=cycle + 2, tiers=ALL_TIERS, reason="bench")
+            during = []
             while not handle.done():
-                seed += 1
-                t = _train_step(trainer, args, seed)
-                if not handle.done():  # the whole step overlapped the write
-                    during.append(t)
+                during += steps(1)  # started while the write was in flight
             handle.wait()
-    base = statistics.median(clean)
-    mid = statistics.median(during) if during else float("nan")
-    return {"clean_ms": 1e3 * base, "during_ms": 1e3 * mid, "inflation": mid / base - 1.0, "n_during": len(during)}
+            post = steps(args.clean_steps)
+            clean = statistics.median(pre + post)
+            inflations.append(statistics.median(during) / clean - 1.0)
+            noise.append(statistics.median(post) / statistics.median(pre) - 1.0)
+            during_ms += during
+            clean_ms += pre + post
+    return {"clean_ms": 1e3 * statistics.median(clean_ms), "during_ms": 1e3 * statistics.median(during_ms),
+            "inflation": statistics.median(inflations), "noise": statistics.median(noise), "n_during": len(during_ms)}
 
 
 def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -228,14 +243,15 @@ def _table(results: list[dict[str, Any]]) -> str:
             f"({o['blocking_ms'] / hf['blocking_ms']:.3f}) | {dcp['blocking_ms']:.1f} "
             f"({o['blocking_ms'] / dcp['blocking_ms']:.2f}) | {o['write_ms']:.0f} |"
         )
-    lines += ["", "| variant | clean step ms | step ms during write, thread (inflation, n) | "
-              "step ms during write, process (inflation, n) | disk MB ours | disk MB HF | ours / HF |",
+    lines += ["", "| variant | clean step ms | step ms during write, thread (inflation; A/A noise; n) | "
+              "step ms during write, process (inflation; A/A noise; n) | disk MB ours | disk MB HF | ours / HF |",
               "|---|---|---|---|---|---|---|"]
     for r in results:
         cells = []
         for mode in ("thread", "process"):
             i = r.get(f"infl_{mode}")
-            cells.append("-" if i is None else f"{i['during_ms']:.0f} ({i['inflation']:+.1%}, {i['n_during']})")
+            cells.append("-" if i is None else
+                         f"{i['during_ms']:.0f} ({i['inflation']:+.1%}; A/A {i['noise']:+.1%}; n={i['n_during']})")
         clean = r.get("infl_thread", {}).get("clean_ms")
         lines.append(
             f"| {r['kind']} | {'-' if clean is None else f'{clean:.0f}'} | {cells[0]} | {cells[1]} | "
@@ -254,8 +270,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed saves per method (after one warm-up)")
     p.add_argument("--hf-repeats", type=int, default=2)
-    p.add_argument("--cycles", type=int, default=2, help="clean-steps/save cycles per inflation measurement")
-    p.add_argument("--clean-steps", type=int, default=4)
+    p.add_argument("--cycles", type=int, default=3, help="clean-steps/save cycles per inflation measurement")
+    p.add_argument("--clean-steps", type=int, default=3)
     p.add_argument("--torch-threads", type=int, default=1,
                    help="intra-op threads of training (1 leaves a core to the writer on a 2-core box)")
     p.add_argument("--compression-threads", type=int, default=1, help="store zstd threads (0: all CPUs)")

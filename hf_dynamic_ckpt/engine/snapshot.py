@@ -70,6 +70,45 @@ class StateSources:
     extra: Callable[[], dict[str, Any]] | None = None
 
 
+class CachedWeights:
+    """A `StateSources.weights` callable that builds its mapping once and reuses it.
+
+    `model.state_dict()` and `peft.get_peft_model_state_dict(model)` walk every module on
+    each call (tens of milliseconds on a 60M-parameter model, more than the copy of a LoRA
+    adapter). Their tensors alias the live parameters, so the mapping stays valid while no
+    parameter or buffer is replaced; that is checked on every call (storage pointer, shape,
+    dtype of each), and the mapping is rebuilt when something changed (`model.to(...)`,
+    a re-assigned parameter, a resized embedding).
+
+    Args:
+        model (`torch.nn.Module`): the model whose parameters the mapping aliases.
+        fn (`Callable[[], Mapping[str, torch.Tensor]]`): builds the mapping, e.g.
+            `model.state_dict` or `lambda: get_peft_model_state_dict(model)`.
+
+    Example:
+        ```python
+        >>> sources = StateSources(weights=CachedWeights(model, model.state_dict), optimizer=optimizer)
+        ```
+    """
+
+    def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self._model = model
+        self._fn = fn
+        self._signature: tuple[Any, ...] | None = None
+        self._cache: dict[str, torch.Tensor] | None = None
+
+    def _current(self) -> tuple[Any, ...]:
+        tensors = [*self._model.parameters(), *self._model.buffers()]
+        return tuple((t.data_ptr(), t.shape, t.dtype) for t in tensors)
+
+    def __call__(self) -> Mapping[str, torch.Tensor]:
+        signature = self._current()
+        if self._cache is None or signature != self._signature:
+            self._cache = dict(self._fn())
+            self._signature = signature
+        return self._cache
+
+
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity of a tensor's current contents without reading them (in-place ops bump `_version`)."""
     return (t.device.type, t.device.index, t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.stride())
@@ -209,7 +248,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _walk_tensors(obj: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
-    elif isinstance(obj, Mapping):
+    elif isinstance(obj, dict | Mapping):
         for k, v in obj.items():
             yield from _walk_tensors(v, f"{prefix}/{k}")
     elif isinstance(obj, list | tuple):
@@ -462,7 +501,7 @@ class Snapshotter:
             if copy_one is not None:
                 return copy_one(prefix, obj.detach())
             return obj.detach().to("cpu") if obj.is_cuda else obj.detach()
-        if isinstance(obj, Mapping):
+        if isinstance(obj, dict | Mapping):
             return {k: self._copy_nested(v, f"{prefix}/{k}", copy_one) for k, v in obj.items()}
         if isinstance(obj, list):
             return [self._copy_nested(v, f"{prefix}/{i}", copy_one) for i, v in enumerate(obj)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
-from hf_dynamic_ckpt.engine.snapshot import BufferPool, Snapshotter, StateSources
+from hf_dynamic_ckpt.engine.snapshot import BufferPool, CachedWeights, Snapshotter, StateSources
 from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.store.types import BlobRef
 
@@ -220,3 +220,22 @@ def test_cuda_snapshot_pinned_and_ordered_before_next_step():
     for k, v in expected.items():
         assert s.state.weights[k].is_pinned()
         assert torch.equal(s.state.weights[k], v)
+
+
+def test_cached_weights_reuses_the_mapping_until_a_parameter_is_replaced():
+    model, opt, _ = _setup()
+    calls = []
+
+    def build():
+        calls.append(1)
+        return model.state_dict()
+
+    weights = CachedWeights(model, build)
+    first = weights()
+    assert weights() is first and len(calls) == 1
+    _train_step(model, opt)  # in-place updates are visible through the cached views
+    assert torch.equal(weights()["0.weight"], model[0].weight) and len(calls) == 1
+    model[0].weight = torch.nn.Parameter(torch.zeros(5, 6))  # storage replaced: rebuild
+    fresh = weights()
+    assert len(calls) == 2 and fresh is not first
+    assert torch.equal(fresh["0.weight"], torch.zeros(5, 6))
