@@ -39,6 +39,7 @@ from .constants import ALL_TIERS, TIMELINE_NAME, Tier
 from .engine import SaveEngine, SaveHandle, StateSources
 from .errors import CheckpointNotFoundError, DistributedError
 from .policy.decision import Decision
+from .policy.retention import level_retention_from_config, plan_retention
 from .policy.rules import RulePolicy
 from .signals.frame import SignalFrame
 from .signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe, PreemptionFlag
@@ -377,6 +378,21 @@ class Checkpointer:
             event.bytes, event.path = info.bytes, info.path
             if event.pinned and not info.pinned:
                 self.store.pin(info)
+            self._prune()
+
+    def _prune(self) -> None:
+        """Apply retention (rank 0, between saves): keep pinned, the last N, log-spaced history."""
+        if self.rank != 0 or self.engine.busy:
+            return
+        c = self.config
+        plan = plan_retention(self.store.list(include_unhealthy=True), keep_last=c.keep_last,
+                              log_spaced=c.keep_log_spaced, level_retention=level_retention_from_config(c),
+                              now=time.time())
+        for info, tiers in plan:
+            try:
+                self.store.delete(info, tiers=None if Tier.WEIGHTS in tiers else tiers)
+            except Exception as e:  # retention must never stop training
+                logger.warning("retention: could not delete step %d (%s)", info.step, e)
 
     def _collect_finished(self) -> None:
         for event in self.events[-4:]:

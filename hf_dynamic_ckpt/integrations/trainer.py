@@ -165,6 +165,10 @@ class SmartCkptCallback(TrainerCallback):
         if ck is None:
             return
         try:
+            saved = [e.step for e in ck.events if e.error is None]
+            if not ck.preempted and state.global_step > 0 and (not saved or saved[-1] < state.global_step):
+                # The final state is the most valuable restore point; the write overlaps nothing.
+                ck.save_now(state.global_step, state.epoch or 0.0, reason="train_end", blocking=False)
             ck.finish()
         finally:
             ck.detach()

@@ -1,0 +1,83 @@
+"""2-process DDP (torchrun, gloo, `use_cpu=True`): crash on one rank, resume bit-exactly.
+
+Both ranks run `tests/integration/trainer_worker.py`. Rank 1 SIGKILLs itself after step
+7 (once the saves of steps 3 and 6 are committed on every rank); torchrun then tears the
+job down. The restart with `auto` continues from step 6 on both ranks, bit for bit. With
+rank 1's RNG file of step 6 removed, step 6 is never chosen: every rank falls back to
+step 3, the newest checkpoint complete on all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "integration" / "trainer_worker.py"
+ARGS = ("--model", "full", "--max_steps", "9", "--ga", "1", "--examples", "48")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(out: Path, tag: str, *args: str, expect_ok: bool = True) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KILL_RANK": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(WORKER), "--out", str(out), "--tag", tag, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if expect_ok:
+        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    else:
+        assert proc.returncode != 0, "the crashed job should fail"
+    results = [json.loads((out / f"{tag}-rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        r["stderr"] = proc.stderr
+    return results
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    base = tmp_path_factory.mktemp("ddp")
+    ref = torchrun(base / "ref", "ref", *ARGS)
+    crash = torchrun(base / "crash", "crash", *ARGS, "--kill_at", "7", expect_ok=False)
+    assert all(c["killed"] for c in crash)
+    for r in range(2):
+        assert crash[r]["losses"] == ref[r]["losses"][:7]
+    step6 = base / "crash" / "run" / "smart_ckpt" / "default" / "step-6"
+    assert sorted(p.name for p in step6.glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]
+    return base, ref
+
+
+def test_ddp_crash_on_one_rank_resumes_exactly(crashed: tuple[Path, list[dict]]) -> None:
+    base, ref = crashed
+    out = base / "resume"
+    shutil.copytree(base / "crash", out)
+    resumed = torchrun(out, "resume", *ARGS, "--resume", "auto")
+    for r in range(2):
+        assert resumed[r]["resumed_from"] == 6
+        assert resumed[r]["losses"] == ref[r]["losses"][6:]
+    assert ref[0]["losses"] != ref[1]["losses"]  # the ranks saw different data
+
+
+def test_checkpoint_missing_one_ranks_files_is_never_chosen(crashed: tuple[Path, list[dict]]) -> None:
+    base, ref = crashed
+    out = base / "missing"
+    shutil.copytree(base / "crash", out)
+    (out / "run" / "smart_ckpt" / "default" / "step-6" / "rng-rank1.json").unlink()
+    resumed = torchrun(out, "resume", *ARGS, "--resume", "auto")
+    for r in range(2):
+        assert resumed[r]["resumed_from"] == 3
+        assert resumed[r]["losses"] == ref[r]["losses"][3:]
+    assert "step 6 is not complete on every rank" in resumed[0]["stderr"]
