@@ -464,7 +464,10 @@ class CheckpointStore:
         Returns:
             `list[str]`: one line per problem; empty when the checkpoint is intact.
         """
-        info = self.resolve(ref)
+        try:
+            info = self.resolve(ref)
+        except (CorruptCheckpointError, FormatVersionError) as e:  # a path whose manifest is unusable
+            return [f"{MANIFEST_NAME}: {e}"]
         directory = Path(info.path)
         try:
             manifest = mf.read_manifest(directory)

@@ -433,3 +433,12 @@ def test_entries_are_verified_with_their_own_checksum_algorithm(store: Checkpoin
     problems = store.verify("step:1")
     assert len(problems) == 1 and problems[0].startswith(f"{WEIGHTS_NAME} (tier weights): Unknown checksum algorithm 'crc99'")
     assert store.load("step:1", tiers={Tier.STATE}).sampler == {"batches": 1}  # sha256 entry still verifies
+
+
+def test_verify_by_path_of_a_foreign_checkpoint_with_a_bad_manifest(store: CheckpointStore, tmp_path: Path) -> None:
+    other = CheckpointStore(tmp_path / "other_root", task_id="x")
+    info = other.save(_tiny_state(1), reason="r")
+    other.close()
+    (Path(info.path) / MANIFEST_NAME).write_text("[]")
+    problems = store.verify(info.path)
+    assert len(problems) == 1 and problems[0].endswith("the manifest is not a JSON object; the checkpoint is damaged.")
