@@ -260,6 +260,7 @@ class CheckpointStore:
         signals: Mapping[str, Any] | None = None,
         debug_info: list[Mapping[str, Any]] | None = None,
         timings: Mapping[str, Any] | None = None,
+        replace: bool = False,
     ) -> CheckpointInfo | None:
         """Write this rank's part of a checkpoint; on rank 0, commit it once all ranks are done.
 
@@ -275,6 +276,10 @@ class CheckpointStore:
             signals (`dict`, *optional*): signals at save time (`loss`, `grad_norm`, ...).
             debug_info (`list[dict]`, *optional*): recent steps; the last 10 are kept.
             timings (`dict`, *optional*): caller's timings in ms (e.g. snapshot time).
+            replace (`bool`, *optional*, defaults to `False`): when `step` is already
+                committed, replace it (e.g. the same step reached again after resuming from
+                an older checkpoint) instead of returning the existing one. Pass the same
+                value on every rank.
 
         Returns:
             `CheckpointInfo` on rank 0 (also when the step was committed before), `None`
@@ -289,7 +294,7 @@ class CheckpointStore:
             raise SaveError(f"step={step} is invalid: a checkpoint step must be >= 0.")
         with self._lock:
             final = self.task_dir / step_dir_name(step)
-            if (final / MANIFEST_NAME).exists():
+            if (final / MANIFEST_NAME).exists() and not replace:
                 if self.rank != 0:
                     return None
                 logger.info("step %d is already committed at %s; not rewritten", step, final)
@@ -301,7 +306,7 @@ class CheckpointStore:
                 files, blobs = write_rank_files(state, tmp, rank=self.rank, blobs_dir=self.blobs_dir,
                                                 level=self.compression_level, threads=self.compression_threads)
                 write_done(tmp, rank=self.rank, session_id=self.session_id, files=files, blobs=blobs, tiers=state.tiers)
-            except (OSError, DynamicCkptError) as e:
+            except Exception as e:
                 if self.rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
                 if isinstance(e, SaveError):
@@ -347,8 +352,15 @@ class CheckpointStore:
         )
         mf.write_manifest(tmp, manifest)
         fsync_dir(tmp)
+        replaced = None
+        if final.exists():  # replace=True, or a step-<N> dir left without a manifest: move it aside
+            replaced = final.with_name(f"{final.name}{TMP_MARKER}replaced-{uuid.uuid4().hex[:8]}")
+            os.rename(final, replaced)
         os.rename(tmp, final)  # the commit point
         fsync_dir(self.task_dir)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+            self._gc_blobs()
         info = info_from_manifest(manifest, final)
         self.catalog.upsert(info, root=self.root)
         logger.info("committed %s step %d (%s; tiers %s; %d bytes; commit %.1f ms)", self.task_id, step, reason,

@@ -442,3 +442,25 @@ def test_verify_by_path_of_a_foreign_checkpoint_with_a_bad_manifest(store: Check
     (Path(info.path) / MANIFEST_NAME).write_text("[]")
     problems = store.verify(info.path)
     assert len(problems) == 1 and problems[0].endswith("the manifest is not a JSON object; the checkpoint is damaged.")
+
+
+def test_replace_recommits_a_step_and_a_dir_without_manifest_is_overwritten(store: CheckpointStore) -> None:
+    store.save(_tiny_state(1), reason="old timeline")
+    new = CheckpointState(step=1, weights={"w": torch.ones(3)})
+    info = store.save(new, reason="new timeline", replace=True)
+    assert info.reason == "new timeline" and store.resolve("step:1").reason == "new timeline"
+    assert_same(store.load("step:1").weights, {"w": torch.ones(3)})
+    assert [p.name for p in store.task_dir.iterdir()] == ["step-1"]
+    (store.task_dir / "step-2").mkdir()  # e.g. a manifest deleted by hand
+    (store.task_dir / "step-2" / WEIGHTS_NAME).write_bytes(b"junk")
+    assert store.save(_tiny_state(2), reason="r").step == 2
+    assert store.verify("step:2") == []
+
+
+def test_save_failure_leaves_nothing_behind(store: CheckpointStore) -> None:
+    from hf_dynamic_ckpt.errors import SaveError
+
+    bad = CheckpointState(step=3, weights={"w": torch.zeros(2)}, optimizer={"state": {"f": lambda: 0}})
+    with pytest.raises(SaveError, match="cannot be stored without pickle"):
+        store.save(bad, reason="r")
+    assert list(store.task_dir.iterdir()) == [] and store.list(include_unhealthy=True) == []
