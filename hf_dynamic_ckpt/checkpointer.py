@@ -407,7 +407,8 @@ class Checkpointer:
                "mem": _num(frame.mem_frac), "step_time_s": _num(frame.step_time_s), "time": time.time()}
         saves = [e for e in self.events if e.at_step == frame.step]
         if saves:
-            row["saves"] = [{"step": e.step, "reason": e.reason, "pinned": e.pinned} for e in saves]
+            row["saves"] = [{"step": e.step, "reason": e.reason, "pinned": e.pinned,
+                             "blocking_ms": round(e.blocking_ms, 3)} for e in saves]
         self._timeline.write(json.dumps(row) + "\n")
 
     def log_event(self, kind: str, **data: Any) -> None:

@@ -4,6 +4,7 @@
     hf-dynamic-ckpt show ROOT REF [--task T] [--json]
     hf-dynamic-ckpt verify ROOT [REF | --all] [--task T]
     hf-dynamic-ckpt reindex ROOT
+    hf-dynamic-ckpt plot ROOT [--task T] [--output PNG]
 
 ROOT is the store directory (the one holding `catalog.db`); REF is ``step:N``, ``N``,
 ``auto``/``best``/``fastest`` or a checkpoint directory. Exit codes: 0 success, 1 problems
@@ -280,11 +281,29 @@ def _add_reindex(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=_cmd_reindex)
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_timeline
+
+    root = _root(args)
+    out = plot_timeline(root, task_id=args.task or _tasks(root, None)[0], output=args.output)
+    print(f"wrote {out}")
+    return 0
+
+
+def _add_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("plot", help="PNG timeline of a run: loss, grad norm, risk, saves, resumes")
+    p.add_argument("root", metavar="ROOT", help="store directory (holds catalog.db)")
+    p.add_argument("--task", default=None, help="task id (default: the first task under ROOT)")
+    p.add_argument("--output", "-o", default=None, help="PNG path (default ROOT/TASK/timeline.png)")
+    p.set_defaults(func=_cmd_plot)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _add_ls,
     _add_show,
     _add_verify,
     _add_reindex,
+    _add_plot,
 ]
 """Functions that register one subcommand each; append to add a command."""
 

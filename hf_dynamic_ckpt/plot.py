@@ -1,0 +1,132 @@
+"""Timeline plot of a run: loss, gradient norm, risk, and where checkpoints were taken.
+
+Reads `<root>/<task>/timeline.jsonl` (written by `Checkpointer`, one line per optimizer
+step plus `resume` events) and the committed checkpoints of the store. A run that crashed
+and resumed shows as segments: the steps recomputed after a resume are drawn again, from
+the restore point on, so a person can see what was lost and that the replay matches.
+
+    hf-dynamic-ckpt plot ROOT [--task T] [--output timeline.png]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from .constants import DEFAULT_TASK_ID, TIMELINE_NAME
+from .errors import CheckpointNotFoundError
+
+logger = logging.getLogger(__name__)
+
+SAVE_COLOURS = {"pre_update": "tab:red", "emergency": "tab:orange", "risk_edge": "tab:purple"}
+DEFAULT_SAVE_COLOUR = "tab:green"
+
+
+def read_timeline(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
+    """The timeline as segments: one list of step rows per process lifetime (split at `resume` events).
+
+    Raises:
+        `CheckpointNotFoundError`: the task has no timeline file.
+    """
+    path = Path(root) / task_id / TIMELINE_NAME
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path} does not exist: ROOT must be a store written by SmartCkptCallback / "
+                                      "Checkpointer (pass the directory holding catalog.db, and --task if not 'default').")
+    segments: list[list[dict[str, Any]]] = [[]]
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash
+            continue
+        if row.get("event") == "resume":
+            segments.append([{"resume_from": row.get("step")}])
+        elif "step" in row:
+            segments[-1].append(row)
+    return [s for s in segments if any("step" in r for r in s)]
+
+
+def _value(v: Any) -> float:
+    return float(v) if v is not None else float("nan")
+
+
+def _save_colour(reason: str) -> str:
+    for key, colour in SAVE_COLOURS.items():
+        if reason.startswith(key):
+            return colour
+    return DEFAULT_SAVE_COLOUR
+
+
+def plot_timeline(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID,
+                  output: str | os.PathLike[str] | None = None, title: str | None = None,
+                  risk_threshold: float | None = None) -> Path:
+    """Draw loss, gradient norm and risk over steps with save and resume markers into a PNG.
+
+    Args:
+        root (`str` or `os.PathLike`): the store directory.
+        task_id (`str`, *optional*, defaults to `"default"`): the run.
+        output (`str` or `os.PathLike`, *optional*): PNG path; defaults to `<root>/<task>/timeline.png`.
+        title (`str`, *optional*): figure title.
+        risk_threshold (`float`, *optional*): drawn as a dashed line on the risk panel.
+
+    Returns:
+        `Path`: the PNG written.
+
+    Example:
+        ```python
+        >>> plot_timeline("out/smart_ckpt")
+        PosixPath('out/smart_ckpt/default/timeline.png')
+        ```
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    segments = read_timeline(root, task_id)
+    output = Path(output) if output is not None else Path(root) / task_id / "timeline.png"
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.3]})
+    ax_loss, ax_grad, ax_risk = axes
+    styles = ["-", "--", ":", "-."]
+    seen_reasons: set[str] = set()
+    for i, seg in enumerate(segments):
+        rows = [r for r in seg if "step" in r]
+        steps = [r["step"] for r in rows]
+        label = "run" if i == 0 else f"after resume from step {seg[0].get('resume_from')}"
+        style = styles[i % len(styles)]
+        ax_loss.plot(steps, [_value(r.get("loss")) for r in rows], style, lw=1.4, label=label)
+        ax_grad.plot(steps, [_value(r.get("grad_norm")) for r in rows], style, lw=1.2)
+        ax_risk.plot(steps, [_value(r.get("risk")) for r in rows], style, lw=1.2)
+        if i > 0 and seg[0].get("resume_from") is not None:
+            for ax in axes:
+                ax.axvline(seg[0]["resume_from"], color="black", ls="--", lw=1)
+            ax_loss.annotate(f"resume @ {seg[0]['resume_from']}", (seg[0]["resume_from"], 1.0),
+                             xycoords=("data", "axes fraction"), va="top", fontsize=8)
+        for r in rows:
+            for save in r.get("saves", []):
+                colour = _save_colour(save.get("reason", ""))
+                kind = save.get("reason", "").split(" ")[0].rstrip(":")
+                lbl = None if kind in seen_reasons else f"save: {kind}"
+                seen_reasons.add(kind)
+                ax_loss.axvline(save["step"], color=colour, alpha=0.55, lw=1.2, label=lbl)
+                ax_risk.axvline(save["step"], color=colour, alpha=0.35, lw=1)
+    if risk_threshold is not None:
+        ax_risk.axhline(risk_threshold, color="grey", ls=":", lw=1)
+    ax_loss.set_ylabel("loss (step)")
+    ax_grad.set_ylabel("grad norm (pre-clip)")
+    ax_grad.set_yscale("log")
+    ax_risk.set_ylabel("risk")
+    ax_risk.set_ylim(-0.05, 1.05)
+    ax_risk.set_xlabel("optimizer step")
+    ax_loss.legend(fontsize=8, loc="upper right")
+    fig.suptitle(title or f"{Path(root).name}/{task_id}: loss, gradient norm, risk and checkpoints")
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    logger.info("wrote %s", output)
+    return output
