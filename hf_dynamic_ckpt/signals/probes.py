@@ -97,7 +97,7 @@ def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
-        params = []
+        params: list[nn.Parameter] = []
         for attr in LoraLayer.adapter_layer_names:
             sub = getattr(module, attr, None)
             if isinstance(sub, nn.Module):
@@ -168,7 +168,8 @@ class GradProbe:
         for i, g in present:
             groups.setdefault((g.device, g.dtype), []).append((i, g))
         target = present[0][1].device
-        stacked, order = [], []
+        stacked: list[torch.Tensor] = []
+        order: list[int] = []
         for items in groups.values():
             norms = torch.stack(torch._foreach_norm([g for _, g in items], 2.0))
             stacked.append(norms.to(device=target, dtype=torch.float64))
