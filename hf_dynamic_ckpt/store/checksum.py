@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -126,23 +127,31 @@ def make_file_entry(path: str | os.PathLike[str], *, tier: str, rank: int | None
 
 
 class HashingWriter:
-    """A write-only binary file wrapper that hashes every byte on its way to disk.
+    """A write-only binary file wrapper that checksums every byte it writes.
 
     Saves a second pass over the file to compute its checksum. Only `write`, `tell`,
     `flush` and `fileno` are provided (what serialisers and zstd stream writers need).
 
     Args:
         raw (`BinaryIO`): the underlying file, opened for binary writing at position 0.
+        defer (`bool`, *optional*, defaults to `False`): keep references to the written
+            buffers and hash them in `fsync_and_checksum`, while the kernel flushes the
+            file, which hides the hashing time behind the fsync. Only for buffers that do
+            not change until then (e.g. tensor snapshots); transient buffers need `False`.
     """
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, *, defer: bool = False) -> None:
         self._raw = raw
         self._hasher = new_hasher()
         self._size = 0
+        self._pending: list[memoryview] | None = [] if defer else None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._hasher.update(view)
+        if self._pending is None:
+            self._hasher.update(view)
+        else:
+            self._pending.append(view)
         self._raw.write(view)
         self._size += view.nbytes
         return view.nbytes
@@ -161,9 +170,44 @@ class HashingWriter:
         """Bytes written so far."""
         return self._size
 
+    def _drain(self) -> None:
+        if self._pending:
+            for view in self._pending:
+                self._hasher.update(view)
+            self._pending.clear()
+
     def checksum(self) -> str:
         """`"<algo>:<hex>"` of everything written so far."""
+        self._drain()
         return format_checksum(self._hasher.copy())
+
+    def fsync_and_checksum(self) -> str:
+        """Flushes and fsyncs the file while hashing deferred buffers; returns the checksum.
+
+        Raises:
+            `OSError`: the fsync failed (e.g. ENOSPC or EIO surfacing at flush time).
+        """
+        self.flush()
+        if not self._pending:
+            os.fsync(self.fileno())
+            return self.checksum()
+        error: list[BaseException] = []
+
+        def sync() -> None:
+            try:
+                os.fsync(self.fileno())
+            except BaseException as e:  # re-raised in the caller's thread
+                error.append(e)
+
+        worker = threading.Thread(target=sync, name="hf_dynamic_ckpt-fsync", daemon=True)
+        worker.start()  # fsync releases the GIL: hashing below runs while the disk writes
+        try:
+            self._drain()
+        finally:
+            worker.join()
+        if error:
+            raise error[0]
+        return self.checksum()
 
 
 def fsync_file(f: BinaryIO | HashingWriter | str | os.PathLike[str]) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from ..constants import TMP_MARKER, WEIGHTS_NAME, Tier
 from ..errors import CorruptCheckpointError, SaveError
-from .checksum import FileEntry, HashingWriter, fsync_dir, fsync_file, make_file_entry, new_hasher
+from .checksum import FileEntry, HashingWriter, fsync_dir, make_file_entry, new_hasher
 from .types import BlobRef
 
 logger = logging.getLogger(__name__)
@@ -167,15 +167,14 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path,
     meta = dict(sorted((metadata or {}).items()))
     header, order = _header(tensors, meta)
     with open(path, "wb") as raw:
-        f = HashingWriter(raw)
+        f = HashingWriter(raw, defer=True)  # tensors do not change during the call
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for key in order:
             data = _raw_bytes(tensors[key])
             if data.nbytes:
                 f.write(data)
-        fsync_file(f)
-        return f.checksum()
+        return f.fsync_and_checksum()
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -15,6 +15,8 @@ from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
 from hf_dynamic_ckpt.store.checksum import file_checksum
 from hf_dynamic_ckpt.store.tensorpack import (
+    _group,
+    _ungroup_into,
     flatten_state,
     read_header,
     read_tensor_file,
@@ -195,6 +197,18 @@ def test_byte_grouping_shrinks_real_adamw_state(tmp_path: Path) -> None:
     b = write_tensor_file(tensors, tmp_path / "p.zst", byte_group=False)
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
     assert a["size"] < b["size"] < raw
+
+
+def test_byte_group_layout_and_inverse() -> None:
+    raw = np.arange(12, dtype=np.uint8)  # three 4-byte elements
+    assert _group(raw, 4).tolist() == [3, 7, 11, 2, 6, 10, 0, 1, 4, 5, 8, 9]
+    assert _group(np.arange(6, dtype=np.uint8), 2).tolist() == [1, 3, 5, 0, 2, 4]
+    rng = np.random.default_rng(0)
+    for itemsize in (2, 4, 8):
+        data = rng.integers(0, 256, size=itemsize * 33, dtype=np.uint8)
+        back = np.empty_like(data)
+        _ungroup_into(_group(data, itemsize), back, itemsize)
+        assert back.tobytes() == data.tobytes()
 
 
 def test_unsupported_dtype_and_layout_rejected(tmp_path: Path) -> None:
