@@ -263,7 +263,8 @@ class RulePolicy:
         elif nonfinite and was_nonfinite:
             suppressed = "non-finite run already captured"
         elif not nonfinite and self.last_capture_step is not None and frame.step - self.last_capture_step < self.cooldown:
-            suppressed = f"capture cooldown ({self.cooldown} steps since step {self.last_capture_step})"
+            suppressed = (f"capture cooldown ({frame.step - self.last_capture_step} of {self.cooldown} steps "
+                          f"since the capture at step {self.last_capture_step})")
         if suppressed:
             self._suppress("capture", frame.step, f"pre-update capture ({trigger}) suppressed: {suppressed}")
             return Decision(save=False, skip_update=skip, reason=f"suppressed: {trigger}", risk=self.risk)

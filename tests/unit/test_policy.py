@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import random
 
@@ -272,3 +273,32 @@ def test_state_dict_round_trip_decides_the_same() -> None:
     part += drive(resumed, frames[300:])
     assert part == whole
     assert len(whole) >= 5
+
+
+def test_each_save_and_each_suppressed_trigger_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.policy.rules")
+    policy = RulePolicy(SmartCkptConfig(base_interval=30, capture_cooldown=50))
+    frames = [calm(s, **({"grad_norm": 20.0} if s in (40, 45, 50) else {})) for s in range(1, 61)]
+    events = run(policy, frames)
+    saves = [r.getMessage() for r in caplog.records if ": save step " in r.getMessage()]
+    suppressed = [r.getMessage() for r in caplog.records if "suppressed" in r.getMessage()]
+    assert len(saves) == len(events) == 2  # interval at 30, capture at 40 (state 39); next interval 69 > 60
+    assert saves[1] == "step 40: save step 39 (pre_update grad_surge x20.0) tiers=optimizer,state,weights pinned"
+    assert len(suppressed) == 1  # the surges at 45 and 50 fall in the cooldown: one line, not two
+    assert suppressed[0].startswith("step 45: pre-update capture (grad_surge x")
+    assert suppressed[0].endswith("suppressed: capture cooldown (5 of 50 steps since the capture at step 40)")
+    assert [e["step"] for e in policy.decisions] == [30, 39]
+
+
+def test_memory_jitter_around_a_plateau_does_not_repeat_ramp_saves() -> None:
+    cfg = SmartCkptConfig(base_interval=2000, max_interval=2000)
+    policy = RulePolicy(cfg)
+    rng = random.Random(5)
+    frames = []
+    for s in range(1, 1001):
+        mem = None
+        if s % 5 == 0:  # ramp to a plateau just under the threshold, with +-1 % jitter
+            mem = min(0.90, 0.5 + 0.002 * s) + 0.01 * rng.uniform(-1, 1)
+        frames.append(calm(s, device_mem_frac=mem))
+    events = run(policy, frames)
+    assert sum(d.reason.startswith("memory_ramp") for _, _, d in events) <= 1
