@@ -127,7 +127,7 @@ def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[
 def blob_problems(blobs_dir: Path, blobs: Mapping[str, Mapping[str, Any]]) -> list[str]:
     from .weights import verify_blob
 
-    problems = []
+    problems: list[str] = []
     seen: set[str] = set()
     for key, rec in sorted(blobs.items()):
         if rec.get("digest") in seen:

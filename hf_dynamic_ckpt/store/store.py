@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
@@ -407,8 +408,8 @@ class CheckpointStore:
         """
         if isinstance(spec, CheckpointInfo):
             return spec
-        if isinstance(spec, int) and not isinstance(spec, bool):
-            return self._by_step(spec)
+        if isinstance(spec, int):
+            return self._by_step(int(spec))
         text = os.fspath(spec)
         if text in _NAMED_SPECS:
             candidates = [i for i in self.list() if Tier.WEIGHTS in i.tiers]
@@ -465,7 +466,7 @@ class CheckpointStore:
     def _blobs_dir_of(self, info: CheckpointInfo) -> Path:
         return Path(info.path).parent / BLOBS_DIR
 
-    def verify(self, ref: str | int | os.PathLike[str] | CheckpointInfo) -> list[str]:
+    def verify(self, ref: str | int | os.PathLike[str] | CheckpointInfo) -> builtins.list[str]:
         """Check a checkpoint completely: manifest, every file's size and checksum, blobs.
 
         Also records the outcome in the catalog (status ``"ok"``, ``"corrupt"`` or ``"missing"``).
@@ -592,7 +593,8 @@ class CheckpointStore:
                 fsync_file(f)
             fsync_dir(marker.parent)
             self._set_pinned(info)
-            return Catalog.to_info({**self._row_of(info), "pinned": 1}, root=self.root) if self._row_of(info) else info
+            row = self._row_of(info)
+            return Catalog.to_info({**row, "pinned": 1}, root=self.root) if row is not None else info
 
     def _row_of(self, info: CheckpointInfo) -> dict[str, Any] | None:
         return self.catalog.get(info.task_id, info.step) if Path(info.path).parent == self.task_dir else None

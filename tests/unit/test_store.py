@@ -33,7 +33,7 @@ from hf_dynamic_ckpt.errors import (
 from hf_dynamic_ckpt.store import BlobRef, CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store.checksum import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
-from hf_dynamic_ckpt.store.rng import capture_rng_state
+from hf_dynamic_ckpt.store.rng import capture_rng_state, restore_rng_state
 from hf_dynamic_ckpt.store.weights import tensor_digest
 
 
@@ -92,11 +92,16 @@ def store(tmp_path: Path) -> CheckpointStore:
     s.close()
 
 
-def test_round_trip_full_qwen2_is_bit_exact(store: CheckpointStore) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_round_trip_full_qwen2_is_bit_exact(store: CheckpointStore, tied: bool) -> None:
     torch.manual_seed(1)
-    model = toy.tiny_qwen2(seed=0)
+    model = toy.tiny_qwen2(seed=0, tie_word_embeddings=tied)
     opt, sched = _train(model)
     state = _state(model, opt, sched, step=2)
+    if tied:  # keep the sharing (as the engine's snapshot does): stored once, re-aliased on load
+        emb = state.weights["model.embed_tokens.weight"]
+        state.weights["lm_head.weight"] = emb
+    draws_after_capture = (torch.rand(4), torch.randn(3))
     info = store.save(state, reason="interval", signals={"loss": 5.5})
     assert info is not None and info.tiers == frozenset(Tier) and info.loss == 5.5
 
@@ -107,11 +112,17 @@ def test_round_trip_full_qwen2_is_bit_exact(store: CheckpointStore) -> None:
     assert_same(opt.state_dict(), loaded.optimizer, "optimizer")
     assert_same(sched.state_dict(), loaded.scheduler, "scheduler")
     assert loaded.rng == json.loads(json.dumps(state.rng))
+    restore_rng_state(loaded.rng)  # the random streams continue exactly where they were captured
+    assert_same(draws_after_capture, (torch.rand(4), torch.randn(3)), "rng streams")
+    if tied:
+        assert loaded.weights["lm_head.weight"] is loaded.weights["model.embed_tokens.weight"]
+        with safe_open(str(Path(info.path) / WEIGHTS_NAME), framework="pt") as f:
+            assert "lm_head.weight" not in set(f.keys())
     assert loaded.sampler == {"epoch": 0, "batches": 2}
     assert loaded.extra == {"global_step": 2}
 
     # The loaded state continues training exactly like the live objects.
-    model2 = toy.tiny_qwen2(seed=123)
+    model2 = toy.tiny_qwen2(seed=123, tie_word_embeddings=tied)
     model2.load_state_dict(loaded.weights)
     opt2, sched2 = _train(model2, steps=0)
     opt2.load_state_dict(loaded.optimizer)
