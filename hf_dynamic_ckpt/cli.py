@@ -216,38 +216,37 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     root = _root(args)
     if args.ref is not None and args.all:
         return _usage_error("give either REF or --all, not both.")
-    targets: list[tuple[str, CheckpointInfo | str]] = []
-    if args.ref is None:  # --all, or no REF: every checkpoint
-        for task in _tasks(root, args.task):
-            store = _open(root, task)
-            try:
-                targets += [(task, i) for i in sorted(store.list(include_unhealthy=True), key=lambda i: i.step)]
-            finally:
-                store.close()
-    else:
-        targets = [(args.task or _single_task(root), args.ref)]
-    if not targets:
-        print(f"no checkpoints under {root}")
-        return 0
-    progress = _Progress(len(targets), sys.stderr) if len(targets) > 1 else None
-    bad = 0
-    for task, ref in targets:
-        store = _open(root, task)
-        try:
-            info = store.resolve(ref)
+    stores: dict[str, Any] = {}
+    targets: list[tuple[str, CheckpointInfo]] = []
+    try:
+        tasks = _tasks(root, args.task) if args.ref is None else [args.task or _single_task(root)]
+        for task in tasks:
+            stores[task] = _open(root, task)
+            if args.ref is None:  # --all, or no REF: every checkpoint
+                infos = sorted(stores[task].list(include_unhealthy=True), key=lambda i: i.step)
+            else:
+                infos = [stores[task].resolve(args.ref)]
+            targets += [(task, i) for i in infos]
+        if not targets:
+            print(f"no checkpoints under {root}")
+            return 0
+        progress = _Progress(len(targets), sys.stderr) if len(targets) > 1 else None
+        bad = 0
+        for task, info in targets:
             label = f"{task}/step-{info.step}"
-            problems = store.verify(info)
-        finally:
+            problems = stores[task].verify(info)
+            if progress is not None:
+                progress.step(label)
+            if problems:
+                bad += 1
+                print(f"FAIL {label}")
+                for p in problems:
+                    print(f"  - {p}")
+            else:
+                print(f"OK   {label}")
+    finally:
+        for store in stores.values():
             store.close()
-        if progress is not None:
-            progress.step(label)
-        if problems:
-            bad += 1
-            print(f"FAIL {label}")
-            for p in problems:
-                print(f"  - {p}")
-        else:
-            print(f"OK   {label}")
     print(f"{len(targets) - bad} of {len(targets)} checkpoint(s) intact" + (f", {bad} with problems" if bad else ""))
     return 1 if bad else 0
 
