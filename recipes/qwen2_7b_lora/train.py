@@ -75,13 +75,24 @@ class LossLog(TrainerCallback):
 
 
 class CrashAt(TrainerCallback):
-    """Kills this process with SIGKILL after `step` (no cleanup: a real crash)."""
+    """Kills this process with SIGKILL after optimizer step `step` (no cleanup: a real crash).
+
+    When the step is logged, the kill waits for its log line (`on_log` follows `on_step_end`).
+    """
 
     def __init__(self, step: int) -> None:
         self.step = step
+        self.armed = False
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
+            if control.should_log:
+                self.armed = True
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.armed:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
