@@ -175,7 +175,7 @@ def _inflation(trainer: Any, kind: str, root: Path, mode: str, args: argparse.Na
     seed = 10_000
     inflations, noise, during_ms, clean_ms = [], [], [], []
     with CheckpointStore(root, compression_threads=args.compression_threads) as store, \
-            SaveEngine(store, mode=mode) as engine:
+            SaveEngine(store, mode=mode, writer_nice=args.writer_nice) as engine:
         engine.save(sources, step=1, tiers=ALL_TIERS, reason="warm-up").wait()  # buffers, writer process
 
         def steps(n: int) -> list[float]:
@@ -214,15 +214,16 @@ def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str,
     print(f"[{kind}] {params / 1e6:.1f}M params ({trainable / 1e6:.2f}M trainable), "
           f"{nbytes / MB:.1f} MB to snapshot", flush=True)
     res: dict[str, Any] = {"kind": kind, "params": params, "trainable": trainable, "bytes": nbytes}
-    res["memcpy_ms"] = _memcpy_ms(nbytes, args.repeats)
-    res["ours"] = _ours(trainer, kind, work / f"ours-{kind}", args.repeats, args.compression_threads)
-    print(f"[{kind}] ours {res['ours']}", flush=True)
-    res["hf"] = _hf(trainer, args.hf_repeats)
-    print(f"[{kind}] hf {res['hf']}", flush=True)
-    res["dcp"] = _dcp(trainer, work / f"dcp-{kind}", args.repeats)
-    print(f"[{kind}] dcp {res['dcp']}", flush=True)
+    if not args.only_inflation:
+        res["memcpy_ms"] = _memcpy_ms(nbytes, args.repeats)
+        res["ours"] = _ours(trainer, kind, work / f"ours-{kind}", args.repeats, args.compression_threads)
+        print(f"[{kind}] ours {res['ours']}", flush=True)
+        res["hf"] = _hf(trainer, args.hf_repeats)
+        print(f"[{kind}] hf {res['hf']}", flush=True)
+        res["dcp"] = _dcp(trainer, work / f"dcp-{kind}", args.repeats)
+        print(f"[{kind}] dcp {res['dcp']}", flush=True)
     if not args.skip_inflation:
-        for mode in ("thread", "process"):
+        for mode in args.modes.split(","):
             res[f"infl_{mode}"] = _inflation(trainer, kind, work / f"infl-{kind}-{mode}", mode, args)
             print(f"[{kind}] inflation {mode} {res[f'infl_{mode}']}", flush=True)
     shutil.rmtree(work / f"hf-{kind}", ignore_errors=True)
@@ -277,6 +278,9 @@ def main() -> None:
     p.add_argument("--compression-threads", type=int, default=1, help="store zstd threads (0: all CPUs)")
     p.add_argument("--variants", default="full,lora")
     p.add_argument("--skip-inflation", action="store_true")
+    p.add_argument("--only-inflation", action="store_true", help="skip the blocking-time comparison")
+    p.add_argument("--modes", default="thread,process", help="writer modes for the inflation measurement")
+    p.add_argument("--writer-nice", type=int, default=0, help="nice increment of the writer thread/process")
     p.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     args = p.parse_args()
     if args.quick:
@@ -295,8 +299,9 @@ def main() -> None:
         dist.destroy_process_group()
     print()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {args.torch_threads}, "
-          f"zstd threads {args.compression_threads}, total {time.perf_counter() - start:.0f} s")
-    print(_table(results))
+          f"zstd threads {args.compression_threads}, writer nice {args.writer_nice}, total {time.perf_counter() - start:.0f} s")
+    if not args.only_inflation:
+        print(_table(results))
 
 
 if __name__ == "__main__":

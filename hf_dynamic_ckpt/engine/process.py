@@ -67,8 +67,11 @@ def _map_state(state: CheckpointState, fn: Callable[[Any], Any]) -> CheckpointSt
     return dataclasses.replace(state, **{f: fn(getattr(state, f)) for f in _TENSOR_FIELDS})
 
 
-def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any) -> None:
+def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any, nice: int = 0) -> None:
     """Entry point of the writer process: receive buffers and save requests until told to stop."""
+    from .writer import lower_priority
+
+    lower_priority(nice)
     torch.set_num_threads(1)
     store = store_cls(**spec)
     buffers: dict[str, torch.Tensor] = {}
@@ -131,12 +134,12 @@ class ProcessWriter:
     """
 
     def __init__(self, store_spec: dict[str, Any], store_cls: type, run_job: Callable[..., None],
-                 pool: BufferPool) -> None:
+                 pool: BufferPool, *, nice: int = 0) -> None:
         from .writer import _ThreadWriter
 
         ctx = mp.get_context("spawn")  # fork would copy the training process's threads and CUDA state
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child), daemon=True,
+        self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child, nice), daemon=True,
                                  name="hf-dynamic-ckpt-writer")
         _start_without_main(self._proc)
         child.close()

@@ -94,18 +94,30 @@ class CachedWeights:
     def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         self._model = model
         self._fn = fn
-        self._signature: tuple[Any, ...] | None = None
+        self._modules: list[tuple[Any, str, Any]] = []
+        self._tensors: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
         self._cache: dict[str, torch.Tensor] | None = None
 
-    def _current(self) -> tuple[Any, ...]:
-        tensors = [*self._model.parameters(), *self._model.buffers()]
-        return tuple((t.data_ptr(), t.shape, t.dtype) for t in tensors)
+    def _record(self) -> None:
+        # Flat lists checked by identity: no module traversal per save (a PEFT model is deep).
+        self._modules, self._tensors = [], []
+        for module in self._model.modules():
+            for name, child in module._modules.items():
+                self._modules.append((module._modules, name, child))
+            for table in (module._parameters, module._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        self._tensors.append((table, name, t, t.data_ptr()))
+
+    def _valid(self) -> bool:
+        return all(table.get(name) is child for table, name, child in self._modules) and all(
+            table.get(name) is t and t.data_ptr() == ptr for table, name, t, ptr in self._tensors
+        )
 
     def __call__(self) -> Mapping[str, torch.Tensor]:
-        signature = self._current()
-        if self._cache is None or signature != self._signature:
+        if self._cache is None or not self._valid():
             self._cache = dict(self._fn())
-            self._signature = signature
+            self._record()
         return self._cache
 
 
@@ -178,37 +190,39 @@ class BufferPool:
 
 
 class _CudaCopier:
-    """Non-blocking device-to-host copies on one side stream per device."""
+    """Non-blocking device-to-host copies, batched on one side stream per device."""
 
     def __init__(self) -> None:
         self._streams: dict[int, Any] = {}
-        self._used: set[int] = set()
+        self._pending: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         index = src.device.index if src.device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(device=index)
-        if index not in self._used:
-            # The side stream must see every kernel already queued that writes the source.
-            stream.wait_stream(torch.cuda.current_stream(index))
-            self._used.add(index)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        # The allocator must not hand the source's memory to another tensor before the copy ran.
-        src.record_stream(stream)
+        dsts, srcs = self._pending.setdefault(index, ([], []))
+        dsts.append(dst)
+        srcs.append(src)
 
     def finish(self) -> list[Any]:
-        """Record one event per used stream and order each device's current stream after it."""
+        """Issue the copies, record one event per device and order its current stream after it."""
         events = []
-        for index in sorted(self._used):
+        for index, (dsts, srcs) in sorted(self._pending.items()):
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)
+            # The side stream must see every kernel already queued that writes the sources.
+            stream.wait_stream(torch.cuda.current_stream(index))
+            with torch.cuda.stream(stream):
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            for src in srcs:
+                # The allocator must not hand a source's memory to another tensor before the copy ran.
+                src.record_stream(stream)
             event = torch.cuda.Event()
-            event.record(self._streams[index])
+            event.record(stream)
             # The next optimizer step (queued on the current stream) runs after the copy, on
             # the GPU, without the host waiting here.
             torch.cuda.current_stream(index).wait_event(event)
             events.append(event)
-        self._used.clear()
+        self._pending.clear()
         return events
 
 
@@ -293,14 +307,18 @@ class LiveState:
     sampler: dict[str, Any] | None
     extra: dict[str, Any]
 
-    def copy_items(self) -> Iterable[tuple[str, torch.Tensor]]:
+    def copy_items(self) -> list[tuple[str, torch.Tensor]]:
         """(buffer name, live tensor) for every tensor a buffered snapshot copies."""
-        if self.weights is not None:
-            for k, v in self.weights.items():
-                if isinstance(v, torch.Tensor) and k not in self.frozen:
-                    yield _WEIGHTS_PREFIX + k, v
-        if self.optimizer is not None:
-            yield from _walk_tensors(self.optimizer, _OPTIMIZER_PREFIX.rstrip("/"))
+        items = self.__dict__.get("_copy_items")
+        if items is None:
+            items = []
+            if self.weights is not None:
+                items += [(_WEIGHTS_PREFIX + k, v) for k, v in self.weights.items()
+                          if isinstance(v, torch.Tensor) and k not in self.frozen]
+            if self.optimizer is not None:
+                items += _walk_tensors(self.optimizer, _OPTIMIZER_PREFIX.rstrip("/"))
+            self.__dict__["_copy_items"] = items
+        return items
 
     @property
     def copy_bytes(self) -> int:
@@ -336,6 +354,7 @@ class Snapshotter:
     def __init__(self, *, shared: bool = False, blob_exists: Callable[[BlobRef], bool] | None = None) -> None:
         self.pool = BufferPool(shared=shared)
         self._blob_exists = blob_exists
+        self._last_used: set[str] = set()
         # Frozen tensors already committed to the store: name -> (identity, BlobRef).
         self._stored_blobs: dict[str, tuple[tuple[Any, ...], BlobRef]] = {}
 
@@ -441,16 +460,20 @@ class Snapshotter:
         copied = live_bytes = 0
         cuda = _CudaCopier() if live.has_cuda else None
         used: set[str] = set()
+        cpu_dsts: list[torch.Tensor] = []
+        cpu_srcs: list[torch.Tensor] = []
 
         def copy_one(name: str, src: torch.Tensor) -> torch.Tensor:
+            # Copies are batched: one _foreach_copy_ per device saves ~10 us per tensor.
             nonlocal copied
             used.add(name)
             dst = self.pool.get(name, src)
             if src.is_cuda:
                 assert cuda is not None
-                cuda.copy(dst, src)
+                cuda.add(dst, src)
             else:
-                dst.copy_(src)
+                cpu_dsts.append(dst)
+                cpu_srcs.append(src)
             copied += _nbytes(src)
             return dst
 
@@ -475,12 +498,16 @@ class Snapshotter:
             )
             if not copy:
                 live_bytes += state_dict_tensor_bytes(optimizer)
+        if cpu_dsts:
+            torch._foreach_copy_(cpu_dsts, cpu_srcs)
         events = cuda.finish() if cuda is not None else []
         if copy:
             # Only the tiers this snapshot read can tell which of their buffers are stale.
             scopes = [p for p, present in ((_WEIGHTS_PREFIX, live.weights is not None),
                                            (_OPTIMIZER_PREFIX, live.optimizer is not None)) if present]
-            self.pool.retain_only(used, scopes)
+            if used != self._last_used:  # the common case (same state as last time) costs nothing
+                self.pool.retain_only(used, scopes)
+                self._last_used = used
         state = CheckpointState(
             step=live.step, epoch=live.epoch, weights=weights,
             dedup_keys=frozenset(live.frozen) | frozenset(

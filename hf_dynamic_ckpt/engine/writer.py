@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import queue
 import threading
 import time
@@ -114,16 +115,32 @@ class _Job:
     kwargs: dict[str, Any]
 
 
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's nice value by `nice` (Linux: per thread); best effort.
+
+    Threads the writer starts (zstd workers) inherit it. Lowering priority needs no privilege.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, current + nice))
+    except OSError as e:
+        logger.debug("could not lower the writer's priority: %s", e)
+
+
 class _ThreadWriter:
     """One persistent writer thread fed through a one-slot queue."""
 
-    def __init__(self, run: Callable[[_Job], None], name: str) -> None:
+    def __init__(self, run: Callable[[_Job], None], name: str, *, nice: int = 0) -> None:
         self._run = run
+        self._nice = nice
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        lower_priority(self._nice)
         while True:
             job = self._queue.get()
             if job is None:
@@ -167,6 +184,8 @@ class SaveEngine:
         cgroup_dir (`str` or `Path`, *optional*): cgroup v2 directory to read the memory limit
             from; defaults to `$HF_DYNAMIC_CKPT_CGROUP_DIR`, else the process's own cgroup.
         headroom (`Callable[[], Headroom]`, *optional*): replaces the memory probe entirely.
+        writer_nice (`int`, *optional*, defaults to `0`): nice increment of the writer thread or
+            process, so that under CPU contention the scheduler favours training (Linux).
 
     Example:
         ```python
@@ -189,6 +208,7 @@ class SaveEngine:
         on_busy: OnBusy | str = OnBusy.WAIT,
         cgroup_dir: str | Path | None = None,
         headroom: Callable[[], Any] | None = None,
+        writer_nice: int = 0,
     ) -> None:
         try:
             self.mode = EngineMode(mode)
@@ -210,6 +230,7 @@ class SaveEngine:
             )
         self.store = store
         self.memory_margin = memory_margin
+        self.writer_nice = int(writer_nice)
         cg = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
         self._headroom = headroom if headroom is not None else (lambda: host_headroom(cg))
         self._snapshotter = Snapshotter(shared=self.mode == EngineMode.PROCESS, blob_exists=self._blob_exists)
@@ -373,6 +394,7 @@ class SaveEngine:
                 self._throughput / 1e6,
             )
             live.optimizer = live.scheduler = live.scaler = None
+            live.__dict__.pop("_copy_items", None)
         handle = SaveHandle(step, f"emergency: {reason}")
         handle.staging = "sync"
         snapshot = self._snapshotter.take(live, copy=False)
@@ -440,9 +462,10 @@ class SaveEngine:
                     from .process import ProcessWriter
 
                     self._writer = ProcessWriter(_store_spec(self.store), type(self.store), self._write,
-                                                 self._snapshotter.pool)
+                                                 self._snapshotter.pool, nice=self.writer_nice)
                 else:
-                    self._writer = _ThreadWriter(self._write, name=f"hf-dynamic-ckpt-writer-{id(self):x}")
+                    self._writer = _ThreadWriter(self._write, name=f"hf-dynamic-ckpt-writer-{id(self):x}",
+                                                 nice=self.writer_nice)
             return self._writer
 
     def _write(self, job: _Job, *, remote: Callable[..., CheckpointInfo | None] | None = None) -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 
 import pytest
@@ -302,3 +303,20 @@ def test_handle_wait_timeout(store):
     gated.gate.set()
     assert h.wait(60).step == 1
     engine.close()
+
+
+def test_writer_thread_runs_at_lower_priority(store):
+    seen: list[int] = []
+    model, opt, _ = _model()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    orig = store.save
+
+    def save(*a, **k):
+        seen.append(os.getpriority(os.PRIO_PROCESS, 0))  # on the writer thread (Linux: per thread)
+        return orig(*a, **k)
+
+    store.save = save
+    with SaveEngine(store, writer_nice=5) as engine:
+        engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="a").wait(60)
+    assert seen == [min(19, base + 5)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread is untouched
