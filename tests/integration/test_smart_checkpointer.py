@@ -130,3 +130,24 @@ def test_rejects_unprepared_optimizer(tmp_path: Path):
     prepared_model = accelerator.prepare(model)
     with pytest.raises(ConfigError, match="optimizer is not the accelerator's prepared optimizer"):
         SmartCheckpointer(accelerator, prepared_model, opt, config=SmartCkptConfig(root=str(tmp_path)))
+
+
+def test_pre_anomaly_capture_resumes_exactly(tmp_path: Path):
+    """A gradient explosion at step 13 pins the state of step 12, taken before the update (after
+    step 13's batch was fetched): resuming from it replays steps 13.. bit-exactly."""
+    common = ["--max_steps", "15", "--surge_at_step", "13", "--base_interval", "50", "--output_dir", "run"]
+    run_worker(tmp_path, "--losses", "ref.jsonl", *common)
+    _, ref = read_losses(tmp_path / "ref.jsonl")
+    assert ref[13]["captures"] == [[12, ref[13]["captures"][0][1], True]]
+    assert ref[13]["captures"][0][1].startswith("pre_update grad_surge")
+    step12 = tmp_path / "run/smart_ckpt/default/step-12"
+    manifest = json.loads((step12 / "manifest.json").read_text())
+    assert manifest["pinned"] is True and manifest["step"] == 12
+    # The data position is the step boundary, not the batch already fetched for step 13.
+    assert json.loads((step12 / "sampler.json").read_text())["batches_seen"] == 12
+
+    run_worker(tmp_path, "--losses", "resume.jsonl", "--resume", "step:12", *common)
+    resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
+    assert resumed_from == 12 and sorted(resumed) == [13, 14, 15]
+    for step, row in resumed.items():
+        assert row["loss"] == ref[step]["loss"] and row["micro"] == ref[step]["micro"], step

@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--grad_accum", type=int, default=1)
     p.add_argument("--base_interval", type=int, default=3)
     p.add_argument("--examples", type=int, default=40)
+    p.add_argument("--surge_at_step", type=int, default=None,
+                   help="multiply the loss of this optimizer step by 1e4 (a gradient explosion)")
     args = p.parse_args()
 
     from accelerate import Accelerator
@@ -63,6 +65,8 @@ def main() -> None:
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 micro.append(float(loss.detach()).hex())
+                if ckpt.step + 1 == args.surge_at_step:
+                    loss = loss * 1e4
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -76,7 +80,9 @@ def main() -> None:
             if out is not None:
                 frame = ckpt.core.last_frame
                 out.write(json.dumps({"step": ckpt.step, "loss": float(frame.loss).hex(), "micro": micro,
-                                      "save": decision.save}) + "\n")
+                                      "save": decision.save, "captures": [
+                                          [e.step, e.reason, e.pinned] for e in ckpt.core.events
+                                          if e.at_step == ckpt.step and e.step < e.at_step]}) + "\n")
                 out.flush()
             micro = []
             if ckpt.step == args.kill_at_step:
