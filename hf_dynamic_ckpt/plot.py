@@ -116,7 +116,8 @@ def plot_timeline(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_I
                 ax_risk.axvline(save["step"], color=colour, alpha=0.35, lw=1)
     if risk_threshold is not None:
         ax_risk.axhline(risk_threshold, color="grey", ls=":", lw=1)
-    ax_loss.set_ylabel("loss (step)")
+    ax_loss.set_ylabel("loss (step, log scale)")
+    ax_loss.set_yscale("log")
     ax_grad.set_ylabel("grad norm (pre-clip)")
     ax_grad.set_yscale("log")
     ax_risk.set_ylabel("risk")

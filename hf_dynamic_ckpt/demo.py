@@ -1,0 +1,255 @@
+"""The demo: a LoRA fine-tune that hits an anomaly, is SIGKILLed, and resumes bit-exactly.
+
+    python -m hf_dynamic_ckpt.demo --output_dir demo_out        # (what `make demo` runs)
+
+CPU only, a few minutes, nothing downloaded. Three training processes run the same
+script (`--child`): an uninterrupted reference run; the run itself, into which a loss
+explosion is injected at `--anomaly_at` and which this process kills with SIGKILL once it
+passes `--kill_at`; and the restart of the same command with
+`--resume_from_smart_checkpoint auto`. The report lists every save (step, reason, bytes,
+blocking time), the restore point chosen, and whether the resumed losses equal the
+reference run's to the bit; `<output_dir>/timeline.png` shows it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .constants import DEFAULT_TASK_ID, TIMELINE_NAME
+
+
+@dataclass
+class DemoArguments:
+    """Arguments of one training process of the demo (parsed with `HfArgumentParser`)."""
+
+    output_dir: str = field(default="demo_out", metadata={"help": "Trainer output directory of this run."})
+    max_steps: int = field(default=90, metadata={"help": "Optimizer steps of the run."})
+    anomaly_at: int = field(default=35, metadata={"help": "First step whose loss is multiplied by --anomaly_factor."})
+    anomaly_steps: int = field(default=4, metadata={"help": "Consecutive poisoned steps (a bad data shard)."})
+    anomaly_factor: float = field(default=30.0, metadata={"help": "Loss multiplier of the poisoned step."})
+    seed: int = field(default=0)
+
+
+def train(demo: DemoArguments, smart: Any) -> None:
+    """One training process: tiny Qwen2 + LoRA on real text with `SmartCkptCallback`."""
+    import torch
+
+    torch.set_num_threads(1)
+    import logging
+
+    from transformers import Trainer, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from . import toy
+    from .integrations.trainer import SmartCkptCallback, resume_checkpoint
+
+    hf_logging.set_verbosity_error()
+    logging.basicConfig(level=logging.WARNING, format="  [child] %(levelname)s %(name)s: %(message)s")
+    texts = toy.text_corpus(max_chars=300_000)
+    tok = toy.train_tokenizer(texts, vocab_size=1024)
+    ds = toy.lm_dataset(tok, texts, seq_len=64, num_examples=640)
+    from peft import LoraConfig, get_peft_model
+
+    base = toy.tiny_qwen2(seed=demo.seed, vocab_size=len(tok), hidden_size=96, num_layers=2, dropout=0.05)
+    # A random base model learns little through LoRA alone: the output head is trained too
+    # (PEFT `modules_to_save`, part of the adapter), so the loss falls visibly in 90 steps.
+    lora_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM",
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+                             modules_to_save=["lm_head"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(demo.seed)
+        model = get_peft_model(base, lora_config)
+
+    def poison(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        # Runs before the library's loss probe (registered earlier): the spike is what training sees.
+        if module.training and demo.anomaly_at <= trainer.state.global_step + 1 < demo.anomaly_at + demo.anomaly_steps:
+            output.loss = output.loss * demo.anomaly_factor
+        return output
+
+    model.base_model.model.register_forward_hook(poison)
+    # Short windows so a 90-step run warms the statistics up; the rest is SmartCkptConfig's defaults.
+    config = smart.to_config().replace(base_interval=10, stability_window=20, risk_smoothing=4, capture_cooldown=5,
+                                       overhead_budget=0.05, keep_last=4)
+    args = TrainingArguments(
+        output_dir=demo.output_dir, max_steps=demo.max_steps, per_device_train_batch_size=8, learning_rate=1e-2,
+        warmup_steps=5, lr_scheduler_type="cosine", save_strategy="no", report_to=[], use_cpu=True,
+        logging_steps=10, seed=demo.seed, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[SmartCkptCallback(config)])
+    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, smart.resume_from_smart_checkpoint))
+
+
+# ---------------------------------------------------------------------- the orchestrating parent
+def _child_cmd(output_dir: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "hf_dynamic_ckpt.demo", "--child", "--output_dir", str(output_dir), *extra]
+
+
+def _timeline(store: Path) -> list[dict[str, Any]]:
+    path = store / DEFAULT_TASK_ID / TIMELINE_NAME
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # the line the kill cut short
+            rows.append(json.loads(line))
+    return rows
+
+
+def _run(cmd: list[str], env: dict[str, str], *, kill_at: int | None = None, store: Path | None = None) -> tuple[int, int | None]:
+    """Run a child; with `kill_at`, SIGKILL it as soon as its timeline passes that step."""
+    proc = subprocess.Popen(cmd, env=env)
+    killed_after = None
+    if kill_at is not None and store is not None:
+        while proc.poll() is None:
+            steps = [r["step"] for r in _timeline(store) if "step" in r]
+            if steps and steps[-1] >= kill_at:
+                os.kill(proc.pid, signal.SIGKILL)
+                killed_after = steps[-1]
+                break
+            time.sleep(0.02)
+    return proc.wait(), killed_after
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) -> bool:
+    """Print the demo report; returns whether the resumed losses equal the reference's."""
+    from .plot import plot_timeline
+    from .store.store import CheckpointStore
+
+    run_store, ref_store = out / "run" / "smart_ckpt", out / "reference" / "smart_ckpt"
+    rows = _timeline(run_store)
+    ref_loss = {r["step"]: r["loss"] for r in _timeline(ref_store) if "step" in r}
+    store = CheckpointStore(run_store, cleanup=False)
+    committed = {i.step: i for i in store.list(include_unhealthy=True)}
+    print("\nSaves taken by the run (a restart is a new process: its saves follow the resume line)")
+    print(f"  {'step':>5}  {'at':>4}  {'reason':<52} {'bytes':>10} {'blocking':>10}  status")
+    resume_step = None
+    first_segment_saves = []
+    for r in rows:
+        if r.get("event") == "resume":
+            break
+        first_segment_saves += [s["step"] for s in r.get("saves", [])]
+    for r in rows:
+        if r.get("event") == "resume":
+            resume_step = r["step"]
+            print(f"  ---- SIGKILL after step {killed_after}; restart resumed from step {resume_step} ----")
+            continue
+        for s in r.get("saves", []):
+            info = committed.get(s["step"])
+            if info is not None:
+                status = "committed"
+            elif resume_step is None and s["step"] == first_segment_saves[-1]:
+                status = "lost: still writing at the kill"
+            else:
+                status = "committed, later pruned (retention)"
+            if info is not None and info.pinned:
+                status += ", pinned"
+            if info is not None and not info.healthy:
+                status += ", unhealthy"
+            nbytes = info.bytes if info is not None else None
+            print(f"  {s['step']:>5}  {r['step']:>4}  {s['reason'][:52]:<52} {_fmt_bytes(nbytes):>10} "
+                  f"{s.get('blocking_ms', 0.0):>8.1f}ms  {status}")
+    resumed = []
+    after_resume = False
+    for r in rows:
+        if r.get("event") == "resume":
+            after_resume, resumed = True, []
+        elif after_resume and "step" in r:
+            resumed.append(r)
+    same = [r["step"] for r in resumed if r["step"] in ref_loss and r["loss"] == ref_loss[r["step"]]]
+    differ = [r["step"] for r in resumed if r["step"] in ref_loss and r["loss"] != ref_loss[r["step"]]]
+    total_bytes = sum(i.bytes for i in committed.values())
+    print(f"\nStore {run_store}: {len(committed)} checkpoint(s) kept, {_fmt_bytes(total_bytes)} on disk "
+          "(LoRA: adapter + optimizer + RNG; the base model is never written)")
+    if resume_step is not None:
+        info = committed.get(resume_step)
+        why = f" ({info.reason})" if info is not None else ""
+        print(f"Restore point chosen by 'auto': step {resume_step}{why}; "
+              f"{(killed_after or resume_step) - resume_step} step(s) recomputed after the crash")
+    exact = bool(resumed) and not differ and len(same) == len(resumed)
+    verdict = "EXACT (bit-identical)" if exact else f"DIFFERENT at steps {differ[:10]}"
+    print(f"Resumed losses vs the uninterrupted reference: {len(same)}/{len(resumed)} steps equal -> {verdict}")
+    print("Wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in durations.items()))
+    png = plot_timeline(run_store, output=out / "timeline.png", title="demo: tiny Qwen2 + LoRA, anomaly, SIGKILL, resume",
+                        risk_threshold=0.68)
+    print(f"Timeline: {png}   (also: hf-dynamic-ckpt plot {run_store})")
+    store.close()
+    return exact
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: `--child` trains; otherwise run the whole demo and print the report."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--child" in argv:
+        argv.remove("--child")
+        from transformers import HfArgumentParser
+
+        from .config import SmartCkptArguments
+
+        demo, smart = HfArgumentParser((DemoArguments, SmartCkptArguments)).parse_args_into_dataclasses(args=argv)
+        train(demo, smart)
+        return 0
+    p = argparse.ArgumentParser(prog="python -m hf_dynamic_ckpt.demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output_dir", default="demo_out")
+    p.add_argument("--max_steps", type=int, default=90)
+    p.add_argument("--anomaly_at", type=int, default=35)
+    p.add_argument("--kill_at", type=int, default=67)
+    args = p.parse_args(argv)
+    out = Path(args.output_dir).absolute()
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    common = ["--max_steps", str(args.max_steps), "--anomaly_at", str(args.anomaly_at)]
+    print(f"hf_dynamic_ckpt demo -> {out}\n  tiny Qwen2 (from config) + LoRA r=8, real text (stdlib docstrings, BPE), "
+          f"{args.max_steps} steps; loss x30 injected at step {args.anomaly_at}; SIGKILL after step {args.kill_at}")
+    durations: dict[str, float] = {}
+    t0 = time.perf_counter()
+    print("[1/3] reference run, uninterrupted ...", flush=True)
+    rc, _ = _run(_child_cmd(out / "reference", common), env)
+    durations["reference"] = time.perf_counter() - t0
+    if rc != 0:
+        print(f"reference run failed (exit code {rc})", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    print(f"[2/3] training with SmartCkptCallback; will SIGKILL it after step {args.kill_at} ...", flush=True)
+    rc, killed_after = _run(_child_cmd(out / "run", common), env, kill_at=args.kill_at, store=out / "run" / "smart_ckpt")
+    durations["killed run"] = time.perf_counter() - t0
+    if killed_after is None:
+        print(f"the run ended (exit code {rc}) before step {args.kill_at}; nothing to resume", file=sys.stderr)
+        return 1
+    print(f"      killed (SIGKILL) after step {killed_after}")
+    t0 = time.perf_counter()
+    print("[3/3] the same command again with --resume_from_smart_checkpoint auto ...", flush=True)
+    rc, _ = _run(_child_cmd(out / "run", [*common, "--resume_from_smart_checkpoint", "auto"]), env)
+    durations["resumed run"] = time.perf_counter() - t0
+    if rc != 0:
+        print(f"resumed run failed (exit code {rc})", file=sys.stderr)
+        return 1
+    return 0 if report(out, killed_after=killed_after, durations=durations) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
