@@ -28,6 +28,9 @@ def test_file_checksum_matches_reference_implementations(tmp_path: Path) -> None
     assert file_checksum(path) == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest()
     assert file_checksum(path, algo="sha256") == "sha256:" + hashlib.sha256(data).hexdigest()
     assert checksum_algo(file_checksum(path, algo="sha256")) == "sha256"
+    small = tmp_path / "small"  # below the mmap threshold: read() path
+    small.write_bytes(b"abc")
+    assert file_checksum(small) == "xxh3_128:" + xxhash.xxh3_128(b"abc").hexdigest()
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
     assert file_checksum(empty) == "xxh3_128:" + xxhash.xxh3_128(b"").hexdigest()
