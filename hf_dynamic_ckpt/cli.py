@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES
+from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES, MANIFEST_NAME, STEP_DIR_PREFIX
 from .errors import DynamicCkptError
 from .store.types import CheckpointInfo
 
@@ -44,6 +44,11 @@ def _root(args: argparse.Namespace) -> Path:
     root = Path(args.root)
     if not root.is_dir():
         raise SystemExit(_usage_error(f"ROOT {root} is not a directory; pass the store directory holding {CATALOG_NAME}."))
+    if (root / MANIFEST_NAME).exists() or any(p.name.startswith(STEP_DIR_PREFIX) for p in root.iterdir()):
+        store_root = root.parent.parent if (root / MANIFEST_NAME).exists() else root.parent
+        raise SystemExit(_usage_error(
+            f"ROOT {root} is a checkpoint or task directory, not a store root; pass {store_root} "
+            f"(the directory holding {CATALOG_NAME}) and select with REF / --task."))
     return root
 
 

@@ -127,3 +127,10 @@ def test_parser_is_extensible_and_runs_as_a_module(root: Path) -> None:
     assert proc.returncode == 0 and proc.stdout.splitlines()[0] == "OK   run/step-10"
     proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "COMMAND" in proc.stderr
+
+
+def test_task_or_checkpoint_dir_as_root_is_a_usage_error(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for wrong in (root / "run", root / "run" / "step-10"):
+        assert main(["ls", str(wrong)]) == 2
+        err = capsys.readouterr().err
+        assert f"ROOT {wrong} is a checkpoint or task directory, not a store root; pass {root} (the directory" in err
