@@ -42,7 +42,8 @@ def test_ddp_sigkill_resume_bit_exact(tmp_path: Path):
     common = ["--max_steps", "10", "--examples", "16", "--base_interval", "3"]
     ref = torchrun(tmp_path, "--output_dir", "ref", "--losses", "ref.jsonl", "--final", "ref.safetensors", *common)
     assert ref.returncode == 0, tail(ref)
-    crash = torchrun(tmp_path, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "7", *common)
+    crash = torchrun(tmp_path, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "7",
+                     "--save_state_at", "5", *common)
     assert crash.returncode != 0  # every rank SIGKILLed itself after step 7
     assert "Signal 9 (SIGKILL)" in crash.stderr or "exitcode  : -9" in crash.stderr, tail(crash)
     store = tmp_path / "run" / "smart_ckpt" / "default"
@@ -63,3 +64,16 @@ def test_ddp_sigkill_resume_bit_exact(tmp_path: Path):
         assert row["loss"] == expected[step]["loss"] and row["micro"] == expected[step]["micro"], step
     a, b = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "resumed.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # The hook pair under DDP: accelerator.save_state at step 5 (every rank), load_state in a new launch.
+    state_dir = tmp_path / "state-5"
+    assert not (state_dir / "model.safetensors").exists()
+    pointer = json.loads((state_dir / "smart_ckpt.json").read_text())
+    assert pointer["step"] == 5 and Path(pointer["path"]).name == "step-5"
+    assert {p.name for p in Path(pointer["path"]).glob("rng-rank*.json")} == {"rng-rank0.json", "rng-rank1.json"}
+    hooked = torchrun(tmp_path, "--output_dir", "run", "--losses", "hooks.jsonl", "--load_state", "state-5", *common)
+    assert hooked.returncode == 0, tail(hooked)
+    from_state, after_state = read_losses(tmp_path / "hooks.jsonl")
+    assert from_state == 5 and sorted(after_state) == list(range(6, 11))
+    for step, row in after_state.items():
+        assert row["loss"] == expected[step]["loss"] and row["micro"] == expected[step]["micro"], step

@@ -30,6 +30,9 @@ def main() -> None:
     p.add_argument("--grad_accum", type=int, default=1)
     p.add_argument("--base_interval", type=int, default=3)
     p.add_argument("--examples", type=int, default=40)
+    p.add_argument("--save_state_at", type=int, default=None,
+                   help="also call accelerator.save_state('state-<N>') after step N (the hook pair)")
+    p.add_argument("--load_state", default=None, help="resume with accelerator.load_state(DIR) instead")
     p.add_argument("--surge_at_step", type=int, default=None,
                    help="multiply the loss of this optimizer step by 1e4 (a gradient explosion)")
     args = p.parse_args()
@@ -53,7 +56,11 @@ def main() -> None:
     config = SmartCkptConfig(base_interval=args.base_interval, overhead_budget=1.0, keep_last=100)
     ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config,
                              output_dir=args.output_dir)
-    loaded = ckpt.resume(args.resume)
+    if args.load_state:
+        accelerator.load_state(args.load_state)
+        loaded = ckpt.hooks.last_loaded
+    else:
+        loaded = ckpt.resume(args.resume)
     main_rank = accelerator.is_main_process
     out = open(args.losses, "a", encoding="utf-8") if main_rank else None  # noqa: SIM115
     if out is not None:
@@ -85,6 +92,8 @@ def main() -> None:
                                           if e.at_step == ckpt.step and e.step < e.at_step]}) + "\n")
                 out.flush()
             micro = []
+            if ckpt.step == args.save_state_at:
+                accelerator.save_state(f"state-{ckpt.step}")
             if ckpt.step == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if ckpt.step >= args.max_steps or ckpt.should_stop:
