@@ -61,7 +61,8 @@ class SmartStateHooks:
     Registering installs a save pre-hook and a load pre-hook on the accelerator:
 
     - save: commits the current state as store checkpoint `step-<N>` (N = optimizer updates
-      so far) through the commit protocol and the catalog, synchronously, on every rank
+      so far, pinned against retention) through the commit protocol and the catalog,
+      synchronously, on every rank
       (each rank its RNG file); the data position of `loader` goes with it. The hook then
       empties Accelerate's `weights` list, so no model file is written to the directory,
       and rank 0 leaves `smart_ckpt.json` there.
@@ -155,7 +156,8 @@ class SmartStateHooks:
     # -- the hooks -------------------------------------------------------------------------
     def _save_hook(self, models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]], output_dir: str) -> None:
         step = self.state.optimizer_steps
-        event = self.core.save_now(step, self.state.epoch(), reason="save_state", blocking=True)
+        # Pinned: a state the user asked for by name must outlive automatic retention.
+        event = self.core.save_now(step, self.state.epoch(), reason="save_state", pin=True, blocking=True)
         self._raise_if_failed(event)
         # Accelerate writes one model file per entry: the weights are in the store instead.
         weights.clear()

@@ -84,6 +84,9 @@ def test_save_load_state_round_trip_is_bit_exact(tmp_path: Path, save_at: int):
         keys = set(f.keys())
         assert keys and all("lora_" in k for k in keys)
         assert all(torch.equal(f.get_tensor(k), saved_adapter[k.replace(".weight", ".default.weight")]) for k in keys)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["reason"] == "save_state" and manifest["pinned"] is True
+    assert [p.name for p in (tmp_path / "store" / "default").glob("step-*")] == [f"step-{save_at}"]
     sampler = json.loads((step_dir / "sampler.json").read_text())
     assert (sampler["epoch"], sampler["batches_seen"]) == (0, save_at)
 
