@@ -266,7 +266,14 @@ class Checkpointer:
         frame = self._measure(step + 1)
         self._frame = frame
         decision = self.policy.pre_update(frame)
-        if decision.save:
+        saved = next((e for e in reversed(self.events) if e.step == step and e.error is None), None)
+        if decision.save and saved is not None:
+            # The pre-update state is a checkpoint already taken at the end of `step`: pin it, no second copy.
+            logger.info("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
+            saved.pinned = True
+            if saved.handle is None and saved.path is not None and self.rank == 0:
+                self.store.pin(f"step:{step}")
+        elif decision.save:
             if self._boundary_step == step and self._boundary_rng is not None:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
                            rng=self._boundary_rng)
