@@ -156,6 +156,13 @@ class ResumableLoader:
             ) from e
         rank, world = _rank_and_world()
         starts = list(position.get(KEY_EPOCH_START_RNG) or [])
+        if not starts:
+            # Saved before the epoch's iterator existed: the saved RNG is what creating it will draw from.
+            self.epoch, self.batches_seen, self._boundary, self._pending = epoch, 0, None, None
+            self._pending_rng = None
+            if rng is not None:
+                restore_rng_state(rng)
+            return
         if len(starts) != world:
             logger.warning(
                 "data position was saved with %d rank(s), resuming with %d: the data order of the resumed epoch "

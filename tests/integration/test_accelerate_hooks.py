@@ -59,7 +59,7 @@ def _adapter(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 
-@pytest.mark.parametrize("save_at", [3, BATCHES_PER_EPOCH])  # mid-epoch, and exactly at an epoch end
+@pytest.mark.parametrize("save_at", [0, 3, BATCHES_PER_EPOCH])  # before any batch, mid-epoch, at an epoch end
 def test_save_load_state_round_trip_is_bit_exact(tmp_path: Path, save_at: int):
     config = SmartCkptConfig(root=str(tmp_path / "store"))
     acc, model, opt, dl, sched = _setup()
