@@ -280,7 +280,7 @@ def main() -> None:
     p.add_argument("--skip-inflation", action="store_true")
     p.add_argument("--only-inflation", action="store_true", help="skip the blocking-time comparison")
     p.add_argument("--modes", default="thread,process", help="writer modes for the inflation measurement")
-    p.add_argument("--writer-nice", type=int, default=0, help="nice increment of the writer thread/process")
+    p.add_argument("--writer-nice", type=int, default=10, help="nice increment of the writer thread/process")
     p.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     args = p.parse_args()
     if args.quick:

@@ -25,6 +25,7 @@ import enum
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import weakref
@@ -184,8 +185,9 @@ class SaveEngine:
         cgroup_dir (`str` or `Path`, *optional*): cgroup v2 directory to read the memory limit
             from; defaults to `$HF_DYNAMIC_CKPT_CGROUP_DIR`, else the process's own cgroup.
         headroom (`Callable[[], Headroom]`, *optional*): replaces the memory probe entirely.
-        writer_nice (`int`, *optional*, defaults to `0`): nice increment of the writer thread or
-            process, so that under CPU contention the scheduler favours training (Linux).
+        writer_nice (`int`, *optional*, defaults to `10`): nice increment of the writer thread or
+            process, so that under CPU contention the scheduler favours training (Linux; see
+            docs/engine.md for the measured effect). `0` keeps the training's priority.
 
     Example:
         ```python
@@ -208,7 +210,7 @@ class SaveEngine:
         on_busy: OnBusy | str = OnBusy.WAIT,
         cgroup_dir: str | Path | None = None,
         headroom: Callable[[], Any] | None = None,
-        writer_nice: int = 0,
+        writer_nice: int = 10,
     ) -> None:
         try:
             self.mode = EngineMode(mode)
@@ -240,6 +242,7 @@ class SaveEngine:
         self._writer: Any = None
         self._closed = False
         self._lock = threading.Lock()
+        self._shm_dir = "/dev/shm"
         self.last_plan: StagingPlan | None = None
         # Runs close() when the engine is collected or the interpreter exits (flushes).
         self._finalizer = weakref.finalize(self, SaveEngine._shutdown, self.__dict__)
@@ -315,13 +318,16 @@ class SaveEngine:
         live = self._snapshotter.collect(sources, step=step, epoch=epoch, tiers=tiers, rng=rng, sampler=sampler)
         synchronous = blocking or self.mode == EngineMode.SYNC
         if not synchronous:
-            plan = self._plan(self._snapshotter.extra_bytes_needed(live))
+            needed = self._snapshotter.extra_bytes_needed(live)
+            if needed and self.mode == EngineMode.PROCESS:
+                self._check_shared_memory(needed)
+            plan = self._plan(needed)
             if plan.mode == StagingMode.STREAMING:
                 logger.warning("save of step %d streams synchronously: %s", step, plan.reason)
                 synchronous = True
                 handle.staging = StagingMode.STREAMING.value
         else:
-            handle.staging = "sync" if handle.staging != StagingMode.STREAMING.value else handle.staging
+            handle.staging = "sync"
         kwargs = {"reason": reason, "pinned": pinned, "healthy": healthy, "signals": signals,
                   "debug_info": debug_info}
         if synchronous:
@@ -445,6 +451,33 @@ class SaveEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise SaveError("SaveEngine is closed: create a new SaveEngine to save again.")
+
+    def _check_shared_memory(self, needed: int) -> None:
+        """Fall back to the thread writer when `/dev/shm` cannot hold the process mode's buffers.
+
+        Docker gives containers 64 MiB of `/dev/shm` by default; a shared buffer that does not
+        fit there would fail with SIGBUS on first touch instead of a clean error.
+        """
+        free = self._shm_free()
+        if free is None or needed <= free * (1.0 - self.memory_margin):
+            return
+        mib = 1 << 20
+        logger.warning(
+            "the process writer needs %.1f MiB more shared memory but %s has %.1f MiB free: using the thread "
+            "writer instead (enlarge /dev/shm, e.g. `docker run --shm-size`, to use mode='process')",
+            needed / mib, self._shm_dir, free / mib,
+        )
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
+        self.mode = EngineMode.THREAD
+        self._snapshotter = Snapshotter(shared=False, blob_exists=self._blob_exists)
+
+    def _shm_free(self) -> int | None:
+        try:
+            return int(shutil.disk_usage(self._shm_dir).free)
+        except OSError:
+            return None
 
     def _plan(self, needed: int) -> StagingPlan:
         if needed == 0:

@@ -320,3 +320,15 @@ def test_writer_thread_runs_at_lower_priority(store):
         engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="a").wait(60)
     assert seen == [min(19, base + 5)]
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread is untouched
+
+
+def test_process_mode_falls_back_to_thread_when_dev_shm_is_too_small(store, caplog):
+    model, opt, _ = _model()
+    engine = SaveEngine(store, mode="process")
+    engine._shm_free = lambda: 1024  # Docker's default /dev/shm is 64 MiB; here: 1 KiB
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
+    info = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a").wait(60)
+    assert info.step == 1 and engine.mode == "thread"
+    assert "the process writer needs" in caplog.text and "using the thread writer instead" in caplog.text
+    assert type(engine._writer).__name__ == "_ThreadWriter" and not engine._snapshotter.pool.shared
+    engine.close()
