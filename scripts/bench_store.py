@@ -15,10 +15,11 @@ AdamW on random tokens, so the optimizer state is real. Then, in one process:
   disturbed by them.
 - L1: optimizer state (`flatten_state`) written with `write_tensor_file`: byte-grouped zstd
   (ours) vs plain zstd on the raw bytes (same container, `byte_group=False`) vs no
-  compression (raw write); size, write and read speed. Also on a bf16 copy of the state.
+  compression (raw write), and ours at zstd level 1; size, write and read speed (wall and
+  per CPU-second). Also on a bf16 copy of the state.
 
 Run:
-    taskset -c 0,1 .venv/bin/python scripts/bench_store.py [--dir DIR] [--repeats 5]
+    taskset -c 0,1 .venv/bin/python scripts/bench_store.py [--dir DIR] [--repeats 4]
 """
 
 from __future__ import annotations
@@ -74,20 +75,23 @@ def drop_cache(path: Path) -> None:
 
 
 def timed_rounds(cases: dict[str, Callable[[], Any]], repeats: int,
-                 before: dict[str, Callable[[], None]] | None = None) -> dict[str, tuple[float, float]]:
-    """Runs the cases round-robin `repeats` times; returns {name: (best, median)} seconds.
+                 before: dict[str, Callable[[], None]] | None = None) -> dict[str, tuple[float, float, float]]:
+    """Runs the cases round-robin `repeats` times; returns {name: (best, median, best CPU)} seconds.
 
-    Round-robin spreads the noise of other processes evenly over the methods compared.
+    Round-robin spreads the noise of other processes evenly over the methods compared. CPU
+    time (all threads of this process) is what a method costs regardless of contention.
     """
     times: dict[str, list[float]] = {name: [] for name in cases}
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
             if before and name in before:
                 before[name]()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
+            cpu[name].append(time.process_time() - c0)
+    return {name: (min(ts), statistics.median(ts), min(cpu[name])) for name, ts in times.items()}
 
 
 def raw_write(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -112,7 +116,7 @@ def touch(tensors: dict[str, torch.Tensor]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory on the disk to measure")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="zstd threads (0 = all usable CPUs)")
     args = parser.parse_args()
@@ -142,10 +146,10 @@ def main() -> None:
         }, r)
         sizes = {"raw write + fsync (floor)": f_raw, "ours save_weights (+xxh3, fsync)": ours_file,
                  "torch.save + fsync": d_torch}
-        base_best, base_med = save["raw write + fsync (floor)"]
+        base_best, base_med, _ = save["raw write + fsync (floor)"]
         print(f"\nL0 save ({l0_bytes / mb:.0f} MiB fp32 weights), {r} interleaved rounds")
         print(f"{'method':<36}{'best s':>8}{'median s':>10}{'MiB/s':>8}{'vs raw best':>13}{'median':>8}")
-        for name, (best, med) in save.items():
+        for name, (best, med, _) in save.items():
             print(f"{name:<36}{best:>8.3f}{med:>10.3f}{sizes[name].stat().st_size / mb / best:>8.0f}"
                   f"{best / base_best:>12.2f}x{med / base_med:>7.2f}x")
 
@@ -173,7 +177,7 @@ def main() -> None:
         bw = warm["torch.load(weights_only=True)"][0]
         bc = cold["torch.load(weights_only=True)"][0]
         for name in cases:
-            (w, wm), (c, cm) = warm[name], cold[name]
+            (w, wm, _), (c, cm, _) = warm[name], cold[name]
             print(f"{name:<32}{w:>8.3f} ({wm:.3f}){c:>8.3f} ({cm:.3f}){bw / w:>28.2f}x{bc / c:>6.2f}x")
 
         # ---------------- L1
@@ -183,6 +187,7 @@ def main() -> None:
         print(f"\nL1 state: {zeros / elems:.1%} of the optimizer-state elements are exactly 0 "
               "(embedding rows of tokens never sampled in the few training steps)")
         f_none, f_plain, f_ours = scratch / "l1_raw.bin", scratch / "l1_plain.zst", scratch / "l1_ours.zst"
+        f_l1 = scratch / "l1_ours_level1.zst"
         bf16 = {k: (v.to(torch.bfloat16) if v.dim() > 0 else v) for k, v in tensors.items()}
         for label, tens in (("fp32 AdamW state", tensors), ("bf16 copy of the state", bf16)):
             nbytes = sum(t.numel() * t.element_size() for t in tens.values())
@@ -190,21 +195,27 @@ def main() -> None:
                 "none": lambda tens=tens: raw_write(tens, f_none),
                 "plain": lambda tens=tens: write_tensor_file(tens, f_plain, byte_group=False, threads=args.threads),
                 "ours": lambda tens=tens: write_tensor_file(tens, f_ours, byte_group=True, threads=args.threads),
+                "ours1": lambda tens=tens: write_tensor_file(tens, f_l1, level=1, byte_group=True, threads=args.threads),
             }, r)
-            reads = timed_rounds({"plain": lambda: read_tensor_file(f_plain), "ours": lambda: read_tensor_file(f_ours)}, r)
-            reads["none"] = (float("nan"), float("nan"))
+            reads = timed_rounds({"plain": lambda: read_tensor_file(f_plain), "ours": lambda: read_tensor_file(f_ours),
+                                  "ours1": lambda: read_tensor_file(f_l1)}, r)
+            reads["none"] = (float("nan"),) * 3
             back = read_tensor_file(f_ours)
             assert all(torch.equal(back[k].view(torch.uint8) if back[k].dim() else back[k],
                                    tens[k].contiguous().view(torch.uint8) if tens[k].dim() else tens[k]) for k in tens)
-            print(f"\nL1 {label}: {nbytes / mb:.0f} MiB raw, {len(tens)} tensors, {r} interleaved rounds (best)")
-            print(f"{'method':<34}{'MiB':>8}{'ratio':>7}{'write s':>9}{'MiB/s':>8}{'read s':>8}{'MiB/s':>7}{'size vs zstd':>13}")
+            print(f"\nL1 {label}: {nbytes / mb:.0f} MiB raw, {len(tens)} tensors, {r} interleaved rounds, best wall "
+                  "time; MiB/cpu-s = raw MiB per CPU-second of this process (all threads)")
+            print(f"{'method':<34}{'MiB':>7}{'ratio':>7}{'vs zstd':>8}{'write s':>8}{'MiB/s':>7}{'MiB/cpu-s':>10}"
+                  f"{'read s':>8}{'MiB/s':>7}{'MiB/cpu-s':>10}")
             s_plain = f_plain.stat().st_size
             labels = {"none": ("no compression (raw + fsync)", f_none), "plain": ("plain zstd-3 (byte_group=False)", f_plain),
-                      "ours": ("ours byte-grouped zstd-3", f_ours)}
+                      "ours": ("ours byte-grouped zstd-3 (default)", f_ours),
+                      "ours1": ("ours byte-grouped zstd-1", f_l1)}
             for key, (name, path) in labels.items():
-                size, w, rd = path.stat().st_size, writes[key][0], reads[key][0]
-                print(f"{name:<34}{size / mb:>8.1f}{nbytes / size:>7.3f}{w:>9.3f}{nbytes / mb / w:>8.0f}"
-                      f"{rd:>8.3f}{nbytes / mb / rd:>7.0f}{size / s_plain:>12.3f}x")
+                size, (w, _, wc), (rd, _, rc) = path.stat().st_size, writes[key], reads[key]
+                print(f"{name:<34}{size / mb:>7.1f}{nbytes / size:>7.3f}{size / s_plain:>7.3f}x{w:>8.3f}"
+                      f"{nbytes / mb / w:>7.0f}{nbytes / mb / wc:>10.0f}{rd:>8.3f}{nbytes / mb / rd:>7.0f}{nbytes / mb / rc:>10.0f}")
+            f_l1.unlink()
             for p in (f_none, f_plain, f_ours):
                 p.unlink()
         del structure
