@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..constants import (
     ALL_TIERS,
@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(\d+)$")
 _NAMED_SPECS = ("auto", "best", "fastest")
+_WRITER_LOCK = ".writer.lock"
 
 
 def step_dir_name(step: int) -> str:
@@ -155,16 +156,45 @@ class CheckpointStore:
         self.task_dir = self.root / task_id
         self.blobs_dir = self.task_dir / BLOBS_DIR
         self._lock = threading.RLock()
-        self.root.mkdir(parents=True, exist_ok=True)  # the task folder appears with the first save
+        self.root.mkdir(parents=True, exist_ok=True)  # read-only openers never create the task folder
         self.catalog = Catalog(self.root / CATALOG_NAME)
+        self._lock_file: BinaryIO | None = None
         if rank == 0 and cleanup:
-            self._remove_leftovers()
+            if self._acquire_writer_lock():
+                self._remove_leftovers()
+            else:
+                logger.warning(
+                    "task %r under %s is held by another live session (%s); its temporary directories are left "
+                    "alone. Two writers on one task interleave their checkpoints: give each run its own task_id.",
+                    task_id, self.root, self.task_dir / _WRITER_LOCK,
+                )
             self.sync_catalog()
 
     # -- housekeeping ---------------------------------------------------------------------
     def close(self) -> None:
-        """Close the catalog connection (idempotent)."""
+        """Close the catalog connection and release the writer lock (idempotent)."""
         self.catalog.close()
+        if self._lock_file is not None:
+            self._lock_file.close()  # releases the flock
+            self._lock_file = None
+
+    def _acquire_writer_lock(self) -> bool:
+        """Take the task's advisory writer lock (released by `close` or process death).
+
+        Cleanup deletes temporary directories of *other* sessions; the lock makes sure none
+        of them is still alive (e.g. a replacement job started before the old one died).
+        """
+        import fcntl
+
+        self.task_dir.mkdir(parents=True, exist_ok=True)
+        f = open(self.task_dir / _WRITER_LOCK, "ab")  # noqa: SIM115 (held until close())
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return False
+        self._lock_file = f
+        return True
 
     def __enter__(self) -> CheckpointStore:
         return self

@@ -85,6 +85,11 @@ def _tiny_state(step: int, *, rng: bool = True) -> CheckpointState:
                            scheduler={"last_epoch": step}, rng={"seed": step} if rng else None, sampler={"batches": step})
 
 
+def _visible(directory: Path) -> list[str]:
+    """Entries of a task directory other than the hidden writer lock."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> CheckpointStore:
     s = CheckpointStore(tmp_path / "root", task_id="run")
@@ -296,7 +301,7 @@ def test_missing_rank_times_out_and_commits_nothing(tmp_path: Path) -> None:
         store.save(_tiny_state(7), reason="interval")
     assert "rank(s) [1, 2] of 3 did not finish writing within 0.3 s" in str(exc.value)
     assert "nothing was committed" in str(exc.value)
-    assert list(store.task_dir.iterdir()) == []
+    assert _visible(store.task_dir) == []
     assert store.list(include_unhealthy=True) == []
     store.close()
 
@@ -461,7 +466,7 @@ def test_replace_recommits_a_step_and_a_dir_without_manifest_is_overwritten(stor
     info = store.save(new, reason="new timeline", replace=True)
     assert info.reason == "new timeline" and store.resolve("step:1").reason == "new timeline"
     assert_same(store.load("step:1").weights, {"w": torch.ones(3)})
-    assert [p.name for p in store.task_dir.iterdir()] == ["step-1"]
+    assert _visible(store.task_dir) == ["step-1"]
     (store.task_dir / "step-2").mkdir()  # e.g. a manifest deleted by hand
     (store.task_dir / "step-2" / WEIGHTS_NAME).write_bytes(b"junk")
     assert store.save(_tiny_state(2), reason="r").step == 2
@@ -474,4 +479,20 @@ def test_save_failure_leaves_nothing_behind(store: CheckpointStore) -> None:
     bad = CheckpointState(step=3, weights={"w": torch.zeros(2)}, optimizer={"state": {"f": lambda: 0}})
     with pytest.raises(SaveError, match="cannot be stored without pickle"):
         store.save(bad, reason="r")
-    assert list(store.task_dir.iterdir()) == [] and store.list(include_unhealthy=True) == []
+    assert _visible(store.task_dir) == [] and store.list(include_unhealthy=True) == []
+
+
+def test_cleanup_spares_temp_dirs_while_another_session_holds_the_task(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    first = CheckpointStore(tmp_path, task_id="run", session_id="live")
+    live_tmp = tmp_path / "run" / "step-5.tmp-live"
+    live_tmp.mkdir()  # a save of the live session in progress
+    with caplog.at_level("WARNING", logger="hf_dynamic_ckpt.store.store"):
+        second = CheckpointStore(tmp_path, task_id="run", session_id="newcomer")
+    assert live_tmp.exists()
+    assert "is held by another live session" in caplog.text and "give each run its own task_id" in caplog.text
+    second.close()
+    first.close()  # the live session ends (or dies: the lock goes with the process)
+    third = CheckpointStore(tmp_path, task_id="run", session_id="after")
+    assert not live_tmp.exists()
+    third.close()
