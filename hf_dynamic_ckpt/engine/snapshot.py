@@ -255,6 +255,12 @@ class Snapshot:
         self.events = []
 
 
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -313,8 +319,15 @@ class LiveState:
         if items is None:
             items = []
             if self.weights is not None:
-                items += [(_WEIGHTS_PREFIX + k, v) for k, v in self.weights.items()
-                          if isinstance(v, torch.Tensor) and k not in self.frozen]
+                seen: set[tuple[Any, ...]] = set()
+                for k, v in self.weights.items():
+                    if isinstance(v, torch.Tensor) and k not in self.frozen:
+                        key = _storage_key(v)
+                        if key is not None and key in seen:
+                            continue  # tied to a tensor already listed
+                        if key is not None:
+                            seen.add(key)
+                        items.append((_WEIGHTS_PREFIX + k, v))
             if self.optimizer is not None:
                 items += _walk_tensors(self.optimizer, _OPTIMIZER_PREFIX.rstrip("/"))
             self.__dict__["_copy_items"] = items
@@ -479,11 +492,20 @@ class Snapshotter:
 
         if live.weights is not None:
             weights = {}
+            # Tied weights (embeddings / lm_head) share storage: copy once and keep them tied,
+            # so the store still sees one tensor under two names.
+            tied: dict[tuple[Any, ...], torch.Tensor] = {}
             for name, value in live.weights.items():
                 if isinstance(value, BlobRef):
                     weights[name] = value
                 elif copy and (name not in live.frozen or self.pool.shared):
+                    key = _storage_key(value)
+                    if key is not None and key in tied:
+                        weights[name] = tied[key]
+                        continue
                     weights[name] = copy_one(_WEIGHTS_PREFIX + name, value)
+                    if key is not None:
+                        tied[key] = weights[name]
                 elif value.is_cuda:
                     # The store writes CPU tensors: a frozen or direct CUDA tensor moves once.
                     weights[name] = value.to("cpu")

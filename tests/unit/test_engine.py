@@ -332,3 +332,14 @@ def test_process_mode_falls_back_to_thread_when_dev_shm_is_too_small(store, capl
     assert "the process writer needs" in caplog.text and "using the thread writer instead" in caplog.text
     assert type(engine._writer).__name__ == "_ThreadWriter" and not engine._snapshotter.pool.shared
     engine.close()
+
+
+def test_tied_embeddings_are_stored_once_through_the_engine(store):
+    from hf_dynamic_ckpt.toy import tiny_qwen2
+
+    model = tiny_qwen2(seed=0, hidden_size=16, num_layers=1, vocab_size=64, tie_word_embeddings=True)
+    with SaveEngine(store) as engine:
+        info = engine.save(StateSources(weights=model.state_dict), step=1, tiers={Tier.WEIGHTS}, reason="a").wait(60)
+    loaded = store.load(info).weights
+    assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()
+    _assert_state_equal(loaded, _clone(model.state_dict()))

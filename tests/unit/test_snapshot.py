@@ -239,3 +239,15 @@ def test_cached_weights_reuses_the_mapping_until_a_parameter_is_replaced():
     fresh = weights()
     assert len(calls) == 2 and fresh is not first
     assert torch.equal(fresh["0.weight"], torch.zeros(5, 6))
+
+
+def test_tied_weights_stay_tied_and_are_copied_once():
+    emb = torch.randn(10, 4)
+    tensors = {"embed.weight": emb, "lm_head.weight": emb, "other": torch.randn(3)}
+    snap = Snapshotter()
+    live = snap.collect(StateSources(weights=lambda: tensors), step=1, epoch=0.0, tiers={Tier.WEIGHTS})
+    assert live.copy_bytes == (40 + 3) * 4
+    s = snap.take(live)
+    assert s.state.weights["lm_head.weight"] is s.state.weights["embed.weight"]
+    assert s.state.weights["embed.weight"].data_ptr() != emb.data_ptr()
+    assert s.copied_bytes == (40 + 3) * 4 and len(snap.pool) == 2
