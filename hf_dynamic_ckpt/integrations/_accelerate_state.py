@@ -27,6 +27,13 @@ KEY_ACCELERATE = "accelerate"
 _MODEL_PREFIX = "model_{}."
 
 
+def _steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Updates already applied, from the per-parameter `step` that Adam-family optimizers keep
+    (0 when the optimizer keeps none): hooks created mid-run still file checkpoints correctly."""
+    steps = [int(st["step"]) for st in optimizer.state.values() if isinstance(st, dict) and "step" in st]
+    return max(steps, default=0)
+
+
 class AccelerateState:
     """What a checkpoint of an `Accelerator` run reads from, and writes back into.
 
@@ -55,6 +62,7 @@ class AccelerateState:
                 )
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         if isinstance(inner, torch.optim.Optimizer):
+            self.optimizer_steps = _steps_taken(inner)
             # The inner optimizer steps only on real updates (not on accumulation micro-steps):
             # counting them gives the optimizer-step number a checkpoint is filed under.
             self._step_hook = inner.register_step_post_hook(self._count)
