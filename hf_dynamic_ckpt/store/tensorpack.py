@@ -35,7 +35,7 @@ import struct
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -310,7 +310,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
     import zstandard
 
     checked = {name: _check(name, t) for name, t in tensors.items()}
-    entries, offset = [], 0
+    entries: list[dict[str, Any]] = []
+    offset = 0
     for name, t in checked.items():
         nbytes = t.numel() * t.element_size()
         grouped = byte_group and t.dtype in _GROUPABLE and t.numel() > 1
@@ -328,13 +329,14 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         f.write(header)
         f.write(_CRC.pack(zlib.crc32(header)))
         frame_start = f.size
-        with cctx.stream_writer(f, size=offset, closefd=False, write_size=1 << 20) as z:
+        with cctx.stream_writer(cast(Any, f), size=offset, closefd=False, write_size=1 << 20) as z:
             for entry in entries:
-                data = _bytes_of(checked[entry["name"]])
+                t = checked[str(entry["name"])]
+                data = _bytes_of(t)
                 if entry["byte_grouped"]:
-                    data = _group(data, checked[entry["name"]].element_size())
+                    data = _group(data, t.element_size())
                 if data.nbytes:
-                    z.write(data)
+                    z.write(data.data)
         f.write(_FOOTER.pack(f.size - frame_start, FOOTER_MAGIC))
         fsync_file(f)
         checksum = f.checksum()
@@ -423,8 +425,15 @@ def read_tensor_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         with open(path, "rb") as f:
             f.seek(start)
+            params = zstandard.get_frame_parameters(f.read(min(frame_len, 18)))
+            if params.content_size != header["total_bytes"]:
+                raise CorruptCheckpointError(
+                    f"Tensor file {path}: the compressed frame declares {params.content_size} bytes, "
+                    f"the header {header['total_bytes']}; the file is corrupt."
+                )
+            f.seek(start)
             dctx = zstandard.ZstdDecompressor()
-            with dctx.stream_reader(_Bounded(f, frame_len), read_across_frames=False, closefd=False) as z:
+            with dctx.stream_reader(cast(Any, _Bounded(f, frame_len)), read_across_frames=False, closefd=False) as z:
                 for e in header["tensors"]:
                     dtype = _DTYPES[e["dtype"]]
                     t = torch.empty(e["shape"], dtype=dtype)
@@ -457,7 +466,7 @@ class _Bounded:
 
 
 def _read_exact(z: Any, buf: np.ndarray, path: Path, name: str) -> None:
-    view = memoryview(buf).cast("B")
+    view = buf.data.cast("B")
     got = 0
     while got < view.nbytes:
         n = z.readinto(view[got:])

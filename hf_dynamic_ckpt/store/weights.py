@@ -122,7 +122,7 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -277,7 +277,7 @@ def save_weights(tensors: Mapping[str, torch.Tensor | BlobRef], directory: Path,
             record.digests[key] = value
             continue
         t = _check_tensor(key, value)
-        ident = _alias_key(t)
+        ident = _alias_key(value)  # before any move to CPU, which would break the sharing
         if ident is not None and ident in seen:
             aliases[key] = seen[ident]
             continue
@@ -370,7 +370,7 @@ def _open_tensors(path: Path, *, mmap: bool, what: str) -> tuple[dict[str, torch
             else:
                 t = torch.empty(shape, dtype=dtype)
                 f.seek(base + begin)
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                view = t.reshape(-1).view(torch.uint8).numpy().data
                 got = 0
                 while got < view.nbytes:
                     n = f.readinto(view[got:])

@@ -286,3 +286,40 @@ def test_specific_corruptions_give_specific_messages(tmp_path: Path) -> None:
     path.write_bytes(bad)
     with pytest.raises(CorruptCheckpointError, match="failed decompression or its checksum"):
         read_tensor_file(path)
+
+
+def _splice(header: dict[str, Any], frame: bytes) -> bytes:
+    """A container with a valid header CRC and footer around any header and frame."""
+    import struct
+    import zlib
+
+    h = json.dumps(header).encode()
+    return (b"HFDCTP01" + struct.pack("<Q", len(h)) + h + struct.pack("<I", zlib.crc32(h)) + frame
+            + struct.pack("<Q", len(frame)) + b"HFDCTEND")
+
+
+def _parts(path: Path) -> tuple[dict[str, Any], bytes]:
+    header, start, frame_len = read_header(path)
+    return header, path.read_bytes()[start : start + frame_len]
+
+
+def test_consistent_looking_but_wrong_containers_are_refused(tmp_path: Path) -> None:
+    small, big = tmp_path / "small", tmp_path / "big"
+    write_tensor_file({"a": torch.ones(10)}, small)
+    write_tensor_file({"a": torch.ones(20)}, big)
+    h_small, f_small = _parts(small)
+    h_big, _ = _parts(big)
+    assert read_tensor_file(tmp_path / "small")["a"].tolist() == [1.0] * 10
+    bad = tmp_path / "bad"
+    bad.write_bytes(_splice(h_small, f_small))
+    assert torch.equal(read_tensor_file(bad)["a"], torch.ones(10))  # the splice itself is faithful
+    bad.write_bytes(_splice(h_big, f_small))
+    with pytest.raises(CorruptCheckpointError, match="the compressed frame declares 40 bytes, the header 80"):
+        read_tensor_file(bad)
+    bad.write_bytes(_splice({**h_small, "version": 99}, f_small))
+    with pytest.raises(CorruptCheckpointError, match="container version 99 is newer than this library"):
+        read_tensor_file(bad)
+    wrong_dtype = {**h_small, "tensors": [{**h_small["tensors"][0], "dtype": "float64"}]}
+    bad.write_bytes(_splice(wrong_dtype, f_small))
+    with pytest.raises(CorruptCheckpointError, match="inconsistent offset/size for 'a'"):
+        read_tensor_file(bad)
