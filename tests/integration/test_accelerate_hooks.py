@@ -156,3 +156,13 @@ def test_corrupt_pointer_is_reported(tmp_path: Path):
     with pytest.raises(CorruptCheckpointError, match=r"smart_ckpt\.json is not a valid pointer \(KeyError: 'root, task_id, path'\)"):
         acc.load_state(str(tmp_path / "state"))
     hooks.close()
+
+
+def test_hooks_created_mid_run_file_the_right_step(tmp_path: Path):
+    acc, model, opt, dl, sched = _setup()
+    _train(acc, model, opt, sched, _stream(dl), 2)  # AdamW keeps its own step count
+    hooks = SmartStateHooks(acc, config=SmartCkptConfig(root=str(tmp_path / "store")))
+    hooks.register()
+    acc.save_state(str(tmp_path / "state"))
+    assert json.loads((tmp_path / "state" / POINTER_NAME).read_text())["step"] == 2
+    hooks.close()
