@@ -12,6 +12,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,9 @@ from ..constants import Tier
 from .types import CheckpointInfo
 
 logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+"""`PRAGMA user_version` of the catalog; a database of another version is rebuilt from the manifests."""
 
 STATUS_OK = "ok"
 STATUS_MISSING = "missing"
@@ -95,16 +99,46 @@ class Catalog:
 
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 30_000) -> None:
         self.path = Path(path)
+        self.busy_timeout_ms = int(busy_timeout_ms)
+        self.rebuilt = False
+        """`True` when the database was unusable or of another schema and was started afresh:
+        its rows must be rebuilt from the manifests (`CheckpointStore` then reindexes)."""
         self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = sqlite3.connect(
-            self.path, timeout=busy_timeout_ms / 1000.0, check_same_thread=False, isolation_level=None
-        )
-        self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
-        mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if str(mode).lower() != "wal":  # e.g. a file system without shared memory
-            logger.warning("catalog %s: journal_mode is %s, not WAL; readers may wait for writers", self.path, mode)
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(_SCHEMA)
+        try:
+            self._conn: sqlite3.Connection | None = self._connect()
+        except sqlite3.OperationalError:  # locked, unreachable: a real error, never a reason to rebuild
+            raise
+        except sqlite3.DatabaseError as e:  # "file is not a database", torn header, ...
+            aside = self.path.with_name(f"{self.path.name}.unusable-{int(time.time())}")
+            logger.warning("catalog %s is unusable (%s); moved to %s and rebuilt from the manifests", self.path, e, aside)
+            os.replace(self.path, aside)
+            for suffix in ("-wal", "-shm"):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+            self._conn = self._connect()
+            self.rebuilt = True
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000.0, check_same_thread=False,
+                               isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA busy_timeout={self.busy_timeout_ms}")
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":  # e.g. a file system without shared memory
+                logger.warning("catalog %s: journal_mode is %s, not WAL; readers may wait for writers", self.path, mode)
+            conn.execute("PRAGMA synchronous=NORMAL")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA_VERSION:  # new database (0), or another layout: rebuilt, not migrated
+                if version != 0:
+                    logger.warning("catalog %s has schema version %s (this library: %s); rebuilding it from the "
+                                   "manifests", self.path, version, SCHEMA_VERSION)
+                    conn.execute("DROP TABLE IF EXISTS checkpoints")
+                    self.rebuilt = True
+                conn.executescript(_SCHEMA)
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     # -- plumbing -------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:

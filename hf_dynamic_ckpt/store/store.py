@@ -168,7 +168,10 @@ class CheckpointStore:
                     "alone. Two writers on one task interleave their checkpoints: give each run its own task_id.",
                     task_id, self.root, self.task_dir / _WRITER_LOCK,
                 )
-            self.sync_catalog()
+            if self.catalog.rebuilt:
+                self.reindex()
+            else:
+                self.sync_catalog()
 
     # -- housekeeping ---------------------------------------------------------------------
     def close(self) -> None:

@@ -124,6 +124,7 @@ def test_reader_is_not_blocked_by_an_open_write_transaction(tmp_path: Path) -> N
     writer.execute("UPDATE checkpoints SET reason='changed' WHERE step=1")
     reader = Catalog(tmp_path / CATALOG_NAME, busy_timeout_ms=100)
     assert [r["reason"] for r in reader.rows("run")] == ["interval"]  # the committed snapshot, at once
+    assert not reader.rebuilt and not list(tmp_path.glob("*.unusable-*"))  # a lock is no reason to rebuild
     writer.execute("COMMIT")
     assert [r["reason"] for r in reader.rows("run")] == ["changed"]
     writer.close()
@@ -161,4 +162,29 @@ def test_concurrent_writer_and_readers(tmp_path: Path) -> None:
         t.join()
     assert errors == []
     assert len(store.list()) == 20 and all(n <= 20 for n in seen)
+    store.close()
+
+
+def test_unusable_or_foreign_catalog_is_rebuilt_from_manifests(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, task_id="run")
+    for step in (1, 2):
+        _save(store, step)
+    store.close()
+    before = _rows(tmp_path)
+    for suffix in ("-wal", "-shm"):
+        Path(f"{tmp_path / CATALOG_NAME}{suffix}").unlink(missing_ok=True)
+    (tmp_path / CATALOG_NAME).write_bytes(b"this is not a database" * 100)
+    store = CheckpointStore(tmp_path, task_id="run")
+    assert store.catalog.rebuilt and _rows(tmp_path) == before
+    assert len(list(tmp_path.glob(f"{CATALOG_NAME}.unusable-*"))) == 1
+    store.close()
+
+    conn = sqlite3.connect(tmp_path / CATALOG_NAME)
+    conn.execute("PRAGMA user_version=99")
+    conn.close()
+    store = CheckpointStore(tmp_path, task_id="run")
+    assert store.catalog.rebuilt and _rows(tmp_path) == before
+    conn = sqlite3.connect(tmp_path / CATALOG_NAME)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    conn.close()
     store.close()
