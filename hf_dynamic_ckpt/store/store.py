@@ -336,7 +336,10 @@ class CheckpointStore:
             tmp = self.task_dir / f"{step_dir_name(step)}{TMP_MARKER}{self.session_id}"
             t0 = time.perf_counter()
             try:
-                tmp.mkdir(parents=True, exist_ok=True)
+                if not self.task_dir.is_dir():
+                    self.task_dir.mkdir(parents=True, exist_ok=True)
+                    fsync_dir(self.root)  # the task folder's own entry must survive a power loss too
+                tmp.mkdir(exist_ok=True)
                 files, blobs = write_rank_files(state, tmp, rank=self.rank, blobs_dir=self.blobs_dir,
                                                 level=self.compression_level, threads=self.compression_threads)
                 write_done(tmp, rank=self.rank, session_id=self.session_id, files=files, blobs=blobs, tiers=state.tiers)
