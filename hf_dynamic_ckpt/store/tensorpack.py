@@ -20,7 +20,8 @@ Two halves:
   Float tensors can be byte-grouped before compression: the top byte of every element
   (sign + exponent), then the second byte (exponent/high mantissa), then the remaining
   low mantissa bytes, which gives zstd long runs of similar exponent bytes (see `_group`).
-  The file is written and read tensor by tensor (one extra tensor-sized buffer at most).
+  The file is written and read tensor by tensor, and grouped in runs of
+  `GROUP_CHUNK_ELEMS` elements, so the extra memory is one 16-64 MiB buffer.
   Any truncation or flipped byte raises `CorruptCheckpointError`.
 """
 
@@ -63,6 +64,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+GROUP_CHUNK_ELEMS = 1 << 22
+"""Byte-grouping works on runs of this many elements (16 MiB of fp32): bounded extra memory."""
 _GROUPABLE = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 
 # ---------------------------------------------------------------------------------------
@@ -319,7 +322,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
                         "offset": offset, "nbytes": nbytes, "byte_grouped": grouped})
         offset += nbytes
     header = json.dumps({"format": "hf_dynamic_ckpt.tensorpack", "version": CONTAINER_VERSION,
-                         "codec": "zstd", "level": level, "total_bytes": offset, "tensors": entries},
+                         "codec": "zstd", "level": level, "total_bytes": offset,
+                         "group_chunk_elems": GROUP_CHUNK_ELEMS, "tensors": entries},
                         separators=(",", ":")).encode("utf-8")
     cctx = zstandard.ZstdCompressor(level=level, threads=resolve_threads(threads),
                                     write_checksum=True, write_content_size=True)
@@ -333,10 +337,13 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
             for entry in entries:
                 t = checked[str(entry["name"])]
                 data = _bytes_of(t)
-                if entry["byte_grouped"]:
-                    data = _group(data, t.element_size())
-                if data.nbytes:
-                    z.write(data.data)
+                if not entry["byte_grouped"]:
+                    if data.nbytes:
+                        z.write(data.data)
+                    continue
+                step = GROUP_CHUNK_ELEMS * t.element_size()  # bounded extra memory per tensor
+                for lo in range(0, data.nbytes, step):
+                    z.write(_group(data[lo : lo + step], t.element_size()).data)
         f.write(_FOOTER.pack(f.size - frame_start, FOOTER_MAGIC))
         fsync_file(f)
         checksum = f.checksum()
@@ -391,6 +398,8 @@ def _validate_header(h: dict[str, Any]) -> None:
         raise ValueError(f"unknown format/codec {h['format']!r}/{h['codec']!r}")
     if h["version"] > CONTAINER_VERSION:
         raise ValueError(f"container version {h['version']} is newer than this library ({CONTAINER_VERSION}); upgrade hf_dynamic_ckpt")
+    if not (isinstance(h["group_chunk_elems"], int) and h["group_chunk_elems"] > 0):
+        raise ValueError(f"bad group_chunk_elems {h['group_chunk_elems']!r}")
     offset = 0
     for e in h["tensors"]:
         dtype = _DTYPES[e["dtype"]]
@@ -438,10 +447,15 @@ def read_tensor_file(path: Path) -> dict[str, torch.Tensor]:
                     dtype = _DTYPES[e["dtype"]]
                     t = torch.empty(e["shape"], dtype=dtype)
                     dest = _bytes_of(t)
-                    target = np.empty_like(dest) if e["byte_grouped"] else dest
-                    _read_exact(z, target, path, e["name"])
-                    if e["byte_grouped"]:
-                        _ungroup_into(target, dest, dtype.itemsize)
+                    if not e["byte_grouped"]:
+                        _read_exact(z, dest, path, e["name"])
+                    else:
+                        step = header["group_chunk_elems"] * dtype.itemsize
+                        chunk = np.empty(min(step, dest.size), dtype=np.uint8)
+                        for lo in range(0, dest.size, step):
+                            part = chunk[: min(step, dest.size - lo)]
+                            _read_exact(z, part, path, e["name"])
+                            _ungroup_into(part, dest[lo : lo + part.size], dtype.itemsize)
                     out[e["name"]] = t
                 if z.read(1):  # also completes the frame, which verifies its checksum
                     raise CorruptCheckpointError(f"Tensor file {path} holds more data than its header declares.")

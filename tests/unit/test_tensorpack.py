@@ -323,3 +323,28 @@ def test_consistent_looking_but_wrong_containers_are_refused(tmp_path: Path) -> 
     bad.write_bytes(_splice(wrong_dtype, f_small))
     with pytest.raises(CorruptCheckpointError, match="inconsistent offset/size for 'a'"):
         read_tensor_file(bad)
+
+
+def test_grouping_runs_in_chunks_read_back_by_the_header_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_dynamic_ckpt.store.tensorpack as tp
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {"f32": torch.randn(101, generator=g), "bf16": torch.randn(3, 33, generator=g).bfloat16(),
+               "f64": torch.randn(15, generator=g).double(), "exact": torch.randn(14, generator=g)}
+    monkeypatch.setattr(tp, "GROUP_CHUNK_ELEMS", 7)
+    write_tensor_file(tensors, tmp_path / "c.zst")
+    monkeypatch.undo()  # the reader must follow the file's own chunk size
+    assert read_header(tmp_path / "c.zst")[0]["group_chunk_elems"] == 7
+    back = read_tensor_file(tmp_path / "c.zst")
+    for k, t in tensors.items():
+        assert _same(back[k], t), k
+    # Chunked layout: each run of 7 elements is grouped on its own.
+    raw = torch.arange(9 * 4, dtype=torch.uint8).view(torch.float32)
+    monkeypatch.setattr(tp, "GROUP_CHUNK_ELEMS", 7)
+    write_tensor_file({"r": raw}, tmp_path / "r.zst", level=1)
+    _, start, frame_len = read_header(tmp_path / "r.zst")
+    import zstandard
+
+    payload = zstandard.ZstdDecompressor().decompress((tmp_path / "r.zst").read_bytes()[start : start + frame_len])
+    raw_bytes = np.arange(36, dtype=np.uint8)
+    assert payload == _group(raw_bytes[:28], 4).tobytes() + _group(raw_bytes[28:], 4).tobytes()
