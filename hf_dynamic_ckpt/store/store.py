@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
 import re
@@ -29,7 +30,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -78,6 +79,7 @@ logger = logging.getLogger(__name__)
 _STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(\d+)$")
 _NAMED_SPECS = ("auto", "best", "fastest")
 _WRITER_LOCK = ".writer.lock"
+_BLOBS_LOCK = ".blobs.lock"
 
 
 def step_dir_name(step: int) -> str:
@@ -159,6 +161,7 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)  # read-only openers never create the task folder
         self.catalog = Catalog(self.root / CATALOG_NAME)
         self._lock_file: BinaryIO | None = None
+        self._gc_pending = False
         if rank == 0 and cleanup:
             if self._acquire_writer_lock():
                 self._remove_leftovers()
@@ -333,41 +336,52 @@ class CheckpointStore:
                     return None
                 logger.info("step %d is already committed at %s; not rewritten", step, final)
                 return self._existing_info(step, final)
-            tmp = self.task_dir / f"{step_dir_name(step)}{TMP_MARKER}{self.session_id}"
-            t0 = time.perf_counter()
-            try:
-                if not self.task_dir.is_dir():
-                    self.task_dir.mkdir(parents=True, exist_ok=True)
-                    fsync_dir(self.root)  # the task folder's own entry must survive a power loss too
-                tmp.mkdir(exist_ok=True)
-                files, blobs = write_rank_files(state, tmp, rank=self.rank, blobs_dir=self.blobs_dir,
-                                                level=self.compression_level, threads=self.compression_threads)
-                write_done(tmp, rank=self.rank, session_id=self.session_id, files=files, blobs=blobs, tiers=state.tiers)
-            except Exception as e:
-                if self.rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                if isinstance(e, SaveError):
-                    raise
-                raise SaveError(
-                    f"saving step {step} of task {self.task_id!r} to {tmp} failed on rank {self.rank}: {e}; "
-                    "the previous checkpoints are untouched."
-                ) from e
-            if self.rank != 0:
-                return None
-            t_written = time.perf_counter()
-            parts = wait_for_ranks(tmp, step=step, world_size=self.world_size, session_id=self.session_id,
-                                   timeout_s=self.rank_timeout_s)
-            t_ranks = time.perf_counter()
-            try:
-                info = self._commit(tmp, final, step, state, parts, reason=reason, pinned=pinned, healthy=healthy,
-                                    signals=signals, debug_info=debug_info,
-                                    timings={**dict(timings or {}),
-                                             "write_ms": round(1000 * (t_written - t0), 2),
-                                             "wait_ranks_ms": round(1000 * (t_ranks - t_written), 2)})
-            except OSError as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise SaveError(f"committing step {step} to {final} failed: {e}; the previous checkpoints are untouched.") from e
+            if not self.task_dir.is_dir():
+                self.task_dir.mkdir(parents=True, exist_ok=True)
+                fsync_dir(self.root)  # the task folder's own entry must survive a power loss too
+            # Shared blob lock: blob collection (e.g. a delete in another process) is skipped meanwhile.
+            with self._blob_lock(shared=True) if self.rank == 0 else contextlib.nullcontext(True):
+                info = self._save_locked(state, step, final, reason=reason, pinned=pinned, healthy=healthy,
+                                         signals=signals, debug_info=debug_info, timings=timings)
+            if self._gc_pending:
+                self._gc_pending = False
+                self._gc_blobs()
             return info
+
+    def _save_locked(self, state: CheckpointState, step: int, final: Path, *, reason: str, pinned: bool,
+                     healthy: bool, signals: Mapping[str, Any] | None, debug_info: list[Mapping[str, Any]] | None,
+                     timings: Mapping[str, Any] | None) -> CheckpointInfo | None:
+        tmp = self.task_dir / f"{step_dir_name(step)}{TMP_MARKER}{self.session_id}"
+        t0 = time.perf_counter()
+        try:
+            tmp.mkdir(exist_ok=True)
+            files, blobs = write_rank_files(state, tmp, rank=self.rank, blobs_dir=self.blobs_dir,
+                                            level=self.compression_level, threads=self.compression_threads)
+            write_done(tmp, rank=self.rank, session_id=self.session_id, files=files, blobs=blobs, tiers=state.tiers)
+        except Exception as e:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, SaveError):
+                raise
+            raise SaveError(
+                f"saving step {step} of task {self.task_id!r} to {tmp} failed on rank {self.rank}: {e}; "
+                "the previous checkpoints are untouched."
+            ) from e
+        if self.rank != 0:
+            return None
+        t_written = time.perf_counter()
+        parts = wait_for_ranks(tmp, step=step, world_size=self.world_size, session_id=self.session_id,
+                               timeout_s=self.rank_timeout_s)
+        t_ranks = time.perf_counter()
+        try:
+            return self._commit(tmp, final, step, state, parts, reason=reason, pinned=pinned, healthy=healthy,
+                                signals=signals, debug_info=debug_info,
+                                timings={**dict(timings or {}),
+                                         "write_ms": round(1000 * (t_written - t0), 2),
+                                         "wait_ranks_ms": round(1000 * (t_ranks - t_written), 2)})
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SaveError(f"committing step {step} to {final} failed: {e}; the previous checkpoints are untouched.") from e
 
     def _existing_info(self, step: int, final: Path) -> CheckpointInfo:
         row = self.catalog.get(self.task_id, step)
@@ -397,7 +411,7 @@ class CheckpointStore:
         fsync_dir(self.task_dir)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
-            self._gc_blobs()
+            self._gc_pending = True  # its blobs are collected once this save released the blob lock
         info = info_from_manifest(manifest, final)
         self.catalog.upsert(info, root=self.root)
         logger.info("committed %s step %d (%s; tiers %s; %d bytes; commit %.1f ms)", self.task_id, step, reason,
@@ -686,10 +700,36 @@ class CheckpointStore:
         logger.info("deleted tiers %s of %s step %d", sorted(t.value for t in tiers), info.task_id, info.step)
         self._gc_blobs()
 
+    @contextlib.contextmanager
+    def _blob_lock(self, *, shared: bool) -> Iterator[bool]:
+        """Cross-process lock between saves (shared, waits) and blob collection (exclusive, never waits).
+
+        A save writes or references blobs before its manifest exists; without the lock a
+        `delete` in another process (e.g. the process-mode writer) could collect them in
+        between. Yields whether the lock was obtained (always `True` when shared).
+        """
+        import fcntl
+
+        self.task_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.task_dir / _BLOBS_LOCK, "ab") as f:  # closing the file releases the lock
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                yield False
+                return
+            yield True
+
     def _gc_blobs(self) -> None:
-        """Remove blobs no committed checkpoint of this task references."""
+        """Remove blobs no committed checkpoint of this task references (skipped while a save runs)."""
         if not self.blobs_dir.is_dir():
             return
+        with self._blob_lock(shared=False) as locked:
+            if not locked:
+                logger.debug("blob collection of %s skipped: a save is in progress", self.task_dir)
+                return
+            self._gc_blobs_locked()
+
+    def _gc_blobs_locked(self) -> None:
         used: set[str] = set()
         for path in self._committed_dirs().values():
             try:

@@ -496,3 +496,24 @@ def test_cleanup_spares_temp_dirs_while_another_session_holds_the_task(tmp_path:
     third = CheckpointStore(tmp_path, task_id="run", session_id="after")
     assert not live_tmp.exists()
     third.close()
+
+
+def test_blob_collection_is_skipped_while_a_save_is_in_flight(tmp_path: Path) -> None:
+    # Two stores on one task, as the training process and a process-mode writer have.
+    writer = CheckpointStore(tmp_path, task_id="run", session_id="s", cleanup=False)
+    trainer = CheckpointStore(tmp_path, task_id="run", session_id="s", cleanup=False)
+    for step, value in ((1, 1.0), (2, 2.0)):
+        writer.save(CheckpointState(step=step, weights={"frozen": torch.full((64,), value)},
+                                    dedup_keys=frozenset({"frozen"})), reason="r")
+    blobs = trainer.blobs_dir
+    assert len(list(blobs.iterdir())) == 2
+    with writer._blob_lock(shared=True):  # a save is in flight in the writer
+        trainer.delete("step:1")
+        assert len(list(blobs.iterdir())) == 2  # collection skipped, nothing pulled from under the save
+    trainer.save(CheckpointState(step=3, weights={"frozen": torch.full((64,), 2.0)}, dedup_keys=frozenset({"frozen"})),
+                 reason="r")
+    trainer.delete("step:3")  # no save in flight: the orphan of step 1 goes now
+    assert len(list(blobs.iterdir())) == 1
+    assert blobs.joinpath(f"{tensor_digest(torch.full((64,), 2.0))}.safetensors").exists()
+    writer.close()
+    trainer.close()
