@@ -12,8 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.distributed
-
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 MAX_STEPS, CRASH_AT = 9, 7
@@ -44,6 +42,7 @@ def losses(path: Path) -> dict[int, str]:
     return {d["step"]: d["loss"] for d in map(json.loads, path.read_text().splitlines())}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_tiny_recipe_crash_resume_exact(tmp_path: Path, recipe: str):
     ref = launch(tmp_path, recipe, "ref", "--loss_log", "ref.jsonl")
@@ -70,3 +69,42 @@ def test_tiny_recipe_crash_resume_exact(tmp_path: Path, recipe: str):
     a = load_file(tmp_path / "ref" / "final" / "adapter_model.safetensors")
     b = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def local_model_and_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Stand-ins for a Hub checkpoint and a JSONL dataset: saved with save_pretrained / as JSONL."""
+    from hf_dynamic_ckpt import toy
+
+    root = tmp_path_factory.mktemp("real")
+    texts = toy.text_corpus(max_chars=30_000)
+    tokenizer = toy.train_tokenizer(texts, vocab_size=320)
+    paths = {"data": root / "train.jsonl"}
+    paths["data"].write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for name, build in (("qwen2_7b_lora", toy.tiny_qwen2), ("llama3_8b_lora", toy.tiny_llama)):
+        model = build(seed=0, vocab_size=len(tokenizer))
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths[name] = root / name
+    return paths
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_real_mode_path_with_local_model_and_jsonl(tmp_path: Path, recipe: str, local_model_and_data):
+    """The non-tiny code path: AutoModel/AutoTokenizer from a path, JSONL through `datasets`, LoRA config."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    args = ["--model_name_or_path", str(local_model_and_data[recipe]), "--dataset", str(local_model_and_data["data"]),
+            "--max_seq_length", "32", "--lora_r", "2", "--max_steps", "4", "--per_device_train_batch_size", "2",
+            "--output_dir", "out", "--loss_log", "losses.jsonl", "--resume_from_smart_checkpoint", "auto"]
+    if recipe == "qwen2_7b_lora":
+        args += ["--use_cpu", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
+                 "--disable_tqdm", "true"]
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / recipe / "train.py"), *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, tail(proc)
+    assert sorted(losses(tmp_path / "losses.jsonl")) == [1, 2, 3, 4]
+    adapter = load_file(tmp_path / "out" / "final" / "adapter_model.safetensors")
+    # r=2 on all seven projections of both layers: an A and a B matrix each.
+    assert len(adapter) == 2 * 7 * 2 and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    assert (tmp_path / "out" / "smart_ckpt" / "catalog.db").is_file()
