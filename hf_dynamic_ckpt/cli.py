@@ -58,10 +58,11 @@ def _usage_error(message: str) -> int:
 
 
 def _tasks(root: Path, task: str | None) -> list[str]:
-    """Tasks to look at: the one asked for, else every task folder under ROOT."""
+    """Tasks to look at: the one asked for, else every folder under ROOT that holds checkpoints."""
     if task is not None:
         return [task]
-    found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != BLOBS_DIR)
+    found = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != BLOBS_DIR
+                   and any(c.name.startswith(STEP_DIR_PREFIX) for c in p.iterdir()))
     return found or [DEFAULT_TASK_ID]
 
 
