@@ -1,0 +1,160 @@
+"""`Checkpointer` in a plain PyTorch loop (no Trainer): captures, skips, preemption, resume."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hf_dynamic_ckpt import CheckpointNotFoundError, SmartCkptConfig
+from hf_dynamic_ckpt.checkpointer import Checkpointer, apply_optimizer_state, fast_forward_scheduler
+from hf_dynamic_ckpt.store.rng import capture_rng_state
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.drop(self.lin(x)).pow(2).mean()}
+
+
+def make(tmp_path: Path, **cfg: object) -> tuple[Checkpointer, Net, torch.optim.Optimizer, object]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, stability_window=8, **cfg)
+    ck = Checkpointer(config)
+    ck.attach(model, optimizer=opt, scheduler=sched)
+    return ck, model, opt, sched
+
+
+def train_step(ck: Checkpointer, model: Net, opt: torch.optim.Optimizer, sched: object, step: int,
+               scale: float = 1.0) -> None:
+    """One optimizer step; `step` is the number of steps completed before it."""
+    ck.step_begin()
+    x = torch.randn(4, 8)
+    (model(x)["loss"] * scale).backward()
+    ck.pre_update(step, epoch=0.0)
+    opt.step()
+    sched.step()  # type: ignore[attr-defined]
+    opt.zero_grad()
+    ck.step_end(step + 1, 0.0, lr=opt.param_groups[0]["lr"])
+
+
+def test_pre_update_capture_saves_the_previous_steps_exact_state(tmp_path: Path) -> None:
+    ck, model, opt, sched = make(tmp_path)
+    boundary = {}
+    for step in range(10):
+        scale = 1000.0 if step == 9 else 1.0  # step 10's gradients surge
+        if step == 9:
+            boundary = {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "rng": capture_rng_state()}
+        train_step(ck, model, opt, sched, step, scale)
+    ck.finish()
+    captures = [e for e in ck.events if e.reason.startswith("pre_update")]
+    assert [(e.step, e.at_step, e.pinned) for e in captures] == [(9, 10, True)]
+    loaded = ck.store.load("step:9")
+    assert loaded.info.pinned
+    for key, value in boundary["weights"].items():
+        assert torch.equal(loaded.weights[key], value)
+    assert loaded.rng == boundary["rng"]  # the RNG of the end of step 9, not after step 10's dropout
+    assert loaded.optimizer["state"][0]["step"].item() == 9.0
+    ck.close()
+
+
+def test_skip_bad_update_drops_the_gradients(tmp_path: Path) -> None:
+    ck, model, opt, sched = make(tmp_path, skip_bad_update=True)
+    for step in range(9):
+        train_step(ck, model, opt, sched, step)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    train_step(ck, model, opt, sched, 9, scale=1000.0)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the surging update was not applied
+    ck.close()
+
+
+def test_preemption_flag_commits_synchronously_and_stops(tmp_path: Path) -> None:
+    ck, model, opt, sched = make(tmp_path)
+    for step in range(3):
+        train_step(ck, model, opt, sched, step)
+    assert not ck.preempted
+    assert ck.preemption_flag is not None
+    ck.preemption_flag.set()
+    train_step(ck, model, opt, sched, 3)
+    assert ck.preempted and ck.last_decision is not None and ck.last_decision.reason == "preemption"
+    info = ck.store.resolve("step:4")  # committed before step_end returned
+    assert info.reason.startswith("emergency: preemption")
+    metrics = ck.metrics()
+    assert metrics["smart_ckpt/last_save_step"] == 4.0 and metrics["smart_ckpt/saves"] == 1.0
+    assert metrics["smart_ckpt/stall_ms"] > 0
+    assert ck.metrics()["smart_ckpt/stall_ms"] == 0.0  # stall is reported since the previous call
+    ck.close()
+
+
+def test_resume_loads_back_into_live_objects(tmp_path: Path) -> None:
+    ck, model, opt, sched = make(tmp_path)
+    for step in range(4):
+        train_step(ck, model, opt, sched, step)
+    ck.save_now(4, 0.0, reason="manual")
+    saved_opt = opt.state_dict()
+    saved_lr = opt.param_groups[0]["lr"]
+    ck.close()
+    ck2, _, opt2, sched2 = make(tmp_path)
+    loaded = ck2.resume("auto")
+    assert loaded is not None and loaded.info.step == 4
+    apply_optimizer_state(loaded, optimizer=opt2, scheduler=sched2)
+    assert opt2.param_groups[0]["lr"] == saved_lr
+    for k, s in saved_opt["state"].items():
+        for name, t in s.items():
+            assert torch.equal(opt2.state_dict()["state"][k][name], t)
+    ck2.close()
+
+
+def test_resume_auto_on_empty_store_is_a_fresh_start_and_step_n_must_exist(tmp_path: Path) -> None:
+    ck, *_ = make(tmp_path)
+    assert ck.resume("auto") is None
+    assert ck.resume(None) is None
+    with pytest.raises(CheckpointNotFoundError, match="step 7"):
+        ck.resume("step:7")
+    ck.close()
+
+
+def test_lost_optimizer_fast_forwards_the_schedule_and_warns(tmp_path: Path) -> None:
+    ck, model, opt, sched = make(tmp_path)
+    for step in range(5):
+        train_step(ck, model, opt, sched, step)
+    ck.save_now(5, 0.0, reason="weights only", tiers=["weights", "state"])
+    expected_lr = opt.param_groups[0]["lr"]
+    ck.close()
+    ck2, _, opt2, sched2 = make(tmp_path)
+    loaded = ck2.resume("step:5")
+    assert loaded is not None and loaded.optimizer is None
+    with pytest.warns(UserWarning, match="optimizer state \\(L1\\) not restored"):
+        apply_optimizer_state(loaded, optimizer=opt2, scheduler=sched2)
+    assert math.isclose(opt2.param_groups[0]["lr"], expected_lr, rel_tol=0, abs_tol=0)
+    assert opt2.state_dict()["state"] == {}
+    ck2.close()
+
+
+@pytest.mark.parametrize("kind", ["lambda", "step"])
+def test_fast_forward_scheduler_equals_stepping(kind: str) -> None:
+    def build() -> tuple[torch.optim.Optimizer, object]:
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        if kind == "lambda":
+            return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5) * 0.9**s)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    opt_a, a = build()
+    for _ in range(11):
+        opt_a.step()
+        a.step()  # type: ignore[attr-defined]
+    opt_b, b = build()
+    fast_forward_scheduler(b, 11)
+    assert b.state_dict() == a.state_dict()  # type: ignore[attr-defined]
+    assert opt_b.param_groups[0]["lr"] == opt_a.param_groups[0]["lr"]
