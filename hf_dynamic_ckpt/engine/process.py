@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import sys
@@ -87,7 +88,7 @@ def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any, nice: int = 0
             if kind == "buffers":
                 buffers = msg[1]
                 continue
-            state = _map_state(msg[1], lambda v, b=buffers: _internalize(v, b))
+            state = _map_state(msg[1], functools.partial(_internalize, buffers=buffers))
             try:
                 info = store.save(state, **msg[2])
             except BaseException as e:

@@ -503,9 +503,9 @@ class Snapshotter:
                     if key is not None and key in tied:
                         weights[name] = tied[key]
                         continue
-                    weights[name] = copy_one(_WEIGHTS_PREFIX + name, value)
+                    dst = weights[name] = copy_one(_WEIGHTS_PREFIX + name, value)
                     if key is not None:
-                        tied[key] = weights[name]
+                        tied[key] = dst
                 elif value.is_cuda:
                     # The store writes CPU tensors: a frozen or direct CUDA tensor moves once.
                     weights[name] = value.to("cpu")
