@@ -171,9 +171,12 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path,
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for key in order:
-            data = _raw_bytes(tensors[key])
+            t = tensors[key]
+            data = _raw_bytes(t)
             if data.nbytes:
                 f.write(data)
+                if not t.is_contiguous():
+                    f.checksum()  # hash now, so the contiguous temporary is freed at once
         return f.fsync_and_checksum()
 
 
