@@ -12,7 +12,8 @@ Then two fresh processes resume it, one each way, and report:
 - `resume`: from the `trainer.train(...)` call (ours: from `resume_checkpoint`) to the first
   resumed step, i.e. the part that depends on how the state is loaded.
 
-The table prints ratios ours / native (lower is better). One run each; page cache warm for both.
+The table prints ratios ours / native (lower is better): medians over `--repeats` runs,
+native and ours alternating; page cache warm for both.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -107,6 +109,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kinds", default="lora,full")
     p.add_argument("--out", default="bench_out/resume")
+    p.add_argument("--repeats", type=int, default=1, help="resume runs per mode (medians are reported)")
     p.add_argument("--child", nargs=4, metavar=("KIND", "MODE", "OUT", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -119,8 +122,12 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         prep = run_child(kind, "prepare", out)
-        native = run_child(kind, "native", out)
-        ours = run_child(kind, "ours", out)
+        runs: dict[str, list[dict[str, float]]] = {"native": [], "ours": []}
+        for _ in range(args.repeats):
+            for mode in ("native", "ours"):
+                runs[mode].append(run_child(kind, mode, out))
+        native, ours = ({k: statistics.median(r[k] for r in runs[m]) for k in ("total", "resume")}
+                        for m in ("native", "ours"))
         native_bytes = dir_bytes(out / "trainer" / f"checkpoint-{PREP_STEPS}")
         ours_bytes = dir_bytes(out / "smart_ckpt" / "default" / f"step-{PREP_STEPS}")
         rows.append((kind, native, ours, native_bytes, ours_bytes, prep["seconds"]))
