@@ -33,13 +33,24 @@ def run_worker(tmp: Path, *args: str, expect_kill: bool = False) -> None:
 
 def read_losses(path: Path) -> tuple[int | None, dict[int, dict]]:
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    header, steps = lines[0], lines[1:]
+    header, steps = lines[0], [d for d in lines[1:] if "loss" in d]
     return header["resumed_from"], {d["step"]: d for d in steps}
 
 
-def test_sigkill_then_resume_continues_bit_exactly(tmp_path: Path):
-    common = ["--max_steps", "10", "--grad_accum", "2", "--examples", "16", "--base_interval", "3"]
-    run_worker(tmp_path, "--output_dir", "ref", "--losses", "ref.jsonl", "--final", "ref.safetensors", *common)
+# GA = 2, 16 examples of batch 2: 4 optimizer steps per epoch; 10 steps cross two epoch ends.
+COMMON = ["--max_steps", "10", "--grad_accum", "2", "--examples", "16", "--base_interval", "3"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run: per-step losses and the final adapter."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run_worker(tmp, "--output_dir", "ref", "--losses", "ref.jsonl", "--final", "ref.safetensors", *COMMON)
+    return tmp
+
+
+def test_sigkill_then_resume_continues_bit_exactly(tmp_path: Path, reference: Path):
+    common = COMMON
     run_worker(tmp_path, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "7", *common,
                expect_kill=True)
     crashed_from, crashed = read_losses(tmp_path / "crash.jsonl")
@@ -50,7 +61,7 @@ def test_sigkill_then_resume_continues_bit_exactly(tmp_path: Path):
     run_worker(tmp_path, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",
                "--final", "resumed.safetensors", *common)
     resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
-    _, ref = read_losses(tmp_path / "ref.jsonl")
+    _, ref = read_losses(reference / "ref.jsonl")
     assert resumed_from == max(committed)
     assert sorted(resumed) == list(range(resumed_from + 1, 11))
     # Every step after the restore point: identical step loss and micro-batch losses, to the bit.
@@ -59,8 +70,26 @@ def test_sigkill_then_resume_continues_bit_exactly(tmp_path: Path):
     # The crashed run agrees too on the steps it ran past the restore point.
     for step in range(resumed_from + 1, 8):
         assert crashed[step]["loss"] == ref[step]["loss"]
-    final_ref, final = load_file(tmp_path / "ref.safetensors"), load_file(tmp_path / "resumed.safetensors")
+    final_ref, final = load_file(reference / "ref.safetensors"), load_file(tmp_path / "resumed.safetensors")
     assert final_ref.keys() == final.keys() and all(torch.equal(final_ref[k], final[k]) for k in final)
+
+
+def test_sigterm_saves_at_the_next_boundary_and_resumes_exactly(tmp_path: Path, reference: Path):
+    run_worker(tmp_path, "--output_dir", "run", "--losses", "term.jsonl", "--sigterm_at_step", "5", *COMMON)
+    lines = [json.loads(line) for line in (tmp_path / "term.jsonl").read_text().splitlines()]
+    assert lines[-1] == {"stopped": "preemption", "step": 6, "reason": "emergency: preemption: SIGTERM"}
+    manifest = json.loads((tmp_path / "run/smart_ckpt/default/step-6/manifest.json").read_text())
+    assert manifest["reason"] == "emergency: preemption: SIGTERM"
+
+    run_worker(tmp_path, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",
+               "--final", "resumed.safetensors", *COMMON)
+    resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
+    _, ref = read_losses(reference / "ref.jsonl")
+    assert resumed_from == 6 and sorted(resumed) == [7, 8, 9, 10]
+    for step, row in resumed.items():
+        assert row["loss"] == ref[step]["loss"] and row["micro"] == ref[step]["micro"], step
+    final_ref, final = load_file(reference / "ref.safetensors"), load_file(tmp_path / "resumed.safetensors")
+    assert all(torch.equal(final_ref[k], final[k]) for k in final)
 
 
 def _loop(tmp_path: Path, *, steps: int, resume: str | None = None, lora_seed: int = 0):

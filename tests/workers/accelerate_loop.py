@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--grad_accum", type=int, default=1)
     p.add_argument("--base_interval", type=int, default=3)
     p.add_argument("--examples", type=int, default=40)
+    p.add_argument("--sigterm_at_step", type=int, default=None,
+                   help="send SIGTERM to this process after step N (preemption: saved at the next boundary)")
     p.add_argument("--save_state_at", type=int, default=None,
                    help="also call accelerator.save_state('state-<N>') after step N (the hook pair)")
     p.add_argument("--load_state", default=None, help="resume with accelerator.load_state(DIR) instead")
@@ -94,10 +96,15 @@ def main() -> None:
             micro = []
             if ckpt.step == args.save_state_at:
                 accelerator.save_state(f"state-{ckpt.step}")
+            if ckpt.step == args.sigterm_at_step:
+                os.kill(os.getpid(), signal.SIGTERM)
             if ckpt.step == args.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if ckpt.step >= args.max_steps or ckpt.should_stop:
                 break
+    if out is not None and ckpt.should_stop:
+        out.write(json.dumps({"stopped": "preemption", "step": ckpt.step,
+                              "reason": ckpt.core.events[-1].reason}) + "\n")
     ckpt.close()
     if main_rank and args.final:
         unwrapped = accelerator.unwrap_model(model)
