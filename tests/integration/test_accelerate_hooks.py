@@ -166,3 +166,16 @@ def test_hooks_created_mid_run_file_the_right_step(tmp_path: Path):
     acc.save_state(str(tmp_path / "state"))
     assert json.loads((tmp_path / "state" / POINTER_NAME).read_text())["step"] == 2
     hooks.close()
+
+
+def test_two_optimizers_are_refused(tmp_path: Path):
+    from accelerate import Accelerator
+
+    from hf_dynamic_ckpt.errors import ConfigError
+
+    acc = Accelerator(cpu=True)
+    model = toy.tiny_qwen2(seed=0, vocab_size=64, hidden_size=32)
+    params = list(model.parameters())
+    model, *_ = acc.prepare(model, torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1))
+    with pytest.raises(ConfigError, match=r"accelerator prepared 2 optimizers: .* prepare a single one"):
+        SmartStateHooks(acc, config=SmartCkptConfig(root=str(tmp_path)))
