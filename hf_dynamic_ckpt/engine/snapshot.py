@@ -212,7 +212,10 @@ class _CudaCopier:
             # The side stream must see every kernel already queued that writes the sources.
             stream.wait_stream(torch.cuda.current_stream(index))
             with torch.cuda.stream(stream):
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                # A plain loop: device-to-host `copy_(non_blocking=True)` into pinned memory is the
+                # documented asynchronous path (the CPU-side batching below is for host copies).
+                for dst, src in zip(dsts, srcs):
+                    dst.copy_(src, non_blocking=True)
             for src in srcs:
                 # The allocator must not hand a source's memory to another tensor before the copy ran.
                 src.record_stream(stream)
@@ -368,6 +371,7 @@ class Snapshotter:
         self.pool = BufferPool(shared=shared)
         self._blob_exists = blob_exists
         self._last_used: set[str] = set()
+        self._cuda: _CudaCopier | None = None
         # Frozen tensors already committed to the store: name -> (identity, BlobRef).
         self._stored_blobs: dict[str, tuple[tuple[Any, ...], BlobRef]] = {}
 
@@ -471,7 +475,9 @@ class Snapshotter:
         start = time.perf_counter()
         weights: dict[str, torch.Tensor | BlobRef] | None = None
         copied = live_bytes = 0
-        cuda = _CudaCopier() if live.has_cuda else None
+        if live.has_cuda and self._cuda is None:
+            self._cuda = _CudaCopier()  # keeps its side streams across saves
+        cuda = self._cuda if live.has_cuda else None
         used: set[str] = set()
         cpu_dsts: list[torch.Tensor] = []
         cpu_srcs: list[torch.Tensor] = []

@@ -14,9 +14,10 @@ Invariants:
   the `SaveHandle` (`wait()` re-raises them as `SaveError`), and the previous committed
   checkpoint stays the restore point (the store commits atomically).
 - The writer never runs collectives (`CheckpointStore.save` runs none).
-- `close()` flushes and is idempotent; it also runs when the engine is garbage-collected
-  and at interpreter exit (`weakref.finalize`), so an exception that ends the run still
-  lets the last save finish.
+- `close()` flushes and is idempotent; it also runs at interpreter exit (a
+  `weakref.finalize` callback; the running writer keeps the engine alive until then), so
+  an exception that ends the run still lets the last save finish. Call `close()` (or use
+  `with SaveEngine(...)`) to release the writer and the buffers earlier.
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ class SaveEngine:
         self._lock = threading.Lock()
         self._shm_dir = "/dev/shm"
         self.last_plan: StagingPlan | None = None
-        # Runs close() when the engine is collected or the interpreter exits (flushes).
+        # Runs close() at interpreter exit (flushes) unless close() ran before.
         self._finalizer = weakref.finalize(self, SaveEngine._shutdown, self.__dict__)
 
     # -- public API ------------------------------------------------------------------------
