@@ -26,6 +26,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,10 @@ import torch
 from torch import nn
 
 from . import distributed as dist
-from .config import EngineMode, SmartCkptConfig
+from .config import EngineMode, FallbackStrategy, SmartCkptConfig
 from .constants import ALL_TIERS, TIMELINE_NAME, Tier
 from .engine import SaveEngine, SaveHandle, StateSources
-from .errors import CheckpointNotFoundError, DistributedError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, DistributedError
 from .policy.decision import Decision
 from .policy.retention import level_retention_from_config, plan_retention
 from .policy.rules import RulePolicy
@@ -147,6 +148,7 @@ class Checkpointer:
         self._last_pre_t: float | None = None
         self._stall_ms_since_log = 0.0
         self._timeline: Any = None
+        self._l1: Future[Any] | None = None  # background optimizer-tier read of a resume
         self._closed = False
 
     # ------------------------------------------------------------------ wiring
@@ -466,7 +468,7 @@ class Checkpointer:
             self.store.close()
 
     # ------------------------------------------------------------------ resume
-    def resume(self, spec: str | None) -> LoadedCheckpoint | None:
+    def resume(self, spec: str | None, *, background_optimizer: bool = False) -> LoadedCheckpoint | None:
         """Choose, verify and load a restore point on every rank (rank 0 decides).
 
         Rank 0 resolves `spec` with `restore.load_for_resume` (a broken L0 falls back to the
@@ -477,6 +479,9 @@ class Checkpointer:
         Args:
             spec (`str`, *optional*): `auto`, `best`, `fastest`, `step:N` or a path; `None`
                 means a fresh start.
+            background_optimizer (`bool`, *optional*, defaults to `False`): with the `full`
+                fallback strategy, read the optimizer tier (L1) in a background thread so it
+                overlaps the caller's start-up; `complete_resume(loaded)` waits for it.
 
         Returns:
             `LoadedCheckpoint | None`: this rank's view (its own RNG), or `None` for a fresh
@@ -490,11 +495,13 @@ class Checkpointer:
 
         if spec is None:
             return None
+        deferred = background_optimizer and self.config.fallback_strategy == FallbackStrategy.FULL
+        fallback = FallbackStrategy.LEVEL_0_ONLY if deferred else self.config.fallback_strategy
         chosen: dict[str, Any] | None = None
         loaded: LoadedCheckpoint | None = None
         if self.rank == 0:
             try:
-                loaded = load_for_resume(self.store, spec, rank=0, fallback=self.config.fallback_strategy)
+                loaded = load_for_resume(self.store, spec, rank=0, fallback=fallback)
                 older = [i.step for i in self.store.list() if i.step < loaded.info.step and Tier.WEIGHTS in i.tiers]
                 chosen = {"candidates": [loaded.info.step, *older], "error": None}
             except CheckpointNotFoundError as e:
@@ -517,19 +524,51 @@ class Checkpointer:
                        f"missing or corrupt); falling back to step {step}, the newest checkpoint complete on all ranks")
                 logger.warning(msg)
                 warnings.warn(msg, stacklevel=2)
-                loaded = load_for_resume(self.store, f"step:{step}", rank=0, fallback=self.config.fallback_strategy)
+                loaded = load_for_resume(self.store, f"step:{step}", rank=0, fallback=fallback)
             # Rank 0's tier outcome (e.g. a broken L1) is what every rank applies.
             tiers = dist.broadcast_object(sorted(t.value for t in loaded.tiers) if loaded is not None else None)
             if self.rank != 0:
                 loaded = self.store.load(f"step:{step}", tiers=[Tier(t) for t in tiers], rank=self.rank)
-                if Tier.OPTIMIZER not in {Tier(t) for t in tiers}:
+                if not deferred and Tier.OPTIMIZER not in {Tier(t) for t in tiers}:
                     loaded.scheduler = self.store.load_scheduler_only(f"step:{step}")
             dist.barrier()
         assert loaded is not None
         for w in loaded.warnings:
             logger.warning("resume: %s", w)
         self.log_event("resume", step=loaded.info.step, spec=str(spec), warnings=list(loaded.warnings))
+        if deferred:
+            info = loaded.info
+            self._l1 = ThreadPoolExecutor(1, thread_name_prefix="smart-ckpt-l1").submit(self._load_optimizer_tier, info)
         return loaded
+
+    def _load_optimizer_tier(self, info: CheckpointInfo) -> tuple[dict[str, Any] | None, dict[str, Any] | None,
+                                                                     dict[str, Any] | None, str | None]:
+        """(optimizer, scheduler, scaler, why-lost) of one checkpoint; runs in a background thread."""
+        if Tier.OPTIMIZER not in info.tiers:
+            return None, None, None, "the checkpoint was saved without it"
+        try:
+            opt = self.store.load(info, tiers={Tier.OPTIMIZER}, rank=self.rank)
+        except CorruptCheckpointError as e:
+            return None, self.store.load_scheduler_only(info), None, str(e)
+        return opt.optimizer, opt.scheduler, opt.scaler, None
+
+    def complete_resume(self, loaded: LoadedCheckpoint) -> None:
+        """Wait for a background optimizer-tier read (`resume(background_optimizer=True)`) and fill it in.
+
+        A broken optimizer tier leaves `loaded.optimizer` `None` (fresh optimizer) and adds the warning.
+        """
+        future, self._l1 = self._l1, None
+        if future is None:
+            return
+        optimizer, scheduler, scaler, lost = future.result()
+        loaded.optimizer, loaded.scheduler, loaded.scaler = optimizer, scheduler, scaler
+        if lost is not None:
+            step = loaded.info.step
+            msg = (f"resuming from weights only: optimizer state of step {step} is lost ({lost}); "
+                   f"the learning-rate schedule continues at step {step}")
+            loaded.warnings.append(msg)
+            logger.warning(msg)
+            warnings.warn(msg, stacklevel=2)
 
     def _agree_on_step(self, candidates: list[int]) -> int:
         """The newest candidate whose files of every rank verify (one all-reduce)."""

@@ -23,6 +23,7 @@ bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -122,6 +123,7 @@ class SmartCkptCallback(TrainerCallback):
                     f"resume_checkpoint prepared step {loaded.info.step} but Trainer resumed at global_step "
                     f"{state.global_step}: pass the path resume_checkpoint returned to trainer.train(resume_from_checkpoint=...)."
                 )
+            ck.complete_resume(loaded)
             apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
             ck.load_policy_state(loaded)
             logger.info("resumed from %s (step %d)", loaded.info.path, loaded.info.step)
@@ -148,6 +150,8 @@ class SmartCkptCallback(TrainerCallback):
             # Every rank has read its rng_state file by now (the first step's all-reduce ordered it).
             if dist.is_main():
                 shutil.rmtree(self._resume_dir, ignore_errors=True)
+                with contextlib.suppress(OSError):  # not empty: another task's resume folder
+                    self._resume_dir.parent.rmdir()
             self._resume_dir = None
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -254,7 +258,9 @@ def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto"
     if spec is None:
         return None
     ck = cb.get_checkpointer(trainer.args)
-    loaded = ck.resume(os.fspath(spec))
+    # The optimizer tier is read in the background while Trainer builds and prepares the
+    # optimizer; the callback waits for it in on_train_begin.
+    loaded = ck.resume(os.fspath(spec), background_optimizer=True)
     if loaded is None:
         logger.info("resume_checkpoint(%r): the store at %s is empty; starting fresh", spec, ck.root)
         return None

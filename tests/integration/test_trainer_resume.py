@@ -73,7 +73,16 @@ def test_lora_across_epoch_boundary_ga2(tmp_path: Path) -> None:
     assert keys and all("lora_" in k for k in keys), "LoRA checkpoints hold the adapter only"
 
 
-def test_plain_module(tmp_path: Path) -> None:
-    ref, crash, resumed = crash_and_resume(tmp_path, "--model", "plain", "--max_steps", "6", "--ga", "1",
-                                           "--examples", "24", kill_at=4)
+def test_plain_module_next_to_trainers_own_saves(tmp_path: Path) -> None:
+    # Trainer keeps saving checkpoint-2, -4, -6 itself; the two kinds of checkpoint do not interfere.
+    args = ("--model", "plain", "--max_steps", "6", "--ga", "1", "--examples", "24", "--native_save_steps", "2")
+    ref, crash, resumed = crash_and_resume(tmp_path, *args, kill_at=4)
     assert_exact(ref, crash, resumed, expect_step=3, ga=1)
+    run = tmp_path / "crash" / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert not (run / "smart_ckpt" / ".resume").exists()  # the resume folder is gone after the first step
+    # Probes and handlers are removed at train end; metrics reached the Trainer's logs.
+    assert resumed["forward_hooks"] == 1
+    assert resumed["sigterm_handler_restored"] is True
+    assert {"smart_ckpt/saves", "smart_ckpt/last_save_step", "smart_ckpt/stall_ms", "smart_ckpt/risk"} <= set(
+        resumed["log_keys"])

@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--kill_at", type=int, default=None)
     p.add_argument("--sigterm_at", type=int, default=None)
-    p.add_argument("--use_cpu_ddp", action="store_true")
+    p.add_argument("--native_save_steps", type=int, default=None, help="keep Trainer's own saves on too")
     args = p.parse_args()
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -99,21 +99,26 @@ def main() -> None:
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
-        save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True,
-        dataloader_num_workers=0,
+        save_strategy="steps" if args.native_save_steps else "no", save_steps=args.native_save_steps or 500,
+        report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault()])
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, args.resume))
-    _dump(args, rank, losses, cb, killed=False)
+    _dump(args, rank, losses, cb, killed=False, after={
+        "forward_hooks": len(inner._forward_hooks),  # the worker's own loss recorder only
+        "sigterm_handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "log_keys": sorted({k for entry in trainer.state.log_history for k in entry}),
+    })
 
 
-def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed: bool) -> None:  # type: ignore[no-untyped-def]
+def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed: bool,  # type: ignore[no-untyped-def]
+          after: dict | None = None) -> None:
     ck = cb.checkpointer
     events = [e.to_dict() for e in ck.events] if ck is not None else []
     resumed = cb.resumed_from.info.step if cb.resumed_from is not None else None
     path = os.path.join(args.out, f"{args.tag}-rank{rank}.json")
     with open(path, "w") as f:
-        json.dump({"losses": losses, "resumed_from": resumed, "events": events, "killed": killed,
+        json.dump({"losses": losses, "resumed_from": resumed, "events": events, "killed": killed, **(after or {}),
                    "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else []}, f)
 
 
