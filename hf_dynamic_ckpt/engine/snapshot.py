@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy as _copy
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,21 @@ def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device.type, t.device.index, t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.stride())
 
 
+def _pin_shared(buf: torch.Tensor) -> None:
+    """Page-lock a shared-memory buffer in place (as DCP's async staging does) so that
+    device-to-host copies into it can be asynchronous; unpinned when the buffer dies."""
+    nbytes = buf.numel() * buf.element_size()
+    if nbytes == 0:
+        return
+    try:
+        import torch.cuda._pin_memory_utils as pin_utils
+
+        pin_utils.pin_memory(buf.data_ptr(), nbytes)
+        weakref.finalize(buf, pin_utils.unpin_memory, buf.data_ptr())
+    except Exception as e:  # copies still work, only synchronously
+        logger.warning("could not pin a %d-byte shared snapshot buffer (%s): device-to-host copies will block", nbytes, e)
+
+
 class BufferPool:
     """CPU buffers allocated once and reused across snapshots.
 
@@ -166,10 +182,12 @@ class BufferPool:
         buf = self._buffers.get(name)
         if buf is not None and buf.shape == like.shape and buf.dtype == like.dtype:
             return buf
-        pin = like.is_cuda and torch.cuda.is_available() and not self.shared
-        buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+        cuda = like.is_cuda and torch.cuda.is_available()
+        buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=cuda and not self.shared)
         if self.shared:
             buf.share_memory_()
+            if cuda:
+                _pin_shared(buf)
         self._buffers[name] = buf
         self.generation += 1
         return buf

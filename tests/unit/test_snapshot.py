@@ -203,14 +203,15 @@ def test_buffer_pool_clear_and_generation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_snapshot_pinned_and_ordered_before_next_step():
+@pytest.mark.parametrize("shared", [False, True])
+def test_cuda_snapshot_pinned_and_ordered_before_next_step(shared):
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.randn(8, 256, device="cuda")).sum().backward()
     opt.step()
     expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    snap = Snapshotter()
+    snap = Snapshotter(shared=shared)
     s = snap.take(snap.collect(StateSources(weights=model.state_dict, optimizer=opt), step=1, epoch=0.0,
                                tiers={Tier.WEIGHTS, Tier.OPTIMIZER}))
     opt.zero_grad()
@@ -218,7 +219,7 @@ def test_cuda_snapshot_pinned_and_ordered_before_next_step():
     opt.step()  # queued on the current stream, which waits on the snapshot's event
     s.wait_copies()
     for k, v in expected.items():
-        assert s.state.weights[k].is_pinned()
+        assert s.state.weights[k].is_pinned() and s.state.weights[k].is_shared() == shared
         assert torch.equal(s.state.weights[k], v)
 
 
