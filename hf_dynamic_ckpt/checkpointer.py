@@ -411,7 +411,7 @@ class Checkpointer:
     def _write_timeline(self, frame: SignalFrame, decision: Decision) -> None:
         if self._timeline is None:
             return
-        row = {"step": frame.step, "loss": _num(frame.loss), "grad_norm": _num(frame.grad_norm),
+        row: dict[str, Any] = {"step": frame.step, "loss": _num(frame.loss), "grad_norm": _num(frame.grad_norm),
                "lora_max_ratio": _num(frame.lora_max_ratio), "lr": _num(frame.lr), "risk": round(decision.risk, 6),
                "mem": _num(frame.mem_frac), "step_time_s": _num(frame.step_time_s), "time": time.time()}
         saves = [e for e in self.events if e.at_step == frame.step]

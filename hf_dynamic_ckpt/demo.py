@@ -76,7 +76,8 @@ def train(demo: DemoArguments, smart: Any) -> None:
             output.loss = output.loss * demo.anomaly_factor
         return output
 
-    model.base_model.model.register_forward_hook(poison)
+    inner: torch.nn.Module = model.base_model.model  # type: ignore[assignment]
+    inner.register_forward_hook(poison)
     # Short windows so a 90-step run warms the statistics up; the rest is SmartCkptConfig's defaults.
     # The trained output head makes gradient norms noisy (x10 surges): only a larger surge is an anomaly.
     config = smart.to_config().replace(base_interval=10, stability_window=20, risk_smoothing=4, grad_surge_ratio=15.0,
@@ -168,7 +169,7 @@ def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) 
             nbytes = info.bytes if info is not None else None
             print(f"  {s['step']:>5}  {r['step']:>4}  {s['reason'][:52]:<52} {_fmt_bytes(nbytes):>10} "
                   f"{s.get('blocking_ms', 0.0):>8.1f}ms  {status}")
-    resumed = []
+    resumed: list[dict[str, Any]] = []
     after_resume = False
     for r in rows:
         if r.get("event") == "resume":
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from .config import SmartCkptArguments
 
-        demo, smart = HfArgumentParser((DemoArguments, SmartCkptArguments)).parse_args_into_dataclasses(args=argv)
+        parser = HfArgumentParser((DemoArguments, SmartCkptArguments))  # type: ignore[arg-type]
+        demo, smart = parser.parse_args_into_dataclasses(args=argv)
         train(demo, smart)
         return 0
     p = argparse.ArgumentParser(prog="python -m hf_dynamic_ckpt.demo", description=__doc__,

@@ -203,7 +203,7 @@ def _calling_trainer() -> Any | None:
     """The `Trainer` whose `__init__` is running (callbacks get no reference to it otherwise)."""
     from transformers import Trainer
 
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(12):
         if frame is None:
             break
