@@ -50,9 +50,10 @@ def assert_exact(ref: dict, crash: dict, resumed: dict, *, expect_step: int, ga:
     assert len(resumed["losses"]) == len(ref["losses"]) - expect_step * ga > 0
 
 
-def test_full_finetune_mid_epoch_ga2_dropout(tmp_path: Path) -> None:
+def test_full_finetune_mid_epoch_ga2_dropout_tied_embeddings(tmp_path: Path) -> None:
     # saves at 3 and 6 (interval 3); killed at 7 -> resume at 6, mid-epoch 2 (steps 6..10).
-    ref, crash, resumed = crash_and_resume(tmp_path, "--model", "full", "--max_steps", "9", "--ga", "2",
+    # Tied input/output embeddings: the store keeps the shared tensor once (aliased).
+    ref, crash, resumed = crash_and_resume(tmp_path, "--model", "full", "--max_steps", "9", "--ga", "2", "--tie",
                                            kill_at=7)
     assert_exact(ref, crash, resumed, expect_step=6, ga=2)
     # Only the restore-point step and later saves come from the resumed run.

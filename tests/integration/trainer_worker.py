@@ -37,14 +37,14 @@ class PlainLM(torch.nn.Module):
         return out
 
 
-def build_model(kind: str) -> torch.nn.Module:
+def build_model(kind: str, tie: bool = False) -> torch.nn.Module:
     from hf_dynamic_ckpt import toy
 
     if kind == "plain":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             return PlainLM()
-    model = toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=0.1)
+    model = toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=0.1, tie_word_embeddings=tie)
     if kind == "lora":
         model = toy.lora(model, r=4, dropout=0.1)
     return model
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--kill_at", type=int, default=None)
     p.add_argument("--sigterm_at", type=int, default=None)
+    p.add_argument("--tie", action="store_true", help="tied input/output embeddings (aliased weights)")
     p.add_argument("--native_save_steps", type=int, default=None, help="keep Trainer's own saves on too")
     args = p.parse_args()
 
@@ -69,7 +70,7 @@ def main() -> None:
 
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint, toy
 
-    model = build_model(args.model)
+    model = build_model(args.model, tie=args.tie)
     ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
     losses: list[str] = []
     inner = model.base_model.model if args.model == "lora" else model
