@@ -83,7 +83,18 @@ def test_plain_module_next_to_trainers_own_saves(tmp_path: Path) -> None:
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not (run / "smart_ckpt" / ".resume").exists()  # the resume folder is gone after the first step
     # Probes and handlers are removed at train end; metrics reached the Trainer's logs.
-    assert resumed["forward_hooks"] == 1
+    assert resumed["forward_hooks"] == 2
     assert resumed["sigterm_handler_restored"] is True
     assert {"smart_ckpt/saves", "smart_ckpt/last_save_step", "smart_ckpt/stall_ms", "smart_ckpt/risk"} <= set(
         resumed["log_keys"])
+
+
+def test_resume_from_a_pre_update_capture(tmp_path: Path) -> None:
+    # Step 9's loss x1000: the surge is seen before the update, the state of step 8 is saved and
+    # pinned (with the RNG of the end of step 8); resuming from it reproduces steps 9.. exactly.
+    args = ("--model", "lora", "--max_steps", "12", "--ga", "2", "--base_interval", "100", "--spike_at", "9")
+    ref, crash, resumed = crash_and_resume(tmp_path, *args, kill_at=10)
+    captures = [e for e in crash["events"] if e["reason"].startswith("pre_update")]
+    assert [(e["step"], e["at_step"], e["pinned"]) for e in captures] == [(8, 9, True)]
+    assert [e["step"] for e in crash["events"]] == [8]
+    assert_exact(ref, crash, resumed, expect_step=8, ga=2)

@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--kill_at", type=int, default=None)
     p.add_argument("--sigterm_at", type=int, default=None)
+    p.add_argument("--spike_at", type=int, default=None, help="multiply this step's loss by 1000")
     p.add_argument("--tie", action="store_true", help="tied input/output embeddings (aliased weights)")
     p.add_argument("--native_save_steps", type=int, default=None, help="keep Trainer's own saves on too")
     args = p.parse_args()
@@ -74,6 +75,18 @@ def main() -> None:
     ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
     losses: list[str] = []
     inner = model.base_model.model if args.model == "lora" else model
+    state = {"step": 0}
+
+    def spike(mod, inp, out):  # type: ignore[no-untyped-def]
+        # A gradient explosion at step --spike_at (registered before the loss recorder and the probes).
+        if mod.training and args.spike_at is not None and state["step"] + 1 == args.spike_at:
+            if isinstance(out, dict):
+                out["loss"] = out["loss"] * 1000.0
+            else:
+                out.loss = out.loss * 1000.0
+        return out
+
+    inner.register_forward_hook(spike)
 
     def hook(mod, inp, out):  # type: ignore[no-untyped-def]
         if mod.training:
@@ -84,6 +97,9 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
 
     class Fault(TrainerCallback):
+        def on_step_begin(self, a, st, control, **kw):  # type: ignore[no-untyped-def]
+            state["step"] = st.global_step
+
         def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
             if args.kill_at is not None and state.global_step == args.kill_at:
                 # The crash comes after the last save committed on every rank: a known restore point.
@@ -106,7 +122,7 @@ def main() -> None:
     trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault()])
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, args.resume))
     _dump(args, rank, losses, cb, killed=False, after={
-        "forward_hooks": len(inner._forward_hooks),  # the worker's own loss recorder only
+        "forward_hooks": len(inner._forward_hooks),  # the worker's own two hooks only
         "sigterm_handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "log_keys": sorted({k for entry in trainer.state.log_history for k in entry}),
     })
