@@ -154,7 +154,8 @@ class SmartCkptConfig:
         keep_last (`int`, *optional*, defaults to `3`): newest checkpoints always kept.
         keep_log_spaced (`bool`, *optional*, defaults to `True`): thin older ones to log-spaced steps.
         async_save (`bool`, *optional*, defaults to `True`): write in the background.
-        engine (`str`, *optional*, defaults to `"thread"`): `"thread"`, `"process"` or `"sync"`.
+        engine (`str`, *optional*, defaults to `"process"`): background writer: `"process"`
+            (lowest measured step-time inflation, see docs/engine.md), `"thread"` or `"sync"`.
         memory_margin (`float`, *optional*, defaults to `0.15`): host memory fraction kept free;
             a snapshot that would cut into it is streamed synchronously instead.
         preemption_signals (`tuple[str]`, *optional*): signals that request a final save.
@@ -198,7 +199,7 @@ class SmartCkptConfig:
     keep_last: int = 3
     keep_log_spaced: bool = True
     async_save: bool = True
-    engine: EngineMode = EngineMode.THREAD
+    engine: EngineMode = EngineMode.PROCESS
     memory_margin: float = 0.15
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     preemption_grace_s: float = 30.0
