@@ -81,3 +81,20 @@ def test_checkpoint_missing_one_ranks_files_is_never_chosen(crashed: tuple[Path,
         assert resumed[r]["resumed_from"] == 3
         assert resumed[r]["losses"] == ref[r]["losses"][3:]
     assert "step 6 is not complete on every rank" in resumed[0]["stderr"]
+
+
+def test_ddp_sigterm_on_one_rank_saves_on_all_and_continues_exactly(crashed: tuple[Path, list[dict]],
+                                                                     tmp_path: Path) -> None:
+    _, ref = crashed
+    # Rank 0 alone gets SIGTERM after step 4; the flag travels in the step-5 reduction, so both
+    # ranks save step 5 (rank 0 commits once rank 1's RNG file is written) and stop cleanly.
+    stopped = torchrun(tmp_path, "term", *ARGS, "--base_interval", "100", "--sigterm_at", "4")
+    for r in range(2):
+        assert [e["step"] for e in stopped[r]["events"] if e["reason"].startswith("emergency")] == [5]
+        assert len(stopped[r]["losses"]) == 5
+    step5 = tmp_path / "run" / "smart_ckpt" / "default" / "step-5"
+    assert sorted(p.name for p in step5.glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]
+    resumed = torchrun(tmp_path, "resume", *ARGS, "--base_interval", "100", "--resume", "auto")
+    for r in range(2):
+        assert resumed[r]["resumed_from"] == 5
+        assert resumed[r]["losses"] == ref[r]["losses"][5:]
