@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,21 +25,19 @@ WORKER = REPO / "tests" / "integration" / "trainer_worker.py"
 ARGS = ("--model", "full", "--max_steps", "9", "--ga", "1", "--examples", "48")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def torchrun(out: Path, tag: str, *args: str, expect_ok: bool = True) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KILL_RANK": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), "--out", str(out), "--tag", tag, *args]
+    # --standalone: torchrun picks a free rendezvous port itself (no race with other jobs on the machine).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+           "--out", str(out), "--tag", tag, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    detail = f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     if expect_ok:
-        assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        assert proc.returncode == 0, detail
     else:
         assert proc.returncode != 0, "the crashed job should fail"
+    missing = [r for r in range(2) if not (out / f"{tag}-rank{r}.json").is_file()]
+    assert not missing, f"ranks {missing} wrote no result\n{detail}"
     results = [json.loads((out / f"{tag}-rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         r["stderr"] = proc.stderr
