@@ -126,8 +126,18 @@ class Checkpointer:
         self.root = Path(root)
         session = uuid.uuid4().hex[:12] if self.rank == 0 else None
         session = dist.broadcast_object(session) if self.world_size > 1 else session
-        self.store = CheckpointStore(self.root, task_id=config.task_id, rank=self.rank, world_size=self.world_size,
-                                     session_id=session, compression_level=config.compression_level)
+        def open_store() -> CheckpointStore:
+            return CheckpointStore(self.root, task_id=config.task_id, rank=self.rank, world_size=self.world_size,
+                                   session_id=session, compression_level=config.compression_level)
+
+        if self.world_size > 1:
+            # Rank 0 creates the catalog (and switches it to WAL) alone: ranks opening a fresh
+            # SQLite file at the same instant fail with "database is locked".
+            store = open_store() if self.rank == 0 else None
+            dist.barrier()
+            self.store = store if store is not None else open_store()
+        else:
+            self.store = open_store()
         mode = config.engine if config.async_save else EngineMode.SYNC
         self.engine = SaveEngine(self.store, mode=mode, memory_margin=config.memory_margin)
         self.policy = RulePolicy(config)
