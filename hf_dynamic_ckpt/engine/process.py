@@ -16,6 +16,7 @@ import functools
 import logging
 import multiprocessing as mp
 import sys
+import time
 import traceback
 import types
 from collections.abc import Callable, Mapping
@@ -68,13 +69,19 @@ def _map_state(state: CheckpointState, fn: Callable[[Any], Any]) -> CheckpointSt
     return dataclasses.replace(state, **{f: fn(getattr(state, f)) for f in _TENSOR_FIELDS})
 
 
-def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any, nice: int = 0) -> None:
-    """Entry point of the writer process: receive buffers and save requests until told to stop."""
+def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any, nice: int = 0, ready: Any = None) -> None:
+    """Entry point of the writer process: receive buffers and save requests until told to stop.
+
+    `ready` (a `multiprocessing.Event`) is set once the interpreter has imported torch and
+    opened the store: until then the parent writes its saves on a thread instead.
+    """
     from .writer import lower_priority
 
     lower_priority(nice)
     torch.set_num_threads(1)
     store = store_cls(**spec)
+    if ready is not None:
+        ready.set()
     buffers: dict[str, torch.Tensor] = {}
     try:
         while True:
@@ -127,6 +134,10 @@ class WriterProcessError(RuntimeError):
 class ProcessWriter:
     """Runs `CheckpointStore.save` in a spawned process over shared-memory buffers.
 
+    The process is started by the constructor and becomes usable only once it reports
+    `ready` (a spawned interpreter takes about a second to import torch and open the store);
+    `SaveEngine` never waits for that: it writes on a thread until `ready` is true.
+
     Args:
         store_spec (`dict`): keyword arguments that rebuild the store in the child.
         store_cls (`type`): the store class.
@@ -140,8 +151,10 @@ class ProcessWriter:
 
         ctx = mp.get_context("spawn")  # fork would copy the training process's threads and CUDA state
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child, nice), daemon=True,
-                                 name="hf-dynamic-ckpt-writer")
+        self._ready_event = ctx.Event()
+        self._ready = False
+        self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child, nice, self._ready_event),
+                                 daemon=True, name="hf-dynamic-ckpt-writer")
         _start_without_main(self._proc)
         child.close()
         self._pool = pool
@@ -151,6 +164,28 @@ class ProcessWriter:
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    @property
+    def ready(self) -> bool:
+        """Whether the process has started and opened its store (never blocks)."""
+        if not self._ready:
+            self._ready = self._ready_event.is_set()
+        return self._ready
+
+    @property
+    def failed(self) -> bool:
+        """Whether the process exited before it became ready (e.g. it could not open the store)."""
+        return not self.ready and not self._proc.is_alive()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the process is ready or has died; returns `ready`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready and self._proc.is_alive():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._ready_event.wait(0.1 if left is None else min(0.1, left))
+        return self.ready
 
     def submit(self, job: Any) -> None:
         self._thread.submit(job)
@@ -175,7 +210,11 @@ class ProcessWriter:
 
     def stop(self) -> None:
         self._thread.stop()
-        if self._proc.is_alive():
+        if not self.ready and self._proc.is_alive():
+            # Still importing: it holds no job and wrote nothing, so there is nothing to flush.
+            self._proc.terminate()
+            self._proc.join()
+        elif self._proc.is_alive():
             with contextlib.suppress(OSError):
                 self._conn.send(("stop",))
             self._proc.join(_STOP_TIMEOUT_S)

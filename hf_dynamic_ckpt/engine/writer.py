@@ -5,6 +5,11 @@ compression, checksums, fsyncs and the commit run in `CheckpointStore.save` on a
 a thread (`EngineMode.THREAD`, default) or a separate process reading shared-memory
 buffers (`EngineMode.PROCESS`). `docs/engine.md` has the measurements behind the default.
 
+In process mode the writer process is started when the engine is created and a save never
+waits for it to come up (a spawned interpreter needs about a second to import torch): until
+it reports ready, saves are written by a thread (`SaveHandle.writer == "thread (process
+starting)"`), so start-up time never shows up as a save's blocking time or write time.
+
 Invariants:
 - At most one save is in flight, so one set of snapshot buffers suffices: a snapshot
   only overwrites them after the previous write finished. A save that comes while one
@@ -64,6 +69,8 @@ class SaveHandle:
         staging (`str`): `"buffered"`, `"streaming"` or `"sync"`.
         skipped (`str | None`): why the save was skipped (`on_busy="skip"`), else `None`.
         write_ms (`float | None`): time the writer spent, once done.
+        writer (`str`): who writes it: `"thread"`, `"process"`, `"thread (process starting)"`
+            (process mode before the writer process is ready) or `"sync"` (the caller's thread).
     """
 
     def __init__(self, step: int, reason: str) -> None:
@@ -73,6 +80,7 @@ class SaveHandle:
         self.staging = StagingMode.BUFFERED.value
         self.skipped: str | None = None
         self.write_ms: float | None = None
+        self.writer = "sync"
         self._event = threading.Event()
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
@@ -241,12 +249,15 @@ class SaveEngine:
         self._last_committed: CheckpointInfo | None = None
         self._throughput = _DEFAULT_THROUGHPUT
         self._writer: Any = None
+        self._startup_writer: _ThreadWriter | None = None  # process mode, until the process is ready
         self._closed = False
         self._lock = threading.Lock()
         self._shm_dir = "/dev/shm"
         self.last_plan: StagingPlan | None = None
         # Runs close() at interpreter exit (flushes) unless close() ran before.
         self._finalizer = weakref.finalize(self, SaveEngine._shutdown, self.__dict__)
+        if self.mode == EngineMode.PROCESS:
+            self._ensure_writer()  # start-up (~1 s) overlaps training; saves never wait for it
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -341,7 +352,7 @@ class SaveEngine:
         del live
         handle.blocking_ms = (time.perf_counter() - start) * 1e3
         self._inflight = handle
-        self._ensure_writer().submit(_Job(snapshot, handle, kwargs))
+        self._pick_writer(handle).submit(_Job(snapshot, handle, kwargs))
         return handle
 
     def emergency_save(
@@ -414,6 +425,23 @@ class SaveEngine:
             logger.warning("emergency save of step %d took %.1f s, past its %.1f s deadline", step, elapsed, deadline_s)
         return handle.wait()
 
+    def wait_writer_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the writer process can take saves (process mode); `True` in the other modes.
+
+        Saves never need this (they use a thread meanwhile); it is for benchmarks and tests
+        that measure the process writer itself.
+
+        Args:
+            timeout (`float`, *optional*): seconds to wait; `None` waits as long as it takes.
+
+        Returns:
+            `bool`: whether the process writer is ready (`False` after a timeout or if it died).
+        """
+        self._check_open()
+        if self.mode != EngineMode.PROCESS:
+            return True
+        return bool(self._ensure_writer().wait_ready(timeout))
+
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save in flight, if any; re-raises its error like `SaveHandle.wait`."""
         handle = self._inflight
@@ -436,13 +464,14 @@ class SaveEngine:
     def _shutdown(state: dict[str, Any]) -> None:
         # Must not reference the engine itself (weakref.finalize): works on its __dict__.
         state["_closed"] = True
-        writer = state.get("_writer")
         handle = state.get("_inflight")
         if handle is not None and not handle.done():
             logger.info("flushing the save of step %d before shutdown", handle.step)
-        if writer is not None:
-            writer.stop()
-            state["_writer"] = None
+        for name in ("_startup_writer", "_writer"):  # at most one of them holds a job
+            w = state.get(name)
+            if w is not None:
+                w.stop()
+                state[name] = None
         if handle is not None and handle.exception() is not None:
             logger.error("the last background save (step %d) failed: %s", handle.step, handle.exception())
         snapshotter = state.get("_snapshotter")
@@ -488,6 +517,32 @@ class SaveEngine:
             logger.debug("staging: %s", plan.reason)
         self.last_plan = plan
         return plan
+
+    def _pick_writer(self, handle: SaveHandle) -> Any:
+        """The writer for a background save; in process mode a thread until the process is ready."""
+        writer = self._ensure_writer()
+        if self.mode != EngineMode.PROCESS:
+            handle.writer = "thread"
+            return writer
+        if writer.ready:
+            handle.writer = "process"
+            if self._startup_writer is not None:  # idle: the save before this one has finished
+                self._startup_writer.stop()
+                self._startup_writer = None
+            return writer
+        if writer.failed:
+            logger.warning("the writer process %s exited before it was ready; writing on a thread instead", writer.pid)
+            writer.stop()
+            self._writer = None
+            self.mode = EngineMode.THREAD
+            handle.writer = "thread"
+            return self._ensure_writer()
+        handle.writer = "thread (process starting)"
+        logger.debug("save of step %d written by a thread: the writer process is still starting", handle.step)
+        if self._startup_writer is None:
+            self._startup_writer = _ThreadWriter(self._write, name=f"hf-dynamic-ckpt-startup-writer-{id(self):x}",
+                                                 nice=self.writer_nice)
+        return self._startup_writer
 
     def _ensure_writer(self) -> Any:
         with self._lock:

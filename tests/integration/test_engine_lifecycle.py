@@ -75,6 +75,7 @@ def test_process_mode_isolates_snapshot_and_reports_failures(tmp_path):
     sources = StateSources(weights=model.state_dict, optimizer=opt)
     store = CheckpointStore(tmp_path / "ckpt")
     engine = SaveEngine(store, mode="process")
+    assert engine.wait_writer_ready(120)  # saves before this would be written by a stand-in thread
     handles, expected = [], []
     for step in range(1, 6):
         expected.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -84,6 +85,7 @@ def test_process_mode_isolates_snapshot_and_reports_failures(tmp_path):
             handles[-1].wait(120)
             fds, threads = _fds(), threading.active_count()
     assert [h.wait(120).step for h in handles] == [1, 2, 3, 4, 5]
+    assert {h.writer for h in handles} == {"process"}
     assert (_fds(), threading.active_count()) == (fds, threads)
     for step, weights in enumerate(expected, start=1):
         loaded = store.load(f"step:{step}").weights

@@ -343,3 +343,48 @@ def test_tied_embeddings_are_stored_once_through_the_engine(store):
     loaded = store.load(info).weights
     assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()
     _assert_state_equal(loaded, _clone(model.state_dict()))
+
+
+def test_process_mode_never_waits_for_the_writer_process_to_start(store, monkeypatch):
+    from hf_dynamic_ckpt.engine.process import ProcessWriter
+
+    # The test decides when the (really spawned) process counts as ready.
+    gate = threading.Event()
+    monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: gate.is_set() and self._ready_event.is_set()))
+    model, opt, _ = _model()
+    engine = SaveEngine(store, mode="process")
+    writer = engine._writer
+    assert type(writer).__name__ == "ProcessWriter" and writer._proc.is_alive()  # started by the constructor
+    first = engine.save(_sources(model, opt), step=1, tiers=ALL_TIERS, reason="a")
+    assert first.writer == "thread (process starting)" and not writer.ready
+    assert first.wait(60).step == 1 and not writer.ready  # committed without the process
+    assert torch.equal(store.load("step:1").weights["0.weight"], model[0].weight.detach())
+    startup_thread = engine._startup_writer._thread
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    gate.set()
+    assert engine.wait_writer_ready(120)
+    second = engine.save(_sources(model, opt), step=2, tiers=ALL_TIERS, reason="b")
+    assert second.writer == "process" and second.wait(120).step == 2
+    assert engine._startup_writer is None and not startup_thread.is_alive()  # the stand-in thread is gone
+    assert torch.equal(store.load("step:2").weights["0.weight"], model[0].weight.detach())
+    pid = writer.pid
+    engine.close()
+    import psutil
+
+    assert not psutil.pid_exists(pid)
+
+
+def test_process_writer_still_starting_is_stopped_at_close(store, monkeypatch):
+    from hf_dynamic_ckpt.engine.process import ProcessWriter
+
+    monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: False))  # never comes up
+    engine = SaveEngine(store, mode="process")
+    writer = engine._writer
+    pid = writer.pid
+    assert writer._proc.is_alive()
+    engine.close()  # nothing to flush: terminated, not waited for
+    import psutil
+
+    assert not psutil.pid_exists(pid)
+    assert engine._writer is None and engine._startup_writer is None
