@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt import toy
-from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
+from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
 from hf_dynamic_ckpt.store.checksum import file_checksum
 from hf_dynamic_ckpt.store.tensorpack import (
     _group,
@@ -226,35 +226,34 @@ def test_resolve_threads() -> None:
     assert resolve_threads(0) == resolve_threads(-1) >= 0
 
 
-def _small_file(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+def _small_file(tmp_path: Path, **kw: Any) -> tuple[Path, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     tensors = {"exp_avg": torch.randn(40, generator=g), "step": torch.tensor(5.0),
                "ids": torch.arange(10), "half": torch.randn(16, generator=g).half()}
     path = tmp_path / "c.zst"
-    write_tensor_file(tensors, path, threads=1)
+    write_tensor_file(tensors, path, threads=1, **kw)
     return path, tensors
 
 
-def test_every_flipped_byte_is_an_error_or_harmless(tmp_path: Path) -> None:
-    path, tensors = _small_file(tmp_path)
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_every_flipped_byte_is_an_error(tmp_path: Path, compression: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_dynamic_ckpt.store.tensorpack as tp
+
+    monkeypatch.setattr(tp, "FRAME_BYTES", 100)  # several frames, so the index has several entries
+    path, _ = _small_file(tmp_path, compression=compression)
+    assert len(read_header(path)[2]) > 1
     good = path.read_bytes()
-    detected = 0
     for i in range(len(good)):
         bad = bytearray(good)
         bad[i] ^= 0x04
         path.write_bytes(bad)
-        try:
-            back = read_tensor_file(path)
-        except CorruptCheckpointError:
-            detected += 1
-            continue
-        # Not detected: must be a bit that carries no information, never wrong tensors.
-        assert all(_same(back[k], t) for k, t in tensors.items()), f"wrong tensors after flipping byte {i}"
-    assert detected >= len(good) - 8  # only a few zstd frame-descriptor bits are don't-care
+        with pytest.raises((CorruptCheckpointError, FormatVersionError)):
+            read_tensor_file(path)
 
 
-def test_truncation_extension_and_missing_file(tmp_path: Path) -> None:
-    path, _ = _small_file(tmp_path)
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_truncation_extension_and_missing_file(tmp_path: Path, compression: str) -> None:
+    path, _ = _small_file(tmp_path, compression=compression)
     good = path.read_bytes()
     for n in range(len(good)):
         path.write_bytes(good[:n])
@@ -268,39 +267,78 @@ def test_truncation_extension_and_missing_file(tmp_path: Path) -> None:
         read_tensor_file(path)
 
 
+def _build(header: dict[str, Any], frames: list[bytes]) -> bytes:
+    """A container with a valid header CRC, frame index (xxh3 per frame) and footer around anything."""
+    import struct
+    import zlib
+
+    import xxhash
+
+    h = json.dumps(header).encode()
+    h += b" " * (-(20 + len(h)) % 64)
+    body = b"".join(struct.pack("<QQ", len(f), xxhash.xxh3_64_intdigest(f)) for f in frames)
+    tail = struct.pack("<QQ", sum(map(len, frames)), len(frames))
+    return (b"HFDCTP01" + struct.pack("<Q", len(h)) + h + struct.pack("<I", zlib.crc32(h)) + b"".join(frames)
+            + body + tail + struct.pack("<I", zlib.crc32(body + tail)) + b"HFDCTEND")
+
+
+def _parts(path: Path) -> tuple[dict[str, Any], list[bytes]]:
+    header, _, frames = read_header(path)
+    data = path.read_bytes()
+    return header, [data[off : off + n] for off, n, _ in frames]
+
+
 def test_specific_corruptions_give_specific_messages(tmp_path: Path) -> None:
     path, _ = _small_file(tmp_path)
     good = path.read_bytes()
-    bad = bytearray(good)
-    bad[0] ^= 1
-    path.write_bytes(bad)
-    with pytest.raises(CorruptCheckpointError, match="is not an hf_dynamic_ckpt tensor file"):
-        read_tensor_file(path)
-    bad = bytearray(good)
-    bad[30] ^= 1  # inside the JSON header
-    path.write_bytes(bad)
-    with pytest.raises(CorruptCheckpointError, match=r"damaged header \(CRC mismatch\)"):
-        read_tensor_file(path)
-    bad = bytearray(good)
-    bad[-30] ^= 1  # inside the compressed data
-    path.write_bytes(bad)
+    start = read_header(path)[1]
+    cases = [(0, "is not an hf_dynamic_ckpt tensor file"), (30, r"damaged header \(CRC mismatch\)"),
+             (start + 20, "frame 0 fails its xxh3 checksum"), (len(good) - 30, r"damaged frame index \(CRC mismatch\)"),
+             (len(good) - 2, "truncated or has extra bytes")]
+    for pos, message in cases:
+        bad = bytearray(good)
+        bad[pos] ^= 1
+        path.write_bytes(bad)
+        with pytest.raises(CorruptCheckpointError, match=message):
+            read_tensor_file(path)
+    # A frame whose stored bytes match their xxh3 but not zstd's own content checksum.
+    path.write_bytes(good)
+    h, [frame] = _parts(path)
+    broken = bytearray(frame)
+    broken[-6] ^= 1  # inside the compressed block, after the frame header
+    path.write_bytes(_build(h, [bytes(broken)]))
     with pytest.raises(CorruptCheckpointError, match="failed decompression or its checksum"):
         read_tensor_file(path)
 
 
-def _splice(header: dict[str, Any], frame: bytes) -> bytes:
-    """A container with a valid header CRC and footer around any header and frame."""
+def test_corrupted_frame_index_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_dynamic_ckpt.store.tensorpack as tp
+
+    monkeypatch.setattr(tp, "FRAME_BYTES", 100)
+    path, tensors = _small_file(tmp_path)
+    header, frames = _parts(path)
+    assert len(frames) == 3  # exp_avg (160 B) | step + ids (84 B) | half (32 B)
+    assert _same(read_tensor_file(path)["exp_avg"], tensors["exp_avg"])
+    path.write_bytes(_build(header, frames))  # the helper is faithful
+    assert all(_same(read_tensor_file(path)[k], t) for k, t in tensors.items())
+    # Index with a valid CRC that drops, merges or swaps frames: refused, never misread.
+    for wrong in (frames[:2], [frames[0] + frames[1], frames[2]], [frames[1], frames[0], frames[2]]):
+        path.write_bytes(_build(header, wrong))
+        with pytest.raises(CorruptCheckpointError, match=r"frame index|declares \d+ bytes, the header"):
+            read_tensor_file(path)
+    # A stored length moved from one frame to the next (total unchanged), CRC recomputed.
     import struct
     import zlib
 
-    h = json.dumps(header).encode()
-    return (b"HFDCTP01" + struct.pack("<Q", len(h)) + h + struct.pack("<I", zlib.crc32(h)) + frame
-            + struct.pack("<Q", len(frame)) + b"HFDCTEND")
-
-
-def _parts(path: Path) -> tuple[dict[str, Any], bytes]:
-    header, start, frame_len = read_header(path)
-    return header, path.read_bytes()[start : start + frame_len]
+    data = bytearray(_build(header, frames))
+    index_at = len(data) - 28 - 16 * 3
+    n0, h0 = struct.unpack_from("<QQ", data, index_at)
+    n1, h1 = struct.unpack_from("<QQ", data, index_at + 16)
+    struct.pack_into("<QQQQ", data, index_at, n0 - 1, h0, n1 + 1, h1)
+    struct.pack_into("<I", data, len(data) - 12, zlib.crc32(bytes(data[index_at : len(data) - 12])))
+    path.write_bytes(data)
+    with pytest.raises(CorruptCheckpointError, match="frame 0 fails its xxh3 checksum"):
+        read_tensor_file(path)
 
 
 def test_consistent_looking_but_wrong_containers_are_refused(tmp_path: Path) -> None:
@@ -311,17 +349,44 @@ def test_consistent_looking_but_wrong_containers_are_refused(tmp_path: Path) -> 
     h_big, _ = _parts(big)
     assert read_tensor_file(tmp_path / "small")["a"].tolist() == [1.0] * 10
     bad = tmp_path / "bad"
-    bad.write_bytes(_splice(h_small, f_small))
-    assert torch.equal(read_tensor_file(bad)["a"], torch.ones(10))  # the splice itself is faithful
-    bad.write_bytes(_splice(h_big, f_small))
-    with pytest.raises(CorruptCheckpointError, match="the compressed frame declares 40 bytes, the header 80"):
-        read_tensor_file(bad)
-    bad.write_bytes(_splice({**h_small, "version": 99}, f_small))
-    with pytest.raises(CorruptCheckpointError, match="container version 99 is newer than this library"):
+    bad.write_bytes(_build(h_small, f_small))
+    assert torch.equal(read_tensor_file(bad)["a"], torch.ones(10))  # the helper itself is faithful
+    bad.write_bytes(_build(h_big, f_small))
+    with pytest.raises(CorruptCheckpointError, match="frame 0 declares 40 bytes, the header 80"):
         read_tensor_file(bad)
     wrong_dtype = {**h_small, "tensors": [{**h_small["tensors"][0], "dtype": "float64"}]}
-    bad.write_bytes(_splice(wrong_dtype, f_small))
+    bad.write_bytes(_build(wrong_dtype, f_small))
     with pytest.raises(CorruptCheckpointError, match="inconsistent offset/size for 'a'"):
+        read_tensor_file(bad)
+    bad.write_bytes(_build({**h_small, "codec": "gzip"}, f_small))
+    with pytest.raises(CorruptCheckpointError, match="unknown codec 'gzip'"):
+        read_tensor_file(bad)
+
+
+def test_other_container_versions_are_refused(tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    write_tensor_file({"a": torch.ones(10)}, small)
+    header, frames = _parts(small)
+    assert header["version"] == 2
+    bad = tmp_path / "bad"
+    bad.write_bytes(_build({**header, "version": 99}, frames))
+    with pytest.raises(FormatVersionError, match=r"has container version 99, this library reads version 2: newer than"):
+        read_tensor_file(bad)
+    # A version-1 file as the previous library wrote it (one zstd frame, 16-byte footer):
+    # its byte-grouping changed without a version bump, so it is refused, not guessed.
+    import struct
+    import zlib
+
+    import zstandard
+
+    h1 = json.dumps({"format": "hf_dynamic_ckpt.tensorpack", "version": 1, "codec": "zstd", "level": 3,
+                     "total_bytes": 40, "group_chunk_elems": 4194304,
+                     "tensors": [{"name": "a", "dtype": "float32", "shape": [10], "offset": 0, "nbytes": 40,
+                                  "byte_grouped": True}]}).encode()
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(_group(np.ones(10, np.float32).view(np.uint8), 4).tobytes())
+    bad.write_bytes(b"HFDCTP01" + struct.pack("<Q", len(h1)) + h1 + struct.pack("<I", zlib.crc32(h1)) + frame
+                    + struct.pack("<Q", len(frame)) + b"HFDCTEND")
+    with pytest.raises(FormatVersionError, match=r"container version 1, this library reads version 2: an older layout"):
         read_tensor_file(bad)
 
 
@@ -332,19 +397,60 @@ def test_grouping_runs_in_chunks_read_back_by_the_header_value(tmp_path: Path, m
     tensors = {"f32": torch.randn(101, generator=g), "bf16": torch.randn(3, 33, generator=g).bfloat16(),
                "f64": torch.randn(15, generator=g).double(), "exact": torch.randn(14, generator=g)}
     monkeypatch.setattr(tp, "GROUP_CHUNK_ELEMS", 7)
+    monkeypatch.setattr(tp, "FRAME_BYTES", 64)
     write_tensor_file(tensors, tmp_path / "c.zst")
-    monkeypatch.undo()  # the reader must follow the file's own chunk size
-    assert read_header(tmp_path / "c.zst")[0]["group_chunk_elems"] == 7
-    back = read_tensor_file(tmp_path / "c.zst")
-    for k, t in tensors.items():
-        assert _same(back[k], t), k
-    # Chunked layout: each run of 7 elements is grouped on its own.
+    monkeypatch.undo()  # the reader must follow the file's own chunk and frame sizes
+    header, _, frames = read_header(tmp_path / "c.zst")
+    assert (header["group_chunk_elems"], header["frame_bytes"]) == (7, 64)
+    assert len(frames) == len(tp._plan(header["tensors"], 7, 64)) > 10
+    for threads in (1, 2):
+        back = read_tensor_file(tmp_path / "c.zst", threads=threads)
+        for k, t in tensors.items():
+            assert _same(back[k], t), k
+    # Chunked layout: each run of 7 elements is grouped on its own; a frame packs whole runs.
     raw = torch.arange(9 * 4, dtype=torch.uint8).view(torch.float32)
     monkeypatch.setattr(tp, "GROUP_CHUNK_ELEMS", 7)
     write_tensor_file({"r": raw}, tmp_path / "r.zst", level=1)
-    _, start, frame_len = read_header(tmp_path / "r.zst")
+    _, [frame] = _parts(tmp_path / "r.zst")
     import zstandard
 
-    payload = zstandard.ZstdDecompressor().decompress((tmp_path / "r.zst").read_bytes()[start : start + frame_len])
+    payload = zstandard.ZstdDecompressor().decompress(frame)
     raw_bytes = np.arange(36, dtype=np.uint8)
     assert payload == _group(raw_bytes[:28], 4).tobytes() + _group(raw_bytes[28:], 4).tobytes()
+
+
+def test_frame_plan_packs_pieces_up_to_frame_bytes() -> None:
+    from hf_dynamic_ckpt.store.tensorpack import _plan
+
+    entries = [{"dtype": "float32", "nbytes": 4 * n} for n in (10, 3, 0, 2, 25)]
+    assert _plan(entries, 8, 40) == [[(0, 0, 32), (0, 32, 40)], [(1, 0, 12), (3, 0, 8)], [(4, 0, 32)],
+                                     [(4, 32, 64)], [(4, 64, 96), (4, 96, 100)]]
+    assert _plan([], 8, 40) == []
+
+
+def test_uncompressed_container_is_memory_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_dynamic_ckpt.store.tensorpack as tp
+
+    monkeypatch.setattr(tp, "FRAME_BYTES", 256)
+    tensors = _many_tensors()
+    path = tmp_path / "raw.bin"
+    entry = write_tensor_file(tensors, path, compression=None)
+    assert entry["size"] == path.stat().st_size and entry["checksum"] == file_checksum(path)
+    header, start, frames = read_header(path)
+    assert header["codec"] == "none" and header["level"] is None and start % 64 == 0 and len(frames) > 2
+    assert all(e["offset"] % 64 == 0 and not e["byte_grouped"] for e in header["tensors"])
+    data = path.read_bytes()
+    for e in header["tensors"]:  # the bytes on disk are the tensors' own, at their offsets
+        t = tensors[e["name"]].contiguous()
+        expected = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        assert data[start + e["offset"] : start + e["offset"] + e["nbytes"]] == expected, e["name"]
+    back = read_tensor_file(path)
+    assert list(back) == list(tensors)
+    for k, t in tensors.items():
+        assert _same(back[k], t.contiguous()), k
+    back["torch.float32"].add_(1.0)  # private mapping: in-place updates never reach the file
+    assert path.read_bytes() == data
+    assert write_tensor_file({}, tmp_path / "empty", compression="none")["size"] == (tmp_path / "empty").stat().st_size
+    assert read_tensor_file(tmp_path / "empty") == {}
+    with pytest.raises(SaveError, match=r"compression='gzip' is not supported for the optimizer tier"):
+        write_tensor_file(tensors, path, compression="gzip")
