@@ -16,7 +16,7 @@ from typing import Any
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
 from ..signals.frame import SignalFrame
-from ..signals.stats import Ema, RollingWindow, linear_fit, ramp
+from ..signals.stats import MAD_TO_STD, Ema, RollingWindow, linear_fit, ramp
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision
 
 logger = logging.getLogger(__name__)
@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 GRAD_LEVEL_WINDOW = 50  # grad-norm steps whose median is the running level
 MIN_HISTORY = 8  # values a statistic needs before it may raise risk
+CAPTURE_WARMUP = 20  # grad-norm / loss values needed before a finite signal may trigger a pinned capture
+GRAD_SPREAD_K = 3.0  # a grad surge must also clear exp(k * relative spread) x the level (noisy runs need more)
+LOSS_JUMP_RATIO = 2.0  # a loss spike alone (no gradient evidence) captures only at >= 2x the loss level
+GRAD_CONFIRM_RATIO = 2.0  # ... or when the global / LoRA gradient ratio confirms it
 MEM_POINTS = 6  # memory samples in the trend fit
 LOSS_REL_FLOOR = 0.01  # a loss z-score never uses a scale below 1 % of the loss level
 MIN_ALPHA = 0.2  # the article's 1 - 0.8: stability can shorten the interval 5x at most
@@ -37,6 +41,8 @@ class Assessment:
 
     loss_z: float | None = None
     grad_ratio: float | None = None
+    grad_excess: float | None = None
+    loss_ratio: float | None = None
     lora_ratio: float | None = None
     lr_ratio: float | None = None
     mem: float | None = None
@@ -117,11 +123,16 @@ class RulePolicy:
             a.components["nonfinite"] = 1.0
         if frame.loss is not None and math.isfinite(frame.loss) and len(self._loss) >= MIN_HISTORY:
             a.loss_z = self._loss.robust_z(frame.loss, rel_floor=LOSS_REL_FLOOR)
+            level = self._loss.median()
+            if level:
+                a.loss_ratio = frame.loss / abs(level)
             if a.loss_z is not None:
                 a.components["loss_spike"] = ramp(a.loss_z, c.loss_spike_z / 2, c.loss_spike_z)
         if frame.grad_norm is not None and math.isfinite(frame.grad_norm) and len(self._grad) >= MIN_HISTORY:
             level = self._grad.median() or 0.0
             a.grad_ratio = frame.grad_norm / max(level, 1e-12)
+            spread = MAD_TO_STD * (self._grad.mad() or 0.0) / max(level, 1e-12)  # ~ sd of log(grad norm)
+            a.grad_excess = a.grad_ratio / math.exp(GRAD_SPREAD_K * spread)
             a.components["grad_surge"] = ramp(a.grad_ratio, c.grad_surge_ratio / 2, c.grad_surge_ratio)
         if frame.lora_max_ratio is not None and math.isfinite(frame.lora_max_ratio):
             a.lora_ratio = frame.lora_max_ratio
@@ -240,15 +251,18 @@ class RulePolicy:
         a = self.assess(frame)
         nonfinite = frame.any_nonfinite
         trigger = None
+        r = c.grad_surge_ratio
+        grad_ready = len(self._grad) >= CAPTURE_WARMUP
         if nonfinite:
             trigger = "nonfinite"
-        elif a.grad_ratio is not None and a.grad_ratio >= c.grad_surge_ratio:
+        elif grad_ready and a.grad_ratio is not None and a.grad_excess is not None and a.grad_excess >= r:
             trigger = f"grad_surge x{a.grad_ratio:.1f}"
-        elif a.lora_ratio is not None and a.lora_ratio >= c.grad_surge_ratio:
+        elif a.lora_ratio is not None and a.lora_ratio >= r:
             trigger = f"lora_surge x{a.lora_ratio:.1f} in {frame.lora_max_layer}"
         elif a.lr_ratio is not None and a.lr_ratio > c.lr_surge_ratio:
             trigger = f"lr_surge x{a.lr_ratio:.1f}"
-        elif a.loss_z is not None and a.loss_z >= c.loss_spike_z:
+        elif (a.loss_z is not None and a.loss_z >= c.loss_spike_z and len(self._loss) >= CAPTURE_WARMUP
+              and self._loss_confirmed(frame, a)):
             trigger = f"loss_spike z={a.loss_z:.1f}"
         skip = c.skip_bad_update and trigger is not None
         was_nonfinite, self._prev_nonfinite = self._prev_nonfinite, nonfinite
@@ -275,6 +289,17 @@ class RulePolicy:
                             interval=self.interval())
         self._record(decision, frame.step)
         return decision
+
+    def _loss_confirmed(self, frame: SignalFrame, a: Assessment) -> bool:
+        """A loss spike is worth a pinned capture when it is large (>= `LOSS_JUMP_RATIO` x the
+        level), or the gradients confirm it (global or LoRA ratio >= `GRAD_CONFIRM_RATIO`),
+        or no gradient signal exists. One-step loss jumps with ordinary gradients (a hard
+        batch) do not move the weights much and are only noise for the interval."""
+        if a.loss_ratio is not None and a.loss_ratio >= LOSS_JUMP_RATIO:
+            return True
+        if frame.grad_norm is None and frame.lora_max_ratio is None:
+            return True
+        return any(v is not None and v >= GRAD_CONFIRM_RATIO for v in (a.grad_ratio, a.lora_ratio))
 
     def decide(self, frame: SignalFrame) -> Decision:
         """Decide after the step's update whether to save the state of step `frame.step`.

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .stats import Ema
+from .stats import LayerLevels
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +117,17 @@ class GradProbe:
     rescaled exactly by `pre_clip_norm / post_clip_norm`. With `pre_clip_norm` given and
     no LoRA layer, nothing is computed at all.
 
+    Each layer's norm is judged by `LayerLevels` against the layer's own recent history
+    (median of its log norms, discounted by its own spread, after a warm-up of `warmup`
+    non-zero norms): `lora_max_ratio` is how far the most unusual layer lies above the
+    highest level it normally reaches.
+
     Args:
         model (`torch.nn.Module`): the model (a PEFT model for per-layer norms).
-        level_decay (`float`, *optional*, defaults to `0.9`): EMA decay of each layer's level.
-        warmup (`int`, *optional*, defaults to `3`): steps a layer needs before its ratio counts.
-        level_cap (`float`, *optional*, defaults to `2.0`): a value enters the running level
-            clipped to `level_cap` x the level, so a surge does not raise the bar it is judged by.
+        window (`int`, *optional*, defaults to `50`): norms per layer in its robust level.
+        warmup (`int`, *optional*, defaults to `30`): non-zero norms a layer needs before it counts.
+        spread_k (`float`, *optional*, defaults to `4.0`): robust standard deviations of a
+            layer's log-norm that are its normal range (see `LayerLevels`).
 
     Example:
         ```python
@@ -132,7 +137,7 @@ class GradProbe:
         ```
     """
 
-    def __init__(self, model: nn.Module, *, level_decay: float = 0.9, warmup: int = 3, level_cap: float = 2.0) -> None:
+    def __init__(self, model: nn.Module, *, window: int = 50, warmup: int = 30, spread_k: float = 4.0) -> None:
         self.layers = find_lora_layers(model)
         self.layer_names: list[str] = list(self.layers)
         lora_ids = {id(p): i for i, ps in enumerate(self.layers.values()) for p in ps}
@@ -142,10 +147,7 @@ class GradProbe:
         self._params += [p for ps in self.layers.values() for p in ps if id(p) not in seen]
         n_layers = len(self.layer_names)
         self._bucket = [lora_ids.get(id(p), n_layers) for p in self._params]
-        self.level_decay = level_decay
-        self.warmup = warmup
-        self.level_cap = level_cap
-        self.levels: dict[str, Ema] = {name: Ema(level_decay) for name in self.layer_names}
+        self.levels = LayerLevels(window=window, warmup=warmup, spread_k=spread_k)
 
     def measure(self, pre_clip_norm: float | torch.Tensor | None = None) -> tuple[float | None, dict[str, float]]:
         """Return `(global_norm, {layer: norm})` for the gradients now in `.grad`.
@@ -188,24 +190,13 @@ class GradProbe:
         return (pre if pre is not None else post), dict(zip(self.layer_names, layer_norms))
 
     def observe(self, layer_norms: Mapping[str, float]) -> tuple[float | None, str | None]:
-        """Ratio of each layer's norm to its own running level, then fold the norms in.
+        """Judge each layer's norm against its own level (`LayerLevels.observe`), then fold it in.
 
         Returns:
             `tuple`: `(max_ratio, layer)`; `(None, None)` while no layer is warmed up. A
             non-finite layer norm gives `(inf, layer)` and leaves the levels untouched.
         """
-        best: tuple[float | None, str | None] = (None, None)
-        for name, norm in layer_norms.items():
-            level = self.levels.setdefault(name, Ema(self.level_decay))
-            if not math.isfinite(norm):
-                return math.inf, name
-            ref = level.value
-            if ref is not None and level.count >= self.warmup:
-                ratio = norm / max(ref, 1e-12)
-                if best[0] is None or ratio > best[0]:
-                    best = (ratio, name)
-            level.add(norm if ref is None else min(norm, self.level_cap * ref))
-        return best
+        return self.levels.observe(layer_norms)
 
     def frame_fields(self, pre_clip_norm: float | torch.Tensor | None = None) -> dict[str, Any]:
         """`measure()` + `observe()` as `SignalFrame` keyword arguments."""
@@ -217,13 +208,13 @@ class GradProbe:
         return {"grad_norm": global_norm, "lora_max_ratio": ratio, "lora_max_layer": layer, "nonfinite": nonfinite}
 
     def state_dict(self) -> dict[str, Any]:
-        """The running per-layer levels (JSON-able), so a resumed run measures the same ratios."""
-        return {"levels": {name: ema.state_dict() for name, ema in self.levels.items()}}
+        """The per-layer levels (JSON-able), so a resumed run measures the same ratios."""
+        return {"levels": self.levels.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for name, s in state.get("levels", {}).items():
-            ema = self.levels.setdefault(name, Ema(self.level_decay))
-            ema.load_state_dict(s)
+        levels = state.get("levels", {})
+        if "logs" in levels:  # older states (EMA levels) carry no history: the warm-up restarts
+            self.levels.load_state_dict(levels)
 
 
 class ClipNormRecorder:

@@ -11,7 +11,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 MAD_TO_STD = 1.4826
@@ -108,6 +108,86 @@ class RollingWindow:
         self.maxlen = int(state["maxlen"])
         self._values = deque((float(v) for v in state["values"]), maxlen=self.maxlen)
         self._cache.clear()
+
+
+class LayerLevels:
+    """Each LoRA layer's gradient norm judged against the layer's own recent history.
+
+    Per layer, the logs of the last `window` non-zero norms are kept; once a layer has
+    `warmup` of them, a new norm is compared with their median (a robust level, not a
+    young EMA) and the result is discounted by the layer's own spread:
+
+        excess = norm / exp(median(log norms) + spread_k * 1.4826 * MAD(log norms))
+
+    so `excess >= 5` means "5x above the highest level this layer normally reaches", not
+    5x its average. LoRA layers start with `lora_B = 0`: their gradient norms grow (and
+    jitter) by orders of magnitude in the first steps, which a ratio to a young running
+    level reads as surges. The warm-up counts only non-zero norms, and a layer whose norm
+    swings widely needs a proportionally larger jump. Pure Python, JSON-serialisable.
+
+    Args:
+        window (`int`, *optional*, defaults to `50`): norms per layer in the robust level.
+        warmup (`int`, *optional*, defaults to `30`): non-zero norms a layer needs before it is judged.
+        spread_k (`float`, *optional*, defaults to `4.0`): robust standard deviations of the
+            log-norm a layer may move without counting as a surge.
+
+    Example:
+        ```python
+        >>> levels = LayerLevels(warmup=3)
+        >>> for _ in range(3):
+        ...     levels.observe({"a": 1.0, "b": 1.0})
+        >>> levels.observe({"a": 1.0, "b": 10.0})
+        (10.0, 'b')
+        ```
+    """
+
+    def __init__(self, window: int = 50, warmup: int = 30, spread_k: float = 4.0) -> None:
+        if warmup < 1 or window < warmup:
+            raise ValueError(f"window={window}, warmup={warmup} are invalid: expected 1 <= warmup <= window.")
+        if spread_k < 0:
+            raise ValueError(f"spread_k={spread_k} is invalid: expected a number >= 0.")
+        self.window, self.warmup, self.spread_k = window, warmup, spread_k
+        self.logs: dict[str, RollingWindow] = {}
+
+    def excess(self, name: str, norm: float) -> float | None:
+        """`norm` over the layer's normal ceiling (see the class), `None` while warming up."""
+        w = self.logs.get(name)
+        if w is None or len(w) < self.warmup or not norm > 0.0:
+            return None
+        med, mad = w.median(), w.mad()
+        assert med is not None and mad is not None
+        return math.exp(math.log(norm) - med - self.spread_k * MAD_TO_STD * mad)
+
+    def observe(self, norms: Mapping[str, float]) -> tuple[float | None, str | None]:
+        """Judge this step's per-layer norms, then fold them into the levels.
+
+        Returns:
+            `tuple`: `(max excess, layer)` over the warmed-up layers, `(None, None)` while
+            none is; a non-finite norm gives `(inf, layer)` and leaves every level untouched.
+        """
+        for name, norm in norms.items():
+            if not math.isfinite(norm):
+                return math.inf, name
+        best: tuple[float | None, str | None] = (None, None)
+        for name, norm in norms.items():
+            ratio = self.excess(name, norm)
+            if ratio is not None and (best[0] is None or ratio > best[0]):
+                best = (ratio, name)
+            if norm > 0.0:  # a zero norm (lora_A before lora_B moved) is no level
+                self.logs.setdefault(name, RollingWindow(self.window)).add(math.log(norm))
+        return best
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "warmup": self.warmup, "spread_k": self.spread_k,
+                "logs": {name: w.values for name, w in self.logs.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.logs = {}
+        for name, values in state.get("logs", {}).items():
+            w = RollingWindow(self.window)
+            for v in values[-self.window:]:
+                w.add(float(v))
+            self.logs[name] = w
 
 
 class Ema:

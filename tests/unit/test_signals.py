@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from hf_dynamic_ckpt.signals import (
     RollingWindow,
     SignalFrame,
 )
-from hf_dynamic_ckpt.signals.stats import linear_fit
+from hf_dynamic_ckpt.signals.stats import LayerLevels, linear_fit
 
 
 def tiny_lora_model() -> torch.nn.Module:
@@ -146,18 +147,19 @@ def test_grad_probe_recovers_pre_clip_norms_after_clipping() -> None:
 
 def test_grad_probe_flags_surging_layer_and_nonfinite() -> None:
     model = tiny_lora_model()
-    probe = GradProbe(model, warmup=3)
+    probe = GradProbe(model, warmup=3, spread_k=4.0)
     for _ in range(5):
         ratio, _ = probe.observe(dict.fromkeys(probe.layer_names, 1.0))
     assert ratio == pytest.approx(1.0)
     target = probe.layer_names[2]
     ratio, layer = probe.observe({n: (10.0 if n == target else 1.0) for n in probe.layer_names})
     assert layer == target and ratio == pytest.approx(10.0)
-    assert probe.levels[target].value < 2.1  # the surge entered the level capped at 2x
-    state = probe.state_dict()
-    fresh = GradProbe(model)
+    assert probe.levels.logs[target].median() == pytest.approx(0.0)  # the robust level ignores the one surge
+    state = json.loads(json.dumps(probe.state_dict()))
+    fresh = GradProbe(model, warmup=3, spread_k=4.0)
     fresh.load_state_dict(state)
-    assert fresh.levels[target].value == probe.levels[target].value
+    assert fresh.levels.logs[target].values == probe.levels.logs[target].values
+    assert fresh.observe({n: 10.0 for n in probe.layer_names}) == probe.observe({n: 10.0 for n in probe.layer_names})
 
     model(**batch(3)).loss.backward()
     next(p for p in model.parameters() if p.grad is not None).grad[0] = math.nan
@@ -222,3 +224,19 @@ def test_frame_reduction_rules_and_no_op_without_process_group() -> None:
     assert (distributed.rank(), distributed.world_size(), distributed.is_main()) == (0, 1, True)
     assert distributed.broadcast_object({"x": [1, 2]}) == {"x": [1, 2]}
     distributed.barrier()
+
+
+def test_layer_levels_discount_a_noisy_layers_own_spread() -> None:
+    """A layer that swings widely must jump further than a steady one to count as a surge."""
+    levels = LayerLevels(window=50, warmup=30, spread_k=4.0)
+    for i in range(40):  # "steady" moves +-5 %, "noisy" x0.5..x2 (log-spread ~0.7)
+        levels.observe({"steady": 1.0 + 0.05 * (-1) ** i, "noisy": 2.0 ** ((i % 3) - 1)})
+    steady, noisy = levels.excess("steady", 10.0), levels.excess("noisy", 10.0)
+    assert steady is not None and noisy is not None
+    assert steady > 5.0 > noisy
+    young = LayerLevels(warmup=30)
+    for _ in range(29):
+        young.observe({"a": 1.0})
+    assert young.observe({"a": 100.0}) == (None, None)  # still warming up: no ratio yet
+    assert young.observe({"a": 100.0})[0] == pytest.approx(100.0)
+    assert young.observe({"a": math.nan}) == (math.inf, "a")
