@@ -37,7 +37,7 @@ from torch import nn
 from . import distributed as dist
 from .config import EngineMode, FallbackStrategy, SmartCkptConfig
 from .constants import ALL_TIERS, TIMELINE_NAME, Tier
-from .engine import SaveEngine, SaveHandle, StateSources
+from .engine import CachedWeights, SaveEngine, SaveHandle, StateSources
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, DistributedError
 from .policy.decision import Decision
 from .policy.retention import level_retention_from_config, plan_retention
@@ -147,6 +147,8 @@ class Checkpointer:
         self.preempted = False
         self._sources: StateSources | None = None
         self._model: nn.Module | None = None
+        self._optimizer: Any | None = None
+        self._stale_steps: set[int] = set()  # steps of an abandoned timeline that could not be deleted
         self._loss: LossProbe | None = None
         self._grad: GradProbe | None = None
         self._mem: MemoryProbe | None = None
@@ -181,7 +183,8 @@ class Checkpointer:
         Args:
             model (`nn.Module`): the trained model (gradients and LoRA layers are read from it).
             optimizer, scheduler, scaler (*optional*): L1 sources.
-            weights (`Callable`, *optional*): returns the L0 tensors; defaults to `trainable_state_dict(model)`.
+            weights (`Callable`, *optional*): returns the L0 tensors; defaults to `trainable_state_dict(model)`
+                behind a `CachedWeights` (built once, rebuilt when a parameter is replaced).
             frozen_keys (`Iterable[str]`, *optional*): weight names that never change (stored once).
             extra (`Callable`, *optional*): JSON-able data for the manifest's `extra`.
             sampler (`Callable`, *optional*): JSON-able data position (L2).
@@ -192,8 +195,9 @@ class Checkpointer:
         """
         self.detach()
         self._model = model
+        self._optimizer = optimizer
         if weights is None:
-            weights = lambda: trainable_state_dict(model)  # noqa: E731
+            weights = CachedWeights(model, lambda: trainable_state_dict(model))
         main = self.rank == 0
         self._sources = StateSources(
             weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
@@ -276,6 +280,9 @@ class Checkpointer:
             have been dropped (`param.grad = None`): the optimizer skips the update.
         """
         frame = self._measure(step + 1)
+        groups = getattr(self._optimizer, "param_groups", None)
+        if groups:
+            frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
         self._frame = frame
         decision = self.policy.pre_update(frame)
         saved = next((e for e in reversed(self.events) if e.step == step and e.error is None), None)
@@ -304,7 +311,8 @@ class Checkpointer:
         Args:
             step (`int`): optimizer steps completed (Trainer's `global_step` after the increment).
             epoch (`float`): fractional epoch.
-            lr (`float`, *optional*): learning rate used by this step.
+            lr (`float`, *optional*): learning rate used by this step; ignored when `pre_update`
+                read it from the attached optimizer just before the update.
 
         Returns:
             `Decision`. When `reason == "preemption"` a checkpoint has been committed
@@ -312,7 +320,8 @@ class Checkpointer:
         """
         frame = self._frame if self._frame is not None and self._frame.step == step else self._measure(step)
         self._frame = None
-        frame.lr = lr
+        if frame.lr is None:
+            frame.lr = lr
         decision = self.policy.decide(frame)
         self.last_frame, self.last_decision = frame, decision
         self._collect_finished()
@@ -342,7 +351,9 @@ class Checkpointer:
         signals = self.last_frame.to_dict() if self.last_frame is not None else None
         handle = self.engine.save(sources, step=step, epoch=epoch, tiers=tiers, reason=decision.reason,
                                   pinned=decision.pin, healthy=decision.healthy, signals=signals,
-                                  debug_info=self.policy.debug_info(), rng=rng, blocking=blocking)
+                                  debug_info=self.policy.debug_info(), rng=rng, blocking=blocking,
+                                  replace=step in self._stale_steps)
+        self._stale_steps.discard(step)
         event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
                           pinned=decision.pin, blocking_ms=handle.blocking_ms, handle=handle)
         if handle.skipped:
@@ -369,7 +380,8 @@ class Checkpointer:
         sources = self._sources
         info = self.engine.emergency_save(sources, step=step, epoch=epoch, reason=name,
                                           deadline_s=self.config.preemption_grace_s, signals=frame.to_dict(),
-                                          debug_info=self.policy.debug_info())
+                                          debug_info=self.policy.debug_info(), replace=step in self._stale_steps)
+        self._stale_steps.discard(step)
         blocking_ms = (time.perf_counter() - start) * 1e3
         event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else ALL_TIERS,
                           pinned=False, blocking_ms=blocking_ms, bytes=info.bytes if info else None,
@@ -543,6 +555,10 @@ class Checkpointer:
                     loaded.scheduler = self.store.load_scheduler_only(f"step:{step}")
             dist.barrier()
         assert loaded is not None
+        stale = self._drop_abandoned_timeline(loaded.info) if self.rank == 0 else []
+        if self.world_size > 1:
+            stale = dist.broadcast_object(stale)  # every rank passes replace=True for these steps
+        self._stale_steps = set(stale)
         for w in loaded.warnings:
             logger.warning("resume: %s", w)
         self.log_event("resume", step=loaded.info.step, spec=str(spec), warnings=list(loaded.warnings))
@@ -550,6 +566,37 @@ class Checkpointer:
             info = loaded.info
             self._l1 = ThreadPoolExecutor(1, thread_name_prefix="smart-ckpt-l1").submit(self._load_optimizer_tier, info)
         return loaded
+
+    def _drop_abandoned_timeline(self, resumed: CheckpointInfo) -> list[int]:
+        """Delete this task's checkpoints newer than the resumed one (rank 0).
+
+        Resuming from an older checkpoint (`step:N`, `best`, an L0 fallback) abandons the
+        run that wrote the newer ones: left in place, `auto` would pick them after the next
+        crash, and a save reaching one of their steps would return the stale checkpoint.
+        Pinned and unhealthy ones go too (they describe the abandoned run).
+
+        Returns:
+            `list[int]`: steps that could not be deleted; saves for them re-commit them
+            (`replace=True`).
+        """
+        if resumed.task_id != self.store.task_id or Path(resumed.path).resolve().parent != self.store.task_dir.resolve():
+            return []  # resumed from a checkpoint outside this task: its timeline is not ours to prune
+        newer = sorted(i.step for i in self.store.list(include_unhealthy=True) if i.step > resumed.step)
+        if not newer:
+            return []
+        msg = (f"resume: step {resumed.step} is older than the newest checkpoint; deleting steps "
+               f"{', '.join(map(str, newer))} of the abandoned run so that `auto` never returns to it")
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=3)
+        left = []
+        for step in newer:
+            try:
+                self.store.delete(f"step:{step}", force=True)
+            except Exception as e:  # never fail a resume over cleanup; the next save of the step replaces it
+                logger.warning("resume: could not delete step %d of the abandoned run (%s); a save of that step "
+                               "will replace it", step, e)
+                left.append(step)
+        return left
 
     def _load_optimizer_tier(self, info: CheckpointInfo) -> tuple[dict[str, Any] | None, dict[str, Any] | None,
                                                                      dict[str, Any] | None, str | None]:

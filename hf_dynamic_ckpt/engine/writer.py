@@ -285,6 +285,7 @@ class SaveEngine:
         rng: dict[str, Any] | None = None,
         sampler: dict[str, Any] | None = None,
         blocking: bool = False,
+        replace: bool = False,
     ) -> SaveHandle:
         """Snapshot the chosen tiers and write them, in the background unless told otherwise.
 
@@ -304,6 +305,8 @@ class SaveEngine:
             rng (`dict`, *optional*): RNG state to store instead of capturing it now.
             sampler (`dict`, *optional*): data position instead of `sources.sampler()`.
             blocking (`bool`, *optional*, defaults to `False`): write before returning.
+            replace (`bool`, *optional*, defaults to `False`): re-commit `step` if it is already
+                committed (`CheckpointStore.save(replace=True)`); pass the same on every rank.
 
         Returns:
             `SaveHandle`: `wait()` returns the committed `CheckpointInfo`.
@@ -341,7 +344,7 @@ class SaveEngine:
         else:
             handle.staging = "sync"
         kwargs = {"reason": reason, "pinned": pinned, "healthy": healthy, "signals": signals,
-                  "debug_info": debug_info}
+                  "debug_info": debug_info, "replace": replace}
         if synchronous:
             snapshot = self._snapshotter.take(live, copy=False)
             del live
@@ -367,6 +370,7 @@ class SaveEngine:
         sampler: dict[str, Any] | None = None,
         signals: dict[str, Any] | None = None,
         debug_info: list[dict[str, Any]] | None = None,
+        replace: bool = False,
     ) -> CheckpointInfo | None:
         """Save synchronously within a deadline (preemption grace period), most valuable tiers first.
 
@@ -380,7 +384,7 @@ class SaveEngine:
             epoch (`float`, *optional*): fractional epoch.
             reason (`str`): why (e.g. `"preemption: SIGTERM"`).
             deadline_s (`float`): seconds available from now.
-            rng, sampler, signals, debug_info: as in `save`.
+            rng, sampler, signals, debug_info, replace: as in `save`.
 
         Returns:
             `CheckpointInfo | None`: the committed checkpoint (`None` on ranks > 0).
@@ -418,7 +422,7 @@ class SaveEngine:
         snapshot = self._snapshotter.take(live, copy=False)
         del live
         self._write(_Job(snapshot, handle, {"reason": handle.reason, "pinned": False, "healthy": True,
-                                            "signals": signals, "debug_info": debug_info}))
+                                            "signals": signals, "debug_info": debug_info, "replace": replace}))
         handle.blocking_ms = (time.monotonic() - start) * 1e3
         elapsed = time.monotonic() - start
         if elapsed > deadline_s:

@@ -24,12 +24,18 @@ class Net(nn.Module):
         return {"loss": self.drop(self.lin(x)).pow(2).mean()}
 
 
+SURGE = 24
+"""Steps before a gradient surge: past the policy's warm-up for finite capture triggers
+(`policy.rules.CAPTURE_WARMUP`, which needs a `stability_window` at least that long)."""
+
+
 def make(tmp_path: Path, **cfg: object) -> tuple[Checkpointer, Net, torch.optim.Optimizer, object]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, stability_window=8, **cfg)
+    settings: dict[str, object] = {"base_interval": 1000, "stability_window": 8, **cfg}
+    config = SmartCkptConfig(root=str(tmp_path / "store"), **settings)  # type: ignore[arg-type]
     ck = Checkpointer(config)
     ck.attach(model, optimizer=opt, scheduler=sched)
     return ck, model, opt, sched
@@ -49,31 +55,31 @@ def train_step(ck: Checkpointer, model: Net, opt: torch.optim.Optimizer, sched: 
 
 
 def test_pre_update_capture_saves_the_previous_steps_exact_state(tmp_path: Path) -> None:
-    ck, model, opt, sched = make(tmp_path)
+    ck, model, opt, sched = make(tmp_path, stability_window=SURGE)
     boundary = {}
-    for step in range(10):
-        scale = 1000.0 if step == 9 else 1.0  # step 10's gradients surge
-        if step == 9:
+    for step in range(SURGE + 1):
+        scale = 1000.0 if step == SURGE else 1.0  # the last step's gradients surge
+        if step == SURGE:
             boundary = {"weights": {k: v.clone() for k, v in model.state_dict().items()}, "rng": capture_rng_state()}
         train_step(ck, model, opt, sched, step, scale)
     ck.finish()
     captures = [e for e in ck.events if e.reason.startswith("pre_update")]
-    assert [(e.step, e.at_step, e.pinned) for e in captures] == [(9, 10, True)]
-    loaded = ck.store.load("step:9")
+    assert [(e.step, e.at_step, e.pinned) for e in captures] == [(SURGE, SURGE + 1, True)]
+    loaded = ck.store.load(f"step:{SURGE}")
     assert loaded.info.pinned
     for key, value in boundary["weights"].items():
         assert torch.equal(loaded.weights[key], value)
-    assert loaded.rng == boundary["rng"]  # the RNG of the end of step 9, not after step 10's dropout
-    assert loaded.optimizer["state"][0]["step"].item() == 9.0
+    assert loaded.rng == boundary["rng"]  # the RNG of the end of the step before, not after the surge's dropout
+    assert loaded.optimizer["state"][0]["step"].item() == float(SURGE)
     ck.close()
 
 
 def test_skip_bad_update_drops_the_gradients(tmp_path: Path) -> None:
-    ck, model, opt, sched = make(tmp_path, skip_bad_update=True)
-    for step in range(9):
+    ck, model, opt, sched = make(tmp_path, skip_bad_update=True, stability_window=SURGE)
+    for step in range(SURGE):
         train_step(ck, model, opt, sched, step)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    train_step(ck, model, opt, sched, 9, scale=1000.0)
+    train_step(ck, model, opt, sched, SURGE, scale=1000.0)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the surging update was not applied
     ck.close()
@@ -158,3 +164,126 @@ def test_fast_forward_scheduler_equals_stepping(kind: str) -> None:
     fast_forward_scheduler(b, 11)
     assert b.state_dict() == a.state_dict()  # type: ignore[attr-defined]
     assert opt_b.param_groups[0]["lr"] == opt_a.param_groups[0]["lr"]
+
+
+def test_lr_surge_triggers_a_pinned_pre_update_capture(tmp_path: Path) -> None:
+    ck, model, opt, sched = make(tmp_path)
+    for step in range(9):
+        train_step(ck, model, opt, sched, step)
+    boundary = {k: v.clone() for k, v in model.state_dict().items()}
+    history_max = max(ck.policy._lr)
+    for group in opt.param_groups:
+        group["lr"] *= 100.0  # a schedule bug: step 10's update would use 100x the rate
+    surged = opt.param_groups[0]["lr"]
+    train_step(ck, model, opt, sched, 9)  # ordinary gradients and loss: only the rate jumps
+    ck.finish()
+    captures = [(e.step, e.at_step, e.pinned, e.reason) for e in ck.events if e.reason.startswith("pre_update")]
+    assert captures == [(9, 10, True, f"pre_update lr_surge x{surged / history_max:.1f}")]
+    loaded = ck.store.load("step:9")
+    assert loaded.info.pinned
+    assert all(torch.equal(loaded.weights[k], v) for k, v in boundary.items())  # the state before the surge
+    ck.close()
+
+
+def test_default_weights_source_is_cached_and_sees_a_replaced_parameter(tmp_path: Path) -> None:
+    from hf_dynamic_ckpt.engine import CachedWeights
+
+    ck, model, opt, sched = make(tmp_path)
+    source = ck._sources.weights
+    assert isinstance(source, CachedWeights)
+    first = source()
+    assert source() is first  # built once, revalidated on later calls
+    train_step(ck, model, opt, sched, 0)
+    assert source() is first  # in-place updates keep the mapping valid
+    ck.save_now(1, 0.0)
+    assert torch.equal(ck.store.load("step:1").weights["lin.weight"], model.lin.weight.detach())
+    model.lin.weight = nn.Parameter(torch.full((8, 8), 3.0))  # e.g. a load that re-assigns the parameter
+    assert source() is not first
+    ck.save_now(2, 0.0)
+    assert torch.equal(ck.store.load("step:2").weights["lin.weight"], torch.full((8, 8), 3.0))
+    ck.close()
+
+
+def _data_step(ck: Checkpointer, model: Net, opt: torch.optim.Optimizer, sched: object, step: int,
+               seed: int) -> None:
+    """`train_step` on data fixed by (`seed`, `step`): two timelines see different batches."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    ck.step_begin()
+    model(torch.randn(4, 8, generator=g))["loss"].backward()
+    ck.pre_update(step, epoch=0.0)
+    opt.step()
+    sched.step()  # type: ignore[attr-defined]
+    opt.zero_grad()
+    ck.step_end(step + 1, 0.0)
+
+
+def _resume_into(ck: Checkpointer, spec: str, model: Net, opt: torch.optim.Optimizer, sched: object) -> int:
+    from hf_dynamic_ckpt.checkpointer import apply_weights
+    from hf_dynamic_ckpt.store.rng import restore_rng_state
+
+    loaded = ck.resume(spec)
+    assert loaded is not None
+    apply_weights(model, loaded.weights)
+    apply_optimizer_state(loaded, optimizer=opt, scheduler=sched)
+    restore_rng_state(loaded.rng)
+    return loaded.info.step
+
+
+def test_resume_from_an_older_step_abandons_the_newer_timeline(tmp_path: Path) -> None:
+    # Timeline A: steps 1..6, saved at 2, 4, 6.
+    ck, model, opt, sched = make(tmp_path)
+    for step in range(6):
+        _data_step(ck, model, opt, sched, step, seed=1)
+        if (step + 1) % 2 == 0:
+            ck.save_now(step + 1, 0.0)
+    ck.close()
+
+    # Timeline B: resume from step 2, other data, save at 3 and at 4 (a step A also saved), then crash.
+    ck, model, opt, sched = make(tmp_path)
+    with pytest.warns(UserWarning, match=r"resume: step 2 is older than the newest checkpoint; deleting steps 4, 6"):
+        assert _resume_into(ck, "step:2", model, opt, sched) == 2
+    assert [i.step for i in ck.store.list(include_unhealthy=True)] == [2]
+    for step in range(2, 4):
+        _data_step(ck, model, opt, sched, step, seed=2)
+        ck.save_now(step + 1, 0.0)
+    # What uninterrupted training of timeline B does next.
+    for step in range(4, 6):
+        _data_step(ck, model, opt, sched, step, seed=2)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_opt = opt.state_dict()
+    ck.close()
+
+    ck, model, opt, sched = make(tmp_path)
+    assert _resume_into(ck, "auto", model, opt, sched) == 4  # B's step 4, not A's step 6
+    for step in range(4, 6):
+        _data_step(ck, model, opt, sched, step, seed=2)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    for k, s in expected_opt["state"].items():
+        for name, t in s.items():
+            assert torch.equal(opt.state_dict()["state"][k][name], t)
+    ck.close()
+
+
+def test_a_stale_step_that_could_not_be_deleted_is_replaced_by_the_next_save_of_it(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    ck, model, opt, sched = make(tmp_path)
+    for step in range(4):
+        _data_step(ck, model, opt, sched, step, seed=1)
+        if (step + 1) % 2 == 0:
+            ck.save_now(step + 1, 0.0)
+    ck.close()
+    ck, model, opt, sched = make(tmp_path)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(ck.store, "delete", refuse)
+    with pytest.warns(UserWarning, match="deleting steps 4"):
+        _resume_into(ck, "step:2", model, opt, sched)
+    assert ck._stale_steps == {4}
+    for step in range(2, 4):
+        _data_step(ck, model, opt, sched, step, seed=2)
+    ck.save_now(4, 0.0)
+    assert torch.equal(ck.store.load("step:4").weights["lin.weight"], model.lin.weight.detach())  # B's, not A's
+    assert ck._stale_steps == set()
+    ck.close()
