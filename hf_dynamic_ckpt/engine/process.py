@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import multiprocessing as mp
+import os
 import sys
 import time
 import traceback
@@ -69,17 +70,51 @@ def _map_state(state: CheckpointState, fn: Callable[[Any], Any]) -> CheckpointSt
     return dataclasses.replace(state, **{f: fn(getattr(state, f)) for f in _TENSOR_FIELDS})
 
 
-def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any, nice: int = 0, ready: Any = None) -> None:
+def _warm_up() -> None:
+    """Import what a save needs and read the library versions (manifest) once, before the
+    process reports ready, so its first save costs what later ones do; best effort."""
+    try:
+        import zstandard  # noqa: F401
+
+        from ..store import commit, manifest, tensorpack, weights  # noqa: F401
+
+        manifest.library_versions()
+    except Exception as e:  # the save itself reports real problems
+        logger.debug("writer process warm-up: %s", e)
+
+
+def _target_priority(nice: int) -> int | None:
+    """The nice value `nice` steps below the calling thread's (capped at 19); `None` if unchanged."""
+    if nice <= 0 or not hasattr(os, "getpriority"):
+        return None
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except OSError:
+        return None
+
+
+def _set_priority(pid: int, target: int | None) -> None:
+    """Raise the nice value of `pid` (its main thread on Linux; later threads inherit) to `target`."""
+    if target is None:
+        return
+    try:
+        if os.getpriority(os.PRIO_PROCESS, pid) < target:
+            os.setpriority(os.PRIO_PROCESS, pid, target)
+    except OSError as e:
+        logger.debug("could not lower the writer process's priority: %s", e)
+
+
+def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any, priority: int | None = None,
+                 ready: Any = None) -> None:
     """Entry point of the writer process: receive buffers and save requests until told to stop.
 
     `ready` (a `multiprocessing.Event`) is set once the interpreter has imported torch and
     opened the store: until then the parent writes its saves on a thread instead.
     """
-    from .writer import lower_priority
-
-    lower_priority(nice)
+    _set_priority(0, priority)  # the parent already did, right after the start; this covers a race
     torch.set_num_threads(1)
     store = store_cls(**spec)
+    _warm_up()
     if ready is not None:
         ready.set()
     buffers: dict[str, torch.Tensor] = {}
@@ -153,9 +188,14 @@ class ProcessWriter:
         self._conn, child = ctx.Pipe()
         self._ready_event = ctx.Event()
         self._ready = False
-        self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child, nice, self._ready_event),
+        priority = _target_priority(nice)
+        self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child, priority, self._ready_event),
                                  daemon=True, name="hf-dynamic-ckpt-writer")
         _start_without_main(self._proc)
+        if self._proc.pid is not None:
+            # At once, so the interpreter start-up (importing torch, ~1 s of CPU) already runs at
+            # the writer's lower priority instead of competing with the training steps.
+            _set_priority(self._proc.pid, priority)
         child.close()
         self._pool = pool
         self._sent_generation = -1

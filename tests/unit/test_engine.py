@@ -388,3 +388,16 @@ def test_process_writer_still_starting_is_stopped_at_close(store, monkeypatch):
 
     assert not psutil.pid_exists(pid)
     assert engine._writer is None and engine._startup_writer is None
+
+
+def test_writer_process_starts_at_lower_priority(store):
+    import psutil
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    engine = SaveEngine(store, mode="process", writer_nice=5)
+    try:
+        # Set by the parent right after the start: the interpreter's start-up already runs niced.
+        assert psutil.Process(engine._writer.pid).nice() == min(19, base + 5)
+    finally:
+        engine.close()
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread is untouched
