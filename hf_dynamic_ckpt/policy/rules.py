@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 GRAD_LEVEL_WINDOW = 50  # grad-norm steps whose median is the running level
 MIN_HISTORY = 8  # values a statistic needs before it may raise risk
-CAPTURE_WARMUP = 20  # grad-norm / loss values needed before a finite signal may trigger a pinned capture
+CAPTURE_WARMUP = 20  # grad-norm / loss values before an ordinary (not extreme) surge may trigger a capture
 GRAD_SPREAD_K = 3.0  # a grad surge must also clear exp(k * relative spread) x the level (noisy runs need more)
 LOSS_JUMP_RATIO = 2.0  # a loss spike alone (no gradient evidence) captures only at >= 2x the loss level
 GRAD_CONFIRM_RATIO = 2.0  # ... or when the global / LoRA gradient ratio confirms it
@@ -252,17 +252,18 @@ class RulePolicy:
         nonfinite = frame.any_nonfinite
         trigger = None
         r = c.grad_surge_ratio
-        grad_ready = len(self._grad) >= CAPTURE_WARMUP
+        # Before CAPTURE_WARMUP values only an extreme jump captures (r^2 for the grad norm, a
+        # doubled loss): early training moves the norms far more than later noise does.
+        grad_bar = r if len(self._grad) >= CAPTURE_WARMUP else r * r
         if nonfinite:
             trigger = "nonfinite"
-        elif grad_ready and a.grad_ratio is not None and a.grad_excess is not None and a.grad_excess >= r:
+        elif a.grad_ratio is not None and a.grad_excess is not None and a.grad_excess >= grad_bar:
             trigger = f"grad_surge x{a.grad_ratio:.1f}"
         elif a.lora_ratio is not None and a.lora_ratio >= r:
             trigger = f"lora_surge x{a.lora_ratio:.1f} in {frame.lora_max_layer}"
         elif a.lr_ratio is not None and a.lr_ratio > c.lr_surge_ratio:
             trigger = f"lr_surge x{a.lr_ratio:.1f}"
-        elif (a.loss_z is not None and a.loss_z >= c.loss_spike_z and len(self._loss) >= CAPTURE_WARMUP
-              and self._loss_confirmed(frame, a)):
+        elif a.loss_z is not None and a.loss_z >= c.loss_spike_z and self._loss_confirmed(frame, a):
             trigger = f"loss_spike z={a.loss_z:.1f}"
         skip = c.skip_bad_update and trigger is not None
         was_nonfinite, self._prev_nonfinite = self._prev_nonfinite, nonfinite
@@ -297,6 +298,8 @@ class RulePolicy:
         batch) do not move the weights much and are only noise for the interval."""
         if a.loss_ratio is not None and a.loss_ratio >= LOSS_JUMP_RATIO:
             return True
+        if len(self._loss) < CAPTURE_WARMUP:
+            return False  # early: only a doubled loss counts
         if frame.grad_norm is None and frame.lora_max_ratio is None:
             return True
         return any(v is not None and v >= GRAD_CONFIRM_RATIO for v in (a.grad_ratio, a.lora_ratio))

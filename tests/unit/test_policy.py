@@ -302,3 +302,12 @@ def test_memory_jitter_around_a_plateau_does_not_repeat_ramp_saves() -> None:
         frames.append(calm(s, device_mem_frac=mem))
     events = run(policy, frames)
     assert sum(d.reason.startswith("memory_ramp") for _, _, d in events) <= 1
+
+
+def test_early_extreme_spike_is_captured_but_early_growth_is_not() -> None:
+    """Before 20 values are known only an extreme jump captures (a doubled loss, a grad x r^2)."""
+    policy = RulePolicy(SmartCkptConfig(base_interval=100))
+    growing = [calm(s, grad_norm=1.0 * 1.25**s) for s in range(1, 15)]  # grads grow x1.25 a step
+    assert run(policy, growing) == []
+    events = run(policy, [calm(15, loss=2000.0, grad_norm=1000.0)])
+    assert [(at, kind, d.step, d.pin) for at, kind, d in events] == [(15, "pre", 14, True)]
