@@ -80,10 +80,8 @@ def train(demo: DemoArguments, smart: Any) -> None:
     inner.register_forward_hook(poison)
     # Short windows so a 90-step run warms the statistics up; the rest is SmartCkptConfig's defaults.
     # The trained output head makes gradient norms noisy (x10 surges): only a larger surge is an anomaly.
-    # No overhead budget: on a shared 2-core machine one descheduled save can measure seconds and
-    # would widen the interval past the end of this short run; real runs keep the 2 % default.
     config = smart.to_config().replace(base_interval=10, stability_window=20, risk_smoothing=4, grad_surge_ratio=15.0,
-                                       overhead_budget=1.0, keep_last=4)
+                                       keep_last=4)
     args = TrainingArguments(
         output_dir=demo.output_dir, max_steps=demo.max_steps, per_device_train_batch_size=8, learning_rate=1e-2,
         warmup_steps=5, lr_scheduler_type="cosine", save_strategy="no", report_to=[], use_cpu=True,
