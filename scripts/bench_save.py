@@ -176,7 +176,8 @@ def _inflation(trainer: Any, kind: str, root: Path, mode: str, args: argparse.Na
     inflations, noise, during_ms, clean_ms = [], [], [], []
     with CheckpointStore(root, compression_threads=args.compression_threads) as store, \
             SaveEngine(store, mode=mode, writer_nice=args.writer_nice) as engine:
-        engine.save(sources, step=1, tiers=ALL_TIERS, reason="warm-up").wait()  # buffers, writer process
+        engine.save(sources, step=1, tiers=ALL_TIERS, reason="warm-up").wait()  # buffers
+        engine.wait_writer_ready()  # process mode: measure the process, not the stand-in thread of its start-up
 
         def steps(n: int) -> list[float]:
             nonlocal seed
