@@ -36,7 +36,7 @@ _POLL_S = 0.02
 
 
 def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir: Path, level: int,
-                     threads: int) -> tuple[dict[str, FileEntry], dict[str, Any]]:
+                     threads: int, compression: str = "zstd") -> tuple[dict[str, FileEntry], dict[str, Any]]:
     """Write this rank's share of a checkpoint (rank 0: L0, L1, sampler; every rank: its RNG).
 
     Returns:
@@ -55,7 +55,8 @@ def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir:
         parts = {name: getattr(state, name) for name in L1_PARTS}
         if any(v is not None for v in parts.values()):
             structure, tensors = flatten_state(parts)
-            entry = write_tensor_file(tensors, tmp / OPTIMIZER_NAME, level=level, threads=threads)
+            entry = write_tensor_file(tensors, tmp / OPTIMIZER_NAME, level=level, threads=threads,
+                                      compression=compression)
             files[OPTIMIZER_NAME] = {**entry, KEY_TIER: Tier.OPTIMIZER.value, KEY_RANK: None}
             files[OPTIMIZER_META_NAME] = write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER, rank=None)
         if state.sampler is not None:

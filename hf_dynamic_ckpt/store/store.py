@@ -105,6 +105,8 @@ class CheckpointStore:
             the same on every rank (broadcast it). Generated when `world_size == 1`.
         compression_level (`int`, *optional*, defaults to `3`): zstd level of the optimizer tier.
         compression_threads (`int`, *optional*, defaults to `0`): zstd threads (0: all CPUs).
+        compression (`str`, *optional*, defaults to `"zstd"`): codec of the optimizer tier:
+            `"zstd"`, or `"none"` (larger file, memory-mapped on load; `storage_levels.level_1.compression`).
         rank_timeout_s (`float`, *optional*, defaults to `600.0`): how long rank 0 waits for the
             other ranks' files before giving up on a save (`DistributedError`).
         cleanup (`bool`, *optional*, defaults to `True`): on rank 0, remove temporary
@@ -129,6 +131,7 @@ class CheckpointStore:
         session_id: str | None = None,
         compression_level: int = 3,
         compression_threads: int = 0,
+        compression: str = "zstd",
         rank_timeout_s: float = 600.0,
         cleanup: bool = True,
     ) -> None:
@@ -154,6 +157,9 @@ class CheckpointStore:
         self.session_id = session_id
         self.compression_level = compression_level
         self.compression_threads = compression_threads
+        self.compression = str(getattr(compression, "value", compression))
+        if self.compression not in ("zstd", "none"):
+            raise ConfigError(f"compression={compression!r} is invalid for the optimizer tier: expected 'zstd' or 'none'.")
         self.rank_timeout_s = float(rank_timeout_s)
         self.task_dir = self.root / task_id
         self.blobs_dir = self.task_dir / BLOBS_DIR
@@ -356,7 +362,8 @@ class CheckpointStore:
         try:
             tmp.mkdir(exist_ok=True)
             files, blobs = write_rank_files(state, tmp, rank=self.rank, blobs_dir=self.blobs_dir,
-                                            level=self.compression_level, threads=self.compression_threads)
+                                            level=self.compression_level, threads=self.compression_threads,
+                                            compression=self.compression)
             write_done(tmp, rank=self.rank, session_id=self.session_id, files=files, blobs=blobs, tiers=state.tiers)
         except Exception as e:
             if self.rank == 0:

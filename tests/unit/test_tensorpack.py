@@ -248,7 +248,7 @@ def test_every_flipped_byte_is_an_error(tmp_path: Path, compression: str, monkey
         bad[i] ^= 0x04
         path.write_bytes(bad)
         with pytest.raises((CorruptCheckpointError, FormatVersionError)):
-            read_tensor_file(path)
+            read_tensor_file(path, threads=2)  # frames decoded in parallel: the error still surfaces cleanly
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
@@ -454,3 +454,36 @@ def test_uncompressed_container_is_memory_mapped(tmp_path: Path, monkeypatch: py
     assert read_tensor_file(tmp_path / "empty") == {}
     with pytest.raises(SaveError, match=r"compression='gzip' is not supported for the optimizer tier"):
         write_tensor_file(tensors, path, compression="gzip")
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_store_writes_the_optimizer_tier_with_its_codec(tmp_path: Path, compression: str) -> None:
+    from hf_dynamic_ckpt.constants import OPTIMIZER_NAME, Tier
+    from hf_dynamic_ckpt.store.store import CheckpointStore
+    from hf_dynamic_ckpt.store.types import CheckpointState
+
+    model, opt, sched, scaler = _trained_state()
+    store = CheckpointStore(tmp_path / "store", compression=compression)
+    info = store.save(CheckpointState(step=3, weights=model.state_dict(), optimizer=opt.state_dict(),
+                                      scheduler=sched.state_dict(), scaler=scaler.state_dict()), reason="test")
+    assert read_header(Path(info.path) / OPTIMIZER_NAME)[0]["codec"] == compression
+    loaded = store.load(info, tiers={Tier.OPTIMIZER})
+    assert loaded.optimizer is not None and loaded.scheduler is not None
+    assert_identical(_key_sorted(opt.state_dict()), _key_sorted(loaded.optimizer))  # the store's JSON sorts keys
+    assert_identical(_key_sorted(sched.state_dict()), _key_sorted(loaded.scheduler))
+
+
+def _key_sorted(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _key_sorted(x[k]) for k in sorted(x, key=repr)}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_key_sorted(v) for v in x)
+    return x
+
+
+def test_store_refuses_an_unknown_optimizer_codec(tmp_path: Path) -> None:
+    from hf_dynamic_ckpt.errors import ConfigError
+    from hf_dynamic_ckpt.store.store import CheckpointStore
+
+    with pytest.raises(ConfigError, match=r"compression='gzip' is invalid for the optimizer tier"):
+        CheckpointStore(tmp_path / "store", compression="gzip")
