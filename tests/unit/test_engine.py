@@ -401,3 +401,21 @@ def test_writer_process_starts_at_lower_priority(store):
     finally:
         engine.close()
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread is untouched
+
+
+def test_writer_process_that_dies_before_it_is_ready_switches_to_the_thread_writer(store, monkeypatch, caplog):
+    from hf_dynamic_ckpt.engine.process import ProcessWriter
+
+    monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: False))
+    model, opt, _ = _model()
+    engine = SaveEngine(store, mode="process")
+    proc = engine._writer._proc
+    pid = proc.pid
+    proc.kill()  # e.g. killed by the OOM killer while importing torch
+    proc.join(60)
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
+    handle = engine.save(_sources(model, opt), step=1, tiers=ALL_TIERS, reason="a")
+    assert handle.wait(60).step == 1 and handle.writer == "thread" and engine.mode == "thread"
+    assert f"the writer process {pid} exited before it was ready; writing on a thread instead" in caplog.text
+    assert type(engine._writer).__name__ == "_ThreadWriter"
+    engine.close()
