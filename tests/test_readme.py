@@ -47,7 +47,9 @@ def test_readme_quick_start_runs_and_resumes(tmp_path: Path) -> None:
     store = tmp_path / "out" / "smart_ckpt" / "default"
     steps = sorted(int(p.name.split("-")[1]) for p in store.glob("step-*") if ".tmp-" not in p.name)
     assert steps and steps[-1] == 12, steps  # the final state is a restore point
-    assert all(step % 4 == 0 for step in steps), steps  # base_interval=4 while training is calm
+    # base_interval=4: the first save comes at step 4. Later gaps may widen (the overhead budget
+    # sees the measured save cost against ~10 ms toy steps), so they are not asserted here.
+    assert steps[0] == 4, steps
     # The same script, asked to train longer: it picks up the store and continues from step 12.
     script.write_text(script.read_text(encoding="utf-8").replace("max_steps=12", "max_steps=16"), encoding="utf-8")
     second = run()
