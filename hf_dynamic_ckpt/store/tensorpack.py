@@ -751,13 +751,13 @@ def _map_raw(path: Path, header: dict[str, Any], start: int, frames: list[tuple[
         if bad:
             raise CorruptCheckpointError(f"Tensor file {path}: frame(s) {bad} fail their xxh3 checksum; the file is corrupt.")
     out: dict[str, torch.Tensor] = {}
-    for e in header["tensors"]:
-        dtype = _DTYPES[e["dtype"]]
-        if e["nbytes"] == 0 or mm is None:
-            out[str(e["name"])] = torch.empty(e["shape"], dtype=dtype)
+    for entry in header["tensors"]:
+        dtype = _DTYPES[entry["dtype"]]
+        if entry["nbytes"] == 0 or mm is None:
+            out[str(entry["name"])] = torch.empty(entry["shape"], dtype=dtype)
             continue
-        t = torch.frombuffer(mm, dtype=torch.uint8, count=e["nbytes"], offset=start + e["offset"])
-        out[str(e["name"])] = t.view(dtype).view(e["shape"])
+        t = torch.frombuffer(mm, dtype=torch.uint8, count=entry["nbytes"], offset=start + entry["offset"])
+        out[str(entry["name"])] = t.view(dtype).view(entry["shape"])
     return out
 
 
