@@ -128,7 +128,8 @@ class Checkpointer:
         session = dist.broadcast_object(session) if self.world_size > 1 else session
         def open_store() -> CheckpointStore:
             return CheckpointStore(self.root, task_id=config.task_id, rank=self.rank, world_size=self.world_size,
-                                   session_id=session, compression_level=config.compression_level)
+                                   session_id=session, compression_level=config.compression_level,
+                                   compression=config.storage_levels.level_1.compression.value)
 
         if self.world_size > 1:
             # Rank 0 creates the catalog (and switches it to WAL) alone: ranks opening a fresh

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import Any
 
 from .constants import DEFAULT_TASK_ID
 from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class Compression(enum.StrEnum):
@@ -108,6 +111,19 @@ class StorageLevels:
             self.level_0.compression.value,
             "'none' (weights stay uncompressed so they can be memory-mapped)",
         )
+        _check(
+            self.level_1.compression in (Compression.ZSTD, Compression.NONE),
+            "storage_levels.level_1.compression",
+            self.level_1.compression.value,
+            "'zstd' or 'none' (uncompressed, memory-mapped on load)",
+        )
+        if self.level_2.compression != Compression.NONE:
+            # Accepted so the article's checkpoint_config.yaml loads as written, but not applied.
+            logger.warning(
+                "storage_levels.level_2.compression=%r is not applied: L2 (RNG, data position, metadata) "
+                "is a few KB of plain JSON kept readable by jq; set it to 'none' to silence this.",
+                self.level_2.compression.value,
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -167,7 +167,7 @@ class _ThreadWriter:
 
 
 _STORE_ARGS = ("root", "task_id", "rank", "world_size", "session_id", "compression_level", "compression_threads",
-               "rank_timeout_s")
+               "compression", "rank_timeout_s")
 
 
 def _store_spec(store: Any) -> dict[str, Any]:

@@ -287,3 +287,22 @@ def test_a_stale_step_that_could_not_be_deleted_is_replaced_by_the_next_save_of_
     assert torch.equal(ck.store.load("step:4").weights["lin.weight"], model.lin.weight.detach())  # B's, not A's
     assert ck._stale_steps == set()
     ck.close()
+
+
+@pytest.mark.parametrize(("engine", "codec"), [("thread", "none"), ("process", "none"), ("thread", "zstd")])
+def test_level_1_codec_from_config_reaches_the_written_file(tmp_path: Path, engine: str, codec: str) -> None:
+    from hf_dynamic_ckpt.constants import OPTIMIZER_NAME
+    from hf_dynamic_ckpt.store.tensorpack import read_header
+
+    ck, model, opt, sched = make(tmp_path, engine=engine,
+                                 storage_levels={"level_1": {"compression": codec}})
+    if engine == "process":
+        ck.engine.wait_writer_ready(120)
+    for step in range(3):
+        train_step(ck, model, opt, sched, step)
+    ck.save_now(3, 0.0, blocking=False)
+    info = ck.finish()
+    ck.close()
+    assert info is not None
+    header, _, _ = read_header(Path(info.path) / OPTIMIZER_NAME)
+    assert header["codec"] == codec

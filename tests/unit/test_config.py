@@ -114,3 +114,16 @@ def test_yaml_errors_name_the_nested_field(tmp_path: Path) -> None:
     top.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping at the top level, got list"):
         SmartCkptConfig.from_yaml(top)
+
+
+def test_level_1_codec_must_be_zstd_or_none() -> None:
+    with pytest.raises(ConfigError, match=r"storage_levels.level_1.compression='gzip' is invalid: expected 'zstd' or 'none'"):
+        SmartCkptConfig.from_dict({"storage_levels": {"level_1": {"compression": "gzip"}}})
+    cfg = SmartCkptConfig.from_dict({"storage_levels": {"level_1": {"compression": "none"}}})
+    assert cfg.storage_levels.level_1.compression is Compression.NONE
+
+
+def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="hf_dynamic_ckpt.config"):
+        SmartCkptConfig.from_dict({"storage_levels": {"level_2": {"compression": "gzip"}}})
+    assert "storage_levels.level_2.compression='gzip' is not applied" in caplog.text
