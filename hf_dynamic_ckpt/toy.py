@@ -292,7 +292,17 @@ def _seeded(seed: int) -> contextlib.AbstractContextManager[Any]:
     return stack
 
 
-def _llm_kwargs(hidden_size: int, num_layers: int, vocab_size: int, dropout: float, tie: bool, kw: dict[str, Any]) -> dict[str, Any]:
+def _tiny_causal_lm(
+    arch: str, seed: int, hidden_size: int, num_layers: int, vocab_size: int, dropout: float, tie: bool,
+    kw: dict[str, Any],
+) -> Any:
+    """Build `tiny_qwen2` (`arch="qwen2"`) or `tiny_llama` (`arch="llama"`): one config recipe for both."""
+    import transformers
+
+    config_cls, model_cls = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
     heads = kw.pop("num_attention_heads", 4)
     args = {
         "vocab_size": vocab_size,
@@ -306,7 +316,11 @@ def _llm_kwargs(hidden_size: int, num_layers: int, vocab_size: int, dropout: flo
         "tie_word_embeddings": tie,
     }
     args.update(kw)
-    return args
+    config = config_cls(**args)
+    with _seeded(seed):
+        model = model_cls(config)
+    model.train()
+    return model
 
 
 def tiny_qwen2(
@@ -334,13 +348,7 @@ def tiny_qwen2(
     Returns:
         `transformers.Qwen2ForCausalLM` in training mode.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(**_llm_kwargs(hidden_size, num_layers, vocab_size, dropout, tie_word_embeddings, kw))
-    with _seeded(seed):
-        model = Qwen2ForCausalLM(config)
-    model.train()
-    return model
+    return _tiny_causal_lm("qwen2", seed, hidden_size, num_layers, vocab_size, dropout, tie_word_embeddings, kw)
 
 
 def tiny_llama(
@@ -358,13 +366,7 @@ def tiny_llama(
     Returns:
         `transformers.LlamaForCausalLM` in training mode.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**_llm_kwargs(hidden_size, num_layers, vocab_size, dropout, tie_word_embeddings, kw))
-    with _seeded(seed):
-        model = LlamaForCausalLM(config)
-    model.train()
-    return model
+    return _tiny_causal_lm("llama", seed, hidden_size, num_layers, vocab_size, dropout, tie_word_embeddings, kw)
 
 
 def lora(

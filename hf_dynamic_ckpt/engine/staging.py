@@ -1,11 +1,8 @@
 """Memory-aware staging: decide whether a buffered snapshot fits in host memory.
 
 A buffered snapshot holds a second copy of the saved tensors in host memory until the
-writer is done. On a Kubernetes node the container's limit (cgroup v2 `memory.max`) is
-what gets a job OOM-killed, not the machine's free memory, so the limit wins when set.
-The container's usage is its *working set* (`memory.current` minus reclaimable
-`inactive_file` page cache), as the kubelet counts it: checkpoint files just written sit
-in the page cache and must not count as used memory.
+writer is done. The container's cgroup v2 limit and working set (read by
+`hf_dynamic_ckpt.sysmem`) win over the machine's free memory when the limit is tighter.
 
 If the extra bytes a snapshot needs do not fit under the limit while keeping
 `margin * limit` free, the engine saves in streaming mode instead: synchronously, from
@@ -20,9 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from ..sysmem import CGROUP_MOUNT, PROC_SELF_CGROUP, find_cgroup_dir, host_memory, read_cgroup_memory
 
-_CGROUP_MOUNT = Path("/sys/fs/cgroup")
+logger = logging.getLogger(__name__)
 
 
 class StagingMode(enum.StrEnum):
@@ -55,44 +52,12 @@ class StagingPlan:
     headroom: Headroom | None
 
 
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max" or not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
+def own_cgroup_dir(proc_cgroup: Path = PROC_SELF_CGROUP, mount: Path = CGROUP_MOUNT) -> Path | None:
+    """The cgroup v2 directory of this process (`0::/path` in `/proc/self/cgroup`), if any.
 
-
-def _inactive_file(cgroup_dir: Path) -> int:
-    try:
-        for line in (cgroup_dir / "memory.stat").read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == "inactive_file":
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def own_cgroup_dir(proc_cgroup: Path = Path("/proc/self/cgroup"), mount: Path = _CGROUP_MOUNT) -> Path | None:
-    """The cgroup v2 directory of this process (`0::/path` in `/proc/self/cgroup`), if any."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if line.startswith("0::"):
-            candidate = mount / line[3:].lstrip("/")
-            if (candidate / "memory.max").exists():
-                return candidate
-            if (mount / "memory.max").exists():  # inside a container's cgroup namespace
-                return mount
-    return None
+    Any directory with a `memory.max` file qualifies, limited or not (see `sysmem.find_cgroup_dir`).
+    """
+    return find_cgroup_dir(mount, proc_cgroup, require_limit=False)
 
 
 def cgroup_headroom(cgroup_dir: Path) -> Headroom | None:
@@ -102,12 +67,14 @@ def cgroup_headroom(cgroup_dir: Path) -> Headroom | None:
         cgroup_dir (`Path`): directory with `memory.max`, `memory.current` (and optionally
             `memory.stat`); injectable for tests.
     """
-    limit = _read_int(cgroup_dir / "memory.max")
-    current = _read_int(cgroup_dir / "memory.current")
-    if limit is None or current is None:
+    mem = read_cgroup_memory(cgroup_dir)
+    if mem is None:
         return None
-    working_set = max(0, current - _inactive_file(cgroup_dir))
-    return Headroom(total_bytes=limit, available_bytes=max(0, limit - working_set), source="cgroup")
+    return Headroom(
+        total_bytes=mem.limit_bytes,
+        available_bytes=max(0, mem.limit_bytes - mem.working_set_bytes),
+        source="cgroup",
+    )
 
 
 def host_headroom(cgroup_dir: Path | str | None = None) -> Headroom:
@@ -121,10 +88,8 @@ def host_headroom(cgroup_dir: Path | str | None = None) -> Headroom:
         `Headroom`: from the cgroup when it sets a limit that is tighter than the host,
         else from `psutil.virtual_memory()`.
     """
-    import psutil
-
-    vm = psutil.virtual_memory()
-    host = Headroom(total_bytes=int(vm.total), available_bytes=int(vm.available), source="host")
+    vm = host_memory()
+    host = Headroom(total_bytes=vm.total_bytes, available_bytes=vm.available_bytes, source="host")
     directory = Path(cgroup_dir) if cgroup_dir is not None else own_cgroup_dir()
     cg = cgroup_headroom(directory) if directory is not None else None
     if cg is None:

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import sysmem
 from .stats import LayerLevels
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+DEFAULT_CGROUP_ROOT = sysmem.CGROUP_MOUNT
 
 
 # --------------------------------------------------------------------------- loss
@@ -266,28 +267,9 @@ class ClipNormRecorder:
 
 
 # --------------------------------------------------------------------------- memory
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
 def find_cgroup_dir(root: Path = DEFAULT_CGROUP_ROOT) -> Path | None:
     """This process's cgroup v2 directory when it has a memory limit, else `None`."""
-    candidates = []
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                candidates.append(root / line[3:].lstrip("/"))
-    except OSError:
-        pass
-    candidates.append(root)
-    for path in candidates:
-        if _read_int(path / "memory.max") is not None:
-            return path
-    return None
+    return sysmem.find_cgroup_dir(root)
 
 
 class MemoryProbe:
@@ -332,29 +314,16 @@ class MemoryProbe:
         return self.device_fraction(), self.host_fraction()
 
     def host_fraction(self) -> float | None:
+        """Host memory in use over its limit: cgroup working set when limited, else the machine's."""
         if self.cgroup_dir is not None:
-            limit = _read_int(self.cgroup_dir / "memory.max")  # "max" (no limit) reads as None
-            current = _read_int(self.cgroup_dir / "memory.current")
-            if limit and current is not None:
-                return max(0.0, current - self._inactive_file()) / limit
+            mem = sysmem.read_cgroup_memory(self.cgroup_dir)  # None when memory.max is "max"
+            if mem is not None and mem.limit_bytes:
+                return mem.working_set_bytes / mem.limit_bytes
         try:
-            import psutil
+            vm = sysmem.host_memory()
         except ImportError:
             return None
-        vm = psutil.virtual_memory()
-        return (vm.total - vm.available) / vm.total
-
-    def _inactive_file(self) -> int:
-        # Page cache the kernel can drop does not count toward an OOM kill (kubelet's working set).
-        assert self.cgroup_dir is not None
-        try:
-            for line in (self.cgroup_dir / "memory.stat").read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "inactive_file":
-                    return int(value)
-        except (OSError, ValueError):
-            pass
-        return 0
+        return (vm.total_bytes - vm.available_bytes) / vm.total_bytes
 
     def device_fraction(self) -> float | None:
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
