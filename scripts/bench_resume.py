@@ -41,9 +41,12 @@ PREP_STEPS = 3
 def build(kind: str):  # type: ignore[no-untyped-def]
     from hf_dynamic_ckpt import toy
 
-    # ~60M parameters: 32k vocab (untied input/output embeddings = 33M) + 8 layers of width 512.
-    model = toy.tiny_qwen2(seed=0, vocab_size=32000, hidden_size=512, num_layers=8, intermediate_size=1536,
-                           num_attention_heads=8, num_key_value_heads=4)
+    # Default ~60M parameters: 32k vocab (untied input/output embeddings = 33M) + 8 layers of
+    # width 512. BENCH_HIDDEN / BENCH_LAYERS (set by --hidden / --layers) scale it up.
+    hidden = int(os.environ.get("BENCH_HIDDEN", "512"))
+    layers = int(os.environ.get("BENCH_LAYERS", "8"))
+    model = toy.tiny_qwen2(seed=0, vocab_size=32000, hidden_size=hidden, num_layers=layers,
+                           intermediate_size=3 * hidden, num_attention_heads=8, num_key_value_heads=4)
     if kind == "lora":
         model = toy.lora(model, r=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
     ds = toy.random_token_dataset(num_examples=64, seq_len=64, vocab_size=32000, seed=1)
@@ -70,12 +73,7 @@ def trainer_for(kind: str, out: Path, *, native_save: bool, smart: bool, max_ste
     if smart:
         extra = {}
         if l1_none:
-            extra = {"storage_levels": {"level_1": {"compression": "none"}}, "engine": "thread"}
-            # Checkpointer does not pass storage_levels.level_1.compression to the store yet: set
-            # the store's default in this process (hence the thread writer) until it does.
-            from hf_dynamic_ckpt.store.store import CheckpointStore
-
-            CheckpointStore.__init__.__kwdefaults__["compression"] = "none"
+            extra = {"storage_levels": {"level_1": {"compression": "none"}}}
         callbacks.insert(0, SmartCkptCallback(SmartCkptConfig(root=str(out / store_dir(l1_none)), base_interval=PREP_STEPS,
                                                                overhead_budget=1.0, **extra)))
     return Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
@@ -132,12 +130,16 @@ def main() -> None:
     p.add_argument("--kinds", default="lora,full")
     p.add_argument("--out", default="bench_out/resume")
     p.add_argument("--repeats", type=int, default=1, help="resume runs per mode (medians are reported)")
+    p.add_argument("--hidden", type=int, default=512, help="model width (512: ~60M parameters)")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers")
     p.add_argument("--child", nargs=4, metavar=("KIND", "MODE", "OUT", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         kind, mode, out, result = args.child
         child(kind, mode, Path(out), Path(result))
         return
+    # The children build the model from these (they get no --hidden / --layers of their own).
+    os.environ["BENCH_HIDDEN"], os.environ["BENCH_LAYERS"] = str(args.hidden), str(args.layers)
     rows = []
     for kind in args.kinds.split(","):
         out = Path(args.out).absolute() / kind
