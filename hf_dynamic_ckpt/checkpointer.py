@@ -286,8 +286,10 @@ class Checkpointer:
             frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
         self._frame = frame
         decision = self.policy.pre_update(frame)
-        saved = next((e for e in reversed(self.events) if e.step == step and e.error is None), None)
-        if decision.save and saved is not None:
+        # Searched only when a capture is wanted: a per-step scan of every past save is waste.
+        saved = (next((e for e in reversed(self.events) if e.step == step and e.error is None), None)
+                 if decision.save else None)
+        if saved is not None:
             # The pre-update state is a checkpoint already taken at the end of `step`: pin it, no second copy.
             logger.info("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
             saved.pinned = True
