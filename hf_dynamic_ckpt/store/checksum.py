@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..constants import KEY_CHECKSUM, KEY_RANK, KEY_SIZE, KEY_TIER
+from ..errors import CorruptCheckpointError
 
 FileEntry = dict[str, Any]
 """`{"size": int, "checksum": str, "tier": str, "rank": int | None}`: one file in a manifest."""
@@ -218,6 +219,16 @@ class HashingWriter:
         if error:
             raise error[0]
         return self.checksum()
+
+
+def read_exact(f: Any, view: memoryview, error: str) -> None:
+    """Fills `view` from `f.readinto`, raising `CorruptCheckpointError(error)` on a short read."""
+    got = 0
+    while got < view.nbytes:
+        n = f.readinto(view[got:])
+        if not n:
+            raise CorruptCheckpointError(error)
+        got += n
 
 
 def fsync_file(f: BinaryIO | HashingWriter | str | os.PathLike[str]) -> None:

@@ -59,7 +59,7 @@ import xxhash
 
 from ..constants import Tier
 from ..errors import CorruptCheckpointError, FormatVersionError, SaveError
-from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
+from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry, read_exact
 
 logger = logging.getLogger(__name__)
 
@@ -692,7 +692,8 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
         dctx = getattr(local, "dctx", None) or zstandard.ZstdDecompressor()
         local.dctx = dctx
         with dctx.stream_reader(data, read_across_frames=False) as z:
-            _read_exact(z, buf, path, str(entries[i0]["name"]))
+            read_exact(z, buf.data.cast("B"),
+                       f"Tensor file {path} is truncated inside tensor {str(entries[i0]['name'])!r}.")
             if z.read(1):  # also completes the frame, which verifies its checksum
                 raise CorruptCheckpointError(f"Tensor file {path}: frame {k} holds more data than its header declares.")
         if direct:
@@ -759,13 +760,3 @@ def _map_raw(path: Path, header: dict[str, Any], start: int, frames: list[tuple[
         t = torch.frombuffer(mm, dtype=torch.uint8, count=entry["nbytes"], offset=start + entry["offset"])
         out[str(entry["name"])] = t.view(dtype).view(entry["shape"])
     return out
-
-
-def _read_exact(z: Any, buf: np.ndarray, path: Path, name: str) -> None:
-    view = buf.data.cast("B")
-    got = 0
-    while got < view.nbytes:
-        n = z.readinto(view[got:])
-        if not n:
-            raise CorruptCheckpointError(f"Tensor file {path} is truncated inside tensor {name!r}.")
-        got += n

@@ -37,7 +37,7 @@ import torch
 
 from ..constants import TMP_MARKER, WEIGHTS_NAME, Tier
 from ..errors import CorruptCheckpointError, SaveError
-from .checksum import FileEntry, HashingWriter, fsync_dir, make_file_entry, new_hasher
+from .checksum import FileEntry, HashingWriter, fsync_dir, make_file_entry, new_hasher, read_exact
 from .types import BlobRef
 
 logger = logging.getLogger(__name__)
@@ -373,13 +373,8 @@ def _open_tensors(path: Path, *, mmap: bool, what: str) -> tuple[dict[str, torch
             else:
                 t = torch.empty(shape, dtype=dtype)
                 f.seek(base + begin)
-                view = t.reshape(-1).view(torch.uint8).numpy().data
-                got = 0
-                while got < view.nbytes:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        raise CorruptCheckpointError(f"{what} file {path} is truncated inside tensor {key!r}.")
-                    got += n
+                read_exact(f, t.reshape(-1).view(torch.uint8).numpy().data,
+                           f"{what} file {path} is truncated inside tensor {key!r}.")
                 out[key] = t
     return out, metadata
 
