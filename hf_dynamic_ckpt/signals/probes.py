@@ -24,8 +24,6 @@ from .stats import LayerLevels
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CGROUP_ROOT = sysmem.CGROUP_MOUNT
-
 
 # --------------------------------------------------------------------------- loss
 def _extract_loss(output: Any) -> torch.Tensor | None:
@@ -267,11 +265,6 @@ class ClipNormRecorder:
 
 
 # --------------------------------------------------------------------------- memory
-def find_cgroup_dir(root: Path = DEFAULT_CGROUP_ROOT) -> Path | None:
-    """This process's cgroup v2 directory when it has a memory limit, else `None`."""
-    return sysmem.find_cgroup_dir(root)
-
-
 class MemoryProbe:
     """Device and host memory in use, as fractions, sampled every `sample_every` steps.
 
@@ -296,7 +289,7 @@ class MemoryProbe:
         if cgroup_dir is False:
             self.cgroup_dir: Path | None = None
         elif cgroup_dir is None or cgroup_dir is True:
-            self.cgroup_dir = find_cgroup_dir()
+            self.cgroup_dir = sysmem.find_cgroup_dir()  # None unless memory.max is a limit
         else:
             self.cgroup_dir = Path(cgroup_dir)
         self.device = device
