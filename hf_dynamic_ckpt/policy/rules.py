@@ -474,9 +474,7 @@ class RulePolicy:
         if state.get("version") != STATE_VERSION:
             raise ConfigError(f"policy state version={state.get('version')!r} is not supported: expected {STATE_VERSION}.")
         for window, key in ((self._loss, "loss"), (self._grad, "grad")):
-            maxlen = window.maxlen
-            window.load_state_dict(state[key])
-            window.load_state_dict({"maxlen": maxlen, "values": window.values[-maxlen:]})
+            window.load_state_dict({"maxlen": window.maxlen, "values": state[key]["values"][-window.maxlen:]})
         self._risk = deque((float(v) for v in state["risk"]), maxlen=self.config.risk_smoothing)
         self._mem = deque(((int(s), float(m)) for s, m in state["mem"]), maxlen=MEM_POINTS)
         self._step_time.load_state_dict(state["step_time"])
