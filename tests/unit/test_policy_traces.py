@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_policy import run  # pre_update then decide per step, like the checkpointer
 
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.policy import Decision, RulePolicy
@@ -26,16 +27,7 @@ CFG = SmartCkptConfig(base_interval=BASE, stability_window=20, risk_smoothing=4)
 
 def drive(name: str, cfg: SmartCkptConfig = CFG) -> tuple[list[tuple[int, str, Decision]], list[tuple[int, str]]]:
     trace = load_trace(TRACES / name)
-    policy = RulePolicy(cfg)
-    events = []
-    for f in replay_frames(trace):
-        pre = policy.pre_update(f)
-        if pre.save:
-            events.append((f.step, "pre", pre))
-        d = policy.decide(f)
-        if d.save:
-            events.append((f.step, "post", d))
-    return events, trace.onsets
+    return run(RulePolicy(cfg), replay_frames(trace)), trace.onsets
 
 
 def test_traces_are_present_and_small() -> None:
