@@ -46,12 +46,7 @@ def build(kind: str) -> tuple[torch.nn.Module, int, int, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    if kind == "tiny-full":
-        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        model = LlamaForCausalLM(cfg)
-        return model, 4, 32, "full fine-tune"
-    if kind == "tiny-lora":
+    if kind.startswith("tiny-"):
         cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
         batch, seq = 4, 32
@@ -60,6 +55,8 @@ def build(kind: str) -> tuple[torch.nn.Module, int, int, str]:
                           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256)
         batch, seq = 2, 128
     model = LlamaForCausalLM(cfg)
+    if kind == "tiny-full":
+        return model, batch, seq, "full fine-tune"
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     return model, batch, seq, "LoRA r=8 q,v"
 
