@@ -98,22 +98,18 @@ def test_max_interval_below_min_names_both() -> None:
 
 
 def test_yaml_errors_name_the_nested_field(tmp_path: Path) -> None:
-    bad_level = tmp_path / "a.yaml"
-    bad_level.write_text("storage_levels:\n  level_1: {compression: zstd, compression_level: 25}\n")
-    with pytest.raises(ConfigError, match=r"^compression_level=25 is invalid: expected 1 <= level <= 19\.$"):
-        SmartCkptConfig.from_yaml(bad_level)
-    l0 = tmp_path / "b.yaml"
-    l0.write_text("storage_levels:\n  level_0: {compression: zstd}\n")
-    with pytest.raises(ConfigError, match=r"^storage_levels\.level_0\.compression='zstd' is invalid"):
-        SmartCkptConfig.from_yaml(l0)
-    unknown = tmp_path / "c.yaml"
-    unknown.write_text("storage_levels:\n  level_3: {compression: none}\n")
-    with pytest.raises(ConfigError, match=r"^unknown config key storage_levels\.'level_3'"):
-        SmartCkptConfig.from_yaml(unknown)
-    top = tmp_path / "d.yaml"
-    top.write_text("- 1\n- 2\n")
-    with pytest.raises(ConfigError, match="expected a mapping at the top level, got list"):
-        SmartCkptConfig.from_yaml(top)
+    cases = [
+        ("storage_levels:\n  level_1: {compression: zstd, compression_level: 25}\n",
+         r"^compression_level=25 is invalid: expected 1 <= level <= 19\.$"),
+        ("storage_levels:\n  level_0: {compression: zstd}\n", r"^storage_levels\.level_0\.compression='zstd' is invalid"),
+        ("storage_levels:\n  level_3: {compression: none}\n", r"^unknown config key storage_levels\.'level_3'"),
+        ("- 1\n- 2\n", "expected a mapping at the top level, got list"),
+    ]
+    for i, (text, message) in enumerate(cases):
+        path = tmp_path / f"{i}.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            SmartCkptConfig.from_yaml(path)
 
 
 def test_level_1_codec_must_be_zstd_or_none() -> None:
