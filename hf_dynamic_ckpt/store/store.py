@@ -262,20 +262,19 @@ class CheckpointStore:
             rows = {r["step"]: r for r in self.catalog.rows(self.task_id)}
             for step, path in dirs.items():
                 if step not in rows and (path / MANIFEST_NAME).exists():
-                    for info in self._scan_one(step, path):
-                        self.catalog.upsert(info, root=self.root)
+                    self.catalog.upsert(self._scan_one(step, path), root=self.root)
             for step, row in rows.items():
                 present = step in dirs and (dirs[step] / MANIFEST_NAME).exists()
                 if not present and row["status"] != STATUS_MISSING:
                     self.catalog.set_status(self.task_id, step, STATUS_MISSING)
                 elif present and row["status"] == STATUS_MISSING:
-                    self.catalog.upsert(next(iter(self._scan_one(step, dirs[step]))), root=self.root)
+                    self.catalog.upsert(self._scan_one(step, dirs[step]), root=self.root)
 
-    def _scan_one(self, step: int, path: Path) -> list[CheckpointInfo]:
+    def _scan_one(self, step: int, path: Path) -> CheckpointInfo:
         try:
-            return [info_from_manifest(mf.read_manifest(path), path)]
+            return info_from_manifest(mf.read_manifest(path), path)
         except (CorruptCheckpointError, FormatVersionError):
-            return [broken_info(self.task_id, step, path, STATUS_CORRUPT)]
+            return broken_info(self.task_id, step, path, STATUS_CORRUPT)
 
     def reindex(self) -> int:
         """Rebuild the whole catalog (every task under `root`) from the manifests.
@@ -394,7 +393,7 @@ class CheckpointStore:
         row = self.catalog.get(self.task_id, step)
         if row is not None:
             return Catalog.to_info(row, root=self.root)
-        info = self._scan_one(step, final)[0]
+        info = self._scan_one(step, final)
         self.catalog.upsert(info, root=self.root)
         return info
 
@@ -494,7 +493,7 @@ class CheckpointStore:
         if row is not None and (path / MANIFEST_NAME).exists():
             return Catalog.to_info(row, root=self.root)
         if (path / MANIFEST_NAME).exists():  # committed, catalog row not written yet
-            info = self._scan_one(step, path)[0]
+            info = self._scan_one(step, path)
             self.catalog.upsert(info, root=self.root)
             return info
         if row is not None:
