@@ -502,8 +502,8 @@ class CheckpointStore:
 
     def _by_path(self, path: Path) -> CheckpointInfo:
         path = path.absolute()
-        if path.parent == self.task_dir and parse_step_dir(path.name) is not None:
-            return self._by_step(int(parse_step_dir(path.name) or 0))
+        if path.parent == self.task_dir and (step := parse_step_dir(path.name)) is not None:
+            return self._by_step(step)
         if not path.is_dir():
             raise CheckpointNotFoundError(
                 f"{path} is neither 'auto', 'best', 'fastest', 'step:N' nor an existing checkpoint directory; "
