@@ -493,9 +493,13 @@ class Snapshotter:
         start = time.perf_counter()
         weights: dict[str, torch.Tensor | BlobRef] | None = None
         copied = live_bytes = 0
-        if live.has_cuda and self._cuda is None:
-            self._cuda = _CudaCopier()  # keeps its side streams across saves
-        cuda = self._cuda if live.has_cuda else None
+        # Only buffered copies go through the side stream (a direct CUDA tensor moves with
+        # `.to("cpu")`), so a direct snapshot need not list its copy items at all.
+        cuda = None
+        if copy and live.has_cuda:
+            if self._cuda is None:
+                self._cuda = _CudaCopier()  # keeps its side streams across saves
+            cuda = self._cuda
         used: set[str] = set()
         cpu_dsts: list[torch.Tensor] = []
         cpu_srcs: list[torch.Tensor] = []
