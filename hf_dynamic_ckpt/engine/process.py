@@ -38,29 +38,30 @@ class _BufRef:
     name: str
 
 
-def _externalize(obj: Any, names: Mapping[int, str]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        name = names.get(id(obj))
-        return _BufRef(name) if name is not None else obj
+def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """`obj` with `fn` applied to every leaf of its dicts, lists and tuples."""
     if isinstance(obj, dict):
-        return {k: _externalize(v, names) for k, v in obj.items()}
+        return {k: _map_leaves(v, fn) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_externalize(v, names) for v in obj]
+        return [_map_leaves(v, fn) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_externalize(v, names) for v in obj)
-    return obj
+        return tuple(_map_leaves(v, fn) for v in obj)
+    return fn(obj)
+
+
+def _externalize(obj: Any, names: Mapping[int, str]) -> Any:
+    """Shared-memory buffers in `obj` replaced by `_BufRef`s (other tensors are sent as they are)."""
+
+    def leaf(v: Any) -> Any:
+        name = names.get(id(v)) if isinstance(v, torch.Tensor) else None
+        return _BufRef(name) if name is not None else v
+
+    return _map_leaves(obj, leaf)
 
 
 def _internalize(obj: Any, buffers: Mapping[str, torch.Tensor]) -> Any:
-    if isinstance(obj, _BufRef):
-        return buffers[obj.name]
-    if isinstance(obj, dict):
-        return {k: _internalize(v, buffers) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_internalize(v, buffers) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_internalize(v, buffers) for v in obj)
-    return obj
+    """The inverse of `_externalize`, against the child's mapped buffers."""
+    return _map_leaves(obj, lambda v: buffers[v.name] if isinstance(v, _BufRef) else v)
 
 
 _TENSOR_FIELDS = ("weights", "optimizer", "scheduler", "scaler")
