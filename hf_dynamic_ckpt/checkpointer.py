@@ -161,6 +161,7 @@ class Checkpointer:
         self._last_pre_t: float | None = None
         self._stall_ms_since_log = 0.0
         self._timeline: Any = None
+        self._timeline_seen = 0  # len(self.events) when the last timeline row was written
         self._l1: Future[Any] | None = None  # background optimizer-tier read of a resume
         self._closed = False
 
@@ -439,7 +440,9 @@ class Checkpointer:
         row: dict[str, Any] = {"step": frame.step, "loss": _num(frame.loss), "grad_norm": _num(frame.grad_norm),
                "lora_max_ratio": _num(frame.lora_max_ratio), "lr": _num(frame.lr), "risk": round(decision.risk, 6),
                "mem": _num(frame.mem_frac), "step_time_s": _num(frame.step_time_s), "time": time.time()}
-        saves = [e for e in self.events if e.at_step == frame.step]
+        # Only saves appended since the previous row can belong to this one (no scan of the whole history).
+        saves = [e for e in self.events[self._timeline_seen:] if e.at_step == frame.step]
+        self._timeline_seen = len(self.events)
         if saves:
             row["saves"] = [{"step": e.step, "reason": e.reason, "pinned": e.pinned,
                              "blocking_ms": round(e.blocking_ms, 3)} for e in saves]
