@@ -113,8 +113,9 @@ class SmartCkptCallback(TrainerCallback):
         scaler = getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
         accelerator = getattr(self.trainer, "accelerator", None)
         assert model is not None, "Trainer passes the model to callbacks"
+        # No `weights=`: attach's default is the cached `trainable_state_dict(model)` (no module walk per save).
         ck.attach(model, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler,
-                  weights=lambda: trainable_state_dict(model), frozen_keys=frozen_weight_keys(model),
+                  frozen_keys=frozen_weight_keys(model),
                   extra=self._extra, sampler=self._sampler, clip_owner=accelerator)
         if self._pending is not None:
             loaded, self._pending = self._pending, None
