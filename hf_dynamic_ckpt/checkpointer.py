@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 import uuid
 import warnings
@@ -37,14 +36,15 @@ from torch import nn
 from . import distributed as dist
 from .config import EngineMode, FallbackStrategy, SmartCkptConfig
 from .constants import ALL_TIERS, TIMELINE_NAME, Tier
-from .engine import CachedWeights, SaveEngine, SaveHandle, StateSources
+from .engine import SaveEngine, SaveHandle
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, DistributedError
-from .policy.decision import Decision
+from .jsonutil import safe_float as _num
+from .policy.decision import Decision, DecisionKind
 from .policy.retention import level_retention_from_config, plan_retention
 from .policy.rules import RulePolicy
 from .signals.frame import SignalFrame
 from .signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe, PreemptionFlag
-from .store.rng import capture_rng_state
+from .state import CachedWeights, StateSources, capture_rng_state, trainable_state_dict
 from .store.store import CheckpointStore
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
@@ -330,7 +330,7 @@ class Checkpointer:
         self.last_frame, self.last_decision = frame, decision
         self._collect_finished()
         if decision.save:
-            if decision.reason == "preemption":
+            if decision.kind == DecisionKind.PREEMPTION:
                 self._preempt_save(step, epoch, frame)
             else:
                 self._save(decision, step=step, epoch=epoch, at_step=step)
@@ -341,7 +341,8 @@ class Checkpointer:
     def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
                  pin: bool = False, blocking: bool = True) -> SaveEvent:
         """Save the current state of `step` outside the policy (e.g. the end of training)."""
-        decision = Decision(save=True, tiers=frozenset(tiers), reason=reason, pin=pin, step=step)
+        kind = DecisionKind.TRAIN_END if reason == "train_end" else DecisionKind.MANUAL
+        decision = Decision(save=True, tiers=frozenset(tiers), reason=reason, pin=pin, step=step, kind=kind)
         return self._save(decision, step=step, epoch=epoch, at_step=step, blocking=blocking)
 
     # ------------------------------------------------------------------ saving
@@ -673,101 +674,3 @@ class Checkpointer:
         return out
 
 
-# ---------------------------------------------------------------------- helpers
-def _num(v: float | None) -> float | str | None:
-    if v is None:
-        return None
-    return float(v) if math.isfinite(v) else str(float(v))
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    """Whether `model` is a PEFT model (adapter-only checkpoints)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What L0 holds: the adapter only for a PEFT model (PEFT key names), else the full state dict.
-
-    The tensors alias the live parameters; the engine copies them.
-    """
-    if is_peft_model(model):
-        from peft import get_peft_model_state_dict
-
-        return dict(get_peft_model_state_dict(model))
-    return dict(model.state_dict())
-
-
-def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
-    """State-dict keys of parameters that do not train (stored once, content-addressed)."""
-    if is_peft_model(model):
-        return frozenset()
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    named = dict(model.named_parameters())
-    return frozenset(k for k in model.state_dict() if k in named and id(named[k]) not in trainable)
-
-
-def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy saved L0 tensors into the live model in place (after `restore.check_weights`).
-
-    Raises:
-        `IncompatibleStateError`: names or shapes do not match the model.
-    """
-    from .restore import check_weights
-
-    if is_peft_model(model):
-        from peft import set_peft_model_state_dict
-
-        check_weights(weights, trainable_state_dict(model))
-        set_peft_model_state_dict(model, dict(weights))
-        return
-    check_weights(weights, model.state_dict())
-    model.load_state_dict(dict(weights), strict=False)
-
-
-def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, scheduler: Any | None,
-                          scaler: Any | None = None) -> None:
-    """Load L1 straight into the live optimizer / scheduler / scaler (no intermediate files).
-
-    When L1 was lost (`loaded.optimizer is None`), the optimizer stays fresh and the
-    scheduler is moved to the checkpoint's step so the learning-rate schedule continues
-    where it was; a warning says so.
-    """
-    step = loaded.info.step
-    if loaded.optimizer is not None and optimizer is not None:
-        optimizer.load_state_dict(loaded.optimizer)
-    elif optimizer is not None:
-        msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "
-               "weights with a fresh optimizer (moments reset)")
-        if not any("optimizer state" in w for w in loaded.warnings):  # restore already said it otherwise
-            logger.warning(msg)
-        warnings.warn(msg, stacklevel=2)
-    if scheduler is not None:
-        if loaded.scheduler is not None:
-            scheduler.load_state_dict(loaded.scheduler)
-            if loaded.optimizer is None and optimizer is not None:
-                # A fresh optimizer still holds the schedule's initial rates: set the saved step's.
-                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                    group["lr"] = lr
-        else:
-            fast_forward_scheduler(scheduler, step)
-            logger.warning("resume from step %d: LR scheduler state not saved; schedule moved to step %d", step, step)
-    if scaler is not None and loaded.scaler is not None:
-        scaler.load_state_dict(loaded.scaler)
-
-
-def fast_forward_scheduler(scheduler: Any, step: int) -> None:
-    """Put a fresh LR scheduler at `step` (its optimizer's learning rates follow)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
-        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
-            # Closed form: every transformers schedule is a LambdaLR, O(1) for any step.
-            scheduler.last_epoch = step - 1
-            scheduler._step_count = step
-            scheduler.step()
-            return
-        for _ in range(step):
-            scheduler.step()

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .config import FallbackStrategy
 from .constants import Tier
@@ -29,19 +28,14 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatVersionError,
-    IncompatibleStateError,
 )
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
 if TYPE_CHECKING:
-    import torch
 
     from .store.store import CheckpointStore
 
 logger = logging.getLogger(__name__)
-
-_MAX_LISTED_KEYS = 10
-
 
 def _warn(loaded: LoadedCheckpoint, message: str) -> None:
     loaded.warnings.append(message)  # logged once, in order, by load_for_resume
@@ -158,50 +152,3 @@ def _load_optimizer(store: CheckpointStore, info: CheckpointInfo, loaded: Loaded
     return None
 
 
-def _fmt_keys(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
-    return shown + (f", ... and {len(keys) - _MAX_LISTED_KEYS} more" if len(keys) > _MAX_LISTED_KEYS else "")
-
-
-def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]) -> None:
-    """Check that saved weights fit a model's state dict, by key names and shapes.
-
-    Args:
-        saved (`Mapping[str, torch.Tensor]`): weights read from a checkpoint.
-        expected (`Mapping[str, torch.Tensor]`): what the model holds (e.g. `model.state_dict()`,
-            or the PEFT adapter dict).
-
-    Raises:
-        `IncompatibleStateError`: with the message
-
-            ``saved weights do not fit the model: <parts>. Resume with the model (and adapter)
-            configuration the checkpoint was saved from.``
-
-            where ``<parts>`` joins with ``"; "`` the non-empty ones of
-            ``missing from the checkpoint (N): k1, k2``,
-            ``unexpected in the checkpoint (N): k3`` and
-            ``shape mismatch (N): k4 saved [2, 3] vs model [2, 4]``; keys are sorted and at
-            most 10 are listed per part (``..., ... and M more``).
-
-    Example:
-        ```python
-        >>> check_weights({"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)})
-        IncompatibleStateError: saved weights do not fit the model: shape mismatch (1): w saved [2, 3] vs model [2, 4]. ...
-        ```
-    """
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    mismatched = sorted(k for k in set(saved) & set(expected) if tuple(saved[k].shape) != tuple(expected[k].shape))
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint ({len(missing)}): {_fmt_keys(missing)}")
-    if unexpected:
-        parts.append(f"unexpected in the checkpoint ({len(unexpected)}): {_fmt_keys(unexpected)}")
-    if mismatched:
-        shown = [f"{k} saved {list(saved[k].shape)} vs model {list(expected[k].shape)}" for k in mismatched]
-        parts.append(f"shape mismatch ({len(mismatched)}): {_fmt_keys(shown)}")
-    if parts:
-        raise IncompatibleStateError(
-            "saved weights do not fit the model: " + "; ".join(parts)
-            + ". Resume with the model (and adapter) configuration the checkpoint was saved from."
-        )

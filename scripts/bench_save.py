@@ -39,8 +39,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.constants import ALL_TIERS
-from hf_dynamic_ckpt.engine import CachedWeights, SaveEngine, StateSources
+from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.snapshot import state_dict_tensor_bytes
+from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.toy import lora, tiny_qwen2
 

@@ -24,8 +24,9 @@ from collections.abc import Iterator
 import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS
-from hf_dynamic_ckpt.engine import SaveEngine, StateSources
+from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.process import ProcessWriter
+from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 
 

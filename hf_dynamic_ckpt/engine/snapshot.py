@@ -32,94 +32,13 @@ import torch
 
 from ..constants import Tier
 from ..errors import SaveError
+from ..state.sources import StateSources
 from ..store.types import BlobRef, CheckpointState
 
 logger = logging.getLogger(__name__)
 
 _WEIGHTS_PREFIX = "weights/"
 _OPTIMIZER_PREFIX = "optimizer/"
-
-
-@dataclass
-class StateSources:
-    """The live objects a save copies from. The engine only reads them.
-
-    Args:
-        weights (`Callable[[], Mapping[str, torch.Tensor]]`, *optional*): returns the L0
-            tensors under their saved names, e.g. `model.state_dict` or a PEFT adapter dict.
-        frozen_keys (`frozenset[str]`, *optional*): weight names that never change between
-            saves (frozen base weights): stored once, content-addressed, never copied.
-        optimizer (`torch.optim.Optimizer`, *optional*): L1; its `state_dict()` aliases live
-            tensors, which the snapshot copies.
-        scheduler (*optional*): object with `state_dict()` (LR scheduler), L1.
-        scaler (*optional*): object with `state_dict()` (AMP `GradScaler`), L1.
-        sampler (`Callable[[], dict]`, *optional*): JSON-able data position, L2.
-        extra (`Callable[[], dict]`, *optional*): JSON-able data for the manifest's `extra`.
-
-    Example:
-        ```python
-        >>> sources = StateSources(weights=model.state_dict, optimizer=optimizer)
-        ```
-    """
-
-    weights: Callable[[], Mapping[str, torch.Tensor]] | None = None
-    frozen_keys: frozenset[str] = frozenset()
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: Any | None = None
-    scaler: Any | None = None
-    sampler: Callable[[], dict[str, Any]] | None = None
-    extra: Callable[[], dict[str, Any]] | None = None
-
-
-class CachedWeights:
-    """A `StateSources.weights` callable that builds its mapping once and reuses it.
-
-    `model.state_dict()` and `peft.get_peft_model_state_dict(model)` walk every module on
-    each call (tens of milliseconds on a 60M-parameter model, more than the copy of a LoRA
-    adapter). Their tensors alias the live parameters, so the mapping stays valid while no
-    parameter or buffer is replaced; that is checked on every call (storage pointer, shape,
-    dtype of each), and the mapping is rebuilt when something changed (`model.to(...)`,
-    a re-assigned parameter, a resized embedding).
-
-    Args:
-        model (`torch.nn.Module`): the model whose parameters the mapping aliases.
-        fn (`Callable[[], Mapping[str, torch.Tensor]]`): builds the mapping, e.g.
-            `model.state_dict` or `lambda: get_peft_model_state_dict(model)`.
-
-    Example:
-        ```python
-        >>> sources = StateSources(weights=CachedWeights(model, model.state_dict), optimizer=optimizer)
-        ```
-    """
-
-    def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-        self._model = model
-        self._fn = fn
-        self._modules: list[tuple[Any, str, Any]] = []
-        self._tensors: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
-        self._cache: dict[str, torch.Tensor] | None = None
-
-    def _record(self) -> None:
-        # Flat lists checked by identity: no module traversal per save (a PEFT model is deep).
-        self._modules, self._tensors = [], []
-        for module in self._model.modules():
-            for name, child in module._modules.items():
-                self._modules.append((module._modules, name, child))
-            for table in (module._parameters, module._buffers):
-                for name, t in table.items():
-                    if t is not None:
-                        self._tensors.append((table, name, t, t.data_ptr()))
-
-    def _valid(self) -> bool:
-        return all(table.get(name) is child for table, name, child in self._modules) and all(
-            table.get(name) is t and t.data_ptr() == ptr for table, name, t, ptr in self._tensors
-        )
-
-    def __call__(self) -> Mapping[str, torch.Tensor]:
-        if self._cache is None or not self._valid():
-            self._cache = dict(self._fn())
-            self._record()
-        return self._cache
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -460,7 +379,7 @@ class Snapshotter:
             if rng is not None:
                 rng_state = _clone_small(rng)
             else:
-                from ..store.rng import capture_rng_state
+                from ..state.rng import capture_rng_state
 
                 rng_state = capture_rng_state()
             if sampler is not None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..checkpointer import apply_optimizer_state, apply_weights, frozen_weight_keys, trainable_state_dict
 from ..errors import ConfigError
-from ..store.rng import restore_rng_state
+from ..state import apply_optimizer_state, apply_weights, frozen_weight_keys, trainable_state_dict
+from ..state.rng import restore_rng_state
 from ..store.types import LoadedCheckpoint
 from ._position import ResumableLoader
 

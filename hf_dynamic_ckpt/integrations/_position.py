@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..store.rng import capture_rng_state, restore_rng_state
+from ..state.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 

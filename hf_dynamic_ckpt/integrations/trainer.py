@@ -39,17 +39,12 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .. import distributed as dist
-from ..checkpointer import (
-    Checkpointer,
-    apply_optimizer_state,
-    frozen_weight_keys,
-    is_peft_model,
-    trainable_state_dict,
-)
+from ..checkpointer import Checkpointer
 from ..config import SmartCkptConfig
 from ..constants import KEY_EPOCH, RESUME_DIR, WEIGHTS_NAME
 from ..errors import ConfigError
-from ..store.rng import restore_rng_state
+from ..state import apply_optimizer_state, frozen_weight_keys, is_peft_model, trainable_state_dict
+from ..state.rng import restore_rng_state
 from ..store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -281,7 +276,7 @@ def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Pat
     rank writes its own `rng_state[_R].pth`. No optimizer or scheduler file: the callback
     loads those from the store.
     """
-    from ..restore import check_weights
+    from ..state.model import check_weights
 
     model = trainer.model
     peft = is_peft_model(model)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .decision import MINIMAL_TIERS, NO_SAVE, Decision
+from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
 from .retention import level_retention_from_config, plan_retention
 from .rules import RulePolicy
 
-__all__ = ["MINIMAL_TIERS", "NO_SAVE", "Decision", "RulePolicy", "level_retention_from_config", "plan_retention"]
+__all__ = ["MINIMAL_TIERS", "NO_SAVE", "Decision", "DecisionKind", "RulePolicy", "level_retention_from_config", "plan_retention"]

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
 from ..constants import Tier
+
+
+class DecisionKind(enum.StrEnum):
+    """Why a save happens, as a value code can branch on (`Decision.reason` stays human text)."""
+
+    NONE = "none"  # no save
+    INTERVAL = "interval"  # the regular (possibly risk-shortened) interval elapsed
+    RISK_EDGE = "risk_edge"  # smoothed risk rose past risk_threshold
+    MEMORY = "memory"  # memory predicted to cross memory_threshold (minimal tiers)
+    CAPTURE = "capture"  # pre-update capture of the still-healthy state (pinned)
+    PREEMPTION = "preemption"  # SIGTERM/SIGUSR1: one synchronous save, then stop
+    TRAIN_END = "train_end"  # the final state when training ends
+    MANUAL = "manual"  # asked for outside the policy (save_now, accelerate save_state)
+    LEARNED = "learned"  # asked for by the learned double-check model
+
 
 MINIMAL_TIERS: frozenset[Tier] = frozenset({Tier.WEIGHTS, Tier.STATE})
 """Smallest consistent restore point: weights plus RNG / data position / step (no optimizer).
@@ -36,6 +52,7 @@ class Decision:
         healthy (`bool`, *optional*, defaults to `True`): the state to save is believed sane
             (no non-finite update has been applied to it); restore points must be healthy.
         interval (`float`, *optional*, defaults to `0.0`): the current regular interval in steps.
+        kind (`DecisionKind`, *optional*): machine-readable reason; `NONE` when not saving.
     """
 
     save: bool
@@ -48,6 +65,7 @@ class Decision:
     step: int | None = None
     healthy: bool = True
     interval: float = 0.0
+    kind: DecisionKind = DecisionKind.NONE
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (tiers sorted) for logs, the manifest and the decision history."""
@@ -62,6 +80,7 @@ class Decision:
             "step": self.step,
             "healthy": self.healthy,
             "interval": round(self.interval, 3),
+            "kind": self.kind.value,
         }
 
 

@@ -15,9 +15,10 @@ from typing import Any
 
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
+from ..jsonutil import safe_float as _j
 from ..signals.frame import SignalFrame
 from ..signals.stats import MAD_TO_STD, Ema, RollingWindow, linear_fit, ramp
-from .decision import MINIMAL_TIERS, NO_SAVE, Decision
+from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ class RulePolicy:
         self.last_capture_step = frame.step
         decision = Decision(save=True, tiers=ALL_TIERS, reason=f"pre_update {trigger}", pin=True, pre_update=True,
                             skip_update=skip, risk=self.risk, step=frame.step - 1, healthy=True,
-                            interval=self.interval())
+                            interval=self.interval(), kind=DecisionKind.CAPTURE)
         self._record(decision, frame.step)
         return decision
 
@@ -359,12 +360,13 @@ class RulePolicy:
         since = step - self.last_save_step
         healthy = not self._poisoned
 
-        def save(reason: str, tiers: frozenset[Tier] = ALL_TIERS) -> Decision:
-            return Decision(save=True, tiers=tiers, reason=reason, risk=beta, step=step, healthy=healthy, interval=interval)
+        def save(reason: str, kind: DecisionKind, tiers: frozenset[Tier] = ALL_TIERS) -> Decision:
+            return Decision(save=True, tiers=tiers, reason=reason, risk=beta, step=step, healthy=healthy, interval=interval,
+                            kind=kind)
 
         if frame.preempt and not self._preempt_done:
             self._preempt_done = True
-            return save("preemption")
+            return save("preemption", DecisionKind.PREEMPTION)
         if frame.preempt:
             self._suppress("preempt", step, "preemption flag still set: final save already taken")
         if self._poisoned:
@@ -386,7 +388,7 @@ class RulePolicy:
             elif not self._within_budget():
                 self._suppress("edge", step, f"{reason} suppressed: over overhead_budget {c.overhead_budget:.1%}")
             else:
-                return save(reason, tiers)
+                return save(reason, DecisionKind.RISK_EDGE, tiers)
 
         forecast = self._memory_forecast()
         if forecast is not None:
@@ -395,7 +397,7 @@ class RulePolicy:
                 self._mem_armed = False
                 reason = f"memory_ramp {current:.1%} -> {predicted:.1%} within {c.memory_lookahead} steps"
                 if since >= c.min_interval:
-                    return save(reason, MINIMAL_TIERS)
+                    return save(reason, DecisionKind.MEMORY, MINIMAL_TIERS)
                 self._suppress("memory", step, f"{reason} suppressed: {since} < min_interval {c.min_interval}")
             elif not self._mem_armed and predicted < c.memory_threshold - 0.05:
                 self._mem_armed = True
@@ -403,7 +405,8 @@ class RulePolicy:
 
         if since >= round(interval):
             base = self.base_interval()
-            return save(f"interval {round(interval)} (base {base:.0f}, alpha {self.alpha:.2f}, beta {beta:.2f})")
+            return save(f"interval {round(interval)} (base {base:.0f}, alpha {self.alpha:.2f}, beta {beta:.2f})",
+                        DecisionKind.INTERVAL)
         return Decision(save=False, risk=beta, interval=interval)
 
     def _suppress(self, key: str, step: int, message: str) -> None:
@@ -495,8 +498,3 @@ class RulePolicy:
         self.history = deque(state["history"], maxlen=HISTORY_STEPS)
         self.decisions = deque(state["decisions"], maxlen=DECISION_HISTORY)
 
-
-def _j(v: float | None) -> float | str | None:
-    if v is None:
-        return None
-    return float(v) if math.isfinite(v) else str(float(v))

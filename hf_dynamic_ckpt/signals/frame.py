@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..jsonutil import safe_float
+
 
 @dataclass
 class SignalFrame:
@@ -31,6 +33,9 @@ class SignalFrame:
         step_time_s (`float`, *optional*): wall time of the step.
         lr (`float`, *optional*): learning rate of the first parameter group.
         preempt (`bool`, *optional*, defaults to `False`): a preemption signal arrived.
+        save_blocking_s (`float`, *optional*): seconds this rank was blocked by the saves it took
+            since its previous frame (MAX over ranks once reduced): the policy's only view of the
+            save cost, so that every rank folds the same number.
     """
 
     step: int
@@ -44,6 +49,7 @@ class SignalFrame:
     step_time_s: float | None = None
     lr: float | None = None
     preempt: bool = False
+    save_blocking_s: float | None = None
 
     @property
     def mem_frac(self) -> float | None:
@@ -59,11 +65,9 @@ class SignalFrame:
         return any(v is not None and not math.isfinite(v) for v in (self.loss, self.grad_norm, self.lora_max_ratio))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (non-finite floats become the strings `"nan"`, `"inf"`, `"-inf"`)."""
+        """JSON-able form (non-finite floats become `"NaN"`, `"Infinity"`, `"-Infinity"`: `jsonutil.safe_float`)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                v = str(v)
-            out[f.name] = v
+            out[f.name] = safe_float(v) if isinstance(v, float) else v
         return out

@@ -27,7 +27,7 @@ from ..constants import (
     Tier,
 )
 from ..errors import DistributedError
-from . import manifest as mf
+from ..jsonutil import json_safe
 from .checksum import FileEntry, fsync_dir
 from .layout import L1_PARTS, read_json, write_json
 from .types import CheckpointState
@@ -60,7 +60,7 @@ def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir:
             files[OPTIMIZER_NAME] = {**entry, KEY_TIER: Tier.OPTIMIZER.value, KEY_RANK: None}
             files[OPTIMIZER_META_NAME] = write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER, rank=None)
         if state.sampler is not None:
-            files[SAMPLER_NAME] = write_json(tmp / SAMPLER_NAME, mf.json_safe(state.sampler), tier=Tier.STATE, rank=None)
+            files[SAMPLER_NAME] = write_json(tmp / SAMPLER_NAME, json_safe(state.sampler), tier=Tier.STATE, rank=None)
     if state.rng is not None:
         name = RNG_NAME_TEMPLATE.format(rank=rank)
         files[name] = write_json(tmp / name, state.rng, tier=Tier.STATE, rank=rank)

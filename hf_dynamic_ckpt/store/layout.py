@@ -36,6 +36,7 @@ from ..constants import (
     Tier,
 )
 from ..errors import CorruptCheckpointError
+from ..jsonutil import as_float
 from . import manifest as mf
 from .catalog import STATUS_OK
 from .checksum import FileEntry, checksum_algo, file_checksum, fsync_file, new_hasher
@@ -67,10 +68,10 @@ def read_json(path: Path) -> Any:
 def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK) -> CheckpointInfo:
     """The `CheckpointInfo` (catalog row) a valid manifest describes."""
     signals = manifest.get(KEY_SIGNALS) or {}
-    gpu = mf.as_float(signals.get("gpu_mem_percent"))
-    if gpu is None and mf.as_float(signals.get("device_mem_frac")) is not None:
-        gpu = 100.0 * float(mf.as_float(signals.get("device_mem_frac")) or 0.0)
-    loss = mf.as_float(signals.get("loss"))
+    gpu = as_float(signals.get("gpu_mem_percent"))
+    if gpu is None and as_float(signals.get("device_mem_frac")) is not None:
+        gpu = 100.0 * float(as_float(signals.get("device_mem_frac")) or 0.0)
+    loss = as_float(signals.get("loss"))
     return CheckpointInfo(
         task_id=str(manifest[KEY_TASK_ID]),
         step=int(manifest[KEY_STEP]),
@@ -81,7 +82,7 @@ def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str =
         loss=loss if loss is None or loss == loss else None,  # NaN is no loss to rank by
         gpu_mem_percent=gpu,
         save_time=float(manifest.get(KEY_CREATED_AT, 0.0)),
-        recovery_cost_ms=mf.as_float(manifest.get(mf.KEY_RECOVERY_COST)),
+        recovery_cost_ms=as_float(manifest.get(mf.KEY_RECOVERY_COST)),
         healthy=bool(manifest.get(KEY_HEALTHY, True)),
         pinned=bool(manifest.get(KEY_PINNED, False)) or (path / PINNED_MARKER).exists(),
         status=status,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import time
@@ -50,6 +49,7 @@ from ..constants import (
     Tier,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from ..jsonutil import json_safe
 
 # Manifest keys owned by the store core (the shared ones live in constants.py).
 KEY_BYTES = "bytes"
@@ -58,45 +58,12 @@ KEY_RECOVERY_COST = "recovery_cost_ms"
 """Estimated milliseconds to verify and load every tier (see `estimate_recovery_cost_ms`)."""
 KEY_SESSION_ID = "session_id"
 
-_NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
-
 # Throughputs of the recovery-cost model (bytes per millisecond). Loading a file means
 # checksumming it first (sha256, ~0.5-1 GB/s on one core), then mapping (L0) or
 # decompressing + rebuilding the state (L1, zstd ~0.3-1 GB/s, plus per-tensor work).
 _L0_BYTES_PER_MS = 500_000.0
 _L1_BYTES_PER_MS = 200_000.0
 _PER_FILE_MS = 2.0
-
-
-def json_safe(obj: Any) -> Any:
-    """Replace non-finite floats by strings, tuples by lists, so the result is strict JSON."""
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return "NaN"
-        return _NONFINITE.get(obj, obj)
-    if isinstance(obj, Mapping):
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_safe(v) for v in obj]
-    if obj is None or isinstance(obj, bool | int | str):
-        return obj
-    if hasattr(obj, "item"):  # numpy / torch scalars
-        return json_safe(obj.item())
-    return str(obj)
-
-
-def as_float(value: Any) -> float | None:
-    """Inverse of `json_safe` for one number: ``"NaN"`` -> nan; anything else unusable -> None."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
 
 
 def canonical_bytes(manifest: Mapping[str, Any]) -> bytes:

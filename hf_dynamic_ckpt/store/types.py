@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..constants import Tier
+from .spec import Lineage
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +69,13 @@ class CheckpointState:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One committed checkpoint as the catalog and `CheckpointStore.list()` describe it."""
+    """One committed checkpoint as the catalog and `CheckpointStore.list()` describe it.
+
+    `blobs` is the manifest's blob table (weight key -> `{"digest", "dtype", "shape", "size"}`)
+    of the deduplicated weights, so the engine learns what a commit stored without reading
+    the manifest again. `abandoned` marks a checkpoint of a timeline a later run forked away
+    from (never chosen by `auto`/`best`/`fastest`); `lineage` says which run wrote it.
+    """
 
     task_id: str
     step: int
@@ -83,6 +91,9 @@ class CheckpointInfo:
     pinned: bool
     status: str  # "ok" | "missing" | "corrupt"
     world_size: int = 1
+    blobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False, repr=False)
+    abandoned: bool = False
+    lineage: Lineage | None = None
 
 
 @dataclass

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS, MANIFEST_NAME, Tier
-from hf_dynamic_ckpt.engine import SaveEngine, StateSources
+from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.errors import SaveError
+from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.toy import tiny_qwen2
 
@@ -123,7 +124,8 @@ def test_interpreter_exit_after_an_exception_flushes_the_save_in_flight(tmp_path
     result = _run(
         """
         import sys, time, torch
-        from hf_dynamic_ckpt.engine import SaveEngine, StateSources
+        from hf_dynamic_ckpt.engine import SaveEngine
+        from hf_dynamic_ckpt.state import StateSources
         from hf_dynamic_ckpt.store import CheckpointStore
         from hf_dynamic_ckpt.constants import Tier
         store = CheckpointStore(sys.argv[1])
@@ -152,7 +154,8 @@ import json, os, resource, sys
 from pathlib import Path
 import psutil, torch
 torch.set_num_threads(1)
-from hf_dynamic_ckpt.engine import SaveEngine, StateSources
+from hf_dynamic_ckpt.engine import SaveEngine
+from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.constants import ALL_TIERS
 

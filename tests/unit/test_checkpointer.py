@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from hf_dynamic_ckpt import CheckpointNotFoundError, SmartCkptConfig
-from hf_dynamic_ckpt.checkpointer import Checkpointer, apply_optimizer_state, fast_forward_scheduler
-from hf_dynamic_ckpt.store.rng import capture_rng_state
+from hf_dynamic_ckpt.checkpointer import Checkpointer
+from hf_dynamic_ckpt.state import apply_optimizer_state, fast_forward_scheduler
+from hf_dynamic_ckpt.state.rng import capture_rng_state
 
 
 class Net(nn.Module):
@@ -186,7 +187,7 @@ def test_lr_surge_triggers_a_pinned_pre_update_capture(tmp_path: Path) -> None:
 
 
 def test_default_weights_source_is_cached_and_sees_a_replaced_parameter(tmp_path: Path) -> None:
-    from hf_dynamic_ckpt.engine import CachedWeights
+    from hf_dynamic_ckpt.state import CachedWeights
 
     ck, model, opt, sched = make(tmp_path)
     source = ck._sources.weights
@@ -218,8 +219,8 @@ def _data_step(ck: Checkpointer, model: Net, opt: torch.optim.Optimizer, sched: 
 
 
 def _resume_into(ck: Checkpointer, spec: str, model: Net, opt: torch.optim.Optimizer, sched: object) -> int:
-    from hf_dynamic_ckpt.checkpointer import apply_weights
-    from hf_dynamic_ckpt.store.rng import restore_rng_state
+    from hf_dynamic_ckpt.state import apply_weights
+    from hf_dynamic_ckpt.state.rng import restore_rng_state
 
     loaded = ck.resume(spec)
     assert loaded is not None

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
-from hf_dynamic_ckpt.engine import OnBusy, SaveEngine, SaveHandle, StateSources
+from hf_dynamic_ckpt.engine import OnBusy, SaveEngine, SaveHandle
 from hf_dynamic_ckpt.engine.staging import Headroom
 from hf_dynamic_ckpt.errors import ConfigError, SaveError
+from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.checksum import HashingWriter
 

@@ -19,7 +19,8 @@ from hf_dynamic_ckpt.constants import (
     WEIGHTS_NAME,
 )
 from hf_dynamic_ckpt.errors import CheckpointNotFoundError, FormatVersionError, IncompatibleStateError
-from hf_dynamic_ckpt.restore import check_weights, load_for_resume
+from hf_dynamic_ckpt.restore import load_for_resume
+from hf_dynamic_ckpt.state.model import check_weights
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
 

@@ -86,7 +86,7 @@ def test_linear_fit() -> None:
 def test_frame_to_dict_is_json_safe() -> None:
     f = SignalFrame(step=3, loss=math.nan, grad_norm=math.inf, host_mem_frac=0.5, device_mem_frac=0.7)
     d = f.to_dict()
-    assert d["loss"] == "nan" and d["grad_norm"] == "inf" and d["step"] == 3
+    assert d["loss"] == "NaN" and d["grad_norm"] == "Infinity" and d["step"] == 3
     assert f.any_nonfinite and f.mem_frac == 0.7
 
 

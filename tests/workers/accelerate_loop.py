@@ -44,7 +44,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig, toy
-    from hf_dynamic_ckpt.checkpointer import trainable_state_dict
+    from hf_dynamic_ckpt.state import trainable_state_dict
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)
     set_seed(0)

@@ -1,0 +1,101 @@
+"""Strict JSON in and out: one spelling of non-finite numbers, bounded nesting on read.
+
+Every JSON file the library writes (manifests, L2 state, the timeline, policy state in
+`extra`) is strict JSON so `jq` reads it: non-finite floats are written as the strings
+``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (`json_safe`) and read back with `as_float`.
+Every JSON file it reads from a checkpoint goes through `loads_bounded`, which refuses
+documents nested deeper than `MAX_DEPTH` before the parser recurses into them (a
+hostile ``[[[[...]]]]`` must not end in a `RecursionError`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+NAN = "NaN"
+POS_INF = "Infinity"
+NEG_INF = "-Infinity"
+MAX_DEPTH = 64
+"""Deepest nesting of arrays/objects any file of a checkpoint may have (the real ones stay below 12)."""
+
+
+def safe_float(value: float | None) -> float | str | None:
+    """One number as strict JSON: finite floats stay, NaN/inf become their strings, `None` stays."""
+    if value is None:
+        return None
+    value = float(value)
+    if math.isnan(value):
+        return NAN
+    if math.isinf(value):
+        return POS_INF if value > 0 else NEG_INF
+    return value
+
+
+def json_safe(obj: Any) -> Any:
+    """Replace non-finite floats by strings, tuples by lists, so the result is strict JSON."""
+    if isinstance(obj, float):
+        return safe_float(obj)
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    if obj is None or isinstance(obj, bool | int | str):
+        return obj
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return json_safe(obj.item())
+    return str(obj)
+
+
+def as_float(value: Any) -> float | None:
+    """Inverse of `json_safe` for one number: ``"NaN"`` -> nan; anything else unusable -> `None`."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def nesting_depth(obj: Any, *, limit: int | None = None) -> int:
+    """Deepest list/dict nesting of a parsed JSON value (iterative; stops early past `limit`)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Iterable[Any] = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if limit is not None and deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
+
+
+def loads_bounded(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
+    """`json.loads` that refuses documents nested deeper than `max_depth`.
+
+    The parser itself stops at the interpreter's recursion limit (caught here); the depth
+    check after parsing keeps the recursive code that walks the result (e.g.
+    `unflatten_state`) far from that limit.
+
+    Raises:
+        `ValueError`: invalid JSON, or nesting deeper than `max_depth`.
+    """
+    try:
+        obj = json.loads(data)
+    except RecursionError as e:
+        raise ValueError(f"JSON nested too deeply to parse (more than {max_depth} levels)") from e
+    if nesting_depth(obj, limit=max_depth) > max_depth:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels")
+    return obj

@@ -1,0 +1,27 @@
+"""What a training framework's objects are turned into for a checkpoint, and back.
+
+`model`: L0 names (adapter-only for PEFT), frozen keys, `apply_weights` / `check_weights`.
+`optimizer`: L1 put back into live optimizer / scheduler / scaler.
+`rng`: exact per-rank RNG state as JSON (L2). `sources`: `StateSources`, `CachedWeights`.
+"""
+
+from __future__ import annotations
+
+from .model import apply_weights, check_weights, frozen_weight_keys, is_peft_model, trainable_state_dict
+from .optimizer import apply_optimizer_state, fast_forward_scheduler
+from .rng import capture_rng_state, restore_rng_state
+from .sources import CachedWeights, StateSources
+
+__all__ = [
+    "CachedWeights",
+    "StateSources",
+    "apply_optimizer_state",
+    "apply_weights",
+    "capture_rng_state",
+    "check_weights",
+    "fast_forward_scheduler",
+    "frozen_weight_keys",
+    "is_peft_model",
+    "restore_rng_state",
+    "trainable_state_dict",
+]
