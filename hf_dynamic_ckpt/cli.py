@@ -303,12 +303,35 @@ def _add_plot(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_cmd_plot)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_step
+
+    out, step = export_step(_root(args), args.ref, args.out, format=args.format, base=args.base, task_id=args.task,
+                            overwrite=args.overwrite)
+    print(f"exported step {step} ({args.ref}) as {args.format} to {out}")
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a folder PEFT / transformers load")
+    p.add_argument("root", metavar="ROOT", help="store directory (holds catalog.db)")
+    p.add_argument("ref", metavar="REF", help="auto | best | fastest | step:N | path")
+    p.add_argument("out", metavar="OUT", help="folder to create")
+    p.add_argument("--format", choices=("peft", "hf", "merged"), default="peft",
+                   help="peft: adapter folder; hf: full model; merged: base + adapter merged (needs --base)")
+    p.add_argument("--base", default=None, help="local folder with the base model weights (--format merged)")
+    p.add_argument("--task", default=None, help="task id (default: 'default')")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_cmd_export)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _add_ls,
     _add_show,
     _add_verify,
     _add_reindex,
     _add_plot,
+    _add_export,
 ]
 """Functions that register one subcommand each; append to add a command."""
 

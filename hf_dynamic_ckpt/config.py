@@ -7,15 +7,18 @@ The YAML shape is the article's ``checkpoint_config.yaml``; every top-level knob
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import logging
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .constants import DEFAULT_TASK_ID
 from .errors import ConfigError
+from .store.spec import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +44,51 @@ class FallbackStrategy(enum.StrEnum):
     LEVEL_0_ONLY = "level_0_only"
 
 
+class OnSaveError(enum.StrEnum):
+    """What a failed save does to the training run (the previous checkpoint stays the restore point).
+
+    - ``warn``: one WARNING naming the step and the cause, `smart_ckpt/failed_saves` counts it,
+      training continues; the same for the first, a middle and the last save of a run.
+    - ``raise``: the next policy step (or `finish()` for the last save) raises the `SaveError`.
+    """
+
+    WARN = "warn"
+    RAISE = "raise"
+
+
 class EngineMode(enum.StrEnum):
     THREAD = "thread"
     PROCESS = "process"
     SYNC = "sync"
+
+
+_WARNED: set[str] = set()
+
+# Trainer's names for the knobs users look for first.
+HF_NAMES = {
+    "save_steps": "base_interval",
+    "save_total_limit": "keep_last",
+    "save_strategy": "base_interval (the policy decides when to save; base_interval is the calm interval)",
+    "save_on_each_node": "root (one store root per job; every rank writes its own files)",
+    "save_only_model": "storage_levels (keep weights only with fallback_strategy: level_0_only)",
+    "output_dir": "root",
+    "resume_from_checkpoint": "resume_checkpoint(trainer, 'auto') / --resume_from_smart_checkpoint",
+}
+
+
+def _warn_once(key: str) -> bool:
+    """Whether to log a configuration warning: once per process, and only on rank 0 of a job."""
+    if key in _WARNED or int(os.environ.get("RANK", "0") or 0) != 0:
+        return False
+    _WARNED.add(key)
+    return True
+
+
+def _did_you_mean(key: str, names: Iterable[str]) -> str:
+    if key in HF_NAMES:
+        return f" (Trainer's {key!r} is {HF_NAMES[key]} here)"
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
@@ -58,6 +102,10 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _is_finite(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
 
 
 def _enum(enum_cls: type[enum.Enum], name: str, value: Any) -> Any:
@@ -105,19 +153,19 @@ class StorageLevels:
             value = getattr(self, name)
             if isinstance(value, Mapping):
                 object.__setattr__(self, name, _build(LevelConfig, value, f"storage_levels.{name}"))
+            elif not isinstance(value, LevelConfig):
+                raise ConfigError(
+                    f"storage_levels.{name}={value!r} is invalid: expected a mapping such as "
+                    "{compression: zstd, compression_level: 3, retention_days: 7} (leave the key out for the defaults)."
+                )
         _check(
             self.level_0.compression == Compression.NONE,
             "storage_levels.level_0.compression",
             self.level_0.compression.value,
             "'none' (weights stay uncompressed so they can be memory-mapped)",
         )
-        _check(
-            self.level_1.compression in (Compression.ZSTD, Compression.NONE),
-            "storage_levels.level_1.compression",
-            self.level_1.compression.value,
-            "'zstd' or 'none' (uncompressed, memory-mapped on load)",
-        )
-        if self.level_2.compression != Compression.NONE:
+        Codec.parse(self.level_1.compression.value)  # the store's one vocabulary for the L1 codec
+        if self.level_2.compression != Compression.NONE and _warn_once("level_2.compression"):
             # Accepted so the article's checkpoint_config.yaml loads as written, but not applied.
             logger.warning(
                 "storage_levels.level_2.compression=%r is not applied: L2 (RNG, data position, metadata) "
@@ -181,6 +229,8 @@ class SmartCkptConfig:
         fallback_strategy (`str`, *optional*, defaults to `"full"`): see `FallbackStrategy`.
         learned_model (`str`, *optional*): path of a learned double-check model (rules stay in charge).
         report_to_trainer (`bool`, *optional*, defaults to `True`): add `smart_ckpt/*` to Trainer logs.
+        on_save_error (`str`, *optional*, defaults to `"warn"`): `"warn"` (count, warn, continue) or
+            `"raise"` (stop the run at the next step); see `OnSaveError`.
 
     Example:
         ```python
@@ -224,11 +274,34 @@ class SmartCkptConfig:
     fallback_strategy: FallbackStrategy = FallbackStrategy.FULL
     learned_model: str | None = None
     report_to_trainer: bool = True
+    on_save_error: OnSaveError = OnSaveError.WARN
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        if self.root is not None:
+            _check(isinstance(self.root, str | os.PathLike), "root", self.root, "a directory path (str) or null")
+            set_(self, "root", os.fspath(self.root))
+            if "://" in str(self.root):
+                raise ConfigError(
+                    f"root={self.root!r} is invalid: object-store URLs are not supported yet; use a local or shared "
+                    "filesystem directory (a mounted bucket works)."
+                )
+        for flag in ("pre_anomaly_capture", "skip_bad_update", "keep_log_spaced", "async_save", "report_to_trainer"):
+            value = getattr(self, flag)
+            _check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")
+        _check(isinstance(self.task_id, str), "task_id", self.task_id, "a name (string)")
+        if not isinstance(self.storage_levels, StorageLevels | Mapping):
+            raise ConfigError(
+                f"storage_levels={self.storage_levels!r} is invalid: expected a mapping with level_0 / level_1 / level_2."
+            )
+        if isinstance(self.preemption_signals, str):
+            set_(self, "preemption_signals", (self.preemption_signals,))  # one name: a list of one
+        elif not isinstance(self.preemption_signals, list | tuple):
+            raise ConfigError(f"preemption_signals={self.preemption_signals!r} is invalid: expected a list of signal "
+                              "names such as ['SIGTERM', 'SIGUSR1'] (an empty list disables the handlers).")
         set_(self, "engine", _enum(EngineMode, "engine", self.engine))
         set_(self, "fallback_strategy", _enum(FallbackStrategy, "fallback_strategy", self.fallback_strategy))
+        set_(self, "on_save_error", _enum(OnSaveError, "on_save_error", self.on_save_error))
         if isinstance(self.storage_levels, Mapping):
             set_(self, "storage_levels", _build(StorageLevels, self.storage_levels, "storage_levels"))
         set_(self, "preemption_signals", tuple(self.preemption_signals))
@@ -240,7 +313,7 @@ class SmartCkptConfig:
         _check(_is_int(self.min_interval) and self.min_interval >= 1, "min_interval", self.min_interval, "an integer >= 1")
         _check(_is_int(self.max_interval) and self.max_interval >= self.min_interval, "max_interval",
                self.max_interval, f"an integer >= min_interval ({self.min_interval})")
-        _check(_is_number(self.mtbf_hours) and self.mtbf_hours > 0, "mtbf_hours", self.mtbf_hours, "a positive number of hours")
+        _check(_is_finite(self.mtbf_hours) and self.mtbf_hours > 0, "mtbf_hours", self.mtbf_hours, "a positive number of hours")
         _check(_is_int(self.stability_window) and self.stability_window >= 4, "stability_window",
                self.stability_window, "an integer >= 4")
         _check(_is_number(self.risk_threshold) and 0.0 < self.risk_threshold <= 1.0, "risk_threshold", self.risk_threshold, "0 < value <= 1")
@@ -333,14 +406,21 @@ class SmartCkptConfig:
 
 def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
     unknown = sorted(set(data) - names)
     if unknown:
-        prefix = f"{where}." if where else ""
+        key = unknown[0]
         raise ConfigError(
-            f"unknown config key {prefix}{unknown[0]!r}: allowed keys are {', '.join(sorted(names))}."
+            f"unknown config key {prefix}{key!r}{_did_you_mean(key, names)}: allowed keys are {', '.join(sorted(names))}."
         )
     try:
         return cls(**data)
+    except ConfigError as e:
+        text = str(e)
+        name = text.split("=", 1)[0]
+        if where and name in names and not text.startswith(prefix):  # name the nested key as the YAML spells it
+            raise ConfigError(prefix + text) from e
+        raise
     except TypeError as e:
         raise ConfigError(f"invalid config {where or cls.__name__}: {e}") from e
 

@@ -24,9 +24,21 @@ RNG_NAME_TEMPLATE = "rng-rank{rank}.json"
 SAMPLER_NAME = "sampler.json"
 RANK_DONE_TEMPLATE = "done-rank{rank}.json"
 
+# L0 names of a PEFT model with several adapters: "<adapter>::<PEFT key>" (one adapter: PEFT's keys).
+ADAPTER_KEY_SEP = "::"
+
 # Per-task files next to the step directories (written by rank 0 of the checkpointer).
 TIMELINE_NAME = "timeline.jsonl"  # one JSON line per optimizer step (signals, risk, saves) + events
 RESUME_DIR = ".resume"  # under the store root: Trainer-style folders materialised for a resume
+
+# The Trainer resume folder (what `Trainer.train(resume_from_checkpoint=...)` reads) and the
+# manifest `extra` key of the saved `TrainerState`.
+TRAINER_STATE_NAME = "trainer_state.json"
+TRAINER_WEIGHTS_NAME = "model.safetensors"
+TRAINER_ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+TRAINER_RNG_NAME = "rng_state.pth"
+TRAINER_RNG_TEMPLATE = "rng_state_{rank}.pth"
+KEY_TRAINER_STATE = "trainer_state"
 
 # Manifest keys.
 KEY_FORMAT_VERSION = "format_version"

@@ -59,6 +59,20 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _gather_fn(d: Any) -> Any:
+    """`all_gather_single` where torch has it (`all_gather_into_tensor` is deprecated there)."""
+    return getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
+
+
+def _encode(obj: Any, what: str) -> bytes:
+    try:
+        return json.dumps(obj, allow_nan=True).encode()
+    except (TypeError, ValueError) as e:
+        raise DistributedError(
+            f"{what}: {type(obj).__name__} is not JSON-serialisable ({e}); pass plain dicts/lists/numbers."
+        ) from e
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Send a JSON-able object from rank `src` to every rank; returns it on every rank.
 
@@ -71,14 +85,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not d:
         return obj
     dev = _device()
-    payload = b""
-    if d.get_rank() == src:
-        try:
-            payload = json.dumps(obj, allow_nan=True).encode()
-        except (TypeError, ValueError) as e:
-            raise DistributedError(
-                f"broadcast_object: {type(obj).__name__} is not JSON-serialisable ({e}); pass plain dicts/lists/numbers."
-            ) from e
+    payload = _encode(obj, "broadcast_object") if d.get_rank() == src else b""
     length = torch.tensor([len(payload)], dtype=torch.long, device=dev)
     d.broadcast(length, src=src)
     buf = torch.zeros(int(length.item()), dtype=torch.uint8, device=dev)
@@ -88,7 +95,44 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return json.loads(bytes(buf.cpu().tolist()).decode())
 
 
-def pack_frame(frame: SignalFrame, layer_names: Sequence[str] = ()) -> torch.Tensor:
+def all_gather_json(obj: Any) -> list[Any]:
+    """Every rank's JSON-able `obj`, in rank order, on every rank; `[obj]` without a process group.
+
+    JSON bytes in uint8 tensors (never pickle, which `all_gather_object` would use): one gather of
+    the lengths, one of the padded payloads.
+
+    Raises:
+        DistributedError: `obj` is not JSON-serialisable.
+    """
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return [obj]
+    dev = _device()
+    world = d.get_world_size()
+    payload = _encode(obj, "all_gather_json")
+    sizes = torch.empty(world, dtype=torch.int64, device=dev)
+    _gather_fn(d)(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=dev))
+    longest = int(sizes.max().item())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    if payload:
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+    chunks = torch.empty(world * longest, dtype=torch.uint8, device=dev)
+    _gather_fn(d)(chunks, padded)
+    rows = chunks.view(world, longest).cpu()
+    return [json.loads(bytes(rows[r, : int(sizes[r])].tolist()).decode()) for r in range(world)]
+
+
+def all_reduce_sum(value: float) -> float:
+    """Sum of `value` over ranks (float64); `value` itself without a process group."""
+    d = _dist()
+    if not d or d.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_device())
+    d.all_reduce(t, op=d.ReduceOp.SUM)
+    return float(t.item())
+
+
+def pack_frame(frame: SignalFrame, layer_names: Sequence[str] = (), fingerprint: float = 0.0) -> torch.Tensor:
     """The frame's reducible fields as one float64 vector (see `reduce_frame`)."""
     loss = frame.loss
     layer = layer_names.index(frame.lora_max_layer) if frame.lora_max_layer in layer_names else -1
@@ -103,6 +147,7 @@ def pack_frame(frame: SignalFrame, layer_names: Sequence[str] = ()) -> torch.Ten
         values.append(-math.inf if v is None else float(v))
     # The winning layer rides along as (ratio, index) pairs: index decides ties the same way everywhere.
     values.append(float(layer))
+    values.append(float(fingerprint))
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -118,14 +163,26 @@ def combine_frames(step: int, rows: torch.Tensor, layer_names: Sequence[str] = (
     ratios = rows[:, 4 + _MAX_FIELDS.index("lora_max_ratio")]
     if fields["lora_max_ratio"] is not None and not math.isnan(fields["lora_max_ratio"]):
         winner = int(torch.argmax(ratios))  # first rank with the max: same answer on every rank
-        idx = int(rows[winner, -1])
+        idx = int(rows[winner, -2])
         layer = layer_names[idx] if 0 <= idx < len(layer_names) else None
     if loss is not None and not math.isfinite(loss):
         nonfinite = True
     return SignalFrame(step=step, loss=loss, nonfinite=nonfinite, preempt=preempt, lora_max_layer=layer, **fields)
 
 
-def reduce_frame(frame: SignalFrame, *, layer_names: Sequence[str] = ()) -> SignalFrame:
+def check_fingerprints(rows: torch.Tensor, step: int) -> None:
+    """Raise the same `DistributedError` on every rank when the ranks' decision fingerprints differ."""
+    prints = rows[:, -1]
+    if bool((prints != prints[0]).any()):
+        seen = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(prints.tolist()))
+        raise DistributedError(
+            f"step {step}: the ranks have taken different save decisions so far ({seen}); a save one rank "
+            "takes alone would leave rank 0 waiting for files that never come. This is a bug: report it with "
+            "the ranks' logs. Resume from the last committed checkpoint."
+        )
+
+
+def reduce_frame(frame: SignalFrame, *, layer_names: Sequence[str] = (), fingerprint: float = 0.0) -> SignalFrame:
     """Reduce a frame across ranks in ONE collective so every rank decides the same.
 
     The frame is packed into a small float64 vector, all-gathered (one `all_gather_into_tensor`),
@@ -137,17 +194,30 @@ def reduce_frame(frame: SignalFrame, *, layer_names: Sequence[str] = ()) -> Sign
     Args:
         frame (`SignalFrame`): this rank's local signals.
         layer_names (`Sequence[str]`, *optional*): names the LoRA layer index refers to.
+        fingerprint (`float`, *optional*): a number summarising this rank's save decisions so far
+            (e.g. how many it took); every rank must send the same one.
 
     Returns:
         `SignalFrame`: the reduced frame (identical on every rank); `frame` itself without a
         process group. Local frames must agree on `step`.
+
+    Raises:
+        `DistributedError`: the ranks' fingerprints differ (raised identically on every rank).
     """
     d = _dist()
     if not d or d.get_world_size() == 1:
         return frame
     dev = _device()
-    local = pack_frame(frame, layer_names).to(dev)
+    local = pack_frame(frame, layer_names, fingerprint).to(dev)
     gathered = torch.empty(d.get_world_size() * local.numel(), dtype=local.dtype, device=dev)
-    d.all_gather_into_tensor(gathered, local)
+    try:
+        _gather_fn(d)(gathered, local)
+    except RuntimeError as e:  # gloo/NCCL: a peer died (SIGKILL, OOM) or the group is broken
+        raise DistributedError(
+            f"step {frame.step}: the per-step signal exchange with the other ranks failed ({e}); another rank "
+            "has most likely died. Nothing after the last committed checkpoint is saved; restart the job to "
+            "resume from it."
+        ) from e
     rows = gathered.view(d.get_world_size(), -1).cpu()
+    check_fingerprints(rows, frame.step)
     return combine_frames(frame.step, rows, layer_names)

@@ -10,55 +10,32 @@ the restore point on, so a person can see what was lost and that the replay matc
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from .constants import DEFAULT_TASK_ID, TIMELINE_NAME
-from .errors import CheckpointNotFoundError
+from .constants import DEFAULT_TASK_ID
+from .timeline import read_timeline
 
 logger = logging.getLogger(__name__)
 
-SAVE_COLOURS = {"pre_update": "tab:red", "emergency": "tab:orange", "risk_edge": "tab:purple"}
+SAVE_COLOURS = {"capture": "tab:red", "preemption": "tab:orange", "risk_edge": "tab:purple", "memory": "tab:brown"}
 DEFAULT_SAVE_COLOUR = "tab:green"
-
-
-def read_timeline(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
-    """The timeline as segments: one list of step rows per process lifetime (split at `resume` events).
-
-    Raises:
-        `CheckpointNotFoundError`: the task has no timeline file.
-    """
-    path = Path(root) / task_id / TIMELINE_NAME
-    if not path.is_file():
-        raise CheckpointNotFoundError(f"{path} does not exist: ROOT must be a store written by SmartCkptCallback / "
-                                      "Checkpointer (pass the directory holding catalog.db, and --task if not 'default').")
-    segments: list[list[dict[str, Any]]] = [[]]
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a crash
-            continue
-        if row.get("event") == "resume":
-            segments.append([{"resume_from": row.get("step")}])
-        elif "step" in row:
-            segments[-1].append(row)
-    return [s for s in segments if any("step" in r for r in s)]
 
 
 def _value(v: Any) -> float:
     return float(v) if v is not None else float("nan")
 
 
-def _save_colour(reason: str) -> str:
-    for key, colour in SAVE_COLOURS.items():
-        if reason.startswith(key):
-            return colour
-    return DEFAULT_SAVE_COLOUR
+def _save_kind(save: dict[str, Any]) -> str:
+    """The save's `DecisionKind` value (timelines before round 2 have only the reason text)."""
+    kind = save.get("kind")
+    if isinstance(kind, str):
+        return kind
+    reason = str(save.get("reason", ""))
+    legacy = {"pre_update": "capture", "emergency": "preemption", "risk_edge": "risk_edge", "memory_ramp": "memory"}
+    return next((k for prefix, k in legacy.items() if reason.startswith(prefix)), "interval")
 
 
 def plot_timeline(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID,
@@ -108,8 +85,8 @@ def plot_timeline(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_I
                              xycoords=("data", "axes fraction"), va="top", fontsize=8)
         for r in rows:
             for save in r.get("saves", []):
-                colour = _save_colour(save.get("reason", ""))
-                kind = save.get("reason", "").split(" ")[0].rstrip(":")
+                kind = _save_kind(save)
+                colour = SAVE_COLOURS.get(kind, DEFAULT_SAVE_COLOUR)
                 lbl = None if kind in seen_reasons else f"save: {kind}"
                 seen_reasons.add(kind)
                 ax_loss.axvline(save["step"], color=colour, alpha=0.55, lw=1.2, label=lbl)

@@ -1,4 +1,4 @@
-"""Choose a restore point, verify it, and load it tier by tier with fallback.
+"""Choose a restore point, verify it, and load it tier by tier with fallback, on one rank or many.
 
 Outcomes per broken tier (see `config.FallbackStrategy`):
 
@@ -9,54 +9,163 @@ L0 weights          next older checkpoint, warning naming both   same
 L1 optimizer        weights only: optimizer/scaler `None`,        next older checkpoint whose
                     scheduler salvaged from ``optimizer.json``    L0 and L1 are intact
                     when intact; warning
-L2 state            RNG/sampler `None`, warning                  same
+L2 state            RNG/sampler `None`, warning (one process);    same
+                    not usable under several ranks
 ==================  ===========================================  ==============================
 
 With ``level_0_only`` the optimizer tier is not read at all. Every warning is also logged
 (``logging.WARNING``) and kept in `LoadedCheckpoint.warnings`.
+
+Under several ranks `plan_resume` makes every outcome one agreed value: each rank evaluates
+the candidates itself (its own RNG file, the shared tiers, the model check), the ranks
+exchange their findings in one JSON all-gather, and every rank applies the same rule to the
+same table: the restore point is the newest candidate usable on every rank, the optimizer
+tier is used only if every rank could read it, and an error on any rank is raised, with the
+same message, on every rank. No rank can continue while another raises or waits.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from . import distributed as dist
 from .config import FallbackStrategy
-from .constants import Tier
+from .constants import KEY_WORLD_SIZE, Tier
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedError,
+    DynamicCkptError,
     FormatVersionError,
+    IncompatibleStateError,
 )
+from .state.model import check_weights
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
 if TYPE_CHECKING:
-
     from .store.store import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
-def _warn(loaded: LoadedCheckpoint, message: str) -> None:
-    loaded.warnings.append(message)  # logged once, in order, by load_for_resume
+Spec = str | int | os.PathLike[str] | CheckpointInfo
+
+_ERRORS: dict[str, type[DynamicCkptError]] = {
+    cls.__name__: cls for cls in (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError,
+                                  IncompatibleStateError, DistributedError, DynamicCkptError)
+}
 
 
-def _older_candidates(store: CheckpointStore, info: CheckpointInfo) -> list[CheckpointInfo]:
-    """Healthy committed checkpoints with weights older than `info`, newest first."""
-    if info.task_id != store.task_id:
-        return []
-    return [i for i in store.list() if i.step < info.step and Tier.WEIGHTS in i.tiers]
+# ---------------------------------------------------------------------- one candidate, one rank
+@dataclass
+class _Outcome:
+    """What one rank found when it tried one checkpoint (JSON-able through `to_dict`)."""
+
+    step: int
+    usable: bool
+    reason: str | None = None  # why not usable
+    optimizer_lost: str | None = None  # why L1 is lost (weights-only resume), None: loaded or not asked
+    scheduler_salvaged: bool = False
+    loaded: LoadedCheckpoint | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "usable": self.usable, "reason": self.reason,
+                "optimizer_lost": self.optimizer_lost, "scheduler_salvaged": self.scheduler_salvaged}
 
 
+def _retry_once(fn: Callable[[], Any]) -> Any:
+    """`fn()`, tried a second time after a `CorruptCheckpointError` (a transient read error must not
+    cost a restore point; a real corruption fails twice)."""
+    try:
+        return fn()
+    except CorruptCheckpointError as first:
+        logger.info("resume: retrying a failed read once (%s)", first)
+        return fn()
+
+
+def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_size: int,
+              fallback: FallbackStrategy, mmap: bool, expected: Mapping[str, Any] | None) -> _Outcome:
+    """Try one checkpoint on this rank: weights (+ model check), optimizer per `fallback`, own L2."""
+    step = info.step
+    try:
+        loaded = _retry_once(lambda: store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap))
+    except FormatVersionError:
+        raise
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
+    if loaded.weights is None:
+        return _Outcome(step, False, f"step {step} holds no weights")
+    if expected is not None:
+        check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
+    outcome = _Outcome(step, True, loaded=loaded)
+    if fallback != FallbackStrategy.LEVEL_0_ONLY:
+        lost = _load_optimizer(store, info, loaded, rank=rank)
+        if lost is not None:
+            if fallback == FallbackStrategy.LEVEL_0_1:
+                return _Outcome(step, False, f"optimizer state of step {step} cannot be loaded ({lost}); "
+                                             "fallback_strategy=level_0_1 requires it,")
+            outcome.optimizer_lost = lost
+            outcome.scheduler_salvaged = loaded.scheduler is not None
+    try:
+        state = _retry_once(lambda: store.load(info, tiers={Tier.STATE}, rank=rank, mmap=mmap))
+    except CorruptCheckpointError as e:
+        if world_size > 1:  # every rank must continue its own random streams, or none is exact
+            return _Outcome(step, False, f"rank {rank}'s RNG / data-loader state of step {step} cannot be "
+                                         f"loaded ({e})")
+        loaded.warnings.append(f"RNG and data-loader state of step {step} cannot be loaded ({e}); "
+                               "random streams and the data order start fresh")
+    else:
+        loaded.rng, loaded.sampler = state.rng, state.sampler
+        loaded.warnings.extend(w for w in state.warnings if w not in loaded.warnings)
+    saved_world = loaded.manifest.get(KEY_WORLD_SIZE)
+    if isinstance(saved_world, int) and saved_world != world_size and rank == 0:
+        loaded.warnings.append(
+            f"step {step} was saved by {saved_world} process(es) and is resumed by {world_size}: the data order "
+            "and random streams of the resumed run differ from the interrupted one (weights and optimizer are exact)")
+    return outcome
+
+
+def _load_optimizer(store: CheckpointStore, info: CheckpointInfo, loaded: LoadedCheckpoint, *, rank: int) -> str | None:
+    """Fill the optimizer tier into `loaded`; return why it failed, or `None`."""
+    if Tier.OPTIMIZER not in info.tiers:
+        return "the checkpoint was saved without it"
+    try:
+        opt = _retry_once(lambda: store.load(info, tiers={Tier.OPTIMIZER}, rank=rank))
+    except CorruptCheckpointError as e:
+        loaded.scheduler = store.load_scheduler_only(info)
+        return str(e)
+    loaded.optimizer, loaded.scheduler, loaded.scaler = opt.optimizer, opt.scheduler, opt.scaler
+    return None
+
+
+def _lost_message(step: int, why: str) -> str:
+    return (f"resuming from weights only: optimizer state of step {step} is lost ({why}); "
+            f"the learning-rate schedule continues at step {step}")
+
+
+def _candidates(store: CheckpointStore, spec: Spec) -> list[CheckpointInfo]:
+    """The resolved checkpoint, then every older usable one of the task (newest first)."""
+    first = store.resolve(spec)
+    older: list[CheckpointInfo] = []
+    if first.task_id == store.task_id:
+        older = [i for i in store.list() if i.step < first.step and Tier.WEIGHTS in i.tiers]
+    return [first, *older]
+
+
+# ---------------------------------------------------------------------- single rank (public, round 1)
 def load_for_resume(
     store: CheckpointStore,
-    spec: str | int | os.PathLike[str] | CheckpointInfo,
+    spec: Spec,
     *,
     rank: int = 0,
     fallback: FallbackStrategy | str = FallbackStrategy.FULL,
     mmap: bool = True,
+    expected: Mapping[str, Any] | None = None,
 ) -> LoadedCheckpoint:
-    """Load the state to resume from, falling back when a tier is broken.
+    """Load the state to resume from on this process, falling back when a tier is broken.
 
     Args:
         store (`CheckpointStore`): the run's store.
@@ -66,6 +175,8 @@ def load_for_resume(
         fallback (`FallbackStrategy` or `str`, *optional*, defaults to `"full"`): what to do
             when a tier cannot be loaded (module docstring).
         mmap (`bool`, *optional*, defaults to `True`): memory-map the weights.
+        expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping; the weights are
+            checked against it (names and shapes) before anything is returned.
 
     Returns:
         `LoadedCheckpoint`: `info` is the checkpoint actually used; `warnings` says what was
@@ -75,26 +186,34 @@ def load_for_resume(
         `CheckpointNotFoundError`: `spec` names nothing, or no checkpoint at or below it
             has loadable weights (and, with ``level_0_1``, optimizer state).
         `FormatVersionError`: the chosen checkpoint needs a newer library.
+        `IncompatibleStateError`: the weights do not fit `expected`.
 
     Example:
         ```python
         >>> loaded = load_for_resume(store, "auto")
         >>> model.load_state_dict(loaded.weights, strict=False)
-        >>> if loaded.optimizer is not None:
-        ...     optimizer.load_state_dict(loaded.optimizer)
         ```
     """
     fallback = FallbackStrategy(fallback)
-    first = store.resolve(spec)
-    candidates = [first, *_older_candidates(store, first)]
+    candidates = _candidates(store, spec)
     notes: list[str] = []
     for info in candidates:
-        loaded = _try_checkpoint(store, info, rank=rank, fallback=fallback, mmap=mmap, notes=notes)
-        if loaded is not None:
-            loaded.warnings[:0] = notes
-            for message in loaded.warnings:
-                logger.warning(message)
-            return loaded
+        outcome = _evaluate(store, info, rank=rank, world_size=1, fallback=fallback, mmap=mmap, expected=expected)
+        if not outcome.usable:
+            sep = " " if (outcome.reason or "").endswith(",") else "; "
+            notes.append(f"{outcome.reason}{sep}falling back to the next older checkpoint")
+            continue
+        loaded = outcome.loaded
+        assert loaded is not None
+        if notes:  # the requested checkpoint was skipped: say which one replaces it
+            notes[-1] += f": using step {info.step} instead"
+        if outcome.optimizer_lost is not None:
+            loaded.warnings.insert(0, _lost_message(info.step, outcome.optimizer_lost))
+        loaded.warnings[:0] = notes
+        for message in loaded.warnings:
+            logger.warning(message)
+        return loaded
+    first = candidates[0]
     tried = ", ".join(str(i.step) for i in candidates)
     raise CheckpointNotFoundError(
         f"no loadable checkpoint at or below step {first.step} of task {first.task_id!r} (tried steps {tried}): "
@@ -103,52 +222,177 @@ def load_for_resume(
     )
 
 
-def _try_checkpoint(store: CheckpointStore, info: CheckpointInfo, *, rank: int, fallback: FallbackStrategy,
-                    mmap: bool, notes: list[str]) -> LoadedCheckpoint | None:
-    """Load one checkpoint per `fallback`; `None` (with a note) when it cannot serve."""
+# ---------------------------------------------------------------------- every rank, agreed
+@dataclass
+class ResumePlan:
+    """The agreed outcome of a resume, and this rank's loaded state.
+
+    Attributes:
+        loaded (`LoadedCheckpoint`): this rank's view (its own RNG); tiers as agreed.
+        degraded (`bool`): the optimizer state is not restored (weights-only resume).
+        skipped (`list[int]`): newer candidates passed over because some rank could not use them.
+    """
+
+    loaded: LoadedCheckpoint
+    degraded: bool
+    skipped: list[int]
+
+
+def _error_payload(e: Exception) -> dict[str, str]:
+    name = type(e).__name__ if type(e).__name__ in _ERRORS else DynamicCkptError.__name__
+    return {"type": name, "message": str(e)}
+
+
+def _raise_agreed(reports: list[dict[str, Any]]) -> None:
+    for rank, report in enumerate(reports):
+        err = report.get("error")
+        if err:
+            cls = _ERRORS.get(err["type"], DynamicCkptError)
+            prefix = "" if len(reports) == 1 or rank == 0 else f"rank {rank}: "
+            raise cls(prefix + err["message"])
+
+
+def plan_resume(
+    store: CheckpointStore,
+    spec: Spec,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    fallback: FallbackStrategy | str = FallbackStrategy.FULL,
+    expected: Mapping[str, Any] | None = None,
+    mmap: bool = True,
+) -> ResumePlan | None:
+    """Choose, verify and load the restore point: one agreed outcome on every rank.
+
+    Every rank calls it with the same `spec` (a collective under a process group). Each rank
+    tries the candidates (the resolved checkpoint, then older ones) with `_evaluate`: weights,
+    the model check against `expected`, the optimizer tier per `fallback`, its own RNG file.
+    One JSON all-gather shares the findings; every rank then picks the newest candidate usable
+    on all ranks. When a rank has not tried that candidate yet (it stopped at an earlier one
+    usable for itself), another round evaluates it; the common case is a single round.
+
+    Args:
+        store (`CheckpointStore`): this rank's store.
+        spec: ``"auto"``, ``"best"``, ``"fastest"``, ``"step:N"`` or a path.
+        rank (`int`, *optional*): this rank. world_size (`int`, *optional*): number of ranks.
+        fallback (`FallbackStrategy`, *optional*): see the module docstring.
+        expected (`Mapping`, *optional*): the model's L0 mapping for the model check.
+        mmap (`bool`, *optional*, defaults to `True`): memory-map the weights.
+
+    Returns:
+        `ResumePlan`, or `None` when `spec` is ``"auto"`` and the store holds no checkpoint
+        at all (fresh start; decided by rank 0).
+
+    Raises:
+        The same error on every rank: `CheckpointNotFoundError` (nothing usable on every rank),
+        `IncompatibleStateError` (the weights do not fit the model), `FormatVersionError`.
+    """
+    fallback = FallbackStrategy(fallback)
+    evaluated: dict[int, _Outcome] = {}
+    report: dict[str, Any] = {"fresh": False, "candidates": [], "error": None, "results": []}
+    infos: dict[int, CheckpointInfo] = {}
     try:
-        loaded = store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap)
-    except FormatVersionError:
-        raise
-    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-        notes.append(f"weights of step {info.step} cannot be loaded ({e}); falling back to the next older checkpoint")
-        return None
-    if loaded.weights is None:
-        notes.append(f"step {info.step} holds no weights; falling back to the next older checkpoint")
-        return None
-    if notes:  # the requested checkpoint was skipped: say which one replaces it
-        notes[-1] += f": using step {info.step} instead"
+        candidates = _candidates(store, spec)
+        infos = {i.step: i for i in candidates}
+        report["candidates"] = [i.step for i in candidates]
+        _evaluate_until_usable(store, candidates, evaluated, rank=rank, world_size=world_size,
+                               fallback=fallback, mmap=mmap, expected=expected)
+    except CheckpointNotFoundError as e:
+        if spec == "auto" and not store.list(include_unhealthy=True):
+            report["fresh"] = True
+        else:
+            report["error"] = _error_payload(e)
+    except DynamicCkptError as e:
+        report["error"] = _error_payload(e)
+    report["results"] = [o.to_dict() for o in evaluated.values()]
+    while True:
+        reports = dist.all_gather_json(report) if world_size > 1 else [report]
+        if reports[0]["fresh"]:
+            return None
+        _raise_agreed(reports)
+        reference: list[int] = reports[0]["candidates"]
+        results = [{int(o["step"]): o for o in r["results"]} for r in reports]
+        chosen, pending, skipped = _choose(reference, results)
+        if chosen is not None:
+            break
+        if pending is None:
+            raise _none_usable(reference, results, store)
+        # Some rank has not tried `pending` yet: everyone evaluates from there on (rare second round).
+        report = {"fresh": False, "candidates": reference, "error": None, "results": []}
+        try:
+            todo = [infos.get(s) or store.resolve(f"step:{s}") for s in reference[reference.index(pending):]]
+            _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size, fallback=fallback,
+                                   mmap=mmap, expected=expected)
+        except DynamicCkptError as e:
+            report["error"] = _error_payload(e)
+        report["results"] = [o.to_dict() for o in evaluated.values()]
+    mine = evaluated[chosen]
+    loaded = mine.loaded
+    assert loaded is not None
+    row = [r[chosen] for r in results]
+    lost = [(i, o["optimizer_lost"]) for i, o in enumerate(row) if o["optimizer_lost"] is not None]
+    degraded = bool(lost) or fallback == FallbackStrategy.LEVEL_0_ONLY
+    if lost:
+        first_rank, why = lost[0]
+        loaded.optimizer = loaded.scaler = None
+        if not all(o["scheduler_salvaged"] for o in row):
+            loaded.scheduler = None
+        where = "" if world_size == 1 else (f" (rank {first_rank})" if len(lost) < world_size else " (every rank)")
+        loaded.warnings.insert(0, _lost_message(chosen, why + where))
+    if skipped:
+        notes = []
+        for s in skipped:
+            reason = _skip_reason(results, s)
+            notes.append(f"{reason}{' ' if reason.endswith(',') else '; '}falling back to the next older checkpoint")
+        notes[-1] += f": using step {chosen} instead"
+        loaded.warnings[:0] = notes
+    for message in loaded.warnings:
+        logger.warning("resume: %s", message)
+    return ResumePlan(loaded=loaded, degraded=degraded, skipped=skipped)
 
-    if fallback != FallbackStrategy.LEVEL_0_ONLY:
-        reason = _load_optimizer(store, info, loaded, rank=rank)
-        if reason is not None:
-            if fallback == FallbackStrategy.LEVEL_0_1:
-                notes.append(f"optimizer state of step {info.step} cannot be loaded ({reason}); fallback_strategy="
-                             "level_0_1 requires it, falling back to the next older checkpoint")
-                return None
-            _warn(loaded, f"resuming from weights only: optimizer state of step {info.step} is lost ({reason}); "
-                          f"the learning-rate schedule continues at step {info.step}")
-    try:
-        state = store.load(info, tiers={Tier.STATE}, rank=rank, mmap=mmap)
-    except CorruptCheckpointError as e:
-        _warn(loaded, f"RNG and data-loader state of step {info.step} cannot be loaded ({e}); "
-                      "random streams and the data order start fresh")
-    else:
-        loaded.rng, loaded.sampler = state.rng, state.sampler
-        loaded.warnings.extend(w for w in state.warnings if w not in loaded.warnings)
-    return loaded
+
+def _evaluate_until_usable(store: CheckpointStore, candidates: list[CheckpointInfo], evaluated: dict[int, _Outcome],
+                           **kwargs: Any) -> None:
+    """Try `candidates` in order (reusing earlier results) until one is usable on this rank."""
+    for info in candidates:
+        outcome = evaluated.get(info.step)
+        if outcome is None:
+            outcome = evaluated[info.step] = _evaluate(store, info, **kwargs)
+        if outcome.usable:
+            return
 
 
-def _load_optimizer(store: CheckpointStore, info: CheckpointInfo, loaded: LoadedCheckpoint, *, rank: int) -> str | None:
-    """Fill the optimizer tier into `loaded`; return why it failed, or `None`."""
-    if Tier.OPTIMIZER not in info.tiers:
-        return "the checkpoint was saved without it"
-    try:
-        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank)
-    except CorruptCheckpointError as e:
-        loaded.scheduler = store.load_scheduler_only(info)
-        return str(e)
-    loaded.optimizer, loaded.scheduler, loaded.scaler = opt.optimizer, opt.scheduler, opt.scaler
-    return None
+def _choose(reference: list[int], results: list[dict[int, dict[str, Any]]]) -> tuple[int | None, int | None, list[int]]:
+    """(chosen step, step some rank still has to try, steps skipped) from the ranks' result tables."""
+    skipped: list[int] = []
+    for step in reference:
+        row = [r.get(step) for r in results]
+        if any(o is None for o in row):
+            return None, step, skipped
+        if all(o["usable"] for o in row):  # type: ignore[index]
+            return step, None, skipped
+        skipped.append(step)
+    return None, None, skipped
 
 
+def _skip_reason(results: list[dict[int, dict[str, Any]]], step: int) -> str:
+    for rank, r in enumerate(results):
+        o = r.get(step)
+        if o is not None and not o["usable"]:
+            return o["reason"] if len(results) == 1 else f"step {step} is not complete on every rank: rank {rank}: {o['reason']}"
+    return f"step {step} is not usable"
+
+
+def _none_usable(reference: list[int], results: list[dict[int, dict[str, Any]]],
+                 store: CheckpointStore) -> DynamicCkptError:
+    reasons = "; ".join(_skip_reason(results, s) for s in reference)
+    tried = ", ".join(map(str, reference))
+    if len(results) > 1:
+        return DistributedError(
+            f"resume: none of the checkpoints {reference} is usable on all {len(results)} ranks ({reasons}); "
+            "start fresh (no resume) or restore the missing rng-rank<R>.json files."
+        )
+    return CheckpointNotFoundError(
+        f"no loadable checkpoint at or below step {reference[0]} of task {store.task_id!r} (tried steps {tried}): "
+        f"{reasons}. Run `hf-dynamic-ckpt verify` on the store, or start fresh."
+    )

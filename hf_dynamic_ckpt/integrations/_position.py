@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import distributed as dist
 from ..errors import CorruptCheckpointError
 from ..state.rng import capture_rng_state, restore_rng_state
 
@@ -30,36 +31,6 @@ KEY_BATCHES_SEEN = "batches_seen"
 KEY_EPOCH_START_RNG = "epoch_start_rng"  # one entry per rank (rank 0 writes the sampler file)
 KEY_EPOCH_START_GENERATOR = "epoch_start_generator"
 KEY_WORLD_SIZE = "world_size"
-
-
-def _all_gather_json(obj: Any) -> list[Any]:
-    """Every rank's `obj` (JSON-able), in rank order; `[obj]` without a process group.
-
-    JSON bytes in uint8 tensors, never pickle (what `all_gather_object` would do).
-    """
-    import json
-
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    payload = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
-    chunks = [torch.zeros_like(padded) for _ in sizes]
-    dist.all_gather(chunks, padded)
-    return [json.loads(bytes(c[: int(s.item())].cpu().tolist()).decode()) for c, s in zip(chunks, sizes)]
-
-
-def _rank_and_world() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _generator(dataloader: Any) -> torch.Generator | None:
@@ -119,7 +90,7 @@ class ResumableLoader:
             "version": POSITION_VERSION,
             KEY_EPOCH: self.epoch,
             KEY_BATCHES_SEEN: self.batches_seen,
-            KEY_WORLD_SIZE: len(self._epoch_start_rngs) or _rank_and_world()[1],
+            KEY_WORLD_SIZE: len(self._epoch_start_rngs) or dist.world_size(),
             KEY_EPOCH_START_GENERATOR: self._epoch_start_gen,
             KEY_EPOCH_START_RNG: list(self._epoch_start_rngs),
         }
@@ -154,7 +125,7 @@ class ResumableLoader:
                 f"data position {position!r:.200} has no integer {KEY_EPOCH!r}/{KEY_BATCHES_SEEN!r}; "
                 "the sampler state of this checkpoint is corrupt."
             ) from e
-        rank, world = _rank_and_world()
+        rank, world = dist.rank(), dist.world_size()
         starts = list(position.get(KEY_EPOCH_START_RNG) or [])
         if not starts:
             # Saved before the epoch's iterator existed: the saved RNG is what creating it will draw from.
@@ -188,7 +159,7 @@ class ResumableLoader:
             self.batches_seen = pending["seen"]
             logger.info("resuming epoch %d after %d batches", self.epoch, self.batches_seen)
         else:
-            self._epoch_start_rngs = _all_gather_json(capture_rng_state())
+            self._epoch_start_rngs = dist.all_gather_json(capture_rng_state())
             self._epoch_start_gen = _gen_b64(gen)
             source, self.batches_seen = dl, 0
         it = iter(source)

@@ -180,11 +180,10 @@ class SmartStateHooks:
 
     def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
         spec = self._spec_for(Path(input_dir))
-        loaded = self.core.resume(spec)
+        loaded = self.core.resume(spec, expected=self.state.weights())
         if loaded is None:  # pragma: no cover - resume returns None only for "auto" on an empty store
             raise CheckpointNotFoundError(f"load_state({input_dir!r}): the store {self.core.store.root} is empty.")
         self.state.apply(loaded)
-        self.core.load_policy_state(loaded)
         # The weights are restored from the store: Accelerate must not look for model files.
         models.clear()
         self.last_loaded = loaded
@@ -222,7 +221,7 @@ def _attach(core: Checkpointer, state: AccelerateState, *, boundary: bool, clip_
         scaler=state.scaler,
         weights=state.weights,
         frozen_keys=state.frozen_keys(),
-        extra=lambda: {**core.extra_state(), **state.extra()},
+        extra=state.extra,
         sampler=sampler,
         clip_owner=clip_owner,
     )
@@ -381,12 +380,11 @@ class SmartCheckpointer:
             `CheckpointNotFoundError`: an explicit `spec` names nothing loadable.
             `IncompatibleStateError`: the checkpoint does not fit the model.
         """
-        loaded = self.core.resume(spec)
+        loaded = self.core.resume(spec, expected=self.state.weights())
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", spec)
             return None
         self.state.apply(loaded)
-        self.core.load_policy_state(loaded)
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
         dist.barrier()

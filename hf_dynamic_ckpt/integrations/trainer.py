@@ -5,54 +5,46 @@ A thin adapter over `hf_dynamic_ckpt.checkpointer.Checkpointer`:
 - `on_train_begin`: installs the probes (loss hook, gradient norms, memory, SIGTERM flag,
   the pre-clip norm recorder on `trainer.accelerator.clip_grad_norm_`) and, after a
   `resume_checkpoint`, loads the optimizer and scheduler state straight from the store
-  into the optimizer and scheduler Trainer has just created (Trainer has already loaded
-  everything it will load by then, so nothing overwrites it).
-- `on_pre_optimizer_step`: pre-update capture; `on_step_end`: the decision and the save;
-  `on_log`: `smart_ckpt/*` metrics; `on_train_end`: waits for the last write.
+  into the optimizer and scheduler Trainer has just created.
+- `on_pre_optimizer_step`: pre-update capture; `on_step_end`: the decision. The tensors of
+  a save are those of the step (RNG and data position taken at `on_step_end`), but the write
+  starts at the next `on_step_begin` (or `on_train_end`), once Trainer has logged the step,
+  evaluated and updated `best_*` and the flos: the stored `TrainerState` is the one Trainer
+  would have saved for that step.
+- `on_log`: `smart_ckpt/*` metrics; `on_train_end`: the final save, then the engine and the
+  store close (a second `train()` opens them again).
 
-Resume: `resume_checkpoint(trainer, spec)` chooses and verifies the restore point (rank 0
-decides, every rank checks its own files) and materialises a *minimal* Trainer checkpoint
-folder under `<root>/.resume/`: `trainer_state.json`, the weights as a hard link of the
-stored safetensors file, and `rng_state[_R].pth`. It holds no `optimizer.pt` /
-`scheduler.pt`, so Trainer skips its own optimizer loading and the optimizer state is
-never rewritten into another format. Trainer then does what it does for its own
-checkpoints: loads the weights, restores `global_step`, skips the batches already seen
-and restores the RNG after fetching the first batch, which is what makes the resumed run
-bit-exact.
+Resume: `resume_checkpoint(trainer, spec)` chooses and verifies the restore point (one agreed
+outcome on every rank, checked against the model) and materialises a minimal Trainer folder
+(`_trainer_folder`). Trainer then loads the weights, restores `global_step`, skips the
+batches already seen and restores the RNG after fetching the first batch, which is what
+makes the resumed run bit-exact.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import os
-import random
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .. import distributed as dist
 from ..checkpointer import Checkpointer
 from ..config import SmartCkptConfig
-from ..constants import KEY_EPOCH, RESUME_DIR, WEIGHTS_NAME
+from ..constants import KEY_TRAINER_STATE
 from ..errors import ConfigError
-from ..state import apply_optimizer_state, frozen_weight_keys, is_peft_model, trainable_state_dict
-from ..state.rng import restore_rng_state
+from ..export import describe_model
+from ..policy.decision import Decision, DecisionKind
+from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys
 from ..store.types import LoadedCheckpoint
+from ._trainer_folder import materialise_trainer_folder, remove_resume_folders
 
 logger = logging.getLogger(__name__)
-
-KEY_TRAINER_STATE = "trainer_state"
-TRAINER_STATE_NAME = "trainer_state.json"
-SAFE_WEIGHTS_NAME = "model.safetensors"
-ADAPTER_SAFE_WEIGHTS_NAME = "adapter_model.safetensors"
 
 
 class SmartCkptCallback(TrainerCallback):
@@ -62,7 +54,7 @@ class SmartCkptCallback(TrainerCallback):
         config (`SmartCkptConfig`, *optional*): the knobs; `SmartCkptConfig()` stores under
             `<output_dir>/smart_ckpt`.
         trainer (`transformers.Trainer`, *optional*): the trainer, for the pre-clip gradient
-            norm and the AMP scaler. Found automatically when the callback is passed to
+            norm, the AMP scaler and the flos. Found automatically when the callback is passed to
             `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it.
 
     Example:
@@ -78,10 +70,13 @@ class SmartCkptCallback(TrainerCallback):
         self.checkpointer: Checkpointer | None = None
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
-        self._pending: LoadedCheckpoint | None = None
-        self._resume_dir: Path | None = None
+        self._pending: LoadedCheckpoint | None = None  # applied at every train begin of this train() (retries)
         self._state: TrainerState | None = None
+        self._control: TrainerControl | None = None
         self._lr: float | None = None
+        self._flos: float | None = None
+        self._flos_at_begin = 0.0
+        self._in_train = False
 
     # ------------------------------------------------------------------ wiring
     def set_trainer(self, trainer: Any) -> None:
@@ -93,8 +88,8 @@ class SmartCkptCallback(TrainerCallback):
             self.trainer = _calling_trainer()
 
     def get_checkpointer(self, args: TrainingArguments) -> Checkpointer:
-        """The run's `Checkpointer` (created on first use; its store under `config.resolve_root`)."""
-        if self.checkpointer is None:
+        """The run's `Checkpointer` (a new one after a finished `train()`; its store under `config.resolve_root`)."""
+        if self.checkpointer is None or self.checkpointer.closed:
             self.checkpointer = Checkpointer(self.config, root=self.config.resolve_root(args.output_dir))
         return self.checkpointer
 
@@ -103,17 +98,22 @@ class SmartCkptCallback(TrainerCallback):
                        model: torch.nn.Module | None = None, optimizer: Any = None, lr_scheduler: Any = None,
                        **kwargs: Any) -> None:
         ck = self.get_checkpointer(args)
-        self._state = state
+        retry, self._in_train = self._in_train, True
+        self._state, self._control = state, control
         self._move_first()
-        scaler = getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
         accelerator = getattr(self.trainer, "accelerator", None)
+        scaler = getattr(accelerator, "scaler", None)
         assert model is not None, "Trainer passes the model to callbacks"
-        # No `weights=`: attach's default is the cached `trainable_state_dict(model)` (no module walk per save).
         ck.attach(model, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler,
-                  frozen_keys=frozen_weight_keys(model),
-                  extra=self._extra, sampler=self._sampler, clip_owner=accelerator)
-        if self._pending is not None:
-            loaded, self._pending = self._pending, None
+                  frozen_keys=frozen_weight_keys(model), extra=self._extra, sampler=self._sampler,
+                  clip_owner=accelerator, before_save=self._before_save,
+                  model_info=describe_model(model, tokenizer=getattr(self.trainer, "processing_class", None)))
+        ck.hold_saves = True
+        loaded = self._pending
+        if retry:
+            # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
+            ck.restart_timeline(state.global_step)
+        if loaded is not None:
             if loaded.info.step != state.global_step:
                 raise ConfigError(
                     f"resume_checkpoint prepared step {loaded.info.step} but Trainer resumed at global_step "
@@ -121,8 +121,12 @@ class SmartCkptCallback(TrainerCallback):
                 )
             ck.complete_resume(loaded)
             apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
-            ck.load_policy_state(loaded)
-            logger.info("resumed from %s (step %d)", loaded.info.path, loaded.info.step)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        if self.checkpointer is not None:
+            self._flos_at_begin = float(getattr(self.trainer, "current_flos", 0.0) or 0.0)
+            self.checkpointer.step_begin()  # the previous step's logging and evaluation are done: write its save
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
@@ -142,13 +146,6 @@ class SmartCkptCallback(TrainerCallback):
         ck.step_end(state.global_step, state.epoch or 0.0, lr=self._lr)
         if ck.preempted:
             control.should_training_stop = True
-        if self._resume_dir is not None:
-            # Every rank has read its rng_state file by now (the first step's all-reduce ordered it).
-            if dist.is_main():
-                shutil.rmtree(self._resume_dir, ignore_errors=True)
-                with contextlib.suppress(OSError):  # not empty: another task's resume folder
-                    self._resume_dir.parent.rmdir()
-            self._resume_dir = None
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
@@ -162,23 +159,53 @@ class SmartCkptCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         ck = self.checkpointer
-        if ck is None:
+        self._in_train = False
+        if ck is None or ck.closed:
             return
         try:
-            saved = [e.step for e in ck.events if e.error is None]
-            if not ck.preempted and state.global_step > 0 and (not saved or saved[-1] < state.global_step):
+            ck.release()
+            last = ck.log.last_ok()
+            if not ck.preempted and state.global_step > 0 and (last is None or last.step < state.global_step):
                 # The final state is the most valuable restore point; the write overlaps nothing.
                 ck.save_now(state.global_step, state.epoch or 0.0, reason="train_end", blocking=False)
-            ck.finish()
         finally:
-            ck.detach()
+            self._pending = None
+            try:
+                ck.close()  # waits for the last write; the writer process ends with the training
+            finally:
+                if dist.is_main():
+                    remove_resume_folders(ck.root, ck.store.task_id)
 
     # ------------------------------------------------------------------ state for saves
+    def _before_save(self, decision: Decision) -> None:
+        """Every rank, before each save: the flos Trainer would have stored by now (summed over ranks)."""
+        if self._state is None:
+            return
+        current = self._flos_at_begin if decision.kind == DecisionKind.CAPTURE else \
+            float(getattr(self.trainer, "current_flos", 0.0) or 0.0)
+        self._flos = float(self._state.total_flos) + dist.all_reduce_sum(current)
+
     def _extra(self) -> dict[str, Any]:
-        assert self.checkpointer is not None
-        out = self.checkpointer.extra_state()
+        out: dict[str, Any] = {}
         if self._state is not None:
-            out[KEY_TRAINER_STATE] = dataclasses.asdict(self._state)
+            state = dataclasses.asdict(self._state)
+            if self._flos is not None:
+                state["total_flos"] = self._flos
+            state["stateful_callbacks"] = self._stateful_callbacks(state.get("stateful_callbacks") or {})
+            out[KEY_TRAINER_STATE] = state
+        return out
+
+    def _stateful_callbacks(self, current: dict[str, Any]) -> dict[str, Any]:
+        """What `Trainer._save_checkpoint` records: each exportable callback's and the control's state."""
+        from transformers.trainer_callback import ExportableState
+
+        handler = getattr(self.trainer, "callback_handler", None)
+        objs = [*getattr(handler, "callbacks", []), *([self._control] if self._control is not None else [])]
+        out = dict(current)
+        for cb in objs:
+            if isinstance(cb, ExportableState):
+                name = type(cb).__name__
+                out[name] = [*out[name], cb.state()] if isinstance(out.get(name), list) else cb.state()
         return out
 
     def _sampler(self) -> dict[str, Any]:
@@ -223,11 +250,12 @@ def _find_callback(trainer: Any) -> SmartCkptCallback:
 def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto") -> str | None:
     """The `resume_from_checkpoint` argument for `trainer.train`, from the smart checkpoint store.
 
-    Chooses and verifies the restore point (rank 0 decides, every rank checks its own RNG
-    file; a broken checkpoint falls back to an older one, a broken optimizer tier resumes
-    with a fresh optimizer, each with a warning), then prepares a minimal Trainer checkpoint
-    folder for it. The optimizer and scheduler state are loaded by the callback at train
-    begin, directly from the store.
+    Chooses and verifies the restore point (one agreed outcome on every rank; a broken
+    checkpoint falls back to an older one, a broken optimizer tier resumes with a fresh
+    optimizer, each with a warning; the weights must fit the model), then prepares a minimal
+    Trainer checkpoint folder for it. Checkpoints of the run that went past the restore point
+    are kept, marked abandoned. The optimizer and scheduler state are loaded by the callback
+    at train begin, directly from the store.
 
     Args:
         trainer (`transformers.Trainer`): a trainer created with a `SmartCkptCallback`.
@@ -254,110 +282,12 @@ def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto"
     if spec is None:
         return None
     ck = cb.get_checkpointer(trainer.args)
-    # The optimizer tier is read in the background while Trainer builds and prepares the
-    # optimizer; the callback waits for it in on_train_begin.
-    loaded = ck.resume(os.fspath(spec), background_optimizer=True)
+    # The optimizer tier is read in the background while Trainer builds and prepares the optimizer.
+    loaded = ck.resume(os.fspath(spec), background_optimizer=True, expected=expected_weights(trainer.model))
     if loaded is None:
         logger.info("resume_checkpoint(%r): the store at %s is empty; starting fresh", spec, ck.root)
         return None
-    folder = materialise_trainer_folder(loaded, trainer, ck.root)
+    folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
     cb._pending = loaded
-    cb._resume_dir = folder
     cb.resumed_from = loaded
     return str(folder)
-
-
-# ---------------------------------------------------------------------- the resume folder
-def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path) -> Path:
-    """Write the minimal folder `Trainer.train(resume_from_checkpoint=...)` needs for `loaded`.
-
-    Rank 0 writes `trainer_state.json` and the weights (a hard link of the stored file when
-    it holds exactly the model's keys, else a safetensors file of `loaded.weights`); every
-    rank writes its own `rng_state[_R].pth`. No optimizer or scheduler file: the callback
-    loads those from the store.
-    """
-    from ..state.model import check_weights
-
-    model = trainer.model
-    peft = is_peft_model(model)
-    folder = Path(root) / RESUME_DIR / f"{loaded.info.task_id}-step-{loaded.info.step}"
-    if dist.is_main():
-        if loaded.weights is not None:
-            check_weights(loaded.weights, trainable_state_dict(model))
-        shutil.rmtree(folder.parent, ignore_errors=True)
-        folder.mkdir(parents=True)
-        _write_trainer_state(folder, loaded, trainer)
-        _write_weights(folder, loaded, peft)
-    dist.barrier()
-    _write_rng(folder, loaded, trainer.args)
-    dist.barrier()
-    return folder
-
-
-def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any) -> None:
-    state = loaded.extra.get(KEY_TRAINER_STATE)
-    if state is None:  # saved by another integration: the step and epoch are enough to resume
-        args = trainer.args
-        ts = TrainerState(global_step=loaded.info.step, epoch=float(loaded.manifest.get(KEY_EPOCH) or 0.0),
-                          train_batch_size=trainer._train_batch_size, logging_steps=args.logging_steps,
-                          eval_steps=args.eval_steps, save_steps=args.save_steps)
-        state = dataclasses.asdict(ts)
-    else:
-        state = dict(state)
-        state["global_step"] = loaded.info.step
-    (folder / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _write_weights(folder: Path, loaded: LoadedCheckpoint, peft: bool) -> None:
-    if loaded.weights is None:
-        raise ConfigError(f"checkpoint {loaded.info.path} has no weights tier; resume needs one (choose another step).")
-    target = folder / (ADAPTER_SAFE_WEIGHTS_NAME if peft else SAFE_WEIGHTS_NAME)
-    source = Path(loaded.info.path) / WEIGHTS_NAME
-    from safetensors import safe_open
-
-    with safe_open(str(source), framework="pt") as f:
-        same_keys = set(f.keys()) == set(loaded.weights)
-    if same_keys:
-        try:
-            os.link(source, target)
-            return
-        except OSError as e:  # another filesystem: copying the weights is the price
-            logger.info("hard link of %s failed (%s); copying", source, e)
-            shutil.copyfile(source, target)
-            return
-    # Deduplicated or aliased tensors live outside the file: write the resolved weights.
-    from safetensors.torch import save_file
-
-    seen: dict[int, str] = {}
-    tensors = {}
-    for key, t in loaded.weights.items():
-        ptr = t.untyped_storage().data_ptr() if t.numel() else None
-        tensors[key] = t.clone().contiguous() if ptr is not None and ptr in seen else t.contiguous()
-        if ptr is not None:
-            seen.setdefault(ptr, key)
-    save_file(tensors, str(target))
-
-
-def _write_rng(folder: Path, loaded: LoadedCheckpoint, args: TrainingArguments) -> None:
-    if loaded.rng is None:
-        logger.warning("resume from step %d: no RNG state for rank %d; random streams (dropout, shuffling) "
-                       "will differ from the interrupted run", loaded.info.step, dist.rank())
-        return
-    name = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
-    # Convert the stored JSON to the generators' native objects through the generators themselves.
-    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    cuda_saved = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        restore_rng_state(loaded.rng)
-        native: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                                  "cpu": torch.get_rng_state()}
-        if loaded.rng.get("cuda") and torch.cuda.is_available():
-            states = torch.cuda.get_rng_state_all()
-            native["cuda"] = states[torch.cuda.current_device()] if args.world_size > 1 else states
-    finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
-        if cuda_saved is not None:
-            torch.cuda.set_rng_state_all(cuda_saved)
-    torch.save(native, folder / name)

@@ -7,7 +7,16 @@
 
 from __future__ import annotations
 
-from .model import apply_weights, check_weights, frozen_weight_keys, is_peft_model, trainable_state_dict
+from .model import (
+    adapter_names,
+    apply_weights,
+    check_weights,
+    expected_weights,
+    frozen_weight_keys,
+    is_peft_model,
+    split_adapters,
+    trainable_state_dict,
+)
 from .optimizer import apply_optimizer_state, fast_forward_scheduler
 from .rng import capture_rng_state, restore_rng_state
 from .sources import CachedWeights, StateSources
@@ -15,13 +24,16 @@ from .sources import CachedWeights, StateSources
 __all__ = [
     "CachedWeights",
     "StateSources",
+    "adapter_names",
     "apply_optimizer_state",
     "apply_weights",
     "capture_rng_state",
     "check_weights",
+    "expected_weights",
     "fast_forward_scheduler",
     "frozen_weight_keys",
     "is_peft_model",
     "restore_rng_state",
+    "split_adapters",
     "trainable_state_dict",
 ]

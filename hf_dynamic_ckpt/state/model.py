@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..constants import ADAPTER_KEY_SEP
 from ..errors import IncompatibleStateError
 
 _MAX_LISTED_KEYS = 10
@@ -27,16 +28,61 @@ def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What L0 holds: the adapter only for a PEFT model (PEFT key names), else the full state dict.
+def adapter_names(model: nn.Module) -> list[str]:
+    """The PEFT adapters of `model` in a stable order (the active one first); `[]` for other models."""
+    if not is_peft_model(model):
+        return []
+    names = list(getattr(model, "peft_config", {}) or {})
+    active = getattr(model, "active_adapter", None)
+    if isinstance(active, str) and active in names:
+        names.remove(active)
+        names.insert(0, active)
+    return names
 
+
+def adapter_key(adapter: str, key: str) -> str:
+    """The L0 name of a PEFT key of `adapter` in a model with several adapters."""
+    return f"{adapter}{ADAPTER_KEY_SEP}{key}"
+
+
+def split_adapters(weights: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Inverse of `trainable_state_dict` for a PEFT model: `{adapter: {peft key: tensor}}`.
+
+    Keys without an adapter prefix belong to the only adapter (models with one adapter keep
+    PEFT's own key names, byte-identical with its ``adapter_model.safetensors``).
+    """
+    if len(names) <= 1:
+        return {names[0] if names else "default": dict(weights)}
+    out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
+    for key, tensor in weights.items():
+        adapter, sep, rest = key.partition(ADAPTER_KEY_SEP)
+        if not sep or adapter not in out:
+            raise IncompatibleStateError(
+                f"saved weight {key!r} names no adapter of the model (adapters: {', '.join(names)}); resume with the "
+                "adapters the checkpoint was saved with."
+            )
+        out[adapter][rest] = tensor
+    return out
+
+
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What L0 holds: a PEFT model's adapters only, else the full state dict.
+
+    A PEFT model with one adapter (whatever its name) is stored under PEFT's key names; with
+    several, every adapter, active or not, is stored under ``"<adapter>::<PEFT key>"``.
     The tensors alias the live parameters; the engine copies them.
     """
-    if is_peft_model(model):
-        from peft import get_peft_model_state_dict
+    names = adapter_names(model)
+    if not names:
+        return dict(model.state_dict())
+    from peft import get_peft_model_state_dict
 
-        return dict(get_peft_model_state_dict(model))
-    return dict(model.state_dict())
+    if len(names) == 1:
+        return dict(get_peft_model_state_dict(model, adapter_name=names[0]))
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        out.update({adapter_key(name, k): v for k, v in get_peft_model_state_dict(model, adapter_name=name).items()})
+    return out
 
 
 def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
@@ -49,20 +95,34 @@ def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
 
 
 def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy saved L0 tensors into the live model in place (after `restore.check_weights`).
+    """Copy saved L0 tensors into the live model in place (after `check_weights`).
 
     Raises:
         `IncompatibleStateError`: names or shapes do not match the model.
     """
-    if is_peft_model(model):
+    names = adapter_names(model)
+    check_weights(weights, expected_weights(model))
+    if names:
         from peft import set_peft_model_state_dict
 
-        check_weights(weights, trainable_state_dict(model))
-        set_peft_model_state_dict(model, dict(weights))
+        for adapter, state in split_adapters(weights, names).items():
+            set_peft_model_state_dict(model, state, adapter_name=adapter)
         return
-    check_weights(weights, model.state_dict())
     model.load_state_dict(dict(weights), strict=False)
 
+
+def expected_weights(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """`trainable_state_dict(model)` for `check_weights`, buffers checked by name only.
+
+    A module may resize a buffer when it loads a state dict (Trainer loads with
+    `load_state_dict(strict=False)`, which lets it); parameters must keep their shapes.
+    """
+    out: dict[str, torch.Tensor | None] = dict(trainable_state_dict(model))
+    if not adapter_names(model):
+        for name, _ in model.named_buffers():
+            if name in out:
+                out[name] = None
+    return out
 
 
 def _fmt_keys(keys: list[str]) -> str:
@@ -75,8 +135,8 @@ def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]
 
     Args:
         saved (`Mapping[str, torch.Tensor]`): weights read from a checkpoint.
-        expected (`Mapping[str, torch.Tensor]`): what the model holds (e.g. `model.state_dict()`,
-            or the PEFT adapter dict).
+        expected (`Mapping[str, torch.Tensor | None]`): what the model holds (e.g. `model.state_dict()`,
+            the PEFT adapter dict, or `expected_weights(model)`); a `None` entry is checked by name only.
 
     Raises:
         `IncompatibleStateError`: with the message
@@ -98,7 +158,8 @@ def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]
     """
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
-    mismatched = sorted(k for k in set(saved) & set(expected) if tuple(saved[k].shape) != tuple(expected[k].shape))
+    mismatched = sorted(k for k in set(saved) & set(expected)
+                        if expected[k] is not None and tuple(saved[k].shape) != tuple(expected[k].shape))
     parts = []
     if missing:
         parts.append(f"missing from the checkpoint ({len(missing)}): {_fmt_keys(missing)}")

@@ -65,11 +65,32 @@ def main() -> None:
     p.add_argument("--spike_at", type=int, default=None, help="multiply this step's loss by 1000")
     p.add_argument("--tie", action="store_true", help="tied input/output embeddings (aliased weights)")
     p.add_argument("--native_save_steps", type=int, default=None, help="keep Trainer's own saves on too")
+    p.add_argument("--default_policy", action="store_true",
+                   help="SmartCkptConfig(base_interval=...) with every other policy knob at its default")
+    p.add_argument("--slow_snapshot_rank", type=int, default=None, help="this rank's snapshots take --slow_ms longer")
+    p.add_argument("--slow_ms", type=float, default=300.0)
+    p.add_argument("--kill_after_save", type=int, default=None,
+                   help="SIGKILL rank KILL_RANK right after the save of this step was handed to the writer")
     args = p.parse_args()
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint, toy
+
+    rank = int(os.environ.get("RANK", "0"))
+    if args.slow_snapshot_rank is not None and rank == args.slow_snapshot_rank:
+        # A rank whose saves cost more (a slower disk, a busier host): its measured blocking time differs.
+        import time
+
+        from hf_dynamic_ckpt.engine import snapshot
+
+        original_take = snapshot.Snapshotter.take
+
+        def slow_take(self, *a, **kw):  # type: ignore[no-untyped-def]
+            time.sleep(args.slow_ms / 1000.0)
+            return original_take(self, *a, **kw)
+
+        snapshot.Snapshotter.take = slow_take  # type: ignore[method-assign]
 
     model = build_model(args.model, tie=args.tie)
     ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
@@ -94,11 +115,15 @@ def main() -> None:
             losses.append(loss.detach().double().item().hex())
 
     inner.register_forward_hook(hook)
-    rank = int(os.environ.get("RANK", "0"))
 
     class Fault(TrainerCallback):
         def on_step_begin(self, a, st, control, **kw):  # type: ignore[no-untyped-def]
             state["step"] = st.global_step
+            killer = rank == int(os.environ.get("KILL_RANK", "0"))
+            if args.kill_after_save is not None and st.global_step == args.kill_after_save and killer:
+                # SmartCkptCallback (first in the list) has just handed step N's save to the writer.
+                _dump(args, rank, losses, cb, killed=True)
+                os.kill(os.getpid(), signal.SIGKILL)
 
         def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
             if args.kill_at is not None and state.global_step == args.kill_at:
@@ -112,7 +137,11 @@ def main() -> None:
             if args.sigterm_at is not None and state.global_step == args.sigterm_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    cb = SmartCkptCallback(SmartCkptConfig(base_interval=args.base_interval, stability_window=8, overhead_budget=1.0))
+    if args.default_policy:
+        config = SmartCkptConfig(base_interval=args.base_interval)
+    else:
+        config = SmartCkptConfig(base_interval=args.base_interval, stability_window=8, overhead_budget=1.0)
+    cb = SmartCkptCallback(config)
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",

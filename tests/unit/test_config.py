@@ -100,7 +100,7 @@ def test_max_interval_below_min_names_both() -> None:
 def test_yaml_errors_name_the_nested_field(tmp_path: Path) -> None:
     cases = [
         ("storage_levels:\n  level_1: {compression: zstd, compression_level: 25}\n",
-         r"^compression_level=25 is invalid: expected 1 <= level <= 19\.$"),
+         r"^storage_levels\.level_1\.compression_level=25 is invalid: expected 1 <= level <= 19\.$"),
         ("storage_levels:\n  level_0: {compression: zstd}\n", r"^storage_levels\.level_0\.compression='zstd' is invalid"),
         ("storage_levels:\n  level_3: {compression: none}\n", r"^unknown config key storage_levels\.'level_3'"),
         ("- 1\n- 2\n", "expected a mapping at the top level, got list"),
@@ -119,7 +119,47 @@ def test_level_1_codec_must_be_zstd_or_none() -> None:
     assert cfg.storage_levels.level_1.compression is Compression.NONE
 
 
-def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCaptureFixture) -> None:
+def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_dynamic_ckpt import config as config_module
+
+    monkeypatch.setattr(config_module, "_WARNED", set())
     with caplog.at_level("WARNING", logger="hf_dynamic_ckpt.config"):
         SmartCkptConfig.from_dict({"storage_levels": {"level_2": {"compression": "gzip"}}})
-    assert "storage_levels.level_2.compression='gzip' is not applied" in caplog.text
+        SmartCkptConfig.from_dict({"storage_levels": {"level_2": {"compression": "gzip"}}})
+    assert caplog.text.count("storage_levels.level_2.compression='gzip' is not applied") == 1  # once per process
+    caplog.clear()
+    monkeypatch.setattr(config_module, "_WARNED", set())
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level("WARNING", logger="hf_dynamic_ckpt.config"):
+        SmartCkptConfig.from_dict({"storage_levels": {"level_2": {"compression": "gzip"}}})
+    assert "not applied" not in caplog.text  # rank 0 says it for the job
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"async_save": "no"}, "async_save='no' is invalid: expected true or false (a YAML boolean, not a string)."),
+        ({"keep_log_spaced": "no"}, "keep_log_spaced='no' is invalid: expected true or false"),
+        ({"root": 5}, "root=5 is invalid: expected a directory path (str) or null."),
+        ({"root": "s3://bucket/run1"}, "root='s3://bucket/run1' is invalid: object-store URLs are not supported yet"),
+        ({"storage_levels": [1, 2]}, "storage_levels=[1, 2] is invalid: expected a mapping with level_0 / level_1 / level_2."),
+        ({"storage_levels": {"level_1": None}}, "storage_levels.level_1=None is invalid: expected a mapping such as"),
+        ({"mtbf_hours": float("inf")}, "mtbf_hours=inf is invalid: expected a positive number of hours."),
+        ({"preemption_signals": 15}, "preemption_signals=15 is invalid: expected a list of signal names"),
+        ({"save_total_limit": 3}, "unknown config key 'save_total_limit' (Trainer's 'save_total_limit' is keep_last here)"),
+        ({"save_steps": 500}, "unknown config key 'save_steps' (Trainer's 'save_steps' is base_interval here)"),
+        ({"base_intervall": 4}, "unknown config key 'base_intervall' (did you mean 'base_interval'?)"),
+        ({"storage_levels": {"level_1": {"compresion": "zstd"}}},
+         "unknown config key storage_levels.level_1.'compresion' (did you mean 'compression'?)"),
+        ({"on_save_error": "ignore"}, "on_save_error='ignore' is invalid: expected one of 'warn', 'raise'."),
+    ],
+)
+def test_strict_types_and_did_you_mean(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        SmartCkptConfig.from_dict(data)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_single_signal_name_is_a_list_of_one() -> None:
+    assert SmartCkptConfig(preemption_signals="SIGTERM").preemption_signals == ("SIGTERM",)  # type: ignore[arg-type]

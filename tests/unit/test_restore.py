@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import same_state
 
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import (
@@ -44,16 +45,6 @@ def _state(step: int) -> CheckpointState:
                            scheduler=sched.state_dict(), rng={"python": [step]}, sampler={"batches": step})
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.fixture
 def store(tmp_path: Path) -> CheckpointStore:
     s = CheckpointStore(tmp_path / "root", task_id="run")
@@ -81,11 +72,11 @@ def _file(store: CheckpointStore, kind: str) -> Path:
 def _assert_exact(loaded: Any, step: int) -> None:
     """Whatever was handed out equals what was saved at that step."""
     expected = _state(step)
-    assert _same(loaded.weights, expected.weights)
+    assert same_state(loaded.weights, expected.weights)
     if loaded.optimizer is not None:
-        assert _same(loaded.optimizer, expected.optimizer)
+        assert same_state(loaded.optimizer, expected.optimizer)
     if loaded.scheduler is not None:
-        assert _same(loaded.scheduler, expected.scheduler)
+        assert same_state(loaded.scheduler, expected.scheduler)
     if loaded.rng is not None:
         assert loaded.rng == expected.rng and loaded.sampler == expected.sampler
 

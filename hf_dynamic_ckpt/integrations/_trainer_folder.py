@@ -1,0 +1,157 @@
+"""The minimal folder `Trainer.train(resume_from_checkpoint=...)` reads, made from a store checkpoint.
+
+``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` (the stored `TrainerState`), the
+weights as a hard link of the stored safetensors file (or, for several PEFT adapters, one
+file per adapter: the ``default`` adapter at the top, the others in sub-folders named after
+them, which is how Trainer finds them), and `rng_state[_R].pth`. No `optimizer.pt` /
+`scheduler.pt`: the callback loads L1 from the store straight into Trainer's optimizer.
+
+The folder's location comes from this run's store (its root and task), never from a manifest,
+and only entries under ``<root>/.resume`` that are real directories are ever removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerState, TrainingArguments
+
+from .. import distributed as dist
+from ..constants import (
+    KEY_EPOCH,
+    KEY_TRAINER_STATE,
+    RESUME_DIR,
+    TRAINER_ADAPTER_WEIGHTS_NAME,
+    TRAINER_RNG_NAME,
+    TRAINER_RNG_TEMPLATE,
+    TRAINER_STATE_NAME,
+    TRAINER_WEIGHTS_NAME,
+    WEIGHTS_NAME,
+)
+from ..errors import ConfigError
+from ..state import adapter_names, is_peft_model, restore_rng_state, split_adapters
+from ..store.types import LoadedCheckpoint
+
+logger = logging.getLogger(__name__)
+
+
+def resume_folder(root: Path, task_id: str, step: int) -> Path:
+    """``<root>/.resume/<task>-step-<N>`` (from this run's store, never from a manifest)."""
+    return Path(root).absolute() / RESUME_DIR / f"{task_id}-step-{int(step)}"
+
+
+def remove_resume_folders(root: Path, task_id: str) -> None:
+    """Remove this task's resume folders: real directories directly under ``<root>/.resume`` only."""
+    base = Path(root).absolute() / RESUME_DIR
+    if not base.is_dir() or base.is_symlink():
+        return
+    for entry in base.iterdir():
+        if entry.name.startswith(f"{task_id}-step-") and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        base.rmdir()  # only when empty: other tasks' folders stay
+
+
+def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str) -> Path:
+    """Write the folder for `loaded` (rank 0: state and weights; every rank: its RNG); returns it."""
+    folder = resume_folder(root, task_id, loaded.info.step)
+    if dist.is_main():
+        remove_resume_folders(root, task_id)
+        folder.mkdir(parents=True)
+        _write_trainer_state(folder, loaded, trainer)
+        _write_weights(folder, loaded, trainer.model)
+    dist.barrier()
+    _write_rng(folder, loaded, trainer.args)
+    dist.barrier()
+    return folder
+
+
+def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any) -> None:
+    state = loaded.extra.get(KEY_TRAINER_STATE)
+    if state is None:  # saved by another integration: the step and epoch are enough to resume
+        args = trainer.args
+        ts = TrainerState(global_step=loaded.info.step, epoch=float(loaded.manifest.get(KEY_EPOCH) or 0.0),
+                          train_batch_size=trainer._train_batch_size, logging_steps=args.logging_steps,
+                          eval_steps=args.eval_steps, save_steps=args.save_steps)
+        state = dataclasses.asdict(ts)
+    else:
+        state = dict(state)
+        state["global_step"] = loaded.info.step
+    (folder / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any) -> None:
+    if loaded.weights is None:
+        raise ConfigError(f"checkpoint {loaded.info.path} has no weights tier; resume needs one (choose another step).")
+    names = adapter_names(model)
+    if len(names) > 1:
+        # Trainer loads the top-level adapter file into "default" and every sub-folder into the adapter
+        # named after it (the adapters exist already, so no adapter_config.json is needed).
+        for adapter, tensors in split_adapters(loaded.weights, names).items():
+            target = folder if adapter == "default" else folder / adapter
+            target.mkdir(exist_ok=True)
+            _save_tensors(tensors, target / TRAINER_ADAPTER_WEIGHTS_NAME)
+        return
+    target = folder / (TRAINER_ADAPTER_WEIGHTS_NAME if is_peft_model(model) else TRAINER_WEIGHTS_NAME)
+    source = Path(loaded.info.path) / WEIGHTS_NAME
+    from safetensors import safe_open
+
+    with safe_open(str(source), framework="pt") as f:
+        same_keys = set(f.keys()) == set(loaded.weights)
+    if same_keys:
+        try:
+            os.link(source, target)
+            return
+        except OSError as e:  # another filesystem: copying the weights is the price
+            logger.info("hard link of %s failed (%s); copying", source, e)
+            shutil.copyfile(source, target)
+            return
+    _save_tensors(loaded.weights, target)  # deduplicated or aliased tensors live outside the file
+
+
+def _save_tensors(weights: dict[str, torch.Tensor], target: Path) -> None:
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for key, t in weights.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        tensors[key] = t.clone().contiguous() if ptr is not None and ptr in seen else t.contiguous()
+        if ptr is not None:
+            seen.add(ptr)
+    save_file(tensors, str(target))
+
+
+def _write_rng(folder: Path, loaded: LoadedCheckpoint, args: TrainingArguments) -> None:
+    if loaded.rng is None:
+        logger.warning("resume from step %d: no RNG state for rank %d; random streams (dropout, shuffling) "
+                       "will differ from the interrupted run", loaded.info.step, dist.rank())
+        return
+    name = TRAINER_RNG_TEMPLATE.format(rank=args.process_index) if args.world_size > 1 else TRAINER_RNG_NAME
+    # Convert the stored JSON to the generators' native objects through the generators themselves.
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_saved = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        restore_rng_state(loaded.rng)
+        native: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                                  "cpu": torch.get_rng_state()}
+        if loaded.rng.get("cuda") and torch.cuda.is_available():
+            states = torch.cuda.get_rng_state_all()
+            native["cuda"] = states[torch.cuda.current_device()] if args.world_size > 1 else states
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+        if cuda_saved is not None:
+            torch.cuda.set_rng_state_all(cuda_saved)
+    torch.save(native, folder / name)

@@ -1,0 +1,251 @@
+"""The save path of one run: a decision becomes a `SaveRequest`, a snapshot, a committed checkpoint.
+
+`Saver` owns the engine calls, the run's `SaveLog`, the error policy (`on_save_error`) and
+retention after each commit. It is used by `Checkpointer` only; it runs no collectives itself
+(a `before_save` hook given by the integration may, since every rank takes the same saves).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal as _signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import distributed as dist
+from .config import EngineMode, OnSaveError, SmartCkptConfig
+from .constants import ALL_TIERS, Tier
+from .engine import SaveEngine, SaveHandle
+from .errors import DistributedError, SaveError
+from .events import SaveEvent, SaveLog
+from .jsonutil import json_safe
+from .policy.decision import Decision, DecisionKind
+from .policy.retention import level_retention_from_config, plan_retention
+from .signals.frame import SignalFrame
+from .state import StateSources
+from .store.spec import Lineage, SaveRequest
+from .store.store import CheckpointStore
+from .store.types import CheckpointInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HeldSave:
+    """A save decided at `step_end` whose write waits for `Checkpointer.release()` (the step's logging)."""
+
+    decision: Decision
+    step: int
+    epoch: float
+    rng: dict[str, Any] | None
+    sampler: dict[str, Any] | None
+    frame: SignalFrame
+
+
+def open_store_and_engine(config: SmartCkptConfig, root: Path, *, rank: int, world_size: int,
+                          session_id: str) -> tuple[CheckpointStore, SaveEngine]:
+    """This rank's store and save engine. Under DDP rank 0 opens first (it creates the catalog and
+    takes the task's writer lock); its outcome, an error included, is what every rank acts on."""
+
+    def open_store() -> CheckpointStore:
+        return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
+                               compression_level=config.compression_level,
+                               compression=config.storage_levels.level_1.compression.value)
+
+    if world_size > 1:
+        store, error = None, None
+        if rank == 0:
+            try:
+                store = open_store()
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        error = dist.broadcast_object(error)
+        if error is not None:
+            if store is not None:
+                store.close()
+            raise DistributedError(f"rank 0 could not open the store {root}: {error}")
+        if store is None:
+            store = open_store()
+    else:
+        store = open_store()
+    mode = config.engine if config.async_save else EngineMode.SYNC
+    return store, SaveEngine(store, mode=mode, memory_margin=config.memory_margin)
+
+
+def human_bytes(n: int | None) -> str:
+    """``1.3 MiB``-style size (binary units)."""
+    if n is None:
+        return "? B"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+class Saver:
+    """Turns decisions into saves and keeps their record (see the module docstring)."""
+
+    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, engine: SaveEngine, *, rank: int) -> None:
+        self.config = config
+        self.store = store
+        self.engine = engine
+        self.rank = rank
+        self.log = SaveLog()
+        self.before_save: Callable[[Decision], None] | None = None
+        self.on_first_save: Callable[[], None] | None = None
+        self._raise_next: SaveError | None = None
+
+    def request(self, decision: Decision, *, step: int, epoch: float, tiers: frozenset[Tier],
+                frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
+        return SaveRequest(step=step, epoch=float(epoch), tiers=tiers, reason=decision.reason, kind=decision.kind.value,
+                           pinned=decision.pin, healthy=decision.healthy,
+                           signals=json_safe(frame.to_dict()) if frame is not None else None,
+                           debug_info=tuple(debug_info), lineage=lineage)
+
+    def _prepare(self, decision: Decision) -> frozenset[Tier]:
+        if self.before_save is not None:
+            self.before_save(decision)
+        if self.on_first_save is not None:
+            first, self.on_first_save = self.on_first_save, None
+            first()
+        # Rank 0 writes weights and optimizer; every rank writes its own RNG file.
+        return frozenset(decision.tiers or ALL_TIERS) if self.rank == 0 else frozenset({Tier.STATE})
+
+    def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
+             frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
+             rng: dict[str, Any] | None = None, sampler: dict[str, Any] | None = None,
+             blocking: bool = False) -> SaveEvent:
+        """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it."""
+        tiers = self._prepare(decision)
+        request = self.request(decision, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
+                               lineage=lineage)
+        handle = _engine_save(self.engine, sources, request, rng=rng, sampler=sampler, blocking=blocking)
+        event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
+                          pinned=decision.pin, blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle)
+        if handle.skipped:
+            event.error = handle.skipped
+        self.log.add(event)
+        logger.debug("save step %d (%s): blocked %.1f ms", step, decision.reason, handle.blocking_ms)
+        if handle.done():
+            self.collect(event)
+        return event
+
+    def emergency(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, signum: int | None,
+                  frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveEvent:
+        """The preemption save: synchronous, within `preemption_grace_s`, most valuable tiers first."""
+        tiers = self._prepare(decision)
+        start = time.perf_counter()
+        name = "preemption"
+        if signum is not None:
+            try:
+                name = f"preemption: {_signal.Signals(signum).name}"
+            except ValueError:
+                name = f"preemption: signal {signum}"
+        emergency = Decision(save=True, tiers=tiers, reason=f"emergency: {name}", kind=DecisionKind.PREEMPTION, step=step)
+        request = self.request(emergency, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
+                               lineage=lineage)
+        info = _engine_emergency_save(self.engine, sources, request, deadline_s=self.config.preemption_grace_s)
+        blocking_ms = (time.perf_counter() - start) * 1e3
+        event = SaveEvent(step=step, at_step=step, reason=emergency.reason, tiers=info.tiers if info else tiers,
+                          pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
+                          bytes=info.bytes if info else None, path=info.path if info else None)
+        self.log.add(event)
+        dist.barrier()
+        logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
+        return event
+
+    def pin_existing(self, step: int, decision: Decision) -> bool:
+        """A pre-update capture of `step` when a save of `step` exists already: pin that one, no second copy."""
+        saved = self.log.find(step)
+        if saved is None:
+            return False
+        logger.info("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
+        saved.pinned = True
+        if saved.handle is None and saved.path is not None and self.rank == 0:
+            self.store.pin(f"step:{step}")
+        return True
+
+    def collect(self, event: SaveEvent) -> None:
+        """Settle a finished save: record bytes and path, pin, apply retention; or count and warn a failure."""
+        handle = event.handle
+        if handle is None or not handle.done():
+            return
+        event.handle = None
+        exc = handle.exception()
+        if exc is not None:
+            event.error = f"{type(exc).__name__}: {exc}"
+            self.log.failed += 1
+            text = str(exc) if isinstance(exc, SaveError) else (
+                f"save of step {event.step} ({event.reason}) failed: {type(exc).__name__}: {exc}")
+            logger.warning("%s [on_save_error=%s; failed saves so far: %d]", text, self.config.on_save_error.value,
+                           self.log.failed)
+            if self.config.on_save_error == OnSaveError.RAISE and self._raise_next is None:
+                self._raise_next = exc if isinstance(exc, SaveError) else SaveError(str(exc))
+            return
+        info = handle.wait()
+        event.write_ms = handle.write_ms
+        if info is not None:
+            event.bytes, event.path = info.bytes, info.path
+            logger.info("checkpoint step %d committed (%s): %s, training blocked %.1f ms", event.step, event.reason,
+                        human_bytes(info.bytes), event.blocking_ms)
+            if event.pinned and not info.pinned:
+                self.store.pin(info)
+            self.prune()
+
+    def collect_finished(self) -> None:
+        for event in self.log.events[-4:]:
+            if event.handle is not None:
+                self.collect(event)
+
+    def raise_pending(self) -> None:
+        """Raise the first failed save's error once (`on_save_error="raise"`)."""
+        error, self._raise_next = self._raise_next, None
+        if error is not None:
+            raise error
+
+    def finish(self) -> CheckpointInfo | None:
+        """Wait for the write in flight and settle every save (errors per `on_save_error`)."""
+        info: CheckpointInfo | None = None
+        try:
+            info = self.engine.wait()
+        except SaveError:
+            info = None  # settled (warned about, or raised per on_save_error) below
+        for event in self.log.events:
+            self.collect(event)
+        self.raise_pending()
+        return info
+
+    def prune(self) -> None:
+        """Apply retention (rank 0, between saves): keep pinned, the last N, log-spaced history."""
+        if self.rank != 0 or self.engine.busy:
+            return
+        c = self.config
+        plan = plan_retention(self.store.list(include_unhealthy=True), keep_last=c.keep_last,
+                              log_spaced=c.keep_log_spaced, level_retention=level_retention_from_config(c),
+                              now=time.time())
+        for info, tiers in plan:
+            try:
+                self.store.delete(info, tiers=None if Tier.WEIGHTS in tiers else tiers)
+            except Exception as e:
+                logger.warning("retention: could not delete step %d (%s)", info.step, e)
+
+
+# TODO(merge): the engine branch moves SaveEngine.save/emergency_save to (sources, request, ...);
+# these two adapters then become direct calls.
+def _engine_save(engine: SaveEngine, sources: StateSources, request: SaveRequest, *, rng: dict[str, Any] | None,
+                 sampler: dict[str, Any] | None, blocking: bool) -> SaveHandle:
+    return engine.save(sources, step=request.step, epoch=request.epoch, tiers=request.tiers, reason=request.reason,
+                       pinned=request.pinned, healthy=request.healthy, signals=dict(request.signals or {}),
+                       debug_info=[dict(d) for d in request.debug_info], rng=rng, sampler=sampler, blocking=blocking)
+
+
+def _engine_emergency_save(engine: SaveEngine, sources: StateSources, request: SaveRequest, *,
+                           deadline_s: float) -> CheckpointInfo | None:
+    return engine.emergency_save(sources, step=request.step, epoch=request.epoch,
+                                 reason=request.reason.removeprefix("emergency: "), deadline_s=deadline_s,
+                                 signals=dict(request.signals or {}), debug_info=[dict(d) for d in request.debug_info])

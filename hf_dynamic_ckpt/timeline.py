@@ -1,0 +1,107 @@
+"""The run's timeline file: one JSON line per optimizer step, plus events (resume, ...).
+
+``<root>/<task>/timeline.jsonl`` is written by rank 0 of the `Checkpointer` (`TimelineWriter`)
+and read by `plot` and the demo (`read_timeline`). Each step row holds the reduced signals,
+the smoothed risk and the saves taken during the step (with their `kind`); a resume adds an
+``{"event": "resume", ...}`` line, which starts a new segment when read back. Numbers are
+strict JSON (`jsonutil.safe_float`), so ``jq`` reads the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .constants import DEFAULT_TASK_ID, TIMELINE_NAME
+from .errors import CheckpointNotFoundError
+from .events import SaveEvent
+from .jsonutil import safe_float
+from .policy.decision import Decision
+from .signals.frame import SignalFrame
+
+
+class TimelineWriter:
+    """Appends rows to ``<task_dir>/timeline.jsonl`` (line-buffered; one writer: rank 0).
+
+    Args:
+        task_dir (`Path`): the task's folder in the store (created if missing).
+    """
+
+    def __init__(self, task_dir: Path) -> None:
+        task_dir.mkdir(parents=True, exist_ok=True)
+        self.path = task_dir / TIMELINE_NAME
+        self._file: Any = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed in close()
+        self._seen = 0
+
+    def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent]) -> None:
+        """One row for the step `frame.step`, with the saves of `events` taken during it.
+
+        `events` is the run's whole save log; only entries appended since the previous row are
+        looked at (no scan of the history per step).
+        """
+        saves = [e for e in events[self._seen:] if e.at_step == frame.step]
+        self._seen = len(events)
+        row: dict[str, Any] = {
+            "step": frame.step, "loss": safe_float(frame.loss), "grad_norm": safe_float(frame.grad_norm),
+            "lora_max_ratio": safe_float(frame.lora_max_ratio), "lr": safe_float(frame.lr),
+            "risk": round(decision.risk, 6), "mem": safe_float(frame.mem_frac),
+            "step_time_s": safe_float(frame.step_time_s), "time": time.time(),
+        }
+        saved = [{"step": e.step, "reason": e.reason, "kind": e.kind.value, "pinned": e.pinned,
+                  "blocking_ms": round(e.blocking_ms, 3)} for e in saves]
+        if saved:
+            row["saves"] = saved
+        self._write(row)
+
+    def event(self, kind: str, **data: Any) -> None:
+        """A non-step line, e.g. ``event("resume", step=56, spec="auto")``."""
+        self._write({"event": kind, "time": time.time(), **data})
+
+    def _write(self, row: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def append_event(task_dir: Path, kind: str, **data: Any) -> None:
+    """Append one event line without a `TimelineWriter` (e.g. a resume before `attach`)."""
+    writer = TimelineWriter(task_dir)
+    try:
+        writer.event(kind, **data)
+    finally:
+        writer.close()
+
+
+def read_timeline(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
+    """The timeline as segments: one list of step rows per process lifetime (split at `resume` events).
+
+    A segment after a resume starts with ``{"resume_from": step}``.
+
+    Raises:
+        `CheckpointNotFoundError`: the task has no timeline file.
+    """
+    path = Path(root) / task_id / TIMELINE_NAME
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path} does not exist: ROOT must be a store written by SmartCkptCallback / "
+                                      "Checkpointer (pass the directory holding catalog.db, and --task if not 'default').")
+    segments: list[list[dict[str, Any]]] = [[]]
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash
+            continue
+        if row.get("event") == "resume":
+            segments.append([{"resume_from": row.get("step")}])
+        elif "step" in row:
+            segments[-1].append(row)
+    return [s for s in segments if any("step" in r for r in s)]

@@ -1,0 +1,66 @@
+"""Comparisons the tests share: bit-exact tensors and deep state equality (one copy, not five).
+
+`tests/conftest.py` puts this directory on `sys.path`, so test modules at any depth use
+``from helpers import bit_equal, assert_identical``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN payloads and -0.0 included)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Nested dict/list/tuple equality with bit-exact tensors (containers compared by type)."""
+    if isinstance(a, torch.Tensor):
+        return bit_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def assert_identical(a: Any, b: Any, path: str = "") -> None:
+    """Deep equality that also checks types (int vs bool vs float, tuple vs list, key types) and NaN."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert bit_equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert type(k) is type(next(kk for kk in b if kk == k)), f"{path}: key {k!r}"
+            assert_identical(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{path}/{i}")
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b)), path
+    elif isinstance(a, np.generic):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, path
+
+
+def model_state_equal(a: torch.nn.Module | dict[str, torch.Tensor], b: torch.nn.Module | dict[str, torch.Tensor]) -> bool:
+    """Two models (or state dicts) hold bit-identical tensors under the same names."""
+    sa = a.state_dict() if isinstance(a, torch.nn.Module) else a
+    sb = b.state_dict() if isinstance(b, torch.nn.Module) else b
+    return sa.keys() == sb.keys() and all(bit_equal(sa[k].detach(), sb[k].detach()) for k in sa)
