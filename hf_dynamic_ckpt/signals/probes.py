@@ -241,10 +241,16 @@ class ClipNormRecorder:
         self._had_instance_attr = attr in getattr(owner, "__dict__", {})
         self._original: Callable[..., Any] = getattr(owner, attr)
         self.last: Any = None
+        self.max_norm: float | None = None  # the clip norm of the last call (`SignalFrame.clip_norm`)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             norm = self._original(*args, **kwargs)
             self.last = norm
+            max_norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
+            try:
+                self.max_norm = float(max_norm) if max_norm is not None else None
+            except (TypeError, ValueError):
+                self.max_norm = None
             return norm
 
         self._wrapper = wrapper
