@@ -85,7 +85,8 @@ def test_saves_inside_the_demo_explosion_are_unhealthy_and_the_capture_is_the_re
     """The demo's loss x30 at steps 35-38: its risk_edge save at 38 (loss 178.2) was marked healthy."""
     caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.policy")
     trace = load_trace(TRACES / "anomaly_demo_qwen2.jsonl")
-    (onset, kind), = trace.onsets
+    ((onset, kind),) = trace.onsets
+    assert kind == "loss_x"
     saves = _saves(RulePolicy(DEMO), replay_frames(trace))
     inside = [d for d in saves if d.step is not None and onset <= d.step < onset + 4]
     assert [(d.step, d.kind, d.healthy) for d in inside] == [(37, DecisionKind.INTERVAL, False),
