@@ -80,6 +80,7 @@ class RulePolicy:
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_HISTORY)
         self._pre_step: int | None = None  # step whose pre_update ran (transient: within one step)
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
+        self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
         self._warned_record_save = False
 
     # ------------------------------------------------------------------ views
@@ -159,8 +160,7 @@ class RulePolicy:
         """
         c = self.config
         self._pre_step = frame.step
-        a = self.levels.assess(frame)
-        rule = capture_rule(frame, a, self.levels, c)
+        rule = self._judge(frame)[1]
         nonfinite = frame.any_nonfinite
         skip = c.skip_bad_update and rule is not None
         self._skip_step = frame.step if skip else None
@@ -202,16 +202,17 @@ class RulePolicy:
         warning = self.cadence.over_budget_warning()
         if warning:
             logger.warning("step %d: %s", step, warning)
-        a = self.levels.assess(frame)
+        a, rule = self._judge(frame)
         self.smoother.add(a)
         self.health.after_update(frame, seen_before_update=self._pre_step == step)
         self.levels.observe_memory(frame)
-        healthy, why = self._health(frame, a)
+        healthy, why = self._health(frame, rule)
         decision = self._choose(frame, a, healthy)
         if decision.save and not healthy:
             logger.info("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
         # Update the levels after judging the frame, so a spike is measured against the past.
         self.levels.fold(frame)
+        self._judged = None
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
                              "save": decision.save, "reason": decision.reason})
@@ -219,14 +220,24 @@ class RulePolicy:
             self._record(decision, step)
         return decision
 
-    def _health(self, frame: SignalFrame, a: Assessment) -> tuple[bool, str]:
+    def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
+        """The frame's assessment and capture rule against the levels; `decide` reuses what
+        `pre_update` computed for the same frame (the levels only change at the end of `decide`)."""
+        key = (frame.step, frame.loss, frame.grad_norm, frame.lora_max_ratio, frame.lora_max_layer, frame.nonfinite,
+               frame.lr, frame.device_mem_frac, frame.host_mem_frac, frame.clip_norm)
+        if self._judged is not None and self._judged[0] == key:
+            return self._judged[1], self._judged[2]
+        a = self.levels.assess(frame)
+        rule = capture_rule(frame, a, self.levels, self.config)
+        self._judged = (key, a, rule)
+        return a, rule
+
+    def _health(self, frame: SignalFrame, rule: str | None) -> tuple[bool, str]:
         """Whether the state after this step's update is a sane restore point, and why not."""
         if self.health.poisoned:
             return False, "a non-finite update was applied"
-        if self._skip_step != frame.step:  # a skipped update left the weights as they were
-            rule = capture_rule(frame, a, self.levels, self.config)
-            if rule is not None:
-                return False, f"this step's update was bad: {rule}"
+        if rule is not None and self._skip_step != frame.step:  # a skipped update left the weights as they were
+            return False, f"this step's update was bad: {rule}"
         if self.smoother.training_risk >= self.config.risk_threshold:
             return False, f"training risk {self.smoother.training_risk:.2f} >= risk_threshold {self.config.risk_threshold}"
         return True, ""
@@ -358,3 +369,4 @@ class RulePolicy:
     def _adopt(self, other: RulePolicy) -> None:
         for name in (*other._parts(), "_suppressed", "history", "decisions"):
             setattr(self, name, getattr(other, name))
+        self._judged = None
