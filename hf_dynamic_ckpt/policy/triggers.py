@@ -87,8 +87,9 @@ class Health(Stateful):
 class RiskSmoother:
     """The smoothed risk beta: mean over `risk_smoothing` steps of the debounced raw beta (`min` of
     this and the previous step's), so one-step blips do not count. Kept twice: over every
-    component (`risk`, which shortens the interval) and without memory (`training_risk`, which
-    says whether the weights themselves are at risk: a checkpoint taken while it is high is unhealthy).
+    component (`risk`, which shortens the interval) and over the finite anomalies only, without
+    memory and non-finite values (`training_risk`: whether the weights themselves are at risk; a
+    checkpoint taken while it is high is unhealthy; a non-finite update is tracked by `Health`).
 
     Args:
         smoothing (`int`): steps in the moving average (`risk_smoothing`).

@@ -221,7 +221,8 @@ class ClipNormRecorder:
 
     `accelerator.clip_grad_norm_(params, max_norm)` (what `Trainer` calls) returns the
     total norm *before* clipping; recording it gives the pre-clip norm without any extra
-    work and without the user writing code.
+    work and without the user writing code. The `max_norm` of the last call is kept too
+    (`max_norm`, for `SignalFrame.clip_norm`: the policy judges the first step against it).
 
     Args:
         owner (`Any`): the object whose method is wrapped (e.g. an `accelerate.Accelerator`).
