@@ -37,9 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.config import SmartCkptConfig
-from hf_dynamic_ckpt.policy import RulePolicy
+from hf_dynamic_ckpt.policy import RulePolicy, capture
 from hf_dynamic_ckpt.signals.frame import SignalFrame
-from hf_dynamic_ckpt.signals.traces import load_trace, replay_frames
+from hf_dynamic_ckpt.signals.traces import RecordedTrace, inject_anomaly, load_trace, replay_frames
 
 TRACE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"
 
@@ -145,14 +145,16 @@ def run_rules(trace: Trace, cfg: SmartCkptConfig, blocking: float,
     policy = RulePolicy(cfg)
     saved: list[tuple[int, bool]] = []
     t0 = time.process_time()  # CPU time: other load on the machine does not inflate it
+    pending = 0.0  # blocking time of the saves since the previous frame, reported by the next frame
     for f in trace.frames:
+        f.save_blocking_s = pending or None  # the trace's own frame: cheaper than a copy inside the timing
+        pending = 0.0
         for d in (policy.pre_update(f), policy.decide(f)):
             if d.save:
                 assert d.step is not None
                 saved.append((d.step, d.healthy))
-                policy.record_save(d.step, blocking)
-                kind = d.reason.split()[0] if not d.pre_update else "pre_update"
-                reasons[kind] = reasons.get(kind, 0) + 1
+                pending += blocking
+                reasons[d.kind.value] = reasons.get(d.kind.value, 0) + 1
     return saved, time.process_time() - t0
 
 
@@ -172,9 +174,13 @@ def main() -> None:
     ap.add_argument("--failures", type=int, default=50, help="crash instants sampled per trace")
     ap.add_argument("--real-k", type=int, default=3, help="capture window on the recorded real traces")
     ap.add_argument("--real-only", action="store_true", help="only the recorded real traces")
+    ap.add_argument("--onsets-only", action="store_true", help="only the capture rate by onset step")
     args = ap.parse_args()
-    if args.real_only:
-        real_traces(args.real_k)
+    if args.real_only or args.onsets_only:
+        if args.real_only:
+            real_traces(args.real_k)
+        if args.onsets_only:
+            onset_table(args.real_k)
         return
 
     traces = [make_trace(i, args.steps, step_time=args.step_time, failures=args.failures, per_kind=args.per_kind)
@@ -215,6 +221,7 @@ def main() -> None:
         row += [f"{sum(r.lost) / max(1, len(r.lost)):.0f}", f"{100 * r.blocking_s / r.train_s:.2f}%"]
         print("| " + " | ".join(row) + " |")
     real_traces(args.real_k)
+    onset_table(args.real_k)
 
 
 def real_traces(k: int) -> None:
@@ -260,6 +267,82 @@ def real_traces(k: int) -> None:
         tot["fixed"] += fixed
         tot["on"] += len(onsets)
     print(f"| total | | | | {tot['pinned']} | {tot['fp']} | {tot['cap']}/{tot['on']} | {tot['fixed']}/{tot['on']} |")
+
+
+
+# (name, kind, factor, anomalous steps): the reported x100 loss, the demo's x30 loss for 4 steps,
+# a NaN gradient, a learning rate x20 for 20 steps.
+ONSET_KINDS = [("loss x100", "loss_x", 100.0, 1), ("loss x30 (4 steps)", "loss_x", 30.0, 4),
+               ("NaN grad", "nan_grad", 1.0, 1), ("lr x20 (20 steps)", "lr_surge", 20.0, 20)]
+ONSET_STEPS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 20, 25, 30]
+
+
+def _without_early_rules() -> dict[str, object]:
+    """Switch the early rules off (the round-1 behaviour) and return what to restore."""
+    saved = {name: getattr(capture, name) for name in ("_early", "_early_lr", "_first_step")}
+    for name in saved:
+        setattr(capture, name, lambda *a, **k: None)
+    return saved
+
+
+def _captured(trace: RecordedTrace, onset: int, cfg: SmartCkptConfig, k: int) -> tuple[bool, bool]:
+    """(a healthy checkpoint of a step in [onset - k, onset - 1], a pinned capture of onset - 1)."""
+    policy = RulePolicy(cfg)
+    saved = []
+    for f in replay_frames(trace)[:onset]:  # nothing after the onset matters for its capture
+        for d in (policy.pre_update(f), policy.decide(f)):
+            if d.save and d.healthy:
+                saved.append((d.step, d.pin))
+    return (any(onset - k <= s <= onset - 1 for s, _ in saved),
+            any(s == onset - 1 and pin for s, pin in saved))
+
+
+def onset_table(k: int) -> None:
+    """Capture rate by onset step on the recorded calm runs with injected anomalies, with and
+    without the early rules; and pinned captures on the calm runs themselves (false positives)."""
+    paths = sorted(TRACE_DIR.glob("calm_*.jsonl")) + sorted((TRACE_DIR / "early").glob("calm_*.jsonl"))
+    calm = [load_trace(p) for p in paths]
+    configs = {"short windows": dict(stability_window=20, risk_smoothing=4), "defaults": {}}
+    print(f"\ncapture rate by onset step: {len(calm)} recorded calm runs (tests/data/traces/calm_*, early/calm_*) x "
+          f"{len(configs)} settings (base_interval=10 with {', '.join(configs)}), anomaly injected at the onset; "
+          f"captured = a healthy checkpoint of a step in [onset - {k}, onset - 1]; rules (pinned capture of exactly "
+          "onset - 1) / without the early rules (round 1)")
+    header = ["onset step", *(name for name, *_ in ONSET_KINDS)]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    t0 = time.process_time()
+    totals: dict[str, list[int]] = {name: [0, 0, 0] for name, *_ in ONSET_KINDS}
+    for onset in ONSET_STEPS:
+        row = [str(onset)]
+        for name, kind, factor, steps in ONSET_KINDS:
+            n = cap = pinned = base = 0
+            for trace in calm:
+                shot = inject_anomaly(trace, onset, kind, factor=factor, steps=steps)
+                for extra in configs.values():
+                    cfg = SmartCkptConfig(base_interval=10, grad_surge_ratio=15.0 if "demo" in trace.name else 5.0, **extra)
+                    c, p = _captured(shot, onset, cfg, k)
+                    saved = _without_early_rules()
+                    try:
+                        b, _ = _captured(shot, onset, cfg, k)
+                    finally:
+                        for attr, fn in saved.items():
+                            setattr(capture, attr, fn)
+                    n, cap, pinned, base = n + 1, cap + c, pinned + p, base + b
+            totals[name][0] += cap if onset <= 10 else 0
+            totals[name][1] += base if onset <= 10 else 0
+            totals[name][2] += n if onset <= 10 else 0
+            row.append(f"{100 * cap / n:.0f}% ({100 * pinned / n:.0f}%) / {100 * base / n:.0f}%")
+        print("| " + " | ".join(row) + " |")
+    print("| 1-10 | " + " | ".join(f"{100 * c / n:.0f}% / {100 * b / n:.0f}%" for c, b, n in totals.values()) + " |")
+    fp = []
+    for trace in calm:
+        for extra in configs.values():
+            policy = RulePolicy(SmartCkptConfig(base_interval=10, grad_surge_ratio=15.0 if "demo" in trace.name else 5.0,
+                                                **extra))
+            for f in replay_frames(trace):
+                fp += [(trace.name, d.step) for d in (policy.pre_update(f), policy.decide(f)) if d.save and d.pin]
+    print(f"pinned captures on the {len(calm)} calm runs themselves ({len(configs)} settings each): {len(fp)} {fp or ''}; "
+          f"{time.process_time() - t0:.1f} s CPU")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ class Run:
     hidden_size: int = 64
     targets: tuple[str, ...] = ("q_proj", "v_proj")
     train_head: bool = False  # PEFT modules_to_save=["lm_head"] (the demo's setup)
+    lora: bool = True  # False: full fine-tune (every parameter trained, no LoRA layers)
+    out_dir: str = ""  # sub-directory of --out (the early-phase traces live in "early/")
     dropout: float = 0.0
     max_grad_norm: float = 1.0
     anomalies: list[tuple[int, str]] = field(default_factory=list)  # (onset step, kind)
@@ -73,6 +75,22 @@ RUNS = [
     Run("anomaly_qwen2", steps=250, seed=3, lr=5e-3, train_head=True, anomalies=[(100, "bad_batch"), (180, "loss_x")]),
     Run("anomaly_llama", arch="llama", steps=250, seed=4, lr=5e-3, train_head=True, dropout=0.05,
         anomalies=[(100, "lr_surge"), (190, "nan_grad")]),
+    # The first steps of calm runs (issue 16: capture from the first optimizer step without
+    # false positives): both models, full fine-tune and LoRA, with and without warm-up.
+    # Short (the early rules only matter while the windows are short), in `early/`.
+    *(Run(f"calm_{arch}_{kind}_{'warmup' if warm else 'nowarmup'}", arch=arch, steps=80, seed=10 + i, lr=lr,
+          warmup=warm, train_head=kind == "lora", lora=kind == "lora", dropout=0.05 if arch == "llama" else 0.0,
+          out_dir="early")
+      for i, (arch, kind, lr, warm) in enumerate(
+          (a, k, lr, w) for a in ("qwen2", "llama") for k, lr in (("full", 2e-3), ("lora", 5e-3)) for w in (10, 0))),
+    # LoRA alone (no trained head: the usual adapter setup), where lora_B = 0 at the start makes
+    # the global gradient norm grow fastest in the first steps.
+    Run("calm_qwen2_loraonly_nowarmup", steps=80, seed=20, lr=1e-2, warmup=0, out_dir="early"),
+    Run("calm_llama_loraonly_nowarmup", arch="llama", steps=80, seed=21, lr=5e-3, warmup=0, dropout=0.05,
+        out_dir="early"),
+    # The demo's harsher setup (lr 1e-2, all projections, trained head) without warm-up.
+    Run("calm_demo_qwen2_nowarmup", steps=80, lr=1e-2, warmup=0, hidden_size=96, targets=ALL_TARGETS, train_head=True,
+        dropout=0.05, out_dir="early"),
 ]
 
 LOSS_FACTOR = 30.0  # the demo's --anomaly_factor
@@ -94,7 +112,7 @@ def record(run: Run, tok: Any, texts: list[str]) -> dict[str, Any]:
     cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=run.dropout, task_type="CAUSAL_LM", target_modules=list(run.targets),
                      modules_to_save=["lm_head"] if run.train_head else None)
     torch.manual_seed(run.seed)
-    model = get_peft_model(base, cfg)
+    model = get_peft_model(base, cfg) if run.lora else base
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=0.0)
@@ -142,8 +160,9 @@ def record(run: Run, tok: Any, texts: list[str]) -> dict[str, Any]:
                      [_num(layers[n]) for n in probe.layer_names]])
     header = {"name": run.name, "arch": run.arch, "steps": run.steps, "seed": run.seed, "lr": run.lr,
               "warmup": run.warmup, "schedule": "linear warmup + cosine", "batch_size": run.batch_size,
-              "seq_len": run.seq_len, "hidden_size": run.hidden_size, "lora_r": 8, "targets": list(run.targets),
-              "train_head": run.train_head, "dropout": run.dropout, "max_grad_norm": run.max_grad_norm,
+              "seq_len": run.seq_len, "hidden_size": run.hidden_size, "lora_r": 8 if run.lora else None,
+              "targets": list(run.targets) if run.lora else [],
+              "train_head": run.train_head, "lora": run.lora, "dropout": run.dropout, "max_grad_norm": run.max_grad_norm,
               "onsets": [[s, k] for s, k in run.anomalies], "layers": probe.layer_names,
               "columns": ["step", "loss", "grad_norm", "lr", "layer_norms"],
               "anomaly_settings": {"loss_x": {"factor": LOSS_FACTOR, "steps": LOSS_STEPS},
@@ -167,7 +186,8 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         trace = record(run, tok, texts)
-        path = out / f"{run.name}.jsonl"
+        path = out / run.out_dir / f"{run.name}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(json.dumps(trace["header"], separators=(",", ":")) + "\n")
             for row in trace["rows"]:

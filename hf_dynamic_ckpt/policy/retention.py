@@ -7,6 +7,10 @@ so the very first checkpoint is never thinned and the number kept grows like
 `log2(steps)`. Per-tier retention (`retention_days` of each storage level) then removes
 expired tiers from what is kept: the optimizer tier (7 days by default) goes before the
 weights (30 days), and a checkpoint whose weights expire is deleted whole.
+
+Abandoned checkpoints (of a timeline a resume forked away from) take no part in any of
+that: they are kept untouched until the live timeline has committed a step greater than
+theirs, then deleted whole; pinned ones never.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def plan_retention(
     Returns:
         `list[tuple[CheckpointInfo, frozenset[Tier]]]`: what to delete, oldest first. A set
         containing `Tier.WEIGHTS` (it is then `ALL_TIERS`) means delete the whole checkpoint;
-        otherwise delete only those tiers' files. Pinned checkpoints never appear.
+        otherwise delete only those tiers' files. Pinned checkpoints never appear; an abandoned
+        one appears (whole) once a live checkpoint of a greater step exists.
 
     Example:
         ```python
@@ -61,6 +66,23 @@ def plan_retention(
     """
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last} is invalid: expected an integer >= 1.")
+    infos = list(infos)
+    plan = _plan_live([i for i in infos if not i.abandoned], keep_last=keep_last, log_spaced=log_spaced,
+                      level_retention=level_retention, now=now)
+    newest_live = max((i.step for i in infos if not i.abandoned), default=None)
+    plan += [(i, ALL_TIERS) for i in infos
+             if i.abandoned and not i.pinned and newest_live is not None and newest_live > i.step]
+    return sorted(plan, key=lambda p: p[0].step)
+
+
+def _plan_live(
+    infos: list[CheckpointInfo],
+    *,
+    keep_last: int,
+    log_spaced: bool,
+    level_retention: Mapping[Tier, float | None] | None,
+    now: float,
+) -> list[tuple[CheckpointInfo, frozenset[Tier]]]:
     ordered = sorted(infos, key=lambda i: i.step, reverse=True)
     if not ordered:
         return []

@@ -13,9 +13,12 @@ from .frame import SignalFrame
 from .stats import Ema, RollingWindow
 
 if TYPE_CHECKING:
-    from .probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe, PreemptionFlag, find_lora_layers
+    from .memory import MemoryProbe
+    from .preemption import PreemptionFlag
+    from .probes import ClipNormRecorder, GradProbe, LossProbe, find_lora_layers
 
-_PROBES = {"ClipNormRecorder", "GradProbe", "LossProbe", "MemoryProbe", "PreemptionFlag", "find_lora_layers"}
+_PROBES = {"ClipNormRecorder": ".probes", "GradProbe": ".probes", "LossProbe": ".probes", "MemoryProbe": ".memory",
+           "PreemptionFlag": ".preemption", "find_lora_layers": ".probes"}
 
 __all__ = [
     "ClipNormRecorder",
@@ -32,5 +35,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _PROBES:
-        return getattr(importlib.import_module(".probes", __name__), name)
+        return getattr(importlib.import_module(_PROBES[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

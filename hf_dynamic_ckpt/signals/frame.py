@@ -35,7 +35,9 @@ class SignalFrame:
         preempt (`bool`, *optional*, defaults to `False`): a preemption signal arrived.
         save_blocking_s (`float`, *optional*): seconds this rank was blocked by the saves it took
             since its previous frame (MAX over ranks once reduced): the policy's only view of the
-            save cost, so that every rank folds the same number.
+            save cost, so that every rank folds the same number. `None` or `0`: no save since then.
+        clip_norm (`float`, *optional*): the norm the gradients are clipped to (`max_grad_norm`),
+            when the loop clips; lets the policy judge the very first step, before any history.
     """
 
     step: int
@@ -50,6 +52,7 @@ class SignalFrame:
     lr: float | None = None
     preempt: bool = False
     save_blocking_s: float | None = None
+    clip_norm: float | None = None
 
     @property
     def mem_frac(self) -> float | None:

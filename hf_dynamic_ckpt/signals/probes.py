@@ -1,4 +1,7 @@
-"""Probes that measure one training step cheaply: loss, gradient norms, memory, preemption.
+"""Probes that measure one training step cheaply: loss and gradient norms.
+
+Memory (`memory.py`) and preemption (`preemption.py`) have their own modules; both names
+stay importable from here.
 
 Each probe does one job and never synchronises the device more than once per step:
 the loss stays a tensor until the decision needs it, gradient norms come from one
@@ -9,18 +12,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
-import threading
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .. import sysmem
+from .memory import MemoryProbe
+from .preemption import PreemptionFlag
 from .stats import LayerLevels
+
+__all__ = ["ClipNormRecorder", "GradProbe", "LossProbe", "MemoryProbe", "PreemptionFlag", "find_lora_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +223,8 @@ class ClipNormRecorder:
 
     `accelerator.clip_grad_norm_(params, max_norm)` (what `Trainer` calls) returns the
     total norm *before* clipping; recording it gives the pre-clip norm without any extra
-    work and without the user writing code.
+    work and without the user writing code. The `max_norm` of the last call is kept too
+    (`max_norm`, for `SignalFrame.clip_norm`: the policy judges the first step against it).
 
     Args:
         owner (`Any`): the object whose method is wrapped (e.g. an `accelerate.Accelerator`).
@@ -241,10 +244,16 @@ class ClipNormRecorder:
         self._had_instance_attr = attr in getattr(owner, "__dict__", {})
         self._original: Callable[..., Any] = getattr(owner, attr)
         self.last: Any = None
+        self.max_norm: float | None = None  # the clip norm of the last call (`SignalFrame.clip_norm`)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             norm = self._original(*args, **kwargs)
             self.last = norm
+            max_norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
+            try:
+                self.max_norm = float(max_norm) if max_norm is not None else None
+            except (TypeError, ValueError):
+                self.max_norm = None
             return norm
 
         self._wrapper = wrapper
@@ -262,162 +271,3 @@ class ClipNormRecorder:
                 setattr(self.owner, self.attr, self._original)
             else:
                 delattr(self.owner, self.attr)
-
-
-# --------------------------------------------------------------------------- memory
-class MemoryProbe:
-    """Device and host memory in use, as fractions, sampled every `sample_every` steps.
-
-    Device: the larger of the CUDA caching allocator's reserved bytes and NVML's used bytes
-    (other processes and fragmentation included) over the device total. Host: the cgroup v2
-    working set (`memory.current - inactive_file`) over `memory.max` when the cgroup has a
-    limit (Kubernetes), else the machine's `(total - available) / total` from psutil.
-
-    Args:
-        sample_every (`int`, *optional*, defaults to `5`): steps between samples; sampling
-            every step is measurably slow with NVML.
-        cgroup_dir (`str` or `Path`, *optional*): cgroup v2 directory to read; `None` finds this
-            process's one; `False` never uses cgroups.
-        device (`int`, *optional*): CUDA device index; defaults to the current device.
-    """
-
-    def __init__(self, sample_every: int = 5, *, cgroup_dir: str | os.PathLike[str] | bool | None = None,
-                 device: int | None = None) -> None:
-        if sample_every < 1:
-            raise ValueError(f"sample_every={sample_every} is invalid: expected an integer >= 1.")
-        self.sample_every = sample_every
-        if cgroup_dir is False:
-            self.cgroup_dir: Path | None = None
-        elif cgroup_dir is None or cgroup_dir is True:
-            self.cgroup_dir = sysmem.find_cgroup_dir()  # None unless memory.max is a limit
-        else:
-            self.cgroup_dir = Path(cgroup_dir)
-        self.device = device
-        self._nvml_handle: Any = None
-        self._nvml_failed = False
-
-    def sample(self, step: int) -> tuple[float | None, float | None]:
-        """`(device_frac, host_frac)` on steps divisible by `sample_every`, else `(None, None)`."""
-        if step % self.sample_every:
-            return None, None
-        return self.read()
-
-    def read(self) -> tuple[float | None, float | None]:
-        """Sample now: `(device_frac, host_frac)`; `None` for what cannot be measured."""
-        return self.device_fraction(), self.host_fraction()
-
-    def host_fraction(self) -> float | None:
-        """Host memory in use over its limit: cgroup working set when limited, else the machine's."""
-        if self.cgroup_dir is not None:
-            mem = sysmem.read_cgroup_memory(self.cgroup_dir)  # None when memory.max is "max"
-            if mem is not None and mem.limit_bytes:
-                return mem.working_set_bytes / mem.limit_bytes
-        try:
-            vm = sysmem.host_memory()
-        except ImportError:
-            return None
-        return (vm.total_bytes - vm.available_bytes) / vm.total_bytes
-
-    def device_fraction(self) -> float | None:
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return None
-        dev = torch.cuda.current_device() if self.device is None else self.device
-        total = torch.cuda.get_device_properties(dev).total_memory
-        frac = torch.cuda.memory_reserved(dev) / total
-        used = self._nvml_used(dev)
-        return max(frac, used / total) if used is not None else frac
-
-    def _nvml_used(self, dev: int) -> int | None:
-        if self._nvml_failed:
-            return None
-        try:
-            import pynvml
-
-            if self._nvml_handle is None:
-                pynvml.nvmlInit()
-                uuid = str(torch.cuda.get_device_properties(dev).uuid)
-                self._nvml_handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-            return int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml_handle).used)
-        except Exception as e:  # NVML missing or unusable (containers): the allocator view remains
-            logger.debug("NVML unavailable (%s); using the CUDA allocator only", e)
-            self._nvml_failed = True
-            return None
-
-
-# --------------------------------------------------------------------------- preemption
-class PreemptionFlag:
-    """Signal handlers that only set a flag; the save happens at the next step boundary.
-
-    Any previous Python handler is chained (called after the flag is set), so a
-    framework's own handler keeps working. The default action (terminate) is *not*
-    chained: not dying immediately is the point. `install()` and `uninstall()` are
-    idempotent; handlers can only be installed from the main thread.
-
-    Args:
-        signals (`Iterable[str | int]`, *optional*, defaults to `("SIGTERM", "SIGUSR1")`).
-
-    Example:
-        ```python
-        >>> flag = PreemptionFlag()
-        >>> flag.install()
-        >>> if flag.is_set: ...   # at a step boundary: save once, then exit
-        >>> flag.uninstall()
-        ```
-    """
-
-    def __init__(self, signals: Iterable[str | int] = ("SIGTERM", "SIGUSR1")) -> None:
-        self.signals = [signal.Signals[s] if isinstance(s, str) else signal.Signals(s) for s in signals]
-        self._previous: dict[signal.Signals, Any] = {}
-        self._event = threading.Event()
-        self.signum: int | None = None
-
-    @property
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
-
-    def set(self, signum: int | None = None) -> None:
-        """Raise the flag by hand (e.g. from a scheduler's HTTP notice)."""
-        self.signum = signum
-        self._event.set()
-
-    def clear(self) -> None:
-        self.signum = None
-        self._event.clear()
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        # No logging here: a handler may interrupt code that holds the logging lock.
-        self.set(signum)
-        previous = self._previous.get(signal.Signals(signum))
-        if callable(previous):
-            previous(signum, frame)
-
-    def install(self) -> bool:
-        """Install the handlers; returns `False` (and logs) when not on the main thread."""
-        if self._previous:
-            return True
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning("PreemptionFlag.install() called off the main thread: preemption signals are not watched.")
-            return False
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handler)
-        return True
-
-    def uninstall(self) -> None:
-        """Put the previous handlers back where ours is still the active one (idempotent)."""
-        for sig, previous in self._previous.items():
-            if signal.getsignal(sig) == self._handler:
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-            else:
-                logger.debug("handler of %s was replaced after install; leaving it", sig.name)
-        self._previous = {}
-
-    def __enter__(self) -> PreemptionFlag:
-        self.install()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()

@@ -9,6 +9,7 @@ and policy calibrations can be checked against real runs. Pure Python (no torch)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -83,10 +84,55 @@ def replay_frames(trace: RecordedTrace, levels: LayerLevels | None = None, *,
     """
     levels = levels if levels is not None else LayerLevels()
     names = trace.layers
+    clip = trace.header.get("max_grad_norm")
+    clip = float(clip) if isinstance(clip, (int, float)) and clip > 0 else None
     frames = []
     for step, loss, grad, lr, norms in trace.rows:
         ratio, layer = levels.observe(dict(zip(names, norms)))
         nonfinite = not math.isfinite(grad) or (ratio is not None and not math.isfinite(ratio))
         frames.append(SignalFrame(step=step, loss=loss, grad_norm=grad, lora_max_ratio=ratio, lora_max_layer=layer,
-                                  nonfinite=nonfinite, lr=lr, step_time_s=step_time_s))
+                                  nonfinite=nonfinite, lr=lr, step_time_s=step_time_s, clip_norm=clip))
     return frames
+
+
+INJECTIONS = ("loss_x", "nan_grad", "lr_surge")
+
+
+def inject_anomaly(trace: RecordedTrace, onset: int, kind: str, *, factor: float = 100.0, steps: int = 1) -> RecordedTrace:
+    """A copy of a calm `trace` with an anomaly injected at step `onset` (for `steps` steps).
+
+    Exact up to and including the onset step, which is all a pre-update capture reads:
+    a run with the same seed sees the same batches before the onset, and multiplying the
+    loss by `factor` (`"loss_x"`) multiplies every pre-clip gradient norm of that step by
+    `factor` too. `"nan_grad"` makes the step's gradient norms NaN; `"lr_surge"` multiplies
+    the learning rate. After the onset the recorded calm values continue, which the real
+    anomalous run would not (its weights moved differently): judge only the onset with it.
+
+    Args:
+        trace (`RecordedTrace`): a calm trace (no onsets of its own).
+        onset (`int`): the first anomalous step.
+        kind (`str`): one of `INJECTIONS`.
+        factor (`float`, *optional*, defaults to `100.0`): loss or learning-rate multiplier.
+        steps (`int`, *optional*, defaults to `1`): consecutive anomalous steps.
+
+    Returns:
+        `RecordedTrace`: the copy, with `onsets == [(onset, kind)]`.
+
+    Raises:
+        `ConfigError`: an unknown `kind`, or `onset` outside the trace.
+    """
+    if kind not in INJECTIONS:
+        raise ConfigError(f"kind={kind!r} is invalid: expected one of {', '.join(INJECTIONS)}.")
+    if not any(r[0] == onset for r in trace.rows):
+        raise ConfigError(f"onset={onset} is outside the trace {trace.name!r} (steps {trace.rows[0][0]}..{trace.rows[-1][0]}).")
+    rows = []
+    for step, loss, grad, lr, norms in trace.rows:
+        if onset <= step < onset + steps:
+            if kind == "loss_x":
+                loss, grad, norms = loss * factor, grad * factor, [n * factor for n in norms]
+            elif kind == "nan_grad":
+                grad, norms = math.nan, [math.nan for _ in norms]
+            else:
+                lr = lr * factor
+        rows.append((step, loss, grad, lr, list(norms)))
+    return dataclasses.replace(trace, name=f"{trace.name}+{kind}@{onset}", rows=rows, onsets=[(onset, kind)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -12,7 +13,7 @@ import pytest
 
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
-from hf_dynamic_ckpt.policy import MINIMAL_TIERS, Decision, RulePolicy
+from hf_dynamic_ckpt.policy import MINIMAL_TIERS, Decision, DecisionKind, RulePolicy
 from hf_dynamic_ckpt.signals.frame import SignalFrame
 
 
@@ -71,10 +72,10 @@ def test_young_daly_base_from_measured_cost() -> None:
     policy = RulePolicy(cfg)
     events = run(policy, [calm(s) for s in range(1, 51)])
     assert saved_steps(events) == [50]  # bootstrap: one stability window, to measure the cost
-    policy.record_save(50, blocking_s=0.5)
+    assert run(policy, [calm(51, save_blocking_s=0.5)]) == []  # the save of step 50 blocked 0.5 s
     # T = sqrt(2 * 0.5 s * 3600 s) = 60 s = 600 steps of 0.1 s
     assert policy.base_interval() == pytest.approx(600.0)
-    events = run(policy, [calm(s) for s in range(51, 1300)])
+    events = run(policy, [calm(s) for s in range(52, 1300)])
     assert saved_steps(events) == [650, 1250]
 
 
@@ -211,21 +212,54 @@ def test_memory_ramp_saves_before_threshold_is_crossed_for_good() -> None:
     assert d.tiers == MINIMAL_TIERS == frozenset({Tier.WEIGHTS, Tier.STATE})
 
 
-def test_expensive_save_widens_interval_to_the_budget() -> None:
-    def steps_with_cost(blocking_s: float) -> list[int]:
-        policy = RulePolicy(SmartCkptConfig(base_interval=4, overhead_budget=0.02))
-        out = []
-        for s in range(1, 401):
-            d = policy.decide(calm(s))
-            if d.save:
-                out.append(s)
-                policy.record_save(s, blocking_s)
-        return out
+def drive_with_cost(cfg: SmartCkptConfig, blocking_s: float, steps: int = 400) -> list[Decision]:
+    """Decide per step; every save blocks `blocking_s`, reported by the next frame (`save_blocking_s`)."""
+    policy, out, blocked = RulePolicy(cfg), [], None
+    for s in range(1, steps + 1):
+        d = policy.decide(calm(s, save_blocking_s=blocked))
+        blocked = blocking_s if d.save else None
+        if d.save:
+            out.append(d)
+    return out
 
-    cheap = steps_with_cost(0.001)
-    expensive = steps_with_cost(0.2)  # 0.2 s / (2 % of 0.1 s per step) = 100 steps
-    assert cheap[:5] == [4, 8, 12, 16, 20]
-    assert expensive == [4, 104, 204, 304]
+
+# Issue 11 changed this on purpose: an interval the user sets is no longer widened by the
+# overhead budget (base_interval=4 saved at 4, 104, 204, 304 here; observed in a run: 4 and 11).
+def test_explicit_interval_is_kept_over_budget_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.policy")
+    cheap = [d.step for d in drive_with_cost(SmartCkptConfig(base_interval=4, overhead_budget=0.02), 0.001)]
+    assert not caplog.records
+    expensive = drive_with_cost(SmartCkptConfig(base_interval=4, overhead_budget=0.02), 0.2)  # 50 % > 2 %
+    assert cheap == [d.step for d in expensive] == list(range(4, 401, 4))
+    assert expensive[-1].reason == "interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"
+    # One warning, once two save costs are known, with the interval that would fit the budget.
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 9: base_interval=4: a save blocks training 0.200 s every 4 steps of 0.100 s, 50.0% of training time, "
+        "above overhead_budget=2.0%. The interval you set is kept; base_interval=100 would stay within the budget "
+        "(or raise overhead_budget, or leave base_interval unset to let the library choose)."]
+
+
+def test_derived_interval_is_widened_to_the_budget_and_says_so() -> None:
+    # Young/Daly with C = 0.2 s, MTBF = 3.6 s: sqrt(2 * 0.2 * 3.6) = 1.2 s = 12 steps of 0.1 s;
+    # the budget needs 0.2 s / (2 % of 0.1 s) = 100 steps between saves.
+    cfg = SmartCkptConfig(mtbf_hours=0.001, stability_window=20, overhead_budget=0.02)
+    saves = drive_with_cost(cfg, 0.2)
+    assert [d.step for d in saves] == [20, 120, 220, 320]
+    assert saves[0].reason == ("interval 20 (base 20 from stability_window until a save cost is measured, "
+                               "alpha 1.00, beta 0.00)")
+    assert saves[1].reason == "interval 100 (base 12 from Young/Daly, widened by overhead_budget 2.0%, alpha 1.00, beta 0.00)"
+    # Within the budget the Young/Daly interval stands: C = 0.002 s -> sqrt(2 * 0.002 * 3600) = 3.8 s = 38 steps.
+    saves = drive_with_cost(cfg.replace(mtbf_hours=1.0), 0.002)
+    assert [d.step for d in saves][:3] == [20, 58, 96]
+    assert saves[1].reason == "interval 38 (base 38 from Young/Daly, alpha 1.00, beta 0.00)"
+
+
+def test_interval_reason_says_when_risk_shortened_it() -> None:
+    policy = RulePolicy(SmartCkptConfig(base_interval=20, min_interval=1))
+    events = run(policy, [calm(s, device_mem_frac=0.97 if s > 25 else 0.5) for s in range(1, 60)])
+    reasons = [d.reason for _, _, d in events if d.kind == DecisionKind.INTERVAL]
+    assert reasons[0] == "interval 20 (base 20 from base_interval, alpha 1.00, beta 0.00)"
+    assert reasons[-1] == "interval 4 (base 20 from base_interval, shortened by risk, alpha 1.00, beta 1.00)"
 
 
 def test_preemption_saves_everything_exactly_once() -> None:
@@ -255,22 +289,25 @@ def test_state_dict_round_trip_decides_the_same() -> None:
             extra = {"device_mem_frac": 0.97}
         frames.append(calm(s, seed=1, **extra))
 
-    def drive(policy: RulePolicy, fs: list[SignalFrame]) -> list[dict[str, object]]:
+    def drive(policy: RulePolicy, fs: list[SignalFrame], blocked: list[float]) -> list[dict[str, object]]:
         out = []
-        for f in fs:
+        for f in fs:  # each save blocks 0.05 s; the next frame reports the step's total (the same frames both ways)
+            f = dataclasses.replace(f, save_blocking_s=sum(blocked) or None)
+            blocked.clear()
             for d in (policy.pre_update(f), policy.decide(f)):
                 if d.save:
                     out.append(d.to_dict())
-                    policy.record_save(f.step, 0.05)
+                    blocked.append(0.05)
         return out
 
-    whole = drive(RulePolicy(cfg), frames)
+    whole = drive(RulePolicy(cfg), frames, [])
     first = RulePolicy(cfg)
-    part = drive(first, frames[:300])
+    blocked: list[float] = []
+    part = drive(first, frames[:300], blocked)
     state = json.loads(json.dumps(first.state_dict(), allow_nan=False))  # strict JSON
     resumed = RulePolicy(cfg)
     resumed.load_state_dict(state)
-    part += drive(resumed, frames[300:])
+    part += drive(resumed, frames[300:], blocked)
     assert part == whole
     assert len(whole) >= 5
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -87,3 +88,23 @@ def test_retention_rejects_bad_keep_last_and_handles_empty() -> None:
     assert plan_retention([], keep_last=3, now=0.0) == []
     with pytest.raises(ValueError, match="keep_last=0"):
         plan_retention([info(1)], keep_last=0, now=0.0)
+
+
+def test_abandoned_checkpoints_wait_for_the_live_timeline_to_pass_them() -> None:
+    def abandoned(step: int, *, pinned: bool = False) -> CheckpointInfo:
+        return dataclasses.replace(info(step, pinned=pinned), abandoned=True)
+
+    # A run crashed after 50 and resumed from 20: 30, 40 (pinned) and 50 are an abandoned timeline.
+    old = [info(10), info(20), abandoned(30), abandoned(40, pinned=True), abandoned(50)]
+    # They never count as "newest" (so 10 and 20 stay the protected newest) and are not thinned yet.
+    assert plan_retention(old, keep_last=2, log_spaced=False, now=1e9) == []
+    assert plan_retention([*old, info(25)], keep_last=2, log_spaced=False, now=1e9) == [(old[0], ALL_TIERS)]
+    # Once the live timeline has committed a greater step they go, whole; the pinned one never.
+    plan = plan_retention([*old, info(25), info(35)], keep_last=2, log_spaced=False, now=1e9)
+    assert [(i.step, i.abandoned, tiers) for i, tiers in plan] == [(10, False, ALL_TIERS), (20, False, ALL_TIERS),
+                                                                  (30, True, ALL_TIERS)]
+    plan = plan_retention([*old, info(25), info(60)], keep_last=3, now=1e9)
+    assert [(i.step, i.abandoned) for i, _ in plan] == [(30, True), (50, True)]
+    # Expired tiers do not touch an abandoned checkpoint before that either.
+    aged = [info(100), dataclasses.replace(info(200, age_days=40), abandoned=True)]
+    assert plan_retention(aged, keep_last=1, level_retention={Tier.WEIGHTS: 30.0}, now=1e9) == []

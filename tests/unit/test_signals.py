@@ -178,6 +178,40 @@ def test_grad_probe_without_lora_uses_the_clip_norm_without_computing() -> None:
     assert norm == pytest.approx(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))))
 
 
+def test_clip_recorder_keeps_the_clip_norm_of_the_last_call() -> None:
+    class Owner:
+        def clip_grad_norm_(self, parameters: object, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+            return torch.tensor(7.5)
+
+    owner = Owner()
+    rec = ClipNormRecorder(owner)
+    assert rec.max_norm is None
+    owner.clip_grad_norm_([], 1.0)
+    assert (float(rec.pop()), rec.max_norm) == (7.5, 1.0)
+    owner.clip_grad_norm_([], max_norm=0.5)
+    assert rec.max_norm == 0.5
+    rec.remove()
+    assert "clip_grad_norm_" not in vars(owner)
+
+
+def test_injected_anomaly_is_exact_up_to_the_onset_and_checked() -> None:
+    from hf_dynamic_ckpt.errors import ConfigError
+    from hf_dynamic_ckpt.signals.traces import RecordedTrace, inject_anomaly
+
+    calm = RecordedTrace(name="t", header={"layers": ["a"]}, rows=[(s, 2.0, 1.0, 1e-3, [0.5]) for s in range(1, 6)])
+    shot = inject_anomaly(calm, 3, "loss_x", factor=30.0, steps=2)
+    assert shot.rows == [(1, 2.0, 1.0, 1e-3, [0.5]), (2, 2.0, 1.0, 1e-3, [0.5]), (3, 60.0, 30.0, 1e-3, [15.0]),
+                         (4, 60.0, 30.0, 1e-3, [15.0]), (5, 2.0, 1.0, 1e-3, [0.5])]
+    assert (shot.onsets, shot.name, calm.onsets) == ([(3, "loss_x")], "t+loss_x@3", [])
+    nan = inject_anomaly(calm, 2, "nan_grad").rows[1]
+    assert math.isnan(nan[2]) and math.isnan(nan[4][0])
+    assert inject_anomaly(calm, 5, "lr_surge", factor=20.0).rows[4][3] == pytest.approx(0.02)
+    with pytest.raises(ConfigError, match=r"^kind='spike' is invalid: expected one of loss_x, nan_grad, lr_surge\.$"):
+        inject_anomaly(calm, 2, "spike")
+    with pytest.raises(ConfigError, match=r"^onset=9 is outside the trace 't' \(steps 1\.\.5\)\.$"):
+        inject_anomaly(calm, 9, "loss_x")
+
+
 # ------------------------------------------------------------------ memory
 def _cgroup(tmp_path: Path, limit: str, current: int, inactive_file: int) -> Path:
     (tmp_path / "memory.max").write_text(limit + "\n")
