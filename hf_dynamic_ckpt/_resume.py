@@ -100,6 +100,21 @@ class ResumeState:
                            self.resume_ms, ck.config.recovery_timeout_ms, info.recovery_cost_ms)
         return loaded
 
+    def restart(self, step: int) -> None:
+        """`Checkpointer.restart_timeline`: a new timeline from `step`, the policy from the restored statistics."""
+        from .policy.rules import RulePolicy
+
+        ck = self.ck
+        resumed = self.resumed
+        parent = resumed.info.step if resumed is not None and resumed.info.step == step else None
+        ck.lineage = Lineage(session=ck.session_id, timeline=new_session_id(), parent_step=parent,
+                             parent_timeline=ck.lineage.parent_timeline if parent is not None else None)
+        ck._fork_pending = True
+        ck.saver.log.restart()
+        ck.policy = RulePolicy(ck.config)
+        self.apply_policy_state(again=True)
+        logger.info("training restarted at step %d: new timeline %s", step, ck.lineage.timeline)
+
     def fork(self, *, after_step: int | None) -> list[int]:
         """Rank 0: start this run's timeline; checkpoints of other timelines past `after_step` are abandoned."""
         ck = self.ck

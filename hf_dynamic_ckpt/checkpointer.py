@@ -44,7 +44,7 @@ from .signals.probes import PreemptionFlag
 from .state import CachedWeights, StateSources, capture_rng_state, trainable_state_dict
 from .store.spec import Lineage, new_session_id
 from .store.types import CheckpointInfo, LoadedCheckpoint
-from .timeline import TimelineWriter, append_event
+from .timeline import RunTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Checkpointer:
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
         self._boundary_rng: dict[str, Any] | None = None  # RNG at the end of the previous step
         self._boundary_step: int | None = None
-        self._timeline: TimelineWriter | None = None
+        self.timeline = RunTimeline(self.store.task_dir, rank=self.rank)
         self._closed = False
 
     # ------------------------------------------------------------------ wiring
@@ -174,8 +174,7 @@ class Checkpointer:
             scaler=scaler if main else None, sampler=sampler, extra=self._extra,
         )
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
-        if main:
-            self._timeline = TimelineWriter(self.store.task_dir)
+        self.timeline.open()
         self._resume.apply_policy_state()
 
     def detach(self) -> None:
@@ -183,9 +182,7 @@ class Checkpointer:
         if self.sensors is not None:
             self.sensors.remove()
             self.sensors = None
-        if self._timeline is not None:
-            self._timeline.close()
-            self._timeline = None
+        self.timeline.close()
 
     @property
     def preemption_flag(self) -> PreemptionFlag | None:
@@ -210,10 +207,14 @@ class Checkpointer:
         """Start of an optimizer step: writes a save held since the previous `step_end` (`release`)."""
         self.release()
 
-    def note_boundary(self, step: int) -> None:
-        """Record the RNG state at the end of `step` (what a later pre-update capture or held save stores)."""
+    def note_boundary(self, step: int, rng: dict[str, Any] | None = None) -> None:
+        """Record the RNG state at the end of `step` (what a later pre-update capture or held save stores).
+
+        Call it once when training starts (with the restored RNG after a resume) so that the
+        first step's update can be captured too.
+        """
         if self.config.pre_anomaly_capture or self.hold_saves:
-            self._boundary_rng = capture_rng_state()
+            self._boundary_rng = rng if rng is not None else capture_rng_state()
             self._boundary_step = step
 
     def _measure(self, step: int) -> SignalFrame:
@@ -229,13 +230,9 @@ class Checkpointer:
     def pre_update(self, step: int, *, epoch: float | None = None) -> Decision:
         """Gradients are complete, the update not applied: measure, and capture if the policy says so.
 
-        Args:
-            step (`int`): optimizer steps completed *before* this update (Trainer's `global_step`).
-            epoch (`float`, *optional*): fractional epoch of the state of `step`.
-
-        Returns:
-            `Decision`: the policy's pre-update answer. With `skip_update`, the gradients
-            have been dropped (`param.grad = None`): the optimizer skips the update.
+        `step` counts the updates completed *before* this one (Trainer's `global_step`); `epoch` is
+        that state's fractional epoch. With `skip_update` in the returned decision the gradients
+        were dropped (`param.grad = None`), so the optimizer skips the update.
         """
         self.release()
         frame = self._measure(step + 1)
@@ -258,20 +255,12 @@ class Checkpointer:
         return decision
 
     def step_end(self, step: int, epoch: float, *, lr: float | None = None) -> Decision:
-        """After the update of step `step`: decide, and save (or stop on preemption).
+        """After the update of step `step` (updates completed): decide, and save or stop on preemption.
 
-        Args:
-            step (`int`): optimizer steps completed (Trainer's `global_step` after the increment).
-            epoch (`float`): fractional epoch.
-            lr (`float`, *optional*): learning rate used by this step; ignored when `pre_update`
-                read it from the attached optimizer just before the update.
-
-        Returns:
-            `Decision`. With `kind == DecisionKind.PREEMPTION` a checkpoint has been committed
-            synchronously and `self.preempted` is set: the caller should stop training.
-
-        Raises:
-            `SaveError`: an earlier save failed and `on_save_error="raise"`.
+        `lr` (the rate this step used) only fills the frame when `pre_update` could not read it.
+        With `kind == DecisionKind.PREEMPTION` a checkpoint has been committed synchronously and
+        `self.preempted` is set: the caller should stop. Raises the `SaveError` of an earlier
+        failed save when `on_save_error="raise"`.
         """
         self.release()
         self.saver.raise_pending()
@@ -309,27 +298,11 @@ class Checkpointer:
         self._write_timeline(held.frame, held.decision)
         return event
 
-    @property
-    def holding(self) -> bool:
-        """Whether a save decided at `step_end` waits for `release()`."""
-        return self._held is not None
-
     def restart_timeline(self, step: int) -> None:
-        """The loop restarted at `step` (e.g. Trainer's `auto_find_batch_size` retry): a new timeline.
-
-        Its first save abandons the saves of the attempt that went past `step`, and saves of the
-        same steps replace them; the policy restarts from the restored (or fresh) statistics.
-        """
-        resumed = self._resume.resumed
-        parent = resumed.info.step if resumed is not None and resumed.info.step == step else None
-        self.lineage = Lineage(session=self.session_id, timeline=new_session_id(), parent_step=parent,
-                               parent_timeline=self.lineage.parent_timeline if parent is not None else None)
-        self._fork_pending = True
+        """The loop restarted at `step` (e.g. Trainer's `auto_find_batch_size` retry): a new timeline
+        whose first save abandons the failed attempt's; the policy restarts from the restored statistics."""
         self._held = None
-        self.saver.log.restart()
-        self.policy = RulePolicy(self.config)
-        self._resume.apply_policy_state(again=True)
-        logger.info("training restarted at step %d: new timeline %s", step, self.lineage.timeline)
+        self._resume.restart(step)
 
     def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
                  pin: bool = False, blocking: bool = True) -> SaveEvent:
@@ -354,17 +327,11 @@ class Checkpointer:
         self._fork_pending = False
 
     def _write_timeline(self, frame: SignalFrame, decision: Decision) -> None:
-        if self._timeline is not None:
-            self._timeline.step(frame, decision, self.log.events)
+        self.timeline.step(frame, decision, self.log.events)
 
     def log_event(self, kind: str, **data: Any) -> None:
         """Append a non-step event (e.g. a resume) to the timeline (rank 0)."""
-        if self.rank != 0:
-            return
-        if self._timeline is not None:
-            self._timeline.event(kind, **data)
-        else:
-            append_event(self.store.task_dir, kind, **data)
+        self.timeline.event(kind, **data)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, float]:

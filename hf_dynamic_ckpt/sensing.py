@@ -55,7 +55,7 @@ class Sensors:
         frame = SignalFrame(
             step=step, loss=None if loss_t is None else float(loss_t), device_mem_frac=device_mem,
             host_mem_frac=host_mem, step_time_s=step_time, save_blocking_s=save_blocking_s,
-            preempt=self.flag.is_set, **fields,
+            clip_norm=self.clip.max_norm if self.clip is not None else None, preempt=self.flag.is_set, **fields,
         )
         return dist.reduce_frame(frame, layer_names=self.grad.layer_names, fingerprint=fingerprint)
 

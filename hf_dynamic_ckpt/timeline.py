@@ -71,6 +71,40 @@ class TimelineWriter:
             self._file = None
 
 
+class RunTimeline:
+    """The timeline of one run as the checkpointer uses it: written by rank 0 only.
+
+    Rows are written while attached (`open`); events may come before (a resume) and are appended
+    to the file directly then.
+    """
+
+    def __init__(self, task_dir: Path, *, rank: int) -> None:
+        self.task_dir = task_dir
+        self.rank = rank
+        self._writer: TimelineWriter | None = None
+
+    def open(self) -> None:
+        if self.rank == 0 and self._writer is None:
+            self._writer = TimelineWriter(self.task_dir)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent]) -> None:
+        if self._writer is not None:
+            self._writer.step(frame, decision, events)
+
+    def event(self, kind: str, **data: Any) -> None:
+        if self.rank != 0:
+            return
+        if self._writer is not None:
+            self._writer.event(kind, **data)
+        else:
+            append_event(self.task_dir, kind, **data)
+
+
 def append_event(task_dir: Path, kind: str, **data: Any) -> None:
     """Append one event line without a `TimelineWriter` (e.g. a resume before `attach`)."""
     writer = TimelineWriter(task_dir)

@@ -121,6 +121,8 @@ class SmartCkptCallback(TrainerCallback):
                 )
             ck.complete_resume(loaded)
             apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
+        # The state training starts from can be captured before the first update (step-1 anomalies).
+        ck.note_boundary(state.global_step, rng=loaded.rng if loaded is not None else None)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:

@@ -1,0 +1,213 @@
+"""`SmartStateHooks`: `accelerator.save_state()` / `load_state()` through the tiered store.
+
+The save/load pre-hook pair (and the helpers `SmartCheckpointer` shares with it). See
+`integrations.accelerate` for the overview.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpointer import Checkpointer, SaveEvent
+from ..config import SmartCkptConfig
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..store.types import LoadedCheckpoint
+from ._accelerate_state import AccelerateState
+from ._position import ResumableLoader
+
+logger = logging.getLogger(__name__)
+
+POINTER_NAME = "smart_ckpt.json"
+"""File `save_state` leaves in its output directory: which store checkpoint holds the state."""
+_POINTER_KEYS = ("root", "task_id", "step", "path")
+
+
+def _store_root(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.PathLike[str] | None) -> str:
+    if config.root is None and output_dir is None:
+        output_dir = getattr(accelerator, "project_dir", None)
+    return config.resolve_root(output_dir)
+
+
+def _make_core(config: SmartCkptConfig, accelerator: Any, root: str) -> Checkpointer:
+    return Checkpointer(config, root=root, rank=int(accelerator.process_index),
+                        world_size=int(accelerator.num_processes))
+
+
+class SmartStateHooks:
+    """`accelerator.save_state()` / `load_state()` through the tiered store.
+
+    Registering installs a save pre-hook and a load pre-hook on the accelerator:
+
+    - save: commits the current state as store checkpoint `step-<N>` (N = optimizer updates
+      so far, pinned against retention) through the commit protocol and the catalog,
+      synchronously, on every rank
+      (each rank its RNG file); the data position of `loader` goes with it. The hook then
+      empties Accelerate's `weights` list, so no model file is written to the directory,
+      and rank 0 leaves `smart_ckpt.json` there.
+    - load: follows `smart_ckpt.json` (or takes the directory as a store checkpoint path),
+      verifies and loads the checkpoint (fallback per `config.fallback_strategy`), puts the
+      weights, optimizer, scheduler and scaler back, empties Accelerate's `models` list so
+      it does not look for model files, and arms `loader` to skip the batches already seen
+      and to re-apply the saved RNG once the first batch is fetched.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): after `prepare(...)`.
+        dataloader (`torch.utils.data.DataLoader`, *optional*): the prepared training
+            dataloader; iterate `hooks.loader` instead of it for an exact data position.
+        config (`SmartCkptConfig`, *optional*): `root` and `task_id` name the store.
+        output_dir (`str`, *optional*): store goes to `<output_dir>/smart_ckpt` when
+            `config.root` is unset (defaults to the accelerator's `project_dir`).
+        checkpointer (`Checkpointer`, *optional*): share an existing orchestrator (what
+            `SmartCheckpointer` does); by default one is created without signal handlers.
+
+    Example:
+        ```python
+        >>> hooks = SmartStateHooks(accelerator, train_dataloader, output_dir="out")
+        >>> save_handle, load_handle = hooks.register()
+        >>> for batch in hooks.loader:               # one epoch, exact position
+        ...     ...
+        >>> accelerator.save_state("out/state")      # -> out/smart_ckpt/default/step-<N>/
+        >>> accelerator.load_state("out/state")      # restores it
+        >>> hooks.remove()
+        ```
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        dataloader: Any | None = None,
+        *,
+        config: SmartCkptConfig | None = None,
+        output_dir: str | os.PathLike[str] | None = None,
+        checkpointer: Checkpointer | None = None,
+        state: AccelerateState | None = None,
+    ) -> None:
+        self.accelerator = accelerator
+        config = config or SmartCkptConfig()
+        if state is None:
+            loader = ResumableLoader(accelerator, dataloader) if dataloader is not None else None
+            state = AccelerateState(accelerator, loader=loader)
+        self.state = state
+        self._owns_core = checkpointer is None
+        if checkpointer is None:
+            # The hooks only save when asked: no preemption handlers (nobody would act on them).
+            checkpointer = _make_core(config.replace(preemption_signals=()), accelerator,
+                                      _store_root(config, accelerator, output_dir))
+            _attach(checkpointer, state, boundary=False)
+        self.core = checkpointer
+        self.handles: list[Any] = []
+        self.last_loaded: LoadedCheckpoint | None = None
+
+    @property
+    def loader(self) -> ResumableLoader | None:
+        """The position-tracking view of the dataloader (iterate it: one epoch per `iter()`)."""
+        return self.state.loader
+
+    @property
+    def store(self) -> Any:
+        return self.core.store
+
+    def register(self) -> tuple[Any, Any]:
+        """Install the pair on the accelerator.
+
+        Returns:
+            `tuple`: the `torch.utils.hooks.RemovableHandle`s of the save and load pre-hooks.
+        """
+        save = self.accelerator.register_save_state_pre_hook(self._save_hook)
+        load = self.accelerator.register_load_state_pre_hook(self._load_hook)
+        self.handles = [save, load]
+        return save, load
+
+    def remove(self) -> None:
+        """Remove both hooks (idempotent); `save_state` / `load_state` behave as without them."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def close(self) -> None:
+        """Remove the hooks and, when this object created it, close the orchestrator."""
+        self.remove()
+        if self._owns_core:
+            self.core.close()
+            self.state.close()
+
+    # -- the hooks -------------------------------------------------------------------------
+    def _save_hook(self, models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]], output_dir: str) -> None:
+        step = self.state.optimizer_steps
+        # Pinned: a state the user asked for by name must outlive automatic retention.
+        event = self.core.save_now(step, self.state.epoch(), reason="save_state", pin=True, blocking=True)
+        self._raise_if_failed(event)
+        # Accelerate writes one model file per entry: the weights are in the store instead.
+        weights.clear()
+        if self.core.rank == 0:
+            pointer = {"root": str(self.core.store.root), "task_id": self.core.store.task_id, "step": step,
+                       "path": event.path}
+            tmp = Path(output_dir) / f".{POINTER_NAME}.tmp"
+            tmp.write_text(json.dumps(pointer, indent=1), encoding="utf-8")
+            os.replace(tmp, Path(output_dir) / POINTER_NAME)
+        logger.info("save_state: step %d committed to %s", step, event.path or self.core.store.root)
+
+    @staticmethod
+    def _raise_if_failed(event: SaveEvent) -> None:
+        if event.handle is not None:
+            event.handle.wait()  # re-raises the write error
+        if event.error is not None:
+            from ..errors import SaveError
+
+            raise SaveError(f"save_state: the store did not commit step {event.step}: {event.error}")
+
+    def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
+        spec = self._spec_for(Path(input_dir))
+        loaded = self.core.resume(spec, expected=self.state.weights())
+        if loaded is None:  # pragma: no cover - resume returns None only for "auto" on an empty store
+            raise CheckpointNotFoundError(f"load_state({input_dir!r}): the store {self.core.store.root} is empty.")
+        self.state.apply(loaded)
+        # The weights are restored from the store: Accelerate must not look for model files.
+        models.clear()
+        self.last_loaded = loaded
+
+    def _spec_for(self, input_dir: Path) -> str:
+        pointer_file = input_dir / POINTER_NAME
+        if not pointer_file.is_file():
+            return str(input_dir)  # a store checkpoint directory itself
+        try:
+            pointer = json.loads(pointer_file.read_text(encoding="utf-8"))
+            missing = [k for k in _POINTER_KEYS if k not in pointer]
+            if missing:
+                raise KeyError(", ".join(missing))
+        except (ValueError, KeyError) as e:
+            raise CorruptCheckpointError(
+                f"{pointer_file} is not a valid pointer ({type(e).__name__}: {e}); it should name the store "
+                f"checkpoint written by save_state. Pass the store checkpoint directory to load_state instead."
+            ) from e
+        if Path(pointer["root"]).resolve() != Path(self.core.store.root).resolve():
+            logger.warning("load_state: %s points into store %s, but this run's store is %s; loading by path",
+                           pointer_file, pointer["root"], self.core.store.root)
+        return str(pointer["path"]) if pointer["path"] else f"step:{int(pointer['step'])}"
+
+
+def _attach(core: Checkpointer, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None) -> None:
+    models = state.models()
+    loader = state.loader
+    sampler = None
+    if loader is not None:
+        sampler = loader.boundary_position if boundary else loader.position
+    core.attach(
+        models[0],
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        scaler=state.scaler,
+        weights=state.weights,
+        frozen_keys=state.frozen_keys(),
+        extra=state.extra,
+        sampler=sampler,
+        clip_owner=clip_owner,
+    )
+
+
