@@ -71,8 +71,9 @@ class Lookup:
                 of timelines a later run forked away from.
         """
         out = []
+        abandoned = self.task.timelines.abandoned()
         for row in self.task.catalog.rows(self.task.task_id):
-            info = self.task.row_info(row)
+            info = self.task.row_info(row, abandoned)
             if info.status == STATUS_OK and not self.fs.is_file(Path(info.path) / MANIFEST_NAME):
                 self.task.set_status(info.step, STATUS_MISSING)
                 info = dataclasses.replace(info, status=STATUS_MISSING)

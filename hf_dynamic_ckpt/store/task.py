@@ -138,10 +138,10 @@ class Task:
             logger.warning("checkpoint %s has an unusable manifest: %s", path, e)
             return broken_info(path.parent.name, step, path, STATUS_CORRUPT)
 
-    def row_info(self, row: dict[str, Any]) -> CheckpointInfo:
+    def row_info(self, row: dict[str, Any], abandoned: set[tuple[int, float]] | None = None) -> CheckpointInfo:
         """A catalog row as an info: the path derived from the step, the abandoned flag from the record."""
-        info = Catalog.to_info(row, root=self.root, abandoned=(int(row["step"]), float(row["save_time"]))
-                               in self.timelines.abandoned())
+        abandoned = self.timelines.abandoned() if abandoned is None else abandoned
+        info = Catalog.to_info(row, root=self.root, abandoned=(int(row["step"]), float(row["save_time"])) in abandoned)
         if row.get("d_blobs") is None:  # a row from before the details table: the manifest fills it in
             fresh = self.scan(info.step)
             if fresh is not None and fresh.save_time == info.save_time:
