@@ -67,10 +67,13 @@ CREATE TABLE IF NOT EXISTS checkpoint_details (
     blobs TEXT NOT NULL,
     lineage TEXT,
     abandoned INTEGER NOT NULL DEFAULT 0,
+    manifest_sig TEXT,
     PRIMARY KEY (task_id, step)
 );
 """
-DETAIL_COLUMNS = ("task_id", "step", "blobs", "lineage", "abandoned")
+DETAIL_COLUMNS = ("task_id", "step", "blobs", "lineage", "abandoned", "manifest_sig")
+Sigs = Mapping[tuple[str, int], str | None]
+"""(task, step) -> identity of the manifest file the row was built from (`task.manifest_sig`)."""
 
 COLUMNS = (
     "task_id",
@@ -231,11 +234,11 @@ class Catalog:
                 db.execute("ROLLBACK")
                 raise
 
-    def upsert(self, info: CheckpointInfo, *, root: str | os.PathLike[str]) -> None:
+    def upsert(self, info: CheckpointInfo, *, root: str | os.PathLike[str], sig: str | None = None) -> None:
         """Insert or replace the row of ``(info.task_id, info.step)`` and its details, in one transaction."""
-        self.upsert_many([info], root=root)
+        self.upsert_many([info], root=root, sigs={(info.task_id, info.step): sig})
 
-    def upsert_many(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str]) -> None:
+    def upsert_many(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str], sigs: Sigs | None = None) -> None:
         """`upsert` of several rows in one transaction."""
         infos = list(infos)
         updates = ", ".join(f"{c}=excluded.{c}" for c in COLUMNS if c not in ("task_id", "step"))
@@ -245,12 +248,12 @@ class Catalog:
         def work(db: sqlite3.Connection) -> None:
             db.executemany(sql, [self._row_values(i, root) for i in infos])
             db.executemany(f"INSERT OR REPLACE INTO checkpoint_details ({', '.join(DETAIL_COLUMNS)}) VALUES "
-                           f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i) for i in infos])
+                           f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i, sigs) for i in infos])
 
         self._transaction(work)
 
     def replace_all(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str],
-                    task_id: str | None = None) -> int:
+                    task_id: str | None = None, sigs: Sigs | None = None) -> int:
         """Delete every row (of `task_id`, or all) and insert `infos`, in one transaction (readers see old or new)."""
         infos = sorted(infos, key=lambda i: (i.task_id, i.step))
         where, args = (" WHERE task_id=?", (task_id,)) if task_id is not None else ("", ())
@@ -261,7 +264,7 @@ class Catalog:
             db.executemany(f"INSERT INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})",
                            [self._row_values(i, root) for i in infos])
             db.executemany(f"INSERT INTO checkpoint_details ({', '.join(DETAIL_COLUMNS)}) VALUES "
-                           f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i) for i in infos])
+                           f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i, sigs) for i in infos])
 
         self._transaction(work)
         return len(infos)
@@ -291,7 +294,8 @@ class Catalog:
         self._transaction(work)
 
     # -- reads ----------------------------------------------------------------------------
-    _SELECT = ("SELECT c.*, d.blobs AS d_blobs, d.lineage AS d_lineage, d.abandoned AS d_abandoned FROM checkpoints c "
+    _SELECT = ("SELECT c.*, d.blobs AS d_blobs, d.lineage AS d_lineage, d.abandoned AS d_abandoned, "
+               "d.manifest_sig AS d_sig FROM checkpoints c "
                "LEFT JOIN checkpoint_details d ON d.task_id = c.task_id AND d.step = c.step")
 
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
@@ -340,9 +344,11 @@ class Catalog:
         )
 
     @staticmethod
-    def _detail_values(info: CheckpointInfo) -> tuple[Any, ...]:
+    def _detail_values(info: CheckpointInfo, sigs: Sigs | None) -> tuple[Any, ...]:
         lineage = json.dumps(info.lineage.to_dict(), sort_keys=True) if info.lineage is not None else None
-        return (info.task_id, int(info.step), json.dumps(dict(info.blobs), sort_keys=True), lineage, int(info.abandoned))
+        sig = (sigs or {}).get((info.task_id, info.step))
+        return (info.task_id, int(info.step), json.dumps(dict(info.blobs), sort_keys=True), lineage, int(info.abandoned),
+                sig)
 
     @staticmethod
     def to_info(row: dict[str, Any], *, root: str | os.PathLike[str], abandoned: bool | None = None) -> CheckpointInfo:

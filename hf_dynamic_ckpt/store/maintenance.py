@@ -34,7 +34,7 @@ from ..constants import (
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from . import manifest as mf
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, encode_tiers
-from .task import Task, parse_step_dir
+from .task import Task, manifest_sig, parse_step_dir
 from .types import CheckpointInfo, GcReport
 
 logger = logging.getLogger(__name__)
@@ -125,27 +125,35 @@ def _differs(row: dict[str, Any], info: CheckpointInfo) -> bool:
 def sync_catalog(task: Task) -> None:
     """Make the task's catalog rows agree with its directories (the manifests are the truth).
 
-    Every committed directory's manifest is re-read: rows are added for directories the
+    Every committed directory's manifest is re-read unless the row was built from the very
+    same manifest file and pin marker (inode, size, mtime): rows are added for directories the
     catalog lacks (a crash between the rename and the row), rewritten when the row's
     flags (health, pin, tiers, identity, abandoned) differ from the disk, and marked
     ``"missing"`` when the directory is gone. A ``"corrupt"`` status from `verify` is kept
     while the manifest is unchanged (`resolve` re-verifies it before skipping it).
     """
     rows = {r["step"]: r for r in task.catalog.rows(task.task_id)}
+    abandoned = task.timelines.abandoned()
     updates = []
     present = set()
     for step, path in task.committed().items():
+        row = rows.get(step)
+        if row is not None and row.get("d_sig") is not None and row["d_sig"] == manifest_sig(path) \
+                and row["status"] != STATUS_MISSING \
+                and bool(row["d_abandoned"]) == ((step, float(row["save_time"])) in abandoned):
+            present.add(step)  # the manifest and the pin marker are the ones the row was built from
+            continue
         info = task.scan(step, path)
         if info is None:
             continue
         present.add(step)
-        row = rows.get(step)
         if row is not None and row["status"] == STATUS_CORRUPT and float(row["save_time"]) == info.save_time:
             info = dataclasses.replace(info, status=STATUS_CORRUPT)
         if row is None or _differs(row, info):
             updates.append(info)
     if updates:
-        task._write(lambda: task.catalog.upsert_many(updates, root=task.root))
+        sigs = {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in updates}
+        task._write(lambda: task.catalog.upsert_many(updates, root=task.root, sigs=sigs))
     for step, row in rows.items():
         if step not in present and row["status"] != STATUS_MISSING:
             task.set_status(step, STATUS_MISSING)
@@ -161,7 +169,7 @@ def reindex(task: Task, *, all_tasks: bool) -> int:
     infos: list[CheckpointInfo] = []
     if not all_tasks:
         infos = scan_all(task)
-        return task.catalog.replace_all(infos, root=task.root, task_id=task.task_id)
+        return task.catalog.replace_all(infos, root=task.root, task_id=task.task_id, sigs=_sigs(infos))
     for name in task.fs.listdir(task.root):
         if name.startswith(".") or name == BLOBS_DIR or not task.fs.is_dir(task.root / name):
             continue
@@ -171,7 +179,11 @@ def reindex(task: Task, *, all_tasks: bool) -> int:
         except ValueError:  # not a valid task name: not ours
             continue
         infos.extend(scan_all(other))
-    return task.catalog.replace_all(infos, root=task.root)
+    return task.catalog.replace_all(infos, root=task.root, sigs=_sigs(infos))
+
+
+def _sigs(infos: Iterable[CheckpointInfo]) -> dict[tuple[str, int], str | None]:
+    return {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in infos}
 
 
 # -- deletion ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from ..constants import (
     ASIDE_SUFFIX,
     BLOBS_DIR,
     MANIFEST_NAME,
+    PINNED_MARKER,
     STEP_DIR_PREFIX,
     TMP_MARKER,
     TRASH_INFIX,
@@ -32,7 +33,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVers
 from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, Catalog
-from .fs import LocalFS
+from .fs import LocalFS, lstat
 from .layout import broken_info, info_from_manifest
 from .spec import StoreSpec
 from .timelines import Timelines, key_of
@@ -41,6 +42,14 @@ from .types import CheckpointInfo
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(0|[1-9][0-9]*)$")
+
+
+def manifest_sig(directory: Path) -> str | None:
+    """Identity of a checkpoint's manifest file and pin marker (inode, size, mtime), without reading them."""
+    st = lstat(directory / MANIFEST_NAME)
+    if st is None:
+        return None
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{int(lstat(directory / PINNED_MARKER) is not None)}"
 
 
 def step_dir_name(step: int) -> str:
@@ -151,7 +160,7 @@ class Task:
 
     # -- catalog writes (best effort for readers: the manifests are the truth) --------------
     def record(self, info: CheckpointInfo) -> None:
-        self._write(lambda: self.catalog.upsert(info, root=self.root))
+        self._write(lambda: self.catalog.upsert(info, root=self.root, sig=manifest_sig(Path(info.path))))
 
     def set_status(self, step: int, status: str) -> None:
         self._write(lambda: self.catalog.set_status(self.task_id, step, status))
