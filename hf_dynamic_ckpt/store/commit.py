@@ -113,9 +113,10 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int) -> list[dict[str, Any]]:
     """Rank 0: poll until every rank's done file is there; return their contents by rank.
 
     Raises:
-        `DistributedError`: some rank did not publish within `rank_timeout_s` (the message
-            names them; the temporary directory is removed, nothing is committed), or a done
-            file belongs to another session or is malformed.
+        `DistributedError`: some rank did not publish within `rank_timeout_s`, or
+            `CheckpointStore.abort` was called (the message names the missing ranks; the
+            temporary directory is removed, nothing is committed), or a done file belongs to
+            another session or is malformed.
     """
     spec = task.spec
     deadline = time.monotonic() + spec.rank_timeout_s
@@ -124,6 +125,13 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int) -> list[dict[str, Any]]:
         present = [r for r, p in enumerate(names) if task.fs.is_file(p)]
         if len(present) == spec.world_size:
             break
+        if task.abort_reason is not None:
+            missing = sorted(set(range(spec.world_size)) - set(present))
+            _discard(task, tmp)
+            raise DistributedError(
+                f"step {step}: gave up waiting for rank(s) {missing} of {spec.world_size}: {task.abort_reason} "
+                "(CheckpointStore.abort); nothing was committed and the previous checkpoint stays the restore point."
+            )
         if time.monotonic() >= deadline:
             missing = sorted(set(range(spec.world_size)) - set(present))
             task.fs.rmtree(tmp)

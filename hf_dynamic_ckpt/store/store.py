@@ -206,6 +206,19 @@ class CheckpointStore(Reader, Lookup):
             logger.info("reindexed %s: %d checkpoints", self.root, n)
             return n
 
+    def abort(self, reason: str) -> None:
+        """Make a save that waits for other ranks' files (rank 0) give up now, and every later one.
+
+        For the orchestrator's fatal-error path (a rank died): the waiting save raises
+        `DistributedError` naming `reason` within one poll interval instead of after
+        `rank_timeout_s`; nothing is committed. Thread-safe; `clear_abort` undoes it.
+        """
+        self.task.abort_reason = str(reason) or "aborted"
+
+    def clear_abort(self) -> None:
+        """Let saves wait for other ranks again after `abort`."""
+        self.task.abort_reason = None
+
     def _check_writable(self, what: str) -> None:
         if self.read_only:
             raise DynamicCkptError(f"{what} is refused: the store {self.root} was opened with read_only=True.")

@@ -83,6 +83,8 @@ class Task:
         self.dir = self.root / spec.task_id
         self.blobs = BlobStore(self.dir / BLOBS_DIR, fs)
         self.timelines = Timelines(self.dir, fs)
+        self.abort_reason: str | None = None
+        """Set by `CheckpointStore.abort`: rank 0 stops waiting for other ranks' files."""
 
     # -- names ----------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:

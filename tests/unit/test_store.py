@@ -518,3 +518,28 @@ def test_blob_collection_is_skipped_while_a_save_is_in_flight(tmp_path: Path) ->
     assert blobs.joinpath(f"{tensor_digest(torch.full((64,), 2.0))}.safetensors").exists()
     writer.close()
     trainer.close()
+
+
+def test_abort_makes_a_save_waiting_for_other_ranks_give_up_now(tmp_path: Path) -> None:
+    from hf_dynamic_ckpt.errors import DistributedError
+
+    store = CheckpointStore(tmp_path / "root", task_id="ddp", rank=0, world_size=2, session_id="s1", rank_timeout_s=600)
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            store.save(_tiny_state(3), reason="interval")
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    while not (store.task_dir / "step-3.tmp-s1" / "done-rank0.json").exists():  # rank 0 is waiting for rank 1
+        thread.join(0.01)
+    store.abort("rank 1 died")
+    thread.join(30)
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], DistributedError)
+    assert "gave up waiting for rank(s) [1] of 2: rank 1 died (CheckpointStore.abort)" in str(errors[0])
+    assert _visible(store.task_dir) == [] and store.list(include_unhealthy=True) == []
+    store.clear_abort()
+    store.close()
