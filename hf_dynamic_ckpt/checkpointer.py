@@ -371,7 +371,9 @@ class Checkpointer:
         return self._closed
 
     def _abort(self, why: str) -> None:
-        abort = getattr(self.engine, "abort", None)
+        """A fatal error (a rank died or diverged): a commit waiting for other ranks gives up now."""
+        self.store.abort(why)
+        abort = getattr(self.engine, "abort", None)  # TODO(merge): SaveEngine.abort from the engine branch
         if abort is not None:
             abort(why)
 

@@ -225,14 +225,17 @@ class Saver:
         if self.rank != 0 or self.engine.busy:
             return
         c = self.config
-        plan = plan_retention(self.store.list(include_unhealthy=True), keep_last=c.keep_last,
-                              log_spaced=c.keep_log_spaced, level_retention=level_retention_from_config(c),
-                              now=time.time())
-        for info, tiers in plan:
-            try:
-                self.store.delete(info, tiers=None if Tier.WEIGHTS in tiers else tiers)
-            except Exception as e:
-                logger.warning("retention: could not delete step %d (%s)", info.step, e)
+        try:
+            plan = plan_retention(self.store.list(include_unhealthy=True, include_abandoned=True), keep_last=c.keep_last,
+                                  log_spaced=c.keep_log_spaced, level_retention=level_retention_from_config(c),
+                                  now=time.time())
+            report = self.store.prune(plan)  # re-reads each entry from disk; abandoned ones once passed
+        except Exception as e:  # retention must never stop training
+            logger.warning("retention: skipped this time (%s)", e)
+            return
+        if report.removed or report.trimmed:
+            logger.debug("retention removed steps %s, trimmed %s, freed %s", report.removed, report.trimmed,
+                         human_bytes(report.bytes_freed))
 
 
 # TODO(merge): the engine branch moves SaveEngine.save/emergency_save to (sources, request, ...);

@@ -347,7 +347,7 @@ class CheckpointStore(Reader, Lookup):
             self.task.timelines.write(record, tag=self.session_id)
             mt.sync_catalog(self.task)
             if newly:
-                logger.warning("timeline %s starts after step %s: steps %s of other timelines are abandoned (kept, "
+                logger.debug("timeline %s starts after step %s: steps %s of other timelines are abandoned (kept, "
                                "restorable by step:N; removed once this timeline passes them)", timeline, after_step,
                                ", ".join(map(str, newly)))
             return newly
