@@ -95,9 +95,9 @@ def library_versions() -> dict[str, str]:
 def _library_versions() -> dict[str, str]:
     from importlib import metadata
 
-    from .. import __version__
+    from .._version import VERSION
 
-    versions = {"hf_dynamic_ckpt": __version__, "python": platform.python_version()}
+    versions = {"hf_dynamic_ckpt": VERSION, "python": platform.python_version()}
     for dist in ("torch", "transformers", "accelerate", "peft", "safetensors", "zstandard", "numpy"):
         try:
             versions[dist] = metadata.version(dist)

@@ -121,7 +121,7 @@ def test_level_1_codec_must_be_zstd_or_none() -> None:
 
 def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCaptureFixture,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt import config as config_module
+    from hf_dynamic_ckpt import _config_checks as config_module
 
     monkeypatch.setattr(config_module, "_WARNED", set())
     with caplog.at_level("WARNING", logger="hf_dynamic_ckpt.config"):
