@@ -40,9 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.engine import SaveEngine
-from hf_dynamic_ckpt.engine.snapshot import state_dict_tensor_bytes
+from hf_dynamic_ckpt.engine.live import state_dict_tensor_bytes
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store.spec import SaveRequest
 from hf_dynamic_ckpt.toy import lora, tiny_qwen2
 
 MB = 1e6
@@ -122,7 +123,7 @@ def _ours(trainer: Any, kind: str, root: Path, repeats: int, threads: int) -> di
         blocking, writes = [], []
         info = None
         for i in range(repeats + 1):
-            handle = engine.save(sources, step=i + 1, tiers=ALL_TIERS, reason="bench")
+            handle = engine.save(sources, SaveRequest(step=i + 1, tiers=ALL_TIERS, reason="bench"))
             info = handle.wait()
             blocking.append(handle.blocking_ms)
             writes.append(handle.write_ms or 0.0)
@@ -177,7 +178,7 @@ def _inflation(trainer: Any, kind: str, root: Path, mode: str, args: argparse.Na
     inflations, noise, during_ms, clean_ms = [], [], [], []
     with CheckpointStore(root, compression_threads=args.compression_threads) as store, \
             SaveEngine(store, mode=mode, writer_nice=args.writer_nice) as engine:
-        engine.save(sources, step=1, tiers=ALL_TIERS, reason="warm-up").wait()  # buffers
+        engine.save(sources, SaveRequest(step=1, tiers=ALL_TIERS, reason="warm-up")).wait()  # buffers
         engine.wait_writer_ready()  # process mode: measure the process, not the stand-in thread of its start-up
 
         def steps(n: int) -> list[float]:
@@ -190,7 +191,7 @@ def _inflation(trainer: Any, kind: str, root: Path, mode: str, args: argparse.Na
 
         for cycle in range(args.cycles):
             pre = steps(args.clean_steps)
-            handle = engine.save(sources, step=cycle + 2, tiers=ALL_TIERS, reason="bench")
+            handle = engine.save(sources, SaveRequest(step=cycle + 2, tiers=ALL_TIERS, reason="bench"))
             during = []
             while not handle.done():
                 during += steps(1)  # started while the write was in flight

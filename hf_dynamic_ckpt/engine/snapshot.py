@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy as _copy
 import logging
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,136 +33,19 @@ from ..constants import Tier
 from ..errors import SaveError
 from ..state.sources import StateSources
 from ..store.types import BlobRef, CheckpointState
+from .buffers import BufferPool, CudaCopier
+from .live import (
+    OPTIMIZER_PREFIX,
+    WEIGHTS_PREFIX,
+    LiveState,
+    clone_small,
+    nbytes,
+    state_dict_tensor_bytes,
+    storage_key,
+    tensor_key,
+)
 
 logger = logging.getLogger(__name__)
-
-_WEIGHTS_PREFIX = "weights/"
-_OPTIMIZER_PREFIX = "optimizer/"
-
-
-def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Identity of a tensor's current contents without reading them (in-place ops bump `_version`)."""
-    return (t.device.type, t.device.index, t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.stride())
-
-
-def _pin_shared(buf: torch.Tensor) -> None:
-    """Page-lock a shared-memory buffer in place (as DCP's async staging does) so that
-    device-to-host copies into it can be asynchronous; unpinned when the buffer dies."""
-    nbytes = buf.numel() * buf.element_size()
-    if nbytes == 0:
-        return
-    try:
-        import torch.cuda._pin_memory_utils as pin_utils
-
-        pin_utils.pin_memory(buf.data_ptr(), nbytes)
-        weakref.finalize(buf, pin_utils.unpin_memory, buf.data_ptr())
-    except Exception as e:  # copies still work, only synchronously
-        logger.warning("could not pin a %d-byte shared snapshot buffer (%s): device-to-host copies will block", nbytes, e)
-
-
-class BufferPool:
-    """CPU buffers allocated once and reused across snapshots.
-
-    A buffer is keyed by name; it is reallocated only when the shape or dtype under that
-    name changes. Buffers for CUDA sources are pinned (page-locked) so device-to-host copies
-    can run asynchronously; `shared=True` puts them in shared memory so a writer process
-    can read them without another copy.
-
-    Args:
-        shared (`bool`, *optional*, defaults to `False`): allocate in shared memory.
-    """
-
-    def __init__(self, *, shared: bool = False) -> None:
-        self.shared = shared
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.generation = 0
-        """Bumped on every (re)allocation; lets a writer process know when to remap."""
-
-    def __len__(self) -> int:
-        return len(self._buffers)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes currently held by the pool."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    @property
-    def buffers(self) -> Mapping[str, torch.Tensor]:
-        return self._buffers
-
-    def fits(self, name: str, like: torch.Tensor) -> bool:
-        """Whether the buffer under `name` can take a copy of `like` without reallocation."""
-        buf = self._buffers.get(name)
-        return buf is not None and buf.shape == like.shape and buf.dtype == like.dtype
-
-    def get(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The buffer for `name`, (re)allocated to the shape and dtype of `like` if needed."""
-        buf = self._buffers.get(name)
-        if buf is not None and buf.shape == like.shape and buf.dtype == like.dtype:
-            return buf
-        cuda = like.is_cuda and torch.cuda.is_available()
-        buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=cuda and not self.shared)
-        if self.shared:
-            buf.share_memory_()
-            if cuda:
-                _pin_shared(buf)
-        self._buffers[name] = buf
-        self.generation += 1
-        return buf
-
-    def retain_only(self, names: Iterable[str], prefixes: Iterable[str]) -> None:
-        """Free buffers under `prefixes` whose names are not in `names` (state that disappeared)."""
-        keep = set(names)
-        scopes = tuple(prefixes)
-        for name in [n for n in self._buffers if n.startswith(scopes) and n not in keep]:
-            del self._buffers[name]
-            self.generation += 1
-
-    def clear(self) -> None:
-        """Free every buffer."""
-        if self._buffers:
-            self._buffers.clear()
-            self.generation += 1
-
-
-class _CudaCopier:
-    """Non-blocking device-to-host copies, batched on one side stream per device."""
-
-    def __init__(self) -> None:
-        self._streams: dict[int, Any] = {}
-        self._pending: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-
-    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        index = src.device.index if src.device.index is not None else torch.cuda.current_device()
-        dsts, srcs = self._pending.setdefault(index, ([], []))
-        dsts.append(dst)
-        srcs.append(src)
-
-    def finish(self) -> list[Any]:
-        """Issue the copies, record one event per device and order its current stream after it."""
-        events = []
-        for index, (dsts, srcs) in sorted(self._pending.items()):
-            stream = self._streams.get(index)
-            if stream is None:
-                stream = self._streams[index] = torch.cuda.Stream(device=index)
-            # The side stream must see every kernel already queued that writes the sources.
-            stream.wait_stream(torch.cuda.current_stream(index))
-            with torch.cuda.stream(stream):
-                # A plain loop: device-to-host `copy_(non_blocking=True)` into pinned memory is the
-                # documented asynchronous path (the CPU-side batching below is for host copies).
-                for dst, src in zip(dsts, srcs):
-                    dst.copy_(src, non_blocking=True)
-            for src in srcs:
-                # The allocator must not hand a source's memory to another tensor before the copy ran.
-                src.record_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-            # The next optimizer step (queued on the current stream) runs after the copy, on
-            # the GPU, without the host waiting here.
-            torch.cuda.current_stream(index).wait_event(event)
-            events.append(event)
-        self._pending.clear()
-        return events
 
 
 @dataclass
@@ -195,96 +77,6 @@ class Snapshot:
         self.events = []
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, ...] | None:
-    if t.numel() == 0:
-        return None
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _walk_tensors(obj: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict | Mapping):
-        for k, v in obj.items():
-            yield from _walk_tensors(v, f"{prefix}/{k}")
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            yield from _walk_tensors(v, f"{prefix}/{i}")
-
-
-def state_dict_tensor_bytes(obj: Any) -> int:
-    """Total bytes of the tensors inside a nested state dict."""
-    return sum(_nbytes(t) for _, t in _walk_tensors(obj, ""))
-
-
-def _clone_small(obj: Any) -> Any:
-    """Deep copy of a small state dict (scheduler, scaler, sampler) with tensors cloned to CPU."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {k: _clone_small(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_small(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone_small(v) for v in obj)
-    return _copy.deepcopy(obj)
-
-
-@dataclass
-class LiveState:
-    """What the sources hold right now, read but not copied (input of a snapshot).
-
-    `copy_bytes` is what a buffered snapshot copies: the memory-aware staging compares it
-    with the host headroom before deciding how to save.
-    """
-
-    step: int
-    epoch: float
-    weights: dict[str, torch.Tensor | BlobRef] | None
-    frozen: dict[str, tuple[Any, ...]]
-    optimizer: dict[str, Any] | None
-    scheduler: dict[str, Any] | None
-    scaler: dict[str, Any] | None
-    rng: dict[str, Any] | None
-    sampler: dict[str, Any] | None
-    extra: dict[str, Any]
-
-    def copy_items(self) -> list[tuple[str, torch.Tensor]]:
-        """(buffer name, live tensor) for every tensor a buffered snapshot copies."""
-        items = self.__dict__.get("_copy_items")
-        if items is None:
-            items = []
-            if self.weights is not None:
-                seen: set[tuple[Any, ...]] = set()
-                for k, v in self.weights.items():
-                    if isinstance(v, torch.Tensor) and k not in self.frozen:
-                        key = _storage_key(v)
-                        if key is not None and key in seen:
-                            continue  # tied to a tensor already listed
-                        if key is not None:
-                            seen.add(key)
-                        items.append((_WEIGHTS_PREFIX + k, v))
-            if self.optimizer is not None:
-                items += _walk_tensors(self.optimizer, _OPTIMIZER_PREFIX.rstrip("/"))
-            self.__dict__["_copy_items"] = items
-        return items
-
-    @property
-    def copy_bytes(self) -> int:
-        return sum(_nbytes(t) for _, t in self.copy_items())
-
-    @property
-    def has_cuda(self) -> bool:
-        if any(t.is_cuda for _, t in self.copy_items()):
-            return True
-        return self.weights is not None and any(
-            isinstance(v, torch.Tensor) and v.is_cuda for v in self.weights.values()
-        )
-
 
 class Snapshotter:
     """Reads `StateSources` and produces `Snapshot`s, owning the reusable buffers.
@@ -308,7 +100,7 @@ class Snapshotter:
         self.pool = BufferPool(shared=shared)
         self._blob_exists = blob_exists
         self._last_used: set[str] = set()
-        self._cuda: _CudaCopier | None = None
+        self._cuda: CudaCopier | None = None
         # Frozen tensors already committed to the store: name -> (identity, BlobRef).
         self._stored_blobs: dict[str, tuple[tuple[Any, ...], BlobRef]] = {}
 
@@ -354,7 +146,7 @@ class Snapshotter:
                     )
                 tensor = tensor.detach()
                 if name in sources.frozen_keys:
-                    ident = _tensor_key(tensor)
+                    ident = tensor_key(tensor)
                     stored = self._stored_blobs.get(name)
                     if stored is not None and stored[0] == ident and self._blob_alive(stored[1]):
                         weights[name] = stored[1]
@@ -366,9 +158,9 @@ class Snapshotter:
             if sources.optimizer is not None:
                 optimizer = sources.optimizer.state_dict()
             if sources.scheduler is not None:
-                scheduler = _clone_small(sources.scheduler.state_dict())
+                scheduler = clone_small(sources.scheduler.state_dict())
             if sources.scaler is not None:
-                scaler = _clone_small(sources.scaler.state_dict())
+                scaler = clone_small(sources.scaler.state_dict())
             if optimizer is None and scheduler is None and scaler is None:
                 raise SaveError(
                     "tiers include 'optimizer' but StateSources has no optimizer, scheduler or "
@@ -377,16 +169,16 @@ class Snapshotter:
         rng_state = sampler_state = None
         if Tier.STATE in tiers:
             if rng is not None:
-                rng_state = _clone_small(rng)
+                rng_state = clone_small(rng)
             else:
                 from ..state.rng import capture_rng_state
 
                 rng_state = capture_rng_state()
             if sampler is not None:
-                sampler_state = _clone_small(sampler)
+                sampler_state = clone_small(sampler)
             elif sources.sampler is not None:
-                sampler_state = _clone_small(sources.sampler())
-        extra = _clone_small(sources.extra()) if sources.extra is not None else {}
+                sampler_state = clone_small(sources.sampler())
+        extra = clone_small(sources.extra()) if sources.extra is not None else {}
         return LiveState(
             step=step, epoch=epoch, weights=weights, frozen=frozen, optimizer=optimizer,
             scheduler=scheduler, scaler=scaler, rng=rng_state, sampler=sampler_state, extra=extra,
@@ -394,7 +186,7 @@ class Snapshotter:
 
     def extra_bytes_needed(self, live: LiveState) -> int:
         """Bytes a buffered snapshot of `live` would allocate beyond the buffers already held."""
-        return sum(_nbytes(t) for name, t in live.copy_items() if not self.pool.fits(name, t))
+        return sum(nbytes(t) for name, t in live.copy_items() if not self.pool.fits(name, t))
 
     # -- producing a snapshot --------------------------------------------------------------
     def take(self, live: LiveState, *, copy: bool = True) -> Snapshot:
@@ -417,7 +209,7 @@ class Snapshotter:
         cuda = None
         if copy and live.has_cuda:
             if self._cuda is None:
-                self._cuda = _CudaCopier()  # keeps its side streams across saves
+                self._cuda = CudaCopier()  # keeps its side streams across saves
             cuda = self._cuda
         used: set[str] = set()
         cpu_dsts: list[torch.Tensor] = []
@@ -434,7 +226,7 @@ class Snapshotter:
             else:
                 cpu_dsts.append(dst)
                 cpu_srcs.append(src)
-            copied += _nbytes(src)
+            copied += nbytes(src)
             return dst
 
         if live.weights is not None:
@@ -446,24 +238,24 @@ class Snapshotter:
                 if isinstance(value, BlobRef):
                     weights[name] = value
                 elif copy and (name not in live.frozen or self.pool.shared):
-                    key = _storage_key(value)
+                    key = storage_key(value)
                     if key is not None and key in tied:
                         weights[name] = tied[key]
                         continue
-                    dst = weights[name] = copy_one(_WEIGHTS_PREFIX + name, value)
+                    dst = weights[name] = copy_one(WEIGHTS_PREFIX + name, value)
                     if key is not None:
                         tied[key] = dst
                 elif value.is_cuda:
                     # The store writes CPU tensors: a frozen or direct CUDA tensor moves once.
                     weights[name] = value.to("cpu")
-                    copied += _nbytes(value)
+                    copied += nbytes(value)
                 else:
                     weights[name] = value
-                    live_bytes += _nbytes(value)
+                    live_bytes += nbytes(value)
         optimizer = live.optimizer
         if optimizer is not None:
             optimizer = self._copy_nested(
-                optimizer, _OPTIMIZER_PREFIX.rstrip("/"), copy_one if copy else None
+                optimizer, OPTIMIZER_PREFIX.rstrip("/"), copy_one if copy else None
             )
             if not copy:
                 live_bytes += state_dict_tensor_bytes(optimizer)
@@ -472,8 +264,8 @@ class Snapshotter:
         events = cuda.finish() if cuda is not None else []
         if copy:
             # Only the tiers this snapshot read can tell which of their buffers are stale.
-            scopes = [p for p, present in ((_WEIGHTS_PREFIX, live.weights is not None),
-                                           (_OPTIMIZER_PREFIX, live.optimizer is not None)) if present]
+            scopes = [p for p, present in ((WEIGHTS_PREFIX, live.weights is not None),
+                                           (OPTIMIZER_PREFIX, live.optimizer is not None)) if present]
             if used != self._last_used:  # the common case (same state as last time) costs nothing
                 self.pool.retain_only(used, scopes)
                 self._last_used = used

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
-from hf_dynamic_ckpt.engine.snapshot import BufferPool, Snapshotter
+from hf_dynamic_ckpt.engine.buffers import BufferPool
+from hf_dynamic_ckpt.engine.snapshot import Snapshotter
 from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.store.types import BlobRef
