@@ -138,20 +138,46 @@ DEFAULT_THROUGHPUT = 100e6
 """Bytes/s assumed for the emergency-save estimate before any save was measured."""
 
 
-class Ledger:
-    """What an engine learned from its finished jobs: the restore point and the write throughput.
+class Jobs:
+    """The jobs of one engine: the last background one, a synchronous one running, and what
+    the finished ones taught (restore point, write throughput).
 
-    Read and updated on the training thread only (`record` after a job is done).
+    Used on the training thread, except `abort` (any thread).
     """
 
     def __init__(self) -> None:
+        self.inflight: Job | None = None
+        self.running_sync: Job | None = None
         self.last_committed: CheckpointInfo | None = None
         self.throughput = DEFAULT_THROUGHPUT
+
+    @property
+    def busy(self) -> bool:
+        """Whether the last background job is still writing."""
+        return self.inflight is not None and not self.inflight.handle.done()
 
     @property
     def restore_point(self) -> str:
         """The checkpoint that stays the restore point if the next save fails, for messages."""
         return f"step {self.last_committed.step}" if self.last_committed is not None else "none written by this engine"
+
+    def new(self, snapshot: Snapshot, request: SaveRequest, handle: SaveHandle) -> Job:
+        return Job(snapshot=snapshot, request=request, handle=handle, restore_point=self.restore_point)
+
+    def run_sync(self, job: Job, save: StoreSave) -> None:
+        """Write `job` on the calling thread (abortable from another thread meanwhile)."""
+        self.running_sync = job
+        try:
+            run_job(job, save)
+        finally:
+            self.running_sync = None
+
+    def abort(self, reason: str) -> None:
+        """Set the abort flag of every job not finished yet (see `SaveEngine.abort`)."""
+        for job in (self.inflight, self.running_sync):
+            if job is not None and not job.handle.done() and not job.abort.is_set():
+                job.abort.set(reason)
+                logger.warning("aborting the save of step %d: %s", job.handle.step, reason)
 
     def record(self, job: Job | None) -> CheckpointInfo | None:
         """Learn from `job` once it is done; returns its `CheckpointInfo` if it committed (only the first time)."""

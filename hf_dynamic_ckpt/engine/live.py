@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..constants import Tier
+from ..state.sources import StateSources
 from ..store.types import BlobRef
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,31 @@ def walk_tensors(obj: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
     elif isinstance(obj, list | tuple):
         for i, v in enumerate(obj):
             yield from walk_tensors(v, f"{prefix}/{i}")
+
+
+IMMUTABLE = (int, float, str, bool, bytes, type(None))
+
+
+def tensors_in(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Append the tensors of a nested state dict to `out`, in `walk_tensors`'s order.
+
+    Runs on every save over every optimizer state tensor: leaves are handled inline (no
+    call per tensor or scalar).
+    """
+    if isinstance(obj, dict | Mapping):
+        values: Iterable[Any] = obj.values()
+    elif isinstance(obj, list | tuple):
+        values = obj
+    else:
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        return out
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif not isinstance(v, IMMUTABLE):
+            tensors_in(v, out)
+    return out
 
 
 def state_dict_tensor_bytes(obj: Any) -> int:
@@ -85,43 +112,60 @@ class LiveState:
     sampler: dict[str, Any] | None
     extra: dict[str, Any]
 
-    _items: list[tuple[str, torch.Tensor]] | None = field(default=None, init=False, repr=False, compare=False)
+    resolved: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    """Set by the `Snapshotter`: per scope, the held plan that still matches or a fresh blueprint."""
+
+    def scope_sources(self) -> dict[str, tuple[tuple[str, ...] | None, list[torch.Tensor]]]:
+        """Per buffer scope, the tensors a buffered snapshot copies: `{scope: (names or None, tensors)}`.
+
+        `"weights/"`: every weight tensor that is not frozen, with its name; `"optimizer/"`:
+        every tensor of the optimizer's state dict in walk order. Cheap (no per-tensor work
+        beyond a type check); tied weights are found later, once per blueprint.
+        """
+        out: dict[str, tuple[tuple[str, ...] | None, list[torch.Tensor]]] = {}
+        if self.weights is not None:
+            frozen = self.frozen
+            pairs = [(k, v) for k, v in self.weights.items() if isinstance(v, torch.Tensor) and k not in frozen]
+            out[WEIGHTS_PREFIX] = (tuple(k for k, _ in pairs), [v for _, v in pairs])
+        if self.optimizer is not None:
+            out[OPTIMIZER_PREFIX] = (None, tensors_in(self.optimizer, []))
+        return out
 
     def copy_items(self) -> list[tuple[str, torch.Tensor]]:
-        """(buffer name, live tensor) for every tensor a buffered snapshot copies (listed once)."""
-        if self._items is None:
-            items: list[tuple[str, torch.Tensor]] = []
-            if self.weights is not None:
-                seen: set[tuple[Any, ...]] = set()
-                for k, v in self.weights.items():
-                    if isinstance(v, torch.Tensor) and k not in self.frozen:
-                        key = storage_key(v)
-                        if key is not None and key in seen:
-                            continue  # tied to a tensor already listed
-                        if key is not None:
-                            seen.add(key)
-                        items.append((WEIGHTS_PREFIX + k, v))
-            if self.optimizer is not None:
-                items += walk_tensors(self.optimizer, OPTIMIZER_PREFIX.rstrip("/"))
-            self._items = items
-        return self._items
+        """(buffer name, live tensor) for every tensor a buffered snapshot copies, tied weights once."""
+        items: list[tuple[str, torch.Tensor]] = []
+        if self.weights is not None:
+            seen: set[tuple[Any, ...]] = set()
+            for k, v in self.weights.items():
+                if isinstance(v, torch.Tensor) and k not in self.frozen:
+                    key = storage_key(v)
+                    if key is not None and key in seen:
+                        continue  # tied to a tensor already listed
+                    if key is not None:
+                        seen.add(key)
+                    items.append((WEIGHTS_PREFIX + k, v))
+        if self.optimizer is not None:
+            items += walk_tensors(self.optimizer, OPTIMIZER_PREFIX.rstrip("/"))
+        return items
 
     def drop_optimizer_tier(self) -> None:
         """Leave out L1 (optimizer, scheduler, scaler), e.g. when an emergency save runs out of time."""
         self.optimizer = self.scheduler = self.scaler = None
-        self._items = None
+        self.resolved = None
 
     @property
     def copy_bytes(self) -> int:
         return sum(nbytes(t) for _, t in self.copy_items())
 
-    @property
-    def has_cuda(self) -> bool:
-        if any(t.is_cuda for _, t in self.copy_items()):
-            return True
-        return self.weights is not None and any(
-            isinstance(v, torch.Tensor) and v.is_cuda for v in self.weights.values()
-        )
+
+def available_tiers(sources: StateSources) -> set[Tier]:
+    """The tiers `sources` can provide: L2 always, L0 with weights, L1 with any of optimizer/scheduler/scaler."""
+    tiers = {Tier.STATE}
+    if sources.weights is not None:
+        tiers.add(Tier.WEIGHTS)
+    if sources.optimizer is not None or sources.scheduler is not None or sources.scaler is not None:
+        tiers.add(Tier.OPTIMIZER)
+    return tiers
 
 
 def fit_to_deadline(live: LiveState, *, throughput: float, left_s: float, step: int) -> bool:

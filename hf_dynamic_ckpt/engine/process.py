@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import multiprocessing as mp
 import sys
 import time
@@ -77,6 +78,16 @@ def _map_state(state: CheckpointState, fn: Callable[[Any], Any]) -> CheckpointSt
     return dataclasses.replace(state, **{f: fn(getattr(state, f)) for f in _TENSOR_FIELDS})
 
 
+def _views(layouts: list[tuple[dict[torch.dtype, torch.Tensor], list[tuple[str, tuple[int, ...], torch.dtype, int]]]],
+           ) -> dict[str, torch.Tensor]:
+    """The named buffers of the parent's pool, as views of the shared regions it sent."""
+    out: dict[str, torch.Tensor] = {}
+    for regions, items in layouts:
+        for name, shape, dtype, offset in items:
+            out[name] = regions[dtype][offset:offset + math.prod(shape)].view(shape)
+    return out
+
+
 def _warm_up() -> None:
     """Import what a save needs and read the library versions (manifest) once, before the
     process reports ready, so its first save costs what later ones do; best effort."""
@@ -116,7 +127,7 @@ def _worker_main(store_cls: type, spec: StoreSpec, conn: Any, priority: int | No
             if kind == "stop":
                 return
             if kind == "buffers":
-                buffers = msg[1]
+                buffers = _views(msg[1])
                 continue
             _, shipped, request, timings = msg
             state = _map_state(shipped, functools.partial(_internalize, buffers=buffers))
@@ -227,7 +238,11 @@ class ProcessWriter:
             raise WriterProcessError(f"writer process {self._proc.pid} exited with code {self._proc.exitcode}")
         buffers = self._pool.buffers
         if self._pool.generation != self._sent_generation:
-            self._conn.send(("buffers", dict(buffers)))
+            # A few shared regions per layout, not one message entry per tensor: the child
+            # rebuilds the named views from the offsets.
+            self._conn.send(("buffers", [(dict(layout.regions), [(name, shape, dtype, layout.offsets[name])
+                                                                 for name, shape, dtype in layout.spec])
+                                         for layout in self._pool.layouts.values()]))
             self._sent_generation = self._pool.generation
         names = {id(t): name for name, t in buffers.items()}
         self._cancel.clear()  # one job at a time: an abort of an earlier job is spent

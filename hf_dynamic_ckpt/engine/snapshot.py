@@ -20,7 +20,6 @@ to that blob as long as the tensor is untouched (same storage, version, shape, d
 
 from __future__ import annotations
 
-import copy as _copy
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -33,7 +32,7 @@ from ..constants import Tier
 from ..errors import SaveError
 from ..state.sources import StateSources
 from ..store.types import BlobRef, CheckpointState
-from .buffers import BufferPool, CudaCopier
+from .buffers import BufferPool, CudaCopier, Layout
 from .live import (
     OPTIMIZER_PREFIX,
     WEIGHTS_PREFIX,
@@ -41,9 +40,14 @@ from .live import (
     clone_small,
     nbytes,
     state_dict_tensor_bytes,
-    storage_key,
     tensor_key,
+    tensors_in,
+    walk_tensors,
 )
+from .plans import Blueprint, Plan, make_blueprint, substitute
+
+FROZEN_PREFIX = "frozen/"
+"""Buffer scope of a frozen weight copied once into shared memory (process mode, first save)."""
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +103,7 @@ class Snapshotter:
     def __init__(self, *, shared: bool = False, blob_exists: Callable[[BlobRef], bool] | None = None) -> None:
         self.pool = BufferPool(shared=shared)
         self._blob_exists = blob_exists
-        self._last_used: set[str] = set()
+        self._plans: dict[str, Plan] = {}
         self._cuda: CudaCopier | None = None
         # Frozen tensors already committed to the store: name -> (identity, BlobRef).
         self._stored_blobs: dict[str, tuple[tuple[Any, ...], BlobRef]] = {}
@@ -144,7 +148,8 @@ class Snapshotter:
                         f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor: "
                         "StateSources.weights must return a mapping of tensors."
                     )
-                tensor = tensor.detach()
+                if tensor.requires_grad:  # state_dict() tensors are detached already; detach() costs ~1 us
+                    tensor = tensor.detach()
                 if name in sources.frozen_keys:
                     ident = tensor_key(tensor)
                     stored = self._stored_blobs.get(name)
@@ -186,7 +191,33 @@ class Snapshotter:
 
     def extra_bytes_needed(self, live: LiveState) -> int:
         """Bytes a buffered snapshot of `live` would allocate beyond the buffers already held."""
-        return sum(nbytes(t) for name, t in live.copy_items() if not self.pool.fits(name, t))
+        return sum(self.pool.needed_bytes(scope, bp.spec) for scope, bp in self.blueprints(live).items())
+
+    def blueprints(self, live: LiveState) -> dict[str, Blueprint]:
+        """Per scope of `live` whose held plan does not fit it: the blueprint a snapshot would need."""
+        return {scope: bp for scope, (_, bp) in self._resolve(live).items() if bp is not None}
+
+    def adopt(self, blueprint: Blueprint, layout: Layout) -> None:
+        """Hold `layout` (allocated and pre-faulted elsewhere) and the plan copying `blueprint` into it."""
+        self.pool.install(blueprint.scope, layout)
+        self._plans[blueprint.scope] = Plan(blueprint, layout)
+
+    def _resolve(self, live: LiveState) -> dict[str, tuple[Plan | None, Blueprint | None]]:
+        # Per scope: the held plan if it still fits the live tensors, else a fresh blueprint.
+        if live.resolved is None:
+            resolved: dict[str, tuple[Plan | None, Blueprint | None]] = {}
+            for scope, (names, tensors) in live.scope_sources().items():
+                plan = self._plans.get(scope)
+                if plan is not None and plan.blueprint.matches(names, tensors):
+                    resolved[scope] = (plan, None)
+                elif names is not None:
+                    resolved[scope] = (None, make_blueprint(scope, names, tensors, [scope + n for n in names],
+                                                            dedupe=True))
+                else:
+                    item_names = [n for n, _ in walk_tensors(live.optimizer, scope.rstrip("/"))]
+                    resolved[scope] = (None, make_blueprint(scope, None, tensors, item_names, dedupe=False))
+            live.resolved = resolved
+        return live.resolved
 
     # -- producing a snapshot --------------------------------------------------------------
     def take(self, live: LiveState, *, copy: bool = True) -> Snapshot:
@@ -202,51 +233,68 @@ class Snapshotter:
             before reading its tensors.
         """
         start = time.perf_counter()
-        weights: dict[str, torch.Tensor | BlobRef] | None = None
+        if not copy:
+            return self._direct(live, start)
+        plans: dict[str, Plan] = {}
+        for scope, (plan, bp) in self._resolve(live).items():
+            if plan is None:
+                assert bp is not None
+                plan = self._plans[scope] = Plan(bp, self.pool.layout(scope, bp.spec, pinned=bp.pinned))
+            plans[scope] = plan
+        cuda = self._copier() if any(p.cuda for p in plans.values()) else None
         copied = live_bytes = 0
-        # Only buffered copies go through the side stream (a direct CUDA tensor moves with
-        # `.to("cpu")`), so a direct snapshot need not list its copy items at all.
-        cuda = None
-        if copy and live.has_cuda:
-            if self._cuda is None:
-                self._cuda = CudaCopier()  # keeps its side streams across saves
-            cuda = self._cuda
-        used: set[str] = set()
-        cpu_dsts: list[torch.Tensor] = []
-        cpu_srcs: list[torch.Tensor] = []
-
-        def copy_one(name: str, src: torch.Tensor) -> torch.Tensor:
-            # Copies are batched: one _foreach_copy_ per device saves ~10 us per tensor.
-            nonlocal copied
-            used.add(name)
-            dst = self.pool.get(name, src)
-            if src.is_cuda:
-                assert cuda is not None
-                cuda.add(dst, src)
-            else:
-                cpu_dsts.append(dst)
-                cpu_srcs.append(src)
-            copied += nbytes(src)
-            return dst
-
+        for plan in plans.values():
+            plan.run(cuda)
+            copied += plan.nbytes
+        weights: dict[str, torch.Tensor | BlobRef] | None = None
         if live.weights is not None:
             weights = {}
-            # Tied weights (embeddings / lm_head) share storage: copy once and keep them tied,
-            # so the store still sees one tensor under two names.
-            tied: dict[tuple[Any, ...], torch.Tensor] = {}
+            outputs = iter(plans[WEIGHTS_PREFIX].outputs())
+            frozen_dsts: list[torch.Tensor] = []
+            frozen_srcs: list[torch.Tensor] = []
+            used: set[str] = set()
             for name, value in live.weights.items():
                 if isinstance(value, BlobRef):
                     weights[name] = value
-                elif copy and (name not in live.frozen or self.pool.shared):
-                    key = storage_key(value)
-                    if key is not None and key in tied:
-                        weights[name] = tied[key]
-                        continue
-                    dst = weights[name] = copy_one(WEIGHTS_PREFIX + name, value)
-                    if key is not None:
-                        tied[key] = dst
+                elif name not in live.frozen:
+                    weights[name] = next(outputs)
+                elif self.pool.shared:  # a writer process cannot read this process's live tensor
+                    scope = FROZEN_PREFIX + name
+                    used.add(scope)
+                    dst = weights[name] = self.pool.get(scope, value)
+                    if value.is_cuda:
+                        cuda = cuda or self._copier()
+                        cuda.add(dst, value)
+                    else:
+                        frozen_dsts.append(dst)
+                        frozen_srcs.append(value)
+                    copied += nbytes(value)
+                elif value.is_cuda:  # the store writes CPU tensors: a frozen CUDA tensor moves once
+                    weights[name] = value.to("cpu")
+                    copied += nbytes(value)
+                else:
+                    weights[name] = value
+                    live_bytes += nbytes(value)
+            if frozen_dsts:
+                torch._foreach_copy_(frozen_dsts, frozen_srcs)
+            for scope in [s for s in self.pool.layouts if s.startswith(FROZEN_PREFIX) and s not in used]:
+                self.pool.drop(scope)  # stored as blobs by now: later saves pass BlobRefs
+        optimizer = live.optimizer
+        if optimizer is not None:
+            optimizer = substitute(optimizer, iter(plans[OPTIMIZER_PREFIX].outputs()))
+        events = cuda.finish() if cuda is not None else []
+        return self._snapshot(live, weights, optimizer, copied, live_bytes, start, events)
+
+    def _direct(self, live: LiveState, start: float) -> Snapshot:
+        """A snapshot that refers to the live tensors (CUDA ones are moved to the host)."""
+        weights: dict[str, torch.Tensor | BlobRef] | None = None
+        copied = live_bytes = 0
+        if live.weights is not None:
+            weights = {}
+            for name, value in live.weights.items():
+                if isinstance(value, BlobRef):
+                    weights[name] = value
                 elif value.is_cuda:
-                    # The store writes CPU tensors: a frozen or direct CUDA tensor moves once.
                     weights[name] = value.to("cpu")
                     copied += nbytes(value)
                 else:
@@ -254,21 +302,14 @@ class Snapshotter:
                     live_bytes += nbytes(value)
         optimizer = live.optimizer
         if optimizer is not None:
-            optimizer = self._copy_nested(
-                optimizer, OPTIMIZER_PREFIX.rstrip("/"), copy_one if copy else None
-            )
-            if not copy:
-                live_bytes += state_dict_tensor_bytes(optimizer)
-        if cpu_dsts:
-            torch._foreach_copy_(cpu_dsts, cpu_srcs)
-        events = cuda.finish() if cuda is not None else []
-        if copy:
-            # Only the tiers this snapshot read can tell which of their buffers are stale.
-            scopes = [p for p, present in ((WEIGHTS_PREFIX, live.weights is not None),
-                                           (OPTIMIZER_PREFIX, live.optimizer is not None)) if present]
-            if used != self._last_used:  # the common case (same state as last time) costs nothing
-                self.pool.retain_only(used, scopes)
-                self._last_used = used
+            sources = tensors_in(optimizer, [])
+            optimizer = substitute(optimizer, iter([t.detach().to("cpu") if t.is_cuda else t.detach() for t in sources]))
+            live_bytes += state_dict_tensor_bytes(optimizer)
+        return self._snapshot(live, weights, optimizer, copied, live_bytes, start, [])
+
+    @staticmethod
+    def _snapshot(live: LiveState, weights: dict[str, torch.Tensor | BlobRef] | None, optimizer: Any, copied: int,
+                  live_bytes: int, start: float, events: list[Any]) -> Snapshot:
         state = CheckpointState(
             step=live.step, epoch=live.epoch, weights=weights,
             dedup_keys=frozenset(live.frozen) | frozenset(
@@ -282,20 +323,10 @@ class Snapshotter:
             blocking_s=time.perf_counter() - start, pending_blobs=dict(live.frozen), events=events,
         )
 
-    def _copy_nested(
-        self, obj: Any, prefix: str, copy_one: Callable[[str, torch.Tensor], torch.Tensor] | None
-    ) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if copy_one is not None:
-                return copy_one(prefix, obj.detach())
-            return obj.detach().to("cpu") if obj.is_cuda else obj.detach()
-        if isinstance(obj, dict | Mapping):
-            return {k: self._copy_nested(v, f"{prefix}/{k}", copy_one) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self._copy_nested(v, f"{prefix}/{i}", copy_one) for i, v in enumerate(obj)]
-        if isinstance(obj, tuple):
-            return tuple(self._copy_nested(v, f"{prefix}/{i}", copy_one) for i, v in enumerate(obj))
-        return _copy.deepcopy(obj)
+    def _copier(self) -> CudaCopier:
+        if self._cuda is None:
+            self._cuda = CudaCopier()  # keeps its side streams across saves
+        return self._cuda
 
     # -- frozen blobs ------------------------------------------------------------------------
     def mark_blobs_stored(self, pending: Mapping[str, tuple[Any, ...]], blobs: Mapping[str, Any]) -> None:

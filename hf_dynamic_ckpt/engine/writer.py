@@ -4,12 +4,8 @@
 compression, checksums, fsyncs and the commit run in the store's `save` on a writer
 (`backends.Writer`): a thread (`EngineMode.THREAD`, default) or a separate process reading
 shared-memory buffers (`EngineMode.PROCESS`), both running `jobs.run_job`.
-`docs/engine.md` has the measurements behind the default.
-
-In process mode the writer process is started when the engine is created and a save never
-waits for it to come up (a spawned interpreter needs about a second to import torch): until
-it reports ready, saves are written by a thread (`SaveHandle.writer == "thread (process
-starting)"`), so start-up time never shows up as a save's blocking time or write time.
+`docs/engine.md` has the measurements behind the default; `dispatch.py` how process mode
+never makes a save wait for the writer process to start.
 
 Invariants:
 - At most one save is in flight, so one set of snapshot buffers suffices: a snapshot
@@ -37,22 +33,23 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from ..config import EngineMode
-from ..constants import Tier
+from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError, SaveError
 from ..state.sources import StateSources
 from ..store.spec import SaveRequest
 from ..store.types import CheckpointInfo
 from . import _legacy_store as legacy
 from .dispatch import Dispatcher
-from .jobs import Job, Ledger, SaveHandle, run_job
-from .live import LiveState, fit_to_deadline
+from .jobs import Job, Jobs, SaveHandle
+from .live import LiveState, available_tiers, fit_to_deadline
+from .prepare import Preparer
 from .snapshot import Snapshotter
-from .staging import StagingMode, StagingPlan, env_cgroup_dir, host_headroom, plan_staging
+from .staging import Stager, StagingMode, StagingPlan, env_cgroup_dir, host_headroom
 
 logger = logging.getLogger(__name__)
 
@@ -127,17 +124,15 @@ class SaveEngine:
         self.memory_margin = memory_margin
         self.writer_nice = int(writer_nice)
         cg = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
-        self._headroom = headroom if headroom is not None else (lambda: host_headroom(cg))
+        self._stager = Stager(memory_margin, headroom if headroom is not None else (lambda: host_headroom(cg)))
         self._snapshotter = self._new_snapshotter(shared=mode == EngineMode.PROCESS)
         self._save_fn = functools.partial(legacy.store_save, store)
         self._dispatch = Dispatcher(mode, self._save_fn, spec=functools.partial(legacy.store_spec, store),
                                     store_cls=type(store), pool=self._snapshotter.pool, nice=self.writer_nice,
                                     name=f"{id(self):x}")
-        self._inflight: Job | None = None  # the last background job
-        self._sync_job: Job | None = None  # a synchronous job running on the caller's thread
-        self._ledger = Ledger()
+        self._jobs = Jobs()
+        self._preparer = Preparer(nice=self.writer_nice)
         self._closed = False
-        self.last_plan: StagingPlan | None = None
         # Runs close() at interpreter exit (flushes) unless close() ran before.
         self._finalizer = weakref.finalize(self, SaveEngine._shutdown, self.__dict__)
 
@@ -150,7 +145,12 @@ class SaveEngine:
     @property
     def busy(self) -> bool:
         """Whether a background save is still writing."""
-        return self._inflight is not None and not self._inflight.handle.done()
+        return self._jobs.busy
+
+    @property
+    def last_plan(self) -> StagingPlan | None:
+        """The staging decision of the last save (buffered or streaming, and why)."""
+        return self._stager.last_plan
 
     @property
     def buffer_bytes(self) -> int:
@@ -193,7 +193,7 @@ class SaveEngine:
         self._check_open()
         start = time.perf_counter()
         handle = SaveHandle(request.step, request.reason)
-        previous = self._inflight
+        previous = self._jobs.inflight
         if previous is not None and not previous.handle.done():
             if self.on_busy == OnBusy.SKIP and not blocking:
                 handle.skipped = (f"save of step {request.step} ({request.reason}) skipped: step "
@@ -204,7 +204,7 @@ class SaveEngine:
                 return handle
             previous.handle._event.wait()  # its error, if any, is reported through its own handle
         self._settle(previous)
-
+        self._preparer.finish(self._snapshotter)  # normally long done: buffers prepared at attach
         live = self._collect(sources, request, rng=rng, sampler=sampler)
         synchronous = blocking or self.mode == EngineMode.SYNC
         if not synchronous:
@@ -213,7 +213,7 @@ class SaveEngine:
                     needed, self.memory_margin):
                 self._dispatch.use_threads()
                 self._snapshotter = self._new_snapshotter(shared=False)
-            plan = self._plan(needed)
+            plan = self._stager.plan(needed)
             if plan.mode == StagingMode.STREAMING:
                 logger.warning("save of step %d streams synchronously: %s", request.step, plan.reason)
                 synchronous = True
@@ -221,13 +221,13 @@ class SaveEngine:
         else:
             handle.staging = "sync"
         if synchronous:
-            self._run_sync(self._job(self._snapshotter.take(live, copy=False), request, handle))
+            self._run_sync(self._jobs.new(self._snapshotter.take(live, copy=False), request, handle))
             handle.blocking_ms = (time.perf_counter() - start) * 1e3
             return handle
-        job = self._job(self._snapshotter.take(live, copy=True), request, handle)
+        job = self._jobs.new(self._snapshotter.take(live, copy=True), request, handle)
         del live
         handle.blocking_ms = (time.perf_counter() - start) * 1e3
-        self._inflight = job
+        self._jobs.inflight = job
         self._dispatch.pick(handle).submit(job)
         return handle
 
@@ -252,8 +252,7 @@ class SaveEngine:
             request (`SaveRequest`): the save's metadata; `tiers` is replaced by what is
                 written and `reason` is prefixed with `"emergency: "`.
             deadline_s (`float`): seconds available from now.
-            rng, sampler: as in `save`.
-            legacy_keywords: TRANSITION: the old keyword form, as in `save`.
+            rng, sampler, legacy_keywords: as in `save`.
 
         Returns:
             `CheckpointInfo | None`: the committed checkpoint (`None` on ranks > 0).
@@ -265,30 +264,56 @@ class SaveEngine:
         self._check_open()
         start = time.monotonic()
         step = request.step
-        previous = self._inflight
+        previous = self._jobs.inflight
         if previous is not None and not previous.handle.done() and not previous.handle._event.wait(deadline_s / 2):
             logger.warning("emergency save of step %d: background save of step %d still writing after %.1f s; "
                            "not waiting longer", step, previous.handle.step, deadline_s / 2)
         else:
             self._settle(previous)
-        tiers = {Tier.STATE}
-        if sources.weights is not None:
-            tiers.add(Tier.WEIGHTS)
-        if sources.optimizer is not None or sources.scheduler is not None or sources.scaler is not None:
-            tiers.add(Tier.OPTIMIZER)
+        self._preparer.finish(self._snapshotter)
+        tiers = available_tiers(sources)
         live = self._collect(sources, dataclasses.replace(request, tiers=frozenset(tiers)), rng=rng, sampler=sampler)
-        if fit_to_deadline(live, throughput=self._ledger.throughput, left_s=deadline_s - (time.monotonic() - start),
+        if fit_to_deadline(live, throughput=self._jobs.throughput, left_s=deadline_s - (time.monotonic() - start),
                            step=step):
             tiers.discard(Tier.OPTIMIZER)
         request = dataclasses.replace(request, tiers=frozenset(tiers), reason=f"emergency: {request.reason}")
         handle = SaveHandle(step, request.reason)
         handle.staging = "sync"
-        self._run_sync(self._job(self._snapshotter.take(live, copy=False), request, handle))
+        self._run_sync(self._jobs.new(self._snapshotter.take(live, copy=False), request, handle))
         handle.blocking_ms = (time.monotonic() - start) * 1e3
         elapsed = time.monotonic() - start
         if elapsed > deadline_s:
             logger.warning("emergency save of step %d took %.1f s, past its %.1f s deadline", step, elapsed, deadline_s)
         return handle.wait()
+
+    def prepare(self, sources: StateSources, tiers: Iterable[Tier] = ALL_TIERS, *, wait: bool = False) -> int:
+        """Allocate and pre-fault the snapshot buffers of `sources` in the background, ahead of the first save.
+
+        Call it once the sources exist (right after attaching to the model and optimizer):
+        the first save then copies into warm buffers at memcpy speed instead of paying a page
+        fault per page. Nothing is prepared when the buffers would not fit in the memory
+        headroom (such a save streams anyway) or in sync mode (no buffers). An optimizer whose
+        state is still empty gets its buffers prepared right after its first step.
+
+        Args:
+            sources (`StateSources`): the live objects later saves copy from.
+            tiers (`Iterable[Tier]`, *optional*, defaults to all tiers): the tiers saves will take.
+            wait (`bool`, *optional*, defaults to `False`): return once the buffers are ready (else
+                the next save adopts them, waiting if needed).
+
+        Returns:
+            `int`: bytes being prepared in the background now.
+        """
+        self._check_open()
+        if self.mode == EngineMode.SYNC:
+            return 0
+        self._dispatch.ensure()  # the writer (thread or process) starts now, not at the first save
+        started, optimizer_pending = self._preparer.start(self._snapshotter, sources, tiers, admit=self._admit)
+        if wait:
+            self._preparer.finish(self._snapshotter)
+        if optimizer_pending:  # its buffers once its state exists; weakly: the hook must not keep the engine
+            self._preparer.after_first_step(sources.optimizer, weakref.WeakMethod(self.prepare), sources)
+        return started
 
     def abort(self, reason: str) -> None:
         """Make the save in progress give up instead of waiting for other ranks.
@@ -302,29 +327,17 @@ class SaveEngine:
         Args:
             reason (`str`): why (e.g. `"rank 1 failed: CUDA error"`), for the error message.
         """
-        for job in (self._inflight, self._sync_job):
-            if job is not None and not job.handle.done() and not job.abort.is_set():
-                job.abort.set(reason)
-                logger.warning("aborting the save of step %d: %s", job.handle.step, reason)
+        self._jobs.abort(reason)
 
     def wait_writer_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the writer process can take saves (process mode); `True` in the other modes.
-
-        Saves never need this (they use a thread meanwhile); it is for benchmarks and tests
-        that measure the process writer itself.
-
-        Args:
-            timeout (`float`, *optional*): seconds to wait; `None` waits as long as it takes.
-
-        Returns:
-            `bool`: whether the process writer is ready (`False` after a timeout or if it died).
-        """
+        """Process mode: wait up to `timeout` s until the writer process takes saves (`False` if it did
+        not or died); `True` in the other modes. For benchmarks and tests: saves never wait for it."""
         self._check_open()
         return self._dispatch.wait_ready(timeout)
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save in flight, if any; re-raises its error like `SaveHandle.wait`."""
-        job = self._inflight
+        job = self._jobs.inflight
         if job is None:
             return None
         info = job.handle.wait(timeout)
@@ -350,20 +363,13 @@ class SaveEngine:
         return self._snapshotter.collect(sources, step=request.step, epoch=request.epoch, tiers=request.tiers,
                                          rng=rng, sampler=sampler)
 
-    def _job(self, snapshot: Any, request: SaveRequest, handle: SaveHandle) -> Job:
-        return Job(snapshot=snapshot, request=request, handle=handle, restore_point=self._ledger.restore_point)
-
     def _run_sync(self, job: Job) -> None:
-        self._sync_job = job
-        try:
-            run_job(job, self._save_fn)
-        finally:
-            self._sync_job = None
+        self._jobs.run_sync(job, self._save_fn)
         self._settle(job)
 
     def _settle(self, job: Job | None) -> None:
         """Learn from a finished job, on the training thread; frozen blobs it stored are referred to from now on."""
-        info = self._ledger.record(job)
+        info = self._jobs.record(job)
         if info is not None and job is not None and job.snapshot.pending_blobs and info.blobs:
             self._snapshotter.mark_blobs_stored(job.snapshot.pending_blobs, info.blobs)  # empty blobs: unknown
 
@@ -371,10 +377,11 @@ class SaveEngine:
     def _shutdown(state: dict[str, Any]) -> None:
         # Must not reference the engine itself (weakref.finalize): works on its __dict__.
         state["_closed"] = True
-        job = state.get("_inflight")
+        job = state["_jobs"].inflight
         handle = job.handle if job is not None else None
         if handle is not None and not handle.done():
             logger.info("flushing the save of step %d before shutdown", handle.step)
+        state["_preparer"].close()
         state["_dispatch"].stop()
         if handle is not None and handle.exception() is not None:
             logger.error("the last background save (step %d) failed: %s", handle.step, handle.exception())
@@ -386,11 +393,8 @@ class SaveEngine:
         if self._closed:
             raise SaveError("SaveEngine is closed: create a new SaveEngine to save again.")
 
-    def _plan(self, needed: int) -> StagingPlan:
-        if needed == 0:
-            plan = StagingPlan(StagingMode.BUFFERED, "snapshot buffers already allocated", 0, None)
-        else:
-            plan = plan_staging(needed, margin=self.memory_margin, headroom=self._headroom())
-            logger.debug("staging: %s", plan.reason)
-        self.last_plan = plan
-        return plan
+    def _admit(self, needed: int) -> bool:
+        """Whether `needed` more bytes of buffers may be prepared now (memory headroom, /dev/shm)."""
+        if self.mode == EngineMode.PROCESS and not self._dispatch.shared_memory_fits(needed, self.memory_margin):
+            return False
+        return self._stager.plan(needed).mode == StagingMode.BUFFERED
