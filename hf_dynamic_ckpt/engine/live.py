@@ -50,27 +50,32 @@ def walk_tensors(obj: Any, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
             yield from walk_tensors(v, f"{prefix}/{i}")
 
 
-IMMUTABLE = (int, float, str, bool, bytes, type(None))
+SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+"""Exact types of immutable leaves of a state dict (looked up by `type(v)`, no isinstance chain)."""
 
 
 def tensors_in(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     """Append the tensors of a nested state dict to `out`, in `walk_tensors`'s order.
 
-    Runs on every save over every optimizer state tensor: leaves are handled inline (no
-    call per tensor or scalar).
+    Runs on every save over every optimizer state tensor: leaves are told apart by exact
+    type first (no call, no ABC check per scalar).
     """
-    if isinstance(obj, dict | Mapping):
+    kind = type(obj)
+    if kind is dict or (kind not in SCALARS and isinstance(obj, Mapping)):
         values: Iterable[Any] = obj.values()
-    elif isinstance(obj, list | tuple):
+    elif kind is list or kind is tuple or isinstance(obj, list | tuple):
         values = obj
     else:
         if isinstance(obj, torch.Tensor):
             out.append(obj)
         return out
     for v in values:
-        if isinstance(v, torch.Tensor):
+        t = type(v)
+        if t in SCALARS:
+            continue
+        if t is torch.Tensor or isinstance(v, torch.Tensor):
             out.append(v)
-        elif not isinstance(v, IMMUTABLE):
+        else:
             tensors_in(v, out)
     return out
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .buffers import CudaCopier, ItemSpec, Layout
-from .live import IMMUTABLE, storage_key
+from .live import SCALARS, storage_key
 
 
 @dataclass(eq=False)
@@ -52,9 +52,9 @@ class Blueprint:
     pinned: bool
     flats: list[torch.Tensor | None]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.unique)
+    def __post_init__(self) -> None:
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.unique)
+        """Bytes of the unique items (what a snapshot of the scope copies)."""
 
     def matches(self, names: tuple[str, ...] | None, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether `tensors` (under `names`) are the tensors this blueprint was made for.
@@ -158,26 +158,30 @@ class Plan:
 def substitute(obj: Any, replacements: Iterator[torch.Tensor]) -> Any:
     """A copy of a nested state dict whose tensors are taken from `replacements`, in walk order.
 
-    Containers are rebuilt (dict, list, tuple), immutable scalars shared, anything else
-    deep-copied, so later changes to the live state dict cannot reach the snapshot. Leaves
-    are handled inline: this runs on every save over every optimizer state tensor.
+    Containers are rebuilt (dict, list; a tuple only if it holds more than scalars), immutable
+    scalars shared, anything else deep-copied, so later changes to the live state dict cannot
+    reach the snapshot. Runs on every save over every optimizer state tensor: leaves are
+    told apart by exact type first (no call, no ABC check per scalar).
     """
-    if isinstance(obj, torch.Tensor):
-        return next(replacements)
-    if isinstance(obj, IMMUTABLE):
+    kind = type(obj)
+    if kind in SCALARS:
         return obj
-    if isinstance(obj, dict | Mapping):
+    if kind is torch.Tensor or isinstance(obj, torch.Tensor):
+        return next(replacements)
+    if kind is dict or isinstance(obj, Mapping):
         out: dict[Any, Any] = {}
         for k, v in obj.items():
-            if isinstance(v, torch.Tensor):
-                out[k] = next(replacements)
-            elif isinstance(v, IMMUTABLE):
+            t = type(v)
+            if t in SCALARS:
                 out[k] = v
+            elif t is torch.Tensor:
+                out[k] = next(replacements)
             else:
                 out[k] = substitute(v, replacements)
         return out
-    if isinstance(obj, list | tuple):
-        items = [next(replacements) if isinstance(v, torch.Tensor) else v if isinstance(v, IMMUTABLE)
-                 else substitute(v, replacements) for v in obj]
+    if kind is list or kind is tuple or isinstance(obj, list | tuple):
+        if all(type(v) in SCALARS for v in obj):
+            return obj if kind is tuple else list(obj)
+        items = [substitute(v, replacements) for v in obj]
         return items if isinstance(obj, list) else tuple(items)
     return _copy.deepcopy(obj)

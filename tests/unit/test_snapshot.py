@@ -297,3 +297,28 @@ def test_plan_follows_replaced_tensors_and_reuses_fresh_state_dict_objects():
     model[0].weight.data = torch.full((2, 6), 5.0)  # new shape: new buffers
     s4 = snap.take(snap.collect(sources, step=4, epoch=0.0, tiers={Tier.WEIGHTS}))
     assert torch.equal(s4.state.weights["0.weight"], torch.full((2, 6), 5.0)) and snap.pool.generation > gen
+
+
+def test_state_dict_walks_agree_and_the_copy_shares_no_mutable_container():
+    from types import MappingProxyType
+
+    from hf_dynamic_ckpt.engine.live import tensors_in, walk_tensors
+    from hf_dynamic_ckpt.engine.plans import substitute
+
+    t = [torch.tensor(float(i)) for i in range(6)]
+    obj = {
+        "state": {0: {"a": t[0], "step": 3, "b": (t[1], 2.0)}},
+        "param_groups": [{"lr": t[2], "params": [0, 1], "betas": (0.9, 0.99), "name": None}],
+        "m": MappingProxyType({"x": t[3], "y": [t[4], {"z": torch.nn.Parameter(t[5].clone())}]}),
+    }
+    found = tensors_in(obj, [])
+    assert [id(x) for x in found] == [id(x) for _, x in walk_tensors(obj, "")] and len(found) == 6
+    replacements = [torch.tensor(100.0 + i) for i in range(6)]
+    out = substitute(obj, iter(replacements))
+    assert [id(x) for x in tensors_in(out, [])] == [id(x) for x in replacements]
+    group = out["param_groups"][0]
+    assert group["params"] == [0, 1] and group["params"] is not obj["param_groups"][0]["params"]
+    assert group["betas"] == (0.9, 0.99) and group["name"] is None and out["state"][0]["step"] == 3
+    assert type(out["m"]) is dict and out["state"][0]["b"][1] == 2.0
+    obj["param_groups"][0]["params"].append(2)  # the live state changes after the snapshot
+    assert group["params"] == [0, 1]
