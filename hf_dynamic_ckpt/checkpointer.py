@@ -174,6 +174,8 @@ class Checkpointer:
             scaler=scaler if main else None, sampler=sampler, extra=self._extra,
         )
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
+        # Snapshot buffers are allocated and pre-faulted in the background now, not by the first save.
+        self.engine.prepare(self._sources, ALL_TIERS if main else frozenset({Tier.STATE}))
         self.timeline.open()
         self._resume.apply_policy_state()
 
@@ -373,9 +375,7 @@ class Checkpointer:
     def _abort(self, why: str) -> None:
         """A fatal error (a rank died or diverged): a commit waiting for other ranks gives up now."""
         self.store.abort(why)
-        abort = getattr(self.engine, "abort", None)  # TODO(merge): SaveEngine.abort from the engine branch
-        if abort is not None:
-            abort(why)
+        self.engine.abort(why)
 
     # ------------------------------------------------------------------ resume
     def resume(self, spec: str | None, *, background_optimizer: bool = False,

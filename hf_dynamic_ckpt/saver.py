@@ -18,7 +18,7 @@ from typing import Any
 from . import distributed as dist
 from .config import EngineMode, OnSaveError, SmartCkptConfig
 from .constants import ALL_TIERS, Tier
-from .engine import SaveEngine, SaveHandle
+from .engine import SaveEngine
 from .errors import DistributedError, SaveError
 from .events import SaveEvent, SaveLog
 from .jsonutil import json_safe
@@ -124,7 +124,7 @@ class Saver:
         tiers = self._prepare(decision)
         request = self.request(decision, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
                                lineage=lineage)
-        handle = _engine_save(self.engine, sources, request, rng=rng, sampler=sampler, blocking=blocking)
+        handle = self.engine.save(sources, request, rng=rng, sampler=sampler, blocking=blocking)
         event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
                           pinned=decision.pin, blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle)
         if handle.skipped:
@@ -146,12 +146,13 @@ class Saver:
                 name = f"preemption: {_signal.Signals(signum).name}"
             except ValueError:
                 name = f"preemption: signal {signum}"
-        emergency = Decision(save=True, tiers=tiers, reason=f"emergency: {name}", kind=DecisionKind.PREEMPTION, step=step)
+        emergency = Decision(save=True, tiers=tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
         request = self.request(emergency, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
                                lineage=lineage)
-        info = _engine_emergency_save(self.engine, sources, request, deadline_s=self.config.preemption_grace_s)
+        # The engine writes the most valuable tiers first within the grace period; its reason is "emergency: ...".
+        info = self.engine.emergency_save(sources, request, deadline_s=self.config.preemption_grace_s)
         blocking_ms = (time.perf_counter() - start) * 1e3
-        event = SaveEvent(step=step, at_step=step, reason=emergency.reason, tiers=info.tiers if info else tiers,
+        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else tiers,
                           pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
                           bytes=info.bytes if info else None, path=info.path if info else None)
         self.log.add(event)
@@ -180,10 +181,9 @@ class Saver:
         if exc is not None:
             event.error = f"{type(exc).__name__}: {exc}"
             self.log.failed += 1
-            text = str(exc) if isinstance(exc, SaveError) else (
-                f"save of step {event.step} ({event.reason}) failed: {type(exc).__name__}: {exc}")
-            logger.warning("%s [on_save_error=%s; failed saves so far: %d]", text, self.config.on_save_error.value,
-                           self.log.failed)
+            # The engine has logged the one WARNING of this failure (with its cause); count it here.
+            logger.debug("save of step %d failed (on_save_error=%s; failed saves so far: %d): %s", event.step,
+                         self.config.on_save_error.value, self.log.failed, exc)
             if self.config.on_save_error == OnSaveError.RAISE and self._raise_next is None:
                 self._raise_next = exc if isinstance(exc, SaveError) else SaveError(str(exc))
             return
@@ -236,19 +236,3 @@ class Saver:
         if report.removed or report.trimmed:
             logger.debug("retention removed steps %s, trimmed %s, freed %s", report.removed, report.trimmed,
                          human_bytes(report.bytes_freed))
-
-
-# TODO(merge): the engine branch moves SaveEngine.save/emergency_save to (sources, request, ...);
-# these two adapters then become direct calls.
-def _engine_save(engine: SaveEngine, sources: StateSources, request: SaveRequest, *, rng: dict[str, Any] | None,
-                 sampler: dict[str, Any] | None, blocking: bool) -> SaveHandle:
-    return engine.save(sources, step=request.step, epoch=request.epoch, tiers=request.tiers, reason=request.reason,
-                       pinned=request.pinned, healthy=request.healthy, signals=dict(request.signals or {}),
-                       debug_info=[dict(d) for d in request.debug_info], rng=rng, sampler=sampler, blocking=blocking)
-
-
-def _engine_emergency_save(engine: SaveEngine, sources: StateSources, request: SaveRequest, *,
-                           deadline_s: float) -> CheckpointInfo | None:
-    return engine.emergency_save(sources, step=request.step, epoch=request.epoch,
-                                 reason=request.reason.removeprefix("emergency: "), deadline_s=deadline_s,
-                                 signals=dict(request.signals or {}), debug_info=[dict(d) for d in request.debug_info])

@@ -232,5 +232,5 @@ def _save_error(job: Job, cause: BaseException) -> SaveError:
     error = SaveError(f"{what}. Nothing of it was committed; the previous checkpoint ({job.restore_point}) stays the "
                       f"restore point.{advice}")
     error.__cause__ = cause
-    logger.error("%s", error)
+    logger.warning("%s", error)  # once per failed save; the handle carries the same error to its owner
     return error

@@ -384,7 +384,7 @@ class SaveEngine:
         state["_preparer"].close()
         state["_dispatch"].stop()
         if handle is not None and handle.exception() is not None:
-            logger.error("the last background save (step %d) failed: %s", handle.step, handle.exception())
+            logger.debug("the last background save (step %d) failed: %s", handle.step, handle.exception())
         snapshotter = state.get("_snapshotter")
         if snapshotter is not None:
             snapshotter.pool.clear()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ def write_done(task: Task, tmp: Path, *, files: Mapping[str, FileEntry], blobs: 
     task.fs.fsync_dir(tmp)
 
 
-def wait_for_ranks(task: Task, tmp: Path, *, step: int) -> list[dict[str, Any]]:
+def wait_for_ranks(task: Task, tmp: Path, *, step: int, cancel: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
     """Rank 0: poll until every rank's done file is there; return their contents by rank.
 
     Raises:
@@ -125,11 +125,12 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int) -> list[dict[str, Any]]:
         present = [r for r, p in enumerate(names) if task.fs.is_file(p)]
         if len(present) == spec.world_size:
             break
-        if task.abort_reason is not None:
+        if task.abort_reason is not None or (cancel is not None and cancel()):
             missing = sorted(set(range(spec.world_size)) - set(present))
             _discard(task, tmp)
             raise DistributedError(
-                f"step {step}: gave up waiting for rank(s) {missing} of {spec.world_size}: {task.abort_reason} "
+                f"step {step}: gave up waiting for rank(s) {missing} of {spec.world_size}: "
+                f"{task.abort_reason or 'the save was aborted'} "
                 "(CheckpointStore.abort); nothing was committed and the previous checkpoint stays the restore point."
             )
         if time.monotonic() >= deadline:
@@ -208,7 +209,7 @@ def existing(task: Task, request: SaveRequest, *, replace: bool) -> CheckpointIn
 
 
 def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, timings: Mapping[str, Any] | None,
-                replace: bool = False) -> tuple[CheckpointInfo | None, bool]:
+                replace: bool = False, cancel: Callable[[], bool] | None = None) -> tuple[CheckpointInfo | None, bool]:
     """Run one save to its end on this rank (see the module docstring).
 
     Returns:
@@ -247,7 +248,7 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
     if spec.rank != 0:
         return None, False
     t_written = time.perf_counter()
-    parts = wait_for_ranks(task, tmp, step=step)
+    parts = wait_for_ranks(task, tmp, step=step, cancel=cancel)
     timings = {**dict(timings or {}), "write_ms": round(1000 * (t_written - t0), 2),
                "wait_ranks_ms": round(1000 * (time.perf_counter() - t_written), 2)}
     try:

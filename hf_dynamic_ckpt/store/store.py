@@ -33,7 +33,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +225,8 @@ class CheckpointStore(Reader, Lookup):
 
     # -- save -----------------------------------------------------------------------------------
     def save(self, state: CheckpointState, request: SaveRequest | None = None, *,
-             timings: dict[str, Any] | None = None, replace: bool = False, **legacy: Any) -> CheckpointInfo | None:
+             timings: dict[str, Any] | None = None, replace: bool = False, cancel: Callable[[], bool] | None = None,
+             **legacy: Any) -> CheckpointInfo | None:
         """Write this rank's part of a checkpoint; on rank 0, commit it once all ranks are done.
 
         Rank 0 writes weights (L0), optimizer/scheduler/scaler (L1) and the sampler state;
@@ -240,6 +241,8 @@ class CheckpointStore(Reader, Lookup):
             timings (`dict`, *optional*): caller's timings in ms (e.g. snapshot time).
             replace (`bool`, *optional*, defaults to `False`): replace a committed copy of the
                 step whatever its timeline (round-1 callers; pass the same on every rank).
+            cancel (`Callable[[], bool]`, *optional*): polled while rank 0 waits for the other
+                ranks' files; `True` gives up like `abort` (the engine's `SaveEngine.abort`).
             **legacy: instead of `request`, the round-1 keywords `reason`, `pinned`, `healthy`,
                 `signals`, `debug_info` (a thin shim kept for existing callers).
 
@@ -258,7 +261,7 @@ class CheckpointStore(Reader, Lookup):
         self._check_writable("save")
         with self._lock:
             with self.blobs.lock(shared=True) if self.rank == 0 else contextlib.nullcontext(True):
-                info, replaced = commit_save(self.task, state, request, timings=timings, replace=replace)
+                info, replaced = commit_save(self.task, state, request, timings=timings, replace=replace, cancel=cancel)
             if replaced:  # blobs only the replaced copy used can go, now that the save released its lock
                 mt.collect_blobs(self.task, GcReport())
             return info
@@ -370,9 +373,7 @@ class CheckpointStore(Reader, Lookup):
     def gc(self, *, dry_run: bool = False) -> GcReport:
         """Remove what nothing needs: passed abandoned checkpoints, leftovers, unused blobs.
 
-        Args:
-            dry_run (`bool`, *optional*, defaults to `False`): only report what would go and the
-                bytes it would free (works on read-only stores).
+        `dry_run` only reports what would go and the bytes it would free (read-only stores too).
 
         Raises:
             `StoreLockedError`: another live session writes the task (gc needs the writer lock).
