@@ -169,6 +169,10 @@ class SmartCkptConfig:
             a snapshot that would cut into it is streamed synchronously instead.
         preemption_signals (`tuple[str]`, *optional*): signals that request a final save.
         preemption_grace_s (`float`, *optional*, defaults to `30.0`): deadline of that save.
+        preemption_exit_code (`int`, *optional*): exit status of the process once the preemption
+            save is committed and training stopped; `None` (default) is the conventional
+            `128 + signal number` (143 for SIGTERM, 138 for SIGUSR1), so SLURM / Kubernetes /
+            torchrun read the job as interrupted and requeue or restart it; `0` returns normally.
         storage_levels (`StorageLevels`, *optional*): per-tier compression and retention.
         recovery_timeout_ms (`int`, *optional*, defaults to `5000`): a resume slower than this is logged.
         fallback_strategy (`str`, *optional*, defaults to `"full"`): see `FallbackStrategy`.
@@ -214,6 +218,7 @@ class SmartCkptConfig:
     memory_margin: float = 0.15
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     preemption_grace_s: float = 30.0
+    preemption_exit_code: int | None = None
     storage_levels: StorageLevels = field(default_factory=StorageLevels)
     recovery_timeout_ms: int = 5000
     fallback_strategy: FallbackStrategy = FallbackStrategy.FULL
@@ -285,6 +290,9 @@ class SmartCkptConfig:
         _check(_is_int(self.keep_last) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")
         _check(_is_number(self.memory_margin) and 0.0 <= self.memory_margin < 1.0, "memory_margin", self.memory_margin, "0 <= value < 1")
         _check(_is_number(self.preemption_grace_s) and self.preemption_grace_s > 0, "preemption_grace_s", self.preemption_grace_s, "a positive number of seconds")
+        if self.preemption_exit_code is not None:
+            _check(_is_int(self.preemption_exit_code) and 0 <= self.preemption_exit_code <= 255, "preemption_exit_code",
+                   self.preemption_exit_code, "an integer 0..255 or null (128 + signal number)")
         _check(_is_number(self.recovery_timeout_ms) and self.recovery_timeout_ms > 0, "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
         import signal as _signal
 

@@ -75,6 +75,16 @@ def open_store_and_engine(config: SmartCkptConfig, root: Path, *, rank: int, wor
     return store, SaveEngine(store, mode=mode, memory_margin=config.memory_margin)
 
 
+def exit_after_preemption(config: SmartCkptConfig, signum: int | None) -> None:
+    """Raise `SystemExit(preemption_exit_code)`: 128 + the signal by default (143 for SIGTERM); nothing for 0."""
+    code = config.preemption_exit_code
+    if code is None:
+        code = 128 + int(signum) if signum is not None else 143
+    if code:
+        logger.warning("preempted: training state committed; exiting with status %d so the job is requeued", code)
+        raise SystemExit(code)
+
+
 def human_bytes(n: int | None) -> str:
     """``1.3 MiB``-style size (binary units)."""
     if n is None:

@@ -177,6 +177,7 @@ class SmartCkptCallback(TrainerCallback):
             finally:
                 if dist.is_main():
                     remove_resume_folders(ck.root, ck.store.task_id)
+        ck.exit_if_preempted()  # 128 + signal: the scheduler requeues the job (preemption_exit_code)
 
     # ------------------------------------------------------------------ state for saves
     def _before_save(self, decision: Decision) -> None:

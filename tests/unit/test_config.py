@@ -153,6 +153,7 @@ def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCapture
         ({"storage_levels": {"level_1": {"compresion": "zstd"}}},
          "unknown config key storage_levels.level_1.'compresion' (did you mean 'compression'?)"),
         ({"on_save_error": "ignore"}, "on_save_error='ignore' is invalid: expected one of 'warn', 'raise'."),
+        ({"preemption_exit_code": 300}, "preemption_exit_code=300 is invalid: expected an integer 0..255 or null"),
     ],
 )
 def test_strict_types_and_did_you_mean(data: dict, message: str) -> None:
