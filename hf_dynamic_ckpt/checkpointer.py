@@ -240,7 +240,7 @@ class Checkpointer:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
                            rng=self._boundary_rng)
             else:
-                logger.info("step %d: pre-update capture (%s) not taken: no RNG state recorded at the end of step %d",
+                logger.debug("step %d: pre-update capture (%s) not taken: no RNG state recorded at the end of step %d",
                             step + 1, decision.reason, step)
         if decision.skip_update and self._model is not None:
             logger.warning("step %d: skipping the optimizer update (%s)", step + 1, decision.reason or "bad update")

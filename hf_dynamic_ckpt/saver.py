@@ -107,6 +107,9 @@ class Saver:
         self.rank = rank
         self.log = SaveLog()
         self.before_save: Callable[[Decision], None] | None = None
+        self.announce: logging.Logger = logger
+        """Where the one INFO line per save and the resume line go (the Trainer callback points it at
+        transformers' logging, so `--log_level info` / `set_verbosity_info()` show them)."""
         self.on_first_save: Callable[[], None] | None = None
         self._raise_next: SaveError | None = None
 
@@ -175,7 +178,7 @@ class Saver:
         saved = self.log.find(step)
         if saved is None:
             return False
-        logger.info("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
+        logger.debug("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
         saved.pinned = True
         if saved.handle is None and saved.path is not None and self.rank == 0:
             self.store.pin(f"step:{step}")
@@ -201,8 +204,9 @@ class Saver:
         event.write_ms = handle.write_ms
         if info is not None:
             event.bytes, event.path = info.bytes, info.path
-            logger.info("checkpoint step %d committed (%s): %s, training blocked %.1f ms", event.step, event.reason,
-                        human_bytes(info.bytes), event.blocking_ms)
+            self.announce.info("smart_ckpt: saved step %d (%s%s): %s, training blocked %.0f ms", event.step,
+                               event.reason, ", pinned" if event.pinned else "", human_bytes(info.bytes),
+                               event.blocking_ms)
             if event.pinned and not info.pinned:
                 self.store.pin(info)
             self.prune()

@@ -216,7 +216,7 @@ def run_job(job: Job, save: StoreSave) -> None:
     finally:
         snapshot.state = None  # type: ignore[assignment]  # drop references to buffers / live tensors
     handle.write_ms = (time.perf_counter() - start) * 1e3
-    logger.info("committed step %d (%s): blocking %.1f ms, write %.1f ms", handle.step, handle.reason,
+    logger.debug("committed step %d (%s): blocking %.1f ms, write %.1f ms", handle.step, handle.reason,
                 handle.blocking_ms, handle.write_ms)
     handle._finish(info)
 

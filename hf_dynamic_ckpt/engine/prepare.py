@@ -109,7 +109,7 @@ class Preparer:
 
         self._thread = threading.Thread(target=run, name="hf-dynamic-ckpt-prepare", daemon=True)
         self._thread.start()
-        logger.info("preparing %.1f MiB of snapshot buffers in the background (%d layouts)", needed / 2**20, len(jobs))
+        logger.debug("preparing %.1f MiB of snapshot buffers in the background (%d layouts)", needed / 2**20, len(jobs))
         return needed
 
     def finish(self, snapshotter: Snapshotter) -> None:

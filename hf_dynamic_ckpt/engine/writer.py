@@ -380,7 +380,7 @@ class SaveEngine:
         job = state["_jobs"].inflight
         handle = job.handle if job is not None else None
         if handle is not None and not handle.done():
-            logger.info("flushing the save of step %d before shutdown", handle.step)
+            logger.debug("flushing the save of step %d before shutdown", handle.step)
         state["_preparer"].close()
         state["_dispatch"].stop()
         if handle is not None and handle.exception() is not None:

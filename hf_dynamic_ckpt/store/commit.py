@@ -225,7 +225,7 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
     found = existing(task, request, replace=replace)
     if isinstance(found, CheckpointInfo):
         if spec.rank == 0:
-            logger.info("step %d is already committed at %s by this timeline; not rewritten", step, found.path)
+            logger.debug("step %d is already committed at %s by this timeline; not rewritten", step, found.path)
             task.record(found)
         return (found if spec.rank == 0 else None), False
     if not fs.is_dir(task.dir):
@@ -291,6 +291,6 @@ def _commit(task: Task, tmp: Path, state: CheckpointState, request: SaveRequest,
         _discard(task, aside)
     info = info_from_manifest(manifest, final)
     task.record(info)
-    logger.info("committed %s step %d (%s; tiers %s; %d bytes; commit %.1f ms)", task.task_id, step, request.reason,
+    logger.debug("committed %s step %d (%s; tiers %s; %d bytes; commit %.1f ms)", task.task_id, step, request.reason,
                 ",".join(manifest["tiers"]), info.bytes, 1000 * (time.perf_counter() - t0))
     return info, aside is not None

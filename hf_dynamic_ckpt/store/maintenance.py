@@ -103,7 +103,7 @@ def remove_leftovers(task: Task, *, dry_run: bool = False) -> list[tuple[str, in
         removed.append((name, tree_bytes(path) if fs.is_dir(path) else 0))
         if dry_run:
             continue
-        logger.info("removing leftover temporary entry %s", path)
+        logger.debug("removing leftover temporary entry %s", path)
         try:
             fs.rmtree(path) if fs.is_dir(path) else fs.unlink(path)  # a planted link goes, never its target
         except OSError as e:
@@ -206,7 +206,7 @@ def delete_checkpoint(task: Task, info: CheckpointInfo, tiers: Collection[Tier] 
             freed += st.st_size if st is not None else 0
             task.fs.unlink(path / name)
         task.record(task.info_of(new, path))
-        logger.info("deleted tiers %s of %s step %d", sorted(Tier(t).value for t in tiers), task.task_id, info.step)
+        logger.debug("deleted tiers %s of %s step %d", sorted(Tier(t).value for t in tiers), task.task_id, info.step)
         return freed
     trash = task.trash_dir(info.step)
     task.fs.rename(path, trash)
@@ -214,7 +214,7 @@ def delete_checkpoint(task: Task, info: CheckpointInfo, tiers: Collection[Tier] 
     task.forget(info.step)
     freed = tree_bytes(trash)
     task.fs.rmtree(trash)
-    logger.info("deleted %s step %d", task.task_id, info.step)
+    logger.debug("deleted %s step %d", task.task_id, info.step)
     return freed
 
 

@@ -132,7 +132,7 @@ class Reader:
                 except (CorruptCheckpointError, OSError) as e:
                     found = [str(e)]
             if attempt == 1:
-                logger.info("step %d: %s; reading it once more before giving up", info.step, "; ".join(found))
+                logger.debug("step %d: %s; reading it once more before giving up", info.step, "; ".join(found))
         self._set_status(info, STATUS_CORRUPT)
         raise CorruptCheckpointError(
             f"checkpoint {directory} failed verification, nothing was loaded: " + "; ".join(found)

@@ -203,7 +203,7 @@ class CheckpointStore(Reader, Lookup):
         """
         with self._lock:
             n = mt.reindex(self.task, all_tasks=not self.task.read_only)
-            logger.info("reindexed %s: %d checkpoints", self.root, n)
+            logger.debug("reindexed %s: %d checkpoints", self.root, n)
             return n
 
     def abort(self, reason: str) -> None:

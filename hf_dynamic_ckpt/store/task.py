@@ -129,7 +129,7 @@ class Task:
         except CorruptCheckpointError as first:
             if not isinstance(first.__cause__, OSError):
                 raise
-            logger.info("reading %s failed (%s); retrying once", path / MANIFEST_NAME, first)
+            logger.debug("reading %s failed (%s); retrying once", path / MANIFEST_NAME, first)
             return mf.read_manifest(path, step=step, task_id=path.parent.name)
 
     def info_of(self, manifest: dict[str, Any], path: Path) -> CheckpointInfo:
