@@ -74,7 +74,7 @@ def test_optimizer_buffers_are_prepared_right_after_its_first_step(store, caplog
 
     sources = StateSources(weights=model.state_dict, optimizer=Wrapped(opt))
     engine = SaveEngine(store)
-    caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.engine.prepare")
+    caplog.set_level(logging.DEBUG, logger="hf_dynamic_ckpt.engine.prepare")
     weight_bytes, _ = _state_bytes(model, opt)
     assert engine.prepare(sources, wait=True) == weight_bytes  # no optimizer state before its first step
     assert engine.buffer_bytes == weight_bytes and len(opt._optimizer_step_post_hooks) == 1
