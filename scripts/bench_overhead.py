@@ -21,6 +21,10 @@ Each configuration runs `--repeats` times, interleaved; the table reports median
   reported too), and the ratio smart / native (goal <= 0.2);
 - the smart saves' own blocking time (`SaveEvent.blocking_ms`), which is the part of the
   overhead the snapshot explains;
+- the same overhead measured inside each run, which the run-to-run noise of a shared
+  machine does not reach: what the save steps (a step counted from one on_step_begin to
+  the next, so it holds the save) and the steps that ran while a write was in flight took
+  beyond the run's median clean step, per save;
 - step-time inflation while a background write runs: median time of the steps that started
   while the smart writer was busy over the median of the other steps of the same run (goal
   <= 5 %); the save steps themselves are excluded (their blocking time is counted above).
@@ -77,14 +81,20 @@ class _StepTimer:
         class Callback(TrainerCallback):
             def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
                 timer.begin = time.perf_counter()
+                if timer.end is not None:  # after the previous step: callbacks, logging, Trainer's own save
+                    timer.gaps[state.global_step] = timer.begin - timer.end
                 timer.busy_now = timer.busy()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                timer.steps.append((state.global_step, time.perf_counter() - timer.begin, timer.busy_now))
+                timer.end = time.perf_counter()
+                timer.steps.append((state.global_step, timer.end - timer.begin, timer.busy_now))
 
         self.callback = Callback()
         self.steps: list[tuple[int, float, bool]] = []
+        self.gaps: dict[int, float] = {}
+        """step -> time from its on_step_end to the next on_step_begin (a save of that step happens there)."""
         self.begin = 0.0
+        self.end: float | None = None
         self.busy_now = False
         self.busy = lambda: False
 
@@ -122,7 +132,8 @@ def _run(variant: str, mode: str, args: argparse.Namespace, work: Path) -> dict[
     start = time.perf_counter()
     result = trainer.train()
     wall = time.perf_counter() - start
-    res: dict[str, Any] = {"train_s": float(result.metrics["train_runtime"]), "wall_s": wall, "steps": timer.steps}
+    res: dict[str, Any] = {"train_s": float(result.metrics["train_runtime"]), "wall_s": wall, "steps": timer.steps,
+                           "gaps": timer.gaps}
     if mode == "native":
         res["saves"] = len(list(out.glob("checkpoint-*")))
         res["save_steps"] = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
@@ -139,6 +150,24 @@ def _run(variant: str, mode: str, args: argparse.Namespace, work: Path) -> dict[
     gc.collect()
     shutil.rmtree(out, ignore_errors=True)
     return res
+
+
+def _within_run(res: dict[str, Any]) -> float | None:
+    """Overhead per save measured inside one run (ms), unaffected by run-to-run noise.
+
+    Each step's time is taken from its on_step_begin to the next one (so it holds the save
+    taken at its end, whichever callback takes it); the overhead is what the save steps and
+    the steps that ran while a write was in flight took beyond the run's median clean step.
+    """
+    gaps = res["gaps"]
+    total = {s: t + gaps[s] for s, t, _ in res["steps"] if s in gaps}
+    busy = {s for s, _, b in res["steps"] if b}
+    saves = {s for s in res["save_steps"] if s in total}  # Trainer's save after the last step has no next step
+    if not saves:
+        return None
+    clean = statistics.median(t for s, t in total.items() if s > 2 and s not in saves and s not in busy)
+    extra = sum(t - clean for s, t in total.items() if s in saves or (s in busy and s > 2))
+    return 1e3 * extra / len(saves)
 
 
 def _inflation(steps: list[tuple[int, float, bool]], save_steps: list[int]) -> tuple[float | None, int, float]:
@@ -192,9 +221,9 @@ def main() -> None:
           f"{args.k} requested, {args.repeats} repeats (medians), prepare={'no' if args.no_prepare else 'yes'}, "
           f"load average {os.getloadavg()[0]:.1f}, total {time.perf_counter() - started:.0f} s")
     print("| variant | train s: none / native / smart | saves native / smart | overhead per save ms: native | "
-          "smart | smart / native | smart blocking ms per save | inflation during writes (n steps) | "
-          "smart wall s incl. final save |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "smart | smart / native | same, within-run ms: native / smart (ratio) | smart blocking ms per save | "
+          "inflation during writes (n steps) | smart wall s incl. final save |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for variant, runs in rows:
         med = {m: statistics.median(r["train_s"] for r in rs) for m, rs in runs.items()}
         n_native = runs["native"][0]["saves"]
@@ -207,9 +236,13 @@ def main() -> None:
         n_busy = sum(n for _, n, _ in infl)
         infl_text = f"{statistics.median(values):+.1%} ({n_busy})" if values else f"- ({n_busy})"
         wall = statistics.median(r["wall_s"] for r in runs["smart"])
+        within = {m: statistics.median(v for v in (_within_run(r) for r in runs[m]) if v is not None)
+                  for m in ("native", "smart") if n_native and n_smart}
+        within_text = (f"{within['native']:.0f} / {within['smart']:.0f} ({within['smart'] / within['native']:.3f})"
+                       if within else "-")
         print(f"| {variant} | {med['none']:.2f} / {med['native']:.2f} / {med['smart']:.2f} | {n_native} / {n_smart} | "
-              f"{per_native:.0f} | {per_smart:.0f} | {per_smart / per_native:.3f} | {blocking:.1f} | {infl_text} | "
-              f"{wall:.2f} |")
+              f"{per_native:.0f} | {per_smart:.0f} | {per_smart / per_native:.3f} | {within_text} | {blocking:.1f} | "
+              f"{infl_text} | {wall:.2f} |")
 
 
 if __name__ == "__main__":

@@ -46,10 +46,6 @@ class Preparer:
         self._error: BaseException | None = None
         self._hook: Any = None
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
     def start(self, snapshotter: Snapshotter, sources: StateSources, tiers: Iterable[Tier], *,
               admit: Callable[[int], bool]) -> tuple[int, bool]:
         """Prepare the buffers a buffered snapshot of `tiers` of `sources` would allocate.
@@ -145,8 +141,13 @@ class Preparer:
             if handle is not None:
                 handle.remove()
             method = prepare()
-            if method is not None:
+            if method is None:
+                return
+            try:
                 method(sources, {Tier.OPTIMIZER})
+            except Exception as e:  # inside optimizer.step(): never break training for a head start
+                logger.warning("could not prepare the optimizer's snapshot buffers (%s): the first save "
+                               "allocates them", e)
 
         self._hook = inner.register_step_post_hook(hook)
 

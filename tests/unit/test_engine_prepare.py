@@ -130,3 +130,14 @@ def test_prepared_shared_buffers_reach_the_writer_process(store):
         engine.close()
     loaded = store.load(info).weights
     assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
+def test_closing_the_engine_removes_the_first_step_hook(store):
+    model, opt = _model()
+    engine = SaveEngine(store)
+    engine.prepare(StateSources(weights=model.state_dict, optimizer=opt), wait=True)
+    assert len(opt._optimizer_step_post_hooks) == 1
+    engine.close()
+    assert len(opt._optimizer_step_post_hooks) == 0
+    _step(model, opt)  # training goes on without the engine
+    assert engine.buffer_bytes == 0
