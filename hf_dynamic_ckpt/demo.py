@@ -47,13 +47,16 @@ def train(demo: DemoArguments, smart: Any) -> None:
     torch.set_num_threads(1)
     import logging
 
-    from transformers import Trainer, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
     from . import toy
     from .integrations.trainer import SmartCkptCallback, resume_checkpoint
 
+    # Only the checkpointer's own lines, as a user with `--log_level info` sees them: one per save
+    # and the "resumed from" line (Trainer's other INFO output and its log dicts stay quiet).
     hf_logging.set_verbosity_error()
+    hf_logging.get_logger("transformers.integrations.smart_ckpt").setLevel(logging.INFO)
     logging.basicConfig(level=logging.WARNING, format="  [child] %(levelname)s %(name)s: %(message)s")
     texts = toy.text_corpus(max_chars=300_000)
     tok = toy.train_tokenizer(texts, vocab_size=1024)
@@ -88,6 +91,7 @@ def train(demo: DemoArguments, smart: Any) -> None:
         logging_steps=10, seed=demo.seed, disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[SmartCkptCallback(config)])
+    trainer.remove_callback(PrinterCallback)
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, smart.resume_from_smart_checkpoint))
 
 
@@ -143,7 +147,7 @@ def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) 
     store = CheckpointStore(run_store, cleanup=False)
     committed = {i.step: i for i in store.list(include_unhealthy=True)}
     print("\nSaves taken by the run (a restart is a new process: its saves follow the resume line)")
-    print(f"  {'step':>5}  {'at':>4}  {'reason':<52} {'bytes':>10} {'blocking':>10}  status")
+    print(f"  {'step':>5}  {'at':>4}  {'reason':<64} {'bytes':>10} {'blocking':>10}  status")
     restore = next((r["step"] for r in rows if r.get("event") == "resume"), None)
     reasons = {s["step"]: s["reason"] for r in rows for s in r.get("saves", [])}
     resume_step = None
@@ -159,15 +163,15 @@ def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) 
             elif resume_step is None and restore is not None and s["step"] > restore:
                 status = "lost: still writing at the kill"
             else:
-                status = "committed, later pruned (retention)"
+                status = "committed, pruned later (retention)"
             if resume_step is None and s["step"] == restore:
-                status += ", the restore point"
+                status = "the restore point" + (", pruned later (retention)" if info is None else "")
             if info is not None and info.pinned:
                 status += ", pinned"
             if info is not None and not info.healthy:
                 status += ", unhealthy"
             nbytes = info.bytes if info is not None else None
-            print(f"  {s['step']:>5}  {r['step']:>4}  {s['reason'][:52]:<52} {_fmt_bytes(nbytes):>10} "
+            print(f"  {s['step']:>5}  {r['step']:>4}  {s['reason'][:64]:<64} {_fmt_bytes(nbytes):>10} "
                   f"{s.get('blocking_ms', 0.0):>8.1f}ms  {status}")
     resumed: list[dict[str, Any]] = []
     after_resume = False

@@ -54,3 +54,37 @@ def test_readme_quick_start_runs_and_resumes(tmp_path: Path) -> None:
     script.write_text(script.read_text(encoding="utf-8").replace("max_steps=12", "max_steps=16"), encoding="utf-8")
     second = run()
     assert second == {"global_step": 16, "resumed_from": 12}
+
+
+def _block(after: str, lang: str) -> str:
+    section = (REPO / "README.md").read_text(encoding="utf-8").split(after, 1)[1]
+    match = re.search(rf"```{lang}\n(.*?)```", section, re.S)
+    assert match, f"README has no {lang} block after {after!r}"
+    return match.group(1)
+
+
+def test_readme_command_line_and_load_checkpoint_run_as_written(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+    def python(code: str) -> None:
+        proc = subprocess.run([sys.executable, "-c", "import torch\ntorch.set_num_threads(1)\n" + code], cwd=tmp_path,
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    python(quick_start_code())
+    # The merged export needs the base weights: the quick start's base model, saved where the README points.
+    python("from hf_dynamic_ckpt import toy\ntoy.tiny_qwen2(seed=0).save_pretrained('path/to/base')")
+    heading = "## Getting the model out, and the command line"
+    for line in _block(heading, "bash").splitlines():
+        for command in line.split("#", 1)[0].split(";"):
+            if not command.strip():
+                continue
+            argv = command.split()
+            assert argv[0] == "hf-dynamic-ckpt", command
+            proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli", *argv[1:]], cwd=tmp_path,
+                                  capture_output=True, text=True, env=env, timeout=300)
+            assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "model" / "config.json").is_file()
+    python("from hf_dynamic_ckpt import toy\nmodel = toy.lora(toy.tiny_qwen2(seed=0))\n" + _block(heading, "python")
+           + "assert loaded.info.step == 12, loaded.info\n")

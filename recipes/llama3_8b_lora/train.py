@@ -50,7 +50,7 @@ class ScriptArguments:
     lora_target_modules: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     tiny: bool = field(default=False, metadata={"help": "Tiny LLaMA from config, tokenizer and data built in code (CPU)."})
     tiny_examples: int = field(default=64)
-    loss_log: str | None = field(default=None, metadata={"help": "Append each step's loss (float.hex) to this JSONL file."})
+    loss_log: str | None = field(default=None, metadata={"help": "Append each step's loss, averaged over the ranks (float.hex), to this JSONL file (rank 0)."})
     simulate_crash_at_step: int | None = field(
         default=None, metadata={"help": "Testing: every rank SIGKILLs itself right after this optimizer step."})
 
@@ -166,7 +166,8 @@ def main() -> None:
             if decision is None:
                 continue
             if log is not None:
-                step_loss = ckpt.core.last_frame.loss
+                # The agreed frame carries the loss summed over the ranks: log their mean.
+                step_loss = ckpt.core.last_frame.loss / accelerator.num_processes
                 log.write(json.dumps({"step": ckpt.step, "loss": float(step_loss).hex()}) + "\n")
                 log.flush()
             if ckpt.step == script.simulate_crash_at_step:

@@ -25,6 +25,12 @@ def test_demo_resumes_exactly_and_draws_the_timeline(tmp_path: Path) -> None:
     assert "killed (SIGKILL) after step" in report
     assert "Restore point chosen by 'auto': step" in report
     assert "-> EXACT (bit-identical)" in report
-    assert "pre_update grad_surge" in report  # the injected explosion was captured before its update
+    # The injected explosion was captured before its update and pinned; the table marks the restore point.
+    rows = [line for line in report.splitlines() if "pre_update loss_spike" in line]
+    assert rows and rows[0].split()[:2] == ["14", "15"] and "pinned" in rows[0], report
+    assert any("the restore point" in line for line in report.splitlines()), report
+    # What the user sees from the library: one INFO line per save, and the resume line.
+    assert "resumed from step" in proc.stderr, proc.stderr[-3000:]
+    assert "{'loss'" not in report  # no Trainer log dicts between the demo's lines
     png = out / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
