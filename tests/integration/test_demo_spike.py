@@ -1,0 +1,39 @@
+"""Issue 11: a crash inside the anomaly window resumes, with `auto`, from before the anomaly.
+
+The demo's run (tiny Qwen2 + LoRA on real text) with its x30 loss injected at steps 15-18 is
+SIGKILLed after step 18, while the loss is still exploding; the same command restarted with
+`--resume_from_smart_checkpoint auto` must resume from the pinned pre-update capture of step
+14, not from a save taken inside the explosion (round 1 marked the demo's `risk_edge` save of
+loss 178 healthy, so `auto` could land in it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hf_dynamic_ckpt import demo
+from hf_dynamic_ckpt.store.store import CheckpointStore
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_crash_inside_the_anomaly_window_resumes_from_before_it(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    run, store_dir = tmp_path / "run", tmp_path / "run" / "smart_ckpt"
+    common = ["--max_steps", "22", "--anomaly_at", "15"]
+    _, killed_after = demo._run(demo._child_cmd(run, common), env, kill_at=18, store=store_dir)
+    assert killed_after is not None and 18 <= killed_after < 22, killed_after
+    with CheckpointStore(store_dir, cleanup=False, read_only=True) as store:
+        infos = {i.step: i for i in store.list(include_unhealthy=True)}
+    assert 14 in infos and infos[14].pinned and infos[14].healthy, infos
+    inside = [s for s in infos if 15 <= s <= killed_after]
+    assert inside and not any(infos[s].healthy for s in inside), {s: infos[s].reason for s in inside}
+    rc, _ = demo._run(demo._child_cmd(run, [*common, "--resume_from_smart_checkpoint", "auto"]), env)
+    assert rc == 0
+    resumes = [r["step"] for r in demo._timeline(store_dir) if r.get("event") == "resume"]
+    assert resumes == [14], resumes
