@@ -26,6 +26,7 @@ import enum
 import functools
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,10 +83,6 @@ class Opinion:
         return f"save_score {self.score:.2f}, granularity {self.granularity.name.lower()}"
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-np.clip(x, -60.0, 60.0)))
-
-
 class DecisionModel:
     """The trained weights (numpy, float64) and one LSTM step.
 
@@ -130,9 +127,14 @@ class DecisionModel:
             raise ConfigError(f"{source}: features.std must be > 0 everywhere.")
         self.hidden = hidden
         self.mean, self.std = w["features.mean"], w["features.std"]
-        self.w_ih = [w[f"lstm.weight_ih_l{i}"] for i in range(LAYERS)]
-        self.w_hh = [w[f"lstm.weight_hh_l{i}"] for i in range(LAYERS)]
-        self.b = [w[f"lstm.bias_ih_l{i}"] + w[f"lstm.bias_hh_l{i}"] for i in range(LAYERS)]
+        # One tanh per layer: sigmoid(z) = 0.5 + 0.5 * tanh(z / 2), so the input, forget and output
+        # gate rows (torch's order: i, f, g, o) are halved and mapped back with `_a * t + _c`.
+        half = np.ones(4 * hidden)
+        half[: 2 * hidden], half[3 * hidden :] = 0.5, 0.5
+        self._w = [half[:, None] * np.concatenate([w[f"lstm.weight_ih_l{i}"], w[f"lstm.weight_hh_l{i}"]], axis=1)
+                   for i in range(LAYERS)]
+        self._b = [half * (w[f"lstm.bias_ih_l{i}"] + w[f"lstm.bias_hh_l{i}"]) for i in range(LAYERS)]
+        self._a, self._c = half.copy(), np.where(half == 0.5, 0.5, 0.0)
         self.w_score, self.b_score = w["score.weight"][0], float(w["score.bias"][0])
         self.w_gran, self.b_gran = w["granularity.weight"], w["granularity.bias"]
         veto = self.metadata.get("veto_threshold")
@@ -149,16 +151,14 @@ class DecisionModel:
     def step(self, features: list[float], state: list[np.ndarray]) -> tuple[float, np.ndarray, list[np.ndarray]]:
         """One LSTM step: `(save_score, granularity probabilities, new state)`; `state` is not changed."""
         x = (np.asarray(features, dtype=np.float64) - self.mean) / self.std
+        n = self.hidden
         new: list[np.ndarray] = []
         for i in range(LAYERS):
-            h, c = state[2 * i], state[2 * i + 1]
-            gates = self.w_ih[i] @ x + self.w_hh[i] @ h + self.b[i]
-            g_i, g_f, g_g, g_o = np.split(gates, 4)  # torch.nn.LSTM's gate order: input, forget, cell, output
-            c = _sigmoid(g_f) * c + _sigmoid(g_i) * np.tanh(g_g)
-            h = _sigmoid(g_o) * np.tanh(c)
-            new += [h, c]
-            x = h
-        score = float(_sigmoid(np.asarray(self.w_score @ x + self.b_score)))
+            act = self._a * np.tanh(self._w[i] @ np.concatenate([x, state[2 * i]]) + self._b[i]) + self._c
+            c = act[n : 2 * n] * state[2 * i + 1] + act[:n] * act[2 * n : 3 * n]  # f * c + i * g
+            x = act[3 * n :] * np.tanh(c)  # o * tanh(c)
+            new += [x, c]
+        score = 0.5 + 0.5 * math.tanh(0.5 * (float(self.w_score @ x) + self.b_score))
         logits = self.w_gran @ x + self.b_gran
         probs = np.exp(logits - logits.max())
         return score, probs / probs.sum(), new
