@@ -82,6 +82,7 @@ class FeatureExtractor:
         self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
         self.prev_loss: float | None = None
         self.seen = 0
+        self._mem_cache: tuple[int | None, tuple[float, float]] | None = None  # (last sample's step, its fit)
 
     def step(self, frame: SignalFrame) -> list[float]:
         """The frame's 12 features against the windows, then fold the frame into them."""
@@ -104,18 +105,28 @@ class FeatureExtractor:
         f[4] = _log_ratio(grad, frame.clip_norm)
         f[5] = _log_ratio(frame.lora_max_ratio, 1.0)
         f[6] = _log_ratio(frame.lr, max(self.lr, default=None))
-        mem, mem_points = frame.mem_frac, list(self.mem)
-        if _finite(mem):
-            mem_points.append((frame.step, float(mem)))  # type: ignore[arg-type]
-        if mem_points:
-            f[7] = mem_points[-1][1]
-        fit = linear_fit(mem_points[-MEM_POINTS:]) if len(mem_points) >= 3 else None
-        if fit is not None:
-            f[8] = fit[0] * MEM_HORIZON
+        f[7], f[8] = self._memory(frame)
         f[9] = _log_ratio(frame.step_time_s, self.time.median())
         f[10] = 1.0 if frame.any_nonfinite else 0.0
         f[11] = min(1.0, self.seen / HISTORY_FULL)
         return [min(hi, max(lo, v)) for v, (lo, hi) in zip(f, CLIP)]
+
+    def _memory(self, frame: SignalFrame) -> tuple[float, float]:
+        """(last memory sample, its trend over `MEM_HORIZON` steps); refitted only when a sample arrives."""
+        mem = frame.mem_frac
+        if not _finite(mem):
+            key = self.mem[-1][0] if self.mem else None
+            if self._mem_cache is None or self._mem_cache[0] != key:
+                self._mem_cache = (key, self._fit(list(self.mem)))
+            return self._mem_cache[1]
+        return self._fit([*list(self.mem)[1 - MEM_POINTS:], (frame.step, float(mem))])  # type: ignore[arg-type]
+
+    @staticmethod
+    def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+        if not points:
+            return 0.0, 0.0
+        fit = linear_fit(points) if len(points) >= 3 else None
+        return points[-1][1], (fit[0] * MEM_HORIZON if fit is not None else 0.0)
 
     def fold(self, frame: SignalFrame) -> None:
         """Add the frame's finite values to the windows."""
@@ -148,4 +159,4 @@ class FeatureExtractor:
         fresh.seen = int(state["seen"])
         # All or nothing: a malformed state raised above, before anything of self changed.
         self.loss, self.grad, self.time, self.lr, self.mem = fresh.loss, fresh.grad, fresh.time, fresh.lr, fresh.mem
-        self.prev_loss, self.seen = fresh.prev_loss, fresh.seen
+        self.prev_loss, self.seen, self._mem_cache = fresh.prev_loss, fresh.seen, None

@@ -131,9 +131,14 @@ class DecisionModel:
         # gate rows (torch's order: i, f, g, o) are halved and mapped back with `_a * t + _c`.
         half = np.ones(4 * hidden)
         half[: 2 * hidden], half[3 * hidden :] = 0.5, 0.5
-        self._w = [half[:, None] * np.concatenate([w[f"lstm.weight_ih_l{i}"], w[f"lstm.weight_hh_l{i}"]], axis=1)
-                   for i in range(LAYERS)]
-        self._b = [half * (w[f"lstm.bias_ih_l{i}"] + w[f"lstm.bias_hh_l{i}"]) for i in range(LAYERS)]
+        # The standardisation (x - mean) / std is folded into the first layer's input weights and bias.
+        w_in = w["lstm.weight_ih_l0"] / self.std
+        folded = {0: (w_in, w["lstm.bias_ih_l0"] - w_in @ self.mean)}
+        self._w, self._b = [], []
+        for i in range(LAYERS):
+            w_ih, b_ih = folded.get(i, (w[f"lstm.weight_ih_l{i}"], w[f"lstm.bias_ih_l{i}"]))
+            self._w.append(half[:, None] * np.concatenate([w_ih, w[f"lstm.weight_hh_l{i}"]], axis=1))
+            self._b.append(half * (b_ih + w[f"lstm.bias_hh_l{i}"]))
         self._a, self._c = half.copy(), np.where(half == 0.5, 0.5, 0.0)
         self.w_score, self.b_score = w["score.weight"][0], float(w["score.bias"][0])
         self.w_gran, self.b_gran = w["granularity.weight"], w["granularity.bias"]
@@ -149,8 +154,8 @@ class DecisionModel:
         return [np.zeros(self.hidden) for _ in range(2 * LAYERS)]
 
     def step(self, features: list[float], state: list[np.ndarray]) -> tuple[float, np.ndarray, list[np.ndarray]]:
-        """One LSTM step: `(save_score, granularity probabilities, new state)`; `state` is not changed."""
-        x = (np.asarray(features, dtype=np.float64) - self.mean) / self.std
+        """One LSTM step: `(save_score, granularity logits, new state)`; `state` is not changed."""
+        x = np.asarray(features, dtype=np.float64)
         n = self.hidden
         new: list[np.ndarray] = []
         for i in range(LAYERS):
@@ -159,9 +164,7 @@ class DecisionModel:
             x = act[3 * n :] * np.tanh(c)  # o * tanh(c)
             new += [x, c]
         score = 0.5 + 0.5 * math.tanh(0.5 * (float(self.w_score @ x) + self.b_score))
-        logits = self.w_gran @ x + self.b_gran
-        probs = np.exp(logits - logits.max())
-        return score, probs / probs.sum(), new
+        return score, self.w_gran @ x + self.b_gran, new
 
 
 def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
@@ -230,8 +233,8 @@ class LearnedCheck:
         if self._cached is not None and self._cached[0] == frame.step:
             return self._cached[1]
         x = self.features.step(frame)
-        score, probs, self.state = self.model.step(x, self.state)
-        opinion = Opinion(score=score, granularity=Granularity(int(np.argmax(probs))))
+        score, logits, self.state = self.model.step(x, self.state)
+        opinion = Opinion(score=score, granularity=Granularity(int(np.argmax(logits))))
         self._cached = (frame.step, opinion)
         return opinion
 
