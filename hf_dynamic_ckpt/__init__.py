@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import VERSION as __version__  # noqa: F401 - the package version
 from .config import SmartCkptArguments, SmartCkptConfig
 from .constants import FORMAT_VERSION, Tier
 from .errors import (
@@ -21,8 +22,6 @@ from .errors import (
     IncompatibleStateError,
     SaveError,
 )
-
-__version__ = "0.1.0"
 
 _LAZY = {
     "CheckpointStore": "hf_dynamic_ckpt.store",

@@ -94,6 +94,8 @@ class ResumeState:
             self._l1 = self._pool.submit(self._read_l1, info)
         self.resumed = loaded
         self.resume_ms = (time.perf_counter() - start) * 1e3
+        if not deferred:  # else once the optimizer tier is read (complete)
+            self._announce(loaded, degraded=plan.degraded)
         if self.resume_ms > ck.config.recovery_timeout_ms:
             logger.warning("resume of step %d took %.0f ms, above recovery_timeout_ms=%d (the restore point's "
                            "estimate was %s ms); `fastest` picks the cheapest checkpoint to restore", info.step,
@@ -113,7 +115,14 @@ class ResumeState:
         ck.saver.log.restart()
         ck.policy = RulePolicy(ck.config)
         self.apply_policy_state(again=True)
-        logger.info("training restarted at step %d: new timeline %s", step, ck.lineage.timeline)
+        logger.debug("training restarted at step %d: new timeline %s", step, ck.lineage.timeline)
+
+    def _announce(self, loaded: LoadedCheckpoint, *, degraded: bool) -> None:
+        """The one `resumed from` line (WARNING, rank 0): step, reason, tiers, degraded or not."""
+        if self.ck.rank == 0:
+            self.ck.saver.announce.warning(
+                "smart_ckpt: resumed from step %d (%s; tiers %s%s)", loaded.info.step, loaded.info.reason,
+                ",".join(sorted(t.value for t in loaded.tiers)), "; degraded: fresh optimizer" if degraded else "")
 
     def fork(self, *, after_step: int | None) -> list[int]:
         """Rank 0: start this run's timeline; checkpoints of other timelines past `after_step` are abandoned."""
@@ -128,7 +137,9 @@ class ResumeState:
                                     parent=parent)
         if abandoned:
             where = "the restore point" if after_step is not None else "this fresh start"
-            msg = (f"checkpoints {', '.join(map(str, abandoned))} belong to a run that went past {where} "
+            what = (f"checkpoints {', '.join(map(str, abandoned))} belong" if len(abandoned) > 1
+                    else f"checkpoint {abandoned[0]} belongs")
+            msg = (f"{what} to a run that went past {where} "
                    f"(step {after_step if after_step is not None else 0}); they are kept but abandoned: `auto`, "
                    "`best` and `fastest` never choose them, `hf-dynamic-ckpt ls --all` lists them, `step:N` restores "
                    "them, and retention removes them once this run has saved past them")
@@ -190,6 +201,7 @@ class ResumeState:
         lost_on = [(r, o["lost"]) for r, o in enumerate(outcomes) if o["lost"] is not None]
         if not lost_on:
             loaded.optimizer, loaded.scheduler, loaded.scaler = optimizer, scheduler, scaler
+            self._announce(loaded, degraded=False)
             return
         rank, why = lost_on[0]
         loaded.optimizer = loaded.scaler = None
@@ -201,6 +213,7 @@ class ResumeState:
         loaded.warnings.append(msg)
         logger.warning(msg)
         warnings.warn(msg, stacklevel=3)
+        self._announce(loaded, degraded=True)
 
     def close(self) -> None:
         if self._pool is not None:

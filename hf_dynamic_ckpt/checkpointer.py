@@ -33,11 +33,11 @@ from ._resume import ResumeState
 from .config import SmartCkptConfig
 from .constants import ALL_TIERS, Tier
 from .errors import ConfigError, DistributedError
-from .events import SaveEvent, SaveLog
+from .events import SaveEvent
 from .export import KEY_MODEL, describe_model
 from .policy.decision import Decision, DecisionKind
 from .policy.rules import RulePolicy
-from .saver import HeldSave, Saver, open_store_and_engine
+from .saver import HeldSave, Saver, exit_after_preemption, open_store_and_engine
 from .sensing import Sensors
 from .signals.frame import SignalFrame
 from .signals.probes import PreemptionFlag
@@ -94,9 +94,8 @@ class Checkpointer:
         self.last_frame: SignalFrame | None = None
         self.last_decision: Decision | None = None
         self.preempted = False
-        self.hold_saves = False
-        """When `True`, a save decided in `step_end` is written at the next `release()` (the Trainer
-        callback sets it, so the stored trainer state includes the step's logs and evaluation)."""
+        self.preempt_signal: int | None = None
+        self.hold_saves = False  # step_end's save waits for release() (Trainer: the step's logs/eval first)
         self.lineage = Lineage(session=self.session_id, timeline=new_session_id())
         self._resume = ResumeState(self)
         self._fork_pending = True  # a fresh timeline abandons other timelines' checkpoints at its first save
@@ -114,15 +113,8 @@ class Checkpointer:
         self._closed = False
 
     # ------------------------------------------------------------------ wiring
-    @property
-    def log(self) -> SaveLog:
-        """The run's saves and their counters."""
-        return self.saver.log
-
-    @property
-    def events(self) -> list[SaveEvent]:
-        """Every save of this run, in order (`SaveLog.events`)."""
-        return self.saver.log.events
+    log = property(lambda self: self.saver.log, doc="The run's saves and their counters (`SaveLog`).")
+    events = property(lambda self: self.saver.log.events, doc="Every save of this run, in order.")
 
     def attach(
         self,
@@ -174,6 +166,8 @@ class Checkpointer:
             scaler=scaler if main else None, sampler=sampler, extra=self._extra,
         )
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
+        # Snapshot buffers are allocated and pre-faulted in the background now, not by the first save.
+        self.engine.prepare(self._sources, ALL_TIERS if main else frozenset({Tier.STATE}))
         self.timeline.open()
         self._resume.apply_policy_state()
 
@@ -246,7 +240,7 @@ class Checkpointer:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
                            rng=self._boundary_rng)
             else:
-                logger.info("step %d: pre-update capture (%s) not taken: no RNG state recorded at the end of step %d",
+                logger.debug("step %d: pre-update capture (%s) not taken: no RNG state recorded at the end of step %d",
                             step + 1, decision.reason, step)
         if decision.skip_update and self._model is not None:
             logger.warning("step %d: skipping the optimizer update (%s)", step + 1, decision.reason or "bad update")
@@ -275,9 +269,9 @@ class Checkpointer:
         if decision.save and decision.kind == DecisionKind.PREEMPTION:
             assert self._sources is not None, "attach() first"
             flag = self.preemption_flag
-            self.saver.emergency(self._sources, decision, step=step, epoch=epoch,
-                                 signum=flag.signum if flag is not None else None, frame=frame,
-                                 debug_info=self.policy.debug_info(), lineage=self.lineage)
+            self.preempt_signal = flag.signum if flag is not None else None
+            self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
+                                 frame=frame, debug_info=self.policy.debug_info(), lineage=self.lineage)
             self.preempted = True
         elif decision.save and self.hold_saves:
             sampler = self._sources.sampler() if self._sources is not None and self._sources.sampler else None
@@ -370,10 +364,16 @@ class Checkpointer:
     def closed(self) -> bool:
         return self._closed
 
+    def exit_if_preempted(self) -> None:
+        """After a preemption save, end the process with `preemption_exit_code` (128 + signal by default), so a
+        scheduler requeues the job instead of reading it as finished. Call it once training stopped and closed."""
+        if self.preempted:
+            exit_after_preemption(self.config, self.preempt_signal)
+
     def _abort(self, why: str) -> None:
-        abort = getattr(self.engine, "abort", None)
-        if abort is not None:
-            abort(why)
+        """A fatal error (a rank died or diverged): a commit waiting for other ranks gives up now."""
+        self.store.abort(why)
+        self.engine.abort(why)
 
     # ------------------------------------------------------------------ resume
     def resume(self, spec: str | None, *, background_optimizer: bool = False,

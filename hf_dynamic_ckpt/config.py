@@ -7,15 +7,14 @@ The YAML shape is the article's ``checkpoint_config.yaml``; every top-level knob
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import logging
-import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._config_checks import _build, _check, _enum, _is_finite, _is_int, _is_number, _warn_once
 from .constants import DEFAULT_TASK_ID
 from .errors import ConfigError
 from .store.spec import Codec
@@ -60,60 +59,6 @@ class EngineMode(enum.StrEnum):
     THREAD = "thread"
     PROCESS = "process"
     SYNC = "sync"
-
-
-_WARNED: set[str] = set()
-
-# Trainer's names for the knobs users look for first.
-HF_NAMES = {
-    "save_steps": "base_interval",
-    "save_total_limit": "keep_last",
-    "save_strategy": "base_interval (the policy decides when to save; base_interval is the calm interval)",
-    "save_on_each_node": "root (one store root per job; every rank writes its own files)",
-    "save_only_model": "storage_levels (keep weights only with fallback_strategy: level_0_only)",
-    "output_dir": "root",
-    "resume_from_checkpoint": "resume_checkpoint(trainer, 'auto') / --resume_from_smart_checkpoint",
-}
-
-
-def _warn_once(key: str) -> bool:
-    """Whether to log a configuration warning: once per process, and only on rank 0 of a job."""
-    if key in _WARNED or int(os.environ.get("RANK", "0") or 0) != 0:
-        return False
-    _WARNED.add(key)
-    return True
-
-
-def _did_you_mean(key: str, names: Iterable[str]) -> str:
-    if key in HF_NAMES:
-        return f" (Trainer's {key!r} is {HF_NAMES[key]} here)"
-    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}.")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
-
-
-def _is_finite(value: Any) -> bool:
-    return _is_number(value) and math.isfinite(value)
-
-
-def _enum(enum_cls: type[enum.Enum], name: str, value: Any) -> Any:
-    try:
-        return enum_cls(value)
-    except ValueError:
-        allowed = ", ".join(repr(m.value) for m in enum_cls)  # type: ignore[attr-defined]
-        raise ConfigError(f"{name}={value!r} is invalid: expected one of {allowed}.") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +169,10 @@ class SmartCkptConfig:
             a snapshot that would cut into it is streamed synchronously instead.
         preemption_signals (`tuple[str]`, *optional*): signals that request a final save.
         preemption_grace_s (`float`, *optional*, defaults to `30.0`): deadline of that save.
+        preemption_exit_code (`int`, *optional*): exit status of the process once the preemption
+            save is committed and training stopped; `None` (default) is the conventional
+            `128 + signal number` (143 for SIGTERM, 138 for SIGUSR1), so SLURM / Kubernetes /
+            torchrun read the job as interrupted and requeue or restart it; `0` returns normally.
         storage_levels (`StorageLevels`, *optional*): per-tier compression and retention.
         recovery_timeout_ms (`int`, *optional*, defaults to `5000`): a resume slower than this is logged.
         fallback_strategy (`str`, *optional*, defaults to `"full"`): see `FallbackStrategy`.
@@ -272,6 +221,7 @@ class SmartCkptConfig:
     memory_margin: float = 0.15
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     preemption_grace_s: float = 30.0
+    preemption_exit_code: int | None = None
     storage_levels: StorageLevels = field(default_factory=StorageLevels)
     recovery_timeout_ms: int = 5000
     fallback_strategy: FallbackStrategy = FallbackStrategy.FULL
@@ -349,6 +299,9 @@ class SmartCkptConfig:
             set_(self, "learned_model", os.fspath(model))
         _check(_is_number(self.memory_margin) and 0.0 <= self.memory_margin < 1.0, "memory_margin", self.memory_margin, "0 <= value < 1")
         _check(_is_number(self.preemption_grace_s) and self.preemption_grace_s > 0, "preemption_grace_s", self.preemption_grace_s, "a positive number of seconds")
+        if self.preemption_exit_code is not None:
+            _check(_is_int(self.preemption_exit_code) and 0 <= self.preemption_exit_code <= 255, "preemption_exit_code",
+                   self.preemption_exit_code, "an integer 0..255 or null (128 + signal number)")
         _check(_is_number(self.recovery_timeout_ms) and self.recovery_timeout_ms > 0, "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
         import signal as _signal
 
@@ -411,27 +364,6 @@ class SmartCkptConfig:
             return v
 
         return conv(self)  # type: ignore[no-any-return]
-
-
-def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    prefix = f"{where}." if where else ""
-    unknown = sorted(set(data) - names)
-    if unknown:
-        key = unknown[0]
-        raise ConfigError(
-            f"unknown config key {prefix}{key!r}{_did_you_mean(key, names)}: allowed keys are {', '.join(sorted(names))}."
-        )
-    try:
-        return cls(**data)
-    except ConfigError as e:
-        text = str(e)
-        name = text.split("=", 1)[0]
-        if where and name in names and not text.startswith(prefix):  # name the nested key as the YAML spells it
-            raise ConfigError(prefix + text) from e
-        raise
-    except TypeError as e:
-        raise ConfigError(f"invalid config {where or cls.__name__}: {e}") from e
 
 
 @dataclass(kw_only=True)

@@ -77,3 +77,19 @@ class Tier(enum.StrEnum):
 
 
 ALL_TIERS: frozenset[Tier] = frozenset(Tier)
+
+# -- store area (round 2): timelines, locks, containment --------------------------------
+TIMELINES_NAME = "timelines.json"  # per task: current timeline + abandoned checkpoints (one atomic record)
+WRITER_LOCK_NAME = ".writer.lock"  # per task: flock + holder (pid, host, session, since) of the one writer
+BLOBS_LOCK_NAME = ".blobs.lock"  # per task: saves (shared) vs blob collection (exclusive)
+ASIDE_SUFFIX = ".replaced"  # step-<N>.tmp-<sid>.replaced: committed copy set aside during a replace-commit
+TRASH_INFIX = ".deleted-"  # step-<N>.tmp-<sid>.deleted-<rand>: a checkpoint being deleted
+KEY_LINEAGE = "lineage"
+KEY_KIND = "kind"
+KEY_SESSION_ID = "session_id"
+KEY_BYTES = "bytes"
+KEY_RECOVERY_COST = "recovery_cost_ms"
+MAX_JSON_BYTES = 64 << 20
+"""Largest JSON file of a checkpoint the store parses (manifest, optimizer.json, L2); bigger is corrupt."""
+CHECKPOINT_FILE_NAMES = frozenset({WEIGHTS_NAME, OPTIMIZER_NAME, OPTIMIZER_META_NAME, SAMPLER_NAME})
+"""File names a manifest may list besides `RNG_NAME_TEMPLATE` names (the containment allowlist)."""

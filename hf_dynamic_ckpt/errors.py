@@ -33,3 +33,11 @@ class SaveError(DynamicCkptError, RuntimeError):
 
 class DistributedError(DynamicCkptError, RuntimeError):
     """Ranks disagree (restore point, files, decisions) or a rank did not finish in time."""
+
+
+class StoreLockedError(DynamicCkptError, RuntimeError):
+    """Another live session writes the same task (the message names it: pid, host, session, since when)."""
+
+
+class UnsafePathError(DynamicCkptError, PermissionError):
+    """A path the store was about to change resolves outside the store root, or through a symbolic link."""

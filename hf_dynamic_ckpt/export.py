@@ -199,7 +199,7 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
         _write_hf(loaded, desc, target)
     else:
         _write_merged(loaded, desc, target, base)
-    logger.info("exported step %d of %s as %s to %s", loaded.info.step, root, format, target)
+    logger.debug("exported step %d of %s as %s to %s", loaded.info.step, root, format, target)
     return target, loaded.info.step
 
 

@@ -106,5 +106,5 @@ def plot_timeline(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_I
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     plt.close(fig)
-    logger.info("wrote %s", output)
+    logger.debug("wrote %s", output)
     return output

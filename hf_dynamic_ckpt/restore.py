@@ -82,7 +82,7 @@ def _retry_once(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except CorruptCheckpointError as first:
-        logger.info("resume: retrying a failed read once (%s)", first)
+        logger.debug("resume: retrying a failed read once (%s)", first)
         return fn()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from . import distributed as dist
 from .config import EngineMode, OnSaveError, SmartCkptConfig
 from .constants import ALL_TIERS, Tier
-from .engine import SaveEngine, SaveHandle
+from .engine import SaveEngine
 from .errors import DistributedError, SaveError
 from .events import SaveEvent, SaveLog
 from .jsonutil import json_safe
@@ -75,6 +75,16 @@ def open_store_and_engine(config: SmartCkptConfig, root: Path, *, rank: int, wor
     return store, SaveEngine(store, mode=mode, memory_margin=config.memory_margin)
 
 
+def exit_after_preemption(config: SmartCkptConfig, signum: int | None) -> None:
+    """Raise `SystemExit(preemption_exit_code)`: 128 + the signal by default (143 for SIGTERM); nothing for 0."""
+    code = config.preemption_exit_code
+    if code is None:
+        code = 128 + int(signum) if signum is not None else 143
+    if code:
+        logger.warning("preempted: training state committed; exiting with status %d so the job is requeued", code)
+        raise SystemExit(code)
+
+
 def human_bytes(n: int | None) -> str:
     """``1.3 MiB``-style size (binary units)."""
     if n is None:
@@ -97,6 +107,9 @@ class Saver:
         self.rank = rank
         self.log = SaveLog()
         self.before_save: Callable[[Decision], None] | None = None
+        self.announce: logging.Logger = logger
+        """Where the one INFO line per save and the resume line go (the Trainer callback points it at
+        transformers' logging, so `--log_level info` / `set_verbosity_info()` show them)."""
         self.on_first_save: Callable[[], None] | None = None
         self._raise_next: SaveError | None = None
 
@@ -124,7 +137,7 @@ class Saver:
         tiers = self._prepare(decision)
         request = self.request(decision, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
                                lineage=lineage)
-        handle = _engine_save(self.engine, sources, request, rng=rng, sampler=sampler, blocking=blocking)
+        handle = self.engine.save(sources, request, rng=rng, sampler=sampler, blocking=blocking)
         event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
                           pinned=decision.pin, blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle)
         if handle.skipped:
@@ -146,12 +159,13 @@ class Saver:
                 name = f"preemption: {_signal.Signals(signum).name}"
             except ValueError:
                 name = f"preemption: signal {signum}"
-        emergency = Decision(save=True, tiers=tiers, reason=f"emergency: {name}", kind=DecisionKind.PREEMPTION, step=step)
+        emergency = Decision(save=True, tiers=tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
         request = self.request(emergency, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
                                lineage=lineage)
-        info = _engine_emergency_save(self.engine, sources, request, deadline_s=self.config.preemption_grace_s)
+        # The engine writes the most valuable tiers first within the grace period; its reason is "emergency: ...".
+        info = self.engine.emergency_save(sources, request, deadline_s=self.config.preemption_grace_s)
         blocking_ms = (time.perf_counter() - start) * 1e3
-        event = SaveEvent(step=step, at_step=step, reason=emergency.reason, tiers=info.tiers if info else tiers,
+        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else tiers,
                           pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
                           bytes=info.bytes if info else None, path=info.path if info else None)
         self.log.add(event)
@@ -164,7 +178,7 @@ class Saver:
         saved = self.log.find(step)
         if saved is None:
             return False
-        logger.info("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
+        logger.debug("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
         saved.pinned = True
         if saved.handle is None and saved.path is not None and self.rank == 0:
             self.store.pin(f"step:{step}")
@@ -180,10 +194,9 @@ class Saver:
         if exc is not None:
             event.error = f"{type(exc).__name__}: {exc}"
             self.log.failed += 1
-            text = str(exc) if isinstance(exc, SaveError) else (
-                f"save of step {event.step} ({event.reason}) failed: {type(exc).__name__}: {exc}")
-            logger.warning("%s [on_save_error=%s; failed saves so far: %d]", text, self.config.on_save_error.value,
-                           self.log.failed)
+            # The engine has logged the one WARNING of this failure (with its cause); count it here.
+            logger.debug("save of step %d failed (on_save_error=%s; failed saves so far: %d): %s", event.step,
+                         self.config.on_save_error.value, self.log.failed, exc)
             if self.config.on_save_error == OnSaveError.RAISE and self._raise_next is None:
                 self._raise_next = exc if isinstance(exc, SaveError) else SaveError(str(exc))
             return
@@ -191,8 +204,9 @@ class Saver:
         event.write_ms = handle.write_ms
         if info is not None:
             event.bytes, event.path = info.bytes, info.path
-            logger.info("checkpoint step %d committed (%s): %s, training blocked %.1f ms", event.step, event.reason,
-                        human_bytes(info.bytes), event.blocking_ms)
+            self.announce.info("smart_ckpt: saved step %d (%s%s): %s, training blocked %.0f ms", event.step,
+                               event.reason, ", pinned" if event.pinned else "", human_bytes(info.bytes),
+                               event.blocking_ms)
             if event.pinned and not info.pinned:
                 self.store.pin(info)
             self.prune()
@@ -225,27 +239,14 @@ class Saver:
         if self.rank != 0 or self.engine.busy:
             return
         c = self.config
-        plan = plan_retention(self.store.list(include_unhealthy=True), keep_last=c.keep_last,
-                              log_spaced=c.keep_log_spaced, level_retention=level_retention_from_config(c),
-                              now=time.time())
-        for info, tiers in plan:
-            try:
-                self.store.delete(info, tiers=None if Tier.WEIGHTS in tiers else tiers)
-            except Exception as e:
-                logger.warning("retention: could not delete step %d (%s)", info.step, e)
-
-
-# TODO(merge): the engine branch moves SaveEngine.save/emergency_save to (sources, request, ...);
-# these two adapters then become direct calls.
-def _engine_save(engine: SaveEngine, sources: StateSources, request: SaveRequest, *, rng: dict[str, Any] | None,
-                 sampler: dict[str, Any] | None, blocking: bool) -> SaveHandle:
-    return engine.save(sources, step=request.step, epoch=request.epoch, tiers=request.tiers, reason=request.reason,
-                       pinned=request.pinned, healthy=request.healthy, signals=dict(request.signals or {}),
-                       debug_info=[dict(d) for d in request.debug_info], rng=rng, sampler=sampler, blocking=blocking)
-
-
-def _engine_emergency_save(engine: SaveEngine, sources: StateSources, request: SaveRequest, *,
-                           deadline_s: float) -> CheckpointInfo | None:
-    return engine.emergency_save(sources, step=request.step, epoch=request.epoch,
-                                 reason=request.reason.removeprefix("emergency: "), deadline_s=deadline_s,
-                                 signals=dict(request.signals or {}), debug_info=[dict(d) for d in request.debug_info])
+        try:
+            plan = plan_retention(self.store.list(include_unhealthy=True, include_abandoned=True), keep_last=c.keep_last,
+                                  log_spaced=c.keep_log_spaced, level_retention=level_retention_from_config(c),
+                                  now=time.time())
+            report = self.store.prune(plan)  # re-reads each entry from disk; abandoned ones once passed
+        except Exception as e:  # retention must never stop training
+            logger.warning("retention: skipped this time (%s)", e)
+            return
+        if report.removed or report.trimmed:
+            logger.debug("retention removed steps %s, trimmed %s, freed %s", report.removed, report.trimmed,
+                         human_bytes(report.bytes_freed))

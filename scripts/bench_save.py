@@ -5,8 +5,10 @@ One run, CPU, a ~60M-parameter Qwen2 built from config, full fine-tune and LoRA,
 one real Trainer step so the optimizer state exists. For each variant:
 
 1. blocking time per save of the same state (weights + optimizer + scheduler + RNG):
-   - ours: `SaveEngine.save` (thread writer), until it returns (median of warm saves;
-     the first save, which allocates the reusable buffers, is reported separately);
+   - ours: `SaveEngine.save` (thread writer), until it returns (median of warm saves; the
+     first save is reported separately: its buffers come from `engine.prepare()`, called
+     before it as the orchestrator does after attach, or are allocated by it with
+     `--no-prepare`);
    - HF: `Trainer._save_checkpoint(model, trial=None)` (synchronous, transformers' own);
    - DCP: `torch.distributed.checkpoint.async_save` on a single-process gloo group, until
      it returns (its blocking part; state dicts prepared beforehand, not timed);
@@ -40,9 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.engine import SaveEngine
-from hf_dynamic_ckpt.engine.snapshot import state_dict_tensor_bytes
+from hf_dynamic_ckpt.engine.live import state_dict_tensor_bytes
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store.spec import SaveRequest
 from hf_dynamic_ckpt.toy import lora, tiny_qwen2
 
 MB = 1e6
@@ -115,20 +118,23 @@ def _memcpy_ms(nbytes: int, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _ours(trainer: Any, kind: str, root: Path, repeats: int, threads: int) -> dict[str, float]:
+def _ours(trainer: Any, kind: str, root: Path, repeats: int, threads: int, prepare: bool) -> dict[str, float]:
     sources = _sources(trainer, kind)
     out: dict[str, float] = {}
     with CheckpointStore(root, compression_threads=threads) as store, SaveEngine(store) as engine:
+        if prepare:  # as the orchestrator does right after attach: buffers allocated and touched ahead
+            engine.prepare(sources, wait=True)
         blocking, writes = [], []
         info = None
         for i in range(repeats + 1):
-            handle = engine.save(sources, step=i + 1, tiers=ALL_TIERS, reason="bench")
+            handle = engine.save(sources, SaveRequest(step=i + 1, tiers=ALL_TIERS, reason="bench"))
             info = handle.wait()
             blocking.append(handle.blocking_ms)
             writes.append(handle.write_ms or 0.0)
         assert info is not None
         out["first_ms"] = blocking[0]
         out["blocking_ms"] = statistics.median(blocking[1:])
+        out["max_ms"] = max(blocking)
         out["write_ms"] = statistics.median(writes[1:])
         out["disk_bytes"] = _dir_bytes(Path(info.path)) + (_dir_bytes(store.blobs_dir) if store.blobs_dir.exists() else 0)
         out["buffer_bytes"] = engine.buffer_bytes
@@ -177,7 +183,7 @@ def _inflation(trainer: Any, kind: str, root: Path, mode: str, args: argparse.Na
     inflations, noise, during_ms, clean_ms = [], [], [], []
     with CheckpointStore(root, compression_threads=args.compression_threads) as store, \
             SaveEngine(store, mode=mode, writer_nice=args.writer_nice) as engine:
-        engine.save(sources, step=1, tiers=ALL_TIERS, reason="warm-up").wait()  # buffers
+        engine.save(sources, SaveRequest(step=1, tiers=ALL_TIERS, reason="warm-up")).wait()  # buffers
         engine.wait_writer_ready()  # process mode: measure the process, not the stand-in thread of its start-up
 
         def steps(n: int) -> list[float]:
@@ -190,7 +196,7 @@ def _inflation(trainer: Any, kind: str, root: Path, mode: str, args: argparse.Na
 
         for cycle in range(args.cycles):
             pre = steps(args.clean_steps)
-            handle = engine.save(sources, step=cycle + 2, tiers=ALL_TIERS, reason="bench")
+            handle = engine.save(sources, SaveRequest(step=cycle + 2, tiers=ALL_TIERS, reason="bench"))
             during = []
             while not handle.done():
                 during += steps(1)  # started while the write was in flight
@@ -218,7 +224,8 @@ def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str,
     res: dict[str, Any] = {"kind": kind, "params": params, "trainable": trainable, "bytes": nbytes}
     if not args.only_inflation:
         res["memcpy_ms"] = _memcpy_ms(nbytes, args.repeats)
-        res["ours"] = _ours(trainer, kind, work / f"ours-{kind}", args.repeats, args.compression_threads)
+        res["ours"] = _ours(trainer, kind, work / f"ours-{kind}", args.repeats, args.compression_threads,
+                            not args.no_prepare)
         print(f"[{kind}] ours {res['ours']}", flush=True)
         res["hf"] = _hf(trainer, args.hf_repeats)
         print(f"[{kind}] hf {res['hf']}", flush=True)
@@ -234,15 +241,16 @@ def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str,
 
 def _table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| variant | snapshot MB | memcpy floor ms | ours ms (x floor) | ours first save ms | HF `_save_checkpoint` ms "
-        "(ours / HF) | DCP `async_save` ms (ours / DCP) | ours bg write ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | snapshot MB | memcpy floor ms | ours ms (x floor) | ours first save ms (x floor) | ours worst save "
+        "(x floor) | HF `_save_checkpoint` ms (ours / HF) | DCP `async_save` ms (ours / DCP) | ours bg write ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         o, hf, dcp = r["ours"], r["hf"], r["dcp"]
         lines.append(
             f"| {r['kind']} | {r['bytes'] / MB:.1f} | {r['memcpy_ms']:.1f} | {o['blocking_ms']:.1f} "
-            f"({o['blocking_ms'] / r['memcpy_ms']:.2f}x) | {o['first_ms']:.1f} | {hf['blocking_ms']:.1f} "
+            f"({o['blocking_ms'] / r['memcpy_ms']:.2f}x) | {o['first_ms']:.1f} ({o['first_ms'] / r['memcpy_ms']:.2f}x) | "
+            f"{o['max_ms'] / r['memcpy_ms']:.2f}x | {hf['blocking_ms']:.1f} "
             f"({o['blocking_ms'] / hf['blocking_ms']:.3f}) | {dcp['blocking_ms']:.1f} "
             f"({o['blocking_ms'] / dcp['blocking_ms']:.2f}) | {o['write_ms']:.0f} |"
         )
@@ -283,6 +291,7 @@ def main() -> None:
     p.add_argument("--only-inflation", action="store_true", help="skip the blocking-time comparison")
     p.add_argument("--modes", default="thread,process", help="writer modes for the inflation measurement")
     p.add_argument("--writer-nice", type=int, default=10, help="nice increment of the writer thread/process")
+    p.add_argument("--no-prepare", action="store_true", help="no engine.prepare() before the first save")
     p.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     args = p.parse_args()
     if args.quick:
@@ -301,7 +310,9 @@ def main() -> None:
         dist.destroy_process_group()
     print()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch threads {args.torch_threads}, "
-          f"zstd threads {args.compression_threads}, writer nice {args.writer_nice}, total {time.perf_counter() - start:.0f} s")
+          f"zstd threads {args.compression_threads}, writer nice {args.writer_nice}, prepare "
+          f"{'no' if args.no_prepare else 'yes'}, load average {os.getloadavg()[0]:.1f}, "
+          f"total {time.perf_counter() - start:.0f} s")
     if not args.only_inflation:
         print(_table(results))
 

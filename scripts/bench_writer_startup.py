@@ -28,6 +28,7 @@ from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.process import ProcessWriter
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store.spec import SaveRequest
 
 
 @contextlib.contextmanager
@@ -55,7 +56,7 @@ def run(baseline: bool, saves: int, gap: float) -> list[tuple[float, str]]:
         engine = SaveEngine(store, mode="process")
         try:
             for step in range(1, saves + 1):
-                handle = engine.save(sources, step=step, tiers=ALL_TIERS, reason="bench")
+                handle = engine.save(sources, SaveRequest(step=step, tiers=ALL_TIERS, reason="bench"))
                 out.append((handle.blocking_ms, handle.writer))
                 end = time.perf_counter() + gap
                 while time.perf_counter() < end:  # "training" between saves

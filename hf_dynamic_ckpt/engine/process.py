@@ -2,10 +2,12 @@
 
 The snapshot buffers live in shared memory (`BufferPool(shared=True)`), are sent to the
 writer process once per (re)allocation and then referred to by name, so a save ships
-only a small message. The child opens its own `CheckpointStore` (a SQLite connection
-must not cross processes) with the parent store's constructor arguments. A parent-side
-thread sends each job and waits for the reply; it only blocks on a pipe, so it takes no
-CPU from training.
+only a small message. The child opens its own store (a SQLite connection must not cross
+processes) from the parent store's `StoreSpec`, unchanged, with `cleanup=False`. A
+parent-side `ThreadWriter` runs each job with `run_job` against `ProcessWriter._remote_save`,
+which sends the state and the `SaveRequest` and waits for the reply; it only blocks on a
+pipe, so it takes no CPU from training. `SaveEngine.abort` reaches the child's store
+through a shared event.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import multiprocessing as mp
-import os
 import sys
 import time
 import traceback
@@ -25,12 +27,17 @@ from typing import Any
 
 import torch
 
+from ..store.spec import SaveRequest, StoreSpec
 from ..store.types import CheckpointInfo, CheckpointState
-from .snapshot import BufferPool
+from ._legacy_store import open_store, store_save
+from .backends import ThreadWriter, set_priority, writer_priority
+from .buffers import BufferPool
+from .jobs import Job
 
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 60.0
+_ABORT_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,16 @@ def _map_state(state: CheckpointState, fn: Callable[[Any], Any]) -> CheckpointSt
     return dataclasses.replace(state, **{f: fn(getattr(state, f)) for f in _TENSOR_FIELDS})
 
 
+def _views(layouts: list[tuple[dict[torch.dtype, torch.Tensor], list[tuple[str, tuple[int, ...], torch.dtype, int]]]],
+           ) -> dict[str, torch.Tensor]:
+    """The named buffers of the parent's pool, as views of the shared regions it sent."""
+    out: dict[str, torch.Tensor] = {}
+    for regions, items in layouts:
+        for name, shape, dtype, offset in items:
+            out[name] = regions[dtype][offset:offset + math.prod(shape)].view(shape)
+    return out
+
+
 def _warm_up() -> None:
     """Import what a save needs and read the library versions (manifest) once, before the
     process reports ready, so its first save costs what later ones do; best effort."""
@@ -84,40 +101,21 @@ def _warm_up() -> None:
         logger.debug("writer process warm-up: %s", e)
 
 
-def _target_priority(nice: int) -> int | None:
-    """The nice value `nice` steps below the calling thread's (capped at 19); `None` if unchanged."""
-    if nice <= 0 or not hasattr(os, "getpriority"):
-        return None
-    try:
-        return min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-    except OSError:
-        return None
-
-
-def _set_priority(pid: int, target: int | None) -> None:
-    """Raise the nice value of `pid` (its main thread on Linux; later threads inherit) to `target`."""
-    if target is None:
-        return
-    try:
-        if os.getpriority(os.PRIO_PROCESS, pid) < target:
-            os.setpriority(os.PRIO_PROCESS, pid, target)
-    except OSError as e:
-        logger.debug("could not lower the writer process's priority: %s", e)
-
-
-def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any, priority: int | None = None,
-                 ready: Any = None) -> None:
+def _worker_main(store_cls: type, spec: StoreSpec, conn: Any, priority: int | None = None, ready: Any = None,
+                 cancel: Any = None) -> None:
     """Entry point of the writer process: receive buffers and save requests until told to stop.
 
     `ready` (a `multiprocessing.Event`) is set once the interpreter has imported torch and
-    opened the store: until then the parent writes its saves on a thread instead.
+    opened the store: until then the parent writes its saves on a thread instead. `cancel`
+    (a `multiprocessing.Event`) is set by the parent to abort the save in progress.
     """
-    _set_priority(0, priority)  # the parent already did, right after the start; this covers a race
+    set_priority(0, priority)  # the parent already did, right after the start; this covers a race
     torch.set_num_threads(1)
-    store = store_cls(**spec)
+    store = open_store(store_cls, spec)
     _warm_up()
     if ready is not None:
         ready.set()
+    cancelled: Callable[[], bool] = cancel.is_set if cancel is not None else (lambda: False)
     buffers: dict[str, torch.Tensor] = {}
     try:
         while True:
@@ -129,16 +127,17 @@ def _worker_main(store_cls: type, spec: dict[str, Any], conn: Any, priority: int
             if kind == "stop":
                 return
             if kind == "buffers":
-                buffers = msg[1]
+                buffers = _views(msg[1])
                 continue
-            state = _map_state(msg[1], functools.partial(_internalize, buffers=buffers))
+            _, shipped, request, timings = msg
+            state = _map_state(shipped, functools.partial(_internalize, buffers=buffers))
             try:
-                info = store.save(state, **msg[2])
+                info = store_save(store, state, request, timings=timings, cancel=cancelled)
             except BaseException as e:
                 conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
             else:
                 conn.send(("ok", info, None))
-            del state
+            del state, shipped
     finally:
         close = getattr(store, "close", None)
         if close is not None:
@@ -168,39 +167,40 @@ class WriterProcessError(RuntimeError):
 
 
 class ProcessWriter:
-    """Runs `CheckpointStore.save` in a spawned process over shared-memory buffers.
+    """Writes jobs with a store opened in a spawned process, over shared-memory buffers.
 
     The process is started by the constructor and becomes usable only once it reports
     `ready` (a spawned interpreter takes about a second to import torch and open the store);
     `SaveEngine` never waits for that: it writes on a thread until `ready` is true.
 
     Args:
-        store_spec (`dict`): keyword arguments that rebuild the store in the child.
-        store_cls (`type`): the store class.
-        run_job (`Callable`): the engine's job runner; called with `remote=` the remote save.
+        spec (`StoreSpec`): the parent store's spec; the child opens `store_cls.from_spec(spec, cleanup=False)`.
+        store_cls (`type`): the store class (importable in the child).
         pool (`BufferPool`): the engine's shared-memory buffer pool.
+        nice (`int`, *optional*, defaults to `0`): nice increment of the process.
     """
 
-    def __init__(self, store_spec: dict[str, Any], store_cls: type, run_job: Callable[..., None],
-                 pool: BufferPool, *, nice: int = 0) -> None:
-        from .writer import _ThreadWriter
+    label = "process"
 
+    def __init__(self, spec: StoreSpec, store_cls: type, pool: BufferPool, *, nice: int = 0) -> None:
         ctx = mp.get_context("spawn")  # fork would copy the training process's threads and CUDA state
         self._conn, child = ctx.Pipe()
         self._ready_event = ctx.Event()
+        self._cancel = ctx.Event()
         self._ready = False
-        priority = _target_priority(nice)
-        self._proc = ctx.Process(target=_worker_main, args=(store_cls, store_spec, child, priority, self._ready_event),
+        priority = writer_priority(nice)
+        self._proc = ctx.Process(target=_worker_main,
+                                 args=(store_cls, spec, child, priority, self._ready_event, self._cancel),
                                  daemon=True, name="hf-dynamic-ckpt-writer")
         _start_without_main(self._proc)
         if self._proc.pid is not None:
             # At once, so the interpreter start-up (importing torch, ~1 s of CPU) already runs at
             # the writer's lower priority instead of competing with the training steps.
-            _set_priority(self._proc.pid, priority)
+            set_priority(self._proc.pid, priority)
         child.close()
         self._pool = pool
         self._sent_generation = -1
-        self._thread = _ThreadWriter(lambda job: run_job(job, remote=self._remote), name="hf-dynamic-ckpt-ipc")
+        self._ipc = ThreadWriter(self._remote_save, name="hf-dynamic-ckpt-ipc")
 
     @property
     def pid(self) -> int | None:
@@ -228,19 +228,30 @@ class ProcessWriter:
             self._ready_event.wait(0.1 if left is None else min(0.1, left))
         return self.ready
 
-    def submit(self, job: Any) -> None:
-        self._thread.submit(job)
+    def submit(self, job: Job) -> None:
+        self._ipc.submit(job)
 
-    def _remote(self, state: CheckpointState, **kwargs: Any) -> CheckpointInfo | None:
+    def _remote_save(self, state: CheckpointState, request: SaveRequest, *, timings: Mapping[str, Any],
+                     cancel: Callable[[], bool]) -> CheckpointInfo | None:
+        """`StoreSave` for the IPC thread: ship the job to the child and wait for its reply."""
         if not self._proc.is_alive():
             raise WriterProcessError(f"writer process {self._proc.pid} exited with code {self._proc.exitcode}")
         buffers = self._pool.buffers
         if self._pool.generation != self._sent_generation:
-            self._conn.send(("buffers", dict(buffers)))
+            # A few shared regions per layout, not one message entry per tensor: the child
+            # rebuilds the named views from the offsets.
+            self._conn.send(("buffers", [(dict(layout.regions), [(name, shape, dtype, layout.offsets[name])
+                                                                 for name, shape, dtype in layout.spec])
+                                         for layout in self._pool.layouts.values()]))
             self._sent_generation = self._pool.generation
         names = {id(t): name for name, t in buffers.items()}
-        self._conn.send(("save", _map_state(state, lambda v: _externalize(v, names)), kwargs))
+        self._cancel.clear()  # one job at a time: an abort of an earlier job is spent
+        self._conn.send(("save", _map_state(state, lambda v: _externalize(v, names)), request, dict(timings)))
         try:
+            # Poll so that an abort reaches the child while it waits (for other ranks' files).
+            while not self._conn.poll(_ABORT_POLL_S):
+                if cancel() and not self._cancel.is_set():
+                    self._cancel.set()
             kind, payload, tb = self._conn.recv()
         except EOFError as e:
             raise WriterProcessError(f"writer process {self._proc.pid} died during the save") from e
@@ -250,7 +261,7 @@ class ProcessWriter:
         raise WriterProcessError(payload)
 
     def stop(self) -> None:
-        self._thread.stop()
+        self._ipc.stop()
         if not self.ready and self._proc.is_alive():
             # Still importing: it holds no job and wrote nothing, so there is nothing to flush.
             self._proc.terminate()

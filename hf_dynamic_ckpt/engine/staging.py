@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,30 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom) -> Sta
         needed_bytes,
         headroom,
     )
+
+
+class Stager:
+    """Makes the buffered-vs-streaming decision of each save and remembers the last one.
+
+    Args:
+        margin (`float`): fraction of the memory limit that must stay free.
+        headroom (`Callable[[], Headroom]`): the memory probe (`host_headroom` by default).
+    """
+
+    def __init__(self, margin: float, headroom: Callable[[], Headroom]) -> None:
+        self.margin = margin
+        self.headroom = headroom
+        self.last_plan: StagingPlan | None = None
+
+    def plan(self, needed_bytes: int) -> StagingPlan:
+        """The plan for a snapshot that newly allocates `needed_bytes` (0: buffered, nothing to probe)."""
+        if needed_bytes == 0:
+            plan = StagingPlan(StagingMode.BUFFERED, "snapshot buffers already allocated", 0, None)
+        else:
+            plan = plan_staging(needed_bytes, margin=self.margin, headroom=self.headroom())
+            logger.debug("staging: %s", plan.reason)
+        self.last_plan = plan
+        return plan
 
 
 def env_cgroup_dir() -> Path | None:

@@ -153,5 +153,5 @@ class AccelerateState:
             self.loader.resume_from(loaded.sampler, rng=loaded.rng)
         elif loaded.rng is not None:
             restore_rng_state(loaded.rng)
-        logger.info("restored step %d from %s (tiers: %s)", loaded.info.step, loaded.info.path,
+        logger.debug("restored step %d from %s (tiers: %s)", loaded.info.step, loaded.info.path,
                     ", ".join(sorted(t.value for t in loaded.tiers)))

@@ -157,7 +157,7 @@ class ResumableLoader:
             self._epoch_start_rngs, self._epoch_start_gen = pending["starts"], pending["gen"]
             source = self.accelerator.skip_first_batches(dl, pending["seen"]) if pending["seen"] else dl
             self.batches_seen = pending["seen"]
-            logger.info("resuming epoch %d after %d batches", self.epoch, self.batches_seen)
+            logger.debug("resuming epoch %d after %d batches", self.epoch, self.batches_seen)
         else:
             self._epoch_start_rngs = dist.all_gather_json(capture_rng_state())
             self._epoch_start_gen = _gen_b64(gen)

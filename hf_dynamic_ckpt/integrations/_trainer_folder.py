@@ -113,7 +113,7 @@ def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any) -> None:
             os.link(source, target)
             return
         except OSError as e:  # another filesystem: copying the weights is the price
-            logger.info("hard link of %s failed (%s); copying", source, e)
+            logger.debug("hard link of %s failed (%s); copying", source, e)
             shutil.copyfile(source, target)
             return
     _save_tensors(loaded.weights, target)  # deduplicated or aliased tensors live outside the file

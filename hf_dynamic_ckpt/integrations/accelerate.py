@@ -209,11 +209,17 @@ class SmartCheckpointer:
         """`smart_ckpt/*` numbers for `accelerator.log(...)`."""
         return self.core.metrics()
 
-    def close(self) -> None:
-        """Wait for the last write, remove hooks and probes, close the store (idempotent)."""
+    def close(self, *, exit_if_preempted: bool = True) -> None:
+        """Wait for the last write, remove hooks and probes, close the store (idempotent).
+
+        After a preemption save the process then exits with `preemption_exit_code` (128 + the
+        signal by default) so the scheduler requeues the job; `exit_if_preempted=False` returns.
+        """
         self.hooks.remove()
         self.core.close()
         self.state.close()
+        if exit_if_preempted:
+            self.core.exit_if_preempted()
 
     def __enter__(self) -> SmartCheckpointer:
         return self

@@ -46,6 +46,9 @@ from ._trainer_folder import materialise_trainer_folder, remove_resume_folders
 
 logger = logging.getLogger(__name__)
 
+ANNOUNCE_LOGGER = "transformers.integrations.smart_ckpt"
+"""The logger of the one line per save and the resume line in a Trainer run (a child of transformers')."""
+
 
 class SmartCkptCallback(TrainerCallback):
     """Signal-driven, tiered, non-blocking checkpoints for `transformers.Trainer`.
@@ -91,6 +94,8 @@ class SmartCkptCallback(TrainerCallback):
         """The run's `Checkpointer` (a new one after a finished `train()`; its store under `config.resolve_root`)."""
         if self.checkpointer is None or self.checkpointer.closed:
             self.checkpointer = Checkpointer(self.config, root=self.config.resolve_root(args.output_dir))
+            # The save and resume lines follow Trainer's verbosity (--log_level, set_verbosity_info()).
+            self.checkpointer.saver.announce = logging.getLogger(ANNOUNCE_LOGGER)  # under transformers: its handler and level
         return self.checkpointer
 
     # ------------------------------------------------------------------ events
@@ -177,6 +182,7 @@ class SmartCkptCallback(TrainerCallback):
             finally:
                 if dist.is_main():
                     remove_resume_folders(ck.root, ck.store.task_id)
+        ck.exit_if_preempted()  # 128 + signal: the scheduler requeues the job (preemption_exit_code)
 
     # ------------------------------------------------------------------ state for saves
     def _before_save(self, decision: Decision) -> None:
@@ -287,7 +293,7 @@ def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto"
     # The optimizer tier is read in the background while Trainer builds and prepares the optimizer.
     loaded = ck.resume(os.fspath(spec), background_optimizer=True, expected=expected_weights(trainer.model))
     if loaded is None:
-        logger.info("resume_checkpoint(%r): the store at %s is empty; starting fresh", spec, ck.root)
+        ck.saver.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
         return None
     folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
     cb._pending = loaded

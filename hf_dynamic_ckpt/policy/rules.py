@@ -229,7 +229,7 @@ class RulePolicy:
             decision = self.learned.after_update(frame, decision, healthy=healthy and not self.health.poisoned,
                                                  last_save=self.cadence.last_save_step, config=self.config)
         if decision.save and not healthy:
-            logger.info("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
+            logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
         # Update the levels after judging the frame, so a spike is measured against the past.
         self.levels.fold(frame)
         self._judged = None
@@ -313,14 +313,14 @@ class RulePolicy:
     def _suppress(self, key: str, step: int, message: str) -> None:
         if key not in self._suppressed:
             self._suppressed.add(key)
-            logger.info("step %d: %s", step, message)
+            logger.debug("step %d: %s", step, message)
 
     def _record(self, decision: Decision, step: int) -> None:
         assert decision.step is not None
         self.cadence.note_save(decision.step)
         entry = {"at_step": step, **decision.to_dict()}
         self.decisions.append(entry)
-        logger.info("step %d: save step %d (%s) tiers=%s%s%s", step, decision.step, decision.reason,
+        logger.debug("step %d: save step %d (%s) tiers=%s%s%s", step, decision.step, decision.reason,
                     ",".join(entry["tiers"]), " pinned" if decision.pin else "", "" if decision.healthy else " unhealthy")
 
     def record_save(self, step: int, blocking_s: float, tiers: frozenset[Tier] | None = None) -> None:

@@ -4,20 +4,29 @@ The catalog is only an index: the manifests are the truth and `Catalog.replace_a
 (driven by `CheckpointStore.reindex`) rebuilds it from them. WAL mode lets readers (a
 resume, the CLI) query while a writer (the background save thread) commits a row; every
 connection waits up to `busy_timeout_ms` for a lock instead of failing.
+
+Table `checkpoints` holds one row per checkpoint (the columns `CheckpointInfo` needs to
+rank and list); table `checkpoint_details` holds, per row, the manifest's blob table, the
+lineage and the abandoned flag as JSON/ints, so `list()` never reads a manifest. A row's
+`file_path` is informative only: `CheckpointStore` derives every path from the step.
+`Catalog.in_memory()` is the same index without a file, for read-only stores.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..constants import Tier
+from ..constants import STEP_DIR_PREFIX, Tier
+from ..jsonutil import loads_bounded
+from .spec import Lineage
 from .types import CheckpointInfo
 
 logger = logging.getLogger(__name__)
@@ -51,6 +60,20 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 );
 CREATE INDEX IF NOT EXISTS idx_checkpoints_task_step ON checkpoints (task_id, step);
 """
+_DETAILS = """
+CREATE TABLE IF NOT EXISTS checkpoint_details (
+    task_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    blobs TEXT NOT NULL,
+    lineage TEXT,
+    abandoned INTEGER NOT NULL DEFAULT 0,
+    manifest_sig TEXT,
+    PRIMARY KEY (task_id, step)
+);
+"""
+DETAIL_COLUMNS = ("task_id", "step", "blobs", "lineage", "abandoned", "manifest_sig")
+Sigs = Mapping[tuple[str, int], str | None]
+"""(task, step) -> identity of the manifest file the row was built from (`task.manifest_sig`)."""
 
 COLUMNS = (
     "task_id",
@@ -78,6 +101,38 @@ def decode_tiers(text: str) -> frozenset[Tier]:
     return frozenset(Tier(t) for t in text.split(",") if t)
 
 
+class JSONMapping(Mapping[str, Any]):
+    """A JSON object kept as text until first read (`CheckpointInfo.blobs` of a catalog row)."""
+
+    def __init__(self, text: str | None) -> None:
+        self._text = text
+        self._data: dict[str, Any] | None = None
+
+    def _load(self) -> dict[str, Any]:
+        if self._data is None:
+            try:
+                value = loads_bounded(self._text) if self._text else {}
+            except ValueError:
+                value = {}
+            self._data = value if isinstance(value, dict) else {}
+        return self._data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._load()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def __repr__(self) -> str:
+        return repr(self._load())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (self._load(),))
+
+
 class Catalog:
     """One connection to the catalog database of a store root.
 
@@ -97,8 +152,9 @@ class Catalog:
         ```
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 30_000) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike[str] | None, *, busy_timeout_ms: int = 30_000) -> None:
+        self.memory = path is None
+        self.path = Path(path) if path is not None else Path(":memory:")
         self.busy_timeout_ms = int(busy_timeout_ms)
         self.rebuilt = False
         """`True` when the database was unusable or of another schema and was started afresh:
@@ -109,6 +165,8 @@ class Catalog:
         except sqlite3.OperationalError:  # locked, unreachable: a real error, never a reason to rebuild
             raise
         except sqlite3.DatabaseError as e:  # "file is not a database", torn header, ...
+            if self.memory:  # pragma: no cover - an in-memory database is never damaged
+                raise
             aside = self.path.with_name(f"{self.path.name}.unusable-{int(time.time())}")
             logger.warning("catalog %s is unusable (%s); moved to %s and rebuilt from the manifests", self.path, e, aside)
             os.replace(self.path, aside)
@@ -118,12 +176,12 @@ class Catalog:
             self.rebuilt = True
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000.0, check_same_thread=False,
-                               isolation_level=None)
+        conn = sqlite3.connect(":memory:" if self.memory else self.path, timeout=self.busy_timeout_ms / 1000.0,
+                               check_same_thread=False, isolation_level=None)
         try:
             conn.execute(f"PRAGMA busy_timeout={self.busy_timeout_ms}")
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":  # e.g. a file system without shared memory
+            if str(mode).lower() != "wal" and not self.memory:  # e.g. a file system without shared memory
                 logger.warning("catalog %s: journal_mode is %s, not WAL; readers may wait for writers", self.path, mode)
             conn.execute("PRAGMA synchronous=NORMAL")
             version = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -135,12 +193,18 @@ class Catalog:
                     self.rebuilt = True
                 conn.executescript(_SCHEMA)
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.executescript(_DETAILS)  # added in round 2; older catalogs get it here (sync fills it)
         except BaseException:
             conn.close()
             raise
         return conn
 
     # -- plumbing -------------------------------------------------------------------------
+    @classmethod
+    def in_memory(cls) -> Catalog:
+        """A catalog that lives only in this process (read-only stores: nothing is written to disk)."""
+        return cls(None)
+
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
             raise RuntimeError(f"catalog {self.path} is closed; open a new CheckpointStore.")
@@ -159,33 +223,51 @@ class Catalog:
             return str(self._db().execute("PRAGMA journal_mode").fetchone()[0]).lower()
 
     # -- writes ---------------------------------------------------------------------------
-    def upsert(self, info: CheckpointInfo, *, root: str | os.PathLike[str]) -> None:
-        """Insert or replace the row of ``(info.task_id, info.step)``."""
-        row = self._row_values(info, root)
-        placeholders = ", ".join("?" for _ in COLUMNS)
-        updates = ", ".join(f"{c}=excluded.{c}" for c in COLUMNS if c not in ("task_id", "step"))
-        sql = (
-            f"INSERT INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({placeholders}) "
-            f"ON CONFLICT(task_id, step) DO UPDATE SET {updates}"
-        )
-        with self._lock:
-            self._db().execute(sql, row)
-
-    def replace_all(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str]) -> int:
-        """Delete every row and insert `infos`, in one transaction (readers see old or new)."""
-        rows = [self._row_values(i, root) for i in sorted(infos, key=lambda i: (i.task_id, i.step))]
-        placeholders = ", ".join("?" for _ in COLUMNS)
+    def _transaction(self, work: Any) -> None:
         with self._lock:
             db = self._db()
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.execute("DELETE FROM checkpoints")
-                db.executemany(f"INSERT INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({placeholders})", rows)
+                work(db)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        return len(rows)
+
+    def upsert(self, info: CheckpointInfo, *, root: str | os.PathLike[str], sig: str | None = None) -> None:
+        """Insert or replace the row of ``(info.task_id, info.step)`` and its details, in one transaction."""
+        self.upsert_many([info], root=root, sigs={(info.task_id, info.step): sig})
+
+    def upsert_many(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str], sigs: Sigs | None = None) -> None:
+        """`upsert` of several rows in one transaction."""
+        infos = list(infos)
+        updates = ", ".join(f"{c}=excluded.{c}" for c in COLUMNS if c not in ("task_id", "step"))
+        sql = (f"INSERT INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
+               f"ON CONFLICT(task_id, step) DO UPDATE SET {updates}")
+
+        def work(db: sqlite3.Connection) -> None:
+            db.executemany(sql, [self._row_values(i, root) for i in infos])
+            db.executemany(f"INSERT OR REPLACE INTO checkpoint_details ({', '.join(DETAIL_COLUMNS)}) VALUES "
+                           f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i, sigs) for i in infos])
+
+        self._transaction(work)
+
+    def replace_all(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str],
+                    task_id: str | None = None, sigs: Sigs | None = None) -> int:
+        """Delete every row (of `task_id`, or all) and insert `infos`, in one transaction (readers see old or new)."""
+        infos = sorted(infos, key=lambda i: (i.task_id, i.step))
+        where, args = (" WHERE task_id=?", (task_id,)) if task_id is not None else ("", ())
+
+        def work(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM checkpoints" + where, args)
+            db.execute("DELETE FROM checkpoint_details" + where, args)
+            db.executemany(f"INSERT INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})",
+                           [self._row_values(i, root) for i in infos])
+            db.executemany(f"INSERT INTO checkpoint_details ({', '.join(DETAIL_COLUMNS)}) VALUES "
+                           f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i, sigs) for i in infos])
+
+        self._transaction(work)
+        return len(infos)
 
     def set_status(self, task_id: str, step: int, status: str) -> None:
         if status not in STATUSES:
@@ -197,30 +279,40 @@ class Catalog:
         with self._lock:
             self._db().execute("UPDATE checkpoints SET pinned=? WHERE task_id=? AND step=?", (int(pinned), task_id, step))
 
+    def set_abandoned(self, task_id: str, steps: Iterable[int], abandoned: bool = True) -> None:
+        """Mirror of the timelines record (the record is the truth; this is for SQL readers)."""
+        steps = list(steps)
+        self._transaction(lambda db: db.executemany(
+            "UPDATE checkpoint_details SET abandoned=? WHERE task_id=? AND step=?",
+            [(int(abandoned), task_id, s) for s in steps]))
+
     def remove(self, task_id: str, step: int) -> None:
-        with self._lock:
-            self._db().execute("DELETE FROM checkpoints WHERE task_id=? AND step=?", (task_id, step))
+        def work(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM checkpoints WHERE task_id=? AND step=?", (task_id, step))
+            db.execute("DELETE FROM checkpoint_details WHERE task_id=? AND step=?", (task_id, step))
+
+        self._transaction(work)
 
     # -- reads ----------------------------------------------------------------------------
-    def rows(self, task_id: str | None = None) -> list[dict[str, Any]]:
-        """Every row (of one task, or all), as dicts, newest step first."""
-        sql = "SELECT * FROM checkpoints"
-        args: tuple[Any, ...] = ()
-        if task_id is not None:
-            sql += " WHERE task_id=?"
-            args = (task_id,)
-        sql += " ORDER BY task_id, step DESC"
+    _SELECT = ("SELECT c.*, d.blobs AS d_blobs, d.lineage AS d_lineage, d.abandoned AS d_abandoned, "
+               "d.manifest_sig AS d_sig FROM checkpoints c "
+               "LEFT JOIN checkpoint_details d ON d.task_id = c.task_id AND d.step = c.step")
+
+    def _query(self, sql: str, args: tuple[Any, ...]) -> list[dict[str, Any]]:
         with self._lock:
             cur = self._db().execute(sql, args)
             names = [d[0] for d in cur.description]
             return [dict(zip(names, r)) for r in cur.fetchall()]
 
+    def rows(self, task_id: str | None = None) -> list[dict[str, Any]]:
+        """Every row (of one task, or all), as dicts, newest step first."""
+        if task_id is None:
+            return self._query(self._SELECT + " ORDER BY c.task_id, c.step DESC", ())
+        return self._query(self._SELECT + " WHERE c.task_id=? ORDER BY c.step DESC", (task_id,))
+
     def get(self, task_id: str, step: int) -> dict[str, Any] | None:
-        with self._lock:
-            cur = self._db().execute("SELECT * FROM checkpoints WHERE task_id=? AND step=?", (task_id, step))
-            names = [d[0] for d in cur.description]
-            row = cur.fetchone()
-        return dict(zip(names, row)) if row is not None else None
+        found = self._query(self._SELECT + " WHERE c.task_id=? AND c.step=?", (task_id, step))
+        return found[0] if found else None
 
     def tasks(self) -> list[str]:
         with self._lock:
@@ -252,12 +344,29 @@ class Catalog:
         )
 
     @staticmethod
-    def to_info(row: dict[str, Any], *, root: str | os.PathLike[str]) -> CheckpointInfo:
-        """Turn a row into a `CheckpointInfo` with an absolute path under `root`."""
+    def _detail_values(info: CheckpointInfo, sigs: Sigs | None) -> tuple[Any, ...]:
+        lineage = json.dumps(info.lineage.to_dict(), sort_keys=True) if info.lineage is not None else None
+        sig = (sigs or {}).get((info.task_id, info.step))
+        return (info.task_id, int(info.step), json.dumps(dict(info.blobs), sort_keys=True), lineage, int(info.abandoned),
+                sig)
+
+    @staticmethod
+    def to_info(row: dict[str, Any], *, root: str | os.PathLike[str], abandoned: bool | None = None) -> CheckpointInfo:
+        """Turn a row into a `CheckpointInfo`; the path is derived from task and step, never read from the row.
+
+        Args:
+            abandoned (`bool`, *optional*): overrides the row's mirror of the timelines record.
+        """
+        lineage = None
+        if row.get("d_lineage"):
+            try:
+                lineage = Lineage.from_dict(loads_bounded(row["d_lineage"]))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                lineage = None
         return CheckpointInfo(
             task_id=row["task_id"],
             step=int(row["step"]),
-            path=os.path.normpath(os.path.join(os.fspath(root), row["file_path"])),
+            path=os.path.join(os.fspath(root), row["task_id"], f"{STEP_DIR_PREFIX}{int(row['step'])}"),
             reason=row["reason"],
             tiers=decode_tiers(row["tiers"]),
             bytes=int(row["bytes"]),
@@ -269,4 +378,7 @@ class Catalog:
             pinned=bool(row["pinned"]),
             status=row["status"],
             world_size=int(row["world_size"]),
+            blobs=JSONMapping(row.get("d_blobs")),
+            abandoned=bool(row.get("d_abandoned")) if abandoned is None else abandoned,
+            lineage=lineage,
         )

@@ -2,7 +2,8 @@
 the checks of its files against the manifest (presence, size, checksum, blob digests).
 
 These are the pieces `CheckpointStore` uses to verify before it loads; they never trust a
-file whose size or checksum differs from the manifest entry.
+file whose size or checksum differs from the manifest entry, never follow a symbolic link,
+and only touch names the manifest validation allowed (`manifest.allowed_file_name`).
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ from ..constants import (
     KEY_CREATED_AT,
     KEY_FILES,
     KEY_HEALTHY,
+    KEY_LINEAGE,
     KEY_PINNED,
     KEY_RANK,
     KEY_REASON,
     KEY_SIGNALS,
     KEY_SIZE,
     KEY_STEP,
-    KEY_TASK_ID,
     KEY_TIER,
     KEY_WORLD_SIZE,
+    MAX_JSON_BYTES,
     OPTIMIZER_META_NAME,
     OPTIMIZER_NAME,
     PINNED_MARKER,
@@ -36,10 +38,13 @@ from ..constants import (
     Tier,
 )
 from ..errors import CorruptCheckpointError
-from ..jsonutil import as_float
+from ..jsonutil import as_float, loads_bounded
+from . import fs
 from . import manifest as mf
+from .blobs import BlobStore
 from .catalog import STATUS_OK
-from .checksum import FileEntry, checksum_algo, file_checksum, fsync_file, new_hasher
+from .checksum import FileEntry, checksum_algo, file_checksum, new_hasher
+from .spec import Lineage
 from .types import CheckpointInfo, LoadedCheckpoint
 
 L1_PARTS = ("optimizer", "scheduler", "scaler")
@@ -48,32 +53,38 @@ L1_PARTS = ("optimizer", "scheduler", "scaler")
 
 def write_json(path: Path, obj: Any, *, tier: Tier, rank: int | None) -> FileEntry:
     """Write JSON, fsync, and return its manifest entry (checksum of the bytes written)."""
+    import os
+
     data = json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
     hasher = new_hasher()
     hasher.update(data)
-    with open(path, "wb") as f:
+    with fs.create(path) as f:
         f.write(data)
-        fsync_file(f)
+        f.flush()
+        os.fsync(f.fileno())
     return {KEY_SIZE: len(data), KEY_CHECKSUM: f"{hasher.name}:{hasher.hexdigest()}", KEY_TIER: tier.value, KEY_RANK: rank}
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file of a checkpoint; unreadable or invalid -> `CorruptCheckpointError`."""
+    """Parse a JSON file of a checkpoint (bounded size and depth); anything wrong -> `CorruptCheckpointError`."""
     try:
-        return json.loads(path.read_bytes())
+        return loads_bounded(fs.read_bytes(path, limit=MAX_JSON_BYTES))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path} is unreadable or not JSON ({e}); the checkpoint is damaged.") from e
 
 
-def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK) -> CheckpointInfo:
-    """The `CheckpointInfo` (catalog row) a valid manifest describes."""
+def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK,
+                       abandoned: bool = False) -> CheckpointInfo:
+    """The `CheckpointInfo` (catalog row) a valid manifest describes; the task is the directory's name."""
     signals = manifest.get(KEY_SIGNALS) or {}
+    signals = signals if isinstance(signals, dict) else {}
     gpu = as_float(signals.get("gpu_mem_percent"))
     if gpu is None and as_float(signals.get("device_mem_frac")) is not None:
         gpu = 100.0 * float(as_float(signals.get("device_mem_frac")) or 0.0)
     loss = as_float(signals.get("loss"))
+    lineage = manifest.get(KEY_LINEAGE)
     return CheckpointInfo(
-        task_id=str(manifest[KEY_TASK_ID]),
+        task_id=path.parent.name,
         step=int(manifest[KEY_STEP]),
         path=str(path),
         reason=str(manifest.get(KEY_REASON, "")),
@@ -84,40 +95,47 @@ def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str =
         save_time=float(manifest.get(KEY_CREATED_AT, 0.0)),
         recovery_cost_ms=as_float(manifest.get(mf.KEY_RECOVERY_COST)),
         healthy=bool(manifest.get(KEY_HEALTHY, True)),
-        pinned=bool(manifest.get(KEY_PINNED, False)) or (path / PINNED_MARKER).exists(),
+        pinned=bool(manifest.get(KEY_PINNED, False)) or fs.is_file(path / PINNED_MARKER),
         status=status,
         world_size=int(manifest.get(KEY_WORLD_SIZE, 1)),
+        blobs=dict(manifest.get(KEY_BLOBS) or {}),
+        abandoned=abandoned,
+        lineage=Lineage.from_dict(lineage) if isinstance(lineage, dict) else None,
     )
 
 
 def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointInfo:
     """Catalog row of a directory whose manifest cannot be trusted."""
-    try:
-        mtime = path.stat().st_mtime
-    except OSError:
-        mtime = 0.0
+    st = fs.lstat(path)
     return CheckpointInfo(task_id=task_id, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0,
-                          loss=None, gpu_mem_percent=None, save_time=mtime, recovery_cost_ms=None,
-                          healthy=False, pinned=(path / PINNED_MARKER).exists(), status=status)
+                          loss=None, gpu_mem_percent=None, save_time=st.st_mtime if st else 0.0, recovery_cost_ms=None,
+                          healthy=False, pinned=fs.is_file(path / PINNED_MARKER), status=status)
 
 
 def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> list[str]:
+    """Problems of the listed files: missing, a link, wrong size, wrong checksum (empty when all are good)."""
     problems = []
     files = manifest[KEY_FILES]
     for name in names:
         entry = files[name]
         path = directory / name
         where = f"{name} (tier {entry.get(KEY_TIER)}" + (f", rank {entry.get(KEY_RANK)})" if entry.get(KEY_RANK) is not None else ")")
-        if not path.is_file():
+        st = fs.lstat(path)
+        if st is None:
             problems.append(f"{where}: file is missing")
             continue
-        size = path.stat().st_size
-        if size != entry[KEY_SIZE]:
-            problems.append(f"{where}: size {size} bytes, manifest says {entry[KEY_SIZE]} (truncated or overwritten)")
+        if not fs.is_file(path):
+            problems.append(f"{where}: not a regular file (a symbolic link or directory is refused)")
+            continue
+        if st.st_size != entry[KEY_SIZE]:
+            problems.append(f"{where}: size {st.st_size} bytes, manifest says {entry[KEY_SIZE]} (truncated or overwritten)")
             continue
         try:  # verify with the algorithm the entry was written with
             actual = file_checksum(path, algo=checksum_algo(entry[KEY_CHECKSUM]))
-        except ValueError as e:
+        except FileNotFoundError:
+            problems.append(f"{where}: file is missing")
+            continue
+        except (ValueError, OSError) as e:
             problems.append(f"{where}: {e}")
             continue
         if actual != entry[KEY_CHECKSUM]:
@@ -125,16 +143,14 @@ def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[
     return problems
 
 
-def blob_problems(blobs_dir: Path, blobs: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    from .weights import verify_blob
-
+def blob_problems(blobs: BlobStore, records: Mapping[str, Mapping[str, Any]]) -> list[str]:
     problems: list[str] = []
     seen: set[str] = set()
-    for key, rec in sorted(blobs.items()):
+    for key, rec in sorted(records.items()):
         if rec.get("digest") in seen:
             continue
         seen.add(str(rec.get("digest")))
-        problems.extend(f"{p} (weight {key!r}, tier weights)" for p in verify_blob(blobs_dir, rec))
+        problems.extend(f"{p} (weight {key!r}, tier weights)" for p in blobs.verify(rec))
     return problems
 
 
@@ -174,23 +190,35 @@ def files_for(manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warning
 
 
 def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: list[str],
-                loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs_dir: Path) -> None:
-    """Read the verified files `names` of the `wanted` tiers into `loaded`."""
-    from .tensorpack import read_tensor_file, unflatten_state
+               loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs: BlobStore) -> None:
+    """Read the verified files `names` of the `wanted` tiers into `loaded`.
+
+    Raises:
+        `CorruptCheckpointError`: any file that does not parse (whatever the parser's complaint).
+    """
+    from .statetree import unflatten_state
+    from .tensorpack import read_tensor_file
     from .weights import load_weights
 
     if Tier.WEIGHTS in wanted:
-        loaded.weights = load_weights(directory, manifest.get(KEY_BLOBS) or {}, blobs_dir=blobs_dir, mmap=mmap)
+        loaded.weights = load_weights(directory, manifest.get(KEY_BLOBS) or {}, blobs_dir=blobs, mmap=mmap)
     if Tier.OPTIMIZER in wanted:
         structure = read_json(directory / OPTIMIZER_META_NAME)
-        tensors = read_tensor_file(directory / OPTIMIZER_NAME) if OPTIMIZER_NAME in names else {}
         if not isinstance(structure, dict):
             raise CorruptCheckpointError(f"{directory / OPTIMIZER_META_NAME} is not a JSON object.")
+        tensors = read_tensor_file(directory / OPTIMIZER_NAME) if OPTIMIZER_NAME in names else {}
         state = unflatten_state(structure, tensors)
         loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in L1_PARTS)
     if Tier.STATE in wanted:
         rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
         if rng_name in names:
-            loaded.rng = read_json(directory / rng_name)
+            loaded.rng = _object(directory / rng_name)
         if SAMPLER_NAME in names:
-            loaded.sampler = read_json(directory / SAMPLER_NAME)
+            loaded.sampler = _object(directory / SAMPLER_NAME)
+
+
+def _object(path: Path) -> dict[str, Any]:
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{path} is not a JSON object; the checkpoint is damaged.")
+    return value

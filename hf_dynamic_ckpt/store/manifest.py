@@ -15,16 +15,19 @@ import hashlib
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..constants import (
+    CHECKPOINT_FILE_NAMES,
     CHECKSUM_ALGO,
     DEBUG_INFO_STEPS,
     FORMAT_VERSION,
     KEY_BLOBS,
+    KEY_BYTES,
     KEY_CHECKSUM,
     KEY_CREATED_AT,
     KEY_DEBUG_INFO,
@@ -33,9 +36,13 @@ from ..constants import (
     KEY_FILES,
     KEY_FORMAT_VERSION,
     KEY_HEALTHY,
+    KEY_KIND,
+    KEY_LINEAGE,
     KEY_MANIFEST_CHECKSUM,
     KEY_PINNED,
     KEY_REASON,
+    KEY_RECOVERY_COST,
+    KEY_SESSION_ID,
     KEY_SIGNALS,
     KEY_SIZE,
     KEY_STEP,
@@ -46,17 +53,19 @@ from ..constants import (
     KEY_VERSIONS,
     KEY_WORLD_SIZE,
     MANIFEST_NAME,
+    MAX_JSON_BYTES,
+    STEP_DIR_PREFIX,
     Tier,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
-from ..jsonutil import json_safe
+from ..jsonutil import json_safe, loads_bounded
+from .blobs import is_digest
+from .fs import create, read_bytes
 
-# Manifest keys owned by the store core (the shared ones live in constants.py).
-KEY_BYTES = "bytes"
-"""Bytes of the files inside the checkpoint directory (blobs excluded: they are shared)."""
-KEY_RECOVERY_COST = "recovery_cost_ms"
-"""Estimated milliseconds to verify and load every tier (see `estimate_recovery_cost_ms`)."""
-KEY_SESSION_ID = "session_id"
+__all__ = ["KEY_BYTES", "KEY_RECOVERY_COST", "KEY_SESSION_ID", "build_manifest", "read_manifest", "tiers_of",
+           "validate_manifest", "without_tiers", "write_manifest"]
+
+_RNG_NAME_RE = re.compile(r"rng-rank(0|[1-9][0-9]{0,6})\.json")
 
 # Throughputs of the recovery-cost model (bytes per millisecond). Loading a file means
 # checksumming it first (sha256, ~0.5-1 GB/s on one core), then mapping (L0) or
@@ -86,9 +95,9 @@ def library_versions() -> dict[str, str]:
 def _library_versions() -> dict[str, str]:
     from importlib import metadata
 
-    from .. import __version__
+    from .._version import VERSION
 
-    versions = {"hf_dynamic_ckpt": __version__, "python": platform.python_version()}
+    versions = {"hf_dynamic_ckpt": VERSION, "python": platform.python_version()}
     for dist in ("torch", "transformers", "accelerate", "peft", "safetensors", "zstandard", "numpy"):
         try:
             versions[dist] = metadata.version(dist)
@@ -138,8 +147,10 @@ def build_manifest(
     files: Mapping[str, Mapping[str, Any]],
     blobs: Mapping[str, Mapping[str, Any]],
     session_id: str,
+    kind: str | None = None,
+    lineage: Mapping[str, Any] | None = None,
     signals: Mapping[str, Any] | None = None,
-    debug_info: list[Mapping[str, Any]] | None = None,
+    debug_info: Collection[Mapping[str, Any]] | None = None,
     extra: Mapping[str, Any] | None = None,
     timings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -149,7 +160,9 @@ def build_manifest(
         files (`Mapping[str, FileEntry]`): every file in the checkpoint directory.
         blobs (`Mapping[str, dict]`): weight key -> ``{"digest", "dtype", "shape", "size"}`` of
             deduplicated tensors (their files live in ``<task>/blobs/`` and are checked by digest).
-        debug_info (`list[dict]`, *optional*): per-step records; only the last
+        kind (`str`, *optional*): machine-readable reason (`DecisionKind` value).
+        lineage (`Mapping`, *optional*): `Lineage.to_dict()` of the run that wrote it.
+        debug_info (`Collection[dict]`, *optional*): per-step records; only the last
             `DEBUG_INFO_STEPS` are kept.
 
     Returns:
@@ -177,6 +190,10 @@ def build_manifest(
         KEY_VERSIONS: library_versions(),
         KEY_TIMINGS: dict(timings or {}),
     }
+    if kind is not None:
+        manifest[KEY_KIND] = str(kind)
+    if lineage is not None:
+        manifest[KEY_LINEAGE] = dict(lineage)
     manifest = json_safe(manifest)
     manifest[KEY_MANIFEST_CHECKSUM] = compute_manifest_checksum(manifest)
     return manifest
@@ -186,11 +203,64 @@ def write_manifest(directory: Path, manifest: Mapping[str, Any], *, name: str = 
     """Write `manifest` as ``directory/name`` and fsync it (the caller renames the directory)."""
     path = Path(directory) / name
     data = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n"
-    with open(path, "wb") as f:
+    with create(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return path
+
+
+def allowed_file_name(name: Any, world_size: int) -> bool:
+    """Whether a manifest may list `name`: a fixed allowlist plus ``rng-rank<R>.json`` for R < world size.
+
+    Only single path components from this list ever become paths, so a manifest can never
+    make the store read, stat or delete anything outside the checkpoint's own directory.
+    """
+    if not isinstance(name, str):
+        return False
+    if name in CHECKPOINT_FILE_NAMES:
+        return True
+    m = _RNG_NAME_RE.fullmatch(name)
+    return m is not None and int(m.group(1)) < world_size
+
+
+def _is_int(value: Any, *, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_shape(manifest: dict[str, Any], where: str) -> None:
+    """Types of every key the store turns into paths, sizes or decisions."""
+    for key, kind in ((KEY_STEP, int), (KEY_FILES, dict), (KEY_TIERS, list), (KEY_TASK_ID, str)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise CorruptCheckpointError(f"{where}: manifest key {key!r} is missing or not a {kind.__name__}.")
+    world_size = manifest.get(KEY_WORLD_SIZE, 1)
+    if not _is_int(manifest[KEY_STEP]) or not _is_int(world_size, low=1):
+        raise CorruptCheckpointError(f"{where}: step={manifest[KEY_STEP]!r} / world_size={world_size!r} is invalid.")
+    if not all(isinstance(t, str) for t in manifest[KEY_TIERS]):
+        raise CorruptCheckpointError(f"{where}: manifest key 'tiers' must be a list of names.")
+    for name, entry in manifest[KEY_FILES].items():
+        if not allowed_file_name(name, world_size):
+            raise CorruptCheckpointError(
+                f"{where}: manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
+                f"({', '.join(sorted(CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json); the manifest is damaged or hostile."
+            )
+        if not isinstance(entry, dict) or not _is_int(entry.get(KEY_SIZE)) or not isinstance(entry.get(KEY_CHECKSUM), str):
+            raise CorruptCheckpointError(f"{where}: manifest entry of file {name!r} lacks an integer size or a checksum.")
+    blobs = manifest.get(KEY_BLOBS) or {}
+    if not isinstance(blobs, dict):
+        raise CorruptCheckpointError(f"{where}: manifest key 'blobs' is not an object.")
+    for key, rec in blobs.items():
+        if not (isinstance(rec, dict) and is_digest(rec.get("digest")) and isinstance(rec.get("dtype"), str)
+                and isinstance(rec.get("shape"), list) and all(_is_int(d) for d in rec["shape"])
+                and _is_int(rec.get("size", 0))):
+            raise CorruptCheckpointError(
+                f"{where}: blob record of weight {str(key)[:80]!r} is malformed (digest must be 64 hex digits, "
+                "dtype a name, shape a list of sizes); the manifest is damaged or hostile."
+            )
+    lineage = manifest.get(KEY_LINEAGE)
+    if lineage is not None and not (isinstance(lineage, dict) and isinstance(lineage.get("timeline"), str)
+                                    and isinstance(lineage.get("session"), str)):
+        raise CorruptCheckpointError(f"{where}: manifest key 'lineage' is malformed.")
 
 
 def validate_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
@@ -198,7 +268,8 @@ def validate_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
 
     Raises:
         `FormatVersionError`: written by a newer on-disk format than this library reads.
-        `CorruptCheckpointError`: checksum mismatch, or keys missing / of the wrong type.
+        `CorruptCheckpointError`: checksum mismatch, keys missing / of the wrong type, or a
+            file name outside the allowlist.
     """
     if not isinstance(manifest, dict):
         raise CorruptCheckpointError(f"{where}: the manifest is not a JSON object; the checkpoint is damaged.")
@@ -220,46 +291,52 @@ def validate_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
         )
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise CorruptCheckpointError(f"{where}: format_version={version!r} is not a valid format version.")
-    for key, kind in ((KEY_STEP, int), (KEY_FILES, dict), (KEY_TIERS, list), (KEY_TASK_ID, str)):
-        if not isinstance(manifest.get(key), kind):
-            raise CorruptCheckpointError(f"{where}: manifest key {key!r} is missing or not a {kind.__name__}.")
-    for name, entry in manifest[KEY_FILES].items():
-        if not isinstance(entry, dict) or not isinstance(entry.get(KEY_SIZE), int) or not isinstance(
-            entry.get(KEY_CHECKSUM), str
-        ):
-            raise CorruptCheckpointError(f"{where}: manifest entry of file {name!r} lacks an integer size or a checksum.")
+    _check_shape(manifest, where)
     return manifest
 
 
-def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate ``directory/manifest.json``.
+def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None,
+                  task_id: str | None = None) -> dict[str, Any]:
+    """Read and validate ``directory/manifest.json`` (never through a link, at most `MAX_JSON_BYTES`).
 
     Args:
         directory (`str` or `os.PathLike`): a committed checkpoint directory.
+        step (`int`, *optional*): the step its directory name says; the manifest must agree.
+        task_id (`str`, *optional*): the task its parent directory names; the manifest must agree.
 
     Returns:
         `dict`: the manifest.
 
     Raises:
         `CheckpointNotFoundError`: there is no manifest (not a committed checkpoint).
-        `CorruptCheckpointError`: unreadable JSON or checksum mismatch.
+        `CorruptCheckpointError`: unreadable, not JSON, nested too deeply, checksum mismatch,
+            a disallowed file name, or a step / task that differs from the directory's.
         `FormatVersionError`: written by a newer format version.
     """
     path = Path(directory) / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError as e:
+        raw = read_bytes(path, limit=MAX_JSON_BYTES)
+    except (FileNotFoundError, NotADirectoryError) as e:
         raise CheckpointNotFoundError(
             f"{directory}: no {MANIFEST_NAME}, so this is not a committed checkpoint (an interrupted save "
             "or another directory)."
         ) from e
     except IsADirectoryError as e:
         raise CorruptCheckpointError(f"{path}: is a directory, expected the manifest file.") from e
+    except OSError as e:  # a link (UnsafePathError), EIO, EACCES
+        raise CorruptCheckpointError(f"{path}: the manifest cannot be read ({e}).") from e
     try:
-        manifest = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        manifest = loads_bounded(raw)
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CorruptCheckpointError(f"{path}: the manifest is not valid JSON ({e}); the checkpoint is damaged.") from e
-    return validate_manifest(manifest, where=str(path))
+    manifest = validate_manifest(manifest, where=str(path))
+    if (step is not None and manifest[KEY_STEP] != step) or (task_id is not None and manifest[KEY_TASK_ID] != task_id):
+        raise CorruptCheckpointError(
+            f"{path}: the manifest says task {manifest[KEY_TASK_ID]!r} step {manifest[KEY_STEP]}, but it lives in "
+            f"{task_id!r}/{STEP_DIR_PREFIX}{step}; the directory is the truth, so this checkpoint is refused (it was "
+            "renamed or edited by hand)."
+        )
+    return manifest
 
 
 def tiers_of(manifest: Mapping[str, Any]) -> frozenset[Tier]:

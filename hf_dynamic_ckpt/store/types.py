@@ -121,3 +121,28 @@ class LoadedCheckpoint:
         if self.rng is not None or self.sampler is not None:
             tiers.add(Tier.STATE)
         return frozenset(tiers)
+
+
+@dataclass
+class GcReport:
+    """What `CheckpointStore.gc` or `CheckpointStore.prune` removed (or, with `dry_run`, would remove).
+
+    Args:
+        removed (`list[int]`): steps deleted whole (abandoned ones included).
+        trimmed (`dict[int, list[str]]`): step -> tiers deleted from a checkpoint that stays.
+        abandoned (`list[int]`): the steps of `removed` that were abandoned checkpoints.
+        blobs (`list[str]`): blob files collected (no checkpoint referenced them).
+        temp_dirs (`list[str]`): leftovers of interrupted saves or deletes that were removed.
+        bytes_freed (`int`): bytes of everything above.
+        kept (`list[str]`): why something a plan or the rules named was kept (one line each).
+        dry_run (`bool`): nothing was removed.
+    """
+
+    removed: list[int] = field(default_factory=list)
+    trimmed: dict[int, list[str]] = field(default_factory=dict)
+    abandoned: list[int] = field(default_factory=list)
+    blobs: list[str] = field(default_factory=list)
+    temp_dirs: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    kept: list[str] = field(default_factory=list)
+    dry_run: bool = False

@@ -85,7 +85,8 @@ def test_ddp_sigterm_on_one_rank_saves_on_all_and_continues_exactly(crashed: tup
     _, ref = crashed
     # Rank 0 alone gets SIGTERM after step 4; the flag travels in the step-5 reduction, so both
     # ranks save step 5 (rank 0 commits once rank 1's RNG file is written) and stop cleanly.
-    stopped = torchrun(tmp_path, "term", *ARGS, "--base_interval", "100", "--sigterm_at", "4")
+    stopped = torchrun(tmp_path, "term", *ARGS, "--base_interval", "100", "--sigterm_at", "4", expect_ok=False)
+    assert all(r["exit_code"] == 143 for r in stopped)  # 128 + SIGTERM on every rank: the job is requeued
     for r in range(2):
         assert [e["step"] for e in stopped[r]["events"] if e["reason"].startswith("emergency")] == [5]
         assert len(stopped[r]["losses"]) == 5

@@ -149,7 +149,11 @@ def main() -> None:
         report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault()])
-    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, args.resume))
+    try:
+        trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, args.resume))
+    except SystemExit as e:  # preempted: the state is committed and the process ends with 128 + signal
+        _dump(args, rank, losses, cb, killed=False, after={"exit_code": e.code})
+        raise
     _dump(args, rank, losses, cb, killed=False, after={
         "forward_hooks": len(inner._forward_hooks),  # the worker's own two hooks only
         "sigterm_handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,

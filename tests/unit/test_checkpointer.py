@@ -237,13 +237,17 @@ def test_resume_from_an_older_step_abandons_the_newer_timeline(tmp_path: Path) -
         _data_step(ck, model, opt, sched, step, seed=1)
         if (step + 1) % 2 == 0:
             ck.save_now(step + 1, 0.0)
+    a6 = {k: v.clone() for k, v in model.state_dict().items()}
     ck.close()
 
     # Timeline B: resume from step 2, other data, save at 3 and at 4 (a step A also saved), then crash.
     ck, model, opt, sched = make(tmp_path)
-    with pytest.warns(UserWarning, match=r"resume: step 2 is older than the newest checkpoint; deleting steps 4, 6"):
+    with pytest.warns(UserWarning, match=r"checkpoints 4, 6 belong to a run that went past the restore point \(step 2\); "
+                                         r"they are kept but abandoned"):
         assert _resume_into(ck, "step:2", model, opt, sched) == 2
-    assert [i.step for i in ck.store.list(include_unhealthy=True)] == [2]
+    assert [i.step for i in ck.store.list(include_unhealthy=True)] == [2]  # auto/best/fastest see only this
+    every = {i.step: i.abandoned for i in ck.store.list(include_unhealthy=True, include_abandoned=True)}
+    assert every == {6: True, 4: True, 2: False}  # nothing deleted
     for step in range(2, 4):
         _data_step(ck, model, opt, sched, step, seed=2)
         ck.save_now(step + 1, 0.0)
@@ -255,38 +259,40 @@ def test_resume_from_an_older_step_abandons_the_newer_timeline(tmp_path: Path) -
     ck.close()
 
     ck, model, opt, sched = make(tmp_path)
-    assert _resume_into(ck, "auto", model, opt, sched) == 4  # B's step 4, not A's step 6
+    assert _resume_into(ck, "auto", model, opt, sched) == 4  # B's step 4 (it replaced A's), not A's step 6
     for step in range(4, 6):
         _data_step(ck, model, opt, sched, step, seed=2)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
-    for k, s in expected_opt["state"].items():
-        for name, t in s.items():
+    for k, st in expected_opt["state"].items():
+        for name, t in st.items():
             assert torch.equal(opt.state_dict()["state"][k][name], t)
+    # A's abandoned step 6 is still there and restorable by name.
+    assert all(torch.equal(ck.store.load("step:6").weights[k], v) for k, v in a6.items())
     ck.close()
 
 
-def test_a_stale_step_that_could_not_be_deleted_is_replaced_by_the_next_save_of_it(tmp_path: Path,
-                                                                                    monkeypatch) -> None:
-    ck, model, opt, sched = make(tmp_path)
-    for step in range(4):
+def test_resume_never_deletes_and_retention_waits_until_the_new_timeline_passes(tmp_path: Path) -> None:
+    ck, model, opt, sched = make(tmp_path, keep_last=3)
+    for step in range(6):  # A: 2, 4 (pinned), 6
         _data_step(ck, model, opt, sched, step, seed=1)
         if (step + 1) % 2 == 0:
-            ck.save_now(step + 1, 0.0)
+            ck.save_now(step + 1, 0.0, pin=step + 1 == 4)
     ck.close()
-    ck, model, opt, sched = make(tmp_path)
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise OSError("read-only file system")
-
-    monkeypatch.setattr(ck.store, "delete", refuse)
-    with pytest.warns(UserWarning, match="deleting steps 4"):
+    ck, model, opt, sched = make(tmp_path, keep_last=1, keep_log_spaced=False)
+    with pytest.warns(UserWarning, match="checkpoints 4, 6 belong to a run that went past"):
         _resume_into(ck, "step:2", model, opt, sched)
-    assert ck._stale_steps == {4}
-    for step in range(2, 4):
+
+    def steps() -> dict[int, bool]:
+        ck.finish()
+        return {i.step: i.abandoned for i in ck.store.list(include_unhealthy=True, include_abandoned=True)}
+
+    for step in range(2, 7):  # B saves 3 and 5: A's 6 is not passed yet, so retention keeps it
         _data_step(ck, model, opt, sched, step, seed=2)
-    ck.save_now(4, 0.0)
-    assert torch.equal(ck.store.load("step:4").weights["lin.weight"], model.lin.weight.detach())  # B's, not A's
-    assert ck._stale_steps == set()
+        if step + 1 in (3, 5):
+            ck.save_now(step + 1, 0.0)
+    assert steps() == {6: True, 5: False, 4: True}  # keep_last=1 removed B's 3 and A's own 2, never 4 or 6
+    ck.save_now(7, 0.0)  # B passes 6: the abandoned 6 goes; the pinned abandoned 4 stays
+    assert steps() == {7: False, 4: True}
     ck.close()
 
 

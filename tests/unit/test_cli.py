@@ -51,10 +51,17 @@ def _bytes(root: Path, step: int) -> int:
 
 
 def test_ls_empty_and_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["ls", str(tmp_path)]) == 0
-    assert capsys.readouterr().out == f"no checkpoints under {tmp_path}\n"
+    # A folder that holds no store is an error (issue 13: it used to print "no checkpoints" and exit 0),
+    # and a command that only looks never creates a catalog there.
+    for command in (["ls"], ["verify"], ["show", "auto"] and ["ls", "--all"]):
+        assert main([command[0], str(tmp_path), *command[1:]]) == 2
+        assert f"no hf_dynamic_ckpt store under {tmp_path}: pass the store directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
     assert main(["ls", str(tmp_path / "nope")]) == 2
     assert "is not a directory; pass the store directory holding catalog.db" in capsys.readouterr().err
+    CheckpointStore(tmp_path / "empty").close()  # a store without checkpoints: listed as such
+    assert main(["ls", str(tmp_path / "empty")]) == 0
+    assert capsys.readouterr().out == f"no checkpoints under {tmp_path / 'empty'}\n"
 
 
 def test_show_text_and_json(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,3 +141,64 @@ def test_task_or_checkpoint_dir_as_root_is_a_usage_error(root: Path, capsys: pyt
         assert main(["ls", str(wrong)]) == 2
         err = capsys.readouterr().err
         assert f"ROOT {wrong} is a checkpoint or task directory, not a store root; pass {root} (the directory" in err
+
+
+def test_output_dir_json_and_version(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    out_dir = tmp_path.parent / f"{tmp_path.name}-train_out"
+    shutil.copytree(root, out_dir / "smart_ckpt")
+    assert main(["ls", str(out_dir), "--json"]) == 0  # the training output_dir finds its smart_ckpt/
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["task"], r["step"], r["pinned"], r["abandoned"]) for r in rows] == [("run", 20, False, False),
+                                                                                    ("run", 10, True, False)]
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("hf-dynamic-ckpt ")
+
+
+def test_show_rounds_numbers(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(root), "step:10"]) == 0
+    out = capsys.readouterr().out
+    assert "loss=0.25" in out and "0.30000000000000004" not in out  # debug_info 0.1 * 3, rounded
+
+
+def test_pin_unpin_rm_and_gc(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rm", str(root), "step:10"]) == 2
+    assert "step 10 is pinned; `hf-dynamic-ckpt unpin` it first or pass --force" in capsys.readouterr().err
+    assert main(["unpin", str(root), "step:10"]) == 0
+    assert capsys.readouterr().out == "unpinned run/step-10\n"
+    assert main(["pin", str(root), "step:20"]) == 0
+    assert main(["rm", str(root), "step:10"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("removed step 10 (")
+    assert not (root / "run" / "step-10").exists()
+    leftover = root / "run" / "step-30.tmp-deadbeef0000"
+    leftover.mkdir()
+    (leftover / "weights.safetensors").write_bytes(b"x" * 4096)
+    assert main(["gc", str(root), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would remove leftover step-30.tmp-deadbeef0000" in out and "would free 4.0 KiB" in out
+    assert leftover.exists()  # dry run
+    assert main(["gc", str(root)]) == 0
+    assert "freed 4.0 KiB" in capsys.readouterr().out and not leftover.exists()
+
+
+def test_ls_all_lists_abandoned_checkpoints(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = CheckpointStore(root, task_id="run")
+    assert store.fork(timeline="b", after_step=10, session="s2") == [20]
+    store.close()
+    assert main(["ls", str(root)]) == 0
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]] == ["10"]
+    assert main(["ls", str(root), "--all"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert lines[0].split()[1] == "20" and lines[0].split()[-1] == "abandoned"
+
+
+def test_read_only_commands_write_nothing(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def tree() -> dict[str, int]:
+        return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if "catalog.db" not in p.name}
+
+    before = tree()
+    for args in (["ls"], ["ls", "--all", "--json"], ["show", "step:10"], ["verify", "--all"]):
+        assert main([args[0], str(root), *args[1:]]) == 0
+    assert tree() == before

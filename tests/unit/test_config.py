@@ -121,7 +121,7 @@ def test_level_1_codec_must_be_zstd_or_none() -> None:
 
 def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCaptureFixture,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt import config as config_module
+    from hf_dynamic_ckpt import _config_checks as config_module
 
     monkeypatch.setattr(config_module, "_WARNED", set())
     with caplog.at_level("WARNING", logger="hf_dynamic_ckpt.config"):
@@ -153,6 +153,7 @@ def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCapture
         ({"storage_levels": {"level_1": {"compresion": "zstd"}}},
          "unknown config key storage_levels.level_1.'compresion' (did you mean 'compression'?)"),
         ({"on_save_error": "ignore"}, "on_save_error='ignore' is invalid: expected one of 'warn', 'raise'."),
+        ({"preemption_exit_code": 300}, "preemption_exit_code=300 is invalid: expected an integer 0..255 or null"),
     ],
 )
 def test_strict_types_and_did_you_mean(data: dict, message: str) -> None:

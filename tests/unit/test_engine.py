@@ -15,6 +15,7 @@ from hf_dynamic_ckpt.errors import ConfigError, SaveError
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.checksum import HashingWriter
+from hf_dynamic_ckpt.store.spec import SaveRequest
 
 RNG = {"python": "fixed", "torch": [1, 2, 3]}
 
@@ -92,8 +93,8 @@ def test_save_returns_before_write_and_later_steps_do_not_leak_into_it(store):
     gated = _GatedSave(store)
     expected = {"w": _clone(model.state_dict()), "o": _clone(opt.state_dict()), "s": _clone(sched.state_dict())}
     with SaveEngine(store) as engine:
-        handle = engine.save(_sources(model, opt, sched), step=1, epoch=0.25, tiers=ALL_TIERS, reason="interval",
-                             rng=RNG)
+        handle = engine.save(_sources(model, opt, sched),
+                             SaveRequest(step=1, epoch=0.25, tiers=ALL_TIERS, reason="interval"), rng=RNG)
         assert gated.entered.wait(30)
         assert not handle.done() and engine.busy
         assert not (store.task_dir / "step-1").exists()
@@ -114,16 +115,17 @@ def test_save_returns_before_write_and_later_steps_do_not_leak_into_it(store):
 def test_background_failure_surfaces_and_previous_checkpoint_stays(store, monkeypatch, caplog):
     model, opt, _ = _model()
     engine = SaveEngine(store)
-    assert engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER},
-                       reason="interval").wait(60).step == 1
+    assert engine.save(_sources(model, opt),
+                       SaveRequest(step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval")).wait(60).step == 1
 
     def no_space(self, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(HashingWriter, "write", no_space)
     _step(model, opt)
-    caplog.set_level(logging.ERROR, logger="hf_dynamic_ckpt.engine.writer")
-    handle = engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval")
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine")  # one WARNING per failed save (issue 10)
+    handle = engine.save(_sources(model, opt),
+                         SaveRequest(step=2, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval"))
     with pytest.raises(SaveError, match=r"No space left on device") as excinfo:
         handle.wait(60)
     message = str(excinfo.value)
@@ -142,7 +144,8 @@ def test_background_failure_surfaces_and_previous_checkpoint_stays(store, monkey
 
     monkeypatch.undo()  # disk space is back: training and saving continue
     _step(model, opt)
-    info = engine.save(_sources(model, opt), step=3, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval").wait(60)
+    info = engine.save(_sources(model, opt),
+                       SaveRequest(step=3, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval")).wait(60)
     assert info.step == 3 and store.resolve("auto").step == 3
     _assert_state_equal(store.load("step:3").weights, _clone(model.state_dict()))
     engine.close()
@@ -152,17 +155,17 @@ def test_on_busy_skip_logs_and_wait_serialises(store, caplog):
     model, opt, _ = _model()
     gated = _GatedSave(store)
     engine = SaveEngine(store, on_busy="skip")
-    first = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="interval")
+    first = engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="interval"))
     assert gated.entered.wait(30)
     caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.engine.writer")
-    skipped = engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS}, reason="risk")
+    skipped = engine.save(_sources(model, opt), SaveRequest(step=2, tiers={Tier.WEIGHTS}, reason="risk"))
     assert skipped.done() and skipped.wait() is None
     assert skipped.skipped == "save of step 2 (risk) skipped: step 1 is still writing (on_busy='skip')"
     assert skipped.skipped in caplog.text
     # A blocking save never skips: it waits for the write in flight.
     results: list[SaveHandle] = []
     t = threading.Thread(target=lambda: results.append(
-        engine.save(_sources(model, opt), step=3, tiers={Tier.WEIGHTS}, reason="final", blocking=True)))
+        engine.save(_sources(model, opt), SaveRequest(step=3, tiers={Tier.WEIGHTS}, reason="final"), blocking=True)))
     t.start()
     t.join(0.3)
     assert t.is_alive() and not results  # still waiting for step 1
@@ -178,11 +181,11 @@ def test_wait_policy_is_the_default_and_waits_for_the_write_in_flight(store):
     gated = _GatedSave(store)
     engine = SaveEngine(store)
     assert engine.on_busy == OnBusy.WAIT
-    first = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="interval")
+    first = engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="interval"))
     assert gated.entered.wait(30)
     out: list[SaveHandle] = []
     t = threading.Thread(target=lambda: out.append(
-        engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS}, reason="interval")))
+        engine.save(_sources(model, opt), SaveRequest(step=2, tiers={Tier.WEIGHTS}, reason="interval"))))
     t.start()
     t.join(0.3)
     assert t.is_alive()
@@ -198,7 +201,8 @@ def test_streaming_when_the_snapshot_does_not_fit(store, caplog):
     engine = SaveEngine(store, headroom=lambda: tight)
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
     expected = _clone(model.state_dict())
-    handle = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval")
+    handle = engine.save(_sources(model, opt),
+                         SaveRequest(step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval"))
     assert handle.done() and handle.staging == "streaming"  # synchronous: nothing left to write
     assert engine.buffer_bytes == 0  # no second copy was made
     assert "save of step 1 streams synchronously: a buffered snapshot would need" in caplog.text
@@ -211,14 +215,14 @@ def test_buffered_when_it_fits_and_buffers_are_reused(store):
     model, opt, _ = _model()
     roomy = Headroom(total_bytes=1 << 40, available_bytes=1 << 39, source="host")
     engine = SaveEngine(store, headroom=lambda: roomy)
-    engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a").wait(60)
+    engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a")).wait(60)
     held = engine.buffer_bytes
     n_params = len(list(model.parameters()))
     # weights + exp_avg + exp_avg_sq (float32) + one float32 `step` per parameter
     assert held == sum(v.numel() * 4 for v in model.state_dict().values()) * 3 + 4 * n_params
     assert engine.last_plan.mode == "buffered"
     _step(model, opt)
-    engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="b").wait(60)
+    engine.save(_sources(model, opt), SaveRequest(step=2, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="b")).wait(60)
     assert engine.buffer_bytes == held
     assert engine.last_plan.reason == "snapshot buffers already allocated"
     engine.close()
@@ -230,13 +234,13 @@ def test_frozen_weights_are_stored_once(store):
     frozen = frozenset({"0.weight", "0.bias"})
     sources = StateSources(weights=model.state_dict, frozen_keys=frozen)
     with SaveEngine(store) as engine:
-        engine.save(sources, step=1, tiers={Tier.WEIGHTS}, reason="a").wait(60)
+        engine.save(sources, SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="a")).wait(60)
         blobs = sorted(p.name for p in store.blobs_dir.iterdir())
         assert len(blobs) == 2
         mtimes = {p.name: p.stat().st_mtime_ns for p in store.blobs_dir.iterdir()}
         with torch.no_grad():
             model[2].weight.add_(1.0)
-        handle = engine.save(sources, step=2, tiers={Tier.WEIGHTS}, reason="b")
+        handle = engine.save(sources, SaveRequest(step=2, tiers={Tier.WEIGHTS}, reason="b"))
         handle.wait(60)
     assert {p.name: p.stat().st_mtime_ns for p in store.blobs_dir.iterdir()} == mtimes
     loaded = store.load("step:2").weights
@@ -247,11 +251,12 @@ def test_emergency_save_drops_optimizer_when_out_of_time(store, caplog):
     model, opt, sched = _model()
     engine = SaveEngine(store)
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
-    info = engine.emergency_save(_sources(model, opt, sched), step=5, epoch=1.0, reason="SIGTERM", deadline_s=1e-9,
-                                 rng=RNG)
+    info = engine.emergency_save(_sources(model, opt, sched),
+                                 SaveRequest(step=5, epoch=1.0, reason="SIGTERM"), deadline_s=1e-9, rng=RNG)
     assert info.tiers == frozenset({Tier.WEIGHTS, Tier.STATE}) and info.reason == "emergency: SIGTERM"
     assert "emergency save of step 5: dropping the optimizer tier" in caplog.text
-    info = engine.emergency_save(_sources(model, opt, sched), step=6, reason="SIGTERM", deadline_s=600.0, rng=RNG)
+    info = engine.emergency_save(_sources(model, opt, sched),
+                                 SaveRequest(step=6, reason="SIGTERM"), deadline_s=600.0, rng=RNG)
     assert info.tiers == ALL_TIERS
     loaded = store.load("step:6")
     _assert_state_equal(loaded.optimizer, _clone(opt.state_dict()))
@@ -262,12 +267,12 @@ def test_emergency_save_drops_optimizer_when_out_of_time(store, caplog):
 def test_close_is_idempotent_and_refuses_later_saves(store):
     model, opt, _ = _model()
     engine = SaveEngine(store)
-    handle = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="a")
+    handle = engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="a"))
     engine.close()
     assert handle.done() and handle.wait().step == 1  # close flushed it
     engine.close()
     with pytest.raises(SaveError, match=r"SaveEngine is closed: create a new SaveEngine to save again."):
-        engine.save(_sources(model, opt), step=2, tiers={Tier.WEIGHTS}, reason="a")
+        engine.save(_sources(model, opt), SaveRequest(step=2, tiers={Tier.WEIGHTS}, reason="a"))
 
 
 def test_invalid_arguments_name_the_value(store):
@@ -289,7 +294,7 @@ def test_skip_policy_refused_with_several_ranks(tmp_path):
 def test_sync_mode_writes_before_returning(store):
     model, opt, _ = _model()
     with SaveEngine(store, mode="sync") as engine:
-        h = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a")
+        h = engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a"))
         assert h.done() and h.staging == "sync" and engine.buffer_bytes == 0
         assert (store.task_dir / "step-1" / "manifest.json").exists()
 
@@ -298,7 +303,7 @@ def test_handle_wait_timeout(store):
     gated = _GatedSave(store)
     model, opt, _ = _model()
     engine = SaveEngine(store)
-    h = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="a")
+    h = engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="a"))
     with pytest.raises(TimeoutError, match=r"save of step 1 still writing after 0.01 s; call wait\(\) again."):
         h.wait(0.01)
     gated.gate.set()
@@ -318,7 +323,7 @@ def test_writer_thread_runs_at_lower_priority(store):
 
     store.save = save
     with SaveEngine(store, writer_nice=5) as engine:
-        engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS}, reason="a").wait(60)
+        engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="a")).wait(60)
     assert seen == [min(19, base + 5)]
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread is untouched
 
@@ -326,12 +331,13 @@ def test_writer_thread_runs_at_lower_priority(store):
 def test_process_mode_falls_back_to_thread_when_dev_shm_is_too_small(store, caplog):
     model, opt, _ = _model()
     engine = SaveEngine(store, mode="process")
-    engine._shm_free = lambda: 1024  # Docker's default /dev/shm is 64 MiB; here: 1 KiB
+    engine._dispatch.shm_free = lambda: 1024  # Docker's default /dev/shm is 64 MiB; here: 1 KiB
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
-    info = engine.save(_sources(model, opt), step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a").wait(60)
+    info = engine.save(_sources(model, opt),
+                       SaveRequest(step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a")).wait(60)
     assert info.step == 1 and engine.mode == "thread"
     assert "the process writer needs" in caplog.text and "using the thread writer instead" in caplog.text
-    assert type(engine._writer).__name__ == "_ThreadWriter" and not engine._snapshotter.pool.shared
+    assert type(engine._dispatch.writer).__name__ == "ThreadWriter" and not engine._snapshotter.pool.shared
     engine.close()
 
 
@@ -340,7 +346,8 @@ def test_tied_embeddings_are_stored_once_through_the_engine(store):
 
     model = tiny_qwen2(seed=0, hidden_size=16, num_layers=1, vocab_size=64, tie_word_embeddings=True)
     with SaveEngine(store) as engine:
-        info = engine.save(StateSources(weights=model.state_dict), step=1, tiers={Tier.WEIGHTS}, reason="a").wait(60)
+        info = engine.save(StateSources(weights=model.state_dict),
+                           SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="a")).wait(60)
     loaded = store.load(info).weights
     assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()
     _assert_state_equal(loaded, _clone(model.state_dict()))
@@ -354,20 +361,20 @@ def test_process_mode_never_waits_for_the_writer_process_to_start(store, monkeyp
     monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: gate.is_set() and self._ready_event.is_set()))
     model, opt, _ = _model()
     engine = SaveEngine(store, mode="process")
-    writer = engine._writer
+    writer = engine._dispatch.writer
     assert type(writer).__name__ == "ProcessWriter" and writer._proc.is_alive()  # started by the constructor
-    first = engine.save(_sources(model, opt), step=1, tiers=ALL_TIERS, reason="a")
+    first = engine.save(_sources(model, opt), SaveRequest(step=1, tiers=ALL_TIERS, reason="a"))
     assert first.writer == "thread (process starting)" and not writer.ready
     assert first.wait(60).step == 1 and not writer.ready  # committed without the process
     assert torch.equal(store.load("step:1").weights["0.weight"], model[0].weight.detach())
-    startup_thread = engine._startup_writer._thread
+    startup_thread = engine._dispatch.startup_writer._thread
     with torch.no_grad():
         model[0].weight.add_(1.0)
     gate.set()
     assert engine.wait_writer_ready(120)
-    second = engine.save(_sources(model, opt), step=2, tiers=ALL_TIERS, reason="b")
+    second = engine.save(_sources(model, opt), SaveRequest(step=2, tiers=ALL_TIERS, reason="b"))
     assert second.writer == "process" and second.wait(120).step == 2
-    assert engine._startup_writer is None and not startup_thread.is_alive()  # the stand-in thread is gone
+    assert engine._dispatch.startup_writer is None and not startup_thread.is_alive()  # the stand-in thread is gone
     assert torch.equal(store.load("step:2").weights["0.weight"], model[0].weight.detach())
     pid = writer.pid
     engine.close()
@@ -381,14 +388,14 @@ def test_process_writer_still_starting_is_stopped_at_close(store, monkeypatch):
 
     monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: False))  # never comes up
     engine = SaveEngine(store, mode="process")
-    writer = engine._writer
+    writer = engine._dispatch.writer
     pid = writer.pid
     assert writer._proc.is_alive()
     engine.close()  # nothing to flush: terminated, not waited for
     import psutil
 
     assert not psutil.pid_exists(pid)
-    assert engine._writer is None and engine._startup_writer is None
+    assert engine._dispatch.writer is None and engine._dispatch.startup_writer is None
 
 
 def test_writer_process_starts_at_lower_priority(store):
@@ -398,7 +405,7 @@ def test_writer_process_starts_at_lower_priority(store):
     engine = SaveEngine(store, mode="process", writer_nice=5)
     try:
         # Set by the parent right after the start: the interpreter's start-up already runs niced.
-        assert psutil.Process(engine._writer.pid).nice() == min(19, base + 5)
+        assert psutil.Process(engine._dispatch.writer.pid).nice() == min(19, base + 5)
     finally:
         engine.close()
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread is untouched
@@ -410,13 +417,13 @@ def test_writer_process_that_dies_before_it_is_ready_switches_to_the_thread_writ
     monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: False))
     model, opt, _ = _model()
     engine = SaveEngine(store, mode="process")
-    proc = engine._writer._proc
+    proc = engine._dispatch.writer._proc
     pid = proc.pid
     proc.kill()  # e.g. killed by the OOM killer while importing torch
     proc.join(60)
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
-    handle = engine.save(_sources(model, opt), step=1, tiers=ALL_TIERS, reason="a")
+    handle = engine.save(_sources(model, opt), SaveRequest(step=1, tiers=ALL_TIERS, reason="a"))
     assert handle.wait(60).step == 1 and handle.writer == "thread" and engine.mode == "thread"
     assert f"the writer process {pid} exited before it was ready; writing on a thread instead" in caplog.text
-    assert type(engine._writer).__name__ == "_ThreadWriter"
+    assert type(engine._dispatch.writer).__name__ == "ThreadWriter"
     engine.close()

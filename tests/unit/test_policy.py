@@ -313,7 +313,7 @@ def test_state_dict_round_trip_decides_the_same() -> None:
 
 
 def test_each_save_and_each_suppressed_trigger_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.policy.rules")
+    caplog.set_level(logging.DEBUG, logger="hf_dynamic_ckpt.policy.rules")
     policy = RulePolicy(SmartCkptConfig(base_interval=30, capture_cooldown=50))
     frames = [calm(s, **({"grad_norm": 20.0} if s in (40, 45, 50) else {})) for s in range(1, 61)]
     events = run(policy, frames)

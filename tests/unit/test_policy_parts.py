@@ -83,7 +83,7 @@ def test_record_save_is_a_deprecated_no_op() -> None:
 def test_saves_inside_the_demo_explosion_are_unhealthy_and_the_capture_is_the_restore_point(
         caplog: pytest.LogCaptureFixture) -> None:
     """The demo's loss x30 at steps 35-38: its risk_edge save at 38 (loss 178.2) was marked healthy."""
-    caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.policy")
+    caplog.set_level(logging.DEBUG, logger="hf_dynamic_ckpt.policy")
     trace = load_trace(TRACES / "anomaly_demo_qwen2.jsonl")
     ((onset, kind),) = trace.onsets
     assert kind == "loss_x"
@@ -104,7 +104,7 @@ def test_saves_inside_the_demo_explosion_are_unhealthy_and_the_capture_is_the_re
 
 def test_a_save_while_the_training_risk_is_high_is_unhealthy(caplog: pytest.LogCaptureFixture) -> None:
     """Gradients x4.8 for a while: no capture rule fires (below 5x), but the smoothed risk rises."""
-    caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.policy")
+    caplog.set_level(logging.DEBUG, logger="hf_dynamic_ckpt.policy")
     policy = RulePolicy(SmartCkptConfig(base_interval=1000, max_interval=1000))
     frames = [calm(s, **({"grad_norm": 4.8} if 61 <= s < 76 else {})) for s in range(1, 120)]
     saves = _saves(policy, frames)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
-from hf_dynamic_ckpt.engine.snapshot import BufferPool, Snapshotter
+from hf_dynamic_ckpt.engine.buffers import BufferPool
+from hf_dynamic_ckpt.engine.snapshot import Snapshotter
 from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.store.types import BlobRef
@@ -253,3 +254,71 @@ def test_tied_weights_stay_tied_and_are_copied_once():
     assert s.state.weights["lm_head.weight"] is s.state.weights["embed.weight"]
     assert s.state.weights["embed.weight"].data_ptr() != emb.data_ptr()
     assert s.copied_bytes == (40 + 3) * 4 and len(snap.pool) == 2
+
+
+def test_many_small_tensors_share_one_region_per_dtype():
+    torch.manual_seed(0)
+    tensors = {f"a{i}": torch.randn(3, 5) for i in range(200)}
+    tensors.update({f"b{i}": torch.randn(7).to(torch.bfloat16) for i in range(50)})
+    expected = {k: v.clone() for k, v in tensors.items()}
+    snap = Snapshotter()
+    s = snap.take(snap.collect(StateSources(weights=lambda: tensors), step=1, epoch=0.0, tiers={Tier.WEIGHTS}))
+    regions = snap.pool.layouts["weights/"].regions
+    assert {d: r.numel() for d, r in regions.items()} == {torch.float32: 200 * 15, torch.bfloat16: 50 * 7}
+    for k, v in s.state.weights.items():
+        region = regions[v.dtype]
+        assert v.untyped_storage().data_ptr() == region.untyped_storage().data_ptr(), k
+        assert torch.equal(v, expected[k]) and v.dtype == expected[k].dtype, k
+    for v in tensors.values():
+        v.add_(1)  # the snapshot does not move with the sources
+    assert all(torch.equal(s.state.weights[k], expected[k]) for k in tensors)
+
+
+def test_plan_follows_replaced_tensors_and_reuses_fresh_state_dict_objects():
+    model, opt, _ = _setup()
+    sources = StateSources(weights=model.state_dict, optimizer=opt)  # fresh detached tensors on every call
+    snap = Snapshotter()
+    snap.take(snap.collect(sources, step=1, epoch=0.0, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}))
+    plans, gen = dict(snap._plans), snap.pool.generation
+    _train_step(model, opt)
+    live = snap.collect(sources, step=2, epoch=0.0, tiers={Tier.WEIGHTS, Tier.OPTIMIZER})
+    assert snap.extra_bytes_needed(live) == 0
+    s2 = snap.take(live)
+    assert snap._plans == plans and snap.pool.generation == gen  # same tensors: nothing worked out again
+    assert all(torch.equal(s2.state.weights[k], v) for k, v in model.state_dict().items())
+    # A parameter given new storage of the same shape, an optimizer state tensor replaced.
+    model[0].weight.data = torch.full((5, 6), 3.0)
+    param = next(iter(model.parameters()))
+    opt.state[param]["exp_avg"] = torch.full((5, 6), 4.0)
+    s3 = snap.take(snap.collect(sources, step=3, epoch=0.0, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}))
+    assert torch.equal(s3.state.weights["0.weight"], torch.full((5, 6), 3.0))
+    assert torch.equal(s3.state.optimizer["state"][0]["exp_avg"], torch.full((5, 6), 4.0))
+    assert snap.pool.generation == gen  # same shapes: the buffers are reused
+    model[0].weight.data = torch.full((2, 6), 5.0)  # new shape: new buffers
+    s4 = snap.take(snap.collect(sources, step=4, epoch=0.0, tiers={Tier.WEIGHTS}))
+    assert torch.equal(s4.state.weights["0.weight"], torch.full((2, 6), 5.0)) and snap.pool.generation > gen
+
+
+def test_state_dict_walks_agree_and_the_copy_shares_no_mutable_container():
+    from types import MappingProxyType
+
+    from hf_dynamic_ckpt.engine.live import tensors_in, walk_tensors
+    from hf_dynamic_ckpt.engine.plans import substitute
+
+    t = [torch.tensor(float(i)) for i in range(6)]
+    obj = {
+        "state": {0: {"a": t[0], "step": 3, "b": (t[1], 2.0)}},
+        "param_groups": [{"lr": t[2], "params": [0, 1], "betas": (0.9, 0.99), "name": None}],
+        "m": MappingProxyType({"x": t[3], "y": [t[4], {"z": torch.nn.Parameter(t[5].clone())}]}),
+    }
+    found = tensors_in(obj, [])
+    assert [id(x) for x in found] == [id(x) for _, x in walk_tensors(obj, "")] and len(found) == 6
+    replacements = [torch.tensor(100.0 + i) for i in range(6)]
+    out = substitute(obj, iter(replacements))
+    assert [id(x) for x in tensors_in(out, [])] == [id(x) for x in replacements]
+    group = out["param_groups"][0]
+    assert group["params"] == [0, 1] and group["params"] is not obj["param_groups"][0]["params"]
+    assert group["betas"] == (0.9, 0.99) and group["name"] is None and out["state"][0]["step"] == 3
+    assert type(out["m"]) is dict and out["state"][0]["b"][1] == 2.0
+    obj["param_groups"][0]["params"].append(2)  # the live state changes after the snapshot
+    assert group["params"] == [0, 1]

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.constants import WEIGHTS_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
+from hf_dynamic_ckpt.store.blobs import BlobStore
 from hf_dynamic_ckpt.store.checksum import file_checksum
 from hf_dynamic_ckpt.store.types import BlobRef
 from hf_dynamic_ckpt.store.weights import (
@@ -23,8 +24,11 @@ from hf_dynamic_ckpt.store.weights import (
     load_weights,
     save_weights,
     tensor_digest,
-    verify_blob,
 )
+
+
+def verify_blob(blobs_dir: Path, rec: dict) -> list[str]:
+    return BlobStore(blobs_dir).verify(rec)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,0 +1,90 @@
+"""Validation helpers of `config`: range checks with messages that name the field, strict types,
+"did you mean" for unknown keys (Trainer's names included), nested YAML keys named in errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .errors import ConfigError
+
+_WARNED: set[str] = set()
+
+# Trainer's names for the knobs users look for first.
+HF_NAMES = {
+    "save_steps": "base_interval",
+    "save_total_limit": "keep_last",
+    "save_strategy": "base_interval (the policy decides when to save; base_interval is the calm interval)",
+    "save_on_each_node": "root (one store root per job; every rank writes its own files)",
+    "save_only_model": "storage_levels (keep weights only with fallback_strategy: level_0_only)",
+    "output_dir": "root",
+    "resume_from_checkpoint": "resume_checkpoint(trainer, 'auto') / --resume_from_smart_checkpoint",
+}
+
+
+def _warn_once(key: str) -> bool:
+    """Whether to log a configuration warning: once per process, and only on rank 0 of a job."""
+    if key in _WARNED or int(os.environ.get("RANK", "0") or 0) != 0:
+        return False
+    _WARNED.add(key)
+    return True
+
+
+def _did_you_mean(key: str, names: Iterable[str]) -> str:
+    if key in HF_NAMES:
+        return f" (Trainer's {key!r} is {HF_NAMES[key]} here)"
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _is_finite(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
+def _enum(enum_cls: type[enum.Enum], name: str, value: Any) -> Any:
+    try:
+        return enum_cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in enum_cls)  # type: ignore[attr-defined]
+        raise ConfigError(f"{name}={value!r} is invalid: expected one of {allowed}.") from None
+
+
+def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(data) - names)
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(
+            f"unknown config key {prefix}{key!r}{_did_you_mean(key, names)}: allowed keys are {', '.join(sorted(names))}."
+        )
+    try:
+        return cls(**data)
+    except ConfigError as e:
+        text = str(e)
+        name = text.split("=", 1)[0]
+        if where and name in names and not text.startswith(prefix):  # name the nested key as the YAML spells it
+            raise ConfigError(prefix + text) from e
+        raise
+    except TypeError as e:
+        raise ConfigError(f"invalid config {where or cls.__name__}: {e}") from e
+
+

@@ -1,0 +1,7 @@
+"""`python -m hf_dynamic_ckpt.cli`."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,168 @@
+"""What every `hf-dynamic-ckpt` command shares: finding the store, opening it safely, printing.
+
+ROOT may be the store directory (holding ``catalog.db`` and one folder per task) or the
+training ``output_dir`` (its ``smart_ckpt/`` is used). Commands that only look open the store
+so that they write nothing: the existing catalog is used when it is writable, otherwise the
+manifests are read into an in-memory index (read-only media, concurrent readers); a folder
+that holds no store is an error (exit 2), never a place where a catalog gets created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, MANIFEST_NAME, STEP_DIR_PREFIX
+from ..store.types import CheckpointInfo
+
+STORE_DIR = "smart_ckpt"
+"""The store's folder under a training `output_dir` (`SmartCkptConfig.resolve_root`)."""
+
+
+def human_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def human_number(v: Any) -> str:
+    """Floats to 4 significant digits (``0.1234567`` -> ``0.1235``); other values as they are."""
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.4g}"
+    return str(v)
+
+
+class UsageError(Exception):
+    """A command was pointed at something it cannot use (exit code 2, message on stderr)."""
+
+
+def usage_error(message: str) -> int:
+    print(f"hf-dynamic-ckpt: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _task_dirs(root: Path) -> list[Path]:
+    out = []
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != BLOBS_DIR:
+            try:
+                if any(c.name.startswith(STEP_DIR_PREFIX) or c.name == "timelines.json" for c in p.iterdir()):
+                    out.append(p)
+            except OSError:
+                continue
+    return out
+
+
+def is_store(root: Path) -> bool:
+    return root.is_dir() and ((root / CATALOG_NAME).is_file() or bool(_task_dirs(root)))
+
+
+def find_root(path: str | os.PathLike[str]) -> Path:
+    """The store directory for a user-given path (the store itself or a training output_dir).
+
+    Raises:
+        `UsageError`: the path holds no store (the message says what to pass instead).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise UsageError(f"ROOT {root} is not a directory; pass the store directory holding {CATALOG_NAME} "
+                         f"(or the training output_dir holding {STORE_DIR}/).")
+    if (root / MANIFEST_NAME).exists() or any(p.name.startswith(STEP_DIR_PREFIX) for p in root.iterdir()):
+        store_root = root.parent.parent if (root / MANIFEST_NAME).exists() else root.parent
+        raise UsageError(f"ROOT {root} is a checkpoint or task directory, not a store root; pass {store_root} "
+                         f"(the directory holding {CATALOG_NAME}) and select with REF / --task.")
+    if is_store(root):
+        return root
+    if is_store(root / STORE_DIR):
+        return root / STORE_DIR
+    raise UsageError(f"no hf_dynamic_ckpt store under {root}: pass the store directory (the one holding "
+                     f"{CATALOG_NAME}) or the training output_dir that holds {STORE_DIR}/.")
+
+
+def root_of(args: argparse.Namespace) -> Path:
+    return find_root(args.root)
+
+
+def tasks(root: Path, task: str | None) -> list[str]:
+    """Tasks to look at: the one asked for, else every folder under ROOT that holds checkpoints."""
+    if task is not None:
+        return [task]
+    return [p.name for p in _task_dirs(root)] or [DEFAULT_TASK_ID]
+
+
+def single_task(root: Path, task: str | None) -> str:
+    if task is not None:
+        return task
+    found = tasks(root, None)
+    if len(found) > 1:
+        raise UsageError(f"{root} holds several tasks ({', '.join(found)}); choose one with --task.")
+    return found[0]
+
+
+def open_reader(root: Path, task: str) -> Any:
+    """A store that writes nothing new: the existing catalog when writable, else read-only."""
+    from ..store.store import CheckpointStore
+
+    catalog = root / CATALOG_NAME
+    writable = catalog.is_file() and os.access(catalog, os.W_OK) and os.access(root, os.W_OK)
+    return CheckpointStore(root, task_id=task, cleanup=False, read_only=not writable)
+
+
+def open_writer(root: Path, task: str, *, cleanup: bool = True) -> Any:
+    """A store for commands that change it (pin, rm): takes the task's writer lock, so a command
+    never races a training run that is saving (`StoreLockedError` names the holder). `gc` opens
+    with `cleanup=False` and takes the lock itself, so that its report lists the leftovers."""
+    from ..store.store import CheckpointStore
+
+    if not (root / task).is_dir():
+        raise UsageError(f"task {task!r} has no folder under {root}; available: {', '.join(tasks(root, None))}.")
+    return CheckpointStore(root, task_id=task, cleanup=cleanup)
+
+
+def table(rows: list[list[str]], out: TextIO) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n")
+
+
+def info_json(i: CheckpointInfo) -> dict[str, Any]:
+    return {"task": i.task_id, "step": i.step, "reason": i.reason, "tiers": sorted(t.value for t in i.tiers),
+            "bytes": i.bytes, "loss": i.loss, "healthy": i.healthy, "pinned": i.pinned, "abandoned": i.abandoned,
+            "status": i.status, "saved_at": i.save_time, "recovery_cost_ms": i.recovery_cost_ms, "path": i.path}
+
+
+def dump_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, sort_keys=True, allow_nan=False, default=str)
+    sys.stdout.write("\n")
+
+
+class Progress:
+    """A counter on stderr: redrawn in place on a terminal, one line per item otherwise."""
+
+    def __init__(self, total: int, stream: TextIO, label: str = "verify") -> None:
+        self.total, self.stream, self.n, self.label = total, stream, 0, label
+        self.tty = stream.isatty()
+
+    def step(self, item: str) -> None:
+        self.n += 1
+        width = 24
+        done = int(width * self.n / max(self.total, 1))
+        bar = "#" * done + "." * (width - done)
+        text = f"{self.label} [{bar}] {self.n}/{self.total} {item}"
+        if self.tty:
+            self.stream.write("\r" + text.ljust(100)[:100])
+            if self.n == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()

@@ -1,0 +1,185 @@
+"""Finding checkpoints: `list` and `resolve` of `CheckpointStore` (a mixin over its `Task`).
+
+The catalog makes listing cheap, but it never decides alone: every path is derived from
+the step, a row whose directory lost its manifest is marked ``"missing"``, and a flag that
+would hide a checkpoint (unhealthy, corrupt, missing) is re-read from disk before the
+checkpoint is left out. Abandoned checkpoints (the timelines record) are never chosen by
+``auto``/``best``/``fastest`` but are listed with ``include_abandoned`` and found by
+``step:N`` or path.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..constants import MANIFEST_NAME, TMP_MARKER, Tier
+from ..errors import CheckpointNotFoundError
+from . import manifest as mf
+from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK
+from .layout import info_from_manifest
+from .task import parse_step_dir
+from .types import CheckpointInfo
+
+if TYPE_CHECKING:
+    from .fs import LocalFS
+    from .task import Task
+
+_NAMED_SPECS = ("auto", "best", "fastest")
+
+
+class Lookup:
+    """`list` / `resolve` over `self.task` (`Task`) and `self.fs`; `self.verify` re-checks corrupt flags."""
+
+    task: Task
+    fs: LocalFS
+    _confirmed: dict[int, tuple[Any, CheckpointInfo]]
+    _rechecked: set[tuple[int, float]]
+
+    if TYPE_CHECKING:
+        def verify(self, ref: Any) -> builtins.list[str]: ...  # provided by `reader.Reader`
+
+    def _reconfirm(self, info: CheckpointInfo) -> CheckpointInfo:
+        """The checkpoint as its directory describes it now (cached by the manifest's identity)."""
+        st = self.fs.lstat(Path(info.path) / MANIFEST_NAME)
+        if st is None:
+            return dataclasses.replace(info, status=STATUS_MISSING)
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._confirmed.get(info.step)
+        if cached is not None and cached[0] == sig:
+            fresh = cached[1]
+        else:
+            fresh = self.task.scan(info.step) or dataclasses.replace(info, status=STATUS_MISSING)
+            self._confirmed[info.step] = (sig, fresh)
+        if fresh.save_time == info.save_time and info.status == STATUS_CORRUPT and fresh.status == STATUS_OK:
+            fresh = dataclasses.replace(fresh, status=STATUS_CORRUPT)  # a file-level finding of verify stands
+        if (fresh.healthy, fresh.status, fresh.save_time, fresh.pinned) != (info.healthy, info.status, info.save_time,
+                                                                           info.pinned):
+            self.task.record(fresh)
+        return fresh
+
+    def list(self, include_unhealthy: bool = False, include_abandoned: bool = False) -> builtins.list[CheckpointInfo]:
+        """Checkpoints of this task, newest first.
+
+        Args:
+            include_unhealthy (`bool`, *optional*, defaults to `False`): also list unhealthy
+                checkpoints and rows whose status is ``"missing"`` or ``"corrupt"``.
+            include_abandoned (`bool`, *optional*, defaults to `False`): also list checkpoints
+                of timelines a later run forked away from.
+        """
+        out = []
+        abandoned = self.task.timelines.abandoned()
+        for row in self.task.catalog.rows(self.task.task_id):
+            info = self.task.row_info(row, abandoned)
+            if info.status == STATUS_OK and not self.fs.is_file(Path(info.path) / MANIFEST_NAME):
+                self.task.set_status(info.step, STATUS_MISSING)
+                info = dataclasses.replace(info, status=STATUS_MISSING)
+            if not include_unhealthy and not (info.healthy and info.status == STATUS_OK):
+                info = self._reconfirm(info)  # a flag that hides a checkpoint is re-read from disk first
+                if not (info.healthy and info.status == STATUS_OK):
+                    continue
+            if info.abandoned and not include_abandoned:
+                continue
+            out.append(info)
+        return out
+
+    def _available_text(self) -> str:
+        infos = self.list(include_unhealthy=True, include_abandoned=True)
+        if not infos:
+            return f"the store has no checkpoints of task {self.task.task_id!r} under {self.task.root}"
+
+        def note(i: CheckpointInfo) -> str:
+            flags = [] if i.status == STATUS_OK else [i.status]
+            flags += [] if i.healthy or i.status != STATUS_OK else ["unhealthy"]
+            flags += ["abandoned"] if i.abandoned else []
+            return f"{i.step}" + (f" ({', '.join(flags)})" if flags else "")
+
+        steps = ", ".join(note(i) for i in sorted(infos, key=lambda i: i.step))
+        return f"available steps of task {self.task.task_id!r}: {steps}"
+
+    def _recheck_corrupt(self) -> None:
+        """Re-verify (once per store) checkpoints a `corrupt` flag would keep from auto/best/fastest."""
+        for row in self.task.catalog.rows(self.task.task_id):
+            key = (int(row["step"]), float(row["save_time"]))
+            if row["status"] == STATUS_CORRUPT and row["healthy"] and key not in self._rechecked:
+                self._rechecked.add(key)
+                try:
+                    self.verify(int(row["step"]))
+                except CheckpointNotFoundError:
+                    continue
+
+    def resolve(self, spec: str | int | os.PathLike[str] | CheckpointInfo) -> CheckpointInfo:
+        """Turn a restore-point spec into a checkpoint.
+
+        Args:
+            spec (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"`` (newest healthy
+                checkpoint with weights), ``"best"`` (lowest recorded loss), ``"fastest"``
+                (lowest estimated recovery cost), ``"step:N"`` or ``N`` (that step, whatever
+                its health or timeline), or the path of a checkpoint directory.
+
+        Raises:
+            `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
+        """
+        if isinstance(spec, CheckpointInfo):
+            return spec
+        if isinstance(spec, int):
+            return self._by_step(int(spec))
+        text = os.fspath(spec)
+        if text in _NAMED_SPECS:
+            self._recheck_corrupt()
+            candidates = [i for i in self.list() if Tier.WEIGHTS in i.tiers]
+            if text == "best":
+                candidates = [i for i in candidates if i.loss is not None]
+                if not candidates:
+                    raise CheckpointNotFoundError(f"resolve('best'): no healthy checkpoint records a loss; {self._available_text()}.")
+                return min(candidates, key=lambda i: (i.loss, -i.step))
+            if not candidates:
+                raise CheckpointNotFoundError(f"resolve({text!r}): no healthy committed checkpoint with weights; {self._available_text()}.")
+            if text == "fastest":
+                return min(candidates, key=lambda i: (i.recovery_cost_ms if i.recovery_cost_ms is not None else float("inf"), -i.step))
+            return candidates[0]
+        if text.startswith("step:") or text.isdigit():
+            raw = text.removeprefix("step:")
+            try:
+                return self._by_step(int(raw))
+            except ValueError as e:
+                raise CheckpointNotFoundError(f"spec {text!r} is invalid: expected step:N with an integer N.") from e
+        return self._by_path(Path(text))
+
+    def _by_step(self, step: int) -> CheckpointInfo:
+        row = self.task.catalog.get(self.task.task_id, step)
+        path = self.task.step_dir(step)
+        if self.fs.is_dir(path) and self.fs.is_file(path / MANIFEST_NAME):
+            if row is not None and row["status"] != STATUS_MISSING:
+                return self.task.row_info(row)
+            info = self.task.scan(step)  # committed, catalog row not written yet
+            if info is not None:
+                self.task.record(info)
+                return info
+        if row is not None:
+            self.task.set_status(step, STATUS_MISSING)
+        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.task.dir}; {self._available_text()}.")
+
+    def _by_path(self, path: Path) -> CheckpointInfo:
+        path = path.absolute()
+        if (step := self.task.owns(path)) is not None:
+            return self._by_step(step)
+        if self.fs.is_link(path):
+            raise CheckpointNotFoundError(f"{path} is a symbolic link; the store never follows links. Pass the real "
+                                          f"directory; {self._available_text()}.")
+        if not self.fs.is_dir(path):
+            raise CheckpointNotFoundError(
+                f"{path} is neither 'auto', 'best', 'fastest', 'step:N' nor an existing checkpoint directory; "
+                f"{self._available_text()}."
+            )
+        if TMP_MARKER in path.name:
+            raise CheckpointNotFoundError(f"{path} is an unfinished save (temporary directory), not a checkpoint; {self._available_text()}.")
+        if not self.fs.is_file(path / MANIFEST_NAME):
+            raise CheckpointNotFoundError(
+                f"{path} is not a checkpoint directory (no {MANIFEST_NAME}); pass a step-<N> directory of a store; "
+                f"{self._available_text()}."
+            )
+        return info_from_manifest(mf.read_manifest(path, step=parse_step_dir(path.name)), path)

@@ -1,0 +1,310 @@
+"""Keeping a task tidy: leftovers and replace recovery, catalog sync and reindex, deletion,
+retention application (`prune`), abandoned timelines and blob collection (`gc`).
+
+Rules every function here follows:
+
+- Decisions are taken from disk, not from the catalog: a checkpoint is re-read (manifest,
+  `PINNED` marker, timelines record) right before it is deleted, and kept when what is on
+  disk no longer matches what the caller planned with.
+- Every change goes through the storage seam (`fs.LocalFS`), which refuses paths outside
+  the store root and symbolic links.
+- Temporary directories of other sessions and leftovers are removed only by the task's
+  writer (the caller holds the writer lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Collection, Iterable
+from pathlib import Path
+from typing import Any
+
+from ..constants import (
+    ALL_TIERS,
+    ASIDE_SUFFIX,
+    BLOBS_DIR,
+    MANIFEST_NAME,
+    STEP_DIR_PREFIX,
+    TIMELINES_NAME,
+    TMP_MARKER,
+    Tier,
+)
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from . import manifest as mf
+from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, encode_tiers
+from .task import Task, manifest_sig, parse_step_dir
+from .types import CheckpointInfo, GcReport
+
+logger = logging.getLogger(__name__)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the regular files under `path` (links are not followed)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            total += st.st_size
+    return total
+
+
+# -- leftovers --------------------------------------------------------------------------------
+def _restore_replaced(task: Task, name: str) -> None:
+    """Undo a replace-commit cut between its two renames: put the set-aside copy back."""
+    step = parse_step_dir(name.split(TMP_MARKER)[0])
+    final = task.step_dir(step) if step is not None else None
+    if final is None or task.fs.lstat(final) is not None:
+        return
+    aside = task.dir / name
+    try:
+        task.read_manifest(step, aside)  # type: ignore[arg-type]
+    except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError) as e:
+        logger.error("step %s: the copy set aside by an interrupted replace (%s) is unusable (%s); left in place",
+                     step, aside, e)
+        return
+    task.fs.rename(aside, final)
+    task.fs.fsync_dir(task.dir)
+    logger.warning("step %d: a replace-commit was interrupted between its renames; the previous copy is restored "
+                   "(%s -> %s)", step, aside.name, final.name)
+
+
+def remove_leftovers(task: Task, *, dry_run: bool = False) -> list[tuple[str, int]]:
+    """Finish what interrupted saves, replace-commits and deletes left behind (the writer only).
+
+    A copy set aside by a replace-commit whose step has no committed directory is renamed
+    back (the interrupted save never completed); then every temporary entry of other
+    sessions is removed (this session's own ``step-<N>.tmp-<session>`` is kept: other ranks
+    may be writing into it), and stray blob and record temp files.
+
+    Returns:
+        `list[tuple[str, int]]`: (name, bytes) of each temporary entry removed (or that would be).
+    """
+    fs = task.fs
+    names = fs.listdir(task.dir)
+    if not dry_run:
+        for name in names:
+            if name.startswith(STEP_DIR_PREFIX) and TMP_MARKER in name and name.endswith(ASIDE_SUFFIX):
+                _restore_replaced(task, name)
+        names = fs.listdir(task.dir)
+    own = f"{TMP_MARKER}{task.spec.session_id}"
+    removed = []
+    for name in names:
+        path = task.dir / name
+        kept_aside = name.endswith(ASIDE_SUFFIX) and fs.lstat(task.dir / name.split(TMP_MARKER)[0]) is None
+        leftover = (name.startswith(STEP_DIR_PREFIX) and TMP_MARKER in name and not name.endswith(own)) or \
+            name.startswith(f".{TIMELINES_NAME}{TMP_MARKER}")
+        if not leftover or kept_aside:
+            continue
+        removed.append((name, tree_bytes(path) if fs.is_dir(path) else 0))
+        if dry_run:
+            continue
+        logger.debug("removing leftover temporary entry %s", path)
+        try:
+            fs.rmtree(path) if fs.is_dir(path) else fs.unlink(path)  # a planted link goes, never its target
+        except OSError as e:
+            logger.warning("could not remove leftover %s: %s", path, e)
+    if not dry_run:
+        task.blobs.remove_temps()
+    return removed
+
+
+# -- catalog ----------------------------------------------------------------------------------
+def _differs(row: dict[str, Any], info: CheckpointInfo) -> bool:
+    return (float(row["save_time"]) != info.save_time or bool(row["healthy"]) != info.healthy
+            or bool(row["pinned"]) != info.pinned or row["tiers"] != encode_tiers(info.tiers)
+            or int(row["bytes"]) != info.bytes or row.get("d_blobs") is None
+            or bool(row.get("d_abandoned")) != info.abandoned
+            or (row["status"] != info.status and not (row["status"] == STATUS_CORRUPT and info.status == STATUS_OK)))
+
+
+def sync_catalog(task: Task) -> None:
+    """Make the task's catalog rows agree with its directories (the manifests are the truth).
+
+    Every committed directory's manifest is re-read unless the row was built from the very
+    same manifest file and pin marker (inode, size, mtime): rows are added for directories the
+    catalog lacks (a crash between the rename and the row), rewritten when the row's
+    flags (health, pin, tiers, identity, abandoned) differ from the disk, and marked
+    ``"missing"`` when the directory is gone. A ``"corrupt"`` status from `verify` is kept
+    while the manifest is unchanged (`resolve` re-verifies it before skipping it).
+    """
+    rows = {r["step"]: r for r in task.catalog.rows(task.task_id)}
+    abandoned = task.timelines.abandoned()
+    updates = []
+    present = set()
+    for step, path in task.committed().items():
+        row = rows.get(step)
+        if row is not None and row.get("d_sig") is not None and row["d_sig"] == manifest_sig(path) \
+                and row["status"] != STATUS_MISSING \
+                and bool(row["d_abandoned"]) == ((step, float(row["save_time"])) in abandoned):
+            present.add(step)  # the manifest and the pin marker are the ones the row was built from
+            continue
+        info = task.scan(step, path)
+        if info is None:
+            continue
+        present.add(step)
+        if row is not None and row["status"] == STATUS_CORRUPT and float(row["save_time"]) == info.save_time:
+            info = dataclasses.replace(info, status=STATUS_CORRUPT)
+        if row is None or _differs(row, info):
+            updates.append(info)
+    if updates:
+        sigs = {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in updates}
+        task._write(lambda: task.catalog.upsert_many(updates, root=task.root, sigs=sigs))
+    for step, row in rows.items():
+        if step not in present and row["status"] != STATUS_MISSING:
+            task.set_status(step, STATUS_MISSING)
+
+
+def scan_all(task: Task) -> list[CheckpointInfo]:
+    """Every committed checkpoint of the task, read from its manifest (no catalog)."""
+    return [i for step, path in sorted(task.committed().items()) if (i := task.scan(step, path)) is not None]
+
+
+def reindex(task: Task, *, all_tasks: bool) -> int:
+    """Rebuild the catalog from the manifests: every task under the root, or only `task`."""
+    infos: list[CheckpointInfo] = []
+    if not all_tasks:
+        infos = scan_all(task)
+        return task.catalog.replace_all(infos, root=task.root, task_id=task.task_id, sigs=_sigs(infos))
+    for name in task.fs.listdir(task.root):
+        if name.startswith(".") or name == BLOBS_DIR or not task.fs.is_dir(task.root / name):
+            continue
+        try:
+            other = Task(dataclasses.replace(task.spec, task_id=name, rank=0, world_size=1), task.fs, task.catalog,
+                         read_only=task.read_only)
+        except ValueError:  # not a valid task name: not ours
+            continue
+        infos.extend(scan_all(other))
+    return task.catalog.replace_all(infos, root=task.root, sigs=_sigs(infos))
+
+
+def _sigs(infos: Iterable[CheckpointInfo]) -> dict[tuple[str, int], str | None]:
+    return {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in infos}
+
+
+# -- deletion ---------------------------------------------------------------------------------
+def delete_checkpoint(task: Task, info: CheckpointInfo, tiers: Collection[Tier] | None = None) -> int:
+    """Delete a checkpoint of this task (or some tiers of it); returns the bytes freed.
+
+    A whole checkpoint is first renamed to a temporary name (one atomic step, so a crash
+    never leaves half a checkpoint that looks committed), then removed. Deleting tiers
+    rewrites the manifest atomically before the files go. Blobs are not collected here.
+    """
+    path = task.step_dir(info.step)
+    if tiers is not None and set(tiers) != set(ALL_TIERS) and set(info.tiers) - set(tiers):
+        new, drop = mf.without_tiers(task.read_manifest(info.step), tiers)
+        mf.write_manifest(path, new, name=MANIFEST_NAME + ".new")
+        task.fs.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
+        task.fs.fsync_dir(path)
+        freed = 0
+        for name in drop:  # allowlisted single names (manifest validation)
+            st = task.fs.lstat(path / name)
+            freed += st.st_size if st is not None else 0
+            task.fs.unlink(path / name)
+        task.record(task.info_of(new, path))
+        logger.debug("deleted tiers %s of %s step %d", sorted(Tier(t).value for t in tiers), task.task_id, info.step)
+        return freed
+    trash = task.trash_dir(info.step)
+    task.fs.rename(path, trash)
+    task.fs.fsync_dir(task.dir)
+    task.forget(info.step)
+    freed = tree_bytes(trash)
+    task.fs.rmtree(trash)
+    logger.debug("deleted %s step %d", task.task_id, info.step)
+    return freed
+
+
+def used_digests(task: Task) -> set[str] | None:
+    """Digests every committed checkpoint (and any copy set aside) references; `None` if a manifest is unreadable."""
+    used: set[str] = set()
+    dirs = list(task.committed().items())
+    for name in task.fs.listdir(task.dir):
+        if name.endswith(ASIDE_SUFFIX) and (step := parse_step_dir(name.split(TMP_MARKER)[0])) is not None:
+            dirs.append((step, task.dir / name))
+    for step, path in dirs:
+        try:
+            manifest = task.read_manifest(step, path)
+        except CheckpointNotFoundError:
+            continue
+        except (CorruptCheckpointError, FormatVersionError):
+            logger.warning("not collecting blobs: %s has an unreadable manifest", path)
+            return None
+        used.update(str(b.get("digest")) for b in (manifest.get("blobs") or {}).values())
+    return used
+
+
+def collect_blobs(task: Task, report: GcReport) -> None:
+    used = used_digests(task)
+    if used is None:
+        report.kept.append("blobs: not collected, a manifest of this task is unreadable")
+        return
+    for name, size in task.blobs.collect(used, dry_run=report.dry_run):
+        report.blobs.append(name)
+        report.bytes_freed += size
+
+
+# -- retention and gc -------------------------------------------------------------------------
+def removable_abandoned(task: Task, infos: Iterable[CheckpointInfo]) -> list[CheckpointInfo]:
+    """Abandoned, unpinned checkpoints the current timeline has committed past."""
+    current = task.timelines.current()
+    infos = list(infos)
+    if current is None:
+        return []
+    ours = [i.step for i in infos if not i.abandoned and i.lineage is not None and i.lineage.timeline == current["timeline"]]
+    top = max(ours, default=None)
+    return [i for i in infos if i.abandoned and not i.pinned and top is not None and i.step < top]
+
+
+def apply_plan(task: Task, plan: Iterable[tuple[CheckpointInfo, Collection[Tier]]], report: GcReport) -> None:
+    """Delete what a retention plan names, each entry re-verified from disk first."""
+    for planned, tiers in plan:
+        fresh = task.scan(planned.step)
+        why = None
+        if fresh is None:
+            why = "is gone"
+        elif fresh.save_time != planned.save_time:
+            why = "was replaced since the plan was made"
+        elif fresh.pinned:
+            why = "is pinned on disk"
+        elif fresh.abandoned:
+            why = "is abandoned (removed by the abandoned-timeline rule)"
+        elif fresh.healthy != planned.healthy:
+            why = f"is {'healthy' if fresh.healthy else 'unhealthy'} on disk, unlike the catalog the plan read"
+        if why is not None:
+            report.kept.append(f"step {planned.step} kept: it {why}")
+            if fresh is not None:
+                task.record(fresh)
+            continue
+        assert fresh is not None
+        whole = Tier.WEIGHTS in tiers or not set(fresh.tiers) - set(tiers)
+        if not report.dry_run:
+            report.bytes_freed += delete_checkpoint(task, fresh, None if whole else tiers)
+        else:
+            report.bytes_freed += tree_bytes(task.step_dir(fresh.step))
+        if whole:
+            report.removed.append(fresh.step)
+        else:
+            report.trimmed[fresh.step] = sorted(Tier(t).value for t in tiers)
+
+
+def remove_abandoned(task: Task, report: GcReport) -> None:
+    infos = scan_all(task)
+    for info in removable_abandoned(task, infos):
+        report.bytes_freed += tree_bytes(task.step_dir(info.step)) if report.dry_run else delete_checkpoint(task, info)
+        report.removed.append(info.step)
+        report.abandoned.append(info.step)
+    for info in infos:
+        if info.abandoned and info.pinned:
+            report.kept.append(f"step {info.step} kept: abandoned but pinned")
+        elif info.abandoned and info.step not in report.abandoned:
+            report.kept.append(f"step {info.step} kept: abandoned, the current timeline has not passed it yet")
+
+
+def drop_missing_rows(task: Task) -> None:
+    for row in task.catalog.rows(task.task_id):
+        if row["status"] == STATUS_MISSING and task.fs.lstat(task.step_dir(int(row["step"]))) is None:
+            task.forget(int(row["step"]))

@@ -1,0 +1,179 @@
+"""`Task`: one task directory of a store, and how its checkpoints are named and read back.
+
+Every path is derived from a step (``<root>/<task>/step-<N>``), never read from the
+catalog or a manifest; a directory counts only if it is a real directory (a symbolic link
+named like a checkpoint is ignored with a warning); its manifest must name the same step
+and task as the directory. Temporary names all contain ``TMP_MARKER`` so readers skip them:
+
+    step-<N>.tmp-<session>                      a save in progress (or an interrupted one)
+    step-<N>.tmp-<session>.replaced             the old copy, set aside during a replace-commit
+    step-<N>.tmp-<session>.deleted-<random>     a checkpoint being deleted
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sqlite3
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..constants import (
+    ASIDE_SUFFIX,
+    BLOBS_DIR,
+    MANIFEST_NAME,
+    PINNED_MARKER,
+    STEP_DIR_PREFIX,
+    TMP_MARKER,
+    TRASH_INFIX,
+)
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from . import manifest as mf
+from .blobs import BlobStore
+from .catalog import STATUS_CORRUPT, Catalog
+from .fs import LocalFS, lstat
+from .layout import broken_info, info_from_manifest
+from .spec import StoreSpec
+from .timelines import Timelines, key_of
+from .types import CheckpointInfo
+
+logger = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(0|[1-9][0-9]*)$")
+
+
+def manifest_sig(directory: Path) -> str | None:
+    """Identity of a checkpoint's manifest file and pin marker (inode, size, mtime), without reading them."""
+    st = lstat(directory / MANIFEST_NAME)
+    if st is None:
+        return None
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{int(lstat(directory / PINNED_MARKER) is not None)}"
+
+
+def step_dir_name(step: int) -> str:
+    """``step-<N>``, the directory name of the committed checkpoint of `step`."""
+    return f"{STEP_DIR_PREFIX}{int(step)}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed directory name (``step-12`` -> 12), else `None`."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+class Task:
+    """The checkpoints of one task: paths, manifests, catalog rows, timelines, blobs.
+
+    Args:
+        spec (`StoreSpec`): the store's spec (root, task, rank, session, ...).
+        fs (`LocalFS`): the storage seam rooted at the store root.
+        catalog (`Catalog`): the index (a file, or in memory for read-only stores).
+        read_only (`bool`): never write to the catalog file either.
+    """
+
+    def __init__(self, spec: StoreSpec, fs: LocalFS, catalog: Catalog, *, read_only: bool) -> None:
+        self.spec = spec
+        self.fs = fs
+        self.catalog = catalog
+        self.read_only = read_only
+        self.root = Path(spec.root)
+        self.task_id = spec.task_id
+        self.dir = self.root / spec.task_id
+        self.blobs = BlobStore(self.dir / BLOBS_DIR, fs)
+        self.timelines = Timelines(self.dir, fs)
+        self.abort_reason: str | None = None
+        """Set by `CheckpointStore.abort`: rank 0 stops waiting for other ranks' files."""
+
+    # -- names ----------------------------------------------------------------------------
+    def step_dir(self, step: int) -> Path:
+        return self.dir / step_dir_name(step)
+
+    def tmp_dir(self, step: int) -> Path:
+        return self.dir / f"{step_dir_name(step)}{TMP_MARKER}{self.spec.session_id}"
+
+    def aside_dir(self, step: int) -> Path:
+        return self.dir / f"{step_dir_name(step)}{TMP_MARKER}{self.spec.session_id}{ASIDE_SUFFIX}"
+
+    def trash_dir(self, step: int) -> Path:
+        return self.dir / f"{step_dir_name(step)}{TMP_MARKER}{self.spec.session_id}{TRASH_INFIX}{uuid.uuid4().hex[:8]}"
+
+    def owns(self, path: str | Path) -> int | None:
+        """The step when `path` is a checkpoint directory of this task, else `None`."""
+        path = Path(path).absolute()
+        if path.parent != self.dir and os.path.realpath(path.parent) != os.path.realpath(self.dir):
+            return None
+        return parse_step_dir(path.name)
+
+    def committed(self) -> dict[int, Path]:
+        """Real ``step-<N>`` directories of this task (links are ignored, with a warning)."""
+        out: dict[int, Path] = {}
+        for name in self.fs.listdir(self.dir):
+            step = parse_step_dir(name)
+            if step is None:
+                continue
+            path = self.dir / name
+            if self.fs.is_dir(path):
+                out[step] = path
+            elif self.fs.is_link(path):
+                logger.warning("%s is a symbolic link, not a checkpoint: the store ignores it and never follows it", path)
+        return out
+
+    # -- reading --------------------------------------------------------------------------
+    def read_manifest(self, step: int, path: Path | None = None) -> dict[str, Any]:
+        """The manifest of `step` (retried once after a read error, a transient fault's usual shape)."""
+        path = path if path is not None else self.step_dir(step)
+        try:
+            return mf.read_manifest(path, step=step, task_id=path.parent.name)
+        except CorruptCheckpointError as first:
+            if not isinstance(first.__cause__, OSError):
+                raise
+            logger.debug("reading %s failed (%s); retrying once", path / MANIFEST_NAME, first)
+            return mf.read_manifest(path, step=step, task_id=path.parent.name)
+
+    def info_of(self, manifest: dict[str, Any], path: Path) -> CheckpointInfo:
+        info = info_from_manifest(manifest, path)
+        if key_of(info) in self.timelines.abandoned():
+            info = info_from_manifest(manifest, path, abandoned=True)
+        return info
+
+    def scan(self, step: int, path: Path | None = None) -> CheckpointInfo | None:
+        """The checkpoint of `step` as its directory describes it; `None` when it has no manifest."""
+        path = path if path is not None else self.step_dir(step)
+        try:
+            return self.info_of(self.read_manifest(step, path), path)
+        except CheckpointNotFoundError:
+            return None
+        except (CorruptCheckpointError, FormatVersionError) as e:
+            logger.warning("checkpoint %s has an unusable manifest: %s", path, e)
+            return broken_info(path.parent.name, step, path, STATUS_CORRUPT)
+
+    def row_info(self, row: dict[str, Any], abandoned: set[tuple[int, float]] | None = None) -> CheckpointInfo:
+        """A catalog row as an info: the path derived from the step, the abandoned flag from the record."""
+        abandoned = self.timelines.abandoned() if abandoned is None else abandoned
+        info = Catalog.to_info(row, root=self.root, abandoned=(int(row["step"]), float(row["save_time"])) in abandoned)
+        if row.get("d_blobs") is None:  # a row from before the details table: the manifest fills it in
+            fresh = self.scan(info.step)
+            if fresh is not None and fresh.save_time == info.save_time:
+                self.record(fresh)
+                return fresh
+        return info
+
+    # -- catalog writes (best effort for readers: the manifests are the truth) --------------
+    def record(self, info: CheckpointInfo) -> None:
+        self._write(lambda: self.catalog.upsert(info, root=self.root, sig=manifest_sig(Path(info.path))))
+
+    def set_status(self, step: int, status: str) -> None:
+        self._write(lambda: self.catalog.set_status(self.task_id, step, status))
+
+    def forget(self, step: int) -> None:
+        self._write(lambda: self.catalog.remove(self.task_id, step))
+
+    def _write(self, work: Any) -> None:
+        try:
+            work()
+        except sqlite3.OperationalError as e:
+            if self.spec.rank == 0 and not self.read_only and "readonly" not in str(e).replace(" ", ""):
+                raise
+            logger.debug("catalog %s not updated (%s); the manifests stay the truth", self.catalog.path, e)

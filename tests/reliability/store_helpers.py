@@ -1,0 +1,81 @@
+"""Shared pieces of the store's reliability tests (imported by the test modules next to it)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_dynamic_ckpt.store import CheckpointState
+from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
+
+
+def tiny_state(step: int, *, frozen: float | None = None) -> CheckpointState:
+    """A small all-tier state that is a pure function of `step` (and of `frozen`, a deduplicated weight)."""
+    g = torch.Generator().manual_seed(step)
+    weights: dict[str, Any] = {"w": torch.randn(8, 4, generator=g)}
+    dedup = frozenset()
+    if frozen is not None:
+        weights["frozen"] = torch.full((64,), frozen)
+        dedup = frozenset({"frozen"})
+    return CheckpointState(step=step, weights=weights, dedup_keys=dedup,
+                           optimizer={"state": {0: {"exp_avg": torch.randn(8, 4, generator=g)}},
+                                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+                           scheduler={"last_epoch": step}, rng={"seed": step}, sampler={"batches": step})
+
+
+def read_manifest_json(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "manifest.json").read_text())
+
+
+def write_manifest_json(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write a hand-edited manifest with a matching checksum, as an adversary can."""
+    manifest = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
+    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def replace_file(directory: Path, name: str, data: bytes) -> None:
+    """Replace a checkpoint file and make the manifest vouch for the new bytes (size + checksum)."""
+    (directory / name).write_bytes(data)
+    manifest = read_manifest_json(directory)
+    manifest["files"][name]["size"] = len(data)
+    manifest["files"][name]["checksum"] = file_checksum(directory / name)
+    write_manifest_json(directory, manifest)
+
+
+class Canary:
+    """A file outside the store that nothing may touch: same bytes, same inode, same mtime."""
+
+    def __init__(self, directory: Path, name: str = "canary.txt", data: bytes = b"do not touch\n") -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / name
+        self.path.write_bytes(data)
+        self.data = data
+        self.stat = self.path.stat()
+
+    def intact(self) -> bool:
+        if not self.path.exists():
+            return False
+        st = self.path.stat()
+        return (self.path.read_bytes() == self.data and st.st_ino == self.stat.st_ino
+                and st.st_mtime_ns == self.stat.st_mtime_ns)
+
+
+def tree(root: Path) -> dict[str, tuple[str, int, int, str]]:
+    """Every entry under `root` (links not followed): kind, size, mtime_ns, content hash."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = os.lstat(p)
+            kind = "link" if stat.S_ISLNK(st.st_mode) else "dir" if stat.S_ISDIR(st.st_mode) else "file"
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if kind == "file" else ""
+            out[str(p.relative_to(root))] = (kind, st.st_size if kind == "file" else 0, st.st_mtime_ns, digest)
+    return out

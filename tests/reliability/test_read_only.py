@@ -1,0 +1,135 @@
+"""Read-only stores and concurrent readers.
+
+Issue 10, failure 7 (store side): `ls`/`verify` on a read-only store crashed with a raw
+`sqlite3.OperationalError`; `verify --all` ended in a traceback for checkpoints that
+retention deleted during the scan.
+
+The tests run as root here, where `chmod` binds nothing, so "read-only" is checked by what
+matters: with `read_only=True` not one byte, inode or timestamp under the root changes
+(compared before/after). Where the platform allows it, the same store is also opened on a
+real read-only bind mount (`unshare -rm`), and on a chmod-ed tree for non-root users.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from store_helpers import tiny_state, tree
+
+from hf_dynamic_ckpt.constants import CATALOG_NAME, Tier
+from hf_dynamic_ckpt.errors import CheckpointNotFoundError, DynamicCkptError
+from hf_dynamic_ckpt.store import CheckpointStore, Lineage
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    store = CheckpointStore(tmp_path / "root", task_id="run", session_id="w")
+    for step in (1, 2, 3):
+        store.save(tiny_state(step, frozen=1.0), reason="interval", healthy=step != 3)
+    store.fork(timeline="t2", after_step=1, session="w2", parent=Lineage(session="w2", timeline="t2", parent_step=1))
+    store.close()
+    return tmp_path / "root"
+
+
+def _read_everything(store: CheckpointStore) -> dict[str, object]:
+    return {
+        "list": [i.step for i in store.list(include_unhealthy=True, include_abandoned=True)],
+        "auto": store.resolve("auto").step,
+        "verify": [store.verify(s) for s in (1, 2, 3)],
+        "weights": store.load("step:2", tiers={Tier.WEIGHTS}).weights["frozen"].sum().item(),
+        "gc": store.gc(dry_run=True).abandoned,
+    }
+
+
+def test_read_only_store_changes_nothing_on_disk(root: Path) -> None:
+    before = tree(root)
+    store = CheckpointStore(root, task_id="run", read_only=True)
+    seen = _read_everything(store)
+    assert seen == {"list": [3, 2, 1], "auto": 1, "verify": [[], [], []], "weights": 64.0, "gc": []}
+    for attempt in (lambda: store.save(tiny_state(4), reason="r"), lambda: store.delete("step:1"),
+                    lambda: store.pin("step:1"), lambda: store.gc(),
+                    lambda: store.fork(timeline="x", after_step=None, session="x")):
+        with pytest.raises(DynamicCkptError, match="opened with read_only=True"):
+            attempt()
+    store.close()
+    assert tree(root) == before
+
+
+def test_read_only_store_works_without_a_catalog(root: Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{root / CATALOG_NAME}{suffix}").unlink(missing_ok=True)
+    before = tree(root)
+    store = CheckpointStore(root, task_id="run", read_only=True)
+    assert [i.step for i in store.list(include_unhealthy=True, include_abandoned=True)] == [3, 2, 1]
+    assert store.resolve("auto").step == 1 and store.verify("step:1") == []
+    store.close()
+    assert tree(root) == before and not (root / CATALOG_NAME).exists()
+
+
+_ON_READ_ONLY_MEDIA = """
+import json, os, sys
+from hf_dynamic_ckpt.store import CheckpointStore
+try:
+    open(os.path.join(sys.argv[1], "probe"), "wb").close()
+    out = {"writable": True}
+except OSError:
+    out = {"writable": False}
+for kw in ({"read_only": True}, {"cleanup": False}):
+    store = CheckpointStore(sys.argv[1], task_id="run", **kw)
+    out[next(iter(kw))] = [[i.step for i in store.list(include_unhealthy=True)], store.verify("step:1")]
+    store.close()
+print(json.dumps(out))
+"""
+
+
+def test_readers_work_on_read_only_media(root: Path) -> None:
+    script = textwrap.dedent(_ON_READ_ONLY_MEDIA)
+    before = tree(root)
+    if os.geteuid() != 0:
+        subprocess.run(["chmod", "-R", "a-w", str(root)], check=True)
+        cmd = [sys.executable, "-c", script, str(root)]
+    elif shutil.which("unshare") and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0:
+        mount = f"mount --bind {root} {root} && mount -o remount,bind,ro {root} && "
+        cmd = ["unshare", "-m", "sh", "-c", mount + f'"{sys.executable}" -c \'{script}\' "{root}"']
+    else:
+        pytest.skip("no way to make a read-only tree here: running as root without mount namespaces")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    finally:
+        if os.geteuid() != 0:
+            subprocess.run(["chmod", "-R", "u+w", str(root)], check=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"writable": False, "read_only": [[1], []], "cleanup": [[1], []]}
+    assert tree(root) == before
+
+
+def test_verify_of_a_checkpoint_deleted_during_the_scan_is_a_note(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_dynamic_ckpt.store.layout as layout
+
+    store = CheckpointStore(root, task_id="run", session_id="v")
+    other = store.task_dir / "step-3"
+    real = layout.file_checksum
+
+    def retention_runs_meanwhile(path: object, algo: str | None = None) -> str:
+        if other.exists():
+            shutil.rmtree(other)  # another process deletes the checkpoint mid-scan
+        return real(path, algo=algo)
+
+    monkeypatch.setattr(layout, "file_checksum", retention_runs_meanwhile)
+    with pytest.raises(CheckpointNotFoundError, match=r"step 3 .* was deleted before or while it was verified"):
+        store.verify("step:3")
+    monkeypatch.undo()
+    with pytest.raises(CheckpointNotFoundError, match="step 3 has no committed checkpoint"):
+        store.verify("step:3")
+    assert store.verify("step:2") == [] and torch.equal(store.load("step:2").weights["w"], tiny_state(2).weights["w"])
+    store.close()
