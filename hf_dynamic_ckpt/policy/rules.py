@@ -173,7 +173,7 @@ class RulePolicy:
         if self.learned is not None:  # may veto a soft rule's capture, or ask for one the rules do not take
             rule, early, veto = self.learned.review(frame, rule, self.levels.loss.median())
             if veto:
-                logger.info("step %d: %s", frame.step, veto)
+                logger.debug("step %d: %s", frame.step, veto)
         nonfinite = frame.any_nonfinite
         skip = c.skip_bad_update and rule is not None
         self._skip_step = frame.step if skip else None

@@ -269,7 +269,7 @@ def test_veto_removes_soft_captures_never_hard_ones(tmp_path: Path, kind: str, r
     rules = [(at, d.reason) for at, _, d in drive(RulePolicy(CFG), surge(kind))]  # type: ignore[attr-defined]
     assert rules == [(40, f"pre_update {rule}")]
     never = constant_model(tmp_path / "zero.safetensors", 0.001)
-    with caplog.at_level("INFO", logger="hf_dynamic_ckpt.policy.rules"):
+    with caplog.at_level("DEBUG", logger="hf_dynamic_ckpt.policy.rules"):
         vetoed = [(at, d.reason) for at, _, d in drive(RulePolicy(CFG.replace(learned_model=never)), surge(kind))]  # type: ignore[attr-defined]
     if kind == "grad":
         assert vetoed == []
