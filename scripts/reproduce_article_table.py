@@ -120,15 +120,23 @@ def child(a: argparse.Namespace) -> None:
         def __init__(self) -> None:
             self.logged: set[int] = set()
 
-        def on_step_begin(self, args: Any, st: Any, control: Any, optimizer: Any = None, **kw: Any) -> None:
+        def on_train_begin(self, args: Any, st: Any, control: Any, lr_scheduler: Any = None, **kw: Any) -> None:
+            # The lr surge is part of the schedule (a misconfigured schedule), so a checkpoint's scheduler
+            # and optimizer state hold exactly what the run used: update u uses lambda(u - 1).
+            surge = [s for s, k in anomalies.items() if k == "lr_x10"]
+
+            def wrap(f: Any) -> Any:
+                return lambda i: f(i) * (10.0 if any(s <= i + 1 < s + 10 for s in surge) else 1.0)
+
+            sched = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate may wrap it
+            sched.lr_lambdas = [wrap(f) for f in sched.lr_lambdas]
+
+        def on_step_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             state["step"] = st.global_step
             if timers.pop("resumed", 0.0):  # the first step of a resumed attempt: everything restored by now
                 # (b): the optimizer tier applied at train begin counts; attaching the probes does not.
                 extra = timers.get("train_begin_s", 0.0) - timers.get("attach_s", 0.0)
                 emit(event="restored", step=st.global_step, restore_s=timers["restore_s"] + timers["prepare_s"] + extra)
-            if active("lr_x10", 10) and optimizer is not None:
-                for group in optimizer.param_groups:
-                    group["lr"] *= 10.0  # this update only: the scheduler sets it again after the step
 
         def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
             emit(event="step", step=st.global_step, t=time.perf_counter())
