@@ -8,7 +8,8 @@ optimizer steps with `Trainer` - runs under:
       with `trainer.train(resume_from_checkpoint=get_last_checkpoint(output_dir))`;
   (b) `SmartCkptCallback` (`save_strategy="no"`), resumed with `resume_checkpoint(trainer, "auto")`,
       with `SmartCkptConfig(base_interval=--save_steps)`: the user's interval kept as the calm
-      interval (the migration from `save_steps`), everything else at its default. With
+      interval (the migration from `save_steps`), everything else at its default (`--stability_window N`
+      shortens the loss window and capture cooldown, 100 steps by default, for runs this short). With
       `--smart_interval mtbf` it gets `mtbf_hours` = this job's real failure rate instead (what an
       operator knows from their cluster; measured from run (a)'s step time) and derives the
       interval itself (Young/Daly within the overhead budget).
@@ -171,8 +172,9 @@ def child(a: argparse.Namespace) -> None:
         args = TrainingArguments(save_strategy="steps", save_steps=a.save_steps, **common)  # type: ignore[arg-type]
     else:
         args = TrainingArguments(save_strategy="no", **common)  # type: ignore[arg-type]
-        smart = SmartCkptCallback(SmartCkptConfig(mtbf_hours=a.mtbf_hours) if a.smart_interval == "mtbf"
-                                  else SmartCkptConfig(base_interval=a.save_steps))
+        short = {} if a.stability_window is None else {"stability_window": a.stability_window}
+        smart = SmartCkptCallback(SmartCkptConfig(mtbf_hours=a.mtbf_hours, **short) if a.smart_interval == "mtbf"
+                                  else SmartCkptConfig(base_interval=a.save_steps, **short))
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
     for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"):
@@ -210,6 +212,7 @@ def run_job(a: argparse.Namespace, mode: str, model: str, out: Path, *, crashes:
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--model", model, "--out", str(out),
            "--steps", str(a.steps), "--save_steps", str(a.save_steps), "--batch", str(a.batch),
            "--seq_len", str(a.seq_len), "--smart_interval", a.smart_interval, "--hidden", str(a.hidden), "--lr", str(a.lr), "--mtbf_hours", repr(mtbf_hours),
+           *([] if a.stability_window is None else ["--stability_window", str(a.stability_window)]),
            "--crashes", ",".join(map(str, crashes)), "--anomalies", ",".join(f"{s}:{k}" for s, k in anomalies.items())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(ROOT)}
@@ -301,6 +304,9 @@ def main() -> None:
     ap.add_argument("--crash_count", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--models", default="lora,full")
+    ap.add_argument("--stability_window", type=int, default=None,
+                    help="(b)'s stability_window (also its capture cooldown); default: the library's 100, "
+                         "sized for runs of thousands of steps")
     ap.add_argument("--smart_interval", default="save_steps", choices=["save_steps", "mtbf"],
                     help="(b)'s calm interval: base_interval=--save_steps, or derived from the job's failure rate")
     a = ap.parse_args()
@@ -315,7 +321,8 @@ def main() -> None:
     crashes = sorted(rng.sample(range(30, a.steps - 10), a.crash_count))
     tokens = a.batch * a.seq_len
     print(f"job: tiny Qwen2 (hidden {a.hidden}, 2 layers, vocab 1024) on stdlib docstrings, {a.steps} steps of "
-          f"{tokens} tokens; anomalies {anomalies}; SIGKILL after steps {crashes}; (a) save_steps={a.save_steps}",
+          f"{tokens} tokens; anomalies {anomalies}; SIGKILL after steps {crashes}; (a) save_steps={a.save_steps}; "
+          f"(b) stability_window={a.stability_window or 'default'}",
           flush=True)
     results: dict[str, dict[str, Any]] = {}
     for model in a.models.split(","):
