@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--blocking", type=float, default=0.05, help="seconds a save blocks (the frames' save cost)")
     args = ap.parse_args()
     rules_log = logging.getLogger("hf_dynamic_ckpt.policy.rules")
-    rules_log.setLevel(logging.INFO)
+    rules_log.setLevel(logging.DEBUG)  # the veto line is DEBUG
     rules_log.addHandler(Vetoes())
     rules_log.propagate = False
     runs = [r for r in load_corpus(args.corpus) if r.split == args.split]
