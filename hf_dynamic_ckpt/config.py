@@ -176,7 +176,10 @@ class SmartCkptConfig:
         storage_levels (`StorageLevels`, *optional*): per-tier compression and retention.
         recovery_timeout_ms (`int`, *optional*, defaults to `5000`): a resume slower than this is logged.
         fallback_strategy (`str`, *optional*, defaults to `"full"`): see `FallbackStrategy`.
-        learned_model (`str`, *optional*): path of a learned double-check model (rules stay in charge).
+        learned_model (`str`, *optional*): the learned double-check next to the rules (which stay the
+            default and the safety net): `"builtin"` (the packaged model), the path of a `.safetensors`
+            model written by `scripts/train_decision_model.py`, or `None` (rules only). See
+            `docs/decision_model.md`.
         report_to_trainer (`bool`, *optional*, defaults to `True`): add `smart_ckpt/*` to Trainer logs.
         on_save_error (`str`, *optional*, defaults to `"warn"`): `"warn"` (count, warn, continue) or
             `"raise"` (stop the run at the next step); see `OnSaveError`.
@@ -288,6 +291,12 @@ class SmartCkptConfig:
         _check(_is_int(self.memory_lookahead) and self.memory_lookahead >= 1, "memory_lookahead",
                self.memory_lookahead, "an integer >= 1")
         _check(_is_int(self.keep_last) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")
+        if self.learned_model is not None:  # a model file is safetensors, never a pickle
+            model = self.learned_model
+            _check(isinstance(model, str | os.PathLike) and (os.fspath(model) == "builtin" or (
+                os.fspath(model).endswith(".safetensors") and os.path.isfile(model))), "learned_model", model,
+                "'builtin', the path of an existing .safetensors decision model, or null (rules only)")
+            set_(self, "learned_model", os.fspath(model))
         _check(_is_number(self.memory_margin) and 0.0 <= self.memory_margin < 1.0, "memory_margin", self.memory_margin, "0 <= value < 1")
         _check(_is_number(self.preemption_grace_s) and self.preemption_grace_s > 0, "preemption_grace_s", self.preemption_grace_s, "a positive number of seconds")
         if self.preemption_exit_code is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
@@ -27,6 +27,9 @@ from .capture import CaptureTrigger, capture_rule
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
 from .levels import Assessment, Levels
 from .triggers import Health, MemoryRampTrigger, PreemptionTrigger, RiskEdgeTrigger, RiskSmoother
+
+if TYPE_CHECKING:
+    from .learned import LearnedCheck
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,11 @@ class RulePolicy:
         self.edge = RiskEdgeTrigger()
         self.memory = MemoryRampTrigger()
         self.health = Health()
+        self.learned: LearnedCheck | None = None  # the learned double-check (`learned_model`), rules only without
+        if c.learned_model is not None:
+            from .learned import LearnedCheck, load_model
+
+            self.learned = LearnedCheck(load_model(c.learned_model))
         self._suppressed: set[str] = set()
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_HISTORY)
@@ -161,6 +169,11 @@ class RulePolicy:
         c = self.config
         self._pre_step = frame.step
         rule = self._judge(frame)[1]
+        early = None
+        if self.learned is not None:  # may veto a soft rule's capture, or ask for one the rules do not take
+            rule, early, veto = self.learned.review(frame, rule, self.levels.loss.median())
+            if veto:
+                logger.debug("step %d: %s", frame.step, veto)
         nonfinite = frame.any_nonfinite
         skip = c.skip_bad_update and rule is not None
         self._skip_step = frame.step if skip else None
@@ -168,6 +181,10 @@ class RulePolicy:
         healthy = not self.health.poisoned
         self.health.before_update(nonfinite, skip)
         if rule is None or not c.pre_anomaly_capture:
+            if early is not None and c.pre_anomaly_capture and healthy and self.learned is not None and (
+                    learned := self.learned.capture(frame, early, self.risk, self.interval(), self.cooldown)):
+                self._record(learned, frame.step)
+                return learned
             return Decision(save=False, skip_update=skip, risk=self.risk, healthy=healthy) if skip else NO_SAVE
         suppressed = self.capture.suppression(frame.step, nonfinite=nonfinite, was_nonfinite=was_nonfinite,
                                               healthy=healthy, cooldown=self.cooldown)
@@ -208,6 +225,9 @@ class RulePolicy:
         self.levels.observe_memory(frame)
         healthy, why = self._health(frame, rule)
         decision = self._choose(frame, a, healthy)
+        if self.learned is not None:  # a cheaper tier set, or an early save under memory pressure
+            decision = self.learned.after_update(frame, decision, healthy=healthy and not self.health.poisoned,
+                                                 last_save=self.cadence.last_save_step, config=self.config)
         if decision.save and not healthy:
             logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
         # Update the levels after judging the frame, so a spike is measured against the past.
@@ -326,8 +346,9 @@ class RulePolicy:
 
     # ------------------------------------------------------------------ persistence
     def _parts(self) -> dict[str, Any]:
-        return {"levels": self.levels, "cadence": self.cadence, "smoother": self.smoother, "capture": self.capture,
-                "preemption": self.preemption, "edge": self.edge, "memory": self.memory, "health": self.health}
+        parts = {"levels": self.levels, "cadence": self.cadence, "smoother": self.smoother, "capture": self.capture,
+                 "preemption": self.preemption, "edge": self.edge, "memory": self.memory, "health": self.health}
+        return parts if self.learned is None else {**parts, "learned": self.learned}
 
     def state_dict(self) -> dict[str, Any]:
         """Every part's state as strict JSON data, so a resumed run decides exactly the same."""
@@ -355,7 +376,8 @@ class RulePolicy:
         fresh = RulePolicy(self.config)
         try:
             for name, part in fresh._parts().items():
-                part.load_state_dict(state[name])
+                if name != "learned" or name in state:  # saved without the model: the model starts afresh
+                    part.load_state_dict(state[name])
             fresh._suppressed = {str(k) for k in state["suppressed"]}
             fresh.history = deque(state["history"], maxlen=HISTORY_STEPS)
             fresh.decisions = deque(state["decisions"], maxlen=DECISION_HISTORY)

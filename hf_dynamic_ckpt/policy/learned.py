@@ -1,0 +1,311 @@
+"""The learned double-check: a 2-layer LSTM over the frames' features, next to the rules.
+
+The rules (`RulePolicy`) stay the default and the safety net. With `learned_model` set, the
+policy also asks this model once per optimizer step, on the already-reduced frame (the
+same on every rank), for a `save_score` in [0, 1] and a granularity:
+
+- `save_score >= SAVE_THRESHOLD` (0.68) where the rules do not save: an early save
+  (`DecisionKind.LEARNED`) - a pinned pre-update capture of the state before this update,
+  or, when the granularity is `KEY_LAYERS_RNG` (a memory-pressure answer), an unpinned save of
+  the state after it with the cheaper tier set;
+- `save_score < veto_threshold` on a rule capture of a *soft* trigger (a finite grad, LoRA,
+  lr or loss surge): the capture is vetoed as a false positive (logged). Hard triggers
+  (non-finite values, a loss explosion >= `HARD_LOSS_RATIO` x its level) are never vetoed;
+- on a rule's risk-edge save, a cheaper granularity than the rule's tier set is taken.
+
+Model file: safetensors only (never a pickle), `hf_dynamic_ckpt/policy/decision_model.safetensors`
+for `learned_model="builtin"`, written by `scripts/train_decision_model.py`; see
+`docs/decision_model.md` (features, data, training, metrics, limits). Inference is numpy
+(float64, a few small matrix-vector products, ~30-60 us per step on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import SmartCkptConfig
+from ..constants import ALL_TIERS, Tier
+from ..errors import ConfigError
+from ..signals.frame import SignalFrame
+from .decision import MINIMAL_TIERS, Decision, DecisionKind
+from .features import FEATURE_NAMES, NUM_FEATURES, FeatureExtractor
+
+logger = logging.getLogger(__name__)
+
+BUILTIN = "builtin"
+BUILTIN_PATH = Path(__file__).with_name("decision_model.safetensors")
+MODEL_FORMAT = "hf_dynamic_ckpt.decision_model"
+MODEL_VERSION = "1"
+SAVE_THRESHOLD = 0.68  # the article's: save when save_score > 0.68
+DEFAULT_VETO_THRESHOLD = 0.02  # below this score a soft rule capture is vetoed (the file may set its own)
+HARD_LOSS_RATIO = 10.0  # a loss this many times its running median is an explosion: never vetoed
+MAX_MODEL_BYTES = 4 * 2**20  # a decision model is tens of KB; refuse to read anything far bigger
+LAYERS = 2
+
+
+class Granularity(enum.IntEnum):
+    """The article's granularity classes and the tier set each one saves."""
+
+    EVERYTHING = 0
+    WEIGHTS_ONLY = 1
+    WEIGHTS_OPTIMIZER = 2
+    KEY_LAYERS_RNG = 3  # trainable weights (the adapter: the key layers) + RNG / data position
+
+    @property
+    def tiers(self) -> frozenset[Tier]:
+        return {0: ALL_TIERS, 1: frozenset({Tier.WEIGHTS}), 2: frozenset({Tier.WEIGHTS, Tier.OPTIMIZER}),
+                3: MINIMAL_TIERS}[int(self)]
+
+
+@dataclass(frozen=True)
+class Opinion:
+    """The model's answer for one step."""
+
+    score: float
+    granularity: Granularity
+
+    @property
+    def save(self) -> bool:
+        return self.score >= SAVE_THRESHOLD
+
+    def describe(self) -> str:
+        return f"save_score {self.score:.2f}, granularity {self.granularity.name.lower()}"
+
+
+class DecisionModel:
+    """The trained weights (numpy, float64) and one LSTM step.
+
+    Tensors as `torch.nn.LSTM(12, H, num_layers=2)` names them (`lstm.weight_ih_l0`, ...), plus
+    `score.weight` (1, H), `score.bias` (1), `granularity.weight` (4, H), `granularity.bias` (4),
+    `features.mean` / `features.std` (12): inputs are standardised before the LSTM.
+
+    Args:
+        tensors (`dict[str, np.ndarray]`): the tensors above.
+        metadata (`dict[str, str]`, *optional*): the file's metadata (`veto_threshold`, training notes).
+        source (`str`, *optional*): where they came from, for error messages.
+
+    Raises:
+        `ConfigError`: a tensor is missing, of the wrong shape, or not finite.
+    """
+
+    def __init__(self, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None, *,
+                 source: str = "decision model") -> None:
+        self.metadata = dict(metadata or {})
+        self.source = source
+        w = {k: np.asarray(v, dtype=np.float64) for k, v in tensors.items()}
+        missing = sorted({*self._names(), "score.weight", "score.bias", "granularity.weight", "granularity.bias",
+                          "features.mean", "features.std"} - set(w))
+        if missing:
+            raise ConfigError(f"{source} is not a decision model: tensors {missing} are missing; write one with "
+                              "scripts/train_decision_model.py.")
+        hidden = w["lstm.weight_hh_l0"].shape[-1]
+        expected = {"features.mean": (NUM_FEATURES,), "features.std": (NUM_FEATURES,), "score.weight": (1, hidden),
+                    "score.bias": (1,), "granularity.weight": (len(Granularity), hidden),
+                    "granularity.bias": (len(Granularity),)}
+        for layer in range(LAYERS):
+            n_in = NUM_FEATURES if layer == 0 else hidden
+            expected |= {f"lstm.weight_ih_l{layer}": (4 * hidden, n_in), f"lstm.weight_hh_l{layer}": (4 * hidden, hidden),
+                         f"lstm.bias_ih_l{layer}": (4 * hidden,), f"lstm.bias_hh_l{layer}": (4 * hidden,)}
+        for name, shape in expected.items():
+            if w[name].shape != shape:
+                raise ConfigError(f"{source}: tensor {name} has shape {list(w[name].shape)}, expected {list(shape)} "
+                                  f"(a 2-layer LSTM over {NUM_FEATURES} features).")
+            if not np.all(np.isfinite(w[name])):
+                raise ConfigError(f"{source}: tensor {name} holds NaN or infinite values; retrain it.")
+        if np.any(w["features.std"] <= 0.0):
+            raise ConfigError(f"{source}: features.std must be > 0 everywhere.")
+        self.hidden = hidden
+        self.mean, self.std = w["features.mean"], w["features.std"]
+        # One tanh per layer: sigmoid(z) = 0.5 + 0.5 * tanh(z / 2), so the input, forget and output
+        # gate rows (torch's order: i, f, g, o) are halved and mapped back with `_a * t + _c`.
+        half = np.ones(4 * hidden)
+        half[: 2 * hidden], half[3 * hidden :] = 0.5, 0.5
+        # The standardisation (x - mean) / std is folded into the first layer's input weights and bias.
+        w_in = w["lstm.weight_ih_l0"] / self.std
+        folded = {0: (w_in, w["lstm.bias_ih_l0"] - w_in @ self.mean)}
+        self._w, self._b = [], []
+        for i in range(LAYERS):
+            w_ih, b_ih = folded.get(i, (w[f"lstm.weight_ih_l{i}"], w[f"lstm.bias_ih_l{i}"]))
+            self._w.append(half[:, None] * np.concatenate([w_ih, w[f"lstm.weight_hh_l{i}"]], axis=1))
+            self._b.append(half * (b_ih + w[f"lstm.bias_hh_l{i}"]))
+        self._a, self._c = half.copy(), np.where(half == 0.5, 0.5, 0.0)
+        self.w_score, self.b_score = w["score.weight"][0], float(w["score.bias"][0])
+        self.w_gran, self.b_gran = w["granularity.weight"], w["granularity.bias"]
+        veto = self.metadata.get("veto_threshold")
+        self.veto_threshold = float(veto) if veto is not None else DEFAULT_VETO_THRESHOLD
+
+    @staticmethod
+    def _names() -> list[str]:
+        return [f"lstm.{kind}_l{i}" for i in range(LAYERS) for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+
+    def initial_state(self) -> list[np.ndarray]:
+        """`[h0, c0, h1, c1]`, zeros."""
+        return [np.zeros(self.hidden) for _ in range(2 * LAYERS)]
+
+    def step(self, features: list[float], state: list[np.ndarray]) -> tuple[float, np.ndarray, list[np.ndarray]]:
+        """One LSTM step: `(save_score, granularity logits, new state)`; `state` is not changed."""
+        x = np.asarray(features, dtype=np.float64)
+        n = self.hidden
+        new: list[np.ndarray] = []
+        for i in range(LAYERS):
+            act = self._a * np.tanh(self._w[i] @ np.concatenate([x, state[2 * i]]) + self._b[i]) + self._c
+            c = act[n : 2 * n] * state[2 * i + 1] + act[:n] * act[2 * n : 3 * n]  # f * c + i * g
+            x = act[3 * n :] * np.tanh(c)  # o * tanh(c)
+            new += [x, c]
+        score = 0.5 + 0.5 * math.tanh(0.5 * (float(self.w_score @ x) + self.b_score))
+        return score, self.w_gran @ x + self.b_gran, new
+
+
+def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
+    """`"builtin"` -> the packaged weights; anything else is a path to a `.safetensors` file."""
+    return BUILTIN_PATH if os.fspath(spec) == BUILTIN else Path(spec)
+
+
+def load_model(spec: str | os.PathLike[str]) -> DecisionModel:
+    """Load a decision model (`"builtin"` or a `.safetensors` path), cached per file and modification time.
+
+    Raises:
+        `ConfigError`: the file is missing, too large, not safetensors, or not a decision model.
+    """
+    path = resolve_model_path(spec)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ConfigError(f"learned_model={os.fspath(spec)!r}: {path} cannot be read ({e.strerror}); use 'builtin', "
+                          "the path of a model written by scripts/train_decision_model.py, or null.") from e
+    return _load(str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime_ns: int, size: int) -> DecisionModel:
+    if size > MAX_MODEL_BYTES:
+        raise ConfigError(f"learned_model {path} is {size} bytes: a decision model is tens of KB "
+                          f"(limit {MAX_MODEL_BYTES}); this is not one.")
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="np") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConfigError(f"learned_model {path} is not a readable safetensors file ({e}).") from e
+    if metadata.get("format") != MODEL_FORMAT or metadata.get("version") != MODEL_VERSION:
+        raise ConfigError(f"learned_model {path}: metadata format={metadata.get('format')!r} "
+                          f"version={metadata.get('version')!r}, expected {MODEL_FORMAT!r} version {MODEL_VERSION}.")
+    names = metadata.get("features", "").split(",")
+    if tuple(names) != FEATURE_NAMES:
+        raise ConfigError(f"learned_model {path} was trained on features {names}, this library computes "
+                          f"{list(FEATURE_NAMES)}: retrain it with scripts/train_decision_model.py.")
+    return DecisionModel(tensors, metadata, source=f"learned_model {path}")
+
+
+class LearnedCheck:
+    """The model's per-step state (features, LSTM state) and the rules of its role.
+
+    `opinion(frame)` runs the model once per step (the result is kept for the step's other
+    calls); the LSTM state and feature windows are part of the policy state, so a resumed
+    run continues exactly.
+
+    Args:
+        model (`DecisionModel`): from `load_model`.
+    """
+
+    def __init__(self, model: DecisionModel) -> None:
+        self.model = model
+        self.features = FeatureExtractor()
+        self.state = model.initial_state()
+        self._cached: tuple[int, Opinion] | None = None
+        self.last_save: int | None = None  # step of the model's own last early save (its own cooldown)
+
+    def opinion(self, frame: SignalFrame) -> Opinion:
+        """The model's score and granularity for this step's frame (computed once per step)."""
+        if self._cached is not None and self._cached[0] == frame.step:
+            return self._cached[1]
+        x = self.features.step(frame)
+        score, logits, self.state = self.model.step(x, self.state)
+        opinion = Opinion(score=score, granularity=Granularity(int(np.argmax(logits))))
+        self._cached = (frame.step, opinion)
+        return opinion
+
+    def review(self, frame: SignalFrame, rule: str | None, loss_level: float | None
+               ) -> tuple[str | None, Opinion | None, str | None]:
+        """`RulePolicy.pre_update`'s question: `(the capture rule after a veto, the opinion when it asks
+        for an early capture, the veto's log line)`."""
+        op = self.opinion(frame)
+        if rule is not None:
+            if not _is_hard(rule, frame, loss_level) and op.score < self.model.veto_threshold:
+                return None, None, f"pre-update capture ({rule}) vetoed by the learned model ({op.describe()})"
+            return rule, None, None
+        if op.save and op.granularity != Granularity.KEY_LAYERS_RNG and not frame.any_nonfinite:
+            return None, op, None
+        return None, None, None
+
+    def capture(self, frame: SignalFrame, op: Opinion, risk: float, interval: float, cooldown: int) -> Decision | None:
+        """The early pre-update capture the model asked for (pinned, like a rule's), unless within its cooldown."""
+        if not self._cooled(frame.step, cooldown):
+            return None
+        return Decision(save=True, tiers=op.granularity.tiers, reason=f"learned {op.describe()}", pin=True,
+                        pre_update=True, risk=risk, step=frame.step - 1, healthy=True, interval=interval,
+                        kind=DecisionKind.LEARNED)
+
+    def after_update(self, frame: SignalFrame, decision: Decision, *, healthy: bool, last_save: int | None,
+                     config: SmartCkptConfig) -> Decision:
+        """`RulePolicy.decide`'s question: a cheaper tier set for a risk-edge save, or an early save of the
+        state after this update with the model's cheaper granularity (memory pressure), at least
+        `min_interval` after the last save and outside the model's cooldown (`capture_cooldown`)."""
+        op = self.opinion(frame)
+        since = frame.step - (last_save if last_save is not None else 0)
+        cooldown = config.capture_cooldown if config.capture_cooldown is not None else config.stability_window
+        tiers = op.granularity.tiers
+        if decision.save:
+            if decision.kind == DecisionKind.RISK_EDGE and tiers < decision.tiers:
+                return dataclasses.replace(decision, tiers=tiers, reason=f"{decision.reason}; learned {op.describe()}")
+            return decision
+        if (op.save and op.granularity == Granularity.KEY_LAYERS_RNG and healthy and since >= config.min_interval
+                and self._cooled(frame.step, cooldown)):
+            return Decision(save=True, tiers=tiers, reason=f"learned {op.describe()}", risk=decision.risk,
+                            step=frame.step, healthy=True, interval=decision.interval, kind=DecisionKind.LEARNED)
+        return decision
+
+    def _cooled(self, step: int, cooldown: int) -> bool:
+        """Whether an early save at `step` is outside the model's own cooldown (then it is recorded).
+        Its own: a false early save must not hold back a rule capture of a real anomaly."""
+        if self.last_save is not None and step - self.last_save < cooldown:
+            return False
+        self.last_save = step
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"features": self.features.state_dict(), "lstm": [v.tolist() for v in self.state],
+                "last_save": self.last_save}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        lstm = [np.asarray(v, dtype=np.float64) for v in state["lstm"]]
+        if len(lstm) != 2 * LAYERS or any(v.shape != (self.model.hidden,) or not np.all(np.isfinite(v)) for v in lstm):
+            raise ConfigError(f"policy state of the learned model: lstm state {json.dumps(state['lstm'])[:80]} does not "
+                              f"fit a {LAYERS}-layer LSTM of {self.model.hidden} units (another model wrote it).")
+        last = state["last_save"]
+        if last is not None and (not isinstance(last, int) or isinstance(last, bool)):
+            raise ConfigError(f"policy state of the learned model: last_save={last!r} is invalid: expected an int or null.")
+        self.features.load_state_dict(state["features"])
+        self.state, self.last_save, self._cached = lstm, last, None
+
+
+
+def _is_hard(rule: str, frame: SignalFrame, loss_level: float | None) -> bool:
+    """A capture the model may never veto: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its level)."""
+    if rule == "nonfinite" or frame.any_nonfinite:
+        return True
+    loss = frame.loss
+    return loss is not None and loss_level is not None and loss_level > 0 and loss >= HARD_LOSS_RATIO * loss_level
