@@ -32,6 +32,14 @@ from .snapshot import FROZEN_PREFIX, Snapshotter
 logger = logging.getLogger(__name__)
 
 
+def optimizer_state_empty(sources: StateSources) -> bool:
+    """Whether `sources` has an optimizer that has not stepped yet (its state holds no tensor)."""
+    inner = sources.optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer  # accelerate's AcceleratedOptimizer wraps one
+    return isinstance(inner, torch.optim.Optimizer) and len(inner.state) == 0
+
+
 class Preparer:
     """Allocates and pre-faults buffers in a background thread; the owner adopts them later.
 
@@ -124,12 +132,16 @@ class Preparer:
             logger.warning("preparing snapshot buffers failed (%s): the first save allocates them", self._error)
             self._error = None
 
-    def after_first_step(self, optimizer: Any, prepare: weakref.WeakMethod[Any], sources: StateSources) -> None:
-        """Call `prepare(sources, {Tier.OPTIMIZER})` once, right after `optimizer`'s next step.
+    def after_first_step(self, optimizer: Any, prepare: weakref.WeakMethod[Any], sources: StateSources, *,
+                         tiers: Iterable[Tier] = (Tier.OPTIMIZER,)) -> None:
+        """Call `prepare(sources, tiers)` once, right after `optimizer`'s next step.
 
-        The optimizer's state exists only from its first step on. The hook goes on the
-        innermost optimizer (accelerate's `AcceleratedOptimizer` wraps one) and removes itself.
+        The optimizer's state exists only from its first step on, and so does a measure of
+        the memory a training step takes (under a memory limit every tier waits for it). The
+        hook goes on the innermost optimizer (accelerate's `AcceleratedOptimizer` wraps one)
+        and removes itself.
         """
+        tiers = frozenset(Tier(t) for t in tiers)
         inner = optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer
@@ -144,7 +156,7 @@ class Preparer:
             if method is None:
                 return
             try:
-                method(sources, {Tier.OPTIMIZER})
+                method(sources, tiers)
             except Exception as e:  # inside optimizer.step(): never break training for a head start
                 logger.warning("could not prepare the optimizer's snapshot buffers (%s): the first save "
                                "allocates them", e)

@@ -47,9 +47,9 @@ from . import _legacy_store as legacy
 from .dispatch import Dispatcher
 from .jobs import Job, Jobs, SaveHandle
 from .live import LiveState, available_tiers, fit_to_deadline
-from .prepare import Preparer
+from .prepare import Preparer, optimizer_state_empty
 from .snapshot import Snapshotter
-from .staging import Stager, StagingMode, StagingPlan, env_cgroup_dir, host_headroom
+from .staging import Stager, StagingMode, StagingPlan, env_cgroup_dir, host_headroom, log_streaming
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,8 @@ class SaveEngine:
         self.writer_nice = int(writer_nice)
         cg = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
         self._stager = Stager(memory_margin, headroom if headroom is not None else (lambda: host_headroom(cg)))
+        if mode == EngineMode.PROCESS and not self._stager.writer_process_fits():
+            mode = EngineMode.THREAD
         self._snapshotter = self._new_snapshotter(shared=mode == EngineMode.PROCESS)
         self._save_fn = functools.partial(legacy.store_save, store)
         self._dispatch = Dispatcher(mode, self._save_fn, spec=functools.partial(legacy.store_spec, store),
@@ -132,6 +134,7 @@ class SaveEngine:
                                     name=f"{id(self):x}")
         self._jobs = Jobs()
         self._preparer = Preparer(nice=self.writer_nice)
+        self._streamed_before = False
         self._closed = False
         # Runs close() at interpreter exit (flushes) unless close() ran before.
         self._finalizer = weakref.finalize(self, SaveEngine._shutdown, self.__dict__)
@@ -213,9 +216,10 @@ class SaveEngine:
                     needed, self.memory_margin):
                 self._dispatch.use_threads()
                 self._snapshotter = self._new_snapshotter(shared=False)
-            plan = self._stager.plan(needed)
+            plan = self._stager.plan(needed, self._snapshotter.pool.nbytes)
             if plan.mode == StagingMode.STREAMING:
-                logger.warning("save of step %d streams synchronously: %s", request.step, plan.reason)
+                self._streamed_before = log_streaming(request.step, plan, self._streamed_before)
+                self._release_buffers()
                 synchronous = True
                 handle.staging = StagingMode.STREAMING.value
         else:
@@ -307,6 +311,11 @@ class SaveEngine:
         self._check_open()
         if self.mode == EngineMode.SYNC:
             return 0
+        if self._stager.limited() is not None and optimizer_state_empty(sources):
+            # Under a memory limit the buffers must leave room for a training step's peak, which is
+            # known only once a step has run: prepare everything right after the optimizer's first step.
+            self._preparer.after_first_step(sources.optimizer, weakref.WeakMethod(self.prepare), sources, tiers=tiers)
+            return 0
         self._dispatch.ensure()  # the writer (thread or process) starts now, not at the first save
         started, optimizer_pending = self._preparer.start(self._snapshotter, sources, tiers, admit=self._admit)
         if wait:
@@ -397,4 +406,13 @@ class SaveEngine:
         """Whether `needed` more bytes of buffers may be prepared now (memory headroom, /dev/shm)."""
         if self.mode == EngineMode.PROCESS and not self._dispatch.shared_memory_fits(needed, self.memory_margin):
             return False
-        return self._stager.plan(needed).mode == StagingMode.BUFFERED
+        return self._stager.plan(needed, self._snapshotter.pool.nbytes).mode == StagingMode.BUFFERED
+
+    def _release_buffers(self) -> None:
+        """Free the snapshot buffers (a streaming save uses none; memory is short) and a writer process."""
+        released = self._snapshotter.release()
+        if self.mode == EngineMode.PROCESS:  # a second interpreter's memory counts against the same limit
+            self._dispatch.use_threads()
+            self._snapshotter = self._new_snapshotter(shared=False)
+        if released:
+            logger.debug("released %.1f MiB of snapshot buffers (memory headroom)", released / 2**20)
