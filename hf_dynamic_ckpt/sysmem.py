@@ -290,9 +290,9 @@ def find_cgroup_dir(
     """
     candidates = []
     try:
-        path = parse_proc_cgroup(proc_cgroup.read_text()).get(2)
-        if path is not None:
-            candidates.append(root / path.lstrip("/"))
+        own = parse_proc_cgroup(proc_cgroup.read_text()).get(2)
+        if own is not None:
+            candidates.append(root / own.lstrip("/"))
     except OSError as e:
         logger.debug("cannot read %s (%s); trying the cgroup mount only", proc_cgroup, e)
     candidates.append(root)

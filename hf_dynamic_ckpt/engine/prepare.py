@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 def optimizer_state_empty(sources: StateSources) -> bool:
     """Whether `sources` has an optimizer that has not stepped yet (its state holds no tensor)."""
-    inner = sources.optimizer
+    inner: Any = sources.optimizer
     while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = inner.optimizer  # accelerate's AcceleratedOptimizer wraps one
     return isinstance(inner, torch.optim.Optimizer) and len(inner.state) == 0
