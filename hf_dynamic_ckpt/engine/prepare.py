@@ -55,7 +55,7 @@ class Preparer:
         self._hook: Any = None
 
     def start(self, snapshotter: Snapshotter, sources: StateSources, tiers: Iterable[Tier], *,
-              admit: Callable[[int], bool]) -> tuple[int, bool]:
+              admit: Callable[[int], bool], wait_for_step: bool = False) -> tuple[int, frozenset[Tier]]:
         """Prepare the buffers a buffered snapshot of `tiers` of `sources` would allocate.
 
         Reads the live state (training thread); the allocation runs in the background.
@@ -65,18 +65,22 @@ class Preparer:
             sources (`StateSources`): the live objects.
             tiers (`Iterable[Tier]`): the tiers saves will take (L2 holds no buffers).
             admit (`Callable[[int], bool]`): whether that many bytes may be held now (memory
-                headroom); `False` prepares nothing.
+                budget); `False` prepares nothing.
+            wait_for_step (`bool`, *optional*, defaults to `False`): under a memory limit, prepare
+                nothing before the optimizer's first step (the memory a step takes is unknown before).
 
         Returns:
-            `tuple[int, bool]`: bytes being prepared, and whether the optimizer's state is
-            still empty (call again after its first step).
+            `tuple[int, frozenset[Tier]]`: bytes being prepared, and the tiers to prepare again
+            right after the optimizer's first step (its state is still empty; empty set: none).
         """
         wanted_tiers = {Tier(t) for t in tiers} & available_tiers(sources) - {Tier.STATE}
         if sources.optimizer is None:
             wanted_tiers.discard(Tier.OPTIMIZER)  # a scheduler or scaler alone holds no buffers
+        if wait_for_step and optimizer_state_empty(sources):
+            return 0, frozenset(wanted_tiers)
         live = snapshotter.collect(sources, step=0, epoch=0.0, tiers=wanted_tiers)
         optimizer_pending = live.optimizer is not None and not tensors_in(live.optimizer, [])
-        return self._start(snapshotter, live, admit), optimizer_pending
+        return self._start(snapshotter, live, admit), frozenset({Tier.OPTIMIZER} if optimizer_pending else ())
 
     def _start(self, snapshotter: Snapshotter, live: LiveState, admit: Callable[[int], bool]) -> int:
         self.finish(snapshotter)
@@ -132,9 +136,9 @@ class Preparer:
             logger.warning("preparing snapshot buffers failed (%s): the first save allocates them", self._error)
             self._error = None
 
-    def after_first_step(self, optimizer: Any, prepare: weakref.WeakMethod[Any], sources: StateSources, *,
+    def after_first_step(self, sources: StateSources, prepare: weakref.WeakMethod[Any],
                          tiers: Iterable[Tier] = (Tier.OPTIMIZER,)) -> None:
-        """Call `prepare(sources, tiers)` once, right after `optimizer`'s next step.
+        """Call `prepare(sources, tiers)` once, right after `sources.optimizer`'s next step.
 
         The optimizer's state exists only from its first step on, and so does a measure of
         the memory a training step takes (under a memory limit every tier waits for it). The
@@ -142,7 +146,7 @@ class Preparer:
         and removes itself.
         """
         tiers = frozenset(Tier(t) for t in tiers)
-        inner = optimizer
+        inner: Any = sources.optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer
         if self._hook is not None or not hasattr(inner, "register_step_post_hook"):

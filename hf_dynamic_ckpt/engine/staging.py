@@ -23,7 +23,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from ..config import EngineMode
 from ..sysmem import (
     CGROUP_MOUNT,
     PROC_SELF_CGROUP,
@@ -180,6 +182,7 @@ class Stager:
         self.margin = margin
         self.headroom = headroom
         self.last_plan: StagingPlan | None = None
+        self.streamed = False
 
     def plan(self, needed_bytes: int, held_bytes: int = 0) -> StagingPlan:
         """The plan for a snapshot that newly allocates `needed_bytes` while `held_bytes` of buffers are held."""
@@ -192,6 +195,20 @@ class Stager:
             logger.debug("staging: %s", plan.reason)
         self.last_plan = plan
         return plan
+
+    def stream(self, step: int, plan: StagingPlan, snapshotter: Any) -> None:
+        """Log a streaming save (the run's first at WARNING: it is short of memory; later ones at DEBUG) and
+        release the snapshot buffers `snapshotter` holds (a streaming save uses none)."""
+        level = logging.DEBUG if self.streamed else logging.WARNING
+        logger.log(level, "save of step %d streams synchronously: %s", step, plan.reason)
+        self.streamed = True
+        released = snapshotter.release()
+        if released:
+            logger.debug("released %.1f MiB of snapshot buffers (memory budget)", released / MiB)
+
+    def writer_mode(self, mode: EngineMode) -> EngineMode:
+        """`mode`, except a writer process becomes a thread when `writer_process_fits` says no."""
+        return EngineMode.THREAD if mode == EngineMode.PROCESS and not self.writer_process_fits() else mode
 
     def limited(self) -> Headroom | None:
         """The headroom when a cgroup limit binds (a training step's peak is then worth waiting for), else `None`."""
@@ -210,18 +227,14 @@ class Stager:
         return False
 
 
-def log_streaming(step: int, plan: StagingPlan, streamed_before: bool) -> bool:
-    """Log a streaming save: the first at WARNING (the run is short of memory), later ones at DEBUG.
-
-    Returns:
-        `bool`: `True` (a save has streamed), for the caller's next call.
-    """
-    level = logging.DEBUG if streamed_before else logging.WARNING
-    logger.log(level, "save of step %d streams synchronously: %s", step, plan.reason)
-    return True
-
-
 def env_cgroup_dir() -> Path | None:
     """`HF_DYNAMIC_CKPT_CGROUP_DIR` when set: overrides the cgroup directory (tests, odd mounts)."""
     value = os.environ.get("HF_DYNAMIC_CKPT_CGROUP_DIR")
     return Path(value) if value else None
+
+
+def default_headroom(cgroup_dir: str | os.PathLike[str] | None) -> Callable[[], Headroom]:
+    """The engine's memory probe: `host_headroom` of `cgroup_dir`, else `$HF_DYNAMIC_CKPT_CGROUP_DIR`,
+    else the process's own memory cgroup."""
+    directory = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
+    return lambda: host_headroom(directory)

@@ -71,7 +71,7 @@ def test_trainer_native_and_smart_saves_fit_under_a_limit_and_resume_exactly(tmp
     with _cgroup("hfdc-native") as cg:
         cg.set_limit(limit)
         native = _run(cg, "memory_worker.py", tmp_path / "native", "native", "--saves", "native", *args)
-    assert sorted(p.name for p in (tmp_path / "native" / "run").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "native" / "run").glob("checkpoint-*")) == [
         "checkpoint-2", "checkpoint-4", "checkpoint-6"]
     with _cgroup("hfdc-smart") as cg:
         cg.set_limit(limit)
