@@ -169,7 +169,7 @@ class Saver:
         blocking_ms = (time.perf_counter() - start) * 1e3
         event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else tiers,
                           pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
-                          bytes=info.bytes if info else None, path=info.path if info else None)
+                          bytes=info.bytes if info else None, path=info.path if info else None, staging="sync")
         self.log.add(event)
         dist.barrier()
         logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)

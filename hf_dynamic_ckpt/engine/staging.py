@@ -7,7 +7,8 @@ kernel enforces (`hf_dynamic_ckpt.sysmem`: cgroup v1 or v2, every ancestor, work
 including the writer process and shared memory), else the machine's available memory.
 
 Before every save the engine compares what the snapshot would newly allocate with the
-*budget*: available memory, minus `margin * limit`, minus what a training step allocates
+*budget*: available memory, minus the reserve (`margin * limit`, at least `MIN_RESERVE_BYTES`
+for the store's own write buffers), minus what a training step allocates
 and frees again (this process's peak RSS minus its current RSS: buffers held across steps
 must leave room for the next step's activations). When the snapshot does not fit, or the
 buffers already held no longer fit, the buffers are released and the save *streams*:
@@ -39,6 +40,9 @@ from ..sysmem import (
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+MIN_RESERVE_BYTES = 128 * MiB
+"""The least memory kept free whatever the margin: every save path needs the store's write buffers
+(L1: up to 4 zstd frames of 16 MiB in flight, input and output, about 100-130 MiB measured)."""
 PROCESS_WRITER_MIN_BUDGET = 4 << 30
 """Under a cgroup limit, the budget below which the engine writes on a thread, not a writer process:
 a second interpreter with torch costs a few hundred MiB of the limit (measured in docs/benchmarks.md),
@@ -69,9 +73,13 @@ class Headroom:
     transient_bytes: int = 0
     detail: str = field(default="", compare=False)
 
+    def reserve(self, margin: float) -> int:
+        """Bytes kept free: `margin * total`, at least `MIN_RESERVE_BYTES`."""
+        return max(int(margin * self.total_bytes), MIN_RESERVE_BYTES)
+
     def budget(self, margin: float) -> int:
-        """Bytes that may still be held: `available - margin * total - transient` (may be negative)."""
-        return self.available_bytes - int(margin * self.total_bytes) - self.transient_bytes
+        """Bytes that may still be held: `available - reserve - transient` (may be negative)."""
+        return self.available_bytes - self.reserve(margin) - self.transient_bytes
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,7 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_b
             used memory); when even they do not fit, the plan streams so that they are released.
 
     Returns:
-        `StagingPlan`: `BUFFERED` when `needed_bytes <= available - margin * total - transient`.
+        `StagingPlan`: `BUFFERED` when `needed_bytes <= available - reserve - transient`.
 
     Example:
         ```python
@@ -149,13 +157,15 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_b
         ```
     """
     budget = headroom.budget(margin)
+    reserve = headroom.reserve(margin)
+    kept = f"{margin:.0%} margin" if reserve > MIN_RESERVE_BYTES else f"{reserve / MiB:.0f} MiB reserve"
     transient = f", {headroom.transient_bytes / MiB:.1f} MiB kept for a training step" if headroom.transient_bytes else ""
     if needed_bytes <= budget:
         held = f" ({held_bytes / MiB:.1f} MiB held)" if held_bytes else ""
         return StagingPlan(
             StagingMode.BUFFERED,
             f"snapshot needs {needed_bytes / MiB:.1f} MiB{held}, {budget / MiB:.1f} MiB free above the "
-            f"{margin:.0%} margin ({headroom.source}{transient})",
+            f"{kept} ({headroom.source}{transient})",
             needed_bytes,
             headroom,
         )
@@ -163,10 +173,10 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_b
              f"{headroom.available_bytes / MiB:.1f} MiB available{transient})")
     if needed_bytes == 0:
         reason = (f"the {held_bytes / MiB:.1f} MiB of snapshot buffers held leave {budget / MiB:.1f} MiB above "
-                  f"the {margin:.0%} margin of {limit}: releasing them and saving synchronously from live tensors")
+                  f"the {kept} of {limit}: releasing them and saving synchronously from live tensors")
     else:
         reason = (f"a buffered snapshot would need {needed_bytes / MiB:.1f} MiB but only {max(budget, 0) / MiB:.1f} MiB "
-                  f"are free above the {margin:.0%} margin of {limit}: saving synchronously from live tensors instead")
+                  f"are free above the {kept} of {limit}: saving synchronously from live tensors instead")
     return StagingPlan(StagingMode.STREAMING, reason, needed_bytes, headroom)
 
 

@@ -55,6 +55,15 @@ def test_budget_keeps_room_for_a_training_step():
     )
 
 
+def test_a_small_limit_keeps_at_least_the_write_buffers_free():
+    h = Headroom(total_bytes=400 * MiB, available_bytes=200 * MiB, source="cgroup")  # 15 % would be 60 MiB
+    assert h.reserve(0.15) == 128 * MiB and h.budget(0.15) == 72 * MiB
+    assert plan_staging(72 * MiB, margin=0.15, headroom=h).mode == StagingMode.BUFFERED
+    plan = plan_staging(72 * MiB + 1, margin=0.15, headroom=h)
+    assert plan.mode == StagingMode.STREAMING
+    assert "only 72.0 MiB are free above the 128 MiB reserve of the cgroup limit (400.0 MiB" in plan.reason
+
+
 def test_held_buffers_that_no_longer_fit_are_released():
     h = Headroom(total_bytes=1000 * MiB, available_bytes=100 * MiB, source="cgroup")
     plan = plan_staging(0, margin=0.15, headroom=h, held_bytes=300 * MiB)
