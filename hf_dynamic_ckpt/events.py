@@ -38,6 +38,9 @@ class SaveEvent:
         write_ms (`float`, *optional*): background write time once committed.
         path (`str`, *optional*): the committed directory (rank 0).
         error (`str`, *optional*): why the save failed or was skipped.
+        staging (`str`, *optional*): how the state was staged: `"buffered"` (copied, written in
+            the background), `"streaming"` (written synchronously from the live tensors: memory
+            was short) or `"sync"` (a blocking save).
     """
 
     step: int
@@ -52,13 +55,14 @@ class SaveEvent:
     path: str | None = None
     error: str | None = None
     handle: SaveHandle | None = field(default=None, repr=False)
+    staging: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "at_step": self.at_step, "reason": self.reason, "kind": self.kind.value,
                 "tiers": sorted(t.value for t in self.tiers), "pinned": self.pinned,
                 "blocking_ms": round(self.blocking_ms, 3), "bytes": self.bytes,
                 "write_ms": None if self.write_ms is None else round(self.write_ms, 3),
-                "path": self.path, "error": self.error}
+                "path": self.path, "error": self.error, "staging": self.staging}
 
 
 class SaveLog:

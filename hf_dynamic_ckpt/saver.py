@@ -139,11 +139,13 @@ class Saver:
                                lineage=lineage)
         handle = self.engine.save(sources, request, rng=rng, sampler=sampler, blocking=blocking)
         event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
-                          pinned=decision.pin, blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle)
+                          pinned=decision.pin, blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle,
+                          staging=handle.staging)
         if handle.skipped:
             event.error = handle.skipped
         self.log.add(event)
-        logger.debug("save step %d (%s): blocked %.1f ms", step, decision.reason, handle.blocking_ms)
+        logger.debug("save step %d (%s): blocked %.1f ms, staging %s", step, decision.reason, handle.blocking_ms,
+                     handle.staging)
         if handle.done():
             self.collect(event)
         return event
@@ -167,7 +169,7 @@ class Saver:
         blocking_ms = (time.perf_counter() - start) * 1e3
         event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else tiers,
                           pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
-                          bytes=info.bytes if info else None, path=info.path if info else None)
+                          bytes=info.bytes if info else None, path=info.path if info else None, staging="sync")
         self.log.add(event)
         dist.barrier()
         logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)

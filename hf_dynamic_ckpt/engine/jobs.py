@@ -207,7 +207,7 @@ def run_job(job: Job, save: StoreSave) -> None:
         if job.abort.is_set():
             raise SaveError(f"aborted before it started: {job.abort.reason}")
         snapshot.wait_copies()
-        timings = {"snapshot_ms": round(snapshot.blocking_s * 1e3, 3)}
+        timings = {"snapshot_ms": round(snapshot.blocking_s * 1e3, 3), "staging": handle.staging}
         info = save(snapshot.state, job.request, timings=timings, cancel=job.abort.is_set)
     except BaseException as e:
         handle.write_ms = (time.perf_counter() - start) * 1e3

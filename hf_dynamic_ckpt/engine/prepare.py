@@ -32,6 +32,14 @@ from .snapshot import FROZEN_PREFIX, Snapshotter
 logger = logging.getLogger(__name__)
 
 
+def optimizer_state_empty(sources: StateSources) -> bool:
+    """Whether `sources` has an optimizer that has not stepped yet (its state holds no tensor)."""
+    inner: Any = sources.optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer  # accelerate's AcceleratedOptimizer wraps one
+    return isinstance(inner, torch.optim.Optimizer) and len(inner.state) == 0
+
+
 class Preparer:
     """Allocates and pre-faults buffers in a background thread; the owner adopts them later.
 
@@ -47,7 +55,7 @@ class Preparer:
         self._hook: Any = None
 
     def start(self, snapshotter: Snapshotter, sources: StateSources, tiers: Iterable[Tier], *,
-              admit: Callable[[int], bool]) -> tuple[int, bool]:
+              admit: Callable[[int], bool], wait_for_step: bool = False) -> tuple[int, frozenset[Tier]]:
         """Prepare the buffers a buffered snapshot of `tiers` of `sources` would allocate.
 
         Reads the live state (training thread); the allocation runs in the background.
@@ -57,18 +65,22 @@ class Preparer:
             sources (`StateSources`): the live objects.
             tiers (`Iterable[Tier]`): the tiers saves will take (L2 holds no buffers).
             admit (`Callable[[int], bool]`): whether that many bytes may be held now (memory
-                headroom); `False` prepares nothing.
+                budget); `False` prepares nothing.
+            wait_for_step (`bool`, *optional*, defaults to `False`): under a memory limit, prepare
+                nothing before the optimizer's first step (the memory a step takes is unknown before).
 
         Returns:
-            `tuple[int, bool]`: bytes being prepared, and whether the optimizer's state is
-            still empty (call again after its first step).
+            `tuple[int, frozenset[Tier]]`: bytes being prepared, and the tiers to prepare again
+            right after the optimizer's first step (its state is still empty; empty set: none).
         """
         wanted_tiers = {Tier(t) for t in tiers} & available_tiers(sources) - {Tier.STATE}
         if sources.optimizer is None:
             wanted_tiers.discard(Tier.OPTIMIZER)  # a scheduler or scaler alone holds no buffers
+        if wait_for_step and optimizer_state_empty(sources):
+            return 0, frozenset(wanted_tiers)
         live = snapshotter.collect(sources, step=0, epoch=0.0, tiers=wanted_tiers)
         optimizer_pending = live.optimizer is not None and not tensors_in(live.optimizer, [])
-        return self._start(snapshotter, live, admit), optimizer_pending
+        return self._start(snapshotter, live, admit), frozenset({Tier.OPTIMIZER} if optimizer_pending else ())
 
     def _start(self, snapshotter: Snapshotter, live: LiveState, admit: Callable[[int], bool]) -> int:
         self.finish(snapshotter)
@@ -124,13 +136,17 @@ class Preparer:
             logger.warning("preparing snapshot buffers failed (%s): the first save allocates them", self._error)
             self._error = None
 
-    def after_first_step(self, optimizer: Any, prepare: weakref.WeakMethod[Any], sources: StateSources) -> None:
-        """Call `prepare(sources, {Tier.OPTIMIZER})` once, right after `optimizer`'s next step.
+    def after_first_step(self, sources: StateSources, prepare: weakref.WeakMethod[Any],
+                         tiers: Iterable[Tier] = (Tier.OPTIMIZER,)) -> None:
+        """Call `prepare(sources, tiers)` once, right after `sources.optimizer`'s next step.
 
-        The optimizer's state exists only from its first step on. The hook goes on the
-        innermost optimizer (accelerate's `AcceleratedOptimizer` wraps one) and removes itself.
+        The optimizer's state exists only from its first step on, and so does a measure of
+        the memory a training step takes (under a memory limit every tier waits for it). The
+        hook goes on the innermost optimizer (accelerate's `AcceleratedOptimizer` wraps one)
+        and removes itself.
         """
-        inner = optimizer
+        tiers = frozenset(Tier(t) for t in tiers)
+        inner: Any = sources.optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
             inner = inner.optimizer
         if self._hook is not None or not hasattr(inner, "register_step_post_hook"):
@@ -144,7 +160,7 @@ class Preparer:
             if method is None:
                 return
             try:
-                method(sources, {Tier.OPTIMIZER})
+                method(sources, tiers)
             except Exception as e:  # inside optimizer.step(): never break training for a head start
                 logger.warning("could not prepare the optimizer's snapshot buffers (%s): the first save "
                                "allocates them", e)

@@ -328,6 +328,21 @@ class Snapshotter:
             self._cuda = CudaCopier()  # keeps its side streams across saves
         return self._cuda
 
+    def release(self) -> int:
+        """Free every snapshot buffer and the plans into them (the next buffered save allocates again).
+
+        Returns:
+            `int`: bytes released. Page-locked buffers go back to the OS, not to the CUDA host cache.
+        """
+        released = self.pool.nbytes
+        self.pool.clear()
+        self._plans.clear()
+        if released and torch.cuda.is_available() and torch.cuda.is_initialized():
+            empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks stay cached otherwise
+            if empty is not None:
+                empty()
+        return released
+
     # -- frozen blobs ------------------------------------------------------------------------
     def mark_blobs_stored(self, pending: Mapping[str, tuple[Any, ...]], blobs: Mapping[str, Any]) -> None:
         """Record frozen tensors as stored after their checkpoint committed.

@@ -1,12 +1,19 @@
 """Memory-aware staging: decide whether a buffered snapshot fits in host memory.
 
-A buffered snapshot holds a second copy of the saved tensors in host memory until the
-writer is done. The container's cgroup v2 limit and working set (read by
-`hf_dynamic_ckpt.sysmem`) win over the machine's free memory when the limit is tighter.
+A buffered snapshot holds a second copy of the saved tensors in host memory (pinned for
+CUDA sources, shared memory for a writer process: all of it counts against the same
+limit) from the save until the next one reuses it. The memory limit is the one the
+kernel enforces (`hf_dynamic_ckpt.sysmem`: cgroup v1 or v2, every ancestor, working set
+including the writer process and shared memory), else the machine's available memory.
 
-If the extra bytes a snapshot needs do not fit under the limit while keeping
-`margin * limit` free, the engine saves in streaming mode instead: synchronously, from
-the live tensors, one tensor at a time, never holding a second full copy.
+Before every save the engine compares what the snapshot would newly allocate with the
+*budget*: available memory, minus the reserve (`margin * limit`, at least `MIN_RESERVE_BYTES`
+for the store's own write buffers), minus what a training step allocates
+and frees again (this process's peak RSS minus its current RSS: buffers held across steps
+must leave room for the next step's activations). When the snapshot does not fit, or the
+buffers already held no longer fit, the buffers are released and the save *streams*:
+synchronously, from the live tensors, one tensor at a time through the store's writer,
+never holding a second copy. The save blocks for the write instead of risking an OOM kill.
 """
 
 from __future__ import annotations
@@ -15,12 +22,31 @@ import enum
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ..sysmem import CGROUP_MOUNT, PROC_SELF_CGROUP, find_cgroup_dir, host_memory, read_cgroup_memory
+from ..config import EngineMode
+from ..sysmem import (
+    CGROUP_MOUNT,
+    PROC_SELF_CGROUP,
+    find_cgroup_dir,
+    find_memory_cgroup,
+    process_rss_bytes,
+    read_cgroup_memory,
+    read_memory,
+)
 
 logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+MIN_RESERVE_BYTES = 128 * MiB
+"""The least memory kept free whatever the margin: every save path needs the store's write buffers
+(L1: up to 4 zstd frames of 16 MiB in flight, input and output, about 100-130 MiB measured)."""
+PROCESS_WRITER_MIN_BUDGET = 4 << 30
+"""Under a cgroup limit, the budget below which the engine writes on a thread, not a writer process:
+a second interpreter with torch costs a few hundred MiB of the limit (measured in docs/benchmarks.md),
+and it cannot be known at start-up how much a training step will take."""
 
 
 class StagingMode(enum.StrEnum):
@@ -33,14 +59,27 @@ class Headroom:
     """Host memory as the save sees it.
 
     Attributes:
-        total_bytes (`int`): the limit that applies (cgroup `memory.max`, else physical memory).
+        total_bytes (`int`): the limit that applies (cgroup limit, else physical memory).
         available_bytes (`int`): what can still be allocated before hitting that limit.
         source (`str`): `"cgroup"` or `"host"`.
+        transient_bytes (`int`, *optional*, defaults to `0`): what a training step allocates
+            and frees again (peak minus current RSS); held buffers must leave room for it.
+        detail (`str`, *optional*): where the limit was read, for messages.
     """
 
     total_bytes: int
     available_bytes: int
     source: str
+    transient_bytes: int = 0
+    detail: str = field(default="", compare=False)
+
+    def reserve(self, margin: float) -> int:
+        """Bytes kept free: `margin * total`, at least `MIN_RESERVE_BYTES`."""
+        return max(int(margin * self.total_bytes), MIN_RESERVE_BYTES)
+
+    def budget(self, margin: float) -> int:
+        """Bytes that may still be held: `available - reserve - transient` (may be negative)."""
+        return self.available_bytes - self.reserve(margin) - self.transient_bytes
 
 
 @dataclass(frozen=True)
@@ -54,53 +93,49 @@ class StagingPlan:
 
 
 def own_cgroup_dir(proc_cgroup: Path = PROC_SELF_CGROUP, mount: Path = CGROUP_MOUNT) -> Path | None:
-    """The cgroup v2 directory of this process (`0::/path` in `/proc/self/cgroup`), if any.
+    """The cgroup v2 directory of this process (`0::/path` in `/proc/self/cgroup`) under `mount`, if any.
 
-    Any directory with a `memory.max` file qualifies, limited or not (see `sysmem.find_cgroup_dir`).
+    Any directory with a `memory.max` file qualifies, limited or not (see `sysmem.find_cgroup_dir`);
+    `sysmem.find_memory_cgroup` also finds cgroup v1 directories.
     """
     return find_cgroup_dir(mount, proc_cgroup, require_limit=False)
 
 
 def cgroup_headroom(cgroup_dir: Path) -> Headroom | None:
-    """Headroom under a cgroup v2 memory limit, or `None` when the cgroup sets no limit.
+    """Headroom under the binding cgroup memory limit (v1 or v2, ancestors included), or `None` without one.
 
     Args:
-        cgroup_dir (`Path`): directory with `memory.max`, `memory.current` (and optionally
-            `memory.stat`); injectable for tests.
+        cgroup_dir (`Path`): a cgroup directory (see `sysmem.read_cgroup_memory`); injectable for tests.
     """
     mem = read_cgroup_memory(cgroup_dir)
     if mem is None:
         return None
-    return Headroom(
-        total_bytes=mem.limit_bytes,
-        available_bytes=max(0, mem.limit_bytes - mem.working_set_bytes),
-        source="cgroup",
-    )
+    return Headroom(total_bytes=mem.limit_bytes, available_bytes=mem.headroom_bytes, source="cgroup",
+                    detail=f"cgroup v{mem.version} {mem.path}")
 
 
 def host_headroom(cgroup_dir: Path | str | None = None) -> Headroom:
     """The memory a snapshot may use: the tighter of the cgroup limit and the machine.
 
     Args:
-        cgroup_dir (`Path` or `str`, *optional*): cgroup v2 directory to read; by default the
-            process's own cgroup (found through `/proc/self/cgroup`).
+        cgroup_dir (`Path` or `str`, *optional*): cgroup directory to read (v1 or v2); by default
+            the process's own memory cgroup (`sysmem.find_memory_cgroup`).
 
     Returns:
-        `Headroom`: from the cgroup when it sets a limit that is tighter than the host,
-        else from `psutil.virtual_memory()`.
+        `Headroom`: from the cgroup when it sets a limit with less headroom than the host,
+        else from `psutil.virtual_memory()`; `transient_bytes` from this process's RSS.
     """
-    vm = host_memory()
-    host = Headroom(total_bytes=vm.total_bytes, available_bytes=vm.available_bytes, source="host")
-    directory = Path(cgroup_dir) if cgroup_dir is not None else own_cgroup_dir()
-    cg = cgroup_headroom(directory) if directory is not None else None
-    if cg is None:
-        return host
-    if cg.available_bytes <= host.available_bytes:
-        return cg
-    return host
+    directory = Path(cgroup_dir) if cgroup_dir is not None else find_memory_cgroup()
+    reading = read_memory(directory)
+    current, peak = process_rss_bytes()
+    transient = max(0, peak - current) if current else 0
+    if reading is None:  # no cgroup limit and no psutil: nothing is known, nothing is held back
+        return Headroom(total_bytes=0, available_bytes=0, source="host", detail="unknown (psutil missing)")
+    return Headroom(total_bytes=reading.limit_bytes, available_bytes=reading.available_bytes, source=reading.source,
+                    transient_bytes=transient, detail=reading.detail)
 
 
-def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom) -> StagingPlan:
+def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_bytes: int = 0) -> StagingPlan:
     """Decide between a buffered snapshot and a streaming save.
 
     Args:
@@ -108,9 +143,11 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom) -> Sta
             already held from earlier saves are free).
         margin (`float`): fraction of `headroom.total_bytes` that must stay free.
         headroom (`Headroom`): from `host_headroom`.
+        held_bytes (`int`, *optional*, defaults to `0`): buffers held now (already part of the
+            used memory); when even they do not fit, the plan streams so that they are released.
 
     Returns:
-        `StagingPlan`: `BUFFERED` when `needed_bytes <= available - margin * total`.
+        `StagingPlan`: `BUFFERED` when `needed_bytes <= available - reserve - transient`.
 
     Example:
         ```python
@@ -119,26 +156,28 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom) -> Sta
         <StagingMode.STREAMING: 'streaming'>
         ```
     """
-    reserve = int(margin * headroom.total_bytes)
-    budget = headroom.available_bytes - reserve
-    mib = 1 << 20
+    budget = headroom.budget(margin)
+    reserve = headroom.reserve(margin)
+    kept = f"{margin:.0%} margin" if reserve > MIN_RESERVE_BYTES else f"{reserve / MiB:.0f} MiB reserve"
+    transient = f", {headroom.transient_bytes / MiB:.1f} MiB kept for a training step" if headroom.transient_bytes else ""
     if needed_bytes <= budget:
+        held = f" ({held_bytes / MiB:.1f} MiB held)" if held_bytes else ""
         return StagingPlan(
             StagingMode.BUFFERED,
-            f"snapshot needs {needed_bytes / mib:.1f} MiB, {budget / mib:.1f} MiB free above the "
-            f"{margin:.0%} margin ({headroom.source})",
+            f"snapshot needs {needed_bytes / MiB:.1f} MiB{held}, {budget / MiB:.1f} MiB free above the "
+            f"{kept} ({headroom.source}{transient})",
             needed_bytes,
             headroom,
         )
-    return StagingPlan(
-        StagingMode.STREAMING,
-        f"a buffered snapshot would need {needed_bytes / mib:.1f} MiB but only {max(budget, 0) / mib:.1f} MiB "
-        f"are free above the {margin:.0%} margin of the {headroom.source} limit "
-        f"({headroom.total_bytes / mib:.1f} MiB, {headroom.available_bytes / mib:.1f} MiB available): "
-        "saving synchronously from live tensors instead",
-        needed_bytes,
-        headroom,
-    )
+    limit = (f"the {headroom.source} limit ({headroom.total_bytes / MiB:.1f} MiB, "
+             f"{headroom.available_bytes / MiB:.1f} MiB available{transient})")
+    if needed_bytes == 0:
+        reason = (f"the {held_bytes / MiB:.1f} MiB of snapshot buffers held leave {budget / MiB:.1f} MiB above "
+                  f"the {kept} of {limit}: releasing them and saving synchronously from live tensors")
+    else:
+        reason = (f"a buffered snapshot would need {needed_bytes / MiB:.1f} MiB but only {max(budget, 0) / MiB:.1f} MiB "
+                  f"are free above the {kept} of {limit}: saving synchronously from live tensors instead")
+    return StagingPlan(StagingMode.STREAMING, reason, needed_bytes, headroom)
 
 
 class Stager:
@@ -153,19 +192,59 @@ class Stager:
         self.margin = margin
         self.headroom = headroom
         self.last_plan: StagingPlan | None = None
+        self.streamed = False
 
-    def plan(self, needed_bytes: int) -> StagingPlan:
-        """The plan for a snapshot that newly allocates `needed_bytes` (0: buffered, nothing to probe)."""
-        if needed_bytes == 0:
-            plan = StagingPlan(StagingMode.BUFFERED, "snapshot buffers already allocated", 0, None)
+    def plan(self, needed_bytes: int, held_bytes: int = 0) -> StagingPlan:
+        """The plan for a snapshot that newly allocates `needed_bytes` while `held_bytes` of buffers are held."""
+        if needed_bytes == 0 and held_bytes == 0:
+            plan = StagingPlan(StagingMode.BUFFERED, "nothing to stage", 0, None)
         else:
-            plan = plan_staging(needed_bytes, margin=self.margin, headroom=self.headroom())
+            plan = plan_staging(needed_bytes, margin=self.margin, headroom=self.headroom(), held_bytes=held_bytes)
+            if needed_bytes == 0 and plan.mode == StagingMode.BUFFERED:  # the held buffers still fit
+                plan = StagingPlan(StagingMode.BUFFERED, "snapshot buffers already allocated", 0, plan.headroom)
             logger.debug("staging: %s", plan.reason)
         self.last_plan = plan
         return plan
+
+    def stream(self, step: int, plan: StagingPlan, snapshotter: Any) -> None:
+        """Log a streaming save (the run's first at WARNING: it is short of memory; later ones at DEBUG) and
+        release the snapshot buffers `snapshotter` holds (a streaming save uses none)."""
+        level = logging.DEBUG if self.streamed else logging.WARNING
+        logger.log(level, "save of step %d streams synchronously: %s", step, plan.reason)
+        self.streamed = True
+        released = snapshotter.release()
+        if released:
+            logger.debug("released %.1f MiB of snapshot buffers (memory budget)", released / MiB)
+
+    def writer_mode(self, mode: EngineMode) -> EngineMode:
+        """`mode`, except a writer process becomes a thread when `writer_process_fits` says no."""
+        return EngineMode.THREAD if mode == EngineMode.PROCESS and not self.writer_process_fits() else mode
+
+    def limited(self) -> Headroom | None:
+        """The headroom when a cgroup limit binds (a training step's peak is then worth waiting for), else `None`."""
+        headroom = self.headroom()
+        return headroom if headroom.source == "cgroup" else None
+
+    def writer_process_fits(self) -> bool:
+        """Whether a writer process (a second interpreter) may be started: always without a cgroup
+        limit, else only with `PROCESS_WRITER_MIN_BUDGET` to spare."""
+        headroom = self.limited()
+        if headroom is None or headroom.budget(self.margin) >= PROCESS_WRITER_MIN_BUDGET:
+            return True
+        logger.info("memory limit (%s, %.1f MiB available, %.0f%% margin): the checkpoint writer runs on a thread, "
+                    "not in a second process", headroom.detail or headroom.source, headroom.available_bytes / MiB,
+                    self.margin * 100)
+        return False
 
 
 def env_cgroup_dir() -> Path | None:
     """`HF_DYNAMIC_CKPT_CGROUP_DIR` when set: overrides the cgroup directory (tests, odd mounts)."""
     value = os.environ.get("HF_DYNAMIC_CKPT_CGROUP_DIR")
     return Path(value) if value else None
+
+
+def default_headroom(cgroup_dir: str | os.PathLike[str] | None) -> Callable[[], Headroom]:
+    """The engine's memory probe: `host_headroom` of `cgroup_dir`, else `$HF_DYNAMIC_CKPT_CGROUP_DIR`,
+    else the process's own memory cgroup."""
+    directory = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
+    return lambda: host_headroom(directory)

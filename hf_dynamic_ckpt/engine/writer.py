@@ -49,7 +49,7 @@ from .jobs import Job, Jobs, SaveHandle
 from .live import LiveState, available_tiers, fit_to_deadline
 from .prepare import Preparer
 from .snapshot import Snapshotter
-from .staging import Stager, StagingMode, StagingPlan, env_cgroup_dir, host_headroom
+from .staging import Stager, StagingMode, StagingPlan, default_headroom
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +66,13 @@ class SaveEngine:
         mode (`EngineMode` or `str`, *optional*, defaults to `"thread"`): `"thread"` (writer
             thread), `"process"` (writer process, shared-memory buffers) or `"sync"`
             (write on the calling thread, no snapshot copy).
-        memory_margin (`float`, *optional*, defaults to `0.15`): fraction of the host (or
-            cgroup) memory limit a snapshot must leave free; otherwise the save streams
-            synchronously from the live tensors.
+        memory_margin (`float`, *optional*, defaults to `0.15`): fraction of the memory limit a save
+            must leave free; otherwise it streams synchronously from the live tensors (`staging.py`).
         on_busy (`str`, *optional*, defaults to `"wait"`): what a save does while the previous
             one is still writing: `"wait"` for it, or `"skip"` (logged; single process only,
             since ranks could disagree on what to skip).
-        cgroup_dir (`str` or `Path`, *optional*): cgroup v2 directory to read the memory limit
-            from; defaults to `$HF_DYNAMIC_CKPT_CGROUP_DIR`, else the process's own cgroup.
+        cgroup_dir (`str` or `Path`, *optional*): cgroup (v1 or v2) directory to read the memory limit
+            from; defaults to `$HF_DYNAMIC_CKPT_CGROUP_DIR`, else the process's own memory cgroup.
         headroom (`Callable[[], Headroom]`, *optional*): replaces the memory probe entirely.
         writer_nice (`int`, *optional*, defaults to `10`): nice increment of the writer thread or
             process, so that under CPU contention the scheduler favours training (Linux; see
@@ -123,8 +122,8 @@ class SaveEngine:
         self.store = store
         self.memory_margin = memory_margin
         self.writer_nice = int(writer_nice)
-        cg = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
-        self._stager = Stager(memory_margin, headroom if headroom is not None else (lambda: host_headroom(cg)))
+        self._stager = Stager(memory_margin, headroom if headroom is not None else default_headroom(cgroup_dir))
+        mode = self._stager.writer_mode(mode)  # under a tight memory limit: no second interpreter
         self._snapshotter = self._new_snapshotter(shared=mode == EngineMode.PROCESS)
         self._save_fn = functools.partial(legacy.store_save, store)
         self._dispatch = Dispatcher(mode, self._save_fn, spec=functools.partial(legacy.store_spec, store),
@@ -209,13 +208,13 @@ class SaveEngine:
         synchronous = blocking or self.mode == EngineMode.SYNC
         if not synchronous:
             needed = self._snapshotter.extra_bytes_needed(live)
-            if needed and self.mode == EngineMode.PROCESS and not self._dispatch.shared_memory_fits(
-                    needed, self.memory_margin):
-                self._dispatch.use_threads()
+            plan = self._stager.plan(needed, self._snapshotter.pool.nbytes)
+            if self.mode == EngineMode.PROCESS and (plan.mode == StagingMode.STREAMING or (
+                    needed and not self._dispatch.shared_memory_fits(needed, self.memory_margin))):
+                self._dispatch.use_threads()  # streaming: the writer process's memory is needed too
                 self._snapshotter = self._new_snapshotter(shared=False)
-            plan = self._stager.plan(needed)
             if plan.mode == StagingMode.STREAMING:
-                logger.warning("save of step %d streams synchronously: %s", request.step, plan.reason)
+                self._stager.stream(request.step, plan, self._snapshotter)  # logs; frees held buffers
                 synchronous = True
                 handle.staging = StagingMode.STREAMING.value
         else:
@@ -291,9 +290,9 @@ class SaveEngine:
 
         Call it once the sources exist (right after attaching to the model and optimizer):
         the first save then copies into warm buffers at memcpy speed instead of paying a page
-        fault per page. Nothing is prepared when the buffers would not fit in the memory
-        headroom (such a save streams anyway) or in sync mode (no buffers). An optimizer whose
-        state is still empty gets its buffers prepared right after its first step.
+        fault per page. Nothing is prepared when the buffers would not fit in the memory budget
+        (such a save streams anyway) or in sync mode. An optimizer whose state is still empty gets
+        its buffers prepared right after its first step; under a memory limit every tier waits for it.
 
         Args:
             sources (`StateSources`): the live objects later saves copy from.
@@ -308,11 +307,12 @@ class SaveEngine:
         if self.mode == EngineMode.SYNC:
             return 0
         self._dispatch.ensure()  # the writer (thread or process) starts now, not at the first save
-        started, optimizer_pending = self._preparer.start(self._snapshotter, sources, tiers, admit=self._admit)
+        started, pending = self._preparer.start(self._snapshotter, sources, tiers, admit=self._admit,
+                                                wait_for_step=self._stager.limited() is not None)
         if wait:
             self._preparer.finish(self._snapshotter)
-        if optimizer_pending:  # its buffers once its state exists; weakly: the hook must not keep the engine
-            self._preparer.after_first_step(sources.optimizer, weakref.WeakMethod(self.prepare), sources)
+        if pending:  # those tiers once the optimizer has stepped; weakly: the hook must not keep the engine
+            self._preparer.after_first_step(sources, weakref.WeakMethod(self.prepare), pending)
         return started
 
     def abort(self, reason: str) -> None:
@@ -397,4 +397,4 @@ class SaveEngine:
         """Whether `needed` more bytes of buffers may be prepared now (memory headroom, /dev/shm)."""
         if self.mode == EngineMode.PROCESS and not self._dispatch.shared_memory_fits(needed, self.memory_margin):
             return False
-        return self._stager.plan(needed).mode == StagingMode.BUFFERED
+        return self._stager.plan(needed, self._snapshotter.pool.nbytes).mode == StagingMode.BUFFERED

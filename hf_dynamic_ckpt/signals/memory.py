@@ -18,15 +18,18 @@ class MemoryProbe:
     """Device and host memory in use, as fractions, sampled every `sample_every` steps.
 
     Device: the larger of the CUDA caching allocator's reserved bytes and NVML's used bytes
-    (other processes and fragmentation included) over the device total. Host: the cgroup v2
-    working set (`memory.current - inactive_file`) over `memory.max` when the cgroup has a
-    limit (Kubernetes), else the machine's `(total - available) / total` from psutil.
+    (other processes and fragmentation included) over the device total. Host: what the
+    save engine's staging reads too (`sysmem.read_memory`): the working set of the binding
+    cgroup limit (v1 or v2, ancestors included; usage minus reclaimable page cache, the
+    writer process and shared memory included) over that limit, else the machine's
+    `(total - available) / total`, whichever leaves less memory available.
 
     Args:
         sample_every (`int`, *optional*, defaults to `5`): steps between samples; sampling
             every step is measurably slow with NVML.
-        cgroup_dir (`str` or `Path`, *optional*): cgroup v2 directory to read; `None` finds this
-            process's one; `False` never uses cgroups.
+        cgroup_dir (`str` or `Path`, *optional*): cgroup directory to read (v1 or v2); `None`
+            finds this process's memory cgroup (`sysmem.find_memory_cgroup`); `False` never
+            uses cgroups.
         device (`int`, *optional*): CUDA device index; defaults to the current device.
     """
 
@@ -38,7 +41,7 @@ class MemoryProbe:
         if cgroup_dir is False:
             self.cgroup_dir: Path | None = None
         elif cgroup_dir is None or cgroup_dir is True:
-            self.cgroup_dir = sysmem.find_cgroup_dir()  # None unless memory.max is a limit
+            self.cgroup_dir = sysmem.find_memory_cgroup()  # limited or not: a limit may be set later
         else:
             self.cgroup_dir = Path(cgroup_dir)
         self.device = device
@@ -56,16 +59,9 @@ class MemoryProbe:
         return self.device_fraction(), self.host_fraction()
 
     def host_fraction(self) -> float | None:
-        """Host memory in use over its limit: cgroup working set when limited, else the machine's."""
-        if self.cgroup_dir is not None:
-            mem = sysmem.read_cgroup_memory(self.cgroup_dir)  # None when memory.max is "max"
-            if mem is not None and mem.limit_bytes:
-                return mem.working_set_bytes / mem.limit_bytes
-        try:
-            vm = sysmem.host_memory()
-        except ImportError:
-            return None
-        return (vm.total_bytes - vm.available_bytes) / vm.total_bytes
+        """Host memory in use over its limit: the binding cgroup's working set when limited, else the machine's."""
+        reading = sysmem.read_memory(self.cgroup_dir)
+        return reading.fraction if reading is not None else None
 
     def device_fraction(self) -> float | None:
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
