@@ -102,7 +102,8 @@ class SaveLog:
         self._start = len(self.events)
 
     def metrics(self, *, risk: float | None, interval: float | None, held_step: int | None = None) -> dict[str, float]:
-        """`smart_ckpt/saves`, `failed_saves`, `last_save_step`, `stall_ms` (since the last call), `risk`, `interval`.
+        """`smart_ckpt/saves`, `failed_saves`, `streamed_saves`, `last_save_step`, `stall_ms` (since the last call),
+        `risk`, `interval`.
 
         `held_step`: a save decided for that step whose write starts after the step's logging; it
         counts as taken.
@@ -113,6 +114,8 @@ class SaveLog:
         out: dict[str, float] = {
             f"{METRIC_PREFIX}saves": float(len(done)),
             f"{METRIC_PREFIX}failed_saves": float(self.failed),
+            # saves written synchronously from the live tensors because snapshot buffers did not fit
+            f"{METRIC_PREFIX}streamed_saves": float(sum(e.staging == "streaming" for e in self.events if e.error is None)),
             f"{METRIC_PREFIX}stall_ms": round(self._stall_ms, 3),
             f"{METRIC_PREFIX}risk": round(risk, 6) if risk is not None else 0.0,
         }

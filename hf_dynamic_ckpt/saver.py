@@ -206,9 +206,10 @@ class Saver:
         event.write_ms = handle.write_ms
         if info is not None:
             event.bytes, event.path = info.bytes, info.path
-            self.announce.info("smart_ckpt: saved step %d (%s%s): %s, training blocked %.0f ms", event.step,
+            streamed = ", streamed: no memory for snapshot buffers" if event.staging == "streaming" else ""
+            self.announce.info("smart_ckpt: saved step %d (%s%s): %s, training blocked %.0f ms%s", event.step,
                                event.reason, ", pinned" if event.pinned else "", human_bytes(info.bytes),
-                               event.blocking_ms)
+                               event.blocking_ms, streamed)
             if event.pinned and not info.pinned:
                 self.store.pin(info)
             self.prune()
