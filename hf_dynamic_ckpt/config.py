@@ -180,6 +180,12 @@ class SmartCkptConfig:
         report_to_trainer (`bool`, *optional*, defaults to `True`): add `smart_ckpt/*` to Trainer logs.
         on_save_error (`str`, *optional*, defaults to `"warn"`): `"warn"` (count, warn, continue) or
             `"raise"` (stop the run at the next step); see `OnSaveError`.
+        remote_cache_dir (`str`, *optional*): local cache of a URL root; each rank uses
+            ``<remote_cache_dir>/rank-<R>`` (default ``~/.cache/hf_dynamic_ckpt/remote/<hash>/rank-<R>``).
+        remote_storage_options (`dict`, *optional*): fsspec options of a URL root such as
+            ``endpoint_url``; never credentials (refused: they come from the environment).
+        remote_retries (`int`, *optional*, defaults to `5`): retries of a failed object-store call.
+        remote_backoff_s (`float`, *optional*, defaults to `0.5`): first retry backoff (doubles, capped at 10 s).
 
     Example:
         ```python
@@ -225,6 +231,10 @@ class SmartCkptConfig:
     learned_model: str | None = None
     report_to_trainer: bool = True
     on_save_error: OnSaveError = OnSaveError.WARN
+    remote_cache_dir: str | None = None
+    remote_storage_options: Mapping[str, Any] | None = None
+    remote_retries: int = 5
+    remote_backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -232,10 +242,18 @@ class SmartCkptConfig:
             _check(isinstance(self.root, str | os.PathLike), "root", self.root, "a directory path (str) or null")
             set_(self, "root", os.fspath(self.root))
             if "://" in str(self.root):
-                raise ConfigError(
-                    f"root={self.root!r} is invalid: object-store URLs are not supported yet; use a local or shared "
-                    "filesystem directory (a mounted bucket works)."
-                )
+                from .store.remote import check_url, is_url
+
+                _check(is_url(self.root), "root", self.root, "a directory path or a URL such as s3://bucket/run")
+                check_url(self.root)
+        if self.remote_storage_options is not None:
+            from .store.remote import check_public_options
+
+            set_(self, "remote_storage_options", check_public_options(self.remote_storage_options, "remote_storage_options"))
+        _check(_is_int(self.remote_retries) and self.remote_retries >= 0, "remote_retries", self.remote_retries,
+               "an integer >= 0")
+        _check(_is_number(self.remote_backoff_s) and self.remote_backoff_s >= 0, "remote_backoff_s",
+               self.remote_backoff_s, "a number of seconds >= 0")
         for flag in ("pre_anomaly_capture", "skip_bad_update", "keep_log_spaced", "async_save", "report_to_trainer"):
             value = getattr(self, flag)
             _check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")
