@@ -64,6 +64,8 @@ def redact(url: str) -> str:
     except ValueError:
         return "<unparseable URL>"
     netloc = parts.netloc
+    if "@" not in netloc and not parts.query and not parts.fragment:
+        return url
     if "@" in netloc:
         netloc = "***@" + netloc.rsplit("@", 1)[1]
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))

@@ -22,13 +22,15 @@ Invariants:
   step, and every change goes through `fs.LocalFS`, which refuses links and escapes.
 - Nothing is deleted on resume: `fork` marks newer checkpoints of other timelines abandoned.
 - `save` runs no collectives: ranks meet through ``done-rank<R>.json`` files.
+
+A URL root (``s3://...``) is a local cache with this layout plus its object-store copy, which
+the writer uploads before the local rename, manifest last (`remote_sync`, docs/storage.md).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import dataclasses
 import logging
 import os
 import sqlite3
@@ -40,20 +42,17 @@ from typing import Any
 from ..constants import (
     CATALOG_NAME,
     DEFAULT_TASK_ID,
-    KEY_PINNED,
-    MANIFEST_NAME,
-    PINNED_MARKER,
     Tier,
 )
 from ..errors import CheckpointNotFoundError, ConfigError, DynamicCkptError, SaveError
 from . import maintenance as mt
-from . import manifest as mf
 from . import remote_sync as rs
 from .catalog import Catalog
 from .commit import commit_save, request_for
 from .fs import LocalFS
 from .lock import WriterLock
 from .lookup import Lookup
+from .pins import Pins
 from .reader import Reader
 from .remote import Remote, split_root
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
@@ -68,7 +67,7 @@ __all__ = ["CheckpointStore", "parse_step_dir", "step_dir_name"]
 Ref = str | int | os.PathLike[str] | CheckpointInfo
 
 
-class CheckpointStore(Reader, Lookup):
+class CheckpointStore(Reader, Lookup, Pins):
     """Tiered checkpoints of one task under a store root, committed atomically.
 
     Args:
@@ -301,40 +300,6 @@ class CheckpointStore(Reader, Lookup):
         if fresh is None:
             raise CheckpointNotFoundError(f"step {info.step} has no committed checkpoint in {self.task_dir}.")
         return fresh
-
-    def pin(self, ref: Ref) -> CheckpointInfo:
-        """Protect a checkpoint from retention and gc (writes a `PINNED` marker next to the manifest)."""
-        self._check_writable("pin")
-        with self._lock:
-            info = self._own(ref, "pin")
-            marker = Path(info.path) / PINNED_MARKER
-            with self.fs.create(marker) as f:
-                os.fsync(f.fileno())
-            self.fs.fsync_dir(marker.parent)
-            self._remote(rs.mirror_step, info.step)
-            info = dataclasses.replace(info, pinned=True)
-            self.task.record(info)
-            return info
-
-    def unpin(self, ref: Ref) -> CheckpointInfo:
-        """Undo `pin` (and a pin requested at save time: the manifest is rewritten atomically)."""
-        self._check_writable("unpin")
-        with self._lock:
-            info = self._own(ref, "unpin")
-            path = Path(info.path)
-            manifest = self.task.read_manifest(info.step)
-            if manifest.get(KEY_PINNED):
-                new = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
-                new[KEY_PINNED] = False
-                new["manifest_checksum"] = mf.compute_manifest_checksum(new)
-                mf.write_manifest(path, new, name=MANIFEST_NAME + ".new")
-                self.fs.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
-            self.fs.unlink(path / PINNED_MARKER)
-            self.fs.fsync_dir(path)
-            self._remote(rs.mirror_step, info.step)
-            info = self.task.scan(info.step) or info
-            self.task.record(info)
-            return info
 
     def delete(self, ref: Ref, *, tiers: Collection[Tier] | None = None, force: bool = False) -> None:
         """Delete a checkpoint of this task, or only some of its tiers (blobs nobody uses go too).
