@@ -188,6 +188,8 @@ class Remote:
         self.prefix = f"{self.base}/{self.task_id}"
         self.calls = 0
         self.retried = 0
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,)
+        self._needs_dirs = bool({"file", "local"} & set(protocols))  # a filesystem, not an object store
 
     # -- keys -----------------------------------------------------------------------------
     def key(self, *names: str) -> str:
@@ -241,10 +243,16 @@ class Remote:
         if invalidate is not None:
             invalidate()
 
+    def _parent(self, key: str) -> None:
+        if self._needs_dirs:
+            self.fs.makedirs(key.rsplit("/", 1)[0], exist_ok=True)
+
     def put(self, local: str | os.PathLike[str], key: str) -> None:
+        self._parent(key)
         self.call(f"uploading {key.rsplit('/', 2)[-2:]}", lambda: self.fs.put_file(os.fspath(local), key))
 
     def put_bytes(self, data: bytes, key: str) -> None:
+        self._parent(key)
         self.call(f"writing {key.rsplit('/', 2)[-2:]}", lambda: self.fs.pipe_file(key, data))
 
     def get(self, key: str, local: str | os.PathLike[str]) -> None:

@@ -301,3 +301,19 @@ def test_redaction_and_spec_repr_hide_credentials():
     assert redact("s3://bucket/run1") == "s3://bucket/run1"
     spec = RemoteSpec("s3://b/r", {"key": "AKIA-should-not-show", "secret": "hidden-secret"})
     assert "AKIA" not in repr(spec) and "hidden" not in repr(spec) and "s3://b/r" in repr(spec)
+
+
+def test_file_url_root_and_config_accept_urls(tmp_path):
+    # file:// goes through the same seam (directories created on demand); no server needed.
+    from hf_dynamic_ckpt import SmartCkptConfig
+
+    config = SmartCkptConfig(root="s3://bucket/run1", remote_storage_options={"endpoint_url": "http://127.0.0.1:9"})
+    assert config.root == "s3://bucket/run1" and config.remote_storage_options == {"endpoint_url": "http://127.0.0.1:9"}
+    url = (tmp_path / "bucket").as_uri() + "/run"
+    with CheckpointStore(url, task_id="t", cache_dir=tmp_path / "cache-a") as store:
+        save(store, 5)
+    assert sorted(os.listdir(tmp_path / "bucket/run/t/step-5")) == [
+        "manifest.json", "optimizer.json", "optimizer.tensors.zst", "rng-rank0.json", "sampler.json",
+        "weights.safetensors"]
+    with CheckpointStore(url, task_id="t", cache_dir=tmp_path / "cache-b", read_only=True) as reader:
+        assert_equal_state(reader.load("auto"), 5)
