@@ -230,6 +230,11 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
         `SaveError`: writing failed; the previous checkpoints are untouched.
     """
     spec, step, fs = task.spec, request.step, task.fs
+    if task.remote is not None and spec.rank != 0:  # this rank's cache has not seen rank 0's recent commits
+        from .remote_sync import refresh_step
+
+        task.remote.invalidate()
+        refresh_step(task, task.remote, step)
     found = existing(task, request, replace=replace)
     if isinstance(found, CheckpointInfo):
         if spec.rank == 0:

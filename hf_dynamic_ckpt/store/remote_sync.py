@@ -169,6 +169,37 @@ def committed_steps(remote: Remote) -> dict[int, bytes]:
     return out
 
 
+def _cache_manifest(task: Task, step: int, data: bytes) -> int:
+    """Put a remote manifest into the cache as ``step-<N>/manifest.json`` (1 when it changed)."""
+    fs, local = task.fs, task.step_dir(step)
+    current = fs.read_bytes(local / MANIFEST_NAME, limit=MANIFEST_LIMIT) if fs.is_file(local / MANIFEST_NAME) else None
+    if current == data:
+        return 0
+    tmp = task.dir / f"{step_dir_name(step)}{TMP_MARKER}{task.spec.session_id}.pull"
+    if fs.lstat(tmp) is not None:
+        fs.rmtree(tmp)
+    fs.mkdir(tmp)
+    fs.write_atomic(tmp / MANIFEST_NAME, data, tmp_tag="pull")
+    if fs.lstat(local) is not None:
+        fs.rmtree(local)
+    fs.rename(tmp, local)
+    return 1
+
+
+def refresh_step(task: Task, remote: Remote, step: int) -> None:
+    """Ranks > 0 before a save: the bucket's manifest of `step` and timelines into the cache, so this
+    rank decides "already committed / replace / new" from the same files as rank 0."""
+    timelines = remote.read(remote.key(TIMELINES_NAME), limit=MANIFEST_LIMIT)
+    if timelines is not None:
+        task.fs.mkdir(task.dir)
+        task.fs.write_atomic(task.dir / TIMELINES_NAME, timelines, tmp_tag=task.spec.session_id)
+    data = remote.read(remote.key(step_dir_name(step), MANIFEST_NAME), limit=MANIFEST_LIMIT)
+    if data is not None:
+        _cache_manifest(task, step, data)
+    elif task.fs.lstat(task.step_dir(step)) is not None:  # deleted from the bucket since this cache saw it
+        task.fs.rmtree(task.step_dir(step))
+
+
 def pull(task: Task, remote: Remote) -> int:
     """Make the cache hold exactly the remote manifests (+ pin markers, timelines); returns how many changed.
 
@@ -186,17 +217,7 @@ def pull(task: Task, remote: Remote) -> int:
         name = step_dir_name(step)
         local = task.step_dir(step)
         pinned = remote.size(remote.key(name, PINNED_MARKER)) is not None
-        current = fs.read_bytes(local / MANIFEST_NAME, limit=MANIFEST_LIMIT) if fs.is_file(local / MANIFEST_NAME) else None
-        if current != data:
-            tmp = task.dir / f"{name}{TMP_MARKER}{task.spec.session_id}.pull"
-            if fs.lstat(tmp) is not None:
-                fs.rmtree(tmp)
-            fs.mkdir(tmp)
-            fs.write_atomic(tmp / MANIFEST_NAME, data, tmp_tag="pull")
-            if fs.lstat(local) is not None:
-                fs.rmtree(local)
-            fs.rename(tmp, local)
-            changed += 1
+        changed += _cache_manifest(task, step, data)
         if pinned and not fs.is_file(local / PINNED_MARKER):
             fs.write_atomic(local / PINNED_MARKER, b"", tmp_tag="pull")
         elif not pinned and fs.lstat(local / PINNED_MARKER) is not None:

@@ -132,6 +132,21 @@ def test_two_ranks_without_a_shared_directory_commit_through_the_bucket(s3_root,
     assert "run/t/step-4/rng-rank1.json" in keys and "run/t/step-4/manifest.json" in keys
     assert not [k for k in keys if ".tmp-" in k]  # the done notes went with the commit
     assert not (tmp_path / "node1/t").exists() or not [p for p in (tmp_path / "node1/t").iterdir() if ".tmp-" in p.name]
+    # The same step again (same session): rank 0 answers "already committed" from its cache; rank 1, whose cache
+    # never saw the commit, must reach the same answer from the bucket (no done note, no overwritten file).
+    out.clear()
+
+    def again(store: CheckpointStore, rank: int) -> None:
+        state = tiny_state(4) if rank == 0 else tiny_state(4).__class__(step=4, rng={"seed": 999})
+        out[rank] = store.save(state, SaveRequest(step=4, reason="interval"))
+
+    threads = [threading.Thread(target=again, args=(s, r)) for r, s in ((1, rank1), (0, rank0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out[1] is None and out[0] is not None and out[0].step == 4
+    assert not [k for k in bucket_keys(url, options) if ".tmp-" in k]
     reader = open_store(url, options, tmp_path / "node2", read_only=True)
     assert reader.load("auto", rank=1).rng == {"seed": 101}
     assert reader.verify("step:4") == []
