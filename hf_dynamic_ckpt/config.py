@@ -124,7 +124,8 @@ class SmartCkptConfig:
     """Everything the checkpointer can be told. `SmartCkptConfig()` works as is.
 
     Args:
-        root (`str`, *optional*): store directory; defaults to `<output_dir>/smart_ckpt`.
+        root (`str`, *optional*): store directory, or an fsspec URL (``s3://bucket/run``, see
+            docs/storage.md); defaults to `<output_dir>/smart_ckpt`.
         task_id (`str`, *optional*, defaults to `"default"`): sub-directory of one run's checkpoints.
         base_interval (`int`, *optional*): save every this many steps while training is calm.
             `None` derives it from the measured save cost (Young/Daly `sqrt(2 * C * MTBF)`).
@@ -250,6 +251,10 @@ class SmartCkptConfig:
             from .store.remote import check_public_options
 
             set_(self, "remote_storage_options", check_public_options(self.remote_storage_options, "remote_storage_options"))
+        if self.remote_cache_dir is not None:
+            _check(isinstance(self.remote_cache_dir, str | os.PathLike), "remote_cache_dir", self.remote_cache_dir,
+                   "a directory path or null")
+            set_(self, "remote_cache_dir", os.fspath(self.remote_cache_dir))
         _check(_is_int(self.remote_retries) and self.remote_retries >= 0, "remote_retries", self.remote_retries,
                "an integer >= 0")
         _check(_is_number(self.remote_backoff_s) and self.remote_backoff_s >= 0, "remote_backoff_s",

@@ -234,7 +234,11 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
         from .remote_sync import refresh_step
 
         task.remote.invalidate()
-        refresh_step(task, task.remote, step)
+        try:
+            refresh_step(task, task.remote, step)
+        except OSError as e:
+            raise SaveError(f"saving step {step} on rank {spec.rank}: reading the bucket failed: {e}; nothing was "
+                            "written and the previous checkpoints are untouched.") from e
     found = existing(task, request, replace=replace)
     if isinstance(found, CheckpointInfo):
         if spec.rank == 0:
