@@ -242,23 +242,9 @@ class SmartCkptConfig:
         if self.root is not None:
             _check(isinstance(self.root, str | os.PathLike), "root", self.root, "a directory path (str) or null")
             set_(self, "root", os.fspath(self.root))
-            if "://" in str(self.root):
-                from .store.remote import check_url, is_url
+        from .store.remote import check_remote_config  # URL root, remote_* keys (docs/storage.md)
 
-                _check(is_url(self.root), "root", self.root, "a directory path or a URL such as s3://bucket/run")
-                check_url(self.root)
-        if self.remote_storage_options is not None:
-            from .store.remote import check_public_options
-
-            set_(self, "remote_storage_options", check_public_options(self.remote_storage_options, "remote_storage_options"))
-        if self.remote_cache_dir is not None:
-            _check(isinstance(self.remote_cache_dir, str | os.PathLike), "remote_cache_dir", self.remote_cache_dir,
-                   "a directory path or null")
-            set_(self, "remote_cache_dir", os.fspath(self.remote_cache_dir))
-        _check(_is_int(self.remote_retries) and self.remote_retries >= 0, "remote_retries", self.remote_retries,
-               "an integer >= 0")
-        _check(_is_number(self.remote_backoff_s) and self.remote_backoff_s >= 0, "remote_backoff_s",
-               self.remote_backoff_s, "a number of seconds >= 0")
+        set_(self, "remote_storage_options", check_remote_config(self))
         for flag in ("pre_anomaly_capture", "skip_bad_update", "keep_log_spaced", "async_save", "report_to_trainer"):
             value = getattr(self, flag)
             _check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")
