@@ -42,6 +42,7 @@ from .sensing import Sensors
 from .signals.frame import SignalFrame
 from .signals.probes import PreemptionFlag
 from .state import CachedWeights, StateSources, capture_rng_state, trainable_state_dict
+from .store.remote import is_url
 from .store.spec import Lineage, new_session_id
 from .store.types import CheckpointInfo, LoadedCheckpoint
 from .timeline import RunTimeline
@@ -82,12 +83,13 @@ class Checkpointer:
         root = root if root is not None else config.root
         if root is None:
             raise ConfigError("root=None is invalid: pass Checkpointer(config, root=...) or SmartCkptConfig(root=...).")
-        self.root = Path(root)
         session = new_session_id() if self.rank == 0 else None
         self.session_id: str = dist.broadcast_object(session) if self.world_size > 1 else session  # type: ignore[assignment]
 
-        self.store, self.engine = open_store_and_engine(config, self.root, rank=self.rank,
+        self.store, self.engine = open_store_and_engine(config, root if is_url(root) else Path(root), rank=self.rank,
                                                         world_size=self.world_size, session_id=self.session_id)
+        # a URL root: its local cache (the timeline and the Trainer's resume folders stay local)
+        self.root = Path(self.store.root) if is_url(root) else Path(root)
         self.policy = RulePolicy(config)
         self.saver = Saver(config, self.store, self.engine, rank=self.rank)
         self.saver.on_first_save = self._first_save

@@ -124,7 +124,8 @@ class SmartCkptConfig:
     """Everything the checkpointer can be told. `SmartCkptConfig()` works as is.
 
     Args:
-        root (`str`, *optional*): store directory; defaults to `<output_dir>/smart_ckpt`.
+        root (`str`, *optional*): store directory, or an fsspec URL (``s3://bucket/run``, see
+            docs/storage.md); defaults to `<output_dir>/smart_ckpt`.
         task_id (`str`, *optional*, defaults to `"default"`): sub-directory of one run's checkpoints.
         base_interval (`int`, *optional*): save every this many steps while training is calm.
             `None` derives it from the measured save cost (Young/Daly `sqrt(2 * C * MTBF)`).
@@ -183,6 +184,12 @@ class SmartCkptConfig:
         report_to_trainer (`bool`, *optional*, defaults to `True`): add `smart_ckpt/*` to Trainer logs.
         on_save_error (`str`, *optional*, defaults to `"warn"`): `"warn"` (count, warn, continue) or
             `"raise"` (stop the run at the next step); see `OnSaveError`.
+        remote_cache_dir (`str`, *optional*): local cache of a URL root; each rank uses
+            ``<remote_cache_dir>/rank-<R>`` (default ``~/.cache/hf_dynamic_ckpt/remote/<hash>/rank-<R>``).
+        remote_storage_options (`dict`, *optional*): fsspec options of a URL root such as
+            ``endpoint_url``; never credentials (refused: they come from the environment).
+        remote_retries (`int`, *optional*, defaults to `5`): retries of a failed object-store call.
+        remote_backoff_s (`float`, *optional*, defaults to `0.5`): first retry backoff (doubles, capped at 10 s).
 
     Example:
         ```python
@@ -228,17 +235,19 @@ class SmartCkptConfig:
     learned_model: str | None = None
     report_to_trainer: bool = True
     on_save_error: OnSaveError = OnSaveError.WARN
+    remote_cache_dir: str | None = None
+    remote_storage_options: Mapping[str, Any] | None = None
+    remote_retries: int = 5
+    remote_backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         if self.root is not None:
             _check(isinstance(self.root, str | os.PathLike), "root", self.root, "a directory path (str) or null")
             set_(self, "root", os.fspath(self.root))
-            if "://" in str(self.root):
-                raise ConfigError(
-                    f"root={self.root!r} is invalid: object-store URLs are not supported yet; use a local or shared "
-                    "filesystem directory (a mounted bucket works)."
-                )
+        from .store.remote import check_remote_config  # URL root, remote_* keys (docs/storage.md)
+
+        set_(self, "remote_storage_options", check_remote_config(self))
         for flag in ("pre_anomaly_capture", "skip_bad_update", "keep_log_spaced", "async_save", "report_to_trainer"):
             value = getattr(self, flag)
             _check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")

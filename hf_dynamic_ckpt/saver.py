@@ -45,7 +45,7 @@ class HeldSave:
     frame: SignalFrame
 
 
-def open_store_and_engine(config: SmartCkptConfig, root: Path, *, rank: int, world_size: int,
+def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
                           session_id: str) -> tuple[CheckpointStore, SaveEngine]:
     """This rank's store and save engine. Under DDP rank 0 opens first (it creates the catalog and
     takes the task's writer lock); its outcome, an error included, is what every rank acts on."""
@@ -53,7 +53,10 @@ def open_store_and_engine(config: SmartCkptConfig, root: Path, *, rank: int, wor
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
                                compression_level=config.compression_level,
-                               compression=config.storage_levels.level_1.compression.value)
+                               compression=config.storage_levels.level_1.compression.value,
+                               storage_options=config.remote_storage_options,
+                               cache_dir=Path(config.remote_cache_dir) / f"rank-{rank}" if config.remote_cache_dir else None,
+                               retries=config.remote_retries, backoff_s=config.remote_backoff_s)
 
     if world_size > 1:
         store, error = None, None

@@ -67,12 +67,48 @@ def is_store(root: Path) -> bool:
     return root.is_dir() and ((root / CATALOG_NAME).is_file() or bool(_task_dirs(root)))
 
 
-def find_root(path: str | os.PathLike[str]) -> Path:
-    """The store directory for a user-given path (the store itself or a training output_dir).
+OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
+"""JSON object of fsspec storage options for a URL ROOT (e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``)."""
+
+
+def storage_options() -> dict[str, Any]:
+    """The storage options a command passes for a URL ROOT (``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``)."""
+    raw = os.environ.get(OPTIONS_ENV)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise UsageError(f"{OPTIONS_ENV} is not valid JSON ({e}); expected an object such as "
+                         '{"endpoint_url": "http://127.0.0.1:9000"}.') from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{OPTIONS_ENV} must be a JSON object, not {type(value).__name__}.")
+    return value
+
+
+def _url_store(url: str, task: str, *, cache: str, **kwargs: Any) -> Any:
+    from ..store.remote import default_cache_dir
+    from ..store.store import CheckpointStore
+
+    base = default_cache_dir(url, 0)
+    cache_dir = base if cache == "writer" else base.parent / "cli"
+    return CheckpointStore(url, task_id=task, storage_options=storage_options(), cache_dir=cache_dir, **kwargs)
+
+
+def find_root(path: str | os.PathLike[str]) -> Any:
+    """The store directory for a user-given path (the store itself or a training output_dir), or a URL.
 
     Raises:
         `UsageError`: the path holds no store (the message says what to pass instead).
     """
+    from ..store.remote import check_url, is_url
+
+    if is_url(os.fspath(path)):
+        try:
+            check_url(os.fspath(path))
+        except Exception as e:
+            raise UsageError(str(e)) from None
+        return os.fspath(path)
     root = Path(path)
     if not root.is_dir():
         raise UsageError(f"ROOT {root} is not a directory; pass the store directory holding {CATALOG_NAME} "
@@ -93,10 +129,15 @@ def root_of(args: argparse.Namespace) -> Path:
     return find_root(args.root)
 
 
-def tasks(root: Path, task: str | None) -> list[str]:
+def tasks(root: Any, task: str | None) -> list[str]:
     """Tasks to look at: the one asked for, else every folder under ROOT that holds checkpoints."""
     if task is not None:
         return [task]
+    if isinstance(root, str):  # a URL: the task prefixes under it
+        from ..store.remote import Remote, RemoteSpec
+
+        names = Remote(RemoteSpec(root, storage_options()), DEFAULT_TASK_ID).tasks()
+        return [n for n in names if not n.startswith(".") and n != BLOBS_DIR] or [DEFAULT_TASK_ID]
     return [p.name for p in _task_dirs(root)] or [DEFAULT_TASK_ID]
 
 
@@ -113,6 +154,8 @@ def open_reader(root: Path, task: str) -> Any:
     """A store that writes nothing new: the existing catalog when writable, else read-only."""
     from ..store.store import CheckpointStore
 
+    if isinstance(root, str):  # a URL: the manifests are pulled into a cache of the commands' own
+        return _url_store(root, task, cache="cli", cleanup=False, read_only=True)
     catalog = root / CATALOG_NAME
     writable = catalog.is_file() and os.access(catalog, os.W_OK) and os.access(root, os.W_OK)
     return CheckpointStore(root, task_id=task, cleanup=False, read_only=not writable)
@@ -124,6 +167,8 @@ def open_writer(root: Path, task: str, *, cleanup: bool = True) -> Any:
     with `cleanup=False` and takes the lock itself, so that its report lists the leftovers."""
     from ..store.store import CheckpointStore
 
+    if isinstance(root, str):  # a URL: the lock is advisory there (docs/storage.md)
+        return _url_store(root, task, cache="cli", cleanup=cleanup)
     if not (root / task).is_dir():
         raise UsageError(f"task {task!r} has no folder under {root}; available: {', '.join(tasks(root, None))}.")
     return CheckpointStore(root, task_id=task, cleanup=cleanup)

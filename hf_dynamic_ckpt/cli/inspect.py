@@ -205,12 +205,24 @@ def _cmd_reindex(args: argparse.Namespace) -> int:
     from ..store.store import CheckpointStore
 
     root = root_of(args)
-    store = CheckpointStore(root, task_id=tasks(root, None)[0], cleanup=False)
-    try:
-        n = store.reindex()
-        rows = store.catalog.rows()
-    finally:
-        store.close()
+    if isinstance(root, str):  # a URL: the training cache's catalog (rank 0's) is rebuilt from the bucket
+        from ._common import _url_store
+
+        n, rows = 0, []
+        for task in tasks(root, None):
+            store = _url_store(root, task, cache="writer", cleanup=False)
+            try:
+                n += store.reindex()
+                rows += store.catalog.rows(task)
+            finally:
+                store.close()
+    else:
+        store = CheckpointStore(root, task_id=tasks(root, None)[0], cleanup=False)
+        try:
+            n = store.reindex()
+            rows = store.catalog.rows()
+        finally:
+            store.close()
     corrupt = sum(1 for r in rows if r["status"] != "ok")
     print(f"reindexed {root}: {n} checkpoint(s)" + (f", {corrupt} with a damaged manifest" if corrupt else ""))
     return 0

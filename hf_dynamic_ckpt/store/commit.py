@@ -121,8 +121,16 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int, cancel: Callable[[], boo
     spec = task.spec
     deadline = time.monotonic() + spec.rank_timeout_s
     names = [tmp / RANK_DONE_TEMPLATE.format(rank=r) for r in range(spec.world_size)]
+    fetch = None
+    if task.remote is not None and spec.world_size > 1:
+        from .remote_sync import REMOTE_POLL_S, fetch_done
+
+        remote = task.remote
+        def fetch(r: int) -> bool:
+            return fetch_done(task, remote, tmp, r)
+    poll = _POLL_S if fetch is None else REMOTE_POLL_S
     while True:
-        present = [r for r, p in enumerate(names) if task.fs.is_file(p)]
+        present = [r for r, p in enumerate(names) if task.fs.is_file(p) or (fetch is not None and fetch(r))]
         if len(present) == spec.world_size:
             break
         if task.abort_reason is not None or (cancel is not None and cancel()):
@@ -141,7 +149,7 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int, cancel: Callable[[], boo
                 f"{spec.rank_timeout_s:g} s (rank_timeout_s); nothing was committed and the previous checkpoint "
                 "stays the restore point. Check those ranks' logs, or raise rank_timeout_s for slow storage."
             )
-        time.sleep(_POLL_S)
+        time.sleep(poll)
     parts = []
     for r, done in enumerate(names):
         try:
@@ -222,6 +230,15 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
         `SaveError`: writing failed; the previous checkpoints are untouched.
     """
     spec, step, fs = task.spec, request.step, task.fs
+    if task.remote is not None and spec.rank != 0:  # this rank's cache has not seen rank 0's recent commits
+        from .remote_sync import refresh_step
+
+        task.remote.invalidate()
+        try:
+            refresh_step(task, task.remote, step)
+        except OSError as e:
+            raise SaveError(f"saving step {step} on rank {spec.rank}: reading the bucket failed: {e}; nothing was "
+                            "written and the previous checkpoints are untouched.") from e
     found = existing(task, request, replace=replace)
     if isinstance(found, CheckpointInfo):
         if spec.rank == 0:
@@ -238,6 +255,10 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
         files, blobs = write_rank_files(state, tmp, rank=spec.rank, blobs_dir=task.blobs, level=spec.compression_level,
                                         threads=spec.compression_threads, compression=spec.codec)
         write_done(task, tmp, files=files, blobs=blobs, tiers=state.tiers)
+        if task.remote is not None and spec.rank != 0:  # no shared directory: rank 0 reads the object store
+            from .remote_sync import publish_rank
+
+            publish_rank(task, task.remote, tmp, step, files)
     except Exception as e:
         if spec.rank == 0:
             _discard(task, tmp)
@@ -279,6 +300,11 @@ def _commit(task: Task, tmp: Path, state: CheckpointState, request: SaveRequest,
     )
     mf.write_manifest(tmp, manifest)
     fs.fsync_dir(tmp)
+    if task.remote is not None:  # the object store's commit point (manifest uploaded last) comes first
+        from .remote_sync import fetch_rank_files, publish
+
+        fetch_rank_files(task, task.remote, tmp, step, files)
+        publish(task, task.remote, tmp, step, manifest)
     final = task.step_dir(step)
     aside = None
     if fs.lstat(final) is not None:  # another timeline's copy, or a directory without a manifest

@@ -14,6 +14,7 @@ Rules every function here follows:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -206,8 +207,16 @@ def delete_checkpoint(task: Task, info: CheckpointInfo, tiers: Collection[Tier] 
             freed += st.st_size if st is not None else 0
             task.fs.unlink(path / name)
         task.record(task.info_of(new, path))
+        if task.remote is not None:
+            from .remote_sync import mirror_step
+
+            mirror_step(task, task.remote, info.step)
         logger.debug("deleted tiers %s of %s step %d", sorted(Tier(t).value for t in tiers), task.task_id, info.step)
         return freed
+    if task.remote is not None:  # the object store first: its manifest goes, so no reader counts it any more
+        from .remote_sync import remove_step
+
+        remove_step(task.remote, info.step)
     trash = task.trash_dir(info.step)
     task.fs.rename(path, trash)
     task.fs.fsync_dir(task.dir)
@@ -245,6 +254,12 @@ def collect_blobs(task: Task, report: GcReport) -> None:
     for name, size in task.blobs.collect(used, dry_run=report.dry_run):
         report.blobs.append(name)
         report.bytes_freed += size
+    if task.remote is not None:
+        from .remote_sync import collect_blobs as collect_remote
+
+        with task.blobs.lock(shared=False) if not report.dry_run else contextlib.nullcontext(True) as locked:
+            if locked:  # not while a save (which uploads its blobs before its manifest) is in flight
+                collect_remote(task, task.remote, report)
 
 
 # -- retention and gc -------------------------------------------------------------------------

@@ -62,6 +62,15 @@ class Reader:
 
     def _manifest(self, info: CheckpointInfo) -> dict[str, Any]:
         directory = Path(info.path)
+        remote = getattr(self.task, "remote", None)
+        if remote is not None and self.task.owns(directory) is not None and self.fs.is_dir(directory):
+            from .remote_sync import materialize
+
+            try:  # files of a checkpoint saved elsewhere come into the cache before they are verified
+                materialize(self.task, remote, info.step)
+            except OSError as e:
+                raise CorruptCheckpointError(f"step {info.step} could not be downloaded from {remote.spec.shown}: "
+                                             f"{e}") from e
         try:
             if self.task.owns(directory) is not None:
                 return self.task.read_manifest(info.step)

@@ -64,6 +64,7 @@ class StoreSpec:
         compression_threads (`int`, *optional*, defaults to `0`): zstd threads (0: all CPUs).
         rank_timeout_s (`float`, *optional*, defaults to `600.0`): how long rank 0 waits for the
             other ranks' files of one save.
+        remote (`RemoteSpec`, *optional*): the object store behind `root` (then a local cache).
     """
 
     root: str
@@ -75,6 +76,8 @@ class StoreSpec:
     compression_level: int = 3
     compression_threads: int = 0
     rank_timeout_s: float = 600.0
+    remote: Any = None
+    """`store.remote.RemoteSpec` when the root is a URL (`root` is then the local cache directory)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "codec", Codec.parse(self.codec, field="codec"))

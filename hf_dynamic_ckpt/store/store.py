@@ -22,38 +22,39 @@ Invariants:
   step, and every change goes through `fs.LocalFS`, which refuses links and escapes.
 - Nothing is deleted on resume: `fork` marks newer checkpoints of other timelines abandoned.
 - `save` runs no collectives: ranks meet through ``done-rank<R>.json`` files.
+
+A URL root (``s3://...``) is a local cache with this layout plus its object-store copy, which
+the writer uploads before the local rename, manifest last (`remote_sync`, docs/storage.md).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import dataclasses
 import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..constants import (
     CATALOG_NAME,
     DEFAULT_TASK_ID,
-    KEY_PINNED,
-    MANIFEST_NAME,
-    PINNED_MARKER,
     Tier,
 )
 from ..errors import CheckpointNotFoundError, ConfigError, DynamicCkptError, SaveError
 from . import maintenance as mt
-from . import manifest as mf
+from . import remote_sync as rs
 from .catalog import Catalog
 from .commit import commit_save, request_for
 from .fs import LocalFS
 from .lock import WriterLock
 from .lookup import Lookup
+from .pins import Pins
 from .reader import Reader
+from .remote import Remote, split_root
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
 from .task import Task, parse_step_dir, step_dir_name
 from .timelines import fork_record
@@ -66,7 +67,7 @@ __all__ = ["CheckpointStore", "parse_step_dir", "step_dir_name"]
 Ref = str | int | os.PathLike[str] | CheckpointInfo
 
 
-class CheckpointStore(Reader, Lookup):
+class CheckpointStore(Reader, Lookup, Pins):
     """Tiered checkpoints of one task under a store root, committed atomically.
 
     Args:
@@ -90,6 +91,9 @@ class CheckpointStore(Reader, Lookup):
             rebuilt in memory from the manifests); for read-only media and concurrent readers.
         takeover (`bool`, *optional*, defaults to `False`): take the writer lock over from a
             holder that is no longer running (see `lock.WriterLock`).
+        storage_options (`Mapping`, *optional*): fsspec options when `root` is a URL (``s3://...``;
+            never logged). `cache_dir` (default `remote.default_cache_dir`) is its local cache;
+            `retries` / `backoff_s` bound the retries of each object-store call (docs/storage.md).
 
     Example:
         ```python
@@ -102,7 +106,11 @@ class CheckpointStore(Reader, Lookup):
     def __init__(self, root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID, rank: int = 0,
                  world_size: int = 1, session_id: str | None = None, compression_level: int = 3,
                  compression_threads: int = 0, compression: Codec | str = Codec.ZSTD, rank_timeout_s: float = 600.0,
-                 cleanup: bool = True, read_only: bool = False, takeover: bool = False) -> None:
+                 cleanup: bool = True, read_only: bool = False, takeover: bool = False,
+                 storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
+                 retries: int = 5, backoff_s: float = 0.5) -> None:
+        root, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
+                                  retries=retries, backoff_s=backoff_s)
         if session_id is None:
             if world_size > 1:
                 raise ConfigError(
@@ -117,24 +125,26 @@ class CheckpointStore(Reader, Lookup):
                               "'none'.") from None
         spec = StoreSpec(root=str(Path(root).absolute()), task_id=task_id, rank=rank, world_size=world_size,
                          session_id=session_id, codec=codec, compression_level=compression_level,
-                         compression_threads=compression_threads, rank_timeout_s=float(rank_timeout_s))
-        self._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover)
+                         compression_threads=compression_threads, rank_timeout_s=float(rank_timeout_s), remote=remote)
+        self._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=True)
 
     @classmethod
     def from_spec(cls, spec: StoreSpec, *, cleanup: bool = True, read_only: bool = False,
                   takeover: bool = False) -> CheckpointStore:
         """Open the store `spec` describes (e.g. in a writer process: ``from_spec(store.spec, cleanup=False)``)."""
         store = cls.__new__(cls)
-        store._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover)
+        store._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=cleanup)
         return store
 
-    def _open(self, spec: StoreSpec, *, cleanup: bool, read_only: bool, takeover: bool) -> None:
+    def _open(self, spec: StoreSpec, *, cleanup: bool, read_only: bool, takeover: bool, pull: bool = False) -> None:
         self.spec = spec
         self.root = Path(spec.root).absolute()
         self.read_only = read_only
         self._lock = threading.RLock()
-        if not read_only:
-            self.root.mkdir(parents=True, exist_ok=True)  # readers never create the task folder
+        self.remote = Remote(spec.remote, spec.task_id) if spec.remote is not None else None
+        self.url = spec.remote.shown if spec.remote is not None else str(self.root)
+        if not read_only or self.remote is not None:
+            self.root.mkdir(parents=True, exist_ok=True)  # readers never create the task folder (a cache is not the store)
         self.fs = LocalFS(self.root)
         if self.fs.is_link(self.root / spec.task_id):
             raise ConfigError(f"{self.root / spec.task_id} is a symbolic link; the store refuses to work through links "
@@ -151,18 +161,26 @@ class CheckpointStore(Reader, Lookup):
                 memory = True
         self.catalog = Catalog.in_memory() if memory else catalog
         self.task = Task(spec, self.fs, self.catalog, read_only=memory)
+        self.task.remote = self.remote
         self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
         self._confirmed: dict[int, tuple[Any, CheckpointInfo]] = {}
         self._rechecked: set[tuple[int, float]] = set()
         if memory:
+            if self.remote is not None and pull:
+                rs.open_task(self.task, self.remote, writer=False)
             mt.reindex(self.task, all_tasks=False)
         elif writer:
-            self._writer.acquire(takeover=takeover, what=f"task {spec.task_id!r} under {self.root}")
+            self._writer.acquire(takeover=takeover, what=f"task {spec.task_id!r} under {self.url}")
+            if self.remote is not None:
+                rs.open_task(self.task, self.remote, writer=True)
             mt.remove_leftovers(self.task)
             if self.catalog.rebuilt:
                 self.reindex()
             else:
                 self.sync_catalog()
+        elif self.remote is not None and pull:  # other ranks and tools: their own cache of the manifests
+            rs.open_task(self.task, self.remote, writer=False)
+            self.sync_catalog()
 
     # -- properties the rest of the library reads ----------------------------------------------
     task_id = property(lambda self: self.spec.task_id)
@@ -202,7 +220,9 @@ class CheckpointStore(Reader, Lookup):
             status ``"corrupt"``.
         """
         with self._lock:
-            n = mt.reindex(self.task, all_tasks=not self.task.read_only)
+            if self.remote is not None:  # the object store is the truth: the cache first, then the catalog
+                rs.pull(self.task, self.remote)
+            n = mt.reindex(self.task, all_tasks=not self.task.read_only and self.remote is None)
             logger.debug("reindexed %s: %d checkpoints", self.root, n)
             return n
 
@@ -218,6 +238,10 @@ class CheckpointStore(Reader, Lookup):
     def clear_abort(self) -> None:
         """Let saves wait for other ranks again after `abort`."""
         self.task.abort_reason = None
+
+    def _remote(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self.remote is not None:  # a URL root: the object store follows the cache
+            fn(self.task, self.remote, *args)
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
@@ -277,38 +301,6 @@ class CheckpointStore(Reader, Lookup):
             raise CheckpointNotFoundError(f"step {info.step} has no committed checkpoint in {self.task_dir}.")
         return fresh
 
-    def pin(self, ref: Ref) -> CheckpointInfo:
-        """Protect a checkpoint from retention and gc (writes a `PINNED` marker next to the manifest)."""
-        self._check_writable("pin")
-        with self._lock:
-            info = self._own(ref, "pin")
-            marker = Path(info.path) / PINNED_MARKER
-            with self.fs.create(marker) as f:
-                os.fsync(f.fileno())
-            self.fs.fsync_dir(marker.parent)
-            info = dataclasses.replace(info, pinned=True)
-            self.task.record(info)
-            return info
-
-    def unpin(self, ref: Ref) -> CheckpointInfo:
-        """Undo `pin` (and a pin requested at save time: the manifest is rewritten atomically)."""
-        self._check_writable("unpin")
-        with self._lock:
-            info = self._own(ref, "unpin")
-            path = Path(info.path)
-            manifest = self.task.read_manifest(info.step)
-            if manifest.get(KEY_PINNED):
-                new = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
-                new[KEY_PINNED] = False
-                new["manifest_checksum"] = mf.compute_manifest_checksum(new)
-                mf.write_manifest(path, new, name=MANIFEST_NAME + ".new")
-                self.fs.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
-            self.fs.unlink(path / PINNED_MARKER)
-            self.fs.fsync_dir(path)
-            info = self.task.scan(info.step) or info
-            self.task.record(info)
-            return info
-
     def delete(self, ref: Ref, *, tiers: Collection[Tier] | None = None, force: bool = False) -> None:
         """Delete a checkpoint of this task, or only some of its tiers (blobs nobody uses go too).
 
@@ -348,6 +340,7 @@ class CheckpointStore(Reader, Lookup):
             record, newly = fork_record(self.task.timelines.read(), infos, timeline=timeline, after_step=after_step,
                                         session=session, parent=parent)
             self.task.timelines.write(record, tag=self.session_id)
+            self._remote(rs.push_timelines)
             mt.sync_catalog(self.task)
             if newly:
                 logger.debug("timeline %s starts after step %s: steps %s of other timelines are abandoned (kept, "
@@ -389,6 +382,9 @@ class CheckpointStore(Reader, Lookup):
                 for name, size in mt.remove_leftovers(self.task, dry_run=dry_run):
                     report.temp_dirs.append(name)
                     report.bytes_freed += size
+                if self.remote is not None:
+                    report.temp_dirs.extend(n for n, _ in rs.remove_leftovers(self.task, self.remote, dry_run=dry_run,
+                                                                              at_open=False, kept=report.kept))
                 mt.remove_abandoned(self.task, report)
                 mt.collect_blobs(self.task, report)
                 if not dry_run:

@@ -18,7 +18,7 @@ import re
 import sqlite3
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..constants import (
     ASIDE_SUFFIX,
@@ -38,6 +38,9 @@ from .layout import broken_info, info_from_manifest
 from .spec import StoreSpec
 from .timelines import Timelines, key_of
 from .types import CheckpointInfo
+
+if TYPE_CHECKING:
+    from .remote import Remote
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ class Task:
         self.blobs = BlobStore(self.dir / BLOBS_DIR, fs)
         self.timelines = Timelines(self.dir, fs)
         self.abort_reason: str | None = None
+        self.remote: Remote | None = None
+        """The object-store copy of the task when the root is a URL (`remote_sync` keeps them in step)."""
         """Set by `CheckpointStore.abort`: rank 0 stops waiting for other ranks' files."""
 
     # -- names ----------------------------------------------------------------------------

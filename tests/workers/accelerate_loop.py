@@ -37,6 +37,9 @@ def main() -> None:
     p.add_argument("--load_state", default=None, help="resume with accelerator.load_state(DIR) instead")
     p.add_argument("--surge_at_step", type=int, default=None,
                    help="multiply the loss of this optimizer step by 1e4 (a gradient explosion)")
+    p.add_argument("--root", default=None, help="store root (e.g. s3://bucket/run) instead of <output_dir>/smart_ckpt")
+    p.add_argument("--remote_options", default=None, help="JSON storage options of a URL root")
+    p.add_argument("--remote_cache_dir", default=None)
     args = p.parse_args()
 
     from accelerate import Accelerator
@@ -55,7 +58,9 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, total_iters=args.max_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
-    config = SmartCkptConfig(base_interval=args.base_interval, overhead_budget=1.0, keep_last=100)
+    config = SmartCkptConfig(base_interval=args.base_interval, overhead_budget=1.0, keep_last=100, root=args.root,
+                             remote_storage_options=json.loads(args.remote_options) if args.remote_options else None,
+                             remote_cache_dir=args.remote_cache_dir)
     ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config,
                              output_dir=args.output_dir)
     if args.load_state:
