@@ -42,6 +42,7 @@ from .sensing import Sensors
 from .signals.frame import SignalFrame
 from .signals.probes import PreemptionFlag
 from .state import CachedWeights, StateSources, capture_rng_state, trainable_state_dict
+from .state.support import check_model
 from .store.spec import Lineage, new_session_id
 from .store.types import CheckpointInfo, LoadedCheckpoint
 from .timeline import RunTimeline
@@ -151,6 +152,7 @@ class Checkpointer:
             model_info (`dict`, *optional*): what export needs to rebuild the model (`export.describe_model`,
                 the default); stored in every manifest's ``extra["model"]``.
         """
+        check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (state.support)
         self.detach()
         self._model = model
         self._optimizer = optimizer
