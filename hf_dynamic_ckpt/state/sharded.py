@@ -83,7 +83,7 @@ class ShardedState:
     def _weights(self) -> dict[str, torch.Tensor]:
         # A walk over named parameters per save (no CachedWeights: a DTensor has no data pointer to compare).
         params = dict(self.model.named_parameters())
-        out = {name: p for name, p in params.items() if p.requires_grad}
+        out: dict[str, torch.Tensor] = {name: p for name, p in params.items() if p.requires_grad}
         if len(out) == len(params):  # full fine-tuning: persistent buffers are state too
             if self._buffers is None:
                 self._buffers = set(self.model.state_dict().keys()) - set(params)

@@ -54,7 +54,7 @@ def load_sharded(sharded: ShardedState, loaded: LoadedCheckpoint) -> None:
     groups = (loaded.optimizer or {}).get("param_groups") if isinstance(loaded.optimizer, dict) else None
     with_optimizer = opt is not None and groups is not None
     options = StateDictOptions(strict=False)
-    if with_optimizer:
+    if opt is not None and with_optimizer:
         msd, osd = get_state_dict(model, opt, options=options)
     else:
         msd, osd = get_model_state_dict(model, options=options), {}
@@ -72,7 +72,7 @@ def load_sharded(sharded: ShardedState, loaded: LoadedCheckpoint) -> None:
     except Exception as e:  # DCP wraps rank errors in CheckpointException
         raise IncompatibleStateError(f"step {loaded.info.step}: the saved shards do not fit this model and "
                                      f"optimizer ({type(e).__name__}: {str(e)[:500]}).") from e
-    if with_optimizer:
+    if opt is not None and groups is not None:
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict={"state": state["optim"]["state"], "param_groups": groups}, options=options)
         loaded.optimizer = opt.state_dict()

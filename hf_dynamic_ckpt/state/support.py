@@ -77,7 +77,7 @@ def check_training_args(args: Any) -> None:
     if fsdp:
         config = getattr(args, "fsdp_config", None) or {}
         version = config.get("version", config.get("fsdp_version", 1)) if isinstance(config, dict) else 1
-        if int(version) != 2:
+        if str(version) != "2":
             raise _refuse(f"FSDP version {version} (TrainingArguments.fsdp={fsdp!r})", _FSDP1_WHY, _FSDP1_FIX)
 
 

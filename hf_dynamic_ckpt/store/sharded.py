@@ -70,12 +70,12 @@ def write_shards(state: CheckpointState, tmp: Path, *, rank: int
     files: dict[str, FileEntry] = {}
     part: dict[str, Any] = {PART_WEIGHTS: {}, PART_OPTIMIZER: {}}
     rest_optimizer = None
-    sources: list[tuple[str, Mapping[str, Any]]] = []
+    sources: list[tuple[str, Mapping[str, Any]]] = []  # (part, tensors)
     if state.weights is not None:
         sources.append((PART_WEIGHTS, state.weights))
     if state.optimizer is not None:
-        tensors, rest_optimizer = flatten_optimizer(state.optimizer)
-        sources.append((PART_OPTIMIZER, tensors))
+        flat, rest_optimizer = flatten_optimizer(state.optimizer)
+        sources.append((PART_OPTIMIZER, flat))
     for kind, tensors in sources:
         name = SHARD_FILE_TEMPLATE.format(part=kind, rank=rank)
         checked = {k: check_tensor(k, v) for k, v in tensors.items()}
@@ -125,7 +125,7 @@ def sharded_table(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
 def _valid_chunk(chunk: Any) -> bool:
     if not isinstance(chunk, dict) or not isinstance(chunk.get("file"), str) or not isinstance(chunk.get("dtype"), str):
         return False
-    dims = [chunk.get(k) for k in ("shape", "offset", "size")]
+    dims: list[list[int]] = [chunk.get(k) for k in ("shape", "offset", "size")]  # type: ignore[misc]
     if not all(isinstance(d, list) and all(isinstance(x, int) and x >= 0 for x in d) for d in dims):
         return False
     shape, offset, size = dims
