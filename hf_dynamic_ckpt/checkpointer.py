@@ -30,6 +30,7 @@ from torch import nn
 
 from . import distributed as dist
 from ._resume import ResumeState
+from ._sharded import resume_sharded, sources_for
 from .config import SmartCkptConfig
 from .constants import ALL_TIERS, Tier
 from .errors import ConfigError, DistributedError
@@ -41,9 +42,8 @@ from .saver import HeldSave, Saver, exit_after_preemption, open_store_and_engine
 from .sensing import Sensors
 from .signals.frame import SignalFrame
 from .signals.probes import PreemptionFlag
-from .state import CachedWeights, StateSources, capture_rng_state, trainable_state_dict
-from .state.sharded import ShardedState, is_sharded_model, sharded_sources
-from .state.sharded_load import load_sharded
+from .state import StateSources, capture_rng_state
+from .state.sharded import ShardedState
 from .state.support import check_model
 from .store.spec import Lineage, new_session_id
 from .store.types import CheckpointInfo, LoadedCheckpoint
@@ -162,21 +162,9 @@ class Checkpointer:
         self._user_extra = extra
         self._model_info = model_info if model_info is not None else describe_model(model)
         self.saver.before_save = before_save
-        main = self.rank == 0
-        self._sharded = ShardedState(model, optimizer) if is_sharded_model(model) else None
-        if self._sharded is not None:  # FSDP2: every rank saves its own shards of L0 and L1 (state.sharded)
-            self._sources = sharded_sources(self._sharded, self._extra, main=main, scheduler=scheduler, scaler=scaler,
-                                            sampler=sampler)
-            own = frozenset(ALL_TIERS) if main or optimizer is not None else frozenset({Tier.WEIGHTS, Tier.STATE})
-        else:
-            if weights is None:
-                weights = CachedWeights(model, lambda: trainable_state_dict(model))
-            self._sources = StateSources(
-                weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
-                optimizer=optimizer if main else None, scheduler=scheduler if main else None,
-                scaler=scaler if main else None, sampler=sampler, extra=self._extra,
-            )
-            own = frozenset(ALL_TIERS) if main else frozenset({Tier.STATE})
+        self._sharded, self._sources, own = sources_for(  # FSDP2: every rank saves its own shards
+            model, rank=self.rank, weights=weights, frozen_keys=frozen_keys, optimizer=optimizer, scheduler=scheduler,
+            scaler=scaler, sampler=sampler, extra=self._extra)
         self.saver.own_tiers = own
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
         # Snapshot buffers are allocated and pre-faulted in the background now, not by the first save.
@@ -402,13 +390,9 @@ class Checkpointer:
         Returns:
             `LoadedCheckpoint | None`: this rank's view, or `None` for a fresh start (`auto`, empty store).
         """
-        if self._sharded is None:
-            return self._resume.resume(spec, background_optimizer=background_optimizer, expected=expected)
-        # FSDP2: the model check reads global shapes; DCP then reads the shards (a collective, every rank).
-        loaded = self._resume.resume(spec, background_optimizer=False, expected=self._sharded.expected())
-        if loaded is not None:
-            load_sharded(self._sharded, loaded)
-        return loaded
+        if self._sharded is not None:  # FSDP2: DCP reads the shards after the agreed plan (a collective)
+            return resume_sharded(self, self._sharded, spec)
+        return self._resume.resume(spec, background_optimizer=background_optimizer, expected=expected)
 
     def complete_resume(self, loaded: LoadedCheckpoint) -> None:
         """Wait for a background optimizer-tier read and fill it in (agreed: lost on one rank, lost on all)."""

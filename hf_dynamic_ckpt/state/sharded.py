@@ -14,25 +14,28 @@ scheduler / scaler are small and identical on every rank, so rank 0 stores them 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import constants
 from ..errors import SaveError
-from ..signals.sharded import is_dtensor
 from .sources import StateSources
 
-KEY_SHARDED = "sharded"
-"""Manifest `extra` key of a sharded checkpoint's chunk tables (`{"format", "world_size", "ranks"}`)."""
-KEY_RANK_CHUNKS = "sharded_chunks"
-"""Per-rank `extra` key of this rank's chunk table (taken out by the writer, merged by rank 0)."""
-SHARDED_FORMAT = "hf_dynamic_ckpt.dcp-chunks/1"
-PART_WEIGHTS = "weights"
-PART_OPTIMIZER = "optimizer"
-OPTIMIZER_KEY = "state.{fqn}.{name}"
-"""Key of one optimizer-state tensor: DCP's flattened name of `optim_state_dict["state"][fqn][name]`."""
+KEY_SHARDED, KEY_RANK_CHUNKS = constants.KEY_SHARDED, constants.KEY_RANK_CHUNKS
+PART_WEIGHTS, PART_OPTIMIZER = constants.SHARD_PART_WEIGHTS, constants.SHARD_PART_OPTIMIZER
+OPTIMIZER_KEY = constants.SHARD_OPTIMIZER_KEY
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether `t` is a `torch.distributed.tensor.DTensor` (`False` where torch has no distributed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
 
 
 def is_sharded_model(model: nn.Module) -> bool:
@@ -162,16 +165,6 @@ class _OptimizerView:
 
     def state_dict(self) -> dict[str, Any]:
         return self._sharded.optimizer_state_dict()
-
-
-def flatten_optimizer(optimizer: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split a sharded optimizer state dict into its tensors (flat keys, `OPTIMIZER_KEY`) and the rest."""
-    tensors: dict[str, torch.Tensor] = {}
-    for fqn, per in (optimizer.get("state") or {}).items():
-        for name, value in per.items():
-            tensors[OPTIMIZER_KEY.format(fqn=fqn, name=name)] = value
-    rest = {k: v for k, v in optimizer.items() if k != "state"}
-    return tensors, rest
 
 
 def sharded_sources(sharded: ShardedState, extra: Callable[[], dict[str, Any]], *, main: bool, scheduler: Any | None,

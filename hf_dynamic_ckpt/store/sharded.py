@@ -28,21 +28,22 @@ from typing import Any
 
 import torch
 
-from ..constants import Tier
-from ..errors import CorruptCheckpointError
-from ..state.sharded import (
+from ..constants import (
     KEY_RANK_CHUNKS,
     KEY_SHARDED,
-    PART_OPTIMIZER,
-    PART_WEIGHTS,
+    SHARD_FILE_TEMPLATE,
+    SHARD_OPTIMIZER_KEY,
+    SHARD_PART_OPTIMIZER,
+    SHARD_PART_WEIGHTS,
     SHARDED_FORMAT,
-    flatten_optimizer,
+    Tier,
 )
+from ..errors import CorruptCheckpointError
 from .checksum import FileEntry, make_file_entry
 from .safetensors_io import check_tensor, open_tensors, write_safetensors
 from .types import CheckpointState
 
-SHARD_FILE_TEMPLATE = "{part}-rank{rank}.safetensors"
+PART_WEIGHTS, PART_OPTIMIZER = SHARD_PART_WEIGHTS, SHARD_PART_OPTIMIZER
 SHARD_NAME_RE = re.compile(r"(weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")
 """Shard file names a manifest may list (rank < world size), besides the fixed allowlist."""
 _TIER = {PART_WEIGHTS: Tier.WEIGHTS, PART_OPTIMIZER: Tier.OPTIMIZER}
@@ -54,6 +55,16 @@ def allowed_shard_name(name: str, world_size: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------- write
+def flatten_optimizer(optimizer: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a sharded optimizer state dict into its tensors (flat keys, `SHARD_OPTIMIZER_KEY`) and the rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    for fqn, per in (optimizer.get("state") or {}).items():
+        for name, value in per.items():
+            tensors[SHARD_OPTIMIZER_KEY.format(fqn=fqn, name=name)] = value
+    rest = {k: v for k, v in optimizer.items() if k != "state"}
+    return tensors, rest
+
+
 def write_shards(state: CheckpointState, tmp: Path, *, rank: int
                  ) -> tuple[CheckpointState, dict[str, FileEntry], dict[str, Any] | None]:
     """Write this rank's shard files of a sharded state; return what is left to write as usual.

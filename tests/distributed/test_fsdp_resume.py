@@ -123,3 +123,31 @@ def test_fsdp2_reshard_1_to_2_and_2_to_1_matches_native_dcp_resume(tmp_path: Pat
     ref_from, ref = read_losses(tmp_path / "w1b_ref.jsonl")
     assert got_from == ref_from == 9 and sorted(got) == sorted(ref) == [10, 11, 12]
     assert [got[s]["loss"] for s in got] == [ref[s]["loss"] for s in got]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Accelerate's FSDP plugin needs CUDA (its CPU backend "
+                                                           "ignores the plugin: no fully_shard on CPU)")
+def test_accelerate_fsdp2_plugin_sigkill_resume_bit_exact(tmp_path: Path):
+    """The same kill/resume through `Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))`:
+    `prepare(model)` applies `fully_shard`; SmartCheckpointer sees DTensor parameters. Not run on CPU."""
+    nproc = min(2, torch.cuda.device_count())
+    common = ["--max_steps", "8", "--base_interval", "3", "--accelerate_fsdp"]
+    crash = torchrun(tmp_path, nproc, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "8",
+                     "--final", "crashed.safetensors", *common)
+    assert crash.returncode != 0, tail(crash)
+    store = tmp_path / "run" / "smart_ckpt" / "default"
+    committed = sorted(int(p.name[5:]) for p in store.glob("step-*") if "." not in p.name)
+    assert committed and committed[0] == 3
+    manifest = json.loads((store / f"step-{committed[-1]}" / "manifest.json").read_text())
+    assert manifest["extra"]["sharded"]["world_size"] == nproc
+    res = torchrun(tmp_path, nproc, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",
+                   "--final", "resumed.safetensors", *common)
+    assert res.returncode == 0, tail(res)
+    resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
+    _, crashed = read_losses(tmp_path / "crash.jsonl")
+    assert resumed_from == committed[-1]
+    for step, row in resumed.items():
+        assert row["loss"] == crashed[step]["loss"], step
+    a, b = load_file(tmp_path / "crashed.safetensors"), load_file(tmp_path / "resumed.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=32)
     p.add_argument("--dcp_save_at", type=int, default=None, help="also dcp.save the state after step N (reference)")
     p.add_argument("--dcp_resume", default=None, help="resume with dcp.load from this folder (reference)")
+    p.add_argument("--accelerate_fsdp", action="store_true",
+                   help="shard with Accelerate's FSDP plugin (fsdp_version=2) instead of fully_shard; needs a GPU")
     args = p.parse_args()
 
     from accelerate import Accelerator
@@ -56,16 +58,28 @@ def main() -> None:
 
     from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
 
-    accelerator = Accelerator(cpu=True)
-    set_seed(0)
-    model = build()
+    if args.accelerate_fsdp:  # Accelerate's CPU backend ignores the FSDP plugin: this path needs CUDA
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        set_seed(0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 15), torch.nn.Tanh(), torch.nn.Dropout(0.1),
+                                    torch.nn.Linear(15, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
+    else:
+        accelerator = Accelerator(cpu=True)
+        set_seed(0)
+        model = build()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.examples, 8, generator=gen)
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=5e-3)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, total_iters=args.max_steps)
-    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    if args.accelerate_fsdp:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    else:
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
     config = SmartCkptConfig(base_interval=args.base_interval, overhead_budget=1.0, keep_last=100)
     ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config,
                              output_dir=args.output_dir)
@@ -82,6 +96,7 @@ def main() -> None:
         out.flush()
     while ckpt.step < args.max_steps and not ckpt.should_stop:
         for inputs, targets in ckpt.loader:
+            inputs, targets = inputs.to(accelerator.device), targets.to(accelerator.device)
             loss = torch.nn.functional.mse_loss(model(inputs), targets)
             loss.backward()
             accelerator.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,4 +1,7 @@
-"""Resume of a sharded (FSDP2) checkpoint: DCP reads the shards into the live DTensors, at any world size.
+"""The checkpointer's FSDP2 seams: what a rank saves (`sources_for`) and the sharded resume (DCP).
+
+`sources_for` gives every rank of a sharded (`fully_shard`) model its own shards of L0 and L1
+(`state.sharded.ShardedState`), and keeps rank 0 the only writer of L0/L1 otherwise (DDP).
 
 `restore.plan_resume` verifies the checkpoint on every rank (each shard file's size and checksum,
 the model check against the global shapes) and agrees on it; then every rank calls
@@ -11,15 +14,53 @@ onto this run's shards: the same world size reads its own files back, another on
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import IncompatibleStateError
-from ..store.sharded import make_reader, sharded_table
-from ..store.types import LoadedCheckpoint
-from .sharded import PART_OPTIMIZER, PART_WEIGHTS, ShardedState
+import torch
+from torch import nn
+
+from .constants import ALL_TIERS, Tier
+from .errors import IncompatibleStateError
+from .state import CachedWeights, StateSources, trainable_state_dict
+from .state.sharded import PART_OPTIMIZER, PART_WEIGHTS, ShardedState, is_sharded_model, sharded_sources
+from .store.sharded import make_reader, sharded_table
+from .store.types import LoadedCheckpoint
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
 
 logger = logging.getLogger(__name__)
+
+def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[str, torch.Tensor]] | None,
+                frozen_keys: Iterable[str], optimizer: Any | None, scheduler: Any | None, scaler: Any | None,
+                sampler: Callable[[], dict[str, Any]] | None, extra: Callable[[], dict[str, Any]]
+                ) -> tuple[ShardedState | None, StateSources, frozenset[Tier]]:
+    """`(sharded view or None, this rank's StateSources, the tiers this rank writes)` for `Checkpointer.attach`."""
+    main = rank == 0
+    if is_sharded_model(model):
+        sharded = ShardedState(model, optimizer)
+        sources = sharded_sources(sharded, extra, main=main, scheduler=scheduler, scaler=scaler, sampler=sampler)
+        own = frozenset(ALL_TIERS) if main or optimizer is not None else frozenset({Tier.WEIGHTS, Tier.STATE})
+        return sharded, sources, own
+    if weights is None:
+        weights = CachedWeights(model, lambda: trainable_state_dict(model))
+    sources = StateSources(
+        weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
+        optimizer=optimizer if main else None, scheduler=scheduler if main else None,
+        scaler=scaler if main else None, sampler=sampler, extra=extra,
+    )
+    return None, sources, frozenset(ALL_TIERS) if main else frozenset({Tier.STATE})
+
+
+def resume_sharded(ck: Checkpointer, sharded: ShardedState, spec: str | None) -> LoadedCheckpoint | None:
+    """`Checkpointer.resume` of a sharded model: the agreed plan (model check on global shapes), then DCP."""
+    loaded = ck._resume.resume(spec, background_optimizer=False, expected=sharded.expected())
+    if loaded is not None:
+        load_sharded(sharded, loaded)
+    return loaded
+
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
