@@ -14,14 +14,14 @@ scheduler / scaler are small and identical on every rank, so rank 0 stores them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import constants
-from ..errors import SaveError
+from ..errors import IncompatibleStateError, SaveError
 from .sources import StateSources
 
 KEY_SHARDED, KEY_RANK_CHUNKS = constants.KEY_SHARDED, constants.KEY_RANK_CHUNKS
@@ -41,6 +41,26 @@ def is_dtensor(t: object) -> bool:
 def is_sharded_model(model: nn.Module) -> bool:
     """Whether `model` holds DTensor parameters (FSDP2 `fully_shard`, or any DTensor parallelism)."""
     return any(is_dtensor(p) for p in model.parameters())
+
+
+def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """A sharded (FSDP2) checkpoint resumes into a sharded model only, an unsharded one into an unsharded model.
+
+    Raises:
+        `IncompatibleStateError`: the two differ (the same on every rank, before anything is changed).
+    """
+    extra = manifest.get("extra")
+    saved = isinstance(extra, dict) and KEY_SHARDED in extra
+    live = any(is_dtensor(v) for v in expected.values())
+    if saved and not live:
+        raise IncompatibleStateError(
+            f"step {step} was saved sharded (FSDP2: one file of shards per rank) and this model is not sharded: "
+            "resume it with the fully_shard-ed model through SmartCheckpointer or Checkpointer.attach + resume "
+            "(Trainer's resume_checkpoint does not read sharded checkpoints yet).")
+    if live and not saved:
+        raise IncompatibleStateError(
+            f"step {step} was saved without sharding (one full copy by rank 0) and this model is sharded "
+            "(fully_shard): resume it with the unsharded model it was saved from.")
 
 
 def chunk_of(t: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:

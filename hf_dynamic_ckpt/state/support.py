@@ -76,9 +76,19 @@ def check_training_args(args: Any) -> None:
     fsdp = getattr(args, "fsdp", None)
     if fsdp:
         config = getattr(args, "fsdp_config", None) or {}
-        version = config.get("version", config.get("fsdp_version", 1)) if isinstance(config, dict) else 1
+        default = _trainer_fsdp_default()
+        version = config.get("version", config.get("fsdp_version", default)) if isinstance(config, dict) else default
         if str(version) != "2":
             raise _refuse(f"FSDP version {version} (TrainingArguments.fsdp={fsdp!r})", _FSDP1_WHY, _FSDP1_FIX)
+
+
+def _trainer_fsdp_default() -> int:
+    """The FSDP version Trainer uses without `fsdp_config["version"]`: 2 from transformers 5, else 1."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover
+        return 1
+    return 2 if int(transformers.__version__.split(".")[0]) >= 5 else 1
 
 
 def check_model(model: nn.Module) -> None:

@@ -80,3 +80,18 @@ def test_trainer_with_deepspeed_args_fails_at_train_begin_without_a_save(tmp_pat
         trainer.train()
     assert trainer.state.global_step == 0
     assert not (tmp_path / "store").exists()  # refused before the store was opened
+
+
+def test_trainer_fsdp_arguments_version_1_refused_version_2_accepted(tmp_path: Path):
+    from transformers import TrainingArguments
+
+    from hf_dynamic_ckpt.state.support import check_training_args
+
+    def args(**kw: object) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True, **kw)
+
+    check_training_args(args())  # transformers 5: FSDP2 is the default
+    check_training_args(args(fsdp_config={"version": 2}))
+    with pytest.raises(ConfigError, match=r"does not support FSDP version 1 \(TrainingArguments.fsdp=True\).*"
+                                          r"Trainer's `fsdp_config=\{'version': 2\}`"):
+        check_training_args(args(fsdp_config={"version": 1}))

@@ -151,3 +151,20 @@ def test_accelerate_fsdp2_plugin_sigkill_resume_bit_exact(tmp_path: Path):
         assert row["loss"] == crashed[step]["loss"], step
     a, b = load_file(tmp_path / "crashed.safetensors"), load_file(tmp_path / "resumed.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sharded_and_unsharded_checkpoints_do_not_cross_and_nothing_is_abandoned(tmp_path: Path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "distributed" / "fsdp_mismatch_worker.py"),
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out["into_plain"]["error"] == (
+        "IncompatibleStateError: step 1 was saved sharded (FSDP2: one file of shards per rank) and this model is not "
+        "sharded: resume it with the fully_shard-ed model through SmartCheckpointer or Checkpointer.attach + resume "
+        "(Trainer's resume_checkpoint does not read sharded checkpoints yet).")
+    assert out["into_sharded"]["error"] == (
+        "IncompatibleStateError: step 1 was saved without sharding (one full copy by rank 0) and this model is "
+        "sharded (fully_shard): resume it with the unsharded model it was saved from.")
+    # Refused before the new timeline was recorded: step 2 is not set aside.
+    assert out["into_plain"]["abandoned"] == out["into_sharded"]["abandoned"] == {"1": False, "2": False}
