@@ -115,7 +115,9 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                __file__, "--worker", "--root", args.root or tmp, "--width", str(args.width), "--layers",
                str(args.layers), "--repeats", str(args.repeats)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        repo = str(Path(__file__).resolve().parents[1])  # this checkout's package, not an installed one
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
