@@ -63,6 +63,10 @@ def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str
             "(fully_shard): resume it with the unsharded model it was saved from.")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if is_dtensor(t) else t).detach()  # type: ignore[attr-defined]
+
+
 def chunk_of(t: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
     """`(local tensor, chunk)`: this rank's part of `t` and where it lies in the global tensor.
 
@@ -102,6 +106,7 @@ class ShardedState:
         self.model = model
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
         self._buffers: set[str] | None = None
+        self._chunks: dict[str, tuple[int, tuple[int, ...], dict[str, Any]]] = {}
 
     def _weights(self) -> dict[str, torch.Tensor]:
         # A walk over named parameters per save (no CachedWeights: a DTensor has no data pointer to compare).
@@ -119,7 +124,7 @@ class ShardedState:
     # -- L0 ---------------------------------------------------------------------------------
     def weights(self) -> dict[str, torch.Tensor]:
         """This rank's local shards of L0 (aliases of the live shards; the snapshot copies them)."""
-        return {name: chunk_of(t)[0] for name, t in self._weights().items()}
+        return {name: _local(t) for name, t in self._weights().items()}
 
     # -- L1 ---------------------------------------------------------------------------------
     def _optimizer_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -150,7 +155,7 @@ class ShardedState:
         if opt is None:
             return {"state": {}, "param_groups": []}
         names = self._param_names()
-        state = {fqn: {k: chunk_of(v)[0] for k, v in per.items()} for fqn, per in self._optimizer_tensors().items()}
+        state = {fqn: {k: _local(v) for k, v in per.items()} for fqn, per in self._optimizer_tensors().items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
                   for g in opt.param_groups]
         return {"state": state, "param_groups": groups}
@@ -164,15 +169,26 @@ class ShardedState:
         """The L0 names with their global shapes (DTensors), for the model check of a resume."""
         return dict(self._weights())
 
+    def _chunk(self, key: str, t: torch.Tensor) -> dict[str, Any]:
+        # A chunk depends on the tensor's mesh and placements only: computed once per live tensor
+        # (the same DTensor object with the same shape), not on every save.
+        cached = self._chunks.get(key)
+        if cached is not None and cached[0] == id(t) and cached[1] == tuple(t.shape):
+            return cached[2]
+        chunk = chunk_of(t)[1]
+        self._chunks[key] = (id(t), tuple(t.shape), chunk)
+        return chunk
+
     # -- chunks -----------------------------------------------------------------------------
     def chunks(self) -> dict[str, dict[str, dict[str, Any]]]:
         """This rank's chunk table: `{"weights": {key: chunk}, "optimizer": {key: chunk}}` (JSON)."""
         table: dict[str, dict[str, dict[str, Any]]] = {PART_WEIGHTS: {}, PART_OPTIMIZER: {}}
         for name, t in self._weights().items():
-            table[PART_WEIGHTS][name] = chunk_of(t)[1]
+            table[PART_WEIGHTS][name] = self._chunk(name, t)
         for fqn, per in self._optimizer_tensors().items():
             for key, value in per.items():
-                table[PART_OPTIMIZER][OPTIMIZER_KEY.format(fqn=fqn, name=key)] = chunk_of(value)[1]
+                name = OPTIMIZER_KEY.format(fqn=fqn, name=key)
+                table[PART_OPTIMIZER][name] = self._chunk(name, value)
         return table
 
 

@@ -55,7 +55,7 @@ def resume(root: str, *, sharded: bool) -> dict[str, object]:
     try:
         ck.resume("step:1", expected=model.state_dict())  # what the integrations pass (the model check)
         error = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
+    except Exception as e:
         error = f"{type(e).__name__}: {e}"
     listed = {i.step: i.abandoned for i in ck.store.list(include_abandoned=True)}
     ck.close()
