@@ -30,6 +30,7 @@ from torch import nn
 
 from . import distributed as dist
 from ._resume import ResumeState
+from ._sharded import resume_sharded, sources_for
 from .config import SmartCkptConfig
 from .constants import ALL_TIERS, Tier
 from .errors import ConfigError, DistributedError
@@ -41,7 +42,9 @@ from .saver import HeldSave, Saver, exit_after_preemption, open_store_and_engine
 from .sensing import Sensors
 from .signals.frame import SignalFrame
 from .signals.probes import PreemptionFlag
-from .state import CachedWeights, StateSources, capture_rng_state, trainable_state_dict
+from .state import StateSources, capture_rng_state
+from .state.sharded import ShardedState
+from .state.support import check_model
 from .store.remote import is_url
 from .store.spec import Lineage, new_session_id
 from .store.types import CheckpointInfo, LoadedCheckpoint
@@ -86,10 +89,10 @@ class Checkpointer:
         session = new_session_id() if self.rank == 0 else None
         self.session_id: str = dist.broadcast_object(session) if self.world_size > 1 else session  # type: ignore[assignment]
 
-        self.store, self.engine = open_store_and_engine(config, root if is_url(root) else Path(root), rank=self.rank,
+        url = is_url(root)  # a URL root: self.root is its local cache (timeline, Trainer resume folders)
+        self.store, self.engine = open_store_and_engine(config, root if url else Path(root), rank=self.rank,
                                                         world_size=self.world_size, session_id=self.session_id)
-        # a URL root: its local cache (the timeline and the Trainer's resume folders stay local)
-        self.root = Path(self.store.root) if is_url(root) else Path(root)
+        self.root = Path(self.store.root) if url else Path(root)
         self.policy = RulePolicy(config)
         self.saver = Saver(config, self.store, self.engine, rank=self.rank)
         self.saver.on_first_save = self._first_save
@@ -107,6 +110,7 @@ class Checkpointer:
         self._model_info: dict[str, Any] | None = None
         self._model: nn.Module | None = None
         self._optimizer: Any | None = None
+        self._sharded: ShardedState | None = None
         self.sensors: Sensors | None = None
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
         self._boundary_rng: dict[str, Any] | None = None  # RNG at the end of the previous step
@@ -142,8 +146,7 @@ class Checkpointer:
             weights (`Callable`, *optional*): returns the L0 tensors; defaults to `trainable_state_dict(model)`
                 behind a `CachedWeights` (built once, rebuilt when a parameter is replaced).
             frozen_keys (`Iterable[str]`, *optional*): weight names that never change (stored once).
-            extra (`Callable`, *optional*): JSON-able data for the manifest's `extra` (the policy's and
-                probes' statistics are added by the checkpointer itself).
+            extra (`Callable`, *optional*): JSON-able data for the manifest's `extra` (plus the policy's state).
             sampler (`Callable`, *optional*): JSON-able data position (L2).
             clip_owner (*optional*): object whose `clip_grad_norm_` returns the pre-clip norm
                 (an `accelerate.Accelerator`); wrapped so the policy sees the pre-clip norm.
@@ -153,23 +156,20 @@ class Checkpointer:
             model_info (`dict`, *optional*): what export needs to rebuild the model (`export.describe_model`,
                 the default); stored in every manifest's ``extra["model"]``.
         """
+        check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (state.support)
         self.detach()
         self._model = model
         self._optimizer = optimizer
         self._user_extra = extra
         self._model_info = model_info if model_info is not None else describe_model(model)
         self.saver.before_save = before_save
-        if weights is None:
-            weights = CachedWeights(model, lambda: trainable_state_dict(model))
-        main = self.rank == 0
-        self._sources = StateSources(
-            weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
-            optimizer=optimizer if main else None, scheduler=scheduler if main else None,
-            scaler=scaler if main else None, sampler=sampler, extra=self._extra,
-        )
+        self._sharded, self._sources, own = sources_for(  # FSDP2: every rank saves its own shards
+            model, rank=self.rank, weights=weights, frozen_keys=frozen_keys, optimizer=optimizer, scheduler=scheduler,
+            scaler=scaler, sampler=sampler, extra=self._extra)
+        self.saver.own_tiers = own
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
         # Snapshot buffers are allocated and pre-faulted in the background now, not by the first save.
-        self.engine.prepare(self._sources, ALL_TIERS if main else frozenset({Tier.STATE}))
+        self.engine.prepare(self._sources, own)
         self.timeline.open()
         self._resume.apply_policy_state()
 
@@ -391,6 +391,8 @@ class Checkpointer:
         Returns:
             `LoadedCheckpoint | None`: this rank's view, or `None` for a fresh start (`auto`, empty store).
         """
+        if self._sharded is not None:  # FSDP2: DCP reads the shards after the agreed plan (a collective)
+            return resume_sharded(self, self._sharded, spec)
         return self._resume.resume(spec, background_optimizer=background_optimizer, expected=expected)
 
     def complete_resume(self, loaded: LoadedCheckpoint) -> None:

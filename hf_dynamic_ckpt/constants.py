@@ -93,3 +93,15 @@ MAX_JSON_BYTES = 64 << 20
 """Largest JSON file of a checkpoint the store parses (manifest, optimizer.json, L2); bigger is corrupt."""
 CHECKPOINT_FILE_NAMES = frozenset({WEIGHTS_NAME, OPTIMIZER_NAME, OPTIMIZER_META_NAME, SAMPLER_NAME})
 """File names a manifest may list besides `RNG_NAME_TEMPLATE` names (the containment allowlist)."""
+
+# -- fsdp area (issue 12): sharded (FSDP2) tiers -----------------------------------------
+KEY_SHARDED = "sharded"
+"""Manifest `extra` key of a sharded checkpoint's chunk tables (`{"format", "world_size", "ranks"}`)."""
+KEY_RANK_CHUNKS = "sharded_chunks"
+"""Per-rank `extra` key of this rank's chunk table (taken out by the writer, merged by rank 0)."""
+SHARDED_FORMAT = "hf_dynamic_ckpt.dcp-chunks/1"
+SHARD_PART_WEIGHTS = "weights"
+SHARD_PART_OPTIMIZER = "optimizer"
+SHARD_FILE_TEMPLATE = "{part}-rank{rank}.safetensors"  # weights-rank<R> / optimizer-rank<R>
+SHARD_OPTIMIZER_KEY = "state.{fqn}.{name}"
+"""Key of one optimizer-state tensor: DCP's flattened name of `optim_state_dict["state"][fqn][name]`."""

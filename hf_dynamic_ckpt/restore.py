@@ -44,6 +44,7 @@ from .errors import (
     IncompatibleStateError,
 )
 from .state.model import check_weights
+from .state.sharded import check_sharding
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     if loaded.weights is None:
         return _Outcome(step, False, f"step {step} holds no weights")
     if expected is not None:
+        check_sharding(step, loaded.manifest, expected)  # FSDP2 <-> unsharded: refused before any fork
         check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
     outcome = _Outcome(step, True, loaded=loaded)
     if fallback != FallbackStrategy.LEVEL_0_ONLY:

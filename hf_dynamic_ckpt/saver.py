@@ -114,6 +114,8 @@ class Saver:
         """Where the one INFO line per save and the resume line go (the Trainer callback points it at
         transformers' logging, so `--log_level info` / `set_verbosity_info()` show them)."""
         self.on_first_save: Callable[[], None] | None = None
+        self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
+        """The tiers this rank writes (`Checkpointer.attach` sets them: FSDP2 ranks write their shards too)."""
         self._raise_next: SaveError | None = None
 
     def request(self, decision: Decision, *, step: int, epoch: float, tiers: frozenset[Tier],
@@ -129,8 +131,8 @@ class Saver:
         if self.on_first_save is not None:
             first, self.on_first_save = self.on_first_save, None
             first()
-        # Rank 0 writes weights and optimizer; every rank writes its own RNG file.
-        return frozenset(decision.tiers or ALL_TIERS) if self.rank == 0 else frozenset({Tier.STATE})
+        # Rank 0 writes weights and optimizer; every rank writes its own RNG file (FSDP2: and its shards).
+        return frozenset(decision.tiers or ALL_TIERS) & self.own_tiers
 
     def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
              frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,

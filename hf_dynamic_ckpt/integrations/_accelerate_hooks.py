@@ -17,6 +17,7 @@ import torch
 from ..checkpointer import Checkpointer, SaveEvent
 from ..config import SmartCkptConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
 from ._accelerate_state import AccelerateState
 from ._position import ResumableLoader
@@ -88,6 +89,7 @@ class SmartStateHooks:
         checkpointer: Checkpointer | None = None,
         state: AccelerateState | None = None,
     ) -> None:
+        check_accelerator(accelerator)  # DeepSpeed / FSDP1: refused before anything is opened
         self.accelerator = accelerator
         config = config or SmartCkptConfig()
         if state is None:

@@ -29,6 +29,7 @@ from ..checkpointer import SaveEvent
 from ..config import SmartCkptConfig
 from ..errors import ConfigError
 from ..policy.decision import Decision
+from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
 from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, _attach, _make_core, _store_root
 from ._accelerate_state import AccelerateState
@@ -87,6 +88,7 @@ class SmartCheckpointer:
         config: SmartCkptConfig | None = None,
         output_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        check_accelerator(accelerator)  # DeepSpeed / FSDP1: refused before anything is opened
         self.accelerator = accelerator
         self.config = config or SmartCkptConfig()
         if optimizer not in accelerator._optimizers:

@@ -41,6 +41,7 @@ from ..errors import ConfigError
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys
+from ..state.support import check_accelerator, check_training_args
 from ..store.types import LoadedCheckpoint
 from ._trainer_folder import materialise_trainer_folder, remove_resume_folders
 
@@ -102,6 +103,8 @@ class SmartCkptCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, optimizer: Any = None, lr_scheduler: Any = None,
                        **kwargs: Any) -> None:
+        check_training_args(args)  # DeepSpeed / FSDP1: refused before the first step, never a wrong save
+        check_accelerator(getattr(self.trainer, "accelerator", None))
         ck = self.get_checkpointer(args)
         retry, self._in_train = self._in_train, True
         self._state, self._control = state, control

@@ -20,6 +20,7 @@ from torch import nn
 
 from .memory import MemoryProbe
 from .preemption import PreemptionFlag
+from .sharded import full_scalar, is_dtensor, local_part, reduce_square_sums
 from .stats import LayerLevels
 
 __all__ = ["ClipNormRecorder", "GradProbe", "LossProbe", "MemoryProbe", "PreemptionFlag", "find_lora_layers"]
@@ -161,28 +162,42 @@ class GradProbe:
             `tuple`: the pre-clip global L2 norm (`None` when no gradient exists; NaN/inf when
             a gradient is not finite) and each LoRA layer's pre-clip L2 norm.
         """
-        pre = float(pre_clip_norm) if pre_clip_norm is not None else None
+        pre = full_scalar(pre_clip_norm) if pre_clip_norm is not None else None
         if pre is not None and not self.layer_names:
             return pre, {}
         present = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
         if not present:
             return pre, {}
-        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
-        for i, g in present:
-            groups.setdefault((g.device, g.dtype), []).append((i, g))
+        # FSDP2: DTensor gradients are measured on their local shards; the squares are summed over ranks.
+        weights = [1.0] * len(present)
+        sharded = [False] * len(present)
+        for j, (i, g) in enumerate(present):
+            if is_dtensor(g):
+                local, weights[j] = local_part(g)
+                present[j], sharded[j] = (i, local), True
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
+        for j, (i, g) in enumerate(present):
+            groups.setdefault((g.device, g.dtype), []).append((j, i, g))
         target = present[0][1].device
         stacked: list[torch.Tensor] = []
         order: list[int] = []
         for items in groups.values():
-            norms = torch.stack(torch._foreach_norm([g for _, g in items], 2.0))
+            norms = torch.stack(torch._foreach_norm([g for _, _, g in items], 2.0))
             stacked.append(norms.to(device=target, dtype=torch.float64))
-            order.extend(self._bucket[i] for i, _ in items)
+            order.extend(j for j, _, _ in items)
         values = (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).tolist()  # the one device sync
         # Summing a few hundred floats in Python is cheaper than more kernel launches.
         n_layers = len(self.layer_names)
         sq = [0.0] * (n_layers + 1)
-        for bucket, v in zip(order, values):
-            sq[bucket] += v * v
+        sq_sharded = [0.0] * (n_layers + 1)
+        for j, v in zip(order, values):
+            bucket = self._bucket[present[j][0]]
+            if sharded[j]:
+                sq_sharded[bucket] += v * v * weights[j]
+            else:
+                sq[bucket] += v * v
+        if any(sharded):
+            sq = reduce_square_sums(sq, sq_sharded)
         post = math.sqrt(sum(sq))  # NaN and inf propagate: the non-finite flag relies on it
         layer_norms = [math.sqrt(x) for x in sq[:n_layers]]
         if pre is not None and math.isfinite(post) and post > 0.0:

@@ -52,6 +52,7 @@ from . import manifest as mf
 from .blobs import BlobStore
 from .checksum import FileEntry
 from .layout import L1_PARTS, info_from_manifest, read_json, write_json
+from .sharded import sharded_extra, write_shards
 from .spec import Codec, SaveRequest
 from .task import Task
 from .timelines import key_of
@@ -96,15 +97,21 @@ def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir:
 
 
 def write_done(task: Task, tmp: Path, *, files: Mapping[str, FileEntry], blobs: Mapping[str, Any],
-               tiers: Iterable[Tier]) -> None:
-    """Publish this rank's entries atomically (write + fsync + rename), after its files are durable."""
+               tiers: Iterable[Tier], sharded: Mapping[str, Any] | None = None) -> None:
+    """Publish this rank's entries atomically (write + fsync + rename), after its files are durable.
+
+    `sharded`: this rank's chunk table of a sharded (FSDP2) save (`store.sharded`), merged by rank 0.
+    """
     rank = task.spec.rank
     task.fs.fsync_dir(tmp)
     done = tmp / RANK_DONE_TEMPLATE.format(rank=rank)
     part = done.with_name(done.name + ".part")
     own_tiers = sorted(t.value for t in tiers) if rank == 0 else ([Tier.STATE.value] if files else [])
-    write_json(part, {"rank": rank, "session_id": task.spec.session_id, "files": dict(files), "blobs": dict(blobs),
-                      "tiers": own_tiers}, tier=Tier.STATE, rank=rank)
+    record = {"rank": rank, "session_id": task.spec.session_id, "files": dict(files), "blobs": dict(blobs),
+              "tiers": own_tiers}
+    if sharded is not None:
+        record["sharded"] = dict(sharded)
+    write_json(part, record, tier=Tier.STATE, rank=rank)
     task.fs.replace(part, done)
     task.fs.fsync_dir(tmp)
 
@@ -252,9 +259,11 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
     t0 = time.perf_counter()
     try:
         fs.mkdir(tmp)
-        files, blobs = write_rank_files(state, tmp, rank=spec.rank, blobs_dir=task.blobs, level=spec.compression_level,
+        plain, shard_files, shards = write_shards(state, tmp, rank=spec.rank)  # FSDP2: this rank's shards
+        files, blobs = write_rank_files(plain, tmp, rank=spec.rank, blobs_dir=task.blobs, level=spec.compression_level,
                                         threads=spec.compression_threads, compression=spec.codec)
-        write_done(task, tmp, files=files, blobs=blobs, tiers=state.tiers)
+        files.update(shard_files)
+        write_done(task, tmp, files=files, blobs=blobs, tiers=state.tiers, sharded=shards)
         if task.remote is not None and spec.rank != 0:  # no shared directory: rank 0 reads the object store
             from .remote_sync import publish_rank
 
@@ -296,7 +305,8 @@ def _commit(task: Task, tmp: Path, state: CheckpointState, request: SaveRequest,
         task_id=task.task_id, step=step, epoch=state.epoch, reason=request.reason, kind=request.kind, tiers=tiers,
         pinned=request.pinned, healthy=request.healthy, world_size=task.spec.world_size, files=files, blobs=blobs,
         session_id=task.spec.session_id, lineage=request.lineage.to_dict() if request.lineage else None,
-        signals=request.signals, debug_info=request.debug_info, extra=state.extra, timings=timings,
+        signals=request.signals, debug_info=request.debug_info,
+        extra=sharded_extra(state.extra, parts, task.spec.world_size), timings=timings,
     )
     mf.write_manifest(tmp, manifest)
     fs.fsync_dir(tmp)

@@ -201,7 +201,11 @@ def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], 
     from .weights import load_weights
 
     if Tier.WEIGHTS in wanted:
-        loaded.weights = load_weights(directory, manifest.get(KEY_BLOBS) or {}, blobs_dir=blobs, mmap=mmap)
+        from .sharded import placeholders, sharded_table
+
+        table = sharded_table(manifest)  # FSDP2: global shapes only; DCP reads the shards (state.sharded_load)
+        loaded.weights = placeholders(table) if table is not None else load_weights(
+            directory, manifest.get(KEY_BLOBS) or {}, blobs_dir=blobs, mmap=mmap)
     if Tier.OPTIMIZER in wanted:
         structure = read_json(directory / OPTIMIZER_META_NAME)
         if not isinstance(structure, dict):

@@ -66,6 +66,7 @@ __all__ = ["KEY_BYTES", "KEY_RECOVERY_COST", "KEY_SESSION_ID", "build_manifest",
            "validate_manifest", "without_tiers", "write_manifest"]
 
 _RNG_NAME_RE = re.compile(r"rng-rank(0|[1-9][0-9]{0,6})\.json")
+_SHARD_NAME_RE = re.compile(r"(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")  # FSDP2 (store.sharded)
 
 # Throughputs of the recovery-cost model (bytes per millisecond). Loading a file means
 # checksumming it first (sha256, ~0.5-1 GB/s on one core), then mapping (L0) or
@@ -220,7 +221,7 @@ def allowed_file_name(name: Any, world_size: int) -> bool:
         return False
     if name in CHECKPOINT_FILE_NAMES:
         return True
-    m = _RNG_NAME_RE.fullmatch(name)
+    m = _RNG_NAME_RE.fullmatch(name) or _SHARD_NAME_RE.fullmatch(name)
     return m is not None and int(m.group(1)) < world_size
 
 
@@ -242,7 +243,7 @@ def _check_shape(manifest: dict[str, Any], where: str) -> None:
         if not allowed_file_name(name, world_size):
             raise CorruptCheckpointError(
                 f"{where}: manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
-                f"({', '.join(sorted(CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json); the manifest is damaged or hostile."
+                f"({', '.join(sorted(CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json, weights-rank<R>.safetensors, optimizer-rank<R>.safetensors); the manifest is damaged or hostile."
             )
         if not isinstance(entry, dict) or not _is_int(entry.get(KEY_SIZE)) or not isinstance(entry.get(KEY_CHECKSUM), str):
             raise CorruptCheckpointError(f"{where}: manifest entry of file {name!r} lacks an integer size or a checksum.")

@@ -32,6 +32,7 @@ from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK
 from .fs import LocalFS
 from .layout import blob_problems, file_problems, files_for, read_json, read_tiers, structure_problems
+from .sharded import is_sharded
 from .task import parse_step_dir
 from .types import CheckpointInfo, LoadedCheckpoint
 
@@ -126,7 +127,7 @@ class Reader:
 
         def problems() -> list[str]:
             found = file_problems(directory, manifest, names)
-            if Tier.WEIGHTS in wanted:
+            if Tier.WEIGHTS in wanted and not is_sharded(manifest):  # a sharded one: weights-rank<R> files
                 if WEIGHTS_NAME not in manifest[KEY_FILES]:
                     found.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
                 found += blob_problems(blobs, manifest.get("blobs") or {})

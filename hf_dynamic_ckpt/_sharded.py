@@ -1,0 +1,124 @@
+"""The checkpointer's FSDP2 seams: what a rank saves (`sources_for`) and the sharded resume (DCP).
+
+`sources_for` gives every rank of a sharded (`fully_shard`) model its own shards of L0 and L1
+(`state.sharded.ShardedState`), and keeps rank 0 the only writer of L0/L1 otherwise (DDP).
+
+`restore.plan_resume` verifies the checkpoint on every rank (each shard file's size and checksum,
+the model check against the global shapes) and agrees on it; then every rank calls
+`load_sharded` (a collective: DCP's load plans are exchanged). The state dicts come from DCP's
+`get_state_dict` / `set_state_dict` (`StateDictOptions`), the chunks from `store.sharded`'s
+`StorageReader` over the JSON chunk table, and DCP's `DefaultLoadPlanner` maps the saved chunks
+onto this run's shards: the same world size reads its own files back, another one reshards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .constants import ALL_TIERS, Tier
+from .errors import IncompatibleStateError
+from .state import CachedWeights, StateSources, trainable_state_dict
+from .state.sharded import PART_OPTIMIZER, PART_WEIGHTS, ShardedState, is_sharded_model, sharded_sources
+from .store.sharded import make_reader, sharded_table
+from .store.types import LoadedCheckpoint
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+logger = logging.getLogger(__name__)
+
+def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[str, torch.Tensor]] | None,
+                frozen_keys: Iterable[str], optimizer: Any | None, scheduler: Any | None, scaler: Any | None,
+                sampler: Callable[[], dict[str, Any]] | None, extra: Callable[[], dict[str, Any]]
+                ) -> tuple[ShardedState | None, StateSources, frozenset[Tier]]:
+    """`(sharded view or None, this rank's StateSources, the tiers this rank writes)` for `Checkpointer.attach`."""
+    main = rank == 0
+    if is_sharded_model(model):
+        sharded = ShardedState(model, optimizer)
+        sources = sharded_sources(sharded, extra, main=main, scheduler=scheduler, scaler=scaler, sampler=sampler)
+        own = frozenset(ALL_TIERS) if main or optimizer is not None else frozenset({Tier.WEIGHTS, Tier.STATE})
+        return sharded, sources, own
+    if weights is None:
+        weights = CachedWeights(model, lambda: trainable_state_dict(model))
+    sources = StateSources(
+        weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
+        optimizer=optimizer if main else None, scheduler=scheduler if main else None,
+        scaler=scaler if main else None, sampler=sampler, extra=extra,
+    )
+    return None, sources, frozenset(ALL_TIERS) if main else frozenset({Tier.STATE})
+
+
+def resume_sharded(ck: Checkpointer, sharded: ShardedState, spec: str | None) -> LoadedCheckpoint | None:
+    """`Checkpointer.resume` of a sharded model: the agreed plan (model check on global shapes), then DCP."""
+    loaded = ck._resume.resume(spec, background_optimizer=False, expected=sharded.expected())
+    if loaded is not None:
+        load_sharded(sharded, loaded)
+    return loaded
+
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+
+
+def load_sharded(sharded: ShardedState, loaded: LoadedCheckpoint) -> None:
+    """Read a sharded checkpoint's L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the
+    live model and optimizer; then `loaded.weights` is `None` (applied) and `loaded.optimizer` is the
+    live optimizer's restored `state_dict()`, so an integration's usual `apply` changes nothing.
+
+    Raises:
+        `IncompatibleStateError`: the checkpoint is not sharded, or DCP cannot map it onto the model.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    table = sharded_table(loaded.manifest)
+    if table is None:
+        raise IncompatibleStateError(
+            f"step {loaded.info.step} was saved without sharding (one full copy by rank 0) and this model is "
+            "sharded (fully_shard): resume it with the model it was saved from, or save it again from a "
+            "sharded run.")
+    model, opt = sharded.model, sharded.optimizer
+    saved_weights = {k for r in table["ranks"].values() for k in (r.get(PART_WEIGHTS) or {})}
+    groups = (loaded.optimizer or {}).get("param_groups") if isinstance(loaded.optimizer, dict) else None
+    with_optimizer = opt is not None and groups is not None
+    options = StateDictOptions(strict=False)
+    if opt is not None and with_optimizer:
+        msd, osd = get_state_dict(model, opt, options=options)
+    else:
+        msd, osd = get_model_state_dict(model, options=options), {}
+    state: dict[str, Any] = {"model": {k: v for k, v in msd.items() if k in saved_weights}}
+    missing = sorted(saved_weights - set(state["model"]))
+    if missing:
+        raise IncompatibleStateError(f"step {loaded.info.step} holds weights the model lacks: {missing[:10]}.")
+    prefixes = {PART_WEIGHTS: MODEL_PREFIX}
+    if with_optimizer:
+        state["optim"] = {"state": osd["state"]}
+        prefixes[PART_OPTIMIZER] = OPTIM_PREFIX
+    reader = make_reader(Path(loaded.info.path), table, prefixes)
+    try:
+        dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner())
+    except Exception as e:  # DCP wraps rank errors in CheckpointException
+        raise IncompatibleStateError(f"step {loaded.info.step}: the saved shards do not fit this model and "
+                                     f"optimizer ({type(e).__name__}: {str(e)[:500]}).") from e
+    if opt is not None and groups is not None:
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict={"state": state["optim"]["state"], "param_groups": groups}, options=options)
+        loaded.optimizer = opt.state_dict()
+    else:
+        set_model_state_dict(model, state["model"], options=options)
+    loaded.weights = None
+    logger.debug("step %d: sharded state read through DCP (saved by %s ranks)", loaded.info.step,
+                 table.get("world_size"))

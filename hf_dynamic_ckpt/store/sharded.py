@@ -1,0 +1,260 @@
+"""Sharded tiers on disk (FSDP2): one safetensors file per rank and tier, chunk tables in the manifest.
+
+Layout of a sharded checkpoint ``step-<N>/`` (every name is in the manifest's file table with
+its size, checksum, tier and rank; the manifest is written last, by rank 0, as for any save):
+
+- ``weights-rank<R>.safetensors``: rank R's local shards of L0 (keys: parameter FQNs);
+- ``optimizer-rank<R>.safetensors``: rank R's local shards of the optimizer state (keys:
+  ``state.<fqn>.<name>``, DCP's flattened names);
+- ``optimizer.tensors.zst`` / ``optimizer.json`` (rank 0): the optimizer's ``param_groups``
+  (FQNs, hyper-parameters), the scheduler and the scaler, as in an unsharded checkpoint;
+- ``rng-rank<R>.json``, ``sampler.json``: L2 as usual.
+
+The manifest's ``extra["sharded"]`` is ``{"format", "world_size", "ranks": {"<R>": {"weights":
+{key: chunk}, "optimizer": {key: chunk}}}}`` with ``chunk = {"shape": global shape, "offset",
+"size", "dtype", "file"}``: DCP's metadata, in JSON. No pickle is written or read: DCP's own
+``FileSystemWriter`` pickles its ``.metadata``, so this module gives DCP a `StorageReader` built
+from the JSON table, and DCP's `DefaultLoadPlanner` maps the saved chunks onto the live
+DTensors of any world size (resharding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..constants import (
+    KEY_RANK_CHUNKS,
+    KEY_SHARDED,
+    SHARD_FILE_TEMPLATE,
+    SHARD_OPTIMIZER_KEY,
+    SHARD_PART_OPTIMIZER,
+    SHARD_PART_WEIGHTS,
+    SHARDED_FORMAT,
+    Tier,
+)
+from ..errors import CorruptCheckpointError
+from .checksum import FileEntry, make_file_entry
+from .safetensors_io import check_tensor, open_tensors, write_safetensors
+from .types import CheckpointState
+
+PART_WEIGHTS, PART_OPTIMIZER = SHARD_PART_WEIGHTS, SHARD_PART_OPTIMIZER
+SHARD_NAME_RE = re.compile(r"(weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")
+"""Shard file names a manifest may list (rank < world size), besides the fixed allowlist."""
+_TIER = {PART_WEIGHTS: Tier.WEIGHTS, PART_OPTIMIZER: Tier.OPTIMIZER}
+
+
+def allowed_shard_name(name: str, world_size: int) -> bool:
+    m = SHARD_NAME_RE.fullmatch(name)
+    return m is not None and int(m.group(2)) < world_size
+
+
+# ---------------------------------------------------------------------------------- write
+def flatten_optimizer(optimizer: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a sharded optimizer state dict into its tensors (flat keys, `SHARD_OPTIMIZER_KEY`) and the rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    for fqn, per in (optimizer.get("state") or {}).items():
+        for name, value in per.items():
+            tensors[SHARD_OPTIMIZER_KEY.format(fqn=fqn, name=name)] = value
+    rest = {k: v for k, v in optimizer.items() if k != "state"}
+    return tensors, rest
+
+
+def write_shards(state: CheckpointState, tmp: Path, *, rank: int
+                 ) -> tuple[CheckpointState, dict[str, FileEntry], dict[str, Any] | None]:
+    """Write this rank's shard files of a sharded state; return what is left to write as usual.
+
+    Returns:
+        `tuple`: the state without its sharded tensors (rank 0 keeps the optimizer's
+        `param_groups`, the scheduler and the scaler), the shard files' manifest entries, and
+        this rank's chunk table for the commit (`None` for an unsharded state).
+    """
+    table = state.extra.get(KEY_RANK_CHUNKS)
+    if not isinstance(table, dict):
+        return state, {}, None
+    extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
+    files: dict[str, FileEntry] = {}
+    part: dict[str, Any] = {PART_WEIGHTS: {}, PART_OPTIMIZER: {}}
+    rest_optimizer = None
+    sources: list[tuple[str, Mapping[str, Any]]] = []  # (part, tensors)
+    if state.weights is not None:
+        sources.append((PART_WEIGHTS, state.weights))
+    if state.optimizer is not None:
+        flat, rest_optimizer = flatten_optimizer(state.optimizer)
+        sources.append((PART_OPTIMIZER, flat))
+    for kind, tensors in sources:
+        name = SHARD_FILE_TEMPLATE.format(part=kind, rank=rank)
+        checked = {k: check_tensor(k, v) for k, v in tensors.items()}
+        missing = sorted(set(checked) - set(table.get(kind, {})))
+        if missing:
+            raise CorruptCheckpointError(f"rank {rank}: no chunk recorded for {kind} tensor(s) {missing[:5]}.")
+        checksum = write_safetensors(checked, tmp / name, {"format": "pt"})
+        files[name] = make_file_entry(tmp / name, tier=_TIER[kind].value, rank=rank, checksum=checksum)
+        part[kind] = {k: {**table[kind][k], "file": name} for k in checked}
+    rest = dataclasses.replace(state, weights=None, optimizer=rest_optimizer if rank == 0 else None, extra=extra)
+    return rest, files, part
+
+
+def sharded_extra(extra: Mapping[str, Any], parts: Iterable[Mapping[str, Any]], world_size: int) -> dict[str, Any]:
+    """Rank 0: the manifest's `extra` with every rank's chunk table (`extra["sharded"]`)."""
+    out = {k: v for k, v in extra.items() if k != KEY_RANK_CHUNKS}
+    ranks = {str(p["rank"]): p["sharded"] for p in parts if isinstance(p.get("sharded"), dict)}
+    if ranks:
+        out[KEY_SHARDED] = {"format": SHARDED_FORMAT, "world_size": world_size, "ranks": ranks}
+    return out
+
+
+# ---------------------------------------------------------------------------------- read
+def sharded_table(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The chunk tables of a sharded checkpoint, or `None` for an unsharded one.
+
+    Raises:
+        `CorruptCheckpointError`: the table is malformed or names a file that is not a shard.
+    """
+    extra = manifest.get("extra") or {}
+    table = extra.get(KEY_SHARDED) if isinstance(extra, dict) else None
+    if table is None:
+        return None
+    world = manifest.get("world_size", 1)
+    ok = isinstance(table, dict) and table.get("format") == SHARDED_FORMAT and isinstance(table.get("ranks"), dict)
+    if ok:
+        for rank_table in table["ranks"].values():
+            for kind in (PART_WEIGHTS, PART_OPTIMIZER):
+                for key, chunk in (rank_table.get(kind) or {}).items():
+                    ok = ok and isinstance(key, str) and _valid_chunk(chunk) and allowed_shard_name(chunk["file"], world)
+    if not ok:
+        raise CorruptCheckpointError(f"the manifest's extra[{KEY_SHARDED!r}] chunk table is malformed "
+                                     f"({str(table)[:120]}); the checkpoint is damaged.")
+    return table
+
+
+def _valid_chunk(chunk: Any) -> bool:
+    if not isinstance(chunk, dict) or not isinstance(chunk.get("file"), str) or not isinstance(chunk.get("dtype"), str):
+        return False
+    dims: list[list[int]] = [chunk.get(k) for k in ("shape", "offset", "size")]  # type: ignore[misc]
+    if not all(isinstance(d, list) and all(isinstance(x, int) and x >= 0 for x in d) for d in dims):
+        return False
+    shape, offset, size = dims
+    return len(shape) == len(offset) == len(size) and all(o + s <= n for n, o, s in zip(shape, offset, size))
+
+
+def is_sharded(manifest: Mapping[str, Any]) -> bool:
+    """Whether the manifest is a sharded checkpoint's (without validating the table)."""
+    extra = manifest.get("extra")
+    return isinstance(extra, dict) and KEY_SHARDED in extra
+
+
+def placeholders(table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """L0 of a sharded checkpoint as `meta` tensors of the global shapes: what the model check reads
+    (names, shapes) before DCP reads the shards into the live model."""
+    out: dict[str, torch.Tensor] = {}
+    for r in table["ranks"].values():
+        for key, c in (r.get(PART_WEIGHTS) or {}).items():
+            dtype = getattr(torch, c["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise CorruptCheckpointError(f"chunk {key!r} has an unknown dtype {c['dtype']!r}.")
+            out.setdefault(key, torch.empty(c["shape"], dtype=dtype, device="meta"))
+    return out
+
+
+def shard_files(table: Mapping[str, Any], kinds: Iterable[str] = (PART_WEIGHTS, PART_OPTIMIZER)) -> list[str]:
+    """The shard file names the table refers to (for verification before reading)."""
+    names = {c["file"] for r in table["ranks"].values() for k in kinds for c in (r.get(k) or {}).values()}
+    return sorted(names)
+
+
+def global_shapes(table: Mapping[str, Any], kind: str) -> dict[str, tuple[int, ...]]:
+    """Key -> global shape of one part (`weights` / `optimizer`) over every rank's chunks."""
+    return {k: tuple(c["shape"]) for r in table["ranks"].values() for k, c in (r.get(kind) or {}).items()}
+
+
+def dcp_metadata(table: Mapping[str, Any], prefixes: Mapping[str, str]) -> tuple[Any, dict[Any, tuple[str, str]]]:
+    """DCP `Metadata` of the saved chunks (keys `prefixes[kind] + key`) and index -> (file, key)."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    entries: dict[str, TensorStorageMetadata] = {}
+    storage: dict[Any, tuple[str, str]] = {}
+    for _, rank_table in sorted(table["ranks"].items(), key=lambda kv: int(kv[0])):
+        for kind, prefix in prefixes.items():
+            for key, c in (rank_table.get(kind) or {}).items():
+                fqn = prefix + key
+                dtype = getattr(torch, c["dtype"], None)
+                if not isinstance(dtype, torch.dtype):
+                    raise CorruptCheckpointError(f"chunk {fqn!r} has an unknown dtype {c['dtype']!r}.")
+                md = entries.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=dtype),
+                                                                   torch.Size(c["shape"]), []))
+                index = MetadataIndex(fqn, torch.Size(c["offset"]))
+                if index in storage or (0 in c["size"] and c["shape"] and 0 not in c["shape"]):
+                    continue  # a replica of a chunk already listed (HSDP, plain tensors), or an empty shard
+                md.chunks.append(ChunkStorageMetadata(torch.Size(c["offset"]), torch.Size(c["size"])))
+                storage[index] = (c["file"], key)
+    return Metadata(state_dict_metadata=dict(entries)), storage
+
+
+def make_reader(directory: Path, table: Mapping[str, Any], prefixes: Mapping[str, str]) -> Any:
+    """A DCP `StorageReader` over the shard files of `directory` (verified by the caller)."""
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.distributed.checkpoint.storage import StorageReader
+
+    metadata, storage = dcp_metadata(table, prefixes)
+
+    class ShardReader(StorageReader):
+        """Reads chunks out of ``<part>-rank<R>.safetensors`` (memory-mapped); metadata from JSON."""
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            self._files: dict[str, dict[str, torch.Tensor]] = {}
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return metadata
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            self.reset()
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return plans
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            for req in plan.items:
+                if req.type == LoadItemType.BYTE_IO:
+                    raise CorruptCheckpointError(f"{req.storage_index.fqn}: sharded checkpoints hold tensors only.")
+                name, key = storage[req.storage_index]
+                if name not in self._files:
+                    self._files[name] = open_tensors(directory / name, mmap=True, what="shard")[0]
+                tensor = self._files[name].get(key)
+                if tensor is None:
+                    raise CorruptCheckpointError(f"{directory / name} lacks tensor {key!r} named by the manifest.")
+                for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    tensor = tensor.narrow(dim, start, length)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise CorruptCheckpointError(f"{key!r} in {name}: chunk of size {tuple(tensor.size())} for a "
+                                                 f"target of size {tuple(target.size())}.")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+            from torch.futures import Future
+
+            fut: Future[None] = Future()
+            fut.set_result(None)
+            return fut
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return False
+
+    reader = ShardReader()
+    reader.reset()
+    return reader

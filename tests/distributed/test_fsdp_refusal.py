@@ -1,0 +1,97 @@
+"""DeepSpeed ZeRO and FSDP1 are refused at attach with an error naming the supported setups (issue 12).
+
+No rank-0-only save of a partitioned state may ever happen silently: the refusal comes before the
+store is opened, so nothing is written. DeepSpeed is not installed here; the accelerator state
+that Accelerate builds for it (`distributed_type == DEEPSPEED`) and TrainingArguments' `deepspeed`
+field are what the library reads, and they are set as Accelerate/transformers would set them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_dynamic_ckpt import SmartCkptConfig
+from hf_dynamic_ckpt.errors import ConfigError
+from hf_dynamic_ckpt.state.support import SUPPORTED_SETUPS
+
+SUPPORTED = "Supported setups: a single process; DDP"
+
+
+def _accelerator(kind: str, **state: object) -> SimpleNamespace:
+    from accelerate.utils import DistributedType
+
+    dtype = DistributedType(kind)
+    return SimpleNamespace(distributed_type=dtype, state=SimpleNamespace(distributed_type=dtype, **state),
+                           _optimizers=[], _schedulers=[], _models=[])
+
+
+def test_smart_checkpointer_refuses_deepspeed_before_opening_the_store(tmp_path: Path):
+    from hf_dynamic_ckpt import SmartCheckpointer
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError) as e:
+        SmartCheckpointer(_accelerator("DEEPSPEED"), model, opt, config=SmartCkptConfig(root=str(tmp_path / "s")))
+    msg = str(e.value)
+    assert msg.startswith("hf_dynamic_ckpt does not support DeepSpeed (the accelerator's distributed_type is "
+                          "DEEPSPEED): ZeRO partitions")
+    assert SUPPORTED in msg and "FSDP2 (`torch.distributed.fsdp.fully_shard`" in msg and SUPPORTED_SETUPS in msg
+    assert not (tmp_path / "s").exists()  # nothing opened, nothing written
+
+
+def test_state_hooks_refuse_fsdp1_plugin(tmp_path: Path):
+    from hf_dynamic_ckpt.integrations.accelerate import SmartStateHooks
+
+    acc = _accelerator("FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=1))
+    with pytest.raises(ConfigError, match=r"does not support FSDP version 1 \(Accelerate's FSDP plugin\): its flat "
+                                          r"parameters .* Use FSDP2: `fully_shard\(module\)`"):
+        SmartStateHooks(acc, config=SmartCkptConfig(root=str(tmp_path / "s")))
+    assert not (tmp_path / "s").exists()
+
+
+def test_fsdp2_plugin_and_ddp_are_not_refused():
+    from hf_dynamic_ckpt.state.support import check_accelerator, check_training_args
+
+    check_accelerator(_accelerator("FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=2)))
+    check_accelerator(_accelerator("MULTI_CPU"))
+    check_training_args(SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config={"version": 2}))
+
+
+@pytest.mark.integration
+def test_trainer_with_deepspeed_args_fails_at_train_begin_without_a_save(tmp_path: Path):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_dynamic_ckpt import SmartCkptCallback, toy
+
+    model = toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    # What `--deepspeed ds.json` leaves in the arguments (building them so needs the deepspeed package).
+    args.deepspeed = "ds_zero3.json"
+    callback = SmartCkptCallback(SmartCkptConfig(base_interval=1, root=str(tmp_path / "store")))
+    trainer = Trainer(model=model, args=args, callbacks=[callback],
+                      train_dataset=toy.random_token_dataset(num_examples=8, seq_len=8, vocab_size=128))
+    with pytest.raises(ConfigError, match=r"^hf_dynamic_ckpt does not support DeepSpeed \(TrainingArguments."
+                                          r"deepspeed='ds_zero3.json'\): ZeRO partitions"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert not (tmp_path / "store").exists()  # refused before the store was opened
+
+
+def test_trainer_fsdp_arguments_version_1_refused_version_2_accepted(tmp_path: Path):
+    from transformers import TrainingArguments
+
+    from hf_dynamic_ckpt.state.support import check_training_args
+
+    def args(**kw: object) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True, **kw)
+
+    check_training_args(args())  # transformers 5: FSDP2 is the default
+    check_training_args(args(fsdp_config={"version": 2}))
+    with pytest.raises(ConfigError, match=r"does not support FSDP version 1 \(TrainingArguments.fsdp=True\).*"
+                                          r"Trainer's `fsdp_config=\{'version': 2\}`"):
+        check_training_args(args(fsdp_config={"version": 1}))
