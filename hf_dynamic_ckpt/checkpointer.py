@@ -89,10 +89,9 @@ class Checkpointer:
         session = new_session_id() if self.rank == 0 else None
         self.session_id: str = dist.broadcast_object(session) if self.world_size > 1 else session  # type: ignore[assignment]
 
-        url = is_url(root)  # a URL root: self.root is its local cache (timeline, Trainer resume folders)
-        self.store, self.engine = open_store_and_engine(config, root if url else Path(root), rank=self.rank,
-                                                        world_size=self.world_size, session_id=self.session_id)
-        self.root = Path(self.store.root) if url else Path(root)
+        self.store, self.engine = open_store_and_engine(config, root, rank=self.rank, world_size=self.world_size,
+                                                        session_id=self.session_id)
+        self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (timeline)
         self.policy = RulePolicy(config)
         self.saver = Saver(config, self.store, self.engine, rank=self.rank)
         self.saver.on_first_save = self._first_save
