@@ -100,7 +100,7 @@ def _warm_up() -> None:
         logger.debug("writer process warm-up: %s", e)
 
 
-def _worker_main(store_cls: type, spec: StoreSpec, conn: Any, priority: int | None = None, ready: Any = None,
+def _worker_main(store_cls: Any, spec: StoreSpec, conn: Any, priority: int | None = None, ready: Any = None,
                  cancel: Any = None) -> None:
     """Entry point of the writer process: receive buffers and save requests until told to stop.
 
