@@ -166,8 +166,9 @@ class Checkpointer:
             scaler=scaler if main else None, sampler=sampler, extra=self._extra,
         )
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
-        # Snapshot buffers are allocated and pre-faulted in the background now, not by the first save.
-        self.engine.prepare(self._sources, ALL_TIERS if main else frozenset({Tier.STATE}))
+        # Snapshot buffers prepared in the background now (not by the first save); once a resume's L1 read is done.
+        sources, tiers = self._sources, ALL_TIERS if main else frozenset({Tier.STATE})
+        self._resume.after_read(lambda: self.engine.prepare(sources, tiers))
         self.timeline.open()
         self._resume.apply_policy_state()
 
