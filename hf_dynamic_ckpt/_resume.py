@@ -55,7 +55,7 @@ class ResumeState:
         """Run `fn` once the background optimizer-tier read is collected by `complete` (at once if none runs).
 
         For work that would compete with the read for the CPU on the way to the first resumed
-        step (the save engine's buffer preparation and writer start), not for work it needs.
+        step (the save engine's buffer preparation), not for work the resume needs.
         """
         if self._l1 is None:
             fn()

@@ -160,7 +160,7 @@ class LiveState:
         """
         out: dict[str, tuple[tuple[str, ...] | None, list[torch.Tensor]]] = {}
         if self.weights is not None and self.plain:
-            out[WEIGHTS_PREFIX] = (tuple(self.weights), list(self.weights.values()))
+            out[WEIGHTS_PREFIX] = (tuple(self.weights), list(self.weights.values()))  # type: ignore[arg-type]
         elif self.weights is not None:
             frozen = self.frozen
             pairs = [(k, v) for k, v in self.weights.items() if isinstance(v, torch.Tensor) and k not in frozen]
