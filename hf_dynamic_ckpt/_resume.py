@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,23 @@ class ResumeState:
         self._probe: dict[str, Any] | None = None
         self._l1: Future[_L1] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._after_read: list[Callable[[], Any]] = []
+
+    @property
+    def reading(self) -> bool:
+        """Whether an optimizer-tier read runs in the background (until `complete`)."""
+        return self._l1 is not None
+
+    def after_read(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` once the background optimizer-tier read is collected by `complete` (at once if none runs).
+
+        For work that would compete with the read for the CPU on the way to the first resumed
+        step (the save engine's buffer preparation), not for work the resume needs.
+        """
+        if self._l1 is None:
+            fn()
+        else:
+            self._after_read.append(fn)
 
     # ------------------------------------------------------------------ resume
     def resume(self, spec: str | None, *, background_optimizer: bool, expected: Mapping[str, Any] | None
@@ -194,7 +211,15 @@ class ResumeState:
         future, self._l1 = self._l1, None
         if future is None:
             return
-        optimizer, scheduler, scaler, lost = future.result()
+        try:
+            optimizer, scheduler, scaler, lost = future.result()
+        finally:
+            deferred, self._after_read = self._after_read, []
+            for fn in deferred:
+                try:
+                    fn()
+                except Exception as e:  # only a speed-up is lost: the first save allocates its buffers
+                    logger.warning("resume: deferred work after the optimizer-tier read failed: %s", e)
         ck = self.ck
         outcomes = dist.all_gather_json({"lost": lost, "scheduler": scheduler is not None}) \
             if ck.world_size > 1 else [{"lost": lost, "scheduler": scheduler is not None}]
@@ -216,6 +241,7 @@ class ResumeState:
         self._announce(loaded, degraded=True)
 
     def close(self) -> None:
+        self._after_read = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -20,6 +20,7 @@ fingerprint of the decisions taken so far, so ranks that would diverge raise the
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -142,8 +143,7 @@ class Checkpointer:
         Args:
             model (`nn.Module`): the trained model (gradients and LoRA layers are read from it).
             optimizer, scheduler, scaler (*optional*): L1 sources.
-            weights (`Callable`, *optional*): returns the L0 tensors; defaults to `trainable_state_dict(model)`
-                behind a `CachedWeights` (built once, rebuilt when a parameter is replaced).
+            weights (`Callable`, *optional*): returns the L0 tensors (default: the trainable weights, cached).
             frozen_keys (`Iterable[str]`, *optional*): weight names that never change (stored once).
             extra (`Callable`, *optional*): JSON-able data for the manifest's `extra` (plus the policy's state).
             sampler (`Callable`, *optional*): JSON-able data position (L2).
@@ -167,8 +167,8 @@ class Checkpointer:
             scaler=scaler, sampler=sampler, extra=self._extra)
         self.saver.own_tiers = own
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
-        # Snapshot buffers are allocated and pre-faulted in the background now, not by the first save.
-        self.engine.prepare(self._sources, own)
+        # Snapshot buffers prepared in the background now (not by the first save); once a resume's L1 read is done.
+        self._resume.after_read(functools.partial(self.engine.prepare, self._sources, own))
         self.timeline.open()
         self._resume.apply_policy_state()
 

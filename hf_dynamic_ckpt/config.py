@@ -67,7 +67,8 @@ class LevelConfig:
 
     Args:
         compression (`str`, *optional*, defaults to `"none"`): `"none"`, `"zstd"` or `"gzip"`.
-        compression_level (`int`, *optional*, defaults to `3`): zstd level, 1 to 19 (<= 3 advised).
+        compression_level (`int`, *optional*, defaults to `3`; `1` for `level_1`): zstd level, 1 to 19 (1 advised:
+            as small as 3 on optimizer state at about half the CPU, see docs/benchmarks.md).
         device (`str`, *optional*): storage class label from the article (`ssd`, `nvme`); informative.
         retention_days (`float`, *optional*): files of this tier older than this are pruned
             (pinned checkpoints excepted). `None` keeps them.
@@ -89,7 +90,7 @@ class LevelConfig:
 class StorageLevels:
     level_0: LevelConfig = field(default_factory=lambda: LevelConfig(device="ssd", retention_days=30))
     level_1: LevelConfig = field(
-        default_factory=lambda: LevelConfig(compression=Compression.ZSTD, compression_level=3, device="nvme", retention_days=7)
+        default_factory=lambda: LevelConfig(compression=Compression.ZSTD, compression_level=1, device="nvme", retention_days=7)
     )
     level_2: LevelConfig = field(default_factory=lambda: LevelConfig(device="ssd", retention_days=90))
 
@@ -349,7 +350,7 @@ class SmartCkptConfig:
             stability_window: 100
             risk_threshold: 0.68
             storage_levels:
-              level_1: {compression: zstd, compression_level: 3, device: nvme, retention_days: 7}
+              level_1: {compression: zstd, compression_level: 1, device: nvme, retention_days: 7}
             recovery_timeout_ms: 5000
             fallback_strategy: level_0_only
             ```

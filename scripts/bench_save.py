@@ -13,7 +13,8 @@ one real Trainer step so the optimizer state exists. For each variant:
    - DCP: `torch.distributed.checkpoint.async_save` on a single-process gloo group, until
      it returns (its blocking part; state dicts prepared beforehand, not timed);
    - floor: one `memcpy` (`Tensor.copy_`) of the same number of bytes between two
-     preallocated buffers.
+     preallocated, touched buffers, timed right after each of our saves (median), so that
+     load from other processes slows the floor and the saves alike.
 2. training-step time while a background write is in flight vs. without, for the thread
    writer and the process writer (cycles of: k clean steps, a save, the steps started while
    it writes, k clean steps; an A/A comparison of the two clean windows gives the noise).
@@ -105,33 +106,27 @@ def _train_step(trainer: Any, args: argparse.Namespace, seed: int) -> float:
     return time.perf_counter() - start
 
 
-def _memcpy_ms(nbytes: int, repeats: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages once, as reused buffers are
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    del src, dst
-    return 1e3 * statistics.median(times)
-
-
-def _ours(trainer: Any, kind: str, root: Path, repeats: int, threads: int, prepare: bool) -> dict[str, float]:
+def _ours(trainer: Any, kind: str, root: Path, repeats: int, threads: int, prepare: bool,
+          nbytes: int) -> dict[str, float]:
     sources = _sources(trainer, kind)
     out: dict[str, float] = {}
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
+    dst = torch.empty_like(src).fill_(0)  # warm, as reused buffers are
     with CheckpointStore(root, compression_threads=threads) as store, SaveEngine(store) as engine:
         if prepare:  # as the orchestrator does right after attach: buffers allocated and touched ahead
             engine.prepare(sources, wait=True)
-        blocking, writes = [], []
+        blocking, writes, floor = [], [], []
         info = None
         for i in range(repeats + 1):
             handle = engine.save(sources, SaveRequest(step=i + 1, tiers=ALL_TIERS, reason="bench"))
             info = handle.wait()
             blocking.append(handle.blocking_ms)
             writes.append(handle.write_ms or 0.0)
+            start = time.perf_counter()  # the floor, interleaved: a loaded machine slows both alike
+            dst.copy_(src)
+            floor.append((time.perf_counter() - start) * 1e3)
         assert info is not None
+        out["memcpy_ms"] = statistics.median(floor)
         out["first_ms"] = blocking[0]
         out["blocking_ms"] = statistics.median(blocking[1:])
         out["max_ms"] = max(blocking)
@@ -223,9 +218,9 @@ def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str,
           f"{nbytes / MB:.1f} MB to snapshot", flush=True)
     res: dict[str, Any] = {"kind": kind, "params": params, "trainable": trainable, "bytes": nbytes}
     if not args.only_inflation:
-        res["memcpy_ms"] = _memcpy_ms(nbytes, args.repeats)
         res["ours"] = _ours(trainer, kind, work / f"ours-{kind}", args.repeats, args.compression_threads,
-                            not args.no_prepare)
+                            not args.no_prepare, nbytes)
+        res["memcpy_ms"] = res["ours"]["memcpy_ms"]  # median of one memcpy after each save (same run)
         print(f"[{kind}] ours {res['ours']}", flush=True)
         res["hf"] = _hf(trainer, args.hf_repeats)
         print(f"[{kind}] hf {res['hf']}", flush=True)

@@ -62,7 +62,7 @@ class ThreadWriter:
     """One persistent writer thread fed through a one-slot queue.
 
     Args:
-        save (`StoreSave`): writes a job's state (e.g. `CheckpointStore.save` through the engine's adapter).
+        save (`StoreSave`): writes a job's state (e.g. `CheckpointStore.save`).
         name (`str`): the thread's name.
         nice (`int`, *optional*, defaults to `0`): nice increment of the thread.
         label (`str`, *optional*, defaults to `"thread"`): `Writer.label`.

@@ -30,7 +30,7 @@ class Dispatcher:
 
     Args:
         mode (`EngineMode`): `THREAD` or `PROCESS` (`SYNC` never dispatches).
-        save (`StoreSave`): what thread writers call (the store's `save` through the engine's adapter).
+        save (`StoreSave`): what thread writers call (the store's `save`, looked up per call).
         spec (`Callable[[], StoreSpec]`): the store's spec, for the writer process.
         store_cls (`type`): the store class the writer process opens.
         pool (`BufferPool`): the snapshot buffers (shared memory in process mode).

@@ -80,6 +80,34 @@ def tensors_in(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def usual_optimizer_layout(sd: Any) -> bool:
+    """Whether `sd` is laid out as `torch.optim.Optimizer.state_dict()` lays it out (keys `state`, `param_groups`)."""
+    return type(sd) is dict and list(sd) == ["state", "param_groups"] and type(sd["state"]) is dict
+
+
+def optimizer_tensors(sd: Any) -> list[torch.Tensor]:
+    """The tensors of an optimizer state dict in `tensors_in`'s order, with one flat loop when it can.
+
+    For `{"state": {id: {name: tensor or scalar}}, "param_groups": [...]}` (every `torch.optim`
+    optimizer): the entries' tensors, then those of `param_groups` (normally none); any other
+    layout goes through `tensors_in`.
+    """
+    if not usual_optimizer_layout(sd):
+        return tensors_in(sd, [])
+    out: list[torch.Tensor] = []
+    append, tensor = out.append, torch.Tensor
+    for entry in sd["state"].values():
+        if type(entry) is not dict:
+            return tensors_in(sd, [])
+        for v in entry.values():
+            kind = type(v)
+            if kind is tensor:
+                append(v)
+            elif kind not in SCALARS:
+                return tensors_in(sd, [])
+    return tensors_in(sd["param_groups"], out)
+
+
 def state_dict_tensor_bytes(obj: Any) -> int:
     """Total bytes of the tensors inside a nested state dict."""
     return sum(nbytes(t) for _, t in walk_tensors(obj, ""))
@@ -117,6 +145,9 @@ class LiveState:
     sampler: dict[str, Any] | None
     extra: dict[str, Any]
 
+    plain: bool = False
+    """Every weight is a tensor to copy (no frozen key, no `BlobRef`): the per-save walks take shortcuts."""
+
     resolved: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     """Set by the `Snapshotter`: per scope, the held plan that still matches or a fresh blueprint."""
 
@@ -128,12 +159,14 @@ class LiveState:
         beyond a type check); tied weights are found later, once per blueprint.
         """
         out: dict[str, tuple[tuple[str, ...] | None, list[torch.Tensor]]] = {}
-        if self.weights is not None:
+        if self.weights is not None and self.plain:
+            out[WEIGHTS_PREFIX] = (tuple(self.weights), list(self.weights.values()))  # type: ignore[arg-type]
+        elif self.weights is not None:
             frozen = self.frozen
             pairs = [(k, v) for k, v in self.weights.items() if isinstance(v, torch.Tensor) and k not in frozen]
             out[WEIGHTS_PREFIX] = (tuple(k for k, _ in pairs), [v for _, v in pairs])
         if self.optimizer is not None:
-            out[OPTIMIZER_PREFIX] = (None, tensors_in(self.optimizer, []))
+            out[OPTIMIZER_PREFIX] = (None, optimizer_tensors(self.optimizer))
         return out
 
     def copy_items(self) -> list[tuple[str, torch.Tensor]]:

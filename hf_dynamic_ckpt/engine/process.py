@@ -29,7 +29,6 @@ import torch
 
 from ..store.spec import SaveRequest, StoreSpec
 from ..store.types import CheckpointInfo, CheckpointState
-from ._legacy_store import open_store, store_save
 from .backends import ThreadWriter, set_priority, writer_priority
 from .buffers import BufferPool
 from .jobs import Job
@@ -101,7 +100,7 @@ def _warm_up() -> None:
         logger.debug("writer process warm-up: %s", e)
 
 
-def _worker_main(store_cls: type, spec: StoreSpec, conn: Any, priority: int | None = None, ready: Any = None,
+def _worker_main(store_cls: Any, spec: StoreSpec, conn: Any, priority: int | None = None, ready: Any = None,
                  cancel: Any = None) -> None:
     """Entry point of the writer process: receive buffers and save requests until told to stop.
 
@@ -111,7 +110,7 @@ def _worker_main(store_cls: type, spec: StoreSpec, conn: Any, priority: int | No
     """
     set_priority(0, priority)  # the parent already did, right after the start; this covers a race
     torch.set_num_threads(1)
-    store = open_store(store_cls, spec)
+    store = store_cls.from_spec(spec, cleanup=False)
     _warm_up()
     if ready is not None:
         ready.set()
@@ -132,7 +131,7 @@ def _worker_main(store_cls: type, spec: StoreSpec, conn: Any, priority: int | No
             _, shipped, request, timings = msg
             state = _map_state(shipped, functools.partial(_internalize, buffers=buffers))
             try:
-                info = store_save(store, state, request, timings=timings, cancel=cancelled)
+                info = store.save(state, request, timings=timings, cancel=cancelled)
             except BaseException as e:
                 conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
             else:

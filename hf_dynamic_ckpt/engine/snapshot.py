@@ -21,6 +21,7 @@ to that blob as long as the tensor is untouched (same storage, version, shape, d
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,7 +45,10 @@ from .live import (
     tensors_in,
     walk_tensors,
 )
-from .plans import Blueprint, Plan, make_blueprint, substitute
+from .plans import Blueprint, Plan, make_blueprint, substitute, substitute_optimizer
+
+_TENSOR = frozenset({torch.Tensor})
+_grad = operator.attrgetter("requires_grad")
 
 FROZEN_PREFIX = "frozen/"
 """Buffer scope of a frozen weight copied once into shared memory (process mode, first save)."""
@@ -135,14 +139,18 @@ class Snapshotter:
         tiers = frozenset(Tier(t) for t in tiers)
         weights: dict[str, torch.Tensor | BlobRef] | None = None
         frozen: dict[str, tuple[Any, ...]] = {}
+        plain = False
         if Tier.WEIGHTS in tiers:
             if sources.weights is None:
                 raise SaveError(
                     "tiers include 'weights' but StateSources.weights is None: pass "
                     "StateSources(weights=model.state_dict) or drop Tier.WEIGHTS."
                 )
-            weights = {}
-            for name, tensor in sources.weights().items():
+            mapping = sources.weights()
+            values = list(mapping.values())
+            plain = not sources.frozen_keys and set(map(type, values)) <= _TENSOR and not any(map(_grad, values))
+            weights = dict(mapping) if plain else {}
+            for name, tensor in () if plain else mapping.items():
                 if not isinstance(tensor, torch.Tensor):
                     raise SaveError(
                         f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor: "
@@ -186,7 +194,7 @@ class Snapshotter:
         extra = clone_small(sources.extra()) if sources.extra is not None else {}
         return LiveState(
             step=step, epoch=epoch, weights=weights, frozen=frozen, optimizer=optimizer,
-            scheduler=scheduler, scaler=scaler, rng=rng_state, sampler=sampler_state, extra=extra,
+            scheduler=scheduler, scaler=scaler, rng=rng_state, sampler=sampler_state, extra=extra, plain=plain,
         )
 
     def extra_bytes_needed(self, live: LiveState) -> int:
@@ -247,7 +255,9 @@ class Snapshotter:
             plan.run(cuda)
             copied += plan.nbytes
         weights: dict[str, torch.Tensor | BlobRef] | None = None
-        if live.weights is not None:
+        if live.weights is not None and live.plain:
+            weights = dict(zip(live.weights, plans[WEIGHTS_PREFIX].outputs()))
+        elif live.weights is not None:
             weights = {}
             outputs = iter(plans[WEIGHTS_PREFIX].outputs())
             frozen_dsts: list[torch.Tensor] = []
@@ -281,7 +291,7 @@ class Snapshotter:
                 self.pool.drop(scope)  # stored as blobs by now: later saves pass BlobRefs
         optimizer = live.optimizer
         if optimizer is not None:
-            optimizer = substitute(optimizer, iter(plans[OPTIMIZER_PREFIX].outputs()))
+            optimizer = substitute_optimizer(optimizer, plans[OPTIMIZER_PREFIX].outputs())
         events = cuda.finish() if cuda is not None else []
         return self._snapshot(live, weights, optimizer, copied, live_bytes, start, events)
 
@@ -312,7 +322,7 @@ class Snapshotter:
                   live_bytes: int, start: float, events: list[Any]) -> Snapshot:
         state = CheckpointState(
             step=live.step, epoch=live.epoch, weights=weights,
-            dedup_keys=frozenset(live.frozen) | frozenset(
+            dedup_keys=frozenset() if live.plain else frozenset(live.frozen) | frozenset(
                 k for k, v in (weights or {}).items() if isinstance(v, BlobRef)
             ),
             optimizer=optimizer, scheduler=live.scheduler, scaler=live.scaler, rng=live.rng,

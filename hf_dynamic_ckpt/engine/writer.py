@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,7 @@ from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError, SaveError
 from ..state.sources import StateSources
 from ..store.spec import SaveRequest
-from ..store.types import CheckpointInfo
-from . import _legacy_store as legacy
+from ..store.types import BlobRef, CheckpointInfo, CheckpointState
 from .dispatch import Dispatcher
 from .jobs import Job, Jobs, SaveHandle
 from .live import LiveState, available_tiers, fit_to_deadline
@@ -125,8 +123,8 @@ class SaveEngine:
         self._stager = Stager(memory_margin, headroom if headroom is not None else default_headroom(cgroup_dir))
         mode = self._stager.writer_mode(mode)  # under a tight memory limit: no second interpreter
         self._snapshotter = self._new_snapshotter(shared=mode == EngineMode.PROCESS)
-        self._save_fn = functools.partial(legacy.store_save, store)
-        self._dispatch = Dispatcher(mode, self._save_fn, spec=functools.partial(legacy.store_spec, store),
+        self._save_fn = self._store_save
+        self._dispatch = Dispatcher(mode, self._save_fn, spec=lambda: store.spec,
                                     store_cls=type(store), pool=self._snapshotter.pool, nice=self.writer_nice,
                                     name=f"{id(self):x}")
         self._jobs = Jobs()
@@ -159,12 +157,11 @@ class SaveEngine:
     def save(
         self,
         sources: StateSources,
-        request: SaveRequest | None = None,
+        request: SaveRequest,
         *,
         rng: dict[str, Any] | None = None,
         sampler: dict[str, Any] | None = None,
         blocking: bool = False,
-        **legacy_keywords: Any,
     ) -> SaveHandle:
         """Snapshot the requested tiers and write them, in the background unless told otherwise.
 
@@ -178,8 +175,6 @@ class SaveEngine:
             rng (`dict`, *optional*): RNG state to store instead of capturing it now.
             sampler (`dict`, *optional*): data position instead of `sources.sampler()`.
             blocking (`bool`, *optional*, defaults to `False`): write before returning.
-            legacy_keywords: TRANSITION (removed with `_legacy_store`): the old keyword form
-                `step=, epoch=, tiers=, reason=, pinned=, healthy=, signals=, debug_info=, replace=`.
 
         Returns:
             `SaveHandle`: `wait()` returns the committed `CheckpointInfo`.
@@ -188,7 +183,6 @@ class SaveEngine:
             `SaveError`: the sources cannot provide the requested tiers (nothing was saved),
                 or the engine is closed.
         """
-        request = legacy.resolve_request(request, legacy_keywords)
         self._check_open()
         start = time.perf_counter()
         handle = SaveHandle(request.step, request.reason)
@@ -233,12 +227,11 @@ class SaveEngine:
     def emergency_save(
         self,
         sources: StateSources,
-        request: SaveRequest | None = None,
+        request: SaveRequest,
         *,
         deadline_s: float,
         rng: dict[str, Any] | None = None,
         sampler: dict[str, Any] | None = None,
-        **legacy_keywords: Any,
     ) -> CheckpointInfo | None:
         """Save synchronously within a deadline (preemption grace period), most valuable tiers first.
 
@@ -251,7 +244,7 @@ class SaveEngine:
             request (`SaveRequest`): the save's metadata; `tiers` is replaced by what is
                 written and `reason` is prefixed with `"emergency: "`.
             deadline_s (`float`): seconds available from now.
-            rng, sampler, legacy_keywords: as in `save`.
+            rng, sampler: as in `save`.
 
         Returns:
             `CheckpointInfo | None`: the committed checkpoint (`None` on ranks > 0).
@@ -259,7 +252,6 @@ class SaveEngine:
         Raises:
             `SaveError`: the save failed (the previous checkpoint stays the restore point).
         """
-        request = legacy.resolve_request(request, legacy_keywords)
         self._check_open()
         start = time.monotonic()
         step = request.step
@@ -356,7 +348,14 @@ class SaveEngine:
 
     # -- internals -------------------------------------------------------------------------
     def _new_snapshotter(self, *, shared: bool) -> Snapshotter:
-        return Snapshotter(shared=shared, blob_exists=functools.partial(legacy.blob_exists, self.store))
+        return Snapshotter(shared=shared, blob_exists=self._blob_exists)
+
+    def _store_save(self, state: CheckpointState, request: SaveRequest, *, timings: Mapping[str, Any],
+                    cancel: Callable[[], bool]) -> CheckpointInfo | None:
+        return self.store.save(state, request, timings=timings, cancel=cancel)  # looked up per call (wrappers)
+
+    def _blob_exists(self, ref: BlobRef) -> bool:  # still stored: a later save may refer to it instead of writing it
+        return bool(self.store.blobs.exists(ref.digest))
 
     def _collect(self, sources: StateSources, request: SaveRequest, *, rng: dict[str, Any] | None,
                  sampler: dict[str, Any] | None) -> LiveState:

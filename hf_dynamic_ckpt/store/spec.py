@@ -60,7 +60,7 @@ class StoreSpec:
         world_size (`int`, *optional*, defaults to `1`): ranks that write each save.
         session_id (`str`): names this run's temporary directories; the same on every rank.
         codec (`Codec`, *optional*, defaults to `"zstd"`): L1 codec.
-        compression_level (`int`, *optional*, defaults to `3`): zstd level of L1.
+        compression_level (`int`, *optional*, defaults to `1`): zstd level of L1.
         compression_threads (`int`, *optional*, defaults to `0`): zstd threads (0: all CPUs).
         rank_timeout_s (`float`, *optional*, defaults to `600.0`): how long rank 0 waits for the
             other ranks' files of one save.
@@ -73,7 +73,7 @@ class StoreSpec:
     world_size: int = 1
     session_id: str = field(default_factory=new_session_id)
     codec: Codec = Codec.ZSTD
-    compression_level: int = 3
+    compression_level: int = 1
     compression_threads: int = 0
     rank_timeout_s: float = 600.0
     remote: Any = None

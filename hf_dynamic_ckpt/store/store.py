@@ -77,7 +77,7 @@ class CheckpointStore(Reader, Lookup, Pins):
         world_size (`int`, *optional*, defaults to `1`): number of ranks that write each save.
         session_id (`str`, *optional*): names this run's temporary directories; must be the same
             on every rank (broadcast it). Generated when `world_size == 1`.
-        compression_level (`int`, *optional*, defaults to `3`): zstd level of the optimizer tier.
+        compression_level (`int`, *optional*, defaults to `1`): zstd level of the optimizer tier.
         compression_threads (`int`, *optional*, defaults to `0`): zstd threads (0: all CPUs).
         compression (`str` or `Codec`, *optional*, defaults to `"zstd"`): codec of the optimizer
             tier, `"zstd"` or `"none"` (larger file, memory-mapped on load).
@@ -104,7 +104,7 @@ class CheckpointStore(Reader, Lookup, Pins):
     """
 
     def __init__(self, root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID, rank: int = 0,
-                 world_size: int = 1, session_id: str | None = None, compression_level: int = 3,
+                 world_size: int = 1, session_id: str | None = None, compression_level: int = 1,
                  compression_threads: int = 0, compression: Codec | str = Codec.ZSTD, rank_timeout_s: float = 600.0,
                  cleanup: bool = True, read_only: bool = False, takeover: bool = False,
                  storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,

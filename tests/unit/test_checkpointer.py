@@ -313,3 +313,43 @@ def test_level_1_codec_from_config_reaches_the_written_file(tmp_path: Path, engi
     assert info is not None
     header, _, _ = read_header(Path(info.path) / OPTIMIZER_NAME)
     assert header["codec"] == codec
+
+
+def test_engine_preparation_waits_for_a_background_optimizer_read(tmp_path: Path, monkeypatch) -> None:
+    # Issue 15 (resume speed): preparing buffers and starting the writer competed with the L1 read.
+    import threading
+
+    from hf_dynamic_ckpt.engine import SaveEngine
+
+    prepared: list[int] = []
+    real_prepare = SaveEngine.prepare
+
+    def prepare(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prepared.append(1)
+        return real_prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(SaveEngine, "prepare", prepare)
+
+    ck, model, opt, sched = make(tmp_path)
+    for step in range(2):
+        train_step(ck, model, opt, sched, step)
+    ck.save_now(2, 0.0, reason="manual")
+    ck.close()
+    torch.manual_seed(1)
+    model2 = Net()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    ck2 = Checkpointer(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, stability_window=8))
+    prepared.clear()
+    real_read = ck2._resume._read_l1
+    gate = threading.Event()
+    ck2._resume._read_l1 = lambda info: gate.wait(60) and real_read(info)  # type: ignore[method-assign]
+    loaded = ck2.resume("step:2", background_optimizer=True)
+    assert loaded is not None and loaded.optimizer is None
+    ck2.attach(model2, optimizer=opt2)
+    assert prepared == []  # attached while the optimizer tier is still being read
+    gate.set()
+    ck2.complete_resume(loaded)
+    assert prepared == [1] and loaded.optimizer is not None
+    ck2.attach(model2, optimizer=opt2)  # nothing read in the background: prepared at once
+    assert prepared == [1, 1]
+    ck2.close()
