@@ -67,8 +67,7 @@ class LevelConfig:
 
     Args:
         compression (`str`, *optional*, defaults to `"none"`): `"none"`, `"zstd"` or `"gzip"`.
-        compression_level (`int`, *optional*, defaults to `3`; `1` for `level_1`): zstd level, 1 to 19 (1 advised:
-            as small as 3 on optimizer state at about half the CPU, see docs/benchmarks.md).
+        compression_level (`int`, *optional*, defaults to `3`; `1` for `level_1`): zstd level, 1 to 19 (1 advised).
         device (`str`, *optional*): storage class label from the article (`ssd`, `nvme`); informative.
         retention_days (`float`, *optional*): files of this tier older than this are pruned
             (pinned checkpoints excepted). `None` keeps them.
