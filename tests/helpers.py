@@ -6,7 +6,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,3 +69,28 @@ def model_state_equal(a: torch.nn.Module | dict[str, torch.Tensor], b: torch.nn.
     sa = a.state_dict() if isinstance(a, torch.nn.Module) else a
     sb = b.state_dict() if isinstance(b, torch.nn.Module) else b
     return sa.keys() == sb.keys() and all(bit_equal(sa[k].detach(), sb[k].detach()) for k in sa)
+
+
+# ---------------------------------------------------------------------- torchrun workers
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun_worker(worker: Path, cwd: Path, *args: str, nproc: int = 2,
+                    timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    """Run `worker` under `torchrun --standalone` (gloo on CPU, one intra-op thread) and return the result."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(worker)]
+    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def traceback_tail(proc: subprocess.CompletedProcess[str]) -> str:
+    """The first worker traceback (what torchrun's summary hides), else the end of stderr."""
+    err = proc.stderr
+    at = err.find("Traceback")
+    return err[at : at + 4000] if at >= 0 else err[-3000:]
+
+
+def read_loss_log(path: Path, key: str = "step") -> tuple[int | None, dict[int, dict]]:
+    """A worker's JSONL loss log: (the step it resumed from, {step: record} for records holding `key`)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return lines[0]["resumed_from"], {d["step"]: d for d in lines[1:] if key in d}

@@ -3,49 +3,37 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_loss_log, torchrun_worker, traceback_tail
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "accelerate_loop.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def torchrun(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([*TORCHRUN, str(WORKER), *args], cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=400)
-
-
-def tail(proc: subprocess.CompletedProcess[str]) -> str:
-    """The first worker traceback (what torchrun's summary hides), else the end of stderr."""
-    err = proc.stderr
-    at = err.find("Traceback")
-    return err[at : at + 4000] if at >= 0 else err[-3000:]
+    return torchrun_worker(WORKER, tmp, *args)
 
 
 def read_losses(path: Path) -> tuple[int | None, dict[int, dict]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    return lines[0]["resumed_from"], {d["step"]: d for d in lines[1:]}
+    return read_loss_log(path, 'step')
 
 
 def test_ddp_sigkill_resume_bit_exact(tmp_path: Path):
     # 2 ranks x batch 2, 16 examples: 4 steps per epoch; 10 steps cross two epoch boundaries.
     common = ["--max_steps", "10", "--examples", "16", "--base_interval", "3"]
     ref = torchrun(tmp_path, "--output_dir", "ref", "--losses", "ref.jsonl", "--final", "ref.safetensors", *common)
-    assert ref.returncode == 0, tail(ref)
+    assert ref.returncode == 0, traceback_tail(ref)
     crash = torchrun(tmp_path, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "7",
                      "--save_state_at", "5", *common)
     assert crash.returncode != 0  # every rank SIGKILLed itself after step 7
-    assert "Signal 9 (SIGKILL)" in crash.stderr or "exitcode  : -9" in crash.stderr, tail(crash)
+    assert "Signal 9 (SIGKILL)" in crash.stderr or "exitcode  : -9" in crash.stderr, traceback_tail(crash)
     store = tmp_path / "run" / "smart_ckpt" / "default"
     committed = sorted(int(p.name[5:]) for p in store.glob("step-*") if "." not in p.name)
     assert committed and max(committed) < 7
@@ -55,7 +43,7 @@ def test_ddp_sigkill_resume_bit_exact(tmp_path: Path):
 
     res = torchrun(tmp_path, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",
                    "--final", "resumed.safetensors", *common)
-    assert res.returncode == 0, tail(res)
+    assert res.returncode == 0, traceback_tail(res)
     resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
     _, expected = read_losses(tmp_path / "ref.jsonl")
     assert resumed_from == max(committed)
@@ -72,7 +60,7 @@ def test_ddp_sigkill_resume_bit_exact(tmp_path: Path):
     assert pointer["step"] == 5 and Path(pointer["path"]).name == "step-5"
     assert {p.name for p in Path(pointer["path"]).glob("rng-rank*.json")} == {"rng-rank0.json", "rng-rank1.json"}
     hooked = torchrun(tmp_path, "--output_dir", "run", "--losses", "hooks.jsonl", "--load_state", "state-5", *common)
-    assert hooked.returncode == 0, tail(hooked)
+    assert hooked.returncode == 0, traceback_tail(hooked)
     from_state, after_state = read_losses(tmp_path / "hooks.jsonl")
     assert from_state == 5 and sorted(after_state) == list(range(6, 11))
     for step, row in after_state.items():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_loss_log, torchrun_worker, traceback_tail
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -24,20 +25,11 @@ WORKER = REPO / "tests" / "workers" / "fsdp_loop.py"
 
 
 def torchrun(tmp: Path, nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(WORKER)]
-    return subprocess.run([*cmd, *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=400)
-
-
-def tail(proc: subprocess.CompletedProcess[str]) -> str:
-    err = proc.stderr
-    at = err.find("Traceback")
-    return err[at : at + 4000] if at >= 0 else err[-3000:]
+    return torchrun_worker(WORKER, tmp, *args, nproc=nproc)
 
 
 def read_losses(path: Path) -> tuple[int | None, dict[int, dict]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    return lines[0]["resumed_from"], {d["step"]: d for d in lines[1:] if "step" in d}
+    return read_loss_log(path, 'step')
 
 
 def test_fsdp2_sharded_save_sigkill_resume_bit_exact(tmp_path: Path):
@@ -47,7 +39,7 @@ def test_fsdp2_sharded_save_sigkill_resume_bit_exact(tmp_path: Path):
     crash = torchrun(tmp_path, 2, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "8",
                      "--final", "crashed.safetensors", *common)
     assert crash.returncode != 0 and ("Signal 9 (SIGKILL)" in crash.stderr or "exitcode  : -9" in crash.stderr), \
-        tail(crash)
+        traceback_tail(crash)
     store = tmp_path / "run" / "smart_ckpt" / "default"
     committed = sorted(int(p.name[5:]) for p in store.glob("step-*") if "." not in p.name)
     assert committed in ([3], [3, 6]), committed
@@ -81,7 +73,7 @@ def test_fsdp2_sharded_save_sigkill_resume_bit_exact(tmp_path: Path):
 
     res = torchrun(tmp_path, 2, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",
                    "--final", "resumed.safetensors", *common)
-    assert res.returncode == 0, tail(res)
+    assert res.returncode == 0, traceback_tail(res)
     resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
     _, crashed = read_losses(tmp_path / "crash.jsonl")
     assert resumed_from == last and sorted(resumed) == list(range(last + 1, 9))
@@ -100,7 +92,7 @@ def test_fsdp2_reshard_1_to_2_and_2_to_1_matches_native_dcp_resume(tmp_path: Pat
 
     def run(nproc: int, *args: str) -> None:
         proc = torchrun(tmp_path, nproc, *args)
-        assert proc.returncode == 0, tail(proc)
+        assert proc.returncode == 0, traceback_tail(proc)
 
     run(1, "--output_dir", "s", "--losses", "w1.jsonl", "--max_steps", "6", "--dcp_save_at", "6")
     table = json.loads((tmp_path / "s/smart_ckpt/default/step-6/manifest.json").read_text())["extra"]["sharded"]
@@ -135,7 +127,7 @@ def test_accelerate_fsdp2_plugin_sigkill_resume_bit_exact(tmp_path: Path):
     common = ["--max_steps", "8", "--base_interval", "3", "--accelerate_fsdp"]
     crash = torchrun(tmp_path, nproc, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "8",
                      "--final", "crashed.safetensors", *common)
-    assert crash.returncode != 0, tail(crash)
+    assert crash.returncode != 0, traceback_tail(crash)
     store = tmp_path / "run" / "smart_ckpt" / "default"
     committed = sorted(int(p.name[5:]) for p in store.glob("step-*") if "." not in p.name)
     assert committed and committed[0] == 3
@@ -143,7 +135,7 @@ def test_accelerate_fsdp2_plugin_sigkill_resume_bit_exact(tmp_path: Path):
     assert manifest["extra"]["sharded"]["world_size"] == nproc
     res = torchrun(tmp_path, nproc, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",
                    "--final", "resumed.safetensors", *common)
-    assert res.returncode == 0, tail(res)
+    assert res.returncode == 0, traceback_tail(res)
     resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
     _, crashed = read_losses(tmp_path / "crash.jsonl")
     assert resumed_from == committed[-1]

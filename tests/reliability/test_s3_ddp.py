@@ -5,13 +5,12 @@ on fresh caches, losses bit-equal to an uninterrupted local-root run."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_loss_log, torchrun_worker, traceback_tail
 from s3_server import bucket_keys
 from safetensors.torch import load_file
 
@@ -19,36 +18,26 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "accelerate_loop.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 COMMON = ["--max_steps", "8", "--examples", "16", "--base_interval", "3"]
 
 
 def torchrun(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([*TORCHRUN, str(WORKER), *args], cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=500)
-
-
-def tail(proc: subprocess.CompletedProcess[str]) -> str:
-    err = proc.stderr
-    at = err.find("Traceback")
-    return err[at : at + 4000] if at >= 0 else err[-3000:]
+    return torchrun_worker(WORKER, tmp, *args, timeout=500)
 
 
 def read_losses(path: Path) -> tuple[int | None, dict[int, dict]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
-    return lines[0]["resumed_from"], {d["step"]: d for d in lines[1:] if "loss" in d}
+    return read_loss_log(path, 'loss')
 
 
 def test_ddp_on_s3_with_per_rank_caches_sigkill_resume_bit_exact(s3_root, tmp_path):
     url, options = s3_root
     remote = ["--root", url, "--remote_options", json.dumps(options)]
     ref = torchrun(tmp_path, "--output_dir", "ref", "--losses", "ref.jsonl", "--final", "ref.safetensors", *COMMON)
-    assert ref.returncode == 0, tail(ref)
+    assert ref.returncode == 0, traceback_tail(ref)
     crash = torchrun(tmp_path, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "7", *COMMON,
                      *remote, "--remote_cache_dir", "caches-a")
     assert crash.returncode != 0 and ("Signal 9 (SIGKILL)" in crash.stderr or "exitcode  : -9" in crash.stderr), \
-        tail(crash)
+        traceback_tail(crash)
     keys = bucket_keys(url, options)
     committed = sorted({int(k.split("/")[2][5:]) for k in keys
                         if k.endswith("/manifest.json") and k.split("/")[2].startswith("step-")})
@@ -59,7 +48,7 @@ def test_ddp_on_s3_with_per_rank_caches_sigkill_resume_bit_exact(s3_root, tmp_pa
     assert not list((tmp_path / "caches-a" / "rank-1").glob("default/step-*/rng-rank1.json"))
     res = torchrun(tmp_path, "--output_dir", "run2", "--losses", "resume.jsonl", "--resume", "auto", "--final",
                    "resumed.safetensors", *COMMON, *remote, "--remote_cache_dir", "caches-b")
-    assert res.returncode == 0, tail(res)
+    assert res.returncode == 0, traceback_tail(res)
     resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
     _, expected = read_losses(tmp_path / "ref.jsonl")
     assert resumed_from == max(committed)
