@@ -1,4 +1,4 @@
-"""The README's quick start runs as written; run again with more steps, it resumes the first run's store."""
+"""The README runs as written: the quick start, its command-line block and load_checkpoint on the store it made; run again with more steps, it resumes."""
 
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ def test_readme_quick_start_runs_and_resumes(tmp_path: Path) -> None:
     # base_interval=4: the first save comes at step 4. Later gaps may widen (the overhead budget
     # sees the measured save cost against ~10 ms toy steps), so they are not asserted here.
     assert steps[0] == 4, steps
+    # The README's command line (ls, show, export peft/merged, pin, gc) and load_checkpoint, on this store.
+    run_cli_block_and_load_checkpoint(tmp_path, env)
     # The same script, asked to train longer: it picks up the store and continues from step 12.
     script.write_text(script.read_text(encoding="utf-8").replace("max_steps=12", "max_steps=16"), encoding="utf-8")
     second = run()
@@ -63,15 +65,14 @@ def _block(after: str, lang: str) -> str:
     return match.group(1)
 
 
-def test_readme_command_line_and_load_checkpoint_run_as_written(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def run_cli_block_and_load_checkpoint(tmp_path: Path, env: dict[str, str]) -> None:
+    """The README's command-line block, line by line, and its `load_checkpoint` snippet, on the quick start's store."""
 
     def python(code: str) -> None:
         proc = subprocess.run([sys.executable, "-c", "import torch\ntorch.set_num_threads(1)\n" + code], cwd=tmp_path,
                               capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
-    python(quick_start_code())
     # The merged export needs the base weights: the quick start's base model, saved where the README points.
     python("from hf_dynamic_ckpt import toy\ntoy.tiny_qwen2(seed=0).save_pretrained('path/to/base')")
     heading = "## Getting the model out, and the command line"

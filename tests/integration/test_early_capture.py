@@ -24,7 +24,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_worker(tmp_path_factory.mktemp("early-ref"), "ref", *ARGS)
 
 
-@pytest.mark.parametrize("onset", [2, 5, 8])
+# Onset 2 (the earliest) in the default run; 5 and 8 with the slow tests (`make test-all`).
+@pytest.mark.parametrize("onset", [2, pytest.param(5, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_explosion_in_the_first_steps_is_captured_and_resumes_exactly(tmp_path: Path, reference: dict,
                                                                       onset: int) -> None:
     spiked = run_worker(tmp_path, "spiked", *ARGS, "--spike_at", str(onset))

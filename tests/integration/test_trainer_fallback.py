@@ -74,6 +74,7 @@ def test_corrupt_weights_fall_back_to_older_checkpoint(crashed: tuple[Path, dict
     assert resumed["losses"] == ref["losses"][3 * 2:]
 
 
+@pytest.mark.slow  # SIGTERM, exit 128 + signal and exact continuation: test_trainer_ddp.py in the default run
 def test_sigterm_commits_exits_cleanly_and_continues_exactly(crashed: tuple[Path, dict], tmp_path: Path) -> None:
     _, ref = crashed
     # SIGTERM arrives after step 4; the flag is seen at step 5, which is saved synchronously.

@@ -74,6 +74,7 @@ def test_lora_across_epoch_boundary_ga2(tmp_path: Path) -> None:
     assert keys and all("lora_" in k for k in keys), "LoRA checkpoints hold the adapter only"
 
 
+@pytest.mark.slow  # the conformance suite resumes a plain module against Trainer's own checkpoints in the default run
 def test_plain_module_next_to_trainers_own_saves(tmp_path: Path) -> None:
     # Trainer keeps saving checkpoint-2, -4, -6 itself; the two kinds of checkpoint do not interfere.
     args = ("--model", "plain", "--max_steps", "6", "--ga", "1", "--examples", "24", "--native_save_steps", "2")
@@ -89,6 +90,7 @@ def test_plain_module_next_to_trainers_own_saves(tmp_path: Path) -> None:
         resumed["log_keys"])
 
 
+@pytest.mark.slow  # test_early_capture.py and test_demo_spike.py resume from pinned captures in the default run
 def test_resume_from_a_pre_update_capture(tmp_path: Path) -> None:
     # Step 9's loss x1000: the surge is seen before the update, the state of step 8 is saved and
     # pinned (with the RNG of the end of step 8); resuming from it reproduces steps 9.. exactly.
