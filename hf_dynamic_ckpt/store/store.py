@@ -353,14 +353,19 @@ class CheckpointStore(Reader, Lookup, Pins):
 
         Each planned entry is re-read from disk first and kept when it is pinned there, was
         replaced, or its health differs from what the plan read. Abandoned checkpoints the
-        current timeline has passed go too (never pinned ones), then unused blobs.
+        current timeline has passed go too (never pinned ones), then unused blobs. It runs on the
+        training thread between saves, so it reads every manifest only when that can matter: when
+        the timelines record lists abandoned checkpoints, and for blobs only after a checkpoint
+        was removed (blobs lose users only then; `gc` collects those a failed save left).
         """
         self._check_writable("prune")
         report = GcReport()
         with self._lock:
             mt.apply_plan(self.task, plan, report)
-            mt.remove_abandoned(self.task, report)
-            mt.collect_blobs(self.task, report)
+            if self.task.timelines.abandoned():
+                mt.remove_abandoned(self.task, report)
+            if report.removed:
+                mt.collect_blobs(self.task, report)
         return report
 
     def gc(self, *, dry_run: bool = False) -> GcReport:
