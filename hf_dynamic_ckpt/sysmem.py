@@ -130,21 +130,31 @@ def cgroup_version(cgroup_dir: Path) -> int | None:
 
 
 def _read_level(cgroup_dir: Path, version: int, *, hierarchical: bool) -> CgroupMemory | None:
-    """Limit, usage and page cache of one level; `None` without a limit or a usage file."""
-    stat = memory_stat(cgroup_dir)
+    """Limit, usage and page cache of one level; `None` without a limit or a usage file.
+
+    The limit files are read first: a level without a limit (usually every ancestor) costs
+    no `memory.stat` (which the kernel builds on each read) and no usage read.
+    """
+    stat: dict[str, int] = {}
     if version == 2:
         limits = [_limit(cgroup_dir / "memory.max"), _limit(cgroup_dir / "memory.high")]
-        usage = read_int(cgroup_dir / "memory.current")
-        inactive = stat.get("inactive_file", 0)
     else:
         limits = [_limit(cgroup_dir / "memory.limit_in_bytes"), _limit(cgroup_dir / "memory.memsw.limit_in_bytes")]
         if hierarchical:  # ancestors a container cannot see (use_hierarchy=1; always on recent kernels)
+            stat = memory_stat(cgroup_dir)
             limits += [stat.get("hierarchical_memory_limit"), stat.get("hierarchical_memsw_limit")]
+    found = [x for x in limits if x is not None and x < V1_UNLIMITED]
+    if not found:
+        return None
+    if version == 2:
+        usage = read_int(cgroup_dir / "memory.current")
+        inactive = memory_stat(cgroup_dir).get("inactive_file", 0)
+    else:
         usage = read_int(cgroup_dir / "memory.usage_in_bytes")
+        stat = stat or memory_stat(cgroup_dir)
         # usage_in_bytes is hierarchical (children included): so is total_inactive_file.
         inactive = stat.get("total_inactive_file", stat.get("inactive_file", 0))
-    found = [x for x in limits if x is not None and x < V1_UNLIMITED]
-    if not found or usage is None:
+    if usage is None:
         return None
     return CgroupMemory(limit_bytes=min(found), current_bytes=usage, inactive_file_bytes=inactive, version=version,
                         path=cgroup_dir)

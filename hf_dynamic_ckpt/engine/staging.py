@@ -125,7 +125,11 @@ def host_headroom(cgroup_dir: Path | str | None = None) -> Headroom:
         `Headroom`: from the cgroup when it sets a limit with less headroom than the host,
         else from `psutil.virtual_memory()`; `transient_bytes` from this process's RSS.
     """
-    directory = Path(cgroup_dir) if cgroup_dir is not None else find_memory_cgroup()
+    return headroom_of(Path(cgroup_dir) if cgroup_dir is not None else find_memory_cgroup())
+
+
+def headroom_of(directory: Path | None) -> Headroom:
+    """`host_headroom` of a cgroup directory found already (`None`: the machine's memory only)."""
     reading = read_memory(directory)
     current, peak = process_rss_bytes()
     transient = max(0, peak - current) if current else 0
@@ -247,4 +251,5 @@ def default_headroom(cgroup_dir: str | os.PathLike[str] | None) -> Callable[[], 
     """The engine's memory probe: `host_headroom` of `cgroup_dir`, else `$HF_DYNAMIC_CKPT_CGROUP_DIR`,
     else the process's own memory cgroup."""
     directory = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
-    return lambda: host_headroom(directory)
+    found = directory if directory is not None else find_memory_cgroup()  # once: ~1 ms, not per save
+    return lambda: headroom_of(found)

@@ -203,3 +203,25 @@ def test_process_rss_reads_current_and_peak() -> None:
     current, peak = sysmem.process_rss_bytes()
     assert 0 < current <= peak
     assert abs(current - psutil.Process().memory_info().rss) < 64 << 20
+
+
+def test_levels_without_a_limit_are_read_without_memory_stat_or_usage(tmp_path: Path, monkeypatch) -> None:
+    # The probe runs inside every save: unlimited levels (usually every ancestor) cost two small reads.
+    root = _v1(tmp_path / "memory", usage=20 * GiB, stat="total_inactive_file 5\n")
+    mid = _v1(root / "pool", usage=9 * GiB, stat="total_inactive_file 5\n")
+    job = _v1(mid / "job_1", limit=str(4 * GiB), usage=GiB, stat="total_inactive_file 100\n")
+    v2_parent = _cgroup(tmp_path / "v2", max_="max", current=str(5 * GiB), stat="inactive_file 7\n")
+    v2_job = _cgroup(v2_parent / "job", max_=str(2 * GiB), current=str(GiB), stat="inactive_file 0\n")
+    stats: list[Path] = []
+    usages: list[Path] = []
+    real_stat, real_int = sysmem.memory_stat, sysmem.read_int
+    monkeypatch.setattr(sysmem, "memory_stat", lambda d: stats.append(d) or real_stat(d))
+    monkeypatch.setattr(sysmem, "read_int", lambda p: (usages.append(p.parent) if p.name in (
+        "memory.usage_in_bytes", "memory.current") else None) or real_int(p))
+    assert read_cgroup_memory(job) == CgroupMemory(limit_bytes=4 * GiB, current_bytes=GiB, inactive_file_bytes=100)
+    assert stats == [job] and usages == [job]
+    stats.clear()
+    usages.clear()
+    mem = read_cgroup_memory(v2_job)
+    assert mem is not None and (mem.limit_bytes, mem.current_bytes, mem.path) == (2 * GiB, GiB, v2_job)
+    assert stats == [v2_job] and usages == [v2_job]

@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -150,3 +151,15 @@ def test_no_writer_process_under_a_tight_limit(store, caplog):
         assert engine.mode == "thread"
     assert "memory limit (cgroup v1 /x, 1024.0 MiB available, 15% margin): the checkpoint writer runs on a " \
            "thread, not in a second process" in caplog.text
+
+
+def test_the_default_probe_finds_the_cgroup_once(monkeypatch):
+    from hf_dynamic_ckpt.engine import staging
+
+    found: list[int] = []
+    monkeypatch.delenv("HF_DYNAMIC_CKPT_CGROUP_DIR", raising=False)
+    monkeypatch.setattr(staging, "find_memory_cgroup", lambda: found.append(1))  # no cgroup: the machine's memory
+    probe = staging.default_headroom(None)
+    readings = [probe() for _ in range(3)]
+    assert found == [1]  # parsing /proc/self/mountinfo on every save cost ~1 ms of blocking time
+    assert all(h.source == "host" and h.total_bytes == psutil.virtual_memory().total for h in readings)
