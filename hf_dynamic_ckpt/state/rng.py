@@ -50,14 +50,21 @@ def capture_rng_state() -> dict[str, Any]:
     ```
     """
     version, internal, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    # Inside every save's blocking part: the dict form and `tolist()` take ~0.1 ms, the legacy
+    # tuple and a per-element int() ~0.4 ms, for the same values.
+    st = np.random.get_state(legacy=False)
+    if st.get("bit_generator") == "MT19937":
+        kind, keys, pos = "MT19937", st["state"]["key"], st["state"]["pos"]
+        has_gauss, cached_gaussian = st["has_gauss"], st["gauss"]
+    else:  # a replaced global bit generator: the legacy form says what it can
+        kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     cuda = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return {
         "format_version": RNG_FORMAT_VERSION,
         "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
-        "numpy": {"kind": kind, "keys": [int(k) for k in keys], "pos": int(pos),
+        "numpy": {"kind": kind, "keys": np.asarray(keys).tolist(), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
         "torch_cpu": _b64(torch.get_rng_state()),
         "cuda": cuda,
