@@ -20,8 +20,7 @@ The process's cgroup is found from `/proc/self/cgroup` and the mounts in `/proc/
 machine's `MemAvailable` (psutil) applies.
 
 Shared by the save engine's staging decision (`engine/staging.py`) and the training-signal
-`MemoryProbe` (`signals/memory.py`). Every path is injectable, so tests use a fake cgroup
-directory.
+`MemoryProbe` (`signals/memory.py`). Paths are injectable: tests use a fake cgroup directory.
 """
 
 from __future__ import annotations
@@ -84,11 +83,17 @@ class HostMemory:
     available_bytes: int
 
 
+def _read_text(path: Path) -> str:
+    """A small kernel file's text (unbuffered: a third of `Path.read_text`'s cost; probes run inside saves)."""
+    with open(path, "rb", buffering=0) as f:
+        return f.readall().decode()
+
+
 def read_int(path: Path) -> int | None:
     """A non-negative integer file such as `memory.max`; `None` for `max` (no limit), empty or unreadable."""
     try:
-        text = path.read_text().strip()
-    except OSError:
+        text = _read_text(path).strip()
+    except (OSError, UnicodeDecodeError):
         return None
     return int(text) if text.isdigit() else None
 
@@ -103,8 +108,8 @@ def memory_stat(cgroup_dir: Path) -> dict[str, int]:
     """The integer entries of `cgroup_dir/memory.stat` (`{}` when it cannot be read)."""
     out: dict[str, int] = {}
     try:
-        text = (cgroup_dir / "memory.stat").read_text()
-    except OSError as e:
+        text = _read_text(cgroup_dir / "memory.stat")
+    except (OSError, UnicodeDecodeError) as e:
         logger.debug("cannot read %s/memory.stat (%s); counting no page cache", cgroup_dir, e)
         return out
     for line in text.splitlines():
@@ -130,11 +135,8 @@ def cgroup_version(cgroup_dir: Path) -> int | None:
 
 
 def _read_level(cgroup_dir: Path, version: int, *, hierarchical: bool) -> CgroupMemory | None:
-    """Limit, usage and page cache of one level; `None` without a limit or a usage file.
-
-    The limit files are read first: a level without a limit (usually every ancestor) costs
-    no `memory.stat` (which the kernel builds on each read) and no usage read.
-    """
+    """Limit, usage and page cache of one level; `None` without a limit or a usage file. Limits are read
+    first: a level without one (usually every ancestor) costs no `memory.stat` (built per read) or usage read."""
     stat: dict[str, int] = {}
     if version == 2:
         limits = [_limit(cgroup_dir / "memory.max"), _limit(cgroup_dir / "memory.high")]
@@ -160,7 +162,21 @@ def _read_level(cgroup_dir: Path, version: int, *, hierarchical: bool) -> Cgroup
                         path=cgroup_dir)
 
 
-def read_cgroup_memory(cgroup_dir: Path) -> CgroupMemory | None:
+def cgroup_levels(cgroup_dir: Path) -> list[tuple[Path, int]]:
+    """`cgroup_dir` and its ancestors of the same cgroup version, with that version (`[]`: not a cgroup).
+
+    The hierarchy does not change while a process runs: a probe that reads often finds it once and
+    passes it to `read_cgroup_memory` / `read_memory` (limits and usage are read every time)."""
+    version = cgroup_version(cgroup_dir)
+    if version is None:
+        return []
+    levels = [(cgroup_dir, version)]
+    while (parent := levels[-1][0].parent) != levels[-1][0] and cgroup_version(parent) == version:
+        levels.append((parent, version))
+    return levels
+
+
+def read_cgroup_memory(cgroup_dir: Path, levels: list[tuple[Path, int]] | None = None) -> CgroupMemory | None:
     """The binding memory limit of a cgroup (v1 or v2) and its ancestors, with that level's usage.
 
     Walks from `cgroup_dir` up through every parent directory of the same cgroup version and
@@ -171,6 +187,7 @@ def read_cgroup_memory(cgroup_dir: Path) -> CgroupMemory | None:
         cgroup_dir (`Path`): a v2 directory (`memory.max`, `memory.high`, `memory.current`,
             `memory.stat`) or a v1 memory directory (`memory.limit_in_bytes`,
             `memory.memsw.limit_in_bytes`, `memory.usage_in_bytes`, `memory.stat`).
+        levels (`list`, *optional*): `cgroup_levels(cgroup_dir)`, found again when not given.
 
     Returns:
         `CgroupMemory`, or `None` when no level sets a limit or a file is missing.
@@ -181,19 +198,12 @@ def read_cgroup_memory(cgroup_dir: Path) -> CgroupMemory | None:
         >>> mem.working_set_bytes / mem.limit_bytes if mem else None
         ```
     """
-    version = cgroup_version(cgroup_dir)
-    if version is None:
-        return None
     best: CgroupMemory | None = None
-    level = cgroup_dir
-    while True:
+    for level, version in cgroup_levels(cgroup_dir) if levels is None else levels:
         mem = _read_level(level, version, hierarchical=level == cgroup_dir)
         if mem is not None and (best is None or mem.headroom_bytes < best.headroom_bytes):
             best = mem
-        parent = level.parent
-        if parent == level or cgroup_version(parent) != version:
-            return best
-        level = parent
+    return best
 
 
 @dataclass(frozen=True)
@@ -351,16 +361,17 @@ class MemoryReading:
         return self.used_bytes / self.limit_bytes if self.limit_bytes else 0.0
 
 
-def read_memory(cgroup_dir: Path | None) -> MemoryReading | None:
+def read_memory(cgroup_dir: Path | None, levels: list[tuple[Path, int]] | None = None) -> MemoryReading | None:
     """The tighter of the cgroup's headroom (when `cgroup_dir` sets a limit) and the machine's.
 
     Args:
         cgroup_dir (`Path`, *optional*): from `find_memory_cgroup`; `None` reads the machine only.
+        levels (`list`, *optional*): `cgroup_levels(cgroup_dir)`, when the caller keeps it.
 
     Returns:
         `MemoryReading`, or `None` when neither can be read (no cgroup limit and no psutil).
     """
-    cg = read_cgroup_memory(cgroup_dir) if cgroup_dir is not None else None
+    cg = read_cgroup_memory(cgroup_dir, levels) if cgroup_dir is not None else None
     try:
         vm: HostMemory | None = host_memory()
     except ImportError:

@@ -30,6 +30,7 @@ from ..config import EngineMode
 from ..sysmem import (
     CGROUP_MOUNT,
     PROC_SELF_CGROUP,
+    cgroup_levels,
     find_cgroup_dir,
     find_memory_cgroup,
     process_rss_bytes,
@@ -128,9 +129,10 @@ def host_headroom(cgroup_dir: Path | str | None = None) -> Headroom:
     return headroom_of(Path(cgroup_dir) if cgroup_dir is not None else find_memory_cgroup())
 
 
-def headroom_of(directory: Path | None) -> Headroom:
-    """`host_headroom` of a cgroup directory found already (`None`: the machine's memory only)."""
-    reading = read_memory(directory)
+def headroom_of(directory: Path | None, levels: list[tuple[Path, int]] | None = None) -> Headroom:
+    """`host_headroom` of a cgroup directory found already (`None`: the machine's memory only), and
+    of its `sysmem.cgroup_levels` when the caller keeps them."""
+    reading = read_memory(directory, levels)
     current, peak = process_rss_bytes()
     transient = max(0, peak - current) if current else 0
     if reading is None:  # no cgroup limit and no psutil: nothing is known, nothing is held back
@@ -252,4 +254,5 @@ def default_headroom(cgroup_dir: str | os.PathLike[str] | None) -> Callable[[], 
     else the process's own memory cgroup."""
     directory = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
     found = directory if directory is not None else find_memory_cgroup()  # once: ~1 ms, not per save
-    return lambda: headroom_of(found)
+    levels = cgroup_levels(found) if found is not None else None
+    return lambda: headroom_of(found, levels)

@@ -44,6 +44,7 @@ class MemoryProbe:
             self.cgroup_dir = sysmem.find_memory_cgroup()  # limited or not: a limit may be set later
         else:
             self.cgroup_dir = Path(cgroup_dir)
+        self._levels = sysmem.cgroup_levels(self.cgroup_dir) if self.cgroup_dir is not None else None
         self.device = device
         self._nvml_handle: Any = None
         self._nvml_failed = False
@@ -60,7 +61,7 @@ class MemoryProbe:
 
     def host_fraction(self) -> float | None:
         """Host memory in use over its limit: the binding cgroup's working set when limited, else the machine's."""
-        reading = sysmem.read_memory(self.cgroup_dir)
+        reading = sysmem.read_memory(self.cgroup_dir, self._levels)
         return reading.fraction if reading is not None else None
 
     def device_fraction(self) -> float | None:

@@ -163,3 +163,27 @@ def test_the_default_probe_finds_the_cgroup_once(monkeypatch):
     readings = [probe() for _ in range(3)]
     assert found == [1]  # parsing /proc/self/mountinfo on every save cost ~1 ms of blocking time
     assert all(h.source == "host" and h.total_bytes == psutil.virtual_memory().total for h in readings)
+
+
+def test_the_default_probe_walks_the_hierarchy_once_and_reads_limits_every_time(tmp_path, monkeypatch):
+    from hf_dynamic_ckpt import sysmem
+    from hf_dynamic_ckpt.engine import staging
+
+    parent = tmp_path / "cg"
+    job = parent / "job"
+    job.mkdir(parents=True)
+    for d, limit, current in ((parent, "max", 3 << 30), (job, str(1 << 30), 256 << 20)):
+        (d / "memory.max").write_text(f"{limit}\n")
+        (d / "memory.current").write_text(f"{current}\n")
+        (d / "memory.stat").write_text("inactive_file 0\n")
+    monkeypatch.setenv("HF_DYNAMIC_CKPT_CGROUP_DIR", str(job))
+    probe = staging.default_headroom(None)
+    walked: list[Path] = []
+    real = sysmem.cgroup_version
+    monkeypatch.setattr(sysmem, "cgroup_version", lambda d: walked.append(d) or real(d))
+    first = probe()
+    assert first.source == "cgroup" and first.total_bytes == 1 << 30 and first.available_bytes == 768 << 20
+    (job / "memory.max").write_text(f"{512 << 20}\n")  # the limit changed while training: seen at once
+    second = probe()
+    assert second.total_bytes == 512 << 20 and second.available_bytes == 256 << 20
+    assert walked == []  # the levels were found when the probe was made
