@@ -45,6 +45,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.live import state_dict_tensor_bytes
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
+from hf_dynamic_ckpt.state.flat import consolidate, pays
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest
 from hf_dynamic_ckpt.toy import lora, tiny_qwen2
@@ -136,6 +137,16 @@ def _ours(trainer: Any, kind: str, root: Path, repeats: int, threads: int, prepa
     return out
 
 
+def _consolidate(trainer: Any) -> None:
+    """The trainable parameters and AdamW state in one flat buffer per dtype, as the integrations keep them."""
+    model = trainer.model
+    flat = consolidate(model, trainer.optimizer, order=_sources(trainer, "lora" if hasattr(model, "peft_config")
+                                                                else "full").weights().values())
+    assert flat is not None
+    print(f"consolidated {len(flat.params)} parameters and {len(flat.entries)} optimizer tensors "
+          f"into {len(flat.param_buffers) + len(flat.state_buffers)} buffers", flush=True)
+
+
 def _hf(trainer: Any, repeats: int) -> dict[str, float]:
     times, size = [], 0
     run_dir = Path(trainer.args.output_dir)
@@ -217,15 +228,26 @@ def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str,
     print(f"[{kind}] {params / 1e6:.1f}M params ({trainable / 1e6:.2f}M trainable), "
           f"{nbytes / MB:.1f} MB to snapshot", flush=True)
     res: dict[str, Any] = {"kind": kind, "params": params, "trainable": trainable, "bytes": nbytes}
+    flat = args.consolidate == "on" or (args.consolidate == "auto" and pays(trainer.model))
     if not args.only_inflation:
+        if args.consolidate == "both":  # the same state first as it is, then consolidated: a ratio in one run
+            res["ours_plain"] = _ours(trainer, kind, work / f"ours-plain-{kind}", args.repeats,
+                                      args.compression_threads, not args.no_prepare, nbytes)
+            print(f"[{kind}] ours, not consolidated {res['ours_plain']}", flush=True)
+            flat = True
+        if flat:
+            _consolidate(trainer)
         res["ours"] = _ours(trainer, kind, work / f"ours-{kind}", args.repeats, args.compression_threads,
                             not args.no_prepare, nbytes)
+        res["flat"] = flat
         res["memcpy_ms"] = res["ours"]["memcpy_ms"]  # median of one memcpy after each save (same run)
-        print(f"[{kind}] ours {res['ours']}", flush=True)
-        res["hf"] = _hf(trainer, args.hf_repeats)
+        print(f"[{kind}] ours{', consolidated' if flat else ''} {res['ours']}", flush=True)
+        res["hf"] = _hf(trainer, args.hf_repeats)  # of the consolidated model too (shared storages)
         print(f"[{kind}] hf {res['hf']}", flush=True)
         res["dcp"] = _dcp(trainer, work / f"dcp-{kind}", args.repeats)
         print(f"[{kind}] dcp {res['dcp']}", flush=True)
+    elif flat:
+        _consolidate(trainer)
     if not args.skip_inflation:
         for mode in args.modes.split(","):
             res[f"infl_{mode}"] = _inflation(trainer, kind, work / f"infl-{kind}-{mode}", mode, args)
@@ -240,12 +262,14 @@ def _table(results: list[dict[str, Any]]) -> str:
         "(x floor) | HF `_save_checkpoint` ms (ours / HF) | DCP `async_save` ms (ours / DCP) | ours bg write ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
+    rows = [({**r, "ours": r["ours_plain"], "flat": False}) for r in results if "ours_plain" in r]
+    for r in [*rows, *results]:
         o, hf, dcp = r["ours"], r["hf"], r["dcp"]
+        floor = o["memcpy_ms"]
         lines.append(
-            f"| {r['kind']} | {r['bytes'] / MB:.1f} | {r['memcpy_ms']:.1f} | {o['blocking_ms']:.1f} "
-            f"({o['blocking_ms'] / r['memcpy_ms']:.2f}x) | {o['first_ms']:.1f} ({o['first_ms'] / r['memcpy_ms']:.2f}x) | "
-            f"{o['max_ms'] / r['memcpy_ms']:.2f}x | {hf['blocking_ms']:.1f} "
+            f"| {r['kind']}{' (consolidated)' if r.get('flat') else ''} | {r['bytes'] / MB:.1f} | {floor:.1f} | {o['blocking_ms']:.1f} "
+            f"({o['blocking_ms'] / floor:.2f}x) | {o['first_ms']:.1f} ({o['first_ms'] / floor:.2f}x) | "
+            f"{o['max_ms'] / floor:.2f}x | {hf['blocking_ms']:.1f} "
             f"({o['blocking_ms'] / hf['blocking_ms']:.3f}) | {dcp['blocking_ms']:.1f} "
             f"({o['blocking_ms'] / dcp['blocking_ms']:.2f}) | {o['write_ms']:.0f} |"
         )
@@ -286,6 +310,9 @@ def main() -> None:
     p.add_argument("--only-inflation", action="store_true", help="skip the blocking-time comparison")
     p.add_argument("--modes", default="thread,process", help="writer modes for the inflation measurement")
     p.add_argument("--writer-nice", type=int, default=10, help="nice increment of the writer thread/process")
+    p.add_argument("--consolidate", default="auto", choices=["auto", "on", "off", "both"],
+                   help="trainable state in flat buffers (state.flat) before our saves: auto = where the "
+                        "integrations do it by default; both = measure without, then with, in this run")
     p.add_argument("--no-prepare", action="store_true", help="no engine.prepare() before the first save")
     p.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     args = p.parse_args()
