@@ -171,3 +171,28 @@ def test_snapshot_of_a_consolidated_run_is_one_copy_per_scope_with_the_same_cont
     assert [list(e) for e in flat.optimizer["state"].values()] == [list(e) for e in plain.optimizer["state"].values()]
     for scope in ("weights/", "optimizer/"):  # the consolidated run: one copy per scope, no cat
         assert len(plans[scope].spans) == 1 and plans[scope].cats == [] and plans[scope].singles == ([], [])
+
+
+def test_save_pretrained_of_a_consolidated_model_writes_the_same_tensors(tmp_path):
+    # Tensors sharing one storage: safetensors refuses aliases unless the caller de-aliases (PEFT clones,
+    # transformers finds disjoint views): check the real files of both.
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model, opt = _setup()
+    expected = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    assert consolidate(model, opt, order=trainable_state_dict(model).values()) is not None
+    model.save_pretrained(tmp_path / "adapter")
+    written = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert list(written) == list(expected) and all(torch.equal(written[k], v) for k, v in expected.items())
+
+    full = toy.tiny_qwen2(seed=0, vocab_size=16, hidden_size=16, dropout=0.0)
+    full_opt = torch.optim.AdamW(full.parameters(), lr=1e-2)
+    _step(full, full_opt)
+    before = {k: v.clone() for k, v in full.state_dict().items()}
+    flat = consolidate(full, full_opt, order=full.state_dict().values())
+    assert flat is not None and len(flat.params) == len(list(full.parameters()))
+    full.save_pretrained(tmp_path / "full")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").state_dict()
+    assert list(reloaded) == list(before) and all(torch.equal(reloaded[k], v) for k, v in before.items())
