@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import Tier
@@ -183,3 +184,20 @@ def test_a_consolidated_optimizer_state_snapshots_through_spans():
     assert len(snap._plans["optimizer/"].spans) == 1 and snap._plans["optimizer/"].cats == []
     out = tensors_in(state.optimizer, [])
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(out, optimizer_tensors(opt.state_dict())))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sources_tiling_one_span_are_one_device_to_host_copy():
+    from hf_dynamic_ckpt.engine.buffers import CudaCopier, Layout
+    from hf_dynamic_ckpt.engine.plans import Plan
+
+    flat = torch.randn(40, device="cuda")
+    tensors = [flat[0:12].view(3, 4), flat[12:40]]
+    bp = make_blueprint("w/", ("a", "b"), tensors, ["w/a", "w/b"], dedupe=True)
+    plan = Plan(bp, Layout(bp.spec, shared=False, pinned=bp.pinned))
+    assert plan.spans == [] and len(plan.cuda) == 1 and plan.cuda[0][0] is plan.layout.regions[torch.float32]
+    copier = CudaCopier()
+    plan.run(copier)
+    for event in copier.finish():
+        event.synchronize()
+    assert all(torch.equal(out, src.cpu()) for src, out in zip(tensors, plan.outputs()))
