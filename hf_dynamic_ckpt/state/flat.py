@@ -260,18 +260,16 @@ class FlatKeeper:
     def keep(self) -> FlatState | None:
         """Consolidate now unless it is in place already (cheap: pointer checks).
 
-        Waits for the optimizer's state: nothing moves while some trainable parameter has no
-        state yet (before the first optimizer step), so the first move is done once.
+        Waits for the optimizer's state: nothing moves before the first optimizer step, so the
+        first move is done once (a parameter whose state appears later moves the state again).
         """
         if not self.enabled:
             return None
         if self.state is not None and self.state.intact():
             return self.state
         opt = self.optimizer
-        if opt is not None and isinstance(opt, torch.optim.Optimizer):
-            held = {id(p) for group in opt.param_groups for p in group["params"] if p.requires_grad}
-            if sum(1 for p in opt.state if id(p) in held) < len(held):
-                return None  # no optimizer step yet: move once its state exists
+        if opt is not None and isinstance(opt, torch.optim.Optimizer) and not opt.state:
+            return None  # no optimizer step yet: move once its state exists (state made later: moved again then)
         order = list(self.weights().values()) if self.weights is not None else []
         self.state = consolidate(self.model, opt, order=order, previous=self.state)
         self.moves += 1
