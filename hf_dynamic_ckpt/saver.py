@@ -26,6 +26,7 @@ from .policy.decision import Decision, DecisionKind
 from .policy.retention import level_retention_from_config, plan_retention
 from .signals.frame import SignalFrame
 from .state import StateSources
+from .state.flat import FlatKeeper
 from .store.spec import Lineage, SaveRequest
 from .store.store import CheckpointStore
 from .store.types import CheckpointInfo
@@ -117,6 +118,8 @@ class Saver:
         self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
         """The tiers this rank writes (`Checkpointer.attach` sets them: FSDP2 ranks write their shards too)."""
         self._raise_next: SaveError | None = None
+        self.flat: FlatKeeper | None = None
+        """Keeps the trainable state consolidated (`state.flat`); checked before every snapshot (set by the integrations)."""
 
     def request(self, decision: Decision, *, step: int, epoch: float, tiers: frozenset[Tier],
                 frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
@@ -126,6 +129,8 @@ class Saver:
                            debug_info=tuple(debug_info), lineage=lineage)
 
     def _prepare(self, decision: Decision) -> frozenset[Tier]:
+        if self.flat is not None:
+            self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
         if self.before_save is not None:
             self.before_save(decision)
         if self.on_first_save is not None:

@@ -27,6 +27,8 @@ Run:  python scripts/bench_save.py            (~3-4 min on 2 CPU cores)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import os
 import shutil
 import socket
@@ -45,6 +47,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.live import state_dict_tensor_bytes
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
+from hf_dynamic_ckpt.state.flat import consolidate, pays
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest
 from hf_dynamic_ckpt.toy import lora, tiny_qwen2
@@ -106,34 +109,70 @@ def _train_step(trainer: Any, args: argparse.Namespace, seed: int) -> float:
     return time.perf_counter() - start
 
 
-def _ours(trainer: Any, kind: str, root: Path, repeats: int, threads: int, prepare: bool,
-          nbytes: int) -> dict[str, float]:
-    sources = _sources(trainer, kind)
-    out: dict[str, float] = {}
+def _ours(variants: dict[str, StateSources], root: Path, repeats: int, threads: int, prepare: bool,
+          nbytes: int) -> dict[str, dict[str, float]]:
+    """Our saves of each variant's sources, interleaved (variant A, floor, variant B, floor, ...): a
+    loaded machine slows every variant and the floor alike. Medians, and mins (the quiet-machine view)."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
     dst = torch.empty_like(src).fill_(0)  # warm, as reused buffers are
-    with CheckpointStore(root, compression_threads=threads) as store, SaveEngine(store) as engine:
-        if prepare:  # as the orchestrator does right after attach: buffers allocated and touched ahead
-            engine.prepare(sources, wait=True)
-        blocking, writes, floor = [], [], []
-        info = None
+    engines = {}
+    with contextlib.ExitStack() as stack:
+        for name, sources in variants.items():
+            store = stack.enter_context(CheckpointStore(root / name, compression_threads=threads))
+            engine = engines[name] = stack.enter_context(SaveEngine(store))
+            if prepare:  # as the orchestrator does right after attach: buffers allocated and touched ahead
+                engine.prepare(sources, wait=True)
+        runs: dict[str, dict[str, list[float]]] = {n: {"blocking": [], "write": [], "floor": []} for n in variants}
+        infos: dict[str, Any] = {}
         for i in range(repeats + 1):
-            handle = engine.save(sources, SaveRequest(step=i + 1, tiers=ALL_TIERS, reason="bench"))
-            info = handle.wait()
-            blocking.append(handle.blocking_ms)
-            writes.append(handle.write_ms or 0.0)
-            start = time.perf_counter()  # the floor, interleaved: a loaded machine slows both alike
-            dst.copy_(src)
-            floor.append((time.perf_counter() - start) * 1e3)
-        assert info is not None
-        out["memcpy_ms"] = statistics.median(floor)
-        out["first_ms"] = blocking[0]
-        out["blocking_ms"] = statistics.median(blocking[1:])
-        out["max_ms"] = max(blocking)
-        out["write_ms"] = statistics.median(writes[1:])
-        out["disk_bytes"] = _dir_bytes(Path(info.path)) + (_dir_bytes(store.blobs_dir) if store.blobs_dir.exists() else 0)
-        out["buffer_bytes"] = engine.buffer_bytes
+            for name, sources in variants.items():
+                handle = engines[name].save(sources, SaveRequest(step=i + 1, tiers=ALL_TIERS, reason="bench"))
+                infos[name] = handle.wait()
+                runs[name]["blocking"].append(handle.blocking_ms)
+                runs[name]["write"].append(handle.write_ms or 0.0)
+                start = time.perf_counter()  # the floor, interleaved
+                dst.copy_(src)
+                runs[name]["floor"].append((time.perf_counter() - start) * 1e3)
+        out: dict[str, dict[str, float]] = {}
+        for name, r in runs.items():
+            info, store = infos[name], engines[name].store
+            out[name] = {
+                "memcpy_ms": statistics.median(r["floor"]), "memcpy_min_ms": min(r["floor"]),
+                "first_ms": r["blocking"][0], "blocking_ms": statistics.median(r["blocking"][1:]),
+                "min_ms": min(r["blocking"][1:]), "max_ms": max(r["blocking"]),
+                "write_ms": statistics.median(r["write"][1:]),
+                "disk_bytes": _dir_bytes(Path(info.path)) + (_dir_bytes(store.blobs_dir)
+                                                             if store.blobs_dir.exists() else 0),
+                "buffer_bytes": engines[name].buffer_bytes,
+            }
     return out
+
+
+def _twin(trainer: Any, kind: str) -> StateSources:
+    """The same state in separate tensors (a deep copy, its own AdamW), not consolidated."""
+    model = copy.deepcopy(trainer.model)
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    twin = dict(model.named_parameters())
+    opt = type(inner)([{"params": [twin[names[id(p)]] for p in g["params"]]} for g in inner.param_groups])
+    opt.load_state_dict(inner.state_dict())
+    if kind == "lora":
+        from peft import get_peft_model_state_dict
+
+        build = lambda: get_peft_model_state_dict(model)  # noqa: E731
+    else:
+        build = model.state_dict
+    return StateSources(weights=CachedWeights(model, build), optimizer=opt, scheduler=trainer.lr_scheduler)
+
+
+def _consolidate(trainer: Any) -> None:
+    """The trainable parameters and AdamW state in one flat buffer per dtype, as the integrations keep them."""
+    model = trainer.model
+    flat = consolidate(model, trainer.optimizer, order=_sources(trainer, "lora" if hasattr(model, "peft_config")
+                                                                else "full").weights().values())
+    assert flat is not None
+    print(f"consolidated {len(flat.params)} parameters and {len(flat.entries)} optimizer tensors "
+          f"into {len(flat.param_buffers) + len(flat.state_buffers)} buffers", flush=True)
 
 
 def _hf(trainer: Any, repeats: int) -> dict[str, float]:
@@ -217,15 +256,30 @@ def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str,
     print(f"[{kind}] {params / 1e6:.1f}M params ({trainable / 1e6:.2f}M trainable), "
           f"{nbytes / MB:.1f} MB to snapshot", flush=True)
     res: dict[str, Any] = {"kind": kind, "params": params, "trainable": trainable, "bytes": nbytes}
+    flat = args.consolidate == "on" or (args.consolidate == "auto" and pays(trainer.model))
     if not args.only_inflation:
-        res["ours"] = _ours(trainer, kind, work / f"ours-{kind}", args.repeats, args.compression_threads,
-                            not args.no_prepare, nbytes)
+        variants = {}
+        if args.consolidate == "both":  # the same state twice, as it is and consolidated, saves interleaved
+            variants["plain"] = _twin(trainer, kind)
+            flat = True
+        if flat:
+            _consolidate(trainer)
+        variants["ours"] = _sources(trainer, kind)
+        got = _ours(variants, work / f"ours-{kind}", args.repeats, args.compression_threads, not args.no_prepare,
+                    nbytes)
+        res["ours"] = got["ours"]
+        if "plain" in got:
+            res["ours_plain"] = got["plain"]
+            print(f"[{kind}] ours, not consolidated {res['ours_plain']}", flush=True)
+        res["flat"] = flat
         res["memcpy_ms"] = res["ours"]["memcpy_ms"]  # median of one memcpy after each save (same run)
-        print(f"[{kind}] ours {res['ours']}", flush=True)
-        res["hf"] = _hf(trainer, args.hf_repeats)
+        print(f"[{kind}] ours{', consolidated' if flat else ''} {res['ours']}", flush=True)
+        res["hf"] = _hf(trainer, args.hf_repeats)  # of the consolidated model too (shared storages)
         print(f"[{kind}] hf {res['hf']}", flush=True)
         res["dcp"] = _dcp(trainer, work / f"dcp-{kind}", args.repeats)
         print(f"[{kind}] dcp {res['dcp']}", flush=True)
+    elif flat:
+        _consolidate(trainer)
     if not args.skip_inflation:
         for mode in args.modes.split(","):
             res[f"infl_{mode}"] = _inflation(trainer, kind, work / f"infl-{kind}-{mode}", mode, args)
@@ -237,15 +291,19 @@ def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str,
 def _table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| variant | snapshot MB | memcpy floor ms | ours ms (x floor) | ours first save ms (x floor) | ours worst save "
-        "(x floor) | HF `_save_checkpoint` ms (ours / HF) | DCP `async_save` ms (ours / DCP) | ours bg write ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(x floor) | min save / min floor ms (x) | HF `_save_checkpoint` ms (ours / HF) | DCP `async_save` ms "
+        "(ours / DCP) | ours bg write ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results:
+    rows = [({**r, "ours": r["ours_plain"], "flat": False}) for r in results if "ours_plain" in r]
+    for r in [*rows, *results]:
         o, hf, dcp = r["ours"], r["hf"], r["dcp"]
+        floor = o["memcpy_ms"]
         lines.append(
-            f"| {r['kind']} | {r['bytes'] / MB:.1f} | {r['memcpy_ms']:.1f} | {o['blocking_ms']:.1f} "
-            f"({o['blocking_ms'] / r['memcpy_ms']:.2f}x) | {o['first_ms']:.1f} ({o['first_ms'] / r['memcpy_ms']:.2f}x) | "
-            f"{o['max_ms'] / r['memcpy_ms']:.2f}x | {hf['blocking_ms']:.1f} "
+            f"| {r['kind']}{' (consolidated)' if r.get('flat') else ''} | {r['bytes'] / MB:.1f} | {floor:.1f} | {o['blocking_ms']:.1f} "
+            f"({o['blocking_ms'] / floor:.2f}x) | {o['first_ms']:.1f} ({o['first_ms'] / floor:.2f}x) | "
+            f"{o['max_ms'] / floor:.2f}x | {o['min_ms']:.1f} / {o['memcpy_min_ms']:.1f} "
+            f"({o['min_ms'] / o['memcpy_min_ms']:.2f}x) | {hf['blocking_ms']:.1f} "
             f"({o['blocking_ms'] / hf['blocking_ms']:.3f}) | {dcp['blocking_ms']:.1f} "
             f"({o['blocking_ms'] / dcp['blocking_ms']:.2f}) | {o['write_ms']:.0f} |"
         )
@@ -286,6 +344,9 @@ def main() -> None:
     p.add_argument("--only-inflation", action="store_true", help="skip the blocking-time comparison")
     p.add_argument("--modes", default="thread,process", help="writer modes for the inflation measurement")
     p.add_argument("--writer-nice", type=int, default=10, help="nice increment of the writer thread/process")
+    p.add_argument("--consolidate", default="auto", choices=["auto", "on", "off", "both"],
+                   help="trainable state in flat buffers (state.flat) before our saves: auto = where the "
+                        "integrations do it by default; both = measure without, then with, in this run")
     p.add_argument("--no-prepare", action="store_true", help="no engine.prepare() before the first save")
     p.add_argument("--quick", action="store_true", help="small model, for a smoke run")
     args = p.parse_args()

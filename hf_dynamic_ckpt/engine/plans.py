@@ -7,7 +7,9 @@ several times the copy itself for a LoRA adapter of hundreds of small tensors. A
 a `Plan` binds it to the scope's `Layout` of flat per-dtype regions, so a later save with
 the same tensors only checks them (`Blueprint.matches`: the same tensor objects at the same
 memory with the same shapes, compared list against list in C, ~0.1 us per tensor) and copies
-each dtype group with one `torch.cat(flat sources, out=region)`.
+each dtype group with one `torch.cat(flat sources, out=region)`; or, when the group's
+sources are consecutive views that exactly tile a span of one storage (a consolidated model,
+`state.flat`, or any flat parameter buffer), with one copy of that span (`tiled_span`).
 
 Per-tensor Python work is what a LoRA snapshot pays beyond the copy, so the per-save walks
 here avoid Python loops where the state has the usual shape (`optimizer_tensors`,
@@ -116,12 +118,42 @@ def make_blueprint(scope: str, names: tuple[str, ...] | None, tensors: Sequence[
                      flats=[None if t.is_cuda or not t.is_contiguous() else t.view(-1) for t in unique])
 
 
+def tiled_span(sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view covering `sources` when they are consecutive views that exactly tile a span of one storage.
+
+    Every source must be contiguous, of one dtype and device, and start where the previous
+    one ends (in order, no gap, no overlap); empty sources are passed over. The layout of a
+    scope packs its views of one dtype the same way (`buffers.Layout`: tight, in spec order),
+    so copying the span into the dtype's region is the same bytes as copying each source
+    into its view.
+
+    Returns:
+        `torch.Tensor | None`: a 1-d view of the span (keeping its storage alive), or `None`.
+    """
+    live = [t for t in sources if t.numel() > 0]
+    if not live:
+        return None
+    first = live[0]
+    storage = first.untyped_storage()
+    base, dtype, device = storage.data_ptr(), first.dtype, first.device
+    offset = start = first.storage_offset()
+    for t in live:
+        if (t.dtype != dtype or t.device != device or not t.is_contiguous() or t.storage_offset() != offset
+                or t.untyped_storage().data_ptr() != base):
+            return None
+        offset += t.numel()
+    span = torch.empty(0, dtype=dtype, device=device).set_(storage, start, (offset - start,), (1,))
+    return span
+
+
 class Plan:
     """A blueprint bound to its layout: the copies one snapshot of the scope issues.
 
-    Host sources of one dtype that are all contiguous are copied with one `torch.cat` into
-    the dtype's region; other host sources with one batched `torch._foreach_copy_`; CUDA
-    sources through the `CudaCopier` (asynchronous, into page-locked buffers).
+    Sources of one dtype that tile a span of one storage (`tiled_span`) are copied with one
+    `region.copy_(span)` (host) or one `CudaCopier.add` (CUDA); other host sources of one
+    dtype that are all contiguous with one `torch.cat` into the dtype's region; the rest
+    with one batched `torch._foreach_copy_`; CUDA sources through the `CudaCopier`
+    (asynchronous, into page-locked buffers).
     """
 
     def __init__(self, blueprint: Blueprint, layout: Layout) -> None:
@@ -129,6 +161,8 @@ class Plan:
         self.layout = layout
         self.views = [layout.views[name] for name, _, _ in blueprint.spec]
         self._outputs = [self.views[j] for j in blueprint.index]
+        self.spans: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(region, span): host dtype groups copied with one `copy_` (`tiled_span`)."""
         self.cats: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self.singles: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -136,9 +170,14 @@ class Plan:
         for j, (_, _, dtype) in enumerate(blueprint.spec):
             groups.setdefault(dtype, []).append(j)
         for dtype, members in groups.items():
+            region = layout.regions[dtype]
+            span = tiled_span([blueprint.unique[j] for j in members])
+            if span is not None and span.numel() == region.numel():
+                (self.cuda if span.is_cuda else self.spans).append((region, span))
+                continue
             flats = [blueprint.flats[j] for j in members]
             if all(f is not None for f in flats):
-                self.cats.append((layout.regions[dtype], flats))  # type: ignore[arg-type]
+                self.cats.append((region, flats))  # type: ignore[arg-type]
                 continue
             for j in members:
                 s = blueprint.unique[j]
@@ -154,6 +193,8 @@ class Plan:
 
     def run(self, cuda: CudaCopier | None) -> None:
         """Issue this scope's copies (CUDA ones are only queued on `cuda`)."""
+        for region, span in self.spans:
+            region.copy_(span)
         for region, flats in self.cats:
             torch.cat(flats, out=region)
         if self.singles[0]:

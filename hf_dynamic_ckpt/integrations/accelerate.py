@@ -29,6 +29,7 @@ from ..checkpointer import SaveEvent
 from ..config import SmartCkptConfig
 from ..errors import ConfigError
 from ..policy.decision import Decision
+from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
 from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, _attach, _make_core, _store_root
@@ -56,6 +57,9 @@ class SmartCheckpointer:
             iterate `ckpt.loader` (one epoch per `iter()`) for an exact data position.
         config (`SmartCkptConfig`, *optional*): defaults to `SmartCkptConfig()`.
         output_dir (`str`, *optional*): store at `<output_dir>/smart_ckpt` when `config.root` is unset.
+        consolidate (`bool`, *optional*): keep the trainable parameters and their optimizer state
+            in one flat buffer per device and dtype, so a snapshot is one copy (`state.flat`);
+            `None` (default): only for many small trainable tensors (LoRA), `True` / `False`: always / never.
 
     Example:
         ```python
@@ -87,6 +91,7 @@ class SmartCheckpointer:
         *,
         config: SmartCkptConfig | None = None,
         output_dir: str | os.PathLike[str] | None = None,
+        consolidate: bool | None = None,
     ) -> None:
         check_accelerator(accelerator)  # DeepSpeed / FSDP1: refused before anything is opened
         self.accelerator = accelerator
@@ -101,6 +106,7 @@ class SmartCheckpointer:
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
         self.core = _make_core(self.config, accelerator, _store_root(self.config, accelerator, output_dir))
         _attach(self.core, self.state, boundary=True, clip_owner=accelerator)
+        self.flat = self.core.saver.flat = FlatKeeper(model, optimizer, weights=self.state.weights, enabled=consolidate)
         self.hooks = SmartStateHooks(accelerator, checkpointer=self.core, state=self.state)
         self.hooks.register()
         self.last_decision: Decision | None = None
@@ -170,6 +176,7 @@ class SmartCheckpointer:
             return None
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
+        self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then pointer checks
         decision = self.core.step_end(self.step, self.state.epoch(boundary=True), lr=self._lr)
         self.last_decision = decision
         return decision

@@ -40,7 +40,8 @@ from ..constants import KEY_TRAINER_STATE
 from ..errors import ConfigError
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
-from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys
+from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, trainable_state_dict
+from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator, check_training_args
 from ..store.types import LoadedCheckpoint
 from ._trainer_folder import materialise_trainer_folder, remove_resume_folders
@@ -60,6 +61,10 @@ class SmartCkptCallback(TrainerCallback):
         trainer (`transformers.Trainer`, *optional*): the trainer, for the pre-clip gradient
             norm, the AMP scaler and the flos. Found automatically when the callback is passed to
             `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it.
+        consolidate (`bool`, *optional*): keep the trainable parameters and their optimizer
+            state in one flat buffer per device and dtype, so a snapshot is one copy
+            (`hf_dynamic_ckpt.state.flat`). `None` (default): only for many small trainable
+            tensors (>= 32, <= 4 MiB on average: LoRA and other adapters); `True` / `False`: always / never.
 
     Example:
         ```python
@@ -69,8 +74,11 @@ class SmartCkptCallback(TrainerCallback):
         ```
     """
 
-    def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None) -> None:
+    def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None,
+                 consolidate: bool | None = None) -> None:
         self.config = config or SmartCkptConfig()
+        self.consolidate = consolidate
+        self.flat: FlatKeeper | None = None
         self.checkpointer: Checkpointer | None = None
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
@@ -117,6 +125,8 @@ class SmartCkptCallback(TrainerCallback):
                   clip_owner=accelerator, before_save=self._before_save,
                   model_info=describe_model(model, tokenizer=getattr(self.trainer, "processing_class", None)))
         ck.hold_saves = True
+        self.flat = ck.saver.flat = FlatKeeper(model, optimizer, weights=lambda: trainable_state_dict(model),
+                                               enabled=self.consolidate)
         loaded = self._pending
         if retry:
             # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
@@ -153,6 +163,8 @@ class SmartCkptCallback(TrainerCallback):
         ck = self.checkpointer
         if ck is None:
             return
+        if self.flat is not None:
+            self.flat.keep()  # after the optimizer step, before a snapshot: moves once, then pointer checks
         ck.step_end(state.global_step, state.epoch or 0.0, lr=self._lr)
         if ck.preempted:
             control.should_training_stop = True

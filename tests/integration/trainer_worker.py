@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--slow_ms", type=float, default=300.0)
     p.add_argument("--kill_after_save", type=int, default=None,
                    help="SIGKILL rank KILL_RANK right after the save of this step was handed to the writer")
+    p.add_argument("--consolidate", default=None, choices=["on", "off"],
+                   help="SmartCkptCallback(consolidate=...): trainable state in flat buffers (default: auto)")
     args = p.parse_args()
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -141,7 +143,7 @@ def main() -> None:
         config = SmartCkptConfig(base_interval=args.base_interval)
     else:
         config = SmartCkptConfig(base_interval=args.base_interval, stability_window=8, overhead_budget=1.0)
-    cb = SmartCkptCallback(config)
+    cb = SmartCkptCallback(config, consolidate=None if args.consolidate is None else args.consolidate == "on")
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
@@ -169,7 +171,17 @@ def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed:
     path = os.path.join(args.out, f"{args.tag}-rank{rank}.json")
     with open(path, "w") as f:
         json.dump({"losses": losses, "resumed_from": resumed, "events": events, "killed": killed, **(after or {}),
-                   "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else []}, f)
+                   "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else [],
+                   "flat": _flat_layout(cb)}, f)
+
+
+def _flat_layout(cb) -> dict | None:  # type: ignore[no-untyped-def]
+    """Whether the trainable state is consolidated now (and how often it was moved)."""
+    keeper = cb.flat
+    if keeper is None or keeper.state is None:
+        return None
+    return {"moves": keeper.moves, "intact": keeper.state.intact(), "params": len(keeper.state.params),
+            "state_tensors": len(keeper.state.entries)}
 
 
 if __name__ == "__main__":

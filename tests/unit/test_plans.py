@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import Tier
@@ -93,3 +94,110 @@ def test_plain_and_general_weight_paths_snapshot_the_same_bytes():
     model(torch.randn(2, 4)).sum().backward()
     opt.step()  # the live state moves on; the snapshots keep the values they had
     assert all(torch.equal(shots["plain"][1].weights[k], v) for k, v in expected.items())
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten ops a plan issues."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _plan_of(tensors, names=None):
+    from hf_dynamic_ckpt.engine.buffers import Layout
+    from hf_dynamic_ckpt.engine.plans import Plan
+
+    names = names or tuple(f"t{i}" for i in range(len(tensors)))
+    bp = make_blueprint("w/", names, tensors, [f"w/{n}" for n in names], dedupe=True)
+    return Plan(bp, Layout(bp.spec, shared=False, pinned=False))
+
+
+def _run(plan):
+    with _Ops() as rec:
+        plan.run(None)
+    return [op for op in rec.ops if op in ("copy_", "cat", "_foreach_copy_")]
+
+
+def test_sources_tiling_one_storage_are_copied_with_one_copy():
+    flat = torch.randn(40)
+    bf = torch.randn(6).to(torch.bfloat16)
+    # In walk order: consecutive views (an empty one among them), two dtypes, one span each.
+    tensors = [flat[0:12].view(3, 4), flat[12:12], flat[12:20], flat[20:40].view(4, 5), bf[0:2], bf[2:6].view(2, 2)]
+    plan = _plan_of(tensors)
+    assert len(plan.spans) == 2 and plan.cats == [] and plan.singles == ([], [])
+    assert _run(plan) == ["copy_", "copy_"]  # not a cat of 6 sources
+    for src, out in zip(tensors, plan.outputs()):
+        assert out.shape == src.shape and torch.equal(out, src)
+        assert out.numel() == 0 or out.data_ptr() != src.data_ptr()
+    flat.add_(1.0)  # the next save copies the new values through the same span
+    plan.run(None)
+    assert all(torch.equal(out, src) for src, out in zip(tensors, plan.outputs()))
+
+
+def test_sources_that_do_not_tile_one_span_are_concatenated():
+    flat, other = torch.randn(20), torch.randn(8)
+    cases = {
+        "gap": [flat[0:4], flat[5:9]],
+        "out of order": [flat[4:8], flat[0:4]],
+        "overlap": [flat[0:4], flat[2:6]],
+        "two storages": [flat[0:4], other[0:4]],
+        "strided": [flat[0:8:2], flat[8:12]],
+    }
+    for what, tensors in cases.items():
+        plan = _plan_of(tensors)
+        assert plan.spans == [], what
+        plan.run(None)
+        assert all(torch.equal(out, src) for src, out in zip(tensors, plan.outputs())), what
+    # Tied weights (the same view twice) tile the span with one buffer for both.
+    tied = [flat[0:4], flat[4:10], flat[0:4]]
+    plan = _plan_of(tied)
+    assert len(plan.spans) == 1 and _run(plan) == ["copy_"]
+    assert plan.outputs()[0] is plan.outputs()[2] and torch.equal(plan.outputs()[1], flat[4:10])
+    # A span that is only part of the group (one more dtype member elsewhere) is not a span copy.
+    plan = _plan_of([flat[0:4], flat[4:8], other[0:2]])
+    assert plan.spans == [] and _run(plan) == ["cat"]
+
+
+def test_a_consolidated_optimizer_state_snapshots_through_spans():
+    model, opt = _adamw()
+    params = list(model.parameters())
+    # Lay the AdamW state out in one buffer per dtype, in state_dict walk order (what state.flat does).
+    sd = opt.state_dict()
+    walk = optimizer_tensors(sd)
+    buf = torch.empty(sum(t.numel() for t in walk))
+    offset = 0
+    for p in params:
+        for key, value in opt.state[p].items():
+            view = buf[offset:offset + value.numel()].view(value.shape)
+            view.copy_(value)
+            opt.state[p][key] = view
+            offset += value.numel()
+    snap = Snapshotter()
+    sources = StateSources(optimizer=opt)
+    live = snap.collect(sources, step=1, epoch=0.0, tiers={Tier.OPTIMIZER})
+    state = snap.take(live).state
+    assert len(snap._plans["optimizer/"].spans) == 1 and snap._plans["optimizer/"].cats == []
+    out = tensors_in(state.optimizer, [])
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(out, optimizer_tensors(opt.state_dict())))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sources_tiling_one_span_are_one_device_to_host_copy():
+    from hf_dynamic_ckpt.engine.buffers import CudaCopier, Layout
+    from hf_dynamic_ckpt.engine.plans import Plan
+
+    flat = torch.randn(40, device="cuda")
+    tensors = [flat[0:12].view(3, 4), flat[12:40]]
+    bp = make_blueprint("w/", ("a", "b"), tensors, ["w/a", "w/b"], dedupe=True)
+    plan = Plan(bp, Layout(bp.spec, shared=False, pinned=bp.pinned))
+    assert plan.spans == [] and len(plan.cuda) == 1 and plan.cuda[0][0] is plan.layout.regions[torch.float32]
+    copier = CudaCopier()
+    plan.run(copier)
+    for event in copier.finish():
+        event.synchronize()
+    assert all(torch.equal(out, src.cpu()) for src, out in zip(tensors, plan.outputs()))
