@@ -37,7 +37,15 @@ from .parallel import ordered_map as _ordered_map
 from .parallel import resolve_threads
 from .spec import Codec
 from .statetree import flatten_state, unflatten_state
-from .tensorpack_codec import BufferPool, compression_params, decode_parts, decode_whole, encode_parts, encode_whole, part_bounds
+from .tensorpack_codec import (
+    BufferPool,
+    compression_params,
+    decode_parts,
+    decode_whole,
+    encode_parts,
+    encode_whole,
+    part_bounds,
+)
 from .tensorpack_format import (
     ALIGN,
     CONTAINER_VERSION,

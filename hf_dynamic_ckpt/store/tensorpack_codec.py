@@ -17,6 +17,7 @@ raw (a memcpy to read). Level 1 uses a smaller match finder (`compression_params
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -25,7 +26,17 @@ import xxhash
 
 from ..errors import CorruptCheckpointError
 from .checksum import read_exact
-from .tensorpack_format import DTYPES, PART, PART_COUNT, PART_RAW, PART_ZSTD, Run, parse_parts, pieces, step_of
+from .tensorpack_format import (
+    DTYPES,
+    PART,
+    PART_COUNT,
+    PART_RAW,
+    PART_ZSTD,
+    Run,
+    parse_parts,
+    pieces,
+    step_of,
+)
 
 PART_BYTES = 1 << 20
 """Largest part written: the unit of the raw-or-zstd choice (a dense and a zero region of one plane differ)."""
@@ -98,7 +109,7 @@ def encode_parts(cctx: Any, data: np.ndarray, bounds: list[int]) -> tuple[list[A
         `tuple`: (chunks to write in order: bytes or views of `data`, stored length, xxh3_64).
     """
     table, chunks = [PART_COUNT.pack(len(bounds) - 1)], []
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in itertools.pairwise(bounds):
         part = data[lo:hi]
         stored: Any = part
         if _worth_compressing(cctx, part):

@@ -429,7 +429,6 @@ def test_grouping_runs_in_chunks_read_back_by_the_header_value(tmp_path: Path, m
     monkeypatch.setattr(tp, "GROUP_CHUNK_ELEMS", 7)
     write_tensor_file({"r": raw}, tmp_path / "r.zst", level=1)
     _, [frame] = _parts(tmp_path / "r.zst")
-    import zstandard
 
     payload = _frame_raw_v3(frame)
     raw_bytes = np.arange(36, dtype=np.uint8)
