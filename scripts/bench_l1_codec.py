@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_dynamic_ckpt.store import tensorpack
+from hf_dynamic_ckpt.store import tensorpack_codec
 from hf_dynamic_ckpt.store.checksum import fsync_file
 from hf_dynamic_ckpt.store.tensorpack import flatten_state, read_tensor_file, write_tensor_file
 
@@ -110,7 +110,7 @@ def main() -> None:
         def write(path: Path) -> object:
             if not finder:
                 return write_tensor_file(tensors, path, level=level, threads=threads)
-            with mock.patch.object(tensorpack, "compression_params", _default_match_finder):
+            with mock.patch.object(tensorpack_codec, "compression_params", _default_match_finder):
                 return write_tensor_file(tensors, path, level=level, threads=threads)
         return write
 

@@ -31,21 +31,13 @@ import xxhash
 
 from ..constants import Tier
 from ..errors import ConfigError, CorruptCheckpointError, SaveError
+from . import tensorpack_codec as tpc
 from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
 from .fs import create, open_read
 from .parallel import ordered_map as _ordered_map
 from .parallel import resolve_threads
 from .spec import Codec
 from .statetree import flatten_state, unflatten_state
-from .tensorpack_codec import (
-    BufferPool,
-    compression_params,
-    decode_parts,
-    decode_whole,
-    encode_parts,
-    encode_whole,
-    part_bounds,
-)
 from .tensorpack_format import (
     ALIGN,
     CONTAINER_VERSION,
@@ -124,7 +116,7 @@ def _frame_pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int) -> 
 
 
 def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np.ndarray], gce: int,
-                 pool: BufferPool) -> tuple[np.ndarray, np.ndarray | None]:
+                 pool: tpc.BufferPool) -> tuple[np.ndarray, np.ndarray | None]:
     """A frame's raw bytes: a view when it is one ungrouped run, else a pooled buffer (returned second)."""
     if _single(frame, entries):
         i, lo, hi = frame[0]
@@ -212,8 +204,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         if codec == Codec.ZSTD:
             import zstandard
 
-            local, pool = threading.local(), BufferPool()
-            params = compression_params(level) if container_version == 3 else None
+            local, pool = threading.local(), tpc.BufferPool()
+            params = tpc.compression_params(level) if container_version == 3 else None
 
             def compress(frame: list[Run]) -> tuple[list[Any], int, int, np.ndarray | None]:
                 cctx = getattr(local, "cctx", None)
@@ -223,10 +215,10 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
                         else zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True))
                 data, scratch = _frame_input(frame, entries, datas, gce, pool)
                 if params is None:
-                    whole = encode_whole(cctx, data)
+                    whole = tpc.encode_whole(cctx, data)
                     pool.give(scratch)  # one zstd frame: nothing refers to the buffer any more
                     return (*whole, None)
-                return (*encode_parts(cctx, data, part_bounds(frame, entries, gce)), scratch)
+                return (*tpc.encode_parts(cctx, data, tpc.part_bounds(frame, entries, gce)), scratch)
 
             plan = list(frames(entries, gce, frame_bytes))
             for chunks, length, digest, scratch in _ordered_map(compress, plan, workers if len(plan) > 1 else 0):
@@ -314,7 +306,7 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
     dests = [_bytes_of(t) for t in out]
     local = threading.local()
 
-    decode = decode_parts if header["version"] == 3 else decode_whole
+    decode = tpc.decode_parts if header["version"] == 3 else tpc.decode_whole
 
     def check_and_decode(item: tuple[int, list[Run]]) -> None:
         k, frame = item
