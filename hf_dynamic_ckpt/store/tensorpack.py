@@ -11,8 +11,8 @@ parts stored raw or zstd-compressed, whichever the part's sampled ratio favours
 release the GIL), decoded straight into the output tensors (via one scratch buffer per
 thread when a frame must be un-grouped or holds several tensors). Codec `Codec.NONE`: raw bytes at 64-byte-aligned
 offsets, returned as views of a private memory map after every frame's xxh3 is checked.
-Any truncation or flipped byte raises `CorruptCheckpointError`; a file of another
-container version raises `FormatVersionError`.
+Any truncation or flipped byte raises `CorruptCheckpointError`; a file of a container
+version other than 2 or 3 raises `FormatVersionError`.
 """
 
 from __future__ import annotations
@@ -272,8 +272,8 @@ def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
 def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]:
     """Reads a container written by `write_tensor_file`, verifying it completely.
 
-    zstd frames are checked (xxh3 of the stored frame, zstd content size and checksum) and
-    decompressed in parallel straight into the returned tensors' memory; an uncompressed
+    Frames are checked (xxh3 of the stored frame; version 3: its part table; zstd content
+    size and checksum) and decoded in parallel straight into the returned tensors' memory; an uncompressed
     container is memory-mapped (private copy-on-write pages: in-place updates never reach
     the file) after every frame's xxh3 is checked. The header is validated against the
     file's size before anything is allocated (`tensorpack_format.read_header`).
@@ -287,7 +287,7 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
         `dict[str, torch.Tensor]`: the tensors, in the order they were written.
 
     Raises:
-        `FormatVersionError`: the file has another container version (older or newer).
+        `FormatVersionError`: the file's container version is neither 2 nor 3 (older or newer).
         `CorruptCheckpointError`: missing, truncated, altered, or trailing data; raised
         before any tensor is returned.
     """

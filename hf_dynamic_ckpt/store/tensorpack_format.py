@@ -215,7 +215,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, list[tuple[int, int, i
         `tuple`: (header, payload offset, frames as `(file offset, length, xxh3_64)`).
 
     Raises:
-        `FormatVersionError`: the header's container version is not this library's.
+        `FormatVersionError`: the header's container version is not one this library reads (2, 3).
         `CorruptCheckpointError`: anything else that does not add up.
     """
     path = Path(path)
