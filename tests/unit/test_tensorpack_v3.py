@@ -252,6 +252,29 @@ def test_v2_file_written_by_the_previous_code_path_reads_back(tmp_path: Path) ->
     _assert_same(read_tensor_file(path), tensors)
 
 
+def test_every_flipped_byte_and_truncation_of_a_v2_file_is_an_error(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tp, "FRAME_BYTES", 100)
+    g = torch.Generator().manual_seed(6)
+    tensors = {"a": torch.randn(40, generator=g), "ids": torch.arange(10), "h": torch.randn(16, generator=g).half()}
+    path = tmp_path / "v2.bin"
+    write_tensor_file(tensors, path, threads=1, container_version=2)
+    assert read_header(path)[0]["version"] == 2 and len(_frames(path)) > 1
+    good = path.read_bytes()
+    for i in range(len(good)):
+        bad = bytearray(good)
+        bad[i] ^= 0x04
+        path.write_bytes(bad)
+        with pytest.raises(CorruptCheckpointError):
+            read_tensor_file(path, threads=2)
+    for n in range(len(good)):
+        path.write_bytes(good[:n])
+        with pytest.raises(CorruptCheckpointError):
+            read_tensor_file(path)
+    path.write_bytes(good)
+    _assert_same(read_tensor_file(path), tensors)
+
+
 def test_v2_fixture_made_by_code_reads_back(tmp_path: Path) -> None:
     """A tiny version-2 file built from the v2 layout itself (not by the writer)."""
     a = torch.arange(12, dtype=torch.float32) / 7
