@@ -334,3 +334,20 @@ def test_store_load_of_l1_is_bit_exact_for_v3_and_for_a_store_written_as_v2(
         for name, t in st.items():
             assert got["state"][k][name].dtype == t.dtype and _bytes(got["state"][k][name]) == _bytes(t), (k, name)
     np.testing.assert_equal(json.loads(json.dumps(want["param_groups"])), json.loads(json.dumps(got["param_groups"])))
+
+
+@pytest.mark.parametrize("block", [5, 1 << 15])
+def test_blocked_grouping_gives_the_documented_planes(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_dynamic_ckpt.store.tensorpack_format as fmt
+
+    monkeypatch.setattr(fmt, "GROUP_BLOCK", block)
+    rng = np.random.default_rng(0)
+    for itemsize in (2, 4, 8):
+        for n in (1, 4, 5, 6, 23, (1 << 15) + 3):
+            raw = rng.integers(0, 256, size=n * itemsize, dtype=np.uint8)
+            rows = raw.reshape(n, itemsize)
+            want = np.concatenate([rows[:, -1], rows[:, -2], rows[:, :-2].reshape(-1)]).tobytes()
+            assert _group(raw, itemsize).tobytes() == want, (itemsize, n)
+            back = np.empty_like(raw)
+            tp._ungroup_into(_group(raw, itemsize), back, itemsize)
+            assert back.tobytes() == raw.tobytes()
