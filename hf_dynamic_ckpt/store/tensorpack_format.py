@@ -133,13 +133,16 @@ def _group(raw: np.ndarray, itemsize: int) -> np.ndarray:
 
 
 def _ungroup_into(grouped: np.ndarray, out: np.ndarray, itemsize: int) -> None:
-    n = out.size // itemsize
-    out[itemsize - 1 :: itemsize] = grouped[:n]
-    out[itemsize - 2 :: itemsize] = grouped[n : 2 * n]
-    if itemsize == 4:
-        out.view(np.uint16)[0::2] = grouped[2 * n :].view(np.uint16)
-    elif itemsize > 2:
-        out.reshape(n, itemsize)[:, : itemsize - 2] = grouped[2 * n :].reshape(n, itemsize - 2)
+    n, rest = out.size // itemsize, itemsize - 2
+    for lo in range(0, n, GROUP_BLOCK):  # cache-sized blocks, as `_group_into`
+        hi = min(lo + GROUP_BLOCK, n)
+        block = out[lo * itemsize : hi * itemsize]
+        block[itemsize - 1 :: itemsize] = grouped[lo:hi]
+        block[itemsize - 2 :: itemsize] = grouped[n + lo : n + hi]
+        if itemsize == 4:
+            block.view(np.uint16)[0::2] = grouped[2 * n + 2 * lo : 2 * n + 2 * hi].view(np.uint16)
+        elif rest:
+            block.reshape(hi - lo, itemsize)[:, :rest] = grouped[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)
 
 
 def step_of(entry: dict[str, Any], group_chunk_elems: int) -> int:
