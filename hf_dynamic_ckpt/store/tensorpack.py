@@ -9,8 +9,9 @@ Codec `Codec.ZSTD` (default): independent frames of byte-grouped pieces, each a 
 parts stored raw or zstd-compressed, whichever the part's sampled ratio favours
 (`tensorpack_codec`), encoded and decoded in parallel threads (zstandard, xxhash and numpy
 release the GIL), decoded straight into the output tensors (via one scratch buffer per
-thread when a frame must be un-grouped or holds several tensors). Codec `Codec.NONE`: raw bytes at 64-byte-aligned
-offsets, returned as views of a private memory map after every frame's xxh3 is checked.
+thread when a frame must be un-grouped or holds several tensors). Codec `Codec.NONE`: raw
+bytes at 64-byte-aligned offsets, returned as views of a private memory map after every
+frame's xxh3 is checked.
 Any truncation or flipped byte raises `CorruptCheckpointError`; a file of a container
 version other than 2 or 3 raises `FormatVersionError`.
 """
@@ -273,9 +274,9 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
     """Reads a container written by `write_tensor_file`, verifying it completely.
 
     Frames are checked (xxh3 of the stored frame; version 3: its part table; zstd content
-    size and checksum) and decoded in parallel straight into the returned tensors' memory; an uncompressed
-    container is memory-mapped (private copy-on-write pages: in-place updates never reach
-    the file) after every frame's xxh3 is checked. The header is validated against the
+    size and checksum) and decoded in parallel straight into the returned tensors' memory;
+    an uncompressed container is memory-mapped (private copy-on-write pages: in-place
+    updates never reach the file) after every frame's xxh3 is checked. The header is validated against the
     file's size before anything is allocated (`tensorpack_format.read_header`).
 
     Args:
