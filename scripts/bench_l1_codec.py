@@ -1,42 +1,51 @@
 #!/usr/bin/env python
-"""Which zstd level and thread count lets the L1 (optimizer) tier keep up with the disk?
+"""Does the L1 (optimizer) tier keep up with the disk? Container v3 vs v2, plain zstd and the disk floor.
 
 The state: AdamW after 3 steps of a ~60M-parameter Qwen2 (hidden 512, 8 layers, vocab
 32000; the model of `bench_store.py`), flattened as the store does (`flatten_state`), about
-480 MB of float32 moments. In one run:
+480 MB of float32 moments. In one run, round-robin, best of `--repeats` rounds (the machine
+is shared):
 
 - the disk's floor: a raw write of the same bytes + fsync (what any codec must match);
-- `write_tensor_file` (the store's L1 container, byte-grouped floats, independent frames)
-  at each zstd level of `--levels` (negative levels are zstd's "fast" modes) and each
-  thread count of `--threads`: wall time, raw MiB/s, MiB/s per CPU-second, size, and the
-  ratio of its speed to the disk's (goal >= 1);
-- a PROTOTYPE codec (`_proposed_write`, not the store's format) that compresses only the
-  byte planes that compress: what a container change would gain.
+- the store's writer (`write_tensor_file`, container v3: frames of raw and zstd parts, the
+  store's default level 1) with each thread count of `--threads`; the same with zstd's own
+  level-1 match finder (to justify `tensorpack_codec.compression_params`); each level of
+  `--levels` other than 1;
+- the previous store writer (container v2: every frame one zstd frame, level 1,
+  byte-grouped) and plain zstd level 1 (v2, no byte grouping);
+- reads (`read_tensor_file`, all threads, every byte touched, page cache warm) of the v3
+  and v2 files.
 
-Methods run round-robin, best of `--repeats` rounds (the machine is shared).
+Printed: wall ms, raw MiB/s and its ratio to the disk floor (goal >= 1), raw MiB per
+CPU-second of this process, size and its ratio to v2's; read ms and v3's read speed
+relative to v2's (goal >= 1).
 
-Run:  python scripts/bench_l1_codec.py [--dir DIR] [--levels -5,-1,1,3] [--threads 1,2]
+Run:  python scripts/bench_l1_codec.py [--dir DIR] [--threads 1,2] [--levels 3] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_dynamic_ckpt.store import tensorpack_codec
 from hf_dynamic_ckpt.store.checksum import fsync_file
-from hf_dynamic_ckpt.store.tensorpack import flatten_state, write_tensor_file
+from hf_dynamic_ckpt.store.tensorpack import flatten_state, read_tensor_file, write_tensor_file
 
 MiB = 1 << 20
+FLOOR = "raw write + fsync (disk floor)"
+V2 = "v2 (previous writer): zstd level 1, byte-grouped, 2 threads"
 
 
 def _optimizer_state() -> dict[str, torch.Tensor]:
@@ -63,57 +72,10 @@ def _raw_write(tensors: dict[str, torch.Tensor], path: Path) -> None:
         fsync_file(f)
 
 
-def _proposed_write(tensors: dict[str, torch.Tensor], path: Path, *, threads: int) -> None:
-    """A PROTOTYPE of a faster L1 codec (not the store's format; for the proposal only).
-
-    The container's byte grouping (`tensorpack._group`: top byte plane, second plane, low
-    bytes), then each of the three parts of a 16 MiB frame is compressed only if a 256 KiB
-    sample of it compresses below 0.9: on dense AdamW moments the low mantissa bytes and
-    usually the second plane are random-like, and zstd spends 1-2 ms per MiB to leave them
-    as they are; mostly-zero state (embedding rows no batch touched) still compresses
-    everywhere. zstd level 1 with a small match finder (min_match 7, 4 KiB tables: ~1.7x
-    faster than level 1's defaults at the same ratio on the exponent plane). Frames in
-    parallel threads, xxh3-64 per frame, one fsync: the work the real writer does.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-    import xxhash
+def _default_match_finder(level: int) -> object:
     import zstandard
 
-    from hf_dynamic_ckpt.store.tensorpack import _group
-
-    params = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, search_log=1, hash_log=12, chain_log=12)
-    frames: list[tuple[np.ndarray, int]] = []
-    for t in tensors.values():
-        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-        item = t.element_size() if t.dtype.is_floating_point and t.numel() > 1 else 1
-        step = (16 << 20) // item * item
-        frames += [(raw[i:i + step], item) for i in range(0, raw.size, step)]
-
-    def encode(frame: tuple[np.ndarray, int]) -> list[bytes]:
-        raw, item = frame
-        cctx = zstandard.ZstdCompressor(compression_params=params)
-        n = raw.size // item
-        grouped = _group(raw, item) if item > 1 else raw
-        bounds = [0, n, 2 * n, raw.size] if item > 1 else [0, raw.size]
-        out = []
-        for lo, hi in itertools.pairwise(bounds):
-            part = grouped[lo:hi]
-            sample = part[: 256 << 10]
-            if len(cctx.compress(sample)) < 0.9 * max(sample.size, 1):
-                out.append(cctx.compress(part))
-            else:
-                out.append(part.tobytes())
-        return out
-
-    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=threads) as pool:
-        for parts in pool.map(encode, frames):
-            h = xxhash.xxh3_64()
-            for part in parts:
-                h.update(part)
-                f.write(part)
-        fsync_file(f)
+    return zstandard.ZstdCompressionParameters.from_level(level, write_checksum=1, write_content_size=1)
 
 
 def _cpu_s() -> float:
@@ -121,51 +83,89 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    cpu, start = _cpu_s(), time.perf_counter()
+    fn()
+    return time.perf_counter() - start, _cpu_s() - cpu
+
+
+def _touch(tensors: dict[str, torch.Tensor]) -> float:
+    """Reads every element (as `bench_store.py` does)."""
+    return float(sum(float(t.float().sum()) if t.dtype != torch.float32 else float(t.sum()) for t in tensors.values()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
-    p.add_argument("--levels", default="-5,-3,-1,1,3")
-    p.add_argument("--threads", default="1,2")
+    p.add_argument("--threads", default="1,2", help="thread counts of the v3 writer")
+    p.add_argument("--levels", default="3", help="v3 at these levels too (besides the default 1); '' for none")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(1)
     tensors = _optimizer_state()
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
     scratch = Path(tempfile.mkdtemp(prefix="bench_l1-", dir=args.dir))
-    cases = {"raw write + fsync (disk floor)": lambda path: _raw_write(tensors, path)}
-    for level in (int(x) for x in args.levels.split(",")):
-        for threads in (int(x) for x in args.threads.split(",")):
-            cases[f"zstd level {level}, {threads} thread(s)"] = (
-                lambda path, level=level, threads=threads: write_tensor_file(tensors, path, level=level,
-                                                                             threads=threads))
+
+    def v3(level: int, threads: int, finder: bool = False) -> Callable[[Path], object]:
+        def write(path: Path) -> object:
+            if not finder:
+                return write_tensor_file(tensors, path, level=level, threads=threads)
+            with mock.patch.object(tensorpack_codec, "compression_params", _default_match_finder):
+                return write_tensor_file(tensors, path, level=level, threads=threads)
+        return write
+
+    cases: dict[str, Callable[[Path], object]] = {FLOOR: lambda path: _raw_write(tensors, path)}
     for threads in (int(x) for x in args.threads.split(",")):
-        cases[f"PROTOTYPE: compress only compressible planes, {threads} thread(s)"] = (
-            lambda path, threads=threads: _proposed_write(tensors, path, threads=threads))
+        cases[f"v3 (store writer): level 1, {threads} thread(s)"] = v3(1, threads)
+    cases["v3, level 1 with zstd's own match finder, 2 threads"] = v3(1, 2, finder=True)
+    for level in (int(x) for x in args.levels.split(",") if x):
+        cases[f"v3, level {level}, 2 threads"] = v3(level, 2)
+    cases[V2] = lambda path: write_tensor_file(tensors, path, level=1, threads=2, container_version=2)
+    cases["plain zstd level 1 (v2, no byte grouping), 2 threads"] = (
+        lambda path: write_tensor_file(tensors, path, level=1, threads=2, byte_group=False, container_version=2))
     best: dict[str, tuple[float, float, int]] = {}
+    reads: dict[str, tuple[float, float]] = {}
+    v3_file, v2_file = scratch / "v3.bin", scratch / "v2.bin"
     try:
         for _ in range(args.repeats):
             for name, fn in cases.items():
                 path = scratch / "l1.bin"
-                cpu, start = _cpu_s(), time.perf_counter()
-                fn(path)
-                wall, used = time.perf_counter() - start, _cpu_s() - cpu
+                wall, used = _timed(lambda fn=fn, path=path: fn(path))
                 size = path.stat().st_size
                 path.unlink()
                 if name not in best or wall < best[name][0]:
                     best[name] = (wall, used, size)
+        write_tensor_file(tensors, v3_file, level=1, threads=0)
+        write_tensor_file(tensors, v2_file, level=1, threads=0, container_version=2)
+        back = read_tensor_file(v3_file)
+        assert all(torch.equal(back[k].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
+                   for k, t in tensors.items()), "v3 round trip is not bit-exact"
+        del back
+        for _ in range(args.repeats):
+            for name, path in (("v3", v3_file), ("v2", v2_file)):
+                wall, used = _timed(lambda path=path: _touch(read_tensor_file(path)))
+                if name not in reads or wall < reads[name][0]:
+                    reads[name] = (wall, used)
     finally:
         for f in scratch.iterdir():
             f.unlink()
         scratch.rmdir()
-    disk = raw / MiB / best["raw write + fsync (disk floor)"][0]
+    disk = raw / MiB / best[FLOOR][0]
+    v2_size = best[V2][2]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {raw / MiB:.0f} MiB of AdamW state, best of "
           f"{args.repeats}, load average {os.getloadavg()[0]:.1f}")
-    print("| method | wall ms | raw MiB/s (x disk) | MiB per CPU-s | size MiB (ratio) |")
+    print("| write | wall ms | raw MiB/s (x disk floor) | MiB per CPU-s | size MiB (x raw; x v2) |")
     print("|---|---|---|---|---|")
     for name, (wall, used, size) in best.items():
         speed = raw / MiB / wall
         print(f"| {name} | {1e3 * wall:.0f} | {speed:.0f} ({speed / disk:.2f}x) | "
-              f"{raw / MiB / max(used, 1e-9):.0f} | {size / MiB:.0f} ({size / raw:.3f}) |")
+              f"{raw / MiB / max(used, 1e-9):.0f} | {size / MiB:.1f} ({size / raw:.3f}; {size / v2_size:.3f}) |")
+    print()
+    print("| read (all threads, every byte touched, warm cache) | wall ms | raw MiB/s | MiB per CPU-s | v3 speed / v2 |")
+    print("|---|---|---|---|---|")
+    for name, (wall, used) in reads.items():
+        print(f"| {name} | {1e3 * wall:.0f} | {raw / MiB / wall:.0f} | {raw / MiB / max(used, 1e-9):.0f} | "
+              f"{reads['v2'][0] / wall:.2f}x |")
 
 
 if __name__ == "__main__":

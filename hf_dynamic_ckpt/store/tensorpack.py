@@ -2,16 +2,18 @@
 
 The state dicts are split by `statetree.flatten_state` into a JSON structure
 (`optimizer.json`) and a flat `{name: tensor}` dict, which `write_tensor_file` stores in a
-small binary container (layout, version 2, in `tensorpack_format`) and `read_tensor_file`
-reads back, verifying every frame before a tensor is returned.
+small binary container (layout, version 3, in `tensorpack_format`) and `read_tensor_file`
+reads back (versions 3 and 2), verifying every frame before a tensor is returned.
 
-Codec `Codec.ZSTD` (default): independent zstd frames of byte-grouped pieces, compressed
-and decompressed in parallel threads (zstandard and numpy release the GIL), decompressed
-straight into the output tensors (via one scratch buffer per thread when a frame must be
-un-grouped or holds several tensors). Codec `Codec.NONE`: raw bytes at 64-byte-aligned
-offsets, returned as views of a private memory map after every frame's xxh3 is checked.
-Any truncation or flipped byte raises `CorruptCheckpointError`; a file of another
-container version raises `FormatVersionError`.
+Codec `Codec.ZSTD` (default): independent frames of byte-grouped pieces, each a table of
+parts stored raw or zstd-compressed, whichever the part's sampled ratio favours
+(`tensorpack_codec`), encoded and decoded in parallel threads (zstandard, xxhash and numpy
+release the GIL), decoded straight into the output tensors (via one scratch buffer per
+thread when a frame must be un-grouped or holds several tensors). Codec `Codec.NONE`: raw
+bytes at 64-byte-aligned offsets, returned as views of a private memory map after every
+frame's xxh3 is checked.
+Any truncation or flipped byte raises `CorruptCheckpointError`; a file of a container
+version other than 2 or 3 raises `FormatVersionError`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import xxhash
 
 from ..constants import Tier
 from ..errors import ConfigError, CorruptCheckpointError, SaveError
-from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry, read_exact
+from . import tensorpack_codec as tpc
+from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
 from .fs import create, open_read
 from .parallel import ordered_map as _ordered_map
 from .parallel import resolve_threads
@@ -46,6 +49,7 @@ from .tensorpack_format import (
     MAGIC,
     NAMES,
     PREFIX,
+    READ_VERSIONS,
     Piece,
     Run,
     _group,
@@ -113,15 +117,13 @@ def _frame_pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int) -> 
 
 
 def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np.ndarray], gce: int,
-                 local: Any) -> Any:
-    """The bytes one frame compresses: a view when it is one ungrouped run, else the thread's scratch buffer."""
+                 pool: tpc.BufferPool) -> tuple[np.ndarray, np.ndarray | None]:
+    """A frame's raw bytes: a view when it is one ungrouped run, else a pooled buffer (returned second)."""
     if _single(frame, entries):
         i, lo, hi = frame[0]
-        return datas[i][lo:hi]
+        return datas[i][lo:hi], None
     size = sum(hi - lo for _, lo, hi in frame)
-    scratch = getattr(local, "buf", None)
-    if scratch is None or scratch.size < size:
-        scratch = local.buf = np.empty(size, dtype=np.uint8)  # reused: no fresh pages per frame
+    scratch = pool.take(size)  # reused: no fresh pages per frame
     buf = scratch[:size]
     pos = 0
     for i, lo, hi in _frame_pieces(frame, entries, gce):
@@ -131,12 +133,13 @@ def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np
         else:
             dst[:] = datas[i][lo:hi]
         pos += hi - lo
-    return buf
+    return buf, scratch
 
 
 def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level: int = 3, threads: int = 0,
-                      byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD) -> FileEntry:
-    """Writes tensors to the L1 container (independent zstd frames, or uncompressed) and fsyncs it.
+                      byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD,
+                      container_version: int = CONTAINER_VERSION) -> FileEntry:
+    """Writes tensors to the L1 container (independent frames of raw and zstd parts, or uncompressed), fsynced.
 
     Args:
         tensors (`Mapping[str, torch.Tensor]`): tensors by name (e.g. from `flatten_state`).
@@ -151,12 +154,16 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         compression (`Codec` or `str`, *optional*, defaults to `Codec.ZSTD`): or `Codec.NONE`
             (`"none"`/`None`) for an uncompressed file that `read_tensor_file` memory-maps
             (larger, faster to read); `level` and `byte_group` do not apply to it.
+        container_version (`int`, *optional*, defaults to `3`): `2` writes the previous
+            layout (each frame one zstd frame), for a reader older than version 3 and for
+            compatibility tests.
 
     Returns:
         `FileEntry`: size and checksum of the written file (tier `"optimizer"`).
 
     Raises:
-        `SaveError`: a tensor of an unsupported dtype or layout, or an unknown `compression`.
+        `SaveError`: a tensor of an unsupported dtype or layout, an unknown `compression` or
+        `container_version`.
 
     Example:
     ```python
@@ -166,6 +173,9 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
     ```
     """
     codec = _codec(compression)
+    if container_version not in READ_VERSIONS:
+        raise SaveError(f"container_version={container_version!r} is not supported; use "
+                        f"{' or '.join(map(str, READ_VERSIONS))} ({CONTAINER_VERSION} is the default).")
     workers = resolve_threads(threads)
     checked = {name: _check(name, t) for name, t in tensors.items()}
     gce, frame_bytes = GROUP_CHUNK_ELEMS, FRAME_BYTES
@@ -179,7 +189,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         entries.append({"name": name, "dtype": NAMES[t.dtype], "shape": list(t.shape),
                         "offset": offset, "nbytes": nbytes, "byte_grouped": grouped})
         offset += nbytes
-    header_obj = {"format": FORMAT_NAME, "version": CONTAINER_VERSION, "codec": codec.value,
+    header_obj = {"format": FORMAT_NAME, "version": container_version, "codec": codec.value,
                   "level": level if codec == Codec.ZSTD else None, "total_bytes": offset,
                   "group_chunk_elems": gce, "frame_bytes": frame_bytes, "tensors": entries}
     header = json.dumps(header_obj, separators=(",", ":")).encode("utf-8")
@@ -195,26 +205,27 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         if codec == Codec.ZSTD:
             import zstandard
 
-            local = threading.local()
+            local, pool = threading.local(), tpc.BufferPool()
+            params = tpc.compression_params(level) if container_version == 3 else None
 
-            def compress(frame: list[Run]) -> tuple[list[bytes], int, int]:
+            def compress(frame: list[Run]) -> tuple[list[Any], int, int, np.ndarray | None]:
                 cctx = getattr(local, "cctx", None)
                 if cctx is None:
-                    cctx = local.cctx = zstandard.ZstdCompressor(level=level, write_checksum=True,
-                                                                 write_content_size=True)
-                data = _frame_input(frame, entries, datas, gce, local)
-                # The streaming API: ~25 % less CPU than one-shot `compress()` on AdamW moments here.
-                co = cctx.compressobj(size=data.nbytes)
-                chunks = [co.compress(data), co.flush()]
-                hasher = xxhash.xxh3_64()
-                for chunk in chunks:
-                    hasher.update(chunk)
-                return chunks, sum(map(len, chunks)), hasher.intdigest()
+                    cctx = local.cctx = (
+                        zstandard.ZstdCompressor(compression_params=params) if params is not None
+                        else zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True))
+                data, scratch = _frame_input(frame, entries, datas, gce, pool)
+                if params is None:
+                    whole = tpc.encode_whole(cctx, data)
+                    pool.give(scratch)  # one zstd frame: nothing refers to the buffer any more
+                    return (*whole, None)
+                return (*tpc.encode_parts(cctx, data, tpc.part_bounds(frame, entries, gce)), scratch)
 
             plan = list(frames(entries, gce, frame_bytes))
-            for chunks, length, digest in _ordered_map(compress, plan, workers if len(plan) > 1 else 0):
+            for chunks, length, digest, scratch in _ordered_map(compress, plan, workers if len(plan) > 1 else 0):
                 for chunk in chunks:
                     f.write(chunk)
+                pool.give(scratch)  # written: its raw parts may be overwritten now
                 index.append((length, digest))
         else:
             _write_raw_payload(f, entries, datas, offset, frame_bytes, index)
@@ -262,10 +273,10 @@ def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
 def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]:
     """Reads a container written by `write_tensor_file`, verifying it completely.
 
-    zstd frames are checked (xxh3 of the stored frame, zstd content size and checksum) and
-    decompressed in parallel straight into the returned tensors' memory; an uncompressed
-    container is memory-mapped (private copy-on-write pages: in-place updates never reach
-    the file) after every frame's xxh3 is checked. The header is validated against the
+    Frames are checked (xxh3 of the stored frame; version 3: its part table; zstd content
+    size and checksum) and decoded in parallel straight into the returned tensors' memory;
+    an uncompressed container is memory-mapped (private copy-on-write pages: in-place
+    updates never reach the file) after every frame's xxh3 is checked. The header is validated against the
     file's size before anything is allocated (`tensorpack_format.read_header`).
 
     Args:
@@ -277,7 +288,7 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
         `dict[str, torch.Tensor]`: the tensors, in the order they were written.
 
     Raises:
-        `FormatVersionError`: the file has another container version (older or newer).
+        `FormatVersionError`: the file's container version is neither 2 nor 3 (older or newer).
         `CorruptCheckpointError`: missing, truncated, altered, or trailing data; raised
         before any tensor is returned.
     """
@@ -296,7 +307,9 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
     dests = [_bytes_of(t) for t in out]
     local = threading.local()
 
-    def decode(item: tuple[int, list[Run]]) -> None:
+    decode = tpc.decode_parts if header["version"] == 3 else tpc.decode_whole
+
+    def check_and_decode(item: tuple[int, list[Run]]) -> None:
         k, frame = item
         offset, length, digest = index[k]
         with view[offset : offset + length] as data:  # the page cache itself: no copy of the compressed bytes
@@ -306,10 +319,6 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
 
     def decode_frame(k: int, frame: list[Run], data: memoryview) -> None:
         want = sum(hi - lo for _, lo, hi in frame)
-        got = zstandard.frame_content_size(data)
-        if got != want:
-            raise CorruptCheckpointError(
-                f"Tensor file {path}: frame {k} declares {got} bytes, the header {want}; the file is corrupt.")
         i0, lo0, hi0 = frame[0]
         direct = _single(frame, entries)
         if direct:
@@ -321,11 +330,7 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
             buf = scratch[:want]
         dctx = getattr(local, "dctx", None) or zstandard.ZstdDecompressor()
         local.dctx = dctx
-        with dctx.stream_reader(data, read_across_frames=False) as z:
-            read_exact(z, buf.data.cast("B"),
-                       f"Tensor file {path} is truncated inside tensor {str(entries[i0]['name'])!r}.")
-            if z.read(1):  # also completes the frame, which verifies its checksum
-                raise CorruptCheckpointError(f"Tensor file {path}: frame {k} holds more data than its header declares.")
+        decode(dctx, data, buf, f"Tensor file {path}: frame {k}")
         if direct:
             return
         pos = 0
@@ -347,7 +352,7 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
     view = memoryview(mm)
     try:
         plan = enumerate(frames(entries, gce, header["frame_bytes"]))
-        for _ in _ordered_map(decode, plan, workers if len(index) > 1 else 0):
+        for _ in _ordered_map(check_and_decode, plan, workers if len(index) > 1 else 0):
             pass
     except zstandard.ZstdError as e:
         raise CorruptCheckpointError(

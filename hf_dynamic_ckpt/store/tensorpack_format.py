@@ -1,30 +1,47 @@
-"""The L1 tensor container's byte layout (version 2): header, frame plan, index, footer.
+"""The L1 tensor container's byte layout (versions 3 and 2): header, frame plan, index, footer.
 
 Layout::
 
     magic  b"HFDCTP01"                        8 bytes (file type; the layout version is in the header)
     header length (little-endian u64)         8 bytes
     header JSON (utf-8, space-padded so the payload starts 64-byte aligned): format,
-        version (2), codec ("zstd" | "none"), level, total_bytes, group_chunk_elems,
-        frame_bytes, tensors (name, dtype, shape, offset, nbytes, byte_grouped)
+        version (3; 2 is still read), codec ("zstd" | "none"), level, total_bytes,
+        group_chunk_elems, frame_bytes, tensors (name, dtype, shape, offset, nbytes, byte_grouped)
     header CRC32 (u32)                        4 bytes
     payload: N frames, one after another
     frame index: N x (stored length u64, xxh3_64 of the stored frame bytes u64)
     footer: payload length u64, N u64, CRC32 of index + those two u32, b"HFDCTEND"
 
-codec "zstd": each frame is an independent zstd frame (content size + checksum) of one or
-more pieces of at most `group_chunk_elems` elements of a tensor, packed in tensor order up
-to `frame_bytes` raw bytes (`frames`; reader and writer derive the same plan from the
-header). Float pieces can be byte-grouped: the top byte of every element (sign +
-exponent), then the second byte, then the remaining low mantissa bytes (`_group_into`).
+codec "zstd": a frame holds one or more pieces of at most `group_chunk_elems` elements of a
+tensor, packed in tensor order up to `frame_bytes` raw bytes (`frames`; reader and writer
+derive the same plan from the header). Float pieces can be byte-grouped: the top byte of
+every element (sign + exponent), then the second byte, then the remaining low mantissa
+bytes (`_group_into`). The concatenated (grouped) pieces are the frame's raw bytes; how
+they are stored depends on the version:
+
+- version 3: the frame's stored bytes are a part table and the parts::
+
+      part count P (u32) | P x (kind u8, raw length u64, stored length u64) | the P parts
+
+  The parts cut the raw bytes into consecutive spans (the writer cuts at byte planes and
+  every `PART_BYTES`, `tensorpack_codec.part_bounds`); kind `PART_RAW` (0) is the span
+  itself (raw length == stored length), kind `PART_ZSTD` (1) one zstd frame (content size
+  + checksum) of it, whose raw length is at most `ZSTD_MAX_RATIO` x its stored length. The
+  reader needs no guessing: the table says which part is which (`parse_parts`).
+- version 2: the frame is one zstd frame (content size + checksum) of the raw bytes.
+
+Every frame stays independent (decoded in parallel) and its stored bytes, table included,
+are covered by its xxh3_64 in the index.
 codec "none": the tensors' raw bytes at 64-byte-aligned offsets (zero padding); frames are
-`frame_bytes` slices of the payload, each with its xxh3_64.
+`frame_bytes` slices of the payload, each with its xxh3_64 (the same in versions 2 and 3).
 
 Reading a header (`read_header`) validates everything before anything is allocated: the
 declared sizes must be backed by the file (raw payload for "none"; at most
 `ZSTD_MAX_RATIO` raw bytes per stored byte for "zstd", the format's own limit), and the
 frame plan, computed run by run in O(frames + tensors) memory, must match the index. So a
-hostile header (a 64 GiB tensor, `group_chunk_elems=1`) is refused in bounded memory.
+hostile header (a 64 GiB tensor, `group_chunk_elems=1`) is refused in bounded memory; a
+version-3 part table is checked against its frame's length and raw size before a part is
+decoded.
 """
 
 from __future__ import annotations
@@ -47,14 +64,21 @@ from .spec import Codec
 
 MAGIC = b"HFDCTP01"
 FORMAT_NAME = "hf_dynamic_ckpt.tensorpack"
-CONTAINER_VERSION = 2
-"""Layout version in the header; readers refuse any other (v1 had an unversioned layout change)."""
+CONTAINER_VERSION = 3
+"""Layout version written by default (zstd frames as tables of raw and zstd parts)."""
+READ_VERSIONS = (2, 3)
+"""Layout versions this library reads (v1 had an unversioned layout change and is refused)."""
 PREFIX = struct.Struct("<8sQ")
 CRC = struct.Struct("<I")
 FRAME = struct.Struct("<QQ")
 FOOTER_FIELDS = struct.Struct("<QQ")
 FOOTER_MAGIC = b"HFDCTEND"
 FOOTER_SIZE = FOOTER_FIELDS.size + CRC.size + len(FOOTER_MAGIC)
+PART_COUNT = struct.Struct("<I")
+PART = struct.Struct("<BQQ")
+"""One entry of a version-3 frame's part table: kind, raw length, stored length."""
+PART_RAW = 0
+PART_ZSTD = 1
 ALIGN = 64
 """Payload and (uncompressed codec) tensor alignment in bytes."""
 MAX_HEADER = 256 << 20
@@ -71,6 +95,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 NAMES = {v: k for k, v in DTYPES.items()}
 GROUPABLE = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
+GROUP_BLOCK = 1 << 15
+"""Elements grouped per block by `_group_into` (the block's source and its plane slices stay in cache)."""
 
 Piece = tuple[int, int, int]
 """(tensor index, first byte, end byte) of a tensor's raw bytes; a grouped piece is grouped on its own."""
@@ -87,13 +113,16 @@ def _group_into(raw: np.ndarray, out: np.ndarray, itemsize: int) -> None:
     a full byte transpose here) for the same compression ratio on AdamW state. For
     2-byte types this is the full byte transpose.
     """
-    n = raw.size // itemsize
-    out[:n] = raw[itemsize - 1 :: itemsize]
-    out[n : 2 * n] = raw[itemsize - 2 :: itemsize]
-    if itemsize == 4:
-        out[2 * n :].view(np.uint16)[:] = raw.view(np.uint16)[0::2]
-    elif itemsize > 2:
-        out[2 * n :].reshape(n, itemsize - 2)[...] = raw.reshape(n, itemsize)[:, : itemsize - 2]
+    n, rest = raw.size // itemsize, itemsize - 2
+    for lo in range(0, n, GROUP_BLOCK):  # cache-sized blocks: ~1.4x faster than whole planes (3 strided passes)
+        hi = min(lo + GROUP_BLOCK, n)
+        block = raw[lo * itemsize : hi * itemsize]
+        out[lo:hi] = block[itemsize - 1 :: itemsize]
+        out[n + lo : n + hi] = block[itemsize - 2 :: itemsize]
+        if itemsize == 4:
+            out[2 * n + 2 * lo : 2 * n + 2 * hi].view(np.uint16)[:] = block.view(np.uint16)[0::2]
+        elif rest:
+            out[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)[...] = block.reshape(hi - lo, itemsize)[:, :rest]
 
 
 def _group(raw: np.ndarray, itemsize: int) -> np.ndarray:
@@ -104,13 +133,16 @@ def _group(raw: np.ndarray, itemsize: int) -> np.ndarray:
 
 
 def _ungroup_into(grouped: np.ndarray, out: np.ndarray, itemsize: int) -> None:
-    n = out.size // itemsize
-    out[itemsize - 1 :: itemsize] = grouped[:n]
-    out[itemsize - 2 :: itemsize] = grouped[n : 2 * n]
-    if itemsize == 4:
-        out.view(np.uint16)[0::2] = grouped[2 * n :].view(np.uint16)
-    elif itemsize > 2:
-        out.reshape(n, itemsize)[:, : itemsize - 2] = grouped[2 * n :].reshape(n, itemsize - 2)
+    n, rest = out.size // itemsize, itemsize - 2
+    for lo in range(0, n, GROUP_BLOCK):  # cache-sized blocks, as `_group_into`
+        hi = min(lo + GROUP_BLOCK, n)
+        block = out[lo * itemsize : hi * itemsize]
+        block[itemsize - 1 :: itemsize] = grouped[lo:hi]
+        block[itemsize - 2 :: itemsize] = grouped[n + lo : n + hi]
+        if itemsize == 4:
+            block.view(np.uint16)[0::2] = grouped[2 * n + 2 * lo : 2 * n + 2 * hi].view(np.uint16)
+        elif rest:
+            block.reshape(hi - lo, itemsize)[:, :rest] = grouped[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)
 
 
 def step_of(entry: dict[str, Any], group_chunk_elems: int) -> int:
@@ -191,7 +223,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, list[tuple[int, int, i
         `tuple`: (header, payload offset, frames as `(file offset, length, xxh3_64)`).
 
     Raises:
-        `FormatVersionError`: the header's container version is not this library's.
+        `FormatVersionError`: the header's container version is not one this library reads (2, 3).
         `CorruptCheckpointError`: anything else that does not add up.
     """
     path = Path(path)
@@ -268,12 +300,13 @@ def _parse_header(header_bytes: bytes, path: Path) -> dict[str, Any]:
         version = h["version"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"Tensor file {path} has an invalid header: {e}") from e
-    if version != CONTAINER_VERSION:
+    if isinstance(version, bool) or version not in READ_VERSIONS:
         why = ("newer than this library; upgrade hf_dynamic_ckpt" if isinstance(version, int) and version > CONTAINER_VERSION
                else "an older layout this library no longer reads (its byte-grouping differs); re-save the optimizer state "
                     "with this version, or resume from the weights only")
         raise FormatVersionError(
-            f"Tensor file {path} has container version {version!r}, this library reads version {CONTAINER_VERSION}: {why}."
+            f"Tensor file {path} has container version {version!r}, this library reads versions "
+            f"{' and '.join(map(str, READ_VERSIONS))}: {why}."
         )
     try:
         _validate_header(h)
@@ -312,3 +345,44 @@ def _validate_header(h: dict[str, Any]) -> None:
         end = e["offset"] + e["nbytes"]
     if end != h["total_bytes"]:
         raise ValueError("tensor sizes do not add up to total_bytes")
+
+
+def parse_parts(data: memoryview, want: int, where: str) -> list[tuple[int, int, int, int]]:
+    """Validates a version-3 frame's part table against the frame's length and raw size.
+
+    Args:
+        data (`memoryview`): the frame's stored bytes (already checked against its xxh3).
+        want (`int`): the raw bytes the header's plan gives this frame.
+        where (`str`): "Tensor file <path>: frame <k>", the start of every error message.
+
+    Returns:
+        `list[tuple[int, int, int, int]]`: (kind, raw length, stored offset in `data`, stored
+        length) per part, in order; their raw lengths add up to `want`.
+
+    Raises:
+        `CorruptCheckpointError`: a table that does not fit the frame, an unknown kind, a raw
+        part whose two lengths differ, a zstd part claiming more than `ZSTD_MAX_RATIO` raw
+        bytes per stored byte, or raw lengths that do not add up to `want`.
+    """
+    size = len(data)
+    count = PART_COUNT.unpack_from(data)[0] if size >= PART_COUNT.size else -1
+    pos = PART_COUNT.size + max(count, 0) * PART.size
+    if count < 1 or count > want or pos > size:
+        raise CorruptCheckpointError(f"{where} has a part table of {count} parts that does not fit its {size} bytes "
+                                     f"and {want} raw bytes; the file is corrupt.")
+    parts: list[tuple[int, int, int, int]] = []
+    raw_total = 0
+    table = bytes(data[PART_COUNT.size : PART_COUNT.size + count * PART.size])  # a copy: no export of the map
+    for j, (kind, raw, stored) in enumerate(PART.iter_unpack(table)):
+        limit = stored if kind == PART_RAW else stored * ZSTD_MAX_RATIO
+        if kind not in (PART_RAW, PART_ZSTD) or not 0 < raw <= limit or stored < 1 or (kind == PART_RAW and raw != stored):
+            raise CorruptCheckpointError(
+                f"{where}, part {j}: kind {kind}, {raw} raw bytes in {stored} stored bytes is not a valid part (raw "
+                f"parts: equal lengths; zstd parts: at most {ZSTD_MAX_RATIO} raw bytes per stored byte); the file is corrupt.")
+        parts.append((kind, raw, pos, stored))
+        pos += stored
+        raw_total += raw
+    if pos != size or raw_total != want:
+        raise CorruptCheckpointError(f"{where} declares {raw_total} bytes, the header {want} ({pos} of {size} stored bytes "
+                                     "in its parts); the file is corrupt.")
+    return parts

@@ -282,6 +282,23 @@ def _build(header: dict[str, Any], frames: list[bytes]) -> bytes:
             + body + tail + struct.pack("<I", zlib.crc32(body + tail)) + b"HFDCTEND")
 
 
+def _frame_raw_v3(frame: bytes) -> bytes:
+    """A version-3 frame's raw bytes, decoded from the documented layout (part table, raw/zstd parts)."""
+    import struct
+
+    import zstandard
+
+    (count,) = struct.unpack_from("<I", frame)
+    pos, out = 4 + 17 * count, b""
+    for kind, raw, stored in struct.iter_unpack("<BQQ", frame[4 : 4 + 17 * count]):
+        part = frame[pos : pos + stored]
+        out += part if kind == 0 else zstandard.ZstdDecompressor().decompress(part)
+        assert kind in (0, 1) and len(out) >= raw
+        pos += stored
+    assert pos == len(frame)
+    return out
+
+
 def _parts(path: Path) -> tuple[dict[str, Any], list[bytes]]:
     header, _, frames = read_header(path)
     data = path.read_bytes()
@@ -367,10 +384,10 @@ def test_other_container_versions_are_refused(tmp_path: Path) -> None:
     small = tmp_path / "small"
     write_tensor_file({"a": torch.ones(10)}, small)
     header, frames = _parts(small)
-    assert header["version"] == 2
+    assert header["version"] == 3
     bad = tmp_path / "bad"
     bad.write_bytes(_build({**header, "version": 99}, frames))
-    with pytest.raises(FormatVersionError, match=r"has container version 99, this library reads version 2: newer than"):
+    with pytest.raises(FormatVersionError, match=r"has container version 99, this library reads versions 2 and 3: newer than"):
         read_tensor_file(bad)
     # A version-1 file as the previous library wrote it (one zstd frame, 16-byte footer):
     # its byte-grouping changed without a version bump, so it is refused, not guessed.
@@ -386,7 +403,7 @@ def test_other_container_versions_are_refused(tmp_path: Path) -> None:
     frame = zstandard.ZstdCompressor(write_checksum=True).compress(_group(np.ones(10, np.float32).view(np.uint8), 4).tobytes())
     bad.write_bytes(b"HFDCTP01" + struct.pack("<Q", len(h1)) + h1 + struct.pack("<I", zlib.crc32(h1)) + frame
                     + struct.pack("<Q", len(frame)) + b"HFDCTEND")
-    with pytest.raises(FormatVersionError, match=r"container version 1, this library reads version 2: an older layout"):
+    with pytest.raises(FormatVersionError, match=r"container version 1, this library reads versions 2 and 3: an older layout"):
         read_tensor_file(bad)
 
 
@@ -412,9 +429,8 @@ def test_grouping_runs_in_chunks_read_back_by_the_header_value(tmp_path: Path, m
     monkeypatch.setattr(tp, "GROUP_CHUNK_ELEMS", 7)
     write_tensor_file({"r": raw}, tmp_path / "r.zst", level=1)
     _, [frame] = _parts(tmp_path / "r.zst")
-    import zstandard
 
-    payload = zstandard.ZstdDecompressor().decompress(frame)
+    payload = _frame_raw_v3(frame)
     raw_bytes = np.arange(36, dtype=np.uint8)
     assert payload == _group(raw_bytes[:28], 4).tobytes() + _group(raw_bytes[28:], 4).tobytes()
 
