@@ -12,10 +12,9 @@ release()                             # only with hold_saves: the step's logging
 ```
 
 and `resume(spec)` to come back (`restore.plan_resume`: one agreed outcome on every rank).
-Under DDP every rank calls the same methods in the same order: the signals are reduced in
-one collective per step, the policy reads nothing else, and the reduction also compares a
-fingerprint of the decisions taken so far, so ranks that would diverge raise the same
-`DistributedError` instead of waiting for each other.
+Under DDP every rank calls the same methods in the same order: the signals are reduced in one
+collective per step, the policy reads nothing else, and the reduction also compares a fingerprint
+of the decisions so far: ranks that would diverge raise the same `DistributedError`, not wait.
 """
 
 from __future__ import annotations
@@ -167,10 +166,14 @@ class Checkpointer:
             scaler=scaler, sampler=sampler, extra=self._extra)
         self.saver.own_tiers = own
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
-        # Snapshot buffers prepared in the background now (not by the first save); once a resume's L1 read is done.
-        self._resume.after_read(functools.partial(self.engine.prepare, self._sources, own))
+        self.prepare_buffers()
         self.timeline.open()
         self._resume.apply_policy_state()
+
+    def prepare_buffers(self) -> None:
+        """Prepare the snapshot buffers and copy plans in the background now, not in the first save (at attach, and
+        after the trainable state moved: `state.flat`); once a resume's optimizer-tier read is done."""
+        self._resume.after_read(functools.partial(self.engine.prepare, self._sources, self.saver.own_tiers))
 
     def detach(self) -> None:
         """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
@@ -203,11 +206,8 @@ class Checkpointer:
         self.release()
 
     def note_boundary(self, step: int, rng: dict[str, Any] | None = None) -> None:
-        """Record the RNG state at the end of `step` (what a later pre-update capture or held save stores).
-
-        Call it once when training starts (with the restored RNG after a resume) so that the
-        first step's update can be captured too.
-        """
+        """Record the RNG state at the end of `step` (what a later pre-update capture or held save stores). Call it
+        once when training starts (with the restored RNG after a resume) so the first step's update can be captured."""
         if self.config.pre_anomaly_capture or self.hold_saves:
             self._boundary_rng = rng if rng is not None else capture_rng_state()
             self._boundary_step = step

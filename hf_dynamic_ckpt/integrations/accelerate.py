@@ -106,7 +106,8 @@ class SmartCheckpointer:
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
         self.core = _make_core(self.config, accelerator, _store_root(self.config, accelerator, output_dir))
         _attach(self.core, self.state, boundary=True, clip_owner=accelerator)
-        self.flat = self.core.saver.flat = FlatKeeper(model, optimizer, weights=self.state.weights, enabled=consolidate)
+        self.flat = self.core.saver.flat = FlatKeeper(model, optimizer, weights=self.state.weights, enabled=consolidate,
+                                                      on_move=self.core.prepare_buffers)
         self.hooks = SmartStateHooks(accelerator, checkpointer=self.core, state=self.state)
         self.hooks.register()
         self.last_decision: Decision | None = None

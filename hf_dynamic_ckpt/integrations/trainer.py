@@ -126,7 +126,7 @@ class SmartCkptCallback(TrainerCallback):
                   model_info=describe_model(model, tokenizer=getattr(self.trainer, "processing_class", None)))
         ck.hold_saves = True
         self.flat = ck.saver.flat = FlatKeeper(model, optimizer, weights=lambda: trainable_state_dict(model),
-                                               enabled=self.consolidate)
+                                               enabled=self.consolidate, on_move=ck.prepare_buffers)
         loaded = self._pending
         if retry:
             # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.

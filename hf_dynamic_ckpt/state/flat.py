@@ -242,11 +242,15 @@ class FlatKeeper:
             save reads; its order is the parameters' order in their buffer.
         enabled (`bool`, *optional*): `True` always, `False` never, `None` (default) where it
             pays (`pays`).
+        on_move (`Callable[[], Any]`, *optional*): called after each move (e.g. to plan the
+            snapshot copies for the new storage ahead of the next save).
     """
 
     def __init__(self, model: nn.Module, optimizer: Any | None = None, *,
-                 weights: Callable[[], Mapping[str, torch.Tensor]] | None = None, enabled: bool | None = None) -> None:
+                 weights: Callable[[], Mapping[str, torch.Tensor]] | None = None, enabled: bool | None = None,
+                 on_move: Callable[[], Any] | None = None) -> None:
         self.model = model
+        self.on_move = on_move
         self.optimizer = optimizer
         self.weights = weights
         from .sharded import is_sharded_model
@@ -280,4 +284,6 @@ class FlatKeeper:
             logger.debug("consolidated %d parameters and %d optimizer state tensors into %d flat buffers (%d bytes)",
                          len(self.state.params), len(self.state.entries),
                          len(self.state.param_buffers) + len(self.state.state_buffers), self.state.nbytes)
+            if self.on_move is not None:
+                self.on_move()
         return self.state

@@ -196,3 +196,25 @@ def test_save_pretrained_of_a_consolidated_model_writes_the_same_tensors(tmp_pat
     full.save_pretrained(tmp_path / "full")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").state_dict()
     assert list(reloaded) == list(before) and all(torch.equal(reloaded[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("replan", [True, False])
+def test_a_move_plans_the_next_snapshot_ahead_through_on_move(tmp_path, replan):
+    from hf_dynamic_ckpt.engine import SaveEngine
+    from hf_dynamic_ckpt.store import CheckpointStore
+
+    model, opt = _setup()
+    sources = StateSources(weights=lambda: trainable_state_dict(model), optimizer=opt)
+    with CheckpointStore(tmp_path) as store, SaveEngine(store, mode="thread") as engine:
+        engine.prepare(sources, W_O, wait=True)  # at attach: plans for the tensors as they are
+        moved = []
+        keeper = FlatKeeper(model, opt, weights=sources.weights, enabled=True, on_move=lambda: (
+            moved.append(1), replan and engine.prepare(sources, W_O, wait=True)))
+        assert keeper.keep() is not None and moved == [1]
+        assert keeper.keep() is not None and moved == [1]  # in place: no move, no call
+        snap = engine._snapshotter
+        stale = snap.blueprints(snap.collect(sources, step=1, epoch=0.0, tiers=W_O))
+        # Replanned: the first save after the move copies through held plans (one span per scope), not new ones.
+        assert (stale == {}) if replan else (set(stale) == {"weights/", "optimizer/"})
+        if replan:
+            assert all(len(p.spans) == 1 for p in snap._plans.values()), {s: p.spans for s, p in snap._plans.items()}
