@@ -191,7 +191,7 @@ def test_buffers_are_allocated_at_training_priority_and_touched_niced(store, mon
     monkeypatch.setattr(Layout, "__init__", init)
     monkeypatch.setattr(Layout, "prefault", prefault)
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    model, opt = _model()
+    model, _opt = _model()
     with SaveEngine(store, mode="thread", writer_nice=3) as engine:
         assert engine.prepare(StateSources(weights=model.state_dict), {Tier.WEIGHTS}, wait=True) > 0
     assert seen == {"allocate": base, "touch": min(19, base + 3)}
