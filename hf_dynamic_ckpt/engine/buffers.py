@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .shm import new_shared_storage
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,7 +45,7 @@ def _allocate(numel: int, dtype: torch.dtype, *, shared: bool, pinned: bool) -> 
     if shared:
         nbytes = numel * dtype.itemsize
         try:  # allocated in shared memory directly (share_memory_() would copy a fresh buffer over)
-            storage = torch.UntypedStorage._new_shared(nbytes)
+            storage = new_shared_storage(nbytes) or torch.UntypedStorage._new_shared(nbytes)  # shm.py: GIL released
             buf = torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
         except (AttributeError, RuntimeError):
             buf = torch.empty(numel, dtype=dtype).share_memory_()

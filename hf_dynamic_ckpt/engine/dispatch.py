@@ -1,8 +1,11 @@
 """Which writer takes a background job: `Dispatcher`.
 
-Thread mode has one `ThreadWriter`. Process mode starts a `ProcessWriter` at once and, until
-that process reports ready, hands jobs to a stand-in `ThreadWriter` (so no save waits for
-the ~1 s interpreter start-up); a process that dies before it is ready, or a `/dev/shm` too
+Thread mode has one `ThreadWriter`. Process mode starts a `ProcessWriter` when it is first
+needed (`ensure`: `SaveEngine.prepare`, which a run calls once it is attached and, after a
+resume, once the optimizer tier is read; or the first save), not when the engine is created:
+the interpreter start-up (~1 s of CPU) must not compete with a resume on its way to the
+first step. Until that process reports ready, jobs go to a stand-in `ThreadWriter` (so no
+save waits for the start-up); a process that dies before it is ready, or a `/dev/shm` too
 small for its shared buffers, switches the dispatcher to thread mode for good.
 """
 
@@ -51,11 +54,9 @@ class Dispatcher:
         self.writer: Any = None
         self.startup_writer: ThreadWriter | None = None  # process mode, until the process is ready
         self.shm_dir = "/dev/shm"
-        if mode == EngineMode.PROCESS:
-            self.ensure()  # start-up (~1 s) overlaps training; saves never wait for it
 
     def ensure(self) -> Any:
-        """The main writer of the current mode, started if needed."""
+        """The main writer of the current mode, started if needed (a writer process: in the background)."""
         with self._lock:
             if self.writer is None:
                 if self.mode == EngineMode.PROCESS:

@@ -361,9 +361,10 @@ def test_process_mode_never_waits_for_the_writer_process_to_start(store, monkeyp
     monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: gate.is_set() and self._ready_event.is_set()))
     model, opt, _ = _model()
     engine = SaveEngine(store, mode="process")
-    writer = engine._dispatch.writer
-    assert type(writer).__name__ == "ProcessWriter" and writer._proc.is_alive()  # started by the constructor
+    assert engine._dispatch.writer is None  # started when first needed (prepare or a save), not by the constructor
     first = engine.save(_sources(model, opt), SaveRequest(step=1, tiers=ALL_TIERS, reason="a"))
+    writer = engine._dispatch.writer
+    assert type(writer).__name__ == "ProcessWriter" and writer._proc.is_alive()  # started by the first save
     assert first.writer == "thread (process starting)" and not writer.ready
     assert first.wait(60).step == 1 and not writer.ready  # committed without the process
     assert torch.equal(store.load("step:1").weights["0.weight"], model[0].weight.detach())
@@ -388,7 +389,7 @@ def test_process_writer_still_starting_is_stopped_at_close(store, monkeypatch):
 
     monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: False))  # never comes up
     engine = SaveEngine(store, mode="process")
-    writer = engine._dispatch.writer
+    writer = engine._dispatch.ensure()  # what prepare or the first save does
     pid = writer.pid
     assert writer._proc.is_alive()
     engine.close()  # nothing to flush: terminated, not waited for
@@ -405,7 +406,7 @@ def test_writer_process_starts_at_lower_priority(store):
     engine = SaveEngine(store, mode="process", writer_nice=5)
     try:
         # Set by the parent right after the start: the interpreter's start-up already runs niced.
-        assert psutil.Process(engine._dispatch.writer.pid).nice() == min(19, base + 5)
+        assert psutil.Process(engine._dispatch.ensure().pid).nice() == min(19, base + 5)
     finally:
         engine.close()
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the training thread is untouched
@@ -417,7 +418,7 @@ def test_writer_process_that_dies_before_it_is_ready_switches_to_the_thread_writ
     monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: False))
     model, opt, _ = _model()
     engine = SaveEngine(store, mode="process")
-    proc = engine._dispatch.writer._proc
+    proc = engine._dispatch.ensure()._proc
     pid = proc.pid
     proc.kill()  # e.g. killed by the OOM killer while importing torch
     proc.join(60)
