@@ -6,8 +6,6 @@ does what follows, for `Checkpointer.resume`: it starts the run's new timeline f
 abandoned, never deleted), restores the policy's and probes' statistics so the resumed run
 decides as the interrupted one would have, and optionally reads the optimizer tier in a
 background thread while the caller builds its optimizer (`complete`, agreed across ranks).
-That read starts before the restore point is verified, on the checkpoint the spec names
-(almost always the one chosen), and is dropped if the plan falls back to another one.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import distributed as dist
 from .config import FallbackStrategy
 from .constants import Tier
-from .errors import CorruptCheckpointError, DynamicCkptError
+from .errors import CorruptCheckpointError
 from .restore import plan_resume
 from .store.spec import Lineage, new_session_id
 from .store.types import CheckpointInfo, LoadedCheckpoint
@@ -91,7 +89,6 @@ class ResumeState:
         start = time.perf_counter()
         deferred = background_optimizer and ck.config.fallback_strategy == FallbackStrategy.FULL
         fallback = FallbackStrategy.LEVEL_0_ONLY if deferred else ck.config.fallback_strategy
-        early = self._read_first_candidate(spec) if deferred else None
         plan = plan_resume(ck.store, spec, rank=ck.rank, world_size=ck.world_size, fallback=fallback,
                            expected=expected)
         if plan is None:
@@ -110,10 +107,9 @@ class ResumeState:
         ck.log_event("resume", step=info.step, spec=str(spec), warnings=list(loaded.warnings),
                      tiers=sorted(t.value for t in loaded.tiers))
         if deferred:
-            if early is not None and early[0].step == info.step and early[0].path == info.path:
-                self._l1 = early[1]  # the restore point is the candidate read from the start
-            else:  # another one was chosen (fallback): the early read is dropped (its own file, verified)
-                self._l1 = self._submit_read(info)
+            # Only once the plan chose the restore point: a read racing `plan_resume` could record the
+            # checkpoint's corrupt L1 in the catalog first and turn a weights-only resume into a fallback.
+            self._l1 = self._submit_read(info)
         self.resumed = loaded
         self.resume_ms = (time.perf_counter() - start) * 1e3
         if not deferred:  # else once the optimizer tier is read (complete)
@@ -197,20 +193,6 @@ class ResumeState:
                 logger.warning("resume: gradient-probe statistics not restored (%s); they restart from scratch", e)
 
     # ------------------------------------------------------------------ background L1
-    def _read_first_candidate(self, spec: str) -> tuple[CheckpointInfo, Future[_L1]] | None:
-        """Start reading the optimizer tier of the checkpoint `spec` names, before `plan_resume` verifies L0.
-
-        Almost always that checkpoint is the restore point: its L1 read (which verifies its own
-        file before decoding it) then overlaps the weights' verification, the model check and
-        the Trainer folder instead of following them. Nothing it reads is used unless the plan
-        chooses that very checkpoint; a spec that names nothing is left to `plan_resume`.
-        """
-        try:
-            info = self.ck.store.resolve(spec)
-        except DynamicCkptError:
-            return None
-        return info, self._submit_read(info)
-
     def _submit_read(self, info: CheckpointInfo) -> Future[_L1]:
         self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="smart-ckpt-l1")
         return self._pool.submit(self._read_l1, info)

@@ -1,7 +1,6 @@
 """Issue 15 (resume to the first step): what a resume no longer pays on its way to the first step.
 
 - the writer process starts when first needed (prepare, after the resume's L1 read), not with the engine;
-- the L1 read of the named checkpoint starts before L0 is verified, and is never used for another one;
 - snapshot buffers: shared memory reserved without holding the GIL, allocated at the training
   thread's priority (only the page touching runs niced), a second preparation never waits for
   a running one, and the optimizer's buffers are prepared as soon as a resume loads its state.
@@ -20,7 +19,7 @@ from test_checkpointer import Net, make, train_step
 
 from hf_dynamic_ckpt import SmartCkptConfig
 from hf_dynamic_ckpt.checkpointer import Checkpointer
-from hf_dynamic_ckpt.constants import ALL_TIERS, WEIGHTS_NAME, Tier
+from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.buffers import Layout
 from hf_dynamic_ckpt.engine.shm import new_shared_storage
@@ -84,57 +83,6 @@ def test_writer_process_starts_after_the_resume_read_not_with_the_engine(tmp_pat
         assert type(writer).__name__ == "ProcessWriter" and writer._proc.is_alive()  # started by prepare
     finally:
         ck.close()
-
-
-# ---------------------------------------------------------------------- the L1 read starts early
-
-
-def test_optimizer_read_starts_before_the_weights_are_verified(tmp_path: Path, monkeypatch) -> None:
-    import hf_dynamic_ckpt._resume as resume_mod
-
-    saved = _trained_store(tmp_path)
-    read_started = threading.Event()
-    order: list[str] = []
-    real_plan = resume_mod.plan_resume
-
-    def plan(*args, **kwargs):  # type: ignore[no-untyped-def]
-        order.append(f"plan, read started: {read_started.wait(60)}")
-        return real_plan(*args, **kwargs)
-
-    monkeypatch.setattr(resume_mod, "plan_resume", plan)
-    ck = Checkpointer(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, engine="thread"))
-    real_read = ck._resume._read_l1
-
-    def read(info):  # type: ignore[no-untyped-def]
-        order.append(f"read step {info.step}")
-        read_started.set()
-        return real_read(info)
-
-    ck._resume._read_l1 = read  # type: ignore[method-assign]
-    loaded = ck.resume("step:2", background_optimizer=True)
-    ck.complete_resume(loaded)
-    assert order == ["read step 2", "plan, read started: True"]
-    assert torch.equal(loaded.optimizer["state"][0]["exp_avg"], saved[2]["exp_avg"])
-    ck.close()
-
-
-def test_early_read_of_a_checkpoint_the_plan_skips_is_never_used(tmp_path: Path) -> None:
-    saved = _trained_store(tmp_path, steps=(2, 4))
-    step4 = tmp_path / "store" / "default" / "step-4" / WEIGHTS_NAME
-    data = bytearray(step4.read_bytes())
-    data[len(data) // 2] ^= 0x10  # L0 of step 4 is corrupt: the plan falls back to step 2 (its L1 is intact)
-    step4.write_bytes(bytes(data))
-    ck = Checkpointer(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, engine="thread"))
-    reads: list[int] = []
-    real_read = ck._resume._read_l1
-    ck._resume._read_l1 = lambda info: reads.append(info.step) or real_read(info)  # type: ignore[method-assign]
-    with pytest.warns(UserWarning):  # the fallback's warning (step 4 is skipped)
-        loaded = ck.resume("step:4", background_optimizer=True)
-    ck.complete_resume(loaded)
-    assert loaded.info.step == 2 and reads == [4, 2]  # read early, dropped, then the restore point's own
-    assert torch.equal(loaded.optimizer["state"][0]["exp_avg"], saved[2]["exp_avg"])
-    assert not torch.equal(saved[2]["exp_avg"], saved[4]["exp_avg"])
-    ck.close()
 
 
 # ---------------------------------------------------------------------- snapshot buffers
