@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_checkpointer import Net, make, train_step
+from test_engine_prepare import _model, _step
 
 from hf_dynamic_ckpt import SmartCkptConfig
 from hf_dynamic_ckpt.checkpointer import Checkpointer
@@ -36,18 +37,6 @@ def store(tmp_path: Path):
     s = CheckpointStore(tmp_path / "ckpt")
     yield s
     s.close()
-
-
-def _model(width: int = 64):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 4))
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _step(model, opt) -> None:
-    model(torch.randn(2, model[0].in_features)).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def _trained_store(tmp_path: Path, steps: tuple[int, ...] = (2,)) -> dict[int, dict]:
