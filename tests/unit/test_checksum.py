@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,60 @@ def test_new_hasher_names_and_unknown_algorithm() -> None:
     assert new_hasher("sha256").name == "sha256"
     with pytest.raises(ValueError, match="Unknown checksum algorithm 'nope'"):
         new_hasher("nope")
+
+
+def test_hashing_writer_starts_writeback_of_each_full_stretch(tmp_path, monkeypatch):
+    import hf_dynamic_ckpt.store.checksum as checksum
+
+    calls = []
+    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
+    def fake(fd, off, n):
+        calls.append((off, n))
+        assert os.fstat(fd).st_size >= off + n  # flushed: the kernel can only write back what it has
+        return True
+
+    monkeypatch.setattr(checksum, "start_writeback", fake)
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as raw:
+        f = checksum.HashingWriter(raw)
+        for size in (600, 600, 300, 2500, 10):
+            f.write(b"x" * size)
+        checksum.fsync_file(f)
+    # each request covers the bytes since the previous one, once at least 1000 are pending
+    assert calls == [(0, 1200), (1200, 2800)]
+    assert path.stat().st_size == 4010
+    assert f.checksum() == checksum.file_checksum(path)
+
+
+def test_hashing_writer_stops_asking_when_writeback_is_unsupported(monkeypatch):
+    import io
+
+    import hf_dynamic_ckpt.store.checksum as checksum
+
+    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 10)
+    f = checksum.HashingWriter(io.BytesIO())  # no file descriptor
+    f.write(b"y" * 50)
+    f.write(b"y" * 50)
+    assert f.size == 100
+    calls = []
+    monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: calls.append(n) or False)
+    g_raw = io.BufferedWriter(io.FileIO("/dev/null", "wb"))
+    g = checksum.HashingWriter(g_raw)
+    g.write(b"z" * 20)
+    g.write(b"z" * 20)
+    assert calls == [20]  # refused once: never asked again
+
+
+def test_start_writeback_on_a_real_file(tmp_path):
+    import sys
+
+    from hf_dynamic_ckpt.store.checksum import start_writeback
+
+    path = tmp_path / "g.bin"
+    with open(path, "wb") as f:
+        f.write(b"a" * 65536)
+        f.flush()
+        started = start_writeback(f.fileno(), 0, 65536)
+        assert start_writeback(f.fileno(), 0, 0) is False
+    assert started is sys.platform.startswith("linux")
+    assert path.read_bytes() == b"a" * 65536
