@@ -10,6 +10,7 @@ throughput, stored blobs) it reads from the job afterwards, on the training thre
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -35,6 +36,13 @@ class StoreSave(Protocol):
 
     def __call__(self, state: CheckpointState, request: SaveRequest, *, timings: Mapping[str, Any],
                  cancel: Callable[[], bool]) -> CheckpointInfo | None: ...
+
+
+class OnBusy(enum.StrEnum):
+    """What a save does while the previous one is still writing (`SaveEngine(on_busy=...)`)."""
+
+    WAIT = "wait"
+    SKIP = "skip"
 
 
 class AbortFlag:

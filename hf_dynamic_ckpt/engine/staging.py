@@ -14,6 +14,12 @@ must leave room for the next step's activations). When the snapshot does not fit
 buffers already held no longer fit, the buffers are released and the save *streams*:
 synchronously, from the live tensors, one tensor at a time through the store's writer,
 never holding a second copy. The save blocks for the write instead of risking an OOM kill.
+
+When a save only reuses the buffers it holds (every save after the first, and the first after
+`prepare`), it allocates nothing: the probe then reads on a background thread while the
+snapshot copies into the buffers (`Stager.probe_async`), and the engine discards the copy and
+streams if the held buffers turned out not to fit. The probe (cgroup files and
+`/proc/meminfo`) costs about as much as copying a LoRA adapter's state.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import enum
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,18 +206,43 @@ class Stager:
         self.headroom = headroom
         self.last_plan: StagingPlan | None = None
         self.streamed = False
+        self._prober: ThreadPoolExecutor | None = None
 
-    def plan(self, needed_bytes: int, held_bytes: int = 0) -> StagingPlan:
-        """The plan for a snapshot that newly allocates `needed_bytes` while `held_bytes` of buffers are held."""
+    def plan(self, needed_bytes: int, held_bytes: int = 0, *, headroom: Headroom | None = None) -> StagingPlan:
+        """The plan for a snapshot that newly allocates `needed_bytes` while `held_bytes` of buffers are held
+        (`headroom`: a probe already read, e.g. by `probe_async`; read now when not given)."""
         if needed_bytes == 0 and held_bytes == 0:
             plan = StagingPlan(StagingMode.BUFFERED, "nothing to stage", 0, None)
         else:
-            plan = plan_staging(needed_bytes, margin=self.margin, headroom=self.headroom(), held_bytes=held_bytes)
+            headroom = headroom if headroom is not None else self.headroom()
+            plan = plan_staging(needed_bytes, margin=self.margin, headroom=headroom, held_bytes=held_bytes)
             if needed_bytes == 0 and plan.mode == StagingMode.BUFFERED:  # the held buffers still fit
                 plan = StagingPlan(StagingMode.BUFFERED, "snapshot buffers already allocated", 0, plan.headroom)
             logger.debug("staging: %s", plan.reason)
         self.last_plan = plan
         return plan
+
+    def plan_copying(self, needed_bytes: int, held_bytes: int, take: Callable[[], Any]) -> tuple[StagingPlan, Any]:
+        """`plan`, and when the snapshot only reuses held buffers, `take()`'s snapshot copied while the
+        probe reads (`None` otherwise: the plan must come before an allocation). A streaming plan means
+        the caller discards that snapshot."""
+        if needed_bytes or not held_bytes:
+            return self.plan(needed_bytes, held_bytes), None
+        probe = self.probe_async()
+        snapshot = take()
+        return self.plan(0, held_bytes, headroom=probe.result()), snapshot
+
+    def probe_async(self) -> Future[Headroom]:
+        """Read the memory probe on the stager's thread (started on first use) while the caller copies."""
+        if self._prober is None:
+            self._prober = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_dynamic_ckpt-memprobe")
+        return self._prober.submit(self.headroom)
+
+    def close(self) -> None:
+        """Stop the probe thread (idempotent; `probe_async` starts a new one)."""
+        prober, self._prober = self._prober, None
+        if prober is not None:
+            prober.shutdown(wait=True)
 
     def stream(self, step: int, plan: StagingPlan, snapshotter: Any) -> None:
         """Log a streaming save (the run's first at WARNING: it is short of memory; later ones at DEBUG) and

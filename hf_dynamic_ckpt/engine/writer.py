@@ -28,11 +28,11 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +43,13 @@ from ..state.sources import StateSources
 from ..store.spec import SaveRequest
 from ..store.types import BlobRef, CheckpointInfo, CheckpointState
 from .dispatch import Dispatcher
-from .jobs import Job, Jobs, SaveHandle
-from .live import LiveState, available_tiers, fit_to_deadline
+from .jobs import Job, Jobs, OnBusy, SaveHandle
+from .live import available_tiers, fit_to_deadline
 from .prepare import Preparer
 from .snapshot import Snapshotter
 from .staging import Stager, StagingMode, StagingPlan, default_headroom
 
 logger = logging.getLogger(__name__)
-
-class OnBusy(enum.StrEnum):
-    WAIT = "wait"
-    SKIP = "skip"
 
 
 class SaveEngine:
@@ -198,13 +194,19 @@ class SaveEngine:
             previous.handle._event.wait()  # its error, if any, is reported through its own handle
         self._settle(previous)
         self._preparer.finish(self._snapshotter)  # normally long done: buffers prepared at attach
-        live = self._collect(sources, request, rng=rng, sampler=sampler)
+        live = self._snapshotter.collect(sources, step=request.step, epoch=request.epoch, tiers=request.tiers,
+                                         rng=rng, sampler=sampler)
         synchronous = blocking or self.mode == EngineMode.SYNC
+        snapshot = None
         if not synchronous:
-            needed = self._snapshotter.extra_bytes_needed(live)
-            plan = self._stager.plan(needed, self._snapshotter.pool.nbytes)
-            if self.mode == EngineMode.PROCESS and (plan.mode == StagingMode.STREAMING or (
-                    needed and not self._dispatch.shared_memory_fits(needed, self.memory_margin))):
+            needed, held = self._snapshotter.extra_bytes_needed(live), self._snapshotter.pool.nbytes
+            plan, snapshot = self._stager.plan_copying(needed, held, partial(self._snapshotter.take, live, copy=True))
+            to_threads = self.mode == EngineMode.PROCESS and (plan.mode == StagingMode.STREAMING or (
+                needed and not self._dispatch.shared_memory_fits(needed, self.memory_margin)))
+            if snapshot is not None and (to_threads or plan.mode == StagingMode.STREAMING):
+                snapshot.wait_copies()  # not written: its buffers are released below, once its copies are done
+                snapshot = None
+            if to_threads:
                 self._dispatch.use_threads()  # streaming: the writer process's memory is needed too
                 self._snapshotter = self._new_snapshotter(shared=False)
             if plan.mode == StagingMode.STREAMING:
@@ -217,8 +219,9 @@ class SaveEngine:
             self._run_sync(self._jobs.new(self._snapshotter.take(live, copy=False), request, handle))
             handle.blocking_ms = (time.perf_counter() - start) * 1e3
             return handle
-        job = self._jobs.new(self._snapshotter.take(live, copy=True), request, handle)
-        del live
+        job = self._jobs.new(snapshot if snapshot is not None else self._snapshotter.take(live, copy=True), request,
+                             handle)
+        del live, snapshot
         handle.blocking_ms = (time.perf_counter() - start) * 1e3
         self._jobs.inflight = job
         self._dispatch.pick(handle).submit(job)
@@ -263,7 +266,7 @@ class SaveEngine:
             self._settle(previous)
         self._preparer.finish(self._snapshotter)
         tiers = available_tiers(sources)
-        live = self._collect(sources, dataclasses.replace(request, tiers=frozenset(tiers)), rng=rng, sampler=sampler)
+        live = self._snapshotter.collect(sources, step=step, epoch=request.epoch, tiers=tiers, rng=rng, sampler=sampler)
         if fit_to_deadline(live, throughput=self._jobs.throughput, left_s=deadline_s - (time.monotonic() - start),
                            step=step):
             tiers.discard(Tier.OPTIMIZER)
@@ -357,11 +360,6 @@ class SaveEngine:
     def _blob_exists(self, ref: BlobRef) -> bool:  # still stored: a later save may refer to it instead of writing it
         return bool(self.store.blobs.exists(ref.digest))
 
-    def _collect(self, sources: StateSources, request: SaveRequest, *, rng: dict[str, Any] | None,
-                 sampler: dict[str, Any] | None) -> LiveState:
-        return self._snapshotter.collect(sources, step=request.step, epoch=request.epoch, tiers=request.tiers,
-                                         rng=rng, sampler=sampler)
-
     def _run_sync(self, job: Job) -> None:
         self._jobs.run_sync(job, self._save_fn)
         self._settle(job)
@@ -381,6 +379,7 @@ class SaveEngine:
         if handle is not None and not handle.done():
             logger.debug("flushing the save of step %d before shutdown", handle.step)
         state["_preparer"].close()
+        state["_stager"].close()
         state["_dispatch"].stop()
         if handle is not None and handle.exception() is not None:
             logger.debug("the last background save (step %d) failed: %s", handle.step, handle.exception())

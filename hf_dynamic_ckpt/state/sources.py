@@ -5,11 +5,14 @@ The engine only reads these; what they return aliases live tensors, which a snap
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 @dataclass
@@ -67,25 +70,41 @@ class CachedWeights:
     def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         self._model = model
         self._fn = fn
-        self._modules: list[tuple[Any, str, Any]] = []
-        self._tensors: list[tuple[dict[str, Any], str, torch.Tensor, int]] = []
+        self._slots: tuple[list[dict[str, Any]], list[str], list[Any]] = ([], [], [])
+        self._aliased: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._tables: list[dict[str, Any]] = []
+        self._sizes: list[int] = []
         self._cache: dict[str, torch.Tensor] | None = None
 
     def _record(self) -> None:
-        # Flat lists checked by identity: no module traversal per save (a PEFT model is deep).
-        self._modules, self._tensors = [], []
+        # Flat lists compared in C (`map`) per save: no module traversal (a PEFT model is deep). Every
+        # module and parameter/buffer slot is checked by identity; the data pointer only of the tensors
+        # the mapping aliases (a `.data =` elsewhere, e.g. on a frozen base weight, leaves it valid).
+        held = {t.data_ptr() for t in (self._cache or {}).values() if isinstance(t, torch.Tensor)}
+        tables: list[dict[str, Any]] = []
+        names: list[str] = []
+        objs: list[Any] = []
+        self._aliased, self._ptrs, self._tables = [], [], []
         for module in self._model.modules():
-            for name, child in module._modules.items():
-                self._modules.append((module._modules, name, child))
-            for table in (module._parameters, module._buffers):
-                for name, t in table.items():
-                    if t is not None:
-                        self._tensors.append((table, name, t, t.data_ptr()))
+            for table in (module._modules, module._parameters, module._buffers):
+                self._tables.append(table)
+                for name, obj in table.items():
+                    if obj is None:
+                        continue
+                    tables.append(table)
+                    names.append(name)
+                    objs.append(obj)
+                    if isinstance(obj, torch.Tensor) and obj.data_ptr() in held:
+                        self._aliased.append(obj)
+                        self._ptrs.append(obj.data_ptr())
+        self._slots = (tables, names, objs)
+        self._sizes = list(map(len, self._tables))  # a slot added anywhere
 
     def _valid(self) -> bool:
-        return all(table.get(name) is child for table, name, child in self._modules) and all(
-            table.get(name) is t and t.data_ptr() == ptr for table, name, t, ptr in self._tensors
-        )
+        tables, names, objs = self._slots
+        return (list(map(len, self._tables)) == self._sizes and all(map(operator.is_, map(dict.get, tables, names), objs))
+                and list(map(_data_ptr, self._aliased)) == self._ptrs)
 
     def __call__(self) -> Mapping[str, torch.Tensor]:
         if self._cache is None or not self._valid():

@@ -244,6 +244,28 @@ def test_cached_weights_reuses_the_mapping_until_a_parameter_is_replaced():
     assert torch.equal(fresh["0.weight"], torch.zeros(5, 6))
 
 
+def test_cached_weights_checks_data_pointers_of_what_the_mapping_aliases_only():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    calls = []
+
+    def adapters():  # like get_peft_model_state_dict: a subset of the parameters
+        calls.append(1)
+        return {"1.weight": model[1].weight.detach()}
+
+    weights = CachedWeights(model, adapters)
+    first = weights()
+    model[0].weight.data = torch.zeros(5, 6)  # a tensor the mapping does not hold moved: still valid
+    assert weights() is first and len(calls) == 1
+    model[1].weight.data = torch.ones(2, 5)  # what the mapping aliases moved (FlatKeeper does this): rebuilt
+    assert weights() is not first and len(calls) == 2
+    assert torch.equal(weights()["1.weight"], torch.ones(2, 5)) and len(calls) == 2
+    model[0] = torch.nn.Linear(6, 5)  # a replaced module: rebuilt
+    weights()
+    model.register_buffer("extra", torch.zeros(1))  # a new slot: rebuilt
+    weights()
+    assert len(calls) == 4
+
+
 def test_tied_weights_stay_tied_and_are_copied_once():
     emb = torch.randn(10, 4)
     tensors = {"embed.weight": emb, "lm_head.weight": emb, "other": torch.randn(3)}

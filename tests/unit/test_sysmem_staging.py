@@ -187,3 +187,32 @@ def test_the_default_probe_walks_the_hierarchy_once_and_reads_limits_every_time(
     second = probe()
     assert second.total_bytes == 512 << 20 and second.available_bytes == 256 << 20
     assert walked == []  # the levels were found when the probe was made
+
+
+def test_a_save_into_held_buffers_probes_memory_while_it_copies(store):
+    import threading
+
+    model, opt = _model()
+    _step(model, opt)
+    calls = []
+
+    def headroom():
+        calls.append(threading.current_thread().name)
+        return Headroom(total_bytes=1 << 40, available_bytes=1 << 39, source="cgroup")
+
+    engine = SaveEngine(store, headroom=headroom)
+    sources = StateSources(weights=model.state_dict, optimizer=opt)
+    calls.clear()  # the constructor's writer-mode check
+    engine.save(sources, SaveRequest(step=1, tiers=ALL_TIERS, reason="a"), rng={"seed": 1}).wait(60)
+    assert calls == [threading.current_thread().name]  # allocates: the plan comes first, on this thread
+    _step(model, opt)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    second = engine.save(sources, SaveRequest(step=2, tiers=ALL_TIERS, reason="b"), rng={"seed": 1})
+    assert second.staging == "buffered"
+    assert len(calls) == 2 and calls[1].startswith("hf_dynamic_ckpt-memprobe")  # reuses: probed meanwhile
+    second.wait(60)
+    loaded = store.load("step:2")
+    assert all(torch.equal(loaded.weights[k], v) for k, v in expected.items())
+    probe_threads = [t for t in threading.enumerate() if t.name.startswith("hf_dynamic_ckpt-memprobe")]
+    engine.close()
+    assert probe_threads and not any(t.is_alive() for t in probe_threads)
