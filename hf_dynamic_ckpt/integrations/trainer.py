@@ -3,10 +3,12 @@
 A thin adapter over `hf_dynamic_ckpt.checkpointer.Checkpointer`:
 
 - `on_train_begin`: installs the probes (loss hook, gradient norms, memory, SIGTERM flag,
-  the pre-clip norm recorder on `trainer.accelerator.clip_grad_norm_`) and, after a
-  `resume_checkpoint`, loads the optimizer and scheduler state straight from the store
-  into the optimizer and scheduler Trainer has just created.
-- `on_pre_optimizer_step`: pre-update capture; `on_step_end`: the decision. The tensors of
+  the pre-clip norm recorder on `trainer.accelerator.clip_grad_norm_`).
+- `on_pre_optimizer_step`: after a `resume_checkpoint`, the first one loads the optimizer and
+  scheduler state straight from the store into the optimizer and scheduler Trainer created
+  (the store decodes it in the background meanwhile, overlapping the first forward and
+  backward; with an AMP `GradScaler` this happens at `on_train_begin`, since the first
+  backward needs the loss scale). Then the pre-update capture; `on_step_end`: the decision. The tensors of
   a save are those of the step (RNG and data position taken at `on_step_end`), but the write
   starts at the next `on_step_begin` (or `on_train_end`), once Trainer has logged the step,
   evaluated and updated `best_*` and the flos: the stored `TrainerState` is the one Trainer
@@ -83,6 +85,7 @@ class SmartCkptCallback(TrainerCallback):
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
         self._pending: LoadedCheckpoint | None = None  # applied at every train begin of this train() (retries)
+        self._unapplied: tuple[LoadedCheckpoint, Any, Any] | None = None  # (loaded, optimizer, scheduler)
         self._state: TrainerState | None = None
         self._control: TrainerControl | None = None
         self._lr: float | None = None
@@ -137,8 +140,11 @@ class SmartCkptCallback(TrainerCallback):
                     f"resume_checkpoint prepared step {loaded.info.step} but Trainer resumed at global_step "
                     f"{state.global_step}: pass the path resume_checkpoint returned to trainer.train(resume_from_checkpoint=...)."
                 )
-            ck.complete_resume(loaded)
-            apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
+            if scaler is None:  # L1 is applied right before the first update: it decodes during the forward/backward
+                self._unapplied = (loaded, optimizer, lr_scheduler)
+            else:  # the loss scale is needed by the first backward
+                ck.complete_resume(loaded)
+                apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
         # The state training starts from can be captured before the first update (step-1 anomalies).
         ck.note_boundary(state.global_step, rng=loaded.rng if loaded is not None else None)
 
@@ -151,6 +157,7 @@ class SmartCkptCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
         if self.checkpointer is not None:
+            self._apply_resumed_optimizer()
             self.checkpointer.pre_update(state.global_step, epoch=state.epoch)
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -185,19 +192,32 @@ class SmartCkptCallback(TrainerCallback):
         if ck is None or ck.closed:
             return
         try:
+            self._apply_resumed_optimizer()  # no update ran: the final save holds the resumed state
             ck.release()
             last = ck.log.last_ok()
             if not ck.preempted and state.global_step > 0 and (last is None or last.step < state.global_step):
                 # The final state is the most valuable restore point; the write overlaps nothing.
                 ck.save_now(state.global_step, state.epoch or 0.0, reason="train_end", blocking=False)
         finally:
-            self._pending = None
+            self._pending = self._unapplied = None
             try:
                 ck.close()  # waits for the last write; the writer process ends with the training
             finally:
                 if dist.is_main():
                     remove_resume_folders(ck.root, ck.store.task_id)
         ck.exit_if_preempted()  # 128 + signal: the scheduler requeues the job (preemption_exit_code)
+
+    def _apply_resumed_optimizer(self) -> None:
+        """Wait for the resumed optimizer tier (agreed across ranks) and load it into Trainer's optimizer and scheduler.
+
+        Called at the first `on_pre_optimizer_step` after a resume (or at `on_train_end` when no update ran):
+        the first update is the first thing that reads the optimizer state, so its forward and backward
+        overlap the L1 decode that `resume_checkpoint` started."""
+        unapplied, self._unapplied = self._unapplied, None
+        if unapplied is not None and self.checkpointer is not None:
+            loaded, optimizer, scheduler = unapplied
+            self.checkpointer.complete_resume(loaded)
+            apply_optimizer_state(loaded, optimizer=optimizer, scheduler=scheduler, scaler=None)
 
     # ------------------------------------------------------------------ state for saves
     def _before_save(self, decision: Decision) -> None:
