@@ -200,6 +200,10 @@ def test_a_save_into_held_buffers_probes_memory_while_it_copies(store):
         calls.append(threading.current_thread().name)
         return Headroom(total_bytes=1 << 40, available_bytes=1 << 39, source="cgroup")
 
+    def probe_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("hf_dynamic_ckpt-memprobe")}
+
+    others = probe_threads()  # engines of earlier tests that were not closed
     engine = SaveEngine(store, headroom=headroom)
     sources = StateSources(weights=model.state_dict, optimizer=opt)
     calls.clear()  # the constructor's writer-mode check
@@ -213,6 +217,6 @@ def test_a_save_into_held_buffers_probes_memory_while_it_copies(store):
     second.wait(60)
     loaded = store.load("step:2")
     assert all(torch.equal(loaded.weights[k], v) for k, v in expected.items())
-    probe_threads = [t for t in threading.enumerate() if t.name.startswith("hf_dynamic_ckpt-memprobe")]
+    ours = probe_threads() - others
     engine.close()
-    assert probe_threads and not any(t.is_alive() for t in probe_threads)
+    assert len(ours) == 1 and not any(t.is_alive() for t in ours)
