@@ -89,9 +89,7 @@ class CachedWeights:
         for module in self._model.modules():
             for table in (module._modules, module._parameters, module._buffers):
                 self._tables.append(table)
-                for name, obj in table.items():
-                    if obj is None:
-                        continue
+                for name, obj in table.items():  # `None` slots too: a tensor set in one later is noticed
                     tables.append(table)
                     names.append(name)
                     objs.append(obj)
