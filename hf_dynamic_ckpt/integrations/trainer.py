@@ -66,7 +66,7 @@ class SmartCkptCallback(TrainerCallback):
         consolidate (`bool`, *optional*): keep the trainable parameters and their optimizer
             state in one flat buffer per device and dtype, so a snapshot is one copy
             (`hf_dynamic_ckpt.state.flat`). `None` (default): only for many small trainable
-            tensors (>= 32, <= 4 MiB on average: LoRA and other adapters); `True` / `False`: always / never.
+            tensors (>= 32, <= 1 MiB on average: LoRA and other adapters); `True` / `False`: always / never.
 
     Example:
         ```python

@@ -131,9 +131,9 @@ def test_default_is_on_only_for_many_small_trainable_tensors():
     assert not pays(lora) and not FlatKeeper(lora).enabled and FlatKeeper(lora, enabled=True).enabled
     many = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(16)])  # 32 small tensors
     assert pays(many) and FlatKeeper(many).enabled and not FlatKeeper(many, enabled=False).enabled
-    big = torch.nn.Sequential(*[torch.nn.Linear(2048, 1024, device="meta") for _ in range(16)])
-    assert not pays(big)  # 32 tensors, mean just over 4 MiB (an 8 MiB weight and a 4 KiB bias each)
-    assert pays(torch.nn.Sequential(*[torch.nn.Linear(2047, 1024, device="meta") for _ in range(16)]))
+    big = torch.nn.Sequential(*[torch.nn.Linear(512, 1024, device="meta") for _ in range(16)])
+    assert not pays(big)  # 32 tensors, mean just over 1 MiB (a 2 MiB weight and a 4 KiB bias each)
+    assert pays(torch.nn.Sequential(*[torch.nn.Linear(511, 1024, device="meta") for _ in range(16)]))  # 1 MiB
     big.requires_grad_(False)
     assert not pays(big)  # nothing trainable
 
