@@ -202,11 +202,13 @@ class ResumeState:
         store = self.ck.store
         if Tier.OPTIMIZER not in info.tiers:
             return None, None, None, "the checkpoint was saved without it"
+        # mmap=False: an uncompressed tier is copied here, off the training thread; mapped, the
+        # first update would take a copy-on-write fault per page of the moments it writes.
         try:
-            opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank)
+            opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank, mmap=False)
         except CorruptCheckpointError as first:
             try:
-                opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank)  # a transient read error
+                opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank, mmap=False)  # a transient read error
             except CorruptCheckpointError:
                 return None, store.load_scheduler_only(info), None, str(first)
         return opt.optimizer, opt.scheduler, opt.scaler, None

@@ -22,6 +22,12 @@ processes resume step 3, native / ours (zstd L1) / ours (uncompressed L1) altern
   forward and backward), so `resume` alone would flatter ours: this column counts the whole
   first step for both.
 
+- `fresh`: the same child without any resume (`trainer.train()` from step 0, no callback of
+  ours), from the `train` call to its first step's begin / end: what Trainer's start costs with
+  nothing to load (its `accelerator.free_memory()` runs a full `gc.collect()`, ~0.4 s with
+  torch and transformers imported on this machine, paid by every run). `over fresh` =
+  `resume` - fresh's, and `to step end over fresh` likewise: the work a resume adds.
+
 The table prints ratios ours / native (lower is better): medians over `--repeats` runs; page
 cache warm for all.
 """
@@ -101,9 +107,13 @@ def child(kind: str, mode: str, out: Path, result: Path) -> None:
         return
     from hf_dynamic_ckpt import resume_checkpoint
 
-    trainer = trainer_for(kind, out, native_save=False, smart=mode.startswith("ours"), max_steps=PREP_STEPS + 1,
-                          marks=marks, l1_none=mode == "ours_none")
+    trainer = trainer_for(kind, out, native_save=False, smart=mode.startswith("ours"),
+                          max_steps=1 if mode == "fresh" else PREP_STEPS + 1, marks=marks, l1_none=mode == "ours_none")
     marks["resume_start"] = time.time()
+    if mode == "fresh":
+        trainer.train()
+        result.write_text(json.dumps({**marks, "global_step": trainer.state.global_step + PREP_STEPS}))
+        return
     if mode.startswith("ours"):
         path = resume_checkpoint(trainer, f"step:{PREP_STEPS}")
     else:
@@ -154,7 +164,7 @@ def main() -> None:
         out.mkdir(parents=True)
         run_child(kind, "prepare", out)
         run_child(kind, "prepare_none", out)
-        modes = ("native", "ours", "ours_none")
+        modes = ("fresh", "native", "ours", "ours_none")
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         for _ in range(args.repeats):
             for mode in modes:
@@ -166,14 +176,23 @@ def main() -> None:
                 "ours_none": dir_bytes(out / store_dir(True) / "default" / f"step-{PREP_STEPS}")}
         rows.append((kind, med, size))
     print(f"{'kind':<6} {'mode':<26} {'startup s':>10} {'resume s':>9} {'ratio':>6} {'total s':>8} {'ratio':>6} "
-          f"{'to step end s':>13} {'ratio':>6} {'MB':>7}")
-    names = {"native": "native (Trainer)", "ours": "ours, L1 zstd (default)", "ours_none": "ours, L1 none (mmap)"}
+          f"{'to step end s':>13} {'ratio':>6} {'over fresh s':>12} {'ratio':>6} {'end over fresh s':>16} {'ratio':>6} "
+          f"{'MB':>7}")
+    names = {"fresh": "fresh start (no resume)", "native": "native (Trainer)", "ours": "ours, L1 zstd (default)",
+             "ours_none": "ours, L1 none (mmap)"}
     for kind, med, size in rows:
-        base = med["native"]
+        base, fresh = med["native"], med["fresh"]
         for m, v in med.items():
+            if m == "fresh":
+                print(f"{kind:<6} {names[m]:<26} {v['startup']:>10.2f} {v['resume']:>9.2f} {'':>6} {v['total']:>8.2f} "
+                      f"{'':>6} {v['to_end']:>13.2f}")
+                continue
+            over, end_over = v["resume"] - fresh["resume"], v["to_end"] - fresh["to_end"]
+            base_over, base_end = base["resume"] - fresh["resume"], base["to_end"] - fresh["to_end"]
             print(f"{kind:<6} {names[m]:<26} {v['startup']:>10.2f} {v['resume']:>9.2f} {v['resume'] / base['resume']:>6.2f} "
                   f"{v['total']:>8.2f} {v['total'] / base['total']:>6.2f} {v['to_end']:>13.2f} "
-                  f"{v['to_end'] / base['to_end']:>6.2f} {size[m] / 1e6:>7.1f}")
+                  f"{v['to_end'] / base['to_end']:>6.2f} {over:>12.2f} {over / base_over:>6.2f} {end_over:>16.2f} "
+                  f"{end_over / base_end:>6.2f} {size[m] / 1e6:>7.1f}")
 
 
 if __name__ == "__main__":

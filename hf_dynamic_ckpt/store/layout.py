@@ -210,7 +210,7 @@ def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], 
         structure = read_json(directory / OPTIMIZER_META_NAME)
         if not isinstance(structure, dict):
             raise CorruptCheckpointError(f"{directory / OPTIMIZER_META_NAME} is not a JSON object.")
-        tensors = read_tensor_file(directory / OPTIMIZER_NAME) if OPTIMIZER_NAME in names else {}
+        tensors = read_tensor_file(directory / OPTIMIZER_NAME, copy=not mmap) if OPTIMIZER_NAME in names else {}
         state = unflatten_state(structure, tensors)
         loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in L1_PARTS)
     if Tier.STATE in wanted:

@@ -101,7 +101,8 @@ class Reader:
             tiers (`Collection[Tier]`, *optional*, defaults to all tiers): what to read.
             rank (`int`, *optional*): whose RNG file to read; defaults to this store's rank.
             mmap (`bool`, *optional*, defaults to `True`): weights backed by a read-only
-                memory map (no copy); `False` reads them into memory.
+                memory map (no copy), and an uncompressed optimizer tier by a private one;
+                `False` reads both into memory.
 
         Returns:
             `LoadedCheckpoint`.

@@ -11,9 +11,8 @@ parts stored raw or zstd-compressed, whichever the part's sampled ratio favours
 release the GIL), decoded straight into the output tensors (via one scratch buffer per
 thread when a frame must be un-grouped or holds several tensors). Codec `Codec.NONE`: raw
 bytes at 64-byte-aligned offsets, returned as views of a private memory map after every
-frame's xxh3 is checked.
-Any truncation or flipped byte raises `CorruptCheckpointError`; a file of a container
-version other than 2 or 3 raises `FormatVersionError`.
+frame's xxh3 is checked (or copied, `copy=True`). Any truncation or flipped byte raises
+`CorruptCheckpointError`; a container version other than 2 or 3 raises `FormatVersionError`.
 """
 
 from __future__ import annotations
@@ -270,7 +269,7 @@ def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
         raise CorruptCheckpointError(f"Tensor file {path}: its {total} bytes of tensors cannot be allocated ({e}).") from e
 
 
-def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]:
+def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False) -> dict[str, torch.Tensor]:
     """Reads a container written by `write_tensor_file`, verifying it completely.
 
     Frames are checked (xxh3 of the stored frame; version 3: its part table; zstd content
@@ -283,20 +282,22 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
         path (`Path`): the file.
         threads (`int`, *optional*, defaults to `0`): frames decoded in parallel; `0` or `-1`
             use every CPU this process may run on, `1` decodes in the calling thread.
+        copy (`bool`, *optional*, defaults to `False`): an uncompressed container's tensors are
+            copied into memory now instead of mapped (for state updated in place right after:
+            mapped, each page's first write is a copy-on-write fault inside that update).
 
     Returns:
         `dict[str, torch.Tensor]`: the tensors, in the order they were written.
 
     Raises:
         `FormatVersionError`: the file's container version is neither 2 nor 3 (older or newer).
-        `CorruptCheckpointError`: missing, truncated, altered, or trailing data; raised
-        before any tensor is returned.
+        `CorruptCheckpointError`: missing, truncated, altered, or trailing data (before any tensor is returned).
     """
     path = Path(path)
     header, start, index = read_header(path)
     workers = resolve_threads(threads)
     if header["codec"] == Codec.NONE:
-        return _map_raw(path, header, start, index, workers)
+        return _map_raw(path, header, start, index, workers, copy)
     import mmap as mmap_mod
 
     import zstandard
@@ -364,8 +365,8 @@ def read_tensor_file(path: Path, *, threads: int = 0) -> dict[str, torch.Tensor]
     return {str(e["name"]): t for e, t in zip(entries, out)}
 
 
-def _map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[int, int, int]],
-             workers: int) -> dict[str, torch.Tensor]:
+def _map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[int, int, int]], workers: int,
+             copy: bool) -> dict[str, torch.Tensor]:
     """Tensors of an uncompressed container as views of a private memory map, after hashing each frame."""
     import mmap as mmap_mod
 
@@ -390,10 +391,10 @@ def _map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[i
             raise CorruptCheckpointError(f"Tensor file {path}: frame(s) {bad} fail their xxh3 checksum; the file is corrupt.")
     out: dict[str, torch.Tensor] = {}
     for entry in header["tensors"]:
-        dtype = DTYPES[entry["dtype"]]
+        dtype, shape, name = DTYPES[entry["dtype"]], entry["shape"], str(entry["name"])
         if entry["nbytes"] == 0 or mm is None:
-            out[str(entry["name"])] = torch.empty(entry["shape"], dtype=dtype)
+            out[name] = torch.empty(shape, dtype=dtype)
             continue
-        t = torch.frombuffer(mm, dtype=torch.uint8, count=entry["nbytes"], offset=start + entry["offset"])
-        out[str(entry["name"])] = t.view(dtype).view(entry["shape"])
+        t = torch.frombuffer(mm, dtype=torch.uint8, count=entry["nbytes"], offset=start + entry["offset"]).view(dtype)
+        out[name] = t.view(shape).clone() if copy else t.view(shape)
     return out
