@@ -11,13 +11,35 @@ from typing import Any
 from ..errors import SaveError
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def writer_threads(training_threads: int | None = None, local_world_size: int | None = None) -> int:
+    """zstd threads for a writer that runs beside training (the checkpointer's default).
+
+    This rank's share of the CPUs it may use (`LOCAL_WORLD_SIZE` ranks on the node, as
+    torchrun sets it) less the training's intra-op threads (`torch.get_num_threads()`), at
+    least 1. Every CPU (the store's own default) made steps that ran while a write was in
+    flight slower: on 2 cores, one training thread, a 42M full fine-tune, +6.5 to +19 % with
+    2 threads, +6 to +10 % with 1 (docs/benchmarks.md, "Round 2, fifth pass").
+    """
+    if training_threads is None:
+        import torch
+
+        training_threads = torch.get_num_threads()
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(1, _usable_cpus() // max(1, local_world_size) - training_threads)
+
+
 def resolve_threads(threads: int) -> int:
     """Maps the user-facing thread count to zstandard's (`0`/`-1`: all usable CPUs)."""
     if threads in (0, -1):
-        try:
-            n = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            n = os.cpu_count() or 1
+        n = _usable_cpus()
         return n if n > 1 else 0
     if threads < -1:
         raise SaveError(f"threads={threads} is invalid; use 0 or -1 (auto), 1 (no workers) or N > 1.")

@@ -353,3 +353,26 @@ def test_engine_preparation_waits_for_a_background_optimizer_read(tmp_path: Path
     ck2.attach(model2, optimizer=opt2)  # nothing read in the background: prepared at once
     assert prepared == [1, 1]
     ck2.close()
+
+
+def test_the_writer_compresses_on_the_cpus_training_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from hf_dynamic_ckpt.store import parallel
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert parallel.writer_threads(training_threads=4) == 12
+    assert parallel.writer_threads(training_threads=4, local_world_size=2) == 4  # 8 CPUs per rank
+    assert parallel.writer_threads(training_threads=16) == 1  # never 0: the write must go on
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's: 4 CPUs per rank
+    assert parallel.writer_threads(training_threads=1) == 3
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert parallel.writer_threads() == 1
+        ck, *_ = make(tmp_path)
+        assert ck.store.compression_threads == 1  # the checkpointer's store uses it (the store's own default: 0, all)
+        ck.close()
+    finally:
+        torch.set_num_threads(threads)
