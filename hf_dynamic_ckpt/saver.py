@@ -27,7 +27,6 @@ from .policy.retention import level_retention_from_config, plan_retention
 from .signals.frame import SignalFrame
 from .state import StateSources
 from .state.flat import FlatKeeper
-from .store.parallel import writer_threads
 from .store.spec import Lineage, SaveRequest
 from .store.store import CheckpointStore
 from .store.types import CheckpointInfo
@@ -54,7 +53,7 @@ def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: in
 
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
-                               compression_level=config.compression_level, compression_threads=writer_threads(),
+                               compression_level=config.compression_level,
                                compression=config.storage_levels.level_1.compression.value,
                                storage_options=config.remote_storage_options,
                                cache_dir=Path(config.remote_cache_dir) / f"rank-{rank}" if config.remote_cache_dir else None,

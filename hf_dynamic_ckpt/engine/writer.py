@@ -40,6 +40,7 @@ from ..config import EngineMode
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError, SaveError
 from ..state.sources import StateSources
+from ..store.parallel import beside_training
 from ..store.spec import SaveRequest
 from ..store.types import BlobRef, CheckpointInfo, CheckpointState
 from .dispatch import Dispatcher
@@ -120,7 +121,7 @@ class SaveEngine:
         mode = self._stager.writer_mode(mode)  # under a tight memory limit: no second interpreter
         self._snapshotter = self._new_snapshotter(shared=mode == EngineMode.PROCESS)
         self._save_fn = self._store_save
-        self._dispatch = Dispatcher(mode, self._save_fn, spec=lambda: store.spec,
+        self._dispatch = Dispatcher(mode, self._save_fn, spec=lambda: beside_training(store.spec),
                                     store_cls=type(store), pool=self._snapshotter.pool, nice=self.writer_nice,
                                     name=f"{id(self):x}")
         self._jobs = Jobs()

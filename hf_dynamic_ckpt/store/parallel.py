@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -9,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import SaveError
+from .spec import StoreSpec
 
 
 def _usable_cpus() -> int:
@@ -19,7 +21,7 @@ def _usable_cpus() -> int:
 
 
 def writer_threads(training_threads: int | None = None, local_world_size: int | None = None) -> int:
-    """zstd threads for a writer that runs beside training (the checkpointer's default).
+    """zstd threads for a writer that runs beside training (the writer process's, `beside_training`).
 
     This rank's share of the CPUs it may use (`LOCAL_WORLD_SIZE` ranks on the node, as
     torchrun sets it) less the training's intra-op threads (`torch.get_num_threads()`), at
@@ -34,6 +36,14 @@ def writer_threads(training_threads: int | None = None, local_world_size: int | 
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     return max(1, _usable_cpus() // max(1, local_world_size) - training_threads)
+
+
+def beside_training(spec: StoreSpec) -> StoreSpec:
+    """`spec` for a writer process: `writer_threads()` where it asks for every CPU (`0`), else as given.
+
+    A synchronous or emergency save, which training waits for, keeps every CPU (the store's own).
+    """
+    return dataclasses.replace(spec, compression_threads=writer_threads()) if spec.compression_threads == 0 else spec
 
 
 def resolve_threads(threads: int) -> int:

@@ -356,6 +356,7 @@ def test_engine_preparation_waits_for_a_background_optimizer_read(tmp_path: Path
 
 
 def test_the_writer_compresses_on_the_cpus_training_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
     import os
 
     from hf_dynamic_ckpt.store import parallel
@@ -372,7 +373,11 @@ def test_the_writer_compresses_on_the_cpus_training_leaves(tmp_path: Path, monke
         torch.set_num_threads(3)
         assert parallel.writer_threads() == 1
         ck, *_ = make(tmp_path)
-        assert ck.store.compression_threads == 1  # the checkpointer's store uses it (the store's own default: 0, all)
+        # The store itself (synchronous and emergency saves: training waits) keeps every CPU; the
+        # writer process is given the leftover ones, unless the store was set to a count.
+        assert ck.store.compression_threads == 0
+        assert ck.engine._dispatch._spec().compression_threads == 1
+        assert parallel.beside_training(dataclasses.replace(ck.store.spec, compression_threads=5)).compression_threads == 5
         ck.close()
     finally:
         torch.set_num_threads(threads)
