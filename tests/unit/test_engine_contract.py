@@ -123,6 +123,8 @@ def test_the_request_reaches_the_store_unchanged(tmp_path, mode):
 
 
 def test_the_writer_process_opens_the_store_from_the_same_spec_and_gets_the_request(tmp_path):
+    from hf_dynamic_ckpt.store.parallel import writer_threads
+
     store = _store(tmp_path, compression_level=5, codec="none", rank_timeout_s=42.0)
     model, opt = _model()
     engine = SaveEngine(store, mode="process")
@@ -133,7 +135,10 @@ def test_the_writer_process_opens_the_store_from_the_same_spec_and_gets_the_requ
     finally:
         engine.close()
     opened = json.loads((tmp_path / "opened.json").read_text())
-    assert opened == {"spec": {**dataclasses.asdict(store.spec), "codec": "none"}, "cleanup": False}
+    # The one difference: the store asks for every CPU; the writer process compresses on those training leaves.
+    assert store.spec.compression_threads == 0
+    assert opened == {"spec": {**dataclasses.asdict(store.spec), "codec": "none", "compression_threads": writer_threads()},
+                      "cleanup": False}
     assert (tmp_path / "requests.jsonl").read_text().splitlines() == [_request_json(REQUEST)]
     assert store.received == []  # written by the child's store, not the parent's
 
