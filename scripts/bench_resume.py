@@ -112,7 +112,7 @@ def child(kind: str, mode: str, out: Path, result: Path) -> None:
     marks["resume_start"] = time.time()
     if mode == "fresh":
         trainer.train()
-        result.write_text(json.dumps({**marks, "global_step": trainer.state.global_step + PREP_STEPS}))
+        result.write_text(json.dumps({**marks, "global_step": trainer.state.global_step}))
         return
     if mode.startswith("ours"):
         path = resume_checkpoint(trainer, f"step:{PREP_STEPS}")
@@ -133,7 +133,7 @@ def run_child(kind: str, mode: str, out: Path) -> dict[str, float]:
     if mode.startswith("prepare"):
         return {"seconds": time.time() - start}
     marks = json.loads(result.read_text())
-    assert marks["global_step"] == PREP_STEPS + 1, marks
+    assert marks["global_step"] == (1 if mode == "fresh" else PREP_STEPS + 1), marks
     return {"total": marks["first_step"] - start, "resume": marks["first_step"] - marks["resume_start"],
             "startup": marks["resume_start"] - start, "to_end": marks["first_step_end"] - marks["resume_start"]}
 

@@ -367,7 +367,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False) -> dic
 
 def _map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[int, int, int]], workers: int,
              copy: bool) -> dict[str, torch.Tensor]:
-    """Tensors of an uncompressed container as views of a private memory map, after hashing each frame."""
+    """Tensors of an uncompressed container as views of a private memory map (copies: `copy`), after hashing each frame."""
     import mmap as mmap_mod
 
     try:

@@ -472,19 +472,24 @@ def test_uncompressed_container_is_memory_mapped(tmp_path: Path, monkeypatch: py
         write_tensor_file(tensors, path, compression="gzip")
 
 
+def _overwrite_tensor_bytes(path: Path) -> None:
+    """Rewrites every tensor byte of an uncompressed container in place (same size)."""
+    header, start, _ = read_header(path)
+    with open(path, "r+b") as f:
+        for e in header["tensors"]:
+            f.seek(start + e["offset"])
+            f.write(bytes([0x7F]) * e["nbytes"])
+
+
 def test_uncompressed_container_read_with_copy_owns_its_memory(tmp_path: Path) -> None:
     # Linux: pages of a private map that were never written show later writes to the file;
     # a copied tensor does not. So an in-place rewrite of the file tells mapped from copied.
     tensors = {"m": torch.arange(4096, dtype=torch.float32), "v": torch.full((1024,), 2.0)}
     path = tmp_path / "raw.bin"
     write_tensor_file(tensors, path, compression="none")
-    header, start, _ = read_header(path)
     mapped, copied = read_tensor_file(path), read_tensor_file(path, copy=True)
     assert list(copied) == list(tensors) and all(_same(copied[k], t) for k, t in tensors.items())
-    with open(path, "r+b") as f:  # same size, every tensor byte changed
-        for e in header["tensors"]:
-            f.seek(start + e["offset"])
-            f.write(bytes([0x7F]) * e["nbytes"])
+    _overwrite_tensor_bytes(path)  # same size, every tensor byte changed
     assert all(_same(copied[k], t) for k, t in tensors.items())
     assert not _same(mapped["m"], tensors["m"])  # the control: a mapped tensor follows the file
     copied["m"].add_(1.0)
@@ -507,11 +512,8 @@ def test_store_writes_the_optimizer_tier_with_its_codec(tmp_path: Path, compress
     assert_identical(_key_sorted(opt.state_dict()), _key_sorted(loaded.optimizer))  # the store's JSON sorts keys
     assert_identical(_key_sorted(sched.state_dict()), _key_sorted(loaded.scheduler))
     copied = store.load(info, tiers={Tier.OPTIMIZER}, mmap=False)  # what a resume's background read asks for
-    header, start, _ = read_header(Path(info.path) / OPTIMIZER_NAME)
-    with open(Path(info.path) / OPTIMIZER_NAME, "r+b") as f:  # a mapped tensor would show this (see above)
-        for e in header["tensors"] if compression == "none" else ():
-            f.seek(start + e["offset"])
-            f.write(bytes([0x7F]) * e["nbytes"])
+    if compression == "none":
+        _overwrite_tensor_bytes(Path(info.path) / OPTIMIZER_NAME)  # a mapped tensor would show this (see above)
     assert_identical(_key_sorted(opt.state_dict()), _key_sorted(copied.optimizer))
 
 
