@@ -25,7 +25,7 @@ from .jsonutil import json_safe
 from .policy.decision import Decision, DecisionKind
 from .policy.retention import level_retention_from_config, plan_retention
 from .signals.frame import SignalFrame
-from .state import StateSources
+from .state import RawRngState, StateSources
 from .state.flat import FlatKeeper
 from .store.spec import Lineage, SaveRequest
 from .store.store import CheckpointStore
@@ -41,7 +41,7 @@ class HeldSave:
     decision: Decision
     step: int
     epoch: float
-    rng: dict[str, Any] | None
+    rng: dict[str, Any] | RawRngState | None
     sampler: dict[str, Any] | None
     frame: SignalFrame
 
@@ -141,7 +141,7 @@ class Saver:
 
     def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
              frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
-             rng: dict[str, Any] | None = None, sampler: dict[str, Any] | None = None,
+             rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
              blocking: bool = False) -> SaveEvent:
         """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it."""
         tiers = self._prepare(decision)

@@ -10,6 +10,7 @@ throughput, stored blobs) it reads from the job afterwards, on the training thre
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import DynamicCkptError, SaveError
+from ..state.rng import RawRngState
 from ..store.spec import SaveRequest
 from ..store.types import CheckpointInfo, CheckpointState
 from .snapshot import Snapshot
@@ -215,6 +217,8 @@ def run_job(job: Job, save: StoreSave) -> None:
         if job.abort.is_set():
             raise SaveError(f"aborted before it started: {job.abort.reason}")
         snapshot.wait_copies()
+        if isinstance(snapshot.state.rng, RawRngState):  # captured raw in the snapshot; converted here, off its path
+            snapshot.state = dataclasses.replace(snapshot.state, rng=snapshot.state.rng.to_json())
         timings = {"snapshot_ms": round(snapshot.blocking_s * 1e3, 3), "staging": handle.staging}
         info = save(snapshot.state, job.request, timings=timings, cancel=job.abort.is_set)
     except BaseException as e:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..constants import Tier
+from ..state.rng import RawRngState
 from ..state.sources import StateSources
 from ..store.types import BlobRef
 
@@ -150,7 +151,7 @@ class LiveState:
     optimizer: dict[str, Any] | None
     scheduler: dict[str, Any] | None
     scaler: dict[str, Any] | None
-    rng: dict[str, Any] | None
+    rng: dict[str, Any] | RawRngState | None
     sampler: dict[str, Any] | None
     extra: dict[str, Any]
 

@@ -31,6 +31,7 @@ import torch
 
 from ..constants import Tier
 from ..errors import SaveError
+from ..state.rng import RawRngState, capture_raw_rng_state
 from ..state.sources import StateSources
 from ..store.types import BlobRef, CheckpointState
 from .buffers import BufferPool, CudaCopier, Layout
@@ -85,7 +86,6 @@ class Snapshot:
         self.events = []
 
 
-
 class Snapshotter:
     """Reads `StateSources` and produces `Snapshot`s, owning the reusable buffers.
 
@@ -120,7 +120,7 @@ class Snapshotter:
         step: int,
         epoch: float,
         tiers: Iterable[Tier],
-        rng: dict[str, Any] | None = None,
+        rng: dict[str, Any] | RawRngState | None = None,
         sampler: dict[str, Any] | None = None,
     ) -> LiveState:
         """Read the sources for the given tiers without copying any large tensor.
@@ -130,7 +130,8 @@ class Snapshotter:
             step (`int`): optimizer steps completed.
             epoch (`float`): fractional epoch.
             tiers (`Iterable[Tier]`): tiers to include.
-            rng (`dict`, *optional*): RNG state to store instead of capturing it now.
+            rng (`dict | RawRngState`, *optional*): RNG state to store instead of capturing it now
+                (captured as a `RawRngState`: the writer converts it to JSON, off the training thread).
             sampler (`dict`, *optional*): data position to store instead of `sources.sampler()`.
 
         Returns:
@@ -181,12 +182,12 @@ class Snapshotter:
                 )
         rng_state = sampler_state = None
         if Tier.STATE in tiers:
-            if rng is not None:
+            if isinstance(rng, RawRngState):  # immutable copies already: the writer converts it (`run_job`)
+                rng_state = rng
+            elif rng is not None:
                 rng_state = clone_small(rng)
             else:
-                from ..state.rng import capture_rng_state
-
-                rng_state = capture_rng_state()
+                rng_state = capture_raw_rng_state()
             if sampler is not None:
                 sampler_state = clone_small(sampler)
             elif sources.sampler is not None:

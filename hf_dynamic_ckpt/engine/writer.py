@@ -39,7 +39,7 @@ from typing import Any
 from ..config import EngineMode
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError, SaveError
-from ..state.sources import StateSources
+from ..state import RawRngState, StateSources
 from ..store.parallel import beside_training
 from ..store.spec import SaveRequest
 from ..store.types import BlobRef, CheckpointInfo, CheckpointState
@@ -156,7 +156,7 @@ class SaveEngine:
         sources: StateSources,
         request: SaveRequest,
         *,
-        rng: dict[str, Any] | None = None,
+        rng: dict[str, Any] | RawRngState | None = None,
         sampler: dict[str, Any] | None = None,
         blocking: bool = False,
     ) -> SaveHandle:
@@ -234,7 +234,7 @@ class SaveEngine:
         request: SaveRequest,
         *,
         deadline_s: float,
-        rng: dict[str, Any] | None = None,
+        rng: dict[str, Any] | RawRngState | None = None,
         sampler: dict[str, Any] | None = None,
     ) -> CheckpointInfo | None:
         """Save synchronously within a deadline (preemption grace period), most valuable tiers first.

@@ -18,15 +18,17 @@ from .model import (
     trainable_state_dict,
 )
 from .optimizer import apply_optimizer_state, fast_forward_scheduler
-from .rng import capture_rng_state, restore_rng_state
+from .rng import RawRngState, capture_raw_rng_state, capture_rng_state, restore_rng_state
 from .sources import CachedWeights, StateSources
 
 __all__ = [
     "CachedWeights",
+    "RawRngState",
     "StateSources",
     "adapter_names",
     "apply_optimizer_state",
     "apply_weights",
+    "capture_raw_rng_state",
     "capture_rng_state",
     "check_weights",
     "expected_weights",

@@ -92,7 +92,8 @@ def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir:
             files[SAMPLER_NAME] = write_json(tmp / SAMPLER_NAME, json_safe(state.sampler), tier=Tier.STATE, rank=None)
     if state.rng is not None:
         name = RNG_NAME_TEMPLATE.format(rank=rank)
-        files[name] = write_json(tmp / name, state.rng, tier=Tier.STATE, rank=rank)
+        rng = state.rng.to_json() if hasattr(state.rng, "to_json") else state.rng  # a snapshot's raw capture
+        files[name] = write_json(tmp / name, rng, tier=Tier.STATE, rank=rank)
     return files, blobs
 
 

@@ -38,7 +38,8 @@ class CheckpointState:
         dedup_keys (`frozenset[str]`): weight keys to store content-addressed (frozen).
         optimizer / scheduler / scaler (`dict`, *optional*): L1, the objects' `state_dict()`
             forms. Written by rank 0 only.
-        rng (`dict`, *optional*): L2, this rank's RNG states (`store.rng.capture_rng_state`).
+        rng (`dict`, *optional*): L2, this rank's RNG states (`state.rng.capture_rng_state`); in a
+            snapshot, until its writer converts it, a `state.rng.RawRngState` (has `to_json()`).
         sampler (`dict`, *optional*): L2, data position (JSON-able), written by rank 0.
         extra (`dict`): JSON-able data that goes into the manifest's `extra` (e.g. the
             Trainer state needed to resume).
@@ -51,7 +52,7 @@ class CheckpointState:
     optimizer: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
     scaler: dict[str, Any] | None = None
-    rng: dict[str, Any] | None = None
+    rng: dict[str, Any] | Any | None = None
     sampler: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -106,7 +107,7 @@ class LoadedCheckpoint:
     optimizer: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
     scaler: dict[str, Any] | None = None
-    rng: dict[str, Any] | None = None
+    rng: dict[str, Any] | Any | None = None
     sampler: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)

@@ -112,6 +112,30 @@ def test_save_returns_before_write_and_later_steps_do_not_leak_into_it(store):
     assert handle.staging == "buffered" and handle.write_ms is not None
 
 
+def test_rng_captured_by_the_save_is_the_state_at_the_save_not_at_the_write(store, monkeypatch):
+    """Without an `rng` argument the snapshot captures the generators raw (`RawRngState`) and the writer
+    converts them, off the training thread: draws made meanwhile must not reach the stored state."""
+    from hf_dynamic_ckpt.state import RawRngState, restore_rng_state
+
+    converted_on = []
+    to_json = RawRngState.to_json
+    monkeypatch.setattr(RawRngState, "to_json", lambda self: converted_on.append(threading.get_ident()) or to_json(self))
+    model, opt, sched = _model()
+    gated = _GatedSave(store)
+    with SaveEngine(store, mode="thread") as engine:
+        handle = engine.save(_sources(model, opt, sched), SaveRequest(step=1, tiers=ALL_TIERS, reason="interval"))
+        expected = torch.rand(8)  # the draws that follow the save ...
+        assert gated.entered.wait(30)
+        torch.rand(100)  # ... and more while the write is held
+        gated.gate.set()
+        handle.wait(60)
+    assert len(converted_on) == 1 and converted_on[0] != threading.get_ident()
+    loaded = store.load("step:1")
+    assert isinstance(loaded.rng, dict) and loaded.rng["format_version"] == 1
+    restore_rng_state(loaded.rng)
+    assert torch.equal(torch.rand(8), expected)
+
+
 def test_background_failure_surfaces_and_previous_checkpoint_stays(store, monkeypatch, caplog):
     model, opt, _ = _model()
     engine = SaveEngine(store)

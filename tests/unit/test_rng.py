@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
-from hf_dynamic_ckpt.state.rng import RNG_FORMAT_VERSION, capture_rng_state, restore_rng_state
+from hf_dynamic_ckpt.state.rng import (
+    RNG_FORMAT_VERSION,
+    capture_raw_rng_state,
+    capture_rng_state,
+    restore_rng_state,
+    rng_json,
+)
 
 
 def _draw() -> list[Any]:
@@ -35,6 +41,19 @@ def test_round_trip_through_strict_json_is_exact() -> None:
     assert first != _draw()  # the generators really advance
     restore_rng_state(state)
     assert _draw() == first
+
+
+def test_a_raw_capture_is_the_json_capture_and_later_draws_do_not_reach_it() -> None:
+    random.gauss(0.0, 1.0)
+    np.random.standard_normal()
+    raw = capture_raw_rng_state()
+    assert raw.to_json() == capture_rng_state()  # the same state, the same JSON
+    first = _draw()  # the generators advance; the raw capture holds copies
+    later = capture_rng_state()
+    assert raw.to_json() != later
+    restore_rng_state(json.loads(json.dumps(rng_json(raw), allow_nan=False)))
+    assert _draw() == first
+    assert rng_json(later) is later and rng_json(None) is None
 
 
 def test_state_layout_and_version() -> None:
