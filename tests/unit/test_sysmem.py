@@ -216,7 +216,7 @@ def test_levels_without_a_limit_are_read_without_memory_stat_or_usage(tmp_path: 
     usages: list[Path] = []
     real_stat, real_int = sysmem.memory_stat, sysmem.read_int
     monkeypatch.setattr(sysmem, "memory_stat", lambda d: stats.append(d) or real_stat(d))
-    monkeypatch.setattr(sysmem, "read_int", lambda p: (usages.append(p.parent) if p.name in (
+    monkeypatch.setattr(sysmem, "read_int", lambda p: (usages.append(Path(p).parent) if Path(p).name in (
         "memory.usage_in_bytes", "memory.current") else None) or real_int(p))
     assert read_cgroup_memory(job) == CgroupMemory(limit_bytes=4 * GiB, current_bytes=GiB, inactive_file_bytes=100)
     assert stats == [job] and usages == [job]
