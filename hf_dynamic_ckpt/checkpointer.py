@@ -42,7 +42,7 @@ from .saver import HeldSave, Saver, exit_after_preemption, open_store_and_engine
 from .sensing import Sensors
 from .signals.frame import SignalFrame
 from .signals.probes import PreemptionFlag
-from .state import RawRngState, StateSources, capture_raw_rng_state
+from .state import RngState, StateSources, capture_raw_rng_state
 from .state.sharded import ShardedState
 from .state.support import check_model
 from .store.remote import is_url
@@ -112,7 +112,7 @@ class Checkpointer:
         self._sharded: ShardedState | None = None
         self.sensors: Sensors | None = None
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
-        self._boundary_rng: dict[str, Any] | RawRngState | None = None  # RNG at the end of the previous step
+        self._boundary_rng: RngState | None = None  # RNG at the end of the previous step
         self._boundary_step: int | None = None
         self.timeline = RunTimeline(self.store.task_dir, rank=self.rank)
         self._closed = False
@@ -205,7 +205,7 @@ class Checkpointer:
         """Start of an optimizer step: writes a save held since the previous `step_end` (`release`)."""
         self.release()
 
-    def note_boundary(self, step: int, rng: dict[str, Any] | RawRngState | None = None) -> None:
+    def note_boundary(self, step: int, rng: RngState | None = None) -> None:
         """Record the RNG state at the end of `step` (what a later pre-update capture or held save stores). Call it
         once when training starts (with the restored RNG after a resume) so the first step's update can be captured."""
         if self.config.pre_anomaly_capture or self.hold_saves:
@@ -308,7 +308,7 @@ class Checkpointer:
         return self._save(decision, step=step, epoch=epoch, at_step=step, blocking=blocking)
 
     # ------------------------------------------------------------------ saving
-    def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: dict[str, Any] | RawRngState | None = None,
+    def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: RngState | None = None,
               sampler: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
         assert self._sources is not None, "attach() first"
         return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, frame=self.last_frame,

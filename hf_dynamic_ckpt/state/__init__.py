@@ -18,12 +18,13 @@ from .model import (
     trainable_state_dict,
 )
 from .optimizer import apply_optimizer_state, fast_forward_scheduler
-from .rng import RawRngState, capture_raw_rng_state, capture_rng_state, restore_rng_state
+from .rng import RawRngState, RngState, capture_raw_rng_state, capture_rng_state, restore_rng_state
 from .sources import CachedWeights, StateSources
 
 __all__ = [
     "CachedWeights",
     "RawRngState",
+    "RngState",
     "StateSources",
     "adapter_names",
     "apply_optimizer_state",

@@ -70,6 +70,10 @@ class RawRngState:
         }
 
 
+RngState = dict[str, Any] | RawRngState
+"""An RNG state as saves take it: JSON-able (`capture_rng_state`) or raw (`capture_raw_rng_state`)."""
+
+
 def capture_raw_rng_state() -> RawRngState:
     """This process's RNG states, captured now and converted to JSON later (`RawRngState.to_json`)."""
     st: Any = np.random.get_state(legacy=False)
