@@ -69,6 +69,9 @@ class LevelConfig:
         compression (`str`, *optional*, defaults to `"none"`): `"none"`, `"zstd"` or `"gzip"`.
         compression_level (`int`, *optional*, defaults to `3`; `1` for `level_1`): zstd level, 1 to 19 (1 advised).
         device (`str`, *optional*): storage class label from the article (`ssd`, `nvme`); informative.
+        pace_to_disk (`bool`, *optional*, defaults to `True`): `level_1`, zstd, local root: while the disk
+            waits for the compressor, store slowly compressing parts raw (written at the disk's speed, a
+            larger file on a disk faster than the CPUs); `false`: compress all that compresses (smallest).
         retention_days (`float`, *optional*): files of this tier older than this are pruned
             (pinned checkpoints excepted). `None` keeps them.
     """
@@ -76,11 +79,13 @@ class LevelConfig:
     compression: Compression = Compression.NONE
     compression_level: int = 3
     device: str | None = None
+    pace_to_disk: bool = True
     retention_days: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compression", _enum(Compression, "compression", self.compression))
         _check(_is_int(self.compression_level) and 1 <= self.compression_level <= 19, "compression_level", self.compression_level, "1 <= level <= 19")
+        _check(isinstance(self.pace_to_disk, bool), "pace_to_disk", self.pace_to_disk, "true or false (a YAML boolean, not a string)")
         if self.retention_days is not None:
             _check(_is_number(self.retention_days) and self.retention_days > 0, "retention_days", self.retention_days, "a positive number or null")
 
@@ -99,16 +104,10 @@ class StorageLevels:
             if isinstance(value, Mapping):
                 object.__setattr__(self, name, _build(LevelConfig, value, f"storage_levels.{name}"))
             elif not isinstance(value, LevelConfig):
-                raise ConfigError(
-                    f"storage_levels.{name}={value!r} is invalid: expected a mapping such as "
-                    "{compression: zstd, compression_level: 3, retention_days: 7} (leave the key out for the defaults)."
-                )
-        _check(
-            self.level_0.compression == Compression.NONE,
-            "storage_levels.level_0.compression",
-            self.level_0.compression.value,
-            "'none' (weights stay uncompressed so they can be memory-mapped)",
-        )
+                raise ConfigError(f"storage_levels.{name}={value!r} is invalid: expected a mapping such as "
+                                  "{compression: zstd, compression_level: 3, retention_days: 7} (leave the key out for the defaults).")
+        _check(self.level_0.compression == Compression.NONE, "storage_levels.level_0.compression",
+               self.level_0.compression.value, "'none' (weights stay uncompressed so they can be memory-mapped)")
         Codec.parse(self.level_1.compression.value)  # the store's one vocabulary for the L1 codec
         if self.level_2.compression != Compression.NONE and _warn_once("level_2.compression"):
             # Accepted so the article's checkpoint_config.yaml loads as written, but not applied.
@@ -253,9 +252,8 @@ class SmartCkptConfig:
             _check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")
         _check(isinstance(self.task_id, str), "task_id", self.task_id, "a name (string)")
         if not isinstance(self.storage_levels, StorageLevels | Mapping):
-            raise ConfigError(
-                f"storage_levels={self.storage_levels!r} is invalid: expected a mapping with level_0 / level_1 / level_2."
-            )
+            raise ConfigError(f"storage_levels={self.storage_levels!r} is invalid: expected a mapping with level_0 / "
+                              "level_1 / level_2.")
         if isinstance(self.preemption_signals, str):
             set_(self, "preemption_signals", (self.preemption_signals,))  # one name: a list of one
         elif not isinstance(self.preemption_signals, list | tuple):

@@ -55,6 +55,7 @@ def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: in
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
                                compression_level=config.compression_level,
                                compression=config.storage_levels.level_1.compression.value,
+                               pace_to_disk=config.storage_levels.level_1.pace_to_disk,
                                storage_options=config.remote_storage_options,
                                cache_dir=Path(config.remote_cache_dir) / f"rank-{rank}" if config.remote_cache_dir else None,
                                retries=config.remote_retries, backoff_s=config.remote_backoff_s)

@@ -8,7 +8,10 @@ is shared):
 
 - the disk's floor: a raw write of the same bytes + fsync (what any codec must match);
 - the store's writer (`write_tensor_file`, container v3: frames of raw and zstd parts, the
-  store's default level 1) with each thread count of `--threads`; the same with zstd's own
+  store's default level 1) with each thread count of `--threads`, paced (the store's default
+  for a local root: no faster than the disk, and slowly compressing parts raw while the disk
+  waits for the compressor) and not paced (every part that compresses compressed, the
+  smallest file); the same with zstd's own
   level-1 match finder (to justify `tensorpack_codec.compression_params`); each level of
   `--levels` other than 1;
 - the previous store writer (container v2: every frame one zstd frame, level 1,
@@ -106,17 +109,18 @@ def main() -> None:
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
     scratch = Path(tempfile.mkdtemp(prefix="bench_l1-", dir=args.dir))
 
-    def v3(level: int, threads: int, finder: bool = False) -> Callable[[Path], object]:
+    def v3(level: int, threads: int, finder: bool = False, paced: bool = False) -> Callable[[Path], object]:
         def write(path: Path) -> object:
             if not finder:
-                return write_tensor_file(tensors, path, level=level, threads=threads)
+                return write_tensor_file(tensors, path, level=level, threads=threads, paced=paced)
             with mock.patch.object(tensorpack_codec, "compression_params", _default_match_finder):
                 return write_tensor_file(tensors, path, level=level, threads=threads)
         return write
 
     cases: dict[str, Callable[[Path], object]] = {FLOOR: lambda path: _raw_write(tensors, path)}
     for threads in (int(x) for x in args.threads.split(",")):
-        cases[f"v3 (store writer): level 1, {threads} thread(s)"] = v3(1, threads)
+        cases[f"v3 (store writer): level 1, {threads} thread(s), paced"] = v3(1, threads, paced=True)
+        cases[f"v3: level 1, {threads} thread(s), not paced"] = v3(1, threads)
     cases["v3, level 1 with zstd's own match finder, 2 threads"] = v3(1, 2, finder=True)
     for level in (int(x) for x in args.levels.split(",") if x):
         cases[f"v3, level {level}, 2 threads"] = v3(level, 2)

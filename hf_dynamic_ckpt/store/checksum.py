@@ -23,6 +23,7 @@ import hashlib
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -41,8 +42,40 @@ _MMAP_MIN = 1 << 20
 WRITEBACK_BYTES = 8 << 20
 """A `HashingWriter` asks the kernel to start writing its file back every this many bytes."""
 
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages in the range, do not wait
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4  # <linux/fs.h>
 _sync_file_range: Any = None  # resolved on first use: the libc function, or False where there is none
+
+PACE_WINDOW = 32 << 20
+"""A paced `HashingWriter` keeps at most about this many bytes between what is written and what is on disk."""
+DISK_BOUND_SHARE = 0.5
+"""A paced writer is disk-bound while more than this share of its recent time went into waiting for the disk
+(an average halved at each wait: one slow flush among fast ones does not flip it)."""
+BLOCKED_S = 0.0002
+"""A paced wait shorter than this did not block (the call on bytes already on disk takes ~10 us)."""
+
+
+def _range_sync(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+    """libc's `sync_file_range` (Python's `os` has none); `False` where it does not exist or fails."""
+    if not range_sync_available() or nbytes <= 0:
+        return False
+    return _sync_file_range(fd, offset, nbytes, flags) == 0
+
+
+def range_sync_available() -> bool:
+    """Whether libc has `sync_file_range` (Linux): writeback requests and paced writes are possible."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # ctypes releases the GIL while it waits
+            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (AttributeError, OSError):  # not Linux / not glibc or musl
+            pass
+    return bool(_sync_file_range)
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
@@ -50,28 +83,27 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
 
     The final `fsync` then waits only for what is still dirty instead of the whole file: the disk
     writes while the caller compresses or copies the next bytes, and the dirty page cache (which a
-    memory cgroup charges to the job) stays small. Python's `os` has no `sync_file_range`, so libc's
-    is called through `ctypes`.
+    memory cgroup charges to the job) stays small.
 
     Returns:
         `bool`: whether the request was made (`False` where the call does not exist or fails; the
         later `fsync` is what makes the file durable either way).
     """
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        try:
-            import ctypes
+    return _range_sync(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _sync_file_range = fn
-        except (AttributeError, OSError):  # not Linux / not glibc or musl
-            pass
-    if not _sync_file_range or nbytes <= 0:
-        return False
-    return _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
+
+def wait_written(fd: int, offset: int, nbytes: int) -> bool:
+    """Write `nbytes` of `fd` at `offset` to disk and wait until they are there (Linux).
+
+    Neither the file's metadata nor the device's cache is flushed: that is the final `fsync`'s
+    job. A paced writer calls this on the range `PACE_WINDOW` behind what it wrote, so that it
+    goes no faster than the disk and can tell whether the disk was waiting for it.
+
+    Returns:
+        `bool`: whether the call was made (`False` where it does not exist or fails).
+    """
+    return _range_sync(fd, offset, nbytes,
+                       _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
 
 
 class _Hasher:
@@ -184,17 +216,31 @@ class HashingWriter:
             buffers and hash them in `fsync_and_checksum`, while the kernel flushes the
             file, which hides the hashing time behind the fsync. Only for buffers that do
             not change until then (e.g. tensor snapshots); transient buffers need `False`.
+        paced (`bool`, *optional*, defaults to `False`): after each writeback request, wait
+            until the bytes `PACE_WINDOW` behind the end are on disk (`wait_written`), so the
+            writer goes at the disk's speed, and record in `disk_bound` whether the writer has
+            lately spent most of its time waiting (the disk sets the pace) or not (the disk
+            waits for the writer).
 
     Every `WRITEBACK_BYTES` written, the kernel is asked to start writing them to disk
     (`start_writeback`), so the final fsync waits for the tail, not the whole file.
     """
 
-    def __init__(self, raw: BinaryIO, *, defer: bool = False) -> None:
+    def __init__(self, raw: BinaryIO, *, defer: bool = False, paced: bool = False) -> None:
         self._raw = raw
         self._hasher = new_hasher()
         self._size = 0
         self._pending: list[memoryview] | None = [] if defer else None
         self._written_back = 0  # bytes before this offset were handed to start_writeback
+        self._paced = paced and range_sync_available()
+        self._on_disk = 0  # paced: bytes before this offset are known to be on disk
+        self._waiting_share = 0.0  # paced: recent share of time spent waiting for the disk
+        self._since = time.perf_counter()
+        self.disk_bound = not self._paced
+        """Whether the disk sets the pace (see `paced`): `False` until a wait shows it (the first `PACE_WINDOW` go
+        as fast as the writer can); `True` unpaced and where pacing is not possible."""
+        self.disk_wait_s = 0.0
+        """Seconds spent in paced waits."""
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -211,10 +257,26 @@ class HashingWriter:
     def _write_back(self) -> None:
         try:
             self._raw.flush()
-            started = start_writeback(self._raw.fileno(), self._written_back, self._size - self._written_back)
+            fd = self._raw.fileno()
+            started = start_writeback(fd, self._written_back, self._size - self._written_back)
         except (OSError, ValueError):  # no descriptor (an in-memory file): nothing to write back
             started = False
         self._written_back = self._size if started else 1 << 62  # unsupported here: stop asking
+        if not started and self._paced:
+            self._paced, self.disk_bound = False, True  # cannot tell who sets the pace: behave as unpaced
+        if self._paced and self._size - self._on_disk > PACE_WINDOW:
+            upto = self._size - PACE_WINDOW
+            start = time.perf_counter()
+            if not wait_written(fd, self._on_disk, upto - self._on_disk):
+                self._paced, self.disk_bound = False, True  # as above
+                return
+            end = time.perf_counter()
+            self._on_disk = upto
+            self.disk_wait_s += end - start
+            share = (end - start) / (end - self._since) if end - start > BLOCKED_S else 0.0  # since the last wait
+            self._waiting_share = 0.5 * self._waiting_share + 0.5 * share
+            self._since = end
+            self.disk_bound = self._waiting_share > DISK_BOUND_SHARE
 
     def tell(self) -> int:
         return self._size

@@ -62,6 +62,9 @@ class StoreSpec:
         codec (`Codec`, *optional*, defaults to `"zstd"`): L1 codec.
         compression_level (`int`, *optional*, defaults to `1`): zstd level of L1.
         compression_threads (`int`, *optional*, defaults to `0`): zstd threads (0: all CPUs).
+        pace_to_disk (`bool`, *optional*, defaults to `True`): write L1 no faster than the disk and,
+            while the disk waits, store slowly compressing parts raw (`write_tensor_file(paced=True)`);
+            not applied under an object-store root, whose upload is the slow link.
         rank_timeout_s (`float`, *optional*, defaults to `600.0`): how long rank 0 waits for the
             other ranks' files of one save.
         remote (`RemoteSpec`, *optional*): the object store behind `root` (then a local cache).
@@ -75,6 +78,7 @@ class StoreSpec:
     codec: Codec = Codec.ZSTD
     compression_level: int = 1
     compression_threads: int = 0
+    pace_to_disk: bool = True
     rank_timeout_s: float = 600.0
     remote: Any = None
     """`store.remote.RemoteSpec` when the root is a URL (`root` is then the local cache directory)."""

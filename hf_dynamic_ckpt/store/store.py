@@ -39,11 +39,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..constants import (
-    CATALOG_NAME,
-    DEFAULT_TASK_ID,
-    Tier,
-)
+from ..constants import CATALOG_NAME, DEFAULT_TASK_ID, Tier
 from ..errors import CheckpointNotFoundError, ConfigError, DynamicCkptError, SaveError
 from . import maintenance as mt
 from . import remote_sync as rs
@@ -79,6 +75,7 @@ class CheckpointStore(Reader, Lookup, Pins):
             on every rank (broadcast it). Generated when `world_size == 1`.
         compression_level (`int`, *optional*, defaults to `1`): zstd level of the optimizer tier.
         compression_threads (`int`, *optional*, defaults to `0`): zstd threads (0: all CPUs).
+        pace_to_disk (`bool`, *optional*, defaults to `True`): see `StoreSpec`.
         compression (`str` or `Codec`, *optional*, defaults to `"zstd"`): codec of the optimizer
             tier, `"zstd"` or `"none"` (larger file, memory-mapped on load).
         rank_timeout_s (`float`, *optional*, defaults to `600.0`): how long rank 0 waits for the
@@ -105,18 +102,16 @@ class CheckpointStore(Reader, Lookup, Pins):
 
     def __init__(self, root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID, rank: int = 0,
                  world_size: int = 1, session_id: str | None = None, compression_level: int = 1,
-                 compression_threads: int = 0, compression: Codec | str = Codec.ZSTD, rank_timeout_s: float = 600.0,
-                 cleanup: bool = True, read_only: bool = False, takeover: bool = False,
+                 compression_threads: int = 0, compression: Codec | str = Codec.ZSTD, pace_to_disk: bool = True,
+                 rank_timeout_s: float = 600.0, cleanup: bool = True, read_only: bool = False, takeover: bool = False,
                  storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
                  retries: int = 5, backoff_s: float = 0.5) -> None:
         root, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
                                   retries=retries, backoff_s=backoff_s)
         if session_id is None:
             if world_size > 1:
-                raise ConfigError(
-                    "session_id=None is invalid with world_size > 1: every rank must use the same id; "
-                    "create one on rank 0 and broadcast it (distributed.broadcast_object)."
-                )
+                raise ConfigError("session_id=None is invalid with world_size > 1: every rank must use the same id; "
+                                  "create one on rank 0 and broadcast it (distributed.broadcast_object).")
             session_id = new_session_id()
         try:
             codec = Codec.parse(compression, field="compression")
@@ -125,7 +120,8 @@ class CheckpointStore(Reader, Lookup, Pins):
                               "'none'.") from None
         spec = StoreSpec(root=str(Path(root).absolute()), task_id=task_id, rank=rank, world_size=world_size,
                          session_id=session_id, codec=codec, compression_level=compression_level,
-                         compression_threads=compression_threads, rank_timeout_s=float(rank_timeout_s), remote=remote)
+                         compression_threads=compression_threads, pace_to_disk=bool(pace_to_disk),
+                         rank_timeout_s=float(rank_timeout_s), remote=remote)
         self._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=True)
 
     @classmethod

@@ -78,16 +78,12 @@ def _check(name: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise SaveError(f"Tensor {name!r} is a {type(t).__name__}, expected a torch.Tensor.")
     if t.dtype not in NAMES:
-        raise SaveError(
-            f"Tensor {name!r} has dtype {t.dtype}, which the L1 container does not support; "
-            f"supported: {', '.join(sorted(DTYPES))}. Cast it before saving."
-        )
+        raise SaveError(f"Tensor {name!r} has dtype {t.dtype}, which the L1 container does not support; "
+                        f"supported: {', '.join(sorted(DTYPES))}. Cast it before saving.")
     if t.layout != torch.strided:
         raise SaveError(f"Tensor {name!r} has layout {t.layout}; convert it with `.to_dense()` first.")
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return t.contiguous()
+    return (t if t.device.type == "cpu" else t.to("cpu")).contiguous()
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -137,7 +133,7 @@ def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np
 
 def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level: int = 3, threads: int = 0,
                       byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD,
-                      container_version: int = CONTAINER_VERSION) -> FileEntry:
+                      container_version: int = CONTAINER_VERSION, paced: bool = False) -> FileEntry:
     """Writes tensors to the L1 container (independent frames of raw and zstd parts, or uncompressed), fsynced.
 
     Args:
@@ -156,6 +152,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         container_version (`int`, *optional*, defaults to `3`): `2` writes the previous
             layout (each frame one zstd frame), for a reader older than version 3 and for
             compatibility tests.
+        paced (`bool`, *optional*, defaults to `False`): v3: stay `checksum.PACE_WINDOW` bytes ahead of
+            the disk at most; while the disk waits, slowly compressing parts are stored raw (docs/internals.md).
 
     Returns:
         `FileEntry`: size and checksum of the written file (tier `"optimizer"`).
@@ -196,7 +194,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
     datas = [_bytes_of(checked[str(e["name"])]) for e in entries]
     index: list[tuple[int, int]] = []
     with create(path) as raw:
-        f = HashingWriter(raw)
+        f = HashingWriter(raw, paced=paced and codec == Codec.ZSTD and container_version == 3)
         f.write(PREFIX.pack(MAGIC, len(header)))
         f.write(header)
         f.write(CRC.pack(zlib.crc32(header)))
@@ -206,6 +204,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
 
             local, pool = threading.local(), tpc.BufferPool()
             params = tpc.compression_params(level) if container_version == 3 else None
+            hurry = (lambda: not f.disk_bound) if paced else None
 
             def compress(frame: list[Run]) -> tuple[list[Any], int, int, np.ndarray | None]:
                 cctx = getattr(local, "cctx", None)
@@ -218,7 +217,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
                     whole = tpc.encode_whole(cctx, data)
                     pool.give(scratch)  # one zstd frame: nothing refers to the buffer any more
                     return (*whole, None)
-                return (*tpc.encode_parts(cctx, data, tpc.part_bounds(frame, entries, gce)), scratch)
+                return (*tpc.encode_parts(cctx, data, tpc.part_bounds(frame, entries, gce), hurry), scratch)
 
             plan = list(frames(entries, gce, frame_bytes))
             for chunks, length, digest, scratch in _ordered_map(compress, plan, workers if len(plan) > 1 else 0):

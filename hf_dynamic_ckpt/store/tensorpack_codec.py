@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,9 @@ SAMPLE_SLICE = 16 << 10
 """A part larger than `SAMPLE_SLICES * SAMPLE_SLICE` is judged by compressing that many slices of it."""
 KEEP_RATIO = 0.9
 """A part is stored compressed only when zstd makes it at most this fraction of its size."""
+HURRY_RATIO = 0.1
+"""While the disk waits for the compressor (a paced write), only parts whose sample compresses to at most this
+fraction are compressed: runs of zeros and the like, which zstd compresses faster than the disk writes them."""
 
 
 def compression_params(level: int) -> Any:
@@ -92,18 +96,22 @@ def part_bounds(frame: list[Run], entries: list[dict[str, Any]], gce: int) -> li
     return bounds
 
 
-def _worth_compressing(cctx: Any, part: np.ndarray) -> bool:
-    """Whether zstd is estimated to make `part` at most `KEEP_RATIO` of its size (sampled)."""
+def _worth_compressing(cctx: Any, part: np.ndarray, limit: float = KEEP_RATIO) -> bool:
+    """Whether zstd is estimated to make `part` at most `limit` of its size (sampled)."""
     n = part.nbytes
     if n <= SAMPLE_SLICES * SAMPLE_SLICE:
         return True  # compressed whole; the result decides
     stride = (n - SAMPLE_SLICE) // (SAMPLE_SLICES - 1)
     got = sum(len(cctx.compress(part[j * stride : j * stride + SAMPLE_SLICE])) for j in range(SAMPLE_SLICES))
-    return got <= KEEP_RATIO * SAMPLE_SLICES * SAMPLE_SLICE
+    return got <= limit * SAMPLE_SLICES * SAMPLE_SLICE
 
 
-def encode_parts(cctx: Any, data: np.ndarray, bounds: list[int]) -> tuple[list[Any], int, int]:
+def encode_parts(cctx: Any, data: np.ndarray, bounds: list[int],
+                 hurry: Callable[[], bool] | None = None) -> tuple[list[Any], int, int]:
     """A version-3 frame: part table, then each part raw or compressed.
+
+    `hurry`, asked before each part: `True` while the disk waits for the writer; then only
+    parts sampled at most `HURRY_RATIO` are compressed (the rest raw, which costs no CPU).
 
     Returns:
         `tuple`: (chunks to write in order: bytes or views of `data`, stored length, xxh3_64).
@@ -112,7 +120,7 @@ def encode_parts(cctx: Any, data: np.ndarray, bounds: list[int]) -> tuple[list[A
     for lo, hi in itertools.pairwise(bounds):
         part = data[lo:hi]
         stored: Any = part
-        if _worth_compressing(cctx, part):
+        if _worth_compressing(cctx, part, HURRY_RATIO if hurry is not None and hurry() else KEEP_RATIO):
             co = cctx.compressobj(size=hi - lo)  # the streaming API: less CPU than one-shot `compress()` here
             packed = co.compress(part) + co.flush()
             if len(packed) <= KEEP_RATIO * (hi - lo):

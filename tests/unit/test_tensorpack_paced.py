@@ -1,0 +1,239 @@
+"""A paced L1 write: no faster than the disk, and no slower either (issue 15, goal 4).
+
+`HashingWriter(paced=True)` waits, after each writeback request, for the bytes
+`PACE_WINDOW` behind the end to be on disk, and records whether that wait blocked. While it
+does not (the disk waits for the writer), `write_tensor_file(paced=True)` stores the parts
+that compress slowly raw. The disk's speed is simulated here by the time `wait_written` takes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_tensorpack_v3 import _assert_same, _frames, _table
+
+import hf_dynamic_ckpt.store.checksum as checksum
+import hf_dynamic_ckpt.store.tensorpack as tp
+import hf_dynamic_ckpt.store.tensorpack_codec as codec
+from hf_dynamic_ckpt.store.checksum import HashingWriter, file_checksum, wait_written
+from hf_dynamic_ckpt.store.tensorpack import read_tensor_file, write_tensor_file
+
+
+def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float) -> list[tuple[int, int]]:
+    """Every writeback request succeeds; each wait takes the next of `seconds` (or always `seconds`)."""
+    waits: list[tuple[int, int]] = []
+    monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: True)
+
+    def wait(fd: int, off: int, n: int) -> bool:
+        waits.append((off, n))
+        wait_s = seconds[len(waits) - 1] if isinstance(seconds, list) else seconds
+        if wait_s:
+            time.sleep(wait_s)
+        return True
+
+    monkeypatch.setattr(checksum, "wait_written", wait)
+    return waits
+
+
+def test_paced_writer_waits_for_the_range_a_window_behind_and_tells_who_set_the_pace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(checksum, "PACE_WINDOW", 3000)
+    waits = _disk(monkeypatch, [0.05, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0])  # blocking waits, then a disk already done
+    seen = []
+    with open(tmp_path / "f", "wb") as raw:
+        w = HashingWriter(raw, paced=True)
+        assert not w.disk_bound  # before any wait: as fast as the writer can, until the disk shows it is behind
+        for _ in range(10):
+            time.sleep(0.002)  # the writer's own work between writes
+            w.write(b"x" * 1000)
+            seen.append(w.disk_bound)
+    # After 4000 bytes the first 1000 must be on disk, then each further 1000, in order, none twice.
+    assert waits == [(0, 1000), (1000, 1000), (2000, 1000), (3000, 1000), (4000, 1000), (5000, 1000), (6000, 1000)]
+    # The share of time spent waiting (~0.95 for a blocking wait), averaged, halved at each wait: 0 before,
+    # then ~0.48, ~0.71, ~0.36, ~0.18, ...: one blocking wait is not enough, two are, one free wait undoes them.
+    assert seen == [False, False, False, False, True, False, False, False, False, False]
+    assert 0.1 <= w.disk_wait_s < 1.0
+    assert w.checksum() == file_checksum(tmp_path / "f")
+
+
+def test_unpaced_writer_never_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(checksum, "PACE_WINDOW", 1000)
+    waits = _disk(monkeypatch, 0.0)
+    with open(tmp_path / "f", "wb") as raw:
+        w = HashingWriter(raw)
+        for _ in range(10):
+            w.write(b"x" * 1000)
+    assert waits == [] and w.disk_bound and w.disk_wait_s == 0.0
+
+
+def test_pacing_stops_where_the_wait_is_unsupported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(checksum, "PACE_WINDOW", 1000)
+    monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: True)
+    calls = []
+    monkeypatch.setattr(checksum, "wait_written", lambda fd, off, n: calls.append(n) or False)
+    with open(tmp_path / "f", "wb") as raw:
+        w = HashingWriter(raw, paced=True)
+        for _ in range(10):
+            w.write(b"x" * 1000)
+    assert calls == [1000]  # asked once, then never again
+    assert w.disk_bound  # cannot tell who sets the pace: compress, as unpaced
+
+
+def test_a_paced_writer_without_writeback_requests_behaves_as_unpaced(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
+    with open(tmp_path / "f", "wb") as raw:
+        monkeypatch.setattr(checksum, "_sync_file_range", False)  # no sync_file_range (not Linux)
+        assert HashingWriter(raw, paced=True).disk_bound
+        monkeypatch.setattr(checksum, "_sync_file_range", None)
+        monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: False)  # the request fails
+        w = HashingWriter(raw, paced=True)
+        assert not w.disk_bound
+        w.write(b"x" * 1000)
+        assert w.disk_bound  # every part that compresses is compressed, as unpaced
+
+
+def test_wait_written_on_a_real_file(tmp_path: Path) -> None:
+    import sys
+
+    with open(tmp_path / "f", "wb") as f:
+        f.write(b"y" * 65536)
+        f.flush()
+        waited = wait_written(f.fileno(), 0, 65536)
+        assert wait_written(f.fileno(), 0, 0) is False
+    assert waited is sys.platform.startswith("linux")
+    assert (tmp_path / "f").read_bytes() == b"y" * 65536
+
+
+def _state() -> dict[str, torch.Tensor]:
+    """Frames of dense fp32 (the exponent plane compresses slowly, the rest not at all) and of zeros."""
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for i in range(6):
+        out[f"dense{i}"] = torch.randn(1 << 18, generator=g)  # 1 MiB: planes of 256 KiB, 256 KiB, 512 KiB
+        out[f"zeros{i}"] = torch.zeros(1 << 18)
+    return out
+
+
+def _kinds_by_frame(path: Path) -> list[list[int]]:
+    """The part kinds of each frame, in file order (here a frame is one tensor: top, second and low planes)."""
+    return [[kind for kind, _, _, _ in _table(frame)] for frame in _frames(path)]
+
+
+@pytest.fixture
+def small_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tp, "FRAME_BYTES", 1 << 20)  # one tensor per frame
+    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 64 << 10)
+    monkeypatch.setattr(checksum, "PACE_WINDOW", 128 << 10)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_while_the_disk_waits_slow_parts_are_stored_raw_and_zeros_still_compressed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None, threads: int) -> None:
+    _disk(monkeypatch, 0.0)  # a disk that is never behind
+    monkeypatch.setattr(checksum, "BLOCKED_S", 0.05)  # nor seen so when another thread holds the GIL a while
+    tensors = _state()
+    paced, plain = tmp_path / "paced.bin", tmp_path / "plain.bin"
+    write_tensor_file(tensors, paced, level=1, threads=threads, paced=True)
+    write_tensor_file(tensors, plain, level=1, threads=threads)
+    frames = _kinds_by_frame(paced)
+    assert len(frames) == 12 and all(len(kinds) == 3 for kinds in frames)
+    dense, zeros = frames[0::2], frames[1::2]
+    assert all(kinds[1:] == [codec.PART_RAW] * 2 for kinds in dense)  # random bytes: raw in any case
+    assert [kinds[0] for kinds in dense] == [codec.PART_RAW] * 6  # the exponent plane: raw, which costs no CPU
+    assert zeros == [[codec.PART_ZSTD] * 3] * 6  # compresses faster than it would be written: always
+    assert all(kinds[0] == codec.PART_ZSTD for kinds in _kinds_by_frame(plain)[0::2])
+    assert plain.stat().st_size < paced.stat().st_size < sum(t.numel() * 4 for t in tensors.values())
+    for path in (paced, plain):
+        _assert_same(read_tensor_file(path), tensors)
+
+
+def test_once_the_disk_sets_the_pace_the_paced_file_is_the_unpaced_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
+    waits = _disk(monkeypatch, 0.002)  # every wait blocks: the writer is ahead of the disk
+    tensors = _state()
+    paced, plain = tmp_path / "paced.bin", tmp_path / "plain.bin"
+    write_tensor_file(tensors, paced, level=1, threads=1, paced=True)
+    assert len(waits) > 10  # the write was paced
+    write_tensor_file(tensors, plain, level=1, threads=1)
+    frames = _kinds_by_frame(paced)
+    assert frames[0] == [codec.PART_RAW] * 3  # encoded before the first wait: as fast as possible
+    assert frames[1:] == _kinds_by_frame(plain)[1:]  # then every part that compresses, as unpaced
+    assert _frames(paced)[1:] == _frames(plain)[1:]
+    _assert_same(read_tensor_file(paced), tensors)
+
+
+def test_only_a_compressed_v3_write_is_paced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             small_frames: None) -> None:
+    waits = _disk(monkeypatch, 0.0)
+    tensors = _state()
+    for kwargs in ({"compression": "none"}, {"container_version": 2}):
+        path = tmp_path / "t.bin"
+        write_tensor_file(tensors, path, paced=True, **kwargs)
+        _assert_same(read_tensor_file(path, copy=True), tensors)
+    assert waits == []
+
+
+def _spy_paced(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    seen: list[bool] = []
+    real = tp.write_tensor_file
+
+    def spy(*args, paced: bool = False, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(paced)
+        return real(*args, paced=paced, **kwargs)
+
+    monkeypatch.setattr(tp, "write_tensor_file", spy)
+    return seen
+
+
+def _save(store, step: int):  # type: ignore[no-untyped-def]
+    from hf_dynamic_ckpt.store.types import CheckpointState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return store.save(CheckpointState(step=step, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
+
+
+def test_the_store_paces_a_local_l1_write_unless_told_not_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_dynamic_ckpt.store.store import CheckpointStore
+
+    seen = _spy_paced(monkeypatch)
+    _save(CheckpointStore(tmp_path / "a"), 1)
+    _save(CheckpointStore(tmp_path / "b", pace_to_disk=False), 1)
+    assert seen == [True, False]
+
+
+def test_an_object_store_root_compresses_every_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_dynamic_ckpt.store.store import CheckpointStore
+
+    seen = _spy_paced(monkeypatch)
+    store = CheckpointStore(f"file://{tmp_path / 'bucket'}/run", cache_dir=tmp_path / "cache")
+    info = _save(store, 1)
+    assert seen == [False]  # the upload, not the local cache's disk, is the slow link
+    assert store.load(info).optimizer is not None
+
+
+def test_pace_to_disk_is_a_level_setting_that_reaches_the_store(tmp_path: Path) -> None:
+    from hf_dynamic_ckpt.config import SmartCkptConfig
+    from hf_dynamic_ckpt.errors import ConfigError
+    from hf_dynamic_ckpt.saver import open_store_and_engine
+
+    assert SmartCkptConfig().storage_levels.level_1.pace_to_disk is True
+    config = SmartCkptConfig.from_dict({"storage_levels": {"level_1": {"compression": "zstd", "pace_to_disk": False}}})
+    store, engine = open_store_and_engine(config, tmp_path / "store", rank=0, world_size=1, session_id="s1")
+    try:
+        assert store.spec.pace_to_disk is False
+    finally:
+        engine.close()
+        store.close()
+    with pytest.raises(ConfigError, match=r"pace_to_disk='no' is invalid: expected true or false"):
+        SmartCkptConfig.from_dict({"storage_levels": {"level_1": {"pace_to_disk": "no"}}})
