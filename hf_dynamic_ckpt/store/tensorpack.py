@@ -32,6 +32,7 @@ import xxhash
 from ..constants import Tier
 from ..errors import ConfigError, CorruptCheckpointError, SaveError
 from . import tensorpack_codec as tpc
+from .byteplanes import _group, _group_into, _ungroup_into
 from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
 from .fs import create, open_read
 from .parallel import ordered_map as _ordered_map
@@ -51,10 +52,7 @@ from .tensorpack_format import (
     READ_VERSIONS,
     Piece,
     Run,
-    _group,
-    _group_into,
     _plan,
-    _ungroup_into,
     frames,
     index_bytes,
     pieces,

@@ -101,9 +101,12 @@ def _worth_compressing(cctx: Any, part: np.ndarray, limit: float = KEEP_RATIO) -
     n = part.nbytes
     if n <= SAMPLE_SLICES * SAMPLE_SLICE:
         return True  # compressed whole; the result decides
-    stride = (n - SAMPLE_SLICE) // (SAMPLE_SLICES - 1)
-    got = sum(len(cctx.compress(part[j * stride : j * stride + SAMPLE_SLICE])) for j in range(SAMPLE_SLICES))
-    return got <= limit * SAMPLE_SLICES * SAMPLE_SLICE
+    stride, budget, got = (n - SAMPLE_SLICE) // (SAMPLE_SLICES - 1), limit * SAMPLE_SLICES * SAMPLE_SLICE, 0
+    for j in range(SAMPLE_SLICES):
+        got += len(cctx.compress(part[j * stride : j * stride + SAMPLE_SLICE]))
+        if got > budget:  # decided: the remaining slices cannot bring it back under (a paced write: often the 2nd)
+            return False
+    return True
 
 
 def encode_parts(cctx: Any, data: np.ndarray, bounds: list[int],

@@ -16,7 +16,7 @@ codec "zstd": a frame holds one or more pieces of at most `group_chunk_elems` el
 tensor, packed in tensor order up to `frame_bytes` raw bytes (`frames`; reader and writer
 derive the same plan from the header). Float pieces can be byte-grouped: the top byte of
 every element (sign + exponent), then the second byte, then the remaining low mantissa
-bytes (`_group_into`). The concatenated (grouped) pieces are the frame's raw bytes; how
+bytes (`byteplanes`). The concatenated (grouped) pieces are the frame's raw bytes; how
 they are stored depends on the version:
 
 - version 3: the frame's stored bytes are a part table and the parts::
@@ -54,7 +54,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, FormatVersionError
@@ -95,54 +94,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 NAMES = {v: k for k, v in DTYPES.items()}
 GROUPABLE = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
-GROUP_BLOCK = 1 << 15
-"""Elements grouped per block by `_group_into` (the block's source and its plane slices stay in cache)."""
 
 Piece = tuple[int, int, int]
 """(tensor index, first byte, end byte) of a tensor's raw bytes; a grouped piece is grouped on its own."""
 Run = tuple[int, int, int]
 """(tensor index, first byte, end byte): consecutive pieces of one tensor inside one frame."""
-
-
-def _group_into(raw: np.ndarray, out: np.ndarray, itemsize: int) -> None:
-    """Writes `raw` as [top byte plane][second byte plane][remaining low bytes] into `out`.
-
-    The two top bytes hold sign, exponent and the high mantissa bits (the compressible
-    part of optimizer state); the low mantissa bytes are close to random and stay
-    interleaved, which halves the cost of the shuffle (about 1.2 GB/s vs 0.7 GB/s for
-    a full byte transpose here) for the same compression ratio on AdamW state. For
-    2-byte types this is the full byte transpose.
-    """
-    n, rest = raw.size // itemsize, itemsize - 2
-    for lo in range(0, n, GROUP_BLOCK):  # cache-sized blocks: ~1.4x faster than whole planes (3 strided passes)
-        hi = min(lo + GROUP_BLOCK, n)
-        block = raw[lo * itemsize : hi * itemsize]
-        out[lo:hi] = block[itemsize - 1 :: itemsize]
-        out[n + lo : n + hi] = block[itemsize - 2 :: itemsize]
-        if itemsize == 4:
-            out[2 * n + 2 * lo : 2 * n + 2 * hi].view(np.uint16)[:] = block.view(np.uint16)[0::2]
-        elif rest:
-            out[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)[...] = block.reshape(hi - lo, itemsize)[:, :rest]
-
-
-def _group(raw: np.ndarray, itemsize: int) -> np.ndarray:
-    """`_group_into` a new array."""
-    out = np.empty(raw.size, dtype=np.uint8)
-    _group_into(raw, out, itemsize)
-    return out
-
-
-def _ungroup_into(grouped: np.ndarray, out: np.ndarray, itemsize: int) -> None:
-    n, rest = out.size // itemsize, itemsize - 2
-    for lo in range(0, n, GROUP_BLOCK):  # cache-sized blocks, as `_group_into`
-        hi = min(lo + GROUP_BLOCK, n)
-        block = out[lo * itemsize : hi * itemsize]
-        block[itemsize - 1 :: itemsize] = grouped[lo:hi]
-        block[itemsize - 2 :: itemsize] = grouped[n + lo : n + hi]
-        if itemsize == 4:
-            block.view(np.uint16)[0::2] = grouped[2 * n + 2 * lo : 2 * n + 2 * hi].view(np.uint16)
-        elif rest:
-            block.reshape(hi - lo, itemsize)[:, :rest] = grouped[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)
 
 
 def step_of(entry: dict[str, Any], group_chunk_elems: int) -> int:

@@ -338,9 +338,10 @@ def test_store_load_of_l1_is_bit_exact_for_v3_and_for_a_store_written_as_v2(
 
 @pytest.mark.parametrize("block", [5, 1 << 15])
 def test_blocked_grouping_gives_the_documented_planes(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hf_dynamic_ckpt.store.tensorpack_format as fmt
+    import hf_dynamic_ckpt.store.byteplanes as planes
 
-    monkeypatch.setattr(fmt, "GROUP_BLOCK", block)
+    monkeypatch.setattr(planes, "GROUP_BLOCK", block)
+    monkeypatch.setattr(planes, "SHIFT_BLOCK", block + 2)  # the word-shift path of 2- and 4-byte types
     rng = np.random.default_rng(0)
     for itemsize in (2, 4, 8):
         for n in (1, 4, 5, 6, 23, (1 << 15) + 3):
@@ -351,3 +352,21 @@ def test_blocked_grouping_gives_the_documented_planes(block: int, monkeypatch: p
             back = np.empty_like(raw)
             tp._ungroup_into(_group(raw, itemsize), back, itemsize)
             assert back.tobytes() == raw.tobytes()
+
+
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_grouping_of_unaligned_slices(itemsize: int) -> None:
+    # A piece of a frame starts wherever the previous piece ended (an odd offset after 33 int8 bytes).
+    from hf_dynamic_ckpt.store.byteplanes import _group_into, _ungroup_into
+
+    rng = np.random.default_rng(itemsize)
+    for n in (1, 7, 300_001):
+        raw = rng.integers(0, 256, size=n * itemsize + 3, dtype=np.uint8)[1 : 1 + n * itemsize]
+        rows = raw.reshape(n, itemsize)
+        want = np.concatenate([rows[:, -1], rows[:, -2], rows[:, :-2].reshape(-1)]).tobytes()
+        out = np.zeros(n * itemsize + 5, np.uint8)[3 : 3 + n * itemsize]
+        _group_into(raw, out, itemsize)
+        assert out.tobytes() == want
+        back = np.zeros(n * itemsize + 5, np.uint8)[1 : 1 + n * itemsize]
+        _ungroup_into(out, back, itemsize)
+        assert back.tobytes() == raw.tobytes()
