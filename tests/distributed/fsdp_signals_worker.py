@@ -7,6 +7,7 @@ next to the norms of the gathered full gradients (computed here, the reference) 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -52,3 +53,10 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # gloo with torch 2.13 aborts now and then at interpreter exit ("terminate called without an active
+    # exception") when a c10d all_reduce (here the probe's) was among the last collectives before
+    # destroy_process_group: 6 of 12 runs of a 20-line script with no hf_dynamic_ckpt in it. What is
+    # tested is written and closed by now; skip the C++ teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
