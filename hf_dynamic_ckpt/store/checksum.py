@@ -236,9 +236,6 @@ class HashingWriter:
         self._on_disk = 0  # paced: bytes before this offset are known to be on disk
         self._waiting_share = 0.0  # paced: recent share of time spent waiting for the disk
         self._since = time.perf_counter()
-        self.disk_bound = not self._paced
-        """Whether the disk sets the pace (see `paced`): `False` until a wait shows it (the first `PACE_WINDOW` go
-        as fast as the writer can); `True` unpaced and where pacing is not possible."""
         self.disk_wait_s = 0.0
         """Seconds spent in paced waits."""
 
@@ -262,13 +259,12 @@ class HashingWriter:
         except (OSError, ValueError):  # no descriptor (an in-memory file): nothing to write back
             started = False
         self._written_back = self._size if started else 1 << 62  # unsupported here: stop asking
-        if not started and self._paced:
-            self._paced, self.disk_bound = False, True  # cannot tell who sets the pace: behave as unpaced
+        self._paced = self._paced and started  # without writeback requests nothing tells who sets the pace
         if self._paced and self._size - self._on_disk > PACE_WINDOW:
             upto = self._size - PACE_WINDOW
             start = time.perf_counter()
             if not wait_written(fd, self._on_disk, upto - self._on_disk):
-                self._paced, self.disk_bound = False, True  # as above
+                self._paced = False  # as above: behave as unpaced
                 return
             end = time.perf_counter()
             self._on_disk = upto
@@ -276,7 +272,12 @@ class HashingWriter:
             share = (end - start) / (end - self._since) if end - start > BLOCKED_S else 0.0  # since the last wait
             self._waiting_share = 0.5 * self._waiting_share + 0.5 * share
             self._since = end
-            self.disk_bound = self._waiting_share > DISK_BOUND_SHARE
+
+    @property
+    def disk_bound(self) -> bool:
+        """Whether the disk sets the pace (see `paced`): `False` until a wait shows it (the first `PACE_WINDOW` go
+        as fast as the writer can); `True` unpaced and where pacing is not possible."""
+        return not self._paced or self._waiting_share > DISK_BOUND_SHARE
 
     def tell(self) -> int:
         return self._size
