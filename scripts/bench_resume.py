@@ -29,7 +29,7 @@ processes resume step 3, native / ours (zstd L1) / ours (uncompressed L1) altern
   `resume` - fresh's, and `to step end over fresh` likewise: the work a resume adds.
 
 The table prints ratios ours / native (lower is better): medians over `--repeats` runs; page
-cache warm for all.
+cache warm for all; Python bytecode cached under `<out>/pycache` (as installed packages have it).
 """
 
 from __future__ import annotations
@@ -124,7 +124,12 @@ def child(kind: str, mode: str, out: Path, result: Path) -> None:
 
 def run_child(kind: str, mode: str, out: Path) -> dict[str, float]:
     result = out / f"{mode}.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           # Bytecode cached as in any installed environment (the preparation runs fill the cache), even
+           # where PYTHONDONTWRITEBYTECODE is set: else every child compiles each module it imports,
+           # the ones a resume imports lazily included.
+           "PYTHONPYCACHEPREFIX": str(out.parent / "pycache")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     start = time.time()
     proc = subprocess.run([sys.executable, __file__, "--child", kind, mode, str(out), str(result)], env=env,
                           capture_output=True, text=True)
