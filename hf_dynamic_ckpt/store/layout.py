@@ -9,7 +9,7 @@ and only touch names the manifest validation allowed (`manifest.allowed_file_nam
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +112,18 @@ def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointI
                           healthy=False, pinned=fs.is_file(path / PINNED_MARKER), status=status)
 
 
-def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> list[str]:
-    """Problems of the listed files: missing, a link, wrong size, wrong checksum (empty when all are good)."""
+HASHED_ON_READ = frozenset({OPTIMIZER_NAME})
+"""Files `read_tiers` verifies against their manifest checksum while it reads them (one pass, not two)."""
+
+
+def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[str],
+                  hashed_on_read: Collection[str] = ()) -> list[str]:
+    """Problems of the listed files: missing, a link, wrong size, wrong checksum (empty when all are good).
+
+    `hashed_on_read`: files whose checksum the caller verifies while it reads them
+    (`read_tiers`: the optimizer tensors, hashed as they decode); only their presence and size
+    are checked here.
+    """
     problems = []
     files = manifest[KEY_FILES]
     for name in names:
@@ -129,6 +139,8 @@ def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[
             continue
         if st.st_size != entry[KEY_SIZE]:
             problems.append(f"{where}: size {st.st_size} bytes, manifest says {entry[KEY_SIZE]} (truncated or overwritten)")
+            continue
+        if name in hashed_on_read:
             continue
         try:  # verify with the algorithm the entry was written with
             actual = file_checksum(path, algo=checksum_algo(entry[KEY_CHECKSUM]))
@@ -191,10 +203,12 @@ def files_for(manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warning
 
 def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: list[str],
                loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs: BlobStore) -> None:
-    """Read the verified files `names` of the `wanted` tiers into `loaded`.
+    """Read the files `names` of the `wanted` tiers into `loaded`, verified by `file_problems` before (those of
+    `HASHED_ON_READ`: their size before, their checksum as they are read).
 
     Raises:
-        `CorruptCheckpointError`: any file that does not parse (whatever the parser's complaint).
+        `CorruptCheckpointError`: any file that does not parse (whatever the parser's complaint) or
+            fails its checksum.
     """
     from .statetree import unflatten_state
     from .tensorpack import read_tensor_file
@@ -210,7 +224,9 @@ def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], 
         structure = read_json(directory / OPTIMIZER_META_NAME)
         if not isinstance(structure, dict):
             raise CorruptCheckpointError(f"{directory / OPTIMIZER_META_NAME} is not a JSON object.")
-        tensors = read_tensor_file(directory / OPTIMIZER_NAME, copy=not mmap) if OPTIMIZER_NAME in names else {}
+        tensors = read_tensor_file(directory / OPTIMIZER_NAME, copy=not mmap,
+                                   checksum=manifest[KEY_FILES][OPTIMIZER_NAME][KEY_CHECKSUM]) \
+            if OPTIMIZER_NAME in names else {}
         state = unflatten_state(structure, tensors)
         loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in L1_PARTS)
     if Tier.STATE in wanted:

@@ -31,7 +31,15 @@ from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK
 from .fs import LocalFS
-from .layout import blob_problems, file_problems, files_for, read_json, read_tiers, structure_problems
+from .layout import (
+    HASHED_ON_READ,
+    blob_problems,
+    file_problems,
+    files_for,
+    read_json,
+    read_tiers,
+    structure_problems,
+)
 from .sharded import is_sharded
 from .task import parse_step_dir
 from .types import CheckpointInfo, LoadedCheckpoint
@@ -127,7 +135,7 @@ class Reader:
         blobs = self._blobs_of(directory)
 
         def problems() -> list[str]:
-            found = file_problems(directory, manifest, names)
+            found = file_problems(directory, manifest, names, hashed_on_read=HASHED_ON_READ)
             if Tier.WEIGHTS in wanted and not is_sharded(manifest):  # a sharded one: weights-rank<R> files
                 if WEIGHTS_NAME not in manifest[KEY_FILES]:
                     found.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")

@@ -9,10 +9,12 @@ Codec `Codec.ZSTD` (default): independent frames of byte-grouped pieces, each a 
 parts stored raw or zstd-compressed, whichever the part's sampled ratio favours
 (`tensorpack_codec`), encoded and decoded in parallel threads (zstandard, xxhash and numpy
 release the GIL), decoded straight into the output tensors (via one scratch buffer per
-thread when a frame must be un-grouped or holds several tensors). Codec `Codec.NONE`: raw
-bytes at 64-byte-aligned offsets, returned as views of a private memory map after every
-frame's xxh3 is checked (or copied, `copy=True`). Any truncation or flipped byte raises
-`CorruptCheckpointError`; a container version other than 2 or 3 raises `FormatVersionError`.
+thread when a frame must be un-grouped or holds several tensors). Codec `Codec.NONE`
+(`tensorpack_raw`): raw bytes at 64-byte-aligned offsets, returned as views of a private
+memory map after every frame's xxh3 is checked (or copied, `copy=True`). Given the manifest's
+checksum, the whole file is verified in the same pass (`filecheck`). Any truncation or
+flipped byte raises `CorruptCheckpointError`; a container version other than 2 or 3 raises
+`FormatVersionError`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..errors import ConfigError, CorruptCheckpointError, SaveError
 from . import tensorpack_codec as tpc
 from .byteplanes import _group, _group_into, _ungroup_into
 from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
+from .filecheck import WholeFileCheck
 from .fs import create, open_read
 from .parallel import ordered_map as _ordered_map
 from .parallel import resolve_threads
@@ -56,10 +59,10 @@ from .tensorpack_format import (
     frames,
     index_bytes,
     pieces,
-    raw_frames,
     read_header,
     step_of,
 )
+from .tensorpack_raw import map_raw, write_raw_payload
 
 logger = logging.getLogger(__name__)
 
@@ -224,38 +227,12 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
                 pool.give(scratch)  # written: its raw parts may be overwritten now
                 index.append((length, digest))
         else:
-            _write_raw_payload(f, entries, datas, offset, frame_bytes, index)
+            write_raw_payload(f, entries, datas, offset, frame_bytes, index)
         payload_len = f.size - payload_start
         f.write(index_bytes(index, payload_len))
         fsync_file(f)
         checksum = f.checksum()
     return make_file_entry(path, tier=Tier.OPTIMIZER.value, rank=None, checksum=checksum)
-
-
-def _write_raw_payload(f: Any, entries: list[dict[str, Any]], datas: list[np.ndarray], total: int, frame_bytes: int,
-                       index: list[tuple[int, int]]) -> None:
-    """Uncompressed payload (tensors at their aligned offsets, zero padding), hashed per frame."""
-    bounds = raw_frames(total, frame_bytes)
-    hasher, pos, k = xxhash.xxh3_64(), 0, 0
-
-    def emit(data: Any) -> None:
-        nonlocal hasher, pos, k
-        mv = memoryview(data).cast("B")
-        while mv.nbytes:
-            take = min(mv.nbytes, bounds[k][1] - pos)
-            f.write(mv[:take])
-            hasher.update(mv[:take])
-            pos += take
-            mv = mv[take:]
-            if pos == bounds[k][1]:
-                index.append((bounds[k][1] - bounds[k][0], hasher.intdigest()))
-                hasher, k = xxhash.xxh3_64(), k + 1
-
-    for e, data in zip(entries, datas):
-        if e["offset"] > pos:
-            emit(bytes(e["offset"] - pos))
-        if data.nbytes:
-            emit(data)
 
 
 def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
@@ -266,14 +243,16 @@ def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
         raise CorruptCheckpointError(f"Tensor file {path}: its {total} bytes of tensors cannot be allocated ({e}).") from e
 
 
-def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False) -> dict[str, torch.Tensor]:
+def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
+                     checksum: str | None = None) -> dict[str, torch.Tensor]:
     """Reads a container written by `write_tensor_file`, verifying it completely.
 
     Frames are checked (xxh3 of the stored frame; version 3: its part table; zstd content
     size and checksum) and decoded in parallel straight into the returned tensors' memory;
     an uncompressed container is memory-mapped (private copy-on-write pages: in-place
     updates never reach the file) after every frame's xxh3 is checked. The header is validated against the
-    file's size before anything is allocated (`tensorpack_format.read_header`).
+    file's size before anything is allocated (`tensorpack_format.read_header`). With `checksum`, the whole
+    file's checksum is verified too, on another thread in the same pass (`filecheck.WholeFileCheck`).
 
     Args:
         path (`Path`): the file.
@@ -282,6 +261,8 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False) -> dic
         copy (`bool`, *optional*, defaults to `False`): an uncompressed container's tensors are
             copied into memory now instead of mapped (for state updated in place right after:
             mapped, each page's first write is a copy-on-write fault inside that update).
+        checksum (`str`, *optional*): the file's expected checksum (`"<algo>:<hex>"`, its manifest
+            entry's), verified before any tensor is returned.
 
     Returns:
         `dict[str, torch.Tensor]`: the tensors, in the order they were written.
@@ -294,7 +275,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False) -> dic
     header, start, index = read_header(path)
     workers = resolve_threads(threads)
     if header["codec"] == Codec.NONE:
-        return _map_raw(path, header, start, index, workers, copy)
+        return map_raw(path, header, start, index, workers, copy, checksum)
     import mmap as mmap_mod
 
     import zstandard
@@ -341,6 +322,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False) -> dic
             pos += hi - lo
 
     if not index:
+        WholeFileCheck.small(path, checksum, f"Tensor file {path}")
         return {str(e["name"]): t for e, t in zip(entries, out)}
     try:
         with open_read(path) as f:
@@ -348,50 +330,20 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False) -> dic
     except OSError as e:
         raise CorruptCheckpointError(f"Tensor file {path} is missing or unreadable ({e}).") from e
     view = memoryview(mm)
+    whole = WholeFileCheck.start(view, checksum, f"Tensor file {path}")
     try:
         plan = enumerate(frames(entries, gce, header["frame_bytes"]))
         for _ in _ordered_map(check_and_decode, plan, workers if len(index) > 1 else 0):
             pass
+        if whole is not None:
+            whole.result()
     except zstandard.ZstdError as e:
         raise CorruptCheckpointError(
             f"Tensor file {path} failed decompression or its checksum ({e}); the file is corrupt."
         ) from e
     finally:
+        if whole is not None:
+            whole.cancel()  # joined before the map goes
         view.release()
         mm.close()
     return {str(e["name"]): t for e, t in zip(entries, out)}
-
-
-def _map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[int, int, int]], workers: int,
-             copy: bool) -> dict[str, torch.Tensor]:
-    """Tensors of an uncompressed container as views of a private memory map (copies: `copy`), after hashing each frame."""
-    import mmap as mmap_mod
-
-    try:
-        with open_read(path) as f:
-            mm = mmap_mod.mmap(f.fileno(), 0, access=mmap_mod.ACCESS_COPY) if index else None
-    except OSError as e:
-        raise CorruptCheckpointError(f"Tensor file {path} is missing or unreadable ({e}).") from e
-    if mm is not None:
-        view = memoryview(mm)
-
-        def check(k: int) -> bool:
-            offset, length, digest = index[k]
-            return xxhash.xxh3_64_intdigest(view[offset : offset + length]) == digest
-
-        try:
-            ks = range(len(index))
-            bad = [k for k, ok in zip(ks, _ordered_map(check, ks, workers if len(index) > 1 else 0)) if not ok]
-        finally:
-            view.release()
-        if bad:
-            raise CorruptCheckpointError(f"Tensor file {path}: frame(s) {bad} fail their xxh3 checksum; the file is corrupt.")
-    out: dict[str, torch.Tensor] = {}
-    for entry in header["tensors"]:
-        dtype, shape, name = DTYPES[entry["dtype"]], entry["shape"], str(entry["name"])
-        if entry["nbytes"] == 0 or mm is None:
-            out[name] = torch.empty(shape, dtype=dtype)
-            continue
-        t = torch.frombuffer(mm, dtype=torch.uint8, count=entry["nbytes"], offset=start + entry["offset"]).view(dtype)
-        out[name] = t.view(shape).clone() if copy else t.view(shape)
-    return out

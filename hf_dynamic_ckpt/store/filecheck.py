@@ -1,0 +1,71 @@
+"""A whole-file checksum verified on its own thread while the caller decodes the same memory map."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ..errors import CorruptCheckpointError
+from .checksum import _CHUNK, _Hasher, checksum_algo, file_checksum, format_checksum, new_hasher
+
+
+class WholeFileCheck:
+    """Verifies a file's checksum on its own thread while the caller reads the same map (one pass, not two).
+
+    A reader that checks every part it decodes (the L1 container's frames) still needs the
+    manifest's whole-file checksum; hashing the map it decodes from, as it decodes, reads the
+    file once instead of in a separate pass before (from disk once when cold; the hash overlaps
+    the decoding when warm). `result()` waits and raises `CorruptCheckpointError` on a mismatch;
+    `cancel()` stops early; either must come before the map is released.
+    """
+
+    def __init__(self, view: memoryview, expected: str, what: str) -> None:
+        self._view, self._expected, self._what = view, expected, what
+        self._hasher = _hasher_for(expected, what)
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hf-dynamic-ckpt-file-check", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, view: memoryview, expected: str | None, what: str) -> WholeFileCheck | None:
+        """A running check of `view` against `expected`, or `None` when there is nothing to check."""
+        return None if expected is None else cls(view, expected, what)
+
+    @staticmethod
+    def small(path: str | os.PathLike[str], expected: str | None, what: str) -> None:
+        """The same check, at once, for a file read without a map (raises on a mismatch)."""
+        if expected is not None:
+            _hasher_for(expected, what)
+            _compare(file_checksum(path, algo=checksum_algo(expected)), expected, what)
+
+    def _run(self) -> None:
+        try:
+            for start in range(0, self._view.nbytes, _CHUNK):
+                if self._stop:
+                    return
+                self._hasher.update(self._view[start : start + _CHUNK])
+        except BaseException as e:  # reported by result()
+            self._error = e
+
+    def cancel(self) -> None:
+        self._stop = True
+        self._thread.join()
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise CorruptCheckpointError(f"{self._what}: reading it for its checksum failed ({self._error}).")
+        _compare(format_checksum(self._hasher), self._expected, self._what)
+
+
+def _hasher_for(expected: str, what: str) -> _Hasher:
+    try:
+        return new_hasher(checksum_algo(expected))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{what}: {e}") from None
+
+
+def _compare(actual: str, expected: str, what: str) -> None:
+    if actual != expected:
+        raise CorruptCheckpointError(f"{what}: checksum mismatch ({actual} != {expected}), the file is corrupt.")

@@ -1,0 +1,147 @@
+"""The optimizer tier is verified against its manifest checksum in the pass that reads it.
+
+`read_tensor_file(checksum=...)` hashes the whole file on another thread while it checks and
+decodes the frames from the same map (`filecheck.WholeFileCheck`); `CheckpointStore.load`
+leaves that file's checksum to it (`layout.HASHED_ON_READ`) instead of hashing it first in a
+separate pass. `verify` still hashes every file itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_dynamic_ckpt.store.filecheck as filecheck
+import hf_dynamic_ckpt.store.layout as layout
+import hf_dynamic_ckpt.store.tensorpack as tp
+from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_NAME
+from hf_dynamic_ckpt.errors import CorruptCheckpointError
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
+from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
+from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
+
+WRONG = "xxh3_128:" + "0" * 32
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"exp_avg": torch.randn(300, 257, generator=g), "exp_avg_sq": torch.rand(300, 257, generator=g) * 1e-4,
+            "step": torch.tensor(3.0), "empty": torch.zeros(0), "ids": torch.arange(1000)}
+
+
+@pytest.fixture(autouse=True)
+def _small_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Several frames, so they are checked and decoded on threads beside the whole-file hash.
+    monkeypatch.setattr(tp, "FRAME_BYTES", 64 << 10)
+
+
+def _file(tmp_path: Path, compression: str, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    path = tmp_path / f"t-{compression}.bin"
+    write_tensor_file(_tensors() if tensors is None else tensors, path, compression=compression, threads=2)
+    assert tensors is not None or len(read_header(path)[2]) >= 3
+    return path
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_right_checksum_reads_the_same_tensors(tmp_path: Path, compression: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(filecheck, "_CHUNK", 64 << 10)  # many hash updates, interleaved with the frames
+    path = _file(tmp_path, compression)
+    plain = read_tensor_file(path, copy=True, threads=2)
+    checked = read_tensor_file(path, copy=True, threads=2, checksum=file_checksum(path))
+    assert list(checked) == list(_tensors())
+    for name, t in _tensors().items():
+        assert torch.equal(checked[name], t) and torch.equal(plain[name], t)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_wrong_checksum_raises_before_any_tensor(tmp_path: Path, compression: str) -> None:
+    path = _file(tmp_path, compression)
+    actual = file_checksum(path)
+    with pytest.raises(CorruptCheckpointError) as e:
+        read_tensor_file(path, checksum=WRONG)
+    assert str(e.value) == f"Tensor file {path}: checksum mismatch ({actual} != {WRONG}), the file is corrupt."
+
+
+def test_wrong_checksum_of_a_file_without_frames(tmp_path: Path) -> None:
+    path = _file(tmp_path, "zstd", {"empty": torch.zeros(0)})
+    assert read_tensor_file(path, checksum=file_checksum(path))["empty"].numel() == 0
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"Tensor file {path}: checksum mismatch (")):
+        read_tensor_file(path, checksum=WRONG)
+
+
+def test_unknown_checksum_algorithm_is_a_corrupt_file(tmp_path: Path) -> None:
+    path = _file(tmp_path, "zstd")
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"Tensor file {path}: Unknown checksum algorithm 'rot13'")):
+        read_tensor_file(path, checksum="rot13:abc")
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_a_corrupt_frame_is_reported_and_the_hash_thread_stopped(tmp_path: Path, compression: str) -> None:
+    path = _file(tmp_path, compression)
+    good = file_checksum(path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"fail(s)? (its|their) xxh3 checksum"):
+        read_tensor_file(path, checksum=good)
+
+
+# ---------------------------------------------------------------------------------- the store
+
+
+def _state(step: int) -> CheckpointState:
+    g = torch.Generator().manual_seed(step)
+    return CheckpointState(step=step, weights={"w": torch.randn(64, 32, generator=g)},
+                           optimizer={"state": {0: {"exp_avg": torch.randn(64, 32, generator=g)}},
+                                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+                           scheduler={"last_epoch": step}, rng={"seed": step}, sampler={"batches": step})
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    s = CheckpointStore(tmp_path / "root", task_id="run")
+    yield s
+    s.close()
+
+
+def test_load_hashes_the_optimizer_file_once_while_reading_it(store: CheckpointStore,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    info = store.save(_state(1), reason="r")
+    entry = json.loads((Path(info.path) / MANIFEST_NAME).read_text())["files"][OPTIMIZER_NAME]
+    hashed: list[str] = []
+    compared: list[tuple[str, str, str]] = []
+    real_checksum, real_compare = layout.file_checksum, filecheck._compare
+    monkeypatch.setattr(layout, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
+                        or real_checksum(path, algo=algo))
+    monkeypatch.setattr(filecheck, "_compare", lambda actual, expected, what: compared.append((actual, expected, what))
+                        or real_compare(actual, expected, what))
+    loaded = store.load("step:1")
+    assert torch.equal(loaded.optimizer["state"][0]["exp_avg"], _state(1).optimizer["state"][0]["exp_avg"])
+    assert OPTIMIZER_NAME not in hashed and "weights.safetensors" in hashed  # the others: hashed before
+    assert compared == [(entry["checksum"], entry["checksum"], f"Tensor file {Path(info.path) / OPTIMIZER_NAME}")]
+    hashed.clear()
+    assert store.verify("step:1") == []  # verify hashes every file itself
+    assert OPTIMIZER_NAME in hashed
+
+
+def test_a_manifest_checksum_the_file_does_not_have_fails_the_load(store: CheckpointStore) -> None:
+    """Every frame is intact, only the whole-file checksum tells: the load must still refuse the file."""
+    info = store.save(_state(1), reason="r")
+    directory = Path(info.path)
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    actual = manifest["files"][OPTIMIZER_NAME]["checksum"]
+    manifest["files"][OPTIMIZER_NAME]["checksum"] = WRONG
+    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CorruptCheckpointError) as e:
+        store.load("step:1")
+    assert (f"Tensor file {directory / OPTIMIZER_NAME}: checksum mismatch ({actual} != {WRONG}), the file is corrupt."
+            in str(e.value))
+    assert str(e.value).startswith(f"checkpoint {directory} failed verification, nothing was loaded: ")
+    weights_only = store.load("step:1", tiers={"weights"})  # the other tiers stay loadable
+    assert weights_only.optimizer is None and weights_only.weights is not None
