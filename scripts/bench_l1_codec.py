@@ -10,8 +10,10 @@ is shared):
 - the store's writer (`write_tensor_file`, container v3: frames of raw and zstd parts, the
   store's default level 1) with each thread count of `--threads`, paced (the store's default
   for a local root: no faster than the disk, and slowly compressing parts raw while the disk
-  waits for the compressor) and not paced (every part that compresses compressed, the
-  smallest file); the same with zstd's own
+  waits for the compressor), as a store's first write (byte-grouped) and as its later writes
+  (grouped only if the previous paced write found the disk holding it up: a `PaceMemory`
+  carried from write to write, warmed by one untimed write), and not paced (every part that
+  compresses compressed, the smallest file); the same with zstd's own
   level-1 match finder (to justify `tensorpack_codec.compression_params`); each level of
   `--levels` other than 1;
 - the previous store writer (container v2: every frame one zstd frame, level 1,
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_dynamic_ckpt.store import tensorpack_codec
 from hf_dynamic_ckpt.store.checksum import fsync_file
 from hf_dynamic_ckpt.store.tensorpack import flatten_state, read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.store.tensorpack_codec import PaceMemory
 
 MiB = 1 << 20
 FLOOR = "raw write + fsync (disk floor)"
@@ -109,17 +112,30 @@ def main() -> None:
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
     scratch = Path(tempfile.mkdtemp(prefix="bench_l1-", dir=args.dir))
 
-    def v3(level: int, threads: int, finder: bool = False, paced: bool = False) -> Callable[[Path], object]:
+    carried: dict[int, PaceMemory] = {}  # threads -> the memory of a store's later writes
+    grouped_later: dict[int, list[bool]] = {}
+
+    def v3(level: int, threads: int, finder: bool = False, paced: bool = False,
+           later: bool = False) -> Callable[[Path], object]:
         def write(path: Path) -> object:
+            if later:
+                pace = carried[threads]
+                grouped_later.setdefault(threads, []).append(pace.group)
+                return write_tensor_file(tensors, path, level=level, threads=threads, paced=True, pace=pace)
             if not finder:
-                return write_tensor_file(tensors, path, level=level, threads=threads, paced=paced)
+                return write_tensor_file(tensors, path, level=level, threads=threads, paced=paced,
+                                         pace=PaceMemory() if paced else None)
             with mock.patch.object(tensorpack_codec, "compression_params", _default_match_finder):
                 return write_tensor_file(tensors, path, level=level, threads=threads)
         return write
 
     cases: dict[str, Callable[[Path], object]] = {FLOOR: lambda path: _raw_write(tensors, path)}
     for threads in (int(x) for x in args.threads.split(",")):
-        cases[f"v3 (store writer): level 1, {threads} thread(s), paced"] = v3(1, threads, paced=True)
+        cases[f"v3 (store writer): level 1, {threads} thread(s), paced, first write"] = v3(1, threads, paced=True)
+        carried[threads] = PaceMemory()
+        write_tensor_file(tensors, scratch / "warm.bin", level=1, threads=threads, paced=True, pace=carried[threads])
+        (scratch / "warm.bin").unlink()
+        cases[f"v3 (store writer): level 1, {threads} thread(s), paced, later writes"] = v3(1, threads, later=True)
         cases[f"v3: level 1, {threads} thread(s), not paced"] = v3(1, threads)
     cases["v3, level 1 with zstd's own match finder, 2 threads"] = v3(1, 2, finder=True)
     for level in (int(x) for x in args.levels.split(",") if x):
@@ -164,6 +180,8 @@ def main() -> None:
         speed = raw / MiB / wall
         print(f"| {name} | {1e3 * wall:.0f} | {speed:.0f} ({speed / disk:.2f}x) | "
               f"{raw / MiB / max(used, 1e-9):.0f} | {size / MiB:.1f} ({size / raw:.3f}; {size / v2_size:.3f}) |")
+    for threads, flags in grouped_later.items():
+        print(f"later writes, {threads} thread(s): byte-grouped in {sum(flags)} of {len(flags)} timed writes")
     print()
     print("| read (all threads, every byte touched, warm cache) | wall ms | raw MiB/s | MiB per CPU-s | v3 speed / v2 |")
     print("|---|---|---|---|---|")

@@ -235,6 +235,7 @@ class HashingWriter:
         self._paced = paced and range_sync_available()
         self._on_disk = 0  # paced: bytes before this offset are known to be on disk
         self._waiting_share = 0.0  # paced: recent share of time spent waiting for the disk
+        self._held_up = False  # paced: the disk set the pace at some point
         self._since = time.perf_counter()
         self.disk_wait_s = 0.0
         """Seconds spent in paced waits."""
@@ -271,6 +272,7 @@ class HashingWriter:
             self.disk_wait_s += end - start
             share = (end - start) / (end - self._since) if end - start > BLOCKED_S else 0.0  # since the last wait
             self._waiting_share = 0.5 * self._waiting_share + 0.5 * share
+            self._held_up = self._held_up or self._waiting_share > DISK_BOUND_SHARE
             self._since = end
 
     @property
@@ -278,6 +280,12 @@ class HashingWriter:
         """Whether the disk sets the pace (see `paced`): `False` until a wait shows it (the first `PACE_WINDOW` go
         as fast as the writer can); `True` unpaced and where pacing is not possible."""
         return not self._paced or self._waiting_share > DISK_BOUND_SHARE
+
+    @property
+    def disk_held_up(self) -> bool:
+        """Whether the disk set the pace at any point of the write so far (`disk_bound` was true), or pacing did
+        not work throughout; `False` for a paced write the disk always waited for."""
+        return not self._paced or self._held_up
 
     def tell(self) -> int:
         return self._size

@@ -55,6 +55,7 @@ from .layout import L1_PARTS, info_from_manifest, read_json, write_json
 from .sharded import sharded_extra, write_shards
 from .spec import Codec, SaveRequest
 from .task import Task
+from .tensorpack_codec import PaceMemory
 from .timelines import key_of
 from .types import CheckpointInfo, CheckpointState
 
@@ -65,10 +66,11 @@ _POLL_S = 0.02
 
 def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir: BlobStore | Path, level: int,
                      threads: int, compression: Codec | str = Codec.ZSTD,
-                     paced: bool = False) -> tuple[dict[str, FileEntry], dict[str, Any]]:
+                     paced: bool = False, pace: PaceMemory | None = None) -> tuple[dict[str, FileEntry], dict[str, Any]]:
     """Write this rank's share of a checkpoint (rank 0: L0, L1, sampler; every rank: its RNG).
 
-    `paced`: L1 written no faster than the disk, slowly compressing parts raw while it waits (`write_tensor_file`).
+    `paced`: L1 written no faster than the disk, slowly compressing parts raw while it waits (`write_tensor_file`;
+    `pace`: what the store's previous paced write learnt).
 
     Returns:
         `tuple[dict, dict]`: file entries by name, and the blob records of deduplicated weights.
@@ -88,7 +90,7 @@ def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir:
         if any(v is not None for v in parts.values()):
             structure, tensors = flatten_state(parts)
             entry = write_tensor_file(tensors, tmp / OPTIMIZER_NAME, level=level, threads=threads,
-                                      compression=compression, paced=paced)
+                                      compression=compression, paced=paced, pace=pace)
             files[OPTIMIZER_NAME] = {**entry, KEY_TIER: Tier.OPTIMIZER.value, KEY_RANK: None}
             files[OPTIMIZER_META_NAME] = write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER, rank=None)
         if state.sampler is not None:
@@ -266,7 +268,7 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
         plain, shard_files, shards = write_shards(state, tmp, rank=spec.rank)  # FSDP2: this rank's shards
         files, blobs = write_rank_files(plain, tmp, rank=spec.rank, blobs_dir=task.blobs, level=spec.compression_level,
                                         threads=spec.compression_threads, compression=spec.codec,
-                                        paced=spec.pace_to_disk and task.remote is None)
+                                        paced=spec.pace_to_disk and task.remote is None, pace=task.l1_pace)
         files.update(shard_files)
         write_done(task, tmp, files=files, blobs=blobs, tiers=state.tiers, sharded=shards)
         if task.remote is not None and spec.rank != 0:  # no shared directory: rank 0 reads the object store

@@ -36,6 +36,7 @@ from .catalog import STATUS_CORRUPT, Catalog
 from .fs import LocalFS, lstat
 from .layout import broken_info, info_from_manifest
 from .spec import StoreSpec
+from .tensorpack_codec import PaceMemory
 from .timelines import Timelines, key_of
 from .types import CheckpointInfo
 
@@ -87,6 +88,8 @@ class Task:
         self.blobs = BlobStore(self.dir / BLOBS_DIR, fs)
         self.timelines = Timelines(self.dir, fs)
         self.abort_reason: str | None = None
+        self.l1_pace = PaceMemory()
+        """What the last paced L1 write learnt about this disk (`write_tensor_file(pace=...)`)."""
         self.remote: Remote | None = None
         """The object-store copy of the task when the root is a URL (`remote_sync` keeps them in step)."""
         """Set by `CheckpointStore.abort`: rank 0 stops waiting for other ranks' files."""

@@ -134,7 +134,8 @@ def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np
 
 def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level: int = 3, threads: int = 0,
                       byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD,
-                      container_version: int = CONTAINER_VERSION, paced: bool = False) -> FileEntry:
+                      container_version: int = CONTAINER_VERSION, paced: bool = False,
+                      pace: tpc.PaceMemory | None = None) -> FileEntry:
     """Writes tensors to the L1 container (independent frames of raw and zstd parts, or uncompressed), fsynced.
 
     Args:
@@ -155,6 +156,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
             compatibility tests.
         paced (`bool`, *optional*, defaults to `False`): v3: stay `checksum.PACE_WINDOW` bytes ahead of
             the disk at most; while the disk waits, slowly compressing parts are stored raw (docs/internals.md).
+        pace (`PaceMemory`, *optional*): a paced write groups bytes only if `pace.group`, and records in it
+            whether the disk held it up (after a write the disk always waited for, grouping is skipped).
 
     Returns:
         `FileEntry`: size and checksum of the written file (tier `"optimizer"`).
@@ -175,6 +178,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         raise SaveError(f"container_version={container_version!r} is not supported; use "
                         f"{' or '.join(map(str, READ_VERSIONS))} ({CONTAINER_VERSION} is the default).")
     workers = resolve_threads(threads)
+    paced = paced and codec == Codec.ZSTD and container_version == 3
+    byte_group = byte_group and (pace is None or not paced or pace.group)
     checked = {name: _check(name, t) for name, t in tensors.items()}
     gce, frame_bytes = GROUP_CHUNK_ELEMS, FRAME_BYTES
     entries: list[dict[str, Any]] = []
@@ -195,7 +200,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
     datas = [_bytes_of(checked[str(e["name"])]) for e in entries]
     index: list[tuple[int, int]] = []
     with create(path) as raw:
-        f = HashingWriter(raw, paced=paced and codec == Codec.ZSTD and container_version == 3)
+        f = HashingWriter(raw, paced=paced)
         f.write(PREFIX.pack(MAGIC, len(header)))
         f.write(header)
         f.write(CRC.pack(zlib.crc32(header)))
@@ -232,6 +237,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         f.write(index_bytes(index, payload_len))
         fsync_file(f)
         checksum = f.checksum()
+        if pace is not None and paced:
+            pace.learn(f.disk_held_up)
     return make_file_entry(path, tier=Tier.OPTIMIZER.value, rank=None, checksum=checksum)
 
 

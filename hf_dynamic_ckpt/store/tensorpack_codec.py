@@ -53,6 +53,24 @@ HURRY_RATIO = 0.1
 fraction are compressed: runs of zeros and the like, which zstd compresses faster than the disk writes them."""
 
 
+class PaceMemory:
+    """What the last paced L1 write of a store learnt: whether to byte-group the next one (`group`).
+
+    While the disk waits for the compressor, a paced write stores every part raw except those
+    that shrink to `HURRY_RATIO` (zeros), and zeros shrink as well ungrouped: grouping the
+    planes was CPU spent for nothing (~30 % of a 1-thread write of AdamW state; the file within
+    0.3 % of the grouped one's size). So after a paced write the disk never held up, the next is
+    written ungrouped; after one it held up (or one whose pacing stopped working), grouped
+    again. A store keeps one per task (`Task.l1_pace`); a new one groups.
+    """
+
+    def __init__(self) -> None:
+        self.group = True
+
+    def learn(self, disk_held_up: bool) -> None:
+        self.group = disk_held_up
+
+
 def compression_params(level: int) -> Any:
     """zstd parameters of a level; level 1 with a small match finder (min_match 7, 4 KiB tables).
 

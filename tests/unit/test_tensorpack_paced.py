@@ -19,7 +19,7 @@ import hf_dynamic_ckpt.store.checksum as checksum
 import hf_dynamic_ckpt.store.tensorpack as tp
 import hf_dynamic_ckpt.store.tensorpack_codec as codec
 from hf_dynamic_ckpt.store.checksum import HashingWriter, file_checksum, wait_written
-from hf_dynamic_ckpt.store.tensorpack import read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 
 
 def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float) -> list[tuple[int, int]]:
@@ -178,6 +178,74 @@ def test_only_a_compressed_v3_write_is_paced(tmp_path: Path, monkeypatch: pytest
         write_tensor_file(tensors, path, paced=True, **kwargs)
         _assert_same(read_tensor_file(path, copy=True), tensors)
     assert waits == []
+
+
+def _grouped(path: Path) -> list[bool]:
+    return [e["byte_grouped"] for e in read_header(path)[0]["tensors"]]
+
+
+def test_after_a_write_the_disk_never_held_up_the_next_is_not_byte_grouped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
+    waits = _disk(monkeypatch, 0.0)  # a disk that is never behind
+    monkeypatch.setattr(checksum, "BLOCKED_S", 0.05)
+    tensors = _state()
+    pace = codec.PaceMemory()
+    first, second = tmp_path / "1.bin", tmp_path / "2.bin"
+    write_tensor_file(tensors, first, level=1, threads=1, paced=True, pace=pace)
+    assert len(waits) > 10 and _grouped(first) == [True] * 12 and pace.group is False
+    write_tensor_file(tensors, second, level=1, threads=1, paced=True, pace=pace)
+    assert _grouped(second) == [False] * 12 and pace.group is False
+    # The planes were stored raw anyway; zeros compress as well ungrouped: the same size within 1 %.
+    dense, zeros = _kinds_by_frame(second)[0::2], _kinds_by_frame(second)[1::2]
+    assert dense == [[codec.PART_RAW]] * 6 and zeros == [[codec.PART_ZSTD]] * 6
+    assert abs(second.stat().st_size - first.stat().st_size) <= 0.01 * first.stat().st_size
+    _assert_same(read_tensor_file(second), tensors)
+
+
+def test_a_disk_that_held_the_write_up_brings_byte_grouping_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
+    waits = _disk(monkeypatch, 0.005)  # every wait blocks: the disk sets the pace
+    tensors = _state()
+    pace = codec.PaceMemory()
+    pace.learn(False)  # as after a write on a fast disk
+    slow, after = tmp_path / "1.bin", tmp_path / "2.bin"
+    write_tensor_file(tensors, slow, level=1, threads=1, paced=True, pace=pace)
+    assert len(waits) >= 5 and _grouped(slow) == [False] * 12  # decided before the write: by the last one
+    assert pace.group is True
+    write_tensor_file(tensors, after, level=1, threads=1, paced=True, pace=pace)
+    assert _grouped(after) == [True] * 12 and pace.group is True
+    for path in (slow, after):
+        _assert_same(read_tensor_file(path), tensors)
+
+
+def test_byte_grouping_stays_where_pacing_does_not_work_or_is_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
+    monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: True)
+    monkeypatch.setattr(checksum, "wait_written", lambda fd, off, n: False)  # the wait fails: not paced
+    tensors = _state()
+    pace = codec.PaceMemory()
+    pace.learn(False)
+    path = tmp_path / "t.bin"
+    write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)
+    assert pace.group is True  # nothing tells who set the pace: group, as a new store does
+    pace.learn(False)
+    for kwargs in ({}, {"container_version": 2}):  # not paced: `pace` is neither read nor changed
+        write_tensor_file(tensors, path, level=1, threads=1, pace=pace, **kwargs)
+        assert _grouped(path) == [True] * 12 and pace.group is False
+        _assert_same(read_tensor_file(path), tensors)
+
+
+def test_the_store_remembers_across_saves_whether_to_group(tmp_path: Path) -> None:
+    from hf_dynamic_ckpt.constants import OPTIMIZER_NAME
+    from hf_dynamic_ckpt.store.checksum import range_sync_available
+    from hf_dynamic_ckpt.store.store import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "s")
+    first, second = (Path(_save(store, step).path) / OPTIMIZER_NAME for step in (1, 2))
+    # A file this small never waits for the disk (below the window): the disk did not hold it up.
+    assert any(_grouped(first)) and not any(_grouped(second)) if range_sync_available() else \
+        _grouped(first) == _grouped(second)
+    assert store.load("step:2").optimizer is not None
 
 
 def _spy_paced(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
