@@ -33,6 +33,12 @@ class WholeFileCheck:
         return None if expected is None else cls(view, expected, what)
 
     @staticmethod
+    def check_algorithm(expected: str | None, what: str) -> None:
+        """Raise `CorruptCheckpointError` now if `expected` names an algorithm this library cannot compute."""
+        if expected is not None:
+            _hasher_for(expected, what)
+
+    @staticmethod
     def small(path: str | os.PathLike[str], expected: str | None, what: str) -> None:
         """The same check, at once, for a file read without a map (raises on a mismatch)."""
         if expected is not None:

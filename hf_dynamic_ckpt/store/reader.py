@@ -154,7 +154,7 @@ class Reader:
                 logger.debug("step %d: %s; reading it once more before giving up", info.step, "; ".join(found))
         self._set_status(info, STATUS_CORRUPT)
         raise CorruptCheckpointError(
-            f"checkpoint {directory} failed verification, nothing was loaded: " + "; ".join(found)
+            f"checkpoint {directory} failed verification, nothing was loaded: " + "; ".join(p.rstrip(".") for p in found)
             + ". Restore another checkpoint (restore.load_for_resume falls back automatically)."
         )
 

@@ -32,7 +32,7 @@ import torch
 import xxhash
 
 from ..constants import Tier
-from ..errors import ConfigError, CorruptCheckpointError, SaveError
+from ..errors import ConfigError, CorruptCheckpointError, FormatVersionError, SaveError
 from . import tensorpack_codec as tpc
 from .byteplanes import _group, _group_into, _ungroup_into
 from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
@@ -275,11 +275,18 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
         `dict[str, torch.Tensor]`: the tensors, in the order they were written.
 
     Raises:
-        `FormatVersionError`: the file's container version is neither 2 nor 3 (older or newer).
+        `FormatVersionError`: the file's container version is neither 2 nor 3 (older or newer); with
+            `checksum`, only a file that has that checksum (else it is `CorruptCheckpointError`).
         `CorruptCheckpointError`: missing, truncated, altered, or trailing data (before any tensor is returned).
     """
     path = Path(path)
-    header, start, index = read_header(path)
+    what = f"Tensor file {path}"
+    WholeFileCheck.check_algorithm(checksum, what)  # before anything is allocated
+    try:
+        header, start, index = read_header(path)
+    except FormatVersionError:
+        WholeFileCheck.small(path, checksum, what)  # not the file the manifest describes: corrupt, not newer
+        raise
     workers = resolve_threads(threads)
     if header["codec"] == Codec.NONE:
         return map_raw(path, header, start, index, workers, copy, checksum)
@@ -329,7 +336,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
             pos += hi - lo
 
     if not index:
-        WholeFileCheck.small(path, checksum, f"Tensor file {path}")
+        WholeFileCheck.small(path, checksum, what)
         return {str(e["name"]): t for e, t in zip(entries, out)}
     try:
         with open_read(path) as f:
@@ -337,8 +344,9 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
     except OSError as e:
         raise CorruptCheckpointError(f"Tensor file {path} is missing or unreadable ({e}).") from e
     view = memoryview(mm)
-    whole = WholeFileCheck.start(view, checksum, f"Tensor file {path}")
+    whole = None
     try:
+        whole = WholeFileCheck.start(view, checksum, what)
         plan = enumerate(frames(entries, gce, header["frame_bytes"]))
         for _ in _ordered_map(check_and_decode, plan, workers if len(index) > 1 else 0):
             pass

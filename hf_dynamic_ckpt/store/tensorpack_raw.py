@@ -63,13 +63,14 @@ def map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[in
         WholeFileCheck.small(path, checksum, f"Tensor file {path}")
     else:
         view = memoryview(mm)
-        check = WholeFileCheck.start(view, checksum, f"Tensor file {path}")
+        check = None
 
         def frame_ok(k: int) -> bool:
             offset, length, digest = index[k]
             return xxhash.xxh3_64_intdigest(view[offset : offset + length]) == digest
 
         try:
+            check = WholeFileCheck.start(view, checksum, f"Tensor file {path}")
             ks = range(len(index))
             bad = [k for k, ok in zip(ks, ordered_map(frame_ok, ks, workers if len(index) > 1 else 0)) if not ok]
             if bad:

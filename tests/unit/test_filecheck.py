@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ import hf_dynamic_ckpt.store.filecheck as filecheck
 import hf_dynamic_ckpt.store.layout as layout
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_NAME
-from hf_dynamic_ckpt.errors import CorruptCheckpointError
+from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store.checksum import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
@@ -67,8 +69,10 @@ def test_wrong_checksum_raises_before_any_tensor(tmp_path: Path, compression: st
     assert str(e.value) == f"Tensor file {path}: checksum mismatch ({actual} != {WRONG}), the file is corrupt."
 
 
-def test_wrong_checksum_of_a_file_without_frames(tmp_path: Path) -> None:
-    path = _file(tmp_path, "zstd", {"empty": torch.zeros(0)})
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_wrong_checksum_of_a_file_without_frames(tmp_path: Path, compression: str) -> None:
+    path = _file(tmp_path, compression, {"empty": torch.zeros(0)})
+    assert read_header(path)[2] == []
     assert read_tensor_file(path, checksum=file_checksum(path))["empty"].numel() == 0
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"Tensor file {path}: checksum mismatch (")):
         read_tensor_file(path, checksum=WRONG)
@@ -80,15 +84,44 @@ def test_unknown_checksum_algorithm_is_a_corrupt_file(tmp_path: Path) -> None:
         read_tensor_file(path, checksum="rot13:abc")
 
 
+def _hash_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "hf-dynamic-ckpt-file-check"]
+
+
 @pytest.mark.parametrize("compression", ["zstd", "none"])
-def test_a_corrupt_frame_is_reported_and_the_hash_thread_stopped(tmp_path: Path, compression: str) -> None:
+def test_a_corrupt_frame_is_reported_and_the_hash_thread_stopped(tmp_path: Path, compression: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     path = _file(tmp_path, compression)
     good = file_checksum(path)
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
+    data[read_header(path)[2][0][0] + 5] ^= 0x10  # in the first frame: found while the whole-file hash still runs
     path.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpointError, match=r"fail(s)? (its|their) xxh3 checksum"):
-        read_tensor_file(path, checksum=good)
+    monkeypatch.setattr(filecheck, "_CHUNK", 4096)
+    real = filecheck._Hasher.update
+    monkeypatch.setattr(filecheck._Hasher, "update", lambda self, d: (time.sleep(0.001), real(self, d))[1])
+    for copy in (False, True):
+        with pytest.raises(CorruptCheckpointError, match=r"frame(\(s\))? \[?0\]? fails? (its|their) xxh3 checksum"):
+            read_tensor_file(path, checksum=good, copy=copy, threads=2)
+        assert _hash_threads() == []  # stopped and joined before the map was released
+
+
+def test_a_version_2_container_is_checked_too(tmp_path: Path) -> None:
+    path = tmp_path / "v2.bin"
+    write_tensor_file(_tensors(), path, container_version=2, threads=2)
+    assert read_header(path)[0]["version"] == 2
+    assert torch.equal(read_tensor_file(path, checksum=file_checksum(path))["exp_avg"], _tensors()["exp_avg"])
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"Tensor file {path}: checksum mismatch (")):
+        read_tensor_file(path, checksum=WRONG)
+
+
+def test_a_valid_container_of_another_version_is_corrupt_unless_it_is_the_file_the_manifest_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _file(tmp_path, "zstd")
+    monkeypatch.setattr(tp, "read_header", lambda p: (_ for _ in ()).throw(FormatVersionError("container version 9")))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"Tensor file {path}: checksum mismatch (")):
+        read_tensor_file(path, checksum=WRONG)  # a file swapped in: corrupt (retried, then a fallback)
+    with pytest.raises(FormatVersionError, match="container version 9"):
+        read_tensor_file(path, checksum=file_checksum(path))  # the file the manifest names: really newer
 
 
 # ---------------------------------------------------------------------------------- the store
@@ -145,3 +178,25 @@ def test_a_manifest_checksum_the_file_does_not_have_fails_the_load(store: Checkp
     assert str(e.value).startswith(f"checkpoint {directory} failed verification, nothing was loaded: ")
     weights_only = store.load("step:1", tiers={"weights"})  # the other tiers stay loadable
     assert weights_only.optimizer is None and weights_only.weights is not None
+
+
+def test_a_checksum_mismatch_is_read_twice_then_corrupt_and_resume_falls_back_to_weights(
+        store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_dynamic_ckpt import restore
+
+    info = store.save(_state(1), reason="r")
+    directory = Path(info.path)
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    manifest["files"][OPTIMIZER_NAME]["checksum"] = WRONG
+    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
+    calls: list[str | None] = []
+    real = tp.read_tensor_file
+    monkeypatch.setattr(tp, "read_tensor_file", lambda *a, **k: calls.append(k.get("checksum")) or real(*a, **k))
+    with pytest.raises(CorruptCheckpointError, match=r"the file is corrupt\. Restore another checkpoint"):
+        store.load("step:1", tiers={"optimizer"})
+    assert calls == [WRONG, WRONG]  # a transient read error must not cost the checkpoint: read once more
+    assert store.list(include_unhealthy=True)[0].status == "corrupt"
+    assert _hash_threads() == []
+    loaded = restore.load_for_resume(store, "step:1")
+    assert loaded.optimizer is None and loaded.scheduler == {"last_epoch": 1} and loaded.weights is not None
