@@ -235,8 +235,8 @@ class HashingWriter:
         self._paced = paced and range_sync_available()
         self._on_disk = 0  # paced: bytes before this offset are known to be on disk
         self._waiting_share = 0.0  # paced: recent share of time spent waiting for the disk
-        self._held_up = False  # paced: the disk set the pace at some point
-        self._since = time.perf_counter()
+        self._waits = 0  # paced: waits for the disk made so far
+        self._since = self._start = time.perf_counter()
         self.disk_wait_s = 0.0
         """Seconds spent in paced waits."""
 
@@ -272,7 +272,7 @@ class HashingWriter:
             self.disk_wait_s += end - start
             share = (end - start) / (end - self._since) if end - start > BLOCKED_S else 0.0  # since the last wait
             self._waiting_share = 0.5 * self._waiting_share + 0.5 * share
-            self._held_up = self._held_up or self._waiting_share > DISK_BOUND_SHARE
+            self._waits += 1
             self._since = end
 
     @property
@@ -282,10 +282,15 @@ class HashingWriter:
         return not self._paced or self._waiting_share > DISK_BOUND_SHARE
 
     @property
-    def disk_held_up(self) -> bool:
-        """Whether the disk set the pace at any point of the write so far (`disk_bound` was true), or pacing did
-        not work throughout; `False` for a paced write the disk always waited for."""
-        return not self._paced or self._held_up
+    def pace_verdict(self) -> bool | None:
+        """Whether the disk held this write up so far: more than `DISK_BOUND_SHARE` of its time went into waiting
+        for the disk, or pacing stopped working (or never could); `None` for a paced write too short to tell (under
+        two waits: less than about `PACE_WINDOW` plus two writeback requests written)."""
+        if not self._paced:
+            return True
+        if self._waits < 2:
+            return None
+        return self.disk_wait_s > DISK_BOUND_SHARE * (time.perf_counter() - self._start)
 
     def tell(self) -> int:
         return self._size

@@ -88,11 +88,11 @@ class Task:
         self.blobs = BlobStore(self.dir / BLOBS_DIR, fs)
         self.timelines = Timelines(self.dir, fs)
         self.abort_reason: str | None = None
-        self.l1_pace = PaceMemory()
-        """What the last paced L1 write learnt about this disk (`write_tensor_file(pace=...)`)."""
+        """Set by `CheckpointStore.abort`: rank 0 stops waiting for other ranks' files."""
         self.remote: Remote | None = None
         """The object-store copy of the task when the root is a URL (`remote_sync` keeps them in step)."""
-        """Set by `CheckpointStore.abort`: rank 0 stops waiting for other ranks' files."""
+        self.l1_pace = PaceMemory()
+        """What the last paced L1 writes learnt about this disk (`write_tensor_file(pace=...)`)."""
 
     # -- names ----------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:

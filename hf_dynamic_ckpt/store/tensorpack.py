@@ -156,8 +156,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
             compatibility tests.
         paced (`bool`, *optional*, defaults to `False`): v3: stay `checksum.PACE_WINDOW` bytes ahead of
             the disk at most; while the disk waits, slowly compressing parts are stored raw (docs/internals.md).
-        pace (`PaceMemory`, *optional*): a paced write groups bytes only if `pace.group`, and records in it
-            whether the disk held it up (after a write the disk always waited for, grouping is skipped).
+        pace (`PaceMemory`, *optional*): a paced write records in it whether the disk held it up; after one
+            it did not, the next groups only the tensors where grouping pays anyway (`grouping_pays`).
 
     Returns:
         `FileEntry`: size and checksum of the written file (tier `"optimizer"`).
@@ -179,8 +179,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
                         f"{' or '.join(map(str, READ_VERSIONS))} ({CONTAINER_VERSION} is the default).")
     workers = resolve_threads(threads)
     paced = paced and codec == Codec.ZSTD and container_version == 3
-    byte_group = byte_group and (pace is None or not paced or pace.group)
     checked = {name: _check(name, t) for name, t in tensors.items()}
+    pays = _grouping_judge(level) if pace is not None and paced and not pace.group else None
     gce, frame_bytes = GROUP_CHUNK_ELEMS, FRAME_BYTES
     entries: list[dict[str, Any]] = []
     offset = 0
@@ -189,6 +189,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         if codec == Codec.NONE:
             offset = -(-offset // ALIGN) * ALIGN  # every tensor starts aligned: memory-mapped views
         grouped = codec == Codec.ZSTD and byte_group and t.dtype in GROUPABLE and t.numel() > 1
+        grouped = grouped and (pays is None or pays(_bytes_of(t), t.element_size()))
         entries.append({"name": name, "dtype": NAMES[t.dtype], "shape": list(t.shape),
                         "offset": offset, "nbytes": nbytes, "byte_grouped": grouped})
         offset += nbytes
@@ -234,12 +235,21 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         else:
             write_raw_payload(f, entries, datas, offset, frame_bytes, index)
         payload_len = f.size - payload_start
+        verdict = f.pace_verdict  # before the final fsync, which any disk pays
         f.write(index_bytes(index, payload_len))
         fsync_file(f)
         checksum = f.checksum()
         if pace is not None and paced:
-            pace.learn(f.disk_held_up)
+            pace.learn(verdict)
     return make_file_entry(path, tier=Tier.OPTIMIZER.value, rank=None, checksum=checksum)
+
+
+def _grouping_judge(level: int) -> Any:
+    """`tensorpack_codec.grouping_pays` with a compressor of `level`."""
+    import zstandard
+
+    cctx = zstandard.ZstdCompressor(compression_params=tpc.compression_params(level))
+    return lambda data, itemsize: tpc.grouping_pays(cctx, data, itemsize)
 
 
 def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:

@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError
+from .byteplanes import _group
 from .checksum import read_exact
 from .tensorpack_format import (
     DTYPES,
@@ -54,21 +55,50 @@ fraction are compressed: runs of zeros and the like, which zstd compresses faste
 
 
 class PaceMemory:
-    """What the last paced L1 write of a store learnt: whether to byte-group the next one (`group`).
+    """What the last paced L1 writes of a store learnt: whether to byte-group the next one (`group`).
 
-    While the disk waits for the compressor, a paced write stores every part raw except those
-    that shrink to `HURRY_RATIO` (zeros), and zeros shrink as well ungrouped: grouping the
-    planes was CPU spent for nothing (~30 % of a 1-thread write of AdamW state; the file within
-    0.3 % of the grouped one's size). So after a paced write the disk never held up, the next is
-    written ungrouped; after one it held up (or one whose pacing stopped working), grouped
-    again. A store keeps one per task (`Task.l1_pace`); a new one groups.
+    While the disk waits for the compressor, a paced write stores raw every part that does not
+    shrink to `HURRY_RATIO`. The byte planes of AdamW moments do not (their exponent plane
+    compresses to ~0.3); zeros do, grouped or not. So after a paced write the disk did not hold
+    up (`HashingWriter.pace_verdict`), the next one groups only the tensors where it can pay
+    (`grouping_pays`): ~22 % less CPU for the same file within 0.3 % on AdamW state. After one
+    it held up, or where pacing stopped working, every tensor is grouped again; a write too short
+    to tell changes nothing. A store keeps one per task (`Task.l1_pace`); a new one groups.
     """
 
     def __init__(self) -> None:
         self.group = True
 
-    def learn(self, disk_held_up: bool) -> None:
-        self.group = disk_held_up
+    def learn(self, held_up: bool | None) -> None:
+        if held_up is not None:
+            self.group = held_up
+
+
+UNGROUPED_MIN_BYTES = 1 << 20
+"""Tensors smaller than this stay byte-grouped whatever the disk: grouping them costs little."""
+GROUP_SAMPLE_ELEMS = 4096
+"""Elements per slice of the sample `grouping_pays` takes (`SAMPLE_SLICES` slices)."""
+
+
+def grouping_pays(cctx: Any, data: np.ndarray, itemsize: int) -> bool:
+    """Whether a byte plane of `data` (a tensor's bytes) shrinks to `HURRY_RATIO` once grouped, judged on a sample.
+
+    Such a plane is compressed even while the disk waits for the writer (constant exponents,
+    integer-valued floats, zero low bytes), and only grouped: for these tensors grouping pays
+    on any disk. Tensors under `UNGROUPED_MIN_BYTES` answer `True` without a sample.
+    """
+    n = data.nbytes // itemsize
+    if data.nbytes < UNGROUPED_MIN_BYTES:
+        return True
+    stride = (n - GROUP_SAMPLE_ELEMS) // (SAMPLE_SLICES - 1)
+    sample = np.concatenate([data[j * stride * itemsize : (j * stride + GROUP_SAMPLE_ELEMS) * itemsize]
+                             for j in range(SAMPLE_SLICES)])
+    m = sample.nbytes // itemsize
+    planes = _group(sample, itemsize)
+    for lo, hi in ((0, m), (m, 2 * m), (2 * m, planes.nbytes)):
+        if hi > lo and len(cctx.compress(planes[lo:hi])) <= HURRY_RATIO * (hi - lo):
+            return True
+    return False
 
 
 def compression_params(level: int) -> Any:
