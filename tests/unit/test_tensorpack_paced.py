@@ -9,6 +9,7 @@ that compress slowly raw. The disk's speed is simulated here by the time `wait_w
 from __future__ import annotations
 
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,30 @@ from hf_dynamic_ckpt.store.checksum import HashingWriter, file_checksum, wait_wr
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 
 
-def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float) -> list[tuple[int, int]]:
-    """Every writeback request succeeds; each wait takes the next of `seconds` (or always `seconds`)."""
+def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float,
+          work_s: float | None = None) -> list[tuple[int, int]]:
+    """Every writeback request succeeds; each wait takes the next of `seconds` (or always `seconds`).
+
+    With `work_s` the writer's clock is simulated too (`checksum.time.perf_counter`): the writer
+    takes `work_s` per writeback request and each wait its `seconds`, whatever the machine's load.
+    """
     waits: list[tuple[int, int]] = []
-    monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: True)
+    clock = [0.0]
+
+    def writeback(fd: int, off: int, n: int) -> bool:
+        clock[0] += work_s or 0.0
+        return True
+
+    monkeypatch.setattr(checksum, "start_writeback", writeback)
+    if work_s is not None:
+        monkeypatch.setattr(checksum, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def wait(fd: int, off: int, n: int) -> bool:
         waits.append((off, n))
         wait_s = seconds[len(waits) - 1] if isinstance(seconds, list) else seconds
-        if wait_s:
+        if work_s is not None:
+            clock[0] += wait_s
+        elif wait_s:
             time.sleep(wait_s)
         return True
 
@@ -156,7 +172,7 @@ def test_while_the_disk_waits_slow_parts_are_stored_raw_and_zeros_still_compress
 
 def test_once_the_disk_sets_the_pace_the_paced_file_is_the_unpaced_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
-    waits = _disk(monkeypatch, 0.002)  # every wait blocks: the writer is ahead of the disk
+    waits = _disk(monkeypatch, 0.01, work_s=0.001)  # every wait blocks: the writer is ahead of the disk
     tensors = _state()
     paced, plain = tmp_path / "paced.bin", tmp_path / "plain.bin"
     write_tensor_file(tensors, paced, level=1, threads=1, paced=True)
@@ -186,8 +202,7 @@ def _grouped(path: Path) -> list[bool]:
 
 def test_after_a_write_the_disk_never_held_up_the_next_groups_only_where_it_pays(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
-    waits = _disk(monkeypatch, 0.0)  # a disk that is never behind
-    monkeypatch.setattr(checksum, "BLOCKED_S", 0.05)
+    waits = _disk(monkeypatch, 0.0, work_s=0.001)  # a disk that is never behind
     tensors = _state()
     pace = codec.PaceMemory()
     first, second = tmp_path / "1.bin", tmp_path / "2.bin"
@@ -205,7 +220,7 @@ def test_after_a_write_the_disk_never_held_up_the_next_groups_only_where_it_pays
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_disk_that_held_the_write_up_brings_byte_grouping_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None, threads: int) -> None:
-    waits = _disk(monkeypatch, 0.01)  # every wait blocks: the disk sets the pace
+    waits = _disk(monkeypatch, 0.01, work_s=0.001)  # every wait blocks: the disk sets the pace
     tensors = _state()
     pace = codec.PaceMemory()
     pace.learn(False)  # as after a write on a fast disk
@@ -224,8 +239,7 @@ def test_a_short_hold_up_or_a_write_too_short_to_tell_does_not_bring_grouping_ba
     tensors = _state()
     pace = codec.PaceMemory()
     pace.learn(False)
-    waits = _disk(monkeypatch, [0.002, 0.002] + [0.0] * 100)  # the disk is behind twice, then never
-    monkeypatch.setattr(checksum, "BLOCKED_S", 0.001)
+    waits = _disk(monkeypatch, [0.002, 0.002] + [0.0] * 100, work_s=0.001)  # behind twice, then never
     path = tmp_path / "t.bin"
     write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)
     assert len(waits) >= 5 and pace.group is False  # judged on the whole write, not on its worst moment
@@ -282,8 +296,7 @@ def test_the_store_remembers_across_saves_whether_to_group(tmp_path: Path, monke
     from hf_dynamic_ckpt.constants import OPTIMIZER_NAME
     from hf_dynamic_ckpt.store.store import CheckpointStore
 
-    _disk(monkeypatch, 0.0)
-    monkeypatch.setattr(checksum, "BLOCKED_S", 0.05)
+    _disk(monkeypatch, 0.0, work_s=0.001)
     from hf_dynamic_ckpt.store.types import CheckpointState
 
     g = torch.Generator().manual_seed(0)
