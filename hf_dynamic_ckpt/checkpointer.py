@@ -61,8 +61,7 @@ class Checkpointer:
     Args:
         config (`SmartCkptConfig`): the knobs; `config.root` or `root` names the store.
         root (`str` or `Path`, *optional*): store directory (overrides `config.root`).
-        rank (`int`, *optional*): this process's rank; defaults to the process group's.
-        world_size (`int`, *optional*): number of ranks; defaults to the process group's.
+        rank, world_size (`int`, *optional*): this process's rank and the number of ranks; default: the process group's.
 
     Example:
         ```python
@@ -173,7 +172,8 @@ class Checkpointer:
     def prepare_buffers(self) -> None:
         """Prepare the snapshot buffers and copy plans in the background now, not in the first save (at attach, and
         after the trainable state moved: `state.flat`); once a resume's optimizer-tier read is done."""
-        self._resume.after_read(functools.partial(self.engine.prepare, self._sources, self.saver.own_tiers))
+        if self._sources is not None:  # else not attached: nothing to prepare yet
+            self._resume.after_read(functools.partial(self.engine.prepare, self._sources, self.saver.own_tiers))
 
     def detach(self) -> None:
         """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
