@@ -179,8 +179,9 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
                         f"{' or '.join(map(str, READ_VERSIONS))} ({CONTAINER_VERSION} is the default).")
     workers = resolve_threads(threads)
     paced = paced and codec == Codec.ZSTD and container_version == 3
+    pace = pace if paced else None  # only a paced write learns, or is taught
     checked = {name: _check(name, t) for name, t in tensors.items()}
-    pays = _grouping_judge(level) if pace is not None and paced and not pace.group else None
+    pays = _grouping_judge(level) if pace is not None and not pace.group else None
     gce, frame_bytes = GROUP_CHUNK_ELEMS, FRAME_BYTES
     entries: list[dict[str, Any]] = []
     offset = 0
@@ -239,7 +240,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         f.write(index_bytes(index, payload_len))
         fsync_file(f)
         checksum = f.checksum()
-        if pace is not None and paced:
+        if pace is not None:
             pace.learn(verdict)
     return make_file_entry(path, tier=Tier.OPTIMIZER.value, rank=None, checksum=checksum)
 
