@@ -80,7 +80,7 @@ ALL_TIERS: frozenset[Tier] = frozenset(Tier)
 
 # -- store area (round 2): timelines, locks, containment --------------------------------
 TIMELINES_NAME = "timelines.json"  # per task: current timeline + abandoned checkpoints (one atomic record)
-WRITER_LOCK_NAME = ".writer.lock"  # per task: flock + holder (pid, host, session, since) of the one writer
+WRITER_LOCK_NAME = ".writer.lock"  # per task: POSIX record lock + holder (pid, host, session, since) of the one writer
 BLOBS_LOCK_NAME = ".blobs.lock"  # per task: saves (shared) vs blob collection (exclusive)
 ASIDE_SUFFIX = ".replaced"  # step-<N>.tmp-<sid>.replaced: committed copy set aside during a replace-commit
 TRASH_INFIX = ".deleted-"  # step-<N>.tmp-<sid>.deleted-<rand>: a checkpoint being deleted

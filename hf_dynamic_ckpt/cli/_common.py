@@ -171,7 +171,8 @@ def open_writer(root: Path, task: str, *, cleanup: bool = True) -> Any:
         return _url_store(root, task, cache="cli", cleanup=cleanup)
     if not (root / task).is_dir():
         raise UsageError(f"task {task!r} has no folder under {root}; available: {', '.join(tasks(root, None))}.")
-    return CheckpointStore(root, task_id=task, cleanup=cleanup)
+    # A command refuses at once (no wait) when another host holds the lock: the message names it.
+    return CheckpointStore(root, task_id=task, cleanup=cleanup, lock_wait_s=0.0)
 
 
 def table(rows: list[list[str]], out: TextIO) -> None:

@@ -1,14 +1,15 @@
-"""One writer per task: a second live writer is refused, naming the holder; no save is lost.
+"""One writer per task, and every ordinary restart gets the lock (store level; see `hf_dynamic_ckpt.store.lock`).
 
-Issue 10, failure 4: a second live session only logged a warning, and a save of a step the
-other session had committed was reported as this run's success: two concurrent runs
-interleaved their checkpoints, and a fresh run on a used task reported saves 2-8 "ok"
-while every directory belonged to the old run.
+What each kind of holder gets: this process's earlier writer is closed and replaced; a holder
+that is gone (killed, crashed, rebooted, pid reused) is taken over without a flag, even when a
+process it forked is still running; a holder this host cannot see (another host) is waited for,
+then named in `StoreLockedError`; a live holder of this host is refused at once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -24,16 +25,21 @@ from store_helpers import tiny_state
 
 from hf_dynamic_ckpt.errors import StoreLockedError
 from hf_dynamic_ckpt.store import CheckpointStore, Lineage, SaveRequest
+from hf_dynamic_ckpt.store.lock import HolderState, judge, read_holder, this_host
 
 HOLDER = """
-import os, sys, time, torch
+import os, socket, sys, time, torch
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[3])
 from store_helpers import tiny_state
 from hf_dynamic_ckpt.store import CheckpointStore
+mode = sys.argv[2]
+if mode.startswith("host="):  # pretend to run on another host (a pod on another node)
+    other = mode.removeprefix("host=")
+    socket.gethostname = lambda: other
 store = CheckpointStore(sys.argv[1], task_id="run", session_id="first")
 store.save(tiny_state(1), reason="first")
-if sys.argv[2] == "orphan":  # a child inherits the locked file, then the holder dies
+if mode == "orphan":  # a child (a data-loader worker) inherits the open lock file, then the holder dies
     child = os.fork()
     if child == 0:
         time.sleep(120)
@@ -49,7 +55,7 @@ print("done", flush=True)
 
 
 def _holder(root: Path, mode: str) -> tuple[subprocess.Popen[str], int | None]:
-    """The first writer, and (mode "orphan") the pid of the child that inherited its lock."""
+    """The first writer, and (mode "orphan") the pid of the child that inherited its open lock file."""
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode, str(Path(__file__).parent)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -58,27 +64,34 @@ def _holder(root: Path, mode: str) -> tuple[subprocess.Popen[str], int | None]:
     return proc, int(line[1]) if len(line) > 1 else None
 
 
-def test_a_second_live_writer_is_refused_and_no_save_is_lost(tmp_path: Path) -> None:
+def _finish(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "done"
+    proc.wait(timeout=60)
+
+
+def test_a_live_writer_of_this_host_is_refused_at_once_and_no_save_is_lost(tmp_path: Path) -> None:
     first, _ = _holder(tmp_path, "wait")
     try:
+        start = time.monotonic()
         with pytest.raises(StoreLockedError) as exc:
-            CheckpointStore(tmp_path, task_id="run", session_id="second")
+            CheckpointStore(tmp_path, task_id="run", session_id="second", lock_wait_s=30)
+        assert time.monotonic() - start < 5  # refused at once, not after lock_wait_s
         text = str(exc.value)
         assert f"pid {first.pid} on host {socket.gethostname()}, session first, since " in text
-        assert "give this run its own task_id" in text
+        assert "which is running" in text and "give this run its own task_id" in text
         with pytest.raises(StoreLockedError, match="takeover=True never replaces a running holder"):
             CheckpointStore(tmp_path, task_id="run", session_id="second", takeover=True)
         # Readers never take the lock: the writer process, other ranks, tools.
         for kw in ({"cleanup": False}, {"read_only": True}, {"rank": 1, "world_size": 2}):
             CheckpointStore(tmp_path, task_id="run", session_id="reader", **kw).close()  # type: ignore[arg-type]
-        assert first.stdin is not None
-        first.stdin.write("go\n")
-        first.stdin.flush()
-        assert first.stdout is not None and first.stdout.readline().strip() == "done"
+        _finish(first)
     finally:
         first.kill()
         first.wait()
-    store = CheckpointStore(tmp_path, task_id="run", session_id="second")  # the holder is gone: free
+    store = CheckpointStore(tmp_path, task_id="run", session_id="second")  # the holder released it
     assert [i.step for i in store.list()] == [2, 1]
     for step in (1, 2):
         assert store.verify(step) == []
@@ -86,32 +99,140 @@ def test_a_second_live_writer_is_refused_and_no_save_is_lost(tmp_path: Path) -> 
     store.close()
 
 
-def test_a_killed_holder_frees_the_task(tmp_path: Path) -> None:
+def test_a_killed_holder_is_taken_over_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     first, _ = _holder(tmp_path, "wait")
     first.send_signal(signal.SIGKILL)
     first.wait()
-    store = CheckpointStore(tmp_path, task_id="run", session_id="next")
+    with caplog.at_level(logging.WARNING, logger="hf_dynamic_ckpt.store.lock"):
+        store = CheckpointStore(tmp_path, task_id="run", session_id="next")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert f"took the writer lock over from pid {first.pid} on host {socket.gethostname()}, session first" in lines[0]
+    assert lines[0].endswith("which ended without releasing it (killed or crashed)")
     assert [i.step for i in store.list()] == [1]
     store.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_dynamic_ckpt.store.lock"):  # released cleanly: no warning
+        CheckpointStore(tmp_path, task_id="run", session_id="after").close()
+    assert caplog.records == []
 
 
-def test_takeover_when_the_holder_is_gone_but_a_child_kept_the_lock(tmp_path: Path) -> None:
+def test_an_orphaned_child_of_a_dead_holder_cannot_block_the_restart(tmp_path: Path) -> None:
+    """POSIX record locks are not inherited by fork(): a data-loader worker that outlives the holder holds nothing.
+
+    (With flock, which the child's copy of the open file description keeps, this restart was refused.)"""
     first, orphan_pid = _holder(tmp_path, "orphan")
     first.wait()
     assert orphan_pid is not None
-    orphan = json.loads((tmp_path / "run" / ".writer.lock").read_text())["pid"]
-    assert orphan == first.pid
     try:
-        with pytest.raises(StoreLockedError, match=r"that process is no longer running.*pass takeover=True once it is gone"):
-            CheckpointStore(tmp_path, task_id="run", session_id="second")
-        second = CheckpointStore(tmp_path, task_id="run", session_id="second", takeover=True)
-        with pytest.raises(StoreLockedError, match=f"pid {os.getpid()} on host .*, session second, since"):
-            CheckpointStore(tmp_path, task_id="run", session_id="third")
+        os.kill(orphan_pid, 0)  # the orphan is alive and has the lock file open
+        assert any(os.path.realpath(f"/proc/{orphan_pid}/fd/{fd}") == str(tmp_path / "run" / ".writer.lock")
+                   for fd in os.listdir(f"/proc/{orphan_pid}/fd"))
+        inode = (tmp_path / "run" / ".writer.lock").stat().st_ino
+        start = time.monotonic()
+        second = CheckpointStore(tmp_path, task_id="run", session_id="second")
+        assert time.monotonic() - start < 5
+        assert read_holder(tmp_path / "run")["session"] == "second"  # type: ignore[index]
+        # Locked in place: the orphan held nothing, so no replacement lock file was needed.
+        assert (tmp_path / "run" / ".writer.lock").stat().st_ino == inode
         second.close()
     finally:
         os.kill(orphan_pid, signal.SIGKILL)  # the child this test started, by its pid
-    third = CheckpointStore(tmp_path, task_id="run", session_id="third")
+
+
+def test_this_processs_earlier_writer_is_closed_and_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first = CheckpointStore(tmp_path, task_id="run", session_id="first")
+    first.save(tiny_state(1), reason="first")
+    closed: list[str] = []
+
+    def close_first() -> None:
+        closed.append("first")
+        first.close()
+
+    first.on_handover(close_first)
+    with caplog.at_level(logging.INFO, logger="hf_dynamic_ckpt.store.lock"):
+        second = CheckpointStore(tmp_path, task_id="run", session_id="second")
+    assert closed == ["first"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert [r.levelno for r in caplog.records] == [logging.INFO], messages
+    assert "this process already writes it (session first); that writer is closed first" in messages[0]
+    assert read_holder(tmp_path / "run")["session"] == "second"  # type: ignore[index]
+    # The lock never dropped: another process is refused while `second` holds it.
+    probe = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from hf_dynamic_ckpt.errors import StoreLockedError
+        from hf_dynamic_ckpt.store import CheckpointStore
+        try:
+            CheckpointStore(sys.argv[1], task_id="run", session_id="other", lock_wait_s=0)
+        except StoreLockedError as e:
+            print("refused:", e)
+        """), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert f"refused: task 'run' under {tmp_path} is being written by another session: pid {os.getpid()}" in probe.stdout
+    info = second.save(tiny_state(2), reason="second")
+    assert info is not None and [i.step for i in second.list()] == [2, 1]
+    # A maintenance call of the same process does not close the run that writes the task.
+    reader = CheckpointStore(tmp_path, task_id="run", session_id="tool", cleanup=False)
+    with pytest.raises(StoreLockedError, match=r"being written by this process \(session second\); close that "):
+        reader.gc()
+    reader.close()
+    second.close()
+    third = CheckpointStore(tmp_path, task_id="run", session_id="third")  # released: taken without a handover
     third.close()
+
+
+def test_a_holder_on_another_host_is_waited_for_then_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first, _ = _holder(tmp_path, "host=gpu-node-7")
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="hf_dynamic_ckpt.store.lock"), \
+                pytest.raises(StoreLockedError) as exc:
+            CheckpointStore(tmp_path, task_id="run", session_id="second", lock_wait_s=1.5)
+        waited = time.monotonic() - start
+        assert 1.5 <= waited < 10
+        text = str(exc.value)
+        assert f"pid {first.pid} on host gpu-node-7, session first" in text
+        assert "which this host cannot see (another host or container)" in text
+        assert "pass takeover=True (CheckpointStore) to replace it now" in text and "raise lock_wait_s" in text
+        progress = caplog.records[0].getMessage()
+        assert "the writer lock is held by pid" in progress and "waiting up to 1.5 s" in progress
+        # When the other host's run ends while we wait, the wait ends with the lock.
+        assert first.stdin is not None
+        first.stdin.write("go\n")
+        first.stdin.flush()
+        second = CheckpointStore(tmp_path, task_id="run", session_id="second", lock_wait_s=60)
+        assert [i.step for i in second.list()] == [2, 1]
+        second.close()
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_holder_states() -> None:
+    here = {"host": "h", "boot": "b1", "pidns": "pid:[1]"}
+    me = {"pid": os.getpid(), "host": "h", "boot": "b1", "pidns": "pid:[1]"}
+    assert judge(me, here) is HolderState.ALIVE
+    assert judge({**me, "host": "other"}, here) is HolderState.UNKNOWN
+    assert judge({**me, "pidns": "pid:[2]"}, here) is HolderState.UNKNOWN
+    assert judge({**me, "boot": "b0"}, here) is HolderState.GONE  # recorded before a reboot
+    assert judge({**me, "start": "1"}, here) is HolderState.GONE  # the pid now belongs to another process
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert judge({**me, "pid": dead.pid}, here) is HolderState.GONE
+    assert judge(None, here) is HolderState.UNKNOWN and judge({"pid": "1", "host": "h"}, here) is HolderState.UNKNOWN
+    assert judge({"pid": os.getpid(), **this_host()}) is HolderState.ALIVE
+
+
+def test_takeover_replaces_a_holder_of_another_host_without_waiting(tmp_path: Path) -> None:
+    first, _ = _holder(tmp_path, "host=gpu-node-7")
+    try:
+        start = time.monotonic()
+        second = CheckpointStore(tmp_path, task_id="run", session_id="second", takeover=True, lock_wait_s=60)
+        assert time.monotonic() - start < 5
+        assert read_holder(tmp_path / "run")["session"] == "second"  # type: ignore[index]
+        second.close()
+    finally:
+        first.kill()
+        first.wait()
 
 
 def test_a_fresh_run_never_reports_another_sessions_checkpoint_as_its_save(tmp_path: Path) -> None:
@@ -130,7 +251,10 @@ def test_a_fresh_run_never_reports_another_sessions_checkpoint_as_its_save(tmp_p
 
 def test_lock_file_names_the_holder(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, task_id="run", session_id="me")
-    holder = json.loads((tmp_path / "run" / ".writer.lock").read_text())
+    holder = read_holder(tmp_path / "run")  # through the held descriptor: opening the file again would drop the lock
+    assert holder is not None
     assert (holder["pid"], holder["host"], holder["session"]) == (os.getpid(), socket.gethostname(), "me")
-    assert abs(holder["since"] - time.time()) < 600
+    assert holder["boot"] == this_host()["boot"] and abs(holder["since"] - time.time()) < 600
     store.close()
+    released = json.loads((tmp_path / "run" / ".writer.lock").read_text())
+    assert released["session"] == "me" and released["released"] >= holder["since"]

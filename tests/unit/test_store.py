@@ -483,17 +483,33 @@ def test_save_failure_leaves_nothing_behind(store: CheckpointStore) -> None:
 
 
 def test_cleanup_spares_temp_dirs_while_another_session_holds_the_task(tmp_path: Path) -> None:
-    # Round 2 (issue 10): a second live writer is refused outright instead of running alongside
-    # with a warning; what this test guards is unchanged: the live session's save is untouched.
+    import subprocess
+    import sys
+    import textwrap
+
     from hf_dynamic_ckpt.errors import StoreLockedError
 
-    first = CheckpointStore(tmp_path, task_id="run", session_id="live")
-    live_tmp = tmp_path / "run" / "step-5.tmp-live"
-    live_tmp.mkdir()  # a save of the live session in progress
-    with pytest.raises(StoreLockedError, match=r"session live, since .*give this run its own task_id"):
-        CheckpointStore(tmp_path, task_id="run", session_id="newcomer")
-    assert live_tmp.exists()
-    first.close()  # the live session ends (or dies: the lock goes with the process)
+    live = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from hf_dynamic_ckpt.store import CheckpointStore
+        store = CheckpointStore(sys.argv[1], task_id="run", session_id="live")
+        (store.task_dir / "step-5.tmp-live").mkdir()  # a save of the live session in progress
+        print("ready", flush=True)
+        sys.stdin.readline()
+        store.close()
+        """), str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout is not None and live.stdout.readline().strip() == "ready"
+        live_tmp = tmp_path / "run" / "step-5.tmp-live"
+        with pytest.raises(StoreLockedError, match=r"session live, since .*give this run its own task_id"):
+            CheckpointStore(tmp_path, task_id="run", session_id="newcomer")
+        assert live_tmp.exists()
+        assert live.stdin is not None
+        live.stdin.write("end\n")  # the live session ends (or dies: the lock goes with the process)
+        live.stdin.flush()
+        assert live.wait(timeout=60) == 0
+    finally:
+        live.kill()
     third = CheckpointStore(tmp_path, task_id="run", session_id="after")
     assert not live_tmp.exists()
     third.close()
