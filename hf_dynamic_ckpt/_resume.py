@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 from . import distributed as dist
 from .config import FallbackStrategy
 from .constants import Tier
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, IncompatibleStateError
 from .restore import plan_resume
+from .state.optimizer import state_numel_bound
 from .store.spec import Lineage, new_session_id
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
@@ -42,7 +43,9 @@ class ResumeState:
         self.resume_ms: float | None = None
         self._policy: dict[str, Any] | None = None
         self._probe: dict[str, Any] | None = None
+        self._counts: dict[str, Any] | None = None
         self._l1: Future[_L1] | None = None
+        self._l1_bound: int | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._after_read: list[Callable[[], Any]] = []
 
@@ -107,6 +110,7 @@ class ResumeState:
         ck.log_event("resume", step=info.step, spec=str(spec), warnings=list(loaded.warnings),
                      tiers=sorted(t.value for t in loaded.tiers))
         if deferred:
+            self._l1_bound = state_numel_bound(expected.values()) if expected is not None else None
             # Only once the plan chose the restore point: a read racing `plan_resume` could record the
             # checkpoint's corrupt L1 in the catalog first and turn a weights-only resume into a fallback.
             self._l1 = self._submit_read(info)
@@ -169,6 +173,8 @@ class ResumeState:
     def remember_policy_state(self, loaded: LoadedCheckpoint) -> None:
         self._policy = loaded.extra.get("policy") or None
         self._probe = loaded.extra.get("grad_probe") or None
+        counts = loaded.extra.get("save_log")
+        self._counts = counts if isinstance(counts, dict) else None
 
     def apply_policy_state(self, *, again: bool = False) -> None:
         """Load the remembered statistics: the policy at once, the gradient probe once attached.
@@ -178,6 +184,9 @@ class ResumeState:
         ck = self.ck
         if again and self.resumed is not None:
             self.remember_policy_state(self.resumed)
+        if self._counts is not None:
+            ck.saver.log.continue_counts(self._counts)
+            self._counts = None
         if self._policy is not None:
             state, self._policy = self._policy, None
             try:
@@ -204,12 +213,15 @@ class ResumeState:
             return None, None, None, "the checkpoint was saved without it"
         # mmap=False: an uncompressed tier is copied here, off the training thread; mapped, the
         # first update would take a copy-on-write fault per page of the moments it writes.
+        bound = self._l1_bound
         try:
-            opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank, mmap=False)
+            opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank, mmap=False, l1_max_numel=bound)
+        except IncompatibleStateError as e:  # declared larger than the model allows: nothing was allocated
+            return None, store.load_scheduler_only(info), None, str(e)
         except CorruptCheckpointError as first:
-            try:
-                opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank, mmap=False)  # a transient read error
-            except CorruptCheckpointError:
+            try:  # a transient read error
+                opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank, mmap=False, l1_max_numel=bound)
+            except (CorruptCheckpointError, IncompatibleStateError):
                 return None, store.load_scheduler_only(info), None, str(first)
         return opt.optimizer, opt.scheduler, opt.scaler, None
 

@@ -115,6 +115,7 @@ class Checkpointer:
         self._boundary_step: int | None = None
         self.timeline = RunTimeline(self.store.task_dir, rank=self.rank)
         self._closed = False
+        self.store.on_handover(self._handed_over)
 
     # ------------------------------------------------------------------ wiring
     log = property(lambda self: self.saver.log, doc="The run's saves and their counters (`SaveLog`).")
@@ -194,8 +195,9 @@ class Checkpointer:
         return out
 
     def extra_state(self) -> dict[str, Any]:
-        """Policy and probe statistics as stored in the manifest's `extra` (`policy`, `grad_probe`)."""
-        out: dict[str, Any] = {"policy": self.policy.state_dict()}
+        """Policy and probe statistics and the run's save counters as stored in the manifest's `extra` (`policy`,
+        `save_log`, `grad_probe`)."""
+        out: dict[str, Any] = {"policy": self.policy.state_dict(), "save_log": self.log.counts_for_save()}
         if self.sensors is not None:
             out["grad_probe"] = self.sensors.grad.state_dict()
         return out
@@ -360,6 +362,13 @@ class Checkpointer:
             self._resume.close()
             self.engine.close()
             self.store.close()
+
+    def _handed_over(self) -> None:
+        """A later attach of this process takes the task (a notebook re-run, another Trainer): the writes in
+        flight commit, a save decided but not written yet is dropped (its step's logging never came, and
+        writing it could run a collective on this rank alone), and this run closes."""
+        self._held = None
+        self.close()
 
     @property
     def closed(self) -> bool:

@@ -189,6 +189,11 @@ class SmartCkptConfig:
             ``endpoint_url``; never credentials (refused: they come from the environment).
         remote_retries (`int`, *optional*, defaults to `5`): retries of a failed object-store call.
         remote_backoff_s (`float`, *optional*, defaults to `0.5`): first retry backoff (doubles, capped at 10 s).
+        lock_wait_s (`float`, *optional*, defaults to `120.0`): how long a new run waits for the task's writer
+            lock when its holder is on another host or container (its state cannot be told from here): long
+            enough for a scheduler or elastic restart and an NFS lease to expire. A holder of this process is
+            closed and replaced, a dead one of this host taken over, a live one of this host refused at once
+            (docs/reliability.md).
 
     Example:
         ```python
@@ -238,6 +243,7 @@ class SmartCkptConfig:
     remote_storage_options: Mapping[str, Any] | None = None
     remote_retries: int = 5
     remote_backoff_s: float = 0.5
+    lock_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -309,6 +315,8 @@ class SmartCkptConfig:
         if self.preemption_exit_code is not None:
             _check(_is_int(self.preemption_exit_code) and 0 <= self.preemption_exit_code <= 255, "preemption_exit_code",
                    self.preemption_exit_code, "an integer 0..255 or null (128 + signal number)")
+        _check(_is_finite(self.lock_wait_s) and self.lock_wait_s >= 0, "lock_wait_s", self.lock_wait_s,
+               "a number of seconds >= 0")
         _check(_is_number(self.recovery_timeout_ms) and self.recovery_timeout_ms > 0, "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
         import signal as _signal
 
@@ -339,7 +347,7 @@ class SmartCkptConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> SmartCkptConfig:
-        """Read a `checkpoint_config.yaml`. Unknown keys are an error naming the key.
+        """Read a `checkpoint_config.yaml`. Unknown and duplicate keys are errors naming the key (and lines).
 
         Example:
             ```yaml
@@ -352,10 +360,8 @@ class SmartCkptConfig:
             fallback_strategy: level_0_only
             ```
         """
-        import yaml
-
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = load_yaml(f, name=os.fspath(path)) or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"{os.fspath(path)}: expected a mapping at the top level, got {type(data).__name__}.")
         return cls.from_dict(data)
@@ -371,6 +377,36 @@ class SmartCkptConfig:
             return v
 
         return conv(self)  # type: ignore[no-any-return]
+
+
+def load_yaml(stream: Any, *, name: str = "<yaml>") -> Any:
+    """`yaml.safe_load` that refuses a key given twice in one mapping (PyYAML keeps the last one silently).
+
+    Raises:
+        `ConfigError`: names the key and both lines, e.g. ``base_interval`` on lines 1 and 3.
+    """
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise ConfigError(f"{name}: key {key!r} is given twice, on line {seen[key]} and line {line}; keep "
+                                  "one (YAML would silently use the last).")
+            if isinstance(key, str):
+                seen[key] = line
+        return loader.construct_mapping(node, deep=deep)
+
+    _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        return yaml.load(stream, Loader=_Loader)  # a SafeLoader subclass: plain data only
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{name} is not valid YAML: {e}") from e
 
 
 @dataclass(kw_only=True)

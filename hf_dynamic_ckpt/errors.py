@@ -39,5 +39,9 @@ class StoreLockedError(DynamicCkptError, RuntimeError):
     """Another live session writes the same task (the message names it: pid, host, session, since when)."""
 
 
+class StoreNotWritableError(DynamicCkptError, PermissionError):
+    """The store root cannot be written (a read-only mount, no permission): this run could not save there."""
+
+
 class UnsafePathError(DynamicCkptError, PermissionError):
     """A path the store was about to change resolves outside the store root, or through a symbolic link."""

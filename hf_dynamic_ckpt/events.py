@@ -75,6 +75,9 @@ class SaveLog:
     def __init__(self) -> None:
         self.events: list[SaveEvent] = []
         self.failed = 0
+        self.earlier_saves = 0
+        """Saves of the run before this process (restored from the resumed checkpoint: `continue_counts`)."""
+        self.earlier_failed = 0
         self._start = 0  # index of the first event of the current timeline
         self._stall_ms = 0.0
         self._blocking_s = 0.0
@@ -97,13 +100,27 @@ class SaveLog:
         """The newest successful (or still writing) save of `step` in the current timeline."""
         return next((e for e in reversed(self.events[self._start:]) if e.step == step and e.error is None), None)
 
+    def counts_for_save(self) -> dict[str, int]:
+        """The run's save counters as a save being taken now stores them (itself included)."""
+        done = sum(e.error is None for e in self.events)
+        return {"saves": self.earlier_saves + done + 1, "failed_saves": self.earlier_failed + self.failed}
+
+    def continue_counts(self, counts: dict[str, Any]) -> None:
+        """Continue the run's counters from a resumed checkpoint's (`counts_for_save`), so that the
+        `smart_ckpt/saves` curve of a run does not drop at every restart."""
+        saves, failed = counts.get("saves"), counts.get("failed_saves")
+        if isinstance(saves, int) and saves >= 0:
+            self.earlier_saves = saves
+        if isinstance(failed, int) and failed >= 0:
+            self.earlier_failed = failed
+
     def restart(self) -> None:
         """The run restarted from an earlier step (a retry): earlier saves belong to another timeline."""
         self._start = len(self.events)
 
     def metrics(self, *, risk: float | None, interval: float | None, held_step: int | None = None) -> dict[str, float]:
-        """`smart_ckpt/saves`, `failed_saves`, `streamed_saves`, `last_save_step`, `stall_ms` (since the last call),
-        `risk`, `interval`.
+        """`smart_ckpt/saves`, `failed_saves` (of the run: a resumed run continues the counts), `streamed_saves`,
+        `last_save_step`, `stall_ms` (since the last call), `risk`, `interval`.
 
         `held_step`: a save decided for that step whose write starts after the step's logging; it
         counts as taken.
@@ -112,8 +129,8 @@ class SaveLog:
         if held_step is not None:
             done.append(held_step)
         out: dict[str, float] = {
-            f"{METRIC_PREFIX}saves": float(len(done)),
-            f"{METRIC_PREFIX}failed_saves": float(self.failed),
+            f"{METRIC_PREFIX}saves": float(self.earlier_saves + len(done)),
+            f"{METRIC_PREFIX}failed_saves": float(self.earlier_failed + self.failed),
             # saves written synchronously from the live tensors because snapshot buffers did not fit
             f"{METRIC_PREFIX}streamed_saves": float(sum(e.staging == "streaming" for e in self.events if e.error is None)),
             f"{METRIC_PREFIX}stall_ms": round(self._stall_ms, 3),

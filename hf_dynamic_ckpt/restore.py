@@ -44,6 +44,7 @@ from .errors import (
     IncompatibleStateError,
 )
 from .state.model import check_weights
+from .state.optimizer import state_numel_bound
 from .state.sharded import check_sharding
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
@@ -104,7 +105,8 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
         check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
     outcome = _Outcome(step, True, loaded=loaded)
     if fallback != FallbackStrategy.LEVEL_0_ONLY:
-        lost = _load_optimizer(store, info, loaded, rank=rank)
+        bound = state_numel_bound(expected.values()) if expected is not None else None
+        lost = _load_optimizer(store, info, loaded, rank=rank, max_numel=bound)
         if lost is not None:
             if fallback == FallbackStrategy.LEVEL_0_1:
                 return _Outcome(step, False, f"optimizer state of step {step} cannot be loaded ({lost}); "
@@ -130,13 +132,17 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     return outcome
 
 
-def _load_optimizer(store: CheckpointStore, info: CheckpointInfo, loaded: LoadedCheckpoint, *, rank: int) -> str | None:
-    """Fill the optimizer tier into `loaded`; return why it failed, or `None`."""
+def _load_optimizer(store: CheckpointStore, info: CheckpointInfo, loaded: LoadedCheckpoint, *, rank: int,
+                    max_numel: int | None = None) -> str | None:
+    """Fill the optimizer tier into `loaded`; return why it failed, or `None`.
+
+    `max_numel`: the largest optimizer-state tensor the model's parameters can have; a larger one is
+    refused before it is allocated (`state.optimizer.state_numel_bound`)."""
     if Tier.OPTIMIZER not in info.tiers:
         return "the checkpoint was saved without it"
     try:
-        opt = _retry_once(lambda: store.load(info, tiers={Tier.OPTIMIZER}, rank=rank))
-    except CorruptCheckpointError as e:
+        opt = _retry_once(lambda: store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, l1_max_numel=max_numel))
+    except (CorruptCheckpointError, IncompatibleStateError) as e:
         loaded.scheduler = store.load_scheduler_only(info)
         return str(e)
     loaded.optimizer, loaded.scheduler, loaded.scaler = opt.optimizer, opt.scheduler, opt.scaler

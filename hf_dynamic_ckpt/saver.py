@@ -19,7 +19,7 @@ from . import distributed as dist
 from .config import EngineMode, OnSaveError, SmartCkptConfig
 from .constants import ALL_TIERS, Tier
 from .engine import SaveEngine
-from .errors import DistributedError, SaveError
+from .errors import DistributedError, DynamicCkptError, SaveError
 from .events import SaveEvent, SaveLog
 from .jsonutil import json_safe
 from .policy.decision import Decision, DecisionKind
@@ -58,7 +58,8 @@ def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: in
                                pace_to_disk=config.storage_levels.level_1.pace_to_disk,
                                storage_options=config.remote_storage_options,
                                cache_dir=Path(config.remote_cache_dir) / f"rank-{rank}" if config.remote_cache_dir else None,
-                               retries=config.remote_retries, backoff_s=config.remote_backoff_s)
+                               retries=config.remote_retries, backoff_s=config.remote_backoff_s,
+                               lock_wait_s=config.lock_wait_s)
 
     if world_size > 1:
         store, error = None, None
@@ -130,6 +131,10 @@ class Saver:
                            debug_info=tuple(debug_info), lineage=lineage)
 
     def _prepare(self, decision: Decision) -> frozenset[Tier]:
+        try:
+            self.store.ensure_root()  # rank 0: a root deleted mid-run is recreated before the save is written
+        except DynamicCkptError as e:
+            logger.warning("the store root cannot be recreated (%s); this save will fail", e)
         if self.flat is not None:
             self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
         if self.before_save is not None:

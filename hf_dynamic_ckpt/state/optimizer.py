@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -11,6 +13,23 @@ import torch
 from ..store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
+
+
+def state_numel_bound(params: Iterable[torch.Tensor | None]) -> int | None:
+    """The most elements one optimizer-state tensor of these parameters can hold, or `None` if none is known.
+
+    A parameter's own count covers element-wise state (Adam's moments, 8-bit states) and factored state
+    (Adafactor's row and column statistics); the square of its largest dimension covers a full-matrix
+    preconditioner (Shampoo). An L1 file declaring more cannot belong to this model, and is refused before
+    its tensors are allocated (`CheckpointStore.load(l1_max_numel=...)`).
+    """
+    bound = 0
+    for p in params:
+        if p is None:
+            continue
+        shape = tuple(p.shape)
+        bound = max(bound, math.prod(shape), max(shape, default=1) ** 2)
+    return bound or None
 
 
 def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, scheduler: Any | None,

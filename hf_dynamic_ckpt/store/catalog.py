@@ -160,6 +160,7 @@ class Catalog:
         """`True` when the database was unusable or of another schema and was started afresh:
         its rows must be rebuilt from the manifests (`CheckpointStore` then reindexes)."""
         self._lock = threading.Lock()
+        self._ident: tuple[int, int] | None = None
         try:
             self._conn: sqlite3.Connection | None = self._connect()
         except sqlite3.OperationalError:  # locked, unreachable: a real error, never a reason to rebuild
@@ -193,11 +194,34 @@ class Catalog:
                     self.rebuilt = True
                 conn.executescript(_SCHEMA)
                 conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            conn.executescript(_DETAILS)  # added in round 2; older catalogs get it here (sync fills it)
+            conn.executescript(_DETAILS)  # older catalogs get the details table here (sync fills it)
         except BaseException:
             conn.close()
             raise
+        self._ident = self._identity()
         return conn
+
+    def _identity(self) -> tuple[int, int] | None:
+        if self.memory:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def replaced(self) -> bool:
+        """Whether the database file was deleted or replaced since this connection opened it (the root was
+        deleted mid-run): writes through this connection would go to a file nobody reads."""
+        return not self.memory and self._conn is not None and self._identity() != self._ident
+
+    def reopen(self) -> None:
+        """Connect again to the file at `path` (created empty if missing; its rows are then to be rebuilt)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = self._connect()
+            self.rebuilt = True
 
     # -- plumbing -------------------------------------------------------------------------
     @classmethod

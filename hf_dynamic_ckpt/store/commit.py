@@ -258,7 +258,8 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
             logger.debug("step %d is already committed at %s by this timeline; not rewritten", step, found.path)
             task.record(found)
         return (found if spec.rank == 0 else None), False
-    if not fs.is_dir(task.dir):
+    if not fs.is_dir(task.dir):  # a new task, or a root deleted mid-run (`CheckpointStore.ensure_root`)
+        task.root.mkdir(parents=True, exist_ok=True)
         fs.mkdir(task.dir)
         fs.fsync_dir(task.root)  # the task folder's own entry must survive a power loss too
     tmp = task.tmp_dir(step)

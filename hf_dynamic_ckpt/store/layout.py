@@ -202,13 +202,15 @@ def files_for(manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warning
 
 
 def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: list[str],
-               loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs: BlobStore) -> None:
+               loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs: BlobStore,
+               l1_max_numel: int | None = None) -> None:
     """Read the files `names` of the `wanted` tiers into `loaded`, verified by `file_problems` before (those of
     `HASHED_ON_READ`: their size before, their checksum as they are read).
 
     Raises:
         `CorruptCheckpointError`: any file that does not parse (whatever the parser's complaint) or
             fails its checksum.
+        `IncompatibleStateError`: an L1 tensor declares more than `l1_max_numel` elements.
     """
     from .statetree import unflatten_state
     from .tensorpack import read_tensor_file
@@ -224,7 +226,7 @@ def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], 
         structure = read_json(directory / OPTIMIZER_META_NAME)
         if not isinstance(structure, dict):
             raise CorruptCheckpointError(f"{directory / OPTIMIZER_META_NAME} is not a JSON object.")
-        tensors = read_tensor_file(directory / OPTIMIZER_NAME, copy=not mmap,
+        tensors = read_tensor_file(directory / OPTIMIZER_NAME, copy=not mmap, max_numel=l1_max_numel,
                                    checksum=manifest[KEY_FILES][OPTIMIZER_NAME][KEY_CHECKSUM]) \
             if OPTIMIZER_NAME in names else {}
         state = unflatten_state(structure, tensors)

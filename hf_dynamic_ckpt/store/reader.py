@@ -96,7 +96,7 @@ class Reader:
             self.task.set_status(info.step, status)
 
     def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None,
-             mmap: bool = True) -> LoadedCheckpoint:
+             mmap: bool = True, l1_max_numel: int | None = None) -> LoadedCheckpoint:
         """Verify, then read the requested tiers of a checkpoint.
 
         Every file read is checked (size, checksum; blobs by content digest) before any
@@ -111,6 +111,8 @@ class Reader:
             mmap (`bool`, *optional*, defaults to `True`): weights backed by a read-only
                 memory map (no copy), and an uncompressed optimizer tier by a private one;
                 `False` reads both into memory.
+            l1_max_numel (`int`, *optional*): the most elements an optimizer-tier tensor may declare
+                (`state.optimizer.state_numel_bound` of the model); checked before anything is allocated.
 
         Returns:
             `LoadedCheckpoint`.
@@ -120,6 +122,7 @@ class Reader:
             `CorruptCheckpointError`: a needed file is missing, truncated, altered or does not
                 parse (the message lists each problem), or the manifest is damaged.
             `FormatVersionError`: the checkpoint was written by a newer format.
+            `IncompatibleStateError`: an optimizer-tier tensor is larger than `l1_max_numel` allows.
         """
         info = self.resolve(ref)
         rank = self.rank if rank is None else rank
@@ -146,7 +149,8 @@ class Reader:
             found = problems()
             if not found:
                 try:
-                    read_tiers(directory, manifest, wanted, names, loaded, rank=rank, mmap=mmap, blobs=blobs)
+                    read_tiers(directory, manifest, wanted, names, loaded, rank=rank, mmap=mmap, blobs=blobs,
+                               l1_max_numel=l1_max_numel)
                     return loaded
                 except (CorruptCheckpointError, OSError) as e:
                     found = [str(e)]

@@ -40,13 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from ..constants import CATALOG_NAME, DEFAULT_TASK_ID, Tier
-from ..errors import CheckpointNotFoundError, ConfigError, DynamicCkptError, SaveError
+from ..errors import CheckpointNotFoundError, ConfigError, DynamicCkptError, SaveError, StoreNotWritableError
 from . import maintenance as mt
 from . import remote_sync as rs
 from .catalog import Catalog
 from .commit import commit_save, request_for
 from .fs import LocalFS
-from .lock import WriterLock
+from .lock import DEFAULT_WAIT_S, WriterLock
 from .lookup import Lookup
 from .pins import Pins
 from .reader import Reader
@@ -86,8 +86,13 @@ class CheckpointStore(Reader, Lookup, Pins):
             writer process, tools) pass `False`.
         read_only (`bool`, *optional*, defaults to `False`): never write anything (the catalog is
             rebuilt in memory from the manifests); for read-only media and concurrent readers.
-        takeover (`bool`, *optional*, defaults to `False`): take the writer lock over from a
-            holder that is no longer running (see `lock.WriterLock`).
+        takeover (`bool`, *optional*, defaults to `False`): replace the writer lock of a holder
+            this host cannot see (another host) at once instead of waiting for it; never a running
+            holder of this host (see `lock`).
+        lock_wait_s (`float`, *optional*, defaults to `120.0`): how long to wait for the writer
+            lock of a holder this host cannot see (another host or container) before
+            `StoreLockedError`; a live holder of this host is refused at once, a dead one taken
+            over at once, and an earlier writer of this same process closed and replaced.
         storage_options (`Mapping`, *optional*): fsspec options when `root` is a URL (``s3://...``;
             never logged). `cache_dir` (default `remote.default_cache_dir`) is its local cache;
             `retries` / `backoff_s` bound the retries of each object-store call (docs/storage.md).
@@ -104,7 +109,7 @@ class CheckpointStore(Reader, Lookup, Pins):
                  world_size: int = 1, session_id: str | None = None, compression_level: int = 1,
                  compression_threads: int = 0, compression: Codec | str = Codec.ZSTD, pace_to_disk: bool = True,
                  rank_timeout_s: float = 600.0, cleanup: bool = True, read_only: bool = False, takeover: bool = False,
-                 storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
+                 lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
                  retries: int = 5, backoff_s: float = 0.5) -> None:
         root, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
                                   retries=retries, backoff_s=backoff_s)
@@ -122,7 +127,7 @@ class CheckpointStore(Reader, Lookup, Pins):
                          session_id=session_id, codec=codec, compression_level=compression_level,
                          compression_threads=compression_threads, pace_to_disk=bool(pace_to_disk),
                          rank_timeout_s=float(rank_timeout_s), remote=remote)
-        self._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=True)
+        self._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=True, lock_wait_s=lock_wait_s)
 
     @classmethod
     def from_spec(cls, spec: StoreSpec, *, cleanup: bool = True, read_only: bool = False,
@@ -132,33 +137,40 @@ class CheckpointStore(Reader, Lookup, Pins):
         store._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=cleanup)
         return store
 
-    def _open(self, spec: StoreSpec, *, cleanup: bool, read_only: bool, takeover: bool, pull: bool = False) -> None:
+    def _open(self, spec: StoreSpec, *, cleanup: bool, read_only: bool, takeover: bool, pull: bool = False,
+              lock_wait_s: float = 0.0) -> None:
         self.spec = spec
         self.root = Path(spec.root).absolute()
         self.read_only = read_only
         self._lock = threading.RLock()
         self.remote = Remote(spec.remote, spec.task_id) if spec.remote is not None else None
         self.url = spec.remote.shown if spec.remote is not None else str(self.root)
+        writer = spec.rank == 0 and cleanup and not read_only
         if not read_only or self.remote is not None:
-            self.root.mkdir(parents=True, exist_ok=True)  # readers never create the task folder (a cache is not the store)
+            try:  # readers never create the task folder (a cache is not the store)
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise self._not_writable(str(e)) from e
+        if writer and self.remote is None and not os.access(self.root, os.W_OK | os.X_OK):
+            raise self._not_writable("a read-only file system, or no write permission")
         self.fs = LocalFS(self.root)
         if self.fs.is_link(self.root / spec.task_id):
             raise ConfigError(f"{self.root / spec.task_id} is a symbolic link; the store refuses to work through links "
                               "(point root at the real directory instead).")
-        writer = spec.rank == 0 and cleanup and not read_only
         memory = read_only
         if not read_only:
             try:
                 catalog = Catalog(self.root / CATALOG_NAME)
             except sqlite3.OperationalError as e:
                 if writer:
-                    raise
+                    raise self._not_writable(f"its catalog {self.root / CATALOG_NAME} cannot be opened: {e}") from e
                 logger.warning("catalog %s cannot be opened (%s); reading the manifests instead", self.root / CATALOG_NAME, e)
                 memory = True
         self.catalog = Catalog.in_memory() if memory else catalog
         self.task = Task(spec, self.fs, self.catalog, read_only=memory)
         self.task.remote = self.remote
         self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
+        self._writer.closer = self.close
         self._confirmed: dict[int, tuple[Any, CheckpointInfo]] = {}
         self._rechecked: set[tuple[int, float]] = set()
         if memory:
@@ -166,7 +178,7 @@ class CheckpointStore(Reader, Lookup, Pins):
                 rs.open_task(self.task, self.remote, writer=False)
             mt.reindex(self.task, all_tasks=False)
         elif writer:
-            self._writer.acquire(takeover=takeover, what=f"task {spec.task_id!r} under {self.url}")
+            self._writer.acquire(takeover=takeover, what=f"task {spec.task_id!r} under {self.url}", wait_s=lock_wait_s)
             if self.remote is not None:
                 rs.open_task(self.task, self.remote, writer=True)
             mt.remove_leftovers(self.task)
@@ -191,7 +203,53 @@ class CheckpointStore(Reader, Lookup, Pins):
     blobs = property(lambda self: self.task.blobs, doc="The task's `BlobStore` (the only code that touches blobs/).")
     blobs_dir = property(lambda self: self.task.blobs.dir)
 
+    def _not_writable(self, why: str) -> StoreNotWritableError:
+        return StoreNotWritableError(
+            f"the store root {self.root} is not writable ({why}): this run could not save a checkpoint there. "
+            "Make it writable, or save to another root (SmartCkptConfig(root=...), --smart_ckpt_root) and resume "
+            f"from this store by path (resume_checkpoint(trainer, '{self.root / self.spec.task_id}/step-<N>')); "
+            "to only read it, open CheckpointStore(..., read_only=True) or use the hf-dynamic-ckpt read commands."
+        )
+
     # -- housekeeping ---------------------------------------------------------------------------
+    def on_handover(self, closer: Callable[[], None]) -> None:
+        """What closes this store's writer when a later attach of the same process takes the task (a notebook
+        re-run, another Trainer): by default `close`; the run that owns the store passes its own close, which
+        first lets pending writes commit. The lock passes to the new writer without a gap."""
+        self._writer.closer = closer
+
+    def ensure_root(self) -> bool:
+        """Rank 0: recreate the root, the task folder, the catalog and the writer lock when something deleted
+        them under a running writer (a cleanup script's ``rm -rf``); the catalog is rebuilt from the manifests
+        still on disk. The lock holder logs one WARNING; a save is then written as usual. Cheap (a few `stat`s).
+
+        Returns:
+            `bool`: whether anything was recreated.
+        """
+        if self.read_only or self.rank != 0 or self.remote is not None:
+            return False
+        with self._lock:
+            task_gone = not self.fs.is_dir(self.task.dir)
+            catalog_gone = self.catalog.replaced()
+            lock_gone = self._writer.held and self._writer.moved()
+            if not (task_gone or catalog_gone or lock_gone):
+                return False
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.fs.mkdir(self.task.dir)
+                self.fs.fsync_dir(self.root)
+                if catalog_gone:
+                    self.catalog.reopen()
+                self._writer.refresh(what=f"task {self.task_id!r} under {self.url}")
+                mt.reindex(self.task, all_tasks=True)
+            except OSError as e:
+                raise SaveError(f"the store root {self.root} was deleted and cannot be recreated: {e}") from e
+        if self._writer.held:
+            logger.warning("the store %s (task %r) was deleted while this run was writing it; recreated it, and "
+                           "the catalog from the manifests left on disk: saves continue, checkpoints deleted with it "
+                           "are gone", self.root, self.task_id)
+        return True
+
     def close(self) -> None:
         """Close the catalog connection and release the writer lock (idempotent)."""
         self.catalog.close()
@@ -279,6 +337,7 @@ class CheckpointStore(Reader, Lookup, Pins):
             raise SaveError(f"step={step} is invalid: a checkpoint step must be >= 0.")
         request = request_for(state, request, legacy)
         self._check_writable("save")
+        self.ensure_root()
         with self._lock:
             with self.blobs.lock(shared=True) if self.rank == 0 else contextlib.nullcontext(True):
                 info, replaced = commit_save(self.task, state, request, timings=timings, replace=replace, cancel=cancel)
@@ -378,7 +437,7 @@ class CheckpointStore(Reader, Lookup, Pins):
         with self._lock:
             took = not dry_run and not self._writer.held
             if took:
-                self._writer.acquire(what=f"task {self.task_id!r} under {self.root}")
+                self._writer.acquire(what=f"task {self.task_id!r} under {self.root}", handover=False)
             try:
                 for name, size in mt.remove_leftovers(self.task, dry_run=dry_run):
                     report.temp_dirs.append(name)

@@ -32,11 +32,17 @@ import torch
 import xxhash
 
 from ..constants import Tier
-from ..errors import ConfigError, CorruptCheckpointError, FormatVersionError, SaveError
+from ..errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompatibleStateError,
+    SaveError,
+)
 from . import tensorpack_codec as tpc
 from .byteplanes import _group, _group_into, _ungroup_into
 from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
-from .filecheck import WholeFileCheck
+from .filecheck import MappedFile, WholeFileCheck
 from .fs import create, open_read
 from .parallel import ordered_map as _ordered_map
 from .parallel import resolve_threads
@@ -261,8 +267,8 @@ def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
         raise CorruptCheckpointError(f"Tensor file {path}: its {total} bytes of tensors cannot be allocated ({e}).") from e
 
 
-def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
-                     checksum: str | None = None) -> dict[str, torch.Tensor]:
+def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checksum: str | None = None,
+                     max_numel: int | None = None) -> dict[str, torch.Tensor]:
     """Reads a container written by `write_tensor_file`, verifying it completely.
 
     Frames are checked (xxh3 of the stored frame; version 3: its part table; zstd content
@@ -271,6 +277,9 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
     updates never reach the file) after every frame's xxh3 is checked. The header is validated against the
     file's size before anything is allocated (`tensorpack_format.read_header`). With `checksum`, the whole
     file's checksum is verified too, on another thread in the same pass (`filecheck.WholeFileCheck`).
+    Decoding holds the output tensors and a bounded window of the file: the mapped pages of each
+    frame are handed back once it is decoded and hashed (`filecheck.MappedFile`), so a load peaks at
+    about the size of what it returns, not twice that.
 
     Args:
         path (`Path`): the file.
@@ -281,6 +290,9 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
             mapped, each page's first write is a copy-on-write fault inside that update).
         checksum (`str`, *optional*): the file's expected checksum (`"<algo>:<hex>"`, its manifest
             entry's), verified before any tensor is returned.
+        max_numel (`int`, *optional*): the most elements any tensor may declare (the caller knows what
+            fits: `state.optimizer.state_numel_bound`); checked against the header before anything is
+            allocated.
 
     Returns:
         `dict[str, torch.Tensor]`: the tensors, in the order they were written.
@@ -289,6 +301,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
         `FormatVersionError`: the file's container version is neither 2 nor 3 (older or newer); with
             `checksum`, only a file that has that checksum (else it is `CorruptCheckpointError`).
         `CorruptCheckpointError`: missing, truncated, altered, or trailing data (before any tensor is returned).
+        `IncompatibleStateError`: a tensor declares more than `max_numel` elements (nothing was allocated).
     """
     path = Path(path)
     what = f"Tensor file {path}"
@@ -298,11 +311,11 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
     except FormatVersionError:
         WholeFileCheck.small(path, checksum, what)  # not the file the manifest describes: corrupt, not newer
         raise
+    if max_numel is not None:
+        _check_sizes(path, header["tensors"], max_numel)
     workers = resolve_threads(threads)
     if header["codec"] == Codec.NONE:
         return map_raw(path, header, start, index, workers, copy, checksum)
-    import mmap as mmap_mod
-
     import zstandard
 
     entries = header["tensors"]
@@ -320,6 +333,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
             if xxhash.xxh3_64_intdigest(data) != digest:
                 raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is corrupt.")
             decode_frame(k, frame, data)
+        mapped.release(offset, offset + length)
 
     def decode_frame(k: int, frame: list[Run], data: memoryview) -> None:
         want = sum(hi - lo for _, lo, hi in frame)
@@ -351,13 +365,13 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
         return {str(e["name"]): t for e, t in zip(entries, out)}
     try:
         with open_read(path) as f:
-            mm = mmap_mod.mmap(f.fileno(), 0, access=mmap_mod.ACCESS_READ)
+            mapped = MappedFile(f.fileno())
     except OSError as e:
         raise CorruptCheckpointError(f"Tensor file {path} is missing or unreadable ({e}).") from e
-    view = memoryview(mm)
+    view = memoryview(mapped.mm)  # type: ignore[arg-type]
     whole = None
     try:
-        whole = WholeFileCheck.start(view, checksum, what)
+        whole = WholeFileCheck.start(view, checksum, what, release=mapped.release)
         plan = enumerate(frames(entries, gce, header["frame_bytes"]))
         for _ in _ordered_map(check_and_decode, plan, workers if len(index) > 1 else 0):
             pass
@@ -371,5 +385,16 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False,
         if whole is not None:
             whole.cancel()  # joined before the map goes
         view.release()
-        mm.close()
+        mapped.close()
     return {str(e["name"]): t for e, t in zip(entries, out)}
+
+
+def _check_sizes(path: Path, entries: list[dict[str, Any]], max_numel: int) -> None:
+    for e in entries:
+        numel = int(e["nbytes"]) // DTYPES[e["dtype"]].itemsize
+        if numel > max_numel:
+            raise IncompatibleStateError(
+                f"Tensor file {path}: tensor {e['name']!r} declares shape {list(e['shape'])} ({numel} elements), more "
+                f"than any state of this model's parameters holds ({max_numel}); this optimizer state does not belong "
+                "to this model (nothing was allocated)."
+            )

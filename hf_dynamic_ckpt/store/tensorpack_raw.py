@@ -9,7 +9,6 @@ file's checksum) is checked.
 
 from __future__ import annotations
 
-import mmap as mmap_mod
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import xxhash
 
 from ..errors import CorruptCheckpointError
-from .filecheck import WholeFileCheck
+from .filecheck import MappedFile, WholeFileCheck
 from .fs import open_read
 from .parallel import ordered_map
 from .tensorpack_format import DTYPES, raw_frames
@@ -53,24 +52,29 @@ def write_raw_payload(f: Any, entries: list[dict[str, Any]], datas: list[np.ndar
 def map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[int, int, int]], workers: int,
             copy: bool, checksum: str | None) -> dict[str, torch.Tensor]:
     """Tensors of an uncompressed container as views of a private memory map (copies: `copy`), after hashing each
-    frame (and the whole file against `checksum`, in the same pass)."""
+    frame (and the whole file against `checksum`, in the same pass). Copies hand each mapped page back once it is
+    read (`filecheck.MappedFile`): a copying load holds the copies, not the file's pages too."""
     try:
         with open_read(path) as f:
-            mm = mmap_mod.mmap(f.fileno(), 0, access=mmap_mod.ACCESS_COPY) if index else None
+            mapped = MappedFile(f.fileno(), private=True) if index else None
     except OSError as e:
         raise CorruptCheckpointError(f"Tensor file {path} is missing or unreadable ({e}).") from e
-    if mm is None:
+    release = mapped.release if mapped is not None and copy else None
+    if mapped is None:
         WholeFileCheck.small(path, checksum, f"Tensor file {path}")
     else:
-        view = memoryview(mm)
+        view = memoryview(mapped.mm)  # type: ignore[arg-type]
         check = None
 
         def frame_ok(k: int) -> bool:
             offset, length, digest = index[k]
-            return xxhash.xxh3_64_intdigest(view[offset : offset + length]) == digest
+            ok = xxhash.xxh3_64_intdigest(view[offset : offset + length]) == digest
+            if release is not None:
+                release(offset, offset + length)
+            return ok
 
         try:
-            check = WholeFileCheck.start(view, checksum, f"Tensor file {path}")
+            check = WholeFileCheck.start(view, checksum, f"Tensor file {path}", release=release)
             ks = range(len(index))
             bad = [k for k, ok in zip(ks, ordered_map(frame_ok, ks, workers if len(index) > 1 else 0)) if not ok]
             if bad:
@@ -85,9 +89,12 @@ def map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[in
     out: dict[str, torch.Tensor] = {}
     for entry in header["tensors"]:
         dtype, shape, name = DTYPES[entry["dtype"]], entry["shape"], str(entry["name"])
-        if entry["nbytes"] == 0 or mm is None:
+        if entry["nbytes"] == 0 or mapped is None:
             out[name] = torch.empty(shape, dtype=dtype)
             continue
-        t = torch.frombuffer(mm, dtype=torch.uint8, count=entry["nbytes"], offset=start + entry["offset"]).view(dtype)
+        at = start + entry["offset"]
+        t = torch.frombuffer(mapped.mm, dtype=torch.uint8, count=entry["nbytes"], offset=at).view(dtype)  # type: ignore[call-overload]
         out[name] = t.view(shape).clone() if copy else t.view(shape)
+        if release is not None:
+            release(at, at + entry["nbytes"])
     return out
