@@ -71,6 +71,10 @@ def main() -> None:
     p.add_argument("--slow_ms", type=float, default=300.0)
     p.add_argument("--kill_after_save", type=int, default=None,
                    help="SIGKILL rank KILL_RANK right after the save of this step was handed to the writer")
+    p.add_argument("--delete_store_at", type=int, default=None,
+                   help="rm -rf the store root at the end of this step (a cleanup script), as a user would")
+    p.add_argument("--workers", type=int, default=0,
+                   help="data-loader worker processes (persistent): they outlive a SIGKILLed trainer for a while")
     p.add_argument("--consolidate", default=None, choices=["on", "off"],
                    help="SmartCkptCallback(consolidate=...): trainable state in flat buffers (default: auto)")
     args = p.parse_args()
@@ -136,6 +140,10 @@ def main() -> None:
                 _dump(args, rank, losses, cb, killed=True)
                 if rank == int(os.environ.get("KILL_RANK", "0")):
                     os.kill(os.getpid(), signal.SIGKILL)
+            if args.delete_store_at is not None and state.global_step == args.delete_store_at and rank == 0:
+                import shutil
+
+                shutil.rmtree(os.path.join(args.out, "run", "smart_ckpt"))
             if args.sigterm_at is not None and state.global_step == args.sigterm_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
 
@@ -148,7 +156,8 @@ def main() -> None:
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
         save_strategy="steps" if args.native_save_steps else "no", save_steps=args.native_save_steps or 500,
-        report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=0,
+        report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=args.workers,
+        dataloader_persistent_workers=args.workers > 0,
     )
     trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault()])
     try:
@@ -169,8 +178,15 @@ def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed:
     events = [e.to_dict() for e in ck.events] if ck is not None else []
     resumed = cb.resumed_from.info.step if cb.resumed_from is not None else None
     path = os.path.join(args.out, f"{args.tag}-rank{rank}.json")
+    import psutil
+
+    children = [c.pid for c in psutil.Process().children()]  # data-loader workers, the writer process
+    trainer = cb.trainer
+    saves_logged = [[e["step"], e["smart_ckpt/saves"]] for e in trainer.state.log_history if "smart_ckpt/saves" in e] \
+        if trainer is not None else []
     with open(path, "w") as f:
         json.dump({"losses": losses, "resumed_from": resumed, "events": events, "killed": killed, **(after or {}),
+                   "children": children, "saves_logged": saves_logged,
                    "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else [],
                    "flat": _flat_layout(cb)}, f)
 

@@ -79,3 +79,21 @@ def tree(root: Path) -> dict[str, tuple[str, int, int, str]]:
             digest = hashlib.sha256(p.read_bytes()).hexdigest() if kind == "file" else ""
             out[str(p.relative_to(root))] = (kind, st.st_size if kind == "file" else 0, st.st_mtime_ns, digest)
     return out
+
+
+def read_only_command(directory: Path, argv: list[str]) -> list[str] | None:
+    """`argv` run with `directory` mounted read-only (a private mount namespace), or `None` where that is impossible.
+
+    As root, `chmod` binds nothing, so a real read-only bind mount is the only honest test of read-only media.
+    """
+    import shlex
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return None
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        return None
+    d = shlex.quote(str(directory))
+    script = f"mount --bind {d} {d} && mount -o remount,bind,ro {d} && exec {shlex.join(argv)}"
+    return ["unshare", "-m", "sh", "-c", script]
