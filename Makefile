@@ -15,9 +15,10 @@ $(STAMP): requirements-ci.txt setup.cfg
 demo: $(STAMP)
 	$(BIN)/python -m hf_dynamic_ckpt.demo --output_dir demo_out
 
-# Default run: unit + integration + 2-process DDP tests; `slow` ones are left to test-all.
+# Default run: ruff, mypy on the package, then unit + integration + 2-process DDP tests (`slow` ones: test-all).
 test: $(STAMP)
 	$(BIN)/ruff check hf_dynamic_ckpt tests scripts recipes
+	$(BIN)/mypy hf_dynamic_ckpt
 	$(BIN)/python -m pytest -m "not slow and not gpu" -q
 
 test-all: $(STAMP)

@@ -53,12 +53,36 @@ def test_state_hooks_refuse_fsdp1_plugin(tmp_path: Path):
     assert not (tmp_path / "s").exists()
 
 
-def test_fsdp2_plugin_and_ddp_are_not_refused():
-    from hf_dynamic_ckpt.state.support import check_accelerator, check_training_args
+def _prepared(kind: str, **state: object) -> SimpleNamespace:
+    """`_accelerator` with what attaching reads from a prepared one-process accelerator: one model, one optimizer."""
+    acc = _accelerator(kind, **state)
+    model = torch.nn.Linear(2, 2)
+    acc._models, acc._optimizers = [model], [torch.optim.SGD(model.parameters(), lr=0.1)]
+    acc.process_index, acc.num_processes, acc.unwrap_model = 0, 1, lambda m: m
+    return acc
 
-    check_accelerator(_accelerator("FSDP", fsdp_plugin=SimpleNamespace(fsdp_version=2)))
-    check_accelerator(_accelerator("MULTI_CPU"))
-    check_training_args(SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config={"version": 2}))
+
+@pytest.mark.parametrize(("kind", "state"), [("FSDP", {"fsdp_plugin": SimpleNamespace(fsdp_version=2)}),
+                                             ("MULTI_CPU", {})], ids=["fsdp2_plugin", "ddp"])
+def test_fsdp2_plugin_and_ddp_are_not_refused(tmp_path: Path, kind: str, state: dict[str, object]):
+    from hf_dynamic_ckpt.constants import CATALOG_NAME
+    from hf_dynamic_ckpt.integrations.accelerate import SmartStateHooks
+
+    # The entry point that refuses FSDP1 (test_state_hooks_refuse_fsdp1_plugin) attaches and opens the store.
+    hooks = SmartStateHooks(_prepared(kind, **state), config=SmartCkptConfig(root=str(tmp_path / "s")))
+    try:
+        assert hooks.store.root == tmp_path / "s" and (tmp_path / "s" / CATALOG_NAME).is_file()
+    finally:
+        hooks.close()
+
+
+def test_trainer_fsdp_arguments_are_refused_by_version_only():
+    from hf_dynamic_ckpt.state.support import check_training_args
+
+    check_training_args(SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config={"version": 2}))  # no error
+    with pytest.raises(ConfigError, match=r"^hf_dynamic_ckpt does not support FSDP version 1 \(TrainingArguments\."
+                                          r"fsdp='full_shard'\): its flat parameters"):
+        check_training_args(SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config={"version": 1}))
 
 
 @pytest.mark.integration

@@ -186,6 +186,7 @@ def test_a_consolidated_optimizer_state_snapshots_through_spans():
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(out, optimizer_tensors(opt.state_dict())))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_sources_tiling_one_span_are_one_device_to_host_copy():
     from hf_dynamic_ckpt.engine.buffers import CudaCopier, Layout

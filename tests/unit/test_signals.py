@@ -13,6 +13,7 @@ from peft.tuners.lora import LoraLayer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_dynamic_ckpt import distributed
+from hf_dynamic_ckpt.errors import DistributedError
 from hf_dynamic_ckpt.signals import (
     ClipNormRecorder,
     Ema,
@@ -258,6 +259,22 @@ def test_frame_reduction_rules_and_no_op_without_process_group() -> None:
     assert (distributed.rank(), distributed.world_size(), distributed.is_main()) == (0, 1, True)
     assert distributed.broadcast_object({"x": [1, 2]}) == {"x": [1, 2]}
     distributed.barrier()
+
+
+def test_differing_decision_fingerprints_raise_one_error_naming_every_rank() -> None:
+    names = ["a"]
+    frame = SignalFrame(step=9, loss=1.0, grad_norm=2.0)
+    agreed = torch.stack([distributed.pack_frame(frame, names, fingerprint=3.0)] * 3)
+    distributed.check_fingerprints(agreed, 9)  # the same decisions so far: no error
+    rows = torch.stack([distributed.pack_frame(frame, names, fingerprint=f) for f in (3.0, 3.0, 4.0)])
+    with pytest.raises(DistributedError) as e:
+        distributed.check_fingerprints(rows, 9)
+    assert str(e.value) == (
+        "step 9: the ranks have taken different save decisions so far (rank 0: 3, rank 1: 3, rank 2: 4); a save "
+        "one rank takes alone would leave rank 0 waiting for files that never come. This is a bug: report it with "
+        "the ranks' logs. Resume from the last committed checkpoint.")
+    # The frame itself still reduces: the fingerprint is not one of its fields.
+    assert distributed.combine_frames(9, rows, names) == distributed.combine_frames(9, agreed, names)
 
 
 def test_layer_levels_discount_a_noisy_layers_own_spread() -> None:

@@ -137,9 +137,13 @@ def test_blob_that_disappeared_is_written_again():
     snap = Snapshotter(blob_exists=lambda ref: alive["yes"])
     s1 = snap.take(snap.collect(sources, step=1, epoch=0.0, tiers={Tier.WEIGHTS}))
     snap.mark_blobs_stored(s1.pending_blobs, {"0.weight": {"digest": "x", "dtype": "float32", "shape": [5, 6]}})
-    alive["yes"] = False
     s2 = snap.take(snap.collect(sources, step=2, epoch=0.0, tiers={Tier.WEIGHTS}))
-    assert isinstance(s2.state.weights["0.weight"], torch.Tensor)
+    assert s2.state.weights["0.weight"] == BlobRef("x", "float32", (5, 6)) and not s2.pending_blobs  # still there
+    alive["yes"] = False
+    s3 = snap.take(snap.collect(sources, step=3, epoch=0.0, tiers={Tier.WEIGHTS}))
+    # Gone from the store: copied from the live tensor and handed to the store as a blob to write again.
+    assert torch.equal(s3.state.weights["0.weight"], model.state_dict()["0.weight"])
+    assert set(s3.pending_blobs) == {"0.weight"} and "0.weight" in s3.state.dedup_keys
 
 
 def test_shared_pool_copies_frozen_weights_too():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import hf_dynamic_ckpt.store.parallel as parallel
 from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
 from hf_dynamic_ckpt.store.checksum import file_checksum
@@ -220,10 +221,13 @@ def test_unsupported_dtype_and_layout_rejected(tmp_path: Path) -> None:
         write_tensor_file({"a": torch.ones(1)}, tmp_path / "x", threads=-2)
 
 
-def test_resolve_threads() -> None:
+def test_resolve_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_threads(1) == 0
     assert resolve_threads(4) == 4
-    assert resolve_threads(0) == resolve_threads(-1) >= 0
+    monkeypatch.setattr(parallel, "_usable_cpus", lambda: 6)
+    assert resolve_threads(0) == resolve_threads(-1) == 6  # auto: every CPU this process may use
+    monkeypatch.setattr(parallel, "_usable_cpus", lambda: 1)
+    assert resolve_threads(0) == resolve_threads(-1) == 0  # one CPU: no worker threads
 
 
 def _small_file(tmp_path: Path, **kw: Any) -> tuple[Path, dict[str, torch.Tensor]]:

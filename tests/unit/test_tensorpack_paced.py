@@ -8,7 +8,6 @@ that compress slowly raw. The disk's speed is simulated here by the time `wait_w
 
 from __future__ import annotations
 
-import time
 import types
 from pathlib import Path
 
@@ -24,30 +23,25 @@ from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, writ
 
 
 def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float,
-          work_s: float | None = None) -> list[tuple[int, int]]:
+          work_s: float = 0.0) -> list[tuple[int, int]]:
     """Every writeback request succeeds; each wait takes the next of `seconds` (or always `seconds`).
 
-    With `work_s` the writer's clock is simulated too (`checksum.time.perf_counter`): the writer
-    takes `work_s` per writeback request and each wait its `seconds`, whatever the machine's load.
+    The writer's clock is simulated (`checksum.time.perf_counter`): the writer takes `work_s` per
+    writeback request and each wait its `seconds`, whatever the machine's load.
     """
     waits: list[tuple[int, int]] = []
     clock = [0.0]
 
     def writeback(fd: int, off: int, n: int) -> bool:
-        clock[0] += work_s or 0.0
+        clock[0] += work_s
         return True
 
     monkeypatch.setattr(checksum, "start_writeback", writeback)
-    if work_s is not None:
-        monkeypatch.setattr(checksum, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(checksum, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def wait(fd: int, off: int, n: int) -> bool:
         waits.append((off, n))
-        wait_s = seconds[len(waits) - 1] if isinstance(seconds, list) else seconds
-        if work_s is not None:
-            clock[0] += wait_s
-        elif wait_s:
-            time.sleep(wait_s)
+        clock[0] += seconds[len(waits) - 1] if isinstance(seconds, list) else seconds
         return True
 
     monkeypatch.setattr(checksum, "wait_written", wait)
@@ -58,21 +52,22 @@ def test_paced_writer_waits_for_the_range_a_window_behind_and_tells_who_set_the_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
     monkeypatch.setattr(checksum, "PACE_WINDOW", 3000)
-    waits = _disk(monkeypatch, [0.05, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0])  # blocking waits, then a disk already done
+    # The writer works 2 ms per 1000 bytes; two waits of 50 ms block, then the disk is already done.
+    waits = _disk(monkeypatch, [0.05, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0], work_s=0.002)
     seen = []
     with open(tmp_path / "f", "wb") as raw:
         w = HashingWriter(raw, paced=True)
         assert not w.disk_bound  # before any wait: as fast as the writer can, until the disk shows it is behind
         for _ in range(10):
-            time.sleep(0.002)  # the writer's own work between writes
             w.write(b"x" * 1000)
             seen.append(w.disk_bound)
     # After 4000 bytes the first 1000 must be on disk, then each further 1000, in order, none twice.
     assert waits == [(0, 1000), (1000, 1000), (2000, 1000), (3000, 1000), (4000, 1000), (5000, 1000), (6000, 1000)]
-    # The share of time spent waiting (~0.95 for a blocking wait), averaged, halved at each wait: 0 before,
-    # then ~0.48, ~0.71, ~0.36, ~0.18, ...: one blocking wait is not enough, two are, one free wait undoes them.
+    # The share of time spent waiting since the previous wait (50/58 ms, then 50/52 ms), averaged, halved at
+    # each wait: 0 before, then ~0.43, ~0.70, ~0.35, ~0.17, ...: one blocking wait is not enough, two are, one
+    # free wait undoes them.
     assert seen == [False, False, False, False, True, False, False, False, False, False]
-    assert 0.1 <= w.disk_wait_s < 1.0
+    assert w.disk_wait_s == pytest.approx(0.1)  # the two blocking waits, nothing else
     assert w.checksum() == file_checksum(tmp_path / "f")
 
 
@@ -152,8 +147,7 @@ def small_frames(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_while_the_disk_waits_slow_parts_are_stored_raw_and_zeros_still_compressed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None, threads: int) -> None:
-    _disk(monkeypatch, 0.0)  # a disk that is never behind
-    monkeypatch.setattr(checksum, "BLOCKED_S", 0.05)  # nor seen so when another thread holds the GIL a while
+    _disk(monkeypatch, 0.0, work_s=0.001)  # a disk that is never behind, whatever holds the GIL meanwhile
     tensors = _state()
     paced, plain = tmp_path / "paced.bin", tmp_path / "plain.bin"
     write_tensor_file(tensors, paced, level=1, threads=threads, paced=True)
