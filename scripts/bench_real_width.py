@@ -240,12 +240,18 @@ def _build_base(spec: dict[str, Any]) -> None:
     with open(tmp, "wb") as f:
         f.write(len(blob).to_bytes(8, "little") + blob)
         for name, shape in names:
-            if len(shape) > 1:  # what the models' _init_weights does: normal(0, initializer_range)
-                t = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen)
-            else:
-                t = (torch.ones if name.endswith("norm.weight") else torch.zeros)(shape, dtype=torch.bfloat16)
-            f.write(t.view(torch.uint8).numpy().tobytes())
+            f.write(_init_tensor(name, shape, gen).view(torch.uint8).numpy().tobytes())
     os.replace(tmp, path)
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], gen: Any) -> Any:
+    """One bf16 base weight, as the models' `_init_weights` makes it: normal(0, 0.02), norms 1, biases 0."""
+    import torch
+
+    if len(shape) > 1:
+        return torch.empty(shape, dtype=torch.bfloat16, device=gen.device).normal_(0.0, 0.02, generator=gen)
+    fill = torch.ones if name.endswith("norm.weight") else torch.zeros
+    return fill(shape, dtype=torch.bfloat16, device=gen.device)
 
 
 def _model_shapes(model: str, layers: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -269,7 +275,8 @@ def _new_model(model: str, layers: int) -> Any:
 
 
 def _load_model(spec: dict[str, Any]) -> Any:
-    """The bf16 model of the base file on `spec["device"]`, wrapped with LoRA in `lora` mode."""
+    """The bf16 base model on `spec["device"]`, wrapped with LoRA in `lora` mode: from the base file on
+    CPU; on CUDA generated in place, which takes less than reading the file would (same seed, same order)."""
     import torch
     from accelerate import init_empty_weights
     from safetensors import safe_open
@@ -283,8 +290,12 @@ def _load_model(spec: dict[str, Any]) -> Any:
             model = _new_model(spec["model"], spec["layers"])
     finally:
         torch.set_default_dtype(previous)
-    with safe_open(spec["base"], framework="pt", device=spec["device"]) as f:
-        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    if spec["base"] is None:
+        gen = torch.Generator(device=spec["device"]).manual_seed(0)
+        state = {name: _init_tensor(name, tuple(t.shape), gen) for name, t in model.state_dict().items()}
+    else:
+        with safe_open(spec["base"], framework="pt", device=spec["device"]) as f:
+            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
     model.load_state_dict(state, assign=True, strict=True)
     del state
     model.to(spec["device"])  # the rotary buffers
@@ -327,7 +338,9 @@ def child(spec: dict[str, Any]) -> None:
 
     variant, out, cuda = spec["variant"], Path(spec["out"]), spec["device"] == "cuda"
     prep = Path(spec["prep"]) if spec.get("prep") else None
-    interval = spec["prep_steps"] if variant == "prep" else spec["k"]
+    # The preparation run's Trainer saves the restore point only; ours may save more often (more stall samples).
+    native_every = spec["prep_steps"] if variant == "prep" else spec["k"]
+    smart_every = (spec["prep_interval"] or spec["prep_steps"]) if variant in ("prep", "ours_resume") else spec["k"]
     resumed_end = spec["prep_steps"] + RESUMED_STEPS
     max_steps = {"fresh": 1, "prep": resumed_end, "native_resume": resumed_end, "ours_resume": resumed_end}.get(
         variant, spec["steps"])
@@ -375,13 +388,13 @@ def child(spec: dict[str, Any]) -> None:
     targs = TrainingArguments(
         output_dir=str(out / "trainer"), per_device_train_batch_size=spec["batch"], max_steps=max_steps,
         use_cpu=not cuda, bf16=True, report_to=[], logging_strategy="no", disable_tqdm=True, learning_rate=1e-4,
-        seed=0, dataloader_num_workers=0, save_strategy="steps" if native_saves else "no", save_steps=interval,
+        seed=0, dataloader_num_workers=0, save_strategy="steps" if native_saves else "no", save_steps=native_every,
     )
     callbacks: list[Any] = [Timer()]
     if variant in ("smart", "prep", "ours_resume"):
         root = (prep if variant == "ours_resume" and prep is not None else out) / "smart_ckpt"
         extra = {"memory_margin": spec["memory_margin"]} if spec.get("memory_margin") is not None else {}
-        smart = SmartCkptCallback(SmartCkptConfig(base_interval=interval, root=str(root), **extra))
+        smart = SmartCkptCallback(SmartCkptConfig(base_interval=smart_every, root=str(root), **extra))
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)
@@ -458,11 +471,12 @@ class Runner:
         return path
 
 
-def _spec(args: argparse.Namespace, mode: str, layers: int, base: Path, variant: str, out: Path,
+def _spec(args: argparse.Namespace, mode: str, layers: int, base: Path | None, variant: str, out: Path,
           prep: Path | None = None) -> dict[str, Any]:
     return {"role": "run", "model": args.model, "mode": mode, "layers": layers, "variant": variant, "out": str(out),
-            "base": str(base), "steps": args.steps, "k": args.k, "seq": args.seq, "batch": args.batch,
-            "device": args.device, "prep_steps": args.prep_steps, "prep": str(prep) if prep else None,
+            "base": str(base) if base else None, "steps": args.steps, "k": args.k, "seq": args.seq, "batch": args.batch,
+            "device": args.device, "prep_steps": args.prep_steps, "prep_interval": args.prep_interval,
+            "prep": str(prep) if prep else None,
             "memory_margin": args.memory_margin}
 
 
@@ -480,7 +494,7 @@ def _drop_cache(paths: Iterable[Path]) -> None:
 
 def run_mode(runner: Runner, args: argparse.Namespace, mode: str, layers: int) -> dict[str, Any]:
     """The trio and the resume of one mode; every run's result, by part and variant."""
-    base = runner.base_file(args.model, layers)
+    base = runner.base_file(args.model, layers) if args.device == "cpu" else None
     root = runner.work / f"{args.model}-{mode}-{layers}"
     shutil.rmtree(root, ignore_errors=True)
     trio: dict[str, list[dict[str, Any]]] = {"none": [], "native": [], "smart": []}
@@ -646,6 +660,9 @@ def summarize(mode: str, data: dict[str, Any]) -> dict[str, Any]:
             "exact": {v: [r["losses"] == expected for r in resume[v]] for v in ("native_resume", "ours_resume")},
             "bytes": resume["bytes"],
             "prep_blocking_ms": [e["blocking_ms"] for e in prep.get("events", []) if not e["end"]],
+            "prep_median_step_s": _median_step(prep, _save_steps(prep)),
+            "prep_staging": sorted({f"{e['staging'] or '-'}/{e.get('writer') or '-'}" for e in prep.get("events", [])
+                                    if not e["end"]}),
         }
         s.setdefault("params", prep["params"])
         s.setdefault("trainable", prep["trainable"])
@@ -804,6 +821,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prep-steps", type=int, default=3, help="the resume's restore point")
+    p.add_argument("--prep-interval", type=int, default=None,
+                   help="ours saves every this many steps in the preparation run (default: --prep-steps)")
     p.add_argument("--parts", default="trio,resume", help="comma list of trio, resume")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--memory-margin", type=float, default=None, help="SmartCkptConfig.memory_margin (default: its)")
@@ -839,7 +858,8 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
-            "model": args.model, "config": MODELS[args.model]["config"], "device": args.device,
+            "model": args.model, "arch": MODELS[args.model]["arch"], "config": MODELS[args.model]["config"],
+            "full_layers": MODELS[args.model]["layers"], "device": args.device,
             "batch": args.batch, "seq": args.seq, "steps": args.steps, "k": args.k, "repeats": args.repeats,
             "summaries": summaries, "goals": [{"goal": g, "met": m, "detail": d} for g, m, d in goals],
             "runs": raw,
