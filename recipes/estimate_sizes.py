@@ -107,10 +107,14 @@ def tiers(name: str) -> list[dict[str, Any]]:
 
 
 def _bytes(n: float) -> str:
+    if n != n:  # NaN: not measured
+        return "-"
     return f"{n / GIB:,.2f} GiB" if n >= GIB else f"{n / MIB:,.1f} MiB"
 
 
 def _seconds(s: float) -> str:
+    if s != s:
+        return "-"
     return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
 
 
@@ -122,24 +126,27 @@ def scaled(path: str) -> tuple[str, list[dict[str, Any]]]:
     full = counts(config_cls, model_cls, {**values, "num_hidden_layers": data["full_layers"]})
     title = f"{data['model']} ({path}): measured on {data['device']} with batch {data['batch']} x {data['seq']} tokens"
     rows = []
+    nan = float("nan")
     for s in data["summaries"]:
-        if "train_s" not in s or "resume" not in s:
-            continue
         layers, mode = s["layers"], s["mode"]
         measured = counts(config_cls, model_cls, {**values, "num_hidden_layers": layers})
         key = "adapter" if mode == "lora" else "base"
         grow = full[key] / measured[key]  # trained parameters: what L0, L1 and the snapshot buffers hold
         flops = full["matmul"] / measured["matmul"]  # a token's forward and backward work
-        ours = s["resume"]["bytes"]["ours"]
-        blocking = statistics.median(s["blocking_ms"]) / 1e3 if s["blocking_ms"] else float("nan")
-        step = statistics.median(s["median_step_s"])
-        write = statistics.median(s["write_ms"]) / 1e3 if s["write_ms"] else float("nan")
+        resume = s.get("resume", {})
+        ours = resume.get("bytes", {}).get("ours", {"weights": nan, "optimizer": nan, "state": nan})
+        # The trio's saves when it ran, else the resume's preparation run's.
+        stalls = s.get("blocking_ms") or resume.get("prep_blocking_ms") or []
+        blocking = statistics.median(stalls) / 1e3 if stalls else nan
+        steps = s.get("median_step_s")
+        step = statistics.median(steps) if steps else resume.get("prep_median_step_s", nan)
+        write = statistics.median(s["write_ms"]) / 1e3 if s.get("write_ms") else nan
         rows.append({
             "mode": mode, "measured_layers": layers, "full_layers": data["full_layers"],
             "L0_bytes": ours["weights"] * grow, "L1_bytes": ours["optimizer"] * grow, "L2_bytes": ours["state"],
             "measured_blocking_s": blocking, "blocking_s": blocking * grow, "measured_step_s": step,
             "step_s": step * flops, "measured_share": blocking / step, "share": blocking * grow / (step * flops),
-            "write_s": write * grow, "staging": s.get("staging", []),
+            "write_s": write * grow, "staging": s.get("staging") or resume.get("prep_staging", []),
         })
     return title, rows
 
@@ -163,8 +170,8 @@ def main() -> None:
         print(f"{k:46s}" + "".join(fmt.format(rows[n][k]) for n in rows))
     for name, table in per_tier.items():
         layers = MODELS[name][2]["num_hidden_layers"]
-        print(f"\n{name}, all {layers} layers: bytes per checkpoint tier (computed; L2 is tens of KB), "
-              f"D2H floor at {D2H_BYTES_PER_S / 1e9:.0f} GB/s pinned, write floor at {WRITE_BYTES_PER_S / 1e9:.0f} GB/s")
+        print(f"\n{name}, all {layers} layers: bytes per checkpoint tier (computed; L2 is tens of KB), D2H floor "
+              f"at {D2H_BYTES_PER_S / 1e9:.0f} GB/s pinned, write floor at {WRITE_BYTES_PER_S / 1e9:.0f} GB/s")
         print(f"{'setup':58s}{'trained params':>16s}{'L0 weights':>14s}{'L1 optimizer':>14s}{'D2H floor':>12s}"
               f"{'write floor':>13s}")
         for r in table:
@@ -177,7 +184,8 @@ def main() -> None:
               f"{'write':>10s}  staging")
         for r in table:
             print(f"{r['mode']:6s}{r['measured_layers']:>4d} -> {r['full_layers']:<4d}{_bytes(r['L0_bytes']):>12s}"
-                  f"{_bytes(r['L1_bytes']):>12s}{_seconds(r['measured_blocking_s']):>8s} -> {_seconds(r['blocking_s']):<7s}"
+                  f"{_bytes(r['L1_bytes']):>12s}{_seconds(r['measured_blocking_s']):>8s} -> "
+                  f"{_seconds(r['blocking_s']):<7s}"
                   f"{_seconds(r['measured_step_s']):>8s} -> {_seconds(r['step_s']):<7s}"
                   f"{r['measured_share']:>9.2%} -> {r['share']:<8.2%}{_seconds(r['write_s']):>10s}  "
                   f"{','.join(r['staging'])}")

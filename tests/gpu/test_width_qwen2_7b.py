@@ -51,7 +51,7 @@ def _check(summary: dict[str, Any], record_property: Any) -> None:
     t = r["to_step_end_s"]
     record_property("to first step end s: fresh / native / ours",
                     f"{t['fresh'][0]:.2f} / {t['native_resume'][0]:.2f} / {t['ours_resume'][0]:.2f}")
-    record_property("resume over fresh: ours / native", f"{r['ratio_over_fresh']}")
+    record_property("resume work (less a steady step): ours / Trainer's", f"{r['ratio_work']}")
     ours, native = r["bytes"]["ours"], r["bytes"]["native"]
     record_property("MB per tier (ours / Trainer's)", ", ".join(
         f"{tier} {ours[tier] / 1e6:.1f} / {native[tier] / 1e6:.1f}" for tier in ("weights", "optimizer", "state")))
