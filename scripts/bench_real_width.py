@@ -531,7 +531,7 @@ def run_mode(runner: Runner, args: argparse.Namespace, mode: str, layers: int) -
                            "ours": tier_bytes_ours(prep / "smart_ckpt", args.prep_steps)}
         print(f"[{mode}] prep: {args.prep_steps + RESUMED_STEPS} steps, bytes {resume['bytes']}", flush=True)
         for rep in range(args.repeats):
-            for variant in ("fresh", "native_resume", "ours_resume"):
+            for variant in ("fresh", "native_resume", "ours_resume")[1 if args.no_fresh else 0:]:
                 if args.cold:
                     _drop_cache([prep / "trainer", prep / "smart_ckpt"])
                 out = root / f"{variant}-{rep}"
@@ -849,6 +849,7 @@ def main() -> None:
     p.add_argument("--memory-margin", type=float, default=None, help="SmartCkptConfig.memory_margin (default: its)")
     p.add_argument("--mem-interval", type=float, default=0.2, help="seconds between smaps_rollup samples")
     p.add_argument("--cold", action="store_true", help="drop the checkpoints' cached pages before each resume")
+    p.add_argument("--no-fresh", action="store_true", help="leave out the fresh start (the 'over fresh' column)")
     p.add_argument("--out", default="bench_out/real_width", help="work directory (base weights are kept here)")
     p.add_argument("--keep", action="store_true", help="keep the preparation runs' checkpoints")
     p.add_argument("--json", default=None, help="also write every figure here (recipes/estimate_sizes.py --measured)")
