@@ -66,7 +66,7 @@ run): per model ~10 min for LoRA and ~40 min for the full fine-tune with the def
         --json bench_out/real_width/llama3-8b.json
     python recipes/estimate_sizes.py --measured bench_out/real_width/qwen2-7b.json bench_out/real_width/llama3-8b.json
 
-    python scripts/bench_real_width.py --smoke      # tiny widths, LoRA only: about a minute
+    python scripts/bench_real_width.py --smoke      # toy widths, LoRA only, six runs of ~5-10 s each
 
 `--device cuda` runs the same on a GPU (`scripts/gpu_check.py` uses it for the absolute stall
 and restore at Qwen2-7B width); memory then fits the layers to the GPU's free memory.
@@ -853,10 +853,11 @@ def main() -> None:
     p.add_argument("--out", default="bench_out/real_width", help="work directory (base weights are kept here)")
     p.add_argument("--keep", action="store_true", help="keep the preparation runs' checkpoints")
     p.add_argument("--json", default=None, help="also write every figure here (recipes/estimate_sizes.py --measured)")
-    p.add_argument("--smoke", action="store_true", help="toy widths, LoRA only unless --mode is given, 1 repeat")
+    p.add_argument("--smoke", action="store_true",
+                   help="toy widths, LoRA only unless --mode is given, 1 repeat, no fresh start: six runs")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     if "--smoke" in sys.argv[1:]:  # defaults only: flags given next to --smoke still apply
-        p.set_defaults(model="smoke", mode="lora", steps=8, k=3, repeats=1, prep_steps=2)
+        p.set_defaults(model="smoke", mode="lora", steps=8, k=3, repeats=1, prep_steps=2, no_fresh=True)
     args = p.parse_args()
     if args.child:
         child(json.loads(args.child))
