@@ -17,14 +17,15 @@ weights, random tokens (batch 1 x 64 by default), one training thread, and measu
   for the whole write).
 - **bytes per checkpoint per tier** (L0 weights, L1 optimizer, L2 RNG/data position/metadata) of
   Trainer's `checkpoint-P` and of the store's `step-P` of the same state.
-- **peak memory** of the training process and of the writer process, sampled by this script from
-  `/proc/<pid>/smaps_rollup` every `--mem-interval` seconds: RSS, private (`Private_Clean +
-  Private_Dirty`) and shared (`Shared_*`) apart. (`ru_maxrss` of children is no use here: it
-  counts the parent's pages at fork time.) The writer is the training process's child started
-  by `multiprocessing`'s spawn; its "interpreter" is its private memory just before the first
-  save it wrote (saves taken while it starts are written by a thread of the training process:
-  the `staging` column names the writer of each save); "staging buffers" are the engine's
-  snapshot buffers (`SaveEngine.buffer_bytes`).
+- **peak memory** of the training process and of the writer process, read by this script: the
+  peak RSS is the kernel's `VmHWM` (`/proc/<pid>/status`, every `--mem-interval` seconds); private
+  (`Private_Clean + Private_Dirty`) and shared (`Shared_*`) apart are the largest samples of
+  `/proc/<pid>/smaps_rollup`, read at most 5 % of the time (each read walks the page tables).
+  (`ru_maxrss` of children is no use here: it counts the parent's pages at fork time.) The writer
+  is the training process's child started by `multiprocessing`'s spawn; its "interpreter" is its
+  private memory just before the first save it wrote (saves taken while it starts are written by
+  a thread of the training process: the `staging` column names the writer of each save); "staging
+  buffers" are the engine's snapshot buffers (`SaveEngine.buffer_bytes`).
 - **resume** (one preparation run of P+2 steps with both Trainer's `save_steps=P` and ours, then
   `--repeats` x {fresh start, Trainer's native resume of `checkpoint-P`, `resume_checkpoint(trainer,
   "step:P")`}, interleaved, fresh processes): time from the `train` call (ours: from
@@ -193,38 +194,72 @@ def writer_pid(pid: int) -> int | None:
     return None
 
 
-class MemorySampler(threading.Thread):
-    """Samples the smaps_rollup of a training process and of its writer process until stopped."""
+def proc_status(pid: int) -> dict[str, int] | None:
+    """The memory lines of `/proc/<pid>/status` in bytes (`VmHWM`: the kernel's peak RSS); `None` once gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if key.startswith(("Vm", "Rss")) and len(parts) == 2 and parts[1] == "kB":
+            out[key] = int(parts[0]) * 1024
+    return out
 
-    FIELDS = ("Rss", "private", "shared", "Pss_Shmem")
+
+class MemorySampler(threading.Thread):
+    """Samples the memory of a training process and of its writer process until stopped.
+
+    `/proc/<pid>/status` every `interval` (counters: cheap; `VmHWM` is the exact peak RSS);
+    `smaps_rollup` (private and shared apart) at most 5 % of the time: the kernel walks every
+    page table to answer it (~40 ms per 4 GiB resident here), on the core the writer runs on.
+    """
+
+    FIELDS = ("VmHWM", "RssAnon", "RssShmem", "Rss", "private", "shared")
 
     def __init__(self, pid: int, interval: float) -> None:
-        super().__init__(daemon=True, name="smaps-sampler")
+        super().__init__(daemon=True, name="memory-sampler")
         self.pid, self.interval = pid, interval
         self.peaks: dict[str, dict[str, int]] = {"train": {}, "writer": {}}
-        self.writer_series: list[tuple[float, int]] = []  # (wall time, private bytes) of the writer
+        self.writer_series: list[tuple[float, int]] = []  # (wall time, smaps private bytes) of the writer
         self.samples = 0
+        self._next_smaps: dict[int, float] = {}
         self._halt = threading.Event()
 
     def run(self) -> None:
         writer = None
         while not self._halt.is_set():
-            train = smaps_rollup(self.pid)
-            if train is None:
+            if not self._sample("train", self.pid):
                 return
-            self._peak("train", train)
             if writer is None or not Path(f"/proc/{writer}").exists():
                 writer = writer_pid(self.pid)
-            mem = smaps_rollup(writer) if writer is not None else None
-            if mem is not None:
-                self._peak("writer", mem)
-                self.writer_series.append((time.time(), mem["private"]))
+            if writer is not None:
+                self._sample("writer", writer)
             self.samples += 1
             self._halt.wait(self.interval)
 
+    def _sample(self, who: str, pid: int) -> bool:
+        status = proc_status(pid)
+        if status is None:
+            return False
+        self._peak(who, status)
+        now = time.monotonic()
+        if now >= self._next_smaps.get(pid, 0.0):
+            mem = smaps_rollup(pid)
+            cost = time.monotonic() - now
+            self._next_smaps[pid] = now + max(self.interval, 20 * cost)
+            if mem is not None:
+                self._peak(who, mem)
+                if who == "writer":
+                    self.writer_series.append((time.time(), mem["private"]))
+        return True
+
     def _peak(self, who: str, mem: dict[str, int]) -> None:
         for key in self.FIELDS:
-            self.peaks[who][key] = max(self.peaks[who].get(key, 0), mem.get(key, 0))
+            if key in mem:
+                self.peaks[who][key] = max(self.peaks[who].get(key, 0), mem[key])
 
     def stop(self) -> None:
         self._halt.set()
@@ -437,6 +472,10 @@ def child(spec: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- running children
+class RunFailed(RuntimeError):
+    """A run's process failed (its output is in the message); the mode it belongs to is given up."""
+
+
 class Runner:
     """Starts each run in a fresh interpreter and samples its memory meanwhile."""
 
@@ -461,7 +500,7 @@ class Runner:
         output, _ = proc.communicate()
         sampler.stop()
         if proc.returncode != 0 or not result.exists():
-            raise SystemExit(f"{label} failed (exit status {proc.returncode}):\n{output[-6000:]}")
+            raise RunFailed(f"{label} failed (exit status {proc.returncode}):\n{output[-6000:]}")
         res: dict[str, Any] = json.loads(result.read_text())
         res["process_s"] = time.time() - started
         res["memory"] = sampler.peaks
@@ -478,7 +517,7 @@ class Runner:
                 {"role": "base", "model": model, "layers": layers, "base": str(path)})], env=self.env,
                 capture_output=True, text=True)
             if proc.returncode != 0:
-                raise SystemExit(f"generating {path.name} failed:\n{proc.stderr[-4000:]}")
+                raise RunFailed(f"generating {path.name} failed:\n{proc.stderr[-4000:]}")
             print(f"generated {path.name} ({path.stat().st_size / GIB:.2f} GiB) in {time.time() - t0:.0f} s",
                   flush=True)
         return path
@@ -745,8 +784,8 @@ def print_report(args: argparse.Namespace, summaries: list[dict[str, Any]],
                   f"{spread(s['within_ms']['smart'])} ({_num(s['within_ratio'])}) | "
                   f"{spread(s['inflation'], '{:+.1%}')} ({s['busy_steps']}) | {','.join(s['staging'])} | "
                   f"{spread([w / 1e3 for w in s['write_ms']])} |")
-        print("\n| mode | run | train peak RSS | private | shared | writer peak RSS | private | shared | "
-              "writer interpreter | staging buffers |")
+        print("\n| mode | run | train peak RSS (VmHWM) | private | shared | writer peak RSS (VmHWM) | private | "
+              "shared | writer interpreter (private) | staging buffers |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for s in trio:
             for variant, mems in s["memory"].items():
@@ -755,8 +794,8 @@ def print_report(args: argparse.Namespace, summaries: list[dict[str, Any]],
                     return _fmt_bytes(max(values)) if values else "-"
                 smart = variant == "smart"
                 interp = _med(s["writer_interpreter"]) if smart else None
-                print(f"| {s['mode']} | {variant} | {peak('train', 'Rss')} | {peak('train', 'private')} | "
-                      f"{peak('train', 'shared')} | {peak('writer', 'Rss')} | {peak('writer', 'private')} | "
+                print(f"| {s['mode']} | {variant} | {peak('train', 'VmHWM')} | {peak('train', 'private')} | "
+                      f"{peak('train', 'shared')} | {peak('writer', 'VmHWM')} | {peak('writer', 'private')} | "
                       f"{peak('writer', 'shared')} | {_fmt_bytes(interp) if smart else '-'} | "
                       f"{_fmt_bytes(s['buffer_bytes']) if smart else '-'} |")
     res = [s for s in summaries if "resume" in s]
@@ -829,7 +868,7 @@ def evaluate_goals(summaries: list[dict[str, Any]]) -> list[tuple[str, bool | No
 
 
 # ----------------------------------------------------------------------------- main
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2-7b", choices=sorted(MODELS))
     p.add_argument("--mode", default="both", choices=["lora", "full", "both"])
@@ -847,7 +886,7 @@ def main() -> None:
     p.add_argument("--parts", default="trio,resume", help="comma list of trio, resume")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--memory-margin", type=float, default=None, help="SmartCkptConfig.memory_margin (default: its)")
-    p.add_argument("--mem-interval", type=float, default=0.2, help="seconds between smaps_rollup samples")
+    p.add_argument("--mem-interval", type=float, default=0.2, help="seconds between memory samples")
     p.add_argument("--cold", action="store_true", help="drop the checkpoints' cached pages before each resume")
     p.add_argument("--no-fresh", action="store_true", help="leave out the fresh start (the 'over fresh' column)")
     p.add_argument("--out", default="bench_out/real_width", help="work directory (base weights are kept here)")
@@ -861,7 +900,7 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         child(json.loads(args.child))
-        return
+        return 0
     args.parts = [x for x in args.parts.split(",") if x]
     work = Path(args.out).absolute()
     work.mkdir(parents=True, exist_ok=True)
@@ -869,26 +908,44 @@ def main() -> None:
     started = time.time()
     summaries = []
     raw: dict[str, Any] = {}
+    failed: dict[str, str] = {}
     for mode in (["lora", "full"] if args.mode == "both" else [args.mode]):
         if args.layers == "auto":
             layers, why = fit_layers(args.model, mode, args.device, args.max_layers)
             print(f"[{mode}] --layers auto: {why}", flush=True)
         else:
             layers = int(args.layers)
-        raw[mode] = run_mode(runner, args, mode, layers)
+        try:
+            raw[mode] = run_mode(runner, args, mode, layers)
+        except RunFailed as e:  # an OOM kill of the full fine-tune must not lose the LoRA results
+            failed[mode] = str(e)
+            print(f"[{mode}] FAILED, going on without it: {e}", flush=True)
+            continue
         summaries.append(summarize(mode, raw[mode]))
+        write_json(args, summaries, evaluate_goals(summaries), raw, failed)  # kept as each mode ends
     goals = print_report(args, summaries, started)
+    write_json(args, summaries, goals, raw, failed)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "model": args.model, "arch": MODELS[args.model]["arch"], "config": MODELS[args.model]["config"],
-            "full_layers": MODELS[args.model]["layers"], "device": args.device,
-            "batch": args.batch, "seq": args.seq, "steps": args.steps, "k": args.k, "repeats": args.repeats,
-            "summaries": summaries, "goals": [{"goal": g, "met": m, "detail": d} for g, m, d in goals],
-            "runs": raw,
-        }, indent=1, default=str))
         print(f"\nwrote {args.json}")
+    for mode, error in failed.items():
+        print(f"\n[{mode}] FAILED: {error.splitlines()[0]}")
+    return 1 if failed else 0
+
+
+def write_json(args: argparse.Namespace, summaries: list[dict[str, Any]], goals: list[tuple[str, bool | None, str]],
+               raw: dict[str, Any], failed: dict[str, str]) -> None:
+    """Every figure, for `recipes/estimate_sizes.py --measured` and for a later look (`--json`)."""
+    if not args.json:
+        return
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({
+        "model": args.model, "arch": MODELS[args.model]["arch"], "config": MODELS[args.model]["config"],
+        "full_layers": MODELS[args.model]["layers"], "device": args.device,
+        "batch": args.batch, "seq": args.seq, "steps": args.steps, "k": args.k, "repeats": args.repeats,
+        "summaries": summaries, "goals": [{"goal": g, "met": m, "detail": d} for g, m, d in goals],
+        "failed": failed, "runs": raw,
+    }, indent=1, default=str))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
