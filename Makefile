@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint typecheck bench clean
+.PHONY: demo test test-all lint typecheck bench clean gpu-check
 
 $(STAMP): requirements-ci.txt setup.cfg
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check hf_dynamic_ckpt tests scripts recipes
 	$(BIN)/mypy hf_dynamic_ckpt
+
+# The GPU checks (scripts/gpu_check.py, at most 5 minutes on one GPU). Not on $(STAMP): the pinned set's torch
+# is CPU-only, so this uses .venv as it is (install a CUDA build of torch there); without a GPU it exits 77.
+gpu-check:
+	$(BIN)/python scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) demo_out bench_out .pytest_cache
