@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .constants import DEFAULT_TASK_ID
-from .timeline import read_timeline
+from .run.steplog import read_timeline
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hf_dynamic_ckpt import SmartCkptConfig
-    from hf_dynamic_ckpt.checkpointer import Checkpointer
+    from hf_dynamic_ckpt.run.checkpointer import Checkpointer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

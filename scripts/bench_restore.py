@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.restore import load_for_resume
+from hf_dynamic_ckpt.run.restore import load_for_resume
 from hf_dynamic_ckpt.state.rng import capture_rng_state
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store.checksum import fsync_file

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..checkpointer import Checkpointer, SaveEvent
 from ..config import SmartCkptConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..run.checkpointer import Checkpointer, SaveEvent
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
 from ._accelerate_state import AccelerateState

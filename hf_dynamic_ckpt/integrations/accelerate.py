@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from .. import distributed as dist
-from ..checkpointer import SaveEvent
 from ..config import SmartCkptConfig
 from ..errors import ConfigError
 from ..policy.decision import Decision
+from ..run.checkpointer import SaveEvent
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint

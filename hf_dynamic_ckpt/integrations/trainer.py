@@ -1,6 +1,6 @@
 """Hugging Face `Trainer` integration: `SmartCkptCallback` and `resume_checkpoint`.
 
-A thin adapter over `hf_dynamic_ckpt.checkpointer.Checkpointer`:
+A thin adapter over `hf_dynamic_ckpt.run.checkpointer.Checkpointer`:
 
 - `on_train_begin`: installs the probes (loss hook, gradient norms, memory, SIGTERM flag,
   the pre-clip norm recorder on `trainer.accelerator.clip_grad_norm_`).
@@ -36,12 +36,12 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .. import distributed as dist
-from ..checkpointer import Checkpointer
 from ..config import SmartCkptConfig
 from ..constants import KEY_TRAINER_STATE
 from ..errors import ConfigError
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
+from ..run.checkpointer import Checkpointer
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, trainable_state_dict
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator, check_training_args

@@ -23,7 +23,7 @@ def train_and_save(root: str, *, sharded: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hf_dynamic_ckpt import SmartCkptConfig
-    from hf_dynamic_ckpt.checkpointer import Checkpointer
+    from hf_dynamic_ckpt.run.checkpointer import Checkpointer
 
     model = mlp()
     if sharded:
@@ -44,7 +44,7 @@ def resume(root: str, *, sharded: bool) -> dict[str, object]:
     from torch.distributed.fsdp import fully_shard
 
     from hf_dynamic_ckpt import SmartCkptConfig
-    from hf_dynamic_ckpt.checkpointer import Checkpointer
+    from hf_dynamic_ckpt.run.checkpointer import Checkpointer
 
     model = mlp()
     if sharded:

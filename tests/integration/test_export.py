@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt import ConfigError, SmartCkptConfig, toy
-from hf_dynamic_ckpt.checkpointer import Checkpointer
 from hf_dynamic_ckpt.cli import main as cli_main
 from hf_dynamic_ckpt.export import export_checkpoint, load_checkpoint
+from hf_dynamic_ckpt.run.checkpointer import Checkpointer
 
 pytestmark = pytest.mark.integration
 

@@ -48,7 +48,7 @@ def _trainer(root: Path, steps: int, record: dict | None = None, stop_at: int | 
 
 def test_the_first_step_overlaps_the_optimizer_tier_read_and_stays_exact(tmp_path, monkeypatch):
     from hf_dynamic_ckpt import resume_checkpoint
-    from hf_dynamic_ckpt._resume import ResumeState
+    from hf_dynamic_ckpt.run.resume import ResumeState
 
     ref = _trainer(tmp_path / "ref", 4)
     ref.train()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hf_dynamic_ckpt import SaveError, SmartCkptConfig
-from hf_dynamic_ckpt.checkpointer import Checkpointer
+from hf_dynamic_ckpt.run.checkpointer import Checkpointer
 
 
 class Net(nn.Module):

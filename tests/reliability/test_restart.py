@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -243,7 +242,7 @@ _LOAD_1GIB = """
 import json, sys, torch
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.restore import load_for_resume
+from hf_dynamic_ckpt.run.restore import load_for_resume
 from hf_dynamic_ckpt.store import CheckpointStore
 
 def status(key):

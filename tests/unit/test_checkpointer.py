@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hf_dynamic_ckpt import CheckpointNotFoundError, SmartCkptConfig
-from hf_dynamic_ckpt.checkpointer import Checkpointer
+from hf_dynamic_ckpt.run.checkpointer import Checkpointer
 from hf_dynamic_ckpt.state import apply_optimizer_state, fast_forward_scheduler
 from hf_dynamic_ckpt.state.rng import capture_rng_state
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hf_dynamic_ckpt.events import SaveEvent, SaveLog
+from hf_dynamic_ckpt.run.savelog import SaveEvent, SaveLog
 from hf_dynamic_ckpt.store.types import Tier
 
 

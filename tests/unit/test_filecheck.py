@@ -182,7 +182,7 @@ def test_a_manifest_checksum_the_file_does_not_have_fails_the_load(store: Checkp
 
 def test_a_checksum_mismatch_is_read_twice_then_corrupt_and_resume_falls_back_to_weights(
         store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt import restore
+    from hf_dynamic_ckpt.run import restore
 
     info = store.save(_state(1), reason="r")
     directory = Path(info.path)

@@ -20,8 +20,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "signals": ("signals", "config", "constants", "errors", "jsonutil", "sysmem"),
     "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store.types"),
     "engine": ("engine", "store", "state", "config", "constants", "errors", "jsonutil", "sysmem"),
-    "integrations": ("integrations", "checkpointer", "state", "config", "constants", "errors", "distributed",
-                     "jsonutil", "store.types", "store.spec", "policy.decision", "events", "export"),
+    "integrations": ("integrations", "run.checkpointer", "run.savelog", "state", "config", "constants", "errors",
+                     "distributed", "jsonutil", "store.types", "store.spec", "policy.decision", "export"),
 }
 
 

@@ -20,7 +20,7 @@ from hf_dynamic_ckpt.constants import (
     WEIGHTS_NAME,
 )
 from hf_dynamic_ckpt.errors import CheckpointNotFoundError, FormatVersionError, IncompatibleStateError
-from hf_dynamic_ckpt.restore import load_for_resume
+from hf_dynamic_ckpt.run.restore import load_for_resume
 from hf_dynamic_ckpt.state.model import check_weights
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
@@ -97,7 +97,7 @@ def _assert_exact(loaded: Any, step: int) -> None:
 def test_damaged_file_gives_documented_outcome(store: CheckpointStore, kind: str, outcome: str, how: str,
                                                caplog: pytest.LogCaptureFixture) -> None:
     _damage(_file(store, kind), how)
-    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.restore")
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.run.restore")
     if outcome == "error":  # the shared blob of the frozen tensor is referenced by every checkpoint
         with pytest.raises(CheckpointNotFoundError, match=r"no loadable checkpoint at or below step 2 of task 'run' \(tried steps 2, 1\)"):
             load_for_resume(store, "auto")

@@ -19,11 +19,11 @@ from test_checkpointer import Net, make, train_step
 from test_engine_prepare import _model, _step
 
 from hf_dynamic_ckpt import SmartCkptConfig
-from hf_dynamic_ckpt.checkpointer import Checkpointer
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.buffers import Layout
 from hf_dynamic_ckpt.engine.shm import new_shared_storage
+from hf_dynamic_ckpt.run.checkpointer import Checkpointer
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest

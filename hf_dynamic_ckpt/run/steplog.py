@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .constants import DEFAULT_TASK_ID, TIMELINE_NAME
-from .errors import CheckpointNotFoundError
-from .events import SaveEvent
-from .jsonutil import safe_float
-from .policy.decision import Decision
-from .signals.frame import SignalFrame
+from ..constants import DEFAULT_TASK_ID, TIMELINE_NAME
+from ..errors import CheckpointNotFoundError
+from ..jsonutil import safe_float
+from ..policy.decision import Decision
+from ..signals.frame import SignalFrame
+from .savelog import SaveEvent
 
 
 class TimelineWriter:

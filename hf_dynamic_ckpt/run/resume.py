@@ -17,14 +17,14 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from . import distributed as dist
-from .config import FallbackStrategy
-from .constants import Tier
-from .errors import CorruptCheckpointError, IncompatibleStateError
+from .. import distributed as dist
+from ..config import FallbackStrategy
+from ..constants import Tier
+from ..errors import CorruptCheckpointError, IncompatibleStateError
+from ..state.optimizer import state_numel_bound
+from ..store.spec import Lineage, new_session_id
+from ..store.types import CheckpointInfo, LoadedCheckpoint
 from .restore import plan_resume
-from .state.optimizer import state_numel_bound
-from .store.spec import Lineage, new_session_id
-from .store.types import CheckpointInfo, LoadedCheckpoint
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -126,7 +126,7 @@ class ResumeState:
 
     def restart(self, step: int) -> None:
         """`Checkpointer.restart_timeline`: a new timeline from `step`, the policy from the restored statistics."""
-        from .policy.rules import RulePolicy
+        from ..policy.rules import RulePolicy
 
         ck = self.ck
         resumed = self.resumed

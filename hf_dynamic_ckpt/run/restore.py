@@ -32,10 +32,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import distributed as dist
-from .config import FallbackStrategy
-from .constants import KEY_WORLD_SIZE, Tier
-from .errors import (
+from .. import distributed as dist
+from ..config import FallbackStrategy
+from ..constants import KEY_WORLD_SIZE, Tier
+from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DistributedError,
@@ -43,13 +43,13 @@ from .errors import (
     FormatVersionError,
     IncompatibleStateError,
 )
-from .state.model import check_weights
-from .state.optimizer import state_numel_bound
-from .state.sharded import check_sharding
-from .store.types import CheckpointInfo, LoadedCheckpoint
+from ..state.model import check_weights
+from ..state.optimizer import state_numel_bound
+from ..state.sharded import check_sharding
+from ..store.types import CheckpointInfo, LoadedCheckpoint
 
 if TYPE_CHECKING:
-    from .store.store import CheckpointStore
+    from ..store.store import CheckpointStore
 
 logger = logging.getLogger(__name__)
 

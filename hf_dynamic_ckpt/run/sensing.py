@@ -13,10 +13,10 @@ from typing import Any
 
 from torch import nn
 
-from . import distributed as dist
-from .config import SmartCkptConfig
-from .signals.frame import SignalFrame
-from .signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe, PreemptionFlag
+from .. import distributed as dist
+from ..config import SmartCkptConfig
+from ..signals.frame import SignalFrame
+from ..signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe, PreemptionFlag
 
 
 class Sensors:

@@ -28,27 +28,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed as dist
-from ._resume import ResumeState
-from ._sharded import resume_sharded, sources_for
-from .config import SmartCkptConfig
-from .constants import ALL_TIERS, Tier
-from .errors import ConfigError, DistributedError
-from .events import SaveEvent
-from .export import KEY_MODEL, describe_model
-from .policy.decision import Decision, DecisionKind
-from .policy.rules import RulePolicy
+from .. import distributed as dist
+from ..config import SmartCkptConfig
+from ..constants import ALL_TIERS, Tier
+from ..errors import ConfigError, DistributedError
+from ..export import KEY_MODEL, describe_model
+from ..policy.decision import Decision, DecisionKind
+from ..policy.rules import RulePolicy
+from ..signals.frame import SignalFrame
+from ..signals.probes import PreemptionFlag
+from ..state import RngState, StateSources, capture_raw_rng_state
+from ..state.sharded import ShardedState
+from ..state.support import check_model
+from ..store.remote import is_url
+from ..store.spec import Lineage, new_session_id
+from ..store.types import CheckpointInfo, LoadedCheckpoint
+from .fsdp import resume_sharded, sources_for
+from .resume import ResumeState
+from .savelog import SaveEvent
 from .saver import HeldSave, Saver, exit_after_preemption, open_store_and_engine
 from .sensing import Sensors
-from .signals.frame import SignalFrame
-from .signals.probes import PreemptionFlag
-from .state import RngState, StateSources, capture_raw_rng_state
-from .state.sharded import ShardedState
-from .state.support import check_model
-from .store.remote import is_url
-from .store.spec import Lineage, new_session_id
-from .store.types import CheckpointInfo, LoadedCheckpoint
-from .timeline import RunTimeline
+from .steplog import RunTimeline
 
 logger = logging.getLogger(__name__)
 

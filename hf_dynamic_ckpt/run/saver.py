@@ -15,21 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import distributed as dist
-from .config import EngineMode, OnSaveError, SmartCkptConfig
-from .constants import ALL_TIERS, Tier
-from .engine import SaveEngine
-from .errors import DistributedError, DynamicCkptError, SaveError
-from .events import SaveEvent, SaveLog
-from .jsonutil import json_safe
-from .policy.decision import Decision, DecisionKind
-from .policy.retention import level_retention_from_config, plan_retention
-from .signals.frame import SignalFrame
-from .state import RawRngState, StateSources
-from .state.flat import FlatKeeper
-from .store.spec import Lineage, SaveRequest
-from .store.store import CheckpointStore
-from .store.types import CheckpointInfo
+from .. import distributed as dist
+from ..config import EngineMode, OnSaveError, SmartCkptConfig
+from ..constants import ALL_TIERS, Tier
+from ..engine import SaveEngine
+from ..errors import DistributedError, DynamicCkptError, SaveError
+from ..jsonutil import json_safe
+from ..policy.decision import Decision, DecisionKind
+from ..policy.retention import level_retention_from_config, plan_retention
+from ..signals.frame import SignalFrame
+from ..state import RawRngState, StateSources
+from ..state.flat import FlatKeeper
+from ..store.spec import Lineage, SaveRequest
+from ..store.store import CheckpointStore
+from ..store.types import CheckpointInfo
+from .savelog import SaveEvent, SaveLog
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .constants import Tier
-from .policy.decision import DecisionKind
+from ..constants import Tier
+from ..policy.decision import DecisionKind
 
 if TYPE_CHECKING:
-    from .engine import SaveHandle
+    from ..engine import SaveHandle
 
 logger = logging.getLogger(__name__)
 
