@@ -55,6 +55,27 @@ class OnSaveError(enum.StrEnum):
     RAISE = "raise"
 
 
+class OnAnomaly(enum.StrEnum):
+    """What a confirmed anomaly (a non-finite, surging or spiking update) does.
+
+    - ``capture``: the still-healthy state before it is saved and pinned; training goes on.
+    - ``rollback``: also, once `rollback_patience` bad steps in a row confirm it, the run is
+      restored in place to a healthy restore point before it (model, optimizer, scheduler,
+      scaler, RNG, the policy's statistics) and continues with the next data: the batches
+      consumed since are not trained on again (docs/rollback.md).
+    """
+
+    CAPTURE = "capture"
+    ROLLBACK = "rollback"
+
+
+class RollbacksExhausted(enum.StrEnum):
+    """What a confirmed anomaly does once `max_rollbacks` rollbacks were taken within `rollback_window` steps."""
+
+    STOP = "stop"  # raise `RollbackError`: the run keeps failing where it is
+    CONTINUE = "continue"  # train through it, as `on_anomaly: capture` does
+
+
 class EngineMode(enum.StrEnum):
     THREAD = "thread"
     PROCESS = "process"
@@ -189,6 +210,15 @@ class SmartCkptConfig:
             ``endpoint_url``; never credentials (refused: they come from the environment).
         remote_retries (`int`, *optional*, defaults to `5`): retries of a failed object-store call.
         remote_backoff_s (`float`, *optional*, defaults to `0.5`): first retry backoff (doubles, capped at 10 s).
+        on_anomaly (`str`, *optional*, defaults to `"capture"`): `"capture"` or `"rollback"` (see `OnAnomaly`).
+        rollback_patience (`int`, *optional*, defaults to `1`): bad steps in a row that confirm an anomaly.
+        rollback_window (`int`, *optional*, defaults to `100`): the oldest restore point a rollback may return to,
+            in steps before the confirming one; also the span over which `max_rollbacks` counts.
+        max_rollbacks (`int`, *optional*, defaults to `3`): rollbacks allowed within `rollback_window` steps.
+        on_rollbacks_exhausted (`str`, *optional*, defaults to `"stop"`): `"stop"` (raise `RollbackError`) or
+            `"continue"` (train through, as `capture` does); see `RollbacksExhausted`.
+        rollback_skip_batches (`int`, *optional*, defaults to `0`): batches to skip after a rollback beyond those
+            the anomaly consumed (custom loops; Trainer's loop fetches its batches itself and refuses a value > 0).
         lock_wait_s (`float`, *optional*, defaults to `120.0`): how long a new run waits for the task's writer
             lock when its holder is on another host or container (its state cannot be told from here): long
             enough for a scheduler or elastic restart and an NFS lease to expire. A holder of this process is
@@ -243,6 +273,12 @@ class SmartCkptConfig:
     remote_storage_options: Mapping[str, Any] | None = None
     remote_retries: int = 5
     remote_backoff_s: float = 0.5
+    on_anomaly: OnAnomaly = OnAnomaly.CAPTURE
+    rollback_patience: int = 1
+    rollback_window: int = 100
+    max_rollbacks: int = 3
+    on_rollbacks_exhausted: RollbacksExhausted = RollbacksExhausted.STOP
+    rollback_skip_batches: int = 0
     lock_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -317,6 +353,17 @@ class SmartCkptConfig:
                    self.preemption_exit_code, "an integer 0..255 or null (128 + signal number)")
         _check(_is_finite(self.lock_wait_s) and self.lock_wait_s >= 0, "lock_wait_s", self.lock_wait_s,
                "a number of seconds >= 0")
+        set_(self, "on_anomaly", _enum(OnAnomaly, "on_anomaly", self.on_anomaly))
+        set_(self, "on_rollbacks_exhausted", _enum(RollbacksExhausted, "on_rollbacks_exhausted",
+                                                   self.on_rollbacks_exhausted))
+        for name in ("rollback_patience", "rollback_window", "max_rollbacks"):
+            _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, getattr(self, name),
+                   "an integer >= 1")
+        _check(_is_int(self.rollback_skip_batches) and self.rollback_skip_batches >= 0, "rollback_skip_batches",
+               self.rollback_skip_batches, "an integer >= 0")
+        if self.on_anomaly == OnAnomaly.ROLLBACK and not self.pre_anomaly_capture:
+            raise ConfigError("on_anomaly='rollback' needs pre_anomaly_capture=true: a rollback returns to the "
+                              "healthy state captured before the anomaly.")
         _check(_is_number(self.recovery_timeout_ms) and self.recovery_timeout_ms > 0, "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
         import signal as _signal
 
@@ -418,6 +465,7 @@ class SmartCkptArguments:
             or a checkpoint path. `auto` starts fresh when the store is empty.
         smart_ckpt_config (`str`, *optional*): path of a `checkpoint_config.yaml`.
         smart_ckpt_root (`str`, *optional*): store directory (overrides the YAML's `root`).
+        smart_ckpt_on_anomaly (`str`, *optional*): `capture` or `rollback` (overrides the YAML's `on_anomaly`).
     """
 
     resume_from_smart_checkpoint: str | None = field(
@@ -426,9 +474,14 @@ class SmartCkptArguments:
     )
     smart_ckpt_config: str | None = field(default=None, metadata={"help": "Path of a checkpoint_config.yaml."})
     smart_ckpt_root: str | None = field(default=None, metadata={"help": "Store directory (default <output_dir>/smart_ckpt)."})
+    smart_ckpt_on_anomaly: str | None = field(
+        default=None, metadata={"help": "What a confirmed anomaly does: capture (save and pin the state before it) or "
+                                        "rollback (also return to it in place and skip the bad data)."})
 
     def to_config(self) -> SmartCkptConfig:
         config = SmartCkptConfig.from_yaml(self.smart_ckpt_config) if self.smart_ckpt_config else SmartCkptConfig()
         if self.smart_ckpt_root is not None:
             config = config.replace(root=self.smart_ckpt_root)
+        if self.smart_ckpt_on_anomaly is not None:
+            config = config.replace(on_anomaly=self.smart_ckpt_on_anomaly)
         return config

@@ -1,14 +1,16 @@
-"""The demo: a LoRA fine-tune that hits an anomaly, is SIGKILLed, and resumes bit-exactly.
+"""The demo: a LoRA fine-tune hits bad data, rolls back past it, is SIGKILLed, and resumes bit-exactly.
 
     python -m hf_dynamic_ckpt.demo --output_dir demo_out        # (what `make demo` runs)
 
 CPU only, a few minutes, nothing downloaded. Three training processes run the same
-script (`--child`): an uninterrupted reference run; the run itself, into which a loss
-explosion is injected at `--anomaly_at` and which this process kills with SIGKILL once it
-passes `--kill_at`; and the restart of the same command with
-`--resume_from_smart_checkpoint auto`. The report lists every save (step, reason, bytes,
-blocking time), the restore point chosen, and whether the resumed losses equal the
-reference run's to the bit; `<output_dir>/timeline.png` shows it all.
+script (`--child`): an uninterrupted reference run; the run itself, which meets a shard of
+bad batches at `--anomaly_at` (their loss is multiplied: an explosion) and which this
+process kills with SIGKILL once it passes `--kill_at`; and the restart of the same command
+with `--resume_from_smart_checkpoint auto`. With `on_anomaly: rollback` the run does not
+train through the explosion: it returns in place to the state captured before it and goes
+on with the next data. The report lists every save (step, reason, bytes, blocking time),
+the rollbacks, the restore point chosen after the kill, and whether the resumed losses equal
+the reference run's to the bit; `<output_dir>/timeline.png` shows it all.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class DemoArguments:
 
     output_dir: str = field(default="demo_out", metadata={"help": "Trainer output directory of this run."})
     max_steps: int = field(default=90, metadata={"help": "Optimizer steps of the run."})
-    anomaly_at: int = field(default=35, metadata={"help": "First step whose loss is multiplied by --anomaly_factor."})
-    anomaly_steps: int = field(default=4, metadata={"help": "Consecutive poisoned steps (a bad data shard)."})
+    anomaly_at: int = field(default=35, metadata={"help": "First batch (optimizer step of data) whose loss is multiplied "
+                                                          "by --anomaly_factor: the bad data, whatever step reads it."})
+    anomaly_steps: int = field(default=4, metadata={"help": "Consecutive poisoned batches (a bad data shard)."})
     anomaly_factor: float = field(default=30.0, metadata={"help": "Loss multiplier of the poisoned step."})
     seed: int = field(default=0)
 
@@ -74,8 +77,9 @@ def train(demo: DemoArguments, smart: Any) -> None:
         model = get_peft_model(base, lora_config)
 
     def poison(module: torch.nn.Module, args: Any, output: Any) -> Any:
-        # Runs before the library's loss probe (registered earlier): the spike is what training sees.
-        if module.training and demo.anomaly_at <= trainer.state.global_step + 1 < demo.anomaly_at + demo.anomaly_steps:
+        # Runs before the library's loss probe (registered earlier): the spike is what training sees. The bad data
+        # are batches of the stream (counted by the callback, rollbacks and resumes included), not step numbers.
+        if module.training and demo.anomaly_at <= callback.data_steps + 1 < demo.anomaly_at + demo.anomaly_steps:
             output.loss = output.loss * demo.anomaly_factor
         return output
 
@@ -83,14 +87,17 @@ def train(demo: DemoArguments, smart: Any) -> None:
     inner.register_forward_hook(poison)
     # Short windows so a 90-step run warms the statistics up; the rest is SmartCkptConfig's defaults.
     # The trained output head makes gradient norms noisy (x10 surges): only a larger surge is an anomaly.
+    # on_anomaly=rollback: a confirmed explosion returns the run to the state captured before it. Two bad steps in a
+    # row confirm one (rollback_patience=2): a shard of four bad batches then costs two rollbacks.
     config = smart.to_config().replace(base_interval=10, stability_window=20, risk_smoothing=4, grad_surge_ratio=15.0,
-                                       keep_last=4)
+                                       keep_last=4, on_anomaly="rollback", rollback_patience=2)
     args = TrainingArguments(
         output_dir=demo.output_dir, max_steps=demo.max_steps, per_device_train_batch_size=8, learning_rate=1e-2,
         warmup_steps=5, lr_scheduler_type="cosine", save_strategy="no", report_to=[], use_cpu=True,
         logging_steps=10, seed=demo.seed, disable_tqdm=True, dataloader_num_workers=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[SmartCkptCallback(config)])
+    callback = SmartCkptCallback(config)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback])
     trainer.remove_callback(PrinterCallback)
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, smart.resume_from_smart_checkpoint))
 
@@ -173,6 +180,13 @@ def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) 
             nbytes = info.bytes if info is not None else None
             print(f"  {s['step']:>5}  {r['step']:>4}  {s['reason'][:64]:<64} {_fmt_bytes(nbytes):>10} "
                   f"{s.get('blocking_ms', 0.0):>8.1f}ms  {status}")
+    rollbacks = [r for r in rows if r.get("event") == "rollback"]
+    if rollbacks:
+        print("\nRollbacks (the bad batches were not trained on; the steps past each restore point were abandoned)")
+        for r in rollbacks:
+            loss_at = next((x["loss"] for x in rows if x.get("step") == r["to_step"] and "loss" in x), None)
+            print(f"  step {r['from_step']} -> step {r['to_step']}  ({r['reason']})"
+                  + (f"; loss at the restore point {loss_at:.3f}" if isinstance(loss_at, float) else ""))
     resumed: list[dict[str, Any]] = []
     after_resume = False
     for r in rows:
@@ -193,7 +207,8 @@ def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) 
     verdict = "EXACT (bit-identical)" if exact else f"DIFFERENT at steps {differ[:10]}"
     print(f"Resumed losses vs the uninterrupted reference: {len(same)}/{len(resumed)} steps equal -> {verdict}")
     print("Wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in durations.items()))
-    png = plot_timeline(run_store, output=out / "timeline.png", title="demo: tiny Qwen2 + LoRA, anomaly, SIGKILL, resume",
+    png = plot_timeline(run_store, output=out / "timeline.png",
+                        title="demo: tiny Qwen2 + LoRA, bad data rolled back, SIGKILL, resume",
                         risk_threshold=0.68)
     print(f"Timeline: {png}   (also: hf-dynamic-ckpt plot {run_store})")
     store.close()
@@ -229,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     common = ["--max_steps", str(args.max_steps), "--anomaly_at", str(args.anomaly_at)]
     print(f"hf_dynamic_ckpt demo -> {out}\n  tiny Qwen2 (from config) + LoRA r=8, real text (stdlib docstrings, BPE), "
-          f"{args.max_steps} steps; loss x30 injected at step {args.anomaly_at}; SIGKILL after step {args.kill_at}")
+          f"{args.max_steps} steps; 4 bad batches (loss x30) from batch {args.anomaly_at}, rolled back; SIGKILL after "
+          f"step {args.kill_at}")
     durations: dict[str, float] = {}
     t0 = time.perf_counter()
     print("[1/3] reference run, uninterrupted ...", flush=True)

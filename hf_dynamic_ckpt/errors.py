@@ -43,5 +43,10 @@ class StoreNotWritableError(DynamicCkptError, PermissionError):
     """The store root cannot be written (a read-only mount, no permission): this run could not save there."""
 
 
+class RollbackError(DynamicCkptError, RuntimeError):
+    """A confirmed anomaly after `max_rollbacks` rollbacks within `rollback_window` steps (`on_rollbacks_exhausted:
+    stop`): the run keeps failing at the same place; the message names the steps and what to change."""
+
+
 class UnsafePathError(DynamicCkptError, PermissionError):
     """A path the store was about to change resolves outside the store root, or through a symbolic link."""

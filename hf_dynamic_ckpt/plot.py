@@ -1,9 +1,11 @@
 """Timeline plot of a run: loss, gradient norm, risk, and where checkpoints were taken.
 
-Reads `<root>/<task>/timeline.jsonl` (written by `Checkpointer`, one line per optimizer
-step plus `resume` events) and the committed checkpoints of the store. A run that crashed
-and resumed shows as segments: the steps recomputed after a resume are drawn again, from
-the restore point on, so a person can see what was lost and that the replay matches.
+Reads `<root>/<task>/timeline.jsonl` (written by `RunOrchestrator`, one line per optimizer
+step plus `resume` and `rollback` events) and the committed checkpoints of the store. A run
+that crashed and resumed shows as segments: the steps recomputed after a resume are drawn
+again, from the restore point on, so a person can see what was lost and that the replay
+matches. A rollback starts a segment too, over a shaded band from the restore point to the
+step the anomaly was confirmed at.
 
     hf-dynamic-ckpt plot ROOT [--task T] [--output timeline.png]
 """
@@ -73,16 +75,29 @@ def plot_timeline(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_I
     for i, seg in enumerate(segments):
         rows = [r for r in seg if "step" in r]
         steps = [r["step"] for r in rows]
-        label = "run" if i == 0 else f"after resume from step {seg[0].get('resume_from')}"
+        head = seg[0]
+        if i == 0:
+            label = "run"
+        elif head.get("rollback_to") is not None:
+            label = f"after rollback to step {head['rollback_to']} (from {head.get('rollback_from')})"
+        else:
+            label = f"after resume from step {head.get('resume_from')}"
         style = styles[i % len(styles)]
         ax_loss.plot(steps, [_value(r.get("loss")) for r in rows], style, lw=1.4, label=label)
         ax_grad.plot(steps, [_value(r.get("grad_norm")) for r in rows], style, lw=1.2)
         ax_risk.plot(steps, [_value(r.get("risk")) for r in rows], style, lw=1.2)
-        if i > 0 and seg[0].get("resume_from") is not None:
+        if i > 0 and head.get("resume_from") is not None:
             for ax in axes:
-                ax.axvline(seg[0]["resume_from"], color="black", ls="--", lw=1)
-            ax_loss.annotate(f"resume @ {seg[0]['resume_from']}", (seg[0]["resume_from"], 1.0),
+                ax.axvline(head["resume_from"], color="black", ls="--", lw=1)
+            ax_loss.annotate(f"resume @ {head['resume_from']}", (head["resume_from"], 1.0),
                              xycoords=("data", "axes fraction"), va="top", fontsize=8)
+        if i > 0 and head.get("rollback_to") is not None:
+            for ax in axes:
+                ax.axvspan(head["rollback_to"], head.get("rollback_from") or head["rollback_to"], color="red",
+                           alpha=0.12, lw=0)
+            ax_loss.annotate(f"rollback {head.get('rollback_from')} -> {head['rollback_to']}",
+                             (head["rollback_to"], 0.92), xycoords=("data", "axes fraction"), va="top", fontsize=8,
+                             color="darkred")
         for r in rows:
             for save in r.get("saves", []):
                 kind = _save_kind(save)

@@ -9,7 +9,7 @@ Run under torchrun (it starts itself with `--nproc` CPU ranks, gloo, when not la
 One MLP (`--width` x `--layers`) is sharded with `fully_shard` (one unit per layer) and trained
 with AdamW for a step so the optimizer state exists. Then, alternating, `--repeats` times each:
 
-- `smart`: `Checkpointer.save_now(blocking=False)` (engine in thread mode): the training thread is
+- `smart`: `RunOrchestrator.save_now(blocking=False)` (engine in thread mode): the training thread is
   blocked for the snapshot (a copy of this rank's local shards of weights and optimizer state);
   the write and the cross-rank commit run in the background, waited for before the next save;
 - `dcp`: `torch.distributed.checkpoint.async_save({"model": msd, "optim": osd})` of the same
@@ -41,7 +41,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hf_dynamic_ckpt import SmartCkptConfig
-    from hf_dynamic_ckpt.run.checkpointer import Checkpointer
+    from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
     opt.zero_grad()
     params = sum(p.numel() for p in model.parameters())
     root = Path(args.root)
-    ck = Checkpointer(SmartCkptConfig(engine="thread", keep_last=2), root=root / "smart")
+    ck = RunOrchestrator(SmartCkptConfig(engine="thread", keep_last=2), root=root / "smart")
     ck.attach(model, optimizer=opt)
     ck.engine.wait()
 

@@ -86,7 +86,7 @@ def storage_options() -> dict[str, Any]:
     return value
 
 
-def _url_store(url: str, task: str, *, cache: str, **kwargs: Any) -> Any:
+def url_store(url: str, task: str, *, cache: str, **kwargs: Any) -> Any:
     from ..store.remote import default_cache_dir
     from ..store.store import CheckpointStore
 
@@ -155,7 +155,7 @@ def open_reader(root: Path, task: str) -> Any:
     from ..store.store import CheckpointStore
 
     if isinstance(root, str):  # a URL: the manifests are pulled into a cache of the commands' own
-        return _url_store(root, task, cache="cli", cleanup=False, read_only=True)
+        return url_store(root, task, cache="cli", cleanup=False, read_only=True)
     catalog = root / CATALOG_NAME
     writable = catalog.is_file() and os.access(catalog, os.W_OK) and os.access(root, os.W_OK)
     return CheckpointStore(root, task_id=task, cleanup=False, read_only=not writable)
@@ -168,7 +168,7 @@ def open_writer(root: Path, task: str, *, cleanup: bool = True) -> Any:
     from ..store.store import CheckpointStore
 
     if isinstance(root, str):  # a URL: the lock is advisory there (docs/storage.md)
-        return _url_store(root, task, cache="cli", cleanup=cleanup)
+        return url_store(root, task, cache="cli", cleanup=cleanup)
     if not (root / task).is_dir():
         raise UsageError(f"task {task!r} has no folder under {root}; available: {', '.join(tasks(root, None))}.")
     # A command refuses at once (no wait) when another host holds the lock: the message names it.

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ..constants import KEY_FILES
 from ..errors import CheckpointNotFoundError
+from ..run.steplog import read_rollbacks
 from ..store.manifest import read_manifest
 from ..store.types import CheckpointInfo
 from ._common import (
@@ -43,12 +44,15 @@ def _info_row(i: CheckpointInfo) -> list[str]:
 def _cmd_ls(args: argparse.Namespace) -> int:
     root = root_of(args)
     infos: list[CheckpointInfo] = []
+    rollbacks: list[tuple[str, dict[str, Any]]] = []
     for task in tasks(root, args.task):
         store = open_reader(root, task)
         try:
             infos += store.list(include_unhealthy=True, include_abandoned=args.all)
         finally:
             store.close()
+        if not isinstance(root, str):  # a local store: its step log records the rollbacks
+            rollbacks += [(task, r) for r in read_rollbacks(root, task)]
     if args.json:
         dump_json([info_json(i) for i in infos])
         return 0
@@ -57,6 +61,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         return 0
     table([["TASK", "STEP", "REASON", "TIERS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"],
            *(_info_row(i) for i in infos)], sys.stdout)
+    if rollbacks:
+        print("rollbacks (the steps past each restore point were abandoned; `--all` lists their checkpoints):")
+        for task, r in rollbacks:
+            when = f" at {_fmt_time(float(r['time']))}" if isinstance(r.get("time"), int | float) else ""
+            print(f"  {task}: step {r.get('from_step')} -> step {r.get('to_step')}{when} ({r.get('reason')})")
     return 0
 
 
@@ -206,11 +215,11 @@ def _cmd_reindex(args: argparse.Namespace) -> int:
 
     root = root_of(args)
     if isinstance(root, str):  # a URL: the training cache's catalog (rank 0's) is rebuilt from the bucket
-        from ._common import _url_store
+        from ._common import url_store
 
         n, rows = 0, []
         for task in tasks(root, None):
-            store = _url_store(root, task, cache="writer", cleanup=False)
+            store = url_store(root, task, cache="writer", cleanup=False)
             try:
                 n += store.reindex()
                 rows += store.catalog.rows(task)

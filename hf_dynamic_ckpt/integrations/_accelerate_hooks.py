@@ -16,7 +16,7 @@ import torch
 
 from ..config import SmartCkptConfig
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..run.checkpointer import Checkpointer, SaveEvent
+from ..run.orchestrator import RunOrchestrator, SaveEvent
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
 from ._accelerate_state import AccelerateState
@@ -29,14 +29,14 @@ POINTER_NAME = "smart_ckpt.json"
 _POINTER_KEYS = ("root", "task_id", "step", "path")
 
 
-def _store_root(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.PathLike[str] | None) -> str:
+def store_root(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.PathLike[str] | None) -> str:
     if config.root is None and output_dir is None:
         output_dir = getattr(accelerator, "project_dir", None)
     return config.resolve_root(output_dir)
 
 
-def _make_core(config: SmartCkptConfig, accelerator: Any, root: str) -> Checkpointer:
-    return Checkpointer(config, root=root, rank=int(accelerator.process_index),
+def make_orchestrator(config: SmartCkptConfig, accelerator: Any, root: str) -> RunOrchestrator:
+    return RunOrchestrator(config, root=root, rank=int(accelerator.process_index),
                         world_size=int(accelerator.num_processes))
 
 
@@ -64,7 +64,7 @@ class SmartStateHooks:
         config (`SmartCkptConfig`, *optional*): `root` and `task_id` name the store.
         output_dir (`str`, *optional*): store goes to `<output_dir>/smart_ckpt` when
             `config.root` is unset (defaults to the accelerator's `project_dir`).
-        checkpointer (`Checkpointer`, *optional*): share an existing orchestrator (what
+        checkpointer (`RunOrchestrator`, *optional*): share an existing orchestrator (what
             `SmartCheckpointer` does); by default one is created without signal handlers.
 
     Example:
@@ -86,7 +86,7 @@ class SmartStateHooks:
         *,
         config: SmartCkptConfig | None = None,
         output_dir: str | os.PathLike[str] | None = None,
-        checkpointer: Checkpointer | None = None,
+        checkpointer: RunOrchestrator | None = None,
         state: AccelerateState | None = None,
     ) -> None:
         check_accelerator(accelerator)  # DeepSpeed / FSDP1: refused before anything is opened
@@ -99,9 +99,9 @@ class SmartStateHooks:
         self._owns_core = checkpointer is None
         if checkpointer is None:
             # The hooks only save when asked: no preemption handlers (nobody would act on them).
-            checkpointer = _make_core(config.replace(preemption_signals=()), accelerator,
-                                      _store_root(config, accelerator, output_dir))
-            _attach(checkpointer, state, boundary=False)
+            checkpointer = make_orchestrator(config.replace(preemption_signals=()), accelerator,
+                                      store_root(config, accelerator, output_dir))
+            attach_state(checkpointer, state, boundary=False)
         self.core = checkpointer
         self.handles: list[Any] = []
         self.last_loaded: LoadedCheckpoint | None = None
@@ -194,7 +194,10 @@ class SmartStateHooks:
         return str(pointer["path"]) if pointer["path"] else f"step:{int(pointer['step'])}"
 
 
-def _attach(core: Checkpointer, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None) -> None:
+def attach_state(core: RunOrchestrator, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None,
+                 consolidate: bool | None = False) -> None:
+    """Attach `core` to the accelerator's live objects (`boundary`: the data position of the last completed step,
+    for a custom loop; else the current one, for `save_state`)."""
     models = state.models()
     loader = state.loader
     sampler = None
@@ -207,9 +210,10 @@ def _attach(core: Checkpointer, state: AccelerateState, *, boundary: bool, clip_
         scaler=state.scaler,
         weights=state.weights,
         frozen_keys=state.frozen_keys(),
-        extra=state.extra,
+        extra=lambda decision: state.extra(),
         sampler=sampler,
         clip_owner=clip_owner,
+        consolidate=consolidate,
     )
 
 

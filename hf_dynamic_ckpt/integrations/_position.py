@@ -80,6 +80,7 @@ class ResumableLoader:
         self._boundary: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
+        self._skip = 0
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -144,6 +145,12 @@ class ResumableLoader:
                          "rng0": starts[rank] if rank < len(starts) else None}
         self._pending_rng = rng
 
+    def after_rollback(self, *, rng: dict[str, Any] | None, skip: int = 0) -> None:
+        """The run rolled back without rewinding the data: apply `rng` (the restore point's RNG) once the next
+        batch is fetched, as a resume does, and skip `skip` more batches (`rollback_skip_batches`)."""
+        self._pending_rng = rng
+        self._skip += max(0, int(skip))
+
     def __iter__(self) -> Iterator[Any]:
         dl = self.dataloader
         if hasattr(dl, "set_epoch"):
@@ -171,6 +178,9 @@ class ResumableLoader:
             finally:
                 self._apply_pending_rng()
             self.batches_seen += 1
+            if self._skip:
+                self._skip -= 1  # a batch after a rollback that `rollback_skip_batches` leaves out
+                continue
             yield batch
         self.epoch += 1
         self.batches_seen = 0

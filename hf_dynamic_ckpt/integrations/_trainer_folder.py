@@ -62,6 +62,10 @@ def remove_resume_folders(root: Path, task_id: str) -> None:
         base.rmdir()  # only when empty: other tasks' folders stay
 
 
+KEY_DATA_STEPS = "data_steps"
+"""Key of the Trainer data position in a checkpoint's sampler state: optimizer-step windows consumed."""
+
+
 def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str) -> Path:
     """Write the folder for `loaded` (rank 0: state and weights; every rank: its RNG); returns it."""
     folder = resume_folder(root, task_id, loaded.info.step)
@@ -87,7 +91,18 @@ def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any) -
     else:
         state = dict(state)
         state["global_step"] = loaded.info.step
+    # Trainer derives the data to skip from global_step. After a rollback the run has consumed more batches than
+    # it applied updates (the rolled-back ones), so the folder names the data position; `SmartCkptCallback` puts
+    # the true step back at train begin.
+    state["global_step"] = data_steps(loaded)
     (folder / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def data_steps(loaded: LoadedCheckpoint) -> int:
+    """Optimizer-step windows of data the run had consumed at `loaded` (its step, unless a rollback skipped some)."""
+    sampler = loaded.sampler or {}
+    value = sampler.get(KEY_DATA_STEPS) if sampler.get("kind") == "trainer" else None
+    return value if isinstance(value, int) and value >= loaded.info.step else loaded.info.step
 
 
 def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any) -> None:

@@ -1,6 +1,6 @@
 """Accelerate integration: the state-hook pair and `SmartCheckpointer` for custom loops.
 
-Both are thin adapters over `checkpointer.Checkpointer`, the orchestrator the Trainer
+Both are thin adapters over `checkpointer.RunOrchestrator`, the orchestrator the Trainer
 callback uses too (probes -> policy -> snapshot/writer -> store; resume with fallback).
 
 - `SmartStateHooks` registers on an `Accelerator` so that `accelerator.save_state(dir)`
@@ -27,12 +27,13 @@ import torch
 from .. import distributed as dist
 from ..config import SmartCkptConfig
 from ..errors import ConfigError
-from ..policy.decision import Decision
-from ..run.checkpointer import SaveEvent
+from ..policy.decision import Decision, DecisionKind
+from ..run.orchestrator import SaveEvent
+from ..run.rollback import Rollback
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
-from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, _attach, _make_core, _store_root
+from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, attach_state, make_orchestrator, store_root
 from ._accelerate_state import AccelerateState
 from ._position import ResumableLoader
 
@@ -104,13 +105,13 @@ class SmartCheckpointer:
                               "returned by accelerator.prepare(...).")
         loader = ResumableLoader(accelerator, dataloader) if dataloader is not None else None
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
-        self.core = _make_core(self.config, accelerator, _store_root(self.config, accelerator, output_dir))
-        _attach(self.core, self.state, boundary=True, clip_owner=accelerator)
-        self.flat = self.core.saver.flat = FlatKeeper(model, optimizer, weights=self.state.weights, enabled=consolidate,
-                                                      on_move=self.core.prepare_buffers)
+        self.core = make_orchestrator(self.config, accelerator, store_root(self.config, accelerator, output_dir))
+        attach_state(self.core, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate)
         self.hooks = SmartStateHooks(accelerator, checkpointer=self.core, state=self.state)
         self.hooks.register()
         self.last_decision: Decision | None = None
+        self.last_rollback: Rollback | None = None
+        """The last rollback (`on_anomaly: rollback`): `after_update` returned a decision of kind `rollback`."""
         self.loaded: LoadedCheckpoint | None = None
         self._lr: float | None = None
         if loader is not None:
@@ -118,6 +119,11 @@ class SmartCheckpointer:
         self.core.note_boundary(self.step)  # the starting state can be captured before the first update
 
     # -- properties ------------------------------------------------------------------------
+    @property
+    def flat(self) -> FlatKeeper | None:
+        """The consolidated trainable state's keeper (`state.flat`)."""
+        return self.core.flat
+
     @property
     def step(self) -> int:
         """Optimizer updates completed (restored by `resume`)."""
@@ -171,16 +177,39 @@ class SmartCheckpointer:
         """Call after `optimizer.step()` / `scheduler.step()`: the save decision of this step.
 
         Saves in the background when the policy says so; on a preemption signal commits a
-        checkpoint synchronously and sets `should_stop`. A no-op on accumulation micro-steps.
+        checkpoint synchronously and sets `should_stop`. With `on_anomaly: rollback`, a confirmed
+        anomaly rolls the run back here (decision kind `rollback`, `last_rollback`): `step` is the
+        restore point's again, the model, optimizer, scheduler and RNG are its, and `loader` goes on
+        with the next batches (skipping `rollback_skip_batches` more). A no-op on accumulation micro-steps.
         """
         if not self.accelerator.sync_gradients:
             return None
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
-        self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then pointer checks
         decision = self.core.step_end(self.step, self.state.epoch(boundary=True), lr=self._lr)
+        if decision.kind == DecisionKind.ROLLBACK:
+            self._roll_back()
         self.last_decision = decision
         return decision
+
+    def _roll_back(self) -> None:
+        """Restore the run in place; the data goes on from where it is (plus `rollback_skip_batches`)."""
+        loader = self.state.loader
+        seen_before = (loader.epoch, loader.batches_seen) if loader is not None else None
+        done = self.core.rollback(restore_rng=loader is None)  # with a loader: after its next batch is fetched
+        if done is None:
+            return
+        self.state.optimizer_steps = done.to_step
+        skipped = ""
+        if loader is not None and seen_before is not None:
+            loader.after_rollback(rng=done.rng, skip=done.skip_batches)
+            loader.mark_boundary()
+            start = done.loaded.sampler or {}
+            first = int(start.get("batches_seen", 0)) + 1 if start.get("epoch") == seen_before[0] else 1
+            skipped = f"; skipped batches {first}..{seen_before[1] + done.skip_batches} of epoch {seen_before[0]}"
+        self.last_rollback = done
+        self.core.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s)%s", done.from_step,
+                                   done.to_step, done.reason, skipped)
 
     def save_now(self, *, reason: str = "manual", blocking: bool = True) -> SaveEvent:
         """Save the state of the last completed step outside the policy (e.g. at the end)."""

@@ -1,6 +1,6 @@
 """Hugging Face `Trainer` integration: `SmartCkptCallback` and `resume_checkpoint`.
 
-A thin adapter over `hf_dynamic_ckpt.run.checkpointer.Checkpointer`:
+A thin adapter over `hf_dynamic_ckpt.run.orchestrator.RunOrchestrator`:
 
 - `on_train_begin`: installs the probes (loss hook, gradient norms, memory, SIGTERM flag,
   the pre-clip norm recorder on `trainer.accelerator.clip_grad_norm_`).
@@ -36,17 +36,18 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .. import distributed as dist
-from ..config import SmartCkptConfig
+from ..config import OnAnomaly, SmartCkptConfig
 from ..constants import KEY_TRAINER_STATE
 from ..errors import ConfigError
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
-from ..run.checkpointer import Checkpointer
-from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, trainable_state_dict
+from ..run.orchestrator import RunOrchestrator
+from ..run.rollback import Rollback
+from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator, check_training_args
 from ..store.types import LoadedCheckpoint
-from ._trainer_folder import materialise_trainer_folder, remove_resume_folders
+from ._trainer_folder import KEY_DATA_STEPS, data_steps, materialise_trainer_folder, remove_resume_folders
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +81,17 @@ class SmartCkptCallback(TrainerCallback):
                  consolidate: bool | None = None) -> None:
         self.config = config or SmartCkptConfig()
         self.consolidate = consolidate
-        self.flat: FlatKeeper | None = None
-        self.checkpointer: Checkpointer | None = None
+        self.checkpointer: RunOrchestrator | None = None
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
+        self.last_rollback: Rollback | None = None
+        self.data_steps = 0
+        """Optimizer-step windows of data consumed: the step count, plus the windows a rollback skipped."""
         self._pending: LoadedCheckpoint | None = None  # applied at every train begin of this train() (retries)
         self._unapplied: tuple[LoadedCheckpoint, Any, Any] | None = None  # (loaded, optimizer, scheduler)
         self._state: TrainerState | None = None
         self._control: TrainerControl | None = None
         self._lr: float | None = None
-        self._flos: float | None = None
         self._flos_at_begin = 0.0
         self._in_train = False
 
@@ -102,13 +104,36 @@ class SmartCkptCallback(TrainerCallback):
         if self.trainer is None:
             self.trainer = _calling_trainer()
 
-    def get_checkpointer(self, args: TrainingArguments) -> Checkpointer:
-        """The run's `Checkpointer` (a new one after a finished `train()`; its store under `config.resolve_root`)."""
+    def get_checkpointer(self, args: TrainingArguments) -> RunOrchestrator:
+        """The run's `RunOrchestrator` (a new one after a finished `train()`; its store under `config.resolve_root`)."""
         if self.checkpointer is None or self.checkpointer.closed:
-            self.checkpointer = Checkpointer(self.config, root=self.config.resolve_root(args.output_dir))
             # The save and resume lines follow Trainer's verbosity (--log_level, set_verbosity_info()).
-            self.checkpointer.saver.announce = logging.getLogger(ANNOUNCE_LOGGER)  # under transformers: its handler and level
+            self.checkpointer = RunOrchestrator(self.config, root=self.config.resolve_root(args.output_dir),
+                                                announce=logging.getLogger(ANNOUNCE_LOGGER))
         return self.checkpointer
+
+    @property
+    def flat(self) -> FlatKeeper | None:
+        """The consolidated trainable state's keeper (`state.flat`), once training began."""
+        return self.checkpointer.flat if self.checkpointer is not None else None
+
+    def prepare_resume(self, trainer: Any, spec: str | os.PathLike[str] | None) -> str | None:
+        """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder.
+
+        The optimizer tier is read in the background while Trainer builds and prepares the optimizer, and is
+        loaded into them at the first update (`on_pre_optimizer_step`)."""
+        self.set_trainer(trainer)
+        if spec is None:
+            return None
+        ck = self.get_checkpointer(trainer.args)
+        loaded = ck.resume(os.fspath(spec), background_optimizer=True, expected=expected_weights(trainer.model))
+        if loaded is None:
+            ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
+            return None
+        folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
+        self._pending = loaded
+        self.resumed_from = loaded
+        return str(folder)
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -116,6 +141,11 @@ class SmartCkptCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         check_training_args(args)  # DeepSpeed / FSDP1: refused before the first step, never a wrong save
         check_accelerator(getattr(self.trainer, "accelerator", None))
+        if self.config.on_anomaly == OnAnomaly.ROLLBACK and self.config.rollback_skip_batches:
+            raise ConfigError(
+                f"rollback_skip_batches={self.config.rollback_skip_batches} is not applied by the Trainer integration: "
+                "Trainer's loop fetches its batches itself. A rollback there skips the batches the anomaly consumed; "
+                "set rollback_skip_batches=0 (or skip more in a custom loop with SmartCheckpointer).")
         ck = self.get_checkpointer(args)
         retry, self._in_train = self._in_train, True
         self._state, self._control = state, control
@@ -124,16 +154,21 @@ class SmartCkptCallback(TrainerCallback):
         scaler = getattr(accelerator, "scaler", None)
         assert model is not None, "Trainer passes the model to callbacks"
         ck.attach(model, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler,
-                  frozen_keys=frozen_weight_keys(model), extra=self._extra, sampler=self._sampler,
-                  clip_owner=accelerator, before_save=self._before_save,
-                  model_info=describe_model(model, tokenizer=getattr(self.trainer, "processing_class", None)))
-        ck.hold_saves = True
-        self.flat = ck.saver.flat = FlatKeeper(model, optimizer, weights=lambda: trainable_state_dict(model),
-                                               enabled=self.consolidate, on_move=ck.prepare_buffers)
+                  frozen_keys=frozen_weight_keys(model),
+                  extra=self._save_extra, sampler=self._sampler, clip_owner=accelerator,
+                  model_info=describe_model(model, tokenizer=getattr(self.trainer, "processing_class", None)),
+                  consolidate=self.consolidate, hold_saves=True)
         loaded = self._pending
         if retry:
             # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
             ck.restart_timeline(state.global_step)
+        if loaded is not None and state.global_step == data_steps(loaded) != loaded.info.step:
+            # The folder named the data position (a rollback skipped data): the true step goes back now, with
+            # the two counters Trainer set from it before this event (its last logged step, its start step).
+            state.global_step = loaded.info.step
+            trainer: Any = self.trainer
+            trainer._globalstep_last_logged = trainer._initial_global_step = loaded.info.step
+        self.data_steps = data_steps(loaded) if loaded is not None else state.global_step
         if loaded is not None:
             if loaded.info.step != state.global_step:
                 raise ConfigError(
@@ -151,6 +186,8 @@ class SmartCkptCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         if self.checkpointer is not None:
+            if self.checkpointer.rollback_due:
+                self._roll_back(state)
             self._flos_at_begin = float(getattr(self.trainer, "current_flos", 0.0) or 0.0)
             self.checkpointer.step_begin()  # the previous step's logging and evaluation are done: write its save
 
@@ -170,11 +207,29 @@ class SmartCkptCallback(TrainerCallback):
         ck = self.checkpointer
         if ck is None:
             return
-        if self.flat is not None:
-            self.flat.keep()  # after the optimizer step, before a snapshot: moves once, then pointer checks
-        ck.step_end(state.global_step, state.epoch or 0.0, lr=self._lr)
+        self.data_steps += 1
+        decision = ck.step_end(state.global_step, state.epoch or 0.0, lr=self._lr)
+        if decision.kind == DecisionKind.ROLLBACK:
+            control.should_log = True  # the abandoned steps' loss is logged now, before the step count goes back
         if ck.preempted:
             control.should_training_stop = True
+
+    def _roll_back(self, state: TrainerState) -> None:
+        """At the start of the step after a confirmed anomaly (its batches are fetched, as a resume's first ones
+        are): restore the run in place and put Trainer's step counter back (`docs/rollback.md`)."""
+        trainer: Any = self.trainer
+        assert self.checkpointer is not None and trainer is not None, "a rollback needs the Trainer (set_trainer)"
+        done = self.checkpointer.rollback()
+        if done is None:
+            return
+        ga = max(1, int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1))
+        first, last = data_steps(done.loaded) * ga + 1, self.data_steps * ga
+        state.global_step = done.to_step
+        # The loss Trainer logs divides by the steps since its last log; that log was at a step now undone.
+        trainer._globalstep_last_logged = done.to_step
+        self.last_rollback = done
+        self.checkpointer.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s); skipped batches "
+                                           "%d..%d", done.from_step, done.to_step, done.reason, first, last)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
@@ -220,23 +275,18 @@ class SmartCkptCallback(TrainerCallback):
             apply_optimizer_state(loaded, optimizer=optimizer, scheduler=scheduler, scaler=None)
 
     # ------------------------------------------------------------------ state for saves
-    def _before_save(self, decision: Decision) -> None:
-        """Every rank, before each save: the flos Trainer would have stored by now (summed over ranks)."""
+    def _save_extra(self, decision: Decision) -> dict[str, Any]:
+        """Every rank, right before each save: the `TrainerState` Trainer would have stored for the saved step,
+        with the flos it would have counted by then (summed over ranks: a collective, which every rank runs
+        since every rank takes the same saves)."""
         if self._state is None:
-            return
+            return {}
         current = self._flos_at_begin if decision.kind == DecisionKind.CAPTURE else \
             float(getattr(self.trainer, "current_flos", 0.0) or 0.0)
-        self._flos = float(self._state.total_flos) + dist.all_reduce_sum(current)
-
-    def _extra(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self._state is not None:
-            state = dataclasses.asdict(self._state)
-            if self._flos is not None:
-                state["total_flos"] = self._flos
-            state["stateful_callbacks"] = self._stateful_callbacks(state.get("stateful_callbacks") or {})
-            out[KEY_TRAINER_STATE] = state
-        return out
+        state = dataclasses.asdict(self._state)
+        state["total_flos"] = float(self._state.total_flos) + dist.all_reduce_sum(current)
+        state["stateful_callbacks"] = self._stateful_callbacks(state.get("stateful_callbacks") or {})
+        return {KEY_TRAINER_STATE: state}
 
     def _stateful_callbacks(self, current: dict[str, Any]) -> dict[str, Any]:
         """What `Trainer._save_checkpoint` records: each exportable callback's and the control's state."""
@@ -253,7 +303,7 @@ class SmartCkptCallback(TrainerCallback):
 
     def _sampler(self) -> dict[str, Any]:
         state = self._state
-        return {"kind": "trainer", "global_step": state.global_step if state else None,
+        return {"kind": "trainer", "global_step": state.global_step if state else None, KEY_DATA_STEPS: self.data_steps,
                 "epoch": state.epoch if state else None}
 
     def _move_first(self) -> None:
@@ -320,17 +370,4 @@ def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto"
         >>> trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, "auto"))
         ```
     """
-    cb = _find_callback(trainer)
-    cb.set_trainer(trainer)
-    if spec is None:
-        return None
-    ck = cb.get_checkpointer(trainer.args)
-    # The optimizer tier is read in the background while Trainer builds and prepares the optimizer.
-    loaded = ck.resume(os.fspath(spec), background_optimizer=True, expected=expected_weights(trainer.model))
-    if loaded is None:
-        ck.saver.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
-        return None
-    folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
-    cb._pending = loaded
-    cb.resumed_from = loaded
-    return str(folder)
+    return _find_callback(trainer).prepare_resume(trainer, spec)

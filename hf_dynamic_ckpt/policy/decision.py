@@ -21,6 +21,7 @@ class DecisionKind(enum.StrEnum):
     TRAIN_END = "train_end"  # the final state when training ends
     MANUAL = "manual"  # asked for outside the policy (save_now, accelerate save_state)
     LEARNED = "learned"  # asked for by the learned double-check model
+    ROLLBACK = "rollback"  # no save: a confirmed anomaly, the run returns to a restore point before it
 
 
 MINIMAL_TIERS: frozenset[Tier] = frozenset({Tier.WEIGHTS, Tier.STATE})

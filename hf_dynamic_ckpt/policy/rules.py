@@ -90,6 +90,8 @@ class RulePolicy:
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
         self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
         self._warned_record_save = False
+        self.last_bad_update: str | None = None
+        """Why the update of the last `pre_update`'s step is bad (the capture rule that fired), or `None`."""
 
     # ------------------------------------------------------------------ views
     def assess(self, frame: SignalFrame) -> Assessment:
@@ -174,6 +176,7 @@ class RulePolicy:
             rule, early, veto = self.learned.review(frame, rule, self.levels.loss.median())
             if veto:
                 logger.debug("step %d: %s", frame.step, veto)
+        self.last_bad_update = rule
         nonfinite = frame.any_nonfinite
         skip = c.skip_bad_update and rule is not None
         self._skip_step = frame.step if skip else None

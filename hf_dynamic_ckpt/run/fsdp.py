@@ -1,11 +1,11 @@
-"""The checkpointer's FSDP2 seams: what a rank saves (`sources_for`) and the sharded resume (DCP).
+"""The run's FSDP2 seams: what a rank saves (`sources_for`) and the sharded resume (DCP, `load_sharded`).
 
 `sources_for` gives every rank of a sharded (`fully_shard`) model its own shards of L0 and L1
 (`state.sharded.ShardedState`), and keeps rank 0 the only writer of L0/L1 otherwise (DDP).
 
 `restore.plan_resume` verifies the checkpoint on every rank (each shard file's size and checksum,
 the model check against the global shapes) and agrees on it; then every rank calls
-`load_sharded` (a collective: DCP's load plans are exchanged). The state dicts come from DCP's
+`load_sharded` (a collective: DCP's load plans are exchanged) before `RunOrchestrator.apply`. The state dicts come from DCP's
 `get_state_dict` / `set_state_dict` (`StateDictOptions`), the chunks from `store.sharded`'s
 `StorageReader` over the JSON chunk table, and DCP's `DefaultLoadPlanner` maps the saved chunks
 onto this run's shards: the same world size reads its own files back, another one reshards.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,16 +28,13 @@ from ..state.sharded import PART_OPTIMIZER, PART_WEIGHTS, ShardedState, is_shard
 from ..store.sharded import make_reader, sharded_table
 from ..store.types import LoadedCheckpoint
 
-if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
-
 logger = logging.getLogger(__name__)
 
 def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[str, torch.Tensor]] | None,
                 frozen_keys: Iterable[str], optimizer: Any | None, scheduler: Any | None, scaler: Any | None,
                 sampler: Callable[[], dict[str, Any]] | None, extra: Callable[[], dict[str, Any]]
                 ) -> tuple[ShardedState | None, StateSources, frozenset[Tier]]:
-    """`(sharded view or None, this rank's StateSources, the tiers this rank writes)` for `Checkpointer.attach`."""
+    """`(sharded view or None, this rank's StateSources, the tiers this rank writes)` for `RunOrchestrator.attach`."""
     main = rank == 0
     if is_sharded_model(model):
         sharded = ShardedState(model, optimizer)
@@ -52,14 +49,6 @@ def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[st
         scaler=scaler if main else None, sampler=sampler, extra=extra,
     )
     return None, sources, frozenset(ALL_TIERS) if main else frozenset({Tier.STATE})
-
-
-def resume_sharded(ck: Checkpointer, sharded: ShardedState, spec: str | None) -> LoadedCheckpoint | None:
-    """`Checkpointer.resume` of a sharded model: the agreed plan (model check on global shapes), then DCP."""
-    loaded = ck._resume.resume(spec, background_optimizer=False, expected=sharded.expected())
-    if loaded is not None:
-        load_sharded(sharded, loaded)
-    return loaded
 
 
 MODEL_PREFIX = "model."

@@ -1,11 +1,15 @@
-"""The checkpointer's side of a resume: plan, new timeline, restored statistics, background L1.
+"""A resume as a value: the restore point read, verified and planned into a `Resumption`, which the run applies.
 
-`restore.plan_resume` chooses and loads the restore point (agreed on every rank). This module
-does what follows, for `Checkpointer.resume`: it starts the run's new timeline from that point
-(rank 0 records it with `CheckpointStore.fork`: checkpoints of the run that went past it become
-abandoned, never deleted), restores the policy's and probes' statistics so the resumed run
-decides as the interrupted one would have, and optionally reads the optimizer tier in a
-background thread while the caller builds its optimizer (`complete`, agreed across ranks).
+`plan_resumption` chooses and loads the restore point (`restore.plan_resume`: one agreed outcome
+on every rank, checked against the model), names the timeline that starts from it, and gathers
+what a run restores besides its live objects: the policy's and the probes' statistics and the
+save counters. It changes nothing: `RunOrchestrator.apply` makes the value the run's state (rank
+0 sets the newer checkpoints of other timelines aside with `start_timeline`), and an in-process
+rollback applies a value built the same way to the live run.
+
+The optimizer tier may be read in a background thread while the caller builds its optimizer
+(`PendingOptimizerRead`); `RunOrchestrator.complete_resume` collects it, with one outcome agreed
+across ranks (lost on one rank: lost on all).
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from .. import distributed as dist
 from ..config import FallbackStrategy
@@ -23,244 +28,204 @@ from ..constants import Tier
 from ..errors import CorruptCheckpointError, IncompatibleStateError
 from ..state.optimizer import state_numel_bound
 from ..store.spec import Lineage, new_session_id
+from ..store.store import CheckpointStore
 from ..store.types import CheckpointInfo, LoadedCheckpoint
 from .restore import plan_resume
 
-if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
-
 logger = logging.getLogger(__name__)
 
-_L1 = tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, str | None]
+KEY_POLICY = "policy"
+KEY_GRAD_PROBE = "grad_probe"
+KEY_SAVE_LOG = "save_log"
+KEY_ROLLBACKS = "rollbacks"
+"""Keys of a manifest's `extra` that hold the run's own state (the policy, the gradient probe, the save counts,
+the rollbacks taken)."""
 
 
-class ResumeState:
-    """Resume bookkeeping of one `Checkpointer` (see the module docstring)."""
+@dataclass(frozen=True)
+class OptimizerOutcome:
+    """The optimizer tier of a resume once read: the state dicts, or why they are lost (the same on every rank)."""
 
-    def __init__(self, ck: Checkpointer) -> None:
-        self.ck = ck
-        self.resumed: LoadedCheckpoint | None = None
-        self.resume_ms: float | None = None
-        self._policy: dict[str, Any] | None = None
-        self._probe: dict[str, Any] | None = None
-        self._counts: dict[str, Any] | None = None
-        self._l1: Future[_L1] | None = None
-        self._l1_bound: int | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._after_read: list[Callable[[], Any]] = []
+    optimizer: dict[str, Any] | None
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any] | None
+    lost: str | None = None
 
-    @property
-    def reading(self) -> bool:
-        """Whether an optimizer-tier read runs in the background (until `complete`)."""
-        return self._l1 is not None
 
-    def after_read(self, fn: Callable[[], Any]) -> None:
-        """Run `fn` once the background optimizer-tier read is collected by `complete` (at once if none runs).
+class PendingOptimizerRead:
+    """The optimizer tier of a checkpoint, read in a background thread until `collect`.
 
-        For work that would compete with the read for the CPU on the way to the first resumed
-        step (the save engine's buffer preparation), not for work the resume needs.
-        """
-        if self._l1 is None:
-            fn()
-        else:
-            self._after_read.append(fn)
+    Args:
+        store (`CheckpointStore`): where to read.
+        info (`CheckpointInfo`): the chosen restore point.
+        rank (`int`): this rank (whose files to read).
+        max_numel (`int`, *optional*): the largest optimizer-state tensor the model can have.
+    """
 
-    # ------------------------------------------------------------------ resume
-    def resume(self, spec: str | None, *, background_optimizer: bool, expected: Mapping[str, Any] | None
-               ) -> LoadedCheckpoint | None:
-        """`Checkpointer.resume`.
+    def __init__(self, store: CheckpointStore, info: CheckpointInfo, *, rank: int, max_numel: int | None) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="smart-ckpt-l1")
+        self._future: Future[OptimizerOutcome] = self._pool.submit(read_optimizer_tier, store, info, rank, max_numel)
 
-        Args:
-            spec (`str`, *optional*): `auto`, `best`, `fastest`, `step:N` or a path; `None`
-                means a fresh start.
-            background_optimizer (`bool`): with the `full` fallback strategy, read the optimizer
-                tier (L1) in a background thread; `complete(loaded)` waits for it (agreed across ranks).
-            expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping; the saved weights
-                must fit it (names and shapes) on every rank.
-
-        Returns:
-            `LoadedCheckpoint | None`: this rank's view (its own RNG), or `None` for a fresh
-            start (`auto` on an empty store).
-
-        Raises:
-            The same error on every rank: `CheckpointNotFoundError`, `IncompatibleStateError`,
-            `FormatVersionError`, `DistributedError`.
-        """
-        ck = self.ck
-        if spec is None:
-            return None
-        start = time.perf_counter()
-        deferred = background_optimizer and ck.config.fallback_strategy == FallbackStrategy.FULL
-        fallback = FallbackStrategy.LEVEL_0_ONLY if deferred else ck.config.fallback_strategy
-        plan = plan_resume(ck.store, spec, rank=ck.rank, world_size=ck.world_size, fallback=fallback,
-                           expected=expected)
-        if plan is None:
-            return None
-        loaded = plan.loaded
-        info = loaded.info
-        parent = info.lineage
-        ck.lineage = Lineage(session=ck.session_id, timeline=new_session_id(), parent_step=info.step,
-                             parent_timeline=parent.timeline if parent is not None else None)
-        # Verified and checked against the model on every rank: now the newer checkpoints may be set aside.
-        ck._fork_pending = False
-        if ck.rank == 0:
-            self.fork(after_step=info.step)
-        self.remember_policy_state(loaded)
-        self.apply_policy_state()
-        ck.log_event("resume", step=info.step, spec=str(spec), warnings=list(loaded.warnings),
-                     tiers=sorted(t.value for t in loaded.tiers))
-        if deferred:
-            self._l1_bound = state_numel_bound(expected.values()) if expected is not None else None
-            # Only once the plan chose the restore point: a read racing `plan_resume` could record the
-            # checkpoint's corrupt L1 in the catalog first and turn a weights-only resume into a fallback.
-            self._l1 = self._submit_read(info)
-        self.resumed = loaded
-        self.resume_ms = (time.perf_counter() - start) * 1e3
-        if not deferred:  # else once the optimizer tier is read (complete)
-            self._announce(loaded, degraded=plan.degraded)
-        if self.resume_ms > ck.config.recovery_timeout_ms:
-            logger.warning("resume of step %d took %.0f ms, above recovery_timeout_ms=%d (the restore point's "
-                           "estimate was %s ms); `fastest` picks the cheapest checkpoint to restore", info.step,
-                           self.resume_ms, ck.config.recovery_timeout_ms, info.recovery_cost_ms)
-        return loaded
-
-    def restart(self, step: int) -> None:
-        """`Checkpointer.restart_timeline`: a new timeline from `step`, the policy from the restored statistics."""
-        from ..policy.rules import RulePolicy
-
-        ck = self.ck
-        resumed = self.resumed
-        parent = resumed.info.step if resumed is not None and resumed.info.step == step else None
-        ck.lineage = Lineage(session=ck.session_id, timeline=new_session_id(), parent_step=parent,
-                             parent_timeline=ck.lineage.parent_timeline if parent is not None else None)
-        ck._fork_pending = True
-        ck.saver.log.restart()
-        ck.policy = RulePolicy(ck.config)
-        self.apply_policy_state(again=True)
-        logger.debug("training restarted at step %d: new timeline %s", step, ck.lineage.timeline)
-
-    def _announce(self, loaded: LoadedCheckpoint, *, degraded: bool) -> None:
-        """The one `resumed from` line (WARNING, rank 0): step, reason, tiers, degraded or not."""
-        if self.ck.rank == 0:
-            self.ck.saver.announce.warning(
-                "smart_ckpt: resumed from step %d (%s; tiers %s%s)", loaded.info.step, loaded.info.reason,
-                ",".join(sorted(t.value for t in loaded.tiers)), "; degraded: fresh optimizer" if degraded else "")
-
-    def fork(self, *, after_step: int | None) -> list[int]:
-        """Rank 0: start this run's timeline; checkpoints of other timelines past `after_step` are abandoned."""
-        ck = self.ck
-        fork = getattr(ck.store, "fork", None)
-        if fork is None:  # TODO(merge): the store branch adds CheckpointStore.fork
-            return []
-        parent = None
-        if ck.lineage.parent_step is not None:
-            parent = ck.lineage
-        abandoned: list[int] = fork(timeline=ck.lineage.timeline, after_step=after_step, session=ck.session_id,
-                                    parent=parent)
-        if abandoned:
-            where = "the restore point" if after_step is not None else "this fresh start"
-            what = (f"checkpoints {', '.join(map(str, abandoned))} belong" if len(abandoned) > 1
-                    else f"checkpoint {abandoned[0]} belongs")
-            msg = (f"{what} to a run that went past {where} "
-                   f"(step {after_step if after_step is not None else 0}); they are kept but abandoned: `auto`, "
-                   "`best` and `fastest` never choose them, `hf-dynamic-ckpt ls --all` lists them, `step:N` restores "
-                   "them, and retention removes them once this run has saved past them")
-            logger.warning(msg)
-            warnings.warn(msg, stacklevel=4)
-        return abandoned
-
-    # ------------------------------------------------------------------ statistics
-    def remember_policy_state(self, loaded: LoadedCheckpoint) -> None:
-        self._policy = loaded.extra.get("policy") or None
-        self._probe = loaded.extra.get("grad_probe") or None
-        counts = loaded.extra.get("save_log")
-        self._counts = counts if isinstance(counts, dict) else None
-
-    def apply_policy_state(self, *, again: bool = False) -> None:
-        """Load the remembered statistics: the policy at once, the gradient probe once attached.
-
-        `again`: after a restart of the loop, load the resumed checkpoint's statistics once more.
-        """
-        ck = self.ck
-        if again and self.resumed is not None:
-            self.remember_policy_state(self.resumed)
-        if self._counts is not None:
-            ck.saver.log.continue_counts(self._counts)
-            self._counts = None
-        if self._policy is not None:
-            state, self._policy = self._policy, None
-            try:
-                ck.policy.load_state_dict(state)
-            except Exception as e:
-                logger.warning("resume: policy statistics not restored (%s); they restart from scratch", e)
-        grad = ck.sensors.grad if ck.sensors is not None else None
-        if self._probe is not None and grad is not None:
-            probe, self._probe = self._probe, None
-            try:
-                grad.load_state_dict(probe)
-            except Exception as e:
-                logger.warning("resume: gradient-probe statistics not restored (%s); they restart from scratch", e)
-
-    # ------------------------------------------------------------------ background L1
-    def _submit_read(self, info: CheckpointInfo) -> Future[_L1]:
-        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="smart-ckpt-l1")
-        return self._pool.submit(self._read_l1, info)
-
-    def _read_l1(self, info: CheckpointInfo) -> _L1:
-        """(optimizer, scheduler, scaler, why-lost) of one checkpoint; runs in a background thread."""
-        store = self.ck.store
-        if Tier.OPTIMIZER not in info.tiers:
-            return None, None, None, "the checkpoint was saved without it"
-        # mmap=False: an uncompressed tier is copied here, off the training thread; mapped, the
-        # first update would take a copy-on-write fault per page of the moments it writes.
-        bound = self._l1_bound
+    def collect(self, world_size: int) -> OptimizerOutcome:
+        """Wait for the read; a loss on any rank is a loss on every rank (one all-gather when `world_size > 1`)."""
         try:
-            opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank, mmap=False, l1_max_numel=bound)
-        except IncompatibleStateError as e:  # declared larger than the model allows: nothing was allocated
-            return None, store.load_scheduler_only(info), None, str(e)
-        except CorruptCheckpointError as first:
-            try:  # a transient read error
-                opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=self.ck.rank, mmap=False, l1_max_numel=bound)
-            except (CorruptCheckpointError, IncompatibleStateError):
-                return None, store.load_scheduler_only(info), None, str(first)
-        return opt.optimizer, opt.scheduler, opt.scaler, None
-
-    def complete(self, loaded: LoadedCheckpoint) -> None:
-        """Fill in the background L1 read; the outcome is agreed (a loss on any rank is a loss on all)."""
-        future, self._l1 = self._l1, None
-        if future is None:
-            return
-        try:
-            optimizer, scheduler, scaler, lost = future.result()
+            mine = self._future.result()
         finally:
-            deferred, self._after_read = self._after_read, []
-            for fn in deferred:
-                try:
-                    fn()
-                except Exception as e:  # only a speed-up is lost: the first save allocates its buffers
-                    logger.warning("resume: deferred work after the optimizer-tier read failed: %s", e)
-        ck = self.ck
-        outcomes = dist.all_gather_json({"lost": lost, "scheduler": scheduler is not None}) \
-            if ck.world_size > 1 else [{"lost": lost, "scheduler": scheduler is not None}]
-        lost_on = [(r, o["lost"]) for r, o in enumerate(outcomes) if o["lost"] is not None]
+            self.close()
+        report = {"lost": mine.lost, "scheduler": mine.scheduler is not None}
+        reports = dist.all_gather_json(report) if world_size > 1 else [report]
+        lost_on = [(r, o["lost"]) for r, o in enumerate(reports) if o["lost"] is not None]
         if not lost_on:
-            loaded.optimizer, loaded.scheduler, loaded.scaler = optimizer, scheduler, scaler
-            self._announce(loaded, degraded=False)
-            return
+            return mine
         rank, why = lost_on[0]
-        loaded.optimizer = loaded.scaler = None
-        loaded.scheduler = scheduler if all(o["scheduler"] for o in outcomes) else None
-        where = "" if ck.world_size == 1 else (f" (rank {rank})" if len(lost_on) < ck.world_size else " (every rank)")
-        step = loaded.info.step
-        msg = (f"resuming from weights only: optimizer state of step {step} is lost ({why}{where}); "
-               f"the learning-rate schedule continues at step {step}")
-        loaded.warnings.append(msg)
-        logger.warning(msg)
-        warnings.warn(msg, stacklevel=3)
-        self._announce(loaded, degraded=True)
+        where = "" if world_size == 1 else (f" (rank {rank})" if len(lost_on) < world_size else " (every rank)")
+        scheduler = mine.scheduler if all(o["scheduler"] for o in reports) else None
+        return OptimizerOutcome(None, scheduler, None, lost=why + where)
 
     def close(self) -> None:
-        self._after_read = []
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Wait for the thread and release it (idempotent)."""
+        self._pool.shutdown(wait=True)
+
+
+def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int, max_numel: int | None
+                        ) -> OptimizerOutcome:
+    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a
+    damaged or foreign tier (`OptimizerOutcome.lost` says why, and the scheduler is salvaged when it can be)."""
+    if Tier.OPTIMIZER not in info.tiers:
+        return OptimizerOutcome(None, None, None, lost="the checkpoint was saved without it")
+    # mmap=False: an uncompressed tier is copied here, off the training thread; mapped, the
+    # first update would take a copy-on-write fault per page of the moments it writes.
+    try:
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=False, l1_max_numel=max_numel)
+    except IncompatibleStateError as e:  # declared larger than the model allows: nothing was allocated
+        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=str(e))
+    except CorruptCheckpointError as first:
+        try:  # a transient read error
+            opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=False, l1_max_numel=max_numel)
+        except (CorruptCheckpointError, IncompatibleStateError):
+            return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=str(first))
+    return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
+
+
+@dataclass
+class Resumption:
+    """What a resume hands the run: read and verified, nothing applied yet.
+
+    Attributes:
+        loaded (`LoadedCheckpoint`): this rank's view of the restore point (its own RNG); with a
+            `pending` read, the optimizer tier is filled in by `RunOrchestrator.complete_resume`.
+        spec (`str`): what was asked for (`auto`, `step:N`, a path, ...).
+        lineage (`Lineage`): the timeline the run continues on (its parent: the restore point).
+        degraded (`bool`): the optimizer state is not restored (a weights-only resume).
+        policy_state, probe_state, save_counts, rollback_state (`dict`, *optional*): the run's own state
+            at the restore point (the manifest's `extra`).
+        pending (`PendingOptimizerRead`, *optional*): the optimizer tier, still being read.
+        elapsed_ms (`float`): how long planning took.
+    """
+
+    loaded: LoadedCheckpoint
+    spec: str
+    lineage: Lineage
+    degraded: bool = False
+    policy_state: dict[str, Any] | None = None
+    probe_state: dict[str, Any] | None = None
+    save_counts: dict[str, Any] | None = None
+    rollback_state: dict[str, Any] | None = None
+    pending: PendingOptimizerRead | None = field(default=None, repr=False)
+    elapsed_ms: float = 0.0
+
+    @property
+    def step(self) -> int:
+        """The step of the restore point."""
+        return self.loaded.info.step
+
+
+def run_state(loaded: LoadedCheckpoint, key: str) -> dict[str, Any] | None:
+    """One part of the run's own state stored in a checkpoint's `extra` (`KEY_POLICY`, ...; absent: `None`)."""
+    value = loaded.extra.get(key)
+    return value if isinstance(value, dict) and value else None
+
+
+def plan_resumption(store: CheckpointStore, spec: str, *, session_id: str, rank: int = 0, world_size: int = 1,
+                    fallback: FallbackStrategy = FallbackStrategy.FULL, expected: Mapping[str, Any] | None = None,
+                    background_optimizer: bool = False) -> Resumption | None:
+    """Choose, verify and load a restore point on every rank (one agreed outcome) into a `Resumption`.
+
+    Args:
+        store (`CheckpointStore`): this rank's store.
+        spec (`str`): `auto`, `best`, `fastest`, `step:N` or a checkpoint path (another store's too).
+        session_id (`str`): this run's session (the new lineage's).
+        rank, world_size (`int`): this rank and the number of ranks (a collective when > 1).
+        fallback (`FallbackStrategy`): what a broken tier does (`restore`).
+        expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping: the saved weights
+            must fit it on every rank, and it bounds the optimizer tier's tensors.
+        background_optimizer (`bool`): with the `full` strategy, read the optimizer tier in a
+            background thread (`Resumption.pending`).
+
+    Returns:
+        `Resumption | None`: `None` for a fresh start (`auto` on an empty store).
+
+    Raises:
+        The same error on every rank: `CheckpointNotFoundError`, `IncompatibleStateError`,
+        `FormatVersionError`, `DistributedError`.
+    """
+    start = time.perf_counter()
+    deferred = background_optimizer and fallback == FallbackStrategy.FULL
+    plan = plan_resume(store, spec, rank=rank, world_size=world_size,
+                       fallback=FallbackStrategy.LEVEL_0_ONLY if deferred else fallback, expected=expected)
+    if plan is None:
+        return None
+    loaded = plan.loaded
+    parent = loaded.info.lineage
+    lineage = Lineage(session=session_id, timeline=new_session_id(), parent_step=loaded.info.step,
+                      parent_timeline=parent.timeline if parent is not None else None)
+    pending = None
+    if deferred:
+        # Only once the plan chose the restore point: a read racing `plan_resume` could record the
+        # checkpoint's corrupt L1 in the catalog first and turn a weights-only resume into a fallback.
+        bound = state_numel_bound(expected.values()) if expected is not None else None
+        pending = PendingOptimizerRead(store, loaded.info, rank=rank, max_numel=bound)
+    return Resumption(loaded=loaded, spec=str(spec), lineage=lineage, degraded=plan.degraded and not deferred,
+                      policy_state=run_state(loaded, KEY_POLICY), probe_state=run_state(loaded, KEY_GRAD_PROBE),
+                      save_counts=run_state(loaded, KEY_SAVE_LOG), rollback_state=run_state(loaded, KEY_ROLLBACKS),
+                      pending=pending, elapsed_ms=(time.perf_counter() - start) * 1e3)
+
+
+def fill_optimizer(resumption: Resumption, outcome: OptimizerOutcome) -> None:
+    """Put a collected optimizer tier into the resumption's checkpoint (or record why it is lost)."""
+    loaded = resumption.loaded
+    resumption.pending = None
+    if outcome.lost is None:
+        loaded.optimizer, loaded.scheduler, loaded.scaler = outcome.optimizer, outcome.scheduler, outcome.scaler
+        return
+    loaded.optimizer = loaded.scaler = None
+    loaded.scheduler = outcome.scheduler
+    resumption.degraded = True
+    step = loaded.info.step
+    msg = (f"resuming from weights only: optimizer state of step {step} is lost ({outcome.lost}); "
+           f"the learning-rate schedule continues at step {step}")
+    loaded.warnings.append(msg)
+    logger.warning(msg)
+    warnings.warn(msg, stacklevel=3)
+
+
+def start_timeline(store: CheckpointStore, lineage: Lineage, *, after_step: int | None) -> list[int]:
+    """Rank 0: make `lineage` the task's current timeline; checkpoints of other timelines past `after_step`
+    (every one, for a fresh start) are set aside as abandoned: kept, never chosen by `auto`.
+
+    Returns:
+        `list[int]`: the steps newly abandoned (also named in one WARNING).
+    """
+    parent = lineage if lineage.parent_step is not None else None
+    abandoned = store.fork(timeline=lineage.timeline, after_step=after_step, session=lineage.session, parent=parent)
+    if abandoned:
+        where = "the restore point" if after_step is not None else "this fresh start"
+        what = (f"checkpoints {', '.join(map(str, abandoned))} belong" if len(abandoned) > 1
+                else f"checkpoint {abandoned[0]} belongs")
+        msg = (f"{what} to a run that went past {where} (step {after_step if after_step is not None else 0}); "
+               "they are kept but abandoned: `auto`, `best` and `fastest` never choose them, "
+               "`hf-dynamic-ckpt ls --all` lists them, `step:N` restores them, and retention removes them once "
+               "this run has saved past them")
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=4)
+    return abandoned

@@ -1,8 +1,9 @@
 """The save path of one run: a decision becomes a `SaveRequest`, a snapshot, a committed checkpoint.
 
 `Saver` owns the engine calls, the run's `SaveLog`, the error policy (`on_save_error`) and
-retention after each commit. It is used by `Checkpointer` only; it runs no collectives itself
-(a `before_save` hook given by the integration may, since every rank takes the same saves).
+retention after each commit. It is used by `RunOrchestrator` only, which hands it everything a
+save needs (the orchestrator has started the run's timeline and gathered the manifest's `extra`
+first); it runs no collectives and calls nothing back.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import logging
 import signal as _signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,6 @@ from ..policy.decision import Decision, DecisionKind
 from ..policy.retention import level_retention_from_config, plan_retention
 from ..signals.frame import SignalFrame
 from ..state import RawRngState, StateSources
-from ..state.flat import FlatKeeper
 from ..store.spec import Lineage, SaveRequest
 from ..store.store import CheckpointStore
 from ..store.types import CheckpointInfo
@@ -36,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class HeldSave:
-    """A save decided at `step_end` whose write waits for `Checkpointer.release()` (the step's logging)."""
+    """A save decided at `step_end` whose write waits for `RunOrchestrator.release()` (the step's logging)."""
 
     decision: Decision
     step: int
@@ -106,22 +105,18 @@ def human_bytes(n: int | None) -> str:
 class Saver:
     """Turns decisions into saves and keeps their record (see the module docstring)."""
 
-    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, engine: SaveEngine, *, rank: int) -> None:
+    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, engine: SaveEngine, *, rank: int,
+                 announce: logging.Logger | None = None) -> None:
         self.config = config
         self.store = store
         self.engine = engine
         self.rank = rank
         self.log = SaveLog()
-        self.before_save: Callable[[Decision], None] | None = None
-        self.announce: logging.Logger = logger
-        """Where the one INFO line per save and the resume line go (the Trainer callback points it at
-        transformers' logging, so `--log_level info` / `set_verbosity_info()` show them)."""
-        self.on_first_save: Callable[[], None] | None = None
+        self.announce = announce if announce is not None else logger
+        """Where the one INFO line per save goes."""
         self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
-        """The tiers this rank writes (`Checkpointer.attach` sets them: FSDP2 ranks write their shards too)."""
+        """The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too)."""
         self._raise_next: SaveError | None = None
-        self.flat: FlatKeeper | None = None
-        """Keeps the trainable state consolidated (`state.flat`); checked before every snapshot (set by the integrations)."""
 
     def request(self, decision: Decision, *, step: int, epoch: float, tiers: frozenset[Tier],
                 frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
@@ -135,13 +130,6 @@ class Saver:
             self.store.ensure_root()  # rank 0: a root deleted mid-run is recreated before the save is written
         except DynamicCkptError as e:
             logger.warning("the store root cannot be recreated (%s); this save will fail", e)
-        if self.flat is not None:
-            self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
-        if self.before_save is not None:
-            self.before_save(decision)
-        if self.on_first_save is not None:
-            first, self.on_first_save = self.on_first_save, None
-            first()
         # Rank 0 writes weights and optimizer; every rank writes its own RNG file (FSDP2: and its shards).
         return frozenset(decision.tiers or ALL_TIERS) & self.own_tiers
 

@@ -1,4 +1,4 @@
-"""The sensing layer of one run: the probes a `Checkpointer` installs, and the per-step frame.
+"""The sensing layer of one run: the probes a `RunOrchestrator` installs, and the per-step frame.
 
 `Sensors.measure` reads every probe once per optimizer step and reduces the frame across
 ranks in one collective (`distributed.reduce_frame`), so the policy on every rank sees the

@@ -1,6 +1,6 @@
 """The run's timeline file: one JSON line per optimizer step, plus events (resume, ...).
 
-``<root>/<task>/timeline.jsonl`` is written by rank 0 of the `Checkpointer` (`TimelineWriter`)
+``<root>/<task>/timeline.jsonl`` is written by rank 0 of the `RunOrchestrator` (`TimelineWriter`)
 and read by `plot` and the demo (`read_timeline`). Each step row holds the reduced signals,
 the smoothed risk and the saves taken during the step (with their `kind`); a resume adds an
 ``{"event": "resume", ...}`` line, which starts a new segment when read back. Numbers are
@@ -115,17 +115,20 @@ def append_event(task_dir: Path, kind: str, **data: Any) -> None:
 
 
 def read_timeline(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
-    """The timeline as segments: one list of step rows per process lifetime (split at `resume` events).
+    """The step log as segments: one list of step rows per stretch of training, split where the run restarted
+    from an earlier step (a `resume` event: a new process; a `rollback` event: the same process went back).
 
-    A segment after a resume starts with ``{"resume_from": step}``.
+    A segment after a resume starts with ``{"resume_from": step}``, after a rollback with
+    ``{"rollback_to": step, "rollback_from": step, "reason": ...}``.
 
     Raises:
-        `CheckpointNotFoundError`: the task has no timeline file.
+        `CheckpointNotFoundError`: the task has no step log.
     """
     path = Path(root) / task_id / TIMELINE_NAME
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path} does not exist: ROOT must be a store written by SmartCkptCallback / "
-                                      "Checkpointer (pass the directory holding catalog.db, and --task if not 'default').")
+                                      "SmartCheckpointer (pass the directory holding catalog.db, and --task if not "
+                                      "'default').")
     segments: list[list[dict[str, Any]]] = [[]]
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():
@@ -136,6 +139,26 @@ def read_timeline(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) 
             continue
         if row.get("event") == "resume":
             segments.append([{"resume_from": row.get("step")}])
+        elif row.get("event") == "rollback":
+            segments.append([{"rollback_to": row.get("to_step"), "rollback_from": row.get("from_step"),
+                              "reason": row.get("reason")}])
         elif "step" in row:
             segments[-1].append(row)
     return [s for s in segments if any("step" in r for r in s)]
+
+
+def read_rollbacks(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[dict[str, Any]]:
+    """The rollbacks the step log records, oldest first: ``{"from_step", "to_step", "reason", "time"}`` each
+    (none when the task has no step log)."""
+    path = Path(root) / task_id / TIMELINE_NAME
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("event") == "rollback":
+            out.append({k: row.get(k) for k in ("from_step", "to_step", "reason", "time")})
+    return out

@@ -55,7 +55,7 @@ def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str
     if saved and not live:
         raise IncompatibleStateError(
             f"step {step} was saved sharded (FSDP2: one file of shards per rank) and this model is not sharded: "
-            "resume it with the fully_shard-ed model through SmartCheckpointer or Checkpointer.attach + resume "
+            "resume it with the fully_shard-ed model through SmartCheckpointer or RunOrchestrator.attach + resume "
             "(Trainer's resume_checkpoint does not read sharded checkpoints yet).")
     if live and not saved:
         raise IncompatibleStateError(

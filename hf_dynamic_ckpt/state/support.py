@@ -18,7 +18,7 @@ from ..errors import ConfigError
 SUPPORTED_SETUPS = (
     "a single process; DDP (torchrun / `accelerate launch --multi_gpu`, Trainer on several processes); "
     "FSDP2 (`torch.distributed.fsdp.fully_shard`, or Accelerate's FSDP plugin with fsdp_version=2), with "
-    "`SmartCheckpointer` or the `Checkpointer` core"
+    "`SmartCheckpointer` or the `RunOrchestrator` core"
 )
 """The setups named by every refusal (see docs/fsdp.md)."""
 

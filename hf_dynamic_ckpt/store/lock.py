@@ -337,7 +337,7 @@ class WriterLock:
         if not allowed:
             raise StoreLockedError(
                 f"{what} is being written by this process (session {previous.session}); close that writer first "
-                "(Checkpointer.close(), or the end of its training run)."
+                "(RunOrchestrator.close(), or the end of its training run)."
             )
         with _HELD_LOCK:
             held.owner = self  # from here on, the previous writer's release leaves the file open

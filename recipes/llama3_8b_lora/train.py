@@ -165,6 +165,11 @@ def main() -> None:
             decision = ckpt.after_update()
             if decision is None:
                 continue
+            if decision.kind == "rollback":
+                # on_anomaly: rollback: the run is back at a restore point before the anomaly (ckpt.step is its
+                # step again) and ckpt.loader goes on with the next batches; a loop's own counters follow ckpt.step.
+                logger.warning("rolled back to step %d", ckpt.step)
+                continue
             if log is not None:
                 # The agreed frame carries the loss summed over the ranks: log their mean.
                 step_loss = ckpt.core.last_frame.loss / accelerator.num_processes

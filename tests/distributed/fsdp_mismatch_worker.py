@@ -23,14 +23,14 @@ def train_and_save(root: str, *, sharded: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hf_dynamic_ckpt import SmartCkptConfig
-    from hf_dynamic_ckpt.run.checkpointer import Checkpointer
+    from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 
     model = mlp()
     if sharded:
         fully_shard(model[0])
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ck = Checkpointer(SmartCkptConfig(engine="thread", preemption_signals=()), root=root)
+    ck = RunOrchestrator(SmartCkptConfig(engine="thread", preemption_signals=()), root=root)
     ck.attach(model, optimizer=opt)
     for step in (1, 2):
         model(torch.randn(3, 4)).sum().backward()
@@ -44,13 +44,13 @@ def resume(root: str, *, sharded: bool) -> dict[str, object]:
     from torch.distributed.fsdp import fully_shard
 
     from hf_dynamic_ckpt import SmartCkptConfig
-    from hf_dynamic_ckpt.run.checkpointer import Checkpointer
+    from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 
     model = mlp()
     if sharded:
         fully_shard(model[0])
         fully_shard(model)
-    ck = Checkpointer(SmartCkptConfig(engine="thread", preemption_signals=()), root=root)
+    ck = RunOrchestrator(SmartCkptConfig(engine="thread", preemption_signals=()), root=root)
     ck.attach(model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1))
     try:
         ck.resume("step:1", expected=model.state_dict())  # what the integrations pass (the model check)

@@ -99,7 +99,7 @@ ALONE_AT = 30  # the step after which rank 1 has taken a save that rank 0 has no
 
 def _diverging_worker(rank: int, port: int, out_dir: str) -> None:
     """The decision loop of `simulate(reduce=True)`, sending the number of saves taken as the fingerprint
-    (what `Checkpointer` sends); rank 1 takes one save alone after step `ALONE_AT`."""
+    (what `RunOrchestrator` sends); rank 1 takes one save alone after step `ALONE_AT`."""
     torch.set_num_threads(1)
     # A collective left waiting would fail after 30 s (a different error), never hang the test.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

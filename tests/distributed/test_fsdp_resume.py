@@ -153,7 +153,7 @@ def test_sharded_and_unsharded_checkpoints_do_not_cross_and_nothing_is_abandoned
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert out["into_plain"]["error"] == (
         "IncompatibleStateError: step 1 was saved sharded (FSDP2: one file of shards per rank) and this model is not "
-        "sharded: resume it with the fully_shard-ed model through SmartCheckpointer or Checkpointer.attach + resume "
+        "sharded: resume it with the fully_shard-ed model through SmartCheckpointer or RunOrchestrator.attach + resume "
         "(Trainer's resume_checkpoint does not read sharded checkpoints yet).")
     assert out["into_sharded"]["error"] == (
         "IncompatibleStateError: step 1 was saved without sharding (one full copy by rank 0) and this model is "

@@ -12,18 +12,18 @@ import torch
 from hf_dynamic_ckpt import ConfigError, SmartCkptConfig, toy
 from hf_dynamic_ckpt.cli import main as cli_main
 from hf_dynamic_ckpt.export import export_checkpoint, load_checkpoint
-from hf_dynamic_ckpt.run.checkpointer import Checkpointer
+from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 
 pytestmark = pytest.mark.integration
 
 TOKENS = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
 
 
-def _train(model: torch.nn.Module, root: Path, steps: int = 3) -> Checkpointer:
+def _train(model: torch.nn.Module, root: Path, steps: int = 3) -> RunOrchestrator:
     """A few real optimizer steps, then a save of the last one (thread writer, no policy saves)."""
     torch.manual_seed(0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ck = Checkpointer(SmartCkptConfig(root=str(root), base_interval=1000, engine="thread", pre_anomaly_capture=False))
+    ck = RunOrchestrator(SmartCkptConfig(root=str(root), base_interval=1000, engine="thread", pre_anomaly_capture=False))
     ck.attach(model, optimizer=opt)
     model.train()
     for step in range(steps):

@@ -48,7 +48,7 @@ def _trainer(root: Path, steps: int, record: dict | None = None, stop_at: int | 
 
 def test_the_first_step_overlaps_the_optimizer_tier_read_and_stays_exact(tmp_path, monkeypatch):
     from hf_dynamic_ckpt import resume_checkpoint
-    from hf_dynamic_ckpt.run.resume import ResumeState
+    from hf_dynamic_ckpt.run import resume as resume_module
 
     ref = _trainer(tmp_path / "ref", 4)
     ref.train()
@@ -58,16 +58,16 @@ def test_the_first_step_overlaps_the_optimizer_tier_read_and_stays_exact(tmp_pat
     first = _trainer(tmp_path / "run", 4, stop_at=2)  # saves step 2: the restore point
     first.train()
     record = {"read_done": threading.Event(), "first_step_began": threading.Event()}
-    read = ResumeState._read_l1
+    read = resume_module.read_optimizer_tier
 
-    def held_read(self, info):  # the decode cannot finish before the first step has begun
+    def held_read(*args):  # the decode cannot finish before the first step has begun
         record["waited"] = record["first_step_began"].wait(60)
         try:
-            return read(self, info)
+            return read(*args)
         finally:
             record["read_done"].set()
 
-    monkeypatch.setattr(ResumeState, "_read_l1", held_read)
+    monkeypatch.setattr(resume_module, "read_optimizer_tier", held_read)
     resumed = _trainer(tmp_path / "run", 4, record)
     path = resume_checkpoint(resumed, "step:2")
     resumed.train(resume_from_checkpoint=path)

@@ -71,6 +71,17 @@ def main() -> None:
     p.add_argument("--slow_ms", type=float, default=300.0)
     p.add_argument("--kill_after_save", type=int, default=None,
                    help="SIGKILL rank KILL_RANK right after the save of this step was handed to the writer")
+    p.add_argument("--on_anomaly", default="capture", choices=["capture", "rollback"])
+    p.add_argument("--rollback_patience", type=int, default=1)
+    p.add_argument("--max_rollbacks", type=int, default=3)
+    p.add_argument("--exhausted", default="stop", choices=["stop", "continue"])
+    p.add_argument("--poison", default=None,
+                   help="W:KIND,...: poison the data of window W (1-based optimizer steps of the original data order) "
+                        "with KIND grad (loss x1000), nan or spike (loss x5); the anomaly follows the data")
+    p.add_argument("--reference_skip", default=None,
+                   help="A:B: train on the original data order without windows A..B (sequential sampling): the "
+                        "reference a rollback that skipped them must match")
+    p.add_argument("--kill_after_rollback", action="store_true", help="SIGKILL right after the first rollback")
     p.add_argument("--delete_store_at", type=int, default=None,
                    help="rm -rf the store root at the end of this step (a cleanup script), as a user would")
     p.add_argument("--workers", type=int, default=0,
@@ -82,6 +93,7 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint, toy
+    from hf_dynamic_ckpt.errors import RollbackError
 
     rank = int(os.environ.get("RANK", "0"))
     if args.slow_snapshot_rank is not None and rank == args.slow_snapshot_rank:
@@ -100,6 +112,8 @@ def main() -> None:
 
     model = build_model(args.model, tie=args.tie)
     ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
+    if args.poison or args.reference_skip:
+        ds = _reorder_and_poison(ds, args)
     losses: list[str] = []
     inner = model.base_model.model if args.model == "lora" else model
     state = {"step": 0}
@@ -114,6 +128,23 @@ def main() -> None:
         return out
 
     inner.register_forward_hook(spike)
+
+    def poisoned(mod, inp, kwargs, out):  # type: ignore[no-untyped-def]
+        # A bad batch (--poison): its marker token multiplies the loss, whatever step the run is at.
+        ids = kwargs.get("input_ids")
+        if mod.training and ids is not None:
+            first = ids[:, 0]
+            for token, factor in POISON_FACTORS.items():
+                if bool((first == token).any()):
+                    loss = out["loss"] if isinstance(out, dict) else out.loss
+                    loss = loss * factor
+                    if isinstance(out, dict):
+                        out["loss"] = loss
+                    else:
+                        out.loss = loss
+        return out
+
+    inner.register_forward_hook(poisoned, with_kwargs=True)
 
     def hook(mod, inp, out):  # type: ignore[no-untyped-def]
         if mod.training:
@@ -137,7 +168,7 @@ def main() -> None:
                 cb.checkpointer.finish()
                 if torch.distributed.is_initialized():
                     torch.distributed.barrier()
-                _dump(args, rank, losses, cb, killed=True)
+                _dump(args, rank, losses, cb, killed=True, after={"rollbacks": rollbacks})
                 if rank == int(os.environ.get("KILL_RANK", "0")):
                     os.kill(os.getpid(), signal.SIGKILL)
             if args.delete_store_at is not None and state.global_step == args.delete_store_at and rank == 0:
@@ -147,10 +178,12 @@ def main() -> None:
             if args.sigterm_at is not None and state.global_step == args.sigterm_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
 
+    anomaly = {"on_anomaly": args.on_anomaly, "rollback_patience": args.rollback_patience,
+               "max_rollbacks": args.max_rollbacks, "on_rollbacks_exhausted": args.exhausted}
     if args.default_policy:
-        config = SmartCkptConfig(base_interval=args.base_interval)
+        config = SmartCkptConfig(base_interval=args.base_interval, **anomaly)
     else:
-        config = SmartCkptConfig(base_interval=args.base_interval, stability_window=8, overhead_budget=1.0)
+        config = SmartCkptConfig(base_interval=args.base_interval, stability_window=8, overhead_budget=1.0, **anomaly)
     cb = SmartCkptCallback(config, consolidate=None if args.consolidate is None else args.consolidate == "on")
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,
@@ -158,18 +191,80 @@ def main() -> None:
         save_strategy="steps" if args.native_save_steps else "no", save_steps=args.native_save_steps or 500,
         report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=args.workers,
         dataloader_persistent_workers=args.workers > 0,
+        train_sampling_strategy="sequential" if args.reference_skip else "random",
     )
-    trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault()])
+    rollbacks: list[list] = []
+
+    class Rollbacks(TrainerCallback):
+        def on_step_begin(self, a, st, control, **kw):  # type: ignore[no-untyped-def]
+            done = cb.last_rollback
+            if done is not None and (not rollbacks or rollbacks[-1][:2] != [done.from_step, done.to_step]):
+                rollbacks.append([done.from_step, done.to_step, done.reason, len(losses)])
+                if args.kill_after_rollback:  # right after it, before any later save: the store as it left it
+                    _dump(args, rank, losses, cb, killed=True, after={"rollbacks": rollbacks})
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault(), Rollbacks()])
     try:
         trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, args.resume))
     except SystemExit as e:  # preempted: the state is committed and the process ends with 128 + signal
-        _dump(args, rank, losses, cb, killed=False, after={"exit_code": e.code})
+        _dump(args, rank, losses, cb, killed=False, after={"exit_code": e.code, "rollbacks": rollbacks})
         raise
+    except RollbackError as e:  # on_rollbacks_exhausted=stop
+        _dump(args, rank, losses, cb, killed=False, after={"error": str(e), "rollbacks": rollbacks,
+                                                           "global_step": trainer.state.global_step})
+        return 3
     _dump(args, rank, losses, cb, killed=False, after={
-        "forward_hooks": len(inner._forward_hooks),  # the worker's own two hooks only
+        "rollbacks": rollbacks, "global_step": trainer.state.global_step,
+        "log_steps": [e.get("step") for e in trainer.state.log_history if "loss" in e],
+        "forward_hooks": len(inner._forward_hooks),  # the worker's own hooks only
         "sigterm_handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "log_keys": sorted({k for entry in trainer.state.log_history for k in entry}),
     })
+
+
+POISON_FACTORS = {127: 1000.0, 126: float("nan"), 125: 5.0}
+POISON_TOKENS = {"grad": 127, "nan": 126, "spike": 125}
+
+
+def _original_order(ds, args: argparse.Namespace) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """The global batches of dataset indices the run draws in its first epoch (the seedable sampler's order)."""
+    from transformers import Trainer, TrainingArguments
+
+    probe = Trainer(model=torch.nn.Linear(1, 1), args=TrainingArguments(
+        output_dir=os.path.join(args.out, "order-probe"), per_device_train_batch_size=4, use_cpu=True, seed=42,
+        report_to=[], save_strategy="no", remove_unused_columns=False), train_dataset=ds)
+    with torch.random.fork_rng(devices=[]):
+        batch_sampler = probe.get_train_dataloader().batch_sampler
+        inner = getattr(batch_sampler, "batch_sampler", batch_sampler)
+        inner.sampler.set_epoch(0)
+        return [list(b) for b in inner]
+
+
+def _reorder_and_poison(ds, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """--poison: mark the first example of every rank's batch of window W; --reference_skip: the dataset in the
+    original order without the windows A..B, for sequential sampling."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    batches = _original_order(ds, args)
+    if args.poison:
+        marks = {}
+        for item in args.poison.split(","):
+            window, kind = item.split(":")
+            for r in range(world):
+                marks[batches[(int(window) - 1) * world + r][0]] = POISON_TOKENS[kind]
+
+        def mark(row, idx):  # type: ignore[no-untyped-def]
+            if idx in marks:
+                row["input_ids"] = [marks[idx], *row["input_ids"][1:]]
+                row["labels"] = [marks[idx], *row["labels"][1:]]
+            return row
+
+        ds = ds.map(mark, with_indices=True)
+    if args.reference_skip:
+        a, b = (int(x) for x in args.reference_skip.split(":"))
+        keep = [i for k, batch in enumerate(batches) if not (a - 1) * world <= k < b * world for i in batch]
+        ds = ds.select(keep)
+    return ds
 
 
 def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed: bool,  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hf_dynamic_ckpt import SaveError, SmartCkptConfig
-from hf_dynamic_ckpt.run.checkpointer import Checkpointer
+from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 
 
 class Net(nn.Module):
@@ -28,12 +28,12 @@ class Net(nn.Module):
         return {"loss": self.lin(x).pow(2).mean()}
 
 
-def _run(tmp_path: Path, fail_steps: set[int], steps: int, **cfg: object) -> tuple[Checkpointer, list[int]]:
+def _run(tmp_path: Path, fail_steps: set[int], steps: int, **cfg: object) -> tuple[RunOrchestrator, list[int]]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=2, engine="thread", **cfg)  # type: ignore[arg-type]
-    ck = Checkpointer(config)
+    ck = RunOrchestrator(config)
     ck.attach(model, optimizer=opt)
     real_save = ck.store.save
 

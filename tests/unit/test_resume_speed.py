@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpointer import Net, make, train_step
+from test_orchestrator import Net, make, train_step
 from test_engine_prepare import _model, _step
 
 from hf_dynamic_ckpt import SmartCkptConfig
@@ -23,7 +23,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.buffers import Layout
 from hf_dynamic_ckpt.engine.shm import new_shared_storage
-from hf_dynamic_ckpt.run.checkpointer import Checkpointer
+from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest
@@ -57,7 +57,7 @@ def _trained_store(tmp_path: Path, steps: tuple[int, ...] = (2,)) -> dict[int, d
 
 def test_writer_process_starts_after_the_resume_read_not_with_the_engine(tmp_path: Path) -> None:
     _trained_store(tmp_path)
-    ck = Checkpointer(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, engine="process"))
+    ck = RunOrchestrator(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, engine="process"))
     try:
         assert ck.engine.mode == "process" and ck.engine._dispatch.writer is None  # not at creation
         loaded = ck.resume("step:2", background_optimizer=True)

@@ -37,6 +37,14 @@ def main() -> None:
     p.add_argument("--load_state", default=None, help="resume with accelerator.load_state(DIR) instead")
     p.add_argument("--surge_at_step", type=int, default=None,
                    help="multiply the loss of this optimizer step by 1e4 (a gradient explosion)")
+    p.add_argument("--poison_batch", type=int, default=None,
+                   help="multiply the loss of the N-th batch (1-based) of the first epoch's data by 1e4: bad data, "
+                        "whatever step reads it")
+    p.add_argument("--skip_batches", default=None,
+                   help="A:B: skip the batches A..B (1-based) of the first epoch without training on them: the "
+                        "reference of a rollback that skipped them")
+    p.add_argument("--on_anomaly", default="capture", choices=["capture", "rollback"])
+    p.add_argument("--rollback_skip_batches", type=int, default=0)
     p.add_argument("--root", default=None, help="store root (e.g. s3://bucket/run) instead of <output_dir>/smart_ckpt")
     p.add_argument("--remote_options", default=None, help="JSON storage options of a URL root")
     p.add_argument("--remote_cache_dir", default=None)
@@ -59,6 +67,7 @@ def main() -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     config = SmartCkptConfig(base_interval=args.base_interval, overhead_budget=1.0, keep_last=100, root=args.root,
+                             on_anomaly=args.on_anomaly, rollback_skip_batches=args.rollback_skip_batches,
                              remote_storage_options=json.loads(args.remote_options) if args.remote_options else None,
                              remote_cache_dir=args.remote_cache_dir)
     ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config,
@@ -74,12 +83,16 @@ def main() -> None:
         out.write(json.dumps({"resumed_from": loaded.info.step if loaded else None}) + "\n")
         out.flush()
     micro: list[str] = []
+    skip = tuple(int(x) for x in args.skip_batches.split(":")) if args.skip_batches else None
     while ckpt.step < args.max_steps and not ckpt.should_stop:
         for batch in ckpt.loader:
+            position = (ckpt.loader.epoch, ckpt.loader.batches_seen)  # of the batch just handed out
+            if skip is not None and position[0] == 0 and skip[0] <= position[1] <= skip[1]:
+                continue  # the reference: this batch is not in its data stream
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 micro.append(float(loss.detach()).hex())
-                if ckpt.step + 1 == args.surge_at_step:
+                if ckpt.step + 1 == args.surge_at_step or position == (0, args.poison_batch):
                     loss = loss * 1e4
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -90,6 +103,12 @@ def main() -> None:
                 optimizer.zero_grad()
             decision = ckpt.after_update()
             if decision is None:
+                continue
+            if out is not None and decision.kind == "rollback" and ckpt.last_rollback is not None:
+                done = ckpt.last_rollback
+                out.write(json.dumps({"rollback": [done.from_step, done.to_step], "step": ckpt.step}) + "\n")
+                out.flush()
+                micro = []
                 continue
             if out is not None:
                 frame = ckpt.core.last_frame

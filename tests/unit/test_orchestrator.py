@@ -1,4 +1,4 @@
-"""`Checkpointer` in a plain PyTorch loop (no Trainer): captures, skips, preemption, resume."""
+"""`RunOrchestrator` in a plain PyTorch loop (no Trainer): captures, skips, preemption, resume."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hf_dynamic_ckpt import CheckpointNotFoundError, SmartCkptConfig
-from hf_dynamic_ckpt.run.checkpointer import Checkpointer
+from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 from hf_dynamic_ckpt.state import apply_optimizer_state, fast_forward_scheduler
 from hf_dynamic_ckpt.state.rng import capture_rng_state
 
@@ -30,19 +30,19 @@ SURGE = 24
 (`policy.rules.CAPTURE_WARMUP`, which needs a `stability_window` at least that long)."""
 
 
-def make(tmp_path: Path, **cfg: object) -> tuple[Checkpointer, Net, torch.optim.Optimizer, object]:
+def make(tmp_path: Path, **cfg: object) -> tuple[RunOrchestrator, Net, torch.optim.Optimizer, object]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     settings: dict[str, object] = {"base_interval": 1000, "stability_window": 8, **cfg}
     config = SmartCkptConfig(root=str(tmp_path / "store"), **settings)  # type: ignore[arg-type]
-    ck = Checkpointer(config)
+    ck = RunOrchestrator(config)
     ck.attach(model, optimizer=opt, scheduler=sched)
     return ck, model, opt, sched
 
 
-def train_step(ck: Checkpointer, model: Net, opt: torch.optim.Optimizer, sched: object, step: int,
+def train_step(ck: RunOrchestrator, model: Net, opt: torch.optim.Optimizer, sched: object, step: int,
                scale: float = 1.0) -> None:
     """One optimizer step; `step` is the number of steps completed before it."""
     ck.step_begin()
@@ -205,7 +205,7 @@ def test_default_weights_source_is_cached_and_sees_a_replaced_parameter(tmp_path
     ck.close()
 
 
-def _data_step(ck: Checkpointer, model: Net, opt: torch.optim.Optimizer, sched: object, step: int,
+def _data_step(ck: RunOrchestrator, model: Net, opt: torch.optim.Optimizer, sched: object, step: int,
                seed: int) -> None:
     """`train_step` on data fixed by (`seed`, `step`): two timelines see different batches."""
     g = torch.Generator().manual_seed(seed * 1000 + step)
@@ -218,7 +218,7 @@ def _data_step(ck: Checkpointer, model: Net, opt: torch.optim.Optimizer, sched: 
     ck.step_end(step + 1, 0.0)
 
 
-def _resume_into(ck: Checkpointer, spec: str, model: Net, opt: torch.optim.Optimizer, sched: object) -> int:
+def _resume_into(ck: RunOrchestrator, spec: str, model: Net, opt: torch.optim.Optimizer, sched: object) -> int:
     from hf_dynamic_ckpt.state import apply_weights
     from hf_dynamic_ckpt.state.rng import restore_rng_state
 
@@ -338,11 +338,13 @@ def test_engine_preparation_waits_for_a_background_optimizer_read(tmp_path: Path
     torch.manual_seed(1)
     model2 = Net()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    ck2 = Checkpointer(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, stability_window=8))
+    ck2 = RunOrchestrator(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, stability_window=8))
     prepared.clear()
-    real_read = ck2._resume._read_l1
+    from hf_dynamic_ckpt.run import resume as resume_module
+
+    real_read = resume_module.read_optimizer_tier
     gate = threading.Event()
-    ck2._resume._read_l1 = lambda info: gate.wait(60) and real_read(info)  # type: ignore[method-assign]
+    monkeypatch.setattr(resume_module, "read_optimizer_tier", lambda *args: gate.wait(60) and real_read(*args))
     loaded = ck2.resume("step:2", background_optimizer=True)
     assert loaded is not None and loaded.optimizer is None
     ck2.attach(model2, optimizer=opt2)

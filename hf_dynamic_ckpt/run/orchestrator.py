@@ -1,0 +1,662 @@
+"""The one orchestrator both integrations drive: probes -> policy -> snapshot/writer -> store, and the resume.
+
+`RunOrchestrator` is framework-free: it knows torch modules, optimizers and schedulers, never
+`Trainer` or `Accelerator`. It owns the run's collaborators and applies what they return; none
+of them calls back into it. An integration calls, per optimizer step:
+
+```
+pre_update(step)                      # gradients complete, weights not yet updated
+    -> Decision (skip_update: this step's gradients were dropped)
+step_end(step, epoch)                 # after optimizer.step / scheduler.step / zero_grad
+    -> Decision (kind PREEMPTION: a checkpoint is committed, the run should stop)
+release()                             # only with hold_saves: the step's logging is done, write now
+```
+
+and `resume(spec)` to come back: `resume.plan_resumption` reads, verifies and plans the restore
+point into a `Resumption` (one agreed outcome on every rank) and `apply` makes it the run's
+state. Under DDP every rank calls the same methods in the same order: the signals are reduced in
+one collective per step, the policy reads nothing else, and the reduction also compares a
+fingerprint of the decisions so far: ranks that would diverge raise the same `DistributedError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import distributed as dist
+from ..config import RollbacksExhausted, SmartCkptConfig
+from ..constants import ALL_TIERS, Tier
+from ..errors import ConfigError, DistributedError, RollbackError
+from ..export import KEY_MODEL, describe_model
+from ..policy.decision import Decision, DecisionKind
+from ..policy.rollback import RollbackRule, RollbackVerdict, Verdict
+from ..policy.rules import RulePolicy
+from ..signals.frame import SignalFrame
+from ..signals.probes import PreemptionFlag
+from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights, trainable_state_dict
+from ..state.flat import FlatKeeper
+from ..state.sharded import ShardedState
+from ..state.support import check_model
+from ..store.remote import is_url
+from ..store.spec import Lineage, new_session_id
+from ..store.types import CheckpointInfo, LoadedCheckpoint
+from .fsdp import load_sharded, sources_for
+from .resume import (
+    KEY_GRAD_PROBE,
+    KEY_POLICY,
+    KEY_ROLLBACKS,
+    KEY_SAVE_LOG,
+    Resumption,
+    fill_optimizer,
+    plan_resumption,
+    start_timeline,
+)
+from .rollback import Rollback, choose_restore_point, restore_live
+from .savelog import METRIC_PREFIX, SaveEvent
+from .saver import HeldSave, Saver, exit_after_preemption, open_store_and_engine
+from .sensing import Sensors
+from .steplog import RunTimeline
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunOrchestrator", "SaveEvent"]
+
+SaveExtra = Callable[[Decision], dict[str, Any]]
+"""An integration's part of a manifest's `extra` for one save (e.g. Trainer's state), given the decision."""
+
+
+class RunOrchestrator:
+    """Signal-driven, tiered, non-blocking checkpointing of one training run.
+
+    Args:
+        config (`SmartCkptConfig`): the knobs; `config.root` or `root` names the store.
+        root (`str` or `Path`, *optional*): store directory (overrides `config.root`).
+        rank, world_size (`int`, *optional*): this process's rank and the number of ranks; default: the
+            process group's.
+        announce (`logging.Logger`, *optional*): where the one INFO line per save and the resume line go
+            (the Trainer callback passes a child of transformers' logger, so `--log_level info` shows them).
+
+    Example:
+        ```python
+        >>> run = RunOrchestrator(SmartCkptConfig(base_interval=50), root="out/smart_ckpt")
+        >>> run.attach(model, optimizer=opt, scheduler=sched)
+        >>> for step, batch in enumerate(loader, start=1):
+        ...     model(**batch).loss.backward()
+        ...     run.pre_update(step - 1)
+        ...     opt.step(); sched.step(); opt.zero_grad()
+        ...     if run.step_end(step, epoch=0.0).kind == DecisionKind.PREEMPTION:
+        ...         break
+        >>> run.close()
+        ```
+    """
+
+    def __init__(self, config: SmartCkptConfig, *, root: str | Path | None = None, rank: int | None = None,
+                 world_size: int | None = None, announce: logging.Logger | None = None) -> None:
+        self.config = config
+        self.rank = dist.rank() if rank is None else rank
+        self.world_size = dist.world_size() if world_size is None else world_size
+        root = root if root is not None else config.root
+        if root is None:
+            raise ConfigError("root=None is invalid: pass RunOrchestrator(config, root=...) or "
+                              "SmartCkptConfig(root=...).")
+        session = new_session_id() if self.rank == 0 else None
+        self.session_id: str = dist.broadcast_object(session) if self.world_size > 1 else session  # type: ignore[assignment]
+        self.announce = announce if announce is not None else logger
+        self.store, self.engine = open_store_and_engine(config, root, rank=self.rank, world_size=self.world_size,
+                                                        session_id=self.session_id)
+        self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
+        self.policy = RulePolicy(config)
+        self.rollbacks = RollbackRule()
+        """The run's rollbacks (`on_anomaly: rollback`): kept across them, restored by a resume."""
+        self.saver = Saver(config, self.store, self.engine, rank=self.rank, announce=self.announce)
+        self.last_frame: SignalFrame | None = None
+        self.last_decision: Decision | None = None
+        self.preempted = False
+        self.preempt_signal: int | None = None
+        self.hold_saves = False
+        """`step_end`'s save waits for `release()` (Trainer: the step's logging and evaluation first)."""
+        self.lineage = Lineage(session=self.session_id, timeline=new_session_id())
+        self.resumed: Resumption | None = None
+        """The last resumption applied (`apply`)."""
+        self.flat: FlatKeeper | None = None
+        """Keeps the trainable state consolidated (`state.flat`); set by `attach`."""
+        self.sensors: Sensors | None = None
+        self.timeline = RunTimeline(self.store.task_dir, rank=self.rank)
+        self._fork_pending = True  # a fresh timeline sets other timelines' checkpoints aside at its first save
+        self._held: HeldSave | None = None
+        self._sources: StateSources | None = None
+        self._integration_extra: SaveExtra | None = None
+        self._save_extra: dict[str, Any] = {}  # the integration's part of the save being taken
+        self._model_info: dict[str, Any] | None = None
+        self._model: nn.Module | None = None
+        self._optimizer: Any | None = None
+        self._sharded: ShardedState | None = None
+        self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
+        self._prepare_after_read = False
+        self._frame: SignalFrame | None = None  # reduced frame of the step in progress
+        self._rollback_due: RollbackVerdict | None = None  # confirmed at pre_update, taken by rollback()
+        self._rollback_step: int | None = None  # the step whose update was dropped for it
+        self._boundary_rng: RngState | None = None  # RNG at the end of the previous step
+        self._boundary_step: int | None = None
+        self._closed = False
+        self.store.on_handover(self._handed_over)
+
+    # ------------------------------------------------------------------ wiring
+    log = property(lambda self: self.saver.log, doc="The run's saves and their counters (`SaveLog`).")
+    events = property(lambda self: self.saver.log.events, doc="Every save of this run, in order.")
+
+    def attach(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any | None = None,
+        scaler: Any | None = None,
+        weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+        frozen_keys: Iterable[str] = (),
+        extra: SaveExtra | None = None,
+        sampler: Callable[[], dict[str, Any]] | None = None,
+        clip_owner: Any | None = None,
+        loss_model: nn.Module | None = None,
+        model_info: dict[str, Any] | None = None,
+        consolidate: bool | None = False,
+        hold_saves: bool = False,
+    ) -> None:
+        """Install the probes and remember what a save reads.
+
+        Args:
+            model (`nn.Module`): the trained model (gradients and LoRA layers are read from it).
+            optimizer, scheduler, scaler (*optional*): L1 sources.
+            weights (`Callable`, *optional*): returns the L0 tensors (default: the trainable weights, cached).
+            frozen_keys (`Iterable[str]`, *optional*): weight names that never change (stored once).
+            extra (`Callable[[Decision], dict]`, *optional*): the integration's JSON-able part of the manifest's
+                `extra` for one save. Called on every rank right before each save (every rank takes the same
+                saves, so it may run a collective); the run adds its own state (policy, probes, save counts).
+            sampler (`Callable`, *optional*): JSON-able data position (L2).
+            clip_owner (*optional*): object whose `clip_grad_norm_` returns the pre-clip norm
+                (an `accelerate.Accelerator`); wrapped so the policy sees the pre-clip norm.
+            loss_model (`nn.Module`, *optional*): module whose forward output carries `loss`.
+            model_info (`dict`, *optional*): what export needs to rebuild the model (`export.describe_model`,
+                the default); stored in every manifest's ``extra["model"]``.
+            consolidate (`bool`, *optional*, defaults to `False`): keep the trainable parameters and their
+                optimizer state in one flat buffer per device and dtype (`state.flat`): `True` always,
+                `None` where it pays (many small trainable tensors: LoRA), `False` never.
+            hold_saves (`bool`, *optional*, defaults to `False`): a save decided at `step_end` is written at
+                the next `release()` (or `step_begin`), once the loop has logged the step.
+        """
+        check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (state.support)
+        self.detach()
+        self._model = model
+        self._optimizer = optimizer
+        self._integration_extra = extra
+        self._model_info = model_info if model_info is not None else describe_model(model)
+        self.hold_saves = hold_saves
+        self._sharded, self._sources, own = sources_for(  # FSDP2: every rank saves its own shards
+            model, rank=self.rank, weights=weights, frozen_keys=frozen_keys, optimizer=optimizer, scheduler=scheduler,
+            scaler=scaler, sampler=sampler, extra=self._extra)
+        self.saver.own_tiers = own
+        self.flat = FlatKeeper(model, optimizer, weights=weights or (lambda: trainable_state_dict(model)),
+                               enabled=consolidate, on_move=self.prepare_buffers)
+        self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
+        self.prepare_buffers()
+        self.timeline.open()
+        self._restore_probe_state()
+
+    def prepare_buffers(self) -> None:
+        """Prepare the snapshot buffers and copy plans in the background now, not in the first save (at attach,
+        and after the trainable state moved: `state.flat`); after a resume's optimizer-tier read, once it is in."""
+        if self._sources is None:  # not attached: nothing to prepare yet
+            return
+        if self.resumed is not None and self.resumed.pending is not None:
+            self._prepare_after_read = True  # it would compete with the read on the way to the first step
+            return
+        self.engine.prepare(self._sources, self.saver.own_tiers)
+
+    def detach(self) -> None:
+        """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
+        if self.sensors is not None:
+            self.sensors.remove()
+            self.sensors = None
+        self.timeline.close()
+
+    @property
+    def preemption_flag(self) -> PreemptionFlag | None:
+        """The installed preemption flag (tests and schedulers may `set()` it)."""
+        return self.sensors.flag if self.sensors is not None else None
+
+    @property
+    def pending_save(self) -> Decision | None:
+        """The save decided at the last `step_end` and held until `release()` (`hold_saves`), if any."""
+        return self._held.decision if self._held is not None else None
+
+    def _extra(self) -> dict[str, Any]:
+        """The manifest's `extra` of the save being taken (read by the snapshot on this rank)."""
+        out = dict(self._save_extra)
+        out.update(self.extra_state())
+        out[KEY_MODEL] = self._model_info
+        return out
+
+    def extra_state(self) -> dict[str, Any]:
+        """The run's own state as a manifest's `extra` stores it: the policy, the gradient probe, the save counters,
+        the rollbacks taken."""
+        out: dict[str, Any] = {KEY_POLICY: self.policy.state_dict(), KEY_SAVE_LOG: self.log.counts_for_save(),
+                               KEY_ROLLBACKS: self.rollbacks.state_dict()}
+        if self.sensors is not None:
+            out[KEY_GRAD_PROBE] = self.sensors.grad.state_dict()
+        return out
+
+    # ------------------------------------------------------------------ per step
+    def step_begin(self) -> None:
+        """Start of an optimizer step: writes a save held since the previous `step_end` (`release`)."""
+        self.release()
+
+    def note_boundary(self, step: int, rng: RngState | None = None) -> None:
+        """Record the RNG state at the end of `step` (what a later pre-update capture or held save stores). Call it
+        once when training starts (with the restored RNG after a resume) so the first step's update can be captured."""
+        if self.config.pre_anomaly_capture or self.hold_saves:
+            self._boundary_rng = rng if rng is not None else capture_raw_rng_state()  # JSON made by the writer
+            self._boundary_step = step
+
+    def _measure(self, step: int) -> SignalFrame:
+        if self.sensors is None:
+            return SignalFrame(step=step, save_blocking_s=self.log.take_blocking_s())
+        try:
+            return self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
+                                        fingerprint=float(len(self.log.events)))
+        except DistributedError:
+            self._abort("a rank failed or diverged")
+            raise
+
+    def pre_update(self, step: int, *, epoch: float | None = None) -> Decision:
+        """Gradients are complete, the update not applied: measure, and capture if the policy says so.
+
+        `step` counts the updates completed *before* this one (Trainer's `global_step`); `epoch` is
+        that state's fractional epoch. With `skip_update` in the returned decision the gradients
+        were dropped (`param.grad = None`), so the optimizer skips the update.
+        """
+        self.release()
+        frame = self._measure(step + 1)
+        groups = getattr(self._optimizer, "param_groups", None)
+        if groups:
+            frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
+        self._frame = frame
+        decision = self.policy.pre_update(frame)
+        verdict = self.rollbacks.observe(frame.step, self.policy.last_bad_update, self.config)
+        if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
+            if self._boundary_step == step and self._boundary_rng is not None:
+                self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
+                           rng=self._boundary_rng)
+            else:
+                logger.debug("step %d: pre-update capture (%s) not taken: no RNG state recorded at the end of step %d",
+                             step + 1, decision.reason, step)
+        if verdict.verdict == Verdict.EXHAUSTED:
+            self._rollbacks_exhausted(frame.step, verdict)
+        elif verdict.verdict == Verdict.ROLLBACK:
+            # The update is not applied: the next `rollback()` returns to a state from before the anomaly.
+            self._rollback_due, self._rollback_step = verdict, frame.step
+            decision = Decision(save=False, skip_update=True, reason=f"rollback: {verdict.reason}", risk=decision.risk,
+                                step=frame.step, healthy=False, kind=DecisionKind.ROLLBACK)
+        if decision.skip_update and self._model is not None:
+            if decision.kind != DecisionKind.ROLLBACK:
+                logger.warning("step %d: skipping the optimizer update (%s)", step + 1, decision.reason or "bad update")
+            for p in self._model.parameters():
+                p.grad = None
+        return decision
+
+    def _rollbacks_exhausted(self, step: int, verdict: RollbackVerdict) -> None:
+        """A confirmed anomaly with no rollback left: stop (`RollbackError`), or train through it."""
+        if self.config.on_rollbacks_exhausted == RollbacksExhausted.STOP:
+            raise RollbackError(
+                f"step {step}: an anomaly ({verdict.reason}) and no rollback left; the run keeps failing here. "
+                f"Rollbacks were taken at steps {', '.join(map(str, self.rollbacks.taken))}. Lower the learning rate, "
+                "look at the data of the failing steps, raise max_rollbacks, or set on_rollbacks_exhausted="
+                "'continue' to train through it (the pre-anomaly captures stay pinned).")
+        logger.warning("step %d: an anomaly (%s) and no rollback left (on_rollbacks_exhausted=continue): training "
+                       "through it", step, verdict.reason)
+
+    def step_end(self, step: int, epoch: float, *, lr: float | None = None) -> Decision:
+        """After the update of step `step` (updates completed): decide, and save or stop on preemption.
+
+        `lr` (the rate this step used) only fills the frame when `pre_update` could not read it.
+        With `kind == DecisionKind.PREEMPTION` a checkpoint has been committed synchronously and
+        `self.preempted` is set: the caller should stop. Raises the `SaveError` of an earlier
+        failed save when `on_save_error="raise"`.
+        """
+        self.release()
+        if self.flat is not None:
+            self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then checks
+        self.saver.raise_pending()
+        frame = self._frame if self._frame is not None and self._frame.step == step else self._measure(step)
+        self._frame = None
+        if frame.lr is None:
+            frame.lr = lr
+        if self._rollback_due is not None and self._rollback_step == step:
+            # No save and no statistics of a step about to be undone; `rollback()` comes next.
+            decision = Decision(save=False, reason=f"rollback: {self._rollback_due.reason}", step=step,
+                                healthy=False, kind=DecisionKind.ROLLBACK)
+            self.last_frame, self.last_decision = frame, decision
+            self.saver.collect_finished()
+            self._write_timeline(frame, decision)
+            return decision
+        decision = self.policy.decide(frame)
+        self.last_frame, self.last_decision = frame, decision
+        self.saver.collect_finished()
+        self.note_boundary(step)
+        if decision.save and decision.kind == DecisionKind.PREEMPTION:
+            assert self._sources is not None, "attach() first"
+            flag = self.preemption_flag
+            self.preempt_signal = flag.signum if flag is not None else None
+            self._before_save(decision)
+            self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
+                                 frame=frame, debug_info=self.policy.debug_info(), lineage=self.lineage)
+            self.preempted = True
+        elif decision.save and self.hold_saves:
+            sampler = self._sources.sampler() if self._sources is not None and self._sources.sampler else None
+            self._held = HeldSave(decision, step, epoch, self._boundary_rng, sampler, frame)
+            return decision  # the step log's row is written with the save, at release()
+        elif decision.save:
+            self._save(decision, step=step, epoch=epoch, at_step=step)
+        self._write_timeline(frame, decision)
+        return decision
+
+    def release(self) -> SaveEvent | None:
+        """Write the save held since `step_end` (no-op when none is held). Call on every rank alike."""
+        held, self._held = self._held, None
+        if held is None:
+            return None
+        event = self._save(held.decision, step=held.step, epoch=held.epoch, at_step=held.step, rng=held.rng,
+                           sampler=held.sampler)
+        self._write_timeline(held.frame, held.decision)
+        return event
+
+    def restart_timeline(self, step: int) -> None:
+        """The loop restarted at `step` (e.g. Trainer's `auto_find_batch_size` retry): a new timeline
+        whose first save sets the failed attempt's aside; the policy restarts from the restored statistics."""
+        self._held = None
+        resumed = self.resumed
+        parent = resumed.step if resumed is not None and resumed.step == step else None
+        self.lineage = Lineage(session=self.session_id, timeline=new_session_id(), parent_step=parent,
+                               parent_timeline=self.lineage.parent_timeline if parent is not None else None)
+        self._fork_pending = True
+        self.saver.log.restart()
+        self.policy = RulePolicy(self.config)
+        if resumed is not None:
+            self._restore_statistics(resumed)
+        logger.debug("training restarted at step %d: new timeline %s", step, self.lineage.timeline)
+
+    @property
+    def rollback_due(self) -> bool:
+        """A rollback was confirmed at the last `pre_update` and is not taken yet (`rollback()`)."""
+        return self._rollback_due is not None
+
+    def rollback(self, *, restore_rng: bool = True) -> Rollback | None:
+        """Take the rollback the last `pre_update` confirmed (no-op without one). Call on every rank alike.
+
+        Waits for the writes in flight (the capture of the anomaly's onset among them), then returns to the
+        newest healthy checkpoint before the onset and at most `rollback_window` steps back (rank 0 chooses,
+        every rank returns to it): it is read and verified like a resume, put back into the live model,
+        optimizer, scheduler, scaler and (`restore_rng`) RNG, and applied like a `Resumption`: the steps past
+        it become an abandoned timeline, the policy's and probes' statistics are those of the restore point.
+        The run's save counters and rollback history go on.
+
+        Args:
+            restore_rng (`bool`, *optional*, defaults to `True`): restore the RNG now; `False` leaves it to the
+                caller, in `Rollback.rng` (a loop that fetches its next batch first, as a resume does).
+
+        Returns:
+            `Rollback | None`: what was done, or `None` when there was nothing to do or no restore point within
+            `rollback_window` (then the anomaly is trained through, with a warning).
+        """
+        verdict, at = self._rollback_due, self._rollback_step
+        self._rollback_due = self._rollback_step = None
+        if verdict is None or at is None:
+            return None
+        assert self._model is not None and verdict.onset is not None, "attach() first"
+        self._held = None
+        self.saver.finish()  # the capture must be committed before it is read back
+        target = choose_restore_point(self.store, rank=self.rank, world_size=self.world_size, before=verdict.onset,
+                                      earliest=verdict.earliest or 0)
+        resumption = None
+        if target is not None:
+            sharded = self._sharded
+            resumption = plan_resumption(
+                self.store, f"step:{target}", session_id=self.session_id, rank=self.rank,
+                world_size=self.world_size, fallback=self.config.fallback_strategy,
+                expected=sharded.expected() if sharded is not None else expected_weights(self._model))
+        if resumption is None or resumption.step < (verdict.earliest or 0) or resumption.degraded:
+            logger.warning("step %d: an anomaly (%s) is confirmed but no complete healthy checkpoint lies between "
+                           "step %d and its onset at step %d (rollback_window=%d): training through it", at,
+                           verdict.reason, verdict.earliest or 0, verdict.onset, self.config.rollback_window)
+            self.rollbacks.observe(at, None, self.config)  # the anomaly is over for the rule
+            return None
+        loaded = resumption.loaded
+        if self._sharded is not None:
+            load_sharded(self._sharded, loaded)  # a collective: DCP reads the shards into the live objects
+        restore_live(loaded, model=self._model, optimizer=self._optimizer, scheduler=self._sources.scheduler
+                     if self._sources is not None else None,
+                     scaler=self._sources.scaler if self._sources is not None else None,
+                     rng=restore_rng, weights_applied=self._sharded is not None)
+        self.rollbacks.taken_at(at)
+        self.apply(resumption, rollback=True)
+        self.note_boundary(resumption.step, rng=loaded.rng)
+        done = Rollback(from_step=at, to_step=resumption.step, reason=verdict.reason,
+                        skip_batches=self.config.rollback_skip_batches, rng=None if restore_rng else loaded.rng,
+                        loaded=loaded)
+        self.log_event("rollback", from_step=at, to_step=done.to_step, reason=done.reason)
+        return done
+
+    def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
+                 pin: bool = False, blocking: bool = True) -> SaveEvent:
+        """Save the current state of `step` outside the policy (e.g. the end of training)."""
+        self.release()
+        kind = DecisionKind.TRAIN_END if reason == "train_end" else DecisionKind.MANUAL
+        decision = Decision(save=True, tiers=frozenset(tiers), reason=reason, pin=pin, step=step, kind=kind)
+        return self._save(decision, step=step, epoch=epoch, at_step=step, blocking=blocking)
+
+    # ------------------------------------------------------------------ saving
+    def _before_save(self, decision: Decision) -> None:
+        """What every save needs first, on every rank: the trainable state in place, this run's timeline
+        started (rank 0 sets other timelines' newer checkpoints aside), the integration's part of `extra`."""
+        if self.flat is not None:
+            self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
+        if self._fork_pending:
+            self._fork_pending = False
+            if self.rank == 0:
+                start_timeline(self.store, self.lineage, after_step=self.lineage.parent_step)
+        self._save_extra = dict(self._integration_extra(decision)) if self._integration_extra is not None else {}
+
+    def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: RngState | None = None,
+              sampler: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
+        assert self._sources is not None, "attach() first"
+        self._before_save(decision)
+        return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, frame=self.last_frame,
+                               debug_info=self.policy.debug_info(), lineage=self.lineage, rng=rng, sampler=sampler,
+                               blocking=blocking)
+
+    def _write_timeline(self, frame: SignalFrame, decision: Decision) -> None:
+        self.timeline.step(frame, decision, self.log.events)
+
+    def log_event(self, kind: str, **data: Any) -> None:
+        """Append a non-step event (e.g. a resume) to the step log (rank 0)."""
+        self.timeline.event(kind, **data)
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self) -> dict[str, float]:
+        """`smart_ckpt/*` numbers for the training logs (saves, failed saves, last save step, stall, risk)."""
+        self.saver.collect_finished()
+        last = self.last_decision
+        held = self._held.step if self._held is not None else None  # decided, written once the step's logging ends
+        out = self.log.metrics(risk=last.risk if last is not None else None,
+                               interval=last.interval if last is not None else None, held_step=held)
+        if self.rollbacks.taken:
+            out[f"{METRIC_PREFIX}rollbacks"] = float(len(self.rollbacks.taken))
+        return out
+
+    # ------------------------------------------------------------------ shutdown
+    def finish(self) -> CheckpointInfo | None:
+        """Write a held save, wait for the last background write and settle every save.
+
+        Raises:
+            `SaveError`: a save failed and `on_save_error="raise"` (with `"warn"`, failures are
+                counted and warned about, the same for the last save as for any other).
+        """
+        self.release()
+        return self.saver.finish()
+
+    def close(self) -> None:
+        """Wait for pending writes, remove the probes, close the engine and the store (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.finish()
+        finally:
+            self.detach()
+            if self.resumed is not None and self.resumed.pending is not None:
+                self.resumed.pending.close()
+            self.engine.close()
+            self.store.close()
+
+    def _handed_over(self) -> None:
+        """A later attach of this process takes the task (a notebook re-run, another Trainer): the writes in
+        flight commit, a save decided but not written yet is dropped (its step's logging never came, and
+        writing it could run a collective on this rank alone), and this run closes."""
+        self._held = None
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def exit_if_preempted(self) -> None:
+        """After a preemption save, end the process with `preemption_exit_code` (128 + signal by default), so a
+        scheduler requeues the job instead of reading it as finished. Call it once training stopped and closed."""
+        if self.preempted:
+            exit_after_preemption(self.config, self.preempt_signal)
+
+    def _abort(self, why: str) -> None:
+        """A fatal error (a rank died or diverged): a commit waiting for other ranks gives up now."""
+        self.store.abort(why)
+        self.engine.abort(why)
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, spec: str | None, *, background_optimizer: bool = False,
+               expected: Mapping[str, Any] | None = None) -> LoadedCheckpoint | None:
+        """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it.
+
+        Checkpoints of the run that went past the restore point become *abandoned* (kept, restorable
+        by `step:N`, never chosen by `auto`), never deleted. A sharded (FSDP2) model is read through
+        DCP right after the plan (a collective). `background_optimizer`: read L1 in a thread, then
+        `complete_resume(loaded)`.
+
+        Args:
+            spec (`str`, *optional*): `auto`, `best`, `fastest`, `step:N` or a path; `None` starts fresh.
+            background_optimizer (`bool`, *optional*, defaults to `False`): see above.
+            expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping; the saved weights
+                must fit it (names and shapes) on every rank.
+
+        Returns:
+            `LoadedCheckpoint | None`: this rank's view, or `None` for a fresh start (`auto`, empty store).
+
+        Raises:
+            The same error on every rank: `CheckpointNotFoundError`, `IncompatibleStateError`,
+            `FormatVersionError`, `DistributedError`.
+        """
+        if spec is None:
+            return None
+        sharded = self._sharded
+        resumption = plan_resumption(
+            self.store, spec, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
+            fallback=self.config.fallback_strategy, expected=sharded.expected() if sharded is not None else expected,
+            background_optimizer=background_optimizer and sharded is None)
+        if resumption is None:
+            return None
+        if sharded is not None:  # FSDP2: DCP reads the shards into the live objects (a collective)
+            load_sharded(sharded, resumption.loaded)
+        self.apply(resumption)
+        return resumption.loaded
+
+    def apply(self, resumption: Resumption, *, rollback: bool = False) -> None:
+        """Make a resumption the run's state: its timeline continues from the restore point (rank 0 sets the
+        newer checkpoints of other timelines aside), the policy and the probes continue from their stored state,
+        and the resume is announced (once the optimizer tier is in, when it is read in the background). A
+        resume also continues the stored save counters and rollback history; a `rollback` keeps the run's own.
+        The live model, optimizer and RNG are the caller's to restore (`rollback` restores them)."""
+        info = resumption.loaded.info
+        self.lineage = resumption.lineage
+        self._fork_pending = False
+        if self.rank == 0:  # verified and checked against the model on every rank: newer checkpoints may go aside
+            start_timeline(self.store, self.lineage, after_step=info.step)
+        self.resumed = resumption
+        self._restore_statistics(resumption, counters=not rollback)
+        if rollback:
+            return
+        self.log_event("resume", step=info.step, spec=resumption.spec, warnings=list(resumption.loaded.warnings),
+                       tiers=sorted(t.value for t in resumption.loaded.tiers))
+        if resumption.pending is None:
+            self._announce(resumption)
+        if resumption.elapsed_ms > self.config.recovery_timeout_ms:
+            logger.warning("resume of step %d took %.0f ms, above recovery_timeout_ms=%d (the restore point's "
+                           "estimate was %s ms); `fastest` picks the cheapest checkpoint to restore", info.step,
+                           resumption.elapsed_ms, self.config.recovery_timeout_ms, info.recovery_cost_ms)
+
+    def complete_resume(self, loaded: LoadedCheckpoint) -> None:
+        """Wait for a background optimizer-tier read and fill it in (agreed: lost on one rank, lost on all)."""
+        resumption = self.resumed
+        if resumption is None or resumption.pending is None or resumption.loaded is not loaded:
+            return
+        try:
+            fill_optimizer(resumption, resumption.pending.collect(self.world_size))
+        finally:
+            if self._prepare_after_read:
+                self._prepare_after_read = False
+                try:
+                    self.prepare_buffers()
+                except Exception as e:  # only a speed-up is lost: the first save allocates its buffers
+                    logger.warning("resume: preparing the snapshot buffers after the optimizer-tier read failed: %s",
+                                   e)
+        self._announce(resumption)
+
+    def _restore_statistics(self, resumption: Resumption, *, counters: bool = True) -> None:
+        """The policy's statistics (and with `counters` the save counts and rollback history) now; the gradient
+        probe's once it is attached."""
+        if counters and resumption.save_counts is not None:
+            self.saver.log.continue_counts(resumption.save_counts)
+        if counters and resumption.rollback_state is not None:
+            try:
+                self.rollbacks.load_state_dict(resumption.rollback_state)
+            except (TypeError, ValueError) as e:
+                logger.warning("resume: rollback history not restored (%s); it restarts empty", e)
+        if resumption.policy_state is not None:
+            try:
+                self.policy.load_state_dict(resumption.policy_state)
+            except Exception as e:
+                logger.warning("resume: policy statistics not restored (%s); they restart from scratch", e)
+        self._probe_state = resumption.probe_state
+        self._restore_probe_state()
+
+    def _restore_probe_state(self) -> None:
+        state, grad = self._probe_state, self.sensors.grad if self.sensors is not None else None
+        if state is None or grad is None:
+            return
+        self._probe_state = None
+        try:
+            grad.load_state_dict(state)
+        except Exception as e:
+            logger.warning("resume: gradient-probe statistics not restored (%s); they restart from scratch", e)
+
+    def _announce(self, resumption: Resumption) -> None:
+        """The one `resumed from` line (WARNING, rank 0): step, reason, tiers, degraded or not."""
+        if self.rank == 0:
+            loaded = resumption.loaded
+            self.announce.warning(
+                "smart_ckpt: resumed from step %d (%s; tiers %s%s)", loaded.info.step, loaded.info.reason,
+                ",".join(sorted(t.value for t in loaded.tiers)),
+                "; degraded: fresh optimizer" if resumption.degraded else "")
+
