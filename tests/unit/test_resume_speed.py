@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_orchestrator import Net, make, train_step
 from test_engine_prepare import _model, _step
+from test_orchestrator import Net, make, train_step
 
 from hf_dynamic_ckpt import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
