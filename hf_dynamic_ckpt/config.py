@@ -214,7 +214,8 @@ class SmartCkptConfig:
         rollback_patience (`int`, *optional*, defaults to `1`): bad steps in a row that confirm an anomaly.
         rollback_window (`int`, *optional*, defaults to `100`): the oldest restore point a rollback may return to,
             in steps before the confirming one; also the span over which `max_rollbacks` counts.
-        max_rollbacks (`int`, *optional*, defaults to `3`): rollbacks allowed within `rollback_window` steps.
+        max_rollbacks (`int`, *optional*, defaults to `5`): rollbacks allowed within `rollback_window` steps (a
+            shard of `k` bad batches costs about `k / rollback_patience` of them: each skips what it consumed).
         on_rollbacks_exhausted (`str`, *optional*, defaults to `"stop"`): `"stop"` (raise `RollbackError`) or
             `"continue"` (train through, as `capture` does); see `RollbacksExhausted`.
         rollback_skip_batches (`int`, *optional*, defaults to `0`): batches to skip after a rollback beyond those
@@ -276,7 +277,7 @@ class SmartCkptConfig:
     on_anomaly: OnAnomaly = OnAnomaly.CAPTURE
     rollback_patience: int = 1
     rollback_window: int = 100
-    max_rollbacks: int = 3
+    max_rollbacks: int = 5
     on_rollbacks_exhausted: RollbacksExhausted = RollbacksExhausted.STOP
     rollback_skip_batches: int = 0
     lock_wait_s: float = 120.0

@@ -111,6 +111,7 @@ class SmartCheckpointer:
         self.hooks.register()
         self.last_decision: Decision | None = None
         self.last_rollback: Rollback | None = None
+        self._skipped_through = (-1, 0)  # (epoch, batch) up to which rollbacks left the data out
         """The last rollback (`on_anomaly: rollback`): `after_update` returned a decision of kind `rollback`."""
         self.loaded: LoadedCheckpoint | None = None
         self._lr: float | None = None
@@ -206,7 +207,11 @@ class SmartCheckpointer:
             loader.mark_boundary()
             start = done.loaded.sampler or {}
             first = int(start.get("batches_seen", 0)) + 1 if start.get("epoch") == seen_before[0] else 1
-            skipped = f"; skipped batches {first}..{seen_before[1] + done.skip_batches} of epoch {seen_before[0]}"
+            if self._skipped_through[0] == seen_before[0]:  # an earlier rollback to it left some out already
+                first = max(first, self._skipped_through[1] + 1)
+            last = seen_before[1] + done.skip_batches
+            self._skipped_through = (seen_before[0], last)
+            skipped = f"; skipped batches {first}..{last} of epoch {seen_before[0]}"
         self.last_rollback = done
         self.core.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s)%s", done.from_step,
                                    done.to_step, done.reason, skipped)

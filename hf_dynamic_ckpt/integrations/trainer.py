@@ -87,6 +87,7 @@ class SmartCkptCallback(TrainerCallback):
         self.last_rollback: Rollback | None = None
         self.data_steps = 0
         """Optimizer-step windows of data consumed: the step count, plus the windows a rollback skipped."""
+        self._skipped_through = 0  # data position up to which rollbacks left the batches out
         self._pending: LoadedCheckpoint | None = None  # applied at every train begin of this train() (retries)
         self._unapplied: tuple[LoadedCheckpoint, Any, Any] | None = None  # (loaded, optimizer, scheduler)
         self._state: TrainerState | None = None
@@ -223,7 +224,11 @@ class SmartCkptCallback(TrainerCallback):
         if done is None:
             return
         ga = max(1, int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1))
-        first, last = data_steps(done.loaded) * ga + 1, self.data_steps * ga
+        # The batches this rollback leaves out: those read since the restore point, less any an earlier rollback
+        # to it already left out.
+        first = max(data_steps(done.loaded), self._skipped_through) * ga + 1
+        last = self.data_steps * ga
+        self._skipped_through = self.data_steps
         state.global_step = done.to_step
         # The loss Trainer logs divides by the steps since its last log; that log was at a step now undone.
         trainer._globalstep_last_logged = done.to_step

@@ -1,10 +1,10 @@
-"""Issue 11: a crash inside the anomaly window resumes, with `auto`, from before the anomaly.
+"""A crash inside the anomaly window resumes, with `auto`, from before the anomaly.
 
-The demo's run (tiny Qwen2 + LoRA on real text) with its x30 loss injected at steps 15-18 is
-SIGKILLed after step 18, while the loss is still exploding; the same command restarted with
-`--resume_from_smart_checkpoint auto` must resume from the pinned pre-update capture of step
-14, not from a save taken inside the explosion (round 1 marked the demo's `risk_edge` save of
-loss 178 healthy, so `auto` could land in it).
+The demo's run (tiny Qwen2 + LoRA on real text), training through its x30 loss injected at
+steps 15-18 (`on_anomaly: capture`), is SIGKILLed after step 18, while the loss is still
+exploding; the same command restarted with `--resume_from_smart_checkpoint auto` must resume
+from the pinned pre-update capture of step 14, not from a save taken inside the explosion
+(a `risk_edge` save of loss 178 marked healthy would let `auto` land in it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_crash_inside_the_anomaly_window_resumes_from_before_it(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     run, store_dir = tmp_path / "run", tmp_path / "run" / "smart_ckpt"
-    common = ["--max_steps", "22", "--anomaly_at", "15"]
+    common = ["--max_steps", "22", "--anomaly_at", "15", "--smart_ckpt_on_anomaly", "capture"]
     killed_after = _kill_inside_the_window(demo._child_cmd(run, common), env, store_dir)
     assert killed_after is not None and 18 <= killed_after < 22, killed_after
     with CheckpointStore(store_dir, cleanup=False, read_only=True) as store:
