@@ -92,10 +92,6 @@ class RulePolicy:
         self._warned_record_save = False
 
     # ------------------------------------------------------------------ views
-    def assess(self, frame: SignalFrame) -> Assessment:
-        """Risk components of `frame` against the running levels (does not update them)."""
-        return self.levels.assess(frame)
-
     @property
     def alpha(self) -> float:
         """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss level."""
@@ -106,38 +102,10 @@ class RulePolicy:
         """Smoothed risk beta: mean over `risk_smoothing` steps of the debounced raw beta."""
         return self.smoother.risk
 
-    @property
-    def step_time_s(self) -> float | None:
-        return self.cadence.step_time.value
-
-    @property
-    def save_cost_s(self) -> float | None:
-        return self.cadence.save_cost.value
-
-    @property
-    def last_save_step(self) -> int | None:
-        return self.cadence.last_save_step
-
-    @property
-    def last_capture_step(self) -> int | None:
-        return self.capture.last_step
-
-    @property
-    def saves(self) -> int:
-        return self.cadence.saves
-
-    @property
-    def _lr(self) -> deque[float]:  # the learning rates seen (read by tests/unit/test_checkpointer.py)
-        return self.levels.lr
-
     def base_interval(self) -> float:
         """`T_base` in steps: `config.base_interval`, else Young/Daly from measured costs
         (`stability_window` before a save cost is known). Clamped to `[min_interval, max_interval]`."""
         return self.cadence.base()[0]
-
-    def budget_interval(self) -> float:
-        """Fewest steps between saves that keeps blocking time within `overhead_budget`."""
-        return self.cadence.budget_interval()
 
     def current_interval(self) -> Interval:
         """The current regular interval with its base and why it moved (shortened / widened)."""
