@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..signals.frame import SignalFrame
-from ..signals.stats import LayerLevels
+from ..signals.stats import LayerBaselines
 
 CAPTURE_K = 5  # a capture is a healthy checkpoint of a step in [onset - K, onset - 1]
 RECOVERY = 10  # steps after an anomaly ends that stay unlabelled
@@ -82,13 +82,13 @@ class CorpusRun:
     def frames(self, memory_every: int = MEMORY_EVERY) -> list[SignalFrame]:
         """The frames the checkpointer would have built (as `signals.traces.replay_frames`, plus memory
         every `memory_every` steps and the step time)."""
-        levels = LayerLevels()
+        baselines = LayerBaselines()
         names = list(self.header["layers"])
         clip = self.header.get("max_grad_norm")
         clip = float(clip) if isinstance(clip, int | float) and clip > 0 else None
         frames = []
         for (step, loss, grad, lr, norms), mem, t in zip(self.rows, self.mem_frac, self.step_time_s):
-            ratio, layer = levels.observe(dict(zip(names, norms)))
+            ratio, layer = baselines.observe(dict(zip(names, norms)))
             nonfinite = not math.isfinite(grad) or (ratio is not None and not math.isfinite(ratio))
             frames.append(SignalFrame(step=step, loss=loss, grad_norm=grad, lora_max_ratio=ratio, lora_max_layer=layer,
                                       nonfinite=nonfinite, lr=lr, step_time_s=t, clip_norm=clip,

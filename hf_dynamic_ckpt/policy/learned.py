@@ -10,7 +10,7 @@ same on every rank), for a `save_score` in [0, 1] and a granularity:
   the state after it with the cheaper tier set;
 - `save_score < veto_threshold` on a rule capture of a *soft* trigger (a finite grad, LoRA,
   lr or loss surge): the capture is vetoed as a false positive (logged). Hard triggers
-  (non-finite values, a loss explosion >= `HARD_LOSS_RATIO` x its level) are never vetoed;
+  (non-finite values, a loss explosion >= `HARD_LOSS_RATIO` x its baseline) are never vetoed;
 - on a rule's risk-edge save, a cheaper granularity than the rule's tier set is taken.
 
 Model file: safetensors only (never a pickle), `hf_dynamic_ckpt/policy/decision_model.safetensors`
@@ -238,13 +238,13 @@ class LearnedCheck:
         self._cached = (frame.step, opinion)
         return opinion
 
-    def review(self, frame: SignalFrame, rule: str | None, loss_level: float | None
+    def review(self, frame: SignalFrame, rule: str | None, loss_baseline: float | None
                ) -> tuple[str | None, Opinion | None, str | None]:
         """`RulePolicy.pre_update`'s question: `(the capture rule after a veto, the opinion when it asks
         for an early capture, the veto's log line)`."""
         op = self.opinion(frame)
         if rule is not None:
-            if not _is_hard(rule, frame, loss_level) and op.score < self.model.veto_threshold:
+            if not _is_hard(rule, frame, loss_baseline) and op.score < self.model.veto_threshold:
                 return None, None, f"pre-update capture ({rule}) vetoed by the learned model ({op.describe()})"
             return rule, None, None
         if op.save and op.granularity != Granularity.KEY_LAYERS_RNG and not frame.any_nonfinite:
@@ -303,9 +303,9 @@ class LearnedCheck:
 
 
 
-def _is_hard(rule: str, frame: SignalFrame, loss_level: float | None) -> bool:
-    """A capture the model may never veto: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its level)."""
+def _is_hard(rule: str, frame: SignalFrame, loss_baseline: float | None) -> bool:
+    """A capture the model may never veto: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its baseline)."""
     if rule == "nonfinite" or frame.any_nonfinite:
         return True
     loss = frame.loss
-    return loss is not None and loss_level is not None and loss_level > 0 and loss >= HARD_LOSS_RATIO * loss_level
+    return loss is not None and loss_baseline is not None and loss_baseline > 0 and loss >= HARD_LOSS_RATIO * loss_baseline

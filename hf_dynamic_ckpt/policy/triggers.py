@@ -14,7 +14,7 @@ from typing import Any
 from ..config import SmartCkptConfig
 from ..signals.frame import SignalFrame
 from ._stateful import Stateful
-from .levels import Assessment
+from .baselines import Assessment
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torch import nn
 from .memory import MemoryProbe
 from .preemption import PreemptionFlag
 from .sharded import full_scalar, is_dtensor, local_part, reduce_square_sums
-from .stats import LayerLevels
+from .stats import LayerBaselines
 
 __all__ = ["ClipNormRecorder", "GradProbe", "LossProbe", "MemoryProbe", "PreemptionFlag", "find_lora_layers"]
 
@@ -110,7 +110,7 @@ def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 class GradProbe:
-    """Global and per-LoRA-layer gradient norms, with each layer's own running level.
+    """Global and per-LoRA-layer gradient norms, with each layer's own running baseline.
 
     Call `measure()` once per optimizer step when the gradients are complete. The global
     norm must be the *pre-clip* norm: either call `measure()` before clipping, or pass the
@@ -119,17 +119,17 @@ class GradProbe:
     rescaled exactly by `pre_clip_norm / post_clip_norm`. With `pre_clip_norm` given and
     no LoRA layer, nothing is computed at all.
 
-    Each layer's norm is judged by `LayerLevels` against the layer's own recent history
+    Each layer's norm is judged by `LayerBaselines` against the layer's own recent history
     (median of its log norms, discounted by its own spread, after a warm-up of `warmup`
     non-zero norms): `lora_max_ratio` is how far the most unusual layer lies above the
-    highest level it normally reaches.
+    highest baseline it normally reaches.
 
     Args:
         model (`torch.nn.Module`): the model (a PEFT model for per-layer norms).
-        window (`int`, *optional*, defaults to `50`): norms per layer in its robust level.
+        window (`int`, *optional*, defaults to `50`): norms per layer in its robust baseline.
         warmup (`int`, *optional*, defaults to `30`): non-zero norms a layer needs before it counts.
         spread_k (`float`, *optional*, defaults to `4.0`): robust standard deviations of a
-            layer's log-norm that are its normal range (see `LayerLevels`).
+            layer's log-norm that are its normal range (see `LayerBaselines`).
 
     Example:
         ```python
@@ -149,7 +149,7 @@ class GradProbe:
         self._params += [p for ps in self.layers.values() for p in ps if id(p) not in seen]
         n_layers = len(self.layer_names)
         self._bucket = [lora_ids.get(id(p), n_layers) for p in self._params]
-        self.levels = LayerLevels(window=window, warmup=warmup, spread_k=spread_k)
+        self.baselines = LayerBaselines(window=window, warmup=warmup, spread_k=spread_k)
 
     def measure(self, pre_clip_norm: float | torch.Tensor | None = None) -> tuple[float | None, dict[str, float]]:
         """Return `(global_norm, {layer: norm})` for the gradients now in `.grad`.
@@ -206,13 +206,13 @@ class GradProbe:
         return (pre if pre is not None else post), dict(zip(self.layer_names, layer_norms))
 
     def observe(self, layer_norms: Mapping[str, float]) -> tuple[float | None, str | None]:
-        """Judge each layer's norm against its own level (`LayerLevels.observe`), then fold it in.
+        """Judge each layer's norm against its own baseline (`LayerBaselines.observe`), then fold it in.
 
         Returns:
             `tuple`: `(max_ratio, layer)`; `(None, None)` while no layer is warmed up. A
-            non-finite layer norm gives `(inf, layer)` and leaves the levels untouched.
+            non-finite layer norm gives `(inf, layer)` and leaves the baselines untouched.
         """
-        return self.levels.observe(layer_norms)
+        return self.baselines.observe(layer_norms)
 
     def frame_fields(self, pre_clip_norm: float | torch.Tensor | None = None) -> dict[str, Any]:
         """`measure()` + `observe()` as `SignalFrame` keyword arguments."""
@@ -224,13 +224,14 @@ class GradProbe:
         return {"grad_norm": global_norm, "lora_max_ratio": ratio, "lora_max_layer": layer, "nonfinite": nonfinite}
 
     def state_dict(self) -> dict[str, Any]:
-        """The per-layer levels (JSON-able), so a resumed run measures the same ratios."""
-        return {"levels": self.levels.state_dict()}
+        """The per-layer baselines (JSON-able), so a resumed run measures the same ratios."""
+        # "levels": the key in every probe state saved so far (manifests' `extra["grad_probe"]`), kept so they resume.
+        return {"levels": self.baselines.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        levels = state.get("levels", {})
-        if "logs" in levels:  # older states (EMA levels) carry no history: the warm-up restarts
-            self.levels.load_state_dict(levels)
+        baselines = state.get("levels", {})
+        if "logs" in baselines:  # older states (EMA baselines) carry no history: the warm-up restarts
+            self.baselines.load_state_dict(baselines)
 
 
 class ClipNormRecorder:

@@ -3,7 +3,7 @@
 `scripts/record_traces.py` writes one JSONL file per run: a header object (run settings,
 `layers`, `onsets` = `[[step, kind], ...]`), then `[step, loss, grad_norm, lr, [layer
 norms]]` per step, non-finite numbers as `"nan"` / `"inf"`. The per-layer norms are the
-raw pre-clip norms, so a replay goes through the same `LayerLevels` the `GradProbe` uses
+raw pre-clip norms, so a replay goes through the same `LayerBaselines` the `GradProbe` uses
 and policy calibrations can be checked against real runs. Pure Python (no torch).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .frame import SignalFrame
-from .stats import LayerLevels
+from .stats import LayerBaselines
 
 
 @dataclass
@@ -70,25 +70,25 @@ def load_trace(path: str | os.PathLike[str]) -> RecordedTrace:
                          onsets=onsets)
 
 
-def replay_frames(trace: RecordedTrace, levels: LayerLevels | None = None, *,
+def replay_frames(trace: RecordedTrace, baselines: LayerBaselines | None = None, *,
                   step_time_s: float | None = None) -> list[SignalFrame]:
     """The `SignalFrame`s the checkpointer would have built for the recorded run.
 
     Args:
         trace (`RecordedTrace`): from `load_trace`.
-        levels (`LayerLevels`, *optional*): per-layer judge (defaults to `GradProbe`'s defaults).
+        baselines (`LayerBaselines`, *optional*): per-layer judge (defaults to `GradProbe`'s defaults).
         step_time_s (`float`, *optional*): step time to put in every frame.
 
     Returns:
-        `list[SignalFrame]`, one per recorded step, with `lora_max_ratio` from `levels`.
+        `list[SignalFrame]`, one per recorded step, with `lora_max_ratio` from `baselines`.
     """
-    levels = levels if levels is not None else LayerLevels()
+    baselines = baselines if baselines is not None else LayerBaselines()
     names = trace.layers
     clip = trace.header.get("max_grad_norm")
     clip = float(clip) if isinstance(clip, (int, float)) and clip > 0 else None
     frames = []
     for step, loss, grad, lr, norms in trace.rows:
-        ratio, layer = levels.observe(dict(zip(names, norms)))
+        ratio, layer = baselines.observe(dict(zip(names, norms)))
         nonfinite = not math.isfinite(grad) or (ratio is not None and not math.isfinite(ratio))
         frames.append(SignalFrame(step=step, loss=loss, grad_norm=grad, lora_max_ratio=ratio, lora_max_layer=layer,
                                   nonfinite=nonfinite, lr=lr, step_time_s=step_time_s, clip_norm=clip))

@@ -312,7 +312,7 @@ def test_rules_only_state_loads_into_a_policy_with_the_model(tmp_path: Path) -> 
     drive(rules, calm(30))
     with_model = RulePolicy(CFG.replace(learned_model=constant_model(tmp_path / "m.safetensors", 0.5)))
     with_model.load_state_dict(rules.state_dict())
-    assert with_model.levels.loss.values == rules.levels.loss.values
+    assert with_model.baselines.loss.values == rules.baselines.loss.values
     assert isinstance(with_model.learned, LearnedCheck) and with_model.learned.features.seen == 0
     bad = with_model.state_dict()
     bad["learned"]["lstm"] = [[0.0] * 8] * 4

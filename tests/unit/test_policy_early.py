@@ -108,7 +108,7 @@ def test_early_bars_double_below_three_values_and_loss_rule_fires_without_gradie
     assert first_capture([2.0, 17.0]) == "2: pre_update early_loss x8.5 (median of 1 step)"
     assert first_capture([2.0, 2.0, 2.0, 7.0]) is None  # x3.5 < 4
     assert first_capture([2.0, 2.0, 2.0, 8.0]) == "4: pre_update early_loss x4.0 (median of 3 steps)"
-    assert first_capture([-1.0, -1.0, -1.0, 50.0]) is None  # no ratio to a non-positive level
+    assert first_capture([-1.0, -1.0, -1.0, 50.0]) is None  # no ratio to a non-positive baseline
 
 
 def test_first_step_grad_norm_orders_of_magnitude_above_the_clip_norm_is_captured() -> None:

@@ -1,7 +1,7 @@
 """RulePolicy on real recorded signal traces (tests/data/traces, from scripts/record_traces.py).
 
 Tiny Qwen2 / Llama LoRA fine-tunes on real text, calm and with injected anomalies. The
-per-layer norms are replayed through `LayerLevels` (what `GradProbe` uses), so these are
+per-layer norms are replayed through `LayerBaselines` (what `GradProbe` uses), so these are
 decisions on given signal sequences: deterministic.
 """
 
