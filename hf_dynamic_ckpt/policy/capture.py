@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from ..config import SmartCkptConfig
 from ..signals.frame import SignalFrame
 from ..signals.stats import RollingWindow
-from ._stateful import Stateful
 from .baselines import MIN_HISTORY, Assessment, Baselines
+from .stateful import Stateful
 
 CAPTURE_WARMUP = 20  # grad-norm / loss values before an ordinary (not extreme) surge may trigger a capture
 LOSS_JUMP_RATIO = 2.0  # a loss spike alone (no gradient evidence) captures only at >= 2x the loss baseline
