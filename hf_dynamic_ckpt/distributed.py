@@ -133,6 +133,17 @@ def all_reduce_sum(value: float) -> float:
     return float(t.item())
 
 
+def all_reduce_square_sums(values: Sequence[float]) -> list[float]:
+    """Per bucket, the sum over ranks of this rank's squared gradient-shard norms (`signals.dtensor_norms`),
+    in one float64 `all_reduce`; `values` as they are without a process group. NaN and inf propagate."""
+    d = _dist()
+    if not d or d.get_world_size() == 1 or not values:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=_device())
+    d.all_reduce(t)
+    return t.cpu().tolist()
+
+
 def pack_frame(frame: SignalFrame, layer_names: Sequence[str] = (), fingerprint: float = 0.0) -> torch.Tensor:
     """The frame's reducible fields as one float64 vector (see `reduce_frame`)."""
     loss = frame.loss

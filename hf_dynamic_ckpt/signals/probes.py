@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import all_reduce_square_sums
+from .dtensor_norms import full_scalar, is_dtensor, local_part
 from .memory import MemoryProbe
 from .preemption import PreemptionFlag
-from .sharded import full_scalar, is_dtensor, local_part, reduce_square_sums
 from .stats import LayerBaselines
 
 __all__ = ["ClipNormRecorder", "GradProbe", "LossProbe", "MemoryProbe", "PreemptionFlag", "find_lora_layers"]
@@ -196,8 +197,8 @@ class GradProbe:
                 sq_sharded[bucket] += v * v * weights[j]
             else:
                 sq[bucket] += v * v
-        if any(sharded):
-            sq = reduce_square_sums(sq, sq_sharded)
+        if any(sharded):  # NaN and inf propagate: a non-finite shard on any rank makes the norm non-finite
+            sq = [a + b for a, b in zip(sq, all_reduce_square_sums(sq_sharded))]
         post = math.sqrt(sum(sq))  # NaN and inf propagate: the non-finite flag relies on it
         layer_norms = [math.sqrt(x) for x in sq[:n_layers]]
         if pre is not None and math.isfinite(post) and post > 0.0:

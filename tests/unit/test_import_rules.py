@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2] / PKG
 ALLOWED: dict[str, tuple[str, ...]] = {
     "store": ("store", "constants", "errors", "jsonutil", "_version"),
     "state": ("state", "constants", "errors", "jsonutil", "store.types", "store.spec"),
-    "signals": ("signals", "config", "constants", "errors", "jsonutil", "sysmem"),
+    "signals": ("signals", "config", "constants", "distributed", "errors", "jsonutil", "sysmem"),
     "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store.types"),
     "engine": ("engine", "store", "state", "config", "constants", "errors", "jsonutil", "sysmem"),
     "integrations": ("integrations", "run.checkpointer", "run.savelog", "state", "config", "constants", "errors",
