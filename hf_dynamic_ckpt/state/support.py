@@ -2,7 +2,7 @@
 
 Supported: a single process, DDP (every rank holds the whole model; rank 0 writes it), and FSDP2
 (`torch.distributed.fsdp.fully_shard`: every parameter is a `DTensor`; every rank writes its own
-shards, see `state.sharded`). Refused with a `ConfigError` that names these: DeepSpeed ZeRO (the
+shards, see `state.shards`). Refused with a `ConfigError` that names these: DeepSpeed ZeRO (the
 partitions live inside the DeepSpeed engine; a save from here would store rank 0's partition as
 if it were the model) and FSDP1 (`FullyShardedDataParallel` flat parameters, same problem).
 """
