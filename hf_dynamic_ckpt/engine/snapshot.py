@@ -372,9 +372,5 @@ class Snapshotter:
             )
             self._stored_blobs[name] = (ident, ref)
 
-    def forget_blobs(self) -> None:
-        """Forget every stored blob (e.g. after the store was pruned); the next save rewrites them."""
-        self._stored_blobs.clear()
-
     def _blob_alive(self, ref: BlobRef) -> bool:
         return self._blob_exists is None or self._blob_exists(ref)

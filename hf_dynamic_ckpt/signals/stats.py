@@ -11,7 +11,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 MAD_TO_STD = 1.4826
@@ -55,9 +55,6 @@ class RollingWindow:
     @property
     def values(self) -> list[float]:
         return list(self._values)
-
-    def last(self) -> float | None:
-        return self._values[-1] if self._values else None
 
     # statistics.median (one C sort) beats numpy by ~6x on windows of ~100 values.
     def median(self) -> float | None:
@@ -251,8 +248,3 @@ def ramp(value: float, lo: float, hi: float) -> float:
     if value >= hi:
         return 1.0
     return (value - lo) / (hi - lo)
-
-
-def finite(values: Iterable[float | None]) -> list[float]:
-    """The finite, non-`None` values of `values`."""
-    return [float(v) for v in values if v is not None and math.isfinite(v)]

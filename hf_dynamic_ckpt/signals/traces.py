@@ -70,19 +70,17 @@ def load_trace(path: str | os.PathLike[str]) -> RecordedTrace:
                          onsets=onsets)
 
 
-def replay_frames(trace: RecordedTrace, baselines: LayerBaselines | None = None, *,
-                  step_time_s: float | None = None) -> list[SignalFrame]:
+def replay_frames(trace: RecordedTrace) -> list[SignalFrame]:
     """The `SignalFrame`s the checkpointer would have built for the recorded run.
 
     Args:
         trace (`RecordedTrace`): from `load_trace`.
-        baselines (`LayerBaselines`, *optional*): per-layer judge (defaults to `GradProbe`'s defaults).
-        step_time_s (`float`, *optional*): step time to put in every frame.
 
     Returns:
-        `list[SignalFrame]`, one per recorded step, with `lora_max_ratio` from `baselines`.
+        `list[SignalFrame]`, one per recorded step, with `lora_max_ratio` from a `LayerBaselines` with
+        `GradProbe`'s defaults.
     """
-    baselines = baselines if baselines is not None else LayerBaselines()
+    baselines = LayerBaselines()
     names = trace.layers
     clip = trace.header.get("max_grad_norm")
     clip = float(clip) if isinstance(clip, (int, float)) and clip > 0 else None
@@ -91,7 +89,7 @@ def replay_frames(trace: RecordedTrace, baselines: LayerBaselines | None = None,
         ratio, layer = baselines.observe(dict(zip(names, norms)))
         nonfinite = not math.isfinite(grad) or (ratio is not None and not math.isfinite(ratio))
         frames.append(SignalFrame(step=step, loss=loss, grad_norm=grad, lora_max_ratio=ratio, lora_max_layer=layer,
-                                  nonfinite=nonfinite, lr=lr, step_time_s=step_time_s, clip_norm=clip))
+                                  nonfinite=nonfinite, lr=lr, clip_norm=clip))
     return frames
 
 
