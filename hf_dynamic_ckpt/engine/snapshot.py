@@ -348,6 +348,8 @@ class Snapshotter:
         released = self.pool.nbytes
         self.pool.clear()
         self._plans.clear()
+        if released:
+            logger.debug("released %.1f MiB of snapshot buffers", released / 2**20)
         if released and torch.cuda.is_available() and torch.cuda.is_initialized():
             empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks stay cached otherwise
             if empty is not None:

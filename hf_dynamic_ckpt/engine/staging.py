@@ -244,15 +244,11 @@ class Stager:
         if prober is not None:
             prober.shutdown(wait=True)
 
-    def stream(self, step: int, plan: StagingPlan, snapshotter: Any) -> None:
-        """Log a streaming save (the run's first at WARNING: it is short of memory; later ones at DEBUG) and
-        release the snapshot buffers `snapshotter` holds (a streaming save uses none)."""
+    def stream(self, step: int, plan: StagingPlan) -> None:
+        """Log a streaming save: the run's first at WARNING (it is short of memory), later ones at DEBUG."""
         level = logging.DEBUG if self.streamed else logging.WARNING
         logger.log(level, "save of step %d streams synchronously: %s", step, plan.reason)
         self.streamed = True
-        released = snapshotter.release()
-        if released:
-            logger.debug("released %.1f MiB of snapshot buffers (memory budget)", released / MiB)
 
     def writer_mode(self, mode: EngineMode) -> EngineMode:
         """`mode`, except a writer process becomes a thread when `writer_process_fits` says no."""
