@@ -53,7 +53,7 @@ MIN_RESERVE_BYTES = 128 * MiB
 (L1: up to 4 zstd frames of 16 MiB in flight, input and output, about 100-130 MiB measured)."""
 PROCESS_WRITER_MIN_BUDGET = 4 << 30
 """Under a cgroup limit, the budget below which the engine writes on a thread, not a writer process:
-a second interpreter with torch costs a few hundred MiB of the limit (measured in docs/benchmarks.md),
+a second interpreter with torch costs a few hundred MiB of the limit (docs/benchmarks.md, `bench_memory.py`),
 and it cannot be known at start-up how much a training step will take."""
 
 

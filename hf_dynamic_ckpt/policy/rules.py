@@ -298,7 +298,7 @@ class RulePolicy:
     def record_save(self, step: int, blocking_s: float, tiers: frozenset[Tier] | None = None) -> None:
         """Deprecated no-op, kept so that older callers keep working.
 
-        The save cost now reaches the policy only through `SignalFrame.save_blocking_s` (the
+        The save cost reaches the policy only through `SignalFrame.save_blocking_s` (the
         blocking time of the saves since the previous frame, MAX over ranks once reduced):
         a cost fed here would be this rank's alone and could make ranks decide differently.
 

@@ -147,7 +147,7 @@ def test_background_failure_surfaces_and_previous_checkpoint_stays(store, monkey
 
     monkeypatch.setattr(HashingWriter, "write", no_space)
     _step(model, opt)
-    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine")  # one WARNING per failed save (issue 10)
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine")  # one WARNING per failed save
     handle = engine.save(_sources(model, opt),
                          SaveRequest(step=2, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval"))
     with pytest.raises(SaveError, match=r"No space left on device") as excinfo:

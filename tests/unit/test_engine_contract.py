@@ -1,4 +1,4 @@
-"""The engine's side of the round-2 contracts: typed hand-offs, info.blobs, abort, module shape.
+"""The engine's side of its contracts with the store: typed hand-offs, info.blobs, abort, module shape.
 
 `ContractStore` implements the store interface the engine relies on (`spec`/`from_spec`,
 `save(state, request, *, timings, cancel)`, `CheckpointInfo.blobs`, `blobs.exists`) and
@@ -43,7 +43,7 @@ class _Blobs:
 
 
 class ContractStore:
-    """Round-2 store interface, no files committed; records what it was handed under `spec.root`."""
+    """The store interface the engine relies on, no files committed; records what it was handed under `spec.root`."""
 
     fill_blobs = True
 

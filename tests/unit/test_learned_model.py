@@ -1,4 +1,4 @@
-"""The learned double-check (issue 14): features, the numpy LSTM, the model file, its role next to the rules.
+"""The learned double-check: features, the numpy LSTM, the model file, its role next to the rules.
 
 Role tests use small hand-made model files (`constant_model`: zero LSTM weights, a fixed score
 and granularity), so they check what the policy does with an opinion, not what the shipped

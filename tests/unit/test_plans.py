@@ -1,4 +1,4 @@
-"""The per-save shortcuts of the copy plans agree with the generic walks (issue 15: LoRA snapshots)."""
+"""The per-save shortcuts of the copy plans agree with the generic walks (what a LoRA snapshot saves)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 16: capture from the first optimizer step, no false positives on calm starts, and
+"""Capture from the first optimizer step, no false positives on calm starts, and
 windows that continue from the restored state after a resume.
 
 Decision replays on recorded calm runs (`tests/data/traces/` and `tests/data/traces/early/`:
@@ -146,7 +146,7 @@ def test_anomaly_right_after_a_resume_is_captured_from_the_restored_windows(name
     assert all(d.reason.startswith("pre_update early_") for _, d in fresh if d.pin)
 
 
-def test_round_one_state_warms_up_again_with_a_note(caplog: pytest.LogCaptureFixture) -> None:
+def test_version_1_state_warms_up_again_with_a_note(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.policy")
     policy = RulePolicy(SHORT)
     replay(policy, [SignalFrame(step=s, loss=2.0, grad_norm=1.0) for s in range(1, 30)])

@@ -1,4 +1,4 @@
-"""RulePolicy's seams (issues 9 and 11): parts with their own state, frame-only inputs, kinds, health."""
+"""RulePolicy's seams: parts with their own state, frame-only inputs, kinds, health."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def eventful_frames() -> list[SignalFrame]:
     return frames
 
 
-# ------------------------------------------------------------------ agreed inputs (issue 11)
+# ------------------------------------------------------------------ agreed inputs
 @pytest.mark.filterwarnings("ignore:RulePolicy.record_save:DeprecationWarning")
 def test_same_frames_same_decisions_whatever_each_rank_measures_locally() -> None:
     """Under DDP every rank feeds the same reduced frame; a rank-local save cost must change nothing."""
@@ -79,7 +79,7 @@ def test_record_save_is_a_deprecated_no_op() -> None:
     assert json.dumps(policy.state_dict()) == before
 
 
-# ------------------------------------------------------------------ health (issue 11)
+# ------------------------------------------------------------------ health
 def test_saves_inside_the_demo_explosion_are_unhealthy_and_the_capture_is_the_restore_point(
         caplog: pytest.LogCaptureFixture) -> None:
     """The demo's loss x30 at steps 35-38: its risk_edge save at 38 (loss 178.2) was marked healthy."""
@@ -129,7 +129,7 @@ def test_a_bad_update_that_was_skipped_leaves_a_healthy_state() -> None:
         assert (post.save, post.step, post.healthy) == (True, 40, healthy)
 
 
-# ------------------------------------------------------------------ parts and state (issue 9)
+# ------------------------------------------------------------------ parts and state
 def test_every_part_owns_its_state_and_the_round_trip_is_exact() -> None:
     cfg = SmartCkptConfig(stability_window=30, mtbf_hours=0.05, risk_smoothing=5)
     frames = eventful_frames()

@@ -1,4 +1,4 @@
-"""Issue 15 (resume to the first step): what a resume no longer pays on its way to the first step.
+"""What a resume does not pay on its way to the first step.
 
 - the writer process starts when first needed (prepare, after the resume's L1 read), not with the engine;
 - snapshot buffers: shared memory reserved without holding the GIL, allocated at the training
