@@ -81,7 +81,8 @@ def build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
     if unknown:
         key = unknown[0]
         raise ConfigError(
-            f"unknown config key {prefix}{key!r}{_did_you_mean(key, names)}: allowed keys are {', '.join(sorted(names))}."
+            f"unknown config key {prefix}{key!r}{_did_you_mean(key, names)}: allowed keys are "
+            f"{', '.join(sorted(names))}."
         )
     try:
         return cls(**data)

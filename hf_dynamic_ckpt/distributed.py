@@ -19,8 +19,8 @@ from .signals.frame import SignalFrame
 
 # Layout of the packed frame: (field, reduction). Missing values are packed as -inf so
 # MAX ignores them; the loss is packed twice (value, present) so SUM knows how many ranks had one.
-_MAX_FIELDS = ("grad_norm", "lora_max_ratio", "device_mem_frac", "host_mem_frac", "step_time_s", "lr", "save_blocking_s",
-               "clip_norm")
+_MAX_FIELDS = ("grad_norm", "lora_max_ratio", "device_mem_frac", "host_mem_frac", "step_time_s", "lr",
+               "save_blocking_s", "clip_norm")
 
 
 def _dist() -> Any:

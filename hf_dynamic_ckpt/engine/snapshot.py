@@ -314,7 +314,8 @@ class Snapshotter:
         optimizer = live.optimizer
         if optimizer is not None:
             sources = tensors_in(optimizer, [])
-            optimizer = substitute(optimizer, iter([t.detach().to("cpu") if t.is_cuda else t.detach() for t in sources]))
+            on_host = [t.detach().to("cpu") if t.is_cuda else t.detach() for t in sources]
+            optimizer = substitute(optimizer, iter(on_host))
             live_bytes += state_dict_tensor_bytes(optimizer)
         return self._snapshot(live, weights, optimizer, copied, live_bytes, start, [])
 

@@ -172,7 +172,8 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_b
     budget = headroom.budget(margin)
     reserve = headroom.reserve(margin)
     kept = f"{margin:.0%} margin" if reserve > MIN_RESERVE_BYTES else f"{reserve / MiB:.0f} MiB reserve"
-    transient = f", {headroom.transient_bytes / MiB:.1f} MiB kept for a training step" if headroom.transient_bytes else ""
+    step_mib = headroom.transient_bytes / MiB
+    transient = f", {step_mib:.1f} MiB kept for a training step" if headroom.transient_bytes else ""
     if needed_bytes <= budget:
         held = f" ({held_bytes / MiB:.1f} MiB held)" if held_bytes else ""
         return StagingPlan(
@@ -188,7 +189,8 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_b
         reason = (f"the {held_bytes / MiB:.1f} MiB of snapshot buffers held leave {budget / MiB:.1f} MiB above "
                   f"the {kept} of {limit}: releasing them and saving synchronously from live tensors")
     else:
-        reason = (f"a buffered snapshot would need {needed_bytes / MiB:.1f} MiB but only {max(budget, 0) / MiB:.1f} MiB "
+        reason = (f"a buffered snapshot would need {needed_bytes / MiB:.1f} MiB but only "
+                  f"{max(budget, 0) / MiB:.1f} MiB "
                   f"are free above the {kept} of {limit}: saving synchronously from live tensors instead")
     return StagingPlan(StagingMode.STREAMING, reason, needed_bytes, headroom)
 

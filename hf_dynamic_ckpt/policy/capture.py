@@ -130,7 +130,8 @@ class CaptureTrigger(Stateful):
         was, self.prev_nonfinite = self.prev_nonfinite, nonfinite
         return was
 
-    def suppression(self, step: int, *, nonfinite: bool, was_nonfinite: bool, healthy: bool, cooldown: int) -> str | None:
+    def suppression(self, step: int, *, nonfinite: bool, was_nonfinite: bool, healthy: bool,
+                    cooldown: int) -> str | None:
         """Why a capture at `step` is not taken, or `None` (then the capture is recorded at `step`)."""
         if not healthy:
             return "state already unhealthy (a non-finite update was applied)"

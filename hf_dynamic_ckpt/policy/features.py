@@ -12,10 +12,10 @@ x1e6 loss) cannot push the network outside what it was trained on. Pure Python.
 |---|---|---|
 | 0 | `loss_ratio` | log(loss / median loss of the window) |
 | 1 | `loss_change` | (loss - previous loss) / median loss: the loss rate of change |
-| 2 | `loss_noise` | log(relative step-to-step loss noise of the window): noise ~ 1/sqrt(batch size), the frame's stand-in for the batch size |
+| 2 | `loss_noise` | log(relative step-to-step loss noise of the window): noise ~ 1/sqrt(batch size) |
 | 3 | `grad_ratio` | log(pre-clip grad norm / median grad norm of the window) |
 | 4 | `grad_vs_clip` | log(pre-clip grad norm / clip norm); 0 when the loop does not clip |
-| 5 | `lora_ratio` | log(`lora_max_ratio`): the most unusual LoRA layer against its own ceiling; 0 without LoRA or while the layers warm up |
+| 5 | `lora_ratio` | log(`lora_max_ratio`): the most unusual LoRA layer against its own ceiling; 0 without LoRA |
 | 6 | `lr_ratio` | log(learning rate / highest rate of the window) |
 | 7 | `mem_frac` | memory in use, fraction of the limit (the last sample; 0 before any) |
 | 8 | `mem_trend` | the fraction the memory trend adds over the next 50 steps (line through the last 6 samples) |
@@ -24,7 +24,8 @@ x1e6 loss) cannot push the network outside what it was trained on. Pure Python.
 | 11 | `history` | min(1, steps seen / 50): how much history the ratios stand on |
 
 A ratio without history (the first step) is 0; a non-finite value gives `nonfinite = 1`
-and 0 for the ratios it would have entered.
+and 0 for the ratios it would have entered. `loss_noise` is the frame's stand-in for the batch
+size; `lora_ratio` is 0 too while the layers warm up.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ class DecisionModel:
                     "granularity.bias": (len(Granularity),)}
         for layer in range(LAYERS):
             n_in = NUM_FEATURES if layer == 0 else hidden
-            expected |= {f"lstm.weight_ih_l{layer}": (4 * hidden, n_in), f"lstm.weight_hh_l{layer}": (4 * hidden, hidden),
+            expected |= {f"lstm.weight_ih_l{layer}": (4 * hidden, n_in),
+                         f"lstm.weight_hh_l{layer}": (4 * hidden, hidden),
                          f"lstm.bias_ih_l{layer}": (4 * hidden,), f"lstm.bias_hh_l{layer}": (4 * hidden,)}
         for name, shape in expected.items():
             if w[name].shape != shape:
@@ -293,19 +294,24 @@ class LearnedCheck:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         lstm = [np.asarray(v, dtype=np.float64) for v in state["lstm"]]
         if len(lstm) != 2 * LAYERS or any(v.shape != (self.model.hidden,) or not np.all(np.isfinite(v)) for v in lstm):
-            raise ConfigError(f"policy state of the learned model: lstm state {json.dumps(state['lstm'])[:80]} does not "
+            raise ConfigError("policy state of the learned model: lstm state "
+                              f"{json.dumps(state['lstm'])[:80]} does not "
                               f"fit a {LAYERS}-layer LSTM of {self.model.hidden} units (another model wrote it).")
         last = state["last_save"]
         if last is not None and (not isinstance(last, int) or isinstance(last, bool)):
-            raise ConfigError(f"policy state of the learned model: last_save={last!r} is invalid: expected an int or null.")
+            raise ConfigError(f"policy state of the learned model: last_save={last!r} is invalid: expected an int "
+                              "or null.")
         self.features.load_state_dict(state["features"])
         self.state, self.last_save, self._cached = lstm, last, None
 
 
 
 def _is_hard(rule: str, frame: SignalFrame, loss_baseline: float | None) -> bool:
-    """A capture the model may never veto: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its baseline)."""
+    """A capture the model may never veto: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its
+    baseline)."""
     if rule == "nonfinite" or frame.any_nonfinite:
         return True
     loss = frame.loss
-    return loss is not None and loss_baseline is not None and loss_baseline > 0 and loss >= HARD_LOSS_RATIO * loss_baseline
+    if loss is None or loss_baseline is None or not loss_baseline > 0:
+        return False
+    return loss >= HARD_LOSS_RATIO * loss_baseline

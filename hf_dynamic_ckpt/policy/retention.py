@@ -92,7 +92,8 @@ def _plan_live(
     healthy = next((i for i in ordered if i.healthy), None)
     if healthy is not None:
         protected.add(id(healthy))
-    expired = {id(i): _expired_tiers(i, tier_retention, now) for i in ordered if id(i) not in protected and not i.pinned}
+    expired = {id(i): _expired_tiers(i, tier_retention, now)
+               for i in ordered if id(i) not in protected and not i.pinned}
     # Checkpoints whose weights expired go first, so thinning never keeps one that is about to vanish.
     dead = {k for k, tiers in expired.items() if Tier.WEIGHTS in tiers}
     kept_by_bucket: dict[int, CheckpointInfo] = {}
@@ -113,7 +114,8 @@ def _plan_live(
     return plan
 
 
-def _expired_tiers(info: CheckpointInfo, tier_retention: Mapping[Tier, float | None] | None, now: float) -> frozenset[Tier]:
+def _expired_tiers(info: CheckpointInfo, tier_retention: Mapping[Tier, float | None] | None,
+                   now: float) -> frozenset[Tier]:
     if not tier_retention:
         return frozenset()
     age_days = (now - info.save_time) / SECONDS_PER_DAY

@@ -231,7 +231,8 @@ class RulePolicy:
         if rule is not None and self._skip_step != frame.step:  # a skipped update left the weights as they were
             return False, f"this step's update was bad: {rule}"
         if self.smoother.training_risk >= self.config.risk_threshold:
-            return False, f"training risk {self.smoother.training_risk:.2f} >= risk_threshold {self.config.risk_threshold}"
+            risk = self.smoother.training_risk
+            return False, f"training risk {risk:.2f} >= risk_threshold {self.config.risk_threshold}"
         return True, ""
 
     def _choose(self, frame: SignalFrame, a: Assessment, healthy: bool) -> Decision:
@@ -293,7 +294,8 @@ class RulePolicy:
         entry = {"at_step": step, **decision.to_dict()}
         self.decisions.append(entry)
         logger.debug("step %d: save step %d (%s) tiers=%s%s%s", step, decision.step, decision.reason,
-                    ",".join(entry["tiers"]), " pinned" if decision.pin else "", "" if decision.healthy else " unhealthy")
+                     ",".join(entry["tiers"]), " pinned" if decision.pin else "",
+                     "" if decision.healthy else " unhealthy")
 
     def record_save(self, step: int, blocking_s: float, tiers: frozenset[Tier] | None = None) -> None:
         """Deprecated no-op, kept so that older callers keep working.
@@ -348,7 +350,8 @@ class RulePolicy:
     def state_dict(self) -> dict[str, Any]:
         """Every part's state as strict JSON data, so a resumed run decides exactly the same."""
         return {"version": STATE_VERSION, **{name: part.state_dict() for name, part in self._parts.items()},
-                "suppressed": sorted(self._suppressed), "history": list(self.history), "decisions": list(self.decisions)}
+                "suppressed": sorted(self._suppressed), "history": list(self.history),
+                "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned (window sizes follow the current config).

@@ -64,7 +64,8 @@ def load_trace(path: str | os.PathLike[str]) -> RecordedTrace:
             step, loss, grad, lr, norms = json.loads(line)
             rows.append((int(step), _f(loss), _f(grad), _f(lr), [_f(v) for v in norms]))
     except (IndexError, ValueError, TypeError) as e:
-        raise ConfigError(f"{os.fspath(path)} is not a signal trace ({e}); record one with scripts/record_traces.py.") from e
+        raise ConfigError(f"{os.fspath(path)} is not a signal trace ({e}); record one with "
+                          "scripts/record_traces.py.") from e
     onsets = [(int(s), str(k)) for s, k in header.get("onsets", [])]
     return RecordedTrace(name=str(header.get("name", os.path.basename(os.fspath(path)))), header=header, rows=rows,
                          onsets=onsets)
@@ -96,7 +97,8 @@ def replay_frames(trace: RecordedTrace) -> list[SignalFrame]:
 INJECTIONS = ("loss_x", "nan_grad", "lr_surge")
 
 
-def inject_anomaly(trace: RecordedTrace, onset: int, kind: str, *, factor: float = 100.0, steps: int = 1) -> RecordedTrace:
+def inject_anomaly(trace: RecordedTrace, onset: int, kind: str, *, factor: float = 100.0,
+                   steps: int = 1) -> RecordedTrace:
     """A copy of a calm `trace` with an anomaly injected at step `onset` (for `steps` steps).
 
     Exact up to and including the onset step, which is all a pre-update capture reads:
@@ -122,7 +124,8 @@ def inject_anomaly(trace: RecordedTrace, onset: int, kind: str, *, factor: float
     if kind not in INJECTIONS:
         raise ConfigError(f"kind={kind!r} is invalid: expected one of {', '.join(INJECTIONS)}.")
     if not any(r[0] == onset for r in trace.rows):
-        raise ConfigError(f"onset={onset} is outside the trace {trace.name!r} (steps {trace.rows[0][0]}..{trace.rows[-1][0]}).")
+        raise ConfigError(f"onset={onset} is outside the trace {trace.name!r} "
+                          f"(steps {trace.rows[0][0]}..{trace.rows[-1][0]}).")
     rows = []
     for step, loss, grad, lr, norms in trace.rows:
         if onset <= step < onset + steps:

@@ -53,7 +53,8 @@ def check_accelerator(accelerator: Any) -> None:
         return
     kind = _accelerator_type(accelerator)
     state = getattr(accelerator, "state", None)
-    if kind == "DEEPSPEED" or getattr(state, "deepspeed_plugins", None) or getattr(accelerator, "deepspeed_plugin", None):
+    deepspeed = getattr(state, "deepspeed_plugins", None) or getattr(accelerator, "deepspeed_plugin", None)
+    if kind == "DEEPSPEED" or deepspeed:
         raise _refuse("DeepSpeed (the accelerator's distributed_type is DEEPSPEED)", _DEEPSPEED_WHY, _DEEPSPEED_FIX)
     if kind == "FSDP":
         plugin = getattr(state, "fsdp_plugin", None) or getattr(accelerator, "fsdp_plugin", None)

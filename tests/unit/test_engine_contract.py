@@ -137,8 +137,8 @@ def test_the_writer_process_opens_the_store_from_the_same_spec_and_gets_the_requ
     opened = json.loads((tmp_path / "opened.json").read_text())
     # The one difference: the store asks for every CPU; the writer process compresses on those training leaves.
     assert store.spec.compression_threads == 0
-    assert opened == {"spec": {**dataclasses.asdict(store.spec), "codec": "none", "compression_threads": writer_threads()},
-                      "cleanup": False}
+    spec = {**dataclasses.asdict(store.spec), "codec": "none", "compression_threads": writer_threads()}
+    assert opened == {"spec": spec, "cleanup": False}
     assert (tmp_path / "requests.jsonl").read_text().splitlines() == [_request_json(REQUEST)]
     assert store.received == []  # written by the child's store, not the parent's
 

@@ -247,7 +247,8 @@ def test_derived_interval_is_widened_to_the_budget_and_says_so() -> None:
     assert [d.step for d in saves] == [20, 120, 220, 320]
     assert saves[0].reason == ("interval 20 (base 20 from stability_window until a save cost is measured, "
                                "alpha 1.00, beta 0.00)")
-    assert saves[1].reason == "interval 100 (base 12 from Young/Daly, widened by overhead_budget 2.0%, alpha 1.00, beta 0.00)"
+    assert saves[1].reason == ("interval 100 (base 12 from Young/Daly, widened by overhead_budget 2.0%, alpha 1.00, "
+                               "beta 0.00)")
     # Within the budget the Young/Daly interval stands: C = 0.002 s -> sqrt(2 * 0.002 * 3600) = 3.8 s = 38 steps.
     saves = drive_with_cost(cfg.replace(mtbf_hours=1.0), 0.002)
     assert [d.step for d in saves][:3] == [20, 58, 96]

@@ -116,7 +116,8 @@ def test_first_step_grad_norm_orders_of_magnitude_above_the_clip_norm_is_capture
     assert not policy.pre_update(SignalFrame(step=1, loss=7.0, grad_norm=99.0, clip_norm=1.0)).save
     policy = RulePolicy(SHORT)
     d = policy.pre_update(SignalFrame(step=1, loss=7.0, grad_norm=250.0, clip_norm=1.0))
-    assert (d.save, d.step, d.pin, d.reason) == (True, 0, True, "pre_update first_step grad_norm 250 = x250 the clip norm 1")
+    assert (d.save, d.step, d.pin, d.reason) == (True, 0, True,
+                                                 "pre_update first_step grad_norm 250 = x250 the clip norm 1")
     policy = RulePolicy(SHORT)  # without a clip norm nothing is known at step 1
     assert not policy.pre_update(SignalFrame(step=1, loss=7.0, grad_norm=1e6)).save
 

@@ -98,8 +98,10 @@ def test_saves_inside_the_demo_explosion_are_unhealthy_and_the_capture_is_the_re
     assert max(healthy) == onset - 1
     assert all(d.healthy for d in saves if d.step is not None and d.step < onset - 1)
     messages = [r.getMessage() for r in caplog.records if "marked unhealthy" in r.getMessage()]
-    assert messages[0] == "step 37: the checkpoint of step 37 is marked unhealthy (this step's update was bad: grad_surge x38.9)"
-    assert messages[1] == "step 38: the checkpoint of step 38 is marked unhealthy (this step's update was bad: grad_surge x57.8)"
+    assert messages[0] == ("step 37: the checkpoint of step 37 is marked unhealthy (this step's update was bad: "
+                           "grad_surge x38.9)")
+    assert messages[1] == ("step 38: the checkpoint of step 38 is marked unhealthy (this step's update was bad: "
+                           "grad_surge x57.8)")
 
 
 def test_a_save_while_the_training_risk_is_high_is_unhealthy(caplog: pytest.LogCaptureFixture) -> None:
@@ -155,7 +157,8 @@ def test_unknown_or_malformed_state_raises_and_changes_nothing() -> None:
     policy = RulePolicy(SmartCkptConfig(base_interval=4))
     run(policy, [calm(s) for s in range(1, 30)])
     good = json.loads(json.dumps(policy.state_dict()))
-    with pytest.raises(ConfigError, match=r"^policy state version=7 is not supported: expected 2 \(or 1, which restarts"):
+    with pytest.raises(ConfigError,
+                       match=r"^policy state version=7 is not supported: expected 2 \(or 1, which restarts"):
         policy.load_state_dict({**good, "version": 7})
     bad = json.loads(json.dumps(good))
     bad["levels"] = {"loss": [1.0]}  # no grad window: written by something else
@@ -163,7 +166,8 @@ def test_unknown_or_malformed_state_raises_and_changes_nothing() -> None:
         policy.load_state_dict(bad)
     bad = json.loads(json.dumps(good))
     bad["edge"] = {"armed": "yes"}
-    with pytest.raises(ConfigError, match=r"^policy state of RiskEdgeTrigger: armed='yes' is invalid: expected bool\.$"):
+    with pytest.raises(ConfigError,
+                       match=r"^policy state of RiskEdgeTrigger: armed='yes' is invalid: expected bool\.$"):
         policy.load_state_dict(bad)
     bad = json.loads(json.dumps(good))
     del bad["capture"]["last_step"]

@@ -29,7 +29,8 @@ from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest
 
 MiB = 1 << 20
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are a Linux feature")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="per-thread nice values are a Linux feature")
 
 
 @pytest.fixture

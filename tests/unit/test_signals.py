@@ -118,7 +118,8 @@ def test_grad_probe_finds_lora_layers_by_type_and_matches_manual_norms() -> None
     model(**batch(1)).loss.backward()
     global_norm, layer_norms = probe.measure()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert global_norm == pytest.approx(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))), rel=1e-5)
+    expected = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    assert global_norm == pytest.approx(expected, rel=1e-5)
     for name, norm in layer_norms.items():
         module = model.get_submodule(name)
         manual = math.sqrt(sum(float(p.grad.square().sum()) for n, p in module.named_parameters() if "lora_" in n))
@@ -176,7 +177,8 @@ def test_grad_probe_without_lora_uses_the_clip_norm_without_computing() -> None:
     model(torch.ones(2, 4)).sum().backward()
     norm, layers = probe.measure()
     assert layers == {}
-    assert norm == pytest.approx(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))))
+    full = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert norm == pytest.approx(float(torch.linalg.vector_norm(full)))
 
 
 def test_clip_recorder_keeps_the_clip_norm_of_the_last_call() -> None:
