@@ -27,7 +27,7 @@ HF_NAMES = {
 }
 
 
-def _warn_once(key: str) -> bool:
+def warn_once(key: str) -> bool:
     """Whether to log a configuration warning: once per process, and only on rank 0 of a job."""
     if key in _WARNED or int(os.environ.get("RANK", "0") or 0) != 0:
         return False
@@ -42,24 +42,29 @@ def _did_you_mean(key: str, names: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
+def check(cond: bool, name: str, value: Any, allowed: str) -> None:
+    """Raise `ConfigError("<name>=<value> is invalid: expected <allowed>.")` unless `cond`."""
     if not cond:
         raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}.")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An `int` and not a `bool` (YAML's `true` is no interval)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An `int` or `float`, not a `bool`, not NaN."""
     return isinstance(value, int | float) and not isinstance(value, bool) and value == value
 
 
-def _is_finite(value: Any) -> bool:
-    return _is_number(value) and math.isfinite(value)
+def is_finite(value: Any) -> bool:
+    """A number (`is_number`) that is not infinite."""
+    return is_number(value) and math.isfinite(value)
 
 
-def _enum(enum_cls: type[enum.Enum], name: str, value: Any) -> Any:
+def parse_enum(enum_cls: type[enum.Enum], name: str, value: Any) -> Any:
+    """`enum_cls(value)`, or a `ConfigError` naming `name` and the allowed values."""
     try:
         return enum_cls(value)
     except ValueError:
@@ -67,14 +72,17 @@ def _enum(enum_cls: type[enum.Enum], name: str, value: Any) -> Any:
         raise ConfigError(f"{name}={value!r} is invalid: expected one of {allowed}.") from None
 
 
-def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
+def build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
+    """`cls(**data)` for a config dataclass; unknown keys and errors name the key as the YAML spells it
+    (`where`: the nested key, e.g. `"storage_levels.level_1"`; `""` at the top level)."""
     names = {f.name for f in dataclasses.fields(cls)}
     prefix = f"{where}." if where else ""
     unknown = sorted(set(data) - names)
     if unknown:
         key = unknown[0]
         raise ConfigError(
-            f"unknown config key {prefix}{key!r}{_did_you_mean(key, names)}: allowed keys are {', '.join(sorted(names))}."
+            f"unknown config key {prefix}{key!r}{_did_you_mean(key, names)}: allowed keys are "
+            f"{', '.join(sorted(names))}."
         )
     try:
         return cls(**data)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._config_checks import _build, _check, _enum, _is_finite, _is_int, _is_number, _warn_once
+from ._config_checks import build, check, is_finite, is_int, is_number, parse_enum, warn_once
 from .constants import DEFAULT_TASK_ID
 from .errors import ConfigError
 from .store.spec import Codec
@@ -104,18 +104,22 @@ class LevelConfig:
     retention_days: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compression", _enum(Compression, "compression", self.compression))
-        _check(_is_int(self.compression_level) and 1 <= self.compression_level <= 19, "compression_level", self.compression_level, "1 <= level <= 19")
-        _check(isinstance(self.pace_to_disk, bool), "pace_to_disk", self.pace_to_disk, "true or false (a YAML boolean, not a string)")
+        object.__setattr__(self, "compression", parse_enum(Compression, "compression", self.compression))
+        check(is_int(self.compression_level) and 1 <= self.compression_level <= 19,
+              "compression_level", self.compression_level, "1 <= level <= 19")
+        check(isinstance(self.pace_to_disk, bool),
+              "pace_to_disk", self.pace_to_disk, "true or false (a YAML boolean, not a string)")
         if self.retention_days is not None:
-            _check(_is_number(self.retention_days) and self.retention_days > 0, "retention_days", self.retention_days, "a positive number or null")
+            check(is_number(self.retention_days) and self.retention_days > 0,
+                  "retention_days", self.retention_days, "a positive number or null")
 
 
 @dataclass(frozen=True, kw_only=True)
 class StorageLevels:
     level_0: LevelConfig = field(default_factory=lambda: LevelConfig(device="ssd", retention_days=30))
     level_1: LevelConfig = field(
-        default_factory=lambda: LevelConfig(compression=Compression.ZSTD, compression_level=1, device="nvme", retention_days=7)
+        default_factory=lambda: LevelConfig(compression=Compression.ZSTD, compression_level=1, device="nvme",
+                                            retention_days=7)
     )
     level_2: LevelConfig = field(default_factory=lambda: LevelConfig(device="ssd", retention_days=90))
 
@@ -123,14 +127,15 @@ class StorageLevels:
         for name in ("level_0", "level_1", "level_2"):
             value = getattr(self, name)
             if isinstance(value, Mapping):
-                object.__setattr__(self, name, _build(LevelConfig, value, f"storage_levels.{name}"))
+                object.__setattr__(self, name, build(LevelConfig, value, f"storage_levels.{name}"))
             elif not isinstance(value, LevelConfig):
                 raise ConfigError(f"storage_levels.{name}={value!r} is invalid: expected a mapping such as "
-                                  "{compression: zstd, compression_level: 3, retention_days: 7} (leave the key out for the defaults).")
-        _check(self.level_0.compression == Compression.NONE, "storage_levels.level_0.compression",
-               self.level_0.compression.value, "'none' (weights stay uncompressed so they can be memory-mapped)")
+                                  "{compression: zstd, compression_level: 3, retention_days: 7} (leave the key out "
+                                  "for the defaults).")
+        check(self.level_0.compression == Compression.NONE, "storage_levels.level_0.compression",
+              self.level_0.compression.value, "'none' (weights stay uncompressed so they can be memory-mapped)")
         Codec.parse(self.level_1.compression.value)  # the store's one vocabulary for the L1 codec
-        if self.level_2.compression != Compression.NONE and _warn_once("level_2.compression"):
+        if self.level_2.compression != Compression.NONE and warn_once("level_2.compression"):
             # Accepted so the article's checkpoint_config.yaml loads as written, but not applied.
             logger.warning(
                 "storage_levels.level_2.compression=%r is not applied: L2 (RNG, data position, metadata) "
@@ -174,8 +179,8 @@ class SmartCkptConfig:
             finite surge or spike is not captured again (non-finite values always are, once per run
             of them). `None` uses `stability_window`.
         lr_surge_ratio (`float`, *optional*, defaults to `2.0`): a learning rate above this multiple of
-            the highest rate of the last `stability_window` steps is a surge (captured before the update it would drive).
-            Linear warmup never more than doubles the rate from one step to the next.
+            the highest rate of the last `stability_window` steps is a surge (captured before the update it
+            would drive). Linear warmup never more than doubles the rate from one step to the next.
         memory_lookahead (`int`, *optional*, defaults to `50`): a minimal save fires when the memory
             trend predicts crossing `memory_threshold` within this many steps.
         pre_anomaly_capture (`bool`, *optional*, defaults to `True`): save and pin the state from
@@ -285,15 +290,15 @@ class SmartCkptConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         if self.root is not None:
-            _check(isinstance(self.root, str | os.PathLike), "root", self.root, "a directory path (str) or null")
+            check(isinstance(self.root, str | os.PathLike), "root", self.root, "a directory path (str) or null")
             set_(self, "root", os.fspath(self.root))
         from .store.remote import check_remote_config  # URL root, remote_* keys (docs/storage.md)
 
         set_(self, "remote_storage_options", check_remote_config(self))
         for flag in ("pre_anomaly_capture", "skip_bad_update", "keep_log_spaced", "async_save", "report_to_trainer"):
             value = getattr(self, flag)
-            _check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")
-        _check(isinstance(self.task_id, str), "task_id", self.task_id, "a name (string)")
+            check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")
+        check(isinstance(self.task_id, str), "task_id", self.task_id, "a name (string)")
         if not isinstance(self.storage_levels, StorageLevels | Mapping):
             raise ConfigError(f"storage_levels={self.storage_levels!r} is invalid: expected a mapping with level_0 / "
                               "level_1 / level_2.")
@@ -302,75 +307,85 @@ class SmartCkptConfig:
         elif not isinstance(self.preemption_signals, list | tuple):
             raise ConfigError(f"preemption_signals={self.preemption_signals!r} is invalid: expected a list of signal "
                               "names such as ['SIGTERM', 'SIGUSR1'] (an empty list disables the handlers).")
-        set_(self, "engine", _enum(EngineMode, "engine", self.engine))
-        set_(self, "fallback_strategy", _enum(FallbackStrategy, "fallback_strategy", self.fallback_strategy))
-        set_(self, "on_save_error", _enum(OnSaveError, "on_save_error", self.on_save_error))
+        set_(self, "engine", parse_enum(EngineMode, "engine", self.engine))
+        set_(self, "fallback_strategy", parse_enum(FallbackStrategy, "fallback_strategy", self.fallback_strategy))
+        set_(self, "on_save_error", parse_enum(OnSaveError, "on_save_error", self.on_save_error))
         if isinstance(self.storage_levels, Mapping):
-            set_(self, "storage_levels", _build(StorageLevels, self.storage_levels, "storage_levels"))
+            set_(self, "storage_levels", build(StorageLevels, self.storage_levels, "storage_levels"))
         set_(self, "preemption_signals", tuple(self.preemption_signals))
-        _check(bool(self.task_id) and "/" not in self.task_id and not self.task_id.startswith("."),
-               "task_id", self.task_id, "a non-empty name without '/' that does not start with '.'")
+        check(bool(self.task_id) and "/" not in self.task_id and not self.task_id.startswith("."),
+              "task_id", self.task_id, "a non-empty name without '/' that does not start with '.'")
         if self.base_interval is not None:
-            _check(_is_int(self.base_interval) and self.base_interval >= 1, "base_interval",
-                   self.base_interval, "an integer >= 1 or null (derive it from the save cost)")
-        _check(_is_int(self.min_interval) and self.min_interval >= 1, "min_interval", self.min_interval, "an integer >= 1")
-        _check(_is_int(self.max_interval) and self.max_interval >= self.min_interval, "max_interval",
-               self.max_interval, f"an integer >= min_interval ({self.min_interval})")
-        _check(_is_finite(self.mtbf_hours) and self.mtbf_hours > 0, "mtbf_hours", self.mtbf_hours, "a positive number of hours")
-        _check(_is_int(self.stability_window) and self.stability_window >= 4, "stability_window",
-               self.stability_window, "an integer >= 4")
-        _check(_is_number(self.risk_threshold) and 0.0 < self.risk_threshold <= 1.0, "risk_threshold", self.risk_threshold, "0 < value <= 1")
-        _check(_is_number(self.risk_release) and 0.0 <= self.risk_release < self.risk_threshold, "risk_release", self.risk_release,
-               f"0 <= value < risk_threshold ({self.risk_threshold})")
-        _check(_is_int(self.risk_smoothing) and self.risk_smoothing >= 1, "risk_smoothing",
-               self.risk_smoothing, "an integer >= 1")
-        _check(_is_number(self.loss_spike_z) and self.loss_spike_z > 0, "loss_spike_z", self.loss_spike_z, "a positive number")
-        _check(_is_number(self.grad_surge_ratio) and self.grad_surge_ratio > 1, "grad_surge_ratio", self.grad_surge_ratio, "a number > 1")
-        _check(_is_number(self.memory_threshold) and 0.0 < self.memory_threshold <= 1.0, "memory_threshold", self.memory_threshold, "0 < value <= 1")
-        _check(_is_int(self.memory_sample_every) and self.memory_sample_every >= 1, "memory_sample_every",
-               self.memory_sample_every, "an integer >= 1")
-        _check(_is_number(self.overhead_budget) and 0.0 < self.overhead_budget <= 1.0, "overhead_budget", self.overhead_budget, "0 < value <= 1")
-        _check(_is_number(self.risk_gain) and 0 < self.risk_gain <= 100, "risk_gain", self.risk_gain, "0 < value <= 100")
-        _check(_is_number(self.stability_cv) and self.stability_cv > 0, "stability_cv", self.stability_cv,
-               "a positive number (relative loss noise counted as calm, e.g. 0.1)")
+            check(is_int(self.base_interval) and self.base_interval >= 1, "base_interval",
+                  self.base_interval, "an integer >= 1 or null (derive it from the save cost)")
+        check(is_int(self.min_interval) and self.min_interval >= 1,
+              "min_interval", self.min_interval, "an integer >= 1")
+        check(is_int(self.max_interval) and self.max_interval >= self.min_interval, "max_interval",
+              self.max_interval, f"an integer >= min_interval ({self.min_interval})")
+        check(is_finite(self.mtbf_hours) and self.mtbf_hours > 0,
+              "mtbf_hours", self.mtbf_hours, "a positive number of hours")
+        check(is_int(self.stability_window) and self.stability_window >= 4, "stability_window",
+              self.stability_window, "an integer >= 4")
+        check(is_number(self.risk_threshold) and 0.0 < self.risk_threshold <= 1.0,
+              "risk_threshold", self.risk_threshold, "0 < value <= 1")
+        check(is_number(self.risk_release) and 0.0 <= self.risk_release < self.risk_threshold,
+              "risk_release", self.risk_release, f"0 <= value < risk_threshold ({self.risk_threshold})")
+        check(is_int(self.risk_smoothing) and self.risk_smoothing >= 1, "risk_smoothing",
+              self.risk_smoothing, "an integer >= 1")
+        check(is_number(self.loss_spike_z) and self.loss_spike_z > 0,
+              "loss_spike_z", self.loss_spike_z, "a positive number")
+        check(is_number(self.grad_surge_ratio) and self.grad_surge_ratio > 1,
+              "grad_surge_ratio", self.grad_surge_ratio, "a number > 1")
+        check(is_number(self.memory_threshold) and 0.0 < self.memory_threshold <= 1.0,
+              "memory_threshold", self.memory_threshold, "0 < value <= 1")
+        check(is_int(self.memory_sample_every) and self.memory_sample_every >= 1, "memory_sample_every",
+              self.memory_sample_every, "an integer >= 1")
+        check(is_number(self.overhead_budget) and 0.0 < self.overhead_budget <= 1.0,
+              "overhead_budget", self.overhead_budget, "0 < value <= 1")
+        check(is_number(self.risk_gain) and 0 < self.risk_gain <= 100, "risk_gain", self.risk_gain, "0 < value <= 100")
+        check(is_number(self.stability_cv) and self.stability_cv > 0, "stability_cv", self.stability_cv,
+              "a positive number (relative loss noise counted as calm, e.g. 0.1)")
         if self.capture_cooldown is not None:
-            _check(_is_int(self.capture_cooldown) and self.capture_cooldown >= 1, "capture_cooldown",
-                   self.capture_cooldown, "an integer >= 1 or null (use stability_window)")
-        _check(_is_number(self.lr_surge_ratio) and self.lr_surge_ratio > 1, "lr_surge_ratio", self.lr_surge_ratio,
-               "a number > 1")
-        _check(_is_int(self.memory_lookahead) and self.memory_lookahead >= 1, "memory_lookahead",
-               self.memory_lookahead, "an integer >= 1")
-        _check(_is_int(self.keep_last) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")
+            check(is_int(self.capture_cooldown) and self.capture_cooldown >= 1, "capture_cooldown",
+                  self.capture_cooldown, "an integer >= 1 or null (use stability_window)")
+        check(is_number(self.lr_surge_ratio) and self.lr_surge_ratio > 1, "lr_surge_ratio", self.lr_surge_ratio,
+              "a number > 1")
+        check(is_int(self.memory_lookahead) and self.memory_lookahead >= 1, "memory_lookahead",
+              self.memory_lookahead, "an integer >= 1")
+        check(is_int(self.keep_last) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")
         if self.learned_model is not None:  # a model file is safetensors, never a pickle
             model = self.learned_model
-            _check(isinstance(model, str | os.PathLike) and (os.fspath(model) == "builtin" or (
+            check(isinstance(model, str | os.PathLike) and (os.fspath(model) == "builtin" or (
                 os.fspath(model).endswith(".safetensors") and os.path.isfile(model))), "learned_model", model,
                 "'builtin', the path of an existing .safetensors decision model, or null (rules only)")
             set_(self, "learned_model", os.fspath(model))
-        _check(_is_number(self.memory_margin) and 0.0 <= self.memory_margin < 1.0, "memory_margin", self.memory_margin, "0 <= value < 1")
-        _check(_is_number(self.preemption_grace_s) and self.preemption_grace_s > 0, "preemption_grace_s", self.preemption_grace_s, "a positive number of seconds")
+        check(is_number(self.memory_margin) and 0.0 <= self.memory_margin < 1.0,
+              "memory_margin", self.memory_margin, "0 <= value < 1")
+        check(is_number(self.preemption_grace_s) and self.preemption_grace_s > 0,
+              "preemption_grace_s", self.preemption_grace_s, "a positive number of seconds")
         if self.preemption_exit_code is not None:
-            _check(_is_int(self.preemption_exit_code) and 0 <= self.preemption_exit_code <= 255, "preemption_exit_code",
-                   self.preemption_exit_code, "an integer 0..255 or null (128 + signal number)")
-        _check(_is_finite(self.lock_wait_s) and self.lock_wait_s >= 0, "lock_wait_s", self.lock_wait_s,
-               "a number of seconds >= 0")
-        set_(self, "on_anomaly", _enum(OnAnomaly, "on_anomaly", self.on_anomaly))
-        set_(self, "on_rollbacks_exhausted", _enum(RollbacksExhausted, "on_rollbacks_exhausted",
-                                                   self.on_rollbacks_exhausted))
+            check(is_int(self.preemption_exit_code) and 0 <= self.preemption_exit_code <= 255, "preemption_exit_code",
+                  self.preemption_exit_code, "an integer 0..255 or null (128 + signal number)")
+        check(is_finite(self.lock_wait_s) and self.lock_wait_s >= 0, "lock_wait_s", self.lock_wait_s,
+              "a number of seconds >= 0")
+        set_(self, "on_anomaly", parse_enum(OnAnomaly, "on_anomaly", self.on_anomaly))
+        set_(self, "on_rollbacks_exhausted", parse_enum(RollbacksExhausted, "on_rollbacks_exhausted",
+                                                        self.on_rollbacks_exhausted))
         for name in ("rollback_patience", "rollback_window", "max_rollbacks"):
-            _check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, getattr(self, name),
-                   "an integer >= 1")
-        _check(_is_int(self.rollback_skip_batches) and self.rollback_skip_batches >= 0, "rollback_skip_batches",
-               self.rollback_skip_batches, "an integer >= 0")
+            check(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, getattr(self, name),
+                  "an integer >= 1")
+        check(is_int(self.rollback_skip_batches) and self.rollback_skip_batches >= 0, "rollback_skip_batches",
+              self.rollback_skip_batches, "an integer >= 0")
         if self.on_anomaly == OnAnomaly.ROLLBACK and not self.pre_anomaly_capture:
             raise ConfigError("on_anomaly='rollback' needs pre_anomaly_capture=true: a rollback returns to the "
                               "healthy state captured before the anomaly.")
-        _check(_is_number(self.recovery_timeout_ms) and self.recovery_timeout_ms > 0, "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
+        check(is_number(self.recovery_timeout_ms) and self.recovery_timeout_ms > 0,
+              "recovery_timeout_ms", self.recovery_timeout_ms, "a positive number")
         import signal as _signal
 
         for name in self.preemption_signals:
-            _check(isinstance(getattr(_signal, str(name), None), _signal.Signals), "preemption_signals", name,
-                   "names of signals of this platform such as 'SIGTERM'")
+            check(isinstance(getattr(_signal, str(name), None), _signal.Signals), "preemption_signals", name,
+                  "names of signals of this platform such as 'SIGTERM'")
 
     @property
     def compression_level(self) -> int:
@@ -391,7 +406,7 @@ class SmartCkptConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SmartCkptConfig:
         """Build from a mapping in the shape of the article's `checkpoint_config.yaml`."""
-        return _build(cls, data, "")
+        return build(cls, data, "")
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> SmartCkptConfig:
@@ -474,7 +489,8 @@ class SmartCkptArguments:
         metadata={"help": "Resume point: auto | best | fastest | step:N | PATH (auto starts fresh on an empty store)."},
     )
     smart_ckpt_config: str | None = field(default=None, metadata={"help": "Path of a checkpoint_config.yaml."})
-    smart_ckpt_root: str | None = field(default=None, metadata={"help": "Store directory (default <output_dir>/smart_ckpt)."})
+    smart_ckpt_root: str | None = field(default=None,
+                                        metadata={"help": "Store directory (default <output_dir>/smart_ckpt)."})
     smart_ckpt_on_anomaly: str | None = field(
         default=None, metadata={"help": "What a confirmed anomaly does: capture (save and pin the state before it) or "
                                         "rollback (also return to it in place and skip the bad data)."})

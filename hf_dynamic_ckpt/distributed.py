@@ -19,8 +19,8 @@ from .signals.frame import SignalFrame
 
 # Layout of the packed frame: (field, reduction). Missing values are packed as -inf so
 # MAX ignores them; the loss is packed twice (value, present) so SUM knows how many ranks had one.
-_MAX_FIELDS = ("grad_norm", "lora_max_ratio", "device_mem_frac", "host_mem_frac", "step_time_s", "lr", "save_blocking_s",
-               "clip_norm")
+_MAX_FIELDS = ("grad_norm", "lora_max_ratio", "device_mem_frac", "host_mem_frac", "step_time_s", "lr",
+               "save_blocking_s", "clip_norm")
 
 
 def _dist() -> Any:
@@ -131,6 +131,17 @@ def all_reduce_sum(value: float) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=_device())
     d.all_reduce(t, op=d.ReduceOp.SUM)
     return float(t.item())
+
+
+def all_reduce_square_sums(values: Sequence[float]) -> list[float]:
+    """Per bucket, the sum over ranks of this rank's squared gradient-shard norms (`signals.dtensor_norms`),
+    in one float64 `all_reduce`; `values` as they are without a process group. NaN and inf propagate."""
+    d = _dist()
+    if not d or d.get_world_size() == 1 or not values:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=_device())
+    d.all_reduce(t)
+    return t.cpu().tolist()
 
 
 def pack_frame(frame: SignalFrame, layer_names: Sequence[str] = (), fingerprint: float = 0.0) -> torch.Tensor:

@@ -67,7 +67,8 @@ def read_kernel_file(path: str | os.PathLike[str]) -> str:
 
 
 def meminfo() -> tuple[int, int] | None:
-    """`(MemTotal, MemAvailable)` in bytes from `/proc/meminfo`; `None` where it lacks either (not Linux, kernel < 3.14)."""
+    """`(MemTotal, MemAvailable)` in bytes from `/proc/meminfo`; `None` where it lacks either (not Linux,
+    kernel < 3.14)."""
     try:
         text = read_kernel_file("/proc/meminfo")
     except (OSError, UnicodeDecodeError):

@@ -33,7 +33,8 @@ def _pin_shared(buf: torch.Tensor) -> None:
         pin_utils.pin_memory(buf.data_ptr(), nbytes)
         weakref.finalize(buf, pin_utils.unpin_memory, buf.data_ptr())
     except Exception as e:  # copies still work, only synchronously
-        logger.warning("could not pin a %d-byte shared snapshot buffer (%s): device-to-host copies will block", nbytes, e)
+        logger.warning("could not pin a %d-byte shared snapshot buffer (%s): device-to-host copies will block",
+                       nbytes, e)
 
 
 ItemSpec = tuple[str, tuple[int, ...], torch.dtype]

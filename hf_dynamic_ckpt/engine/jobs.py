@@ -117,7 +117,13 @@ class SaveHandle:
         """The error of a finished, failed save (without raising it); `None` otherwise."""
         return self._error if self._event.is_set() else None
 
-    def _finish(self, info: CheckpointInfo | None = None, error: BaseException | None = None) -> None:
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` s for the save to finish without raising its error; returns `done()`."""
+        return self._event.wait(timeout)
+
+    def settle(self, info: CheckpointInfo | None = None, error: BaseException | None = None) -> None:
+        """Record the save's outcome and wake its waiters: called once, by `run_job` (or by the engine for a
+        skipped save), never by the handle's owner."""
         self._info, self._error = info, error
         self._event.set()
 
@@ -194,8 +200,11 @@ class Jobs:
         if job is None or job.settled or not job.handle.done():
             return None
         job.settled = True
-        handle, info = job.handle, job.handle._info
-        if info is None or handle.exception() is not None:
+        handle = job.handle
+        if handle.exception() is not None:
+            return None
+        info = handle.wait(0)  # done: returns at once
+        if info is None:
             return None
         self.last_committed = info
         if info.bytes > 0 and handle.write_ms:
@@ -223,14 +232,14 @@ def run_job(job: Job, save: StoreSave) -> None:
         info = save(snapshot.state, job.request, timings=timings, cancel=job.abort.is_set)
     except BaseException as e:
         handle.write_ms = (time.perf_counter() - start) * 1e3
-        handle._finish(None, _save_error(job, e))
+        handle.settle(None, _save_error(job, e))
         return
     finally:
         snapshot.state = None  # type: ignore[assignment]  # drop references to buffers / live tensors
     handle.write_ms = (time.perf_counter() - start) * 1e3
     logger.debug("committed step %d (%s): blocking %.1f ms, write %.1f ms", handle.step, handle.reason,
                 handle.blocking_ms, handle.write_ms)
-    handle._finish(info)
+    handle.settle(info)
 
 
 def _save_error(job: Job, cause: BaseException) -> SaveError:

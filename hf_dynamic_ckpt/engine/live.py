@@ -140,8 +140,8 @@ def clone_small(obj: Any) -> Any:
 class LiveState:
     """What the sources hold right now, read but not copied (input of a snapshot).
 
-    `copy_bytes` is what a buffered snapshot copies: the memory-aware staging compares it
-    with the host headroom before deciding how to save.
+    `copy_bytes` is what a buffered snapshot copies; the memory-aware staging weighs what it would
+    newly allocate (`Snapshotter.extra_bytes_needed`) against the host headroom.
     """
 
     step: int

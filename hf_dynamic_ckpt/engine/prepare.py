@@ -133,8 +133,9 @@ class Preparer:
                 value = live.weights[name]
                 assert isinstance(value, torch.Tensor)
                 spec = ((FROZEN_PREFIX + name, tuple(value.shape), value.dtype),)
-                if (FROZEN_PREFIX + name, spec) not in running and snapshotter.pool.needed_bytes(FROZEN_PREFIX + name, spec):
-                    frozen.append((FROZEN_PREFIX + name, spec, value.is_cuda))
+                scope = FROZEN_PREFIX + name
+                if (scope, spec) not in running and snapshotter.pool.needed_bytes(scope, spec):
+                    frozen.append((scope, spec, value.is_cuda))
         needed = sum(bp.nbytes for bp in wanted) + sum(spec_bytes(spec) for _, spec, _ in frozen)
         # Bytes still being prepared count as held: the budget sees everything that will be.
         if not needed or not admit(needed + sum(run.nbytes for run in self._runs)):

@@ -314,7 +314,8 @@ class Snapshotter:
         optimizer = live.optimizer
         if optimizer is not None:
             sources = tensors_in(optimizer, [])
-            optimizer = substitute(optimizer, iter([t.detach().to("cpu") if t.is_cuda else t.detach() for t in sources]))
+            on_host = [t.detach().to("cpu") if t.is_cuda else t.detach() for t in sources]
+            optimizer = substitute(optimizer, iter(on_host))
             live_bytes += state_dict_tensor_bytes(optimizer)
         return self._snapshot(live, weights, optimizer, copied, live_bytes, start, [])
 
@@ -348,6 +349,8 @@ class Snapshotter:
         released = self.pool.nbytes
         self.pool.clear()
         self._plans.clear()
+        if released:
+            logger.debug("released %.1f MiB of snapshot buffers", released / 2**20)
         if released and torch.cuda.is_available() and torch.cuda.is_initialized():
             empty = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks stay cached otherwise
             if empty is not None:
@@ -371,10 +374,6 @@ class Snapshotter:
                 digest=str(entry["digest"]), dtype=str(entry["dtype"]), shape=tuple(int(s) for s in entry["shape"])
             )
             self._stored_blobs[name] = (ident, ref)
-
-    def forget_blobs(self) -> None:
-        """Forget every stored blob (e.g. after the store was pruned); the next save rewrites them."""
-        self._stored_blobs.clear()
 
     def _blob_alive(self, ref: BlobRef) -> bool:
         return self._blob_exists is None or self._blob_exists(ref)

@@ -53,7 +53,7 @@ MIN_RESERVE_BYTES = 128 * MiB
 (L1: up to 4 zstd frames of 16 MiB in flight, input and output, about 100-130 MiB measured)."""
 PROCESS_WRITER_MIN_BUDGET = 4 << 30
 """Under a cgroup limit, the budget below which the engine writes on a thread, not a writer process:
-a second interpreter with torch costs a few hundred MiB of the limit (measured in docs/benchmarks.md),
+a second interpreter with torch costs a few hundred MiB of the limit (docs/benchmarks.md, `bench_memory.py`),
 and it cannot be known at start-up how much a training step will take."""
 
 
@@ -172,7 +172,8 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_b
     budget = headroom.budget(margin)
     reserve = headroom.reserve(margin)
     kept = f"{margin:.0%} margin" if reserve > MIN_RESERVE_BYTES else f"{reserve / MiB:.0f} MiB reserve"
-    transient = f", {headroom.transient_bytes / MiB:.1f} MiB kept for a training step" if headroom.transient_bytes else ""
+    step_mib = headroom.transient_bytes / MiB
+    transient = f", {step_mib:.1f} MiB kept for a training step" if headroom.transient_bytes else ""
     if needed_bytes <= budget:
         held = f" ({held_bytes / MiB:.1f} MiB held)" if held_bytes else ""
         return StagingPlan(
@@ -188,7 +189,8 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_b
         reason = (f"the {held_bytes / MiB:.1f} MiB of snapshot buffers held leave {budget / MiB:.1f} MiB above "
                   f"the {kept} of {limit}: releasing them and saving synchronously from live tensors")
     else:
-        reason = (f"a buffered snapshot would need {needed_bytes / MiB:.1f} MiB but only {max(budget, 0) / MiB:.1f} MiB "
+        reason = (f"a buffered snapshot would need {needed_bytes / MiB:.1f} MiB but only "
+                  f"{max(budget, 0) / MiB:.1f} MiB "
                   f"are free above the {kept} of {limit}: saving synchronously from live tensors instead")
     return StagingPlan(StagingMode.STREAMING, reason, needed_bytes, headroom)
 
@@ -244,15 +246,11 @@ class Stager:
         if prober is not None:
             prober.shutdown(wait=True)
 
-    def stream(self, step: int, plan: StagingPlan, snapshotter: Any) -> None:
-        """Log a streaming save (the run's first at WARNING: it is short of memory; later ones at DEBUG) and
-        release the snapshot buffers `snapshotter` holds (a streaming save uses none)."""
+    def stream(self, step: int, plan: StagingPlan) -> None:
+        """Log a streaming save: the run's first at WARNING (it is short of memory), later ones at DEBUG."""
         level = logging.DEBUG if self.streamed else logging.WARNING
         logger.log(level, "save of step %d streams synchronously: %s", step, plan.reason)
         self.streamed = True
-        released = snapshotter.release()
-        if released:
-            logger.debug("released %.1f MiB of snapshot buffers (memory budget)", released / MiB)
 
     def writer_mode(self, mode: EngineMode) -> EngineMode:
         """`mode`, except a writer process becomes a thread when `writer_process_fits` says no."""

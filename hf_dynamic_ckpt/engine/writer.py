@@ -190,9 +190,9 @@ class SaveEngine:
                                   f"{previous.handle.step} is still writing (on_busy='skip')")
                 logger.info(handle.skipped)
                 handle.blocking_ms = (time.perf_counter() - start) * 1e3
-                handle._finish(None)
+                handle.settle(None)
                 return handle
-            previous.handle._event.wait()  # its error, if any, is reported through its own handle
+            previous.handle.join()  # its error, if any, is reported through its own handle
         self._settle(previous)
         self._preparer.finish(self._snapshotter)  # normally long done: buffers prepared at attach
         live = self._snapshotter.collect(sources, step=request.step, epoch=request.epoch, tiers=request.tiers,
@@ -211,7 +211,8 @@ class SaveEngine:
                 self._dispatch.use_threads()  # streaming: the writer process's memory is needed too
                 self._snapshotter = self._new_snapshotter(shared=False)
             if plan.mode == StagingMode.STREAMING:
-                self._stager.stream(request.step, plan, self._snapshotter)  # logs; frees held buffers
+                self._stager.stream(request.step, plan)  # logs it
+                self._snapshotter.release()  # a streaming save uses no buffer
                 synchronous = True
                 handle.staging = StagingMode.STREAMING.value
         else:
@@ -260,7 +261,7 @@ class SaveEngine:
         start = time.monotonic()
         step = request.step
         previous = self._jobs.inflight
-        if previous is not None and not previous.handle.done() and not previous.handle._event.wait(deadline_s / 2):
+        if previous is not None and not previous.handle.done() and not previous.handle.join(deadline_s / 2):
             logger.warning("emergency save of step %d: background save of step %d still writing after %.1f s; "
                            "not waiting longer", step, previous.handle.step, deadline_s / 2)
         else:

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
-from .retention import level_retention_from_config, plan_retention
+from .retention import plan_retention, tier_retention_from_config
 from .rules import RulePolicy
 
-__all__ = ["MINIMAL_TIERS", "NO_SAVE", "Decision", "DecisionKind", "RulePolicy", "level_retention_from_config", "plan_retention"]
+__all__ = [
+    "MINIMAL_TIERS",
+    "NO_SAVE",
+    "Decision",
+    "DecisionKind",
+    "RulePolicy",
+    "plan_retention",
+    "tier_retention_from_config",
+]

@@ -55,7 +55,8 @@ class Interval:
             why += ", shortened by risk"
         if self.widened:
             why += f", widened by overhead_budget {self.budget:.1%}"
-        return f"interval {self.due} (base {self.base:.0f} {self.source}{why}, alpha {self.alpha:.2f}, beta {self.beta:.2f})"
+        return (f"interval {self.due} (base {self.base:.0f} {self.source}{why}, alpha {self.alpha:.2f}, "
+                f"beta {self.beta:.2f})")
 
 
 class Cadence:
@@ -151,8 +152,9 @@ class Cadence:
         if overhead <= c.overhead_budget:
             return None
         self.budget_warned = True
-        return (f"base_interval={c.base_interval}: a save blocks training {cost:.3f} s every {c.base_interval} steps of "
-                f"{step:.3f} s, {overhead:.1%} of training time, above overhead_budget={c.overhead_budget:.1%}. The interval "
+        return (f"base_interval={c.base_interval}: a save blocks training {cost:.3f} s every {c.base_interval} "
+                f"steps of {step:.3f} s, {overhead:.1%} of training time, above "
+                f"overhead_budget={c.overhead_budget:.1%}. The interval "
                 f"you set is kept; base_interval={math.ceil(self.budget_interval())} would stay within the budget "
                 "(or raise overhead_budget, or leave base_interval unset to let the library choose).")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..signals.frame import SignalFrame
-from ..signals.stats import LayerLevels
+from ..signals.stats import LayerBaselines
 
 CAPTURE_K = 5  # a capture is a healthy checkpoint of a step in [onset - K, onset - 1]
 RECOVERY = 10  # steps after an anomaly ends that stay unlabelled
@@ -79,23 +79,23 @@ class CorpusRun:
                 out.append((int(onset), str(a["kind"])))
         return out
 
-    def frames(self, memory_every: int = MEMORY_EVERY) -> list[SignalFrame]:
+    def frames(self) -> list[SignalFrame]:
         """The frames the checkpointer would have built (as `signals.traces.replay_frames`, plus memory
-        every `memory_every` steps and the step time)."""
-        levels = LayerLevels()
+        every `MEMORY_EVERY` steps and the step time)."""
+        baselines = LayerBaselines()
         names = list(self.header["layers"])
         clip = self.header.get("max_grad_norm")
         clip = float(clip) if isinstance(clip, int | float) and clip > 0 else None
         frames = []
         for (step, loss, grad, lr, norms), mem, t in zip(self.rows, self.mem_frac, self.step_time_s):
-            ratio, layer = levels.observe(dict(zip(names, norms)))
+            ratio, layer = baselines.observe(dict(zip(names, norms)))
             nonfinite = not math.isfinite(grad) or (ratio is not None and not math.isfinite(ratio))
             frames.append(SignalFrame(step=step, loss=loss, grad_norm=grad, lora_max_ratio=ratio, lora_max_layer=layer,
                                       nonfinite=nonfinite, lr=lr, step_time_s=t, clip_norm=clip,
-                                      host_mem_frac=mem if step % memory_every == 0 else None))
+                                      host_mem_frac=mem if step % MEMORY_EVERY == 0 else None))
         return frames
 
-    def labels(self, k: int = CAPTURE_K) -> tuple[list[float | None], list[int | None]]:
+    def labels(self) -> tuple[list[float | None], list[int | None]]:
         """Per step: the save target (1 / 0 / `None` = unlabelled) and the granularity target (`None`: none)."""
         n = len(self.rows)
         score: list[float | None] = [0.0] * n
@@ -105,7 +105,7 @@ class CorpusRun:
                 x = a.get("cross")
                 if x is None:
                     continue
-                for t in range(max(1, x - k), n + 1):
+                for t in range(max(1, x - CAPTURE_K), n + 1):
                     score[t - 1] = 1.0 if t < x else None
                     gran[t - 1] = KEY_LAYERS_RNG if t < x else None
                 continue

@@ -1,10 +1,10 @@
 """The learned model's 12 input features: scale-free numbers computed from the frames alone.
 
 `FeatureExtractor.step(frame)` turns one reduced `SignalFrame` into 12 floats, measured
-against the recent values *before* the frame is folded in (like `Levels.assess`), so every
+against the recent values *before* the frame is folded in (like `Baselines.assess`), so every
 rank computes the same features from the same frames, and a resumed run continues from
 the restored windows (`state_dict()`). No unit survives: losses, gradient norms, learning
-rates and step times enter only as logs of ratios to their own recent level, memory as a
+rates and step times enter only as logs of ratios to their own recent baseline, memory as a
 fraction of its limit. Each feature is clipped to a fixed range, so one absurd value (a
 x1e6 loss) cannot push the network outside what it was trained on. Pure Python.
 
@@ -12,10 +12,10 @@ x1e6 loss) cannot push the network outside what it was trained on. Pure Python.
 |---|---|---|
 | 0 | `loss_ratio` | log(loss / median loss of the window) |
 | 1 | `loss_change` | (loss - previous loss) / median loss: the loss rate of change |
-| 2 | `loss_noise` | log(relative step-to-step loss noise of the window): noise ~ 1/sqrt(batch size), the frame's stand-in for the batch size |
+| 2 | `loss_noise` | log(relative step-to-step loss noise of the window): noise ~ 1/sqrt(batch size) |
 | 3 | `grad_ratio` | log(pre-clip grad norm / median grad norm of the window) |
 | 4 | `grad_vs_clip` | log(pre-clip grad norm / clip norm); 0 when the loop does not clip |
-| 5 | `lora_ratio` | log(`lora_max_ratio`): the most unusual LoRA layer against its own ceiling; 0 without LoRA or while the layers warm up |
+| 5 | `lora_ratio` | log(`lora_max_ratio`): the most unusual LoRA layer against its own ceiling; 0 without LoRA |
 | 6 | `lr_ratio` | log(learning rate / highest rate of the window) |
 | 7 | `mem_frac` | memory in use, fraction of the limit (the last sample; 0 before any) |
 | 8 | `mem_trend` | the fraction the memory trend adds over the next 50 steps (line through the last 6 samples) |
@@ -24,7 +24,8 @@ x1e6 loss) cannot push the network outside what it was trained on. Pure Python.
 | 11 | `history` | min(1, steps seen / 50): how much history the ratios stand on |
 
 A ratio without history (the first step) is 0; a non-finite value gives `nonfinite = 1`
-and 0 for the ratios it would have entered.
+and 0 for the ratios it would have entered. `loss_noise` is the frame's stand-in for the batch
+size; `lora_ratio` is 0 too while the layers warm up.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def _finite(v: float | None) -> bool:
     return v is not None and math.isfinite(v)
 
 
-def _log_ratio(value: float | None, level: float | None) -> float:
-    if not _finite(value) or level is None or not level > 0.0 or not value > 0.0:  # type: ignore[operator]
+def _log_ratio(value: float | None, baseline: float | None) -> float:
+    if not _finite(value) or baseline is None or not baseline > 0.0 or not value > 0.0:  # type: ignore[operator]
         return 0.0
-    return math.log(value / level)  # type: ignore[operator]
+    return math.log(value / baseline)  # type: ignore[operator]
 
 
 class FeatureExtractor:
@@ -93,14 +94,14 @@ class FeatureExtractor:
     def features(self, frame: SignalFrame) -> list[float]:
         """The frame's features against the current windows (does not change them)."""
         loss, grad = frame.loss, frame.grad_norm
-        level = self.loss.median()
+        baseline = self.loss.median()
         f = [0.0] * NUM_FEATURES
-        f[0] = _log_ratio(loss, level)
-        if _finite(loss) and _finite(self.prev_loss) and level:
-            f[1] = (loss - self.prev_loss) / abs(level)  # type: ignore[operator]
+        f[0] = _log_ratio(loss, baseline)
+        if _finite(loss) and _finite(self.prev_loss) and baseline:
+            f[1] = (loss - self.prev_loss) / abs(baseline)  # type: ignore[operator]
         noise = self.loss.diff_noise()
-        if noise is not None and level:
-            f[2] = math.log(max(noise / abs(level), NOISE_FLOOR))
+        if noise is not None and baseline:
+            f[2] = math.log(max(noise / abs(baseline), NOISE_FLOOR))
         f[3] = _log_ratio(grad, self.grad.median())
         f[4] = _log_ratio(grad, frame.clip_norm)
         f[5] = _log_ratio(frame.lora_max_ratio, 1.0)

@@ -10,7 +10,7 @@ same on every rank), for a `save_score` in [0, 1] and a granularity:
   the state after it with the cheaper tier set;
 - `save_score < veto_threshold` on a rule capture of a *soft* trigger (a finite grad, LoRA,
   lr or loss surge): the capture is vetoed as a false positive (logged). Hard triggers
-  (non-finite values, a loss explosion >= `HARD_LOSS_RATIO` x its level) are never vetoed;
+  (non-finite values, a loss explosion >= `HARD_LOSS_RATIO` x its baseline) are never vetoed;
 - on a rule's risk-edge save, a cheaper granularity than the rule's tier set is taken.
 
 Model file: safetensors only (never a pickle), `hf_dynamic_ckpt/policy/decision_model.safetensors`
@@ -115,7 +115,8 @@ class DecisionModel:
                     "granularity.bias": (len(Granularity),)}
         for layer in range(LAYERS):
             n_in = NUM_FEATURES if layer == 0 else hidden
-            expected |= {f"lstm.weight_ih_l{layer}": (4 * hidden, n_in), f"lstm.weight_hh_l{layer}": (4 * hidden, hidden),
+            expected |= {f"lstm.weight_ih_l{layer}": (4 * hidden, n_in),
+                         f"lstm.weight_hh_l{layer}": (4 * hidden, hidden),
                          f"lstm.bias_ih_l{layer}": (4 * hidden,), f"lstm.bias_hh_l{layer}": (4 * hidden,)}
         for name, shape in expected.items():
             if w[name].shape != shape:
@@ -238,13 +239,13 @@ class LearnedCheck:
         self._cached = (frame.step, opinion)
         return opinion
 
-    def review(self, frame: SignalFrame, rule: str | None, loss_level: float | None
+    def review(self, frame: SignalFrame, rule: str | None, loss_baseline: float | None
                ) -> tuple[str | None, Opinion | None, str | None]:
         """`RulePolicy.pre_update`'s question: `(the capture rule after a veto, the opinion when it asks
         for an early capture, the veto's log line)`."""
         op = self.opinion(frame)
         if rule is not None:
-            if not _is_hard(rule, frame, loss_level) and op.score < self.model.veto_threshold:
+            if not _is_hard(rule, frame, loss_baseline) and op.score < self.model.veto_threshold:
                 return None, None, f"pre-update capture ({rule}) vetoed by the learned model ({op.describe()})"
             return rule, None, None
         if op.save and op.granularity != Granularity.KEY_LAYERS_RNG and not frame.any_nonfinite:
@@ -293,19 +294,24 @@ class LearnedCheck:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         lstm = [np.asarray(v, dtype=np.float64) for v in state["lstm"]]
         if len(lstm) != 2 * LAYERS or any(v.shape != (self.model.hidden,) or not np.all(np.isfinite(v)) for v in lstm):
-            raise ConfigError(f"policy state of the learned model: lstm state {json.dumps(state['lstm'])[:80]} does not "
+            raise ConfigError("policy state of the learned model: lstm state "
+                              f"{json.dumps(state['lstm'])[:80]} does not "
                               f"fit a {LAYERS}-layer LSTM of {self.model.hidden} units (another model wrote it).")
         last = state["last_save"]
         if last is not None and (not isinstance(last, int) or isinstance(last, bool)):
-            raise ConfigError(f"policy state of the learned model: last_save={last!r} is invalid: expected an int or null.")
+            raise ConfigError(f"policy state of the learned model: last_save={last!r} is invalid: expected an int "
+                              "or null.")
         self.features.load_state_dict(state["features"])
         self.state, self.last_save, self._cached = lstm, last, None
 
 
 
-def _is_hard(rule: str, frame: SignalFrame, loss_level: float | None) -> bool:
-    """A capture the model may never veto: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its level)."""
+def _is_hard(rule: str, frame: SignalFrame, loss_baseline: float | None) -> bool:
+    """A capture the model may never veto: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its
+    baseline)."""
     if rule == "nonfinite" or frame.any_nonfinite:
         return True
     loss = frame.loss
-    return loss is not None and loss_level is not None and loss_level > 0 and loss >= HARD_LOSS_RATIO * loss_level
+    if loss is None or loss_baseline is None or not loss_baseline > 0:
+        return False
+    return loss >= HARD_LOSS_RATIO * loss_baseline

@@ -4,9 +4,9 @@ Log spacing: older checkpoints are grouped by age in steps into power-of-two buc
 `[2^k, 2^(k+1))` behind the newest one, and only the *oldest* checkpoint of each
 bucket survives. A checkpoint only ever moves to higher buckets as training goes on,
 so the very first checkpoint is never thinned and the number kept grows like
-`log2(steps)`. Per-tier retention (`retention_days` of each storage level) then removes
-expired tiers from what is kept: the optimizer tier (7 days by default) goes before the
-weights (30 days), and a checkpoint whose weights expire is deleted whole.
+`log2(steps)`. Per-tier retention (`retention_days` of each tier, `storage_levels.level_N` in
+the config) then removes expired tiers from what is kept: the optimizer tier (7 days by
+default) goes before the weights (30 days), and a checkpoint whose weights expire is deleted whole.
 
 Abandoned checkpoints (of a timeline a resume forked away from) take no part in any of
 that: they are kept untouched until the live timeline has committed a step greater than
@@ -24,13 +24,13 @@ from ..store.types import CheckpointInfo
 SECONDS_PER_DAY = 86400.0
 
 
-def level_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | None]:
+def tier_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | None]:
     """`{tier: retention_days}` from `config.storage_levels` (L0 weights, L1 optimizer, L2 state)."""
-    levels = config.storage_levels
+    storage = config.storage_levels
     return {
-        Tier.WEIGHTS: levels.level_0.retention_days,
-        Tier.OPTIMIZER: levels.level_1.retention_days,
-        Tier.STATE: levels.level_2.retention_days,
+        Tier.WEIGHTS: storage.level_0.retention_days,
+        Tier.OPTIMIZER: storage.level_1.retention_days,
+        Tier.STATE: storage.level_2.retention_days,
     }
 
 
@@ -39,7 +39,7 @@ def plan_retention(
     *,
     keep_last: int,
     log_spaced: bool = True,
-    level_retention: Mapping[Tier, float | None] | None = None,
+    tier_retention: Mapping[Tier, float | None] | None = None,
     now: float,
 ) -> list[tuple[CheckpointInfo, frozenset[Tier]]]:
     """Decide what to delete. Pure: reads only the infos given, deletes nothing.
@@ -49,8 +49,8 @@ def plan_retention(
         keep_last (`int`): the newest this many are kept whole (never thinned, no tier expires).
         log_spaced (`bool`, *optional*, defaults to `True`): keep the oldest checkpoint of each
             power-of-two age bucket; `False` keeps only pinned + the newest `keep_last`.
-        level_retention (`Mapping[Tier, float | None]`, *optional*): retention in days per tier
-            (`None`: forever), see `level_retention_from_config`.
+        tier_retention (`Mapping[Tier, float | None]`, *optional*): retention in days per tier
+            (`None`: forever), see `tier_retention_from_config`.
         now (`float`): current time (seconds since the epoch) for the per-tier ages.
 
     Returns:
@@ -68,7 +68,7 @@ def plan_retention(
         raise ValueError(f"keep_last={keep_last} is invalid: expected an integer >= 1.")
     infos = list(infos)
     plan = _plan_live([i for i in infos if not i.abandoned], keep_last=keep_last, log_spaced=log_spaced,
-                      level_retention=level_retention, now=now)
+                      tier_retention=tier_retention, now=now)
     newest_live = max((i.step for i in infos if not i.abandoned), default=None)
     plan += [(i, ALL_TIERS) for i in infos
              if i.abandoned and not i.pinned and newest_live is not None and newest_live > i.step]
@@ -80,7 +80,7 @@ def _plan_live(
     *,
     keep_last: int,
     log_spaced: bool,
-    level_retention: Mapping[Tier, float | None] | None,
+    tier_retention: Mapping[Tier, float | None] | None,
     now: float,
 ) -> list[tuple[CheckpointInfo, frozenset[Tier]]]:
     ordered = sorted(infos, key=lambda i: i.step, reverse=True)
@@ -92,7 +92,8 @@ def _plan_live(
     healthy = next((i for i in ordered if i.healthy), None)
     if healthy is not None:
         protected.add(id(healthy))
-    expired = {id(i): _expired_tiers(i, level_retention, now) for i in ordered if id(i) not in protected and not i.pinned}
+    expired = {id(i): _expired_tiers(i, tier_retention, now)
+               for i in ordered if id(i) not in protected and not i.pinned}
     # Checkpoints whose weights expired go first, so thinning never keeps one that is about to vanish.
     dead = {k for k, tiers in expired.items() if Tier.WEIGHTS in tiers}
     kept_by_bucket: dict[int, CheckpointInfo] = {}
@@ -113,11 +114,12 @@ def _plan_live(
     return plan
 
 
-def _expired_tiers(info: CheckpointInfo, level_retention: Mapping[Tier, float | None] | None, now: float) -> frozenset[Tier]:
-    if not level_retention:
+def _expired_tiers(info: CheckpointInfo, tier_retention: Mapping[Tier, float | None] | None,
+                   now: float) -> frozenset[Tier]:
+    if not tier_retention:
         return frozenset()
     age_days = (now - info.save_time) / SECONDS_PER_DAY
-    return frozenset(t for t in info.tiers if (days := level_retention.get(t)) is not None and age_days > days)
+    return frozenset(t for t in info.tiers if (days := tier_retention.get(t)) is not None and age_days > days)
 
 
 def _bucket(age_steps: int) -> int:

@@ -5,7 +5,7 @@ behaviour is a unit test on a list of numbers. The policy reads nothing but the 
 its own state: under DDP every rank feeds it the same reduced frame and takes the same
 decisions. See `docs/policy.md` for the formulas and every knob.
 
-`RulePolicy` composes small parts, each with its own state dict: `Levels` (the running
+`RulePolicy` composes small parts, each with its own state dict: `Baselines` (the running
 statistics), `Cadence` (interval, save cost, budget), `RiskSmoother`, and the triggers
 (`CaptureTrigger`, `PreemptionTrigger`, `RiskEdgeTrigger`, `MemoryRampTrigger`, `Health`).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..config import SmartCkptConfig
@@ -22,18 +23,18 @@ from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
 from ..errors import ConfigError
 from ..jsonutil import safe_float as _j
 from ..signals.frame import SignalFrame
+from .baselines import Assessment, Baselines
 from .cadence import Cadence, Interval
 from .capture import CaptureTrigger, capture_rule
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
-from .levels import Assessment, Levels
 from .triggers import Health, MemoryRampTrigger, PreemptionTrigger, RiskEdgeTrigger, RiskSmoother
 
 if TYPE_CHECKING:
-    from .learned import LearnedCheck
+    from .learned import DecisionModel, LearnedCheck
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2  # 2: composed parts (round 2); 1: flat fields (round 1), loaded as a fresh warm-up
+STATE_VERSION = 2  # 2: composed parts; 1: flat fields (an older release), loaded as a fresh warm-up
 HISTORY_STEPS = 100
 DECISION_HISTORY = 1000
 
@@ -66,80 +67,51 @@ class RulePolicy:
         ```
     """
 
+    baselines: Baselines
+    cadence: Cadence
+    smoother: RiskSmoother
+    capture: CaptureTrigger
+    preemption: PreemptionTrigger
+    edge: RiskEdgeTrigger
+    memory: MemoryRampTrigger
+    health: Health
+    learned: LearnedCheck | None
+    """The learned double-check (`learned_model`); `None`: rules only."""
+    history: deque[dict[str, Any]]
+    decisions: deque[dict[str, Any]]
+    _judged: tuple[tuple[Any, ...], Assessment, str | None] | None  # pre_update's assessment, for decide
+
     def __init__(self, config: SmartCkptConfig | None = None) -> None:
         self.config = config or SmartCkptConfig()
         c = self.config
         self.cooldown = c.capture_cooldown if c.capture_cooldown is not None else c.stability_window
-        self.levels = Levels(c)
-        self.cadence = Cadence(c)
-        self.smoother = RiskSmoother(c.risk_smoothing)
-        self.capture = CaptureTrigger()
-        self.preemption = PreemptionTrigger()
-        self.edge = RiskEdgeTrigger()
-        self.memory = MemoryRampTrigger()
-        self.health = Health()
-        self.learned: LearnedCheck | None = None  # the learned double-check (`learned_model`), rules only without
+        self._model: DecisionModel | None = None
         if c.learned_model is not None:
-            from .learned import LearnedCheck, load_model
+            from .learned import load_model
 
-            self.learned = LearnedCheck(load_model(c.learned_model))
-        self._suppressed: set[str] = set()
-        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_HISTORY)
+            self._model = load_model(c.learned_model)
+        self._use(self._new_parts(), suppressed=(), history=(), decisions=())
         self._pre_step: int | None = None  # step whose pre_update ran (transient: within one step)
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
-        self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
         self._warned_record_save = False
         self.last_bad_update: str | None = None
         """Why the update of the last `pre_update`'s step is bad (the capture rule that fired), or `None`."""
 
     # ------------------------------------------------------------------ views
-    def assess(self, frame: SignalFrame) -> Assessment:
-        """Risk components of `frame` against the running levels (does not update them)."""
-        return self.levels.assess(frame)
-
     @property
     def alpha(self) -> float:
-        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss level."""
-        return self.levels.alpha()
+        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline."""
+        return self.baselines.alpha()
 
     @property
     def risk(self) -> float:
         """Smoothed risk beta: mean over `risk_smoothing` steps of the debounced raw beta."""
         return self.smoother.risk
 
-    @property
-    def step_time_s(self) -> float | None:
-        return self.cadence.step_time.value
-
-    @property
-    def save_cost_s(self) -> float | None:
-        return self.cadence.save_cost.value
-
-    @property
-    def last_save_step(self) -> int | None:
-        return self.cadence.last_save_step
-
-    @property
-    def last_capture_step(self) -> int | None:
-        return self.capture.last_step
-
-    @property
-    def saves(self) -> int:
-        return self.cadence.saves
-
-    @property
-    def _lr(self) -> deque[float]:  # the learning rates seen (read by tests/unit/test_checkpointer.py)
-        return self.levels.lr
-
     def base_interval(self) -> float:
         """`T_base` in steps: `config.base_interval`, else Young/Daly from measured costs
         (`stability_window` before a save cost is known). Clamped to `[min_interval, max_interval]`."""
         return self.cadence.base()[0]
-
-    def budget_interval(self) -> float:
-        """Fewest steps between saves that keeps blocking time within `overhead_budget`."""
-        return self.cadence.budget_interval()
 
     def current_interval(self) -> Interval:
         """The current regular interval with its base and why it moved (shortened / widened)."""
@@ -173,7 +145,7 @@ class RulePolicy:
         rule = self._judge(frame)[1]
         early = None
         if self.learned is not None:  # may veto a soft rule's capture, or ask for one the rules do not take
-            rule, early, veto = self.learned.review(frame, rule, self.levels.loss.median())
+            rule, early, veto = self.learned.review(frame, rule, self.baselines.loss.median())
             if veto:
                 logger.debug("step %d: %s", frame.step, veto)
         self.last_bad_update = rule
@@ -204,7 +176,7 @@ class RulePolicy:
     def decide(self, frame: SignalFrame) -> Decision:
         """Decide after the step's update whether to save the state of step `frame.step`.
 
-        Also folds the frame into the running statistics (loss window, grad level, risk,
+        Also folds the frame into the running statistics (loss window, grad baseline, risk,
         memory trend, step time, save cost), so call it exactly once per optimizer step.
 
         Args:
@@ -225,7 +197,7 @@ class RulePolicy:
         a, rule = self._judge(frame)
         self.smoother.add(a)
         self.health.after_update(frame, seen_before_update=self._pre_step == step)
-        self.levels.observe_memory(frame)
+        self.baselines.observe_memory(frame)
         healthy, why = self._health(frame, rule)
         decision = self._choose(frame, a, healthy)
         if self.learned is not None:  # a cheaper tier set, or an early save under memory pressure
@@ -233,8 +205,8 @@ class RulePolicy:
                                                  last_save=self.cadence.last_save_step, config=self.config)
         if decision.save and not healthy:
             logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
-        # Update the levels after judging the frame, so a spike is measured against the past.
-        self.levels.fold(frame)
+        # Update the baselines after judging the frame, so a spike is measured against the past.
+        self.baselines.fold(frame)
         self._judged = None
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
@@ -244,14 +216,14 @@ class RulePolicy:
         return decision
 
     def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
-        """The frame's assessment and capture rule against the levels; `decide` reuses what
-        `pre_update` computed for the same frame (the levels only change at the end of `decide`)."""
+        """The frame's assessment and capture rule against the baselines; `decide` reuses what
+        `pre_update` computed for the same frame (the baselines only change at the end of `decide`)."""
         key = (frame.step, frame.loss, frame.grad_norm, frame.lora_max_ratio, frame.lora_max_layer, frame.nonfinite,
                frame.lr, frame.device_mem_frac, frame.host_mem_frac, frame.clip_norm)
         if self._judged is not None and self._judged[0] == key:
             return self._judged[1], self._judged[2]
-        a = self.levels.assess(frame)
-        rule = capture_rule(frame, a, self.levels, self.config)
+        a = self.baselines.assess(frame)
+        rule = capture_rule(frame, a, self.baselines, self.config)
         self._judged = (key, a, rule)
         return a, rule
 
@@ -262,7 +234,8 @@ class RulePolicy:
         if rule is not None and self._skip_step != frame.step:  # a skipped update left the weights as they were
             return False, f"this step's update was bad: {rule}"
         if self.smoother.training_risk >= self.config.risk_threshold:
-            return False, f"training risk {self.smoother.training_risk:.2f} >= risk_threshold {self.config.risk_threshold}"
+            risk = self.smoother.training_risk
+            return False, f"training risk {risk:.2f} >= risk_threshold {self.config.risk_threshold}"
         return True, ""
 
     def _choose(self, frame: SignalFrame, a: Assessment, healthy: bool) -> Decision:
@@ -301,7 +274,7 @@ class RulePolicy:
             else:
                 return save(reason, DecisionKind.RISK_EDGE, tiers)
 
-        ramp = self.memory.fire(self.levels.memory_forecast(), c)
+        ramp = self.memory.fire(self.baselines.memory_forecast(), c)
         if self.memory.armed:
             self._suppressed.discard("memory")
         if ramp is not None:
@@ -324,12 +297,13 @@ class RulePolicy:
         entry = {"at_step": step, **decision.to_dict()}
         self.decisions.append(entry)
         logger.debug("step %d: save step %d (%s) tiers=%s%s%s", step, decision.step, decision.reason,
-                    ",".join(entry["tiers"]), " pinned" if decision.pin else "", "" if decision.healthy else " unhealthy")
+                     ",".join(entry["tiers"]), " pinned" if decision.pin else "",
+                     "" if decision.healthy else " unhealthy")
 
     def record_save(self, step: int, blocking_s: float, tiers: frozenset[Tier] | None = None) -> None:
         """Deprecated no-op, kept so that older callers keep working.
 
-        The save cost now reaches the policy only through `SignalFrame.save_blocking_s` (the
+        The save cost reaches the policy only through `SignalFrame.save_blocking_s` (the
         blocking time of the saves since the previous frame, MAX over ranks once reduced):
         a cost fed here would be this rank's alone and could make ranks decide differently.
 
@@ -348,21 +322,45 @@ class RulePolicy:
         return [{k: h[k] for k in ("step", "loss", "grad_norm", "lr")} for h in list(self.history)[-DEBUG_INFO_STEPS:]]
 
     # ------------------------------------------------------------------ persistence
-    def _parts(self) -> dict[str, Any]:
-        parts = {"levels": self.levels, "cadence": self.cadence, "smoother": self.smoother, "capture": self.capture,
-                 "preemption": self.preemption, "edge": self.edge, "memory": self.memory, "health": self.health}
-        return parts if self.learned is None else {**parts, "learned": self.learned}
+    def _new_parts(self) -> dict[str, Any]:
+        """Fresh stateful parts for this policy's config, under their state-dict keys."""
+        c = self.config
+        parts: dict[str, Any] = {
+            # "levels" is the key the baselines have in every policy state saved so far (manifests on disk):
+            # under another key a checkpoint saved before would not restore its statistics.
+            "levels": Baselines(c), "cadence": Cadence(c), "smoother": RiskSmoother(c.risk_smoothing),
+            "capture": CaptureTrigger(), "preemption": PreemptionTrigger(), "edge": RiskEdgeTrigger(),
+            "memory": MemoryRampTrigger(), "health": Health(),
+        }
+        if self._model is not None:
+            from .learned import LearnedCheck
+
+            parts["learned"] = LearnedCheck(self._model)
+        return parts
+
+    def _use(self, parts: dict[str, Any], *, suppressed: Iterable[str], history: Iterable[dict[str, Any]],
+             decisions: Iterable[dict[str, Any]]) -> None:
+        """Make `parts` (from `_new_parts`) and the histories this policy's state."""
+        self._parts = parts
+        self.baselines, self.cadence, self.smoother = parts["levels"], parts["cadence"], parts["smoother"]
+        self.capture, self.preemption, self.edge = parts["capture"], parts["preemption"], parts["edge"]
+        self.memory, self.health, self.learned = parts["memory"], parts["health"], parts.get("learned")
+        self._suppressed = set(suppressed)
+        self.history = deque(history, maxlen=HISTORY_STEPS)
+        self.decisions = deque(decisions, maxlen=DECISION_HISTORY)
+        self._judged = None
 
     def state_dict(self) -> dict[str, Any]:
         """Every part's state as strict JSON data, so a resumed run decides exactly the same."""
-        return {"version": STATE_VERSION, **{name: part.state_dict() for name, part in self._parts().items()},
-                "suppressed": sorted(self._suppressed), "history": list(self.history), "decisions": list(self.decisions)}
+        return {"version": STATE_VERSION, **{name: part.state_dict() for name, part in self._parts.items()},
+                "suppressed": sorted(self._suppressed), "history": list(self.history),
+                "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned (window sizes follow the current config).
 
-        A state of the round-1 layout (version 1) cannot be mapped onto the parts: it is not
-        restored, the policy warms up again from the next frame (logged), never an error.
+        A state of an older release's layout (version 1) cannot be mapped onto the parts: it is
+        not restored, the policy warms up again from the next frame (logged), never an error.
 
         Raises:
             `ConfigError`: `state` is of an unknown version or malformed (nothing is changed then).
@@ -371,27 +369,21 @@ class RulePolicy:
         if version == 1:
             logger.warning("policy state version 1 (an older release) is not restored: the statistics warm up "
                            "again from the next step (early rules guard the first steps).")
-            self._adopt(RulePolicy(self.config))
+            self._use(self._new_parts(), suppressed=(), history=(), decisions=())
             return
         if version != STATE_VERSION:
             raise ConfigError(f"policy state version={version!r} is not supported: expected {STATE_VERSION} (or 1, "
                               "which restarts the statistics).")
-        fresh = RulePolicy(self.config)
+        parts = self._new_parts()
         try:
-            for name, part in fresh._parts().items():
+            for name, part in parts.items():
                 if name != "learned" or name in state:  # saved without the model: the model starts afresh
                     part.load_state_dict(state[name])
-            fresh._suppressed = {str(k) for k in state["suppressed"]}
-            fresh.history = deque(state["history"], maxlen=HISTORY_STEPS)
-            fresh.decisions = deque(state["decisions"], maxlen=DECISION_HISTORY)
+            suppressed = [str(k) for k in state["suppressed"]]
+            history, decisions = list(state["history"]), list(state["decisions"])
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"policy state is malformed ({type(e).__name__}: {e}); it was not written by "
                               "RulePolicy.state_dict() of this version: start without it.") from e
-        self._adopt(fresh)
-
-    def _adopt(self, other: RulePolicy) -> None:
-        for name in (*other._parts(), "_suppressed", "history", "decisions"):
-            setattr(self, name, getattr(other, name))
-        self._judged = None
+        self._use(parts, suppressed=suppressed, history=history, decisions=decisions)

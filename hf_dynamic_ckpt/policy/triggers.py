@@ -13,8 +13,8 @@ from typing import Any
 
 from ..config import SmartCkptConfig
 from ..signals.frame import SignalFrame
-from ._stateful import Stateful
-from .levels import Assessment
+from .baselines import Assessment
+from .stateful import Stateful
 
 
 @dataclass

@@ -41,7 +41,7 @@ from ..signals.frame import SignalFrame
 from ..signals.probes import PreemptionFlag
 from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights, trainable_state_dict
 from ..state.flat import FlatKeeper
-from ..state.sharded import ShardedState
+from ..state.shards import ShardedState
 from ..state.support import check_model
 from ..store.remote import is_url
 from ..store.spec import Lineage, new_session_id

@@ -45,7 +45,7 @@ from ..errors import (
 )
 from ..state.model import check_weights
 from ..state.optimizer import state_numel_bound
-from ..state.sharded import check_sharding
+from ..state.shards import check_sharding
 from ..store.types import CheckpointInfo, LoadedCheckpoint
 
 if TYPE_CHECKING:

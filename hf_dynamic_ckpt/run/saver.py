@@ -22,7 +22,7 @@ from ..engine import SaveEngine
 from ..errors import DistributedError, DynamicCkptError, SaveError
 from ..jsonutil import json_safe
 from ..policy.decision import Decision, DecisionKind
-from ..policy.retention import level_retention_from_config, plan_retention
+from ..policy.retention import plan_retention, tier_retention_from_config
 from ..signals.frame import SignalFrame
 from ..state import RawRngState, StateSources
 from ..store.spec import Lineage, SaveRequest
@@ -248,7 +248,7 @@ class Saver:
         c = self.config
         try:
             plan = plan_retention(self.store.list(include_unhealthy=True, include_abandoned=True), keep_last=c.keep_last,
-                                  log_spaced=c.keep_log_spaced, level_retention=level_retention_from_config(c),
+                                  log_spaced=c.keep_log_spaced, tier_retention=tier_retention_from_config(c),
                                   now=time.time())
             report = self.store.prune(plan)  # re-reads each entry from disk; abandoned ones once passed
         except Exception as e:  # retention must never stop training

@@ -32,7 +32,7 @@ class Sensors:
     def __init__(self, config: SmartCkptConfig, model: nn.Module, *, loss_model: nn.Module | None = None,
                  clip_owner: Any | None = None) -> None:
         self.loss = LossProbe(loss_model if loss_model is not None else model)
-        self.grad = GradProbe(model)
+        self.grad = GradProbe(model, sum_across_ranks=dist.all_reduce_square_sums)
         self.mem = MemoryProbe(config.memory_sample_every)
         self.flag = PreemptionFlag(config.preemption_signals)
         self.flag.install()

@@ -25,7 +25,7 @@ class SignalFrame:
         loss (`float`, *optional*): the step's loss, summed over its micro-batches (and ranks).
         grad_norm (`float`, *optional*): pre-clip global L2 norm of the gradients.
         lora_max_ratio (`float`, *optional*): max over LoRA layers of the layer's gradient
-            norm divided by that layer's own running level.
+            norm divided by that layer's own running baseline.
         lora_max_layer (`str`, *optional*): the layer reaching `lora_max_ratio`.
         nonfinite (`bool`, *optional*, defaults to `False`): a gradient or the loss is NaN/inf.
         device_mem_frac (`float`, *optional*): accelerator memory in use, fraction of total.

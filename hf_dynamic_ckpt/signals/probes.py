@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .dtensor_norms import full_scalar, is_dtensor, local_part
 from .memory import MemoryProbe
 from .preemption import PreemptionFlag
-from .sharded import full_scalar, is_dtensor, local_part, reduce_square_sums
-from .stats import LayerLevels
+from .stats import LayerBaselines
 
 __all__ = ["ClipNormRecorder", "GradProbe", "LossProbe", "MemoryProbe", "PreemptionFlag", "find_lora_layers"]
 
@@ -110,7 +110,7 @@ def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 class GradProbe:
-    """Global and per-LoRA-layer gradient norms, with each layer's own running level.
+    """Global and per-LoRA-layer gradient norms, with each layer's own running baseline.
 
     Call `measure()` once per optimizer step when the gradients are complete. The global
     norm must be the *pre-clip* norm: either call `measure()` before clipping, or pass the
@@ -119,17 +119,20 @@ class GradProbe:
     rescaled exactly by `pre_clip_norm / post_clip_norm`. With `pre_clip_norm` given and
     no LoRA layer, nothing is computed at all.
 
-    Each layer's norm is judged by `LayerLevels` against the layer's own recent history
+    Each layer's norm is judged by `LayerBaselines` against the layer's own recent history
     (median of its log norms, discounted by its own spread, after a warm-up of `warmup`
     non-zero norms): `lora_max_ratio` is how far the most unusual layer lies above the
-    highest level it normally reaches.
+    highest baseline it normally reaches.
 
     Args:
         model (`torch.nn.Module`): the model (a PEFT model for per-layer norms).
-        window (`int`, *optional*, defaults to `50`): norms per layer in its robust level.
+        window (`int`, *optional*, defaults to `50`): norms per layer in its robust baseline.
         warmup (`int`, *optional*, defaults to `30`): non-zero norms a layer needs before it counts.
         spread_k (`float`, *optional*, defaults to `4.0`): robust standard deviations of a
-            layer's log-norm that are its normal range (see `LayerLevels`).
+            layer's log-norm that are its normal range (see `LayerBaselines`).
+        sum_across_ranks (`Callable[[list[float]], list[float]]`, *optional*): adds the ranks' squared norms of
+            sharded (FSDP2) gradients; the run passes `distributed.all_reduce_square_sums` (a collective). Without
+            it, a sharded gradient counts only this rank's shard.
 
     Example:
         ```python
@@ -139,7 +142,9 @@ class GradProbe:
         ```
     """
 
-    def __init__(self, model: nn.Module, *, window: int = 50, warmup: int = 30, spread_k: float = 4.0) -> None:
+    def __init__(self, model: nn.Module, *, window: int = 50, warmup: int = 30, spread_k: float = 4.0,
+                 sum_across_ranks: Callable[[list[float]], list[float]] | None = None) -> None:
+        self.sum_across_ranks = sum_across_ranks
         self.layers = find_lora_layers(model)
         self.layer_names: list[str] = list(self.layers)
         lora_ids = {id(p): i for i, ps in enumerate(self.layers.values()) for p in ps}
@@ -149,7 +154,7 @@ class GradProbe:
         self._params += [p for ps in self.layers.values() for p in ps if id(p) not in seen]
         n_layers = len(self.layer_names)
         self._bucket = [lora_ids.get(id(p), n_layers) for p in self._params]
-        self.levels = LayerLevels(window=window, warmup=warmup, spread_k=spread_k)
+        self.baselines = LayerBaselines(window=window, warmup=warmup, spread_k=spread_k)
 
     def measure(self, pre_clip_norm: float | torch.Tensor | None = None) -> tuple[float | None, dict[str, float]]:
         """Return `(global_norm, {layer: norm})` for the gradients now in `.grad`.
@@ -196,8 +201,9 @@ class GradProbe:
                 sq_sharded[bucket] += v * v * weights[j]
             else:
                 sq[bucket] += v * v
-        if any(sharded):
-            sq = reduce_square_sums(sq, sq_sharded)
+        if any(sharded):  # NaN and inf propagate: a non-finite shard on any rank makes the norm non-finite
+            total = self.sum_across_ranks(sq_sharded) if self.sum_across_ranks is not None else sq_sharded
+            sq = [a + b for a, b in zip(sq, total)]
         post = math.sqrt(sum(sq))  # NaN and inf propagate: the non-finite flag relies on it
         layer_norms = [math.sqrt(x) for x in sq[:n_layers]]
         if pre is not None and math.isfinite(post) and post > 0.0:
@@ -206,13 +212,13 @@ class GradProbe:
         return (pre if pre is not None else post), dict(zip(self.layer_names, layer_norms))
 
     def observe(self, layer_norms: Mapping[str, float]) -> tuple[float | None, str | None]:
-        """Judge each layer's norm against its own level (`LayerLevels.observe`), then fold it in.
+        """Judge each layer's norm against its own baseline (`LayerBaselines.observe`), then fold it in.
 
         Returns:
             `tuple`: `(max_ratio, layer)`; `(None, None)` while no layer is warmed up. A
-            non-finite layer norm gives `(inf, layer)` and leaves the levels untouched.
+            non-finite layer norm gives `(inf, layer)` and leaves the baselines untouched.
         """
-        return self.levels.observe(layer_norms)
+        return self.baselines.observe(layer_norms)
 
     def frame_fields(self, pre_clip_norm: float | torch.Tensor | None = None) -> dict[str, Any]:
         """`measure()` + `observe()` as `SignalFrame` keyword arguments."""
@@ -224,13 +230,14 @@ class GradProbe:
         return {"grad_norm": global_norm, "lora_max_ratio": ratio, "lora_max_layer": layer, "nonfinite": nonfinite}
 
     def state_dict(self) -> dict[str, Any]:
-        """The per-layer levels (JSON-able), so a resumed run measures the same ratios."""
-        return {"levels": self.levels.state_dict()}
+        """The per-layer baselines (JSON-able), so a resumed run measures the same ratios."""
+        # "levels": the key in every probe state saved so far (manifests' `extra["grad_probe"]`), kept so they resume.
+        return {"levels": self.baselines.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        levels = state.get("levels", {})
-        if "logs" in levels:  # older states (EMA levels) carry no history: the warm-up restarts
-            self.levels.load_state_dict(levels)
+        baselines = state.get("levels", {})
+        if "logs" in baselines:  # older states (EMA baselines) carry no history: the warm-up restarts
+            self.baselines.load_state_dict(baselines)
 
 
 class ClipNormRecorder:

@@ -2,7 +2,7 @@
 
 Robust statistics (median / MAD) are used instead of mean / std because the values
 they summarise are exactly the ones that contain outliers (loss spikes, gradient
-surges): a single spike must not move the level it is compared against.
+surges): a single spike must not move the baseline it is compared against.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 MAD_TO_STD = 1.4826
@@ -55,9 +55,6 @@ class RollingWindow:
     @property
     def values(self) -> list[float]:
         return list(self._values)
-
-    def last(self) -> float | None:
-        return self._values[-1] if self._values else None
 
     # statistics.median (one C sort) beats numpy by ~6x on windows of ~100 values.
     def median(self) -> float | None:
@@ -110,33 +107,33 @@ class RollingWindow:
         self._cache.clear()
 
 
-class LayerLevels:
+class LayerBaselines:
     """Each LoRA layer's gradient norm judged against the layer's own recent history.
 
     Per layer, the logs of the last `window` non-zero norms are kept; once a layer has
-    `warmup` of them, a new norm is compared with their median (a robust level, not a
+    `warmup` of them, a new norm is compared with their median (a robust baseline, not a
     young EMA) and the result is discounted by the layer's own spread:
 
         excess = norm / exp(median(log norms) + spread_k * 1.4826 * MAD(log norms))
 
-    so `excess >= 5` means "5x above the highest level this layer normally reaches", not
+    so `excess >= 5` means "5x above the highest baseline this layer normally reaches", not
     5x its average. LoRA layers start with `lora_B = 0`: their gradient norms grow (and
     jitter) by orders of magnitude in the first steps, which a ratio to a young running
-    level reads as surges. The warm-up counts only non-zero norms, and a layer whose norm
+    baseline reads as surges. The warm-up counts only non-zero norms, and a layer whose norm
     swings widely needs a proportionally larger jump. Pure Python, JSON-serialisable.
 
     Args:
-        window (`int`, *optional*, defaults to `50`): norms per layer in the robust level.
+        window (`int`, *optional*, defaults to `50`): norms per layer in the robust baseline.
         warmup (`int`, *optional*, defaults to `30`): non-zero norms a layer needs before it is judged.
         spread_k (`float`, *optional*, defaults to `4.0`): robust standard deviations of the
             log-norm a layer may move without counting as a surge.
 
     Example:
         ```python
-        >>> levels = LayerLevels(warmup=3)
+        >>> baselines = LayerBaselines(warmup=3)
         >>> for _ in range(3):
-        ...     levels.observe({"a": 1.0, "b": 1.0})
-        >>> levels.observe({"a": 1.0, "b": 10.0})
+        ...     baselines.observe({"a": 1.0, "b": 1.0})
+        >>> baselines.observe({"a": 1.0, "b": 10.0})
         (10.0, 'b')
         ```
     """
@@ -159,11 +156,11 @@ class LayerLevels:
         return math.exp(math.log(norm) - med - self.spread_k * MAD_TO_STD * mad)
 
     def observe(self, norms: Mapping[str, float]) -> tuple[float | None, str | None]:
-        """Judge this step's per-layer norms, then fold them into the levels.
+        """Judge this step's per-layer norms, then fold them into the baselines.
 
         Returns:
             `tuple`: `(max excess, layer)` over the warmed-up layers, `(None, None)` while
-            none is; a non-finite norm gives `(inf, layer)` and leaves every level untouched.
+            none is; a non-finite norm gives `(inf, layer)` and leaves every baseline untouched.
         """
         for name, norm in norms.items():
             if not math.isfinite(norm):
@@ -173,7 +170,7 @@ class LayerLevels:
             ratio = self.excess(name, norm)
             if ratio is not None and (best[0] is None or ratio > best[0]):
                 best = (ratio, name)
-            if norm > 0.0:  # a zero norm (lora_A before lora_B moved) is no level
+            if norm > 0.0:  # a zero norm (lora_A before lora_B moved) is no baseline
                 self.logs.setdefault(name, RollingWindow(self.window)).add(math.log(norm))
         return best
 
@@ -251,8 +248,3 @@ def ramp(value: float, lo: float, hi: float) -> float:
     if value >= hi:
         return 1.0
     return (value - lo) / (hi - lo)
-
-
-def finite(values: Iterable[float | None]) -> list[float]:
-    """The finite, non-`None` values of `values`."""
-    return [float(v) for v in values if v is not None and math.isfinite(v)]

@@ -3,7 +3,7 @@
 `scripts/record_traces.py` writes one JSONL file per run: a header object (run settings,
 `layers`, `onsets` = `[[step, kind], ...]`), then `[step, loss, grad_norm, lr, [layer
 norms]]` per step, non-finite numbers as `"nan"` / `"inf"`. The per-layer norms are the
-raw pre-clip norms, so a replay goes through the same `LayerLevels` the `GradProbe` uses
+raw pre-clip norms, so a replay goes through the same `LayerBaselines` the `GradProbe` uses
 and policy calibrations can be checked against real runs. Pure Python (no torch).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .frame import SignalFrame
-from .stats import LayerLevels
+from .stats import LayerBaselines
 
 
 @dataclass
@@ -64,41 +64,41 @@ def load_trace(path: str | os.PathLike[str]) -> RecordedTrace:
             step, loss, grad, lr, norms = json.loads(line)
             rows.append((int(step), _f(loss), _f(grad), _f(lr), [_f(v) for v in norms]))
     except (IndexError, ValueError, TypeError) as e:
-        raise ConfigError(f"{os.fspath(path)} is not a signal trace ({e}); record one with scripts/record_traces.py.") from e
+        raise ConfigError(f"{os.fspath(path)} is not a signal trace ({e}); record one with "
+                          "scripts/record_traces.py.") from e
     onsets = [(int(s), str(k)) for s, k in header.get("onsets", [])]
     return RecordedTrace(name=str(header.get("name", os.path.basename(os.fspath(path)))), header=header, rows=rows,
                          onsets=onsets)
 
 
-def replay_frames(trace: RecordedTrace, levels: LayerLevels | None = None, *,
-                  step_time_s: float | None = None) -> list[SignalFrame]:
+def replay_frames(trace: RecordedTrace) -> list[SignalFrame]:
     """The `SignalFrame`s the checkpointer would have built for the recorded run.
 
     Args:
         trace (`RecordedTrace`): from `load_trace`.
-        levels (`LayerLevels`, *optional*): per-layer judge (defaults to `GradProbe`'s defaults).
-        step_time_s (`float`, *optional*): step time to put in every frame.
 
     Returns:
-        `list[SignalFrame]`, one per recorded step, with `lora_max_ratio` from `levels`.
+        `list[SignalFrame]`, one per recorded step, with `lora_max_ratio` from a `LayerBaselines` with
+        `GradProbe`'s defaults.
     """
-    levels = levels if levels is not None else LayerLevels()
+    baselines = LayerBaselines()
     names = trace.layers
     clip = trace.header.get("max_grad_norm")
     clip = float(clip) if isinstance(clip, (int, float)) and clip > 0 else None
     frames = []
     for step, loss, grad, lr, norms in trace.rows:
-        ratio, layer = levels.observe(dict(zip(names, norms)))
+        ratio, layer = baselines.observe(dict(zip(names, norms)))
         nonfinite = not math.isfinite(grad) or (ratio is not None and not math.isfinite(ratio))
         frames.append(SignalFrame(step=step, loss=loss, grad_norm=grad, lora_max_ratio=ratio, lora_max_layer=layer,
-                                  nonfinite=nonfinite, lr=lr, step_time_s=step_time_s, clip_norm=clip))
+                                  nonfinite=nonfinite, lr=lr, clip_norm=clip))
     return frames
 
 
 INJECTIONS = ("loss_x", "nan_grad", "lr_surge")
 
 
-def inject_anomaly(trace: RecordedTrace, onset: int, kind: str, *, factor: float = 100.0, steps: int = 1) -> RecordedTrace:
+def inject_anomaly(trace: RecordedTrace, onset: int, kind: str, *, factor: float = 100.0,
+                   steps: int = 1) -> RecordedTrace:
     """A copy of a calm `trace` with an anomaly injected at step `onset` (for `steps` steps).
 
     Exact up to and including the onset step, which is all a pre-update capture reads:
@@ -124,7 +124,8 @@ def inject_anomaly(trace: RecordedTrace, onset: int, kind: str, *, factor: float
     if kind not in INJECTIONS:
         raise ConfigError(f"kind={kind!r} is invalid: expected one of {', '.join(INJECTIONS)}.")
     if not any(r[0] == onset for r in trace.rows):
-        raise ConfigError(f"onset={onset} is outside the trace {trace.name!r} (steps {trace.rows[0][0]}..{trace.rows[-1][0]}).")
+        raise ConfigError(f"onset={onset} is outside the trace {trace.name!r} "
+                          f"(steps {trace.rows[0][0]}..{trace.rows[-1][0]}).")
     rows = []
     for step, loss, grad, lr, norms in trace.rows:
         if onset <= step < onset + steps:

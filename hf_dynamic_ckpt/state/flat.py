@@ -21,7 +21,7 @@ By default (`enabled=None`) only where it pays: at least `MIN_TENSORS` trainable
 at most `MAX_MEAN_BYTES` on average (LoRA and other adapters). A full fine-tune is left as it
 is: its tensors are large enough that one copy per tensor costs about what one copy of the
 whole costs, while the move would hold its weights and optimizer state twice for a moment
-and stall the first step on fresh memory (docs/benchmarks.md, "Round 2, fifth pass").
+and stall the first step on fresh memory (docs/benchmarks.md, `bench_save.py`).
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ class FlatKeeper:
         self.on_move = on_move
         self.optimizer = optimizer
         self.weights = weights
-        from .sharded import is_sharded_model
+        from .shards import is_sharded_model
 
         # FSDP2 parameters are DTensor shards (never moved); the rest: `enabled`, or where it pays.
         self.enabled = not is_sharded_model(model) and (pays(model) if enabled is None else enabled)

@@ -153,7 +153,8 @@ def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]
     Example:
         ```python
         >>> check_weights({"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)})
-        IncompatibleStateError: saved weights do not fit the model: shape mismatch (1): w saved [2, 3] vs model [2, 4]. ...
+        IncompatibleStateError: saved weights do not fit the model: shape mismatch (1): w saved [2, 3] vs model
+        [2, 4]. ...
         ```
     """
     missing = sorted(set(expected) - set(saved))

@@ -101,7 +101,8 @@ class CachedWeights:
 
     def _valid(self) -> bool:
         tables, names, objs = self._slots
-        return (list(map(len, self._tables)) == self._sizes and all(map(operator.is_, map(dict.get, tables, names), objs))
+        return (list(map(len, self._tables)) == self._sizes
+                and all(map(operator.is_, map(dict.get, tables, names), objs))
                 and list(map(_data_ptr, self._aliased)) == self._ptrs)
 
     def __call__(self) -> Mapping[str, torch.Tensor]:

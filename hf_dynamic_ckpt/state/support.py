@@ -2,7 +2,7 @@
 
 Supported: a single process, DDP (every rank holds the whole model; rank 0 writes it), and FSDP2
 (`torch.distributed.fsdp.fully_shard`: every parameter is a `DTensor`; every rank writes its own
-shards, see `state.sharded`). Refused with a `ConfigError` that names these: DeepSpeed ZeRO (the
+shards, see `state.shards`). Refused with a `ConfigError` that names these: DeepSpeed ZeRO (the
 partitions live inside the DeepSpeed engine; a save from here would store rank 0's partition as
 if it were the model) and FSDP1 (`FullyShardedDataParallel` flat parameters, same problem).
 """
@@ -53,7 +53,8 @@ def check_accelerator(accelerator: Any) -> None:
         return
     kind = _accelerator_type(accelerator)
     state = getattr(accelerator, "state", None)
-    if kind == "DEEPSPEED" or getattr(state, "deepspeed_plugins", None) or getattr(accelerator, "deepspeed_plugin", None):
+    deepspeed = getattr(state, "deepspeed_plugins", None) or getattr(accelerator, "deepspeed_plugin", None)
+    if kind == "DEEPSPEED" or deepspeed:
         raise _refuse("DeepSpeed (the accelerator's distributed_type is DEEPSPEED)", _DEEPSPEED_WHY, _DEEPSPEED_FIX)
     if kind == "FSDP":
         plugin = getattr(state, "fsdp_plugin", None) or getattr(accelerator, "fsdp_plugin", None)

@@ -20,6 +20,7 @@ def main(out: str) -> None:
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import fully_shard
 
+    from hf_dynamic_ckpt.distributed import all_reduce_square_sums
     from hf_dynamic_ckpt.signals.probes import GradProbe
 
     dist.init_process_group("gloo")
@@ -29,7 +30,7 @@ def main(out: str) -> None:
     for layer in (model.base_model.model[0], model.base_model.model[2]):
         fully_shard(layer)
     fully_shard(model)
-    probe = GradProbe(model)
+    probe = GradProbe(model, sum_across_ranks=all_reduce_square_sums)
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
     model(x).pow(2).sum().backward()
     grad_norm, layers = probe.measure()

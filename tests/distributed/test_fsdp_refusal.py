@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO and FSDP1 are refused at attach with an error naming the supported setups (issue 12).
+"""DeepSpeed ZeRO and FSDP1 are refused at attach with an error naming the supported setups.
 
 No rank-0-only save of a partitioned state may ever happen silently: the refusal comes before the
 store is opened, so nothing is written. DeepSpeed is not installed here; the accelerator state

@@ -2,7 +2,7 @@
 
 Every rank writes its own shards of L0 and L1 (`weights-rank<R>.safetensors`,
 `optimizer-rank<R>.safetensors`); rank 0 commits them with the manifest, whose
-`extra["sharded"]` records each tensor's global shape and each rank's chunk in JSON (issue 12).
+`extra["sharded"]` records each tensor's global shape and each rank's chunk in JSON.
 """
 
 from __future__ import annotations

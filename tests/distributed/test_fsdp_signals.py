@@ -1,4 +1,4 @@
-"""Gradient signals on FSDP2 DTensors (issue 12): local shards + one all_reduce, equal to the full norms."""
+"""Gradient signals on FSDP2 DTensors: local shards + one all_reduce, equal to the full norms."""
 
 from __future__ import annotations
 

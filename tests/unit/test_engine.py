@@ -119,7 +119,8 @@ def test_rng_captured_by_the_save_is_the_state_at_the_save_not_at_the_write(stor
 
     converted_on = []
     to_json = RawRngState.to_json
-    monkeypatch.setattr(RawRngState, "to_json", lambda self: converted_on.append(threading.get_ident()) or to_json(self))
+    monkeypatch.setattr(RawRngState, "to_json",
+                        lambda self: converted_on.append(threading.get_ident()) or to_json(self))
     model, opt, sched = _model()
     gated = _GatedSave(store)
     with SaveEngine(store, mode="thread") as engine:
@@ -147,7 +148,7 @@ def test_background_failure_surfaces_and_previous_checkpoint_stays(store, monkey
 
     monkeypatch.setattr(HashingWriter, "write", no_space)
     _step(model, opt)
-    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine")  # one WARNING per failed save (issue 10)
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine")  # one WARNING per failed save
     handle = engine.save(_sources(model, opt),
                          SaveRequest(step=2, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval"))
     with pytest.raises(SaveError, match=r"No space left on device") as excinfo:

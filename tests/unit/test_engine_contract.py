@@ -1,4 +1,4 @@
-"""The engine's side of the round-2 contracts: typed hand-offs, info.blobs, abort, module shape.
+"""The engine's side of its contracts with the store: typed hand-offs, info.blobs, abort, module shape.
 
 `ContractStore` implements the store interface the engine relies on (`spec`/`from_spec`,
 `save(state, request, *, timings, cancel)`, `CheckpointInfo.blobs`, `blobs.exists`) and
@@ -43,7 +43,7 @@ class _Blobs:
 
 
 class ContractStore:
-    """Round-2 store interface, no files committed; records what it was handed under `spec.root`."""
+    """The store interface the engine relies on, no files committed; records what it was handed under `spec.root`."""
 
     fill_blobs = True
 
@@ -137,8 +137,8 @@ def test_the_writer_process_opens_the_store_from_the_same_spec_and_gets_the_requ
     opened = json.loads((tmp_path / "opened.json").read_text())
     # The one difference: the store asks for every CPU; the writer process compresses on those training leaves.
     assert store.spec.compression_threads == 0
-    assert opened == {"spec": {**dataclasses.asdict(store.spec), "codec": "none", "compression_threads": writer_threads()},
-                      "cleanup": False}
+    spec = {**dataclasses.asdict(store.spec), "codec": "none", "compression_threads": writer_threads()}
+    assert opened == {"spec": spec, "cleanup": False}
     assert (tmp_path / "requests.jsonl").read_text().splitlines() == [_request_json(REQUEST)]
     assert store.received == []  # written by the child's store, not the parent's
 

@@ -1,4 +1,4 @@
-"""Consolidated trainable state (`state.flat`, issue 15 goal 1): one flat buffer per (device, dtype),
+"""Consolidated trainable state (`state.flat`): one flat buffer per (device, dtype),
 values and training bit-identical, replaced state noticed and moved again, snapshots as one copy."""
 
 from __future__ import annotations

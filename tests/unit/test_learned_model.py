@@ -1,4 +1,4 @@
-"""The learned double-check (issue 14): features, the numpy LSTM, the model file, its role next to the rules.
+"""The learned double-check: features, the numpy LSTM, the model file, its role next to the rules.
 
 Role tests use small hand-made model files (`constant_model`: zero LSTM weights, a fixed score
 and granularity), so they check what the policy does with an opinion, not what the shipped
@@ -108,8 +108,8 @@ def test_twelve_documented_scale_free_features() -> None:
     # Powers of two scale every value exactly: the features must not change by one bit.
     base = run(1.0)
     assert run(8.0) == base and run(0.25) == base
-    assert base[45][FEATURE_NAMES.index("loss_ratio")] == pytest.approx(math.log(30.0 * (2.0 + 0.01 * math.sin(46)) / 2.0),
-                                                                        rel=0.01)
+    spike = math.log(30.0 * (2.0 + 0.01 * math.sin(46)) / 2.0)
+    assert base[45][FEATURE_NAMES.index("loss_ratio")] == pytest.approx(spike, rel=0.01)
     assert base[0][FEATURE_NAMES.index("history")] == 0.0 and base[59][FEATURE_NAMES.index("history")] == 1.0
 
 
@@ -312,7 +312,7 @@ def test_rules_only_state_loads_into_a_policy_with_the_model(tmp_path: Path) -> 
     drive(rules, calm(30))
     with_model = RulePolicy(CFG.replace(learned_model=constant_model(tmp_path / "m.safetensors", 0.5)))
     with_model.load_state_dict(rules.state_dict())
-    assert with_model.levels.loss.values == rules.levels.loss.values
+    assert with_model.baselines.loss.values == rules.baselines.loss.values
     assert isinstance(with_model.learned, LearnedCheck) and with_model.learned.features.seen == 0
     bad = with_model.state_dict()
     bad["learned"]["lstm"] = [[0.0] * 8] * 4
@@ -359,7 +359,8 @@ def test_corpus_is_small_split_by_run_and_holds_out_shapes_and_timings(corpus: l
     assert all((r.header["hidden_size"], r.header["num_layers"]) not in seen for r in splits["test"])
     latest = max(o for r in splits["train"] + splits["validation"] for o, _ in r.onsets() if r.kind != "memory_ramp")
     assert any(o > latest for r in splits["test"] for o, _ in r.onsets())
-    assert {r.header["arch"] for r in corpus} == {"qwen2", "llama"} and {r.header["lora"] for r in corpus} == {True, False}
+    assert {r.header["arch"] for r in corpus} == {"qwen2", "llama"}
+    assert {r.header["lora"] for r in corpus} == {True, False}
     assert {r.header["max_grad_norm"] for r in corpus} == {1.0, 0.5, None}
     assert len({r.header["batch_size"] for r in corpus}) == 3 and len({r.header["seed"] for r in corpus}) == len(corpus)
 

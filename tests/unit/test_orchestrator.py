@@ -172,7 +172,7 @@ def test_lr_surge_triggers_a_pinned_pre_update_capture(tmp_path: Path) -> None:
     for step in range(9):
         train_step(ck, model, opt, sched, step)
     boundary = {k: v.clone() for k, v in model.state_dict().items()}
-    history_max = max(ck.policy._lr)
+    history_max = max(ck.policy.baselines.lr)
     for group in opt.param_groups:
         group["lr"] *= 100.0  # a schedule bug: step 10's update would use 100x the rate
     surged = opt.param_groups[0]["lr"]

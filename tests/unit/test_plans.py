@@ -1,4 +1,4 @@
-"""The per-save shortcuts of the copy plans agree with the generic walks (issue 15: LoRA snapshots)."""
+"""The per-save shortcuts of the copy plans agree with the generic walks (what a LoRA snapshot saves)."""
 
 from __future__ import annotations
 
@@ -183,7 +183,8 @@ def test_a_consolidated_optimizer_state_snapshots_through_spans():
     state = snap.take(live).state
     assert len(snap._plans["optimizer/"].spans) == 1 and snap._plans["optimizer/"].cats == []
     out = tensors_in(state.optimizer, [])
-    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(out, optimizer_tensors(opt.state_dict())))
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+               for a, b in zip(out, optimizer_tensors(opt.state_dict())))
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Issue 16: capture from the first optimizer step, no false positives on calm starts, and
+"""Capture from the first optimizer step, no false positives on calm starts, and
 windows that continue from the restored state after a resume.
 
 Decision replays on recorded calm runs (`tests/data/traces/` and `tests/data/traces/early/`:
@@ -108,7 +108,7 @@ def test_early_bars_double_below_three_values_and_loss_rule_fires_without_gradie
     assert first_capture([2.0, 17.0]) == "2: pre_update early_loss x8.5 (median of 1 step)"
     assert first_capture([2.0, 2.0, 2.0, 7.0]) is None  # x3.5 < 4
     assert first_capture([2.0, 2.0, 2.0, 8.0]) == "4: pre_update early_loss x4.0 (median of 3 steps)"
-    assert first_capture([-1.0, -1.0, -1.0, 50.0]) is None  # no ratio to a non-positive level
+    assert first_capture([-1.0, -1.0, -1.0, 50.0]) is None  # no ratio to a non-positive baseline
 
 
 def test_first_step_grad_norm_orders_of_magnitude_above_the_clip_norm_is_captured() -> None:
@@ -116,7 +116,8 @@ def test_first_step_grad_norm_orders_of_magnitude_above_the_clip_norm_is_capture
     assert not policy.pre_update(SignalFrame(step=1, loss=7.0, grad_norm=99.0, clip_norm=1.0)).save
     policy = RulePolicy(SHORT)
     d = policy.pre_update(SignalFrame(step=1, loss=7.0, grad_norm=250.0, clip_norm=1.0))
-    assert (d.save, d.step, d.pin, d.reason) == (True, 0, True, "pre_update first_step grad_norm 250 = x250 the clip norm 1")
+    assert (d.save, d.step, d.pin, d.reason) == (True, 0, True,
+                                                 "pre_update first_step grad_norm 250 = x250 the clip norm 1")
     policy = RulePolicy(SHORT)  # without a clip norm nothing is known at step 1
     assert not policy.pre_update(SignalFrame(step=1, loss=7.0, grad_norm=1e6)).save
 
@@ -146,7 +147,7 @@ def test_anomaly_right_after_a_resume_is_captured_from_the_restored_windows(name
     assert all(d.reason.startswith("pre_update early_") for _, d in fresh if d.pin)
 
 
-def test_round_one_state_warms_up_again_with_a_note(caplog: pytest.LogCaptureFixture) -> None:
+def test_version_1_state_warms_up_again_with_a_note(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.policy")
     policy = RulePolicy(SHORT)
     replay(policy, [SignalFrame(step=s, loss=2.0, grad_norm=1.0) for s in range(1, 30)])

@@ -1,4 +1,4 @@
-"""RulePolicy's seams (issues 9 and 11): parts with their own state, frame-only inputs, kinds, health."""
+"""RulePolicy's seams: parts with their own state, frame-only inputs, kinds, health."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def eventful_frames() -> list[SignalFrame]:
     return frames
 
 
-# ------------------------------------------------------------------ agreed inputs (issue 11)
+# ------------------------------------------------------------------ agreed inputs
 @pytest.mark.filterwarnings("ignore:RulePolicy.record_save:DeprecationWarning")
 def test_same_frames_same_decisions_whatever_each_rank_measures_locally() -> None:
     """Under DDP every rank feeds the same reduced frame; a rank-local save cost must change nothing."""
@@ -79,7 +79,7 @@ def test_record_save_is_a_deprecated_no_op() -> None:
     assert json.dumps(policy.state_dict()) == before
 
 
-# ------------------------------------------------------------------ health (issue 11)
+# ------------------------------------------------------------------ health
 def test_saves_inside_the_demo_explosion_are_unhealthy_and_the_capture_is_the_restore_point(
         caplog: pytest.LogCaptureFixture) -> None:
     """The demo's loss x30 at steps 35-38: its risk_edge save at 38 (loss 178.2) was marked healthy."""
@@ -98,8 +98,10 @@ def test_saves_inside_the_demo_explosion_are_unhealthy_and_the_capture_is_the_re
     assert max(healthy) == onset - 1
     assert all(d.healthy for d in saves if d.step is not None and d.step < onset - 1)
     messages = [r.getMessage() for r in caplog.records if "marked unhealthy" in r.getMessage()]
-    assert messages[0] == "step 37: the checkpoint of step 37 is marked unhealthy (this step's update was bad: grad_surge x38.9)"
-    assert messages[1] == "step 38: the checkpoint of step 38 is marked unhealthy (this step's update was bad: grad_surge x57.8)"
+    assert messages[0] == ("step 37: the checkpoint of step 37 is marked unhealthy (this step's update was bad: "
+                           "grad_surge x38.9)")
+    assert messages[1] == ("step 38: the checkpoint of step 38 is marked unhealthy (this step's update was bad: "
+                           "grad_surge x57.8)")
 
 
 def test_a_save_while_the_training_risk_is_high_is_unhealthy(caplog: pytest.LogCaptureFixture) -> None:
@@ -129,7 +131,7 @@ def test_a_bad_update_that_was_skipped_leaves_a_healthy_state() -> None:
         assert (post.save, post.step, post.healthy) == (True, 40, healthy)
 
 
-# ------------------------------------------------------------------ parts and state (issue 9)
+# ------------------------------------------------------------------ parts and state
 def test_every_part_owns_its_state_and_the_round_trip_is_exact() -> None:
     cfg = SmartCkptConfig(stability_window=30, mtbf_hours=0.05, risk_smoothing=5)
     frames = eventful_frames()
@@ -155,7 +157,8 @@ def test_unknown_or_malformed_state_raises_and_changes_nothing() -> None:
     policy = RulePolicy(SmartCkptConfig(base_interval=4))
     run(policy, [calm(s) for s in range(1, 30)])
     good = json.loads(json.dumps(policy.state_dict()))
-    with pytest.raises(ConfigError, match=r"^policy state version=7 is not supported: expected 2 \(or 1, which restarts"):
+    with pytest.raises(ConfigError,
+                       match=r"^policy state version=7 is not supported: expected 2 \(or 1, which restarts"):
         policy.load_state_dict({**good, "version": 7})
     bad = json.loads(json.dumps(good))
     bad["levels"] = {"loss": [1.0]}  # no grad window: written by something else
@@ -163,7 +166,8 @@ def test_unknown_or_malformed_state_raises_and_changes_nothing() -> None:
         policy.load_state_dict(bad)
     bad = json.loads(json.dumps(good))
     bad["edge"] = {"armed": "yes"}
-    with pytest.raises(ConfigError, match=r"^policy state of RiskEdgeTrigger: armed='yes' is invalid: expected bool\.$"):
+    with pytest.raises(ConfigError,
+                       match=r"^policy state of RiskEdgeTrigger: armed='yes' is invalid: expected bool\.$"):
         policy.load_state_dict(bad)
     bad = json.loads(json.dumps(good))
     del bad["capture"]["last_step"]

@@ -1,7 +1,7 @@
 """RulePolicy on real recorded signal traces (tests/data/traces, from scripts/record_traces.py).
 
 Tiny Qwen2 / Llama LoRA fine-tunes on real text, calm and with injected anomalies. The
-per-layer norms are replayed through `LayerLevels` (what `GradProbe` uses), so these are
+per-layer norms are replayed through `LayerBaselines` (what `GradProbe` uses), so these are
 decisions on given signal sequences: deterministic.
 """
 
@@ -84,7 +84,10 @@ def test_anomaly_trace_adds_at_most_one_save_per_window(name: str) -> None:
     calm_name = "calm_demo_qwen2.jsonl" if "demo" in name else None
     window = 20
     steps = [d.step for _, _, d in events]
-    regular = list(range(BASE, max(steps) + 1, BASE)) if calm_name is None else [d.step for _, _, d in drive(calm_name, CFG.replace(grad_surge_ratio=15.0))[0]]
+    if calm_name is None:
+        regular = list(range(BASE, max(steps) + 1, BASE))
+    else:
+        regular = [d.step for _, _, d in drive(calm_name, CFG.replace(grad_surge_ratio=15.0))[0]]
     for start in range(0, max(steps) + 1, window):
         n = sum(start <= s < start + window for s in steps)
         n_regular = sum(start <= s < start + window for s in regular)

@@ -1,4 +1,4 @@
-"""Issue 15 (resume to the first step): what a resume no longer pays on its way to the first step.
+"""What a resume does not pay on its way to the first step.
 
 - the writer process starts when first needed (prepare, after the resume's L1 read), not with the engine;
 - snapshot buffers: shared memory reserved without holding the GIL, allocated at the training
@@ -29,7 +29,8 @@ from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest
 
 MiB = 1 << 20
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are a Linux feature")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="per-thread nice values are a Linux feature")
 
 
 @pytest.fixture

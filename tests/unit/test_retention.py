@@ -9,7 +9,7 @@ import pytest
 
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
-from hf_dynamic_ckpt.policy import level_retention_from_config, plan_retention
+from hf_dynamic_ckpt.policy import plan_retention, tier_retention_from_config
 from hf_dynamic_ckpt.store.types import CheckpointInfo
 
 DAY = 86400.0
@@ -61,7 +61,7 @@ def test_newest_healthy_is_kept_even_beyond_keep_last() -> None:
 
 
 def test_per_tier_retention_drops_old_optimizer_before_weights() -> None:
-    retention = level_retention_from_config(SmartCkptConfig())
+    retention = tier_retention_from_config(SmartCkptConfig())
     assert retention == {Tier.WEIGHTS: 30, Tier.OPTIMIZER: 7, Tier.STATE: 90}
     infos = [
         info(100, age_days=40),               # weights expired: whole checkpoint goes
@@ -71,12 +71,12 @@ def test_per_tier_retention_drops_old_optimizer_before_weights() -> None:
         info(500, age_days=3),
         info(600, age_days=20),               # newest (keep_last): nothing expires on it
     ]
-    plan = plan_retention(infos, keep_last=1, log_spaced=False, level_retention=retention, now=1e9)
+    plan = plan_retention(infos, keep_last=1, log_spaced=False, tier_retention=retention, now=1e9)
     assert [(i.step, tiers) for i, tiers in plan] == [(100, ALL_TIERS), (200, ALL_TIERS), (300, ALL_TIERS),
                                                       (500, ALL_TIERS)]  # thinning alone: only last + pinned
     # Log-spaced: ages behind step 600 are 500, 400, 300, 100 -> buckets 9, 9, 9, 7. Step 100's weights
     # expired, so the oldest *surviving* checkpoint of bucket 9 (step 200) is kept, without its optimizer.
-    plan = plan_retention(infos, keep_last=1, level_retention=retention, now=1e9)
+    plan = plan_retention(infos, keep_last=1, tier_retention=retention, now=1e9)
     assert [(i.step, tiers) for i, tiers in plan] == [
         (100, ALL_TIERS),
         (200, frozenset({Tier.OPTIMIZER})),
@@ -107,4 +107,4 @@ def test_abandoned_checkpoints_wait_for_the_live_timeline_to_pass_them() -> None
     assert [(i.step, i.abandoned) for i, _ in plan] == [(30, True), (50, True)]
     # Expired tiers do not touch an abandoned checkpoint before that either.
     aged = [info(100), dataclasses.replace(info(200, age_days=40), abandoned=True)]
-    assert plan_retention(aged, keep_last=1, level_retention={Tier.WEIGHTS: 30.0}, now=1e9) == []
+    assert plan_retention(aged, keep_last=1, tier_retention={Tier.WEIGHTS: 30.0}, now=1e9) == []

@@ -23,7 +23,7 @@ from hf_dynamic_ckpt.signals import (
     RollingWindow,
     SignalFrame,
 )
-from hf_dynamic_ckpt.signals.stats import LayerLevels, linear_fit
+from hf_dynamic_ckpt.signals.stats import LayerBaselines, linear_fit
 
 
 def tiny_lora_model() -> torch.nn.Module:
@@ -118,7 +118,8 @@ def test_grad_probe_finds_lora_layers_by_type_and_matches_manual_norms() -> None
     model(**batch(1)).loss.backward()
     global_norm, layer_norms = probe.measure()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert global_norm == pytest.approx(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))), rel=1e-5)
+    expected = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    assert global_norm == pytest.approx(expected, rel=1e-5)
     for name, norm in layer_norms.items():
         module = model.get_submodule(name)
         manual = math.sqrt(sum(float(p.grad.square().sum()) for n, p in module.named_parameters() if "lora_" in n))
@@ -155,11 +156,11 @@ def test_grad_probe_flags_surging_layer_and_nonfinite() -> None:
     target = probe.layer_names[2]
     ratio, layer = probe.observe({n: (10.0 if n == target else 1.0) for n in probe.layer_names})
     assert layer == target and ratio == pytest.approx(10.0)
-    assert probe.levels.logs[target].median() == pytest.approx(0.0)  # the robust level ignores the one surge
+    assert probe.baselines.logs[target].median() == pytest.approx(0.0)  # the robust baseline ignores the one surge
     state = json.loads(json.dumps(probe.state_dict()))
     fresh = GradProbe(model, warmup=3, spread_k=4.0)
     fresh.load_state_dict(state)
-    assert fresh.levels.logs[target].values == probe.levels.logs[target].values
+    assert fresh.baselines.logs[target].values == probe.baselines.logs[target].values
     assert fresh.observe({n: 10.0 for n in probe.layer_names}) == probe.observe({n: 10.0 for n in probe.layer_names})
 
     model(**batch(3)).loss.backward()
@@ -176,7 +177,8 @@ def test_grad_probe_without_lora_uses_the_clip_norm_without_computing() -> None:
     model(torch.ones(2, 4)).sum().backward()
     norm, layers = probe.measure()
     assert layers == {}
-    assert norm == pytest.approx(float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))))
+    full = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert norm == pytest.approx(float(torch.linalg.vector_norm(full)))
 
 
 def test_clip_recorder_keeps_the_clip_norm_of_the_last_call() -> None:
@@ -277,15 +279,15 @@ def test_differing_decision_fingerprints_raise_one_error_naming_every_rank() -> 
     assert distributed.combine_frames(9, rows, names) == distributed.combine_frames(9, agreed, names)
 
 
-def test_layer_levels_discount_a_noisy_layers_own_spread() -> None:
+def test_layer_baselines_discount_a_noisy_layers_own_spread() -> None:
     """A layer that swings widely must jump further than a steady one to count as a surge."""
-    levels = LayerLevels(window=50, warmup=30, spread_k=4.0)
+    baselines = LayerBaselines(window=50, warmup=30, spread_k=4.0)
     for i in range(40):  # "steady" moves +-5 %, "noisy" x0.5..x2 (log-spread ~0.7)
-        levels.observe({"steady": 1.0 + 0.05 * (-1) ** i, "noisy": 2.0 ** ((i % 3) - 1)})
-    steady, noisy = levels.excess("steady", 10.0), levels.excess("noisy", 10.0)
+        baselines.observe({"steady": 1.0 + 0.05 * (-1) ** i, "noisy": 2.0 ** ((i % 3) - 1)})
+    steady, noisy = baselines.excess("steady", 10.0), baselines.excess("noisy", 10.0)
     assert steady is not None and noisy is not None
     assert steady > 5.0 > noisy
-    young = LayerLevels(warmup=30)
+    young = LayerBaselines(warmup=30)
     for _ in range(29):
         young.observe({"a": 1.0})
     assert young.observe({"a": 100.0}) == (None, None)  # still warming up: no ratio yet

@@ -1,9 +1,9 @@
-"""The running levels a frame is judged against, and the risk assessment of one frame.
+"""The running baselines a frame is judged against, and the risk assessment of one frame.
 
-`Levels` holds the recent loss, gradient-norm and learning-rate values and the memory
-samples; `Levels.assess(frame)` measures a frame against them *before* it is folded in
-(`Levels.fold`), so a spike is judged against the past and robust statistics (median /
-MAD) keep one spike from moving the level. Everything here is read from the frames alone.
+`Baselines` holds the recent loss, gradient-norm and learning-rate values and the memory
+samples; `Baselines.assess(frame)` measures a frame against them *before* it is folded in
+(`Baselines.fold`), so a spike is judged against the past and robust statistics (median /
+MAD) keep one spike from moving the baseline. Everything here is read from the frames alone.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from ..signals.frame import SignalFrame
 from ..signals.stats import MAD_TO_STD, RollingWindow, linear_fit, ramp
 
 MIN_HISTORY = 8  # values a statistic needs before it may raise risk (the early rules cover the steps before)
-GRAD_LEVEL_WINDOW = 50  # grad-norm steps whose median is the running level
-GRAD_SPREAD_K = 3.0  # a grad surge must also clear exp(k * relative spread) x the level (noisy runs need more)
+GRAD_BASELINE_WINDOW = 50  # grad-norm steps whose median is the running baseline
+GRAD_SPREAD_K = 3.0  # a grad surge must also clear exp(k * relative spread) x the baseline (noisy runs need more)
 MEM_POINTS = 6  # memory samples in the trend fit
-LOSS_REL_FLOOR = 0.01  # a loss z-score never uses a scale below 1 % of the loss level
+LOSS_REL_FLOOR = 0.01  # a loss z-score never uses a scale below 1 % of the loss baseline
 MIN_ALPHA = 0.2  # the article's 1 - 0.8: stability can shorten the interval 5x at most
 MEMORY = "memory"  # risk components that do not count for the weights' health: memory says nothing
 NONFINITE = "nonfinite"  # about them, and a non-finite update is tracked exactly by `triggers.Health`
@@ -56,7 +56,7 @@ class Assessment:
         return max(self.components, key=lambda k: self.components[k])
 
 
-class Levels:
+class Baselines:
     """Recent loss, grad-norm and lr values and memory samples, with robust summaries.
 
     Args:
@@ -66,28 +66,28 @@ class Levels:
     def __init__(self, config: SmartCkptConfig) -> None:
         self.config = config
         self.loss = RollingWindow(config.stability_window)
-        self.grad = RollingWindow(min(config.stability_window, GRAD_LEVEL_WINDOW))
+        self.grad = RollingWindow(min(config.stability_window, GRAD_BASELINE_WINDOW))
         self.lr: deque[float] = deque(maxlen=config.stability_window)
         self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
         self._forecast: tuple[int | None, tuple[float, float] | None] = (None, None)
 
     def assess(self, frame: SignalFrame) -> Assessment:
-        """Risk components of `frame` against the running levels (does not update them)."""
+        """Risk components of `frame` against the running baselines (does not update them)."""
         c = self.config
         a = Assessment()
         if frame.any_nonfinite:
             a.components[NONFINITE] = 1.0
         if frame.loss is not None and math.isfinite(frame.loss) and len(self.loss) >= MIN_HISTORY:
             a.loss_z = self.loss.robust_z(frame.loss, rel_floor=LOSS_REL_FLOOR)
-            level = self.loss.median()
-            if level:
-                a.loss_ratio = frame.loss / abs(level)
+            baseline = self.loss.median()
+            if baseline:
+                a.loss_ratio = frame.loss / abs(baseline)
             if a.loss_z is not None:
                 a.components["loss_spike"] = ramp(a.loss_z, c.loss_spike_z / 2, c.loss_spike_z)
         if frame.grad_norm is not None and math.isfinite(frame.grad_norm) and len(self.grad) >= MIN_HISTORY:
-            level = self.grad.median() or 0.0
-            a.grad_ratio = frame.grad_norm / max(level, 1e-12)
-            spread = MAD_TO_STD * (self.grad.mad() or 0.0) / max(level, 1e-12)  # ~ sd of log(grad norm)
+            baseline = self.grad.median() or 0.0
+            a.grad_ratio = frame.grad_norm / max(baseline, 1e-12)
+            spread = MAD_TO_STD * (self.grad.mad() or 0.0) / max(baseline, 1e-12)  # ~ sd of log(grad norm)
             a.grad_excess = a.grad_ratio / math.exp(GRAD_SPREAD_K * spread)
             a.components["grad_surge"] = ramp(a.grad_ratio, c.grad_surge_ratio / 2, c.grad_surge_ratio)
         if frame.lora_max_ratio is not None and math.isfinite(frame.lora_max_ratio):
@@ -107,13 +107,13 @@ class Levels:
         return a
 
     def alpha(self) -> float:
-        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss level."""
+        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline."""
         if len(self.loss) < MIN_HISTORY:
             return 1.0
-        noise, level = self.loss.diff_noise(), self.loss.median()
-        if not noise or not level:
+        noise, baseline = self.loss.diff_noise(), self.loss.median()
+        if not noise or not baseline:
             return 1.0
-        cv = noise / abs(level)
+        cv = noise / abs(baseline)
         return min(1.0, max(MIN_ALPHA, self.config.stability_cv / cv))
 
     def observe_memory(self, frame: SignalFrame) -> None:
@@ -123,7 +123,7 @@ class Levels:
             self.mem.append((frame.step, mem))  # new samples only: the trend is fitted on real points
 
     def fold(self, frame: SignalFrame) -> None:
-        """Fold the frame into the loss / grad / lr levels (after it was judged)."""
+        """Fold the frame into the loss / grad / lr baselines (after it was judged)."""
         if frame.loss is not None:
             self.loss.add(frame.loss)
         if frame.grad_norm is not None:

@@ -2,14 +2,13 @@
 
 Under FSDP2 (`torch.distributed.fsdp.fully_shard`) every parameter and gradient is a
 `DTensor` whose local shard lives on this rank. A norm is computed from the local shards:
-each rank sums the squares of its shards, one `all_reduce` adds the ranks' sums, and the
-square root gives the norm of the full tensor. Shards replicated over a mesh dimension
-(HSDP) are divided by their number of replicas, so each element counts once.
+each rank sums the squares of its shards (`local_part` says how much each counts), the ranks'
+sums are added (`distributed.all_reduce_square_sums`, one collective) and the square root
+gives the norm of the full tensor. Shards replicated over a mesh dimension (HSDP) are divided
+by their number of replicas, so each element counts once.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -51,20 +50,3 @@ def full_scalar(value: object) -> float:
     if is_dtensor(value):
         value = value.full_tensor()  # type: ignore[attr-defined]
     return float(value)  # type: ignore[arg-type]
-
-
-def reduce_square_sums(local: Sequence[float], sharded: Sequence[float]) -> list[float]:
-    """Per bucket: `local[i] + sum over ranks of sharded[i]` (one `all_reduce`; none without a group).
-
-    NaN and inf propagate, so a non-finite shard on any rank makes the norm non-finite.
-    """
-    import torch.distributed as tdist
-
-    values = list(sharded)
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1 and values:
-        backend = tdist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        buf = torch.tensor(values, dtype=torch.float64, device=device)
-        tdist.all_reduce(buf)
-        values = buf.cpu().tolist()
-    return [a + b for a, b in zip(local, values)]

@@ -5,7 +5,7 @@ Under `torch.distributed.fsdp.fully_shard` every parameter (and the optimizer's 
 blocking part of a save stays a copy of that shard) and records where the shard lies in the
 global tensor (a chunk: global shape, offset, size, dtype, as DCP's `ChunkStorageMetadata`).
 The chunk tables travel to rank 0 with the commit (`store.commit`), which writes them into the
-manifest (`extra["sharded"]`, JSON); `store.sharded` writes the shard files and reads them back
+manifest (`extra["sharded"]`, JSON); the store writes the shard files and reads them back
 through DCP's load planner, which reshards to any world size.
 
 Only tensors are sharded state: the optimizer's `param_groups` (hyper-parameters) and the
