@@ -36,8 +36,9 @@ class DemoArguments:
 
     output_dir: str = field(default="demo_out", metadata={"help": "Trainer output directory of this run."})
     max_steps: int = field(default=90, metadata={"help": "Optimizer steps of the run."})
-    anomaly_at: int = field(default=35, metadata={"help": "First batch (optimizer step of data) whose loss is multiplied "
-                                                          "by --anomaly_factor: the bad data, whatever step reads it."})
+    anomaly_at: int = field(default=35, metadata={
+        "help": "First batch (optimizer step of data) whose loss is multiplied by --anomaly_factor: the bad data, "
+                "whatever step reads it."})
     anomaly_steps: int = field(default=4, metadata={"help": "Consecutive poisoned batches (a bad data shard)."})
     anomaly_factor: float = field(default=30.0, metadata={"help": "Loss multiplier of the poisoned step."})
     seed: int = field(default=0)
@@ -120,7 +121,8 @@ def _timeline(store: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _run(cmd: list[str], env: dict[str, str], *, kill_at: int | None = None, store: Path | None = None) -> tuple[int, int | None]:
+def _run(cmd: list[str], env: dict[str, str], *, kill_at: int | None = None,
+         store: Path | None = None) -> tuple[int, int | None]:
     """Run a child; with `kill_at`, SIGKILL it as soon as its timeline passes that step."""
     proc = subprocess.Popen(cmd, env=env)
     killed_after = None
@@ -258,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     t0 = time.perf_counter()
     print(f"[2/3] training with SmartCkptCallback; will SIGKILL it after step {args.kill_at} ...", flush=True)
-    rc, killed_after = _run(_child_cmd(out / "run", common), env, kill_at=args.kill_at, store=out / "run" / "smart_ckpt")
+    rc, killed_after = _run(_child_cmd(out / "run", common), env, kill_at=args.kill_at,
+                            store=out / "run" / "smart_ckpt")
     durations["killed run"] = time.perf_counter() - t0
     if killed_after is None:
         print(f"the run ended (exit code {rc}) before step {args.kill_at}; nothing to resume", file=sys.stderr)

@@ -108,7 +108,8 @@ def _show_text(manifest: dict[str, Any], info: CheckpointInfo, out: TextIO) -> N
     rows = [["  NAME", "TIER", "RANK", "SIZE", "CHECKSUM"]]
     for name, e in sorted(manifest.get(KEY_FILES, {}).items()):
         rank = "-" if e.get("rank") is None else str(e.get("rank"))
-        rows.append([f"  {name}", str(e.get("tier")), rank, human_size(int(e.get("size", 0))), str(e.get("checksum"))[:23]])
+        rows.append([f"  {name}", str(e.get("tier")), rank, human_size(int(e.get("size", 0))),
+                     str(e.get("checksum"))[:23]])
     table(rows, out)
     signals = manifest.get("signals") or {}
     if signals:

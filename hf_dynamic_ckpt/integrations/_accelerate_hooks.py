@@ -140,7 +140,8 @@ class SmartStateHooks:
             self.state.close()
 
     # -- the hooks -------------------------------------------------------------------------
-    def _save_hook(self, models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]], output_dir: str) -> None:
+    def _save_hook(self, models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]],
+                   output_dir: str) -> None:
         step = self.state.optimizer_steps
         # Pinned: a state the user asked for by name must outlive automatic retention.
         event = self.core.save_now(step, self.state.epoch(), reason="save_state", pin=True, blocking=True)

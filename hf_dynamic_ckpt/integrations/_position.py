@@ -38,7 +38,8 @@ def _generator(dataloader: Any) -> torch.Generator | None:
     gen = getattr(dataloader, "synchronized_generator", None)
     if isinstance(gen, torch.Generator):
         return gen
-    for holder in (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)):
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for holder in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
         gen = getattr(holder, "generator", None)
         if isinstance(gen, torch.Generator):
             return gen

@@ -174,7 +174,8 @@ class SmartCkptCallback(TrainerCallback):
             if loaded.info.step != state.global_step:
                 raise ConfigError(
                     f"resume_checkpoint prepared step {loaded.info.step} but Trainer resumed at global_step "
-                    f"{state.global_step}: pass the path resume_checkpoint returned to trainer.train(resume_from_checkpoint=...)."
+                    f"{state.global_step}: pass the path resume_checkpoint returned to "
+                    "trainer.train(resume_from_checkpoint=...)."
                 )
             if scaler is None:  # L1 is applied right before the first update: it decodes during the forward/backward
                 self._unapplied = (loaded, optimizer, lr_scheduler)

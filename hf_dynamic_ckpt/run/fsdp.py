@@ -5,7 +5,8 @@
 
 `restore.plan_resume` verifies the checkpoint on every rank (each shard file's size and checksum,
 the model check against the global shapes) and agrees on it; then every rank calls
-`load_sharded` (a collective: DCP's load plans are exchanged) before `RunOrchestrator.apply`. The state dicts come from DCP's
+`load_sharded` (a collective: DCP's load plans are exchanged) before `RunOrchestrator.apply`. The
+state dicts come from DCP's
 `get_state_dict` / `set_state_dict` (`StateDictOptions`), the chunks from `store.sharded`'s
 `StorageReader` over the JSON chunk table, and DCP's `DefaultLoadPlanner` maps the saved chunks
 onto this run's shards: the same world size reads its own files back, another one reshards.

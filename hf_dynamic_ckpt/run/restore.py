@@ -387,7 +387,9 @@ def _skip_reason(results: list[dict[int, dict[str, Any]]], step: int) -> str:
     for rank, r in enumerate(results):
         o = r.get(step)
         if o is not None and not o["usable"]:
-            return o["reason"] if len(results) == 1 else f"step {step} is not complete on every rank: rank {rank}: {o['reason']}"
+            if len(results) == 1:
+                return str(o["reason"])
+            return f"step {step} is not complete on every rank: rank {rank}: {o['reason']}"
     return f"step {step} is not usable"
 
 

@@ -132,7 +132,8 @@ class SaveLog:
             f"{METRIC_PREFIX}saves": float(self.earlier_saves + len(done)),
             f"{METRIC_PREFIX}failed_saves": float(self.earlier_failed + self.failed),
             # saves written synchronously from the live tensors because snapshot buffers did not fit
-            f"{METRIC_PREFIX}streamed_saves": float(sum(e.staging == "streaming" for e in self.events if e.error is None)),
+            f"{METRIC_PREFIX}streamed_saves": float(sum(e.staging == "streaming" for e in self.events
+                                                        if e.error is None)),
             f"{METRIC_PREFIX}stall_ms": round(self._stall_ms, 3),
             f"{METRIC_PREFIX}risk": round(risk, 6) if risk is not None else 0.0,
         }

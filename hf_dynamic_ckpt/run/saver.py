@@ -56,7 +56,8 @@ def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: in
                                compression=config.storage_levels.level_1.compression.value,
                                pace_to_disk=config.storage_levels.level_1.pace_to_disk,
                                storage_options=config.remote_storage_options,
-                               cache_dir=Path(config.remote_cache_dir) / f"rank-{rank}" if config.remote_cache_dir else None,
+                               cache_dir=(Path(config.remote_cache_dir) / f"rank-{rank}"
+                                          if config.remote_cache_dir else None),
                                retries=config.remote_retries, backoff_s=config.remote_backoff_s,
                                lock_wait_s=config.lock_wait_s)
 
@@ -247,7 +248,8 @@ class Saver:
             return
         c = self.config
         try:
-            plan = plan_retention(self.store.list(include_unhealthy=True, include_abandoned=True), keep_last=c.keep_last,
+            plan = plan_retention(self.store.list(include_unhealthy=True, include_abandoned=True),
+                                  keep_last=c.keep_last,
                                   log_spaced=c.keep_log_spaced, tier_retention=tier_retention_from_config(c),
                                   now=time.time())
             report = self.store.prune(plan)  # re-reads each entry from disk; abandoned ones once passed
