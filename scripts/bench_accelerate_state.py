@@ -1,7 +1,8 @@
 """Accelerate `save_state` / `load_state`: plain Accelerate vs the hf_dynamic_ckpt hook pair.
 
 A ~67M-parameter Qwen2 built from config with a LoRA adapter (r=16 on q/k/v/o), an AdamW
-step before every save so the optimizer has state and each save is a new step. Measured in the same run, median of --repeats:
+step before every save so the optimizer has state and each save is a new step. \
+Measured in the same run, median of --repeats:
 wall time of `save_state` and `load_state`, and bytes written (Accelerate's directory plus,
 for the hooks, the store checkpoint). CPU only; the numbers are for this machine.
 
@@ -90,7 +91,8 @@ def main() -> None:
     base = rows["plain"]
     print(f"model: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable (LoRA r=16, q/k/v/o); "
           f"median of {args.repeats}")
-    print(f"{'mode':8s} {'save_state s':>13s} {'ratio':>7s} {'load_state s':>13s} {'ratio':>7s} {'MB written':>11s} {'ratio':>7s}")
+    print(f"{'mode':8s} {'save_state s':>13s} {'ratio':>7s} {'load_state s':>13s} {'ratio':>7s} "
+          f"{'MB written':>11s} {'ratio':>7s}")
     for mode, r in rows.items():
         print(f"{mode:8s} {r['save_s']:13.3f} {r['save_s'] / base['save_s']:7.3f} {r['load_s']:13.3f} "
               f"{r['load_s'] / base['load_s']:7.3f} {r['bytes'] / 1e6:11.2f} {r['bytes'] / base['bytes']:7.3f}")

@@ -69,10 +69,12 @@ def main() -> None:
     base = results["none"]
     print(f"state: {base['weights_bytes'] / MiB:.0f} MiB of weights (+2x AdamW); limit for the *_limited runs: "
           f"{limit / MiB:.0f} MiB (none's cgroup peak + {args.margin} MiB)")
-    print(f"{'run':16} {'peak RSS':>10} {'writer RSS':>11} {'cgroup peak':>12} {'RSS / none':>11} {'train s':>8}  stagings")
+    print(f"{'run':16} {'peak RSS':>10} {'writer RSS':>11} {'cgroup peak':>12} "
+          f"{'RSS / none':>11} {'train s':>8}  stagings")
     for tag, r in results.items():
         stagings = ",".join(str(e.get("staging")) for e in r["events"]) or "-"
-        print(f"{tag:16} {r['peak_rss'] / MiB:9.0f}M {r['children_peak_rss'] / MiB:10.0f}M {r['cgroup_peak'] / MiB:11.0f}M "
+        print(f"{tag:16} {r['peak_rss'] / MiB:9.0f}M {r['children_peak_rss'] / MiB:10.0f}M "
+              f"{r['cgroup_peak'] / MiB:11.0f}M "
               f"{r['peak_rss'] / base['peak_rss']:11.2f} {r['train_s']:8.1f}  {stagings}")
     full = [e["blocking_ms"] for e in results["smart"]["events"] if e.get("staging") == "buffered"]
     streamed = [e["blocking_ms"] for e in results["smart_limited"]["events"] if e.get("staging") == "streaming"]
@@ -83,7 +85,8 @@ def main() -> None:
         print(f"blocking per save: buffered snapshot {f:.0f} ms (fastest, unlimited; median with waits "
               f"{statistics.median(full):.0f} ms), streaming {s:.0f} ms (median, limited): streaming / snapshot = "
               f"{s / f:.1f}x")
-    print(f"train time limited / unlimited: smart {results['smart_limited']['train_s'] / results['smart']['train_s']:.2f}x, "
+    print("train time limited / unlimited: "
+          f"smart {results['smart_limited']['train_s'] / results['smart']['train_s']:.2f}x, "
           f"native {results['native_limited']['train_s'] / results['native']['train_s']:.2f}x")
 
 

@@ -216,7 +216,8 @@ def main() -> None:
     print("|" + "---|" * len(header))
     for name, r in policies.items():
         cap = [c for v in r.captured.values() for c in v]
-        row = [name, f"{r.saves / args.traces:.1f}", f"{r.saves / rules.saves:.2f}x", f"{100 * sum(cap) / len(cap):.1f}%"]
+        row = [name, f"{r.saves / args.traces:.1f}", f"{r.saves / rules.saves:.2f}x",
+               f"{100 * sum(cap) / len(cap):.1f}%"]
         row += [f"{100 * sum(v) / len(v):.0f}%" for v in r.captured.values()]
         row += [f"{sum(r.lost) / max(1, len(r.lost)):.0f}", f"{100 * r.blocking_s / r.train_s:.2f}%"]
         print("| " + " | ".join(row) + " |")
@@ -231,10 +232,12 @@ def real_traces(k: int) -> None:
         print(f"no recorded traces under {TRACE_DIR}")
         return
     base = 10
-    print(f"\nrecorded real traces ({TRACE_DIR.relative_to(Path.cwd()) if TRACE_DIR.is_relative_to(Path.cwd()) else TRACE_DIR}): "
+    print("\nrecorded real traces ("
+          f"{TRACE_DIR.relative_to(Path.cwd()) if TRACE_DIR.is_relative_to(Path.cwd()) else TRACE_DIR}): "
           f"base_interval={base}, stability_window=20, risk_smoothing=4, K={k}; grad_surge_ratio 15 for the demo's "
           "setup (trained head), else 5")
-    header = ["trace", "steps", "onsets", "saves", "pinned", "false-positive pinned", "captured", "fixed same saves captured"]
+    header = ["trace", "steps", "onsets", "saves", "pinned", "false-positive pinned", "captured",
+              "fixed same saves captured"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     tot = {"pinned": 0, "fp": 0, "cap": 0, "fixed": 0, "on": 0}
@@ -319,7 +322,8 @@ def onset_table(k: int) -> None:
             for trace in calm:
                 shot = inject_anomaly(trace, onset, kind, factor=factor, steps=steps)
                 for extra in configs.values():
-                    cfg = SmartCkptConfig(base_interval=10, grad_surge_ratio=15.0 if "demo" in trace.name else 5.0, **extra)
+                    cfg = SmartCkptConfig(base_interval=10, grad_surge_ratio=15.0 if "demo" in trace.name else 5.0,
+                                          **extra)
                     c, p = _captured(shot, onset, cfg, k)
                     saved = _without_early_rules()
                     try:
@@ -337,11 +341,12 @@ def onset_table(k: int) -> None:
     fp = []
     for trace in calm:
         for extra in configs.values():
-            policy = RulePolicy(SmartCkptConfig(base_interval=10, grad_surge_ratio=15.0 if "demo" in trace.name else 5.0,
-                                                **extra))
+            policy = RulePolicy(SmartCkptConfig(base_interval=10,
+                                                grad_surge_ratio=15.0 if "demo" in trace.name else 5.0, **extra))
             for f in replay_frames(trace):
                 fp += [(trace.name, d.step) for d in (policy.pre_update(f), policy.decide(f)) if d.save and d.pin]
-    print(f"pinned captures on the {len(calm)} calm runs themselves ({len(configs)} settings each): {len(fp)} {fp or ''}; "
+    print(f"pinned captures on the {len(calm)} calm runs themselves ({len(configs)} settings each): "
+          f"{len(fp)} {fp or ''}; "
           f"{time.process_time() - t0:.1f} s CPU")
 
 

@@ -87,8 +87,9 @@ def trainer_for(kind: str, out: Path, *, native_save: bool, smart: bool, max_ste
         extra = {}
         if l1_none:
             extra = {"storage_levels": {"level_1": {"compression": "none"}}}
-        callbacks.insert(0, SmartCkptCallback(SmartCkptConfig(root=str(out / store_dir(l1_none)), base_interval=PREP_STEPS,
-                                                               overhead_budget=1.0, **extra)))
+        callbacks.insert(0, SmartCkptCallback(SmartCkptConfig(root=str(out / store_dir(l1_none)),
+                                                               base_interval=PREP_STEPS, overhead_budget=1.0,
+                                                               **extra)))
     return Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
 
 
@@ -103,7 +104,8 @@ def child(kind: str, mode: str, out: Path, result: Path) -> None:
     marks: dict[str, float] = {}
     if mode in ("prepare", "prepare_none"):
         none = mode == "prepare_none"
-        trainer_for(kind, out, native_save=not none, smart=True, max_steps=PREP_STEPS, marks=marks, l1_none=none).train()
+        trainer_for(kind, out, native_save=not none, smart=True, max_steps=PREP_STEPS, marks=marks,
+                    l1_none=none).train()
         return
     from hf_dynamic_ckpt import resume_checkpoint
 
@@ -194,7 +196,8 @@ def main() -> None:
                 continue
             over, end_over = v["resume"] - fresh["resume"], v["to_end"] - fresh["to_end"]
             base_over, base_end = base["resume"] - fresh["resume"], base["to_end"] - fresh["to_end"]
-            print(f"{kind:<6} {names[m]:<26} {v['startup']:>10.2f} {v['resume']:>9.2f} {v['resume'] / base['resume']:>6.2f} "
+            print(f"{kind:<6} {names[m]:<26} {v['startup']:>10.2f} {v['resume']:>9.2f} "
+                  f"{v['resume'] / base['resume']:>6.2f} "
                   f"{v['total']:>8.2f} {v['total'] / base['total']:>6.2f} {v['to_end']:>13.2f} "
                   f"{v['to_end'] / base['to_end']:>6.2f} {over:>12.2f} {over / base_over:>6.2f} {end_over:>16.2f} "
                   f"{end_over / base_end:>6.2f} {size[m] / 1e6:>7.1f}")

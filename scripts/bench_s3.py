@@ -35,7 +35,8 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=64, help="weights size in MiB (the optimizer state is 2x)")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
     import logging
 
     import boto3

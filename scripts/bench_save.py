@@ -290,7 +290,8 @@ def _bench_variant(kind: str, args: argparse.Namespace, work: Path) -> dict[str,
 
 def _table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| variant | snapshot MB | memcpy floor ms | ours ms (x floor) | ours first save ms (x floor) | ours worst save "
+        "| variant | snapshot MB | memcpy floor ms | ours ms (x floor) | ours first save ms (x floor) | "
+        "ours worst save "
         "(x floor) | min save / min floor ms (x) | HF `_save_checkpoint` ms (ours / HF) | DCP `async_save` ms "
         "(ours / DCP) | ours bg write ms |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -300,7 +301,8 @@ def _table(results: list[dict[str, Any]]) -> str:
         o, hf, dcp = r["ours"], r["hf"], r["dcp"]
         floor = o["memcpy_ms"]
         lines.append(
-            f"| {r['kind']}{' (consolidated)' if r.get('flat') else ''} | {r['bytes'] / MB:.1f} | {floor:.1f} | {o['blocking_ms']:.1f} "
+            f"| {r['kind']}{' (consolidated)' if r.get('flat') else ''} | {r['bytes'] / MB:.1f} | {floor:.1f} | "
+            f"{o['blocking_ms']:.1f} "
             f"({o['blocking_ms'] / floor:.2f}x) | {o['first_ms']:.1f} ({o['first_ms'] / floor:.2f}x) | "
             f"{o['max_ms'] / floor:.2f}x | {o['min_ms']:.1f} / {o['memcpy_min_ms']:.1f} "
             f"({o['min_ms'] / o['memcpy_min_ms']:.2f}x) | {hf['blocking_ms']:.1f} "

@@ -100,7 +100,8 @@ def replay(frames: list[SignalFrame], cfg: SmartCkptConfig, blocking: float) -> 
 
 
 def fixed(n_steps: int, interval: int) -> list[Save]:
-    return [Save(s, True, False, DecisionKind.INTERVAL.value, frozenset(Tier)) for s in range(interval, n_steps + 1, interval)]
+    return [Save(s, True, False, DecisionKind.INTERVAL.value, frozenset(Tier))
+            for s in range(interval, n_steps + 1, interval)]
 
 
 def score(run: CorpusRun, onsets: list[tuple[int, str]], n: int, saves: list[Save], out: Score, k: int) -> None:
@@ -153,11 +154,13 @@ def table(title: str, cases: list[tuple[CorpusRun, list[tuple[int, str]], list[S
         row.append(f"{100 * sum(allc) / max(1, len(allc)):.0f}%")
         row += [f"{1000 * r.calm_false / max(1, r.calm_steps):.1f}", str(r.calm_pinned)]
         print("| " + " | ".join(row) + " |")
-    print(f"rule captures vetoed by the model: {Vetoes.count - vetoes_before}; saves by kind: " + "; ".join(f"{name}: " + ", ".join(f"{kd} {n}" for kd, n in sorted(r.by_kind.items()))
-                                       for name, r in list(policies.items())[:2]))
+    print(f"rule captures vetoed by the model: {Vetoes.count - vetoes_before}; saves by kind: "
+          + "; ".join(f"{name}: " + ", ".join(f"{kd} {n}" for kd, n in sorted(r.by_kind.items()))
+                      for name, r in list(policies.items())[:2]))
 
 
-def injected(calm: list[CorpusRun], seed: int, per_run: int) -> list[tuple[CorpusRun, list[tuple[int, str]], list[SignalFrame]]]:
+def injected(calm: list[CorpusRun], seed: int,
+             per_run: int) -> list[tuple[CorpusRun, list[tuple[int, str]], list[SignalFrame]]]:
     rng = random.Random(seed)
     cases = []
     for run in calm:

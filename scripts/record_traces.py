@@ -78,7 +78,8 @@ LR_STEPS = 20
 
 
 def _legacy(onset: int, kind: str) -> Anomaly:
-    return {"loss_x": Anomaly(onset, kind, LOSS_STEPS, LOSS_FACTOR), "lr_surge": Anomaly(onset, kind, LR_STEPS, LR_FACTOR),
+    return {"loss_x": Anomaly(onset, kind, LOSS_STEPS, LOSS_FACTOR),
+            "lr_surge": Anomaly(onset, kind, LR_STEPS, LR_FACTOR),
             }.get(kind, Anomaly(onset, kind))
 
 
@@ -213,8 +214,8 @@ def record(run: Run, tok: Any, texts: list[str]) -> dict[str, Any]:
     make = toy.tiny_qwen2 if run.arch == "qwen2" else toy.tiny_llama
     base = make(seed=run.seed, vocab_size=len(tok), hidden_size=run.hidden_size, num_layers=run.num_layers,
                 dropout=run.dropout)
-    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=run.dropout, task_type="CAUSAL_LM", target_modules=list(run.targets),
-                     modules_to_save=["lm_head"] if run.train_head else None)
+    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=run.dropout, task_type="CAUSAL_LM",
+                     target_modules=list(run.targets), modules_to_save=["lm_head"] if run.train_head else None)
     torch.manual_seed(run.seed)
     model = get_peft_model(base, cfg) if run.lora else base
     model.train()
@@ -296,7 +297,8 @@ def record(run: Run, tok: Any, texts: list[str]) -> dict[str, Any]:
               "warmup": run.warmup, "schedule": "linear warmup + cosine", "batch_size": run.batch_size,
               "seq_len": run.seq_len, "hidden_size": run.hidden_size, "lora_r": 8 if run.lora else None,
               "targets": list(run.targets) if run.lora else [],
-              "train_head": run.train_head, "lora": run.lora, "dropout": run.dropout, "max_grad_norm": run.max_grad_norm,
+              "train_head": run.train_head, "lora": run.lora, "dropout": run.dropout,
+              "max_grad_norm": run.max_grad_norm,
               "onsets": [[a.onset, a.kind] for a in anomalies], "layers": probe.layer_names,
               "columns": ["step", "loss", "grad_norm", "lr", "layer_norms"]}
     if run.split:  # a corpus run (calm ones too)

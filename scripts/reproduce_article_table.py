@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 K = 5
 ARTICLE = {  # (fixed 2000 steps, dynamic + tiered), Qwen2-7B on 8x A100 80 GB
-    "checkpoints written": ("150", "87"), "storage written": ("13.2 TB", "4.8 TB"), "storage kept": ("13.2 TB", "4.8 TB"),
+    "checkpoints written": ("150", "87"), "storage written": ("13.2 TB", "4.8 TB"),
+    "storage kept": ("13.2 TB", "4.8 TB"),
     "mean blocking save stall": ("19.6 s", "0.82 s"), "mean restore time": ("19.6 s", "3.2 s"),
     "throughput (tokens/s)": ("1240", "1310"), "anomaly capture": ("68 %", "89 %"), "work lost to crashes": ("-", "-"),
 }
@@ -213,7 +214,8 @@ def run_job(a: argparse.Namespace, mode: str, model: str, out: Path, *, crashes:
     out.mkdir(parents=True)
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--model", model, "--out", str(out),
            "--steps", str(a.steps), "--save_steps", str(a.save_steps), "--batch", str(a.batch),
-           "--seq_len", str(a.seq_len), "--smart_interval", a.smart_interval, "--hidden", str(a.hidden), "--lr", str(a.lr), "--mtbf_hours", repr(mtbf_hours),
+           "--seq_len", str(a.seq_len), "--smart_interval", a.smart_interval, "--hidden", str(a.hidden),
+           "--lr", str(a.lr), "--mtbf_hours", repr(mtbf_hours),
            *([] if a.stability_window is None else ["--stability_window", str(a.stability_window)]),
            "--crashes", ",".join(map(str, crashes)), "--anomalies", ",".join(f"{s}:{k}" for s, k in anomalies.items())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
@@ -223,7 +225,8 @@ def run_job(a: argparse.Namespace, mode: str, model: str, out: Path, *, crashes:
         if proc.returncode == 0:
             break
         if proc.returncode != -signal.SIGKILL:
-            raise RuntimeError(f"{mode}/{model} attempt {attempt} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"{mode}/{model} attempt {attempt} failed (rc {proc.returncode}):\n"
+                               f"{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if line.strip()]
     return rows
 
@@ -266,7 +269,8 @@ def summarize(rows: list[dict[str, Any]], out: Path, mode: str, anomalies: dict[
     return {"checkpoints written": len(saves), "storage written": sum(s["bytes"] or 0 for s in saves),
             "storage kept": kept_bytes, "mean blocking save stall": sum(stalls) / max(1, len(stalls)) / 1000.0,
             "mean restore time": sum(restores) / max(1, len(restores)) if restores else None,
-            "throughput (tokens/s)": executed * tokens_per_step / train_s, "anomaly capture": (sum(captured), len(captured)),
+            "throughput (tokens/s)": executed * tokens_per_step / train_s,
+            "anomaly capture": (sum(captured), len(captured)),
             "work lost to crashes": lost, "crashes": len(crashes), "steps executed": executed,
             "train_s": train_s}
 
@@ -335,7 +339,8 @@ def main() -> None:
         step_s = fixed["train_s"] / fixed["steps executed"]
         mtbf_h = step_s * a.steps / (a.crash_count + 1) / 3600.0  # the job's real failure rate
         smart_rows = run_job(a, "smart", model, out / "smart", crashes=crashes, anomalies=anomalies, mtbf_hours=mtbf_h)
-        results[f"{model} (b) smart ({a.smart_interval})"] = summarize(smart_rows, out / "smart", "smart", anomalies, tokens)
+        results[f"{model} (b) smart ({a.smart_interval})"] = summarize(smart_rows, out / "smart", "smart", anomalies,
+                                                                         tokens)
         print(f"{model}: {time.perf_counter() - t0:.0f} s (step {1000 * step_s:.0f} ms, mtbf_hours={mtbf_h:.5f}); "
               f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     header = ["row", "article fixed 2000", "article dynamic", *results]

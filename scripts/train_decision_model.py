@@ -223,7 +223,8 @@ def main() -> None:
     summary = {"train_runs": len(train), "validation_runs": len(val), "epochs": args.epochs, "best_epoch": best[1],
                "validation_loss": round(best[0], 5), "pos_weight": args.pos_weight, "augment": args.augment,
                "seed": args.seed, "validation_positive_steps_above_threshold": f"{int((pos >= SAVE_THRESHOLD).sum())}/"
-               f"{len(pos)}", "validation_negative_steps_above_threshold": f"{int((neg >= SAVE_THRESHOLD).sum())}/{len(neg)}",
+               f"{len(pos)}",
+               "validation_negative_steps_above_threshold": f"{int((neg >= SAVE_THRESHOLD).sum())}/{len(neg)}",
                "corpus": Path(args.corpus).name, "veto_threshold": round(veto, 6),
                "validation_rule_captures_of_onsets_min_score": round(min(true_caps), 4) if true_caps else None,
                "validation_false_rule_captures_vetoed": f"{sum(s < veto for s in false_caps)}/{len(false_caps)}"}

@@ -40,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 class ScriptArguments:
     model_name_or_path: str = field(default="meta-llama/Meta-Llama-3-8B", metadata={"help": "Hub name or local path."})
     dataset: str | None = field(
-        default=None, metadata={"help": "Local .json/.jsonl file (one {'text': ...} per record) or a hub dataset name."})
+        default=None,
+        metadata={"help": "Local .json/.jsonl file (one {'text': ...} per record) or a hub dataset name."})
     dataset_split: str = field(default="train")
     text_field: str = field(default="text")
     max_seq_length: int = field(default=2048)
@@ -48,9 +49,12 @@ class ScriptArguments:
     lora_alpha: int = field(default=32)
     lora_dropout: float = field(default=0.05)
     lora_target_modules: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
-    tiny: bool = field(default=False, metadata={"help": "Tiny LLaMA from config, tokenizer and data built in code (CPU)."})
+    tiny: bool = field(
+        default=False, metadata={"help": "Tiny LLaMA from config, tokenizer and data built in code (CPU)."})
     tiny_examples: int = field(default=64)
-    loss_log: str | None = field(default=None, metadata={"help": "Append each step's loss, averaged over the ranks (float.hex), to this JSONL file (rank 0)."})
+    loss_log: str | None = field(
+        default=None,
+        metadata={"help": "Append each step's loss, averaged over the ranks (float.hex), to this JSONL file (rank 0)."})
     simulate_crash_at_step: int | None = field(
         default=None, metadata={"help": "Testing: every rank SIGKILLs itself right after this optimizer step."})
 
@@ -101,7 +105,8 @@ def real_setup(script: ScriptArguments, accelerator):
         ids = list(chain.from_iterable(batch["input_ids"]))
         n = len(ids) // block * block
         blocks = [ids[i : i + block] for i in range(0, n, block)]
-        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks], "labels": [list(b) for b in blocks]}
+        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks],
+                "labels": [list(b) for b in blocks]}
 
     with accelerator.main_process_first():
         tokenized = raw.map(tokenize, batched=True, remove_columns=raw.column_names)
@@ -119,7 +124,8 @@ def main() -> None:
     parser = HfArgumentParser((ScriptArguments, LoopArguments, SmartCkptArguments))
     script, loop, smart = parser.parse_args_into_dataclasses()
     accelerator = Accelerator(cpu=script.tiny, gradient_accumulation_steps=loop.gradient_accumulation_steps,
-                              mixed_precision=None if script.tiny or loop.mixed_precision == "no" else loop.mixed_precision)
+                              mixed_precision=(None if script.tiny or loop.mixed_precision == "no"
+                                               else loop.mixed_precision))
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     if script.tiny:

@@ -47,7 +47,8 @@ HERE = Path(__file__).resolve().parent
 class ScriptArguments:
     model_name_or_path: str = field(default="Qwen/Qwen2-7B", metadata={"help": "Hub name or local path."})
     dataset: str | None = field(
-        default=None, metadata={"help": "Local .json/.jsonl file (one {'text': ...} per record) or a hub dataset name."})
+        default=None,
+        metadata={"help": "Local .json/.jsonl file (one {'text': ...} per record) or a hub dataset name."})
     dataset_split: str = field(default="train")
     text_field: str = field(default="text")
     max_seq_length: int = field(default=1024, metadata={"help": "Tokens per training block."})
@@ -55,9 +56,11 @@ class ScriptArguments:
     lora_alpha: int = field(default=32)
     lora_dropout: float = field(default=0.05)
     lora_target_modules: str = field(default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
-    tiny: bool = field(default=False, metadata={"help": "Tiny Qwen2 from config, tokenizer and data built in code (CPU)."})
+    tiny: bool = field(
+        default=False, metadata={"help": "Tiny Qwen2 from config, tokenizer and data built in code (CPU)."})
     tiny_examples: int = field(default=64, metadata={"help": "--tiny: training blocks of 32 tokens."})
-    loss_log: str | None = field(default=None, metadata={"help": "Append each logged loss (float.hex) to this JSONL file."})
+    loss_log: str | None = field(
+        default=None, metadata={"help": "Append each logged loss (float.hex) to this JSONL file."})
     simulate_crash_at_step: int | None = field(
         default=None, metadata={"help": "Testing: every rank SIGKILLs itself right after this optimizer step."})
 
@@ -127,7 +130,8 @@ def real_setup(script: ScriptArguments, args: TrainingArguments):
         ids = list(chain.from_iterable(batch["input_ids"]))
         n = len(ids) // block * block
         blocks = [ids[i : i + block] for i in range(0, n, block)]
-        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks], "labels": [list(b) for b in blocks]}
+        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks],
+                "labels": [list(b) for b in blocks]}
 
     with args.main_process_first(desc="tokenize"):
         tokenized = raw.map(tokenize, batched=True, remove_columns=raw.column_names)

@@ -93,7 +93,8 @@ class RegressionPreTrainedModel(PreTrainedModel):
         self.b = nn.Parameter(torch.as_tensor(config.b).float())
         self.post_init()
 
-    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, ...]:
         return _regression_loss(input_x * self.a + self.b, labels)
 
 
@@ -106,14 +107,16 @@ class RegressionModel(nn.Module):
         self.b = nn.Parameter(torch.tensor(b).float())
         self.config = None
 
-    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, ...]:
         return _regression_loss(input_x * self.a + self.b, labels)
 
 
 class RegressionRandomPreTrainedModel(RegressionPreTrainedModel):
     """Adds noise drawn from torch, NumPy and `random` to every forward (`_with_randomness`)."""
 
-    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, ...]:
         y = input_x * self.a + self.b
         if self.config.random_torch:
             y = y + 0.05 * torch.randn(1).squeeze()

@@ -56,7 +56,8 @@ def test_tiny_recipe_crash_resume_exact(tmp_path: Path, recipe: str):
 
     crash = launch(tmp_path, recipe, "run", "--loss_log", "crash.jsonl", "--simulate_crash_at_step", str(CRASH_AT),
                    "--resume_from_smart_checkpoint", "auto")
-    assert crash.returncode != 0 and ("Signal 9 (SIGKILL)" in crash.stderr or "exitcode  : -9" in crash.stderr), tail(crash)
+    assert crash.returncode != 0 and ("Signal 9 (SIGKILL)" in crash.stderr
+                                      or "exitcode  : -9" in crash.stderr), tail(crash)
     crashed = losses(tmp_path / "crash.jsonl")
     assert max(crashed) == CRASH_AT
     assert all(crashed[s] == expected[s] for s in crashed)  # same run up to the crash

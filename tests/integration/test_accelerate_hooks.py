@@ -153,7 +153,8 @@ def test_corrupt_pointer_is_reported(tmp_path: Path):
     _train(acc, model, opt, sched, _stream(hooks.loader), 1)
     acc.save_state(str(tmp_path / "state"))
     (tmp_path / "state" / POINTER_NAME).write_text('{"step": 1}')
-    with pytest.raises(CorruptCheckpointError, match=r"smart_ckpt\.json is not a valid pointer \(KeyError: 'root, task_id, path'\)"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"smart_ckpt\.json is not a valid pointer \(KeyError: 'root, task_id, path'\)"):
         acc.load_state(str(tmp_path / "state"))
     hooks.close()
 

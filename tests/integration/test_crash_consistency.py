@@ -96,7 +96,8 @@ def test_store_is_consistent_after_kill(trials: list[tuple[dict, Path]], trial: 
         for step in committed:
             manifest = json.loads((task_dir / f"step-{step}" / MANIFEST_NAME).read_text())
             used |= {b["digest"] for b in manifest["blobs"].values()}
-        blobs = {p.name.split(".")[0] for p in (task_dir / "blobs").glob("*")} if (task_dir / "blobs").exists() else set()
+        blobs = ({p.name.split(".")[0] for p in (task_dir / "blobs").glob("*")} if (task_dir / "blobs").exists()
+                 else set())
         assert used <= blobs
     finally:
         store.close()

@@ -65,7 +65,8 @@ def test_300_saves_do_not_leak_fds_threads_or_buffers(tmp_path):
             engine.save(sources, SaveRequest(step=step, tiers=ALL_TIERS, reason="interval"), rng=RNG)
         last = engine.wait()
         # Nothing may grow (an unrelated descriptor closed by the GC may make it shrink).
-        assert _fds() <= fds and threading.active_count() <= threads, (fds, threads, names, sorted(t.name for t in threading.enumerate()))
+        assert _fds() <= fds and threading.active_count() <= threads, (
+            fds, threads, names, sorted(t.name for t in threading.enumerate()))
         assert engine._snapshotter.pool.generation == generation  # buffers reused, never reallocated
         assert last.step == 300 and len(store.list()) == 300
         assert torch.equal(store.load("step:300").weights["weight"], model.weight.detach())

@@ -91,7 +91,8 @@ def test_accelerate_loop_with_consolidation_trains_and_resumes_like_a_plain_one(
     assert sorted(resumed) == [5, 6] and state is not None and state.intact() and moves == 1
     assert all(torch.equal(resumed[s][k], plain[s][k]) for s in (5, 6) for k in plain[s])
     for step in (2, 4, 6):  # the same checkpoint content
-        a, b = _store_content(tmp_path / "plain", step, nested=False), _store_content(tmp_path / "flat", step, nested=False)
+        a, b = (_store_content(tmp_path / "plain", step, nested=False),
+                _store_content(tmp_path / "flat", step, nested=False))
         assert list(a[0]) == list(b[0]) and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
         assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
         assert a[2] == b[2]

@@ -27,11 +27,14 @@ pytestmark = pytest.mark.integration
 def always_save(path: Path, score: float = 0.9) -> str:
     n, h = len(FEATURE_NAMES), 32
     t = {f"lstm.{kind}_l{i}": np.zeros(shape, np.float32) for i in range(2) for kind, shape in (
-        ("weight_ih", (4 * h, n if i == 0 else h)), ("weight_hh", (4 * h, h)), ("bias_ih", (4 * h,)), ("bias_hh", (4 * h,)))}
-    t |= {"score.weight": np.zeros((1, h), np.float32), "score.bias": np.full(1, math.log(score / (1 - score)), np.float32),
+        ("weight_ih", (4 * h, n if i == 0 else h)), ("weight_hh", (4 * h, h)), ("bias_ih", (4 * h,)),
+        ("bias_hh", (4 * h,)))}
+    t |= {"score.weight": np.zeros((1, h), np.float32),
+          "score.bias": np.full(1, math.log(score / (1 - score)), np.float32),
           "granularity.weight": np.zeros((4, h), np.float32), "granularity.bias": np.array([5, 0, 0, 0], np.float32),
           "features.mean": np.zeros(n, np.float32), "features.std": np.ones(n, np.float32)}
-    save_file(t, str(path), metadata={"format": MODEL_FORMAT, "version": MODEL_VERSION, "features": ",".join(FEATURE_NAMES)})
+    save_file(t, str(path),
+              metadata={"format": MODEL_FORMAT, "version": MODEL_VERSION, "features": ",".join(FEATURE_NAMES)})
     return str(path)
 
 

@@ -55,7 +55,8 @@ def test_sigkill_then_resume_continues_bit_exactly(tmp_path: Path, reference: Pa
                expect_kill=True)
     crashed_from, crashed = read_losses(tmp_path / "crash.jsonl")
     assert crashed_from is None and max(crashed) == 7  # died right after step 7
-    committed = sorted(int(p.name[5:]) for p in (tmp_path / "run/smart_ckpt/default").glob("step-*") if "." not in p.name)
+    committed = sorted(int(p.name[5:]) for p in (tmp_path / "run/smart_ckpt/default").glob("step-*")
+                       if "." not in p.name)
     assert committed and max(committed) < 7
 
     run_worker(tmp_path, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",

@@ -69,8 +69,8 @@ def test_corrupt_weights_fall_back_to_older_checkpoint(crashed: tuple[Path, dict
     _flip_byte(out / "run" / "smart_ckpt" / "default" / "step-6" / "weights.safetensors", -5)
     resumed = run_worker(out, "resume", *ARGS, "--resume", "auto")
     assert resumed["resumed_from"] == 3
-    assert any("weights of step 6 cannot be loaded" in w and "using step 3 instead" in w for w in resumed["warnings"]), \
-        resumed["warnings"]
+    assert any("weights of step 6 cannot be loaded" in w and "using step 3 instead" in w
+               for w in resumed["warnings"]), resumed["warnings"]
     assert resumed["losses"] == ref["losses"][3 * 2:]
 
 

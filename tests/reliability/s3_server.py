@@ -16,13 +16,15 @@ from typing import Any
 import pytest
 
 DUMMY_ENV = {"AWS_ACCESS_KEY_ID": "testing-key-id", "AWS_SECRET_ACCESS_KEY": "testing-secret-value",
-             "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+             "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": os.devnull,
+             "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     pytest.importorskip("s3fs", reason="the object-store tests need s3fs (requirements-ci.txt)")
-    server_mod = pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (requirements-ci.txt)")
+    server_mod = pytest.importorskip("moto.server",
+                                     reason="the object-store tests need moto[server] (requirements-ci.txt)")
     ThreadedMotoServer = server_mod.ThreadedMotoServer
 
     saved = {k: os.environ.get(k) for k in DUMMY_ENV}

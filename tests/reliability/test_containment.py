@@ -151,7 +151,8 @@ def test_leftover_links_are_removed_without_touching_their_targets(tmp_path: Pat
     (task / "step-3.tmp-old").symlink_to(outside, target_is_directory=True)
     (task / "blobs" / "x.safetensors.tmp-old").symlink_to(canary.path)
     _store(tmp_path, session_id="s2").close()
-    assert not os.path.lexists(task / "step-3.tmp-old") and not os.path.lexists(task / "blobs" / "x.safetensors.tmp-old")
+    assert (not os.path.lexists(task / "step-3.tmp-old")
+            and not os.path.lexists(task / "blobs" / "x.safetensors.tmp-old"))
     assert canary.intact()
 
 

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.integration
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     base = tmp_path_factory.mktemp("replace")
     proc = subprocess.run([sys.executable, str(RUNNER), str(base / "template"), str(base / "snapshots")],
-                          capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          capture_output=True, text=True, timeout=600,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
     return facts, base / "snapshots"

@@ -27,8 +27,8 @@ T2 = Lineage(session="s2", timeline="t2", parent_step=4, parent_timeline="t1")
 
 def _save(store: CheckpointStore, step: int, lineage: Lineage, *, seed: int = 0, **kw: object) -> None:
     state = dataclasses.replace(tiny_state(seed + step, frozen=float(seed)), step=step)
-    store.save(state, SaveRequest(step=step, reason=f"{lineage.timeline}", lineage=lineage, signals={"loss": 1.0 / step},
-                                  **kw))  # type: ignore[arg-type]
+    store.save(state, SaveRequest(step=step, reason=f"{lineage.timeline}", lineage=lineage,
+                                  signals={"loss": 1.0 / step}, **kw))  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -82,7 +82,8 @@ def test_policy_knobs_load_from_yaml(tmp_path: Path) -> None:
         ("memory_lookahead", 2.5, "memory_lookahead=2.5 is invalid: expected an integer >= 1."),
         ("mtbf_hours", 0, "mtbf_hours=0 is invalid: expected a positive number of hours."),
         ("keep_last", 0, "keep_last=0 is invalid: expected an integer >= 1."),
-        ("fallback_strategy", "half", "fallback_strategy='half' is invalid: expected one of 'full', 'level_0_1', 'level_0_only'."),
+        ("fallback_strategy", "half",
+         "fallback_strategy='half' is invalid: expected one of 'full', 'level_0_1', 'level_0_only'."),
     ],
 )
 def test_invalid_values_name_field_and_range(field: str, value: object, message: str) -> None:
@@ -101,7 +102,8 @@ def test_yaml_errors_name_the_nested_field(tmp_path: Path) -> None:
     cases = [
         ("storage_levels:\n  level_1: {compression: zstd, compression_level: 25}\n",
          r"^storage_levels\.level_1\.compression_level=25 is invalid: expected 1 <= level <= 19\.$"),
-        ("storage_levels:\n  level_0: {compression: zstd}\n", r"^storage_levels\.level_0\.compression='zstd' is invalid"),
+        ("storage_levels:\n  level_0: {compression: zstd}\n",
+         r"^storage_levels\.level_0\.compression='zstd' is invalid"),
         ("storage_levels:\n  level_3: {compression: none}\n", r"^unknown config key storage_levels\.'level_3'"),
         ("- 1\n- 2\n", "expected a mapping at the top level, got list"),
     ]
@@ -113,7 +115,8 @@ def test_yaml_errors_name_the_nested_field(tmp_path: Path) -> None:
 
 
 def test_level_1_codec_must_be_zstd_or_none() -> None:
-    with pytest.raises(ConfigError, match=r"storage_levels.level_1.compression='gzip' is invalid: expected 'zstd' or 'none'"):
+    with pytest.raises(ConfigError,
+                       match=r"storage_levels.level_1.compression='gzip' is invalid: expected 'zstd' or 'none'"):
         SmartCkptConfig.from_dict({"storage_levels": {"level_1": {"compression": "gzip"}}})
     cfg = SmartCkptConfig.from_dict({"storage_levels": {"level_1": {"compression": "none"}}})
     assert cfg.storage_levels.level_1.compression is Compression.NONE
@@ -142,15 +145,18 @@ def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCapture
         ({"async_save": "no"}, "async_save='no' is invalid: expected true or false (a YAML boolean, not a string)."),
         ({"keep_log_spaced": "no"}, "keep_log_spaced='no' is invalid: expected true or false"),
         ({"root": 5}, "root=5 is invalid: expected a directory path (str) or null."),
-        ({"root": "nosuch://bucket/run1"}, "root='nosuch://bucket/run1' is invalid: 'nosuch' is not an fsspec protocol"),
+        ({"root": "nosuch://bucket/run1"},
+         "root='nosuch://bucket/run1' is invalid: 'nosuch' is not an fsspec protocol"),
         ({"root": "s3://"}, "root='s3://' is invalid: name a bucket or container"),
         ({"root": "s3://b/r", "remote_storage_options": {"secret": "x"}},
          "remote_storage_options: secret looks like a credential"),
-        ({"storage_levels": [1, 2]}, "storage_levels=[1, 2] is invalid: expected a mapping with level_0 / level_1 / level_2."),
+        ({"storage_levels": [1, 2]},
+         "storage_levels=[1, 2] is invalid: expected a mapping with level_0 / level_1 / level_2."),
         ({"storage_levels": {"level_1": None}}, "storage_levels.level_1=None is invalid: expected a mapping such as"),
         ({"mtbf_hours": float("inf")}, "mtbf_hours=inf is invalid: expected a positive number of hours."),
         ({"preemption_signals": 15}, "preemption_signals=15 is invalid: expected a list of signal names"),
-        ({"save_total_limit": 3}, "unknown config key 'save_total_limit' (Trainer's 'save_total_limit' is keep_last here)"),
+        ({"save_total_limit": 3},
+         "unknown config key 'save_total_limit' (Trainer's 'save_total_limit' is keep_last here)"),
         ({"save_steps": 500}, "unknown config key 'save_steps' (Trainer's 'save_steps' is base_interval here)"),
         ({"base_intervall": 4}, "unknown config key 'base_intervall' (did you mean 'base_interval'?)"),
         ({"storage_levels": {"level_1": {"compresion": "zstd"}}},

@@ -242,8 +242,8 @@ def test_resume_from_an_older_step_abandons_the_newer_timeline(tmp_path: Path) -
 
     # Timeline B: resume from step 2, other data, save at 3 and at 4 (a step A also saved), then crash.
     ck, model, opt, sched = make(tmp_path)
-    with pytest.warns(UserWarning, match=r"checkpoints 4, 6 belong to a run that went past the restore point \(step 2\); "
-                                         r"they are kept but abandoned"):
+    with pytest.warns(UserWarning, match=r"checkpoints 4, 6 belong to a run that went past the restore point "
+                                         r"\(step 2\); they are kept but abandoned"):
         assert _resume_into(ck, "step:2", model, opt, sched) == 2
     assert [i.step for i in ck.store.list(include_unhealthy=True)] == [2]  # auto/best/fastest see only this
     every = {i.step: i.abandoned for i in ck.store.list(include_unhealthy=True, include_abandoned=True)}
@@ -379,7 +379,8 @@ def test_the_writer_compresses_on_the_cpus_training_leaves(tmp_path: Path, monke
         # writer process is given the leftover ones, unless the store was set to a count.
         assert ck.store.compression_threads == 0
         assert ck.engine._dispatch._spec().compression_threads == 1
-        assert parallel.beside_training(dataclasses.replace(ck.store.spec, compression_threads=5)).compression_threads == 5
+        assert parallel.beside_training(
+            dataclasses.replace(ck.store.spec, compression_threads=5)).compression_threads == 5
         ck.close()
     finally:
         torch.set_num_threads(threads)

@@ -26,7 +26,8 @@ from hf_dynamic_ckpt.state.rng import (
 def _draw() -> list[Any]:
     """Numbers from every generator, including the cached-Gaussian paths."""
     out: list[Any] = [random.random(), random.gauss(0.0, 1.0), random.randint(0, 10**9)]
-    out += [np.random.randn(5).tolist(), np.random.randint(0, 10**9, size=3).tolist(), float(np.random.standard_normal())]
+    out += [np.random.randn(5).tolist(), np.random.randint(0, 10**9, size=3).tolist(),
+            float(np.random.standard_normal())]
     out += [torch.rand(4).tolist(), torch.randn(3).tolist(), torch.randint(0, 10**9, (3,)).tolist()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out += [torch.rand(4, device=f"cuda:{i}").tolist() for i in range(torch.cuda.device_count())]

@@ -81,8 +81,10 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, step:
 def _tiny_state(step: int, *, rng: bool = True) -> CheckpointState:
     g = torch.Generator().manual_seed(step)
     return CheckpointState(step=step, weights={"w": torch.randn(8, 4, generator=g)},
-                           optimizer={"state": {0: {"exp_avg": torch.randn(8, 4, generator=g)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
-                           scheduler={"last_epoch": step}, rng={"seed": step} if rng else None, sampler={"batches": step})
+                           optimizer={"state": {0: {"exp_avg": torch.randn(8, 4, generator=g)}},
+                                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+                           scheduler={"last_epoch": step}, rng={"seed": step} if rng else None,
+                           sampler={"batches": step})
 
 
 def _visible(directory: Path) -> list[str]:
@@ -332,7 +334,8 @@ def test_resolve_specs(store: CheckpointStore) -> None:
 
 
 def test_resolve_errors_for_paths_and_empty_store(store: CheckpointStore, tmp_path: Path) -> None:
-    with pytest.raises(CheckpointNotFoundError, match="no healthy committed checkpoint with weights; the store has no checkpoints"):
+    with pytest.raises(CheckpointNotFoundError,
+                       match="no healthy committed checkpoint with weights; the store has no checkpoints"):
         store.resolve("auto")
     plain = tmp_path / "plain"
     plain.mkdir()
@@ -447,7 +450,8 @@ def test_entries_are_verified_with_their_own_checksum_algorithm(store: Checkpoin
     manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
     problems = store.verify("step:1")
-    assert len(problems) == 1 and problems[0].startswith(f"{WEIGHTS_NAME} (tier weights): Unknown checksum algorithm 'crc99'")
+    assert len(problems) == 1 and problems[0].startswith(
+        f"{WEIGHTS_NAME} (tier weights): Unknown checksum algorithm 'crc99'")
     assert store.load("step:1", tiers={Tier.STATE}).sampler == {"batches": 1}  # sha256 entry still verifies
 
 

@@ -75,10 +75,12 @@ def _every_dtype() -> dict[str, torch.Tensor]:
         "f32": torch.randn(70_000, generator=g), "bf16": torch.randn(90_000, generator=g).bfloat16(),
         "f16": torch.randn(90_000, generator=g).half(), "f64": torch.randn(40_000, generator=g).double(),
         "i64": torch.randint(-(2**40), 2**40, (5000,), generator=g), "i32": torch.arange(30_000, dtype=torch.int32),
-        "i16": torch.randint(-300, 300, (7, 9), generator=g).short(), "i8": torch.randint(-100, 100, (33,), generator=g).to(torch.int8),
-        "u8": torch.randint(0, 256, (100_000,), generator=g).to(torch.uint8), "bool": torch.rand(999, generator=g) > 0.5,
-        "zero_dim": torch.tensor(3.5), "zero_dim_int": torch.tensor(7), "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
-        "empty_f32": torch.zeros(0), "zeros": torch.zeros(300_000), "special": torch.tensor([float("nan"), float("inf"), -0.0]),
+        "i16": torch.randint(-300, 300, (7, 9), generator=g).short(),
+        "i8": torch.randint(-100, 100, (33,), generator=g).to(torch.int8),
+        "u8": torch.randint(0, 256, (100_000,), generator=g).to(torch.uint8),
+        "bool": torch.rand(999, generator=g) > 0.5, "zero_dim": torch.tensor(3.5), "zero_dim_int": torch.tensor(7),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16), "empty_f32": torch.zeros(0), "zeros": torch.zeros(300_000),
+        "special": torch.tensor([float("nan"), float("inf"), -0.0]),
         "non_contiguous": torch.randn(300, 200, generator=g).t(),
     }
     return out
@@ -204,7 +206,8 @@ def test_flipped_byte_in_a_raw_or_zstd_part(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("parts", "message"), [
-    ([(1, 32768 * 10 + 1, b"\x00" * 10)], r"frame 0, part 0: kind 1, 327681 raw bytes in 10 stored bytes is not a valid part"),
+    ([(1, 32768 * 10 + 1, b"\x00" * 10)],
+     r"frame 0, part 0: kind 1, 327681 raw bytes in 10 stored bytes is not a valid part"),
     ([(0, 11, b"\x00" * 10)], r"frame 0, part 0: kind 0, 11 raw bytes in 10 stored bytes is not a valid part"),
     ([(2, 10, b"\x00" * 10)], r"part 0: kind 2, 10 raw bytes"),
     ([(0, 16, b"\x00" * 16)], r"frame 0 declares 16 bytes, the header 400"),
@@ -282,8 +285,10 @@ def test_v2_fixture_made_by_code_reads_back(tmp_path: Path) -> None:
     grouped = _group(a.view(torch.uint8).numpy(), 4).tobytes() + _bytes(ids)
     header = {"format": "hf_dynamic_ckpt.tensorpack", "version": 2, "codec": "zstd", "level": 3, "total_bytes": 88,
               "group_chunk_elems": 1 << 22, "frame_bytes": 16 << 20,
-              "tensors": [{"name": "a", "dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48, "byte_grouped": True},
-                          {"name": "ids", "dtype": "int64", "shape": [5], "offset": 48, "nbytes": 40, "byte_grouped": False}]}
+              "tensors": [{"name": "a", "dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48,
+                           "byte_grouped": True},
+                          {"name": "ids", "dtype": "int64", "shape": [5], "offset": 48, "nbytes": 40,
+                           "byte_grouped": False}]}
     frame = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(grouped)
     path = tmp_path / "v2.bin"
     path.write_bytes(_build(header, [frame]))
