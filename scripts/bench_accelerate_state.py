@@ -1,7 +1,7 @@
 """Accelerate `save_state` / `load_state`: plain Accelerate vs the hf_dynamic_ckpt hook pair.
 
 A ~67M-parameter Qwen2 built from config with a LoRA adapter (r=16 on q/k/v/o), an AdamW
-step before every save so the optimizer has state and each save is a new step. \
+step before every save so the optimizer has state and each save is a new step.
 Measured in the same run, median of --repeats:
 wall time of `save_state` and `load_state`, and bytes written (Accelerate's directory plus,
 for the hooks, the store checkpoint). CPU only; the numbers are for this machine.

@@ -1,5 +1,5 @@
-"""The README runs as written: the quick start, its command-line block and load_checkpoint on the store it made; \
-run again with more steps, it resumes."""
+"""The README runs as written: the quick start, its command-line block and load_checkpoint on the store it
+made; run again with more steps, it resumes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,15 @@
-"""The package's layering: no import cycles, arrows point down, integrations use the public seams.
+"""The package's shape: dependencies point one way, and no module reaches into another's private names.
 
 Read from the source with `ast` (nothing is imported): every `import` / `from ... import` of a
-module, at any depth, except under `if TYPE_CHECKING:`.
+module, at any depth, those under `if TYPE_CHECKING:` included (a type imported only for
+annotations is still a reference back). Rules:
+
+- no import cycles, and no module imports the package root;
+- each area imports only what its layer allows (`ALLOWED`): the stores, state, signals, policy and
+  engine never know the run's orchestration (`run/`), and the integrations use its public surface;
+- no module imports another module's `_private` name, and no code reads `obj._name` of an object
+  of this package other than `self` / `cls` (third-party internals the library must touch are
+  listed in `THIRD_PARTY_PRIVATE`).
 """
 
 from __future__ import annotations
@@ -20,8 +28,22 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "signals": ("signals", "config", "constants", "errors", "jsonutil", "sysmem"),
     "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store.types"),
     "engine": ("engine", "store", "state", "config", "constants", "errors", "jsonutil", "sysmem"),
-    "integrations": ("integrations", "run.checkpointer", "run.savelog", "state", "config", "constants", "errors",
-                     "distributed", "jsonutil", "store.types", "store.spec", "policy.decision", "export"),
+    "run": ("run", "store", "state", "signals", "policy", "engine", "config", "constants", "errors", "jsonutil",
+            "distributed", "export", "sysmem"),
+    "integrations": ("integrations", "run.orchestrator", "run.savelog", "run.rollback", "state", "config",
+                     "constants", "errors", "distributed", "jsonutil", "store.types", "store.spec", "policy.decision",
+                     "export"),
+}
+
+# Private attributes of other libraries' objects the library must read or call (there is no public API).
+THIRD_PARTY_PRIVATE = {
+    "_foreach_copy_", "_foreach_norm", "_new_shared", "_C", "_version",  # torch
+    "_modules", "_parameters", "_buffers",  # torch.nn.Module's slot tables (CachedWeights checks them cheaply)
+    "_step_count",  # torch LR schedulers
+    "_optimizers", "_schedulers", "_models",  # accelerate.Accelerator's prepared objects
+    "_train_batch_size",  # transformers.Trainer
+    "_globalstep_last_logged", "_initial_global_step",  # Trainer's logging counters a rollback must move back
+    "_getframe", "_SubParsersAction",  # the standard library
 }
 
 
@@ -41,9 +63,6 @@ def _imports(name: str, path: Path, known: set[str]) -> Iterator[str]:
 
     def visit(node: ast.AST) -> Iterator[str]:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                yield from (x for stmt in child.orelse for x in visit_stmt(stmt))
-                continue
             yield from visit_stmt(child)
 
     def visit_stmt(node: ast.AST) -> Iterator[str]:
@@ -132,3 +151,63 @@ def test_areas_import_only_what_their_layer_allows() -> None:
             if dep == PKG or not any(rel == a or rel.startswith(a + ".") for a in allowed):
                 problems.append(f"{module} -> {dep}")
     assert problems == [], "imports across layers:\n" + "\n".join(problems)
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in _modules().items()}
+
+
+def _absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    if not node.level:
+        return node.module or ""
+    anchor = base[: len(base) - (node.level - 1)]
+    return ".".join([*anchor, *(node.module.split(".") if node.module else [])])
+
+
+def _private(attr: str) -> bool:
+    return attr.startswith("_") and not attr.startswith("__")
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    mods = _modules()
+    problems = []
+    for name, tree in _trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = _absolute(name, mods[name], node)
+                if module.startswith(PKG) and module != name:
+                    problems += [f"{name}:{node.lineno}: from {module} import {a.name}" for a in node.names
+                                 if _private(a.name)]
+    assert problems == [], "private names imported from another module:\n" + "\n".join(problems)
+
+
+def test_no_code_reads_another_objects_private_attributes() -> None:
+    trees = _trees()
+    defined: set[str] = set()  # private names the package itself defines (methods, attributes, module globals)
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and _private(node.name):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr):
+                defined.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+                defined.add(node.id)
+    problems = []
+
+    def visit(node: ast.AST, name: str, classes: tuple[str, ...]) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = (*classes, child.name) if isinstance(child, ast.ClassDef) else classes
+            if isinstance(child, ast.Attribute) and _private(child.attr):
+                owner = child.value
+                own = isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in classes)
+                own = own or (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name)
+                              and owner.func.id == "super")
+                third_party = child.attr in THIRD_PARTY_PRIVATE and child.attr not in defined - THIRD_PARTY_PRIVATE
+                if not own and not third_party:
+                    problems.append(f"{name}:{child.lineno}: {ast.unparse(child)}")
+            visit(child, name, inner)
+
+    for name, tree in trees.items():
+        visit(tree, name, ())
+    assert problems == [], "private attributes of another object read or written:\n" + "\n".join(problems)
