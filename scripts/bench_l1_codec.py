@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.store import tensorpack_codec
-from hf_dynamic_ckpt.store.checksum import fsync_file
+from hf_dynamic_ckpt.store.fs import fsync_file
 from hf_dynamic_ckpt.store.tensorpack import flatten_state, read_tensor_file, write_tensor_file
 from hf_dynamic_ckpt.store.tensorpack_codec import PaceMemory
 

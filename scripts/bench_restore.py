@@ -43,8 +43,8 @@ from hf_dynamic_ckpt.constants import Tier
 from hf_dynamic_ckpt.run.restore import load_for_resume
 from hf_dynamic_ckpt.state.rng import capture_rng_state
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
-from hf_dynamic_ckpt.store.checksum import fsync_file
 from hf_dynamic_ckpt.store.commit import write_rank_files
+from hf_dynamic_ckpt.store.fs import fsync_file
 
 
 def build_and_train(layers: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:

@@ -42,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_dynamic_ckpt.store.checksum import file_checksum, fsync_file
+from hf_dynamic_ckpt.store.fs import fsync_file
+from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.tensorpack import (
     flatten_state,
     read_tensor_file,

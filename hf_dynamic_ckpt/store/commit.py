@@ -50,7 +50,7 @@ from ..errors import (
 from ..jsonutil import json_safe
 from . import manifest as mf
 from .blobs import BlobStore
-from .checksum import FileEntry
+from .hashing import FileEntry
 from .layout import L1_PARTS, info_from_manifest, read_json, write_json
 from .sharded import sharded_extra, write_shards
 from .spec import Codec, SaveRequest

@@ -43,7 +43,7 @@ from . import fs
 from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_OK
-from .checksum import FileEntry, checksum_algo, file_checksum, new_hasher
+from .hashing import FileEntry, checksum_algo, file_checksum, new_hasher
 from .spec import Lineage
 from .types import CheckpointInfo, LoadedCheckpoint
 

@@ -39,7 +39,7 @@ from ..constants import (
     Tier,
 )
 from ..errors import CorruptCheckpointError
-from .checksum import FileEntry, make_file_entry
+from .hashing import FileEntry, make_file_entry
 from .safetensors_io import check_tensor, open_tensors, write_safetensors
 from .types import CheckpointState
 

@@ -41,9 +41,10 @@ from ..errors import (
 )
 from . import tensorpack_codec as tpc
 from .byteplanes import _group, _group_into, _ungroup_into
-from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
 from .filecheck import MappedFile, WholeFileCheck
-from .fs import create, open_read
+from .fs import create, fsync_file, open_read
+from .hashing import FileEntry, make_file_entry
+from .paced_writer import HashingWriter
 from .parallel import ordered_map as _ordered_map
 from .parallel import resolve_threads
 from .spec import Codec
@@ -160,7 +161,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         container_version (`int`, *optional*, defaults to `3`): `2` writes the previous
             layout (each frame one zstd frame), for a reader older than version 3 and for
             compatibility tests.
-        paced (`bool`, *optional*, defaults to `False`): v3: stay `checksum.PACE_WINDOW` bytes ahead of
+        paced (`bool`, *optional*, defaults to `False`): v3: stay `paced_writer.PACE_WINDOW` bytes ahead of
             the disk at most; while the disk waits, slowly compressing parts are stored raw (docs/internals.md).
         pace (`PaceMemory`, *optional*): a paced write records in it whether the disk held it up; after one
             it did not, the next groups only the tensors where grouping pays anyway (`grouping_pays`).

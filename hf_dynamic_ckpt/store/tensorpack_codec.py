@@ -27,7 +27,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError
 from .byteplanes import _group
-from .checksum import read_exact
+from .fs import read_exact
 from .tensorpack_format import (
     DTYPES,
     PART,

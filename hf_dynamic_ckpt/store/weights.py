@@ -32,7 +32,7 @@ from ..constants import WEIGHTS_NAME, Tier
 from ..errors import CorruptCheckpointError, SaveError
 from ..jsonutil import loads_bounded
 from .blobs import BlobStore, tensor_digest
-from .checksum import FileEntry, make_file_entry
+from .hashing import FileEntry, make_file_entry
 from .safetensors_io import _DTYPES, check_tensor, dtype_name, open_tensors, write_safetensors
 from .types import BlobRef
 

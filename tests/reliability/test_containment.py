@@ -24,8 +24,8 @@ from hf_dynamic_ckpt.errors import (
     UnsafePathError,
 )
 from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.checksum import file_checksum
 from hf_dynamic_ckpt.store.fs import LocalFS
+from hf_dynamic_ckpt.store.hashing import file_checksum
 
 
 def _store(tmp_path: Path, **kw: object) -> CheckpointStore:

@@ -23,7 +23,7 @@ import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
-from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 
@@ -51,7 +51,7 @@ def _file(tmp_path: Path, compression: str, tensors: dict[str, torch.Tensor] | N
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_right_checksum_reads_the_same_tensors(tmp_path: Path, compression: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(filecheck, "_CHUNK", 64 << 10)  # many hash updates, interleaved with the frames
+    monkeypatch.setattr(filecheck, "HASH_CHUNK", 64 << 10)  # many hash updates, interleaved with the frames
     path = _file(tmp_path, compression)
     plain = read_tensor_file(path, copy=True, threads=2)
     checked = read_tensor_file(path, copy=True, threads=2, checksum=file_checksum(path))
@@ -96,9 +96,9 @@ def test_a_corrupt_frame_is_reported_and_the_hash_thread_stopped(tmp_path: Path,
     data = bytearray(path.read_bytes())
     data[read_header(path)[2][0][0] + 5] ^= 0x10  # in the first frame: found while the whole-file hash still runs
     path.write_bytes(bytes(data))
-    monkeypatch.setattr(filecheck, "_CHUNK", 4096)
-    real = filecheck._Hasher.update
-    monkeypatch.setattr(filecheck._Hasher, "update", lambda self, d: (time.sleep(0.001), real(self, d))[1])
+    monkeypatch.setattr(filecheck, "HASH_CHUNK", 4096)
+    real = filecheck.Hasher.update
+    monkeypatch.setattr(filecheck.Hasher, "update", lambda self, d: (time.sleep(0.001), real(self, d))[1])
     for copy in (False, True):
         with pytest.raises(CorruptCheckpointError, match=r"frame(\(s\))? \[?0\]? fails? (its|their) xxh3 checksum"):
             read_tensor_file(path, checksum=good, copy=copy, threads=2)

@@ -14,7 +14,7 @@ import torch
 import hf_dynamic_ckpt.store.parallel as parallel
 from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
-from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.tensorpack import (
     _group,
     _ungroup_into,

@@ -15,7 +15,7 @@ from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.constants import WEIGHTS_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
 from hf_dynamic_ckpt.store.blobs import BlobStore
-from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.types import BlobRef
 from hf_dynamic_ckpt.store.weights import (
     _DTYPES,
