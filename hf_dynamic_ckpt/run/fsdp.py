@@ -25,7 +25,7 @@ from ..constants import ALL_TIERS, Tier
 from ..errors import IncompatibleStateError
 from ..state import CachedWeights, StateSources, trainable_state_dict
 from ..state.sharded import PART_OPTIMIZER, PART_WEIGHTS, ShardedState, is_sharded_model, sharded_sources
-from ..store.sharded import make_reader, sharded_table
+from ..store.shard_files import make_reader, sharded_table
 from ..store.types import LoadedCheckpoint
 
 if TYPE_CHECKING:

@@ -52,7 +52,7 @@ from . import manifest as mf
 from .blobs import BlobStore
 from .hashing import FileEntry
 from .layout import L1_PARTS, info_from_manifest, read_json, write_json
-from .sharded import sharded_extra, write_shards
+from .shard_files import sharded_extra, write_shards
 from .spec import Codec, SaveRequest
 from .task import Task
 from .tensorpack_codec import PaceMemory
@@ -106,7 +106,7 @@ def write_done(task: Task, tmp: Path, *, files: Mapping[str, FileEntry], blobs: 
                tiers: Iterable[Tier], sharded: Mapping[str, Any] | None = None) -> None:
     """Publish this rank's entries atomically (write + fsync + rename), after its files are durable.
 
-    `sharded`: this rank's chunk table of a sharded (FSDP2) save (`store.sharded`), merged by rank 0.
+    `sharded`: this rank's chunk table of a sharded (FSDP2) save (`shard_files`), merged by rank 0.
     """
     rank = task.spec.rank
     task.fs.fsync_dir(tmp)

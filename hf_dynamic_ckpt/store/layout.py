@@ -217,7 +217,7 @@ def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], 
     from .weights import load_weights
 
     if Tier.WEIGHTS in wanted:
-        from .sharded import placeholders, sharded_table
+        from .shard_files import placeholders, sharded_table
 
         table = sharded_table(manifest)  # FSDP2: global shapes only; DCP reads the shards (state.sharded_load)
         loaded.weights = placeholders(table) if table is not None else load_weights(

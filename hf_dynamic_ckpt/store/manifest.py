@@ -66,7 +66,7 @@ __all__ = ["KEY_BYTES", "KEY_RECOVERY_COST", "KEY_SESSION_ID", "build_manifest",
            "validate_manifest", "without_tiers", "write_manifest"]
 
 _RNG_NAME_RE = re.compile(r"rng-rank(0|[1-9][0-9]{0,6})\.json")
-_SHARD_NAME_RE = re.compile(r"(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")  # FSDP2 (store.sharded)
+_SHARD_NAME_RE = re.compile(r"(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")  # FSDP2 (`shard_files`)
 
 # Throughputs of the recovery-cost model (bytes per millisecond). Loading a file means
 # checksumming it first (sha256, ~0.5-1 GB/s on one core), then mapping (L0) or

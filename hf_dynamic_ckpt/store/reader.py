@@ -40,7 +40,7 @@ from .layout import (
     read_tiers,
     structure_problems,
 )
-from .sharded import is_sharded
+from .shard_files import is_sharded
 from .task import parse_step_dir
 from .types import CheckpointInfo, LoadedCheckpoint
 

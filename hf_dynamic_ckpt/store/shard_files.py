@@ -162,17 +162,6 @@ def placeholders(table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def shard_files(table: Mapping[str, Any], kinds: Iterable[str] = (PART_WEIGHTS, PART_OPTIMIZER)) -> list[str]:
-    """The shard file names the table refers to (for verification before reading)."""
-    names = {c["file"] for r in table["ranks"].values() for k in kinds for c in (r.get(k) or {}).values()}
-    return sorted(names)
-
-
-def global_shapes(table: Mapping[str, Any], kind: str) -> dict[str, tuple[int, ...]]:
-    """Key -> global shape of one part (`weights` / `optimizer`) over every rank's chunks."""
-    return {k: tuple(c["shape"]) for r in table["ranks"].values() for k, c in (r.get(kind) or {}).items()}
-
-
 def dcp_metadata(table: Mapping[str, Any], prefixes: Mapping[str, str]) -> tuple[Any, dict[Any, tuple[str, str]]]:
     """DCP `Metadata` of the saved chunks (keys `prefixes[kind] + key`) and index -> (file, key)."""
     from torch.distributed.checkpoint.metadata import (
