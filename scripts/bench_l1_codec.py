@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.store import tensorpack_codec
 from hf_dynamic_ckpt.store.fs import fsync_file
-from hf_dynamic_ckpt.store.tensorpack import flatten_state, read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.store.statetree import flatten_state
+from hf_dynamic_ckpt.store.tensorpack import read_tensor_file, write_tensor_file
 from hf_dynamic_ckpt.store.tensorpack_codec import PaceMemory
 
 MiB = 1 << 20

@@ -153,8 +153,7 @@ def sync_catalog(task: Task) -> None:
         if row is None or _differs(row, info):
             updates.append(info)
     if updates:
-        sigs = {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in updates}
-        task._write(lambda: task.catalog.upsert_many(updates, root=task.root, sigs=sigs))
+        task.record_many(updates)
     for step, row in rows.items():
         if step not in present and row["status"] != STATUS_MISSING:
             task.set_status(step, STATUS_MISSING)

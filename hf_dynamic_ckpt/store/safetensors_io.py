@@ -29,7 +29,7 @@ from .paced_writer import HashingWriter
 # torch dtype -> (safetensors code, position in safetensors' dtype order). safetensors sorts
 # tensors by descending dtype order, then by name; the order was read off safetensors 0.8
 # output and is checked against `save_file` in tests/unit/test_weights.py.
-_DTYPES: dict[torch.dtype, tuple[str, int]] = {
+DTYPES: dict[torch.dtype, tuple[str, int]] = {
     torch.bool: ("BOOL", 0),
     torch.uint8: ("U8", 1),
     torch.int8: ("I8", 2),
@@ -47,7 +47,7 @@ _DTYPES: dict[torch.dtype, tuple[str, int]] = {
     torch.int64: ("I64", 14),
     torch.uint64: ("U64", 15),
 }
-_BY_CODE = {code: dtype for dtype, (code, _) in _DTYPES.items()}
+_BY_CODE = {code: dtype for dtype, (code, _) in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # safetensors' own limit
 
 Entry = tuple[str, torch.dtype, list[int], int, int]
@@ -68,8 +68,8 @@ def check_tensor(key: str, value: Any) -> torch.Tensor:
         )
     if value.layout != torch.strided:
         raise SaveError(f"Weight {key!r} has layout {value.layout}; convert it with `.to_dense()` first.")
-    if value.dtype not in _DTYPES:
-        supported = ", ".join(sorted(dtype_name(d) for d in _DTYPES))
+    if value.dtype not in DTYPES:
+        supported = ", ".join(sorted(dtype_name(d) for d in DTYPES))
         raise SaveError(
             f"Weight {key!r} has dtype {dtype_name(value.dtype)}, which safetensors cannot store; "
             f"cast it to one of: {supported}."
@@ -91,13 +91,13 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) ->
     """The safetensors header (padded to 8 bytes) and the key order of the data section."""
     import json
 
-    order = sorted(tensors, key=lambda k: (-_DTYPES[tensors[k].dtype][1], k))
+    order = sorted(tensors, key=lambda k: (-DTYPES[tensors[k].dtype][1], k))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key in order:
         t = tensors[key]
         nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     buf = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     buf += b" " * ((8 - len(buf) % 8) % 8)

@@ -172,6 +172,11 @@ class Task:
     def record(self, info: CheckpointInfo) -> None:
         self._write(lambda: self.catalog.upsert(info, root=self.root, sig=manifest_sig(Path(info.path))))
 
+    def record_many(self, infos: list[CheckpointInfo]) -> None:
+        """`record` of several checkpoints in one catalog transaction."""
+        sigs = {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in infos}
+        self._write(lambda: self.catalog.upsert_many(infos, root=self.root, sigs=sigs))
+
     def set_status(self, step: int, status: str) -> None:
         self._write(lambda: self.catalog.set_status(self.task_id, step, status))
 

@@ -40,15 +40,13 @@ from ..errors import (
     SaveError,
 )
 from . import tensorpack_codec as tpc
-from .byteplanes import _group, _group_into, _ungroup_into
+from .byteplanes import group_into, ungroup_into
 from .filecheck import MappedFile, WholeFileCheck
 from .fs import create, fsync_file, open_read
 from .hashing import FileEntry, make_file_entry
 from .paced_writer import HashingWriter
-from .parallel import ordered_map as _ordered_map
-from .parallel import resolve_threads
+from .parallel import ordered_map, resolve_threads
 from .spec import Codec
-from .statetree import flatten_state, unflatten_state
 from .tensorpack_format import (
     ALIGN,
     CONTAINER_VERSION,
@@ -62,7 +60,6 @@ from .tensorpack_format import (
     READ_VERSIONS,
     Piece,
     Run,
-    _plan,
     frames,
     index_bytes,
     pieces,
@@ -73,8 +70,7 @@ from .tensorpack_raw import map_raw, write_raw_payload
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FRAME_BYTES", "GROUP_CHUNK_ELEMS", "_group", "_plan", "_ungroup_into", "flatten_state", "read_header",
-           "read_tensor_file", "resolve_threads", "unflatten_state", "write_tensor_file"]
+__all__ = ["FRAME_BYTES", "GROUP_CHUNK_ELEMS", "read_tensor_file", "write_tensor_file"]
 
 FRAME_BYTES = 16 << 20
 """Target raw bytes per frame written: the unit of parallel (de)compression and of scratch memory."""
@@ -132,7 +128,7 @@ def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np
     for i, lo, hi in _frame_pieces(frame, entries, gce):
         dst = buf[pos : pos + hi - lo]
         if entries[i]["byte_grouped"]:
-            _group_into(datas[i][lo:hi], dst, DTYPES[entries[i]["dtype"]].itemsize)
+            group_into(datas[i][lo:hi], dst, DTYPES[entries[i]["dtype"]].itemsize)
         else:
             dst[:] = datas[i][lo:hi]
         pos += hi - lo
@@ -235,7 +231,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
                 return (*tpc.encode_parts(cctx, data, tpc.part_bounds(frame, entries, gce), hurry), scratch)
 
             plan = list(frames(entries, gce, frame_bytes))
-            for chunks, length, digest, scratch in _ordered_map(compress, plan, workers if len(plan) > 1 else 0):
+            for chunks, length, digest, scratch in ordered_map(compress, plan, workers if len(plan) > 1 else 0):
                 for chunk in chunks:
                     f.write(chunk)
                 pool.give(scratch)  # written: its raw parts may be overwritten now
@@ -356,7 +352,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
         for i, lo, hi in _frame_pieces(frame, entries, gce):
             src = buf[pos : pos + hi - lo]
             if entries[i]["byte_grouped"]:
-                _ungroup_into(src, dests[i][lo:hi], DTYPES[entries[i]["dtype"]].itemsize)
+                ungroup_into(src, dests[i][lo:hi], DTYPES[entries[i]["dtype"]].itemsize)
             else:
                 dests[i][lo:hi] = src
             pos += hi - lo
@@ -374,7 +370,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
     try:
         whole = WholeFileCheck.start(view, checksum, what, release=mapped.release)
         plan = enumerate(frames(entries, gce, header["frame_bytes"]))
-        for _ in _ordered_map(check_and_decode, plan, workers if len(index) > 1 else 0):
+        for _ in ordered_map(check_and_decode, plan, workers if len(index) > 1 else 0):
             pass
         if whole is not None:
             whole.result()

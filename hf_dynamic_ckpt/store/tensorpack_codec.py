@@ -26,7 +26,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError
-from .byteplanes import _group
+from .byteplanes import group
 from .fs import read_exact
 from .tensorpack_format import (
     DTYPES,
@@ -95,7 +95,7 @@ def grouping_pays(cctx: Any, data: np.ndarray, itemsize: int) -> bool:
     sample = np.concatenate([data[j * stride * itemsize : (j * stride + GROUP_SAMPLE_ELEMS) * itemsize]
                              for j in range(SAMPLE_SLICES)])
     m = sample.nbytes // itemsize
-    planes = _group(sample, itemsize)
+    planes = group(sample, itemsize)
 
     def stored(part: np.ndarray) -> int:
         size = len(cctx.compress(part))

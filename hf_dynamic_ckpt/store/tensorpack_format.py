@@ -143,12 +143,6 @@ def pieces(run: Run, step: int) -> Iterator[Piece]:
         yield i, p, min(p + step, hi)
 
 
-def _plan(entries: list[dict[str, Any]], group_chunk_elems: int, frame_bytes: int) -> list[list[Piece]]:
-    """Every frame's pieces (small containers only: the reader and writer use `frames`)."""
-    return [[p for run in frame for p in pieces(run, step_of(entries[run[0]], group_chunk_elems))]
-            for frame in frames(entries, group_chunk_elems, frame_bytes)]
-
-
 def raw_frames(total: int, frame_bytes: int) -> list[tuple[int, int]]:
     """Frames of an uncompressed container: (start, end) slices of the payload, hashed separately."""
     return [(lo, min(lo + frame_bytes, total)) for lo in range(0, total, frame_bytes)]

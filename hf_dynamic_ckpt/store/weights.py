@@ -33,13 +33,12 @@ from ..errors import CorruptCheckpointError, SaveError
 from ..jsonutil import loads_bounded
 from .blobs import BlobStore, tensor_digest
 from .hashing import FileEntry, make_file_entry
-from .safetensors_io import _DTYPES, check_tensor, dtype_name, open_tensors, write_safetensors
+from .safetensors_io import check_tensor, dtype_name, open_tensors, write_safetensors
 from .types import BlobRef
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALIASES_METADATA_KEY", "_DTYPES", "WeightsRecord", "blob_path", "load_weights", "save_weights",
-           "tensor_digest"]
+__all__ = ["ALIASES_METADATA_KEY", "WeightsRecord", "blob_path", "load_weights", "save_weights"]
 
 ALIASES_METADATA_KEY = "hf_dynamic_ckpt.aliases"
 """`__metadata__` entry holding `{alias_key: stored_key}` as a JSON string."""

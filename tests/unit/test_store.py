@@ -32,9 +32,9 @@ from hf_dynamic_ckpt.errors import (
 )
 from hf_dynamic_ckpt.state.rng import capture_rng_state, restore_rng_state
 from hf_dynamic_ckpt.store import BlobRef, CheckpointState, CheckpointStore
+from hf_dynamic_ckpt.store.blobs import tensor_digest
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
-from hf_dynamic_ckpt.store.weights import tensor_digest
 
 
 def _train(model: torch.nn.Module, steps: int = 2, seed: int = 0) -> tuple[torch.optim.Optimizer, Any]:

@@ -18,7 +18,8 @@ import zstandard
 import hf_dynamic_ckpt.store.tensorpack as tp
 import hf_dynamic_ckpt.store.tensorpack_codec as codec
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
-from hf_dynamic_ckpt.store.tensorpack import _group, read_header, read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.store.byteplanes import group, group_into, ungroup_into
+from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -106,7 +107,7 @@ def test_raw_parts_are_the_grouped_bytes_themselves(tmp_path: Path) -> None:
     write_tensor_file({"x": x}, path, threads=1)
     [frame] = _frames(path)
     parts = _table(frame)
-    grouped = _group(x.view(torch.uint8).numpy(), 4).tobytes()
+    grouped = group(x.view(torch.uint8).numpy(), 4).tobytes()
     n = x.numel()
     assert [r for _, r, _, _ in parts] == [n, n, 2 * n]  # cut at the planes (each <= PART_BYTES)
     assert [k for k, _, _, _ in parts] == [1, 0, 0]
@@ -279,7 +280,7 @@ def test_v2_fixture_made_by_code_reads_back(tmp_path: Path) -> None:
     """A tiny version-2 file built from the v2 layout itself (not by the writer)."""
     a = torch.arange(12, dtype=torch.float32) / 7
     ids = torch.arange(5, dtype=torch.int64)
-    grouped = _group(a.view(torch.uint8).numpy(), 4).tobytes() + _bytes(ids)
+    grouped = group(a.view(torch.uint8).numpy(), 4).tobytes() + _bytes(ids)
     header = {"format": "hf_dynamic_ckpt.tensorpack", "version": 2, "codec": "zstd", "level": 3, "total_bytes": 88,
               "group_chunk_elems": 1 << 22, "frame_bytes": 16 << 20,
               "tensors": [{"name": "a", "dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48, "byte_grouped": True},
@@ -348,25 +349,23 @@ def test_blocked_grouping_gives_the_documented_planes(block: int, monkeypatch: p
             raw = rng.integers(0, 256, size=n * itemsize, dtype=np.uint8)
             rows = raw.reshape(n, itemsize)
             want = np.concatenate([rows[:, -1], rows[:, -2], rows[:, :-2].reshape(-1)]).tobytes()
-            assert _group(raw, itemsize).tobytes() == want, (itemsize, n)
+            assert group(raw, itemsize).tobytes() == want, (itemsize, n)
             back = np.empty_like(raw)
-            tp._ungroup_into(_group(raw, itemsize), back, itemsize)
+            ungroup_into(group(raw, itemsize), back, itemsize)
             assert back.tobytes() == raw.tobytes()
 
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
 def test_grouping_of_unaligned_slices(itemsize: int) -> None:
     # A piece of a frame starts wherever the previous piece ended (an odd offset after 33 int8 bytes).
-    from hf_dynamic_ckpt.store.byteplanes import _group_into, _ungroup_into
-
     rng = np.random.default_rng(itemsize)
     for n in (1, 7, 300_001):
         raw = rng.integers(0, 256, size=n * itemsize + 3, dtype=np.uint8)[1 : 1 + n * itemsize]
         rows = raw.reshape(n, itemsize)
         want = np.concatenate([rows[:, -1], rows[:, -2], rows[:, :-2].reshape(-1)]).tobytes()
         out = np.zeros(n * itemsize + 5, np.uint8)[3 : 3 + n * itemsize]
-        _group_into(raw, out, itemsize)
+        group_into(raw, out, itemsize)
         assert out.tobytes() == want
         back = np.zeros(n * itemsize + 5, np.uint8)[1 : 1 + n * itemsize]
-        _ungroup_into(out, back, itemsize)
+        ungroup_into(out, back, itemsize)
         assert back.tobytes() == raw.tobytes()

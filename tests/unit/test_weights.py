@@ -14,16 +14,15 @@ from safetensors.torch import save_file
 from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.constants import WEIGHTS_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
-from hf_dynamic_ckpt.store.blobs import BlobStore
+from hf_dynamic_ckpt.store.blobs import BlobStore, tensor_digest
 from hf_dynamic_ckpt.store.hashing import file_checksum
+from hf_dynamic_ckpt.store.safetensors_io import DTYPES
 from hf_dynamic_ckpt.store.types import BlobRef
 from hf_dynamic_ckpt.store.weights import (
-    _DTYPES,
     ALIASES_METADATA_KEY,
     blob_path,
     load_weights,
     save_weights,
-    tensor_digest,
 )
 
 
@@ -49,7 +48,7 @@ def _header(path: Path) -> dict:
 def _all_dtypes() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = {}
-    for i, dtype in enumerate(_DTYPES):
+    for i, dtype in enumerate(DTYPES):
         base = torch.randn(3, 5, generator=g) * 50
         out[f"layer.{i}.w"] = base.to(torch.complex64).to(dtype) if dtype.is_complex else base.to(dtype)
     out["b.empty"] = torch.zeros(0, 4)
