@@ -1,4 +1,20 @@
-"""`CheckpointStore`: the store's public face (commit in `commit.py`, upkeep in `maintenance.py`).
+"""`CheckpointStore`: the store's public face, a facade over collaborators that do not know it.
+
+Who owns what (each takes the `Task` and nothing of the store):
+
+- `task.Task`: one task directory: paths derived from the step, manifests checked against their
+  directory, catalog rows, the timelines record, the blob store, the object-store copy.
+- `lookup.Lookup`: `list` and `resolve` (what the catalog says, re-read from disk where a flag would
+  hide a checkpoint); the store re-verifies corrupt flags before it resolves a named spec.
+- `reader`: `load`, `load_scheduler_only` and `verify` of a resolved checkpoint.
+- `commit`: the whole commit sequence of `save`.
+- `pins`: `pin` and `unpin` markers.
+- `maintenance`: leftovers, catalog sync and `reindex`, `delete`, `prune`, `gc`, blob collection.
+- `timelines`: the pure `fork` record; `lock.WriterLock`: one writer per task; `remote_sync`: the
+  object-store copy of a URL root.
+
+The store itself resolves references, checks that a change is allowed (read-only stores, rank 0,
+the task's own checkpoints), serialises changes under one lock and holds the writer lock.
 
 Layout::
 
@@ -39,22 +55,28 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..constants import CATALOG_NAME, DEFAULT_TASK_ID, Tier
-from ..errors import CheckpointNotFoundError, ConfigError, DynamicCkptError, SaveError, StoreNotWritableError
+from ..constants import ALL_TIERS, CATALOG_NAME, DEFAULT_TASK_ID, MANIFEST_NAME, Tier
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DynamicCkptError,
+    SaveError,
+    StoreNotWritableError,
+)
 from . import maintenance as mt
+from . import pins, reader
 from . import remote_sync as rs
 from .catalog import Catalog
 from .commit import commit_save, request_for
 from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
-from .lookup import Lookup
-from .pins import Pins
-from .reader import Reader
+from .lookup import NAMED_SPECS, Lookup
 from .remote import Remote, split_root
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
 from .task import Task, parse_step_dir, step_dir_name
 from .timelines import fork_record
-from .types import CheckpointInfo, CheckpointState, GcReport
+from .types import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +85,7 @@ __all__ = ["CheckpointStore", "parse_step_dir", "step_dir_name"]
 Ref = str | int | os.PathLike[str] | CheckpointInfo
 
 
-class CheckpointStore(Reader, Lookup, Pins):
+class CheckpointStore:
     """Tiered checkpoints of one task under a store root, committed atomically.
 
     Args:
@@ -171,8 +193,7 @@ class CheckpointStore(Reader, Lookup, Pins):
         self.task.remote = self.remote
         self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
         self._writer.closer = self.close
-        self._confirmed: dict[int, tuple[Any, CheckpointInfo]] = {}
-        self._rechecked: set[tuple[int, float]] = set()
+        self._lookup = Lookup(self.task)
         if memory:
             if self.remote is not None and pull:
                 rs.open_task(self.task, self.remote, writer=False)
@@ -301,6 +322,106 @@ class CheckpointStore(Reader, Lookup, Pins):
         if self.read_only:
             raise DynamicCkptError(f"{what} is refused: the store {self.root} was opened with read_only=True.")
 
+    # -- finding and reading --------------------------------------------------------------------
+    def list(self, include_unhealthy: bool = False, include_abandoned: bool = False) -> builtins.list[CheckpointInfo]:
+        """Checkpoints of this task, newest first.
+
+        Args:
+            include_unhealthy (`bool`, *optional*, defaults to `False`): also list unhealthy
+                checkpoints and rows whose status is ``"missing"`` or ``"corrupt"``.
+            include_abandoned (`bool`, *optional*, defaults to `False`): also list checkpoints
+                of timelines a later run forked away from.
+        """
+        return self._lookup.list(include_unhealthy=include_unhealthy, include_abandoned=include_abandoned)
+
+    def resolve(self, spec: Ref) -> CheckpointInfo:
+        """Turn a restore-point spec into a checkpoint.
+
+        Args:
+            spec (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"`` (newest healthy
+                checkpoint with weights), ``"best"`` (lowest recorded loss), ``"fastest"``
+                (lowest estimated recovery cost), ``"step:N"`` or ``N`` (that step, whatever
+                its health or timeline), or the path of a checkpoint directory.
+
+        Raises:
+            `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
+        """
+        if not isinstance(spec, CheckpointInfo | int) and os.fspath(spec) in NAMED_SPECS:
+            for step in self._lookup.to_recheck():  # a corrupt flag is re-verified once before it excludes
+                with contextlib.suppress(CheckpointNotFoundError):
+                    self.verify(step)
+        return self._lookup.resolve(spec)
+
+    def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None,
+             mmap: bool = True, l1_max_numel: int | None = None) -> LoadedCheckpoint:
+        """Verify, then read the requested tiers of a checkpoint.
+
+        Every file read is checked (size, checksum; blobs by content digest) before any
+        tensor is returned; a failed check or read is retried once (a transient I/O error
+        must not cost a checkpoint). A tier the checkpoint does not hold is left `None`
+        with a note in `warnings`.
+
+        Args:
+            ref: anything `resolve` accepts (``"auto"``, ``"step:N"``, a path, ...).
+            tiers (`Collection[Tier]`, *optional*, defaults to all tiers): what to read.
+            rank (`int`, *optional*): whose RNG file to read; defaults to this store's rank.
+            mmap (`bool`, *optional*, defaults to `True`): weights backed by a read-only
+                memory map (no copy), and an uncompressed optimizer tier by a private one;
+                `False` reads both into memory.
+            l1_max_numel (`int`, *optional*): the most elements an optimizer-tier tensor may declare
+                (`state.optimizer.state_numel_bound` of the model); checked before anything is allocated.
+
+        Returns:
+            `LoadedCheckpoint`.
+
+        Raises:
+            `CheckpointNotFoundError`: `ref` names no committed checkpoint.
+            `CorruptCheckpointError`: a needed file is missing, truncated, altered or does not
+                parse (the message lists each problem), or the manifest is damaged.
+            `FormatVersionError`: the checkpoint was written by a newer format.
+            `IncompatibleStateError`: an optimizer-tier tensor is larger than `l1_max_numel` allows.
+        """
+        info = self.resolve(ref)
+        return reader.load(self.task, info, tiers=tiers, rank=self.rank if rank is None else rank, mmap=mmap,
+                           l1_max_numel=l1_max_numel)
+
+    def load_scheduler_only(self, ref: Ref) -> dict[str, Any] | None:
+        """Salvage the LR-scheduler state when the optimizer tensor file is broken.
+
+        The scheduler state holds no tensors, so it lives entirely in the verified
+        `optimizer.json`. Never raises for a damaged checkpoint: returns `None` when that
+        file is missing, altered, not JSON, or refers to tensors.
+        """
+        try:
+            info = self.resolve(ref)
+        except (DynamicCkptError, OSError):
+            return None
+        return reader.load_scheduler_only(self.task, info)
+
+    def verify(self, ref: Ref) -> builtins.list[str]:
+        """Check a checkpoint completely: manifest, every file's size and checksum, blobs.
+
+        Records the outcome in the catalog (status ``"ok"``, ``"corrupt"`` or ``"missing"``).
+        Only files the manifest may name (an allowlist) in the checkpoint's own directory
+        are looked at.
+
+        Args:
+            ref: anything `resolve` accepts.
+
+        Returns:
+            `list[str]`: one line per problem; empty when the checkpoint is intact.
+
+        Raises:
+            `CheckpointNotFoundError`: `ref` names nothing, or the checkpoint was deleted
+                before or while it was verified (retention or gc ran meanwhile): a note, not a
+                problem of the checkpoint.
+        """
+        try:
+            info = self.resolve(ref)
+        except (CorruptCheckpointError, ValueError) as e:  # a path whose manifest is unusable
+            return [f"{MANIFEST_NAME}: {e}"]
+        return reader.verify(self.task, info)
+
     # -- save -----------------------------------------------------------------------------------
     def save(self, state: CheckpointState, request: SaveRequest | None = None, *,
              timings: dict[str, Any] | None = None, replace: bool = False, cancel: Callable[[], bool] | None = None,
@@ -355,6 +476,18 @@ class CheckpointStore(Reader, Lookup, Pins):
         if fresh is None:
             raise CheckpointNotFoundError(f"step {info.step} has no committed checkpoint in {self.task_dir}.")
         return fresh
+
+    def pin(self, ref: Ref) -> CheckpointInfo:
+        """Protect a checkpoint from retention and gc (writes a `PINNED` marker next to the manifest)."""
+        self._check_writable("pin")
+        with self._lock:
+            return pins.pin(self.task, self._own(ref, "pin"))
+
+    def unpin(self, ref: Ref) -> CheckpointInfo:
+        """Undo `pin` (and a pin requested at save time: the manifest is rewritten atomically)."""
+        self._check_writable("unpin")
+        with self._lock:
+            return pins.unpin(self.task, self._own(ref, "unpin"))
 
     def delete(self, ref: Ref, *, tiers: Collection[Tier] | None = None, force: bool = False) -> None:
         """Delete a checkpoint of this task, or only some of its tiers (blobs nobody uses go too).

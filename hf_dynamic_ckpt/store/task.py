@@ -18,7 +18,7 @@ import re
 import sqlite3
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..constants import (
     ASIDE_SUFFIX,
@@ -35,13 +35,11 @@ from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, Catalog
 from .fs import LocalFS, lstat
 from .layout import broken_info, info_from_manifest
+from .remote import Remote
 from .spec import StoreSpec
 from .tensorpack_codec import PaceMemory
 from .timelines import Timelines, key_of
 from .types import CheckpointInfo
-
-if TYPE_CHECKING:
-    from .remote import Remote
 
 logger = logging.getLogger(__name__)
 
