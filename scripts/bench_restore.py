@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_dynamic_ckpt.constants import Tier
 from hf_dynamic_ckpt.run.restore import load_for_resume
 from hf_dynamic_ckpt.state.rng import capture_rng_state
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 from hf_dynamic_ckpt.store.commit import write_rank_files
 from hf_dynamic_ckpt.store.fs import fsync_file
 
@@ -121,7 +121,8 @@ def main() -> None:
         counter = iter(range(10**6))
 
         def ours_save() -> None:
-            store.save(CheckpointState(**{**state.__dict__, "step": next(counter)}), reason="bench")
+            step = next(counter)
+            store.save(CheckpointState(**{**state.__dict__, "step": step}), SaveRequest(step=step, reason="bench"))
 
         def formats_only() -> None:
             d = Path(tmp) / f"formats-{next(counter)}"

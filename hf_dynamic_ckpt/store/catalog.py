@@ -299,17 +299,6 @@ class Catalog:
         with self._lock:
             self._db().execute("UPDATE checkpoints SET status=? WHERE task_id=? AND step=?", (status, task_id, step))
 
-    def set_pinned(self, task_id: str, step: int, pinned: bool) -> None:
-        with self._lock:
-            self._db().execute("UPDATE checkpoints SET pinned=? WHERE task_id=? AND step=?", (int(pinned), task_id, step))
-
-    def set_abandoned(self, task_id: str, steps: Iterable[int], abandoned: bool = True) -> None:
-        """Mirror of the timelines record (the record is the truth; this is for SQL readers)."""
-        steps = list(steps)
-        self._transaction(lambda db: db.executemany(
-            "UPDATE checkpoint_details SET abandoned=? WHERE task_id=? AND step=?",
-            [(int(abandoned), task_id, s) for s in steps]))
-
     def remove(self, task_id: str, step: int) -> None:
         def work(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM checkpoints WHERE task_id=? AND step=?", (task_id, step))

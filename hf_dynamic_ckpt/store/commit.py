@@ -193,24 +193,6 @@ def merge_rank_parts(task: Task, tmp: Path, parts: list[dict[str, Any]]) -> tupl
     return files, blobs, tiers
 
 
-def request_for(state: CheckpointState, request: SaveRequest | None, legacy: Mapping[str, Any]) -> SaveRequest:
-    """The request of a save: `request`, or one built from the round-1 keywords (a thin shim)."""
-    step = int(state.step)
-    if request is None:
-        unknown = set(legacy) - {"reason", "pinned", "healthy", "signals", "debug_info"}
-        if unknown or "reason" not in legacy:
-            raise TypeError(f"save() takes a SaveRequest (or the keywords reason=, pinned=, healthy=, signals=, "
-                            f"debug_info=); got {sorted(legacy)}.")
-        request = SaveRequest(step=step, epoch=state.epoch, tiers=state.tiers, reason=str(legacy["reason"]),
-                              pinned=bool(legacy.get("pinned", False)), healthy=bool(legacy.get("healthy", True)),
-                              signals=legacy.get("signals"), debug_info=tuple(legacy.get("debug_info") or ()))
-    elif legacy:
-        raise TypeError(f"save() got a SaveRequest and the keywords {sorted(legacy)}; put them in the request.")
-    if request.step != step:
-        raise SaveError(f"SaveRequest.step={request.step} differs from the state's step {step}; pass the same step.")
-    return request
-
-
 def existing(task: Task, request: SaveRequest, *, replace: bool) -> CheckpointInfo | bool | None:
     """What is committed at the request's step: `None` (nothing), the info to return ("already
     committed"), or `True` (replace it). The same answer on every rank (read from disk only)."""

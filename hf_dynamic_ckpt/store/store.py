@@ -68,7 +68,7 @@ from . import maintenance as mt
 from . import pins, reader
 from . import remote_sync as rs
 from .catalog import Catalog
-from .commit import commit_save, request_for
+from .commit import commit_save
 from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
 from .lookup import NAMED_SPECS, Lookup
@@ -423,9 +423,8 @@ class CheckpointStore:
         return reader.verify(self.task, info)
 
     # -- save -----------------------------------------------------------------------------------
-    def save(self, state: CheckpointState, request: SaveRequest | None = None, *,
-             timings: dict[str, Any] | None = None, replace: bool = False, cancel: Callable[[], bool] | None = None,
-             **legacy: Any) -> CheckpointInfo | None:
+    def save(self, state: CheckpointState, request: SaveRequest, *, timings: dict[str, Any] | None = None,
+             replace: bool = False, cancel: Callable[[], bool] | None = None) -> CheckpointInfo | None:
         """Write this rank's part of a checkpoint; on rank 0, commit it once all ranks are done.
 
         Rank 0 writes weights (L0), optimizer/scheduler/scaler (L1) and the sampler state;
@@ -439,11 +438,9 @@ class CheckpointStore:
                 signals, debug info, lineage); it reaches the manifest as given.
             timings (`dict`, *optional*): caller's timings in ms (e.g. snapshot time).
             replace (`bool`, *optional*, defaults to `False`): replace a committed copy of the
-                step whatever its timeline (round-1 callers; pass the same on every rank).
+                step whatever its timeline (pass the same on every rank).
             cancel (`Callable[[], bool]`, *optional*): polled while rank 0 waits for the other
                 ranks' files; `True` gives up like `abort` (the engine's `SaveEngine.abort`).
-            **legacy: instead of `request`, the round-1 keywords `reason`, `pinned`, `healthy`,
-                `signals`, `debug_info` (a thin shim kept for existing callers).
 
         Returns:
             `CheckpointInfo` on rank 0 (also when the step was committed before), `None`
@@ -451,12 +448,14 @@ class CheckpointStore:
 
         Raises:
             `DistributedError`: rank 0 waited `rank_timeout_s` for other ranks; nothing is committed.
-            `SaveError`: writing failed; the previous checkpoints are untouched.
+            `SaveError`: writing failed, or `request.step` is not the state's step; the previous
+                checkpoints are untouched.
         """
         step = int(state.step)
         if step < 0:
             raise SaveError(f"step={step} is invalid: a checkpoint step must be >= 0.")
-        request = request_for(state, request, legacy)
+        if request.step != step:
+            raise SaveError(f"SaveRequest.step={request.step} differs from the state's step {step}; pass the same step.")
         self._check_writable("save")
         self.ensure_root()
         with self._lock:

@@ -57,7 +57,6 @@ from .tensorpack_format import (
     MAGIC,
     NAMES,
     PREFIX,
-    READ_VERSIONS,
     Piece,
     Run,
     frames,
@@ -136,10 +135,9 @@ def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np
 
 
 def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level: int = 3, threads: int = 0,
-                      byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD,
-                      container_version: int = CONTAINER_VERSION, paced: bool = False,
+                      byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD, paced: bool = False,
                       pace: tpc.PaceMemory | None = None) -> FileEntry:
-    """Writes tensors to the L1 container (independent frames of raw and zstd parts, or uncompressed), fsynced.
+    """Writes tensors to the L1 container (version 3: frames of raw and zstd parts, or uncompressed), fsynced.
 
     Args:
         tensors (`Mapping[str, torch.Tensor]`): tensors by name (e.g. from `flatten_state`).
@@ -154,10 +152,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         compression (`Codec` or `str`, *optional*, defaults to `Codec.ZSTD`): or `Codec.NONE`
             (`"none"`/`None`) for an uncompressed file that `read_tensor_file` memory-maps
             (larger, faster to read); `level` and `byte_group` do not apply to it.
-        container_version (`int`, *optional*, defaults to `3`): `2` writes the previous
-            layout (each frame one zstd frame), for a reader older than version 3 and for
-            compatibility tests.
-        paced (`bool`, *optional*, defaults to `False`): v3: stay `paced_writer.PACE_WINDOW` bytes ahead of
+        paced (`bool`, *optional*, defaults to `False`): zstd: stay `paced_writer.PACE_WINDOW` bytes ahead of
             the disk at most; while the disk waits, slowly compressing parts are stored raw (docs/internals.md).
         pace (`PaceMemory`, *optional*): a paced write records in it whether the disk held it up; after one
             it did not, the next groups only the tensors where grouping pays anyway (`grouping_pays`).
@@ -166,8 +161,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         `FileEntry`: size and checksum of the written file (tier `"optimizer"`).
 
     Raises:
-        `SaveError`: a tensor of an unsupported dtype or layout, an unknown `compression` or
-        `container_version`.
+        `SaveError`: a tensor of an unsupported dtype or layout, or an unknown `compression`.
 
     Example:
     ```python
@@ -177,11 +171,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
     ```
     """
     codec = _codec(compression)
-    if container_version not in READ_VERSIONS:
-        raise SaveError(f"container_version={container_version!r} is not supported; use "
-                        f"{' or '.join(map(str, READ_VERSIONS))} ({CONTAINER_VERSION} is the default).")
     workers = resolve_threads(threads)
-    paced = paced and codec == Codec.ZSTD and container_version == 3
+    paced = paced and codec == Codec.ZSTD
     pace = pace if paced else None  # only a paced write learns, or is taught
     checked = {name: _check(name, t) for name, t in tensors.items()}
     pays = _grouping_judge(level) if pace is not None and not pace.group else None
@@ -197,7 +188,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         entries.append({"name": name, "dtype": NAMES[t.dtype], "shape": list(t.shape),
                         "offset": offset, "nbytes": nbytes, "byte_grouped": grouped})
         offset += nbytes
-    header_obj = {"format": FORMAT_NAME, "version": container_version, "codec": codec.value,
+    header_obj = {"format": FORMAT_NAME, "version": CONTAINER_VERSION, "codec": codec.value,
                   "level": level if codec == Codec.ZSTD else None, "total_bytes": offset,
                   "group_chunk_elems": gce, "frame_bytes": frame_bytes, "tensors": entries}
     header = json.dumps(header_obj, separators=(",", ":")).encode("utf-8")
@@ -214,20 +205,14 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
             import zstandard
 
             local, pool = threading.local(), tpc.BufferPool()
-            params = tpc.compression_params(level) if container_version == 3 else None
+            params = tpc.compression_params(level)
             hurry = (lambda: not f.disk_bound) if paced else None
 
             def compress(frame: list[Run]) -> tuple[list[Any], int, int, np.ndarray | None]:
                 cctx = getattr(local, "cctx", None)
                 if cctx is None:
-                    cctx = local.cctx = (
-                        zstandard.ZstdCompressor(compression_params=params) if params is not None
-                        else zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True))
+                    cctx = local.cctx = zstandard.ZstdCompressor(compression_params=params)
                 data, scratch = _frame_input(frame, entries, datas, gce, pool)
-                if params is None:
-                    whole = tpc.encode_whole(cctx, data)
-                    pool.give(scratch)  # one zstd frame: nothing refers to the buffer any more
-                    return (*whole, None)
                 return (*tpc.encode_parts(cctx, data, tpc.part_bounds(frame, entries, gce), hurry), scratch)
 
             plan = list(frames(entries, gce, frame_bytes))

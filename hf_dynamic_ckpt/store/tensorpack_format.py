@@ -64,7 +64,7 @@ from .spec import Codec
 MAGIC = b"HFDCTP01"
 FORMAT_NAME = "hf_dynamic_ckpt.tensorpack"
 CONTAINER_VERSION = 3
-"""Layout version written by default (zstd frames as tables of raw and zstd parts)."""
+"""Layout version written (zstd frames as tables of raw and zstd parts)."""
 READ_VERSIONS = (2, 3)
 """Layout versions this library reads (v1 had an unversioned layout change and is refused)."""
 PREFIX = struct.Struct("<8sQ")

@@ -38,7 +38,7 @@ from .types import BlobRef
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALIASES_METADATA_KEY", "WeightsRecord", "blob_path", "load_weights", "save_weights"]
+__all__ = ["ALIASES_METADATA_KEY", "WeightsRecord", "load_weights", "save_weights"]
 
 ALIASES_METADATA_KEY = "hf_dynamic_ckpt.aliases"
 """`__metadata__` entry holding `{alias_key: stored_key}` as a JSON string."""
@@ -68,11 +68,6 @@ class WeightsRecord:
 
 def _blob_store(blobs: BlobsArg) -> BlobStore | None:
     return blobs if isinstance(blobs, BlobStore) or blobs is None else BlobStore(Path(blobs))
-
-
-def blob_path(blobs_dir: str | os.PathLike[str], digest: str) -> Path:
-    """Where blob `digest` lives under `blobs_dir` (kept for callers of the round-1 API; use `BlobStore.path`)."""
-    return BlobStore(Path(blobs_dir)).path(digest)
 
 
 def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:

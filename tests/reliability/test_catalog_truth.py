@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
 from store_helpers import tiny_state
 
 from hf_dynamic_ckpt.constants import CATALOG_NAME, PINNED_MARKER, Tier
@@ -25,7 +26,7 @@ from hf_dynamic_ckpt.store import CheckpointStore
 def store(tmp_path: Path) -> CheckpointStore:
     s = CheckpointStore(tmp_path, task_id="run")
     for step in (3, 5):
-        s.save(tiny_state(step), reason="interval", signals={"loss": 1.0 / step})
+        save_state(s, tiny_state(step), reason="interval", signals={"loss": 1.0 / step})
     yield s
     s.close()
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from helpers import save_state
 from store_helpers import replace_file, tiny_state
 
 from hf_dynamic_ckpt.config import FallbackStrategy
@@ -98,8 +99,8 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 
 def _build(root: Path, case: str) -> None:
     store = CheckpointStore(root, task_id="run", session_id="s1")
-    store.save(tiny_state(1, frozen=1.0), reason="honest")
-    info = store.save(tiny_state(2, frozen=2.0), reason="hostile")
+    save_state(store, tiny_state(1, frozen=1.0), reason="honest")
+    info = save_state(store, tiny_state(2, frozen=2.0), reason="hostile")
     store.close()
     CASES[case][0](Path(info.path))
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
+from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.filecheck as filecheck
 import hf_dynamic_ckpt.store.layout as layout
@@ -107,7 +109,7 @@ def test_a_corrupt_frame_is_reported_and_the_hash_thread_stopped(tmp_path: Path,
 
 def test_a_version_2_container_is_checked_too(tmp_path: Path) -> None:
     path = tmp_path / "v2.bin"
-    write_tensor_file(_tensors(), path, container_version=2, threads=2)
+    write_v2(_tensors(), path)
     assert read_header(path)[0]["version"] == 2
     assert torch.equal(read_tensor_file(path, checksum=file_checksum(path))["exp_avg"], _tensors()["exp_avg"])
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"Tensor file {path}: checksum mismatch (")):
@@ -144,7 +146,7 @@ def store(tmp_path: Path) -> CheckpointStore:
 
 def test_load_hashes_the_optimizer_file_once_while_reading_it(store: CheckpointStore,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    info = store.save(_state(1), reason="r")
+    info = save_state(store, _state(1), reason="r")
     entry = json.loads((Path(info.path) / MANIFEST_NAME).read_text())["files"][OPTIMIZER_NAME]
     hashed: list[str] = []
     compared: list[tuple[str, str, str]] = []
@@ -164,7 +166,7 @@ def test_load_hashes_the_optimizer_file_once_while_reading_it(store: CheckpointS
 
 def test_a_manifest_checksum_the_file_does_not_have_fails_the_load(store: CheckpointStore) -> None:
     """Every frame is intact, only the whole-file checksum tells: the load must still refuse the file."""
-    info = store.save(_state(1), reason="r")
+    info = save_state(store, _state(1), reason="r")
     directory = Path(info.path)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     actual = manifest["files"][OPTIMIZER_NAME]["checksum"]
@@ -184,7 +186,7 @@ def test_a_checksum_mismatch_is_read_twice_then_corrupt_and_resume_falls_back_to
         store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
     from hf_dynamic_ckpt.run import restore
 
-    info = store.save(_state(1), reason="r")
+    info = save_state(store, _state(1), reason="r")
     directory = Path(info.path)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     manifest["files"][OPTIMIZER_NAME]["checksum"] = WRONG

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import save_state
 
 import hf_dynamic_ckpt.store.parallel as parallel
 import hf_dynamic_ckpt.store.tensorpack_format as tpf
@@ -507,7 +508,7 @@ def test_store_writes_the_optimizer_tier_with_its_codec(tmp_path: Path, compress
 
     model, opt, sched, scaler = _trained_state()
     store = CheckpointStore(tmp_path / "store", compression=compression)
-    info = store.save(CheckpointState(step=3, weights=model.state_dict(), optimizer=opt.state_dict(),
+    info = save_state(store, CheckpointState(step=3, weights=model.state_dict(), optimizer=opt.state_dict(),
                                       scheduler=sched.state_dict(), scaler=scaler.state_dict()), reason="test")
     assert read_header(Path(info.path) / OPTIMIZER_NAME)[0]["codec"] == compression
     loaded = store.load(info, tiers={Tier.OPTIMIZER})

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
 from test_tensorpack_v3 import _assert_same, _frames, _table
 
 import hf_dynamic_ckpt.store.paced_writer as paced_writer
@@ -180,14 +181,13 @@ def test_once_the_disk_sets_the_pace_the_paced_file_is_the_unpaced_one(
     _assert_same(read_tensor_file(paced), tensors)
 
 
-def test_only_a_compressed_v3_write_is_paced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             small_frames: None) -> None:
+def test_only_a_compressed_write_is_paced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          small_frames: None) -> None:
     waits = _disk(monkeypatch, 0.0)
     tensors = _state()
-    for kwargs in ({"compression": "none"}, {"container_version": 2}):
-        path = tmp_path / "t.bin"
-        write_tensor_file(tensors, path, paced=True, **kwargs)
-        _assert_same(read_tensor_file(path, copy=True), tensors)
+    path = tmp_path / "t.bin"
+    write_tensor_file(tensors, path, paced=True, compression="none")
+    _assert_same(read_tensor_file(path, copy=True), tensors)
     assert waits == []
 
 
@@ -280,10 +280,9 @@ def test_byte_grouping_stays_where_pacing_does_not_work_or_is_off(
     write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)
     assert pace.group is True  # nothing tells who set the pace: group, as a new store does
     pace.learn(False)
-    for kwargs in ({}, {"container_version": 2}):  # not paced: `pace` is neither read nor changed
-        write_tensor_file(tensors, path, level=1, threads=1, pace=pace, **kwargs)
-        assert _grouped(path) == [True] * 12 and pace.group is False
-        _assert_same(read_tensor_file(path), tensors)
+    write_tensor_file(tensors, path, level=1, threads=1, pace=pace)  # not paced: `pace` is neither read nor changed
+    assert _grouped(path) == [True] * 12 and pace.group is False
+    _assert_same(read_tensor_file(path), tensors)
 
 
 def test_the_store_remembers_across_saves_whether_to_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -298,7 +297,7 @@ def test_the_store_remembers_across_saves_whether_to_group(tmp_path: Path, monke
     moments = {"exp_avg": torch.randn(512, 512, generator=g), "exp_avg_sq": torch.rand(512, 512, generator=g) * 1e-6}
     optimizer = {"state": {0: {"step": torch.tensor(1.0), **moments}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
     store = CheckpointStore(tmp_path / "s")
-    files = [Path(store.save(CheckpointState(step=step, optimizer=optimizer), reason="test").path) / OPTIMIZER_NAME
+    files = [Path(save_state(store, CheckpointState(step=step, optimizer=optimizer), reason="test").path) / OPTIMIZER_NAME
              for step in (1, 2)]
     assert store.task.l1_pace.group is False  # the simulated disk never held a write up
     names = [e["name"] for e in read_header(files[0])[0]["tensors"]]
@@ -330,7 +329,7 @@ def _save(store, step: int):  # type: ignore[no-untyped-def]
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
-    return store.save(CheckpointState(step=step, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
+    return save_state(store, CheckpointState(step=step, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
 
 
 def test_the_store_paces_a_local_l1_write_unless_told_not_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import struct
 import zlib
@@ -14,10 +13,12 @@ import pytest
 import torch
 import xxhash
 import zstandard
+from helpers import save_state
+from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.tensorpack as tp
 import hf_dynamic_ckpt.store.tensorpack_codec as codec
-from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
+from hf_dynamic_ckpt.errors import CorruptCheckpointError
 from hf_dynamic_ckpt.store.byteplanes import group, group_into, ungroup_into
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 
@@ -236,15 +237,10 @@ def test_zstd_part_whose_content_size_differs_from_its_table_entry(tmp_path: Pat
         read_tensor_file(path)
 
 
-def test_container_version_argument(tmp_path: Path) -> None:
-    with pytest.raises(SaveError, match=r"container_version=4 is not supported; use 2 or 3 \(3 is the default\)"):
-        write_tensor_file({"a": torch.ones(2)}, tmp_path / "x", container_version=4)
-
-
-def test_v2_file_written_by_the_previous_code_path_reads_back(tmp_path: Path) -> None:
+def test_v2_file_reads_back(tmp_path: Path) -> None:
     tensors = _every_dtype()
     path = tmp_path / "v2.bin"
-    write_tensor_file(tensors, path, level=1, container_version=2)
+    write_v2(tensors, path, level=1)
     header, _, _ = read_header(path)
     assert header["version"] == 2
     for frame in _frames(path):  # each frame is one zstd frame, as version 2 wrote it
@@ -259,7 +255,7 @@ def test_every_flipped_byte_and_truncation_of_a_v2_file_is_an_error(tmp_path: Pa
     g = torch.Generator().manual_seed(6)
     tensors = {"a": torch.randn(40, generator=g), "ids": torch.arange(10), "h": torch.randn(16, generator=g).half()}
     path = tmp_path / "v2.bin"
-    write_tensor_file(tensors, path, threads=1, container_version=2)
+    write_v2(tensors, path)
     assert read_header(path)[0]["version"] == 2 and len(_frames(path)) > 1
     good = path.read_bytes()
     for i in range(len(good)):
@@ -319,9 +315,9 @@ def test_store_load_of_l1_is_bit_exact_for_v3_and_for_a_store_written_as_v2(
 
     model, opt = _trained()
     if version == 2:  # what the previous library wrote
-        monkeypatch.setattr(tp, "write_tensor_file", functools.partial(write_tensor_file, container_version=2))
+        monkeypatch.setattr(tp, "write_tensor_file", write_v2)
     store = CheckpointStore(tmp_path / "store", session_id="a")
-    info = store.save(CheckpointState(step=2, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
+    info = save_state(store, CheckpointState(step=2, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
     store.close()
     monkeypatch.undo()
     assert read_header(Path(info.path) / OPTIMIZER_NAME)[0]["version"] == version
