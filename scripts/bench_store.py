@@ -13,7 +13,7 @@ AdamW on random tokens, so the optimizer state is real. Then, in one process:
 - Methods are run round-robin and the best of N rounds is reported (with the median): the
   development machine shares 2 CPUs with other jobs, and the best time is the one least
   disturbed by them.
-- L1: optimizer state (`flatten_state`) written with `write_tensor_file` (container v2:
+- L1: optimizer state (`flatten_state`) written with `write_tensor_file` (container v3:
   independent zstd frames decoded in parallel): byte-grouped zstd (ours) vs plain zstd on the
   raw bytes (same container, `byte_group=False`) vs a raw write of the bytes (the floor), ours
   at zstd level 1, ours read with one decode thread, and the opt-in uncompressed container
