@@ -181,7 +181,8 @@ def main() -> None:
     for threads, flags in grouped_later.items():
         print(f"later writes, {threads} thread(s): byte-grouped in {sum(flags)} of {len(flags)} timed writes")
     print()
-    print("| read (all threads, every byte touched, warm cache) | wall ms | raw MiB/s | MiB per CPU-s | speed / plain zstd |")
+    print("| read (all threads, every byte touched, warm cache) | wall ms | raw MiB/s | MiB per CPU-s "
+          "| speed / plain zstd |")
     print("|---|---|---|---|---|")
     for name, (wall, used) in reads.items():
         print(f"| {name} | {1e3 * wall:.0f} | {raw / MiB / wall:.0f} | {raw / MiB / max(used, 1e-9):.0f} | "

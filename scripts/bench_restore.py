@@ -86,7 +86,8 @@ def touch(obj: Any) -> float:
     return 0.0
 
 
-def rounds(cases: dict[str, Callable[[], Any]], repeats: int, before: Callable[[], None] | None) -> dict[str, tuple[float, float]]:
+def rounds(cases: dict[str, Callable[[], Any]], repeats: int,
+           before: Callable[[], None] | None) -> dict[str, tuple[float, float]]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
         for name, fn in cases.items():
@@ -146,7 +147,8 @@ def main() -> None:
         }
         for label, tiers in tier_sets.items():
             cases[f"store.load {label} (verified)"] = (
-                lambda tiers=tiers: touch([store.load(info, tiers=tiers).__dict__[k] for k in ("weights", "optimizer")]))
+                lambda tiers=tiers: touch([store.load(info, tiers=tiers).__dict__[k]
+                                           for k in ("weights", "optimizer")]))
         cases["load_for_resume (L0, L1, L2)"] = lambda: touch([load_for_resume(store, "auto").__dict__[k]
                                                               for k in ("weights", "optimizer")])
         warm = rounds(cases, args.repeats, None)
@@ -155,7 +157,8 @@ def main() -> None:
         store.close()
 
     print(f"model: Qwen2 {args.layers} layers, {n_params / 1e6:.1f}M params; AdamW after {args.steps} steps")
-    print(f"bytes: store checkpoint {sizes['store'] / 2**20:.1f} MiB, torch.save file {sizes['baseline'] / 2**20:.1f} MiB "
+    print(f"bytes: store checkpoint {sizes['store'] / 2**20:.1f} MiB, "
+          f"torch.save file {sizes['baseline'] / 2**20:.1f} MiB "
           f"(ratio {sizes['store'] / sizes['baseline']:.2f})")
     print()
     print("| save | best s | median s | vs torch.save |")
@@ -168,10 +171,12 @@ def main() -> None:
     print("|---|---|---|---|---|")
     bw, bc = warm["torch.load(weights_only) full (baseline)"][0], cold["torch.load(weights_only) full (baseline)"][0]
     for name in cases:
-        print(f"| {name} | {warm[name][0]:.3f} | {warm[name][0] / bw:.2f}x | {cold[name][0]:.3f} | {cold[name][0] / bc:.2f}x |")
+        print(f"| {name} | {warm[name][0]:.3f} | {warm[name][0] / bw:.2f}x | {cold[name][0]:.3f} | "
+              f"{cold[name][0] / bc:.2f}x |")
     print()
     print(f"catalog recovery_cost_ms (estimate): {info.recovery_cost_ms:.0f} ms; measured cold full load: "
-          f"{1000 * cold['store.load L0+L1+L2 (verified)'][0]:.0f} ms, warm: {1000 * warm['store.load L0+L1+L2 (verified)'][0]:.0f} ms")
+          f"{1000 * cold['store.load L0+L1+L2 (verified)'][0]:.0f} ms, "
+          f"warm: {1000 * warm['store.load L0+L1+L2 (verified)'][0]:.0f} ms")
 
 
 if __name__ == "__main__":

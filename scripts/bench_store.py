@@ -237,7 +237,8 @@ def l1_tables(opt: torch.optim.Optimizer, scratch: Path, r: int, mb: int, thread
         for key, (name, path) in labels.items():
             size, (w, _, wc), (rd, _, rc) = path.stat().st_size, writes[key], reads[key]
             print(f"{name:<34}{size / mb:>7.1f}{nbytes / size:>7.3f}{size / s_plain:>7.3f}x{w:>8.3f}"
-                  f"{nbytes / mb / w:>7.0f}{nbytes / mb / wc:>10.0f}{rd:>8.3f}{nbytes / mb / rd:>7.0f}{nbytes / mb / rc:>10.0f}")
+                  f"{nbytes / mb / w:>7.0f}{nbytes / mb / wc:>10.0f}{rd:>8.3f}{nbytes / mb / rd:>7.0f}"
+                  f"{nbytes / mb / rc:>10.0f}")
         for p in (f_none, f_plain, f_ours, f_l1, f_map):
             p.unlink()
     del structure

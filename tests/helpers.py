@@ -65,7 +65,8 @@ def assert_identical(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
-def model_state_equal(a: torch.nn.Module | dict[str, torch.Tensor], b: torch.nn.Module | dict[str, torch.Tensor]) -> bool:
+def model_state_equal(a: torch.nn.Module | dict[str, torch.Tensor],
+                      b: torch.nn.Module | dict[str, torch.Tensor]) -> bool:
     """Two models (or state dicts) hold bit-identical tensors under the same names."""
     sa = a.state_dict() if isinstance(a, torch.nn.Module) else a
     sb = b.state_dict() if isinstance(b, torch.nn.Module) else b

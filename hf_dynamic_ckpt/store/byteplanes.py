@@ -25,7 +25,8 @@ _shift_scratch = threading.local()
 
 
 def group_into(raw: np.ndarray, out: np.ndarray, itemsize: int) -> None:
-    """Writes `raw` (elements of `itemsize` bytes) as [top byte plane][second byte plane][remaining low bytes] into `out`."""
+    """Writes `raw` (elements of `itemsize` bytes) into `out` as [top byte plane][second byte plane][remaining low
+    bytes]."""
     n = raw.size // itemsize
     if itemsize in (2, 4):  # the planes as shifted words cast to bytes: ~1.7x the strided copies (6.5 vs 3.8 GiB/s)
         _group_words(raw, out, itemsize, n)
@@ -36,7 +37,8 @@ def group_into(raw: np.ndarray, out: np.ndarray, itemsize: int) -> None:
         block = raw[lo * itemsize : hi * itemsize]
         out[lo:hi] = block[itemsize - 1 :: itemsize]
         out[n + lo : n + hi] = block[itemsize - 2 :: itemsize]
-        out[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)[...] = block.reshape(hi - lo, itemsize)[:, :rest]
+        low = out[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)
+        low[...] = block.reshape(hi - lo, itemsize)[:, :rest]
 
 
 def _group_words(raw: np.ndarray, out: np.ndarray, itemsize: int, n: int) -> None:
@@ -85,7 +87,8 @@ def ungroup_into(grouped: np.ndarray, out: np.ndarray, itemsize: int) -> None:
         block = out[lo * itemsize : hi * itemsize]
         block[itemsize - 1 :: itemsize] = grouped[lo:hi]
         block[itemsize - 2 :: itemsize] = grouped[n + lo : n + hi]
-        block.reshape(hi - lo, itemsize)[:, :rest] = grouped[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)
+        low = grouped[2 * n + rest * lo : 2 * n + rest * hi].reshape(hi - lo, rest)
+        block.reshape(hi - lo, itemsize)[:, :rest] = low
 
 
 def _ungroup_words(grouped: np.ndarray, out: np.ndarray, itemsize: int, n: int) -> None:

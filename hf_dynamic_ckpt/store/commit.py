@@ -66,7 +66,8 @@ _POLL_S = 0.02
 
 def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir: BlobStore | Path, level: int,
                      threads: int, compression: Codec | str = Codec.ZSTD,
-                     paced: bool = False, pace: PaceMemory | None = None) -> tuple[dict[str, FileEntry], dict[str, Any]]:
+                     paced: bool = False,
+                     pace: PaceMemory | None = None) -> tuple[dict[str, FileEntry], dict[str, Any]]:
     """Write this rank's share of a checkpoint (rank 0: L0, L1, sampler; every rank: its RNG).
 
     `paced`: L1 written no faster than the disk, slowly compressing parts raw while it waits (`write_tensor_file`;
@@ -92,7 +93,8 @@ def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir:
             entry = write_tensor_file(tensors, tmp / OPTIMIZER_NAME, level=level, threads=threads,
                                       compression=compression, paced=paced, pace=pace)
             files[OPTIMIZER_NAME] = {**entry, KEY_TIER: Tier.OPTIMIZER.value, KEY_RANK: None}
-            files[OPTIMIZER_META_NAME] = write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER, rank=None)
+            files[OPTIMIZER_META_NAME] = write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER,
+                                                    rank=None)
         if state.sampler is not None:
             files[SAMPLER_NAME] = write_json(tmp / SAMPLER_NAME, json_safe(state.sampler), tier=Tier.STATE, rank=None)
     if state.rng is not None:
@@ -122,7 +124,8 @@ def write_done(task: Task, tmp: Path, *, files: Mapping[str, FileEntry], blobs: 
     task.fs.fsync_dir(tmp)
 
 
-def wait_for_ranks(task: Task, tmp: Path, *, step: int, cancel: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+def wait_for_ranks(task: Task, tmp: Path, *, step: int,
+                   cancel: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
     """Rank 0: poll until every rank's done file is there; return their contents by rank.
 
     Raises:
@@ -180,7 +183,8 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int, cancel: Callable[[], boo
     return parts
 
 
-def merge_rank_parts(task: Task, tmp: Path, parts: list[dict[str, Any]]) -> tuple[dict[str, FileEntry], dict[str, Any], set[Tier]]:
+def merge_rank_parts(task: Task, tmp: Path,
+                     parts: list[dict[str, Any]]) -> tuple[dict[str, FileEntry], dict[str, Any], set[Tier]]:
     """Union of the ranks' entries; removes the done files, which have served their purpose."""
     files: dict[str, FileEntry] = {}
     blobs: dict[str, Any] = {}

@@ -146,8 +146,8 @@ def read_bytes(path: str | os.PathLike[str], *, limit: int) -> bytes:
     with open_read(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
-            raise CorruptCheckpointError(f"{path} has {size} bytes, more than the {limit} a file of this kind may have; "
-                                         "the checkpoint is damaged or was not written by hf_dynamic_ckpt.")
+            raise CorruptCheckpointError(f"{path} has {size} bytes, more than the {limit} a file of this kind may "
+                                         "have; the checkpoint is damaged or was not written by hf_dynamic_ckpt.")
         return f.read(limit + 1)
 
 

@@ -121,12 +121,17 @@ class Lookup:
             if text == "best":
                 candidates = [i for i in candidates if i.loss is not None]
                 if not candidates:
-                    raise CheckpointNotFoundError(f"resolve('best'): no healthy checkpoint records a loss; {self._available_text()}.")
+                    raise CheckpointNotFoundError(f"resolve('best'): no healthy checkpoint records a loss; "
+                                                  f"{self._available_text()}.")
                 return min(candidates, key=lambda i: (i.loss, -i.step))
             if not candidates:
-                raise CheckpointNotFoundError(f"resolve({text!r}): no healthy committed checkpoint with weights; {self._available_text()}.")
+                raise CheckpointNotFoundError(f"resolve({text!r}): no healthy committed checkpoint with weights; "
+                                              f"{self._available_text()}.")
             if text == "fastest":
-                return min(candidates, key=lambda i: (i.recovery_cost_ms if i.recovery_cost_ms is not None else float("inf"), -i.step))
+                def cost(i: CheckpointInfo) -> tuple[float, int]:
+                    return (float("inf") if i.recovery_cost_ms is None else i.recovery_cost_ms, -i.step)
+
+                return min(candidates, key=cost)
             return candidates[0]
         if text.startswith("step:") or text.isdigit():
             raw = text.removeprefix("step:")
@@ -148,7 +153,8 @@ class Lookup:
                 return info
         if row is not None:
             self.task.set_status(step, STATUS_MISSING)
-        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.task.dir}; {self._available_text()}.")
+        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.task.dir}; "
+                                      f"{self._available_text()}.")
 
     def _by_path(self, path: Path) -> CheckpointInfo:
         path = path.absolute()
@@ -163,7 +169,8 @@ class Lookup:
                 f"{self._available_text()}."
             )
         if TMP_MARKER in path.name:
-            raise CheckpointNotFoundError(f"{path} is an unfinished save (temporary directory), not a checkpoint; {self._available_text()}.")
+            raise CheckpointNotFoundError(f"{path} is an unfinished save (temporary directory), not a checkpoint; "
+                                          f"{self._available_text()}.")
         if not self.fs.is_file(path / MANIFEST_NAME):
             raise CheckpointNotFoundError(
                 f"{path} is not a checkpoint directory (no {MANIFEST_NAME}); pass a step-<N> directory of a store; "

@@ -268,7 +268,8 @@ def removable_abandoned(task: Task, infos: Iterable[CheckpointInfo]) -> list[Che
     infos = list(infos)
     if current is None:
         return []
-    ours = [i.step for i in infos if not i.abandoned and i.lineage is not None and i.lineage.timeline == current["timeline"]]
+    ours = [i.step for i in infos
+            if not i.abandoned and i.lineage is not None and i.lineage.timeline == current["timeline"]]
     top = max(ours, default=None)
     return [i for i in infos if i.abandoned and not i.pinned and top is not None and i.step < top]
 

@@ -190,7 +190,8 @@ def parse_header(f: Any, size: int) -> tuple[int, list[Entry], dict[str, str]]:
             raise ValueError(f"tensor {key!r} starts at {begin}, expected {expected} (overlap or gap)")
         expected = end
     if 8 + n + expected != size:
-        raise ValueError(f"data section ends at {8 + n + expected} but the file has {size} bytes (truncated or extended)")
+        raise ValueError(f"data section ends at {8 + n + expected} but the file has {size} bytes (truncated or "
+                         "extended)")
     return 8 + n, entries, metadata
 
 
@@ -228,7 +229,8 @@ def open_tensors(path: Path, *, mmap: bool, what: str) -> tuple[dict[str, torch.
             if end == begin:
                 out[key] = torch.empty(shape, dtype=dtype)
             elif mm is not None:
-                out[key] = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=base + begin).view(dtype).view(shape)
+                raw = torch.frombuffer(mm, dtype=torch.uint8, count=end - begin, offset=base + begin)
+                out[key] = raw.view(dtype).view(shape)
             else:
                 t = torch.empty(shape, dtype=dtype)
                 f.seek(base + begin)

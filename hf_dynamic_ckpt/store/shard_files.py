@@ -126,7 +126,8 @@ def sharded_table(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
         for rank_table in table["ranks"].values():
             for kind in (PART_WEIGHTS, PART_OPTIMIZER):
                 for key, chunk in (rank_table.get(kind) or {}).items():
-                    ok = ok and isinstance(key, str) and _valid_chunk(chunk) and allowed_shard_name(chunk["file"], world)
+                    ok = (ok and isinstance(key, str) and _valid_chunk(chunk)
+                          and allowed_shard_name(chunk["file"], world))
     if not ok:
         raise CorruptCheckpointError(f"the manifest's extra[{KEY_SHARDED!r}] chunk table is malformed "
                                      f"({str(table)[:120]}); the checkpoint is damaged.")

@@ -122,7 +122,8 @@ class CheckpointStore:
     Example:
         ```python
         >>> store = CheckpointStore("out/smart_ckpt", task_id="run1")
-        >>> info = store.save(CheckpointState(step=10, weights=model.state_dict()), SaveRequest(step=10, reason="interval"))
+        >>> state = CheckpointState(step=10, weights=model.state_dict())
+        >>> info = store.save(state, SaveRequest(step=10, reason="interval"))
         >>> store.load("auto").weights["lm_head.weight"].shape
         ```
     """
@@ -131,8 +132,8 @@ class CheckpointStore:
                  world_size: int = 1, session_id: str | None = None, compression_level: int = 1,
                  compression_threads: int = 0, compression: Codec | str = Codec.ZSTD, pace_to_disk: bool = True,
                  rank_timeout_s: float = 600.0, cleanup: bool = True, read_only: bool = False, takeover: bool = False,
-                 lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-                 retries: int = 5, backoff_s: float = 0.5) -> None:
+                 lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None, retries: int = 5, backoff_s: float = 0.5) -> None:
         root, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
                                   retries=retries, backoff_s=backoff_s)
         if session_id is None:
@@ -186,7 +187,8 @@ class CheckpointStore:
             except sqlite3.OperationalError as e:
                 if writer:
                     raise self._not_writable(f"its catalog {self.root / CATALOG_NAME} cannot be opened: {e}") from e
-                logger.warning("catalog %s cannot be opened (%s); reading the manifests instead", self.root / CATALOG_NAME, e)
+                logger.warning("catalog %s cannot be opened (%s); reading the manifests instead",
+                               self.root / CATALOG_NAME, e)
                 memory = True
         self.catalog = Catalog.in_memory() if memory else catalog
         self.task = Task(spec, self.fs, self.catalog, read_only=memory)
@@ -455,7 +457,8 @@ class CheckpointStore:
         if step < 0:
             raise SaveError(f"step={step} is invalid: a checkpoint step must be >= 0.")
         if request.step != step:
-            raise SaveError(f"SaveRequest.step={request.step} differs from the state's step {step}; pass the same step.")
+            raise SaveError(f"SaveRequest.step={request.step} differs from the state's step {step}; pass the same "
+                            "step.")
         self._check_writable("save")
         self.ensure_root()
         with self._lock:
@@ -503,11 +506,13 @@ class CheckpointStore:
         with self._lock:
             info = self._own(ref, "delete")
             if info.pinned and not force:
-                raise DynamicCkptError(f"step {info.step} ({info.path}) is pinned; pass force=True to delete it anyway.")
+                raise DynamicCkptError(f"step {info.step} ({info.path}) is pinned; pass force=True to delete it "
+                                       "anyway.")
             mt.delete_checkpoint(self.task, info, None if tiers is None else {Tier(t) for t in tiers})
             mt.collect_blobs(self.task, GcReport())
 
-    def fork(self, *, timeline: str, after_step: int | None, session: str, parent: Lineage | None = None) -> builtins.list[int]:
+    def fork(self, *, timeline: str, after_step: int | None, session: str,
+             parent: Lineage | None = None) -> builtins.list[int]:
         """Start timeline `timeline`: newer checkpoints of other timelines become abandoned (rank 0).
 
         Every committed checkpoint of another timeline with ``step > after_step`` (all of them
@@ -521,7 +526,8 @@ class CheckpointStore:
         """
         self._check_writable("fork")
         if self.rank != 0:
-            raise DynamicCkptError(f"fork() runs on rank 0 only (this store is rank {self.rank}); broadcast its result.")
+            raise DynamicCkptError(f"fork() runs on rank 0 only (this store is rank {self.rank}); broadcast its "
+                                   "result.")
         with self._lock:
             infos = mt.scan_all(self.task)
             record, newly = fork_record(self.task.timelines.read(), infos, timeline=timeline, after_step=after_step,

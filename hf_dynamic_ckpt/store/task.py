@@ -123,7 +123,8 @@ class Task:
             if self.fs.is_dir(path):
                 out[step] = path
             elif self.fs.is_link(path):
-                logger.warning("%s is a symbolic link, not a checkpoint: the store ignores it and never follows it", path)
+                logger.warning("%s is a symbolic link, not a checkpoint: the store ignores it and never follows it",
+                               path)
         return out
 
     # -- reading --------------------------------------------------------------------------

@@ -246,7 +246,8 @@ def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
         return [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in entries]
     except (RuntimeError, MemoryError) as e:  # sizes were checked against the file; this is memory
         total = sum(int(x["nbytes"]) for x in entries)
-        raise CorruptCheckpointError(f"Tensor file {path}: its {total} bytes of tensors cannot be allocated ({e}).") from e
+        raise CorruptCheckpointError(f"Tensor file {path}: its {total} bytes of tensors cannot be allocated "
+                                     f"({e}).") from e
 
 
 def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checksum: str | None = None,
@@ -313,7 +314,8 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
         offset, length, digest = index[k]
         with view[offset : offset + length] as data:  # the page cache itself: no copy of the compressed bytes
             if xxhash.xxh3_64_intdigest(data) != digest:
-                raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is corrupt.")
+                raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is "
+                                             "corrupt.")
             decode_frame(k, frame, data)
         mapped.release(offset, offset + length)
 

@@ -5,7 +5,7 @@ A frame's raw bytes are its pieces, byte-grouped where the header says so
 (`encode_parts` / `decode_parts`); version 2 stored them as one zstd frame, which
 `decode_whole` still reads so that older stores resume.
 
-Why parts (measured in docs/benchmarks.md, "Round 2, third pass: L1 codec"): on dense AdamW
+Why parts (docs/benchmarks.md, "L1 codec"): on dense AdamW
 moments the second byte plane and the low mantissa bytes do not compress at all (ratio
 1.000), yet zstd spends ~0.7 ms per MiB finding that out, and the exponent plane compresses
 to ~0.29 at ~150-250 MiB per CPU-second with level 1's match finder. Version 3 cuts each

@@ -113,7 +113,8 @@ def save_weights(tensors: Mapping[str, torch.Tensor | BlobRef], directory: Path,
         logger.debug("dedup_keys not among the weights, ignored: %s", sorted(unknown)[:5])
     needs_blobs = bool(dedup & set(tensors)) or any(isinstance(v, BlobRef) for v in tensors.values())
     if needs_blobs and blobs is None:
-        raise SaveError("save_weights got dedup_keys or BlobRef values but blobs_dir=None; pass the task's blobs directory.")
+        raise SaveError("save_weights got dedup_keys or BlobRef values but blobs_dir=None; pass the task's blobs "
+                        "directory.")
 
     record = WeightsRecord()
     in_file: dict[str, torch.Tensor] = {}
@@ -199,7 +200,8 @@ def load_weights(directory: Path, blobs: Mapping[str, Mapping[str, Any]], *, blo
                 f"{rec.get('dtype')}{list(rec.get('shape', []))}; the blob is corrupt."
             )
         if key in out:
-            raise CorruptCheckpointError(f"Weight {key!r} is both in {path} and in blob {bpath}; the manifest is inconsistent.")
+            raise CorruptCheckpointError(f"Weight {key!r} is both in {path} and in blob {bpath}; the manifest is "
+                                         "inconsistent.")
         out[key] = t
     raw_aliases = metadata.get(ALIASES_METADATA_KEY)
     if raw_aliases:
@@ -208,7 +210,9 @@ def load_weights(directory: Path, blobs: Mapping[str, Mapping[str, Any]], *, blo
         except ValueError as e:
             raise CorruptCheckpointError(f"Alias map in {path} is not JSON: {raw_aliases[:80]!r}.") from e
         if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
-            raise CorruptCheckpointError(f"Alias map in {path} is not a JSON object of key names: {raw_aliases[:80]!r}.")
+            raise CorruptCheckpointError(f"Alias map in {path} is not a JSON object of key names: "
+                                         f"{raw_aliases[:80]!r}.")
+
         for alias, target in aliases.items():
             if target not in out:
                 raise CorruptCheckpointError(

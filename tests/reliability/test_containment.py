@@ -1,9 +1,9 @@
 """Containment: nothing a manifest says, and no link planted in the store, makes it touch a file outside.
 
-Issue 10, failure 2: `../` and absolute names in a manifest were unlinked by ordinary
-retention; a `../` task id became a path; cleanup and blob collection followed a linked
-`blobs/` or step directory and deleted outside files; `verify` stat-ed any file a manifest
-named. Each test plants one such thing next to a canary file outside the root and runs
+The failures it guards: `../` and absolute names in a manifest unlinked by ordinary
+retention; a `../` task id turned into a path; cleanup and blob collection following a linked
+`blobs/` or step directory and deleting outside files; `verify` stat-ing any file a manifest
+names. Each test plants one such thing next to a canary file outside the root and runs
 load, verify, delete, retention, gc and a fresh open against it.
 """
 
@@ -152,7 +152,8 @@ def test_leftover_links_are_removed_without_touching_their_targets(tmp_path: Pat
     (task / "step-3.tmp-old").symlink_to(outside, target_is_directory=True)
     (task / "blobs" / "x.safetensors.tmp-old").symlink_to(canary.path)
     _store(tmp_path, session_id="s2").close()
-    assert not os.path.lexists(task / "step-3.tmp-old") and not os.path.lexists(task / "blobs" / "x.safetensors.tmp-old")
+    assert not os.path.lexists(task / "step-3.tmp-old")
+    assert not os.path.lexists(task / "blobs" / "x.safetensors.tmp-old")
     assert canary.intact()
 
 

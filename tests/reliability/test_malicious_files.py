@@ -1,10 +1,10 @@
 """Every bad byte falls back: hostile files raise `CorruptCheckpointError`, within bounded memory.
 
-Issue 10, failure 5: float `data_offsets` or a list in the safetensors alias map gave a raw
-`TypeError`; an L1 header declaring 64 GiB a raw allocator `RuntimeError`;
+The failures it guards: float `data_offsets` or a list in the safetensors alias map giving a
+raw `TypeError`; an L1 header declaring 64 GiB giving a raw allocator `RuntimeError`;
 `group_chunk_elems=1` in a 350-byte L1 file a `MemoryError` at 2.7 GB RSS after 31 s; a
-100k-deep JSON a `RecursionError` that stopped the store from opening; a non-JSON
-`optimizer.json` aborted resume instead of the weights-only fallback.
+100k-deep JSON a `RecursionError` that stops the store from opening; a non-JSON
+`optimizer.json` aborting resume instead of the weights-only fallback.
 
 Every case is a checkpoint whose manifest vouches for the hostile file (size and checksum
 recomputed, as anyone can), so only the parsers stand between it and the caller.
@@ -88,11 +88,13 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "safetensors 100k-deep header": (lambda d: replace_file(d, WEIGHTS_NAME, struct.pack("<Q", len(DEEP)) + DEEP),
                                      r"not a valid safetensors file \(JSON nested too deeply"),
     "L1 header declaring 64 GiB": (_huge_l1, r"declares 68719476736 bytes of tensors but holds a \d+-byte payload"),
-    "L1 group_chunk_elems=1 in 350 bytes": (_chunk1_l1, r"declares 16777216 bytes of tensors but holds a 20-byte payload"),
+    "L1 group_chunk_elems=1 in 350 bytes": (_chunk1_l1,
+                                            r"declares 16777216 bytes of tensors but holds a 20-byte payload"),
     "optimizer.json 100k deep": (lambda d: replace_file(d, OPTIMIZER_META_NAME, DEEP), r"JSON nested too deeply"),
     "optimizer.json not JSON": (lambda d: replace_file(d, OPTIMIZER_META_NAME, b"\x80\x04K\x01."),  # a pickle
                                 r"optimizer.json is unreadable or not JSON"),
-    "rng file not an object": (lambda d: replace_file(d, "rng-rank0.json", b"[1, 2]"), r"rng-rank0.json is not a JSON object"),
+    "rng file not an object": (lambda d: replace_file(d, "rng-rank0.json", b"[1, 2]"),
+                               r"rng-rank0.json is not a JSON object"),
     "manifest 100k deep": (lambda d: (d / MANIFEST_NAME).write_bytes(DEEP), r"the manifest is not valid JSON"),
 }
 

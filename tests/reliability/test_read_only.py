@@ -1,8 +1,8 @@
 """Read-only stores and concurrent readers.
 
-Issue 10, failure 7 (store side): `ls`/`verify` on a read-only store crashed with a raw
-`sqlite3.OperationalError`; `verify --all` ended in a traceback for checkpoints that
-retention deleted during the scan.
+The failures it guards: `ls`/`verify` on a read-only store crashing with a raw
+`sqlite3.OperationalError`; `verify --all` ending in a traceback for checkpoints that
+retention deletes during the scan.
 
 The tests run as root here, where `chmod` binds nothing, so "read-only" is checked by what
 matters: with `read_only=True` not one byte, inode or timestamp under the root changes

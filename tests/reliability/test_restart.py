@@ -234,7 +234,8 @@ from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 big = torch.randn(1 << 28)  # one honest 1 GiB fp32 tensor: incompressible, so stored raw in its frames
 store = CheckpointStore(sys.argv[1], task_id="run", compression_threads=1)
 store.save(CheckpointState(step=1, weights={"w": torch.zeros(8, 4)}, optimizer={
-    "state": {0: {"exp_avg": big}}, "param_groups": [{"lr": 0.1, "params": [0]}]}), SaveRequest(step=1, reason="honest"))
+    "state": {0: {"exp_avg": big}}, "param_groups": [{"lr": 0.1, "params": [0]}]}),
+    SaveRequest(step=1, reason="honest"))
 store.close()
 """
 

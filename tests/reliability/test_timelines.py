@@ -1,8 +1,8 @@
 """Timelines instead of deletion: resume never deletes, abandoned checkpoints stay restorable.
 
-Issue 10, failure 1: resume force-deleted every checkpoint newer than the restore point,
-pinned ones included; a SIGKILL during that deletion left half a rollback after which
-`auto` resumed the abandoned run. The store side of the fix is `fork`: one atomic record
+The failure it guards: a resume that deletes every checkpoint newer than the restore point,
+pinned ones included, where a SIGKILL during that deletion leaves half a rollback after which
+`auto` resumes the abandoned run. The store's answer is `fork`: one atomic record
 marks them abandoned; `auto`/`best`/`fastest` skip them; `step:N` restores them; retention
 and `gc` remove them only once the new timeline has committed past them, never pinned.
 """
@@ -28,8 +28,8 @@ T2 = Lineage(session="s2", timeline="t2", parent_step=4, parent_timeline="t1")
 
 def _save(store: CheckpointStore, step: int, lineage: Lineage, *, seed: int = 0, **kw: object) -> None:
     state = dataclasses.replace(tiny_state(seed + step, frozen=float(seed)), step=step)
-    store.save(state, SaveRequest(step=step, reason=f"{lineage.timeline}", lineage=lineage, signals={"loss": 1.0 / step},
-                                  **kw))  # type: ignore[arg-type]
+    store.save(state, SaveRequest(step=step, reason=f"{lineage.timeline}", lineage=lineage,
+                                  signals={"loss": 1.0 / step}, **kw))  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -57,8 +57,8 @@ print("done", flush=True)
 
 def _holder(root: Path, mode: str) -> tuple[subprocess.Popen[str], int | None]:
     """The first writer, and (mode "orphan") the pid of the child that inherited its open lock file."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode, str(Path(__file__).parent)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode, str(Path(__file__).parent)]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().split()
     assert line[:1] == ["ready"], line
@@ -168,7 +168,8 @@ def test_this_processs_earlier_writer_is_closed_and_replaced(tmp_path: Path, cap
         except StoreLockedError as e:
             print("refused:", e)
         """), str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert f"refused: task 'run' under {tmp_path} is being written by another session: pid {os.getpid()}" in probe.stdout
+    refused = f"refused: task 'run' under {tmp_path} is being written by another session: pid {os.getpid()}"
+    assert refused in probe.stdout
     info = save_state(second, tiny_state(2), reason="second")
     assert info is not None and [i.step for i in second.list()] == [2, 1]
     # A maintenance call of the same process does not close the run that writes the task.

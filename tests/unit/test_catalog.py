@@ -18,7 +18,8 @@ from hf_dynamic_ckpt.store.catalog import Catalog
 def _save(store: CheckpointStore, step: int, **kw: Any) -> CheckpointInfo:
     state = CheckpointState(step=step, weights={"w": torch.full((4,), float(step))},
                             optimizer={"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}, rng={"s": step})
-    info = save_state(store, state, reason=kw.pop("reason", "interval"), signals={"loss": 1.0 / step, "gpu_mem_percent": 40.0 + step}, **kw)
+    info = save_state(store, state, reason=kw.pop("reason", "interval"),
+                      signals={"loss": 1.0 / step, "gpu_mem_percent": 40.0 + step}, **kw)
     assert info is not None
     return info
 
@@ -54,8 +55,9 @@ def test_row_content_matches_the_save(tmp_path: Path) -> None:
     info = _save(store, 4, pinned=True, healthy=False, reason="loss_spike")
     (row,) = _rows(tmp_path)
     assert row == {"task_id": "run", "step": 4, "loss": 0.25, "gpu_mem_percent": 44.0, "save_time": info.save_time,
-                   "file_path": "run/step-4", "recovery_cost_ms": info.recovery_cost_ms, "tiers": "optimizer,state,weights",
-                   "bytes": info.bytes, "reason": "loss_spike", "healthy": 0, "pinned": 1, "status": "ok", "world_size": 1}
+                   "file_path": "run/step-4", "recovery_cost_ms": info.recovery_cost_ms,
+                   "tiers": "optimizer,state,weights", "bytes": info.bytes, "reason": "loss_spike", "healthy": 0,
+                   "pinned": 1, "status": "ok", "world_size": 1}
     assert info.bytes == sum(p.stat().st_size for p in Path(info.path).iterdir() if p.name != MANIFEST_NAME)
     assert info.recovery_cost_ms is not None and info.recovery_cost_ms > 0
     store.close()

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 def root(tmp_path: Path) -> Path:
     store = CheckpointStore(tmp_path, task_id="run")
     for step in (10, 20):
-        state = CheckpointState(step=step, weights={"w": torch.zeros(256, 8)}, optimizer={"state": {}, "param_groups": []},
-                                rng={"s": step})
+        state = CheckpointState(step=step, weights={"w": torch.zeros(256, 8)},
+                                optimizer={"state": {}, "param_groups": []}, rng={"s": step})
         save_state(store, state, reason="interval" if step == 10 else "loss_spike", signals={"loss": 2.5 / step},
                    debug_info=[{"step": s, "loss": 0.1 * s, "grad_norm": 1.0} for s in range(step - 3, step + 1)])
     store.pin("step:10")
@@ -33,15 +33,16 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_human_size() -> None:
-    assert [human_size(n) for n in (0, 1023, 1536, 5 * 1024**2, 3 * 1024**4)] == ["0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 TiB"]
+    assert [human_size(n) for n in (0, 1023, 1536, 5 * 1024**2, 3 * 1024**4)] == [
+        "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 TiB"]
 
 
 def test_ls_prints_a_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["TASK", "STEP", "REASON", "TIERS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"]
-    assert lines[1].split() == ["run", "20", "loss_spike", "optimizer,state,weights", *human_size(_bytes(root, 20)).split(),
-                                "0.125", "yes", "no", "ok"]
+    assert lines[1].split() == ["run", "20", "loss_spike", "optimizer,state,weights",
+                                *human_size(_bytes(root, 20)).split(), "0.125", "yes", "no", "ok"]
     assert lines[2].split()[:3] == ["run", "10", "interval"] and lines[2].split()[-3:] == ["yes", "yes", "ok"]
     assert len(lines) == 3
 
@@ -52,7 +53,7 @@ def _bytes(root: Path, step: int) -> int:
 
 
 def test_ls_empty_and_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A folder that holds no store is an error (issue 13: it used to print "no checkpoints" and exit 0),
+    # A folder that holds no store is an error (not "no checkpoints" with exit status 0),
     # and a command that only looks never creates a catalog there.
     for command in (["ls"], ["verify"], ["show", "auto"] and ["ls", "--all"]):
         assert main([command[0], str(tmp_path), *command[1:]]) == 2
@@ -133,7 +134,8 @@ def test_parser_is_extensible_and_runs_as_a_module(root: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli", "verify", str(root), "step:10"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.splitlines()[0] == "OK   run/step-10"
-    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli"], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli"], capture_output=True, text=True, env=env,
+                          timeout=120)
     assert proc.returncode == 2 and "COMMAND" in proc.stderr
 
 

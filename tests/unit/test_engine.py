@@ -119,7 +119,8 @@ def test_rng_captured_by_the_save_is_the_state_at_the_save_not_at_the_write(stor
 
     converted_on = []
     to_json = RawRngState.to_json
-    monkeypatch.setattr(RawRngState, "to_json", lambda self: converted_on.append(threading.get_ident()) or to_json(self))
+    monkeypatch.setattr(RawRngState, "to_json",
+                        lambda self: converted_on.append(threading.get_ident()) or to_json(self))
     model, opt, sched = _model()
     gated = _GatedSave(store)
     with SaveEngine(store, mode="thread") as engine:

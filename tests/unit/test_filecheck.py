@@ -52,7 +52,8 @@ def _file(tmp_path: Path, compression: str, tensors: dict[str, torch.Tensor] | N
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
-def test_right_checksum_reads_the_same_tensors(tmp_path: Path, compression: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_right_checksum_reads_the_same_tensors(tmp_path: Path, compression: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(filecheck, "HASH_CHUNK", 64 << 10)  # many hash updates, interleaved with the frames
     path = _file(tmp_path, compression)
     plain = read_tensor_file(path, copy=True, threads=2)
@@ -82,7 +83,8 @@ def test_wrong_checksum_of_a_file_without_frames(tmp_path: Path, compression: st
 
 def test_unknown_checksum_algorithm_is_a_corrupt_file(tmp_path: Path) -> None:
     path = _file(tmp_path, "zstd")
-    with pytest.raises(CorruptCheckpointError, match=re.escape(f"Tensor file {path}: Unknown checksum algorithm 'rot13'")):
+    unknown = re.escape(f"Tensor file {path}: Unknown checksum algorithm 'rot13'")
+    with pytest.raises(CorruptCheckpointError, match=unknown):
         read_tensor_file(path, checksum="rot13:abc")
 
 

@@ -99,7 +99,8 @@ def test_damaged_file_gives_documented_outcome(store: CheckpointStore, kind: str
     _damage(_file(store, kind), how)
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.run.restore")
     if outcome == "error":  # the shared blob of the frozen tensor is referenced by every checkpoint
-        with pytest.raises(CheckpointNotFoundError, match=r"no loadable checkpoint at or below step 2 of task 'run' \(tried steps 2, 1\)"):
+        with pytest.raises(CheckpointNotFoundError,
+                           match=r"no loadable checkpoint at or below step 2 of task 'run' \(tried steps 2, 1\)"):
             load_for_resume(store, "auto")
         return
     loaded = load_for_resume(store, "auto")
@@ -168,8 +169,8 @@ def test_checkpoint_without_optimizer_tier_warns(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, task_id="run")
     save_state(store, CheckpointState(step=3, weights={"w": torch.ones(2)}, rng={"a": 1}), reason="memory")
     loaded = load_for_resume(store, "auto")
-    assert loaded.warnings == ["resuming from weights only: optimizer state of step 3 is lost (the checkpoint was saved "
-                               "without it); the learning-rate schedule continues at step 3"]
+    assert loaded.warnings == ["resuming from weights only: optimizer state of step 3 is lost (the checkpoint was "
+                               "saved without it); the learning-rate schedule continues at step 3"]
     store.close()
 
 
@@ -201,5 +202,6 @@ def test_check_weights_message_lists_every_kind_of_mismatch() -> None:
 def test_check_weights_truncates_long_lists() -> None:
     with pytest.raises(IncompatibleStateError) as exc:
         check_weights({}, {f"k{i:02d}": torch.zeros(1) for i in range(13)})
-    assert "missing from the checkpoint (13): k00, k01, k02, k03, k04, k05, k06, k07, k08, k09, ... and 3 more." in str(exc.value)
+    assert ("missing from the checkpoint (13): k00, k01, k02, k03, k04, k05, k06, k07, k08, k09, ... and 3 more."
+            in str(exc.value))
     assert "unexpected" not in str(exc.value)

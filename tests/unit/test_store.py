@@ -82,8 +82,10 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, step:
 def _tiny_state(step: int, *, rng: bool = True) -> CheckpointState:
     g = torch.Generator().manual_seed(step)
     return CheckpointState(step=step, weights={"w": torch.randn(8, 4, generator=g)},
-                           optimizer={"state": {0: {"exp_avg": torch.randn(8, 4, generator=g)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
-                           scheduler={"last_epoch": step}, rng={"seed": step} if rng else None, sampler={"batches": step})
+                           optimizer={"state": {0: {"exp_avg": torch.randn(8, 4, generator=g)}},
+                                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+                           scheduler={"last_epoch": step}, rng={"seed": step} if rng else None,
+                           sampler={"batches": step})
 
 
 def _visible(directory: Path) -> list[str]:
@@ -333,7 +335,8 @@ def test_resolve_specs(store: CheckpointStore) -> None:
 
 
 def test_resolve_errors_for_paths_and_empty_store(store: CheckpointStore, tmp_path: Path) -> None:
-    with pytest.raises(CheckpointNotFoundError, match="no healthy committed checkpoint with weights; the store has no checkpoints"):
+    with pytest.raises(CheckpointNotFoundError,
+                       match="no healthy committed checkpoint with weights; the store has no checkpoints"):
         store.resolve("auto")
     plain = tmp_path / "plain"
     plain.mkdir()
@@ -428,7 +431,8 @@ def test_pin_and_delete(store: CheckpointStore) -> None:
 
 
 def test_concurrent_saves_from_threads_are_serialised(store: CheckpointStore) -> None:
-    threads = [threading.Thread(target=save_state, args=(store, _tiny_state(s)), kwargs={"reason": "t"}) for s in range(1, 7)]
+    threads = [threading.Thread(target=save_state, args=(store, _tiny_state(s)), kwargs={"reason": "t"})
+               for s in range(1, 7)]
     for t in threads:
         t.start()
     for t in threads:
@@ -448,7 +452,8 @@ def test_entries_are_verified_with_their_own_checksum_algorithm(store: Checkpoin
     manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
     problems = store.verify("step:1")
-    assert len(problems) == 1 and problems[0].startswith(f"{WEIGHTS_NAME} (tier weights): Unknown checksum algorithm 'crc99'")
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{WEIGHTS_NAME} (tier weights): Unknown checksum algorithm 'crc99'")
     assert store.load("step:1", tiers={Tier.STATE}).sampler == {"batches": 1}  # sha256 entry still verifies
 
 
@@ -528,8 +533,8 @@ def test_blob_collection_is_skipped_while_a_save_is_in_flight(tmp_path: Path) ->
     with writer.blobs.lock(shared=True):  # a save is in flight in the writer
         trainer.delete("step:1")
         assert len(list(blobs.iterdir())) == 2  # collection skipped, nothing pulled from under the save
-    save_state(trainer, CheckpointState(step=3, weights={"frozen": torch.full((64,), 2.0)}, dedup_keys=frozenset({"frozen"})),
-                 reason="r")
+    save_state(trainer, CheckpointState(step=3, weights={"frozen": torch.full((64,), 2.0)},
+                                        dedup_keys=frozenset({"frozen"})), reason="r")
     trainer.delete("step:3")  # no save in flight: the orphan of step 1 goes now
     assert len(list(blobs.iterdir())) == 1
     assert blobs.joinpath(f"{tensor_digest(torch.full((64,), 2.0))}.safetensors").exists()

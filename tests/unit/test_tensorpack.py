@@ -96,7 +96,8 @@ def test_plain_str_dicts_stay_plain_json() -> None:
 
 
 def test_tensor_names_are_paths_and_unique() -> None:
-    _, tensors = flatten_state({"state": {0: {"exp_avg": torch.ones(1)}}, "a/b": torch.ones(1), "a": {"b": torch.ones(1)}})
+    _, tensors = flatten_state({"state": {0: {"exp_avg": torch.ones(1)}}, "a/b": torch.ones(1),
+                                "a": {"b": torch.ones(1)}})
     assert list(tensors) == ["state/0/exp_avg", "a/b", "a/b#1"]
 
 
@@ -215,7 +216,8 @@ def test_byte_group_layout_and_inverse() -> None:
 
 
 def test_unsupported_dtype_and_layout_rejected(tmp_path: Path) -> None:
-    with pytest.raises(SaveError, match=r"Tensor 'q' has dtype torch.float8_e4m3fnuz, which the L1 container does not support"):
+    with pytest.raises(SaveError,
+                       match=r"Tensor 'q' has dtype torch.float8_e4m3fnuz, which the L1 container does not support"):
         write_tensor_file({"q": torch.zeros(2, dtype=torch.float8_e4m3fnuz)}, tmp_path / "x")
     with pytest.raises(SaveError, match=r"Tensor 's' has layout torch.sparse_coo"):
         write_tensor_file({"s": torch.eye(2).to_sparse()}, tmp_path / "x")
@@ -393,9 +395,10 @@ def test_other_container_versions_are_refused(tmp_path: Path) -> None:
     assert header["version"] == 3
     bad = tmp_path / "bad"
     bad.write_bytes(_build({**header, "version": 99}, frames))
-    with pytest.raises(FormatVersionError, match=r"has container version 99, this library reads versions 2 and 3: newer than"):
+    with pytest.raises(FormatVersionError,
+                       match=r"has container version 99, this library reads versions 2 and 3: newer than"):
         read_tensor_file(bad)
-    # A version-1 file as the previous library wrote it (one zstd frame, 16-byte footer):
+    # A version-1 file (one zstd frame, 16-byte footer):
     # its byte-grouping changed without a version bump, so it is refused, not guessed.
     import struct
     import zlib
@@ -406,10 +409,12 @@ def test_other_container_versions_are_refused(tmp_path: Path) -> None:
                      "total_bytes": 40, "group_chunk_elems": 4194304,
                      "tensors": [{"name": "a", "dtype": "float32", "shape": [10], "offset": 0, "nbytes": 40,
                                   "byte_grouped": True}]}).encode()
-    frame = zstandard.ZstdCompressor(write_checksum=True).compress(group(np.ones(10, np.float32).view(np.uint8), 4).tobytes())
+    planes = group(np.ones(10, np.float32).view(np.uint8), 4).tobytes()
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(planes)
     bad.write_bytes(b"HFDCTP01" + struct.pack("<Q", len(h1)) + h1 + struct.pack("<I", zlib.crc32(h1)) + frame
                     + struct.pack("<Q", len(frame)) + b"HFDCTEND")
-    with pytest.raises(FormatVersionError, match=r"container version 1, this library reads versions 2 and 3: an older layout"):
+    with pytest.raises(FormatVersionError,
+                       match=r"container version 1, this library reads versions 2 and 3: an older layout"):
         read_tensor_file(bad)
 
 

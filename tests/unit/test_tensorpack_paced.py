@@ -1,4 +1,4 @@
-"""A paced L1 write: no faster than the disk, and no slower either (issue 15, goal 4).
+"""A paced L1 write: no faster than the disk, and no slower either.
 
 `HashingWriter(paced=True)` waits, after each writeback request, for the bytes
 `PACE_WINDOW` behind the end to be on disk, and records whether that wait blocked. While it
@@ -297,8 +297,8 @@ def test_the_store_remembers_across_saves_whether_to_group(tmp_path: Path, monke
     moments = {"exp_avg": torch.randn(512, 512, generator=g), "exp_avg_sq": torch.rand(512, 512, generator=g) * 1e-6}
     optimizer = {"state": {0: {"step": torch.tensor(1.0), **moments}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
     store = CheckpointStore(tmp_path / "s")
-    files = [Path(save_state(store, CheckpointState(step=step, optimizer=optimizer), reason="test").path) / OPTIMIZER_NAME
-             for step in (1, 2)]
+    files = [Path(save_state(store, CheckpointState(step=step, optimizer=optimizer), reason="test").path)
+             / OPTIMIZER_NAME for step in (1, 2)]
     assert store.task.l1_pace.group is False  # the simulated disk never held a write up
     names = [e["name"] for e in read_header(files[0])[0]["tensors"]]
     big = [i for i, name in enumerate(names) if name.endswith(("exp_avg", "exp_avg_sq"))]
@@ -329,7 +329,8 @@ def _save(store, step: int):  # type: ignore[no-untyped-def]
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
-    return save_state(store, CheckpointState(step=step, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
+    state = CheckpointState(step=step, weights=model.state_dict(), optimizer=opt.state_dict())
+    return save_state(store, state, reason="test")
 
 
 def test_the_store_paces_a_local_l1_write_unless_told_not_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -77,10 +77,12 @@ def _every_dtype() -> dict[str, torch.Tensor]:
         "f32": torch.randn(70_000, generator=g), "bf16": torch.randn(90_000, generator=g).bfloat16(),
         "f16": torch.randn(90_000, generator=g).half(), "f64": torch.randn(40_000, generator=g).double(),
         "i64": torch.randint(-(2**40), 2**40, (5000,), generator=g), "i32": torch.arange(30_000, dtype=torch.int32),
-        "i16": torch.randint(-300, 300, (7, 9), generator=g).short(), "i8": torch.randint(-100, 100, (33,), generator=g).to(torch.int8),
-        "u8": torch.randint(0, 256, (100_000,), generator=g).to(torch.uint8), "bool": torch.rand(999, generator=g) > 0.5,
-        "zero_dim": torch.tensor(3.5), "zero_dim_int": torch.tensor(7), "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
-        "empty_f32": torch.zeros(0), "zeros": torch.zeros(300_000), "special": torch.tensor([float("nan"), float("inf"), -0.0]),
+        "i16": torch.randint(-300, 300, (7, 9), generator=g).short(),
+        "i8": torch.randint(-100, 100, (33,), generator=g).to(torch.int8),
+        "u8": torch.randint(0, 256, (100_000,), generator=g).to(torch.uint8),
+        "bool": torch.rand(999, generator=g) > 0.5, "zero_dim": torch.tensor(3.5), "zero_dim_int": torch.tensor(7),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16), "empty_f32": torch.zeros(0), "zeros": torch.zeros(300_000),
+        "special": torch.tensor([float("nan"), float("inf"), -0.0]),
         "non_contiguous": torch.randn(300, 200, generator=g).t(),
     }
     return out
@@ -206,7 +208,8 @@ def test_flipped_byte_in_a_raw_or_zstd_part(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("parts", "message"), [
-    ([(1, 32768 * 10 + 1, b"\x00" * 10)], r"frame 0, part 0: kind 1, 327681 raw bytes in 10 stored bytes is not a valid part"),
+    ([(1, 32768 * 10 + 1, b"\x00" * 10)],
+     r"frame 0, part 0: kind 1, 327681 raw bytes in 10 stored bytes is not a valid part"),
     ([(0, 11, b"\x00" * 10)], r"frame 0, part 0: kind 0, 11 raw bytes in 10 stored bytes is not a valid part"),
     ([(2, 10, b"\x00" * 10)], r"part 0: kind 2, 10 raw bytes"),
     ([(0, 16, b"\x00" * 16)], r"frame 0 declares 16 bytes, the header 400"),
@@ -279,8 +282,11 @@ def test_v2_fixture_made_by_code_reads_back(tmp_path: Path) -> None:
     grouped = group(a.view(torch.uint8).numpy(), 4).tobytes() + _bytes(ids)
     header = {"format": "hf_dynamic_ckpt.tensorpack", "version": 2, "codec": "zstd", "level": 3, "total_bytes": 88,
               "group_chunk_elems": 1 << 22, "frame_bytes": 16 << 20,
-              "tensors": [{"name": "a", "dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48, "byte_grouped": True},
-                          {"name": "ids", "dtype": "int64", "shape": [5], "offset": 48, "nbytes": 40, "byte_grouped": False}]}
+              "tensors": [{"name": "a", "dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48,
+                           "byte_grouped": True},
+                          {"name": "ids", "dtype": "int64", "shape": [5], "offset": 48, "nbytes": 40,
+                           "byte_grouped": False}]}
+
     frame = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(grouped)
     path = tmp_path / "v2.bin"
     path.write_bytes(_build(header, [frame]))
@@ -314,10 +320,12 @@ def test_store_load_of_l1_is_bit_exact_for_v3_and_for_a_store_written_as_v2(
     from hf_dynamic_ckpt.store.types import CheckpointState
 
     model, opt = _trained()
-    if version == 2:  # what the previous library wrote
+    if version == 2:  # a store whose L1 files are version 2
         monkeypatch.setattr(tp, "write_tensor_file", write_v2)
     store = CheckpointStore(tmp_path / "store", session_id="a")
-    info = save_state(store, CheckpointState(step=2, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
+    state = CheckpointState(step=2, weights=model.state_dict(), optimizer=opt.state_dict())
+    info = save_state(store, state, reason="test")
+
     store.close()
     monkeypatch.undo()
     assert read_header(Path(info.path) / OPTIMIZER_NAME)[0]["version"] == version
