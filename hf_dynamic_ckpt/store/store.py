@@ -191,8 +191,7 @@ class CheckpointStore:
                                self.root / CATALOG_NAME, e)
                 memory = True
         self.catalog = Catalog.in_memory() if memory else catalog
-        self.task = Task(spec, self.fs, self.catalog, read_only=memory)
-        self.task.remote = self.remote
+        self.task = Task(spec, self.fs, self.catalog, read_only=memory, remote=self.remote)
         self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
         self._writer.closer = self.close
         self._lookup = Lookup(self.task)

@@ -73,9 +73,11 @@ class Task:
         fs (`LocalFS`): the storage seam rooted at the store root.
         catalog (`Catalog`): the index (a file, or in memory for read-only stores).
         read_only (`bool`): never write to the catalog file either.
+        remote (`Remote`, *optional*): the object-store copy of the task when the root is a URL.
     """
 
-    def __init__(self, spec: StoreSpec, fs: LocalFS, catalog: Catalog, *, read_only: bool) -> None:
+    def __init__(self, spec: StoreSpec, fs: LocalFS, catalog: Catalog, *, read_only: bool,
+                 remote: Remote | None = None) -> None:
         self.spec = spec
         self.fs = fs
         self.catalog = catalog
@@ -87,7 +89,7 @@ class Task:
         self.timelines = Timelines(self.dir, fs)
         self.abort_reason: str | None = None
         """Set by `CheckpointStore.abort`: rank 0 stops waiting for other ranks' files."""
-        self.remote: Remote | None = None
+        self.remote = remote
         """The object-store copy of the task when the root is a URL (`remote_sync` keeps them in step)."""
         self.l1_pace = PaceMemory()
         """What the last paced L1 writes learnt about this disk (`write_tensor_file(pace=...)`)."""
