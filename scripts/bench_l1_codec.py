@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Does the L1 (optimizer) tier keep up with the disk? Container v3 vs v2, plain zstd and the disk floor.
+"""Does the L1 (optimizer) tier keep up with the disk? The store writer vs plain zstd and the disk floor.
 
 The state: AdamW after 3 steps of a ~60M-parameter Qwen2 (hidden 512, 8 layers, vocab
 32000; the model of `bench_store.py`), flattened as the store does (`flatten_state`), about
@@ -16,14 +16,13 @@ is shared):
   compresses compressed, the smallest file); the same with zstd's own
   level-1 match finder (to justify `tensorpack_codec.compression_params`); each level of
   `--levels` other than 1;
-- the previous store writer (container v2: every frame one zstd frame, level 1,
-  byte-grouped) and plain zstd level 1 (v2, no byte grouping);
-- reads (`read_tensor_file`, all threads, every byte touched, page cache warm) of the v3
-  and v2 files.
+- plain zstd level 1 (no byte grouping, not paced, 2 threads);
+- reads (`read_tensor_file`, all threads, every byte touched, page cache warm) of the store
+  writer's file and of the plain zstd one.
 
 Printed: wall ms, raw MiB/s and its ratio to the disk floor (goal >= 1), raw MiB per
-CPU-second of this process, size and its ratio to v2's; read ms and v3's read speed
-relative to v2's (goal >= 1).
+CPU-second of this process, size and its ratio to plain zstd's; read ms and the read speed
+relative to plain zstd's.
 
 Run:  python scripts/bench_l1_codec.py [--dir DIR] [--threads 1,2] [--levels 3] [--repeats 3]
 """
@@ -45,13 +44,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.store import tensorpack_codec
-from hf_dynamic_ckpt.store.checksum import fsync_file
-from hf_dynamic_ckpt.store.tensorpack import flatten_state, read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.store.fs import fsync_file
+from hf_dynamic_ckpt.store.statetree import flatten_state
+from hf_dynamic_ckpt.store.tensorpack import read_tensor_file, write_tensor_file
 from hf_dynamic_ckpt.store.tensorpack_codec import PaceMemory
 
 MiB = 1 << 20
 FLOOR = "raw write + fsync (disk floor)"
-V2 = "v2 (previous writer): zstd level 1, byte-grouped, 2 threads"
+PLAIN = "plain zstd level 1 (no byte grouping), 2 threads"
 
 
 def _optimizer_state() -> dict[str, torch.Tensor]:
@@ -140,12 +140,10 @@ def main() -> None:
     cases["v3, level 1 with zstd's own match finder, 2 threads"] = v3(1, 2, finder=True)
     for level in (int(x) for x in args.levels.split(",") if x):
         cases[f"v3, level {level}, 2 threads"] = v3(level, 2)
-    cases[V2] = lambda path: write_tensor_file(tensors, path, level=1, threads=2, container_version=2)
-    cases["plain zstd level 1 (v2, no byte grouping), 2 threads"] = (
-        lambda path: write_tensor_file(tensors, path, level=1, threads=2, byte_group=False, container_version=2))
+    cases[PLAIN] = lambda path: write_tensor_file(tensors, path, level=1, threads=2, byte_group=False)
     best: dict[str, tuple[float, float, int]] = {}
     reads: dict[str, tuple[float, float]] = {}
-    v3_file, v2_file = scratch / "v3.bin", scratch / "v2.bin"
+    v3_file, plain_file = scratch / "v3.bin", scratch / "plain.bin"
     try:
         for _ in range(args.repeats):
             for name, fn in cases.items():
@@ -156,13 +154,13 @@ def main() -> None:
                 if name not in best or wall < best[name][0]:
                     best[name] = (wall, used, size)
         write_tensor_file(tensors, v3_file, level=1, threads=0)
-        write_tensor_file(tensors, v2_file, level=1, threads=0, container_version=2)
+        write_tensor_file(tensors, plain_file, level=1, threads=0, byte_group=False)
         back = read_tensor_file(v3_file)
         assert all(torch.equal(back[k].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
                    for k, t in tensors.items()), "v3 round trip is not bit-exact"
         del back
         for _ in range(args.repeats):
-            for name, path in (("v3", v3_file), ("v2", v2_file)):
+            for name, path in (("store writer", v3_file), ("plain zstd", plain_file)):
                 wall, used = _timed(lambda path=path: _touch(read_tensor_file(path)))
                 if name not in reads or wall < reads[name][0]:
                     reads[name] = (wall, used)
@@ -171,24 +169,24 @@ def main() -> None:
             f.unlink()
         scratch.rmdir()
     disk = raw / MiB / best[FLOOR][0]
-    v2_size = best[V2][2]
+    plain_size = best[PLAIN][2]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {raw / MiB:.0f} MiB of AdamW state, best of "
           f"{args.repeats}, load average {os.getloadavg()[0]:.1f}")
-    print("| write | wall ms | raw MiB/s (x disk floor) | MiB per CPU-s | size MiB (x raw; x v2) |")
+    print("| write | wall ms | raw MiB/s (x disk floor) | MiB per CPU-s | size MiB (x raw; x plain zstd) |")
     print("|---|---|---|---|---|")
     for name, (wall, used, size) in best.items():
         speed = raw / MiB / wall
         print(f"| {name} | {1e3 * wall:.0f} | {speed:.0f} ({speed / disk:.2f}x) | "
-              f"{raw / MiB / max(used, 1e-9):.0f} | {size / MiB:.1f} ({size / raw:.3f}; {size / v2_size:.3f}) |")
+              f"{raw / MiB / max(used, 1e-9):.0f} | {size / MiB:.1f} ({size / raw:.3f}; {size / plain_size:.3f}) |")
     for threads, flags in grouped_later.items():
         print(f"later writes, {threads} thread(s): byte-grouped in {sum(flags)} of {len(flags)} timed writes")
     print()
-    print("| read (all threads, every byte touched, warm cache) | wall ms | raw MiB/s | MiB per CPU-s | "
-          "v3 speed / v2 |")
+    print("| read (all threads, every byte touched, warm cache) | wall ms | raw MiB/s | MiB per CPU-s "
+          "| speed / plain zstd |")
     print("|---|---|---|---|---|")
     for name, (wall, used) in reads.items():
         print(f"| {name} | {1e3 * wall:.0f} | {raw / MiB / wall:.0f} | {raw / MiB / max(used, 1e-9):.0f} | "
-              f"{reads['v2'][0] / wall:.2f}x |")
+              f"{reads['plain zstd'][0] / wall:.2f}x |")
 
 
 if __name__ == "__main__":

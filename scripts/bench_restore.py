@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_dynamic_ckpt.constants import Tier
 from hf_dynamic_ckpt.run.restore import load_for_resume
 from hf_dynamic_ckpt.state.rng import capture_rng_state
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
-from hf_dynamic_ckpt.store.checksum import fsync_file
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 from hf_dynamic_ckpt.store.commit import write_rank_files
+from hf_dynamic_ckpt.store.fs import fsync_file
 
 
 def build_and_train(layers: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
@@ -122,7 +122,8 @@ def main() -> None:
         counter = iter(range(10**6))
 
         def ours_save() -> None:
-            store.save(CheckpointState(**{**state.__dict__, "step": next(counter)}), reason="bench")
+            step = next(counter)
+            store.save(CheckpointState(**{**state.__dict__, "step": step}), SaveRequest(step=step, reason="bench"))
 
         def formats_only() -> None:
             d = Path(tmp) / f"formats-{next(counter)}"
@@ -170,8 +171,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     bw, bc = warm["torch.load(weights_only) full (baseline)"][0], cold["torch.load(weights_only) full (baseline)"][0]
     for name in cases:
-        print(f"| {name} | {warm[name][0]:.3f} | {warm[name][0] / bw:.2f}x | "
-              f"{cold[name][0]:.3f} | {cold[name][0] / bc:.2f}x |")
+        print(f"| {name} | {warm[name][0]:.3f} | {warm[name][0] / bw:.2f}x | {cold[name][0]:.3f} | "
+              f"{cold[name][0] / bc:.2f}x |")
     print()
     print(f"catalog recovery_cost_ms (estimate): {info.recovery_cost_ms:.0f} ms; measured cold full load: "
           f"{1000 * cold['store.load L0+L1+L2 (verified)'][0]:.0f} ms, "

@@ -13,7 +13,7 @@ AdamW on random tokens, so the optimizer state is real. Then, in one process:
 - Methods are run round-robin and the best of N rounds is reported (with the median): the
   development machine shares 2 CPUs with other jobs, and the best time is the one least
   disturbed by them.
-- L1: optimizer state (`flatten_state`) written with `write_tensor_file` (container v2:
+- L1: optimizer state (`flatten_state`) written with `write_tensor_file` (container v3:
   independent zstd frames decoded in parallel): byte-grouped zstd (ours) vs plain zstd on the
   raw bytes (same container, `byte_group=False`) vs a raw write of the bytes (the floor), ours
   at zstd level 1, ours read with one decode thread, and the opt-in uncompressed container
@@ -42,13 +42,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_dynamic_ckpt.store.checksum import file_checksum, fsync_file
-from hf_dynamic_ckpt.store.tensorpack import (
-    flatten_state,
-    read_tensor_file,
-    resolve_threads,
-    write_tensor_file,
-)
+from hf_dynamic_ckpt.store.fs import fsync_file
+from hf_dynamic_ckpt.store.hashing import file_checksum
+from hf_dynamic_ckpt.store.parallel import resolve_threads
+from hf_dynamic_ckpt.store.statetree import flatten_state
+from hf_dynamic_ckpt.store.tensorpack import read_tensor_file, write_tensor_file
 from hf_dynamic_ckpt.store.weights import load_weights, save_weights
 
 
@@ -239,8 +237,8 @@ def l1_tables(opt: torch.optim.Optimizer, scratch: Path, r: int, mb: int, thread
         for key, (name, path) in labels.items():
             size, (w, _, wc), (rd, _, rc) = path.stat().st_size, writes[key], reads[key]
             print(f"{name:<34}{size / mb:>7.1f}{nbytes / size:>7.3f}{size / s_plain:>7.3f}x{w:>8.3f}"
-                  f"{nbytes / mb / w:>7.0f}{nbytes / mb / wc:>10.0f}{rd:>8.3f}"
-                  f"{nbytes / mb / rd:>7.0f}{nbytes / mb / rc:>10.0f}")
+                  f"{nbytes / mb / w:>7.0f}{nbytes / mb / wc:>10.0f}{rd:>8.3f}{nbytes / mb / rd:>7.0f}"
+                  f"{nbytes / mb / rc:>10.0f}")
         for p in (f_none, f_plain, f_ours, f_l1, f_map):
             p.unlink()
     del structure

@@ -1,4 +1,5 @@
-"""Comparisons the tests share: bit-exact tensors and deep state equality (one copy, not five).
+"""What the tests share: bit-exact tensors and deep state equality (one copy, not five), `save_state`, and
+helpers for subprocess workers.
 
 `tests/conftest.py` puts this directory on `sys.path`, so test modules at any depth use
 ``from helpers import bit_equal, assert_identical``.
@@ -95,3 +96,12 @@ def read_loss_log(path: Path, key: str = "step") -> tuple[int | None, dict[int, 
     """A worker's JSONL loss log: (the step it resumed from, {step: record} for records holding `key`)."""
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     return lines[0]["resumed_from"], {d["step"]: d for d in lines[1:] if key in d}
+
+
+def save_state(store: Any, state: Any, *, reason: str, replace: bool = False, **fields: Any) -> Any:
+    """`store.save(state, request)` with a `SaveRequest` of the state's step, epoch and tiers and `reason`; `fields`
+    are the request's other fields (`pinned`, `healthy`, `signals`, `debug_info`, ...)."""
+    from hf_dynamic_ckpt.store import SaveRequest
+
+    request = SaveRequest(step=int(state.step), epoch=state.epoch, tiers=state.tiers, reason=reason, **fields)
+    return store.save(state, request, replace=replace)

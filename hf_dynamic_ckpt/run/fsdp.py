@@ -1,13 +1,13 @@
 """The run's FSDP2 seams: what a rank saves (`sources_for`) and the sharded resume (DCP, `load_sharded`).
 
 `sources_for` gives every rank of a sharded (`fully_shard`) model its own shards of L0 and L1
-(`state.sharded.ShardedState`), and keeps rank 0 the only writer of L0/L1 otherwise (DDP).
+(`state.shards.ShardedState`), and keeps rank 0 the only writer of L0/L1 otherwise (DDP).
 
 `restore.plan_resume` verifies the checkpoint on every rank (each shard file's size and checksum,
 the model check against the global shapes) and agrees on it; then every rank calls
 `load_sharded` (a collective: DCP's load plans are exchanged) before `RunOrchestrator.apply`. The
 state dicts come from DCP's
-`get_state_dict` / `set_state_dict` (`StateDictOptions`), the chunks from `store.sharded`'s
+`get_state_dict` / `set_state_dict` (`StateDictOptions`), the chunks from `store.shard_files`'s
 `StorageReader` over the JSON chunk table, and DCP's `DefaultLoadPlanner` maps the saved chunks
 onto this run's shards: the same world size reads its own files back, another one reshards.
 """
@@ -26,7 +26,7 @@ from ..constants import ALL_TIERS, Tier
 from ..errors import IncompatibleStateError
 from ..state import CachedWeights, StateSources, trainable_state_dict
 from ..state.shards import PART_OPTIMIZER, PART_WEIGHTS, ShardedState, is_sharded_model, sharded_sources
-from ..store.sharded import make_reader, sharded_table
+from ..store.shard_files import make_reader, sharded_table
 from ..store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)

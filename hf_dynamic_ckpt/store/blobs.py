@@ -32,8 +32,8 @@ import torch
 
 from ..constants import BLOBS_LOCK_NAME, TMP_MARKER
 from ..errors import CorruptCheckpointError, SaveError
-from .checksum import new_hasher
 from .fs import LocalFS
+from .hashing import new_hasher
 from .safetensors_io import (
     check_tensor,
     dtype_name,
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 BLOB_SUFFIX = ".safetensors"
 BLOB_TENSOR_NAME = "tensor"
-DIGEST_ALGO = "sha256"  # content addresses: collision resistance matters (see checksum.py)
+DIGEST_ALGO = "sha256"  # content addresses: collision resistance matters (see hashing.py)
 _BASE_METADATA = {"format": "pt"}
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 

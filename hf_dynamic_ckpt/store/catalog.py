@@ -169,7 +169,8 @@ class Catalog:
             if self.memory:  # pragma: no cover - an in-memory database is never damaged
                 raise
             aside = self.path.with_name(f"{self.path.name}.unusable-{int(time.time())}")
-            logger.warning("catalog %s is unusable (%s); moved to %s and rebuilt from the manifests", self.path, e, aside)
+            logger.warning("catalog %s is unusable (%s); moved to %s and rebuilt from the manifests", self.path, e,
+                           aside)
             os.replace(self.path, aside)
             for suffix in ("-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
@@ -262,7 +263,8 @@ class Catalog:
         """Insert or replace the row of ``(info.task_id, info.step)`` and its details, in one transaction."""
         self.upsert_many([info], root=root, sigs={(info.task_id, info.step): sig})
 
-    def upsert_many(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str], sigs: Sigs | None = None) -> None:
+    def upsert_many(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str],
+                    sigs: Sigs | None = None) -> None:
         """`upsert` of several rows in one transaction."""
         infos = list(infos)
         updates = ", ".join(f"{c}=excluded.{c}" for c in COLUMNS if c not in ("task_id", "step"))
@@ -298,17 +300,6 @@ class Catalog:
             raise ValueError(f"status={status!r} is invalid: expected one of {STATUSES}.")
         with self._lock:
             self._db().execute("UPDATE checkpoints SET status=? WHERE task_id=? AND step=?", (status, task_id, step))
-
-    def set_pinned(self, task_id: str, step: int, pinned: bool) -> None:
-        with self._lock:
-            self._db().execute("UPDATE checkpoints SET pinned=? WHERE task_id=? AND step=?", (int(pinned), task_id, step))
-
-    def set_abandoned(self, task_id: str, steps: Iterable[int], abandoned: bool = True) -> None:
-        """Mirror of the timelines record (the record is the truth; this is for SQL readers)."""
-        steps = list(steps)
-        self._transaction(lambda db: db.executemany(
-            "UPDATE checkpoint_details SET abandoned=? WHERE task_id=? AND step=?",
-            [(int(abandoned), task_id, s) for s in steps]))
 
     def remove(self, task_id: str, step: int) -> None:
         def work(db: sqlite3.Connection) -> None:
@@ -371,8 +362,8 @@ class Catalog:
     def _detail_values(info: CheckpointInfo, sigs: Sigs | None) -> tuple[Any, ...]:
         lineage = json.dumps(info.lineage.to_dict(), sort_keys=True) if info.lineage is not None else None
         sig = (sigs or {}).get((info.task_id, info.step))
-        return (info.task_id, int(info.step), json.dumps(dict(info.blobs), sort_keys=True), lineage, int(info.abandoned),
-                sig)
+        return (info.task_id, int(info.step), json.dumps(dict(info.blobs), sort_keys=True), lineage,
+                int(info.abandoned), sig)
 
     @staticmethod
     def to_info(row: dict[str, Any], *, root: str | os.PathLike[str], abandoned: bool | None = None) -> CheckpointInfo:

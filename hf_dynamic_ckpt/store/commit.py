@@ -50,9 +50,9 @@ from ..errors import (
 from ..jsonutil import json_safe
 from . import manifest as mf
 from .blobs import BlobStore
-from .checksum import FileEntry
+from .hashing import FileEntry
 from .layout import L1_PARTS, info_from_manifest, read_json, write_json
-from .sharded import sharded_extra, write_shards
+from .shard_files import sharded_extra, write_shards
 from .spec import Codec, SaveRequest
 from .task import Task
 from .tensorpack_codec import PaceMemory
@@ -66,7 +66,8 @@ _POLL_S = 0.02
 
 def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir: BlobStore | Path, level: int,
                      threads: int, compression: Codec | str = Codec.ZSTD,
-                     paced: bool = False, pace: PaceMemory | None = None) -> tuple[dict[str, FileEntry], dict[str, Any]]:
+                     paced: bool = False,
+                     pace: PaceMemory | None = None) -> tuple[dict[str, FileEntry], dict[str, Any]]:
     """Write this rank's share of a checkpoint (rank 0: L0, L1, sampler; every rank: its RNG).
 
     `paced`: L1 written no faster than the disk, slowly compressing parts raw while it waits (`write_tensor_file`;
@@ -92,7 +93,8 @@ def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir:
             entry = write_tensor_file(tensors, tmp / OPTIMIZER_NAME, level=level, threads=threads,
                                       compression=compression, paced=paced, pace=pace)
             files[OPTIMIZER_NAME] = {**entry, KEY_TIER: Tier.OPTIMIZER.value, KEY_RANK: None}
-            files[OPTIMIZER_META_NAME] = write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER, rank=None)
+            files[OPTIMIZER_META_NAME] = write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER,
+                                                    rank=None)
         if state.sampler is not None:
             files[SAMPLER_NAME] = write_json(tmp / SAMPLER_NAME, json_safe(state.sampler), tier=Tier.STATE, rank=None)
     if state.rng is not None:
@@ -106,7 +108,7 @@ def write_done(task: Task, tmp: Path, *, files: Mapping[str, FileEntry], blobs: 
                tiers: Iterable[Tier], sharded: Mapping[str, Any] | None = None) -> None:
     """Publish this rank's entries atomically (write + fsync + rename), after its files are durable.
 
-    `sharded`: this rank's chunk table of a sharded (FSDP2) save (`store.sharded`), merged by rank 0.
+    `sharded`: this rank's chunk table of a sharded (FSDP2) save (`shard_files`), merged by rank 0.
     """
     rank = task.spec.rank
     task.fs.fsync_dir(tmp)
@@ -122,7 +124,8 @@ def write_done(task: Task, tmp: Path, *, files: Mapping[str, FileEntry], blobs: 
     task.fs.fsync_dir(tmp)
 
 
-def wait_for_ranks(task: Task, tmp: Path, *, step: int, cancel: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+def wait_for_ranks(task: Task, tmp: Path, *, step: int,
+                   cancel: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
     """Rank 0: poll until every rank's done file is there; return their contents by rank.
 
     Raises:
@@ -180,7 +183,8 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int, cancel: Callable[[], boo
     return parts
 
 
-def merge_rank_parts(task: Task, tmp: Path, parts: list[dict[str, Any]]) -> tuple[dict[str, FileEntry], dict[str, Any], set[Tier]]:
+def merge_rank_parts(task: Task, tmp: Path,
+                     parts: list[dict[str, Any]]) -> tuple[dict[str, FileEntry], dict[str, Any], set[Tier]]:
     """Union of the ranks' entries; removes the done files, which have served their purpose."""
     files: dict[str, FileEntry] = {}
     blobs: dict[str, Any] = {}
@@ -191,24 +195,6 @@ def merge_rank_parts(task: Task, tmp: Path, parts: list[dict[str, Any]]) -> tupl
         tiers.update(Tier(t) for t in part["tiers"])
         task.fs.unlink(tmp / RANK_DONE_TEMPLATE.format(rank=int(part["rank"])))
     return files, blobs, tiers
-
-
-def request_for(state: CheckpointState, request: SaveRequest | None, legacy: Mapping[str, Any]) -> SaveRequest:
-    """The request of a save: `request`, or one built from the round-1 keywords (a thin shim)."""
-    step = int(state.step)
-    if request is None:
-        unknown = set(legacy) - {"reason", "pinned", "healthy", "signals", "debug_info"}
-        if unknown or "reason" not in legacy:
-            raise TypeError(f"save() takes a SaveRequest (or the keywords reason=, pinned=, healthy=, signals=, "
-                            f"debug_info=); got {sorted(legacy)}.")
-        request = SaveRequest(step=step, epoch=state.epoch, tiers=state.tiers, reason=str(legacy["reason"]),
-                              pinned=bool(legacy.get("pinned", False)), healthy=bool(legacy.get("healthy", True)),
-                              signals=legacy.get("signals"), debug_info=tuple(legacy.get("debug_info") or ()))
-    elif legacy:
-        raise TypeError(f"save() got a SaveRequest and the keywords {sorted(legacy)}; put them in the request.")
-    if request.step != step:
-        raise SaveError(f"SaveRequest.step={request.step} differs from the state's step {step}; pass the same step.")
-    return request
 
 
 def existing(task: Task, request: SaveRequest, *, replace: bool) -> CheckpointInfo | bool | None:

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 
 from ..errors import CorruptCheckpointError
-from .checksum import _CHUNK, _Hasher, checksum_algo, file_checksum, format_checksum, new_hasher
+from .hashing import HASH_CHUNK, Hasher, checksum_algo, file_checksum, format_checksum, new_hasher
 
 
 class WholeFileCheck:
@@ -54,12 +54,12 @@ class WholeFileCheck:
 
     def _run(self) -> None:
         try:
-            for start in range(0, self._view.nbytes, _CHUNK):
+            for start in range(0, self._view.nbytes, HASH_CHUNK):
                 if self._stop:
                     return
-                self._hasher.update(self._view[start : start + _CHUNK])
+                self._hasher.update(self._view[start : start + HASH_CHUNK])
                 if self._release is not None:
-                    self._release(start, start + _CHUNK)
+                    self._release(start, start + HASH_CHUNK)
         except BaseException as e:  # reported by result()
             self._error = e
 
@@ -109,7 +109,7 @@ class MappedFile:
         self._mm.close()
 
 
-def _hasher_for(expected: str, what: str) -> _Hasher:
+def _hasher_for(expected: str, what: str) -> Hasher:
     try:
         return new_hasher(checksum_algo(expected))
     except ValueError as e:

@@ -9,8 +9,9 @@ followed: files are opened with ``O_NOFOLLOW``, directories are tested with `os.
 name read from a manifest, and no link planted in the store, can make the store delete or
 overwrite a file outside it.
 
-Reads (`open_read`, `read_bytes`, `lstat`, `listdir`) may look at a checkpoint the user
-names by path outside the root, but never through a link in its last component.
+Reads (`open_read`, `read_bytes`, `read_exact`, `lstat`, `listdir`) may look at a checkpoint the
+user names by path outside the root, but never through a link in its last component. `fsync_file`
+and `fsync_dir` make what was written durable.
 
 `LocalFS` is the only implementation today; an object-storage implementation (fsspec)
 provides the same methods.
@@ -24,13 +25,52 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from ..errors import CorruptCheckpointError, UnsafePathError
-from .checksum import fsync_dir
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class SyncableFile(Protocol):
+    """An open file object `fsync_file` can flush and sync (a file, or a `HashingWriter` around one)."""
+
+    def flush(self) -> None: ...
+
+    def fileno(self) -> int: ...
+
+
+def fsync_file(f: SyncableFile | str | os.PathLike[str]) -> None:
+    """Flushes and fsyncs an open file object, or opens `path` and fsyncs it."""
+    if isinstance(f, (str, os.PathLike)):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Fsyncs a directory so that entries created or renamed in it are durable."""
+    fd = os.open(Path(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_exact(f: Any, view: memoryview, error: str) -> None:
+    """Fills `view` from `f.readinto`, raising `CorruptCheckpointError(error)` on a short read."""
+    got = 0
+    while got < view.nbytes:
+        n = f.readinto(view[got:])
+        if not n:
+            raise CorruptCheckpointError(error)
+        got += n
 
 
 def open_read(path: str | os.PathLike[str]) -> BinaryIO:
@@ -106,8 +146,8 @@ def read_bytes(path: str | os.PathLike[str], *, limit: int) -> bytes:
     with open_read(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
-            raise CorruptCheckpointError(f"{path} has {size} bytes, more than the {limit} a file of this kind may have; "
-                                         "the checkpoint is damaged or was not written by hf_dynamic_ckpt.")
+            raise CorruptCheckpointError(f"{path} has {size} bytes, more than the {limit} a file of this kind may "
+                                         "have; the checkpoint is damaged or was not written by hf_dynamic_ckpt.")
         return f.read(limit + 1)
 
 

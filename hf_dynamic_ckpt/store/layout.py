@@ -43,7 +43,7 @@ from . import fs
 from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_OK
-from .checksum import FileEntry, checksum_algo, file_checksum, new_hasher
+from .hashing import FileEntry, checksum_algo, file_checksum, new_hasher
 from .spec import Lineage
 from .types import CheckpointInfo, LoadedCheckpoint
 
@@ -62,7 +62,8 @@ def write_json(path: Path, obj: Any, *, tier: Tier, rank: int | None) -> FileEnt
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {KEY_SIZE: len(data), KEY_CHECKSUM: f"{hasher.name}:{hasher.hexdigest()}", KEY_TIER: tier.value, KEY_RANK: rank}
+    return {KEY_SIZE: len(data), KEY_CHECKSUM: f"{hasher.name}:{hasher.hexdigest()}", KEY_TIER: tier.value,
+            KEY_RANK: rank}
 
 
 def read_json(path: Path) -> Any:
@@ -129,7 +130,8 @@ def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[
     for name in names:
         entry = files[name]
         path = directory / name
-        where = f"{name} (tier {entry.get(KEY_TIER)}" + (f", rank {entry.get(KEY_RANK)})" if entry.get(KEY_RANK) is not None else ")")
+        rank = entry.get(KEY_RANK)
+        where = f"{name} (tier {entry.get(KEY_TIER)}" + (f", rank {rank})" if rank is not None else ")")
         st = fs.lstat(path)
         if st is None:
             problems.append(f"{where}: file is missing")
@@ -138,7 +140,8 @@ def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[
             problems.append(f"{where}: not a regular file (a symbolic link or directory is refused)")
             continue
         if st.st_size != entry[KEY_SIZE]:
-            problems.append(f"{where}: size {st.st_size} bytes, manifest says {entry[KEY_SIZE]} (truncated or overwritten)")
+            problems.append(f"{where}: size {st.st_size} bytes, manifest says {entry[KEY_SIZE]} (truncated or "
+                            "overwritten)")
             continue
         if name in hashed_on_read:
             continue
@@ -183,7 +186,8 @@ def structure_problems(manifest: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def files_for(manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warnings: list[str], *, step: int) -> list[str]:
+def files_for(manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warnings: list[str], *,
+              step: int) -> list[str]:
     names = []
     rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
     for name, entry in sorted(manifest[KEY_FILES].items()):
@@ -217,7 +221,7 @@ def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], 
     from .weights import load_weights
 
     if Tier.WEIGHTS in wanted:
-        from .sharded import placeholders, sharded_table
+        from .shard_files import placeholders, sharded_table
 
         table = sharded_table(manifest)  # FSDP2: global shapes only; DCP reads the shards (state.sharded_load)
         loaded.weights = placeholders(table) if table is not None else load_weights(

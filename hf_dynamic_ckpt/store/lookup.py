@@ -1,4 +1,4 @@
-"""Finding checkpoints: `list` and `resolve` of `CheckpointStore` (a mixin over its `Task`).
+"""`Lookup`: finding the checkpoints of one task (`list`, `resolve`), for `CheckpointStore`.
 
 The catalog makes listing cheap, but it never decides alone: every path is derived from
 the step, a row whose directory lost its manifest is marked ``"missing"``, and a flag that
@@ -14,33 +14,32 @@ import builtins
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..constants import MANIFEST_NAME, TMP_MARKER, Tier
 from ..errors import CheckpointNotFoundError
 from . import manifest as mf
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK
 from .layout import info_from_manifest
-from .task import parse_step_dir
+from .task import Task, parse_step_dir
 from .types import CheckpointInfo
 
-if TYPE_CHECKING:
-    from .fs import LocalFS
-    from .task import Task
-
-_NAMED_SPECS = ("auto", "best", "fastest")
+NAMED_SPECS = ("auto", "best", "fastest")
+"""Specs `resolve` answers by ranking the healthy checkpoints (the others name one checkpoint)."""
 
 
 class Lookup:
-    """`list` / `resolve` over `self.task` (`Task`) and `self.fs`; `self.verify` re-checks corrupt flags."""
+    """`list` and `resolve` over one `Task`, with what it learnt from disk (re-read manifests, re-checked flags).
 
-    task: Task
-    fs: LocalFS
-    _confirmed: dict[int, tuple[Any, CheckpointInfo]]
-    _rechecked: set[tuple[int, float]]
+    Args:
+        task (`Task`): the task whose checkpoints are looked up.
+    """
 
-    if TYPE_CHECKING:
-        def verify(self, ref: Any) -> builtins.list[str]: ...  # provided by `reader.Reader`
+    def __init__(self, task: Task) -> None:
+        self.task = task
+        self.fs = task.fs
+        self._confirmed: dict[int, tuple[Any, CheckpointInfo]] = {}
+        self._rechecked: set[tuple[int, float]] = set()
 
     def _reconfirm(self, info: CheckpointInfo) -> CheckpointInfo:
         """The checkpoint as its directory describes it now (cached by the manifest's identity)."""
@@ -62,14 +61,7 @@ class Lookup:
         return fresh
 
     def list(self, include_unhealthy: bool = False, include_abandoned: bool = False) -> builtins.list[CheckpointInfo]:
-        """Checkpoints of this task, newest first.
-
-        Args:
-            include_unhealthy (`bool`, *optional*, defaults to `False`): also list unhealthy
-                checkpoints and rows whose status is ``"missing"`` or ``"corrupt"``.
-            include_abandoned (`bool`, *optional*, defaults to `False`): also list checkpoints
-                of timelines a later run forked away from.
-        """
+        """Checkpoints of the task, newest first (`CheckpointStore.list` documents the arguments)."""
         out = []
         abandoned = self.task.timelines.abandoned()
         for row in self.task.catalog.rows(self.task.task_id):
@@ -100,25 +92,21 @@ class Lookup:
         steps = ", ".join(note(i) for i in sorted(infos, key=lambda i: i.step))
         return f"available steps of task {self.task.task_id!r}: {steps}"
 
-    def _recheck_corrupt(self) -> None:
-        """Re-verify (once per store) checkpoints a `corrupt` flag would keep from auto/best/fastest."""
+    def to_recheck(self) -> builtins.list[int]:
+        """Steps a `corrupt` flag would keep from auto/best/fastest that were not re-verified yet; each is returned
+        once per `Lookup` (the caller verifies them before a named spec is resolved)."""
+        steps = []
         for row in self.task.catalog.rows(self.task.task_id):
             key = (int(row["step"]), float(row["save_time"]))
             if row["status"] == STATUS_CORRUPT and row["healthy"] and key not in self._rechecked:
                 self._rechecked.add(key)
-                try:
-                    self.verify(int(row["step"]))
-                except CheckpointNotFoundError:
-                    continue
+                steps.append(int(row["step"]))
+        return steps
 
     def resolve(self, spec: str | int | os.PathLike[str] | CheckpointInfo) -> CheckpointInfo:
-        """Turn a restore-point spec into a checkpoint.
+        """The checkpoint `spec` names (`CheckpointStore.resolve` documents the specs).
 
-        Args:
-            spec (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"`` (newest healthy
-                checkpoint with weights), ``"best"`` (lowest recorded loss), ``"fastest"``
-                (lowest estimated recovery cost), ``"step:N"`` or ``N`` (that step, whatever
-                its health or timeline), or the path of a checkpoint directory.
+        A named spec ranks the catalog as it is: the caller re-verifies `to_recheck` first.
 
         Raises:
             `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
@@ -128,18 +116,22 @@ class Lookup:
         if isinstance(spec, int):
             return self._by_step(int(spec))
         text = os.fspath(spec)
-        if text in _NAMED_SPECS:
-            self._recheck_corrupt()
+        if text in NAMED_SPECS:
             candidates = [i for i in self.list() if Tier.WEIGHTS in i.tiers]
             if text == "best":
                 candidates = [i for i in candidates if i.loss is not None]
                 if not candidates:
-                    raise CheckpointNotFoundError(f"resolve('best'): no healthy checkpoint records a loss; {self._available_text()}.")
+                    raise CheckpointNotFoundError(f"resolve('best'): no healthy checkpoint records a loss; "
+                                                  f"{self._available_text()}.")
                 return min(candidates, key=lambda i: (i.loss, -i.step))
             if not candidates:
-                raise CheckpointNotFoundError(f"resolve({text!r}): no healthy committed checkpoint with weights; {self._available_text()}.")
+                raise CheckpointNotFoundError(f"resolve({text!r}): no healthy committed checkpoint with weights; "
+                                              f"{self._available_text()}.")
             if text == "fastest":
-                return min(candidates, key=lambda i: (i.recovery_cost_ms if i.recovery_cost_ms is not None else float("inf"), -i.step))
+                def cost(i: CheckpointInfo) -> tuple[float, int]:
+                    return (float("inf") if i.recovery_cost_ms is None else i.recovery_cost_ms, -i.step)
+
+                return min(candidates, key=cost)
             return candidates[0]
         if text.startswith("step:") or text.isdigit():
             raw = text.removeprefix("step:")
@@ -161,7 +153,8 @@ class Lookup:
                 return info
         if row is not None:
             self.task.set_status(step, STATUS_MISSING)
-        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.task.dir}; {self._available_text()}.")
+        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.task.dir}; "
+                                      f"{self._available_text()}.")
 
     def _by_path(self, path: Path) -> CheckpointInfo:
         path = path.absolute()
@@ -176,7 +169,8 @@ class Lookup:
                 f"{self._available_text()}."
             )
         if TMP_MARKER in path.name:
-            raise CheckpointNotFoundError(f"{path} is an unfinished save (temporary directory), not a checkpoint; {self._available_text()}.")
+            raise CheckpointNotFoundError(f"{path} is an unfinished save (temporary directory), not a checkpoint; "
+                                          f"{self._available_text()}.")
         if not self.fs.is_file(path / MANIFEST_NAME):
             raise CheckpointNotFoundError(
                 f"{path} is not a checkpoint directory (no {MANIFEST_NAME}); pass a step-<N> directory of a store; "

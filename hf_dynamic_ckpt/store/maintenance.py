@@ -153,8 +153,7 @@ def sync_catalog(task: Task) -> None:
         if row is None or _differs(row, info):
             updates.append(info)
     if updates:
-        sigs = {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in updates}
-        task._write(lambda: task.catalog.upsert_many(updates, root=task.root, sigs=sigs))
+        task.record_many(updates)
     for step, row in rows.items():
         if step not in present and row["status"] != STATUS_MISSING:
             task.set_status(step, STATUS_MISSING)
@@ -269,7 +268,8 @@ def removable_abandoned(task: Task, infos: Iterable[CheckpointInfo]) -> list[Che
     infos = list(infos)
     if current is None:
         return []
-    ours = [i.step for i in infos if not i.abandoned and i.lineage is not None and i.lineage.timeline == current["timeline"]]
+    ours = [i.step for i in infos
+            if not i.abandoned and i.lineage is not None and i.lineage.timeline == current["timeline"]]
     top = max(ours, default=None)
     return [i for i in infos if i.abandoned and not i.pinned and top is not None and i.step < top]
 

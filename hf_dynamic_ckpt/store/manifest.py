@@ -66,7 +66,7 @@ __all__ = ["KEY_BYTES", "KEY_RECOVERY_COST", "KEY_SESSION_ID", "build_manifest",
            "validate_manifest", "without_tiers", "write_manifest"]
 
 _RNG_NAME_RE = re.compile(r"rng-rank(0|[1-9][0-9]{0,6})\.json")
-_SHARD_NAME_RE = re.compile(r"(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")  # FSDP2 (store.sharded)
+_SHARD_NAME_RE = re.compile(r"(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")  # FSDP2 (`shard_files`)
 
 # Throughputs of the recovery-cost model (bytes per millisecond). Loading a file means
 # checksumming it first (sha256, ~0.5-1 GB/s on one core), then mapping (L0) or
@@ -123,7 +123,8 @@ def estimate_recovery_cost_ms(files: Mapping[str, Mapping[str, Any]], blobs: Map
         `float`: milliseconds, rounded to 0.1.
     """
     cost = 0.0
-    unique_blobs = {str(b.get("digest")): {KEY_SIZE: b.get("size", 0), KEY_TIER: Tier.WEIGHTS.value} for b in blobs.values()}
+    unique_blobs = {str(b.get("digest")): {KEY_SIZE: b.get("size", 0), KEY_TIER: Tier.WEIGHTS.value}
+                    for b in blobs.values()}
     for entry in list(files.values()) + list(unique_blobs.values()):
         size = float(entry.get(KEY_SIZE, 0))
         tier = entry.get(KEY_TIER, Tier.WEIGHTS.value)
@@ -243,10 +244,12 @@ def _check_shape(manifest: dict[str, Any], where: str) -> None:
         if not allowed_file_name(name, world_size):
             raise CorruptCheckpointError(
                 f"{where}: manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
-                f"({', '.join(sorted(CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json, weights-rank<R>.safetensors, optimizer-rank<R>.safetensors); the manifest is damaged or hostile."
+                f"({', '.join(sorted(CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json, weights-rank<R>.safetensors, "
+                "optimizer-rank<R>.safetensors); the manifest is damaged or hostile."
             )
-        if not isinstance(entry, dict) or not _is_int(entry.get(KEY_SIZE)) or not isinstance(entry.get(KEY_CHECKSUM), str):
-            raise CorruptCheckpointError(f"{where}: manifest entry of file {name!r} lacks an integer size or a checksum.")
+        if not (isinstance(entry, dict) and _is_int(entry.get(KEY_SIZE)) and isinstance(entry.get(KEY_CHECKSUM), str)):
+            raise CorruptCheckpointError(f"{where}: manifest entry of file {name!r} lacks an integer size or a "
+                                         "checksum.")
     blobs = manifest.get(KEY_BLOBS) or {}
     if not isinstance(blobs, dict):
         raise CorruptCheckpointError(f"{where}: manifest key 'blobs' is not an object.")
@@ -284,7 +287,8 @@ def validate_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
     try:
         actual = compute_manifest_checksum(manifest)
     except (TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: the manifest cannot be re-encoded ({e}); the checkpoint is damaged.") from e
+        raise CorruptCheckpointError(f"{where}: the manifest cannot be re-encoded ({e}); the checkpoint is "
+                                     "damaged.") from e
     if recorded != actual:
         raise CorruptCheckpointError(
             f"{where}: manifest checksum mismatch (recorded {recorded!r}, actual {actual!r}): the manifest was "

@@ -27,7 +27,7 @@ def writer_threads(training_threads: int | None = None, local_world_size: int | 
     torchrun sets it) less the training's intra-op threads (`torch.get_num_threads()`), at
     least 1. Every CPU (the store's own default) made steps that ran while a write was in
     flight slower: on 2 cores, one training thread, a 42M full fine-tune, +6.5 to +19 % with
-    2 threads, +6 to +14 % with 1 (docs/benchmarks.md, "Round 2, fifth pass").
+    2 threads, +6 to +14 % with 1 (docs/benchmarks.md, "Overhead in a Trainer run").
     """
     if training_threads is None:
         import torch

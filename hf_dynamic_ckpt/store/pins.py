@@ -1,70 +1,50 @@
-"""Pin markers of `CheckpointStore` (a mixin): `pin` and `unpin`, mirrored to the object store for URL roots."""
+"""Pin markers: `pin` and `unpin` of one committed checkpoint of a `Task`, mirrored to the object store for URL roots.
+
+A pinned checkpoint has a `PINNED` marker next to its manifest, or was saved with ``pinned`` in its
+manifest; retention and `gc` never delete it. The caller holds the store's lock and passes the
+checkpoint as its directory describes it now (`CheckpointStore` re-reads it before either call).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-from ..constants import KEY_PINNED, MANIFEST_NAME, PINNED_MARKER
+from ..constants import KEY_MANIFEST_CHECKSUM, KEY_PINNED, MANIFEST_NAME, PINNED_MARKER
 from . import manifest as mf
 from . import remote_sync as rs
-from .fs import LocalFS
+from .task import Task
 from .types import CheckpointInfo
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
-    from .task import Task
+def pin(task: Task, info: CheckpointInfo) -> CheckpointInfo:
+    """Write the `PINNED` marker of `info` (fsynced), mirror it, record it; returns the pinned info."""
+    marker = Path(info.path) / PINNED_MARKER
+    with task.fs.create(marker) as f:
+        os.fsync(f.fileno())
+    task.fs.fsync_dir(marker.parent)
+    if task.remote is not None:
+        rs.mirror_step(task, task.remote, info.step)
+    info = dataclasses.replace(info, pinned=True)
+    task.record(info)
+    return info
 
-Ref = str | int | os.PathLike[str] | CheckpointInfo
 
-
-class Pins:
-    """`pin` / `unpin` over `self.task`, `self.fs`; `self._own` finds the checkpoint on disk."""
-
-    task: Task
-    fs: LocalFS
-    _lock: threading.RLock
-
-    if TYPE_CHECKING:
-        def _own(self, ref: Ref, what: str) -> CheckpointInfo: ...
-        def _check_writable(self, what: str) -> None: ...
-        def _remote(self, fn: Callable[..., Any], *args: Any) -> None: ...
-
-    def pin(self, ref: Ref) -> CheckpointInfo:
-        """Protect a checkpoint from retention and gc (writes a `PINNED` marker next to the manifest)."""
-        self._check_writable("pin")
-        with self._lock:
-            info = self._own(ref, "pin")
-            marker = Path(info.path) / PINNED_MARKER
-            with self.fs.create(marker) as f:
-                os.fsync(f.fileno())
-            self.fs.fsync_dir(marker.parent)
-            self._remote(rs.mirror_step, info.step)
-            info = dataclasses.replace(info, pinned=True)
-            self.task.record(info)
-            return info
-
-    def unpin(self, ref: Ref) -> CheckpointInfo:
-        """Undo `pin` (and a pin requested at save time: the manifest is rewritten atomically)."""
-        self._check_writable("unpin")
-        with self._lock:
-            info = self._own(ref, "unpin")
-            path = Path(info.path)
-            manifest = self.task.read_manifest(info.step)
-            if manifest.get(KEY_PINNED):
-                new = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
-                new[KEY_PINNED] = False
-                new["manifest_checksum"] = mf.compute_manifest_checksum(new)
-                mf.write_manifest(path, new, name=MANIFEST_NAME + ".new")
-                self.fs.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
-            self.fs.unlink(path / PINNED_MARKER)
-            self.fs.fsync_dir(path)
-            self._remote(rs.mirror_step, info.step)
-            info = self.task.scan(info.step) or info
-            self.task.record(info)
-            return info
-
+def unpin(task: Task, info: CheckpointInfo) -> CheckpointInfo:
+    """Remove the marker of `info` and a pin requested at save time (the manifest is rewritten atomically)."""
+    path = Path(info.path)
+    manifest = task.read_manifest(info.step)
+    if manifest.get(KEY_PINNED):
+        new = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
+        new[KEY_PINNED] = False
+        new[KEY_MANIFEST_CHECKSUM] = mf.compute_manifest_checksum(new)
+        mf.write_manifest(path, new, name=MANIFEST_NAME + ".new")
+        task.fs.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
+    task.fs.unlink(path / PINNED_MARKER)
+    task.fs.fsync_dir(path)
+    if task.remote is not None:
+        rs.mirror_step(task, task.remote, info.step)
+    info = task.scan(info.step) or info
+    task.record(info)
+    return info

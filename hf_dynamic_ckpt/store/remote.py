@@ -179,7 +179,8 @@ class RemoteSpec:
 
 def _plain(name: str) -> str:
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
-        raise RemoteStorageError(f"{str(name)[:80]!r} is not a plain name; the store only builds keys from plain names.")
+        raise RemoteStorageError(f"{str(name)[:80]!r} is not a plain name; the store only builds keys from plain "
+                                 "names.")
     return name
 
 

@@ -28,7 +28,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..constants import (
     BLOBS_DIR,
@@ -43,11 +43,8 @@ from ..constants import (
 from ..jsonutil import loads_bounded
 from .blobs import is_digest
 from .remote import Remote, RemoteStorageError
-from .task import parse_step_dir, step_dir_name
-
-if TYPE_CHECKING:
-    from .task import Task
-    from .types import GcReport
+from .task import Task, parse_step_dir, step_dir_name
+from .types import GcReport
 
 logger = logging.getLogger(__name__)
 

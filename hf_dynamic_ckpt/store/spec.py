@@ -89,14 +89,17 @@ class StoreSpec:
         if not isinstance(self.task_id, str) or not self.task_id or "/" in self.task_id or "\\" in self.task_id \
                 or self.task_id.startswith(".") or self.task_id == "blobs":
             raise ConfigError(
-                f"task_id={self.task_id!r} is invalid: expected a non-empty name without '/' that does not start with '.'."
+                f"task_id={self.task_id!r} is invalid: expected a non-empty name without '/' that does not start "
+                "with '.'."
             )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank={self.rank}, world_size={self.world_size} is invalid: expected 0 <= rank < world_size.")
+            raise ConfigError(f"rank={self.rank}, world_size={self.world_size} is invalid: expected 0 <= rank < "
+                              "world_size.")
         if not isinstance(self.session_id, str) or not _SESSION_RE.fullmatch(self.session_id):
             raise ConfigError(f"session_id={self.session_id!r} is invalid: use letters, digits, '_' or '-' only.")
         if not self.rank_timeout_s > 0:
-            raise ConfigError(f"rank_timeout_s={self.rank_timeout_s!r} is invalid: expected a positive number of seconds.")
+            raise ConfigError(f"rank_timeout_s={self.rank_timeout_s!r} is invalid: expected a positive number of "
+                              "seconds.")
         if not 1 <= int(self.compression_level) <= 22:
             raise ConfigError(f"compression_level={self.compression_level!r} is invalid: expected 1 <= level <= 22.")
 

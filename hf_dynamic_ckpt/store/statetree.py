@@ -150,7 +150,8 @@ def unflatten_state(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 def _decode_tag(tag: str, val: Any, dec: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag in (_T_TENSOR, _T_NDARRAY):
         if val not in tensors:
-            raise CorruptCheckpointError(f"State structure refers to tensor {val!r}, which the tensor file does not hold.")
+            raise CorruptCheckpointError(f"State structure refers to tensor {val!r}, which the tensor file does not "
+                                         "hold.")
         return tensors[val] if tag == _T_TENSOR else tensors[val].numpy()
     if tag == _T_TUPLE:
         return tuple(dec(v) for v in val)

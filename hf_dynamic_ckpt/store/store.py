@@ -1,4 +1,20 @@
-"""`CheckpointStore`: the store's public face (commit in `commit.py`, upkeep in `maintenance.py`).
+"""`CheckpointStore`: the store's public face, a facade over collaborators that do not know it.
+
+Who owns what (each takes the `Task` and nothing of the store):
+
+- `task.Task`: one task directory: paths derived from the step, manifests checked against their
+  directory, catalog rows, the timelines record, the blob store, the object-store copy.
+- `lookup.Lookup`: `list` and `resolve` (what the catalog says, re-read from disk where a flag would
+  hide a checkpoint); the store re-verifies corrupt flags before it resolves a named spec.
+- `reader`: `load`, `load_scheduler_only` and `verify` of a resolved checkpoint.
+- `commit`: the whole commit sequence of `save`.
+- `pins`: `pin` and `unpin` markers.
+- `maintenance`: leftovers, catalog sync and `reindex`, `delete`, `prune`, `gc`, blob collection.
+- `timelines`: the pure `fork` record; `lock.WriterLock`: one writer per task; `remote_sync`: the
+  object-store copy of a URL root.
+
+The store itself resolves references, checks that a change is allowed (read-only stores, rank 0,
+the task's own checkpoints), serialises changes under one lock and holds the writer lock.
 
 Layout::
 
@@ -39,22 +55,28 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..constants import CATALOG_NAME, DEFAULT_TASK_ID, Tier
-from ..errors import CheckpointNotFoundError, ConfigError, DynamicCkptError, SaveError, StoreNotWritableError
+from ..constants import ALL_TIERS, CATALOG_NAME, DEFAULT_TASK_ID, MANIFEST_NAME, Tier
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DynamicCkptError,
+    SaveError,
+    StoreNotWritableError,
+)
 from . import maintenance as mt
+from . import pins, reader
 from . import remote_sync as rs
 from .catalog import Catalog
-from .commit import commit_save, request_for
+from .commit import commit_save
 from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
-from .lookup import Lookup
-from .pins import Pins
-from .reader import Reader
+from .lookup import NAMED_SPECS, Lookup
 from .remote import Remote, split_root
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
 from .task import Task, parse_step_dir, step_dir_name
 from .timelines import fork_record
-from .types import CheckpointInfo, CheckpointState, GcReport
+from .types import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +85,7 @@ __all__ = ["CheckpointStore", "parse_step_dir", "step_dir_name"]
 Ref = str | int | os.PathLike[str] | CheckpointInfo
 
 
-class CheckpointStore(Reader, Lookup, Pins):
+class CheckpointStore:
     """Tiered checkpoints of one task under a store root, committed atomically.
 
     Args:
@@ -100,7 +122,8 @@ class CheckpointStore(Reader, Lookup, Pins):
     Example:
         ```python
         >>> store = CheckpointStore("out/smart_ckpt", task_id="run1")
-        >>> info = store.save(CheckpointState(step=10, weights=model.state_dict()), SaveRequest(step=10, reason="interval"))
+        >>> state = CheckpointState(step=10, weights=model.state_dict())
+        >>> info = store.save(state, SaveRequest(step=10, reason="interval"))
         >>> store.load("auto").weights["lm_head.weight"].shape
         ```
     """
@@ -109,8 +132,8 @@ class CheckpointStore(Reader, Lookup, Pins):
                  world_size: int = 1, session_id: str | None = None, compression_level: int = 1,
                  compression_threads: int = 0, compression: Codec | str = Codec.ZSTD, pace_to_disk: bool = True,
                  rank_timeout_s: float = 600.0, cleanup: bool = True, read_only: bool = False, takeover: bool = False,
-                 lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-                 retries: int = 5, backoff_s: float = 0.5) -> None:
+                 lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None, retries: int = 5, backoff_s: float = 0.5) -> None:
         root, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
                                   retries=retries, backoff_s=backoff_s)
         if session_id is None:
@@ -133,8 +156,8 @@ class CheckpointStore(Reader, Lookup, Pins):
     def from_spec(cls, spec: StoreSpec, *, cleanup: bool = True, read_only: bool = False,
                   takeover: bool = False) -> CheckpointStore:
         """Open the store `spec` describes (e.g. in a writer process: ``from_spec(store.spec, cleanup=False)``)."""
-        store = cls.__new__(cls)
-        store._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=cleanup)
+        store = cls.__new__(cls)  # the alternate constructor: `_open` is what __init__ runs after building the spec
+        cls._open(store, spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=cleanup)
         return store
 
     def _open(self, spec: StoreSpec, *, cleanup: bool, read_only: bool, takeover: bool, pull: bool = False,
@@ -164,15 +187,14 @@ class CheckpointStore(Reader, Lookup, Pins):
             except sqlite3.OperationalError as e:
                 if writer:
                     raise self._not_writable(f"its catalog {self.root / CATALOG_NAME} cannot be opened: {e}") from e
-                logger.warning("catalog %s cannot be opened (%s); reading the manifests instead", self.root / CATALOG_NAME, e)
+                logger.warning("catalog %s cannot be opened (%s); reading the manifests instead",
+                               self.root / CATALOG_NAME, e)
                 memory = True
         self.catalog = Catalog.in_memory() if memory else catalog
-        self.task = Task(spec, self.fs, self.catalog, read_only=memory)
-        self.task.remote = self.remote
+        self.task = Task(spec, self.fs, self.catalog, read_only=memory, remote=self.remote)
         self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
         self._writer.closer = self.close
-        self._confirmed: dict[int, tuple[Any, CheckpointInfo]] = {}
-        self._rechecked: set[tuple[int, float]] = set()
+        self._lookup = Lookup(self.task)
         if memory:
             if self.remote is not None and pull:
                 rs.open_task(self.task, self.remote, writer=False)
@@ -301,10 +323,109 @@ class CheckpointStore(Reader, Lookup, Pins):
         if self.read_only:
             raise DynamicCkptError(f"{what} is refused: the store {self.root} was opened with read_only=True.")
 
+    # -- finding and reading --------------------------------------------------------------------
+    def list(self, include_unhealthy: bool = False, include_abandoned: bool = False) -> builtins.list[CheckpointInfo]:
+        """Checkpoints of this task, newest first.
+
+        Args:
+            include_unhealthy (`bool`, *optional*, defaults to `False`): also list unhealthy
+                checkpoints and rows whose status is ``"missing"`` or ``"corrupt"``.
+            include_abandoned (`bool`, *optional*, defaults to `False`): also list checkpoints
+                of timelines a later run forked away from.
+        """
+        return self._lookup.list(include_unhealthy=include_unhealthy, include_abandoned=include_abandoned)
+
+    def resolve(self, spec: Ref) -> CheckpointInfo:
+        """Turn a restore-point spec into a checkpoint.
+
+        Args:
+            spec (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"`` (newest healthy
+                checkpoint with weights), ``"best"`` (lowest recorded loss), ``"fastest"``
+                (lowest estimated recovery cost), ``"step:N"`` or ``N`` (that step, whatever
+                its health or timeline), or the path of a checkpoint directory.
+
+        Raises:
+            `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
+        """
+        if not isinstance(spec, CheckpointInfo | int) and os.fspath(spec) in NAMED_SPECS:
+            for step in self._lookup.to_recheck():  # a corrupt flag is re-verified once before it excludes
+                with contextlib.suppress(CheckpointNotFoundError):
+                    self.verify(step)
+        return self._lookup.resolve(spec)
+
+    def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None,
+             mmap: bool = True, l1_max_numel: int | None = None) -> LoadedCheckpoint:
+        """Verify, then read the requested tiers of a checkpoint.
+
+        Every file read is checked (size, checksum; blobs by content digest) before any
+        tensor is returned; a failed check or read is retried once (a transient I/O error
+        must not cost a checkpoint). A tier the checkpoint does not hold is left `None`
+        with a note in `warnings`.
+
+        Args:
+            ref: anything `resolve` accepts (``"auto"``, ``"step:N"``, a path, ...).
+            tiers (`Collection[Tier]`, *optional*, defaults to all tiers): what to read.
+            rank (`int`, *optional*): whose RNG file to read; defaults to this store's rank.
+            mmap (`bool`, *optional*, defaults to `True`): weights backed by a read-only
+                memory map (no copy), and an uncompressed optimizer tier by a private one;
+                `False` reads both into memory.
+            l1_max_numel (`int`, *optional*): the most elements an optimizer-tier tensor may declare
+                (`state.optimizer.state_numel_bound` of the model); checked before anything is allocated.
+
+        Returns:
+            `LoadedCheckpoint`.
+
+        Raises:
+            `CheckpointNotFoundError`: `ref` names no committed checkpoint.
+            `CorruptCheckpointError`: a needed file is missing, truncated, altered or does not
+                parse (the message lists each problem), or the manifest is damaged.
+            `FormatVersionError`: the checkpoint was written by a newer format.
+            `IncompatibleStateError`: an optimizer-tier tensor is larger than `l1_max_numel` allows.
+        """
+        info = self.resolve(ref)
+        return reader.load(self.task, info, tiers=tiers, rank=self.rank if rank is None else rank, mmap=mmap,
+                           l1_max_numel=l1_max_numel)
+
+    def load_scheduler_only(self, ref: Ref) -> dict[str, Any] | None:
+        """Salvage the LR-scheduler state when the optimizer tensor file is broken.
+
+        The scheduler state holds no tensors, so it lives entirely in the verified
+        `optimizer.json`. Never raises for a damaged checkpoint: returns `None` when that
+        file is missing, altered, not JSON, or refers to tensors.
+        """
+        try:
+            info = self.resolve(ref)
+        except (DynamicCkptError, OSError):
+            return None
+        return reader.load_scheduler_only(self.task, info)
+
+    def verify(self, ref: Ref) -> builtins.list[str]:
+        """Check a checkpoint completely: manifest, every file's size and checksum, blobs.
+
+        Records the outcome in the catalog (status ``"ok"``, ``"corrupt"`` or ``"missing"``).
+        Only files the manifest may name (an allowlist) in the checkpoint's own directory
+        are looked at.
+
+        Args:
+            ref: anything `resolve` accepts.
+
+        Returns:
+            `list[str]`: one line per problem; empty when the checkpoint is intact.
+
+        Raises:
+            `CheckpointNotFoundError`: `ref` names nothing, or the checkpoint was deleted
+                before or while it was verified (retention or gc ran meanwhile): a note, not a
+                problem of the checkpoint.
+        """
+        try:
+            info = self.resolve(ref)
+        except (CorruptCheckpointError, ValueError) as e:  # a path whose manifest is unusable
+            return [f"{MANIFEST_NAME}: {e}"]
+        return reader.verify(self.task, info)
+
     # -- save -----------------------------------------------------------------------------------
-    def save(self, state: CheckpointState, request: SaveRequest | None = None, *,
-             timings: dict[str, Any] | None = None, replace: bool = False, cancel: Callable[[], bool] | None = None,
-             **legacy: Any) -> CheckpointInfo | None:
+    def save(self, state: CheckpointState, request: SaveRequest, *, timings: dict[str, Any] | None = None,
+             replace: bool = False, cancel: Callable[[], bool] | None = None) -> CheckpointInfo | None:
         """Write this rank's part of a checkpoint; on rank 0, commit it once all ranks are done.
 
         Rank 0 writes weights (L0), optimizer/scheduler/scaler (L1) and the sampler state;
@@ -318,11 +439,9 @@ class CheckpointStore(Reader, Lookup, Pins):
                 signals, debug info, lineage); it reaches the manifest as given.
             timings (`dict`, *optional*): caller's timings in ms (e.g. snapshot time).
             replace (`bool`, *optional*, defaults to `False`): replace a committed copy of the
-                step whatever its timeline (round-1 callers; pass the same on every rank).
+                step whatever its timeline (pass the same on every rank).
             cancel (`Callable[[], bool]`, *optional*): polled while rank 0 waits for the other
                 ranks' files; `True` gives up like `abort` (the engine's `SaveEngine.abort`).
-            **legacy: instead of `request`, the round-1 keywords `reason`, `pinned`, `healthy`,
-                `signals`, `debug_info` (a thin shim kept for existing callers).
 
         Returns:
             `CheckpointInfo` on rank 0 (also when the step was committed before), `None`
@@ -330,12 +449,15 @@ class CheckpointStore(Reader, Lookup, Pins):
 
         Raises:
             `DistributedError`: rank 0 waited `rank_timeout_s` for other ranks; nothing is committed.
-            `SaveError`: writing failed; the previous checkpoints are untouched.
+            `SaveError`: writing failed, or `request.step` is not the state's step; the previous
+                checkpoints are untouched.
         """
         step = int(state.step)
         if step < 0:
             raise SaveError(f"step={step} is invalid: a checkpoint step must be >= 0.")
-        request = request_for(state, request, legacy)
+        if request.step != step:
+            raise SaveError(f"SaveRequest.step={request.step} differs from the state's step {step}; pass the same "
+                            "step.")
         self._check_writable("save")
         self.ensure_root()
         with self._lock:
@@ -356,6 +478,18 @@ class CheckpointStore(Reader, Lookup, Pins):
             raise CheckpointNotFoundError(f"step {info.step} has no committed checkpoint in {self.task_dir}.")
         return fresh
 
+    def pin(self, ref: Ref) -> CheckpointInfo:
+        """Protect a checkpoint from retention and gc (writes a `PINNED` marker next to the manifest)."""
+        self._check_writable("pin")
+        with self._lock:
+            return pins.pin(self.task, self._own(ref, "pin"))
+
+    def unpin(self, ref: Ref) -> CheckpointInfo:
+        """Undo `pin` (and a pin requested at save time: the manifest is rewritten atomically)."""
+        self._check_writable("unpin")
+        with self._lock:
+            return pins.unpin(self.task, self._own(ref, "unpin"))
+
     def delete(self, ref: Ref, *, tiers: Collection[Tier] | None = None, force: bool = False) -> None:
         """Delete a checkpoint of this task, or only some of its tiers (blobs nobody uses go too).
 
@@ -371,11 +505,13 @@ class CheckpointStore(Reader, Lookup, Pins):
         with self._lock:
             info = self._own(ref, "delete")
             if info.pinned and not force:
-                raise DynamicCkptError(f"step {info.step} ({info.path}) is pinned; pass force=True to delete it anyway.")
+                raise DynamicCkptError(f"step {info.step} ({info.path}) is pinned; pass force=True to delete it "
+                                       "anyway.")
             mt.delete_checkpoint(self.task, info, None if tiers is None else {Tier(t) for t in tiers})
             mt.collect_blobs(self.task, GcReport())
 
-    def fork(self, *, timeline: str, after_step: int | None, session: str, parent: Lineage | None = None) -> builtins.list[int]:
+    def fork(self, *, timeline: str, after_step: int | None, session: str,
+             parent: Lineage | None = None) -> builtins.list[int]:
         """Start timeline `timeline`: newer checkpoints of other timelines become abandoned (rank 0).
 
         Every committed checkpoint of another timeline with ``step > after_step`` (all of them
@@ -389,7 +525,8 @@ class CheckpointStore(Reader, Lookup, Pins):
         """
         self._check_writable("fork")
         if self.rank != 0:
-            raise DynamicCkptError(f"fork() runs on rank 0 only (this store is rank {self.rank}); broadcast its result.")
+            raise DynamicCkptError(f"fork() runs on rank 0 only (this store is rank {self.rank}); broadcast its "
+                                   "result.")
         with self._lock:
             infos = mt.scan_all(self.task)
             record, newly = fork_record(self.task.timelines.read(), infos, timeline=timeline, after_step=after_step,

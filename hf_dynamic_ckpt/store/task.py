@@ -18,7 +18,7 @@ import re
 import sqlite3
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..constants import (
     ASIDE_SUFFIX,
@@ -35,13 +35,11 @@ from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, Catalog
 from .fs import LocalFS, lstat
 from .layout import broken_info, info_from_manifest
+from .remote import Remote
 from .spec import StoreSpec
 from .tensorpack_codec import PaceMemory
 from .timelines import Timelines, key_of
 from .types import CheckpointInfo
-
-if TYPE_CHECKING:
-    from .remote import Remote
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +73,11 @@ class Task:
         fs (`LocalFS`): the storage seam rooted at the store root.
         catalog (`Catalog`): the index (a file, or in memory for read-only stores).
         read_only (`bool`): never write to the catalog file either.
+        remote (`Remote`, *optional*): the object-store copy of the task when the root is a URL.
     """
 
-    def __init__(self, spec: StoreSpec, fs: LocalFS, catalog: Catalog, *, read_only: bool) -> None:
+    def __init__(self, spec: StoreSpec, fs: LocalFS, catalog: Catalog, *, read_only: bool,
+                 remote: Remote | None = None) -> None:
         self.spec = spec
         self.fs = fs
         self.catalog = catalog
@@ -89,7 +89,7 @@ class Task:
         self.timelines = Timelines(self.dir, fs)
         self.abort_reason: str | None = None
         """Set by `CheckpointStore.abort`: rank 0 stops waiting for other ranks' files."""
-        self.remote: Remote | None = None
+        self.remote = remote
         """The object-store copy of the task when the root is a URL (`remote_sync` keeps them in step)."""
         self.l1_pace = PaceMemory()
         """What the last paced L1 writes learnt about this disk (`write_tensor_file(pace=...)`)."""
@@ -125,7 +125,8 @@ class Task:
             if self.fs.is_dir(path):
                 out[step] = path
             elif self.fs.is_link(path):
-                logger.warning("%s is a symbolic link, not a checkpoint: the store ignores it and never follows it", path)
+                logger.warning("%s is a symbolic link, not a checkpoint: the store ignores it and never follows it",
+                               path)
         return out
 
     # -- reading --------------------------------------------------------------------------
@@ -171,6 +172,11 @@ class Task:
     # -- catalog writes (best effort for readers: the manifests are the truth) --------------
     def record(self, info: CheckpointInfo) -> None:
         self._write(lambda: self.catalog.upsert(info, root=self.root, sig=manifest_sig(Path(info.path))))
+
+    def record_many(self, infos: list[CheckpointInfo]) -> None:
+        """`record` of several checkpoints in one catalog transaction."""
+        sigs = {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in infos}
+        self._write(lambda: self.catalog.upsert_many(infos, root=self.root, sigs=sigs))
 
     def set_status(self, step: int, status: str) -> None:
         self._write(lambda: self.catalog.set_status(self.task_id, step, status))

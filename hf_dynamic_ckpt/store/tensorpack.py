@@ -40,14 +40,13 @@ from ..errors import (
     SaveError,
 )
 from . import tensorpack_codec as tpc
-from .byteplanes import _group, _group_into, _ungroup_into
-from .checksum import FileEntry, HashingWriter, fsync_file, make_file_entry
+from .byteplanes import group_into, ungroup_into
 from .filecheck import MappedFile, WholeFileCheck
-from .fs import create, open_read
-from .parallel import ordered_map as _ordered_map
-from .parallel import resolve_threads
+from .fs import create, fsync_file, open_read
+from .hashing import FileEntry, make_file_entry
+from .paced_writer import HashingWriter
+from .parallel import ordered_map, resolve_threads
 from .spec import Codec
-from .statetree import flatten_state, unflatten_state
 from .tensorpack_format import (
     ALIGN,
     CONTAINER_VERSION,
@@ -58,10 +57,8 @@ from .tensorpack_format import (
     MAGIC,
     NAMES,
     PREFIX,
-    READ_VERSIONS,
     Piece,
     Run,
-    _plan,
     frames,
     index_bytes,
     pieces,
@@ -72,8 +69,7 @@ from .tensorpack_raw import map_raw, write_raw_payload
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FRAME_BYTES", "GROUP_CHUNK_ELEMS", "_group", "_plan", "_ungroup_into", "flatten_state", "read_header",
-           "read_tensor_file", "resolve_threads", "unflatten_state", "write_tensor_file"]
+__all__ = ["FRAME_BYTES", "GROUP_CHUNK_ELEMS", "read_tensor_file", "write_tensor_file"]
 
 FRAME_BYTES = 16 << 20
 """Target raw bytes per frame written: the unit of parallel (de)compression and of scratch memory."""
@@ -131,7 +127,7 @@ def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np
     for i, lo, hi in _frame_pieces(frame, entries, gce):
         dst = buf[pos : pos + hi - lo]
         if entries[i]["byte_grouped"]:
-            _group_into(datas[i][lo:hi], dst, DTYPES[entries[i]["dtype"]].itemsize)
+            group_into(datas[i][lo:hi], dst, DTYPES[entries[i]["dtype"]].itemsize)
         else:
             dst[:] = datas[i][lo:hi]
         pos += hi - lo
@@ -139,10 +135,9 @@ def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np
 
 
 def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level: int = 3, threads: int = 0,
-                      byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD,
-                      container_version: int = CONTAINER_VERSION, paced: bool = False,
+                      byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD, paced: bool = False,
                       pace: tpc.PaceMemory | None = None) -> FileEntry:
-    """Writes tensors to the L1 container (independent frames of raw and zstd parts, or uncompressed), fsynced.
+    """Writes tensors to the L1 container (version 3: frames of raw and zstd parts, or uncompressed), fsynced.
 
     Args:
         tensors (`Mapping[str, torch.Tensor]`): tensors by name (e.g. from `flatten_state`).
@@ -157,10 +152,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         compression (`Codec` or `str`, *optional*, defaults to `Codec.ZSTD`): or `Codec.NONE`
             (`"none"`/`None`) for an uncompressed file that `read_tensor_file` memory-maps
             (larger, faster to read); `level` and `byte_group` do not apply to it.
-        container_version (`int`, *optional*, defaults to `3`): `2` writes the previous
-            layout (each frame one zstd frame), for a reader older than version 3 and for
-            compatibility tests.
-        paced (`bool`, *optional*, defaults to `False`): v3: stay `checksum.PACE_WINDOW` bytes ahead of
+        paced (`bool`, *optional*, defaults to `False`): zstd: stay `paced_writer.PACE_WINDOW` bytes ahead of
             the disk at most; while the disk waits, slowly compressing parts are stored raw (docs/internals.md).
         pace (`PaceMemory`, *optional*): a paced write records in it whether the disk held it up; after one
             it did not, the next groups only the tensors where grouping pays anyway (`grouping_pays`).
@@ -169,8 +161,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         `FileEntry`: size and checksum of the written file (tier `"optimizer"`).
 
     Raises:
-        `SaveError`: a tensor of an unsupported dtype or layout, an unknown `compression` or
-        `container_version`.
+        `SaveError`: a tensor of an unsupported dtype or layout, or an unknown `compression`.
 
     Example:
     ```python
@@ -180,11 +171,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
     ```
     """
     codec = _codec(compression)
-    if container_version not in READ_VERSIONS:
-        raise SaveError(f"container_version={container_version!r} is not supported; use "
-                        f"{' or '.join(map(str, READ_VERSIONS))} ({CONTAINER_VERSION} is the default).")
     workers = resolve_threads(threads)
-    paced = paced and codec == Codec.ZSTD and container_version == 3
+    paced = paced and codec == Codec.ZSTD
     pace = pace if paced else None  # only a paced write learns, or is taught
     checked = {name: _check(name, t) for name, t in tensors.items()}
     pays = _grouping_judge(level) if pace is not None and not pace.group else None
@@ -200,7 +188,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         entries.append({"name": name, "dtype": NAMES[t.dtype], "shape": list(t.shape),
                         "offset": offset, "nbytes": nbytes, "byte_grouped": grouped})
         offset += nbytes
-    header_obj = {"format": FORMAT_NAME, "version": container_version, "codec": codec.value,
+    header_obj = {"format": FORMAT_NAME, "version": CONTAINER_VERSION, "codec": codec.value,
                   "level": level if codec == Codec.ZSTD else None, "total_bytes": offset,
                   "group_chunk_elems": gce, "frame_bytes": frame_bytes, "tensors": entries}
     header = json.dumps(header_obj, separators=(",", ":")).encode("utf-8")
@@ -217,24 +205,18 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
             import zstandard
 
             local, pool = threading.local(), tpc.BufferPool()
-            params = tpc.compression_params(level) if container_version == 3 else None
+            params = tpc.compression_params(level)
             hurry = (lambda: not f.disk_bound) if paced else None
 
             def compress(frame: list[Run]) -> tuple[list[Any], int, int, np.ndarray | None]:
                 cctx = getattr(local, "cctx", None)
                 if cctx is None:
-                    cctx = local.cctx = (
-                        zstandard.ZstdCompressor(compression_params=params) if params is not None
-                        else zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True))
+                    cctx = local.cctx = zstandard.ZstdCompressor(compression_params=params)
                 data, scratch = _frame_input(frame, entries, datas, gce, pool)
-                if params is None:
-                    whole = tpc.encode_whole(cctx, data)
-                    pool.give(scratch)  # one zstd frame: nothing refers to the buffer any more
-                    return (*whole, None)
                 return (*tpc.encode_parts(cctx, data, tpc.part_bounds(frame, entries, gce), hurry), scratch)
 
             plan = list(frames(entries, gce, frame_bytes))
-            for chunks, length, digest, scratch in _ordered_map(compress, plan, workers if len(plan) > 1 else 0):
+            for chunks, length, digest, scratch in ordered_map(compress, plan, workers if len(plan) > 1 else 0):
                 for chunk in chunks:
                     f.write(chunk)
                 pool.give(scratch)  # written: its raw parts may be overwritten now
@@ -264,7 +246,8 @@ def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
         return [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in entries]
     except (RuntimeError, MemoryError) as e:  # sizes were checked against the file; this is memory
         total = sum(int(x["nbytes"]) for x in entries)
-        raise CorruptCheckpointError(f"Tensor file {path}: its {total} bytes of tensors cannot be allocated ({e}).") from e
+        raise CorruptCheckpointError(f"Tensor file {path}: its {total} bytes of tensors cannot be allocated "
+                                     f"({e}).") from e
 
 
 def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checksum: str | None = None,
@@ -331,7 +314,8 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
         offset, length, digest = index[k]
         with view[offset : offset + length] as data:  # the page cache itself: no copy of the compressed bytes
             if xxhash.xxh3_64_intdigest(data) != digest:
-                raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is corrupt.")
+                raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is "
+                                             "corrupt.")
             decode_frame(k, frame, data)
         mapped.release(offset, offset + length)
 
@@ -355,7 +339,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
         for i, lo, hi in _frame_pieces(frame, entries, gce):
             src = buf[pos : pos + hi - lo]
             if entries[i]["byte_grouped"]:
-                _ungroup_into(src, dests[i][lo:hi], DTYPES[entries[i]["dtype"]].itemsize)
+                ungroup_into(src, dests[i][lo:hi], DTYPES[entries[i]["dtype"]].itemsize)
             else:
                 dests[i][lo:hi] = src
             pos += hi - lo
@@ -373,7 +357,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
     try:
         whole = WholeFileCheck.start(view, checksum, what, release=mapped.release)
         plan = enumerate(frames(entries, gce, header["frame_bytes"]))
-        for _ in _ordered_map(check_and_decode, plan, workers if len(index) > 1 else 0):
+        for _ in ordered_map(check_and_decode, plan, workers if len(index) > 1 else 0):
             pass
         if whole is not None:
             whole.result()

@@ -1,11 +1,11 @@
-"""How one zstd frame of the L1 container is stored and read back (container versions 3 and 2).
+"""How one zstd frame of the L1 container is stored and read back (container version 3; version 2 is read).
 
 A frame's raw bytes are its pieces, byte-grouped where the header says so
 (`tensorpack_format`). Version 3 stores them as a table of parts, each raw or zstd
-(`encode_parts` / `decode_parts`); version 2 as one zstd frame (`encode_whole` /
-`decode_whole`, kept so that older stores resume and for compatibility tests).
+(`encode_parts` / `decode_parts`); version 2 stored them as one zstd frame, which
+`decode_whole` still reads so that older stores resume.
 
-Why parts (measured in docs/benchmarks.md, "Round 2, third pass: L1 codec"): on dense AdamW
+Why parts (docs/benchmarks.md, "L1 codec"): on dense AdamW
 moments the second byte plane and the low mantissa bytes do not compress at all (ratio
 1.000), yet zstd spends ~0.7 ms per MiB finding that out, and the exponent plane compresses
 to ~0.29 at ~150-250 MiB per CPU-second with level 1's match finder. Version 3 cuts each
@@ -26,8 +26,8 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError
-from .byteplanes import _group
-from .checksum import read_exact
+from .byteplanes import group
+from .fs import read_exact
 from .tensorpack_format import (
     DTYPES,
     PART,
@@ -95,7 +95,7 @@ def grouping_pays(cctx: Any, data: np.ndarray, itemsize: int) -> bool:
     sample = np.concatenate([data[j * stride * itemsize : (j * stride + GROUP_SAMPLE_ELEMS) * itemsize]
                              for j in range(SAMPLE_SLICES)])
     m = sample.nbytes // itemsize
-    planes = _group(sample, itemsize)
+    planes = group(sample, itemsize)
 
     def stored(part: np.ndarray) -> int:
         size = len(cctx.compress(part))
@@ -184,12 +184,6 @@ def encode_parts(cctx: Any, data: np.ndarray, bounds: list[int],
         chunks.append(stored)
     chunks.insert(0, b"".join(table))
     return _sealed(chunks)
-
-
-def encode_whole(cctx: Any, data: np.ndarray) -> tuple[list[Any], int, int]:
-    """A version-2 frame: one zstd frame of the raw bytes (same return as `encode_parts`)."""
-    co = cctx.compressobj(size=data.nbytes)
-    return _sealed([co.compress(data), co.flush()])
 
 
 def _sealed(chunks: list[Any]) -> tuple[list[Any], int, int]:

@@ -64,7 +64,7 @@ from .spec import Codec
 MAGIC = b"HFDCTP01"
 FORMAT_NAME = "hf_dynamic_ckpt.tensorpack"
 CONTAINER_VERSION = 3
-"""Layout version written by default (zstd frames as tables of raw and zstd parts)."""
+"""Layout version written (zstd frames as tables of raw and zstd parts)."""
 READ_VERSIONS = (2, 3)
 """Layout versions this library reads (v1 had an unversioned layout change and is refused)."""
 PREFIX = struct.Struct("<8sQ")
@@ -143,12 +143,6 @@ def pieces(run: Run, step: int) -> Iterator[Piece]:
         yield i, p, min(p + step, hi)
 
 
-def _plan(entries: list[dict[str, Any]], group_chunk_elems: int, frame_bytes: int) -> list[list[Piece]]:
-    """Every frame's pieces (small containers only: the reader and writer use `frames`)."""
-    return [[p for run in frame for p in pieces(run, step_of(entries[run[0]], group_chunk_elems))]
-            for frame in frames(entries, group_chunk_elems, frame_bytes)]
-
-
 def raw_frames(total: int, frame_bytes: int) -> list[tuple[int, int]]:
     """Frames of an uncompressed container: (start, end) slices of the payload, hashed separately."""
     return [(lo, min(lo + frame_bytes, total)) for lo in range(0, total, frame_bytes)]
@@ -208,7 +202,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, list[tuple[int, int, i
                 f.seek(size - FOOTER_SIZE)
                 footer = f.read(FOOTER_SIZE)
             if len(footer) != FOOTER_SIZE or footer[-len(FOOTER_MAGIC) :] != FOOTER_MAGIC:
-                raise CorruptCheckpointError(f"Tensor file {path} is truncated or has extra bytes ({size} bytes, no footer).")
+                raise CorruptCheckpointError(f"Tensor file {path} is truncated or has extra bytes ({size} bytes, no "
+                                             "footer).")
             payload_len, n_frames = FOOTER_FIELDS.unpack_from(footer)
             index_len = n_frames * FRAME.size
             if start + payload_len + index_len + FOOTER_SIZE != size:
@@ -257,9 +252,10 @@ def _parse_header(header_bytes: bytes, path: Path) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"Tensor file {path} has an invalid header: {e}") from e
     if isinstance(version, bool) or version not in READ_VERSIONS:
-        why = ("newer than this library; upgrade hf_dynamic_ckpt" if isinstance(version, int) and version > CONTAINER_VERSION
-               else "an older layout this library no longer reads (its byte-grouping differs); re-save the optimizer state "
-                    "with this version, or resume from the weights only")
+        newer = isinstance(version, int) and version > CONTAINER_VERSION
+        why = ("newer than this library; upgrade hf_dynamic_ckpt" if newer
+               else "an older layout this library no longer reads (its byte-grouping differs); re-save the optimizer "
+                    "state with this version, or resume from the weights only")
         raise FormatVersionError(
             f"Tensor file {path} has container version {version!r}, this library reads versions "
             f"{' and '.join(map(str, READ_VERSIONS))}: {why}."
@@ -331,14 +327,16 @@ def parse_parts(data: memoryview, want: int, where: str) -> list[tuple[int, int,
     table = bytes(data[PART_COUNT.size : PART_COUNT.size + count * PART.size])  # a copy: no export of the map
     for j, (kind, raw, stored) in enumerate(PART.iter_unpack(table)):
         limit = stored if kind == PART_RAW else stored * ZSTD_MAX_RATIO
-        if kind not in (PART_RAW, PART_ZSTD) or not 0 < raw <= limit or stored < 1 or (kind == PART_RAW and raw != stored):
+        if (kind not in (PART_RAW, PART_ZSTD) or not 0 < raw <= limit or stored < 1
+                or (kind == PART_RAW and raw != stored)):
             raise CorruptCheckpointError(
                 f"{where}, part {j}: kind {kind}, {raw} raw bytes in {stored} stored bytes is not a valid part (raw "
-                f"parts: equal lengths; zstd parts: at most {ZSTD_MAX_RATIO} raw bytes per stored byte); the file is corrupt.")
+                f"parts: equal lengths; zstd parts: at most {ZSTD_MAX_RATIO} raw bytes per stored byte); the file "
+                "is corrupt.")
         parts.append((kind, raw, pos, stored))
         pos += stored
         raw_total += raw
     if pos != size or raw_total != want:
-        raise CorruptCheckpointError(f"{where} declares {raw_total} bytes, the header {want} ({pos} of {size} stored bytes "
-                                     "in its parts); the file is corrupt.")
+        raise CorruptCheckpointError(f"{where} declares {raw_total} bytes, the header {want} ({pos} of {size} "
+                                     "stored bytes in its parts); the file is corrupt.")
     return parts

@@ -78,8 +78,9 @@ def map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[in
             ks = range(len(index))
             bad = [k for k, ok in zip(ks, ordered_map(frame_ok, ks, workers if len(index) > 1 else 0)) if not ok]
             if bad:
-                raise CorruptCheckpointError(f"Tensor file {path}: frame(s) {bad} fail their xxh3 checksum; the file is "
-                                             "corrupt.")
+                raise CorruptCheckpointError(f"Tensor file {path}: frame(s) {bad} fail their xxh3 checksum; the "
+                                             "file is corrupt.")
+
             if check is not None:
                 check.result()
         finally:

@@ -28,7 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, tensorpack  # noqa: F401 (tensorpack: import before forking)
+from hf_dynamic_ckpt.store import (  # noqa: F401 (tensorpack: import before forking)
+    CheckpointState,
+    CheckpointStore,
+    SaveRequest,
+    tensorpack,
+)
 from hf_dynamic_ckpt.store import manifest as store_manifest
 from hf_dynamic_ckpt.store import weights as store_weights  # noqa: F401 (import before forking)
 
@@ -53,7 +58,7 @@ def _child(root: Path, ready_fd: int) -> None:
         steps = [i.step for i in store.list(include_unhealthy=True)]
         step = max(steps, default=0) + 1
         while True:
-            store.save(expected_state(step), reason="interval", signals={"loss": 1.0 / step})
+            store.save(expected_state(step), SaveRequest(step=step, reason="interval", signals={"loss": 1.0 / step}))
             if ready_fd >= 0:  # tell the parent that this victim committed something
                 with contextlib.suppress(BrokenPipeError):  # odd trials do not listen
                     os.write(ready_fd, b"x")

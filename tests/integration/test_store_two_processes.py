@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = """
 import json, sys, torch
 torch.set_num_threads(1)
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 root, rank = sys.argv[1], int(sys.argv[2])
 store = CheckpointStore(root, task_id="ddp", rank=rank, world_size=2, session_id="job42", rank_timeout_s=120)
 out = []
@@ -31,7 +31,7 @@ for step in (1, 2, 3):
                                 rng={"rank": 0, "step": step}, sampler={"batches": [step, step]})
     else:
         state = CheckpointState(step=step, rng={"rank": 1, "step": step})
-    info = store.save(state, reason="interval")
+    info = store.save(state, SaveRequest(step=step, reason="interval"))
     out.append(None if info is None else info.step)
 store.close()
 print(json.dumps(out))

@@ -27,7 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from store_helpers import tiny_state
 
-from hf_dynamic_ckpt.store import CheckpointStore, manifest, tensorpack, weights  # noqa: F401 (import before forking)
+from hf_dynamic_ckpt.store import (  # noqa: F401 (import before forking)
+    CheckpointStore,
+    SaveRequest,
+    manifest,
+    tensorpack,
+    weights,
+)
 
 TASK = "run"
 HOOKED = [(os, "mkdir"), (os, "rename"), (os, "replace"), (os, "unlink"), (os, "fsync"), (shutil, "rmtree")]
@@ -61,7 +67,7 @@ def _child(root: Path, kill_at: int, write_fd: int) -> None:
         store = CheckpointStore(root, task_id=TASK, session_id="new", compression_threads=1)
         counter = [0]
         _hook(kill_at, counter)
-        store.save(new_state(2), reason="replacing", replace=True)
+        store.save(new_state(2), SaveRequest(step=2, reason="replacing"), replace=True)
         os.write(write_fd, json.dumps(counter[0]).encode())
         os._exit(0)
     except BaseException:
@@ -93,7 +99,7 @@ def main() -> None:
     manifest.library_versions()
     store = CheckpointStore(template, task_id=TASK, session_id="old", compression_threads=1)
     for step in (1, 2):
-        store.save(old_state(step), reason="original")
+        store.save(old_state(step), SaveRequest(step=step, reason="original"))
     store.close()
     dry = snapshots / "dry"
     shutil.copytree(template, dry)

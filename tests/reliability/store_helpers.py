@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hf_dynamic_ckpt.store import CheckpointState
-from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
 
 

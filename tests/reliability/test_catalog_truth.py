@@ -1,9 +1,9 @@
 """The manifest is the truth: the catalog indexes, it never decides alone.
 
-Issue 10, failure 3: `resolve` returned a row's `file_path`, so a row for step 5 pointing at
-`step-3` resumed step 3's data as step 5; `status`/`healthy` flags were filtered on but never
-re-read from disk, so a stale flag hid the newest checkpoint; one transient read error made
-a good checkpoint look corrupt.
+The failures it guards: a `resolve` that trusts a row's `file_path` (a row for step 5 pointing
+at `step-3` resumes step 3's data as step 5); `status`/`healthy` flags filtered on but never
+re-read from disk (a stale flag hides the newest checkpoint); one transient read error making a
+good checkpoint look corrupt.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
 from store_helpers import tiny_state
 
 from hf_dynamic_ckpt.constants import CATALOG_NAME, PINNED_MARKER, Tier
@@ -25,7 +26,7 @@ from hf_dynamic_ckpt.store import CheckpointStore
 def store(tmp_path: Path) -> CheckpointStore:
     s = CheckpointStore(tmp_path, task_id="run")
     for step in (3, 5):
-        s.save(tiny_state(step), reason="interval", signals={"loss": 1.0 / step})
+        save_state(s, tiny_state(step), reason="interval", signals={"loss": 1.0 / step})
     yield s
     s.close()
 

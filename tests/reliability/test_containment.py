@@ -1,9 +1,9 @@
 """Containment: nothing a manifest says, and no link planted in the store, makes it touch a file outside.
 
-Issue 10, failure 2: `../` and absolute names in a manifest were unlinked by ordinary
-retention; a `../` task id became a path; cleanup and blob collection followed a linked
-`blobs/` or step directory and deleted outside files; `verify` stat-ed any file a manifest
-named. Each test plants one such thing next to a canary file outside the root and runs
+The failures it guards: `../` and absolute names in a manifest unlinked by ordinary
+retention; a `../` task id turned into a path; cleanup and blob collection following a linked
+`blobs/` or step directory and deleting outside files; `verify` stat-ing any file a manifest
+names. Each test plants one such thing next to a canary file outside the root and runs
 load, verify, delete, retention, gc and a fresh open against it.
 """
 
@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import save_state
 from store_helpers import Canary, read_manifest_json, tiny_state, write_manifest_json
 
 from hf_dynamic_ckpt.constants import OPTIMIZER_NAME, Tier
@@ -24,8 +25,8 @@ from hf_dynamic_ckpt.errors import (
     UnsafePathError,
 )
 from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.checksum import file_checksum
 from hf_dynamic_ckpt.store.fs import LocalFS
+from hf_dynamic_ckpt.store.hashing import file_checksum
 
 
 def _store(tmp_path: Path, **kw: object) -> CheckpointStore:
@@ -54,8 +55,8 @@ def _every_operation(store: CheckpointStore, step: int) -> None:
 def test_manifest_file_names_outside_the_checkpoint_are_never_touched(tmp_path: Path, form: str) -> None:
     canary = Canary(tmp_path / "outside")
     store = _store(tmp_path)
-    store.save(tiny_state(1), reason="r")
-    info = store.save(tiny_state(2), reason="r")
+    save_state(store, tiny_state(1), reason="r")
+    info = save_state(store, tiny_state(2), reason="r")
     directory = Path(info.path)
     name = os.path.relpath(canary.path, directory) if form == "relative" else str(canary.path)
     manifest = read_manifest_json(directory)
@@ -78,7 +79,7 @@ def test_manifest_file_names_outside_the_checkpoint_are_never_touched(tmp_path: 
 def test_blob_digest_that_is_a_path_is_refused(tmp_path: Path) -> None:
     canary = Canary(tmp_path / "outside", name="x.safetensors")
     store = _store(tmp_path)
-    info = store.save(tiny_state(1, frozen=1.0), reason="r")
+    info = save_state(store, tiny_state(1, frozen=1.0), reason="r")
     manifest = read_manifest_json(Path(info.path))
     manifest["blobs"]["frozen"]["digest"] = "../../../outside/x"
     write_manifest_json(Path(info.path), manifest)
@@ -93,8 +94,8 @@ def test_linked_blob_directory_is_never_followed(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     canary = Canary(outside, name="f" * 64 + ".safetensors")
     store = _store(tmp_path)
-    store.save(tiny_state(1), reason="r")
-    store.save(tiny_state(2), reason="r")
+    save_state(store, tiny_state(1), reason="r")
+    save_state(store, tiny_state(2), reason="r")
     (store.task_dir / "blobs").symlink_to(outside, target_is_directory=True)
     store.delete("step:1")  # collects unreferenced blobs: must not walk into the link
     _every_operation(store, 2)
@@ -105,7 +106,7 @@ def test_linked_blob_directory_is_never_followed(tmp_path: Path) -> None:
 
 def test_linked_step_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    info = store.save(tiny_state(1), reason="r")
+    info = save_state(store, tiny_state(1), reason="r")
     outside = tmp_path / "outside" / "copy"
     import shutil
 
@@ -126,8 +127,8 @@ def test_linked_step_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
 
 def test_manifest_task_id_never_becomes_a_path(tmp_path: Path) -> None:
     store = _store(tmp_path)
-    store.save(tiny_state(1), reason="r")
-    info = store.save(tiny_state(2), reason="r")
+    save_state(store, tiny_state(1), reason="r")
+    info = save_state(store, tiny_state(2), reason="r")
     manifest = read_manifest_json(Path(info.path))
     manifest["task_id"] = "../x"
     write_manifest_json(Path(info.path), manifest)
@@ -145,14 +146,14 @@ def test_leftover_links_are_removed_without_touching_their_targets(tmp_path: Pat
     outside = tmp_path / "outside"
     canary = Canary(outside)
     store = _store(tmp_path)
-    store.save(tiny_state(1, frozen=1.0), reason="r")
+    save_state(store, tiny_state(1, frozen=1.0), reason="r")
     store.close()
     task = tmp_path / "root" / "run"
     (task / "step-3.tmp-old").symlink_to(outside, target_is_directory=True)
     (task / "blobs" / "x.safetensors.tmp-old").symlink_to(canary.path)
     _store(tmp_path, session_id="s2").close()
-    assert (not os.path.lexists(task / "step-3.tmp-old")
-            and not os.path.lexists(task / "blobs" / "x.safetensors.tmp-old"))
+    assert not os.path.lexists(task / "step-3.tmp-old")
+    assert not os.path.lexists(task / "blobs" / "x.safetensors.tmp-old")
     assert canary.intact()
 
 

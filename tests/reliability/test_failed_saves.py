@@ -1,8 +1,8 @@
-"""A failed save is visible and treated the same wherever it falls in a run (issue 10, item 7).
+"""A failed save is visible and treated the same wherever it falls in a run.
 
-Round 1 logged an ERROR for a failed save in the middle of a run and nothing else, while a
-failure of the last save made `train()` raise. Now every failed save gives one WARNING with its
-cause and counts in `smart_ckpt/failed_saves`; `on_save_error` decides, for all of them alike,
+The failure it guards: a failed save in the middle of a run only logged, while a failure of the
+last save made `train()` raise. Every failed save gives one WARNING with its cause and counts in
+`smart_ckpt/failed_saves`; `on_save_error` decides, for all of them alike,
 whether the run continues (`warn`, the default) or stops at the next step (`raise`).
 """
 

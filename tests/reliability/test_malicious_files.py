@@ -1,10 +1,10 @@
 """Every bad byte falls back: hostile files raise `CorruptCheckpointError`, within bounded memory.
 
-Issue 10, failure 5: float `data_offsets` or a list in the safetensors alias map gave a raw
-`TypeError`; an L1 header declaring 64 GiB a raw allocator `RuntimeError`;
+The failures it guards: float `data_offsets` or a list in the safetensors alias map giving a
+raw `TypeError`; an L1 header declaring 64 GiB giving a raw allocator `RuntimeError`;
 `group_chunk_elems=1` in a 350-byte L1 file a `MemoryError` at 2.7 GB RSS after 31 s; a
-100k-deep JSON a `RecursionError` that stopped the store from opening; a non-JSON
-`optimizer.json` aborted resume instead of the weights-only fallback.
+100k-deep JSON a `RecursionError` that stops the store from opening; a non-JSON
+`optimizer.json` aborting resume instead of the weights-only fallback.
 
 Every case is a checkpoint whose manifest vouches for the hostile file (size and checksum
 recomputed, as anyone can), so only the parsers stand between it and the caller.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from helpers import save_state
 from store_helpers import replace_file, tiny_state
 
 from hf_dynamic_ckpt.config import FallbackStrategy
@@ -100,8 +101,8 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 
 def _build(root: Path, case: str) -> None:
     store = CheckpointStore(root, task_id="run", session_id="s1")
-    store.save(tiny_state(1, frozen=1.0), reason="honest")
-    info = store.save(tiny_state(2, frozen=2.0), reason="hostile")
+    save_state(store, tiny_state(1, frozen=1.0), reason="honest")
+    info = save_state(store, tiny_state(2, frozen=2.0), reason="hostile")
     store.close()
     CASES[case][0](Path(info.path))
 

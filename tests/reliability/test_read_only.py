@@ -1,8 +1,8 @@
 """Read-only stores and concurrent readers.
 
-Issue 10, failure 7 (store side): `ls`/`verify` on a read-only store crashed with a raw
-`sqlite3.OperationalError`; `verify --all` ended in a traceback for checkpoints that
-retention deleted during the scan.
+The failures it guards: `ls`/`verify` on a read-only store crashing with a raw
+`sqlite3.OperationalError`; `verify --all` ending in a traceback for checkpoints that
+retention deletes during the scan.
 
 The tests run as root here, where `chmod` binds nothing, so "read-only" is checked by what
 matters: with `read_only=True` not one byte, inode or timestamp under the root changes
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
 from store_helpers import tiny_state, tree
 
 from hf_dynamic_ckpt.constants import CATALOG_NAME, Tier
@@ -32,7 +33,7 @@ from hf_dynamic_ckpt.store import CheckpointStore, Lineage
 def root(tmp_path: Path) -> Path:
     store = CheckpointStore(tmp_path / "root", task_id="run", session_id="w")
     for step in (1, 2, 3):
-        store.save(tiny_state(step, frozen=1.0), reason="interval", healthy=step != 3)
+        save_state(store, tiny_state(step, frozen=1.0), reason="interval", healthy=step != 3)
     store.fork(timeline="t2", after_step=1, session="w2", parent=Lineage(session="w2", timeline="t2", parent_step=1))
     store.close()
     return tmp_path / "root"
@@ -53,7 +54,7 @@ def test_read_only_store_changes_nothing_on_disk(root: Path) -> None:
     store = CheckpointStore(root, task_id="run", read_only=True)
     seen = _read_everything(store)
     assert seen == {"list": [3, 2, 1], "auto": 1, "verify": [[], [], []], "weights": 64.0, "gc": []}
-    for attempt in (lambda: store.save(tiny_state(4), reason="r"), lambda: store.delete("step:1"),
+    for attempt in (lambda: save_state(store, tiny_state(4), reason="r"), lambda: store.delete("step:1"),
                     lambda: store.pin("step:1"), lambda: store.gc(),
                     lambda: store.fork(timeline="x", after_step=None, session="x")):
         with pytest.raises(DynamicCkptError, match="opened with read_only=True"):

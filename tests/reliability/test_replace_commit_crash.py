@@ -1,7 +1,7 @@
 """A replace-commit SIGKILLed at any filesystem operation keeps exactly one committed copy.
 
-Issue 10, failure 6: a crash between the two renames of a replace-commit (the old copy
-moved aside, the new one not yet renamed in) lost the step: the next open removed both
+The failure it guards: a crash between the two renames of a replace-commit (the old copy
+moved aside, the new one not yet renamed in) loses the step if the next open removes both
 temporary directories. `replace_runner.py` kills a save that replaces step 2 at every one
 of its filesystem operations in turn (a deterministic sweep over all its phases: writing
 files and blobs, done files, manifest, the aside rename, the commit rename, the removal of
@@ -59,7 +59,7 @@ def test_every_operation_of_a_replace_commit_is_survivable(sweep: tuple[dict, Pa
         task = root / replace_runner.TASK
         names = {p.name for p in task.iterdir()}
         if "step-2" not in names and any(n.endswith(ASIDE_SUFFIX) for n in names):
-            between_renames += 1  # the window that lost the step in round 1
+            between_renames += 1  # the window where a step can be lost
         store = CheckpointStore(root, task_id=replace_runner.TASK, session_id="check")
         try:
             left = sorted(n for n in (p.name for p in task.iterdir()) if TMP_MARKER in n)

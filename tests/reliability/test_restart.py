@@ -230,11 +230,12 @@ def test_a_duplicate_yaml_key_names_the_key_and_both_lines(tmp_path: Path) -> No
 _WRITE_1GIB = """
 import sys, torch
 torch.set_num_threads(1)
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 big = torch.randn(1 << 28)  # one honest 1 GiB fp32 tensor: incompressible, so stored raw in its frames
 store = CheckpointStore(sys.argv[1], task_id="run", compression_threads=1)
 store.save(CheckpointState(step=1, weights={"w": torch.zeros(8, 4)}, optimizer={
-    "state": {0: {"exp_avg": big}}, "param_groups": [{"lr": 0.1, "params": [0]}]}), reason="honest")
+    "state": {0: {"exp_avg": big}}, "param_groups": [{"lr": 0.1, "params": [0]}]}),
+    SaveRequest(step=1, reason="honest"))
 store.close()
 """
 

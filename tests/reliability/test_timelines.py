@@ -1,8 +1,8 @@
 """Timelines instead of deletion: resume never deletes, abandoned checkpoints stay restorable.
 
-Issue 10, failure 1: resume force-deleted every checkpoint newer than the restore point,
-pinned ones included; a SIGKILL during that deletion left half a rollback after which
-`auto` resumed the abandoned run. The store side of the fix is `fork`: one atomic record
+The failure it guards: a resume that deletes every checkpoint newer than the restore point,
+pinned ones included, where a SIGKILL during that deletion leaves half a rollback after which
+`auto` resumes the abandoned run. The store's answer is `fork`: one atomic record
 marks them abandoned; `auto`/`best`/`fastest` skip them; `step:N` restores them; retention
 and `gc` remove them only once the new timeline has committed past them, never pinned.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
 from store_helpers import read_manifest_json, tiny_state
 
 from hf_dynamic_ckpt.constants import TIMELINES_NAME, Tier
@@ -139,7 +140,7 @@ def test_save_request_reaches_the_manifest_unchanged(tmp_path: Path) -> None:
 
 def test_info_blobs_come_from_the_manifest_everywhere(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, task_id="run", session_id="s1")
-    committed = store.save(tiny_state(1, frozen=3.0), reason="r")
+    committed = save_state(store, tiny_state(1, frozen=3.0), reason="r")
     expected = read_manifest_json(Path(committed.path))["blobs"]
     assert dict(committed.blobs) == expected and set(expected) == {"frozen"}
     assert dict(store.list()[0].blobs) == expected and dict(store.resolve("step:1").blobs) == expected

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
 from store_helpers import tiny_state
 
 from hf_dynamic_ckpt.errors import StoreLockedError
@@ -32,13 +33,13 @@ import os, socket, sys, time, torch
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[3])
 from store_helpers import tiny_state
-from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 mode = sys.argv[2]
 if mode.startswith("host="):  # pretend to run on another host (a pod on another node)
     other = mode.removeprefix("host=")
     socket.gethostname = lambda: other
 store = CheckpointStore(sys.argv[1], task_id="run", session_id="first")
-store.save(tiny_state(1), reason="first")
+store.save(tiny_state(1), SaveRequest(step=1, reason="first"))
 if mode == "orphan":  # a child (a data-loader worker) inherits the open lock file, then the holder dies
     child = os.fork()
     if child == 0:
@@ -48,7 +49,7 @@ if mode == "orphan":  # a child (a data-loader worker) inherits the open lock fi
     os._exit(0)
 print("ready", flush=True)
 sys.stdin.readline()  # go on when the test says so
-store.save(tiny_state(2), reason="first")
+store.save(tiny_state(2), SaveRequest(step=2, reason="first"))
 store.close()
 print("done", flush=True)
 """
@@ -56,9 +57,8 @@ print("done", flush=True)
 
 def _holder(root: Path, mode: str) -> tuple[subprocess.Popen[str], int | None]:
     """The first writer, and (mode "orphan") the pid of the child that inherited its open lock file."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode,
-                             str(Path(__file__).parent)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode, str(Path(__file__).parent)]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().split()
     assert line[:1] == ["ready"], line
@@ -143,7 +143,7 @@ def test_an_orphaned_child_of_a_dead_holder_cannot_block_the_restart(tmp_path: P
 
 def test_this_processs_earlier_writer_is_closed_and_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     first = CheckpointStore(tmp_path, task_id="run", session_id="first")
-    first.save(tiny_state(1), reason="first")
+    save_state(first, tiny_state(1), reason="first")
     closed: list[str] = []
 
     def close_first() -> None:
@@ -168,9 +168,9 @@ def test_this_processs_earlier_writer_is_closed_and_replaced(tmp_path: Path, cap
         except StoreLockedError as e:
             print("refused:", e)
         """), str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert (f"refused: task 'run' under {tmp_path} is being written by another session: pid {os.getpid()}"
-            in probe.stdout)
-    info = second.save(tiny_state(2), reason="second")
+    refused = f"refused: task 'run' under {tmp_path} is being written by another session: pid {os.getpid()}"
+    assert refused in probe.stdout
+    info = save_state(second, tiny_state(2), reason="second")
     assert info is not None and [i.step for i in second.list()] == [2, 1]
     # A maintenance call of the same process does not close the run that writes the task.
     reader = CheckpointStore(tmp_path, task_id="run", session_id="tool", cleanup=False)
@@ -240,7 +240,7 @@ def test_takeover_replaces_a_holder_of_another_host_without_waiting(tmp_path: Pa
 def test_a_fresh_run_never_reports_another_sessions_checkpoint_as_its_save(tmp_path: Path) -> None:
     old = CheckpointStore(tmp_path, task_id="run", session_id="old")
     for step in (2, 4):
-        old.save(tiny_state(step), reason="old run")
+        save_state(old, tiny_state(step), reason="old run")
     old.close()
     new = CheckpointStore(tmp_path, task_id="run", session_id="new")
     state = tiny_state(1000 + 2)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import save_state
 
 from hf_dynamic_ckpt.constants import CATALOG_NAME, MANIFEST_NAME, Tier
 from hf_dynamic_ckpt.store import CheckpointInfo, CheckpointState, CheckpointStore
@@ -17,7 +18,7 @@ from hf_dynamic_ckpt.store.catalog import Catalog
 def _save(store: CheckpointStore, step: int, **kw: Any) -> CheckpointInfo:
     state = CheckpointState(step=step, weights={"w": torch.full((4,), float(step))},
                             optimizer={"state": {}, "param_groups": [{"lr": 0.1, "params": []}]}, rng={"s": step})
-    info = store.save(state, reason=kw.pop("reason", "interval"),
+    info = save_state(store, state, reason=kw.pop("reason", "interval"),
                       signals={"loss": 1.0 / step, "gpu_mem_percent": 40.0 + step}, **kw)
     assert info is not None
     return info

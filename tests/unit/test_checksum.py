@@ -1,4 +1,4 @@
-"""File checksums, the checksumming writer, fsync helpers."""
+"""File checksums (`hashing`), the checksumming writer (`paced_writer`), fsync helpers (`fs`)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from hf_dynamic_ckpt.store.checksum import (
+from hf_dynamic_ckpt.store.fs import fsync_dir, fsync_file
+from hf_dynamic_ckpt.store.hashing import (
     FILE_CHECKSUM_ALGO,
-    HashingWriter,
     checksum_algo,
     file_checksum,
-    fsync_dir,
-    fsync_file,
     make_file_entry,
     new_hasher,
 )
+from hf_dynamic_ckpt.store.paced_writer import HashingWriter
 
 
 def test_file_checksum_matches_reference_implementations(tmp_path: Path) -> None:
@@ -77,42 +76,42 @@ def test_new_hasher_names_and_unknown_algorithm() -> None:
 
 
 def test_hashing_writer_starts_writeback_of_each_full_stretch(tmp_path, monkeypatch):
-    import hf_dynamic_ckpt.store.checksum as checksum
+    import hf_dynamic_ckpt.store.paced_writer as paced_writer
 
     calls = []
-    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
     def fake(fd, off, n):
         calls.append((off, n))
         assert os.fstat(fd).st_size >= off + n  # flushed: the kernel can only write back what it has
         return True
 
-    monkeypatch.setattr(checksum, "start_writeback", fake)
+    monkeypatch.setattr(paced_writer, "start_writeback", fake)
     path = tmp_path / "f.bin"
     with open(path, "wb") as raw:
-        f = checksum.HashingWriter(raw)
+        f = paced_writer.HashingWriter(raw)
         for size in (600, 600, 300, 2500, 10):
             f.write(b"x" * size)
-        checksum.fsync_file(f)
+        fsync_file(f)
     # each request covers the bytes since the previous one, once at least 1000 are pending
     assert calls == [(0, 1200), (1200, 2800)]
     assert path.stat().st_size == 4010
-    assert f.checksum() == checksum.file_checksum(path)
+    assert f.checksum() == file_checksum(path)
 
 
 def test_hashing_writer_stops_asking_when_writeback_is_unsupported(monkeypatch):
     import io
 
-    import hf_dynamic_ckpt.store.checksum as checksum
+    import hf_dynamic_ckpt.store.paced_writer as paced_writer
 
-    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 10)
-    f = checksum.HashingWriter(io.BytesIO())  # no file descriptor
+    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 10)
+    f = paced_writer.HashingWriter(io.BytesIO())  # no file descriptor
     f.write(b"y" * 50)
     f.write(b"y" * 50)
     assert f.size == 100
     calls = []
-    monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: calls.append(n) or False)
+    monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: calls.append(n) or False)
     g_raw = io.BufferedWriter(io.FileIO("/dev/null", "wb"))
-    g = checksum.HashingWriter(g_raw)
+    g = paced_writer.HashingWriter(g_raw)
     g.write(b"z" * 20)
     g.write(b"z" * 20)
     assert calls == [20]  # refused once: never asked again
@@ -121,7 +120,7 @@ def test_hashing_writer_stops_asking_when_writeback_is_unsupported(monkeypatch):
 def test_start_writeback_on_a_real_file(tmp_path):
     import sys
 
-    from hf_dynamic_ckpt.store.checksum import start_writeback
+    from hf_dynamic_ckpt.store.paced_writer import start_writeback
 
     path = tmp_path / "g.bin"
     with open(path, "wb") as f:

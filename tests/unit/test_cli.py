@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
 
 from hf_dynamic_ckpt.cli import SUBCOMMANDS, build_parser, human_size, main
 from hf_dynamic_ckpt.constants import CATALOG_NAME, MANIFEST_NAME, WEIGHTS_NAME
@@ -24,7 +25,7 @@ def root(tmp_path: Path) -> Path:
     for step in (10, 20):
         state = CheckpointState(step=step, weights={"w": torch.zeros(256, 8)},
                                 optimizer={"state": {}, "param_groups": []}, rng={"s": step})
-        store.save(state, reason="interval" if step == 10 else "loss_spike", signals={"loss": 2.5 / step},
+        save_state(store, state, reason="interval" if step == 10 else "loss_spike", signals={"loss": 2.5 / step},
                    debug_info=[{"step": s, "loss": 0.1 * s, "grad_norm": 1.0} for s in range(step - 3, step + 1)])
     store.pin("step:10")
     store.close()
@@ -52,7 +53,7 @@ def _bytes(root: Path, step: int) -> int:
 
 
 def test_ls_empty_and_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A folder that holds no store is an error (issue 13: it used to print "no checkpoints" and exit 0),
+    # A folder that holds no store is an error (not "no checkpoints" with exit status 0),
     # and a command that only looks never creates a catalog there.
     for command in (["ls"], ["verify"], ["show", "auto"] and ["ls", "--all"]):
         assert main([command[0], str(tmp_path), *command[1:]]) == 2
@@ -86,7 +87,7 @@ def test_show_unknown_ref_is_exit_2_with_available_steps(root: Path, capsys: pyt
 
 def test_show_needs_task_when_there_are_several(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     other = CheckpointStore(root, task_id="other")
-    other.save(CheckpointState(step=1, weights={"w": torch.ones(1)}), reason="x")
+    save_state(other, CheckpointState(step=1, weights={"w": torch.ones(1)}), reason="x")
     other.close()
     assert main(["show", str(root), "step:1"]) == 2
     assert "holds several tasks (other, run); choose one with --task" in capsys.readouterr().err
@@ -133,8 +134,8 @@ def test_parser_is_extensible_and_runs_as_a_module(root: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli", "verify", str(root), "step:10"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.splitlines()[0] == "OK   run/step-10"
-    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli"], capture_output=True, text=True, env=env,
+                          timeout=120)
     assert proc.returncode == 2 and "COMMAND" in proc.stderr
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
+from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.filecheck as filecheck
 import hf_dynamic_ckpt.store.layout as layout
@@ -23,7 +25,7 @@ import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
-from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 
@@ -52,7 +54,7 @@ def _file(tmp_path: Path, compression: str, tensors: dict[str, torch.Tensor] | N
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_right_checksum_reads_the_same_tensors(tmp_path: Path, compression: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(filecheck, "_CHUNK", 64 << 10)  # many hash updates, interleaved with the frames
+    monkeypatch.setattr(filecheck, "HASH_CHUNK", 64 << 10)  # many hash updates, interleaved with the frames
     path = _file(tmp_path, compression)
     plain = read_tensor_file(path, copy=True, threads=2)
     checked = read_tensor_file(path, copy=True, threads=2, checksum=file_checksum(path))
@@ -81,8 +83,8 @@ def test_wrong_checksum_of_a_file_without_frames(tmp_path: Path, compression: st
 
 def test_unknown_checksum_algorithm_is_a_corrupt_file(tmp_path: Path) -> None:
     path = _file(tmp_path, "zstd")
-    with pytest.raises(CorruptCheckpointError,
-                       match=re.escape(f"Tensor file {path}: Unknown checksum algorithm 'rot13'")):
+    unknown = re.escape(f"Tensor file {path}: Unknown checksum algorithm 'rot13'")
+    with pytest.raises(CorruptCheckpointError, match=unknown):
         read_tensor_file(path, checksum="rot13:abc")
 
 
@@ -98,9 +100,9 @@ def test_a_corrupt_frame_is_reported_and_the_hash_thread_stopped(tmp_path: Path,
     data = bytearray(path.read_bytes())
     data[read_header(path)[2][0][0] + 5] ^= 0x10  # in the first frame: found while the whole-file hash still runs
     path.write_bytes(bytes(data))
-    monkeypatch.setattr(filecheck, "_CHUNK", 4096)
-    real = filecheck._Hasher.update
-    monkeypatch.setattr(filecheck._Hasher, "update", lambda self, d: (time.sleep(0.001), real(self, d))[1])
+    monkeypatch.setattr(filecheck, "HASH_CHUNK", 4096)
+    real = filecheck.Hasher.update
+    monkeypatch.setattr(filecheck.Hasher, "update", lambda self, d: (time.sleep(0.001), real(self, d))[1])
     for copy in (False, True):
         with pytest.raises(CorruptCheckpointError, match=r"frame(\(s\))? \[?0\]? fails? (its|their) xxh3 checksum"):
             read_tensor_file(path, checksum=good, copy=copy, threads=2)
@@ -109,7 +111,7 @@ def test_a_corrupt_frame_is_reported_and_the_hash_thread_stopped(tmp_path: Path,
 
 def test_a_version_2_container_is_checked_too(tmp_path: Path) -> None:
     path = tmp_path / "v2.bin"
-    write_tensor_file(_tensors(), path, container_version=2, threads=2)
+    write_v2(_tensors(), path)
     assert read_header(path)[0]["version"] == 2
     assert torch.equal(read_tensor_file(path, checksum=file_checksum(path))["exp_avg"], _tensors()["exp_avg"])
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"Tensor file {path}: checksum mismatch (")):
@@ -146,7 +148,7 @@ def store(tmp_path: Path) -> CheckpointStore:
 
 def test_load_hashes_the_optimizer_file_once_while_reading_it(store: CheckpointStore,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    info = store.save(_state(1), reason="r")
+    info = save_state(store, _state(1), reason="r")
     entry = json.loads((Path(info.path) / MANIFEST_NAME).read_text())["files"][OPTIMIZER_NAME]
     hashed: list[str] = []
     compared: list[tuple[str, str, str]] = []
@@ -166,7 +168,7 @@ def test_load_hashes_the_optimizer_file_once_while_reading_it(store: CheckpointS
 
 def test_a_manifest_checksum_the_file_does_not_have_fails_the_load(store: CheckpointStore) -> None:
     """Every frame is intact, only the whole-file checksum tells: the load must still refuse the file."""
-    info = store.save(_state(1), reason="r")
+    info = save_state(store, _state(1), reason="r")
     directory = Path(info.path)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     actual = manifest["files"][OPTIMIZER_NAME]["checksum"]
@@ -186,7 +188,7 @@ def test_a_checksum_mismatch_is_read_twice_then_corrupt_and_resume_falls_back_to
         store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
     from hf_dynamic_ckpt.run import restore
 
-    info = store.save(_state(1), reason="r")
+    info = save_state(store, _state(1), reason="r")
     directory = Path(info.path)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     manifest["files"][OPTIMIZER_NAME]["checksum"] = WRONG

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from helpers import save_state
 
 from hf_dynamic_ckpt.constants import BLOBS_DIR
 from hf_dynamic_ckpt.policy import plan_retention
@@ -15,7 +16,7 @@ def _save(store: CheckpointStore, step: int, frozen: torch.Tensor) -> None:
     g = torch.Generator().manual_seed(step)
     state = CheckpointState(step=step, epoch=0.0, weights={"w": torch.randn(4, 4, generator=g), "base": frozen},
                             dedup_keys=frozenset({"base"}))
-    store.save(state, reason="interval")
+    save_state(store, state, reason="interval")
 
 
 def _count_reads(monkeypatch) -> list[int]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import same_state
+from helpers import same_state, save_state
 
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import (
@@ -49,7 +49,7 @@ def _state(step: int) -> CheckpointState:
 def store(tmp_path: Path) -> CheckpointStore:
     s = CheckpointStore(tmp_path / "root", task_id="run")
     for step in (1, 2):
-        s.save(_state(step), reason="interval", signals={"loss": 1.0 / step})
+        save_state(s, _state(step), reason="interval", signals={"loss": 1.0 / step})
     yield s
     s.close()
 
@@ -167,7 +167,7 @@ def test_full_fallback_when_everything_is_intact(store: CheckpointStore) -> None
 
 def test_checkpoint_without_optimizer_tier_warns(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, task_id="run")
-    store.save(CheckpointState(step=3, weights={"w": torch.ones(2)}, rng={"a": 1}), reason="memory")
+    save_state(store, CheckpointState(step=3, weights={"w": torch.ones(2)}, rng={"a": 1}), reason="memory")
     loaded = load_for_resume(store, "auto")
     assert loaded.warnings == ["resuming from weights only: optimizer state of step 3 is lost (the checkpoint was "
                                "saved without it); the learning-rate schedule continues at step 3"]

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import save_state
 from safetensors import safe_open
 
 from hf_dynamic_ckpt import toy
@@ -32,9 +33,9 @@ from hf_dynamic_ckpt.errors import (
 )
 from hf_dynamic_ckpt.state.rng import capture_rng_state, restore_rng_state
 from hf_dynamic_ckpt.store import BlobRef, CheckpointState, CheckpointStore
-from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.blobs import tensor_digest
+from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
-from hf_dynamic_ckpt.store.weights import tensor_digest
 
 
 def _train(model: torch.nn.Module, steps: int = 2, seed: int = 0) -> tuple[torch.optim.Optimizer, Any]:
@@ -109,7 +110,7 @@ def test_round_trip_full_qwen2_is_bit_exact(store: CheckpointStore, tied: bool) 
         emb = state.weights["model.embed_tokens.weight"]
         state.weights["lm_head.weight"] = emb
     draws_after_capture = (torch.rand(4), torch.randn(3))
-    info = store.save(state, reason="interval", signals={"loss": 5.5})
+    info = save_state(store, state, reason="interval", signals={"loss": 5.5})
     assert info is not None and info.tiers == frozenset(Tier) and info.loss == 5.5
 
     loaded = store.load("auto", mmap=False)
@@ -144,7 +145,7 @@ def test_round_trip_full_qwen2_is_bit_exact(store: CheckpointStore, tied: bool) 
 
 def test_round_trip_mmap_weights_are_read_only_views_of_the_file(store: CheckpointStore) -> None:
     state = _tiny_state(1)
-    store.save(state, reason="r")
+    save_state(store, state, reason="r")
     loaded = store.load("step:1", tiers={Tier.WEIGHTS}, mmap=True)
     assert_same(state.weights, loaded.weights)
     assert loaded.optimizer is None and loaded.rng is None
@@ -159,7 +160,7 @@ def test_round_trip_lora_adapter_with_adamw_and_scheduler(store: CheckpointStore
     adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     state = CheckpointState(step=3, weights=adapter, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
                             rng=capture_rng_state(), sampler={"batches": 3})
-    store.save(state, reason="interval")
+    save_state(store, state, reason="interval")
     loaded = store.load("step:3")
     assert_same(adapter, loaded.weights, "adapter")
     assert all("lora_" in k for k in loaded.weights)
@@ -176,7 +177,7 @@ def test_lora_second_checkpoint_writes_no_base_model_bytes(store: CheckpointStor
     opt, _ = _train(model, steps=1)
     for step in (1, 2):
         adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-        store.save(CheckpointState(step=step, weights=adapter, optimizer=opt.state_dict()), reason="interval")
+        save_state(store, CheckpointState(step=step, weights=adapter, optimizer=opt.state_dict()), reason="interval")
         _train(model, steps=1)
     adapter_bytes = sum(v.numel() * v.element_size() for v in adapter.values())
     second = store.task_dir / "step-2"
@@ -196,19 +197,19 @@ def test_full_finetune_frozen_embedding_is_written_once(store: CheckpointStore) 
     opt, sched = _train(model, steps=1)
     emb_bytes = model.state_dict()[emb].numel() * 4
 
-    store.save(_state(model, opt, sched, step=1, dedup_keys=frozenset({emb})), reason="interval")
+    save_state(store, _state(model, opt, sched, step=1, dedup_keys=frozenset({emb})), reason="interval")
     blobs = list((store.task_dir / BLOBS_DIR).iterdir())
     assert len(blobs) == 1 and blobs[0].stat().st_size >= emb_bytes
     blob_stat = blobs[0].stat()
 
     _train(model, steps=1)
     state2 = _state(model, opt, sched, step=2, dedup_keys=frozenset({emb}))
-    store.save(state2, reason="interval")
+    save_state(store, state2, reason="interval")
     # Third save passes a BlobRef, as the engine does for unchanged frozen tensors.
     t = state2.weights[emb]
     state3 = _state(model, opt, sched, step=3)
     state3.weights[emb] = BlobRef(digest=tensor_digest(t), dtype="float32", shape=tuple(t.shape))
-    store.save(state3, reason="interval")
+    save_state(store, state3, reason="interval")
 
     assert [p.name for p in (store.task_dir / BLOBS_DIR).iterdir()] == [blobs[0].name]
     assert blobs[0].stat().st_mtime_ns == blob_stat.st_mtime_ns and blobs[0].stat().st_ino == blob_stat.st_ino
@@ -223,7 +224,7 @@ def test_full_finetune_frozen_embedding_is_written_once(store: CheckpointStore) 
 
 
 def test_manifest_lists_every_file_with_size_checksum_tier_rank(store: CheckpointStore) -> None:
-    info = store.save(_tiny_state(5), reason="risk", signals={"loss": float("nan"), "grad_norm": float("inf")},
+    info = save_state(store, _tiny_state(5), reason="risk", signals={"loss": float("nan"), "grad_norm": float("inf")},
                       debug_info=[{"step": s, "loss": 1.0 / (s + 1)} for s in range(15)])
     manifest = json.loads((Path(info.path) / MANIFEST_NAME).read_text())  # strict JSON (no NaN literals)
     assert set(manifest["files"]) == {WEIGHTS_NAME, OPTIMIZER_NAME, OPTIMIZER_META_NAME, SAMPLER_NAME, "rng-rank0.json"}
@@ -241,8 +242,8 @@ def test_manifest_lists_every_file_with_size_checksum_tier_rank(store: Checkpoin
 
 
 def test_committed_step_is_not_rewritten(store: CheckpointStore) -> None:
-    first = store.save(_tiny_state(1), reason="a")
-    again = store.save(CheckpointState(step=1, weights={"w": torch.zeros(2)}), reason="b")
+    first = save_state(store, _tiny_state(1), reason="a")
+    again = save_state(store, CheckpointState(step=1, weights={"w": torch.zeros(2)}), reason="b")
     assert again == first
     assert_same(store.load("step:1").weights, _tiny_state(1).weights)
 
@@ -250,7 +251,7 @@ def test_committed_step_is_not_rewritten(store: CheckpointStore) -> None:
 def test_leftover_tmp_dirs_removed_on_open_except_own_session(tmp_path: Path) -> None:
     root = tmp_path / "root"
     s = CheckpointStore(root, task_id="run", session_id="old")
-    s.save(_tiny_state(1), reason="a")
+    save_state(s, _tiny_state(1), reason="a")
     s.close()
     stale = root / "run" / "step-2.tmp-old"
     own = root / "run" / "step-3.tmp-new"
@@ -275,7 +276,7 @@ def test_two_ranks_commit_one_checkpoint(tmp_path: Path) -> None:
 
     def run(rank: int) -> None:
         state = _tiny_state(4) if rank == 0 else CheckpointState(step=4, rng={"seed": 100 + rank})
-        results[rank] = stores[rank].save(state, reason="interval")
+        results[rank] = save_state(stores[rank], state, reason="interval")
 
     threads = [threading.Thread(target=run, args=(r,)) for r in (1, 0)]
     for t in threads:
@@ -300,7 +301,7 @@ def test_two_ranks_commit_one_checkpoint(tmp_path: Path) -> None:
 def test_missing_rank_times_out_and_commits_nothing(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "root", task_id="ddp", rank=0, world_size=3, session_id="s1", rank_timeout_s=0.3)
     with pytest.raises(DistributedError) as exc:
-        store.save(_tiny_state(7), reason="interval")
+        save_state(store, _tiny_state(7), reason="interval")
     assert "rank(s) [1, 2] of 3 did not finish writing within 0.3 s" in str(exc.value)
     assert "nothing was committed" in str(exc.value)
     assert _visible(store.task_dir) == []
@@ -317,9 +318,9 @@ def test_session_id_required_for_several_ranks(tmp_path: Path) -> None:
 
 def test_resolve_specs(store: CheckpointStore) -> None:
     for step, loss, healthy in ((10, 2.0, True), (20, 1.0, True), (30, 3.0, True), (40, 0.5, False)):
-        store.save(_tiny_state(step), reason="r", healthy=healthy, signals={"loss": loss})
+        save_state(store, _tiny_state(step), reason="r", healthy=healthy, signals={"loss": loss})
     # optimizer-less checkpoint: cheapest to recover
-    store.save(CheckpointState(step=25, weights={"w": torch.zeros(8, 4)}), reason="mem", signals={"loss": 9.0})
+    save_state(store, CheckpointState(step=25, weights={"w": torch.zeros(8, 4)}), reason="mem", signals={"loss": 9.0})
     assert store.resolve("auto").step == 30  # 40 is unhealthy
     assert store.resolve("best").step == 20
     assert store.resolve("fastest").step == 25
@@ -356,14 +357,14 @@ def _rewrite_manifest(directory: Path, fix_checksum: bool, **changes: Any) -> No
 
 
 def test_newer_format_version_is_refused(store: CheckpointStore) -> None:
-    info = store.save(_tiny_state(1), reason="r")
+    info = save_state(store, _tiny_state(1), reason="r")
     _rewrite_manifest(Path(info.path), fix_checksum=True, format_version=99)
     with pytest.raises(FormatVersionError, match="format_version=99 is newer than the version this library reads"):
         store.load("step:1")
 
 
 def test_tampered_or_unparsable_manifest_is_refused(store: CheckpointStore) -> None:
-    info = store.save(_tiny_state(1), reason="r")
+    info = save_state(store, _tiny_state(1), reason="r")
     _rewrite_manifest(Path(info.path), fix_checksum=False, reason="edited")
     with pytest.raises(CorruptCheckpointError, match="manifest checksum mismatch"):
         store.load("step:1")
@@ -378,7 +379,7 @@ def test_verify_reports_each_problem(store: CheckpointStore) -> None:
     model = toy.tiny_qwen2(seed=0, num_layers=1, hidden_size=32)
     emb = "model.embed_tokens.weight"
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    info = store.save(CheckpointState(step=1, weights=weights, dedup_keys=frozenset({emb}), **{
+    info = save_state(store, CheckpointState(step=1, weights=weights, dedup_keys=frozenset({emb}), **{
         k: getattr(_tiny_state(1), k) for k in ("optimizer", "scheduler", "rng", "sampler")}), reason="r")
     directory = Path(info.path)
     assert store.verify("step:1") == []
@@ -406,7 +407,7 @@ def test_pin_and_delete(store: CheckpointStore) -> None:
     emb = "model.embed_tokens.weight"
     for step in (1, 2, 3):
         weights = {k: v.detach().clone() + (0 if k == emb else step) for k, v in model.state_dict().items()}
-        store.save(CheckpointState(step=step, weights=weights, dedup_keys=frozenset({emb}),
+        save_state(store, CheckpointState(step=step, weights=weights, dedup_keys=frozenset({emb}),
                                    optimizer=_tiny_state(step).optimizer), reason="r")
     assert store.pin("step:2").pinned
     assert (store.task_dir / "step-2" / PINNED_MARKER).exists()
@@ -430,7 +431,8 @@ def test_pin_and_delete(store: CheckpointStore) -> None:
 
 
 def test_concurrent_saves_from_threads_are_serialised(store: CheckpointStore) -> None:
-    threads = [threading.Thread(target=store.save, args=(_tiny_state(s),), kwargs={"reason": "t"}) for s in range(1, 7)]
+    threads = [threading.Thread(target=save_state, args=(store, _tiny_state(s)), kwargs={"reason": "t"})
+               for s in range(1, 7)]
     for t in threads:
         t.start()
     for t in threads:
@@ -442,7 +444,7 @@ def test_concurrent_saves_from_threads_are_serialised(store: CheckpointStore) ->
 
 
 def test_entries_are_verified_with_their_own_checksum_algorithm(store: CheckpointStore) -> None:
-    info = store.save(_tiny_state(1), reason="r")
+    info = save_state(store, _tiny_state(1), reason="r")
     directory = Path(info.path)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     manifest["files"][SAMPLER_NAME]["checksum"] = file_checksum(directory / SAMPLER_NAME, algo="sha256")
@@ -450,14 +452,14 @@ def test_entries_are_verified_with_their_own_checksum_algorithm(store: Checkpoin
     manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
     problems = store.verify("step:1")
-    assert len(problems) == 1 and problems[0].startswith(
-        f"{WEIGHTS_NAME} (tier weights): Unknown checksum algorithm 'crc99'")
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{WEIGHTS_NAME} (tier weights): Unknown checksum algorithm 'crc99'")
     assert store.load("step:1", tiers={Tier.STATE}).sampler == {"batches": 1}  # sha256 entry still verifies
 
 
 def test_verify_by_path_of_a_foreign_checkpoint_with_a_bad_manifest(store: CheckpointStore, tmp_path: Path) -> None:
     other = CheckpointStore(tmp_path / "other_root", task_id="x")
-    info = other.save(_tiny_state(1), reason="r")
+    info = save_state(other, _tiny_state(1), reason="r")
     other.close()
     (Path(info.path) / MANIFEST_NAME).write_text("[]")
     problems = store.verify(info.path)
@@ -465,15 +467,15 @@ def test_verify_by_path_of_a_foreign_checkpoint_with_a_bad_manifest(store: Check
 
 
 def test_replace_recommits_a_step_and_a_dir_without_manifest_is_overwritten(store: CheckpointStore) -> None:
-    store.save(_tiny_state(1), reason="old timeline")
+    save_state(store, _tiny_state(1), reason="old timeline")
     new = CheckpointState(step=1, weights={"w": torch.ones(3)})
-    info = store.save(new, reason="new timeline", replace=True)
+    info = save_state(store, new, reason="new timeline", replace=True)
     assert info.reason == "new timeline" and store.resolve("step:1").reason == "new timeline"
     assert_same(store.load("step:1").weights, {"w": torch.ones(3)})
     assert _visible(store.task_dir) == ["step-1"]
     (store.task_dir / "step-2").mkdir()  # e.g. a manifest deleted by hand
     (store.task_dir / "step-2" / WEIGHTS_NAME).write_bytes(b"junk")
-    assert store.save(_tiny_state(2), reason="r").step == 2
+    assert save_state(store, _tiny_state(2), reason="r").step == 2
     assert store.verify("step:2") == []
 
 
@@ -482,7 +484,7 @@ def test_save_failure_leaves_nothing_behind(store: CheckpointStore) -> None:
 
     bad = CheckpointState(step=3, weights={"w": torch.zeros(2)}, optimizer={"state": {"f": lambda: 0}})
     with pytest.raises(SaveError, match="cannot be stored without pickle"):
-        store.save(bad, reason="r")
+        save_state(store, bad, reason="r")
     assert _visible(store.task_dir) == [] and store.list(include_unhealthy=True) == []
 
 
@@ -524,15 +526,15 @@ def test_blob_collection_is_skipped_while_a_save_is_in_flight(tmp_path: Path) ->
     writer = CheckpointStore(tmp_path, task_id="run", session_id="s", cleanup=False)
     trainer = CheckpointStore(tmp_path, task_id="run", session_id="s", cleanup=False)
     for step, value in ((1, 1.0), (2, 2.0)):
-        writer.save(CheckpointState(step=step, weights={"frozen": torch.full((64,), value)},
+        save_state(writer, CheckpointState(step=step, weights={"frozen": torch.full((64,), value)},
                                     dedup_keys=frozenset({"frozen"})), reason="r")
     blobs = trainer.blobs_dir
     assert len(list(blobs.iterdir())) == 2
     with writer.blobs.lock(shared=True):  # a save is in flight in the writer
         trainer.delete("step:1")
         assert len(list(blobs.iterdir())) == 2  # collection skipped, nothing pulled from under the save
-    trainer.save(CheckpointState(step=3, weights={"frozen": torch.full((64,), 2.0)}, dedup_keys=frozenset({"frozen"})),
-                 reason="r")
+    save_state(trainer, CheckpointState(step=3, weights={"frozen": torch.full((64,), 2.0)},
+                                        dedup_keys=frozenset({"frozen"})), reason="r")
     trainer.delete("step:3")  # no save in flight: the orphan of step 1 goes now
     assert len(list(blobs.iterdir())) == 1
     assert blobs.joinpath(f"{tensor_digest(torch.full((64,), 2.0))}.safetensors").exists()
@@ -548,7 +550,7 @@ def test_abort_makes_a_save_waiting_for_other_ranks_give_up_now(tmp_path: Path) 
 
     def save() -> None:
         try:
-            store.save(_tiny_state(3), reason="interval")
+            save_state(store, _tiny_state(3), reason="interval")
         except BaseException as e:
             errors.append(e)
 

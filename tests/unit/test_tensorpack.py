@@ -10,21 +10,23 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import save_state
 
 import hf_dynamic_ckpt.store.parallel as parallel
+import hf_dynamic_ckpt.store.tensorpack_format as tpf
 from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
-from hf_dynamic_ckpt.store.checksum import file_checksum
-from hf_dynamic_ckpt.store.tensorpack import (
-    _group,
-    _ungroup_into,
-    flatten_state,
-    read_header,
-    read_tensor_file,
-    resolve_threads,
-    unflatten_state,
-    write_tensor_file,
-)
+from hf_dynamic_ckpt.store.byteplanes import group, ungroup_into
+from hf_dynamic_ckpt.store.hashing import file_checksum
+from hf_dynamic_ckpt.store.parallel import resolve_threads
+from hf_dynamic_ckpt.store.statetree import flatten_state, unflatten_state
+from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
+
+
+def _plan(entries: list[dict[str, Any]], group_chunk_elems: int, frame_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Every frame's pieces, listed (the writer and reader only walk `frames`)."""
+    return [[p for run in frame for p in tpf.pieces(run, tpf.step_of(entries[run[0]], group_chunk_elems))]
+            for frame in tpf.frames(entries, group_chunk_elems, frame_bytes)]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -203,13 +205,13 @@ def test_byte_grouping_shrinks_real_adamw_state(tmp_path: Path) -> None:
 
 def test_byte_group_layout_and_inverse() -> None:
     raw = np.arange(12, dtype=np.uint8)  # three 4-byte elements
-    assert _group(raw, 4).tolist() == [3, 7, 11, 2, 6, 10, 0, 1, 4, 5, 8, 9]
-    assert _group(np.arange(6, dtype=np.uint8), 2).tolist() == [1, 3, 5, 0, 2, 4]
+    assert group(raw, 4).tolist() == [3, 7, 11, 2, 6, 10, 0, 1, 4, 5, 8, 9]
+    assert group(np.arange(6, dtype=np.uint8), 2).tolist() == [1, 3, 5, 0, 2, 4]
     rng = np.random.default_rng(0)
     for itemsize in (2, 4, 8):
         data = rng.integers(0, 256, size=itemsize * 33, dtype=np.uint8)
         back = np.empty_like(data)
-        _ungroup_into(_group(data, itemsize), back, itemsize)
+        ungroup_into(group(data, itemsize), back, itemsize)
         assert back.tobytes() == data.tobytes()
 
 
@@ -396,7 +398,7 @@ def test_other_container_versions_are_refused(tmp_path: Path) -> None:
     with pytest.raises(FormatVersionError,
                        match=r"has container version 99, this library reads versions 2 and 3: newer than"):
         read_tensor_file(bad)
-    # A version-1 file as the previous library wrote it (one zstd frame, 16-byte footer):
+    # A version-1 file (one zstd frame, 16-byte footer):
     # its byte-grouping changed without a version bump, so it is refused, not guessed.
     import struct
     import zlib
@@ -407,8 +409,8 @@ def test_other_container_versions_are_refused(tmp_path: Path) -> None:
                      "total_bytes": 40, "group_chunk_elems": 4194304,
                      "tensors": [{"name": "a", "dtype": "float32", "shape": [10], "offset": 0, "nbytes": 40,
                                   "byte_grouped": True}]}).encode()
-    frame = zstandard.ZstdCompressor(write_checksum=True).compress(
-        _group(np.ones(10, np.float32).view(np.uint8), 4).tobytes())
+    planes = group(np.ones(10, np.float32).view(np.uint8), 4).tobytes()
+    frame = zstandard.ZstdCompressor(write_checksum=True).compress(planes)
     bad.write_bytes(b"HFDCTP01" + struct.pack("<Q", len(h1)) + h1 + struct.pack("<I", zlib.crc32(h1)) + frame
                     + struct.pack("<Q", len(frame)) + b"HFDCTEND")
     with pytest.raises(FormatVersionError,
@@ -428,7 +430,7 @@ def test_grouping_runs_in_chunks_read_back_by_the_header_value(tmp_path: Path, m
     monkeypatch.undo()  # the reader must follow the file's own chunk and frame sizes
     header, _, frames = read_header(tmp_path / "c.zst")
     assert (header["group_chunk_elems"], header["frame_bytes"]) == (7, 64)
-    assert len(frames) == len(tp._plan(header["tensors"], 7, 64)) > 10
+    assert len(frames) == len(_plan(header["tensors"], 7, 64)) > 10
     for threads in (1, 2):
         back = read_tensor_file(tmp_path / "c.zst", threads=threads)
         for k, t in tensors.items():
@@ -441,12 +443,10 @@ def test_grouping_runs_in_chunks_read_back_by_the_header_value(tmp_path: Path, m
 
     payload = _frame_raw_v3(frame)
     raw_bytes = np.arange(36, dtype=np.uint8)
-    assert payload == _group(raw_bytes[:28], 4).tobytes() + _group(raw_bytes[28:], 4).tobytes()
+    assert payload == group(raw_bytes[:28], 4).tobytes() + group(raw_bytes[28:], 4).tobytes()
 
 
 def test_frame_plan_packs_pieces_up_to_frame_bytes() -> None:
-    from hf_dynamic_ckpt.store.tensorpack import _plan
-
     entries = [{"dtype": "float32", "nbytes": 4 * n} for n in (10, 3, 0, 2, 25)]
     assert _plan(entries, 8, 40) == [[(0, 0, 32), (0, 32, 40)], [(1, 0, 12), (3, 0, 8)], [(4, 0, 32)],
                                      [(4, 32, 64)], [(4, 64, 96), (4, 96, 100)]]
@@ -513,7 +513,7 @@ def test_store_writes_the_optimizer_tier_with_its_codec(tmp_path: Path, compress
 
     model, opt, sched, scaler = _trained_state()
     store = CheckpointStore(tmp_path / "store", compression=compression)
-    info = store.save(CheckpointState(step=3, weights=model.state_dict(), optimizer=opt.state_dict(),
+    info = save_state(store, CheckpointState(step=3, weights=model.state_dict(), optimizer=opt.state_dict(),
                                       scheduler=sched.state_dict(), scaler=scaler.state_dict()), reason="test")
     assert read_header(Path(info.path) / OPTIMIZER_NAME)[0]["codec"] == compression
     loaded = store.load(info, tiers={Tier.OPTIMIZER})

@@ -1,4 +1,4 @@
-"""A paced L1 write: no faster than the disk, and no slower either (issue 15, goal 4).
+"""A paced L1 write: no faster than the disk, and no slower either.
 
 `HashingWriter(paced=True)` waits, after each writeback request, for the bytes
 `PACE_WINDOW` behind the end to be on disk, and records whether that wait blocked. While it
@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import save_state
 from test_tensorpack_v3 import _assert_same, _frames, _table
 
-import hf_dynamic_ckpt.store.checksum as checksum
+import hf_dynamic_ckpt.store.paced_writer as paced_writer
 import hf_dynamic_ckpt.store.tensorpack as tp
 import hf_dynamic_ckpt.store.tensorpack_codec as codec
-from hf_dynamic_ckpt.store.checksum import HashingWriter, file_checksum, wait_written
+from hf_dynamic_ckpt.store.hashing import file_checksum
+from hf_dynamic_ckpt.store.paced_writer import HashingWriter, wait_written
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 
 
@@ -26,7 +28,7 @@ def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float,
           work_s: float = 0.0) -> list[tuple[int, int]]:
     """Every writeback request succeeds; each wait takes the next of `seconds` (or always `seconds`).
 
-    The writer's clock is simulated (`checksum.time.perf_counter`): the writer takes `work_s` per
+    The writer's clock is simulated (`paced_writer.time.perf_counter`): the writer takes `work_s` per
     writeback request and each wait its `seconds`, whatever the machine's load.
     """
     waits: list[tuple[int, int]] = []
@@ -36,22 +38,22 @@ def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float,
         clock[0] += work_s
         return True
 
-    monkeypatch.setattr(checksum, "start_writeback", writeback)
-    monkeypatch.setattr(checksum, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(paced_writer, "start_writeback", writeback)
+    monkeypatch.setattr(paced_writer, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def wait(fd: int, off: int, n: int) -> bool:
         waits.append((off, n))
         clock[0] += seconds[len(waits) - 1] if isinstance(seconds, list) else seconds
         return True
 
-    monkeypatch.setattr(checksum, "wait_written", wait)
+    monkeypatch.setattr(paced_writer, "wait_written", wait)
     return waits
 
 
 def test_paced_writer_waits_for_the_range_a_window_behind_and_tells_who_set_the_pace(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
-    monkeypatch.setattr(checksum, "PACE_WINDOW", 3000)
+    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 3000)
     # The writer works 2 ms per 1000 bytes; two waits of 50 ms block, then the disk is already done.
     waits = _disk(monkeypatch, [0.05, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0], work_s=0.002)
     seen = []
@@ -72,8 +74,8 @@ def test_paced_writer_waits_for_the_range_a_window_behind_and_tells_who_set_the_
 
 
 def test_unpaced_writer_never_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
-    monkeypatch.setattr(checksum, "PACE_WINDOW", 1000)
+    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 1000)
     waits = _disk(monkeypatch, 0.0)
     with open(tmp_path / "f", "wb") as raw:
         w = HashingWriter(raw)
@@ -83,11 +85,11 @@ def test_unpaced_writer_never_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_pacing_stops_where_the_wait_is_unsupported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
-    monkeypatch.setattr(checksum, "PACE_WINDOW", 1000)
-    monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: True)
+    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 1000)
+    monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: True)
     calls = []
-    monkeypatch.setattr(checksum, "wait_written", lambda fd, off, n: calls.append(n) or False)
+    monkeypatch.setattr(paced_writer, "wait_written", lambda fd, off, n: calls.append(n) or False)
     with open(tmp_path / "f", "wb") as raw:
         w = HashingWriter(raw, paced=True)
         for _ in range(10):
@@ -98,12 +100,12 @@ def test_pacing_stops_where_the_wait_is_unsupported(tmp_path: Path, monkeypatch:
 
 def test_a_paced_writer_without_writeback_requests_behaves_as_unpaced(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
     with open(tmp_path / "f", "wb") as raw:
-        monkeypatch.setattr(checksum, "_sync_file_range", False)  # no sync_file_range (not Linux)
+        monkeypatch.setattr(paced_writer, "_sync_file_range", False)  # no sync_file_range (not Linux)
         assert HashingWriter(raw, paced=True).disk_bound
-        monkeypatch.setattr(checksum, "_sync_file_range", None)
-        monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: False)  # the request fails
+        monkeypatch.setattr(paced_writer, "_sync_file_range", None)
+        monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: False)  # the request fails
         w = HashingWriter(raw, paced=True)
         assert not w.disk_bound
         w.write(b"x" * 1000)
@@ -140,8 +142,8 @@ def _kinds_by_frame(path: Path) -> list[list[int]]:
 @pytest.fixture
 def small_frames(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tp, "FRAME_BYTES", 1 << 20)  # one tensor per frame
-    monkeypatch.setattr(checksum, "WRITEBACK_BYTES", 64 << 10)
-    monkeypatch.setattr(checksum, "PACE_WINDOW", 128 << 10)
+    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 64 << 10)
+    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 128 << 10)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -179,14 +181,13 @@ def test_once_the_disk_sets_the_pace_the_paced_file_is_the_unpaced_one(
     _assert_same(read_tensor_file(paced), tensors)
 
 
-def test_only_a_compressed_v3_write_is_paced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             small_frames: None) -> None:
+def test_only_a_compressed_write_is_paced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          small_frames: None) -> None:
     waits = _disk(monkeypatch, 0.0)
     tensors = _state()
-    for kwargs in ({"compression": "none"}, {"container_version": 2}):
-        path = tmp_path / "t.bin"
-        write_tensor_file(tensors, path, paced=True, **kwargs)
-        _assert_same(read_tensor_file(path, copy=True), tensors)
+    path = tmp_path / "t.bin"
+    write_tensor_file(tensors, path, paced=True, compression="none")
+    _assert_same(read_tensor_file(path, copy=True), tensors)
     assert waits == []
 
 
@@ -237,7 +238,7 @@ def test_a_short_hold_up_or_a_write_too_short_to_tell_does_not_bring_grouping_ba
     path = tmp_path / "t.bin"
     write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)
     assert len(waits) >= 5 and pace.group is False  # judged on the whole write, not on its worst moment
-    monkeypatch.setattr(checksum, "PACE_WINDOW", 64 << 20)  # now the file is under one window: no wait at all
+    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 64 << 20)  # now the file is under one window: no wait at all
     waits.clear()
     pace.learn(True)
     write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)
@@ -270,8 +271,8 @@ def test_grouping_pays_where_only_a_grouped_plane_compresses_in_a_hurry() -> Non
 
 def test_byte_grouping_stays_where_pacing_does_not_work_or_is_off(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
-    monkeypatch.setattr(checksum, "start_writeback", lambda fd, off, n: True)
-    monkeypatch.setattr(checksum, "wait_written", lambda fd, off, n: False)  # the wait fails: not paced
+    monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: True)
+    monkeypatch.setattr(paced_writer, "wait_written", lambda fd, off, n: False)  # the wait fails: not paced
     tensors = _state()
     pace = codec.PaceMemory()
     pace.learn(False)
@@ -279,10 +280,9 @@ def test_byte_grouping_stays_where_pacing_does_not_work_or_is_off(
     write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)
     assert pace.group is True  # nothing tells who set the pace: group, as a new store does
     pace.learn(False)
-    for kwargs in ({}, {"container_version": 2}):  # not paced: `pace` is neither read nor changed
-        write_tensor_file(tensors, path, level=1, threads=1, pace=pace, **kwargs)
-        assert _grouped(path) == [True] * 12 and pace.group is False
-        _assert_same(read_tensor_file(path), tensors)
+    write_tensor_file(tensors, path, level=1, threads=1, pace=pace)  # not paced: `pace` is neither read nor changed
+    assert _grouped(path) == [True] * 12 and pace.group is False
+    _assert_same(read_tensor_file(path), tensors)
 
 
 def test_the_store_remembers_across_saves_whether_to_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -297,8 +297,8 @@ def test_the_store_remembers_across_saves_whether_to_group(tmp_path: Path, monke
     moments = {"exp_avg": torch.randn(512, 512, generator=g), "exp_avg_sq": torch.rand(512, 512, generator=g) * 1e-6}
     optimizer = {"state": {0: {"step": torch.tensor(1.0), **moments}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
     store = CheckpointStore(tmp_path / "s")
-    files = [Path(store.save(CheckpointState(step=step, optimizer=optimizer), reason="test").path) / OPTIMIZER_NAME
-             for step in (1, 2)]
+    files = [Path(save_state(store, CheckpointState(step=step, optimizer=optimizer), reason="test").path)
+             / OPTIMIZER_NAME for step in (1, 2)]
     assert store.task.l1_pace.group is False  # the simulated disk never held a write up
     names = [e["name"] for e in read_header(files[0])[0]["tensors"]]
     big = [i for i, name in enumerate(names) if name.endswith(("exp_avg", "exp_avg_sq"))]
@@ -329,7 +329,8 @@ def _save(store, step: int):  # type: ignore[no-untyped-def]
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
-    return store.save(CheckpointState(step=step, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
+    state = CheckpointState(step=step, weights=model.state_dict(), optimizer=opt.state_dict())
+    return save_state(store, state, reason="test")
 
 
 def test_the_store_paces_a_local_l1_write_unless_told_not_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

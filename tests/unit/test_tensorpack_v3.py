@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import struct
 import zlib
@@ -14,11 +13,14 @@ import pytest
 import torch
 import xxhash
 import zstandard
+from helpers import save_state
+from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.tensorpack as tp
 import hf_dynamic_ckpt.store.tensorpack_codec as codec
-from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
-from hf_dynamic_ckpt.store.tensorpack import _group, read_header, read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.errors import CorruptCheckpointError
+from hf_dynamic_ckpt.store.byteplanes import group, group_into, ungroup_into
+from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -108,7 +110,7 @@ def test_raw_parts_are_the_grouped_bytes_themselves(tmp_path: Path) -> None:
     write_tensor_file({"x": x}, path, threads=1)
     [frame] = _frames(path)
     parts = _table(frame)
-    grouped = _group(x.view(torch.uint8).numpy(), 4).tobytes()
+    grouped = group(x.view(torch.uint8).numpy(), 4).tobytes()
     n = x.numel()
     assert [r for _, r, _, _ in parts] == [n, n, 2 * n]  # cut at the planes (each <= PART_BYTES)
     assert [k for k, _, _, _ in parts] == [1, 0, 0]
@@ -238,15 +240,10 @@ def test_zstd_part_whose_content_size_differs_from_its_table_entry(tmp_path: Pat
         read_tensor_file(path)
 
 
-def test_container_version_argument(tmp_path: Path) -> None:
-    with pytest.raises(SaveError, match=r"container_version=4 is not supported; use 2 or 3 \(3 is the default\)"):
-        write_tensor_file({"a": torch.ones(2)}, tmp_path / "x", container_version=4)
-
-
-def test_v2_file_written_by_the_previous_code_path_reads_back(tmp_path: Path) -> None:
+def test_v2_file_reads_back(tmp_path: Path) -> None:
     tensors = _every_dtype()
     path = tmp_path / "v2.bin"
-    write_tensor_file(tensors, path, level=1, container_version=2)
+    write_v2(tensors, path, level=1)
     header, _, _ = read_header(path)
     assert header["version"] == 2
     for frame in _frames(path):  # each frame is one zstd frame, as version 2 wrote it
@@ -261,7 +258,7 @@ def test_every_flipped_byte_and_truncation_of_a_v2_file_is_an_error(tmp_path: Pa
     g = torch.Generator().manual_seed(6)
     tensors = {"a": torch.randn(40, generator=g), "ids": torch.arange(10), "h": torch.randn(16, generator=g).half()}
     path = tmp_path / "v2.bin"
-    write_tensor_file(tensors, path, threads=1, container_version=2)
+    write_v2(tensors, path)
     assert read_header(path)[0]["version"] == 2 and len(_frames(path)) > 1
     good = path.read_bytes()
     for i in range(len(good)):
@@ -282,13 +279,14 @@ def test_v2_fixture_made_by_code_reads_back(tmp_path: Path) -> None:
     """A tiny version-2 file built from the v2 layout itself (not by the writer)."""
     a = torch.arange(12, dtype=torch.float32) / 7
     ids = torch.arange(5, dtype=torch.int64)
-    grouped = _group(a.view(torch.uint8).numpy(), 4).tobytes() + _bytes(ids)
+    grouped = group(a.view(torch.uint8).numpy(), 4).tobytes() + _bytes(ids)
     header = {"format": "hf_dynamic_ckpt.tensorpack", "version": 2, "codec": "zstd", "level": 3, "total_bytes": 88,
               "group_chunk_elems": 1 << 22, "frame_bytes": 16 << 20,
               "tensors": [{"name": "a", "dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48,
                            "byte_grouped": True},
                           {"name": "ids", "dtype": "int64", "shape": [5], "offset": 48, "nbytes": 40,
                            "byte_grouped": False}]}
+
     frame = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(grouped)
     path = tmp_path / "v2.bin"
     path.write_bytes(_build(header, [frame]))
@@ -322,10 +320,12 @@ def test_store_load_of_l1_is_bit_exact_for_v3_and_for_a_store_written_as_v2(
     from hf_dynamic_ckpt.store.types import CheckpointState
 
     model, opt = _trained()
-    if version == 2:  # what the previous library wrote
-        monkeypatch.setattr(tp, "write_tensor_file", functools.partial(write_tensor_file, container_version=2))
+    if version == 2:  # a store whose L1 files are version 2
+        monkeypatch.setattr(tp, "write_tensor_file", write_v2)
     store = CheckpointStore(tmp_path / "store", session_id="a")
-    info = store.save(CheckpointState(step=2, weights=model.state_dict(), optimizer=opt.state_dict()), reason="test")
+    state = CheckpointState(step=2, weights=model.state_dict(), optimizer=opt.state_dict())
+    info = save_state(store, state, reason="test")
+
     store.close()
     monkeypatch.undo()
     assert read_header(Path(info.path) / OPTIMIZER_NAME)[0]["version"] == version
@@ -353,25 +353,23 @@ def test_blocked_grouping_gives_the_documented_planes(block: int, monkeypatch: p
             raw = rng.integers(0, 256, size=n * itemsize, dtype=np.uint8)
             rows = raw.reshape(n, itemsize)
             want = np.concatenate([rows[:, -1], rows[:, -2], rows[:, :-2].reshape(-1)]).tobytes()
-            assert _group(raw, itemsize).tobytes() == want, (itemsize, n)
+            assert group(raw, itemsize).tobytes() == want, (itemsize, n)
             back = np.empty_like(raw)
-            tp._ungroup_into(_group(raw, itemsize), back, itemsize)
+            ungroup_into(group(raw, itemsize), back, itemsize)
             assert back.tobytes() == raw.tobytes()
 
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
 def test_grouping_of_unaligned_slices(itemsize: int) -> None:
     # A piece of a frame starts wherever the previous piece ended (an odd offset after 33 int8 bytes).
-    from hf_dynamic_ckpt.store.byteplanes import _group_into, _ungroup_into
-
     rng = np.random.default_rng(itemsize)
     for n in (1, 7, 300_001):
         raw = rng.integers(0, 256, size=n * itemsize + 3, dtype=np.uint8)[1 : 1 + n * itemsize]
         rows = raw.reshape(n, itemsize)
         want = np.concatenate([rows[:, -1], rows[:, -2], rows[:, :-2].reshape(-1)]).tobytes()
         out = np.zeros(n * itemsize + 5, np.uint8)[3 : 3 + n * itemsize]
-        _group_into(raw, out, itemsize)
+        group_into(raw, out, itemsize)
         assert out.tobytes() == want
         back = np.zeros(n * itemsize + 5, np.uint8)[1 : 1 + n * itemsize]
-        _ungroup_into(out, back, itemsize)
+        ungroup_into(out, back, itemsize)
         assert back.tobytes() == raw.tobytes()

@@ -14,16 +14,14 @@ from safetensors.torch import save_file
 from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.constants import WEIGHTS_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
-from hf_dynamic_ckpt.store.blobs import BlobStore
-from hf_dynamic_ckpt.store.checksum import file_checksum
+from hf_dynamic_ckpt.store.blobs import BlobStore, tensor_digest
+from hf_dynamic_ckpt.store.hashing import file_checksum
+from hf_dynamic_ckpt.store.safetensors_io import DTYPES
 from hf_dynamic_ckpt.store.types import BlobRef
 from hf_dynamic_ckpt.store.weights import (
-    _DTYPES,
     ALIASES_METADATA_KEY,
-    blob_path,
     load_weights,
     save_weights,
-    tensor_digest,
 )
 
 
@@ -49,7 +47,7 @@ def _header(path: Path) -> dict:
 def _all_dtypes() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = {}
-    for i, dtype in enumerate(_DTYPES):
+    for i, dtype in enumerate(DTYPES):
         base = torch.randn(3, 5, generator=g) * 50
         out[f"layer.{i}.w"] = base.to(torch.complex64).to(dtype) if dtype.is_complex else base.to(dtype)
     out["b.empty"] = torch.zeros(0, 4)
@@ -148,15 +146,15 @@ def test_dedup_writes_blob_once_and_blobref_writes_nothing(tmp_path: Path) -> No
     rec1 = save_weights({"frozen": frozen, "live": live}, d1, blobs_dir=blobs, dedup_keys={"frozen"})
     digest = tensor_digest(frozen)
     assert rec1.blobs == {"frozen": {"digest": digest, "dtype": "float32", "shape": [32, 16],
-                                     "size": blob_path(blobs, digest).stat().st_size}}
+                                     "size": BlobStore(blobs).path(digest).stat().st_size}}
     assert rec1.digests == {"frozen": BlobRef(digest, "float32", (32, 16))}
     assert set(_header(d1 / WEIGHTS_NAME)) == {"__metadata__", "live"}
-    stat1 = blob_path(blobs, digest).stat()
+    stat1 = BlobStore(blobs).path(digest).stat()
 
     # Same tensor again in dedup_keys: blob not rewritten. BlobRef: nothing written.
     rec2 = save_weights({"frozen": frozen.clone(), "live": live}, d2, blobs_dir=blobs, dedup_keys={"frozen"})
     rec3 = save_weights({"frozen": rec1.digests["frozen"], "live": live}, d3, blobs_dir=blobs)
-    stat_after = blob_path(blobs, digest).stat()
+    stat_after = BlobStore(blobs).path(digest).stat()
     assert (stat_after.st_ino, stat_after.st_mtime_ns) == (stat1.st_ino, stat1.st_mtime_ns)
     assert sorted(p.name for p in blobs.iterdir()) == [f"{digest}.safetensors"]
     assert rec2.blobs == rec1.blobs == rec3.blobs
@@ -191,7 +189,7 @@ def test_tensor_digest_depends_on_bytes_dtype_and_shape() -> None:
 def test_missing_blob_on_load_names_key_and_path(tmp_path: Path) -> None:
     blobs = tmp_path / "blobs"
     rec = save_weights({"w": torch.ones(3)}, tmp_path, blobs_dir=blobs, dedup_keys={"w"})
-    path = blob_path(blobs, rec.blobs["w"]["digest"])
+    path = BlobStore(blobs).path(rec.blobs["w"]["digest"])
     path.unlink()
     with pytest.raises(CorruptCheckpointError, match=r"Weight 'w' is stored in blob .*missing") as exc:
         load_weights(tmp_path, rec.blobs, blobs_dir=blobs)
@@ -202,7 +200,7 @@ def test_missing_blob_on_load_names_key_and_path(tmp_path: Path) -> None:
 def test_blob_with_wrong_content_is_caught(tmp_path: Path) -> None:
     blobs = tmp_path / "blobs"
     rec = save_weights({"w": torch.arange(64, dtype=torch.float32)}, tmp_path, blobs_dir=blobs, dedup_keys={"w"})
-    path = blob_path(blobs, rec.blobs["w"]["digest"])
+    path = BlobStore(blobs).path(rec.blobs["w"]["digest"])
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0x10
     path.write_bytes(raw)

@@ -39,7 +39,7 @@ from ..constants import (
     Tier,
 )
 from ..errors import CorruptCheckpointError
-from .checksum import FileEntry, make_file_entry
+from .hashing import FileEntry, make_file_entry
 from .safetensors_io import check_tensor, open_tensors, write_safetensors
 from .types import CheckpointState
 
@@ -126,7 +126,8 @@ def sharded_table(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
         for rank_table in table["ranks"].values():
             for kind in (PART_WEIGHTS, PART_OPTIMIZER):
                 for key, chunk in (rank_table.get(kind) or {}).items():
-                    ok = ok and isinstance(key, str) and _valid_chunk(chunk) and allowed_shard_name(chunk["file"], world)
+                    ok = (ok and isinstance(key, str) and _valid_chunk(chunk)
+                          and allowed_shard_name(chunk["file"], world))
     if not ok:
         raise CorruptCheckpointError(f"the manifest's extra[{KEY_SHARDED!r}] chunk table is malformed "
                                      f"({str(table)[:120]}); the checkpoint is damaged.")
@@ -160,17 +161,6 @@ def placeholders(table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
                 raise CorruptCheckpointError(f"chunk {key!r} has an unknown dtype {c['dtype']!r}.")
             out.setdefault(key, torch.empty(c["shape"], dtype=dtype, device="meta"))
     return out
-
-
-def shard_files(table: Mapping[str, Any], kinds: Iterable[str] = (PART_WEIGHTS, PART_OPTIMIZER)) -> list[str]:
-    """The shard file names the table refers to (for verification before reading)."""
-    names = {c["file"] for r in table["ranks"].values() for k in kinds for c in (r.get(k) or {}).values()}
-    return sorted(names)
-
-
-def global_shapes(table: Mapping[str, Any], kind: str) -> dict[str, tuple[int, ...]]:
-    """Key -> global shape of one part (`weights` / `optimizer`) over every rank's chunks."""
-    return {k: tuple(c["shape"]) for r in table["ranks"].values() for k, c in (r.get(kind) or {}).items()}
 
 
 def dcp_metadata(table: Mapping[str, Any], prefixes: Mapping[str, str]) -> tuple[Any, dict[Any, tuple[str, str]]]:
