@@ -78,7 +78,7 @@ class Tier(enum.StrEnum):
 
 ALL_TIERS: frozenset[Tier] = frozenset(Tier)
 
-# -- store area (round 2): timelines, locks, containment --------------------------------
+# -- store area: timelines, locks, containment -----------------------------------------
 TIMELINES_NAME = "timelines.json"  # per task: current timeline + abandoned checkpoints (one atomic record)
 WRITER_LOCK_NAME = ".writer.lock"  # per task: POSIX record lock + holder (pid, host, session, since) of the one writer
 BLOBS_LOCK_NAME = ".blobs.lock"  # per task: saves (shared) vs blob collection (exclusive)
@@ -94,7 +94,7 @@ MAX_JSON_BYTES = 64 << 20
 CHECKPOINT_FILE_NAMES = frozenset({WEIGHTS_NAME, OPTIMIZER_NAME, OPTIMIZER_META_NAME, SAMPLER_NAME})
 """File names a manifest may list besides `RNG_NAME_TEMPLATE` names (the containment allowlist)."""
 
-# -- fsdp area (issue 12): sharded (FSDP2) tiers -----------------------------------------
+# -- fsdp area: sharded (FSDP2) tiers ---------------------------------------------------
 KEY_SHARDED = "sharded"
 """Manifest `extra` key of a sharded checkpoint's chunk tables (`{"format", "world_size", "ranks"}`)."""
 KEY_RANK_CHUNKS = "sharded_chunks"

@@ -161,7 +161,7 @@ def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | o
     Raises:
         `ConfigError`: an unknown format, a format that does not fit the checkpoint (e.g. `peft`
             for a full fine-tune), `out` exists, or the manifest records no model description
-            (checkpoints written before round 2).
+            (checkpoints written by versions that did not record it).
     """
     return export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite)[0]
 

@@ -31,7 +31,7 @@ def _value(v: Any) -> float:
 
 
 def _save_kind(save: dict[str, Any]) -> str:
-    """The save's `DecisionKind` value (timelines before round 2 have only the reason text)."""
+    """The save's `DecisionKind` value (older step logs have only the reason text)."""
     kind = save.get("kind")
     if isinstance(kind, str):
         return kind

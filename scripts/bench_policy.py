@@ -281,7 +281,7 @@ ONSET_STEPS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 20, 25, 30]
 
 
 def _without_early_rules() -> dict[str, object]:
-    """Switch the early rules off (the round-1 behaviour) and return what to restore."""
+    """Switch the early rules off (only the history-based rules) and return what to restore."""
     saved = {name: getattr(capture, name) for name in ("_early", "_early_lr", "_first_step")}
     for name in saved:
         setattr(capture, name, lambda *a, **k: None)
@@ -309,7 +309,7 @@ def onset_table(k: int) -> None:
     print(f"\ncapture rate by onset step: {len(calm)} recorded calm runs (tests/data/traces/calm_*, early/calm_*) x "
           f"{len(configs)} settings (base_interval=10 with {', '.join(configs)}), anomaly injected at the onset; "
           f"captured = a healthy checkpoint of a step in [onset - {k}, onset - 1]; rules (pinned capture of exactly "
-          "onset - 1) / without the early rules (round 1)")
+          "onset - 1) / without the early rules")
     header = ["onset step", *(name for name, *_ in ONSET_KINDS)]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Save-engine benchmark (issue 3): blocking time per save, step-time inflation, bytes on disk.
+"""Save-engine benchmark: blocking time per save, step-time inflation, bytes on disk.
 
 One run, CPU, a ~60M-parameter Qwen2 built from config, full fine-tune and LoRA, AdamW,
 one real Trainer step so the optimizer state exists. For each variant:

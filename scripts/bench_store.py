@@ -1,4 +1,4 @@
-"""Benchmark of the store's tier formats (issue 2) against baselines measured in the same run.
+"""Benchmark of the store's tier formats against baselines measured in the same run.
 
 A ~60M-parameter Qwen2 (hidden 512, 8 layers, vocab 32000) is trained a few steps with
 AdamW on random tokens, so the optimizer state is real. Then, in one process:

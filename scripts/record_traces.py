@@ -70,7 +70,7 @@ class Anomaly:
     layer: int = 0  # lora_explosion: index of the LoRA layer (probe order)
 
 
-# The named runs' anomalies keep round 1's settings.
+# The named runs' anomalies keep the settings they were first recorded with.
 LOSS_FACTOR = 30.0  # the demo's --anomaly_factor
 LOSS_STEPS = 4  # the demo's --anomaly_steps
 LR_FACTOR = 20.0
@@ -121,7 +121,7 @@ RUNS = [
     Run("anomaly_qwen2", steps=250, seed=3, lr=5e-3, train_head=True, anomalies=[(100, "bad_batch"), (180, "loss_x")]),
     Run("anomaly_llama", arch="llama", steps=250, seed=4, lr=5e-3, train_head=True, dropout=0.05,
         anomalies=[(100, "lr_surge"), (190, "nan_grad")]),
-    # The first steps of calm runs (issue 16: capture from the first optimizer step without
+    # The first steps of calm runs (capture from the first optimizer step without
     # false positives): both models, full fine-tune and LoRA, with and without warm-up.
     # Short (the early rules only matter while the windows are short), in `early/`.
     *(Run(f"calm_{arch}_{kind}_{'warmup' if warm else 'nowarmup'}", arch=arch, steps=80, seed=10 + i, lr=lr,

@@ -163,7 +163,7 @@ def _candidates(store: CheckpointStore, spec: Spec) -> list[CheckpointInfo]:
     return [first, *older]
 
 
-# ---------------------------------------------------------------------- single rank (public, round 1)
+# ---------------------------------------------------------------------- single rank (public)
 def load_for_resume(
     store: CheckpointStore,
     spec: Spec,

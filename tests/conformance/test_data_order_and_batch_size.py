@@ -13,7 +13,7 @@ abee4b14abf32637fe72990d0c409eaba189b31a, see conformance_utils):
   `auto_find_batch_size=True`, a simulated CUDA OOM at the end of the first step at batch
   size 16 makes Trainer retry with a smaller batch; a new Trainer resuming from the last
   checkpoint must pick that smaller batch size up. In library mode the stored checkpoints
-  must also be the retry's (issue 11, item 7): same batch size in their `trainer_state`,
+  must also be the retry's: same batch size in their `trainer_state`,
   same weights as Trainer's own checkpoint of that step.
 """
 

@@ -69,7 +69,7 @@ def run_and_resume(mode: str, out: Path, steps: tuple[int, ...], *, freeze_a: bo
         state1 = state_of(trainer)
         assert_states_equal(state, state1)
         finals.append(state1)
-    # Every train() has returned: no background writer of these Trainers is left (issue 11, item 4).
+    # Every train() has returned: no background writer of these Trainers is left.
     assert writer_processes() - writers_before == set()
     return {"state": state, "resumed": finals}
 

@@ -1,9 +1,9 @@
 """2-process DDP (torchrun, gloo): every decision and every resume outcome is one agreed value.
 
 - Default policy settings (only `base_interval` set) with rank 0's saves made slower on purpose:
-  before issue 11 the overhead budget widened rank 0's interval from its own save cost while
-  rank 1 kept saving every 4 steps, and rank 0's writer waited 600 s for files rank 1 never
-  wrote. Now both ranks take the same saves, a kill and resume is bit-exact, and the job ends
+  when the save cost was not part of the reduced frame, the overhead budget widened rank 0's
+  interval from its own save cost while rank 1 kept saving every 4 steps, and rank 0's writer
+  waited 600 s for files rank 1 never wrote. Now both ranks take the same saves, a kill and resume is bit-exact, and the job ends
   in normal time.
 - A rank SIGKILLed right after handing a save to its writer: the other rank raises a clear
   error quickly (not after `rank_timeout_s`), and the restart resumes exactly.

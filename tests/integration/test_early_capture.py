@@ -1,10 +1,10 @@
-"""Issue 16 end to end: an explosion in the first steps of a Trainer run leaves a pinned
+"""Capture from the first step, end to end: an explosion in the first steps of a Trainer run leaves a pinned
 checkpoint of the step before it, and resuming from that checkpoint is bit-exact.
 
 Uses `trainer_worker.py` (tiny LoRA Qwen2, `SmartCkptCallback`, every micro-batch loss as a
 hex float): a clean reference run; runs whose loss is multiplied by 1000 at step k
-(`--spike_at k`, k = 2, 5, 8: the statistics are still warming up, round 1 captured none of
-these); then each spiked run's store resumed with `step:k-1` and no spike.
+(`--spike_at k`, k = 2, 5, 8: the statistics are still warming up; rules that need history
+capture none of these); then each spiked run's store resumed with `step:k-1` and no spike.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Getting a model out of a checkpoint (issue 13): every export loads with the standard loaders
+"""Getting a model out of a checkpoint: every export loads with the standard loaders
 and gives the live model's outputs; `load_checkpoint` puts verified weights into a model."""
 
 from __future__ import annotations

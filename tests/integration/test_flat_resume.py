@@ -1,4 +1,4 @@
-"""Trainer runs with the trainable state consolidated (`state.flat`, issue 15): the same losses, the
+"""Trainer runs with the trainable state consolidated (`state.flat`): the same losses, the
 same checkpoint content and a bit-exact kill/resume as without (2-process DDP: tests/distributed/test_flat_ddp.py)."""
 
 from __future__ import annotations

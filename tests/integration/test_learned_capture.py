@@ -1,4 +1,4 @@
-"""The learned double-check end to end (issue 14): an early save the model asks for is a pinned,
+"""The learned double-check end to end: an early save the model asks for is a pinned,
 healthy checkpoint of the state *before* the step's update (with that boundary's RNG and data
 position), and resuming from it replays the run bit for bit.
 

@@ -1,5 +1,5 @@
 """After `resume_checkpoint`, Trainer's first forward and backward run while the optimizer tier decodes
-(issue 15, resume): the state is applied at the first `on_pre_optimizer_step`, and the run stays bit-exact."""
+the state is applied at the first `on_pre_optimizer_step`, and the run stays bit-exact."""
 
 from __future__ import annotations
 

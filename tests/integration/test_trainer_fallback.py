@@ -78,7 +78,7 @@ def test_corrupt_weights_fall_back_to_older_checkpoint(crashed: tuple[Path, dict
 def test_sigterm_commits_exits_cleanly_and_continues_exactly(crashed: tuple[Path, dict], tmp_path: Path) -> None:
     _, ref = crashed
     # SIGTERM arrives after step 4; the flag is seen at step 5, which is saved synchronously.
-    # ... and the process ends with 143 (128 + SIGTERM) so a scheduler requeues the job (issue 13).
+    # ... and the process ends with 143 (128 + SIGTERM) so a scheduler requeues the job.
     stopped = run_worker(tmp_path, "term", *ARGS, "--base_interval", "100", "--sigterm_at", "4", expect_rc=143)
     assert stopped["exit_code"] == 143
     emergency = [e for e in stopped["events"] if e["reason"].startswith("emergency")]

@@ -1,4 +1,4 @@
-"""What a Trainer user sees (issue 13): one line per save at INFO through transformers' logging, a
+"""What a Trainer user sees: one line per save at INFO through transformers' logging, a
 `resumed from` line at WARNING, nothing else from the library at INFO, and the `smart_ckpt/*`
 scalars in a real TensorBoard event file through `report_to`."""
 

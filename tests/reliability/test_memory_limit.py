@@ -3,7 +3,7 @@
 Each case first runs the training without saves in a fresh memory cgroup (v2 or v1, whichever
 the machine mounts) to measure its peak as the kernel counts it, then runs the same training
 with saves in another cgroup limited to that peak plus a margin smaller than a second copy
-of the state. Before issue 17 the engine could not see a cgroup v1 limit, prepared its
+of the state. Before the engine read cgroup v1 limits it could not see a cgroup v1 limit, prepared its
 shared-memory snapshot buffers at attach and started a writer process: the kernel OOM-killed
 the job. Needs root (CI runs as root); skipped, saying why, where no cgroup can be created.
 """

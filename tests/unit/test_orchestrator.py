@@ -316,7 +316,7 @@ def test_level_1_codec_from_config_reaches_the_written_file(tmp_path: Path, engi
 
 
 def test_engine_preparation_waits_for_a_background_optimizer_read(tmp_path: Path, monkeypatch) -> None:
-    # Issue 15 (resume speed): preparing buffers and starting the writer competed with the L1 read.
+    # Resume speed: preparing buffers and starting the writer competed with the L1 read.
     import threading
 
     from hf_dynamic_ckpt.engine import SaveEngine
