@@ -186,7 +186,9 @@ class SmartCkptConfig:
         pre_anomaly_capture (`bool`, *optional*, defaults to `True`): save and pin the state from
             before an update whose gradients surge or are not finite.
         skip_bad_update (`bool`, *optional*, defaults to `False`): also skip that update.
-        keep_last (`int`, *optional*, defaults to `3`): newest checkpoints always kept.
+        keep_last (`int`, *optional*, defaults to `3`): newest checkpoints always kept; `None` keeps every
+            checkpoint (Trainer's `save_total_limit=None`; tiers still expire by `retention_days`, set those to
+            `None` too to keep everything).
         keep_log_spaced (`bool`, *optional*, defaults to `True`): thin older ones to log-spaced steps.
         async_save (`bool`, *optional*, defaults to `True`): write in the background.
         engine (`str`, *optional*, defaults to `"process"`): background writer: `"process"`
@@ -261,7 +263,7 @@ class SmartCkptConfig:
     memory_lookahead: int = 50
     pre_anomaly_capture: bool = True
     skip_bad_update: bool = False
-    keep_last: int = 3
+    keep_last: int | None = 3
     keep_log_spaced: bool = True
     async_save: bool = True
     engine: EngineMode = EngineMode.PROCESS
@@ -352,7 +354,9 @@ class SmartCkptConfig:
               "a number > 1")
         check(is_int(self.memory_lookahead) and self.memory_lookahead >= 1, "memory_lookahead",
               self.memory_lookahead, "an integer >= 1")
-        check(is_int(self.keep_last) and self.keep_last >= 1, "keep_last", self.keep_last, "an integer >= 1")
+        if self.keep_last is not None:
+            check(is_int(self.keep_last) and self.keep_last >= 1, "keep_last", self.keep_last,
+                  "an integer >= 1, or null to keep every checkpoint")
         if self.learned_model is not None:  # a model file is safetensors, never a pickle
             model = self.learned_model
             check(isinstance(model, str | os.PathLike) and (os.fspath(model) == "builtin" or (

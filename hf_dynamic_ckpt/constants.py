@@ -80,6 +80,7 @@ ALL_TIERS: frozenset[Tier] = frozenset(Tier)
 
 # -- store area: timelines, locks, containment -----------------------------------------
 TIMELINES_NAME = "timelines.json"  # per task: current timeline + abandoned checkpoints (one atomic record)
+REMOVED_LOG_NAME = "removed.jsonl"  # per task: one line per checkpoint (or tiers) retention removed, with its rule
 WRITER_LOCK_NAME = ".writer.lock"  # per task: POSIX record lock + holder (pid, host, session, since) of the one writer
 BLOBS_LOCK_NAME = ".blobs.lock"  # per task: saves (shared) vs blob collection (exclusive)
 ASIDE_SUFFIX = ".replaced"  # step-<N>.tmp-<sid>.replaced: committed copy set aside during a replace-commit

@@ -45,10 +45,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     root = root_of(args)
     infos: list[CheckpointInfo] = []
     rollbacks: list[tuple[str, dict[str, Any]]] = []
+    removed: list[tuple[str, dict[str, Any]]] = []
     for task in tasks(root, args.task):
         store = open_reader(root, task)
         try:
             infos += store.list(include_unhealthy=True, include_abandoned=args.all)
+            removed += [(task, r) for _, r in sorted(store.removed().items())]
         finally:
             store.close()
         if not isinstance(root, str):  # a local store: its step log records the rollbacks
@@ -61,6 +63,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         return 0
     table([["TASK", "STEP", "REASON", "TIERS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"],
            *(_info_row(i) for i in infos)], sys.stdout)
+    if removed:
+        shown = removed if args.all else removed[-3:]
+        more = "" if args.all or len(removed) <= 3 else f"; the last 3 of {len(removed)} (`--all` lists every one)"
+        print(f"removed by retention{more} (keep_last: null and null retention_days keep every checkpoint):")
+        for task, r in shown:
+            what = "" if "weights" in (r.get("tiers") or []) else f" ({', '.join(r.get('tiers') or [])} only)"
+            print(f"  {task}: step {r.get('step')}{what}: {r.get('rule')}")
     if rollbacks:
         print("rollbacks (the steps past each restore point were abandoned; `--all` lists their checkpoints):")
         for task, r in rollbacks:

@@ -16,12 +16,28 @@ theirs, then deleted whole; pinned ones never.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..store.types import CheckpointInfo
 
 SECONDS_PER_DAY = 86400.0
+
+
+class Removal(tuple):  # a 2-tuple that also carries its rule (unpacks as `info, tiers`)
+    """One entry of a retention plan: ``(info, tiers)`` like a tuple, plus `rule`, the retention rule that
+    removes it, in words (recorded by the store and named by `ls` and the resume error)."""
+
+    rule: str
+
+    def __new__(cls, info: CheckpointInfo, tiers: frozenset[Tier], rule: str) -> Removal:
+        self = super().__new__(cls, (info, tiers))
+        self.rule = rule
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return (self[0], self[1], self.rule)
 
 
 def tier_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | None]:
@@ -37,16 +53,17 @@ def tier_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | No
 def plan_retention(
     infos: Iterable[CheckpointInfo],
     *,
-    keep_last: int,
+    keep_last: int | None,
     log_spaced: bool = True,
     tier_retention: Mapping[Tier, float | None] | None = None,
     now: float,
-) -> list[tuple[CheckpointInfo, frozenset[Tier]]]:
+) -> list[Removal]:
     """Decide what to delete. Pure: reads only the infos given, deletes nothing.
 
     Args:
         infos (`Iterable[CheckpointInfo]`): the task's committed checkpoints (any order).
-        keep_last (`int`): the newest this many are kept whole (never thinned, no tier expires).
+        keep_last (`int`, *optional*): the newest this many are kept whole (never thinned, no tier expires);
+            `None` keeps every live checkpoint (only `tier_retention` still removes tiers by age).
         log_spaced (`bool`, *optional*, defaults to `True`): keep the oldest checkpoint of each
             power-of-two age bucket; `False` keeps only pinned + the newest `keep_last`.
         tier_retention (`Mapping[Tier, float | None]`, *optional*): retention in days per tier
@@ -54,7 +71,7 @@ def plan_retention(
         now (`float`): current time (seconds since the epoch) for the per-tier ages.
 
     Returns:
-        `list[tuple[CheckpointInfo, frozenset[Tier]]]`: what to delete, oldest first. A set
+        `list[Removal]`: what to delete, oldest first: ``(info, tiers)`` with the `rule`. A set
         containing `Tier.WEIGHTS` (it is then `ALL_TIERS`) means delete the whole checkpoint;
         otherwise delete only those tiers' files. Pinned checkpoints never appear; an abandoned
         one appears (whole) once a live checkpoint of a greater step exists.
@@ -64,30 +81,32 @@ def plan_retention(
         >>> plan = plan_retention(store.list(include_unhealthy=True), keep_last=3, now=time.time())
         ```
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last={keep_last} is invalid: expected an integer >= 1.")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} is invalid: expected an integer >= 1, or None (keep every one).")
     infos = list(infos)
     plan = _plan_live([i for i in infos if not i.abandoned], keep_last=keep_last, log_spaced=log_spaced,
                       tier_retention=tier_retention, now=now)
     newest_live = max((i.step for i in infos if not i.abandoned), default=None)
-    plan += [(i, ALL_TIERS) for i in infos
-             if i.abandoned and not i.pinned and newest_live is not None and newest_live > i.step]
+    plan += [Removal(i, ALL_TIERS, f"abandoned timeline: the run went back before step {i.step} and has saved "
+                                   f"past it since (step {newest_live})")
+             for i in infos if i.abandoned and not i.pinned and newest_live is not None and newest_live > i.step]
     return sorted(plan, key=lambda p: p[0].step)
 
 
 def _plan_live(
     infos: list[CheckpointInfo],
     *,
-    keep_last: int,
+    keep_last: int | None,
     log_spaced: bool,
     tier_retention: Mapping[Tier, float | None] | None,
     now: float,
-) -> list[tuple[CheckpointInfo, frozenset[Tier]]]:
+) -> list[Removal]:
     ordered = sorted(infos, key=lambda i: i.step, reverse=True)
     if not ordered:
         return []
     newest = ordered[0].step
-    protected = {id(i) for i in ordered[:keep_last]}
+    # keep_last=None keeps every checkpoint: nothing is thinned, only tiers expire by age (never the newest's).
+    protected = {id(i) for i in ordered[:1 if keep_last is None else keep_last]}
     # Keep the newest healthy checkpoint too: it is the restore point `auto` resolves to.
     healthy = next((i for i in ordered if i.healthy), None)
     if healthy is not None:
@@ -97,21 +116,45 @@ def _plan_live(
     # Checkpoints whose weights expired go first, so thinning never keeps one that is about to vanish.
     dead = {k for k, tiers in expired.items() if Tier.WEIGHTS in tiers}
     kept_by_bucket: dict[int, CheckpointInfo] = {}
-    if log_spaced:
+    if keep_last is None:
+        protected |= {id(i) for i in ordered if id(i) not in dead and not expired.get(id(i))}
+    if log_spaced and keep_last is not None:
         for info in ordered:  # newest -> oldest: the last one seen in a bucket is its oldest
             if id(info) in protected or info.pinned or id(info) in dead:
                 continue
             kept_by_bucket[_bucket(newest - info.step)] = info
     keep = protected | {id(i) for i in kept_by_bucket.values()}
-    plan: list[tuple[CheckpointInfo, frozenset[Tier]]] = []
+    if keep_last is None:
+        keep |= {id(i) for i in ordered}
+    kept_in_bucket = {b: i.step for b, i in kept_by_bucket.items()}
+    plan: list[Removal] = []
     for info in reversed(ordered):
         if info.pinned or id(info) in protected:
             continue
-        if id(info) not in keep or id(info) in dead:
-            plan.append((info, ALL_TIERS))
+        if id(info) in dead:
+            plan.append(Removal(info, ALL_TIERS, _expiry_rule(Tier.WEIGHTS, tier_retention)))
+        elif id(info) not in keep:
+            if log_spaced:
+                age = newest - info.step
+                rule = (f"keep_last={keep_last} and log-spaced history (keep_log_spaced): one checkpoint per "
+                        f"power-of-two age bucket is kept, and step {info.step} ({age} steps behind step {newest}) "
+                        f"shares its bucket with the older step {kept_in_bucket.get(_bucket(age))}")
+            else:
+                rule = f"keep_last={keep_last} (keep_log_spaced=false): only the newest {keep_last} are kept"
+            plan.append(Removal(info, ALL_TIERS, rule))
         elif expired[id(info)]:
-            plan.append((info, expired[id(info)]))
+            tiers = expired[id(info)]
+            plan.append(Removal(info, tiers, "; ".join(_expiry_rule(t, tier_retention) for t in sorted(tiers))))
     return plan
+
+
+_TIER_KEY = {Tier.WEIGHTS: "level_0", Tier.OPTIMIZER: "level_1", Tier.STATE: "level_2"}
+
+
+def _expiry_rule(tier: Tier, tier_retention: Mapping[Tier, float | None] | None) -> str:
+    days = (tier_retention or {}).get(tier)
+    return (f"the {tier.value} tier is older than storage_levels.{_TIER_KEY[tier]}.retention_days={days:g}"
+            if days is not None else f"the {tier.value} tier expired")
 
 
 def _expired_tiers(info: CheckpointInfo, tier_retention: Mapping[Tier, float | None] | None,

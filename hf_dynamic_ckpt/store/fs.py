@@ -209,6 +209,18 @@ class LocalFS:
             raise
         return os.fdopen(fd, "r+b")
 
+    def append_line(self, path: str | os.PathLike[str], line: str) -> None:
+        """Append one line to a file of the store (created if missing; a link is refused)."""
+        p = self.contained(path)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafePathError(f"{p} is a symbolic link; refused.") from e
+            raise
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(line.rstrip("\n") + "\n")
+
     def mkdir(self, path: str | os.PathLike[str], *, exist_ok: bool = True) -> None:
         """Create a directory (its parent must exist); an existing link is refused."""
         p = self.contained(path)

@@ -153,7 +153,12 @@ class Lookup:
                 return info
         if row is not None:
             self.task.set_status(step, STATUS_MISSING)
-        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.task.dir}; "
+        removed = self.task.removed().get(step)
+        why = ""
+        if removed is not None and set(removed.get("tiers") or ()) >= {Tier.WEIGHTS.value}:
+            why = (f" (retention removed it: {removed.get('rule')}; keep_last: null and null retention_days keep "
+                   "every checkpoint, or pin one)")
+        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.task.dir}{why}; "
                                       f"{self._available_text()}.")
 
     def _by_path(self, path: Path) -> CheckpointInfo:

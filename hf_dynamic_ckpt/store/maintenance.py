@@ -275,8 +275,11 @@ def removable_abandoned(task: Task, infos: Iterable[CheckpointInfo]) -> list[Che
 
 
 def apply_plan(task: Task, plan: Iterable[tuple[CheckpointInfo, Collection[Tier]]], report: GcReport) -> None:
-    """Delete what a retention plan names, each entry re-verified from disk first."""
-    for planned, tiers in plan:
+    """Delete what a retention plan names, each entry re-verified from disk first; each removal is recorded with
+    its rule (`Task.note_removed`; an entry's `rule` attribute, `policy.retention.Removal`)."""
+    for entry in plan:
+        planned, tiers = entry
+        rule = str(getattr(entry, "rule", "") or "a retention plan")
         fresh = task.scan(planned.step)
         why = None
         if fresh is None:
@@ -304,6 +307,8 @@ def apply_plan(task: Task, plan: Iterable[tuple[CheckpointInfo, Collection[Tier]
             report.removed.append(fresh.step)
         else:
             report.trimmed[fresh.step] = sorted(Tier(t).value for t in tiers)
+        if not report.dry_run:
+            task.note_removed(fresh.step, fresh.tiers if whole else tiers, rule)
 
 
 def remove_abandoned(task: Task, report: GcReport) -> None:
@@ -312,6 +317,9 @@ def remove_abandoned(task: Task, report: GcReport) -> None:
         report.bytes_freed += tree_bytes(task.step_dir(info.step)) if report.dry_run else delete_checkpoint(task, info)
         report.removed.append(info.step)
         report.abandoned.append(info.step)
+        if not report.dry_run:
+            task.note_removed(info.step, info.tiers, "abandoned timeline: the run went back before it and has "
+                                                     "saved past it since")
     for info in infos:
         if info.abandoned and info.pinned:
             report.kept.append(f"step {info.step} kept: abandoned but pinned")

@@ -540,6 +540,11 @@ class CheckpointStore:
                                ", ".join(map(str, newly)))
             return newly
 
+    def removed(self) -> dict[int, dict[str, Any]]:
+        """What retention removed from this task, by step: the latest record of each (``step``, ``tiers``,
+        ``rule`` in words, ``time``), oldest first."""
+        return dict(sorted(self.task.removed().items()))
+
     def prune(self, plan: Iterable[tuple[CheckpointInfo, Collection[Tier]]]) -> GcReport:
         """Apply a retention plan (`policy.retention.plan_retention`), then the abandoned-timeline rule.
 

@@ -12,11 +12,14 @@ and task as the directory. Temporary names all contain ``TMP_MARKER`` so readers
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import sqlite3
+import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +28,14 @@ from ..constants import (
     BLOBS_DIR,
     MANIFEST_NAME,
     PINNED_MARKER,
+    REMOVED_LOG_NAME,
     STEP_DIR_PREFIX,
     TMP_MARKER,
     TRASH_INFIX,
+    Tier,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from ..jsonutil import loads_bounded
 from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, Catalog
@@ -168,6 +174,36 @@ class Task:
                 self.record(fresh)
                 return fresh
         return info
+
+    # -- what retention removed -------------------------------------------------------------
+    def note_removed(self, step: int, tiers: Iterable[Tier], rule: str) -> None:
+        """Record that retention removed checkpoint `step` (or only `tiers` of it), and by which rule (rank 0).
+
+        Best effort: the record only explains a missing step (`ls`, the resume error); a failed
+        write never stops a prune."""
+        line = json.dumps({"step": int(step), "tiers": sorted(Tier(t).value for t in tiers), "rule": rule,
+                           "time": time.time()}, sort_keys=True)
+        try:
+            self.fs.append_line(self.dir / REMOVED_LOG_NAME, line)
+        except OSError as e:
+            logger.debug("could not record the removal of step %d (%s)", step, e)
+
+    def removed(self) -> dict[int, dict[str, Any]]:
+        """The latest removal record of each step retention removed (whole or some tiers), by step."""
+        path = self.dir / REMOVED_LOG_NAME
+        out: dict[int, dict[str, Any]] = {}
+        try:
+            text = path.read_text(encoding="utf-8") if not self.fs.is_link(path) else ""
+        except OSError:
+            return out
+        for line in text.splitlines():
+            try:
+                row = loads_bounded(line)
+            except ValueError:
+                continue  # a line cut by a crash
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                out[row["step"]] = row
+        return out
 
     # -- catalog writes (best effort for readers: the manifests are the truth) --------------
     def record(self, info: CheckpointInfo) -> None:

@@ -108,3 +108,33 @@ def test_abandoned_checkpoints_wait_for_the_live_timeline_to_pass_them() -> None
     # Expired tiers do not touch an abandoned checkpoint before that either.
     aged = [info(100), dataclasses.replace(info(200, age_days=40), abandoned=True)]
     assert plan_retention(aged, keep_last=1, tier_retention={Tier.WEIGHTS: 30.0}, now=1e9) == []
+
+
+def test_every_planned_removal_names_its_rule() -> None:
+    infos = [info(s) for s in (4, 8, 12, 16, 20, 24, 25)]
+    plan = plan_retention(infos, keep_last=3, now=1e9)
+    assert [(i.step, r.rule) for r in plan for i in [r[0]]] == [
+        (8, "keep_last=3 and log-spaced history (keep_log_spaced): one checkpoint per power-of-two age bucket is kept, "
+            "and step 8 (17 steps behind step 25) shares its bucket with the older step 4"),
+        (16, "keep_last=3 and log-spaced history (keep_log_spaced): one checkpoint per power-of-two age bucket is "
+             "kept, and step 16 (9 steps behind step 25) shares its bucket with the older step 12"),
+    ]
+    plan = plan_retention(infos, keep_last=2, log_spaced=False, now=1e9)
+    assert {r.rule for r in plan} == {"keep_last=2 (keep_log_spaced=false): only the newest 2 are kept"}
+    aged = [info(s, age_days=10.0) for s in (1, 2, 3)]
+    plan = plan_retention(aged, keep_last=1, tier_retention={Tier.OPTIMIZER: 7.0}, now=1e9)
+    assert [(r[0].step, r[1], r.rule) for r in plan] == [
+        (s, frozenset({Tier.OPTIMIZER}), "the optimizer tier is older than storage_levels.level_1.retention_days=7")
+        for s in (1, 2)]
+
+
+def test_keep_last_none_keeps_every_checkpoint_and_tiers_still_expire_by_age() -> None:
+    infos = [info(s) for s in range(1, 200)]
+    assert plan_retention(infos, keep_last=None, now=1e9) == []
+    aged = [info(s, age_days=10.0) for s in (1, 2, 3)]
+    plan = plan_retention(aged, keep_last=None, tier_retention={Tier.OPTIMIZER: 7.0}, now=1e9)
+    # Only tiers expire, never those of the newest checkpoint.
+    assert [(r[0].step, r[1]) for r in plan] == [(1, frozenset({Tier.OPTIMIZER})), (2, frozenset({Tier.OPTIMIZER}))]
+    assert SmartCkptConfig(keep_last=None).keep_last is None
+    with pytest.raises(ValueError, match="keep_last=0 is invalid: expected an integer >= 1, or null"):
+        SmartCkptConfig(keep_last=0)
