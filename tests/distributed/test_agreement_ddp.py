@@ -3,8 +3,8 @@
 - Default policy settings (only `base_interval` set) with rank 0's saves made slower on purpose:
   when the save cost was not part of the reduced frame, the overhead budget widened rank 0's
   interval from its own save cost while rank 1 kept saving every 4 steps, and rank 0's writer
-  waited 600 s for files rank 1 never wrote. Now both ranks take the same saves, a kill and resume is bit-exact, and the job ends
-  in normal time.
+  waited 600 s for files rank 1 never wrote. Now both ranks take the same saves, a kill and
+  resume is bit-exact, and the job ends in normal time.
 - A rank SIGKILLed right after handing a save to its writer: the other rank raises a clear
   error quickly (not after `rank_timeout_s`), and the restart resumes exactly.
 - A corrupt optimizer tier: both ranks resume from the weights with a fresh optimizer (the
