@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 POSITION_VERSION = 1
 KEY_EPOCH = "epoch"
 KEY_BATCHES_SEEN = "batches_seen"
+KEY_SKIP = "skip"  # batches a rollback still has to leave out (`rollback_skip_batches`)
 KEY_EPOCH_START_RNG = "epoch_start_rng"  # one entry per rank (rank 0 writes the sampler file)
 KEY_EPOCH_START_GENERATOR = "epoch_start_generator"
 KEY_WORLD_SIZE = "world_size"
@@ -95,6 +96,7 @@ class ResumableLoader:
             KEY_WORLD_SIZE: len(self._epoch_start_rngs) or dist.world_size(),
             KEY_EPOCH_START_GENERATOR: self._epoch_start_gen,
             KEY_EPOCH_START_RNG: list(self._epoch_start_rngs),
+            KEY_SKIP: self._skip,
         }
 
     def mark_boundary(self) -> None:
@@ -128,6 +130,8 @@ class ResumableLoader:
                 "the sampler state of this checkpoint is corrupt."
             ) from e
         rank, world = dist.rank(), dist.world_size()
+        skip = position.get(KEY_SKIP)
+        self._skip = skip if isinstance(skip, int) and skip > 0 else 0
         starts = list(position.get(KEY_EPOCH_START_RNG) or [])
         if not starts:
             # Saved before the epoch's iterator existed: the saved RNG is what creating it will draw from.

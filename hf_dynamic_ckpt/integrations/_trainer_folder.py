@@ -90,7 +90,6 @@ def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any) -
         state = dataclasses.asdict(ts)
     else:
         state = dict(state)
-        state["global_step"] = loaded.info.step
     # Trainer derives the data to skip from global_step. After a rollback the run has consumed more batches than
     # it applied updates (the rolled-back ones), so the folder names the data position; `SmartCkptCallback` puts
     # the true step back at train begin.

@@ -1,6 +1,6 @@
 """Accelerate integration: the state-hook pair and `SmartCheckpointer` for custom loops.
 
-Both are thin adapters over `checkpointer.RunOrchestrator`, the orchestrator the Trainer
+Both are thin adapters over `run.orchestrator.RunOrchestrator`, the orchestrator the Trainer
 callback uses too (probes -> policy -> snapshot/writer -> store; resume with fallback).
 
 - `SmartStateHooks` registers on an `Accelerator` so that `accelerator.save_state(dir)`
@@ -111,8 +111,8 @@ class SmartCheckpointer:
         self.hooks.register()
         self.last_decision: Decision | None = None
         self.last_rollback: Rollback | None = None
-        self._skipped_through = (-1, 0)  # (epoch, batch) up to which rollbacks left the data out
         """The last rollback (`on_anomaly: rollback`): `after_update` returned a decision of kind `rollback`."""
+        self._skipped_through = (-1, 0)  # (epoch, batch) up to which rollbacks left the data out
         self.loaded: LoadedCheckpoint | None = None
         self._lr: float | None = None
         if loader is not None:
@@ -203,18 +203,19 @@ class SmartCheckpointer:
         self.state.optimizer_steps = done.to_step
         skipped = ""
         if loader is not None and seen_before is not None:
-            loader.after_rollback(rng=done.rng, skip=done.skip_batches)
+            loader.after_rollback(rng=done.rng, skip=self.config.rollback_skip_batches)
             loader.mark_boundary()
             start = done.loaded.sampler or {}
             first = int(start.get("batches_seen", 0)) + 1 if start.get("epoch") == seen_before[0] else 1
             if self._skipped_through[0] == seen_before[0]:  # an earlier rollback to it left some out already
                 first = max(first, self._skipped_through[1] + 1)
-            last = seen_before[1] + done.skip_batches
+            last = seen_before[1] + self.config.rollback_skip_batches
             self._skipped_through = (seen_before[0], last)
             skipped = f"; skipped batches {first}..{last} of epoch {seen_before[0]}"
         self.last_rollback = done
-        self.core.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s)%s", done.from_step,
-                                   done.to_step, done.reason, skipped)
+        if self.core.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
+            self.core.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s)%s", done.from_step,
+                                       done.to_step, done.reason, skipped)
 
     def save_now(self, *, reason: str = "manual", blocking: bool = True) -> SaveEvent:
         """Save the state of the last completed step outside the policy (e.g. at the end)."""

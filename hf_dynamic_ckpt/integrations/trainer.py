@@ -80,6 +80,11 @@ class SmartCkptCallback(TrainerCallback):
     def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None,
                  consolidate: bool | None = None) -> None:
         self.config = config or SmartCkptConfig()
+        if self.config.on_anomaly == OnAnomaly.ROLLBACK and self.config.rollback_skip_batches:
+            raise ConfigError(
+                f"rollback_skip_batches={self.config.rollback_skip_batches} is not applied by the Trainer integration: "
+                "Trainer's loop fetches its batches itself. A rollback there skips the batches the anomaly consumed; "
+                "set rollback_skip_batches=0 (or skip more in a custom loop with SmartCheckpointer).")
         self.consolidate = consolidate
         self.checkpointer: RunOrchestrator | None = None
         self.trainer = trainer
@@ -142,11 +147,6 @@ class SmartCkptCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         check_training_args(args)  # DeepSpeed / FSDP1: refused before the first step, never a wrong save
         check_accelerator(getattr(self.trainer, "accelerator", None))
-        if self.config.on_anomaly == OnAnomaly.ROLLBACK and self.config.rollback_skip_batches:
-            raise ConfigError(
-                f"rollback_skip_batches={self.config.rollback_skip_batches} is not applied by the Trainer integration: "
-                "Trainer's loop fetches its batches itself. A rollback there skips the batches the anomaly consumed; "
-                "set rollback_skip_batches=0 (or skip more in a custom loop with SmartCheckpointer).")
         ck = self.get_checkpointer(args)
         retry, self._in_train = self._in_train, True
         self._state, self._control = state, control
@@ -231,11 +231,18 @@ class SmartCkptCallback(TrainerCallback):
         last = self.data_steps * ga
         self._skipped_through = self.data_steps
         state.global_step = done.to_step
+        # What Trainer's state said at the restore point about the best model and the flos: a resume from it would
+        # load those too (the log history keeps what happened; callbacks' own state, e.g. early stopping, goes on).
+        saved = done.loaded.extra.get(KEY_TRAINER_STATE) or {}
+        for name in ("best_metric", "best_global_step", "best_model_checkpoint", "total_flos"):
+            if name in saved:
+                setattr(state, name, saved[name])
         # The loss Trainer logs divides by the steps since its last log; that log was at a step now undone.
         trainer._globalstep_last_logged = done.to_step
         self.last_rollback = done
-        self.checkpointer.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s); skipped batches "
-                                           "%d..%d", done.from_step, done.to_step, done.reason, first, last)
+        if self.checkpointer.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
+            self.checkpointer.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s); skipped "
+                                               "batches %d..%d", done.from_step, done.to_step, done.reason, first, last)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
@@ -254,6 +261,8 @@ class SmartCkptCallback(TrainerCallback):
             return
         try:
             self._apply_resumed_optimizer()  # no update ran: the final save holds the resumed state
+            if ck.rollback_due:  # confirmed at the last step: the final state is the restore point's, not N-1's
+                self._roll_back(state)
             ck.release()
             last = ck.log.last_ok()
             if not ck.preempted and state.global_step > 0 and (last is None or last.step < state.global_step):

@@ -16,28 +16,12 @@ theirs, then deleted whole; pinned ones never.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
-from ..store.types import CheckpointInfo
+from ..store.types import CheckpointInfo, Removal
 
 SECONDS_PER_DAY = 86400.0
-
-
-class Removal(tuple):  # a 2-tuple that also carries its rule (unpacks as `info, tiers`)
-    """One entry of a retention plan: ``(info, tiers)`` like a tuple, plus `rule`, the retention rule that
-    removes it, in words (recorded by the store and named by `ls` and the resume error)."""
-
-    rule: str
-
-    def __new__(cls, info: CheckpointInfo, tiers: frozenset[Tier], rule: str) -> Removal:
-        self = super().__new__(cls, (info, tiers))
-        self.rule = rule
-        return self
-
-    def __getnewargs__(self) -> tuple[Any, ...]:
-        return (self[0], self[1], self.rule)
 
 
 def tier_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | None]:
@@ -71,9 +55,9 @@ def plan_retention(
         now (`float`): current time (seconds since the epoch) for the per-tier ages.
 
     Returns:
-        `list[Removal]`: what to delete, oldest first: ``(info, tiers)`` with the `rule`. A set
-        containing `Tier.WEIGHTS` (it is then `ALL_TIERS`) means delete the whole checkpoint;
-        otherwise delete only those tiers' files. Pinned checkpoints never appear; an abandoned
+        `list[Removal]`: what to delete, oldest first, each with its `rule`. Tiers containing
+        `Tier.WEIGHTS` (they are then `ALL_TIERS`) mean delete the whole checkpoint; otherwise
+        delete only those tiers' files. Pinned checkpoints never appear; an abandoned
         one appears (whole) once a live checkpoint of a greater step exists.
 
     Example:
@@ -90,7 +74,7 @@ def plan_retention(
     plan += [Removal(i, ALL_TIERS, f"abandoned timeline: the run went back before step {i.step} and has saved "
                                    f"past it since (step {newest_live})")
              for i in infos if i.abandoned and not i.pinned and newest_live is not None and newest_live > i.step]
-    return sorted(plan, key=lambda p: p[0].step)
+    return sorted(plan, key=lambda p: p.info.step)
 
 
 def _plan_live(
@@ -116,8 +100,6 @@ def _plan_live(
     # Checkpoints whose weights expired go first, so thinning never keeps one that is about to vanish.
     dead = {k for k, tiers in expired.items() if Tier.WEIGHTS in tiers}
     kept_by_bucket: dict[int, CheckpointInfo] = {}
-    if keep_last is None:
-        protected |= {id(i) for i in ordered if id(i) not in dead and not expired.get(id(i))}
     if log_spaced and keep_last is not None:
         for info in ordered:  # newest -> oldest: the last one seen in a bucket is its oldest
             if id(info) in protected or info.pinned or id(info) in dead:

@@ -37,7 +37,7 @@ class RollbackVerdict:
     verdict: Verdict = Verdict.NONE
     onset: int | None = None
     reason: str = ""
-    earliest: int | None = None
+    earliest: int = 0
     """The oldest step a restore point may have (`step - rollback_window`)."""
 
 
@@ -65,7 +65,7 @@ class RollbackRule:
         if config.on_anomaly != OnAnomaly.ROLLBACK:
             return NO_ROLLBACK
         if rule is None:
-            self.streak, self.onset, self.first_reason = 0, None, ""
+            self.reset()
             return NO_ROLLBACK
         if self.streak == 0:
             self.onset, self.first_reason = step, rule
@@ -85,6 +85,10 @@ class RollbackRule:
     def taken_at(self, step: int) -> None:
         """A rollback was taken at `step`: the anomaly is over (its bad steps are gone with the restore)."""
         self.taken.append(step)
+        self.reset()
+
+    def reset(self) -> None:
+        """No anomaly in progress (a calm step, a rollback taken, or one that found no restore point)."""
         self.streak, self.onset, self.first_reason = 0, None, ""
 
     def state_dict(self) -> dict[str, Any]:

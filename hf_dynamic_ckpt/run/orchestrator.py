@@ -22,6 +22,8 @@ fingerprint of the decisions so far: ranks that would diverge raise the same `Di
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from torch import nn
 from .. import distributed as dist
 from ..config import RollbacksExhausted, SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
-from ..errors import ConfigError, DistributedError, RollbackError
+from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError
 from ..export import KEY_MODEL, describe_model
 from ..policy.decision import Decision, DecisionKind
 from ..policy.rollback import RollbackRule, RollbackVerdict, Verdict
@@ -69,6 +71,13 @@ __all__ = ["RunOrchestrator", "SaveEvent"]
 
 SaveExtra = Callable[[Decision], dict[str, Any]]
 """An integration's part of a manifest's `extra` for one save (e.g. Trainer's state), given the decision."""
+
+_RUNS: weakref.WeakValueDictionary[str, RunOrchestrator] = weakref.WeakValueDictionary()
+"""The open runs of this process, by task and rank: a new run closes the earlier one first (`hand_over`)."""
+
+
+def _run_key(root: str | Path, task_id: str, rank: int) -> str:
+    return f"{root if is_url(root) else os.path.abspath(root)}#{task_id}#{rank}"
 
 
 class RunOrchestrator:
@@ -108,8 +117,16 @@ class RunOrchestrator:
         session = new_session_id() if self.rank == 0 else None
         self.session_id: str = dist.broadcast_object(session) if self.world_size > 1 else session  # type: ignore[assignment]
         self.announce = announce if announce is not None else logger
+        key = _run_key(root, config.task_id, self.rank)
+        earlier = _RUNS.get(key)
+        if earlier is not None and not earlier.closed:  # a notebook cell re-run after an exception, another Trainer
+            logger.info("task %r under %s: this process already runs on it (session %s); that run is closed first "
+                        "(its writes in flight commit) and session %s takes over", config.task_id, root,
+                        earlier.session_id, self.session_id)
+            earlier.hand_over()
         self.store, self.engine = open_store_and_engine(config, root, rank=self.rank, world_size=self.world_size,
                                                         session_id=self.session_id)
+        _RUNS[key] = self
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
         self.rollbacks = RollbackRule()
@@ -136,6 +153,8 @@ class RunOrchestrator:
         self._model_info: dict[str, Any] | None = None
         self._model: nn.Module | None = None
         self._optimizer: Any | None = None
+        self._scheduler: Any | None = None
+        self._scaler: Any | None = None
         self._sharded: ShardedState | None = None
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
         self._prepare_after_read = False
@@ -145,7 +164,6 @@ class RunOrchestrator:
         self._boundary_rng: RngState | None = None  # RNG at the end of the previous step
         self._boundary_step: int | None = None
         self._closed = False
-        self.store.on_handover(self._handed_over)
 
     # ------------------------------------------------------------------ wiring
     log = property(lambda self: self.saver.log, doc="The run's saves and their counters (`SaveLog`).")
@@ -194,6 +212,7 @@ class RunOrchestrator:
         self.detach()
         self._model = model
         self._optimizer = optimizer
+        self._scheduler, self._scaler = scheduler, scaler  # every rank's, for a rollback (rank 0 alone saves them)
         self._integration_extra = extra
         self._model_info = model_info if model_info is not None else describe_model(model)
         self.hold_saves = hold_saves
@@ -287,7 +306,6 @@ class RunOrchestrator:
             frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
         self._frame = frame
         decision = self.policy.pre_update(frame)
-        verdict = self.rollbacks.observe(frame.step, self.policy.last_bad_update, self.config)
         if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
             if self._boundary_step == step and self._boundary_rng is not None:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
@@ -295,6 +313,8 @@ class RunOrchestrator:
             else:
                 logger.debug("step %d: pre-update capture (%s) not taken: no RNG state recorded at the end of step %d",
                              step + 1, decision.reason, step)
+        # After the capture: the capture stores the rule's state from before this step, as a resume replays it.
+        verdict = self.rollbacks.observe(frame.step, self.policy.last_bad_update, self.config)
         if verdict.verdict == Verdict.EXHAUSTED:
             self._rollbacks_exhausted(frame.step, verdict)
         elif verdict.verdict == Verdict.ROLLBACK:
@@ -342,6 +362,7 @@ class RunOrchestrator:
                                 healthy=False, kind=DecisionKind.ROLLBACK)
             self.last_frame, self.last_decision = frame, decision
             self.saver.collect_finished()
+            self.note_boundary(step)  # should the rollback find no restore point, training goes on from here
             self._write_timeline(frame, decision)
             return decision
         decision = self.policy.decide(frame)
@@ -418,36 +439,29 @@ class RunOrchestrator:
         if verdict is None or at is None:
             return None
         assert self._model is not None and verdict.onset is not None, "attach() first"
-        self._held = None
         self.saver.finish()  # the capture must be committed before it is read back
         target = choose_restore_point(self.store, rank=self.rank, world_size=self.world_size, before=verdict.onset,
-                                      earliest=verdict.earliest or 0)
-        resumption = None
+                                      earliest=verdict.earliest)
+        resumption, why = None, f"no complete healthy checkpoint lies between step {verdict.earliest} and it"
         if target is not None:
-            sharded = self._sharded
-            resumption = plan_resumption(
-                self.store, f"step:{target}", session_id=self.session_id, rank=self.rank,
-                world_size=self.world_size, fallback=self.config.fallback_strategy,
-                expected=sharded.expected() if sharded is not None else expected_weights(self._model))
-        if resumption is None or resumption.step < (verdict.earliest or 0) or resumption.degraded:
-            logger.warning("step %d: an anomaly (%s) is confirmed but no complete healthy checkpoint lies between "
-                           "step %d and its onset at step %d (rollback_window=%d): training through it", at,
-                           verdict.reason, verdict.earliest or 0, verdict.onset, self.config.rollback_window)
-            self.rollbacks.observe(at, None, self.config)  # the anomaly is over for the rule
+            try:
+                resumption = self._plan(f"step:{target}", expected=expected_weights(self._model))
+            except DynamicCkptError as e:  # the same on every rank (agreed): none of them rolls back
+                why = f"the restore point step {target} cannot be read ({e})"
+        if resumption is None or resumption.step < verdict.earliest or resumption.degraded:
+            logger.warning("step %d: an anomaly (%s) is confirmed since step %d but %s (rollback_window=%d): training "
+                           "through it", at, verdict.reason, verdict.onset, why, self.config.rollback_window)
+            self.rollbacks.reset()
             return None
         loaded = resumption.loaded
-        if self._sharded is not None:
-            load_sharded(self._sharded, loaded)  # a collective: DCP reads the shards into the live objects
-        restore_live(loaded, model=self._model, optimizer=self._optimizer, scheduler=self._sources.scheduler
-                     if self._sources is not None else None,
-                     scaler=self._sources.scaler if self._sources is not None else None,
-                     rng=restore_rng, weights_applied=self._sharded is not None)
+        restore_live(loaded, model=self._model, optimizer=self._optimizer, scheduler=self._scheduler,
+                     scaler=self._scaler, rng=restore_rng, weights_applied=self._sharded is not None)
         self.rollbacks.taken_at(at)
+        self.saver.log.restart()  # the saves past the restore point belong to the abandoned timeline
         self.apply(resumption, rollback=True)
         self.note_boundary(resumption.step, rng=loaded.rng)
         done = Rollback(from_step=at, to_step=resumption.step, reason=verdict.reason,
-                        skip_batches=self.config.rollback_skip_batches, rng=None if restore_rng else loaded.rng,
-                        loaded=loaded)
+                        rng=None if restore_rng else loaded.rng, loaded=loaded)
         self.log_event("rollback", from_step=at, to_step=done.to_step, reason=done.reason)
         return done
 
@@ -523,11 +537,12 @@ class RunOrchestrator:
             self.engine.close()
             self.store.close()
 
-    def _handed_over(self) -> None:
-        """A later attach of this process takes the task (a notebook re-run, another Trainer): the writes in
-        flight commit, a save decided but not written yet is dropped (its step's logging never came, and
-        writing it could run a collective on this rank alone), and this run closes."""
+    def hand_over(self) -> None:
+        """A later run of this process takes the task (a notebook re-run, another Trainer): the writes in flight
+        commit, a save decided but not written yet is dropped (its step's logging never came, and writing it could
+        run a collective on this rank alone), a pending rollback is dropped, and this run closes."""
         self._held = None
+        self._rollback_due = self._rollback_step = None
         self.close()
 
     @property
@@ -570,17 +585,24 @@ class RunOrchestrator:
         """
         if spec is None:
             return None
+        resumption = self._plan(spec, expected=expected, background_optimizer=background_optimizer)
+        if resumption is None:
+            return None
+        self.apply(resumption)
+        return resumption.loaded
+
+    def _plan(self, spec: str, *, expected: Mapping[str, Any] | None,
+              background_optimizer: bool = False) -> Resumption | None:
+        """`plan_resumption` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
+        collective) into the live objects."""
         sharded = self._sharded
         resumption = plan_resumption(
             self.store, spec, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
             fallback=self.config.fallback_strategy, expected=sharded.expected() if sharded is not None else expected,
             background_optimizer=background_optimizer and sharded is None)
-        if resumption is None:
-            return None
-        if sharded is not None:  # FSDP2: DCP reads the shards into the live objects (a collective)
+        if resumption is not None and sharded is not None:
             load_sharded(sharded, resumption.loaded)
-        self.apply(resumption)
-        return resumption.loaded
+        return resumption
 
     def apply(self, resumption: Resumption, *, rollback: bool = False) -> None:
         """Make a resumption the run's state: its timeline continues from the restore point (rank 0 sets the

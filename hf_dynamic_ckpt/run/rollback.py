@@ -32,8 +32,6 @@ class Rollback:
         from_step (`int`): the step the run had reached (its last update was not applied).
         to_step (`int`): the restore point: the run continues from its state.
         reason (`str`): the anomaly that was confirmed.
-        skip_batches (`int`): batches to skip beyond those the anomaly consumed (`rollback_skip_batches`;
-            the loop applies it where it can).
         rng (`dict`, *optional*): the restore point's RNG state, when the integration applies it itself
             (after the next batch is fetched, as a resume does); `None` when it was applied already.
         loaded (`LoadedCheckpoint`): the restore point as read.
@@ -42,7 +40,6 @@ class Rollback:
     from_step: int
     to_step: int
     reason: str
-    skip_batches: int
     rng: dict[str, Any] | None
     loaded: LoadedCheckpoint
 

@@ -68,8 +68,8 @@ class SaveEvent:
 class SaveLog:
     """The run's `SaveEvent`s, with the counters behind the `smart_ckpt/*` metrics.
 
-    `stall_ms` accumulates blocking time until `metrics()` reports it; `blocking_since_frame`
-    accumulates it until the next signal frame carries it to the policy (`take_blocking_s`).
+    The blocking time of saves accumulates twice: until `metrics()` reports it (`stall_ms`), and until
+    the next signal frame carries it to the policy (`take_blocking_s`).
     """
 
     def __init__(self) -> None:
@@ -94,7 +94,8 @@ class SaveLog:
         return value if value > 0 else None
 
     def last_ok(self) -> SaveEvent | None:
-        return next((e for e in reversed(self.events) if e.error is None), None)
+        """The newest successful (or still writing) save of the current timeline."""
+        return next((e for e in reversed(self.events[self._start:]) if e.error is None), None)
 
     def find(self, step: int) -> SaveEvent | None:
         """The newest successful (or still writing) save of `step` in the current timeline."""
@@ -115,7 +116,9 @@ class SaveLog:
             self.earlier_failed = failed
 
     def restart(self) -> None:
-        """The run restarted from an earlier step (a retry): earlier saves belong to another timeline."""
+        """The run restarted from an earlier step (a retry, a rollback): earlier saves belong to another timeline.
+        They still count in `smart_ckpt/saves` (they were taken); `find`, `last_ok` and `last_save_step` see only
+        the current timeline's."""
         self._start = len(self.events)
 
     def metrics(self, *, risk: float | None, interval: float | None, held_step: int | None = None) -> dict[str, float]:
@@ -126,8 +129,10 @@ class SaveLog:
         counts as taken.
         """
         done = [e.step for e in self.events if e.error is None]
+        current = [e.step for e in self.events[self._start:] if e.error is None]
         if held_step is not None:
             done.append(held_step)
+            current.append(held_step)
         out: dict[str, float] = {
             f"{METRIC_PREFIX}saves": float(self.earlier_saves + len(done)),
             f"{METRIC_PREFIX}failed_saves": float(self.earlier_failed + self.failed),
@@ -137,8 +142,8 @@ class SaveLog:
             f"{METRIC_PREFIX}stall_ms": round(self._stall_ms, 3),
             f"{METRIC_PREFIX}risk": round(risk, 6) if risk is not None else 0.0,
         }
-        if done:
-            out[f"{METRIC_PREFIX}last_save_step"] = float(done[-1])
+        if current:
+            out[f"{METRIC_PREFIX}last_save_step"] = float(current[-1])
         if interval:
             out[f"{METRIC_PREFIX}interval"] = round(interval, 3)
         self._stall_ms = 0.0

@@ -70,8 +70,6 @@ def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: in
                 error = f"{type(e).__name__}: {e}"
         error = dist.broadcast_object(error)
         if error is not None:
-            if store is not None:
-                store.close()
             raise DistributedError(f"rank 0 could not open the store {root}: {error}")
         if store is None:
             store = open_store()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .spec import Codec, Lineage, SaveRequest, StoreSpec
 from .store import CheckpointStore
-from .types import BlobRef, CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint
+from .types import BlobRef, CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, Removal
 
 __all__ = ["BlobRef", "CheckpointInfo", "CheckpointState", "CheckpointStore", "Codec", "GcReport", "Lineage",
-           "LoadedCheckpoint", "SaveRequest", "StoreSpec"]
+           "LoadedCheckpoint", "Removal", "SaveRequest", "StoreSpec"]

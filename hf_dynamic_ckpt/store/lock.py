@@ -45,7 +45,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -75,14 +75,15 @@ class HolderState(Enum):
 
 @dataclass
 class _Held:
-    """A lock this process holds: its open file (the lock lives as long as it is open) and its current owner."""
+    """A lock this process holds: its open file (the lock lives as long as it is open) and its owner, weakly (a
+    writer dropped without `release()` must not keep its store alive, nor the lock from the next writer)."""
 
     file: BinaryIO
-    owner: WriterLock
+    owner: weakref.ref[WriterLock]
 
 
 _HELD: dict[str, _Held] = {}
-_HELD_LOCK = threading.Lock()
+_HELD_LOCK = threading.RLock()  # also makes one acquire's check, lock and registration one step per process
 os.register_at_fork(after_in_child=_HELD.clear)  # a child holds none of its parent's record locks
 
 
@@ -218,17 +219,14 @@ class WriterLock:
         self.path = Path(task_dir).absolute() / WRITER_LOCK_NAME
         self.fs = fs
         self.session = session
-        self.closer: Callable[[], None] | None = None
-        """What closes this lock's writer when another attach of the same process takes the task over
-        (its owner sets it: the store's `close`, or the run's)."""
         self._file: BinaryIO | None = None
 
     @property
     def held(self) -> bool:
-        """Whether this writer holds the lock (not after it was handed over to another writer of the process)."""
+        """Whether this writer holds the lock."""
         with _HELD_LOCK:
             held = _HELD.get(str(self.path))
-        return self._file is not None and held is not None and held.owner is self
+        return self._file is not None and held is not None and held.owner() is self
 
     def _me(self) -> dict[str, Any]:
         return {"pid": os.getpid(), **this_host(), "session": self.session, "since": time.time(),
@@ -241,8 +239,7 @@ class WriterLock:
         os.ftruncate(f.fileno(), len(data))
 
     # -- taking it ------------------------------------------------------------------------------
-    def acquire(self, *, takeover: bool = False, what: str = "task", wait_s: float = 0.0,
-                handover: bool = True) -> None:
+    def acquire(self, *, takeover: bool = False, what: str = "task", wait_s: float = 0.0) -> None:
         """Take the lock (see the module docstring for each kind of holder).
 
         Args:
@@ -251,9 +248,6 @@ class WriterLock:
             what (`str`): how the task is named in messages.
             wait_s (`float`, *optional*, defaults to `0`): how long to wait for a holder whose
                 state cannot be told (another host) before giving up.
-            handover (`bool`, *optional*, defaults to `True`): when this process holds the lock
-                through another writer, close that writer and take its lock; `False` raises instead
-                (a maintenance command must not close a training run of the same process).
 
         Raises:
             `StoreLockedError`: a live holder on this host, or one of another host that kept the
@@ -261,27 +255,24 @@ class WriterLock:
         """
         if self.held:
             return
-        key = str(self.path)
-        with _HELD_LOCK:
-            held = _HELD.get(key)
-        if held is not None:
-            self._hand_over(held, what, allowed=handover)
-            return
         deadline = time.monotonic() + max(0.0, wait_s)
         waited_since: float | None = None
         next_note = 0.0
         self.fs.mkdir(self.path.parent)
         while True:
-            f = self.fs.open_lock(self.path)
-            try:
-                if _try_lock(f):
-                    self._won(f, what)
+            with _HELD_LOCK:  # one check-lock-register step per process (a second lock of it would "succeed")
+                if self._in_process(what):
                     return
-                holder, owner_pid = _read_record(f), _lock_owner(f)
-            except BaseException:
-                f.close()
-                raise
-            f.close()  # not ours: closing it drops nothing
+                f = self.fs.open_lock(self.path)
+                try:
+                    if _try_lock(f):
+                        self._won(f, what)
+                        return
+                    holder, owner_pid, inode = _read_record(f), _lock_owner(f), os.fstat(f.fileno()).st_ino
+                except BaseException:
+                    f.close()
+                    raise
+                f.close()  # not ours: closing it drops nothing
             if owner_pid is not None and owner_pid != (holder or {}).get("pid"):
                 # The lock's real holder, which has not written its record yet (or wrote another's).
                 holder = {**(holder or {}), "pid": owner_pid, **this_host(), "start": None, "session": "?"}
@@ -294,7 +285,7 @@ class WriterLock:
                     f"give this run its own task_id, wait for that run to end, or {advice}."
                 )
             if state is HolderState.GONE or takeover:
-                self._take_over(holder, what, forced=state is not HolderState.GONE)
+                self._take_over(holder, what, forced=state is not HolderState.GONE, judged_inode=inode)
                 return
             now = time.monotonic()
             if now >= deadline:
@@ -328,36 +319,32 @@ class WriterLock:
 
     def _register(self, f: BinaryIO) -> None:
         with _HELD_LOCK:
-            _HELD[str(self.path)] = _Held(file=f, owner=self)
+            _HELD[str(self.path)] = _Held(file=f, owner=weakref.ref(self))
         self._file = f
 
-    def _hand_over(self, held: _Held, what: str, *, allowed: bool) -> None:
-        """This process holds the lock through another writer: close it, keep the lock open, make it ours."""
-        previous = held.owner
-        if not allowed:
+    def _in_process(self, what: str) -> bool:
+        """This process holds the lock already: refuse if its writer is open; take it over if it was dropped."""
+        held = _HELD.get(str(self.path))
+        if held is None:
+            return False
+        owner = held.owner()
+        if owner is not None and owner is not self and owner.held:
             raise StoreLockedError(
-                f"{what} is being written by this process (session {previous.session}); close that writer first "
-                "(RunOrchestrator.close(), or the end of its training run)."
+                f"{what} is being written by this process already (session {owner.session}); close that writer "
+                "first (RunOrchestrator.close(), or the end of its training run). A new Trainer callback or "
+                "SmartCheckpointer of this process closes an earlier run on the task itself."
             )
-        with _HELD_LOCK:
-            held.owner = self  # from here on, the previous writer's release leaves the file open
-        self._file = held.file
-        logger.info("%s: this process already writes it (session %s); that writer is closed first (its pending "
-                    "writes commit) and session %s takes over", what, previous.session, self.session)
-        closer, previous.closer = previous.closer, None
-        if closer is not None:
-            try:
-                closer()
-            except Exception as e:  # the new run must start: the earlier one's error is reported, not raised
-                logger.warning("%s: closing the earlier writer of this process (session %s) failed: %s", what,
-                               previous.session, e)
+        self._register(held.file)  # its writer was dropped without release(): the lock is this one's now
         self._write(held.file, self._me())
+        logger.debug("%s: took over the writer lock of a writer of this process that was never closed", what)
+        return True
 
-    def _take_over(self, holder: dict[str, Any] | None, what: str, *, forced: bool) -> None:
+    def _take_over(self, holder: dict[str, Any] | None, what: str, *, forced: bool, judged_inode: int) -> None:
         tmp = self.path.with_name(f"{self.path.name}.tmp-{self.session}")
         g = self.fs.open_lock(tmp)
         try:
-            if not _try_lock(g):
+            current = self.fs.lstat(self.path)
+            if not _try_lock(g) or current is None or current.st_ino != judged_inode:
                 raise StoreLockedError(f"{what}: another session is taking the writer lock over at the same time; "
                                        "retry.")
             self._write(g, self._me())
@@ -416,8 +403,8 @@ class WriterLock:
             return
         with _HELD_LOCK:
             held = _HELD.get(str(self.path))
-            if held is None or held.owner is not self:
-                return  # handed over: the file stays open for its new owner
+            if held is None or held.owner() is not self:
+                return  # taken over by another writer of this process: the file stays open for it
             del _HELD[str(self.path)]
         try:
             record = _read_record(f) or self._me()

@@ -36,7 +36,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVers
 from . import manifest as mf
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, encode_tiers
 from .task import Task, manifest_sig, parse_step_dir
-from .types import CheckpointInfo, GcReport
+from .types import CheckpointInfo, GcReport, Removal
 
 logger = logging.getLogger(__name__)
 
@@ -274,12 +274,10 @@ def removable_abandoned(task: Task, infos: Iterable[CheckpointInfo]) -> list[Che
     return [i for i in infos if i.abandoned and not i.pinned and top is not None and i.step < top]
 
 
-def apply_plan(task: Task, plan: Iterable[tuple[CheckpointInfo, Collection[Tier]]], report: GcReport) -> None:
+def apply_plan(task: Task, plan: Iterable[Removal], report: GcReport) -> None:
     """Delete what a retention plan names, each entry re-verified from disk first; each removal is recorded with
-    its rule (`Task.note_removed`; an entry's `rule` attribute, `policy.retention.Removal`)."""
-    for entry in plan:
-        planned, tiers = entry
-        rule = str(getattr(entry, "rule", "") or "a retention plan")
+    its rule (`Task.note_removed`)."""
+    for planned, tiers, rule in plan:
         fresh = task.scan(planned.step)
         why = None
         if fresh is None:

@@ -76,7 +76,7 @@ from .remote import Remote, split_root
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
 from .task import Task, parse_step_dir, step_dir_name
 from .timelines import fork_record
-from .types import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint
+from .types import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, Removal
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,6 @@ class CheckpointStore:
         self.catalog = Catalog.in_memory() if memory else catalog
         self.task = Task(spec, self.fs, self.catalog, read_only=memory, remote=self.remote)
         self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
-        self._writer.closer = self.close
         self._lookup = Lookup(self.task)
         if memory:
             if self.remote is not None and pull:
@@ -234,12 +233,6 @@ class CheckpointStore:
         )
 
     # -- housekeeping ---------------------------------------------------------------------------
-    def on_handover(self, closer: Callable[[], None]) -> None:
-        """What closes this store's writer when a later attach of the same process takes the task (a notebook
-        re-run, another Trainer): by default `close`; the run that owns the store passes its own close, which
-        first lets pending writes commit. The lock passes to the new writer without a gap."""
-        self._writer.closer = closer
-
     def ensure_root(self) -> bool:
         """Rank 0: recreate the root, the task folder, the catalog and the writer lock when something deleted
         them under a running writer (a cleanup script's ``rm -rf``); the catalog is rebuilt from the manifests
@@ -250,17 +243,20 @@ class CheckpointStore:
         """
         if self.read_only or self.rank != 0 or self.remote is not None:
             return False
+        # Checked without the store's lock: a save in flight holds it for its whole write.
+        task_gone = not self.fs.is_dir(self.task.dir)
+        catalog_gone = self.catalog.replaced()
+        lock_gone = self._writer.held and self._writer.moved()
+        if not (task_gone or catalog_gone or lock_gone):
+            return False
         with self._lock:
-            task_gone = not self.fs.is_dir(self.task.dir)
-            catalog_gone = self.catalog.replaced()
-            lock_gone = self._writer.held and self._writer.moved()
-            if not (task_gone or catalog_gone or lock_gone):
-                return False
+            if self.fs.is_dir(self.task.dir) and not self.catalog.replaced() and not self._writer.moved():
+                return False  # another thread of this process recreated it meanwhile
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self.fs.mkdir(self.task.dir)
                 self.fs.fsync_dir(self.root)
-                if catalog_gone:
+                if self.catalog.replaced():
                     self.catalog.reopen()
                 self._writer.refresh(what=f"task {self.task_id!r} under {self.url}")
                 mt.reindex(self.task, all_tasks=True)
@@ -545,7 +541,7 @@ class CheckpointStore:
         ``rule`` in words, ``time``), oldest first."""
         return dict(sorted(self.task.removed().items()))
 
-    def prune(self, plan: Iterable[tuple[CheckpointInfo, Collection[Tier]]]) -> GcReport:
+    def prune(self, plan: Iterable[Removal]) -> GcReport:
         """Apply a retention plan (`policy.retention.plan_retention`), then the abandoned-timeline rule.
 
         Each planned entry is re-read from disk first and kept when it is pinned there, was
@@ -579,7 +575,7 @@ class CheckpointStore:
         with self._lock:
             took = not dry_run and not self._writer.held
             if took:
-                self._writer.acquire(what=f"task {self.task_id!r} under {self.root}", handover=False)
+                self._writer.acquire(what=f"task {self.task_id!r} under {self.root}")
             try:
                 for name, size in mt.remove_leftovers(self.task, dry_run=dry_run):
                     report.temp_dirs.append(name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..constants import Tier
 from .spec import Lineage
@@ -95,6 +95,16 @@ class CheckpointInfo:
     blobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False, repr=False)
     abandoned: bool = False
     lineage: Lineage | None = None
+
+
+class Removal(NamedTuple):
+    """One entry of a retention plan (`policy.retention.plan_retention`, applied by `CheckpointStore.prune`)."""
+
+    info: CheckpointInfo
+    tiers: frozenset[Tier]
+    """What goes: a set containing `Tier.WEIGHTS` (then `ALL_TIERS`) is the whole checkpoint."""
+    rule: str = "a retention plan"
+    """The rule that removes it, in words: recorded in the task's removals, named by `ls` and a resume."""
 
 
 @dataclass

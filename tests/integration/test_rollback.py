@@ -89,6 +89,19 @@ def test_a_nan_loss_and_a_loss_spike_are_rolled_back_exactly(kind: str, tmp_path
     assert result["losses"][6:] == reference["losses"]
 
 
+def test_a_rollback_with_gradient_accumulation_skips_the_whole_window(tmp_path: Path) -> None:
+    # Two micro-batches per update: the bad one is the first of window 6; both of its micro-batches are skipped.
+    ga = ("--ga", "2", "--max_steps", "8", "--examples", "96")
+    result, log = run(tmp_path, "rb", *ga, "--on_anomaly", "rollback", "--poison", "6:grad")
+    assert [r[:2] for r in result["rollbacks"]] == [[6, 5]]
+    assert "skipped batches 11..12" in log  # micro-batches: window 6 is the 11th and 12th
+    assert result["global_step"] == 8 and len(result["losses"]) == 2 * 9  # a loss per micro-batch, 9 windows read
+    ref, _ = run(tmp_path / "ref", "ref", *ga, "--poison", "6:grad", "--reference_skip", "6:6",
+                 "--resume", capture(tmp_path, 5))
+    assert ref["resumed_from"] == 5 and len(ref["losses"]) == 2 * 3
+    assert result["losses"][2 * 6:] == ref["losses"]
+
+
 def test_patience_rolls_back_past_several_bad_steps(tmp_path: Path) -> None:
     # Two bad batches in a row confirm it: the first one's update is applied, the second is not; both are skipped.
     result, log = run(tmp_path, "rb", "--on_anomaly", "rollback", "--rollback_patience", "2",

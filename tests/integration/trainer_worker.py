@@ -76,8 +76,9 @@ def main() -> None:
     p.add_argument("--max_rollbacks", type=int, default=3)
     p.add_argument("--exhausted", default="stop", choices=["stop", "continue"])
     p.add_argument("--poison", default=None,
-                   help="W:KIND,...: poison the data of window W (1-based optimizer steps of the original data order) "
-                        "with KIND grad (loss x1000), nan or spike (loss x5); the anomaly follows the data")
+                   help="W:KIND[@R],...: poison the data of window W (1-based optimizer steps of the original data "
+                        "order; of rank R only with @R) with KIND grad (loss x1000), nan or spike (loss x5); the "
+                        "anomaly follows the data")
     p.add_argument("--reference_skip", default=None,
                    help="A:B: train on the original data order without windows A..B (sequential sampling): the "
                         "reference a rollback that skipped them must match")
@@ -242,16 +243,19 @@ def _original_order(ds, args: argparse.Namespace) -> list[list[int]]:  # type: i
 
 
 def _reorder_and_poison(ds, args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """--poison: mark the first example of every rank's batch of window W; --reference_skip: the dataset in the
-    original order without the windows A..B, for sequential sampling."""
+    """--poison: mark the first example of every rank's first micro-batch of window W (optimizer step W of the
+    original order); --reference_skip: the dataset in the original order without the windows A..B, for
+    sequential sampling."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    batches = _original_order(ds, args)
+    batches = _original_order(ds, args)  # rank r's micro-batch m is batches[m * world + r]
+    per_window = world * args.ga
     if args.poison:
         marks = {}
         for item in args.poison.split(","):
             window, kind = item.split(":")
-            for r in range(world):
-                marks[batches[(int(window) - 1) * world + r][0]] = POISON_TOKENS[kind]
+            kind, _, only = kind.partition("@")  # W:KIND@R: only rank R's batch of that window
+            for r in [int(only)] if only else range(world):
+                marks[batches[(int(window) - 1) * per_window + r][0]] = POISON_TOKENS[kind]  # its first micro-batch
 
         def mark(row, idx):  # type: ignore[no-untyped-def]
             if idx in marks:
@@ -262,7 +266,7 @@ def _reorder_and_poison(ds, args: argparse.Namespace):  # type: ignore[no-untype
         ds = ds.map(mark, with_indices=True)
     if args.reference_skip:
         a, b = (int(x) for x in args.reference_skip.split(":"))
-        keep = [i for k, batch in enumerate(batches) if not (a - 1) * world <= k < b * world for i in batch]
+        keep = [i for k, batch in enumerate(batches) if not (a - 1) * per_window <= k < b * per_window for i in batch]
         ds = ds.select(keep)
     return ds
 

@@ -40,14 +40,20 @@ def main() -> None:
     def model_fn() -> torch.nn.Module:
         return toy.lora(toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=0.1), r=4, dropout=0.1)
 
-    lock_lines: list[str] = []
+    lock_lines: list[str] = []  # the writer lock's lines
+    run_lines: list[str] = []
 
     class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lock_lines.append(f"{record.levelname}: {record.getMessage()}")
+        def __init__(self, into: list[str]) -> None:
+            super().__init__(level=logging.INFO)
+            self.into = into
 
-    logging.getLogger("hf_dynamic_ckpt.store.lock").addHandler(Collect(level=logging.INFO))
-    logging.getLogger("hf_dynamic_ckpt.store.lock").setLevel(logging.INFO)
+        def emit(self, record: logging.LogRecord) -> None:
+            self.into.append(f"{record.levelname}: {record.getMessage()}")
+
+    for name, into in (("hf_dynamic_ckpt.store.lock", lock_lines), ("hf_dynamic_ckpt.run.orchestrator", run_lines)):
+        logging.getLogger(name).addHandler(Collect(into))
+        logging.getLogger(name).setLevel(logging.INFO)
 
     class Record(TrainerCallback):
         def __init__(self, losses: list[str], fail_at: int | None = None) -> None:
@@ -80,13 +86,13 @@ def main() -> None:
         first.train(resume_from_checkpoint=resume_checkpoint(first, "auto"))
     except Boom as e:
         raised = str(e)
-    lines_before = len(lock_lines)
+    lines_before, run_before = len(lock_lines), len(run_lines)
     resumed_losses: list[str] = []
     second = trainer_for(model, os.path.join(out, "nb"), Record(resumed_losses))
     path = resume_checkpoint(second, "auto")
     cb = next(c for c in second.callback_handler.callbacks if isinstance(c, SmartCkptCallback))
     resumed_from = cb.resumed_from.info.step if cb.resumed_from is not None else None
-    handover = lock_lines[lines_before:]
+    handover = lock_lines[lines_before:] + [line for line in run_lines[run_before:] if "this process" in line]
     second.train(resume_from_checkpoint=path)
     hooks = len(model.base_model.model._forward_hooks)  # the first run's probes were removed at the hand-over
 

@@ -19,7 +19,7 @@ from store_helpers import tiny_state
 
 from hf_dynamic_ckpt.constants import CATALOG_NAME, PINNED_MARKER, Tier
 from hf_dynamic_ckpt.errors import CorruptCheckpointError
-from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointStore, Removal
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_open_rereads_flags_changed_on_disk(store: CheckpointStore, tmp_path: Pa
 
 
 def test_retention_rechecks_the_disk_before_deleting(store: CheckpointStore) -> None:
-    plan = [(i, frozenset(Tier)) for i in store.list() if i.step == 3]
+    plan = [Removal(i, frozenset(Tier)) for i in store.list() if i.step == 3]
     (store.task_dir / "step-3" / PINNED_MARKER).touch()  # pinned after the plan was made
     report = store.prune(plan)
     assert report.removed == [] and report.kept == ["step 3 kept: it is pinned on disk"]

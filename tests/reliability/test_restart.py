@@ -149,7 +149,8 @@ def test_notebook_rerun_after_an_exception_and_several_trainers_in_one_process(t
     assert out["resumed_from"] == 4
     assert out["resumed"] == out["reference"][4:]
     assert len(out["handover"]) == 1 and out["handover"][0].startswith("INFO: task 'default' under ")
-    assert "this process already writes it (session" in out["handover"][0]
+    assert "this process already runs on it (session " in out["handover"][0]
+    assert "that run is closed first (its writes in flight commit) and session " in out["handover"][0]
     assert all(line.startswith("INFO: ") for line in out["lock_lines"])  # never a warning, never an error
     assert out["hooks"] == 0  # the failed run's probes were removed when it was closed
     assert out["each"] == [[s, f"default-step-{s}"] for s, _ in out["each"]] and len(out["each"]) >= 3

@@ -28,6 +28,7 @@ from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.store.remote import Remote, RemoteSpec, RemoteStorageError, redact
 from hf_dynamic_ckpt.store.spec import SaveRequest
 from hf_dynamic_ckpt.store.store import CheckpointStore
+from hf_dynamic_ckpt.store.types import Removal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -294,7 +295,7 @@ def test_retention_and_gc_delete_only_inside_the_task_prefix(s3_root, tmp_path):
         for step in (1, 2, 3, 4):
             save(store, step, frozen=float(step))
         infos = {i.step: i for i in store.list()}
-        report = store.prune([(infos[1], ALL_TIERS), (infos[2], ALL_TIERS)])
+        report = store.prune([Removal(infos[1], ALL_TIERS), Removal(infos[2], ALL_TIERS)])
         assert sorted(report.removed) == [1, 2]
         assert sorted(r for r in report.blobs if r.startswith("remote:"))  # the frozen blobs of steps 1, 2
         store.gc()

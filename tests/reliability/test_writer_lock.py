@@ -1,6 +1,7 @@
 """One writer per task, and every ordinary restart gets the lock (store level; see `hf_dynamic_ckpt.store.lock`).
 
-What each kind of holder gets: this process's earlier writer is closed and replaced; a holder
+What each kind of holder gets: another open writer of this process is refused (a new run of the
+process closes its earlier run first), a writer dropped without closing is replaced; a holder
 that is gone (killed, crashed, rebooted, pid reused) is taken over without a flag, even when a
 process it forked is still running; a holder this host cannot see (another host) is waited for,
 then named in `StoreLockedError`; a live holder of this host is refused at once.
@@ -8,6 +9,7 @@ then named in `StoreLockedError`; a live holder of this host is refused at once.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -24,7 +26,9 @@ import torch
 from helpers import save_state
 from store_helpers import tiny_state
 
+from hf_dynamic_ckpt import SmartCkptConfig
 from hf_dynamic_ckpt.errors import StoreLockedError
+from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 from hf_dynamic_ckpt.store import CheckpointStore, Lineage, SaveRequest
 from hf_dynamic_ckpt.store.lock import HolderState, judge, read_holder, this_host
 
@@ -141,45 +145,80 @@ def test_an_orphaned_child_of_a_dead_holder_cannot_block_the_restart(tmp_path: P
         os.kill(orphan_pid, signal.SIGKILL)  # the child this test started, by its pid
 
 
-def test_this_processs_earlier_writer_is_closed_and_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+PROBE = """
+import sys
+from hf_dynamic_ckpt.errors import StoreLockedError
+from hf_dynamic_ckpt.store import CheckpointStore
+try:
+    CheckpointStore(sys.argv[1], task_id="run", session_id="other", lock_wait_s=0)
+except StoreLockedError as e:
+    print("refused:", e)
+"""
+
+
+def _refused_by_another_process(root: Path) -> str:
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(root)], capture_output=True, text=True, timeout=120)
+    return probe.stdout
+
+
+def test_a_second_writer_of_this_process_is_refused_while_the_first_is_open(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
     first = CheckpointStore(tmp_path, task_id="run", session_id="first")
     save_state(first, tiny_state(1), reason="first")
-    closed: list[str] = []
-
-    def close_first() -> None:
-        closed.append("first")
-        first.close()
-
-    first.on_handover(close_first)
-    with caplog.at_level(logging.INFO, logger="hf_dynamic_ckpt.store.lock"):
-        second = CheckpointStore(tmp_path, task_id="run", session_id="second")
-    assert closed == ["first"]
-    messages = [r.getMessage() for r in caplog.records]
-    assert [r.levelno for r in caplog.records] == [logging.INFO], messages
-    assert "this process already writes it (session first); that writer is closed first" in messages[0]
-    assert read_holder(tmp_path / "run")["session"] == "second"  # type: ignore[index]
-    # The lock never dropped: another process is refused while `second` holds it.
-    probe = subprocess.run([sys.executable, "-c", textwrap.dedent("""
-        import sys
-        from hf_dynamic_ckpt.errors import StoreLockedError
-        from hf_dynamic_ckpt.store import CheckpointStore
-        try:
-            CheckpointStore(sys.argv[1], task_id="run", session_id="other", lock_wait_s=0)
-        except StoreLockedError as e:
-            print("refused:", e)
-        """), str(tmp_path)], capture_output=True, text=True, timeout=120)
-    refused = f"refused: task 'run' under {tmp_path} is being written by another session: pid {os.getpid()}"
-    assert refused in probe.stdout
-    info = save_state(second, tiny_state(2), reason="second")
-    assert info is not None and [i.step for i in second.list()] == [2, 1]
-    # A maintenance call of the same process does not close the run that writes the task.
+    with pytest.raises(StoreLockedError) as exc:
+        CheckpointStore(tmp_path, task_id="run", session_id="second")
+    assert str(exc.value) == (
+        f"task 'run' under {tmp_path} is being written by this process already (session first); close that writer "
+        "first (RunOrchestrator.close(), or the end of its training run). A new Trainer callback or "
+        "SmartCheckpointer of this process closes an earlier run on the task itself.")
+    # The refused attempt changed nothing: the first writer still holds the lock and saves.
+    assert read_holder(tmp_path / "run")["session"] == "first"  # type: ignore[index]
+    assert save_state(first, tiny_state(2), reason="first") is not None
+    # A maintenance call of the same process is refused the same way; it does not close the run.
     reader = CheckpointStore(tmp_path, task_id="run", session_id="tool", cleanup=False)
-    with pytest.raises(StoreLockedError, match=r"being written by this process \(session second\); close that "):
+    with pytest.raises(StoreLockedError, match=r"being written by this process already \(session first\)"):
         reader.gc()
     reader.close()
-    second.close()
-    third = CheckpointStore(tmp_path, task_id="run", session_id="third")  # released: taken without a handover
+    assert read_holder(tmp_path / "run")["session"] == "first"  # type: ignore[index]
+    first.close()
+    second = CheckpointStore(tmp_path, task_id="run", session_id="second")  # released: taken
+    assert [i.step for i in second.list()] == [2, 1]
+    # A writer dropped without close() (an exception unwound its owner) does not keep the lock from the next one.
+    del second
+    gc.collect()
+    with caplog.at_level(logging.INFO, logger="hf_dynamic_ckpt.store.lock"):
+        third = CheckpointStore(tmp_path, task_id="run", session_id="third")
+    assert [r.levelno for r in caplog.records if r.levelno >= logging.INFO] == []
+    assert read_holder(tmp_path / "run")["session"] == "third"  # type: ignore[index]
+    assert "refused: task 'run' under" in _refused_by_another_process(tmp_path)
     third.close()
+
+
+def test_a_new_run_of_this_process_closes_the_earlier_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "store"
+    config = SmartCkptConfig(root=str(root), task_id="run", base_interval=1, engine="thread")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = RunOrchestrator(config)
+    first.attach(model, optimizer=opt)
+    for step in (1, 2):
+        model(torch.ones(2, 4)).sum().backward()
+        first.pre_update(step - 1)
+        opt.step()
+        opt.zero_grad()
+        first.step_end(step, epoch=0.0)
+    with caplog.at_level(logging.INFO, logger="hf_dynamic_ckpt.run.orchestrator"):
+        second = RunOrchestrator(config)  # a notebook cell re-run after the first cell raised
+    assert first.closed and not second.closed
+    lines = [r.getMessage() for r in caplog.records if "this process" in r.getMessage()]
+    assert lines == [f"task 'run' under {root}: this process already runs on it (session {first.session_id}); that "
+                     f"run is closed first (its writes in flight commit) and session {second.session_id} takes over"]
+    assert [i.step for i in second.store.list()] == [2, 1]  # the first run's writes committed before it closed
+    assert read_holder(root / "run")["session"] == second.session_id  # type: ignore[index]
+    refused = f"refused: task 'run' under {root} is being written by another session: pid {os.getpid()}"
+    assert refused in _refused_by_another_process(root)
+    second.close()
+    assert RunOrchestrator(config).session_id  # released: taken without closing anything
 
 
 def test_a_holder_on_another_host_is_waited_for_then_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -81,7 +81,7 @@ def test_policy_knobs_load_from_yaml(tmp_path: Path) -> None:
         ("lr_surge_ratio", 1, "lr_surge_ratio=1 is invalid: expected a number > 1."),
         ("memory_lookahead", 2.5, "memory_lookahead=2.5 is invalid: expected an integer >= 1."),
         ("mtbf_hours", 0, "mtbf_hours=0 is invalid: expected a positive number of hours."),
-        ("keep_last", 0, "keep_last=0 is invalid: expected an integer >= 1."),
+        ("keep_last", 0, "keep_last=0 is invalid: expected an integer >= 1, or null to keep every checkpoint."),
         ("fallback_strategy", "half",
          "fallback_strategy='half' is invalid: expected one of 'full', 'level_0_1', 'level_0_only'."),
     ],

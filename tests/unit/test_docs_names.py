@@ -33,7 +33,8 @@ EXTERNAL = {
     "DeviceMesh", "FileSystemWriter", "DefaultLoadPlanner", "StorageReader", "StateDictOptions",
     "ChunkStorageMetadata", "ReduceLROnPlateau", "CheckpointException", "ExportableState", "Dataset",
     "AdamW", "Adafactor", "Optimizer", "Module", "Tensor", "Generator", "Event", "Stream", "JitCheckpoint",
-    "ZstdCompressor", "ZstdDecompressor", "S3FileSystem", "Path", "PrinterCallback", "DistributedType",
+    "ZstdCompressor", "ZstdDecompressor", "S3FileSystem", "Path", "PrinterCallback",
+    "EarlyStoppingCallback", "DistributedType",
     "ThreadPoolExecutor", "Future", "RuntimeError", "ValueError", "PermissionError", "FileNotFoundError",
     "MemoryError", "OSError", "KeyError", "TypeError", "RecursionError", "SystemExit", "NaN", "Infinity",
     "DDP", "FSDP", "FSDP1", "FSDP2", "HSDP", "LoRA", "MTBF", "OOM", "NVML", "GPU", "CPU", "RSS", "JSON", "YAML",
@@ -41,7 +42,8 @@ EXTERNAL = {
     "DeprecationWarning", "UserWarning", "MemAvailable", "MemTotal", "SwapTotal",
 }
 # Attributes of other libraries' objects (Trainer's state, tensors, ...) the docs name on a variable.
-EXTERNAL_ATTRS = {"global_step", "epoch", "log_history", "total_flos", "best_metric", "max_steps", "grad", "data",
+EXTERNAL_ATTRS = {"global_step", "epoch", "log_history", "total_flos", "best_metric",
+                  "best_global_step", "best_model_checkpoint", "max_steps", "grad", "data",
                   "param_groups", "is_main_process", "sync_gradients", "current_flos", "process_index"}
 FILE_SUFFIXES = (".json", ".jsonl", ".safetensors", ".db", ".pt", ".pth", ".bin", ".zst", ".md", ".png", ".yaml",
                  ".yml", ".txt", ".lock", ".gz", ".cfg", ".toml", ".sh", ".log")
