@@ -24,7 +24,7 @@ from hf_dynamic_ckpt.errors import (
     DynamicCkptError,
     UnsafePathError,
 )
-from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointStore, Removal
 from hf_dynamic_ckpt.store.fs import LocalFS
 from hf_dynamic_ckpt.store.hashing import file_checksum
 
@@ -46,7 +46,7 @@ def _every_operation(store: CheckpointStore, step: int) -> None:
     _attempt(store.verify, f"step:{step}")
     _attempt(store.delete, f"step:{step}", tiers={Tier.OPTIMIZER})
     infos = [i for i in store.list(include_unhealthy=True, include_abandoned=True) if i.step == step]
-    _attempt(store.prune, [(i, frozenset({Tier.OPTIMIZER})) for i in infos])
+    _attempt(store.prune, [Removal(i, frozenset({Tier.OPTIMIZER})) for i in infos])
     _attempt(store.gc)
     _attempt(store.delete, f"step:{step}", force=True)
 
