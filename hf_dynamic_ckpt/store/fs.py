@@ -41,6 +41,16 @@ class SyncableFile(Protocol):
     def fileno(self) -> int: ...
 
 
+def _open_no_link(path: str | os.PathLike[str], flags: int, does: str) -> int:
+    """`os.open` that refuses a symbolic link at `path` (`UnsafePathError`); new files get mode 0644."""
+    try:
+        return os.open(path, flags | _NOFOLLOW | _CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symbolic link; the store never {does} through links.") from e
+        raise
+
+
 def fsync_file(f: SyncableFile | str | os.PathLike[str]) -> None:
     """Flushes and fsyncs an open file object, or opens `path` and fsyncs it."""
     if isinstance(f, (str, os.PathLike)):
@@ -80,24 +90,12 @@ def open_read(path: str | os.PathLike[str]) -> BinaryIO:
         `FileNotFoundError`: no such file.
         `UnsafePathError`: `path` is a symbolic link.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link; the store never reads through links.") from e
-        raise
-    return os.fdopen(fd, "rb")
+    return os.fdopen(_open_no_link(path, os.O_RDONLY, "reads"), "rb")
 
 
 def create(path: str | os.PathLike[str]) -> BinaryIO:
     """Create (or truncate) a file for binary writing, refusing a symbolic link at `path`."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link; the store never writes through links.") from e
-        raise
-    return os.fdopen(fd, "wb")
+    return os.fdopen(_open_no_link(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "writes"), "wb")
 
 
 def lstat(path: str | os.PathLike[str]) -> os.stat_result | None:
@@ -201,24 +199,12 @@ class LocalFS:
     def open_lock(self, path: str | os.PathLike[str]) -> BinaryIO:
         """Open (creating it) a lock file for reading and writing, without truncating it."""
         p = self.contained(path)
-        try:
-            fd = os.open(p, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafePathError(f"{p} is a symbolic link; refused.") from e
-            raise
-        return os.fdopen(fd, "r+b")
+        return os.fdopen(_open_no_link(p, os.O_RDWR | os.O_CREAT, "writes"), "r+b")
 
     def append_line(self, path: str | os.PathLike[str], line: str) -> None:
         """Append one line to a file of the store (created if missing; a link is refused)."""
         p = self.contained(path)
-        try:
-            fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafePathError(f"{p} is a symbolic link; refused.") from e
-            raise
-        with os.fdopen(fd, "a", encoding="utf-8") as f:
+        with os.fdopen(_open_no_link(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "writes"), "a", encoding="utf-8") as f:
             f.write(line.rstrip("\n") + "\n")
 
     def mkdir(self, path: str | os.PathLike[str], *, exist_ok: bool = True) -> None:
