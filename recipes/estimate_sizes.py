@@ -180,13 +180,13 @@ def main() -> None:
     for title, table in measured:
         print(f"\n{title}; scaled to the whole model (bytes and stall by trained parameters, step by matmul "
               "parameters; the stall is that machine's host copy, not a GPU's)")
-        print(f"{'mode':6s}{'layers':>10s}{'L0':>12s}{'L1':>12s}{'stall':>18s}{'step':>18s}{'stall / step':>20s}"
+        print(f"{'mode':6s}{'layers':>10s}{'L0':>12s}{'L1':>12s}{'stall':>20s}{'step':>19s}{'stall / step':>20s}"
               f"{'write':>10s}  staging")
         for r in table:
             print(f"{r['mode']:6s}{r['measured_layers']:>4d} -> {r['full_layers']:<4d}{_bytes(r['L0_bytes']):>12s}"
-                  f"{_bytes(r['L1_bytes']):>12s}{_seconds(r['measured_blocking_s']):>8s} -> "
-                  f"{_seconds(r['blocking_s']):<7s}"
-                  f"{_seconds(r['measured_step_s']):>8s} -> {_seconds(r['step_s']):<7s}"
+                  f"{_bytes(r['L1_bytes']):>12s}{_seconds(r['measured_blocking_s']):>10s} -> "
+                  f"{_seconds(r['blocking_s']):<9s}"
+                  f"{_seconds(r['measured_step_s']):>8s} -> {_seconds(r['step_s']):<8s}"
                   f"{r['measured_share']:>9.2%} -> {r['share']:<8.2%}{_seconds(r['write_s']):>10s}  "
                   f"{','.join(r['staging'])}")
 

@@ -68,6 +68,7 @@ run): per model ~10 min for LoRA and ~40 min for the full fine-tune with the def
     python recipes/estimate_sizes.py --measured bench_out/real_width/qwen2-7b.json bench_out/real_width/llama3-8b.json
 
     python scripts/bench_real_width.py --smoke      # toy widths, LoRA only, six runs of ~5-10 s each
+    python scripts/bench_real_width.py --report bench_out/real_width/qwen2-7b.json   # its tables again
 
 `--device cuda` runs the same on a GPU (`scripts/gpu_check.py` uses it for the absolute stall
 and restore at Qwen2-7B width); memory then fits the layers to the GPU's free memory.
@@ -394,7 +395,8 @@ def child(spec: dict[str, Any]) -> None:
     model = _load_model(spec)
     dataset = toy.random_token_dataset(num_examples=max(max_steps, spec["steps"]) * spec["batch"], seq_len=spec["seq"],
                                        vocab_size=MODELS[spec["model"]]["config"]["vocab_size"], seed=1)
-    marks: dict[str, Any] = {"steps": [], "gaps": {}, "step_end_wall": {}, "losses": [], "writers": {}}
+    marks: dict[str, Any] = {"steps": [], "gaps": {}, "step_end_wall": {}, "losses": [], "writers": {},
+                             "trainer_saves": []}
     smart: Any = None
     inner = model.base_model.model if spec["mode"] == "lora" else model
 
@@ -431,6 +433,9 @@ def child(spec: dict[str, Any]) -> None:
             marks["step_end_wall"][state.global_step] = time.time()
             marks["steps"].append((state.global_step, self.end - self.begin, self.busy))
 
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            marks["trainer_saves"].append(state.global_step)  # Trainer's own saves (rotation deletes folders)
+
     native_saves = variant in ("native", "prep")
     targs = TrainingArguments(
         output_dir=str(out / "trainer"), per_device_train_batch_size=spec["batch"], max_steps=max_steps,
@@ -446,21 +451,48 @@ def child(spec: dict[str, Any]) -> None:
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)
+    phases: dict[str, float] = {}  # where a resume's time goes: seconds per phase
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        """Add the time of every call of `owner.<name>` to `phases[label]`."""
+        original = getattr(owner, name)
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+
+    if variant in ("native_resume", "ours_resume"):  # Trainer's own loading (ours: its second read of the weights)
+        timed(trainer, "_load_from_checkpoint", "Trainer loads the weights")
+        timed(trainer, "_load_optimizer_and_scheduler", "Trainer loads optimizer + scheduler")
+        timed(trainer, "_load_rng_state", "Trainer loads the RNG")
+    if variant == "ours_resume":
+        from hf_dynamic_ckpt.run import resume as resume_module
+
+        timed(resume_module, "read_optimizer_tier", "L1 read + decode (background thread)")
+        timed(smart, "_apply_resumed_optimizer", "wait for L1 + load it (before the first update)")
     start = time.time()
     marks["resume_start"] = start
     if variant == "ours_resume":
+        t = time.perf_counter()
         path = resume_checkpoint(trainer, f"step:{spec['prep_steps']}")
+        phases["resume_checkpoint: choose, read + verify L0, link"] = time.perf_counter() - t
     elif variant == "native_resume":
         assert prep is not None
         path = str(prep / "trainer" / f"checkpoint-{spec['prep_steps']}")
     else:
         path = None
     result = trainer.train(resume_from_checkpoint=path)
-    res: dict[str, Any] = {**marks, "wall_s": time.time() - start, "train_s": float(result.metrics["train_runtime"]),
+    res: dict[str, Any] = {**marks, "phases": phases, "wall_s": time.time() - start,
+                           "train_s": float(result.metrics["train_runtime"]),
                            "global_step": trainer.state.global_step, "optim": str(targs.optim)}
     res["params"] = sum(p.numel() for p in model.parameters())
     res["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if native_saves:
+    if native_saves:  # the folders rotation kept (save_total_limit=3); every save is in "trainer_saves"
         res["native_save_steps"] = sorted(int(p.name.split("-")[1]) for p in (out / "trainer").glob("checkpoint-*"))
     if smart is not None:
         events = [e for e in smart.checkpointer.events if e.error is None] if smart.checkpointer is not None else []
@@ -557,7 +589,7 @@ def run_mode(runner: Runner, args: argparse.Namespace, mode: str, layers: int) -
                 r = runner.run(_spec(args, mode, layers, base, variant, out), f"{mode} {variant} #{rep}")
                 shutil.rmtree(out, ignore_errors=True)  # checkpoints of a full fine-tune are GBs each
                 trio[variant].append(r)
-                saves = [e["step"] for e in r.get("events", []) if not e["end"]] or r.get("native_save_steps", [])
+                saves = _save_steps(r)
                 blocking = [round(e["blocking_ms"], 1) for e in r.get("events", []) if not e["end"]]
                 print(f"[{mode} #{rep}] {variant}: train {r['train_s']:.1f} s, median step "
                       f"{_median_step(r):.3f} s, saves {saves}" + (f", blocking ms {blocking}" if blocking else "")
@@ -617,9 +649,11 @@ def _median_step(res: dict[str, Any], skip: Sequence[int] = ()) -> float:
 
 
 def _save_steps(res: dict[str, Any]) -> list[int]:
+    """The steps a run saved at: ours from its save events (the save at training end, after Trainer's
+    `train_runtime`, left out), Trainer's from its `on_save` calls (its last step's save included)."""
     if "events" in res:
         return [e["step"] for e in res["events"] if not e["end"]]
-    return list(res.get("native_save_steps", []))
+    return list(res.get("trainer_saves", []))
 
 
 def within_run_ms(res: dict[str, Any]) -> float | None:
@@ -715,6 +749,9 @@ def summarize(mode: str, data: dict[str, Any]) -> dict[str, Any]:
             "ratio_over_fresh": _ratio(_med(over["ours_resume"]), _med(over["native_resume"])),
             "ratio_literal": _ratio(_med(t["ours_resume"]), _med(t["native_resume"])),
             "exact": {v: [r["losses"] == expected for r in resume[v]] for v in ("native_resume", "ours_resume")},
+            "phases": {v: {label: [r.get("phases", {}).get(label, 0.0) for r in resume[v]]
+                           for label in dict.fromkeys(k for r in resume[v] for k in r.get("phases", {}))}
+                       for v in ("native_resume", "ours_resume")},
             "bytes": resume["bytes"],
             "prep_blocking_ms": [e["blocking_ms"] for e in prep.get("events", []) if not e["end"]],
             "prep_median_step_s": _median_step(prep, _save_steps(prep)),
@@ -758,14 +795,16 @@ def _pct(x: float | None) -> str:
 
 
 def print_report(args: argparse.Namespace, summaries: list[dict[str, Any]],
-                 started: float) -> list[tuple[str, bool | None, str]]:
+                 started: float | None) -> list[tuple[str, bool | None, str]]:
     import torch
 
     print()
-    print(f"{args.model} widths ({json.dumps(MODELS[args.model]['config'])}), device {args.device}, torch "
-          f"{torch.__version__}, {os.cpu_count()} CPUs, 1 training thread, batch {args.batch} x {args.seq} tokens, "
-          f"{args.steps} steps, save every {args.k}, {args.repeats} repeat(s) interleaved (median [min-max]), "
-          f"load average {os.getloadavg()[0]:.1f}, total {time.time() - started:.0f} s")
+    here = ("" if started is None else  # --report: the machine that ran it is not necessarily this one
+            f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+            f"total {time.time() - started:.0f} s, ")
+    print(f"{args.model} widths ({json.dumps(MODELS[args.model]['config'])}), device {args.device}, {here}"
+          f"1 training thread, batch {args.batch} x {args.seq} tokens, {args.steps} steps, save every {args.k}, "
+          f"{args.repeats} repeat(s) interleaved (median [min-max])")
     trio = [s for s in summaries if "train_s" in s]
     if trio:
         print("\n| mode | layers | params (trainable) | median step s | train s: none / native / smart | saves "
@@ -823,6 +862,15 @@ def print_report(args: argparse.Namespace, summaries: list[dict[str, Any]],
                   f"{spread(o['ours_resume'])} ({_num(r['ratio_over_fresh'])}) | "
                   f"{sum(ex['native_resume'])}/{len(ex['native_resume'])} / {sum(ex['ours_resume'])}/"
                   f"{len(ex['ours_resume'])} |")
+        if any(s["resume"].get("phases", {}).get(v) for s in res for v in ("native_resume", "ours_resume")):
+            print("\n| mode | resume | where its time goes: s per phase, median [min-max] (the L1 read overlaps the "
+                  "first step) |")
+            print("|---|---|---|")
+            for s in res:
+                for v, phases in s["resume"].get("phases", {}).items():
+                    if phases:
+                        print(f"| {s['mode']} | {v.split('_')[0]} | "
+                              + "; ".join(f"{label} {spread(values)}" for label, values in phases.items()) + " |")
     goals = evaluate_goals(summaries)
     print("\nGoals (each a ratio measured in this run):")
     for name, met, detail in goals:
@@ -894,6 +942,8 @@ def main() -> int:
     p.add_argument("--json", default=None, help="also write every figure here (recipes/estimate_sizes.py --measured)")
     p.add_argument("--smoke", action="store_true",
                    help="toy widths, LoRA only unless --mode is given, 1 repeat, no fresh start: six runs")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="print the tables and goals of an earlier run's --json again, and run nothing")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     if "--smoke" in sys.argv[1:]:  # defaults only: flags given next to --smoke still apply
         p.set_defaults(model="smoke", mode="lora", steps=8, k=3, repeats=1, prep_steps=2, no_fresh=True)
@@ -901,6 +951,8 @@ def main() -> int:
     if args.child:
         child(json.loads(args.child))
         return 0
+    if args.report:
+        return report(Path(args.report))
     args.parts = [x for x in args.parts.split(",") if x]
     work = Path(args.out).absolute()
     work.mkdir(parents=True, exist_ok=True)
@@ -930,6 +982,34 @@ def main() -> int:
     for mode, error in failed.items():
         print(f"\n[{mode}] FAILED: {error.splitlines()[0]}")
     return 1 if failed else 0
+
+
+def report(path: Path) -> int:
+    """`--report JSON`: the tables and goals of a finished (or interrupted) run, from its `--json`."""
+    data = json.loads(path.read_text())
+    keys = ("model", "device", "batch", "seq", "steps", "k", "repeats")
+    args = argparse.Namespace(**{key: data[key] for key in keys})
+    print(f"{path}: {', '.join(s['mode'] for s in data['summaries']) or 'no mode'} finished"
+          + "".join(f"; {mode} FAILED: {error.splitlines()[0]}" for mode, error in data["failed"].items()))
+    raw = data["runs"]
+    for runs in raw.values():
+        for r in runs["trio"].get("native", []):
+            if "trainer_saves" not in r:
+                _trainer_saves_of_an_earlier_json(r, data["k"])
+    summaries = [summarize(s["mode"], raw[s["mode"]]) for s in data["summaries"]]  # figures from the raw runs
+    print_report(args, summaries, None)
+    return 1 if data["failed"] else 0
+
+
+def _trainer_saves_of_an_earlier_json(res: dict[str, Any], k: int) -> None:
+    """Runs recorded before `on_save` was: Trainer's schedule for `save_strategy="steps"` (every k steps
+    and the last step), checked against the folders its rotation kept (the newest three)."""
+    last = res["global_step"]
+    schedule = sorted({*range(k, last + 1, k), last})
+    if schedule[-len(res["native_save_steps"]):] != res["native_save_steps"]:
+        raise SystemExit(f"the kept checkpoint folders {res['native_save_steps']} are not the end of Trainer's "
+                         f"schedule {schedule}: this JSON cannot be read again")
+    res["trainer_saves"] = schedule
 
 
 def write_json(args: argparse.Namespace, summaries: list[dict[str, Any]], goals: list[tuple[str, bool | None, str]],
