@@ -175,7 +175,13 @@ def main() -> None:
             if args.delete_store_at is not None and state.global_step == args.delete_store_at and rank == 0:
                 import shutil
 
-                shutil.rmtree(os.path.join(args.out, "run", "smart_ckpt"))
+                store = os.path.join(args.out, "run", "smart_ckpt")
+                for _ in range(100):  # as `rm -rf`: files the writer renames or removes meanwhile are no error
+                    shutil.rmtree(store, ignore_errors=True)
+                    if not os.path.lexists(store):
+                        break
+                else:
+                    shutil.rmtree(store)
             if args.sigterm_at is not None and state.global_step == args.sigterm_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
 
