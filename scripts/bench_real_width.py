@@ -492,8 +492,6 @@ def child(spec: dict[str, Any]) -> None:
                            "global_step": trainer.state.global_step, "optim": str(targs.optim)}
     res["params"] = sum(p.numel() for p in model.parameters())
     res["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if native_saves:  # the folders rotation kept (save_total_limit=3); every save is in "trainer_saves"
-        res["native_save_steps"] = sorted(int(p.name.split("-")[1]) for p in (out / "trainer").glob("checkpoint-*"))
     if smart is not None:
         events = [e for e in smart.checkpointer.events if e.error is None] if smart.checkpointer is not None else []
         res["events"] = [{"step": e.step, "reason": e.reason, "blocking_ms": e.blocking_ms, "bytes": e.bytes,
@@ -991,25 +989,8 @@ def report(path: Path) -> int:
     args = argparse.Namespace(**{key: data[key] for key in keys})
     print(f"{path}: {', '.join(s['mode'] for s in data['summaries']) or 'no mode'} finished"
           + "".join(f"; {mode} FAILED: {error.splitlines()[0]}" for mode, error in data["failed"].items()))
-    raw = data["runs"]
-    for runs in raw.values():
-        for r in runs["trio"].get("native", []):
-            if "trainer_saves" not in r:
-                _trainer_saves_of_an_earlier_json(r, data["k"])
-    summaries = [summarize(s["mode"], raw[s["mode"]]) for s in data["summaries"]]  # figures from the raw runs
-    print_report(args, summaries, None)
+    print_report(args, data["summaries"], None)
     return 1 if data["failed"] else 0
-
-
-def _trainer_saves_of_an_earlier_json(res: dict[str, Any], k: int) -> None:
-    """Runs recorded before `on_save` was: Trainer's schedule for `save_strategy="steps"` (every k steps
-    and the last step), checked against the folders its rotation kept (the newest three)."""
-    last = res["global_step"]
-    schedule = sorted({*range(k, last + 1, k), last})
-    if schedule[-len(res["native_save_steps"]):] != res["native_save_steps"]:
-        raise SystemExit(f"the kept checkpoint folders {res['native_save_steps']} are not the end of Trainer's "
-                         f"schedule {schedule}: this JSON cannot be read again")
-    res["trainer_saves"] = schedule
 
 
 def write_json(args: argparse.Namespace, summaries: list[dict[str, Any]], goals: list[tuple[str, bool | None, str]],

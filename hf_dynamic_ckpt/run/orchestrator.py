@@ -357,15 +357,12 @@ class RunOrchestrator:
         if frame.lr is None:
             frame.lr = lr
         if self._rollback_due is not None and self._rollback_step == step:
-            # No save and no statistics of a step about to be undone; `rollback()` comes next.
+            # No save and no statistics of a step about to be undone; `rollback()` comes next (should it find no
+            # restore point, training goes on from this step's boundary, noted below).
             decision = Decision(save=False, reason=f"rollback: {self._rollback_due.reason}", step=step,
                                 healthy=False, kind=DecisionKind.ROLLBACK)
-            self.last_frame, self.last_decision = frame, decision
-            self.saver.collect_finished()
-            self.note_boundary(step)  # should the rollback find no restore point, training goes on from here
-            self._write_timeline(frame, decision)
-            return decision
-        decision = self.policy.decide(frame)
+        else:
+            decision = self.policy.decide(frame)
         self.last_frame, self.last_decision = frame, decision
         self.saver.collect_finished()
         self.note_boundary(step)
