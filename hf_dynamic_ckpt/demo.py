@@ -25,9 +25,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .constants import DEFAULT_TASK_ID, TIMELINE_NAME
+
+if TYPE_CHECKING:
+    from .store.types import CheckpointInfo
+
+SESSIONS_NAME = "demo_sessions.jsonl"
+"""In a run's output directory: one line per training process, in start order, with the session id that the
+manifests of its checkpoints record (`CheckpointInfo.lineage`)."""
 
 
 @dataclass
@@ -102,7 +109,13 @@ def train(demo: DemoArguments, smart: Any) -> None:
     callback = SmartCkptCallback(config)
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback])
     trainer.remove_callback(PrinterCallback)
-    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, smart.resume_from_smart_checkpoint))
+    resume = resume_checkpoint(trainer, smart.resume_from_smart_checkpoint)
+    # The report tells this process's checkpoints from another's by the session their manifests record.
+    Path(demo.output_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(demo.output_dir) / SESSIONS_NAME, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"session": callback.get_checkpointer(args).session_id,
+                            "resume": smart.resume_from_smart_checkpoint}) + "\n")
+    trainer.train(resume_from_checkpoint=resume)
 
 
 # ---------------------------------------------------------------------- the orchestrating parent
@@ -147,6 +160,158 @@ def _fmt_bytes(n: float | None) -> str:
     return f"{n:.1f} GiB"
 
 
+@dataclass(frozen=True)
+class SaveRow:
+    """One line of the report's table: a save the step log records, or a checkpoint only the store has.
+
+    Args:
+        step (`int`): the step of the saved state.
+        at (`int`, *optional*): the step during which it was taken; `None`: the step log does not list it
+            (the save at the end of training comes after the last step's row).
+        reason (`str`): why it was taken.
+        nbytes (`int`, *optional*): its size in the store now; `None`: not in the store.
+        blocking_ms (`float`, *optional*): what training waited for it; `None`: not recorded.
+        status (`str`): what became of it, read from the store (`save_table`).
+    """
+
+    step: int
+    at: int | None
+    reason: str
+    nbytes: int | None
+    blocking_ms: float | None
+    status: str
+
+
+@dataclass(frozen=True)
+class ProcessSaves:
+    """The saves of one training process of the run (processes in start order).
+
+    Args:
+        session (`str`, *optional*): its session id, as its checkpoints' manifests record it; `None`: unknown.
+        resumed_from (`int`, *optional*): the step it resumed from; `None`: a fresh start.
+        rows (`list[SaveRow]`): its saves, in the order it took them.
+    """
+
+    session: str | None
+    resumed_from: int | None
+    rows: list[SaveRow]
+
+
+def _split_processes(events: list[dict[str, Any]]) -> list[tuple[int | None, list[dict[str, Any]]]]:
+    """The step rows of each process (a `resume` event starts the next one), with the step it resumed from."""
+    parts: list[tuple[int | None, list[dict[str, Any]]]] = [(None, [])]
+    for r in events:
+        if r.get("event") == "resume":
+            parts.append((r.get("step"), []))
+        elif "event" not in r and "step" in r:
+            parts[-1][1].append(r)
+    return parts
+
+
+def _by_abandonment(removal: dict[str, Any] | None) -> bool:
+    """Whether a removal record is the store's removal of an abandoned checkpoint (else a retention rule's)."""
+    return removal is not None and str(removal.get("rule", "")).startswith("abandoned timeline")
+
+
+def _gone(removal: dict[str, Any]) -> str:
+    return "removed later (abandoned timeline)" if _by_abandonment(removal) else "pruned later (retention)"
+
+
+def _status(step: int, info: CheckpointInfo | None, *, restore: int | None, killed: bool,
+            removal: dict[str, Any] | None) -> str:
+    """What became of one save of a process, whose checkpoint in the store (same session and step) is `info`."""
+    if info is not None:
+        words = ["the restore point" if step == restore else "committed"]
+        words += [w for w, on in (("pinned", info.pinned), ("unhealthy", not info.healthy),
+                                  ("abandoned (a later run went back before it)", info.abandoned)) if on]
+        return ", ".join(words)
+    if step == restore:  # the restart loaded it: it was committed
+        return "the restore point, " + (_gone(removal) if removal is not None else "no longer in the store")
+    if killed and restore is not None and step > restore and not _by_abandonment(removal):
+        # `auto` resumes from the newest healthy checkpoint: one of this process past it was never committed (an
+        # unhealthy one would be in the store, abandoned, or recorded as removed with the abandoned-timeline rule).
+        return "not committed (killed)"
+    if removal is not None and (killed or not _by_abandonment(removal)):  # the last run's timeline is the current one
+        return "committed, " + _gone(removal)
+    return "not in the store"
+
+
+def save_table(events: list[dict[str, Any]], sessions: list[str], infos: list[CheckpointInfo],
+               removed: dict[int, dict[str, Any]]) -> list[ProcessSaves]:
+    """The report's table of saves: each save of the step log matched to its checkpoint in the store by identity.
+
+    A save of a process is its checkpoint when the store holds that step *from that process's session*
+    (`CheckpointInfo.lineage`); step numbers alone do not tell a killed run's save from the restart's save of the
+    same step. Checkpoints of a session that its step log does not list (the save at train end) are added.
+
+    Args:
+        events (`list[dict]`): the task's step log (`timeline.jsonl` rows, events included), in order.
+        sessions (`list[str]`): the session id of each process, in start order (`SESSIONS_NAME`).
+        infos (`list[CheckpointInfo]`): the store's checkpoints, unhealthy and abandoned ones included.
+        removed (`dict[int, dict]`): what retention removed, by step (`CheckpointStore.removed`).
+
+    Returns:
+        `list[ProcessSaves]`: one per process, in start order.
+
+    Example:
+        ```python
+        >>> with CheckpointStore(run_store, cleanup=False, read_only=True) as store:
+        ...     table = save_table(_timeline(run_store), ["4b2d393de652", "407f88bbdabc"],
+        ...                        store.list(include_unhealthy=True, include_abandoned=True), store.removed())
+        >>> [(r.step, r.status) for r in table[0].rows][-1]
+        (64, 'not committed (killed)')
+        ```
+    """
+    by_identity = {(i.lineage.session, i.step): i for i in infos if i.lineage is not None}
+    parts = _split_processes(events)
+    table = []
+    for n, (resumed_from, rows) in enumerate(parts):
+        session = sessions[n] if n < len(sessions) else None
+        restore = parts[n + 1][0] if n + 1 < len(parts) else None  # the next process resumed from this one
+        saves = [(r["step"], s) for r in rows for s in r.get("saves", [])]
+        last = {s["step"]: k for k, (_, s) in enumerate(saves)}
+        out = []
+        for k, (at, s) in enumerate(saves):
+            if last[s["step"]] != k:  # saved again later by the same process (after a rollback): the store has that
+                status, info = "replaced by a later save of the same step", None
+            else:
+                info = by_identity.get((session, s["step"])) if session is not None else None
+                status = _status(s["step"], info, restore=restore, killed=n + 1 < len(parts),
+                                 removal=removed.get(s["step"]))
+            out.append(SaveRow(step=s["step"], at=at, reason=s.get("reason", ""),
+                               nbytes=info.bytes if info is not None else None, blocking_ms=s.get("blocking_ms"),
+                               status=status))
+        unlisted = sorted((i for (owner, step), i in by_identity.items() if owner == session and step not in last),
+                          key=lambda i: i.step)
+        out += [SaveRow(step=i.step, at=None, reason=i.reason, nbytes=i.bytes, blocking_ms=None,
+                        status=_status(i.step, i, restore=restore, killed=False, removal=None)) for i in unlisted]
+        table.append(ProcessSaves(session=session, resumed_from=resumed_from, rows=out))
+    return table
+
+
+def format_table(table: list[ProcessSaves], *, killed_after: int | None) -> list[str]:
+    """The lines of the report's table of saves (`save_table`), a resume line before each restarted process."""
+    lines = ["Saves taken by the run (a restart is a new process: its saves follow the resume line)",
+             f"  {'step':>5}  {'at':>4}  {'reason':<64} {'bytes':>10} {'blocking':>10}  status"]
+    for n, part in enumerate(table):
+        if n > 0:
+            lines.append(f"  ---- SIGKILL after step {killed_after}; restart resumed from step {part.resumed_from} "
+                         "----")
+        for row in part.rows:
+            at = "-" if row.at is None else str(row.at)
+            blocking = "-" if row.blocking_ms is None else f"{row.blocking_ms:.1f}ms"
+            lines.append(f"  {row.step:>5}  {at:>4}  {row.reason[:64]:<64} {_fmt_bytes(row.nbytes):>10} "
+                         f"{blocking:>10}  {row.status}")
+    return lines
+
+
+def _sessions(run_dir: Path) -> list[str]:
+    path = run_dir / SESSIONS_NAME
+    if not path.is_file():
+        return []
+    return [json.loads(line)["session"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) -> bool:
     """Print the demo report; returns whether the resumed losses equal the reference's."""
     from .plot import plot_timeline
@@ -155,56 +320,27 @@ def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) 
     run_store, ref_store = out / "run" / "smart_ckpt", out / "reference" / "smart_ckpt"
     rows = _timeline(run_store)
     ref_loss = {r["step"]: r["loss"] for r in _timeline(ref_store) if "step" in r}
-    store = CheckpointStore(run_store, cleanup=False)
-    committed = {i.step: i for i in store.list(include_unhealthy=True)}
-    print("\nSaves taken by the run (a restart is a new process: its saves follow the resume line)")
-    print(f"  {'step':>5}  {'at':>4}  {'reason':<64} {'bytes':>10} {'blocking':>10}  status")
-    restore = next((r["step"] for r in rows if r.get("event") == "resume"), None)
-    reasons = {s["step"]: s["reason"] for r in rows for s in r.get("saves", [])}
-    resume_step = None
-    for r in rows:
-        if r.get("event") == "resume":
-            resume_step = r["step"]
-            print(f"  ---- SIGKILL after step {killed_after}; restart resumed from step {resume_step} ----")
-            continue
-        for s in r.get("saves", []):
-            info = committed.get(s["step"])
-            if info is not None:
-                status = "committed"
-            elif resume_step is None and restore is not None and s["step"] > restore:
-                status = "lost: still writing at the kill"
-            else:
-                status = "committed, pruned later (retention)"
-            if resume_step is None and s["step"] == restore:
-                status = "the restore point" + (", pruned later (retention)" if info is None else "")
-            if info is not None and info.pinned:
-                status += ", pinned"
-            if info is not None and not info.healthy:
-                status += ", unhealthy"
-            nbytes = info.bytes if info is not None else None
-            print(f"  {s['step']:>5}  {r['step']:>4}  {s['reason'][:64]:<64} {_fmt_bytes(nbytes):>10} "
-                  f"{s.get('blocking_ms', 0.0):>8.1f}ms  {status}")
-    rollbacks = [r for r in rows if r.get("event") == "rollback"]
+    with CheckpointStore(run_store, cleanup=False, read_only=True) as store:
+        infos = store.list(include_unhealthy=True, include_abandoned=True)
+        table = save_table(rows, _sessions(out / "run"), infos, store.removed())
+    print("\n" + "\n".join(format_table(table, killed_after=killed_after)))
+    rollbacks = [(k, r) for k, r in enumerate(rows) if r.get("event") == "rollback"]
     if rollbacks:
         print("\nRollbacks (the bad batches were not trained on; the steps past each restore point were abandoned)")
-        for r in rollbacks:
-            loss_at = next((x["loss"] for x in rows if x.get("step") == r["to_step"] and "loss" in x), None)
+        for k, r in rollbacks:
+            loss_at = next((x["loss"] for x in reversed(rows[:k]) if x.get("step") == r["to_step"] and "loss" in x),
+                           None)
             print(f"  step {r['from_step']} -> step {r['to_step']}  ({r['reason']})"
                   + (f"; loss at the restore point {loss_at:.3f}" if isinstance(loss_at, float) else ""))
-    resumed: list[dict[str, Any]] = []
-    after_resume = False
-    for r in rows:
-        if r.get("event") == "resume":
-            after_resume, resumed = True, []
-        elif after_resume and "step" in r:
-            resumed.append(r)
+    resumed = _split_processes(rows)[-1][1] if len(table) > 1 else []
     same = [r["step"] for r in resumed if r["step"] in ref_loss and r["loss"] == ref_loss[r["step"]]]
     differ = [r["step"] for r in resumed if r["step"] in ref_loss and r["loss"] != ref_loss[r["step"]]]
-    total_bytes = sum(i.bytes for i in committed.values())
-    print(f"\nStore {run_store}: {len(committed)} checkpoint(s) kept, {_fmt_bytes(total_bytes)} on disk "
+    kept = [i for i in infos if not i.abandoned]
+    print(f"\nStore {run_store}: {len(kept)} checkpoint(s) kept, {_fmt_bytes(sum(i.bytes for i in kept))} on disk "
           "(LoRA: adapter + optimizer + RNG; the base model is never written)")
+    resume_step = table[-1].resumed_from if len(table) > 1 else None
     if resume_step is not None:
-        why = f" ({reasons[resume_step]})" if resume_step in reasons else ""
+        why = next((f" ({r.reason})" for r in reversed(table[-2].rows) if r.step == resume_step), "")
         print(f"Restore point chosen by 'auto': step {resume_step}{why}; "
               f"{(killed_after or resume_step) - resume_step} step(s) recomputed after the crash")
     exact = bool(resumed) and not differ and len(same) == len(resumed)
@@ -215,7 +351,6 @@ def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) 
                         title="demo: tiny Qwen2 + LoRA, bad data rolled back, SIGKILL, resume",
                         risk_threshold=0.68)
     print(f"Timeline: {png}   (also: hf-dynamic-ckpt plot {run_store})")
-    store.close()
     return exact
 
 
