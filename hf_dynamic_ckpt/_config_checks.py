@@ -1,17 +1,22 @@
 """Validation helpers of `config`: range checks with messages that name the field, strict types,
-"did you mean" for unknown keys (Trainer's names included), nested YAML keys named in errors."""
+"did you mean" for unknown keys and keywords (Trainer's names included), nested YAML keys named in errors,
+a local store path that must be a directory."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import enum
+import functools
 import math
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
-from .errors import ConfigError
+from .errors import ConfigError, UnknownConfigKeyError
+
+_Cls = TypeVar("_Cls", bound=type)
 
 _WARNED: set[str] = set()
 
@@ -40,6 +45,53 @@ def _did_you_mean(key: str, names: Iterable[str]) -> str:
         return f" (Trainer's {key!r} is {HF_NAMES[key]} here)"
     close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_key(key: str, names: Iterable[str], *, prefix: str = "", keyword_of: str | None = None
+                ) -> UnknownConfigKeyError:
+    """The error for a key no setting has: names it as given (`prefix` + key, or a keyword of `keyword_of`), the
+    closest valid name, and every allowed one."""
+    names = sorted(names)
+    what = f"{keyword_of}() got an unknown keyword {key!r}" if keyword_of else f"unknown config key {prefix}{key!r}"
+    return UnknownConfigKeyError(f"{what}{_did_you_mean(key, names)}: allowed keys are {', '.join(names)}.")
+
+
+def named_keywords(cls: _Cls) -> _Cls:
+    """Class decorator of a config dataclass: an unknown keyword raises `UnknownConfigKeyError` naming the closest
+    valid one, as an unknown YAML / dict key does (the dataclass's own `__init__` gives a bare `TypeError`)."""
+    init = vars(cls)["__init__"]
+    names = frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise unknown_key(unknown[0], names, keyword_of=cls.__name__)
+        init(self, *args, **kwargs)
+
+    setattr(cls, "__init__", __init__)  # noqa: B010 - mypy refuses a direct assignment to a method
+    return cls
+
+
+def check_directory_path(name: str, path: str) -> None:
+    """Refuse a local store path (`root`, or the `output_dir` it defaults under) that names an existing file or lies
+    under one: the store is a folder, made when missing.
+
+    Raises:
+        `ConfigError`: names the key, the value, the file, and what to pass.
+    """
+    for where in (Path(path), *Path(path).parents):  # the nearest existing one decides
+        if where.exists():
+            if not where.is_dir():
+                file = "it" if where == Path(path) else repr(os.fspath(where))
+                fix = " (the store goes under <output_dir>/smart_ckpt)"
+                if name == "root":
+                    suggestion = os.path.join(os.path.dirname(where), "smart_ckpt")
+                    fix = f", such as root={suggestion!r}, or leave root unset for <output_dir>/smart_ckpt"
+                raise ConfigError(f"{name}={path!r} is invalid: {file} is a file, not a directory; the store is a "
+                                  f"folder (catalog.db and one folder per task): pass a folder path, new or existing"
+                                  f"{fix}.")
+            return
 
 
 def check(cond: bool, name: str, value: Any, allowed: str) -> None:
@@ -79,11 +131,7 @@ def build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
     prefix = f"{where}." if where else ""
     unknown = sorted(set(data) - names)
     if unknown:
-        key = unknown[0]
-        raise ConfigError(
-            f"unknown config key {prefix}{key!r}{_did_you_mean(key, names)}: allowed keys are "
-            f"{', '.join(sorted(names))}."
-        )
+        raise unknown_key(unknown[0], names, prefix=prefix)
     try:
         return cls(**data)
     except ConfigError as e:

@@ -14,7 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._config_checks import build, check, is_finite, is_int, is_number, parse_enum, warn_once
+from ._config_checks import (
+    build,
+    check,
+    check_directory_path,
+    is_finite,
+    is_int,
+    is_number,
+    named_keywords,
+    parse_enum,
+    warn_once,
+)
 from .constants import DEFAULT_TASK_ID
 from .errors import ConfigError
 from .store.spec import Codec
@@ -82,6 +92,7 @@ class EngineMode(enum.StrEnum):
     SYNC = "sync"
 
 
+@named_keywords
 @dataclass(frozen=True, kw_only=True)
 class LevelConfig:
     """Storage settings of one tier (``storage_levels.level_N`` in YAML).
@@ -114,6 +125,7 @@ class LevelConfig:
                   "retention_days", self.retention_days, "a positive number or null")
 
 
+@named_keywords
 @dataclass(frozen=True, kw_only=True)
 class StorageLevels:
     level_0: LevelConfig = field(default_factory=lambda: LevelConfig(device="ssd", retention_days=30))
@@ -144,6 +156,7 @@ class StorageLevels:
             )
 
 
+@named_keywords
 @dataclass(frozen=True, kw_only=True)
 class SmartCkptConfig:
     """Everything the checkpointer can be told. `SmartCkptConfig()` works as is.
@@ -294,9 +307,11 @@ class SmartCkptConfig:
         if self.root is not None:
             check(isinstance(self.root, str | os.PathLike), "root", self.root, "a directory path (str) or null")
             set_(self, "root", os.fspath(self.root))
-        from .store.remote import check_remote_config  # URL root, remote_* keys (docs/storage.md)
+        from .store.remote import check_remote_config, is_url  # URL root, remote_* keys (docs/storage.md)
 
         set_(self, "remote_storage_options", check_remote_config(self))
+        if self.root is not None and not is_url(self.root):
+            check_directory_path("root", self.root)
         for flag in ("pre_anomaly_capture", "skip_bad_update", "keep_log_spaced", "async_save", "report_to_trainer"):
             value = getattr(self, flag)
             check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")
@@ -397,12 +412,22 @@ class SmartCkptConfig:
         return self.storage_levels.level_1.compression_level
 
     def resolve_root(self, output_dir: str | os.PathLike[str] | None) -> str:
-        """The store directory: `root` when set, else `<output_dir>/smart_ckpt`."""
+        """The store directory: `root` when set, else `<output_dir>/smart_ckpt`.
+
+        Raises:
+            `ConfigError`: neither is given, or the local path is (or lies under) an existing file.
+        """
+        from .store.remote import is_url
+
         if self.root is not None:
-            return os.fspath(self.root)
-        if output_dir is None:
+            name, given = "root", os.fspath(self.root)
+        elif output_dir is None:
             raise ConfigError("root=None is invalid without an output_dir: set SmartCkptConfig(root=...).")
-        return os.path.join(os.fspath(output_dir), "smart_ckpt")
+        else:
+            name, given = "output_dir", os.fspath(output_dir)
+        if not is_url(given):
+            check_directory_path(name, given)
+        return given if name == "root" else os.path.join(given, "smart_ckpt")
 
     def replace(self, **changes: Any) -> SmartCkptConfig:
         return dataclasses.replace(self, **changes)

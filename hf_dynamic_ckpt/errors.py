@@ -11,6 +11,11 @@ class ConfigError(DynamicCkptError, ValueError):
     """A configuration value is out of range or of the wrong kind."""
 
 
+class UnknownConfigKeyError(ConfigError, TypeError):
+    """A configuration key no setting has (a keyword, a YAML or dict key); the message names the closest valid one.
+    Also a `TypeError`, what Python raises for an unexpected keyword argument."""
+
+
 class CheckpointNotFoundError(DynamicCkptError, FileNotFoundError):
     """A path or reference does not name a committed checkpoint."""
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_dynamic_ckpt.config import Compression, FallbackStrategy, SmartCkptArguments, SmartCkptConfig
-from hf_dynamic_ckpt.errors import ConfigError
+from hf_dynamic_ckpt.config import Compression, FallbackStrategy, LevelConfig, SmartCkptArguments, SmartCkptConfig
+from hf_dynamic_ckpt.errors import ConfigError, UnknownConfigKeyError
 
 ARTICLE_YAML = """\
 # dynamic frequency
@@ -173,3 +173,54 @@ def test_strict_types_and_did_you_mean(data: dict, message: str) -> None:
 
 def test_a_single_signal_name_is_a_list_of_one() -> None:
     assert SmartCkptConfig(preemption_signals="SIGTERM").preemption_signals == ("SIGTERM",)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: SmartCkptConfig(base_intervall=10),
+         "SmartCkptConfig() got an unknown keyword 'base_intervall' (did you mean 'base_interval'?): allowed keys are "
+         "async_save, base_interval, capture_cooldown, "),
+        (lambda: SmartCkptConfig(save_total_limit=2),
+         "SmartCkptConfig() got an unknown keyword 'save_total_limit' (Trainer's 'save_total_limit' is keep_last "
+         "here): allowed keys are "),
+        (lambda: SmartCkptConfig().replace(keep_lats=2),
+         "SmartCkptConfig() got an unknown keyword 'keep_lats' (did you mean 'keep_last'?): allowed keys are "),
+        (lambda: LevelConfig(compresion="zstd"),
+         "LevelConfig() got an unknown keyword 'compresion' (did you mean 'compression'?): allowed keys are "
+         "compression, compression_level, device, pace_to_disk, retention_days."),
+    ],
+)
+def test_an_unknown_keyword_names_the_closest_key(build: object, message: str) -> None:
+    # The keyword path says what the dict and YAML paths say; the error is still a TypeError, as Python's own.
+    with pytest.raises(UnknownConfigKeyError) as e:
+        build()  # type: ignore[operator]
+    assert isinstance(e.value, TypeError) and isinstance(e.value, ConfigError)
+    assert str(e.value).startswith(message), str(e.value)
+    with pytest.raises(UnknownConfigKeyError, match=r"^unknown config key 'base_intervall' \(did you mean"):
+        SmartCkptConfig.from_dict({"base_intervall": 10})
+
+
+def test_a_root_that_is_a_file_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("afile.txt").write_text("notes")
+    with pytest.raises(ConfigError) as e:
+        SmartCkptConfig(root="afile.txt")
+    assert str(e.value) == (
+        "root='afile.txt' is invalid: it is a file, not a directory; the store is a folder (catalog.db and one folder "
+        "per task): pass a folder path, new or existing, such as root='smart_ckpt', or leave root unset for "
+        "<output_dir>/smart_ckpt.")
+    with pytest.raises(ConfigError, match=r"^root='afile.txt/store' is invalid: 'afile.txt' is a file, not a dir"):
+        SmartCkptConfig(root="afile.txt/store")
+    config = SmartCkptConfig(root="later.txt")
+    Path("later.txt").write_text("made after the config")  # the path a run resolves is checked again
+    with pytest.raises(ConfigError, match=r"^root='later.txt' is invalid: it is a file, not a directory"):
+        config.resolve_root("out")
+    with pytest.raises(ConfigError) as e:
+        SmartCkptConfig().resolve_root("afile.txt")
+    assert str(e.value) == (
+        "output_dir='afile.txt' is invalid: it is a file, not a directory; the store is a folder (catalog.db and one "
+        "folder per task): pass a folder path, new or existing (the store goes under <output_dir>/smart_ckpt).")
+    assert SmartCkptConfig(root="new/store").resolve_root(None) == "new/store"
+    assert SmartCkptConfig().resolve_root("out") == "out/smart_ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile.txt", "later.txt"]  # nothing was created
