@@ -66,10 +66,13 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if removed:
         shown = removed if args.all else removed[-3:]
         more = "" if args.all or len(removed) <= 3 else f"; the last 3 of {len(removed)} (`--all` lists every one)"
-        print(f"removed by retention{more} (keep_last: null and null retention_days keep every checkpoint):")
+        # Each row names the rule (and its settings) of the run that removed it, as the store recorded it.
+        print(f"removed by retention{more}, each with the rule that removed it:")
         for task, r in shown:
             what = "" if "weights" in (r.get("tiers") or []) else f" ({', '.join(r.get('tiers') or [])} only)"
             print(f"  {task}: step {r.get('step')}{what}: {r.get('rule')}")
+        print("  (to keep every checkpoint: train with keep_last: null and storage_levels.level_N.retention_days: "
+              "null, or pin it)")
     if rollbacks:
         print("rollbacks (the steps past each restore point were abandoned; `--all` lists their checkpoints):")
         for task, r in rollbacks:

@@ -205,3 +205,22 @@ def test_read_only_commands_write_nothing(root: Path, capsys: pytest.CaptureFixt
     for args in (["ls"], ["ls", "--all", "--json"], ["show", "step:10"], ["verify", "--all"]):
         assert main([args[0], str(root), *args[1:]]) == 0
     assert tree() == before
+
+
+def test_ls_removed_header_agrees_with_the_recorded_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The rows quote the rule each removal recorded (keep_last=4 here); the header must not claim another setting.
+    from hf_dynamic_ckpt.policy import plan_retention
+
+    store = CheckpointStore(tmp_path, task_id="run", session_id="s")
+    for step in range(1, 7):
+        save_state(store, CheckpointState(step=step, weights={"w": torch.full((4,), float(step))}), reason="interval")
+    assert store.prune(plan_retention(store.list(), keep_last=4, log_spaced=False, now=1e12)).removed == [1, 2]
+    store.close()
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-4:] == [
+        "removed by retention, each with the rule that removed it:",
+        "  run: step 1: keep_last=4 (keep_log_spaced=false): only the newest 4 are kept",
+        "  run: step 2: keep_last=4 (keep_log_spaced=false): only the newest 4 are kept",
+        "  (to keep every checkpoint: train with keep_last: null and storage_levels.level_N.retention_days: null, or "
+        "pin it)"]

@@ -48,7 +48,7 @@ def test_ls_names_the_rule_of_each_removal(tmp_path: Path) -> None:
     with redirect_stdout(out):
         assert cli(["ls", str(tmp_path)]) == 0
     text = out.getvalue()
-    assert "removed by retention (keep_last: null and null retention_days keep every checkpoint):" in text
+    assert "removed by retention, each with the rule that removed it:\n" in text
     assert ("  run: step 8: keep_last=3 and log-spaced history (keep_log_spaced): one checkpoint per power-of-two "
             "age bucket is kept, and step 8 (17 steps behind step 25) shares its bucket with the older step 4") in text
     assert "  run: step 16: keep_last=3" in text
