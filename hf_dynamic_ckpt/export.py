@@ -15,6 +15,10 @@ format      what is written                                        load it with
             base weights: ``base=``)
 ==========  =====================================================  ==========================================
 
+`root` is the store directory or the training ``output_dir`` holding ``smart_ckpt/``
+(`store.locate.find_root`, as for the command line); reading opens the store so that nothing
+is created or changed there (`store.locate.open_reader`).
+
 `load_checkpoint` is the plain-script counterpart of resuming: verified weights (and the
 other tiers) of a checkpoint, optionally put straight into a model.
 """
@@ -36,6 +40,9 @@ from torch import nn
 from .constants import ALL_TIERS, DEFAULT_TASK_ID, WEIGHTS_NAME, Tier
 from .errors import ConfigError
 from .state.model import adapter_names, apply_weights, split_adapters
+from .store.locate import find_root, open_reader
+from .store.remote import is_url
+from .store.store import CheckpointStore
 from .store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -104,18 +111,23 @@ def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[st
     }
 
 
-def _open(root: str | os.PathLike[str], task_id: str | None) -> Any:
-    from .store.store import CheckpointStore
-
-    return CheckpointStore(root, task_id=task_id or DEFAULT_TASK_ID, cleanup=False)
+def _open(root: str | os.PathLike[str], task_id: str | None) -> CheckpointStore:
+    """A store opened to read: a local root through `find_root` / `open_reader` (nothing created or changed)."""
+    task = task_id or DEFAULT_TASK_ID
+    if is_url(os.fspath(root)):  # the object store is read into a local cache; the bucket is not written
+        return CheckpointStore(root, task_id=task, cleanup=False)
+    return open_reader(find_root(root), task)
 
 
 def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, model: nn.Module | None = None,
                     task_id: str | None = None, tiers: Collection[Tier] = ALL_TIERS) -> LoadedCheckpoint:
     """Read a checkpoint (verified) for a plain script; with `model`, put its weights into it.
 
+    Reading changes nothing under `root`: no catalog, lock or folder is created (`store.locate.open_reader`).
+
     Args:
-        root (`str`): the store directory (e.g. ``out/smart_ckpt``).
+        root (`str`): the store directory (e.g. ``out/smart_ckpt``) or the training output_dir holding
+            ``smart_ckpt/`` (e.g. ``out``), or a URL root.
         ref (`str` or `int`, *optional*, defaults to `"auto"`): `auto`, `best`, `fastest`, `step:N`, a path.
         model (`nn.Module`, *optional*): receives the weights (names and shapes checked).
         task_id (`str`, *optional*): the run's task (default ``"default"``).
@@ -123,6 +135,11 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
 
     Returns:
         `LoadedCheckpoint`: weights, optimizer / scheduler state, RNG, data position, manifest.
+
+    Raises:
+        `CheckpointNotFoundError`: `root` does not exist or holds no store, or `ref` names no committed checkpoint.
+        `ConfigError`: `root` is a file or a task / checkpoint folder (the message names the store to pass), or
+            the checkpoint holds no weights while `model` is given.
 
     Example:
         ```python
@@ -148,7 +165,8 @@ def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | o
     """Write a checkpoint as a folder that PEFT / transformers load (see the module docstring).
 
     Args:
-        root (`str`): the store directory. ref: `auto`, `best`, `fastest`, `step:N` or a path.
+        root (`str`): the store directory or the training output_dir holding ``smart_ckpt/``.
+            ref: `auto`, `best`, `fastest`, `step:N` or a path.
         out (`str`): the folder to create (must not exist unless `overwrite`).
         format (`str`, *optional*, defaults to `"peft"`): `peft`, `hf` or `merged`.
         base (`str`, *optional*): a local model folder with the base weights (`merged` only;

@@ -17,11 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, MANIFEST_NAME, STEP_DIR_PREFIX
+from ..constants import BLOBS_DIR, DEFAULT_TASK_ID
+from ..store import locate
 from ..store.types import CheckpointInfo
-
-STORE_DIR = "smart_ckpt"
-"""The store's folder under a training `output_dir` (`SmartCkptConfig.resolve_root`)."""
 
 
 def human_size(n: float) -> str:
@@ -49,22 +47,6 @@ class UsageError(Exception):
 def usage_error(message: str) -> int:
     print(f"hf-dynamic-ckpt: error: {message}", file=sys.stderr)
     return 2
-
-
-def _task_dirs(root: Path) -> list[Path]:
-    out = []
-    for p in sorted(root.iterdir()) if root.is_dir() else []:
-        if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != BLOBS_DIR:
-            try:
-                if any(c.name.startswith(STEP_DIR_PREFIX) or c.name == "timelines.json" for c in p.iterdir()):
-                    out.append(p)
-            except OSError:
-                continue
-    return out
-
-
-def is_store(root: Path) -> bool:
-    return root.is_dir() and ((root / CATALOG_NAME).is_file() or bool(_task_dirs(root)))
 
 
 OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
@@ -99,7 +81,8 @@ def find_root(path: str | os.PathLike[str]) -> Any:
     """The store directory for a user-given path (the store itself or a training output_dir), or a URL.
 
     Raises:
-        `UsageError`: the path holds no store (the message says what to pass instead).
+        `UsageError`: a URL that cannot be used.
+        `DynamicCkptError`: a local path that holds no store (`store.locate.find_root`: the message says what to pass).
     """
     from ..store.remote import check_url, is_url
 
@@ -109,20 +92,7 @@ def find_root(path: str | os.PathLike[str]) -> Any:
         except Exception as e:
             raise UsageError(str(e)) from None
         return os.fspath(path)
-    root = Path(path)
-    if not root.is_dir():
-        raise UsageError(f"ROOT {root} is not a directory; pass the store directory holding {CATALOG_NAME} "
-                         f"(or the training output_dir holding {STORE_DIR}/).")
-    if (root / MANIFEST_NAME).exists() or any(p.name.startswith(STEP_DIR_PREFIX) for p in root.iterdir()):
-        store_root = root.parent.parent if (root / MANIFEST_NAME).exists() else root.parent
-        raise UsageError(f"ROOT {root} is a checkpoint or task directory, not a store root; pass {store_root} "
-                         f"(the directory holding {CATALOG_NAME}) and select with REF / --task.")
-    if is_store(root):
-        return root
-    if is_store(root / STORE_DIR):
-        return root / STORE_DIR
-    raise UsageError(f"no hf_dynamic_ckpt store under {root}: pass the store directory (the one holding "
-                     f"{CATALOG_NAME}) or the training output_dir that holds {STORE_DIR}/.")
+    return locate.find_root(path)
 
 
 def root_of(args: argparse.Namespace) -> Path:
@@ -138,7 +108,7 @@ def tasks(root: Any, task: str | None) -> list[str]:
 
         names = Remote(RemoteSpec(root, storage_options()), DEFAULT_TASK_ID).tasks()
         return [n for n in names if not n.startswith(".") and n != BLOBS_DIR] or [DEFAULT_TASK_ID]
-    return [p.name for p in _task_dirs(root)] or [DEFAULT_TASK_ID]
+    return [p.name for p in locate.task_dirs(root)] or [DEFAULT_TASK_ID]
 
 
 def single_task(root: Path, task: str | None) -> str:
@@ -151,14 +121,10 @@ def single_task(root: Path, task: str | None) -> str:
 
 
 def open_reader(root: Path, task: str) -> Any:
-    """A store that writes nothing new: the existing catalog when writable, else read-only."""
-    from ..store.store import CheckpointStore
-
+    """A store that writes nothing new (`store.locate.open_reader`); a URL's manifests go into the commands' cache."""
     if isinstance(root, str):  # a URL: the manifests are pulled into a cache of the commands' own
         return url_store(root, task, cache="cli", cleanup=False, read_only=True)
-    catalog = root / CATALOG_NAME
-    writable = catalog.is_file() and os.access(catalog, os.W_OK) and os.access(root, os.W_OK)
-    return CheckpointStore(root, task_id=task, cleanup=False, read_only=not writable)
+    return locate.open_reader(root, task)
 
 
 def open_writer(root: Path, task: str, *, cleanup: bool = True) -> Any:

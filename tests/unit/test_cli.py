@@ -60,7 +60,13 @@ def test_ls_empty_and_missing_root(tmp_path: Path, capsys: pytest.CaptureFixture
         assert f"no hf_dynamic_ckpt store under {tmp_path}: pass the store directory" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     assert main(["ls", str(tmp_path / "nope")]) == 2
-    assert "is not a directory; pass the store directory holding catalog.db" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"hf-dynamic-ckpt: error: root {tmp_path / 'nope'} does not exist; pass the "
+                                       "store directory (the one holding catalog.db) or the training output_dir that "
+                                       "holds smart_ckpt/.\n")
+    (tmp_path / "afile.txt").write_text("x")
+    assert main(["ls", str(tmp_path / "afile.txt")]) == 2
+    assert f"error: root {tmp_path / 'afile.txt'} is a file, not a directory; pass the store" in capsys.readouterr().err
+    (tmp_path / "afile.txt").unlink()
     CheckpointStore(tmp_path / "empty").close()  # a store without checkpoints: listed as such
     assert main(["ls", str(tmp_path / "empty")]) == 0
     assert capsys.readouterr().out == f"no checkpoints under {tmp_path / 'empty'}\n"
@@ -143,7 +149,9 @@ def test_task_or_checkpoint_dir_as_root_is_a_usage_error(root: Path, capsys: pyt
     for wrong in (root / "run", root / "run" / "step-10"):
         assert main(["ls", str(wrong)]) == 2
         err = capsys.readouterr().err
-        assert f"ROOT {wrong} is a checkpoint or task directory, not a store root; pass {root} (the directory" in err
+        assert err == (f"hf-dynamic-ckpt: error: root {wrong} is a checkpoint or task directory, not a store root; "
+                       f"pass {root} (the directory holding catalog.db) and name the checkpoint by its reference and "
+                       "task.\n")
 
 
 def test_output_dir_json_and_version(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -224,3 +232,61 @@ def test_ls_removed_header_agrees_with_the_recorded_rules(tmp_path: Path, capsys
         "  run: step 2: keep_last=4 (keep_log_spaced=false): only the newest 4 are kept",
         "  (to keep every checkpoint: train with keep_last: null and storage_levels.level_N.retention_days: null, or "
         "pin it)"]
+
+
+def _files(top: Path) -> dict[str, tuple[int, int, str]]:
+    """Every file under `top`: size, mtime_ns, sha256 (directories are left out: SQLite's transient -wal/-shm files
+    of an existing catalog touch the root's mtime)."""
+    import hashlib
+
+    return {str(p.relative_to(top)): (p.stat().st_size, p.stat().st_mtime_ns,
+                                      hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(top.rglob("*")) if p.is_file()}
+
+
+def test_reads_change_no_file_under_the_output_dir(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # load_checkpoint takes the training output_dir as the commands do, and neither creates a catalog next to the
+    # store (after which `ls` said "no checkpoints" and hid out/smart_ckpt).
+    import shutil
+
+    from hf_dynamic_ckpt.export import load_checkpoint
+
+    out = root.parent / f"{root.name}-out"
+    shutil.copytree(root, out / "smart_ckpt")
+    before = _files(out)
+    for where in (out, out / "smart_ckpt"):
+        assert load_checkpoint(where, "auto", task_id="run").info.step == 20
+        assert load_checkpoint(where, "step:10", task_id="run").info.step == 10
+        for args in (["ls"], ["ls", "--all", "--json"], ["show", "step:10"], ["verify", "--all"], ["verify", "auto"]):
+            assert main([args[0], str(where), *args[1:]]) == 0
+        assert _files(out) == before
+    capsys.readouterr()
+    assert main(["ls", str(out)]) == 0
+    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]] == ["20", "10"]
+    (out / "smart_ckpt" / CATALOG_NAME).chmod(0o444)  # a catalog it may not write: read into memory instead
+    try:
+        assert load_checkpoint(out, "auto", task_id="run").info.step == 20
+        assert _files(out) == before
+    finally:
+        (out / "smart_ckpt" / CATALOG_NAME).chmod(0o644)
+
+
+def test_a_path_without_a_store_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hf_dynamic_ckpt.errors import CheckpointNotFoundError, ConfigError
+    from hf_dynamic_ckpt.export import export_checkpoint, load_checkpoint
+
+    missing, empty = tmp_path / "nope", tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "afile.txt").write_text("x")
+    for load in (lambda r: load_checkpoint(r, "auto"), lambda r: export_checkpoint(r, "auto", tmp_path / "x")):
+        with pytest.raises(CheckpointNotFoundError) as e:
+            load(missing)
+        assert str(e.value) == (f"root {missing} does not exist; pass the store directory (the one holding "
+                                "catalog.db) or the training output_dir that holds smart_ckpt/.")
+        with pytest.raises(CheckpointNotFoundError) as e:
+            load(empty)
+        assert str(e.value) == (f"no hf_dynamic_ckpt store under {empty}: pass the store directory (the one holding "
+                                "catalog.db) or the training output_dir that holds smart_ckpt/.")
+        with pytest.raises(ConfigError, match=r"^root \S+afile.txt is a file, not a directory; pass the store"):
+            load(tmp_path / "afile.txt")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile.txt", "empty"]
