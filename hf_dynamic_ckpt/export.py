@@ -17,7 +17,15 @@ format      what is written                                        load it with
 
 `root` is the store directory or the training ``output_dir`` holding ``smart_ckpt/``
 (`store.locate.find_root`, as for the command line); reading opens the store so that nothing
-is created or changed there (`store.locate.open_reader`).
+is created or changed there (`store.locate.open_reader`). ``auto``, ``best`` and ``fastest``
+pass over a checkpoint that fails verification to the next one; every checkpoint they passed
+over is named, with the reason, in `LoadedCheckpoint.warnings` (and logged).
+
+An export is written into a temporary folder next to `out` and renamed into place, with
+`EXPORT_MARKER` (the store, task, step and format, and the files it wrote) written last.
+``overwrite=True`` replaces only a folder that marker shows to be a previous export and that
+holds nothing else, never the store, a folder holding it, or the current directory; the old
+export is removed only once the new one is in place.
 
 `load_checkpoint` is the plain-script counterpart of resuming: verified weights (and the
 other tiers) of a checkpoint, optionally put straight into a model.
@@ -25,25 +33,31 @@ other tiers) of a checkpoint, optionally put straight into a model.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
 import os
+import secrets
 import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from ._version import VERSION
 from .constants import ALL_TIERS, DEFAULT_TASK_ID, WEIGHTS_NAME, Tier
-from .errors import ConfigError
+from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .state.model import adapter_names, apply_weights, split_adapters
+from .store.catalog import STATUS_MISSING, STATUS_OK
+from .store.fs import fsync_dir, fsync_file
 from .store.locate import find_root, open_reader
+from .store.lookup import NAMED_SPECS
 from .store.remote import is_url
 from .store.store import CheckpointStore
-from .store.types import LoadedCheckpoint
+from .store.types import CheckpointInfo, LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +65,11 @@ KEY_MODEL = "model"
 """Key of the model description in the manifest's `extra`."""
 
 FORMATS = ("peft", "hf", "merged")
+EXPORT_MARKER = "hf_dynamic_ckpt_export.json"
+"""Written last into every export folder: what it holds (store, task, step, format, files). ``overwrite=True``
+replaces only a folder with this marker whose files are the ones it lists."""
+EXPORT_MARKER_VERSION = 1
+"""Version of the `EXPORT_MARKER` content (its ``"export_version"`` key)."""
 _ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -119,6 +138,67 @@ def _open(root: str | os.PathLike[str], task_id: str | None) -> CheckpointStore:
     return open_reader(find_root(root), task)
 
 
+def _ahead(ref: str, info: CheckpointInfo, chosen: CheckpointInfo) -> bool:
+    """Whether `ref` (auto, best, fastest) ranks `info` before `chosen` (the order of `CheckpointStore.resolve`)."""
+    if ref == "best":
+        return info.loss is not None and chosen.loss is not None and (info.loss, -info.step) < (chosen.loss,
+                                                                                               -chosen.step)
+    if ref == "fastest":
+        def cost(i: CheckpointInfo) -> tuple[float, int]:
+            return (float("inf") if i.recovery_cost_ms is None else i.recovery_cost_ms, -i.step)
+
+        return cost(info) < cost(chosen)
+    return info.step > chosen.step
+
+
+def _why_hidden(store: CheckpointStore, info: CheckpointInfo) -> str:
+    """Why `resolve` passes over `info` (flagged missing, corrupt or unhealthy), in words."""
+    if info.status == STATUS_MISSING:
+        return "its directory or manifest is gone (status missing)"
+    if info.status != STATUS_OK:
+        try:
+            problems = store.verify(info)
+        except CheckpointNotFoundError:
+            return "it was deleted meanwhile"
+        return ("failed verification: " + "; ".join(problems)) if problems else f"marked {info.status}"
+    return (f"saved as unhealthy ({info.reason or 'no reason recorded'}); auto, best and fastest never choose one: "
+            f"pass step:{info.step} to take it")
+
+
+def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tuple[LoadedCheckpoint, list[str]]:
+    """`store.load(ref)`, and what `ref` passed over: a named ref moves past a checkpoint that fails verification;
+    each checkpoint it ranked before the chosen one but passed over gets a note (also first in `warnings`)."""
+    if isinstance(ref, int) or os.fspath(ref) not in NAMED_SPECS:
+        return store.load(ref, tiers=tiers, mmap=False), []
+    spec = os.fspath(ref)
+    failed: dict[int, str] = {}
+    while True:
+        try:
+            info = store.resolve(spec)
+        except CheckpointNotFoundError as e:
+            if not failed:
+                raise
+            raise CheckpointNotFoundError(f"{e} Passed over: " + "; ".join(
+                f"step {step}: {why}" for step, why in sorted(failed.items(), reverse=True))) from e
+        try:
+            loaded = store.load(info, tiers=tiers, mmap=False)
+            break
+        except CorruptCheckpointError as e:  # the load marked it corrupt: the next resolve passes over it
+            if info.step in failed:
+                raise
+            failed[info.step] = str(e)
+    chosen = loaded.info
+    notes = [f"skipped step {i.step}: {_why_hidden(store, i)}" for i in store.list(include_unhealthy=True)
+             if i.step != chosen.step and Tier.WEIGHTS in i.tiers and _ahead(spec, i, chosen)]
+    loaded.warnings[:0] = notes
+    return loaded, notes
+
+
+def _log_skipped(notes: list[str], ref: str | int, step: int) -> None:
+    for note in notes:
+        logger.warning("%s (%r chose step %d)", note, ref, step)
+
+
 def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, model: nn.Module | None = None,
                     task_id: str | None = None, tiers: Collection[Tier] = ALL_TIERS) -> LoadedCheckpoint:
     """Read a checkpoint (verified) for a plain script; with `model`, put its weights into it.
@@ -129,17 +209,20 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
         root (`str`): the store directory (e.g. ``out/smart_ckpt``) or the training output_dir holding
             ``smart_ckpt/`` (e.g. ``out``), or a URL root.
         ref (`str` or `int`, *optional*, defaults to `"auto"`): `auto`, `best`, `fastest`, `step:N`, a path.
+            `auto`, `best` and `fastest` pass over a checkpoint that fails verification to the next one;
+            `warnings` names every checkpoint passed over and why.
         model (`nn.Module`, *optional*): receives the weights (names and shapes checked).
         task_id (`str`, *optional*): the run's task (default ``"default"``).
         tiers (*optional*): what to read (default: every tier).
 
     Returns:
-        `LoadedCheckpoint`: weights, optimizer / scheduler state, RNG, data position, manifest.
+        `LoadedCheckpoint`: weights, optimizer / scheduler state, RNG, data position, manifest, warnings.
 
     Raises:
-        `CheckpointNotFoundError`: `root` does not exist or holds no store, or `ref` names no committed checkpoint.
+        `CheckpointNotFoundError`: `root` does not exist or holds no store, or `ref` names no loadable checkpoint.
         `ConfigError`: `root` is a file or a task / checkpoint folder (the message names the store to pass), or
             the checkpoint holds no weights while `model` is given.
+        `CorruptCheckpointError`: `ref` names one checkpoint (`step:N`, a path) that fails verification.
 
     Example:
         ```python
@@ -149,9 +232,10 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
     """
     store = _open(root, task_id)
     try:
-        loaded = store.load(ref, tiers=tiers, mmap=False)
+        loaded, skipped = _load(store, ref, tiers)
     finally:
         store.close()
+    _log_skipped(skipped, ref, loaded.info.step)
     if model is not None:
         if loaded.weights is None:
             raise ConfigError(f"step {loaded.info.step} holds no weights tier; choose another checkpoint.")
@@ -166,34 +250,64 @@ def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | o
 
     Args:
         root (`str`): the store directory or the training output_dir holding ``smart_ckpt/``.
-            ref: `auto`, `best`, `fastest`, `step:N` or a path.
+        ref (`str` or `int`): `auto`, `best`, `fastest`, `step:N` or a path.
         out (`str`): the folder to create (must not exist unless `overwrite`).
         format (`str`, *optional*, defaults to `"peft"`): `peft`, `hf` or `merged`.
         base (`str`, *optional*): a local model folder with the base weights (`merged` only;
             defaults to the recorded base model name, which must then be loadable offline).
-        task_id (`str`, *optional*): the run's task. overwrite (`bool`): replace `out`.
+        task_id (`str`, *optional*): the run's task.
+        overwrite (`bool`, *optional*, defaults to `False`): replace `out` when it is a previous export
+            (it holds `EXPORT_MARKER` and only the files that marker lists) or an empty folder.
 
     Returns:
         `Path`: `out`.
 
     Raises:
         `ConfigError`: an unknown format, a format that does not fit the checkpoint (e.g. `peft`
-            for a full fine-tune), `out` exists, or the manifest records no model description
-            (checkpoints written by versions that did not record it).
+            for a full fine-tune), `out` exists (without `overwrite`), `out` cannot be replaced (it is not a
+            previous export, holds other files, is the store, holds or is inside it, or is the current
+            directory: nothing is deleted), or the manifest records no model description (checkpoints
+            written by versions that did not record it).
+        `CheckpointNotFoundError`: `root` holds no store, or `ref` names no loadable checkpoint.
+
+    Example:
+        ```python
+        >>> export_checkpoint("out", "auto", "adapter", format="peft", overwrite=True)
+        PosixPath('adapter')
+        ```
     """
-    return export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite)[0]
+    exported = export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite)
+    _log_skipped(exported.skipped, ref, exported.step)
+    return exported.path
+
+
+class Exported(NamedTuple):
+    """What `export_step` wrote."""
+
+    path: Path
+    step: int
+    skipped: list[str]
+    """One line per checkpoint `ref` ranked before `step` but passed over, with the reason (``skipped step N: ...``);
+    the caller reports them (`export_checkpoint` logs them, the command line prints them)."""
 
 
 def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.PathLike[str], *, format: str = "peft",
                 base: str | os.PathLike[str] | None = None, task_id: str | None = None,
-                overwrite: bool = False) -> tuple[Path, int]:
-    """`export_checkpoint`, also returning the step that was exported."""
+                overwrite: bool = False) -> Exported:
+    """`export_checkpoint`, also returning the step that was exported and what `ref` passed over (not logged)."""
     if format not in FORMATS:
         raise ConfigError(f"format={format!r} is invalid: expected one of {', '.join(FORMATS)}.")
     target = Path(out)
-    if target.exists() and not overwrite:
-        raise ConfigError(f"{target} exists: choose a new folder or pass overwrite=True (--overwrite).")
-    loaded = load_checkpoint(root, ref, task_id=task_id, tiers={Tier.WEIGHTS})
+    store_root = None if is_url(os.fspath(root)) else find_root(root)
+    replaces = _check_target(target, overwrite=overwrite, store_root=store_root)
+    store = _open(root, task_id) if store_root is None else open_reader(store_root, task_id or DEFAULT_TASK_ID)
+    try:
+        loaded, skipped = _load(store, ref, {Tier.WEIGHTS})
+    finally:
+        store.close()
+    if loaded.weights is None:
+        raise ConfigError(f"step {loaded.info.step} holds no weights tier ({'; '.join(loaded.warnings)}): export "
+                          "another checkpoint (auto, best and fastest choose only ones with weights).")
     desc = loaded.extra.get(KEY_MODEL)
     if not isinstance(desc, dict):
         raise ConfigError(
@@ -207,18 +321,131 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
     if format == "hf" and peft:
         raise ConfigError(f"format='hf' writes a full model; step {loaded.info.step} holds LoRA adapters only: use "
                           "format='peft', or format='merged' with the base weights.")
-    if target.exists():
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
-    assert loaded.weights is not None
-    if format == "peft":
-        _write_peft(loaded, desc, target)
-    elif format == "hf":
-        _write_hf(loaded, desc, target)
-    else:
-        _write_merged(loaded, desc, target, base)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.export-tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        if format == "peft":
+            _write_peft(loaded, desc, tmp)
+        elif format == "hf":
+            _write_hf(loaded, desc, tmp)
+        else:
+            _write_merged(loaded, desc, tmp, base)
+        _write_marker(tmp, {"store": os.fspath(root if store_root is None else store_root.absolute()),
+                            "task": loaded.info.task_id,
+                            "step": loaded.info.step, "ref": os.fspath(ref) if not isinstance(ref, int) else ref,
+                            "format": format})
+        _move_into_place(tmp, target, replaces=replaces)
+    finally:
+        if tmp.exists():  # the export failed before its rename: only this call's own folder goes
+            shutil.rmtree(tmp)
     logger.debug("exported step %d of %s as %s to %s", loaded.info.step, root, format, target)
-    return target, loaded.info.step
+    return Exported(target, loaded.info.step, skipped)
+
+
+# -- the export folder: checked before anything is read, written aside, renamed into place -----------------
+def _entries(folder: Path) -> set[str]:
+    """Every file, folder and link under `folder` (links not followed), as relative POSIX paths."""
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames + filenames:
+            out.add((Path(dirpath) / name).relative_to(folder).as_posix())
+    return out
+
+
+def _expected_entries(files: list[str]) -> set[str]:
+    """The recorded files and the folders that hold them."""
+    out = set(files)
+    for f in files:
+        out.update(p.as_posix() for p in Path(f).parents if p != Path("."))
+    return out
+
+
+def _not_an_export(folder: Path) -> str | None:
+    """Why `folder` is not a previous export holding only what its marker lists (None: it is one)."""
+    marker = folder / EXPORT_MARKER
+    entries = _entries(folder)
+    if not marker.is_file() or marker.is_symlink():
+        shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
+        return f"it is not a previous export (no {EXPORT_MARKER}; it holds {shown})"
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+        files = [str(f) for f in record["files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {EXPORT_MARKER} cannot be read ({e})"
+    extra = sorted(entries - _expected_entries(files) - {EXPORT_MARKER})
+    if extra:
+        return f"it holds files the export did not write ({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''})"
+    return None
+
+
+def _check_target(target: Path, *, overwrite: bool, store_root: Path | None) -> bool:
+    """Refuse an `out` that an export must not write or replace; returns whether `out` exists and is replaced."""
+    if target.is_symlink():
+        raise ConfigError(f"out={os.fspath(target)!r} is a symbolic link; an export never writes through links: pass "
+                          "the real folder, or a new one.")
+    resolved = target.resolve()
+    if store_root is not None:
+        store = store_root.resolve()
+        where = ("is the store" if resolved == store else "holds the store" if resolved in store.parents
+                 else "is inside the store" if store in resolved.parents else None)
+        if where is not None:
+            raise ConfigError(f"out={os.fspath(target)!r} {where} {store_root}: an export never writes into or "
+                              f"replaces a store; pass a folder outside it, e.g. {store_root.parent / 'export'}.")
+    if not target.exists():
+        return False
+    if not overwrite:
+        raise ConfigError(f"{target} exists: choose a new folder or pass overwrite=True (--overwrite).")
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        what = "the current directory" if resolved == cwd else f"a folder holding the current directory ({cwd})"
+        raise ConfigError(f"overwrite=True refuses to replace out={os.fspath(target)!r}: it is {what}; nothing was "
+                          f"deleted. Pass a new folder for the export, e.g. {os.path.join(target, 'export')}.")
+    if not target.is_dir():
+        raise ConfigError(f"overwrite=True refuses to replace out={os.fspath(target)!r}: it is a file, not a previous "
+                          "export; nothing was deleted. Pass a new folder, or remove the file yourself.")
+    why = None if not any(target.iterdir()) else _not_an_export(target)
+    if why is not None:
+        raise ConfigError(f"overwrite=True refuses to replace out={os.fspath(target)!r}: {why}; nothing was deleted. "
+                          f"overwrite replaces only a previous export (a folder holding {EXPORT_MARKER} and the files "
+                          "it lists): pass a new folder, or empty this one yourself.")
+    return True
+
+
+def _write_marker(folder: Path, record: dict[str, Any]) -> None:
+    """Fsync what the export wrote, then write `EXPORT_MARKER` (listing it) last."""
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    for name in files:
+        fsync_file(folder / name)
+    body = {"export_version": EXPORT_MARKER_VERSION, **record, "files": files, "library_version": VERSION}
+    with open(folder / EXPORT_MARKER, "w", encoding="utf-8") as f:
+        f.write(json.dumps(body, indent=2, sort_keys=True) + "\n")
+        fsync_file(f)
+    for sub in sorted({(folder / name).parent for name in files} | {folder}, reverse=True):
+        fsync_dir(sub)
+
+
+def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
+    """Rename the complete export `tmp` to `target`; a previous export there is moved aside first and removed
+    only once the new one is in place (put back if the rename fails)."""
+    if not replaces or not any(target.iterdir()):
+        os.replace(tmp, target)  # onto nothing, or onto an empty folder (POSIX rename replaces it)
+        fsync_dir(target.parent)
+        return
+    old = target.parent / f".{target.name}.export-old-{secrets.token_hex(4)}"
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rename(old, target)
+        raise
+    fsync_dir(target.parent)
+    why = _not_an_export(old)
+    if why is not None:  # something wrote into it between the check and the rename: keep it
+        logger.warning("the previous export %s was moved to %s and kept: %s", target, old, why)
+        return
+    shutil.rmtree(old)
 
 
 def _save(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

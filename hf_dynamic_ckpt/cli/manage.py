@@ -1,4 +1,5 @@
-"""Commands that change a store: `pin`, `unpin`, `rm`, `gc`, and `export` (which writes elsewhere).
+"""Commands that change a store: `pin`, `unpin`, `rm`, `gc`, and `export` (which only reads the store and writes
+elsewhere; its ``--overwrite`` replaces only a previous export, `export.EXPORT_MARKER`).
 
 `pin`, `unpin`, `rm` and `gc` take the task's writer lock, so they refuse to run while a
 training run of the task is alive (the error names it). Deleting happens only here, in
@@ -77,9 +78,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from ..export import export_step
 
     progress = Progress(1, sys.stderr, label="export")
-    out, step = export_step(root_of(args), args.ref, args.out, format=args.format, base=args.base, task_id=args.task,
-                            overwrite=args.overwrite)
+    out, step, skipped = export_step(root_of(args), args.ref, args.out, format=args.format, base=args.base,
+                                     task_id=args.task, overwrite=args.overwrite)
     progress.step(f"step {step}")
+    for line in skipped:  # "skipped step 40: failed verification: ...": what auto / best / fastest passed over
+        print(line)
     print(f"exported step {step} ({args.ref}) as {args.format} to {out}")
     return 0
 
@@ -124,7 +127,8 @@ def _add_export(sub: SubParsers) -> None:
                    help="peft: adapter folder; hf: full model; merged: base + adapter merged (needs --base)")
     p.add_argument("--base", default=None, help="local folder with the base model weights (--format merged)")
     p.add_argument("--task", default=None, help="task id (default: 'default')")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is a previous export (holding hf_dynamic_ckpt_export.json and nothing else)")
     p.set_defaults(func=_cmd_export)
 
 
