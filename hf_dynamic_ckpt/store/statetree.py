@@ -64,53 +64,58 @@ def flatten_state(obj: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     ```
     """
     tensors: dict[str, torch.Tensor] = {}
+    return _encode(obj, [], tensors), tensors
 
-    def name_for(path: list[str]) -> str:
-        base = "/".join(path) or "tensor"
-        name, n = base, 1
-        while name in tensors:
-            name, n = f"{base}#{n}", n + 1
-        return name
 
-    def enc(x: Any, path: list[str]) -> Any:
-        if x is None or isinstance(x, (bool, str)):
-            return x
-        if isinstance(x, int):
-            return int(x)  # IntEnum and friends become plain ints
-        if isinstance(x, float):
-            if math.isfinite(x):
-                return float(x)
-            return {_T_FLOAT: repr(float(x))}  # 'inf', '-inf', 'nan'
-        if isinstance(x, torch.Tensor):
-            name = name_for(path)
-            tensors[name] = x
-            return {_T_TENSOR: name}
-        if isinstance(x, np.ndarray):
-            name = name_for(path)
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(x))
-            return {_T_NDARRAY: name}
-        if isinstance(x, np.generic):
-            return {_T_NPSCALAR: [x.dtype.str, base64.b64encode(x.tobytes()).decode("ascii")]}
-        if isinstance(x, torch.dtype):
-            return {_T_DTYPE: _NAMES.get(x, str(x))}
-        if isinstance(x, (bytes, bytearray)):
-            return {_T_BYTES: base64.b64encode(bytes(x)).decode("ascii")}
-        if isinstance(x, tuple):
-            return {_T_TUPLE: [enc(v, [*path, str(i)]) for i, v in enumerate(x)]}
-        if isinstance(x, list):
-            return [enc(v, [*path, str(i)]) for i, v in enumerate(x)]
-        if isinstance(x, dict):
-            if all(_is_plain_key(k) for k in x):
-                return {k: enc(v, [*path, k]) for k, v in x.items()}
-            return {_T_DICT: [[enc(k, [*path, "key"]), enc(v, [*path, str(k)])] for k, v in x.items()]}
-        where = "/".join(path) or "<root>"
-        raise SaveError(
-            f"State value at {where!r} is a {type(x).__module__}.{type(x).__name__}, which cannot be "
-            "stored without pickle; keep only tensors, numbers, strings, None, lists, tuples and "
-            "dicts in the state dict (e.g. drop lambdas from the scheduler state)."
-        )
+# Both walks (`_encode`, `_decode`) are module functions, not closures: a recursive closure refers to itself through
+# its own cell, a reference cycle that keeps the tensors it closes over alive until the garbage collector runs; after
+# a failed decode, that is a whole optimizer tier held while the caller retries or falls back.
+def _name_for(path: list[str], tensors: Mapping[str, torch.Tensor]) -> str:
+    base = "/".join(path) or "tensor"
+    name, n = base, 1
+    while name in tensors:
+        name, n = f"{base}#{n}", n + 1
+    return name
 
-    return enc(obj, []), tensors
+
+def _encode(x: Any, path: list[str], tensors: dict[str, torch.Tensor]) -> Any:
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return int(x)  # IntEnum and friends become plain ints
+    if isinstance(x, float):
+        if math.isfinite(x):
+            return float(x)
+        return {_T_FLOAT: repr(float(x))}  # 'inf', '-inf', 'nan'
+    if isinstance(x, torch.Tensor):
+        name = _name_for(path, tensors)
+        tensors[name] = x
+        return {_T_TENSOR: name}
+    if isinstance(x, np.ndarray):
+        name = _name_for(path, tensors)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(x))
+        return {_T_NDARRAY: name}
+    if isinstance(x, np.generic):
+        return {_T_NPSCALAR: [x.dtype.str, base64.b64encode(x.tobytes()).decode("ascii")]}
+    if isinstance(x, torch.dtype):
+        return {_T_DTYPE: _NAMES.get(x, str(x))}
+    if isinstance(x, (bytes, bytearray)):
+        return {_T_BYTES: base64.b64encode(bytes(x)).decode("ascii")}
+    if isinstance(x, tuple):
+        return {_T_TUPLE: [_encode(v, [*path, str(i)], tensors) for i, v in enumerate(x)]}
+    if isinstance(x, list):
+        return [_encode(v, [*path, str(i)], tensors) for i, v in enumerate(x)]
+    if isinstance(x, dict):
+        if all(_is_plain_key(k) for k in x):
+            return {k: _encode(v, [*path, k], tensors) for k, v in x.items()}
+        return {_T_DICT: [[_encode(k, [*path, "key"], tensors), _encode(v, [*path, str(k)], tensors)]
+                          for k, v in x.items()]}
+    where = "/".join(path) or "<root>"
+    raise SaveError(
+        f"State value at {where!r} is a {type(x).__module__}.{type(x).__name__}, which cannot be "
+        "stored without pickle; keep only tensors, numbers, strings, None, lists, tuples and "
+        "dicts in the state dict (e.g. drop lambdas from the scheduler state)."
+    )
 
 
 def unflatten_state(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -127,36 +132,36 @@ def unflatten_state(structure: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         `CorruptCheckpointError`: the structure names a tensor that is missing, or holds a
         malformed tag.
     """
-
-    def dec(x: Any) -> Any:
-        if isinstance(x, list):
-            return [dec(v) for v in x]
-        if not isinstance(x, dict):
-            return x
-        if len(x) == 1:
-            (tag, val), = x.items()
-            if tag in _TAGS:
-                try:
-                    return _decode_tag(tag, val, dec, tensors)
-                except CorruptCheckpointError:
-                    raise
-                except (KeyError, ValueError, TypeError, IndexError) as e:
-                    raise CorruptCheckpointError(f"Malformed {tag} entry in the state structure: {val!r:.80}") from e
-        return {k: dec(v) for k, v in x.items()}
-
-    return dec(structure)
+    return _decode(structure, tensors)
 
 
-def _decode_tag(tag: str, val: Any, dec: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def _decode(x: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(x, list):
+        return [_decode(v, tensors) for v in x]
+    if not isinstance(x, dict):
+        return x
+    if len(x) == 1:
+        (tag, val), = x.items()
+        if tag in _TAGS:
+            try:
+                return _decode_tag(tag, val, tensors)
+            except CorruptCheckpointError:
+                raise
+            except (KeyError, ValueError, TypeError, IndexError) as e:
+                raise CorruptCheckpointError(f"Malformed {tag} entry in the state structure: {val!r:.80}") from e
+    return {k: _decode(v, tensors) for k, v in x.items()}
+
+
+def _decode_tag(tag: str, val: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag in (_T_TENSOR, _T_NDARRAY):
         if val not in tensors:
             raise CorruptCheckpointError(f"State structure refers to tensor {val!r}, which the tensor file does not "
                                          "hold.")
         return tensors[val] if tag == _T_TENSOR else tensors[val].numpy()
     if tag == _T_TUPLE:
-        return tuple(dec(v) for v in val)
+        return tuple(_decode(v, tensors) for v in val)
     if tag == _T_DICT:
-        return {_hashable(dec(k)): dec(v) for k, v in val}
+        return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in val}
     if tag == _T_FLOAT:
         if val not in ("inf", "-inf", "nan"):
             raise ValueError(val)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,24 @@ def test_missing_tensor_or_bad_tag_is_corrupt() -> None:
         unflatten_state({"a": {"__tensor__": "x"}}, {})
     with pytest.raises(CorruptCheckpointError, match=r"Malformed __float__ entry"):
         unflatten_state({"__float__": "1.5"}, {})
+
+
+def test_the_state_walks_free_their_tensors_without_the_garbage_collector() -> None:
+    gc.disable()  # a failed decode is retried at once: its tensors must go by reference counting
+    try:
+        saved = torch.ones(4)
+        ref = weakref.ref(saved)
+        _, tensors = flatten_state({"state": {0: {"exp_avg": saved}}})
+        del saved, tensors
+        assert ref() is None
+        decoded = {"state/0/exp_avg": torch.ones(4)}
+        ref = weakref.ref(decoded["state/0/exp_avg"])
+        with pytest.raises(CorruptCheckpointError, match=r"refers to tensor 'state/0/exp_avg_sq'"):
+            unflatten_state({"state": {"__tensor__": "state/0/exp_avg_sq"}}, decoded)
+        del decoded
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 def _trained_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, torch.amp.GradScaler]:
