@@ -111,6 +111,7 @@ def load(task: Task, info: CheckpointInfo, *, tiers: Collection[Tier] = ALL_TIER
                 return loaded
             except (CorruptCheckpointError, OSError) as e:
                 found = [str(e)]
+                _forget_tiers(loaded)  # the retry (or the caller's fallback) must not hold this attempt's tensors
         if attempt == 1:
             logger.debug("step %d: %s; reading it once more before giving up", info.step, "; ".join(found))
     _set_status(task, info, STATUS_CORRUPT)
@@ -118,6 +119,11 @@ def load(task: Task, info: CheckpointInfo, *, tiers: Collection[Tier] = ALL_TIER
         f"checkpoint {directory} failed verification, nothing was loaded: " + "; ".join(p.rstrip(".") for p in found)
         + ". Restore another checkpoint (restore.load_for_resume falls back automatically)."
     )
+
+
+def _forget_tiers(loaded: LoadedCheckpoint) -> None:
+    """Drop whatever tiers a failed read already put into `loaded`."""
+    loaded.weights = loaded.optimizer = loaded.scheduler = loaded.scaler = loaded.rng = loaded.sampler = None
 
 
 def load_scheduler_only(task: Task, info: CheckpointInfo) -> dict[str, Any] | None:

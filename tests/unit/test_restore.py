@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +14,8 @@ import pytest
 import torch
 from helpers import same_state, save_state
 
+import hf_dynamic_ckpt.store.tensorpack as tensorpack
+import hf_dynamic_ckpt.store.weights as weights
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import (
     BLOBS_DIR,
@@ -19,10 +25,17 @@ from hf_dynamic_ckpt.constants import (
     SAMPLER_NAME,
     WEIGHTS_NAME,
 )
-from hf_dynamic_ckpt.errors import CheckpointNotFoundError, FormatVersionError, IncompatibleStateError
-from hf_dynamic_ckpt.run.restore import load_for_resume
+from hf_dynamic_ckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompatibleStateError,
+)
+from hf_dynamic_ckpt.run.restore import load_for_resume, plan_resume
+from hf_dynamic_ckpt.run.resume import read_optimizer_tier
 from hf_dynamic_ckpt.state.model import check_weights
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
+from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
 
 FROZEN = "embed.weight"
@@ -184,6 +197,68 @@ def test_newer_format_is_an_error_not_a_fallback(store: CheckpointStore) -> None
     path.write_text(json.dumps(manifest))
     with pytest.raises(FormatVersionError, match="format_version=2 is newer"):
         load_for_resume(store, "auto")
+
+
+def _rename_l1_tensor(store: CheckpointStore) -> str:
+    """Step 2's `optimizer.json` names a tensor its intact tensor file does not hold (found out after the decode)."""
+    directory = store.task_dir / "step-2"
+    path = directory / OPTIMIZER_META_NAME
+    text = path.read_text()
+    assert text.count('"optimizer/state/0/exp_avg"') == 1
+    path.write_text(text.replace('"optimizer/state/0/exp_avg"', '"optimizer/state/0/exp_avg_x"'))
+    manifest_path = directory / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][OPTIMIZER_META_NAME].update(size=path.stat().st_size, checksum=file_checksum(path))
+    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+    return "State structure refers to tensor 'optimizer/state/0/exp_avg_x', which the tensor file does not hold"
+
+
+class _Reads:
+    """Every tensor a reader returned (weakly), and how many of them were still alive when each later read began."""
+
+    def __init__(self) -> None:
+        self.decoded: list[weakref.ref[torch.Tensor]] = []
+        self.alive_at_reads: list[int] = []
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.decoded)
+
+    def spy(self, real: Callable[..., dict[str, torch.Tensor]]) -> Callable[..., dict[str, torch.Tensor]]:
+        def read(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+            self.alive_at_reads.append(self.alive())
+            out = real(*args, **kwargs)
+            self.decoded.extend(weakref.ref(t) for t in out.values())
+            return out
+        return read
+
+
+def test_a_failed_read_frees_what_it_decoded_before_the_retry_and_the_fallback(
+        store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    why = _rename_l1_tensor(store)
+    info = store.resolve("step:2")
+    gc.disable()  # what a failed read decoded must go by reference counting, not wait for a collection
+    try:
+        with monkeypatch.context() as m:  # every tier: the weights read before the optimizer tier failed too
+            reads = _Reads()
+            m.setattr(tensorpack, "read_tensor_file", reads.spy(tensorpack.read_tensor_file))
+            m.setattr(weights, "load_weights", reads.spy(weights.load_weights))
+            with pytest.raises(CorruptCheckpointError, match=why):
+                store.load(info, mmap=False)
+            held = len(_state(2).weights)  # an attempt's own weights, read before its optimizer tier
+            assert reads.alive_at_reads == [0, held, 0, held] and reads.alive() == 0
+        for resume in (lambda: read_optimizer_tier(store, info, 0, None),  # the resume's background read
+                       lambda: load_for_resume(store, "step:2", fallback=FallbackStrategy.FULL, mmap=False),
+                       lambda: plan_resume(store, "step:2", fallback=FallbackStrategy.FULL, mmap=False)):
+            with monkeypatch.context() as m:
+                reads = _Reads()
+                m.setattr(tensorpack, "read_tensor_file", reads.spy(tensorpack.read_tensor_file))
+                outcome = resume()
+                assert outcome is not None
+                assert reads.alive_at_reads == [0, 0, 0, 0] and reads.alive() == 0  # store.load's retry, then theirs
+                del outcome
+    finally:
+        gc.enable()
 
 
 def test_check_weights_message_lists_every_kind_of_mismatch() -> None:
