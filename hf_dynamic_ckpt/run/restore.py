@@ -83,9 +83,10 @@ def _retry_once(fn: Callable[[], Any]) -> Any:
     cost a restore point; a real corruption fails twice)."""
     try:
         return fn()
-    except CorruptCheckpointError as first:
-        logger.debug("resume: retrying a failed read once (%s)", first)
-        return fn()
+    except CorruptCheckpointError as e:
+        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
+    logger.debug("resume: retrying a failed read once (%s)", first)
+    return fn()
 
 
 def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_size: int,
