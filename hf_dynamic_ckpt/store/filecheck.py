@@ -26,7 +26,7 @@ class WholeFileCheck:
         self._view, self._expected, self._what, self._release = view, expected, what, release
         self._hasher = _hasher_for(expected, what)
         self._stop = False
-        self._error: BaseException | None = None
+        self._error: str | None = None
         self._thread = threading.Thread(target=self._run, name="hf-dynamic-ckpt-file-check", daemon=True)
         self._thread.start()
 
@@ -60,8 +60,8 @@ class WholeFileCheck:
                 self._hasher.update(self._view[start : start + HASH_CHUNK])
                 if self._release is not None:
                     self._release(start, start + HASH_CHUNK)
-        except BaseException as e:  # reported by result()
-            self._error = e
+        except BaseException as e:  # reported by result(), as text: the exception would hold this frame and self
+            self._error = str(e)
 
     def cancel(self) -> None:
         self._stop = True
