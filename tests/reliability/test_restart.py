@@ -9,7 +9,8 @@
   while saving into the run's own store; the CLI's read commands on it.
 - The store root deleted mid-run: recreated at the next save, and `auto` resumes from what follows.
 - A duplicate YAML key; an optimizer tier declaring one 1 GiB tensor (bounded memory, then refused
-  before allocation when the model cannot hold it).
+  before allocation when the model cannot hold it); one whose structure names another tensor (each
+  failed read frees its 1 GiB before the retry and the weights-only fallback).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from store_helpers import read_only_command, tree
+from store_helpers import read_only_command, replace_file, tree
 
 from hf_dynamic_ckpt import SmartCkptConfig
 from hf_dynamic_ckpt.errors import ConfigError
@@ -288,3 +289,75 @@ def test_an_l1_tensor_declared_at_1_gib_is_decoded_in_bounded_memory_or_refused_
     # Loaded without a bound: the decoded tensor once, not the tensor plus the file's mapped pages.
     assert out["numel"] == 1 << 28 and out["held"] >= gib
     assert out["load_peak"] <= 1.1 * gib, out
+
+
+_LOAD_UNNAMED_1GIB = """
+import json, sys
+from hf_dynamic_ckpt.config import FallbackStrategy
+from hf_dynamic_ckpt.constants import Tier
+from hf_dynamic_ckpt.errors import CorruptCheckpointError
+from hf_dynamic_ckpt.run.restore import load_for_resume, plan_resume
+from hf_dynamic_ckpt.run.resume import read_optimizer_tier
+from hf_dynamic_ckpt.store import CheckpointStore
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(key + ":")) << 10
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+def store_load():
+    try:
+        store.load("step:1", tiers={Tier.OPTIMIZER}, mmap=False)
+    except CorruptCheckpointError as e:
+        return str(e)
+    return None
+
+def resume_read():
+    return read_optimizer_tier(store, store.resolve("step:1"), 0, None).lost
+
+def restore_load():
+    loaded = load_for_resume(store, "step:1", fallback=FallbackStrategy.FULL)
+    return loaded.info.step, loaded.optimizer is not None, loaded.warnings
+
+def restore_plan():
+    plan = plan_resume(store, "step:1", fallback=FallbackStrategy.FULL)
+    return plan.loaded.info.step, plan.loaded.optimizer is not None, plan.degraded
+
+store = CheckpointStore(sys.argv[1], task_id="run", cleanup=False)
+out = {}
+for name, path in [("store", store_load), ("resume_read", resume_read), ("load_for_resume", restore_load),
+                   ("plan_resume", restore_plan)]:
+    reset_peak(); base = status("VmRSS")
+    out[name] = path()
+    out[name + "_peak"] = status("VmHWM") - base
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.integration
+def test_an_l1_tensor_the_structure_does_not_name_is_freed_before_each_retry_and_fallback(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-c", textwrap.dedent(_WRITE_1GIB), str(tmp_path)], check=True, env=ENV,
+                   timeout=300)
+    step = tmp_path / "run" / "step-1"
+    structure = (step / "optimizer.json").read_text()
+    assert structure.count('"optimizer/state/0/exp_avg"') == 1
+    # The file stays honest and verified; only the structure names another tensor, found out after the decode.
+    replace_file(step, "optimizer.json", structure.replace('/exp_avg"', '/exp_avg_sq"').encode())
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_LOAD_UNNAMED_1GIB), str(tmp_path)],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    why = "State structure refers to tensor 'optimizer/state/0/exp_avg_sq', which the tensor file does not hold"
+    assert why in out["store"] and why in out["resume_read"], out
+    step_used, has_optimizer, warnings = out["load_for_resume"]
+    assert (step_used, has_optimizer) == (1, False)
+    assert warnings[0].startswith("resuming from weights only: optimizer state of step 1 is lost"), warnings
+    assert why in warnings[0]
+    assert out["plan_resume"] == [1, False, True], out
+    # Every read, retries and fallbacks included, frees what it decoded before the next: one tensor at a time.
+    gib = 1 << 30
+    for name in ("store", "resume_read", "load_for_resume", "plan_resume"):
+        assert out[name + "_peak"] <= 1.1 * gib, (name, out)
