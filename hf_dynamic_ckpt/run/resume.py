@@ -99,11 +99,14 @@ def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int,
         opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=False, l1_max_numel=max_numel)
     except IncompatibleStateError as e:  # declared larger than the model allows: nothing was allocated
         return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=str(e))
-    except CorruptCheckpointError as first:
-        try:  # a transient read error
-            opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=False, l1_max_numel=max_numel)
-        except (CorruptCheckpointError, IncompatibleStateError):
-            return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=str(first))
+    except CorruptCheckpointError as e:
+        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
+    else:
+        return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
+    try:  # a transient read error; retried once the first attempt's exception is gone
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=False, l1_max_numel=max_numel)
+    except (CorruptCheckpointError, IncompatibleStateError):
+        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=first)
     return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
 
 
