@@ -114,11 +114,15 @@ class AccelerateState:
         return frozenset(keys)
 
     def epoch(self, *, boundary: bool = False) -> float:
-        """Fractional epoch of the data position (0.0 without a loader)."""
+        """Fractional epoch of the data position (0.0 without a loader; whole epochs when it has no length)."""
         if self.loader is None:
             return 0.0
         pos = self.loader.boundary_position() if boundary else self.loader.position()
-        return pos["epoch"] + pos["batches_seen"] / max(len(self.loader), 1)
+        try:
+            length = len(self.loader)
+        except TypeError:  # an iterable dataset
+            return float(pos["epoch"])
+        return pos["epoch"] + pos["batches_seen"] / max(length, 1)
 
     def extra(self) -> dict[str, Any]:
         return {KEY_ACCELERATE: {"optimizer_steps": self.optimizer_steps,

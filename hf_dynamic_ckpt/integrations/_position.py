@@ -8,13 +8,27 @@ On resume it restores those, skips the batches already seen with
 once the first batch has been fetched: creating the iterator consumed random numbers that
 the interrupted run had consumed long before the save, so applying the saved RNG earlier
 (as `load_state` does) leaves dropout masks shifted.
+
+A position whose epoch is complete (its last batch handed out: the length is reached, or the
+prepared loader says `end_of_dataloader`, which also covers iterable datasets without a length)
+is the next epoch's start: `(epoch + 1, 0)`, with the sampler generator's state of that moment.
+A resume from it creates the next epoch's iterator from the saved RNG, as the uninterrupted
+run did, and a `for epoch in range(ckpt.epoch, n)` loop loses no epoch.
+
+Persistent workers: the uninterrupted run created the loader's iterator once, in its first
+epoch, and only reset it later; a resumed run creates it again, which draws the workers' base
+seed from the main torch generator before the sampler draws the epoch's order from it. From the
+second epoch on, that base seed is therefore drawn from a throwaway generator (the loader's
+`generator` attribute, for the creation only): the order and the main stream stay the
+uninterrupted run's. Randomness inside the workers (augmentation in a dataset or a collator
+run by a worker) is not reproduced across a resume: its generators live in the worker processes.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,6 +70,24 @@ def _set_gen(gen: torch.Generator | None, state: str | None) -> None:
         gen.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8).clone())
 
 
+def persistent_workers(dataloader: Any) -> bool:
+    """`dataloader` keeps its worker processes (and its iterator) from one epoch to the next."""
+    return bool(getattr(dataloader, "persistent_workers", False)) and int(getattr(dataloader, "num_workers", 0)) > 0
+
+
+def throwaway_seed(dataloader: Any) -> Callable[[], None]:
+    """Make the next iterator of `dataloader` draw its workers' base seed from a throwaway generator instead of the
+    main one; returns what puts the loader's own generator back (call it once the iterator exists)."""
+    inner = getattr(dataloader, "base_dataloader", dataloader)  # accelerate's loaders wrap a torch DataLoader
+    own = inner.generator
+    inner.generator = torch.Generator()
+
+    def put_back() -> None:
+        inner.generator = own
+
+    return put_back
+
+
 class ResumableLoader:
     """Iterate a prepared dataloader one epoch per `iter()`, tracking an exact position.
 
@@ -77,8 +109,9 @@ class ResumableLoader:
         self.dataloader = dataloader
         self.epoch = 0
         self.batches_seen = 0
-        self._epoch_start_rngs: list[Any] = []
+        self._epoch_start_rngs: list[Any] = []  # empty: the epoch's iterator does not exist yet
         self._epoch_start_gen: str | None = None
+        self._source: Any = None  # what the running epoch iterates (the loader, or its skipping copy)
         self._boundary: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
@@ -87,15 +120,43 @@ class ResumableLoader:
     def __len__(self) -> int:
         return len(self.dataloader)
 
+    def _length(self) -> int | None:
+        """Batches per epoch on this rank, `None` when the loader has no length (an iterable dataset)."""
+        try:
+            return len(self.dataloader)
+        except TypeError:
+            return None
+
+    def _epoch_complete(self) -> bool:
+        """The running epoch handed out its last batch (its iterator has not raised `StopIteration` yet)."""
+        if not self._epoch_start_rngs or self.batches_seen == 0:
+            return False
+        if getattr(self._source, "end_of_dataloader", False):  # accelerate's loaders look one batch ahead
+            return True
+        length = self._length()
+        return length is not None and self.batches_seen >= length
+
     def position(self) -> dict[str, Any]:
-        """JSON-able position now: epoch, batches handed out in it, and the epoch-start RNG of every rank."""
+        """JSON-able position now: epoch, batches handed out in it, and the epoch-start RNG of every rank.
+
+        Before an epoch's iterator exists (and once the epoch's last batch is out) it is the start of that
+        (the next) epoch: no epoch-start RNG, the sampler generator's state now."""
+        if self._pending is not None:  # armed by `resume_from`, not iterated yet
+            epoch, seen, starts, gen = self.epoch, self._pending["seen"], list(self._pending["starts"]), \
+                self._pending["gen"]
+        elif self._epoch_start_rngs and not self._epoch_complete():
+            epoch, seen, starts, gen = self.epoch, self.batches_seen, list(self._epoch_start_rngs), \
+                self._epoch_start_gen
+        else:
+            epoch = self.epoch + 1 if self._epoch_start_rngs else self.epoch
+            seen, starts, gen = 0, [], _gen_b64(_generator(self.dataloader))
         return {
             "version": POSITION_VERSION,
-            KEY_EPOCH: self.epoch,
-            KEY_BATCHES_SEEN: self.batches_seen,
-            KEY_WORLD_SIZE: len(self._epoch_start_rngs) or dist.world_size(),
-            KEY_EPOCH_START_GENERATOR: self._epoch_start_gen,
-            KEY_EPOCH_START_RNG: list(self._epoch_start_rngs),
+            KEY_EPOCH: epoch,
+            KEY_BATCHES_SEEN: seen,
+            KEY_WORLD_SIZE: dist.world_size(),
+            KEY_EPOCH_START_GENERATOR: gen,
+            KEY_EPOCH_START_RNG: starts,
             KEY_SKIP: self._skip,
         }
 
@@ -133,10 +194,16 @@ class ResumableLoader:
         skip = position.get(KEY_SKIP)
         self._skip = skip if isinstance(skip, int) and skip > 0 else 0
         starts = list(position.get(KEY_EPOCH_START_RNG) or [])
+        gen = position.get(KEY_EPOCH_START_GENERATOR)
+        length = self._length()
+        if starts and length is not None and seen >= length:  # the epoch was complete: the next one's start
+            epoch, seen, starts, gen = epoch + 1, 0, [], None
+        self._boundary, self._source = None, None
         if not starts:
             # Saved before the epoch's iterator existed: the saved RNG is what creating it will draw from.
-            self.epoch, self.batches_seen, self._boundary, self._pending = epoch, 0, None, None
-            self._pending_rng = None
+            self.epoch, self.batches_seen, self._pending, self._pending_rng = epoch, 0, None, None
+            self._epoch_start_rngs, self._epoch_start_gen = [], None
+            _set_gen(_generator(self.dataloader), gen)
             if rng is not None:
                 restore_rng_state(rng)
             return
@@ -145,8 +212,7 @@ class ResumableLoader:
                 "data position was saved with %d rank(s), resuming with %d: the data order of the resumed epoch "
                 "and the random streams will differ from the interrupted run", len(starts), world)
         self.epoch, self.batches_seen = epoch, seen
-        self._boundary = None
-        self._pending = {"seen": seen, "gen": position.get(KEY_EPOCH_START_GENERATOR), "starts": starts,
+        self._pending = {"seen": seen, "gen": gen, "starts": starts,
                          "rng0": starts[rank] if rank < len(starts) else None}
         self._pending_rng = rng
 
@@ -174,6 +240,9 @@ class ResumableLoader:
             self._epoch_start_rngs = dist.all_gather_json(capture_rng_state())
             self._epoch_start_gen = _gen_b64(gen)
             source, self.batches_seen = dl, 0
+        self._source = source
+        # Persistent workers after the first epoch: the uninterrupted run only reset its iterator (no seed drawn).
+        seed_from = throwaway_seed(source) if self.epoch > 0 and persistent_workers(dl) else None
         it = iter(source)
         while True:
             try:
@@ -181,6 +250,9 @@ class ResumableLoader:
             except StopIteration:
                 break
             finally:
+                if seed_from is not None:  # the iterator exists once the first batch came
+                    seed_from()
+                    seed_from = None
                 self._apply_pending_rng()
             self.batches_seen += 1
             if self._skip:
@@ -189,6 +261,7 @@ class ResumableLoader:
             yield batch
         self.epoch += 1
         self.batches_seen = 0
+        self._epoch_start_rngs, self._epoch_start_gen, self._source = [], None, None
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(self.epoch)
 
