@@ -1,10 +1,11 @@
 """The minimal folder `Trainer.train(resume_from_checkpoint=...)` reads, made from a store checkpoint.
 
-``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` (the stored `TrainerState`), the
+``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` (the stored `TrainerState`) and the
 weights as a hard link of the stored safetensors file (or, for several PEFT adapters, one
 file per adapter: the ``default`` adapter at the top, the others in sub-folders named after
-them, which is how Trainer finds them), and `rng_state[_R].pth`. No `optimizer.pt` /
-`scheduler.pt`: the callback loads L1 from the store straight into Trainer's optimizer.
+them, which is how Trainer finds them). No `optimizer.pt` / `scheduler.pt`: the callback loads
+L1 from the store straight into Trainer's optimizer. No `rng_state[_R].pth` either: the callback
+restores each rank's RNG itself, once the first resumed step has fetched its batches.
 
 The folder's location comes from this run's store (its root and task), never from a manifest,
 and only entries under ``<root>/.resume`` that are real directories are ever removed.
@@ -17,14 +18,12 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from transformers import TrainerState, TrainingArguments
+from transformers import TrainerState
 
 from .. import distributed as dist
 from ..constants import (
@@ -32,14 +31,12 @@ from ..constants import (
     KEY_TRAINER_STATE,
     RESUME_DIR,
     TRAINER_ADAPTER_WEIGHTS_NAME,
-    TRAINER_RNG_NAME,
-    TRAINER_RNG_TEMPLATE,
     TRAINER_STATE_NAME,
     TRAINER_WEIGHTS_NAME,
     WEIGHTS_NAME,
 )
 from ..errors import ConfigError
-from ..state import adapter_names, is_peft_model, restore_rng_state, split_adapters
+from ..state import adapter_names, is_peft_model, split_adapters
 from ..store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -67,15 +64,13 @@ KEY_DATA_STEPS = "data_steps"
 
 
 def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str) -> Path:
-    """Write the folder for `loaded` (rank 0: state and weights; every rank: its RNG); returns it."""
+    """Write the folder for `loaded` (rank 0; every rank waits for it); returns it."""
     folder = resume_folder(root, task_id, loaded.info.step)
     if dist.is_main():
         remove_resume_folders(root, task_id)
         folder.mkdir(parents=True)
         _write_trainer_state(folder, loaded, trainer)
         _write_weights(folder, loaded, trainer.model)
-    dist.barrier()
-    _write_rng(folder, loaded, trainer.args)
     dist.barrier()
     return folder
 
@@ -144,28 +139,3 @@ def _save_tensors(weights: dict[str, torch.Tensor], target: Path) -> None:
         if ptr is not None:
             seen.add(ptr)
     save_file(tensors, str(target))
-
-
-def _write_rng(folder: Path, loaded: LoadedCheckpoint, args: TrainingArguments) -> None:
-    if loaded.rng is None:
-        logger.warning("resume from step %d: no RNG state for rank %d; random streams (dropout, shuffling) "
-                       "will differ from the interrupted run", loaded.info.step, dist.rank())
-        return
-    name = TRAINER_RNG_TEMPLATE.format(rank=args.process_index) if args.world_size > 1 else TRAINER_RNG_NAME
-    # Convert the stored JSON to the generators' native objects through the generators themselves.
-    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    cuda_saved = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        restore_rng_state(loaded.rng)
-        native: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                                  "cpu": torch.get_rng_state()}
-        if loaded.rng.get("cuda") and torch.cuda.is_available():
-            states = torch.cuda.get_rng_state_all()
-            native["cuda"] = states[torch.cuda.current_device()] if args.world_size > 1 else states
-    finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
-        if cuda_saved is not None:
-            torch.cuda.set_rng_state_all(cuda_saved)
-    torch.save(native, folder / name)

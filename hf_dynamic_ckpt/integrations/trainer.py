@@ -29,6 +29,8 @@ import dataclasses
 import logging
 import os
 import sys
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +45,11 @@ from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
 from ..run.orchestrator import RunOrchestrator
 from ..run.rollback import Rollback
-from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys
+from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator, check_training_args
 from ..store.types import LoadedCheckpoint
+from ._position import persistent_workers, throwaway_seed
 from ._trainer_folder import KEY_DATA_STEPS, data_steps, materialise_trainer_folder, remove_resume_folders
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,7 @@ class SmartCkptCallback(TrainerCallback):
                 "set rollback_skip_batches=0 (or skip more in a custom loop with SmartCheckpointer).")
         self.consolidate = consolidate
         self.checkpointer: RunOrchestrator | None = None
+        self._trainer: Callable[[], Any] = _no_trainer
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
         self.last_rollback: Rollback | None = None
@@ -100,8 +104,21 @@ class SmartCkptCallback(TrainerCallback):
         self._lr: float | None = None
         self._flos_at_begin = 0.0
         self._in_train = False
+        self._resumed_rng: dict[str, Any] | None = None  # restored once the first resumed step's batches are in
+        self._put_back_seed: Callable[[], None] | None = None  # `on_epoch_begin` swapped the loader's generator
 
     # ------------------------------------------------------------------ wiring
+    @property
+    def trainer(self) -> Any | None:
+        """The trainer this callback serves (held weakly: `trainer -> callback -> trainer` would be a reference
+        cycle, and a Trainer freed by the garbage collector instead of when its last name goes frees its persistent
+        data-loader workers in arbitrary order: their shutdown then waits 5 s per worker)."""
+        return self._trainer()
+
+    @trainer.setter
+    def trainer(self, trainer: Any | None) -> None:
+        self._trainer = _no_trainer if trainer is None else weakref.ref(trainer)
+
     def set_trainer(self, trainer: Any) -> None:
         """Give the callback its trainer (as Trainer does for its JIT checkpoint callback)."""
         self.trainer = trainer
@@ -184,9 +201,25 @@ class SmartCkptCallback(TrainerCallback):
                 apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
         # The state training starts from can be captured before the first update (step-1 anomalies).
         ck.note_boundary(state.global_step, rng=loaded.rng if loaded is not None else None)
+        self._resumed_rng = loaded.rng if loaded is not None else None
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       train_dataloader: Any = None, **kwargs: Any) -> None:
+        if train_dataloader is not None and (state.epoch or 0.0) >= 1 and persistent_workers(train_dataloader):
+            # The uninterrupted run only resets its iterator now; a resumed run creates it, and must not draw the
+            # workers' seed from the main generator (`integrations._position`).
+            self._put_back_seed = throwaway_seed(train_dataloader)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
+        if self._put_back_seed is not None:  # the epoch's iterator exists: the loader's own generator goes back
+            self._put_back_seed()
+            self._put_back_seed = None
+        if self._resumed_rng is not None:
+            # The first step of a resumed run has fetched its batches: from here on its random streams are those of
+            # the interrupted run at the same point (the RNG stored with a save is taken at this moment).
+            restore_rng_state(self._resumed_rng)
+            self._resumed_rng = None
         if self.checkpointer is not None:
             if self.checkpointer.rollback_due:
                 self._roll_back(state)
@@ -269,7 +302,10 @@ class SmartCkptCallback(TrainerCallback):
                 # The final state is the most valuable restore point; the write overlaps nothing.
                 ck.save_now(state.global_step, state.epoch or 0.0, reason="train_end", blocking=False)
         finally:
-            self._pending = self._unapplied = None
+            self._pending = self._unapplied = self._resumed_rng = None
+            if self._put_back_seed is not None:
+                self._put_back_seed()
+                self._put_back_seed = None
             try:
                 ck.close()  # waits for the last write; the writer process ends with the training
             finally:
@@ -328,6 +364,10 @@ class SmartCkptCallback(TrainerCallback):
             return
         handler.callbacks.remove(self)
         handler.callbacks.insert(0, self)
+
+
+def _no_trainer() -> None:
+    return None
 
 
 def _calling_trainer() -> Any | None:

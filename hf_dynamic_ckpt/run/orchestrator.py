@@ -272,7 +272,19 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ per step
     def step_begin(self) -> None:
-        """Start of an optimizer step: writes a save held since the previous `step_end` (`release`)."""
+        """Start of an optimizer step whose batches are fetched (Trainer's `on_step_begin`, with `hold_saves`).
+
+        The RNG now is what the step's forward starts from, in an uninterrupted run as in one resumed from the
+        previous step (which restores it once it has fetched the same batches). A save held since the previous
+        `step_end` stores it and is written now (`release`); so does a capture before this step's update: the
+        iterator a new epoch creates, an evaluation or a data collator may have drawn since `step_end`.
+        """
+        if self._held is not None or self._boundary_step is not None:
+            rng = capture_raw_rng_state()
+            if self._held is not None:
+                self._held.rng = rng
+            if self._boundary_step is not None:
+                self._boundary_rng = rng
         self.release()
 
     def note_boundary(self, step: int, rng: RngState | None = None) -> None:
@@ -365,7 +377,10 @@ class RunOrchestrator:
             decision = self.policy.decide(frame)
         self.last_frame, self.last_decision = frame, decision
         self.saver.collect_finished()
-        self.note_boundary(step)
+        if self.hold_saves:  # the RNG the next step starts from is taken at its `step_begin`
+            self._boundary_step, self._boundary_rng = step, None
+        else:
+            self.note_boundary(step)
         if decision.save and decision.kind == DecisionKind.PREEMPTION:
             assert self._sources is not None, "attach() first"
             flag = self.preemption_flag
