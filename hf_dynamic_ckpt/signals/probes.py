@@ -240,6 +240,10 @@ class GradProbe:
             self.baselines.load_state_dict(baselines)
 
 
+def _removed(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("ClipNormRecorder.remove() was called: the wrapped method is the owner's own again.")
+
+
 class ClipNormRecorder:
     """Wraps a `clip_grad_norm_` method and keeps the pre-clip norm it returns.
 
@@ -287,9 +291,16 @@ class ClipNormRecorder:
         return norm
 
     def remove(self) -> None:
-        """Restore the original method (idempotent)."""
+        """Restore the original method (idempotent), and let go of the owner: the wrapper and this recorder
+        reference each other, and a cycle that holds an `Accelerator` leaves its data loaders (and their persistent
+        workers) to the garbage collector, which shuts the workers down in arbitrary order (5 s each)."""
+        if self.owner is None:
+            return
         if getattr(self.owner, self.attr, None) is self._wrapper:
             if self._had_instance_attr:
                 setattr(self.owner, self.attr, self._original)
             else:
                 delattr(self.owner, self.attr)
+        self.owner = None
+        self._original = _removed
+        self._wrapper = _removed
