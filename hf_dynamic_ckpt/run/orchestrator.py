@@ -479,10 +479,21 @@ class RunOrchestrator:
 
     def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
                  pin: bool = False, blocking: bool = True) -> SaveEvent:
-        """Save the current state of `step` outside the policy (e.g. the end of training)."""
+        """Save the current state of `step` outside the policy (e.g. the end of training).
+
+        When this run already saved `step` with these tiers (the policy's save of the same step), that save is the
+        one returned (pinned with `pin`, waited for with `blocking`): the state is the same, and a second save of
+        the step would race the first one's commit."""
         self.release()
         kind = DecisionKind.TRAIN_END if reason == "train_end" else DecisionKind.MANUAL
         decision = Decision(save=True, tiers=frozenset(tiers), reason=reason, pin=pin, step=step, kind=kind)
+        existing = self.saver.log.find(step)
+        if existing is not None and decision.tiers <= existing.tiers:
+            if pin:
+                self.saver.pin_existing(step, decision)
+            if blocking and existing.handle is not None:
+                self.saver.finish()
+            return existing
         return self._save(decision, step=step, epoch=epoch, at_step=step, blocking=blocking)
 
     # ------------------------------------------------------------------ saving
