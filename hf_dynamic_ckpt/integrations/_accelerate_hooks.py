@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import SmartCkptConfig
+from ..constants import MANIFEST_NAME
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..run.orchestrator import RunOrchestrator, SaveEvent
 from ..state.support import check_accelerator
@@ -55,7 +57,15 @@ class SmartStateHooks:
       verifies and loads the checkpoint (fallback per `config.fallback_strategy`), puts the
       weights, optimizer, scheduler and scaler back, empties Accelerate's `models` list so
       it does not look for model files, and arms `loader` to skip the batches already seen
-      and to re-apply the saved RNG once the first batch is fetched.
+      and to re-apply the saved RNG once the first batch is fetched. A folder written
+      without the hooks (no `smart_ckpt.json`, not a store checkpoint) is left to
+      Accelerate, with one INFO line: the store is not involved.
+
+    The pair always runs after every other save / load pre-hook of the accelerator, registered
+    before or after it: those see Accelerate's full `models` and `weights` lists. With
+    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`, a checkpoint pinned
+    for a folder Accelerate rotated away is unpinned; the store's retention (`keep_last`,
+    log-spaced history) then keeps or removes it like any other checkpoint.
 
     Args:
         accelerator (`accelerate.Accelerator`): after `prepare(...)`.
@@ -105,6 +115,7 @@ class SmartStateHooks:
         self.core = checkpointer
         self.handles: list[Any] = []
         self.last_loaded: LoadedCheckpoint | None = None
+        self._pinned: set[int] = set()  # steps this object's save_state pinned
 
     @property
     def loader(self) -> ResumableLoader | None:
@@ -116,7 +127,7 @@ class SmartStateHooks:
         return self.core.store
 
     def register(self) -> tuple[Any, Any]:
-        """Install the pair on the accelerator.
+        """Install the pair on the accelerator, behind its other save / load pre-hooks (also those registered later).
 
         Returns:
             `tuple`: the `torch.utils.hooks.RemovableHandle`s of the save and load pre-hooks.
@@ -124,6 +135,7 @@ class SmartStateHooks:
         save = self.accelerator.register_save_state_pre_hook(self._save_hook)
         load = self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.handles = [save, load]
+        keep_last(self.accelerator, self.handles)
         return save, load
 
     def remove(self) -> None:
@@ -131,6 +143,7 @@ class SmartStateHooks:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        keep_last(self.accelerator, [])
 
     def close(self) -> None:
         """Remove the hooks and, when this object created it, close the orchestrator."""
@@ -143,6 +156,11 @@ class SmartStateHooks:
     def _save_hook(self, models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]],
                    output_dir: str) -> None:
         step = self.state.optimizer_steps
+        project = getattr(self.accelerator, "project_configuration", None)
+        if self.core.rank == 0 and getattr(project, "automatic_checkpoint_naming", False) \
+                and getattr(project, "total_limit", None) is not None:
+            # Accelerate has rotated its folders before this hook: their checkpoints are ordinary ones now.
+            self._unpin_rotated(Path(output_dir).parent)
         # Pinned: a state the user asked for by name must outlive automatic retention.
         event = self.core.save_now(step, self.state.epoch(), reason="save_state", pin=True, blocking=True)
         self._raise_if_failed(event)
@@ -154,7 +172,26 @@ class SmartStateHooks:
             tmp = Path(output_dir) / f".{POINTER_NAME}.tmp"
             tmp.write_text(json.dumps(pointer, indent=1), encoding="utf-8")
             os.replace(tmp, Path(output_dir) / POINTER_NAME)
+        self._pinned.add(step)
         logger.info("save_state: step %d committed to %s", step, event.path or self.core.store.root)
+
+    def _unpin_rotated(self, folders: Path) -> None:
+        """Unpin the checkpoints `save_state` pinned for folders under `folders` that no longer exist."""
+        store = self.core.store
+        kept: set[int] = set()
+        for pointer_file in folders.glob(f"*/{POINTER_NAME}"):
+            try:
+                pointer = json.loads(pointer_file.read_text(encoding="utf-8"))
+                if pointer.get("task_id") == store.task_id:
+                    kept.add(int(pointer["step"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not ours to judge: its checkpoint stays pinned
+        for info in store.list(include_unhealthy=True, include_abandoned=True):
+            if info.pinned and info.step not in kept and (info.reason == "save_state" or info.step in self._pinned):
+                store.unpin(info)
+                self._pinned.discard(info.step)
+                logger.info("save_state: step %d is no longer pinned (its folder under %s was rotated away by "
+                            "total_limit); retention keeps or removes it like any other checkpoint", info.step, folders)
 
     @staticmethod
     def _raise_if_failed(event: SaveEvent) -> None:
@@ -167,6 +204,11 @@ class SmartStateHooks:
 
     def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
         spec = self._spec_for(Path(input_dir))
+        if spec is None:
+            logger.info("load_state(%s): no %s and not a store checkpoint (a folder saved without the store's hooks): "
+                        "Accelerate loads it as it would without them; the store %s is not involved", input_dir,
+                        POINTER_NAME, self.core.store.root)
+            return
         loaded = self.core.resume(spec, expected=self.state.weights())
         if loaded is None:  # pragma: no cover - resume returns None only for "auto" on an empty store
             raise CheckpointNotFoundError(f"load_state({input_dir!r}): the store {self.core.store.root} is empty.")
@@ -175,10 +217,12 @@ class SmartStateHooks:
         models.clear()
         self.last_loaded = loaded
 
-    def _spec_for(self, input_dir: Path) -> str:
+    def _spec_for(self, input_dir: Path) -> str | None:
+        """What to resume for `input_dir`: the checkpoint its pointer names, the directory itself when it is a store
+        checkpoint, else `None` (a plain Accelerate folder)."""
         pointer_file = input_dir / POINTER_NAME
         if not pointer_file.is_file():
-            return str(input_dir)  # a store checkpoint directory itself
+            return str(input_dir) if (input_dir / MANIFEST_NAME).is_file() else None
         try:
             pointer = json.loads(pointer_file.read_text(encoding="utf-8"))
             missing = [k for k in _POINTER_KEYS if k not in pointer]
@@ -193,6 +237,44 @@ class SmartStateHooks:
             logger.warning("load_state: %s points into store %s, but this run's store is %s; loading by path",
                            pointer_file, pointer["root"], self.core.store.root)
         return str(pointer["path"]) if pointer["path"] else f"step:{int(pointer['step'])}"
+
+
+_REGISTER = ("register_save_state_pre_hook", "register_load_state_pre_hook")
+
+
+def keep_last(accelerator: Any, handles: list[Any]) -> None:
+    """Keep the pre-hooks of `handles` behind every other save / load pre-hook of `accelerator`, now and whenever
+    another is registered (`[]`: stop). Ours empty Accelerate's `models` / `weights` lists; a hook that ran after
+    them would find the lists empty.
+
+    The accelerator's two `register_*_pre_hook` methods get an instance-level wrapper that registers, then moves
+    ours to the end; it holds the accelerator and the handles weakly, so it keeps nothing alive."""
+    for name in _REGISTER:
+        if name in vars(accelerator):
+            delattr(accelerator, name)
+    if not handles:
+        return
+    owner, refs = weakref.ref(accelerator), [weakref.ref(h) for h in handles]
+
+    def to_end() -> None:
+        for ref in refs:
+            handle = ref()
+            if handle is None:
+                continue
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                hooks[handle.id] = hooks.pop(handle.id)
+
+    for name in _REGISTER:
+        def register(hook: Any, _name: str = name) -> Any:
+            acc = owner()
+            assert acc is not None, "the accelerator is gone"
+            handle = getattr(type(acc), _name)(acc, hook)
+            to_end()
+            return handle
+
+        setattr(accelerator, name, register)
+    to_end()
 
 
 def attach_state(core: RunOrchestrator, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None,

@@ -49,7 +49,11 @@ def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[st
         optimizer=optimizer if main else None, scheduler=scheduler if main else None,
         scaler=scaler if main else None, sampler=sampler, extra=extra,
     )
-    return None, sources, frozenset(ALL_TIERS) if main else frozenset({Tier.STATE})
+    if not main:
+        return None, sources, frozenset({Tier.STATE})
+    if optimizer is None and scheduler is None and scaler is None:  # a model trained without one (or not at all)
+        return None, sources, frozenset(ALL_TIERS) - {Tier.OPTIMIZER}
+    return None, sources, frozenset(ALL_TIERS)
 
 
 MODEL_PREFIX = "model."

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .. import distributed as dist
-from ..config import RollbacksExhausted, SmartCkptConfig
+from ..config import FallbackStrategy, RollbacksExhausted, SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError
 from ..export import KEY_MODEL, describe_model
@@ -619,9 +619,12 @@ class RunOrchestrator:
         """`plan_resumption` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
         collective) into the live objects."""
         sharded = self._sharded
+        fallback = self.config.fallback_strategy
+        if self._sources is not None and self._optimizer is None and self._scheduler is None and self._scaler is None:
+            fallback = FallbackStrategy.LEVEL_0_ONLY  # attached without an optimizer: no optimizer tier to miss
         resumption = plan_resumption(
             self.store, spec, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
-            fallback=self.config.fallback_strategy, expected=sharded.expected() if sharded is not None else expected,
+            fallback=fallback, expected=sharded.expected() if sharded is not None else expected,
             background_optimizer=background_optimizer and sharded is None)
         if resumption is not None and sharded is not None:
             load_sharded(sharded, resumption.loaded)

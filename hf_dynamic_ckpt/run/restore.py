@@ -340,7 +340,8 @@ def plan_resume(
     assert loaded is not None
     row = [r[chosen] for r in results]
     lost = [(i, o["optimizer_lost"]) for i, o in enumerate(row) if o["optimizer_lost"] is not None]
-    degraded = bool(lost) or fallback == FallbackStrategy.LEVEL_0_ONLY
+    # Weights only: degraded when the checkpoint held an optimizer state that is not restored.
+    degraded = bool(lost) or (fallback == FallbackStrategy.LEVEL_0_ONLY and Tier.OPTIMIZER in loaded.info.tiers)
     if lost:
         first_rank, why = lost[0]
         loaded.optimizer = loaded.scaler = None

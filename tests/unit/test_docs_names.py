@@ -34,7 +34,7 @@ EXTERNAL = {
     "ChunkStorageMetadata", "ReduceLROnPlateau", "CheckpointException", "ExportableState", "Dataset",
     "AdamW", "Adafactor", "Optimizer", "Module", "Tensor", "Generator", "Event", "Stream", "JitCheckpoint",
     "ZstdCompressor", "ZstdDecompressor", "S3FileSystem", "Path", "PrinterCallback",
-    "EarlyStoppingCallback", "DistributedType",
+    "EarlyStoppingCallback", "DistributedType", "ProjectConfiguration", "IterableDataset",
     "ThreadPoolExecutor", "Future", "RuntimeError", "ValueError", "PermissionError", "FileNotFoundError",
     "MemoryError", "OSError", "KeyError", "TypeError", "RecursionError", "SystemExit", "NaN", "Infinity",
     "DDP", "FSDP", "FSDP1", "FSDP2", "HSDP", "LoRA", "MTBF", "OOM", "NVML", "GPU", "CPU", "RSS", "JSON", "YAML",
