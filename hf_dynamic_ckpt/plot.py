@@ -6,8 +6,9 @@ save at the end of training comes after the last step's row). A run that crashed
 shows as segments: the steps recomputed after a resume are drawn again, from the restore
 point on, so a person can see what was lost and that the replay matches. A rollback starts
 a segment too; each rollback is a band of its own, from the restore point to the step the
-anomaly was confirmed at. The risk panel is the policy's smoothed risk as the step log
-records it.
+anomaly was confirmed at. The risk panel shows each step's raw risk (`beta` in the step log: an
+anomaly at once, thin) and the policy's smoothed risk (`risk`: what the interval follows, which
+discounts a single step's).
 
     hf-dynamic-ckpt plot ROOT [--task T] [--output timeline.png]
 """
@@ -125,6 +126,9 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
         ax_loss.plot(steps, [_value(r.get("loss")) for r in rows], style, color=colour, lw=1.4, label=label)
         ax_grad.plot(steps, [_value(r.get("grad_norm")) for r in rows], style, color=colour, lw=1.2)
         ax_risk.plot(steps, [_value(r.get("risk")) for r in rows], style, color=colour, lw=1.2, gid="risk")
+        if any(r.get("beta") is not None for r in rows):  # the step's own risk: what an anomaly looks like at once
+            ax_risk.plot(steps, [_value(r.get("beta")) for r in rows], style, color=colour, lw=0.8, alpha=0.45,
+                         gid="beta")
         if kind == "resume":
             for ax in axes:
                 ax.axvline(head["resume_from"], color="black", ls="--", lw=1)
@@ -175,7 +179,7 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
     _reserve(ax_loss, top=min(0.5, 0.12 + 0.08 * rollbacks), bottom=min(0.3, 0.07 * resumes))
     ax_grad.set_ylabel("grad norm (pre-clip)")
     ax_grad.set_yscale("log")
-    ax_risk.set_ylabel("risk (smoothed beta)")
+    ax_risk.set_ylabel("risk: beta (thin),\nsmoothed")
     ax_risk.set_ylim(-0.05, 1.05)
     ax_risk.set_xlabel("optimizer step")
     # Outside the panel: inside, it would cover whichever steps the run's curves happen to reach there.

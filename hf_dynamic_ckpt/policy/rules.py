@@ -95,6 +95,8 @@ class RulePolicy:
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
         self._warned_record_save = False
         self.last_bad_update: str | None = None
+        self.last_beta = 0.0
+        """The raw (unsmoothed) risk of the step judged last: what the step log records beside the smoothed one."""
         """Why the update of the last `pre_update`'s step is bad (the capture rule that fired), or `None`."""
 
     # ------------------------------------------------------------------ views
@@ -225,6 +227,7 @@ class RulePolicy:
         a = self.baselines.assess(frame)
         rule = capture_rule(frame, a, self.baselines, self.config)
         self._judged = (key, a, rule)
+        self.last_beta = a.beta
         return a, rule
 
     def _health(self, frame: SignalFrame, rule: str | None) -> tuple[bool, str]:

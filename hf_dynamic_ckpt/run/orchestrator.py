@@ -372,7 +372,7 @@ class RunOrchestrator:
             # No save and no statistics of a step about to be undone; `rollback()` comes next (should it find no
             # restore point, training goes on from this step's boundary, noted below).
             decision = Decision(save=False, reason=f"rollback: {self._rollback_due.reason}", step=step,
-                                healthy=False, kind=DecisionKind.ROLLBACK)
+                                risk=self.policy.risk, healthy=False, kind=DecisionKind.ROLLBACK)
         else:
             decision = self.policy.decide(frame)
         self.last_frame, self.last_decision = frame, decision
@@ -517,7 +517,7 @@ class RunOrchestrator:
                                blocking=blocking)
 
     def _write_timeline(self, frame: SignalFrame, decision: Decision) -> None:
-        self.timeline.step(frame, decision, self.log.events)
+        self.timeline.step(frame, decision, self.log.events, beta=self.policy.last_beta)
 
     def log_event(self, kind: str, **data: Any) -> None:
         """Append a non-step event (e.g. a resume) to the step log (rank 0)."""

@@ -2,8 +2,9 @@
 
 ``<root>/<task>/timeline.jsonl`` is written by rank 0 of the `RunOrchestrator` (`TimelineWriter`)
 and read by `plot` and the demo (`read_timeline`). Each step row holds the reduced signals,
-the smoothed risk and the saves taken during the step (with their `kind`); a resume adds an
-``{"event": "resume", ...}`` line, which starts a new segment when read back. Numbers are
+the smoothed risk (`risk`), the step's raw risk (`beta`) and the saves taken during the step
+(with their `kind`); a resume adds an ``{"event": "resume", ...}`` line, which starts a new
+segment when read back. Numbers are
 strict JSON (`jsonutil.safe_float`), so ``jq`` reads the file.
 """
 
@@ -36,8 +37,10 @@ class TimelineWriter:
         self._file: Any = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed in close()
         self._seen = 0
 
-    def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent]) -> None:
-        """One row for the step `frame.step`, with the saves of `events` taken during it.
+    def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent], *, beta: float | None = None
+             ) -> None:
+        """One row for the step `frame.step`, with the saves of `events` taken during it; `beta` is the step's raw
+        risk (the smoothed one, `risk`, discounts a single step's and is what the interval follows).
 
         `events` is the run's whole save log; only entries appended since the previous row are
         looked at (no scan of the history per step).
@@ -47,7 +50,8 @@ class TimelineWriter:
         row: dict[str, Any] = {
             "step": frame.step, "loss": safe_float(frame.loss), "grad_norm": safe_float(frame.grad_norm),
             "lora_max_ratio": safe_float(frame.lora_max_ratio), "lr": safe_float(frame.lr),
-            "risk": round(decision.risk, 6), "mem": safe_float(frame.mem_frac),
+            "risk": round(decision.risk, 6), "beta": None if beta is None else round(beta, 6),
+            "mem": safe_float(frame.mem_frac),
             "step_time_s": safe_float(frame.step_time_s), "time": time.time(),
         }
         saved = [{"step": e.step, "reason": e.reason, "kind": e.kind.value, "pinned": e.pinned,
@@ -92,9 +96,10 @@ class RunTimeline:
             self._writer.close()
             self._writer = None
 
-    def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent]) -> None:
+    def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent], *, beta: float | None = None
+             ) -> None:
         if self._writer is not None:
-            self._writer.step(frame, decision, events)
+            self._writer.step(frame, decision, events, beta=beta)
 
     def event(self, kind: str, **data: Any) -> None:
         if self.rank != 0:
