@@ -169,6 +169,9 @@ class CheckpointStore:
         self.remote = Remote(spec.remote, spec.task_id) if spec.remote is not None else None
         self.url = spec.remote.shown if spec.remote is not None else str(self.root)
         writer = spec.rank == 0 and cleanup and not read_only
+        if self.remote is None and self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"root={str(self.root)!r} is invalid: it is a file, not a directory; pass the store's "
+                              "directory (new or existing), e.g. the folder next to it.")
         if not read_only or self.remote is not None:
             try:  # readers never create the task folder (a cache is not the store)
                 self.root.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import pytest
 
 from hf_dynamic_ckpt.config import Compression, FallbackStrategy, LevelConfig, SmartCkptArguments, SmartCkptConfig
 from hf_dynamic_ckpt.errors import ConfigError, UnknownConfigKeyError
+from hf_dynamic_ckpt.store import CheckpointStore
 
 ARTICLE_YAML = """\
 # dynamic frequency
@@ -224,3 +225,7 @@ def test_a_root_that_is_a_file_says_so(tmp_path: Path, monkeypatch: pytest.Monke
     assert SmartCkptConfig(root="new/store").resolve_root(None) == "new/store"
     assert SmartCkptConfig().resolve_root("out") == "out/smart_ckpt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile.txt", "later.txt"]  # nothing was created
+    with pytest.raises(ConfigError) as e:  # the store opened directly says the same, not "not writable"
+        CheckpointStore("afile.txt")
+    assert str(e.value) == (f"root='{tmp_path / 'afile.txt'}' is invalid: it is a file, not a directory; pass the "
+                            "store's directory (new or existing), e.g. the folder next to it.")
