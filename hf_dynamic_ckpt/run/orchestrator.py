@@ -25,6 +25,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,19 @@ __all__ = ["RunOrchestrator", "SaveEvent"]
 SaveExtra = Callable[[Decision], dict[str, Any]]
 """An integration's part of a manifest's `extra` for one save (e.g. Trainer's state), given the decision."""
 
-_RUNS: weakref.WeakValueDictionary[str, RunOrchestrator] = weakref.WeakValueDictionary()
+@dataclass
+class _OpenRun:
+    """An open run of this process as `_RUNS` keeps it: the run itself weakly (a dropped Trainer must not stay alive
+    for it), its engine and store strongly (a run collected without `close()` still holds the task's writer lock
+    through them, its engine's writer keeps them alive: the next run of the task closes them)."""
+
+    run: weakref.ref[RunOrchestrator]
+    session_id: str
+    store: Any
+    engine: Any
+
+
+_RUNS: dict[str, _OpenRun] = {}
 """The open runs of this process, by task and rank: a new run closes the earlier one first (`hand_over`)."""
 
 
@@ -117,16 +130,21 @@ class RunOrchestrator:
         session = new_session_id() if self.rank == 0 else None
         self.session_id: str = dist.broadcast_object(session) if self.world_size > 1 else session  # type: ignore[assignment]
         self.announce = announce if announce is not None else logger
-        key = _run_key(root, config.task_id, self.rank)
-        earlier = _RUNS.get(key)
-        if earlier is not None and not earlier.closed:  # a notebook cell re-run after an exception, another Trainer
+        self._key = _run_key(root, config.task_id, self.rank)
+        earlier = _RUNS.pop(self._key, None)
+        if earlier is not None:  # a notebook cell re-run after an exception, another Trainer
             logger.info("task %r under %s: this process already runs on it (session %s); that run is closed first "
                         "(its writes in flight commit) and session %s takes over", config.task_id, root,
                         earlier.session_id, self.session_id)
-            earlier.hand_over()
+            run = earlier.run()
+            if run is not None:
+                run.hand_over()
+            else:  # dropped without close(): what still holds the task
+                earlier.engine.close()
+                earlier.store.close()
         self.store, self.engine = open_store_and_engine(config, root, rank=self.rank, world_size=self.world_size,
                                                         session_id=self.session_id)
-        _RUNS[key] = self
+        _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.engine)
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
         self.rollbacks = RollbackRule()
@@ -146,6 +164,7 @@ class RunOrchestrator:
         self.sensors: Sensors | None = None
         self.timeline = RunTimeline(self.store.task_dir, rank=self.rank)
         self._fork_pending = True  # a fresh timeline sets other timelines' checkpoints aside at its first save
+        self._resume_event: dict[str, Any] | None = None  # the step log's resume entry, written by `_start_timeline`
         self._held: HeldSave | None = None
         self._sources: StateSources | None = None
         self._integration_extra: SaveExtra | None = None
@@ -312,6 +331,8 @@ class RunOrchestrator:
         were dropped (`param.grad = None`), so the optimizer skips the update.
         """
         self.release()
+        if self.resumed is not None:
+            self._start_timeline()  # a resumed run trains: its timeline is the task's from now on
         frame = self._measure(step + 1)
         groups = getattr(self._optimizer, "param_groups", None)
         if groups:
@@ -361,6 +382,8 @@ class RunOrchestrator:
         failed save when `on_save_error="raise"`.
         """
         self.release()
+        if self.resumed is not None:
+            self._start_timeline()
         if self.flat is not None:
             self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then checks
         self.saver.raise_pending()
@@ -502,11 +525,21 @@ class RunOrchestrator:
         started (rank 0 sets other timelines' newer checkpoints aside), the integration's part of `extra`."""
         if self.flat is not None:
             self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
-        if self._fork_pending:
-            self._fork_pending = False
-            if self.rank == 0:
-                start_timeline(self.store, self.lineage, after_step=self.lineage.parent_step)
+        self._start_timeline()
         self._save_extra = dict(self._integration_extra(decision)) if self._integration_extra is not None else {}
+
+    def _start_timeline(self) -> None:
+        """The run's timeline starts (a fresh run's at its first save, a resumed run's when it first trains or
+        saves): rank 0 sets other timelines' newer checkpoints aside, and a resume is written to the step log.
+        A resume that never trains changes nothing in the store."""
+        if not self._fork_pending:
+            return
+        self._fork_pending = False
+        if self.rank == 0:
+            start_timeline(self.store, self.lineage, after_step=self.lineage.parent_step)
+        event, self._resume_event = self._resume_event, None
+        if event is not None:
+            self.log_event("resume", **event)
 
     def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: RngState | None = None,
               sampler: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
@@ -551,6 +584,9 @@ class RunOrchestrator:
         if self._closed:
             return
         self._closed = True
+        entry = _RUNS.get(self._key)
+        if entry is not None and entry.run() is self:
+            del _RUNS[self._key]
         try:
             self.finish()
         finally:
@@ -631,22 +667,23 @@ class RunOrchestrator:
         return resumption
 
     def apply(self, resumption: Resumption, *, rollback: bool = False) -> None:
-        """Make a resumption the run's state: its timeline continues from the restore point (rank 0 sets the
-        newer checkpoints of other timelines aside), the policy and the probes continue from their stored state,
-        and the resume is announced (once the optimizer tier is in, when it is read in the background). A
-        resume also continues the stored save counters and rollback history; a `rollback` keeps the run's own.
-        The live model, optimizer and RNG are the caller's to restore (`rollback` restores them)."""
+        """Make a resumption the run's state: its timeline continues from the restore point (once it trains or
+        saves, rank 0 sets the newer checkpoints of other timelines aside), the policy and the probes continue from
+        their stored state, and the resume is announced (once the optimizer tier is in, when it is read in the
+        background). A resume also continues the stored save counters and rollback history; a `rollback` keeps the
+        run's own. The live model, optimizer and RNG are the caller's to restore (`rollback` restores them)."""
         info = resumption.loaded.info
         self.lineage = resumption.lineage
-        self._fork_pending = False
-        if self.rank == 0:  # verified and checked against the model on every rank: newer checkpoints may go aside
-            start_timeline(self.store, self.lineage, after_step=info.step)
         self.resumed = resumption
         self._restore_statistics(resumption, counters=not rollback)
-        if rollback:
+        self._fork_pending = True
+        if rollback:  # the live run goes on from the restore point now
+            self._start_timeline()
             return
-        self.log_event("resume", step=info.step, spec=resumption.spec, warnings=list(resumption.loaded.warnings),
-                       tiers=sorted(t.value for t in resumption.loaded.tiers))
+        # Recorded once the resumed run trains or saves (`_start_timeline`): a resume that only looks changes nothing.
+        self._resume_event = {"step": info.step, "spec": resumption.spec,
+                              "warnings": list(resumption.loaded.warnings),
+                              "tiers": sorted(t.value for t in resumption.loaded.tiers)}
         if resumption.pending is None:
             self._announce(resumption)
         if resumption.elapsed_ms > self.config.recovery_timeout_ms:

@@ -35,6 +35,7 @@ reads through the held descriptor).
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import errno
 import fcntl
@@ -85,6 +86,32 @@ class _Held:
 _HELD: dict[str, _Held] = {}
 _HELD_LOCK = threading.RLock()  # also makes one acquire's check, lock and registration one step per process
 os.register_at_fork(after_in_child=_HELD.clear)  # a child holds none of its parent's record locks
+
+
+def _release_at_exit() -> None:
+    """A normal interpreter exit is no crash: the locks this process still holds are released and their records say
+    so, so the next start has nothing to warn about (a killed process runs no exit handler: its record stays)."""
+    with _HELD_LOCK:
+        entries = list(_HELD.values())
+    for held in entries:
+        owner = held.owner()
+        if owner is not None:
+            owner.release()
+            continue
+        with _HELD_LOCK:  # its writer was dropped without release(): the open file still holds the lock
+            for key, value in list(_HELD.items()):
+                if value is held:
+                    del _HELD[key]
+        try:
+            record = _read_record(held.file)
+            if record is not None:
+                _write_record(held.file, {**record, "released": time.time()})
+        except OSError:
+            pass
+        held.file.close()
+
+
+atexit.register(_release_at_exit)
 
 
 def _read_text(path: str) -> str | None:
@@ -179,6 +206,12 @@ def _try_lock(f: BinaryIO) -> bool:
     return True
 
 
+def _write_record(f: BinaryIO, record: dict[str, Any]) -> None:
+    data = json.dumps(record, sort_keys=True).encode()
+    os.pwrite(f.fileno(), data, 0)
+    os.ftruncate(f.fileno(), len(data))
+
+
 def _read_record(f: BinaryIO) -> dict[str, Any] | None:
     try:
         value = loads_bounded(os.pread(f.fileno(), _RECORD_MAX, 0))
@@ -234,9 +267,7 @@ class WriterLock:
 
     @staticmethod
     def _write(f: BinaryIO, record: dict[str, Any]) -> None:
-        data = json.dumps(record, sort_keys=True).encode()
-        os.pwrite(f.fileno(), data, 0)
-        os.ftruncate(f.fileno(), len(data))
+        _write_record(f, record)
 
     # -- taking it ------------------------------------------------------------------------------
     def acquire(self, *, takeover: bool = False, what: str = "task", wait_s: float = 0.0) -> None:
