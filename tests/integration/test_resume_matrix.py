@@ -1,0 +1,156 @@
+"""The exactness promise over the settings users run by default.
+
+A resumed run is the uninterrupted run, bit for bit: the same batches, the same losses, the same final weights.
+Checked with the settings users run without thinking about them: data-loader workers (persistent or not), a save
+at an epoch end and one right after, gradient accumulation, LoRA and full fine-tunes, iterable datasets without a
+length, 2 ranks, a second run in the same process, a clean exit followed by a restart, and a SIGKILL followed by
+the same command. Trainer (`tests/workers/trainer_epochs.py`), the Accelerate state hooks and `SmartCheckpointer`
+(`tests/workers/accelerate_epochs.py`). The default run keeps a representative slice; `make test-all` runs all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import REPO, torchrun_worker, traceback_tail
+
+pytestmark = pytest.mark.integration
+
+WORKERS = REPO / "tests" / "workers"
+sys.path.insert(0, str(WORKERS))
+import accelerate_epochs  # noqa: E402
+import trainer_epochs  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------- Trainer
+# (model, gradient accumulation, data-loader workers, persistent workers)
+TRAINER_DEFAULT = ("lora", 2, 2, True)
+TRAINER_CASES = [
+    pytest.param(*case, id="-".join(map(str, case)), marks=() if case == TRAINER_DEFAULT else pytest.mark.slow)
+    for case in itertools.product(("lora", "full"), (1, 2), (0, 2), (True, False))
+    if not (case[2] == 0 and not case[3])  # workers=0: persistent or not is the same loader
+]
+
+
+def _run_trainer(out: Path, model: str, ga: int, workers: int, persistent: bool, *extra: str,
+                 nproc: int = 1) -> list[dict[str, Any]]:
+    args = ["--out", str(out), "--model", model, "--ga", str(ga), "--workers", str(workers), *extra]
+    if persistent:
+        args.append("--persistent")
+    worker = WORKERS / "trainer_epochs.py"
+    if nproc == 1:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.run([sys.executable, str(worker), *args], capture_output=True, text=True, timeout=900,
+                              env=env)
+    else:
+        proc = torchrun_worker(worker, out, *args, nproc=nproc, timeout=900)
+    assert proc.returncode == 0, traceback_tail(proc)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def _assert_trainer_exact(result: dict[str, Any], ga: int) -> None:
+    reference = result["reference"]
+    micro = reference["micro"]
+    assert len(micro) == trainer_epochs.EPOCHS * trainer_epochs.STEPS_PER_EPOCH * ga
+    for point, resumed in result["resumed"].items():
+        step = int(point)
+        assert resumed["resumed_from"] == step
+        assert resumed["micro"] == micro[step * ga:], f"resumed from step {step}: losses or batches differ"
+        assert resumed["weights"] == reference["weights"], f"resumed from step {step}: final weights differ"
+    if "clean_exit" in result:
+        first, again = result["clean_exit"]["first"], result["clean_exit"]["again"]
+        assert first["global_step"] == trainer_epochs.STEPS_PER_EPOCH and again["resumed_from"] == first["global_step"]
+        assert first["micro"] + again["micro"] == micro
+        assert again["weights"] == reference["weights"]
+
+
+@pytest.mark.parametrize("model,ga,workers,persistent", TRAINER_CASES)
+def test_trainer_resumes_exactly(tmp_path: Path, model: str, ga: int, workers: int, persistent: bool) -> None:
+    """Resumed mid-epoch, at the epoch boundary and in the next epoch, each in the same process as the run it
+    continues; then a run that stops cleanly after the first epoch and the same command again."""
+    [result] = _run_trainer(tmp_path, model, ga, workers, persistent, "--clean_exit")
+    _assert_trainer_exact(result, ga)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_trainer_resumes_exactly_on_two_ranks_with_persistent_workers(tmp_path: Path) -> None:
+    results = _run_trainer(tmp_path, "lora", 1, 2, True, "--points", "8,12", nproc=2)
+    for result in results:
+        _assert_trainer_exact(result, 1)
+
+
+def test_sigkill_after_an_epoch_boundary_with_persistent_workers_then_the_same_command(tmp_path: Path) -> None:
+    """A run killed a few steps into its second epoch, restarted at once with `resume_checkpoint(trainer, "auto")`:
+    it resumes from the save at the epoch boundary, and every step after it is the uninterrupted run's."""
+    worker = REPO / "tests" / "integration" / "trainer_worker.py"
+    common = ["--model", "lora", "--max_steps", "24", "--ga", "1", "--examples", "48", "--base_interval", "4",
+              "--workers", "2"]
+
+    def run(tag: str, *args: str) -> dict[str, Any]:
+        # Output to a file, not a pipe: the killed run's orphaned workers would hold a pipe open.
+        with open(tmp_path / f"{tag}.log", "w") as log:
+            subprocess.run([sys.executable, str(worker), "--out", str(tmp_path / tag), "--tag", tag, *common, *args],
+                           stdout=log, stderr=subprocess.STDOUT, timeout=600, cwd=tmp_path)
+        result = tmp_path / tag / f"{tag}-rank0.json"
+        assert result.exists(), (tmp_path / f"{tag}.log").read_text()[-4000:]
+        return json.loads(result.read_text())
+
+    reference = run("reference")
+    killed = run("run", "--kill_at", "15")
+    assert killed["killed"]
+    resumed = run("run", "--resume", "auto")
+    assert resumed["resumed_from"] == 12
+    assert resumed["losses"] == reference["losses"][12:]
+
+
+# ---------------------------------------------------------------------------------------------------- Accelerate
+# (mode, data, data-loader workers, persistent workers). An iterable dataset's persistent workers keep the copy of
+# the dataset they started with (its `set_epoch` never reaches them): such a run's order is not one a resume can
+# reproduce, so iterable data runs with non-persistent workers.
+ACCELERATE_DEFAULT = {("hooks", "map", 2, True), ("checkpointer", "iterable", 2, False)}
+ACCELERATE_CASES = [
+    pytest.param(*case, id="-".join(map(str, case)), marks=() if case in ACCELERATE_DEFAULT else pytest.mark.slow)
+    for case in itertools.product(("hooks", "checkpointer"), ("map", "iterable"), (0, 2), (True, False))
+    if not (case[2] == 0 and not case[3]) and not (case[1] == "iterable" and case[2] and case[3])
+]
+
+
+def _assert_accelerate_exact(result: dict[str, Any]) -> None:
+    reference = result["reference"]["steps"]
+    assert len(reference) == accelerate_epochs.EPOCHS * accelerate_epochs.BATCHES
+    assert set(result["saves"]) >= {"mid", "last-step", "after-loop"}
+    for name, resumed in result["resumed"].items():
+        step = result["saves"][name]
+        # The loop `for epoch in range(source.epoch, EPOCHS)` starts where the uninterrupted run went on.
+        expected_epoch = reference[step][0] if step < len(reference) else accelerate_epochs.EPOCHS
+        assert resumed["start_epoch"] == expected_epoch, f"{name}: resumed into the wrong epoch"
+        assert resumed["steps"] == reference[step:], f"{name} (step {step}): batches or losses differ"
+
+
+@pytest.mark.parametrize("mode,data,workers,persistent", ACCELERATE_CASES)
+def test_accelerate_resumes_exactly(tmp_path: Path, mode: str, data: str, workers: int, persistent: bool) -> None:
+    """`save_state` mid-epoch, right after an epoch's last step and after an epoch's loop ended (and, with
+    `SmartCheckpointer`, the policy's saves at epoch ends); each resumed by a fresh model in this process."""
+    _assert_accelerate_exact(accelerate_epochs.run_case(mode, data, workers, tmp_path, persistent=persistent))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode,data,workers,persistent", [
+    pytest.param("checkpointer", "iterable", 0, False, id="checkpointer-iterable"),
+    pytest.param("hooks", "map", 2, True, id="hooks-map-persistent-workers", marks=pytest.mark.slow),
+])
+def test_accelerate_resumes_exactly_on_two_ranks(tmp_path: Path, mode: str, data: str, workers: int,
+                                                 persistent: bool) -> None:
+    args = ["--out", str(tmp_path), "--mode", mode, "--data", data, "--workers", str(workers)]
+    proc = torchrun_worker(WORKERS / "accelerate_epochs.py", tmp_path, *args,
+                           *([] if persistent else ["--not_persistent"]), timeout=900)
+    assert proc.returncode == 0, traceback_tail(proc)
+    for rank in (0, 1):
+        _assert_accelerate_exact(json.loads((tmp_path / f"rank{rank}.json").read_text()))
