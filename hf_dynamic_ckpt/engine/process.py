@@ -120,7 +120,7 @@ def _worker_main(store_cls: Any, spec: StoreSpec, conn: Any, priority: int | Non
         while True:
             try:
                 msg = conn.recv()
-            except EOFError:
+            except (EOFError, ConnectionResetError):  # the training process ended (or was killed): so do we
                 return
             kind = msg[0]
             if kind == "stop":
@@ -133,10 +133,14 @@ def _worker_main(store_cls: Any, spec: StoreSpec, conn: Any, priority: int | Non
             try:
                 info = store.save(state, request, timings=timings, cancel=cancelled)
             except BaseException as e:
-                conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+                reply: tuple[Any, ...] = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
             else:
-                conn.send(("ok", info, None))
+                reply = ("ok", info, None)
             del state, shipped
+            try:
+                conn.send(reply)
+            except (BrokenPipeError, ConnectionResetError):  # nobody waits for the answer any more
+                return
     finally:
         close = getattr(store, "close", None)
         if close is not None:
