@@ -47,13 +47,16 @@ def resume_folder(root: Path, task_id: str, step: int) -> Path:
     return Path(root).absolute() / RESUME_DIR / f"{task_id}-step-{int(step)}"
 
 
-def remove_resume_folders(root: Path, task_id: str) -> None:
-    """Remove this task's resume folders: real directories directly under ``<root>/.resume`` only."""
+def remove_resume_folders(root: Path, task_id: str, step: int | None = None) -> None:
+    """Remove this task's resume folders (only the one of `step`, when given): real directories directly under
+    ``<root>/.resume`` only."""
     base = Path(root).absolute() / RESUME_DIR
     if not base.is_dir() or base.is_symlink():
         return
+    prefix = f"{task_id}-step-"
     for entry in base.iterdir():
-        if entry.name.startswith(f"{task_id}-step-") and entry.is_dir() and not entry.is_symlink():
+        if (entry.name == f"{prefix}{step}" if step is not None else entry.name.startswith(prefix)) \
+                and entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
     with contextlib.suppress(OSError):
         base.rmdir()  # only when empty: other tasks' folders stay

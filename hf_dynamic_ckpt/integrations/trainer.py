@@ -155,7 +155,7 @@ class SmartCkptCallback(TrainerCallback):
             return None
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
-            weakref.finalize(self, remove_resume_folders, Path(ck.root), ck.store.task_id)
+            weakref.finalize(self, remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
         self._pending = loaded
         self.resumed_from = loaded
         return str(folder)
