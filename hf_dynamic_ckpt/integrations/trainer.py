@@ -25,6 +25,7 @@ makes the resumed run bit-exact.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -155,7 +156,8 @@ class SmartCkptCallback(TrainerCallback):
             return None
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
-            weakref.finalize(self, remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
+            # (not when this callback goes: a later Trainer of the process may have prepared the same folder again).
+            atexit.register(remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
         self._pending = loaded
         self.resumed_from = loaded
         return str(folder)

@@ -241,13 +241,7 @@ store.save(CheckpointState(step=1, weights={"w": torch.zeros(8, 4)}, optimizer={
 store.close()
 """
 
-_LOAD_1GIB = """
-import json, sys, torch
-from hf_dynamic_ckpt.config import FallbackStrategy
-from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.run.restore import load_for_resume
-from hf_dynamic_ckpt.store import CheckpointStore
-
+_PEAK = """
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith(key + ":")) << 10
@@ -255,6 +249,16 @@ def status(key):
 def reset_peak():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
+"""
+"""What the memory scripts below measure with: this process's RSS and its peak since `reset_peak()`."""
+
+_LOAD_1GIB = _PEAK + """
+import json, sys, torch
+from hf_dynamic_ckpt.config import FallbackStrategy
+from hf_dynamic_ckpt.constants import Tier
+from hf_dynamic_ckpt.run.restore import load_for_resume
+from hf_dynamic_ckpt.store import CheckpointStore
+
 
 store = CheckpointStore(sys.argv[1], task_id="run", cleanup=False)
 out = {}
@@ -291,7 +295,7 @@ def test_an_l1_tensor_declared_at_1_gib_is_decoded_in_bounded_memory_or_refused_
     assert out["load_peak"] <= 1.1 * gib, out
 
 
-_LOAD_UNNAMED_1GIB = """
+_LOAD_UNNAMED_1GIB = _PEAK + """
 import json, sys
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import Tier
@@ -300,13 +304,6 @@ from hf_dynamic_ckpt.run.restore import load_for_resume, plan_resume
 from hf_dynamic_ckpt.run.resume import read_optimizer_tier
 from hf_dynamic_ckpt.store import CheckpointStore
 
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith(key + ":")) << 10
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
 
 def store_load():
     try:
