@@ -78,9 +78,6 @@ def test_a_gradient_explosion_is_rolled_back_exactly(grad: tuple[Path, dict, str
     events = [json.loads(x) for x in steplog if '"event": "rollback"' in x]
     assert [(e["from_step"], e["to_step"]) for e in events] == [(6, 5)]
     assert [e["step"] for e in result["events"]] == [3, 5, 8, 11, 12]
-    # The row of the rolled-back step carries its own risk (the smoothed one discounts a single step).
-    rows = [json.loads(x) for x in steplog if '"step": 6,' in x and '"event"' not in x]
-    assert rows[0]["beta"] == 1.0 and all(r["beta"] < 1.0 for r in map(json.loads, steplog[:5]) if "beta" in r)
     assert result["saves_logged"][-1] == [12, 4]  # logged before the train-end save
 
 
