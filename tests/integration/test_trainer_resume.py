@@ -61,6 +61,7 @@ def test_full_finetune_mid_epoch_ga2_dropout_tied_embeddings(tmp_path: Path) -> 
     assert all(e["bytes"] and e["bytes"] > 0 for e in crash["events"])
 
 
+@pytest.mark.slow  # test_resume_matrix.py resumes LoRA with GA 2 at an epoch boundary (workers on) in the default run
 def test_lora_across_epoch_boundary_ga2(tmp_path: Path) -> None:
     # saves at 5 (the last step of epoch 1), killed at 6 -> resume at the epoch boundary.
     ref, crash, resumed = crash_and_resume(tmp_path, "--model", "lora", "--max_steps", "8", "--ga", "2",
