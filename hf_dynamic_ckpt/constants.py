@@ -36,9 +36,12 @@ RESUME_DIR = ".resume"  # under the store root: Trainer-style folders materialis
 TRAINER_STATE_NAME = "trainer_state.json"
 TRAINER_WEIGHTS_NAME = "model.safetensors"
 TRAINER_ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
-TRAINER_RNG_NAME = "rng_state.pth"
-TRAINER_RNG_TEMPLATE = "rng_state_{rank}.pth"
 KEY_TRAINER_STATE = "trainer_state"
+KEY_RNG_AT = "rng_at"
+"""Key of a checkpoint's data position (L2 sampler state) saying when its RNG was taken: `RNG_AT_STEP_BEGIN`, or
+absent: at the end of its step."""
+RNG_AT_STEP_BEGIN = "step_begin"
+"""The RNG of a save is the one the next step starts from, taken once that step's batches were fetched."""
 
 # Manifest keys.
 KEY_FORMAT_VERSION = "format_version"

@@ -18,9 +18,12 @@ A thin adapter over `hf_dynamic_ckpt.run.orchestrator.RunOrchestrator`:
 
 Resume: `resume_checkpoint(trainer, spec)` chooses and verifies the restore point (one agreed
 outcome on every rank, checked against the model) and materialises a minimal Trainer folder
-(`_trainer_folder`). Trainer then loads the weights, restores `global_step`, skips the
-batches already seen and restores the RNG after fetching the first batch, which is what
-makes the resumed run bit-exact.
+(`_trainer_folder`). Trainer then loads the weights, restores `global_step` and skips the
+batches already seen; the callback restores each rank's RNG at the moment the uninterrupted run
+had it: the RNG of a save is the one the next step started from, taken at its `on_step_begin`,
+and is restored at the resumed run's first `on_step_begin` (a save with no next step, at train
+end or on preemption, stores the RNG of its step's end: restored before a new epoch's iterator is
+created, else after the first fetch). That is what makes the resumed run bit-exact.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from .. import distributed as dist
 from ..config import OnAnomaly, SmartCkptConfig
-from ..constants import KEY_TRAINER_STATE
+from ..constants import KEY_RNG_AT, KEY_TRAINER_STATE, RNG_AT_STEP_BEGIN
 from ..errors import ConfigError
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
@@ -106,6 +109,7 @@ class SmartCkptCallback(TrainerCallback):
         self._flos_at_begin = 0.0
         self._in_train = False
         self._resumed_rng: dict[str, Any] | None = None  # restored once the first resumed step's batches are in
+        self._rng_before_iterator = False  # ... or, at an epoch boundary, before the epoch's iterator is created
         self._put_back_seed: Callable[[], None] | None = None  # `on_epoch_begin` swapped the loader's generator
 
     # ------------------------------------------------------------------ wiring
@@ -206,9 +210,17 @@ class SmartCkptCallback(TrainerCallback):
         # The state training starts from can be captured before the first update (step-1 anomalies).
         ck.note_boundary(state.global_step, rng=loaded.rng if loaded is not None else None)
         self._resumed_rng = loaded.rng if loaded is not None else None
+        # An RNG taken at the end of its step (a save at train end or on preemption, or by an earlier version) is what
+        # the uninterrupted run had before a new epoch's iterator drew from it: restored before that iterator at an
+        # epoch boundary (`on_epoch_begin`), else once the first batches are fetched, as Trainer does.
+        self._rng_before_iterator = loaded is not None and (loaded.sampler or {}).get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN \
+            and float(state.epoch or 0.0).is_integer()
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
+        if self._resumed_rng is not None and self._rng_before_iterator:
+            restore_rng_state(self._resumed_rng)
+            self._resumed_rng = None
         if train_dataloader is not None and (state.epoch or 0.0) >= 1 and persistent_workers(train_dataloader):
             # The uninterrupted run only resets its iterator now; a resumed run creates it, and must not draw the
             # workers' seed from the main generator (`integrations._position`).

@@ -34,7 +34,7 @@ from torch import nn
 
 from .. import distributed as dist
 from ..config import FallbackStrategy, RollbacksExhausted, SmartCkptConfig
-from ..constants import ALL_TIERS, Tier
+from ..constants import ALL_TIERS, KEY_RNG_AT, RNG_AT_STEP_BEGIN, Tier
 from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError
 from ..export import KEY_MODEL, describe_model
 from ..policy.decision import Decision, DecisionKind
@@ -180,8 +180,9 @@ class RunOrchestrator:
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
         self._rollback_due: RollbackVerdict | None = None  # confirmed at pre_update, taken by rollback()
         self._rollback_step: int | None = None  # the step whose update was dropped for it
-        self._boundary_rng: RngState | None = None  # RNG at the end of the previous step
+        self._boundary_rng: RngState | None = None  # RNG at the end of the previous step (or the next one's start)
         self._boundary_step: int | None = None
+        self._boundary_at_begin = False  # `_boundary_rng` was taken at a `step_begin`
         self._closed = False
 
     # ------------------------------------------------------------------ wiring
@@ -301,9 +302,9 @@ class RunOrchestrator:
         if self._held is not None or self._boundary_step is not None:
             rng = capture_raw_rng_state()
             if self._held is not None:
-                self._held.rng = rng
+                self._held.rng, self._held.rng_at_step_begin = rng, True
             if self._boundary_step is not None:
-                self._boundary_rng = rng
+                self._boundary_rng, self._boundary_at_begin = rng, True
         self.release()
 
     def note_boundary(self, step: int, rng: RngState | None = None) -> None:
@@ -311,7 +312,7 @@ class RunOrchestrator:
         once when training starts (with the restored RNG after a resume) so the first step's update can be captured."""
         if self.config.pre_anomaly_capture or self.hold_saves:
             self._boundary_rng = rng if rng is not None else capture_raw_rng_state()  # JSON made by the writer
-            self._boundary_step = step
+            self._boundary_step, self._boundary_at_begin = step, False
 
     def _measure(self, step: int) -> SignalFrame:
         if self.sensors is None:
@@ -342,7 +343,7 @@ class RunOrchestrator:
         if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
             if self._boundary_step == step and self._boundary_rng is not None:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
-                           rng=self._boundary_rng)
+                           rng=self._boundary_rng, rng_at_step_begin=self._boundary_at_begin)
             else:
                 logger.debug("step %d: pre-update capture (%s) not taken: no RNG state recorded at the end of step %d",
                              step + 1, decision.reason, step)
@@ -401,7 +402,7 @@ class RunOrchestrator:
         self.last_frame, self.last_decision = frame, decision
         self.saver.collect_finished()
         if self.hold_saves:  # the RNG the next step starts from is taken at its `step_begin`
-            self._boundary_step, self._boundary_rng = step, None
+            self._boundary_step, self._boundary_rng, self._boundary_at_begin = step, None, False
         else:
             self.note_boundary(step)
         if decision.save and decision.kind == DecisionKind.PREEMPTION:
@@ -427,7 +428,7 @@ class RunOrchestrator:
         if held is None:
             return None
         event = self._save(held.decision, step=held.step, epoch=held.epoch, at_step=held.step, rng=held.rng,
-                           sampler=held.sampler)
+                           sampler=held.sampler, rng_at_step_begin=held.rng_at_step_begin)
         self._write_timeline(held.frame, held.decision)
         return event
 
@@ -542,9 +543,15 @@ class RunOrchestrator:
             self.log_event("resume", **event)
 
     def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: RngState | None = None,
-              sampler: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
+              sampler: dict[str, Any] | None = None, blocking: bool = False, rng_at_step_begin: bool = False
+              ) -> SaveEvent:
         assert self._sources is not None, "attach() first"
         self._before_save(decision)
+        if rng_at_step_begin:  # the data position says so: a resume restores it once the next step's batches are in
+            if sampler is None and self._sources.sampler is not None:
+                sampler = self._sources.sampler()
+            if sampler is not None:
+                sampler = {**sampler, KEY_RNG_AT: RNG_AT_STEP_BEGIN}
         return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, frame=self.last_frame,
                                debug_info=self.policy.debug_info(), lineage=self.lineage, rng=rng, sampler=sampler,
                                blocking=blocking)

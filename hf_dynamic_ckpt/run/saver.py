@@ -43,6 +43,7 @@ class HeldSave:
     rng: dict[str, Any] | RawRngState | None
     sampler: dict[str, Any] | None
     frame: SignalFrame
+    rng_at_step_begin: bool = False
 
 
 def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
