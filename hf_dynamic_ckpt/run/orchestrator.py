@@ -62,7 +62,7 @@ from .resume import (
 )
 from .rollback import Rollback, choose_restore_point, restore_live
 from .savelog import METRIC_PREFIX, SaveEvent
-from .saver import HeldSave, Saver, exit_after_preemption, open_store_and_engine
+from .saver import HeldSave, Saver, exit_after_preemption, open_run_store
 from .sensing import Sensors
 from .steplog import RunTimeline
 
@@ -76,13 +76,13 @@ SaveExtra = Callable[[Decision], dict[str, Any]]
 @dataclass
 class _OpenRun:
     """An open run of this process as `_RUNS` keeps it: the run itself weakly (a dropped Trainer must not stay alive
-    for it), its engine and store strongly (a run collected without `close()` still holds the task's writer lock
-    through them, its engine's writer keeps them alive: the next run of the task closes them)."""
+    for it), its saver (engine) and store strongly (a run collected without `close()` still holds the task's writer
+    lock through them, its engine's writer keeps them alive: the next run of the task closes them)."""
 
     run: weakref.ref[RunOrchestrator]
     session_id: str
     store: Any
-    engine: Any
+    saver: Any
 
 
 _RUNS: dict[str, _OpenRun] = {}
@@ -140,16 +140,16 @@ class RunOrchestrator:
             if run is not None:
                 run.hand_over()
             else:  # dropped without close(): what still holds the task
-                earlier.engine.close()
+                earlier.saver.close()
                 earlier.store.close()
-        self.store, self.engine = open_store_and_engine(config, root, rank=self.rank, world_size=self.world_size,
-                                                        session_id=self.session_id)
-        _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.engine)
+        self.store = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
+                                    session_id=self.session_id)
+        self.saver = Saver(config, self.store, rank=self.rank, announce=self.announce)
+        _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.saver)
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
         self.rollbacks = RollbackRule()
         """The run's rollbacks (`on_anomaly: rollback`): kept across them, restored by a resume."""
-        self.saver = Saver(config, self.store, self.engine, rank=self.rank, announce=self.announce)
         self.last_frame: SignalFrame | None = None
         self.last_decision: Decision | None = None
         self.preempted = False
@@ -177,6 +177,8 @@ class RunOrchestrator:
         self._sharded: ShardedState | None = None
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
         self._prepare_after_read = False
+        self._stepped = False  # the first step_end starts the save side (`prepare_buffers`)
+        self._prepared = False
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
         self._rollback_due: RollbackVerdict | None = None  # confirmed at pre_update, taken by rollback()
         self._rollback_step: int | None = None  # the step whose update was dropped for it
@@ -187,6 +189,7 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ wiring
     log = property(lambda self: self.saver.log, doc="The run's saves and their counters (`SaveLog`).")
+    engine = property(lambda self: self.saver.engine, doc="The save engine, started at its first use (`Saver.engine`).")
     events = property(lambda self: self.saver.log.events, doc="Every save of this run, in order.")
 
     def attach(
@@ -241,21 +244,29 @@ class RunOrchestrator:
             scaler=scaler, sampler=sampler, extra=self._extra)
         self.saver.own_tiers = own
         self.flat = FlatKeeper(model, optimizer, weights=weights or (lambda: trainable_state_dict(model)),
-                               enabled=consolidate, on_move=self.prepare_buffers)
+                               enabled=consolidate, on_move=self._state_moved)
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
+        self._prepared = False
         self.prepare_buffers()
         self.timeline.open()
         self._restore_probe_state()
 
     def prepare_buffers(self) -> None:
-        """Prepare the snapshot buffers and copy plans in the background now, not in the first save (at attach,
-        and after the trainable state moved: `state.flat`); after a resume's optimizer-tier read, once it is in."""
-        if self._sources is None:  # not attached: nothing to prepare yet
+        """Prepare the snapshot buffers and copy plans in the background, ahead of the first save instead of in it:
+        once the run's first step has ended (the save engine starts then, so a resume only reads and the first
+        step runs alone), again after the trainable state moved (`state.flat`), and after a resume's background
+        optimizer-tier read, once it is in."""
+        if self._sources is None or not self._stepped:  # not attached, or before the first step: later
             return
         if self.resumed is not None and self.resumed.pending is not None:
             self._prepare_after_read = True  # it would compete with the read on the way to the first step
             return
+        self._prepared = True
         self.engine.prepare(self._sources, self.saver.own_tiers)
+
+    def _state_moved(self) -> None:
+        self._prepared = False
+        self.prepare_buffers()
 
     def detach(self) -> None:
         """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
@@ -385,8 +396,11 @@ class RunOrchestrator:
         self.release()
         if self.resumed is not None:
             self._start_timeline()
+        self._stepped = True
         if self.flat is not None:
             self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then checks
+        if not self._prepared:
+            self.prepare_buffers()
         self.saver.raise_pending()
         frame = self._frame if self._frame is not None and self._frame.step == step else self._measure(step)
         self._frame = None
@@ -600,7 +614,7 @@ class RunOrchestrator:
             self.detach()
             if self.resumed is not None and self.resumed.pending is not None:
                 self.resumed.pending.close()
-            self.engine.close()
+            self.saver.close()
             self.store.close()
 
     def hand_over(self) -> None:
@@ -624,7 +638,7 @@ class RunOrchestrator:
     def _abort(self, why: str) -> None:
         """A fatal error (a rank died or diverged): a commit waiting for other ranks gives up now."""
         self.store.abort(why)
-        self.engine.abort(why)
+        self.saver.abort(why)
 
     # ------------------------------------------------------------------ resume
     def resume(self, spec: str | None, *, background_optimizer: bool = False,

@@ -46,10 +46,12 @@ class HeldSave:
     rng_at_step_begin: bool = False
 
 
-def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
-                          session_id: str) -> tuple[CheckpointStore, SaveEngine]:
-    """This rank's store and save engine. Under DDP rank 0 opens first (it creates the catalog and
-    takes the task's writer lock); its outcome, an error included, is what every rank acts on."""
+def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
+                   session_id: str) -> CheckpointStore:
+    """This rank's store. Under DDP rank 0 opens first (it creates the catalog and takes the task's writer
+    lock); its outcome, an error included, is what every rank acts on. The save engine is not started here:
+    `Saver.engine` starts it at its first use (the first save, or the buffers prepared after the first step),
+    so a resume only reads."""
 
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
@@ -76,8 +78,7 @@ def open_store_and_engine(config: SmartCkptConfig, root: str | Path, *, rank: in
             store = open_store()
     else:
         store = open_store()
-    mode = config.engine if config.async_save else EngineMode.SYNC
-    return store, SaveEngine(store, mode=mode, memory_margin=config.memory_margin)
+    return store
 
 
 def exit_after_preemption(config: SmartCkptConfig, signum: int | None) -> None:
@@ -105,11 +106,11 @@ def human_bytes(n: int | None) -> str:
 class Saver:
     """Turns decisions into saves and keeps their record (see the module docstring)."""
 
-    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, engine: SaveEngine, *, rank: int,
+    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, rank: int,
                  announce: logging.Logger | None = None) -> None:
         self.config = config
         self.store = store
-        self.engine = engine
+        self._engine: SaveEngine | None = None
         self.rank = rank
         self.log = SaveLog()
         self.announce = announce if announce is not None else logger
@@ -117,6 +118,28 @@ class Saver:
         self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
         """The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too)."""
         self._raise_next: SaveError | None = None
+
+    @property
+    def engine(self) -> SaveEngine:
+        """The save engine (snapshot buffers, writer thread or process), started at its first use."""
+        if self._engine is None:
+            mode = self.config.engine if self.config.async_save else EngineMode.SYNC
+            self._engine = SaveEngine(self.store, mode=mode, memory_margin=self.config.memory_margin)
+        return self._engine
+
+    @property
+    def started(self) -> bool:
+        """Whether the engine was started (a run that only resumed, or never saved, has none)."""
+        return self._engine is not None
+
+    def close(self) -> None:
+        """Close the engine if it was started (its writes in flight commit first)."""
+        if self._engine is not None:
+            self._engine.close()
+
+    def abort(self, why: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(why)
 
     def request(self, decision: Decision, *, step: int, epoch: float, tiers: frozenset[Tier],
                 frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
@@ -233,7 +256,7 @@ class Saver:
         """Wait for the write in flight and settle every save (errors per `on_save_error`)."""
         info: CheckpointInfo | None = None
         try:
-            info = self.engine.wait()
+            info = self._engine.wait() if self._engine is not None else None
         except SaveError:
             info = None  # settled (warned about, or raised per on_save_error) below
         for event in self.log.events:
@@ -243,7 +266,7 @@ class Saver:
 
     def prune(self) -> None:
         """Apply retention (rank 0, between saves): keep pinned, the last N, log-spaced history."""
-        if self.rank != 0 or self.engine.busy:
+        if self.rank != 0 or (self._engine is not None and self._engine.busy):
             return
         c = self.config
         try:

@@ -321,8 +321,10 @@ def test_level_1_codec_from_config_reaches_the_written_file(tmp_path: Path, engi
     assert header["codec"] == codec
 
 
-def test_engine_preparation_waits_for_a_background_optimizer_read(tmp_path: Path, monkeypatch) -> None:
-    # Resume speed: preparing buffers and starting the writer competed with the L1 read.
+def test_the_save_side_starts_after_the_first_step_and_after_a_background_optimizer_read(
+        tmp_path: Path, monkeypatch) -> None:
+    # Resume speed: preparing buffers and starting the writer competed with the L1 read and with the first step.
+    # A resume only reads: no engine until the first step has ended, and none while the optimizer tier is read.
     import threading
 
     from hf_dynamic_ckpt.engine import SaveEngine
@@ -337,13 +339,16 @@ def test_engine_preparation_waits_for_a_background_optimizer_read(tmp_path: Path
     monkeypatch.setattr(SaveEngine, "prepare", prepare)
 
     ck, model, opt, sched = make(tmp_path)
+    assert prepared == [] and not ck.saver.started  # attached, not stepped yet
     for step in range(2):
         train_step(ck, model, opt, sched, step)
+    assert prepared == [1]  # at the end of the first step
     ck.save_now(2, 0.0, reason="manual")
     ck.close()
     torch.manual_seed(1)
     model2 = Net()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
     ck2 = RunOrchestrator(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, stability_window=8))
     prepared.clear()
     from hf_dynamic_ckpt.run import resume as resume_module
@@ -353,12 +358,14 @@ def test_engine_preparation_waits_for_a_background_optimizer_read(tmp_path: Path
     monkeypatch.setattr(resume_module, "read_optimizer_tier", lambda *args: gate.wait(60) and real_read(*args))
     loaded = ck2.resume("step:2", background_optimizer=True)
     assert loaded is not None and loaded.optimizer is None
-    ck2.attach(model2, optimizer=opt2)
-    assert prepared == []  # attached while the optimizer tier is still being read
+    ck2.attach(model2, optimizer=opt2, scheduler=sched2)
+    assert prepared == [] and not ck2.saver.started  # the resume read, built no save side
     gate.set()
     ck2.complete_resume(loaded)
-    assert prepared == [1] and loaded.optimizer is not None
-    ck2.attach(model2, optimizer=opt2)  # nothing read in the background: prepared at once
+    assert prepared == [] and loaded.optimizer is not None and not ck2.saver.started  # the first step first
+    train_step(ck2, model2, opt2, sched2, 2)
+    assert prepared == [1] and ck2.saver.started
+    ck2.attach(model2, optimizer=opt2, scheduler=sched2)  # after the first step: prepared at once
     assert prepared == [1, 1]
     ck2.close()
 

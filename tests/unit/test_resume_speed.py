@@ -1,6 +1,6 @@
 """What a resume does not pay on its way to the first step.
 
-- the writer process starts when first needed (prepare, after the resume's L1 read), not with the engine;
+- the save engine and its writer process start after the resumed run's first step (prepare), not with the run;
 - snapshot buffers: shared memory reserved without holding the GIL, allocated at the training
   thread's priority (only the page touching runs niced), a second preparation never waits for
   a running one, and the optimizer's buffers are prepared as soon as a resume loads its state.
@@ -56,19 +56,23 @@ def _trained_store(tmp_path: Path, steps: tuple[int, ...] = (2,)) -> dict[int, d
 # ---------------------------------------------------------------------- writer process: lazily
 
 
-def test_writer_process_starts_after_the_resume_read_not_with_the_engine(tmp_path: Path) -> None:
+def test_the_engine_and_writer_process_start_after_the_resume_and_its_first_step(tmp_path: Path) -> None:
     _trained_store(tmp_path)
     ck = RunOrchestrator(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, engine="process"))
     try:
-        assert ck.engine.mode == "process" and ck.engine._dispatch.writer is None  # not at creation
+        assert not ck.saver.started  # not at creation
         loaded = ck.resume("step:2", background_optimizer=True)
-        assert loaded is not None and ck.engine._dispatch.writer is None  # nor while L1 is read
+        assert loaded is not None and not ck.saver.started  # nor while L1 is read
         torch.manual_seed(1)
         model = Net()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ck.attach(model, optimizer=opt)
-        assert ck.engine._dispatch.writer is None  # the read is still to be collected
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        ck.attach(model, optimizer=opt, scheduler=sched)
+        assert not ck.saver.started  # the read is still to be collected
         ck.complete_resume(loaded)
+        assert not ck.saver.started  # the resume only read: the first step runs alone
+        train_step(ck, model, opt, sched, 2)
+        assert ck.saver.started and ck.engine.mode == "process"
         writer = ck.engine._dispatch.writer
         assert type(writer).__name__ == "ProcessWriter" and writer._proc.is_alive()  # started by prepare
     finally:

@@ -355,15 +355,14 @@ def test_an_object_store_root_compresses_every_part(tmp_path: Path, monkeypatch:
 def test_pace_to_disk_is_a_level_setting_that_reaches_the_store(tmp_path: Path) -> None:
     from hf_dynamic_ckpt.config import SmartCkptConfig
     from hf_dynamic_ckpt.errors import ConfigError
-    from hf_dynamic_ckpt.run.saver import open_store_and_engine
+    from hf_dynamic_ckpt.run.saver import open_run_store
 
     assert SmartCkptConfig().storage_levels.level_1.pace_to_disk is True
     config = SmartCkptConfig.from_dict({"storage_levels": {"level_1": {"compression": "zstd", "pace_to_disk": False}}})
-    store, engine = open_store_and_engine(config, tmp_path / "store", rank=0, world_size=1, session_id="s1")
+    store = open_run_store(config, tmp_path / "store", rank=0, world_size=1, session_id="s1")
     try:
         assert store.spec.pace_to_disk is False
     finally:
-        engine.close()
         store.close()
     with pytest.raises(ConfigError, match=r"pace_to_disk='no' is invalid: expected true or false"):
         SmartCkptConfig.from_dict({"storage_levels": {"level_1": {"pace_to_disk": "no"}}})
