@@ -9,9 +9,9 @@ with AdamW (real optimizer state), in one process, against baselines of the same
   the tier formats alone (the same `save_weights` + `write_tensor_file` + JSON calls into a
   plain directory: what the commit protocol adds is the difference).
 - restore: `CheckpointStore.load` with tiers {L0}, {L0, L1}, {L0, L1, L2} (each verifies
-  every file it reads: size + XXH3 checksum) and `restore.load_for_resume` (L0, L1, L2
-  separately with fallback), vs `torch.load(weights_only=True)` of the baseline file;
-  every loaded tensor is touched (summed), so lazy memory maps pay their reads.
+  every file it reads: size + XXH3 checksum) and `restore.plan_resume` (the resume's
+  read: L0, L1, L2 separately with fallback), vs `torch.load(weights_only=True)` of the baseline
+  file; every loaded tensor is touched (summed), so lazy memory maps pay their reads.
   Warm = files in the page cache; cold = pages dropped with `posix_fadvise(DONTNEED)`
   before each load (store files, blobs and the baseline file alike).
 - the catalog's `recovery_cost_ms` (a bytes-based estimate) next to the measured cold time.
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.run.restore import load_for_resume
+from hf_dynamic_ckpt.run.restore import plan_resume
 from hf_dynamic_ckpt.state.rng import capture_rng_state
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 from hf_dynamic_ckpt.store.commit import write_rank_files
@@ -149,8 +149,13 @@ def main() -> None:
             cases[f"store.load {label} (verified)"] = (
                 lambda tiers=tiers: touch([store.load(info, tiers=tiers).__dict__[k]
                                            for k in ("weights", "optimizer")]))
-        cases["load_for_resume (L0, L1, L2)"] = lambda: touch([load_for_resume(store, "auto").__dict__[k]
-                                                              for k in ("weights", "optimizer")])
+
+        def resume() -> None:
+            plan = plan_resume(store, "auto")
+            assert plan is not None
+            touch([plan.loaded.weights, plan.loaded.optimizer])
+
+        cases["plan_resume (L0, L1, L2)"] = resume
         warm = rounds(cases, args.repeats, None)
         cold = rounds(cases, args.repeats, lambda: drop_cache(files))
         sizes = {"store": sum(p.stat().st_size for p in Path(info.path).iterdir()), "baseline": base.stat().st_size}

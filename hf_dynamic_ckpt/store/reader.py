@@ -117,7 +117,7 @@ def load(task: Task, info: CheckpointInfo, *, tiers: Collection[Tier] = ALL_TIER
     _set_status(task, info, STATUS_CORRUPT)
     raise CorruptCheckpointError(
         f"checkpoint {directory} failed verification, nothing was loaded: " + "; ".join(p.rstrip(".") for p in found)
-        + ". Restore another checkpoint (restore.load_for_resume falls back automatically)."
+        + ". Restore another checkpoint (a resume falls back automatically)."
     )
 
 

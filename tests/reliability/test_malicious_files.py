@@ -29,7 +29,7 @@ from store_helpers import replace_file, tiny_state
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_META_NAME, OPTIMIZER_NAME, WEIGHTS_NAME, Tier
 from hf_dynamic_ckpt.errors import CorruptCheckpointError
-from hf_dynamic_ckpt.run.restore import load_for_resume
+from hf_dynamic_ckpt.run.restore import plan_resume
 from hf_dynamic_ckpt.store import CheckpointStore
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
@@ -113,7 +113,9 @@ def test_hostile_file_is_a_corrupt_checkpoint_and_resume_falls_back(tmp_path: Pa
     store = CheckpointStore(tmp_path, task_id="run", session_id="s2")  # opening reads every manifest
     with pytest.raises(CorruptCheckpointError, match=CASES[case][1]):
         store.load("step:2")
-    loaded = load_for_resume(store, "auto", fallback=FallbackStrategy.FULL)
+    plan = plan_resume(store, "auto", fallback=FallbackStrategy.FULL)
+    assert plan is not None
+    loaded = plan.loaded
     if case.startswith(("safetensors", "manifest")):  # weights unusable: the next older checkpoint
         assert loaded.info.step == 1 and loaded.optimizer is not None
     else:  # weights fine: resume from them, the broken tier falls back

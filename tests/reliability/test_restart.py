@@ -256,14 +256,14 @@ _LOAD_1GIB = _PEAK + """
 import json, sys, torch
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.run.restore import load_for_resume
+from hf_dynamic_ckpt.run.restore import plan_resume
 from hf_dynamic_ckpt.store import CheckpointStore
 
 
 store = CheckpointStore(sys.argv[1], task_id="run", cleanup=False)
 out = {}
 reset_peak(); base = status("VmRSS")
-loaded = load_for_resume(store, "auto", fallback=FallbackStrategy.FULL, expected={"w": torch.empty(8, 4)})
+loaded = plan_resume(store, "auto", fallback=FallbackStrategy.FULL, expected={"w": torch.empty(8, 4)}).loaded
 out["refused_peak"] = status("VmHWM") - base
 out["optimizer"] = loaded.optimizer is not None
 out["warnings"] = loaded.warnings
@@ -300,7 +300,7 @@ import json, sys
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import Tier
 from hf_dynamic_ckpt.errors import CorruptCheckpointError
-from hf_dynamic_ckpt.run.restore import load_for_resume, plan_resume
+from hf_dynamic_ckpt.run.restore import plan_resume
 from hf_dynamic_ckpt.run.resume import read_optimizer_tier
 from hf_dynamic_ckpt.store import CheckpointStore
 
@@ -315,18 +315,13 @@ def store_load():
 def resume_read():
     return read_optimizer_tier(store, store.resolve("step:1"), 0, None).lost
 
-def restore_load():
-    loaded = load_for_resume(store, "step:1", fallback=FallbackStrategy.FULL)
-    return loaded.info.step, loaded.optimizer is not None, loaded.warnings
-
 def restore_plan():
     plan = plan_resume(store, "step:1", fallback=FallbackStrategy.FULL)
-    return plan.loaded.info.step, plan.loaded.optimizer is not None, plan.degraded
+    return plan.loaded.info.step, plan.loaded.optimizer is not None, plan.degraded, plan.loaded.warnings
 
 store = CheckpointStore(sys.argv[1], task_id="run", cleanup=False)
 out = {}
-for name, path in [("store", store_load), ("resume_read", resume_read), ("load_for_resume", restore_load),
-                   ("plan_resume", restore_plan)]:
+for name, path in [("store", store_load), ("resume_read", resume_read), ("plan_resume", restore_plan)]:
     reset_peak(); base = status("VmRSS")
     out[name] = path()
     out[name + "_peak"] = status("VmHWM") - base
@@ -349,12 +344,11 @@ def test_an_l1_tensor_the_structure_does_not_name_is_freed_before_each_retry_and
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     why = "State structure refers to tensor 'optimizer/state/0/exp_avg_sq', which the tensor file does not hold"
     assert why in out["store"] and why in out["resume_read"], out
-    step_used, has_optimizer, warnings = out["load_for_resume"]
-    assert (step_used, has_optimizer) == (1, False)
+    step_used, has_optimizer, degraded, warnings = out["plan_resume"]
+    assert (step_used, has_optimizer, degraded) == (1, False, True), out
     assert warnings[0].startswith("resuming from weights only: optimizer state of step 1 is lost"), warnings
     assert why in warnings[0]
-    assert out["plan_resume"] == [1, False, True], out
     # Every read, retries and fallbacks included, frees what it decoded before the next: one tensor at a time.
     gib = 1 << 30
-    for name in ("store", "resume_read", "load_for_resume", "plan_resume"):
+    for name in ("store", "resume_read", "plan_resume"):
         assert out[name + "_peak"] <= 1.1 * gib, (name, out)

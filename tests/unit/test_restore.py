@@ -31,10 +31,10 @@ from hf_dynamic_ckpt.errors import (
     FormatVersionError,
     IncompatibleStateError,
 )
-from hf_dynamic_ckpt.run.restore import load_for_resume, plan_resume
+from hf_dynamic_ckpt.run.restore import plan_resume
 from hf_dynamic_ckpt.run.resume import read_optimizer_tier
 from hf_dynamic_ckpt.state.model import check_weights
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
 
@@ -65,6 +65,13 @@ def store(tmp_path: Path) -> CheckpointStore:
         save_state(s, _state(step), reason="interval", signals={"loss": 1.0 / step})
     yield s
     s.close()
+
+
+def _resume(store: CheckpointStore, spec: str, **kwargs: Any) -> LoadedCheckpoint:
+    """This process's restore point as the run's resume chooses it (`plan_resume` on one rank)."""
+    plan = plan_resume(store, spec, **kwargs)
+    assert plan is not None
+    return plan.loaded
 
 
 def _damage(path: Path, how: str) -> None:
@@ -114,10 +121,10 @@ def test_damaged_file_gives_documented_outcome(store: CheckpointStore, kind: str
     if outcome == "error":  # the shared blob of the frozen tensor is referenced by every checkpoint
         with pytest.raises(CheckpointNotFoundError,
                            match=r"no loadable checkpoint at or below step 2 of task 'run' \(tried steps 2, 1\)"):
-            load_for_resume(store, "auto")
+            _resume(store, "auto")
         return
-    loaded = load_for_resume(store, "auto")
-    assert loaded.warnings and [r.getMessage() for r in caplog.records] == loaded.warnings
+    loaded = _resume(store, "auto")
+    assert loaded.warnings and [r.getMessage() for r in caplog.records] == [f"resume: {w}" for w in loaded.warnings]
     if outcome == "older":
         assert loaded.info.step == 1
         assert loaded.warnings[0].startswith("weights of step 2 cannot be loaded (")
@@ -140,23 +147,23 @@ def test_damaged_file_gives_documented_outcome(store: CheckpointStore, kind: str
 
 def test_deleted_manifest_means_no_checkpoint(store: CheckpointStore) -> None:
     (store.task_dir / "step-2" / MANIFEST_NAME).unlink()
-    loaded = load_for_resume(store, "auto")
+    loaded = _resume(store, "auto")
     assert loaded.info.step == 1 and loaded.warnings == []
     _assert_exact(loaded, 1)
     assert {i.step: i.status for i in store.list(include_unhealthy=True)} == {2: "missing", 1: "ok"}
     with pytest.raises(CheckpointNotFoundError, match="step 2 has no committed checkpoint"):
-        load_for_resume(store, "step:2")
+        _resume(store, "step:2")
 
 
 def test_explicit_step_with_broken_weights_falls_back_too(store: CheckpointStore) -> None:
     _damage(_file(store, WEIGHTS_NAME), "flip")
-    loaded = load_for_resume(store, "step:2")
+    loaded = _resume(store, "step:2")
     assert loaded.info.step == 1
 
 
 def test_level_0_1_moves_to_older_checkpoint_with_intact_optimizer(store: CheckpointStore) -> None:
     _damage(_file(store, OPTIMIZER_NAME), "flip")
-    loaded = load_for_resume(store, "auto", fallback=FallbackStrategy.LEVEL_0_1)
+    loaded = _resume(store, "auto", fallback=FallbackStrategy.LEVEL_0_1)
     assert loaded.info.step == 1 and loaded.optimizer is not None
     _assert_exact(loaded, 1)
     assert loaded.warnings[0].startswith("optimizer state of step 2 cannot be loaded (")
@@ -165,14 +172,14 @@ def test_level_0_1_moves_to_older_checkpoint_with_intact_optimizer(store: Checkp
 
 
 def test_level_0_only_skips_optimizer(store: CheckpointStore) -> None:
-    loaded = load_for_resume(store, "auto", fallback="level_0_only")
+    loaded = _resume(store, "auto", fallback="level_0_only")
     assert loaded.info.step == 2 and loaded.optimizer is None and loaded.scheduler is None
     assert loaded.rng == {"python": [2]} and loaded.warnings == []
     _assert_exact(loaded, 2)
 
 
 def test_full_fallback_when_everything_is_intact(store: CheckpointStore) -> None:
-    loaded = load_for_resume(store, "best")
+    loaded = _resume(store, "best")
     assert loaded.info.step == 2 and loaded.warnings == []
     _assert_exact(loaded, 2)
     assert loaded.optimizer is not None and loaded.scheduler is not None
@@ -181,7 +188,7 @@ def test_full_fallback_when_everything_is_intact(store: CheckpointStore) -> None
 def test_checkpoint_without_optimizer_tier_warns(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, task_id="run")
     save_state(store, CheckpointState(step=3, weights={"w": torch.ones(2)}, rng={"a": 1}), reason="memory")
-    loaded = load_for_resume(store, "auto")
+    loaded = _resume(store, "auto")
     assert loaded.warnings == ["resuming from weights only: optimizer state of step 3 is lost (the checkpoint was "
                                "saved without it); the learning-rate schedule continues at step 3"]
     store.close()
@@ -196,7 +203,7 @@ def test_newer_format_is_an_error_not_a_fallback(store: CheckpointStore) -> None
     manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
     path.write_text(json.dumps(manifest))
     with pytest.raises(FormatVersionError, match="format_version=2 is newer"):
-        load_for_resume(store, "auto")
+        _resume(store, "auto")
 
 
 def _rename_l1_tensor(store: CheckpointStore) -> str:
@@ -248,7 +255,6 @@ def test_a_failed_read_frees_what_it_decoded_before_the_retry_and_the_fallback(
             held = len(_state(2).weights)  # an attempt's own weights, read before its optimizer tier
             assert reads.alive_at_reads == [0, held, 0, held] and reads.alive() == 0
         for resume in (lambda: read_optimizer_tier(store, info, 0, None),  # the resume's background read
-                       lambda: load_for_resume(store, "step:2", fallback=FallbackStrategy.FULL, mmap=False),
                        lambda: plan_resume(store, "step:2", fallback=FallbackStrategy.FULL, mmap=False)):
             with monkeypatch.context() as m:
                 reads = _Reads()
