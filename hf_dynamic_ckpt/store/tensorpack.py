@@ -115,7 +115,7 @@ def _frame_pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int) -> 
 
 
 def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np.ndarray], gce: int,
-                 pool: tpc.BufferPool) -> tuple[np.ndarray, np.ndarray | None]:
+                 pool: tpc.FrameBuffers) -> tuple[np.ndarray, np.ndarray | None]:
     """A frame's raw bytes: a view when it is one ungrouped run, else a pooled buffer (returned second)."""
     if _single(frame, entries):
         i, lo, hi = frame[0]
@@ -204,7 +204,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         if codec == Codec.ZSTD:
             import zstandard
 
-            local, pool = threading.local(), tpc.BufferPool()
+            local, pool = threading.local(), tpc.FrameBuffers()
             params = tpc.compression_params(level)
             hurry = (lambda: not f.disk_bound) if paced else None
 

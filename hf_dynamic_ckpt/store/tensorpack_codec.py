@@ -225,7 +225,7 @@ def decode_whole(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> No
     _zstd_into(dctx, data, out, where)
 
 
-class BufferPool:
+class FrameBuffers:
     """Reusable byte buffers for frames in flight (warm pages; raw parts are views into them until written)."""
 
     def __init__(self) -> None:
