@@ -107,13 +107,14 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     outcome = _Outcome(step, True, loaded=loaded)
     if fallback != FallbackStrategy.LEVEL_0_ONLY:
         bound = state_numel_bound(expected.values()) if expected is not None else None
-        lost = _load_optimizer(store, info, loaded, rank=rank, max_numel=bound)
-        if lost is not None:
+        opt = read_optimizer_tier(store, info, rank, bound, mmap=True)
+        loaded.optimizer, loaded.scheduler, loaded.scaler = opt.optimizer, opt.scheduler, opt.scaler
+        if opt.lost is not None:
             if fallback == FallbackStrategy.LEVEL_0_1:
-                return _Outcome(step, False, f"optimizer state of step {step} cannot be loaded ({lost}); "
+                return _Outcome(step, False, f"optimizer state of step {step} cannot be loaded ({opt.lost}); "
                                              "fallback_strategy=level_0_1 requires it,")
-            outcome.optimizer_lost = lost
-            outcome.scheduler_salvaged = loaded.scheduler is not None
+            outcome.optimizer_lost = opt.lost
+            outcome.scheduler_salvaged = opt.scheduler is not None
     try:
         state = _retry_once(lambda: store.load(info, tiers={Tier.STATE}, rank=rank, mmap=mmap))
     except CorruptCheckpointError as e:
@@ -133,24 +134,51 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     return outcome
 
 
-def _load_optimizer(store: CheckpointStore, info: CheckpointInfo, loaded: LoadedCheckpoint, *, rank: int,
-                    max_numel: int | None = None) -> str | None:
-    """Fill the optimizer tier into `loaded`; return why it failed, or `None`.
+@dataclass(frozen=True)
+class OptimizerOutcome:
+    """The optimizer tier of a checkpoint once read: the state dicts, or why they are lost."""
 
-    `max_numel`: the largest optimizer-state tensor the model's parameters can have; a larger one is
-    refused before it is allocated (`state.optimizer.state_numel_bound`)."""
+    optimizer: dict[str, Any] | None
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any] | None
+    lost: str | None = None
+
+
+def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int, max_numel: int | None, *,
+                        mmap: bool = False) -> OptimizerOutcome:
+    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a
+    damaged or foreign tier (`OptimizerOutcome.lost` says why, and the scheduler is salvaged when it can be).
+
+    `max_numel`: the largest optimizer-state tensor the model's parameters can have; a larger one is refused
+    before it is allocated (`state.optimizer.state_numel_bound`). `mmap=False` copies an uncompressed tier
+    now (the background read: mapped, the first update would take a copy-on-write fault per page of the
+    moments it writes, on the training thread); `True` maps it privately."""
     if Tier.OPTIMIZER not in info.tiers:
-        return "the checkpoint was saved without it"
+        return OptimizerOutcome(None, None, None, lost="the checkpoint was saved without it")
     try:
-        opt = _retry_once(lambda: store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, l1_max_numel=max_numel))
-    except (CorruptCheckpointError, IncompatibleStateError) as e:
-        loaded.scheduler = store.load_scheduler_only(info)
-        return str(e)
-    loaded.optimizer, loaded.scheduler, loaded.scaler = opt.optimizer, opt.scheduler, opt.scaler
-    return None
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap, l1_max_numel=max_numel)
+    except IncompatibleStateError as e:  # declared larger than the model allows: nothing was allocated
+        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=str(e))
+    except CorruptCheckpointError as e:
+        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
+    else:
+        return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
+    logger.debug("resume: retrying a failed read once (%s)", first)
+    try:  # a transient read error; retried once the first attempt's exception is gone
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap, l1_max_numel=max_numel)
+    except (CorruptCheckpointError, IncompatibleStateError):
+        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=first)
+    return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
 
 
-def _lost_message(step: int, why: str) -> str:
+def agreed_loss(lost_on: list[tuple[int, str]], world_size: int) -> str:
+    """Why the optimizer tier is lost on every rank, from the (rank, why) of the ranks that could not read it."""
+    rank, why = lost_on[0]
+    return why + ("" if world_size == 1 else f" (rank {rank})" if len(lost_on) < world_size else " (every rank)")
+
+
+def optimizer_lost_message(step: int, why: str) -> str:
+    """The warning of a weights-only resume from `step`."""
     return (f"resuming from weights only: optimizer state of step {step} is lost ({why}); "
             f"the learning-rate schedule continues at step {step}")
 
@@ -276,12 +304,10 @@ def plan_resume(
     # Weights only: degraded when the checkpoint held an optimizer state that is not restored.
     degraded = bool(lost) or (fallback == FallbackStrategy.LEVEL_0_ONLY and Tier.OPTIMIZER in loaded.info.tiers)
     if lost:
-        first_rank, why = lost[0]
         loaded.optimizer = loaded.scaler = None
         if not all(o["scheduler_salvaged"] for o in row):
             loaded.scheduler = None
-        where = "" if world_size == 1 else (f" (rank {first_rank})" if len(lost) < world_size else " (every rank)")
-        loaded.warnings.insert(0, _lost_message(chosen, why + where))
+        loaded.warnings.insert(0, optimizer_lost_message(chosen, agreed_loss(lost, world_size)))
     if skipped:
         notes = []
         for s in skipped:

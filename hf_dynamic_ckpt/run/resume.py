@@ -24,13 +24,11 @@ from typing import Any
 
 from .. import distributed as dist
 from ..config import FallbackStrategy
-from ..constants import Tier
-from ..errors import CorruptCheckpointError, IncompatibleStateError
 from ..state.optimizer import state_numel_bound
 from ..store.spec import Lineage, new_session_id
 from ..store.store import CheckpointStore
 from ..store.types import CheckpointInfo, LoadedCheckpoint
-from .restore import plan_resume
+from .restore import OptimizerOutcome, agreed_loss, optimizer_lost_message, plan_resume, read_optimizer_tier
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +38,6 @@ KEY_SAVE_LOG = "save_log"
 KEY_ROLLBACKS = "rollbacks"
 """Keys of a manifest's `extra` that hold the run's own state (the policy, the gradient probe, the save counts,
 the rollbacks taken)."""
-
-
-@dataclass(frozen=True)
-class OptimizerOutcome:
-    """The optimizer tier of a resume once read: the state dicts, or why they are lost (the same on every rank)."""
-
-    optimizer: dict[str, Any] | None
-    scheduler: dict[str, Any] | None
-    scaler: dict[str, Any] | None
-    lost: str | None = None
 
 
 class PendingOptimizerRead:
@@ -77,37 +65,12 @@ class PendingOptimizerRead:
         lost_on = [(r, o["lost"]) for r, o in enumerate(reports) if o["lost"] is not None]
         if not lost_on:
             return mine
-        rank, why = lost_on[0]
-        where = "" if world_size == 1 else (f" (rank {rank})" if len(lost_on) < world_size else " (every rank)")
         scheduler = mine.scheduler if all(o["scheduler"] for o in reports) else None
-        return OptimizerOutcome(None, scheduler, None, lost=why + where)
+        return OptimizerOutcome(None, scheduler, None, lost=agreed_loss(lost_on, world_size))
 
     def close(self) -> None:
         """Wait for the thread and release it (idempotent)."""
         self._pool.shutdown(wait=True)
-
-
-def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int, max_numel: int | None
-                        ) -> OptimizerOutcome:
-    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a
-    damaged or foreign tier (`OptimizerOutcome.lost` says why, and the scheduler is salvaged when it can be)."""
-    if Tier.OPTIMIZER not in info.tiers:
-        return OptimizerOutcome(None, None, None, lost="the checkpoint was saved without it")
-    # mmap=False: an uncompressed tier is copied here, off the training thread; mapped, the
-    # first update would take a copy-on-write fault per page of the moments it writes.
-    try:
-        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=False, l1_max_numel=max_numel)
-    except IncompatibleStateError as e:  # declared larger than the model allows: nothing was allocated
-        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=str(e))
-    except CorruptCheckpointError as e:
-        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
-    else:
-        return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
-    try:  # a transient read error; retried once the first attempt's exception is gone
-        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=False, l1_max_numel=max_numel)
-    except (CorruptCheckpointError, IncompatibleStateError):
-        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=first)
-    return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
 
 
 @dataclass
@@ -204,9 +167,7 @@ def fill_optimizer(resumption: Resumption, outcome: OptimizerOutcome) -> None:
     loaded.optimizer = loaded.scaler = None
     loaded.scheduler = outcome.scheduler
     resumption.degraded = True
-    step = loaded.info.step
-    msg = (f"resuming from weights only: optimizer state of step {step} is lost ({outcome.lost}); "
-           f"the learning-rate schedule continues at step {step}")
+    msg = optimizer_lost_message(loaded.info.step, outcome.lost)
     loaded.warnings.append(msg)
     logger.warning(msg)
     warnings.warn(msg, stacklevel=3)
