@@ -120,8 +120,7 @@ class SaveEngine:
         self._stager = Stager(memory_margin, headroom if headroom is not None else default_headroom(cgroup_dir))
         mode = self._stager.writer_mode(mode)  # under a tight memory limit: no second interpreter
         self._snapshotter = self._new_snapshotter(shared=mode == EngineMode.PROCESS)
-        self._save_fn = self._store_save
-        self._dispatch = Dispatcher(mode, self._save_fn, spec=lambda: beside_training(store.spec),
+        self._dispatch = Dispatcher(mode, self._store_save, spec=lambda: beside_training(store.spec),
                                     store_cls=type(store), pool=self._snapshotter.pool, nice=self.writer_nice,
                                     name=f"{id(self):x}")
         self._jobs = Jobs()
@@ -357,13 +356,14 @@ class SaveEngine:
 
     def _store_save(self, state: CheckpointState, request: SaveRequest, *, timings: Mapping[str, Any],
                     cancel: Callable[[], bool]) -> CheckpointInfo | None:
-        return self.store.save(state, request, timings=timings, cancel=cancel)  # looked up per call (wrappers)
+        """`self.store.save`, looked up per call: a wrapper set on the store after the engine exists applies."""
+        return self.store.save(state, request, timings=timings, cancel=cancel)
 
     def _blob_exists(self, ref: BlobRef) -> bool:  # still stored: a later save may refer to it instead of writing it
         return bool(self.store.blobs.exists(ref.digest))
 
     def _run_sync(self, job: Job) -> None:
-        self._jobs.run_sync(job, self._save_fn)
+        self._jobs.run_sync(job, self._store_save)
         self._settle(job)
 
     def _settle(self, job: Job | None) -> None:
