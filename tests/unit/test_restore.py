@@ -31,8 +31,7 @@ from hf_dynamic_ckpt.errors import (
     FormatVersionError,
     IncompatibleStateError,
 )
-from hf_dynamic_ckpt.run.restore import plan_resume
-from hf_dynamic_ckpt.run.resume import read_optimizer_tier
+from hf_dynamic_ckpt.run.restore import plan_resume, read_optimizer_tier
 from hf_dynamic_ckpt.state.model import check_weights
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint
 from hf_dynamic_ckpt.store.hashing import file_checksum
