@@ -9,7 +9,7 @@ with AdamW (real optimizer state), in one process, against baselines of the same
   the tier formats alone (the same `save_weights` + `write_tensor_file` + JSON calls into a
   plain directory: what the commit protocol adds is the difference).
 - restore: `CheckpointStore.load` with tiers {L0}, {L0, L1}, {L0, L1, L2} (each verifies
-  every file it reads: size + XXH3 checksum) and `restore.plan_resume` (the resume's
+  every file it reads: size + XXH3 checksum) and `resume.plan_resume` (the resume's
   read: L0, L1, L2 separately with fallback), vs `torch.load(weights_only=True)` of the baseline
   file; every loaded tensor is touched (summed), so lazy memory maps pay their reads.
   Warm = files in the page cache; cold = pages dropped with `posix_fadvise(DONTNEED)`
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.run.restore import plan_resume
+from hf_dynamic_ckpt.run.resume import plan_resume
 from hf_dynamic_ckpt.state.rng import capture_rng_state
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 from hf_dynamic_ckpt.store.commit import write_rank_files

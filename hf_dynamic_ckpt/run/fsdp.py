@@ -3,7 +3,7 @@
 `sources_for` gives every rank of a sharded (`fully_shard`) model its own shards of L0 and L1
 (`state.shards.ShardedState`), and keeps rank 0 the only writer of L0/L1 otherwise (DDP).
 
-`restore.plan_resume` verifies the checkpoint on every rank (each shard file's size and checksum,
+`resume.plan_resume` verifies the checkpoint on every rank (each shard file's size and checksum,
 the model check against the global shapes) and agrees on it; then every rank calls
 `load_sharded` (a collective: DCP's load plans are exchanged) before `RunOrchestrator.apply`. The
 state dicts come from DCP's

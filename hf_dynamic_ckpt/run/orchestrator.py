@@ -12,7 +12,7 @@ step_end(step, epoch)                 # after optimizer.step / scheduler.step / 
 release()                             # only with hold_saves: the step's logging is done, write now
 ```
 
-and `resume(spec)` to come back: `resume.plan_resumption` reads, verifies and plans the restore
+and `resume(spec)` to come back: `resume.plan_resume` reads, verifies and plans the restore
 point into a `Resumption` (one agreed outcome on every rank) and `apply` makes it the run's
 state. Under DDP every rank calls the same methods in the same order: the signals are reduced in
 one collective per step, the policy reads nothing else, and the reduction also compares a
@@ -57,7 +57,7 @@ from .resume import (
     KEY_SAVE_LOG,
     Resumption,
     fill_optimizer,
-    plan_resumption,
+    plan_resume,
     start_timeline,
 )
 from .rollback import Rollback, choose_restore_point, restore_live
@@ -673,13 +673,13 @@ class RunOrchestrator:
 
     def _plan(self, spec: str, *, expected: Mapping[str, Any] | None,
               background_optimizer: bool = False) -> Resumption | None:
-        """`plan_resumption` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
+        """`plan_resume` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
         collective) into the live objects."""
         sharded = self._sharded
         fallback = self.config.fallback_strategy
         if self._sources is not None and self._optimizer is None and self._scheduler is None and self._scaler is None:
             fallback = FallbackStrategy.LEVEL_0_ONLY  # attached without an optimizer: no optimizer tier to miss
-        resumption = plan_resumption(
+        resumption = plan_resume(
             self.store, spec, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
             fallback=fallback, expected=sharded.expected() if sharded is not None else expected,
             background_optimizer=background_optimizer and sharded is None)

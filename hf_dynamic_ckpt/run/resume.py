@@ -1,34 +1,68 @@
-"""A resume as a value: the restore point read, verified and planned into a `Resumption`, which the run applies.
+"""A resume: choose a restore point, verify it, load it tier by tier with fallback (one agreed outcome on every
+rank), and plan it into a `Resumption`, which the run applies.
 
-`plan_resumption` chooses and loads the restore point (`restore.plan_resume`: one agreed outcome
-on every rank, checked against the model), names the timeline that starts from it, and gathers
-what a run restores besides its live objects: the policy's and the probes' statistics and the
-save counters. It changes nothing: `RunOrchestrator.apply` makes the value the run's state (rank
-0 sets the newer checkpoints of other timelines aside with `start_timeline`), and an in-process
-rollback applies a value built the same way to the live run.
-
+`plan_resume` changes nothing: `RunOrchestrator.apply` makes the value the run's state (rank 0 sets the newer
+checkpoints of other timelines aside with `start_timeline` once the resumed run trains), and an in-process
+rollback applies a value built the same way to the live run. Besides the restore point it gathers what a run
+restores besides its live objects: the policy's and the probes' statistics, the save counters, the rollbacks.
 The optimizer tier may be read in a background thread while the caller builds its optimizer
-(`PendingOptimizerRead`); `RunOrchestrator.complete_resume` collects it, with one outcome agreed
-across ranks (lost on one rank: lost on all).
+(`PendingOptimizerRead`); `RunOrchestrator.complete_resume` collects it, with one outcome agreed across ranks
+(lost on one rank: lost on all).
+
+Outcomes per broken tier (see `config.FallbackStrategy`):
+
+==================  ===========================================  ==============================
+broken tier         ``full`` (default)                           ``level_0_1``
+==================  ===========================================  ==============================
+L0 weights          next older checkpoint, warning naming both   same
+L1 optimizer        weights only: optimizer/scaler `None`,        next older checkpoint whose
+                    scheduler salvaged from ``optimizer.json``    L0 and L1 are intact
+                    when intact; warning
+L2 state            RNG/sampler `None`, warning (one process);    same
+                    not usable under several ranks
+==================  ===========================================  ==============================
+
+With ``level_0_only`` the optimizer tier is not read at all. Every warning is also logged
+(``logging.WARNING``) and kept in `LoadedCheckpoint.warnings`.
+
+Under several ranks `plan_resume` makes every outcome one agreed value: each rank evaluates
+the candidates itself (its own RNG file, the shared tiers, the model check), the ranks
+exchange their findings in one JSON all-gather, and every rank applies the same rule to the
+same table: the restore point is the newest candidate usable on every rank, the optimizer
+tier is used only if every rank could read it, and an error on any rank is raised, with the
+same message, on every rank. No rank can continue while another raises or waits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import distributed as dist
 from ..config import FallbackStrategy
+from ..constants import KEY_WORLD_SIZE, Tier
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedError,
+    DynamicCkptError,
+    FormatVersionError,
+    IncompatibleStateError,
+)
+from ..state.model import check_weights
 from ..state.optimizer import state_numel_bound
+from ..state.shards import check_sharding
 from ..store.spec import Lineage, new_session_id
-from ..store.store import CheckpointStore
 from ..store.types import CheckpointInfo, LoadedCheckpoint
-from .restore import OptimizerOutcome, agreed_loss, optimizer_lost_message, plan_resume, read_optimizer_tier
+
+if TYPE_CHECKING:
+    from ..store.store import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +73,146 @@ KEY_ROLLBACKS = "rollbacks"
 """Keys of a manifest's `extra` that hold the run's own state (the policy, the gradient probe, the save counts,
 the rollbacks taken)."""
 
+Spec = str | int | os.PathLike[str] | CheckpointInfo
 
+_ERRORS: dict[str, type[DynamicCkptError]] = {
+    cls.__name__: cls for cls in (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError,
+                                  IncompatibleStateError, DistributedError, DynamicCkptError)
+}
+
+
+# ---------------------------------------------------------------------- one candidate, one rank
+@dataclass
+class _Outcome:
+    """What one rank found when it tried one checkpoint (JSON-able through `to_dict`)."""
+
+    step: int
+    usable: bool
+    reason: str | None = None  # why not usable
+    optimizer_lost: str | None = None  # why L1 is lost (weights-only resume), None: loaded or not asked
+    scheduler_salvaged: bool = False
+    loaded: LoadedCheckpoint | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "usable": self.usable, "reason": self.reason,
+                "optimizer_lost": self.optimizer_lost, "scheduler_salvaged": self.scheduler_salvaged}
+
+
+def _retry_once(fn: Callable[[], Any]) -> Any:
+    """`fn()`, tried a second time after a `CorruptCheckpointError` (a transient read error must not
+    cost a restore point; a real corruption fails twice)."""
+    try:
+        return fn()
+    except CorruptCheckpointError as e:
+        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
+    logger.debug("resume: retrying a failed read once (%s)", first)
+    return fn()
+
+
+def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_size: int,
+              fallback: FallbackStrategy, mmap: bool, expected: Mapping[str, Any] | None) -> _Outcome:
+    """Try one checkpoint on this rank: weights (+ model check), optimizer per `fallback`, own L2."""
+    step = info.step
+    try:
+        loaded = _retry_once(lambda: store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap))
+    except FormatVersionError:
+        raise
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
+    if loaded.weights is None:
+        return _Outcome(step, False, f"step {step} holds no weights")
+    if expected is not None:
+        check_sharding(step, loaded.manifest, expected)  # FSDP2 <-> unsharded: refused before any fork
+        check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
+    outcome = _Outcome(step, True, loaded=loaded)
+    if fallback != FallbackStrategy.LEVEL_0_ONLY:
+        bound = state_numel_bound(expected.values()) if expected is not None else None
+        opt = read_optimizer_tier(store, info, rank, bound, mmap=True)
+        loaded.optimizer, loaded.scheduler, loaded.scaler = opt.optimizer, opt.scheduler, opt.scaler
+        if opt.lost is not None:
+            if fallback == FallbackStrategy.LEVEL_0_1:
+                return _Outcome(step, False, f"optimizer state of step {step} cannot be loaded ({opt.lost}); "
+                                             "fallback_strategy=level_0_1 requires it,")
+            outcome.optimizer_lost = opt.lost
+            outcome.scheduler_salvaged = opt.scheduler is not None
+    try:
+        state = _retry_once(lambda: store.load(info, tiers={Tier.STATE}, rank=rank, mmap=mmap))
+    except CorruptCheckpointError as e:
+        if world_size > 1:  # every rank must continue its own random streams, or none is exact
+            return _Outcome(step, False, f"rank {rank}'s RNG / data-loader state of step {step} cannot be "
+                                         f"loaded ({e})")
+        loaded.warnings.append(f"RNG and data-loader state of step {step} cannot be loaded ({e}); "
+                               "random streams and the data order start fresh")
+    else:
+        loaded.rng, loaded.sampler = state.rng, state.sampler
+        loaded.warnings.extend(w for w in state.warnings if w not in loaded.warnings)
+    saved_world = loaded.manifest.get(KEY_WORLD_SIZE)
+    if isinstance(saved_world, int) and saved_world != world_size and rank == 0:
+        loaded.warnings.append(
+            f"step {step} was saved by {saved_world} process(es) and is resumed by {world_size}: the data order "
+            "and random streams of the resumed run differ from the interrupted one (weights and optimizer are exact)")
+    return outcome
+
+
+@dataclass(frozen=True)
+class OptimizerOutcome:
+    """The optimizer tier of a checkpoint once read: the state dicts, or why they are lost."""
+
+    optimizer: dict[str, Any] | None
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any] | None
+    lost: str | None = None
+
+
+def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int, max_numel: int | None, *,
+                        mmap: bool = False) -> OptimizerOutcome:
+    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a
+    damaged or foreign tier (`OptimizerOutcome.lost` says why, and the scheduler is salvaged when it can be).
+
+    `max_numel`: the largest optimizer-state tensor the model's parameters can have; a larger one is refused
+    before it is allocated (`state.optimizer.state_numel_bound`). `mmap=False` copies an uncompressed tier
+    now (the background read: mapped, the first update would take a copy-on-write fault per page of the
+    moments it writes, on the training thread); `True` maps it privately."""
+    if Tier.OPTIMIZER not in info.tiers:
+        return OptimizerOutcome(None, None, None, lost="the checkpoint was saved without it")
+    try:
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap, l1_max_numel=max_numel)
+    except IncompatibleStateError as e:  # declared larger than the model allows: nothing was allocated
+        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=str(e))
+    except CorruptCheckpointError as e:
+        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
+    else:
+        return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
+    logger.debug("resume: retrying a failed read once (%s)", first)
+    try:  # a transient read error; retried once the first attempt's exception is gone
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap, l1_max_numel=max_numel)
+    except (CorruptCheckpointError, IncompatibleStateError):
+        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=first)
+    return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
+
+
+def agreed_loss(lost_on: list[tuple[int, str]], world_size: int) -> str:
+    """Why the optimizer tier is lost on every rank, from the (rank, why) of the ranks that could not read it."""
+    rank, why = lost_on[0]
+    return why + ("" if world_size == 1 else f" (rank {rank})" if len(lost_on) < world_size else " (every rank)")
+
+
+def optimizer_lost_message(step: int, why: str) -> str:
+    """The warning of a weights-only resume from `step`."""
+    return (f"resuming from weights only: optimizer state of step {step} is lost ({why}); "
+            f"the learning-rate schedule continues at step {step}")
+
+
+def _candidates(store: CheckpointStore, spec: Spec) -> list[CheckpointInfo]:
+    """The resolved checkpoint, then every older usable one of the task (newest first)."""
+    first = store.resolve(spec)
+    older: list[CheckpointInfo] = []
+    if first.task_id == store.task_id:
+        older = [i for i in store.list() if i.step < first.step and Tier.WEIGHTS in i.tiers]
+    return [first, *older]
+
+
+# ---------------------------------------------------------------------- every rank, agreed
 class PendingOptimizerRead:
     """The optimizer tier of a checkpoint, read in a background thread until `collect`.
 
@@ -83,6 +256,7 @@ class Resumption:
         spec (`str`): what was asked for (`auto`, `step:N`, a path, ...).
         lineage (`Lineage`): the timeline the run continues on (its parent: the restore point).
         degraded (`bool`): the optimizer state is not restored (a weights-only resume).
+        skipped (`list[int]`): newer candidates passed over because some rank could not use them.
         policy_state, probe_state, save_counts, rollback_state (`dict`, *optional*): the run's own state
             at the restore point (the manifest's `extra`).
         pending (`PendingOptimizerRead`, *optional*): the optimizer tier, still being read.
@@ -93,6 +267,7 @@ class Resumption:
     spec: str
     lineage: Lineage
     degraded: bool = False
+    skipped: list[int] = field(default_factory=list)
     policy_state: dict[str, Any] | None = None
     probe_state: dict[str, Any] | None = None
     save_counts: dict[str, Any] | None = None
@@ -112,49 +287,200 @@ def run_state(loaded: LoadedCheckpoint, key: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) and value else None
 
 
-def plan_resumption(store: CheckpointStore, spec: str, *, session_id: str, rank: int = 0, world_size: int = 1,
-                    fallback: FallbackStrategy = FallbackStrategy.FULL, expected: Mapping[str, Any] | None = None,
-                    background_optimizer: bool = False) -> Resumption | None:
-    """Choose, verify and load a restore point on every rank (one agreed outcome) into a `Resumption`.
+def plan_resume(
+    store: CheckpointStore,
+    spec: Spec,
+    *,
+    session_id: str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    fallback: FallbackStrategy | str = FallbackStrategy.FULL,
+    expected: Mapping[str, Any] | None = None,
+    mmap: bool = True,
+    background_optimizer: bool = False,
+) -> Resumption | None:
+    """Choose, verify and load the restore point on every rank (one agreed outcome) into a `Resumption`.
+
+    Every rank calls it with the same `spec` (a collective under a process group).
 
     Args:
         store (`CheckpointStore`): this rank's store.
-        spec (`str`): `auto`, `best`, `fastest`, `step:N` or a checkpoint path (another store's too).
-        session_id (`str`): this run's session (the new lineage's).
-        rank, world_size (`int`): this rank and the number of ranks (a collective when > 1).
-        fallback (`FallbackStrategy`): what a broken tier does (`restore`).
-        expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping: the saved weights
-            must fit it on every rank, and it bounds the optimizer tier's tensors.
-        background_optimizer (`bool`): with the `full` strategy, read the optimizer tier in a
+        spec: ``"auto"``, ``"best"``, ``"fastest"``, ``"step:N"`` or a checkpoint path (another store's too).
+        session_id (`str`, *optional*): the resuming run's session (the new lineage's); a new one by default.
+        rank, world_size (`int`, *optional*): this rank and the number of ranks (a collective when > 1).
+        fallback (`FallbackStrategy`, *optional*): what a broken tier does (see the module docstring).
+        expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping: the saved weights must fit it on
+            every rank, and it bounds the optimizer tier's tensors.
+        mmap (`bool`, *optional*, defaults to `True`): memory-map the weights.
+        background_optimizer (`bool`, *optional*): with the `full` strategy, read the optimizer tier in a
             background thread (`Resumption.pending`).
 
     Returns:
-        `Resumption | None`: `None` for a fresh start (`auto` on an empty store).
+        `Resumption | None`: `None` when `spec` is ``"auto"`` and the store holds no checkpoint at all (a fresh
+        start; decided by rank 0).
 
     Raises:
-        The same error on every rank: `CheckpointNotFoundError`, `IncompatibleStateError`,
-        `FormatVersionError`, `DistributedError`.
+        The same error on every rank: `CheckpointNotFoundError` (nothing usable on every rank),
+        `IncompatibleStateError` (the weights do not fit the model), `FormatVersionError`, `DistributedError`.
     """
     start = time.perf_counter()
+    fallback = FallbackStrategy(fallback)
     deferred = background_optimizer and fallback == FallbackStrategy.FULL
-    plan = plan_resume(store, spec, rank=rank, world_size=world_size,
-                       fallback=FallbackStrategy.LEVEL_0_ONLY if deferred else fallback, expected=expected)
-    if plan is None:
+    agreed = _agree(store, spec, rank=rank, world_size=world_size,
+                    fallback=FallbackStrategy.LEVEL_0_ONLY if deferred else fallback, expected=expected, mmap=mmap)
+    if agreed is None:
         return None
-    loaded = plan.loaded
+    loaded, degraded, skipped = agreed
     parent = loaded.info.lineage
-    lineage = Lineage(session=session_id, timeline=new_session_id(), parent_step=loaded.info.step,
-                      parent_timeline=parent.timeline if parent is not None else None)
+    lineage = Lineage(session=session_id or new_session_id(), timeline=new_session_id(),
+                      parent_step=loaded.info.step, parent_timeline=parent.timeline if parent is not None else None)
     pending = None
     if deferred:
-        # Only once the plan chose the restore point: a read racing `plan_resume` could record the
-        # checkpoint's corrupt L1 in the catalog first and turn a weights-only resume into a fallback.
+        # Only once the restore point is chosen: a read racing the choice could record the checkpoint's corrupt
+        # L1 in the catalog first and turn a weights-only resume into a fallback.
         bound = state_numel_bound(expected.values()) if expected is not None else None
         pending = PendingOptimizerRead(store, loaded.info, rank=rank, max_numel=bound)
-    return Resumption(loaded=loaded, spec=str(spec), lineage=lineage, degraded=plan.degraded and not deferred,
-                      policy_state=run_state(loaded, KEY_POLICY), probe_state=run_state(loaded, KEY_GRAD_PROBE),
-                      save_counts=run_state(loaded, KEY_SAVE_LOG), rollback_state=run_state(loaded, KEY_ROLLBACKS),
-                      pending=pending, elapsed_ms=(time.perf_counter() - start) * 1e3)
+    return Resumption(loaded=loaded, spec=str(spec), lineage=lineage, degraded=degraded and not deferred,
+                      skipped=skipped, policy_state=run_state(loaded, KEY_POLICY),
+                      probe_state=run_state(loaded, KEY_GRAD_PROBE), save_counts=run_state(loaded, KEY_SAVE_LOG),
+                      rollback_state=run_state(loaded, KEY_ROLLBACKS), pending=pending,
+                      elapsed_ms=(time.perf_counter() - start) * 1e3)
+
+
+def _error_payload(e: Exception) -> dict[str, str]:
+    name = type(e).__name__ if type(e).__name__ in _ERRORS else DynamicCkptError.__name__
+    return {"type": name, "message": str(e)}
+
+
+def _raise_agreed(reports: list[dict[str, Any]]) -> None:
+    for rank, report in enumerate(reports):
+        err = report.get("error")
+        if err:
+            cls = _ERRORS.get(err["type"], DynamicCkptError)
+            prefix = "" if len(reports) == 1 or rank == 0 else f"rank {rank}: "
+            raise cls(prefix + err["message"])
+
+
+def _agree(store: CheckpointStore, spec: Spec, *, rank: int, world_size: int, fallback: FallbackStrategy,
+           expected: Mapping[str, Any] | None, mmap: bool) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
+    """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start.
+
+    Each rank tries the candidates (the resolved checkpoint, then older ones) with `_evaluate`: weights, the
+    model check against `expected`, the optimizer tier per `fallback`, its own RNG file. One JSON all-gather
+    shares the findings; every rank then picks the newest candidate usable on all ranks. When a rank has not
+    tried that candidate yet (it stopped at an earlier one usable for itself), another round evaluates it; the
+    common case is a single round.
+    """
+    fallback = FallbackStrategy(fallback)
+    evaluated: dict[int, _Outcome] = {}
+    report: dict[str, Any] = {"fresh": False, "candidates": [], "error": None, "results": []}
+    infos: dict[int, CheckpointInfo] = {}
+    try:
+        candidates = _candidates(store, spec)
+        infos = {i.step: i for i in candidates}
+        report["candidates"] = [i.step for i in candidates]
+        _evaluate_until_usable(store, candidates, evaluated, rank=rank, world_size=world_size,
+                               fallback=fallback, mmap=mmap, expected=expected)
+    except CheckpointNotFoundError as e:
+        if spec == "auto" and not store.list(include_unhealthy=True):
+            report["fresh"] = True
+        else:
+            report["error"] = _error_payload(e)
+    except DynamicCkptError as e:
+        report["error"] = _error_payload(e)
+    report["results"] = [o.to_dict() for o in evaluated.values()]
+    while True:
+        reports = dist.all_gather_json(report) if world_size > 1 else [report]
+        if reports[0]["fresh"]:
+            return None
+        _raise_agreed(reports)
+        reference: list[int] = reports[0]["candidates"]
+        results = [{int(o["step"]): o for o in r["results"]} for r in reports]
+        chosen, pending, skipped = _choose(reference, results)
+        if chosen is not None:
+            break
+        if pending is None:
+            raise _none_usable(reference, results, store)
+        # Some rank has not tried `pending` yet: everyone evaluates from there on (rare second round).
+        report = {"fresh": False, "candidates": reference, "error": None, "results": []}
+        try:
+            todo = [infos.get(s) or store.resolve(f"step:{s}") for s in reference[reference.index(pending):]]
+            _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size, fallback=fallback,
+                                   mmap=mmap, expected=expected)
+        except DynamicCkptError as e:
+            report["error"] = _error_payload(e)
+        report["results"] = [o.to_dict() for o in evaluated.values()]
+    mine = evaluated[chosen]
+    loaded = mine.loaded
+    assert loaded is not None
+    row = [r[chosen] for r in results]
+    lost = [(i, o["optimizer_lost"]) for i, o in enumerate(row) if o["optimizer_lost"] is not None]
+    # Weights only: degraded when the checkpoint held an optimizer state that is not restored.
+    degraded = bool(lost) or (fallback == FallbackStrategy.LEVEL_0_ONLY and Tier.OPTIMIZER in loaded.info.tiers)
+    if lost:
+        loaded.optimizer = loaded.scaler = None
+        if not all(o["scheduler_salvaged"] for o in row):
+            loaded.scheduler = None
+        loaded.warnings.insert(0, optimizer_lost_message(chosen, agreed_loss(lost, world_size)))
+    if skipped:
+        notes = []
+        for s in skipped:
+            reason = _skip_reason(results, s)
+            notes.append(f"{reason}{' ' if reason.endswith(',') else '; '}falling back to the next older checkpoint")
+        notes[-1] += f": using step {chosen} instead"
+        loaded.warnings[:0] = notes
+    for message in loaded.warnings:
+        logger.warning("resume: %s", message)
+    return loaded, degraded, skipped
+
+
+def _evaluate_until_usable(store: CheckpointStore, candidates: list[CheckpointInfo], evaluated: dict[int, _Outcome],
+                           **kwargs: Any) -> None:
+    """Try `candidates` in order (reusing earlier results) until one is usable on this rank."""
+    for info in candidates:
+        outcome = evaluated.get(info.step)
+        if outcome is None:
+            outcome = evaluated[info.step] = _evaluate(store, info, **kwargs)
+        if outcome.usable:
+            return
+
+
+def _choose(reference: list[int], results: list[dict[int, dict[str, Any]]]) -> tuple[int | None, int | None, list[int]]:
+    """(chosen step, step some rank still has to try, steps skipped) from the ranks' result tables."""
+    skipped: list[int] = []
+    for step in reference:
+        row = [r.get(step) for r in results]
+        if any(o is None for o in row):
+            return None, step, skipped
+        if all(o["usable"] for o in row):  # type: ignore[index]
+            return step, None, skipped
+        skipped.append(step)
+    return None, None, skipped
+
+
+def _skip_reason(results: list[dict[int, dict[str, Any]]], step: int) -> str:
+    for rank, r in enumerate(results):
+        o = r.get(step)
+        if o is not None and not o["usable"]:
+            if len(results) == 1:
+                return str(o["reason"])
+            return f"step {step} is not complete on every rank: rank {rank}: {o['reason']}"
+    return f"step {step} is not usable"
+
+
+def _none_usable(reference: list[int], results: list[dict[int, dict[str, Any]]],
+                 store: CheckpointStore) -> DynamicCkptError:
+    reasons = "; ".join(_skip_reason(results, s) for s in reference)
+    tried = ", ".join(map(str, reference))
+    if len(results) > 1:
+        return DistributedError(
+            f"resume: none of the checkpoints {reference} is usable on all {len(results)} ranks ({reasons}); "
+            "start fresh (no resume) or restore the missing rng-rank<R>.json files."
+        )
+    return CheckpointNotFoundError(
+        f"no loadable checkpoint at or below step {reference[0]} of task {store.task_id!r} (tried steps {tried}): "
+        f"{reasons}. Run `hf-dynamic-ckpt verify` on the store, or start fresh."
+    )
 
 
 def fill_optimizer(resumption: Resumption, outcome: OptimizerOutcome) -> None:

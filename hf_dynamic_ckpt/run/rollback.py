@@ -2,7 +2,7 @@
 
 `policy.rollback.RollbackRule` confirms an anomaly; the orchestrator then picks the restore point
 (`choose_restore_point`: rank 0's choice, broadcast, so every rank returns to the same step),
-reads and verifies it like any resume (`resume.plan_resumption`, agreed across ranks), puts the
+reads and verifies it like any resume (`resume.plan_resume`, agreed across ranks), puts the
 weights, optimizer, scheduler, scaler and RNG back into the live objects (`restore_live`), and
 applies the `Resumption` (the new timeline, the policy's statistics). What it did is a
 `Rollback`, which the integration finishes with what only it knows: Trainer's step counter and

@@ -29,7 +29,7 @@ from store_helpers import replace_file, tiny_state
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_META_NAME, OPTIMIZER_NAME, WEIGHTS_NAME, Tier
 from hf_dynamic_ckpt.errors import CorruptCheckpointError
-from hf_dynamic_ckpt.run.restore import plan_resume
+from hf_dynamic_ckpt.run.resume import plan_resume
 from hf_dynamic_ckpt.store import CheckpointStore
 
 DEEP = b"[" * 100_000 + b"]" * 100_000

@@ -256,7 +256,7 @@ _LOAD_1GIB = _PEAK + """
 import json, sys, torch
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.run.restore import plan_resume
+from hf_dynamic_ckpt.run.resume import plan_resume
 from hf_dynamic_ckpt.store import CheckpointStore
 
 
@@ -300,7 +300,7 @@ import json, sys
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import Tier
 from hf_dynamic_ckpt.errors import CorruptCheckpointError
-from hf_dynamic_ckpt.run.restore import plan_resume, read_optimizer_tier
+from hf_dynamic_ckpt.run.resume import plan_resume, read_optimizer_tier
 from hf_dynamic_ckpt.store import CheckpointStore
 
 

@@ -2,7 +2,7 @@
 
 Read from the sources with `ast` (nothing is imported). What counts as a name of the code:
 
-- `hf_dynamic_ckpt.a.b` and `a.b` where `a` is one of the package's modules (`resume.plan_resumption`,
+- `hf_dynamic_ckpt.a.b` and `a.b` where `a` is one of the package's modules (`resume.plan_resume`,
   `state.flat`): the module, and the attribute in it;
 - `ClassName` and `ClassName.attr`: a class of the package and one of its methods or attributes, unless it
   is one of the other libraries' names the docs discuss (`EXTERNAL`);

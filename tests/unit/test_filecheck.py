@@ -186,7 +186,7 @@ def test_a_manifest_checksum_the_file_does_not_have_fails_the_load(store: Checkp
 
 def test_a_checksum_mismatch_is_read_twice_then_corrupt_and_resume_falls_back_to_weights(
         store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt.run import restore
+    from hf_dynamic_ckpt.run import resume
 
     info = save_state(store, _state(1), reason="r")
     directory = Path(info.path)
@@ -202,7 +202,7 @@ def test_a_checksum_mismatch_is_read_twice_then_corrupt_and_resume_falls_back_to
     assert calls == [WRONG, WRONG]  # a transient read error must not cost the checkpoint: read once more
     assert store.list(include_unhealthy=True)[0].status == "corrupt"
     assert _hash_threads() == []
-    plan = restore.plan_resume(store, "step:1")
+    plan = resume.plan_resume(store, "step:1")
     assert plan is not None and plan.degraded
     loaded = plan.loaded
     assert loaded.optimizer is None and loaded.scheduler == {"last_epoch": 1} and loaded.weights is not None

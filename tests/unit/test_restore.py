@@ -31,7 +31,7 @@ from hf_dynamic_ckpt.errors import (
     FormatVersionError,
     IncompatibleStateError,
 )
-from hf_dynamic_ckpt.run.restore import plan_resume, read_optimizer_tier
+from hf_dynamic_ckpt.run.resume import plan_resume, read_optimizer_tier
 from hf_dynamic_ckpt.state.model import check_weights
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint
 from hf_dynamic_ckpt.store.hashing import file_checksum
@@ -116,7 +116,7 @@ def _assert_exact(loaded: Any, step: int) -> None:
 def test_damaged_file_gives_documented_outcome(store: CheckpointStore, kind: str, outcome: str, how: str,
                                                caplog: pytest.LogCaptureFixture) -> None:
     _damage(_file(store, kind), how)
-    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.run.restore")
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.run.resume")
     if outcome == "error":  # the shared blob of the frozen tensor is referenced by every checkpoint
         with pytest.raises(CheckpointNotFoundError,
                            match=r"no loadable checkpoint at or below step 2 of task 'run' \(tried steps 2, 1\)"):
