@@ -13,7 +13,6 @@ statistics), `Cadence` (interval, save cost, budget), `RiskSmoother`, and the tr
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -93,7 +92,6 @@ class RulePolicy:
         self._use(self._new_parts(), suppressed=(), history=(), decisions=())
         self._pre_step: int | None = None  # step whose pre_update ran (transient: within one step)
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
-        self._warned_record_save = False
         self.last_bad_update: str | None = None
         self.last_beta = 0.0
         """The raw (unsmoothed) risk of the step judged last: what the step log records beside the smoothed one."""
@@ -302,23 +300,6 @@ class RulePolicy:
         logger.debug("step %d: save step %d (%s) tiers=%s%s%s", step, decision.step, decision.reason,
                      ",".join(entry["tiers"]), " pinned" if decision.pin else "",
                      "" if decision.healthy else " unhealthy")
-
-    def record_save(self, step: int, blocking_s: float, tiers: frozenset[Tier] | None = None) -> None:
-        """Deprecated no-op, kept so that older callers keep working.
-
-        The save cost reaches the policy only through `SignalFrame.save_blocking_s` (the
-        blocking time of the saves since the previous frame, MAX over ranks once reduced):
-        a cost fed here would be this rank's alone and could make ranks decide differently.
-
-        Args:
-            step (`int`): the saved step (ignored).
-            blocking_s (`float`): seconds the save blocked training (ignored: put it in the next frame).
-            tiers (`frozenset[Tier]`, *optional*): ignored.
-        """
-        if not self._warned_record_save:
-            self._warned_record_save = True
-            warnings.warn("RulePolicy.record_save() no longer feeds the policy: put the blocking time of the saves "
-                          "since the previous frame in SignalFrame.save_blocking_s.", DeprecationWarning, stacklevel=2)
 
     def debug_info(self) -> list[dict[str, Any]]:
         """The last `DEBUG_INFO_STEPS` steps' loss, grad norm and learning rate (for the manifest)."""

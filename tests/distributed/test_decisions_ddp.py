@@ -53,7 +53,6 @@ def simulate(rank: int, *, reduce: bool) -> list[dict[str, object]]:
         for d in (policy.pre_update(frame), policy.decide(frame)):
             if d.save:
                 out.append({"at": step, **d.to_dict()})
-                policy.record_save(step, 0.01)
     return out
 
 
@@ -119,7 +118,6 @@ def _diverging_worker(rank: int, port: int, out_dir: str) -> None:
             for d in (policy.pre_update(frame), policy.decide(frame)):
                 if d.save:
                     saves.append(step)
-                    policy.record_save(step, 0.01)
             if rank == 1 and step == ALONE_AT:
                 saves.append(step)
         result["saves"] = saves

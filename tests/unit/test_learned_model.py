@@ -11,7 +11,6 @@ import configparser
 import json
 import math
 import struct
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -327,13 +326,10 @@ def test_every_rank_takes_the_same_decisions_from_the_same_frames(tmp_path: Path
     frames = surge("grad") + calm(40, start=51, host_mem_frac=0.7)
     ranks = [RulePolicy(cfg), RulePolicy(cfg)]
     decisions: list[list[object]] = [[], []]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for f in frames:
-            for r, policy in enumerate(ranks):
-                g = SignalFrame(**vars(f))
-                decisions[r] += [policy.pre_update(g), policy.decide(g)]
-                policy.record_save(f.step, 0.5 * r)  # a rank-local cost: ignored
+    for f in frames:
+        for r, policy in enumerate(ranks):
+            g = SignalFrame(**vars(f))
+            decisions[r] += [policy.pre_update(g), policy.decide(g)]
     assert decisions[0] == decisions[1]
     assert json.dumps(ranks[0].state_dict()) == json.dumps(ranks[1].state_dict())
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import random
 from pathlib import Path
 
 import pytest
@@ -43,20 +42,16 @@ def eventful_frames() -> list[SignalFrame]:
 
 
 # ------------------------------------------------------------------ agreed inputs
-@pytest.mark.filterwarnings("ignore:RulePolicy.record_save:DeprecationWarning")
 def test_same_frames_same_decisions_whatever_each_rank_measures_locally() -> None:
     """Under DDP every rank feeds the same reduced frame; a rank-local save cost must change nothing."""
     cfg = SmartCkptConfig(mtbf_hours=0.2, stability_window=20)  # derived interval: the save cost matters
     frames = eventful_frames()
     rank0, rank1 = RulePolicy(cfg), RulePolicy(cfg)
-    rng = random.Random(0)
     d0, d1 = [], []
     for f in frames:
         for policy, out in ((rank0, d0), (rank1, d1)):
             for d in (policy.pre_update(f), policy.decide(f)):
                 out.append(d.to_dict())
-                if d.save and policy is rank1:
-                    policy.record_save(f.step, rng.uniform(0.0, 30.0))  # rank 1's slow filesystem
     assert d0 == d1
     assert rank0.state_dict() == rank1.state_dict()
     # The cost in the frames does matter: a different cost gives other intervals.
@@ -67,16 +62,6 @@ def test_same_frames_same_decisions_whatever_each_rank_measures_locally() -> Non
 
 def _saves(policy: RulePolicy, frames: list[SignalFrame]) -> list[Decision]:
     return [d for f in frames for d in (policy.pre_update(f), policy.decide(f)) if d.save]
-
-
-def test_record_save_is_a_deprecated_no_op() -> None:
-    policy = RulePolicy(SmartCkptConfig(base_interval=4))
-    run(policy, [calm(s) for s in range(1, 10)])
-    before = json.dumps(policy.state_dict())
-    with pytest.warns(DeprecationWarning, match=r"record_save\(\) no longer feeds the policy: put the blocking time"):
-        policy.record_save(8, 5.0)
-    policy.record_save(8, 7.0)  # warned once per policy
-    assert json.dumps(policy.state_dict()) == before
 
 
 # ------------------------------------------------------------------ health
