@@ -13,7 +13,7 @@ $(STAMP): requirements-ci.txt setup.cfg
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m hf_dynamic_ckpt.demo --output_dir demo_out
+	$(BIN)/python -m hf_dynamic_ckpt.extras.demo --output_dir demo_out
 
 # Default run: ruff, mypy on the package, then unit + integration + 2-process DDP tests (`slow` ones: test-all).
 test: $(STAMP)

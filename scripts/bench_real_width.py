@@ -329,7 +329,7 @@ def _load_model(spec: dict[str, Any]) -> Any:
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
-    from hf_dynamic_ckpt import toy
+    from hf_dynamic_ckpt.extras import toy
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -382,7 +382,8 @@ def child(spec: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
-    from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint, toy
+    from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
+    from hf_dynamic_ckpt.extras import toy
 
     variant, out, cuda = spec["variant"], Path(spec["out"]), spec["device"] == "cuda"
     prep = Path(spec["prep"]) if spec.get("prep") else None

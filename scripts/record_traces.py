@@ -1,6 +1,6 @@
 """Record real per-step signal traces of tiny fine-tunes (CPU), calm and with anomalies.
 
-Each run trains a tiny Qwen2 or Llama (`hf_dynamic_ckpt.toy`, built from config), full
+Each run trains a tiny Qwen2 or Llama (`hf_dynamic_ckpt.extras.toy`, built from config), full
 fine-tune or LoRA, on real text (Python docstrings, `toy.text_corpus`) in a plain PyTorch
 loop that measures exactly what the checkpointer feeds the policy: the step's loss, the
 pre-clip global gradient norm (what `clip_grad_norm_` returns), every LoRA layer's
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from hf_dynamic_ckpt import toy
+from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.signals.probes import GradProbe
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")

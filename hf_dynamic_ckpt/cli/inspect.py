@@ -257,7 +257,7 @@ def _add_reindex(sub: SubParsers) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from ..plot import plot_timeline
+    from ..extras.plot import plot_timeline
 
     root = root_of(args)
     out = plot_timeline(root, task_id=args.task or tasks(root, None)[0], output=args.output)

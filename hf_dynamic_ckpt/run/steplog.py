@@ -1,7 +1,7 @@
 """The run's timeline file: one JSON line per optimizer step, plus events (resume, ...).
 
 ``<root>/<task>/timeline.jsonl`` is written by rank 0 of the `RunOrchestrator` (`TimelineWriter`)
-and read by `plot` and the demo (`read_timeline`). Each step row holds the reduced signals,
+and read by `extras.plot` and the demo (`read_timeline`). Each step row holds the reduced signals,
 the smoothed risk (`risk`), the step's raw risk (`beta`) and the saves taken during the step
 (with their `kind`); a resume adds an ``{"event": "resume", ...}`` line, which starts a new
 segment when read back. Numbers are

@@ -89,7 +89,8 @@ def test_trainer_fsdp_arguments_are_refused_by_version_only():
 def test_trainer_with_deepspeed_args_fails_at_train_begin_without_a_save(tmp_path: Path):
     from transformers import Trainer, TrainingArguments
 
-    from hf_dynamic_ckpt import SmartCkptCallback, toy
+    from hf_dynamic_ckpt import SmartCkptCallback
+    from hf_dynamic_ckpt.extras import toy
 
     model = toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,

@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig, toy
+from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
+from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.policy.features import FEATURE_NAMES
 from hf_dynamic_ckpt.policy.learned import MODEL_FORMAT, MODEL_VERSION
 

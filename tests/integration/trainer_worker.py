@@ -38,7 +38,7 @@ class PlainLM(torch.nn.Module):
 
 
 def build_model(kind: str, tie: bool = False) -> torch.nn.Module:
-    from hf_dynamic_ckpt import toy
+    from hf_dynamic_ckpt.extras import toy
 
     if kind == "plain":
         with torch.random.fork_rng(devices=[]):
@@ -93,8 +93,9 @@ def main() -> None:
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint, toy
+    from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
     from hf_dynamic_ckpt.errors import RollbackError
+    from hf_dynamic_ckpt.extras import toy
 
     rank = int(os.environ.get("RANK", "0"))
     if args.slow_snapshot_rank is not None and rank == args.slow_snapshot_rank:

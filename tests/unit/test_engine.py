@@ -367,7 +367,7 @@ def test_process_mode_falls_back_to_thread_when_dev_shm_is_too_small(store, capl
 
 
 def test_tied_embeddings_are_stored_once_through_the_engine(store):
-    from hf_dynamic_ckpt.toy import tiny_qwen2
+    from hf_dynamic_ckpt.extras.toy import tiny_qwen2
 
     model = tiny_qwen2(seed=0, hidden_size=16, num_layers=1, vocab_size=64, tie_word_embeddings=True)
     with SaveEngine(store) as engine:

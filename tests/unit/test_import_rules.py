@@ -7,6 +7,8 @@ annotations is still a reference back). Rules:
 - no import cycles, and no module imports the package root;
 - each area imports only what its layer allows (`ALLOWED`): the stores, state, signals, policy and
   engine never know the run's orchestration (`run/`), and the integrations use its public surface;
+- the core (every module outside `extras/`) never imports `extras/` (the demo, toy models, plot),
+  except at the sites of `EXTRAS_SITES`, each a lazy import inside the one function that needs it;
 - no module imports another module's `_private` name, and no code reads `obj._name` of an object
   of this package other than `self` / `cls` (third-party internals the library must touch are
   listed in `THIRD_PARTY_PRIVATE`).
@@ -33,6 +35,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "integrations": ("integrations", "run.orchestrator", "run.savelog", "run.rollback", "state", "config",
                      "constants", "errors", "distributed", "jsonutil", "store.types", "store.spec", "policy.decision",
                      "export"),
+}
+
+# The only places the core imports `extras/`: (core module, extras module) -> why. Each import sits inside the
+# one function that needs it, so importing the core never loads an extra.
+EXTRAS_SITES: dict[tuple[str, str], str] = {
+    # `hf-dynamic-ckpt plot ROOT` is a documented command; the figure code is an extra (matplotlib).
+    ("hf_dynamic_ckpt.cli.inspect", "hf_dynamic_ckpt.extras.plot"): "the `plot` command",
 }
 
 # Private attributes of other libraries' objects the library must read or call (there is no public API).
@@ -139,6 +148,16 @@ def test_no_module_imports_the_package_root() -> None:
     assert offenders == [], f"modules importing the package root (an arrow running up): {offenders}"
 
 
+def _is_extra(module: str) -> bool:
+    return module == f"{PKG}.extras" or module.startswith(f"{PKG}.extras.")
+
+
+def test_the_core_does_not_import_the_extras() -> None:
+    found = {(m, dep) for m, deps in _graph().items() if not _is_extra(m) for dep in deps if _is_extra(dep)}
+    assert sorted(found - set(EXTRAS_SITES)) == [], "core modules importing extras/ (move the code, or the import)"
+    assert sorted(set(EXTRAS_SITES) - found) == [], "EXTRAS_SITES names an import that is gone: drop it"
+
+
 def test_areas_import_only_what_their_layer_allows() -> None:
     problems = []
     for module, deps in _graph().items():
@@ -147,6 +166,8 @@ def test_areas_import_only_what_their_layer_allows() -> None:
         if allowed is None:
             continue
         for dep in sorted(deps):
+            if (module, dep) in EXTRAS_SITES:  # checked by test_the_core_does_not_import_the_extras
+                continue
             rel = dep.removeprefix(PKG + ".")
             if dep == PKG or not any(rel == a or rel.startswith(a + ".") for a in allowed):
                 problems.append(f"{module} -> {dep}")
@@ -167,6 +188,23 @@ def _absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
 
 def _private(attr: str) -> bool:
     return attr.startswith("_") and not attr.startswith("__")
+
+
+def test_the_extras_sites_import_inside_a_function() -> None:
+    mods = _modules()
+    problems = []
+    for module in sorted({m for m, _ in EXTRAS_SITES}):
+        tree = ast.parse(mods[module].read_text(encoding="utf-8"))
+        inside = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                  for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if id(node) in inside:
+                continue
+            if (isinstance(node, ast.ImportFrom) and _is_extra(_absolute(module, mods[module], node))) or \
+                    (isinstance(node, ast.Import) and any(_is_extra(a.name) for a in node.names)):
+                problems.append(f"{module}:{node.lineno}")
+    assert problems == [], "extras imported at module level (importing the core would load them):\n" + \
+        "\n".join(problems)
 
 
 def test_no_module_imports_another_modules_private_names() -> None:

@@ -12,7 +12,6 @@ import torch
 from helpers import save_state
 from safetensors import safe_open
 
-from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.constants import (
     BLOBS_DIR,
     MANIFEST_NAME,
@@ -31,6 +30,7 @@ from hf_dynamic_ckpt.errors import (
     DynamicCkptError,
     FormatVersionError,
 )
+from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.state.rng import capture_rng_state, restore_rng_state
 from hf_dynamic_ckpt.store import BlobRef, CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store.blobs import tensor_digest

@@ -16,8 +16,8 @@ from helpers import save_state
 
 import hf_dynamic_ckpt.store.parallel as parallel
 import hf_dynamic_ckpt.store.tensorpack_format as tpf
-from hf_dynamic_ckpt import toy
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
+from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.store.byteplanes import group, ungroup_into
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.parallel import resolve_threads

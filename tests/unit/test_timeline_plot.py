@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import TIMELINE_NAME
-from hf_dynamic_ckpt.plot import ROLLBACK_COLOUR, plot_timeline, timeline_figure
+from hf_dynamic_ckpt.extras.plot import ROLLBACK_COLOUR, plot_timeline, timeline_figure
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 from hf_dynamic_ckpt.store.spec import Lineage
 

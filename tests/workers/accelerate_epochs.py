@@ -65,7 +65,7 @@ def _build(data: str, workers: int, persistent: bool, adapter_seed: int) -> tupl
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from hf_dynamic_ckpt import toy
+    from hf_dynamic_ckpt.extras import toy
 
     accelerator = Accelerator(cpu=True)
     world = accelerator.num_processes

@@ -54,7 +54,8 @@ def main() -> None:
     from accelerate.utils import set_seed
     from safetensors.torch import save_file
 
-    from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig, toy
+    from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
+    from hf_dynamic_ckpt.extras import toy
     from hf_dynamic_ckpt.state import trainable_state_dict
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)

@@ -30,7 +30,7 @@ RESUME_POINTS = (8, 12, 16)  # mid-epoch, the epoch boundary, mid-epoch of the s
 
 
 def _model(kind: str, seed: int) -> torch.nn.Module:
-    from hf_dynamic_ckpt import toy
+    from hf_dynamic_ckpt.extras import toy
 
     model = toy.tiny_qwen2(seed=0 if kind == "lora" else seed, vocab_size=128, hidden_size=32, dropout=0.1)
     return toy.lora(model, r=4, dropout=0.1, seed=seed) if kind == "lora" else model
@@ -40,7 +40,8 @@ def _train(args: argparse.Namespace, out: Path, *, seed: int, resume: str | None
            ) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint, toy
+    from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
+    from hf_dynamic_ckpt.extras import toy
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = _model(args.model, seed)

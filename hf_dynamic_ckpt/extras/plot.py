@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .constants import DEFAULT_TASK_ID
-from .run.steplog import read_timeline
+from ..constants import DEFAULT_TASK_ID
+from ..run.steplog import read_timeline
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -58,8 +58,8 @@ def _save_kind(save: dict[str, Any]) -> str:
 def _unlisted_checkpoints(root: str | os.PathLike[str], task_id: str, listed: set[int]) -> list[dict[str, Any]]:
     """The store's checkpoints whose step the step log lists no save of (the save at train end comes after the
     last step's row), as ``{"step", "reason"}``."""
-    from .errors import DynamicCkptError
-    from .store.store import CheckpointStore
+    from ..errors import DynamicCkptError
+    from ..store.store import CheckpointStore
 
     try:
         with CheckpointStore(root, task_id=task_id, cleanup=False, read_only=True) as store:

@@ -10,7 +10,7 @@ inside the functions that need them.
 
 Example:
     ```python
-    >>> from hf_dynamic_ckpt import toy
+    >>> from hf_dynamic_ckpt.extras import toy
     >>> texts = toy.text_corpus(max_chars=50_000)
     >>> tok = toy.train_tokenizer(texts, vocab_size=512)
     >>> ds = toy.lm_dataset(tok, texts, seq_len=32, num_examples=64)
