@@ -11,7 +11,7 @@ memory ramp: onset = the step memory crosses 92 %) and lead time (onset - the ne
 step). On the calm runs: false saves (saves of any kind but the regular interval) per 1000
 steps and pinned false captures. Overall: saves per 1000 steps and bytes written (weights =
 4 bytes per trainable parameter, optimizer = AdamW's two moments + 1 KiB, state 4 KiB).
-A second table injects anomalies (`signals.traces.inject_anomaly`) into the held-out calm
+A second table injects anomalies (`extras.traces.inject_anomaly`) into the held-out calm
 runs at 8 onsets each, for more onsets per kind. Last: the model's CPU time per step.
 
 Usage: python scripts/eval_decision_model.py [--model builtin] [--split test] [--k 5]
@@ -32,11 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import Tier
+from hf_dynamic_ckpt.extras.corpus import CAPTURE_K, CorpusRun, load_corpus
+from hf_dynamic_ckpt.extras.learned import LearnedCheck, load_model
+from hf_dynamic_ckpt.extras.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.policy import DecisionKind, RulePolicy
-from hf_dynamic_ckpt.policy.corpus import CAPTURE_K, CorpusRun, load_corpus
-from hf_dynamic_ckpt.policy.learned import LearnedCheck, load_model
 from hf_dynamic_ckpt.signals.frame import SignalFrame
-from hf_dynamic_ckpt.signals.traces import RecordedTrace, inject_anomaly
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "corpus.jsonl.gz"
 KINDS = ("loss_x", "bad_batch", "lora_explosion", "lr_surge", "nan_grad", "memory_ramp")

@@ -20,12 +20,12 @@ Two outputs:
 - the named runs (`RUNS`) -> `tests/data/traces/<name>.jsonl`, one header object (run
   settings, layer names, onsets), then one compact row per step `[step, loss, grad_norm, lr,
   [layer norms]]` with 4 significant digits, non-finite numbers as `"nan"` / `"inf"`; read
-  them with `hf_dynamic_ckpt.signals.traces.load_trace`.
+  them with `hf_dynamic_ckpt.extras.traces.load_trace`.
 - `--corpus`: the learned model's training corpus (`corpus_runs()`: 216 runs drawn from a
   seed, split by run into train / validation / test; the test runs use model shapes and
   onset steps the others do not) -> `tests/data/traces/corpus.jsonl.gz`, one JSON object per
   run `{"header", "rows", "mem_frac", "step_time_s"}`; read it with
-  `hf_dynamic_ckpt.policy.corpus.load_corpus`. Runs are cached one file each under
+  `hf_dynamic_ckpt.extras.corpus.load_corpus`. Runs are cached one file each under
   `--cache` (a re-run records only the missing ones) and packed in name order.
 
 Usage:

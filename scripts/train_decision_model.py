@@ -2,12 +2,12 @@
 
 Reads `tests/data/traces/corpus.jsonl.gz` (`scripts/record_traces.py --corpus`), computes the
 12 features of every step with the library's own `FeatureExtractor` on the replayed frames
-(exactly what the policy computes online), labels every step (`policy.corpus`), and trains
+(exactly what the policy computes online), labels every step (`extras.corpus`), and trains
 `torch.nn.LSTM(12, 32, num_layers=2)` with two heads: `save_score` (sigmoid, BCE with a
 positive weight) and granularity (4 classes, cross-entropy on the labelled steps).
 
 Data: the `train` runs, plus augmented copies of the calm `train` runs with anomalies injected
-by `signals.traces.inject_anomaly` (a loss spike x`f`, a NaN gradient, an lr surge, at random
+by `extras.traces.inject_anomaly` (a loss spike x`f`, a NaN gradient, an lr surge, at random
 steps: exact up to the onset, which is all a capture reads), LoRA layer explosions (exact: the
 layer's norm x f and the global norm from the sum of squares) and approximate corrupt batches
 (loss x1.1-1.6 and gradient norms x2-8 for one step, the range measured on the corpus's
@@ -16,7 +16,7 @@ epoch (lowest validation save-score loss) and calibrate the veto threshold: half
 gives a validation onset that the rules capture (so no such capture would be vetoed), at most 0.05.
 The `test` runs are never read here (`scripts/eval_decision_model.py` reports on them).
 
-Output: `hf_dynamic_ckpt/policy/decision_model.safetensors` (safetensors, float32, with the
+Output: `hf_dynamic_ckpt/extras/decision_model.safetensors` (safetensors, float32, with the
 feature names, normalisation, thresholds and a training summary in its metadata).
 
 Usage: nice -n 10 python scripts/train_decision_model.py [--epochs 60] [--seed 0] [--out PATH]
@@ -40,11 +40,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hf_dynamic_ckpt.config import SmartCkptConfig
+from hf_dynamic_ckpt.extras.corpus import CAPTURE_K, CorpusRun, load_corpus
+from hf_dynamic_ckpt.extras.features import FEATURE_NAMES, NUM_FEATURES, FeatureExtractor
+from hf_dynamic_ckpt.extras.learned import BUILTIN_PATH, MODEL_FORMAT, MODEL_VERSION, SAVE_THRESHOLD
+from hf_dynamic_ckpt.extras.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.policy import RulePolicy
-from hf_dynamic_ckpt.policy.corpus import CAPTURE_K, CorpusRun, load_corpus
-from hf_dynamic_ckpt.policy.features import FEATURE_NAMES, NUM_FEATURES, FeatureExtractor
-from hf_dynamic_ckpt.policy.learned import BUILTIN_PATH, MODEL_FORMAT, MODEL_VERSION, SAVE_THRESHOLD
-from hf_dynamic_ckpt.signals.traces import RecordedTrace, inject_anomaly
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "traces" / "corpus.jsonl.gz"

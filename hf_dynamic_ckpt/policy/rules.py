@@ -8,14 +8,16 @@ decisions. See `docs/policy.md` for the formulas and every knob.
 `RulePolicy` composes small parts, each with its own state dict: `Baselines` (the running
 statistics), `Cadence` (interval, save cost, budget), `RiskSmoother`, and the triggers
 (`CaptureTrigger`, `PreemptionTrigger`, `RiskEdgeTrigger`, `MemoryRampTrigger`, `Health`).
+An optional `DoubleCheck` sits next to the rules: the learned model of `learned_model`
+(`extras.learned`), or any object with its methods.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
@@ -28,14 +30,35 @@ from .capture import CaptureTrigger, capture_rule
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
 from .triggers import Health, MemoryRampTrigger, PreemptionTrigger, RiskEdgeTrigger, RiskSmoother
 
-if TYPE_CHECKING:
-    from .learned import DecisionModel, LearnedCheck
-
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2  # 2: composed parts; 1: flat fields (an older release), loaded as a fresh warm-up
 HISTORY_STEPS = 100
 DECISION_HISTORY = 1000
+
+
+class DoubleCheck(Protocol):
+    """A second opinion next to the rules, with its own per-step state (part of the policy state).
+
+    The rules stay the safety net: a double-check may veto a soft rule's capture or ask for an early
+    save, never drop a hard one. `RulePolicy` calls `review` and `capture` in `pre_update`,
+    `after_update` in `decide`, and saves its state under the key `"learned"`.
+    """
+
+    def review(self, frame: SignalFrame, rule: str | None, loss_baseline: float | None
+               ) -> tuple[str | None, Any, str | None]:
+        """The capture rule after a veto, an early-capture request to pass to `capture` (or None), a veto's log line."""
+
+    def capture(self, frame: SignalFrame, early: Any, risk: float, interval: float, cooldown: int) -> Decision | None:
+        """The pre-update capture `early` (from `review`) asks for, or None."""
+
+    def after_update(self, frame: SignalFrame, decision: Decision, *, healthy: bool, last_save: int | None,
+                     config: SmartCkptConfig) -> Decision:
+        """The rules' decision after the update, kept or changed."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class RulePolicy:
@@ -57,6 +80,8 @@ class RulePolicy:
 
     Args:
         config (`SmartCkptConfig`, *optional*): knobs; defaults to `SmartCkptConfig()`.
+        double_check (`Callable[[], DoubleCheck]`, *optional*): makes a fresh `DoubleCheck` (one per
+            policy state); defaults to the learned model of `config.learned_model`, or none when unset.
 
     Example:
         ```python
@@ -74,21 +99,24 @@ class RulePolicy:
     edge: RiskEdgeTrigger
     memory: MemoryRampTrigger
     health: Health
-    learned: LearnedCheck | None
-    """The learned double-check (`learned_model`); `None`: rules only."""
+    learned: DoubleCheck | None
+    """The double-check (by default the learned model of `learned_model`); `None`: rules only."""
     history: deque[dict[str, Any]]
     decisions: deque[dict[str, Any]]
     _judged: tuple[tuple[Any, ...], Assessment, str | None] | None  # pre_update's assessment, for decide
 
-    def __init__(self, config: SmartCkptConfig | None = None) -> None:
+    def __init__(self, config: SmartCkptConfig | None = None, *,
+                 double_check: Callable[[], DoubleCheck] | None = None) -> None:
         self.config = config or SmartCkptConfig()
         c = self.config
         self.cooldown = c.capture_cooldown if c.capture_cooldown is not None else c.stability_window
-        self._model: DecisionModel | None = None
-        if c.learned_model is not None:
-            from .learned import load_model
+        if double_check is None and c.learned_model is not None:
+            # The core's one import of `extras/` outside the CLI (tests/unit/test_import_rules.py names it): the
+            # documented `learned_model` key names a model file, and only the learned double-check reads one.
+            from ..extras.learned import check_factory
 
-            self._model = load_model(c.learned_model)
+            double_check = check_factory(c.learned_model)
+        self._new_check = double_check
         self._use(self._new_parts(), suppressed=(), history=(), decisions=())
         self._pre_step: int | None = None  # step whose pre_update ran (transient: within one step)
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
@@ -316,10 +344,8 @@ class RulePolicy:
             "capture": CaptureTrigger(), "preemption": PreemptionTrigger(), "edge": RiskEdgeTrigger(),
             "memory": MemoryRampTrigger(), "health": Health(),
         }
-        if self._model is not None:
-            from .learned import LearnedCheck
-
-            parts["learned"] = LearnedCheck(self._model)
+        if self._new_check is not None:
+            parts["learned"] = self._new_check()
         return parts
 
     def _use(self, parts: dict[str, Any], *, suppressed: Iterable[str], history: Iterable[dict[str, Any]],

@@ -19,8 +19,8 @@ from safetensors.numpy import save_file
 
 from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
 from hf_dynamic_ckpt.extras import toy
-from hf_dynamic_ckpt.policy.features import FEATURE_NAMES
-from hf_dynamic_ckpt.policy.learned import MODEL_FORMAT, MODEL_VERSION
+from hf_dynamic_ckpt.extras.features import FEATURE_NAMES
+from hf_dynamic_ckpt.extras.learned import MODEL_FORMAT, MODEL_VERSION
 
 pytestmark = pytest.mark.integration
 

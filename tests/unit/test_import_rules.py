@@ -7,8 +7,9 @@ annotations is still a reference back). Rules:
 - no import cycles, and no module imports the package root;
 - each area imports only what its layer allows (`ALLOWED`): the stores, state, signals, policy and
   engine never know the run's orchestration (`run/`), and the integrations use its public surface;
-- the core (every module outside `extras/`) never imports `extras/` (the demo, toy models, plot),
-  except at the sites of `EXTRAS_SITES`, each a lazy import inside the one function that needs it;
+- the core (every module outside `extras/`) never imports `extras/` (the demo, toy models, plot, the
+  learned double-check), except at the sites of `EXTRAS_SITES`, each a lazy import inside the one
+  function that needs it;
 - no module imports another module's `_private` name, and no code reads `obj._name` of an object
   of this package other than `self` / `cls` (third-party internals the library must touch are
   listed in `THIRD_PARTY_PRIVATE`).
@@ -42,6 +43,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 EXTRAS_SITES: dict[tuple[str, str], str] = {
     # `hf-dynamic-ckpt plot ROOT` is a documented command; the figure code is an extra (matplotlib).
     ("hf_dynamic_ckpt.cli.inspect", "hf_dynamic_ckpt.extras.plot"): "the `plot` command",
+    # The documented `learned_model` key names a model file only the learned double-check reads; the policy
+    # takes that check as a `policy.rules.DoubleCheck` (a protocol), so this import is the one tie.
+    ("hf_dynamic_ckpt.policy.rules", "hf_dynamic_ckpt.extras.learned"): "the `learned_model` key",
 }
 
 # Private attributes of other libraries' objects the library must read or call (there is no public API).

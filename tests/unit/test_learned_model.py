@@ -21,10 +21,9 @@ from safetensors.numpy import save_file
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.policy import MINIMAL_TIERS, DecisionKind, RulePolicy
-from hf_dynamic_ckpt.policy.corpus import CorpusRun, load_corpus
-from hf_dynamic_ckpt.policy.features import CLIP, FEATURE_NAMES, FeatureExtractor
-from hf_dynamic_ckpt.policy.learned import (
+from hf_dynamic_ckpt.extras.corpus import CorpusRun, load_corpus
+from hf_dynamic_ckpt.extras.features import CLIP, FEATURE_NAMES, FeatureExtractor
+from hf_dynamic_ckpt.extras.learned import (
     BUILTIN_PATH,
     MODEL_FORMAT,
     MODEL_VERSION,
@@ -33,6 +32,7 @@ from hf_dynamic_ckpt.policy.learned import (
     LearnedCheck,
     load_model,
 )
+from hf_dynamic_ckpt.policy import MINIMAL_TIERS, DecisionKind, RulePolicy
 from hf_dynamic_ckpt.signals.frame import SignalFrame
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,7 +209,7 @@ def test_builtin_model_file_is_small_safetensors_in_package_data() -> None:
     assert model.hidden == 32 and 0.0 < model.veto_threshold <= 0.05
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
-    assert "policy/decision_model.safetensors" in cfg["options.package_data"]["hf_dynamic_ckpt"]
+    assert "extras/decision_model.safetensors" in cfg["options.package_data"]["hf_dynamic_ckpt"]
 
 
 # ---------------------------------------------------------------------- the role
@@ -362,7 +362,7 @@ def test_corpus_is_small_split_by_run_and_holds_out_shapes_and_timings(corpus: l
 
 
 def test_corpus_frames_are_what_replay_frames_gives(corpus: list[CorpusRun]) -> None:
-    from hf_dynamic_ckpt.signals.traces import RecordedTrace, replay_frames
+    from hf_dynamic_ckpt.extras.traces import RecordedTrace, replay_frames
 
     for run in (next(r for r in corpus if r.kind == "lora_explosion"), next(r for r in corpus if r.kind == "nan_grad")):
         mine = run.frames()

@@ -12,10 +12,10 @@ from test_policy import calm, run
 
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.errors import ConfigError
+from hf_dynamic_ckpt.extras.traces import load_trace, replay_frames
 from hf_dynamic_ckpt.policy import Decision, DecisionKind, RulePolicy
 from hf_dynamic_ckpt.policy.capture import CaptureTrigger
 from hf_dynamic_ckpt.signals.frame import SignalFrame
-from hf_dynamic_ckpt.signals.traces import load_trace, replay_frames
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 POLICY_DIR = Path(__file__).resolve().parents[2] / "hf_dynamic_ckpt" / "policy"

@@ -13,8 +13,8 @@ import pytest
 from test_policy import run  # pre_update then decide per step, like the checkpointer
 
 from hf_dynamic_ckpt.config import SmartCkptConfig
+from hf_dynamic_ckpt.extras.traces import load_trace, replay_frames
 from hf_dynamic_ckpt.policy import Decision, RulePolicy
-from hf_dynamic_ckpt.signals.traces import load_trace, replay_frames
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 CALM = sorted(p.name for p in TRACES.glob("calm_*.jsonl"))

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from .frame import SignalFrame
-from .stats import LayerBaselines
+from ..signals.frame import SignalFrame
+from ..signals.stats import LayerBaselines
 
 
 @dataclass

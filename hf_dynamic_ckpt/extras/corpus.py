@@ -4,7 +4,7 @@
 full and LoRA, several lr, batch sizes, seeds, with and without clipping; a quarter calm,
 the rest with one injected anomaly each) into `tests/data/traces/corpus.jsonl.gz`: one JSON
 object per run, `{"header", "rows", "mem_frac", "step_time_s"}`, the rows in the format of
-`signals.traces` (`[step, loss, grad_norm, lr, [LoRA layer norms]]`). The header names the
+`extras.traces` (`[step, loss, grad_norm, lr, [LoRA layer norms]]`). The header names the
 run's split (`train` / `validation` / `test`, by run) and its anomalies.
 
 Labels, per step `t` (the frame of step `t` is judged before its update, so saving then keeps
@@ -80,7 +80,7 @@ class CorpusRun:
         return out
 
     def frames(self) -> list[SignalFrame]:
-        """The frames the checkpointer would have built (as `signals.traces.replay_frames`, plus memory
+        """The frames the checkpointer would have built (as `extras.traces.replay_frames`, plus memory
         every `MEMORY_EVERY` steps and the step time)."""
         baselines = LayerBaselines()
         names = list(self.header["layers"])

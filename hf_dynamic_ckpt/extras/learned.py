@@ -13,10 +13,13 @@ same on every rank), for a `save_score` in [0, 1] and a granularity:
   (non-finite values, a loss explosion >= `HARD_LOSS_RATIO` x its baseline) are never vetoed;
 - on a rule's risk-edge save, a cheaper granularity than the rule's tier set is taken.
 
-Model file: safetensors only (never a pickle), `hf_dynamic_ckpt/policy/decision_model.safetensors`
+Model file: safetensors only (never a pickle), `hf_dynamic_ckpt/extras/decision_model.safetensors`
 for `learned_model="builtin"`, written by `scripts/train_decision_model.py`; see
 `docs/decision_model.md` (features, data, training, metrics, limits). Inference is numpy
 (float64, a few small matrix-vector products, ~30-60 us per step on CPU).
+
+The policy knows this module only as a `policy.rules.DoubleCheck`: `RulePolicy` imports
+`check_factory` when `learned_model` is set, and nothing else of the core imports it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +41,8 @@ import numpy as np
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
+from ..policy.decision import MINIMAL_TIERS, Decision, DecisionKind
 from ..signals.frame import SignalFrame
-from .decision import MINIMAL_TIERS, Decision, DecisionKind
 from .features import FEATURE_NAMES, NUM_FEATURES, FeatureExtractor
 
 logger = logging.getLogger(__name__)
@@ -209,6 +213,15 @@ def _load(path: str, mtime_ns: int, size: int) -> DecisionModel:
         raise ConfigError(f"learned_model {path} was trained on features {names}, this library computes "
                           f"{list(FEATURE_NAMES)}: retrain it with scripts/train_decision_model.py.")
     return DecisionModel(tensors, metadata, source=f"learned_model {path}")
+
+
+def check_factory(spec: str | os.PathLike[str]) -> Callable[[], LearnedCheck]:
+    """What `RulePolicy` uses for `learned_model=spec`: the model loaded now (errors now), a fresh check per call.
+
+    Raises:
+        `ConfigError`: as `load_model`.
+    """
+    return functools.partial(LearnedCheck, load_model(spec))
 
 
 class LearnedCheck:
