@@ -1,31 +1,37 @@
-"""SQLite index of committed checkpoints (``<root>/catalog.db``, WAL mode).
+"""SQLite index of committed checkpoints (``<root>/catalog.db``, WAL mode), and the one place that
+reconciles it with the manifests.
 
-The catalog is only an index: the manifests are the truth and `Catalog.replace_all`
-(driven by `CheckpointStore.reindex`) rebuilds it from them. WAL mode lets readers (a
-resume, the CLI) query while a writer (the background save thread) commits a row; every
-connection waits up to `busy_timeout_ms` for a lock instead of failing.
+The catalog is only an index: the manifests are the truth. `Catalog.sync` brings a task's
+rows in line with its directories (deciding staleness from each manifest's identity,
+`manifest_sig`), `Catalog.rebuild` replaces them with what the manifests say; nothing else
+compares rows with the disk. WAL mode lets a resume query while a writer (the background
+save thread) commits a row; every connection waits up to `busy_timeout_ms` for a lock.
+
+Only a writer changes the file. A reader works on `Catalog.snapshot`, an in-memory copy of
+the file (opened without creating or locking anything), synced in memory.
 
 Table `checkpoints` holds one row per checkpoint (the columns `CheckpointInfo` needs to
 rank and list); table `checkpoint_details` holds, per row, the manifest's blob table, the
 lineage and the abandoned flag as JSON/ints, so `list()` never reads a manifest. A row's
 `file_path` is informative only: `CheckpointStore` derives every path from the step.
-`Catalog.in_memory()` is the same index without a file, for read-only stores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..constants import STEP_DIR_PREFIX, Tier
+from ..constants import MANIFEST_NAME, PINNED_MARKER, STEP_DIR_PREFIX, Tier
 from ..jsonutil import loads_bounded
+from .fs import lstat
 from .spec import Lineage
 from .types import CheckpointInfo
 
@@ -72,8 +78,6 @@ CREATE TABLE IF NOT EXISTS checkpoint_details (
 );
 """
 DETAIL_COLUMNS = ("task_id", "step", "blobs", "lineage", "abandoned", "manifest_sig")
-Sigs = Mapping[tuple[str, int], str | None]
-"""(task, step) -> identity of the manifest file the row was built from (`task.manifest_sig`)."""
 
 COLUMNS = (
     "task_id",
@@ -93,12 +97,28 @@ COLUMNS = (
 )
 
 
+def manifest_sig(directory: Path) -> str | None:
+    """Identity of a checkpoint's manifest file and pin marker (inode, size, mtime), without reading them."""
+    st = lstat(directory / MANIFEST_NAME)
+    if st is None:
+        return None
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{int(lstat(directory / PINNED_MARKER) is not None)}"
+
+
 def encode_tiers(tiers: Iterable[Tier]) -> str:
     return ",".join(sorted(Tier(t).value for t in tiers))
 
 
 def decode_tiers(text: str) -> frozenset[Tier]:
     return frozenset(Tier(t) for t in text.split(",") if t)
+
+
+def _differs(row: dict[str, Any], info: CheckpointInfo) -> bool:
+    return (float(row["save_time"]) != info.save_time or bool(row["healthy"]) != info.healthy
+            or bool(row["pinned"]) != info.pinned or row["tiers"] != encode_tiers(info.tiers)
+            or int(row["bytes"]) != info.bytes or row.get("d_blobs") is None
+            or bool(row.get("d_abandoned")) != info.abandoned
+            or (row["status"] != info.status and not (row["status"] == STATUS_CORRUPT and info.status == STATUS_OK)))
 
 
 class JSONMapping(Mapping[str, Any]):
@@ -230,6 +250,37 @@ class Catalog:
         """A catalog that lives only in this process (read-only stores: nothing is written to disk)."""
         return cls(None)
 
+    @classmethod
+    def snapshot(cls, path: str | os.PathLike[str]) -> Catalog:
+        """An in-memory copy of the catalog file at `path`, for a reader: the file is never written.
+
+        The file is opened read-only without creating anything next to it: through SQLite's
+        shared memory when a writer has it open (its ``-wal`` and ``-shm`` exist, so the copy
+        includes what the writer has not checkpointed yet), otherwise as an immutable file. A
+        missing, unreadable or foreign file gives an empty copy; either way the copy is then
+        synced with the manifests (`sync`), which are the truth.
+        """
+        cat = cls(None)
+        path = Path(path)
+        live = all(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm"))
+        uri = f"{path.absolute().as_uri()}?{'mode=ro' if live else 'immutable=1'}"
+        try:
+            if not path.is_file():
+                return cat
+            src = sqlite3.connect(uri, uri=True, timeout=cat.busy_timeout_ms / 1000.0)
+            try:
+                version = src.execute("PRAGMA user_version").fetchone()[0]
+                if version == SCHEMA_VERSION:
+                    src.backup(cat._db())
+            finally:
+                src.close()
+            cat._db().executescript(_DETAILS)
+        except sqlite3.Error as e:  # torn or foreign: the manifests fill an empty copy
+            logger.debug("catalog %s not copied (%s); reading the manifests instead", path, e)
+            cat.close()
+            cat = cls(None)
+        return cat
+
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
             raise RuntimeError(f"catalog {self.path} is closed; open a new CheckpointStore.")
@@ -259,41 +310,21 @@ class Catalog:
                 db.execute("ROLLBACK")
                 raise
 
-    def upsert(self, info: CheckpointInfo, *, root: str | os.PathLike[str], sig: str | None = None) -> None:
+    def upsert(self, info: CheckpointInfo, *, root: str | os.PathLike[str]) -> None:
         """Insert or replace the row of ``(info.task_id, info.step)`` and its details, in one transaction."""
-        self.upsert_many([info], root=root, sigs={(info.task_id, info.step): sig})
+        self.upsert_many([info], root=root)
 
-    def upsert_many(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str],
-                    sigs: Sigs | None = None) -> None:
-        """`upsert` of several rows in one transaction."""
-        infos = list(infos)
+    def upsert_many(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str]) -> None:
+        """`upsert` of several rows in one transaction (each row remembers its manifest's `manifest_sig`)."""
+        self._transaction(lambda db: self._upsert(db, list(infos), root))
+
+    def _upsert(self, db: sqlite3.Connection, infos: list[CheckpointInfo], root: str | os.PathLike[str]) -> None:
         updates = ", ".join(f"{c}=excluded.{c}" for c in COLUMNS if c not in ("task_id", "step"))
-        sql = (f"INSERT INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
-               f"ON CONFLICT(task_id, step) DO UPDATE SET {updates}")
-
-        def work(db: sqlite3.Connection) -> None:
-            db.executemany(sql, [self._row_values(i, root) for i in infos])
-            db.executemany(f"INSERT OR REPLACE INTO checkpoint_details ({', '.join(DETAIL_COLUMNS)}) VALUES "
-                           f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i, sigs) for i in infos])
-
-        self._transaction(work)
-
-    def replace_all(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str],
-                    task_id: str | None = None, sigs: Sigs | None = None) -> int:
-        """Delete every row (of `task_id`, or all) and insert `infos`, in one transaction (readers see old or new)."""
-        infos = sorted(infos, key=lambda i: (i.task_id, i.step))
-        where, args = (" WHERE task_id=?", (task_id,)) if task_id is not None else ("", ())
-
-        def work(db: sqlite3.Connection) -> None:
-            db.execute("DELETE FROM checkpoints" + where, args)
-            db.execute("DELETE FROM checkpoint_details" + where, args)
-            db.executemany(f"INSERT INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})",
-                           [self._row_values(i, root) for i in infos])
-            db.executemany(f"INSERT INTO checkpoint_details ({', '.join(DETAIL_COLUMNS)}) VALUES "
-                           f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i, sigs) for i in infos])
-
-        self._transaction(work)
-        return len(infos)
+        db.executemany(f"INSERT INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)}) "
+                       f"ON CONFLICT(task_id, step) DO UPDATE SET {updates}",
+                       [self._row_values(i, root) for i in infos])
+        db.executemany(f"INSERT OR REPLACE INTO checkpoint_details ({', '.join(DETAIL_COLUMNS)}) VALUES "
+                       f"({', '.join('?' for _ in DETAIL_COLUMNS)})", [self._detail_values(i) for i in infos])
 
     def set_status(self, task_id: str, step: int, status: str) -> None:
         if status not in STATUSES:
@@ -307,6 +338,110 @@ class Catalog:
             db.execute("DELETE FROM checkpoint_details WHERE task_id=? AND step=?", (task_id, step))
 
         self._transaction(work)
+
+    # -- reconciliation with the manifests ------------------------------------------------------
+    def sync(self, task_id: str, *, root: str | os.PathLike[str], committed: Mapping[int, Path],
+             scan: Callable[[int, Path], CheckpointInfo | None], abandoned: Collection[tuple[int, float]],
+             recheck_hidden: bool = False, drop_missing: bool = False) -> None:
+        """Make the rows of `task_id` agree with its committed directories (the manifests are the truth).
+
+        A row stands as it is while it was built from the very manifest file and pin marker on
+        disk now (`manifest_sig`), is not marked ``"missing"`` and its abandoned flag agrees with
+        the timelines record. Otherwise the manifest is read (`scan`): a row is added for a
+        directory the catalog lacks (a crash between the rename and the row), rewritten when a
+        flag (health, pin, tiers, identity, abandoned) differs from the disk, and marked
+        ``"missing"`` when its directory or manifest is gone. A ``"corrupt"`` status (a file-level
+        finding of `verify`) stands while the checkpoint's save time is unchanged. Nothing is
+        written when the rows already agree.
+
+        Args:
+            committed (`Mapping[int, Path]`): the task's ``step-<N>`` directories (`Task.committed`).
+            scan (`Callable`): the checkpoint a directory's manifest describes, `None` without one.
+            abandoned (`Collection`): ``(step, save_time)`` of the abandoned checkpoints (timelines record).
+            recheck_hidden (`bool`, *optional*, defaults to `False`): also re-read a row whose flags hide
+                its checkpoint (unhealthy, corrupt), so that a stale flag never hides one.
+            drop_missing (`bool`, *optional*, defaults to `False`): delete the rows of steps whose directory
+                is gone instead of marking them ``"missing"`` (`gc`).
+        """
+        rows = {int(r["step"]): r for r in self.rows(task_id)}
+        updates: list[CheckpointInfo] = []
+        present: set[int] = set()
+        for step, path in committed.items():
+            row = rows.get(step)
+            if row is not None and not self._stale(row, path, abandoned, recheck_hidden):
+                present.add(step)
+                continue
+            info = scan(step, path)
+            if info is None:
+                continue
+            present.add(step)
+            if row is not None and row["status"] == STATUS_CORRUPT and float(row["save_time"]) == info.save_time:
+                info = dataclasses.replace(info, status=STATUS_CORRUPT)
+            if row is None or _differs(row, info):
+                updates.append(info)
+        dropped = [s for s in rows if s not in present and drop_missing and s not in committed]
+        missing = [s for s, r in rows.items()
+                   if s not in present and s not in dropped and r["status"] != STATUS_MISSING]
+        if not (updates or dropped or missing):
+            return
+
+        def work(db: sqlite3.Connection) -> None:
+            self._upsert(db, updates, root)
+            for table in ("checkpoints", "checkpoint_details"):
+                db.executemany(f"DELETE FROM {table} WHERE task_id=? AND step=?", [(task_id, s) for s in dropped])
+            db.executemany("UPDATE checkpoints SET status=? WHERE task_id=? AND step=?",
+                           [(STATUS_MISSING, task_id, s) for s in missing])
+
+        self._transaction(work)
+
+    @staticmethod
+    def _stale(row: dict[str, Any], path: Path, abandoned: Collection[tuple[int, float]], recheck_hidden: bool) -> bool:
+        hidden = not (row["healthy"] and row["status"] == STATUS_OK)
+        return (row.get("d_sig") is None or row["d_sig"] != manifest_sig(path) or row["status"] == STATUS_MISSING
+                or bool(row["d_abandoned"]) != ((int(row["step"]), float(row["save_time"])) in abandoned)
+                or (recheck_hidden and hidden))
+
+    @staticmethod
+    def record_statuses(path: str | os.PathLike[str], task_id: str, statuses: Mapping[int, str], *,
+                        busy_timeout_ms: int = 30_000) -> int:
+        """Write findings of `verify` (``{step: status}``) into the catalog file at `path`, for the rows whose
+        status differs; the one write of a command that otherwise only reads. Returns the rows changed.
+
+        Nothing is created: without a file there is nothing to record into. A rebuilt or synced row
+        keeps a ``"corrupt"`` status while its checkpoint is unchanged (`sync`).
+        """
+        for status in statuses.values():
+            if status not in STATUSES:
+                raise ValueError(f"status={status!r} is invalid: expected one of {STATUSES}.")
+        path = Path(path)
+        if not statuses or not path.is_file():
+            return 0
+        conn = sqlite3.connect(path, timeout=busy_timeout_ms / 1000.0, isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            conn.execute("BEGIN IMMEDIATE")
+            changed = sum(conn.execute("UPDATE checkpoints SET status=? WHERE task_id=? AND step=? AND status!=?",
+                                       (status, task_id, int(step), status)).rowcount
+                          for step, status in statuses.items())
+            conn.execute("COMMIT")
+            return changed
+        finally:
+            conn.close()
+
+    def rebuild(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str],
+                task_id: str | None = None) -> int:
+        """Replace every row (of `task_id`, or all) with `infos` read from the manifests, in one transaction
+        (readers see the old rows or the new ones). Returns the number of rows written."""
+        infos = sorted(infos, key=lambda i: (i.task_id, i.step))
+        where, args = (" WHERE task_id=?", (task_id,)) if task_id is not None else ("", ())
+
+        def work(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM checkpoints" + where, args)
+            db.execute("DELETE FROM checkpoint_details" + where, args)
+            self._upsert(db, infos, root)
+
+        self._transaction(work)
+        return len(infos)
 
     # -- reads ----------------------------------------------------------------------------
     _SELECT = ("SELECT c.*, d.blobs AS d_blobs, d.lineage AS d_lineage, d.abandoned AS d_abandoned, "
@@ -359,11 +494,10 @@ class Catalog:
         )
 
     @staticmethod
-    def _detail_values(info: CheckpointInfo, sigs: Sigs | None) -> tuple[Any, ...]:
+    def _detail_values(info: CheckpointInfo) -> tuple[Any, ...]:
         lineage = json.dumps(info.lineage.to_dict(), sort_keys=True) if info.lineage is not None else None
-        sig = (sigs or {}).get((info.task_id, info.step))
         return (info.task_id, int(info.step), json.dumps(dict(info.blobs), sort_keys=True), lineage,
-                int(info.abandoned), sig)
+                int(info.abandoned), manifest_sig(Path(info.path)))
 
     @staticmethod
     def to_info(row: dict[str, Any], *, root: str | os.PathLike[str], abandoned: bool | None = None) -> CheckpointInfo:

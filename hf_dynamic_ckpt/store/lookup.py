@@ -1,20 +1,18 @@
 """`Lookup`: finding the checkpoints of one task (`list`, `resolve`), for `CheckpointStore`.
 
 The catalog makes listing cheap, but it never decides alone: every path is derived from
-the step, a row whose directory lost its manifest is marked ``"missing"``, and a flag that
-would hide a checkpoint (unhealthy, corrupt, missing) is re-read from disk before the
-checkpoint is left out. Abandoned checkpoints (the timelines record) are never chosen by
-``auto``/``best``/``fastest`` but are listed with ``include_abandoned`` and found by
-``step:N`` or path.
+the step, and each lookup first syncs the catalog with the manifests (`Task.sync`): a row
+whose directory lost its manifest is marked ``"missing"``, and a flag that would hide a
+checkpoint (unhealthy, corrupt, missing) is re-read from disk before the checkpoint is left
+out. Abandoned checkpoints (the timelines record) are never chosen by ``auto``/``best``/
+``fastest`` but are listed with ``include_abandoned`` and found by ``step:N`` or path.
 """
 
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import os
 from pathlib import Path
-from typing import Any
 
 from ..constants import MANIFEST_NAME, TMP_MARKER, Tier
 from ..errors import CheckpointNotFoundError
@@ -29,7 +27,7 @@ NAMED_SPECS = ("auto", "best", "fastest")
 
 
 class Lookup:
-    """`list` and `resolve` over one `Task`, with what it learnt from disk (re-read manifests, re-checked flags).
+    """`list` and `resolve` over one `Task` (and which corrupt flags were re-verified already).
 
     Args:
         task (`Task`): the task whose checkpoints are looked up.
@@ -38,41 +36,17 @@ class Lookup:
     def __init__(self, task: Task) -> None:
         self.task = task
         self.fs = task.fs
-        self._confirmed: dict[int, tuple[Any, CheckpointInfo]] = {}
         self._rechecked: set[tuple[int, float]] = set()
-
-    def _reconfirm(self, info: CheckpointInfo) -> CheckpointInfo:
-        """The checkpoint as its directory describes it now (cached by the manifest's identity)."""
-        st = self.fs.lstat(Path(info.path) / MANIFEST_NAME)
-        if st is None:
-            return dataclasses.replace(info, status=STATUS_MISSING)
-        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = self._confirmed.get(info.step)
-        if cached is not None and cached[0] == sig:
-            fresh = cached[1]
-        else:
-            fresh = self.task.scan(info.step) or dataclasses.replace(info, status=STATUS_MISSING)
-            self._confirmed[info.step] = (sig, fresh)
-        if fresh.save_time == info.save_time and info.status == STATUS_CORRUPT and fresh.status == STATUS_OK:
-            fresh = dataclasses.replace(fresh, status=STATUS_CORRUPT)  # a file-level finding of verify stands
-        if (fresh.healthy, fresh.status, fresh.save_time, fresh.pinned) != (info.healthy, info.status, info.save_time,
-                                                                           info.pinned):
-            self.task.record(fresh)
-        return fresh
 
     def list(self, include_unhealthy: bool = False, include_abandoned: bool = False) -> builtins.list[CheckpointInfo]:
         """Checkpoints of the task, newest first (`CheckpointStore.list` documents the arguments)."""
+        self.task.sync(recheck_hidden=not include_unhealthy)  # a flag that hides a checkpoint is re-read first
         out = []
         abandoned = self.task.timelines.abandoned()
         for row in self.task.catalog.rows(self.task.task_id):
             info = self.task.row_info(row, abandoned)
-            if info.status == STATUS_OK and not self.fs.is_file(Path(info.path) / MANIFEST_NAME):
-                self.task.set_status(info.step, STATUS_MISSING)
-                info = dataclasses.replace(info, status=STATUS_MISSING)
             if not include_unhealthy and not (info.healthy and info.status == STATUS_OK):
-                info = self._reconfirm(info)  # a flag that hides a checkpoint is re-read from disk first
-                if not (info.healthy and info.status == STATUS_OK):
-                    continue
+                continue
             if info.abandoned and not include_abandoned:
                 continue
             out.append(info)
@@ -142,17 +116,10 @@ class Lookup:
         return self._by_path(Path(text))
 
     def _by_step(self, step: int) -> CheckpointInfo:
+        self.task.sync()  # a committed step whose row is not written yet gets one; a vanished one is missing
         row = self.task.catalog.get(self.task.task_id, step)
-        path = self.task.step_dir(step)
-        if self.fs.is_dir(path) and self.fs.is_file(path / MANIFEST_NAME):
-            if row is not None and row["status"] != STATUS_MISSING:
-                return self.task.row_info(row)
-            info = self.task.scan(step)  # committed, catalog row not written yet
-            if info is not None:
-                self.task.record(info)
-                return info
-        if row is not None:
-            self.task.set_status(step, STATUS_MISSING)
+        if row is not None and row["status"] != STATUS_MISSING:
+            return self.task.row_info(row)
         removed = self.task.removed().get(step)
         why = ""
         if removed is not None and set(removed.get("tiers") or ()) >= {Tier.WEIGHTS.value}:

@@ -1,5 +1,6 @@
-"""Keeping a task tidy: leftovers and replace recovery, catalog sync and reindex, deletion,
-retention application (`prune`), abandoned timelines and blob collection (`gc`).
+"""Keeping a task tidy: leftovers and replace recovery, deletion, retention application
+(`prune`), abandoned timelines and blob collection (`gc`). The catalog's reconciliation with
+the manifests is `Catalog.sync` (through `Task.sync`), not here.
 
 Rules every function here follows:
 
@@ -15,17 +16,14 @@ Rules every function here follows:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 from collections.abc import Collection, Iterable
 from pathlib import Path
-from typing import Any
 
 from ..constants import (
     ALL_TIERS,
     ASIDE_SUFFIX,
-    BLOBS_DIR,
     MANIFEST_NAME,
     STEP_DIR_PREFIX,
     TIMELINES_NAME,
@@ -34,8 +32,7 @@ from ..constants import (
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
 from . import manifest as mf
-from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, encode_tiers
-from .task import Task, manifest_sig, parse_step_dir
+from .task import Task, parse_step_dir
 from .types import CheckpointInfo, GcReport, Removal
 
 logger = logging.getLogger(__name__)
@@ -112,78 +109,6 @@ def remove_leftovers(task: Task, *, dry_run: bool = False) -> list[tuple[str, in
     if not dry_run:
         task.blobs.remove_temps()
     return removed
-
-
-# -- catalog ----------------------------------------------------------------------------------
-def _differs(row: dict[str, Any], info: CheckpointInfo) -> bool:
-    return (float(row["save_time"]) != info.save_time or bool(row["healthy"]) != info.healthy
-            or bool(row["pinned"]) != info.pinned or row["tiers"] != encode_tiers(info.tiers)
-            or int(row["bytes"]) != info.bytes or row.get("d_blobs") is None
-            or bool(row.get("d_abandoned")) != info.abandoned
-            or (row["status"] != info.status and not (row["status"] == STATUS_CORRUPT and info.status == STATUS_OK)))
-
-
-def sync_catalog(task: Task) -> None:
-    """Make the task's catalog rows agree with its directories (the manifests are the truth).
-
-    Every committed directory's manifest is re-read unless the row was built from the very
-    same manifest file and pin marker (inode, size, mtime): rows are added for directories the
-    catalog lacks (a crash between the rename and the row), rewritten when the row's
-    flags (health, pin, tiers, identity, abandoned) differ from the disk, and marked
-    ``"missing"`` when the directory is gone. A ``"corrupt"`` status from `verify` is kept
-    while the manifest is unchanged (`resolve` re-verifies it before skipping it).
-    """
-    rows = {r["step"]: r for r in task.catalog.rows(task.task_id)}
-    abandoned = task.timelines.abandoned()
-    updates = []
-    present = set()
-    for step, path in task.committed().items():
-        row = rows.get(step)
-        if row is not None and row.get("d_sig") is not None and row["d_sig"] == manifest_sig(path) \
-                and row["status"] != STATUS_MISSING \
-                and bool(row["d_abandoned"]) == ((step, float(row["save_time"])) in abandoned):
-            present.add(step)  # the manifest and the pin marker are the ones the row was built from
-            continue
-        info = task.scan(step, path)
-        if info is None:
-            continue
-        present.add(step)
-        if row is not None and row["status"] == STATUS_CORRUPT and float(row["save_time"]) == info.save_time:
-            info = dataclasses.replace(info, status=STATUS_CORRUPT)
-        if row is None or _differs(row, info):
-            updates.append(info)
-    if updates:
-        task.record_many(updates)
-    for step, row in rows.items():
-        if step not in present and row["status"] != STATUS_MISSING:
-            task.set_status(step, STATUS_MISSING)
-
-
-def scan_all(task: Task) -> list[CheckpointInfo]:
-    """Every committed checkpoint of the task, read from its manifest (no catalog)."""
-    return [i for step, path in sorted(task.committed().items()) if (i := task.scan(step, path)) is not None]
-
-
-def reindex(task: Task, *, all_tasks: bool) -> int:
-    """Rebuild the catalog from the manifests: every task under the root, or only `task`."""
-    infos: list[CheckpointInfo] = []
-    if not all_tasks:
-        infos = scan_all(task)
-        return task.catalog.replace_all(infos, root=task.root, task_id=task.task_id, sigs=_sigs(infos))
-    for name in task.fs.listdir(task.root):
-        if name.startswith(".") or name == BLOBS_DIR or not task.fs.is_dir(task.root / name):
-            continue
-        try:
-            other = Task(dataclasses.replace(task.spec, task_id=name, rank=0, world_size=1), task.fs, task.catalog,
-                         read_only=task.read_only)
-        except ValueError:  # not a valid task name: not ours
-            continue
-        infos.extend(scan_all(other))
-    return task.catalog.replace_all(infos, root=task.root, sigs=_sigs(infos))
-
-
-def _sigs(infos: Iterable[CheckpointInfo]) -> dict[tuple[str, int], str | None]:
-    return {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in infos}
 
 
 # -- deletion ---------------------------------------------------------------------------------
@@ -310,7 +235,7 @@ def apply_plan(task: Task, plan: Iterable[Removal], report: GcReport) -> None:
 
 
 def remove_abandoned(task: Task, report: GcReport) -> None:
-    infos = scan_all(task)
+    infos = task.scan_all()
     for info in removable_abandoned(task, infos):
         report.bytes_freed += tree_bytes(task.step_dir(info.step)) if report.dry_run else delete_checkpoint(task, info)
         report.removed.append(info.step)
@@ -323,9 +248,3 @@ def remove_abandoned(task: Task, report: GcReport) -> None:
             report.kept.append(f"step {info.step} kept: abandoned but pinned")
         elif info.abandoned and info.step not in report.abandoned:
             report.kept.append(f"step {info.step} kept: abandoned, the current timeline has not passed it yet")
-
-
-def drop_missing_rows(task: Task) -> None:
-    for row in task.catalog.rows(task.task_id):
-        if row["status"] == STATUS_MISSING and task.fs.lstat(task.step_dir(int(row["step"]))) is None:
-            task.forget(int(row["step"]))

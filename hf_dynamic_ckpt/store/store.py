@@ -4,12 +4,13 @@ Who owns what (each takes the `Task` and nothing of the store):
 
 - `task.Task`: one task directory: paths derived from the step, manifests checked against their
   directory, catalog rows, the timelines record, the blob store, the object-store copy.
-- `lookup.Lookup`: `list` and `resolve` (what the catalog says, re-read from disk where a flag would
-  hide a checkpoint); the store re-verifies corrupt flags before it resolves a named spec.
+- `catalog.Catalog`: the SQLite index and its one reconciliation with the manifests (`sync`, `rebuild`).
+- `lookup.Lookup`: `list` and `resolve` over the synced catalog; the store re-verifies corrupt flags
+  before it resolves a named spec.
 - `reader`: `load`, `load_scheduler_only` and `verify` of a resolved checkpoint.
 - `commit`: the whole commit sequence of `save`.
 - `pins`: `pin` and `unpin` markers.
-- `maintenance`: leftovers, catalog sync and `reindex`, `delete`, `prune`, `gc`, blob collection.
+- `maintenance`: leftovers, `delete`, `prune`, `gc`, blob collection.
 - `timelines`: the pure `fork` record; `lock.WriterLock`: one writer per task; `remote_sync`: the
   object-store copy of a URL root.
 
@@ -106,8 +107,9 @@ class CheckpointStore:
             (`StoreLockedError` if another live session holds it), finish or remove what
             interrupted saves left, and sync the catalog with the directories. Readers (the
             writer process, tools) pass `False`.
-        read_only (`bool`, *optional*, defaults to `False`): never write anything (the catalog is
-            rebuilt in memory from the manifests); for read-only media and concurrent readers.
+        read_only (`bool`, *optional*, defaults to `False`): never write anything: the catalog is an
+            in-memory copy of the file (`Catalog.snapshot`) synced with the manifests; for read-only
+            media, concurrent readers and every command that only reads.
         takeover (`bool`, *optional*, defaults to `False`): replace the writer lock of a holder
             this host cannot see (another host) at once instead of waiting for it; never a running
             holder of this host (see `lock`).
@@ -193,14 +195,14 @@ class CheckpointStore:
                 logger.warning("catalog %s cannot be opened (%s); reading the manifests instead",
                                self.root / CATALOG_NAME, e)
                 memory = True
-        self.catalog = Catalog.in_memory() if memory else catalog
+        self.catalog = Catalog.snapshot(self.root / CATALOG_NAME) if memory else catalog
         self.task = Task(spec, self.fs, self.catalog, read_only=memory, remote=self.remote)
         self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
         self._lookup = Lookup(self.task)
         if memory:
             if self.remote is not None and pull:
                 rs.open_task(self.task, self.remote, writer=False)
-            mt.reindex(self.task, all_tasks=False)
+            self.task.sync()
         elif writer:
             self._writer.acquire(takeover=takeover, what=f"task {spec.task_id!r} under {self.url}", wait_s=lock_wait_s)
             if self.remote is not None:
@@ -262,7 +264,7 @@ class CheckpointStore:
                 if self.catalog.replaced():
                     self.catalog.reopen()
                 self._writer.refresh(what=f"task {self.task_id!r} under {self.url}")
-                mt.reindex(self.task, all_tasks=True)
+                self.task.rebuild(all_tasks=True)
             except OSError as e:
                 raise SaveError(f"the store root {self.root} was deleted and cannot be recreated: {e}") from e
         if self._writer.held:
@@ -283,9 +285,9 @@ class CheckpointStore:
         self.close()
 
     def sync_catalog(self) -> None:
-        """Make this task's catalog rows agree with its directories (see `maintenance.sync_catalog`)."""
+        """Make this task's catalog rows agree with its directories (see `Catalog.sync`)."""
         with self._lock:
-            mt.sync_catalog(self.task)
+            self.task.sync()
 
     def reindex(self) -> int:
         """Rebuild the catalog from the manifests (every task under `root`; only this one when read-only).
@@ -297,7 +299,7 @@ class CheckpointStore:
         with self._lock:
             if self.remote is not None:  # the object store is the truth: the cache first, then the catalog
                 rs.pull(self.task, self.remote)
-            n = mt.reindex(self.task, all_tasks=not self.task.read_only and self.remote is None)
+            n = self.task.rebuild(all_tasks=not self.task.read_only and self.remote is None)
             logger.debug("reindexed %s: %d checkpoints", self.root, n)
             return n
 
@@ -401,7 +403,8 @@ class CheckpointStore:
     def verify(self, ref: Ref) -> builtins.list[str]:
         """Check a checkpoint completely: manifest, every file's size and checksum, blobs.
 
-        Records the outcome in the catalog (status ``"ok"``, ``"corrupt"`` or ``"missing"``).
+        Records the outcome in the catalog (status ``"ok"``, ``"corrupt"`` or ``"missing"``): the file of a
+        writable store, the in-memory copy of a ``read_only`` one.
         Only files the manifest may name (an allowlist) in the checkpoint's own directory
         are looked at.
 
@@ -527,12 +530,12 @@ class CheckpointStore:
             raise DynamicCkptError(f"fork() runs on rank 0 only (this store is rank {self.rank}); broadcast its "
                                    "result.")
         with self._lock:
-            infos = mt.scan_all(self.task)
+            infos = self.task.scan_all()
             record, newly = fork_record(self.task.timelines.read(), infos, timeline=timeline, after_step=after_step,
                                         session=session, parent=parent)
             self.task.timelines.write(record, tag=self.session_id)
             self._remote(rs.push_timelines)
-            mt.sync_catalog(self.task)
+            self.task.sync()
             if newly:
                 logger.debug("timeline %s starts after step %s: steps %s of other timelines are abandoned (kept, "
                                "restorable by step:N; removed once this timeline passes them)", timeline, after_step,
@@ -589,7 +592,7 @@ class CheckpointStore:
                 mt.remove_abandoned(self.task, report)
                 mt.collect_blobs(self.task, report)
                 if not dry_run:
-                    mt.drop_missing_rows(self.task)
+                    self.task.sync(drop_missing=True)
             finally:
                 if took:
                     self._writer.release()

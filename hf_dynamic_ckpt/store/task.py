@@ -12,6 +12,7 @@ and task as the directory. Temporary names all contain ``TMP_MARKER`` so readers
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +28,6 @@ from ..constants import (
     ASIDE_SUFFIX,
     BLOBS_DIR,
     MANIFEST_NAME,
-    PINNED_MARKER,
     REMOVED_LOG_NAME,
     STEP_DIR_PREFIX,
     TMP_MARKER,
@@ -39,7 +39,7 @@ from ..jsonutil import loads_bounded
 from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, Catalog
-from .fs import LocalFS, lstat
+from .fs import LocalFS
 from .layout import broken_info, info_from_manifest
 from .remote import Remote
 from .spec import StoreSpec
@@ -50,14 +50,6 @@ from .types import CheckpointInfo
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(0|[1-9][0-9]*)$")
-
-
-def manifest_sig(directory: Path) -> str | None:
-    """Identity of a checkpoint's manifest file and pin marker (inode, size, mtime), without reading them."""
-    st = lstat(directory / MANIFEST_NAME)
-    if st is None:
-        return None
-    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{int(lstat(directory / PINNED_MARKER) is not None)}"
 
 
 def step_dir_name(step: int) -> str:
@@ -167,13 +159,11 @@ class Task:
     def row_info(self, row: dict[str, Any], abandoned: set[tuple[int, float]] | None = None) -> CheckpointInfo:
         """A catalog row as an info: the path derived from the step, the abandoned flag from the record."""
         abandoned = self.timelines.abandoned() if abandoned is None else abandoned
-        info = Catalog.to_info(row, root=self.root, abandoned=(int(row["step"]), float(row["save_time"])) in abandoned)
-        if row.get("d_blobs") is None:  # a row from before the details table: the manifest fills it in
-            fresh = self.scan(info.step)
-            if fresh is not None and fresh.save_time == info.save_time:
-                self.record(fresh)
-                return fresh
-        return info
+        return Catalog.to_info(row, root=self.root, abandoned=(int(row["step"]), float(row["save_time"])) in abandoned)
+
+    def scan_all(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint of the task, read from its manifest (no catalog)."""
+        return [i for step, path in sorted(self.committed().items()) if (i := self.scan(step, path)) is not None]
 
     # -- what retention removed -------------------------------------------------------------
     def note_removed(self, step: int, tiers: Iterable[Tier], rule: str) -> None:
@@ -205,14 +195,31 @@ class Task:
                 out[row["step"]] = row
         return out
 
-    # -- catalog writes (best effort for readers: the manifests are the truth) --------------
-    def record(self, info: CheckpointInfo) -> None:
-        self._write(lambda: self.catalog.upsert(info, root=self.root, sig=manifest_sig(Path(info.path))))
+    # -- catalog (best effort for other ranks: the manifests are the truth) ------------------
+    def sync(self, *, recheck_hidden: bool = False, drop_missing: bool = False) -> None:
+        """Bring the task's catalog rows in line with its manifests (`Catalog.sync` documents the arguments)."""
+        self._write(lambda: self.catalog.sync(self.task_id, root=self.root, committed=self.committed(), scan=self.scan,
+                                              abandoned=self.timelines.abandoned(), recheck_hidden=recheck_hidden,
+                                              drop_missing=drop_missing))
 
-    def record_many(self, infos: list[CheckpointInfo]) -> None:
-        """`record` of several checkpoints in one catalog transaction."""
-        sigs = {(i.task_id, i.step): manifest_sig(Path(i.path)) for i in infos}
-        self._write(lambda: self.catalog.upsert_many(infos, root=self.root, sigs=sigs))
+    def rebuild(self, *, all_tasks: bool) -> int:
+        """Rebuild the catalog from the manifests: every task under the root, or only this one (`Catalog.rebuild`)."""
+        if not all_tasks:
+            return self.catalog.rebuild(self.scan_all(), root=self.root, task_id=self.task_id)
+        infos: list[CheckpointInfo] = []
+        for name in self.fs.listdir(self.root):
+            if name.startswith(".") or name == BLOBS_DIR or not self.fs.is_dir(self.root / name):
+                continue
+            try:
+                other = Task(dataclasses.replace(self.spec, task_id=name, rank=0, world_size=1), self.fs, self.catalog,
+                             read_only=self.read_only)
+            except ValueError:  # not a valid task name: not ours
+                continue
+            infos.extend(other.scan_all())
+        return self.catalog.rebuild(infos, root=self.root)
+
+    def record(self, info: CheckpointInfo) -> None:
+        self._write(lambda: self.catalog.upsert(info, root=self.root))
 
     def set_status(self, step: int, status: str) -> None:
         self._write(lambda: self.catalog.set_status(self.task_id, step, status))
