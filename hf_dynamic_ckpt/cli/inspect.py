@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ..constants import KEY_FILES
 from ..errors import CheckpointNotFoundError
 from ..run.steplog import read_rollbacks
+from ..store import locate
 from ..store.manifest import read_manifest
 from ..store.types import CheckpointInfo
 from ._common import (
@@ -186,6 +187,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             print(f"verifying {targets[0][0]}/step-{targets[0][1].step} ({human_size(targets[0][1].bytes)}) ...",
                   file=sys.stderr)
         bad = gone = 0
+        found: dict[str, dict[int, str]] = {}
         for task, info in targets:
             label = f"{task}/step-{info.step}"
             try:
@@ -194,6 +196,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 problems = None
             if progress is not None:
                 progress.step(label)
+            if problems is not None and (status := "corrupt" if problems else "ok") != info.status:
+                found.setdefault(task, {})[info.step] = status
             if problems is None:
                 gone += 1
                 print(f"GONE {label} (deleted while verifying, e.g. by retention; not a problem)")
@@ -207,6 +211,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     finally:
         for store in stores.values():
             store.close()
+    if not isinstance(root, str):  # the one write of a command that reads: what verify found, for a later `ls`
+        for task, statuses in found.items():
+            locate.record_findings(root, task, statuses)
     checked = len(targets) - gone
     print(f"{checked - bad} of {checked} checkpoint(s) intact" + (f", {bad} with problems" if bad else "")
           + (f"; {gone} deleted during the scan" if gone else ""))

@@ -4,21 +4,27 @@ A user names a store by its directory (the one holding ``catalog.db`` and one fo
 task) or by the training ``output_dir`` (its ``smart_ckpt/`` is the store, as
 `SmartCkptConfig.resolve_root` puts it). `find_root` turns either into the store directory;
 a path that holds no store is an error that says what to pass, never a place where a catalog
-gets created. `open_reader` opens a found store so that reading changes nothing: the existing
-catalog is used when it is writable (a reader may still correct a stale row), otherwise the
-manifests are read into an in-memory index (read-only media, concurrent readers).
+gets created. `open_reader` opens a found store so that reading changes nothing: a read never
+writes, so the catalog is an in-memory copy of the file synced with the manifests
+(``read_only=True``, `Catalog.snapshot`); the file stays byte for byte as the writer left it.
 
 `load_checkpoint`, `export_checkpoint` and the read commands of `hf-dynamic-ckpt` use both.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sqlite3
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..constants import BLOBS_DIR, CATALOG_NAME, MANIFEST_NAME, STEP_DIR_PREFIX, TIMELINES_NAME
 from ..errors import CheckpointNotFoundError, ConfigError
+from .catalog import Catalog
 from .store import CheckpointStore
+
+logger = logging.getLogger(__name__)
 
 STORE_DIR = "smart_ckpt"
 """The store's folder under a training `output_dir` (`SmartCkptConfig.resolve_root`)."""
@@ -82,12 +88,20 @@ def find_root(path: str | os.PathLike[str]) -> Path:
 
 
 def open_reader(root: Path, task_id: str) -> CheckpointStore:
-    """Open the store directory `root` (see `find_root`) to read task `task_id`, creating and locking nothing.
+    """Open the store directory `root` (see `find_root`) to read task `task_id`, creating and changing nothing.
 
-    The existing catalog is used when it and `root` are writable; otherwise the store is opened
-    ``read_only`` (an in-memory index built from the manifests). No writer lock is taken and no
-    leftover is removed (``cleanup=False``).
+    The store is opened ``read_only``: its catalog is an in-memory copy of the file, synced with
+    the manifests; a finding of the reader (a corrupt checkpoint) stays in that copy. No writer
+    lock is taken and no leftover is removed.
     """
-    catalog = root / CATALOG_NAME
-    writable = catalog.is_file() and os.access(catalog, os.W_OK) and os.access(root, os.W_OK)
-    return CheckpointStore(root, task_id=task_id, cleanup=False, read_only=not writable)
+    return CheckpointStore(root, task_id=task_id, cleanup=False, read_only=True)
+
+
+def record_findings(root: Path, task_id: str, statuses: Mapping[int, str]) -> None:
+    """Record what `hf-dynamic-ckpt verify` found (``{step: "ok" | "corrupt"}``) in the catalog file of `root`,
+    so that a later `ls` shows it; best effort (a read-only or locked catalog keeps its rows, the manifests stay
+    the truth). Only rows whose status differs are written."""
+    try:
+        Catalog.record_statuses(root / CATALOG_NAME, task_id, statuses)
+    except sqlite3.Error as e:
+        logger.debug("catalog %s not updated with the verify findings (%s)", root / CATALOG_NAME, e)

@@ -134,3 +134,36 @@ def test_verify_of_a_checkpoint_deleted_during_the_scan_is_a_note(root: Path, mo
         store.verify("step:3")
     assert store.verify("step:2") == [] and torch.equal(store.load("step:2").weights["w"], tiny_state(2).weights["w"])
     store.close()
+
+
+def _catalog_file(root: Path) -> tuple[bytes, int, list[str]]:
+    """catalog.db's bytes and mtime, and which SQLite side files lie next to it."""
+    path = root / CATALOG_NAME
+    return path.read_bytes(), path.stat().st_mtime_ns, sorted(p.name for p in root.glob(f"{CATALOG_NAME}-*"))
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["catalog-says-ok", "catalog-says-corrupt"])
+def test_reads_of_a_corrupt_checkpoint_leave_the_catalog_file_as_it_was(tmp_path: Path, known: bool,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # A read never writes: `ls`, `show` and `load_checkpoint` find step 2 damaged (the load falls back to step 1) and
+    # keep that finding in memory; the catalog file stays byte for byte what the writer left.
+    from hf_dynamic_ckpt.cli import main
+    from hf_dynamic_ckpt.export import load_checkpoint
+
+    store = CheckpointStore(tmp_path, task_id="run")
+    for step in (1, 2):
+        save_state(store, tiny_state(step), reason="interval")
+    weights = store.task_dir / "step-2" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    if known:
+        assert store.verify("step:2") != []  # the writer recorded the finding
+    store.close()
+    before = _catalog_file(tmp_path)
+    for args in (["ls"], ["ls", "--all", "--json"], ["show", "auto"], ["show", "step:2"]):
+        assert main([args[0], str(tmp_path), *args[1:]]) == 0
+    assert load_checkpoint(tmp_path, "auto", task_id="run").info.step == 1
+    assert load_checkpoint(tmp_path, "step:1", task_id="run").info.step == 1
+    capsys.readouterr()
+    assert _catalog_file(tmp_path) == before
