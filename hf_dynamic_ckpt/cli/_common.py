@@ -2,8 +2,8 @@
 
 ROOT may be the store directory (holding ``catalog.db`` and one folder per task) or the
 training ``output_dir`` (its ``smart_ckpt/`` is used). Commands that only look open the store
-so that they write nothing: the existing catalog is used when it is writable, otherwise the
-manifests are read into an in-memory index (read-only media, concurrent readers); a folder
+so that they write nothing: the catalog is an in-memory copy of ``catalog.db`` synced with the
+manifests (`store.locate.open_reader`), and only `verify` records the statuses it found; a folder
 that holds no store is an error (exit 2), never a place where a catalog gets created.
 """
 
