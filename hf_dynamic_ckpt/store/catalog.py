@@ -261,25 +261,31 @@ class Catalog:
         synced with the manifests (`sync`), which are the truth.
         """
         cat = cls(None)
-        path = Path(path)
+        if not cat.copy_of(Path(path)):
+            cat.close()
+            cat = cls(None)
+        return cat
+
+    def copy_of(self, path: Path) -> bool:
+        """Fill this in-memory catalog with the rows of the file at `path` (`snapshot`); `False` when the file is
+        torn or foreign (this copy is then unusable: start another)."""
         live = all(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm"))
         uri = f"{path.absolute().as_uri()}?{'mode=ro' if live else 'immutable=1'}"
         try:
             if not path.is_file():
-                return cat
-            src = sqlite3.connect(uri, uri=True, timeout=cat.busy_timeout_ms / 1000.0)
+                return True
+            src = sqlite3.connect(uri, uri=True, timeout=self.busy_timeout_ms / 1000.0)
             try:
                 version = src.execute("PRAGMA user_version").fetchone()[0]
                 if version == SCHEMA_VERSION:
-                    src.backup(cat._db())
+                    src.backup(self._db())
             finally:
                 src.close()
-            cat._db().executescript(_DETAILS)
+            self._db().executescript(_DETAILS)
         except sqlite3.Error as e:  # torn or foreign: the manifests fill an empty copy
             logger.debug("catalog %s not copied (%s); reading the manifests instead", path, e)
-            cat.close()
-            cat = cls(None)
-        return cat
+            return False
+        return True
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
