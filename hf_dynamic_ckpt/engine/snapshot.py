@@ -122,6 +122,7 @@ class Snapshotter:
         tiers: Iterable[Tier],
         rng: dict[str, Any] | RawRngState | None = None,
         sampler: dict[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> LiveState:
         """Read the sources for the given tiers without copying any large tensor.
 
@@ -133,6 +134,7 @@ class Snapshotter:
             rng (`dict | RawRngState`, *optional*): RNG state to store instead of capturing it now
                 (captured as a `RawRngState`: the writer converts it to JSON, off the training thread).
             sampler (`dict`, *optional*): data position to store instead of `sources.sampler()`.
+            extra (`Mapping`, *optional*): JSON-able data for the manifest's `extra` (deep-copied).
 
         Returns:
             `LiveState`: references to live tensors plus small deep-copied state.
@@ -192,10 +194,10 @@ class Snapshotter:
                 sampler_state = clone_small(sampler)
             elif sources.sampler is not None:
                 sampler_state = clone_small(sources.sampler())
-        extra = clone_small(sources.extra()) if sources.extra is not None else {}
         return LiveState(
             step=step, epoch=epoch, weights=weights, frozen=frozen, optimizer=optimizer,
-            scheduler=scheduler, scaler=scaler, rng=rng_state, sampler=sampler_state, extra=extra, plain=plain,
+            scheduler=scheduler, scaler=scaler, rng=rng_state, sampler=sampler_state,
+            extra=clone_small(dict(extra)) if extra is not None else {}, plain=plain,
         )
 
     def extra_bytes_needed(self, live: LiveState) -> int:

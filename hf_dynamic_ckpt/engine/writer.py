@@ -1,28 +1,24 @@
 """SaveEngine: snapshot on the training thread, write in the background.
 
-`SaveEngine.save` blocks only for the snapshot (`snapshot.py`); the serialisation, L1
-compression, checksums, fsyncs and the commit run in the store's `save` on a writer
-(`backends.Writer`): a thread (`EngineMode.THREAD`, default) or a separate process reading
-shared-memory buffers (`EngineMode.PROCESS`), both running `jobs.run_job`.
-`docs/engine.md` has the measurements behind the default; `dispatch.py` how process mode
-never makes a save wait for the writer process to start.
+`SaveEngine.save` blocks only for the snapshot (`snapshot.py`); the serialisation, L1 compression, checksums,
+fsyncs and the commit run in the store's `save` on a writer (`backends.Writer`), both running `jobs.run_job`: a
+thread (`EngineMode.THREAD`, this class's default) or a process reading shared-memory buffers (`EngineMode.PROCESS`,
+`SmartCkptConfig.engine`'s default: `docs/engine.md` has the measurements; `dispatch.py` how a save never waits
+for the writer process to start).
 
 Invariants:
 - At most one save is in flight, so one set of snapshot buffers suffices: a snapshot
   only overwrites them after the previous write finished. A save that comes while one
   is writing follows `on_busy`: `"wait"` (default; the wait counts as blocking time, so
   the policy's overhead budget sees it) or `"skip"` (logged with its reason).
-- Background errors never propagate into the training loop: they are logged, stored on
-  the `SaveHandle` (`wait()` re-raises them as `SaveError`), and the previous committed
-  checkpoint stays the restore point (the store commits atomically).
-- The writer never runs collectives (the store's `save` runs none) and never calls back
-  into the engine: the engine learns what a finished job taught (restore point, write
-  throughput, frozen blobs now stored, from `CheckpointInfo.blobs`) on the training thread,
-  before its next save.
-- `close()` flushes and is idempotent; it also runs at interpreter exit (a
-  `weakref.finalize` callback; the running writer keeps the engine alive until then), so
-  an exception that ends the run still lets the last save finish. Call `close()` (or use
-  `with SaveEngine(...)`) to release the writer and the buffers earlier.
+- Background errors never propagate into the training loop: they are logged, stored on the `SaveHandle`
+  (`wait()` re-raises them as `SaveError`), and the previous committed checkpoint stays the restore point.
+- The writer never runs collectives (the store's `save` runs none) and never calls back into the engine: the
+  engine learns what a finished job taught (restore point, write throughput, frozen blobs now stored, from
+  `CheckpointInfo.blobs`) on the training thread, before its next save.
+- `close()` flushes and is idempotent; it also runs at interpreter exit (a `weakref.finalize` callback; the
+  running writer keeps the engine alive until then), so an exception that ends the run still lets the last save
+  finish. Call `close()` (or use `with SaveEngine(...)`) to release the writer and the buffers earlier.
 """
 
 from __future__ import annotations
@@ -157,6 +153,7 @@ class SaveEngine:
         *,
         rng: dict[str, Any] | RawRngState | None = None,
         sampler: dict[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
         blocking: bool = False,
     ) -> SaveHandle:
         """Snapshot the requested tiers and write them, in the background unless told otherwise.
@@ -170,6 +167,7 @@ class SaveEngine:
                 metadata; handed to the store unchanged.
             rng (`dict`, *optional*): RNG state to store instead of capturing it now.
             sampler (`dict`, *optional*): data position instead of `sources.sampler()`.
+            extra (`Mapping`, *optional*): JSON-able data for the manifest's `extra`.
             blocking (`bool`, *optional*, defaults to `False`): write before returning.
 
         Returns:
@@ -193,9 +191,9 @@ class SaveEngine:
                 return handle
             previous.handle.join()  # its error, if any, is reported through its own handle
         self._settle(previous)
-        self._preparer.finish(self._snapshotter)  # normally long done: buffers prepared at attach
+        self._preparer.finish(self._snapshotter)  # normally long done: buffers prepared after the first step
         live = self._snapshotter.collect(sources, step=request.step, epoch=request.epoch, tiers=request.tiers,
-                                         rng=rng, sampler=sampler)
+                                         rng=rng, sampler=sampler, extra=extra)
         synchronous = blocking or self.mode == EngineMode.SYNC
         snapshot = None
         if not synchronous:
@@ -236,6 +234,7 @@ class SaveEngine:
         deadline_s: float,
         rng: dict[str, Any] | RawRngState | None = None,
         sampler: dict[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> CheckpointInfo | None:
         """Save synchronously within a deadline (preemption grace period), most valuable tiers first.
 
@@ -248,7 +247,7 @@ class SaveEngine:
             request (`SaveRequest`): the save's metadata; `tiers` is replaced by what is
                 written and `reason` is prefixed with `"emergency: "`.
             deadline_s (`float`): seconds available from now.
-            rng, sampler: as in `save`.
+            rng, sampler, extra: as in `save`.
 
         Returns:
             `CheckpointInfo | None`: the committed checkpoint (`None` on ranks > 0).
@@ -267,7 +266,8 @@ class SaveEngine:
             self._settle(previous)
         self._preparer.finish(self._snapshotter)
         tiers = available_tiers(sources)
-        live = self._snapshotter.collect(sources, step=step, epoch=request.epoch, tiers=tiers, rng=rng, sampler=sampler)
+        live = self._snapshotter.collect(sources, step=step, epoch=request.epoch, tiers=tiers, rng=rng, sampler=sampler,
+                                         extra=extra)
         if fit_to_deadline(live, throughput=self._jobs.throughput, left_s=deadline_s - (time.monotonic() - start),
                            step=step):
             tiers.discard(Tier.OPTIMIZER)

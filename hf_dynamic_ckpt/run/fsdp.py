@@ -33,13 +33,13 @@ logger = logging.getLogger(__name__)
 
 def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[str, torch.Tensor]] | None,
                 frozen_keys: Iterable[str], optimizer: Any | None, scheduler: Any | None, scaler: Any | None,
-                sampler: Callable[[], dict[str, Any]] | None, extra: Callable[[], dict[str, Any]]
+                sampler: Callable[[], dict[str, Any]] | None
                 ) -> tuple[ShardedState | None, StateSources, frozenset[Tier]]:
     """`(sharded view or None, this rank's StateSources, the tiers this rank writes)` for `RunOrchestrator.attach`."""
     main = rank == 0
     if is_sharded_model(model):
         sharded = ShardedState(model, optimizer)
-        sources = sharded_sources(sharded, extra, main=main, scheduler=scheduler, scaler=scaler, sampler=sampler)
+        sources = sharded_sources(sharded, main=main, scheduler=scheduler, scaler=scaler, sampler=sampler)
         own = frozenset(ALL_TIERS) if main or optimizer is not None else frozenset({Tier.WEIGHTS, Tier.STATE})
         return sharded, sources, own
     if weights is None:
@@ -47,7 +47,7 @@ def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[st
     sources = StateSources(
         weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
         optimizer=optimizer if main else None, scheduler=scheduler if main else None,
-        scaler=scaler if main else None, sampler=sampler, extra=extra,
+        scaler=scaler if main else None, sampler=sampler,
     )
     if not main:
         return None, sources, frozenset({Tier.STATE})

@@ -34,7 +34,7 @@ from torch import nn
 
 from .. import distributed as dist
 from ..config import FallbackStrategy, RollbacksExhausted, SmartCkptConfig
-from ..constants import ALL_TIERS, KEY_RNG_AT, RNG_AT_STEP_BEGIN, Tier
+from ..constants import ALL_TIERS, KEY_RANK_CHUNKS, KEY_RNG_AT, RNG_AT_STEP_BEGIN, Tier
 from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError
 from ..export import KEY_MODEL, describe_model
 from ..policy.decision import Decision, DecisionKind
@@ -168,7 +168,6 @@ class RunOrchestrator:
         self._held: HeldSave | None = None
         self._sources: StateSources | None = None
         self._integration_extra: SaveExtra | None = None
-        self._save_extra: dict[str, Any] = {}  # the integration's part of the save being taken
         self._model_info: dict[str, Any] | None = None
         self._model: nn.Module | None = None
         self._optimizer: Any | None = None
@@ -241,7 +240,7 @@ class RunOrchestrator:
         self.hold_saves = hold_saves
         self._sharded, self._sources, own = sources_for(  # FSDP2: every rank saves its own shards
             model, rank=self.rank, weights=weights, frozen_keys=frozen_keys, optimizer=optimizer, scheduler=scheduler,
-            scaler=scaler, sampler=sampler, extra=self._extra)
+            scaler=scaler, sampler=sampler)
         self.saver.own_tiers = own
         self.flat = FlatKeeper(model, optimizer, weights=weights or (lambda: trainable_state_dict(model)),
                                enabled=consolidate, on_move=self._state_moved)
@@ -285,11 +284,14 @@ class RunOrchestrator:
         """The save decided at the last `step_end` and held until `release()` (`hold_saves`), if any."""
         return self._held.decision if self._held is not None else None
 
-    def _extra(self) -> dict[str, Any]:
-        """The manifest's `extra` of the save being taken (read by the snapshot on this rank)."""
-        out = dict(self._save_extra)
+    def _extra(self, decision: Decision) -> dict[str, Any]:
+        """The manifest's `extra` of a save (this rank's): the integration's part, the run's own state, the model;
+        a sharded run's chunk table."""
+        out = dict(self._integration_extra(decision)) if self._integration_extra is not None else {}
         out.update(self.extra_state())
         out[KEY_MODEL] = self._model_info
+        if self._sharded is not None:
+            out[KEY_RANK_CHUNKS] = self._sharded.chunks()
         return out
 
     def extra_state(self) -> dict[str, Any]:
@@ -425,7 +427,8 @@ class RunOrchestrator:
             self.preempt_signal = flag.signum if flag is not None else None
             self._before_save(decision)
             self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
-                                 frame=frame, debug_info=self.policy.debug_info(), lineage=self.lineage)
+                                 frame=frame, debug_info=self.policy.debug_info(), lineage=self.lineage,
+                                 extra=self._extra(decision))
             self.preempted = True
         elif decision.save and self.hold_saves:
             sampler = self._sources.sampler() if self._sources is not None and self._sources.sampler else None
@@ -537,11 +540,10 @@ class RunOrchestrator:
     # ------------------------------------------------------------------ saving
     def _before_save(self, decision: Decision) -> None:
         """What every save needs first, on every rank: the trainable state in place, this run's timeline
-        started (rank 0 sets other timelines' newer checkpoints aside), the integration's part of `extra`."""
+        started (rank 0 sets other timelines' newer checkpoints aside)."""
         if self.flat is not None:
             self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
         self._start_timeline()
-        self._save_extra = dict(self._integration_extra(decision)) if self._integration_extra is not None else {}
 
     def _start_timeline(self) -> None:
         """The run's timeline starts (a fresh run's at its first save, a resumed run's when it first trains or
@@ -568,7 +570,7 @@ class RunOrchestrator:
                 sampler = {**sampler, KEY_RNG_AT: RNG_AT_STEP_BEGIN}
         return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, frame=self.last_frame,
                                debug_info=self.policy.debug_info(), lineage=self.lineage, rng=rng, sampler=sampler,
-                               blocking=blocking)
+                               extra=self._extra(decision), blocking=blocking)
 
     def _write_timeline(self, frame: SignalFrame, decision: Decision) -> None:
         self.timeline.step(frame, decision, self.log.events, beta=self.policy.last_beta)

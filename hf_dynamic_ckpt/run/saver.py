@@ -159,12 +159,12 @@ class Saver:
     def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
              frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
              rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
-             blocking: bool = False) -> SaveEvent:
+             extra: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
         """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it."""
         tiers = self._prepare(decision)
         request = self.request(decision, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
                                lineage=lineage)
-        handle = self.engine.save(sources, request, rng=rng, sampler=sampler, blocking=blocking)
+        handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, blocking=blocking)
         event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
                           pinned=decision.pin, blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle,
                           staging=handle.staging)
@@ -178,7 +178,8 @@ class Saver:
         return event
 
     def emergency(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, signum: int | None,
-                  frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveEvent:
+                  frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
+                  extra: dict[str, Any] | None = None) -> SaveEvent:
         """The preemption save: synchronous, within `preemption_grace_s`, most valuable tiers first."""
         tiers = self._prepare(decision)
         start = time.perf_counter()
@@ -192,7 +193,7 @@ class Saver:
         request = self.request(emergency, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
                                lineage=lineage)
         # The engine writes the most valuable tiers first within the grace period; its reason is "emergency: ...".
-        info = self.engine.emergency_save(sources, request, deadline_s=self.config.preemption_grace_s)
+        info = self.engine.emergency_save(sources, request, deadline_s=self.config.preemption_grace_s, extra=extra)
         blocking_ms = (time.perf_counter() - start) * 1e3
         event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else tiers,
                           pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,

@@ -203,14 +203,9 @@ class _OptimizerView:
         return self._sharded.optimizer_state_dict()
 
 
-def sharded_sources(sharded: ShardedState, extra: Callable[[], dict[str, Any]], *, main: bool, scheduler: Any | None,
-                    scaler: Any | None, sampler: Callable[[], dict[str, Any]] | None) -> StateSources:
+def sharded_sources(sharded: ShardedState, *, main: bool, scheduler: Any | None, scaler: Any | None,
+                    sampler: Callable[[], dict[str, Any]] | None) -> StateSources:
     """`StateSources` of one rank of a sharded run: its shards of L0/L1 on every rank, the scheduler and
-    scaler on rank 0, and `extra` plus this rank's chunk table (`KEY_RANK_CHUNKS`)."""
-
-    def extra_with_chunks() -> dict[str, Any]:
-        return {**extra(), KEY_RANK_CHUNKS: sharded.chunks()}
-
+    scaler on rank 0 (each save's `extra` carries this rank's chunk table, `KEY_RANK_CHUNKS`)."""
     return StateSources(weights=sharded.weights, optimizer=sharded.optimizer_source,  # type: ignore[arg-type]
-                        scheduler=scheduler if main else None, scaler=scaler if main else None, sampler=sampler,
-                        extra=extra_with_chunks)
+                        scheduler=scheduler if main else None, scaler=scaler if main else None, sampler=sampler)

@@ -29,7 +29,6 @@ class StateSources:
         scheduler (*optional*): object with `state_dict()` (LR scheduler), L1.
         scaler (*optional*): object with `state_dict()` (AMP `GradScaler`), L1.
         sampler (`Callable[[], dict]`, *optional*): JSON-able data position, L2.
-        extra (`Callable[[], dict]`, *optional*): JSON-able data for the manifest's `extra`.
 
     Example:
         ```python
@@ -43,7 +42,6 @@ class StateSources:
     scheduler: Any | None = None
     scaler: Any | None = None
     sampler: Callable[[], dict[str, Any]] | None = None
-    extra: Callable[[], dict[str, Any]] | None = None
 
 
 class CachedWeights:

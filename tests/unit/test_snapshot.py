@@ -160,10 +160,9 @@ def test_state_tier_uses_overrides_and_small_state_is_deep_copied():
     model, opt, sched = _setup()
     pos = {"epoch": 0, "batches": [3, 4]}
     extra = {"trainer_state": {"global_step": 5}}
-    sources = StateSources(weights=model.state_dict, optimizer=opt, scheduler=sched,
-                           sampler=lambda: pos, extra=lambda: extra)
+    sources = StateSources(weights=model.state_dict, optimizer=opt, scheduler=sched, sampler=lambda: pos)
     snap = Snapshotter()
-    s = snap.take(snap.collect(sources, step=5, epoch=0.5, tiers=ALL_TIERS, rng={"python": [1, 2]}))
+    s = snap.take(snap.collect(sources, step=5, epoch=0.5, tiers=ALL_TIERS, rng={"python": [1, 2]}, extra=extra))
     pos["batches"].append(5)
     extra["trainer_state"]["global_step"] = 6
     assert s.state.rng == {"python": [1, 2]}
