@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..constants import DEFAULT_TASK_ID
-from ..run.steplog import read_timeline
+from ..run.steplog import read_step_log
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -110,7 +110,7 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    segments = read_timeline(root, task_id)
+    segments = read_step_log(root, task_id)
     fig, axes = plt.subplots(3, 1, figsize=(13, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.3]})
     ax_loss, ax_grad, ax_risk = axes
     top = ax_loss.get_xaxis_transform()  # x in steps, y in axes fraction

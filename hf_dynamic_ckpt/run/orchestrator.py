@@ -64,7 +64,7 @@ from .rollback import Rollback, choose_restore_point, restore_live
 from .savelog import METRIC_PREFIX, SaveEvent
 from .saver import HeldSave, Saver, exit_after_preemption, open_run_store
 from .sensing import Sensors
-from .steplog import RunTimeline
+from .steplog import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class RunOrchestrator:
         self.flat: FlatKeeper | None = None
         """Keeps the trainable state consolidated (`state.flat`); set by `attach`."""
         self.sensors: Sensors | None = None
-        self.timeline = RunTimeline(self.store.task_dir, rank=self.rank)
+        self.steplog = StepLog(self.store.task_dir, rank=self.rank)
         self._fork_pending = True  # a fresh timeline sets other timelines' checkpoints aside at its first save
         self._resume_event: dict[str, Any] | None = None  # the step log's resume entry, written by `_start_timeline`
         self._held: HeldSave | None = None
@@ -247,7 +247,7 @@ class RunOrchestrator:
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
         self._prepared = False
         self.prepare_buffers()
-        self.timeline.open()
+        self.steplog.open()
         self._restore_probe_state()
 
     def prepare_buffers(self) -> None:
@@ -272,7 +272,7 @@ class RunOrchestrator:
         if self.sensors is not None:
             self.sensors.remove()
             self.sensors = None
-        self.timeline.close()
+        self.steplog.close()
 
     @property
     def preemption_flag(self) -> PreemptionFlag | None:
@@ -436,7 +436,7 @@ class RunOrchestrator:
             return decision  # the step log's row is written with the save, at release()
         elif decision.save:
             self._save(decision, step=step, epoch=epoch, at_step=step)
-        self._write_timeline(frame, decision)
+        self._write_step_row(frame, decision)
         return decision
 
     def release(self) -> SaveEvent | None:
@@ -446,7 +446,7 @@ class RunOrchestrator:
             return None
         event = self._save(held.decision, step=held.step, epoch=held.epoch, at_step=held.step, rng=held.rng,
                            sampler=held.sampler, rng_at_step_begin=held.rng_at_step_begin)
-        self._write_timeline(held.frame, held.decision)
+        self._write_step_row(held.frame, held.decision)
         return event
 
     def restart_timeline(self, step: int) -> None:
@@ -572,12 +572,12 @@ class RunOrchestrator:
                                debug_info=self.policy.debug_info(), lineage=self.lineage, rng=rng, sampler=sampler,
                                extra=self._extra(decision), blocking=blocking)
 
-    def _write_timeline(self, frame: SignalFrame, decision: Decision) -> None:
-        self.timeline.step(frame, decision, self.log.events, beta=self.policy.last_beta)
+    def _write_step_row(self, frame: SignalFrame, decision: Decision) -> None:
+        self.steplog.step(frame, decision, self.log.events, beta=self.policy.last_beta)
 
     def log_event(self, kind: str, **data: Any) -> None:
         """Append a non-step event (e.g. a resume) to the step log (rank 0)."""
-        self.timeline.event(kind, **data)
+        self.steplog.event(kind, **data)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, float]:

@@ -1,7 +1,7 @@
-"""The run's timeline file: one JSON line per optimizer step, plus events (resume, ...).
+"""The run's step log: one JSON line per optimizer step, plus events (resume, rollback).
 
-``<root>/<task>/timeline.jsonl`` is written by rank 0 of the `RunOrchestrator` (`TimelineWriter`)
-and read by `extras.plot` and the demo (`read_timeline`). Each step row holds the reduced signals,
+``<root>/<task>/timeline.jsonl`` is written by rank 0 of the `RunOrchestrator` (`StepLog`)
+and read by `extras.plot` and the demo (`read_step_log`). Each step row holds the reduced signals,
 the smoothed risk (`risk`), the step's raw risk (`beta`) and the saves taken during the step
 (with their `kind`); a resume adds an ``{"event": "resume", ...}`` line, which starts a new
 segment when read back. Numbers are
@@ -24,18 +24,33 @@ from ..signals.frame import SignalFrame
 from .savelog import SaveEvent
 
 
-class TimelineWriter:
-    """Appends rows to ``<task_dir>/timeline.jsonl`` (line-buffered; one writer: rank 0).
+class StepLog:
+    """The run's step log, ``<task_dir>/timeline.jsonl``: written by rank 0 only (line-buffered).
+
+    Rows are written while attached (`open`); events may come before (a resume) and are appended to the file
+    directly then.
 
     Args:
-        task_dir (`Path`): the task's folder in the store (created if missing).
+        task_dir (`Path`): the task's folder in the store (created when the file is first opened).
+        rank (`int`): this rank; other ranks write nothing.
     """
 
-    def __init__(self, task_dir: Path) -> None:
-        task_dir.mkdir(parents=True, exist_ok=True)
-        self.path = task_dir / TIMELINE_NAME
-        self._file: Any = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed in close()
+    def __init__(self, task_dir: Path, *, rank: int) -> None:
+        self.task_dir = task_dir
+        self.rank = rank
+        self._file: Any = None
         self._seen = 0
+
+    def open(self) -> None:
+        if self.rank == 0 and self._file is None:
+            self.task_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.task_dir / TIMELINE_NAME, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent], *, beta: float | None = None
              ) -> None:
@@ -45,6 +60,8 @@ class TimelineWriter:
         `events` is the run's whole save log; only entries appended since the previous row are
         looked at (no scan of the history per step).
         """
+        if self._file is None:
+            return
         saves = [e for e in events[self._seen:] if e.at_step == frame.step]
         self._seen = len(events)
         row: dict[str, Any] = {
@@ -58,68 +75,21 @@ class TimelineWriter:
                   "blocking_ms": round(e.blocking_ms, 3)} for e in saves]
         if saved:
             row["saves"] = saved
-        self._write(row)
+        self._file.write(json.dumps(row) + "\n")
 
     def event(self, kind: str, **data: Any) -> None:
-        """A non-step line, e.g. ``event("resume", step=56, spec="auto")``."""
-        self._write({"event": kind, "time": time.time(), **data})
-
-    def _write(self, row: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(row) + "\n")
-
-    def close(self) -> None:
-        """Close the file (idempotent)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-class RunTimeline:
-    """The timeline of one run as the checkpointer uses it: written by rank 0 only.
-
-    Rows are written while attached (`open`); events may come before (a resume) and are appended
-    to the file directly then.
-    """
-
-    def __init__(self, task_dir: Path, *, rank: int) -> None:
-        self.task_dir = task_dir
-        self.rank = rank
-        self._writer: TimelineWriter | None = None
-
-    def open(self) -> None:
-        if self.rank == 0 and self._writer is None:
-            self._writer = TimelineWriter(self.task_dir)
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-    def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent], *, beta: float | None = None
-             ) -> None:
-        if self._writer is not None:
-            self._writer.step(frame, decision, events, beta=beta)
-
-    def event(self, kind: str, **data: Any) -> None:
+        """A non-step line (rank 0), e.g. ``event("resume", step=56, spec="auto")``; opens the file for it when
+        not attached."""
         if self.rank != 0:
             return
-        if self._writer is not None:
-            self._writer.event(kind, **data)
-        else:
-            append_event(self.task_dir, kind, **data)
+        attached = self._file is not None
+        self.open()
+        self._file.write(json.dumps({"event": kind, "time": time.time(), **data}) + "\n")
+        if not attached:
+            self.close()
 
 
-def append_event(task_dir: Path, kind: str, **data: Any) -> None:
-    """Append one event line without a `TimelineWriter` (e.g. a resume before `attach`)."""
-    writer = TimelineWriter(task_dir)
-    try:
-        writer.event(kind, **data)
-    finally:
-        writer.close()
-
-
-def read_timeline(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
+def read_step_log(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
     """The step log as segments: one list of step rows per stretch of training, split where the run restarted
     from an earlier step (a `resume` event: a new process; a `rollback` event: the same process went back).
 

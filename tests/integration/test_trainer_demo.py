@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dynamic_ckpt.run.steplog import read_timeline
+from hf_dynamic_ckpt.run.steplog import read_step_log
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,6 +37,6 @@ def test_demo_resumes_exactly_and_draws_the_timeline(tmp_path: Path) -> None:
     png = out / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     # The step log (what the risk panel draws) has the explosion's own risk, not only the smoothed one.
-    rows = [r for segment in read_timeline(out / "run" / "smart_ckpt") for r in segment if "step" in r]
+    rows = [r for segment in read_step_log(out / "run" / "smart_ckpt") for r in segment if "step" in r]
     calm = [r["beta"] for r in rows if r["step"] < 15]
     assert max(r["beta"] for r in rows if r["step"] == 15) == 1.0 and max(calm) < 0.5, rows
