@@ -120,15 +120,15 @@ def _run(variant: str, mode: str, args: argparse.Namespace, work: Path) -> dict[
         if not args.no_prepare:
             class Prepare(TrainerCallback):  # what attach() will do (orchestrator); runs after it
                 def on_train_begin(self, *a: Any, **kw: Any) -> None:
-                    assert smart is not None and smart.checkpointer is not None
-                    ck = smart.checkpointer
+                    assert smart is not None and smart.run is not None
+                    ck = smart.run
                     ck.engine.prepare(ck._sources)
 
             callbacks.append(Prepare())
     trainer = Trainer(model=_model(variant, args), args=targs, train_dataset=_dataset(args), callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # no log lines in the table's output
     if smart is not None:
-        timer.busy = lambda: smart.checkpointer is not None and smart.checkpointer.engine.busy
+        timer.busy = lambda: smart.run is not None and smart.run.engine.busy
     start = time.perf_counter()
     result = trainer.train()
     wall = time.perf_counter() - start
@@ -138,12 +138,12 @@ def _run(variant: str, mode: str, args: argparse.Namespace, work: Path) -> dict[
         res["saves"] = len(list(out.glob("checkpoint-*")))
         res["save_steps"] = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     elif smart is not None:
-        assert smart.checkpointer is not None
-        events = [e for e in smart.checkpointer.events if e.reason != "train_end" and e.error is None]
+        assert smart.run is not None
+        events = [e for e in smart.run.events if e.reason != "train_end" and e.error is None]
         res["saves"] = len(events)
         res["save_steps"] = [e.step for e in events]
         res["blocking_ms"] = [e.blocking_ms for e in events]
-        res["end_save"] = any(e.reason == "train_end" for e in smart.checkpointer.events)
+        res["end_save"] = any(e.reason == "train_end" for e in smart.run.events)
     else:
         res["saves"], res["save_steps"] = 0, []
     del trainer

@@ -358,14 +358,14 @@ def _load_model(spec: dict[str, Any]) -> Any:
 # writer wrote a save (`SaveHandle.writer`: the writer process, or a thread while it was starting).
 def _engine(callback: Any) -> Any:
     """The callback's save engine (`None` before training starts)."""
-    checkpointer = callback.checkpointer
+    checkpointer = callback.run
     return checkpointer.engine if checkpointer is not None else None
 
 
 def _note_writers(callback: Any, labels: dict[str, str]) -> None:
     """Record which writer took each save still in flight ("process", or a thread while the process
     starts); the event drops its handle once the save is settled, so this runs at every step."""
-    checkpointer = callback.checkpointer
+    checkpointer = callback.run
     for event in checkpointer.events if checkpointer is not None else ():
         writer = getattr(getattr(event, "handle", None), "writer", None)
         if writer is not None:
@@ -494,7 +494,7 @@ def child(spec: dict[str, Any]) -> None:
     res["params"] = sum(p.numel() for p in model.parameters())
     res["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if smart is not None:
-        events = [e for e in smart.checkpointer.events if e.error is None] if smart.checkpointer is not None else []
+        events = [e for e in smart.run.events if e.error is None] if smart.run is not None else []
         res["events"] = [{"step": e.step, "reason": e.reason, "blocking_ms": e.blocking_ms, "bytes": e.bytes,
                           "write_ms": e.write_ms, "staging": e.staging, "path": e.path, "end": e.reason == "train_end",
                           "writer": marks["writers"].get(str(e.step))} for e in events]

@@ -241,7 +241,7 @@ def train(case: Case, seed: int, mode: str, data: Any, eval_batch: dict[str, tor
                             p.grad.mul_(a.factor)
                     accelerator.clip_grad_norm_(params, clip)
                     pre = ckpt.before_update()
-                    if ckpt.core.policy.last_bad_update is not None and not (pre is not None and pre.skip_update):
+                    if ckpt.run.policy.last_bad_update is not None and not (pre is not None and pre.skip_update):
                         res.bad_applied += 1
                     opt.step()
                     sched.step()
@@ -267,7 +267,7 @@ def train(case: Case, seed: int, mode: str, data: Any, eval_batch: dict[str, tor
         except RollbackError as e:
             res.stopped = str(e)[:300]
         res.steps = ckpt.step
-        res.captures = [[e.step, e.reason] for e in ckpt.core.events if e.step < e.at_step]
+        res.captures = [[e.step, e.reason] for e in ckpt.run.events if e.step < e.at_step]
         ckpt.close()
     res.wall_s = time.perf_counter() - t0 - eval_s
     hook.remove()

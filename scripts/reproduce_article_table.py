@@ -161,7 +161,7 @@ def child(a: argparse.Namespace) -> None:
             self.saves()
 
         def saves(self) -> None:  # (b): every settled save of the smart checkpointer, once
-            ck = smart.checkpointer if smart is not None else None
+            ck = smart.run if smart is not None else None
             for e in ck.events if ck is not None else []:
                 if e.bytes is not None and id(e) not in self.logged:
                     self.logged.add(id(e))
@@ -185,7 +185,7 @@ def child(a: argparse.Namespace) -> None:
         timed(trainer, name, "restore_s")
     timed(trainer, "_save_checkpoint", "save_s")
     if smart is not None:  # store and writer start-up are not restore work: open them first
-        ck = smart.get_checkpointer(args)
+        ck = smart.get_run(args)
         timed(smart, "on_train_begin", "train_begin_s")
         timed(ck, "attach", "attach_s")  # probes and sources: a fresh start does it too
     t0 = time.perf_counter()

@@ -113,7 +113,7 @@ def train(demo: DemoArguments, smart: Any) -> None:
     # The report tells this process's checkpoints from another's by the session their manifests record.
     Path(demo.output_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(demo.output_dir) / SESSIONS_NAME, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"session": callback.get_checkpointer(args).session_id,
+        f.write(json.dumps({"session": callback.get_run(args).session_id,
                             "resume": smart.resume_from_smart_checkpoint}) + "\n")
     trainer.train(resume_from_checkpoint=resume)
 

@@ -74,7 +74,7 @@ class SmartStateHooks:
         config (`SmartCkptConfig`, *optional*): `root` and `task_id` name the store.
         output_dir (`str`, *optional*): store goes to `<output_dir>/smart_ckpt` when
             `config.root` is unset (defaults to the accelerator's `project_dir`).
-        checkpointer (`RunOrchestrator`, *optional*): share an existing orchestrator (what
+        run (`RunOrchestrator`, *optional*): share an existing orchestrator (what
             `SmartCheckpointer` does); by default one is created without signal handlers.
 
     Example:
@@ -96,7 +96,7 @@ class SmartStateHooks:
         *,
         config: SmartCkptConfig | None = None,
         output_dir: str | os.PathLike[str] | None = None,
-        checkpointer: RunOrchestrator | None = None,
+        run: RunOrchestrator | None = None,
         state: AccelerateState | None = None,
     ) -> None:
         check_accelerator(accelerator)  # DeepSpeed / FSDP1: refused before anything is opened
@@ -106,13 +106,13 @@ class SmartStateHooks:
             loader = ResumableLoader(accelerator, dataloader) if dataloader is not None else None
             state = AccelerateState(accelerator, loader=loader)
         self.state = state
-        self._owns_core = checkpointer is None
-        if checkpointer is None:
+        self._owns_run = run is None
+        if run is None:
             # The hooks only save when asked: no preemption handlers (nobody would act on them).
-            checkpointer = make_orchestrator(config.replace(preemption_signals=()), accelerator,
-                                      store_root(config, accelerator, output_dir))
-            attach_state(checkpointer, state, boundary=False)
-        self.core = checkpointer
+            run = make_orchestrator(config.replace(preemption_signals=()), accelerator,
+                                    store_root(config, accelerator, output_dir))
+            attach_state(run, state, boundary=False)
+        self.run = run
         self.handles: list[Any] = []
         self.last_loaded: LoadedCheckpoint | None = None
         self._pinned: set[int] = set()  # steps this object's save_state pinned
@@ -124,7 +124,7 @@ class SmartStateHooks:
 
     @property
     def store(self) -> Any:
-        return self.core.store
+        return self.run.store
 
     def register(self) -> tuple[Any, Any]:
         """Install the pair on the accelerator, behind its other save / load pre-hooks (also those registered later).
@@ -148,8 +148,8 @@ class SmartStateHooks:
     def close(self) -> None:
         """Remove the hooks and, when this object created it, close the orchestrator."""
         self.remove()
-        if self._owns_core:
-            self.core.close()
+        if self._owns_run:
+            self.run.close()
             self.state.close()
 
     # -- the hooks -------------------------------------------------------------------------
@@ -157,27 +157,27 @@ class SmartStateHooks:
                    output_dir: str) -> None:
         step = self.state.optimizer_steps
         project = getattr(self.accelerator, "project_configuration", None)
-        if self.core.rank == 0 and getattr(project, "automatic_checkpoint_naming", False) \
+        if self.run.rank == 0 and getattr(project, "automatic_checkpoint_naming", False) \
                 and getattr(project, "total_limit", None) is not None:
             # Accelerate has rotated its folders before this hook: their checkpoints are ordinary ones now.
             self._unpin_rotated(Path(output_dir).parent)
         # Pinned: a state the user asked for by name must outlive automatic retention.
-        event = self.core.save_now(step, self.state.epoch(), reason="save_state", pin=True, blocking=True)
+        event = self.run.save_now(step, self.state.epoch(), reason="save_state", pin=True, blocking=True)
         self._raise_if_failed(event)
         # Accelerate writes one model file per entry: the weights are in the store instead.
         weights.clear()
-        if self.core.rank == 0:
-            pointer = {"root": str(self.core.store.root), "task_id": self.core.store.task_id, "step": step,
+        if self.run.rank == 0:
+            pointer = {"root": str(self.run.store.root), "task_id": self.run.store.task_id, "step": step,
                        "path": event.path}
             tmp = Path(output_dir) / f".{POINTER_NAME}.tmp"
             tmp.write_text(json.dumps(pointer, indent=1), encoding="utf-8")
             os.replace(tmp, Path(output_dir) / POINTER_NAME)
         self._pinned.add(step)
-        logger.info("save_state: step %d committed to %s", step, event.path or self.core.store.root)
+        logger.info("save_state: step %d committed to %s", step, event.path or self.run.store.root)
 
     def _unpin_rotated(self, folders: Path) -> None:
         """Unpin the checkpoints `save_state` pinned for folders under `folders` that no longer exist."""
-        store = self.core.store
+        store = self.run.store
         kept: set[int] = set()
         for pointer_file in folders.glob(f"*/{POINTER_NAME}"):
             try:
@@ -207,11 +207,11 @@ class SmartStateHooks:
         if spec is None:
             logger.info("load_state(%s): no %s and not a store checkpoint (a folder saved without the store's hooks): "
                         "Accelerate loads it as it would without them; the store %s is not involved", input_dir,
-                        POINTER_NAME, self.core.store.root)
+                        POINTER_NAME, self.run.store.root)
             return
-        loaded = self.core.resume(spec, expected=self.state.weights())
+        loaded = self.run.resume(spec, expected=self.state.weights())
         if loaded is None:  # pragma: no cover - resume returns None only for "auto" on an empty store
-            raise CheckpointNotFoundError(f"load_state({input_dir!r}): the store {self.core.store.root} is empty.")
+            raise CheckpointNotFoundError(f"load_state({input_dir!r}): the store {self.run.store.root} is empty.")
         self.state.apply(loaded)
         # The weights are restored from the store: Accelerate must not look for model files.
         models.clear()
@@ -233,9 +233,9 @@ class SmartStateHooks:
                 f"{pointer_file} is not a valid pointer ({type(e).__name__}: {e}); it should name the store "
                 f"checkpoint written by save_state. Pass the store checkpoint directory to load_state instead."
             ) from e
-        if Path(pointer["root"]).resolve() != Path(self.core.store.root).resolve():
+        if Path(pointer["root"]).resolve() != Path(self.run.store.root).resolve():
             logger.warning("load_state: %s points into store %s, but this run's store is %s; loading by path",
-                           pointer_file, pointer["root"], self.core.store.root)
+                           pointer_file, pointer["root"], self.run.store.root)
         return str(pointer["path"]) if pointer["path"] else f"step:{int(pointer['step'])}"
 
 
@@ -277,16 +277,16 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
     to_end()
 
 
-def attach_state(core: RunOrchestrator, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None,
+def attach_state(run: RunOrchestrator, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None,
                  consolidate: bool | None = False) -> None:
-    """Attach `core` to the accelerator's live objects (`boundary`: the data position of the last completed step,
+    """Attach `run` to the accelerator's live objects (`boundary`: the data position of the last completed step,
     for a custom loop; else the current one, for `save_state`)."""
     models = state.models()
     loader = state.loader
     sampler = None
     if loader is not None:
         sampler = loader.boundary_position if boundary else loader.position
-    core.attach(
+    run.attach(
         models[0],
         optimizer=state.optimizer,
         scheduler=state.scheduler,

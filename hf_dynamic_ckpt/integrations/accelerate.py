@@ -105,9 +105,9 @@ class SmartCheckpointer:
                               "returned by accelerator.prepare(...).")
         loader = ResumableLoader(accelerator, dataloader) if dataloader is not None else None
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
-        self.core = make_orchestrator(self.config, accelerator, store_root(self.config, accelerator, output_dir))
-        attach_state(self.core, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate)
-        self.hooks = SmartStateHooks(accelerator, checkpointer=self.core, state=self.state)
+        self.run = make_orchestrator(self.config, accelerator, store_root(self.config, accelerator, output_dir))
+        attach_state(self.run, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate)
+        self.hooks = SmartStateHooks(accelerator, run=self.run, state=self.state)
         self.hooks.register()
         self.last_decision: Decision | None = None
         self.last_rollback: Rollback | None = None
@@ -117,13 +117,13 @@ class SmartCheckpointer:
         self._lr: float | None = None
         if loader is not None:
             loader.mark_boundary()
-        self.core.note_boundary(self.step)  # the starting state can be captured before the first update
+        self.run.note_boundary(self.step)  # the starting state can be captured before the first update
 
     # -- properties ------------------------------------------------------------------------
     @property
     def flat(self) -> FlatKeeper | None:
         """The consolidated trainable state's keeper (`state.flat`)."""
-        return self.core.flat
+        return self.run.flat
 
     @property
     def step(self) -> int:
@@ -146,11 +146,11 @@ class SmartCheckpointer:
     @property
     def should_stop(self) -> bool:
         """A preemption signal arrived and the final checkpoint is committed: stop training."""
-        return self.core.preempted
+        return self.run.preempted
 
     @property
     def store(self) -> Any:
-        return self.core.store
+        return self.run.store
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """The epochs still to run: `range(resumed epoch, num_epochs)`, stopping on preemption."""
@@ -172,7 +172,7 @@ class SmartCheckpointer:
             return None
         opt = self.state.optimizer
         self._lr = float(opt.param_groups[0]["lr"]) if opt is not None and opt.param_groups else None
-        return self.core.pre_update(self.step, epoch=self.state.epoch(boundary=True))
+        return self.run.pre_update(self.step, epoch=self.state.epoch(boundary=True))
 
     def after_update(self) -> Decision | None:
         """Call after `optimizer.step()` / `scheduler.step()`: the save decision of this step.
@@ -187,7 +187,7 @@ class SmartCheckpointer:
             return None
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
-        decision = self.core.step_end(self.step, self.state.epoch(boundary=True), lr=self._lr)
+        decision = self.run.step_end(self.step, self.state.epoch(boundary=True), lr=self._lr)
         if decision.kind == DecisionKind.ROLLBACK:
             self._roll_back()
         self.last_decision = decision
@@ -197,7 +197,7 @@ class SmartCheckpointer:
         """Restore the run in place; the data goes on from where it is (plus `rollback_skip_batches`)."""
         loader = self.state.loader
         seen_before = (loader.epoch, loader.batches_seen) if loader is not None else None
-        done = self.core.rollback(restore_rng=loader is None)  # with a loader: after its next batch is fetched
+        done = self.run.rollback(restore_rng=loader is None)  # with a loader: after its next batch is fetched
         if done is None:
             return
         self.state.optimizer_steps = done.to_step
@@ -213,15 +213,15 @@ class SmartCheckpointer:
             self._skipped_through = (seen_before[0], last)
             skipped = f"; skipped batches {first}..{last} of epoch {seen_before[0]}"
         self.last_rollback = done
-        if self.core.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
-            self.core.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s)%s", done.from_step,
+        if self.run.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
+            self.run.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s)%s", done.from_step,
                                        done.to_step, done.reason, skipped)
 
     def save_now(self, *, reason: str = "manual", blocking: bool = True) -> SaveEvent:
         """Save the state of the last completed step outside the policy (e.g. at the end)."""
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
-        return self.core.save_now(self.step, self.state.epoch(boundary=True), reason=reason, blocking=blocking)
+        return self.run.save_now(self.step, self.state.epoch(boundary=True), reason=reason, blocking=blocking)
 
     def resume(self, spec: str | None = "auto") -> LoadedCheckpoint | None:
         """Restore a checkpoint on every rank before the loop (rank 0 chooses).
@@ -238,21 +238,21 @@ class SmartCheckpointer:
             `CheckpointNotFoundError`: an explicit `spec` names nothing loadable.
             `IncompatibleStateError`: the checkpoint does not fit the model.
         """
-        loaded = self.core.resume(spec, expected=self.state.weights())
+        loaded = self.run.resume(spec, expected=self.state.weights())
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", spec)
             return None
         self.state.apply(loaded)
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
-        self.core.note_boundary(self.step, rng=loaded.rng)
+        self.run.note_boundary(self.step, rng=loaded.rng)
         dist.barrier()
         self.loaded = loaded
         return loaded
 
     def metrics(self) -> dict[str, float]:
         """`smart_ckpt/*` numbers for `accelerator.log(...)`."""
-        return self.core.metrics()
+        return self.run.metrics()
 
     def close(self, *, exit_if_preempted: bool = True) -> None:
         """Wait for the last write, remove hooks and probes, close the store (idempotent).
@@ -261,10 +261,10 @@ class SmartCheckpointer:
         signal by default) so the scheduler requeues the job; `exit_if_preempted=False` returns.
         """
         self.hooks.remove()
-        self.core.close()
+        self.run.close()
         self.state.close()
         if exit_if_preempted:
-            self.core.exit_if_preempted()
+            self.run.exit_if_preempted()
 
     def __enter__(self) -> SmartCheckpointer:
         return self

@@ -93,7 +93,7 @@ class SmartCkptCallback(TrainerCallback):
                 "Trainer's loop fetches its batches itself. A rollback there skips the batches the anomaly consumed; "
                 "set rollback_skip_batches=0 (or skip more in a custom loop with SmartCheckpointer).")
         self.consolidate = consolidate
-        self.checkpointer: RunOrchestrator | None = None
+        self.run: RunOrchestrator | None = None
         self._trainer: Callable[[], Any] = _no_trainer
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
@@ -132,18 +132,18 @@ class SmartCkptCallback(TrainerCallback):
         if self.trainer is None:
             self.trainer = _calling_trainer()
 
-    def get_checkpointer(self, args: TrainingArguments) -> RunOrchestrator:
+    def get_run(self, args: TrainingArguments) -> RunOrchestrator:
         """The run's `RunOrchestrator` (a new one after a finished `train()`; its store under `config.resolve_root`)."""
-        if self.checkpointer is None or self.checkpointer.closed:
+        if self.run is None or self.run.closed:
             # The save and resume lines follow Trainer's verbosity (--log_level, set_verbosity_info()).
-            self.checkpointer = RunOrchestrator(self.config, root=self.config.resolve_root(args.output_dir),
+            self.run = RunOrchestrator(self.config, root=self.config.resolve_root(args.output_dir),
                                                 announce=logging.getLogger(ANNOUNCE_LOGGER))
-        return self.checkpointer
+        return self.run
 
     @property
     def flat(self) -> FlatKeeper | None:
         """The consolidated trainable state's keeper (`state.flat`), once training began."""
-        return self.checkpointer.flat if self.checkpointer is not None else None
+        return self.run.flat if self.run is not None else None
 
     def prepare_resume(self, trainer: Any, spec: str | os.PathLike[str] | None) -> str | None:
         """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder.
@@ -153,7 +153,7 @@ class SmartCkptCallback(TrainerCallback):
         self.set_trainer(trainer)
         if spec is None:
             return None
-        ck = self.get_checkpointer(trainer.args)
+        ck = self.get_run(trainer.args)
         loaded = ck.resume(os.fspath(spec), background_optimizer=True, expected=expected_weights(trainer.model))
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
@@ -172,7 +172,7 @@ class SmartCkptCallback(TrainerCallback):
                        **kwargs: Any) -> None:
         check_training_args(args)  # DeepSpeed / FSDP1: refused before the first step, never a wrong save
         check_accelerator(getattr(self.trainer, "accelerator", None))
-        ck = self.get_checkpointer(args)
+        ck = self.get_run(args)
         retry, self._in_train = self._in_train, True
         self._state, self._control = state, control
         self._move_first()
@@ -236,17 +236,17 @@ class SmartCkptCallback(TrainerCallback):
             # the interrupted run at the same point (the RNG stored with a save is taken at this moment).
             restore_rng_state(self._resumed_rng)
             self._resumed_rng = None
-        if self.checkpointer is not None:
-            if self.checkpointer.rollback_due:
+        if self.run is not None:
+            if self.run.rollback_due:
                 self._roll_back(state)
             self._flos_at_begin = float(getattr(self.trainer, "current_flos", 0.0) or 0.0)
-            self.checkpointer.step_begin()  # the previous step's logging and evaluation are done: write its save
+            self.run.step_begin()  # the previous step's logging and evaluation are done: write its save
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
-        if self.checkpointer is not None:
+        if self.run is not None:
             self._apply_resumed_optimizer()
-            self.checkpointer.pre_update(state.global_step, epoch=state.epoch)
+            self.run.pre_update(state.global_step, epoch=state.epoch)
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           optimizer: Any = None, **kwargs: Any) -> None:
@@ -255,7 +255,7 @@ class SmartCkptCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        ck = self.checkpointer
+        ck = self.run
         if ck is None:
             return
         self.data_steps += 1
@@ -269,8 +269,8 @@ class SmartCkptCallback(TrainerCallback):
         """At the start of the step after a confirmed anomaly (its batches are fetched, as a resume's first ones
         are): restore the run in place and put Trainer's step counter back (`docs/rollback.md`)."""
         trainer: Any = self.trainer
-        assert self.checkpointer is not None and trainer is not None, "a rollback needs the Trainer (set_trainer)"
-        done = self.checkpointer.rollback()
+        assert self.run is not None and trainer is not None, "a rollback needs the Trainer (set_trainer)"
+        done = self.run.rollback()
         if done is None:
             return
         ga = max(1, int(getattr(trainer.args, "gradient_accumulation_steps", 1) or 1))
@@ -289,22 +289,22 @@ class SmartCkptCallback(TrainerCallback):
         # The loss Trainer logs divides by the steps since its last log; that log was at a step now undone.
         trainer._globalstep_last_logged = done.to_step
         self.last_rollback = done
-        if self.checkpointer.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
-            self.checkpointer.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s); skipped "
+        if self.run.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
+            self.run.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s); skipped "
                                                "batches %d..%d", done.from_step, done.to_step, done.reason, first, last)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
-        if self.checkpointer is None or logs is None or not self.config.report_to_trainer:
+        if self.run is None or logs is None or not self.config.report_to_trainer:
             return
-        metrics = self.checkpointer.metrics()
+        metrics = self.run.metrics()
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        ck = self.checkpointer
+        ck = self.run
         self._in_train = False
         if ck is None or ck.closed:
             return
@@ -336,9 +336,9 @@ class SmartCkptCallback(TrainerCallback):
         the first update is the first thing that reads the optimizer state, so its forward and backward
         overlap the L1 decode that `resume_checkpoint` started."""
         unapplied, self._unapplied = self._unapplied, None
-        if unapplied is not None and self.checkpointer is not None:
+        if unapplied is not None and self.run is not None:
             loaded, optimizer, scheduler = unapplied
-            self.checkpointer.complete_resume(loaded)
+            self.run.complete_resume(loaded)
             apply_optimizer_state(loaded, optimizer=optimizer, scheduler=scheduler, scaler=None)
 
     # ------------------------------------------------------------------ state for saves

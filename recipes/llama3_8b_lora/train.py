@@ -179,7 +179,7 @@ def main() -> None:
                 continue
             if log is not None:
                 # The agreed frame carries the loss summed over the ranks: log their mean.
-                step_loss = ckpt.core.last_frame.loss / accelerator.num_processes
+                step_loss = ckpt.run.last_frame.loss / accelerator.num_processes
                 log.write(json.dumps({"step": ckpt.step, "loss": float(step_loss).hex()}) + "\n")
                 log.flush()
             if ckpt.step == script.simulate_crash_at_step:

@@ -66,7 +66,7 @@ def main() -> None:
     out = Path(opts.out)
 
     def dump() -> None:
-        ck = callback.checkpointer
+        ck = callback.run
         record["events"] = [e.to_dict() for e in ck.events] if ck is not None else []
         if rank == 0:
             (out / f"{opts.tag}.json").write_text(json.dumps(record))
@@ -78,8 +78,8 @@ def main() -> None:
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if opts.kill_at is not None and state.global_step == opts.kill_at:
                 # The crash comes once every save taken so far is committed: a known restore point.
-                assert callback.checkpointer is not None
-                callback.checkpointer.finish()
+                assert callback.run is not None
+                callback.run.finish()
                 dump()
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -167,7 +167,7 @@ def main() -> None:
         def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
             if args.kill_at is not None and state.global_step == args.kill_at:
                 # The crash comes after the last save committed on every rank: a known restore point.
-                cb.checkpointer.finish()
+                cb.run.finish()
                 if torch.distributed.is_initialized():
                     torch.distributed.barrier()
                 _dump(args, rank, losses, cb, killed=True, after={"rollbacks": rollbacks})
@@ -280,7 +280,7 @@ def _reorder_and_poison(ds, args: argparse.Namespace):  # type: ignore[no-untype
 
 def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed: bool,  # type: ignore[no-untyped-def]
           after: dict | None = None) -> None:
-    ck = cb.checkpointer
+    ck = cb.run
     events = [e.to_dict() for e in ck.events] if ck is not None else []
     resumed = cb.resumed_from.info.step if cb.resumed_from is not None else None
     path = os.path.join(args.out, f"{args.tag}-rank{rank}.json")

@@ -67,9 +67,9 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, args.resume) if args.resume else None)
     train_s = time.perf_counter() - start
     events = []
-    if cb is not None and cb.checkpointer is not None:
-        cb.checkpointer.finish()
-        events = [e.to_dict() for e in cb.checkpointer.events]
+    if cb is not None and cb.run is not None:
+        cb.run.finish()
+        events = [e.to_dict() for e in cb.run.events]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -112,10 +112,10 @@ def main() -> None:
                 micro = []
                 continue
             if out is not None:
-                frame = ckpt.core.last_frame
+                frame = ckpt.run.last_frame
                 out.write(json.dumps({"step": ckpt.step, "loss": float(frame.loss).hex(), "micro": micro,
                                       "save": decision.save, "captures": [
-                                          [e.step, e.reason, e.pinned] for e in ckpt.core.events
+                                          [e.step, e.reason, e.pinned] for e in ckpt.run.events
                                           if e.at_step == ckpt.step and e.step < e.at_step]}) + "\n")
                 out.flush()
             micro = []
@@ -129,7 +129,7 @@ def main() -> None:
                 break
     if out is not None and ckpt.should_stop:
         out.write(json.dumps({"stopped": "preemption", "step": ckpt.step,
-                              "reason": ckpt.core.events[-1].reason}) + "\n")
+                              "reason": ckpt.run.events[-1].reason}) + "\n")
     ckpt.close()
     if main_rank and args.final:
         unwrapped = accelerator.unwrap_model(model)

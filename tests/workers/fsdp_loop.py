@@ -106,7 +106,7 @@ def main() -> None:
             optimizer.zero_grad()
             decision = ckpt.after_update()
             if out is not None:
-                frame = ckpt.core.last_frame
+                frame = ckpt.run.last_frame
                 out.write(json.dumps({"step": ckpt.step, "loss": float(loss.detach()).hex(),
                                       "grad_norm": frame.grad_norm, "save": decision.save}) + "\n")
                 out.flush()
@@ -175,7 +175,7 @@ def dcp_load(model, optimizer, scheduler, ckpt, path: str) -> int:
         with open(rng_file, encoding="utf-8") as f:
             rng = json.load(f)
     ckpt.loader.resume_from(extra["loader"], rng=rng)
-    ckpt.core.note_boundary(ckpt.step)
+    ckpt.run.note_boundary(ckpt.step)
     return int(extra["step"])
 
 
