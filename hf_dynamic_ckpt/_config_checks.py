@@ -30,6 +30,12 @@ HF_NAMES = {
     "output_dir": "root",
     "resume_from_checkpoint": "resume_checkpoint(trainer, 'auto') / --resume_from_smart_checkpoint",
 }
+"""Trainer's checkpoint arguments, and what does their job here (named when one is passed as a key)."""
+
+REMOVED = {
+    "async_save": "engine='sync' writes on the training thread (async_save=false); background writes are the default",
+}
+"""Settings that were removed, and what replaces them (named when one is passed as a key)."""
 
 
 def warn_once(key: str) -> bool:
@@ -43,6 +49,8 @@ def warn_once(key: str) -> bool:
 def _did_you_mean(key: str, names: Iterable[str]) -> str:
     if key in HF_NAMES:
         return f" (Trainer's {key!r} is {HF_NAMES[key]} here)"
+    if key in REMOVED:
+        return f" (removed: {REMOVED[key]})"
     close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

@@ -203,7 +203,6 @@ class SmartCkptConfig:
             checkpoint (Trainer's `save_total_limit=None`; tiers still expire by `retention_days`, set those to
             `None` too to keep everything).
         keep_log_spaced (`bool`, *optional*, defaults to `True`): thin older ones to log-spaced steps.
-        async_save (`bool`, *optional*, defaults to `True`): write in the background.
         engine (`str`, *optional*, defaults to `"process"`): background writer: `"process"`
             (lowest measured step-time inflation, see docs/engine.md), `"thread"` or `"sync"`.
         memory_margin (`float`, *optional*, defaults to `0.15`): host memory fraction kept free;
@@ -278,7 +277,6 @@ class SmartCkptConfig:
     skip_bad_update: bool = False
     keep_last: int | None = 3
     keep_log_spaced: bool = True
-    async_save: bool = True
     engine: EngineMode = EngineMode.PROCESS
     memory_margin: float = 0.15
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
@@ -312,7 +310,7 @@ class SmartCkptConfig:
         set_(self, "remote_storage_options", check_remote_config(self))
         if self.root is not None and not is_url(self.root):
             check_directory_path("root", self.root)
-        for flag in ("pre_anomaly_capture", "skip_bad_update", "keep_log_spaced", "async_save", "report_to_trainer"):
+        for flag in ("pre_anomaly_capture", "skip_bad_update", "keep_log_spaced", "report_to_trainer"):
             value = getattr(self, flag)
             check(isinstance(value, bool), flag, value, "true or false (a YAML boolean, not a string)")
         check(isinstance(self.task_id, str), "task_id", self.task_id, "a name (string)")

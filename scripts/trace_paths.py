@@ -14,7 +14,7 @@ the copy the measurements import (its parent is put first on PYTHONPATH). About 
   every package module it calls into count; work the baseline does as well (per-step probes and
   policy, callback wiring) does not.
 - Save: a Trainer run (tiny LoRA Qwen2, 4 steps, `SmartCkptConfig(base_interval=3,
-  async_save=False)`: the synchronous engine, so the whole save runs in the profiled process)
+  engine="sync")`: the synchronous engine, so the whole save runs in the profiled process)
   recorded over steps 3 and 4: the save is decided at the end of step 3 and committed before
   step 4 ends. Baseline: the same window of the same run with `base_interval=10**6` (no save).
   `save: N` counts the modules of the calls that belong to the save.
@@ -126,7 +126,7 @@ def run(out: str, base_interval: int, max_steps: int, trace: Trace, start: int |
 
     args = TrainingArguments(output_dir=out, max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True,
                              report_to=[], save_strategy="no", disable_tqdm=True)
-    config = SmartCkptConfig(base_interval=base_interval, async_save=False)
+    config = SmartCkptConfig(base_interval=base_interval, engine="sync")
     trainer = Trainer(model=toy.lora(toy.tiny_qwen2(seed=0)), args=args,
                       train_dataset=toy.random_token_dataset(num_examples=64),
                       callbacks=[SmartCkptCallback(config), Window()])

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import distributed as dist
-from ..config import EngineMode, OnSaveError, SmartCkptConfig
+from ..config import OnSaveError, SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..engine import SaveEngine
 from ..errors import DistributedError, DynamicCkptError, SaveError
@@ -123,8 +123,7 @@ class Saver:
     def engine(self) -> SaveEngine:
         """The save engine (snapshot buffers, writer thread or process), started at its first use."""
         if self._engine is None:
-            mode = self.config.engine if self.config.async_save else EngineMode.SYNC
-            self._engine = SaveEngine(self.store, mode=mode, memory_margin=self.config.memory_margin)
+            self._engine = SaveEngine(self.store, mode=self.config.engine, memory_margin=self.config.memory_margin)
         return self._engine
 
     @property

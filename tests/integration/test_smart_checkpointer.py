@@ -108,7 +108,7 @@ def _loop(tmp_path: Path, *, steps: int, resume: str | None = None, lora_seed: i
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt, dl = accelerator.prepare(model, opt, dl)
     config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=2, overhead_budget=1.0, keep_last=50,
-                             async_save=False)
+                             engine="sync")
     ckpt = SmartCheckpointer(accelerator, model, opt, dataloader=dl, config=config)
     loaded = ckpt.resume(resume)
     adapters: dict[int, dict[str, torch.Tensor]] = {}
@@ -138,7 +138,7 @@ def test_resume_specs(tmp_path: Path):
     model = toy.lora(toy.tiny_qwen2(seed=0, vocab_size=64, hidden_size=32), r=2, seed=9)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
-    config = SmartCkptConfig(root=str(tmp_path / "store"), async_save=False)
+    config = SmartCkptConfig(root=str(tmp_path / "store"), engine="sync")
     with SmartCheckpointer(accelerator, model, opt, config=config) as again:
         got = again.resume("step:2")
         assert got is not None and got.info.step == 2 and again.step == 2

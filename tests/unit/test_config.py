@@ -143,7 +143,6 @@ def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCapture
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"async_save": "no"}, "async_save='no' is invalid: expected true or false (a YAML boolean, not a string)."),
         ({"keep_log_spaced": "no"}, "keep_log_spaced='no' is invalid: expected true or false"),
         ({"root": 5}, "root=5 is invalid: expected a directory path (str) or null."),
         ({"root": "nosuch://bucket/run1"},
@@ -181,7 +180,10 @@ def test_a_single_signal_name_is_a_list_of_one() -> None:
     [
         (lambda: SmartCkptConfig(base_intervall=10),
          "SmartCkptConfig() got an unknown keyword 'base_intervall' (did you mean 'base_interval'?): allowed keys are "
-         "async_save, base_interval, capture_cooldown, "),
+         "base_interval, capture_cooldown, "),
+        (lambda: SmartCkptConfig(async_save=False),
+         "SmartCkptConfig() got an unknown keyword 'async_save' (removed: engine='sync' writes on the training thread "
+         "(async_save=false); background writes are the default): allowed keys are "),
         (lambda: SmartCkptConfig(save_total_limit=2),
          "SmartCkptConfig() got an unknown keyword 'save_total_limit' (Trainer's 'save_total_limit' is keep_last "
          "here): allowed keys are "),
