@@ -14,7 +14,7 @@ is shared):
   (grouped only if the previous paced write found the disk holding it up: a `PaceMemory`
   carried from write to write, warmed by one untimed write), and not paced (every part that
   compresses compressed, the smallest file); the same with zstd's own
-  level-1 match finder (to justify `tensorpack_codec.compression_params`); each level of
+  level-1 match finder (to justify `tensorpack.compression_params`); each level of
   `--levels` other than 1;
 - plain zstd level 1 (no byte grouping, not paced, 2 threads);
 - reads (`read_tensor_file`, all threads, every byte touched, page cache warm) of the store
@@ -43,11 +43,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_dynamic_ckpt.store import tensorpack_codec
+from hf_dynamic_ckpt.store import tensorpack
 from hf_dynamic_ckpt.store.fs import fsync_file
 from hf_dynamic_ckpt.store.statetree import flatten_state
-from hf_dynamic_ckpt.store.tensorpack import read_tensor_file, write_tensor_file
-from hf_dynamic_ckpt.store.tensorpack_codec import PaceMemory
+from hf_dynamic_ckpt.store.tensorpack import PaceMemory, read_tensor_file, write_tensor_file
 
 MiB = 1 << 20
 FLOOR = "raw write + fsync (disk floor)"
@@ -125,7 +124,7 @@ def main() -> None:
             if not finder:
                 return write_tensor_file(tensors, path, level=level, threads=threads, paced=paced,
                                          pace=PaceMemory() if paced else None)
-            with mock.patch.object(tensorpack_codec, "compression_params", _default_match_finder):
+            with mock.patch.object(tensorpack, "compression_params", _default_match_finder):
                 return write_tensor_file(tensors, path, level=level, threads=threads)
         return write
 

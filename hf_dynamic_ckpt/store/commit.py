@@ -55,7 +55,7 @@ from .layout import L1_PARTS, info_from_manifest, read_json, write_json
 from .shard_files import sharded_extra, write_shards
 from .spec import Codec, SaveRequest
 from .task import Task
-from .tensorpack_codec import PaceMemory
+from .tensorpack import PaceMemory
 from .timelines import key_of
 from .types import CheckpointInfo, CheckpointState
 

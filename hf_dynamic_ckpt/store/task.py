@@ -43,7 +43,7 @@ from .fs import LocalFS
 from .layout import broken_info, info_from_manifest
 from .remote import Remote
 from .spec import StoreSpec
-from .tensorpack_codec import PaceMemory
+from .tensorpack import PaceMemory
 from .timelines import Timelines, key_of
 from .types import CheckpointInfo
 

@@ -6,24 +6,37 @@ small binary container (layout, version 3, in `tensorpack_format`) and `read_ten
 reads back (versions 3 and 2), verifying every frame before a tensor is returned.
 
 Codec `Codec.ZSTD` (default): independent frames of byte-grouped pieces, each a table of
-parts stored raw or zstd-compressed, whichever the part's sampled ratio favours
-(`tensorpack_codec`), encoded and decoded in parallel threads (zstandard, xxhash and numpy
-release the GIL), decoded straight into the output tensors (via one scratch buffer per
-thread when a frame must be un-grouped or holds several tensors). Codec `Codec.NONE`
-(`tensorpack_raw`): raw bytes at 64-byte-aligned offsets, returned as views of a private
-memory map after every frame's xxh3 is checked (or copied, `copy=True`). Given the manifest's
-checksum, the whole file is verified in the same pass (`filecheck`). Any truncation or
-flipped byte raises `CorruptCheckpointError`; a container version other than 2 or 3 raises
-`FormatVersionError`.
+parts stored raw or zstd-compressed (`encode_parts` / `decode_parts`; version 2 stored a frame
+as one zstd frame, which `decode_whole` still reads), encoded and decoded in parallel threads
+(`ordered_map`; zstandard, xxhash and numpy release the GIL), decoded straight into the output
+tensors (via one scratch buffer per thread when a frame must be un-grouped or holds several
+tensors). Codec `Codec.NONE`: raw bytes at 64-byte-aligned offsets (`write_raw_payload`),
+returned as views of a private memory map after every frame's xxh3 is checked (or copied,
+`copy=True`; `map_raw`). Given the manifest's checksum, the whole file is verified in the same
+pass (`filecheck`). Any truncation or flipped byte raises `CorruptCheckpointError`; a container
+version other than 2 or 3 raises `FormatVersionError`.
+
+Why parts (docs/benchmarks.md, "L1 codec"): on dense AdamW moments the second byte plane and
+the low mantissa bytes do not compress at all (ratio 1.000), yet zstd spends ~0.7 ms per MiB
+finding that out, and the exponent plane compresses to ~0.29 at ~150-250 MiB per CPU-second
+with level 1's match finder. The writer cuts each frame at the byte planes of its grouped
+pieces and every `PART_BYTES` (`part_bounds`), estimates each part's ratio from
+`SAMPLE_SLICES` slices of `SAMPLE_SLICE` bytes spread over it, and compresses it only when
+zstd makes it at most `KEEP_RATIO` of its size; the rest is stored raw (a memcpy to read).
+Level 1 uses a smaller match finder (`compression_params`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
 import threading
 import zlib
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +52,11 @@ from ..errors import (
     IncompatibleStateError,
     SaveError,
 )
-from . import tensorpack_codec as tpc
-from .byteplanes import group_into, ungroup_into
+from .byteplanes import group, group_into, ungroup_into
 from .filecheck import MappedFile, WholeFileCheck
-from .fs import create, fsync_file, open_read
+from .fs import create, fsync_file, open_read, read_exact
 from .hashing import FileEntry, make_file_entry
 from .paced_writer import HashingWriter
-from .parallel import ordered_map, resolve_threads
 from .spec import Codec
 from .tensorpack_format import (
     ALIGN,
@@ -56,16 +67,21 @@ from .tensorpack_format import (
     GROUPABLE,
     MAGIC,
     NAMES,
+    PART,
+    PART_COUNT,
+    PART_RAW,
+    PART_ZSTD,
     PREFIX,
     Piece,
     Run,
     frames,
     index_bytes,
+    parse_parts,
     pieces,
+    raw_frames,
     read_header,
     step_of,
 )
-from .tensorpack_raw import map_raw, write_raw_payload
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +91,249 @@ FRAME_BYTES = 16 << 20
 """Target raw bytes per frame written: the unit of parallel (de)compression and of scratch memory."""
 GROUP_CHUNK_ELEMS = 1 << 22
 """Byte-grouping works on runs of this many elements (16 MiB of fp32): bounded extra memory."""
+
+
+PART_BYTES = 1 << 20
+"""Largest part written: the unit of the raw-or-zstd choice (a dense and a zero region of one plane differ)."""
+MIN_SEGMENT = 64 << 10
+"""Spans (byte planes, small pieces) below this are merged with their neighbour before cutting parts."""
+SAMPLE_SLICES = 4
+SAMPLE_SLICE = 16 << 10
+"""A part larger than `SAMPLE_SLICES * SAMPLE_SLICE` is judged by compressing that many slices of it."""
+KEEP_RATIO = 0.9
+"""A part is stored compressed only when zstd makes it at most this fraction of its size."""
+HURRY_RATIO = 0.1
+"""While the disk waits for the compressor (a paced write), only parts whose sample compresses to at most this
+fraction are compressed: runs of zeros and the like, which zstd compresses faster than the disk writes them."""
+
+
+class PaceMemory:
+    """What the last paced L1 writes of a store learnt: whether to byte-group the next one (`group`).
+
+    While the disk waits for the compressor, a paced write stores raw every part that does not
+    shrink to `HURRY_RATIO`. The byte planes of AdamW moments do not (their exponent plane
+    compresses to ~0.3); zeros do, grouped or not. So after a paced write the disk did not hold
+    up (`HashingWriter.pace_verdict`), the next one groups only the tensors where it pays even
+    then (`grouping_pays`): ~20 % less CPU for a file of the same size on AdamW state. After one
+    it held up, or where pacing stopped working, every tensor is grouped again; a write too short
+    to tell changes nothing. A store keeps one per task (`Task.l1_pace`); a new one groups.
+    """
+
+    def __init__(self) -> None:
+        self.group = True
+
+    def learn(self, held_up: bool | None) -> None:
+        if held_up is not None:
+            self.group = held_up
+
+
+UNGROUPED_MIN_BYTES = 1 << 20
+"""Tensors smaller than this stay byte-grouped whatever the disk: grouping them costs little."""
+GROUP_SAMPLE_ELEMS = 1024
+"""Elements per slice of the sample `grouping_pays` takes (`SAMPLE_SLICES` slices)."""
+
+
+def grouping_pays(cctx: Any, data: np.ndarray, itemsize: int) -> bool:
+    """Whether a hurried write (parts compressed only if they shrink to `HURRY_RATIO`) stores `data` (a tensor's
+    bytes) in less than `KEEP_RATIO` of the space grouped than ungrouped, judged on a sample.
+
+    True where a byte plane compresses that well only once grouped (constant exponents, small
+    integers); false for AdamW-like moments (no plane does) and for zeros (they do either way).
+    Tensors under `UNGROUPED_MIN_BYTES` answer `True` without a sample.
+    """
+    n = data.nbytes // itemsize
+    if data.nbytes < UNGROUPED_MIN_BYTES:
+        return True
+    stride = (n - GROUP_SAMPLE_ELEMS) // (SAMPLE_SLICES - 1)
+    sample = np.concatenate([data[j * stride * itemsize : (j * stride + GROUP_SAMPLE_ELEMS) * itemsize]
+                             for j in range(SAMPLE_SLICES)])
+    m = sample.nbytes // itemsize
+    planes = group(sample, itemsize)
+
+    def stored(part: np.ndarray) -> int:
+        size = len(cctx.compress(part))
+        return size if size <= HURRY_RATIO * part.nbytes else part.nbytes
+
+    grouped = sum(stored(planes[lo:hi]) for lo, hi in ((0, m), (m, 2 * m), (2 * m, planes.nbytes)) if hi > lo)
+    return grouped < KEEP_RATIO * stored(sample)
+
+
+def compression_params(level: int) -> Any:
+    """zstd parameters of a level; level 1 with a small match finder (min_match 7, 4 KiB tables).
+
+    On the exponent plane of AdamW moments that is ~1.1x level 1's default speed for the same
+    ratio (0.29): the plane is short-range, low-entropy bytes, where a cache-resident table
+    finds the same matches.
+    """
+    import zstandard
+
+    if level == 1:
+        return zstandard.ZstdCompressionParameters.from_level(1, min_match=7, search_log=1, hash_log=12, chain_log=12,
+                                                              write_checksum=1, write_content_size=1)
+    return zstandard.ZstdCompressionParameters.from_level(level, write_checksum=1, write_content_size=1)
+
+
+def part_bounds(frame: list[Run], entries: list[dict[str, Any]], gce: int) -> list[int]:
+    """Where a version-3 writer cuts a frame's raw bytes into parts (0, ..., frame size).
+
+    Spans: the byte planes of each grouped piece (top, second, rest), each ungrouped piece
+    whole; a span under `MIN_SEGMENT` is merged with the next; then every span is cut into
+    equal parts of at most `PART_BYTES`. The reader does not need this (the table says it).
+    """
+    spans: list[list[int]] = []
+    pos = 0
+    for run in frame:
+        e = entries[run[0]]
+        item = DTYPES[e["dtype"]].itemsize
+        for _, lo, hi in pieces(run, step_of(e, gce)):
+            n = (hi - lo) // item
+            cuts = [n, 2 * n, hi - lo] if e["byte_grouped"] else [hi - lo]
+            for cut in dict.fromkeys(cuts):  # 2-byte types: the rest plane is empty
+                if spans and spans[-1][1] - spans[-1][0] < MIN_SEGMENT:
+                    spans[-1][1] = pos + cut
+                else:
+                    spans.append([spans[-1][1] if spans else 0, pos + cut])
+            pos += hi - lo
+    bounds = [0]
+    for lo, hi in spans:
+        k = -(-(hi - lo) // PART_BYTES)
+        bounds += [lo + (hi - lo) * j // k for j in range(1, k + 1)]
+    return bounds
+
+
+def _worth_compressing(cctx: Any, part: np.ndarray, limit: float = KEEP_RATIO) -> bool:
+    """Whether zstd is estimated to make `part` at most `limit` of its size (sampled)."""
+    n = part.nbytes
+    if n <= SAMPLE_SLICES * SAMPLE_SLICE:
+        return True  # compressed whole; the result decides
+    stride, budget, got = (n - SAMPLE_SLICE) // (SAMPLE_SLICES - 1), limit * SAMPLE_SLICES * SAMPLE_SLICE, 0
+    for j in range(SAMPLE_SLICES):
+        got += len(cctx.compress(part[j * stride : j * stride + SAMPLE_SLICE]))
+        if got > budget:  # decided: the remaining slices cannot bring it back under (a paced write: often the 2nd)
+            return False
+    return True
+
+
+def encode_parts(cctx: Any, data: np.ndarray, bounds: list[int],
+                 hurry: Callable[[], bool] | None = None) -> tuple[list[Any], int, int]:
+    """A version-3 frame: part table, then each part raw or compressed.
+
+    `hurry`, asked before each part: `True` while the disk waits for the writer; then only
+    parts sampled at most `HURRY_RATIO` are compressed (the rest raw, which costs no CPU).
+
+    Returns:
+        `tuple`: (chunks to write in order: bytes or views of `data`, stored length, xxh3_64).
+    """
+    table, chunks = [PART_COUNT.pack(len(bounds) - 1)], []
+    for lo, hi in itertools.pairwise(bounds):
+        part = data[lo:hi]
+        stored: Any = part
+        if _worth_compressing(cctx, part, HURRY_RATIO if hurry is not None and hurry() else KEEP_RATIO):
+            co = cctx.compressobj(size=hi - lo)  # the streaming API: less CPU than one-shot `compress()` here
+            packed = co.compress(part) + co.flush()
+            if len(packed) <= KEEP_RATIO * (hi - lo):
+                stored = packed
+        table.append(PART.pack(PART_RAW if stored is part else PART_ZSTD, hi - lo, len(stored)))
+        chunks.append(stored)
+    chunks.insert(0, b"".join(table))
+    return _sealed(chunks)
+
+
+def _sealed(chunks: list[Any]) -> tuple[list[Any], int, int]:
+    hasher = xxhash.xxh3_64()
+    for chunk in chunks:
+        hasher.update(chunk)
+    return chunks, sum(memoryview(c).nbytes for c in chunks), hasher.intdigest()
+
+
+def _zstd_into(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> None:
+    """Decompresses one zstd frame exactly filling `out` (its content size and checksum checked)."""
+    import zstandard
+
+    got = zstandard.frame_content_size(data)
+    if got != out.nbytes:
+        raise CorruptCheckpointError(f"{where} declares {got} bytes, the header {out.nbytes}; the file is corrupt.")
+    with dctx.stream_reader(data, read_across_frames=False) as z:
+        read_exact(z, out.data.cast("B"), f"{where} is truncated.")
+        if z.read(1):  # also completes the frame, which verifies its checksum
+            raise CorruptCheckpointError(f"{where} holds more data than its header declares.")
+
+
+def decode_parts(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> None:
+    """Fills `out` (the frame's raw bytes) from a version-3 frame: raw parts copied, zstd parts decoded."""
+    pos = 0
+    for j, (kind, raw, at, stored) in enumerate(parse_parts(data, out.nbytes, where)):
+        dst = out[pos : pos + raw]
+        with data[at : at + stored] as part:  # released even on an error (the caller closes the map)
+            if kind == PART_RAW:
+                dst[:] = np.frombuffer(part, dtype=np.uint8)
+            else:
+                assert kind == PART_ZSTD
+                _zstd_into(dctx, part, dst, f"{where}, part {j}")
+        pos += raw
+
+
+def decode_whole(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> None:
+    """Fills `out` from a version-2 frame (one zstd frame)."""
+    _zstd_into(dctx, data, out, where)
+
+
+class FrameBuffers:
+    """Reusable byte buffers for frames in flight (warm pages; raw parts are views into them until written)."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None or buf.size < size:
+            buf = np.empty(size, dtype=np.uint8)
+        return buf
+
+    def give(self, buf: np.ndarray | None) -> None:
+        if buf is not None:
+            with self._lock:
+                self._free.append(buf)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_threads(threads: int) -> int:
+    """Maps the user-facing thread count to worker threads (`0`/`-1`: all usable CPUs; `0` returned: inline)."""
+    if threads in (0, -1):
+        n = usable_cpus()
+        return n if n > 1 else 0
+    if threads < -1:
+        raise SaveError(f"threads={threads} is invalid; use 0 or -1 (auto), 1 (no workers) or N > 1.")
+    return 0 if threads == 1 else threads
+
+
+def ordered_map(fn: Any, items: Iterable[Any], workers: int) -> Iterator[Any]:
+    """`map(fn, items)` in order, on `workers` threads (0: inline) with at most 2x`workers` results pending."""
+    if workers <= 0:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="tensorpack") as pool:
+        pending: deque[Future[Any]] = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for fut in pending:
+                fut.cancel()
+
 
 
 def _check(name: str, t: Any) -> torch.Tensor:
@@ -115,7 +374,7 @@ def _frame_pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int) -> 
 
 
 def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np.ndarray], gce: int,
-                 pool: tpc.FrameBuffers) -> tuple[np.ndarray, np.ndarray | None]:
+                 pool: FrameBuffers) -> tuple[np.ndarray, np.ndarray | None]:
     """A frame's raw bytes: a view when it is one ungrouped run, else a pooled buffer (returned second)."""
     if _single(frame, entries):
         i, lo, hi = frame[0]
@@ -136,7 +395,7 @@ def _frame_input(frame: list[Run], entries: list[dict[str, Any]], datas: list[np
 
 def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level: int = 3, threads: int = 0,
                       byte_group: bool = True, compression: Codec | str | None = Codec.ZSTD, paced: bool = False,
-                      pace: tpc.PaceMemory | None = None) -> FileEntry:
+                      pace: PaceMemory | None = None) -> FileEntry:
     """Writes tensors to the L1 container (version 3: frames of raw and zstd parts, or uncompressed), fsynced.
 
     Args:
@@ -204,8 +463,8 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
         if codec == Codec.ZSTD:
             import zstandard
 
-            local, pool = threading.local(), tpc.FrameBuffers()
-            params = tpc.compression_params(level)
+            local, pool = threading.local(), FrameBuffers()
+            params = compression_params(level)
             hurry = (lambda: not f.disk_bound) if paced else None
 
             def compress(frame: list[Run]) -> tuple[list[Any], int, int, np.ndarray | None]:
@@ -213,7 +472,7 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
                 if cctx is None:
                     cctx = local.cctx = zstandard.ZstdCompressor(compression_params=params)
                 data, scratch = _frame_input(frame, entries, datas, gce, pool)
-                return (*tpc.encode_parts(cctx, data, tpc.part_bounds(frame, entries, gce), hurry), scratch)
+                return (*encode_parts(cctx, data, part_bounds(frame, entries, gce), hurry), scratch)
 
             plan = list(frames(entries, gce, frame_bytes))
             for chunks, length, digest, scratch in ordered_map(compress, plan, workers if len(plan) > 1 else 0):
@@ -234,11 +493,89 @@ def write_tensor_file(tensors: Mapping[str, torch.Tensor], path: Path, *, level:
 
 
 def _grouping_judge(level: int) -> Any:
-    """`tensorpack_codec.grouping_pays` with a compressor of `level`."""
+    """`grouping_pays` with a compressor of `level`."""
     import zstandard
 
-    cctx = zstandard.ZstdCompressor(compression_params=tpc.compression_params(level))
-    return lambda data, itemsize: tpc.grouping_pays(cctx, data, itemsize)
+    cctx = zstandard.ZstdCompressor(compression_params=compression_params(level))
+    return lambda data, itemsize: grouping_pays(cctx, data, itemsize)
+
+
+def write_raw_payload(f: Any, entries: list[dict[str, Any]], datas: list[np.ndarray], total: int, frame_bytes: int,
+                      index: list[tuple[int, int]]) -> None:
+    """Uncompressed payload (tensors at their aligned offsets, zero padding), hashed per frame."""
+    bounds = raw_frames(total, frame_bytes)
+    hasher, pos, k = xxhash.xxh3_64(), 0, 0
+
+    def emit(data: Any) -> None:
+        nonlocal hasher, pos, k
+        mv = memoryview(data).cast("B")
+        while mv.nbytes:
+            take = min(mv.nbytes, bounds[k][1] - pos)
+            f.write(mv[:take])
+            hasher.update(mv[:take])
+            pos += take
+            mv = mv[take:]
+            if pos == bounds[k][1]:
+                index.append((bounds[k][1] - bounds[k][0], hasher.intdigest()))
+                hasher, k = xxhash.xxh3_64(), k + 1
+
+    for e, data in zip(entries, datas):
+        if e["offset"] > pos:
+            emit(bytes(e["offset"] - pos))
+        if data.nbytes:
+            emit(data)
+
+
+def map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[int, int, int]], workers: int,
+            copy: bool, checksum: str | None) -> dict[str, torch.Tensor]:
+    """Tensors of an uncompressed container as views of a private memory map (copies: `copy`), after hashing each
+    frame (and the whole file against `checksum`, in the same pass). Copies hand each mapped page back once it is
+    read (`filecheck.MappedFile`): a copying load holds the copies, not the file's pages too."""
+    try:
+        with open_read(path) as f:
+            mapped = MappedFile(f.fileno(), private=True) if index else None
+    except OSError as e:
+        raise CorruptCheckpointError(f"Tensor file {path} is missing or unreadable ({e}).") from e
+    release = mapped.release if mapped is not None and copy else None
+    if mapped is None:
+        WholeFileCheck.small(path, checksum, f"Tensor file {path}")
+    else:
+        view = memoryview(mapped.mm)  # type: ignore[arg-type]
+        check = None
+
+        def frame_ok(k: int) -> bool:
+            offset, length, digest = index[k]
+            ok = xxhash.xxh3_64_intdigest(view[offset : offset + length]) == digest
+            if release is not None:
+                release(offset, offset + length)
+            return ok
+
+        try:
+            check = WholeFileCheck.start(view, checksum, f"Tensor file {path}", release=release)
+            ks = range(len(index))
+            bad = [k for k, ok in zip(ks, ordered_map(frame_ok, ks, workers if len(index) > 1 else 0)) if not ok]
+            if bad:
+                raise CorruptCheckpointError(f"Tensor file {path}: frame(s) {bad} fail their xxh3 checksum; the "
+                                             "file is corrupt.")
+
+            if check is not None:
+                check.result()
+        finally:
+            if check is not None:
+                check.cancel()  # joined: nothing reads the map once it is handed out
+            view.release()
+    out: dict[str, torch.Tensor] = {}
+    for entry in header["tensors"]:
+        dtype, shape, name = DTYPES[entry["dtype"]], entry["shape"], str(entry["name"])
+        if entry["nbytes"] == 0 or mapped is None:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        at = start + entry["offset"]
+        t = torch.frombuffer(mapped.mm, dtype=torch.uint8, count=entry["nbytes"], offset=at).view(dtype)  # type: ignore[call-overload]
+        out[name] = t.view(shape).clone() if copy else t.view(shape)
+        if release is not None:
+            release(at, at + entry["nbytes"])
+    return out
 
 
 def _allocate(entries: list[dict[str, Any]], path: Path) -> list[torch.Tensor]:
@@ -307,7 +644,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
     dests = [_bytes_of(t) for t in out]
     local = threading.local()
 
-    decode = tpc.decode_parts if header["version"] == 3 else tpc.decode_whole
+    decode = decode_parts if header["version"] == 3 else decode_whole
 
     def check_and_decode(item: tuple[int, list[Run]]) -> None:
         k, frame = item

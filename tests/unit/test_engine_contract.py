@@ -123,7 +123,7 @@ def test_the_request_reaches_the_store_unchanged(tmp_path, mode):
 
 
 def test_the_writer_process_opens_the_store_from_the_same_spec_and_gets_the_request(tmp_path):
-    from hf_dynamic_ckpt.store.parallel import writer_threads
+    from hf_dynamic_ckpt.engine.dispatch import writer_threads
 
     store = _store(tmp_path, compression_level=5, codec="none", rank_timeout_s=42.0)
     model, opt = _model()

@@ -374,25 +374,25 @@ def test_the_writer_compresses_on_the_cpus_training_leaves(tmp_path: Path, monke
     import dataclasses
     import os
 
-    from hf_dynamic_ckpt.store import parallel
+    from hf_dynamic_ckpt.engine import dispatch
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert parallel.writer_threads(training_threads=4) == 12
-    assert parallel.writer_threads(training_threads=4, local_world_size=2) == 4  # 8 CPUs per rank
-    assert parallel.writer_threads(training_threads=16) == 1  # never 0: the write must go on
+    assert dispatch.writer_threads(training_threads=4) == 12
+    assert dispatch.writer_threads(training_threads=4, local_world_size=2) == 4  # 8 CPUs per rank
+    assert dispatch.writer_threads(training_threads=16) == 1  # never 0: the write must go on
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's: 4 CPUs per rank
-    assert parallel.writer_threads(training_threads=1) == 3
+    assert dispatch.writer_threads(training_threads=1) == 3
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        assert parallel.writer_threads() == 1
+        assert dispatch.writer_threads() == 1
         ck, *_ = make(tmp_path)
         # The store itself (synchronous and emergency saves: training waits) keeps every CPU; the
         # writer process is given the leftover ones, unless the store was set to a count.
         assert ck.store.compression_threads == 0
         assert ck.engine._dispatch._spec().compression_threads == 1
-        assert parallel.beside_training(
+        assert dispatch.beside_training(
             dataclasses.replace(ck.store.spec, compression_threads=5)).compression_threads == 5
         ck.close()
     finally:

@@ -14,15 +14,13 @@ import pytest
 import torch
 from helpers import save_state
 
-import hf_dynamic_ckpt.store.parallel as parallel
 import hf_dynamic_ckpt.store.tensorpack_format as tpf
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
 from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.store.byteplanes import group, ungroup_into
 from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.parallel import resolve_threads
 from hf_dynamic_ckpt.store.statetree import flatten_state, unflatten_state
-from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, resolve_threads, write_tensor_file
 
 
 def _plan(entries: list[dict[str, Any]], group_chunk_elems: int, frame_bytes: int) -> list[list[tuple[int, int, int]]]:
@@ -246,11 +244,13 @@ def test_unsupported_dtype_and_layout_rejected(tmp_path: Path) -> None:
 
 
 def test_resolve_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_dynamic_ckpt.store.tensorpack as tp
+
     assert resolve_threads(1) == 0
     assert resolve_threads(4) == 4
-    monkeypatch.setattr(parallel, "_usable_cpus", lambda: 6)
+    monkeypatch.setattr(tp, "usable_cpus", lambda: 6)
     assert resolve_threads(0) == resolve_threads(-1) == 6  # auto: every CPU this process may use
-    monkeypatch.setattr(parallel, "_usable_cpus", lambda: 1)
+    monkeypatch.setattr(tp, "usable_cpus", lambda: 1)
     assert resolve_threads(0) == resolve_threads(-1) == 0  # one CPU: no worker threads
 
 

@@ -18,7 +18,6 @@ from test_tensorpack_v3 import _assert_same, _frames, _table
 
 import hf_dynamic_ckpt.store.paced_writer as paced_writer
 import hf_dynamic_ckpt.store.tensorpack as tp
-import hf_dynamic_ckpt.store.tensorpack_codec as codec
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.paced_writer import HashingWriter, wait_written
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
@@ -157,10 +156,10 @@ def test_while_the_disk_waits_slow_parts_are_stored_raw_and_zeros_still_compress
     frames = _kinds_by_frame(paced)
     assert len(frames) == 12 and all(len(kinds) == 3 for kinds in frames)
     dense, zeros = frames[0::2], frames[1::2]
-    assert all(kinds[1:] == [codec.PART_RAW] * 2 for kinds in dense)  # random bytes: raw in any case
-    assert [kinds[0] for kinds in dense] == [codec.PART_RAW] * 6  # the exponent plane: raw, which costs no CPU
-    assert zeros == [[codec.PART_ZSTD] * 3] * 6  # compresses faster than it would be written: always
-    assert all(kinds[0] == codec.PART_ZSTD for kinds in _kinds_by_frame(plain)[0::2])
+    assert all(kinds[1:] == [tp.PART_RAW] * 2 for kinds in dense)  # random bytes: raw in any case
+    assert [kinds[0] for kinds in dense] == [tp.PART_RAW] * 6  # the exponent plane: raw, which costs no CPU
+    assert zeros == [[tp.PART_ZSTD] * 3] * 6  # compresses faster than it would be written: always
+    assert all(kinds[0] == tp.PART_ZSTD for kinds in _kinds_by_frame(plain)[0::2])
     assert plain.stat().st_size < paced.stat().st_size < sum(t.numel() * 4 for t in tensors.values())
     for path in (paced, plain):
         _assert_same(read_tensor_file(path), tensors)
@@ -175,7 +174,7 @@ def test_once_the_disk_sets_the_pace_the_paced_file_is_the_unpaced_one(
     assert len(waits) > 10  # the write was paced
     write_tensor_file(tensors, plain, level=1, threads=1)
     frames = _kinds_by_frame(paced)
-    assert frames[0] == [codec.PART_RAW] * 3  # encoded before the first wait: as fast as possible
+    assert frames[0] == [tp.PART_RAW] * 3  # encoded before the first wait: as fast as possible
     assert frames[1:] == _kinds_by_frame(plain)[1:]  # then every part that compresses, as unpaced
     assert _frames(paced)[1:] == _frames(plain)[1:]
     _assert_same(read_tensor_file(paced), tensors)
@@ -199,7 +198,7 @@ def test_after_a_write_the_disk_never_held_up_the_next_groups_only_where_it_pays
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
     waits = _disk(monkeypatch, 0.0, work_s=0.001)  # a disk that is never behind
     tensors = _state()
-    pace = codec.PaceMemory()
+    pace = tp.PaceMemory()
     first, second = tmp_path / "1.bin", tmp_path / "2.bin"
     write_tensor_file(tensors, first, level=1, threads=1, paced=True, pace=pace)
     assert len(waits) > 10 and _grouped(first) == [True] * 12 and pace.group is False
@@ -207,7 +206,7 @@ def test_after_a_write_the_disk_never_held_up_the_next_groups_only_where_it_pays
     # Dense moments: their planes were stored raw anyway. Zeros: compressed ungrouped as well.
     assert _grouped(second) == [False] * 12 and pace.group is False
     dense, zeros = _kinds_by_frame(second)[0::2], _kinds_by_frame(second)[1::2]
-    assert dense == [[codec.PART_RAW]] * 6 and zeros == [[codec.PART_ZSTD]] * 6
+    assert dense == [[tp.PART_RAW]] * 6 and zeros == [[tp.PART_ZSTD]] * 6
     assert abs(second.stat().st_size - first.stat().st_size) <= 0.01 * first.stat().st_size
     _assert_same(read_tensor_file(second), tensors)
 
@@ -217,7 +216,7 @@ def test_a_disk_that_held_the_write_up_brings_byte_grouping_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None, threads: int) -> None:
     waits = _disk(monkeypatch, 0.01, work_s=0.001)  # every wait blocks: the disk sets the pace
     tensors = _state()
-    pace = codec.PaceMemory()
+    pace = tp.PaceMemory()
     pace.learn(False)  # as after a write on a fast disk
     slow, after = tmp_path / "1.bin", tmp_path / "2.bin"
     write_tensor_file(tensors, slow, level=1, threads=threads, paced=True, pace=pace)
@@ -232,7 +231,7 @@ def test_a_disk_that_held_the_write_up_brings_byte_grouping_back(
 def test_a_short_hold_up_or_a_write_too_short_to_tell_does_not_bring_grouping_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
     tensors = _state()
-    pace = codec.PaceMemory()
+    pace = tp.PaceMemory()
     pace.learn(False)
     waits = _disk(monkeypatch, [0.002, 0.002] + [0.0] * 100, work_s=0.001)  # behind twice, then never
     path = tmp_path / "t.bin"
@@ -251,12 +250,12 @@ def test_a_short_hold_up_or_a_write_too_short_to_tell_does_not_bring_grouping_ba
 def test_grouping_pays_where_only_a_grouped_plane_compresses_in_a_hurry() -> None:
     import zstandard
 
-    cctx = zstandard.ZstdCompressor(compression_params=codec.compression_params(1))
+    cctx = zstandard.ZstdCompressor(compression_params=tp.compression_params(1))
     g = torch.Generator().manual_seed(0)
     n = 1 << 19  # 2 MiB of fp32, over UNGROUPED_MIN_BYTES
 
     def pays(t: torch.Tensor) -> bool:
-        return codec.grouping_pays(cctx, t.reshape(-1).view(torch.uint8).numpy(), t.element_size())
+        return tp.grouping_pays(cctx, t.reshape(-1).view(torch.uint8).numpy(), t.element_size())
 
     assert not pays(torch.randn(n, generator=g))  # AdamW-like moments: no plane shrinks to 0.1
     assert not pays(torch.randn(n, generator=g).to(torch.bfloat16).repeat(2))
@@ -274,7 +273,7 @@ def test_byte_grouping_stays_where_pacing_does_not_work_or_is_off(
     monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: True)
     monkeypatch.setattr(paced_writer, "wait_written", lambda fd, off, n: False)  # the wait fails: not paced
     tensors = _state()
-    pace = codec.PaceMemory()
+    pace = tp.PaceMemory()
     pace.learn(False)
     path = tmp_path / "t.bin"
     write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)

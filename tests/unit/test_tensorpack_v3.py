@@ -17,7 +17,6 @@ from helpers import save_state
 from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.tensorpack as tp
-import hf_dynamic_ckpt.store.tensorpack_codec as codec
 from hf_dynamic_ckpt.errors import CorruptCheckpointError
 from hf_dynamic_ckpt.store.byteplanes import group, group_into, ungroup_into
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
@@ -142,8 +141,8 @@ def test_all_zero_input_uses_high_ratio_zstd_parts(tmp_path: Path) -> None:
 
 
 def test_part_bounds_cut_planes_merge_small_spans_and_split_large_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codec, "MIN_SEGMENT", 100)
-    monkeypatch.setattr(codec, "PART_BYTES", 1000)
+    monkeypatch.setattr(tp, "MIN_SEGMENT", 100)
+    monkeypatch.setattr(tp, "PART_BYTES", 1000)
     entries = [{"dtype": "float32", "nbytes": 4 * 600, "byte_grouped": True},
                {"dtype": "int64", "nbytes": 8 * 5, "byte_grouped": False},
                {"dtype": "bfloat16", "nbytes": 2 * 20, "byte_grouped": True},
@@ -151,12 +150,12 @@ def test_part_bounds_cut_planes_merge_small_spans_and_split_large_ones(monkeypat
     frame = [(0, 0, 2400), (1, 0, 40), (2, 0, 40), (3, 0, 2500)]
     # f32 planes 600 | 600 | 1200 (split in 2); the 40-byte int64 piece and the bf16 planes (20 + 20)
     # merge into one span, which takes the int8 piece too (2580 bytes: 3 parts).
-    assert codec.part_bounds(frame, entries, 1 << 22) == [0, 600, 1200, 1800, 2400, 3260, 4120, 4980]
+    assert tp.part_bounds(frame, entries, 1 << 22) == [0, 600, 1200, 1800, 2400, 3260, 4120, 4980]
 
 
 def test_every_flipped_byte_and_truncation_of_a_v3_file_is_an_error(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codec, "MIN_SEGMENT", 16)
+    monkeypatch.setattr(tp, "MIN_SEGMENT", 16)
     monkeypatch.setattr(tp, "FRAME_BYTES", 400)
     g = torch.Generator().manual_seed(5)
     tensors = {"a": torch.randn(150, generator=g), "z": torch.zeros(100), "h": torch.randn(40, generator=g).half()}
