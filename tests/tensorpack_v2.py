@@ -18,7 +18,6 @@ import xxhash
 import zstandard
 
 import hf_dynamic_ckpt.store.tensorpack as tp
-from hf_dynamic_ckpt.store.byteplanes import group
 from hf_dynamic_ckpt.store.hashing import make_file_entry
 from hf_dynamic_ckpt.store.tensorpack_format import (
     ALIGN,
@@ -30,6 +29,7 @@ from hf_dynamic_ckpt.store.tensorpack_format import (
     NAMES,
     PREFIX,
     frames,
+    group,
     index_bytes,
     pieces,
     step_of,

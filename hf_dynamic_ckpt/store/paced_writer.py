@@ -6,7 +6,7 @@ libc's `sync_file_range`), so the final fsync waits for the tail, not the whole 
 cache (which a memory cgroup charges to the job) stays small. A paced writer (`HashingWriter(paced=True)`,
 the L1 tier's default on a local root) also waits until the bytes `PACE_WINDOW` behind its end are on
 disk (`wait_written`), so it goes no faster than the disk, and tells from those waits who sets the pace
-(`disk_bound`, `pace_verdict`): `tensorpack_codec` stores slowly compressing parts raw while the disk waits.
+(`disk_bound`, `pace_verdict`): `tensorpack.encode_parts` stores slowly compressing parts raw while the disk waits.
 Where `sync_file_range` is missing or fails, nothing is requested and nothing is paced.
 """
 

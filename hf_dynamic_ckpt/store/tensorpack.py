@@ -52,7 +52,6 @@ from ..errors import (
     IncompatibleStateError,
     SaveError,
 )
-from .byteplanes import group, group_into, ungroup_into
 from .filecheck import MappedFile, WholeFileCheck
 from .fs import create, fsync_file, open_read, read_exact
 from .hashing import FileEntry, make_file_entry
@@ -75,12 +74,15 @@ from .tensorpack_format import (
     Piece,
     Run,
     frames,
+    group,
+    group_into,
     index_bytes,
     parse_parts,
     pieces,
     raw_frames,
     read_header,
     step_of,
+    ungroup_into,
 )
 
 logger = logging.getLogger(__name__)

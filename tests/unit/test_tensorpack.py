@@ -17,10 +17,10 @@ from helpers import save_state
 import hf_dynamic_ckpt.store.tensorpack_format as tpf
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
 from hf_dynamic_ckpt.extras import toy
-from hf_dynamic_ckpt.store.byteplanes import group, ungroup_into
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.statetree import flatten_state, unflatten_state
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, resolve_threads, write_tensor_file
+from hf_dynamic_ckpt.store.tensorpack_format import group, ungroup_into
 
 
 def _plan(entries: list[dict[str, Any]], group_chunk_elems: int, frame_bytes: int) -> list[list[tuple[int, int, int]]]:
