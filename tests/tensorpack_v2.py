@@ -1,4 +1,4 @@
-"""Version-2 L1 containers, written by hand: the library reads version 2 but writes only version 3.
+"""Version-2 L1 containers, written by hand: development builds of 0.2.0 wrote them; the library refuses them.
 
 A version-2 zstd frame is one zstd frame (content size + checksum) of the frame's raw bytes: its
 pieces, byte-grouped where the header says so (the layout in `tensorpack_format`'s docstring). The

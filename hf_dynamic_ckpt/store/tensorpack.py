@@ -3,18 +3,17 @@
 The state dicts are split by `statetree.flatten_state` into a JSON structure
 (`optimizer.json`) and a flat `{name: tensor}` dict, which `write_tensor_file` stores in a
 small binary container (layout, version 3, in `tensorpack_format`) and `read_tensor_file`
-reads back (versions 3 and 2), verifying every frame before a tensor is returned.
+reads back, verifying every frame before a tensor is returned.
 
 Codec `Codec.ZSTD` (default): independent frames of byte-grouped pieces, each a table of
-parts stored raw or zstd-compressed (`encode_parts` / `decode_parts`; version 2 stored a frame
-as one zstd frame, which `decode_whole` still reads), encoded and decoded in parallel threads
+parts stored raw or zstd-compressed (`encode_parts` / `decode_parts`), encoded and decoded in parallel threads
 (`ordered_map`; zstandard, xxhash and numpy release the GIL), decoded straight into the output
 tensors (via one scratch buffer per thread when a frame must be un-grouped or holds several
 tensors). Codec `Codec.NONE`: raw bytes at 64-byte-aligned offsets (`write_raw_payload`),
 returned as views of a private memory map after every frame's xxh3 is checked (or copied,
 `copy=True`; `map_raw`). Given the manifest's checksum, the whole file is verified in the same
 pass (`filecheck`). Any truncation or flipped byte raises `CorruptCheckpointError`; a container
-version other than 2 or 3 raises `FormatVersionError`.
+version other than 3 raises `FormatVersionError`.
 
 Why parts (docs/benchmarks.md, "L1 codec"): on dense AdamW moments the second byte plane and
 the low mantissa bytes do not compress at all (ratio 1.000), yet zstd spends ~0.7 ms per MiB
@@ -176,7 +175,7 @@ def compression_params(level: int) -> Any:
 
 
 def part_bounds(frame: list[Run], entries: list[dict[str, Any]], gce: int) -> list[int]:
-    """Where a version-3 writer cuts a frame's raw bytes into parts (0, ..., frame size).
+    """Where the writer cuts a frame's raw bytes into parts (0, ..., frame size).
 
     Spans: the byte planes of each grouped piece (top, second, rest), each ungrouped piece
     whole; a span under `MIN_SEGMENT` is merged with the next; then every span is cut into
@@ -218,7 +217,7 @@ def _worth_compressing(cctx: Any, part: np.ndarray, limit: float = KEEP_RATIO) -
 
 def encode_parts(cctx: Any, data: np.ndarray, bounds: list[int],
                  hurry: Callable[[], bool] | None = None) -> tuple[list[Any], int, int]:
-    """A version-3 frame: part table, then each part raw or compressed.
+    """A frame: part table, then each part raw or compressed.
 
     `hurry`, asked before each part: `True` while the disk waits for the writer; then only
     parts sampled at most `HURRY_RATIO` are compressed (the rest raw, which costs no CPU).
@@ -262,7 +261,7 @@ def _zstd_into(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> None
 
 
 def decode_parts(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> None:
-    """Fills `out` (the frame's raw bytes) from a version-3 frame: raw parts copied, zstd parts decoded."""
+    """Fills `out` (the frame's raw bytes) from a frame: raw parts copied, zstd parts decoded."""
     pos = 0
     for j, (kind, raw, at, stored) in enumerate(parse_parts(data, out.nbytes, where)):
         dst = out[pos : pos + raw]
@@ -273,11 +272,6 @@ def decode_parts(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> No
                 assert kind == PART_ZSTD
                 _zstd_into(dctx, part, dst, f"{where}, part {j}")
         pos += raw
-
-
-def decode_whole(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> None:
-    """Fills `out` from a version-2 frame (one zstd frame)."""
-    _zstd_into(dctx, data, out, where)
 
 
 class FrameBuffers:
@@ -593,7 +587,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
                      max_numel: int | None = None) -> dict[str, torch.Tensor]:
     """Reads a container written by `write_tensor_file`, verifying it completely.
 
-    Frames are checked (xxh3 of the stored frame; version 3: its part table; zstd content
+    Frames are checked (xxh3 of the stored frame; its part table; zstd content
     size and checksum) and decoded in parallel straight into the returned tensors' memory;
     an uncompressed container is memory-mapped (private copy-on-write pages: in-place
     updates never reach the file) after every frame's xxh3 is checked. The header is validated against the
@@ -620,7 +614,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
         `dict[str, torch.Tensor]`: the tensors, in the order they were written.
 
     Raises:
-        `FormatVersionError`: the file's container version is neither 2 nor 3 (older or newer); with
+        `FormatVersionError`: the file's container version is not 3 (older or newer); with
             `checksum`, only a file that has that checksum (else it is `CorruptCheckpointError`).
         `CorruptCheckpointError`: missing, truncated, altered, or trailing data (before any tensor is returned).
         `IncompatibleStateError`: a tensor declares more than `max_numel` elements (nothing was allocated).
@@ -646,8 +640,6 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
     dests = [_bytes_of(t) for t in out]
     local = threading.local()
 
-    decode = decode_parts if header["version"] == 3 else decode_whole
-
     def check_and_decode(item: tuple[int, list[Run]]) -> None:
         k, frame = item
         offset, length, digest = index[k]
@@ -671,7 +663,7 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
             buf = scratch[:want]
         dctx = getattr(local, "dctx", None) or zstandard.ZstdDecompressor()
         local.dctx = dctx
-        decode(dctx, data, buf, f"Tensor file {path}: frame {k}")
+        decode_parts(dctx, data, buf, f"Tensor file {path}: frame {k}")
         if direct:
             return
         pos = 0

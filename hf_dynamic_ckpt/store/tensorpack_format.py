@@ -1,11 +1,11 @@
-"""The L1 tensor container's byte layout (versions 3 and 2): header, frame plan, index, footer, byte planes.
+"""The L1 tensor container's byte layout (version 3): header, frame plan, index, footer, byte planes.
 
 Layout::
 
     magic  b"HFDCTP01"                        8 bytes (file type; the layout version is in the header)
     header length (little-endian u64)         8 bytes
     header JSON (utf-8, space-padded so the payload starts 64-byte aligned): format,
-        version (3; 2 is still read), codec ("zstd" | "none"), level, total_bytes,
+        version (3), codec ("zstd" | "none"), level, total_bytes,
         group_chunk_elems, frame_bytes, tensors (name, dtype, shape, offset, nbytes, byte_grouped)
     header CRC32 (u32)                        4 bytes
     payload: N frames, one after another
@@ -16,32 +16,28 @@ codec "zstd": a frame holds one or more pieces of at most `group_chunk_elems` el
 tensor, packed in tensor order up to `frame_bytes` raw bytes (`frames`; reader and writer
 derive the same plan from the header). Float pieces can be byte-grouped: the top byte of
 every element (sign + exponent), then the second byte, then the remaining low mantissa
-bytes (`group_into` / `ungroup_into`; below). The concatenated (grouped) pieces are the frame's raw bytes; how
-they are stored depends on the version:
+bytes (`group_into` / `ungroup_into`; below). The concatenated (grouped) pieces are the
+frame's raw bytes; the frame's stored bytes are a part table and the parts::
 
-- version 3: the frame's stored bytes are a part table and the parts::
+    part count P (u32) | P x (kind u8, raw length u64, stored length u64) | the P parts
 
-      part count P (u32) | P x (kind u8, raw length u64, stored length u64) | the P parts
-
-  The parts cut the raw bytes into consecutive spans (the writer cuts at byte planes and
-  every `PART_BYTES`, `tensorpack.part_bounds`); kind `PART_RAW` (0) is the span
-  itself (raw length == stored length), kind `PART_ZSTD` (1) one zstd frame (content size
-  + checksum) of it, whose raw length is at most `ZSTD_MAX_RATIO` x its stored length. The
-  reader needs no guessing: the table says which part is which (`parse_parts`).
-- version 2: the frame is one zstd frame (content size + checksum) of the raw bytes.
+The parts cut the raw bytes into consecutive spans (the writer cuts at byte planes and
+every `PART_BYTES`, `tensorpack.part_bounds`); kind `PART_RAW` (0) is the span
+itself (raw length == stored length), kind `PART_ZSTD` (1) one zstd frame (content size
++ checksum) of it, whose raw length is at most `ZSTD_MAX_RATIO` x its stored length. The
+reader needs no guessing: the table says which part is which (`parse_parts`).
 
 Every frame stays independent (decoded in parallel) and its stored bytes, table included,
 are covered by its xxh3_64 in the index.
 codec "none": the tensors' raw bytes at 64-byte-aligned offsets (zero padding); frames are
-`frame_bytes` slices of the payload, each with its xxh3_64 (the same in versions 2 and 3).
+`frame_bytes` slices of the payload, each with its xxh3_64.
 
 Reading a header (`read_header`) validates everything before anything is allocated: the
 declared sizes must be backed by the file (raw payload for "none"; at most
 `ZSTD_MAX_RATIO` raw bytes per stored byte for "zstd", the format's own limit), and the
 frame plan, computed run by run in O(frames + tensors) memory, must match the index. So a
 hostile header (a 64 GiB tensor, `group_chunk_elems=1`) is refused in bounded memory; a
-version-3 part table is checked against its frame's length and raw size before a part is
-decoded.
+part table is checked against its frame's length and raw size before a part is decoded.
 """
 
 from __future__ import annotations
@@ -66,9 +62,9 @@ from .spec import Codec
 MAGIC = b"HFDCTP01"
 FORMAT_NAME = "hf_dynamic_ckpt.tensorpack"
 CONTAINER_VERSION = 3
-"""Layout version written (zstd frames as tables of raw and zstd parts)."""
-READ_VERSIONS = (2, 3)
-"""Layout versions this library reads (v1 had an unversioned layout change and is refused)."""
+"""The one layout version written and read (zstd frames as tables of raw and zstd parts). Version 2 (each zstd
+frame one zstd frame) was written only by development builds of 0.2.0 before version 3, never by a release; version
+1 changed its byte-grouping without a version bump. Both are refused (`FormatVersionError`)."""
 PREFIX = struct.Struct("<8sQ")
 CRC = struct.Struct("<I")
 FRAME = struct.Struct("<QQ")
@@ -77,7 +73,7 @@ FOOTER_MAGIC = b"HFDCTEND"
 FOOTER_SIZE = FOOTER_FIELDS.size + CRC.size + len(FOOTER_MAGIC)
 PART_COUNT = struct.Struct("<I")
 PART = struct.Struct("<BQQ")
-"""One entry of a version-3 frame's part table: kind, raw length, stored length."""
+"""One entry of a frame's part table: kind, raw length, stored length."""
 PART_RAW = 0
 PART_ZSTD = 1
 ALIGN = 64
@@ -175,7 +171,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], int, list[tuple[int, int, i
         `tuple`: (header, payload offset, frames as `(file offset, length, xxh3_64)`).
 
     Raises:
-        `FormatVersionError`: the header's container version is not one this library reads (2, 3).
+        `FormatVersionError`: the header's container version is not the one this library reads (3).
         `CorruptCheckpointError`: anything else that does not add up.
     """
     path = Path(path)
@@ -253,14 +249,19 @@ def _parse_header(header_bytes: bytes, path: Path) -> dict[str, Any]:
         version = h["version"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"Tensor file {path} has an invalid header: {e}") from e
-    if isinstance(version, bool) or version not in READ_VERSIONS:
-        newer = isinstance(version, int) and version > CONTAINER_VERSION
-        why = ("newer than this library; upgrade hf_dynamic_ckpt" if newer
-               else "an older layout this library no longer reads (its byte-grouping differs); re-save the optimizer "
-                    "state with this version, or resume from the weights only")
+    if isinstance(version, bool) or version != CONTAINER_VERSION:
+        if isinstance(version, int) and version > CONTAINER_VERSION:
+            why = "newer than this library; upgrade hf_dynamic_ckpt"
+        elif version == 2:
+            why = ("written by a development build of hf_dynamic_ckpt 0.2.0 from before container version 3, and read "
+                   "only by such a build (no release wrote it); load it with that build and save again, or resume from "
+                   "the weights only")
+        else:
+            why = ("an older layout this library no longer reads (its byte-grouping differs); re-save the optimizer "
+                   "state with this version, or resume from the weights only")
         raise FormatVersionError(
-            f"Tensor file {path} has container version {version!r}, this library reads versions "
-            f"{' and '.join(map(str, READ_VERSIONS))}: {why}."
+            f"Tensor file {path} has container version {version!r}, this library reads version {CONTAINER_VERSION}: "
+            f"{why}."
         )
     try:
         _validate_header(h)
@@ -302,7 +303,7 @@ def _validate_header(h: dict[str, Any]) -> None:
 
 
 def parse_parts(data: memoryview, want: int, where: str) -> list[tuple[int, int, int, int]]:
-    """Validates a version-3 frame's part table against the frame's length and raw size.
+    """Validates a frame's part table against the frame's length and raw size.
 
     Args:
         data (`memoryview`): the frame's stored bytes (already checked against its xxh3).

@@ -52,7 +52,7 @@ def _l1(header: dict, payload: bytes, index: list[tuple[int, int]]) -> bytes:
 
 def _l1_header(tensors: list[dict], **kw: object) -> dict:
     total = sum(int(t["nbytes"]) for t in tensors)
-    return {"format": "hf_dynamic_ckpt.tensorpack", "version": 2, "codec": "zstd", "level": 3, "total_bytes": total,
+    return {"format": "hf_dynamic_ckpt.tensorpack", "version": 3, "codec": "zstd", "level": 3, "total_bytes": total,
             "group_chunk_elems": 1 << 22, "frame_bytes": 16 << 20, "tensors": tensors, **kw}
 
 

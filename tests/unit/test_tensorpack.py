@@ -416,7 +416,7 @@ def test_other_container_versions_are_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     bad.write_bytes(_build({**header, "version": 99}, frames))
     with pytest.raises(FormatVersionError,
-                       match=r"has container version 99, this library reads versions 2 and 3: newer than"):
+                       match=r"has container version 99, this library reads version 3: newer than"):
         read_tensor_file(bad)
     # A version-1 file (one zstd frame, 16-byte footer):
     # its byte-grouping changed without a version bump, so it is refused, not guessed.
@@ -434,7 +434,7 @@ def test_other_container_versions_are_refused(tmp_path: Path) -> None:
     bad.write_bytes(b"HFDCTP01" + struct.pack("<Q", len(h1)) + h1 + struct.pack("<I", zlib.crc32(h1)) + frame
                     + struct.pack("<Q", len(frame)) + b"HFDCTEND")
     with pytest.raises(FormatVersionError,
-                       match=r"container version 1, this library reads versions 2 and 3: an older layout"):
+                       match=r"container version 1, this library reads version 3: an older layout"):
         read_tensor_file(bad)
 
 

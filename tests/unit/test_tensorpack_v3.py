@@ -1,4 +1,4 @@
-"""L1 container version 3 (frames as tables of raw and zstd parts) and reading version 2."""
+"""L1 container version 3 (frames as tables of raw and zstd parts); version 2 is refused."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from helpers import save_state
 from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.tensorpack as tp
-from hf_dynamic_ckpt.errors import CorruptCheckpointError
+from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
 from hf_dynamic_ckpt.store.tensorpack_format import group, group_into, ungroup_into
 
@@ -239,42 +239,20 @@ def test_zstd_part_whose_content_size_differs_from_its_table_entry(tmp_path: Pat
         read_tensor_file(path)
 
 
-def test_v2_file_reads_back(tmp_path: Path) -> None:
-    tensors = _every_dtype()
+V2_REFUSED = (r"container version 2, this library reads version 3: written by a development build of hf_dynamic_ckpt "
+              r"0\.2\.0 from before container version 3, and read only by such a build \(no release wrote it\)")
+
+
+def test_v2_file_is_refused_naming_the_build_that_reads_it(tmp_path: Path) -> None:
     path = tmp_path / "v2.bin"
-    write_v2(tensors, path, level=1)
-    header, _, _ = read_header(path)
-    assert header["version"] == 2
-    for frame in _frames(path):  # each frame is one zstd frame, as version 2 wrote it
-        assert frame[:4] == b"\x28\xb5\x2f\xfd"
-        assert zstandard.frame_content_size(frame) > 0
-    _assert_same(read_tensor_file(path), tensors)
+    write_v2(_every_dtype(), path, level=1)
+    with pytest.raises(FormatVersionError, match=V2_REFUSED):
+        read_header(path)
+    with pytest.raises(FormatVersionError, match=V2_REFUSED):
+        read_tensor_file(path)
 
 
-def test_every_flipped_byte_and_truncation_of_a_v2_file_is_an_error(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tp, "FRAME_BYTES", 100)
-    g = torch.Generator().manual_seed(6)
-    tensors = {"a": torch.randn(40, generator=g), "ids": torch.arange(10), "h": torch.randn(16, generator=g).half()}
-    path = tmp_path / "v2.bin"
-    write_v2(tensors, path)
-    assert read_header(path)[0]["version"] == 2 and len(_frames(path)) > 1
-    good = path.read_bytes()
-    for i in range(len(good)):
-        bad = bytearray(good)
-        bad[i] ^= 0x04
-        path.write_bytes(bad)
-        with pytest.raises(CorruptCheckpointError):
-            read_tensor_file(path, threads=2)
-    for n in range(len(good)):
-        path.write_bytes(good[:n])
-        with pytest.raises(CorruptCheckpointError):
-            read_tensor_file(path)
-    path.write_bytes(good)
-    _assert_same(read_tensor_file(path), tensors)
-
-
-def test_v2_fixture_made_by_code_reads_back(tmp_path: Path) -> None:
+def test_v2_fixture_made_by_code_is_refused(tmp_path: Path) -> None:
     """A tiny version-2 file built from the v2 layout itself (not by the writer)."""
     a = torch.arange(12, dtype=torch.float32) / 7
     ids = torch.arange(5, dtype=torch.int64)
@@ -289,9 +267,9 @@ def test_v2_fixture_made_by_code_reads_back(tmp_path: Path) -> None:
     frame = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(grouped)
     path = tmp_path / "v2.bin"
     path.write_bytes(_build(header, [frame]))
-    back = read_tensor_file(path)
-    assert torch.equal(back["a"], a.view(3, 4)) and torch.equal(back["ids"], ids)
-    # A v2 frame is never read as a part table, nor a v3 frame as one zstd frame.
+    with pytest.raises(FormatVersionError, match=V2_REFUSED):
+        read_tensor_file(path)
+    # A v2 frame is never read as a part table.
     path.write_bytes(_build({**header, "version": 3}, [frame]))
     with pytest.raises(CorruptCheckpointError):
         read_tensor_file(path)
@@ -312,7 +290,7 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 @pytest.mark.parametrize("version", [2, 3])
-def test_store_load_of_l1_is_bit_exact_for_v3_and_for_a_store_written_as_v2(
+def test_store_load_of_l1_is_bit_exact_for_v3_and_refuses_a_store_written_as_v2(
         tmp_path: Path, version: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from hf_dynamic_ckpt.constants import OPTIMIZER_NAME, Tier
     from hf_dynamic_ckpt.store.store import CheckpointStore
@@ -327,8 +305,13 @@ def test_store_load_of_l1_is_bit_exact_for_v3_and_for_a_store_written_as_v2(
 
     store.close()
     monkeypatch.undo()
-    assert read_header(Path(info.path) / OPTIMIZER_NAME)[0]["version"] == version
     store = CheckpointStore(tmp_path / "store", session_id="b")
+    if version == 2:  # the file the manifest names, of version 2: refused as such, not as corrupt
+        with pytest.raises(FormatVersionError, match=V2_REFUSED):
+            store.load(store.resolve("auto"), tiers={Tier.OPTIMIZER})
+        store.close()
+        return
+    assert read_header(Path(info.path) / OPTIMIZER_NAME)[0]["version"] == version
     loaded = store.load(store.resolve("auto"), tiers={Tier.OPTIMIZER})
     store.close()
     assert loaded.optimizer is not None
