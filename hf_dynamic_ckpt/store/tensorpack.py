@@ -86,13 +86,13 @@ from .tensorpack_format import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FRAME_BYTES", "GROUP_CHUNK_ELEMS", "read_tensor_file", "write_tensor_file"]
+__all__ = ["FRAME_BYTES", "GROUP_CHUNK_ELEMS", "PaceMemory", "read_tensor_file", "resolve_threads", "usable_cpus",
+           "write_tensor_file"]
 
 FRAME_BYTES = 16 << 20
 """Target raw bytes per frame written: the unit of parallel (de)compression and of scratch memory."""
 GROUP_CHUNK_ELEMS = 1 << 22
 """Byte-grouping works on runs of this many elements (16 MiB of fp32): bounded extra memory."""
-
 
 PART_BYTES = 1 << 20
 """Largest part written: the unit of the raw-or-zstd choice (a dense and a zero region of one plane differ)."""
