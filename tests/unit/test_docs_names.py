@@ -153,7 +153,8 @@ def _problem(token: str) -> str | None:
         path = token.split("::")[0].split(":")[0]
         if path.startswith(("hf_dynamic_ckpt/", "scripts/", "tests/", "recipes/", "docs/")) or path.endswith(".py"):
             candidates = [REPO / path, REPO / PKG / path, REPO / "tests" / path, REPO / "scripts" / path]
-            found = any(c.exists() for c in candidates) or any(REPO.rglob(Path(path).name))
+            found = any(c.exists() for c in candidates) or any(
+                hit for hit in REPO.rglob(Path(path).name) if not {".venv", ".git"} & set(hit.relative_to(REPO).parts))
             return None if found else f"file {path} does not exist"
         return None
     call = re.fullmatch(r"([A-Za-z_][\w.]*)\((.*)\)", token)
