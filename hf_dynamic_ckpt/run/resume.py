@@ -58,6 +58,7 @@ from ..errors import (
 from ..state.model import check_weights
 from ..state.optimizer import state_numel_bound
 from ..state.shards import check_sharding
+from ..store.catalog import STATUS_CORRUPT, STATUS_OK
 from ..store.spec import Lineage, new_session_id
 from ..store.types import CheckpointInfo, LoadedCheckpoint
 
@@ -204,12 +205,21 @@ def optimizer_lost_message(step: int, why: str) -> str:
 
 
 def _candidates(store: CheckpointStore, spec: Spec) -> list[CheckpointInfo]:
-    """The resolved checkpoint, then every older usable one of the task (newest first)."""
+    """The resolved checkpoint, then every older usable one of the task (newest first).
+
+    For ``auto``, newer checkpoints whose manifest cannot be read come first: `auto` passes over them, but the
+    resume tries each (a manifest read, cheap) so that it says why it fell back, and a manifest of a newer format
+    stops it (`FormatVersionError`) instead of resuming an older step in silence."""
     first = store.resolve(spec)
+    newer: list[CheckpointInfo] = []
     older: list[CheckpointInfo] = []
     if first.task_id == store.task_id:
-        older = [i for i in store.list() if i.step < first.step and Tier.WEIGHTS in i.tiers]
-    return [first, *older]
+        listed = store.list(include_unhealthy=True)
+        older = [i for i in listed if i.step < first.step and i.healthy and i.status == STATUS_OK
+                 and Tier.WEIGHTS in i.tiers]
+        if spec == "auto":
+            newer = [i for i in listed if i.step > first.step and i.status == STATUS_CORRUPT and not i.tiers]
+    return [*sorted(newer, key=lambda i: i.step, reverse=True), first, *older]
 
 
 # ---------------------------------------------------------------------- every rank, agreed

@@ -153,7 +153,9 @@ class Task:
         except CheckpointNotFoundError:
             return None
         except (CorruptCheckpointError, FormatVersionError) as e:
-            logger.warning("checkpoint %s has an unusable manifest: %s", path, e)
+            # INFO, not a warning: the index marks it corrupt (`ls` shows it) and a resume that passes over it says
+            # why in its own warning; every sync that re-reads the manifest would repeat this line.
+            logger.info("checkpoint %s has an unusable manifest: %s", path, e)
             return broken_info(path.parent.name, step, path, STATUS_CORRUPT)
 
     def row_info(self, row: dict[str, Any], abandoned: set[tuple[int, float]] | None = None) -> CheckpointInfo:
