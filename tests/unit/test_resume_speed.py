@@ -146,10 +146,12 @@ def test_a_second_preparation_does_not_wait_for_one_still_running(store, monkeyp
     timer.start()
     real_prefault = Layout.prefault
     blocked: list[str] = []
+    reached = threading.Event()
 
     def prefault(self):  # type: ignore[no-untyped-def]
         if not blocked:  # the first preparation (the weights) waits for the gate
             blocked.append(threading.current_thread().name)
+            reached.set()
             gate.wait()
         real_prefault(self)
 
@@ -161,6 +163,7 @@ def test_a_second_preparation_does_not_wait_for_one_still_running(store, monkeyp
     try:
         weight_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
         assert engine.prepare(sources, {Tier.WEIGHTS}) == weight_bytes
+        assert reached.wait(30)  # the first preparation is running (held inside its page touching)
         assert engine.prepare(sources, {Tier.WEIGHTS, Tier.OPTIMIZER}) > 0  # the optimizer's, at once
         assert not gate.is_set() and blocked  # returned while the first was still running
         gate.set()
