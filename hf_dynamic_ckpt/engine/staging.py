@@ -35,13 +35,9 @@ from typing import Any
 
 from ..config import EngineMode
 from ..sysmem import (
-    CGROUP_MOUNT,
-    PROC_SELF_CGROUP,
     cgroup_levels,
-    find_cgroup_dir,
     find_memory_cgroup,
     process_rss_bytes,
-    read_cgroup_memory,
     read_memory,
 )
 
@@ -100,45 +96,10 @@ class StagingPlan:
     headroom: Headroom | None
 
 
-def own_cgroup_dir(proc_cgroup: Path = PROC_SELF_CGROUP, mount: Path = CGROUP_MOUNT) -> Path | None:
-    """The cgroup v2 directory of this process (`0::/path` in `/proc/self/cgroup`) under `mount`, if any.
-
-    Any directory with a `memory.max` file qualifies, limited or not (see `sysmem.find_cgroup_dir`);
-    `sysmem.find_memory_cgroup` also finds cgroup v1 directories.
-    """
-    return find_cgroup_dir(mount, proc_cgroup, require_limit=False)
-
-
-def cgroup_headroom(cgroup_dir: Path) -> Headroom | None:
-    """Headroom under the binding cgroup memory limit (v1 or v2, ancestors included), or `None` without one.
-
-    Args:
-        cgroup_dir (`Path`): a cgroup directory (see `sysmem.read_cgroup_memory`); injectable for tests.
-    """
-    mem = read_cgroup_memory(cgroup_dir)
-    if mem is None:
-        return None
-    return Headroom(total_bytes=mem.limit_bytes, available_bytes=mem.headroom_bytes, source="cgroup",
-                    detail=f"cgroup v{mem.version} {mem.path}")
-
-
-def host_headroom(cgroup_dir: Path | str | None = None) -> Headroom:
-    """The memory a snapshot may use: the tighter of the cgroup limit and the machine.
-
-    Args:
-        cgroup_dir (`Path` or `str`, *optional*): cgroup directory to read (v1 or v2); by default
-            the process's own memory cgroup (`sysmem.find_memory_cgroup`).
-
-    Returns:
-        `Headroom`: from the cgroup when it sets a limit with less headroom than the host,
-        else from `psutil.virtual_memory()`; `transient_bytes` from this process's RSS.
-    """
-    return headroom_of(Path(cgroup_dir) if cgroup_dir is not None else find_memory_cgroup())
-
-
 def headroom_of(directory: Path | None, levels: list[tuple[Path, int]] | None = None) -> Headroom:
-    """`host_headroom` of a cgroup directory found already (`None`: the machine's memory only), and
-    of its `sysmem.cgroup_levels` when the caller keeps them."""
+    """The memory a snapshot may use: the tighter of the cgroup limit of `directory` (v1 or v2, ancestors included;
+    `None`: the machine's memory only) and the machine (`psutil`), with `transient_bytes` from this process's RSS
+    peak. `levels`: the directory's `sysmem.cgroup_levels`, when the caller keeps them (the engine's probe)."""
     reading = read_memory(directory, levels)
     current, peak = process_rss_bytes()
     transient = max(0, peak - current) if current else 0
@@ -155,7 +116,7 @@ def plan_staging(needed_bytes: int, *, margin: float, headroom: Headroom, held_b
         needed_bytes (`int`): bytes the buffered snapshot would newly allocate (buffers
             already held from earlier saves are free).
         margin (`float`): fraction of `headroom.total_bytes` that must stay free.
-        headroom (`Headroom`): from `host_headroom`.
+        headroom (`Headroom`): from `headroom_of`.
         held_bytes (`int`, *optional*, defaults to `0`): buffers held now (already part of the
             used memory); when even they do not fit, the plan streams so that they are released.
 
@@ -200,7 +161,7 @@ class Stager:
 
     Args:
         margin (`float`): fraction of the memory limit that must stay free.
-        headroom (`Callable[[], Headroom]`): the memory probe (`host_headroom` by default).
+        headroom (`Callable[[], Headroom]`): the memory probe (`default_headroom`).
     """
 
     def __init__(self, margin: float, headroom: Callable[[], Headroom]) -> None:
@@ -280,7 +241,7 @@ def env_cgroup_dir() -> Path | None:
 
 
 def default_headroom(cgroup_dir: str | os.PathLike[str] | None) -> Callable[[], Headroom]:
-    """The engine's memory probe: `host_headroom` of `cgroup_dir`, else `$HF_DYNAMIC_CKPT_CGROUP_DIR`,
+    """The engine's memory probe: `headroom_of` `cgroup_dir`, else `$HF_DYNAMIC_CKPT_CGROUP_DIR`,
     else the process's own memory cgroup."""
     directory = Path(cgroup_dir) if cgroup_dir is not None else env_cgroup_dir()
     found = directory if directory is not None else find_memory_cgroup()  # once: ~1 ms, not per save

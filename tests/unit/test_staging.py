@@ -5,14 +5,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hf_dynamic_ckpt.engine.staging import (
-    Headroom,
-    StagingMode,
-    cgroup_headroom,
-    host_headroom,
-    own_cgroup_dir,
-    plan_staging,
-)
+from hf_dynamic_ckpt.engine.staging import Headroom, StagingMode, headroom_of, plan_staging
+from hf_dynamic_ckpt.sysmem import find_cgroup_dir, read_cgroup_memory
 
 MiB = 1 << 20
 
@@ -29,21 +23,23 @@ def _cgroup(tmp_path: Path, *, max_: str, current: int, inactive_file: int | Non
 
 def test_cgroup_headroom_subtracts_reclaimable_page_cache(tmp_path):
     d = _cgroup(tmp_path, max_=str(1000 * MiB), current=700 * MiB, inactive_file=200 * MiB)
-    h = cgroup_headroom(d)
-    assert h == Headroom(total_bytes=1000 * MiB, available_bytes=500 * MiB, source="cgroup")
+    mem = read_cgroup_memory(d)
+    assert mem is not None and (mem.limit_bytes, mem.headroom_bytes) == (1000 * MiB, 500 * MiB)
+    h = headroom_of(d)
+    assert (h.total_bytes, h.available_bytes, h.source) == (1000 * MiB, 500 * MiB, "cgroup")
 
 
 def test_cgroup_without_limit_or_files_gives_none(tmp_path):
-    assert cgroup_headroom(_cgroup(tmp_path, max_="max", current=5)) is None
-    assert cgroup_headroom(tmp_path / "missing") is None
+    assert read_cgroup_memory(_cgroup(tmp_path, max_="max", current=5)) is None
+    assert read_cgroup_memory(tmp_path / "missing") is None
 
 
 def test_host_headroom_prefers_the_tighter_cgroup_limit(tmp_path):
     d = _cgroup(tmp_path, max_=str(64 * MiB), current=32 * MiB)
-    h = host_headroom(d)
+    h = headroom_of(d)
     assert (h.source, h.total_bytes, h.available_bytes) == ("cgroup", 64 * MiB, 32 * MiB)
     unlimited = _cgroup(tmp_path, max_="max", current=1)
-    h2 = host_headroom(unlimited)
+    h2 = headroom_of(unlimited)
     assert h2.source == "host" and h2.total_bytes == psutil.virtual_memory().total
 
 
@@ -53,9 +49,9 @@ def test_own_cgroup_dir_follows_proc_self_cgroup(tmp_path):
     (mount / "kubepods" / "pod1" / "memory.max").write_text("100\n")
     proc = tmp_path / "cgroup"
     proc.write_text("0::/kubepods/pod1\n")
-    assert own_cgroup_dir(proc, mount) == mount / "kubepods" / "pod1"
+    assert find_cgroup_dir(mount, proc, require_limit=False) == mount / "kubepods" / "pod1"
     proc.write_text("4:memory:/x\n")  # cgroup v1 only
-    assert own_cgroup_dir(proc, mount) is None
+    assert find_cgroup_dir(mount, proc, require_limit=False) is None
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS, MANIFEST_NAME, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
-from hf_dynamic_ckpt.engine.staging import Headroom, StagingMode, cgroup_headroom, host_headroom, plan_staging
+from hf_dynamic_ckpt.engine.staging import Headroom, StagingMode, headroom_of, plan_staging
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest
@@ -81,11 +81,9 @@ def test_v1_cgroup_headroom(tmp_path: Path):
     (d / "memory.limit_in_bytes").write_text(f"{1000 * MiB}\n")
     (d / "memory.usage_in_bytes").write_text(f"{700 * MiB}\n")
     (d / "memory.stat").write_text(f"shmem {300 * MiB}\ntotal_inactive_file {200 * MiB}\n")
-    h = cgroup_headroom(d)
-    assert h == Headroom(total_bytes=1000 * MiB, available_bytes=500 * MiB, source="cgroup")
-    assert h.detail == f"cgroup v1 {d}"
-    h = host_headroom(d)
-    assert (h.source, h.available_bytes) == ("cgroup", 500 * MiB) and h.transient_bytes >= 0
+    h = headroom_of(d)
+    assert (h.total_bytes, h.available_bytes, h.source) == (1000 * MiB, 500 * MiB, "cgroup")
+    assert h.detail == f"cgroup v1 {d}" and h.transient_bytes >= 0
 
 
 def test_engine_releases_buffers_when_memory_gets_short(store, caplog):
