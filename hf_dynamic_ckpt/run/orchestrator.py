@@ -175,7 +175,6 @@ class RunOrchestrator:
         self._scaler: Any | None = None
         self._sharded: ShardedState | None = None
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
-        self._prepare_after_read = False
         self._stepped = False  # the first step_end starts the save side (`prepare_buffers`)
         self._prepared = False
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
@@ -258,8 +257,7 @@ class RunOrchestrator:
         if self._sources is None or not self._stepped:  # not attached, or before the first step: later
             return
         if self.resumed is not None and self.resumed.pending is not None:
-            self._prepare_after_read = True  # it would compete with the read on the way to the first step
-            return
+            return  # it would compete with the read on the way to the first step: `complete_resume` prepares
         self._prepared = True
         self.engine.prepare(self._sources, self.saver.own_tiers)
 
@@ -722,8 +720,7 @@ class RunOrchestrator:
         try:
             fill_optimizer(resumption, resumption.pending.collect(self.world_size))
         finally:
-            if self._prepare_after_read:
-                self._prepare_after_read = False
+            if not self._prepared:
                 try:
                     self.prepare_buffers()
                 except Exception as e:  # only a speed-up is lost: the first save allocates its buffers
