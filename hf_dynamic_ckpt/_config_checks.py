@@ -26,7 +26,7 @@ HF_NAMES = {
     "save_total_limit": "keep_last",
     "save_strategy": "base_interval (the policy decides when to save; base_interval is the calm interval)",
     "save_on_each_node": "root (one store root per job; every rank writes its own files)",
-    "save_only_model": "storage_levels (keep weights only with fallback_strategy: level_0_only)",
+    "save_only_model": "storage_levels (keep weights only with runtime.fallback_strategy: level_0_only)",
     "output_dir": "root",
     "resume_from_checkpoint": "resume_checkpoint(trainer, 'auto') / --resume_from_smart_checkpoint",
 }
@@ -37,6 +37,10 @@ REMOVED = {
 }
 """Settings that were removed, and what replaces them (named when one is passed as a key)."""
 
+MOVED: dict[str, str] = {}
+"""Former top-level settings of `SmartCkptConfig` -> where each is now (``policy.min_interval``); filled by
+`config` from its groups, named when one is passed at the top level."""
+
 
 def warn_once(key: str) -> bool:
     """Whether to log a configuration warning: once per process, and only on rank 0 of a job."""
@@ -46,7 +50,12 @@ def warn_once(key: str) -> bool:
     return True
 
 
-def _did_you_mean(key: str, names: Iterable[str]) -> str:
+def _did_you_mean(key: str, names: Iterable[str], *, where: str | None = None) -> str:
+    if where is not None and key in MOVED and not MOVED[key].startswith(f"{where}."):
+        group, name = MOVED[key].split(".", 1)
+        if where:  # in another group
+            return f" (it is {MOVED[key]})"
+        return f" (it is {MOVED[key]} now: {group}={{{name!r}: ...}}, in YAML {group}: {{{name}: ...}})"
     if key in HF_NAMES:
         return f" (Trainer's {key!r} is {HF_NAMES[key]} here)"
     if key in REMOVED:
@@ -61,7 +70,10 @@ def unknown_key(key: str, names: Iterable[str], *, prefix: str = "", keyword_of:
     closest valid name, and every allowed one."""
     names = sorted(names)
     what = f"{keyword_of}() got an unknown keyword {key!r}" if keyword_of else f"unknown config key {prefix}{key!r}"
-    return UnknownConfigKeyError(f"{what}{_did_you_mean(key, names)}: allowed keys are {', '.join(names)}.")
+    group = {"SmartCkptConfig": "", "PolicyParams": "policy", "RemoteParams": "remote", "RuntimeParams": "runtime"}
+    where = prefix.split(".")[0] if prefix else group.get(keyword_of or "", None if keyword_of else "")
+    return UnknownConfigKeyError(f"{what}{_did_you_mean(key, names, where=where)}: allowed keys are "
+                                 f"{', '.join(names)}.")
 
 
 def named_keywords(cls: _Cls) -> _Cls:

@@ -185,7 +185,7 @@ def main() -> None:
 
     traces = [make_trace(i, args.steps, step_time=args.step_time, failures=args.failures, per_kind=args.per_kind)
               for i in range(args.traces)]
-    cfg = SmartCkptConfig(mtbf_hours=args.mtbf_hours, skip_bad_update=True)
+    cfg = SmartCkptConfig(policy={"mtbf_hours": args.mtbf_hours, "skip_bad_update": True})
     rules = Result()
     reasons: dict[str, int] = {}
     for tr in traces:
@@ -244,8 +244,8 @@ def real_traces(k: int) -> None:
     for path in paths:
         trace = load_trace(path)
         surge = 15.0 if "demo" in trace.name else 5.0
-        policy = RulePolicy(SmartCkptConfig(base_interval=base, stability_window=20, risk_smoothing=4,
-                                            grad_surge_ratio=surge))
+        policy = RulePolicy(SmartCkptConfig(base_interval=base, policy={"stability_window": 20, "risk_smoothing": 4,
+                                                                        "grad_surge_ratio": surge}))
         saved: list[tuple[int, bool]] = []
         pinned: list[int] = []
         for f in replay_frames(trace):
@@ -322,8 +322,8 @@ def onset_table(k: int) -> None:
             for trace in calm:
                 shot = inject_anomaly(trace, onset, kind, factor=factor, steps=steps)
                 for extra in configs.values():
-                    cfg = SmartCkptConfig(base_interval=10, grad_surge_ratio=15.0 if "demo" in trace.name else 5.0,
-                                          **extra)
+                    cfg = SmartCkptConfig(base_interval=10, **extra,
+                                          policy={"grad_surge_ratio": 15.0 if "demo" in trace.name else 5.0})
                     c, p = _captured(shot, onset, cfg, k)
                     saved = _without_early_rules()
                     try:
@@ -341,8 +341,8 @@ def onset_table(k: int) -> None:
     fp = []
     for trace in calm:
         for extra in configs.values():
-            policy = RulePolicy(SmartCkptConfig(base_interval=10,
-                                                grad_surge_ratio=15.0 if "demo" in trace.name else 5.0, **extra))
+            policy = RulePolicy(SmartCkptConfig(base_interval=10, **extra,
+                                                policy={"grad_surge_ratio": 15.0 if "demo" in trace.name else 5.0}))
             for f in replay_frames(trace):
                 fp += [(trace.name, d.step) for d in (policy.pre_update(f), policy.decide(f)) if d.save and d.pin]
     print(f"pinned captures on the {len(calm)} calm runs themselves ({len(configs)} settings each): "

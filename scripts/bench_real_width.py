@@ -448,7 +448,7 @@ def child(spec: dict[str, Any]) -> None:
     if variant in ("smart", "prep", "ours_resume"):
         root = (prep if variant == "ours_resume" and prep is not None else out) / "smart_ckpt"
         extra = {"memory_margin": spec["memory_margin"]} if spec.get("memory_margin") is not None else {}
-        smart = SmartCkptCallback(SmartCkptConfig(base_interval=smart_every, root=str(root), **extra))
+        smart = SmartCkptCallback(SmartCkptConfig(base_interval=smart_every, root=str(root), runtime=extra))
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)

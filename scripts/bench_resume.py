@@ -88,8 +88,8 @@ def trainer_for(kind: str, out: Path, *, native_save: bool, smart: bool, max_ste
         if l1_none:
             extra = {"storage_levels": {"level_1": {"compression": "none"}}}
         callbacks.insert(0, SmartCkptCallback(SmartCkptConfig(root=str(out / store_dir(l1_none)),
-                                                               base_interval=PREP_STEPS, overhead_budget=1.0,
-                                                               **extra)))
+                                                              base_interval=PREP_STEPS, **extra,
+                                                              policy={"overhead_budget": 1.0})))
     return Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
 
 

@@ -219,7 +219,7 @@ def train(case: Case, seed: int, mode: str, data: Any, eval_batch: dict[str, tor
     eval_s = 0.0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        config = SmartCkptConfig(on_anomaly=mode, on_rollbacks_exhausted=exhausted)
+        config = SmartCkptConfig(on_anomaly=mode, policy={"on_rollbacks_exhausted": exhausted})
         ckpt = SmartCheckpointer(accelerator, model, opt, sched, loader, config=config, output_dir=tmp)
         try:
             while ckpt.step < case.end:

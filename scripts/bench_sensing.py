@@ -71,7 +71,7 @@ def bench(kind: str, steps: int) -> dict[str, object]:
     grad_probe = GradProbe(model)
     memory = MemoryProbe(sample_every=5)
     flag = PreemptionFlag()
-    policy = RulePolicy(SmartCkptConfig(base_interval=10_000, max_interval=10_000))
+    policy = RulePolicy(SmartCkptConfig(base_interval=10_000, policy={"max_interval": 10_000}))
     times: dict[bool, list[float]] = {True: [], False: []}
     sensing: list[float] = []
 

@@ -43,7 +43,7 @@ KINDS = ("loss_x", "bad_batch", "lora_explosion", "lr_surge", "nan_grad", "memor
 INJECTIONS = (("loss_x", 30.0, 4), ("loss_x", 3.0, 1), ("nan_grad", 1.0, 1), ("lr_surge", 5.0, 20))
 INJECTED = tuple(f"{kind} x{factor:g}" for kind, factor, _ in INJECTIONS)
 # The budget warning (a 50 ms save every 10 steps of a toy step) says nothing about decisions: budget off.
-CFG = SmartCkptConfig(base_interval=10, stability_window=20, risk_smoothing=4, overhead_budget=1.0)
+CFG = SmartCkptConfig(base_interval=10, policy={"stability_window": 20, "risk_smoothing": 4, "overhead_budget": 1.0})
 
 
 @dataclass
@@ -128,7 +128,7 @@ def table(title: str, cases: list[tuple[CorpusRun, list[tuple[int, str]], list[S
     runs_saves = []
     for run, onsets, frames in cases:
         a = replay([SignalFrame(**vars(f)) for f in frames], CFG, blocking)
-        b = replay([SignalFrame(**vars(f)) for f in frames], CFG.replace(learned_model=model), blocking)
+        b = replay([SignalFrame(**vars(f)) for f in frames], CFG.replace(policy={"learned_model": model}), blocking)
         score(run, onsets, len(frames), a, rules, k)
         score(run, onsets, len(frames), b, both, k)
         runs_saves.append((run, onsets, len(frames)))

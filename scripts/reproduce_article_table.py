@@ -177,8 +177,9 @@ def child(a: argparse.Namespace) -> None:
     else:
         args = TrainingArguments(save_strategy="no", **common)  # type: ignore[arg-type]
         short = {} if a.stability_window is None else {"stability_window": a.stability_window}
-        smart = SmartCkptCallback(SmartCkptConfig(mtbf_hours=a.mtbf_hours, **short) if a.smart_interval == "mtbf"
-                                  else SmartCkptConfig(base_interval=a.save_steps, **short))
+        smart = SmartCkptCallback(SmartCkptConfig(policy={**short, "mtbf_hours": a.mtbf_hours})
+                                  if a.smart_interval == "mtbf"
+                                  else SmartCkptConfig(base_interval=a.save_steps, policy=short))
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
     for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"):

@@ -151,7 +151,8 @@ def scores(net: Net, d: dict[str, torch.Tensor], mean: torch.Tensor, std: torch.
 def calibrate_veto(val: list[CorpusRun], sv: torch.Tensor) -> tuple[float, list[float], list[float]]:
     """The veto threshold: half the lowest score the model gives a validation onset that the rules capture
     (so it vetoes none of them), at most 0.05; with the scores of the rules' true and false captures."""
-    cfg = SmartCkptConfig(base_interval=10, stability_window=20, risk_smoothing=4, overhead_budget=1.0)
+    cfg = SmartCkptConfig(base_interval=10,
+                          policy={"stability_window": 20, "risk_smoothing": 4, "overhead_budget": 1.0})
     true_caps, false_caps = [], []
     for i, run in enumerate(val):
         policy = RulePolicy(cfg)

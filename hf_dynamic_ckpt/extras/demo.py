@@ -98,9 +98,10 @@ def train(demo: DemoArguments, smart: Any) -> None:
     # on_anomaly=rollback (unless --smart_ckpt_on_anomaly says otherwise): a confirmed explosion returns the run to
     # the state captured before it. Two bad steps in a row confirm one (rollback_patience=2): a shard of four bad
     # batches then costs two rollbacks.
-    config = smart.to_config().replace(base_interval=10, stability_window=20, risk_smoothing=4, grad_surge_ratio=15.0,
-                                       keep_last=4, on_anomaly=smart.smart_ckpt_on_anomaly or "rollback",
-                                       rollback_patience=2)
+    config = smart.to_config().replace(base_interval=10, keep_last=4,
+                                       on_anomaly=smart.smart_ckpt_on_anomaly or "rollback",
+                                       policy={"stability_window": 20, "risk_smoothing": 4, "grad_surge_ratio": 15.0,
+                                               "rollback_patience": 2})
     args = TrainingArguments(
         output_dir=demo.output_dir, max_steps=demo.max_steps, per_device_train_batch_size=8, learning_rate=1e-2,
         warmup_steps=5, lr_scheduler_type="cosine", save_strategy="no", report_to=[], use_cpu=True,

@@ -280,13 +280,14 @@ class LearnedCheck:
         `min_interval` after the last save and outside the model's cooldown (`capture_cooldown`)."""
         op = self.opinion(frame)
         since = frame.step - (last_save if last_save is not None else 0)
-        cooldown = config.capture_cooldown if config.capture_cooldown is not None else config.stability_window
+        cooldown = (config.policy.capture_cooldown if config.policy.capture_cooldown is not None
+                    else config.policy.stability_window)
         tiers = op.granularity.tiers
         if decision.save:
             if decision.kind == DecisionKind.RISK_EDGE and tiers < decision.tiers:
                 return dataclasses.replace(decision, tiers=tiers, reason=f"{decision.reason}; learned {op.describe()}")
             return decision
-        if (op.save and op.granularity == Granularity.KEY_LAYERS_RNG and healthy and since >= config.min_interval
+        if (op.save and op.granularity == Granularity.KEY_LAYERS_RNG and healthy and since >= config.policy.min_interval
                 and self._cooled(frame.step, cooldown)):
             return Decision(save=True, tiers=tiers, reason=f"learned {op.describe()}", risk=decision.risk,
                             step=frame.step, healthy=True, interval=decision.interval, kind=DecisionKind.LEARNED)

@@ -54,7 +54,7 @@ class SmartStateHooks:
       empties Accelerate's `weights` list, so no model file is written to the directory,
       and rank 0 leaves `smart_ckpt.json` there.
     - load: follows `smart_ckpt.json` (or takes the directory as a store checkpoint path),
-      verifies and loads the checkpoint (fallback per `config.fallback_strategy`), puts the
+      verifies and loads the checkpoint (fallback per `config.runtime.fallback_strategy`), puts the
       weights, optimizer, scheduler and scaler back, empties Accelerate's `models` list so
       it does not look for model files, and arms `loader` to skip the batches already seen
       and to re-apply the saved RNG once the first batch is fetched. A folder written

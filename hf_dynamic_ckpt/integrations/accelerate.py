@@ -203,13 +203,13 @@ class SmartCheckpointer:
         self.state.optimizer_steps = done.to_step
         skipped = ""
         if loader is not None and seen_before is not None:
-            loader.after_rollback(rng=done.rng, skip=self.config.rollback_skip_batches)
+            loader.after_rollback(rng=done.rng, skip=self.config.policy.rollback_skip_batches)
             loader.mark_boundary()
             start = done.loaded.sampler or {}
             first = int(start.get("batches_seen", 0)) + 1 if start.get("epoch") == seen_before[0] else 1
             if self._skipped_through[0] == seen_before[0]:  # an earlier rollback to it left some out already
                 first = max(first, self._skipped_through[1] + 1)
-            last = seen_before[1] + self.config.rollback_skip_batches
+            last = seen_before[1] + self.config.policy.rollback_skip_batches
             self._skipped_through = (seen_before[0], last)
             skipped = f"; skipped batches {first}..{last} of epoch {seen_before[0]}"
         self.last_rollback = done

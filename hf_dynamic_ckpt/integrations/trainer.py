@@ -87,11 +87,12 @@ class SmartCkptCallback(TrainerCallback):
     def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None,
                  consolidate: bool | None = None) -> None:
         self.config = config or SmartCkptConfig()
-        if self.config.on_anomaly == OnAnomaly.ROLLBACK and self.config.rollback_skip_batches:
+        if self.config.on_anomaly == OnAnomaly.ROLLBACK and self.config.policy.rollback_skip_batches:
             raise ConfigError(
-                f"rollback_skip_batches={self.config.rollback_skip_batches} is not applied by the Trainer integration: "
-                "Trainer's loop fetches its batches itself. A rollback there skips the batches the anomaly consumed; "
-                "set rollback_skip_batches=0 (or skip more in a custom loop with SmartCheckpointer).")
+                f"policy.rollback_skip_batches={self.config.policy.rollback_skip_batches} is not applied by the "
+                "Trainer integration: Trainer's loop fetches its batches itself. A rollback there skips the batches "
+                "the anomaly consumed; set rollback_skip_batches=0 (or skip more in a custom loop with "
+                "SmartCheckpointer).")
         self.consolidate = consolidate
         self.run: RunOrchestrator | None = None
         self._trainer: Callable[[], Any] = _no_trainer
@@ -295,7 +296,7 @@ class SmartCkptCallback(TrainerCallback):
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
-        if self.run is None or logs is None or not self.config.report_to_trainer:
+        if self.run is None or logs is None or not self.config.runtime.report_to_trainer:
             return
         metrics = self.run.metrics()
         logs.update(metrics)

@@ -65,15 +65,15 @@ class Baselines:
 
     def __init__(self, config: SmartCkptConfig) -> None:
         self.config = config
-        self.loss = RollingWindow(config.stability_window)
-        self.grad = RollingWindow(min(config.stability_window, GRAD_BASELINE_WINDOW))
-        self.lr: deque[float] = deque(maxlen=config.stability_window)
+        self.loss = RollingWindow(config.policy.stability_window)
+        self.grad = RollingWindow(min(config.policy.stability_window, GRAD_BASELINE_WINDOW))
+        self.lr: deque[float] = deque(maxlen=config.policy.stability_window)
         self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
         self._forecast: tuple[int | None, tuple[float, float] | None] = (None, None)
 
     def assess(self, frame: SignalFrame) -> Assessment:
         """Risk components of `frame` against the running baselines (does not update them)."""
-        c = self.config
+        c = self.config.policy
         a = Assessment()
         if frame.any_nonfinite:
             a.components[NONFINITE] = 1.0
@@ -114,7 +114,7 @@ class Baselines:
         if not noise or not baseline:
             return 1.0
         cv = noise / abs(baseline)
-        return min(1.0, max(MIN_ALPHA, self.config.stability_cv / cv))
+        return min(1.0, max(MIN_ALPHA, self.config.policy.stability_cv / cv))
 
     def observe_memory(self, frame: SignalFrame) -> None:
         """Add the frame's memory sample (before deciding: the ramp forecast uses it)."""
@@ -146,7 +146,7 @@ class Baselines:
             return None
         slope, intercept = fit
         step, current = self.mem[-1]
-        predicted = slope * (step + self.config.memory_lookahead) + intercept
+        predicted = slope * (step + self.config.policy.memory_lookahead) + intercept
         return current, (predicted if slope > 0 else current)
 
     def state_dict(self) -> dict[str, Any]:
@@ -157,6 +157,6 @@ class Baselines:
         """Restore the values (window sizes follow the current config: the newest values are kept)."""
         for window, key in ((self.loss, "loss"), (self.grad, "grad")):
             window.load_state_dict({"maxlen": window.maxlen, "values": [float(v) for v in state[key]][-window.maxlen:]})
-        self.lr = deque((float(v) for v in state["lr"]), maxlen=self.config.stability_window)
+        self.lr = deque((float(v) for v in state["lr"]), maxlen=self.config.policy.stability_window)
         self.mem = deque(((int(s), float(m)) for s, m in state["mem"]), maxlen=MEM_POINTS)
         self._forecast = (None, None)

@@ -108,9 +108,9 @@ class Cadence:
         if c.base_interval is not None:
             base, source = float(c.base_interval), FROM_USER
         elif cost is None or not step:
-            base, source = float(c.stability_window), FROM_BOOTSTRAP
+            base, source = float(c.policy.stability_window), FROM_BOOTSTRAP
         else:
-            base, source = math.sqrt(2.0 * cost * c.mtbf_hours * 3600.0) / step, FROM_YOUNG_DALY
+            base, source = math.sqrt(2.0 * cost * c.policy.mtbf_hours * 3600.0) / step, FROM_YOUNG_DALY
         return self._clamp(base), source
 
     def budget_interval(self) -> float:
@@ -118,28 +118,28 @@ class Cadence:
         cost, step = self.save_cost.value, self.step_time.value
         if cost is None or not step:
             return 0.0
-        return cost / (self.config.overhead_budget * step)
+        return cost / (self.config.policy.overhead_budget * step)
 
     def interval(self, alpha: float, beta: float) -> Interval:
         """The current regular interval: the base, shortened by stability and risk, widened by the
         budget when the library derived it, clamped (`max_interval` wins over the budget)."""
         c = self.config
         base, source = self.base()
-        t = base * alpha / (1.0 + c.risk_gain * beta)
+        t = base * alpha / (1.0 + c.policy.risk_gain * beta)
         steps = self._clamp(t)
         shortened, widened = round(steps) < round(base), False
         if source != FROM_USER:  # an interval the user set is never widened (over_budget_warning says so once)
             wide = self._clamp(max(t, self.budget_interval()))
             widened, steps = round(wide) > round(steps), wide
         return Interval(steps=steps, base=base, source=source, alpha=alpha, beta=beta, shortened=shortened,
-                        widened=widened, budget=c.overhead_budget)
+                        widened=widened, budget=c.policy.overhead_budget)
 
     def within_budget(self) -> bool:
         """Whether one more save keeps total blocking time within `overhead_budget` of training time."""
         cost = self.save_cost.value
         if cost is None or self.train_time_s <= 0.0:
             return True
-        return (self.blocking_s + cost) <= self.config.overhead_budget * self.train_time_s
+        return (self.blocking_s + cost) <= self.config.policy.overhead_budget * self.train_time_s
 
     def over_budget_warning(self) -> str | None:
         """Once per run: the message for an explicit `base_interval` whose saves cost more than the budget."""
@@ -149,17 +149,17 @@ class Cadence:
             return None
         assert cost is not None
         overhead = cost / (c.base_interval * step)
-        if overhead <= c.overhead_budget:
+        if overhead <= c.policy.overhead_budget:
             return None
         self.budget_warned = True
         return (f"base_interval={c.base_interval}: a save blocks training {cost:.3f} s every {c.base_interval} "
                 f"steps of {step:.3f} s, {overhead:.1%} of training time, above "
-                f"overhead_budget={c.overhead_budget:.1%}. The interval "
+                f"overhead_budget={c.policy.overhead_budget:.1%}. The interval "
                 f"you set is kept; base_interval={math.ceil(self.budget_interval())} would stay within the budget "
-                "(or raise overhead_budget, or leave base_interval unset to let the library choose).")
+                "(or raise policy.overhead_budget, or leave base_interval unset to let the library choose).")
 
     def _clamp(self, t: float) -> float:
-        return min(float(self.config.max_interval), max(float(self.config.min_interval), t))
+        return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))
 
     def state_dict(self) -> dict[str, Any]:
         return {"step_time": self.step_time.state_dict(), "save_cost": self.save_cost.state_dict(),

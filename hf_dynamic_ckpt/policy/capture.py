@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import SmartCkptConfig
+from ..config import PolicyParams
 from ..signals.frame import SignalFrame
 from ..signals.stats import RollingWindow
 from .baselines import MIN_HISTORY, Assessment, Baselines
@@ -34,7 +34,7 @@ EARLY_GRAD_RATIO = 20.0  # early: grad norm >= 20x the median of the norms seen 
 FIRST_STEP_CLIP_RATIO = 100.0  # first step: pre-clip grad norm >= 100x the clip norm
 
 
-def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, config: SmartCkptConfig) -> str | None:
+def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, config: PolicyParams) -> str | None:
     """The rule by which this step's update is bad, as reason text (`"grad_surge x10.0"`), or `None`.
 
     Pure: reads the frame, its assessment and the baselines (not yet updated with the frame).
@@ -82,7 +82,7 @@ def _early(name: str, window: RollingWindow, value: float | None, bar: float) ->
     return f"{name} x{ratio:.1f} (median of {n} step{'s' if n > 1 else ''})"
 
 
-def _early_lr(frame: SignalFrame, baselines: Baselines, c: SmartCkptConfig) -> str | None:
+def _early_lr(frame: SignalFrame, baselines: Baselines, c: PolicyParams) -> str | None:
     """Before `MIN_HISTORY` rates: `lr > lr_surge_ratio**2` x the highest rate seen (warm-up at most doubles it)."""
     n, lr = len(baselines.lr), frame.lr
     if lr is None or not math.isfinite(lr) or not 1 <= n < MIN_HISTORY:

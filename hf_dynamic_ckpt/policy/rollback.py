@@ -70,16 +70,16 @@ class RollbackRule:
         if self.streak == 0:
             self.onset, self.first_reason = step, rule
         self.streak += 1
-        if self.streak < config.rollback_patience:
+        if self.streak < config.policy.rollback_patience:
             return NO_ROLLBACK
         onset = self.onset if self.onset is not None else step
         reason = self.first_reason if self.streak == 1 else f"{self.first_reason}; {self.streak} bad steps in a row"
-        earliest = max(0, step - config.rollback_window)
+        earliest = max(0, step - config.policy.rollback_window)
         recent = [s for s in self.taken if s >= earliest]
-        if len(recent) >= config.max_rollbacks:
+        if len(recent) >= config.policy.max_rollbacks:
             return RollbackVerdict(Verdict.EXHAUSTED, onset, (
-                f"{reason}; {len(recent)} rollbacks within the last {config.rollback_window} steps "
-                f"(max_rollbacks={config.max_rollbacks})"), earliest)
+                f"{reason}; {len(recent)} rollbacks within the last {config.policy.rollback_window} steps "
+                f"(max_rollbacks={config.policy.max_rollbacks})"), earliest)
         return RollbackVerdict(Verdict.ROLLBACK, onset, reason, earliest)
 
     def taken_at(self, step: int) -> None:

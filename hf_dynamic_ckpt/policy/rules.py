@@ -81,7 +81,7 @@ class RulePolicy:
     Args:
         config (`SmartCkptConfig`, *optional*): knobs; defaults to `SmartCkptConfig()`.
         double_check (`Callable[[], DoubleCheck]`, *optional*): makes a fresh `DoubleCheck` (one per
-            policy state); defaults to the learned model of `config.learned_model`, or none when unset.
+            policy state); defaults to the learned model of `config.policy.learned_model`, or none when unset.
 
     Example:
         ```python
@@ -108,7 +108,7 @@ class RulePolicy:
     def __init__(self, config: SmartCkptConfig | None = None, *,
                  double_check: Callable[[], DoubleCheck] | None = None) -> None:
         self.config = config or SmartCkptConfig()
-        c = self.config
+        c = self.config.policy
         self.cooldown = c.capture_cooldown if c.capture_cooldown is not None else c.stability_window
         if double_check is None and c.learned_model is not None:
             # The core's one import of `extras/` outside the CLI (tests/unit/test_import_rules.py names it): the
@@ -168,7 +168,7 @@ class RulePolicy:
             frame.step - 1` and the rule in `reason`, or no save; `skip_update` follows
             `skip_bad_update` for any bad update.
         """
-        c = self.config
+        c = self.config.policy
         self._pre_step = frame.step
         rule = self._judge(frame)[1]
         early = None
@@ -251,7 +251,7 @@ class RulePolicy:
         if self._judged is not None and self._judged[0] == key:
             return self._judged[1], self._judged[2]
         a = self.baselines.assess(frame)
-        rule = capture_rule(frame, a, self.baselines, self.config)
+        rule = capture_rule(frame, a, self.baselines, self.config.policy)
         self._judged = (key, a, rule)
         self.last_beta = a.beta
         return a, rule
@@ -262,13 +262,13 @@ class RulePolicy:
             return False, "a non-finite update was applied"
         if rule is not None and self._skip_step != frame.step:  # a skipped update left the weights as they were
             return False, f"this step's update was bad: {rule}"
-        if self.smoother.training_risk >= self.config.risk_threshold:
+        if self.smoother.training_risk >= self.config.policy.risk_threshold:
             risk = self.smoother.training_risk
-            return False, f"training risk {risk:.2f} >= risk_threshold {self.config.risk_threshold}"
+            return False, f"training risk {risk:.2f} >= risk_threshold {self.config.policy.risk_threshold}"
         return True, ""
 
     def _choose(self, frame: SignalFrame, a: Assessment, healthy: bool) -> Decision:
-        c = self.config
+        c = self.config.policy
         step = frame.step
         last = self.cadence.last_save_step
         assert last is not None
@@ -340,7 +340,7 @@ class RulePolicy:
         parts: dict[str, Any] = {
             # "levels" is the key the baselines have in every policy state saved so far (manifests on disk):
             # under another key a checkpoint saved before would not restore its statistics.
-            "levels": Baselines(c), "cadence": Cadence(c), "smoother": RiskSmoother(c.risk_smoothing),
+            "levels": Baselines(c), "cadence": Cadence(c), "smoother": RiskSmoother(c.policy.risk_smoothing),
             "capture": CaptureTrigger(), "preemption": PreemptionTrigger(), "edge": RiskEdgeTrigger(),
             "memory": MemoryRampTrigger(), "health": Health(),
         }

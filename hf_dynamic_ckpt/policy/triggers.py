@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import SmartCkptConfig
+from ..config import PolicyParams
 from ..signals.frame import SignalFrame
 from .baselines import Assessment
 from .stateful import Stateful
@@ -36,7 +36,7 @@ class RiskEdgeTrigger(Stateful):
 
     armed: bool = True
 
-    def fire(self, beta: float, config: SmartCkptConfig) -> bool:
+    def fire(self, beta: float, config: PolicyParams) -> bool:
         if beta < config.risk_release:
             self.armed = True
         if self.armed and beta >= config.risk_threshold:
@@ -52,7 +52,7 @@ class MemoryRampTrigger(Stateful):
 
     armed: bool = True
 
-    def fire(self, forecast: tuple[float, float] | None, config: SmartCkptConfig) -> str | None:
+    def fire(self, forecast: tuple[float, float] | None, config: PolicyParams) -> str | None:
         """The save reason when it fires, else `None`."""
         if forecast is None:
             return None

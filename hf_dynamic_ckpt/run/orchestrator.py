@@ -321,7 +321,7 @@ class RunOrchestrator:
     def note_boundary(self, step: int, rng: RngState | None = None) -> None:
         """Record the RNG state at the end of `step` (what a later pre-update capture or held save stores). Call it
         once when training starts (with the restored RNG after a resume) so the first step's update can be captured."""
-        if self.config.pre_anomaly_capture or self.hold_saves:
+        if self.config.policy.pre_anomaly_capture or self.hold_saves:
             self._boundary_rng = rng if rng is not None else capture_raw_rng_state()  # JSON made by the writer
             self._boundary_step, self._boundary_at_begin = step, False
 
@@ -376,12 +376,12 @@ class RunOrchestrator:
 
     def _rollbacks_exhausted(self, step: int, verdict: RollbackVerdict) -> None:
         """A confirmed anomaly with no rollback left: stop (`RollbackError`), or train through it."""
-        if self.config.on_rollbacks_exhausted == RollbacksExhausted.STOP:
+        if self.config.policy.on_rollbacks_exhausted == RollbacksExhausted.STOP:
             raise RollbackError(
                 f"step {step}: an anomaly ({verdict.reason}) and no rollback left; the run keeps failing here. "
                 f"Rollbacks were taken at steps {', '.join(map(str, self.rollbacks.taken))}. Lower the learning rate, "
-                "look at the data of the failing steps, raise max_rollbacks, or set on_rollbacks_exhausted="
-                "'continue' to train through it (the pre-anomaly captures stay pinned).")
+                "look at the data of the failing steps, raise policy.max_rollbacks, or set "
+                "policy.on_rollbacks_exhausted='continue' to train through it (the pre-anomaly captures stay pinned).")
         logger.warning("step %d: an anomaly (%s) and no rollback left (on_rollbacks_exhausted=continue): training "
                        "through it", step, verdict.reason)
 
@@ -501,7 +501,7 @@ class RunOrchestrator:
                 why = f"the restore point step {target} cannot be read ({e})"
         if resumption is None or resumption.step < verdict.earliest or resumption.degraded:
             logger.warning("step %d: an anomaly (%s) is confirmed since step %d but %s (rollback_window=%d): training "
-                           "through it", at, verdict.reason, verdict.onset, why, self.config.rollback_window)
+                           "through it", at, verdict.reason, verdict.onset, why, self.config.policy.rollback_window)
             self.rollbacks.reset()
             return None
         loaded = resumption.loaded
@@ -676,7 +676,7 @@ class RunOrchestrator:
         """`plan_resume` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
         collective) into the live objects."""
         sharded = self._sharded
-        fallback = self.config.fallback_strategy
+        fallback = self.config.runtime.fallback_strategy
         if self._sources is not None and self._optimizer is None and self._scheduler is None and self._scaler is None:
             fallback = FallbackStrategy.LEVEL_0_ONLY  # attached without an optimizer: no optimizer tier to miss
         resumption = plan_resume(
@@ -707,10 +707,10 @@ class RunOrchestrator:
                               "tiers": sorted(t.value for t in resumption.loaded.tiers)}
         if resumption.pending is None:
             self._announce(resumption)
-        if resumption.elapsed_ms > self.config.recovery_timeout_ms:
+        if resumption.elapsed_ms > self.config.runtime.recovery_timeout_ms:
             logger.warning("resume of step %d took %.0f ms, above recovery_timeout_ms=%d (the restore point's "
                            "estimate was %s ms); `fastest` picks the cheapest checkpoint to restore", info.step,
-                           resumption.elapsed_ms, self.config.recovery_timeout_ms, info.recovery_cost_ms)
+                           resumption.elapsed_ms, self.config.runtime.recovery_timeout_ms, info.recovery_cost_ms)
 
     def complete_resume(self, loaded: LoadedCheckpoint) -> None:
         """Wait for a background optimizer-tier read and fill it in (agreed: lost on one rank, lost on all)."""

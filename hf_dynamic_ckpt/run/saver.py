@@ -55,14 +55,14 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
 
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
-                               compression_level=config.compression_level,
+                               compression_level=config.storage_levels.level_1.compression_level,
                                compression=config.storage_levels.level_1.compression.value,
                                pace_to_disk=config.storage_levels.level_1.pace_to_disk,
-                               storage_options=config.remote_storage_options,
-                               cache_dir=(Path(config.remote_cache_dir) / f"rank-{rank}"
-                                          if config.remote_cache_dir else None),
-                               retries=config.remote_retries, backoff_s=config.remote_backoff_s,
-                               lock_wait_s=config.lock_wait_s)
+                               storage_options=config.remote.storage_options,
+                               cache_dir=(Path(config.remote.cache_dir) / f"rank-{rank}"
+                                          if config.remote.cache_dir else None),
+                               retries=config.remote.retries, backoff_s=config.remote.backoff_s,
+                               lock_wait_s=config.runtime.lock_wait_s)
 
     if world_size > 1:
         store, error = None, None
@@ -83,7 +83,7 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
 
 def exit_after_preemption(config: SmartCkptConfig, signum: int | None) -> None:
     """Raise `SystemExit(preemption_exit_code)`: 128 + the signal by default (143 for SIGTERM); nothing for 0."""
-    code = config.preemption_exit_code
+    code = config.runtime.preemption_exit_code
     if code is None:
         code = 128 + int(signum) if signum is not None else 143
     if code:
@@ -123,7 +123,8 @@ class Saver:
     def engine(self) -> SaveEngine:
         """The save engine (snapshot buffers, writer thread or process), started at its first use."""
         if self._engine is None:
-            self._engine = SaveEngine(self.store, mode=self.config.engine, memory_margin=self.config.memory_margin)
+            self._engine = SaveEngine(self.store, mode=self.config.engine,
+                                      memory_margin=self.config.runtime.memory_margin)
         return self._engine
 
     @property
@@ -192,7 +193,8 @@ class Saver:
         request = self.request(emergency, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
                                lineage=lineage)
         # The engine writes the most valuable tiers first within the grace period; its reason is "emergency: ...".
-        info = self.engine.emergency_save(sources, request, deadline_s=self.config.preemption_grace_s, extra=extra)
+        info = self.engine.emergency_save(sources, request, deadline_s=self.config.runtime.preemption_grace_s,
+                                          extra=extra)
         blocking_ms = (time.perf_counter() - start) * 1e3
         event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else tiers,
                           pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
@@ -272,7 +274,7 @@ class Saver:
         try:
             plan = plan_retention(self.store.list(include_unhealthy=True, include_abandoned=True),
                                   keep_last=c.keep_last,
-                                  log_spaced=c.keep_log_spaced, tier_retention=tier_retention_from_config(c),
+                                  log_spaced=c.policy.keep_log_spaced, tier_retention=tier_retention_from_config(c),
                                   now=time.time())
             report = self.store.prune(plan)  # re-reads each entry from disk; abandoned ones once passed
         except Exception as e:  # retention must never stop training

@@ -33,8 +33,8 @@ class Sensors:
                  clip_owner: Any | None = None) -> None:
         self.loss = LossProbe(loss_model if loss_model is not None else model)
         self.grad = GradProbe(model, sum_across_ranks=dist.all_reduce_square_sums)
-        self.mem = MemoryProbe(config.memory_sample_every)
-        self.flag = PreemptionFlag(config.preemption_signals)
+        self.mem = MemoryProbe(config.policy.memory_sample_every)
+        self.flag = PreemptionFlag(config.runtime.preemption_signals)
         self.flag.install()
         self.clip = ClipNormRecorder(clip_owner) if clip_owner is not None else None
         self._last_t: float | None = None

@@ -325,13 +325,14 @@ class WriterLock:
                     f"{what} is being written by another session: {describe(holder)}, which this host cannot see "
                     f"(another host or container); its lock was still held after waiting{waited}. If that run is "
                     "still going, give this run its own task_id or wait for it to end; if it is gone (its host or "
-                    "pod died), its lock expires with its NFS lease (retry, or raise lock_wait_s), or pass "
+                    "pod died), its lock expires with its NFS lease (retry, or raise runtime.lock_wait_s), or pass "
                     "takeover=True (CheckpointStore) to replace it now."
                 )
             if waited_since is None:
                 waited_since = now
                 logger.warning("%s: the writer lock is held by %s, which this host cannot see; waiting up to %g s "
-                               "for it to end or for its lock to expire (lock_wait_s)", what, describe(holder), wait_s)
+                               "for it to end or for its lock to expire (runtime.lock_wait_s)", what, describe(holder),
+                               wait_s)
                 next_note = now + _PROGRESS_S
             elif now >= next_note:
                 logger.warning("%s: still waiting for the writer lock (%.0f s of %g s)", what, now - waited_since,

@@ -115,29 +115,6 @@ def check_public_options(options: Mapping[str, Any] | None, name: str) -> dict[s
     return dict(options)
 
 
-def check_remote_config(config: Any) -> dict[str, Any] | None:
-    """Validate a `SmartCkptConfig`'s URL root and ``remote_*`` keys; returns the storage options to keep.
-
-    Raises:
-        `ConfigError`: naming the key, its value and what is expected.
-    """
-    root = config.root
-    if root is not None and "://" in str(root):
-        if not is_url(root):
-            raise ConfigError(f"root={root!r} is invalid: expected a directory path or a URL such as s3://bucket/run.")
-        check_url(str(root))
-    cache = config.remote_cache_dir
-    if cache is not None and not isinstance(cache, str | os.PathLike):
-        raise ConfigError(f"remote_cache_dir={cache!r} is invalid: expected a directory path or null.")
-    retries, backoff = config.remote_retries, config.remote_backoff_s
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ConfigError(f"remote_retries={retries!r} is invalid: expected an integer >= 0.")
-    if isinstance(backoff, bool) or not isinstance(backoff, int | float) or not 0 <= backoff < float("inf"):
-        raise ConfigError(f"remote_backoff_s={backoff!r} is invalid: expected a number of seconds >= 0.")
-    options = config.remote_storage_options
-    return None if options is None else check_public_options(options, "remote_storage_options")
-
-
 def default_cache_dir(url: str, rank: int) -> Path:
     """``$HF_DYNAMIC_CKPT_CACHE`` (else ``~/.cache/hf_dynamic_ckpt``) ``/remote/<hash of the URL>/rank-<R>``."""
     base = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "hf_dynamic_ckpt")

@@ -136,7 +136,7 @@ def main() -> None:
         smart.smart_ckpt_config = str(HERE / "checkpoint_config.yaml")
     config = smart.to_config()
     if script.tiny:
-        config = config.replace(base_interval=3, max_interval=3, overhead_budget=1.0, keep_last=100)
+        config = config.replace(base_interval=3, keep_last=100, policy={"max_interval": 3, "overhead_budget": 1.0})
         dataset, model = tiny_setup(script)
     else:
         dataset, model = real_setup(script, accelerator)

@@ -155,7 +155,7 @@ def main() -> None:
     config = smart.to_config()
     if script.tiny:
         # Steps take milliseconds here: save every few steps and let saves cost what they cost.
-        config = config.replace(base_interval=3, max_interval=3, overhead_budget=1.0, keep_last=100)
+        config = config.replace(base_interval=3, keep_last=100, policy={"max_interval": 3, "overhead_budget": 1.0})
         tokenizer, dataset, model = tiny_setup(script)
     else:
         tokenizer, dataset, model = real_setup(script, args)

@@ -44,7 +44,7 @@ def local_frame(rank: int, step: int) -> SignalFrame:
 
 
 def simulate(rank: int, *, reduce: bool) -> list[dict[str, object]]:
-    policy = RulePolicy(SmartCkptConfig(base_interval=25, stability_window=20))
+    policy = RulePolicy(SmartCkptConfig(base_interval=25, policy={"stability_window": 20}))
     out = []
     for step in range(1, 181):
         frame = local_frame(rank, step)
@@ -103,7 +103,7 @@ def _diverging_worker(rank: int, port: int, out_dir: str) -> None:
     # A collective left waiting would fail after 30 s (a different error), never hang the test.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
-    policy = RulePolicy(SmartCkptConfig(base_interval=25, stability_window=20))
+    policy = RulePolicy(SmartCkptConfig(base_interval=25, policy={"stability_window": 20}))
     saves: list[int] = []
     result: dict[str, object] = {"error": None}
     try:

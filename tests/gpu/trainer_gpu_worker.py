@@ -92,7 +92,8 @@ def main() -> None:
         warmup_steps=2, lr_scheduler_type="cosine", save_strategy="no", report_to=[], use_cpu=opts.device == "cpu",
         bf16=opts.bf16, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=0, **fsdp,
     )
-    callback = SmartCkptCallback(SmartCkptConfig(base_interval=opts.base_interval, overhead_budget=1.0, keep_last=100))
+    callback = SmartCkptCallback(SmartCkptConfig(base_interval=opts.base_interval, keep_last=100,
+                                                 policy={"overhead_budget": 1.0}))
     trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[callback, Steps()])
     path = None
     if opts.resume:

@@ -88,7 +88,7 @@ def test_total_limit_unpins_the_checkpoints_of_the_folders_accelerate_rotated_aw
     accelerator = Accelerator(cpu=True, project_config=project)
     model, optimizer = _linear(accelerator)
     hooks = SmartStateHooks(accelerator, config=SmartCkptConfig(root=str(tmp_path / "store"), keep_last=1,
-                                                                keep_log_spaced=False))
+                                                                policy={"keep_log_spaced": False}))
     hooks.register()
     for _ in range(4):
         _step(model, optimizer)

@@ -34,7 +34,7 @@ def _train(model: torch.nn.Module, root: Path, steps: int = 3) -> RunOrchestrato
     torch.manual_seed(0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ck = RunOrchestrator(SmartCkptConfig(root=str(root), base_interval=1000, engine="thread",
-                                         pre_anomaly_capture=False))
+                                         policy={"pre_anomaly_capture": False}))
     ck.attach(model, optimizer=opt)
     model.train()
     for step in range(steps):

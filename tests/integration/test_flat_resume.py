@@ -61,7 +61,8 @@ def _accelerate_loop(root: Path, *, steps: int, consolidate: bool, resume: str |
     dl = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt, dl = accelerator.prepare(model, opt, dl)
-    config = SmartCkptConfig(root=str(root), base_interval=2, overhead_budget=1.0, keep_last=50, engine="sync")
+    config = SmartCkptConfig(root=str(root), base_interval=2, keep_last=50, engine="sync",
+                             policy={"overhead_budget": 1.0})
     ckpt = SmartCheckpointer(accelerator, model, opt, dataloader=dl, config=config, consolidate=consolidate)
     ckpt.resume(resume)
     adapters: dict[int, dict[str, torch.Tensor]] = {}

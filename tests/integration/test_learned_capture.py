@@ -50,8 +50,8 @@ def train(root: Path, *, steps: int, learned: str | None = None, resume: str | N
     dl = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt, dl = accelerator.prepare(model, opt, dl)
-    config = SmartCkptConfig(root=str(root), base_interval=100, keep_last=50, engine="sync", learned_model=learned,
-                             capture_cooldown=3)
+    config = SmartCkptConfig(root=str(root), base_interval=100, keep_last=50, engine="sync",
+                             policy={"learned_model": learned, "capture_cooldown": 3})
     losses: dict[int, str] = {}
     with SmartCheckpointer(accelerator, model, opt, dataloader=dl, config=config) as ckpt:
         ckpt.resume(resume)

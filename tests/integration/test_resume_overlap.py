@@ -23,8 +23,8 @@ def _trainer(root: Path, steps: int, record: dict | None = None, stop_at: int | 
     args = TrainingArguments(output_dir=str(root / "out"), max_steps=steps, per_device_train_batch_size=2,
                              learning_rate=1e-2, use_cpu=True, report_to=[], save_strategy="no", seed=0,
                              logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, warmup_steps=2)
-    smart = SmartCkptCallback(SmartCkptConfig(root=str(root / "ckpt"), base_interval=2, overhead_budget=1.0,
-                                              keep_last=10))
+    smart = SmartCkptCallback(SmartCkptConfig(root=str(root / "ckpt"), base_interval=2, keep_last=10,
+                                              policy={"overhead_budget": 1.0}))
     callbacks = [smart]
     if stop_at is not None:  # an interrupted run (same schedule as the full one)
         class Stop(TrainerCallback):

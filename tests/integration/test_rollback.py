@@ -144,8 +144,8 @@ def test_max_rollbacks_exhausted_stops_with_a_clear_error(tmp_path: Path, refere
     assert result["error"].startswith("step 7: an anomaly (early_grad x")
     assert result["error"].endswith(
         "and no rollback left; the run keeps failing here. Rollbacks were taken at steps 6. Lower the learning rate, "
-        "look at the data of the failing steps, raise max_rollbacks, or set on_rollbacks_exhausted='continue' to "
-        "train through it (the pre-anomaly captures stay pinned).")
+        "look at the data of the failing steps, raise policy.max_rollbacks, or set "
+        "policy.on_rollbacks_exhausted='continue' to train through it (the pre-anomaly captures stay pinned).")
     # Up to the stop, the same losses as the reference (whose 8th batch is clean): the 7th batch trained.
     assert result["losses"][6] == reference["losses"][0]
     assert result["global_step"] == 6  # the bad update of step 7 was never applied

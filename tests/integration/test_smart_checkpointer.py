@@ -107,8 +107,8 @@ def _loop(tmp_path: Path, *, steps: int, resume: str | None = None, lora_seed: i
     dl = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt, dl = accelerator.prepare(model, opt, dl)
-    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=2, overhead_budget=1.0, keep_last=50,
-                             engine="sync")
+    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=2, keep_last=50, engine="sync",
+                             policy={"overhead_budget": 1.0})
     ckpt = SmartCheckpointer(accelerator, model, opt, dataloader=dl, config=config)
     loaded = ckpt.resume(resume)
     adapters: dict[int, dict[str, torch.Tensor]] = {}

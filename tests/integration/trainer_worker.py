@@ -186,12 +186,11 @@ def main() -> None:
             if args.sigterm_at is not None and state.global_step == args.sigterm_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    anomaly = {"on_anomaly": args.on_anomaly, "rollback_patience": args.rollback_patience,
-               "max_rollbacks": args.max_rollbacks, "on_rollbacks_exhausted": args.exhausted}
-    if args.default_policy:
-        config = SmartCkptConfig(base_interval=args.base_interval, **anomaly)
-    else:
-        config = SmartCkptConfig(base_interval=args.base_interval, stability_window=8, overhead_budget=1.0, **anomaly)
+    rollback = {"rollback_patience": args.rollback_patience, "max_rollbacks": args.max_rollbacks,
+                "on_rollbacks_exhausted": args.exhausted}
+    short = {} if args.default_policy else {"stability_window": 8, "overhead_budget": 1.0}
+    config = SmartCkptConfig(base_interval=args.base_interval, on_anomaly=args.on_anomaly,
+                             policy={**rollback, **short})
     cb = SmartCkptCallback(config, consolidate=None if args.consolidate is None else args.consolidate == "on")
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,

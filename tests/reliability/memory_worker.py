@@ -55,7 +55,8 @@ def main() -> None:
     if args.saves == "smart":
         extra = {"engine": args.engine} if args.engine else {}
         cb = SmartCkptCallback(SmartCkptConfig(root=os.path.join(args.out, "ckpt"), base_interval=args.interval,
-                                               stability_window=8, overhead_budget=1.0, **extra))
+                                               **extra,
+                                               policy={"stability_window": 8, "overhead_budget": 1.0}))
         callbacks.append(cb)
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,

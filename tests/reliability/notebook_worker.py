@@ -72,7 +72,7 @@ def main() -> None:
         args = TrainingArguments(output_dir=output_dir, max_steps=10, per_device_train_batch_size=4,
                                  learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, seed=42,
                                  save_strategy="no", disable_tqdm=True)
-        config = SmartCkptConfig(base_interval=2, stability_window=8, overhead_budget=1.0)
+        config = SmartCkptConfig(base_interval=2, policy={"stability_window": 8, "overhead_budget": 1.0})
         return Trainer(model=model, args=args, train_dataset=ds, callbacks=[SmartCkptCallback(config), record])
 
     reference: list[str] = []

@@ -323,8 +323,8 @@ def test_file_url_root_and_config_accept_urls(tmp_path):
     # file:// goes through the same seam (directories created on demand); no server needed.
     from hf_dynamic_ckpt import SmartCkptConfig
 
-    config = SmartCkptConfig(root="s3://bucket/run1", remote_storage_options={"endpoint_url": "http://127.0.0.1:9"})
-    assert config.root == "s3://bucket/run1" and config.remote_storage_options == {"endpoint_url": "http://127.0.0.1:9"}
+    config = SmartCkptConfig(root="s3://bucket/run1", remote={"storage_options": {"endpoint_url": "http://127.0.0.1:9"}})
+    assert config.root == "s3://bucket/run1" and config.remote.storage_options == {"endpoint_url": "http://127.0.0.1:9"}
     url = (tmp_path / "bucket").as_uri() + "/run"
     with CheckpointStore(url, task_id="t", cache_dir=tmp_path / "cache-a") as store:
         save(store, 5)

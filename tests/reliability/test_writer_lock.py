@@ -233,7 +233,7 @@ def test_a_holder_on_another_host_is_waited_for_then_named(tmp_path: Path, caplo
         text = str(exc.value)
         assert f"pid {first.pid} on host gpu-node-7, session first" in text
         assert "which this host cannot see (another host or container)" in text
-        assert "pass takeover=True (CheckpointStore) to replace it now" in text and "raise lock_wait_s" in text
+        assert "pass takeover=True (CheckpointStore) to replace it now" in text and "raise runtime.lock_wait_s" in text
         progress = caplog.records[0].getMessage()
         assert "the writer lock is held by pid" in progress and "waiting up to 1.5 s" in progress
         # When the other host's run ends while we wait, the wait ends with the lock.

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from hf_dynamic_ckpt.config import Compression, FallbackStrategy, LevelConfig, SmartCkptArguments, SmartCkptConfig
+from hf_dynamic_ckpt.config import (
+    GROUPS,
+    Compression,
+    FallbackStrategy,
+    LevelConfig,
+    OptimizerLevelConfig,
+    PolicyParams,
+    SmartCkptArguments,
+    SmartCkptConfig,
+)
 from hf_dynamic_ckpt.errors import ConfigError, UnknownConfigKeyError
 from hf_dynamic_ckpt.store import CheckpointStore
 
@@ -40,23 +50,22 @@ def test_article_yaml_loads(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint_config.yaml"
     path.write_text(ARTICLE_YAML)
     cfg = SmartCkptConfig.from_yaml(path)
-    assert (cfg.base_interval, cfg.stability_window, cfg.risk_threshold) == (2000, 100, 0.68)
+    assert (cfg.base_interval, cfg.policy.stability_window, cfg.policy.risk_threshold) == (2000, 100, 0.68)
     assert cfg.storage_levels.level_1.compression is Compression.ZSTD
-    assert cfg.storage_levels.level_1.compression_level == 3 == cfg.compression_level
-    assert cfg.storage_levels.level_2.compression is Compression.GZIP
+    assert cfg.storage_levels.level_1.compression_level == 3
     assert cfg.storage_levels.level_0.retention_days == 30
-    assert cfg.fallback_strategy is FallbackStrategy.LEVEL_0_ONLY
-    assert cfg.recovery_timeout_ms == 5000
+    assert cfg.runtime.fallback_strategy is FallbackStrategy.LEVEL_0_ONLY
+    assert cfg.runtime.recovery_timeout_ms == 5000
     assert SmartCkptConfig.from_dict(cfg.to_dict()) == cfg  # YAML maps 1:1 onto the dataclasses
 
 
 def test_policy_knobs_load_from_yaml(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("risk_gain: 2.5\nstability_cv: 0.05\ncapture_cooldown: 40\nmemory_lookahead: 20\n"
-                    "grad_surge_ratio: 8\noverhead_budget: 0.01\nskip_bad_update: true\n")
-    cfg = SmartCkptConfig.from_yaml(path)
-    assert (cfg.risk_gain, cfg.stability_cv, cfg.capture_cooldown, cfg.memory_lookahead) == (2.5, 0.05, 40, 20)
-    assert cfg.grad_surge_ratio == 8 and cfg.overhead_budget == 0.01 and cfg.skip_bad_update is True
+    path.write_text("policy:\n  risk_gain: 2.5\n  stability_cv: 0.05\n  capture_cooldown: 40\n  memory_lookahead: 20\n"
+                    "  grad_surge_ratio: 8\n  overhead_budget: 0.01\n  skip_bad_update: true\n")
+    p = SmartCkptConfig.from_yaml(path).policy
+    assert (p.risk_gain, p.stability_cv, p.capture_cooldown, p.memory_lookahead) == (2.5, 0.05, 40, 20)
+    assert p.grad_surge_ratio == 8 and p.overhead_budget == 0.01 and p.skip_bad_update is True
     assert SmartCkptArguments(smart_ckpt_config=str(path), smart_ckpt_root="/r").to_config().root == "/r"
 
 
@@ -88,15 +97,22 @@ def test_policy_knobs_load_from_yaml(tmp_path: Path) -> None:
     ],
 )
 def test_invalid_values_name_field_and_range(field: str, value: object, message: str) -> None:
+    group = next((g for g, cls in GROUPS.items() if field in {f.name for f in dataclasses.fields(cls)}), None)
     with pytest.raises(ConfigError) as e:
-        SmartCkptConfig(**{field: value})
-    assert str(e.value).startswith(message)
+        SmartCkptConfig(**{field: value}) if group is None else SmartCkptConfig(**{group: {field: value}})
+    # A grouped setting is named as it is spelled: policy.stability_window=2 ...
+    assert str(e.value).startswith(message if group is None else f"{group}.{message}")
     assert isinstance(e.value, ValueError)
+    if group is not None:  # the group object itself says the same without the prefix
+        with pytest.raises(ConfigError) as e:
+            GROUPS[group](**{field: value})
+        assert str(e.value).startswith(message)
 
 
 def test_max_interval_below_min_names_both() -> None:
-    with pytest.raises(ConfigError, match=r"^max_interval=5 is invalid: expected an integer >= min_interval \(10\)\.$"):
-        SmartCkptConfig(min_interval=10, max_interval=5)
+    with pytest.raises(ConfigError,
+                       match=r"^policy\.max_interval=5 is invalid: expected an integer >= min_interval \(10\)\.$"):
+        SmartCkptConfig(policy={"min_interval": 10, "max_interval": 5})
 
 
 def test_yaml_errors_name_the_nested_field(tmp_path: Path) -> None:
@@ -143,18 +159,27 @@ def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCapture
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"keep_log_spaced": "no"}, "keep_log_spaced='no' is invalid: expected true or false"),
+        ({"policy": {"keep_log_spaced": "no"}}, "policy.keep_log_spaced='no' is invalid: expected true or false"),
         ({"root": 5}, "root=5 is invalid: expected a directory path (str) or null."),
         ({"root": "nosuch://bucket/run1"},
          "root='nosuch://bucket/run1' is invalid: 'nosuch' is not an fsspec protocol"),
         ({"root": "s3://"}, "root='s3://' is invalid: name a bucket or container"),
-        ({"root": "s3://b/r", "remote_storage_options": {"secret": "x"}},
-         "remote_storage_options: secret looks like a credential"),
+        ({"root": "s3://b/r", "remote": {"storage_options": {"secret": "x"}}},
+         "remote.storage_options: secret looks like a credential"),
         ({"storage_levels": [1, 2]},
          "storage_levels=[1, 2] is invalid: expected a mapping with level_0 / level_1 / level_2."),
         ({"storage_levels": {"level_1": None}}, "storage_levels.level_1=None is invalid: expected a mapping such as"),
-        ({"mtbf_hours": float("inf")}, "mtbf_hours=inf is invalid: expected a positive number of hours."),
-        ({"preemption_signals": 15}, "preemption_signals=15 is invalid: expected a list of signal names"),
+        ({"policy": {"mtbf_hours": float("inf")}},
+         "policy.mtbf_hours=inf is invalid: expected a positive number of hours."),
+        ({"runtime": {"preemption_signals": 15}},
+         "runtime.preemption_signals=15 is invalid: expected a list of signal names"),
+        ({"policy": [1]}, "policy=[1] is invalid: expected a mapping of PolicyParams settings such as {min_interval: "),
+        ({"min_interval": 3}, "unknown config key 'min_interval' (it is policy.min_interval now: policy="
+                              "{'min_interval': ...}, in YAML policy: {min_interval: ...}): allowed keys are "),
+        ({"remote_retries": 3}, "unknown config key 'remote_retries' (it is remote.retries now: remote={'retries': "),
+        ({"policy": {"retries": 3}}, "unknown config key policy.'retries' (it is remote.retries): allowed keys are "),
+        ({"stability_window": 8, "policy": {"stability_window": 9}},
+         "stability_window is given twice, at the top level and as policy.stability_window; keep one."),
         ({"save_total_limit": 3},
          "unknown config key 'save_total_limit' (Trainer's 'save_total_limit' is keep_last here)"),
         ({"save_steps": 500}, "unknown config key 'save_steps' (Trainer's 'save_steps' is base_interval here)"),
@@ -162,7 +187,8 @@ def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCapture
         ({"storage_levels": {"level_1": {"compresion": "zstd"}}},
          "unknown config key storage_levels.level_1.'compresion' (did you mean 'compression'?)"),
         ({"on_save_error": "ignore"}, "on_save_error='ignore' is invalid: expected one of 'warn', 'raise'."),
-        ({"preemption_exit_code": 300}, "preemption_exit_code=300 is invalid: expected an integer 0..255 or null"),
+        ({"runtime": {"preemption_exit_code": 300}},
+         "runtime.preemption_exit_code=300 is invalid: expected an integer 0..255 or null"),
     ],
 )
 def test_strict_types_and_did_you_mean(data: dict, message: str) -> None:
@@ -172,7 +198,8 @@ def test_strict_types_and_did_you_mean(data: dict, message: str) -> None:
 
 
 def test_a_single_signal_name_is_a_list_of_one() -> None:
-    assert SmartCkptConfig(preemption_signals="SIGTERM").preemption_signals == ("SIGTERM",)  # type: ignore[arg-type]
+    config = SmartCkptConfig(runtime={"preemption_signals": "SIGTERM"})
+    assert config.runtime.preemption_signals == ("SIGTERM",)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +207,8 @@ def test_a_single_signal_name_is_a_list_of_one() -> None:
     [
         (lambda: SmartCkptConfig(base_intervall=10),
          "SmartCkptConfig() got an unknown keyword 'base_intervall' (did you mean 'base_interval'?): allowed keys are "
-         "base_interval, capture_cooldown, "),
+         "base_interval, engine, keep_last, on_anomaly, on_save_error, policy, remote, root, runtime, storage_levels, "
+         "task_id."),
         (lambda: SmartCkptConfig(async_save=False),
          "SmartCkptConfig() got an unknown keyword 'async_save' (removed: engine='sync' writes on the training thread "
          "(async_save=false); background writes are the default): allowed keys are "),
@@ -189,9 +217,16 @@ def test_a_single_signal_name_is_a_list_of_one() -> None:
          "here): allowed keys are "),
         (lambda: SmartCkptConfig().replace(keep_lats=2),
          "SmartCkptConfig() got an unknown keyword 'keep_lats' (did you mean 'keep_last'?): allowed keys are "),
-        (lambda: LevelConfig(compresion="zstd"),
-         "LevelConfig() got an unknown keyword 'compresion' (did you mean 'compression'?): allowed keys are "
-         "compression, compression_level, device, pace_to_disk, retention_days."),
+        (lambda: OptimizerLevelConfig(compresion="zstd"),
+         "OptimizerLevelConfig() got an unknown keyword 'compresion' (did you mean 'compression'?): allowed keys are "
+         "compression, compression_level, pace_to_disk, retention_days."),
+        (lambda: LevelConfig(compression="zstd"),  # the weights and state tiers are never compressed
+         "LevelConfig() got an unknown keyword 'compression': allowed keys are retention_days."),
+        (lambda: SmartCkptConfig(stability_window=50),
+         "SmartCkptConfig() got an unknown keyword 'stability_window' (it is policy.stability_window now: "
+         "policy={'stability_window': ...}, in YAML policy: {stability_window: ...}): allowed keys are "),
+        (lambda: PolicyParams(rollback_patiense=2),
+         "PolicyParams() got an unknown keyword 'rollback_patiense' (did you mean 'rollback_patience'?)"),
     ],
 )
 def test_an_unknown_keyword_names_the_closest_key(build: object, message: str) -> None:
@@ -231,3 +266,22 @@ def test_a_root_that_is_a_file_says_so(tmp_path: Path, monkeypatch: pytest.Monke
         CheckpointStore("afile.txt")
     assert str(e.value) == (f"root='{tmp_path / 'afile.txt'}' is invalid: it is a file, not a directory; pass the "
                             "store's directory (new or existing), e.g. the folder next to it.")
+
+
+def test_replace_with_a_group_mapping_changes_only_the_keys_it_names() -> None:
+    config = SmartCkptConfig(policy={"min_interval": 2, "max_interval": 50},
+                             storage_levels={"level_1": {"compression_level": 3}})
+    changed = config.replace(policy={"max_interval": 60}, storage_levels={"level_1": {"retention_days": 2}})
+    assert (changed.policy.min_interval, changed.policy.max_interval) == (2, 60)
+    assert (changed.storage_levels.level_1.compression_level, changed.storage_levels.level_1.retention_days) == (3, 2)
+    assert changed.storage_levels.level_0 == config.storage_levels.level_0
+    with pytest.raises(ConfigError, match=r"^policy\.max_interval=1 is invalid: expected an integer >= min_interval"):
+        config.replace(policy={"max_interval": 1})
+    with pytest.raises(UnknownConfigKeyError, match=r"^unknown config key policy\.'max_intervall' \(did you mean"):
+        config.replace(policy={"max_intervall": 1})
+
+
+@pytest.mark.parametrize("recipe", sorted(Path(__file__).resolve().parents[2].glob("recipes/*/checkpoint_config.yaml")))
+def test_the_recipes_configs_load(recipe: Path) -> None:
+    config = SmartCkptConfig.from_yaml(recipe)
+    assert config.policy.risk_threshold == 0.68 and config.keep_last == 3

@@ -84,7 +84,7 @@ def drive(policy: RulePolicy, frames: list[SignalFrame]) -> list[tuple[int, str,
     return out
 
 
-CFG = SmartCkptConfig(base_interval=1000, stability_window=20, risk_smoothing=4)
+CFG = SmartCkptConfig(base_interval=1000, policy={"stability_window": 20, "risk_smoothing": 4})
 
 
 # ---------------------------------------------------------------------- features
@@ -186,15 +186,15 @@ def test_model_file_errors(tmp_path: Path) -> None:
 
 
 def test_config_learned_model_values(tmp_path: Path) -> None:
-    assert SmartCkptConfig().learned_model is None
-    assert SmartCkptConfig(learned_model="builtin").learned_model == "builtin"
+    assert SmartCkptConfig().policy.learned_model is None
+    assert SmartCkptConfig(policy={"learned_model": "builtin"}).policy.learned_model == "builtin"
     path = constant_model(tmp_path / "m.safetensors", 0.5)
-    assert SmartCkptConfig(learned_model=Path(path)).learned_model == path
+    assert SmartCkptConfig(policy={"learned_model": Path(path)}).policy.learned_model == path
     expected = "expected 'builtin', the path of an existing .safetensors decision model, or null (rules only)."
     for value in ("model.pt", str(tmp_path / "nope.safetensors"), "", 1):
         with pytest.raises(ConfigError) as e:
-            SmartCkptConfig(learned_model=value)  # type: ignore[arg-type]
-        assert str(e.value) == f"learned_model={value!r} is invalid: {expected}"
+            SmartCkptConfig(policy={"learned_model": value})  # type: ignore[arg-type]
+        assert str(e.value) == f"policy.learned_model={value!r} is invalid: {expected}"
 
 
 # ---------------------------------------------------------------------- the shipped model
@@ -214,7 +214,7 @@ def test_builtin_model_file_is_small_safetensors_in_package_data() -> None:
 
 # ---------------------------------------------------------------------- the role
 def test_the_model_runs_once_per_step(tmp_path: Path) -> None:
-    policy = RulePolicy(CFG.replace(learned_model=constant_model(tmp_path / "m.safetensors", 0.5)))
+    policy = RulePolicy(CFG.replace(policy={"learned_model": constant_model(tmp_path / "m.safetensors", 0.5)}))
     assert policy.learned is not None
     calls = []
     original = policy.learned.model.step
@@ -229,7 +229,7 @@ def test_the_model_runs_once_per_step(tmp_path: Path) -> None:
 
 
 def test_early_capture_when_the_model_asks(tmp_path: Path) -> None:
-    cfg = CFG.replace(learned_model=constant_model(tmp_path / "m.safetensors", 0.9), capture_cooldown=5)
+    cfg = CFG.replace(policy={"learned_model": constant_model(tmp_path / "m.safetensors", 0.9), "capture_cooldown": 5})
     events = drive(RulePolicy(cfg), calm(12))
     assert [(at, when) for at, when, _ in events] == [(1, "pre"), (6, "pre"), (11, "pre")]
     for at, _, d in events:
@@ -237,12 +237,13 @@ def test_early_capture_when_the_model_asks(tmp_path: Path) -> None:
             DecisionKind.LEARNED, at - 1, True, True, True, ALL_TIERS)
         assert d.reason == "learned save_score 0.90, granularity everything"  # type: ignore[attr-defined]
     # Below the threshold (0.68): nothing but the rules.
-    assert drive(RulePolicy(CFG.replace(learned_model=constant_model(tmp_path / "n.safetensors", 0.6))), calm(12)) == []
+    model = constant_model(tmp_path / "n.safetensors", 0.6)
+    assert drive(RulePolicy(CFG.replace(policy={"learned_model": model})), calm(12)) == []
 
 
 def test_memory_granularity_saves_after_the_update_with_the_cheaper_tiers(tmp_path: Path) -> None:
-    cfg = CFG.replace(learned_model=constant_model(tmp_path / "m.safetensors", 0.9, Granularity.KEY_LAYERS_RNG),
-                      capture_cooldown=5)
+    model = constant_model(tmp_path / "m.safetensors", 0.9, Granularity.KEY_LAYERS_RNG)
+    cfg = CFG.replace(policy={"learned_model": model, "capture_cooldown": 5})
     events = drive(RulePolicy(cfg), calm(12))
     assert [(at, when) for at, when, _ in events] == [(1, "post"), (6, "post"), (11, "post")]
     assert all(d.step == at and not d.pin and d.tiers == MINIMAL_TIERS and d.kind == DecisionKind.LEARNED  # type: ignore[attr-defined]
@@ -269,7 +270,8 @@ def test_veto_removes_soft_captures_never_hard_ones(tmp_path: Path, kind: str, r
     assert rules == [(40, f"pre_update {rule}")]
     never = constant_model(tmp_path / "zero.safetensors", 0.001)
     with caplog.at_level("DEBUG", logger="hf_dynamic_ckpt.policy.rules"):
-        vetoed = [(at, d.reason) for at, _, d in drive(RulePolicy(CFG.replace(learned_model=never)), surge(kind))]  # type: ignore[attr-defined]
+        policy = RulePolicy(CFG.replace(policy={"learned_model": never}))  # type: ignore[dict-item]
+        vetoed = [(at, d.reason) for at, _, d in drive(policy, surge(kind))]
     if kind == "grad":
         assert vetoed == []
         assert f"step 40: pre-update capture ({rule}) vetoed by the learned model (save_score 0.00, granularity " \
@@ -280,9 +282,9 @@ def test_veto_removes_soft_captures_never_hard_ones(tmp_path: Path, kind: str, r
 
 def test_veto_threshold_comes_from_the_file(tmp_path: Path) -> None:
     mild = constant_model(tmp_path / "m.safetensors", 0.03, veto_threshold="0.05")
-    assert drive(RulePolicy(CFG.replace(learned_model=mild)), surge("grad")) == []
+    assert drive(RulePolicy(CFG.replace(policy={"learned_model": mild})), surge("grad")) == []
     kept = constant_model(tmp_path / "k.safetensors", 0.03, veto_threshold="0.01")
-    assert len(drive(RulePolicy(CFG.replace(learned_model=kept)), surge("grad"))) == 1
+    assert len(drive(RulePolicy(CFG.replace(policy={"learned_model": kept})), surge("grad"))) == 1
 
 
 def test_state_round_trip_continues_exactly(tmp_path: Path) -> None:
@@ -291,7 +293,7 @@ def test_state_round_trip_continues_exactly(tmp_path: Path) -> None:
          for k, v in zero_tensors().items()}
     t["score.bias"][0] = 0.5
     save_file(t, str(tmp_path / "r.safetensors"), metadata=metadata())
-    cfg = CFG.replace(learned_model=str(tmp_path / "r.safetensors"), base_interval=10)
+    cfg = CFG.replace(base_interval=10, policy={"learned_model": str(tmp_path / "r.safetensors")})
     frames = surge("grad") + calm(40, start=51, host_mem_frac=0.7)
     whole = RulePolicy(cfg)
     want = drive(whole, frames)
@@ -309,7 +311,7 @@ def test_state_round_trip_continues_exactly(tmp_path: Path) -> None:
 def test_rules_only_state_loads_into_a_policy_with_the_model(tmp_path: Path) -> None:
     rules = RulePolicy(CFG)
     drive(rules, calm(30))
-    with_model = RulePolicy(CFG.replace(learned_model=constant_model(tmp_path / "m.safetensors", 0.5)))
+    with_model = RulePolicy(CFG.replace(policy={"learned_model": constant_model(tmp_path / "m.safetensors", 0.5)}))
     with_model.load_state_dict(rules.state_dict())
     assert with_model.baselines.loss.values == rules.baselines.loss.values
     assert isinstance(with_model.learned, LearnedCheck) and with_model.learned.features.seen == 0
@@ -322,7 +324,7 @@ def test_rules_only_state_loads_into_a_policy_with_the_model(tmp_path: Path) -> 
 def test_every_rank_takes_the_same_decisions_from_the_same_frames(tmp_path: Path) -> None:
     """The model reads only the reduced frame: two ranks' policies agree on every decision and end in the
     same state (LSTM state included) even when each measured a different save cost locally."""
-    cfg = CFG.replace(learned_model="builtin", base_interval=10)
+    cfg = CFG.replace(base_interval=10, policy={"learned_model": "builtin"})
     frames = surge("grad") + calm(40, start=51, host_mem_frac=0.7)
     ranks = [RulePolicy(cfg), RulePolicy(cfg)]
     decisions: list[list[object]] = [[], []]

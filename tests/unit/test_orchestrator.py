@@ -35,8 +35,9 @@ def make(tmp_path: Path, **cfg: object) -> tuple[RunOrchestrator, Net, torch.opt
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    settings: dict[str, object] = {"base_interval": 1000, "stability_window": 8, **cfg}
-    config = SmartCkptConfig(root=str(tmp_path / "store"), **settings)  # type: ignore[arg-type]
+    policy = {"stability_window": 8, **cfg.pop("policy", {})}  # type: ignore[dict-item]
+    settings: dict[str, object] = {"base_interval": 1000, **cfg}
+    config = SmartCkptConfig(root=str(tmp_path / "store"), policy=policy, **settings)  # type: ignore[arg-type]
     ck = RunOrchestrator(config)
     ck.attach(model, optimizer=opt, scheduler=sched)
     return ck, model, opt, sched
@@ -56,7 +57,7 @@ def train_step(ck: RunOrchestrator, model: Net, opt: torch.optim.Optimizer, sche
 
 
 def test_pre_update_capture_saves_the_previous_steps_exact_state(tmp_path: Path) -> None:
-    ck, model, opt, sched = make(tmp_path, stability_window=SURGE)
+    ck, model, opt, sched = make(tmp_path, policy={"stability_window": SURGE})
     boundary = {}
     for step in range(SURGE + 1):
         scale = 1000.0 if step == SURGE else 1.0  # the last step's gradients surge
@@ -76,7 +77,7 @@ def test_pre_update_capture_saves_the_previous_steps_exact_state(tmp_path: Path)
 
 
 def test_skip_bad_update_drops_the_gradients(tmp_path: Path) -> None:
-    ck, model, opt, sched = make(tmp_path, skip_bad_update=True, stability_window=SURGE)
+    ck, model, opt, sched = make(tmp_path, policy={"skip_bad_update": True, "stability_window": SURGE})
     for step in range(SURGE):
         train_step(ck, model, opt, sched, step)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -281,7 +282,7 @@ def test_resume_never_deletes_and_retention_waits_until_the_new_timeline_passes(
         if (step + 1) % 2 == 0:
             ck.save_now(step + 1, 0.0, pin=step + 1 == 4)
     ck.close()
-    ck, model, opt, sched = make(tmp_path, keep_last=1, keep_log_spaced=False)
+    ck, model, opt, sched = make(tmp_path, keep_last=1, policy={"keep_log_spaced": False})
     _resume_into(ck, "step:2", model, opt, sched)
 
     def steps() -> dict[int, bool]:
@@ -349,7 +350,8 @@ def test_the_save_side_starts_after_the_first_step_and_after_a_background_optimi
     model2 = Net()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
-    ck2 = RunOrchestrator(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, stability_window=8))
+    ck2 = RunOrchestrator(SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000,
+                                          policy={"stability_window": 8}))
     prepared.clear()
     from hf_dynamic_ckpt.run import resume as resume_module
 

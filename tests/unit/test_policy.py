@@ -59,7 +59,7 @@ def test_base_interval_four_saves_every_four_steps() -> None:
 
 
 def test_no_saves_before_min_interval() -> None:
-    policy = RulePolicy(SmartCkptConfig(base_interval=2, min_interval=10))
+    policy = RulePolicy(SmartCkptConfig(base_interval=2, policy={"min_interval": 10}))
     # Sustained high memory drives the smoothed risk to 1: still nothing closer than min_interval.
     frames = [calm(s, device_mem_frac=0.97 if s > 30 else 0.5) for s in range(1, 101)]
     steps = saved_steps(run(policy, frames))
@@ -68,7 +68,7 @@ def test_no_saves_before_min_interval() -> None:
 
 
 def test_young_daly_base_from_measured_cost() -> None:
-    cfg = SmartCkptConfig(mtbf_hours=1.0, stability_window=50, max_interval=5000)
+    cfg = SmartCkptConfig(policy={"mtbf_hours": 1.0, "stability_window": 50, "max_interval": 5000})
     policy = RulePolicy(cfg)
     events = run(policy, [calm(s) for s in range(1, 51)])
     assert saved_steps(events) == [50]  # bootstrap: one stability window, to measure the cost
@@ -80,7 +80,7 @@ def test_young_daly_base_from_measured_cost() -> None:
 
 
 def test_interval_shrinks_with_risk_not_grows() -> None:
-    cfg = SmartCkptConfig(base_interval=100, risk_gain=4.0)
+    cfg = SmartCkptConfig(base_interval=100, policy={"risk_gain": 4.0})
     policy = RulePolicy(cfg)
     run(policy, [calm(s) for s in range(1, 30)])
     calm_interval = policy.interval()
@@ -130,13 +130,13 @@ def test_anomaly_at_step_k_captures_state_before_update(anomaly: dict[str, objec
 
 
 def test_linear_warmup_is_not_an_lr_surge() -> None:
-    policy = RulePolicy(SmartCkptConfig(base_interval=1000, max_interval=1000))
+    policy = RulePolicy(SmartCkptConfig(base_interval=1000, policy={"max_interval": 1000}))
     events = run(policy, [calm(s, lr=1e-4 * min(1.0, s / 100)) for s in range(1, 300)])
     assert events == []
 
 
 def test_skip_bad_update_is_requested_when_configured() -> None:
-    policy = RulePolicy(SmartCkptConfig(base_interval=50, skip_bad_update=True))
+    policy = RulePolicy(SmartCkptConfig(base_interval=50, policy={"skip_bad_update": True}))
     run(policy, [calm(s) for s in range(1, 40)])
     d = policy.pre_update(calm(40, grad_norm=math.inf, nonfinite=True))
     assert d.save and d.skip_update and d.pin
@@ -164,7 +164,7 @@ def test_nan_update_applied_pauses_saves_until_finite_again() -> None:
 
 def test_isolated_noise_adds_at_most_one_save_per_window() -> None:
     window = 100
-    cfg = SmartCkptConfig(base_interval=25, stability_window=window)
+    cfg = SmartCkptConfig(base_interval=25, policy={"stability_window": window})
     rng = random.Random(3)
     spikes = set()
     s = 120
@@ -183,7 +183,7 @@ def test_isolated_noise_adds_at_most_one_save_per_window() -> None:
 
 
 def test_sustained_risk_fires_once_per_episode_with_hysteresis() -> None:
-    cfg = SmartCkptConfig(base_interval=1000, max_interval=1000, capture_cooldown=1000)
+    cfg = SmartCkptConfig(base_interval=1000, policy={"max_interval": 1000, "capture_cooldown": 1000})
     policy = RulePolicy(cfg)
     frames = []
     for s in range(1, 301):
@@ -197,7 +197,8 @@ def test_sustained_risk_fires_once_per_episode_with_hysteresis() -> None:
 
 # ------------------------------------------------------------------ memory, budget, preemption
 def test_memory_ramp_saves_before_threshold_is_crossed_for_good() -> None:
-    cfg = SmartCkptConfig(base_interval=1000, max_interval=1000, memory_threshold=0.92, memory_sample_every=5)
+    cfg = SmartCkptConfig(base_interval=1000,
+                          policy={"max_interval": 1000, "memory_threshold": 0.92, "memory_sample_every": 5})
     policy = RulePolicy(cfg)
     frames = []
     for s in range(1, 301):
@@ -227,22 +228,22 @@ def drive_with_cost(cfg: SmartCkptConfig, blocking_s: float, steps: int = 400) -
 # 4, 104, 204, 304 here); one warning names an interval that would fit.
 def test_explicit_interval_is_kept_over_budget_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.policy")
-    cheap = [d.step for d in drive_with_cost(SmartCkptConfig(base_interval=4, overhead_budget=0.02), 0.001)]
+    cheap = [d.step for d in drive_with_cost(SmartCkptConfig(base_interval=4, policy={"overhead_budget": 0.02}), 0.001)]
     assert not caplog.records
-    expensive = drive_with_cost(SmartCkptConfig(base_interval=4, overhead_budget=0.02), 0.2)  # 50 % > 2 %
+    expensive = drive_with_cost(SmartCkptConfig(base_interval=4, policy={"overhead_budget": 0.02}), 0.2)  # 50 % > 2 %
     assert cheap == [d.step for d in expensive] == list(range(4, 401, 4))
     assert expensive[-1].reason == "interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"
     # One warning, once two save costs are known, with the interval that would fit the budget.
     assert [r.getMessage() for r in caplog.records] == [
         "step 9: base_interval=4: a save blocks training 0.200 s every 4 steps of 0.100 s, 50.0% of training time, "
         "above overhead_budget=2.0%. The interval you set is kept; base_interval=100 would stay within the budget "
-        "(or raise overhead_budget, or leave base_interval unset to let the library choose)."]
+        "(or raise policy.overhead_budget, or leave base_interval unset to let the library choose)."]
 
 
 def test_derived_interval_is_widened_to_the_budget_and_says_so() -> None:
     # Young/Daly with C = 0.2 s, MTBF = 3.6 s: sqrt(2 * 0.2 * 3.6) = 1.2 s = 12 steps of 0.1 s;
     # the budget needs 0.2 s / (2 % of 0.1 s) = 100 steps between saves.
-    cfg = SmartCkptConfig(mtbf_hours=0.001, stability_window=20, overhead_budget=0.02)
+    cfg = SmartCkptConfig(policy={"mtbf_hours": 0.001, "stability_window": 20, "overhead_budget": 0.02})
     saves = drive_with_cost(cfg, 0.2)
     assert [d.step for d in saves] == [20, 120, 220, 320]
     assert saves[0].reason == ("interval 20 (base 20 from stability_window until a save cost is measured, "
@@ -250,13 +251,13 @@ def test_derived_interval_is_widened_to_the_budget_and_says_so() -> None:
     assert saves[1].reason == ("interval 100 (base 12 from Young/Daly, widened by overhead_budget 2.0%, alpha 1.00, "
                                "beta 0.00)")
     # Within the budget the Young/Daly interval stands: C = 0.002 s -> sqrt(2 * 0.002 * 3600) = 3.8 s = 38 steps.
-    saves = drive_with_cost(cfg.replace(mtbf_hours=1.0), 0.002)
+    saves = drive_with_cost(cfg.replace(policy={"mtbf_hours": 1.0}), 0.002)
     assert [d.step for d in saves][:3] == [20, 58, 96]
     assert saves[1].reason == "interval 38 (base 38 from Young/Daly, alpha 1.00, beta 0.00)"
 
 
 def test_interval_reason_says_when_risk_shortened_it() -> None:
-    policy = RulePolicy(SmartCkptConfig(base_interval=20, min_interval=1))
+    policy = RulePolicy(SmartCkptConfig(base_interval=20, policy={"min_interval": 1}))
     events = run(policy, [calm(s, device_mem_frac=0.97 if s > 25 else 0.5) for s in range(1, 60)])
     reasons = [d.reason for _, _, d in events if d.kind == DecisionKind.INTERVAL]
     assert reasons[0] == "interval 20 (base 20 from base_interval, alpha 1.00, beta 0.00)"
@@ -264,7 +265,7 @@ def test_interval_reason_says_when_risk_shortened_it() -> None:
 
 
 def test_preemption_saves_everything_exactly_once() -> None:
-    policy = RulePolicy(SmartCkptConfig(base_interval=1000, max_interval=1000))
+    policy = RulePolicy(SmartCkptConfig(base_interval=1000, policy={"max_interval": 1000}))
     events = run(policy, [calm(s, preempt=s >= 33) for s in range(1, 60)])
     assert [(at, d.reason, d.tiers) for at, _, d in events] == [(33, "preemption", ALL_TIERS)]
 
@@ -280,7 +281,7 @@ def test_debug_info_has_last_ten_steps() -> None:
 
 
 def test_state_dict_round_trip_decides_the_same() -> None:
-    cfg = SmartCkptConfig(stability_window=40, mtbf_hours=0.05)
+    cfg = SmartCkptConfig(policy={"stability_window": 40, "mtbf_hours": 0.05})
     frames = []
     for s in range(1, 601):
         extra: dict[str, object] = {}
@@ -315,7 +316,7 @@ def test_state_dict_round_trip_decides_the_same() -> None:
 
 def test_each_save_and_each_suppressed_trigger_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="hf_dynamic_ckpt.policy.rules")
-    policy = RulePolicy(SmartCkptConfig(base_interval=30, capture_cooldown=50))
+    policy = RulePolicy(SmartCkptConfig(base_interval=30, policy={"capture_cooldown": 50}))
     frames = [calm(s, **({"grad_norm": 20.0} if s in (40, 45, 50) else {})) for s in range(1, 61)]
     events = run(policy, frames)
     saves = [r.getMessage() for r in caplog.records if ": save step " in r.getMessage()]
@@ -329,7 +330,7 @@ def test_each_save_and_each_suppressed_trigger_is_logged_once(caplog: pytest.Log
 
 
 def test_memory_jitter_around_a_plateau_does_not_repeat_ramp_saves() -> None:
-    cfg = SmartCkptConfig(base_interval=2000, max_interval=2000)
+    cfg = SmartCkptConfig(base_interval=2000, policy={"max_interval": 2000})
     policy = RulePolicy(cfg)
     rng = random.Random(5)
     frames = []

@@ -23,7 +23,8 @@ from hf_dynamic_ckpt.signals.frame import SignalFrame
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 CALM = sorted(TRACES.glob("calm_*.jsonl")) + sorted((TRACES / "early").glob("calm_*.jsonl"))
-SHORT = SmartCkptConfig(base_interval=10, stability_window=20, risk_smoothing=4)  # the demo's short-run settings
+SHORT = SmartCkptConfig(base_interval=10,
+                        policy={"stability_window": 20, "risk_smoothing": 4})  # the demo's short-run settings
 CONFIGS = {"short": SHORT, "defaults": SmartCkptConfig(base_interval=10)}
 # (kind, factor, anomalous steps): the reported x100 loss, the demo's x30 loss for 4 steps, a NaN
 # gradient, a learning rate x20 for 20 steps (a misconfigured schedule).
@@ -54,7 +55,8 @@ def test_early_traces_cover_both_models_full_and_lora_with_and_without_warmup() 
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
 def test_calm_runs_take_no_capture_and_every_save_is_healthy(path: Path, cfg_name: str) -> None:
     trace = load_trace(path)
-    events = replay(RulePolicy(CONFIGS[cfg_name].replace(grad_surge_ratio=surge(trace))), replay_frames(trace))
+    config = CONFIGS[cfg_name].replace(policy={"grad_surge_ratio": surge(trace)})
+    events = replay(RulePolicy(config), replay_frames(trace))
     assert [(at, d.reason) for at, d in events if d.pin or d.kind != DecisionKind.INTERVAL] == []
     assert [d.step for _, d in events if not d.healthy] == []
     assert len(events) == len(trace.rows) // 10  # the base interval, untouched by the early rules
@@ -69,7 +71,7 @@ def test_anomaly_at_each_of_steps_2_to_10_is_captured_before_its_update(path: Pa
     for cfg in CONFIGS.values():
         for onset in range(2, 11):
             trace = inject_anomaly(head, onset, kind, factor=factor, steps=steps)
-            events = replay(RulePolicy(cfg.replace(grad_surge_ratio=surge(calm))), replay_frames(trace))
+            events = replay(RulePolicy(cfg.replace(policy={"grad_surge_ratio": surge(calm)})), replay_frames(trace))
             captures = [(at, d) for at, d in events if d.kind == DecisionKind.CAPTURE]
             assert captures, (onset, kind, [d.reason for _, d in events])
             at, d = captures[0]

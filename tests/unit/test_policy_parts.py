@@ -19,7 +19,8 @@ from hf_dynamic_ckpt.signals.frame import SignalFrame
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 POLICY_DIR = Path(__file__).resolve().parents[2] / "hf_dynamic_ckpt" / "policy"
-DEMO = SmartCkptConfig(base_interval=10, stability_window=20, risk_smoothing=4, grad_surge_ratio=15.0)  # demo.py's
+DEMO = SmartCkptConfig(base_interval=10,
+                       policy={"stability_window": 20, "risk_smoothing": 4, "grad_surge_ratio": 15.0})  # demo.py's
 
 
 def eventful_frames() -> list[SignalFrame]:
@@ -44,7 +45,7 @@ def eventful_frames() -> list[SignalFrame]:
 # ------------------------------------------------------------------ agreed inputs
 def test_same_frames_same_decisions_whatever_each_rank_measures_locally() -> None:
     """Under DDP every rank feeds the same reduced frame; a rank-local save cost must change nothing."""
-    cfg = SmartCkptConfig(mtbf_hours=0.2, stability_window=20)  # derived interval: the save cost matters
+    cfg = SmartCkptConfig(policy={"mtbf_hours": 0.2, "stability_window": 20})  # derived interval: the save cost matters
     frames = eventful_frames()
     rank0, rank1 = RulePolicy(cfg), RulePolicy(cfg)
     d0, d1 = [], []
@@ -92,7 +93,7 @@ def test_saves_inside_the_demo_explosion_are_unhealthy_and_the_capture_is_the_re
 def test_a_save_while_the_training_risk_is_high_is_unhealthy(caplog: pytest.LogCaptureFixture) -> None:
     """Gradients x4.8 for a while: no capture rule fires (below 5x), but the smoothed risk rises."""
     caplog.set_level(logging.DEBUG, logger="hf_dynamic_ckpt.policy")
-    policy = RulePolicy(SmartCkptConfig(base_interval=1000, max_interval=1000))
+    policy = RulePolicy(SmartCkptConfig(base_interval=1000, policy={"max_interval": 1000}))
     frames = [calm(s, **({"grad_norm": 4.8} if 61 <= s < 76 else {})) for s in range(1, 120)]
     saves = _saves(policy, frames)
     assert [(d.step, d.kind, d.healthy) for d in saves] == [(69, DecisionKind.RISK_EDGE, False)]
@@ -101,7 +102,7 @@ def test_a_save_while_the_training_risk_is_high_is_unhealthy(caplog: pytest.LogC
 
 
 def test_memory_risk_does_not_make_a_checkpoint_unhealthy() -> None:
-    policy = RulePolicy(SmartCkptConfig(base_interval=1000, max_interval=1000))
+    policy = RulePolicy(SmartCkptConfig(base_interval=1000, policy={"max_interval": 1000}))
     saves = _saves(policy, [calm(s, device_mem_frac=0.97 if s > 30 else 0.5) for s in range(1, 60)])
     assert [(d.kind, d.healthy) for d in saves] == [(DecisionKind.RISK_EDGE, True)]
 
@@ -109,7 +110,7 @@ def test_memory_risk_does_not_make_a_checkpoint_unhealthy() -> None:
 def test_a_bad_update_that_was_skipped_leaves_a_healthy_state() -> None:
     frames = [calm(s, **({"loss": 60.0, "grad_norm": 30.0, "preempt": True} if s == 40 else {})) for s in range(1, 41)]
     for skip, healthy in ((False, False), (True, True)):
-        policy = RulePolicy(SmartCkptConfig(base_interval=100, skip_bad_update=skip))
+        policy = RulePolicy(SmartCkptConfig(base_interval=100, policy={"skip_bad_update": skip}))
         decisions = [(policy.pre_update(f), policy.decide(f)) for f in frames]
         pre, post = decisions[-1]
         assert pre.save and pre.healthy and pre.skip_update is skip
@@ -118,7 +119,7 @@ def test_a_bad_update_that_was_skipped_leaves_a_healthy_state() -> None:
 
 # ------------------------------------------------------------------ parts and state
 def test_every_part_owns_its_state_and_the_round_trip_is_exact() -> None:
-    cfg = SmartCkptConfig(stability_window=30, mtbf_hours=0.05, risk_smoothing=5)
+    cfg = SmartCkptConfig(policy={"stability_window": 30, "mtbf_hours": 0.05, "risk_smoothing": 5})
     frames = eventful_frames()
     whole = RulePolicy(cfg)
     whole_decisions = [d.to_dict() for f in frames for d in (whole.pre_update(f), whole.decide(f))]
@@ -167,7 +168,7 @@ def test_every_decision_carries_its_kind() -> None:
                 DecisionKind.PREEMPTION: "preemption"}
     frames = [*eventful_frames(), calm(601, preempt=True)]
     frames += [calm(s) for s in range(602, 640)]
-    policy = RulePolicy(SmartCkptConfig(stability_window=30, base_interval=25))
+    policy = RulePolicy(SmartCkptConfig(base_interval=25, policy={"stability_window": 30}))
     seen = set()
     for f in frames:
         for d in (policy.pre_update(f), policy.decide(f)):

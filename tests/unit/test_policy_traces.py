@@ -22,7 +22,7 @@ ANOMALY = sorted(p.name for p in TRACES.glob("anomaly_*.jsonl"))
 K = 10  # a capture must be of a state at most K steps before the onset
 BASE = 10
 # Short windows for runs of a few hundred steps (the demo's settings); the rest are defaults.
-CFG = SmartCkptConfig(base_interval=BASE, stability_window=20, risk_smoothing=4)
+CFG = SmartCkptConfig(base_interval=BASE, policy={"stability_window": 20, "risk_smoothing": 4})
 
 
 def drive(name: str, cfg: SmartCkptConfig = CFG) -> tuple[list[tuple[int, str, Decision]], list[tuple[int, str]]]:
@@ -45,7 +45,7 @@ def surges(name: str) -> list[float]:
 
 @pytest.mark.parametrize(("name", "surge"), [(n, r) for n in CALM for r in surges(n)])
 def test_calm_real_trace_has_no_pinned_capture_and_saves_at_base_interval(name: str, surge: float) -> None:
-    events, _ = drive(name, CFG.replace(grad_surge_ratio=surge))
+    events, _ = drive(name, CFG.replace(policy={"grad_surge_ratio": surge}))
     assert [(at, d.reason) for at, kind, d in events if kind == "pre" or d.pin] == []
     steps = [d.step for _, _, d in events]
     n = len(load_trace(TRACES / name).rows)
@@ -60,13 +60,13 @@ def test_calm_real_trace_has_no_pinned_capture_and_saves_at_base_interval(name: 
 
 def test_demo_false_positive_is_gone() -> None:
     """The demo's run gave 'pre_update lora_surge x24.3' in its first steps (LoRA B = 0 at start)."""
-    events, _ = drive("calm_demo_qwen2.jsonl", CFG.replace(grad_surge_ratio=15.0))
+    events, _ = drive("calm_demo_qwen2.jsonl", CFG.replace(policy={"grad_surge_ratio": 15.0}))
     assert not any("lora_surge" in d.reason for _, _, d in events)
 
 
 @pytest.mark.parametrize(("name", "surge"), [(n, r) for n in ANOMALY for r in surges(n)])
 def test_anomaly_real_trace_is_captured_before_each_onset(name: str, surge: float) -> None:
-    events, onsets = drive(name, CFG.replace(grad_surge_ratio=surge))
+    events, onsets = drive(name, CFG.replace(policy={"grad_surge_ratio": surge}))
     captures = [d for _, kind, d in events if kind == "pre"]
     assert all(d.pin and d.healthy and d.pre_update for d in captures)
     for onset, kind in onsets:
@@ -80,14 +80,14 @@ def test_anomaly_real_trace_is_captured_before_each_onset(name: str, surge: floa
 
 @pytest.mark.parametrize("name", ANOMALY)
 def test_anomaly_trace_adds_at_most_one_save_per_window(name: str) -> None:
-    events, onsets = drive(name, CFG.replace(grad_surge_ratio=surges(name)[0]))
+    events, onsets = drive(name, CFG.replace(policy={"grad_surge_ratio": surges(name)[0]}))
     calm_name = "calm_demo_qwen2.jsonl" if "demo" in name else None
     window = 20
     steps = [d.step for _, _, d in events]
     if calm_name is None:
         regular = list(range(BASE, max(steps) + 1, BASE))
     else:
-        regular = [d.step for _, _, d in drive(calm_name, CFG.replace(grad_surge_ratio=15.0))[0]]
+        regular = [d.step for _, _, d in drive(calm_name, CFG.replace(policy={"grad_surge_ratio": 15.0}))[0]]
     for start in range(0, max(steps) + 1, window):
         n = sum(start <= s < start + window for s in steps)
         n_regular = sum(start <= s < start + window for s in regular)

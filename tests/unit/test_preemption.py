@@ -36,7 +36,7 @@ def _wait(flag: PreemptionFlag) -> None:
 def test_sigterm_sets_flag_chains_previous_and_next_boundary_saves_once(previous_handlers: list[int]) -> None:
     flag = PreemptionFlag(["SIGTERM", "SIGUSR1"])
     assert flag.install() and flag.install()  # idempotent
-    policy = RulePolicy(SmartCkptConfig(base_interval=1000, max_interval=1000))
+    policy = RulePolicy(SmartCkptConfig(base_interval=1000, policy={"max_interval": 1000}))
     decisions = []
     try:
         for step in range(1, 41):

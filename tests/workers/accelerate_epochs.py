@@ -96,7 +96,8 @@ def _loop(mode: str, data: str, workers: int, persistent: bool, root: Path, *, a
     from hf_dynamic_ckpt.integrations.accelerate import SmartStateHooks
 
     accelerator, model, optimizer, loader, scheduler = _build(data, workers, persistent, adapter_seed)
-    config = SmartCkptConfig(root=str(root / store), base_interval=BATCHES, overhead_budget=1.0, keep_last=None)
+    config = SmartCkptConfig(root=str(root / store), base_interval=BATCHES, keep_last=None,
+                             policy={"overhead_budget": 1.0})
     ckpt = hooks = None
     if mode == "checkpointer":
         ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config)

@@ -67,10 +67,12 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, total_iters=args.max_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
-    config = SmartCkptConfig(base_interval=args.base_interval, overhead_budget=1.0, keep_last=100, root=args.root,
-                             on_anomaly=args.on_anomaly, rollback_skip_batches=args.rollback_skip_batches,
-                             remote_storage_options=json.loads(args.remote_options) if args.remote_options else None,
-                             remote_cache_dir=args.remote_cache_dir)
+    remote = {"storage_options": json.loads(args.remote_options) if args.remote_options else None,
+              "cache_dir": args.remote_cache_dir}
+    config = SmartCkptConfig(base_interval=args.base_interval, keep_last=100, root=args.root,
+                             on_anomaly=args.on_anomaly,
+                             policy={"overhead_budget": 1.0, "rollback_skip_batches": args.rollback_skip_batches},
+                             remote=remote)
     ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config,
                              output_dir=args.output_dir)
     if args.load_state:

@@ -80,7 +80,7 @@ def main() -> None:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
-    config = SmartCkptConfig(base_interval=args.base_interval, overhead_budget=1.0, keep_last=100)
+    config = SmartCkptConfig(base_interval=args.base_interval, keep_last=100, policy={"overhead_budget": 1.0})
     ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config,
                              output_dir=args.output_dir)
     resumed_from = None

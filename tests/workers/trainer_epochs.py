@@ -68,8 +68,8 @@ def _train(args: argparse.Namespace, out: Path, *, seed: int, resume: str | None
         gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
         save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True,
         dataloader_num_workers=args.workers, dataloader_persistent_workers=args.persistent and args.workers > 0)
-    callback = SmartCkptCallback(SmartCkptConfig(base_interval=4, stability_window=8, overhead_budget=1.0,
-                                                 keep_last=None))
+    callback = SmartCkptCallback(SmartCkptConfig(base_interval=4, keep_last=None,
+                                                 policy={"stability_window": 8, "overhead_budget": 1.0}))
     trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[callback, Stop()])
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, resume))
     resumed = callback.resumed_from.info.step if callback.resumed_from is not None else None
