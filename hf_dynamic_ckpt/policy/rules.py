@@ -24,11 +24,10 @@ from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
 from ..errors import ConfigError
 from ..jsonutil import safe_float as _j
 from ..signals.frame import SignalFrame
+from . import triggers
 from .baselines import Assessment, Baselines
 from .cadence import Cadence, Interval
-from .capture import CaptureTrigger, capture_rule
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
-from .triggers import Health, MemoryRampTrigger, PreemptionTrigger, RiskEdgeTrigger, RiskSmoother
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +92,12 @@ class RulePolicy:
 
     baselines: Baselines
     cadence: Cadence
-    smoother: RiskSmoother
-    capture: CaptureTrigger
-    preemption: PreemptionTrigger
-    edge: RiskEdgeTrigger
-    memory: MemoryRampTrigger
-    health: Health
+    smoother: triggers.RiskSmoother
+    capture: triggers.CaptureTrigger
+    preemption: triggers.PreemptionTrigger
+    edge: triggers.RiskEdgeTrigger
+    memory: triggers.MemoryRampTrigger
+    health: triggers.Health
     learned: DoubleCheck | None
     """The double-check (by default the learned model of `learned_model`); `None`: rules only."""
     history: deque[dict[str, Any]]
@@ -154,7 +153,7 @@ class RulePolicy:
         """Check the step's gradients before `optimizer.step()`: capture the pre-update state?
 
         Called when gradients are complete and the weights are still those of step
-        `frame.step - 1`. A rule of `capture.capture_rule` (non-finite values; a global or
+        `frame.step - 1`. A rule of `triggers.capture_rule` (non-finite values; a global or
         LoRA-layer grad-norm surge; a learning-rate jump; a confirmed loss spike; and, while
         the windows are short, the early rules) asks to save that state now, pinned and
         healthy. Finite triggers have a cooldown of `capture_cooldown` steps (one capture per
@@ -251,7 +250,7 @@ class RulePolicy:
         if self._judged is not None and self._judged[0] == key:
             return self._judged[1], self._judged[2]
         a = self.baselines.assess(frame)
-        rule = capture_rule(frame, a, self.baselines, self.config.policy)
+        rule = triggers.capture_rule(frame, a, self.baselines, self.config.policy)
         self._judged = (key, a, rule)
         self.last_beta = a.beta
         return a, rule
@@ -340,9 +339,9 @@ class RulePolicy:
         parts: dict[str, Any] = {
             # "levels" is the key the baselines have in every policy state saved so far (manifests on disk):
             # under another key a checkpoint saved before would not restore its statistics.
-            "levels": Baselines(c), "cadence": Cadence(c), "smoother": RiskSmoother(c.policy.risk_smoothing),
-            "capture": CaptureTrigger(), "preemption": PreemptionTrigger(), "edge": RiskEdgeTrigger(),
-            "memory": MemoryRampTrigger(), "health": Health(),
+            "levels": Baselines(c), "cadence": Cadence(c), "smoother": triggers.RiskSmoother(c.policy.risk_smoothing),
+            "capture": triggers.CaptureTrigger(), "preemption": triggers.PreemptionTrigger(),
+            "edge": triggers.RiskEdgeTrigger(), "memory": triggers.MemoryRampTrigger(), "health": triggers.Health(),
         }
         if self._new_check is not None:
             parts["learned"] = self._new_check()

@@ -14,7 +14,7 @@ from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.errors import ConfigError
 from hf_dynamic_ckpt.extras.traces import load_trace, replay_frames
 from hf_dynamic_ckpt.policy import Decision, DecisionKind, RulePolicy
-from hf_dynamic_ckpt.policy.capture import CaptureTrigger
+from hf_dynamic_ckpt.policy.triggers import CaptureTrigger
 from hf_dynamic_ckpt.signals.frame import SignalFrame
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
