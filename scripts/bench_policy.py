@@ -305,7 +305,8 @@ def onset_table(k: int) -> None:
     without the early rules; and pinned captures on the calm runs themselves (false positives)."""
     paths = sorted(TRACE_DIR.glob("calm_*.jsonl")) + sorted((TRACE_DIR / "early").glob("calm_*.jsonl"))
     calm = [load_trace(p) for p in paths]
-    configs = {"short windows": dict(stability_window=20, risk_smoothing=4), "defaults": {}}
+    configs: dict[str, dict[str, object]] = {"short windows": {"stability_window": 20, "risk_smoothing": 4},
+                                             "defaults": {}}
     print(f"\ncapture rate by onset step: {len(calm)} recorded calm runs (tests/data/traces/calm_*, early/calm_*) x "
           f"{len(configs)} settings (base_interval=10 with {', '.join(configs)}), anomaly injected at the onset; "
           f"captured = a healthy checkpoint of a step in [onset - {k}, onset - 1]; rules (pinned capture of exactly "
@@ -322,8 +323,8 @@ def onset_table(k: int) -> None:
             for trace in calm:
                 shot = inject_anomaly(trace, onset, kind, factor=factor, steps=steps)
                 for extra in configs.values():
-                    cfg = SmartCkptConfig(base_interval=10, **extra,
-                                          policy={"grad_surge_ratio": 15.0 if "demo" in trace.name else 5.0})
+                    cfg = SmartCkptConfig(base_interval=10, policy={
+                        **extra, "grad_surge_ratio": 15.0 if "demo" in trace.name else 5.0})
                     c, p = _captured(shot, onset, cfg, k)
                     saved = _without_early_rules()
                     try:
@@ -341,8 +342,8 @@ def onset_table(k: int) -> None:
     fp = []
     for trace in calm:
         for extra in configs.values():
-            policy = RulePolicy(SmartCkptConfig(base_interval=10, **extra,
-                                                policy={"grad_surge_ratio": 15.0 if "demo" in trace.name else 5.0}))
+            policy = RulePolicy(SmartCkptConfig(base_interval=10, policy={
+                **extra, "grad_surge_ratio": 15.0 if "demo" in trace.name else 5.0}))
             for f in replay_frames(trace):
                 fp += [(trace.name, d.step) for d in (policy.pre_update(f), policy.decide(f)) if d.save and d.pin]
     print(f"pinned captures on the {len(calm)} calm runs themselves ({len(configs)} settings each): "

@@ -932,7 +932,7 @@ def main() -> int:
                    help="ours saves every this many steps in the preparation run (default: --prep-steps)")
     p.add_argument("--parts", default="trio,resume", help="comma list of trio, resume")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--memory-margin", type=float, default=None, help="SmartCkptConfig.memory_margin (default: its)")
+    p.add_argument("--memory-margin", type=float, default=None, help="runtime.memory_margin (default: its)")
     p.add_argument("--mem-interval", type=float, default=0.2, help="seconds between memory samples")
     p.add_argument("--cold", action="store_true", help="drop the checkpoints' cached pages before each resume")
     p.add_argument("--no-fresh", action="store_true", help="leave out the fresh start (the 'over fresh' column)")

@@ -109,7 +109,7 @@ class SmartStateHooks:
         self._owns_run = run is None
         if run is None:
             # The hooks only save when asked: no preemption handlers (nobody would act on them).
-            run = make_orchestrator(config.replace(preemption_signals=()), accelerator,
+            run = make_orchestrator(config.replace(runtime={"preemption_signals": ()}), accelerator,
                                     store_root(config, accelerator, output_dir))
             attach_state(run, state, boundary=False)
         self.run = run

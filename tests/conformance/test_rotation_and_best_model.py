@@ -109,7 +109,7 @@ def test_save_total_limit_and_store_retention_do_not_cross(tmp_path: Path) -> No
     # The store's retention keeps 2; Trainer keeps every checkpoint of its own.
     out = tmp_path / "store_rotates"
     trainer = regression_trainer("native", out, **kwargs, callbacks=[
-        SmartCkptCallback(smart_config(store_root(out), 5, keep_last=2, keep_log_spaced=False))])
+        SmartCkptCallback(smart_config(store_root(out), 5, keep_last=2, policy={"keep_log_spaced": False}))])
     trainer.train()
     assert native_steps(out) == [5, 10, 15, 20, 25]
     assert all((out / f"checkpoint-{s}" / "model.safetensors").is_file() for s in native_steps(out))
