@@ -8,8 +8,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hf_dynamic_ckpt import kernelfiles
-from hf_dynamic_ckpt.kernelfiles import kept, meminfo, read_kernel_file
+from hf_dynamic_ckpt import sysmem as kernelfiles  # the kernel-file reader lives in sysmem
+from hf_dynamic_ckpt.sysmem import kept, meminfo, read_kernel_file
 
 MiB = 1 << 20
 
