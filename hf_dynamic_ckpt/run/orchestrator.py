@@ -41,7 +41,7 @@ from ..policy.decision import Decision, DecisionKind
 from ..policy.rules import RulePolicy
 from ..policy.triggers import RollbackRule, RollbackVerdict, Verdict
 from ..signals.frame import SignalFrame
-from ..signals.probes import PreemptionFlag
+from ..signals.preemption import PreemptionFlag
 from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights, trainable_state_dict
 from ..state.flat import FlatKeeper
 from ..state.shards import ShardedState

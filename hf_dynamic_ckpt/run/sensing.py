@@ -16,7 +16,9 @@ from torch import nn
 from .. import distributed as dist
 from ..config import SmartCkptConfig
 from ..signals.frame import SignalFrame
-from ..signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe, PreemptionFlag
+from ..signals.memory import MemoryProbe
+from ..signals.preemption import PreemptionFlag
+from ..signals.probes import ClipNormRecorder, GradProbe, LossProbe
 
 
 class Sensors:

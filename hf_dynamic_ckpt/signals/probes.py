@@ -1,7 +1,6 @@
 """Probes that measure one training step cheaply: loss and gradient norms.
 
-Memory (`memory.py`) and preemption (`preemption.py`) have their own modules; both names
-stay importable from here.
+Memory (`memory.py`) and preemption (`preemption.py`) have their own modules.
 
 Each probe does one job and never synchronises the device more than once per step:
 the loss stays a tensor until the decision needs it, gradient norms come from one
@@ -19,11 +18,9 @@ import torch
 from torch import nn
 
 from .dtensor_norms import full_scalar, is_dtensor, local_part
-from .memory import MemoryProbe
-from .preemption import PreemptionFlag
 from .stats import LayerBaselines
 
-__all__ = ["ClipNormRecorder", "GradProbe", "LossProbe", "MemoryProbe", "PreemptionFlag", "find_lora_layers"]
+__all__ = ["ClipNormRecorder", "GradProbe", "LossProbe", "find_lora_layers"]
 
 logger = logging.getLogger(__name__)
 
