@@ -1,6 +1,6 @@
 """Save engine: snapshot (the only blocking part) + background writer + memory-aware staging."""
 
 from ..state.sources import CachedWeights, StateSources
-from .writer import OnBusy, SaveEngine, SaveHandle
+from .engine import OnBusy, SaveEngine, SaveHandle
 
 __all__ = ["CachedWeights", "OnBusy", "SaveEngine", "SaveHandle", "StateSources"]

@@ -182,7 +182,7 @@ def test_on_busy_skip_logs_and_wait_serialises(store, caplog):
     engine = SaveEngine(store, on_busy="skip")
     first = engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="interval"))
     assert gated.entered.wait(30)
-    caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.engine.writer")
+    caplog.set_level(logging.INFO, logger="hf_dynamic_ckpt.engine.engine")
     skipped = engine.save(_sources(model, opt), SaveRequest(step=2, tiers={Tier.WEIGHTS}, reason="risk"))
     assert skipped.done() and skipped.wait() is None
     assert skipped.skipped == "save of step 2 (risk) skipped: step 1 is still writing (on_busy='skip')"
@@ -224,7 +224,7 @@ def test_streaming_when_the_snapshot_does_not_fit(store, caplog):
     model, opt, _ = _model()
     tight = Headroom(total_bytes=100 << 20, available_bytes=10 << 20, source="cgroup")
     engine = SaveEngine(store, headroom=lambda: tight)
-    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.engine")
     expected = _clone(model.state_dict())
     handle = engine.save(_sources(model, opt),
                          SaveRequest(step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval"))
@@ -275,7 +275,7 @@ def test_frozen_weights_are_stored_once(store):
 def test_emergency_save_drops_optimizer_when_out_of_time(store, caplog):
     model, opt, sched = _model()
     engine = SaveEngine(store)
-    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.engine")
     info = engine.emergency_save(_sources(model, opt, sched),
                                  SaveRequest(step=5, epoch=1.0, reason="SIGTERM"), deadline_s=1e-9, rng=RNG)
     assert info.tiers == frozenset({Tier.WEIGHTS, Tier.STATE}) and info.reason == "emergency: SIGTERM"
@@ -357,7 +357,7 @@ def test_process_mode_falls_back_to_thread_when_dev_shm_is_too_small(store, capl
     model, opt, _ = _model()
     engine = SaveEngine(store, mode="process")
     engine._dispatch.shm_free = lambda: 1024  # Docker's default /dev/shm is 64 MiB; here: 1 KiB
-    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.engine")
     info = engine.save(_sources(model, opt),
                        SaveRequest(step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="a")).wait(60)
     assert info.step == 1 and engine.mode == "thread"
@@ -447,7 +447,7 @@ def test_writer_process_that_dies_before_it_is_ready_switches_to_the_thread_writ
     pid = proc.pid
     proc.kill()  # e.g. killed by the OOM killer while importing torch
     proc.join(60)
-    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.writer")
+    caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine.engine")
     handle = engine.save(_sources(model, opt), SaveRequest(step=1, tiers=ALL_TIERS, reason="a"))
     assert handle.wait(60).step == 1 and handle.writer == "thread" and engine.mode == "thread"
     assert f"the writer process {pid} exited before it was ready; writing on a thread instead" in caplog.text
