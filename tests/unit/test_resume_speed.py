@@ -21,8 +21,7 @@ from test_orchestrator import Net, make, train_step
 from hf_dynamic_ckpt import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
-from hf_dynamic_ckpt.engine.buffers import Layout
-from hf_dynamic_ckpt.engine.shm import new_shared_storage
+from hf_dynamic_ckpt.engine.buffers import Layout, new_shared_storage
 from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
