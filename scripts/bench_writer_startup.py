@@ -25,7 +25,7 @@ import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.engine import SaveEngine
-from hf_dynamic_ckpt.engine.process import ProcessWriter
+from hf_dynamic_ckpt.engine.writer import ProcessWriter
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest

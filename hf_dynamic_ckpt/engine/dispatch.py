@@ -23,9 +23,9 @@ from typing import Any
 from ..config import EngineMode
 from ..store.spec import StoreSpec
 from ..store.tensorpack import usable_cpus
-from .backends import ThreadWriter, Writer
 from .buffers import BufferPool
 from .jobs import SaveHandle, StoreSave
+from .writer import ProcessWriter, ThreadWriter, Writer
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,6 @@ class Dispatcher:
         with self._lock:
             if self.writer is None:
                 if self.mode == EngineMode.PROCESS:
-                    from .process import ProcessWriter
-
                     self.writer = ProcessWriter(self._spec(), self._store_cls, self._pool, nice=self._nice)
                 else:
                     self.writer = ThreadWriter(self._save, name=f"hf-dynamic-ckpt-writer-{self._name}", nice=self._nice)

@@ -1,7 +1,7 @@
 """SaveEngine: snapshot on the training thread, write in the background.
 
 `SaveEngine.save` blocks only for the snapshot (`snapshot.py`); the serialisation, L1 compression, checksums,
-fsyncs and the commit run in the store's `save` on a writer (`backends.Writer`), both running `jobs.run_job`: a
+fsyncs and the commit run in the store's `save` on a writer (`writer.Writer`), both running `jobs.run_job`: a
 thread (`EngineMode.THREAD`, this class's default) or a process reading shared-memory buffers (`EngineMode.PROCESS`,
 `SmartCkptConfig.engine`'s default: `docs/engine.md` has the measurements; `dispatch.py` how a save never waits
 for the writer process to start).

@@ -1,8 +1,8 @@
 """One save as a unit of work: `Job`, the caller's `SaveHandle`, and `run_job`.
 
 `run_job` is the only code that turns a snapshot into a committed checkpoint and settles
-the handle; every writer (the caller's thread, `backends.ThreadWriter`, the IPC thread of
-`process.ProcessWriter`) runs jobs through it and differs only in the `StoreSave` it passes
+the handle; every writer (the caller's thread, `writer.ThreadWriter`, the IPC thread of
+`writer.ProcessWriter`) runs jobs through it and differs only in the `StoreSave` it passes
 (the store itself, or a proxy to the store in the writer process). `run_job` never calls
 back into the engine: what the engine learns from a finished job (restore point, write
 throughput, stored blobs) it reads from the job afterwards, on the training thread.

@@ -31,11 +31,11 @@ import torch
 
 from ..constants import Tier
 from ..state.sources import StateSources
-from .backends import set_priority, writer_priority
 from .buffers import ItemSpec, Layout, spec_bytes
 from .live import LiveState, available_tiers, tensors_in
 from .plans import Blueprint
 from .snapshot import FROZEN_PREFIX, Snapshotter
+from .writer import set_priority, writer_priority
 
 logger = logging.getLogger(__name__)
 

@@ -379,7 +379,7 @@ def test_tied_embeddings_are_stored_once_through_the_engine(store):
 
 
 def test_process_mode_never_waits_for_the_writer_process_to_start(store, monkeypatch):
-    from hf_dynamic_ckpt.engine.process import ProcessWriter
+    from hf_dynamic_ckpt.engine.writer import ProcessWriter
 
     # The test decides when the (really spawned) process counts as ready.
     gate = threading.Event()
@@ -410,7 +410,7 @@ def test_process_mode_never_waits_for_the_writer_process_to_start(store, monkeyp
 
 
 def test_process_writer_still_starting_is_stopped_at_close(store, monkeypatch):
-    from hf_dynamic_ckpt.engine.process import ProcessWriter
+    from hf_dynamic_ckpt.engine.writer import ProcessWriter
 
     monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: False))  # never comes up
     engine = SaveEngine(store, mode="process")
@@ -438,7 +438,7 @@ def test_writer_process_starts_at_lower_priority(store):
 
 
 def test_writer_process_that_dies_before_it_is_ready_switches_to_the_thread_writer(store, monkeypatch, caplog):
-    from hf_dynamic_ckpt.engine.process import ProcessWriter
+    from hf_dynamic_ckpt.engine.writer import ProcessWriter
 
     monkeypatch.setattr(ProcessWriter, "ready", property(lambda self: False))
     model, opt, _ = _model()

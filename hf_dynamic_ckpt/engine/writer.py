@@ -1,9 +1,15 @@
-"""Writer process for `EngineMode.PROCESS`: the store runs outside the training interpreter.
+"""The background writers: what writes a snapshot to the store beside training, a thread or a process.
 
-The snapshot buffers live in shared memory (`BufferPool(shared=True)`), are sent to the
-writer process once per (re)allocation and then referred to by name, so a save ships
-only a small message. The child opens its own store (a SQLite connection must not cross
-processes) from the parent store's `StoreSpec`, unchanged, with `cleanup=False`. A
+A writer accepts at most one job at a time from `SaveEngine` (the engine waits for the
+previous save before it submits the next) and runs it with `jobs.run_job`. `ThreadWriter`
+runs it on a persistent thread (`EngineMode.THREAD`); `ProcessWriter` (`EngineMode.PROCESS`)
+runs it against a store opened in a separate process. Both lower their priority with
+`writer_priority`/`set_priority`, the one copy of that code.
+
+The writer process: the snapshot buffers live in shared memory (`BufferPool(shared=True)`),
+are sent to the writer process once per (re)allocation and then referred to by name, so a
+save ships only a small message. The child opens its own store (a SQLite connection must not
+cross processes) from the parent store's `StoreSpec`, unchanged, with `cleanup=False`. A
 parent-side `ThreadWriter` runs each job with `run_job` against `ProcessWriter._remote_save`,
 which sends the state and the `SaveRequest` and waits for the reply; it only blocks on a
 pipe, so it takes no CPU from training. `SaveEngine.abort` reaches the child's store
@@ -18,22 +24,98 @@ import functools
 import logging
 import math
 import multiprocessing as mp
+import os
+import queue
 import sys
+import threading
 import time
 import traceback
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..store.spec import SaveRequest, StoreSpec
 from ..store.types import CheckpointInfo, CheckpointState
-from .backends import ThreadWriter, set_priority, writer_priority
 from .buffers import BufferPool
-from .jobs import Job
+from .jobs import Job, StoreSave, run_job
 
 logger = logging.getLogger(__name__)
+
+
+class Writer(Protocol):
+    """A background writer of save jobs."""
+
+    label: str
+    """What `SaveHandle.writer` reports for jobs it writes (`"thread"`, `"process"`)."""
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`; returns at once. `run_job` settles the job's handle."""
+
+    def stop(self) -> None:
+        """Finish the queued job, then release the writer. Idempotent."""
+
+
+def writer_priority(nice: int) -> int | None:
+    """The nice value `nice` steps below the calling thread's (capped at 19); `None` if unchanged."""
+    if nice <= 0 or not hasattr(os, "getpriority"):
+        return None
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except OSError:
+        return None
+
+
+def set_priority(pid: int, target: int | None) -> None:
+    """Raise the nice value of `pid` to `target` (best effort; never lowers it).
+
+    `pid=0` is the calling thread (Linux: `setpriority(PRIO_PROCESS, 0)` acts on one thread);
+    threads it starts later (zstd workers) inherit the value. Needs no privilege.
+    """
+    if target is None:
+        return
+    try:
+        if os.getpriority(os.PRIO_PROCESS, pid) < target:
+            os.setpriority(os.PRIO_PROCESS, pid, target)
+    except OSError as e:
+        logger.debug("could not lower the writer's priority: %s", e)
+
+
+class ThreadWriter:
+    """One persistent writer thread fed through a one-slot queue.
+
+    Args:
+        save (`StoreSave`): writes a job's state (e.g. `CheckpointStore.save`).
+        name (`str`): the thread's name.
+        nice (`int`, *optional*, defaults to `0`): nice increment of the thread.
+        label (`str`, *optional*, defaults to `"thread"`): `Writer.label`.
+    """
+
+    def __init__(self, save: StoreSave, name: str, *, nice: int = 0, label: str = "thread") -> None:
+        self.label = label
+        self._save = save
+        self._priority = writer_priority(nice)  # relative to the creating (training) thread
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        set_priority(0, self._priority)
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            run_job(job, self._save)
+
+    def submit(self, job: Job) -> None:
+        self._queue.put(job)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)  # after any queued job: flushes first
+            self._thread.join()
+
 
 _STOP_TIMEOUT_S = 60.0
 _ABORT_POLL_S = 0.05
