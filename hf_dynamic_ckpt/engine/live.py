@@ -1,14 +1,20 @@
 """What the sources hold right now (`LiveState`), and walks over nested state dicts.
 
 `Snapshotter.collect` builds a `LiveState` from `StateSources` without copying any large
-tensor; `Snapshotter.take` copies (or refers to) what it lists.
+tensor; `Snapshotter.take` copies (or refers to) what it lists. The walks come in pairs: one
+lists the tensors of a state dict (`tensors_in`, `optimizer_tensors`), its inverse rebuilds
+the state dict around copies of them (`substitute`, `substitute_optimizer`), in the same order.
+
+Per-tensor Python work is what a LoRA snapshot pays beyond the copy, so the per-save walks
+here avoid Python loops where the state has the usual shape (`optimizer_tensors`,
+`substitute_optimizer`: a `torch.optim` state dict whose per-parameter entries are flat).
 """
 
 from __future__ import annotations
 
 import copy as _copy
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +113,65 @@ def optimizer_tensors(sd: Any) -> list[torch.Tensor]:
             elif kind not in SCALARS:
                 return tensors_in(sd, [])
     return tensors_in(sd["param_groups"], out)
+
+
+def substitute(obj: Any, replacements: Iterator[torch.Tensor]) -> Any:
+    """A copy of a nested state dict whose tensors are taken from `replacements`, in walk order.
+
+    Containers are rebuilt (dict, list; a tuple only if it holds more than scalars), immutable
+    scalars shared, anything else deep-copied, so later changes to the live state dict cannot
+    reach the snapshot. Runs on every save over every optimizer state tensor: leaves are
+    told apart by exact type first (no call, no ABC check per scalar).
+    """
+    kind = type(obj)
+    if kind in SCALARS:
+        return obj
+    if kind is torch.Tensor or isinstance(obj, torch.Tensor):
+        return next(replacements)
+    if kind is dict or isinstance(obj, Mapping):
+        out: dict[Any, Any] = {}
+        for k, v in obj.items():
+            t = type(v)
+            if t in SCALARS:
+                out[k] = v
+            elif t is torch.Tensor:
+                out[k] = next(replacements)
+            else:
+                out[k] = substitute(v, replacements)
+        return out
+    if kind is list or kind is tuple or isinstance(obj, list | tuple):
+        if all(type(v) in SCALARS for v in obj):
+            return obj if kind is tuple else list(obj)
+        items = [substitute(v, replacements) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return _copy.deepcopy(obj)
+
+
+def substitute_optimizer(sd: Any, replacements: Sequence[torch.Tensor]) -> Any:
+    """`substitute(sd, iter(replacements))` for an optimizer state dict, without the generic walk when it can.
+
+    Same result: the per-parameter entries of the copy are new dicts, their scalars shared
+    (immutable); `param_groups` goes through `substitute`. Layouts `optimizer_tensors` does
+    not walk flat go through `substitute` as a whole.
+    """
+    if not usual_optimizer_layout(sd):
+        return substitute(sd, iter(replacements))
+    it = iter(replacements)
+    tensor = torch.Tensor
+    out: dict[Any, Any] = {}
+    for pid, entry in sd["state"].items():
+        if type(entry) is not dict:
+            return substitute(sd, iter(replacements))
+        copied = out[pid] = {}
+        for k, v in entry.items():
+            kind = type(v)
+            if kind is tensor:
+                copied[k] = next(it)
+            elif kind in SCALARS:
+                copied[k] = v
+            else:
+                return substitute(sd, iter(replacements))
+    return {"state": out, "param_groups": substitute(sd["param_groups"], it)}
 
 
 def state_dict_tensor_bytes(obj: Any) -> int:

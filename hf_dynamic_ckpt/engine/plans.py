@@ -10,24 +10,19 @@ memory with the same shapes, compared list against list in C, ~0.1 us per tensor
 each dtype group with one `torch.cat(flat sources, out=region)`; or, when the group's
 sources are consecutive views that exactly tile a span of one storage (a consolidated model,
 `state.flat`, or any flat parameter buffer), with one copy of that span (`tiled_span`).
-
-Per-tensor Python work is what a LoRA snapshot pays beyond the copy, so the per-save walks
-here avoid Python loops where the state has the usual shape (`optimizer_tensors`,
-`substitute_optimizer`: a `torch.optim` state dict whose per-parameter entries are flat).
 """
 
 from __future__ import annotations
 
-import copy as _copy
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .buffers import CudaCopier, ItemSpec, Layout
-from .live import SCALARS, storage_key, usual_optimizer_layout
+from .live import storage_key
 
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
@@ -207,63 +202,3 @@ class Plan:
     def outputs(self) -> list[torch.Tensor]:
         """The buffer of each source, in source order (tied sources share one)."""
         return self._outputs
-
-
-def substitute(obj: Any, replacements: Iterator[torch.Tensor]) -> Any:
-    """A copy of a nested state dict whose tensors are taken from `replacements`, in walk order.
-
-    Containers are rebuilt (dict, list; a tuple only if it holds more than scalars), immutable
-    scalars shared, anything else deep-copied, so later changes to the live state dict cannot
-    reach the snapshot. Runs on every save over every optimizer state tensor: leaves are
-    told apart by exact type first (no call, no ABC check per scalar).
-    """
-    kind = type(obj)
-    if kind in SCALARS:
-        return obj
-    if kind is torch.Tensor or isinstance(obj, torch.Tensor):
-        return next(replacements)
-    if kind is dict or isinstance(obj, Mapping):
-        out: dict[Any, Any] = {}
-        for k, v in obj.items():
-            t = type(v)
-            if t in SCALARS:
-                out[k] = v
-            elif t is torch.Tensor:
-                out[k] = next(replacements)
-            else:
-                out[k] = substitute(v, replacements)
-        return out
-    if kind is list or kind is tuple or isinstance(obj, list | tuple):
-        if all(type(v) in SCALARS for v in obj):
-            return obj if kind is tuple else list(obj)
-        items = [substitute(v, replacements) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    return _copy.deepcopy(obj)
-
-
-
-def substitute_optimizer(sd: Any, replacements: Sequence[torch.Tensor]) -> Any:
-    """`substitute(sd, iter(replacements))` for an optimizer state dict, without the generic walk when it can.
-
-    Same result: the per-parameter entries of the copy are new dicts, their scalars shared
-    (immutable); `param_groups` goes through `substitute`. Layouts `optimizer_tensors` does
-    not walk flat go through `substitute` as a whole.
-    """
-    if not usual_optimizer_layout(sd):
-        return substitute(sd, iter(replacements))
-    it = iter(replacements)
-    tensor = torch.Tensor
-    out: dict[Any, Any] = {}
-    for pid, entry in sd["state"].items():
-        if type(entry) is not dict:
-            return substitute(sd, iter(replacements))
-        copied = out[pid] = {}
-        for k, v in entry.items():
-            kind = type(v)
-            if kind is tensor:
-                copied[k] = next(it)
-            elif kind in SCALARS:
-                copied[k] = v
-            else:
-                return substitute(sd, iter(replacements))
-    return {"state": out, "param_groups": substitute(sd["param_groups"], it)}

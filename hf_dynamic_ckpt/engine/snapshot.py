@@ -42,11 +42,13 @@ from .live import (
     clone_small,
     nbytes,
     state_dict_tensor_bytes,
+    substitute,
+    substitute_optimizer,
     tensor_key,
     tensors_in,
     walk_tensors,
 )
-from .plans import Blueprint, Plan, make_blueprint, substitute, substitute_optimizer
+from .plans import Blueprint, Plan, make_blueprint
 
 _TENSOR = frozenset({torch.Tensor})
 _grad = operator.attrgetter("requires_grad")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.engine.live import optimizer_tensors, tensors_in, walk_tensors
-from hf_dynamic_ckpt.engine.plans import make_blueprint, substitute, substitute_optimizer
+from hf_dynamic_ckpt.engine.live import optimizer_tensors, substitute, substitute_optimizer, tensors_in, walk_tensors
+from hf_dynamic_ckpt.engine.plans import make_blueprint
 from hf_dynamic_ckpt.engine.snapshot import Snapshotter
 from hf_dynamic_ckpt.state import StateSources
 

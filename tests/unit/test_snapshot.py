@@ -327,8 +327,7 @@ def test_plan_follows_replaced_tensors_and_reuses_fresh_state_dict_objects():
 def test_state_dict_walks_agree_and_the_copy_shares_no_mutable_container():
     from types import MappingProxyType
 
-    from hf_dynamic_ckpt.engine.live import tensors_in, walk_tensors
-    from hf_dynamic_ckpt.engine.plans import substitute
+    from hf_dynamic_ckpt.engine.live import substitute, tensors_in, walk_tensors
 
     t = [torch.tensor(float(i)) for i in range(6)]
     obj = {
