@@ -23,7 +23,7 @@ from typing import Any
 from ..config import EngineMode
 from ..store.spec import StoreSpec
 from ..store.tensorpack import usable_cpus
-from .buffers import BufferPool
+from .buffers import SHM_DIR, BufferPool
 from .jobs import SaveHandle, StoreSave
 from .writer import ProcessWriter, ThreadWriter, Writer
 
@@ -83,7 +83,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self.writer: Any = None
         self.startup_writer: ThreadWriter | None = None  # process mode, until the process is ready
-        self.shm_dir = "/dev/shm"
+        self.shm_dir = SHM_DIR  # where the shared buffers are allocated
 
     def ensure(self) -> Any:
         """The main writer of the current mode, started if needed (a writer process: in the background)."""

@@ -113,7 +113,8 @@ class SaveEngine:
         self.memory_margin = memory_margin
         self.writer_nice = int(writer_nice)
         self._stager = Stager(memory_margin, headroom if headroom is not None else default_headroom(cgroup_dir))
-        mode = self._stager.writer_mode(mode)  # under a tight memory limit: no second interpreter
+        if mode == EngineMode.PROCESS and not self._stager.writer_process_fits():
+            mode = EngineMode.THREAD  # under a tight memory limit: no second interpreter
         self._snapshotter = self._new_snapshotter(shared=mode == EngineMode.PROCESS)
         self._dispatch = Dispatcher(mode, self._store_save, spec=lambda: beside_training(store.spec),
                                     store_cls=type(store), pool=self._snapshotter.pool, nice=self.writer_nice,

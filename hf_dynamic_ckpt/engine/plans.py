@@ -182,10 +182,6 @@ class Plan:
                     self.singles[0].append(self.views[j])
                     self.singles[1].append(s)
 
-    @property
-    def nbytes(self) -> int:
-        return self.blueprint.nbytes
-
     def run(self, cuda: CudaCopier | None) -> None:
         """Issue this scope's copies (CUDA ones are only queued on `cuda`)."""
         for region, span in self.spans:

@@ -258,7 +258,7 @@ class Snapshotter:
         copied = live_bytes = 0
         for plan in plans.values():
             plan.run(cuda)
-            copied += plan.nbytes
+            copied += plan.blueprint.nbytes
         weights: dict[str, torch.Tensor | BlobRef] | None = None
         if live.weights is not None and live.plain:
             weights = dict(zip(live.weights, plans[WEIGHTS_PREFIX].outputs()))

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineMode
 from ..sysmem import (
     cgroup_levels,
     find_memory_cgroup,
@@ -212,10 +211,6 @@ class Stager:
         level = logging.DEBUG if self.streamed else logging.WARNING
         logger.log(level, "save of step %d streams synchronously: %s", step, plan.reason)
         self.streamed = True
-
-    def writer_mode(self, mode: EngineMode) -> EngineMode:
-        """`mode`, except a writer process becomes a thread when `writer_process_fits` says no."""
-        return EngineMode.THREAD if mode == EngineMode.PROCESS and not self.writer_process_fits() else mode
 
     def limited(self) -> Headroom | None:
         """The headroom when a cgroup limit binds (a training step's peak is then worth waiting for), else `None`."""
