@@ -1,7 +1,7 @@
 """Version-2 L1 containers, written by hand: development builds of 0.2.0 wrote them; the library refuses them.
 
 A version-2 zstd frame is one zstd frame (content size + checksum) of the frame's raw bytes: its
-pieces, byte-grouped where the header says so (the layout in `tensorpack_format`'s docstring). The
+pieces, byte-grouped where the header says so (the layout in `tensorpack`'s docstring). The
 header, frame plan, index and footer are those of version 3.
 """
 
@@ -19,7 +19,7 @@ import zstandard
 
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.store.hashing import make_file_entry
-from hf_dynamic_ckpt.store.tensorpack_format import (
+from hf_dynamic_ckpt.store.tensorpack import (
     ALIGN,
     CRC,
     DTYPES,

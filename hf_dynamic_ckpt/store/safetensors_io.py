@@ -35,7 +35,7 @@ import torch
 from ..errors import CorruptCheckpointError, SaveError
 from ..jsonutil import loads_bounded
 from .fs import create, open_read, read_exact
-from .paced_writer import HashingWriter
+from .tensorpack import HashingWriter
 
 # torch dtype -> (safetensors code, position in safetensors' dtype order). safetensors sorts
 # tensors by descending dtype order, then by name; the order was read off safetensors 0.8

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, SaveError
-from .tensorpack_format import DTYPES as _DTYPES
-from .tensorpack_format import NAMES as _NAMES
+from .tensorpack import DTYPES as _DTYPES
+from .tensorpack import NAMES as _NAMES
 
 _T_TENSOR = "__tensor__"
 _T_NDARRAY = "__ndarray__"

@@ -1,4 +1,4 @@
-"""File checksums (`hashing`), the checksumming writer (`paced_writer`), fsync helpers (`fs`)."""
+"""File checksums (`hashing`), the checksumming writer (`tensorpack.HashingWriter`), fsync helpers (`fs`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hf_dynamic_ckpt.store.hashing import (
     make_file_entry,
     new_hasher,
 )
-from hf_dynamic_ckpt.store.paced_writer import HashingWriter
+from hf_dynamic_ckpt.store.tensorpack import HashingWriter
 
 
 def test_file_checksum_matches_reference_implementations(tmp_path: Path) -> None:
@@ -76,19 +76,19 @@ def test_new_hasher_names_and_unknown_algorithm() -> None:
 
 
 def test_hashing_writer_starts_writeback_of_each_full_stretch(tmp_path, monkeypatch):
-    import hf_dynamic_ckpt.store.paced_writer as paced_writer
+    import hf_dynamic_ckpt.store.tensorpack as tensorpack
 
     calls = []
-    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(tensorpack, "WRITEBACK_BYTES", 1000)
     def fake(fd, off, n):
         calls.append((off, n))
         assert os.fstat(fd).st_size >= off + n  # flushed: the kernel can only write back what it has
         return True
 
-    monkeypatch.setattr(paced_writer, "start_writeback", fake)
+    monkeypatch.setattr(tensorpack, "start_writeback", fake)
     path = tmp_path / "f.bin"
     with open(path, "wb") as raw:
-        f = paced_writer.HashingWriter(raw)
+        f = tensorpack.HashingWriter(raw)
         for size in (600, 600, 300, 2500, 10):
             f.write(b"x" * size)
         fsync_file(f)
@@ -101,17 +101,17 @@ def test_hashing_writer_starts_writeback_of_each_full_stretch(tmp_path, monkeypa
 def test_hashing_writer_stops_asking_when_writeback_is_unsupported(monkeypatch):
     import io
 
-    import hf_dynamic_ckpt.store.paced_writer as paced_writer
+    import hf_dynamic_ckpt.store.tensorpack as tensorpack
 
-    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 10)
-    f = paced_writer.HashingWriter(io.BytesIO())  # no file descriptor
+    monkeypatch.setattr(tensorpack, "WRITEBACK_BYTES", 10)
+    f = tensorpack.HashingWriter(io.BytesIO())  # no file descriptor
     f.write(b"y" * 50)
     f.write(b"y" * 50)
     assert f.size == 100
     calls = []
-    monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: calls.append(n) or False)
+    monkeypatch.setattr(tensorpack, "start_writeback", lambda fd, off, n: calls.append(n) or False)
     g_raw = io.BufferedWriter(io.FileIO("/dev/null", "wb"))
-    g = paced_writer.HashingWriter(g_raw)
+    g = tensorpack.HashingWriter(g_raw)
     g.write(b"z" * 20)
     g.write(b"z" * 20)
     assert calls == [20]  # refused once: never asked again
@@ -120,7 +120,7 @@ def test_hashing_writer_stops_asking_when_writeback_is_unsupported(monkeypatch):
 def test_start_writeback_on_a_real_file(tmp_path):
     import sys
 
-    from hf_dynamic_ckpt.store.paced_writer import start_writeback
+    from hf_dynamic_ckpt.store.tensorpack import start_writeback
 
     path = tmp_path / "g.bin"
     with open(path, "wb") as f:

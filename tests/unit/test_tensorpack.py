@@ -14,19 +14,25 @@ import pytest
 import torch
 from helpers import save_state
 
-import hf_dynamic_ckpt.store.tensorpack_format as tpf
+import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
 from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.statetree import flatten_state, unflatten_state
-from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, resolve_threads, write_tensor_file
-from hf_dynamic_ckpt.store.tensorpack_format import group, ungroup_into
+from hf_dynamic_ckpt.store.tensorpack import (
+    group,
+    read_header,
+    read_tensor_file,
+    resolve_threads,
+    ungroup_into,
+    write_tensor_file,
+)
 
 
 def _plan(entries: list[dict[str, Any]], group_chunk_elems: int, frame_bytes: int) -> list[list[tuple[int, int, int]]]:
     """Every frame's pieces, listed (the writer and reader only walk `frames`)."""
-    return [[p for run in frame for p in tpf.pieces(run, tpf.step_of(entries[run[0]], group_chunk_elems))]
-            for frame in tpf.frames(entries, group_chunk_elems, frame_bytes)]
+    return [[p for run in frame for p in tp.pieces(run, tp.step_of(entries[run[0]], group_chunk_elems))]
+            for frame in tp.frames(entries, group_chunk_elems, frame_bytes)]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -16,18 +16,22 @@ import torch
 from helpers import save_state
 from test_tensorpack_v3 import _assert_same, _frames, _table
 
-import hf_dynamic_ckpt.store.paced_writer as paced_writer
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.paced_writer import HashingWriter, wait_written
-from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.store.tensorpack import (
+    HashingWriter,
+    read_header,
+    read_tensor_file,
+    wait_written,
+    write_tensor_file,
+)
 
 
 def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float,
           work_s: float = 0.0) -> list[tuple[int, int]]:
     """Every writeback request succeeds; each wait takes the next of `seconds` (or always `seconds`).
 
-    The writer's clock is simulated (`paced_writer.time.perf_counter`): the writer takes `work_s` per
+    The writer's clock is simulated (`tp.time.perf_counter`): the writer takes `work_s` per
     writeback request and each wait its `seconds`, whatever the machine's load.
     """
     waits: list[tuple[int, int]] = []
@@ -37,22 +41,22 @@ def _disk(monkeypatch: pytest.MonkeyPatch, seconds: list[float] | float,
         clock[0] += work_s
         return True
 
-    monkeypatch.setattr(paced_writer, "start_writeback", writeback)
-    monkeypatch.setattr(paced_writer, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(tp, "start_writeback", writeback)
+    monkeypatch.setattr(tp, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def wait(fd: int, off: int, n: int) -> bool:
         waits.append((off, n))
         clock[0] += seconds[len(waits) - 1] if isinstance(seconds, list) else seconds
         return True
 
-    monkeypatch.setattr(paced_writer, "wait_written", wait)
+    monkeypatch.setattr(tp, "wait_written", wait)
     return waits
 
 
 def test_paced_writer_waits_for_the_range_a_window_behind_and_tells_who_set_the_pace(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
-    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 3000)
+    monkeypatch.setattr(tp, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(tp, "PACE_WINDOW", 3000)
     # The writer works 2 ms per 1000 bytes; two waits of 50 ms block, then the disk is already done.
     waits = _disk(monkeypatch, [0.05, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0], work_s=0.002)
     seen = []
@@ -73,8 +77,8 @@ def test_paced_writer_waits_for_the_range_a_window_behind_and_tells_who_set_the_
 
 
 def test_unpaced_writer_never_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
-    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 1000)
+    monkeypatch.setattr(tp, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(tp, "PACE_WINDOW", 1000)
     waits = _disk(monkeypatch, 0.0)
     with open(tmp_path / "f", "wb") as raw:
         w = HashingWriter(raw)
@@ -84,11 +88,11 @@ def test_unpaced_writer_never_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_pacing_stops_where_the_wait_is_unsupported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
-    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 1000)
-    monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: True)
+    monkeypatch.setattr(tp, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(tp, "PACE_WINDOW", 1000)
+    monkeypatch.setattr(tp, "start_writeback", lambda fd, off, n: True)
     calls = []
-    monkeypatch.setattr(paced_writer, "wait_written", lambda fd, off, n: calls.append(n) or False)
+    monkeypatch.setattr(tp, "wait_written", lambda fd, off, n: calls.append(n) or False)
     with open(tmp_path / "f", "wb") as raw:
         w = HashingWriter(raw, paced=True)
         for _ in range(10):
@@ -99,12 +103,12 @@ def test_pacing_stops_where_the_wait_is_unsupported(tmp_path: Path, monkeypatch:
 
 def test_a_paced_writer_without_writeback_requests_behaves_as_unpaced(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(tp, "WRITEBACK_BYTES", 1000)
     with open(tmp_path / "f", "wb") as raw:
-        monkeypatch.setattr(paced_writer, "_sync_file_range", False)  # no sync_file_range (not Linux)
+        monkeypatch.setattr(tp, "_sync_file_range", False)  # no sync_file_range (not Linux)
         assert HashingWriter(raw, paced=True).disk_bound
-        monkeypatch.setattr(paced_writer, "_sync_file_range", None)
-        monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: False)  # the request fails
+        monkeypatch.setattr(tp, "_sync_file_range", None)
+        monkeypatch.setattr(tp, "start_writeback", lambda fd, off, n: False)  # the request fails
         w = HashingWriter(raw, paced=True)
         assert not w.disk_bound
         w.write(b"x" * 1000)
@@ -141,8 +145,8 @@ def _kinds_by_frame(path: Path) -> list[list[int]]:
 @pytest.fixture
 def small_frames(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tp, "FRAME_BYTES", 1 << 20)  # one tensor per frame
-    monkeypatch.setattr(paced_writer, "WRITEBACK_BYTES", 64 << 10)
-    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 128 << 10)
+    monkeypatch.setattr(tp, "WRITEBACK_BYTES", 64 << 10)
+    monkeypatch.setattr(tp, "PACE_WINDOW", 128 << 10)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -237,7 +241,7 @@ def test_a_short_hold_up_or_a_write_too_short_to_tell_does_not_bring_grouping_ba
     path = tmp_path / "t.bin"
     write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)
     assert len(waits) >= 5 and pace.group is False  # judged on the whole write, not on its worst moment
-    monkeypatch.setattr(paced_writer, "PACE_WINDOW", 64 << 20)  # now the file is under one window: no wait at all
+    monkeypatch.setattr(tp, "PACE_WINDOW", 64 << 20)  # now the file is under one window: no wait at all
     waits.clear()
     pace.learn(True)
     write_tensor_file(tensors, path, level=1, threads=1, paced=True, pace=pace)
@@ -270,8 +274,8 @@ def test_grouping_pays_where_only_a_grouped_plane_compresses_in_a_hurry() -> Non
 
 def test_byte_grouping_stays_where_pacing_does_not_work_or_is_off(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small_frames: None) -> None:
-    monkeypatch.setattr(paced_writer, "start_writeback", lambda fd, off, n: True)
-    monkeypatch.setattr(paced_writer, "wait_written", lambda fd, off, n: False)  # the wait fails: not paced
+    monkeypatch.setattr(tp, "start_writeback", lambda fd, off, n: True)
+    monkeypatch.setattr(tp, "wait_written", lambda fd, off, n: False)  # the wait fails: not paced
     tensors = _state()
     pace = tp.PaceMemory()
     pace.learn(False)

@@ -18,8 +18,14 @@ from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
-from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
-from hf_dynamic_ckpt.store.tensorpack_format import group, group_into, ungroup_into
+from hf_dynamic_ckpt.store.tensorpack import (
+    group,
+    group_into,
+    read_header,
+    read_tensor_file,
+    ungroup_into,
+    write_tensor_file,
+)
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -325,10 +331,8 @@ def test_store_load_of_l1_is_bit_exact_for_v3_and_refuses_a_store_written_as_v2(
 
 @pytest.mark.parametrize("block", [5, 1 << 15])
 def test_blocked_grouping_gives_the_documented_planes(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hf_dynamic_ckpt.store.tensorpack_format as planes
-
-    monkeypatch.setattr(planes, "GROUP_BLOCK", block)
-    monkeypatch.setattr(planes, "SHIFT_BLOCK", block + 2)  # the word-shift path of 2- and 4-byte types
+    monkeypatch.setattr(tp, "GROUP_BLOCK", block)
+    monkeypatch.setattr(tp, "SHIFT_BLOCK", block + 2)  # the word-shift path of 2- and 4-byte types
     rng = np.random.default_rng(0)
     for itemsize in (2, 4, 8):
         for n in (1, 4, 5, 6, 23, (1 << 15) + 3):
