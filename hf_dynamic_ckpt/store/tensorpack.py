@@ -15,7 +15,7 @@ tensors (via one scratch buffer per thread when a frame must be un-grouped or ho
 tensors). Codec `Codec.NONE`: raw bytes at 64-byte-aligned offsets (`write_raw_payload`),
 returned as views of a private memory map after every frame's xxh3 is checked (or copied,
 `copy=True`; `map_raw`). Given the manifest's checksum, the whole file is verified in the same
-pass (`filecheck`). Any truncation or flipped byte raises `CorruptCheckpointError`; a container
+pass (`hashing.WholeFileCheck`). Any truncation or flipped byte raises `CorruptCheckpointError`; a container
 version other than 3 raises `FormatVersionError`.
 
 Layout (version 3)::
@@ -78,6 +78,7 @@ Level 1 uses a smaller match finder (`compression_params`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -106,9 +107,8 @@ from ..errors import (
     SaveError,
 )
 from ..jsonutil import loads_bounded
-from .filecheck import MappedFile, WholeFileCheck
 from .fs import create, open_read, read_exact
-from .hashing import FileEntry, format_checksum, make_file_entry, new_hasher
+from .hashing import FileEntry, WholeFileCheck, format_checksum, make_file_entry, new_hasher
 from .spec import Codec
 
 logger = logging.getLogger(__name__)
@@ -1148,11 +1148,46 @@ def write_raw_payload(f: Any, entries: list[dict[str, Any]], datas: list[np.ndar
             emit(data)
 
 
+class MappedFile:
+    """A read-only memory map of a file whose pages are handed back once read (`release`).
+
+    Decoding a mapped file into new tensors would otherwise hold both at the end: the file's
+    pages stay mapped (counted in the process's resident memory) until the map closes. Released
+    pages are dropped from this process only; the page cache keeps them, and a later read of
+    the same range (the whole-file hash behind the decoders, or the other way round) maps them
+    again at the cost of a minor fault.
+    """
+
+    def __init__(self, fileno: int, *, private: bool = False) -> None:
+        import mmap
+
+        self._mm = mmap.mmap(fileno, 0, access=mmap.ACCESS_COPY if private else mmap.ACCESS_READ)
+        self._page = mmap.PAGESIZE
+        self._dontneed = getattr(mmap, "MADV_DONTNEED", None)
+
+    @property
+    def mm(self) -> object:
+        """The `mmap.mmap` object (for views and `torch.frombuffer`)."""
+        return self._mm
+
+    def release(self, start: int, end: int) -> None:
+        """Drop the whole pages inside ``[start, end)`` from this process (a no-op where unsupported)."""
+        lo = -(-start // self._page) * self._page
+        hi = min(end, len(self._mm)) // self._page * self._page
+        if self._dontneed is not None and hi > lo:
+            # The map may be closing, or the platform may refuse: only memory is at stake.
+            with contextlib.suppress(OSError, ValueError):
+                self._mm.madvise(self._dontneed, lo, hi - lo)
+
+    def close(self) -> None:
+        self._mm.close()
+
+
 def map_raw(path: Path, header: dict[str, Any], start: int, index: list[tuple[int, int, int]], workers: int,
             copy: bool, checksum: str | None) -> dict[str, torch.Tensor]:
     """Tensors of an uncompressed container as views of a private memory map (copies: `copy`), after hashing each
     frame (and the whole file against `checksum`, in the same pass). Copies hand each mapped page back once it is
-    read (`filecheck.MappedFile`): a copying load holds the copies, not the file's pages too."""
+    read (`MappedFile`): a copying load holds the copies, not the file's pages too."""
     try:
         with open_read(path) as f:
             mapped = MappedFile(f.fileno(), private=True) if index else None
@@ -1218,9 +1253,9 @@ def read_tensor_file(path: Path, *, threads: int = 0, copy: bool = False, checks
     an uncompressed container is memory-mapped (private copy-on-write pages: in-place
     updates never reach the file) after every frame's xxh3 is checked. The header is validated against the
     file's size before anything is allocated (`read_header`). With `checksum`, the whole
-    file's checksum is verified too, on another thread in the same pass (`filecheck.WholeFileCheck`).
+    file's checksum is verified too, on another thread in the same pass (`hashing.WholeFileCheck`).
     Decoding holds the output tensors and a bounded window of the file: the mapped pages of each
-    frame are handed back once it is decoded and hashed (`filecheck.MappedFile`), so a load peaks at
+    frame are handed back once it is decoded and hashed (`MappedFile`), so a load peaks at
     about the size of what it returns, not twice that.
 
     Args:

@@ -1,7 +1,7 @@
 """The optimizer tier is verified against its manifest checksum in the pass that reads it.
 
 `read_tensor_file(checksum=...)` hashes the whole file on another thread while it checks and
-decodes the frames from the same map (`filecheck.WholeFileCheck`); `CheckpointStore.load`
+decodes the frames from the same map (`hashing.WholeFileCheck`); `CheckpointStore.load`
 leaves that file's checksum to it (`layout.HASHED_ON_READ`) instead of hashing it first in a
 separate pass. `verify` still hashes every file itself.
 """
@@ -19,7 +19,7 @@ import torch
 from helpers import save_state
 from tensorpack_v2 import write_v2
 
-import hf_dynamic_ckpt.store.filecheck as filecheck
+import hf_dynamic_ckpt.store.hashing as hashing
 import hf_dynamic_ckpt.store.layout as layout
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_NAME
@@ -54,7 +54,7 @@ def _file(tmp_path: Path, compression: str, tensors: dict[str, torch.Tensor] | N
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_right_checksum_reads_the_same_tensors(tmp_path: Path, compression: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(filecheck, "HASH_CHUNK", 64 << 10)  # many hash updates, interleaved with the frames
+    monkeypatch.setattr(hashing, "HASH_CHUNK", 64 << 10)  # many hash updates, interleaved with the frames
     path = _file(tmp_path, compression)
     plain = read_tensor_file(path, copy=True, threads=2)
     checked = read_tensor_file(path, copy=True, threads=2, checksum=file_checksum(path))
@@ -100,9 +100,9 @@ def test_a_corrupt_frame_is_reported_and_the_hash_thread_stopped(tmp_path: Path,
     data = bytearray(path.read_bytes())
     data[read_header(path)[2][0][0] + 5] ^= 0x10  # in the first frame: found while the whole-file hash still runs
     path.write_bytes(bytes(data))
-    monkeypatch.setattr(filecheck, "HASH_CHUNK", 4096)
-    real = filecheck.Hasher.update
-    monkeypatch.setattr(filecheck.Hasher, "update", lambda self, d: (time.sleep(0.001), real(self, d))[1])
+    monkeypatch.setattr(hashing, "HASH_CHUNK", 4096)
+    real = hashing.Hasher.update
+    monkeypatch.setattr(hashing.Hasher, "update", lambda self, d: (time.sleep(0.001), real(self, d))[1])
     for copy in (False, True):
         with pytest.raises(CorruptCheckpointError, match=r"frame(\(s\))? \[?0\]? fails? (its|their) xxh3 checksum"):
             read_tensor_file(path, checksum=good, copy=copy, threads=2)
@@ -152,10 +152,10 @@ def test_load_hashes_the_optimizer_file_once_while_reading_it(store: CheckpointS
     entry = json.loads((Path(info.path) / MANIFEST_NAME).read_text())["files"][OPTIMIZER_NAME]
     hashed: list[str] = []
     compared: list[tuple[str, str, str]] = []
-    real_checksum, real_compare = layout.file_checksum, filecheck._compare
+    real_checksum, real_compare = layout.file_checksum, hashing._compare
     monkeypatch.setattr(layout, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
                         or real_checksum(path, algo=algo))
-    monkeypatch.setattr(filecheck, "_compare", lambda actual, expected, what: compared.append((actual, expected, what))
+    monkeypatch.setattr(hashing, "_compare", lambda actual, expected, what: compared.append((actual, expected, what))
                         or real_compare(actual, expected, what))
     loaded = store.load("step:1")
     assert torch.equal(loaded.optimizer["state"][0]["exp_avg"], _state(1).optimizer["state"][0]["exp_avg"])
