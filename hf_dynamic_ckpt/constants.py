@@ -20,6 +20,8 @@ MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "weights.safetensors"
 OPTIMIZER_NAME = "optimizer.tensors.zst"
 OPTIMIZER_META_NAME = "optimizer.json"
+L1_PARTS = ("optimizer", "scheduler", "scaler")
+"""Keys of the L1 structure (`optimizer.json`): `flatten_state({part: state_dict, ...})`."""
 RNG_NAME_TEMPLATE = "rng-rank{rank}.json"
 SAMPLER_NAME = "sampler.json"
 RANK_DONE_TEMPLATE = "done-rank{rank}.json"

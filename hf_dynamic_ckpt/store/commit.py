@@ -33,6 +33,7 @@ from ..constants import (
     KEY_RANK,
     KEY_SESSION_ID,
     KEY_TIER,
+    L1_PARTS,
     OPTIMIZER_META_NAME,
     OPTIMIZER_NAME,
     RANK_DONE_TEMPLATE,
@@ -51,7 +52,6 @@ from ..jsonutil import json_safe
 from . import manifest as mf
 from .blobs import BlobStore
 from .hashing import FileEntry
-from .layout import L1_PARTS, info_from_manifest, read_json, write_json
 from .shard_files import sharded_extra, write_shards
 from .spec import Codec, SaveRequest
 from .task import Task
@@ -93,14 +93,15 @@ def write_rank_files(state: CheckpointState, tmp: Path, *, rank: int, blobs_dir:
             entry = write_tensor_file(tensors, tmp / OPTIMIZER_NAME, level=level, threads=threads,
                                       compression=compression, paced=paced, pace=pace)
             files[OPTIMIZER_NAME] = {**entry, KEY_TIER: Tier.OPTIMIZER.value, KEY_RANK: None}
-            files[OPTIMIZER_META_NAME] = write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER,
-                                                    rank=None)
+            files[OPTIMIZER_META_NAME] = mf.write_json(tmp / OPTIMIZER_META_NAME, structure, tier=Tier.OPTIMIZER,
+                                                       rank=None)
         if state.sampler is not None:
-            files[SAMPLER_NAME] = write_json(tmp / SAMPLER_NAME, json_safe(state.sampler), tier=Tier.STATE, rank=None)
+            files[SAMPLER_NAME] = mf.write_json(tmp / SAMPLER_NAME, json_safe(state.sampler), tier=Tier.STATE,
+                                                rank=None)
     if state.rng is not None:
         name = RNG_NAME_TEMPLATE.format(rank=rank)
         rng = state.rng.to_json() if hasattr(state.rng, "to_json") else state.rng  # a snapshot's raw capture
-        files[name] = write_json(tmp / name, rng, tier=Tier.STATE, rank=rank)
+        files[name] = mf.write_json(tmp / name, rng, tier=Tier.STATE, rank=rank)
     return files, blobs
 
 
@@ -119,7 +120,7 @@ def write_done(task: Task, tmp: Path, *, files: Mapping[str, FileEntry], blobs: 
               "tiers": own_tiers}
     if sharded is not None:
         record["sharded"] = dict(sharded)
-    write_json(part, record, tier=Tier.STATE, rank=rank)
+    mf.write_json(part, record, tier=Tier.STATE, rank=rank)
     task.fs.replace(part, done)
     task.fs.fsync_dir(tmp)
 
@@ -169,7 +170,7 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int,
     parts = []
     for r, done in enumerate(names):
         try:
-            part = read_json(done)
+            part = mf.read_json(done)
             ok = (isinstance(part, dict) and part.get("rank") == r and isinstance(part.get("files"), dict)
                   and isinstance(part.get("blobs"), dict) and isinstance(part.get("tiers"), list))
         except CorruptCheckpointError as e:
@@ -207,7 +208,7 @@ def existing(task: Task, request: SaveRequest, *, replace: bool) -> CheckpointIn
         manifest = task.read_manifest(request.step)
     except (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError):
         return True  # a directory without a (usable) manifest never blocks a save
-    info = info_from_manifest(manifest, path)
+    info = mf.info_from_manifest(manifest, path)
     if replace or key_of(info) in task.timelines.abandoned():
         return True
     if request.lineage is not None and info.lineage is not None:
@@ -319,7 +320,7 @@ def _commit(task: Task, tmp: Path, state: CheckpointState, request: SaveRequest,
     fs.fsync_dir(task.dir)
     if aside is not None:
         _discard(task, aside)
-    info = info_from_manifest(manifest, final)
+    info = mf.info_from_manifest(manifest, final)
     task.record(info)
     logger.debug("committed %s step %d (%s; tiers %s; %d bytes; commit %.1f ms)", task.task_id, step, request.reason,
                 ",".join(manifest["tiers"]), info.bytes, 1000 * (time.perf_counter() - t0))

@@ -18,7 +18,6 @@ from ..constants import MANIFEST_NAME, TMP_MARKER, Tier
 from ..errors import CheckpointNotFoundError
 from . import manifest as mf
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK
-from .layout import info_from_manifest
 from .task import Task, parse_step_dir
 from .types import CheckpointInfo
 
@@ -148,4 +147,4 @@ class Lookup:
                 f"{path} is not a checkpoint directory (no {MANIFEST_NAME}); pass a step-<N> directory of a store; "
                 f"{self._available_text()}."
             )
-        return info_from_manifest(mf.read_manifest(path, step=parse_step_dir(path.name)), path)
+        return mf.info_from_manifest(mf.read_manifest(path, step=parse_step_dir(path.name)), path)

@@ -6,6 +6,11 @@ file of the checkpoint with its size, checksum, tier and rank, and carries its o
 manifest is refused instead of trusted. The file itself is indented JSON with only finite
 numbers (non-finite floats become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``),
 so ``jq`` reads it: ``jq '.debug_info[] | select(.loss > 3)' manifest.json``.
+
+The checkpoint's other small JSON files (RNG, sampler, ``optimizer.json``, the ranks' done files)
+are written and read here too (`write_json`, `read_json`), and so is the `CheckpointInfo` (the
+catalog row) a manifest describes (`info_from_manifest`; `broken_info` for a directory whose
+manifest cannot be trusted).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from ..constants import (
     KEY_LINEAGE,
     KEY_MANIFEST_CHECKSUM,
     KEY_PINNED,
+    KEY_RANK,
     KEY_REASON,
     KEY_RECOVERY_COST,
     KEY_SESSION_ID,
@@ -54,16 +60,22 @@ from ..constants import (
     KEY_WORLD_SIZE,
     MANIFEST_NAME,
     MAX_JSON_BYTES,
+    PINNED_MARKER,
     STEP_DIR_PREFIX,
     Tier,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
-from ..jsonutil import json_safe, loads_bounded
+from ..jsonutil import as_float, json_safe, loads_bounded
 from .blobs import is_digest
-from .fs import create, read_bytes
+from .catalog import STATUS_OK
+from .fs import create, is_file, lstat, read_bytes
+from .hashing import FileEntry, format_checksum, new_hasher
+from .spec import Lineage
+from .types import CheckpointInfo
 
-__all__ = ["KEY_BYTES", "KEY_RECOVERY_COST", "KEY_SESSION_ID", "build_manifest", "read_manifest", "tiers_of",
-           "validate_manifest", "without_tiers", "write_manifest"]
+__all__ = ["KEY_BYTES", "KEY_RECOVERY_COST", "KEY_SESSION_ID", "broken_info", "build_manifest", "info_from_manifest",
+           "read_json", "read_manifest", "tiers_of", "validate_manifest", "without_tiers", "write_json",
+           "write_manifest"]
 
 _RNG_NAME_RE = re.compile(r"rng-rank(0|[1-9][0-9]{0,6})\.json")
 _SHARD_NAME_RE = re.compile(r"(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")  # FSDP2 (`shard_files`)
@@ -204,12 +216,33 @@ def build_manifest(
 def write_manifest(directory: Path, manifest: Mapping[str, Any], *, name: str = MANIFEST_NAME) -> Path:
     """Write `manifest` as ``directory/name`` and fsync it (the caller renames the directory)."""
     path = Path(directory) / name
-    data = json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n"
+    _write_synced(path, json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n")
+    return path
+
+
+def _write_synced(path: Path, data: bytes) -> None:
     with create(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return path
+
+
+def write_json(path: Path, obj: Any, *, tier: Tier, rank: int | None) -> FileEntry:
+    """Write one of the checkpoint's small JSON files, fsync it, and return its manifest entry (checksum of the
+    bytes written)."""
+    data = json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
+    hasher = new_hasher()
+    hasher.update(data)
+    _write_synced(path, data)
+    return {KEY_SIZE: len(data), KEY_CHECKSUM: format_checksum(hasher), KEY_TIER: tier.value, KEY_RANK: rank}
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file of a checkpoint (bounded size and depth); anything wrong -> `CorruptCheckpointError`."""
+    try:
+        return loads_bounded(read_bytes(path, limit=MAX_JSON_BYTES))
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path} is unreadable or not JSON ({e}); the checkpoint is damaged.") from e
 
 
 def allowed_file_name(name: Any, world_size: int) -> bool:
@@ -362,3 +395,42 @@ def without_tiers(manifest: Mapping[str, Any], tiers: Collection[Tier]) -> tuple
                 KEY_RECOVERY_COST: estimate_recovery_cost_ms(files, blobs)})
     new[KEY_MANIFEST_CHECKSUM] = compute_manifest_checksum(new)
     return new, drop
+
+
+def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK,
+                       abandoned: bool = False) -> CheckpointInfo:
+    """The `CheckpointInfo` (catalog row) a valid manifest describes; the task is the directory's name."""
+    signals = manifest.get(KEY_SIGNALS) or {}
+    signals = signals if isinstance(signals, dict) else {}
+    gpu = as_float(signals.get("gpu_mem_percent"))
+    if gpu is None and as_float(signals.get("device_mem_frac")) is not None:
+        gpu = 100.0 * float(as_float(signals.get("device_mem_frac")) or 0.0)
+    loss = as_float(signals.get("loss"))
+    lineage = manifest.get(KEY_LINEAGE)
+    return CheckpointInfo(
+        task_id=path.parent.name,
+        step=int(manifest[KEY_STEP]),
+        path=str(path),
+        reason=str(manifest.get(KEY_REASON, "")),
+        tiers=tiers_of(manifest),
+        bytes=int(manifest.get(KEY_BYTES, 0)),
+        loss=loss if loss is None or loss == loss else None,  # NaN is no loss to rank by
+        gpu_mem_percent=gpu,
+        save_time=float(manifest.get(KEY_CREATED_AT, 0.0)),
+        recovery_cost_ms=as_float(manifest.get(KEY_RECOVERY_COST)),
+        healthy=bool(manifest.get(KEY_HEALTHY, True)),
+        pinned=bool(manifest.get(KEY_PINNED, False)) or is_file(path / PINNED_MARKER),
+        status=status,
+        world_size=int(manifest.get(KEY_WORLD_SIZE, 1)),
+        blobs=dict(manifest.get(KEY_BLOBS) or {}),
+        abandoned=abandoned,
+        lineage=Lineage.from_dict(lineage) if isinstance(lineage, dict) else None,
+    )
+
+
+def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointInfo:
+    """Catalog row of a directory whose manifest cannot be trusted."""
+    st = lstat(path)
+    return CheckpointInfo(task_id=task_id, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0,
+                          loss=None, gpu_mem_percent=None, save_time=st.st_mtime if st else 0.0, recovery_cost_ms=None,
+                          healthy=False, pinned=is_file(path / PINNED_MARKER), status=status)

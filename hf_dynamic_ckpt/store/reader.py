@@ -5,22 +5,37 @@ against the directory, an allowlist of file names), every file's size and checks
 blob's content digest. A failed check or read is retried once, so a transient I/O error
 does not cost a checkpoint; after that the checkpoint is marked ``"corrupt"`` in the
 catalog and `CorruptCheckpointError` lets the caller fall back to another one.
+
+The checks (`file_problems`, `blob_problems`, `structure_problems`) never trust a file whose
+size or checksum differs from the manifest entry, never follow a symbolic link, and only touch
+names the manifest validation allowed (`manifest.allowed_file_name`); `read_tiers` reads the
+verified files.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..constants import (
     ALL_TIERS,
     BLOBS_DIR,
+    KEY_BLOBS,
+    KEY_CHECKSUM,
     KEY_EXTRA,
     KEY_FILES,
+    KEY_RANK,
+    KEY_SIZE,
+    KEY_TIER,
+    KEY_WORLD_SIZE,
+    L1_PARTS,
     MANIFEST_NAME,
     OPTIMIZER_META_NAME,
+    OPTIMIZER_NAME,
+    RNG_NAME_TEMPLATE,
+    SAMPLER_NAME,
     WEIGHTS_NAME,
     Tier,
 )
@@ -28,16 +43,8 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DynamicCkp
 from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK
-from .fs import LocalFS
-from .layout import (
-    HASHED_ON_READ,
-    blob_problems,
-    file_problems,
-    files_for,
-    read_json,
-    read_tiers,
-    structure_problems,
-)
+from .fs import LocalFS, is_file, lstat
+from .hashing import checksum_algo, file_checksum
 from .shard_files import is_sharded
 from .task import Task, parse_step_dir
 from .types import CheckpointInfo, LoadedCheckpoint
@@ -135,7 +142,7 @@ def load_scheduler_only(task: Task, info: CheckpointInfo) -> dict[str, Any] | No
         manifest = _manifest(task, info)
         if OPTIMIZER_META_NAME not in manifest[KEY_FILES] or file_problems(directory, manifest, [OPTIMIZER_META_NAME]):
             return None
-        structure = read_json(directory / OPTIMIZER_META_NAME)
+        structure = mf.read_json(directory / OPTIMIZER_META_NAME)
         sched = unflatten_state(structure.get("scheduler"), {}) if isinstance(structure, dict) else None
     except (DynamicCkptError, OSError):
         return None
@@ -170,3 +177,141 @@ def verify(task: Task, info: CheckpointInfo) -> list[str]:
             break
     _set_status(task, info, STATUS_CORRUPT if found else STATUS_OK)
     return found
+
+
+# ---------------------------------------------------------------------------------- checks and reads
+HASHED_ON_READ = frozenset({OPTIMIZER_NAME})
+"""Files `read_tiers` verifies against their manifest checksum while it reads them (one pass, not two)."""
+
+
+def file_problems(directory: Path, manifest: Mapping[str, Any], names: Iterable[str],
+                  hashed_on_read: Collection[str] = ()) -> list[str]:
+    """Problems of the listed files: missing, a link, wrong size, wrong checksum (empty when all are good).
+
+    `hashed_on_read`: files whose checksum the caller verifies while it reads them
+    (`read_tiers`: the optimizer tensors, hashed as they decode); only their presence and size
+    are checked here.
+    """
+    problems = []
+    files = manifest[KEY_FILES]
+    for name in names:
+        entry = files[name]
+        path = directory / name
+        rank = entry.get(KEY_RANK)
+        where = f"{name} (tier {entry.get(KEY_TIER)}" + (f", rank {rank})" if rank is not None else ")")
+        st = lstat(path)
+        if st is None:
+            problems.append(f"{where}: file is missing")
+            continue
+        if not is_file(path):
+            problems.append(f"{where}: not a regular file (a symbolic link or directory is refused)")
+            continue
+        if st.st_size != entry[KEY_SIZE]:
+            problems.append(f"{where}: size {st.st_size} bytes, manifest says {entry[KEY_SIZE]} (truncated or "
+                            "overwritten)")
+            continue
+        if name in hashed_on_read:
+            continue
+        try:  # verify with the algorithm the entry was written with
+            actual = file_checksum(path, algo=checksum_algo(entry[KEY_CHECKSUM]))
+        except FileNotFoundError:
+            problems.append(f"{where}: file is missing")
+            continue
+        except (ValueError, OSError) as e:
+            problems.append(f"{where}: {e}")
+            continue
+        if actual != entry[KEY_CHECKSUM]:
+            problems.append(f"{where}: checksum mismatch ({actual} != {entry[KEY_CHECKSUM]}), the file is corrupt")
+    return problems
+
+
+def blob_problems(blobs: BlobStore, records: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    problems: list[str] = []
+    seen: set[str] = set()
+    for key, rec in sorted(records.items()):
+        if rec.get("digest") in seen:
+            continue
+        seen.add(str(rec.get("digest")))
+        problems.extend(f"{p} (weight {key!r}, tier weights)" for p in blobs.verify(rec))
+    return problems
+
+
+def structure_problems(manifest: Mapping[str, Any]) -> list[str]:
+    """Files the manifest should list but does not (per tier and per rank)."""
+    files = manifest[KEY_FILES]
+    tiers = mf.tiers_of(manifest)
+    problems = []
+    if Tier.WEIGHTS in tiers and WEIGHTS_NAME not in files:
+        problems.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
+    if Tier.OPTIMIZER in tiers and OPTIMIZER_META_NAME not in files:
+        problems.append(f"tier optimizer is recorded but {OPTIMIZER_META_NAME} is not listed")
+    rng_ranks = {e.get(KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
+    if rng_ranks:
+        for r in range(int(manifest.get(KEY_WORLD_SIZE, 1))):
+            if r not in rng_ranks:
+                problems.append(f"{RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed")
+    return problems
+
+
+def files_for(manifest: Mapping[str, Any], wanted: set[Tier], rank: int, warnings: list[str], *,
+              step: int) -> list[str]:
+    names = []
+    rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
+    for name, entry in sorted(manifest[KEY_FILES].items()):
+        tier = entry.get(KEY_TIER)
+        if tier not in {t.value for t in wanted}:
+            continue
+        if name.startswith("rng-rank") and name != rng_name:
+            continue
+        names.append(name)
+    if Tier.STATE in wanted and rng_name not in names and any(n.startswith("rng-rank") for n in manifest[KEY_FILES]):
+        warnings.append(
+            f"step {step} has no RNG state for rank {rank} (saved with world_size={manifest.get(KEY_WORLD_SIZE)}); "
+            "this rank's random streams start fresh"
+        )
+    return names
+
+
+def read_tiers(directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: list[str],
+               loaded: LoadedCheckpoint, *, rank: int, mmap: bool, blobs: BlobStore,
+               l1_max_numel: int | None = None) -> None:
+    """Read the files `names` of the `wanted` tiers into `loaded`, verified by `file_problems` before (those of
+    `HASHED_ON_READ`: their size before, their checksum as they are read).
+
+    Raises:
+        `CorruptCheckpointError`: any file that does not parse (whatever the parser's complaint) or
+            fails its checksum.
+        `IncompatibleStateError`: an L1 tensor declares more than `l1_max_numel` elements.
+    """
+    from .statetree import unflatten_state
+    from .tensorpack import read_tensor_file
+    from .weights import load_weights
+
+    if Tier.WEIGHTS in wanted:
+        from .shard_files import placeholders, sharded_table
+
+        table = sharded_table(manifest)  # FSDP2: global shapes only; DCP reads the shards (state.sharded_load)
+        loaded.weights = placeholders(table) if table is not None else load_weights(
+            directory, manifest.get(KEY_BLOBS) or {}, blobs_dir=blobs, mmap=mmap)
+    if Tier.OPTIMIZER in wanted:
+        structure = mf.read_json(directory / OPTIMIZER_META_NAME)
+        if not isinstance(structure, dict):
+            raise CorruptCheckpointError(f"{directory / OPTIMIZER_META_NAME} is not a JSON object.")
+        tensors = read_tensor_file(directory / OPTIMIZER_NAME, copy=not mmap, max_numel=l1_max_numel,
+                                   checksum=manifest[KEY_FILES][OPTIMIZER_NAME][KEY_CHECKSUM]) \
+            if OPTIMIZER_NAME in names else {}
+        state = unflatten_state(structure, tensors)
+        loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in L1_PARTS)
+    if Tier.STATE in wanted:
+        rng_name = RNG_NAME_TEMPLATE.format(rank=rank)
+        if rng_name in names:
+            loaded.rng = _object(directory / rng_name)
+        if SAMPLER_NAME in names:
+            loaded.sampler = _object(directory / SAMPLER_NAME)
+
+
+def _object(path: Path) -> dict[str, Any]:
+    value = mf.read_json(path)
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{path} is not a JSON object; the checkpoint is damaged.")
+    return value

@@ -40,7 +40,6 @@ from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, Catalog
 from .fs import LocalFS
-from .layout import broken_info, info_from_manifest
 from .remote import Remote
 from .spec import StoreSpec
 from .tensorpack import PaceMemory
@@ -140,9 +139,9 @@ class Task:
             return mf.read_manifest(path, step=step, task_id=path.parent.name)
 
     def info_of(self, manifest: dict[str, Any], path: Path) -> CheckpointInfo:
-        info = info_from_manifest(manifest, path)
+        info = mf.info_from_manifest(manifest, path)
         if key_of(info) in self.timelines.abandoned():
-            info = info_from_manifest(manifest, path, abandoned=True)
+            info = mf.info_from_manifest(manifest, path, abandoned=True)
         return info
 
     def scan(self, step: int, path: Path | None = None) -> CheckpointInfo | None:
@@ -156,7 +155,7 @@ class Task:
             # INFO, not a warning: the index marks it corrupt (`ls` shows it) and a resume that passes over it says
             # why in its own warning; every sync that re-reads the manifest would repeat this line.
             logger.info("checkpoint %s has an unusable manifest: %s", path, e)
-            return broken_info(path.parent.name, step, path, STATUS_CORRUPT)
+            return mf.broken_info(path.parent.name, step, path, STATUS_CORRUPT)
 
     def row_info(self, row: dict[str, Any], abandoned: set[tuple[int, float]] | None = None) -> CheckpointInfo:
         """A catalog row as an info: the path derived from the step, the abandoned flag from the record."""

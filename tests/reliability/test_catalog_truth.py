@@ -75,9 +75,9 @@ def test_a_real_corrupt_flag_stays(store: CheckpointStore) -> None:
 
 
 def test_one_transient_read_error_is_retried(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hf_dynamic_ckpt.store.layout as layout
+    import hf_dynamic_ckpt.store.reader as reader
 
-    real = layout.file_checksum
+    real = reader.file_checksum
     calls = {"n": 0}
 
     def flaky(path: object, algo: str | None = None) -> str:
@@ -86,7 +86,7 @@ def test_one_transient_read_error_is_retried(store: CheckpointStore, monkeypatch
             raise OSError(errno.EIO, "Input/output error", str(path))
         return real(path, algo=algo)
 
-    monkeypatch.setattr(layout, "file_checksum", flaky)
+    monkeypatch.setattr(reader, "file_checksum", flaky)
     loaded = store.load("step:5", tiers={Tier.WEIGHTS})
     assert calls["n"] >= 2 and torch.equal(loaded.weights["w"], tiny_state(5).weights["w"])
     assert store.list()[0].status == "ok"

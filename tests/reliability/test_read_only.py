@@ -115,18 +115,18 @@ def test_readers_work_on_read_only_media(root: Path) -> None:
 
 
 def test_verify_of_a_checkpoint_deleted_during_the_scan_is_a_note(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hf_dynamic_ckpt.store.layout as layout
+    import hf_dynamic_ckpt.store.reader as reader
 
     store = CheckpointStore(root, task_id="run", session_id="v")
     other = store.task_dir / "step-3"
-    real = layout.file_checksum
+    real = reader.file_checksum
 
     def retention_runs_meanwhile(path: object, algo: str | None = None) -> str:
         if other.exists():
             shutil.rmtree(other)  # another process deletes the checkpoint mid-scan
         return real(path, algo=algo)
 
-    monkeypatch.setattr(layout, "file_checksum", retention_runs_meanwhile)
+    monkeypatch.setattr(reader, "file_checksum", retention_runs_meanwhile)
     with pytest.raises(CheckpointNotFoundError, match=r"step 3 .* was deleted before or while it was verified"):
         store.verify("step:3")
     monkeypatch.undo()

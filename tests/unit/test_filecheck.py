@@ -2,7 +2,7 @@
 
 `read_tensor_file(checksum=...)` hashes the whole file on another thread while it checks and
 decodes the frames from the same map (`hashing.WholeFileCheck`); `CheckpointStore.load`
-leaves that file's checksum to it (`layout.HASHED_ON_READ`) instead of hashing it first in a
+leaves that file's checksum to it (`reader.HASHED_ON_READ`) instead of hashing it first in a
 separate pass. `verify` still hashes every file itself.
 """
 
@@ -20,7 +20,7 @@ from helpers import save_state
 from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.hashing as hashing
-import hf_dynamic_ckpt.store.layout as layout
+import hf_dynamic_ckpt.store.reader as reader
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
@@ -152,8 +152,8 @@ def test_load_hashes_the_optimizer_file_once_while_reading_it(store: CheckpointS
     entry = json.loads((Path(info.path) / MANIFEST_NAME).read_text())["files"][OPTIMIZER_NAME]
     hashed: list[str] = []
     compared: list[tuple[str, str, str]] = []
-    real_checksum, real_compare = layout.file_checksum, hashing._compare
-    monkeypatch.setattr(layout, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
+    real_checksum, real_compare = reader.file_checksum, hashing._compare
+    monkeypatch.setattr(reader, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
                         or real_checksum(path, algo=algo))
     monkeypatch.setattr(hashing, "_compare", lambda actual, expected, what: compared.append((actual, expected, what))
                         or real_compare(actual, expected, what))
