@@ -54,9 +54,9 @@ from .state.model import adapter_names, apply_weights, split_adapters
 from .store.catalog import STATUS_MISSING, STATUS_OK
 from .store.fs import fsync_dir, fsync_file
 from .store.locate import find_root, open_reader
-from .store.lookup import NAMED_SPECS
 from .store.remote import is_url
 from .store.store import CheckpointStore
+from .store.task import NAMED_SPECS
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
 logger = logging.getLogger(__name__)

@@ -3,10 +3,10 @@
 Who owns what (each takes the `Task` and nothing of the store):
 
 - `task.Task`: one task directory: paths derived from the step, manifests checked against their
-  directory, catalog rows, the timelines record, the blob store, the object-store copy.
+  directory, catalog rows, the timelines record, the blob store, the object-store copy; `checkpoints`
+  and `resolve` over the synced catalog (the store re-verifies corrupt flags before it resolves a
+  named spec).
 - `catalog.Catalog`: the SQLite index and its one reconciliation with the manifests (`sync`, `rebuild`).
-- `lookup.Lookup`: `list` and `resolve` over the synced catalog; the store re-verifies corrupt flags
-  before it resolves a named spec.
 - `reader`: `load`, `load_scheduler_only` and `verify` of a resolved checkpoint.
 - `commit`: the whole commit sequence of `save`.
 - `pins`: `pin` and `unpin` markers.
@@ -72,10 +72,9 @@ from .catalog import Catalog
 from .commit import commit_save
 from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
-from .lookup import NAMED_SPECS, Lookup
 from .remote import Remote, split_root
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
-from .task import Task, parse_step_dir, step_dir_name
+from .task import NAMED_SPECS, Task, parse_step_dir, step_dir_name
 from .timelines import fork_record
 from .types import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, Removal
 
@@ -198,7 +197,6 @@ class CheckpointStore:
         self.catalog = Catalog.snapshot(self.root / CATALOG_NAME) if memory else catalog
         self.task = Task(spec, self.fs, self.catalog, read_only=memory, remote=self.remote)
         self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
-        self._lookup = Lookup(self.task)
         if memory:
             if self.remote is not None and pull:
                 rs.open_task(self.task, self.remote, writer=False)
@@ -334,7 +332,7 @@ class CheckpointStore:
             include_abandoned (`bool`, *optional*, defaults to `False`): also list checkpoints
                 of timelines a later run forked away from.
         """
-        return self._lookup.list(include_unhealthy=include_unhealthy, include_abandoned=include_abandoned)
+        return self.task.checkpoints(include_unhealthy=include_unhealthy, include_abandoned=include_abandoned)
 
     def resolve(self, spec: Ref) -> CheckpointInfo:
         """Turn a restore-point spec into a checkpoint.
@@ -349,10 +347,10 @@ class CheckpointStore:
             `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
         """
         if not isinstance(spec, CheckpointInfo | int) and os.fspath(spec) in NAMED_SPECS:
-            for step in self._lookup.to_recheck():  # a corrupt flag is re-verified once before it excludes
+            for step in self.task.to_recheck():  # a corrupt flag is re-verified once before it excludes
                 with contextlib.suppress(CheckpointNotFoundError):
                     self.verify(step)
-        return self._lookup.resolve(spec)
+        return self.task.resolve(spec)
 
     def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None,
              mmap: bool = True, l1_max_numel: int | None = None) -> LoadedCheckpoint:

@@ -1,4 +1,4 @@
-"""`Task`: one task directory of a store, and how its checkpoints are named and read back.
+"""`Task`: one task directory of a store, and how its checkpoints are named, found and read back.
 
 Every path is derived from a step (``<root>/<task>/step-<N>``), never read from the
 catalog or a manifest; a directory counts only if it is a real directory (a symbolic link
@@ -8,6 +8,13 @@ and task as the directory. Temporary names all contain ``TMP_MARKER`` so readers
     step-<N>.tmp-<session>                      a save in progress (or an interrupted one)
     step-<N>.tmp-<session>.replaced             the old copy, set aside during a replace-commit
     step-<N>.tmp-<session>.deleted-<random>     a checkpoint being deleted
+
+Finding (`Task.checkpoints`, `Task.resolve`): the catalog makes listing cheap, but it never
+decides alone. Each lookup first syncs the catalog with the manifests (`Task.sync`): a row whose
+directory lost its manifest is marked ``"missing"``, and a flag that would hide a checkpoint
+(unhealthy, corrupt, missing) is re-read from disk before the checkpoint is left out. Abandoned
+checkpoints (the timelines record) are never chosen by ``auto``/``best``/``fastest`` but are
+listed with ``include_abandoned`` and found by ``step:N`` or path.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVers
 from ..jsonutil import loads_bounded
 from . import manifest as mf
 from .blobs import BlobStore
-from .catalog import STATUS_CORRUPT, Catalog
+from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, Catalog
 from .fs import LocalFS
 from .remote import Remote
 from .spec import StoreSpec
@@ -49,6 +56,9 @@ from .types import CheckpointInfo
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(0|[1-9][0-9]*)$")
+
+NAMED_SPECS = ("auto", "best", "fastest")
+"""Specs `Task.resolve` answers by ranking the healthy checkpoints (the others name one checkpoint)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -90,6 +100,7 @@ class Task:
         """The object-store copy of the task when the root is a URL (`remote_sync` keeps them in step)."""
         self.l1_pace = PaceMemory()
         """What the last paced L1 writes learnt about this disk (`write_tensor_file(pace=...)`)."""
+        self._rechecked: set[tuple[int, float]] = set()  # corrupt flags `to_recheck` named already
 
     # -- names ----------------------------------------------------------------------------
     def step_dir(self, step: int) -> Path:
@@ -165,6 +176,119 @@ class Task:
     def scan_all(self) -> list[CheckpointInfo]:
         """Every committed checkpoint of the task, read from its manifest (no catalog)."""
         return [i for step, path in sorted(self.committed().items()) if (i := self.scan(step, path)) is not None]
+
+    # -- finding: the checkpoints a listing shows and the one a spec names ---------------------
+    def checkpoints(self, include_unhealthy: bool = False, include_abandoned: bool = False) -> list[CheckpointInfo]:
+        """Checkpoints of the task, newest first (`CheckpointStore.list` documents the arguments)."""
+        self.sync(recheck_hidden=not include_unhealthy)  # a flag that hides a checkpoint is re-read first
+        out = []
+        abandoned = self.timelines.abandoned()
+        for row in self.catalog.rows(self.task_id):
+            info = self.row_info(row, abandoned)
+            if not include_unhealthy and not (info.healthy and info.status == STATUS_OK):
+                continue
+            if info.abandoned and not include_abandoned:
+                continue
+            out.append(info)
+        return out
+
+    def _available_text(self) -> str:
+        infos = self.checkpoints(include_unhealthy=True, include_abandoned=True)
+        if not infos:
+            return f"the store has no checkpoints of task {self.task_id!r} under {self.root}"
+
+        def note(i: CheckpointInfo) -> str:
+            flags = [] if i.status == STATUS_OK else [i.status]
+            flags += [] if i.healthy or i.status != STATUS_OK else ["unhealthy"]
+            flags += ["abandoned"] if i.abandoned else []
+            return f"{i.step}" + (f" ({', '.join(flags)})" if flags else "")
+
+        steps = ", ".join(note(i) for i in sorted(infos, key=lambda i: i.step))
+        return f"available steps of task {self.task_id!r}: {steps}"
+
+    def to_recheck(self) -> list[int]:
+        """Steps a `corrupt` flag would keep from auto/best/fastest that were not re-verified yet; each is returned
+        once per `Task` (the caller verifies them before a named spec is resolved)."""
+        steps = []
+        for row in self.catalog.rows(self.task_id):
+            key = (int(row["step"]), float(row["save_time"]))
+            if row["status"] == STATUS_CORRUPT and row["healthy"] and key not in self._rechecked:
+                self._rechecked.add(key)
+                steps.append(int(row["step"]))
+        return steps
+
+    def resolve(self, spec: str | int | os.PathLike[str] | CheckpointInfo) -> CheckpointInfo:
+        """The checkpoint `spec` names (`CheckpointStore.resolve` documents the specs).
+
+        A named spec ranks the catalog as it is: the caller re-verifies `to_recheck` first.
+
+        Raises:
+            `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
+        """
+        if isinstance(spec, CheckpointInfo):
+            return spec
+        if isinstance(spec, int):
+            return self._by_step(int(spec))
+        text = os.fspath(spec)
+        if text in NAMED_SPECS:
+            candidates = [i for i in self.checkpoints() if Tier.WEIGHTS in i.tiers]
+            if text == "best":
+                candidates = [i for i in candidates if i.loss is not None]
+                if not candidates:
+                    raise CheckpointNotFoundError(f"resolve('best'): no healthy checkpoint records a loss; "
+                                                  f"{self._available_text()}.")
+                return min(candidates, key=lambda i: (i.loss, -i.step))
+            if not candidates:
+                raise CheckpointNotFoundError(f"resolve({text!r}): no healthy committed checkpoint with weights; "
+                                              f"{self._available_text()}.")
+            if text == "fastest":
+                def cost(i: CheckpointInfo) -> tuple[float, int]:
+                    return (float("inf") if i.recovery_cost_ms is None else i.recovery_cost_ms, -i.step)
+
+                return min(candidates, key=cost)
+            return candidates[0]
+        if text.startswith("step:") or text.isdigit():
+            raw = text.removeprefix("step:")
+            try:
+                return self._by_step(int(raw))
+            except ValueError as e:
+                raise CheckpointNotFoundError(f"spec {text!r} is invalid: expected step:N with an integer N.") from e
+        return self._by_path(Path(text))
+
+    def _by_step(self, step: int) -> CheckpointInfo:
+        self.sync()  # a committed step whose row is not written yet gets one; a vanished one is missing
+        row = self.catalog.get(self.task_id, step)
+        if row is not None and row["status"] != STATUS_MISSING:
+            return self.row_info(row)
+        removed = self.removed().get(step)
+        why = ""
+        if removed is not None and set(removed.get("tiers") or ()) >= {Tier.WEIGHTS.value}:
+            why = (f" (retention removed it: {removed.get('rule')}; keep_last: null and null retention_days keep "
+                   "every checkpoint, or pin one)")
+        raise CheckpointNotFoundError(f"step {step} has no committed checkpoint in {self.dir}{why}; "
+                                      f"{self._available_text()}.")
+
+    def _by_path(self, path: Path) -> CheckpointInfo:
+        path = path.absolute()
+        if (step := self.owns(path)) is not None:
+            return self._by_step(step)
+        if self.fs.is_link(path):
+            raise CheckpointNotFoundError(f"{path} is a symbolic link; the store never follows links. Pass the real "
+                                          f"directory; {self._available_text()}.")
+        if not self.fs.is_dir(path):
+            raise CheckpointNotFoundError(
+                f"{path} is neither 'auto', 'best', 'fastest', 'step:N' nor an existing checkpoint directory; "
+                f"{self._available_text()}."
+            )
+        if TMP_MARKER in path.name:
+            raise CheckpointNotFoundError(f"{path} is an unfinished save (temporary directory), not a checkpoint; "
+                                          f"{self._available_text()}.")
+        if not self.fs.is_file(path / MANIFEST_NAME):
+            raise CheckpointNotFoundError(
+                f"{path} is not a checkpoint directory (no {MANIFEST_NAME}); pass a step-<N> directory of a store; "
+                f"{self._available_text()}."
+            )
+        return mf.info_from_manifest(mf.read_manifest(path, step=parse_step_dir(path.name)), path)
 
     # -- what retention removed -------------------------------------------------------------
     def note_removed(self, step: int, tiers: Iterable[Tier], rule: str) -> None:
