@@ -16,8 +16,8 @@ format      what is written                                        load it with
 ==========  =====================================================  ==========================================
 
 `root` is the store directory or the training ``output_dir`` holding ``smart_ckpt/``
-(`store.locate.find_root`, as for the command line); reading opens the store so that nothing
-is created or changed there (`store.locate.open_reader`). ``auto``, ``best`` and ``fastest``
+(`store.store.find_root`, as for the command line); reading opens the store so that nothing
+is created or changed there (``read_only=True``). ``auto``, ``best`` and ``fastest``
 pass over a checkpoint that fails verification to the next one; every checkpoint they passed
 over is named, with the reason, in `LoadedCheckpoint.warnings` (and logged).
 
@@ -53,9 +53,8 @@ from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .state.model import adapter_names, apply_weights, split_adapters
 from .store.catalog import STATUS_MISSING, STATUS_OK
 from .store.fs import fsync_dir, fsync_file
-from .store.locate import find_root, open_reader
 from .store.remote import is_url
-from .store.store import CheckpointStore
+from .store.store import CheckpointStore, find_root
 from .store.task import NAMED_SPECS
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
@@ -131,11 +130,11 @@ def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[st
 
 
 def _open(root: str | os.PathLike[str], task_id: str | None) -> CheckpointStore:
-    """A store opened to read: a local root through `find_root` / `open_reader` (nothing created or changed)."""
+    """A store opened to read: a local root through `find_root`, ``read_only`` (nothing created or changed)."""
     task = task_id or DEFAULT_TASK_ID
     if is_url(os.fspath(root)):  # the object store is read into a local cache; the bucket is not written
         return CheckpointStore(root, task_id=task, cleanup=False)
-    return open_reader(find_root(root), task)
+    return CheckpointStore(find_root(root), task_id=task, read_only=True)
 
 
 def _ahead(ref: str, info: CheckpointInfo, chosen: CheckpointInfo) -> bool:
@@ -203,7 +202,7 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
                     task_id: str | None = None, tiers: Collection[Tier] = ALL_TIERS) -> LoadedCheckpoint:
     """Read a checkpoint (verified) for a plain script; with `model`, put its weights into it.
 
-    Reading changes nothing under `root`: no catalog, lock or folder is created (`store.locate.open_reader`).
+    Reading changes nothing under `root`: no catalog, lock or folder is created (``read_only=True``).
 
     Args:
         root (`str`): the store directory (e.g. ``out/smart_ckpt``) or the training output_dir holding
@@ -300,7 +299,8 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
     target = Path(out)
     store_root = None if is_url(os.fspath(root)) else find_root(root)
     replaces = _check_target(target, overwrite=overwrite, store_root=store_root)
-    store = _open(root, task_id) if store_root is None else open_reader(store_root, task_id or DEFAULT_TASK_ID)
+    task = task_id or DEFAULT_TASK_ID
+    store = _open(root, task_id) if store_root is None else CheckpointStore(store_root, task_id=task, read_only=True)
     try:
         loaded, skipped = _load(store, ref, {Tier.WEIGHTS})
     finally:

@@ -3,7 +3,7 @@
 ROOT may be the store directory (holding ``catalog.db`` and one folder per task) or the
 training ``output_dir`` (its ``smart_ckpt/`` is used). Commands that only look open the store
 so that they write nothing: the catalog is an in-memory copy of ``catalog.db`` synced with the
-manifests (`store.locate.open_reader`), and only `verify` records the statuses it found; a folder
+manifests (``CheckpointStore(..., read_only=True)``), and only `verify` records the statuses it found; a folder
 that holds no store is an error (exit 2), never a place where a catalog gets created.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..constants import BLOBS_DIR, DEFAULT_TASK_ID
-from ..store import locate
+from ..store import store as stores
 from ..store.types import CheckpointInfo
 
 
@@ -82,7 +82,7 @@ def find_root(path: str | os.PathLike[str]) -> Any:
 
     Raises:
         `UsageError`: a URL that cannot be used.
-        `DynamicCkptError`: a local path that holds no store (`store.locate.find_root`: the message says what to pass).
+        `DynamicCkptError`: a local path that holds no store (`store.store.find_root`: the message says what to pass).
     """
     from ..store.remote import check_url, is_url
 
@@ -92,7 +92,7 @@ def find_root(path: str | os.PathLike[str]) -> Any:
         except Exception as e:
             raise UsageError(str(e)) from None
         return os.fspath(path)
-    return locate.find_root(path)
+    return stores.find_root(path)
 
 
 def root_of(args: argparse.Namespace) -> Path:
@@ -108,7 +108,7 @@ def tasks(root: Any, task: str | None) -> list[str]:
 
         names = Remote(RemoteSpec(root, storage_options()), DEFAULT_TASK_ID).tasks()
         return [n for n in names if not n.startswith(".") and n != BLOBS_DIR] or [DEFAULT_TASK_ID]
-    return [p.name for p in locate.task_dirs(root)] or [DEFAULT_TASK_ID]
+    return [p.name for p in stores.task_dirs(root)] or [DEFAULT_TASK_ID]
 
 
 def single_task(root: Path, task: str | None) -> str:
@@ -121,10 +121,10 @@ def single_task(root: Path, task: str | None) -> str:
 
 
 def open_reader(root: Path, task: str) -> Any:
-    """A store that writes nothing new (`store.locate.open_reader`); a URL's manifests go into the commands' cache."""
+    """A store that writes nothing new (``read_only``); a URL's manifests go into the commands' cache."""
     if isinstance(root, str):  # a URL: the manifests are pulled into a cache of the commands' own
         return url_store(root, task, cache="cli", cleanup=False, read_only=True)
-    return locate.open_reader(root, task)
+    return stores.CheckpointStore(root, task_id=task, read_only=True)
 
 
 def open_writer(root: Path, task: str, *, cleanup: bool = True) -> Any:

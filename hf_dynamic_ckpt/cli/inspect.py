@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import logging
+import sqlite3
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..constants import KEY_FILES
+from ..constants import CATALOG_NAME, KEY_FILES
 from ..errors import CheckpointNotFoundError
 from ..run.steplog import read_rollbacks
-from ..store import locate
+from ..store.catalog import Catalog
 from ..store.manifest import read_manifest
 from ..store.types import CheckpointInfo
 from ._common import (
@@ -26,6 +28,8 @@ from ._common import (
     tasks,
     usage_error,
 )
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -213,7 +217,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             store.close()
     if not isinstance(root, str):  # the one write of a command that reads: what verify found, for a later `ls`
         for task, statuses in found.items():
-            locate.record_findings(root, task, statuses)
+            try:  # best effort: a read-only or locked catalog keeps its rows, the manifests stay the truth
+                Catalog.record_statuses(root / CATALOG_NAME, task, statuses)
+            except sqlite3.Error as e:
+                logger.debug("catalog %s not updated with the verify findings (%s)", root / CATALOG_NAME, e)
     checked = len(targets) - gone
     print(f"{checked - bad} of {checked} checkpoint(s) intact" + (f", {bad} with problems" if bad else "")
           + (f"; {gone} deleted during the scan" if gone else ""))

@@ -42,6 +42,14 @@ Invariants:
 
 A URL root (``s3://...``) is a local cache with this layout plus its object-store copy, which
 the writer uploads before the local rename, manifest last (`remote_sync`, docs/storage.md).
+
+A user names a store by its directory (the one holding ``catalog.db`` and one folder per task)
+or by the training ``output_dir`` (its ``smart_ckpt/`` is the store, as
+`SmartCkptConfig.resolve_root` puts it). `find_root` turns either into the store directory; a
+path that holds no store is an error that says what to pass, never a place where a catalog gets
+created. Opened with ``read_only=True`` (what `load_checkpoint`, `export_checkpoint` and the read
+commands of `hf-dynamic-ckpt` do), a store changes nothing: its catalog is an in-memory copy of
+the file synced with the manifests, and the file stays byte for byte as the writer left it.
 """
 
 from __future__ import annotations
@@ -56,7 +64,16 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..constants import ALL_TIERS, CATALOG_NAME, DEFAULT_TASK_ID, MANIFEST_NAME, Tier
+from ..constants import (
+    ALL_TIERS,
+    BLOBS_DIR,
+    CATALOG_NAME,
+    DEFAULT_TASK_ID,
+    MANIFEST_NAME,
+    STEP_DIR_PREFIX,
+    TIMELINES_NAME,
+    Tier,
+)
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -80,9 +97,71 @@ from .types import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointStore", "parse_step_dir", "step_dir_name"]
+__all__ = ["CheckpointStore", "find_root", "parse_step_dir", "step_dir_name"]
 
 Ref = str | int | os.PathLike[str] | CheckpointInfo
+
+
+# -- finding a store from a path a user gives ----------------------------------------------------------------------
+STORE_DIR = "smart_ckpt"
+"""The store's folder under a training `output_dir` (`SmartCkptConfig.resolve_root`)."""
+
+_WHAT_TO_PASS = f"pass the store directory (the one holding {CATALOG_NAME}) or the training output_dir that holds " \
+                f"{STORE_DIR}/"
+
+
+def task_dirs(root: Path) -> list[Path]:
+    """The task folders of a store directory: real folders (no links) that hold checkpoints or a timelines record."""
+    out = []
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != BLOBS_DIR:
+            try:
+                if any(c.name.startswith(STEP_DIR_PREFIX) or c.name == TIMELINES_NAME for c in p.iterdir()):
+                    out.append(p)
+            except OSError:
+                continue
+    return out
+
+
+def is_store(root: Path) -> bool:
+    """Whether `root` is a store directory (a catalog, or at least one task folder)."""
+    return root.is_dir() and ((root / CATALOG_NAME).is_file() or bool(task_dirs(root)))
+
+
+def find_root(path: str | os.PathLike[str]) -> Path:
+    """The store directory of a local path: the store itself, or a training output_dir holding ``smart_ckpt/``.
+
+    Args:
+        path (`str` or `os.PathLike`): what the user passed as the store.
+
+    Returns:
+        `Path`: the store directory (`path`, or `path/smart_ckpt`).
+
+    Raises:
+        `CheckpointNotFoundError`: `path` does not exist or holds no store.
+        `ConfigError`: `path` is a file, or a task or checkpoint directory inside a store (the message names the
+            store directory to pass instead).
+
+    Example:
+        ```python
+        >>> find_root("out")  # a training output_dir
+        PosixPath('out/smart_ckpt')
+        ```
+    """
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"root {root} does not exist; {_WHAT_TO_PASS}.")
+    if not root.is_dir():
+        raise ConfigError(f"root {root} is a file, not a directory; {_WHAT_TO_PASS}.")
+    if (root / MANIFEST_NAME).exists() or any(p.name.startswith(STEP_DIR_PREFIX) for p in root.iterdir()):
+        store_root = root.parent.parent if (root / MANIFEST_NAME).exists() else root.parent
+        raise ConfigError(f"root {root} is a checkpoint or task directory, not a store root; pass {store_root} (the "
+                          f"directory holding {CATALOG_NAME}) and name the checkpoint by its reference and task.")
+    if is_store(root):
+        return root
+    if is_store(root / STORE_DIR):
+        return root / STORE_DIR
+    raise CheckpointNotFoundError(f"no hf_dynamic_ckpt store under {root}: {_WHAT_TO_PASS}.")
 
 
 class CheckpointStore:
