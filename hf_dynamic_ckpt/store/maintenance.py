@@ -1,6 +1,11 @@
 """Keeping a task tidy: leftovers and replace recovery, deletion, retention application
-(`prune`), abandoned timelines and blob collection (`gc`). The catalog's reconciliation with
-the manifests is `Catalog.sync` (through `Task.sync`), not here.
+(`prune`), abandoned timelines and blob collection (`gc`), and the pins that keep a checkpoint
+from all of them (`pin`, `unpin`). The catalog's reconciliation with the manifests is
+`Catalog.sync` (through `Task.sync`), not here.
+
+A pinned checkpoint has a `PINNED` marker next to its manifest, or was saved with ``pinned`` in
+its manifest; retention and `gc` never delete it. For URL roots the marker is mirrored to the
+object store.
 
 Rules every function here follows:
 
@@ -16,15 +21,19 @@ Rules every function here follows:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 from ..constants import (
     ALL_TIERS,
     ASIDE_SUFFIX,
+    KEY_PINNED,
     MANIFEST_NAME,
+    PINNED_MARKER,
     STEP_DIR_PREFIX,
     TIMELINES_NAME,
     TMP_MARKER,
@@ -122,8 +131,7 @@ def delete_checkpoint(task: Task, info: CheckpointInfo, tiers: Collection[Tier] 
     path = task.step_dir(info.step)
     if tiers is not None and set(tiers) != set(ALL_TIERS) and set(info.tiers) - set(tiers):
         new, drop = mf.without_tiers(task.read_manifest(info.step), tiers)
-        mf.write_manifest(path, new, name=MANIFEST_NAME + ".new")
-        task.fs.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
+        _replace_manifest(task, path, new)
         task.fs.fsync_dir(path)
         freed = 0
         for name in drop:  # allowlisted single names (manifest validation)
@@ -149,6 +157,12 @@ def delete_checkpoint(task: Task, info: CheckpointInfo, tiers: Collection[Tier] 
     task.fs.rmtree(trash)
     logger.debug("deleted %s step %d", task.task_id, info.step)
     return freed
+
+
+def _replace_manifest(task: Task, path: Path, manifest: dict[str, Any]) -> None:
+    """Rewrite the manifest of the checkpoint at `path` atomically (written next to it, renamed over it)."""
+    mf.write_manifest(path, manifest, name=MANIFEST_NAME + ".new")
+    task.fs.replace(path / (MANIFEST_NAME + ".new"), path / MANIFEST_NAME)
 
 
 def used_digests(task: Task) -> set[str] | None:
@@ -248,3 +262,39 @@ def remove_abandoned(task: Task, report: GcReport) -> None:
             report.kept.append(f"step {info.step} kept: abandoned but pinned")
         elif info.abandoned and info.step not in report.abandoned:
             report.kept.append(f"step {info.step} kept: abandoned, the current timeline has not passed it yet")
+
+
+# -- pins -------------------------------------------------------------------------------------
+def pin(task: Task, info: CheckpointInfo) -> CheckpointInfo:
+    """Write the `PINNED` marker of `info` (fsynced), mirror it, record it; returns the pinned info.
+
+    The caller holds the store's lock and passes the checkpoint as its directory describes it now
+    (`CheckpointStore` re-reads it before `pin` and `unpin`)."""
+    marker = Path(info.path) / PINNED_MARKER
+    with task.fs.create(marker) as f:
+        os.fsync(f.fileno())
+    task.fs.fsync_dir(marker.parent)
+    if task.remote is not None:
+        from .remote_sync import mirror_step
+
+        mirror_step(task, task.remote, info.step)
+    info = dataclasses.replace(info, pinned=True)
+    task.record(info)
+    return info
+
+
+def unpin(task: Task, info: CheckpointInfo) -> CheckpointInfo:
+    """Remove the marker of `info` and a pin requested at save time (the manifest is rewritten atomically)."""
+    path = Path(info.path)
+    manifest = task.read_manifest(info.step)
+    if manifest.get(KEY_PINNED):
+        _replace_manifest(task, path, mf.with_changes(manifest, {KEY_PINNED: False}))
+    task.fs.unlink(path / PINNED_MARKER)
+    task.fs.fsync_dir(path)
+    if task.remote is not None:
+        from .remote_sync import mirror_step
+
+        mirror_step(task, task.remote, info.step)
+    info = task.scan(info.step) or info
+    task.record(info)
+    return info

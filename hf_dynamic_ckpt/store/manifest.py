@@ -74,8 +74,8 @@ from .spec import Lineage
 from .types import CheckpointInfo
 
 __all__ = ["KEY_BYTES", "KEY_RECOVERY_COST", "KEY_SESSION_ID", "broken_info", "build_manifest", "info_from_manifest",
-           "read_json", "read_manifest", "tiers_of", "validate_manifest", "without_tiers", "write_json",
-           "write_manifest"]
+           "read_json", "read_manifest", "tiers_of", "validate_manifest", "with_changes", "without_tiers",
+           "write_json", "write_manifest"]
 
 _RNG_NAME_RE = re.compile(r"rng-rank(0|[1-9][0-9]{0,6})\.json")
 _SHARD_NAME_RE = re.compile(r"(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")  # FSDP2 (`shard_files`)
@@ -389,12 +389,19 @@ def without_tiers(manifest: Mapping[str, Any], tiers: Collection[Tier]) -> tuple
     drop = {n for n, e in manifest[KEY_FILES].items() if e.get(KEY_TIER) in values}
     files = {n: e for n, e in manifest[KEY_FILES].items() if n not in drop}
     blobs = {} if Tier.WEIGHTS.value in values else dict(manifest.get(KEY_BLOBS) or {})
-    new = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
-    new.update({KEY_FILES: files, KEY_BLOBS: blobs, KEY_TIERS: sorted(set(manifest[KEY_TIERS]) - values),
-                KEY_BYTES: sum(int(e[KEY_SIZE]) for e in files.values()),
-                KEY_RECOVERY_COST: estimate_recovery_cost_ms(files, blobs)})
-    new[KEY_MANIFEST_CHECKSUM] = compute_manifest_checksum(new)
+    new = with_changes(manifest, {KEY_FILES: files, KEY_BLOBS: blobs,
+                                  KEY_TIERS: sorted(set(manifest[KEY_TIERS]) - values),
+                                  KEY_BYTES: sum(int(e[KEY_SIZE]) for e in files.values()),
+                                  KEY_RECOVERY_COST: estimate_recovery_cost_ms(files, blobs)})
     return new, drop
+
+
+def with_changes(manifest: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `manifest` with `changes` applied, re-checksummed (what `unpin` and tier deletion rewrite)."""
+    new = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
+    new.update(changes)
+    new[KEY_MANIFEST_CHECKSUM] = compute_manifest_checksum(new)
+    return new
 
 
 def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK,

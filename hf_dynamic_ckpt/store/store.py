@@ -9,8 +9,7 @@ Who owns what (each takes the `Task` and nothing of the store):
 - `catalog.Catalog`: the SQLite index and its one reconciliation with the manifests (`sync`, `rebuild`).
 - `reader`: `load`, `load_scheduler_only` and `verify` of a resolved checkpoint.
 - `commit`: the whole commit sequence of `save`.
-- `pins`: `pin` and `unpin` markers.
-- `maintenance`: leftovers, `delete`, `prune`, `gc`, blob collection.
+- `maintenance`: leftovers, `delete`, `prune`, `gc`, blob collection, `pin` and `unpin` markers.
 - `timelines`: the pure `fork` record; `lock.WriterLock`: one writer per task; `remote_sync`: the
   object-store copy of a URL root.
 
@@ -83,7 +82,7 @@ from ..errors import (
     StoreNotWritableError,
 )
 from . import maintenance as mt
-from . import pins, reader
+from . import reader
 from . import remote_sync as rs
 from .catalog import Catalog
 from .commit import commit_save
@@ -561,13 +560,13 @@ class CheckpointStore:
         """Protect a checkpoint from retention and gc (writes a `PINNED` marker next to the manifest)."""
         self._check_writable("pin")
         with self._lock:
-            return pins.pin(self.task, self._own(ref, "pin"))
+            return mt.pin(self.task, self._own(ref, "pin"))
 
     def unpin(self, ref: Ref) -> CheckpointInfo:
         """Undo `pin` (and a pin requested at save time: the manifest is rewritten atomically)."""
         self._check_writable("unpin")
         with self._lock:
-            return pins.unpin(self.task, self._own(ref, "unpin"))
+            return mt.unpin(self.task, self._own(ref, "unpin"))
 
     def delete(self, ref: Ref, *, tiers: Collection[Tier] | None = None, force: bool = False) -> None:
         """Delete a checkpoint of this task, or only some of its tiers (blobs nobody uses go too).
