@@ -31,7 +31,9 @@ from typing import Any
 
 from ..constants import (
     KEY_RANK,
+    KEY_RANK_CHUNKS,
     KEY_SESSION_ID,
+    KEY_SHARDED,
     KEY_TIER,
     L1_PARTS,
     OPTIMIZER_META_NAME,
@@ -39,6 +41,7 @@ from ..constants import (
     RANK_DONE_TEMPLATE,
     RNG_NAME_TEMPLATE,
     SAMPLER_NAME,
+    SHARDED_FORMAT,
     Tier,
 )
 from ..errors import (
@@ -52,7 +55,7 @@ from ..jsonutil import json_safe
 from . import manifest as mf
 from .blobs import BlobStore
 from .hashing import FileEntry
-from .shard_files import sharded_extra, write_shards
+from .shard_files import write_shards
 from .spec import Codec, SaveRequest
 from .task import Task
 from .tensorpack import PaceMemory
@@ -184,18 +187,22 @@ def wait_for_ranks(task: Task, tmp: Path, *, step: int,
     return parts
 
 
-def merge_rank_parts(task: Task, tmp: Path,
-                     parts: list[dict[str, Any]]) -> tuple[dict[str, FileEntry], dict[str, Any], set[Tier]]:
-    """Union of the ranks' entries; removes the done files, which have served their purpose."""
+def merge_rank_parts(task: Task, tmp: Path, parts: list[dict[str, Any]]
+                     ) -> tuple[dict[str, FileEntry], dict[str, Any], set[Tier], dict[str, Any]]:
+    """Union of the ranks' entries, and the chunk tables of a sharded (FSDP2) save by rank (`shard_files`;
+    empty for an unsharded one); removes the done files, which have served their purpose."""
     files: dict[str, FileEntry] = {}
     blobs: dict[str, Any] = {}
     tiers: set[Tier] = set()
+    chunks: dict[str, Any] = {}
     for part in parts:
         files.update(part["files"])
         blobs.update(part["blobs"])
         tiers.update(Tier(t) for t in part["tiers"])
+        if isinstance(part.get("sharded"), dict):
+            chunks[str(part["rank"])] = part["sharded"]
         task.fs.unlink(tmp / RANK_DONE_TEMPLATE.format(rank=int(part["rank"])))
-    return files, blobs, tiers
+    return files, blobs, tiers, chunks
 
 
 def existing(task: Task, request: SaveRequest, *, replace: bool) -> CheckpointInfo | bool | None:
@@ -253,7 +260,10 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
     t0 = time.perf_counter()
     try:
         fs.mkdir(tmp)
-        plain, shard_files, shards = write_shards(state, tmp, rank=spec.rank)  # FSDP2: this rank's shards
+        if KEY_RANK_CHUNKS in state.extra:  # FSDP2: this rank's shards first, what is left as usual
+            plain, shard_files, shards = write_shards(state, tmp, rank=spec.rank)
+        else:
+            plain, shard_files, shards = state, {}, None
         files, blobs = write_rank_files(plain, tmp, rank=spec.rank, blobs_dir=task.blobs, level=spec.compression_level,
                                         threads=spec.compression_threads, compression=spec.codec,
                                         paced=spec.pace_to_disk and task.remote is None, pace=task.l1_pace)
@@ -294,14 +304,17 @@ def _discard(task: Task, tmp: Path) -> None:
 def _commit(task: Task, tmp: Path, state: CheckpointState, request: SaveRequest, parts: list[dict[str, Any]],
             timings: dict[str, Any]) -> tuple[CheckpointInfo, bool]:
     fs, step = task.fs, request.step
-    files, blobs, tiers = merge_rank_parts(task, tmp, parts)
+    files, blobs, tiers, chunks = merge_rank_parts(task, tmp, parts)
+    extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
+    if chunks:  # FSDP2: every rank's chunk table, read back by `shard_files.sharded_table`
+        extra[KEY_SHARDED] = {"format": SHARDED_FORMAT, "world_size": task.spec.world_size, "ranks": chunks}
     t0 = time.perf_counter()
     manifest = mf.build_manifest(
         task_id=task.task_id, step=step, epoch=state.epoch, reason=request.reason, kind=request.kind, tiers=tiers,
         pinned=request.pinned, healthy=request.healthy, world_size=task.spec.world_size, files=files, blobs=blobs,
         session_id=task.spec.session_id, lineage=request.lineage.to_dict() if request.lineage else None,
         signals=request.signals, debug_info=request.debug_info,
-        extra=sharded_extra(state.extra, parts, task.spec.world_size), timings=timings,
+        extra=extra, timings=timings,
     )
     mf.write_manifest(tmp, manifest)
     fs.fsync_dir(tmp)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +98,6 @@ def write_shards(state: CheckpointState, tmp: Path, *, rank: int
         part[kind] = {k: {**table[kind][k], "file": name} for k in checked}
     rest = dataclasses.replace(state, weights=None, optimizer=rest_optimizer if rank == 0 else None, extra=extra)
     return rest, files, part
-
-
-def sharded_extra(extra: Mapping[str, Any], parts: Iterable[Mapping[str, Any]], world_size: int) -> dict[str, Any]:
-    """Rank 0: the manifest's `extra` with every rank's chunk table (`extra["sharded"]`)."""
-    out = {k: v for k, v in extra.items() if k != KEY_RANK_CHUNKS}
-    ranks = {str(p["rank"]): p["sharded"] for p in parts if isinstance(p.get("sharded"), dict)}
-    if ranks:
-        out[KEY_SHARDED] = {"format": SHARDED_FORMAT, "world_size": world_size, "ranks": ranks}
-    return out
 
 
 # ---------------------------------------------------------------------------------- read
