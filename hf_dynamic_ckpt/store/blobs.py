@@ -12,9 +12,11 @@ Invariants:
   can never name a file outside the blob directory; a blob directory that is a symbolic
   link is refused for every operation.
 - A blob is written with temp + fsync + rename, so it is either complete or absent.
-- Collection (`collect`) runs only under the exclusive blob lock, which every rank-0 save
-  holds shared: a blob written or referenced by a save that has not committed yet is never
-  collected (collection is skipped and happens at the next opportunity).
+- Collection (`collect`) runs only under the exclusive blob lock, which a rank-0 save holds
+  shared when it writes or references blobs (`CheckpointState.has_blobs`) or may replace a
+  committed copy of its step: a blob written or referenced by a save that has not committed yet,
+  or by the copy it replaces, is never collected (collection is skipped and happens at the next
+  opportunity). Any other save gives collection nothing to take.
 """
 
 from __future__ import annotations

@@ -539,7 +539,11 @@ class CheckpointStore:
         self._check_writable("save")
         self.ensure_root()
         with self._lock:
-            with self.blobs.lock(shared=True) if self.rank == 0 else contextlib.nullcontext(True):
+            # The blob lock keeps collection away from the blobs this save writes or names and from those of a
+            # committed copy of the step it may replace (until the new copy is in); a save with neither gives
+            # collection nothing to take.
+            guard = self.rank == 0 and (state.has_blobs or self.fs.lstat(self.task.step_dir(step)) is not None)
+            with self.blobs.lock(shared=True) if guard else contextlib.nullcontext(True):
                 info, replaced = commit_save(self.task, state, request, timings=timings, replace=replace, cancel=cancel)
             if replaced:  # blobs only the replaced copy used can go, now that the save released its lock
                 mt.collect_blobs(self.task, GcReport())

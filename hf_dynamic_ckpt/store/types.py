@@ -57,6 +57,12 @@ class CheckpointState:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def has_blobs(self) -> bool:
+        """Whether a save of this state writes or names blobs (`dedup_keys`, `BlobRef` weights)."""
+        return self.weights is not None and (bool(self.dedup_keys)
+                                             or any(isinstance(v, BlobRef) for v in self.weights.values()))
+
+    @property
     def tiers(self) -> frozenset[Tier]:
         tiers = set()
         if self.weights is not None:
