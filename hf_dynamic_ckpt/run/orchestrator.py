@@ -397,7 +397,7 @@ class RunOrchestrator:
         if self.resumed is not None:
             self._start_timeline()
         self._stepped = True
-        if self.flat is not None:
+        if self.flat is not None and self.flat.enabled:
             self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then checks
         if not self._prepared:
             self.prepare_buffers()
@@ -539,7 +539,7 @@ class RunOrchestrator:
     def _before_save(self, decision: Decision) -> None:
         """What every save needs first, on every rank: the trainable state in place, this run's timeline
         started (rank 0 sets other timelines' newer checkpoints aside)."""
-        if self.flat is not None:
+        if self.flat is not None and self.flat.enabled:
             self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
         self._start_timeline()
 

@@ -264,6 +264,7 @@ class FlatKeeper:
 
         # FSDP2 parameters are DTensor shards (never moved); the rest: `enabled`, or where it pays.
         self.enabled = not is_sharded_model(model) and (pays(model) if enabled is None else enabled)
+        """Whether `keep` consolidates at all (off for good once it found nothing to move): callers skip it when not."""
         self.state: FlatState | None = None
         self.moves = 0
         """How many times the state was (re)consolidated."""
