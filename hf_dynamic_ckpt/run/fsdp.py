@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[st
         own = frozenset(ALL_TIERS) if main or optimizer is not None else frozenset({Tier.WEIGHTS, Tier.STATE})
         return sharded, sources, own
     if weights is None:
-        weights = CachedWeights(model, lambda: trainable_state_dict(model))
+        weights = CachedWeights(model, partial(trainable_state_dict, model))
     sources = StateSources(
         weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
         optimizer=optimizer if main else None, scheduler=scheduler if main else None,
