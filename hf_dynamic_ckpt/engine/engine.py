@@ -192,22 +192,27 @@ class SaveEngine:
             previous.handle.join()  # its error, if any, is reported through its own handle
         self._settle(previous)
         self._preparer.finish(self._snapshotter)  # normally long done: buffers prepared after the first step
-        live = self._snapshotter.collect(sources, step=request.step, epoch=request.epoch, tiers=request.tiers,
-                                         rng=rng, sampler=sampler, extra=extra)
+        what: dict[str, Any] = {"step": request.step, "epoch": request.epoch, "tiers": request.tiers, "rng": rng,
+                                "sampler": sampler, "extra": extra}
+        live = self._snapshotter.collect(sources, **what)
         synchronous = blocking or self.mode == EngineMode.SYNC
         snapshot = None
         if not synchronous:
-            needed, held = self._snapshotter.extra_bytes_needed(live), self._snapshotter.pool.nbytes
-            plan, snapshot = self._stager.plan_copying(needed, held, partial(self._snapshotter.take, live, copy=True))
-            to_threads = self.mode == EngineMode.PROCESS and (plan.mode == StagingMode.STREAMING or (
-                needed and not self._dispatch.shared_memory_fits(needed, self.memory_margin)))
-            if snapshot is not None and (to_threads or plan.mode == StagingMode.STREAMING):
-                snapshot.wait_copies()  # not written: its buffers are released below, once its copies are done
-                snapshot = None
-            if to_threads:
-                self._dispatch.use_threads()  # streaming: the writer process's memory is needed too
-                self._snapshotter = self._new_snapshotter(shared=False)
-            if plan.mode == StagingMode.STREAMING:
+            needed = self._snapshotter.extra_bytes_needed(live)
+            if (self.mode == EngineMode.PROCESS and needed
+                    and not self._dispatch.shared_memory_fits(needed, self.memory_margin)):
+                # Decided before anything is copied: this save and the next are thread-mode saves.
+                self._use_threads()
+                live = self._snapshotter.collect(sources, **what)  # planned for the private buffers
+                needed = self._snapshotter.extra_bytes_needed(live)
+            plan, snapshot = self._stager.plan_copying(needed, self._snapshotter.pool.nbytes,
+                                                       partial(self._snapshotter.take, live, copy=True))
+            if plan.mode == StagingMode.STREAMING:  # memory says stream: a copy into held buffers is dropped
+                if snapshot is not None:
+                    snapshot.wait_copies()  # not written: its buffers are released below, once its copies are done
+                    snapshot = None
+                if self.mode == EngineMode.PROCESS:
+                    self._use_threads()  # the writer process's memory is needed too
                 self._stager.stream(request.step, plan)  # logs it
                 self._snapshotter.release()  # a streaming save uses no buffer
                 synchronous = True
@@ -353,6 +358,11 @@ class SaveEngine:
     # -- internals -------------------------------------------------------------------------
     def _new_snapshotter(self, *, shared: bool) -> Snapshotter:
         return Snapshotter(shared=shared, blob_exists=self._blob_exists)
+
+    def _use_threads(self) -> None:
+        """Thread mode for good: the writer process stops, snapshots go to private buffers."""
+        self._dispatch.use_threads()
+        self._snapshotter = self._new_snapshotter(shared=False)
 
     def _store_save(self, state: CheckpointState, request: SaveRequest, *, timings: Mapping[str, Any],
                     cancel: Callable[[], bool]) -> CheckpointInfo | None:

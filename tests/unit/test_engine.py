@@ -366,6 +366,34 @@ def test_process_mode_falls_back_to_thread_when_dev_shm_is_too_small(store, capl
     engine.close()
 
 
+def test_the_writer_is_chosen_before_anything_is_copied(store, monkeypatch):
+    # /dev/shm runs short after a first process-mode save: the next save is a thread-mode save from its start,
+    # planned for private buffers (nothing of it goes into the shared ones, which would be allocated again
+    # at the save after), and it writes the state at the save.
+    import hf_dynamic_ckpt.engine.buffers as buffers
+
+    shared: list[int] = []
+    allocate = buffers.new_shared_storage
+    monkeypatch.setattr(buffers, "new_shared_storage", lambda n, **k: shared.append(n) or allocate(n, **k))
+    model, opt, _ = _model()
+    with SaveEngine(store, mode="process") as engine:
+        engine.save(_sources(model, opt), SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="a")).wait(60)
+        first = list(shared)
+        assert first and engine._snapshotter.pool.shared
+        engine._dispatch.shm_free = lambda: 64  # fewer bytes than the optimizer state
+        expected = _clone(model.state_dict())
+        handle = engine.save(_sources(model, opt), SaveRequest(step=2, tiers=ALL_TIERS, reason="b"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # after the save returned: not in the snapshot
+        info = handle.wait(60)
+        held = engine.buffer_bytes
+        assert engine.mode == "thread" and not engine._snapshotter.pool.shared and shared == first
+        engine.save(_sources(model, opt), SaveRequest(step=3, tiers=ALL_TIERS, reason="c")).wait(60)
+        assert engine.buffer_bytes == held  # the second save's buffers were the private pool's: reused
+    _assert_state_equal(store.load(info).weights, expected)
+
+
 def test_tied_embeddings_are_stored_once_through_the_engine(store):
     from hf_dynamic_ckpt.extras.toy import tiny_qwen2
 
