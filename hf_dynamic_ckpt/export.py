@@ -55,7 +55,7 @@ from .store.catalog import STATUS_MISSING, STATUS_OK
 from .store.fs import fsync_dir, fsync_file
 from .store.remote import is_url
 from .store.store import CheckpointStore, find_root
-from .store.task import NAMED_SPECS
+from .store.task import NAMED_REFS
 from .store.types import CheckpointInfo, LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -167,13 +167,13 @@ def _why_hidden(store: CheckpointStore, info: CheckpointInfo) -> str:
 def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tuple[LoadedCheckpoint, list[str]]:
     """`store.load(ref)`, and what `ref` passed over: a named ref moves past a checkpoint that fails verification;
     each checkpoint it ranked before the chosen one but passed over gets a note (also first in `warnings`)."""
-    if isinstance(ref, int) or os.fspath(ref) not in NAMED_SPECS:
+    if isinstance(ref, int) or os.fspath(ref) not in NAMED_REFS:
         return store.load(ref, tiers=tiers, mmap=False), []
-    spec = os.fspath(ref)
+    ref = os.fspath(ref)
     failed: dict[int, str] = {}
     while True:
         try:
-            info = store.resolve(spec)
+            info = store.resolve(ref)
         except CheckpointNotFoundError as e:
             if not failed:
                 raise
@@ -188,7 +188,7 @@ def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tu
             failed[info.step] = str(e)
     chosen = loaded.info
     notes = [f"skipped step {i.step}: {_why_hidden(store, i)}" for i in store.list(include_unhealthy=True)
-             if i.step != chosen.step and Tier.WEIGHTS in i.tiers and _ahead(spec, i, chosen)]
+             if i.step != chosen.step and Tier.WEIGHTS in i.tiers and _ahead(ref, i, chosen)]
     loaded.warnings[:0] = notes
     return loaded, notes
 

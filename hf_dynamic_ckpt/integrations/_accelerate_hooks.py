@@ -203,13 +203,13 @@ class SmartStateHooks:
             raise SaveError(f"save_state: the store did not commit step {event.step}: {event.error}")
 
     def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
-        spec = self._spec_for(Path(input_dir))
-        if spec is None:
+        ref = self._ref_for(Path(input_dir))
+        if ref is None:
             logger.info("load_state(%s): no %s and not a store checkpoint (a folder saved without the store's hooks): "
                         "Accelerate loads it as it would without them; the store %s is not involved", input_dir,
                         POINTER_NAME, self.run.store.root)
             return
-        loaded = self.run.resume(spec, expected=self.state.weights())
+        loaded = self.run.resume(ref, expected=self.state.weights())
         if loaded is None:  # pragma: no cover - resume returns None only for "auto" on an empty store
             raise CheckpointNotFoundError(f"load_state({input_dir!r}): the store {self.run.store.root} is empty.")
         self.state.apply(loaded)
@@ -217,7 +217,7 @@ class SmartStateHooks:
         models.clear()
         self.last_loaded = loaded
 
-    def _spec_for(self, input_dir: Path) -> str | None:
+    def _ref_for(self, input_dir: Path) -> str | None:
         """What to resume for `input_dir`: the checkpoint its pointer names, the directory itself when it is a store
         checkpoint, else `None` (a plain Accelerate folder)."""
         pointer_file = input_dir / POINTER_NAME

@@ -223,11 +223,11 @@ class SmartCheckpointer:
             self.state.loader.mark_boundary()
         return self.run.save_now(self.step, self.state.epoch(boundary=True), reason=reason, blocking=blocking)
 
-    def resume(self, spec: str | None = "auto") -> LoadedCheckpoint | None:
+    def resume(self, ref: str | None = "auto") -> LoadedCheckpoint | None:
         """Restore a checkpoint on every rank before the loop (rank 0 chooses).
 
         Args:
-            spec (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy), `best`
+            ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy), `best`
                 (lowest loss), `fastest` (lowest recovery cost), `step:N`, or a path; `None`
                 starts fresh. `auto` on an empty store starts fresh.
 
@@ -235,12 +235,12 @@ class SmartCheckpointer:
             `LoadedCheckpoint | None`: what was restored (`None`: fresh start).
 
         Raises:
-            `CheckpointNotFoundError`: an explicit `spec` names nothing loadable.
+            `CheckpointNotFoundError`: an explicit `ref` names nothing loadable.
             `IncompatibleStateError`: the checkpoint does not fit the model.
         """
-        loaded = self.run.resume(spec, expected=self.state.weights())
+        loaded = self.run.resume(ref, expected=self.state.weights())
         if loaded is None:
-            logger.info("resume(%r): nothing to resume, starting fresh", spec)
+            logger.info("resume(%r): nothing to resume, starting fresh", ref)
             return None
         self.state.apply(loaded)
         if self.state.loader is not None:

@@ -16,7 +16,7 @@ A thin adapter over `hf_dynamic_ckpt.run.orchestrator.RunOrchestrator`:
 - `on_log`: `smart_ckpt/*` metrics; `on_train_end`: the final save, then the engine and the
   store close (a second `train()` opens them again).
 
-Resume: `resume_checkpoint(trainer, spec)` chooses and verifies the restore point (one agreed
+Resume: `resume_checkpoint(trainer, ref)` chooses and verifies the restore point (one agreed
 outcome on every rank, checked against the model) and materialises a minimal Trainer folder
 (`_trainer_folder`). Trainer then loads the weights, restores `global_step` and skips the
 batches already seen; the callback restores each rank's RNG at the moment the uninterrupted run
@@ -146,16 +146,16 @@ class SmartCkptCallback(TrainerCallback):
         """The consolidated trainable state's keeper (`state.flat`), once training began."""
         return self.run.flat if self.run is not None else None
 
-    def prepare_resume(self, trainer: Any, spec: str | os.PathLike[str] | None) -> str | None:
+    def prepare_resume(self, trainer: Any, ref: str | os.PathLike[str] | None) -> str | None:
         """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder.
 
         The optimizer tier is read in the background while Trainer builds and prepares the optimizer, and is
         loaded into them at the first update (`on_pre_optimizer_step`)."""
         self.set_trainer(trainer)
-        if spec is None:
+        if ref is None:
             return None
         ck = self.get_run(trainer.args)
-        loaded = ck.resume(os.fspath(spec), background_optimizer=True, expected=expected_weights(trainer.model))
+        loaded = ck.resume(os.fspath(ref), background_optimizer=True, expected=expected_weights(trainer.model))
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
@@ -412,7 +412,7 @@ def _find_callback(trainer: Any) -> SmartCkptCallback:
     )
 
 
-def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto") -> str | None:
+def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto") -> str | None:
     """The `resume_from_checkpoint` argument for `trainer.train`, from the smart checkpoint store.
 
     Chooses and verifies the restore point (one agreed outcome on every rank; a broken
@@ -424,7 +424,7 @@ def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto"
 
     Args:
         trainer (`transformers.Trainer`): a trainer created with a `SmartCkptCallback`.
-        spec (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy checkpoint;
+        ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy checkpoint;
             a fresh start when the store is empty), `best`, `fastest`, `step:N`, a checkpoint
             path, or `None` (fresh start).
 
@@ -434,7 +434,7 @@ def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto"
 
     Raises:
         `ConfigError`: the trainer has no `SmartCkptCallback`.
-        `CheckpointNotFoundError`: an explicit spec names nothing loadable.
+        `CheckpointNotFoundError`: an explicit ref names nothing loadable.
         `IncompatibleStateError`: the saved weights do not fit the model.
 
     Example:
@@ -442,4 +442,4 @@ def resume_checkpoint(trainer: Any, spec: str | os.PathLike[str] | None = "auto"
         >>> trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, "auto"))
         ```
     """
-    return _find_callback(trainer).prepare_resume(trainer, spec)
+    return _find_callback(trainer).prepare_resume(trainer, ref)

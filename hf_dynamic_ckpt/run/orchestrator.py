@@ -12,7 +12,7 @@ step_end(step, epoch)                 # after optimizer.step / scheduler.step / 
 release()                             # only with hold_saves: the step's logging is done, write now
 ```
 
-and `resume(spec)` to come back: `resume.plan_resume` reads, verifies and plans the restore
+and `resume(ref)` to come back: `resume.plan_resume` reads, verifies and plans the restore
 point into a `Resumption` (one agreed outcome on every rank) and `apply` makes it the run's
 state. Under DDP every rank calls the same methods in the same order: the signals are reduced in
 one collective per step, the policy reads nothing else, and the reduction also compares a
@@ -641,7 +641,7 @@ class RunOrchestrator:
         self.saver.abort(why)
 
     # ------------------------------------------------------------------ resume
-    def resume(self, spec: str | None, *, background_optimizer: bool = False,
+    def resume(self, ref: str | None, *, background_optimizer: bool = False,
                expected: Mapping[str, Any] | None = None) -> LoadedCheckpoint | None:
         """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it.
 
@@ -651,7 +651,7 @@ class RunOrchestrator:
         `complete_resume(loaded)`.
 
         Args:
-            spec (`str`, *optional*): `auto`, `best`, `fastest`, `step:N` or a path; `None` starts fresh.
+            ref (`str`, *optional*): `auto`, `best`, `fastest`, `step:N` or a path; `None` starts fresh.
             background_optimizer (`bool`, *optional*, defaults to `False`): see above.
             expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping; the saved weights
                 must fit it (names and shapes) on every rank.
@@ -663,15 +663,15 @@ class RunOrchestrator:
             The same error on every rank: `CheckpointNotFoundError`, `IncompatibleStateError`,
             `FormatVersionError`, `DistributedError`.
         """
-        if spec is None:
+        if ref is None:
             return None
-        resumption = self._plan(spec, expected=expected, background_optimizer=background_optimizer)
+        resumption = self._plan(ref, expected=expected, background_optimizer=background_optimizer)
         if resumption is None:
             return None
         self.apply(resumption)
         return resumption.loaded
 
-    def _plan(self, spec: str, *, expected: Mapping[str, Any] | None,
+    def _plan(self, ref: str, *, expected: Mapping[str, Any] | None,
               background_optimizer: bool = False) -> Resumption | None:
         """`plan_resume` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
         collective) into the live objects."""
@@ -680,7 +680,7 @@ class RunOrchestrator:
         if self._sources is not None and self._optimizer is None and self._scheduler is None and self._scaler is None:
             fallback = FallbackStrategy.LEVEL_0_ONLY  # attached without an optimizer: no optimizer tier to miss
         resumption = plan_resume(
-            self.store, spec, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
+            self.store, ref, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
             fallback=fallback, expected=sharded.expected() if sharded is not None else expected,
             background_optimizer=background_optimizer and sharded is None)
         if resumption is not None and sharded is not None:
@@ -702,7 +702,7 @@ class RunOrchestrator:
             self._start_timeline()
             return
         # Recorded once the resumed run trains or saves (`_start_timeline`): a resume that only looks changes nothing.
-        self._resume_event = {"step": info.step, "spec": resumption.spec,
+        self._resume_event = {"step": info.step, "ref": resumption.ref,
                               "warnings": list(resumption.loaded.warnings),
                               "tiers": sorted(t.value for t in resumption.loaded.tiers)}
         if resumption.pending is None:

@@ -74,7 +74,7 @@ KEY_ROLLBACKS = "rollbacks"
 """Keys of a manifest's `extra` that hold the run's own state (the policy, the gradient probe, the save counts,
 the rollbacks taken)."""
 
-Spec = str | int | os.PathLike[str] | CheckpointInfo
+Ref = str | int | os.PathLike[str] | CheckpointInfo
 
 _ERRORS: dict[str, type[DynamicCkptError]] = {
     cls.__name__: cls for cls in (CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError,
@@ -204,20 +204,20 @@ def optimizer_lost_message(step: int, why: str) -> str:
             f"the learning-rate schedule continues at step {step}")
 
 
-def _candidates(store: CheckpointStore, spec: Spec) -> list[CheckpointInfo]:
+def _candidates(store: CheckpointStore, ref: Ref) -> list[CheckpointInfo]:
     """The resolved checkpoint, then every older usable one of the task (newest first).
 
     For ``auto``, newer checkpoints whose manifest cannot be read come first: `auto` passes over them, but the
     resume tries each (a manifest read, cheap) so that it says why it fell back, and a manifest of a newer format
     stops it (`FormatVersionError`) instead of resuming an older step in silence."""
-    first = store.resolve(spec)
+    first = store.resolve(ref)
     newer: list[CheckpointInfo] = []
     older: list[CheckpointInfo] = []
     if first.task_id == store.task_id:
         listed = store.list(include_unhealthy=True)
         older = [i for i in listed if i.step < first.step and i.healthy and i.status == STATUS_OK
                  and Tier.WEIGHTS in i.tiers]
-        if spec == "auto":
+        if ref == "auto":
             newer = [i for i in listed if i.step > first.step and i.status == STATUS_CORRUPT and not i.tiers]
     return [*sorted(newer, key=lambda i: i.step, reverse=True), first, *older]
 
@@ -263,7 +263,7 @@ class Resumption:
     Attributes:
         loaded (`LoadedCheckpoint`): this rank's view of the restore point (its own RNG); with a
             `pending` read, the optimizer tier is filled in by `RunOrchestrator.complete_resume`.
-        spec (`str`): what was asked for (`auto`, `step:N`, a path, ...).
+        ref (`str`): what was asked for (`auto`, `step:N`, a path, ...).
         lineage (`Lineage`): the timeline the run continues on (its parent: the restore point).
         degraded (`bool`): the optimizer state is not restored (a weights-only resume).
         skipped (`list[int]`): newer candidates passed over because some rank could not use them.
@@ -274,7 +274,7 @@ class Resumption:
     """
 
     loaded: LoadedCheckpoint
-    spec: str
+    ref: str
     lineage: Lineage
     degraded: bool = False
     skipped: list[int] = field(default_factory=list)
@@ -299,7 +299,7 @@ def run_state(loaded: LoadedCheckpoint, key: str) -> dict[str, Any] | None:
 
 def plan_resume(
     store: CheckpointStore,
-    spec: Spec,
+    ref: Ref,
     *,
     session_id: str | None = None,
     rank: int = 0,
@@ -311,11 +311,11 @@ def plan_resume(
 ) -> Resumption | None:
     """Choose, verify and load the restore point on every rank (one agreed outcome) into a `Resumption`.
 
-    Every rank calls it with the same `spec` (a collective under a process group).
+    Every rank calls it with the same `ref` (a collective under a process group).
 
     Args:
         store (`CheckpointStore`): this rank's store.
-        spec: ``"auto"``, ``"best"``, ``"fastest"``, ``"step:N"`` or a checkpoint path (another store's too).
+        ref: ``"auto"``, ``"best"``, ``"fastest"``, ``"step:N"`` or a checkpoint path (another store's too).
         session_id (`str`, *optional*): the resuming run's session (the new lineage's); a new one by default.
         rank, world_size (`int`, *optional*): this rank and the number of ranks (a collective when > 1).
         fallback (`FallbackStrategy`, *optional*): what a broken tier does (see the module docstring).
@@ -326,7 +326,7 @@ def plan_resume(
             background thread (`Resumption.pending`).
 
     Returns:
-        `Resumption | None`: `None` when `spec` is ``"auto"`` and the store holds no checkpoint at all (a fresh
+        `Resumption | None`: `None` when `ref` is ``"auto"`` and the store holds no checkpoint at all (a fresh
         start; decided by rank 0).
 
     Raises:
@@ -336,7 +336,7 @@ def plan_resume(
     start = time.perf_counter()
     fallback = FallbackStrategy(fallback)
     deferred = background_optimizer and fallback == FallbackStrategy.FULL
-    agreed = _agree(store, spec, rank=rank, world_size=world_size,
+    agreed = _agree(store, ref, rank=rank, world_size=world_size,
                     fallback=FallbackStrategy.LEVEL_0_ONLY if deferred else fallback, expected=expected, mmap=mmap)
     if agreed is None:
         return None
@@ -350,7 +350,7 @@ def plan_resume(
         # L1 in the catalog first and turn a weights-only resume into a fallback.
         bound = state_numel_bound(expected.values()) if expected is not None else None
         pending = PendingOptimizerRead(store, loaded.info, rank=rank, max_numel=bound)
-    return Resumption(loaded=loaded, spec=str(spec), lineage=lineage, degraded=degraded and not deferred,
+    return Resumption(loaded=loaded, ref=str(ref), lineage=lineage, degraded=degraded and not deferred,
                       skipped=skipped, policy_state=run_state(loaded, KEY_POLICY),
                       probe_state=run_state(loaded, KEY_GRAD_PROBE), save_counts=run_state(loaded, KEY_SAVE_LOG),
                       rollback_state=run_state(loaded, KEY_ROLLBACKS), pending=pending,
@@ -371,7 +371,7 @@ def _raise_agreed(reports: list[dict[str, Any]]) -> None:
             raise cls(prefix + err["message"])
 
 
-def _agree(store: CheckpointStore, spec: Spec, *, rank: int, world_size: int, fallback: FallbackStrategy,
+def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fallback: FallbackStrategy,
            expected: Mapping[str, Any] | None, mmap: bool) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
     """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start.
 
@@ -386,13 +386,13 @@ def _agree(store: CheckpointStore, spec: Spec, *, rank: int, world_size: int, fa
     report: dict[str, Any] = {"fresh": False, "candidates": [], "error": None, "results": []}
     infos: dict[int, CheckpointInfo] = {}
     try:
-        candidates = _candidates(store, spec)
+        candidates = _candidates(store, ref)
         infos = {i.step: i for i in candidates}
         report["candidates"] = [i.step for i in candidates]
         _evaluate_until_usable(store, candidates, evaluated, rank=rank, world_size=world_size,
                                fallback=fallback, mmap=mmap, expected=expected)
     except CheckpointNotFoundError as e:
-        if spec == "auto" and not store.list(include_unhealthy=True):
+        if ref == "auto" and not store.list(include_unhealthy=True):
             report["fresh"] = True
         else:
             report["error"] = _error_payload(e)

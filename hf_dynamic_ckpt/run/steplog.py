@@ -78,7 +78,7 @@ class StepLog:
         self._file.write(json.dumps(row) + "\n")
 
     def event(self, kind: str, **data: Any) -> None:
-        """A non-step line (rank 0), e.g. ``event("resume", step=56, spec="auto")``; opens the file for it when
+        """A non-step line (rank 0), e.g. ``event("resume", step=56, ref="auto")``; opens the file for it when
         not attached."""
         if self.rank != 0:
             return

@@ -5,7 +5,7 @@ Who owns what (each takes the `Task` and nothing of the store):
 - `task.Task`: one task directory: paths derived from the step, manifests checked against their
   directory, catalog rows, the timelines record, the blob store, the object-store copy; `checkpoints`
   and `resolve` over the synced catalog (the store re-verifies corrupt flags before it resolves a
-  named spec).
+  named ref).
 - `catalog.Catalog`: the SQLite index and its one reconciliation with the manifests (`sync`, `rebuild`).
 - `reader`: `load`, `load_scheduler_only` and `verify` of a resolved checkpoint.
 - `commit`: the whole commit sequence of `save`.
@@ -90,7 +90,7 @@ from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
 from .remote import Remote, split_root
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
-from .task import NAMED_SPECS, Task, parse_step_dir, step_dir_name
+from .task import NAMED_REFS, Task, parse_step_dir, step_dir_name
 from .timelines import fork_record
 from .types import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, Removal
 
@@ -412,11 +412,11 @@ class CheckpointStore:
         """
         return self.task.checkpoints(include_unhealthy=include_unhealthy, include_abandoned=include_abandoned)
 
-    def resolve(self, spec: Ref) -> CheckpointInfo:
-        """Turn a restore-point spec into a checkpoint.
+    def resolve(self, ref: Ref) -> CheckpointInfo:
+        """Turn a restore-point ref into a checkpoint.
 
         Args:
-            spec (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"`` (newest healthy
+            ref (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"`` (newest healthy
                 checkpoint with weights), ``"best"`` (lowest recorded loss), ``"fastest"``
                 (lowest estimated recovery cost), ``"step:N"`` or ``N`` (that step, whatever
                 its health or timeline), or the path of a checkpoint directory.
@@ -424,11 +424,11 @@ class CheckpointStore:
         Raises:
             `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
         """
-        if not isinstance(spec, CheckpointInfo | int) and os.fspath(spec) in NAMED_SPECS:
+        if not isinstance(ref, CheckpointInfo | int) and os.fspath(ref) in NAMED_REFS:
             for step in self.task.to_recheck():  # a corrupt flag is re-verified once before it excludes
                 with contextlib.suppress(CheckpointNotFoundError):
                     self.verify(step)
-        return self.task.resolve(spec)
+        return self.task.resolve(ref)
 
     def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None,
              mmap: bool = True, l1_max_numel: int | None = None) -> LoadedCheckpoint:

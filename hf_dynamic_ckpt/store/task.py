@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(rf"^{re.escape(STEP_DIR_PREFIX)}(0|[1-9][0-9]*)$")
 
-NAMED_SPECS = ("auto", "best", "fastest")
+NAMED_REFS = ("auto", "best", "fastest")
 """Specs `Task.resolve` answers by ranking the healthy checkpoints (the others name one checkpoint)."""
 
 
@@ -177,7 +177,7 @@ class Task:
         """Every committed checkpoint of the task, read from its manifest (no catalog)."""
         return [i for step, path in sorted(self.committed().items()) if (i := self.scan(step, path)) is not None]
 
-    # -- finding: the checkpoints a listing shows and the one a spec names ---------------------
+    # -- finding: the checkpoints a listing shows and the one a ref names ---------------------
     def checkpoints(self, include_unhealthy: bool = False, include_abandoned: bool = False) -> list[CheckpointInfo]:
         """Checkpoints of the task, newest first (`CheckpointStore.list` documents the arguments)."""
         self.sync(recheck_hidden=not include_unhealthy)  # a flag that hides a checkpoint is re-read first
@@ -208,7 +208,7 @@ class Task:
 
     def to_recheck(self) -> list[int]:
         """Steps a `corrupt` flag would keep from auto/best/fastest that were not re-verified yet; each is returned
-        once per `Task` (the caller verifies them before a named spec is resolved)."""
+        once per `Task` (the caller verifies them before a named ref is resolved)."""
         steps = []
         for row in self.catalog.rows(self.task_id):
             key = (int(row["step"]), float(row["save_time"]))
@@ -217,20 +217,20 @@ class Task:
                 steps.append(int(row["step"]))
         return steps
 
-    def resolve(self, spec: str | int | os.PathLike[str] | CheckpointInfo) -> CheckpointInfo:
-        """The checkpoint `spec` names (`CheckpointStore.resolve` documents the specs).
+    def resolve(self, ref: str | int | os.PathLike[str] | CheckpointInfo) -> CheckpointInfo:
+        """The checkpoint `ref` names (`CheckpointStore.resolve` documents the refs).
 
-        A named spec ranks the catalog as it is: the caller re-verifies `to_recheck` first.
+        A named ref ranks the catalog as it is: the caller re-verifies `to_recheck` first.
 
         Raises:
             `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
         """
-        if isinstance(spec, CheckpointInfo):
-            return spec
-        if isinstance(spec, int):
-            return self._by_step(int(spec))
-        text = os.fspath(spec)
-        if text in NAMED_SPECS:
+        if isinstance(ref, CheckpointInfo):
+            return ref
+        if isinstance(ref, int):
+            return self._by_step(int(ref))
+        text = os.fspath(ref)
+        if text in NAMED_REFS:
             candidates = [i for i in self.checkpoints() if Tier.WEIGHTS in i.tiers]
             if text == "best":
                 candidates = [i for i in candidates if i.loss is not None]
@@ -252,7 +252,7 @@ class Task:
             try:
                 return self._by_step(int(raw))
             except ValueError as e:
-                raise CheckpointNotFoundError(f"spec {text!r} is invalid: expected step:N with an integer N.") from e
+                raise CheckpointNotFoundError(f"ref {text!r} is invalid: expected step:N with an integer N.") from e
         return self._by_path(Path(text))
 
     def _by_step(self, step: int) -> CheckpointInfo:

@@ -265,7 +265,6 @@ def test_engine_modules_form_no_import_cycle_and_stay_small():
     for mod in graph:
         visit(mod, ())
     sizes = {p.name: len(p.read_text().splitlines()) for p in ENGINE_DIR.glob("*.py")}
-    # 420: SaveEngine.save decides the writer (process or thread) before it copies anything, which took engine.py
-    # past the former 400 (issue 33's "no mode switching in the middle of a save").
+    # 420: SaveEngine.save decides the writer (process or thread) before it copies anything, in one module.
     assert all(n <= 420 for n in sizes.values()), sizes
     assert not any("__dict__[" in p.read_text() or "__dict__.pop" in p.read_text() for p in ENGINE_DIR.glob("*.py"))

@@ -344,7 +344,7 @@ def test_resolve_errors_for_paths_and_empty_store(store: CheckpointStore, tmp_pa
         store.resolve(plain)
     with pytest.raises(CheckpointNotFoundError, match="is neither 'auto', 'best', 'fastest', 'step:N' nor an existing"):
         store.resolve("lastest")
-    with pytest.raises(CheckpointNotFoundError, match="spec 'step:x' is invalid"):
+    with pytest.raises(CheckpointNotFoundError, match="ref 'step:x' is invalid"):
         store.resolve("step:x")
 
 
