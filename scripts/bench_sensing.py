@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.distributed import reduce_frame
 from hf_dynamic_ckpt.policy import RulePolicy
+from hf_dynamic_ckpt.run.sensing import PreemptionFlag
 from hf_dynamic_ckpt.signals import (
     ClipNormRecorder,
     GradProbe,
     LossProbe,
     MemoryProbe,
-    PreemptionFlag,
     SignalFrame,
 )
 

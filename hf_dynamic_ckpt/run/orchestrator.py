@@ -41,7 +41,6 @@ from ..policy.decision import Decision, DecisionKind
 from ..policy.rules import RulePolicy
 from ..policy.triggers import RollbackRule, RollbackVerdict, Verdict
 from ..signals.frame import SignalFrame
-from ..signals.preemption import PreemptionFlag
 from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights, trainable_state_dict
 from ..state.flat import FlatKeeper
 from ..state.shards import ShardedState
@@ -63,7 +62,7 @@ from .resume import (
 from .rollback import Rollback, choose_restore_point, restore_live
 from .savelog import METRIC_PREFIX, SaveEvent
 from .saver import HeldSave, Saver, exit_after_preemption, open_run_store
-from .sensing import Sensors
+from .sensing import PreemptionFlag, Sensors
 from .steplog import StepLog
 
 logger = logging.getLogger(__name__)

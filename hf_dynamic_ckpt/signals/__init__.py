@@ -14,11 +14,10 @@ from .stats import Ema, RollingWindow
 
 if TYPE_CHECKING:
     from .memory import MemoryProbe
-    from .preemption import PreemptionFlag
     from .probes import ClipNormRecorder, GradProbe, LossProbe, find_lora_layers
 
 _PROBES = {"ClipNormRecorder": ".probes", "GradProbe": ".probes", "LossProbe": ".probes", "MemoryProbe": ".memory",
-           "PreemptionFlag": ".preemption", "find_lora_layers": ".probes"}
+           "find_lora_layers": ".probes"}
 
 __all__ = [
     "ClipNormRecorder",
@@ -26,7 +25,6 @@ __all__ = [
     "GradProbe",
     "LossProbe",
     "MemoryProbe",
-    "PreemptionFlag",
     "RollingWindow",
     "SignalFrame",
     "find_lora_layers",

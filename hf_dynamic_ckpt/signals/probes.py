@@ -1,6 +1,6 @@
 """Probes that measure one training step cheaply: loss and gradient norms.
 
-Memory (`memory.py`) and preemption (`preemption.py`) have their own modules.
+Memory has its own module (`memory.py`); the preemption flag (a POSIX signal handler) is `run.sensing.PreemptionFlag`.
 
 Each probe does one job and never synchronises the device more than once per step:
 the loss stays a tensor until the decision needs it, gradient norms come from one

@@ -12,7 +12,8 @@ import pytest
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.policy import RulePolicy
-from hf_dynamic_ckpt.signals import PreemptionFlag, SignalFrame
+from hf_dynamic_ckpt.run.sensing import PreemptionFlag
+from hf_dynamic_ckpt.signals import SignalFrame
 
 
 @pytest.fixture
