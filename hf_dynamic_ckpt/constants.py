@@ -74,7 +74,9 @@ DEBUG_INFO_STEPS = 10
 
 
 class Tier(enum.StrEnum):
-    """What a checkpoint holds, by level of the article's tiered scheme."""
+    """What a checkpoint holds, by level of the article's tiered scheme: one concept, spelled `Tier.WEIGHTS` /
+    `OPTIMIZER` / `STATE` in code, L0 / L1 / L2 in the docs and logs, ``storage_levels.level_0/1/2`` in the
+    config (the article's keys)."""
 
     WEIGHTS = "weights"  # L0: trainable weights, safetensors, mmap-able, must be exact
     OPTIMIZER = "optimizer"  # L1: optimizer + scheduler + AMP scaler, zstd, no pickle
