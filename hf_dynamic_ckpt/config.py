@@ -304,7 +304,10 @@ def _seed_level(name: str, value: Mapping[str, Any]) -> dict[str, Any]:
     """The article's keys of an uncompressed tier taken out of its mapping (``device`` anywhere too), with
     the check or warning each needs."""
     data = dict(value)
-    data.pop("device", None)  # the article's storage-class label: informative, every tier lives under `root`
+    device = data.pop("device", None)  # the article's storage-class label
+    if device is not None and warn_once("device"):
+        logger.info("storage_levels.%s.device=%r is not applied: every tier is stored under root (the article's "
+                    "storage-class label loads, and has no effect)", name, device)
     if name == "level_1" or "compression" not in data:
         return data
     compression = parse_enum(Compression, f"storage_levels.{name}.compression", data.pop("compression"))

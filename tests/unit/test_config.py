@@ -46,10 +46,18 @@ fallback_strategy: "level_0_only"  # level_0_only, level_0_1, full
 """
 
 
-def test_article_yaml_loads(tmp_path: Path) -> None:
+def test_article_yaml_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_dynamic_ckpt import _config_checks
+
+    monkeypatch.setattr(_config_checks, "_WARNED", set())
     path = tmp_path / "checkpoint_config.yaml"
     path.write_text(ARTICLE_YAML)
-    cfg = SmartCkptConfig.from_yaml(path)
+    with caplog.at_level("INFO", logger="hf_dynamic_ckpt.config"):
+        cfg = SmartCkptConfig.from_yaml(path)
+    # The dead keys the article has load, and say once that they have no effect.
+    assert caplog.text.count("storage_levels.level_0.device='ssd' is not applied: every tier is stored under root") == 1
+    assert "storage_levels.level_2.compression='gzip' is not applied" in caplog.text
     assert (cfg.base_interval, cfg.policy.stability_window, cfg.policy.risk_threshold) == (2000, 100, 0.68)
     assert cfg.storage_levels.level_1.compression is Compression.ZSTD
     assert cfg.storage_levels.level_1.compression_level == 3
