@@ -295,14 +295,10 @@ class OptimizerLevelConfig(LevelConfig):
               "pace_to_disk", self.pace_to_disk, "true or false (a YAML boolean, not a string)")
 
 
-SEED_LEVEL_KEYS = ("compression", "device")
-"""Keys of the article's ``storage_levels.level_0`` / ``level_2`` that load without effect: ``device`` is a label
-(every tier goes under `root`), L0 stays uncompressed (memory-mapped), L2 is a few KB of plain JSON."""
-
-
 def _seed_level(name: str, value: Mapping[str, Any]) -> dict[str, Any]:
-    """The article's keys of an uncompressed tier taken out of its mapping (``device`` anywhere too), with
-    the check or warning each needs."""
+    """The article's keys that load without effect, taken out of a tier's mapping with the check or message each
+    needs: ``device`` of any tier (a label: every tier goes under `root`), ``compression`` of level_0 (must be
+    ``none``: the weights stay memory-mappable) and of level_2 (a few KB of plain JSON)."""
     data = dict(value)
     device = data.pop("device", None)  # the article's storage-class label
     if device is not None and warn_once("device"):
