@@ -246,6 +246,17 @@ class CudaCopier:
     def finish(self) -> list[Any]:
         """Issue the copies, record one event per device and order its current stream after it."""
         events = []
+        for index, event in self.issue():
+            # The next optimizer step (queued on the current stream) runs after the copy, on
+            # the GPU, without the host waiting here.
+            torch.cuda.current_stream(index).wait_event(event)
+            events.append(event)
+        return events
+
+    def issue(self) -> list[tuple[int, Any]]:
+        """Issue the copies and record one event per device, without ordering any current stream after it:
+        (device index, event) pairs; the caller orders the current stream later (`overlap.PendingCopy`)."""
+        issued = []
         for index, (dsts, srcs) in sorted(self._pending.items()):
             stream = self._streams.get(index)
             if stream is None:
@@ -262,9 +273,6 @@ class CudaCopier:
                 src.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)
-            # The next optimizer step (queued on the current stream) runs after the copy, on
-            # the GPU, without the host waiting here.
-            torch.cuda.current_stream(index).wait_event(event)
-            events.append(event)
+            issued.append((index, event))
         self._pending.clear()
-        return events
+        return issued

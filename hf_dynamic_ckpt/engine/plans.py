@@ -141,49 +141,37 @@ def tiled_span(sources: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return span
 
 
-class Plan:
-    """A blueprint bound to its layout: the copies one snapshot of the scope issues.
+class Copies:
+    """One part of a plan's copies: the span copies, the concatenations, the batched single copies, the CUDA copies."""
 
-    Sources of one dtype that tile a span of one storage (`tiled_span`) are copied with one
-    `region.copy_(span)` (host) or one `CudaCopier.add` (CUDA); other host sources of one
-    dtype that are all contiguous with one `torch.cat` into the dtype's region; the rest
-    with one batched `torch._foreach_copy_`; CUDA sources through the `CudaCopier`
-    (asynchronous, into page-locked buffers).
-    """
-
-    def __init__(self, blueprint: Blueprint, layout: Layout) -> None:
-        self.blueprint = blueprint
-        self.layout = layout
-        self.views = [layout.views[name] for name, _, _ in blueprint.spec]
-        self._outputs = [self.views[j] for j in blueprint.index]
+    def __init__(self) -> None:
         self.spans: list[tuple[torch.Tensor, torch.Tensor]] = []
         """(region, span): host dtype groups copied with one `copy_` (`tiled_span`)."""
         self.cats: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self.singles: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
-        groups: dict[torch.dtype, list[int]] = {}
-        for j, (_, _, dtype) in enumerate(blueprint.spec):
-            groups.setdefault(dtype, []).append(j)
-        for dtype, members in groups.items():
-            region = layout.regions[dtype]
-            span = tiled_span([blueprint.unique[j] for j in members])
-            if span is not None and span.numel() == region.numel():
-                (self.cuda if span.is_cuda else self.spans).append((region, span))
-                continue
-            flats = [blueprint.flats[j] for j in members]
-            if all(f is not None for f in flats):
-                self.cats.append((region, flats))  # type: ignore[arg-type]
-                continue
-            for j in members:
-                s = blueprint.unique[j]
+
+    def __bool__(self) -> bool:
+        return bool(self.spans or self.cats or self.singles[0] or self.cuda)
+
+    def add(self, target: torch.Tensor, views: list[torch.Tensor], sources: list[torch.Tensor],
+            flats: list[torch.Tensor | None]) -> None:
+        """Copies of consecutive items of one dtype into `target`, the slice of the region they tile."""
+        span = tiled_span(sources)
+        if span is not None and span.numel() == target.numel():
+            (self.cuda if span.is_cuda else self.spans).append((target, span))
+        elif all(f is not None for f in flats):
+            self.cats.append((target, flats))  # type: ignore[arg-type]
+        else:
+            for view, s in zip(views, sources):
                 if s.is_cuda:
-                    self.cuda.append((self.views[j], s))
+                    self.cuda.append((view, s))
                 else:
-                    self.singles[0].append(self.views[j])
+                    self.singles[0].append(view)
                     self.singles[1].append(s)
 
     def run(self, cuda: CudaCopier | None) -> None:
-        """Issue this scope's copies (CUDA ones are only queued on `cuda`)."""
+        """Issue these copies (CUDA ones are only queued on `cuda`)."""
         for region, span in self.spans:
             region.copy_(span)
         for region, flats in self.cats:
@@ -195,6 +183,65 @@ class Plan:
             for dst, src in self.cuda:
                 cuda.add(dst, src)
 
+
+class Plan:
+    """A blueprint bound to its layout: the copies one snapshot of the scope issues.
+
+    Sources of one dtype that tile a span of one storage (`tiled_span`) are copied with one
+    `region.copy_(span)` (host) or one `CudaCopier.add` (CUDA); other host sources of one
+    dtype that are all contiguous with one `torch.cat` into the dtype's region; the rest
+    with one batched `torch._foreach_copy_`; CUDA sources through the `CudaCopier`
+    (asynchronous, into page-locked buffers).
+
+    With `deferred` (a flag per unique item: `overlap.py` sets it on what only an optimizer step changes) the
+    copies come in two parts, `now` and `later`: each run of consecutive items of one dtype with the same flag
+    is copied as above into the slice of the region it tiles. Without it everything is `now`.
+    """
+
+    def __init__(self, blueprint: Blueprint, layout: Layout, deferred: Sequence[bool] | None = None) -> None:
+        self.blueprint = blueprint
+        self.layout = layout
+        self.deferred = tuple(deferred) if deferred is not None else None
+        self.views = [layout.views[name] for name, _, _ in blueprint.spec]
+        self._outputs = [self.views[j] for j in blueprint.index]
+        self.now, self.later = Copies(), Copies()
+        groups: dict[torch.dtype, list[int]] = {}
+        for j, (_, _, dtype) in enumerate(blueprint.spec):
+            groups.setdefault(dtype, []).append(j)
+        for dtype, members in groups.items():
+            region = layout.regions[dtype]
+            for later, run in _runs(members, self.deferred):
+                start = layout.offsets[blueprint.spec[run[0]][0]]
+                stop = start + sum(self.views[j].numel() for j in run)
+                target = region if start == 0 and stop == region.numel() else region[start:stop]
+                (self.later if later else self.now).add(target, [self.views[j] for j in run],
+                                                        [blueprint.unique[j] for j in run],
+                                                        [blueprint.flats[j] for j in run])
+
+    # The copies of the `now` part (all of them without `deferred`), by kind.
+    spans = property(lambda self: self.now.spans)
+    cats = property(lambda self: self.now.cats)
+    singles = property(lambda self: self.now.singles)
+    cuda = property(lambda self: self.now.cuda)
+
+    def run(self, cuda: CudaCopier | None) -> None:
+        """Issue every copy of this scope, both parts (CUDA ones are only queued on `cuda`)."""
+        self.now.run(cuda)
+        self.later.run(cuda)
+
     def outputs(self) -> list[torch.Tensor]:
         """The buffer of each source, in source order (tied sources share one)."""
         return self._outputs
+
+
+def _runs(members: list[int], deferred: tuple[bool, ...] | None) -> list[tuple[bool, list[int]]]:
+    """`members` (of one dtype, in layout order) cut into runs of one `deferred` flag: (flag, run)."""
+    if deferred is None:
+        return [(False, members)]
+    out: list[tuple[bool, list[int]]] = []
+    for j in members:
+        if out and out[-1][0] == deferred[j]:
+            out[-1][1].append(j)
+        else:
+            out.append((deferred[j], [j]))
+    return out
