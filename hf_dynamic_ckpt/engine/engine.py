@@ -41,6 +41,7 @@ from ..store.types import BlobRef, CheckpointInfo, CheckpointState
 from .dispatch import Dispatcher, beside_training
 from .jobs import Job, Jobs, OnBusy, SaveHandle
 from .live import available_tiers, fit_to_deadline
+from .overlap import Overlap
 from .prepare import Preparer
 from .snapshot import Snapshotter
 from .staging import Stager, StagingMode, StagingPlan, default_headroom
@@ -67,6 +68,9 @@ class SaveEngine:
         writer_nice (`int`, *optional*, defaults to `10`): nice increment of the writer thread or
             process, so that under CPU contention the scheduler favours training (Linux; see
             docs/engine.md for the measured effect). `0` keeps the training's priority.
+        overlap (`bool`, *optional*, defaults to `False`): copy the optimizer's parameters and state beside the
+            next step's forward and backward; its `optimizer.step()` waits for the copy (`overlap.py`). `None`:
+            only for at least 32 MiB of them. Call `wait_snapshot()` before changing them in place between steps.
 
     Example:
         ```python
@@ -90,25 +94,16 @@ class SaveEngine:
         cgroup_dir: str | Path | None = None,
         headroom: Callable[[], Any] | None = None,
         writer_nice: int = 10,
+        overlap: bool | None = False,
     ) -> None:
         try:
             mode = EngineMode(mode)
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in EngineMode)
             raise ConfigError(f"mode={mode!r} is invalid: expected one of {allowed}.") from None
-        try:
-            self.on_busy = OnBusy(on_busy)
-        except ValueError:
-            raise ConfigError(f"on_busy={on_busy!r} is invalid: expected 'wait' or 'skip'.") from None
+        self.on_busy = OnBusy.parse(on_busy, getattr(store, "world_size", 1))
         if not 0.0 <= memory_margin < 1.0:
             raise ConfigError(f"memory_margin={memory_margin!r} is invalid: expected 0 <= value < 1.")
-        if self.on_busy == OnBusy.SKIP and getattr(store, "world_size", 1) > 1:
-            # Ranks finish writing at different times: one rank skipping a step the others
-            # write would leave rank 0 waiting for files that never come.
-            raise ConfigError(
-                f"on_busy='skip' is invalid with world_size={store.world_size}: ranks could disagree on which "
-                "saves to skip; use on_busy='wait'."
-            )
         self.store = store
         self.memory_margin = memory_margin
         self.writer_nice = int(writer_nice)
@@ -121,6 +116,7 @@ class SaveEngine:
                                     name=f"{id(self):x}")
         self._jobs = Jobs()
         self._preparer = Preparer(nice=self.writer_nice)
+        self._overlap = Overlap(overlap)
         self._closed = False
         # Runs close() at interpreter exit (flushes) unless close() ran before.
         self._finalizer = weakref.finalize(self, SaveEngine._shutdown, self.__dict__)
@@ -179,6 +175,7 @@ class SaveEngine:
         """
         self._check_open()
         start = time.perf_counter()
+        self._overlap.wait()  # a copy still running beside the previous step reads the buffers this save fills
         handle = SaveHandle(request.step, request.reason)
         previous = self._jobs.inflight
         if previous is not None and not previous.handle.done():
@@ -196,8 +193,9 @@ class SaveEngine:
                                 "sampler": sampler, "extra": extra}
         live = self._snapshotter.collect(sources, **what)
         synchronous = blocking or self.mode == EngineMode.SYNC
-        snapshot = None
+        snapshot = defer = None
         if not synchronous:
+            defer = self._overlap.deferral(sources.optimizer, partial(self._snapshotter.scope_bytes, live))
             needed = self._snapshotter.extra_bytes_needed(live)
             if (self.mode == EngineMode.PROCESS and needed
                     and not self._dispatch.shared_memory_fits(needed, self.memory_margin)):
@@ -206,7 +204,7 @@ class SaveEngine:
                 live = self._snapshotter.collect(sources, **what)  # planned for the private buffers
                 needed = self._snapshotter.extra_bytes_needed(live)
             plan, snapshot = self._stager.plan_copying(needed, self._snapshotter.pool.nbytes,
-                                                       partial(self._snapshotter.take, live, copy=True))
+                                                       partial(self._snapshotter.take, live, defer=defer))
             if plan.mode == StagingMode.STREAMING:  # memory says stream: a copy into held buffers is dropped
                 if snapshot is not None:
                     snapshot.wait_copies()  # not written: its buffers are released below, once its copies are done
@@ -223,8 +221,9 @@ class SaveEngine:
             self._run_sync(self._jobs.new(self._snapshotter.take(live, copy=False), request, handle))
             handle.blocking_ms = (time.perf_counter() - start) * 1e3
             return handle
-        job = self._jobs.new(snapshot if snapshot is not None else self._snapshotter.take(live, copy=True), request,
+        job = self._jobs.new(snapshot if snapshot is not None else self._snapshotter.take(live, defer=defer), request,
                              handle)
+        handle.deferred = job.snapshot.deferred
         del live, snapshot
         handle.blocking_ms = (time.perf_counter() - start) * 1e3
         self._jobs.inflight = job
@@ -262,6 +261,7 @@ class SaveEngine:
         """
         self._check_open()
         start = time.monotonic()
+        self._overlap.wait()
         step = request.step
         previous = self._jobs.inflight
         if previous is not None and not previous.handle.done() and not previous.handle.join(deadline_s / 2):
@@ -307,6 +307,7 @@ class SaveEngine:
         self._check_open()
         if self.mode == EngineMode.SYNC:
             return 0
+        self._overlap.wait()
         self._dispatch.ensure()  # the writer (thread or process) starts now, not at the first save
         started, pending = self._preparer.start(self._snapshotter, sources, tiers, admit=self._admit,
                                                 wait_for_step=self._stager.limited() is not None)
@@ -336,11 +337,18 @@ class SaveEngine:
         self._check_open()
         return self._dispatch.wait_ready(timeout)
 
+    def wait_snapshot(self) -> float:
+        """Wait until the last save's snapshot no longer reads the live tensors (`overlap`): call it before changing
+        parameters or optimizer state in place between a save and the next `optimizer.step()`, which waits by itself.
+        Returns the milliseconds waited (0 without a copy in progress)."""
+        return self._overlap.wait()
+
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Wait for the save in flight, if any; re-raises its error like `SaveHandle.wait`."""
         job = self._jobs.inflight
         if job is None:
             return None
+        self._overlap.wait()
         info = job.handle.wait(timeout)
         self._settle(job)
         return info
@@ -390,6 +398,7 @@ class SaveEngine:
         handle = job.handle if job is not None else None
         if handle is not None and not handle.done():
             logger.debug("flushing the save of step %d before shutdown", handle.step)
+        state["_overlap"].close()  # before the writer stops: it waits for the copy
         state["_preparer"].close()
         state["_stager"].close()
         state["_dispatch"].stop()

@@ -19,10 +19,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..errors import DynamicCkptError, SaveError
+from ..errors import ConfigError, DynamicCkptError, SaveError
 from ..state.rng import RawRngState
 from ..store.spec import SaveRequest
 from ..store.types import CheckpointInfo, CheckpointState
+from .overlap import PendingCopy
 from .snapshot import Snapshot
 from .staging import StagingMode
 
@@ -45,6 +46,26 @@ class OnBusy(enum.StrEnum):
 
     WAIT = "wait"
     SKIP = "skip"
+
+    @classmethod
+    def parse(cls, value: OnBusy | str, world_size: int) -> OnBusy:
+        """`value` as an `OnBusy`, checked against the number of ranks writing.
+
+        Raises:
+            `ConfigError`: an unknown value, or `"skip"` with `world_size > 1`: ranks finish writing at different
+                times, and one rank skipping a step the others write would leave rank 0 waiting for files that
+                never come.
+        """
+        try:
+            on_busy = cls(value)
+        except ValueError:
+            raise ConfigError(f"on_busy={value!r} is invalid: expected 'wait' or 'skip'.") from None
+        if on_busy == cls.SKIP and world_size > 1:
+            raise ConfigError(
+                f"on_busy='skip' is invalid with world_size={world_size}: ranks could disagree on which "
+                "saves to skip; use on_busy='wait'."
+            )
+        return on_busy
 
 
 class AbortFlag:
@@ -75,6 +96,9 @@ class SaveHandle:
         write_ms (`float | None`): time the writer spent, once done.
         writer (`str`): who writes it: `"thread"`, `"process"`, `"thread (process starting)"`
             (process mode before the writer process is ready) or `"sync"` (the caller's thread).
+        deferred (`PendingCopy | None`): with overlap, the copies that ran beside the next step; its
+            `wait_ms` is how long the training thread waited for them at the next optimizer step (or
+            another wait point: `SaveEngine.wait_snapshot`), `copy_ms` how long they took.
     """
 
     def __init__(self, step: int, reason: str) -> None:
@@ -85,6 +109,7 @@ class SaveHandle:
         self.skipped: str | None = None
         self.write_ms: float | None = None
         self.writer = "sync"
+        self.deferred: PendingCopy | None = None
         self._event = threading.Event()
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
@@ -226,6 +251,8 @@ def run_job(job: Job, save: StoreSave) -> None:
         if job.abort.is_set():
             raise SaveError(f"aborted before it started: {job.abort.reason}")
         snapshot.wait_copies()
+        if snapshot.deferred is not None and snapshot.deferred.error is not None:
+            raise snapshot.deferred.error  # a deferred copy failed, or its tensors changed before it was complete
         if isinstance(snapshot.state.rng, RawRngState):  # captured raw in the snapshot; converted here, off its path
             snapshot.state = dataclasses.replace(snapshot.state, rng=snapshot.state.rng.to_json())
         timings = {"snapshot_ms": round(snapshot.blocking_s * 1e3, 3), "staging": handle.staging}

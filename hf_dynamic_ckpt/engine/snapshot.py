@@ -48,6 +48,7 @@ from .live import (
     tensors_in,
     walk_tensors,
 )
+from .overlap import Deferral, PendingCopy
 from .plans import Blueprint, Plan, make_blueprint
 
 _TENSOR = frozenset({torch.Tensor})
@@ -80,9 +81,11 @@ class Snapshot:
     blocking_s: float = 0.0
     pending_blobs: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     events: list[Any] = field(default_factory=list)
+    deferred: PendingCopy | None = None
+    """The copies left to run beside the next step (`overlap.py`), also in `events`; `None` without overlap."""
 
     def wait_copies(self) -> None:
-        """Block until the asynchronous device-to-host copies of this snapshot are complete."""
+        """Block until the asynchronous copies of this snapshot (device-to-host, deferred) are complete."""
         for event in self.events:
             event.synchronize()
         self.events = []
@@ -233,13 +236,19 @@ class Snapshotter:
         return live.resolved
 
     # -- producing a snapshot --------------------------------------------------------------
-    def take(self, live: LiveState, *, copy: bool = True) -> Snapshot:
+    def scope_bytes(self, live: LiveState) -> int:
+        """Bytes a buffered snapshot of `live` copies into its scopes (weights, optimizer state)."""
+        return sum(plan.blueprint.nbytes if plan is not None else bp.nbytes if bp is not None else 0
+                   for plan, bp in self._resolve(live).values())
+
+    def take(self, live: LiveState, *, copy: bool = True, defer: Deferral | None = None) -> Snapshot:
         """Make `live` immune to later training steps.
 
         Args:
             live (`LiveState`): from `collect`.
             copy (`bool`, *optional*, defaults to `True`): copy into the reusable buffers;
                 `False` refers to live tensors (only while training waits for the write).
+            defer (`Deferral`, *optional*): copy what it names later (`Snapshot.deferred`; `overlap.py`).
 
         Returns:
             `Snapshot`: the state for the store. With CUDA sources call `wait_copies()`
@@ -253,11 +262,13 @@ class Snapshotter:
             if plan is None:
                 assert bp is not None
                 plan = self._plans[scope] = Plan(bp, self.pool.layout(scope, bp.spec, pinned=bp.pinned))
+            if defer is not None:
+                plan = self._plans[scope] = defer.fit(plan)
             plans[scope] = plan
         cuda = self._copier() if any(p.cuda for p in plans.values()) else None
         copied = live_bytes = 0
         for plan in plans.values():
-            plan.run(cuda)
+            (plan.now if defer is not None else plan).run(cuda)
             copied += plan.blueprint.nbytes
         weights: dict[str, torch.Tensor | BlobRef] | None = None
         if live.weights is not None and live.plain:
@@ -298,7 +309,11 @@ class Snapshotter:
         if optimizer is not None:
             optimizer = substitute_optimizer(optimizer, plans[OPTIMIZER_PREFIX].outputs())
         events = cuda.finish() if cuda is not None else []
-        return self._snapshot(live, weights, optimizer, copied, live_bytes, start, events)
+        snapshot = self._snapshot(live, weights, optimizer, copied, live_bytes, start, events)
+        if defer is not None:
+            snapshot.deferred = defer.start(list(plans.values()), self._copier, live.step)
+            snapshot.events.append(snapshot.deferred)
+        return snapshot
 
     def _direct(self, live: LiveState, start: float) -> Snapshot:
         """A snapshot that refers to the live tensors (CUDA ones are moved to the host)."""
