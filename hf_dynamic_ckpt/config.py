@@ -394,6 +394,12 @@ class RuntimeParams:
             torchrun read the job as interrupted and requeue or restart it; `0` returns normally.
         memory_margin (`float`, *optional*, defaults to `0.15`): host memory fraction kept free;
             a snapshot that would cut into it is streamed synchronously instead.
+        overlap_snapshot (`bool`, *optional*): copy the parameters and the optimizer state beside the next step's
+            forward and backward instead of at the save; the next `optimizer.step()` waits for the copy
+            (docs/engine.md, "Overlapped snapshot"). `None` (default): when they hold at least 32 MiB (a full
+            fine-tune; a LoRA adapter is copied at the save); `true` / `false`: always / never. A callback that
+            changes parameters in place between a save and the next optimizer step calls
+            `RunOrchestrator.wait_snapshot()` first.
         lock_wait_s (`float`, *optional*, defaults to `120.0`): how long a new run waits for the task's writer
             lock when its holder is on another host or container (its state cannot be told from here): long
             enough for a scheduler or elastic restart and an NFS lease to expire. A holder of this process is
@@ -408,6 +414,7 @@ class RuntimeParams:
     preemption_grace_s: float = 30.0
     preemption_exit_code: int | None = None
     memory_margin: float = 0.15
+    overlap_snapshot: bool | None = None
     lock_wait_s: float = 120.0
     report_to_trainer: bool = True
 
@@ -434,6 +441,8 @@ class RuntimeParams:
                   self.preemption_exit_code, "an integer 0..255 or null (128 + signal number)")
         check(is_number(self.memory_margin) and 0.0 <= self.memory_margin < 1.0,
               "memory_margin", self.memory_margin, "0 <= value < 1")
+        check(self.overlap_snapshot is None or isinstance(self.overlap_snapshot, bool), "overlap_snapshot",
+              self.overlap_snapshot, "true, false or null (a YAML boolean, not a string)")
         check(is_finite(self.lock_wait_s) and self.lock_wait_s >= 0, "lock_wait_s", self.lock_wait_s,
               "a number of seconds >= 0")
         check(isinstance(self.report_to_trainer, bool), "report_to_trainer", self.report_to_trainer,

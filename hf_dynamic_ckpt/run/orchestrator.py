@@ -489,6 +489,7 @@ class RunOrchestrator:
         if verdict is None or at is None:
             return None
         assert self._model is not None and verdict.onset is not None, "attach() first"
+        self.saver.wait_snapshot()  # restore_live writes the tensors a snapshot may still be copying
         self.saver.finish()  # the capture must be committed before it is read back
         target = choose_restore_point(self.store, rank=self.rank, world_size=self.world_size, before=verdict.onset,
                                       earliest=verdict.earliest)
@@ -514,6 +515,17 @@ class RunOrchestrator:
                         rng=None if restore_rng else loaded.rng, loaded=loaded)
         self.log_event("rollback", from_step=at, to_step=done.to_step, reason=done.reason)
         return done
+
+    def wait_snapshot(self) -> None:
+        """Wait until the last save's snapshot no longer reads the live parameters and optimizer state.
+
+        With an overlapped snapshot (`runtime.overlap_snapshot`) they are copied beside the next step's forward and
+        backward; the next `optimizer.step()`, a rollback, a resume, a preemption save and `close()` wait for the
+        copy by themselves. Code that changes parameters or optimizer state in place between a save and the next
+        optimizer step (a callback that edits weights) calls this first; otherwise that save fails with a
+        `SaveError` (nothing committed) instead of storing a mix of two states.
+        """
+        self.saver.wait_snapshot()
 
     def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
                  pin: bool = False, blocking: bool = True) -> SaveEvent:
@@ -664,6 +676,7 @@ class RunOrchestrator:
         """
         if ref is None:
             return None
+        self.saver.wait_snapshot()  # the caller loads into the tensors a snapshot of this run may still be copying
         resumption = self._plan(ref, expected=expected, background_optimizer=background_optimizer)
         if resumption is None:
             return None

@@ -124,7 +124,8 @@ class Saver:
         """The save engine (snapshot buffers, writer thread or process), started at its first use."""
         if self._engine is None:
             self._engine = SaveEngine(self.store, mode=self.config.engine,
-                                      memory_margin=self.config.runtime.memory_margin)
+                                      memory_margin=self.config.runtime.memory_margin,
+                                      overlap=self.config.runtime.overlap_snapshot)
         return self._engine
 
     @property
@@ -136,6 +137,11 @@ class Saver:
         """Close the engine if it was started (its writes in flight commit first)."""
         if self._engine is not None:
             self._engine.close()
+
+    def wait_snapshot(self) -> None:
+        """Wait until the last snapshot no longer reads the live parameters and optimizer state (`SaveEngine`)."""
+        if self._engine is not None:
+            self._engine.wait_snapshot()
 
     def abort(self, why: str) -> None:
         if self._engine is not None:
