@@ -65,7 +65,7 @@ def _key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
 
 
 class Overlap:
-    """An engine's overlap: whether a save defers (`setting`), the `StepGate`, the `CopyThread`, the split masks.
+    """An engine's overlap: whether a save defers (`setting`), the `StepGate` and the `CopyThread`.
 
     Args:
         setting (`bool | None`): `True` defers whenever an optimizer's step can be gated, `None` (auto) only for
@@ -76,8 +76,6 @@ class Overlap:
         self.setting = setting
         self.gate = StepGate()
         self.thread = CopyThread()
-        self.masks: dict[int, tuple[Any, tuple[bool, ...]]] = {}
-        """Blueprint id -> (the optimizer's parameter keys, the split of its items), reused while both hold."""
 
     def deferral(self, optimizer: Any, nbytes: Callable[[], int]) -> Deferral | None:
         """The `Deferral` of a save whose sources hold `optimizer` and `nbytes()` of weights and optimizer state, or
@@ -98,7 +96,6 @@ class Overlap:
         self.gate.wait()
         self.thread.stop()
         self.gate.unhook()
-        self.masks.clear()
 
 
 class Deferral:
@@ -106,13 +103,12 @@ class Deferral:
 
     Args:
         optimizer (`torch.optim.Optimizer`): the innermost optimizer, whose step the gate holds.
-        overlap (`Overlap`): the engine's gate, copy thread and mask cache.
+        overlap (`Overlap`): the engine's gate and copy thread.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, overlap: Overlap) -> None:
         self.params = tuple(_key(p) for group in optimizer.param_groups for p in group["params"])
         self._overlap = overlap
-        self._masks = overlap.masks
 
     def fit(self, plan: Plan) -> Plan:
         """`plan`, or the same copies into the same layout split by what is copied later, when its split differs."""
@@ -121,9 +117,8 @@ class Deferral:
 
     def _mask(self, plan: Plan) -> tuple[bool, ...]:
         bp = plan.blueprint
-        cached = self._masks.get(id(bp))
-        if cached is not None and cached[0] == self.params:
-            return cached[1]
+        if bp.split is not None and bp.split[0] == self.params:  # worked out at an earlier save, still valid
+            return bp.split[1]
         if bp.scope == WEIGHTS_PREFIX:
             params = set(self.params)
             mask = tuple(_key(t) in params for t in bp.unique)
@@ -131,7 +126,7 @@ class Deferral:
             mask = tuple(name.startswith(_STATE_PREFIX) for name, _, _ in bp.spec)
         else:
             mask = (False,) * len(bp.unique)
-        self._masks[id(bp)] = (self.params, mask)
+        bp.split = (self.params, mask)
         return mask
 
     def start(self, plans: Sequence[Plan], copier: Callable[[], CudaCopier], step: int) -> PendingCopy:

@@ -62,6 +62,8 @@ class Blueprint:
         self.nbytes = sum(t.numel() * t.element_size() for t in self.unique)
         """Bytes of the unique items (what a snapshot of the scope copies)."""
         self.ids = list(map(id, self.sources))
+        self.split: tuple[Any, tuple[bool, ...]] | None = None
+        """Set by `overlap.Deferral`: (the optimizer's parameter keys, which unique items are copied later)."""
 
     def matches(self, names: tuple[str, ...] | None, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether `tensors` (under `names`) are the tensors this blueprint was made for.
