@@ -396,9 +396,10 @@ class RuntimeParams:
             a snapshot that would cut into it is streamed synchronously instead.
         overlap_snapshot (`bool`, *optional*): copy the parameters and the optimizer state beside the next step's
             forward and backward instead of at the save; the next `optimizer.step()` waits for the copy
-            (docs/engine.md, "Overlapped snapshot"). `None` (default): when they hold at least 32 MiB (a full
-            fine-tune; a LoRA adapter is copied at the save); `true` / `false`: always / never. A callback that
-            changes parameters in place between a save and the next optimizer step calls
+            (docs/engine.md, "Overlapped snapshot"). `None` (default): for CUDA parameters holding at least
+            32 MiB (a full fine-tune on GPUs; a LoRA adapter is copied at the save; host parameters are not, since
+            their copy competes with training for the same cores, docs/engine.md); `true` / `false`: always /
+            never. A callback that changes parameters in place between a save and the next optimizer step calls
             `RunOrchestrator.wait_snapshot()` first.
         lock_wait_s (`float`, *optional*, defaults to `120.0`): how long a new run waits for the task's writer
             lock when its holder is on another host or container (its state cannot be told from here): long

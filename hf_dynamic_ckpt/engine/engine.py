@@ -70,7 +70,8 @@ class SaveEngine:
             docs/engine.md for the measured effect). `0` keeps the training's priority.
         overlap (`bool`, *optional*, defaults to `False`): copy the optimizer's parameters and state beside the
             next step's forward and backward; its `optimizer.step()` waits for the copy (`overlap.py`). `None`:
-            only for at least 32 MiB of them. Call `wait_snapshot()` before changing them in place between steps.
+            only for CUDA parameters with at least 32 MiB of them. Call `wait_snapshot()` before changing them in
+            place between steps.
 
     Example:
         ```python

@@ -249,13 +249,19 @@ def test_a_rollback_that_lands_while_a_copy_runs_waits_for_it(tmp_path: Path, sl
     run.close()
 
 
-def test_auto_overlaps_only_large_states_and_never_without_an_optimizer_step_to_hold(tmp_path: Path):
+def test_auto_overlaps_only_large_cuda_states_and_never_without_an_optimizer_step_to_hold(tmp_path: Path,
+                                                                                     monkeypatch):
     model, opt = _setup()
     _backward(model)
     opt.step()
     store = CheckpointStore(tmp_path / "s")
     with SaveEngine(store, overlap=None) as engine:  # auto: a LoRA-sized state is copied at the save, as before
         assert engine.save(StateSources(weights=model.state_dict, optimizer=opt), _request(1)).deferred is None
+    from hf_dynamic_ckpt.engine import overlap as overlap_module
+
+    monkeypatch.setattr(overlap_module, "OVERLAP_MIN_BYTES", 0)
+    with SaveEngine(store, overlap=None) as engine:  # auto, host parameters of any size: copied at the save
+        assert engine.save(StateSources(weights=model.state_dict, optimizer=opt), _request(4)).deferred is None
     with SaveEngine(store, overlap=True) as engine:  # nothing holds the next update until the copy is done
         weights_only = SaveRequest(step=2, epoch=0.0, reason="test", tiers=frozenset({Tier.WEIGHTS, Tier.STATE}))
         assert engine.save(StateSources(weights=model.state_dict), weights_only).deferred is None
