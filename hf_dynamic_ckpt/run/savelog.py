@@ -69,7 +69,9 @@ class SaveLog:
     """The run's `SaveEvent`s, with the counters behind the `smart_ckpt/*` metrics.
 
     The blocking time of saves accumulates twice: until `metrics()` reports it (`stall_ms`), and until
-    the next signal frame carries it to the policy (`take_blocking_s`).
+    the next signal frame carries it to the policy (`take_blocking_s`). An overlapped snapshot's copy
+    (`handle.deferred`) blocks later, where the next optimizer step waits for it: that wait counts once it
+    happened, at the next `take_blocking_s`.
     """
 
     def __init__(self) -> None:
@@ -81,16 +83,24 @@ class SaveLog:
         self._start = 0  # index of the first event of the current timeline
         self._stall_ms = 0.0
         self._blocking_s = 0.0
+        self._overlapped: list[Any] = []  # `PendingCopy`s whose wait at the optimizer step is not counted yet
 
     def add(self, event: SaveEvent) -> SaveEvent:
         self.events.append(event)
         self._stall_ms += event.blocking_ms
         self._blocking_s += event.blocking_ms / 1e3
+        deferred = getattr(event.handle, "deferred", None)
+        if deferred is not None:
+            self._overlapped.append(deferred)
         return event
 
     def take_blocking_s(self) -> float | None:
-        """Blocking seconds since the previous call (`None` when no save blocked in between)."""
-        value, self._blocking_s = self._blocking_s, 0.0
+        """Blocking seconds since the previous call (`None` when no save blocked in between): the saves' own, and
+        the time the training thread waited for an overlapped copy (`PendingCopy.wait_ms`) once it did."""
+        waited_ms = sum(c.wait_ms for c in self._overlapped if c.wait_ms is not None)
+        self._overlapped = [c for c in self._overlapped if c.wait_ms is None]
+        self._stall_ms += waited_ms
+        value, self._blocking_s = self._blocking_s + waited_ms / 1e3, 0.0
         return value if value > 0 else None
 
     def last_ok(self) -> SaveEvent | None:
