@@ -220,12 +220,6 @@ class Plan:
                                                         [blueprint.unique[j] for j in run],
                                                         [blueprint.flats[j] for j in run])
 
-    # The copies of the `now` part (all of them without `deferred`), by kind.
-    spans = property(lambda self: self.now.spans)
-    cats = property(lambda self: self.now.cats)
-    singles = property(lambda self: self.now.singles)
-    cuda = property(lambda self: self.now.cuda)
-
     def run(self, cuda: CudaCopier | None) -> None:
         """Issue every copy of this scope, both parts (CUDA ones are only queued on `cuda`)."""
         self.now.run(cuda)

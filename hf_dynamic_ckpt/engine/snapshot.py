@@ -265,11 +265,14 @@ class Snapshotter:
             if defer is not None:
                 plan = self._plans[scope] = defer.fit(plan)
             plans[scope] = plan
-        cuda = self._copier() if any(p.cuda for p in plans.values()) else None
-        copied = live_bytes = 0
-        for plan in plans.values():
-            (plan.now if defer is not None else plan).run(cuda)
-            copied += plan.blueprint.nbytes
+        # With `defer` the later part runs beside the next step (`defer.start`); without it both parts run now (a plan
+        # split by an earlier overlapped save keeps its split).
+        parts = [part for plan in plans.values() for part in (plan.now, *(() if defer is not None else (plan.later,)))]
+        cuda = self._copier() if any(part.cuda for part in parts) else None
+        for part in parts:
+            part.run(cuda)
+        copied = sum(plan.blueprint.nbytes for plan in plans.values())
+        live_bytes = 0
         weights: dict[str, torch.Tensor | BlobRef] | None = None
         if live.weights is not None and live.plain:
             weights = dict(zip(live.weights, plans[WEIGHTS_PREFIX].outputs()))

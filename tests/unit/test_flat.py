@@ -170,7 +170,7 @@ def test_snapshot_of_a_consolidated_run_is_one_copy_per_scope_with_the_same_cont
     assert flat.optimizer["param_groups"] == plain.optimizer["param_groups"]
     assert [list(e) for e in flat.optimizer["state"].values()] == [list(e) for e in plain.optimizer["state"].values()]
     for scope in ("weights/", "optimizer/"):  # the consolidated run: one copy per scope, no cat
-        assert len(plans[scope].spans) == 1 and plans[scope].cats == [] and plans[scope].singles == ([], [])
+        assert len(plans[scope].now.spans) == 1 and plans[scope].now.cats == [] and plans[scope].now.singles == ([], [])
 
 
 def test_save_pretrained_of_a_consolidated_model_writes_the_same_tensors(tmp_path):
@@ -217,4 +217,5 @@ def test_a_move_plans_the_next_snapshot_ahead_through_on_move(tmp_path, replan):
         # Replanned: the first save after the move copies through held plans (one span per scope), not new ones.
         assert (stale == {}) if replan else (set(stale) == {"weights/", "optimizer/"})
         if replan:
-            assert all(len(p.spans) == 1 for p in snap._plans.values()), {s: p.spans for s, p in snap._plans.items()}
+            spans = {s: p.now.spans for s, p in snap._plans.items()}
+            assert all(len(v) == 1 for v in spans.values()), spans

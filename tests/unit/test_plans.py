@@ -129,7 +129,7 @@ def test_sources_tiling_one_storage_are_copied_with_one_copy():
     # In walk order: consecutive views (an empty one among them), two dtypes, one span each.
     tensors = [flat[0:12].view(3, 4), flat[12:12], flat[12:20], flat[20:40].view(4, 5), bf[0:2], bf[2:6].view(2, 2)]
     plan = _plan_of(tensors)
-    assert len(plan.spans) == 2 and plan.cats == [] and plan.singles == ([], [])
+    assert len(plan.now.spans) == 2 and plan.now.cats == [] and plan.now.singles == ([], [])
     assert _run(plan) == ["copy_", "copy_"]  # not a cat of 6 sources
     for src, out in zip(tensors, plan.outputs()):
         assert out.shape == src.shape and torch.equal(out, src)
@@ -150,17 +150,17 @@ def test_sources_that_do_not_tile_one_span_are_concatenated():
     }
     for what, tensors in cases.items():
         plan = _plan_of(tensors)
-        assert plan.spans == [], what
+        assert plan.now.spans == [], what
         plan.run(None)
         assert all(torch.equal(out, src) for src, out in zip(tensors, plan.outputs())), what
     # Tied weights (the same view twice) tile the span with one buffer for both.
     tied = [flat[0:4], flat[4:10], flat[0:4]]
     plan = _plan_of(tied)
-    assert len(plan.spans) == 1 and _run(plan) == ["copy_"]
+    assert len(plan.now.spans) == 1 and _run(plan) == ["copy_"]
     assert plan.outputs()[0] is plan.outputs()[2] and torch.equal(plan.outputs()[1], flat[4:10])
     # A span that is only part of the group (one more dtype member elsewhere) is not a span copy.
     plan = _plan_of([flat[0:4], flat[4:8], other[0:2]])
-    assert plan.spans == [] and _run(plan) == ["cat"]
+    assert plan.now.spans == [] and _run(plan) == ["cat"]
 
 
 def test_a_consolidated_optimizer_state_snapshots_through_spans():
@@ -181,7 +181,7 @@ def test_a_consolidated_optimizer_state_snapshots_through_spans():
     sources = StateSources(optimizer=opt)
     live = snap.collect(sources, step=1, epoch=0.0, tiers={Tier.OPTIMIZER})
     state = snap.take(live).state
-    assert len(snap._plans["optimizer/"].spans) == 1 and snap._plans["optimizer/"].cats == []
+    assert len(snap._plans["optimizer/"].now.spans) == 1 and snap._plans["optimizer/"].now.cats == []
     out = tensors_in(state.optimizer, [])
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr()
                for a, b in zip(out, optimizer_tensors(opt.state_dict())))
@@ -197,7 +197,8 @@ def test_cuda_sources_tiling_one_span_are_one_device_to_host_copy():
     tensors = [flat[0:12].view(3, 4), flat[12:40]]
     bp = make_blueprint("w/", ("a", "b"), tensors, ["w/a", "w/b"], dedupe=True)
     plan = Plan(bp, Layout(bp.spec, shared=False, pinned=bp.pinned))
-    assert plan.spans == [] and len(plan.cuda) == 1 and plan.cuda[0][0] is plan.layout.regions[torch.float32]
+    now = plan.now
+    assert now.spans == [] and len(now.cuda) == 1 and now.cuda[0][0] is plan.layout.regions[torch.float32]
     copier = CudaCopier()
     plan.run(copier)
     for event in copier.finish():
