@@ -41,6 +41,10 @@ MOVED: dict[str, str] = {}
 """Former top-level settings of `SmartCkptConfig` -> where each is now (``policy.min_interval``); filled by
 `config` from its groups, named when one is passed at the top level."""
 
+KEY_OF: dict[str, str] = {}
+"""Config class name -> its key (``"PolicyParams"`` -> ``"policy"``, ``"SmartCkptConfig"`` -> ``""``); filled by
+`config` with `MOVED`, so an unknown keyword of a group names the group a key belongs to."""
+
 
 def warn_once(key: str) -> bool:
     """Whether to log a configuration warning: once per process, and only on rank 0 of a job."""
@@ -70,8 +74,7 @@ def unknown_key(key: str, names: Iterable[str], *, prefix: str = "", keyword_of:
     closest valid name, and every allowed one."""
     names = sorted(names)
     what = f"{keyword_of}() got an unknown keyword {key!r}" if keyword_of else f"unknown config key {prefix}{key!r}"
-    group = {"SmartCkptConfig": "", "PolicyParams": "policy", "RemoteParams": "remote", "RuntimeParams": "runtime"}
-    where = prefix.split(".")[0] if prefix else group.get(keyword_of or "", None if keyword_of else "")
+    where = prefix.split(".")[0] if prefix else KEY_OF.get(keyword_of) if keyword_of else ""
     return UnknownConfigKeyError(f"{what}{_did_you_mean(key, names, where=where)}: allowed keys are "
                                  f"{', '.join(names)}.")
 

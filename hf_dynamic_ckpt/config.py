@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._config_checks import (
+    KEY_OF,
     MOVED,
     build,
     check,
@@ -462,6 +463,7 @@ there, so its ``checkpoint_config.yaml`` loads as written."""
 MOVED.update({f.name: f"{group}.{f.name}" for group, cls in GROUPS.items() if group != "storage_levels"
               for f in dataclasses.fields(cls)})
 MOVED.update({f"remote_{f.name}": f"remote.{f.name}" for f in dataclasses.fields(RemoteParams)})
+KEY_OF.update({cls.__name__: name for name, cls in GROUPS.items()}, SmartCkptConfig="")
 
 
 @named_keywords
