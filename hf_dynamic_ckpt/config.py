@@ -408,6 +408,10 @@ class RuntimeParams:
             closed and replaced, a dead one of this host taken over, a live one of this host refused at once
             (docs/reliability.md).
         report_to_trainer (`bool`, *optional*, defaults to `True`): add `smart_ckpt/*` to Trainer logs.
+        keep_global_batch (`bool`, *optional*, defaults to `True`): a resume whose per-device batch x processes x
+            gradient accumulation differs from the checkpoint's sets the accumulation that gives the checkpoint's
+            global batch (or refuses with `GlobalBatchError` where none does); `false` trains with the settings as
+            given and warns what changes (docs/elastic.md).
     """
 
     fallback_strategy: FallbackStrategy = FallbackStrategy.FULL
@@ -419,6 +423,7 @@ class RuntimeParams:
     overlap_snapshot: bool | None = None
     lock_wait_s: float = 120.0
     report_to_trainer: bool = True
+    keep_global_batch: bool = True
 
     def __post_init__(self) -> None:
         import signal as _signal
@@ -448,6 +453,8 @@ class RuntimeParams:
         check(is_finite(self.lock_wait_s) and self.lock_wait_s >= 0, "lock_wait_s", self.lock_wait_s,
               "a number of seconds >= 0")
         check(isinstance(self.report_to_trainer, bool), "report_to_trainer", self.report_to_trainer,
+              "true or false (a YAML boolean, not a string)")
+        check(isinstance(self.keep_global_batch, bool), "keep_global_batch", self.keep_global_batch,
               "true or false (a YAML boolean, not a string)")
 
 

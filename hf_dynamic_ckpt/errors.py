@@ -16,6 +16,11 @@ class UnknownConfigKeyError(ConfigError, TypeError):
     Also a `TypeError`, what Python raises for an unexpected keyword argument."""
 
 
+class GlobalBatchError(ConfigError):
+    """A resume on another number of processes cannot keep the checkpoint's global batch (per-device batch x
+    processes x accumulation) with the settings given; the message names the settings that would."""
+
+
 class CheckpointNotFoundError(DynamicCkptError, FileNotFoundError):
     """A path or reference does not name a committed checkpoint."""
 

@@ -47,6 +47,15 @@ from ..constants import KEY_RNG_AT, KEY_TRAINER_STATE, RNG_AT_STEP_BEGIN
 from ..errors import ConfigError
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
+from ..run.elastic import (
+    KEY_BATCH,
+    KEY_DRAWS_RANDOM,
+    BatchGeometry,
+    StepRandomness,
+    data_windows,
+    plan_batch,
+    world_change_note,
+)
 from ..run.orchestrator import RunOrchestrator
 from ..run.rollback import Rollback
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
@@ -112,6 +121,8 @@ class SmartCkptCallback(TrainerCallback):
         self._resumed_rng: dict[str, Any] | None = None  # restored once the first resumed step's batches are in
         self._rng_before_iterator = False  # ... or, at an epoch boundary, before the epoch's iterator is created
         self._put_back_seed: Callable[[], None] | None = None  # `on_epoch_begin` swapped the loader's generator
+        self._folder_steps: int | None = None  # the data position the resume folder names (Trainer's global_step)
+        self._randomness = StepRandomness()
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -159,13 +170,50 @@ class SmartCkptCallback(TrainerCallback):
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
-        folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
+        self._folder_steps = self._plan_batch(trainer, loaded, ck)
+        folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id,
+                                            data_steps=self._folder_steps)
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
             # (not when this callback goes: a later Trainer of the process may have prepared the same folder again).
             atexit.register(remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
         self._pending = loaded
         self.resumed_from = loaded
         return str(folder)
+
+    def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator) -> int:
+        """Keep the checkpoint's global batch on this world size (`run.elastic`): set Trainer's accumulation before
+        `train()` counts its steps, and say what a change of world size keeps; returns the data position (in
+        optimizer-step windows of this run) for Trainer's folder."""
+        args, sampler = trainer.args, loaded.sampler or {}
+        saved = BatchGeometry.from_json(sampler.get(KEY_BATCH))
+        now = BatchGeometry(int(trainer._train_batch_size), dist.world_size(), int(args.gradient_accumulation_steps))
+        windows, saved_world = data_steps(loaded), loaded.info.world_size
+        say = ck.announce if ck.rank == 0 else None
+        if saved is None:
+            if saved_world != now.world_size and say is not None:
+                say.warning("smart_ckpt: step %d was saved by %d process(es) and is resumed by %d, and it does not "
+                            "record its global batch: keep per_device_train_batch_size x processes x "
+                            "gradient_accumulation_steps as it was", loaded.info.step, saved_world, now.world_size)
+            return windows
+        plan = plan_batch(saved, now, keep=self.config.runtime.keep_global_batch, step=loaded.info.step)
+        args.gradient_accumulation_steps = plan.accumulation
+        if plan.warning is not None:
+            try:
+                num = len(trainer.train_dataset)
+            except TypeError:  # an iterable dataset: no epochs to recount
+                num = None
+            seen_again = 0
+            if num is not None:
+                windows, seen_again = data_windows(windows, saved, now, num, drop_last=bool(args.dataloader_drop_last))
+            if say is not None:
+                say.warning("smart_ckpt: %s%s", plan.warning, f"; the data continues with {seen_again} sample(s) of "
+                            "the last step seen again" if seen_again else "")
+        elif plan.note is not None and say is not None:
+            say.info("smart_ckpt: %s", plan.note)
+        note = world_change_note(saved_world, now.world_size, sampler.get(KEY_DRAWS_RANDOM))
+        if note is not None and say is not None:
+            say.warning("smart_ckpt: step %d was %s", loaded.info.step, note)
+        return windows
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -189,13 +237,15 @@ class SmartCkptCallback(TrainerCallback):
         if retry:
             # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
             ck.restart_timeline(state.global_step)
-        if loaded is not None and state.global_step == data_steps(loaded) != loaded.info.step:
+        folder_steps = self._folder_steps if self._folder_steps is not None else \
+            data_steps(loaded) if loaded is not None else None
+        if loaded is not None and state.global_step == folder_steps != loaded.info.step:
             # The folder named the data position (a rollback skipped data): the true step goes back now, with
             # the two counters Trainer set from it before this event (its last logged step, its start step).
             state.global_step = loaded.info.step
             trainer: Any = self.trainer
             trainer._globalstep_last_logged = trainer._initial_global_step = loaded.info.step
-        self.data_steps = data_steps(loaded) if loaded is not None else state.global_step
+        self.data_steps = folder_steps if folder_steps is not None else state.global_step
         if loaded is not None:
             if loaded.info.step != state.global_step:
                 raise ConfigError(
@@ -242,9 +292,11 @@ class SmartCkptCallback(TrainerCallback):
                 self._roll_back(state)
             self._flos_at_begin = float(getattr(self.trainer, "current_flos", 0.0) or 0.0)
             self.run.step_begin()  # the previous step's logging and evaluation are done: write its save
+        self._randomness.begin()
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
+        self._randomness.end()  # the step's forward and backward ran
         if self.run is not None:
             self._apply_resumed_optimizer()
             self.run.pre_update(state.global_step, epoch=state.epoch)
@@ -371,8 +423,11 @@ class SmartCkptCallback(TrainerCallback):
 
     def _sampler(self) -> dict[str, Any]:
         state = self._state
+        trainer: Any = self.trainer
+        batch = BatchGeometry(int(trainer._train_batch_size), dist.world_size(),
+                              int(trainer.args.gradient_accumulation_steps)).to_json() if trainer is not None else None
         return {"kind": "trainer", "global_step": state.global_step if state else None, KEY_DATA_STEPS: self.data_steps,
-                "epoch": state.epoch if state else None}
+                "epoch": state.epoch if state else None, KEY_BATCH: batch, KEY_DRAWS_RANDOM: self._randomness.seen}
 
     def _move_first(self) -> None:
         """Run before the reporting callbacks, so the `smart_ckpt/*` metrics reach them in `on_log`."""

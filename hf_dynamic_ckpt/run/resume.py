@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import distributed as dist
 from ..config import FallbackStrategy
-from ..constants import KEY_WORLD_SIZE, Tier
+from ..constants import Tier
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -136,8 +136,11 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
                                              "fallback_strategy=level_0_1 requires it,")
             outcome.optimizer_lost = opt.lost
             outcome.scheduler_salvaged = opt.scheduler is not None
+    # A rank the checkpoint had not (a resume on more processes) continues rank 0's random streams and data
+    # position: ranks seeded alike hold the same streams, as those of an uninterrupted run on this many would.
+    own = rank if rank < info.world_size else 0
     try:
-        state = _retry_once(lambda: store.load(info, tiers={Tier.STATE}, rank=rank, mmap=mmap))
+        state = _retry_once(lambda: store.load(info, tiers={Tier.STATE}, rank=own, mmap=mmap))
     except CorruptCheckpointError as e:
         if world_size > 1:  # every rank must continue its own random streams, or none is exact
             return _Outcome(step, False, f"rank {rank}'s RNG / data-loader state of step {step} cannot be "
@@ -147,11 +150,6 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     else:
         loaded.rng, loaded.sampler = state.rng, state.sampler
         loaded.warnings.extend(w for w in state.warnings if w not in loaded.warnings)
-    saved_world = loaded.manifest.get(KEY_WORLD_SIZE)
-    if isinstance(saved_world, int) and saved_world != world_size and rank == 0:
-        loaded.warnings.append(
-            f"step {step} was saved by {saved_world} process(es) and is resumed by {world_size}: the data order "
-            "and random streams of the resumed run differ from the interrupted one (weights and optimizer are exact)")
     return outcome
 
 

@@ -37,16 +37,16 @@ class PlainLM(torch.nn.Module):
         return out
 
 
-def build_model(kind: str, tie: bool = False) -> torch.nn.Module:
+def build_model(kind: str, tie: bool = False, dropout: float = 0.1) -> torch.nn.Module:
     from hf_dynamic_ckpt.extras import toy
 
     if kind == "plain":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             return PlainLM()
-    model = toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=0.1, tie_word_embeddings=tie)
+    model = toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=dropout, tie_word_embeddings=tie)
     if kind == "lora":
-        model = toy.lora(model, r=4, dropout=0.1)
+        model = toy.lora(model, r=4, dropout=dropout)
     return model
 
 
@@ -57,6 +57,10 @@ def main() -> None:
     p.add_argument("--model", default="full", choices=["full", "lora", "plain"])
     p.add_argument("--max_steps", type=int, default=8)
     p.add_argument("--ga", type=int, default=2)
+    p.add_argument("--per_device", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.1, help="the model's dropout (and LoRA's)")
+    p.add_argument("--accept_global_batch", action="store_true", help="runtime.keep_global_batch=false")
+    p.add_argument("--final", default=None, help="rank 0 writes the trainable weights here (safetensors) at the end")
     p.add_argument("--examples", type=int, default=40)
     p.add_argument("--base_interval", type=int, default=3)
     p.add_argument("--resume", default=None)
@@ -112,7 +116,7 @@ def main() -> None:
 
         snapshot.Snapshotter.take = slow_take  # type: ignore[method-assign]
 
-    model = build_model(args.model, tie=args.tie)
+    model = build_model(args.model, tie=args.tie, dropout=args.dropout)
     ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
     if args.poison or args.reference_skip:
         ds = _reorder_and_poison(ds, args)
@@ -190,10 +194,10 @@ def main() -> None:
                 "on_rollbacks_exhausted": args.exhausted}
     short = {} if args.default_policy else {"stability_window": 8, "overhead_budget": 1.0}
     config = SmartCkptConfig(base_interval=args.base_interval, on_anomaly=args.on_anomaly,
-                             policy={**rollback, **short})
+                             policy={**rollback, **short}, runtime={"keep_global_batch": not args.accept_global_batch})
     cb = SmartCkptCallback(config, consolidate=None if args.consolidate is None else args.consolidate == "on")
     targs = TrainingArguments(
-        output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=4,
+        output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=args.per_device,
         gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
         save_strategy="steps" if args.native_save_steps else "no", save_steps=args.native_save_steps or 500,
         report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=args.workers,
@@ -221,8 +225,15 @@ def main() -> None:
         _dump(args, rank, losses, cb, killed=False, after={"error": str(e), "rollbacks": rollbacks,
                                                            "global_step": trainer.state.global_step})
         return 3
+    if args.final and rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({n: q.detach().contiguous() for n, q in model.named_parameters() if q.requires_grad}, args.final)
     _dump(args, rank, losses, cb, killed=False, after={
         "rollbacks": rollbacks, "global_step": trainer.state.global_step,
+        "ga": trainer.args.gradient_accumulation_steps,
+        "log": {e["step"]: [e["loss"], e.get("grad_norm"), e.get("learning_rate")]
+                for e in trainer.state.log_history if "loss" in e},
         "log_steps": [e.get("step") for e in trainer.state.log_history if "loss" in e],
         "forward_hooks": len(inner._forward_hooks),  # the worker's own hooks only
         "sigterm_handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,

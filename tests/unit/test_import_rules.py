@@ -33,9 +33,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "engine": ("engine", "store", "state", "config", "constants", "errors", "jsonutil", "sysmem"),
     "run": ("run", "store", "state", "signals", "policy", "engine", "config", "constants", "errors", "jsonutil",
             "distributed", "export", "sysmem"),
-    "integrations": ("integrations", "run.orchestrator", "run.savelog", "run.rollback", "state", "config",
-                     "constants", "errors", "distributed", "jsonutil", "store.types", "store.spec", "policy.decision",
-                     "export"),
+    "integrations": ("integrations", "run.orchestrator", "run.savelog", "run.rollback", "run.elastic", "state",
+                     "config", "constants", "errors", "distributed", "jsonutil", "store.types", "store.spec",
+                     "policy.decision", "export"),
 }
 
 # The only places the core imports `extras/`: (core module, extras module) -> why. Each import sits inside the
