@@ -150,7 +150,8 @@ def table(rows: list[list[str]], out: TextIO) -> None:
 def info_json(i: CheckpointInfo) -> dict[str, Any]:
     return {"task": i.task_id, "step": i.step, "reason": i.reason, "tiers": sorted(t.value for t in i.tiers),
             "bytes": i.bytes, "loss": i.loss, "healthy": i.healthy, "pinned": i.pinned, "abandoned": i.abandoned,
-            "status": i.status, "saved_at": i.save_time, "recovery_cost_ms": i.recovery_cost_ms, "path": i.path}
+            "status": i.status, "saved_at": i.save_time, "recovery_cost_ms": i.recovery_cost_ms, "path": i.path,
+            "world_size": i.world_size}
 
 
 def dump_json(obj: Any) -> None:

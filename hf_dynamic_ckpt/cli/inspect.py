@@ -41,8 +41,8 @@ def _status(i: CheckpointInfo) -> str:
 
 def _info_row(i: CheckpointInfo) -> list[str]:
     return [i.task_id, str(i.step), i.reason or "-", ",".join(sorted(t.value for t in i.tiers)) or "-",
-            human_size(i.bytes), "-" if i.loss is None else f"{i.loss:.4g}", "yes" if i.healthy else "no",
-            "yes" if i.pinned else "no", _status(i)]
+            str(i.world_size), human_size(i.bytes), "-" if i.loss is None else f"{i.loss:.4g}",
+            "yes" if i.healthy else "no", "yes" if i.pinned else "no", _status(i)]
 
 
 # -- ls ---------------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     if not infos:
         print(f"no checkpoints under {root}" + (f" for task {args.task!r}" if args.task else ""))
         return 0
-    table([["TASK", "STEP", "REASON", "TIERS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"],
+    table([["TASK", "STEP", "REASON", "TIERS", "PROCS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"],
            *(_info_row(i) for i in infos)], sys.stdout)
     if removed:
         shown = removed if args.all else removed[-3:]

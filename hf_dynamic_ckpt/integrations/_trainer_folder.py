@@ -66,21 +66,19 @@ KEY_DATA_STEPS = "data_steps"
 """Key of the Trainer data position in a checkpoint's sampler state: optimizer-step windows consumed."""
 
 
-def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str, *,
-                               data_steps: int | None = None) -> Path:
-    """Write the folder for `loaded` (rank 0; every rank waits for it); returns it. `data_steps`: the data position
-    its `global_step` names (default: `data_steps(loaded)`)."""
+def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str) -> Path:
+    """Write the folder for `loaded` (rank 0; every rank waits for it); returns it."""
     folder = resume_folder(root, task_id, loaded.info.step)
     if dist.is_main():
         remove_resume_folders(root, task_id)
         folder.mkdir(parents=True)
-        _write_trainer_state(folder, loaded, trainer, data_steps)
+        _write_trainer_state(folder, loaded, trainer)
         _write_weights(folder, loaded, trainer.model)
     dist.barrier()
     return folder
 
 
-def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any, position: int | None) -> None:
+def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any) -> None:
     state = loaded.extra.get(KEY_TRAINER_STATE)
     if state is None:  # saved by another integration: the step and epoch are enough to resume
         args = trainer.args
@@ -93,7 +91,7 @@ def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any, p
     # Trainer derives the data to skip from global_step. After a rollback the run has consumed more batches than
     # it applied updates (the rolled-back ones), so the folder names the data position; `SmartCkptCallback` puts
     # the true step back at train begin.
-    state["global_step"] = data_steps(loaded) if position is None else position
+    state["global_step"] = data_steps(loaded)
     (folder / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 

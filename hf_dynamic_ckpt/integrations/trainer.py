@@ -52,7 +52,6 @@ from ..run.elastic import (
     KEY_DRAWS_RANDOM,
     BatchGeometry,
     StepRandomness,
-    data_windows,
     plan_batch,
     world_change_note,
 )
@@ -121,7 +120,6 @@ class SmartCkptCallback(TrainerCallback):
         self._resumed_rng: dict[str, Any] | None = None  # restored once the first resumed step's batches are in
         self._rng_before_iterator = False  # ... or, at an epoch boundary, before the epoch's iterator is created
         self._put_back_seed: Callable[[], None] | None = None  # `on_epoch_begin` swapped the loader's generator
-        self._folder_steps: int | None = None  # the data position the resume folder names (Trainer's global_step)
         self._randomness = StepRandomness()
 
     # ------------------------------------------------------------------ wiring
@@ -170,9 +168,8 @@ class SmartCkptCallback(TrainerCallback):
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
-        self._folder_steps = self._plan_batch(trainer, loaded, ck)
-        folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id,
-                                            data_steps=self._folder_steps)
+        self._plan_batch(trainer, loaded, ck)
+        folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
             # (not when this callback goes: a later Trainer of the process may have prepared the same folder again).
             atexit.register(remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
@@ -180,40 +177,29 @@ class SmartCkptCallback(TrainerCallback):
         self.resumed_from = loaded
         return str(folder)
 
-    def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator) -> int:
+    def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator) -> None:
         """Keep the checkpoint's global batch on this world size (`run.elastic`): set Trainer's accumulation before
-        `train()` counts its steps, and say what a change of world size keeps; returns the data position (in
-        optimizer-step windows of this run) for Trainer's folder."""
+        `train()` counts its steps, and say what a change of world size keeps."""
         args, sampler = trainer.args, loaded.sampler or {}
         saved = BatchGeometry.from_json(sampler.get(KEY_BATCH))
         now = BatchGeometry(int(trainer._train_batch_size), dist.world_size(), int(args.gradient_accumulation_steps))
-        windows, saved_world = data_steps(loaded), loaded.info.world_size
+        saved_world = loaded.info.world_size
         say = ck.announce if ck.rank == 0 else None
         if saved is None:
             if saved_world != now.world_size and say is not None:
                 say.warning("smart_ckpt: step %d was saved by %d process(es) and is resumed by %d, and it does not "
                             "record its global batch: keep per_device_train_batch_size x processes x "
                             "gradient_accumulation_steps as it was", loaded.info.step, saved_world, now.world_size)
-            return windows
+            return
         plan = plan_batch(saved, now, keep=self.config.runtime.keep_global_batch, step=loaded.info.step)
         args.gradient_accumulation_steps = plan.accumulation
-        if plan.warning is not None:
-            try:
-                num = len(trainer.train_dataset)
-            except TypeError:  # an iterable dataset: no epochs to recount
-                num = None
-            seen_again = 0
-            if num is not None:
-                windows, seen_again = data_windows(windows, saved, now, num, drop_last=bool(args.dataloader_drop_last))
-            if say is not None:
-                say.warning("smart_ckpt: %s%s", plan.warning, f"; the data continues with {seen_again} sample(s) of "
-                            "the last step seen again" if seen_again else "")
+        if plan.warning is not None and say is not None:
+            say.warning("smart_ckpt: %s", plan.warning)
         elif plan.note is not None and say is not None:
             say.info("smart_ckpt: %s", plan.note)
         note = world_change_note(saved_world, now.world_size, sampler.get(KEY_DRAWS_RANDOM))
         if note is not None and say is not None:
             say.warning("smart_ckpt: step %d was %s", loaded.info.step, note)
-        return windows
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -237,15 +223,13 @@ class SmartCkptCallback(TrainerCallback):
         if retry:
             # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
             ck.restart_timeline(state.global_step)
-        folder_steps = self._folder_steps if self._folder_steps is not None else \
-            data_steps(loaded) if loaded is not None else None
-        if loaded is not None and state.global_step == folder_steps != loaded.info.step:
+        if loaded is not None and state.global_step == data_steps(loaded) != loaded.info.step:
             # The folder named the data position (a rollback skipped data): the true step goes back now, with
             # the two counters Trainer set from it before this event (its last logged step, its start step).
             state.global_step = loaded.info.step
             trainer: Any = self.trainer
             trainer._globalstep_last_logged = trainer._initial_global_step = loaded.info.step
-        self.data_steps = folder_steps if folder_steps is not None else state.global_step
+        self.data_steps = data_steps(loaded) if loaded is not None else state.global_step
         if loaded is not None:
             if loaded.info.step != state.global_step:
                 raise ConfigError(

@@ -93,13 +93,13 @@ def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, s
         return BatchPlan(now.accumulation, note=f"{at} was saved by {saved.describe()} and is resumed by "
                                                 f"{now.describe()}: the same samples per optimizer step")
     if not keep:
+        position = f"; the data continues at sample {step * now.global_batch} of its order (the interrupted run had " \
+            f"read {step * saved.global_batch})" if step is not None else ""
         return BatchPlan(now.accumulation, warning=(
             f"{at} was saved with a global batch of {saved.describe()} and is resumed with {now.describe()} "
             "(runtime.keep_global_batch=false): every optimizer step from here on averages "
             f"{now.global_batch} samples instead of {saved.global_batch}; the step count, the learning-rate "
-            "schedule's position and max_steps stay in optimizer steps, so the run sees "
-            f"{now.global_batch / saved.global_batch:.3g}x the samples per remaining step and an epoch takes "
-            "another number of steps"))
+            f"schedule's position, max_steps and the data position stay in optimizer steps{position}"))
     per_rank_step = now.per_device * now.world_size
     if saved.global_batch % per_rank_step:
         raise GlobalBatchError(
@@ -164,22 +164,3 @@ def world_change_note(saved_world: int, world: int, draws_random: bool | None) -
     return (f"saved by {saved_world} process(es), resumed by {world}, and {why}: each rank draws its own masks, so "
             "the masks of the resumed run differ from the interrupted one's (the samples of each step do not)")
 
-
-def steps_per_epoch(geometry: BatchGeometry, num_examples: int, *, drop_last: bool = False) -> int:
-    """Optimizer steps in one epoch of `num_examples` under `geometry`, as Trainer counts them: each rank's
-    micro-batches (Accelerate deals the per-device batches of the sampler's order to the ranks in turn, the last
-    ones evened out), then windows of `accumulation` of them, a shorter last one included."""
-    per_rank = (num_examples // geometry.per_device if drop_last else -(-num_examples // geometry.per_device))
-    per_rank = per_rank // geometry.world_size if drop_last else -(-per_rank // geometry.world_size)
-    return max(1, -(-per_rank // geometry.accumulation))
-
-
-def data_windows(consumed: int, saved: BatchGeometry, now: BatchGeometry, num_examples: int, *,
-                 drop_last: bool = False) -> tuple[int, int]:
-    """`consumed` optimizer-step windows of data under `saved`, counted in windows of `now` (a resume that accepts
-    another global batch continues the data after the samples already seen); returns (windows, samples of the last
-    saved window that the count rounds back and that are seen again)."""
-    old, new = (steps_per_epoch(g, num_examples, drop_last=drop_last) for g in (saved, now))
-    epoch, within = divmod(consumed, old)
-    samples = within * saved.global_batch
-    return epoch * new + samples // now.global_batch, samples % now.global_batch

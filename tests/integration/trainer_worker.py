@@ -232,7 +232,7 @@ def main() -> None:
     _dump(args, rank, losses, cb, killed=False, after={
         "rollbacks": rollbacks, "global_step": trainer.state.global_step,
         "ga": trainer.args.gradient_accumulation_steps,
-        "log": {e["step"]: [e["loss"], e.get("grad_norm"), e.get("learning_rate")]
+        "log": {e["step"]: [e["loss"], e.get("grad_norm"), e.get("learning_rate"), e.get("epoch")]
                 for e in trainer.state.log_history if "loss" in e},
         "log_steps": [e.get("step") for e in trainer.state.log_history if "loss" in e],
         "forward_hooks": len(inner._forward_hooks),  # the worker's own hooks only

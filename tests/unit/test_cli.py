@@ -40,8 +40,9 @@ def test_human_size() -> None:
 def test_ls_prints_a_table(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ls", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["TASK", "STEP", "REASON", "TIERS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"]
-    assert lines[1].split() == ["run", "20", "loss_spike", "optimizer,state,weights",
+    assert lines[0].split() == ["TASK", "STEP", "REASON", "TIERS", "PROCS", "SIZE", "LOSS", "HEALTHY", "PINNED",
+                                "STATUS"]
+    assert lines[1].split() == ["run", "20", "loss_spike", "optimizer,state,weights", "1",
                                 *human_size(_bytes(root, 20)).split(), "0.125", "yes", "no", "ok"]
     assert lines[2].split()[:3] == ["run", "10", "interval"] and lines[2].split()[-3:] == ["yes", "yes", "ok"]
     assert len(lines) == 3
