@@ -4,10 +4,11 @@ A data-parallel step consumes a *global batch* of ``per_device x world_size x ac
 micro-batches of the prepared sampler's order, dealt to the ranks in turn. Trainer's sampler and Accelerate's
 seedable / generator-driven samplers draw that order independently of the world size, so a run resumed on another
 number of processes sees the same samples in every optimizer step, and therefore continues the same run (up to
-float reduction order), as long as the global batch is the same. `plan_batch` keeps it: on a resume whose global
-batch would differ it returns the accumulation that restores it (``runtime.keep_global_batch``, the default), or
-raises `GlobalBatchError` naming the settings that would; with ``keep_global_batch: false`` it accepts the new
-global batch and says what changes.
+float reduction order), as long as the global batch is the same. `plan_batch` keeps it: on a resume on another
+world size whose global batch would differ it returns the accumulation that restores it
+(``runtime.keep_global_batch``, the default), or raises `GlobalBatchError` naming the settings that would; with
+``keep_global_batch: false`` it accepts the new global batch and says what changes. On the same world size the
+run's settings are used as given.
 
 What cannot be kept is said only where it differs: ranks draw their own dropout masks, and a step's samples are
 split over other ranks and micro-batches, so a model that draws random numbers in its forward or backward sees
@@ -75,6 +76,10 @@ class BatchPlan:
 def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, step: int | None = None) -> BatchPlan:
     """The accumulation a run resumed with geometry `now` trains with, from the `saved` one.
 
+    On the world size that saved the checkpoint, `now` as given: a per-device batch or accumulation changed there
+    is the user's choice (Trainer resumes with the new batch size, transformers#43708). On another world size, the
+    saved global batch, unless `keep` is off.
+
     Args:
         saved (`BatchGeometry`): what the checkpoint recorded.
         now (`BatchGeometry`): the resumed run's settings as given (its per-device batch, world size, accumulation).
@@ -87,9 +92,9 @@ def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, s
             and world size; the message names the settings that would.
     """
     at = f"step {step}" if step is not None else "the checkpoint"
+    if now.world_size == saved.world_size:  # the run's own settings, as Trainer resumes them
+        return BatchPlan(now.accumulation)
     if now.global_batch == saved.global_batch:
-        if now.world_size == saved.world_size:
-            return BatchPlan(now.accumulation)
         return BatchPlan(now.accumulation, note=f"{at} was saved by {saved.describe()} and is resumed by "
                                                 f"{now.describe()}: the same samples per optimizer step")
     if not keep:

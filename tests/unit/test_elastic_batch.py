@@ -22,6 +22,14 @@ def test_the_same_settings_change_nothing_and_say_nothing() -> None:
     assert (plan.accumulation, plan.note, plan.warning) == (2, None, None)
 
 
+def test_on_the_same_world_size_the_settings_given_are_used() -> None:
+    # Trainer resumes with a changed per-device batch as given (transformers#43708): the user's choice, not refused.
+    for now in (BatchGeometry(3, 2, 2), BatchGeometry(4, 2, 1), BatchGeometry(8, 2, 2)):
+        for keep in (True, False):
+            plan = plan_batch(TWO_BY_TWO, now, keep=keep, step=6)
+            assert (plan.accumulation, plan.note, plan.warning) == (now.accumulation, None, None)
+
+
 def test_fewer_processes_with_the_same_command_raise_the_accumulation() -> None:
     plan = plan_batch(TWO_BY_TWO, BatchGeometry(4, 1, 2), step=6)
     assert plan.accumulation == 4 and plan.keeps_global_batch and plan.warning is None
