@@ -27,6 +27,9 @@ processes resume step 3, native / ours (zstd L1) / ours (uncompressed L1) altern
   nothing to load (its `accelerator.free_memory()` runs a full `gc.collect()`, ~0.4 s with
   torch and transformers imported on this machine, paid by every run). `over fresh` =
   `resume` - fresh's, and `to step end over fresh` likewise: the work a resume adds.
+- `peak MiB`: the child's peak resident memory (`ru_maxrss`) when its first step begins: the model,
+  Trainer's set-up and whatever the resume held at once (a second copy of the weights, the
+  optimizer state read ahead).
 
 The table prints ratios ours / native (lower is better): medians over `--repeats` runs; page
 cache warm for all; Python bytecode cached under `<out>/pycache` (as installed packages have it).
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -72,6 +76,7 @@ def trainer_for(kind: str, out: Path, *, native_save: bool, smart: bool, max_ste
     class FirstStep(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
             marks.setdefault("first_step", time.time())
+            marks.setdefault("peak_mib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
         def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
             marks.setdefault("first_step_end", time.time())
@@ -142,7 +147,8 @@ def run_child(kind: str, mode: str, out: Path) -> dict[str, float]:
     marks = json.loads(result.read_text())
     assert marks["global_step"] == (1 if mode == "fresh" else PREP_STEPS + 1), marks
     return {"total": marks["first_step"] - start, "resume": marks["first_step"] - marks["resume_start"],
-            "startup": marks["resume_start"] - start, "to_end": marks["first_step_end"] - marks["resume_start"]}
+            "startup": marks["resume_start"] - start, "to_end": marks["first_step_end"] - marks["resume_start"],
+            "peak_mib": marks["peak_mib"]}
 
 
 def dir_bytes(path: Path) -> int:
@@ -176,15 +182,15 @@ def main() -> None:
         for _ in range(args.repeats):
             for mode in modes:
                 runs[mode].append(run_child(kind, mode, out))
-        med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in ("total", "resume", "startup", "to_end")}
-               for m in modes}
+        keys = ("total", "resume", "startup", "to_end", "peak_mib")
+        med = {m: {k: statistics.median(r[k] for r in runs[m]) for k in keys} for m in modes}
         size = {"native": dir_bytes(out / "trainer" / f"checkpoint-{PREP_STEPS}"),
                 "ours": dir_bytes(out / store_dir(False) / "default" / f"step-{PREP_STEPS}"),
                 "ours_none": dir_bytes(out / store_dir(True) / "default" / f"step-{PREP_STEPS}")}
         rows.append((kind, med, size))
     print(f"{'kind':<6} {'mode':<26} {'startup s':>10} {'resume s':>9} {'ratio':>6} {'total s':>8} {'ratio':>6} "
           f"{'to step end s':>13} {'ratio':>6} {'over fresh s':>12} {'ratio':>6} {'end over fresh s':>16} {'ratio':>6} "
-          f"{'MB':>7}")
+          f"{'MB':>7} {'peak MiB':>9} {'ratio':>6}")
     names = {"fresh": "fresh start (no resume)", "native": "native (Trainer)", "ours": "ours, L1 zstd (default)",
              "ours_none": "ours, L1 none (mmap)"}
     for kind, med, size in rows:
@@ -192,7 +198,7 @@ def main() -> None:
         for m, v in med.items():
             if m == "fresh":
                 print(f"{kind:<6} {names[m]:<26} {v['startup']:>10.2f} {v['resume']:>9.2f} {'':>6} {v['total']:>8.2f} "
-                      f"{'':>6} {v['to_end']:>13.2f}")
+                      f"{'':>6} {v['to_end']:>13.2f}{'':>95}{v['peak_mib']:>9.0f}")
                 continue
             over, end_over = v["resume"] - fresh["resume"], v["to_end"] - fresh["to_end"]
             base_over, base_end = base["resume"] - fresh["resume"], base["to_end"] - fresh["to_end"]
@@ -200,7 +206,8 @@ def main() -> None:
                   f"{v['resume'] / base['resume']:>6.2f} "
                   f"{v['total']:>8.2f} {v['total'] / base['total']:>6.2f} {v['to_end']:>13.2f} "
                   f"{v['to_end'] / base['to_end']:>6.2f} {over:>12.2f} {over / base_over:>6.2f} {end_over:>16.2f} "
-                  f"{end_over / base_end:>6.2f} {size[m] / 1e6:>7.1f}")
+                  f"{end_over / base_end:>6.2f} {size[m] / 1e6:>7.1f} {v['peak_mib']:>9.0f} "
+                  f"{v['peak_mib'] / base['peak_mib']:>6.2f}")
 
 
 if __name__ == "__main__":

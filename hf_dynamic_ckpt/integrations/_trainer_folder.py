@@ -3,7 +3,9 @@
 ``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` (the stored `TrainerState`) and the
 weights as a hard link of the stored safetensors file (or, for several PEFT adapters, one
 file per adapter: the ``default`` adapter at the top, the others in sub-folders named after
-them, which is how Trainer finds them). No `optimizer.pt` / `scheduler.pt`: the callback loads
+them, which is how Trainer finds them). The callback has copied the verified weights into the model already
+(`load_once`): Trainer's own load of this folder is skipped, so the weights are read once; the file is there for a
+Trainer that loads anyway. No `optimizer.pt` / `scheduler.pt`: the callback loads
 L1 from the store straight into Trainer's optimizer. No `rng_state[_R].pth` either: the callback
 restores each rank's RNG itself, once the first resumed step has fetched its batches.
 
@@ -36,7 +38,7 @@ from ..constants import (
     WEIGHTS_NAME,
 )
 from ..errors import ConfigError
-from ..state import adapter_names, is_peft_model, split_adapters
+from ..state import adapter_names, apply_weights, is_peft_model, split_adapters
 from ..store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -142,3 +144,42 @@ def _save_tensors(weights: dict[str, torch.Tensor], target: Path) -> None:
         if ptr is not None:
             seen.add(ptr)
     save_file(tensors, str(target))
+
+
+def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path) -> bool:
+    """Copy the verified weights of `loaded` into `trainer.model` now, from the pages the checksum just read, and make
+    `Trainer.train` skip its second load of `folder` (a read of the whole file into new tensors, then the same copy).
+
+    Trainer's only hook for it is ``Trainer._load_from_checkpoint``: this instance's is wrapped, and the wrapper
+    skips the load only for `folder`, once, into the model the weights went to; anything else (another path, a
+    ``model_init`` that built a new model, a sharded model passed explicitly) goes to Trainer's own. A Trainer that
+    loads by another route reads the hard-linked file of the folder and gets the same weights.
+
+    Returns:
+        `bool`: the weights went into the model (`False`: Trainer loads them itself: a DeepSpeed or FSDP Trainer).
+    """
+    if loaded.weights is None or getattr(trainer, "is_deepspeed_enabled", False) \
+            or getattr(trainer, "is_fsdp_enabled", False) \
+            or not callable(getattr(trainer, "_load_from_checkpoint", None)):
+        return False
+    model = trainer.model
+    apply_weights(model, loaded.weights)
+    original = trainer._load_from_checkpoint
+    own = vars(trainer).get("_load_from_checkpoint")  # an override of this instance's, put back as it was
+    target = os.path.abspath(folder)
+    pending = [True]
+
+    def _load_from_checkpoint(resume_from_checkpoint: str, model_arg: Any = None) -> None:
+        if pending and model_arg is None and trainer.model is model \
+                and os.path.abspath(resume_from_checkpoint) == target:
+            pending.clear()
+            if own is None:
+                del trainer._load_from_checkpoint
+            else:
+                trainer._load_from_checkpoint = own
+            logger.debug("weights of %s are in the model already: Trainer's load skipped", folder)
+            return None
+        return original(resume_from_checkpoint, model_arg)
+
+    trainer._load_from_checkpoint = _load_from_checkpoint
+    return True

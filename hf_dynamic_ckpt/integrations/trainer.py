@@ -62,7 +62,7 @@ from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator, check_training_args
 from ..store.types import LoadedCheckpoint
 from ._position import persistent_workers, throwaway_seed
-from ._trainer_folder import KEY_DATA_STEPS, data_steps, materialise_trainer_folder, remove_resume_folders
+from ._trainer_folder import KEY_DATA_STEPS, data_steps, load_once, materialise_trainer_folder, remove_resume_folders
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,7 @@ class SmartCkptCallback(TrainerCallback):
             return None
         self._plan_batch(trainer, loaded, ck)
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
+        load_once(trainer, loaded, folder)
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
             # (not when this callback goes: a later Trainer of the process may have prepared the same folder again).
             atexit.register(remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
