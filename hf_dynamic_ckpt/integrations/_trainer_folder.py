@@ -146,9 +146,14 @@ def _save_tensors(weights: dict[str, torch.Tensor], target: Path) -> None:
     save_file(tensors, str(target))
 
 
-def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path) -> bool:
-    """Copy the verified weights of `loaded` into `trainer.model` now, from the pages the checksum just read, and make
-    `Trainer.train` skip its second load of `folder` (a read of the whole file into new tensors, then the same copy).
+def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> bool:
+    """Put the verified weights of `loaded` into `trainer.model` now and make `Trainer.train` skip its second load of
+    `folder` (a read of the whole file into new tensors, then a copy, the model and those tensors in memory at once).
+
+    A full model's parameters and buffers are read straight from the stored file into their own memory (the pages
+    its checksum just read; no mapping, no tensor in between), what cannot be (a blob-stored frozen weight, another
+    dtype or device) is copied from `loaded.weights`, which then names the model's tensors; a PEFT model's adapters
+    go through PEFT's setter.
 
     Trainer's only hook for it is ``Trainer._load_from_checkpoint``: this instance's is wrapped, and the wrapper
     skips the load only for `folder`, once, into the model the weights went to; anything else (another path, a
@@ -163,7 +168,10 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path) -> bool:
             or not callable(getattr(trainer, "_load_from_checkpoint", None)):
         return False
     model = trainer.model
-    apply_weights(model, loaded.weights)
+    if adapter_names(model):  # adapters are small: PEFT's own setter, which knows their key names
+        apply_weights(model, loaded.weights)
+    else:
+        _read_into_model(model, loaded, store)
     original = trainer._load_from_checkpoint
     own = vars(trainer).get("_load_from_checkpoint")  # an override of this instance's, put back as it was
     target = os.path.abspath(folder)
@@ -183,3 +191,20 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path) -> bool:
 
     trainer._load_from_checkpoint = _load_from_checkpoint
     return True
+
+
+def _read_into_model(model: Any, loaded: LoadedCheckpoint, store: Any) -> None:
+    """`load_once` for a model without adapters (the weights already checked against it by the resume)."""
+    assert loaded.weights is not None
+    live = model.state_dict()
+    # Only into a state-dict tensor that is a parameter's or buffer's own memory (a state-dict hook may hand out
+    # converted copies, which reading into would not change the model).
+    own = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+    targets = {k: live[k] for k in loaded.weights if k in live and live[k].data_ptr() in own}
+    done = store.read_weights_into(loaded.info, targets)
+    written = {live[k].data_ptr() for k in done if live[k].numel()}
+    rest = {k: v for k, v in loaded.weights.items()
+            if k not in done and not (k in live and live[k].numel() and live[k].data_ptr() in written)}
+    if rest:  # a tied alias whose tensor was read is skipped above; the rest is copied as Trainer would
+        model.load_state_dict(rest, strict=False)
+    loaded.weights = {k: live.get(k, v) for k, v in loaded.weights.items()}  # the file's mapping can go

@@ -170,7 +170,7 @@ class SmartCkptCallback(TrainerCallback):
             return None
         self._plan_batch(trainer, loaded, ck)
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
-        load_once(trainer, loaded, folder)
+        load_once(trainer, loaded, folder, ck.store)
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
             # (not when this callback goes: a later Trainer of the process may have prepared the same folder again).
             atexit.register(remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)

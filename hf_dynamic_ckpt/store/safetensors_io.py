@@ -238,3 +238,40 @@ def open_tensors(path: Path, *, mmap: bool, what: str) -> tuple[dict[str, torch.
                            f"{what} file {path} is truncated inside tensor {key!r}.")
                 out[key] = t
     return out, metadata
+
+
+def read_into(path: Path, targets: Mapping[str, torch.Tensor], *, what: str) -> set[str]:
+    """Read the tensors of a safetensors file straight into `targets` (`read()` into their memory: no mapping of the
+    file, no tensor in between); returns the keys read.
+
+    A key is read where its target is a contiguous CPU tensor of the stored dtype and shape; the others are left
+    to the caller. The file's header is validated as `open_tensors` does; the caller has verified its checksum.
+
+    Raises:
+        `CorruptCheckpointError`: the file is missing, unreadable, invalid or shorter than its header says (the
+            targets read before the fault hold the file's data, the rest are unchanged).
+    """
+    try:
+        f = open_read(path)
+    except OSError as e:  # FileNotFoundError, UnsafePathError (a link), EIO, ...
+        raise CorruptCheckpointError(f"{what} file {path} cannot be read ({e}).") from e
+    read: set[str] = set()
+    with f:
+        try:
+            base, entries, _ = parse_header(f, os.fstat(f.fileno()).st_size)
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            raise CorruptCheckpointError(f"{what} file {path} is not a valid safetensors file ({e}).") from e
+        for key, dtype, shape, begin, end in entries:  # in file order: one sequential pass
+            t = targets.get(key)
+            if t is None or t.device.type != "cpu" or t.dtype != dtype or list(t.shape) != shape \
+                    or not t.is_contiguous():
+                continue
+            if end > begin:
+                f.seek(base + begin)
+                try:
+                    read_exact(f, t.detach().reshape(-1).view(torch.uint8).numpy().data,
+                               f"{what} file {path} is truncated inside tensor {key!r}.")
+                except OSError as e:
+                    raise CorruptCheckpointError(f"{what} file {path} cannot be read ({e}).") from e
+            read.add(key)
+    return read

@@ -63,6 +63,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..constants import (
     ALL_TIERS,
     BLOBS_DIR,
@@ -71,6 +73,7 @@ from ..constants import (
     MANIFEST_NAME,
     STEP_DIR_PREFIX,
     TIMELINES_NAME,
+    WEIGHTS_NAME,
     Tier,
 )
 from ..errors import (
@@ -89,6 +92,7 @@ from .commit import commit_save
 from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
 from .remote import Remote, split_root
+from .safetensors_io import read_into
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
 from .task import NAMED_REFS, Task, parse_step_dir, step_dir_name
 from .timelines import fork_record
@@ -462,6 +466,17 @@ class CheckpointStore:
         info = self.resolve(ref)
         return reader.load(self.task, info, tiers=tiers, rank=self.rank if rank is None else rank, mmap=mmap,
                            l1_max_numel=l1_max_numel)
+
+    def read_weights_into(self, info: CheckpointInfo, targets: Mapping[str, torch.Tensor]) -> set[str]:
+        """Read the weights file of `info`, which `load` has verified, straight into `targets` (a model's own
+        tensors: no mapping of the file, no tensor in between); returns the keys read. A key is read where its
+        target is a contiguous CPU tensor of the stored dtype and shape, the rest is the caller's.
+
+        Raises:
+            `CorruptCheckpointError`: the file cannot be read or does not parse (targets read before the fault
+                hold the file's data).
+        """
+        return read_into(Path(info.path) / WEIGHTS_NAME, targets, what="Weights")
 
     def load_scheduler_only(self, ref: Ref) -> dict[str, Any] | None:
         """Salvage the LR-scheduler state when the optimizer tensor file is broken.

@@ -55,6 +55,7 @@ THIRD_PARTY_PRIVATE = {
     "_step_count",  # torch LR schedulers
     "_optimizers", "_schedulers", "_models",  # accelerate.Accelerator's prepared objects
     "_train_batch_size",  # transformers.Trainer
+    "_load_from_checkpoint",  # Trainer's weight load, skipped once after a resume read the weights into the model
     "_globalstep_last_logged", "_initial_global_step",  # Trainer's logging counters a rollback must move back
     "_getframe", "_SubParsersAction",  # the standard library
 }

@@ -16,7 +16,7 @@ from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
 from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.store.blobs import BlobStore, tensor_digest
 from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.safetensors_io import DTYPES
+from hf_dynamic_ckpt.store.safetensors_io import DTYPES, read_into
 from hf_dynamic_ckpt.store.types import BlobRef
 from hf_dynamic_ckpt.store.weights import (
     ALIASES_METADATA_KEY,
@@ -297,3 +297,27 @@ def test_written_file_is_readable_by_safe_open_with_metadata(tmp_path: Path) -> 
     with safe_open(str(tmp_path / WEIGHTS_NAME), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         assert list(f.keys()) == ["w"]
+
+
+def test_read_into_fills_the_targets_that_fit_and_leaves_the_others(tmp_path: Path) -> None:
+    stored = {"a": torch.randn(3, 4), "b": torch.arange(6, dtype=torch.int64), "c": torch.randn(2),
+              "d": torch.randn(5), "empty": torch.zeros(0)}
+    save_file(stored, str(tmp_path / "w.safetensors"))
+    targets = {"a": torch.zeros(3, 4), "b": torch.zeros(6, dtype=torch.int64), "c": torch.zeros(2, dtype=torch.float64),
+               "d": torch.zeros(10)[::2], "empty": torch.zeros(0)}
+    a_memory = targets["a"].data_ptr()
+    done = read_into(tmp_path / "w.safetensors", targets, what="Weights")
+    assert done == {"a", "b", "empty"}  # c: another dtype, d: not contiguous; neither touched
+    assert targets["a"].data_ptr() == a_memory and torch.equal(targets["a"], stored["a"])
+    assert torch.equal(targets["b"], stored["b"])
+    assert not targets["c"].any() and not targets["d"].any()
+
+
+def test_read_into_a_truncated_file_names_the_tensor(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(64)}, str(path))
+    with pytest.raises(CorruptCheckpointError, match=r"is not a valid safetensors file \(data section ends at"):
+        path.write_bytes(path.read_bytes()[:-8])
+        read_into(path, {"a": torch.zeros(64)}, what="Weights")
+    with pytest.raises(CorruptCheckpointError, match=r"w\.safetensors cannot be read"):
+        read_into(tmp_path / "missing" / "w.safetensors", {}, what="Weights")
