@@ -22,6 +22,13 @@ second epoch on, that base seed is therefore drawn from a throwaway generator (t
 `generator` attribute, for the creation only): the order and the main stream stay the
 uninterrupted run's. Randomness inside the workers (augmentation in a dataset or a collator
 run by a worker) is not reproduced across a resume: its generators live in the worker processes.
+
+Another number of processes: the position records the batch geometry (`run.elastic.BatchGeometry`: per-device batch,
+processes, accumulation) and whether the loader deals its batches to the ranks (a loader prepared by Accelerate
+shards or dispatches them; an unprepared one gives every rank the same batches). A resume on another geometry keeps
+the position in samples of the epoch's order (`rescale_batches_seen`), and a rank the checkpoint had not starts the
+epoch from rank 0's state. The order itself is the same at any number of processes only when it does not come from
+the main random stream (`order_note`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 
 from .. import distributed as dist
 from ..errors import CorruptCheckpointError
+from ..run.elastic import KEY_BATCH, BatchGeometry
 from ..state.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -46,6 +54,7 @@ KEY_SKIP = "skip"  # batches a rollback still has to leave out (`rollback_skip_b
 KEY_EPOCH_START_RNG = "epoch_start_rng"  # one entry per rank (rank 0 writes the sampler file)
 KEY_EPOCH_START_GENERATOR = "epoch_start_generator"
 KEY_WORLD_SIZE = "world_size"
+KEY_DEALT = "dealt"  # the ranks read different batches of one order (Accelerate's sharding or dispatching)
 
 
 def _generator(dataloader: Any) -> torch.Generator | None:
@@ -59,6 +68,69 @@ def _generator(dataloader: Any) -> torch.Generator | None:
         if isinstance(gen, torch.Generator):
             return gen
     return None
+
+
+def _order_sampler(dataloader: Any) -> Any:
+    """The sampler that orders the epoch's samples (under Accelerate's batch-sampler shard, and the placeholder
+    `sampler` a DataLoader built from a batch sampler gets)."""
+    sampler = getattr(dataloader, "sampler", None)
+    batch_sampler = sampler if isinstance(sampler, torch.utils.data.BatchSampler) else \
+        getattr(dataloader, "batch_sampler", None)
+    batch_sampler = getattr(batch_sampler, "batch_sampler", batch_sampler)  # accelerate's BatchSamplerShard
+    return getattr(batch_sampler, "sampler", None)
+
+
+def deals_batches(dataloader: Any) -> bool:
+    """`dataloader` was prepared by Accelerate: its ranks read different batches (sharded or dispatched), and it
+    would deal them out on any number of processes (an unprepared loader gives every rank every batch)."""
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+
+    return isinstance(dataloader, DataLoaderShard | DataLoaderDispatcher)
+
+
+def per_device_batch(dataloader: Any) -> int | None:
+    """Samples per batch on one rank, `None` when the loader does not say (a batch sampler without a size)."""
+    total = getattr(dataloader, "total_batch_size", None) if deals_batches(dataloader) else None
+    if isinstance(total, int) and total > 0:  # accelerate: per-device x processes (split batches: the full batch)
+        return max(1, total // dist.world_size())
+    size = getattr(dataloader, "batch_size", None)
+    if not isinstance(size, int):
+        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def rescale_batches_seen(seen: int, saved: BatchGeometry, now: BatchGeometry, *, dealt: bool) -> tuple[int, int]:
+    """A position of `seen` batches per rank under the `saved` geometry as batches per rank under `now`, and the
+    samples of the order it repeats.
+
+    The ranks of a dealing loader read ``per_device x world_size`` samples of the order per batch each, those of
+    another loader ``per_device`` (every rank the same): the position in samples is kept, rounded down to a whole
+    batch of `now` (the samples between are read again).
+    """
+    width_saved = saved.per_device * (saved.world_size if dealt else 1)
+    width_now = now.per_device * (now.world_size if dealt else 1)
+    samples = seen * width_saved
+    batches = samples // width_now
+    return batches, samples - batches * width_now
+
+
+def order_note(dataloader: Any, *, saved_generator: bool) -> str | None:
+    """Why the epoch order of a dealing `dataloader` differs between two numbers of processes, `None` when it does
+    not: a seedable sampler draws it from its seed and the epoch, a generator from the state the position stored;
+    a shuffling sampler without a generator draws it from the main random stream (Accelerate adds a generator
+    only with more than one process)."""
+    sampler = _order_sampler(dataloader)
+    if not isinstance(sampler, torch.utils.data.RandomSampler):
+        return None  # sequential (or a custom sampler, which orders as it orders)
+    from accelerate.data_loader import SeedableRandomSampler
+
+    if isinstance(sampler, SeedableRandomSampler) or (saved_generator and _generator(dataloader) is not None):
+        return None
+    return ("the sampler draws the epoch's order from the main random stream (a shuffling DataLoader without a "
+            "generator: accelerate gives it one only with more than one process), so the order differs from the "
+            "interrupted run's and the rest of the epoch reads some samples again and skips others; for the same "
+            "order on any number of processes use Accelerator(dataloader_config=DataLoaderConfiguration("
+            "use_seedable_sampler=True)) or DataLoader(..., generator=torch.Generator().manual_seed(seed))")
 
 
 def _gen_b64(gen: torch.Generator | None) -> str | None:
@@ -116,6 +188,8 @@ class ResumableLoader:
         self._pending: dict[str, Any] | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._skip = 0
+        self.on_batch: Callable[[], None] | None = None
+        """Called with each batch handed out, once the resumed RNG is in (`SmartCheckpointer`: a step begins)."""
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -150,15 +224,26 @@ class ResumableLoader:
         else:
             epoch = self.epoch + 1 if self._epoch_start_rngs else self.epoch
             seen, starts, gen = 0, [], _gen_b64(_generator(self.dataloader))
+        geometry = self.geometry()
         return {
             "version": POSITION_VERSION,
             KEY_EPOCH: epoch,
             KEY_BATCHES_SEEN: seen,
             KEY_WORLD_SIZE: dist.world_size(),
+            KEY_BATCH: geometry.to_json() if geometry is not None else None,
+            KEY_DEALT: deals_batches(self.dataloader),
             KEY_EPOCH_START_GENERATOR: gen,
             KEY_EPOCH_START_RNG: starts,
             KEY_SKIP: self._skip,
         }
+
+    def geometry(self) -> BatchGeometry | None:
+        """This run's batch geometry (`None` when the loader does not say its batch size)."""
+        per_device = per_device_batch(self.dataloader)
+        if per_device is None:
+            return None
+        accumulation = int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1)
+        return BatchGeometry(per_device, dist.world_size(), accumulation)
 
     def mark_boundary(self) -> None:
         """Remember the position at an optimizer-step boundary (what `boundary_position` returns).
@@ -195,6 +280,8 @@ class ResumableLoader:
         self._skip = skip if isinstance(skip, int) and skip > 0 else 0
         starts = list(position.get(KEY_EPOCH_START_RNG) or [])
         gen = position.get(KEY_EPOCH_START_GENERATOR)
+        saved_world = position.get(KEY_WORLD_SIZE) if isinstance(position.get(KEY_WORLD_SIZE), int) else len(starts)
+        seen = self._rescale(epoch, seen, position, saved_world=saved_world or world)
         length = self._length()
         if starts and length is not None and seen >= length:  # the epoch was complete: the next one's start
             epoch, seen, starts, gen = epoch + 1, 0, [], None
@@ -207,14 +294,43 @@ class ResumableLoader:
             if rng is not None:
                 restore_rng_state(rng)
             return
-        if len(starts) != world:
-            logger.warning(
-                "data position was saved with %d rank(s), resuming with %d: the data order of the resumed epoch "
-                "and the random streams will differ from the interrupted run", len(starts), world)
         self.epoch, self.batches_seen = epoch, seen
+        # A rank the checkpoint had not starts the epoch from rank 0's state (as its RNG continues rank 0's).
         self._pending = {"seen": seen, "gen": gen, "starts": starts,
-                         "rng0": starts[rank] if rank < len(starts) else None}
+                         "rng0": starts[rank] if rank < len(starts) else starts[0]}
         self._pending_rng = rng
+
+    def _rescale(self, epoch: int, seen: int, position: dict[str, Any], *, saved_world: int) -> int:
+        """`seen` (batches per rank of the saved run) on this run's geometry; says what a change of world size
+        does not keep (rank 0)."""
+        world, say = dist.world_size(), dist.rank() == 0
+        saved, now = BatchGeometry.from_json(position.get(KEY_BATCH)), self.geometry()
+        dealt = bool(position.get(KEY_DEALT, deals_batches(self.dataloader)))
+        if saved_world != world and dealt and say:
+            why = order_note(self.dataloader, saved_generator=position.get(KEY_EPOCH_START_GENERATOR) is not None)
+            if why is not None:
+                logger.warning("data position: saved by %d process(es), resumed by %d, and %s", saved_world, world,
+                               why)
+        if saved is None or now is None:
+            if saved_world != world and say:
+                logger.warning("data position: saved by %d process(es) without its batch geometry, resumed by %d: "
+                               "each rank skips the %d batch(es) of epoch %d a rank had read, which is another "
+                               "position in the epoch's order", saved_world, world, seen, epoch)
+            return seen
+        if (saved.per_device, saved.world_size) == (now.per_device, now.world_size):
+            return seen
+        batches, repeated = rescale_batches_seen(seen, saved, now, dealt=dealt)
+        if say:
+            width = now.per_device * (now.world_size if dealt else 1)
+            logger.info("data position: %d batch(es) per rank of %s = sample %d of epoch %d's order; resumed as %d "
+                        "batch(es) per rank of %s", seen, saved.describe(), batches * width + repeated, epoch,
+                        batches, now.describe())
+            if repeated:
+                logger.warning("data position: sample %d of epoch %d's order is not a whole batch of %d sample(s) "
+                               "on %d process(es) x %d per device: the resumed run reads the last %d sample(s) "
+                               "before it again", batches * width + repeated, epoch, width, now.world_size,
+                               now.per_device, repeated)
+        return batches
 
     def after_rollback(self, *, rng: dict[str, Any] | None, skip: int = 0) -> None:
         """The run rolled back without rewinding the data: apply `rng` (the restore point's RNG) once the next
@@ -258,6 +374,8 @@ class ResumableLoader:
             if self._skip:
                 self._skip -= 1  # a batch after a rollback that `rollback_skip_batches` leaves out
                 continue
+            if self.on_batch is not None:
+                self.on_batch()
             yield batch
         self.epoch += 1
         self.batches_seen = 0
