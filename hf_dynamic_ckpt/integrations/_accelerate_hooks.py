@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from ..config import SmartCkptConfig
 from ..constants import MANIFEST_NAME
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..run.elastic import KEY_DRAWS_RANDOM
 from ..run.orchestrator import RunOrchestrator, SaveEvent
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
@@ -278,14 +280,17 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
 
 
 def attach_state(run: RunOrchestrator, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None,
-                 consolidate: bool | None = False) -> None:
+                 consolidate: bool | None = False, draws_random: Callable[[], bool] | None = None) -> None:
     """Attach `run` to the accelerator's live objects (`boundary`: the data position of the last completed step,
-    for a custom loop; else the current one, for `save_state`)."""
+    for a custom loop; else the current one, for `save_state`; `draws_random`: whether the steps drew random
+    numbers, recorded with the data position)."""
     models = state.models()
     loader = state.loader
-    sampler = None
+    sampler: Callable[[], dict[str, Any]] | None = None
     if loader is not None:
-        sampler = loader.boundary_position if boundary else loader.position
+        position = loader.boundary_position if boundary else loader.position
+        sampler = position if draws_random is None else \
+            (lambda: {**position(), KEY_DRAWS_RANDOM: draws_random()})
     run.attach(
         models[0],
         optimizer=state.optimizer,

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..state import apply_optimizer_state, apply_weights, frozen_weight_keys, trainable_state_dict
 from ..state.rng import restore_rng_state
 from ..store.types import LoadedCheckpoint
+from ._accelerate_elastic import KEY_SCHEDULER_PACE, natural_pace
 from ._position import ResumableLoader
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class AccelerateState:
         self.loader = loader
         self.optimizer_steps = 0
         self._step_hook: Any = None
+        self.scheduler_pace: int | None = None
+        """Steps of the wrapped scheduler per optimizer step (`_accelerate_elastic`), as the checkpoints record it."""
         for kind in ("_optimizers", "_schedulers"):
             objs = getattr(accelerator, kind, [])
             if len(objs) > 1:
@@ -60,6 +63,7 @@ class AccelerateState:
                     f"accelerator prepared {len(objs)} {kind[1:]}: hf_dynamic_ckpt stores one optimizer and one "
                     "scheduler per checkpoint; prepare a single one (parameter groups work)."
                 )
+        self.scheduler_pace = natural_pace(self.scheduler, int(accelerator.num_processes))
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         if isinstance(inner, torch.optim.Optimizer):
             self.optimizer_steps = _steps_taken(inner)
@@ -126,7 +130,8 @@ class AccelerateState:
 
     def extra(self) -> dict[str, Any]:
         return {KEY_ACCELERATE: {"optimizer_steps": self.optimizer_steps,
-                                 "num_processes": int(self.accelerator.num_processes)}}
+                                 "num_processes": int(self.accelerator.num_processes),
+                                 KEY_SCHEDULER_PACE: self.scheduler_pace}}
 
     # -- back into the live objects --------------------------------------------------------
     def apply(self, loaded: LoadedCheckpoint) -> None:

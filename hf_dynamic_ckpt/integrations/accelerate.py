@@ -28,13 +28,15 @@ from .. import distributed as dist
 from ..config import SmartCkptConfig
 from ..errors import ConfigError
 from ..policy.decision import Decision, DecisionKind
+from ..run.elastic import StepRandomness
 from ..run.orchestrator import SaveEvent
 from ..run.rollback import Rollback
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
+from ._accelerate_elastic import KEY_SCHEDULER_PACE, keep_pace, plan_elastic
 from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, attach_state, make_orchestrator, store_root
-from ._accelerate_state import AccelerateState
+from ._accelerate_state import KEY_ACCELERATE, AccelerateState
 from ._position import ResumableLoader
 
 logger = logging.getLogger(__name__)
@@ -104,9 +106,15 @@ class SmartCheckpointer:
             raise ConfigError("scheduler is not the accelerator's prepared scheduler: pass the object "
                               "returned by accelerator.prepare(...).")
         loader = ResumableLoader(accelerator, dataloader) if dataloader is not None else None
+        # Whether a step's forward and backward draw random numbers (dropout): from the step's first batch (once
+        # the loader's iterator exists, whose creation draws too) to `before_update`; recorded with every save.
+        self._randomness = StepRandomness()
+        if loader is not None:
+            loader.on_batch = self._randomness.begin
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
         self.run = make_orchestrator(self.config, accelerator, store_root(self.config, accelerator, output_dir))
-        attach_state(self.run, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate)
+        attach_state(self.run, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate,
+                     draws_random=lambda: self._randomness.seen)
         self.hooks = SmartStateHooks(accelerator, run=self.run, state=self.state)
         self.hooks.register()
         self.last_decision: Decision | None = None
@@ -144,6 +152,13 @@ class SmartCheckpointer:
         return self.state.loader.epoch if self.state.loader is not None else 0
 
     @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step: the accelerator's, which `resume` sets to keep the checkpoint's global
+        batch on another number of processes (`docs/elastic.md`). A loop that counts micro-batches itself reads it
+        after `resume`."""
+        return int(self.accelerator.gradient_accumulation_steps)
+
+    @property
     def should_stop(self) -> bool:
         """A preemption signal arrived and the final checkpoint is committed: stop training."""
         return self.run.preempted
@@ -170,6 +185,7 @@ class SmartCheckpointer:
         """
         if not self.accelerator.sync_gradients:
             return None
+        self._randomness.end()  # the step's forward and backward ran
         opt = self.state.optimizer
         self._lr = float(opt.param_groups[0]["lr"]) if opt is not None and opt.param_groups else None
         return self.run.pre_update(self.step, epoch=self.state.epoch(boundary=True))
@@ -191,6 +207,8 @@ class SmartCheckpointer:
         if decision.kind == DecisionKind.ROLLBACK:
             self._roll_back()
         self.last_decision = decision
+        if self.state.loader is None:
+            self._randomness.begin()  # else at the next batch
         return decision
 
     def _roll_back(self) -> None:
@@ -226,6 +244,12 @@ class SmartCheckpointer:
     def resume(self, ref: str | None = "auto") -> LoadedCheckpoint | None:
         """Restore a checkpoint on every rank before the loop (rank 0 chooses).
 
+        On another number of processes than the checkpoint's, the run continues the same run (`docs/elastic.md`):
+        the accelerator's gradient accumulation is set to keep the checkpoint's global batch
+        (`gradient_accumulation_steps`; `runtime.keep_global_batch`), the data position is kept in samples of the
+        epoch's order, Accelerate's prepared scheduler keeps the pace of the run it continues, and a rank the
+        checkpoint had not continues rank 0's random streams.
+
         Args:
             ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy), `best`
                 (lowest loss), `fastest` (lowest recovery cost), `step:N`, or a path; `None`
@@ -237,18 +261,41 @@ class SmartCheckpointer:
         Raises:
             `CheckpointNotFoundError`: an explicit `ref` names nothing loadable.
             `IncompatibleStateError`: the checkpoint does not fit the model.
+            `GlobalBatchError`: on another number of processes, no gradient accumulation keeps the checkpoint's
+                global batch with this per-device batch (the message names settings that would).
         """
         loaded = self.run.resume(ref, expected=self.state.weights())
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)
             return None
+        self._plan_elastic(loaded)
         self.state.apply(loaded)
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
         self.run.note_boundary(self.step, rng=loaded.rng)
         dist.barrier()
         self.loaded = loaded
+        if self.state.loader is None:
+            self._randomness.begin()
         return loaded
+
+    def _plan_elastic(self, loaded: LoadedCheckpoint) -> None:
+        """Set what keeps the checkpoint's run on this number of processes (`_accelerate_elastic`), and say it."""
+        saved = loaded.extra.get(KEY_ACCELERATE) or {}
+        pace = self.state.scheduler_pace
+        saved_pace = saved.get(KEY_SCHEDULER_PACE) if KEY_SCHEDULER_PACE in saved else \
+            (loaded.info.world_size if pace is not None and pace == self.run.world_size else None)
+        plan = plan_elastic(loaded, loader=self.state.loader, world_size=self.run.world_size,
+                            keep=self.config.runtime.keep_global_batch,
+                            saved_pace=saved_pace if isinstance(saved_pace, int) else None, pace=pace)
+        if plan.accumulation is not None:
+            self.accelerator.gradient_accumulation_steps = plan.accumulation
+        if plan.pace is not None:
+            keep_pace(self.state.scheduler, plan.pace)
+            self.state.scheduler_pace = plan.pace
+        if self.run.rank == 0:
+            for level, line in plan.lines:
+                self.run.announce.log(level, "smart_ckpt: %s", line)
 
     def metrics(self) -> dict[str, float]:
         """`smart_ckpt/*` numbers for `accelerator.log(...)`."""
