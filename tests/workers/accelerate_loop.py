@@ -4,13 +4,17 @@ Run alone or under `torchrun --nproc_per_node 2`. Rank 0 appends one JSON line p
 step to --losses: the step, the step's all-reduced loss and this rank's micro-batch losses,
 as float.hex (exact). --kill_at_step makes every rank SIGKILL itself right after that step's
 save decision (a crash with no cleanup, possibly mid-write). At the end rank 0 writes the
-adapter weights to --final (safetensors) for a bitwise comparison.
+adapter weights to --final (safetensors) for a bitwise comparison. The first line says where the run resumed,
+its number of processes and its gradient accumulation (`SmartCheckpointer.gradient_accumulation_steps`, which a
+resume on another number of processes sets). --sampler seedable / generator: an epoch order that is the same on
+any number of processes (Accelerate's seedable sampler, or a DataLoader generator).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 
@@ -48,21 +52,31 @@ def main() -> None:
     p.add_argument("--root", default=None, help="store root (e.g. s3://bucket/run) instead of <output_dir>/smart_ckpt")
     p.add_argument("--remote_options", default=None, help="JSON storage options of a URL root")
     p.add_argument("--remote_cache_dir", default=None)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--batch_size", type=int, default=2)
+    p.add_argument("--sampler", default="plain", choices=["plain", "seedable", "generator"])
+    p.add_argument("--log_info", action="store_true", help="show the library's INFO lines (the resume's plan)")
     args = p.parse_args()
+    if args.log_info:
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("hf_dynamic_ckpt").setLevel(logging.INFO)
 
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DataLoaderConfiguration, set_seed
     from safetensors.torch import save_file
 
     from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
     from hf_dynamic_ckpt.extras import toy
     from hf_dynamic_ckpt.state import trainable_state_dict
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum)
+    seedable = DataLoaderConfiguration(use_seedable_sampler=args.sampler == "seedable")
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum, dataloader_config=seedable)
     set_seed(0)
-    model = toy.lora(toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=0.1), r=4, dropout=0.1)
+    model = toy.lora(toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=args.dropout), r=4,
+                     dropout=args.dropout)
     data = toy.random_token_dataset(num_examples=args.examples, seq_len=8, vocab_size=128, seed=1).with_format("torch")
-    loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+    generator = torch.Generator().manual_seed(7) if args.sampler == "generator" else None
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=generator)
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=5e-3)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, total_iters=args.max_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -83,7 +97,8 @@ def main() -> None:
     main_rank = accelerator.is_main_process
     out = open(args.losses, "a", encoding="utf-8") if main_rank else None  # noqa: SIM115
     if out is not None:
-        out.write(json.dumps({"resumed_from": loaded.info.step if loaded else None}) + "\n")
+        out.write(json.dumps({"resumed_from": loaded.info.step if loaded else None,
+                              "world_size": accelerator.num_processes, "ga": ckpt.gradient_accumulation_steps}) + "\n")
         out.flush()
     micro: list[str] = []
     skip = tuple(int(x) for x in args.skip_batches.split(":")) if args.skip_batches else None

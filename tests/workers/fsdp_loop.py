@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 
@@ -50,7 +51,11 @@ def main() -> None:
     p.add_argument("--dcp_resume", default=None, help="resume with dcp.load from this folder (reference)")
     p.add_argument("--accelerate_fsdp", action="store_true",
                    help="shard with Accelerate's FSDP plugin (fsdp_version=2) instead of fully_shard; needs a GPU")
+    p.add_argument("--log_info", action="store_true", help="show the library's INFO lines (the resume's plan)")
     args = p.parse_args()
+    if args.log_info:
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("hf_dynamic_ckpt").setLevel(logging.INFO)
 
     from accelerate import Accelerator
     from accelerate.utils import set_seed
