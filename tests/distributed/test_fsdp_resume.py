@@ -88,7 +88,8 @@ def test_fsdp2_sharded_save_sigkill_resume_bit_exact(tmp_path: Path):
 def test_fsdp2_reshard_1_to_2_and_2_to_1_matches_native_dcp_resume(tmp_path: Path):
     """A checkpoint saved by 1 rank resumes on 2 and one saved by 2 resumes on 1 (DCP's load planner
     reshards the JSON-described chunks); the losses equal a run resumed natively by DCP (`dcp.save` /
-    `dcp.load` with its default FileSystemWriter/Reader: the reference only) at that world size."""
+    `dcp.load` with its default FileSystemWriter/Reader: the reference only) at that world size, which continues
+    the scheduler's pace and a new rank's random streams as a smart resume does (rank 0's)."""
 
     def run(nproc: int, *args: str) -> None:
         proc = torchrun(tmp_path, nproc, *args)

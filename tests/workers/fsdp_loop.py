@@ -158,7 +158,7 @@ def dcp_save(model, optimizer, scheduler, ckpt, path: str) -> None:
     if ckpt.accelerator.is_main_process:
         with open(os.path.join(path, "extra.json"), "w", encoding="utf-8") as f:
             json.dump({"step": ckpt.step, "scheduler": scheduler.state_dict(),
-                       "loader": ckpt.loader.boundary_position()}, f)
+                       "loader": ckpt.loader.boundary_position(), "scheduler_pace": ckpt.state.scheduler_pace}, f)
 
 
 def dcp_load(model, optimizer, scheduler, ckpt, path: str) -> int:
@@ -174,11 +174,17 @@ def dcp_load(model, optimizer, scheduler, ckpt, path: str) -> int:
         extra = json.load(f)
     scheduler.load_state_dict(extra["scheduler"])
     ckpt.state.optimizer_steps = extra["step"]
+    # As a smart resume on another number of processes: the scheduler keeps the saved run's pace, and a rank the
+    # saving run did not have continues rank 0's random streams.
+    if extra["scheduler_pace"] != ckpt.state.scheduler_pace:
+        from hf_dynamic_ckpt.integrations._accelerate_elastic import keep_pace
+
+        keep_pace(scheduler, extra["scheduler_pace"])
     rng_file = os.path.join(path, f"rng-{torch.distributed.get_rank()}.json")
-    rng = None
-    if os.path.exists(rng_file):  # a rank the saving run did not have starts fresh, as in a smart resume
-        with open(rng_file, encoding="utf-8") as f:
-            rng = json.load(f)
+    if not os.path.exists(rng_file):
+        rng_file = os.path.join(path, "rng-0.json")
+    with open(rng_file, encoding="utf-8") as f:
+        rng = json.load(f)
     ckpt.loader.resume_from(extra["loader"], rng=rng)
     ckpt.run.note_boundary(ckpt.step)
     return int(extra["step"])
