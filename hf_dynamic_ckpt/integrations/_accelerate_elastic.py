@@ -81,7 +81,7 @@ def plan_elastic(loaded: LoadedCheckpoint, *, loader: ResumableLoader | None, wo
         if not dealt:  # every rank reads every batch: a step's samples do not depend on the number of processes
             saved, now = BatchGeometry(saved.per_device, 1, saved.accumulation), \
                 BatchGeometry(now.per_device, 1, now.accumulation)
-        plan = plan_batch(saved, now, keep=keep, step=step if keep else None)
+        plan = plan_batch(saved, now, keep=keep, step=step, position_in="samples")
         accumulation = plan.accumulation
         if plan.warning is not None:
             lines.append((logging.WARNING, plan.warning))

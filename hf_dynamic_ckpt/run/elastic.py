@@ -73,7 +73,8 @@ class BatchPlan:
         return self.warning is None
 
 
-def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, step: int | None = None) -> BatchPlan:
+def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, step: int | None = None,
+               position_in: str = "steps") -> BatchPlan:
     """The accumulation a run resumed with geometry `now` trains with, from the `saved` one.
 
     On the world size that saved the checkpoint, `now` as given: a per-device batch or accumulation changed there
@@ -86,6 +87,9 @@ def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, s
         keep (`bool`, *optional*, defaults to `True`): keep the saved global batch by choosing the accumulation
             (``runtime.keep_global_batch``); `False`: train with `now` as given.
         step (`int`, *optional*): the checkpoint's step, for the messages.
+        position_in (`str`, *optional*, defaults to `"steps"`): how the resumed run keeps its data position when it
+            accepts another global batch: in optimizer steps (Trainer) or in `"samples"` of its order (Accelerate
+            loops), for the warning.
 
     Raises:
         `GlobalBatchError`: `keep` and no accumulation gives the saved global batch with `now`'s per-device batch
@@ -98,13 +102,19 @@ def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, s
         return BatchPlan(now.accumulation, note=f"{at} was saved by {saved.describe()} and is resumed by "
                                                 f"{now.describe()}: the same samples per optimizer step")
     if not keep:
-        position = f"; the data continues at sample {step * now.global_batch} of its order (the interrupted run had " \
-            f"read {step * saved.global_batch})" if step is not None else ""
+        if position_in == "samples":
+            stays = "the step count and the learning-rate schedule's position stay in optimizer steps, the data " \
+                "position in samples of its order"
+        else:
+            stays = "the step count, the learning-rate schedule's position, max_steps and the data position stay in " \
+                "optimizer steps"
+            if step is not None:
+                stays += f"; the data continues at sample {step * now.global_batch} of its order (the interrupted " \
+                    f"run had read {step * saved.global_batch})"
         return BatchPlan(now.accumulation, warning=(
             f"{at} was saved with a global batch of {saved.describe()} and is resumed with {now.describe()} "
             "(runtime.keep_global_batch=false): every optimizer step from here on averages "
-            f"{now.global_batch} samples instead of {saved.global_batch}; the step count, the learning-rate "
-            f"schedule's position, max_steps and the data position stay in optimizer steps{position}"))
+            f"{now.global_batch} samples instead of {saved.global_batch}; {stays}"))
     per_rank_step = now.per_device * now.world_size
     if saved.global_batch % per_rank_step:
         raise GlobalBatchError(

@@ -72,6 +72,14 @@ def test_accepting_another_global_batch_keeps_the_settings_and_warns_what_change
         "interrupted run had read 96)")
 
 
+def test_an_accelerate_loop_that_accepts_another_global_batch_is_told_its_position_stays_in_samples() -> None:
+    plan = plan_batch(TWO_BY_TWO, BatchGeometry(4, 1, 2), keep=False, step=6, position_in="samples")
+    assert plan.accumulation == 2 and plan.warning is not None
+    assert plan.warning.endswith("every optimizer step from here on averages 8 samples instead of 16; the step count "
+                                 "and the learning-rate schedule's position stay in optimizer steps, the data "
+                                 "position in samples of its order")
+
+
 def test_a_stored_geometry_reads_back_and_anything_else_is_none() -> None:
     assert BatchGeometry.from_json(TWO_BY_TWO.to_json()) == TWO_BY_TWO
     for bad in (None, [], {"per_device": 4, "world_size": 2}, {"per_device": 4, "world_size": 2, "accumulation": 0},

@@ -177,3 +177,17 @@ def test_the_plan_keeps_the_global_batch_and_says_what_differs(accelerator) -> N
     with pytest.raises(GlobalBatchError):  # 3 samples per step: no accumulation of batches of 2 gives them
         plan_elastic(_loaded({**saved, "batch": {"per_device": 1, "world_size": 3, "accumulation": 1}},
                              world_size=3), loader=loader, world_size=1, keep=True, saved_pace=None, pace=None)
+
+
+def test_accepting_another_global_batch_warns_that_the_position_stays_in_samples(accelerator) -> None:
+    loader = ResumableLoader(accelerator, _loader(accelerator))
+    accelerator.gradient_accumulation_steps = 2
+    saved = {"batch": {"per_device": 2, "world_size": 2, "accumulation": 2}, "dealt": True, "draws_random": False}
+    plan = plan_elastic(_loaded(saved, world_size=2), loader=loader, world_size=1, keep=False, saved_pace=None,
+                        pace=None)
+    assert plan.accumulation == 2
+    assert plan.lines == [(logging.WARNING, (
+        "step 6 was saved with a global batch of 2 process(es) x 2 per device x 2 accumulation = 8 and is resumed "
+        "with 1 process(es) x 2 per device x 2 accumulation = 4 (runtime.keep_global_batch=false): every optimizer "
+        "step from here on averages 4 samples instead of 8; the step count and the learning-rate schedule's "
+        "position stay in optimizer steps, the data position in samples of its order"))]
