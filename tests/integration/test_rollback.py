@@ -186,6 +186,6 @@ def test_a_custom_loop_rolls_back_exactly(tmp_path: Path) -> None:
     ref_dir.mkdir()
     ref = _loop(ref_dir, "ref.jsonl", "--skip_batches", "6:7", "--resume",
                 str(tmp_path / "run" / "smart_ckpt" / "default" / "step-5"))
-    assert ref[0] == {"resumed_from": 5}
+    assert ref[0] == {"resumed_from": 5, "world_size": 1, "ga": 1}
     assert after == [r["micro"] for r in ref if "micro" in r]
     assert len(after) == 7
