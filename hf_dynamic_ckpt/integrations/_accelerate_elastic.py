@@ -3,7 +3,8 @@
 `plan_elastic` reads what the checkpoint recorded (the data position's batch geometry, whether the loader deals
 its batches to the ranks, whether the steps drew random numbers, the scheduler's pace) and returns what the resumed
 run sets: the gradient accumulation that keeps the global batch (`run.elastic.plan_batch`), the pace, and the lines
-that say so. `SmartCheckpointer.resume` applies it before the state goes in.
+that say so. `apply_elastic` sets it, before the state goes in (`SmartCheckpointer.resume`, and
+`accelerator.load_state` through `SmartStateHooks`).
 
 The pace: Accelerate's prepared scheduler (`AcceleratedScheduler`, stepping with the optimizer, batches not split)
 steps the wrapped scheduler once per process at every optimizer step, so its position after N steps on W processes
@@ -102,3 +103,29 @@ def plan_elastic(loaded: LoadedCheckpoint, *, loader: ResumableLoader | None, wo
                                     f"{saved_pace} scheduler step(s) per optimizer step (accelerate's prepared "
                                     f"scheduler steps once per process: {pace} on {world_size})"))
     return ElasticPlan(accumulation=accumulation, pace=keep_at, lines=lines)
+
+
+def apply_elastic(loaded: LoadedCheckpoint, *, saved_extra: dict[str, Any], state: Any, run: Any,
+                  accelerator: Any) -> None:
+    """Plan the resume of `loaded` on this run (`plan_elastic`), set the accumulation on the accelerator and the pace
+    on the prepared scheduler, and log the plan's lines on rank 0.
+
+    Args:
+        saved_extra (`dict`): the integration's manifest entry of `loaded` (its scheduler pace).
+        state (`AccelerateState`): the live objects (loader, scheduler and its pace).
+        run (`RunOrchestrator`): world size, rank, config (`runtime.keep_global_batch`) and the announce logger.
+    """
+    pace = state.scheduler_pace
+    saved_pace = saved_extra.get(KEY_SCHEDULER_PACE) if KEY_SCHEDULER_PACE in saved_extra else \
+        (loaded.info.world_size if pace is not None and pace == run.world_size else None)
+    plan = plan_elastic(loaded, loader=state.loader, world_size=run.world_size,
+                        keep=run.config.runtime.keep_global_batch,
+                        saved_pace=saved_pace if isinstance(saved_pace, int) else None, pace=pace)
+    if plan.accumulation is not None:
+        accelerator.gradient_accumulation_steps = plan.accumulation
+    if plan.pace is not None:
+        keep_pace(state.scheduler, plan.pace)
+        state.scheduler_pace = plan.pace
+    if run.rank == 0:
+        for level, line in plan.lines:
+            run.announce.log(level, "smart_ckpt: %s", line)

@@ -23,7 +23,8 @@ from ..run.elastic import KEY_DRAWS_RANDOM
 from ..run.orchestrator import RunOrchestrator, SaveEvent
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
-from ._accelerate_state import AccelerateState
+from ._accelerate_elastic import apply_elastic
+from ._accelerate_state import KEY_ACCELERATE, AccelerateState
 from ._position import ResumableLoader
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,9 @@ class SmartStateHooks:
         loaded = self.run.resume(ref, expected=self.state.weights())
         if loaded is None:  # pragma: no cover - resume returns None only for "auto" on an empty store
             raise CheckpointNotFoundError(f"load_state({input_dir!r}): the store {self.run.store.root} is empty.")
+        # Another number of processes: the accumulation and the scheduler's pace that continue the same run.
+        apply_elastic(loaded, saved_extra=loaded.extra.get(KEY_ACCELERATE) or {}, state=self.state, run=self.run,
+                      accelerator=self.accelerator)
         self.state.apply(loaded)
         # The weights are restored from the store: Accelerate must not look for model files.
         models.clear()

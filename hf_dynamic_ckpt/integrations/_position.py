@@ -351,6 +351,10 @@ class ResumableLoader:
             self._epoch_start_rngs, self._epoch_start_gen = pending["starts"], pending["gen"]
             source = self.accelerator.skip_first_batches(dl, pending["seen"]) if pending["seen"] else dl
             self.batches_seen = pending["seen"]
+            # A resume continues at an optimizer-step boundary: the accelerator's micro-batch count starts an
+            # accumulation window, as in a new process (`load_state` puts back the saved run's count, which is not a
+            # multiple of another accumulation).
+            self.accelerator.step = 0
             logger.debug("resuming epoch %d after %d batches", self.epoch, self.batches_seen)
         else:
             self._epoch_start_rngs = dist.all_gather_json(capture_rng_state())

@@ -34,7 +34,7 @@ from ..run.rollback import Rollback
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
-from ._accelerate_elastic import KEY_SCHEDULER_PACE, keep_pace, plan_elastic
+from ._accelerate_elastic import apply_elastic
 from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, attach_state, make_orchestrator, store_root
 from ._accelerate_state import KEY_ACCELERATE, AccelerateState
 from ._position import ResumableLoader
@@ -268,7 +268,8 @@ class SmartCheckpointer:
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)
             return None
-        self._plan_elastic(loaded)
+        apply_elastic(loaded, saved_extra=loaded.extra.get(KEY_ACCELERATE) or {}, state=self.state, run=self.run,
+                      accelerator=self.accelerator)
         self.state.apply(loaded)
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
@@ -278,24 +279,6 @@ class SmartCheckpointer:
         if self.state.loader is None:
             self._randomness.begin()
         return loaded
-
-    def _plan_elastic(self, loaded: LoadedCheckpoint) -> None:
-        """Set what keeps the checkpoint's run on this number of processes (`_accelerate_elastic`), and say it."""
-        saved = loaded.extra.get(KEY_ACCELERATE) or {}
-        pace = self.state.scheduler_pace
-        saved_pace = saved.get(KEY_SCHEDULER_PACE) if KEY_SCHEDULER_PACE in saved else \
-            (loaded.info.world_size if pace is not None and pace == self.run.world_size else None)
-        plan = plan_elastic(loaded, loader=self.state.loader, world_size=self.run.world_size,
-                            keep=self.config.runtime.keep_global_batch,
-                            saved_pace=saved_pace if isinstance(saved_pace, int) else None, pace=pace)
-        if plan.accumulation is not None:
-            self.accelerator.gradient_accumulation_steps = plan.accumulation
-        if plan.pace is not None:
-            keep_pace(self.state.scheduler, plan.pace)
-            self.state.scheduler_pace = plan.pace
-        if self.run.rank == 0:
-            for level, line in plan.lines:
-                self.run.announce.log(level, "smart_ckpt: %s", line)
 
     def metrics(self) -> dict[str, float]:
         """`smart_ckpt/*` numbers for `accelerator.log(...)`."""

@@ -59,17 +59,32 @@ def assert_same_losses(resumed: dict[int, float], ref: dict[int, float], first: 
 def test_the_same_command_on_one_process_keeps_the_global_batch(tmp_path: Path) -> None:
     """2 processes x accumulation 2, killed after step 7, resumed by the same command on 1 process: accumulation 4,
     the same samples in every step, the scheduler at the pace of 2 processes."""
+    two_to_one(tmp_path, load_state=False)
+
+
+@pytest.mark.slow
+def test_load_state_on_one_process_keeps_the_global_batch_too(tmp_path: Path) -> None:
+    """The same, resumed with `accelerator.load_state(...)` of the folder `save_state` wrote at step 5, through the
+    hooks."""
+    two_to_one(tmp_path, load_state=True)
+
+
+def two_to_one(tmp_path: Path, *, load_state: bool) -> None:
     common = (*DDP_ARGS, "--grad_accum", "2")
     run(ACCELERATE, tmp_path, 2, "--output_dir", "ref", "--losses", "ref.jsonl", "--final", "ref.st", *common)
-    run(ACCELERATE, tmp_path, 2, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "7", *common,
-        killed=True)
+    saved_at = ("--save_state_at", "5") if load_state else ()
+    run(ACCELERATE, tmp_path, 2, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "7", *saved_at,
+        *common, killed=True)
     store = tmp_path / "run" / "smart_ckpt" / "default"
     last = last_committed(store)
     sampler = json.loads((store / f"step-{last}" / "sampler.json").read_text())
     assert sampler["batch"] == {"per_device": 2, "world_size": 2, "accumulation": 2}
     assert sampler["dealt"] is True and sampler["draws_random"] is False
 
-    res = run(ACCELERATE, tmp_path, 1, "--output_dir", "run", "--losses", "res.jsonl", "--resume", "auto",
+    if load_state:
+        last = 5
+    how = ("--load_state", str(tmp_path / "state-5")) if load_state else ("--resume", "auto")
+    res = run(ACCELERATE, tmp_path, 1, "--output_dir", "run", "--losses", "res.jsonl", *how,
               "--final", "res.st", "--log_info", *common)
     head, resumed = read(tmp_path / "res.jsonl")
     assert head == {"resumed_from": last, "world_size": 1, "ga": 4}
