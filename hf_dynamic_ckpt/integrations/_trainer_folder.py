@@ -146,7 +146,7 @@ def _save_tensors(weights: dict[str, torch.Tensor], target: Path) -> None:
     save_file(tensors, str(target))
 
 
-def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> bool:
+def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> None:
     """Put the verified weights of `loaded` into `trainer.model` now and make `Trainer.train` skip its second load of
     `folder` (a read of the whole file into new tensors, then a copy, the model and those tensors in memory at once).
 
@@ -160,13 +160,12 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
     ``model_init`` that built a new model, a sharded model passed explicitly) goes to Trainer's own. A Trainer that
     loads by another route reads the hard-linked file of the folder and gets the same weights.
 
-    Returns:
-        `bool`: the weights went into the model (`False`: Trainer loads them itself: a DeepSpeed or FSDP Trainer).
+    A DeepSpeed or FSDP Trainer loads the weights itself: nothing is done for it.
     """
     if loaded.weights is None or getattr(trainer, "is_deepspeed_enabled", False) \
             or getattr(trainer, "is_fsdp_enabled", False) \
             or not callable(getattr(trainer, "_load_from_checkpoint", None)):
-        return False
+        return
     model = trainer.model
     if adapter_names(model):  # adapters are small: PEFT's own setter, which knows their key names
         apply_weights(model, loaded.weights)
@@ -175,13 +174,10 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
     original = trainer._load_from_checkpoint
     own = vars(trainer).get("_load_from_checkpoint")  # an override of this instance's, put back as it was
     target = os.path.abspath(folder)
-    pending = [True]
 
     def _load_from_checkpoint(resume_from_checkpoint: str, model_arg: Any = None) -> None:
-        if pending and model_arg is None and trainer.model is model \
-                and os.path.abspath(resume_from_checkpoint) == target:
-            pending.clear()
-            if own is None:
+        if model_arg is None and trainer.model is model and os.path.abspath(resume_from_checkpoint) == target:
+            if own is None:  # once: the wrapper takes itself off
                 del trainer._load_from_checkpoint
             else:
                 trainer._load_from_checkpoint = own
@@ -190,7 +186,6 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
         return original(resume_from_checkpoint, model_arg)
 
     trainer._load_from_checkpoint = _load_from_checkpoint
-    return True
 
 
 def _read_into_model(model: Any, loaded: LoadedCheckpoint, store: Any) -> None:
