@@ -69,15 +69,67 @@ KEY_DATA_STEPS = "data_steps"
 
 
 def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str) -> Path:
-    """Write the folder for `loaded` (rank 0; every rank waits for it); returns it."""
+    """Write the folder for `loaded` (rank 0; every rank waits for it); returns it. Under DeepSpeed it holds the
+    Trainer state only: the callback reads the ZeRO state into the engine at train begin (`skip_deepspeed_load`)."""
     folder = resume_folder(root, task_id, loaded.info.step)
     if dist.is_main():
         remove_resume_folders(root, task_id)
         folder.mkdir(parents=True)
         _write_trainer_state(folder, loaded, trainer)
-        _write_weights(folder, loaded, trainer.model)
+        if not getattr(trainer, "is_deepspeed_enabled", False):
+            _write_weights(folder, loaded, trainer.model)
     dist.barrier()
     return folder
+
+
+_DEEPSPEED_SKIPS: set[str] = set()
+"""Resume folders whose DeepSpeed load Trainer skips (`skip_deepspeed_load`)."""
+_WRAPPERS: list[Any] = []
+"""The wrapper `skip_deepspeed_load` put in place of ``transformers.trainer.deepspeed_load_checkpoint`` (once)."""
+
+
+def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
+    """Make `Trainer.train(resume_from_checkpoint=folder)` under DeepSpeed leave the engine's state to the callback.
+
+    Trainer resumes a DeepSpeed run with ``deepspeed_load_checkpoint(engine, folder)`` (DeepSpeed's own pickled
+    ``global_step*`` files, which the folder does not have: it raises) and then loads ``folder/scheduler.pt``
+    (``Trainer._load_optimizer_and_scheduler``). The first is a name of ``transformers.trainer``, wrapped once per
+    process: the wrapper skips the folders registered here and calls DeepSpeed's load for any other path; the second
+    is this instance's method, wrapped once for `folder`. The callback then reads the weights, master weights and
+    moments into the engine's partitions, and the scheduler, at ``on_train_begin`` (the engine exists by then).
+    """
+    import transformers.trainer as trainer_module
+
+    target = os.path.abspath(folder)
+    _DEEPSPEED_SKIPS.add(target)
+    current = trainer_module.deepspeed_load_checkpoint
+    if current not in _WRAPPERS:
+        def deepspeed_load_checkpoint(engine: Any, checkpoint_path: str, *args: Any, **kwargs: Any) -> Any:
+            if os.path.abspath(checkpoint_path) in _DEEPSPEED_SKIPS:
+                logger.debug("%s: the ZeRO state is read by SmartCkptCallback at train begin", checkpoint_path)
+                return None
+            return current(engine, checkpoint_path, *args, **kwargs)
+
+        _WRAPPERS.append(deepspeed_load_checkpoint)
+        trainer_module.deepspeed_load_checkpoint = deepspeed_load_checkpoint  # type: ignore[assignment]
+    original = trainer._load_optimizer_and_scheduler
+    own = vars(trainer).get("_load_optimizer_and_scheduler")
+
+    def _load_optimizer_and_scheduler(checkpoint: str | None) -> None:
+        if checkpoint is not None and os.path.abspath(checkpoint) == target:
+            if own is None:
+                del trainer._load_optimizer_and_scheduler
+            else:
+                trainer._load_optimizer_and_scheduler = own
+            return None
+        return original(checkpoint)
+
+    trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+
+
+def forget_deepspeed_skip(folder: Path) -> None:
+    """The folder was used (or removed): a later DeepSpeed load of the same path is DeepSpeed's again."""
+    _DEEPSPEED_SKIPS.discard(os.path.abspath(folder))
 
 
 def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any) -> None:

@@ -60,9 +60,19 @@ from ..run.rollback import Rollback
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator, check_training_args
+from ..state.zero import zero_expected
 from ..store.types import LoadedCheckpoint
 from ._position import persistent_workers, throwaway_seed
-from ._trainer_folder import KEY_DATA_STEPS, data_steps, load_once, materialise_trainer_folder, remove_resume_folders
+from ._trainer_folder import (
+    KEY_DATA_STEPS,
+    data_steps,
+    forget_deepspeed_skip,
+    load_once,
+    materialise_trainer_folder,
+    remove_resume_folders,
+    resume_folder,
+    skip_deepspeed_load,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -164,13 +174,18 @@ class SmartCkptCallback(TrainerCallback):
         if ref is None:
             return None
         ck = self.get_run(trainer.args)
-        loaded = ck.resume(os.fspath(ref), background_optimizer=True, expected=expected_weights(trainer.model))
+        zero = bool(getattr(trainer, "is_deepspeed_enabled", False))  # ZeRO: read into the engine at train begin
+        loaded = ck.resume(os.fspath(ref), background_optimizer=True,
+                           expected=zero_expected(trainer.model) if zero else expected_weights(trainer.model))
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
         self._plan_batch(trainer, loaded, ck)
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
-        load_once(trainer, loaded, folder, ck.store)
+        if zero:
+            skip_deepspeed_load(trainer, folder)
+        else:
+            load_once(trainer, loaded, folder, ck.store)
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
             # (not when this callback goes: a later Trainer of the process may have prepared the same folder again).
             atexit.register(remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
@@ -238,7 +253,11 @@ class SmartCkptCallback(TrainerCallback):
                     f"{state.global_step}: pass the path resume_checkpoint returned to "
                     "trainer.train(resume_from_checkpoint=...)."
                 )
-            if scaler is None:  # L1 is applied right before the first update: it decodes during the forward/backward
+            if ck.zero:  # the engine exists now: its partitions are read before the first forward
+                ck.read_sharded(loaded)
+                apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
+                forget_deepspeed_skip(resume_folder(ck.root, ck.store.task_id, loaded.info.step))
+            elif scaler is None:  # L1 is applied right before the first update: it decodes during the forward/backward
                 self._unapplied = (loaded, optimizer, lr_scheduler)
             else:  # the loss scale is needed by the first backward
                 ck.complete_resume(loaded)

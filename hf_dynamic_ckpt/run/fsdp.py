@@ -1,4 +1,5 @@
-"""The run's FSDP2 seams: what a rank saves (`sources_for`) and the sharded resume (DCP, `load_sharded`).
+"""The run's sharded seams (FSDP2, DeepSpeed ZeRO): what a rank saves (`sources_for`) and the sharded resume
+(`load_sharded`: DCP for FSDP2, `state.zero` ranges for ZeRO).
 
 `sources_for` gives every rank of a sharded (`fully_shard`) model its own shards of L0 and L1
 (`state.shards.ShardedState`), and keeps rank 0 the only writer of L0/L1 otherwise (DDP).
@@ -27,7 +28,8 @@ from ..constants import ALL_TIERS, Tier
 from ..errors import IncompatibleStateError
 from ..state import CachedWeights, StateSources, trainable_state_dict
 from ..state.shards import PART_OPTIMIZER, PART_WEIGHTS, ShardedState, is_sharded_model, sharded_sources
-from ..store.shard_files import make_reader, sharded_table
+from ..state.zero import APPLIED_OPTIMIZER, MASTER, ZeroState, zero_optimizer
+from ..store.shard_files import FlatReader, is_flat, make_reader, sharded_table
 from ..store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -35,9 +37,13 @@ logger = logging.getLogger(__name__)
 def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[str, torch.Tensor]] | None,
                 frozen_keys: Iterable[str], optimizer: Any | None, scheduler: Any | None, scaler: Any | None,
                 sampler: Callable[[], dict[str, Any]] | None
-                ) -> tuple[ShardedState | None, StateSources, frozenset[Tier]]:
+                ) -> tuple[ShardedState | ZeroState | None, StateSources, frozenset[Tier]]:
     """`(sharded view or None, this rank's StateSources, the tiers this rank writes)` for `RunOrchestrator.attach`."""
     main = rank == 0
+    if zero_optimizer(optimizer) is not None:  # DeepSpeed ZeRO: every rank saves its fragments
+        zero = ZeroState(model, optimizer, rank=rank)
+        sources = sharded_sources(zero, main=main, scheduler=scheduler, scaler=scaler, sampler=sampler)
+        return zero, sources, frozenset(ALL_TIERS)
     if is_sharded_model(model):
         sharded = ShardedState(model, optimizer)
         sources = sharded_sources(sharded, main=main, scheduler=scheduler, scaler=scaler, sampler=sampler)
@@ -61,14 +67,55 @@ MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 
 
-def load_sharded(sharded: ShardedState, loaded: LoadedCheckpoint) -> None:
+def load_zero(zero: ZeroState, loaded: LoadedCheckpoint) -> None:
+    """Read a ZeRO checkpoint's L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the live
+    model and ZeRO optimizer: the ranges of every parameter this rank's fragments cover, from whichever ranks'
+    files hold them (the same world size reads its own files). Then `loaded.weights` and `loaded.optimizer` are
+    `None` (applied: an integration's usual `apply` restores the scheduler only, `state.zero.applied_optimizer`
+    says so).
+
+    Raises:
+        `IncompatibleStateError`: the checkpoint was not saved under ZeRO, or lacks what this model needs.
+    """
+    table = sharded_table(loaded.manifest)
+    step = loaded.info.step
+    if table is None or not is_flat(table):
+        raise IncompatibleStateError(
+            f"step {step} was not saved under DeepSpeed ZeRO ({'FSDP2 shards' if table else 'one full copy'}) and "
+            "this run trains under ZeRO: resume it in the set-up that saved it, or export it "
+            "(`hf-dynamic-ckpt export`) and start a new run from the exported weights.")
+    reader = FlatReader(Path(loaded.info.path), table)
+    optimizer = loaded.optimizer if isinstance(loaded.optimizer, dict) and "param_groups" in loaded.optimizer \
+        else None
+
+    def read(part: str, key: str, start: int, stop: int) -> torch.Tensor:
+        try:
+            return reader.read(part, key, start, stop)
+        except KeyError:
+            what = "weights" if part == PART_WEIGHTS else "optimizer state"
+            raise IncompatibleStateError(f"step {step} holds no {what} {key!r}, which this model and optimizer "
+                                         "have: it was saved from another model or optimizer.") from None
+
+    moments = {key.rsplit(".", 1)[1] for key in reader.keys(PART_OPTIMIZER)} - {MASTER}
+    zero.load(read, optimizer, step=step, moments=moments)
+    loaded.weights = None
+    loaded.optimizer = None
+    loaded.extra[APPLIED_OPTIMIZER] = optimizer is not None
+    logger.debug("step %d: ZeRO stage %d state read (saved by %s ranks)", step, zero.stage, table.get("world_size"))
+
+
+def load_sharded(sharded: ShardedState | ZeroState, loaded: LoadedCheckpoint) -> None:
     """Read a sharded checkpoint's L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the
     live model and optimizer; then `loaded.weights` is `None` (applied) and `loaded.optimizer` is the
     live optimizer's restored `state_dict()`, so an integration's usual `apply` changes nothing.
+    A ZeRO run reads through `load_zero`.
 
     Raises:
         `IncompatibleStateError`: the checkpoint is not sharded, or DCP cannot map it onto the model.
     """
+    if isinstance(sharded, ZeroState):
+        load_zero(sharded, loaded)
+        return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (
@@ -85,6 +132,11 @@ def load_sharded(sharded: ShardedState, loaded: LoadedCheckpoint) -> None:
             f"step {loaded.info.step} was saved without sharding (one full copy by rank 0) and this model is "
             "sharded (fully_shard): resume it with the model it was saved from, or save it again from a "
             "sharded run.")
+    if is_flat(table):
+        raise IncompatibleStateError(
+            f"step {loaded.info.step} was saved under DeepSpeed ZeRO (runs of flattened parameters) and this model is "
+            "sharded by FSDP2: resume it under DeepSpeed, or export it (`hf-dynamic-ckpt export`) and start a new "
+            "run from the exported weights.")
     model, opt = sharded.model, sharded.optimizer
     saved_weights = {k for r in table["ranks"].values() for k in (r.get(PART_WEIGHTS) or {})}
     groups = (loaded.optimizer or {}).get("param_groups") if isinstance(loaded.optimizer, dict) else None

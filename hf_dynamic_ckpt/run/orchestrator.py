@@ -45,6 +45,7 @@ from ..state import RngState, StateSources, capture_raw_rng_state, expected_weig
 from ..state.flat import FlatKeeper
 from ..state.shards import ShardedState
 from ..state.support import check_model
+from ..state.zero import ZeroState
 from ..store.remote import is_url
 from ..store.spec import Lineage, new_session_id
 from ..store.types import CheckpointInfo, LoadedCheckpoint
@@ -172,7 +173,7 @@ class RunOrchestrator:
         self._optimizer: Any | None = None
         self._scheduler: Any | None = None
         self._scaler: Any | None = None
-        self._sharded: ShardedState | None = None
+        self._sharded: ShardedState | ZeroState | None = None
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
         self._stepped = False  # the first step_end starts the save side (`prepare_buffers`)
         self._prepared = False
@@ -241,7 +242,8 @@ class RunOrchestrator:
             scaler=scaler, sampler=sampler)
         self.saver.own_tiers = own
         self.flat = FlatKeeper(model, optimizer, weights=weights or (lambda: trainable_state_dict(model)),
-                               enabled=consolidate, on_move=self._state_moved)
+                               enabled=False if isinstance(self._sharded, ZeroState) else consolidate,
+                               on_move=self._state_moved)
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
         self._prepared = False
         self.prepare_buffers()
@@ -723,6 +725,18 @@ class RunOrchestrator:
             logger.warning("resume of step %d took %.0f ms, above recovery_timeout_ms=%d (the restore point's "
                            "estimate was %s ms); `fastest` picks the cheapest checkpoint to restore", info.step,
                            resumption.elapsed_ms, self.config.runtime.recovery_timeout_ms, info.recovery_cost_ms)
+
+    @property
+    def zero(self) -> bool:
+        """Whether the attached model trains under DeepSpeed ZeRO (its state is saved and read as fragments)."""
+        return isinstance(self._sharded, ZeroState)
+
+    def read_sharded(self, loaded: LoadedCheckpoint) -> None:
+        """Read a sharded checkpoint that was planned before `attach` (Trainer's `resume_checkpoint` runs before the
+        DeepSpeed engine exists) into the attached model and optimizer, once its optimizer tier is in."""
+        assert self._sharded is not None, "attach() a sharded model first"
+        self.complete_resume(loaded)
+        load_sharded(self._sharded, loaded)
 
     def complete_resume(self, loaded: LoadedCheckpoint) -> None:
         """Wait for a background optimizer-tier read and fill it in (agreed: lost on one rank, lost on all)."""

@@ -59,6 +59,7 @@ from ..state.model import check_weights
 from ..state.optimizer import state_numel_bound
 from ..state.shards import check_sharding
 from ..store.catalog import STATUS_CORRUPT, STATUS_OK
+from ..store.shard_files import is_flat, sharded_table
 from ..store.spec import Lineage, new_session_id
 from ..store.types import CheckpointInfo, LoadedCheckpoint
 
@@ -123,7 +124,8 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     if loaded.weights is None:
         return _Outcome(step, False, f"step {step} holds no weights")
     if expected is not None:
-        check_sharding(step, loaded.manifest, expected)  # FSDP2 <-> unsharded: refused before any fork
+        table = sharded_table(loaded.manifest)  # FSDP2 / ZeRO <-> unsharded: refused before any fork
+        check_sharding(step, loaded.manifest, expected, saved_flat=table is not None and is_flat(table))
         check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
     outcome = _Outcome(step, True, loaded=loaded)
     if fallback != FallbackStrategy.LEVEL_0_ONLY:

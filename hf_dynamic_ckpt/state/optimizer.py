@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..store.types import LoadedCheckpoint
+from .zero import applied_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,10 @@ def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, sc
     where it was; a warning says so.
     """
     step = loaded.info.step
+    applied = applied_optimizer(loaded)  # ZeRO: read into the partitions by the sharded load
     if loaded.optimizer is not None and optimizer is not None:
         optimizer.load_state_dict(loaded.optimizer)
-    elif optimizer is not None:
+    elif optimizer is not None and not applied:
         msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "
                "weights with a fresh optimizer (moments reset)")
         if not any("optimizer state" in w for w in loaded.warnings):  # restore already said it otherwise
@@ -52,7 +54,7 @@ def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, sc
     if scheduler is not None:
         if loaded.scheduler is not None:
             scheduler.load_state_dict(loaded.scheduler)
-            if loaded.optimizer is None and optimizer is not None:
+            if loaded.optimizer is None and optimizer is not None and not applied:
                 # A fresh optimizer still holds the schedule's initial rates: set the saved step's.
                 for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
                     group["lr"] = lr

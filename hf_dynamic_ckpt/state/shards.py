@@ -23,6 +23,7 @@ from torch import nn
 from .. import constants
 from ..errors import IncompatibleStateError, SaveError
 from .sources import StateSources
+from .zero import ZeroExpected, ZeroState
 
 KEY_SHARDED, KEY_RANK_CHUNKS = constants.KEY_SHARDED, constants.KEY_RANK_CHUNKS
 PART_WEIGHTS, PART_OPTIMIZER = constants.SHARD_PART_WEIGHTS, constants.SHARD_PART_OPTIMIZER
@@ -43,14 +44,25 @@ def is_sharded_model(model: nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
 
 
-def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
-    """A sharded (FSDP2) checkpoint resumes into a sharded model only, an unsharded one into an unsharded model.
+def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str, Any], *, saved_flat: bool = False
+                   ) -> None:
+    """A sharded (FSDP2) checkpoint resumes into a sharded model only, an unsharded one into an unsharded model, a
+    ZeRO one (`saved_flat`: runs of flattened parameters) into a ZeRO run only (`expected` a `ZeroExpected`).
 
     Raises:
         `IncompatibleStateError`: the two differ (the same on every rank, before anything is changed).
     """
     extra = manifest.get("extra")
     saved = isinstance(extra, dict) and KEY_SHARDED in extra
+    zero = isinstance(expected, ZeroExpected)
+    if saved_flat != zero:
+        where = "under DeepSpeed ZeRO" if saved_flat else ("sharded by FSDP2" if saved else "without sharding")
+        raise IncompatibleStateError(
+            f"step {step} was saved {where} and this run {'trains under ZeRO' if zero else 'does not'}: resume it "
+            "in the set-up that saved it (any ZeRO stage and number of processes for a ZeRO checkpoint), or export "
+            "its weights (`hf-dynamic-ckpt export`) and start a new run from them.")
+    if zero:
+        return
     live = any(is_dtensor(v) for v in expected.values())
     if saved and not live:
         raise IncompatibleStateError(
@@ -203,7 +215,7 @@ class _OptimizerView:
         return self._sharded.optimizer_state_dict()
 
 
-def sharded_sources(sharded: ShardedState, *, main: bool, scheduler: Any | None, scaler: Any | None,
+def sharded_sources(sharded: ShardedState | ZeroState, *, main: bool, scheduler: Any | None, scaler: Any | None,
                     sampler: Callable[[], dict[str, Any]] | None) -> StateSources:
     """`StateSources` of one rank of a sharded run: its shards of L0/L1 on every rank, the scheduler and
     scaler on rank 0 (each save's `extra` carries this rank's chunk table, `KEY_RANK_CHUNKS`)."""

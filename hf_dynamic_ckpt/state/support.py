@@ -1,10 +1,13 @@
 """Which parallel setups a save can be trusted in, checked once at `attach` (never a silent wrong save).
 
-Supported: a single process, DDP (every rank holds the whole model; rank 0 writes it), and FSDP2
+Supported: a single process, DDP (every rank holds the whole model; rank 0 writes it), FSDP2
 (`torch.distributed.fsdp.fully_shard`: every parameter is a `DTensor`; every rank writes its own
-shards, see `state.shards`). Refused with a `ConfigError` that names these: DeepSpeed ZeRO (the
-partitions live inside the DeepSpeed engine; a save from here would store rank 0's partition as
-if it were the model) and FSDP1 (`FullyShardedDataParallel` flat parameters, same problem).
+shards, see `state.shards`), and DeepSpeed ZeRO stages 1-3 (every rank writes its fragments of the
+partitioned state, see `state.zero`). Refused with a `ConfigError` that names these: DeepSpeed
+without ZeRO (stage 0: its mixed-precision optimizers keep master weights this library does not
+read), a DeepSpeedEngine handed over as the model (pass `engine.module`), and FSDP1
+(`FullyShardedDataParallel` flat parameters hold one rank's slice of many tensors; a save from here
+would store rank 0's slice as if it were the model).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from ..errors import ConfigError
 SUPPORTED_SETUPS = (
     "a single process; DDP (torchrun / `accelerate launch --multi_gpu`, Trainer on several processes); "
     "FSDP2 (`torch.distributed.fsdp.fully_shard`, or Accelerate's FSDP plugin with fsdp_version=2), with "
-    "`SmartCheckpointer` or the `RunOrchestrator` core"
+    "`SmartCheckpointer` or the `RunOrchestrator` core; DeepSpeed ZeRO stages 1-3 under Trainer"
 )
 """The setups named by every refusal (see docs/fsdp.md)."""
 
@@ -27,10 +30,9 @@ def _refuse(what: str, why: str, fix: str) -> ConfigError:
     return ConfigError(f"hf_dynamic_ckpt does not support {what}: {why}. Supported setups: {SUPPORTED_SETUPS}. {fix}")
 
 
-_DEEPSPEED_WHY = ("ZeRO partitions the weights and optimizer state inside the DeepSpeed engine, and a save from "
-                  "here would store one rank's partition as if it were the whole state")
-_DEEPSPEED_FIX = ("Train without DeepSpeed (FSDP2 shards the same state and is supported), or use DeepSpeed's own "
-                  "checkpointing without hf_dynamic_ckpt.")
+_STAGE0_WHY = ("without ZeRO the engine's mixed-precision optimizer keeps the fp32 master weights in a form this "
+               "library does not read, and a save from here would miss them")
+_STAGE0_FIX = "Use ZeRO stage 1, 2 or 3 (zero_optimization.stage), which are supported."
 _FSDP1_WHY = ("its flat parameters hold one rank's slice of many tensors, and a save from here would store rank 0's "
               "slice as if it were the model")
 _FSDP1_FIX = ("Use FSDP2: `fully_shard(module)` (torch >= 2.6), Accelerate's `FullyShardedDataParallelPlugin("
@@ -44,7 +46,7 @@ def _accelerator_type(accelerator: Any) -> str:
 
 
 def check_accelerator(accelerator: Any) -> None:
-    """Refuse an `Accelerator` set up for DeepSpeed, or for FSDP version 1.
+    """Refuse an `Accelerator` set up for DeepSpeed without ZeRO, or for FSDP version 1.
 
     Raises:
         `ConfigError`: naming the detected setup and the supported ones.
@@ -53,9 +55,11 @@ def check_accelerator(accelerator: Any) -> None:
         return
     kind = _accelerator_type(accelerator)
     state = getattr(accelerator, "state", None)
-    deepspeed = getattr(state, "deepspeed_plugins", None) or getattr(accelerator, "deepspeed_plugin", None)
-    if kind == "DEEPSPEED" or deepspeed:
-        raise _refuse("DeepSpeed (the accelerator's distributed_type is DEEPSPEED)", _DEEPSPEED_WHY, _DEEPSPEED_FIX)
+    plugin = getattr(state, "deepspeed_plugin", None) or getattr(accelerator, "deepspeed_plugin", None)
+    if kind == "DEEPSPEED" or plugin is not None:
+        stage = getattr(plugin, "zero_stage", None)
+        if stage not in (1, 2, 3):
+            raise _refuse(f"DeepSpeed without ZeRO (zero_optimization.stage={stage})", _STAGE0_WHY, _STAGE0_FIX)
     if kind == "FSDP":
         plugin = getattr(state, "fsdp_plugin", None) or getattr(accelerator, "fsdp_plugin", None)
         version = getattr(plugin, "fsdp_version", 1)
@@ -64,16 +68,14 @@ def check_accelerator(accelerator: Any) -> None:
 
 
 def check_training_args(args: Any) -> None:
-    """Refuse `TrainingArguments` with `deepspeed=` or FSDP version 1 (`fsdp=...` without version 2).
+    """Refuse `TrainingArguments` with FSDP version 1 (`fsdp=...` without version 2); DeepSpeed is checked on the
+    accelerator Trainer builds from them (`check_accelerator`).
 
     Raises:
         `ConfigError`: naming the detected setup and the supported ones.
     """
     if args is None:
         return
-    if getattr(args, "deepspeed", None):
-        raise _refuse(f"DeepSpeed (TrainingArguments.deepspeed={args.deepspeed!r})", _DEEPSPEED_WHY,
-                      _DEEPSPEED_FIX)
     fsdp = getattr(args, "fsdp", None)
     if fsdp:
         config = getattr(args, "fsdp_config", None) or {}
@@ -93,7 +95,8 @@ def _trainer_fsdp_default() -> int:
 
 
 def check_model(model: nn.Module) -> None:
-    """Refuse a model wrapped by DeepSpeed or by FSDP1 (`FullyShardedDataParallel` anywhere inside).
+    """Refuse a DeepSpeedEngine as the model (its `module` is the model), and FSDP1 (`FullyShardedDataParallel`
+    anywhere inside).
 
     Raises:
         `ConfigError`: naming the detected wrapper and the supported setups.
@@ -101,7 +104,8 @@ def check_model(model: nn.Module) -> None:
     for module in model.modules():
         name = type(module).__name__
         if name == "DeepSpeedEngine":
-            raise _refuse("DeepSpeed (the model is a DeepSpeedEngine)", _DEEPSPEED_WHY, _DEEPSPEED_FIX)
+            raise ConfigError("the model given is a DeepSpeedEngine: pass the model it trains (engine.module) and the "
+                              "engine's optimizer; hf_dynamic_ckpt reads the ZeRO partitions from the optimizer.")
         if name == "FullyShardedDataParallel":
             raise _refuse("FSDP version 1 (the model contains a FullyShardedDataParallel module)", _FSDP1_WHY,
                           _FSDP1_FIX)

@@ -141,17 +141,87 @@ def is_sharded(manifest: Mapping[str, Any]) -> bool:
     return isinstance(extra, dict) and KEY_SHARDED in extra
 
 
+def is_flat(table: Mapping[str, Any]) -> bool:
+    """Whether the chunks are runs of flattened tensors (DeepSpeed ZeRO, `state.zero`): each names its tensor's
+    shape (`"tensor_shape"`) beside the flattened one; DCP's chunks (FSDP2) are blocks of the tensor itself."""
+    return any("tensor_shape" in c for r in table["ranks"].values() for part in r.values() if isinstance(part, dict)
+               for c in part.values() if isinstance(c, dict))
+
+
 def placeholders(table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """L0 of a sharded checkpoint as `meta` tensors of the global shapes: what the model check reads
-    (names, shapes) before DCP reads the shards into the live model."""
+    (names, shapes) before the shards are read into the live model."""
     out: dict[str, torch.Tensor] = {}
     for r in table["ranks"].values():
         for key, c in (r.get(PART_WEIGHTS) or {}).items():
             dtype = getattr(torch, c["dtype"], None)
             if not isinstance(dtype, torch.dtype):
                 raise CorruptCheckpointError(f"chunk {key!r} has an unknown dtype {c['dtype']!r}.")
-            out.setdefault(key, torch.empty(c["shape"], dtype=dtype, device="meta"))
+            shape = c.get("tensor_shape", c["shape"])
+            if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+                raise CorruptCheckpointError(f"chunk {key!r} has a malformed tensor_shape {shape!r}.")
+            out.setdefault(key, torch.empty(shape, dtype=dtype, device="meta"))
     return out
+
+
+class FlatReader:
+    """Reads ranges of flattened tensors out of the shard files of a flat-chunk checkpoint (`is_flat`): the
+    chunks of any ranks that cover `[start, stop)`, so another world size or ZeRO stage reads the same state.
+
+    Args:
+        directory (`Path`): the checkpoint's directory (its files verified by the caller).
+        table (`Mapping`): its chunk table (`sharded_table`).
+    """
+
+    def __init__(self, directory: Path, table: Mapping[str, Any]) -> None:
+        self._dir = Path(directory)
+        self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._chunks: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+        for rank_table in table["ranks"].values():
+            for part in (PART_WEIGHTS, PART_OPTIMIZER):
+                for key, c in (rank_table.get(part) or {}).items():
+                    if len(c["offset"]) != 1:
+                        raise CorruptCheckpointError(f"chunk {key!r} is not a run of a flattened tensor.")
+                    self._chunks.setdefault((part, key), []).append((c["offset"][0], c["size"][0], c["file"]))
+
+    def keys(self, part: str) -> set[str]:
+        return {key for p, key in self._chunks if p == part}
+
+    def _tensor(self, name: str, key: str) -> torch.Tensor:
+        if name not in self._files:
+            self._files[name] = open_tensors(self._dir / name, mmap=True, what="shard")[0]
+        t = self._files[name].get(key)
+        if t is None:
+            raise CorruptCheckpointError(f"{self._dir / name} lacks tensor {key!r} named by the manifest.")
+        return t.reshape(-1)
+
+    def read(self, part: str, key: str, start: int, stop: int) -> torch.Tensor:
+        """The elements `[start, stop)` of the flattened `key` (a new tensor; its dtype is the saved one).
+
+        Raises:
+            `CorruptCheckpointError`: the chunks do not cover the range (a missing rank's file, a malformed table).
+            `KeyError`: no chunk of `key` was saved (the caller names what is missing).
+        """
+        chunks = self._chunks.get((part, key))
+        if not chunks:
+            raise KeyError(key)
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for offset, size, name in sorted(chunks):
+            lo, hi = max(start, offset), min(stop, offset + size)
+            if lo < hi and not any(a <= lo and hi <= a + len(t) for a, t in pieces):
+                pieces.append((lo, self._tensor(name, key).narrow(0, lo - offset, hi - lo)))
+        covered, out = start, []
+        for lo, t in pieces:
+            if lo > covered:
+                break
+            if lo + len(t) <= covered:
+                continue
+            out.append(t[covered - lo:])
+            covered = lo + len(t)
+        if covered < stop:
+            raise CorruptCheckpointError(f"the saved chunks of {key!r} cover its elements {start}..{covered} of "
+                                         f"{start}..{stop}: a rank's shard is missing.")
+        return torch.cat(out) if len(out) > 1 else out[0].clone()
 
 
 def dcp_metadata(table: Mapping[str, Any], prefixes: Mapping[str, str]) -> tuple[Any, dict[Any, tuple[str, str]]]:

@@ -1,9 +1,9 @@
-"""DeepSpeed ZeRO and FSDP1 are refused at attach with an error naming the supported setups.
+"""DeepSpeed without ZeRO (stage 0) and FSDP1 are refused at attach with an error naming the supported setups.
 
 No rank-0-only save of a partitioned state may ever happen silently: the refusal comes before the
-store is opened, so nothing is written. DeepSpeed is not installed here; the accelerator state
-that Accelerate builds for it (`distributed_type == DEEPSPEED`) and TrainingArguments' `deepspeed`
-field are what the library reads, and they are set as Accelerate/transformers would set them.
+store is opened, so nothing is written. The accelerator state that Accelerate builds
+(`distributed_type`, its DeepSpeed or FSDP plugin) is what the library reads, set here as Accelerate
+would set it. DeepSpeed ZeRO 1-3 itself is supported: tests/distributed/test_deepspeed.py.
 """
 
 from __future__ import annotations
@@ -29,17 +29,19 @@ def _accelerator(kind: str, **state: object) -> SimpleNamespace:
                            _optimizers=[], _schedulers=[], _models=[])
 
 
-def test_smart_checkpointer_refuses_deepspeed_before_opening_the_store(tmp_path: Path):
+def test_smart_checkpointer_refuses_deepspeed_without_zero_before_opening_the_store(tmp_path: Path):
     from hf_dynamic_ckpt import SmartCheckpointer
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = _accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=0))
     with pytest.raises(ConfigError) as e:
-        SmartCheckpointer(_accelerator("DEEPSPEED"), model, opt, config=SmartCkptConfig(root=str(tmp_path / "s")))
+        SmartCheckpointer(acc, model, opt, config=SmartCkptConfig(root=str(tmp_path / "s")))
     msg = str(e.value)
-    assert msg.startswith("hf_dynamic_ckpt does not support DeepSpeed (the accelerator's distributed_type is "
-                          "DEEPSPEED): ZeRO partitions")
-    assert SUPPORTED in msg and "FSDP2 (`torch.distributed.fsdp.fully_shard`" in msg and SUPPORTED_SETUPS in msg
+    assert msg.startswith("hf_dynamic_ckpt does not support DeepSpeed without ZeRO (zero_optimization.stage=0): "
+                          "without ZeRO the engine's mixed-precision optimizer keeps the fp32 master weights")
+    assert msg.endswith("Use ZeRO stage 1, 2 or 3 (zero_optimization.stage), which are supported.")
+    assert SUPPORTED in msg and SUPPORTED_SETUPS in msg and "DeepSpeed ZeRO stages 1-3 under Trainer" in msg
     assert not (tmp_path / "s").exists()  # nothing opened, nothing written
 
 
@@ -86,27 +88,6 @@ def test_trainer_fsdp_arguments_are_refused_by_version_only():
 
 
 @pytest.mark.integration
-def test_trainer_with_deepspeed_args_fails_at_train_begin_without_a_save(tmp_path: Path):
-    from transformers import Trainer, TrainingArguments
-
-    from hf_dynamic_ckpt import SmartCkptCallback
-    from hf_dynamic_ckpt.extras import toy
-
-    model = toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
-                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
-    # What `--deepspeed ds.json` leaves in the arguments (building them so needs the deepspeed package).
-    args.deepspeed = "ds_zero3.json"
-    callback = SmartCkptCallback(SmartCkptConfig(base_interval=1, root=str(tmp_path / "store")))
-    trainer = Trainer(model=model, args=args, callbacks=[callback],
-                      train_dataset=toy.random_token_dataset(num_examples=8, seq_len=8, vocab_size=128))
-    with pytest.raises(ConfigError, match=r"^hf_dynamic_ckpt does not support DeepSpeed \(TrainingArguments."
-                                          r"deepspeed='ds_zero3.json'\): ZeRO partitions"):
-        trainer.train()
-    assert trainer.state.global_step == 0
-    assert not (tmp_path / "store").exists()  # refused before the store was opened
-
-
 def test_trainer_fsdp_arguments_version_1_refused_version_2_accepted(tmp_path: Path):
     from transformers import TrainingArguments
 

@@ -91,6 +91,8 @@ def main() -> None:
                    help="rm -rf the store root at the end of this step (a cleanup script), as a user would")
     p.add_argument("--workers", type=int, default=0,
                    help="data-loader worker processes (persistent): they outlive a SIGKILLed trainer for a while")
+    p.add_argument("--deepspeed", type=int, default=None, choices=[1, 2, 3],
+                   help="train under DeepSpeed ZeRO of this stage (run with DS_ACCELERATOR=cpu)")
     p.add_argument("--consolidate", default=None, choices=["on", "off"],
                    help="SmartCkptCallback(consolidate=...): trainable state in flat buffers (default: auto)")
     args = p.parse_args()
@@ -203,6 +205,9 @@ def main() -> None:
         report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=args.workers,
         dataloader_persistent_workers=args.workers > 0,
         train_sampling_strategy="sequential" if args.reference_skip else "random",
+        deepspeed=None if args.deepspeed is None else {
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": args.deepspeed}, "zero_allow_untested_optimizer": True},
     )
     rollbacks: list[list] = []
 
@@ -225,10 +230,20 @@ def main() -> None:
         _dump(args, rank, losses, cb, killed=False, after={"error": str(e), "rollbacks": rollbacks,
                                                            "global_step": trainer.state.global_step})
         return 3
-    if args.final and rank == 0:
+    if args.final:
+        import contextlib
+
         from safetensors.torch import save_file
 
-        save_file({n: q.detach().contiguous() for n, q in model.named_parameters() if q.requires_grad}, args.final)
+        trainable = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        gather = contextlib.nullcontext()
+        if args.deepspeed == 3:  # the partitions gathered on every rank (a collective)
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([q for _, q in trainable])
+        with gather:
+            if rank == 0:
+                save_file({n: q.detach().clone().contiguous() for n, q in trainable}, args.final)
     _dump(args, rank, losses, cb, killed=False, after={
         "rollbacks": rollbacks, "global_step": trainer.state.global_step,
         "ga": trainer.args.gradient_accumulation_steps,

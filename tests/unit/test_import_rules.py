@@ -56,6 +56,7 @@ THIRD_PARTY_PRIVATE = {
     "_optimizers", "_schedulers", "_models",  # accelerate.Accelerator's prepared objects
     "_train_batch_size",  # transformers.Trainer
     "_load_from_checkpoint",  # Trainer's weight load, skipped once after a resume read the weights into the model
+    "_load_optimizer_and_scheduler",  # Trainer's scheduler.pt load under DeepSpeed, skipped once (the store has it)
     "_globalstep_last_logged", "_initial_global_step",  # Trainer's logging counters a rollback must move back
     "_getframe", "_SubParsersAction",  # the standard library
 }

@@ -1,0 +1,381 @@
+"""DeepSpeed ZeRO (stages 1, 2 and 3) state as a save reads it and a resume writes it: every rank's fragments.
+
+ZeRO keeps, per parameter group, one flat fp32 buffer of the master weights partitioned over the
+data-parallel ranks, and the optimizer's moments as flat buffers of the same layout; under stage 3
+the model's own (bf16 / fp32) parameters are partitioned the same way (`param.ds_tensor`). Of every
+parameter each rank therefore holds one contiguous run of its flattened elements (a *fragment*):
+
+- stages 1 and 2: `param._hp_mapping`, the mapping DeepSpeed itself keeps for its universal
+  checkpoints and `safe_get_full_fp32_param` (where the fragment starts in the flattened parameter,
+  and where it lies in the rank's flat fp32 partition);
+- stage 3: `optimizer.grad_position[param_id]` (the sub-group and offset of the parameter's
+  partition in the flat fp32 buffer), `param.partition_numel()` (rank R holds the flattened elements
+  from `R * partition_numel`; the last rank's tail is padding).
+
+A save stores, per trainable parameter, its fragment of the fp32 master weights and of each moment
+(`state.<fqn>.master`, `state.<fqn>.exp_avg`, ...), and of the live weights under stage 3 (stages 1
+and 2 hold the whole parameters on every rank: rank 0 stores them whole), as 1-D chunks of the
+flattened parameter in the sharded layout of `store.shard_files` (one safetensors file per rank and
+tier, the chunk table in the manifest, `"tensor_shape"` naming the parameter's shape). The optimizer
+step count and the hyper-parameters are per group (JSON, rank 0).
+
+Why the engine's tensors and not DeepSpeed's own checkpointing: `engine.save_checkpoint` pickles
+Python objects (the loss scaler, the config) into `torch.save` files, blocks every rank until they
+are written, and its files are tied to the world size and ZeRO stage that wrote them (another one
+needs DeepSpeed's offline universal-checkpoint conversion). `safe_get_local_fp32_param` and its
+family exist for stage 3 only and return copies. The fragments are views of the live buffers (the
+snapshot copies them, as any save's tensors), need no collective, and a fragment of a parameter
+means the same under every stage and world size: a resume reads the ranges its own fragments
+cover, from whichever ranks' files hold them.
+
+Refused at `attach` (`ConfigError`, see `check_zero`): NVMe offload of the optimizer state (the
+moments are not in memory), and an optimizer whose state is not per element (a moment that is not a
+flat buffer of the partition's size is named).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, IncompatibleStateError
+from ..store.types import LoadedCheckpoint
+
+logger = logging.getLogger(__name__)
+
+MASTER = "master"
+"""Name of the fp32 master weights among a parameter's optimizer state (`state.<fqn>.master`)."""
+KEY_GROUPS = "param_groups"
+KEY_ZERO = "zero"
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+APPLIED_OPTIMIZER = "_applied_optimizer"
+"""`loaded.extra` key set by a ZeRO load: the optimizer tier is in the live optimizer already (not a lost tier)."""
+
+
+def applied_optimizer(loaded: LoadedCheckpoint) -> bool:
+    """Whether the sharded load put the optimizer tier into the live optimizer itself (ZeRO)."""
+    return bool(loaded.extra.get(APPLIED_OPTIMIZER))
+
+
+def zero_optimizer(optimizer: Any) -> Any | None:
+    """The ZeRO optimizer inside `optimizer` (an Accelerate wrapper is unwrapped), or `None` when it is not one."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if candidate is not None and (hasattr(candidate, "single_partition_of_fp32_groups")
+                                      or hasattr(candidate, "fp32_partitioned_groups_flat")):
+            return candidate
+    return None
+
+
+def zero_stage(zero: Any) -> int:
+    """3 for `DeepSpeedZeroOptimizer_Stage3`, else 2 when gradients are partitioned too, else 1."""
+    if hasattr(zero, "fp32_partitioned_groups_flat"):
+        return 3
+    return 2 if getattr(zero, "partition_gradients", False) else 1
+
+
+def check_zero(zero: Any) -> None:
+    """Refuse the ZeRO set-ups a save from here cannot read (`ConfigError`, naming the way)."""
+    if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False) \
+            or getattr(zero, "optimizer_swapper", None) is not None:
+        raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO with NVMe offload (offload_optimizer / "
+                          "offload_param device 'nvme'): the optimizer state is not in memory for a save to read. "
+                          "Offload to 'cpu' (supported) or keep the state on the device.")
+
+
+class ZeroExpected(dict):  # type: ignore[type-arg]
+    """What a ZeRO run's resume checks the saved weights against: `{name: meta tensor of the global shape}` of the
+    trainable parameters (and the buffers of a full fine-tune); its type tells the check that the run is ZeRO's."""
+
+
+def zero_expected(model: nn.Module) -> ZeroExpected:
+    """`ZeroExpected` of `model` (stage 3 parameters report their global shape as `ds_shape`), known before the
+    DeepSpeed engine exists (Trainer's `resume_checkpoint`)."""
+    params = list(model.named_parameters())
+    out = ZeroExpected((name, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), device="meta"))
+                       for name, p in params if p.requires_grad)
+    if all(p.requires_grad for _, p in params):
+        names = set(model.state_dict().keys()) - {name for name, _ in params}
+        out.update((name, torch.empty(tuple(b.shape), device="meta")) for name, b in model.named_buffers()
+                   if name in names)
+    return out
+
+
+@dataclass
+class Fragment:
+    """One rank's run of a parameter's flattened elements: `[start, start + numel)`, and its live views."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+    group: int
+    master: torch.Tensor
+    states: dict[str, torch.Tensor]
+    weight: torch.Tensor | None  # stage 3: the rank's partition of the live parameter
+
+
+def _flat_chunk(shape: tuple[int, ...], start: int, numel: int, dtype: torch.dtype) -> dict[str, Any]:
+    total = 1
+    for n in shape:
+        total *= int(n)
+    return {"shape": [total], "offset": [int(start)], "size": [int(numel)],
+            "dtype": str(dtype).removeprefix("torch."), "tensor_shape": [int(n) for n in shape]}
+
+
+class ZeroState:
+    """The save-side (and resume-side) view of a model trained under DeepSpeed ZeRO on this rank.
+
+    The same interface as `state.shards.ShardedState` (FSDP2): `weights` is the L0 source, `optimizer_source`
+    the L1 source, `chunks()` this rank's chunk table, `expected()` the weights' names and global shapes.
+
+    Args:
+        model (`nn.Module`): the model DeepSpeed trains (not the engine; `engine.module`).
+        optimizer: the ZeRO optimizer, or Accelerate's wrapper of it.
+        rank (`int`): this rank in the data-parallel group.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, rank: int) -> None:
+        zero = zero_optimizer(optimizer)
+        if zero is None:
+            raise ConfigError(f"{type(optimizer).__name__} is not a DeepSpeed ZeRO optimizer.")
+        check_zero(zero)
+        self.model, self.zero, self.rank = model, zero, rank
+        self.stage = zero_stage(zero)
+        self.optimizer = optimizer
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._buffers = self._persistent_buffers() if all(p.requires_grad for p in model.parameters()) else {}
+
+    def _persistent_buffers(self) -> dict[str, torch.Tensor]:
+        # Full fine-tuning: the persistent buffers are state too (not partitioned under any stage).
+        params = {name for name, _ in self.model.named_parameters()}
+        keys = set(self.model.state_dict().keys()) - params
+        return {name: b for name, b in self.model.named_buffers() if name in keys}
+
+    # -- the fragments ------------------------------------------------------------------------
+    def _flat_groups(self) -> list[torch.Tensor]:
+        z = self.zero
+        return list(z.fp32_partitioned_groups_flat if self.stage == 3 else z.single_partition_of_fp32_groups)
+
+    def _param_groups(self) -> list[list[nn.Parameter]]:
+        z = self.zero
+        return list(z.fp16_groups if self.stage == 3 else z.bit16_groups)
+
+    def _name(self, p: nn.Parameter) -> str:
+        name = self._names.get(id(p))
+        if name is None:
+            raise ConfigError("a parameter DeepSpeed optimizes is not a parameter of the model given to "
+                              "hf_dynamic_ckpt: pass the model the engine trains (engine.module).")
+        return name
+
+    def _states(self, flat: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        state = self.zero.optimizer.state.get(flat) or {}
+        out: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue  # the step count: per group (`param_groups`)
+            if value.shape != flat.shape:
+                raise ConfigError(f"optimizer state {name}.{key} has shape {tuple(value.shape)}, not the shape of "
+                                  f"the flat fp32 partition {tuple(flat.shape)}: hf_dynamic_ckpt saves optimizers "
+                                  "with per-element state under ZeRO (Adam, AdamW, SGD with momentum, ...).")
+            out[key] = value
+        return out
+
+    def fragments(self) -> Iterator[Fragment]:
+        """This rank's fragments of every trainable parameter (views of the live buffers), in group order."""
+        flats = self._flat_groups()
+        for gi, params in enumerate(self._param_groups()):
+            flat = flats[gi]
+            for p in params:
+                if not p.requires_grad:
+                    continue
+                name = self._name(p)
+                ds: Any = p  # stage 3's partitioned parameter (ds_* attributes)
+                if self.stage == 3:
+                    group, offset, _ = self.zero.grad_position[self.zero.get_param_id(p)]
+                    per = int(ds.partition_numel())
+                    start = self.rank * per
+                    numel = max(0, min(per, int(ds.ds_numel) - start))
+                    if numel == 0:
+                        continue
+                    shape = tuple(int(n) for n in ds.ds_shape)
+                    at, weight = int(offset), ds.ds_tensor.narrow(0, 0, numel)
+                    if int(group) != gi:
+                        flat = flats[int(group)]
+                else:
+                    mapping = getattr(p, "_hp_mapping", None)
+                    if mapping is None:
+                        continue  # no element of this parameter in this rank's partition
+                    start, numel = int(mapping.lp_fragment_address.start), int(mapping.lp_fragment_address.numel)
+                    at, weight, shape = int(mapping.hp_fragment_address.start), None, tuple(p.shape)
+                states = {k: v.narrow(0, at, numel) for k, v in self._states(flat, name).items()}
+                yield Fragment(name, shape, start, numel, gi, flat.narrow(0, at, numel), states, weight)
+
+    # -- L0 -----------------------------------------------------------------------------------
+    def _whole_weights(self) -> dict[str, torch.Tensor]:
+        """Stages 1 and 2 (rank 0): the whole trainable parameters, flattened; and the buffers (any stage)."""
+        out: dict[str, torch.Tensor] = {}
+        if self.stage != 3:
+            out.update((name, p.detach().reshape(-1)) for name, p in self.model.named_parameters() if p.requires_grad)
+        out.update((name, b.detach().reshape(-1)) for name, b in self._buffers.items())
+        return out
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's L0: under stage 3 its partition of every trainable parameter; rank 0 adds what every rank
+        holds whole (the parameters under stages 1 and 2, the buffers), flattened."""
+        out = self._whole_weights() if self.rank == 0 else {}
+        if self.stage == 3:
+            out.update((f.name, f.weight) for f in self.fragments() if f.weight is not None)
+        return out
+
+    # -- L1 -----------------------------------------------------------------------------------
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """`{"state": {fqn: {"master" | moment: fragment}}, "param_groups": [...], "zero": {...}}`."""
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for f in self.fragments():
+            state[f.name] = {MASTER: f.master, **f.states}
+        groups = []
+        base = self.zero.optimizer
+        flats = self._flat_groups()
+        for gi, params in enumerate(self._param_groups()):
+            hyper = {k: v for k, v in base.param_groups[gi].items() if k != "params"} if gi < len(base.param_groups) \
+                else {}
+            step = (base.state.get(flats[gi]) or {}).get("step")
+            groups.append({**hyper, "params": [self._name(p) for p in params if p.requires_grad],
+                           "step": float(step) if step is not None else None})
+        scaler = getattr(self.zero, "loss_scaler", None)
+        zero = {"stage": self.stage,
+                "loss_scaler": {k: _number(getattr(scaler, k)) for k in _SCALER_FIELDS if hasattr(scaler, k)}}
+        return {"state": state, KEY_GROUPS: groups, KEY_ZERO: zero}
+
+    @property
+    def optimizer_source(self) -> _OptimizerView:
+        """What `StateSources.optimizer` gets: an object whose `state_dict()` is `optimizer_state_dict()`."""
+        return _OptimizerView(self)
+
+    # -- chunks and the model check -------------------------------------------------------------
+    def chunks(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """This rank's chunk table: `{"weights": {key: chunk}, "optimizer": {key: chunk}}` (JSON)."""
+        weights: dict[str, dict[str, Any]] = {}
+        optimizer: dict[str, dict[str, Any]] = {}
+        shapes = self._shapes()
+        if self.rank == 0:
+            for name, t in self._whole_weights().items():
+                weights[name] = _flat_chunk(shapes.get(name, tuple(t.shape)), 0, t.numel(), t.dtype)
+        for f in self.fragments():
+            if f.weight is not None:
+                weights[f.name] = _flat_chunk(f.shape, f.start, f.numel, f.weight.dtype)
+            for key, t in {MASTER: f.master, **f.states}.items():
+                optimizer[f"state.{f.name}.{key}"] = _flat_chunk(f.shape, f.start, f.numel, t.dtype)
+        return {"weights": weights, "optimizer": optimizer}
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        out = {name: tuple(int(n) for n in getattr(p, "ds_shape", p.shape)) for name, p in
+               self.model.named_parameters()}
+        out.update((name, tuple(b.shape)) for name, b in self._buffers.items())
+        return out
+
+    def expected(self) -> ZeroExpected:
+        """The L0 names with their global shapes (`meta` tensors), for the model check of a resume."""
+        return zero_expected(self.model)
+
+    # -- resume -----------------------------------------------------------------------------------
+    def _create_state(self, moments: set[str]) -> None:
+        """Create the optimizer state a fresh run has not yet (torch optimizers make it at their first step): the
+        saved moments as zeros of each flat partition's layout, and the step count, for the load to fill in."""
+        base = self.zero.optimizer
+        for gi, flat in enumerate(self._flat_groups()):
+            state = base.state[flat]
+            for key in moments - set(state):
+                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+            if "step" not in state:
+                group = base.param_groups[gi] if gi < len(base.param_groups) else {}
+                on_device = bool(group.get("fused") or group.get("capturable"))  # torch Adam's placement of it
+                state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
+
+    def load(self, read: Callable[[str, str, int, int], torch.Tensor], optimizer: dict[str, Any] | None,
+             *, step: int, moments: set[str] | None = None) -> None:
+        """Write a checkpoint's state into the live buffers.
+
+        Args:
+            read: `read(part, key, start, stop)` returns the elements `[start, stop)` of the flattened tensor
+                `key` of `part` (`"weights"` / `"optimizer"`), from whichever ranks' chunks hold them.
+            optimizer: the rank-0 part of L1 (`param_groups`, `zero`), or `None` when L1 was lost (then only the
+                weights are restored: the master weights from them, the moments stay as they are).
+            moments: the names of the per-element optimizer state the checkpoint holds (`exp_avg`, ...): created
+                where the live optimizer has not made them yet.
+
+        Raises:
+            `IncompatibleStateError`: the checkpoint lacks a parameter, a moment, or a range this rank needs.
+        """
+        if optimizer is not None:
+            self._create_state(set(moments or ()))
+        with torch.no_grad():
+            if self.stage != 3 or self._buffers:
+                whole = self._whole_weights() if self.stage != 3 else {
+                    name: b.detach().reshape(-1) for name, b in self._buffers.items()}
+                for name, live in whole.items():
+                    live.copy_(read("weights", name, 0, live.numel()))
+            for f in self.fragments():
+                stop = f.start + f.numel
+                if f.weight is not None:
+                    f.weight.copy_(read("weights", f.name, f.start, stop))
+                if optimizer is None:
+                    source = f.weight if f.weight is not None else self._live_flat(f)
+                    f.master.copy_(source)
+                    continue
+                f.master.copy_(read("optimizer", f"state.{f.name}.{MASTER}", f.start, stop))
+                for key, live in f.states.items():
+                    live.copy_(read("optimizer", f"state.{f.name}.{key}", f.start, stop))
+        if optimizer is not None:
+            self._load_groups(optimizer, step=step)
+
+    def _live_flat(self, f: Fragment) -> torch.Tensor:
+        p = dict(self.model.named_parameters())[f.name]
+        return p.detach().reshape(-1).narrow(0, f.start, f.numel)
+
+    def _load_groups(self, optimizer: dict[str, Any], *, step: int) -> None:
+        saved = optimizer.get(KEY_GROUPS)
+        if not isinstance(saved, list):
+            raise IncompatibleStateError(f"step {step}: the optimizer tier has no ZeRO param_groups; it was not saved "
+                                         "under DeepSpeed.")
+        by_name = {name: g for g in saved if isinstance(g, dict) for name in g.get("params") or []}
+        base, flats = self.zero.optimizer, self._flat_groups()
+        for gi, params in enumerate(self._param_groups()):
+            names = [self._name(p) for p in params if p.requires_grad]
+            group = next((by_name[n] for n in names if n in by_name), None)
+            if group is None:
+                continue
+            count = (base.state.get(flats[gi]) or {}).get("step")
+            value = group.get("step")
+            if isinstance(value, (int, float)) and isinstance(count, torch.Tensor):
+                count.fill_(float(value))
+            if gi < len(base.param_groups):  # the hyper-parameters a schedule moves (lr, momentum, betas ...)
+                live = base.param_groups[gi]
+                for key, saved_value in group.items():
+                    if key in ("params", "step") or key not in live:
+                        continue
+                    live[key] = tuple(saved_value) if isinstance(live[key], tuple) else saved_value
+        scaler = getattr(self.zero, "loss_scaler", None)
+        for key, value in ((optimizer.get(KEY_ZERO) or {}).get("loss_scaler") or {}).items():
+            if key in _SCALER_FIELDS and scaler is not None and hasattr(scaler, key):
+                setattr(scaler, key, value)
+
+
+def _number(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+class _OptimizerView:
+    """`StateSources.optimizer` of a ZeRO run (the engine only calls `state_dict()`)."""
+
+    def __init__(self, zero: ZeroState) -> None:
+        self._zero = zero
+        self.param_groups = zero.zero.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._zero.optimizer_state_dict()
