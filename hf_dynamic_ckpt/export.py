@@ -48,12 +48,13 @@ import torch
 from torch import nn
 
 from ._version import VERSION
-from .constants import ALL_TIERS, DEFAULT_TASK_ID, WEIGHTS_NAME, Tier
+from .constants import ADAPTER_KEY_SEP, ALL_TIERS, DEFAULT_TASK_ID, WEIGHTS_NAME, Tier
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .state.model import adapter_names, apply_weights, split_adapters
 from .store.catalog import STATUS_MISSING, STATUS_OK
 from .store.fs import fsync_dir, fsync_file
 from .store.remote import is_url
+from .store.shard_files import is_sharded
 from .store.store import CheckpointStore, find_root
 from .store.task import NAMED_REFS
 from .store.types import CheckpointInfo, LoadedCheckpoint
@@ -165,10 +166,13 @@ def _why_hidden(store: CheckpointStore, info: CheckpointInfo) -> str:
 
 
 def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tuple[LoadedCheckpoint, list[str]]:
-    """`store.load(ref)`, and what `ref` passed over: a named ref moves past a checkpoint that fails verification;
+    """`store.load(ref)` (a sharded checkpoint's weights gathered whole), and what `ref` passed over: a named ref
+    moves past a checkpoint that fails verification;
     each checkpoint it ranked before the chosen one but passed over gets a note (also first in `warnings`)."""
     if isinstance(ref, int) or os.fspath(ref) not in NAMED_REFS:
-        return store.load(ref, tiers=tiers, mmap=False), []
+        loaded = store.load(ref, tiers=tiers, mmap=False)
+        store.gather_weights(loaded)  # a sharded (FSDP2 / ZeRO) checkpoint's whole tensors from every rank's files
+        return loaded, []
     ref = os.fspath(ref)
     failed: dict[int, str] = {}
     while True:
@@ -186,6 +190,7 @@ def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tu
             if info.step in failed:
                 raise
             failed[info.step] = str(e)
+    store.gather_weights(loaded)
     chosen = loaded.info
     notes = [f"skipped step {i.step}: {_why_hidden(store, i)}" for i in store.list(include_unhealthy=True)
              if i.step != chosen.step and Tier.WEIGHTS in i.tiers and _ahead(ref, i, chosen)]
@@ -464,17 +469,34 @@ def _save(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, s
 def _write_peft(loaded: LoadedCheckpoint, desc: dict[str, Any], target: Path) -> None:
     adapters: dict[str, Any] = desc.get("adapters") or {}
     names = list(adapters)
-    for name, weights in split_adapters(loaded.weights or {}, names).items():
+    sharded = is_sharded(loaded.manifest)
+    saved = _peft_keys(loaded.weights or {}, names) if sharded else loaded.weights or {}
+    for name, weights in split_adapters(saved, names).items():
         folder = target if name == desc.get("active_adapter") or len(names) == 1 else target / name
         folder.mkdir(exist_ok=True)
         config = dict(adapters[name])
         config["inference_mode"] = True
         (folder / _ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         source = Path(loaded.info.path) / WEIGHTS_NAME
-        if len(names) == 1 and not loaded.manifest.get("blobs"):
+        if len(names) == 1 and not loaded.manifest.get("blobs") and not sharded:
             shutil.copyfile(source, folder / _ADAPTER_WEIGHTS)  # byte-identical to PEFT's own file
         else:
             _save(weights, folder / _ADAPTER_WEIGHTS, {"format": "pt"})
+
+
+def _peft_keys(weights: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """A sharded save names adapter weights as the model's parameters (``...lora_A.default.weight``); PEFT's files
+    (and `split_adapters`) name them without the adapter (``...lora_A.weight``), prefixed ``<adapter>::`` when there
+    are several."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in weights.items():
+        owner = next((n for n in names if f".{n}." in key or key.endswith(f".{n}")), None)
+        if owner is None:
+            out[key] = tensor
+            continue
+        plain = key.replace(f".{owner}", "")
+        out[plain if len(names) <= 1 else f"{owner}{ADAPTER_KEY_SEP}{plain}"] = tensor
+    return out
 
 
 def _write_hf(loaded: LoadedCheckpoint, desc: dict[str, Any], target: Path) -> None:

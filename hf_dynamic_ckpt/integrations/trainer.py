@@ -222,7 +222,7 @@ class SmartCkptCallback(TrainerCallback):
                        model: torch.nn.Module | None = None, optimizer: Any = None, lr_scheduler: Any = None,
                        **kwargs: Any) -> None:
         check_training_args(args)  # DeepSpeed / FSDP1: refused before the first step, never a wrong save
-        check_accelerator(getattr(self.trainer, "accelerator", None))
+        check_accelerator(getattr(self.trainer, "accelerator", None), deepspeed=True)
         ck = self.get_run(args)
         retry, self._in_train = self._in_train, True
         self._state, self._control = state, control

@@ -45,8 +45,9 @@ def _accelerator_type(accelerator: Any) -> str:
     return str(getattr(kind, "value", kind) or "").upper()
 
 
-def check_accelerator(accelerator: Any) -> None:
-    """Refuse an `Accelerator` set up for DeepSpeed without ZeRO, or for FSDP version 1.
+def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
+    """Refuse an `Accelerator` set up for DeepSpeed without ZeRO (or for DeepSpeed at all unless `deepspeed`: a
+    custom loop under DeepSpeed is not wired yet, Trainer is), or for FSDP version 1.
 
     Raises:
         `ConfigError`: naming the detected setup and the supported ones.
@@ -58,6 +59,11 @@ def check_accelerator(accelerator: Any) -> None:
     plugin = getattr(state, "deepspeed_plugin", None) or getattr(accelerator, "deepspeed_plugin", None)
     if kind == "DEEPSPEED" or plugin is not None:
         stage = getattr(plugin, "zero_stage", None)
+        if not deepspeed:
+            raise _refuse("DeepSpeed in a custom Accelerate loop (SmartCheckpointer, the save_state hooks)",
+                          "the loop's objects are the DeepSpeed engine and its optimizer, which only the Trainer "
+                          "integration reads so far", "Train with transformers.Trainer and SmartCkptCallback "
+                          "(DeepSpeed ZeRO 1-3, docs/deepspeed.md), or use FSDP2 in the custom loop.")
         if stage not in (1, 2, 3):
             raise _refuse(f"DeepSpeed without ZeRO (zero_optimization.stage={stage})", _STAGE0_WHY, _STAGE0_FIX)
     if kind == "FSDP":

@@ -241,7 +241,10 @@ def structure_problems(manifest: Mapping[str, Any]) -> list[str]:
     files = manifest[KEY_FILES]
     tiers = mf.tiers_of(manifest)
     problems = []
-    if Tier.WEIGHTS in tiers and WEIGHTS_NAME not in files:
+    if is_sharded(manifest):  # FSDP2 / ZeRO: the ranks' weights-rank<R> files (the chunk table names them)
+        if Tier.WEIGHTS in tiers and not any(n.startswith("weights-rank") for n in files):
+            problems.append("tier weights is recorded but no weights-rank<R>.safetensors file is listed")
+    elif Tier.WEIGHTS in tiers and WEIGHTS_NAME not in files:
         problems.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
     if Tier.OPTIMIZER in tiers and OPTIMIZER_META_NAME not in files:
         problems.append(f"tier optimizer is recorded but {OPTIMIZER_META_NAME} is not listed")

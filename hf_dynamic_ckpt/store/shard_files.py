@@ -164,6 +164,43 @@ def placeholders(table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def gather_weights(directory: Path, table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The whole weights of a sharded checkpoint (FSDP2 blocks or ZeRO runs), assembled from every rank's chunks
+    on the CPU: what an export writes (no process group, no DCP, no DeepSpeed).
+
+    Raises:
+        `CorruptCheckpointError`: a chunk's file lacks its tensor, or the chunks leave part of a tensor uncovered.
+    """
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    meta = placeholders(table)
+    for _, rank_table in sorted(table["ranks"].items(), key=lambda kv: int(kv[0])):
+        for key, c in (rank_table.get(PART_WEIGHTS) or {}).items():
+            if (key, tuple(c["offset"])) in seen:
+                continue  # a replica of a chunk already placed
+            seen.add((key, tuple(c["offset"])))
+            if c["file"] not in files:
+                files[c["file"]] = open_tensors(directory / c["file"], mmap=False, what="shard")[0]
+            data = files[c["file"]].get(key)
+            if data is None:
+                raise CorruptCheckpointError(f"{directory / c['file']} lacks tensor {key!r} named by the manifest.")
+            full = out.get(key)
+            if full is None:
+                full = out[key] = torch.empty(meta[key].shape, dtype=meta[key].dtype)
+            target = full.view(-1) if "tensor_shape" in c else full
+            for dim, (start, length) in enumerate(zip(c["offset"], c["size"])):
+                target = target.narrow(dim, start, length)
+            target.copy_(data.reshape(target.shape))
+            filled[key] = filled.get(key, 0) + target.numel()
+    short = sorted(k for k, t in out.items() if filled.get(k, 0) < t.numel())
+    if short:
+        raise CorruptCheckpointError(f"the saved chunks leave part of {short[:5]} uncovered: a rank's shard is "
+                                     "missing.")
+    return out
+
+
 class FlatReader:
     """Reads ranges of flattened tensors out of the shard files of a flat-chunk checkpoint (`is_flat`): the
     chunks of any ranks that cover `[start, stop)`, so another world size or ZeRO stage reads the same state.

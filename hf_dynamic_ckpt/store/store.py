@@ -93,6 +93,7 @@ from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
 from .remote import Remote, split_root
 from .safetensors_io import read_into
+from .shard_files import gather_weights, sharded_table
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
 from .task import NAMED_REFS, Task, parse_step_dir, step_dir_name
 from .timelines import fork_record
@@ -477,6 +478,18 @@ class CheckpointStore:
                 hold the file's data).
         """
         return read_into(Path(info.path) / WEIGHTS_NAME, targets, what="Weights")
+
+    def gather_weights(self, loaded: LoadedCheckpoint) -> None:
+        """Replace the placeholders of a sharded checkpoint's weights (FSDP2, DeepSpeed ZeRO; `load` reads names and
+        shapes only) with the whole tensors, assembled from every rank's shard files (verified by `load`). A
+        checkpoint that is not sharded is left as it is.
+
+        Raises:
+            `CorruptCheckpointError`: a shard lacks a tensor, or the shards leave part of one uncovered.
+        """
+        table = sharded_table(loaded.manifest)
+        if table is not None and loaded.weights is not None:
+            loaded.weights = gather_weights(Path(loaded.info.path), table)
 
     def load_scheduler_only(self, ref: Ref) -> dict[str, Any] | None:
         """Salvage the LR-scheduler state when the optimizer tensor file is broken.

@@ -150,6 +150,27 @@ def test_zero2_sigterm_on_one_rank_saves_on_all_and_continues_exactly(
         assert n > 0 and resumed[r]["losses"] == ref[r]["losses"][-n:]
 
 
+def test_zero_stores_verify_and_export_the_gathered_weights(zero2_lora: tuple[Path, list[dict], list[dict], Path],
+                                                            zero3_full: tuple[Path, list[dict], list[dict], Path],
+                                                            tmp_path: Path) -> None:
+    from hf_dynamic_ckpt.cli import main as cli
+    from hf_dynamic_ckpt.export import export_checkpoint
+
+    # The uninterrupted runs' last save (train_end, step 8) holds their final weights: the export gathers every
+    # rank's fragments into whole tensors (no process group, no DeepSpeed) and must give them bit for bit.
+    for (base, *_), fmt, name in ((zero2_lora, "peft", "adapter_model.safetensors"),
+                                  (zero3_full, "hf", "model.safetensors")):
+        root = base / "ref" / "run" / "smart_ckpt"
+        assert cli(["verify", str(root)]) == 0
+        out = tmp_path / fmt
+        export_checkpoint(root, "step:8", out, format=fmt)
+        exported, final = load_file(out / name), load_file(base / "ref" / "final.safetensors")
+        # PEFT's file names an adapter weight without the adapter ("lora_A.weight", not "lora_A.default.weight").
+        want = {k.replace(".default", "") if fmt == "peft" else k: v for k, v in final.items()}
+        assert want and set(want) <= set(exported)
+        assert all(torch.equal(exported[k], v) for k, v in want.items())
+
+
 @pytest.mark.slow
 def test_zero1_full_killed_rank_resumes_exactly(tmp_path: Path) -> None:
     ref, resumed, _ = crash_and_resume(tmp_path, 1, "full")

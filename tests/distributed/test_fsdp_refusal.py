@@ -29,20 +29,33 @@ def _accelerator(kind: str, **state: object) -> SimpleNamespace:
                            _optimizers=[], _schedulers=[], _models=[])
 
 
-def test_smart_checkpointer_refuses_deepspeed_without_zero_before_opening_the_store(tmp_path: Path):
+def test_smart_checkpointer_refuses_deepspeed_before_opening_the_store(tmp_path: Path):
     from hf_dynamic_ckpt import SmartCheckpointer
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = _accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=0))
+    acc = _accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=2))
     with pytest.raises(ConfigError) as e:
         SmartCheckpointer(acc, model, opt, config=SmartCkptConfig(root=str(tmp_path / "s")))
+    msg = str(e.value)
+    assert msg.startswith("hf_dynamic_ckpt does not support DeepSpeed in a custom Accelerate loop (SmartCheckpointer, "
+                          "the save_state hooks): the loop's objects are the DeepSpeed engine")
+    assert msg.endswith("Train with transformers.Trainer and SmartCkptCallback (DeepSpeed ZeRO 1-3, "
+                        "docs/deepspeed.md), or use FSDP2 in the custom loop.")
+    assert SUPPORTED in msg and SUPPORTED_SETUPS in msg and "DeepSpeed ZeRO stages 1-3 under Trainer" in msg
+    assert not (tmp_path / "s").exists()  # nothing opened, nothing written
+
+
+def test_deepspeed_without_zero_is_refused_for_trainer_too():
+    from hf_dynamic_ckpt.state.support import check_accelerator
+
+    check_accelerator(_accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=3)), deepspeed=True)
+    with pytest.raises(ConfigError) as e:
+        check_accelerator(_accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=0)), deepspeed=True)
     msg = str(e.value)
     assert msg.startswith("hf_dynamic_ckpt does not support DeepSpeed without ZeRO (zero_optimization.stage=0): "
                           "without ZeRO the engine's mixed-precision optimizer keeps the fp32 master weights")
     assert msg.endswith("Use ZeRO stage 1, 2 or 3 (zero_optimization.stage), which are supported.")
-    assert SUPPORTED in msg and SUPPORTED_SETUPS in msg and "DeepSpeed ZeRO stages 1-3 under Trainer" in msg
-    assert not (tmp_path / "s").exists()  # nothing opened, nothing written
 
 
 def test_state_hooks_refuse_fsdp1_plugin(tmp_path: Path):
