@@ -208,6 +208,8 @@ class SmartCkptCallback(TrainerCallback):
                             "gradient_accumulation_steps as it was", loaded.info.step, saved_world, now.world_size)
             return
         plan = plan_batch(saved, now, keep=self.config.runtime.keep_global_batch, step=loaded.info.step)
+        if plan.accumulation != now.accumulation and getattr(trainer, "is_deepspeed_enabled", False):
+            _deepspeed_accumulation(trainer, now, plan.accumulation)
         args.gradient_accumulation_steps = plan.accumulation
         if plan.warning is not None and say is not None:
             say.warning("smart_ckpt: %s", plan.warning)
@@ -440,6 +442,26 @@ class SmartCkptCallback(TrainerCallback):
             return
         handler.callbacks.remove(self)
         handler.callbacks.insert(0, self)
+
+
+def _deepspeed_accumulation(trainer: Any, now: BatchGeometry, accumulation: int) -> None:
+    """Under DeepSpeed the accumulation is also in the engine's config, filled from the arguments when they were
+    made (``"auto"``): set it there too, with the global batch it gives (``train_batch_size``)."""
+    args = trainer.args
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    candidates = (getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
+                  getattr(getattr(plugin, "hf_ds_config", None), "config", None),
+                  getattr(plugin, "deepspeed_config", None))
+    for config in {id(c): c for c in candidates if isinstance(c, dict)}.values():
+        current = config.get("gradient_accumulation_steps")
+        if current not in (None, "auto", now.accumulation):  # set by hand to another value than the run's
+            raise ConfigError(
+                f"the DeepSpeed config sets gradient_accumulation_steps={current}, and keeping the checkpoint's global "
+                f"batch on {now.world_size} process(es) needs {accumulation}: set it to \"auto\" (Trainer fills it "
+                "in) or pass runtime.keep_global_batch=false to train with another global batch.")
+        config["gradient_accumulation_steps"] = accumulation
+        if config.get("train_batch_size") not in (None, "auto"):
+            config["train_batch_size"] = now.per_device * now.world_size * accumulation
 
 
 def _no_trainer() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -25,10 +26,19 @@ RECIPES = {
 }
 
 
-def launch(tmp: Path, recipe: str, out: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+ZERO2 = REPO / "recipes" / "qwen2_7b_lora"
+ACCELERATE_ZERO2 = [sys.executable, "-m", "accelerate.commands.launch",
+                    "--config_file", str(ZERO2 / "accelerate_config_zero2.yaml"),
+                    "--deepspeed_config_file", str(ZERO2 / "ds_zero2.json"), "--num_processes", "2"]
+"""The recipe's ZeRO-2 launch on 2 CPU processes (the config's relative ds_zero2.json path is the repo root's)."""
+
+
+def launch(tmp: Path, recipe: str, out: str, *extra: str, launcher: list[str] = TORCHRUN
+           ) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "DS_ACCELERATOR": "cpu"}
     script = REPO / "recipes" / recipe / "train.py"
-    return subprocess.run([*TORCHRUN, str(script), *RECIPES[recipe], "--output_dir", out, *extra], cwd=tmp, env=env,
+    return subprocess.run([*launcher, str(script), *RECIPES[recipe], "--output_dir", out, *extra], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=500)
 
 
@@ -48,14 +58,26 @@ def losses(path: Path) -> dict[int, str]:
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r == "llama3_8b_lora" else r
                                     for r in sorted(RECIPES)])
 def test_tiny_recipe_crash_resume_exact(tmp_path: Path, recipe: str):
-    ref = launch(tmp_path, recipe, "ref", "--loss_log", "ref.jsonl")
+    crash_resume_exact(tmp_path, recipe, TORCHRUN)
+
+
+@pytest.mark.distributed
+def test_tiny_qwen2_recipe_under_accelerate_launch_with_deepspeed_zero2_crash_resume_exact(tmp_path: Path):
+    crash_resume_exact(tmp_path, "qwen2_7b_lora", ACCELERATE_ZERO2)
+    step = next((tmp_path / "run" / "smart_ckpt" / "default").glob("step-*"))
+    assert {"optimizer-rank0.safetensors", "optimizer-rank1.safetensors"} <= {p.name for p in step.iterdir()}
+
+
+def crash_resume_exact(tmp_path: Path, recipe: str, launcher: list[str]) -> None:
+    run = functools.partial(launch, launcher=launcher)
+    ref = run(tmp_path, recipe, "ref", "--loss_log", "ref.jsonl")
     assert ref.returncode == 0, tail(ref)
     expected = losses(tmp_path / "ref.jsonl")
     assert sorted(expected) == list(range(1, MAX_STEPS + 1))
     # 64 examples / (2 ranks x batch 2): 8 steps per epoch; the run crosses into epoch 2.
 
-    crash = launch(tmp_path, recipe, "run", "--loss_log", "crash.jsonl", "--simulate_crash_at_step", str(CRASH_AT),
-                   "--resume_from_smart_checkpoint", "auto")
+    crash = run(tmp_path, recipe, "run", "--loss_log", "crash.jsonl", "--simulate_crash_at_step", str(CRASH_AT),
+                "--resume_from_smart_checkpoint", "auto")
     assert crash.returncode != 0 and ("Signal 9 (SIGKILL)" in crash.stderr
                                       or "exitcode  : -9" in crash.stderr), tail(crash)
     crashed = losses(tmp_path / "crash.jsonl")
@@ -65,7 +87,7 @@ def test_tiny_recipe_crash_resume_exact(tmp_path: Path, recipe: str):
     committed = sorted(int(p.name[5:]) for p in store.glob("step-*") if "." not in p.name)
     assert committed and max(committed) < CRASH_AT
 
-    res = launch(tmp_path, recipe, "run", "--loss_log", "resume.jsonl", "--resume_from_smart_checkpoint", "auto")
+    res = run(tmp_path, recipe, "run", "--loss_log", "resume.jsonl", "--resume_from_smart_checkpoint", "auto")
     assert res.returncode == 0, tail(res)
     resumed = losses(tmp_path / "resume.jsonl")
     assert sorted(resumed) == list(range(max(committed) + 1, MAX_STEPS + 1))
