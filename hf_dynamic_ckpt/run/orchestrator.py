@@ -45,7 +45,7 @@ from ..state import RngState, StateSources, capture_raw_rng_state, expected_weig
 from ..state.flat import FlatKeeper
 from ..state.shards import ShardedState
 from ..state.support import check_model
-from ..state.zero import ZeroState
+from ..state.zero import ZeroGradSquares, ZeroState
 from ..store.remote import is_url
 from ..store.spec import Lineage, new_session_id
 from ..store.types import CheckpointInfo, LoadedCheckpoint
@@ -174,6 +174,7 @@ class RunOrchestrator:
         self._scheduler: Any | None = None
         self._scaler: Any | None = None
         self._sharded: ShardedState | ZeroState | None = None
+        self._zero_grads: ZeroGradSquares | None = None
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
         self._stepped = False  # the first step_end starts the save side (`prepare_buffers`)
         self._prepared = False
@@ -245,6 +246,10 @@ class RunOrchestrator:
                                enabled=False if isinstance(self._sharded, ZeroState) else consolidate,
                                on_move=self._state_moved)
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
+        if isinstance(self._sharded, ZeroState) and self.sensors.grad.layer_names:  # gradients only in partitions
+            grad = self.sensors.grad
+            self._zero_grads = ZeroGradSquares(self._sharded, grad.bucket, len(grad.layer_names) + 1)
+            grad.partition_squares = self._zero_grads.pop
         self._prepared = False
         self.prepare_buffers()
         self.steplog.open()
@@ -271,6 +276,9 @@ class RunOrchestrator:
         if self.sensors is not None:
             self.sensors.remove()
             self.sensors = None
+        if self._zero_grads is not None:
+            self._zero_grads.remove()
+            self._zero_grads = None
         self.steplog.close()
 
     @property

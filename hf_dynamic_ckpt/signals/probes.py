@@ -151,7 +151,15 @@ class GradProbe:
         self._params += [p for ps in self.layers.values() for p in ps if id(p) not in seen]
         n_layers = len(self.layer_names)
         self._bucket = [lora_ids.get(id(p), n_layers) for p in self._params]
+        self._bucket_by_name = {name: lora_ids.get(id(p), n_layers) for name, p in model.named_parameters()}
         self.baselines = LayerBaselines(window=window, warmup=warmup, spread_k=spread_k)
+        self.partition_squares: Callable[[], list[float] | None] | None = None
+        """Set where the gradients never reach `.grad` (DeepSpeed ZeRO, `state.zero.ZeroGradSquares.pop`): this
+        rank's squared norms per bucket (the LoRA layers, then the rest), added across ranks here."""
+
+    def bucket(self, name: str) -> int:
+        """The bucket of parameter `name`: its LoRA layer's index, or `len(layer_names)` for the rest."""
+        return self._bucket_by_name.get(name, len(self.layer_names))
 
     def measure(self, pre_clip_norm: float | torch.Tensor | None = None) -> tuple[float | None, dict[str, float]]:
         """Return `(global_norm, {layer: norm})` for the gradients now in `.grad`.
@@ -168,6 +176,8 @@ class GradProbe:
         if pre is not None and not self.layer_names:
             return pre, {}
         present = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
+        if not present and self.partition_squares is not None:
+            return self._from_partitions(pre)
         if not present:
             return pre, {}
         # FSDP2: DTensor gradients are measured on their local shards; the squares are summed over ranks.
@@ -206,6 +216,22 @@ class GradProbe:
         if pre is not None and math.isfinite(post) and post > 0.0:
             scale = pre / post
             layer_norms = [v * scale for v in layer_norms]
+        return (pre if pre is not None else post), dict(zip(self.layer_names, layer_norms))
+
+    def _from_partitions(self, pre: float | None) -> tuple[float | None, dict[str, float]]:
+        """`measure` from `partition_squares` (every rank calls it: the sum across ranks is a collective)."""
+        assert self.partition_squares is not None
+        n_layers = len(self.layer_names)
+        local = self.partition_squares()
+        sq = local if local is not None and len(local) == n_layers + 1 else [0.0] * (n_layers + 1)
+        if self.sum_across_ranks is not None:
+            sq = self.sum_across_ranks(sq)
+        post = math.sqrt(sum(sq))
+        if not post > 0.0 and math.isfinite(post):
+            return pre, {}  # no gradient reached the optimizer this step
+        layer_norms = [math.sqrt(x) for x in sq[:n_layers]]
+        if pre is not None and math.isfinite(post):
+            layer_norms = [v * pre / post for v in layer_norms]
         return (pre if pre is not None else post), dict(zip(self.layer_names, layer_norms))
 
     def observe(self, layer_norms: Mapping[str, float]) -> tuple[float | None, str | None]:

@@ -114,6 +114,8 @@ class Fragment:
     start: int
     numel: int
     group: int
+    flat: int  # index of the flat fp32 partition (sub-group under stage 3) the fragment lies in
+    at: int  # where in it
     master: torch.Tensor
     states: dict[str, torch.Tensor]
     weight: torch.Tensor | None  # stage 3: the rank's partition of the live parameter
@@ -157,7 +159,8 @@ class ZeroState:
         return {name: b for name, b in self.model.named_buffers() if name in keys}
 
     # -- the fragments ------------------------------------------------------------------------
-    def _flat_groups(self) -> list[torch.Tensor]:
+    def flat_groups(self) -> list[torch.Tensor]:
+        """The flat fp32 partitions of this rank (one per parameter group; per sub-group under stage 3)."""
         z = self.zero
         return list(z.fp32_partitioned_groups_flat if self.stage == 3 else z.single_partition_of_fp32_groups)
 
@@ -187,10 +190,10 @@ class ZeroState:
 
     def fragments(self) -> Iterator[Fragment]:
         """This rank's fragments of every trainable parameter (views of the live buffers), in group order."""
-        flats = self._flat_groups()
+        flats = self.flat_groups()
         for gi, params in enumerate(self._param_groups()):
-            flat = flats[gi]
             for p in params:
+                fi = gi
                 if not p.requires_grad:
                     continue
                 name = self._name(p)
@@ -203,17 +206,16 @@ class ZeroState:
                     if numel == 0:
                         continue
                     shape = tuple(int(n) for n in ds.ds_shape)
-                    at, weight = int(offset), ds.ds_tensor.narrow(0, 0, numel)
-                    if int(group) != gi:
-                        flat = flats[int(group)]
+                    at, weight, fi = int(offset), ds.ds_tensor.narrow(0, 0, numel), int(group)
                 else:
                     mapping = getattr(p, "_hp_mapping", None)
                     if mapping is None:
                         continue  # no element of this parameter in this rank's partition
                     start, numel = int(mapping.lp_fragment_address.start), int(mapping.lp_fragment_address.numel)
                     at, weight, shape = int(mapping.hp_fragment_address.start), None, tuple(p.shape)
+                flat = flats[fi]
                 states = {k: v.narrow(0, at, numel) for k, v in self._states(flat, name).items()}
-                yield Fragment(name, shape, start, numel, gi, flat.narrow(0, at, numel), states, weight)
+                yield Fragment(name, shape, start, numel, gi, fi, at, flat.narrow(0, at, numel), states, weight)
 
     # -- L0 -----------------------------------------------------------------------------------
     def _whole_weights(self) -> dict[str, torch.Tensor]:
@@ -240,7 +242,7 @@ class ZeroState:
             state[f.name] = {MASTER: f.master, **f.states}
         groups = []
         base = self.zero.optimizer
-        flats = self._flat_groups()
+        flats = self.flat_groups()
         for gi, params in enumerate(self._param_groups()):
             hyper = {k: v for k, v in base.param_groups[gi].items() if k != "params"} if gi < len(base.param_groups) \
                 else {}
@@ -288,7 +290,7 @@ class ZeroState:
         """Create the optimizer state a fresh run has not yet (torch optimizers make it at their first step): the
         saved moments as zeros of each flat partition's layout, and the step count, for the load to fill in."""
         base = self.zero.optimizer
-        for gi, flat in enumerate(self._flat_groups()):
+        for gi, flat in enumerate(self.flat_groups()):
             state = base.state[flat]
             for key in moments - set(state):
                 state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
@@ -344,7 +346,7 @@ class ZeroState:
             raise IncompatibleStateError(f"step {step}: the optimizer tier has no ZeRO param_groups; it was not saved "
                                          "under DeepSpeed.")
         by_name = {name: g for g in saved if isinstance(g, dict) for name in g.get("params") or []}
-        base, flats = self.zero.optimizer, self._flat_groups()
+        base, flats = self.zero.optimizer, self.flat_groups()
         for gi, params in enumerate(self._param_groups()):
             names = [self._name(p) for p in params if p.requires_grad]
             group = next((by_name[n] for n in names if n in by_name), None)
@@ -368,6 +370,59 @@ class ZeroState:
 
 def _number(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
+
+
+class ZeroGradSquares:
+    """This rank's squared gradient norms per bucket of parameters (e.g. per LoRA layer), taken from the ZeRO
+    gradient partitions when the engine hands them to the optimizer.
+
+    Under ZeRO the gradients never sit in `param.grad` where a training loop's callbacks could read them: they
+    are reduced into each rank's flat fp32 partition, and the engine steps the optimizer inside
+    `accelerator.backward`. A pre-hook on the wrapped torch optimizer's `step` (called once per flat partition)
+    reads the gradient fragment of every parameter in that partition and adds its squares to the parameter's
+    bucket; `pop()` returns the sums since the last pop. The ranks' sums add up to the full gradients' squares
+    (each element lies in one rank's partition); the caller adds them across ranks. They are the gradients the
+    optimizer steps with: after the engine's clipping, which scales every gradient alike (`GradProbe` rescales
+    them with the pre-clip norm).
+
+    Args:
+        zero (`ZeroState`): the run's ZeRO view.
+        bucket (`Callable[[str], int]`): a parameter's bucket from its name.
+        buckets (`int`): how many buckets.
+    """
+
+    def __init__(self, zero: ZeroState, bucket: Callable[[str], int], buckets: int) -> None:
+        self._zero, self._bucket, self._n = zero, bucket, buckets
+        self._sq: list[float] | None = None
+        self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
+
+    def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        flats = self._zero.flat_groups()
+        stepping = {id(t) for g in optimizer.param_groups for t in g["params"]}
+        wanted = {i for i, flat in enumerate(flats) if id(flat) in stepping and flat.grad is not None}
+        if not wanted:
+            return
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for f in self._zero.fragments():
+            if f.flat in wanted:
+                grad = flats[f.flat].grad
+                assert grad is not None
+                pieces.append((self._bucket(f.name), grad.narrow(0, f.at, f.numel)))
+        if not pieces:
+            return
+        norms = torch.stack(torch._foreach_norm([g for _, g in pieces], 2.0)).to(torch.float64).tolist()
+        sq = self._sq if self._sq is not None else [0.0] * self._n
+        for (b, _), v in zip(pieces, norms):
+            sq[b] += v * v
+        self._sq = sq
+
+    def pop(self) -> list[float] | None:
+        """The squares per bucket since the last call (`None` when no step ran)."""
+        out, self._sq = self._sq, None
+        return out
+
+    def remove(self) -> None:
+        self._handle.remove()
 
 
 class _OptimizerView:

@@ -46,7 +46,7 @@ from ..jsonutil import loads_bounded
 from . import manifest as mf
 from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, Catalog
-from .fs import LocalFS
+from .fs import LocalFS, listdir
 from .remote import Remote
 from .spec import StoreSpec
 from .tensorpack import PaceMemory
@@ -283,6 +283,13 @@ class Task:
         if TMP_MARKER in path.name:
             raise CheckpointNotFoundError(f"{path} is an unfinished save (temporary directory), not a checkpoint; "
                                           f"{self._available_text()}.")
+        if not self.fs.is_file(path / MANIFEST_NAME) and self.fs.is_file(path / "trainer_state.json"):
+            native = "DeepSpeed's and Trainer's" if any(n.startswith("global_step") for n in listdir(path)) \
+                else "Trainer's"
+            raise CheckpointNotFoundError(
+                f"{path} is {native} own checkpoint folder, not one of this store: pass it to "
+                "trainer.train(resume_from_checkpoint=...) directly (Trainer loads it itself; SmartCkptCallback "
+                f"saves into the store from there on); {self._available_text()}.")
         if not self.fs.is_file(path / MANIFEST_NAME):
             raise CheckpointNotFoundError(
                 f"{path} is not a checkpoint directory (no {MANIFEST_NAME}); pass a step-<N> directory of a store; "

@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=40)
     p.add_argument("--base_interval", type=int, default=3)
     p.add_argument("--resume", default=None)
+    p.add_argument("--resume_native", default=None, help="trainer.train(resume_from_checkpoint=PATH), no store resume")
     p.add_argument("--kill_at", type=int, default=None)
     p.add_argument("--sigterm_at", type=int, default=None)
     p.add_argument("--spike_at", type=int, default=None, help="multiply this step's loss by 1000")
@@ -93,6 +94,8 @@ def main() -> None:
                    help="data-loader worker processes (persistent): they outlive a SIGKILLed trainer for a while")
     p.add_argument("--deepspeed", type=int, default=None, choices=[1, 2, 3],
                    help="train under DeepSpeed ZeRO of this stage (run with DS_ACCELERATOR=cpu)")
+    p.add_argument("--record_layer_norms", action="store_true",
+                   help="record what the gradient probe measures each step: (global norm, {LoRA layer: norm})")
     p.add_argument("--consolidate", default=None, choices=["on", "off"],
                    help="SmartCkptCallback(consolidate=...): trainable state in flat buffers (default: auto)")
     args = p.parse_args()
@@ -210,6 +213,21 @@ def main() -> None:
             "zero_optimization": {"stage": args.deepspeed}, "zero_allow_untested_optimizer": True},
     )
     rollbacks: list[list] = []
+    layer_norms: list[list] = []
+
+    class LayerNorms(TrainerCallback):
+        def on_train_begin(self, a, st, control, **kw):  # type: ignore[no-untyped-def]
+            if not args.record_layer_norms:
+                return
+            grad = cb.run.sensors.grad
+            measure = grad.measure
+
+            def recording(*margs, **mkw):  # type: ignore[no-untyped-def]
+                out = measure(*margs, **mkw)
+                layer_norms.append([out[0], out[1]])
+                return out
+
+            grad.measure = recording
 
     class Rollbacks(TrainerCallback):
         def on_step_begin(self, a, st, control, **kw):  # type: ignore[no-untyped-def]
@@ -220,9 +238,10 @@ def main() -> None:
                     _dump(args, rank, losses, cb, killed=True, after={"rollbacks": rollbacks})
                     os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault(), Rollbacks()])
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault(), Rollbacks(), LayerNorms()])
     try:
-        trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, args.resume))
+        native = os.path.join(args.out, "run", args.resume_native) if args.resume_native else None
+        trainer.train(resume_from_checkpoint=native or resume_checkpoint(trainer, args.resume))
     except SystemExit as e:  # preempted: the state is committed and the process ends with 128 + signal
         _dump(args, rank, losses, cb, killed=False, after={"exit_code": e.code, "rollbacks": rollbacks})
         raise
@@ -253,6 +272,7 @@ def main() -> None:
         "forward_hooks": len(inner._forward_hooks),  # the worker's own hooks only
         "sigterm_handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "log_keys": sorted({k for entry in trainer.state.log_history for k in entry}),
+        "layer_norms": layer_norms,
     })
 
 

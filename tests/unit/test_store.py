@@ -348,6 +348,21 @@ def test_resolve_errors_for_paths_and_empty_store(store: CheckpointStore, tmp_pa
         store.resolve("step:x")
 
 
+def test_resolve_names_a_trainer_or_deepspeed_checkpoint_folder_and_the_way(store: CheckpointStore,
+                                                                          tmp_path: Path) -> None:
+    native = tmp_path / "checkpoint-6"
+    native.mkdir()
+    (native / "trainer_state.json").write_text("{}")
+    with pytest.raises(CheckpointNotFoundError) as e:
+        store.resolve(native)
+    assert str(e.value).startswith(f"{native} is Trainer's own checkpoint folder, not one of this store: pass it to "
+                                   "trainer.train(resume_from_checkpoint=...) directly (Trainer loads it itself; "
+                                   "SmartCkptCallback saves into the store from there on); ")
+    (native / "global_step6").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint-6 is DeepSpeed's and Trainer's own checkpoint"):
+        store.resolve(native)
+
+
 def _rewrite_manifest(directory: Path, fix_checksum: bool, **changes: Any) -> None:
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     manifest.update(changes)

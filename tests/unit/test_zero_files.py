@@ -1,0 +1,102 @@
+"""ZeRO checkpoints on disk: runs of flattened tensors read back across ranks, gathered whole, and the set-up check.
+
+The 2-process DeepSpeed runs are in tests/distributed/test_deepspeed.py; these pin the file-level pieces they rely on:
+`FlatReader` (a range from whichever ranks' chunks hold it), `gather_weights` (an export's whole tensors, from ZeRO
+runs and from FSDP2 blocks), and `check_sharding` (a ZeRO checkpoint resumes under ZeRO only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hf_dynamic_ckpt.errors import CorruptCheckpointError, IncompatibleStateError
+from hf_dynamic_ckpt.state.shards import check_sharding
+from hf_dynamic_ckpt.state.zero import ZeroExpected
+from hf_dynamic_ckpt.store.shard_files import FlatReader, gather_weights, is_flat, placeholders
+
+
+def _run(shape: list[int], offset: int, size: int, file: str) -> dict[str, Any]:
+    total = 1
+    for n in shape:
+        total *= n
+    return {"shape": [total], "offset": [offset], "size": [size], "dtype": "float32", "tensor_shape": shape,
+            "file": file}
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path) -> tuple[Path, dict[str, Any], torch.Tensor]:
+    """A [3, 4] weight split 5 / 7 over two ranks (ZeRO stage 3 style), and its moment split the same way."""
+    full = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    flat = full.reshape(-1)
+    save_file({"w": flat[:5].clone()}, tmp_path / "weights-rank0.safetensors")
+    save_file({"w": flat[5:].clone()}, tmp_path / "weights-rank1.safetensors")
+    save_file({"state.w.exp_avg": -flat[:5].clone()}, tmp_path / "optimizer-rank0.safetensors")
+    save_file({"state.w.exp_avg": -flat[5:].clone()}, tmp_path / "optimizer-rank1.safetensors")
+    table = {"format": "hf_dynamic_ckpt.dcp-chunks/1", "world_size": 2, "ranks": {
+        "0": {"weights": {"w": _run([3, 4], 0, 5, "weights-rank0.safetensors")},
+              "optimizer": {"state.w.exp_avg": _run([3, 4], 0, 5, "optimizer-rank0.safetensors")}},
+        "1": {"weights": {"w": _run([3, 4], 5, 7, "weights-rank1.safetensors")},
+              "optimizer": {"state.w.exp_avg": _run([3, 4], 5, 7, "optimizer-rank1.safetensors")}}}}
+    return tmp_path, table, full
+
+
+def test_flat_reader_reads_any_range_from_the_ranks_that_hold_it(two_ranks) -> None:
+    directory, table, full = two_ranks
+    reader = FlatReader(directory, table)
+    flat = full.reshape(-1)
+    assert torch.equal(reader.read("weights", "w", 0, 12), flat)  # one process reading two ranks' partitions
+    assert torch.equal(reader.read("weights", "w", 3, 9), flat[3:9])  # a range across the boundary
+    assert torch.equal(reader.read("weights", "w", 6, 8), flat[6:8])
+    assert torch.equal(reader.read("optimizer", "state.w.exp_avg", 4, 6), -flat[4:6])
+    assert reader.keys("optimizer") == {"state.w.exp_avg"}
+    with pytest.raises(KeyError):
+        reader.read("optimizer", "state.w.exp_avg_sq", 0, 5)
+
+
+def test_flat_reader_names_a_range_no_rank_holds(two_ranks) -> None:
+    directory, table, _ = two_ranks
+    del table["ranks"]["1"]
+    with pytest.raises(CorruptCheckpointError, match=r"the saved chunks of 'w' cover its elements 3\.\.5 of 3\.\.9: "
+                                                     r"a rank's shard is missing\."):
+        FlatReader(directory, table).read("weights", "w", 3, 9)
+
+
+def test_gather_weights_assembles_zero_runs_and_fsdp_blocks(two_ranks, tmp_path: Path) -> None:
+    directory, table, full = two_ranks
+    assert is_flat(table)
+    assert placeholders(table)["w"].shape == (3, 4)  # the model check sees the parameter's shape
+    gathered = gather_weights(directory, table)
+    assert gathered.keys() == {"w"} and torch.equal(gathered["w"], full)
+    # FSDP2: blocks of the tensor itself (rows 0-1 on rank 0, row 2 on rank 1), no tensor_shape.
+    save_file({"w": full[:2].clone()}, tmp_path / "b0.safetensors")
+    save_file({"w": full[2:].clone()}, tmp_path / "b1.safetensors")
+    blocks = {"format": "hf_dynamic_ckpt.dcp-chunks/1", "world_size": 2, "ranks": {
+        "0": {"weights": {"w": {"shape": [3, 4], "offset": [0, 0], "size": [2, 4], "dtype": "float32",
+                                "file": "b0.safetensors"}}},
+        "1": {"weights": {"w": {"shape": [3, 4], "offset": [2, 0], "size": [1, 4], "dtype": "float32",
+                                "file": "b1.safetensors"}}}}}
+    assert not is_flat(blocks)
+    assert torch.equal(gather_weights(tmp_path, blocks)["w"], full)
+    del blocks["ranks"]["1"]
+    with pytest.raises(CorruptCheckpointError, match=r"leave part of \['w'\] uncovered"):
+        gather_weights(tmp_path, blocks)
+
+
+def test_a_zero_checkpoint_resumes_under_zero_only() -> None:
+    zero_live = ZeroExpected(w=torch.empty(3, 4, device="meta"))
+    plain_live = {"w": torch.empty(3, 4)}
+    sharded = {"extra": {"sharded": {}}}
+    check_sharding(6, sharded, zero_live, saved_flat=True)  # no error
+    with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved under DeepSpeed ZeRO and this run does not: "
+                                                     r"resume it in the set-up that saved it"):
+        check_sharding(6, sharded, plain_live, saved_flat=True)
+    with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved without sharding and this run trains under "
+                                                     r"ZeRO"):
+        check_sharding(6, {"extra": {}}, zero_live)
+    with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved sharded by FSDP2 and this run trains under"):
+        check_sharding(6, sharded, zero_live)
