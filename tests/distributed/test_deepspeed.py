@@ -172,6 +172,7 @@ def test_zero_stores_verify_and_export_the_gathered_weights(zero2_lora: tuple[Pa
         assert all(torch.equal(exported[k], v) for k, v in want.items())
 
 
+@pytest.mark.slow
 def test_trainer_native_deepspeed_checkpoint_resumes_directly_and_the_store_goes_on(
         zero2_lora: tuple[Path, list[dict], list[dict], Path]) -> None:
     # Trainer's own save_steps (DeepSpeed's global_stepN pickles) beside the store: passing its folder straight to
