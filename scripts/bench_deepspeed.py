@@ -154,7 +154,7 @@ def _saves(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             if step % interval == 0 and step < steps:  # ours: held by the policy, taken at the next step's begin
                 assert cb.run is not None and cb.run.pending_save is not None, f"no save decided at step {step}"
                 _quiet()
-            elif step % interval == interval - 1:  # DeepSpeed's, once our previous write is committed
+            elif step % interval == interval - 1 and step < steps - 1:  # DeepSpeed's, once our last write committed
                 assert cb.run is not None
                 cb.run.saver.finish()
                 _quiet()
