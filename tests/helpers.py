@@ -85,6 +85,31 @@ def torchrun_worker(worker: Path, cwd: Path, *args: str, nproc: int = 2,
     return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+TRAINER_WORKER = REPO / "tests" / "integration" / "trainer_worker.py"
+
+
+def trainer_torchrun(out: Path, tag: str, *args: str, expect_ok: bool = True, nproc: int = 2,
+                     env: dict[str, str] | None = None, timeout: float = 300) -> list[dict]:
+    """`tests/integration/trainer_worker.py` on `nproc` processes (the last one is the one `--kill_at` kills):
+    every rank's ``<out>/<tag>-rank<R>.json``, each with the job's stderr under ``"stderr"``."""
+    extra = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KILL_RANK": str(nproc - 1), **(env or {})}
+    # --standalone: torchrun picks a free rendezvous port itself (no race with other jobs on the machine).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(TRAINER_WORKER), "--out", str(out), "--tag", tag, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **extra}, timeout=timeout)
+    detail = f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if expect_ok:
+        assert proc.returncode == 0, detail
+    else:
+        assert proc.returncode != 0, "the crashed job should fail"
+    missing = [r for r in range(nproc) if not (out / f"{tag}-rank{r}.json").is_file()]
+    assert not missing, f"ranks {missing} wrote no result\n{detail}"
+    results = [json.loads((out / f"{tag}-rank{r}.json").read_text()) for r in range(nproc)]
+    for r in results:
+        r["stderr"] = proc.stderr
+    return results
+
+
 def traceback_tail(proc: subprocess.CompletedProcess[str]) -> str:
     """The first worker traceback (what torchrun's summary hides), else the end of stderr."""
     err = proc.stderr

@@ -10,40 +10,22 @@ rank writes its own fragments of the partitioned state (`optimizer-rank<R>.safet
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import trainer_torchrun
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "integration" / "trainer_worker.py"
 ARGS = ("--max_steps", "8", "--ga", "2")
 
 
 def torchrun(out: Path, tag: str, *args: str, expect_ok: bool = True, nproc: int = 2) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KILL_RANK": str(nproc - 1),
-           "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(WORKER),
-           "--out", str(out), "--tag", tag, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    detail = f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    if expect_ok:
-        assert proc.returncode == 0, detail
-    else:
-        assert proc.returncode != 0, "the crashed job should fail"
-    missing = [r for r in range(nproc) if not (out / f"{tag}-rank{r}.json").is_file()]
-    assert not missing, f"ranks {missing} wrote no result\n{detail}"
-    results = [json.loads((out / f"{tag}-rank{r}.json").read_text()) for r in range(nproc)]
-    for r in results:
-        r["stderr"] = proc.stderr
-    return results
+    return trainer_torchrun(out, tag, *args, expect_ok=expect_ok, nproc=nproc, env={"DS_ACCELERATOR": "cpu"},
+                            timeout=600)
 
 
 def _store_files(run: Path) -> list[str]:

@@ -9,39 +9,19 @@ step 3, the newest checkpoint complete on all ranks.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import trainer_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "integration" / "trainer_worker.py"
 ARGS = ("--model", "full", "--max_steps", "9", "--ga", "1", "--examples", "48")
 
 
 def torchrun(out: Path, tag: str, *args: str, expect_ok: bool = True) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "KILL_RANK": "1"}
-    # --standalone: torchrun picks a free rendezvous port itself (no race with other jobs on the machine).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           "--out", str(out), "--tag", tag, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    detail = f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
-    if expect_ok:
-        assert proc.returncode == 0, detail
-    else:
-        assert proc.returncode != 0, "the crashed job should fail"
-    missing = [r for r in range(2) if not (out / f"{tag}-rank{r}.json").is_file()]
-    assert not missing, f"ranks {missing} wrote no result\n{detail}"
-    results = [json.loads((out / f"{tag}-rank{r}.json").read_text()) for r in range(2)]
-    for r in results:
-        r["stderr"] = proc.stderr
-    return results
+    return trainer_torchrun(out, tag, *args, expect_ok=expect_ok)
 
 
 @pytest.fixture(scope="module")
