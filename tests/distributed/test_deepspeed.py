@@ -118,6 +118,7 @@ def test_zero3_corrupt_optimizer_partition_of_one_rank_resumes_degraded_on_every
         assert len(resumed[r]["losses"]) == 4 and resumed[r]["global_step"] == 8
 
 
+@pytest.mark.slow  # the default run's time: preemption is the same agreed path as under DDP (test_trainer_ddp)
 def test_zero2_sigterm_on_one_rank_saves_on_all_and_continues_exactly(
         zero2_lora: tuple[Path, list[dict], list[dict], Path]) -> None:
     base, ref = zero2_lora[:2]

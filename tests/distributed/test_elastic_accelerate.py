@@ -56,6 +56,7 @@ def assert_same_losses(resumed: dict[int, float], ref: dict[int, float], first: 
         assert abs(resumed[step] - ref[step]) <= 1e-5 * abs(ref[step]), (step, resumed[step], ref[step])
 
 
+@pytest.mark.slow  # the default run's time: the Trainer (DDP) and DeepSpeed 2 -> 1 tests stay in it
 def test_the_same_command_on_one_process_keeps_the_global_batch(tmp_path: Path) -> None:
     """2 processes x accumulation 2, killed after step 7, resumed by the same command on 1 process: accumulation 4,
     the same samples in every step, the scheduler at the pace of 2 processes."""
