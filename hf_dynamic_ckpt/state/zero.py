@@ -113,7 +113,6 @@ class Fragment:
     shape: tuple[int, ...]
     start: int
     numel: int
-    group: int
     flat: int  # index of the flat fp32 partition (sub-group under stage 3) the fragment lies in
     at: int  # where in it
     master: torch.Tensor
@@ -148,7 +147,6 @@ class ZeroState:
         check_zero(zero)
         self.model, self.zero, self.rank = model, zero, rank
         self.stage = zero_stage(zero)
-        self.optimizer = optimizer
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._buffers = self._persistent_buffers() if all(p.requires_grad for p in model.parameters()) else {}
 
@@ -215,7 +213,7 @@ class ZeroState:
                     at, weight, shape = int(mapping.hp_fragment_address.start), None, tuple(p.shape)
                 flat = flats[fi]
                 states = {k: v.narrow(0, at, numel) for k, v in self._states(flat, name).items()}
-                yield Fragment(name, shape, start, numel, gi, fi, at, flat.narrow(0, at, numel), states, weight)
+                yield Fragment(name, shape, start, numel, fi, at, flat.narrow(0, at, numel), states, weight)
 
     # -- L0 -----------------------------------------------------------------------------------
     def _whole_weights(self) -> dict[str, torch.Tensor]:
@@ -316,18 +314,17 @@ class ZeroState:
         """
         if optimizer is not None:
             self._create_state(set(moments or ()))
+        params = {name: p for name, p in self.model.named_parameters()}
         with torch.no_grad():
-            if self.stage != 3 or self._buffers:
-                whole = self._whole_weights() if self.stage != 3 else {
-                    name: b.detach().reshape(-1) for name, b in self._buffers.items()}
-                for name, live in whole.items():
-                    live.copy_(read("weights", name, 0, live.numel()))
+            for name, live in self._whole_weights().items():  # stages 1 and 2: the parameters; the buffers
+                live.copy_(read("weights", name, 0, live.numel()))
             for f in self.fragments():
                 stop = f.start + f.numel
                 if f.weight is not None:
                     f.weight.copy_(read("weights", f.name, f.start, stop))
                 if optimizer is None:
-                    source = f.weight if f.weight is not None else self._live_flat(f)
+                    source = f.weight if f.weight is not None else \
+                        params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel)
                     f.master.copy_(source)
                     continue
                 f.master.copy_(read("optimizer", f"state.{f.name}.{MASTER}", f.start, stop))
@@ -335,10 +332,6 @@ class ZeroState:
                     live.copy_(read("optimizer", f"state.{f.name}.{key}", f.start, stop))
         if optimizer is not None:
             self._load_groups(optimizer, step=step)
-
-    def _live_flat(self, f: Fragment) -> torch.Tensor:
-        p = dict(self.model.named_parameters())[f.name]
-        return p.detach().reshape(-1).narrow(0, f.start, f.numel)
 
     def _load_groups(self, optimizer: dict[str, Any], *, step: int) -> None:
         saved = optimizer.get(KEY_GROUPS)
