@@ -77,10 +77,12 @@ def model_state_equal(a: torch.nn.Module | dict[str, torch.Tensor],
 REPO = Path(__file__).resolve().parents[1]
 
 
-def torchrun_worker(worker: Path, cwd: Path, *args: str, nproc: int = 2,
-                    timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    """Run `worker` under `torchrun --standalone` (gloo on CPU, one intra-op thread) and return the result."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+def torchrun_worker(worker: Path, cwd: Path, *args: str, nproc: int = 2, timeout: float = 400,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `worker` under `torchrun --standalone` (gloo on CPU, one intra-op thread; `env` added to the environment)
+    and return the result."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(worker)]
     return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

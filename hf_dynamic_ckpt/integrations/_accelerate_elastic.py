@@ -64,6 +64,12 @@ def keep_pace(scheduler: Any, pace: int) -> None:
     scheduler.step = step
 
 
+def deepspeed_engine(accelerator: Any) -> Any | None:
+    """The DeepSpeed engine an `Accelerator` prepared (`None` without DeepSpeed, or before `prepare`)."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return getattr(wrapped, "engine", None)
+
+
 def plan_elastic(loaded: LoadedCheckpoint, *, loader: ResumableLoader | None, world_size: int, keep: bool,
                  saved_pace: int | None, pace: int | None) -> ElasticPlan:
     """The plan of a resume of `loaded` with this run's `loader`, `world_size` and scheduler `pace`.
@@ -123,6 +129,10 @@ def apply_elastic(loaded: LoadedCheckpoint, *, saved_extra: dict[str, Any], stat
                         saved_pace=saved_pace if isinstance(saved_pace, int) else None, pace=pace)
     if plan.accumulation is not None:
         accelerator.gradient_accumulation_steps = plan.accumulation
+        engine = deepspeed_engine(accelerator)
+        if engine is not None:  # the engine scales the loss and reduces by its own accumulation: the same one
+            engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * engine.dp_world_size *
+                                        plan.accumulation)
     if plan.pace is not None:
         keep_pace(state.scheduler, plan.pace)
         state.scheduler_pace = plan.pace

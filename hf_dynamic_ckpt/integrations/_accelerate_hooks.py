@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from .. import distributed as dist
 from ..config import SmartCkptConfig
 from ..constants import MANIFEST_NAME
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ..run.elastic import KEY_DRAWS_RANDOM
 from ..run.orchestrator import RunOrchestrator, SaveEvent
 from ..state.support import check_accelerator
@@ -41,6 +42,18 @@ def store_root(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.P
 
 
 def make_orchestrator(config: SmartCkptConfig, accelerator: Any, root: str) -> RunOrchestrator:
+    """The run's orchestrator on the accelerator's rank and number of processes.
+
+    Raises:
+        `ConfigError`: the process group has more processes than the accelerator counts (every process would
+            act as rank 0 of a one-process run).
+    """
+    world = int(accelerator.num_processes)
+    if world == 1 and dist.world_size() > 1:
+        raise ConfigError(
+            f"the accelerator counts 1 process but the process group has {dist.world_size()}: every process would "
+            "checkpoint as rank 0 of a one-process run. Accelerate does this for DeepSpeed on a machine without "
+            "GPUs: create `PartialState(backend='gloo')` before the `Accelerator`, so that it counts them.")
     return RunOrchestrator(config, root=root, rank=int(accelerator.process_index),
                         world_size=int(accelerator.num_processes))
 

@@ -34,7 +34,7 @@ from ..run.rollback import Rollback
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
-from ._accelerate_elastic import apply_elastic
+from ._accelerate_elastic import apply_elastic, deepspeed_engine
 from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, attach_state, make_orchestrator, store_root
 from ._accelerate_state import KEY_ACCELERATE, AccelerateState
 from ._position import ResumableLoader
@@ -49,7 +49,9 @@ class SmartCheckpointer:
 
     One object, two calls per step and one resume call: the same orchestrator, policy,
     engine and store as `SmartCkptCallback`. It also registers `SmartStateHooks`, so
-    `accelerator.save_state()` / `load_state()` go to the same store.
+    `accelerator.save_state()` / `load_state()` go to the same store (not under DeepSpeed, where
+    Accelerate runs DeepSpeed's own save there). Under DeepSpeed ZeRO the engine steps inside
+    `accelerator.backward`; the same loop works (docs/deepspeed.md).
 
     Args:
         accelerator (`accelerate.Accelerator`): after `prepare(...)`.
@@ -96,8 +98,9 @@ class SmartCheckpointer:
         output_dir: str | os.PathLike[str] | None = None,
         consolidate: bool | None = None,
     ) -> None:
-        check_accelerator(accelerator)  # DeepSpeed / FSDP1: refused before anything is opened
+        check_accelerator(accelerator, deepspeed=True)  # DeepSpeed without ZeRO / FSDP1: refused before anything
         self.accelerator = accelerator
+        self._deepspeed = deepspeed_engine(accelerator) is not None
         self.config = config or SmartCkptConfig()
         if optimizer not in accelerator._optimizers:
             raise ConfigError("optimizer is not the accelerator's prepared optimizer: pass the object "
@@ -115,8 +118,12 @@ class SmartCheckpointer:
         self.run = make_orchestrator(self.config, accelerator, store_root(self.config, accelerator, output_dir))
         attach_state(self.run, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate,
                      draws_random=lambda: self._randomness.seen)
-        self.hooks = SmartStateHooks(accelerator, run=self.run, state=self.state)
-        self.hooks.register()
+        self.hooks: SmartStateHooks | None = None
+        """The `save_state` / `load_state` hook pair on the same store; `None` under DeepSpeed, where `save_state`
+        runs DeepSpeed's own `save_checkpoint` whatever a hook does (`SmartStateHooks`)."""
+        if not self._deepspeed:
+            self.hooks = SmartStateHooks(accelerator, run=self.run, state=self.state)
+            self.hooks.register()
         self.last_decision: Decision | None = None
         self.last_rollback: Rollback | None = None
         """The last rollback (`on_anomaly: rollback`): `after_update` returned a decision of kind `rollback`."""
@@ -201,6 +208,8 @@ class SmartCheckpointer:
         """
         if not self.accelerator.sync_gradients:
             return None
+        if self._deepspeed:  # the engine stepped inside `accelerator.backward`; no torch optimizer step to count
+            self.state.optimizer_steps += 1
         if self.state.loader is not None:
             self.state.loader.mark_boundary()
         decision = self.run.step_end(self.step, self.state.epoch(boundary=True), lr=self._lr)
@@ -290,7 +299,8 @@ class SmartCheckpointer:
         After a preemption save the process then exits with `preemption_exit_code` (128 + the
         signal by default) so the scheduler requeues the job; `exit_if_preempted=False` returns.
         """
-        self.hooks.remove()
+        if self.hooks is not None:
+            self.hooks.remove()
         self.run.close()
         self.state.close()
         if exit_if_preempted:

@@ -25,7 +25,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from ..state import RngState, StateSources, capture_raw_rng_state, expected_weig
 from ..state.flat import FlatKeeper
 from ..state.shards import ShardedState
 from ..state.support import check_model
-from ..state.zero import ZeroGradSquares, ZeroState
+from ..state.zero import ZeroGradSquares, ZeroState, zero_optimizer
 from ..store.remote import is_url
 from ..store.spec import Lineage, new_session_id
 from ..store.types import CheckpointInfo, LoadedCheckpoint
@@ -175,6 +175,7 @@ class RunOrchestrator:
         self._scaler: Any | None = None
         self._sharded: ShardedState | ZeroState | None = None
         self._zero_grads: ZeroGradSquares | None = None
+        self._warned_zero_capture = False
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
         self._stepped = False  # the first step_end starts the save side (`prepare_buffers`)
         self._prepared = False
@@ -231,6 +232,10 @@ class RunOrchestrator:
                 the next `release()` (or `step_begin`), once the loop has logged the step.
         """
         check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (state.support)
+        if self.config.policy.skip_bad_update and zero_optimizer(optimizer) is not None:
+            raise ConfigError("policy.skip_bad_update cannot work under DeepSpeed ZeRO: the engine applies the update "
+                              "inside backward, before the step's signals are read. Set skip_bad_update=False (the "
+                              "default), or on_anomaly='rollback' to undo a bad update.")
         self.detach()
         self._model = model
         self._optimizer = optimizer
@@ -360,6 +365,8 @@ class RunOrchestrator:
             frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
         self._frame = frame
         decision = self.policy.pre_update(frame)
+        if decision.save and self.zero:
+            decision = self._no_capture_under_zero(decision, step)
         if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
             if self._boundary_step == step and self._boundary_rng is not None:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
@@ -382,6 +389,19 @@ class RunOrchestrator:
             for p in self._model.parameters():
                 p.grad = None
         return decision
+
+    def _no_capture_under_zero(self, decision: Decision, step: int) -> Decision:
+        """Under DeepSpeed ZeRO the engine applies the update inside `accelerator.backward`, before any signal of
+        the step is read: the state of `step` is gone, and a capture now would file the updated state under it."""
+        if not self._warned_zero_capture:
+            self._warned_zero_capture = True
+            if self.rank == 0:
+                self.announce.warning(
+                    "smart_ckpt: step %d: %s, but under DeepSpeed ZeRO the engine applies the update inside backward, "
+                    "before the step's signals are read: the state before it cannot be captured (not captured; the "
+                    "newest checkpoint before it stays the restore point; said once per run)", step + 1,
+                    decision.reason)
+        return replace(decision, save=False, pin=False)
 
     def _rollbacks_exhausted(self, step: int, verdict: RollbackVerdict) -> None:
         """A confirmed anomaly with no rollback left: stop (`RollbackError`), or train through it."""

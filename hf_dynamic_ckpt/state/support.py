@@ -5,7 +5,8 @@ Supported: a single process, DDP (every rank holds the whole model; rank 0 write
 shards, see `state.shards`), and DeepSpeed ZeRO stages 1-3 (every rank writes its fragments of the
 partitioned state, see `state.zero`). Refused with a `ConfigError` that names these: DeepSpeed
 without ZeRO (stage 0: its mixed-precision optimizers keep master weights this library does not
-read), a DeepSpeedEngine handed over as the model (pass `engine.module`), and FSDP1
+read), the `save_state` hooks under DeepSpeed (`save_state` runs DeepSpeed's own pickled save
+whatever a hook does), a DeepSpeedEngine handed over as the model (pass `engine.module`), and FSDP1
 (`FullyShardedDataParallel` flat parameters hold one rank's slice of many tensors; a save from here
 would store rank 0's slice as if it were the model).
 """
@@ -21,7 +22,8 @@ from ..errors import ConfigError
 SUPPORTED_SETUPS = (
     "a single process; DDP (torchrun / `accelerate launch --multi_gpu`, Trainer on several processes); "
     "FSDP2 (`torch.distributed.fsdp.fully_shard`, or Accelerate's FSDP plugin with fsdp_version=2), with "
-    "`SmartCheckpointer` or the `RunOrchestrator` core; DeepSpeed ZeRO stages 1-3 under Trainer"
+    "`SmartCheckpointer` or the `RunOrchestrator` core; DeepSpeed ZeRO stages 1-3 under Trainer or "
+    "`SmartCheckpointer`"
 )
 """The setups named by every refusal (see docs/fsdp.md)."""
 
@@ -46,8 +48,8 @@ def _accelerator_type(accelerator: Any) -> str:
 
 
 def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
-    """Refuse an `Accelerator` set up for DeepSpeed without ZeRO (or for DeepSpeed at all unless `deepspeed`: a
-    custom loop under DeepSpeed is not wired yet, Trainer is), or for FSDP version 1.
+    """Refuse an `Accelerator` set up for DeepSpeed without ZeRO (or for DeepSpeed at all unless `deepspeed`: the
+    `save_state` hooks cannot work under it, Trainer and `SmartCheckpointer` do), or for FSDP version 1.
 
     Raises:
         `ConfigError`: naming the detected setup and the supported ones.
@@ -60,10 +62,11 @@ def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
     if kind == "DEEPSPEED" or plugin is not None:
         stage = getattr(plugin, "zero_stage", None)
         if not deepspeed:
-            raise _refuse("DeepSpeed in a custom Accelerate loop (SmartCheckpointer, the save_state hooks)",
-                          "the loop's objects are the DeepSpeed engine and its optimizer, which only the Trainer "
-                          "integration reads so far", "Train with transformers.Trainer and SmartCkptCallback "
-                          "(DeepSpeed ZeRO 1-3, docs/deepspeed.md), or use FSDP2 in the custom loop.")
+            raise _refuse("DeepSpeed with the save_state hooks (SmartStateHooks)",
+                          "under DeepSpeed, accelerator.save_state runs DeepSpeed's own save_checkpoint (pickles, "
+                          "every rank waits) and load_state its load_checkpoint, whatever a hook does",
+                          "In a custom loop use SmartCheckpointer (its saves, save_now() and resume(); "
+                          "docs/deepspeed.md), or Trainer with SmartCkptCallback.")
         if stage not in (1, 2, 3):
             raise _refuse(f"DeepSpeed without ZeRO (zero_optimization.stage={stage})", _STAGE0_WHY, _STAGE0_FIX)
     if kind == "FSDP":

@@ -1,4 +1,5 @@
-"""DeepSpeed without ZeRO (stage 0) and FSDP1 are refused at attach with an error naming the supported setups.
+"""DeepSpeed without ZeRO (stage 0), the save_state hooks under DeepSpeed and FSDP1 are refused at attach with an
+error naming the supported setups.
 
 No rank-0-only save of a partitioned state may ever happen silently: the refusal comes before the
 store is opened, so nothing is written. The accelerator state that Accelerate builds
@@ -29,21 +30,49 @@ def _accelerator(kind: str, **state: object) -> SimpleNamespace:
                            _optimizers=[], _schedulers=[], _models=[])
 
 
-def test_smart_checkpointer_refuses_deepspeed_before_opening_the_store(tmp_path: Path):
+def test_state_hooks_refuse_deepspeed_before_opening_the_store(tmp_path: Path):
+    from hf_dynamic_ckpt.integrations.accelerate import SmartStateHooks
+
+    acc = _accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=2))
+    with pytest.raises(ConfigError) as e:
+        SmartStateHooks(acc, config=SmartCkptConfig(root=str(tmp_path / "s")))
+    msg = str(e.value)
+    assert msg.startswith("hf_dynamic_ckpt does not support DeepSpeed with the save_state hooks (SmartStateHooks): "
+                          "under DeepSpeed, accelerator.save_state runs DeepSpeed's own save_checkpoint (pickles, "
+                          "every rank waits) and load_state its load_checkpoint, whatever a hook does.")
+    assert msg.endswith("In a custom loop use SmartCheckpointer (its saves, save_now() and resume(); "
+                        "docs/deepspeed.md), or Trainer with SmartCkptCallback.")
+    assert SUPPORTED in msg and SUPPORTED_SETUPS in msg
+    assert "DeepSpeed ZeRO stages 1-3 under Trainer or `SmartCheckpointer`" in msg
+    assert not (tmp_path / "s").exists()  # nothing opened, nothing written
+
+
+def test_smart_checkpointer_refuses_deepspeed_without_zero_before_opening_the_store(tmp_path: Path):
     from hf_dynamic_ckpt import SmartCheckpointer
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = _accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=2))
-    with pytest.raises(ConfigError) as e:
+    acc = _accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=0))
+    with pytest.raises(ConfigError, match=r"^hf_dynamic_ckpt does not support DeepSpeed without ZeRO "):
         SmartCheckpointer(acc, model, opt, config=SmartCkptConfig(root=str(tmp_path / "s")))
-    msg = str(e.value)
-    assert msg.startswith("hf_dynamic_ckpt does not support DeepSpeed in a custom Accelerate loop (SmartCheckpointer, "
-                          "the save_state hooks): the loop's objects are the DeepSpeed engine")
-    assert msg.endswith("Train with transformers.Trainer and SmartCkptCallback (DeepSpeed ZeRO 1-3, "
-                        "docs/deepspeed.md), or use FSDP2 in the custom loop.")
-    assert SUPPORTED in msg and SUPPORTED_SETUPS in msg and "DeepSpeed ZeRO stages 1-3 under Trainer" in msg
-    assert not (tmp_path / "s").exists()  # nothing opened, nothing written
+    assert not (tmp_path / "s").exists()
+
+
+def test_an_accelerator_that_counts_one_process_of_several_is_refused(tmp_path: Path, monkeypatch):
+    # Accelerate under DeepSpeed on a machine without GPUs counts 1 process while the process group has more:
+    # every process would checkpoint as rank 0 of a one-process run.
+    from hf_dynamic_ckpt import distributed
+    from hf_dynamic_ckpt.integrations._accelerate_hooks import make_orchestrator
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    acc = SimpleNamespace(process_index=0, num_processes=1)
+    with pytest.raises(ConfigError) as e:
+        make_orchestrator(SmartCkptConfig(), acc, str(tmp_path / "s"))
+    assert str(e.value) == (
+        "the accelerator counts 1 process but the process group has 2: every process would checkpoint as rank 0 "
+        "of a one-process run. Accelerate does this for DeepSpeed on a machine without GPUs: create "
+        "`PartialState(backend='gloo')` before the `Accelerator`, so that it counts them.")
+    assert not (tmp_path / "s").exists()
 
 
 def test_deepspeed_without_zero_is_refused_for_trainer_too():
@@ -114,3 +143,22 @@ def test_trainer_fsdp_arguments_version_1_refused_version_2_accepted(tmp_path: P
     with pytest.raises(ConfigError, match=r"does not support FSDP version 1 \(TrainingArguments.fsdp=True\).*"
                                           r"Trainer's `fsdp_config=\{'version': 2\}`"):
         check_training_args(args(fsdp_config={"version": 1}))
+
+
+def test_skip_bad_update_is_refused_under_zero_before_anything_is_attached(tmp_path: Path):
+    # Under ZeRO the engine steps inside backward: a skip decided from the step's signals would come too late.
+    from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
+
+    model = torch.nn.Linear(2, 2)
+    zero = SimpleNamespace(single_partition_of_fp32_groups=[], optimizer=None)  # how a ZeRO optimizer is known
+    run = RunOrchestrator(SmartCkptConfig(policy={"skip_bad_update": True}), root=str(tmp_path / "s"))
+    try:
+        with pytest.raises(ConfigError) as e:
+            run.attach(model, optimizer=SimpleNamespace(optimizer=zero))
+        assert str(e.value) == (
+            "policy.skip_bad_update cannot work under DeepSpeed ZeRO: the engine applies the update inside backward, "
+            "before the step's signals are read. Set skip_bad_update=False (the default), or on_anomaly='rollback' "
+            "to undo a bad update.")
+        assert run.sensors is None and run.zero is False  # nothing attached
+    finally:
+        run.close()

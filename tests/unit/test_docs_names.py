@@ -28,7 +28,8 @@ EXTERNAL = {
     # transformers / accelerate / peft / datasets / safetensors / torch / zstd / DCP
     "Trainer", "TrainerState", "TrainerControl", "TrainerCallback", "TrainingArguments", "HfArgumentParser",
     "PreTrainedModel", "PreTrainedTokenizerFast", "AutoModelForCausalLM", "Qwen2Config", "LlamaConfig",
-    "Qwen2ForCausalLM", "LlamaForCausalLM", "PeftModel", "LoraConfig", "Accelerator", "DataLoader",
+    "Qwen2ForCausalLM", "LlamaForCausalLM", "PeftModel", "LoraConfig", "Accelerator", "DataLoader", "DeepSpeedPlugin",
+    "PartialState",
     "DataLoaderShard", "BatchSamplerShard", "SeedableRandomSampler", "RandomSampler", "GradScaler", "DTensor",
     "DeviceMesh", "FileSystemWriter", "DefaultLoadPlanner", "StorageReader", "StateDictOptions",
     "ChunkStorageMetadata", "ReduceLROnPlateau", "CheckpointException", "ExportableState", "Dataset",

@@ -55,6 +55,8 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--batch_size", type=int, default=2)
     p.add_argument("--sampler", default="plain", choices=["plain", "seedable", "generator"])
+    p.add_argument("--deepspeed", type=int, default=None, choices=[1, 2, 3],
+                   help="train under DeepSpeed ZeRO of this stage (run with DS_ACCELERATOR=cpu)")
     p.add_argument("--log_info", action="store_true", help="show the library's INFO lines (the resume's plan)")
     args = p.parse_args()
     if args.log_info:
@@ -70,7 +72,20 @@ def main() -> None:
     from hf_dynamic_ckpt.state import trainable_state_dict
 
     seedable = DataLoaderConfiguration(use_seedable_sampler=args.sampler == "seedable")
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.grad_accum, dataloader_config=seedable)
+    plugin = None
+    if args.deepspeed is not None:
+        from accelerate import PartialState
+        from accelerate.utils import DeepSpeedPlugin
+
+        PartialState(backend="gloo")  # else Accelerate counts one process under DeepSpeed without GPUs
+
+        plugin = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": args.grad_accum,
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": args.deepspeed},
+            "zero_allow_untested_optimizer": True})
+    # cpu=True would make Accelerate ignore the plugin: under DeepSpeed the device comes from DS_ACCELERATOR=cpu.
+    accelerator = Accelerator(cpu=plugin is None, gradient_accumulation_steps=args.grad_accum,
+                              dataloader_config=seedable, deepspeed_plugin=plugin)
     set_seed(0)
     model = toy.lora(toy.tiny_qwen2(seed=0, vocab_size=128, hidden_size=32, dropout=args.dropout), r=4,
                      dropout=args.dropout)
@@ -148,9 +163,16 @@ def main() -> None:
         out.write(json.dumps({"stopped": "preemption", "step": ckpt.step,
                               "reason": ckpt.run.events[-1].reason}) + "\n")
     ckpt.close()
+    unwrapped = accelerator.unwrap_model(model)
+    if args.deepspeed == 3:  # the partitions gathered on every rank (a collective)
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([q for q in unwrapped.parameters() if q.requires_grad]):
+            final = {k: v.detach().clone() for k, v in trainable_state_dict(unwrapped).items()}
+    else:
+        final = {k: v.detach().contiguous() for k, v in trainable_state_dict(unwrapped).items()}
     if main_rank and args.final:
-        unwrapped = accelerator.unwrap_model(model)
-        save_file({k: v.detach().contiguous() for k, v in trainable_state_dict(unwrapped).items()}, args.final)
+        save_file(final, args.final)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
