@@ -84,20 +84,20 @@ def load_zero(zero: ZeroState, loaded: LoadedCheckpoint) -> None:
             f"step {step} was not saved under DeepSpeed ZeRO ({'FSDP2 shards' if table else 'one full copy'}) and "
             "this run trains under ZeRO: resume it in the set-up that saved it, or export it "
             "(`hf-dynamic-ckpt export`) and start a new run from the exported weights.")
-    reader = FlatReader(Path(loaded.info.path), table)
     optimizer = loaded.optimizer if isinstance(loaded.optimizer, dict) and "param_groups" in loaded.optimizer \
         else None
+    with FlatReader(Path(loaded.info.path), table) as reader:
 
-    def read(part: str, key: str, start: int, stop: int) -> torch.Tensor:
-        try:
-            return reader.read(part, key, start, stop)
-        except KeyError:
-            what = "weights" if part == PART_WEIGHTS else "optimizer state"
-            raise IncompatibleStateError(f"step {step} holds no {what} {key!r}, which this model and optimizer "
-                                         "have: it was saved from another model or optimizer.") from None
+        def read_into(part: str, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+            try:
+                reader.read_into(part, key, start, stop, out)
+            except KeyError:
+                what = "weights" if part == PART_WEIGHTS else "optimizer state"
+                raise IncompatibleStateError(f"step {step} holds no {what} {key!r}, which this model and optimizer "
+                                             "have: it was saved from another model or optimizer.") from None
 
-    moments = {key.rsplit(".", 1)[1] for key in reader.keys(PART_OPTIMIZER)} - {MASTER}
-    zero.load(read, optimizer, step=step, moments=moments)
+        moments = {key.rsplit(".", 1)[1] for key in reader.keys(PART_OPTIMIZER)} - {MASTER}
+        zero.load(read_into, optimizer, step=step, moments=moments)
     loaded.weights = None
     loaded.optimizer = None
     loaded.extra[APPLIED_OPTIMIZER] = optimizer is not None

@@ -284,26 +284,31 @@ class ZeroState:
         return zero_expected(self.model)
 
     # -- resume -----------------------------------------------------------------------------------
-    def _create_state(self, moments: set[str]) -> None:
+    def _create_state(self, moments: set[str]) -> dict[int, list[torch.Tensor]]:
         """Create the optimizer state a fresh run has not yet (torch optimizers make it at their first step): the
-        saved moments as zeros of each flat partition's layout, and the step count, for the load to fill in."""
+        saved moments in each flat partition's layout, uninitialised (the load writes them; `zero_uncovered`
+        zeroes what no fragment covers), and the step count. Returns the moments created, per flat partition."""
         base = self.zero.optimizer
+        created: dict[int, list[torch.Tensor]] = {}
         for gi, flat in enumerate(self.flat_groups()):
             state = base.state[flat]
             for key in moments - set(state):
-                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+                state[key] = torch.empty_like(flat, memory_format=torch.preserve_format)
+                created.setdefault(gi, []).append(state[key])
             if "step" not in state:
                 group = base.param_groups[gi] if gi < len(base.param_groups) else {}
                 on_device = bool(group.get("fused") or group.get("capturable"))  # torch Adam's placement of it
                 state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
+        return created
 
-    def load(self, read: Callable[[str, str, int, int], torch.Tensor], optimizer: dict[str, Any] | None,
+    def load(self, read_into: Callable[[str, str, int, int, torch.Tensor], None], optimizer: dict[str, Any] | None,
              *, step: int, moments: set[str] | None = None) -> None:
         """Write a checkpoint's state into the live buffers.
 
         Args:
-            read: `read(part, key, start, stop)` returns the elements `[start, stop)` of the flattened tensor
-                `key` of `part` (`"weights"` / `"optimizer"`), from whichever ranks' chunks hold them.
+            read_into: `read_into(part, key, start, stop, out)` writes the elements `[start, stop)` of the flattened
+                tensor `key` of `part` (`"weights"` / `"optimizer"`) into `out`, from whichever ranks' chunks hold
+                them (`store.shard_files.FlatReader.read_into`).
             optimizer: the rank-0 part of L1 (`param_groups`, `zero`), or `None` when L1 was lost (then only the
                 weights are restored: the master weights from them, the moments stay as they are).
             moments: the names of the per-element optimizer state the checkpoint holds (`exp_avg`, ...): created
@@ -312,24 +317,32 @@ class ZeroState:
         Raises:
             `IncompatibleStateError`: the checkpoint lacks a parameter, a moment, or a range this rank needs.
         """
-        if optimizer is not None:
-            self._create_state(set(moments or ()))
+        created = self._create_state(set(moments or ())) if optimizer is not None else {}
         params = {name: p for name, p in self.model.named_parameters()}
-        with torch.no_grad():
-            for name, live in self._whole_weights().items():  # stages 1 and 2: the parameters; the buffers
-                live.copy_(read("weights", name, 0, live.numel()))
-            for f in self.fragments():
-                stop = f.start + f.numel
-                if f.weight is not None:
-                    f.weight.copy_(read("weights", f.name, f.start, stop))
-                if optimizer is None:
-                    source = f.weight if f.weight is not None else \
-                        params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel)
-                    f.master.copy_(source)
-                    continue
-                f.master.copy_(read("optimizer", f"state.{f.name}.{MASTER}", f.start, stop))
-                for key, live in f.states.items():
-                    live.copy_(read("optimizer", f"state.{f.name}.{key}", f.start, stop))
+        covered: dict[int, list[tuple[int, int]]] = {}
+        try:
+            with torch.no_grad():
+                for name, live in self._whole_weights().items():  # stages 1 and 2: the parameters; the buffers
+                    read_into("weights", name, 0, live.numel(), live)
+                for f in self.fragments():
+                    stop = f.start + f.numel
+                    if f.weight is not None:
+                        read_into("weights", f.name, f.start, stop, f.weight)
+                    if optimizer is None:
+                        source = f.weight if f.weight is not None else \
+                            params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel)
+                        f.master.copy_(source)
+                        continue
+                    read_into("optimizer", f"state.{f.name}.{MASTER}", f.start, stop, f.master)
+                    for key, live in f.states.items():
+                        read_into("optimizer", f"state.{f.name}.{key}", f.start, stop, live)
+                    covered.setdefault(f.flat, []).append((f.at, f.at + f.numel))
+        except BaseException:
+            for tensors in created.values():  # never leave uninitialised moments behind a failed load
+                for t in tensors:
+                    t.zero_()
+            raise
+        zero_uncovered(created, covered)
         if optimizer is not None:
             self._load_groups(optimizer, step=step)
 
@@ -359,6 +372,18 @@ class ZeroState:
         for key, value in ((optimizer.get(KEY_ZERO) or {}).get("loss_scaler") or {}).items():
             if key in _SCALER_FIELDS and scaler is not None and hasattr(scaler, key):
                 setattr(scaler, key, value)
+
+
+def zero_uncovered(created: dict[int, list[torch.Tensor]], covered: dict[int, list[tuple[int, int]]]) -> None:
+    """Zero the elements of the flat moments `created` (per flat partition) that no range of `covered` (per flat
+    partition, `[lo, hi)`) holds: what a resume's load leaves unwritten (the last rank's padding)."""
+    for fi, tensors in created.items():
+        at, end = 0, tensors[0].numel()
+        for lo, hi in [*sorted(covered.get(fi, [])), (end, end)]:
+            if lo > at:
+                for t in tensors:
+                    t.narrow(0, at, lo - at).zero_()
+            at = max(at, hi)
 
 
 def _number(value: Any) -> Any:

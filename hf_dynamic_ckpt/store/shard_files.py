@@ -21,10 +21,12 @@ DTensors of any world size (resharding).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -39,8 +41,9 @@ from ..constants import (
     Tier,
 )
 from ..errors import CorruptCheckpointError
+from .fs import open_read
 from .hashing import FileEntry, make_file_entry
-from .safetensors_io import check_tensor, open_tensors, write_safetensors
+from .safetensors_io import check_tensor, open_tensors, parse_header, write_safetensors
 from .types import CheckpointState
 
 PART_WEIGHTS, PART_OPTIMIZER = SHARD_PART_WEIGHTS, SHARD_PART_OPTIMIZER
@@ -205,6 +208,10 @@ class FlatReader:
     """Reads ranges of flattened tensors out of the shard files of a flat-chunk checkpoint (`is_flat`): the
     chunks of any ranks that cover `[start, stop)`, so another world size or ZeRO stage reads the same state.
 
+    `read_into` reads each range with `pread` straight into the memory it belongs in (a ZeRO partition on the
+    CPU: one copy from the page cache, no mapping of the file, no tensor in between); a device or other-dtype
+    destination gets the range through one host tensor. Use it as a context manager (it keeps the files open).
+
     Args:
         directory (`Path`): the checkpoint's directory (its files verified by the caller).
         table (`Mapping`): its chunk table (`sharded_table`).
@@ -212,7 +219,7 @@ class FlatReader:
 
     def __init__(self, directory: Path, table: Mapping[str, Any]) -> None:
         self._dir = Path(directory)
-        self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._files: dict[str, tuple[BinaryIO, dict[str, tuple[torch.dtype, int, int]]]] = {}
         self._chunks: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
         for rank_table in table["ranks"].values():
             for part in (PART_WEIGHTS, PART_OPTIMIZER):
@@ -220,45 +227,101 @@ class FlatReader:
                     if len(c["offset"]) != 1:
                         raise CorruptCheckpointError(f"chunk {key!r} is not a run of a flattened tensor.")
                     self._chunks.setdefault((part, key), []).append((c["offset"][0], c["size"][0], c["file"]))
+        for chunks in self._chunks.values():
+            chunks.sort()
+
+    def __enter__(self) -> FlatReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the files read so far (idempotent)."""
+        for f, _ in self._files.values():
+            f.close()
+        self._files.clear()
 
     def keys(self, part: str) -> set[str]:
         return {key for p, key in self._chunks if p == part}
 
-    def _tensor(self, name: str, key: str) -> torch.Tensor:
+    def _entry(self, name: str, key: str) -> tuple[BinaryIO, torch.dtype, int, int]:
+        """`(file, dtype, byte offset, number of elements)` of tensor `key` in shard file `name`."""
         if name not in self._files:
-            self._files[name] = open_tensors(self._dir / name, mmap=True, what="shard")[0]
-        t = self._files[name].get(key)
-        if t is None:
+            path = self._dir / name
+            try:
+                f = open_read(path)
+            except OSError as e:  # missing, a link, unreadable
+                raise CorruptCheckpointError(f"shard file {path} cannot be read ({e}).") from e
+            try:
+                base, entries, _ = parse_header(f, os.fstat(f.fileno()).st_size)
+            except (ValueError, KeyError, TypeError, struct.error) as e:
+                f.close()
+                raise CorruptCheckpointError(f"shard file {path} is not a valid safetensors file ({e}).") from e
+            self._files[name] = (f, {k: (dtype, base + begin, (end - begin) // dtype.itemsize)
+                                     for k, dtype, _, begin, end in entries})
+        f, tensors = self._files[name]
+        found = tensors.get(key)
+        if found is None:
             raise CorruptCheckpointError(f"{self._dir / name} lacks tensor {key!r} named by the manifest.")
-        return t.reshape(-1)
+        return f, *found
 
-    def read(self, part: str, key: str, start: int, stop: int) -> torch.Tensor:
-        """The elements `[start, stop)` of the flattened `key` (a new tensor; its dtype is the saved one).
+    def read_into(self, part: str, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Write the elements `[start, stop)` of the flattened `key` into the 1-D `out` (of `stop - start` elements).
 
         Raises:
-            `CorruptCheckpointError`: the chunks do not cover the range (a missing rank's file, a malformed table).
+            `CorruptCheckpointError`: the chunks do not cover the range (a missing rank's file, a malformed table),
+                or a file holds less than its chunk.
             `KeyError`: no chunk of `key` was saved (the caller names what is missing).
         """
         chunks = self._chunks.get((part, key))
         if not chunks:
             raise KeyError(key)
-        pieces: list[tuple[int, torch.Tensor]] = []
-        for offset, size, name in sorted(chunks):
-            lo, hi = max(start, offset), min(stop, offset + size)
-            if lo < hi and not any(a <= lo and hi <= a + len(t) for a, t in pieces):
-                pieces.append((lo, self._tensor(name, key).narrow(0, lo - offset, hi - lo)))
-        covered, out = start, []
-        for lo, t in pieces:
-            if lo > covered:
+        covered = start
+        for offset, size, name in chunks:
+            if offset > covered or covered >= stop:
                 break
-            if lo + len(t) <= covered:
-                continue
-            out.append(t[covered - lo:])
-            covered = lo + len(t)
+            hi = min(stop, offset + size)
+            if hi <= covered:
+                continue  # a replica, or a chunk before the range
+            f, dtype, at, numel = self._entry(name, key)
+            if hi - offset > numel:
+                raise CorruptCheckpointError(f"{self._dir / name} holds {numel} elements of {key!r}, fewer than the "
+                                             f"{size} its chunk names.")
+            dest = out.narrow(0, covered - start, hi - covered)
+            direct = dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous()
+            into = dest if direct else torch.empty(hi - covered, dtype=dtype)
+            _pread(f, into.detach().view(torch.uint8).numpy().data, at + (covered - offset) * dtype.itemsize,
+                   f"{self._dir / name} is truncated inside tensor {key!r}.")
+            if not direct:
+                dest.copy_(into)
+            covered = hi
         if covered < stop:
             raise CorruptCheckpointError(f"the saved chunks of {key!r} cover its elements {start}..{covered} of "
                                          f"{start}..{stop}: a rank's shard is missing.")
-        return torch.cat(out) if len(out) > 1 else out[0].clone()
+
+    def read(self, part: str, key: str, start: int, stop: int) -> torch.Tensor:
+        """The elements `[start, stop)` of the flattened `key`, as a new tensor of the saved dtype (`read_into`)."""
+        chunks = self._chunks.get((part, key))
+        if not chunks:
+            raise KeyError(key)
+        _, dtype, _, _ = self._entry(chunks[0][2], key)
+        out = torch.empty(stop - start, dtype=dtype)
+        self.read_into(part, key, start, stop, out)
+        return out
+
+
+def _pread(f: BinaryIO, buffer: memoryview, offset: int, short: str) -> None:
+    """Fill `buffer` from `f` at `offset` (positional reads; `CorruptCheckpointError` with `short` at end of file)."""
+    view, done = memoryview(buffer).cast("B"), 0
+    while done < len(view):
+        try:
+            n = os.preadv(f.fileno(), [view[done:]], offset + done)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{short[:-1]} ({e}).") from e
+        if n == 0:
+            raise CorruptCheckpointError(short)
+        done += n
 
 
 def dcp_metadata(table: Mapping[str, Any], prefixes: Mapping[str, str]) -> tuple[Any, dict[Any, tuple[str, str]]]:

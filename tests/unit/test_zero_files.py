@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, IncompatibleStateError
 from hf_dynamic_ckpt.state.shards import check_sharding
-from hf_dynamic_ckpt.state.zero import ZeroExpected
+from hf_dynamic_ckpt.state.zero import ZeroExpected, zero_uncovered
 from hf_dynamic_ckpt.store.shard_files import FlatReader, gather_weights, is_flat, placeholders
 
 
@@ -100,3 +100,35 @@ def test_a_zero_checkpoint_resumes_under_zero_only() -> None:
         check_sharding(6, {"extra": {}}, zero_live)
     with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved sharded by FSDP2 and this run trains under"):
         check_sharding(6, sharded, zero_live)
+
+
+def test_flat_reader_reads_a_range_straight_into_its_destination(two_ranks) -> None:
+    directory, table, full = two_ranks
+    flat = full.reshape(-1)
+    with FlatReader(directory, table) as reader:
+        partition = torch.full((10,), 99.0)
+        reader.read_into("weights", "w", 3, 9, partition.narrow(0, 2, 6))  # a view: the range lands in place
+        assert torch.equal(partition[2:8], flat[3:9])
+        assert torch.equal(partition[:2], torch.full((2,), 99.0)) and torch.equal(partition[8:], torch.full((2,), 99.0))
+        wide = torch.zeros(6, dtype=torch.float64)  # another dtype: through one host tensor
+        reader.read_into("optimizer", "state.w.exp_avg", 3, 9, wide)
+        assert torch.equal(wide, -flat[3:9].double())
+
+
+def test_flat_reader_refuses_a_file_shorter_than_its_chunk(two_ranks) -> None:
+    directory, table, _ = two_ranks
+    save_file({"w": torch.zeros(4)}, directory / "weights-rank1.safetensors")  # 4 elements, the chunk says 7
+    with FlatReader(directory, table) as reader, pytest.raises(
+            CorruptCheckpointError, match=r"weights-rank1\.safetensors holds 4 elements of 'w', fewer than the 7 its "
+                                          r"chunk names\."):
+        reader.read_into("weights", "w", 0, 12, torch.empty(12))
+
+
+def test_moments_made_for_a_load_are_zero_where_no_fragment_writes() -> None:
+    # Two flat partitions; the first has fragments at [0, 3) and [5, 8) and padding at [3, 5) and [8, 10).
+    made = {0: [torch.full((10,), float("nan")), torch.full((10,), 7.0)], 1: [torch.full((4,), 7.0)]}
+    zero_uncovered(made, {0: [(5, 8), (0, 3)]})
+    for t in made[0]:
+        assert torch.equal(t[3:5], torch.zeros(2)) and torch.equal(t[8:], torch.zeros(2))
+    assert torch.isnan(made[0][0][:3]).all() and torch.equal(made[0][1][5:8], torch.full((3,), 7.0))
+    assert torch.equal(made[1][0], torch.zeros(4))  # no fragment at all
