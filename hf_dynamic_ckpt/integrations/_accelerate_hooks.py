@@ -297,17 +297,17 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
 
 
 def attach_state(run: RunOrchestrator, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None,
-                 consolidate: bool | None = False, draws_random: Callable[[], bool] | None = None) -> None:
+                 consolidate: bool | None = False, draws_random: Callable[[], bool] | None = None,
+                 position: Callable[[], tuple[int, float | None]] | None = None) -> None:
     """Attach `run` to the accelerator's live objects (`boundary`: the data position of the last completed step,
     for a custom loop; else the current one, for `save_state`; `draws_random`: whether the steps drew random
-    numbers, recorded with the data position)."""
+    numbers, recorded with the data position; `position`: `RunOrchestrator.attach`'s)."""
     models = state.models()
     loader = state.loader
     sampler: Callable[[], dict[str, Any]] | None = None
     if loader is not None:
-        position = loader.boundary_position if boundary else loader.position
-        sampler = position if draws_random is None else \
-            (lambda: {**position(), KEY_DRAWS_RANDOM: draws_random()})
+        where = loader.boundary_position if boundary else loader.position
+        sampler = where if draws_random is None else (lambda: {**where(), KEY_DRAWS_RANDOM: draws_random()})
     run.attach(
         models[0],
         optimizer=state.optimizer,
@@ -319,6 +319,7 @@ def attach_state(run: RunOrchestrator, state: AccelerateState, *, boundary: bool
         sampler=sampler,
         clip_owner=clip_owner,
         consolidate=consolidate,
+        position=position,
     )
 
 

@@ -117,7 +117,8 @@ class SmartCheckpointer:
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
         self.run = make_orchestrator(self.config, accelerator, store_root(self.config, accelerator, output_dir))
         attach_state(self.run, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate,
-                     draws_random=lambda: self._randomness.seen)
+                     draws_random=lambda: self._randomness.seen,
+                     position=lambda: (self.step, self.state.epoch(boundary=True)))
         self.hooks: SmartStateHooks | None = None
         """The `save_state` / `load_state` hook pair on the same store; `None` under DeepSpeed, where `save_state`
         runs DeepSpeed's own `save_checkpoint` whatever a hook does (`SmartStateHooks`)."""

@@ -236,7 +236,8 @@ class SmartCkptCallback(TrainerCallback):
                   frozen_keys=frozen_weight_keys(model),
                   extra=self._save_extra, sampler=self._sampler, clip_owner=accelerator,
                   model_info=describe_model(model, tokenizer=getattr(self.trainer, "processing_class", None)),
-                  consolidate=self.consolidate, hold_saves=True)
+                  consolidate=self.consolidate, hold_saves=True,
+                  position=lambda: (state.global_step, state.epoch))
         loaded = self._pending
         if retry:
             # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.

@@ -45,7 +45,7 @@ from ..state import RngState, StateSources, capture_raw_rng_state, expected_weig
 from ..state.flat import FlatKeeper
 from ..state.shards import ShardedState
 from ..state.support import check_model
-from ..state.zero import ZeroGradSquares, ZeroState, zero_optimizer
+from ..state.zero import ZeroGradSquares, ZeroState, ZeroUpdateSeam, zero_optimizer
 from ..store.remote import is_url
 from ..store.spec import Lineage, new_session_id
 from ..store.types import CheckpointInfo, LoadedCheckpoint
@@ -176,6 +176,9 @@ class RunOrchestrator:
         self._sharded: ShardedState | ZeroState | None = None
         self._zero_grads: ZeroGradSquares | None = None
         self._warned_zero_capture = False
+        self._zero_seam: ZeroUpdateSeam | None = None
+        self._position: Callable[[], tuple[int, float | None]] | None = None
+        self._early: tuple[int, Decision] | None = None  # a decision taken inside the ZeRO engine's step
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
         self._stepped = False  # the first step_end starts the save side (`prepare_buffers`)
         self._prepared = False
@@ -208,6 +211,7 @@ class RunOrchestrator:
         model_info: dict[str, Any] | None = None,
         consolidate: bool | None = False,
         hold_saves: bool = False,
+        position: Callable[[], tuple[int, float | None]] | None = None,
     ) -> None:
         """Install the probes and remember what a save reads.
 
@@ -230,12 +234,17 @@ class RunOrchestrator:
                 `None` where it pays (many small trainable tensors: LoRA), `False` never.
             hold_saves (`bool`, *optional*, defaults to `False`): a save decided at `step_end` is written at
                 the next `release()` (or `step_begin`), once the loop has logged the step.
+            position (`Callable`, *optional*): the `(step, epoch)` that `pre_update` would be given, readable while
+                the step runs. Under DeepSpeed ZeRO the engine applies the update inside `backward`, before the
+                loop's `pre_update`: with `position`, `pre_update` runs inside the engine's step, before the first
+                partition is updated (`state.zero.ZeroUpdateSeam`), and the loop's call returns its decision.
         """
         check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (state.support)
         if self.config.policy.skip_bad_update and zero_optimizer(optimizer) is not None:
-            raise ConfigError("policy.skip_bad_update cannot work under DeepSpeed ZeRO: the engine applies the update "
-                              "inside backward, before the step's signals are read. Set skip_bad_update=False (the "
-                              "default), or on_anomaly='rollback' to undo a bad update.")
+            raise ConfigError("policy.skip_bad_update is not supported under DeepSpeed ZeRO: the engine applies the "
+                              "update inside backward, and skipping it would mean dropping its partitions' gradients "
+                              "inside DeepSpeed's step. Set skip_bad_update=False (the default), or "
+                              "on_anomaly='rollback' to undo a bad update.")
         self.detach()
         self._model = model
         self._optimizer = optimizer
@@ -255,6 +264,11 @@ class RunOrchestrator:
             grad = self.sensors.grad
             self._zero_grads = ZeroGradSquares(self._sharded, grad.bucket, len(grad.layer_names) + 1)
             grad.partition_squares = self._zero_grads.pop
+        self._position = position
+        if isinstance(self._sharded, ZeroState) and position is not None \
+                and (not self.sensors.grad.layer_names or self._sharded.trained_partitions() == 1):
+            # The per-layer norms are whole at the first partition's step only when there is one (LoRA usually).
+            self._zero_seam = ZeroUpdateSeam(self._sharded, self._pre_update_in_engine)
         self._prepared = False
         self.prepare_buffers()
         self.steplog.open()
@@ -284,6 +298,10 @@ class RunOrchestrator:
         if self._zero_grads is not None:
             self._zero_grads.remove()
             self._zero_grads = None
+        if self._zero_seam is not None:
+            self._zero_seam.remove()
+            self._zero_seam = None
+        self._early = None
         self.steplog.close()
 
     @property
@@ -339,12 +357,12 @@ class RunOrchestrator:
             self._boundary_rng = rng if rng is not None else capture_raw_rng_state()  # JSON made by the writer
             self._boundary_step, self._boundary_at_begin = step, False
 
-    def _measure(self, step: int) -> SignalFrame:
+    def _measure(self, step: int, pre_clip_norm: float | None = None) -> SignalFrame:
         if self.sensors is None:
             return SignalFrame(step=step, save_blocking_s=self.log.take_blocking_s())
         try:
             return self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
-                                        fingerprint=float(len(self.log.events)))
+                                        fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm)
         except DistributedError:
             self._abort("a rank failed or diverged")
             raise
@@ -356,16 +374,36 @@ class RunOrchestrator:
         that state's fractional epoch. With `skip_update` in the returned decision the gradients
         were dropped (`param.grad = None`), so the optimizer skips the update.
         """
+        if self._early is not None:  # taken inside the ZeRO engine's step (`ZeroUpdateSeam`)
+            early_step, decision = self._early
+            self._early = None
+            if early_step == step:
+                return decision
+        return self._pre_update(step, epoch=epoch, late=self.zero)
+
+    def _pre_update_in_engine(self) -> None:
+        """`pre_update` inside the ZeRO engine's step, before any partition is updated; a capture's copy is complete
+        before the update starts."""
+        assert self._position is not None and self._zero_seam is not None
+        step, epoch = self._position()
+        decision = self._pre_update(step, epoch=epoch, pre_clip_norm=self._zero_seam.norm)
+        self._early = (step, decision)
+        if decision.save:
+            self.saver.wait_snapshot()
+
+    def _pre_update(self, step: int, *, epoch: float | None, late: bool = False,
+                    pre_clip_norm: float | None = None) -> Decision:
+        """`pre_update`'s work; `late`: the update is applied already (ZeRO, outside the engine's step)."""
         self.release()
         if self.resumed is not None:
             self._start_timeline()  # a resumed run trains: its timeline is the task's from now on
-        frame = self._measure(step + 1)
+        frame = self._measure(step + 1, pre_clip_norm)
         groups = getattr(self._optimizer, "param_groups", None)
         if groups:
             frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
         self._frame = frame
         decision = self.policy.pre_update(frame)
-        if decision.save and self.zero:
+        if decision.save and late:
             decision = self._no_capture_under_zero(decision, step)
         if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
             if self._boundary_step == step and self._boundary_rng is not None:
@@ -391,16 +429,15 @@ class RunOrchestrator:
         return decision
 
     def _no_capture_under_zero(self, decision: Decision, step: int) -> Decision:
-        """Under DeepSpeed ZeRO the engine applies the update inside `accelerator.backward`, before any signal of
-        the step is read: the state of `step` is gone, and a capture now would file the updated state under it."""
+        """Under DeepSpeed ZeRO, outside the engine's step (no `position`, or per-layer norms spread over several
+        partitions): the update is applied already, and a capture now would file the updated state under `step`."""
         if not self._warned_zero_capture:
             self._warned_zero_capture = True
             if self.rank == 0:
                 self.announce.warning(
-                    "smart_ckpt: step %d: %s, but under DeepSpeed ZeRO the engine applies the update inside backward, "
-                    "before the step's signals are read: the state before it cannot be captured (not captured; the "
-                    "newest checkpoint before it stays the restore point; said once per run)", step + 1,
-                    decision.reason)
+                    "smart_ckpt: step %d: %s, but the DeepSpeed engine applied the update before the step's signals "
+                    "were read here: the state before it cannot be captured (not captured; the newest checkpoint "
+                    "before it stays the restore point; said once per run)", step + 1, decision.reason)
         return replace(decision, save=False, pin=False)
 
     def _rollbacks_exhausted(self, step: int, verdict: RollbackVerdict) -> None:
@@ -426,6 +463,9 @@ class RunOrchestrator:
         if self.resumed is not None:
             self._start_timeline()
         self._stepped = True
+        self._early = None
+        if self._zero_seam is not None:
+            self._zero_seam.arm()  # the next step's decision is taken inside the engine's step again
         if self.flat is not None and self.flat.enabled:
             self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then checks
         if not self._prepared:

@@ -127,14 +127,20 @@ class Sensors:
         self.clip = ClipNormRecorder(clip_owner) if clip_owner is not None else None
         self._last_t: float | None = None
 
-    def measure(self, step: int, *, save_blocking_s: float | None, fingerprint: float) -> SignalFrame:
+    def measure(self, step: int, *, save_blocking_s: float | None, fingerprint: float,
+                pre_clip_norm: float | None = None) -> SignalFrame:
         """This step's frame, reduced across ranks (identical on every rank).
+
+        `pre_clip_norm`: the step's pre-clip global norm from elsewhere (a DeepSpeed engine's, read before its
+        `clip_grad_norm_` call); the recorder's value, of an earlier call, is dropped then.
 
         Raises:
             `DistributedError`: another rank died, or the ranks' fingerprints differ.
         """
         loss_t = self.loss.pop()
         pre_clip = self.clip.pop() if self.clip is not None else None
+        if pre_clip_norm is not None:
+            pre_clip = pre_clip_norm
         fields = self.grad.frame_fields(pre_clip)
         device_mem, host_mem = self.mem.sample(step)
         now = time.perf_counter()

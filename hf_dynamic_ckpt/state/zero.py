@@ -162,6 +162,10 @@ class ZeroState:
         z = self.zero
         return list(z.fp32_partitioned_groups_flat if self.stage == 3 else z.single_partition_of_fp32_groups)
 
+    def trained_partitions(self) -> int:
+        """How many flat partitions hold trainable parameters (the same on every rank)."""
+        return sum(1 for params in self._param_groups() if any(p.requires_grad for p in params))
+
     def _param_groups(self) -> list[list[nn.Parameter]]:
         z = self.zero
         return list(z.fp16_groups if self.stage == 3 else z.bit16_groups)
@@ -320,6 +324,8 @@ class ZeroState:
         created = self._create_state(set(moments or ())) if optimizer is not None else {}
         params = {name: p for name, p in self.model.named_parameters()}
         covered: dict[int, list[tuple[int, int]]] = {}
+        if self.stage == 3:  # as DeepSpeed's own load: no parameter gathered while its partition is written
+            self.zero.checkpoint_event_prologue()
         try:
             with torch.no_grad():
                 for name, live in self._whole_weights().items():  # stages 1 and 2: the parameters; the buffers
@@ -343,6 +349,8 @@ class ZeroState:
                     t.zero_()
             raise
         zero_uncovered(created, covered)
+        if self.stage == 3:  # the persistent (small, never released) parameters gathered again from the partitions
+            self.zero.checkpoint_event_epilogue()
         if optimizer is not None:
             self._load_groups(optimizer, step=step)
 
@@ -438,6 +446,47 @@ class ZeroGradSquares:
         """The squares per bucket since the last call (`None` when no step ran)."""
         out, self._sq = self._sq, None
         return out
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class ZeroUpdateSeam:
+    """Calls `before_update()` inside the engine's optimizer step, once per step: after the gradients are reduced
+    and the global norm is computed, before the first flat partition is updated (the state of the previous step
+    is still whole: the moment a pre-update capture needs, which no training-loop callback sees under ZeRO).
+
+    A pre-hook on the wrapped torch optimizer's `step` (DeepSpeed calls it once per flat partition, with that
+    partition as its only parameter); it fires at the first call that steps a partition with elements and a
+    gradient, after `ZeroGradSquares`' hook (registered before it) has read that partition's gradient. `arm()`
+    once the step has ended makes it fire at the next one.
+
+    Args:
+        zero (`ZeroState`): the run's ZeRO view.
+        before_update (`Callable[[], None]`): what runs there.
+    """
+
+    def __init__(self, zero: ZeroState, before_update: Callable[[], None]) -> None:
+        self._zero, self._before_update = zero, before_update
+        self._armed = True
+        self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
+
+    @property
+    def norm(self) -> float | None:
+        """The engine's global gradient norm of this step (unscaled, before clipping), once its step computed it."""
+        value = getattr(self._zero.zero, "_global_grad_norm", None)
+        return None if value is None else float(value)
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._armed:
+            return
+        stepping = [t for g in optimizer.param_groups for t in g["params"]]
+        if any(t.numel() > 0 and t.grad is not None for t in stepping):
+            self._armed = False
+            self._before_update()
 
     def remove(self) -> None:
         self._handle.remove()

@@ -247,18 +247,19 @@ def test_per_lora_layer_gradient_norms_under_zero_equal_ddps(tmp_path: Path, sta
 
 
 @pytest.mark.slow
-def test_zero2_rollback_is_agreed_and_exact(tmp_path: Path) -> None:
-    # A gradient explosion on rank 0's data at step 6. The engine applied that update before any signal was read,
-    # so there is no capture of step 5 (it would hold step 6's update): every rank goes back to the newest save,
-    # step 3, in the running process (the partitions read back in place), and the data goes on after step 6's
-    # batches; the same as resuming step 3 without the batches of steps 4..6.
-    args = ("--deepspeed", "2", "--model", "lora", "--ga", "1", "--max_steps", "9", "--examples", "96",
-            "--base_interval", "3", "--poison", "6:grad@0")  # one epoch: 12 steps of data, 3 of them not trained on
+@pytest.mark.parametrize(("stage", "model"), [(2, "lora"), (3, "full")])
+def test_zero_rollback_is_agreed_and_exact(tmp_path: Path, stage: int, model: str) -> None:
+    # A gradient explosion on rank 0's data at step 6. The policy decides inside the engine's step, before the first
+    # partition is updated: the capture of step 5 is step 5's state. Every rank goes back to it in the running
+    # process (the partitions read back in place) and skips step 6's batches; the same as resuming step 5 without
+    # them. ZeRO-3 full fine-tune: several partitions, no per-layer norms to wait for.
+    args = ("--deepspeed", str(stage), "--model", model, "--ga", "1", "--max_steps", "10", "--examples", "96",
+            "--base_interval", "3", "--poison", "6:grad@0")
     rolled = torchrun(tmp_path / "rb", "rb", *args, "--on_anomaly", "rollback")
     for r in range(2):
-        assert [x[:2] for x in rolled[r]["rollbacks"]] == [[6, 3]] and rolled[r]["global_step"] == 9
-    assert rolled[0]["stderr"].count("the state before it cannot be captured") == 1
-    ref = torchrun(tmp_path / "ref", "ref", *args, "--reference_skip", "4:6", "--resume",
-                   str(tmp_path / "rb" / "run" / "smart_ckpt" / "default" / "step-3"))
+        assert [x[:2] for x in rolled[r]["rollbacks"]] == [[6, 5]] and rolled[r]["global_step"] == 10
+    assert "cannot be captured" not in rolled[0]["stderr"]
+    ref = torchrun(tmp_path / "ref", "ref", *args, "--reference_skip", "6:6", "--resume",
+                   str(tmp_path / "rb" / "run" / "smart_ckpt" / "default" / "step-5"))
     for r in range(2):
-        assert ref[r]["resumed_from"] == 3 and rolled[r]["losses"][6:] == ref[r]["losses"]
+        assert ref[r]["resumed_from"] == 5 and rolled[r]["losses"][6:] == ref[r]["losses"]

@@ -3,7 +3,8 @@
 `tests/workers/accelerate_loop.py --deepspeed STAGE` (tiny LoRA Qwen2, a `DeepSpeedPlugin`, the user's torch AdamW
 and LinearLR): the engine steps the optimizer inside `accelerator.backward`; every rank saves its fragments of the
 partitioned state. Killed after step 7 and started again with `resume("auto")`, the run continues with the
-uninterrupted run's losses and final adapter bit for bit; on one process it keeps the global batch.
+uninterrupted run's losses and final adapter bit for bit; on one process it keeps the global batch. A gradient
+surge is captured before the engine applies it (the policy decides inside the engine's step).
 """
 
 from __future__ import annotations
@@ -71,24 +72,59 @@ def test_zero3_lora_loop_killed_resumes_bit_exactly(tmp_path: Path) -> None:
     kill_and_resume(tmp_path, 3)
 
 
-def test_rollback_under_zero_returns_to_the_newest_save_and_goes_on_exactly(tmp_path: Path) -> None:
-    # The 8th batch of epoch 0 explodes the gradients. The engine has applied that update before any signal is
-    # read, so the state of step 7 is gone: no capture is filed under step 7 (it would hold step 8's update), one
-    # line says why, and the rollback returns to the newest save (step 6) and skips batches 7..8.
+SURGE = ("--max_steps", "10", "--examples", "40", "--base_interval", "100", "--dropout", "0")
+
+
+def test_a_capture_under_zero_is_the_state_before_the_bad_update(tmp_path: Path) -> None:
+    # Step 8's loss is multiplied by 1e4. The engine updates inside accelerator.backward; the policy decides inside
+    # the engine's step, before the first partition is updated, so the capture filed under step 7 is step 7's state:
+    # resumed without the surge, it continues exactly as a run that never had one.
+    surged = run(tmp_path, "--output_dir", "surge", "--losses", "surge.jsonl", "--surge_at_step", "8",
+                 "--deepspeed", "2", *SURGE)
+    _, rows = read_loss_log(tmp_path / "surge.jsonl")
+    assert [c[:1] + c[2:] for c in rows[8]["captures"]] == [[7, True]], rows[8]  # step 7, pinned
+    assert "cannot be captured" not in surged.stderr
+    store = tmp_path / "surge" / "smart_ckpt" / "default"
+    assert committed(store) == [7]
+    run(tmp_path, "--output_dir", "clean", "--losses", "clean.jsonl", "--deepspeed", "2", *SURGE)
+    run(tmp_path, "--output_dir", "surge", "--losses", "resume.jsonl", "--resume", "step:7", "--deepspeed", "2",
+        *SURGE)
+    resumed_from, after = read_loss_log(tmp_path / "resume.jsonl")
+    _, clean = read_loss_log(tmp_path / "clean.jsonl")
+    assert resumed_from == 7 and sorted(after) == [8, 9, 10]
+    for step, row in after.items():
+        assert row["loss"] == clean[step]["loss"] and row["micro"] == clean[step]["micro"], step
+
+
+@pytest.mark.slow
+def test_with_two_partitions_the_capture_is_not_taken_and_says_why(tmp_path: Path) -> None:
+    # Two optimizer groups: two flat partitions, whose per-layer norms are whole only after the first is updated.
+    # No capture (it would hold step 8's update), one line, and the run goes on.
+    surged = run(tmp_path, "--output_dir", "surge", "--losses", "surge.jsonl", "--surge_at_step", "8",
+                 "--deepspeed", "2", "--two_groups", *SURGE)
+    assert surged.stderr.count("the DeepSpeed engine applied the update before the step's signals were read here: "
+                               "the state before it cannot be captured") == 1
+    _, rows = read_loss_log(tmp_path / "surge.jsonl")
+    assert sorted(rows) == list(range(1, 11)) and all(not r["captures"] for r in rows.values())
+    assert committed(tmp_path / "surge" / "smart_ckpt" / "default") == []
+
+
+@pytest.mark.slow
+def test_rollback_under_zero_returns_to_the_capture_and_goes_on_exactly(tmp_path: Path) -> None:
+    # The 8th batch of epoch 0 explodes the gradients: the run goes back to the capture of step 7 and skips that
+    # batch, bit-equal to a resume of step 7 without it.
     args = ("--max_steps", "10", "--examples", "40", "--base_interval", "3", "--dropout", "0", "--deepspeed", "2")
     rolled = run(tmp_path, "--output_dir", "rb", "--losses", "rb.jsonl", "--on_anomaly", "rollback",
                  "--poison_batch", "8", *args)
-    assert rolled.stderr.count("under DeepSpeed ZeRO the engine applies the update inside backward") == 1
-    assert "rolled back from step 8 to step 6" in rolled.stderr and "skipped batches 7..8 of epoch 0" in rolled.stderr
+    assert "rolled back from step 8 to step 7" in rolled.stderr and "skipped batches 8..8 of epoch 0" in rolled.stderr
+    assert (tmp_path / "rb.jsonl").read_text().count('"rollback"') == 1
     store = tmp_path / "rb" / "smart_ckpt" / "default"
-    assert 7 not in committed(store)
-    ref = run(tmp_path, "--output_dir", "ref", "--losses", "ref.jsonl", "--skip_batches", "7:8",
-              "--resume", str(store / "step-6"), *args)
+    ref = run(tmp_path, "--output_dir", "ref", "--losses", "ref.jsonl", "--skip_batches", "8:8",
+              "--resume", str(store / "step-7"), *args)
     _, after = read_loss_log(tmp_path / "rb.jsonl")
     resumed_from, expected = read_loss_log(tmp_path / "ref.jsonl")
-    assert resumed_from == 6, ref.stderr[-3000:]
-    assert (tmp_path / "rb.jsonl").read_text().count('"rollback"') == 1
-    for step in range(7, 11):  # the records after the rollback (a step's last record)
+    assert resumed_from == 7, ref.stderr[-3000:]
+    for step in range(8, 11):  # the records after the rollback (a step's last record)
         assert after[step]["loss"] == expected[step]["loss"], step
 
 

@@ -146,7 +146,7 @@ def test_trainer_fsdp_arguments_version_1_refused_version_2_accepted(tmp_path: P
 
 
 def test_skip_bad_update_is_refused_under_zero_before_anything_is_attached(tmp_path: Path):
-    # Under ZeRO the engine steps inside backward: a skip decided from the step's signals would come too late.
+    # Under ZeRO the engine steps inside backward; skipping would mean dropping partitions' gradients there.
     from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 
     model = torch.nn.Linear(2, 2)
@@ -156,9 +156,9 @@ def test_skip_bad_update_is_refused_under_zero_before_anything_is_attached(tmp_p
         with pytest.raises(ConfigError) as e:
             run.attach(model, optimizer=SimpleNamespace(optimizer=zero))
         assert str(e.value) == (
-            "policy.skip_bad_update cannot work under DeepSpeed ZeRO: the engine applies the update inside backward, "
-            "before the step's signals are read. Set skip_bad_update=False (the default), or on_anomaly='rollback' "
-            "to undo a bad update.")
+            "policy.skip_bad_update is not supported under DeepSpeed ZeRO: the engine applies the update inside "
+            "backward, and skipping it would mean dropping its partitions' gradients inside DeepSpeed's step. Set "
+            "skip_bad_update=False (the default), or on_anomaly='rollback' to undo a bad update.")
         assert run.sensors is None and run.zero is False  # nothing attached
     finally:
         run.close()

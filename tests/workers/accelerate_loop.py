@@ -57,6 +57,8 @@ def main() -> None:
     p.add_argument("--sampler", default="plain", choices=["plain", "seedable", "generator"])
     p.add_argument("--deepspeed", type=int, default=None, choices=[1, 2, 3],
                    help="train under DeepSpeed ZeRO of this stage (run with DS_ACCELERATOR=cpu)")
+    p.add_argument("--two_groups", action="store_true", help="two optimizer parameter groups (the LoRA A and B "
+                   "weights alternately): under ZeRO two flat partitions")
     p.add_argument("--log_info", action="store_true", help="show the library's INFO lines (the resume's plan)")
     args = p.parse_args()
     if args.log_info:
@@ -92,7 +94,9 @@ def main() -> None:
     data = toy.random_token_dataset(num_examples=args.examples, seq_len=8, vocab_size=128, seed=1).with_format("torch")
     generator = torch.Generator().manual_seed(7) if args.sampler == "generator" else None
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=generator)
-    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=5e-3)
+    trained = [q for q in model.parameters() if q.requires_grad]
+    groups = [{"params": trained[0::2]}, {"params": trained[1::2]}] if args.two_groups else trained
+    optimizer = torch.optim.AdamW(groups, lr=5e-3)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.2, total_iters=args.max_steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
