@@ -119,6 +119,18 @@ def traceback_tail(proc: subprocess.CompletedProcess[str]) -> str:
     return err[at : at + 4000] if at >= 0 else err[-3000:]
 
 
+def run_worker(worker: Path, cwd: Path, *args: str, nproc: int = 2, killed: bool = False,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`torchrun_worker`, checked: it succeeded, or (`killed`) every rank SIGKILLed itself (`--kill_at_step`)."""
+    proc = torchrun_worker(worker, cwd, *args, nproc=nproc, env=env)
+    if killed:
+        assert proc.returncode != 0 and ("Signal 9 (SIGKILL)" in proc.stderr or "exitcode  : -9" in proc.stderr), \
+            traceback_tail(proc)
+    else:
+        assert proc.returncode == 0, traceback_tail(proc)
+    return proc
+
+
 def read_loss_log(path: Path, key: str = "step") -> tuple[int | None, dict[int, dict]]:
     """A worker's JSONL loss log: (the step it resumed from, {step: record} for records holding `key`)."""
     lines = [json.loads(line) for line in path.read_text().splitlines()]

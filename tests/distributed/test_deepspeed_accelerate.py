@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_loss_log, torchrun_worker, traceback_tail
+from helpers import read_loss_log, run_worker
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
@@ -25,13 +25,7 @@ COMMON = ("--max_steps", "10", "--examples", "16", "--base_interval", "3")
 
 
 def run(tmp: Path, *args: str, nproc: int = 2, killed: bool = False) -> subprocess.CompletedProcess[str]:
-    proc = torchrun_worker(WORKER, tmp, *args, nproc=nproc, env={"DS_ACCELERATOR": "cpu"})
-    if killed:  # every rank SIGKILLed itself after --kill_at_step
-        assert proc.returncode != 0 and ("Signal 9 (SIGKILL)" in proc.stderr or "exitcode  : -9" in proc.stderr), \
-            traceback_tail(proc)
-    else:
-        assert proc.returncode == 0, traceback_tail(proc)
-    return proc
+    return run_worker(WORKER, tmp, *args, nproc=nproc, killed=killed, env={"DS_ACCELERATOR": "cpu"})
 
 
 def committed(store: Path) -> list[int]:

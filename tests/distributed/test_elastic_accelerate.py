@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import torchrun_worker, traceback_tail
+from helpers import run_worker
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -29,13 +29,7 @@ FSDP_ARGS = ("--max_steps", "12", "--base_interval", "2")
 
 
 def run(worker: Path, tmp: Path, nproc: int, *args: str, killed: bool = False) -> subprocess.CompletedProcess[str]:
-    proc = torchrun_worker(worker, tmp, *args, nproc=nproc)
-    if killed:  # every rank SIGKILLed itself after --kill_at_step
-        assert proc.returncode != 0 and ("Signal 9 (SIGKILL)" in proc.stderr or "exitcode  : -9" in proc.stderr), \
-            traceback_tail(proc)
-    else:
-        assert proc.returncode == 0, traceback_tail(proc)
-    return proc
+    return run_worker(worker, tmp, *args, nproc=nproc, killed=killed)
 
 
 def last_committed(store: Path) -> int:
