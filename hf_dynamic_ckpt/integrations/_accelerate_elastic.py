@@ -38,10 +38,13 @@ class ElasticPlan:
 
 def natural_pace(scheduler: Any, num_processes: int) -> int | None:
     """Steps of the wrapped scheduler per optimizer step that `scheduler.step()` takes as Accelerate prepared it;
-    `None` for a scheduler that is not Accelerate's or steps at every call (`step_scheduler_with_optimizer=False`)."""
+    `None` for a scheduler that is not Accelerate's, steps at every call (`step_scheduler_with_optimizer=False`), or
+    that a DeepSpeed engine steps itself (`DeepSpeedSchedulerWrapper.step` does nothing)."""
     from accelerate.scheduler import AcceleratedScheduler
 
     if not isinstance(scheduler, AcceleratedScheduler) or not scheduler.step_with_optimizer:
+        return None
+    if type(scheduler).__name__ == "DeepSpeedSchedulerWrapper":  # the engine steps it, once per update
         return None
     return 1 if scheduler.split_batches else int(num_processes)
 

@@ -357,12 +357,13 @@ class RunOrchestrator:
             self._boundary_rng = rng if rng is not None else capture_raw_rng_state()  # JSON made by the writer
             self._boundary_step, self._boundary_at_begin = step, False
 
-    def _measure(self, step: int, pre_clip_norm: float | None = None) -> SignalFrame:
+    def _measure(self, step: int, pre_clip_norm: float | None = None, clip_norm: float | None = None) -> SignalFrame:
         if self.sensors is None:
             return SignalFrame(step=step, save_blocking_s=self.log.take_blocking_s())
         try:
             return self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
-                                        fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm)
+                                        fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
+                                        clip_norm=clip_norm)
         except DistributedError:
             self._abort("a rank failed or diverged")
             raise
@@ -379,33 +380,37 @@ class RunOrchestrator:
             self._early = None
             if early_step == step:
                 return decision
-        return self._pre_update(step, epoch=epoch, late=self.zero)
+        late = isinstance(self._sharded, ZeroState) and not self._sharded.skipped_update  # updated in backward
+        return self._pre_update(step, epoch=epoch, late=late)
 
     def _pre_update_in_engine(self) -> None:
         """`pre_update` inside the ZeRO engine's step, before any partition is updated; a capture's copy is complete
         before the update starts."""
         assert self._position is not None and self._zero_seam is not None
         step, epoch = self._position()
-        decision = self._pre_update(step, epoch=epoch, pre_clip_norm=self._zero_seam.norm)
+        decision = self._pre_update(step, epoch=epoch, pre_clip_norm=self._zero_seam.norm,
+                                    clip_norm=self._zero_seam.clip)
         self._early = (step, decision)
         if decision.save:
             self.saver.wait_snapshot()
 
-    def _pre_update(self, step: int, *, epoch: float | None, late: bool = False,
-                    pre_clip_norm: float | None = None) -> Decision:
+    def _pre_update(self, step: int, *, epoch: float | None, late: bool = False, pre_clip_norm: float | None = None,
+                    clip_norm: float | None = None) -> Decision:
         """`pre_update`'s work; `late`: the update is applied already (ZeRO, outside the engine's step)."""
         self.release()
         if self.resumed is not None:
             self._start_timeline()  # a resumed run trains: its timeline is the task's from now on
-        frame = self._measure(step + 1, pre_clip_norm)
+        frame = self._measure(step + 1, pre_clip_norm, clip_norm)
         groups = getattr(self._optimizer, "param_groups", None)
         if groups:
             frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
         self._frame = frame
         decision = self.policy.pre_update(frame)
-        if decision.save and late:
+        if not decision.save or self.saver.pin_existing(step, decision):  # a checkpoint of `step` exists: pinned
+            pass
+        elif late:
             decision = self._no_capture_under_zero(decision, step)
-        if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
+        else:
             if self._boundary_step == step and self._boundary_rng is not None:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
                            rng=self._boundary_rng, rng_at_step_begin=self._boundary_at_begin)
@@ -466,6 +471,8 @@ class RunOrchestrator:
         self._early = None
         if self._zero_seam is not None:
             self._zero_seam.arm()  # the next step's decision is taken inside the engine's step again
+        if isinstance(self._sharded, ZeroState):
+            self._sharded.note_boundary()
         if self.flat is not None and self.flat.enabled:
             self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then checks
         if not self._prepared:

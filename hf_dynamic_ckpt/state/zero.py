@@ -85,6 +85,11 @@ def check_zero(zero: Any) -> None:
         raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO with NVMe offload (offload_optimizer / "
                           "offload_param device 'nvme'): the optimizer state is not in memory for a save to read. "
                           "Offload to 'cpu' (supported) or keep the state on the device.")
+    if getattr(zero, "offload_optimizer", False) and getattr(zero, "partial_offload", 1.0) != 1.0:
+        raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO-3 with partial optimizer offload "
+                          f"(offload_optimizer.ratio={zero.partial_offload}): the state of the sub-groups kept on the "
+                          "device lives in a second optimizer this library does not read. Offload all of it (ratio 1) "
+                          "or none.")
 
 
 class ZeroExpected(dict):  # type: ignore[type-arg]
@@ -149,6 +154,27 @@ class ZeroState:
         self.stage = zero_stage(zero)
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._buffers = self._persistent_buffers() if all(p.requires_grad for p in model.parameters()) else {}
+        # The base optimizer's groups as they are between steps: inside its step stages 1 and 2 swap the list for
+        # the one group being stepped (a capture taken there, `ZeroUpdateSeam`, reads the hyper-parameters here).
+        self._base_groups: list[dict[str, Any]] = list(zero.optimizer.param_groups)
+        self._scaler_state: dict[str, Any] = {}
+        self.note_boundary()
+
+    def note_boundary(self) -> None:
+        """Remember the loss scaler at the end of a step: the engine updates it before the first partition's step,
+        so a capture inside that step (`ZeroUpdateSeam`) stores the one of the state it captures."""
+        scaler = getattr(self.zero, "loss_scaler", None)
+        self._scaler_state = {k: _number(getattr(scaler, k)) for k in _SCALER_FIELDS if hasattr(scaler, k)}
+
+    @property
+    def skipped_update(self) -> bool:
+        """Whether the engine's last step skipped the update (an fp16 overflow: no partition was stepped)."""
+        return bool(getattr(self.zero, "overflow", False))
+
+    def _group(self, fi: int) -> dict[str, Any]:
+        """The base optimizer's hyper-parameter group of flat partition `fi` (stage 3: of its sub-group's group)."""
+        index = self.zero.sub_group_to_group_id.get(fi, fi) if self.stage == 3 else fi
+        return self._base_groups[index] if index < len(self._base_groups) else {}
 
     def _persistent_buffers(self) -> dict[str, torch.Tensor]:
         # Full fine-tuning: the persistent buffers are state too (not partitioned under any stage).
@@ -246,14 +272,11 @@ class ZeroState:
         base = self.zero.optimizer
         flats = self.flat_groups()
         for gi, params in enumerate(self._param_groups()):
-            hyper = {k: v for k, v in base.param_groups[gi].items() if k != "params"} if gi < len(base.param_groups) \
-                else {}
+            hyper = {k: v for k, v in self._group(gi).items() if k != "params"}
             step = (base.state.get(flats[gi]) or {}).get("step")
             groups.append({**hyper, "params": [self._name(p) for p in params if p.requires_grad],
                            "step": float(step) if step is not None else None})
-        scaler = getattr(self.zero, "loss_scaler", None)
-        zero = {"stage": self.stage,
-                "loss_scaler": {k: _number(getattr(scaler, k)) for k in _SCALER_FIELDS if hasattr(scaler, k)}}
+        zero = {"stage": self.stage, "loss_scaler": dict(self._scaler_state)}
         return {"state": state, KEY_GROUPS: groups, KEY_ZERO: zero}
 
     @property
@@ -295,12 +318,15 @@ class ZeroState:
         base = self.zero.optimizer
         created: dict[int, list[torch.Tensor]] = {}
         for gi, flat in enumerate(self.flat_groups()):
+            if not moments:  # saved before the optimizer's first step: its state is the fresh one (none)
+                base.state.pop(flat, None)
+                continue
             state = base.state[flat]
             for key in moments - set(state):
                 state[key] = torch.empty_like(flat, memory_format=torch.preserve_format)
                 created.setdefault(gi, []).append(state[key])
             if "step" not in state:
-                group = base.param_groups[gi] if gi < len(base.param_groups) else {}
+                group = self._group(gi)
                 on_device = bool(group.get("fused") or group.get("capturable"))  # torch Adam's placement of it
                 state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
         return created
@@ -370,8 +396,8 @@ class ZeroState:
             value = group.get("step")
             if isinstance(value, (int, float)) and isinstance(count, torch.Tensor):
                 count.fill_(float(value))
-            if gi < len(base.param_groups):  # the hyper-parameters a schedule moves (lr, momentum, betas ...)
-                live = base.param_groups[gi]
+            live = self._group(gi)
+            if live:  # the hyper-parameters a schedule moves (lr, momentum, betas ...)
                 for key, saved_value in group.items():
                     if key in ("params", "step") or key not in live:
                         continue
@@ -380,6 +406,7 @@ class ZeroState:
         for key, value in ((optimizer.get(KEY_ZERO) or {}).get("loss_scaler") or {}).items():
             if key in _SCALER_FIELDS and scaler is not None and hasattr(scaler, key):
                 setattr(scaler, key, value)
+        self.note_boundary()
 
 
 def zero_uncovered(created: dict[int, list[torch.Tensor]], covered: dict[int, list[tuple[int, int]]]) -> None:
@@ -476,6 +503,12 @@ class ZeroUpdateSeam:
         """The engine's global gradient norm of this step (unscaled, before clipping), once its step computed it."""
         value = getattr(self._zero.zero, "_global_grad_norm", None)
         return None if value is None else float(value)
+
+    @property
+    def clip(self) -> float | None:
+        """The engine's clipping threshold (`gradient_clipping`; `None` when it does not clip)."""
+        value = float(getattr(self._zero.zero, "clip_grad", 0.0) or 0.0)
+        return value if value > 0 else None
 
     def arm(self) -> None:
         self._armed = True

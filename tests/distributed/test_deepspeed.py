@@ -247,12 +247,13 @@ def test_per_lora_layer_gradient_norms_under_zero_equal_ddps(tmp_path: Path, sta
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("stage", "model"), [(2, "lora"), (3, "full")])
+@pytest.mark.parametrize(("stage", "model"), [(2, "lora"), (2, "full"), (3, "full")])
 def test_zero_rollback_is_agreed_and_exact(tmp_path: Path, stage: int, model: str) -> None:
     # A gradient explosion on rank 0's data at step 6. The policy decides inside the engine's step, before the first
     # partition is updated: the capture of step 5 is step 5's state. Every rank goes back to it in the running
     # process (the partitions read back in place) and skips step 6's batches; the same as resuming step 5 without
-    # them. ZeRO-3 full fine-tune: several partitions, no per-layer norms to wait for.
+    # them. Full fine-tunes: two optimizer groups (decay / no decay), so several partitions and, under ZeRO-2, the
+    # base optimizer's group list swapped for the one being stepped while the capture is taken.
     args = ("--deepspeed", str(stage), "--model", model, "--ga", "1", "--max_steps", "10", "--examples", "96",
             "--base_interval", "3", "--poison", "6:grad@0")
     rolled = torchrun(tmp_path / "rb", "rb", *args, "--on_anomaly", "rollback")

@@ -91,6 +91,23 @@ def test_a_capture_under_zero_is_the_state_before_the_bad_update(tmp_path: Path)
 
 
 @pytest.mark.slow
+def test_a_first_step_surge_under_zero_is_captured_as_the_state_before_any_update(tmp_path: Path) -> None:
+    # The first update's gradient is 1e4 x: the first-step rule (against the engine's clipping threshold) captures
+    # step 0, saved before the optimizer made any state; resumed, the optimizer starts fresh, as it did then.
+    args = ("--max_steps", "6", "--examples", "40", "--base_interval", "100", "--dropout", "0", "--deepspeed", "2")
+    run(tmp_path, "--output_dir", "surge", "--losses", "surge.jsonl", "--surge_at_step", "1", *args)
+    _, rows = read_loss_log(tmp_path / "surge.jsonl")
+    assert [c[0] for c in rows[1]["captures"]] == [0] and "first_step" in rows[1]["captures"][0][1]
+    run(tmp_path, "--output_dir", "clean", "--losses", "clean.jsonl", *args)
+    run(tmp_path, "--output_dir", "surge", "--losses", "resume.jsonl", "--resume", "step:0", *args)
+    resumed_from, after = read_loss_log(tmp_path / "resume.jsonl")
+    _, clean = read_loss_log(tmp_path / "clean.jsonl")
+    assert resumed_from == 0 and sorted(after) == list(range(1, 7))
+    for step, row in after.items():
+        assert row["loss"] == clean[step]["loss"] and row["micro"] == clean[step]["micro"], step
+
+
+@pytest.mark.slow
 def test_with_two_partitions_the_capture_is_not_taken_and_says_why(tmp_path: Path) -> None:
     # Two optimizer groups: two flat partitions, whose per-layer norms are whole only after the first is updated.
     # No capture (it would hold step 8's update), one line, and the run goes on.
