@@ -189,6 +189,7 @@ def elastic(tmp_path: Path, stage: int, before: int, after: int, ga: int) -> Non
     assert max(float((want_w[k] - got_w[k]).abs().max()) for k in want_w) <= 1e-5
 
 
+@pytest.mark.slow  # the default run's time: the elastic plan is the DDP one (test_elastic), the ZeRO reads as here
 def test_zero2_killed_on_two_processes_continues_on_one_with_the_same_global_batch(tmp_path: Path) -> None:
     # The fragments do not depend on the partitioning: one process reads both ranks' files. The accumulation that
     # keeps the global batch (2 x 4 x 2 -> 1 x 4 x 4) goes into DeepSpeed's config too. Without dropout the only
