@@ -448,6 +448,8 @@ def child(spec: dict[str, Any]) -> None:
     if variant in ("smart", "prep", "ours_resume"):
         root = (prep if variant == "ours_resume" and prep is not None else out) / "smart_ckpt"
         extra = {"memory_margin": spec["memory_margin"]} if spec.get("memory_margin") is not None else {}
+        if spec.get("overlap_snapshot") is not None:
+            extra["overlap_snapshot"] = spec["overlap_snapshot"]
         smart = SmartCkptCallback(SmartCkptConfig(base_interval=smart_every, root=str(root), runtime=extra))
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
@@ -560,7 +562,8 @@ def _spec(args: argparse.Namespace, mode: str, layers: int, base: Path | None, v
             "base": str(base) if base else None, "steps": args.steps, "k": args.k, "seq": args.seq, "batch": args.batch,
             "device": args.device, "prep_steps": args.prep_steps, "prep_interval": args.prep_interval,
             "prep": str(prep) if prep else None,
-            "memory_margin": args.memory_margin}
+            "memory_margin": args.memory_margin,
+            "overlap_snapshot": {"auto": None, "true": True, "false": False}[args.overlap_snapshot]}
 
 
 def _drop_cache(paths: Iterable[Path]) -> None:
@@ -933,6 +936,8 @@ def main() -> int:
     p.add_argument("--parts", default="trio,resume", help="comma list of trio, resume")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--memory-margin", type=float, default=None, help="runtime.memory_margin (default: its)")
+    p.add_argument("--overlap-snapshot", default="auto", choices=["auto", "true", "false"],
+                   help="runtime.overlap_snapshot of our runs (auto: the default, CUDA parameters of >= 32 MiB only)")
     p.add_argument("--mem-interval", type=float, default=0.2, help="seconds between memory samples")
     p.add_argument("--cold", action="store_true", help="drop the checkpoints' cached pages before each resume")
     p.add_argument("--no-fresh", action="store_true", help="leave out the fresh start (the 'over fresh' column)")
