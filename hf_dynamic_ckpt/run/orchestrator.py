@@ -406,12 +406,10 @@ class RunOrchestrator:
             frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
         self._frame = frame
         decision = self.policy.pre_update(frame)
-        if not decision.save or self.saver.pin_existing(step, decision):  # a checkpoint of `step` exists: pinned
-            pass
-        elif late:
-            decision = self._no_capture_under_zero(decision, step)
-        else:
-            if self._boundary_step == step and self._boundary_rng is not None:
+        if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
+            if late:
+                decision = self._no_capture_under_zero(decision, step)
+            elif self._boundary_step == step and self._boundary_rng is not None:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
                            rng=self._boundary_rng, rng_at_step_begin=self._boundary_at_begin)
             else:

@@ -317,10 +317,11 @@ class ZeroState:
         zeroes what no fragment covers), and the step count. Returns the moments created, per flat partition."""
         base = self.zero.optimizer
         created: dict[int, list[torch.Tensor]] = {}
-        for gi, flat in enumerate(self.flat_groups()):
-            if not moments:  # saved before the optimizer's first step: its state is the fresh one (none)
+        if not moments:  # saved before the optimizer's first step: its state is the fresh one (none)
+            for flat in self.flat_groups():
                 base.state.pop(flat, None)
-                continue
+            return created
+        for gi, flat in enumerate(self.flat_groups()):
             state = base.state[flat]
             for key in moments - set(state):
                 state[key] = torch.empty_like(flat, memory_format=torch.preserve_format)
