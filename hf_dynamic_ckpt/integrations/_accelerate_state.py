@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..state import apply_optimizer_state, apply_weights, frozen_weight_keys, trainable_state_dict
+from ..state import apply_optimizer_state, apply_weights, frozen_weight_keys, own_weights, trainable_state_dict
 from ..state.rng import restore_rng_state
 from ..store.types import LoadedCheckpoint
 from ._accelerate_elastic import KEY_SCHEDULER_PACE, natural_pace
@@ -108,6 +108,14 @@ class AccelerateState:
         for i, model in enumerate(self.models()):
             prefix = "" if i == 0 else _MODEL_PREFIX.format(i)
             out.update({prefix + k: v for k, v in trainable_state_dict(model).items()})
+        return out
+
+    def read_targets(self) -> dict[str, torch.Tensor]:
+        """The models' own tensors a resume reads the weights file into (`state.own_weights`, keys as `weights`)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, model in enumerate(self.models()):
+            prefix = "" if i == 0 else _MODEL_PREFIX.format(i)
+            out.update({prefix + k: v for k, v in own_weights(model).items()})
         return out
 
     def frozen_keys(self) -> frozenset[str]:

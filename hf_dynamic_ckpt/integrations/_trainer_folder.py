@@ -38,7 +38,7 @@ from ..constants import (
     WEIGHTS_NAME,
 )
 from ..errors import ConfigError
-from ..state import adapter_names, apply_weights, is_peft_model, split_adapters
+from ..state import adapter_names, apply_weights, is_peft_model, own_weights, split_adapters
 from ..store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -198,12 +198,24 @@ def _save_tensors(weights: dict[str, torch.Tensor], target: Path) -> None:
     save_file(tensors, str(target))
 
 
+def read_targets(trainer: Any) -> dict[str, Any] | None:
+    """The tensors a resume reads the weights file into for `load_once` (`state.own_weights`), or `None` where
+    `load_once` leaves the weights to Trainer or to PEFT's setter."""
+    return (own_weights(trainer.model) or None) if _loads_once(trainer) else None
+
+
+def _loads_once(trainer: Any) -> bool:
+    return not (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
+                or not callable(getattr(trainer, "_load_from_checkpoint", None)))
+
+
 def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> None:
     """Put the verified weights of `loaded` into `trainer.model` now and make `Trainer.train` skip its second load of
     `folder` (a read of the whole file into new tensors, then a copy, the model and those tensors in memory at once).
 
-    A full model's parameters and buffers are read straight from the stored file into their own memory (the pages
-    its checksum just read; no mapping, no tensor in between), what cannot be (a blob-stored frozen weight, another
+    A full model's parameters and buffers are read straight from the stored file into their own memory (no
+    mapping, no tensor in between), normally by the resume itself as it verifies the file (`read_targets`: one
+    pass, `loaded.weights` then names the model's tensors); what cannot be (a blob-stored frozen weight, another
     dtype or device) is copied from `loaded.weights`, which then names the model's tensors; a PEFT model's adapters
     go through PEFT's setter.
 
@@ -214,9 +226,7 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
 
     A DeepSpeed or FSDP Trainer loads the weights itself: nothing is done for it.
     """
-    if loaded.weights is None or getattr(trainer, "is_deepspeed_enabled", False) \
-            or getattr(trainer, "is_fsdp_enabled", False) \
-            or not callable(getattr(trainer, "_load_from_checkpoint", None)):
+    if loaded.weights is None or not _loads_once(trainer):
         return
     model = trainer.model
     if adapter_names(model):  # adapters are small: PEFT's own setter, which knows their key names
@@ -244,11 +254,14 @@ def _read_into_model(model: Any, loaded: LoadedCheckpoint, store: Any) -> None:
     """`load_once` for a model without adapters (the weights already checked against it by the resume)."""
     assert loaded.weights is not None
     live = model.state_dict()
-    # Only into a state-dict tensor that is a parameter's or buffer's own memory (a state-dict hook may hand out
-    # converted copies, which reading into would not change the model).
     own = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
-    targets = {k: live[k] for k in loaded.weights if k in live and live[k].data_ptr() in own}
-    done = store.read_weights_into(loaded.info, targets)
+    # Read by the resume already: the key's loaded tensor is the model's own.
+    done = {k for k, v in loaded.weights.items()
+            if k in live and live[k].numel() and v.data_ptr() == live[k].data_ptr()}
+    targets = {k: live[k] for k in loaded.weights
+               if k not in done and k in live and live[k].data_ptr() in own}
+    if targets:
+        done |= store.read_weights_into(loaded, targets)
     written = {live[k].data_ptr() for k in done if live[k].numel()}
     rest = {k: v for k, v in loaded.weights.items()
             if k not in done and not (k in live and live[k].numel() and live[k].data_ptr() in written)}

@@ -274,7 +274,7 @@ class SmartCheckpointer:
             `GlobalBatchError`: on another number of processes, no gradient accumulation keeps the checkpoint's
                 global batch with this per-device batch (the message names settings that would).
         """
-        loaded = self.run.resume(ref, expected=self.state.weights())
+        loaded = self.run.resume(ref, expected=self.state.weights(), into=self.state.read_targets())
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)
             return None

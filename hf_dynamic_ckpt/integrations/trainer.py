@@ -69,6 +69,7 @@ from ._trainer_folder import (
     forget_deepspeed_skip,
     load_once,
     materialise_trainer_folder,
+    read_targets,
     remove_resume_folders,
     resume_folder,
     skip_deepspeed_load,
@@ -176,7 +177,8 @@ class SmartCkptCallback(TrainerCallback):
         ck = self.get_run(trainer.args)
         zero = bool(getattr(trainer, "is_deepspeed_enabled", False))  # ZeRO: read into the engine at train begin
         loaded = ck.resume(os.fspath(ref), background_optimizer=True,
-                           expected=zero_expected(trainer.model) if zero else expected_weights(trainer.model))
+                           expected=zero_expected(trainer.model) if zero else expected_weights(trainer.model),
+                           into=None if zero else read_targets(trainer))
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None

@@ -728,7 +728,8 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ resume
     def resume(self, ref: str | None, *, background_optimizer: bool = False,
-               expected: Mapping[str, Any] | None = None) -> LoadedCheckpoint | None:
+               expected: Mapping[str, Any] | None = None,
+               into: Mapping[str, Any] | None = None) -> LoadedCheckpoint | None:
         """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it.
 
         Checkpoints of the run that went past the restore point become *abandoned* (kept, restorable
@@ -741,6 +742,8 @@ class RunOrchestrator:
             background_optimizer (`bool`, *optional*, defaults to `False`): see above.
             expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping; the saved weights
                 must fit it (names and shapes) on every rank.
+            into (`Mapping[str, Tensor]`, *optional*): the model's own tensors by weight name, to read the
+                weights file into as it is verified (`plan_resume`); not for a sharded model.
 
         Returns:
             `LoadedCheckpoint | None`: this rank's view, or `None` for a fresh start (`auto`, empty store).
@@ -752,14 +755,14 @@ class RunOrchestrator:
         if ref is None:
             return None
         self.saver.wait_snapshot()  # the caller loads into the tensors a snapshot of this run may still be copying
-        resumption = self._plan(ref, expected=expected, background_optimizer=background_optimizer)
+        resumption = self._plan(ref, expected=expected, background_optimizer=background_optimizer, into=into)
         if resumption is None:
             return None
         self.apply(resumption)
         return resumption.loaded
 
     def _plan(self, ref: str, *, expected: Mapping[str, Any] | None,
-              background_optimizer: bool = False) -> Resumption | None:
+              background_optimizer: bool = False, into: Mapping[str, Any] | None = None) -> Resumption | None:
         """`plan_resume` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
         collective) into the live objects."""
         sharded = self._sharded
@@ -769,7 +772,7 @@ class RunOrchestrator:
         resumption = plan_resume(
             self.store, ref, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
             fallback=fallback, expected=sharded.expected() if sharded is not None else expected,
-            background_optimizer=background_optimizer and sharded is None)
+            background_optimizer=background_optimizer and sharded is None, into=into if sharded is None else None)
         if resumption is not None and sharded is not None:
             load_sharded(sharded, resumption.loaded)
         return resumption

@@ -100,6 +100,25 @@ class _Outcome:
                 "optimizer_lost": self.optimizer_lost, "scheduler_salvaged": self.scheduler_salvaged}
 
 
+@dataclass
+class _Into:
+    """The model's own tensors a resume reads the weights file into, hashing as it reads (one pass over the file
+    instead of a checksum pass, then a read)."""
+
+    targets: Mapping[str, Any]
+    step: int | None = None  # whose verified weights the targets hold
+    touched: bool = False  # some read wrote into them
+
+    def read(self, store: CheckpointStore, loaded: LoadedCheckpoint) -> None:
+        """Read `loaded`'s weights file into the targets, verified; `loaded.weights` then names them."""
+        assert loaded.weights is not None
+        self.step, self.touched = None, True
+        keys = store.read_weights_into(loaded, self.targets, verify=True)
+        self.step = loaded.info.step
+        for key in keys:
+            loaded.weights[key] = self.targets[key]
+
+
 def _retry_once(fn: Callable[[], Any]) -> Any:
     """`fn()`, tried a second time after a `CorruptCheckpointError` (a transient read error must not
     cost a restore point; a real corruption fails twice)."""
@@ -112,21 +131,29 @@ def _retry_once(fn: Callable[[], Any]) -> Any:
 
 
 def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_size: int,
-              fallback: FallbackStrategy, mmap: bool, expected: Mapping[str, Any] | None) -> _Outcome:
-    """Try one checkpoint on this rank: weights (+ model check), optimizer per `fallback`, own L2."""
+              fallback: FallbackStrategy, mmap: bool, expected: Mapping[str, Any] | None,
+              into: _Into | None = None) -> _Outcome:
+    """Try one checkpoint on this rank: weights (+ model check; with `into`, read into the model as they are
+    verified), optimizer per `fallback`, own L2."""
     step = info.step
     try:
-        loaded = _retry_once(lambda: store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap))
+        loaded = _retry_once(lambda: store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap,
+                                                weights_checksum=into is None))
     except FormatVersionError:
         raise
     except (CorruptCheckpointError, CheckpointNotFoundError) as e:
         return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
     if loaded.weights is None:
         return _Outcome(step, False, f"step {step} holds no weights")
-    if expected is not None:
-        table = sharded_table(loaded.manifest)  # FSDP2 / ZeRO <-> unsharded: refused before any fork
+    table = sharded_table(loaded.manifest)
+    if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
         check_sharding(step, loaded.manifest, expected, saved_flat=table is not None and is_flat(table))
         check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
+    if into is not None and table is None:  # the file's checksum: only now, as it is read into the model
+        try:
+            into.read(store, loaded)
+        except CorruptCheckpointError as e:
+            return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
     outcome = _Outcome(step, True, loaded=loaded)
     if fallback != FallbackStrategy.LEVEL_0_ONLY:
         bound = state_numel_bound(expected.values()) if expected is not None else None
@@ -308,6 +335,7 @@ def plan_resume(
     expected: Mapping[str, Any] | None = None,
     mmap: bool = True,
     background_optimizer: bool = False,
+    into: Mapping[str, Any] | None = None,
 ) -> Resumption | None:
     """Choose, verify and load the restore point on every rank (one agreed outcome) into a `Resumption`.
 
@@ -324,6 +352,11 @@ def plan_resume(
         mmap (`bool`, *optional*, defaults to `True`): memory-map the weights.
         background_optimizer (`bool`, *optional*): with the `full` strategy, read the optimizer tier in a
             background thread (`Resumption.pending`).
+        into (`Mapping[str, Tensor]`, *optional*): the model's own tensors by weight name: the weights file is
+            read straight into them and hashed as it is read (one pass); `loaded.weights` then names them for the
+            keys read (a contiguous CPU target of the stored dtype and shape), the rest stay mapped. A candidate
+            that fails its checksum leaves its bytes there until an older one is read over them; when none is
+            usable the error says that the model's weights were overwritten.
 
     Returns:
         `Resumption | None`: `None` when `ref` is ``"auto"`` and the store holds no checkpoint at all (a fresh
@@ -336,8 +369,18 @@ def plan_resume(
     start = time.perf_counter()
     fallback = FallbackStrategy(fallback)
     deferred = background_optimizer and fallback == FallbackStrategy.FULL
-    agreed = _agree(store, ref, rank=rank, world_size=world_size,
-                    fallback=FallbackStrategy.LEVEL_0_ONLY if deferred else fallback, expected=expected, mmap=mmap)
+    target = _Into(into) if into else None
+    try:
+        agreed = _agree(store, ref, rank=rank, world_size=world_size,
+                        fallback=FallbackStrategy.LEVEL_0_ONLY if deferred else fallback, expected=expected, mmap=mmap,
+                        into=target)
+    except DynamicCkptError as e:
+        if target is None or not target.touched:
+            raise
+        held = "the bytes of a checkpoint that failed its checksum" if target.step is None \
+            else f"the weights of step {target.step}"
+        raise type(e)(f"{e} The model's weights were overwritten by this resume's reads (they hold {held}): "
+                      "build the model again before training it.") from None
     if agreed is None:
         return None
     loaded, degraded, skipped = agreed
@@ -372,7 +415,8 @@ def _raise_agreed(reports: list[dict[str, Any]]) -> None:
 
 
 def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fallback: FallbackStrategy,
-           expected: Mapping[str, Any] | None, mmap: bool) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
+           expected: Mapping[str, Any] | None, mmap: bool,
+           into: _Into | None = None) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
     """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start.
 
     Each rank tries the candidates (the resolved checkpoint, then older ones) with `_evaluate`: weights, the
@@ -390,7 +434,7 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
         infos = {i.step: i for i in candidates}
         report["candidates"] = [i.step for i in candidates]
         _evaluate_until_usable(store, candidates, evaluated, rank=rank, world_size=world_size,
-                               fallback=fallback, mmap=mmap, expected=expected)
+                               fallback=fallback, mmap=mmap, expected=expected, into=into)
     except CheckpointNotFoundError as e:
         if ref == "auto" and not store.list(include_unhealthy=True):
             report["fresh"] = True
@@ -416,13 +460,15 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
         try:
             todo = [infos.get(s) or store.resolve(f"step:{s}") for s in reference[reference.index(pending):]]
             _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size, fallback=fallback,
-                                   mmap=mmap, expected=expected)
+                                   mmap=mmap, expected=expected, into=into)
         except DynamicCkptError as e:
             report["error"] = _error_payload(e)
         report["results"] = [o.to_dict() for o in evaluated.values()]
     mine = evaluated[chosen]
     loaded = mine.loaded
     assert loaded is not None
+    if into is not None and into.touched and into.step != chosen and sharded_table(loaded.manifest) is None:
+        into.read(store, loaded)  # a newer candidate, usable here but not on another rank, was read over it
     row = [r[chosen] for r in results]
     lost = [(i, o["optimizer_lost"]) for i, o in enumerate(row) if o["optimizer_lost"] is not None]
     # Weights only: degraded when the checkpoint held an optimizer state that is not restored.

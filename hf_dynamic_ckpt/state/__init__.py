@@ -14,6 +14,7 @@ from .model import (
     expected_weights,
     frozen_weight_keys,
     is_peft_model,
+    own_weights,
     split_adapters,
     trainable_state_dict,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "fast_forward_scheduler",
     "frozen_weight_keys",
     "is_peft_model",
+    "own_weights",
     "restore_rng_state",
     "split_adapters",
     "trainable_state_dict",

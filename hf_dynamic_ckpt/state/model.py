@@ -85,6 +85,17 @@ def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def own_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state-dict entries of a model without adapters that are a CPU parameter's or buffer's own memory: what
+    a resume can read the weights file straight into (`plan_resume(into=...)`); empty for a PEFT model (its
+    adapters go through PEFT's setter) or a model on another device. A state-dict hook that hands out converted
+    copies leaves those keys out: reading into them would not change the model."""
+    if adapter_names(model):
+        return {}
+    own = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel() and t.device.type == "cpu"}
+    return {k: t for k, t in model.state_dict().items() if t.data_ptr() in own}
+
+
 def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
     """State-dict keys of parameters that do not train (stored once, content-addressed)."""
     if is_peft_model(model):

@@ -152,7 +152,7 @@ class WholeFileCheck:
     def __init__(self, view: memoryview, expected: str, what: str,
                  release: Callable[[int, int], None] | None = None) -> None:
         self._view, self._expected, self._what, self._release = view, expected, what, release
-        self._hasher = _hasher_for(expected, what)
+        self._hasher = hasher_for(expected, what)
         self._stop = False
         self._error: str | None = None
         self._thread = threading.Thread(target=self._run, name="hf-dynamic-ckpt-file-check", daemon=True)
@@ -171,13 +171,13 @@ class WholeFileCheck:
     def check_algorithm(expected: str | None, what: str) -> None:
         """Raise `CorruptCheckpointError` now if `expected` names an algorithm this library cannot compute."""
         if expected is not None:
-            _hasher_for(expected, what)
+            hasher_for(expected, what)
 
     @staticmethod
     def small(path: str | os.PathLike[str], expected: str | None, what: str) -> None:
         """The same check, at once, for a file read without a map (raises on a mismatch)."""
         if expected is not None:
-            _hasher_for(expected, what)
+            hasher_for(expected, what)
             _compare(file_checksum(path, algo=checksum_algo(expected)), expected, what)
 
     def _run(self) -> None:
@@ -202,11 +202,18 @@ class WholeFileCheck:
         _compare(format_checksum(self._hasher), self._expected, self._what)
 
 
-def _hasher_for(expected: str, what: str) -> Hasher:
+def hasher_for(expected: str, what: str) -> Hasher:
+    """A fresh hasher of the algorithm `expected` (``"<algo>:<hex>"``) names (`CorruptCheckpointError` naming
+    `what` for an algorithm this library cannot compute)."""
     try:
         return new_hasher(checksum_algo(expected))
     except ValueError as e:
         raise CorruptCheckpointError(f"{what}: {e}") from None
+
+
+def check_hasher(hasher: Hasher, expected: str, what: str) -> None:
+    """Raise `CorruptCheckpointError` when the finished `hasher` differs from `expected` (``"<algo>:<hex>"``)."""
+    _compare(format_checksum(hasher), expected, what)
 
 
 def _compare(actual: str, expected: str, what: str) -> None:

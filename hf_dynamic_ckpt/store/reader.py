@@ -45,6 +45,7 @@ from .blobs import BlobStore
 from .catalog import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK
 from .fs import LocalFS, is_file, lstat
 from .hashing import checksum_algo, file_checksum
+from .safetensors_io import read_into
 from .shard_files import is_sharded
 from .task import Task, parse_step_dir
 from .types import CheckpointInfo, LoadedCheckpoint
@@ -87,7 +88,7 @@ def _set_status(task: Task, info: CheckpointInfo, status: str) -> None:
 
 
 def load(task: Task, info: CheckpointInfo, *, tiers: Collection[Tier] = ALL_TIERS, rank: int,
-         mmap: bool = True, l1_max_numel: int | None = None) -> LoadedCheckpoint:
+         mmap: bool = True, l1_max_numel: int | None = None, weights_checksum: bool = True) -> LoadedCheckpoint:
     """Verify, then read the requested tiers of `info` (`CheckpointStore.load` documents the arguments)."""
     directory = Path(info.path)
     manifest = _manifest(task, info)
@@ -101,8 +102,10 @@ def load(task: Task, info: CheckpointInfo, *, tiers: Collection[Tier] = ALL_TIER
     names = files_for(manifest, wanted, rank, loaded.warnings, step=info.step)
     blobs = _blobs_of(task, directory)
 
+    hashed = HASHED_ON_READ if weights_checksum else HASHED_ON_READ | {WEIGHTS_NAME}
+
     def problems() -> list[str]:
-        found = file_problems(directory, manifest, names, hashed_on_read=HASHED_ON_READ)
+        found = file_problems(directory, manifest, names, hashed_on_read=hashed)
         if Tier.WEIGHTS in wanted and not is_sharded(manifest):  # a sharded one: weights-rank<R> files
             if WEIGHTS_NAME not in manifest[KEY_FILES]:
                 found.append(f"tier weights is recorded but {WEIGHTS_NAME} is not listed")
@@ -126,6 +129,25 @@ def load(task: Task, info: CheckpointInfo, *, tiers: Collection[Tier] = ALL_TIER
         f"checkpoint {directory} failed verification, nothing was loaded: " + "; ".join(p.rstrip(".") for p in found)
         + ". Restore another checkpoint (a resume falls back automatically)."
     )
+
+
+def read_weights_into(task: Task, loaded: LoadedCheckpoint, targets: Mapping[str, Any], *, verify: bool) -> set[str]:
+    """`CheckpointStore.read_weights_into`: with `verify`, a read that fails (a checksum mismatch, a short file) is
+    tried once more, and a second failure records the checkpoint as corrupt, as `load` does."""
+    path = Path(loaded.info.path) / WEIGHTS_NAME
+    checksum = str(loaded.manifest[KEY_FILES][WEIGHTS_NAME][KEY_CHECKSUM]) if verify else None
+    try:
+        return read_into(path, targets, what="Weights", checksum=checksum)
+    except CorruptCheckpointError as e:
+        if not verify:
+            raise
+        logger.debug("step %d: %s; reading it once more before giving up", loaded.info.step, e)
+    try:
+        return read_into(path, targets, what="Weights", checksum=checksum)
+    except CorruptCheckpointError as e:
+        _set_status(task, loaded.info, STATUS_CORRUPT)
+        raise CorruptCheckpointError(f"checkpoint {loaded.info.path} failed verification: {str(e).rstrip('.')}. "
+                                     "Restore another checkpoint (a resume falls back automatically).") from None
 
 
 def _forget_tiers(loaded: LoadedCheckpoint) -> None:

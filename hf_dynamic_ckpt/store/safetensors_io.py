@@ -35,6 +35,7 @@ import torch
 from ..errors import CorruptCheckpointError, SaveError
 from ..jsonutil import loads_bounded
 from .fs import create, open_read, read_exact
+from .hashing import HASH_CHUNK, check_hasher, hasher_for
 from .tensorpack import HashingWriter
 
 # torch dtype -> (safetensors code, position in safetensors' dtype order). safetensors sorts
@@ -240,38 +241,70 @@ def open_tensors(path: Path, *, mmap: bool, what: str) -> tuple[dict[str, torch.
     return out, metadata
 
 
-def read_into(path: Path, targets: Mapping[str, torch.Tensor], *, what: str) -> set[str]:
+def read_into(path: Path, targets: Mapping[str, torch.Tensor], *, what: str, checksum: str | None = None) -> set[str]:
     """Read the tensors of a safetensors file straight into `targets` (`read()` into their memory: no mapping of the
     file, no tensor in between); returns the keys read.
 
     A key is read where its target is a contiguous CPU tensor of the stored dtype and shape; the others are left
-    to the caller. The file's header is validated as `open_tensors` does; the caller has verified its checksum.
+    to the caller. The file's header is validated as `open_tensors` does. With `checksum` (the manifest's
+    ``"<algo>:<hex>"``) every byte of the file is hashed as it is read, each chunk right after it lands in its
+    target (one pass over the file: the bytes no target takes go through a scratch buffer); without it the caller
+    has verified the file.
 
     Raises:
-        `CorruptCheckpointError`: the file is missing, unreadable, invalid or shorter than its header says (the
-            targets read before the fault hold the file's data, the rest are unchanged).
+        `CorruptCheckpointError`: the file is missing, unreadable, invalid, shorter than its header says, or (with
+            `checksum`) its checksum differs; the targets read before the fault hold the file's data, and after a
+            checksum mismatch they hold the file's (corrupt) bytes.
     """
     try:
         f = open_read(path)
     except OSError as e:  # FileNotFoundError, UnsafePathError (a link), EIO, ...
         raise CorruptCheckpointError(f"{what} file {path} cannot be read ({e}).") from e
+    hasher = None if checksum is None else hasher_for(checksum, f"{what} file {path}")
+    scratch: memoryview | None = None
     read: set[str] = set()
     with f:
+        size = os.fstat(f.fileno()).st_size
         try:
-            base, entries, _ = parse_header(f, os.fstat(f.fileno()).st_size)
+            base, entries, _ = parse_header(f, size)
         except (ValueError, KeyError, TypeError, struct.error) as e:
             raise CorruptCheckpointError(f"{what} file {path} is not a valid safetensors file ({e}).") from e
-        for key, dtype, shape, begin, end in entries:  # in file order: one sequential pass
-            t = targets.get(key)
-            if t is None or t.device.type != "cpu" or t.dtype != dtype or list(t.shape) != shape \
-                    or not t.is_contiguous():
-                continue
-            if end > begin:
-                f.seek(base + begin)
-                try:
-                    read_exact(f, t.detach().reshape(-1).view(torch.uint8).numpy().data,
-                               f"{what} file {path} is truncated inside tensor {key!r}.")
-                except OSError as e:
-                    raise CorruptCheckpointError(f"{what} file {path} cannot be read ({e}).") from e
-            read.add(key)
+        pos = 0  # with a hasher: every byte before `pos` is hashed, in file order
+
+        def skip_to(offset: int) -> None:  # hash [pos, offset) through the scratch buffer
+            nonlocal pos, scratch
+            if hasher is None or offset <= pos:
+                return
+            if scratch is None:
+                scratch = memoryview(bytearray(min(HASH_CHUNK, max(offset - pos, 1 << 16))))
+            f.seek(pos)
+            while pos < offset:
+                part = scratch[: min(len(scratch), offset - pos)]
+                read_exact(f, part, f"{what} file {path} is shorter than its header says.")
+                hasher.update(part)
+                pos += len(part)
+
+        try:
+            for key, dtype, shape, begin, end in entries:  # in file order: one sequential pass
+                t = targets.get(key)
+                if t is None or t.device.type != "cpu" or t.dtype != dtype or list(t.shape) != shape \
+                        or not t.is_contiguous():
+                    continue
+                if end > begin:
+                    skip_to(base + begin)
+                    f.seek(base + begin)
+                    view = t.detach().reshape(-1).view(torch.uint8).numpy().data
+                    for start in range(0, view.nbytes, HASH_CHUNK):
+                        part = view[start : start + HASH_CHUNK]
+                        read_exact(f, part, f"{what} file {path} is truncated inside tensor {key!r}.")
+                        if hasher is not None:
+                            hasher.update(part)  # the chunk just read: still in the CPU's caches
+                    pos = base + end
+                read.add(key)
+            skip_to(size)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{what} file {path} cannot be read ({e}).") from e
+    if hasher is not None:
+        assert checksum is not None
+        check_hasher(hasher, checksum, f"{what} file {path}")
     return read

@@ -73,7 +73,6 @@ from ..constants import (
     MANIFEST_NAME,
     STEP_DIR_PREFIX,
     TIMELINES_NAME,
-    WEIGHTS_NAME,
     Tier,
 )
 from ..errors import (
@@ -92,7 +91,6 @@ from .commit import commit_save
 from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
 from .remote import Remote, split_root
-from .safetensors_io import read_into
 from .shard_files import gather_weights, sharded_table
 from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
 from .task import NAMED_REFS, Task, parse_step_dir, step_dir_name
@@ -436,7 +434,7 @@ class CheckpointStore:
         return self.task.resolve(ref)
 
     def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None,
-             mmap: bool = True, l1_max_numel: int | None = None) -> LoadedCheckpoint:
+             mmap: bool = True, l1_max_numel: int | None = None, weights_checksum: bool = True) -> LoadedCheckpoint:
         """Verify, then read the requested tiers of a checkpoint.
 
         Every file read is checked (size, checksum; blobs by content digest) before any
@@ -453,6 +451,9 @@ class CheckpointStore:
                 `False` reads both into memory.
             l1_max_numel (`int`, *optional*): the most elements an optimizer-tier tensor may declare
                 (`state.optimizer.state_numel_bound` of the model); checked before anything is allocated.
+            weights_checksum (`bool`, *optional*, defaults to `True`): `False` checks the weights file's size and
+                header only, and leaves its checksum to `read_weights_into(..., verify=True)`, which must run before
+                any weight is used (a resume that reads the file into the model once, hashing as it reads).
 
         Returns:
             `LoadedCheckpoint`.
@@ -466,18 +467,27 @@ class CheckpointStore:
         """
         info = self.resolve(ref)
         return reader.load(self.task, info, tiers=tiers, rank=self.rank if rank is None else rank, mmap=mmap,
-                           l1_max_numel=l1_max_numel)
+                           l1_max_numel=l1_max_numel, weights_checksum=weights_checksum)
 
-    def read_weights_into(self, info: CheckpointInfo, targets: Mapping[str, torch.Tensor]) -> set[str]:
-        """Read the weights file of `info`, which `load` has verified, straight into `targets` (a model's own
-        tensors: no mapping of the file, no tensor in between); returns the keys read. A key is read where its
-        target is a contiguous CPU tensor of the stored dtype and shape, the rest is the caller's.
+    def read_weights_into(self, loaded: LoadedCheckpoint, targets: Mapping[str, torch.Tensor], *,
+                          verify: bool = False) -> set[str]:
+        """Read the weights file of `loaded` straight into `targets` (a model's own tensors: no mapping of the file,
+        no tensor in between); returns the keys read. A key is read where its target is a contiguous CPU tensor of
+        the stored dtype and shape, the rest is the caller's.
+
+        Args:
+            loaded (`LoadedCheckpoint`): what `load` returned for the checkpoint.
+            targets (`Mapping[str, Tensor]`): where each weight goes.
+            verify (`bool`, *optional*, defaults to `False`): hash the whole file as it is read and compare the
+                manifest's checksum (one pass, for a `load(..., weights_checksum=False)`); without it `load` has
+                verified the file.
 
         Raises:
-            `CorruptCheckpointError`: the file cannot be read or does not parse (targets read before the fault
-                hold the file's data).
+            `CorruptCheckpointError`: the file cannot be read, does not parse or (with `verify`) fails its checksum
+                twice, which records the checkpoint as corrupt. The targets then hold what was read of the file:
+                they are not restored.
         """
-        return read_into(Path(info.path) / WEIGHTS_NAME, targets, what="Weights")
+        return reader.read_weights_into(self.task, loaded, targets, verify=verify)
 
     def gather_weights(self, loaded: LoadedCheckpoint) -> None:
         """Replace the placeholders of a sharded checkpoint's weights (FSDP2, DeepSpeed ZeRO; `load` reads names and

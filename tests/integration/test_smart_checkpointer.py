@@ -184,3 +184,41 @@ def test_pre_anomaly_capture_resumes_exactly(tmp_path: Path):
     assert resumed_from == 12 and sorted(resumed) == [13, 14, 15]
     for step, row in resumed.items():
         assert row["loss"] == ref[step]["loss"] and row["micro"] == ref[step]["micro"], step
+
+
+def test_a_full_model_resume_reads_the_weights_file_once_into_the_parameters(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate import Accelerator
+
+    import hf_dynamic_ckpt.store.reader as reader
+
+    def build(seed: int) -> tuple:
+        accelerator = Accelerator(cpu=True)
+        model = toy.tiny_qwen2(seed=seed, vocab_size=64, hidden_size=32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = accelerator.prepare(model, opt)
+        config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=2, engine="sync")
+        return accelerator, model, opt, SmartCheckpointer(accelerator, model, opt, config=config)
+
+    _, model, opt, ckpt = build(0)
+    batch = {"input_ids": torch.arange(12).reshape(2, 6) % 64}
+    with ckpt:
+        for _ in range(2):
+            model(**batch, labels=batch["input_ids"]).loss.backward()
+            ckpt.before_update()
+            opt.step()
+            opt.zero_grad()
+            ckpt.after_update()
+    saved = load_file(tmp_path / "store" / "default" / "step-2" / "weights.safetensors")
+    hashed: list[str] = []
+    real = reader.file_checksum
+    monkeypatch.setattr(reader, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
+                        or real(path, algo))
+    _, model, _, again = build(9)
+    with again:
+        loaded = again.resume("auto")
+        assert loaded is not None and loaded.info.step == 2 and "weights.safetensors" not in hashed
+        live = model.state_dict()
+        assert all(torch.equal(live[k], v) for k, v in saved.items())
+        params = {p.data_ptr() for p in model.parameters()}
+        assert all(loaded.weights[k].data_ptr() in params for k in saved)  # the parameters, not a file map

@@ -56,8 +56,15 @@ def test_the_weights_are_in_the_model_before_train_and_trainer_does_not_load_the
     make_trainer(tmp_path, 4, lora=lora).train()
     saved = stored_weights(tmp_path, 4)
     calls = count_loads(monkeypatch)
+    import hf_dynamic_ckpt.store.reader as reader
+
+    hashed: list[str] = []  # files hashed in a pass of their own (not as they are read)
+    real = reader.file_checksum
+    monkeypatch.setattr(reader, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
+                        or real(path, algo))
     trainer = make_trainer(tmp_path, 6, lora=lora)
     folder = resume_checkpoint(trainer, "auto")
+    assert ("weights.safetensors" in hashed) == lora  # a full model's file: read once, hashed as it is read
     file = "adapter_model.safetensors" if lora else "model.safetensors"
     assert folder is not None and Path(folder, file).is_file()  # for a Trainer that loads it anyway
     live = trainer.model.state_dict()

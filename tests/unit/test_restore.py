@@ -285,3 +285,55 @@ def test_check_weights_truncates_long_lists() -> None:
     assert ("missing from the checkpoint (13): k00, k01, k02, k03, k04, k05, k06, k07, k08, k09, ... and 3 more."
             in str(exc.value))
     assert "unexpected" not in str(exc.value)
+
+
+def _targets() -> dict[str, torch.Tensor]:
+    """A model's own tensors for the trainable weights of `_state` (the frozen one is a blob, copied by the caller)."""
+    return {"layer.weight": torch.full((16, 8), -1.0), "layer.bias": torch.full((16,), -1.0)}
+
+
+def test_into_reads_the_weights_file_once_into_the_targets_as_it_verifies_it(
+        store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_dynamic_ckpt.store.reader as reader
+
+    hashed: list[str] = []
+    real = reader.file_checksum
+    monkeypatch.setattr(reader, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
+                        or real(path, algo))
+    targets = _targets()
+    memory = {k: t.data_ptr() for k, t in targets.items()}
+    loaded = _resume(store, "auto", into=targets)
+    assert loaded.info.step == 2 and WEIGHTS_NAME not in hashed  # no separate checksum pass over the file
+    assert all(loaded.weights[k] is targets[k] and targets[k].data_ptr() == memory[k] for k in targets)
+    _assert_exact(loaded, 2)
+
+
+def test_into_a_candidate_that_fails_its_checksum_falls_back_and_the_targets_hold_the_older_weights(
+        store: CheckpointStore) -> None:
+    _damage(_file(store, WEIGHTS_NAME), "flip")
+    targets = _targets()
+    loaded = _resume(store, "auto", into=targets)
+    assert loaded.info.step == 1
+    assert loaded.warnings[0].startswith("weights of step 2 cannot be loaded (checkpoint ")
+    assert "checksum mismatch" in loaded.warnings[0]
+    assert all(loaded.weights[k] is targets[k] for k in targets)
+    _assert_exact(loaded, 1)
+    assert {i.step: i.status for i in store.list(include_unhealthy=True)} == {2: "corrupt", 1: "ok"}
+
+
+def test_into_when_no_candidate_is_usable_the_error_says_the_targets_were_overwritten(
+        store: CheckpointStore) -> None:
+    for step in (1, 2):
+        _damage(store.task_dir / f"step-{step}" / WEIGHTS_NAME, "flip")
+    with pytest.raises(CheckpointNotFoundError, match=r"\(tried steps 2, 1\): .* or start fresh\. The model's "
+                       r"weights were overwritten by this resume's reads \(they hold the bytes of a checkpoint "
+                       r"that failed its checksum\): build the model again before training it\.$"):
+        _resume(store, "step:2", into=_targets())
+
+
+def test_into_weights_that_do_not_fit_the_model_leave_the_targets_untouched(store: CheckpointStore) -> None:
+    targets = {"layer.weight": torch.full((16, 9), -1.0), "layer.bias": torch.full((16,), -1.0)}
+    expected = {**targets, FROZEN: torch.zeros(8, 8)}
+    with pytest.raises(IncompatibleStateError, match="shape mismatch"):
+        _resume(store, "auto", into=targets, expected=expected)
+    assert all(bool((t == -1).all()) for t in targets.values())

@@ -321,3 +321,28 @@ def test_read_into_a_truncated_file_names_the_tensor(tmp_path: Path) -> None:
         read_into(path, {"a": torch.zeros(64)}, what="Weights")
     with pytest.raises(CorruptCheckpointError, match=r"w\.safetensors cannot be read"):
         read_into(tmp_path / "missing" / "w.safetensors", {}, what="Weights")
+
+
+def test_read_into_with_a_checksum_hashes_every_byte_of_the_file_in_one_pass(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    stored = {"a": torch.randn(3000), "b": torch.randn(7), "c": torch.arange(5, dtype=torch.int64)}
+    save_file(stored, str(path))
+    checksum = file_checksum(path)
+    for keys in ({"a", "b", "c"}, {"b"}, set()):  # what no target takes is hashed through a scratch buffer
+        targets = {k: torch.zeros_like(stored[k]) for k in keys}
+        assert read_into(path, targets, what="Weights", checksum=checksum) == keys
+        assert all(torch.equal(targets[k], stored[k]) for k in keys)
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    # inside a target, inside the last tensor (no target), inside the header
+    for where, why in ((header + 4, "checksum mismatch"), (len(data) - 4, "checksum mismatch"),
+                       (10, "checksum mismatch|not a valid safetensors file")):
+        damaged = bytearray(data)
+        damaged[where] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        target = torch.zeros(3000)
+        with pytest.raises(CorruptCheckpointError, match=why):
+            read_into(path, {"a": target}, what="Weights", checksum=checksum)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"Unknown checksum algorithm 'md0'"):
+        read_into(path, {}, what="Weights", checksum="md0:00")
