@@ -448,6 +448,9 @@ class ZeroGradSquares:
     def __init__(self, zero: ZeroState, bucket: Callable[[str], int], buckets: int) -> None:
         self._zero, self._bucket, self._n = zero, bucket, buckets
         self._sq: list[float] | None = None
+        # (partition, bucket, offset, length) of every fragment: the partitions' layout is fixed once the engine
+        # exists (a load writes into it), so the walk over the parameters runs at the first step only.
+        self._layout: list[tuple[int, int, int, int]] | None = None
         self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
 
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -456,12 +459,14 @@ class ZeroGradSquares:
         wanted = {i for i, flat in enumerate(flats) if id(flat) in stepping and flat.grad is not None}
         if not wanted:
             return
+        if self._layout is None:
+            self._layout = [(f.flat, self._bucket(f.name), f.at, f.numel) for f in self._zero.fragments()]
         pieces: list[tuple[int, torch.Tensor]] = []
-        for f in self._zero.fragments():
-            if f.flat in wanted:
-                grad = flats[f.flat].grad
+        for flat, bucket, at, numel in self._layout:
+            if flat in wanted:
+                grad = flats[flat].grad
                 assert grad is not None
-                pieces.append((self._bucket(f.name), grad.narrow(0, f.at, f.numel)))
+                pieces.append((bucket, grad.narrow(0, at, numel)))
         if not pieces:
             return
         norms = torch.stack(torch._foreach_norm([g for _, g in pieces], 2.0)).to(torch.float64).tolist()

@@ -80,3 +80,24 @@ def test_a_scheduler_the_deepspeed_engine_steps_has_no_pace_to_keep() -> None:
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer)
     assert natural_pace(DeepSpeedSchedulerWrapper(scheduler, optimizer), 2) is None
     assert natural_pace(AcceleratedScheduler(scheduler, optimizer), 2) == 2
+
+
+def test_the_gradient_squares_per_bucket_come_from_the_partitions_stepped_at_every_step() -> None:
+    from hf_dynamic_ckpt.state.zero import ZeroGradSquares
+
+    model, zero, base = stand_in()
+    for p, at in ((model.weight, 0), (model.bias, 0)):  # each parameter whole in its group's partition
+        p._hp_mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=0, numel=p.numel()),
+                                        hp_fragment_address=SimpleNamespace(start=at, numel=p.numel()))
+    squares = ZeroGradSquares(ZeroState(model, zero, rank=0), lambda name: 0 if name == "weight" else 1, 2)
+    assert squares.pop() is None
+    flats = zero.single_partition_of_fp32_groups
+    for grads in ((torch.tensor([1.0, 2.0, 0.0, 2.0]), torch.tensor([3.0, 4.0])),
+                  (torch.tensor([0.5, 0.5, 0.5, 0.5]), torch.tensor([0.0, 2.0]))):
+        for flat, grad in zip(flats, grads):
+            flat.grad = grad.clone()  # a new gradient tensor each step, as the engine hands them over
+        base.step()
+        assert squares.pop() == pytest.approx([float(grads[0].square().sum()), float(grads[1].square().sum())])
+    squares.remove()
+    base.step()
+    assert squares.pop() is None
