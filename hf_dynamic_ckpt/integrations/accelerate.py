@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..policy.decision import Decision, DecisionKind
 from ..run.elastic import StepRandomness
 from ..run.orchestrator import SaveEvent
+from ..run.resume import weights_overwritten
 from ..run.rollback import Rollback
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
@@ -274,12 +275,18 @@ class SmartCheckpointer:
             `GlobalBatchError`: on another number of processes, no gradient accumulation keeps the checkpoint's
                 global batch with this per-device batch (the message names settings that would).
         """
-        loaded = self.run.resume(ref, expected=self.state.weights(), into=self.state.read_targets())
+        into = self.state.read_targets()
+        loaded = self.run.resume(ref, expected=self.state.weights(), into=into)
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)
             return None
-        apply_elastic(loaded, saved_extra=loaded.extra.get(KEY_ACCELERATE) or {}, state=self.state, run=self.run,
-                      accelerator=self.accelerator)
+        try:
+            apply_elastic(loaded, saved_extra=loaded.extra.get(KEY_ACCELERATE) or {}, state=self.state,
+                          run=self.run, accelerator=self.accelerator)
+        except ConfigError as e:  # GlobalBatchError: the weights are in the model already
+            if not into:
+                raise
+            raise type(e)(f"{e}{weights_overwritten(f'the weights of step {loaded.info.step}')}") from None
         self.state.apply(loaded)
         if self.state.loader is not None:
             self.state.loader.mark_boundary()

@@ -56,6 +56,7 @@ from ..run.elastic import (
     world_change_note,
 )
 from ..run.orchestrator import RunOrchestrator
+from ..run.resume import weights_overwritten
 from ..run.rollback import Rollback
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
 from ..state.flat import FlatKeeper
@@ -176,13 +177,19 @@ class SmartCkptCallback(TrainerCallback):
             return None
         ck = self.get_run(trainer.args)
         zero = bool(getattr(trainer, "is_deepspeed_enabled", False))  # ZeRO: read into the engine at train begin
+        into = None if zero else read_targets(trainer)
         loaded = ck.resume(os.fspath(ref), background_optimizer=True,
                            expected=zero_expected(trainer.model) if zero else expected_weights(trainer.model),
-                           into=None if zero else read_targets(trainer))
+                           into=into)
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
-        self._plan_batch(trainer, loaded, ck)
+        try:
+            self._plan_batch(trainer, loaded, ck)
+        except ConfigError as e:  # GlobalBatchError: the weights are in the model already
+            if not into:
+                raise
+            raise type(e)(f"{e}{weights_overwritten(f'the weights of step {loaded.info.step}')}") from None
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
         if zero:
             skip_deepspeed_load(trainer, folder)

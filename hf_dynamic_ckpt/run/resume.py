@@ -110,13 +110,35 @@ class _Into:
     touched: bool = False  # some read wrote into them
 
     def read(self, store: CheckpointStore, loaded: LoadedCheckpoint) -> None:
-        """Read `loaded`'s weights file into the targets, verified; `loaded.weights` then names them."""
+        """Read `loaded`'s weights file into the targets, verified; `loaded.weights` then names them.
+
+        Raises:
+            `CorruptCheckpointError`: as `CheckpointStore.read_weights_into` (`step` is then `None` if a byte was
+                written).
+        """
         assert loaded.weights is not None
-        self.step, self.touched = None, True
-        keys = store.read_weights_into(loaded, self.targets, verify=True)
+
+        def writing() -> None:
+            self.step, self.touched = None, True
+
+        keys = store.read_weights_into(loaded, self.targets, verify=True, on_write=writing)
         self.step = loaded.info.step
         for key in keys:
             loaded.weights[key] = self.targets[key]
+
+    def note(self) -> str:
+        """What an error raised after a read into the targets adds ('' when nothing was written)."""
+        if not self.touched:
+            return ""
+        held = "the bytes of a checkpoint that failed its checksum" if self.step is None \
+            else f"the weights of step {self.step}"
+        return weights_overwritten(held)
+
+
+def weights_overwritten(held: str) -> str:
+    """The sentence an error adds when a resume had read weights into the model before it failed."""
+    return (f" The model's weights were overwritten by this resume's reads (they hold {held}): build the model "
+            "again before training it.")
 
 
 def _retry_once(fn: Callable[[], Any]) -> Any:
@@ -148,7 +170,18 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     table = sharded_table(loaded.manifest)
     if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
         check_sharding(step, loaded.manifest, expected, saved_flat=table is not None and is_flat(table))
-        check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
+        try:
+            check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
+        except IncompatibleStateError:
+            if into is None or table is not None:
+                raise
+            # The names and shapes came from a header not yet hashed: a damaged one is a corrupt checkpoint (a
+            # fallback), not a model that does not fit. Its checksum, on this path only, decides which.
+            try:
+                store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=True)
+            except CorruptCheckpointError as e:
+                return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
+            raise
     if into is not None and table is None:  # the file's checksum: only now, as it is read into the model
         try:
             into.read(store, loaded)
@@ -377,10 +410,7 @@ def plan_resume(
     except DynamicCkptError as e:
         if target is None or not target.touched:
             raise
-        held = "the bytes of a checkpoint that failed its checksum" if target.step is None \
-            else f"the weights of step {target.step}"
-        raise type(e)(f"{e} The model's weights were overwritten by this resume's reads (they hold {held}): "
-                      "build the model again before training it.") from None
+        raise type(e)(f"{e}{target.note()}") from None
     if agreed is None:
         return None
     loaded, degraded, skipped = agreed
@@ -467,8 +497,9 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
     mine = evaluated[chosen]
     loaded = mine.loaded
     assert loaded is not None
-    if into is not None and into.touched and into.step != chosen and sharded_table(loaded.manifest) is None:
-        into.read(store, loaded)  # a newer candidate, usable here but not on another rank, was read over it
+    # Every rank ends a round holding the weights of the last candidate it found usable (`_evaluate_until_usable`),
+    # and the choice is one of them.
+    assert into is None or not into.touched or into.step == chosen or sharded_table(loaded.manifest) is not None
     row = [r[chosen] for r in results]
     lost = [(i, o["optimizer_lost"]) for i, o in enumerate(row) if o["optimizer_lost"] is not None]
     # Weights only: degraded when the checkpoint held an optimizer state that is not restored.
@@ -492,11 +523,23 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
 
 def _evaluate_until_usable(store: CheckpointStore, candidates: list[CheckpointInfo], evaluated: dict[int, _Outcome],
                            **kwargs: Any) -> None:
-    """Try `candidates` in order (reusing earlier results) until one is usable on this rank."""
+    """Try `candidates` in order (reusing earlier results) until one is usable on this rank.
+
+    With `into`, the targets then hold that candidate's weights: an earlier result reused after a newer candidate
+    was read over them (a round that starts above it: the ranks listed different candidates) is read again here,
+    before the findings are shared, so a failure is a finding like any other."""
+    into: _Into | None = kwargs.get("into")
     for info in candidates:
         outcome = evaluated.get(info.step)
         if outcome is None:
             outcome = evaluated[info.step] = _evaluate(store, info, **kwargs)
+        elif outcome.usable and into is not None and into.touched and into.step != info.step \
+                and outcome.loaded is not None and sharded_table(outcome.loaded.manifest) is None:
+            try:
+                into.read(store, outcome.loaded)
+            except CorruptCheckpointError as e:
+                outcome = evaluated[info.step] = _Outcome(info.step, False,
+                                                          f"weights of step {info.step} cannot be loaded ({e})")
         if outcome.usable:
             return
 

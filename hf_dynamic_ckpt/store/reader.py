@@ -15,7 +15,7 @@ verified files.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -131,19 +131,20 @@ def load(task: Task, info: CheckpointInfo, *, tiers: Collection[Tier] = ALL_TIER
     )
 
 
-def read_weights_into(task: Task, loaded: LoadedCheckpoint, targets: Mapping[str, Any], *, verify: bool) -> set[str]:
+def read_weights_into(task: Task, loaded: LoadedCheckpoint, targets: Mapping[str, Any], *, verify: bool,
+                      on_write: Callable[[], None] | None = None) -> set[str]:
     """`CheckpointStore.read_weights_into`: with `verify`, a read that fails (a checksum mismatch, a short file) is
     tried once more, and a second failure records the checkpoint as corrupt, as `load` does."""
     path = Path(loaded.info.path) / WEIGHTS_NAME
     checksum = str(loaded.manifest[KEY_FILES][WEIGHTS_NAME][KEY_CHECKSUM]) if verify else None
     try:
-        return read_into(path, targets, what="Weights", checksum=checksum)
+        return read_into(path, targets, what="Weights", checksum=checksum, on_write=on_write)
     except CorruptCheckpointError as e:
         if not verify:
             raise
         logger.debug("step %d: %s; reading it once more before giving up", loaded.info.step, e)
     try:
-        return read_into(path, targets, what="Weights", checksum=checksum)
+        return read_into(path, targets, what="Weights", checksum=checksum, on_write=on_write)
     except CorruptCheckpointError as e:
         _set_status(task, loaded.info, STATUS_CORRUPT)
         raise CorruptCheckpointError(f"checkpoint {loaded.info.path} failed verification: {str(e).rstrip('.')}. "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +241,8 @@ def open_tensors(path: Path, *, mmap: bool, what: str) -> tuple[dict[str, torch.
     return out, metadata
 
 
-def read_into(path: Path, targets: Mapping[str, torch.Tensor], *, what: str, checksum: str | None = None) -> set[str]:
+def read_into(path: Path, targets: Mapping[str, torch.Tensor], *, what: str, checksum: str | None = None,
+              on_write: Callable[[], None] | None = None) -> set[str]:
     """Read the tensors of a safetensors file straight into `targets` (`read()` into their memory: no mapping of the
     file, no tensor in between); returns the keys read.
 
@@ -249,7 +250,7 @@ def read_into(path: Path, targets: Mapping[str, torch.Tensor], *, what: str, che
     to the caller. The file's header is validated as `open_tensors` does. With `checksum` (the manifest's
     ``"<algo>:<hex>"``) every byte of the file is hashed as it is read, each chunk right after it lands in its
     target (one pass over the file: the bytes no target takes go through a scratch buffer); without it the caller
-    has verified the file.
+    has verified the file. `on_write` is called once, right before the first byte goes into a target.
 
     Raises:
         `CorruptCheckpointError`: the file is missing, unreadable, invalid, shorter than its header says, or (with
@@ -293,6 +294,9 @@ def read_into(path: Path, targets: Mapping[str, torch.Tensor], *, what: str, che
                 if end > begin:
                     skip_to(base + begin)
                     f.seek(base + begin)
+                    if on_write is not None:
+                        on_write()
+                        on_write = None
                     view = t.detach().reshape(-1).view(torch.uint8).numpy().data
                     for start in range(0, view.nbytes, HASH_CHUNK):
                         part = view[start : start + HASH_CHUNK]

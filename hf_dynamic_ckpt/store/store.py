@@ -470,7 +470,7 @@ class CheckpointStore:
                            l1_max_numel=l1_max_numel, weights_checksum=weights_checksum)
 
     def read_weights_into(self, loaded: LoadedCheckpoint, targets: Mapping[str, torch.Tensor], *,
-                          verify: bool = False) -> set[str]:
+                          verify: bool = False, on_write: Callable[[], None] | None = None) -> set[str]:
         """Read the weights file of `loaded` straight into `targets` (a model's own tensors: no mapping of the file,
         no tensor in between); returns the keys read. A key is read where its target is a contiguous CPU tensor of
         the stored dtype and shape, the rest is the caller's.
@@ -481,13 +481,14 @@ class CheckpointStore:
             verify (`bool`, *optional*, defaults to `False`): hash the whole file as it is read and compare the
                 manifest's checksum (one pass, for a `load(..., weights_checksum=False)`); without it `load` has
                 verified the file.
+            on_write (`Callable[[], None]`, *optional*): called once, right before the first byte goes into a target.
 
         Raises:
             `CorruptCheckpointError`: the file cannot be read, does not parse or (with `verify`) fails its checksum
                 twice, which records the checkpoint as corrupt. The targets then hold what was read of the file:
                 they are not restored.
         """
-        return reader.read_weights_into(self.task, loaded, targets, verify=verify)
+        return reader.read_weights_into(self.task, loaded, targets, verify=verify, on_write=on_write)
 
     def gather_weights(self, loaded: LoadedCheckpoint) -> None:
         """Replace the placeholders of a sharded checkpoint's weights (FSDP2, DeepSpeed ZeRO; `load` reads names and

@@ -103,6 +103,8 @@ def test_a_batch_no_accumulation_keeps_is_refused_before_training(two_ranks: tup
     assert ("GlobalBatchError: step 6 was saved with a global batch of 2 process(es) x 4 per device x 2 "
             "accumulation = 16; with 1 process(es) x 3 per device no gradient accumulation gives 16 samples per "
             "step.") in resumed["stderr"]
+    assert ("runtime.keep_global_batch=false. The model's weights were overwritten by this resume's reads (they "
+            "hold the weights of step 6): build the model again before training it.") in resumed["stderr"]
     assert sorted(p.name for p in (out / "run/smart_ckpt/default").iterdir()) == before  # nothing saved or set aside
 
 

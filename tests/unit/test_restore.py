@@ -28,6 +28,7 @@ from hf_dynamic_ckpt.constants import (
 from hf_dynamic_ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedError,
     FormatVersionError,
     IncompatibleStateError,
 )
@@ -337,3 +338,72 @@ def test_into_weights_that_do_not_fit_the_model_leave_the_targets_untouched(stor
     with pytest.raises(IncompatibleStateError, match="shape mismatch"):
         _resume(store, "auto", into=targets, expected=expected)
     assert all(bool((t == -1).all()) for t in targets.values())
+
+
+def _expected() -> dict[str, torch.Tensor]:
+    return {**_targets(), FROZEN: torch.zeros(8, 8)}
+
+
+def test_into_a_damaged_name_in_the_weights_header_is_a_corrupt_checkpoint_not_a_model_that_does_not_fit(
+        store: CheckpointStore) -> None:
+    path = _file(store, WEIGHTS_NAME)
+    data = path.read_bytes()
+    assert data.count(b'"layer.bias"') == 1
+    path.write_bytes(data.replace(b'"layer.bias"', b'"layer.biat"'))  # parses; names a key the model lacks
+    targets = _targets()
+    loaded = _resume(store, "auto", into=targets, expected=_expected())
+    assert loaded.info.step == 1 and "checksum mismatch" in loaded.warnings[0]
+    _assert_exact(loaded, 1)
+    assert {i.step: i.status for i in store.list(include_unhealthy=True)} == {2: "corrupt", 1: "ok"}
+
+
+def test_into_a_read_that_fails_before_writing_leaves_the_targets_and_the_error_does_not_say_otherwise(
+        store: CheckpointStore) -> None:
+    # A checksum of an algorithm this library cannot compute: the read stops before its first byte lands.
+    for step in (1, 2):
+        path = store.task_dir / f"step-{step}" / MANIFEST_NAME
+        manifest = json.loads(path.read_text())
+        manifest["files"][WEIGHTS_NAME]["checksum"] = "sha3_999:00"
+        manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+        path.write_text(json.dumps(manifest))
+    targets = _targets()
+    with pytest.raises(CheckpointNotFoundError, match=r"Unknown checksum algorithm 'sha3_999'") as e:
+        _resume(store, "auto", into=targets)
+    assert "overwritten" not in str(e.value)
+    assert all(bool((t == -1).all()) for t in targets.values())
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["intact", "damaged_between_rounds"])
+def test_into_a_rank_that_read_a_newer_candidate_of_another_ranks_list_reads_the_chosen_one_again(
+        store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, damaged: bool) -> None:
+    # This process is rank 1 of 2 and resumes `step:1`; rank 0 (a stand-in) listed steps 2 and 1, so rank 1 tries 2
+    # in the second round: its weights go into the targets, but its RNG file is broken (with 2 ranks: unusable).
+    # Step 1, usable in the first round, is read again before the findings are shared: intact, it is chosen and
+    # the targets hold its weights; damaged meanwhile, that is a finding every rank sees (no rank goes on alone).
+    import hf_dynamic_ckpt.run.resume as resume
+
+    (store.task_dir / "step-2" / "rng-rank0.json").write_text("{")
+    ok = {"usable": True, "reason": None, "optimizer_lost": None, "scheduler_salvaged": False}
+    rounds = [[{"step": 2, **ok}], [{"step": 2, **ok}], [{"step": 2, **ok}, {"step": 1, **ok}]]
+    mine: list[dict[int, bool]] = []
+
+    def gather(report: dict[str, Any]) -> list[dict[str, Any]]:
+        mine.append({int(r["step"]): r["usable"] for r in report["results"]})
+        if damaged and len(mine) == 1:
+            _damage(store.task_dir / "step-1" / WEIGHTS_NAME, "flip")
+        other = {"fresh": False, "candidates": [2, 1], "error": None, "results": rounds[len(mine) - 1]}
+        return [other, report]
+
+    monkeypatch.setattr(resume.dist, "all_gather_json", gather)
+    targets = _targets()
+    if damaged:
+        with pytest.raises(DistributedError, match=r"^resume: none of the checkpoints \[2, 1\] is usable on all 2 "
+                                                   r"ranks .*step 1 is not complete on every rank: rank 1: weights of "
+                                                   r"step 1 cannot be loaded \(.*checksum mismatch"):
+            _resume(store, "step:1", into=targets, rank=1, world_size=2)
+        assert mine[:2] == [{1: True}, {1: False, 2: False}]
+        return
+    loaded = _resume(store, "step:1", into=targets, rank=1, world_size=2)
+    assert mine == [{1: True}, {1: True, 2: False}, {1: True, 2: False}]
+    assert loaded.info.step == 1 and all(loaded.weights[k] is targets[k] for k in targets)
+    _assert_exact(loaded, 1)
