@@ -275,7 +275,7 @@ class SmartCheckpointer:
             `GlobalBatchError`: on another number of processes, no gradient accumulation keeps the checkpoint's
                 global batch with this per-device batch (the message names settings that would).
         """
-        into = self.state.read_targets()
+        into = None if self.run.sharded else self.state.read_targets()
         loaded = self.run.resume(ref, expected=self.state.weights(), into=into)
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)

@@ -803,6 +803,12 @@ class RunOrchestrator:
                            resumption.elapsed_ms, self.config.runtime.recovery_timeout_ms, info.recovery_cost_ms)
 
     @property
+    def sharded(self) -> bool:
+        """Whether the attached model's state is saved and read as shards (FSDP2, DeepSpeed ZeRO): a resume reads
+        them itself (`resume`'s `into` is not used)."""
+        return self._sharded is not None
+
+    @property
     def zero(self) -> bool:
         """Whether the attached model trains under DeepSpeed ZeRO (its state is saved and read as fragments)."""
         return isinstance(self._sharded, ZeroState)
