@@ -10,6 +10,7 @@ the same ones the Trainer callback uses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,18 +105,17 @@ class AccelerateState:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """L0 tensors of every model (the second model's keys prefixed `model_1.`, ...)."""
-        out: dict[str, torch.Tensor] = {}
-        for i, model in enumerate(self.models()):
-            prefix = "" if i == 0 else _MODEL_PREFIX.format(i)
-            out.update({prefix + k: v for k, v in trainable_state_dict(model).items()})
-        return out
+        return self._of_every_model(trainable_state_dict)
 
     def read_targets(self) -> dict[str, torch.Tensor]:
         """The models' own tensors a resume reads the weights file into (`state.own_weights`, keys as `weights`)."""
+        return self._of_every_model(own_weights)
+
+    def _of_every_model(self, tensors: Callable[[torch.nn.Module], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for i, model in enumerate(self.models()):
             prefix = "" if i == 0 else _MODEL_PREFIX.format(i)
-            out.update({prefix + k: v for k, v in own_weights(model).items()})
+            out.update({prefix + k: v for k, v in tensors(model).items()})
         return out
 
     def frozen_keys(self) -> frozenset[str]:
