@@ -60,3 +60,10 @@ class RollbackError(DynamicCkptError, RuntimeError):
 
 class UnsafePathError(DynamicCkptError, PermissionError):
     """A path the store was about to change resolves outside the store root, or through a symbolic link."""
+
+
+def weights_overwritten(held: str) -> str:
+    """The sentence an error adds when a resume had read weights into the model before it failed (`held`: what the
+    model's weights are now)."""
+    return (f" The model's weights were overwritten by this resume's reads (they hold {held}): build the model "
+            "again before training it.")

@@ -26,11 +26,10 @@ import torch
 
 from .. import distributed as dist
 from ..config import SmartCkptConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, weights_overwritten
 from ..policy.decision import Decision, DecisionKind
 from ..run.elastic import StepRandomness
 from ..run.orchestrator import SaveEvent
-from ..run.resume import weights_overwritten
 from ..run.rollback import Rollback
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator

@@ -44,7 +44,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from .. import distributed as dist
 from ..config import OnAnomaly, SmartCkptConfig
 from ..constants import KEY_RNG_AT, KEY_TRAINER_STATE, RNG_AT_STEP_BEGIN
-from ..errors import ConfigError
+from ..errors import ConfigError, weights_overwritten
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
 from ..run.elastic import (
@@ -56,7 +56,6 @@ from ..run.elastic import (
     world_change_note,
 )
 from ..run.orchestrator import RunOrchestrator
-from ..run.resume import weights_overwritten
 from ..run.rollback import Rollback
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
 from ..state.flat import FlatKeeper

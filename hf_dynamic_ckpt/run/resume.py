@@ -54,6 +54,7 @@ from ..errors import (
     DynamicCkptError,
     FormatVersionError,
     IncompatibleStateError,
+    weights_overwritten,
 )
 from ..state.model import check_weights
 from ..state.optimizer import state_numel_bound
@@ -133,12 +134,6 @@ class _Into:
         held = "the bytes of a checkpoint that failed its checksum" if self.step is None \
             else f"the weights of step {self.step}"
         return weights_overwritten(held)
-
-
-def weights_overwritten(held: str) -> str:
-    """The sentence an error adds when a resume had read weights into the model before it failed."""
-    return (f" The model's weights were overwritten by this resume's reads (they hold {held}): build the model "
-            "again before training it.")
 
 
 def _retry_once(fn: Callable[[], Any]) -> Any:
