@@ -68,6 +68,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         return 0
     table([["TASK", "STEP", "REASON", "TIERS", "PROCS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"],
            *(_info_row(i) for i in infos)], sys.stdout)
+    pinned = [i for i in infos if i.pinned]
+    if pinned:
+        why = ", ".join(sorted({i.reason or "-" for i in pinned}))
+        print(f"pinned ({why}): kept whatever retention says until unpinned (`hf-dynamic-ckpt unpin ROOT step:N`); "
+              "a save_state checkpoint is unpinned once Accelerate rotates its folder away. The others are kept by "
+              "the run's retention (keep_last, log-spaced history; Accelerate's total_limit with the state hooks).")
     if removed:
         shown = removed if args.all else removed[-3:]
         more = "" if args.all or len(removed) <= 3 else f"; the last 3 of {len(removed)} (`--all` lists every one)"

@@ -41,6 +41,13 @@ def store_root(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.P
     return config.resolve_root(output_dir)
 
 
+def accelerate_total_limit(accelerator: Any) -> int | None:
+    """`ProjectConfiguration.total_limit` when Accelerate names and rotates its checkpoint folders itself."""
+    project = getattr(accelerator, "project_configuration", None)
+    limit = getattr(project, "total_limit", None) if getattr(project, "automatic_checkpoint_naming", False) else None
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
 def make_orchestrator(config: SmartCkptConfig, accelerator: Any, root: str) -> RunOrchestrator:
     """The run's orchestrator on the accelerator's rank and number of processes.
 
@@ -79,9 +86,10 @@ class SmartStateHooks:
 
     The pair always runs after every other save / load pre-hook of the accelerator, registered
     before or after it: those see Accelerate's full `models` and `weights` lists. With
-    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`, a checkpoint pinned
-    for a folder Accelerate rotated away is unpinned; the store's retention (`keep_last`,
-    log-spaced history) then keeps or removes it like any other checkpoint.
+    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)`, the store keeps at most N
+    checkpoints besides pinned captures (hooks that own their run retain with `keep_last=N`, no
+    log-spaced history): a checkpoint pinned for a folder Accelerate rotated away is unpinned, and
+    retention removes it.
 
     Args:
         accelerator (`accelerate.Accelerator`): after `prepare(...)`.
@@ -124,6 +132,10 @@ class SmartStateHooks:
         self.state = state
         self._owns_run = run is None
         if run is None:
+            limit = accelerate_total_limit(accelerator)
+            if limit is not None:  # the user's bound on saved states holds in the store too
+                keep = limit if config.keep_last is None else min(config.keep_last, limit)
+                config = config.replace(keep_last=keep, policy={"keep_log_spaced": False})
             # The hooks only save when asked: no preemption handlers (nobody would act on them).
             run = make_orchestrator(config.replace(runtime={"preemption_signals": ()}), accelerator,
                                     store_root(config, accelerator, output_dir))
@@ -172,9 +184,7 @@ class SmartStateHooks:
     def _save_hook(self, models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]],
                    output_dir: str) -> None:
         step = self.state.optimizer_steps
-        project = getattr(self.accelerator, "project_configuration", None)
-        if self.run.rank == 0 and getattr(project, "automatic_checkpoint_naming", False) \
-                and getattr(project, "total_limit", None) is not None:
+        if self.run.rank == 0 and accelerate_total_limit(self.accelerator) is not None:
             # Accelerate has rotated its folders before this hook: their checkpoints are ordinary ones now.
             self._unpin_rotated(Path(output_dir).parent)
         # Pinned: a state the user asked for by name must outlive automatic retention.

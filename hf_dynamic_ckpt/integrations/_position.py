@@ -15,13 +15,16 @@ is the next epoch's start: `(epoch + 1, 0)`, with the sampler generator's state 
 A resume from it creates the next epoch's iterator from the saved RNG, as the uninterrupted
 run did, and a `for epoch in range(ckpt.epoch, n)` loop loses no epoch.
 
-Persistent workers: the uninterrupted run created the loader's iterator once, in its first
-epoch, and only reset it later; a resumed run creates it again, which draws the workers' base
-seed from the main torch generator before the sampler draws the epoch's order from it. From the
-second epoch on, that base seed is therefore drawn from a throwaway generator (the loader's
-`generator` attribute, for the creation only): the order and the main stream stay the
-uninterrupted run's. Randomness inside the workers (augmentation in a dataset or a collator
-run by a worker) is not reproduced across a resume: its generators live in the worker processes.
+Every loader the run iterates is part of the position (`LoaderSeeds`): the training loader and the others the
+run evaluates on (a Trainer's eval loaders, the other loaders an `Accelerator` prepared). Creating a loader's
+iterator draws its workers' base seed from the main torch generator. A persistent loader (workers kept across
+epochs) creates it once and only resets it later, so a resumed run, whose loaders are new, would draw again where
+the uninterrupted run drew nothing, and every random number after it (dropout, the next epoch's order) would shift.
+The position records which loaders had their iterator at the save (and how often a prepared loader was iterated,
+its `set_epoch`); the resumed run creates each of those with a throwaway generator (the loader's `generator`
+attribute, lent until its iterator exists): the main stream stays the uninterrupted run's. Randomness inside the
+workers (augmentation in a dataset or a collator run by a worker) is not reproduced across a resume: its generators
+live in the worker processes.
 
 Another number of processes: the position records the batch geometry (`run.elastic.BatchGeometry`: per-device batch,
 processes, accumulation) and whether the loader deals its batches to the ranks (a loader prepared by Accelerate
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -55,6 +58,7 @@ KEY_EPOCH_START_RNG = "epoch_start_rng"  # one entry per rank (rank 0 writes the
 KEY_EPOCH_START_GENERATOR = "epoch_start_generator"
 KEY_WORLD_SIZE = "world_size"
 KEY_DEALT = "dealt"  # the ranks read different batches of one order (Accelerate's sharding or dispatching)
+KEY_LOADERS = "loaders"  # {name: {"iterator": bool, "iteration": int}} of the other loaders the run iterates
 
 
 def _generator(dataloader: Any) -> torch.Generator | None:
@@ -160,6 +164,76 @@ def throwaway_seed(dataloader: Any) -> Callable[[], None]:
     return put_back
 
 
+def has_iterator(dataloader: Any) -> bool:
+    """`dataloader` holds its persistent iterator (created once, reset at every later `iter()`)."""
+    inner = getattr(dataloader, "base_dataloader", dataloader)
+    return getattr(inner, "_iterator", None) is not None
+
+
+class LoaderSeeds:
+    """The persistent data loaders of a run, created in a resumed run without drawing from the main generator where
+    the uninterrupted run had created them before.
+
+    A persistent loader creates its iterator once (its workers' base seed drawn from the main generator) and only
+    resets it at later `iter()`s. Where the uninterrupted run reset an iterator, a resumed run creates one: `lend`
+    gives such a loader a throwaway generator until its iterator exists (`settle`). The training loader's iterator
+    existed at the start of every epoch after the first (the position's epoch says so); the others' are part of the
+    data position: `record` (at a save) says per loader whether the run held its iterator and, for a loader prepared
+    by Accelerate, how often it was iterated (its `iteration`: the epoch its `set_epoch` gets); `arm` (at a resume)
+    and `resume(name, loader)` (when the resumed run first meets the loader) put both back. Loaders the resumed run
+    has not met yet are recorded as the checkpoint had them, so a second resume continues the same run too.
+    """
+
+    def __init__(self) -> None:
+        self._due: dict[str, dict[str, Any]] = {}
+        self._lent: dict[int, tuple[Any, Callable[[], None]]] = {}
+
+    def record(self, loaders: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        out = {name: dict(entry) for name, entry in self._due.items()}
+        for name, loader in loaders.items():
+            if loader is None or name in self._due:
+                continue
+            entry: dict[str, Any] = {"iterator": has_iterator(loader)}
+            iteration = getattr(loader, "iteration", None)
+            if isinstance(iteration, int):
+                entry["iteration"] = iteration
+            out[name] = entry
+        return out
+
+    def arm(self, recorded: Mapping[str, Any] | None) -> None:
+        self._due = {str(name): dict(entry) for name, entry in (recorded or {}).items() if isinstance(entry, dict)}
+
+    def resume(self, name: str, loader: Any) -> None:
+        """The resumed run meets `loader` (called `name`) before iterating it: its `iteration` goes back to the
+        checkpoint's, and it is lent a throwaway generator when the uninterrupted run held its iterator."""
+        entry = self._due.pop(name, None)
+        if entry is None or loader is None:
+            return
+        if isinstance(entry.get("iteration"), int) and isinstance(getattr(loader, "iteration", None), int):
+            loader.iteration = entry["iteration"]
+        if entry.get("iterator"):
+            self.lend(loader)
+
+    def lend(self, loader: Any) -> None:
+        """Until its iterator exists, `loader` (persistent, without one now) draws its workers' seed from a throwaway
+        generator."""
+        if persistent_workers(loader) and not has_iterator(loader) and id(loader) not in self._lent:
+            self._lent[id(loader)] = (loader, throwaway_seed(loader))
+
+    def settle(self) -> None:
+        """Give back the generators of the loaders whose iterator exists now."""
+        for key, (loader, put_back) in list(self._lent.items()):
+            if has_iterator(loader):
+                put_back()
+                del self._lent[key]
+
+    def give_back(self) -> None:
+        """Every lent generator goes back (training ends); loaders not met yet stay due."""
+        for _, put_back in self._lent.values():
+            put_back()
+        self._lent.clear()
+
+
 class ResumableLoader:
     """Iterate a prepared dataloader one epoch per `iter()`, tracking an exact position.
 
@@ -190,6 +264,12 @@ class ResumableLoader:
         self._skip = 0
         self.on_batch: Callable[[], None] | None = None
         """Called with each batch handed out, once the resumed RNG is in (`SmartCheckpointer`: a step begins)."""
+        self.seeds = LoaderSeeds()
+
+    def other_loaders(self) -> dict[str, Any]:
+        """The other loaders the accelerator prepared (an eval loader), named by their order of preparation."""
+        others = [dl for dl in getattr(self.accelerator, "_dataloaders", None) or [] if dl is not self.dataloader]
+        return {f"prepared-{i}": dl for i, dl in enumerate(others)}
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -235,6 +315,7 @@ class ResumableLoader:
             KEY_EPOCH_START_GENERATOR: gen,
             KEY_EPOCH_START_RNG: starts,
             KEY_SKIP: self._skip,
+            KEY_LOADERS: self.seeds.record(self.other_loaders()),
         }
 
     def geometry(self) -> BatchGeometry | None:
@@ -276,6 +357,9 @@ class ResumableLoader:
                 "the sampler state of this checkpoint is corrupt."
             ) from e
         rank, world = dist.rank(), dist.world_size()
+        self.seeds.arm(position.get(KEY_LOADERS) if isinstance(position.get(KEY_LOADERS), dict) else None)
+        for name, loader in self.other_loaders().items():  # prepared already: met now
+            self.seeds.resume(name, loader)
         skip = position.get(KEY_SKIP)
         self._skip = skip if isinstance(skip, int) and skip > 0 else 0
         starts = list(position.get(KEY_EPOCH_START_RNG) or [])
@@ -344,6 +428,8 @@ class ResumableLoader:
             dl.set_epoch(self.epoch)
         pending, self._pending = self._pending, None
         gen = _generator(dl)
+        if self.epoch > 0:  # the uninterrupted run created its iterator in epoch 0 (a skipping copy takes the lent one)
+            self.seeds.lend(dl)
         if pending is not None:
             if pending["rng0"] is not None:
                 restore_rng_state(pending["rng0"])
@@ -361,8 +447,6 @@ class ResumableLoader:
             self._epoch_start_gen = _gen_b64(gen)
             source, self.batches_seen = dl, 0
         self._source = source
-        # Persistent workers after the first epoch: the uninterrupted run only reset its iterator (no seed drawn).
-        seed_from = throwaway_seed(source) if self.epoch > 0 and persistent_workers(dl) else None
         it = iter(source)
         while True:
             try:
@@ -370,9 +454,7 @@ class ResumableLoader:
             except StopIteration:
                 break
             finally:
-                if seed_from is not None:  # the iterator exists once the first batch came
-                    seed_from()
-                    seed_from = None
+                self.seeds.settle()  # an iterator created since (this one, an eval loader's) gives its seed back
                 self._apply_pending_rng()
             self.batches_seen += 1
             if self._skip:

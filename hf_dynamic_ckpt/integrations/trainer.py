@@ -62,7 +62,7 @@ from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator, check_training_args
 from ..state.zero import zero_expected
 from ..store.types import LoadedCheckpoint
-from ._position import persistent_workers, throwaway_seed
+from ._position import KEY_LOADERS, LoaderSeeds
 from ._trainer_folder import (
     KEY_DATA_STEPS,
     data_steps,
@@ -130,7 +130,8 @@ class SmartCkptCallback(TrainerCallback):
         self._in_train = False
         self._resumed_rng: dict[str, Any] | None = None  # restored once the first resumed step's batches are in
         self._rng_before_iterator = False  # ... or, at an epoch boundary, before the epoch's iterator is created
-        self._put_back_seed: Callable[[], None] | None = None  # `on_epoch_begin` swapped the loader's generator
+        self._seeds = LoaderSeeds()  # the persistent loaders' iterators of the uninterrupted run (`_position`)
+        self._eval_watch: Callable[[], None] | None = None  # takes the `get_eval_dataloader` wrapper off
         self._randomness = StepRandomness()
 
     # ------------------------------------------------------------------ wiring
@@ -281,22 +282,29 @@ class SmartCkptCallback(TrainerCallback):
         # epoch boundary (`on_epoch_begin`), else once the first batches are fetched, as Trainer does.
         self._rng_before_iterator = loaded is not None and (loaded.sampler or {}).get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN \
             and float(state.epoch or 0.0).is_integer()
+        if loaded is not None:
+            # What the uninterrupted run's callbacks counted (EarlyStoppingCallback's patience), whatever
+            # `restore_callback_states_from_checkpoint` says: the resumed run stops where that run would have.
+            stored: dict[str, Any] = state.stateful_callbacks if isinstance(state.stateful_callbacks, dict) else {}
+            _restore_callback_states(self.trainer, stored, ck.announce if ck.rank == 0 else None)
+            # The eval loaders whose persistent iterator the uninterrupted run held: met when Trainer asks for them.
+            self._seeds.arm((loaded.sampler or {}).get(KEY_LOADERS))
+            if self._eval_watch is None:
+                self._eval_watch = _watch_eval_loaders(self.trainer, self._seeds)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
         if self._resumed_rng is not None and self._rng_before_iterator:
             restore_rng_state(self._resumed_rng)
             self._resumed_rng = None
-        if train_dataloader is not None and (state.epoch or 0.0) >= 1 and persistent_workers(train_dataloader):
-            # The uninterrupted run only resets its iterator now; a resumed run creates it, and must not draw the
-            # workers' seed from the main generator (`integrations._position`).
-            self._put_back_seed = throwaway_seed(train_dataloader)
+        if train_dataloader is not None and (state.epoch or 0.0) >= 1:
+            # The uninterrupted run created its iterator in the first epoch and only resets it now; a resumed run
+            # that creates it must not draw the workers' seed from the main generator (`integrations._position`).
+            self._seeds.lend(train_dataloader)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
-        if self._put_back_seed is not None:  # the epoch's iterator exists: the loader's own generator goes back
-            self._put_back_seed()
-            self._put_back_seed = None
+        self._seeds.settle()  # the iterators created since (the epoch's, an evaluation's) give their seed back
         if self._resumed_rng is not None:
             # The first step of a resumed run has fetched its batches: from here on its random streams are those of
             # the interrupted run at the same point (the RNG stored with a save is taken at this moment).
@@ -387,9 +395,10 @@ class SmartCkptCallback(TrainerCallback):
                 ck.save_now(state.global_step, state.epoch or 0.0, reason="train_end", blocking=False)
         finally:
             self._pending = self._unapplied = self._resumed_rng = None
-            if self._put_back_seed is not None:
-                self._put_back_seed()
-                self._put_back_seed = None
+            self._seeds.give_back()
+            if self._eval_watch is not None:
+                self._eval_watch()
+                self._eval_watch = None
             try:
                 ck.close()  # waits for the last write; the writer process ends with the training
             finally:
@@ -441,8 +450,12 @@ class SmartCkptCallback(TrainerCallback):
         trainer: Any = self.trainer
         batch = BatchGeometry(int(trainer._train_batch_size), dist.world_size(),
                               int(trainer.args.gradient_accumulation_steps)).to_json() if trainer is not None else None
+        # Taken when the save is written (the next step's begin): after the step's evaluation, as the resumed run
+        # continues from there.
+        eval_loaders = getattr(trainer, "_eval_dataloaders", None) or {}  # Trainer keeps persistent ones by name
         return {"kind": "trainer", "global_step": state.global_step if state else None, KEY_DATA_STEPS: self.data_steps,
-                "epoch": state.epoch if state else None, KEY_BATCH: batch, KEY_DRAWS_RANDOM: self._randomness.seen}
+                "epoch": state.epoch if state else None, KEY_BATCH: batch, KEY_DRAWS_RANDOM: self._randomness.seen,
+                KEY_LOADERS: self._seeds.record(eval_loaders)}
 
     def _move_first(self) -> None:
         """Run before the reporting callbacks, so the `smart_ckpt/*` metrics reach them in `on_log`."""
@@ -475,6 +488,51 @@ def _deepspeed_accumulation(trainer: Any, now: BatchGeometry, accumulation: int)
 
 def _no_trainer() -> None:
     return None
+
+
+def _restore_callback_states(trainer: Any, stored: dict[str, Any], say: logging.Logger | None) -> None:
+    """Set the attributes `stored` (`TrainerState.stateful_callbacks`) holds on the trainer's callbacks of the same
+    classes, in order (the `TrainerControl` is Trainer's to restore)."""
+    from transformers.trainer_callback import ExportableState
+
+    callbacks = [cb for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+                 if isinstance(cb, ExportableState)]
+    restored = []
+    for name, states in stored.items():
+        mine = [cb for cb in callbacks if type(cb).__name__ == name]
+        for cb, saved in zip(mine, states if isinstance(states, list) else [states]):
+            attributes = saved.get("attributes") if isinstance(saved, dict) else None
+            for key, value in (attributes or {}).items():
+                setattr(cb, key, value)
+            restored.append(name)
+    if restored and say is not None:
+        say.info("smart_ckpt: restored the state of %s from the checkpoint", ", ".join(sorted(set(restored))))
+
+
+def _watch_eval_loaders(trainer: Any, seeds: LoaderSeeds) -> Callable[[], None]:
+    """Show `seeds` every eval loader `trainer.get_eval_dataloader` hands out (named as Trainer keys them: the
+    dataset's name, else `"eval"`) before it is iterated; returns what takes the wrapper off again. Holds the
+    trainer weakly (the callback holding this is the trainer's)."""
+    ref = weakref.ref(trainer)
+    own = trainer.__dict__.get("get_eval_dataloader")
+    method = type(trainer).get_eval_dataloader
+
+    def get_eval_dataloader(eval_dataset: Any = None) -> Any:
+        loader = own(eval_dataset) if own is not None else method(ref(), eval_dataset)
+        seeds.resume(eval_dataset if isinstance(eval_dataset, str) else "eval", loader)
+        return loader
+
+    trainer.get_eval_dataloader = get_eval_dataloader
+
+    def take_off() -> None:
+        current = ref()
+        if current is not None and current.__dict__.get("get_eval_dataloader") is get_eval_dataloader:
+            if own is None:
+                del current.get_eval_dataloader
+            else:
+                current.get_eval_dataloader = own
+
+    return take_off
 
 
 def _calling_trainer() -> Any | None:

@@ -503,8 +503,8 @@ class RunOrchestrator:
                                  extra=self._extra(decision))
             self.preempted = True
         elif decision.save and self.hold_saves:
-            sampler = self._sources.sampler() if self._sources is not None and self._sources.sampler else None
-            self._held = HeldSave(decision, step, epoch, self._boundary_rng, sampler, frame)
+            # The data position is taken when the save is written, after the step's evaluation.
+            self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame)
             return decision  # the step log's row is written with the save, at release()
         elif decision.save:
             self._save(decision, step=step, epoch=epoch, at_step=step)

@@ -79,7 +79,10 @@ def test_a_model_prepared_without_an_optimizer_saves_what_exists_and_resumes_it(
     assert not loaded.warnings
 
 
-def test_total_limit_unpins_the_checkpoints_of_the_folders_accelerate_rotated_away(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep_last", [3, None])
+def test_total_limit_bounds_the_saved_states_in_the_store_too(tmp_path: Path, keep_last: int | None) -> None:
+    """A user who asked Accelerate for at most 2 saved states finds 2 in the store, whatever `keep_last` says: the
+    checkpoints of rotated folders are unpinned and removed by retention (`keep_last` = `total_limit`)."""
     from accelerate import Accelerator
     from accelerate.utils import ProjectConfiguration
 
@@ -87,8 +90,7 @@ def test_total_limit_unpins_the_checkpoints_of_the_folders_accelerate_rotated_aw
                                    total_limit=2)
     accelerator = Accelerator(cpu=True, project_config=project)
     model, optimizer = _linear(accelerator)
-    hooks = SmartStateHooks(accelerator, config=SmartCkptConfig(root=str(tmp_path / "store"), keep_last=1,
-                                                                policy={"keep_log_spaced": False}))
+    hooks = SmartStateHooks(accelerator, config=SmartCkptConfig(root=str(tmp_path / "store"), keep_last=keep_last))
     hooks.register()
     for _ in range(4):
         _step(model, optimizer)
@@ -101,8 +103,9 @@ def test_total_limit_unpins_the_checkpoints_of_the_folders_accelerate_rotated_aw
     assert named == [3, 4]
     with CheckpointStore(tmp_path / "store", read_only=True) as store:
         kept = {i.step: i.pinned for i in store.list(include_unhealthy=True, include_abandoned=True)}
-    # Steps 3 and 4 stay pinned for their folders; 1 and 2 became ordinary checkpoints and keep_last=1 removed them.
+    # Steps 3 and 4 stay pinned for their folders; 1 and 2 became ordinary checkpoints, and retention removed them.
     assert kept == {3: True, 4: True}
+    assert sorted(p.name for p in (tmp_path / "store" / "default").glob("step-*")) == ["step-3", "step-4"]
 
 
 @pytest.mark.parametrize("registered", ["before", "after"])

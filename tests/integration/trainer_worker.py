@@ -98,9 +98,15 @@ def main() -> None:
                    help="record what the gradient probe measures each step: (global norm, {LoRA layer: norm})")
     p.add_argument("--consolidate", default=None, choices=["on", "off"],
                    help="SmartCkptCallback(consolidate=...): trainable state in flat buffers (default: auto)")
+    p.add_argument("--eval_steps", type=int, default=None, help="evaluate every N steps (16 eval rows)")
+    p.add_argument("--eval_on_start", action="store_true")
+    p.add_argument("--best", action="store_true",
+                   help="load_best_model_at_end on eval_loss (Trainer's own saves every eval_steps, 2 kept)")
+    p.add_argument("--early_stopping", type=int, default=None, help="EarlyStoppingCallback with this patience")
+    p.add_argument("--lr", type=float, default=1e-2)
     args = p.parse_args()
 
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
     from hf_dynamic_ckpt.errors import RollbackError
@@ -203,8 +209,12 @@ def main() -> None:
     cb = SmartCkptCallback(config, consolidate=None if args.consolidate is None else args.consolidate == "on")
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=args.per_device,
-        gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
-        save_strategy="steps" if args.native_save_steps else "no", save_steps=args.native_save_steps or 500,
+        gradient_accumulation_steps=args.ga, learning_rate=args.lr, warmup_steps=2, lr_scheduler_type="cosine",
+        save_strategy="steps" if args.native_save_steps or args.best else "no",
+        save_steps=args.native_save_steps or (args.eval_steps if args.best else 500),
+        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps, per_device_eval_batch_size=4,
+        eval_on_start=args.eval_on_start, load_best_model_at_end=args.best, metric_for_best_model="eval_loss",
+        save_total_limit=2 if args.best else None,
         report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True, dataloader_num_workers=args.workers,
         dataloader_persistent_workers=args.workers > 0,
         train_sampling_strategy="sequential" if args.reference_skip else "random",
@@ -238,7 +248,11 @@ def main() -> None:
                     _dump(args, rank, losses, cb, killed=True, after={"rollbacks": rollbacks})
                     os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[cb, Fault(), Rollbacks(), LayerNorms()])
+    callbacks = [cb, Fault(), Rollbacks(), LayerNorms()]
+    if args.early_stopping is not None:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=args.early_stopping))
+    eval_ds = toy.random_token_dataset(num_examples=16, seq_len=16, vocab_size=128, seed=2) if args.eval_steps else None
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, eval_dataset=eval_ds, callbacks=callbacks)
     try:
         native = os.path.join(args.out, "run", args.resume_native) if args.resume_native else None
         trainer.train(resume_from_checkpoint=native or resume_checkpoint(trainer, args.resume))
@@ -273,6 +287,11 @@ def main() -> None:
         "sigterm_handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
         "log_keys": sorted({k for entry in trainer.state.log_history for k in entry}),
         "layer_norms": layer_norms,
+        "evals": {e["step"]: e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e},
+        "best": [trainer.state.best_metric, trainer.state.best_global_step,
+                 os.path.basename(trainer.state.best_model_checkpoint or "")],
+        "trainable": {n: q.detach().double().sum().item().hex() for n, q in model.named_parameters()
+                      if q.requires_grad},
     })
 
 

@@ -45,7 +45,14 @@ def test_ls_prints_a_table(root: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert lines[1].split() == ["run", "20", "loss_spike", "optimizer,state,weights", "1",
                                 *human_size(_bytes(root, 20)).split(), "0.125", "yes", "no", "ok"]
     assert lines[2].split()[:3] == ["run", "10", "interval"] and lines[2].split()[-3:] == ["yes", "yes", "ok"]
-    assert len(lines) == 3
+    # Why each is kept: step 10 is pinned (its reason named), step 20 by retention.
+    assert lines[3].startswith("pinned (interval): kept whatever retention says until unpinned")
+    assert len(lines) == 4
+
+
+def _listed(out: str) -> list[str]:
+    """The steps of `ls`'s table rows (task `run`), in order."""
+    return [line.split()[1] for line in out.splitlines()[1:] if line.split()[:1] == ["run"]]
 
 
 def _bytes(root: Path, step: int) -> int:
@@ -131,7 +138,7 @@ def test_reindex_rebuilds_catalog(root: Path, capsys: pytest.CaptureFixture[str]
     assert main(["reindex", str(root)]) == 0
     assert capsys.readouterr().out == f"reindexed {root}: 2 checkpoint(s)\n"
     assert main(["ls", str(root)]) == 0
-    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]] == ["20", "10"]
+    assert _listed(capsys.readouterr().out) == ["20", "10"]
 
 
 def test_parser_is_extensible_and_runs_as_a_module(root: Path) -> None:
@@ -200,7 +207,7 @@ def test_ls_all_lists_abandoned_checkpoints(root: Path, capsys: pytest.CaptureFi
     assert store.fork(timeline="b", after_step=10, session="s2") == [20]
     store.close()
     assert main(["ls", str(root)]) == 0
-    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]] == ["10"]
+    assert _listed(capsys.readouterr().out) == ["10"]
     assert main(["ls", str(root), "--all"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
     assert lines[0].split()[1] == "20" and lines[0].split()[-1] == "abandoned"
@@ -263,7 +270,7 @@ def test_reads_change_no_file_under_the_output_dir(root: Path, capsys: pytest.Ca
         assert _files(out) == before
     capsys.readouterr()
     assert main(["ls", str(out)]) == 0
-    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]] == ["20", "10"]
+    assert _listed(capsys.readouterr().out) == ["20", "10"]
     (out / "smart_ckpt" / CATALOG_NAME).chmod(0o444)  # a catalog it may not write: read into memory instead
     try:
         assert load_checkpoint(out, "auto", task_id="run").info.step == 20

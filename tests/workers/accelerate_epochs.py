@@ -11,6 +11,7 @@ for epoch in range(source.epoch, EPOCHS):
         ...one optimizer step...
 ```
 
+(with `evaluate`, a pass over a prepared eval loader after step `EVAL_AT` of every epoch, loss recorded)
 and saves along the way without changing its course: `accelerator.save_state` right after a
 mid-epoch step and right after the last step of epoch 0 (inside the loop), and after epoch 1's
 loop has ended; in `checkpointer` mode the policy saves too (every `BATCHES` steps: at epoch ends).
@@ -36,6 +37,7 @@ EPOCHS = 3
 BATCHES = 4  # per epoch and rank
 BATCH_SIZE = 2
 MID = 2  # a save after the 2nd step of epoch 0, and one after its last step
+EVAL_AT = 3  # with evaluation: after this step of every epoch (the "mid" save comes before the first one)
 SEQ = 8
 VOCAB = 96
 
@@ -61,7 +63,8 @@ class EpochTokens(torch.utils.data.IterableDataset):
             yield {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def _build(data: str, workers: int, persistent: bool, adapter_seed: int) -> tuple[Any, ...]:
+def _build(data: str, workers: int, persistent: bool, adapter_seed: int, evaluate: bool = False
+           ) -> tuple[Any, ...]:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -81,7 +84,11 @@ def _build(data: str, workers: int, persistent: bool, adapter_seed: int) -> tupl
         loader = torch.utils.data.DataLoader(EpochTokens(n), batch_size=BATCH_SIZE, **extra)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=EPOCHS * BATCHES)
-    return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler))
+    if not evaluate:
+        return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler), None)
+    eval_ds = toy.random_token_dataset(num_examples=4 * world, seq_len=SEQ, vocab_size=VOCAB, seed=2)
+    eval_loader = torch.utils.data.DataLoader(eval_ds.with_format("torch"), batch_size=BATCH_SIZE, **extra)
+    return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler, eval_loader))
 
 
 def _digest(batch: dict[str, torch.Tensor]) -> int:
@@ -90,12 +97,14 @@ def _digest(batch: dict[str, torch.Tensor]) -> int:
 
 
 def _loop(mode: str, data: str, workers: int, persistent: bool, root: Path, *, adapter_seed: int,
-          resume: str | None, saves: dict[str, int] | None, store: str = "store") -> dict[str, Any]:
+          resume: str | None, saves: dict[str, int] | None, store: str = "store", evaluate: bool = False
+          ) -> dict[str, Any]:
     """The user's loop; `saves` (the uninterrupted run) records the step of each save_state folder it writes."""
     from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
     from hf_dynamic_ckpt.integrations.accelerate import SmartStateHooks
 
-    accelerator, model, optimizer, loader, scheduler = _build(data, workers, persistent, adapter_seed)
+    accelerator, model, optimizer, loader, scheduler, eval_loader = _build(data, workers, persistent, adapter_seed,
+                                                                           evaluate)
     config = SmartCkptConfig(root=str(root / store), base_interval=BATCHES, keep_last=None,
                              policy={"overhead_budget": 1.0})
     ckpt = hooks = None
@@ -136,6 +145,12 @@ def _loop(mode: str, data: str, workers: int, persistent: bool, root: Path, *, a
                 ckpt.after_update()
             step += 1
             steps.append([epoch, step, float(loss.detach()).hex(), _digest(batch)])
+            if eval_loader is not None and source.batches_seen == EVAL_AT:
+                model.eval()
+                with torch.no_grad():
+                    eval_loss = sum(float(model(**b).loss) for b in eval_loader)
+                model.train()
+                steps[-1].append(float(eval_loss).hex())
             if epoch == 0 and source.batches_seen == MID:
                 save_state("mid")
             if epoch == 0 and source.batches_seen == BATCHES:
@@ -150,7 +165,8 @@ def _loop(mode: str, data: str, workers: int, persistent: bool, root: Path, *, a
     return {"start_epoch": start_epoch, "steps": steps}
 
 
-def run_case(mode: str, data: str, workers: int, root: Path, *, persistent: bool = True) -> dict[str, Any]:
+def run_case(mode: str, data: str, workers: int, root: Path, *, persistent: bool = True, evaluate: bool = False
+             ) -> dict[str, Any]:
     """The uninterrupted run and one resumed run per save (keys: `reference`, `resumed` by save name).
 
     An iterable dataset's persistent workers keep the copy of the dataset they started with, so its
@@ -159,7 +175,8 @@ def run_case(mode: str, data: str, workers: int, root: Path, *, persistent: bool
     from hf_dynamic_ckpt import CheckpointStore
 
     saves: dict[str, int] = {}
-    reference = _loop(mode, data, workers, persistent, root, adapter_seed=0, resume=None, saves=saves)
+    reference = _loop(mode, data, workers, persistent, root, adapter_seed=0, resume=None, saves=saves,
+                      evaluate=evaluate)
     if mode == "checkpointer":
         with CheckpointStore(root / "store", read_only=True) as store:
             saves.update({f"step-{i.step}": i.step for i in store.list() if i.reason != "save_state"})
@@ -168,7 +185,7 @@ def run_case(mode: str, data: str, workers: int, root: Path, *, persistent: bool
     for name in saves:  # each resumed run saves into a store of its own: the reference's stays as it was
         where = name if name.startswith("step-") else str(root / name)
         resumed[name] = _loop(mode, data, workers, persistent, root, adapter_seed=5, resume=where, saves=None,
-                              store=f"store-{name}")
+                              store=f"store-{name}", evaluate=evaluate)
     return {"reference": reference, "resumed": resumed, "saves": saves}
 
 
@@ -179,9 +196,11 @@ def main() -> None:
     p.add_argument("--data", choices=["map", "iterable"], required=True)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--not_persistent", action="store_true")
+    p.add_argument("--evaluate", action="store_true")
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
-    result = run_case(args.mode, args.data, args.workers, Path(args.out), persistent=not args.not_persistent)
+    result = run_case(args.mode, args.data, args.workers, Path(args.out), persistent=not args.not_persistent,
+                      evaluate=args.evaluate)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
 
 

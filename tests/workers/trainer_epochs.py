@@ -26,7 +26,8 @@ torch.set_num_threads(1)
 EPOCHS = 2
 STEPS_PER_EPOCH = 12
 BATCH = 4
-RESUME_POINTS = (8, 12, 16)  # mid-epoch, the epoch boundary, mid-epoch of the second epoch
+RESUME_POINTS = (8, 12, 16)
+EVAL_STEPS = 5  # mid-epoch, the epoch boundary, mid-epoch of the second epoch
 
 
 def _model(kind: str, seed: int) -> torch.nn.Module:
@@ -47,6 +48,10 @@ def _train(args: argparse.Namespace, out: Path, *, seed: int, resume: str | None
     model = _model(args.model, seed)
     examples = STEPS_PER_EPOCH * BATCH * args.ga * world
     ds = toy.random_token_dataset(num_examples=examples, seq_len=16, vocab_size=128, seed=1)
+    evaluating = args.eval != "off"
+    eval_ds: Any = toy.random_token_dataset(num_examples=16, seq_len=16, vocab_size=128, seed=2) if evaluating else None
+    if args.eval == "start":  # and a dict of two eval datasets (one loader each)
+        eval_ds = {"a": eval_ds, "b": toy.random_token_dataset(num_examples=8, seq_len=16, vocab_size=128, seed=3)}
     inner = model.base_model.model if args.model == "lora" else model
     micro: list[list[Any]] = []
 
@@ -67,10 +72,12 @@ def _train(args: argparse.Namespace, out: Path, *, seed: int, resume: str | None
         output_dir=str(out), num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
         save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True,
-        dataloader_num_workers=args.workers, dataloader_persistent_workers=args.persistent and args.workers > 0)
+        dataloader_num_workers=args.workers, dataloader_persistent_workers=args.persistent and args.workers > 0,
+        eval_strategy="steps" if evaluating else "no", eval_steps=EVAL_STEPS, per_device_eval_batch_size=BATCH,
+        eval_on_start=args.eval == "start")
     callback = SmartCkptCallback(SmartCkptConfig(base_interval=4, keep_last=None,
                                                  policy={"stability_window": 8, "overhead_budget": 1.0}))
-    trainer = Trainer(model=model, args=targs, train_dataset=ds, callbacks=[callback, Stop()])
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, eval_dataset=eval_ds, callbacks=[callback, Stop()])
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, resume))
     resumed = callback.resumed_from.info.step if callback.resumed_from is not None else None
     weights = {k: v.detach().double().sum().item() for k, v in model.named_parameters() if v.requires_grad}
@@ -87,6 +94,8 @@ def main() -> None:
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--points", default=",".join(map(str, RESUME_POINTS)))
     p.add_argument("--clean_exit", action="store_true", help="also: stop after epoch 0, then resume 'auto'")
+    p.add_argument("--eval", choices=["off", "steps", "start"], default="off",
+                   help="evaluate every EVAL_STEPS steps (`start`: also before the first step, on two eval datasets)")
     args = p.parse_args()
     out = Path(args.out)
     result: dict[str, Any] = {"reference": _train(args, out / "reference", seed=0, resume=None), "resumed": {}}
