@@ -13,11 +13,11 @@ $(STAMP): requirements-ci.txt setup.cfg
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m hf_dynamic_ckpt.extras.demo --output_dir demo_out
+	$(BIN)/python -m examples.demo --output_dir demo_out
 
 # Default run: ruff, mypy on the package, then unit + integration + 2-process DDP tests (`slow` ones: test-all).
 test: $(STAMP)
-	$(BIN)/ruff check hf_dynamic_ckpt tests scripts recipes
+	$(BIN)/ruff check hf_dynamic_ckpt examples tests scripts recipes
 	$(BIN)/mypy hf_dynamic_ckpt
 	$(BIN)/python -m pytest -m "not slow and not gpu" -q
 
@@ -25,7 +25,7 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "not gpu" -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check hf_dynamic_ckpt tests scripts recipes
+	$(BIN)/ruff check hf_dynamic_ckpt examples tests scripts recipes
 	$(BIN)/mypy hf_dynamic_ckpt
 
 # The GPU checks (scripts/gpu_check.py, at most 5 minutes on one GPU). Not on $(STAMP): the pinned set's torch

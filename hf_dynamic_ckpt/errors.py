@@ -1,6 +1,14 @@
-"""Exception types. Each also inherits the builtin a caller would naturally catch."""
+"""Exception types (each also inherits the builtin a caller would naturally catch), and the one test hook that
+raises or kills on purpose (`fault`)."""
 
 from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import time
+from pathlib import Path
 
 
 class DynamicCkptError(Exception):
@@ -67,3 +75,70 @@ def weights_overwritten(held: str) -> str:
     model's weights are now)."""
     return (f" The model's weights were overwritten by this resume's reads (they hold {held}): build the model "
             "again before training it.")
+
+
+# -- the documented test hook ---------------------------------------------------------------------------------------
+FAULT_ENV = "HF_DYNAMIC_CKPT_FAULT"
+"""Environment variable of the test hook `fault`: faults to inject at named points of the library."""
+
+_faults: tuple[str, list[dict[str, str]]] = ("", [])
+_hits: dict[str, int] = {}
+
+
+def fault(point: str, **where: object) -> None:
+    """The library's one test hook: inject the fault `HF_DYNAMIC_CKPT_FAULT` names for `point`, if any.
+
+    The variable holds entries separated by ``;``, each ``POINT[@KEY=VALUE...]:ACTION[=ARG]``. An entry applies when
+    its point is `point` and every ``KEY=VALUE`` filter equals what the call passes in `where` (``step``, ``rank``,
+    ``name``, ``op``) or, for ``nth=K``, when this is the K-th call of the point in this process. Actions:
+    ``kill`` (SIGKILL this process), ``raise=ERRNO`` (an `OSError` with that errno name, e.g. ``ENOSPC``, ``EIO``),
+    ``sleep=MS``, ``gate=DIR`` (create ``DIR/<point>.reached``, then wait until ``DIR/<point>.go`` exists) and
+    ``log=FILE`` (append one JSON line: the point and `where`). Points: ``snapshot`` (a save's copy, before it),
+    ``write`` (a checkpoint file, `name`), ``commit`` (a checkpoint's final rename), ``fs`` (each change on the store's
+    disk, `op`), ``read`` (a checkpoint file read, `name`), ``read_optimizer`` (a resume's optimizer-tier read),
+    ``remote`` (an object-store call, `op`) and ``export`` (an export's files). Unset, it costs one lookup.
+
+    Example:
+        ```bash
+        HF_DYNAMIC_CKPT_FAULT="write@step=4@name=weights.safetensors:raise=ENOSPC" python train.py
+        ```
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    global _faults
+    if _faults[0] != spec:
+        _faults = (spec, [_parse_fault(entry) for entry in spec.split(";") if entry.strip()])
+    _hits[point] = count = _hits.get(point, 0) + 1
+    for entry in _faults[1]:
+        if entry["point"] != point or any(
+                (str(count) != value) if key == "nth" else (str(where.get(key)) != value)
+                for key, value in entry.items() if key not in ("point", "action", "arg")):
+            continue
+        action, arg = entry["action"], entry.get("arg", "")
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "raise":
+            code = getattr(errno, arg, errno.EIO)
+            raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_ENV} at {point})")
+        elif action == "sleep":
+            time.sleep(float(arg) / 1e3)
+        elif action == "gate":
+            Path(arg, f"{point}.reached").touch()
+            while not Path(arg, f"{point}.go").exists():
+                time.sleep(0.01)
+        elif action == "log":
+            with open(arg, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"point": point, **{k: str(v) for k, v in where.items()}}) + "\n")
+
+
+def _parse_fault(entry: str) -> dict[str, str]:
+    head, _, action = entry.strip().rpartition(":")
+    point, *filters = head.split("@")
+    name, _, arg = action.partition("=")
+    if not point or name not in ("kill", "raise", "sleep", "gate", "log"):
+        raise ConfigError(f"{FAULT_ENV} entry {entry!r} is invalid: expected POINT[@KEY=VALUE...]:ACTION[=ARG] with "
+                          "ACTION one of kill, raise=ERRNO, sleep=MS, gate=DIR, log=FILE.")
+    out = dict(f.split("=", 1) for f in filters if "=" in f)
+    out.update(point=point, action=name, arg=arg)
+    return out

@@ -28,7 +28,7 @@ def dir_bytes(path: Path) -> int:
 def build():
     from accelerate import Accelerator
 
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     accelerator = Accelerator(cpu=True)
     model = toy.tiny_qwen2(seed=0, hidden_size=768, num_layers=8, vocab_size=16384, num_attention_heads=12,

@@ -102,7 +102,7 @@ def _timed(cb: Any, name: str, log: list[tuple[int, float, float]]) -> None:
 
 
 def _model(args: argparse.Namespace) -> Any:
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     return toy.tiny_qwen2(seed=0, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                           intermediate_size=args.intermediate or int(2.75 * args.hidden),
@@ -112,7 +112,7 @@ def _model(args: argparse.Namespace) -> Any:
 def _trainer(args: argparse.Namespace, out: Path, max_steps: int, callbacks: list[Any]) -> Any:
     from transformers import Trainer, TrainingArguments
 
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     targs = TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=1, gradient_accumulation_steps=1,

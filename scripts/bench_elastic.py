@@ -36,8 +36,8 @@ def child(args: argparse.Namespace) -> None:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-    from hf_dynamic_ckpt.extras import toy
 
     torch.set_num_threads(1)
     model = toy.tiny_qwen2(seed=0, vocab_size=32000, hidden_size=args.hidden, num_layers=args.layers,

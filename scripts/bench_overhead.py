@@ -61,7 +61,7 @@ def _dataset(args: argparse.Namespace) -> Any:
 
 
 def _model(variant: str, args: argparse.Namespace) -> Any:
-    from hf_dynamic_ckpt.extras.toy import lora, tiny_llama
+    from examples.toy import lora, tiny_llama
 
     model = tiny_llama(seed=0, hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab)
     if variant == "lora":

@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.traces import RecordedTrace, inject_anomaly, load_trace, replay_frames
 from hf_dynamic_ckpt.config import SmartCkptConfig
-from hf_dynamic_ckpt.extras.traces import RecordedTrace, inject_anomaly, load_trace, replay_frames
 from hf_dynamic_ckpt.policy import RulePolicy, triggers
 from hf_dynamic_ckpt.signals.frame import SignalFrame
 

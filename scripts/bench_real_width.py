@@ -329,7 +329,7 @@ def _load_model(spec: dict[str, Any]) -> Any:
     from accelerate import init_empty_weights
     from safetensors import safe_open
 
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -382,8 +382,8 @@ def child(spec: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-    from hf_dynamic_ckpt.extras import toy
 
     variant, out, cuda = spec["variant"], Path(spec["out"]), spec["device"] == "cuda"
     prep = Path(spec["prep"]) if spec.get("prep") else None
@@ -450,7 +450,8 @@ def child(spec: dict[str, Any]) -> None:
         extra = {"memory_margin": spec["memory_margin"]} if spec.get("memory_margin") is not None else {}
         if spec.get("overlap_snapshot") is not None:
             extra["overlap_snapshot"] = spec["overlap_snapshot"]
-        smart = SmartCkptCallback(SmartCkptConfig(base_interval=smart_every, root=str(root), runtime=extra))
+        engine = {"engine": spec["engine"]} if spec.get("engine") else {}
+        smart = SmartCkptCallback(SmartCkptConfig(base_interval=smart_every, root=str(root), runtime=extra, **engine))
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)
@@ -558,7 +559,13 @@ class Runner:
 
 def _spec(args: argparse.Namespace, mode: str, layers: int, base: Path | None, variant: str, out: Path,
           prep: Path | None = None) -> dict[str, Any]:
-    return {"role": "run", "model": args.model, "mode": mode, "layers": layers, "variant": variant, "out": str(out),
+    engine = None
+    if variant == "smart_thread":  # the writer comparison: the same run with the thread writer
+        variant, engine = "smart", "thread"
+    elif variant == "smart" and args.compare_writers:
+        engine = "process"
+    return {"role": "run", "engine": engine, "model": args.model, "mode": mode, "layers": layers, "variant": variant,
+            "out": str(out),
             "base": str(base) if base else None, "steps": args.steps, "k": args.k, "seq": args.seq, "batch": args.batch,
             "device": args.device, "prep_steps": args.prep_steps, "prep_interval": args.prep_interval,
             "prep": str(prep) if prep else None,
@@ -584,6 +591,8 @@ def run_mode(runner: Runner, args: argparse.Namespace, mode: str, layers: int) -
     root = runner.work / f"{args.model}-{mode}-{layers}"
     shutil.rmtree(root, ignore_errors=True)
     trio: dict[str, list[dict[str, Any]]] = {"none": [], "native": [], "smart": []}
+    if args.compare_writers:
+        trio["smart_thread"] = []
     if "trio" in args.parts:
         for rep in range(args.repeats):
             for variant in trio:
@@ -733,6 +742,14 @@ def summarize(mode: str, data: dict[str, Any]) -> dict[str, Any]:
             "params": smart[0]["params"], "trainable": smart[0]["trainable"], "optim": smart[0]["optim"],
         })
         s["writer_private_peak"] = [m["writer"].get("private") for m in s["memory"]["smart"]]
+    if trio.get("smart_thread"):  # the writer comparison: process (`smart`) against thread, interleaved
+        none_s = [r["train_s"] for r in trio["none"]]
+        s["writers"] = {w: {"inflation": [inflation(r)[0] for r in trio[v]],
+                            "per_save_s": [(r["train_s"] - none_s[i]) / max(1, len(_save_steps(r)))
+                                           for i, r in enumerate(trio[v]) if i < len(none_s)],
+                            "blocking_ms": [e["blocking_ms"] for r in trio[v] for e in r["events"] if not e["end"]],
+                            "median_step_s": [_median_step(r, _save_steps(r)) for r in trio[v]]}
+                        for w, v in (("process", "smart"), ("thread", "smart_thread"))}
     if resume["ours_resume"]:
         prep = resume["prep"]
         expected = prep["losses"][-RESUMED_STEPS:]
@@ -807,6 +824,17 @@ def print_report(args: argparse.Namespace, summaries: list[dict[str, Any]],
     print(f"{args.model} widths ({json.dumps(MODELS[args.model]['config'])}), device {args.device}, {here}"
           f"1 training thread, batch {args.batch} x {args.seq} tokens, {args.steps} steps, save every {args.k}, "
           f"{args.repeats} repeat(s) interleaved (median [min-max])")
+    writers = [s for s in summaries if "writers" in s]
+    if writers:
+        print("\nwriter thread vs process (the same runs, interleaved) | mode | step inflation during writes: "
+              "process / thread | training time per save (s): process / thread | blocking per save (ms): "
+              "process / thread")
+        for s in writers:
+            w = s["writers"]
+            print(f"| {s['mode']} | {spread(w['process']['inflation'], '{:+.1%}')} / "
+                  f"{spread(w['thread']['inflation'], '{:+.1%}')} | {spread(w['process']['per_save_s'])} / "
+                  f"{spread(w['thread']['per_save_s'])} | {spread(w['process']['blocking_ms'])} / "
+                  f"{spread(w['thread']['blocking_ms'])} |")
     trio = [s for s in summaries if "train_s" in s]
     if trio:
         print("\n| mode | layers | params (trainable) | median step s | train s: none / native / smart | saves "
@@ -939,6 +967,8 @@ def main() -> int:
     p.add_argument("--overlap-snapshot", default="auto", choices=["auto", "true", "false"],
                    help="runtime.overlap_snapshot of our runs (auto: the default, CUDA parameters of >= 32 MiB only)")
     p.add_argument("--mem-interval", type=float, default=0.2, help="seconds between memory samples")
+    p.add_argument("--compare-writers", action="store_true",
+                   help="also run ours with the thread writer (variant smart_thread) beside the process writer")
     p.add_argument("--cold", action="store_true", help="drop the checkpoints' cached pages before each resume")
     p.add_argument("--no-fresh", action="store_true", help="leave out the fresh start (the 'over fresh' column)")
     p.add_argument("--out", default="bench_out/real_width", help="work directory (base weights are kept here)")

@@ -53,7 +53,7 @@ PREP_STEPS = 3
 
 
 def build(kind: str):  # type: ignore[no-untyped-def]
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     # Default ~60M parameters: 32k vocab (untied input/output embeddings = 33M) + 8 layers of
     # width 512. BENCH_HIDDEN / BENCH_LAYERS (set by --hidden / --layers) scale it up.

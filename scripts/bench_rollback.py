@@ -161,7 +161,7 @@ def _build(case: Case, seed: int, vocab: int) -> tuple[torch.nn.Module, torch.op
     """The recorded run's model (seeded), AdamW and warm-up + cosine schedule (with the lr surge, if any)."""
     from peft import LoraConfig, get_peft_model
 
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     r = case.run
     make = toy.tiny_qwen2 if r.arch == "qwen2" else toy.tiny_llama
@@ -399,8 +399,8 @@ def main() -> None:
     import accelerate  # noqa: F401  (imported before any run is timed)
     import peft  # noqa: F401
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCheckpointer  # noqa: F401
-    from hf_dynamic_ckpt.extras import toy
 
     selected = [c for c in cases(args.max_onset)
                 if (c.name in QUICK if args.quick else not args.only or c.name in args.only)]

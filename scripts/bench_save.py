@@ -43,10 +43,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.toy import lora, tiny_qwen2
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.live import state_dict_tensor_bytes
-from hf_dynamic_ckpt.extras.toy import lora, tiny_qwen2
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.state.flat import consolidate, pays
 from hf_dynamic_ckpt.store import CheckpointStore

@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.corpus import CAPTURE_K, CorpusRun, load_corpus
+from examples.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.extras.corpus import CAPTURE_K, CorpusRun, load_corpus
 from hf_dynamic_ckpt.extras.learned import LearnedCheck, load_model
-from hf_dynamic_ckpt.extras.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.policy import DecisionKind, RulePolicy
 from hf_dynamic_ckpt.signals.frame import SignalFrame
 

@@ -1,6 +1,6 @@
 """Record real per-step signal traces of tiny fine-tunes (CPU), calm and with anomalies.
 
-Each run trains a tiny Qwen2 or Llama (`hf_dynamic_ckpt.extras.toy`, built from config), full
+Each run trains a tiny Qwen2 or Llama (`examples.toy`, built from config), full
 fine-tune or LoRA, on real text (Python docstrings, `toy.text_corpus`) in a plain PyTorch
 loop that measures exactly what the checkpointer feeds the policy: the step's loss, the
 pre-clip global gradient norm (what `clip_grad_norm_` returns), every LoRA layer's
@@ -20,12 +20,12 @@ Two outputs:
 - the named runs (`RUNS`) -> `tests/data/traces/<name>.jsonl`, one header object (run
   settings, layer names, onsets), then one compact row per step `[step, loss, grad_norm, lr,
   [layer norms]]` with 4 significant digits, non-finite numbers as `"nan"` / `"inf"`; read
-  them with `hf_dynamic_ckpt.extras.traces.load_trace`.
+  them with `examples.traces.load_trace`.
 - `--corpus`: the learned model's training corpus (`corpus_runs()`: 216 runs drawn from a
   seed, split by run into train / validation / test; the test runs use model shapes and
   onset steps the others do not) -> `tests/data/traces/corpus.jsonl.gz`, one JSON object per
   run `{"header", "rows", "mem_frac", "step_time_s"}`; read it with
-  `hf_dynamic_ckpt.extras.corpus.load_corpus`. Runs are cached one file each under
+  `examples.corpus.load_corpus`. Runs are cached one file each under
   `--cache` (a re-run records only the missing ones) and packed in name order.
 
 Usage:
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from hf_dynamic_ckpt.extras import toy
+from examples import toy
 from hf_dynamic_ckpt.signals.probes import GradProbe
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")

@@ -1,6 +1,6 @@
 """The design article's results table, reproduced side by side on a job anyone can rerun (CPU).
 
-The same fine-tuning job - a tiny Qwen2 (from config) on real text (`hf_dynamic_ckpt.extras.toy`:
+The same fine-tuning job - a tiny Qwen2 (from config) on real text (`examples.toy`:
 stdlib docstrings, BPE), once with a LoRA adapter and once as a full fine-tune, `--steps`
 optimizer steps with `Trainer` - runs under:
 
@@ -63,8 +63,8 @@ def child(a: argparse.Namespace) -> None:
     from transformers.trainer_utils import get_last_checkpoint
     from transformers.utils import logging as hf_logging
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-    from hf_dynamic_ckpt.extras import toy
 
     hf_logging.set_verbosity_error()
     out = Path(a.out)

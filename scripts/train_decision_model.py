@@ -39,11 +39,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from examples.corpus import CAPTURE_K, CorpusRun, load_corpus
+from examples.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.config import SmartCkptConfig
-from hf_dynamic_ckpt.extras.corpus import CAPTURE_K, CorpusRun, load_corpus
 from hf_dynamic_ckpt.extras.features import FEATURE_NAMES, NUM_FEATURES, FeatureExtractor
 from hf_dynamic_ckpt.extras.learned import BUILTIN_PATH, MODEL_FORMAT, MODEL_VERSION, SAVE_THRESHOLD
-from hf_dynamic_ckpt.extras.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.policy import RulePolicy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -75,7 +75,7 @@ def run_cli_block_and_load_checkpoint(tmp_path: Path, env: dict[str, str]) -> No
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     # The merged export needs the base weights: the quick start's base model, saved where the README points.
-    python("from hf_dynamic_ckpt.extras import toy\ntoy.tiny_qwen2(seed=0).save_pretrained('path/to/base')")
+    python("from examples import toy\ntoy.tiny_qwen2(seed=0).save_pretrained('path/to/base')")
     heading = "## Getting the model out, and the command line"
     for line in _block(heading, "bash").splitlines():
         for command in line.split("#", 1)[0].split(";"):
@@ -88,5 +88,5 @@ def run_cli_block_and_load_checkpoint(tmp_path: Path, env: dict[str, str]) -> No
             assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-2000:])
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "model" / "config.json").is_file()
-    python("from hf_dynamic_ckpt.extras import toy\nmodel = toy.lora(toy.tiny_qwen2(seed=0))\n"
+    python("from examples import toy\nmodel = toy.lora(toy.tiny_qwen2(seed=0))\n"
            + _block(heading, "python") + "assert loaded.info.step == 12, loaded.info\n")

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser, default_data_collator, get_cosine_schedule_with_warmup
 
+from examples import toy
 from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptArguments
-from hf_dynamic_ckpt.extras import toy
 
 logger = logging.getLogger("recipes.llama3_8b_lora")
 HERE = Path(__file__).resolve().parent

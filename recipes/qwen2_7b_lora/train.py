@@ -37,8 +37,8 @@ from transformers import (
     default_data_collator,
 )
 
+from examples import toy
 from hf_dynamic_ckpt import SmartCkptArguments, SmartCkptCallback, resume_checkpoint
-from hf_dynamic_ckpt.extras import toy
 
 logger = logging.getLogger("recipes.qwen2_7b_lora")
 HERE = Path(__file__).resolve().parent

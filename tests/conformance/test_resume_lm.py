@@ -37,7 +37,7 @@ from conformance_utils import (
 )
 from transformers import Trainer, TrainingArguments
 
-from hf_dynamic_ckpt.extras import toy
+from examples import toy
 
 pytestmark = pytest.mark.integration
 

@@ -100,7 +100,7 @@ def crash_resume_exact(tmp_path: Path, recipe: str, launcher: list[str]) -> None
 @pytest.fixture(scope="module")
 def local_model_and_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Stand-ins for a Hub checkpoint and a JSONL dataset: saved with save_pretrained / as JSONL."""
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     root = tmp_path_factory.mktemp("real")
     texts = toy.text_corpus(max_chars=30_000)

@@ -42,8 +42,8 @@ def main() -> None:
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-    from hf_dynamic_ckpt.extras import toy
 
     # Same kernels for the same inputs in both runs: deterministic algorithms (a warning where an op has
     # none, rather than an error that would hide the resume's result) and eager attention.

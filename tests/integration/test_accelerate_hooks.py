@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from examples import toy
 from hf_dynamic_ckpt import SmartCkptConfig
 from hf_dynamic_ckpt.constants import WEIGHTS_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError
-from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.integrations.accelerate import POINTER_NAME, SmartStateHooks
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dynamic_ckpt.extras import demo
+from examples import demo
 from hf_dynamic_ckpt.store.store import CheckpointStore
 
 pytestmark = pytest.mark.integration

@@ -14,10 +14,10 @@ import psutil
 import pytest
 import torch
 
+from examples.toy import tiny_qwen2
 from hf_dynamic_ckpt.constants import ALL_TIERS, MANIFEST_NAME, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.errors import SaveError
-from hf_dynamic_ckpt.extras.toy import tiny_qwen2
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.spec import SaveRequest

@@ -51,8 +51,8 @@ def _accelerate_loop(root: Path, *, steps: int, consolidate: bool, resume: str |
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
-    from hf_dynamic_ckpt.extras import toy
 
     accelerator = Accelerator(cpu=True)
     set_seed(0)

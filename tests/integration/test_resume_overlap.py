@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 def _trainer(root: Path, steps: int, record: dict | None = None, stop_at: int | None = None):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig
-    from hf_dynamic_ckpt.extras import toy
 
     model = toy.tiny_qwen2(seed=0, vocab_size=64, hidden_size=32)
     data = toy.random_token_dataset(num_examples=16, seq_len=8, vocab_size=64, seed=1)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from examples import toy
 from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
 from hf_dynamic_ckpt.errors import CheckpointNotFoundError, ConfigError
-from hf_dynamic_ckpt.extras import toy
 
 pytestmark = pytest.mark.integration
 

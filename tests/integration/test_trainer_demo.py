@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_demo_resumes_exactly_and_draws_the_timeline(tmp_path: Path) -> None:
     out = tmp_path / "demo_out"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.extras.demo", "--output_dir", str(out),
+    proc = subprocess.run([sys.executable, "-m", "examples.demo", "--output_dir", str(out),
                            "--max_steps", "40", "--anomaly_at", "15", "--kill_at", "30"],
                           capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
+from examples import toy
 from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-from hf_dynamic_ckpt.extras import toy
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import logging, sys
 import transformers
 from transformers import Trainer, TrainingArguments
 from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-from hf_dynamic_ckpt.extras import toy
+from examples import toy
 
 out, resume, report = sys.argv[1], sys.argv[2], sys.argv[3]
 if report == "none":

@@ -38,7 +38,7 @@ class PlainLM(torch.nn.Module):
 
 
 def build_model(kind: str, tie: bool = False, dropout: float = 0.1) -> torch.nn.Module:
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     if kind == "plain":
         with torch.random.fork_rng(devices=[]):
@@ -108,9 +108,9 @@ def main() -> None:
 
     from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
     from hf_dynamic_ckpt.errors import RollbackError
-    from hf_dynamic_ckpt.extras import toy
 
     rank = int(os.environ.get("RANK", "0"))
     if args.slow_snapshot_rank is not None and rank == args.slow_snapshot_rank:

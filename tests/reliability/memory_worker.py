@@ -37,8 +37,8 @@ def main() -> None:
 
     from transformers import Trainer, TrainingArguments
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-    from hf_dynamic_ckpt.extras import toy
 
     model = toy.tiny_llama(seed=0, hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                            intermediate_size=2 * args.hidden)

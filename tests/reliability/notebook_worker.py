@@ -32,8 +32,8 @@ class Boom(RuntimeError):
 def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-    from hf_dynamic_ckpt.extras import toy
 
     out = sys.argv[1]
     ds = toy.random_token_dataset(num_examples=80, seq_len=16, vocab_size=128, seed=1)

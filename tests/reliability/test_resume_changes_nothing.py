@@ -30,7 +30,7 @@ sys.path.insert(0, {workers!r})
 from transformers import Trainer, TrainingArguments
 from trainer_worker import build_model
 from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-from hf_dynamic_ckpt.extras import toy
+from examples import toy
 
 trainer = Trainer(model=build_model("lora"), train_dataset=toy.random_token_dataset(num_examples=8, seq_len=16,
                   vocab_size=128, seed=1), args=TrainingArguments(output_dir={out!r}, report_to=[], use_cpu=True,

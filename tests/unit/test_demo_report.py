@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from examples.demo import format_table, save_table
 from hf_dynamic_ckpt.constants import ALL_TIERS
-from hf_dynamic_ckpt.extras.demo import format_table, save_table
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 from hf_dynamic_ckpt.store.spec import Lineage
 from hf_dynamic_ckpt.store.types import Removal

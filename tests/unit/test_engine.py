@@ -395,7 +395,7 @@ def test_the_writer_is_chosen_before_anything_is_copied(store, monkeypatch):
 
 
 def test_tied_embeddings_are_stored_once_through_the_engine(store):
-    from hf_dynamic_ckpt.extras.toy import tiny_qwen2
+    from examples.toy import tiny_qwen2
 
     model = tiny_qwen2(seed=0, hidden_size=16, num_layers=1, vocab_size=64, tie_word_embeddings=True)
     with SaveEngine(store) as engine:

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
+from examples import toy
 from hf_dynamic_ckpt.constants import Tier
 from hf_dynamic_ckpt.engine.live import optimizer_tensors, tensors_in
 from hf_dynamic_ckpt.engine.snapshot import Snapshotter
-from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.state import StateSources, trainable_state_dict
 from hf_dynamic_ckpt.state.flat import FlatKeeper, consolidate, pays
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
+from examples.corpus import CorpusRun, load_corpus
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.extras.corpus import CorpusRun, load_corpus
 from hf_dynamic_ckpt.extras.features import CLIP, FEATURE_NAMES, FeatureExtractor
 from hf_dynamic_ckpt.extras.learned import (
     BUILTIN_PATH,
@@ -364,7 +364,7 @@ def test_corpus_is_small_split_by_run_and_holds_out_shapes_and_timings(corpus: l
 
 
 def test_corpus_frames_are_what_replay_frames_gives(corpus: list[CorpusRun]) -> None:
-    from hf_dynamic_ckpt.extras.traces import RecordedTrace, replay_frames
+    from examples.traces import RecordedTrace, replay_frames
 
     for run in (next(r for r in corpus if r.kind == "lora_explosion"), next(r for r in corpus if r.kind == "nan_grad")):
         mine = run.frames()

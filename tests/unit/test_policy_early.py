@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from examples.traces import RecordedTrace, inject_anomaly, load_trace, replay_frames
 from hf_dynamic_ckpt.config import SmartCkptConfig
-from hf_dynamic_ckpt.extras.traces import RecordedTrace, inject_anomaly, load_trace, replay_frames
 from hf_dynamic_ckpt.policy import Decision, DecisionKind, RulePolicy
 from hf_dynamic_ckpt.signals.frame import SignalFrame
 

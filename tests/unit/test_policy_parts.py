@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from test_policy import calm, run
 
+from examples.traces import load_trace, replay_frames
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.extras.traces import load_trace, replay_frames
 from hf_dynamic_ckpt.policy import Decision, DecisionKind, RulePolicy
 from hf_dynamic_ckpt.policy.triggers import CaptureTrigger
 from hf_dynamic_ckpt.signals.frame import SignalFrame

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from test_policy import run  # pre_update then decide per step, like the checkpointer
 
+from examples.traces import load_trace, replay_frames
 from hf_dynamic_ckpt.config import SmartCkptConfig
-from hf_dynamic_ckpt.extras.traces import load_trace, replay_frames
 from hf_dynamic_ckpt.policy import Decision, RulePolicy
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"

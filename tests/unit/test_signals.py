@@ -198,8 +198,8 @@ def test_clip_recorder_keeps_the_clip_norm_of_the_last_call() -> None:
 
 
 def test_injected_anomaly_is_exact_up_to_the_onset_and_checked() -> None:
+    from examples.traces import RecordedTrace, inject_anomaly
     from hf_dynamic_ckpt.errors import ConfigError
-    from hf_dynamic_ckpt.extras.traces import RecordedTrace, inject_anomaly
 
     calm = RecordedTrace(name="t", header={"layers": ["a"]}, rows=[(s, 2.0, 1.0, 1e-3, [0.5]) for s in range(1, 6)])
     shot = inject_anomaly(calm, 3, "loss_x", factor=30.0, steps=2)

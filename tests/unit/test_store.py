@@ -12,6 +12,7 @@ import torch
 from helpers import save_state
 from safetensors import safe_open
 
+from examples import toy
 from hf_dynamic_ckpt.constants import (
     BLOBS_DIR,
     MANIFEST_NAME,
@@ -30,7 +31,6 @@ from hf_dynamic_ckpt.errors import (
     DynamicCkptError,
     FormatVersionError,
 )
-from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.state.rng import capture_rng_state, restore_rng_state
 from hf_dynamic_ckpt.store import BlobRef, CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store.blobs import tensor_digest

@@ -15,8 +15,8 @@ import torch
 from helpers import save_state
 
 import hf_dynamic_ckpt.store.tensorpack as tp
+from examples import toy
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
-from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.statetree import flatten_state, unflatten_state
 from hf_dynamic_ckpt.store.tensorpack import (

@@ -282,7 +282,7 @@ def test_v2_fixture_made_by_code_is_refused(tmp_path: Path) -> None:
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     torch.manual_seed(0)
     model = toy.tiny_qwen2(seed=0, hidden_size=64, num_layers=2, vocab_size=256)

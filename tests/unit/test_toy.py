@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
+from examples import toy
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.extras import toy
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 _FINGERPRINT = """
 import hashlib, json, torch
 torch.set_num_threads(1)
-from hf_dynamic_ckpt.extras import toy
+from examples import toy
 texts = toy.text_corpus(max_chars=120_000)
 tok = toy.train_tokenizer(texts, vocab_size=384)
 ds = toy.lm_dataset(tok, texts, seq_len=16, num_examples=50)

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from examples import toy
 from hf_dynamic_ckpt.constants import WEIGHTS_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
-from hf_dynamic_ckpt.extras import toy
 from hf_dynamic_ckpt.store.blobs import BlobStore, tensor_digest
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.safetensors_io import DTYPES, read_into

@@ -68,7 +68,7 @@ def _build(data: str, workers: int, persistent: bool, adapter_seed: int, evaluat
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     accelerator = Accelerator(cpu=True)
     world = accelerator.num_processes

@@ -69,8 +69,8 @@ def main() -> None:
     from accelerate.utils import DataLoaderConfiguration, set_seed
     from safetensors.torch import save_file
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
-    from hf_dynamic_ckpt.extras import toy
     from hf_dynamic_ckpt.state import trainable_state_dict
 
     seedable = DataLoaderConfiguration(use_seedable_sampler=args.sampler == "seedable")

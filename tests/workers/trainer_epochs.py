@@ -31,7 +31,7 @@ EVAL_STEPS = 5  # mid-epoch, the epoch boundary, mid-epoch of the second epoch
 
 
 def _model(kind: str, seed: int) -> torch.nn.Module:
-    from hf_dynamic_ckpt.extras import toy
+    from examples import toy
 
     model = toy.tiny_qwen2(seed=0 if kind == "lora" else seed, vocab_size=128, hidden_size=32, dropout=0.1)
     return toy.lora(model, r=4, dropout=0.1, seed=seed) if kind == "lora" else model
@@ -41,8 +41,8 @@ def _train(args: argparse.Namespace, out: Path, *, seed: int, resume: str | None
            ) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from examples import toy
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
-    from hf_dynamic_ckpt.extras import toy
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = _model(args.model, seed)

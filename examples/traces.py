@@ -16,9 +16,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
-from ..signals.frame import SignalFrame
-from ..signals.stats import LayerBaselines
+from hf_dynamic_ckpt.errors import ConfigError
+from hf_dynamic_ckpt.signals.frame import SignalFrame
+from hf_dynamic_ckpt.signals.stats import LayerBaselines
 
 
 @dataclass

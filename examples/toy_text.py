@@ -1,6 +1,6 @@
 """Real English text, a BPE tokenizer and datasets for `toy` (the standard library's docstrings).
 
-Split from `toy` (models there); use it through `hf_dynamic_ckpt.extras.toy`.
+Split from `toy` (models there); use it through `examples.toy`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from hf_dynamic_ckpt.errors import ConfigError
 
 if TYPE_CHECKING:
     import datasets

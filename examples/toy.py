@@ -10,7 +10,7 @@ inside the functions that need them.
 
 Example:
     ```python
-    >>> from hf_dynamic_ckpt.extras import toy
+    >>> from examples import toy
     >>> texts = toy.text_corpus(max_chars=50_000)
     >>> tok = toy.train_tokenizer(texts, vocab_size=512)
     >>> ds = toy.lm_dataset(tok, texts, seq_len=32, num_examples=64)
@@ -25,7 +25,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._toy_text import (
+from examples.toy_text import (
     DEFAULT_VOCAB_SIZE,
     EOS_TOKEN,
     PAD_TOKEN,

@@ -1,6 +1,6 @@
 """The demo: a LoRA fine-tune hits bad data, rolls back past it, is SIGKILLed, and resumes bit-exactly.
 
-    python -m hf_dynamic_ckpt.extras.demo --output_dir demo_out        # (what `make demo` runs)
+    python -m examples.demo --output_dir demo_out        # (what `make demo` runs)
 
 CPU only, a few minutes, nothing downloaded. Three training processes run the same
 script (`--child`): an uninterrupted reference run; the run itself, which meets a shard of
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..constants import DEFAULT_TASK_ID, TIMELINE_NAME
+from hf_dynamic_ckpt.constants import DEFAULT_TASK_ID, TIMELINE_NAME
 
 if TYPE_CHECKING:
-    from ..store.types import CheckpointInfo
+    from hf_dynamic_ckpt.store.types import CheckpointInfo
 
 SESSIONS_NAME = "demo_sessions.jsonl"
 """In a run's output directory: one line per training process, in start order, with the session id that the
@@ -61,8 +61,8 @@ def train(demo: DemoArguments, smart: Any) -> None:
     from transformers import PrinterCallback, Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
-    from ..integrations.trainer import SmartCkptCallback, resume_checkpoint
-    from . import toy
+    from examples import toy
+    from hf_dynamic_ckpt.integrations.trainer import SmartCkptCallback, resume_checkpoint
 
     # Only the checkpointer's own lines, as a user with `--log_level info` sees them: one per save
     # and the "resumed from" line (Trainer's other INFO output and its log dicts stay quiet).
@@ -121,7 +121,7 @@ def train(demo: DemoArguments, smart: Any) -> None:
 
 # ---------------------------------------------------------------------- the orchestrating parent
 def _child_cmd(output_dir: Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "hf_dynamic_ckpt.extras.demo", "--child", "--output_dir", str(output_dir), *extra]
+    return [sys.executable, "-m", "examples.demo", "--child", "--output_dir", str(output_dir), *extra]
 
 
 def _timeline(store: Path) -> list[dict[str, Any]]:
@@ -315,8 +315,8 @@ def _sessions(run_dir: Path) -> list[str]:
 
 def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) -> bool:
     """Print the demo report; returns whether the resumed losses equal the reference's."""
-    from ..store.store import CheckpointStore
-    from .plot import plot_timeline
+    from hf_dynamic_ckpt.extras.plot import plot_timeline
+    from hf_dynamic_ckpt.store.store import CheckpointStore
 
     run_store, ref_store = out / "run" / "smart_ckpt", out / "reference" / "smart_ckpt"
     rows = _timeline(run_store)
@@ -362,13 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--child")
         from transformers import HfArgumentParser
 
-        from ..config import SmartCkptArguments
+        from hf_dynamic_ckpt.config import SmartCkptArguments
 
         parser = HfArgumentParser((DemoArguments, SmartCkptArguments))  # type: ignore[arg-type]
         demo, smart = parser.parse_args_into_dataclasses(args=argv)
         train(demo, smart)
         return 0
-    p = argparse.ArgumentParser(prog="python -m hf_dynamic_ckpt.extras.demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output_dir", default="demo_out")
     p.add_argument("--max_steps", type=int, default=90)

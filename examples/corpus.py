@@ -4,7 +4,7 @@
 full and LoRA, several lr, batch sizes, seeds, with and without clipping; a quarter calm,
 the rest with one injected anomaly each) into `tests/data/traces/corpus.jsonl.gz`: one JSON
 object per run, `{"header", "rows", "mem_frac", "step_time_s"}`, the rows in the format of
-`extras.traces` (`[step, loss, grad_norm, lr, [LoRA layer norms]]`). The header names the
+`examples.traces` (`[step, loss, grad_norm, lr, [LoRA layer norms]]`). The header names the
 run's split (`train` / `validation` / `test`, by run) and its anomalies.
 
 Labels, per step `t` (the frame of step `t` is judged before its update, so saving then keeps
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..signals.frame import SignalFrame
-from ..signals.stats import LayerBaselines
+from hf_dynamic_ckpt.errors import ConfigError
+from hf_dynamic_ckpt.signals.frame import SignalFrame
+from hf_dynamic_ckpt.signals.stats import LayerBaselines
 
 CAPTURE_K = 5  # a capture is a healthy checkpoint of a step in [onset - K, onset - 1]
 RECOVERY = 10  # steps after an anomaly ends that stay unlabelled
@@ -80,7 +80,7 @@ class CorpusRun:
         return out
 
     def frames(self) -> list[SignalFrame]:
-        """The frames the checkpointer would have built (as `extras.traces.replay_frames`, plus memory
+        """The frames the checkpointer would have built (as `examples.traces.replay_frames`, plus memory
         every `MEMORY_EVERY` steps and the step time)."""
         baselines = LayerBaselines()
         names = list(self.header["layers"])
