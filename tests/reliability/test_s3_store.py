@@ -273,8 +273,8 @@ def test_reindex_from_the_bucket_rebuilds_the_catalog_and_cli_lists_it(s3_root, 
         assert sorted(db.execute("SELECT step FROM checkpoints WHERE task_id='t'").fetchall()) == [(1,), (2,)]
     assert main(["verify", url, "step:2", "--task", "t"]) == 0
     assert "OK   t/step-2" in capsys.readouterr().out
-    # `python -m hf_dynamic_ckpt ls s3://...`, as a user types it.
-    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt", "ls", url, "--json"], capture_output=True,
+    # `python -m hf_dynamic_ckpt.cli ls s3://...`, as a user types it.
+    proc = subprocess.run([sys.executable, "-m", "hf_dynamic_ckpt.cli", "ls", url, "--json"], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)

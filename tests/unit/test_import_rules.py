@@ -42,7 +42,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # one function that needs it, so importing the core never loads an extra.
 EXTRAS_SITES: dict[tuple[str, str], str] = {
     # `hf-dynamic-ckpt plot ROOT` is a documented command; the figure code is an extra (matplotlib).
-    ("hf_dynamic_ckpt.cli.inspect", "hf_dynamic_ckpt.extras.plot"): "the `plot` command",
+    ("hf_dynamic_ckpt.cli", "hf_dynamic_ckpt.extras.plot"): "the `plot` command",
     # The documented `learned_model` key names a model file only the learned double-check reads; the policy
     # takes that check as a `policy.rules.DoubleCheck` (a protocol), so this import is the one tie.
     ("hf_dynamic_ckpt.policy.rules", "hf_dynamic_ckpt.extras.learned"): "the `learned_model` key",
