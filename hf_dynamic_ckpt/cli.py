@@ -1,25 +1,22 @@
-"""`hf-dynamic-ckpt` (also `python -m hf_dynamic_ckpt.cli`): inspect, check, manage and export a store.
+"""`hf-dynamic-ckpt` (or `python -m hf_dynamic_ckpt.cli`): inspect, check, manage and export a store.
 
-    hf-dynamic-ckpt ls ROOT [--task T] [--all] [--json]          hf-dynamic-ckpt pin|unpin ROOT REF [--task T]
-    hf-dynamic-ckpt show ROOT REF [--task T] [--json]            hf-dynamic-ckpt rm ROOT REF... [--task T] [--force]
-    hf-dynamic-ckpt verify ROOT [REF | --all] [--task T]         hf-dynamic-ckpt gc ROOT [--task T] [--dry-run] [--json]
-    hf-dynamic-ckpt reindex ROOT                                 hf-dynamic-ckpt plot ROOT [--task T] [-o PNG]
-    hf-dynamic-ckpt export ROOT REF OUT [--format peft|hf|merged] [--base PATH] [--task T] [--overwrite]
+    ls ROOT [--task T] [--all] [--json]    show ROOT REF [--json]     verify ROOT [REF | --all]    reindex ROOT
+    pin|unpin ROOT REF    rm ROOT REF... [--force]    gc ROOT [--dry-run] [--json]    plot ROOT [-o PNG]
+    export ROOT REF OUT [--format peft|hf|merged] [--base PATH] [--overwrite]        (each with [--task T])
 
 ROOT is the store directory (holding ``catalog.db``), the training ``output_dir`` (its ``smart_ckpt/``) or a URL
-root, with fsspec options as a JSON object in ``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``; REF is ``step:N``, ``N``,
-``auto``, ``best``, ``fastest`` or a checkpoint directory. Exit codes: 0 success, 1 problems found (`verify`), 2 bad
-usage, a path that holds no store, or a reference that names nothing.
-
-Commands that only look write nothing (a store opened ``read_only``; a URL's manifests go into a temporary cache,
-removed when the command ends); `verify` then records the statuses that changed in the catalog, best effort.
-`pin`, `unpin`, `rm` and `gc` take the task's writer lock, so they refuse to run beside a training run that saves.
+root (fsspec options as a JSON object in ``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``); REF is ``step:N``, ``N``, ``auto``,
+``best``, ``fastest`` or a checkpoint directory. Exit codes: 0 success, 1 problems found (`verify`), 2 bad usage, a
+path that holds no store, or a reference that names nothing. Commands that only look write nothing (a URL is read
+into a temporary cache); `verify` then records the statuses that changed in the catalog, best effort. `pin`,
+`unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run that saves.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -46,42 +43,32 @@ OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
 # -- finding and opening the store ------------------------------------------------------------------------------------
 def _options() -> dict[str, Any]:
     """The storage options of a URL ROOT (``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``)."""
-    try:
-        value = json.loads(os.environ.get(OPTIONS_ENV) or "{}")
-    except ValueError as e:
-        raise ConfigError(f"{OPTIONS_ENV} is not valid JSON ({e}); expected an object such as "
-                          '{"endpoint_url": "http://127.0.0.1:9000"}.') from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{OPTIONS_ENV} must be a JSON object, not {type(value).__name__}.")
-    return value
+    with contextlib.suppress(ValueError):
+        if isinstance(value := json.loads(os.environ.get(OPTIONS_ENV) or "{}"), dict):
+            return value
+    raise ConfigError(f"{OPTIONS_ENV} is not a JSON object; set it to one such as "
+                      '{"endpoint_url": "http://127.0.0.1:9000"}.')
 
 
-def _root(args: argparse.Namespace) -> Path | str:
-    """The store directory of ROOT (the store itself or a training output_dir), or the URL as it is."""
-    return args.root if "://" in args.root else find_root(args.root)
-
-
-def _tasks(args: argparse.Namespace, root: Path | str) -> list[str]:
-    """The task asked for, else every task under ROOT (folders holding checkpoints; a URL's prefixes)."""
+def _where(args: argparse.Namespace, *, one: bool = False) -> tuple[Path | str, list[str]]:
+    """ROOT's store directory (`find_root`: the store or a training output_dir) or URL, and its tasks: the one asked
+    for, else every one (folders holding checkpoints; a URL's prefixes), or with `one` the only one."""
+    root = args.root if "://" in args.root else find_root(args.root)
     if getattr(args, "task", None) is not None:
-        return [args.task]
+        return root, [args.task]
     if isinstance(root, Path):
-        return [p.name for p in task_dirs(root)] or [DEFAULT_TASK_ID]
-    import fsspec
+        found = [p.name for p in task_dirs(root)]
+    else:
+        import fsspec
 
-    fs, path = fsspec.core.url_to_fs(root, **_options())
-    try:
-        names = {str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)}
-    except FileNotFoundError:
-        names = set()
-    return sorted(n for n in names if n and not n.startswith(".") and n != BLOBS_DIR) or [DEFAULT_TASK_ID]
-
-
-def _task(args: argparse.Namespace, root: Path | str) -> str:
-    found = _tasks(args, root)
-    if len(found) > 1:
+        fs, path = fsspec.core.url_to_fs(root, **_options())
+        found = []
+        with contextlib.suppress(FileNotFoundError):
+            found = sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)} - {""})
+        found = [n for n in found if not n.startswith(".") and n != BLOBS_DIR]
+    if one and len(found) > 1:
         raise ConfigError(f"{root} holds several tasks ({', '.join(found)}); choose one with --task.")
-    return found[0]
+    return root, found or [DEFAULT_TASK_ID]
 
 
 def _open(args: argparse.Namespace, root: Path | str, task: str, mode: str = "read") -> CheckpointStore:
@@ -98,7 +85,8 @@ def _open(args: argparse.Namespace, root: Path | str, task: str, mode: str = "re
     if mode == "read":
         return CheckpointStore(root, task_id=task, read_only=True)
     if mode != "reindex" and not (root / task).is_dir():
-        raise ConfigError(f"task {task!r} has no folder under {root}; available: {', '.join(_tasks(args, root))}.")
+        found = ", ".join(p.name for p in task_dirs(root))
+        raise ConfigError(f"task {task!r} has no folder under {root}; available: {found}.")
     return CheckpointStore(root, task_id=task, cleanup=mode == "write", lock_wait_s=0.0)
 
 
@@ -149,11 +137,11 @@ def _progress(n: int, total: int, item: str) -> None:
 
 # -- commands that only look ------------------------------------------------------------------------------------------
 def _ls(args: argparse.Namespace) -> int:
-    root = _root(args)
+    root, tasks = _where(args)
     infos: list[CheckpointInfo] = []
     removed: list[tuple[str, dict[str, Any]]] = []
     rollbacks: list[tuple[str, dict[str, Any]]] = []
-    for task in _tasks(args, root):
+    for task in tasks:
         with _open(args, root, task) as store:
             infos += store.list(include_unhealthy=True, include_abandoned=args.all)
             removed += [(task, r) for _, r in sorted(store.removed().items())]
@@ -194,8 +182,8 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    root = _root(args)
-    with _open(args, root, _task(args, root)) as store:
+    root, (task,) = _where(args, one=True)
+    with _open(args, root, task) as store:
         info = store.resolve(args.ref)
         m = store.load(info, tiers=()).manifest  # its checksum verified
     if args.json:
@@ -230,13 +218,13 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    root = _root(args)
     if args.ref is not None and args.all:
         raise ConfigError("give either REF or --all, not both.")
+    root, tasks = _where(args, one=args.ref is not None)
     changed: dict[str, list[int]] = {}
     with contextlib.ExitStack() as stack:
         targets = []
-        for task in _tasks(args, root) if args.ref is None else [_task(args, root)]:
+        for task in tasks:
             store = stack.enter_context(_open(args, root, task))
             infos = ([store.resolve(args.ref)] if args.ref is not None else  # no REF: every one, abandoned too
                      sorted(store.list(include_unhealthy=True, include_abandoned=True), key=lambda i: i.step))
@@ -277,9 +265,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _reindex(args: argparse.Namespace) -> int:
-    root = _root(args)
+    root, tasks = _where(args)
     n = damaged = 0
-    for task in _tasks(args, root):
+    for task in tasks:
         with _open(args, root, task, "reindex") as store:
             store.reindex()
             infos = store.list(include_unhealthy=True, include_abandoned=True)
@@ -291,23 +279,23 @@ def _reindex(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from .extras.plot import plot_timeline
 
-    root = _root(args)
-    print(f"wrote {plot_timeline(root, task_id=args.task or _tasks(args, root)[0], output=args.output)}")
+    root, tasks = _where(args)
+    print(f"wrote {plot_timeline(root, task_id=tasks[0], output=args.output)}")
     return 0
 
 
 # -- commands that change the store, and export -----------------------------------------------------------------------
 def _pin(args: argparse.Namespace) -> int:
-    root = _root(args)
-    with _open(args, root, _task(args, root), "write") as store:
+    root, (task,) = _where(args, one=True)
+    with _open(args, root, task, "write") as store:
         info = store.unpin(args.ref) if args.command == "unpin" else store.pin(args.ref)
     print(f"{args.command}ned {info.task_id}/step-{info.step}")
     return 0
 
 
 def _rm(args: argparse.Namespace) -> int:
-    root = _root(args)
-    with _open(args, root, _task(args, root), "write") as store:
+    root, (task,) = _where(args, one=True)
+    with _open(args, root, task, "write") as store:
         for info in [store.resolve(ref) for ref in args.refs]:
             if info.pinned and not args.force:
                 raise ConfigError(f"step {info.step} is pinned; `hf-dynamic-ckpt unpin` it first or pass --force.")
@@ -317,13 +305,11 @@ def _rm(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    root = _root(args)
-    with _open(args, root, _task(args, root), "read" if args.dry_run else "gc") as store:
+    root, (task,) = _where(args, one=True)
+    with _open(args, root, task, "read" if args.dry_run else "gc") as store:
         report = store.gc(dry_run=args.dry_run)
     if args.json:
-        return _dump({"dry_run": args.dry_run, "removed": report.removed, "abandoned": report.abandoned,
-                      "trimmed": report.trimmed, "blobs": report.blobs, "temp_dirs": report.temp_dirs,
-                      "bytes_freed": report.bytes_freed, "kept": report.kept})
+        return _dump({**dataclasses.asdict(report), "dry_run": args.dry_run})
     verb = "would remove" if args.dry_run else "removed"
     for step in report.removed:
         print(f"{verb} step {step}" + (" (abandoned timeline)" if step in report.abandoned else ""))
@@ -342,9 +328,7 @@ def _export(args: argparse.Namespace) -> int:
 
     out, step, skipped = export_step(args.root, args.ref, args.out, format=args.format, base=args.base,
                                      task_id=args.task, overwrite=args.overwrite)
-    for line in skipped:  # "skipped step 40: failed verification: ...": what auto / best / fastest passed over
-        print(line)
-    print(f"exported step {step} ({args.ref}) as {args.format} to {out}")
+    print(*skipped, f"exported step {step} ({args.ref}) as {args.format} to {out}", sep="\n")
     return 0
 
 

@@ -1,29 +1,18 @@
 """Getting a model out of a checkpoint: `describe_model`, `load_checkpoint`, `export_checkpoint`.
 
-Every checkpoint's manifest records, under ``extra["model"]``, what rebuilding a loadable model needs
-(`describe_model`): the model's ``config.json`` content, the PEFT config of every adapter, the base model's name and
-revision when known, the dtype and the tokenizer's name. `export_checkpoint` turns a checkpoint into a folder that
-Hugging Face loads:
+Every manifest records under ``extra["model"]`` what rebuilding the model needs (`describe_model`: its config, the
+PEFT config of each adapter, the base model's name and revision, the dtype). `export_checkpoint` writes a folder
+Hugging Face loads: ``peft`` (``adapter_config.json`` + ``adapter_model.safetensors`` per adapter, the others in
+sub-folders as PEFT does; ``PeftModel.from_pretrained(base, OUT)``), ``hf`` (the full model by transformers'
+``save_pretrained``) or ``merged`` (the base weights, ``base=``, with the adapter merged by PEFT's
+``merge_and_unload``); both of these load with ``AutoModelForCausalLM.from_pretrained(OUT)``.
 
-==========  ======================================================  ==========================================
-format      what is written                                         load it with
-==========  ======================================================  ==========================================
-``peft``    ``adapter_config.json`` + ``adapter_model.safetensors``  ``PeftModel.from_pretrained(base, OUT)``
-            per adapter (the others in sub-folders, as PEFT does)
-``hf``      the full model, by transformers' ``save_pretrained``     ``AutoModelForCausalLM.from_pretrained(OUT)``
-``merged``  the base model with the adapter merged in (PEFT's        ``AutoModelForCausalLM.from_pretrained(OUT)``
-            ``merge_and_unload``; needs the base weights: ``base=``)
-==========  ======================================================  ==========================================
-
-`root` is the store directory or the training ``output_dir`` holding ``smart_ckpt/``, or a URL root; the store is
-opened so that nothing is created or changed there (``read_only=True``). ``auto``, ``best`` and ``fastest`` pass
-over a checkpoint that fails verification to the next one; each checkpoint they ranked first but passed over is
-named, with the reason, in `LoadedCheckpoint.warnings` (and logged).
-
-An export is written into a temporary folder beside `out` and renamed into place, with `EXPORT_MARKER` written
-last. ``overwrite=True`` replaces only an empty folder or one that marker shows to be a previous export holding
-nothing else; never the store, a folder holding it, the current directory or a folder holding that. The previous
-export is removed only once the new one is in place, so a failed export leaves it as it was.
+Reading opens the store so that nothing is created or changed there. ``auto``, ``best`` and ``fastest`` pass over a
+checkpoint that fails verification; each checkpoint they rank first but pass over is named, with the reason, in
+`LoadedCheckpoint.warnings` (and logged). An export is written into a temporary folder beside `out` and renamed into
+place, `EXPORT_MARKER` written last; ``overwrite=True`` replaces only an empty folder or a previous export holding
+nothing else (never the store, a folder holding it, the current directory or a folder holding that), and removes the
+previous export only once the new one is in place: a failed export leaves it as it was.
 """
 
 from __future__ import annotations
@@ -33,7 +22,6 @@ import enum
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Collection
@@ -61,7 +49,6 @@ replaces only a folder with this marker whose files are the ones it lists."""
 EXPORT_MARKER_VERSION = 1
 """Version of the `EXPORT_MARKER` content (its ``"export_version"`` key)."""
 _NAMED_REFS = ("auto", "best", "fastest")
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
 def _json_default(obj: Any) -> Any:
@@ -99,16 +86,11 @@ def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[st
     return json.loads(json.dumps(desc, default=_json_default))
 
 
-def _store_root(root: str | os.PathLike[str]) -> Path | str:
-    """The store directory of a local `root` (`find_root`), or the URL as it is."""
-    return os.fspath(root) if _URL.match(os.fspath(root)) else find_root(root)
-
-
-def _reader(root: Path | str, task_id: str | None) -> CheckpointStore:
-    """The store opened to read: nothing is created or changed (a URL is read into the local cache only)."""
-    if isinstance(root, str):
+def _open(root: str | os.PathLike[str], task_id: str | None) -> CheckpointStore:
+    """The store opened to read: nothing is created or changed (a URL root is read into the local cache only)."""
+    if "://" in os.fspath(root):
         return CheckpointStore(root, task_id=task_id or DEFAULT_TASK_ID, cleanup=False)
-    return CheckpointStore(root, task_id=task_id or DEFAULT_TASK_ID, read_only=True)
+    return CheckpointStore(find_root(root), task_id=task_id or DEFAULT_TASK_ID, read_only=True)
 
 
 def _rank(ref: str, info: CheckpointInfo) -> tuple[float, ...]:
@@ -165,16 +147,11 @@ def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tu
 
 def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, model: nn.Module | None = None,
                     task_id: str | None = None, tiers: Collection[Tier] = ALL_TIERS) -> LoadedCheckpoint:
-    """Read a checkpoint (verified) for a plain script; with `model`, put its weights into it.
-
-    Reading changes nothing under `root`: no catalog, lock or folder is created.
+    """Read a checkpoint (verified) for a plain script; with `model`, put its weights into it. Writes nothing.
 
     Args:
-        root (`str`): the store directory (e.g. ``out/smart_ckpt``), the training output_dir holding
-            ``smart_ckpt/`` (e.g. ``out``), or a URL root.
-        ref (`str` or `int`, *optional*, defaults to `"auto"`): `auto`, `best`, `fastest`, `step:N`, a path.
-            `auto`, `best` and `fastest` pass over a checkpoint that fails verification to the next one;
-            `warnings` names every checkpoint passed over and why.
+        root (`str`): the store directory (``out/smart_ckpt``), the training output_dir holding it (``out``), or a URL.
+        ref (`str` or `int`, *optional*, defaults to `"auto"`): `auto`, `best`, `fastest`, `step:N` or a path.
         model (`nn.Module`, *optional*): receives the weights (names and shapes checked).
         task_id (`str`, *optional*): the run's task (default ``"default"``).
         tiers (*optional*): what to read (default: every tier).
@@ -183,18 +160,16 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
         `LoadedCheckpoint`: weights, optimizer / scheduler state, RNG, data position, manifest, warnings.
 
     Raises:
-        `CheckpointNotFoundError`: `root` does not exist or holds no store, or `ref` names no loadable checkpoint.
-        `ConfigError`: `root` is a file or a task / checkpoint folder (the message names the store to pass), or
-            the checkpoint holds no weights while `model` is given.
-        `CorruptCheckpointError`: `ref` names one checkpoint (`step:N`, a path) that fails verification.
+        `CheckpointNotFoundError`: `root` holds no store, or `ref` names no loadable checkpoint.
+        `ConfigError`: `root` is a file or a task / checkpoint folder, or `model` is given and there are no weights.
+        `CorruptCheckpointError`: `ref` names one checkpoint (`step:N`, a path) and it fails verification.
 
     Example:
         ```python
-        >>> model = AutoModelForCausalLM.from_config(config)
-        >>> load_checkpoint("out/smart_ckpt", "best", model=model)
+        >>> load_checkpoint("out", "best", model=AutoModelForCausalLM.from_config(config))
         ```
     """
-    with _reader(_store_root(root), task_id) as store:
+    with _open(root, task_id) as store:
         loaded, skipped = _load(store, ref, tiers)
     for note in skipped:
         logger.warning("%s (%r chose step %d)", note, ref, loaded.info.step)
@@ -211,28 +186,25 @@ def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | o
     """Write a checkpoint as a folder that PEFT / transformers load (see the module docstring).
 
     Args:
-        root (`str`): the store directory, the training output_dir holding ``smart_ckpt/``, or a URL root.
+        root (`str`): the store directory, the training output_dir holding it, or a URL root.
         ref (`str` or `int`): `auto`, `best`, `fastest`, `step:N` or a path.
-        out (`str`): the folder to create (must not exist unless `overwrite`).
+        out (`str`): the folder to create.
         format (`str`, *optional*, defaults to `"peft"`): `peft`, `hf` or `merged`.
-        base (`str`, *optional*): a local model folder with the base weights (`merged` only; defaults to the
-            recorded base model name, which must then be loadable offline).
+        base (`str`, *optional*): the base model's folder (`merged`; default: the recorded name, offline).
         task_id (`str`, *optional*): the run's task.
-        overwrite (`bool`, *optional*, defaults to `False`): replace `out` when it is a previous export (it holds
-            `EXPORT_MARKER` and only the files that marker lists) or an empty folder.
+        overwrite (`bool`, *optional*, defaults to `False`): replace `out` if it is empty or a previous export.
 
     Returns:
         `Path`: `out`.
 
     Raises:
-        `ConfigError`: an unknown format or one that does not fit the checkpoint (e.g. `peft` for a full fine-tune),
-            `out` exists (without `overwrite`) or may not be replaced (nothing is deleted), or the manifest records
-            no model description.
+        `ConfigError`: a format that is unknown or does not fit the checkpoint, an `out` that exists (without
+            `overwrite`) or may not be replaced (nothing is deleted), or no recorded model description.
         `CheckpointNotFoundError`: `root` holds no store, or `ref` names no loadable checkpoint.
 
     Example:
         ```python
-        >>> export_checkpoint("out", "auto", "adapter", format="peft", overwrite=True)
+        >>> export_checkpoint("out", "auto", "adapter", format="peft")
         PosixPath('adapter')
         ```
     """
@@ -258,9 +230,9 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
     if format not in FORMATS:
         raise ConfigError(f"format={format!r} is invalid: expected one of {', '.join(FORMATS)}.")
     target = Path(out)
-    store_root = _store_root(root)
-    replaces = _check_target(target, overwrite=overwrite, store_root=store_root)
-    with _reader(store_root, task_id) as store:
+    with _open(root, task_id) as store:
+        store_root = None if "://" in os.fspath(root) else store.root
+        replaces = _check_target(target, overwrite=overwrite, store_root=store_root)
         loaded, skipped = _load(store, ref, {Tier.WEIGHTS})
     step = loaded.info.step
     if loaded.weights is None:
@@ -288,7 +260,7 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
             _write_peft(_adapter_weights(loaded, list(desc["adapters"])), desc, tmp)
         else:
             _write_merged(_adapter_weights(loaded, list(desc["adapters"])), desc, tmp, base)
-        _write_marker(tmp, {"store": store_root if isinstance(store_root, str) else os.fspath(store_root.absolute()),
+        _write_marker(tmp, {"store": os.fspath(store_root or root),
                             "task": loaded.info.task_id, "step": step, "format": format,
                             "ref": ref if isinstance(ref, int) else os.fspath(ref)})
         _move_into_place(tmp, target, replaces=replaces)
@@ -317,13 +289,13 @@ def _not_an_export(folder: Path) -> str | None:
     return None
 
 
-def _check_target(target: Path, *, overwrite: bool, store_root: Path | str) -> bool:
+def _check_target(target: Path, *, overwrite: bool, store_root: Path | None) -> bool:
     """Refuse an `out` that an export must not write or replace; returns whether `out` exists and is replaced."""
     if target.is_symlink():
         raise ConfigError(f"out={os.fspath(target)!r} is a symbolic link; an export never writes through links: pass "
                           "the real folder, or a new one.")
     resolved = target.resolve()
-    if not isinstance(store_root, str):
+    if store_root is not None:
         store = store_root.resolve()
         where = ("is the store" if resolved == store else "holds the store" if resolved in store.parents
                  else "is inside the store" if store in resolved.parents else None)
@@ -360,18 +332,17 @@ def _fsync(path: Path) -> None:
 
 
 def _write_marker(folder: Path, record: dict[str, Any]) -> None:
-    """Fsync what the export wrote, then write `EXPORT_MARKER` (listing it) last. The test hook's ``export`` point
-    (`errors.fault`) fires once per file, before it is synced, and before the marker."""
+    """Fsync what the export wrote, then write `EXPORT_MARKER`, listing it, last. The test hook's ``export`` point
+    (`errors.fault`) fires before each file is synced (`name`) and before the marker."""
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    for name in files:
+    for name in [*files, EXPORT_MARKER]:
         fault("export", name=name)
-        _fsync(folder / name)
-    fault("export", name=EXPORT_MARKER)
+        if name != EXPORT_MARKER:
+            _fsync(folder / name)
     body = {"export_version": EXPORT_MARKER_VERSION, **record, "files": files, "library_version": VERSION}
     (folder / EXPORT_MARKER).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    for sub in sorted({(folder / name).parent for name in [*files, EXPORT_MARKER]}, reverse=True):
-        _fsync(sub)
-    _fsync(folder / EXPORT_MARKER)
+    for path in [folder / EXPORT_MARKER, *(p for p in folder.rglob("*") if p.is_dir()), folder]:
+        _fsync(path)
 
 
 def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
