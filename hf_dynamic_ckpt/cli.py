@@ -2,7 +2,7 @@
 
     ls ROOT [--task T] [--all] [--json]    show ROOT REF [--json]     verify ROOT [REF | --all]    reindex ROOT
     pin|unpin ROOT REF    rm ROOT REF... [--force]    gc ROOT [--dry-run] [--json]    plot ROOT [-o PNG]
-    export ROOT REF OUT [--format peft|hf|merged] [--base PATH] [--overwrite]        (each with [--task T])
+    export ROOT REF OUT [--format peft|hf|merged] [--base PATH] [--overwrite]    (all but reindex: [--task T])
 
 ROOT is the store directory (holding ``catalog.db``), the training ``output_dir`` (its ``smart_ckpt/``) or a URL
 root (fsspec options as a JSON object in ``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``); REF is ``step:N``, ``N``, ``auto``,

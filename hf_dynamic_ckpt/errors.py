@@ -96,7 +96,8 @@ def fault(point: str, **where: object) -> None:
     ``log=FILE`` (append one JSON line: the point and `where`). Points: ``snapshot`` (a save's copy, before it),
     ``write`` (a checkpoint file, `name`), ``commit`` (a checkpoint's final rename), ``fs`` (each change on the store's
     disk, `op`), ``read`` (a checkpoint file read, `name`), ``read_optimizer`` (a resume's optimizer-tier read),
-    ``remote`` (an object-store call, `op`) and ``export`` (an export's files). Unset, it costs one lookup.
+    ``remote`` (an object-store call, `op`) and ``export`` (each file of an export before it is synced, then its
+    marker, `name`). Unset, it costs one lookup.
 
     Example:
         ```bash

@@ -124,13 +124,14 @@ def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tu
     while True:
         try:
             info = store.resolve(ref)
-            loaded = store.load(info, tiers=tiers, mmap=False)
-            break
         except CheckpointNotFoundError as e:
             if not failed:
                 raise
             raise CheckpointNotFoundError(f"{e} Passed over: " + "; ".join(
                 f"step {step}: {why}" for step, why in sorted(failed.items(), reverse=True))) from e
+        try:
+            loaded = store.load(info, tiers=tiers, mmap=False)
+            break
         except CorruptCheckpointError as e:  # the load flagged it corrupt: the next resolve passes over it
             if not named or info.step in failed:
                 raise
