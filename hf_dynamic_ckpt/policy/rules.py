@@ -7,6 +7,7 @@ same reduced frame and takes the same decisions. The formulas, the rules and eve
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -259,11 +260,9 @@ class Interval:
 
 
 class DoubleCheck(Protocol):
-    """A second opinion next to the rules, with its own per-step state (saved under the policy state's `"learned"`).
-
-    The rules stay the safety net: a double-check may veto a soft rule's capture or ask for an early save, never drop
-    a hard one. `RulePolicy` calls `review` and `capture` in `pre_update`, `after_update` in `decide`.
-    """
+    """A second opinion next to the rules, with its own per-step state (the policy state's `"learned"`). The rules
+    stay the safety net: it may veto a soft rule's capture or ask for an early save, never drop a hard one.
+    `RulePolicy` calls `review` and `capture` in `pre_update`, `after_update` in `decide`."""
 
     def review(self, frame: SignalFrame, rule: str | None, loss_baseline: float | None
                ) -> tuple[str | None, Any, str | None]:
@@ -281,26 +280,26 @@ class DoubleCheck(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-# The policy's flags in its state: (part, key) -> attribute, and the JSON types each takes.
-_FLAGS = {("capture", "last_step"): ("last_capture", (int, type(None))), ("capture", "prev_nonfinite"): (
-    "prev_nonfinite", (bool,)), ("preemption", "done"): ("preempted", (bool,)), ("edge", "armed"): ("edge_armed", (
-        bool,)), ("memory", "armed"): ("memory_armed", (bool,)), ("health", "poisoned"): ("poisoned", (bool,))}
+# The triggers' flags in the policy state: (part, key) -> (attribute, the JSON types it takes).
+_FLAGS: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
+    ("capture", "last_step"): ("last_capture", (int, type(None))),
+    ("capture", "prev_nonfinite"): ("prev_nonfinite", (bool,)),
+    ("preemption", "done"): ("preempted", (bool,)),
+    ("edge", "armed"): ("edge_armed", (bool,)),
+    ("memory", "armed"): ("memory_armed", (bool,)),
+    ("health", "poisoned"): ("poisoned", (bool,)),
+}
 
 
 class RulePolicy:
-    """Decides when to save and what, from per-step signals (docs/policy.md):
+    """Decides when to save and what, from per-step signals (docs/policy.md section 2).
 
-    - Regular saves every `T = T_base * alpha / (1 + risk_gain * beta)` steps: `T_base` is `base_interval` (kept as
-      set) or Young/Daly `sqrt(2 * C * MTBF)` from the measured save cost (`SignalFrame.save_blocking_s`), widened to
-      keep blocking time within `overhead_budget`; `alpha` shrinks it when the loss is noisy, `beta` is the smoothed
-      risk (the mean over `risk_smoothing` steps of `min(beta_t, beta_t-1)`); clamped to `[min_interval, max_interval]`.
-    - An immediate save on the rising edge of the smoothed risk past `risk_threshold` (re-armed below `risk_release`);
-      a minimal save (weights + state) when memory is predicted to cross `memory_threshold` within `memory_lookahead`.
-    - `pre_update()`: a surge or non-finite gradient seen before the optimizer step asks for a pinned save of the
-      still-healthy state, from the first step (`capture_rule`); one per `capture_cooldown` steps.
-    - A preemption flag asks for one full save, once. A non-finite update that went through poisons the state: saves
-      pause until the signals are finite again. A save while the training risk is high or after a bad update is
-      `healthy=False`.
+    Regular saves every `T = T_base * alpha / (1 + risk_gain * beta)` steps (`T_base`: `base_interval`, or Young/Daly
+    from the measured save cost, widened to `overhead_budget`; `alpha`: loss stability; `beta`: smoothed risk), an
+    immediate save on the rising edge of the risk, a minimal one ahead of a memory ramp, one full save on preemption;
+    `pre_update()` captures the still-healthy state before a bad update (`capture_rule`). A non-finite update that went
+    through pauses saves until the signals are finite again; a save after a bad update or while the training risk is
+    high is `healthy=False`.
 
     Args:
         config (`SmartCkptConfig`, *optional*): the settings; defaults to `SmartCkptConfig()`.
@@ -455,14 +454,9 @@ class RulePolicy:
         return decision
 
     def decide(self, frame: SignalFrame) -> Decision:
-        """Decide after the step's update whether to save the state of step `frame.step`; call it exactly once per
-        optimizer step (it folds the frame into the statistics).
-
-        Returns:
-            `Decision`: in priority order preemption (full, once), the rising edge of the smoothed risk, a memory ramp
-            (minimal tiers), the regular interval; else no save. `healthy=False` when the state is poisoned, the step's
-            update was bad (a capture rule fired and the update was not skipped) or the training risk is high.
-        """
+        """Whether to save the state of step `frame.step`, after its update: in priority order preemption (full,
+        once), the rising edge of the smoothed risk, a memory ramp (minimal tiers), the regular interval. Call it once
+        per optimizer step: it folds the frame into the statistics."""
         step, c = frame.step, self.config.policy
         if self.last_save_step is None:
             self.last_save_step = step - 1  # the state training started from counts as saved
@@ -674,7 +668,6 @@ class RulePolicy:
 
 class Verdict(enum.StrEnum):
     """What the rollback rule answers for one step."""
-
     NONE = "none"  # nothing to do (calm, or an anomaly not yet confirmed)
     ROLLBACK = "rollback"  # confirmed: roll back to a restore point before `onset`
     EXHAUSTED = "exhausted"  # confirmed, but max_rollbacks were taken within the window
@@ -748,8 +741,7 @@ class RollbackRule:
         self.streak, self.onset, self.first_reason = 0, None, ""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"streak": self.streak, "onset": self.onset, "first_reason": self.first_reason,
-                "taken": list(self.taken)}
+        return dataclasses.asdict(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.streak, onset = int(state.get("streak") or 0), state.get("onset")
