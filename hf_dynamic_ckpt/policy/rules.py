@@ -316,6 +316,10 @@ class RulePolicy:
 
     learned: DoubleCheck | None
     """The double-check (by default the learned model of `learned_model`); `None`: rules only."""
+    history: deque[dict[str, Any]]
+    """The last `HISTORY_STEPS` steps: loss, grad norm, lr, risk, interval, and the decision."""
+    decisions: deque[dict[str, Any]]
+    """The last `DECISION_HISTORY` save decisions (`Decision.to_dict()` and the step they were taken at)."""
 
     def __init__(self, config: SmartCkptConfig | None = None, *,
                  double_check: Callable[[], DoubleCheck] | None = None) -> None:
@@ -353,8 +357,8 @@ class RulePolicy:
         self.edge_armed = self.memory_armed = True
         self.learned = self._new_check() if self._new_check is not None else None
         self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
-        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)
-        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_HISTORY)
+        self.history = deque(maxlen=HISTORY_STEPS)
+        self.decisions = deque(maxlen=DECISION_HISTORY)
         self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
 
     # ------------------------------------------------------------------ views
