@@ -38,8 +38,7 @@ from ..constants import ALL_TIERS, KEY_RANK_CHUNKS, KEY_RNG_AT, RNG_AT_STEP_BEGI
 from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError
 from ..export import KEY_MODEL, describe_model
 from ..policy.decision import Decision, DecisionKind
-from ..policy.rules import RulePolicy
-from ..policy.triggers import RollbackRule, RollbackVerdict, Verdict
+from ..policy.rules import RollbackRule, RollbackVerdict, RulePolicy, Verdict
 from ..signals.frame import SignalFrame
 from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights, trainable_state_dict
 from ..state.flat import FlatKeeper

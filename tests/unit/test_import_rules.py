@@ -29,7 +29,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "store": ("store", "constants", "errors", "jsonutil", "_version"),
     "state": ("state", "constants", "errors", "jsonutil", "store.types", "store.spec"),
     "signals": ("signals", "config", "constants", "errors", "jsonutil", "sysmem"),
-    "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store.types"),
+    "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store"),
     "engine": ("engine", "store", "state", "config", "constants", "errors", "jsonutil", "sysmem"),
     "run": ("run", "store", "state", "signals", "policy", "engine", "config", "constants", "errors", "jsonutil",
             "distributed", "export", "sysmem"),
