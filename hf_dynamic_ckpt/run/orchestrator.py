@@ -41,8 +41,7 @@ from ..policy.decision import Decision, DecisionKind
 from ..policy.rules import RulePolicy
 from ..policy.triggers import RollbackRule, RollbackVerdict, Verdict
 from ..signals.frame import SignalFrame
-from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights, trainable_state_dict
-from ..state.flat import FlatKeeper
+from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights
 from ..state.shards import ShardedState
 from ..state.support import check_model
 from ..state.zero import ZeroGradSquares, ZeroState, ZeroUpdateSeam, zero_optimizer
@@ -159,8 +158,6 @@ class RunOrchestrator:
         self.lineage = Lineage(session=self.session_id, timeline=new_session_id())
         self.resumed: Resumption | None = None
         """The last resumption applied (`apply`)."""
-        self.flat: FlatKeeper | None = None
-        """Keeps the trainable state consolidated (`state.flat`); set by `attach`."""
         self.sensors: Sensors | None = None
         self.steplog = StepLog(self.store.task_dir, rank=self.rank)
         self._fork_pending = True  # a fresh timeline sets other timelines' checkpoints aside at its first save
@@ -209,7 +206,6 @@ class RunOrchestrator:
         clip_owner: Any | None = None,
         loss_model: nn.Module | None = None,
         model_info: dict[str, Any] | None = None,
-        consolidate: bool | None = False,
         hold_saves: bool = False,
         position: Callable[[], tuple[int, float | None]] | None = None,
     ) -> None:
@@ -229,9 +225,6 @@ class RunOrchestrator:
             loss_model (`nn.Module`, *optional*): module whose forward output carries `loss`.
             model_info (`dict`, *optional*): what export needs to rebuild the model (`export.describe_model`,
                 the default); stored in every manifest's ``extra["model"]``.
-            consolidate (`bool`, *optional*, defaults to `False`): keep the trainable parameters and their
-                optimizer state in one flat buffer per device and dtype (`state.flat`): `True` always,
-                `None` where it pays (many small trainable tensors: LoRA), `False` never.
             hold_saves (`bool`, *optional*, defaults to `False`): a save decided at `step_end` is written at
                 the next `release()` (or `step_begin`), once the loop has logged the step.
             position (`Callable`, *optional*): the `(step, epoch)` that `pre_update` would be given, readable while
@@ -256,9 +249,6 @@ class RunOrchestrator:
             model, rank=self.rank, weights=weights, frozen_keys=frozen_keys, optimizer=optimizer, scheduler=scheduler,
             scaler=scaler, sampler=sampler)
         self.saver.own_tiers = own
-        self.flat = FlatKeeper(model, optimizer, weights=weights or (lambda: trainable_state_dict(model)),
-                               enabled=False if isinstance(self._sharded, ZeroState) else consolidate,
-                               on_move=self._state_moved)
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
         if isinstance(self._sharded, ZeroState) and self.sensors.grad.layer_names:  # gradients only in partitions
             grad = self.sensors.grad
@@ -277,7 +267,7 @@ class RunOrchestrator:
     def prepare_buffers(self) -> None:
         """Prepare the snapshot buffers and copy plans in the background, ahead of the first save instead of in it:
         once the run's first step has ended (the save engine starts then, so a resume only reads and the first
-        step runs alone), again after the trainable state moved (`state.flat`), and after a resume's background
+        step runs alone), and after a resume's background
         optimizer-tier read, once it is in."""
         if self._sources is None or not self._stepped:  # not attached, or before the first step: later
             return
@@ -285,10 +275,6 @@ class RunOrchestrator:
             return  # it would compete with the read on the way to the first step: `complete_resume` prepares
         self._prepared = True
         self.engine.prepare(self._sources, self.saver.own_tiers)
-
-    def _state_moved(self) -> None:
-        self._prepared = False
-        self.prepare_buffers()
 
     def detach(self) -> None:
         """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
@@ -471,8 +457,6 @@ class RunOrchestrator:
             self._zero_seam.arm()  # the next step's decision is taken inside the engine's step again
         if isinstance(self._sharded, ZeroState):
             self._sharded.note_boundary()
-        if self.flat is not None and self.flat.enabled:
-            self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then checks
         if not self._prepared:
             self.prepare_buffers()
         self.saver.raise_pending()
@@ -623,10 +607,8 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ saving
     def _before_save(self, decision: Decision) -> None:
-        """What every save needs first, on every rank: the trainable state in place, this run's timeline
-        started (rank 0 sets other timelines' newer checkpoints aside)."""
-        if self.flat is not None and self.flat.enabled:
-            self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
+        """What every save needs first, on every rank: this run's timeline started (rank 0 sets other timelines'
+        newer checkpoints aside)."""
         self._start_timeline()
 
     def _start_timeline(self) -> None:
