@@ -177,8 +177,8 @@ class RunOrchestrator:
         self._position: Callable[[], tuple[int, float | None]] | None = None
         self._early: tuple[int, Decision] | None = None  # a decision taken inside the ZeRO engine's step
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
-        self._stepped = False  # the first step_end starts the save side (`prepare_buffers`)
-        self._prepared = False
+        self._stepped = False  # the first step_end starts the save side (`start_writer`)
+        self._started = False
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
         self._rollback_due: RollbackVerdict | None = None  # confirmed at pre_update, taken by rollback()
         self._rollback_step: int | None = None  # the step whose update was dropped for it
@@ -259,22 +259,20 @@ class RunOrchestrator:
                 and (not self.sensors.grad.layer_names or self._sharded.trained_partitions() == 1):
             # The per-layer norms are whole at the first partition's step only when there is one (LoRA usually).
             self._zero_seam = ZeroUpdateSeam(self._sharded, self._pre_update_in_engine)
-        self._prepared = False
-        self.prepare_buffers()
+        self.start_writer()
         self.steplog.open()
         self._restore_probe_state()
 
-    def prepare_buffers(self) -> None:
-        """Prepare the snapshot buffers and copy plans in the background, ahead of the first save instead of in it:
-        once the run's first step has ended (the save engine starts then, so a resume only reads and the first
-        step runs alone), and after a resume's background
-        optimizer-tier read, once it is in."""
-        if self._sources is None or not self._stepped:  # not attached, or before the first step: later
+    def start_writer(self) -> None:
+        """Start the save engine's writer process in the background, ready before the first save (a save that finds
+        it still starting writes synchronously): once the run's first step has ended (a resume only reads, and the
+        first step runs alone), and after a resume's background optimizer-tier read, once it is in."""
+        if self._started or self._sources is None or not self._stepped:  # not attached, or before the first step
             return
         if self.resumed is not None and self.resumed.pending is not None:
-            return  # it would compete with the read on the way to the first step: `complete_resume` prepares
-        self._prepared = True
-        self.engine.prepare(self._sources, self.saver.own_tiers)
+            return  # it would compete with the read on the way to the first step: `complete_resume` starts it
+        self._started = True
+        self.engine.start()
 
     def detach(self) -> None:
         """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
@@ -457,8 +455,7 @@ class RunOrchestrator:
             self._zero_seam.arm()  # the next step's decision is taken inside the engine's step again
         if isinstance(self._sharded, ZeroState):
             self._sharded.note_boundary()
-        if not self._prepared:
-            self.prepare_buffers()
+        self.start_writer()
         self.saver.raise_pending()
         frame = self._frame if self._frame is not None and self._frame.step == step else self._measure(step)
         self._frame = None
@@ -810,12 +807,7 @@ class RunOrchestrator:
         try:
             fill_optimizer(resumption, resumption.pending.collect(self.world_size))
         finally:
-            if not self._prepared:
-                try:
-                    self.prepare_buffers()
-                except Exception as e:  # only a speed-up is lost: the first save allocates its buffers
-                    logger.warning("resume: preparing the snapshot buffers after the optimizer-tier read failed: %s",
-                                   e)
+            self.start_writer()
         self._announce(resumption)
 
     def _restore_statistics(self, resumption: Resumption, *, counters: bool = True) -> None:

@@ -19,7 +19,7 @@ class MemoryProbe:
 
     Device: the larger of the CUDA caching allocator's reserved bytes and NVML's used bytes
     (other processes and fragmentation included) over the device total. Host: what the
-    save engine's staging reads too (`sysmem.read_memory`): the working set of the binding
+    save engine's staging reads too (`sysmem.headroom`): the working set of the binding
     cgroup limit (v1 or v2, ancestors included; usage minus reclaimable page cache, the
     writer process and shared memory included) over that limit, else the machine's
     `(total - available) / total`, whichever leaves less memory available.
@@ -44,7 +44,6 @@ class MemoryProbe:
             self.cgroup_dir = sysmem.find_memory_cgroup()  # limited or not: a limit may be set later
         else:
             self.cgroup_dir = Path(cgroup_dir)
-        self._levels = sysmem.cgroup_levels(self.cgroup_dir) if self.cgroup_dir is not None else None
         self.device = device
         self._nvml_handle: Any = None
         self._nvml_failed = False
@@ -61,8 +60,7 @@ class MemoryProbe:
 
     def host_fraction(self) -> float | None:
         """Host memory in use over its limit: the binding cgroup's working set when limited, else the machine's."""
-        reading = sysmem.read_memory(self.cgroup_dir, self._levels)
-        return reading.fraction if reading is not None else None
+        return sysmem.headroom(self.cgroup_dir).fraction
 
     def device_fraction(self) -> float | None:
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():

@@ -111,19 +111,9 @@ def main() -> None:
     from hf_dynamic_ckpt.errors import RollbackError
 
     rank = int(os.environ.get("RANK", "0"))
-    if args.slow_snapshot_rank is not None and rank == args.slow_snapshot_rank:
+    if args.slow_snapshot_rank is not None:
         # A rank whose saves cost more (a slower disk, a busier host): its measured blocking time differs.
-        import time
-
-        from hf_dynamic_ckpt.engine import snapshot
-
-        original_take = snapshot.Snapshotter.take
-
-        def slow_take(self, *a, **kw):  # type: ignore[no-untyped-def]
-            time.sleep(args.slow_ms / 1000.0)
-            return original_take(self, *a, **kw)
-
-        snapshot.Snapshotter.take = slow_take  # type: ignore[method-assign]
+        os.environ["HF_DYNAMIC_CKPT_FAULT"] = f"snapshot@rank={args.slow_snapshot_rank}:sleep={args.slow_ms}"
 
     model = build_model(args.model, tie=args.tie, dropout=args.dropout)
     ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
