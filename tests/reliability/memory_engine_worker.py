@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=64, help="MiB of float32 weights")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--every", type=int, default=2)
-    p.add_argument("--mode", default="thread")
+    p.add_argument("--mode", default="process")
     args = p.parse_args()
 
     from hf_dynamic_ckpt.constants import ALL_TIERS
@@ -62,7 +62,7 @@ def main() -> None:
         infos = [h.wait() for h in handles]
         result["saves"] = [{"step": i.step, "staging": h.staging, "blocking_ms": h.blocking_ms}
                            for i, h in zip(infos, handles)]
-        result["writer"] = str(engine.mode)
+        result["writer_pid"] = engine.writer_pid
         engine.close()
         loaded = store.load(f"step:{infos[-1].step}")
         live = model.state_dict()
