@@ -277,10 +277,7 @@ class ProcessWriter:
         """Whether the process has started and opened its store, and is alive (never blocks)."""
         return self._ready.is_set() and self._proc.is_alive()
 
-    @property
-    def failed(self) -> bool:
-        """Whether the process has exited."""
-        return not self._proc.is_alive()
+    failed = property(lambda self: not self._proc.is_alive(), doc="Whether the process has exited.")
 
     def submit(self, job: Job, layouts: Sequence[Layout]) -> None:
         """Queue `job`, whose buffers are views of `layouts`; returns at once (one job at a time)."""
