@@ -76,8 +76,9 @@ def _stat(directory: Path) -> dict[str, int]:
     return {key: int(value) for key, _, value in pairs if value.strip().isdigit()}
 
 
-def _version(directory: Path) -> int | None:
-    return 2 if (directory / "memory.max").exists() else 1 if (directory / "memory.limit_in_bytes").exists() else None
+def _version(directory: Path) -> int | None:  # os.path, not Path: the probe runs inside every save
+    exists = os.path.exists
+    return 2 if exists(f"{directory}/memory.max") else 1 if exists(f"{directory}/memory.limit_in_bytes") else None
 
 
 def _level(directory: Path, version: int, *, own: bool) -> tuple[int, int] | None:
