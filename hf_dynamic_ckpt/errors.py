@@ -94,10 +94,11 @@ def fault(point: str, **where: object) -> None:
     ``kill`` (SIGKILL this process), ``raise=ERRNO`` (an `OSError` with that errno name, e.g. ``ENOSPC``, ``EIO``),
     ``sleep=MS``, ``gate=DIR`` (create ``DIR/<point>.reached``, then wait until ``DIR/<point>.go`` exists) and
     ``log=FILE`` (append one JSON line: the point and `where`). Points: ``snapshot`` (a save's copy, before it),
-    ``write`` (a checkpoint file, `name`), ``commit`` (a checkpoint's final rename), ``fs`` (each change on the store's
-    disk, `op`), ``read`` (a checkpoint file read, `name`), ``read_optimizer`` (a resume's optimizer-tier read),
-    ``remote`` (an object-store call, `op`) and ``export`` (each file of an export before it is synced, then its
-    marker, `name`). Unset, it costs one lookup.
+    ``overlap_copy`` (an overlapped snapshot's host copy beside the next step, `step`), ``write`` (a checkpoint
+    file, `name`), ``commit`` (a checkpoint's final rename), ``fs`` (each change on the store's disk, `op`),
+    ``read`` (a checkpoint file read, `name`), ``read_optimizer`` (a resume's optimizer-tier read), ``remote`` (an
+    object-store call, `op`) and ``export`` (each file of an export before it is synced, then its marker, `name`).
+    Unset, it costs one lookup.
 
     Example:
         ```bash

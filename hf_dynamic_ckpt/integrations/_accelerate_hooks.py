@@ -307,7 +307,7 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
 
 
 def attach_state(run: RunOrchestrator, state: AccelerateState, *, boundary: bool, clip_owner: Any | None = None,
-                 consolidate: bool | None = False, draws_random: Callable[[], bool] | None = None,
+                 draws_random: Callable[[], bool] | None = None,
                  position: Callable[[], tuple[int, float | None]] | None = None) -> None:
     """Attach `run` to the accelerator's live objects (`boundary`: the data position of the last completed step,
     for a custom loop; else the current one, for `save_state`; `draws_random`: whether the steps drew random
@@ -328,7 +328,6 @@ def attach_state(run: RunOrchestrator, state: AccelerateState, *, boundary: bool
         extra=lambda decision: state.extra(),
         sampler=sampler,
         clip_owner=clip_owner,
-        consolidate=consolidate,
         position=position,
     )
 

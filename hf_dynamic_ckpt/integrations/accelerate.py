@@ -31,7 +31,6 @@ from ..policy.decision import Decision, DecisionKind
 from ..run.elastic import StepRandomness
 from ..run.orchestrator import SaveEvent
 from ..run.rollback import Rollback
-from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
 from ..store.types import LoadedCheckpoint
 from ._accelerate_elastic import apply_elastic, deepspeed_engine
@@ -62,9 +61,6 @@ class SmartCheckpointer:
             iterate `ckpt.loader` (one epoch per `iter()`) for an exact data position.
         config (`SmartCkptConfig`, *optional*): defaults to `SmartCkptConfig()`.
         output_dir (`str`, *optional*): store at `<output_dir>/smart_ckpt` when `config.root` is unset.
-        consolidate (`bool`, *optional*): keep the trainable parameters and their optimizer state
-            in one flat buffer per device and dtype, so a snapshot is one copy (`state.flat`);
-            `None` (default): only for many small trainable tensors (LoRA), `True` / `False`: always / never.
 
     Example:
         ```python
@@ -96,7 +92,6 @@ class SmartCheckpointer:
         *,
         config: SmartCkptConfig | None = None,
         output_dir: str | os.PathLike[str] | None = None,
-        consolidate: bool | None = None,
     ) -> None:
         check_accelerator(accelerator, deepspeed=True)  # DeepSpeed without ZeRO / FSDP1: refused before anything
         self.accelerator = accelerator
@@ -116,7 +111,7 @@ class SmartCheckpointer:
             loader.on_batch = self._randomness.begin
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
         self.run = make_orchestrator(self.config, accelerator, store_root(self.config, accelerator, output_dir))
-        attach_state(self.run, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate,
+        attach_state(self.run, self.state, boundary=True, clip_owner=accelerator,
                      draws_random=lambda: self._randomness.seen,
                      position=lambda: (self.step, self.state.epoch(boundary=True)))
         self.hooks: SmartStateHooks | None = None
@@ -136,11 +131,6 @@ class SmartCheckpointer:
         self.run.note_boundary(self.step)  # the starting state can be captured before the first update
 
     # -- properties ------------------------------------------------------------------------
-    @property
-    def flat(self) -> FlatKeeper | None:
-        """The consolidated trainable state's keeper (`state.flat`)."""
-        return self.run.flat
-
     @property
     def step(self) -> int:
         """Optimizer updates completed (restored by `resume`)."""

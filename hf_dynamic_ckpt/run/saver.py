@@ -50,7 +50,7 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                    session_id: str) -> CheckpointStore:
     """This rank's store. Under DDP rank 0 opens first (it creates the catalog and takes the task's writer
     lock); its outcome, an error included, is what every rank acts on. The save engine is not started here:
-    `Saver.engine` starts it at its first use (the first save, or the buffers prepared after the first step),
+    `Saver.engine` starts it at its first use (the first save, or its writer process started after the first step),
     so a resume only reads."""
 
     def open_store() -> CheckpointStore:
@@ -121,7 +121,7 @@ class Saver:
 
     @property
     def engine(self) -> SaveEngine:
-        """The save engine (snapshot buffers, writer thread or process), started at its first use."""
+        """The save engine (snapshot buffers, writer process), created at its first use."""
         if self._engine is None:
             self._engine = SaveEngine(self.store, mode=self.config.engine,
                                       memory_margin=self.config.runtime.memory_margin,

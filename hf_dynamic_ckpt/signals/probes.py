@@ -217,7 +217,7 @@ class MemoryProbe:
     """Device and host memory in use, as fractions, every `sample_every` steps (NVML every step costs throughput).
 
     Device: the larger of the CUDA allocator's reserved bytes and NVML's used bytes (other processes and fragmentation
-    included; the NVML device found by UUID) over the device total. Host: `sysmem.read_memory`, what the save engine
+    included; the NVML device found by UUID) over the device total. Host: `sysmem.headroom`, what the save engine
     reads too: the binding cgroup's working set over its limit, else the machine's, whichever leaves less.
 
     Args:
@@ -245,8 +245,7 @@ class MemoryProbe:
         return self.device_fraction(), self.host_fraction()
 
     def host_fraction(self) -> float | None:
-        reading = sysmem.read_memory(self.cgroup_dir)
-        return reading.fraction if reading is not None else None
+        return sysmem.headroom(self.cgroup_dir).fraction
 
     def device_fraction(self) -> float | None:
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():

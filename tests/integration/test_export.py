@@ -30,10 +30,10 @@ TOKENS = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
 
 
 def _train(model: torch.nn.Module, root: Path, steps: int = 3) -> RunOrchestrator:
-    """A few real optimizer steps, then a save of the last one (thread writer, no policy saves)."""
+    """A few real optimizer steps, then a save of the last one (written on the training thread, no policy saves)."""
     torch.manual_seed(0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ck = RunOrchestrator(SmartCkptConfig(root=str(root), base_interval=1000, engine="thread",
+    ck = RunOrchestrator(SmartCkptConfig(root=str(root), base_interval=1000, engine="sync",
                                          policy={"pre_anomaly_capture": False}))
     ck.attach(model, optimizer=opt)
     model.train()

@@ -196,7 +196,7 @@ def test_a_second_writer_of_this_process_is_refused_while_the_first_is_open(tmp_
 
 def test_a_new_run_of_this_process_closes_the_earlier_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = tmp_path / "store"
-    config = SmartCkptConfig(root=str(root), task_id="run", base_interval=1, engine="thread")
+    config = SmartCkptConfig(root=str(root), task_id="run", base_interval=1, engine="sync")
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     first = RunOrchestrator(config)
