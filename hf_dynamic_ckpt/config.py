@@ -59,7 +59,7 @@ class RollbacksExhausted(enum.StrEnum):
 
 class EngineMode(enum.StrEnum):
     """The background writer (docs/engine.md)."""
-    THREAD, PROCESS, SYNC = "thread", "process", "sync"
+    PROCESS, SYNC = "process", "sync"
 
 
 def _num(v: Any, *, finite: bool = False, integer: bool = False) -> bool:
