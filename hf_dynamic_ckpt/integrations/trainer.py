@@ -61,7 +61,6 @@ from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys,
 from ..state.support import check_accelerator, check_training_args
 from ..state.zero import zero_expected
 from ..store.types import LoadedCheckpoint
-from ._position import KEY_LOADERS, LoaderSeeds
 from ._trainer_folder import (
     KEY_DATA_STEPS,
     data_steps,
@@ -73,6 +72,7 @@ from ._trainer_folder import (
     resume_folder,
     skip_deepspeed_load,
 )
+from .position import KEY_LOADERS, LoaderSeeds
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class SmartCkptCallback(TrainerCallback):
         self._in_train = False
         self._resumed_rng: dict[str, Any] | None = None  # restored once the first resumed step's batches are in
         self._rng_before_iterator = False  # ... or, at an epoch boundary, before the epoch's iterator is created
-        self._seeds = LoaderSeeds()  # the persistent loaders' iterators of the uninterrupted run (`_position`)
+        self._seeds = LoaderSeeds()  # the uninterrupted run's persistent loader iterators (`integrations.position`)
         self._eval_watch: Callable[[], None] | None = None  # takes the `get_eval_dataloader` wrapper off
         self._randomness = StepRandomness()
 
@@ -287,7 +287,7 @@ class SmartCkptCallback(TrainerCallback):
             self._resumed_rng = None
         if train_dataloader is not None and (state.epoch or 0.0) >= 1:
             # The uninterrupted run created its iterator in the first epoch and only resets it now; a resumed run
-            # that creates it must not draw the workers' seed from the main generator (`integrations._position`).
+            # that creates it must not draw the workers' seed from the main generator (`integrations.position`).
             self._seeds.lend(train_dataloader)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
