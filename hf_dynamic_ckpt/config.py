@@ -32,7 +32,7 @@ from ._config_checks import (
 )
 from .constants import DEFAULT_TASK_ID
 from .errors import ConfigError
-from .store.spec import Codec
+from .store import Codec
 
 logger = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ class RemoteParams:
     backoff_s: float = 0.5
 
     def __post_init__(self) -> None:
-        from .store.remote import check_public_options
+        from .store import check_public_options
 
         if self.cache_dir is not None:
             check(isinstance(self.cache_dir, str | os.PathLike), "cache_dir", self.cache_dir,
@@ -530,7 +530,7 @@ class SmartCkptConfig:
         if self.root is not None:
             check(isinstance(self.root, str | os.PathLike), "root", self.root, "a directory path (str) or null")
             set_(self, "root", os.fspath(self.root))
-            from .store.remote import check_url, is_url  # URL root (docs/storage.md)
+            from .store import check_url, is_url  # URL root (docs/storage.md)
 
             if "://" in self.root:
                 check(is_url(self.root), "root", self.root, "a directory path or a URL such as s3://bucket/run")
@@ -559,7 +559,7 @@ class SmartCkptConfig:
         Raises:
             `ConfigError`: neither is given, or the local path is (or lies under) an existing file.
         """
-        from .store.remote import is_url
+        from .store import is_url
 
         if self.root is not None:
             name, given = "root", os.fspath(self.root)

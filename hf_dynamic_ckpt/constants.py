@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 
-FORMAT_VERSION = 1
-"""Version of the on-disk format written into every manifest. Readers refuse newer versions."""
+FORMAT_VERSION = 2
+"""Newest on-disk format version this library reads and writes (in every manifest; readers refuse newer ones). A
+manifest that records frozen weights by checksum (`KEY_FROZEN`) is version 2; any other is still written as 1."""
 
 # Store layout: <root>/<task_id>/step-<N>/...
 CATALOG_NAME = "catalog.db"
@@ -57,7 +58,8 @@ KEY_HEALTHY = "healthy"
 KEY_WORLD_SIZE = "world_size"
 KEY_CREATED_AT = "created_at"
 KEY_FILES = "files"
-KEY_BLOBS = "blobs"
+KEY_BLOBS = "blobs"  # checkpoints of earlier versions: frozen weights stored once per task, content-addressed
+KEY_FROZEN = "frozen"  # weights not written: {key: {"checksum", "dtype", "shape"}}, checked against the model
 KEY_SIGNALS = "signals"
 KEY_DEBUG_INFO = "debug_info"
 KEY_EXTRA = "extra"

@@ -51,13 +51,17 @@ from ._version import VERSION
 from .constants import ADAPTER_KEY_SEP, ALL_TIERS, DEFAULT_TASK_ID, WEIGHTS_NAME, Tier
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .state.model import adapter_names, apply_weights, split_adapters
-from .store.catalog import STATUS_MISSING, STATUS_OK
-from .store.fs import fsync_dir, fsync_file
-from .store.remote import is_url
+from .store import (
+    NAMED_REFS,
+    STATUS_MISSING,
+    STATUS_OK,
+    CheckpointInfo,
+    CheckpointStore,
+    LoadedCheckpoint,
+    find_root,
+    is_url,
+)
 from .store.shard_files import is_sharded
-from .store.store import CheckpointStore, find_root
-from .store.task import NAMED_REFS
-from .store.types import CheckpointInfo, LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -417,17 +421,27 @@ def _check_target(target: Path, *, overwrite: bool, store_root: Path | None) -> 
     return True
 
 
+def _fsync(path: Path) -> None:
+    """Make a written file, or the entries of a directory, durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_marker(folder: Path, record: dict[str, Any]) -> None:
     """Fsync what the export wrote, then write `EXPORT_MARKER` (listing it) last."""
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     for name in files:
-        fsync_file(folder / name)
+        _fsync(folder / name)
     body = {"export_version": EXPORT_MARKER_VERSION, **record, "files": files, "library_version": VERSION}
     with open(folder / EXPORT_MARKER, "w", encoding="utf-8") as f:
         f.write(json.dumps(body, indent=2, sort_keys=True) + "\n")
-        fsync_file(f)
+        f.flush()
+        os.fsync(f.fileno())
     for sub in sorted({(folder / name).parent for name in files} | {folder}, reverse=True):
-        fsync_dir(sub)
+        _fsync(sub)
 
 
 def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
@@ -435,7 +449,7 @@ def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
     only once the new one is in place (put back if the rename fails)."""
     if not replaces or not any(target.iterdir()):
         os.replace(tmp, target)  # onto nothing, or onto an empty folder (POSIX rename replaces it)
-        fsync_dir(target.parent)
+        _fsync(target.parent)
         return
     old = target.parent / f".{target.name}.export-old-{secrets.token_hex(4)}"
     os.rename(target, old)
@@ -445,7 +459,7 @@ def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
         with contextlib.suppress(OSError):
             os.rename(old, target)
         raise
-    fsync_dir(target.parent)
+    _fsync(target.parent)
     why = _not_an_export(old)
     if why is not None:  # something wrote into it between the check and the rename: keep it
         logger.warning("the previous export %s was moved to %s and kept: %s", target, old, why)

@@ -50,7 +50,7 @@ from hf_dynamic_ckpt.engine.live import state_dict_tensor_bytes
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.state.flat import consolidate, pays
 from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
+from hf_dynamic_ckpt.store import SaveRequest
 
 MB = 1e6
 

@@ -19,7 +19,7 @@ import zstandard
 
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.store.hashing import make_file_entry
-from hf_dynamic_ckpt.store.tensorpack import (
+from hf_dynamic_ckpt.store import (
     ALIGN,
     CRC,
     DTYPES,

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from .. import store as stores
 from ..constants import BLOBS_DIR, DEFAULT_TASK_ID
-from ..store import store as stores
-from ..store.types import CheckpointInfo
+from ..store import CheckpointInfo
 
 
 def human_size(n: float) -> str:
@@ -69,8 +69,7 @@ def storage_options() -> dict[str, Any]:
 
 
 def url_store(url: str, task: str, *, cache: str, **kwargs: Any) -> Any:
-    from ..store.remote import default_cache_dir
-    from ..store.store import CheckpointStore
+    from ..store import CheckpointStore, default_cache_dir
 
     base = default_cache_dir(url, 0)
     cache_dir = base if cache == "writer" else base.parent / "cli"
@@ -84,7 +83,7 @@ def find_root(path: str | os.PathLike[str]) -> Any:
         `UsageError`: a URL that cannot be used.
         `DynamicCkptError`: a local path that holds no store (`store.store.find_root`: the message says what to pass).
     """
-    from ..store.remote import check_url, is_url
+    from ..store import check_url, is_url
 
     if is_url(os.fspath(path)):
         try:
@@ -104,7 +103,7 @@ def tasks(root: Any, task: str | None) -> list[str]:
     if task is not None:
         return [task]
     if isinstance(root, str):  # a URL: the task prefixes under it
-        from ..store.remote import Remote, RemoteSpec
+        from ..store import Remote, RemoteSpec
 
         names = Remote(RemoteSpec(root, storage_options()), DEFAULT_TASK_ID).tasks()
         return [n for n in names if not n.startswith(".") and n != BLOBS_DIR] or [DEFAULT_TASK_ID]
@@ -131,7 +130,7 @@ def open_writer(root: Path, task: str, *, cleanup: bool = True) -> Any:
     """A store for commands that change it (pin, rm): takes the task's writer lock, so a command
     never races a training run that is saving (`StoreLockedError` names the holder). `gc` opens
     with `cleanup=False` and takes the lock itself, so that its report lists the leftovers."""
-    from ..store.store import CheckpointStore
+    from ..store import CheckpointStore
 
     if isinstance(root, str):  # a URL: the lock is advisory there (docs/storage.md)
         return url_store(root, task, cache="cli", cleanup=cleanup)

@@ -12,9 +12,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ..constants import CATALOG_NAME, KEY_FILES
 from ..errors import CheckpointNotFoundError
 from ..run.steplog import read_rollbacks
-from ..store.catalog import Catalog
-from ..store.manifest import read_manifest
-from ..store.types import CheckpointInfo
+from ..store import Catalog, CheckpointInfo, read_manifest
 from ._common import (
     Progress,
     dump_json,
@@ -244,7 +242,7 @@ def _add_verify(sub: SubParsers) -> None:
 
 # -- reindex / plot ----------------------------------------------------------------------------
 def _cmd_reindex(args: argparse.Namespace) -> int:
-    from ..store.store import CheckpointStore
+    from ..store import CheckpointStore
 
     root = root_of(args)
     if isinstance(root, str):  # a URL: the training cache's catalog (rank 0's) is rebuilt from the bucket

@@ -21,8 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import EngineMode
-from ..store.spec import StoreSpec
-from ..store.tensorpack import usable_cpus
+from ..store import StoreSpec, usable_cpus
 from .buffers import SHM_DIR, BufferPool
 from .jobs import SaveHandle, StoreSave
 from .writer import ProcessWriter, ThreadWriter, Writer

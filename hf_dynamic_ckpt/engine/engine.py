@@ -36,8 +36,7 @@ from ..config import EngineMode
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError, SaveError
 from ..state import RawRngState, StateSources
-from ..store.spec import SaveRequest
-from ..store.types import BlobRef, CheckpointInfo, CheckpointState
+from ..store import BlobRef, CheckpointInfo, CheckpointState, SaveRequest
 from .dispatch import Dispatcher, beside_training
 from .jobs import Job, Jobs, OnBusy, SaveHandle
 from .live import available_tiers, fit_to_deadline

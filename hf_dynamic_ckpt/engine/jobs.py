@@ -21,8 +21,7 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError, DynamicCkptError, SaveError
 from ..state.rng import RawRngState
-from ..store.spec import SaveRequest
-from ..store.types import CheckpointInfo, CheckpointState
+from ..store import CheckpointInfo, CheckpointState, SaveRequest
 from .overlap import PendingCopy
 from .snapshot import Snapshot
 from .staging import StagingMode

@@ -23,7 +23,7 @@ import torch
 from ..constants import Tier
 from ..state.rng import RawRngState
 from ..state.sources import StateSources
-from ..store.types import BlobRef
+from ..store import BlobRef
 
 logger = logging.getLogger(__name__)
 

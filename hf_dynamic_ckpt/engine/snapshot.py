@@ -33,7 +33,7 @@ from ..constants import Tier
 from ..errors import SaveError
 from ..state.rng import RawRngState, capture_raw_rng_state
 from ..state.sources import StateSources
-from ..store.types import BlobRef, CheckpointState
+from ..store import BlobRef, CheckpointState
 from .buffers import BufferPool, CudaCopier, Layout
 from .live import (
     OPTIMIZER_PREFIX,

@@ -36,8 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..store.spec import SaveRequest, StoreSpec
-from ..store.types import CheckpointInfo, CheckpointState
+from ..store import CheckpointInfo, CheckpointState, SaveRequest, StoreSpec
 from .buffers import BufferPool
 from .jobs import Job, StoreSave, run_job
 
@@ -175,7 +174,7 @@ def _warm_up() -> None:
     try:
         import zstandard  # noqa: F401
 
-        from ..store import commit, manifest, tensorpack, weights  # noqa: F401
+        from ..store import manifest, optpack, store  # noqa: F401
 
         manifest.library_versions()
     except Exception as e:  # the save itself reports real problems

@@ -59,7 +59,7 @@ def _unlisted_checkpoints(root: str | os.PathLike[str], task_id: str, listed: se
     """The store's checkpoints whose step the step log lists no save of (the save at train end comes after the
     last step's row), as ``{"step", "reason"}``."""
     from ..errors import DynamicCkptError
-    from ..store.store import CheckpointStore
+    from ..store import CheckpointStore
 
     try:
         with CheckpointStore(root, task_id=task_id, cleanup=False, read_only=True) as store:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..run.elastic import KEY_BATCH, KEY_DRAWS_RANDOM, BatchGeometry, plan_batch, world_change_note
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 from ._position import KEY_DEALT, ResumableLoader
 
 KEY_SCHEDULER_PACE = "scheduler_pace"

@@ -23,7 +23,7 @@ from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointErro
 from ..run.elastic import KEY_DRAWS_RANDOM
 from ..run.orchestrator import RunOrchestrator, SaveEvent
 from ..state.support import check_accelerator
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 from ._accelerate_elastic import apply_elastic
 from ._accelerate_state import KEY_ACCELERATE, AccelerateState
 from ._position import ResumableLoader

@@ -18,7 +18,7 @@ import torch
 from ..errors import ConfigError
 from ..state import apply_optimizer_state, apply_weights, frozen_weight_keys, own_weights, trainable_state_dict
 from ..state.rng import restore_rng_state
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 from ._accelerate_elastic import KEY_SCHEDULER_PACE, natural_pace
 from ._position import ResumableLoader
 

@@ -33,7 +33,7 @@ from ..run.orchestrator import SaveEvent
 from ..run.rollback import Rollback
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 from ._accelerate_elastic import apply_elastic, deepspeed_engine
 from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, attach_state, make_orchestrator, store_root
 from ._accelerate_state import KEY_ACCELERATE, AccelerateState

@@ -61,7 +61,7 @@ from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys,
 from ..state.flat import FlatKeeper
 from ..state.support import check_accelerator, check_training_args
 from ..state.zero import zero_expected
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 from ._position import KEY_LOADERS, LoaderSeeds
 from ._trainer_folder import (
     KEY_DATA_STEPS,

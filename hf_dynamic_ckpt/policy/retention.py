@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
-from ..store.types import CheckpointInfo, Removal
+from ..store import CheckpointInfo, Removal
 
 SECONDS_PER_DAY = 86400.0
 

@@ -20,7 +20,7 @@ from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
+from hf_dynamic_ckpt.store import SaveRequest
 
 pytestmark = pytest.mark.integration
 
@@ -131,7 +131,7 @@ def test_interpreter_exit_after_an_exception_flushes_the_save_in_flight(tmp_path
         from hf_dynamic_ckpt.engine import SaveEngine
         from hf_dynamic_ckpt.state import StateSources
         from hf_dynamic_ckpt.store import CheckpointStore
-        from hf_dynamic_ckpt.store.spec import SaveRequest
+        from hf_dynamic_ckpt.store import SaveRequest
         from hf_dynamic_ckpt.constants import Tier
         store = CheckpointStore(sys.argv[1])
         slow_save = store.save
@@ -163,7 +163,7 @@ torch.set_num_threads(1)
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
+from hf_dynamic_ckpt.store import SaveRequest
 from hf_dynamic_ckpt.constants import ALL_TIERS
 
 mode, root, cgroup = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])

@@ -35,8 +35,7 @@ def main() -> None:
     from hf_dynamic_ckpt.constants import ALL_TIERS
     from hf_dynamic_ckpt.engine import SaveEngine
     from hf_dynamic_ckpt.state import StateSources
-    from hf_dynamic_ckpt.store import CheckpointStore
-    from hf_dynamic_ckpt.store.spec import SaveRequest
+    from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
     width = 1024
     layers = max(1, args.mib * (1 << 20) // (4 * width * width))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: store_helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from store_helpers import tiny_state

@@ -25,10 +25,7 @@ from store_helpers import tiny_state
 
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.errors import SaveError
-from hf_dynamic_ckpt.store.remote import Remote, RemoteSpec, RemoteStorageError, redact
-from hf_dynamic_ckpt.store.spec import SaveRequest
-from hf_dynamic_ckpt.store.store import CheckpointStore
-from hf_dynamic_ckpt.store.types import Removal
+from hf_dynamic_ckpt.store import CheckpointStore, Remote, RemoteSpec, RemoteStorageError, Removal, SaveRequest, redact
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -187,8 +184,8 @@ KILLER = r"""
 import os, signal, sys
 sys.path.insert(0, sys.argv[4])
 from store_helpers import tiny_state
-from hf_dynamic_ckpt.store.spec import SaveRequest
-from hf_dynamic_ckpt.store.store import CheckpointStore
+from hf_dynamic_ckpt.store import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore
 store = CheckpointStore(sys.argv[1], task_id="t", storage_options={"endpoint_url": sys.argv[2]}, cache_dir=sys.argv[3])
 store.save(tiny_state(1), SaveRequest(step=1, reason="interval"))
 inner, n = store.remote.fs.put_file, [0]
@@ -205,7 +202,7 @@ store.save(tiny_state(2), SaveRequest(step=2, reason="interval"))
 def test_sigkill_during_upload_leaves_the_previous_restore_point(s3_root, s3_endpoint, tmp_path):
     url, options = s3_root
     proc = subprocess.run([sys.executable, "-c", KILLER, url, s3_endpoint, str(tmp_path / "a"),
-                           str(Path(__file__).parent)], capture_output=True, text=True, timeout=120,
+                           str(Path(__file__).parents[1])], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == -9, proc.stderr[-2000:]
     keys = bucket_keys(url, options)
@@ -263,7 +260,7 @@ def test_reindex_from_the_bucket_rebuilds_the_catalog_and_cli_lists_it(s3_root, 
     monkeypatch.setenv("HF_DYNAMIC_CKPT_CACHE", str(tmp_path / "cache"))  # a machine that never saw the run
     monkeypatch.setenv("HF_DYNAMIC_CKPT_STORAGE_OPTIONS", json.dumps({"endpoint_url": s3_endpoint}))
     from hf_dynamic_ckpt.cli import main
-    from hf_dynamic_ckpt.store.remote import default_cache_dir
+    from hf_dynamic_ckpt.store import default_cache_dir
 
     assert main(["reindex", url]) == 0
     assert capsys.readouterr().out.startswith(f"reindexed {url}: 2 checkpoint(s)")

@@ -17,7 +17,7 @@ from hf_dynamic_ckpt.store.hashing import (
     make_file_entry,
     new_hasher,
 )
-from hf_dynamic_ckpt.store.tensorpack import HashingWriter
+from hf_dynamic_ckpt.store import HashingWriter
 
 
 def test_file_checksum_matches_reference_implementations(tmp_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_hashing_writer_stops_asking_when_writeback_is_unsupported(monkeypatch):
 def test_start_writeback_on_a_real_file(tmp_path):
     import sys
 
-    from hf_dynamic_ckpt.store.tensorpack import start_writeback
+    from hf_dynamic_ckpt.store import start_writeback
 
     path = tmp_path / "g.bin"
     with open(path, "wb") as f:

@@ -14,8 +14,8 @@ from hf_dynamic_ckpt.engine.staging import Headroom
 from hf_dynamic_ckpt.errors import ConfigError, SaveError
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
-from hf_dynamic_ckpt.store.tensorpack import HashingWriter
+from hf_dynamic_ckpt.store import SaveRequest
+from hf_dynamic_ckpt.store import HashingWriter
 
 RNG = {"python": "fixed", "torch": [1, 2, 3]}
 

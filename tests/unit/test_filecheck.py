@@ -26,8 +26,8 @@ from hf_dynamic_ckpt.constants import MANIFEST_NAME, OPTIMIZER_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
-from hf_dynamic_ckpt.store.tensorpack import read_header, read_tensor_file, write_tensor_file
+from hf_dynamic_ckpt.store import compute_manifest_checksum
+from hf_dynamic_ckpt.store import read_header, read_tensor_file, write_tensor_file
 
 WRONG = "xxh3_128:" + "0" * 32
 

@@ -306,7 +306,7 @@ def test_resume_never_deletes_and_retention_waits_until_the_new_timeline_passes(
 @pytest.mark.parametrize(("engine", "codec"), [("thread", "none"), ("process", "none"), ("thread", "zstd")])
 def test_level_1_codec_from_config_reaches_the_written_file(tmp_path: Path, engine: str, codec: str) -> None:
     from hf_dynamic_ckpt.constants import OPTIMIZER_NAME
-    from hf_dynamic_ckpt.store.tensorpack import read_header
+    from hf_dynamic_ckpt.store import read_header
 
     ck, model, opt, sched = make(tmp_path, engine=engine,
                                  storage_levels={"level_1": {"compression": codec}})

@@ -36,7 +36,7 @@ from hf_dynamic_ckpt.run.resume import plan_resume, read_optimizer_tier
 from hf_dynamic_ckpt.state.model import check_weights
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint
 from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
+from hf_dynamic_ckpt.store import compute_manifest_checksum
 
 FROZEN = "embed.weight"
 

@@ -8,7 +8,7 @@ from hf_dynamic_ckpt.engine.buffers import BufferPool
 from hf_dynamic_ckpt.engine.snapshot import Snapshotter
 from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
-from hf_dynamic_ckpt.store.types import BlobRef
+from hf_dynamic_ckpt.store import BlobRef
 
 
 def _setup(seed: int = 0):

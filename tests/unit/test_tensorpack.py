@@ -19,7 +19,7 @@ from examples import toy
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError, SaveError
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.statetree import flatten_state, unflatten_state
-from hf_dynamic_ckpt.store.tensorpack import (
+from hf_dynamic_ckpt.store import (
     group,
     read_header,
     read_tensor_file,
@@ -534,8 +534,8 @@ def test_uncompressed_container_read_with_copy_owns_its_memory(tmp_path: Path) -
 @pytest.mark.parametrize("compression", ["zstd", "none"])
 def test_store_writes_the_optimizer_tier_with_its_codec(tmp_path: Path, compression: str) -> None:
     from hf_dynamic_ckpt.constants import OPTIMIZER_NAME, Tier
-    from hf_dynamic_ckpt.store.store import CheckpointStore
-    from hf_dynamic_ckpt.store.types import CheckpointState
+    from hf_dynamic_ckpt.store import CheckpointStore
+    from hf_dynamic_ckpt.store import CheckpointState
 
     model, opt, sched, scaler = _trained_state()
     store = CheckpointStore(tmp_path / "store", compression=compression)
@@ -562,7 +562,7 @@ def _key_sorted(x: Any) -> Any:
 
 def test_store_refuses_an_unknown_optimizer_codec(tmp_path: Path) -> None:
     from hf_dynamic_ckpt.errors import ConfigError
-    from hf_dynamic_ckpt.store.store import CheckpointStore
+    from hf_dynamic_ckpt.store import CheckpointStore
 
     with pytest.raises(ConfigError, match=r"compression='gzip' is invalid for the optimizer tier"):
         CheckpointStore(tmp_path / "store", compression="gzip")

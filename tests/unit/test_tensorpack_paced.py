@@ -18,7 +18,7 @@ from test_tensorpack_v3 import _assert_same, _frames, _table
 
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.tensorpack import (
+from hf_dynamic_ckpt.store import (
     HashingWriter,
     read_header,
     read_tensor_file,
@@ -291,10 +291,10 @@ def test_byte_grouping_stays_where_pacing_does_not_work_or_is_off(
 def test_the_store_remembers_across_saves_whether_to_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            small_frames: None) -> None:
     from hf_dynamic_ckpt.constants import OPTIMIZER_NAME
-    from hf_dynamic_ckpt.store.store import CheckpointStore
+    from hf_dynamic_ckpt.store import CheckpointStore
 
     _disk(monkeypatch, 0.0, work_s=0.001)
-    from hf_dynamic_ckpt.store.types import CheckpointState
+    from hf_dynamic_ckpt.store import CheckpointState
 
     g = torch.Generator().manual_seed(0)
     moments = {"exp_avg": torch.randn(512, 512, generator=g), "exp_avg_sq": torch.rand(512, 512, generator=g) * 1e-6}
@@ -325,7 +325,7 @@ def _spy_paced(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 
 def _save(store, step: int):  # type: ignore[no-untyped-def]
-    from hf_dynamic_ckpt.store.types import CheckpointState
+    from hf_dynamic_ckpt.store import CheckpointState
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
@@ -337,7 +337,7 @@ def _save(store, step: int):  # type: ignore[no-untyped-def]
 
 
 def test_the_store_paces_a_local_l1_write_unless_told_not_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt.store.store import CheckpointStore
+    from hf_dynamic_ckpt.store import CheckpointStore
 
     seen = _spy_paced(monkeypatch)
     _save(CheckpointStore(tmp_path / "a"), 1)
@@ -346,7 +346,7 @@ def test_the_store_paces_a_local_l1_write_unless_told_not_to(tmp_path: Path, mon
 
 
 def test_an_object_store_root_compresses_every_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt.store.store import CheckpointStore
+    from hf_dynamic_ckpt.store import CheckpointStore
 
     seen = _spy_paced(monkeypatch)
     store = CheckpointStore(f"file://{tmp_path / 'bucket'}/run", cache_dir=tmp_path / "cache")

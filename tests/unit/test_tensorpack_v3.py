@@ -18,7 +18,7 @@ from tensorpack_v2 import write_v2
 
 import hf_dynamic_ckpt.store.tensorpack as tp
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
-from hf_dynamic_ckpt.store.tensorpack import (
+from hf_dynamic_ckpt.store import (
     group,
     group_into,
     read_header,
@@ -299,8 +299,8 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def test_store_load_of_l1_is_bit_exact_for_v3_and_refuses_a_store_written_as_v2(
         tmp_path: Path, version: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from hf_dynamic_ckpt.constants import OPTIMIZER_NAME, Tier
-    from hf_dynamic_ckpt.store.store import CheckpointStore
-    from hf_dynamic_ckpt.store.types import CheckpointState
+    from hf_dynamic_ckpt.store import CheckpointStore
+    from hf_dynamic_ckpt.store import CheckpointState
 
     model, opt = _trained()
     if version == 2:  # a store whose L1 files are version 2

@@ -17,7 +17,7 @@ from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
 from hf_dynamic_ckpt.store.blobs import BlobStore, tensor_digest
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.safetensors_io import DTYPES, read_into
-from hf_dynamic_ckpt.store.types import BlobRef
+from hf_dynamic_ckpt.store import BlobRef
 from hf_dynamic_ckpt.store.weights import (
     ALIASES_METADATA_KEY,
     load_weights,
