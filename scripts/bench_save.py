@@ -49,8 +49,7 @@ from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.live import state_dict_tensor_bytes
 from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.state.flat import consolidate, pays
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 MB = 1e6
 

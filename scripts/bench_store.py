@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_dynamic_ckpt.store.fs import fsync_file
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.statetree import flatten_state
-from hf_dynamic_ckpt.store import read_tensor_file, resolve_threads, write_tensor_file
+from hf_dynamic_ckpt.store.tensorpack import read_tensor_file, resolve_threads, write_tensor_file
 from hf_dynamic_ckpt.store.weights import load_weights, save_weights
 
 

@@ -27,8 +27,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.writer import ProcessWriter
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 
 @contextlib.contextmanager

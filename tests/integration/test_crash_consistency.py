@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import MANIFEST_NAME, TMP_MARKER
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store import parse_step_dir
+from hf_dynamic_ckpt.store import CheckpointStore, parse_step_dir
 
 TRIALS = 24
 SEED = 1234

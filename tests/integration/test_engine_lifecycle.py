@@ -19,8 +19,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS, MANIFEST_NAME, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 pytestmark = pytest.mark.integration
 

@@ -188,9 +188,8 @@ def test_pre_anomaly_capture_resumes_exactly(tmp_path: Path):
 
 def test_a_full_model_resume_reads_the_weights_file_once_into_the_parameters(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelerate import Accelerator
-
     import hf_dynamic_ckpt.store.reader as reader
+    from accelerate import Accelerator
 
     def build(seed: int) -> tuple:
         accelerator = Accelerator(cpu=True)

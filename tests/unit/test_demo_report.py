@@ -14,9 +14,7 @@ import torch
 
 from examples.demo import format_table, save_table
 from hf_dynamic_ckpt.constants import ALL_TIERS
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
-from hf_dynamic_ckpt.store import Lineage
-from hf_dynamic_ckpt.store import Removal
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, Lineage, Removal, SaveRequest
 
 KILLED, RESTARTED = "killedrun0001", "restarted0002"
 INTERVAL = "interval 10 (base 10 from base_interval, alpha 1.00, beta 0.00)"

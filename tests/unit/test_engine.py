@@ -13,9 +13,7 @@ from hf_dynamic_ckpt.engine import OnBusy, SaveEngine, SaveHandle
 from hf_dynamic_ckpt.engine.staging import Headroom
 from hf_dynamic_ckpt.errors import ConfigError, SaveError
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store import SaveRequest
-from hf_dynamic_ckpt.store import HashingWriter
+from hf_dynamic_ckpt.store import CheckpointStore, HashingWriter, SaveRequest
 
 RNG = {"python": "fixed", "torch": [1, 2, 3]}
 

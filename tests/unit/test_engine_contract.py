@@ -22,8 +22,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.errors import DistributedError, SaveError
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import Lineage, SaveRequest, StoreSpec
-from hf_dynamic_ckpt.store import BlobRef, CheckpointInfo
+from hf_dynamic_ckpt.store import BlobRef, CheckpointInfo, Lineage, SaveRequest, StoreSpec
 
 ENGINE_DIR = Path(__file__).resolve().parents[2] / "hf_dynamic_ckpt" / "engine"
 

@@ -21,8 +21,7 @@ from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 from hf_dynamic_ckpt.run.rollback import restore_live
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 DELAY_S = 0.5
 

@@ -12,8 +12,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.staging import Headroom
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 MiB = 1 << 20
 

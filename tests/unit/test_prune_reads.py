@@ -7,9 +7,8 @@ from helpers import save_state
 
 from hf_dynamic_ckpt.constants import BLOBS_DIR
 from hf_dynamic_ckpt.policy import plan_retention
-from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore
 from hf_dynamic_ckpt.store import manifest as mf
-from hf_dynamic_ckpt.store import CheckpointState
 
 
 def _save(store: CheckpointStore, step: int, frozen: torch.Tensor) -> None:

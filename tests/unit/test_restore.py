@@ -10,12 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hf_dynamic_ckpt.store.tensorpack as tensorpack
+import hf_dynamic_ckpt.store.weights as weights
 import pytest
 import torch
 from helpers import same_state, save_state
+from hf_dynamic_ckpt.store.hashing import file_checksum
 
-import hf_dynamic_ckpt.store.tensorpack as tensorpack
-import hf_dynamic_ckpt.store.weights as weights
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import (
     BLOBS_DIR,
@@ -34,9 +35,7 @@ from hf_dynamic_ckpt.errors import (
 )
 from hf_dynamic_ckpt.run.resume import plan_resume, read_optimizer_tier
 from hf_dynamic_ckpt.state.model import check_weights
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint
-from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store import compute_manifest_checksum
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint, compute_manifest_checksum
 
 FROZEN = "embed.weight"
 

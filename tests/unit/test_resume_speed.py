@@ -24,8 +24,7 @@ from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.engine.buffers import Layout, new_shared_storage
 from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 MiB = 1 << 20
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),

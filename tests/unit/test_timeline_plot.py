@@ -18,8 +18,7 @@ import torch
 
 from hf_dynamic_ckpt.constants import TIMELINE_NAME
 from hf_dynamic_ckpt.extras.plot import ROLLBACK_COLOUR, plot_timeline, timeline_figure
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
-from hf_dynamic_ckpt.store import Lineage
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, Lineage, SaveRequest
 
 
 def _row(step: int, risk: float, *saves: dict[str, Any]) -> dict[str, Any]:

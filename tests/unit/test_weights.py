@@ -8,21 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_dynamic_ckpt.store.blobs import BlobStore, tensor_digest
+from hf_dynamic_ckpt.store.hashing import file_checksum
+from hf_dynamic_ckpt.store.safetensors_io import DTYPES, read_into
+from hf_dynamic_ckpt.store.weights import (
+    ALIASES_METADATA_KEY,
+    load_weights,
+    save_weights,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from examples import toy
 from hf_dynamic_ckpt.constants import WEIGHTS_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, SaveError
-from hf_dynamic_ckpt.store.blobs import BlobStore, tensor_digest
-from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.safetensors_io import DTYPES, read_into
 from hf_dynamic_ckpt.store import BlobRef
-from hf_dynamic_ckpt.store.weights import (
-    ALIASES_METADATA_KEY,
-    load_weights,
-    save_weights,
-)
 
 
 def verify_blob(blobs_dir: Path, rec: dict) -> list[str]:
