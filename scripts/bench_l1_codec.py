@@ -43,10 +43,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_dynamic_ckpt.store import tensorpack
 from hf_dynamic_ckpt.store.fs import fsync_file
 from hf_dynamic_ckpt.store.statetree import flatten_state
 from hf_dynamic_ckpt.store.tensorpack import PaceMemory, read_tensor_file, write_tensor_file
+
+from hf_dynamic_ckpt.store import tensorpack
 
 MiB = 1 << 20
 FLOOR = "raw write + fsync (disk floor)"

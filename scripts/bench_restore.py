@@ -39,12 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_dynamic_ckpt.store.commit import write_rank_files
+from hf_dynamic_ckpt.store.fs import fsync_file
+
 from hf_dynamic_ckpt.constants import Tier
 from hf_dynamic_ckpt.run.resume import plan_resume
 from hf_dynamic_ckpt.state.rng import capture_rng_state
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
-from hf_dynamic_ckpt.store.commit import write_rank_files
-from hf_dynamic_ckpt.store.fs import fsync_file
 
 
 def build_and_train(layers: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:

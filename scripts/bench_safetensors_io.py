@@ -36,12 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
 from hf_dynamic_ckpt.store.fs import fsync_file
 from hf_dynamic_ckpt.store.hashing import file_checksum
 from hf_dynamic_ckpt.store.safetensors_io import open_tensors, write_safetensors
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 MB = 1e6
 METADATA = {"format": "pt"}
