@@ -97,7 +97,8 @@ def fault(point: str, **where: object) -> None:
     ``log=FILE`` (append one JSON line: the point and `where`). Points: ``snapshot`` (a save's copy, before it),
     ``write`` (each checkpoint file written: `step`, `rank`, `name`), ``commit`` (before a checkpoint's final rename:
     `step`), ``fs`` (each change on the store's disk: `op` mkdir, rename, replace, unlink, rmtree or fsync, `path`),
-    ``read`` (each checkpoint file read or verified: `name`, `step`), ``read_optimizer`` (a resume's optimizer-tier
+    ``read`` (each checkpoint file read or verified: `name`, `step`, `op` read or check: a checksum pass of its own),
+    ``read_optimizer`` (a resume's optimizer-tier
     read), ``remote`` (each object-store call: `op` put, get, stat, read, list or rm, `name` the key under the task,
     `attempt`) and ``export`` (an export's files). Unset, it costs one lookup.
 

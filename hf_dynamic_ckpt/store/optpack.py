@@ -563,6 +563,8 @@ def _decode(x: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         ((tag, val),) = x.items()
         try:
             return _decode_tag(tag, val, tensors)
+        except CorruptCheckpointError:
+            raise
         except (KeyError, ValueError, TypeError, IndexError) as e:
             raise CorruptCheckpointError(f"Malformed {tag} entry in the state structure: {val!r:.80}") from e
     return {k: _decode(v, tensors) for k, v in x.items()}

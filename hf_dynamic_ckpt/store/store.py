@@ -520,7 +520,7 @@ class CheckpointStore:
         path = path or self.task_dir / step_dir_name(step)
         for attempt in (1, 2):
             try:
-                fault("read", name=C.MANIFEST_NAME, step=step)
+                fault("read", name=C.MANIFEST_NAME, step=step, op="read")
                 return read_manifest(path, step=step, task_id=path.parent.name)
             except CorruptCheckpointError as e:
                 if attempt == 2 or not isinstance(e.__cause__, OSError):
@@ -698,7 +698,7 @@ class CheckpointStore:
             elif name not in hashed:
                 expected = entry[C.KEY_CHECKSUM]
                 try:
-                    fault("read", name=name, step=manifest[C.KEY_STEP])
+                    fault("read", name=name, step=manifest[C.KEY_STEP], op="check")
                     actual = file_checksum(path, algo=expected.partition(":")[0])
                 except FileNotFoundError:
                     actual = "missing"
@@ -727,7 +727,7 @@ class CheckpointStore:
                 problem = f"blob {path} has {st.st_size} bytes, expected {rec['size']}"
             else:
                 try:
-                    fault("read", name=path.name, step=parse_step_dir(directory.name))
+                    fault("read", name=path.name, step=parse_step_dir(directory.name), op="check")
                     tensor = _safetensors(path, "Blob")[0].get("tensor")
                     problem = "" if tensor is not None and _blob_digest(tensor) == rec["digest"] else \
                         f"blob {path} content does not match its digest (corrupt)"
@@ -815,7 +815,7 @@ class CheckpointStore:
                 raise CorruptCheckpointError(f"{directory / C.OPTIMIZER_META_NAME} is not a JSON object.")
             tensors: dict[str, torch.Tensor] = {}
             if C.OPTIMIZER_NAME in names:
-                fault("read", name=C.OPTIMIZER_NAME, step=step)
+                fault("read", name=C.OPTIMIZER_NAME, step=step, op="read")
                 with open_read(directory / C.OPTIMIZER_NAME) as f:
                     tensors = read_tensors(directory / C.OPTIMIZER_NAME, f, max_numel=l1_max_numel,
                                            checksum=manifest[C.KEY_FILES][C.OPTIMIZER_NAME][C.KEY_CHECKSUM],
@@ -895,9 +895,12 @@ class CheckpointStore:
     def _read_into(path: Path, targets: Mapping[str, torch.Tensor], expected: str | None, step: int,
                    on_write: Callable[[], None] | None) -> set[str]:
         entries = [(k, t.dtype, list(t.shape), t.nbytes) for k, t in _safetensors(path, "Weights")[0].items()]
-        hasher, done, scratch = (new_hasher(expected.partition(":")[0]) if expected else None), set(), None
         try:
-            fault("read", name=C.WEIGHTS_NAME, step=step)
+            hasher, done, scratch = (new_hasher(expected.partition(":")[0]) if expected else None), set(), None
+        except ValueError as e:  # before any byte lands in a target
+            raise CorruptCheckpointError(f"Weights file {path}: {e}") from None
+        try:
+            fault("read", name=C.WEIGHTS_NAME, step=step, op="read")
             with open_read(path) as f:
                 head = f.read(8)
                 head += f.read(struct.unpack("<Q", head)[0])  # the header `_safetensors` validated
@@ -1185,8 +1188,9 @@ class CheckpointStore:
         try:
             save_file(tensors, path, {"format": "pt", **({ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
                                                          if aliases else {})})
-        except (ValueError, TypeError, RuntimeError) as e:
-            raise SaveError(f"the weights cannot be written as safetensors ({e}).") from e
+        except (ValueError, TypeError, RuntimeError, KeyError) as e:  # KeyError: a dtype safetensors lacks
+            raise SaveError(f"the weights cannot be written as safetensors ({type(e).__name__}: {e}); cast them to a "
+                            "dtype it stores (float, int, bool, complex64).") from e
         self._disk.fsync(path)
         return {C.KEY_SIZE: path.stat().st_size, C.KEY_CHECKSUM: file_checksum(path), C.KEY_TIER: Tier.WEIGHTS.value,
                 C.KEY_RANK: None}

@@ -11,9 +11,9 @@ import torch
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.engine import OnBusy, SaveEngine, SaveHandle
 from hf_dynamic_ckpt.engine.staging import Headroom
-from hf_dynamic_ckpt.errors import ConfigError, SaveError
+from hf_dynamic_ckpt.errors import FAULT_ENV, ConfigError, SaveError
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore, HashingWriter, SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest, check_frozen
 
 RNG = {"python": "fixed", "torch": [1, 2, 3]}
 
@@ -141,10 +141,7 @@ def test_background_failure_surfaces_and_previous_checkpoint_stays(store, monkey
     assert engine.save(_sources(model, opt),
                        SaveRequest(step=1, tiers={Tier.WEIGHTS, Tier.OPTIMIZER}, reason="interval")).wait(60).step == 1
 
-    def no_space(self, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(HashingWriter, "write", no_space)
+    monkeypatch.setenv(FAULT_ENV, "write@step=2:raise=ENOSPC")
     _step(model, opt)
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.engine")  # one WARNING per failed save
     handle = engine.save(_sources(model, opt),
@@ -252,22 +249,21 @@ def test_buffered_when_it_fits_and_buffers_are_reused(store):
     assert engine.buffer_bytes == 0
 
 
-def test_frozen_weights_are_stored_once(store):
+def test_frozen_weights_are_recorded_not_written(store):
     model, _, _ = _model()
     frozen = frozenset({"0.weight", "0.bias"})
     sources = StateSources(weights=model.state_dict, frozen_keys=frozen)
     with SaveEngine(store) as engine:
         engine.save(sources, SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="a")).wait(60)
-        blobs = sorted(p.name for p in store.blobs_dir.iterdir())
-        assert len(blobs) == 2
-        mtimes = {p.name: p.stat().st_mtime_ns for p in store.blobs_dir.iterdir()}
         with torch.no_grad():
             model[2].weight.add_(1.0)
         handle = engine.save(sources, SaveRequest(step=2, tiers={Tier.WEIGHTS}, reason="b"))
         handle.wait(60)
-    assert {p.name: p.stat().st_mtime_ns for p in store.blobs_dir.iterdir()} == mtimes
-    loaded = store.load("step:2").weights
-    _assert_state_equal(loaded, _clone(model.state_dict()))
+    assert not (store.task_dir / "blobs").exists()
+    loaded = store.load("step:2")
+    assert set(loaded.frozen) == frozen and not frozen & set(loaded.weights)
+    check_frozen(loaded, model.state_dict())  # the model's own frozen weights take their place
+    _assert_state_equal(loaded.weights, _clone(model.state_dict()))
 
 
 def test_emergency_save_drops_optimizer_when_out_of_time(store, caplog):
