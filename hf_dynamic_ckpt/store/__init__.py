@@ -23,11 +23,20 @@ from .manifest import (
     read_manifest,
 )
 from .optpack import usable_cpus
-from .remote import Remote, RemoteSpec, check_public_options, check_url, default_cache_dir, is_url
+from .remote import (
+    Remote,
+    RemoteSpec,
+    RemoteStorageError,
+    check_public_options,
+    check_url,
+    default_cache_dir,
+    is_url,
+    redact,
+)
 from .store import NAMED_REFS, CheckpointStore, find_root, parse_step_dir, task_dirs
 
 __all__ = ["NAMED_REFS", "STATUS_CORRUPT", "STATUS_MISSING", "STATUS_OK", "BlobRef", "Catalog", "CheckpointInfo",
            "CheckpointState", "CheckpointStore", "Codec", "GcReport", "Lineage", "LoadedCheckpoint", "Remote",
-           "RemoteSpec", "Removal", "SaveRequest", "StoreSpec", "check_frozen", "check_public_options", "check_url",
-           "default_cache_dir", "find_root", "frozen_record", "is_url", "new_session_id", "parse_step_dir",
-           "read_manifest", "task_dirs", "usable_cpus"]
+           "RemoteSpec", "RemoteStorageError", "Removal", "SaveRequest", "StoreSpec", "check_frozen",
+           "check_public_options", "check_url", "default_cache_dir", "find_root", "frozen_record", "is_url",
+           "new_session_id", "parse_step_dir", "read_manifest", "redact", "task_dirs", "usable_cpus"]

@@ -222,7 +222,9 @@ class _Disk:
         self.rmtree(path) if is_kind(path, "dir") else self.unlink(path)
 
     def fsync(self, path: Path) -> None:
-        fd = os.open(self.contained(path, "fsync", link_ok=path == self.root), os.O_RDONLY)
+        real = self.root if os.path.realpath(path) == str(self.root) else self.contained(path)
+        fault("fs", op="fsync", path=str(real))
+        fd = os.open(real, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
