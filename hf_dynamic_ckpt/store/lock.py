@@ -1,19 +1,13 @@
-"""One writer per task: a POSIX record lock on ``<task>/.writer.lock`` (`fcntl.lockf`), held for the writer's life,
-and a holder record in the file (pid, host, boot and pid-namespace ids, process start time, session, since).
+"""One writer per task: a POSIX record lock (`fcntl.lockf`) on ``<task>/.writer.lock`` held for the writer's life, and
+a holder record in it (pid, host, boot and pid-namespace ids, start time, session, since) for the messages.
 
-What an attach gets, by holder: an open writer of this process is refused, one dropped without `release` is taken
-over; nobody (the kernel dropped a dead holder's lock) is taken, with one WARNING when the record shows no release;
-a holder proven gone on this host (its pid is not running, or runs with another start time, or the machine rebooted)
-whose lock is still held (an NFS server that has not yet expired a dead client's lease) is taken over at once by
-renaming a new, locked file over the old one, with one WARNING; a holder this host cannot judge (another host or pid
-namespace) is waited for up to `wait_s` with progress lines, then named in `StoreLockedError` (``takeover`` replaces
-it at once); a live holder of this host is refused at once.
-
-Record locks, not `flock`: a flock belongs to the open file description, which `fork()` shares, so a data-loader
-worker of a killed trainer kept it and the restart was refused; a record lock belongs to the process and is never
-inherited. Their trap: closing *any* descriptor of the file in the holding process drops the lock, and locking it
-twice succeeds; so this process keeps one registry of the files it holds (`_HELD`) and reads a held record through
-the held descriptor.
+Who holds it decides: another open writer of this process is refused, one dropped without `release` taken over; a
+holder proven gone on this host (its pid is not running, or with another start time, or the host rebooted) whose lock
+is still held (an NFS server that has not expired a dead client's lease) is replaced at once by a new locked file
+renamed over it, with one WARNING; a holder this host cannot judge (another host or pid namespace) is waited for, then
+named in `StoreLockedError`; a live one of this host is refused at once. Record locks, not `flock`: a flock is shared by
+`fork()`, so a data-loader worker of a killed trainer kept it; a record lock dies with its process. Closing any
+descriptor of the file drops it, and locking twice succeeds: hence one registry of held files per process (`_HELD`).
 """
 
 from __future__ import annotations
@@ -40,9 +34,8 @@ from ..jsonutil import loads_bounded
 
 logger = logging.getLogger(__name__)
 DEFAULT_WAIT_S = 120.0
-"""How long an attach waits for a holder whose state cannot be told (another host)."""
 _HELD: dict[str, tuple[BinaryIO, weakref.ref[WriterLock]]] = {}
-_HELD_LOCK = threading.RLock()  # one check-lock-register step per process: a second lock of a held file "succeeds"
+_HELD_LOCK = threading.RLock()  # one check-lock-register step per process
 os.register_at_fork(after_in_child=_HELD.clear)  # a child holds none of its parent's record locks
 
 
@@ -50,30 +43,28 @@ class HolderState(enum.Enum):
     ALIVE, GONE, UNKNOWN = "alive on this host", "gone", "cannot be told from this host"
 
 
-def _text(path: str) -> str | None:
-    try:
-        return Path(path).read_text().strip() or None
-    except OSError:
-        return None
+def _text(path: str) -> str:
+    with contextlib.suppress(OSError):
+        return Path(path).read_text().strip()
+    return ""
 
 
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of `pid`, which tells a reused pid from the original."""
+def _start(pid: int) -> str | None:
+    """The kernel's start time of `pid`: tells a reused pid from the original."""
     text = _text(f"/proc/{pid}/stat")
-    return text.rsplit(")", 1)[1].split()[19] if text and ")" in text else None
+    return text.rsplit(")", 1)[1].split()[19] if ")" in text else None
 
 
 def this_host() -> dict[str, Any]:
-    """What identifies this machine and pid namespace in a holder record."""
     try:
         pidns: str | None = os.readlink("/proc/self/ns/pid")
     except OSError:
         pidns = None
-    return {"host": socket.gethostname(), "boot": _text("/proc/sys/kernel/random/boot_id"), "pidns": pidns}
+    return {"host": socket.gethostname(), "boot": _text("/proc/sys/kernel/random/boot_id") or None, "pidns": pidns}
 
 
 def judge(holder: dict[str, Any] | None, here: dict[str, Any] | None = None) -> HolderState:
-    """Whether the holder a record names still runs, as far as this host (`here`: `this_host()`) can tell."""
+    """Whether the holder a record names still runs, as far as this host (`here`, default `this_host()`) can tell."""
     here, pid = here or this_host(), (holder or {}).get("pid")
     if not holder or type(pid) is not int or pid <= 0 or holder.get("host") != here["host"]:
         return HolderState.UNKNOWN
@@ -87,62 +78,55 @@ def judge(holder: dict[str, Any] | None, here: dict[str, Any] | None = None) -> 
         return HolderState.GONE
     except PermissionError:
         pass  # runs, as another user
-    started = holder.get("start")
-    return HolderState.GONE if started is not None and _start_time(pid) not in (None, started) else HolderState.ALIVE
+    now = _start(pid)  # another start time: the pid was reused
+    return HolderState.GONE if None not in (now, holder.get("start")) and now != holder["start"] else HolderState.ALIVE
 
 
 def describe(holder: dict[str, Any] | None) -> str:
-    if not holder:
-        return "a process that did not record itself"
-    since = holder.get("since")
-    when = f", since {dt.datetime.fromtimestamp(since, tz=dt.UTC):%Y-%m-%d %H:%M:%S} UTC " \
-           f"({time.time() - since:.0f} s ago)" if isinstance(since, int | float) else ""
-    return f"pid {holder.get('pid')} on host {holder.get('host')}, session {holder.get('session')}{when}"
+    since = (holder or {}).get("since")
+    when = f", since {dt.datetime.fromtimestamp(since, tz=dt.UTC):%Y-%m-%d %H:%M:%S} UTC ({time.time() - since:.0f} " \
+           "s ago)" if isinstance(since, int | float) else ""
+    return f"pid {holder.get('pid')} on host {holder.get('host')}, session {holder.get('session')}{when}" if holder \
+        else "a process that did not record itself"
 
 
 def _record(f: BinaryIO, new: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Write `new` as the file's record, or read the record (`None` when there is none)."""
+    """Write `new` as the file's record, or read it (`None` when there is none)."""
     if new is not None:
-        data = json.dumps(new, sort_keys=True).encode()
-        os.pwrite(f.fileno(), data, 0)
+        os.pwrite(f.fileno(), data := json.dumps(new, sort_keys=True).encode(), 0)
         os.ftruncate(f.fileno(), len(data))
-        return new
     try:
-        value = loads_bounded(os.pread(f.fileno(), 4096, 0))
+        value = new or loads_bounded(os.pread(f.fileno(), 4096, 0))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
 
 
-def _open(path: Path) -> BinaryIO:
-    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+b")
-
-
-def _try_lock(f: BinaryIO) -> bool:
+def _locked(path: Path) -> tuple[BinaryIO, bool]:
+    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+b")
     try:
         fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
+        return f, True
     except OSError as e:
-        if e.errno in (errno.EACCES, errno.EAGAIN):
-            return False
-        raise
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            f.close()
+            raise
+        return f, False
 
 
 def read_holder(task_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The holder record of a task's lock file (through the held descriptor when this process holds it)."""
+    """The holder record of a task's lock (read through the held descriptor when this process holds it)."""
     path = str(Path(task_dir).absolute() / WRITER_LOCK_NAME)
     with _HELD_LOCK:
         if path in _HELD:
             return _record(_HELD[path][0])
-    try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
-            return _record(f)
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        return _record(f)
+    return None
 
 
 class WriterLock:
-    """The writer lock of the task directory `task_dir`, recorded for session `session`."""
+    """The writer lock of `task_dir`, recorded for `session`."""
 
     def __init__(self, task_dir: Path, *, session: str) -> None:
         self.path, self.session = Path(task_dir).absolute() / WRITER_LOCK_NAME, session
@@ -154,23 +138,17 @@ class WriterLock:
             entry = _HELD.get(str(self.path))
         return self._file is not None and entry is not None and entry[1]() is self
 
-    def _me(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), **this_host(), "session": self.session, "since": time.time(),
-                "start": _start_time(os.getpid())}
-
     def _register(self, f: BinaryIO) -> None:
         with _HELD_LOCK:
-            _HELD[str(self.path)] = (f, weakref.ref(self))
-        self._file = f
-        _record(f, self._me())
+            _HELD[str(self.path)], self._file = (f, weakref.ref(self)), f
+        _record(f, {"pid": os.getpid(), **this_host(), "session": self.session, "since": time.time(),
+                    "start": _start(os.getpid())})
 
     def acquire(self, *, takeover: bool = False, what: str = "task", wait_s: float = 0.0) -> None:
-        """Take the lock, or raise `StoreLockedError` naming the holder and the fix (see the module docstring)."""
-        if self.held:
-            return
-        deadline, waited_since, next_note = time.monotonic() + max(0.0, wait_s), None, 0.0
+        """Take the lock, or raise `StoreLockedError` naming the holder and the fix (the module docstring)."""
+        deadline, since, note = time.monotonic() + max(0.0, wait_s), 0.0, 0.0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
+        while not self.held:
             with _HELD_LOCK:
                 entry = _HELD.get(str(self.path))
                 owner = entry[1]() if entry else None
@@ -181,16 +159,15 @@ class WriterLock:
                         "callback or SmartCheckpointer of this process closes an earlier run on the task itself.")
                 if entry is not None:  # its writer was dropped without release(): the lock is this one's now
                     return self._register(entry[0])
-                f = _open(self.path)
-                if _try_lock(f):
-                    previous = _record(f)
-                    if previous and not previous.get("released") and previous.get("session") != self.session:
-                        logger.warning("%s: took the writer lock over from %s, which ended without releasing it "
-                                       "(killed or crashed)", what, describe(previous))
-                    return self._register(f)
+                f, locked = _locked(self.path)
                 holder, inode = _record(f), os.fstat(f.fileno()).st_ino
+                if locked:
+                    if holder and not holder.get("released") and holder.get("session") != self.session:
+                        logger.warning("%s: took the writer lock over from %s, which ended without releasing it "
+                                       "(killed or crashed)", what, describe(holder))
+                    return self._register(f)
                 f.close()  # not ours: closing it drops nothing
-            state = judge(holder)
+            state, now = judge(holder), time.monotonic()
             if state is HolderState.ALIVE:
                 raise StoreLockedError(
                     f"{what} is being written by another session: {describe(holder)}, which is running. Two writers "
@@ -199,81 +176,78 @@ class WriterLock:
                     f"{'takeover=True never replaces a running holder' if takeover else 'stop it first'}.")
             if state is HolderState.GONE or takeover:
                 return self._take_over(holder, what, forced=state is not HolderState.GONE, inode=inode)
-            now = time.monotonic()
             if now >= deadline:
                 raise StoreLockedError(
                     f"{what} is being written by another session: {describe(holder)}, which this host cannot see "
                     "(another host or container); its lock was still held after waiting"
-                    f"{f' for {now - waited_since:.0f} s' if waited_since is not None else ''}. If that run is still "
-                    "going, give this run its own task_id or wait for it to end; if it is gone (its host or pod "
-                    "died), its lock expires with its NFS lease (retry, or raise runtime.lock_wait_s), or pass "
-                    "takeover=True (CheckpointStore) to replace it now.")
-            if waited_since is None or now >= next_note:
+                    f"{f' for {now - since:.0f} s' if since else ''}. If that run is still going, give this run its "
+                    "own task_id or wait for it to end; if it is gone (its host or pod died), its lock expires with "
+                    "its NFS lease (retry, or raise runtime.lock_wait_s), or pass takeover=True (CheckpointStore) "
+                    "to replace it now.")
+            if now >= note:
                 logger.warning("%s: the writer lock is held by %s, which this host cannot see; waiting up to %g s for "
-                               "it to end or for its lock to expire (runtime.lock_wait_s)" if waited_since is None
-                               else "%s: still waiting for the writer lock of %s (up to %g s)", what,
-                               describe(holder), wait_s)
-                waited_since, next_note = waited_since or now, now + 15.0
+                               "it to end or for its lock to expire (runtime.lock_wait_s)", what, describe(holder),
+                               wait_s)
+                since, note = since or now, now + 15.0
             time.sleep(min(0.5, max(0.0, deadline - now)))
 
     def _take_over(self, holder: dict[str, Any] | None, what: str, *, forced: bool, inode: int) -> None:
-        tmp = self.path.with_name(f"{self.path.name}.tmp-{self.session}")
-        g = _open(tmp)
+        g, locked = _locked(self.path.with_name(f"{self.path.name}.tmp-{self.session}"))
         try:
-            if not _try_lock(g) or os.lstat(self.path).st_ino != inode:
-                raise StoreLockedError(f"{what}: another session is taking the writer lock over at the same time; "
-                                       "retry.")
-            os.replace(tmp, self.path)
+            if not locked or os.lstat(self.path).st_ino != inode:
+                raise StoreLockedError(f"{what}: another session is taking the writer lock over; retry.")
+            os.replace(self.path.with_name(f"{self.path.name}.tmp-{self.session}"), self.path)
             if os.lstat(self.path).st_ino != os.fstat(g.fileno()).st_ino:  # another taker renamed after us
                 raise StoreLockedError(f"{what}: another session took the writer lock over at the same time; retry.")
         except BaseException:
             g.close()
             raise
-        logger.warning("%s: replaced the writer lock of %s (takeover=True)" if forced else
-                       "%s: took the writer lock over from %s, which is no longer running (its lock was still held: "
-                       "an NFS server that has not yet expired it)", what, describe(holder))
+        logger.warning("%s: replaced the writer lock of %s (takeover=True)" if forced else "%s: took the writer lock "
+                       "over from %s, which is no longer running (its lock was still held: an NFS server that has "
+                       "not yet expired it)", what, describe(holder))
         self._register(g)
 
     def moved(self) -> bool:
-        """Whether the held lock file is no longer the one at its path (its task directory was deleted)."""
-        if not self.held or self._file is None:
-            return False
+        """Whether the held lock file is no longer the one at its path (the task directory was deleted)."""
+        f = self._file
         try:
-            return os.lstat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino
+            return self.held and f is not None and os.lstat(self.path).st_ino != os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             return True
 
     def refresh(self, what: str = "task") -> None:
-        """After the task directory was deleted and recreated: lock the new lock file instead of the gone one."""
+        """After the task directory was deleted and recreated: lock the new file instead of the gone one."""
         if self.moved():
-            old, f = self._file, _open(self.path)
-            if not _try_lock(f):
+            old, (f, locked) = self._file, _locked(self.path)
+            if not locked:
                 f.close()
                 raise StoreLockedError(f"{what}: the task directory was recreated and another session locked it "
                                        f"first: {describe(read_holder(self.path.parent))}.")
             self._register(f)
             if old is not None:
-                old.close()  # another inode: closing it drops only the lock on the deleted file
+                old.close()  # another inode: closing it drops only the lock of the deleted file
 
     def release(self) -> None:
-        """Release the lock (idempotent); the record stays as the last writer's trace, marked released."""
+        """Release the lock (idempotent); the record stays, marked released."""
         f, self._file = self._file, None
         with _HELD_LOCK:
-            if f is None or _HELD.get(str(self.path), (None, None))[0] is not f:
+            if f is None or _HELD.get(str(self.path), (None,))[0] is not f:
                 return  # taken over by another writer of this process: the file stays open for it
             del _HELD[str(self.path)]
-        with contextlib.suppress(OSError):  # the record is a courtesy; the lock goes with the close
-            _record(f, {**(_record(f) or self._me()), "released": time.time()})
-        f.close()
+        _released(f)
+
+
+def _released(f: BinaryIO) -> None:
+    with contextlib.suppress(OSError):  # the record is a courtesy; the lock goes with the close
+        _record(f, {**(_record(f) or {}), "released": time.time()})
+    f.close()
 
 
 @atexit.register
 def _release_at_exit() -> None:
-    """A normal exit is no crash: held locks are released, their records say so (a killed process runs no handler)."""
+    """A normal exit is no crash: the records of the locks still held say released (a killed process cannot)."""
     with _HELD_LOCK:
-        entries = list(_HELD.items())
+        files = [f for f, _ in _HELD.values()]
         _HELD.clear()
-    for _, (f, _owner) in entries:
-        with contextlib.suppress(OSError):
-            _record(f, {**(_record(f) or {}), "released": time.time()})
-        f.close()
+    for f in files:
+        _released(f)
