@@ -215,18 +215,6 @@ class WriterLock:
         except FileNotFoundError:
             return True
 
-    def refresh(self, what: str = "task") -> None:
-        """After the task directory was deleted and recreated: lock the new file instead of the gone one."""
-        if self.moved():
-            old, (f, locked) = self._file, _locked(self.path)
-            if not locked:
-                f.close()
-                raise StoreLockedError(f"{what}: the task directory was recreated and another session locked it "
-                                       f"first: {describe(read_holder(self.path.parent))}.")
-            self._register(f)
-            if old is not None:
-                old.close()  # another inode: closing it drops only the lock of the deleted file
-
     def release(self) -> None:
         """Release the lock (idempotent); the record stays, marked released."""
         f, self._file = self._file, None

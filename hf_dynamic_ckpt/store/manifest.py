@@ -1,24 +1,19 @@
-"""The manifest of a checkpoint, the checksums it records, the small JSON files, and the plain values passed around.
+"""A checkpoint's manifest, the checksums it records, its small JSON files, and the plain values passed around.
 
-The manifest is written last, into the temporary directory, before the atomic rename. It lists every file of the
-checkpoint with its size, checksum (``"xxh3_128:<hex>"``; any algorithm a manifest names is verified with that
-algorithm), tier and rank, and carries its own checksum (``manifest_checksum``: ``"sha256:"`` of the canonical JSON
-of every other key), so a tampered or torn manifest is refused instead of trusted. It is indented strict JSON
-(non-finite floats are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``), so ``jq`` reads it.
-
-Frozen weights (parameters that never train) are not written: a manifest records each by checksum, dtype and shape
-under ``frozen``, and the resume checks the model's own tensor against it (`check_frozen`). Such a manifest has
-``format_version`` 2, which an older reader refuses (it would export the model without those weights); any other
-is version 1. Checkpoints written before stored frozen weights once per task, content-addressed under
-``<task>/blobs/`` (the manifest's ``blobs`` table): those are still read and verified.
-
-Every path a manifest can make the store touch is a single name from an allowlist (`allowed_file_name`) in the
-checkpoint's own directory, or a 64-hex-digit blob digest, checked before it becomes a path. Files are read without
-following a link (``O_NOFOLLOW``) and within a size bound.
+The manifest is written last and lists every file with its size, checksum (``"xxh3_128:<hex>"``; an entry naming
+another algorithm is verified with that one), tier and rank; its own checksum (``manifest_checksum``: ``"sha256:"`` of
+the canonical JSON of every other key) refuses a tampered or torn manifest. It is indented strict JSON (non-finite
+floats are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``), so ``jq`` reads it. Frozen weights are not written:
+``frozen`` records each by checksum, dtype and shape, and the resume checks the model's own tensor (`check_frozen`);
+such a manifest is ``format_version`` 2, which an older reader refuses (it would export the model without them); any
+other is version 1. ``blobs`` is the table of a checkpoint of an earlier version, whose frozen weights live once per
+task under ``blobs/``. A manifest can only make the store touch allowlisted names in its own directory and 64-hex-digit
+blob digests; files are read without following a link and within a size bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import functools
@@ -37,47 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..constants import (
-    ALL_TIERS,
-    CHECKPOINT_FILE_NAMES,
-    CHECKSUM_ALGO,
-    DEBUG_INFO_STEPS,
-    DEFAULT_TASK_ID,
-    FORMAT_VERSION,
-    KEY_BLOBS,
-    KEY_BYTES,
-    KEY_CHECKSUM,
-    KEY_CREATED_AT,
-    KEY_DEBUG_INFO,
-    KEY_EPOCH,
-    KEY_EXTRA,
-    KEY_FILES,
-    KEY_FORMAT_VERSION,
-    KEY_FROZEN,
-    KEY_HEALTHY,
-    KEY_KIND,
-    KEY_LINEAGE,
-    KEY_MANIFEST_CHECKSUM,
-    KEY_PINNED,
-    KEY_RANK,
-    KEY_REASON,
-    KEY_RECOVERY_COST,
-    KEY_SESSION_ID,
-    KEY_SIGNALS,
-    KEY_SIZE,
-    KEY_STEP,
-    KEY_TASK_ID,
-    KEY_TIER,
-    KEY_TIERS,
-    KEY_TIMINGS,
-    KEY_VERSIONS,
-    KEY_WORLD_SIZE,
-    MANIFEST_NAME,
-    MAX_JSON_BYTES,
-    PINNED_MARKER,
-    STEP_DIR_PREFIX,
-    Tier,
-)
+from .. import constants as C
+from ..constants import Tier
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError, UnsafePathError
 from ..jsonutil import as_float, json_safe, loads_bounded
 
@@ -85,35 +41,21 @@ if TYPE_CHECKING:
     import torch
 
 STATUS_OK, STATUS_MISSING, STATUS_CORRUPT = "ok", "missing", "corrupt"
-"""A checkpoint's status in the catalog: intact, its directory or manifest gone, or a file found damaged."""
-PLAIN_FORMAT_VERSION = 1
-"""What a manifest without frozen records says (`FORMAT_VERSION` is what one with them says)."""
-FILE_CHECKSUM_ALGO = "xxh3_128"
-"""Algorithm of new file checksums: ~12 GB/s on one core, ample against accidental damage (bit rot, torn writes)."""
-HASH_CHUNK = 8 << 20
-FileEntry = dict[str, Any]
-"""``{"size", "checksum", "tier", "rank"}``: one file in a manifest."""
-
-_RANK_FILE_RE = re.compile(r"(?:rng-rank(0|[1-9][0-9]{0,6})\.json|(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})"
-                           r"\.safetensors)")
-_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+FILE_CHECKSUM_ALGO, HASH_CHUNK = "xxh3_128", 8 << 20
+_RANK_FILE = re.compile(r"(?:rng-rank|weights-rank|optimizer-rank)(0|[1-9][0-9]{0,6})\.(?:json|safetensors)")
 
 
-# -- plain values -------------------------------------------------------------------------------------------------
 class Codec(enum.StrEnum):
-    """Codec of the optimizer tier (L1): config, store and file format share this vocabulary."""
+    """Codec of the optimizer tier: independent zstd frames of byte-grouped floats, or raw bytes."""
 
-    ZSTD = "zstd"  # independent zstd frames, byte-grouped floats (default)
-    NONE = "none"  # raw bytes, 64-byte aligned
+    ZSTD = "zstd"
+    NONE = "none"
 
     @classmethod
     def parse(cls, value: Any, *, field: str = "storage_levels.level_1.compression") -> Codec:
-        """`value` as a `Codec` (`None` means `"none"`); anything else is a `ConfigError` naming `field`."""
-        if value is None:
-            return cls.NONE
+        """`value` as a `Codec` (`None`: ``"none"``); `ConfigError` naming `field` for anything else."""
         try:
-            return cls(getattr(value, "value", value))
+            return cls.NONE if value is None else cls(getattr(value, "value", value))
         except ValueError:
             extra = " (gzip is not offered for L1: zstd level 1-3 is smaller and faster)" if value == "gzip" else ""
             raise ConfigError(f"{field}={value!r} is invalid: expected 'zstd' or 'none'{extra}.") from None
@@ -126,12 +68,12 @@ def new_session_id() -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class StoreSpec:
-    """What identifies and configures one rank's view of a store; plain values, so a writer process can open the
-    same store (`CheckpointStore.from_spec`). `CheckpointStore` documents the fields; `remote` is the object-store
-    `RemoteSpec` of a URL root (`root` is then its local cache)."""
+    """What identifies and configures one rank's view of a store, in plain values (a writer process opens the same
+    store with `CheckpointStore.from_spec`); `CheckpointStore` documents the fields; `remote` is a URL root's
+    `RemoteSpec` (`root` is then its local cache)."""
 
     root: str
-    task_id: str = DEFAULT_TASK_ID
+    task_id: str = C.DEFAULT_TASK_ID
     rank: int = 0
     world_size: int = 1
     session_id: str = field(default_factory=new_session_id)
@@ -145,33 +87,26 @@ class StoreSpec:
         object.__setattr__(self, "codec", Codec.parse(self.codec, field="compression"))
         object.__setattr__(self, "root", str(self.root))
         task = self.task_id
-        if not isinstance(task, str) or not task or "/" in task or "\\" in task or task.startswith(".") \
-                or task == "blobs":
-            raise ConfigError(f"task_id={task!r} is invalid: expected a non-empty name without '/' that does not "
-                              "start with '.'.")
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank={self.rank}, world_size={self.world_size} is invalid: expected 0 <= rank < "
-                              "world_size.")
-        if not isinstance(self.session_id, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", self.session_id):
-            raise ConfigError(f"session_id={self.session_id!r} is invalid: use letters, digits, '_' or '-' only.")
-        if not self.rank_timeout_s > 0:
-            raise ConfigError(f"rank_timeout_s={self.rank_timeout_s!r} is invalid: expected a positive number of "
-                              "seconds.")
-        if not 1 <= int(self.compression_level) <= 22:
-            raise ConfigError(f"compression_level={self.compression_level!r} is invalid: expected 1 <= level <= 22.")
+        for ok, message in (
+                (isinstance(task, str) and task and not {"/", "\\"} & set(task) and task[0] != "." and task != "blobs",
+                 f"task_id={task!r} is invalid: expected a non-empty name without '/' that does not start with '.'."),
+                (self.world_size >= 1 and 0 <= self.rank < self.world_size,
+                 f"rank={self.rank}, world_size={self.world_size} is invalid: expected 0 <= rank < world_size."),
+                (isinstance(self.session_id, str) and re.fullmatch(r"[A-Za-z0-9_-]+", self.session_id),
+                 f"session_id={self.session_id!r} is invalid: use letters, digits, '_' or '-' only."),
+                (self.rank_timeout_s > 0,
+                 f"rank_timeout_s={self.rank_timeout_s!r} is invalid: expected a positive number of seconds."),
+                (1 <= int(self.compression_level) <= 22,
+                 f"compression_level={self.compression_level!r} is invalid: expected 1 <= level <= 22.")):
+            if not ok:
+                raise ConfigError(message)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Lineage:
-    """Where a checkpoint's run came from (recorded in its manifest).
-
-    Args:
-        session (`str`): the session that wrote it.
-        timeline (`str`): its timeline. A run that starts fresh, or resumes from a checkpoint older than the newest
-            of its timeline, starts a new one; other timelines' checkpoints past the fork point are *abandoned*.
-        parent_step (`int`, *optional*): the checkpoint the run resumed from (`None`: a fresh start).
-        parent_timeline (`str`, *optional*): that checkpoint's timeline.
-    """
+    """Which run wrote a checkpoint: its `session`, its `timeline` (a run that starts fresh, or resumes from a
+    checkpoint older than its timeline's newest, starts a new one), and the checkpoint it resumed from
+    (`parent_step` of `parent_timeline`; `None`: a fresh start)."""
 
     session: str
     timeline: str
@@ -184,31 +119,30 @@ class Lineage:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Lineage:
+        step, timeline = data.get("parent_step"), data.get("parent_timeline")
         return cls(session=str(data["session"]), timeline=str(data["timeline"]),
-                   parent_step=None if data.get("parent_step") is None else int(data["parent_step"]),
-                   parent_timeline=None if data.get("parent_timeline") is None else str(data["parent_timeline"]))
+                   parent_step=None if step is None else int(step), parent_timeline=None if timeline is None else
+                   str(timeline))
 
 
 @dataclass(frozen=True, kw_only=True)
 class SaveRequest:
-    """What one save is and why: the metadata that reaches the manifest and the catalog as given.
+    """What one save is and why; it reaches the manifest and the catalog as given.
 
     Args:
         step (`int`): optimizer steps completed in the saved state.
         epoch (`float`, *optional*, defaults to `0.0`): fractional epoch.
         tiers (`frozenset[Tier]`, *optional*, defaults to all): tiers the decision asked for.
-        reason (`str`): human-readable reason (logs, manifest, catalog).
-        kind (`str`, *optional*, defaults to `"manual"`): machine-readable reason (`DecisionKind` value).
+        reason (`str`): human-readable reason; `kind` (defaults to `"manual"`): the machine-readable one.
         pinned (`bool`, *optional*, defaults to `False`): retention never deletes it.
-        healthy (`bool`, *optional*, defaults to `True`): a valid target for `auto` / `best`.
-        signals (`Mapping`, *optional*): signals at save time.
-        debug_info (`tuple[Mapping, ...]`, *optional*): the last steps' signals.
-        lineage (`Lineage`, *optional*): session / timeline / parent of the run.
+        healthy (`bool`, *optional*, defaults to `True`): a valid target for ``auto`` / ``best``.
+        signals (`Mapping`, *optional*) / debug_info (`tuple[Mapping, ...]`): the signals at save time and of the
+            last steps. lineage (`Lineage`, *optional*): the run's session, timeline and parent.
     """
 
     step: int
     epoch: float = 0.0
-    tiers: frozenset[Tier] = ALL_TIERS
+    tiers: frozenset[Tier] = C.ALL_TIERS
     reason: str
     kind: str = "manual"
     pinned: bool = False
@@ -224,12 +158,16 @@ class SaveRequest:
 
 @dataclass(frozen=True)
 class BlobRef:
-    """A weight the engine names instead of passing it (the store records no such weight and refuses one; kept
-    while the engine still imports it)."""
+    """A weight named by its content address instead of passed; no longer stored (kept while the engine names it)."""
 
     digest: str
     dtype: str
     shape: tuple[int, ...]
+
+
+def _tiers(weights: Any, l1: tuple[Any, ...], l2: tuple[Any, ...]) -> frozenset[Tier]:
+    return frozenset(t for t, held in ((Tier.WEIGHTS, weights is not None), (Tier.OPTIMIZER, l1 != (None,) * len(l1)),
+                                       (Tier.STATE, l2 != (None,) * len(l2))) if held)
 
 
 @dataclass
@@ -237,16 +175,14 @@ class CheckpointState:
     """What one rank hands to `CheckpointStore.save`: CPU tensors and JSON-able data.
 
     Args:
-        step (`int`): optimizer steps completed when this state was taken.
-        epoch (`float`, *optional*): fractional epoch.
-        weights (`dict[str, torch.Tensor]`, *optional*): L0 under the model's key names (PEFT key names for an
-            adapter); tensors sharing storage (tied weights) are stored once. Written by rank 0.
-        frozen (`Mapping[str, Mapping]`, *optional*): weights that never train, recorded by `frozen_record` instead
-            of written (they must not be in `weights` too).
-        dedup_keys (`frozenset[str]`): keys of `weights` to record as `frozen` (the store computes their records).
-        optimizer / scheduler / scaler (`dict`, *optional*): L1, the objects' `state_dict()`. Written by rank 0.
+        step (`int`) / epoch (`float`, *optional*): optimizer steps completed, fractional epoch.
+        weights (`dict[str, torch.Tensor]`, *optional*): L0 under the model's keys (PEFT's for an adapter); tensors
+            sharing storage (tied weights) are stored once. Written by rank 0.
+        frozen (`Mapping[str, Mapping]`, *optional*): weights that never train, as `frozen_record`s, not written.
+        dedup_keys (`frozenset[str]`): keys of `weights` to record as `frozen` instead (the store computes them).
+        optimizer / scheduler / scaler (`dict`, *optional*): L1, the objects' `state_dict()`s. Written by rank 0.
         rng (`dict`, *optional*): L2, this rank's RNG state (or an object with `to_json()`).
-        sampler (`dict`, *optional*): L2, the data position (JSON-able), written by rank 0.
+        sampler (`dict`, *optional*): L2, the data position, written by rank 0.
         extra (`dict`): JSON-able data for the manifest's `extra` (e.g. the Trainer state).
     """
 
@@ -267,20 +203,11 @@ class CheckpointState:
         return _tiers(self.weights, (self.optimizer, self.scheduler, self.scaler), (self.rng, self.sampler))
 
 
-def _tiers(weights: Any, l1: tuple[Any, ...], l2: tuple[Any, ...]) -> frozenset[Tier]:
-    found = ((Tier.WEIGHTS, weights is not None), (Tier.OPTIMIZER, any(v is not None for v in l1)),
-             (Tier.STATE, any(v is not None for v in l2)))
-    return frozenset(t for t, present in found if present)
-
-
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One committed checkpoint as the catalog and `CheckpointStore.list()` describe it.
-
-    `frozen` is the manifest's record of the frozen weights it did not write; `blobs` the blob table of a checkpoint
-    written by an earlier version. `abandoned` marks a checkpoint of a timeline a later run forked away from (never
-    chosen by `auto`/`best`/`fastest`); `lineage` says which run wrote it.
-    """
+    """One committed checkpoint as the catalog and `CheckpointStore.list()` describe it; `abandoned`: of a timeline a
+    later run forked away from (never chosen by ``auto``, ``best``, ``fastest``); `frozen`: the manifest's records of
+    weights not written; `blobs`: the blob table of a checkpoint of an earlier version."""
 
     task_id: str
     step: int
@@ -303,19 +230,17 @@ class CheckpointInfo:
 
 
 class Removal(NamedTuple):
-    """One entry of a retention plan (`policy.retention.plan_retention`, applied by `CheckpointStore.prune`)."""
+    """One entry of a retention plan (`policy.retention.plan_retention`, applied by `CheckpointStore.prune`): the
+    checkpoint, what goes (a set with `Tier.WEIGHTS`: all of it), and the rule, recorded and named by ``ls``."""
 
     info: CheckpointInfo
     tiers: frozenset[Tier]
-    """What goes: a set containing `Tier.WEIGHTS` is the whole checkpoint."""
     rule: str = "a retention plan"
-    """The rule that removes it, in words: recorded in the task's removals, named by `ls` and a resume."""
 
 
 @dataclass
 class LoadedCheckpoint:
-    """Tensors and state read back, verified, from one checkpoint; `frozen` are the records of the weights it did not
-    write (`check_frozen` compares them with the model's own)."""
+    """A checkpoint's tiers, read back verified; `frozen`: the records of the weights it did not write."""
 
     info: CheckpointInfo
     manifest: dict[str, Any]
@@ -336,18 +261,9 @@ class LoadedCheckpoint:
 
 @dataclass
 class GcReport:
-    """What `CheckpointStore.gc` or `prune` removed (with `dry_run`: would remove).
-
-    Args:
-        removed (`list[int]`): steps deleted whole (abandoned ones included).
-        trimmed (`dict[int, list[str]]`): step -> tiers deleted from a checkpoint that stays.
-        abandoned (`list[int]`): the steps of `removed` that were abandoned checkpoints.
-        blobs (`list[str]`): blob files of earlier versions collected (no checkpoint referenced them).
-        temp_dirs (`list[str]`): leftovers of interrupted saves or deletes that were removed.
-        bytes_freed (`int`): bytes of everything above.
-        kept (`list[str]`): why something a plan or the rules named was kept (one line each).
-        dry_run (`bool`): nothing was removed.
-    """
+    """What `CheckpointStore.gc` or `prune` removed (`dry_run`: would remove): whole steps (`removed`, those of
+    abandoned timelines in `abandoned`), tiers of steps that stay (`trimmed`), unused blobs of an earlier version,
+    leftovers of interrupted saves (`temp_dirs`), `bytes_freed`, and why planned removals were `kept`."""
 
     removed: list[int] = field(default_factory=list)
     trimmed: dict[int, list[str]] = field(default_factory=dict)
@@ -359,11 +275,11 @@ class GcReport:
     dry_run: bool = False
 
 
-# -- reading without following links ------------------------------------------------------------------------------
+# -- files read without following links ---------------------------------------------------------------------------
 def open_read(path: str | os.PathLike[str]) -> io.BufferedReader:
-    """Open an existing file for reading; a symbolic link at `path` is refused (`UnsafePathError`)."""
+    """An existing file opened for reading; a symbolic link at `path` is refused (`UnsafePathError`)."""
     try:
-        return open(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb")
+        return open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafePathError(f"{path} is a symbolic link; the store never reads through links.") from e
@@ -371,10 +287,9 @@ def open_read(path: str | os.PathLike[str]) -> io.BufferedReader:
 
 
 def read_bytes(path: str | os.PathLike[str], *, limit: int) -> bytes:
-    """A file's bytes, at most `limit` of them (a larger file is `CorruptCheckpointError`); never through a link."""
+    """A file's bytes, at most `limit` of them (a larger file is `CorruptCheckpointError`)."""
     with open_read(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
+        if (size := os.fstat(f.fileno()).st_size) > limit:
             raise CorruptCheckpointError(f"{path} has {size} bytes, more than the {limit} a file of this kind may "
                                          "have; the checkpoint is damaged or was not written by hf_dynamic_ckpt.")
         return f.read(limit + 1)
@@ -390,8 +305,7 @@ def lstat(path: str | os.PathLike[str]) -> os.stat_result | None:
 def is_kind(path: str | os.PathLike[str], kind: str) -> bool:
     """Whether `path` is a real ``"dir"``, ``"file"`` or ``"link"`` (a link to a directory is a link)."""
     st = lstat(path)
-    test = {"dir": stat.S_ISDIR, "file": stat.S_ISREG, "link": stat.S_ISLNK}[kind]
-    return st is not None and test(st.st_mode)
+    return st is not None and {"dir": stat.S_ISDIR, "file": stat.S_ISREG, "link": stat.S_ISLNK}[kind](st.st_mode)
 
 
 def listdir(path: str | os.PathLike[str]) -> list[str]:
@@ -403,19 +317,22 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file of a checkpoint (bounded size and depth); anything wrong is `CorruptCheckpointError`."""
+    """A JSON file of a checkpoint (bounded size and depth); anything wrong is `CorruptCheckpointError`."""
     try:
-        return loads_bounded(read_bytes(path, limit=MAX_JSON_BYTES))
+        return loads_bounded(read_bytes(path, limit=C.MAX_JSON_BYTES))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path} is unreadable or not JSON ({e}); the checkpoint is damaged.") from e
 
 
+def json_bytes(obj: Any) -> bytes:
+    """The bytes of one of a checkpoint's small JSON files (RNG, sampler, ``optimizer.json``, done files)."""
+    return json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
+
+
 # -- checksums ----------------------------------------------------------------------------------------------------
 def new_hasher(algo: str | None = None) -> Any:
-    """A hash object (`update`, `hexdigest`) of `algo`: ``xxh3_128`` (default), ``xxh3_64``, ``xxh64``, ``xxh32`` or
-    a `hashlib` name; `ValueError` for another."""
-    algo = algo or FILE_CHECKSUM_ALGO
-    if algo in ("xxh3_128", "xxh3_64", "xxh64", "xxh32"):
+    """A hash object of `algo`: ``xxh3_128`` (default), ``xxh3_64``, ``xxh64``, ``xxh32`` or a `hashlib` name."""
+    if (algo := algo or FILE_CHECKSUM_ALGO) in ("xxh3_128", "xxh3_64", "xxh64", "xxh32"):
         import xxhash
 
         return getattr(xxhash, algo)()
@@ -427,55 +344,52 @@ def new_hasher(algo: str | None = None) -> Any:
 
 
 def file_checksum(path: str | os.PathLike[str], algo: str | None = None) -> str:
-    """``"<algo>:<hex>"`` of a whole file (a read-only map for large files: no copy out of the page cache); never
-    through a link. To verify a manifest entry pass its algorithm: ``algo=entry["checksum"].partition(":")[0]``."""
+    """``"<algo>:<hex>"`` of a whole file (large files hashed through a map: no copy out of the page cache)."""
     hasher = new_hasher(algo)
     with open_read(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size >= 1 << 20:
+        if (size := os.fstat(f.fileno()).st_size) < 1 << 20:
+            hasher.update(f.read())
+        else:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
                 for start in range(0, size, HASH_CHUNK):
                     hasher.update(view[start : start + HASH_CHUNK])
-        else:
-            hasher.update(f.read())
     return f"{algo or FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}"
+
+
+def entry_of(data: bytes, *, tier: Tier, rank: int | None) -> dict[str, Any]:
+    """The manifest entry of a file holding `data`."""
+    (hasher := new_hasher()).update(data)
+    return {C.KEY_SIZE: len(data), C.KEY_CHECKSUM: f"{FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}",
+            C.KEY_TIER: tier.value, C.KEY_RANK: rank}
 
 
 def raw_view(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in row-major order (a view when contiguous)."""
     import torch
 
-    if t.numel() == 0:
-        return memoryview(b"")
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    return memoryview(b"") if t.numel() == 0 else \
+        t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def frozen_record(t: torch.Tensor) -> dict[str, Any]:
     """The manifest record of a frozen weight: ``{"checksum": "xxh3_128:<hex>" of its bytes, "dtype", "shape"}``."""
     t = t.detach().cpu()
-    hasher = new_hasher()
-    hasher.update(raw_view(t))
+    (hasher := new_hasher()).update(raw_view(t))
     return {"checksum": f"{FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}", "dtype": str(t.dtype).removeprefix("torch."),
             "shape": list(t.shape)}
 
 
 def check_frozen(loaded: LoadedCheckpoint, live: Mapping[str, Any]) -> None:
-    """Check the model's own frozen weights against the records of `loaded`, and put them into `loaded.weights`.
-
-    Args:
-        loaded (`LoadedCheckpoint`): a checkpoint whose manifest records frozen weights (nothing to do otherwise).
-        live (`Mapping[str, Tensor]`): the model's tensors by the same names (e.g. `expected_weights(model)`).
+    """Check the model's own frozen weights (`live`: its tensors by the same names, e.g. `expected_weights(model)`)
+    against the records of `loaded`, and put them into `loaded.weights`.
 
     Raises:
         `IncompatibleStateError`: a recorded weight is missing from `live` or holds other values (the model was not
-            built from the weights the run trained on); the message names them.
+            built from the weights the run trained with); the message names them.
     """
     from ..errors import IncompatibleStateError
 
-    if not loaded.frozen:
-        return
-    bad = sorted(k for k, rec in loaded.frozen.items()
-                 if live.get(k) is None or frozen_record(live[k]) != {**rec, "shape": list(rec["shape"])})
+    bad = sorted(k for k, rec in loaded.frozen.items() if live.get(k) is None or frozen_record(live[k]) != rec)
     if bad:
         raise IncompatibleStateError(
             f"the model's frozen weights differ from those step {loaded.info.step} was trained with (it records them "
@@ -487,37 +401,34 @@ def check_frozen(loaded: LoadedCheckpoint, live: Mapping[str, Any]) -> None:
 # -- the manifest -------------------------------------------------------------------------------------------------
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
     """``"sha256:<hex>"`` of the sorted, compact JSON of every key but the checksum itself."""
-    body = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
+    body = {k: v for k, v in manifest.items() if k != C.KEY_MANIFEST_CHECKSUM}
     data = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-    return f"{CHECKSUM_ALGO}:{hashlib.new(CHECKSUM_ALGO, data).hexdigest()}"
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries whose objects a checkpoint holds, for the manifest."""
-    return dict(_library_versions())
+    return f"{C.CHECKSUM_ALGO}:{hashlib.new(C.CHECKSUM_ALGO, data).hexdigest()}"
 
 
 @functools.lru_cache(maxsize=1)
-def _library_versions() -> tuple[tuple[str, str], ...]:
+def _versions() -> tuple[tuple[str, str], ...]:
     from importlib import metadata
 
     from .._version import VERSION
 
-    versions = {"hf_dynamic_ckpt": VERSION, "python": platform.python_version()}
+    found = {"hf_dynamic_ckpt": VERSION, "python": platform.python_version()}
     for dist in ("torch", "transformers", "accelerate", "peft", "safetensors", "zstandard", "numpy"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return tuple(versions.items())
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[dist] = metadata.version(dist)
+    return tuple(found.items())
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries whose objects a checkpoint holds, for the manifest."""
+    return dict(_versions())
 
 
 def recovery_cost_ms(files: Mapping[str, Mapping[str, Any]], blobs: Mapping[str, Mapping[str, Any]]) -> float:
-    """Estimated time to verify and load a checkpoint, from its bytes per tier: 2 ms per file, L0 at 500 MB/s, L1
-    at 200 MB/s. It ranks checkpoints for ``resolve("fastest")``; it is not a measurement of this machine."""
-    unique = {str(b.get("digest")): {KEY_SIZE: b.get("size", 0), KEY_TIER: Tier.WEIGHTS.value} for b in blobs.values()}
+    """An estimate that ranks checkpoints for ``resolve("fastest")``: 2 ms per file, L0 at 500 MB/s, L1 at 200 MB/s."""
+    unique = {str(b.get("digest")): {C.KEY_SIZE: b.get("size", 0)} for b in blobs.values()}
     rate = {Tier.WEIGHTS.value: 500_000.0, Tier.OPTIMIZER.value: 200_000.0}
-    return round(sum(2.0 + float(e.get(KEY_SIZE, 0)) / rate.get(e.get(KEY_TIER, "weights"), float("inf"))
+    return round(sum(2.0 + float(e.get(C.KEY_SIZE, 0)) / rate.get(e.get(C.KEY_TIER, "weights"), float("inf"))
                      for e in [*files.values(), *unique.values()]), 1)
 
 
@@ -528,22 +439,18 @@ def build_manifest(*, task_id: str, step: int, epoch: float, reason: str, tiers:
                    debug_info: Collection[Mapping[str, Any]] = (), extra: Mapping[str, Any] | None = None,
                    timings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of what the ranks wrote, its checksum included (only the last `DEBUG_INFO_STEPS` records)."""
-    manifest: dict[str, Any] = {
-        KEY_FORMAT_VERSION: FORMAT_VERSION if frozen else PLAIN_FORMAT_VERSION, KEY_TASK_ID: task_id,
-        KEY_STEP: int(step), KEY_EPOCH: float(epoch), KEY_REASON: reason, KEY_TIERS: sorted(t.value for t in tiers),
-        KEY_PINNED: bool(pinned), KEY_HEALTHY: bool(healthy), KEY_WORLD_SIZE: int(world_size),
-        KEY_CREATED_AT: time.time(), KEY_SESSION_ID: session_id,
-        KEY_FILES: {n: dict(e) for n, e in sorted(files.items())}, KEY_BLOBS: {},
-        KEY_BYTES: sum(int(e[KEY_SIZE]) for e in files.values()), KEY_RECOVERY_COST: recovery_cost_ms(files, {}),
-        KEY_SIGNALS: dict(signals or {}), KEY_DEBUG_INFO: list(debug_info)[-DEBUG_INFO_STEPS:],
-        KEY_EXTRA: dict(extra or {}), KEY_VERSIONS: library_versions(), KEY_TIMINGS: dict(timings or {}),
-    }
-    if frozen:
-        manifest[KEY_FROZEN] = {k: dict(v) for k, v in sorted(frozen.items())}
-    if kind is not None:
-        manifest[KEY_KIND] = str(kind)
-    if lineage is not None:
-        manifest[KEY_LINEAGE] = lineage.to_dict()
+    manifest = {
+        C.KEY_FORMAT_VERSION: C.FORMAT_VERSION if frozen else 1, C.KEY_TASK_ID: task_id, C.KEY_STEP: int(step),
+        C.KEY_EPOCH: float(epoch), C.KEY_REASON: reason, C.KEY_TIERS: sorted(t.value for t in tiers),
+        C.KEY_PINNED: bool(pinned), C.KEY_HEALTHY: bool(healthy), C.KEY_WORLD_SIZE: int(world_size),
+        C.KEY_CREATED_AT: time.time(), C.KEY_SESSION_ID: session_id, C.KEY_FILES: dict(sorted(files.items())),
+        C.KEY_BLOBS: {}, C.KEY_BYTES: sum(int(e[C.KEY_SIZE]) for e in files.values()),
+        C.KEY_RECOVERY_COST: recovery_cost_ms(files, {}), C.KEY_SIGNALS: dict(signals or {}),
+        C.KEY_DEBUG_INFO: list(debug_info)[-C.DEBUG_INFO_STEPS:], C.KEY_EXTRA: dict(extra or {}),
+        C.KEY_VERSIONS: library_versions(), C.KEY_TIMINGS: dict(timings or {}),
+        **({C.KEY_FROZEN: dict(sorted(frozen.items()))} if frozen else {}),
+        **({C.KEY_KIND: str(kind)} if kind is not None else {}),
+        **({C.KEY_LINEAGE: lineage.to_dict()} if lineage is not None else {})}
     return with_changes(json_safe(manifest), {})
 
 
@@ -551,189 +458,144 @@ def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
     return json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n"
 
 
-def json_bytes(obj: Any) -> bytes:
-    """The bytes of one of a checkpoint's small JSON files (RNG, sampler, `optimizer.json`, done files)."""
-    return json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
-
-
-def entry_of(data: bytes, *, tier: Tier, rank: int | None) -> FileEntry:
-    """The manifest entry of a file holding `data`."""
-    hasher = new_hasher()
-    hasher.update(data)
-    return {KEY_SIZE: len(data), KEY_CHECKSUM: f"{FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}", KEY_TIER: tier.value,
-            KEY_RANK: rank}
-
-
-def allowed_file_name(name: Any, world_size: int) -> bool:
-    """Whether a manifest may list `name`: the fixed allowlist, or a rank file of a rank below `world_size`."""
-    if not isinstance(name, str):
-        return False
-    m = _RANK_FILE_RE.fullmatch(name)
-    return name in CHECKPOINT_FILE_NAMES or (m is not None and int(m.group(1) or m.group(2)) < world_size)
-
-
-def is_digest(value: Any) -> bool:
-    """Whether `value` is a blob's content address (64 lowercase hex digits)."""
-    return isinstance(value, str) and _DIGEST_RE.fullmatch(value) is not None
-
-
 def _count(value: Any, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def _check_shape(m: dict[str, Any], where: str) -> None:
-    """Types of every key the store turns into paths, sizes or decisions."""
-    for key, kind in ((KEY_STEP, int), (KEY_FILES, dict), (KEY_TIERS, list), (KEY_TASK_ID, str)):
-        if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
-            raise CorruptCheckpointError(f"{where}: manifest key {key!r} is missing or not a {kind.__name__}.")
-    world = m.get(KEY_WORLD_SIZE, 1)
-    if not _count(m[KEY_STEP]) or not _count(world, 1) or not all(isinstance(t, str) for t in m[KEY_TIERS]):
-        raise CorruptCheckpointError(f"{where}: step={m[KEY_STEP]!r} / world_size={world!r} / tiers is invalid.")
-    for name, entry in m[KEY_FILES].items():
-        if not allowed_file_name(name, world):
-            raise CorruptCheckpointError(
-                f"{where}: manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
-                f"({', '.join(sorted(CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json, weights-rank<R>.safetensors, "
-                "optimizer-rank<R>.safetensors); the manifest is damaged or hostile.")
-        if not (isinstance(entry, dict) and _count(entry.get(KEY_SIZE)) and isinstance(entry.get(KEY_CHECKSUM), str)):
-            raise CorruptCheckpointError(f"{where}: manifest entry of file {name!r} lacks an integer size or a "
-                                         "checksum.")
-    for table, needs in ((KEY_BLOBS, "digest"), (KEY_FROZEN, "checksum")):
-        records = m.get(table) or {}
-        if not isinstance(records, dict):
-            raise CorruptCheckpointError(f"{where}: manifest key {table!r} is not an object.")
-        for key, rec in records.items():
-            ok = isinstance(rec, dict) and isinstance(rec.get("dtype"), str) and isinstance(rec.get("shape"), list) \
-                and all(_count(d) for d in rec["shape"]) and _count(rec.get("size", 0)) \
-                and (is_digest(rec.get("digest")) if needs == "digest" else isinstance(rec.get(needs), str))
-            if not ok:
-                what = "blob" if needs == "digest" else "frozen"
-                raise CorruptCheckpointError(
-                    f"{where}: {what} record of weight {str(key)[:80]!r} is malformed ({needs} must be "
-                    f"{'64 hex digits' if needs == 'digest' else 'a checksum'}, dtype a name, shape a list of sizes); "
-                    "the manifest is damaged or hostile.")
-    lineage = m.get(KEY_LINEAGE)
-    if lineage is not None and not (isinstance(lineage, dict) and isinstance(lineage.get("timeline"), str)
-                                    and isinstance(lineage.get("session"), str)):
-        raise CorruptCheckpointError(f"{where}: manifest key 'lineage' is malformed.")
+def allowed_file_name(name: Any, world_size: int) -> bool:
+    """Whether a manifest may list `name`: the fixed allowlist, or a rank file of a rank below `world_size`."""
+    m = _RANK_FILE.fullmatch(name) if isinstance(name, str) else None
+    return name in C.CHECKPOINT_FILE_NAMES or (m is not None and int(m.group(1)) < world_size)
 
 
-def validate_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
-    """Check version, checksum and shape of a parsed manifest.
+def validate_manifest(m: Any, *, where: str) -> dict[str, Any]:
+    """Check version, checksum and the shape of every key the store turns into paths, sizes or decisions.
 
     Raises:
         `FormatVersionError`: written by a newer format than this library reads.
-        `CorruptCheckpointError`: checksum mismatch, keys missing or of the wrong type, a file name outside the
-            allowlist.
+        `CorruptCheckpointError`: checksum mismatch, keys missing or of the wrong type, a name outside the allowlist.
     """
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpointError(f"{where}: the manifest is not a JSON object; the checkpoint is damaged.")
-    version = manifest.get(KEY_FORMAT_VERSION)
-    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {why}")
+
+    if not isinstance(m, dict):
+        raise bad("the manifest is not a JSON object; the checkpoint is damaged.")
+    if _count(version := m.get(C.KEY_FORMAT_VERSION)) and int(version or 0) > C.FORMAT_VERSION:
         raise FormatVersionError(f"{where}: format_version={version} is newer than the version this library reads "
-                                 f"({FORMAT_VERSION}); upgrade hf_dynamic_ckpt to load it.")
-    recorded = manifest.get(KEY_MANIFEST_CHECKSUM)
+                                 f"({C.FORMAT_VERSION}); upgrade hf_dynamic_ckpt to load it.")
     try:
-        actual = manifest_checksum(manifest)
+        actual = manifest_checksum(m)
     except (TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: the manifest cannot be re-encoded ({e}); the checkpoint is "
-                                     "damaged.") from e
-    if recorded != actual:
-        raise CorruptCheckpointError(
-            f"{where}: manifest checksum mismatch (recorded {recorded!r}, actual {actual!r}): the manifest was "
-            "modified or damaged after the commit; restore from another checkpoint.")
+        raise bad(f"the manifest cannot be re-encoded ({e}); the checkpoint is damaged.") from e
+    if (recorded := m.get(C.KEY_MANIFEST_CHECKSUM)) != actual:
+        raise bad(f"manifest checksum mismatch (recorded {recorded!r}, actual {actual!r}): the manifest was modified "
+                  "or damaged after the commit; restore from another checkpoint.")
     if not _count(version, 1):
-        raise CorruptCheckpointError(f"{where}: format_version={version!r} is not a valid format version.")
-    _check_shape(manifest, where)
-    return manifest
+        raise bad(f"format_version={version!r} is not a valid format version.")
+    for key, kind in ((C.KEY_STEP, int), (C.KEY_FILES, dict), (C.KEY_TIERS, list), (C.KEY_TASK_ID, str)):
+        if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
+            raise bad(f"manifest key {key!r} is missing or not a {kind.__name__}.")
+    if not _count(m[C.KEY_STEP]) or not _count(world := m.get(C.KEY_WORLD_SIZE, 1), 1) or \
+            not all(isinstance(t, str) for t in m[C.KEY_TIERS]):
+        raise bad(f"step={m[C.KEY_STEP]!r} / world_size={world!r} / tiers is invalid.")
+    for name, entry in m[C.KEY_FILES].items():
+        if not allowed_file_name(name, world):
+            raise bad(f"manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
+                      f"({', '.join(sorted(C.CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json, weights-rank<R>.safetensors, "
+                      "optimizer-rank<R>.safetensors); the manifest is damaged or hostile.")
+        if not (isinstance(entry, dict) and _count(entry.get(C.KEY_SIZE)) and isinstance(entry.get(C.KEY_CHECKSUM),
+                                                                                          str)):
+            raise bad(f"manifest entry of file {name!r} lacks an integer size or a checksum.")
+    for table, what, needs in ((C.KEY_BLOBS, "blob", "digest must be 64 hex digits"),
+                               (C.KEY_FROZEN, "frozen", "checksum must be a string")):
+        if not isinstance(records := m.get(table) or {}, dict):
+            raise bad(f"manifest key {table!r} is not an object.")
+        for key, r in records.items():
+            if not (isinstance(r, dict) and isinstance(r.get("dtype"), str) and isinstance(r.get("shape"), list)
+                    and all(_count(d) for d in r["shape"]) and _count(r.get("size", 0)) and (
+                        isinstance(r.get("digest"), str) and re.fullmatch("[0-9a-f]{64}", r["digest"]) is not None
+                        if what == "blob" else isinstance(r.get("checksum"), str))):
+                raise bad(f"{what} record of weight {str(key)[:80]!r} is malformed ({needs}, dtype a name, shape a "
+                          "list of sizes); the manifest is damaged or hostile.")
+    if (lineage := m.get(C.KEY_LINEAGE)) is not None and not (isinstance(lineage, dict) and isinstance(
+            lineage.get("timeline"), str) and isinstance(lineage.get("session"), str)):
+        raise bad("manifest key 'lineage' is malformed.")
+    return m
 
 
 def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None,
                   task_id: str | None = None) -> dict[str, Any]:
-    """Read and validate ``directory/manifest.json`` (never through a link, at most `MAX_JSON_BYTES`).
-
-    Args:
-        directory (`str` or `os.PathLike`): a committed checkpoint directory.
-        step (`int`, *optional*): the step its directory name says; the manifest must agree.
-        task_id (`str`, *optional*): the task its parent directory names; the manifest must agree.
+    """Read and validate ``directory/manifest.json``; its step and task must be the directory's (`step`, `task_id`).
 
     Raises:
         `CheckpointNotFoundError`: there is no manifest (not a committed checkpoint).
-        `CorruptCheckpointError`: unreadable, not JSON, nested too deeply, checksum mismatch, a disallowed file name,
-            or a step / task that differs from the directory's.
+        `CorruptCheckpointError`: unreadable, not JSON, nested too deeply, damaged, hostile, or another step or task.
         `FormatVersionError`: written by a newer format version.
     """
-    path = Path(directory) / MANIFEST_NAME
+    path = Path(directory) / C.MANIFEST_NAME
     try:
-        raw = read_bytes(path, limit=MAX_JSON_BYTES)
+        manifest = validate_manifest(loads_bounded(read_bytes(path, limit=C.MAX_JSON_BYTES)), where=str(path))
     except (FileNotFoundError, NotADirectoryError) as e:
-        raise CheckpointNotFoundError(f"{directory}: no {MANIFEST_NAME}, so this is not a committed checkpoint (an "
+        raise CheckpointNotFoundError(f"{directory}: no {C.MANIFEST_NAME}, so this is not a committed checkpoint (an "
                                       "interrupted save or another directory).") from e
     except OSError as e:  # a link (UnsafePathError), a directory, EIO, EACCES
         raise CorruptCheckpointError(f"{path}: the manifest cannot be read ({e}).") from e
-    try:
-        manifest = loads_bounded(raw)
     except ValueError as e:
+        if isinstance(e, CorruptCheckpointError | FormatVersionError):
+            raise
         raise CorruptCheckpointError(f"{path}: the manifest is not valid JSON ({e}); the checkpoint is damaged.") from e
-    manifest = validate_manifest(manifest, where=str(path))
-    if (step is not None and manifest[KEY_STEP] != step) or (task_id is not None and manifest[KEY_TASK_ID] != task_id):
+    if (step is not None and manifest[C.KEY_STEP] != step) or (task_id is not None and manifest[C.KEY_TASK_ID] !=
+                                                               task_id):
         raise CorruptCheckpointError(
-            f"{path}: the manifest says task {manifest[KEY_TASK_ID]!r} step {manifest[KEY_STEP]}, but it lives in "
-            f"{task_id!r}/{STEP_DIR_PREFIX}{step}; the directory is the truth, so this checkpoint is refused (it was "
-            "renamed or edited by hand).")
+            f"{path}: the manifest says task {manifest[C.KEY_TASK_ID]!r} step {manifest[C.KEY_STEP]}, but it lives in "
+            f"{task_id!r}/{C.STEP_DIR_PREFIX}{step}; the directory is the truth, so this checkpoint is refused (it "
+            "was renamed or edited by hand).")
     return manifest
 
 
 def tiers_of(manifest: Mapping[str, Any]) -> frozenset[Tier]:
-    """The manifest's tiers as `Tier` members (unknown names are ignored)."""
-    return frozenset(Tier(t) for t in manifest.get(KEY_TIERS, []) if t in Tier._value2member_map_)
+    return frozenset(Tier(t) for t in manifest.get(C.KEY_TIERS, []) if t in Tier._value2member_map_)
 
 
 def with_changes(manifest: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of `manifest` with `changes` applied and its checksum recomputed."""
-    new = {**{k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}, **changes}
-    new[KEY_MANIFEST_CHECKSUM] = manifest_checksum(new)
-    return new
+    new = {**{k: v for k, v in manifest.items() if k != C.KEY_MANIFEST_CHECKSUM}, **changes}
+    return {**new, C.KEY_MANIFEST_CHECKSUM: manifest_checksum(new)}
 
 
 def without_tiers(manifest: Mapping[str, Any], tiers: Collection[Tier]) -> tuple[dict[str, Any], set[str]]:
     """A copy of `manifest` that no longer holds `tiers` (re-checksummed), and the file names dropped."""
     values = {Tier(t).value for t in tiers}
-    drop = {n for n, e in manifest[KEY_FILES].items() if e.get(KEY_TIER) in values}
-    files = {n: e for n, e in manifest[KEY_FILES].items() if n not in drop}
-    blobs = {} if Tier.WEIGHTS.value in values else dict(manifest.get(KEY_BLOBS) or {})
-    return with_changes(manifest, {KEY_FILES: files, KEY_BLOBS: blobs,
-                                   KEY_TIERS: sorted(set(manifest[KEY_TIERS]) - values),
-                                   KEY_BYTES: sum(int(e[KEY_SIZE]) for e in files.values()),
-                                   KEY_RECOVERY_COST: recovery_cost_ms(files, blobs)}), drop
+    drop = {n for n, e in manifest[C.KEY_FILES].items() if e.get(C.KEY_TIER) in values}
+    files = {n: e for n, e in manifest[C.KEY_FILES].items() if n not in drop}
+    blobs = {} if Tier.WEIGHTS.value in values else dict(manifest.get(C.KEY_BLOBS) or {})
+    return with_changes(manifest, {C.KEY_FILES: files, C.KEY_BLOBS: blobs,
+                                   C.KEY_TIERS: sorted(set(manifest[C.KEY_TIERS]) - values),
+                                   C.KEY_BYTES: sum(int(e[C.KEY_SIZE]) for e in files.values()),
+                                   C.KEY_RECOVERY_COST: recovery_cost_ms(files, blobs)}), drop
 
 
-def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK,
-                       abandoned: bool = False) -> CheckpointInfo:
+def info_from_manifest(manifest: Mapping[str, Any], path: Path) -> CheckpointInfo:
     """The `CheckpointInfo` a valid manifest describes; the task is the directory's parent's name."""
-    signals = manifest.get(KEY_SIGNALS)
-    signals = signals if isinstance(signals, dict) else {}
-    gpu = as_float(signals.get("gpu_mem_percent"))
-    if gpu is None and as_float(signals.get("device_mem_frac")) is not None:
-        gpu = 100.0 * float(as_float(signals.get("device_mem_frac")) or 0.0)
-    loss = as_float(signals.get("loss"))
-    lineage = manifest.get(KEY_LINEAGE)
+    signals = manifest.get(C.KEY_SIGNALS) if isinstance(manifest.get(C.KEY_SIGNALS), dict) else {}
+    gpu, frac = as_float(signals.get("gpu_mem_percent")), as_float(signals.get("device_mem_frac"))  # type: ignore
+    loss, lineage = as_float(signals.get("loss")), manifest.get(C.KEY_LINEAGE)  # type: ignore[union-attr]
     return CheckpointInfo(
-        task_id=path.parent.name, step=int(manifest[KEY_STEP]), path=str(path),
-        reason=str(manifest.get(KEY_REASON, "")),
-        tiers=tiers_of(manifest), bytes=int(manifest.get(KEY_BYTES, 0)),
+        task_id=path.parent.name, step=int(manifest[C.KEY_STEP]), path=str(path), reason=str(manifest.get(
+            C.KEY_REASON, "")), tiers=tiers_of(manifest), bytes=int(manifest.get(C.KEY_BYTES, 0)),
         loss=loss if loss is None or loss == loss else None,  # NaN is no loss to rank by
-        gpu_mem_percent=gpu, save_time=float(manifest.get(KEY_CREATED_AT, 0.0)),
-        recovery_cost_ms=as_float(manifest.get(KEY_RECOVERY_COST)), healthy=bool(manifest.get(KEY_HEALTHY, True)),
-        pinned=bool(manifest.get(KEY_PINNED, False)) or is_kind(path / PINNED_MARKER, "file"), status=status,
-        world_size=int(manifest.get(KEY_WORLD_SIZE, 1)), blobs=dict(manifest.get(KEY_BLOBS) or {}),
-        abandoned=abandoned, lineage=Lineage.from_dict(lineage) if isinstance(lineage, dict) else None,
-        frozen=dict(manifest.get(KEY_FROZEN) or {}))
+        gpu_mem_percent=gpu if gpu is not None or frac is None else 100.0 * frac,
+        save_time=float(manifest.get(C.KEY_CREATED_AT, 0.0)), recovery_cost_ms=as_float(manifest.get(
+            C.KEY_RECOVERY_COST)), healthy=bool(manifest.get(C.KEY_HEALTHY, True)),
+        pinned=bool(manifest.get(C.KEY_PINNED, False)) or is_kind(path / C.PINNED_MARKER, "file"), status=STATUS_OK,
+        world_size=int(manifest.get(C.KEY_WORLD_SIZE, 1)), blobs=dict(manifest.get(C.KEY_BLOBS) or {}),
+        lineage=Lineage.from_dict(lineage) if isinstance(lineage, dict) else None,
+        frozen=dict(manifest.get(C.KEY_FROZEN) or {}))
 
 
 def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointInfo:
     """The catalog row of a directory whose manifest cannot be trusted."""
-    st = lstat(path)
     return CheckpointInfo(task_id=task_id, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0,
-                          loss=None, gpu_mem_percent=None, save_time=st.st_mtime if st else 0.0, recovery_cost_ms=None,
-                          healthy=False, pinned=is_kind(path / PINNED_MARKER, "file"), status=status)
+                          loss=None, gpu_mem_percent=None, save_time=st.st_mtime if (st := lstat(path)) else 0.0,
+                          recovery_cost_ms=None, healthy=False, pinned=is_kind(path / C.PINNED_MARKER, "file"),
+                          status=status)

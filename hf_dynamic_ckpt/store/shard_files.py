@@ -41,7 +41,7 @@ from ..constants import (
     Tier,
 )
 from ..errors import CorruptCheckpointError
-from .manifest import CheckpointState, FileEntry, file_checksum, open_read
+from .manifest import CheckpointState, file_checksum, open_read
 
 PART_WEIGHTS, PART_OPTIMIZER = SHARD_PART_WEIGHTS, SHARD_PART_OPTIMIZER
 SHARD_NAME_RE = re.compile(r"(weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")
@@ -66,7 +66,7 @@ def flatten_optimizer(optimizer: Mapping[str, Any]) -> tuple[dict[str, torch.Ten
 
 
 def write_shards(state: CheckpointState, tmp: Path, *, rank: int
-                 ) -> tuple[CheckpointState, dict[str, FileEntry], dict[str, Any] | None]:
+                 ) -> tuple[CheckpointState, dict[str, dict[str, Any]], dict[str, Any] | None]:
     """Write this rank's shard files of a sharded state; return what is left to write as usual.
 
     Returns:
@@ -78,7 +78,7 @@ def write_shards(state: CheckpointState, tmp: Path, *, rank: int
     if not isinstance(table, dict):
         return state, {}, None
     extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
-    files: dict[str, FileEntry] = {}
+    files: dict[str, dict[str, Any]] = {}
     part: dict[str, Any] = {PART_WEIGHTS: {}, PART_OPTIMIZER: {}}
     rest_optimizer = None
     sources: list[tuple[str, Mapping[str, Any]]] = []  # (part, tensors)
