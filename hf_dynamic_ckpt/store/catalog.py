@@ -1,11 +1,9 @@
 """The SQLite index of committed checkpoints (``<root>/catalog.db``, WAL): derived from the manifests, never the truth.
 
-One row per checkpoint, with what `CheckpointInfo` needs to rank and list (lineage, frozen and blob records as JSON,
-the abandoned flag) and the identity of the manifest it was read from (`sig`). `sync` brings a task's rows in line
-with its directories, reading a manifest only when its identity changed or a flag that hides a checkpoint is to be
-re-checked; `rebuild` replaces them. A database that is torn, foreign or of another schema is moved aside or dropped
-and rebuilt from the manifests. Readers of a ``read_only`` store use `snapshot`, an in-memory copy: the file is never
-written by them. Paths are derived from task and step, never read from a row.
+One row per checkpoint with what `CheckpointInfo` needs to rank and list (lineage, frozen and blob records as JSON) and
+the identity of the manifest it was read from (`sig`): `sync` re-reads a manifest only when that changed or a flag that
+hides a checkpoint is to be re-checked. A torn, foreign or other-schema database is moved aside or dropped and rebuilt;
+readers of a ``read_only`` store work on `snapshot`, an in-memory copy. Paths are derived from task and step.
 """
 
 from __future__ import annotations
@@ -26,17 +24,15 @@ from ..jsonutil import loads_bounded
 from .manifest import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, CheckpointInfo, Lineage, lstat
 
 logger = logging.getLogger(__name__)
-
 SCHEMA_VERSION = 2
-"""`PRAGMA user_version` of the catalog; a database of another version is rebuilt from the manifests."""
 COLUMNS = ("task_id", "step", "loss", "gpu_mem_percent", "save_time", "file_path", "recovery_cost_ms", "tiers",
            "bytes", "reason", "healthy", "pinned", "status", "world_size", "abandoned", "details", "sig")
-_SCHEMA = ("CREATE TABLE IF NOT EXISTS checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL, "
-           "step INTEGER NOT NULL, loss REAL, gpu_mem_percent REAL, save_time REAL NOT NULL, file_path TEXT NOT NULL, "
-           "recovery_cost_ms REAL, tiers TEXT NOT NULL, bytes INTEGER NOT NULL, reason TEXT NOT NULL, healthy INTEGER "
-           "NOT NULL, pinned INTEGER NOT NULL, status TEXT NOT NULL, world_size INTEGER NOT NULL, "
-           "abandoned INTEGER NOT NULL DEFAULT 0, details TEXT, sig TEXT, UNIQUE (task_id, step));"
-           "CREATE INDEX IF NOT EXISTS idx_checkpoints_task_step ON checkpoints (task_id, step);")
+_TYPES = ("TEXT NOT NULL", "INTEGER NOT NULL", "REAL", "REAL", "REAL NOT NULL", "TEXT NOT NULL", "REAL",
+          "TEXT NOT NULL", "INTEGER NOT NULL", "TEXT NOT NULL", "INTEGER NOT NULL", "INTEGER NOT NULL",
+          "TEXT NOT NULL", "INTEGER NOT NULL", "INTEGER NOT NULL DEFAULT 0", "TEXT", "TEXT")
+_SCHEMA = ("CREATE TABLE checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+           + ", ".join(f"{c} {t}" for c, t in zip(COLUMNS, _TYPES)) + ", UNIQUE (task_id, step)); "
+           "CREATE INDEX idx_checkpoints_task_step ON checkpoints (task_id, step);")
 
 
 def manifest_sig(directory: Path) -> str | None:
@@ -47,18 +43,13 @@ def manifest_sig(directory: Path) -> str | None:
 
 
 class Catalog:
-    """One connection to the catalog of a store root (`None`: in memory), shared by threads under a lock.
-
-    Args:
-        path (`str` or `os.PathLike`, *optional*): the database file, normally ``<root>/catalog.db``.
-        busy_timeout_ms (`int`, *optional*, defaults to `30000`): how long to wait for another writer's lock.
-    """
+    """One connection to a store root's catalog (`path` `None`: in memory), shared by threads under a lock; other
+    writers are waited for up to `busy_timeout_ms`."""
 
     def __init__(self, path: str | os.PathLike[str] | None, *, busy_timeout_ms: int = 30_000) -> None:
         self.path, self.busy_timeout_ms = Path(path) if path is not None else None, int(busy_timeout_ms)
-        self.rebuilt = False
-        """Whether the file was unusable or of another schema and started afresh (its rows are to be rebuilt)."""
-        self._lock = threading.Lock()
+        self.rebuilt, self._lock = False, threading.Lock()
+        """`rebuilt`: the file was unusable or of another schema and started afresh (its rows are to be rebuilt)."""
         try:
             self._conn: sqlite3.Connection | None = self._connect()
         except sqlite3.OperationalError:  # locked, unreachable: a real error, never a reason to rebuild
@@ -81,8 +72,7 @@ class Catalog:
             if str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower() != "wal" and self.path:
                 logger.warning("catalog %s is not in WAL mode; readers may wait for writers", self.path)
             conn.execute("PRAGMA synchronous=NORMAL")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version != SCHEMA_VERSION:  # new (0), or another layout: rebuilt, not migrated
+            if (version := conn.execute("PRAGMA user_version").fetchone()[0]) != SCHEMA_VERSION:  # not migrated
                 conn.executescript("DROP TABLE IF EXISTS checkpoints; DROP TABLE IF EXISTS checkpoint_details;"
                                    + _SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
                 self.rebuilt = self.rebuilt or version != 0
@@ -103,15 +93,14 @@ class Catalog:
     def reopen(self) -> None:
         """Connect again to the file at `path` (created empty if missing: its rows are then to be rebuilt)."""
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
+            self._db().close()
             self._conn, self.rebuilt = self._connect(), True
 
     @classmethod
     def snapshot(cls, path: str | os.PathLike[str]) -> Catalog:
         """An in-memory copy of the file at `path` for a reader, opened without creating or locking anything (through
-        a live writer's shared memory when its ``-wal`` and ``-shm`` exist, else as immutable); a missing, torn or
-        foreign file gives an empty copy. Either way the caller syncs it with the manifests."""
+        a live writer's ``-wal`` and ``-shm``, else as immutable); a missing, torn or foreign file gives an empty copy.
+        Either way the caller syncs it with the manifests."""
         cat, path = cls(None), Path(path)
         live = all(Path(f"{path}{s}").exists() for s in ("-wal", "-shm"))
         try:
@@ -134,7 +123,6 @@ class Catalog:
         return self._conn
 
     def close(self) -> None:
-        """Close the connection (idempotent)."""
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
@@ -146,8 +134,7 @@ class Catalog:
 
     def _write(self, work: Callable[[sqlite3.Connection], Any]) -> None:
         with self._lock:
-            db = self._db()
-            db.execute("BEGIN IMMEDIATE")
+            (db := self._db()).execute("BEGIN IMMEDIATE")
             try:
                 work(db)
                 db.execute("COMMIT")
@@ -161,7 +148,6 @@ class Catalog:
                        f"({', '.join('?' * len(COLUMNS))})", [_values(i, root) for i in infos])
 
     def upsert(self, info: CheckpointInfo, *, root: str | os.PathLike[str]) -> None:
-        """Insert or replace the row of ``(info.task_id, info.step)``."""
         self._write(lambda db: self._upsert(db, [info], root))
 
     def set_status(self, task_id: str, step: int, status: str) -> None:
@@ -175,32 +161,25 @@ class Catalog:
              scan: Callable[[int, Path], CheckpointInfo | None], abandoned: Collection[tuple[int, float]],
              recheck_hidden: bool = False, drop_missing: bool = False) -> None:
         """Make the rows of `task_id` agree with its ``step-<N>`` directories (`committed`), reading a manifest
-        (`scan`) only where the row's manifest identity, status or abandoned flag is stale, or (`recheck_hidden`) a
-        flag hides the checkpoint. Rows of vanished directories are marked ``"missing"`` (`drop_missing`: deleted);
-        a ``"corrupt"`` finding stands while the checkpoint's save time is unchanged. Writes only when a row
-        changes."""
-        rows = {int(r["step"]): r for r in self.rows(task_id)}
-        updates: list[CheckpointInfo] = []
-        present: set[int] = set()
+        (`scan`) only where a row's manifest identity, status or abandoned flag is stale or (`recheck_hidden`) a flag
+        hides it. Rows of vanished checkpoints are marked ``"missing"`` (`drop_missing`: deleted); a ``"corrupt"``
+        finding stands while the save time is unchanged. Writes only what changed."""
+        rows, updates, present = {int(r["step"]): r for r in self.rows(task_id)}, [], set()
         for step, path in committed.items():
             row = rows.get(step)
-            hidden = row is not None and not (row["healthy"] and row["status"] == STATUS_OK)
             if row is not None and row["sig"] == manifest_sig(path) and row["status"] != STATUS_MISSING \
                     and bool(row["abandoned"]) == ((step, float(row["save_time"])) in abandoned) \
-                    and not (recheck_hidden and hidden):
+                    and not (recheck_hidden and not (row["healthy"] and row["status"] == STATUS_OK)):
                 present.add(step)
-                continue
-            info = scan(step, path)
-            if info is None:
-                continue
-            present.add(step)
-            if row is not None and row["status"] == STATUS_CORRUPT and float(row["save_time"]) == info.save_time:
-                info = dataclasses.replace(info, status=STATUS_CORRUPT)
-            if row is None or _values(info, root) != tuple(row[c] for c in COLUMNS):
-                updates.append(info)
+            elif (info := scan(step, path)) is not None:
+                present.add(step)
+                if row is not None and row["status"] == STATUS_CORRUPT and float(row["save_time"]) == info.save_time:
+                    info = dataclasses.replace(info, status=STATUS_CORRUPT)
+                if row is None or _values(info, root) != tuple(row[c] for c in COLUMNS):
+                    updates.append(info)
         drop = [(task_id, s) for s in rows if s not in present and drop_missing and s not in committed]
-        miss = [(task_id, s) for s, r in rows.items()
-                if s not in present and (task_id, s) not in drop and r["status"] != STATUS_MISSING]
+        miss = [(task_id, s) for s, r in rows.items() if s not in present and (task_id, s) not in drop
+                and r["status"] != STATUS_MISSING]
         if updates or drop or miss:
             def work(db: sqlite3.Connection) -> None:
                 self._upsert(db, updates, root)
@@ -214,8 +193,7 @@ class Catalog:
         infos = sorted(infos, key=lambda i: (i.task_id, i.step))
 
         def work(db: sqlite3.Connection) -> None:
-            db.execute("DELETE FROM checkpoints" + (" WHERE task_id=?" if task_id else ""),
-                       (task_id,) if task_id else ())
+            db.execute("DELETE FROM checkpoints" + " WHERE task_id=?" * bool(task_id), (task_id,) if task_id else ())
             self._upsert(db, infos, root)
 
         self._write(work)
@@ -224,8 +202,8 @@ class Catalog:
     @staticmethod
     def record_statuses(path: str | os.PathLike[str], task_id: str, statuses: Mapping[int, str], *,
                         busy_timeout_ms: int = 30_000) -> int:
-        """Write `verify` findings (``{step: status}``) into the catalog file at `path` where they differ (never
-        creating it): the one write of a command that otherwise only reads. Returns the rows changed."""
+        """Write `verify` findings (``{step: status}``) into the file at `path` where they differ (never creating it):
+        the one write of a command that otherwise only reads. Returns the rows changed."""
         if not statuses or not Path(path).is_file():
             return 0
         conn = sqlite3.connect(path, timeout=busy_timeout_ms / 1000, isolation_level=None)
@@ -238,19 +216,17 @@ class Catalog:
 
     def rows(self, task_id: str | None = None) -> list[dict[str, Any]]:
         """Every row (of one task, or all) as a dict, newest step first."""
-        where, args = (" WHERE task_id=?", (task_id,)) if task_id is not None else ("", ())
         with self._lock:
-            cur = self._db().execute(f"SELECT * FROM checkpoints{where} ORDER BY task_id, step DESC", args)
-            names = [d[0] for d in cur.description]
-            return [dict(zip(names, r)) for r in cur.fetchall()]
+            cur = self._db().execute("SELECT * FROM checkpoints" + " WHERE task_id=?" * (task_id is not None)
+                                     + " ORDER BY task_id, step DESC", (task_id,) if task_id is not None else ())
+            return [dict(zip([d[0] for d in cur.description], r)) for r in cur.fetchall()]
 
     def get(self, task_id: str, step: int) -> dict[str, Any] | None:
         return next((r for r in self.rows(task_id) if r["step"] == step), None)
 
     @staticmethod
-    def to_info(row: Mapping[str, Any], *, root: str | os.PathLike[str], abandoned: bool | None = None
-                ) -> CheckpointInfo:
-        """A row as a `CheckpointInfo`; the path is derived from task and step (`abandoned` overrides the row's)."""
+    def to_info(row: Mapping[str, Any], *, root: str | os.PathLike[str], abandoned: bool) -> CheckpointInfo:
+        """A row as a `CheckpointInfo`, its path derived from task and step."""
         try:
             details = loads_bounded(row["details"] or "{}")
             lineage = Lineage.from_dict(details["lineage"]) if details.get("lineage") else None
@@ -263,14 +239,12 @@ class Catalog:
             gpu_mem_percent=row["gpu_mem_percent"], save_time=float(row["save_time"]),
             recovery_cost_ms=row["recovery_cost_ms"], healthy=bool(row["healthy"]), pinned=bool(row["pinned"]),
             status=row["status"], world_size=int(row["world_size"]), blobs=details.get("blobs") or {},
-            abandoned=bool(row["abandoned"]) if abandoned is None else abandoned, lineage=lineage,
-            frozen=details.get("frozen") or {})
+            abandoned=abandoned, lineage=lineage, frozen=details.get("frozen") or {})
 
 
-def _values(info: CheckpointInfo, root: str | os.PathLike[str]) -> tuple[Any, ...]:
-    details = {"lineage": info.lineage.to_dict() if info.lineage else None, "blobs": dict(info.blobs),
-               "frozen": dict(info.frozen)}
-    return (info.task_id, int(info.step), info.loss, info.gpu_mem_percent, float(info.save_time),
-            os.path.relpath(info.path, root), info.recovery_cost_ms, ",".join(sorted(t.value for t in info.tiers)),
-            int(info.bytes), info.reason, int(info.healthy), int(info.pinned), info.status, int(info.world_size),
-            int(info.abandoned), json.dumps(details, sort_keys=True), manifest_sig(Path(info.path)))
+def _values(i: CheckpointInfo, root: str | os.PathLike[str]) -> tuple[Any, ...]:
+    details = {"lineage": i.lineage.to_dict() if i.lineage else None, "blobs": dict(i.blobs), "frozen": dict(i.frozen)}
+    return (i.task_id, int(i.step), i.loss, i.gpu_mem_percent, float(i.save_time), os.path.relpath(i.path, root),
+            i.recovery_cost_ms, ",".join(sorted(t.value for t in i.tiers)), int(i.bytes), i.reason, int(i.healthy),
+            int(i.pinned), i.status, int(i.world_size), int(i.abandoned), json.dumps(details, sort_keys=True),
+            manifest_sig(Path(i.path)))
