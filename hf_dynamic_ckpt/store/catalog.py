@@ -101,21 +101,27 @@ class Catalog:
         """An in-memory copy of the file at `path` for a reader, opened without creating or locking anything (through
         a live writer's ``-wal`` and ``-shm``, else as immutable); a missing, torn or foreign file gives an empty copy.
         Either way the caller syncs it with the manifests."""
-        cat, path = cls(None), Path(path)
+        cat = cls(None)
+        if not cat.copy_of(Path(path)):
+            cat.close()
+            cat = cls(None)
+        return cat
+
+    def copy_of(self, path: Path) -> bool:
+        """Fill this in-memory catalog with the rows of the file at `path` (`snapshot`); `False` when it is torn."""
         live = all(Path(f"{path}{s}").exists() for s in ("-wal", "-shm"))
         try:
             if path.is_file():
                 src = sqlite3.connect(f"{path.absolute().as_uri()}?{'mode=ro' if live else 'immutable=1'}", uri=True)
                 try:
                     if src.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
-                        src.backup(cat._db())
+                        src.backup(self._db())
                 finally:
                     src.close()
+            return True
         except sqlite3.Error as e:
             logger.debug("catalog %s not copied (%s); reading the manifests instead", path, e)
-            cat.close()
-            cat = cls(None)
-        return cat
+            return False
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:

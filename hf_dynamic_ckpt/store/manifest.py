@@ -554,7 +554,7 @@ def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None,
 
 
 def tiers_of(manifest: Mapping[str, Any]) -> frozenset[Tier]:
-    return frozenset(Tier(t) for t in manifest.get(C.KEY_TIERS, []) if t in Tier._value2member_map_)
+    return frozenset(Tier(t) for t in manifest.get(C.KEY_TIERS, []) if t in {t.value for t in Tier})
 
 
 def with_changes(manifest: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:

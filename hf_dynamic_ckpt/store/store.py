@@ -261,7 +261,7 @@ class CheckpointStore:
     def from_spec(cls, spec: mf.StoreSpec, *, cleanup: bool = True, read_only: bool = False) -> CheckpointStore:
         """Open the store `spec` describes (a writer process: ``from_spec(store.spec, cleanup=False)``)."""
         store = cls.__new__(cls)
-        store._open(spec, cleanup=cleanup, read_only=read_only, takeover=False, pull=cleanup)
+        cls._open(store, spec, cleanup=cleanup, read_only=read_only, takeover=False, pull=cleanup)
         return store
 
     def _open(self, spec: mf.StoreSpec, *, cleanup: bool, read_only: bool, takeover: bool, pull: bool,
