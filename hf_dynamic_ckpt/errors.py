@@ -114,13 +114,13 @@ def fault(point: str, **where: object) -> None:
     if _faults[0] != spec:
         _faults = (spec, [_parse_fault(entry) for entry in spec.split(";") if entry.strip()])
         _hits.clear()
-    for k, entry in enumerate(_faults[1]):
-        if entry["point"] != point or any(str(where.get(key)) != value for key, value in entry.items()
-                                          if key not in ("point", "action", "arg", "nth")):
-            continue
-        _hits[k] = count = _hits.get(k, 0) + 1
-        if entry.get("nth", str(count)) != str(count):
-            continue
+    fired = []
+    for k, entry in enumerate(_faults[1]):  # every matching entry counts this call, then they act in order
+        if entry["point"] == point and all(str(where.get(key)) == value for key, value in entry.items()
+                                           if key not in ("point", "action", "arg", "nth")):
+            _hits[k] = count = _hits.get(k, 0) + 1
+            fired += [entry] if entry.get("nth", str(count)) == str(count) else []
+    for entry in fired:
         action, arg = entry["action"], entry.get("arg", "")
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
