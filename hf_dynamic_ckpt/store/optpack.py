@@ -109,15 +109,30 @@ def frames(entries: list[dict[str, Any]], gce: int, frame_bytes: int) -> Iterato
         yield cur
 
 
-def _planes(frame: list[Run], entries: list[dict[str, Any]], gce: int, datas: list[np.ndarray]) -> Iterator[Any]:
-    """The frame's raw bytes in stored order, as views of `datas`: each piece's byte planes when grouped."""
+def _pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int,
+            datas: list[np.ndarray]) -> Iterator[tuple[np.ndarray, int, bool]]:
+    """The frame's pieces in stored order: (a view of the piece's bytes in `datas`, itemsize, byte grouped)."""
     for i, lo, hi in frame:
         size = DTYPES[entries[i]["dtype"]].itemsize
         for p in range(lo, hi, gce * size):
-            data = datas[i][p : min(p + gce * size, hi)]
-            a = data.reshape(-1, size)
-            yield from [a[:, -1], a[:, -2], *([a[:, :-2]] if size > 2 else [])] if entries[i]["byte_grouped"] \
-                else [data]
+            yield datas[i][p : min(p + gce * size, hi)], size, entries[i]["byte_grouped"]
+
+
+def _ungroup(src: np.ndarray, dst: np.ndarray, size: int) -> None:
+    """A grouped piece's bytes `dst` from its planes `src`. 4- and 2-byte elements are assembled as whole words in
+    cache-sized blocks: ~5x the strided copies (6 against 1 GB/s here), most of an L1 read's time otherwise."""
+    n, a = dst.size // size, dst.reshape(-1, size)
+    if size not in (2, 4):
+        a[:, -1], a[:, -2], a[:, :-2] = src[:n], src[n : 2 * n], src[2 * n :].reshape(n, size - 2)
+        return
+    words, kind = dst.view(f"<u{size}"), np.dtype(f"<u{size}")
+    for lo in range(0, n, 1 << 16):
+        hi = min(lo + (1 << 16), n)
+        w = words[lo:hi]
+        w[:] = src[2 * n + 2 * lo : 2 * n + 2 * hi].view("<u2") if size == 4 else src[n + lo : n + hi]
+        if size == 4:
+            w |= src[n + lo : n + hi].astype(kind) << 16
+        w |= src[lo:hi].astype(kind) << 8 * (size - 1)
 
 
 def _spans(entries: list[dict[str, Any]], lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
@@ -172,12 +187,14 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Co
     def encode(frame: list[Run]) -> list[Any]:
         cctx = local.cctx = getattr(local, "cctx", None) or zstandard.ZstdCompressor(level=level, write_checksum=True)
         table, parts = [], []
-        for plane in _planes(frame, entries, GROUP_CHUNK_ELEMS, datas):
-            raw = np.ascontiguousarray(plane).reshape(-1)  # a view of an ungrouped piece, a copy of a plane
-            packed = cctx.compress(raw.data)
-            keep = len(packed) <= KEEP_RATIO * raw.nbytes  # compressed only where it pays
-            table.append(PART.pack(int(keep), raw.nbytes, len(packed) if keep else raw.nbytes))
-            parts.append(packed if keep else raw)
+        for data, size, grouped in _pieces(frame, entries, GROUP_CHUNK_ELEMS, datas):
+            a = data.reshape(-1, size)
+            for plane in [a[:, -1], a[:, -2], *([a[:, :-2]] if size > 2 else [])] if grouped else [data]:
+                raw = np.ascontiguousarray(plane).reshape(-1)  # a view of an ungrouped piece, a copy of a plane
+                packed = cctx.compress(raw.data)
+                keep = len(packed) <= KEEP_RATIO * raw.nbytes  # compressed only where it pays
+                table.append(PART.pack(int(keep), raw.nbytes, len(packed) if keep else raw.nbytes))
+                parts.append(packed if keep else raw)
         return [struct.pack("<I", len(table)) + b"".join(table), *parts]
 
     def sealed(chunks: list[Any]) -> None:
@@ -360,9 +377,15 @@ def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = Non
                 "this model (nothing was allocated).")
     out = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in entries]
     dests = [t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8) for t in out]
-    local = threading.local()
+    local, free = threading.local(), list[bytearray]()
 
-    def decode(k: int, data: bytearray, expected: int, frame: Any) -> None:
+    def decode(k: int, buf: bytearray, n: int, expected: int, frame: Any) -> None:
+        try:
+            _decode(k, memoryview(buf)[:n], expected, frame)
+        finally:
+            free.append(buf)  # read into again: no fresh pages per frame
+
+    def _decode(k: int, data: memoryview, expected: int, frame: Any) -> None:
         if xxhash.xxh3_64_intdigest(data) != expected:
             raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is corrupt.")
         if isinstance(frame, tuple):  # codec "none": a slice of the aligned payload
@@ -375,24 +398,32 @@ def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = Non
         if not direct and getattr(local, "buf", np.empty(0, np.uint8)).size < want:
             local.buf = np.empty(want, np.uint8)
         local.dctx = getattr(local, "dctx", None) or zstandard.ZstdDecompressor()
-        _decode_parts(local.dctx, memoryview(data), buf := dests[i0][lo0:hi0] if direct else local.buf[:want],
+        _decode_parts(local.dctx, data, buf := dests[i0][lo0:hi0] if direct else local.buf[:want],
                       f"Tensor file {path}: frame {k}")
         pos = 0
-        for plane in () if direct else _planes(frame, entries, gce, dests):
-            plane[...] = buf[pos : pos + plane.size].reshape(plane.shape)
-            pos += plane.size
+        for piece, size, grouped in () if direct else _pieces(frame, entries, gce, dests):
+            if grouped:
+                _ungroup(buf[pos : pos + piece.size], piece, size)
+            else:
+                piece[:] = buf[pos : pos + piece.size]
+            pos += piece.size
 
     def items() -> Iterator[tuple[Any, ...]]:
         f.seek(0)
-        hasher.update(f.read(start)) if hasher else None
+        prefix = f.read(start)  # the header: checked by `read_header`, hashed here in file order
+        hasher.update(prefix) if hasher else None
         plan = [(lo, min(lo + h["frame_bytes"], h["total_bytes"])) for lo in range(0, h["total_bytes"],
                                                                                    h["frame_bytes"])] \
             if h["codec"] == "none" else frames(entries, gce, h["frame_bytes"])
         for k, ((n, expected), frame) in enumerate(zip(index, plan)):
-            if f.readinto(data := bytearray(n)) != n:
+            buf = free.pop() if free else bytearray(n)
+            buf = buf if len(buf) >= n else bytearray(n)
+            if hasattr(os, "posix_fadvise"):  # a cold cache: the disk reads ahead while these frames decode
+                os.posix_fadvise(f.fileno(), f.tell(), 64 << 20, os.POSIX_FADV_WILLNEED)
+            if f.readinto(data := memoryview(buf)[:n]) != n:
                 raise CorruptCheckpointError(f"Tensor file {path} is shorter than its index says; the file is corrupt.")
             hasher.update(data) if hasher else None
-            yield k, data, expected, frame
+            yield k, buf, n, expected, frame
 
     try:
         _pipeline(decode, items(), threads if len(index) > 1 else 1)
