@@ -267,9 +267,9 @@ def test_every_flipped_byte_and_every_truncation_is_an_error(store: CheckpointSt
     for i in range(len(good)):
         bad = bytearray(good)
         bad[i] ^= 0x10
-        _refused(store, directory, bytes(bad), "")
+        _refused(store, directory, bytes(bad), "Tensor file")
     for n in range(0, len(good), 7):
-        _refused(store, directory, good[:n], "")
+        _refused(store, directory, good[:n], "Tensor file")
 
 
 def test_other_container_versions_are_refused_only_when_they_are_the_file_the_manifest_names(
