@@ -22,7 +22,7 @@ frame of them with content size and checksum, at most `ZSTD_MAX_RATIO` raw bytes
 bytes at 64-byte-aligned offsets, frames are ``frame_bytes`` slices of the payload.
 
 The writer compresses each part (a byte plane, or an ungrouped piece) on worker threads and keeps it where zstd makes
-it at most `KEEP_RATIO` of its size. The reader maps the file and goes through it once, in order, hashing every byte
+it at most `KEEP_RATIO` of its size (a large part whose four probed slices do not get there is stored raw at once). The reader maps the file and goes through it once, in order, hashing every byte
 for the manifest's checksum while workers check each frame's xxh3 and decode it into the output tensors, two frames per
 worker in flight at most, each frame's pages handed back once decoded: a load peaks at about the size of what it
 returns.
@@ -121,6 +121,24 @@ def _pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int,
             yield datas[i][p : min(p + gce * size, hi)], size, entries[i]["byte_grouped"]
 
 
+def _planes(data: np.ndarray, size: int) -> list[np.ndarray]:
+    """A grouped piece's planes ``a[:, -1], a[:, -2], a[:, :-2]`` of ``a = data.reshape(-1, size)`` (the last one
+    only for size > 2): 4- and 2-byte elements are split as whole words in cache-sized blocks, as `_ungroup`."""
+    n, a = data.size // size, data.reshape(-1, size)
+    if size not in (2, 4):
+        return [np.ascontiguousarray(p).reshape(-1) for p in (a[:, -1], a[:, -2], a[:, :-2])]
+    words, scratch = data.view(f"<u{size}"), np.empty(min(n, 1 << 16), f"<u{size}")
+    out = [np.empty(n, np.uint8), np.empty(n, np.uint8), *([np.empty(2 * n, np.uint8)] if size == 4 else [])]
+    for lo in range(0, n, 1 << 16):
+        hi = min(lo + (1 << 16), n)
+        w, tmp = words[lo:hi], scratch[: hi - lo]
+        for plane, shift in zip(out, (8 * size - 8, 8 * size - 16)):
+            plane[lo:hi] = np.right_shift(w, shift, out=tmp)  # truncated to the byte
+        if size == 4:
+            out[2][2 * lo : 2 * hi].view("<u2")[:] = w
+    return out
+
+
 def _ungroup(src: np.ndarray, dst: np.ndarray, size: int) -> None:
     """A grouped piece's bytes `dst` from its planes `src`. 4- and 2-byte elements are assembled as whole words in
     cache-sized blocks through one scratch array (a fresh array per block costs an mmap and page faults): ~5x the
@@ -145,6 +163,15 @@ def _spans(entries: list[dict[str, Any]], lo: int, hi: int) -> Iterator[tuple[in
     for i, e in enumerate(entries):
         if (a := max(lo, e["offset"])) < (b := min(hi, e["offset"] + e["nbytes"])):
             yield i, a - e["offset"], b - e["offset"], a - lo
+
+
+def _may_pay(cctx: Any, raw: np.ndarray, probe: int = 16 << 10) -> bool:
+    """Whether zstd may make `raw` at most `KEEP_RATIO` of its size, judged on four slices across it: the low
+    mantissa bytes of trained floats never compress, and compressing them whole would double the writer's CPU."""
+    if raw.nbytes <= 16 * probe:
+        return True
+    step = (raw.nbytes - probe) // 3
+    return sum(len(cctx.compress(raw[j * step : j * step + probe].data)) for j in range(4)) <= KEEP_RATIO * 4 * probe
 
 
 def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Codec | str = Codec.ZSTD,
@@ -192,10 +219,8 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Co
         cctx = local.cctx = getattr(local, "cctx", None) or zstandard.ZstdCompressor(level=level, write_checksum=True)
         table, parts = [], []
         for data, size, grouped in _pieces(frame, entries, GROUP_CHUNK_ELEMS, datas):
-            a = data.reshape(-1, size)
-            for plane in [a[:, -1], a[:, -2], *([a[:, :-2]] if size > 2 else [])] if grouped else [data]:
-                raw = np.ascontiguousarray(plane).reshape(-1)  # a view of an ungrouped piece, a copy of a plane
-                packed = cctx.compress(raw.data)
+            for raw in _planes(data, size) if grouped else [data]:
+                packed = cctx.compress(raw.data) if _may_pay(cctx, raw) else raw
                 keep = len(packed) <= KEEP_RATIO * raw.nbytes  # compressed only where it pays
                 table.append(PART.pack(int(keep), raw.nbytes, len(packed) if keep else raw.nbytes))
                 parts.append(packed if keep else raw)
