@@ -21,11 +21,11 @@ stored length u64) | the parts``, covering the frame's raw bytes in order: kind 
 frame of them with content size and checksum, at most `ZSTD_MAX_RATIO` raw bytes per stored byte. ``"none"``: the raw
 bytes at 64-byte-aligned offsets, frames are ``frame_bytes`` slices of the payload.
 
-The writer compresses each part (a byte plane, or an ungrouped piece) on worker threads and keeps it where zstd makes
-it at most `KEEP_RATIO` of its size (a large part whose four probed slices do not get there is stored raw at once). The reader maps the file and goes through it once, in order, hashing every byte
-for the manifest's checksum while workers check each frame's xxh3 and decode it into the output tensors, two frames per
-worker in flight at most, each frame's pages handed back once decoded: a load peaks at about the size of what it
-returns.
+The writer compresses each part (a byte plane, or an ungrouped piece) on worker threads and keeps it where zstd makes it
+at most `KEEP_RATIO` of its size (a large part whose four probed slices do not get there is stored raw at once). The
+reader maps the file and goes through it once, in order, hashing every byte for the manifest's checksum while workers
+check each frame's xxh3 and decode it into the output tensors, two frames per worker in flight at most, each frame's
+pages handed back once decoded: a load peaks at about the size of what it returns.
 """
 
 from __future__ import annotations
