@@ -33,8 +33,7 @@ from ._version import VERSION
 from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES
 from .errors import CheckpointNotFoundError, ConfigError, DynamicCkptError
 from .run.steplog import read_rollbacks
-from .store import CheckpointInfo, CheckpointStore
-from .store.store import find_root, task_dirs  # not in the store package's namespace (yet)
+from .store import CheckpointInfo, CheckpointStore, find_root, task_dirs
 
 OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
 """JSON object of fsspec storage options for a URL ROOT (e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``)."""

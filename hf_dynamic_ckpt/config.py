@@ -173,7 +173,6 @@ class OptimizerLevelConfig(LevelConfig):
     compression: Compression = _f(Compression.ZSTD, lambda v, s: v != Compression.GZIP,
                                   "'zstd' or 'none' (gzip is not offered for L1: zstd level 1-3 is smaller and faster)")
     compression_level: int = _f(1, lambda v, s: _int(v) and 1 <= v <= 19, "1 <= level <= 19")
-    pace_to_disk: bool = _f(True, *_BOOL)
     retention_days: float | None = _f(7, *_DAYS)
 
 
@@ -229,7 +228,7 @@ class RemoteParams(_Settings):
 
 
 def _public_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    from .store.remote import check_public_options  # never credentials: the config is logged and saved
+    from .store import check_public_options  # never credentials: the config is logged and saved
 
     return check_public_options(options, "remote.storage_options")
 
@@ -364,7 +363,7 @@ class SmartCkptConfig(_Settings):
     def resolve_root(self, output_dir: str | os.PathLike[str] | None) -> str:
         """The store directory: `root` when set, else `<output_dir>/smart_ckpt`. `ConfigError` when neither is given,
         a URL root names no fsspec protocol or bucket, or a local path is (or lies under) a file."""
-        from .store.remote import check_url, is_url  # URL roots: docs/storage.md
+        from .store import check_url, is_url  # URL roots: docs/storage.md
 
         if self.root is None and output_dir is None:
             raise ConfigError("root=None is invalid without an output_dir: set SmartCkptConfig(root=...).")

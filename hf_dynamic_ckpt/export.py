@@ -35,8 +35,7 @@ from ._version import VERSION
 from .constants import ALL_TIERS, DEFAULT_TASK_ID, KEY_SHARDED, Tier
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, fault
 from .state.model import adapter_names, apply_weights, split_adapters
-from .store import CheckpointInfo, CheckpointStore, LoadedCheckpoint
-from .store.store import find_root  # not in the store package's namespace (yet)
+from .store import CheckpointInfo, CheckpointStore, LoadedCheckpoint, find_root
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,7 @@ import torch
 
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:

@@ -88,6 +88,7 @@ class SaveEngine:
         self.last_plan: sysmem.StagingPlan | None = None
         """The staging decision of the last background save (buffered or streaming, and why)."""
         self._snapshotter = Snapshotter(allocate)
+        self._frozen: dict[tuple[Any, ...], Any] = {}  # frozen weights' records, hashed once per tensor version
         self._overlap = Overlap(overlap)
         self._writer: ProcessWriter | None = None
         self._no_writer = False  # none may be started (memory) or it died: background saves write synchronously
@@ -166,7 +167,7 @@ class SaveEngine:
         self._settle(previous)
         fault("snapshot", step=request.step, rank=getattr(self.store, "rank", 0))
         live = collect(sources, step=request.step, epoch=request.epoch, tiers=request.tiers, rng=rng,
-                       sampler=sampler, extra=extra)
+                       sampler=sampler, extra=extra, frozen=self._frozen)
         writer = self._ready_writer() if not blocking else None
         if writer is None:
             handle.staging = "sync"
@@ -226,7 +227,7 @@ class SaveEngine:
         if sources.optimizer is not None or sources.scheduler is not None or sources.scaler is not None:
             tiers.add(Tier.OPTIMIZER)
         live = collect(sources, step=request.step, epoch=request.epoch, tiers=tiers, rng=rng, sampler=sampler,
-                       extra=extra)
+                       extra=extra, frozen=self._frozen)
         left_s = deadline_s - (time.monotonic() - start)
         l0 = sum(t.numel() * t.element_size() for t in (live.weights or {}).values())
         l1 = sum(t.numel() * t.element_size() for t in tensors_in(live.optimizer, []))

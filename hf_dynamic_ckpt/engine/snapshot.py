@@ -29,7 +29,7 @@ from ..constants import Tier
 from ..errors import SaveError
 from ..state.rng import RawRngState, capture_raw_rng_state
 from ..state.sources import StateSources
-from ..store import CheckpointState
+from ..store import CheckpointState, frozen_record
 
 logger = logging.getLogger(__name__)
 
@@ -163,18 +163,20 @@ class LiveState:
     rng: dict[str, Any] | RawRngState | None = None
     sampler: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    frozen: dict[str, Any] = field(default_factory=dict)  # records of the frozen weights (`frozen_record`)
 
     def state(self, weights: dict[str, Any] | None, optimizer: dict[str, Any] | None) -> CheckpointState:
         return CheckpointState(step=self.step, epoch=self.epoch, weights=weights, optimizer=optimizer,
                                scheduler=self.scheduler, scaler=self.scaler, rng=self.rng, sampler=self.sampler,
-                               extra=self.extra)
+                               extra=self.extra, frozen=self.frozen if weights is not None else {})
 
 def collect(sources: StateSources, *, step: int, epoch: float, tiers: Iterable[Tier],
             rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
-            extra: Mapping[str, Any] | None = None) -> LiveState:
+            extra: Mapping[str, Any] | None = None, frozen: dict[tuple[Any, ...], Any] | None = None) -> LiveState:
     """Read `sources` for `tiers`: large tensors aliased, small state deep-copied, RNG captured raw unless given
-    (the writer converts a `RawRngState` to JSON, off the training thread). Raises `SaveError` when the sources
-    cannot provide a requested tier or a weight is not a tensor."""
+    (the writer converts a `RawRngState` to JSON, off the training thread), frozen weights recorded by checksum
+    (`frozen`: a cache of their records, by tensor identity and version: hashed once per run). Raises `SaveError`
+    when the sources cannot provide a requested tier or a weight is not a tensor."""
     tiers = frozenset(Tier(t) for t in tiers)
     live = LiveState(step=step, epoch=epoch, extra=clone_small(dict(extra)) if extra is not None else {})
     if Tier.WEIGHTS in tiers:
@@ -188,6 +190,12 @@ def collect(sources: StateSources, *, step: int, epoch: float, tiers: Iterable[T
                                 "StateSources.weights must return a mapping of tensors.")
             if name not in sources.frozen_keys:
                 live.weights[name] = tensor.detach() if tensor.requires_grad else tensor
+                continue
+            key = (name, tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype)
+            cache = frozen if frozen is not None else {}
+            if key not in cache:
+                cache[key] = frozen_record(tensor)
+            live.frozen[name] = cache[key]
     if Tier.OPTIMIZER in tiers:
         if sources.optimizer is None and sources.scheduler is None and sources.scaler is None:
             raise SaveError("tiers include 'optimizer' but StateSources has no optimizer, scheduler or "

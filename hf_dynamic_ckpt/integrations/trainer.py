@@ -60,7 +60,7 @@ from ..run.rollback import Rollback
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
 from ..state.support import check_accelerator, check_training_args
 from ..state.zero import zero_expected
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 from ._trainer_folder import (
     KEY_DATA_STEPS,
     data_steps,

@@ -29,8 +29,8 @@ from ..errors import IncompatibleStateError
 from ..state import CachedWeights, StateSources, trainable_state_dict
 from ..state.shards import PART_OPTIMIZER, PART_WEIGHTS, ShardedState, is_sharded_model, sharded_sources
 from ..state.zero import APPLIED_OPTIMIZER, MASTER, ZeroState, zero_optimizer
+from ..store import LoadedCheckpoint
 from ..store.shard_files import FlatReader, is_flat, make_reader, sharded_table
-from ..store.types import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 

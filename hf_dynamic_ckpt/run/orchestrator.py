@@ -44,9 +44,7 @@ from ..state import RngState, StateSources, capture_raw_rng_state, expected_weig
 from ..state.shards import ShardedState
 from ..state.support import check_model
 from ..state.zero import ZeroGradSquares, ZeroState, ZeroUpdateSeam, zero_optimizer
-from ..store.remote import is_url
-from ..store.spec import Lineage, new_session_id
-from ..store.types import CheckpointInfo, LoadedCheckpoint
+from ..store import CheckpointInfo, Lineage, LoadedCheckpoint, is_url, new_session_id
 from .fsdp import load_sharded, sources_for
 from .resume import (
     KEY_GRAD_PROBE,

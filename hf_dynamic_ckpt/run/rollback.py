@@ -17,8 +17,7 @@ from typing import Any
 from .. import distributed as dist
 from ..constants import Tier
 from ..state import apply_optimizer_state, apply_weights, restore_rng_state
-from ..store.store import CheckpointStore
-from ..store.types import LoadedCheckpoint
+from ..store import CheckpointStore, LoadedCheckpoint
 
 NEEDED_TIERS = frozenset({Tier.WEIGHTS, Tier.OPTIMIZER, Tier.STATE})
 """A rollback restores all of them: a restore point missing one is not a candidate."""

@@ -25,9 +25,7 @@ from ..policy.decision import Decision, DecisionKind
 from ..policy.retention import plan_retention, tier_retention_from_config
 from ..signals.frame import SignalFrame
 from ..state import RawRngState, StateSources
-from ..store.spec import Lineage, SaveRequest
-from ..store.store import CheckpointStore
-from ..store.types import CheckpointInfo
+from ..store import CheckpointInfo, CheckpointStore, Lineage, SaveRequest
 from .savelog import SaveEvent, SaveLog
 
 logger = logging.getLogger(__name__)
@@ -57,7 +55,6 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
                                compression_level=config.storage_levels.level_1.compression_level,
                                compression=config.storage_levels.level_1.compression.value,
-                               pace_to_disk=config.storage_levels.level_1.pace_to_disk,
                                storage_options=config.remote.storage_options,
                                cache_dir=(Path(config.remote.cache_dir) / f"rank-{rank}"
                                           if config.remote.cache_dir else None),

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 from .zero import applied_optimizer
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, IncompatibleStateError
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 

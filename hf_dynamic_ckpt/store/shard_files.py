@@ -41,10 +41,7 @@ from ..constants import (
     Tier,
 )
 from ..errors import CorruptCheckpointError
-from .fs import open_read
-from .hashing import FileEntry, make_file_entry
-from .safetensors_io import check_tensor, open_tensors, parse_header, write_safetensors
-from .types import CheckpointState
+from .manifest import CheckpointState, file_checksum, open_read
 
 PART_WEIGHTS, PART_OPTIMIZER = SHARD_PART_WEIGHTS, SHARD_PART_OPTIMIZER
 SHARD_NAME_RE = re.compile(r"(weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")
@@ -69,7 +66,7 @@ def flatten_optimizer(optimizer: Mapping[str, Any]) -> tuple[dict[str, torch.Ten
 
 
 def write_shards(state: CheckpointState, tmp: Path, *, rank: int
-                 ) -> tuple[CheckpointState, dict[str, FileEntry], dict[str, Any] | None]:
+                 ) -> tuple[CheckpointState, dict[str, dict[str, Any]], dict[str, Any] | None]:
     """Write this rank's shard files of a sharded state; return what is left to write as usual.
 
     Returns:
@@ -81,7 +78,7 @@ def write_shards(state: CheckpointState, tmp: Path, *, rank: int
     if not isinstance(table, dict):
         return state, {}, None
     extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
-    files: dict[str, FileEntry] = {}
+    files: dict[str, dict[str, Any]] = {}
     part: dict[str, Any] = {PART_WEIGHTS: {}, PART_OPTIMIZER: {}}
     rest_optimizer = None
     sources: list[tuple[str, Mapping[str, Any]]] = []  # (part, tensors)
@@ -91,13 +88,18 @@ def write_shards(state: CheckpointState, tmp: Path, *, rank: int
         flat, rest_optimizer = flatten_optimizer(state.optimizer)
         sources.append((PART_OPTIMIZER, flat))
     for kind, tensors in sources:
+        from safetensors.torch import save_file
+
         name = SHARD_FILE_TEMPLATE.format(part=kind, rank=rank)
-        checked = {k: check_tensor(k, v) for k, v in tensors.items()}
+        checked = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         missing = sorted(set(checked) - set(table.get(kind, {})))
         if missing:
             raise CorruptCheckpointError(f"rank {rank}: no chunk recorded for {kind} tensor(s) {missing[:5]}.")
-        checksum = write_safetensors(checked, tmp / name, {"format": "pt"})
-        files[name] = make_file_entry(tmp / name, tier=_TIER[kind].value, rank=rank, checksum=checksum)
+        save_file(checked, tmp / name, {"format": "pt"})
+        with open(tmp / name, "rb") as f:
+            os.fsync(f.fileno())
+        files[name] = {"size": (tmp / name).stat().st_size, "checksum": file_checksum(tmp / name),
+                       "tier": _TIER[kind].value, "rank": rank}
         part[kind] = {k: {**table[kind][k], "file": name} for k in checked}
     rest = dataclasses.replace(state, weights=None, optimizer=rest_optimizer if rank == 0 else None, extra=extra)
     return rest, files, part
@@ -185,7 +187,7 @@ def gather_weights(directory: Path, table: Mapping[str, Any]) -> dict[str, torch
                 continue  # a replica of a chunk already placed
             seen.add((key, tuple(c["offset"])))
             if c["file"] not in files:
-                files[c["file"]] = open_tensors(directory / c["file"], mmap=False, what="shard")[0]
+                files[c["file"]] = _load(directory / c["file"])
             data = files[c["file"]].get(key)
             if data is None:
                 raise CorruptCheckpointError(f"{directory / c['file']} lacks tensor {key!r} named by the manifest.")
@@ -253,18 +255,21 @@ class FlatReader:
                 f = open_read(path)
             except OSError as e:  # missing, a link, unreadable
                 raise CorruptCheckpointError(f"shard file {path} cannot be read ({e}).") from e
-            try:
-                base, entries, _ = parse_header(f, os.fstat(f.fileno()).st_size)
-            except (ValueError, KeyError, TypeError, struct.error) as e:
+            try:  # the header, validated by safetensors; the tensors lie in its key order, back to back
+                loaded = _load(path)
+                at = 8 + struct.unpack("<Q", f.read(8))[0]
+            except (CorruptCheckpointError, struct.error) as e:
                 f.close()
                 raise CorruptCheckpointError(f"shard file {path} is not a valid safetensors file ({e}).") from e
-            self._files[name] = (f, {k: (dtype, base + begin, (end - begin) // dtype.itemsize)
-                                     for k, dtype, _, begin, end in entries})
-        f, tensors = self._files[name]
-        found = tensors.get(key)
+            entries: dict[str, tuple[torch.dtype, int, int]] = {}
+            for k, t in loaded.items():
+                entries[k], at = (t.dtype, at, t.numel()), at + t.nbytes
+            self._files[name] = (f, entries)
+        handle, found_in = self._files[name]
+        found = found_in.get(key)
         if found is None:
             raise CorruptCheckpointError(f"{self._dir / name} lacks tensor {key!r} named by the manifest.")
-        return f, *found
+        return handle, *found
 
     def read_into(self, part: str, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Write the elements `[start, stop)` of the flattened `key` into the 1-D `out` (of `stop - start` elements).
@@ -309,6 +314,18 @@ class FlatReader:
         out = torch.empty(stop - start, dtype=dtype)
         self.read_into(part, key, start, stop, out)
         return out
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a verified shard file, in file order, as views of a private map of it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.offset_keys()}
+    except Exception as e:  # SafetensorError, OSError: whatever the parser's complaint
+        raise CorruptCheckpointError(f"shard file {path} cannot be read or is not a valid safetensors file ({e}).") \
+            from e
 
 
 def _pread(f: BinaryIO, buffer: memoryview, offset: int, short: str) -> None:
@@ -384,7 +401,7 @@ def make_reader(directory: Path, table: Mapping[str, Any], prefixes: Mapping[str
                     raise CorruptCheckpointError(f"{req.storage_index.fqn}: sharded checkpoints hold tensors only.")
                 name, key = storage[req.storage_index]
                 if name not in self._files:
-                    self._files[name] = open_tensors(directory / name, mmap=True, what="shard")[0]
+                    self._files[name] = _load(directory / name)
                 tensor = self._files[name].get(key)
                 if tensor is None:
                     raise CorruptCheckpointError(f"{directory / name} lacks tensor {key!r} named by the manifest.")

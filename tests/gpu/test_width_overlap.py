@@ -57,7 +57,8 @@ def _train(root: Path, mode: str, layers: int) -> dict[str, Any]:
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     g = torch.Generator().manual_seed(1)
-    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, config.vocab_size, (STEPS + 2, SEQ), generator=g)]
+    ids_all = torch.randint(0, config.vocab_size, (STEPS + 2, SEQ), generator=g)
+    rows = [{"input_ids": ids, "labels": ids} for ids in ids_all]
     marks: dict[int, dict[str, torch.cuda.Event]] = {}
     events: list[dict[str, Any]] = []
 

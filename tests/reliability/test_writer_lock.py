@@ -61,7 +61,7 @@ print("done", flush=True)
 
 def _holder(root: Path, mode: str) -> tuple[subprocess.Popen[str], int | None]:
     """The first writer, and (mode "orphan") the pid of the child that inherited its open lock file."""
-    argv = [sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode, str(Path(__file__).parent)]
+    argv = [sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode, str(Path(__file__).parents[1])]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().split()

@@ -227,7 +227,7 @@ def test_a_single_signal_name_is_a_list_of_one() -> None:
          "SmartCkptConfig() got an unknown keyword 'keep_lats' (did you mean 'keep_last'?): allowed keys are "),
         (lambda: OptimizerLevelConfig(compresion="zstd"),
          "OptimizerLevelConfig() got an unknown keyword 'compresion' (did you mean 'compression'?): allowed keys are "
-         "compression, compression_level, pace_to_disk, retention_days."),
+         "compression, compression_level, retention_days."),
         (lambda: LevelConfig(compression="zstd"),  # the weights and state tiers are never compressed
          "LevelConfig() got an unknown keyword 'compression': allowed keys are retention_days."),
         (lambda: SmartCkptConfig(stability_window=50),

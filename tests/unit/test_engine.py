@@ -21,7 +21,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.engine import CachedWeights, OnBusy, SaveEngine, SaveHandle
 from hf_dynamic_ckpt.errors import ConfigError, SaveError
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest, check_frozen
 from hf_dynamic_ckpt.sysmem import Headroom
 
 RNG = {"python": "fixed", "torch": [1, 2, 3]}
@@ -380,6 +380,26 @@ def test_missing_sources_raise_named_errors(store):
         with pytest.raises(SaveError, match=r"weight 'w' is a list, not a torch.Tensor"):
             engine.save(StateSources(weights=lambda: {"w": [1.0]}), SaveRequest(step=1, tiers={Tier.WEIGHTS},
                                                                                  reason="a"))
+
+
+def test_frozen_weights_are_recorded_not_written(store):
+    model, _, _ = _model()
+    frozen = frozenset({"0.weight", "0.bias"})
+    sources = StateSources(weights=model.state_dict, frozen_keys=frozen)
+    with SaveEngine(store) as engine:
+        engine.save(sources, SaveRequest(step=1, tiers={Tier.WEIGHTS}, reason="a")).wait(60)
+        with torch.no_grad():
+            model[2].weight.add_(1.0)
+        engine.save(sources, SaveRequest(step=2, tiers={Tier.WEIGHTS}, reason="b")).wait(60)
+    assert not (store.task_dir / "blobs").exists()
+    loaded = store.load("step:2")
+    assert set(loaded.frozen) == frozen and not frozen & set(loaded.weights)
+    check_frozen(loaded, model.state_dict())  # the model's own frozen weights take their place
+    for name, tensor in loaded.weights.items():
+        assert torch.equal(tensor, model.state_dict()[name])
+    model[0].weight.data.add_(1.0)  # a frozen weight that changed is caught at resume
+    with pytest.raises(Exception, match="0.weight"):
+        check_frozen(loaded, model.state_dict())
 
 
 def test_emergency_save_drops_optimizer_when_out_of_time(store, caplog):

@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[2] / PKG
 # area -> modules (prefixes) it may import from the package. An area is a module or a folder.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "store": ("store", "constants", "errors", "jsonutil", "_version"),
-    "state": ("state", "constants", "errors", "jsonutil", "store.types", "store.spec"),
+    "state": ("state", "constants", "errors", "jsonutil", "store"),
     "signals": ("signals", "config", "constants", "errors", "jsonutil", "sysmem"),
     "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store"),
     "engine": ("engine", "store", "state", "config", "constants", "errors", "jsonutil", "sysmem"),
     "run": ("run", "store", "state", "signals", "policy", "engine", "config", "constants", "errors", "jsonutil",
             "distributed", "export", "sysmem"),
     "integrations": ("integrations", "run.orchestrator", "run.savelog", "run.rollback", "run.elastic", "state",
-                     "config", "constants", "errors", "distributed", "jsonutil", "store.types", "store.spec",
+                     "config", "constants", "errors", "distributed", "jsonutil", "store",
                      "policy.decision", "export"),
 }
 

@@ -306,7 +306,7 @@ def test_resume_never_deletes_and_retention_waits_until_the_new_timeline_passes(
 @pytest.mark.parametrize(("engine", "codec"), [("sync", "none"), ("process", "none"), ("sync", "zstd")])
 def test_level_1_codec_from_config_reaches_the_written_file(tmp_path: Path, engine: str, codec: str) -> None:
     from hf_dynamic_ckpt.constants import OPTIMIZER_NAME
-    from hf_dynamic_ckpt.store.tensorpack import read_header
+    from hf_dynamic_ckpt.store.optpack import read_header
 
     ck, model, opt, sched = make(tmp_path, engine=engine,
                                  storage_levels={"level_1": {"compression": codec}})
@@ -318,7 +318,9 @@ def test_level_1_codec_from_config_reaches_the_written_file(tmp_path: Path, engi
     ck.finish()
     ck.close()
     assert ck.events[-1].path is not None and ck.events[-1].handle is None  # committed, settled
-    header, _, _ = read_header(Path(ck.events[-1].path) / OPTIMIZER_NAME)
+    path = Path(ck.events[-1].path) / OPTIMIZER_NAME
+    with path.open("rb") as f:
+        header, _, _ = read_header(f, path)
     assert header["codec"] == codec
 
 

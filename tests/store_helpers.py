@@ -10,24 +10,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
-from hf_dynamic_ckpt.store import CheckpointState
-from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
+from hf_dynamic_ckpt.store import CheckpointState, frozen_record
 
 
 def tiny_state(step: int, *, frozen: float | None = None) -> CheckpointState:
-    """A small all-tier state that is a pure function of `step` (and of `frozen`, a deduplicated weight)."""
+    """A small all-tier state that is a pure function of `step` (and of `frozen`: a frozen weight's value, recorded
+    by checksum instead of written)."""
     g = torch.Generator().manual_seed(step)
-    weights: dict[str, Any] = {"w": torch.randn(8, 4, generator=g)}
-    dedup = frozenset()
-    if frozen is not None:
-        weights["frozen"] = torch.full((64,), frozen)
-        dedup = frozenset({"frozen"})
-    return CheckpointState(step=step, weights=weights, dedup_keys=dedup,
+    return CheckpointState(step=step, weights={"w": torch.randn(8, 4, generator=g)},
+                           frozen={} if frozen is None else {"frozen": frozen_record(torch.full((64,), frozen))},
                            optimizer={"state": {0: {"exp_avg": torch.randn(8, 4, generator=g)}},
                                       "param_groups": [{"lr": 0.1, "params": [0]}]},
                            scheduler={"last_epoch": step}, rng={"seed": step}, sampler={"batches": step})
+
+
+def file_checksum(path: Path) -> str:
+    """A file's checksum as a manifest records it (the on-disk format: ``xxh3_128:<hex>`` of its bytes)."""
+    return f"xxh3_128:{xxhash.xxh3_128_hexdigest(Path(path).read_bytes())}"
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """The manifest's own checksum (the on-disk format: sha256 of the sorted, compact JSON of the other keys)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
+    data = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return f"sha256:{hashlib.sha256(data).hexdigest()}"
 
 
 def read_manifest_json(directory: Path) -> dict[str, Any]:
@@ -37,7 +45,7 @@ def read_manifest_json(directory: Path) -> dict[str, Any]:
 def write_manifest_json(directory: Path, manifest: dict[str, Any]) -> None:
     """Write a hand-edited manifest with a matching checksum, as an adversary can."""
     manifest = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
-    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    manifest["manifest_checksum"] = manifest_checksum(manifest)
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
 
