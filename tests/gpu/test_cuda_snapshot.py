@@ -19,7 +19,7 @@ import torch
 
 from hf_dynamic_ckpt import Tier
 from hf_dynamic_ckpt.engine import SaveEngine
-from hf_dynamic_ckpt.engine.snapshot import private_storage
+from hf_dynamic_ckpt.engine.snapshot import shared_storage
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
@@ -68,7 +68,7 @@ def test_snapshot_is_pinned_asynchronous_and_exact(tmp_path: Any, overlap: bool 
     allocated: list[tuple[int, bool, bool]] = []
 
     def allocate(nbytes: int, pinned: bool) -> torch.UntypedStorage:
-        storage = private_storage(nbytes, pinned)
+        storage = shared_storage(nbytes, pinned)
         allocated.append((nbytes, pinned, torch.empty(0, dtype=torch.uint8).set_(storage).is_pinned()))
         return storage
 
