@@ -515,7 +515,8 @@ class Runner:
 
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args, self.work = args, work
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        self.env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                     "TOKENIZERS_PARALLELISM": "false",
                     # Bytecode cached as an installed package has it, even where PYTHONDONTWRITEBYTECODE is set.
                     "PYTHONPYCACHEPREFIX": str(work / "pycache")}

@@ -99,16 +99,18 @@ def main() -> int:
         return NO_GPU
     started = time.time()
     deadline = started + args.budget
-    env = {**os.environ, "PYTHONPATH": str(REPO), DEADLINE_ENV: str(deadline)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            DEADLINE_ENV: str(deadline)}
     rows: list[tuple[str, str, float, list[tuple[str, str]]]] = []
     codes: list[int] = []
-    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gpu_check-", ignore_cleanup_errors=True) as tmp:
         for name in ORDER:  # one pytest per file: a check that hangs costs the ones after it, not the report
             left = deadline - time.time()
             if left < 20:
                 rows.append((name, "NOT RUN: the budget is spent", 0.0, []))
                 continue
             report = Path(tmp) / f"{name}.xml"
+            (Path(tmp) / "runs").mkdir(exist_ok=True)  # pytest creates --basetemp itself, not its parents
             cmd = [sys.executable, "-m", "pytest", f"tests/gpu/{name}", "-m", "gpu", "-q", "-rfEs", "-p",
                    "no:cacheprovider", f"--junitxml={report}", "-o", "junit_family=xunit1",
                    f"--basetemp={Path(tmp) / 'runs' / name}", *(["-k", args.k] if args.k else [])]
@@ -118,8 +120,12 @@ def main() -> int:
                 rows.append((name, f"FAILED: did not finish within the budget ({left:.0f} s left)", left, []))
                 continue
             found = results(report) if report.exists() else []
-            rows += found or ([] if codes[-1] == 5 else [(name, f"FAILED: pytest exit status {codes[-1]}", 0.0, [])])
+            new = found or ([] if codes[-1] == 5 else [(name, f"FAILED: pytest exit status {codes[-1]}", 0.0, [])])
+            rows += new
             print(f"gpu_check: {name} done at {time.time() - started:.0f} s", flush=True)
+            for label, outcome, seconds, props in new:  # as they come: a run cut short keeps what it measured
+                print(f"gpu_check:   {label}: {outcome[:200]} ({seconds:.1f} s)"
+                      + "".join(f"\n    {key}: {value}" for key, value in props), flush=True)
     print(f"\nGPU checks on {device} ({time.time() - started:.0f} s of a {args.budget:.0f} s budget)")
     print(f"{'check':60s} {'seconds':>8s}  result")
     for label, outcome, seconds, props in rows:

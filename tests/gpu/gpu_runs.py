@@ -31,7 +31,8 @@ def seconds_left(wanted: float) -> float:
 
 def run(cmd: list[str], *, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run `cmd` with this checkout's package first on the path, within the budget; a timeout fails the test."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     limit = seconds_left(timeout)
     try:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=limit)

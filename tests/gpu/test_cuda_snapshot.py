@@ -84,6 +84,7 @@ def test_snapshot_is_pinned_asynchronous_and_exact(tmp_path: Any, overlap: bool 
     sources = StateSources(weights=model.state_dict, optimizer=opt)
     tiers = frozenset({Tier.WEIGHTS, Tier.OPTIMIZER})
     with SaveEngine(store, overlap=overlap, allocate=allocate) as engine:
+        assert engine.start(wait_s=120), "the writer process did not start"  # before it, saves write synchronously
         held.set()
         engine.save(sources, SaveRequest(step=1, tiers=tiers, reason="warm-up")).wait(120)  # allocates, pins
         held.clear()

@@ -398,7 +398,7 @@ def test_frozen_weights_are_recorded_not_written(store):
     for name, tensor in loaded.weights.items():
         assert torch.equal(tensor, model.state_dict()[name])
     model[0].weight.data.add_(1.0)  # a frozen weight that changed is caught at resume
-    with pytest.raises(Exception, match="0.weight"):
+    with pytest.raises(Exception, match=r"0\.weight"):
         check_frozen(loaded, model.state_dict())
 
 
