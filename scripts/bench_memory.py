@@ -11,8 +11,9 @@ state), the same steps and save interval in every run, each run in a fresh memor
   process, of its children (the writer process) and the cgroup's peak usage as the kernel
   counts it (page cache of the checkpoint files included);
 - `smart` and `native` again in a cgroup limited to the `none` run's cgroup peak + `--margin`
-  MiB: the smart saves then stream (synchronous, no second copy); their blocking time
-  against the buffered saves of the unlimited run.
+  MiB: the smart saves are then written synchronously from the live tensors (no second copy; staging
+  `sync` when no writer process starts under the limit, `streaming` when the buffers do not fit);
+  their blocking time against the buffered saves of the unlimited run.
 
 Usage:
     sudo python scripts/bench_memory.py [--margin 150] [--steps 6] [--interval 2]
@@ -77,13 +78,14 @@ def main() -> None:
               f"{r['cgroup_peak'] / MiB:11.0f}M "
               f"{r['peak_rss'] / base['peak_rss']:11.2f} {r['train_s']:8.1f}  {stagings}")
     full = [e["blocking_ms"] for e in results["smart"]["events"] if e.get("staging") == "buffered"]
-    streamed = [e["blocking_ms"] for e in results["smart_limited"]["events"] if e.get("staging") == "streaming"]
+    streamed = [e["blocking_ms"] for e in results["smart_limited"]["events"]
+                if e.get("staging") in ("streaming", "sync")]
     if full and streamed:
         # A buffered save also waits for the previous write when it comes before that write is done:
         # the fastest buffered save is the snapshot alone.
         f, s = min(full), statistics.median(streamed)
         print(f"blocking per save: buffered snapshot {f:.0f} ms (fastest, unlimited; median with waits "
-              f"{statistics.median(full):.0f} ms), streaming {s:.0f} ms (median, limited): streaming / snapshot = "
+              f"{statistics.median(full):.0f} ms), synchronous {s:.0f} ms (median, limited): synchronous / snapshot = "
               f"{s / f:.1f}x")
     print("train time limited / unlimited: "
           f"smart {results['smart_limited']['train_s'] / results['smart']['train_s']:.2f}x, "
