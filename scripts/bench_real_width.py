@@ -433,6 +433,13 @@ def child(spec: dict[str, Any]) -> None:
             marks.setdefault("first_step_end", time.time())
             marks["step_end_wall"][state.global_step] = time.time()
             marks["steps"].append((state.global_step, self.end - self.begin, self.busy))
+            if smart is not None and smart.run is not None and state.global_step == 1:
+                # The writer process starts after the first step; saves before it is up write synchronously. A run
+                # of days saves first long after; this one saves within seconds, so it waits for the writer here.
+                started = time.perf_counter()
+                smart.run.engine.start(wait_s=120)
+                marks["writer_start_s"] = time.perf_counter() - started
+                self.end = time.perf_counter()
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             marks["trainer_saves"].append(state.global_step)  # Trainer's own saves (rotation deletes folders)

@@ -62,12 +62,12 @@ def test_an_accelerator_that_counts_one_process_of_several_is_refused(tmp_path: 
     # Accelerate under DeepSpeed on a machine without GPUs counts 1 process while the process group has more:
     # every process would checkpoint as rank 0 of a one-process run.
     from hf_dynamic_ckpt import distributed
-    from hf_dynamic_ckpt.integrations._accelerate_hooks import make_orchestrator
+    from hf_dynamic_ckpt.integrations.accelerate import make_run
 
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     acc = SimpleNamespace(process_index=0, num_processes=1)
     with pytest.raises(ConfigError) as e:
-        make_orchestrator(SmartCkptConfig(), acc, str(tmp_path / "s"))
+        make_run(SmartCkptConfig(), acc, str(tmp_path / "s"), None)  # type: ignore[arg-type]
     assert str(e.value) == (
         "the accelerator counts 1 process but the process group has 2: every process would checkpoint as rank 0 "
         "of a one-process run. Accelerate does this for DeepSpeed on a machine without GPUs: create "
