@@ -140,10 +140,13 @@ def _ls(args: argparse.Namespace) -> int:
     infos: list[CheckpointInfo] = []
     removed: list[tuple[str, dict[str, Any]]] = []
     rollbacks: list[tuple[str, dict[str, Any]]] = []
+    in_memory: list[str] = []
     for task in tasks:
         with _open(args, root, task) as store:
             infos += store.list(include_unhealthy=True, include_abandoned=args.all)
             removed += [(task, r) for _, r in sorted(store.removed().items())]
+            if isinstance(root, Path) and (steps := _slot_steps(store)):
+                in_memory.append(f"  {task}: step {', '.join(map(str, steps))}")
         if isinstance(root, Path):  # a local store's step log records its rollbacks
             rollbacks += [(task, r) for r in read_rollbacks(root, task)]
     if args.json:
@@ -151,6 +154,9 @@ def _ls(args: argparse.Namespace) -> int:
                        "bytes": i.bytes, "loss": i.loss, "healthy": i.healthy, "pinned": i.pinned,
                        "abandoned": i.abandoned, "status": i.status, "saved_at": i.save_time, "path": i.path,
                        "recovery_cost_ms": i.recovery_cost_ms, "world_size": i.world_size} for i in infos])
+    if in_memory:
+        print("in host memory (the memory tier's slots, docs/memory_tier.md): a live run's, or a killed run's that the "
+              "next start (or `hf-dynamic-ckpt gc`) persists:", *in_memory, sep="\n")
     if not infos:
         print(f"no checkpoints under {root}" + (f" for task {args.task!r}" if args.task else ""))
         return 0
@@ -303,10 +309,30 @@ def _rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slot_steps(store: CheckpointStore) -> list[int]:
+    """The steps in the memory tier's slots of `store`'s task (read only; none when unreadable)."""
+    from .store.slots import open_slots
+
+    try:
+        slots = open_slots(store, read_only=True)
+    except Exception:
+        return []
+    if slots is None:
+        return []
+    with slots:
+        return sorted(i.step for i in slots.list(include_unhealthy=True, include_abandoned=True))
+
+
 def _gc(args: argparse.Namespace) -> int:
+    from .store.slots import adopt_newer
+
     root, (task,) = _where(args, one=True)
+    persisted: int | None = None
     with _open(args, root, task, "read" if args.dry_run else "gc") as store:
         report = store.gc(dry_run=args.dry_run)
+        slots = _slot_steps(store) if isinstance(root, Path) else []
+        if slots and not args.dry_run:  # the writer lock is ours: the run that wrote them is gone
+            persisted = adopt_newer(store)
     if args.json:
         return _dump({**dataclasses.asdict(report), "dry_run": args.dry_run})
     verb = "would remove" if args.dry_run else "removed"
@@ -318,6 +344,10 @@ def _gc(args: argparse.Namespace) -> int:
         print(f"{verb} {len(report.blobs)} unused blob(s)")
     for why in report.kept:
         print(f"kept: {why}")
+    if slots:
+        verb = ("would persist what is newer than the disk of" if args.dry_run
+                else f"persisted step {persisted} from" if persisted is not None else "removed")
+        print(f"{verb} the memory slots of steps {', '.join(map(str, slots))}")
     print(f"{'would free' if args.dry_run else 'freed'} {human_size(report.bytes_freed)}")
     return 0
 

@@ -133,6 +133,7 @@ class PolicyParams(_Settings):
     max_interval: int = _f(2000, lambda v, s: _int(v) and v >= s.min_interval,
                            "an integer >= min_interval ({min_interval})")
     mtbf_hours: float = _f(24.0, lambda v, s: _num(v, finite=True) and v > 0, "a positive number of hours")
+    node_mtbf_hours: float = _f(168.0, lambda v, s: _num(v, finite=True) and v > 0, "a positive number of hours")
     overhead_budget: float = _f(0.02, *_UNIT)
     stability_window: int = _f(100, lambda v, s: _int(v) and v >= 4, "an integer >= 4")
     stability_cv: float = _f(0.1, _POSITIVE[0], "a positive number (relative loss noise counted as calm, e.g. 0.1)")
@@ -254,6 +255,9 @@ class RuntimeParams(_Settings):
     overlap_snapshot: bool | None = _f(None, lambda v, s: v is None or isinstance(v, bool),
                                        "true, false or null (a YAML boolean, not a string)")
     lock_wait_s: float = _f(120.0, *_SECONDS)
+    memory_tier: bool = _f(True, *_BOOL)
+    memory_every: int | None = _f(None, lambda v, s: v is None or (_int(v) and v >= 1),
+                                  "an integer >= 1 or null (every step for a small state, else from its cost)")
     report_to_trainer: bool = _f(True, *_BOOL)
     keep_global_batch: bool = _f(True, *_BOOL)
 

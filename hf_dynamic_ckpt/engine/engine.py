@@ -57,6 +57,8 @@ class SaveEngine:
             next forward and backward (`overlap.py`); `None`: only for CUDA parameters with at least 32 MiB.
         allocate (`Allocator`, *optional*, defaults to `snapshot.shared_storage`): where the snapshot buffers
             live; shared memory the writer process can map (a named shared-memory slot can be one).
+        slots (`CheckpointStore`, *optional*): the memory tier's slots (`store.slots`), written by `save(memory=True)`
+            through the writer process, which persists the newest one when the training process dies.
 
     Example:
         ```python
@@ -72,7 +74,8 @@ class SaveEngine:
 
     def __init__(self, store: Any, *, mode: str = "process", memory_margin: float = 0.15,
                  on_busy: OnBusy | str = OnBusy.WAIT, headroom: Callable[[], sysmem.Headroom] | None = None,
-                 writer_nice: int = 10, overlap: bool | None = False, allocate: Allocator = shared_storage) -> None:
+                 writer_nice: int = 10, overlap: bool | None = False, allocate: Allocator = shared_storage,
+                 slots: Any = None) -> None:
         mode = str(getattr(mode, "value", mode))
         if mode not in MODES:
             raise ConfigError(f"mode={mode!r} is invalid: expected 'process' (a background writer process, the "
@@ -85,6 +88,7 @@ class SaveEngine:
             cgroup = sysmem.find_memory_cgroup()  # once: parsing mountinfo per save would cost ~1 ms of blocking
             headroom = lambda: sysmem.headroom(cgroup)  # noqa: E731
         self._headroom = headroom
+        self.slots = slots
         self.last_plan: sysmem.StagingPlan | None = None
         """The staging decision of the last background save (buffered or streaming, and why)."""
         self._snapshotter = Snapshotter(allocate)
@@ -128,7 +132,7 @@ class SaveEngine:
                             self.memory_margin * 100)
                 self._no_writer = True
             else:
-                self._writer = ProcessWriter(self.store, nice=self.writer_nice)
+                self._writer = ProcessWriter(self.store, nice=self.writer_nice, slots=self.slots)
         deadline, writer = time.monotonic() + wait_s, self._writer
         while writer is not None and not writer.ready and not writer.failed and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -136,7 +140,7 @@ class SaveEngine:
 
     def save(self, sources: StateSources, request: SaveRequest, *, rng: dict[str, Any] | RawRngState | None = None,
              sampler: dict[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
-             blocking: bool = False) -> SaveHandle:
+             blocking: bool = False, memory: bool = False) -> SaveHandle:
         """Snapshot the requested tiers and write them, in the background unless `blocking`. Returns once the state
         is copied (the next optimizer step may run at once); write errors surface through `SaveHandle.wait()`.
 
@@ -146,6 +150,8 @@ class SaveEngine:
             rng (`dict` or `RawRngState`, *optional*): RNG state to store instead of capturing it now.
             sampler (`dict`, *optional*): data position instead of `sources.sampler()`.
             extra (`Mapping`, *optional*): JSON-able data for the manifest's `extra`.
+            memory (`bool`, *optional*): into the memory tier's slots. Never synchronous: skipped (`handle.skipped`)
+                while the writer process is not up or still writes, or memory is short.
 
         Raises:
             `SaveError`: the sources cannot provide the requested tiers (nothing was saved), or the engine is closed.
@@ -154,7 +160,17 @@ class SaveEngine:
         start = time.perf_counter()
         self._overlap.wait()  # a copy still running beside the previous step reads the buffers this save fills
         handle = SaveHandle(request.step, request.reason)
+        handle.memory = memory
         previous = self._job
+        if memory and (self.slots is None or (previous is not None and not previous.handle.done())
+                       or self._ready_writer() is None):
+            handle.skipped = (f"memory slot of step {request.step} skipped: " + (
+                "no slots" if self.slots is None else "the writer process is still writing step "
+                f"{previous.handle.step}" if previous is not None and not previous.handle.done()
+                else "the writer process is not up"))
+            handle.blocking_ms = (time.perf_counter() - start) * 1e3
+            handle.settle(None)
+            return handle
         if previous is not None and not previous.handle.done():
             if self.on_busy == OnBusy.SKIP and not blocking:
                 handle.skipped = (f"save of step {request.step} ({request.reason}) skipped: step "
@@ -186,6 +202,11 @@ class SaveEngine:
             except (OSError, RuntimeError) as e:  # shared memory could not be reserved: /dev/shm too small
                 plan = self.last_plan = sysmem.StagingPlan("streaming", f"no shared memory for the snapshot buffers "
                                                            f"({e}); enlarge /dev/shm, e.g. `docker run --shm-size`")
+        if plan.mode == "streaming" and memory:
+            handle.skipped = f"memory slot of step {request.step} skipped: {plan.reason}"
+            handle.blocking_ms = (time.perf_counter() - start) * 1e3
+            handle.settle(None)
+            return handle
         if plan.mode == "streaming":
             # Short of memory: the first such save of the run at WARNING, later ones at DEBUG.
             logger.log(logging.DEBUG if self._streamed else logging.WARNING,
@@ -317,6 +338,8 @@ class SaveEngine:
         if job is None or job.settled or not job.handle.done():
             return
         job.settled = True
+        if job.handle.memory:  # a slot is no disk restore point, and tmpfs is no measure of the disk's speed
+            return
         info = job.handle.wait(0) if job.handle.exception() is None else None
         if info is None:
             return

@@ -18,6 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -79,6 +80,8 @@ class SaveHandle:
         self.skipped: str | None = None
         self.write_ms: float | None = None
         self.writer = "sync"
+        self.memory = False
+        """A save into the memory tier's slots (`SaveEngine.save(memory=True)`), not the disk store."""
         self.deferred: PendingCopy | None = None
         self._event = threading.Event()
         self._info: CheckpointInfo | None = None
@@ -212,13 +215,56 @@ def _swap(obj: Any, table: Any) -> Any:
     return table.get(key, obj) if key is not None else obj
 
 
-def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, nice: int | None) -> None:
-    """The writer process: map the layouts it is sent, write the saves it is sent, until told to stop."""
+PERSIST_LOCK_WAIT_S = 60.0
+"""How long a watcher waits for the disk store's writer lock (the training process's emergency save holds it)."""
+
+
+def _leave(*_: Any) -> None:
+    raise SystemExit(0)
+
+
+def _persist(store_cls: Any, spec: Any, slots: Any) -> None:
+    """The training process ended without stopping this writer (killed, or exited without `close()`): persist the
+    newest slot when it is newer than the disk store, under the disk store's writer lock (handed over, never broken:
+    a restart waits for it up to `runtime.lock_wait_s`)."""
+    from ..errors import StoreLockedError
+    from ..store.slots import persist_newest
+
+    deadline = time.monotonic() + PERSIST_LOCK_WAIT_S
+    while True:
+        try:
+            disk = store_cls.from_spec(spec, cleanup=True)
+            break
+        except StoreLockedError:
+            if time.monotonic() > deadline:
+                logger.warning("memory tier: the disk store's writer lock stayed held; the slot was not persisted "
+                               "(a restart persists it)")
+                return
+            time.sleep(0.2)
+    try:
+        step = persist_newest(slots, disk)
+        if step is not None:
+            logger.warning("memory tier: the training process ended; step %d persisted from host memory", step)
+    except Exception as e:  # a restart persists it
+        logger.warning("memory tier: persisting the newest slot failed (%s); a restart persists it", e)
+    finally:
+        disk.close()
+
+
+def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, nice: int | None,
+                slots_spec: Any = None) -> None:
+    """The writer process: map the layouts it is sent, write the saves it is sent, until told to stop. When the
+    training process goes without a stop (EOF on the pipe, SIGTERM at its exit), the newest slot is persisted."""
+    from ..store.slots import keep_newest
+
     _renice(0, nice)  # the parent already did, right after the start; this covers a race
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, _leave)  # multiprocessing terminates daemonic children at an unclean exit
     store = store_cls.from_spec(spec, cleanup=False)
+    slots = type(store).from_spec(slots_spec, cleanup=False) if slots_spec is not None else None
     ready.set()
     views: dict[_Ref, torch.Tensor] = {}
+    stopped = False
     try:
         while (msg := conn.recv())[0] != "stop":  # EOFError: the training process ended (or was killed)
             if msg[0] == "layouts":  # the views of the layouts the parent holds, by `_Ref`
@@ -226,19 +272,27 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
                 for k, (flat, s) in msg[1].items():
                     views.update((_Ref(k, i), v) for i, v in enumerate(Layout(s, flat.untyped_storage()).views))
                 continue
-            _, shipped, request, timings = msg
+            _, shipped, request, timings, memory = msg
             state = dataclasses.replace(shipped, **{f: _swap(getattr(shipped, f), views) for f in _FIELDS})
+            target = slots if memory and slots is not None else store
             try:
-                reply: tuple[str, Any] = ("ok", store.save(state, request, timings=timings, cancel=cancel.is_set))
-            except BaseException as e:
+                if target is slots:
+                    keep_newest(slots)  # two slots: the newest whole one and this one
+                reply: tuple[str, Any] = ("ok", target.save(state, request, timings=timings, cancel=cancel.is_set))
+            except Exception as e:
                 reply = ("error", f"{type(e).__name__}: {e}")
             del state, shipped
             conn.send(reply)
-    except (EOFError, OSError):
+        stopped = True
+    except (EOFError, OSError, KeyboardInterrupt, SystemExit):
         pass
     finally:
         store.close()
         conn.close()
+        if slots is not None:
+            if not stopped and spec.rank == 0:
+                _persist(type(store), spec, slots)
+            slots.close()
 
 
 _FIELDS = ("weights", "optimizer")
@@ -250,13 +304,14 @@ class ProcessWriter:
     job's deferred copies, ships it, waits for the reply and forwards an abort (a shared event the child's store
     polls): it only waits, taking no CPU from training."""
 
-    def __init__(self, store: Any, *, nice: int = 0) -> None:
+    def __init__(self, store: Any, *, nice: int = 0, slots: Any = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._ready, self._cancel = ctx.Event(), ctx.Event()
         target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice) if nice > 0 else None
         self._proc = ctx.Process(target=_child_main, daemon=True, name="hf-dynamic-ckpt-writer", args=(
-            type(store), beside_training(store.spec), child, self._ready, self._cancel, target))
+            type(store), beside_training(store.spec), child, self._ready, self._cancel, target,
+            slots.spec if slots is not None else None))
         main = sys.modules.get("__main__")  # spawn re-runs `__main__` in the child, which re-runs a training script
         sys.modules["__main__"] = types.ModuleType("__main__")  # without a `__main__` guard; the writer needs none
         try:
@@ -282,7 +337,7 @@ class ProcessWriter:
     def submit(self, job: Job, layouts: Sequence[Layout]) -> None:
         """Queue `job`, whose buffers are views of `layouts`; returns at once (one job at a time)."""
         self._queue.put(lambda: run_job(job, lambda state, request, *, timings, cancel: self._remote_save(
-            state, request, timings=timings, cancel=cancel, layouts=layouts)))
+            state, request, timings=timings, cancel=cancel, layouts=layouts, memory=job.handle.memory)))
 
     def unmap(self) -> None:
         """Let the child unmap every buffer (the engine released them): their memory is freed then."""
@@ -300,14 +355,14 @@ class ProcessWriter:
             self._mapped = keys
 
     def _remote_save(self, state: Any, request: SaveRequest, *, timings: Any, cancel: Callable[[], bool],
-                     layouts: Sequence[Layout]) -> CheckpointInfo | None:
+                     layouts: Sequence[Layout], memory: bool = False) -> CheckpointInfo | None:
         if not self._proc.is_alive():
             raise SaveError(f"the writer process {self._proc.pid} exited with code {self._proc.exitcode}")
         self._send_layouts(layouts)
         refs = {id(v): _Ref(lay.key, i) for lay in layouts for i, v in enumerate(lay.views)}
         shipped = dataclasses.replace(state, **{f: _swap(getattr(state, f), refs) for f in _FIELDS})
         self._cancel.clear()  # one job at a time: an abort of an earlier job is spent
-        self._conn.send(("save", shipped, request, dict(timings)))
+        self._conn.send(("save", shipped, request, dict(timings), memory))
         try:
             while not self._conn.poll(0.05):  # polls, so that an abort reaches the child while it waits for ranks
                 if cancel() and not self._cancel.is_set():

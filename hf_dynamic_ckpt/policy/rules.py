@@ -333,6 +333,8 @@ class RulePolicy:
 
             double_check = check_factory(c.learned_model)
         self._new_check = double_check
+        self.memory_tier = False
+        """Whether the newest state is kept in host memory too (then the interval follows `node_mtbf_hours`)."""
         self._reset()
         self._pre_step: int | None = None  # step whose pre_update ran (transient: within one step)
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
@@ -405,7 +407,8 @@ class RulePolicy:
             return self._clamp(float(c.base_interval)), FROM_USER
         if cost is None or not step:  # the first save measures the cost
             return self._clamp(float(c.policy.stability_window)), FROM_BOOTSTRAP
-        return self._clamp(math.sqrt(2.0 * cost * c.policy.mtbf_hours * 3600.0) / step), FROM_YOUNG_DALY
+        mtbf = c.policy.node_mtbf_hours if self.memory_tier else c.policy.mtbf_hours  # the slots cover the rest
+        return self._clamp(math.sqrt(2.0 * cost * mtbf * 3600.0) / step), FROM_YOUNG_DALY
 
     def _clamp(self, t: float) -> float:
         return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))

@@ -141,6 +141,8 @@ class RunOrchestrator:
         self.store = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
                                     session_id=self.session_id)
         self.saver = Saver(config, self.store, rank=self.rank, announce=self.announce)
+        self.memory = self.saver.open_memory(self.world_size)
+        """The memory tier (`MemoryTier`): the newest state in host shared memory, persisted if the process dies."""
         _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.saver)
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
@@ -486,6 +488,12 @@ class RunOrchestrator:
             return decision  # the step log's row is written with the save, at release()
         elif decision.save:
             self._save(decision, step=step, epoch=epoch, at_step=step)
+        elif self.memory.on and not self.preempted:  # no disk save: the step's state goes to a memory slot
+            if self.hold_saves:
+                self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame, memory=True)
+                return decision
+            self._save(decision, step=step, epoch=epoch, at_step=step, memory=True)
+        self.policy.memory_tier = self.memory.on
         self._write_step_row(frame, decision)
         return decision
 
@@ -495,7 +503,7 @@ class RunOrchestrator:
         if held is None:
             return None
         event = self._save(held.decision, step=held.step, epoch=held.epoch, at_step=held.step, rng=held.rng,
-                           sampler=held.sampler, rng_at_step_begin=held.rng_at_step_begin)
+                           sampler=held.sampler, rng_at_step_begin=held.rng_at_step_begin, memory=held.memory)
         self._write_step_row(held.frame, held.decision)
         return event
 
@@ -597,7 +605,9 @@ class RunOrchestrator:
             if blocking and existing.handle is not None:
                 self.saver.finish()
             return existing
-        return self._save(decision, step=step, epoch=epoch, at_step=step, blocking=blocking)
+        event = self._save(decision, step=step, epoch=epoch, at_step=step, blocking=blocking)
+        assert event is not None
+        return event
 
     # ------------------------------------------------------------------ saving
     def _before_save(self, decision: Decision) -> None:
@@ -619,8 +629,8 @@ class RunOrchestrator:
             self.log_event("resume", **event)
 
     def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: RngState | None = None,
-              sampler: dict[str, Any] | None = None, blocking: bool = False, rng_at_step_begin: bool = False
-              ) -> SaveEvent:
+              sampler: dict[str, Any] | None = None, blocking: bool = False, rng_at_step_begin: bool = False,
+              memory: bool = False) -> SaveEvent | None:
         assert self._sources is not None, "attach() first"
         self._before_save(decision)
         if rng_at_step_begin:  # the data position says so: a resume restores it once the next step's batches are in
@@ -628,6 +638,10 @@ class RunOrchestrator:
                 sampler = self._sources.sampler()
             if sampler is not None:
                 sampler = {**sampler, KEY_RNG_AT: RNG_AT_STEP_BEGIN}
+        if memory:
+            self.saver.save_memory(self._sources, step=step, epoch=epoch, lineage=self.lineage, rng=rng,
+                                   sampler=sampler, extra=self._extra(decision))
+            return None
         return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, frame=self.last_frame,
                                debug_info=self.policy.debug_info(), lineage=self.lineage, rng=rng, sampler=sampler,
                                extra=self._extra(decision), blocking=blocking)

@@ -8,7 +8,9 @@ first); it runs no collectives and calls nothing back.
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
 import signal as _signal
 import time
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import distributed as dist
+from .. import sysmem
 from ..config import OnSaveError, SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..engine import SaveEngine
@@ -26,6 +29,7 @@ from ..policy.retention import plan_retention, tier_retention_from_config
 from ..signals.frame import SignalFrame
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointStore, Lineage, SaveRequest
+from ..store import slots as slot_store
 from .savelog import SaveEvent, SaveLog
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,8 @@ class HeldSave:
     sampler: dict[str, Any] | None
     frame: SignalFrame
     rng_at_step_begin: bool = False
+    memory: bool = False
+    """Into a memory slot (no disk save this step)."""
 
 
 def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
@@ -61,11 +67,17 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                                retries=config.remote.retries, backoff_s=config.remote.backoff_s,
                                lock_wait_s=config.runtime.lock_wait_s)
 
+    def open_and_adopt() -> CheckpointStore:  # rank 0: a killed run's newest slot first becomes a disk checkpoint
+        store = open_store()
+        if store.remote is None and not store.read_only:
+            slot_store.adopt_newer(store)
+        return store
+
     if world_size > 1:
         store, error = None, None
         if rank == 0:
             try:
-                store = open_store()
+                store = open_and_adopt()
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
         error = dist.broadcast_object(error)
@@ -74,8 +86,123 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
         if store is None:
             store = open_store()
     else:
-        store = open_store()
+        store = open_and_adopt()
     return store
+
+
+MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5
+"""A slot's write still running when the next slot is due is waited for up to half a step (at most 1 s); a longer
+one (or a disk save in flight) skips that step's slot, counted in `MemoryTier.skipped`."""
+SMALL_SLOT_BYTES = 64 << 20
+"""A slot at most this large is written every step (a LoRA adapter and its moments: a few MB, ~ms per step)."""
+
+
+class MemoryTier:
+    """The run's memory tier (`store/slots.py`): whether it is on, which steps it snapshots, what it cost.
+
+    On by default (`runtime.memory_tier`) with the process writer, one process; off, with one INFO line, where it
+    cannot be (the sync engine, several processes, `/dev/shm` or host memory too small for two slots). Every `every`
+    steps the state of the step goes to a slot: every step for a slot of at most `SMALL_SLOT_BYTES`, else the
+    fewest steps whose snapshot fits in `policy.overhead_budget` of their time and whose write the writer finishes
+    within them (`runtime.memory_every` fixes it). A slot skipped because the writer is still busy is counted."""
+
+    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, world_size: int) -> None:
+        self.config, self.store = config, store
+        self.every = config.runtime.memory_every or 1
+        self.saves = self.skipped = 0
+        self.last_step: int | None = None
+        self.slots: CheckpointStore | None = None
+        self.off_reason: str | None = None
+        self.step_s: float | None = None
+        """Seconds per step, measured between the steps it is asked about."""
+        self._last_call: tuple[int, float] | None = None
+        if not config.runtime.memory_tier:
+            self.off_reason = "runtime.memory_tier=false"
+        elif str(getattr(config.engine, "value", config.engine)) != "process":
+            self.off_reason = "engine='sync' writes on the training thread"
+        elif world_size > 1:
+            self.off_reason = f"{world_size} processes (this version keeps slots for one process)"
+        elif store.remote is not None:
+            self.off_reason = "an object-store root (this version persists slots to local roots)"
+        elif slot_store.shm_room()[1] == 0:
+            self.off_reason = f"no {slot_store.SHM_DIR}"
+        if self.off_reason is None:
+            try:
+                self.slots = slot_store.open_slots(store, read_only=False)
+            except Exception as e:
+                self.off_reason = f"its slots cannot be created ({e})"
+        if self.off_reason is not None and config.runtime.memory_tier:
+            logger.info("memory tier off: %s; restore points are on disk only", self.off_reason)
+
+    @property
+    def on(self) -> bool:
+        return self.slots is not None
+
+    def due(self, step: int) -> bool:
+        """Whether step `step`'s state goes to a slot (measures the step time as it goes)."""
+        if self.slots is None:
+            return False
+        now = time.perf_counter()
+        if self._last_call is not None and step > self._last_call[0]:
+            per = (now - self._last_call[1]) / (step - self._last_call[0])
+            self.step_s = per if self.step_s is None else 0.8 * self.step_s + 0.2 * per
+        self._last_call = (step, now)
+        return step % self.every == 0
+
+    def settle(self, handle: Any) -> None:
+        """Learn from a finished slot write: its size fits or the tier goes off; its cost sets `every`."""
+        if self.slots is None or not handle.done():
+            return
+        if handle.skipped:
+            self.skipped += 1
+            logger.debug("%s", handle.skipped)
+            return
+        error = handle.exception()
+        if error is not None:
+            cause = error.__cause__
+            full = "No space left" in str(error) or getattr(cause, "errno", None) == errno.ENOSPC
+            self.turn_off(f"writing a slot failed ({error})" + (
+                f"; {slot_store.SHM_DIR} is too small: give the container more (docker run --shm-size=..., or a "
+                "Kubernetes emptyDir with medium: Memory mounted there)" if full else ""))
+            return
+        info = handle.wait(0)
+        self.saves += 1
+        self.last_step = handle.step
+        if info is None:
+            return
+        free, total = slot_store.shm_room()
+        room = sysmem.headroom(sysmem.find_memory_cgroup())
+        if 2 * info.bytes + slot_store.SHM_RESERVE_BYTES > free + info.bytes:  # this slot is counted in `free`
+            self.turn_off(f"two slots of {info.bytes / 2**20:.1f} MiB do not fit in {slot_store.SHM_DIR} "
+                          f"({free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, "
+                          f"{slot_store.SHM_RESERVE_BYTES >> 20} MiB kept for data loaders and NCCL); give it more "
+                          "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory)")
+            return
+        if info.bytes > room.budget(self.config.runtime.memory_margin):
+            self.turn_off(f"a second slot of {info.bytes / 2**20:.1f} MiB does not fit in the host memory left "
+                          f"({room.available_bytes / 2**20:.0f} MiB available)")
+            return
+        if self.config.runtime.memory_every is None and info.bytes > SMALL_SLOT_BYTES and self.step_s:
+            step_ms = self.step_s * 1e3
+            budget = max(self.config.policy.overhead_budget, 1e-3)
+            self.every = max(1, math.ceil(max(handle.blocking_ms / (budget * step_ms),
+                                              (handle.write_ms or 0.0) / step_ms)))
+
+    def turn_off(self, why: str) -> None:
+        logger.info("memory tier off: %s; restore points are on disk only", why)
+        self.off_reason = why
+        slots, self.slots = self.slots, None
+        if slots is not None:
+            slots.close()
+            slot_store.remove_slots(self.store.root, self.store.task_id)
+
+    def close(self, *, clean: bool) -> None:
+        """Close the slots; a clean end (the final state on disk) removes them."""
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
+            if clean:
+                slot_store.remove_slots(self.store.root, self.store.task_id)
 
 
 def exit_after_preemption(config: SmartCkptConfig, signum: int | None) -> None:
@@ -115,6 +242,15 @@ class Saver:
         self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
         """The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too)."""
         self._raise_next: SaveError | None = None
+        self.memory: MemoryTier | None = None
+        """The memory tier, once `open_memory` ran (the orchestrator's `attach`)."""
+        self._memory_handle: Any = None
+
+    def open_memory(self, world_size: int) -> MemoryTier:
+        """Open the memory tier (before the engine exists: its writer process writes the slots)."""
+        if self.memory is None:
+            self.memory = MemoryTier(self.config, self.store, world_size=world_size)
+        return self.memory
 
     @property
     def engine(self) -> SaveEngine:
@@ -122,18 +258,40 @@ class Saver:
         if self._engine is None:
             self._engine = SaveEngine(self.store, mode=self.config.engine,
                                       memory_margin=self.config.runtime.memory_margin,
-                                      overlap=self.config.runtime.overlap_snapshot)
+                                      overlap=self.config.runtime.overlap_snapshot,
+                                      slots=self.memory.slots if self.memory is not None else None)
         return self._engine
+
+    def save_memory(self, sources: StateSources, *, step: int, epoch: float, lineage: Lineage,
+                    rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
+                    extra: dict[str, Any] | None = None) -> None:
+        """The state of `step` into a memory slot, in the background (never synchronous; see `MemoryTier`)."""
+        tier = self.memory
+        if tier is None or not tier.due(step) or self._engine is None or not self._engine.start():
+            return  # before the writer process is up, nothing: a slot is never written on the training thread
+        previous, self._memory_handle = self._memory_handle, None
+        if previous is not None:
+            if not previous.done() and tier.step_s:  # the previous slot's write: a bounded wait, then a skip
+                previous.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * tier.step_s))
+            tier.settle(previous)
+            if tier.slots is None:
+                return
+        request = SaveRequest(step=step, epoch=float(epoch), tiers=self.own_tiers, reason="memory tier",
+                              kind="memory_tier", lineage=lineage)
+        self._memory_handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, memory=True)
 
     @property
     def started(self) -> bool:
         """Whether the engine was started (a run that only resumed, or never saved, has none)."""
         return self._engine is not None
 
-    def close(self) -> None:
-        """Close the engine if it was started (its writes in flight commit first)."""
+    def close(self, *, clean: bool = True) -> None:
+        """Close the engine if it was started (its writes in flight commit first), then the memory tier (`clean`:
+        the run ended with its final state on disk, so its slots go)."""
         if self._engine is not None:
             self._engine.close()
+        if self.memory is not None:
+            self.memory.close(clean=clean)
 
     def wait_snapshot(self) -> None:
         """Wait until the last snapshot no longer reads the live parameters and optimizer state (`SaveEngine`)."""

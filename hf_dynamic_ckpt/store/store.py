@@ -390,6 +390,11 @@ class CheckpointStore:
         if self._owns(info.path) is not None:
             self._catalog(lambda: self.catalog.set_status(self.task_id, info.step, status))
 
+    def timeline_record(self) -> dict[str, Any]:
+        """The task's timelines record: ``current`` (the timeline that started last: ``timeline``, ``session``,
+        ``after_step``), ``abandoned`` and ``forks``; empty ones when none was written."""
+        return dict(self._timelines())
+
     def sync_catalog(self, *, recheck_hidden: bool = False, drop_missing: bool = False) -> None:
         """Make this task's catalog rows agree with its directories and manifests (`Catalog.sync`)."""
         with self._lock:
@@ -1109,6 +1114,52 @@ class CheckpointStore:
 
     def _abandoned(self) -> set[tuple[int, float]]:
         return {(e["step"], float(e["created_at"])) for e in self._timelines()["abandoned"]}
+
+    def adopt(self, source: CheckpointStore, step: int) -> CheckpointInfo:
+        """Copy checkpoint `step` of `source` (another store of this task: the memory tier's slots) into this store
+        unchanged: its files, manifest, checksums and timeline. It is verified first (`source.verify`) and committed
+        as a save is (temporary directory, fsync, rename, catalog row). Raises `CorruptCheckpointError` when it does
+        not verify, `DynamicCkptError` when this store holds a checkpoint of `step` already."""
+        self._check_writable("adopt")
+        if source.task_id != self.task_id:
+            raise DynamicCkptError(f"adopt: task {source.task_id!r} is not this store's task {self.task_id!r}.")
+        problems = source.verify(f"step:{step}")
+        if problems:
+            raise CorruptCheckpointError(f"step {step} of {source.root} does not verify: {'; '.join(problems)}")
+        src, final = source.task_dir / step_dir_name(step), self.task_dir / step_dir_name(step)
+        with self._lock:
+            if mf.lstat(final) is not None:
+                raise DynamicCkptError(f"adopt: {final} exists already; nothing was copied.")
+            self._disk.mkdir(self.task_dir)
+            tmp = self.task_dir / f"{step_dir_name(step)}{C.TMP_MARKER}{self.session_id}"
+            self._disk.remove(tmp)
+            self._disk.mkdir(tmp)
+            try:
+                for name in sorted(mf.listdir(src)):  # the manifest last: written, never half a checkpoint
+                    if name != C.MANIFEST_NAME:
+                        self._copy_in(src / name, tmp / name)
+                self._copy_in(src / C.MANIFEST_NAME, tmp / C.MANIFEST_NAME)
+                self._disk.fsync(tmp)
+                manifest = self._read_manifest(step, tmp)
+                if self.remote is not None:  # the object store's commit point first, as for a save
+                    self._publish(tmp, step, manifest[C.KEY_FILES])
+                fault("commit", step=step)
+                self._disk.rename(tmp, final)
+                self._disk.fsync(self.task_dir)
+            except BaseException:
+                self._discard(tmp)
+                raise
+            self._record(info := self._info(manifest, final))
+        logger.debug("adopted step %d of %s into %s", step, source.root, self.task_dir)
+        return info
+
+    def _copy_in(self, src: Path, dst: Path) -> None:
+        if not is_kind(src, "file"):
+            raise UnsafePathError(f"{src} is not a regular file; a checkpoint holds only files.")
+        with open(src, "rb", buffering=0) as fin, self._disk.create(dst) as fout:
+            shutil.copyfileobj(fin, fout, 16 << 20)
+            fout.flush()
+            os.fsync(fout.fileno())
 
     def fork(self, *, timeline: str, after_step: int | None, session: str,
              parent: Lineage | None = None) -> builtins.list[int]:

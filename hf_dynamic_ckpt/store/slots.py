@@ -1,0 +1,150 @@
+"""The memory tier's slots: the newest training state in host shared memory, where it outlives the process.
+
+The slots of a task are a `CheckpointStore` (uncompressed) under ``/dev/shm/hf-dynamic-ckpt-<uid>/<key>/``, `key`
+naming the disk store's root and task. The writer process fills them from the snapshot buffers; the store's commit
+protocol is the slot's marker (every file checksummed in the manifest, written last, then the rename), and at most
+two slots exist: the newest committed one and the one being written (`keep_newest` before each write), so a crash
+during a write leaves the previous one whole. A slot is persisted by copying it into the disk store unchanged
+(`CheckpointStore.adopt`): its timeline and step are the killed run's, so nothing is persisted twice.
+
+Invariants: every directory on the way is checked after `lstat` (a real directory, owned by this user, mode 0700)
+before it is used, since ``/dev/shm`` is world-writable; nothing is ever followed through a link. Reading the slots
+(`open_slots(..., read_only=True)`) changes nothing. Only `keep_newest` and `remove_slots` delete, only slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from ..errors import DynamicCkptError, UnsafePathError
+from .manifest import CheckpointInfo
+from .store import CheckpointStore
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "hf-dynamic-ckpt-"
+SHM_RESERVE_BYTES = 256 << 20
+"""`/dev/shm` room left to others (data-loader workers pass batches through it, NCCL's shared-memory transport)."""
+
+
+def slots_dir(root: str | os.PathLike[str], task_id: str, *, base: str = SHM_DIR) -> Path:
+    """Where the slots of task `task_id` of the store at `root` live (nothing is created)."""
+    key = hashlib.sha256(f"{os.path.realpath(root)}\0{task_id}".encode()).hexdigest()[:20]
+    return Path(base) / f"{SHM_PREFIX}{os.getuid()}" / key
+
+
+def _checked(path: Path, *, create: bool) -> bool:
+    """Whether `path` is a usable private directory (created 0700 when `create`); `UnsafePathError` when something
+    else is there: a link, a file, another user's directory, one others can write to."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(
+            st.st_mode) else f"owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}"
+        raise UnsafePathError(f"{path} is {kind}: the memory tier uses only a private directory (this user's, mode "
+                              f"0700, not a link), since {SHM_DIR} is writable by everyone. Remove it, or turn the "
+                              "memory tier off (runtime.memory_tier=false).")
+    return True
+
+
+def secure(path: Path, *, create: bool) -> bool:
+    """Check (and with `create`, make) the private directories from ``/dev/shm/hf-dynamic-ckpt-<uid>`` down to
+    `path`; returns whether `path` exists."""
+    return _checked(path.parent, create=create) and _checked(path, create=create)
+
+
+def shm_room(base: str = SHM_DIR) -> tuple[int, int]:
+    """(free, total) bytes of the file system under `base` (``/dev/shm``); (0, 0) without one."""
+    try:
+        st = os.statvfs(base)
+    except OSError:
+        return 0, 0
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def open_slots(disk: CheckpointStore, *, read_only: bool, base: str = SHM_DIR) -> CheckpointStore | None:
+    """The slots of `disk`'s task as a store (same task, ranks and session); `None` when `read_only` and there are
+    none. A writer's opening takes the slots' lock (rank 0) and removes what an interrupted write left."""
+    where = slots_dir(disk.root, disk.task_id, base=base)
+    if not secure(where, create=not read_only):
+        return None
+    return CheckpointStore(where, task_id=disk.task_id, rank=disk.rank, world_size=disk.world_size,
+                           session_id=disk.session_id, compression="none", read_only=read_only,
+                           cleanup=not read_only and disk.rank == 0, lock_wait_s=0.0)
+
+
+def newest(slots: CheckpointStore) -> CheckpointInfo | None:
+    """The newest committed slot, or `None`."""
+    found = slots.list(include_unhealthy=True, include_abandoned=True)
+    return max(found, key=lambda i: i.step) if found else None
+
+
+def keep_newest(slots: CheckpointStore) -> None:
+    """Delete every slot but the newest (before a write: the two slots are the newest and the one being written)."""
+    found = sorted(slots.list(include_unhealthy=True, include_abandoned=True), key=lambda i: i.step)
+    for info in found[:-1]:
+        with contextlib.suppress(DynamicCkptError):
+            slots.delete(f"step:{info.step}", force=True)
+
+
+def persist_newest(slots: CheckpointStore, disk: CheckpointStore) -> int | None:
+    """Copy the newest slot into `disk` when it belongs to the disk store's current timeline (the run that wrote it
+    started there) and is newer than every checkpoint there; returns its step, or `None` when there is nothing to
+    persist."""
+    slot = newest(slots)
+    if slot is None:
+        return None
+    current = (disk.timeline_record().get("current") or {}).get("timeline")
+    if slot.lineage is None or slot.lineage.timeline != current:
+        return None  # not the disk store's run (a store deleted and started again): never resurrected
+    on_disk = [i.step for i in disk.list(include_unhealthy=True, include_abandoned=True)]
+    if on_disk and max(on_disk) >= slot.step:
+        return None
+    disk.adopt(slots, slot.step)
+    return slot.step
+
+
+def adopt_newer(disk: CheckpointStore, *, base: str = SHM_DIR) -> int | None:
+    """At a restart (rank 0, its store just opened): persist the killed run's newest slot when it is newer than the
+    disk store (the guaranteed path; a watcher may have done it already), then remove the slots, all persisted or
+    older. Returns the persisted step, or `None`. Never raises: a slot that cannot be used is logged and left."""
+    try:
+        slots = open_slots(disk, read_only=True, base=base)
+    except (OSError, DynamicCkptError) as e:
+        logger.warning("memory tier: the slots of task %r cannot be read (%s); resuming from the disk store",
+                       disk.task_id, e)
+        return None
+    if slots is None:
+        return None
+    step = None
+    try:
+        step = persist_newest(slots, disk)
+    except (OSError, DynamicCkptError) as e:
+        logger.warning("memory tier: the newest slot could not be persisted (%s); resuming from the disk store", e)
+        return None
+    finally:
+        slots.close()
+    if step is not None:
+        logger.info("memory tier: step %d, newer than the disk store, was persisted from host memory", step)
+    remove_slots(disk.root, disk.task_id, base=base)
+    return step
+
+
+def remove_slots(root: str | os.PathLike[str], task_id: str, *, base: str = SHM_DIR) -> None:
+    """Remove the slots of a task (a clean end of training, `close()`, after a restart persisted them)."""
+    where = slots_dir(root, task_id, base=base)
+    with contextlib.suppress(FileNotFoundError, UnsafePathError):
+        if secure(where, create=False):
+            shutil.rmtree(where)

@@ -1,0 +1,65 @@
+"""A Trainer run for the memory-tier tests: tiny Qwen2 + LoRA (dropout on), a save to disk every 5 steps, 0.1 s
+steps (a real model's pace: the writer keeps up), optionally SIGKILLed after a step (`--kill_at`, `--kill_group`
+kills the writer process too) or resumed with `resume_checkpoint(trainer, "auto")`. Writes its losses as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from examples import toy_text  # noqa: E402
+from examples.toy import lora, tiny_qwen2  # noqa: E402
+from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--kill_at", type=int, default=0)
+    p.add_argument("--kill_group", action="store_true")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--memory_tier", default="true")
+    args = p.parse_args()
+    out = Path(args.out)
+    losses: list[list[float]] = []
+    callback = SmartCkptCallback(SmartCkptConfig(base_interval=5, runtime={
+        "memory_tier": args.memory_tier == "true"}))
+
+    class Pace(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
+            if state.global_step == 1:  # the writer process starts after the first step: wait for it here
+                assert callback.run is not None and callback.run.engine.start(wait_s=120)
+            time.sleep(0.1)
+            if state.global_step == args.kill_at:
+                (out / "killed.json").write_text(json.dumps(losses))
+                if args.kill_group:  # the launcher's way: every process of the job, the writer too
+                    os.killpg(0, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_log(self, a, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
+            if logs and "loss" in logs:
+                losses.append([state.global_step, logs["loss"]])
+
+    targs = TrainingArguments(output_dir=str(out / "run"), max_steps=16, per_device_train_batch_size=4,
+                              learning_rate=1e-3, use_cpu=True, save_strategy="no", report_to=[], logging_steps=1,
+                              disable_tqdm=True, seed=0)
+    model = lora(tiny_qwen2(vocab_size=128), dropout=0.1)
+    data = toy_text.random_token_dataset(num_examples=64, seq_len=16, vocab_size=128, seed=1)
+    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[callback, Pace()])
+    ref = resume_checkpoint(trainer, "auto") if args.resume else None
+    trainer.train(resume_from_checkpoint=ref)
+    (out / ("resumed.json" if args.resume else "losses.json")).write_text(json.dumps(
+        {"losses": losses, "resumed_from": ref and int(str(ref).rsplit("-", 1)[1])}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""The memory tier through Trainer: a SIGKILL loses at most the step in flight, by the watcher or by the restart.
+
+Each run is a child process (`memory_tier_worker.py`): an uninterrupted run, then runs killed after step 13 (disk
+saves every 5 steps: the disk's newest is step 10) and the same command resumed with `resume_checkpoint("auto")`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_dynamic_ckpt.cli import main as cli
+from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store.slots import slots_dir
+
+WORKER = Path(__file__).with_name("memory_tier_worker.py")
+
+
+def _run(out: Path, *args: str, killed: bool = False) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out), *args], capture_output=True, text=True,
+                          timeout=600, start_new_session=True)
+    if killed:
+        assert proc.returncode == -9, proc.stderr[-3000:]
+        return {"losses": json.loads((out / "killed.json").read_text())}
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / ("resumed.json" if "--resume" in args else "losses.json")).read_text())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = _run(out)
+    assert not slots_dir(out / "run" / "smart_ckpt", "default").exists()  # a clean end removes the slots
+    return {int(s): loss for s, loss in result["losses"]}
+
+
+def _steps(out: Path) -> list[int]:
+    store = CheckpointStore(out / "run" / "smart_ckpt", read_only=True)
+    try:
+        return sorted(i.step for i in store.list(include_unhealthy=True))
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["trainer-killed-watcher-persists", "group-killed-restart"])
+def test_a_sigkill_after_step_13_resumes_from_step_12_bit_exact(tmp_path: Path, uninterrupted: dict[int, float],
+                                                                 group: bool, capsys: pytest.CaptureFixture) -> None:
+    _run(tmp_path, "--kill_at", "13", *(["--kill_group"] if group else []), killed=True)
+    slots = slots_dir(tmp_path / "run" / "smart_ckpt", "default")
+    if group:  # nothing outlived the job: the disk has step 10, host memory has steps 11 and 12
+        assert _steps(tmp_path) == [5, 10]
+        assert sorted(p.name for p in (slots / "default").iterdir() if p.name.startswith("step-")) == [
+            "step-11", "step-12"]
+        assert cli(["ls", str(tmp_path / "run" / "smart_ckpt")]) == 0  # shows them, changes nothing
+        assert "in host memory" in capsys.readouterr().out and _steps(tmp_path) == [5, 10] and slots.exists()
+    else:  # the watcher (the writer process) persisted the newest slot within seconds
+        deadline = time.monotonic() + 60
+        while _steps(tmp_path) != [5, 10, 12] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _steps(tmp_path) == [5, 10, 12]
+    resumed = _run(tmp_path, "--resume")
+    assert resumed["resumed_from"] == 12  # one step lost (13, the step the kill cut), not three
+    assert [s for s, _ in resumed["losses"]] == [13, 14, 15, 16]
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])  # bit-equal
+    assert not slots.exists()  # persisted, then removed; the resumed run's own slots went at its clean end
+    assert 12 in _steps(tmp_path)
+
+
+def test_memory_tier_off_writes_no_slot_and_resumes_from_disk(tmp_path: Path, uninterrupted: dict[int, float]) -> None:
+    _run(tmp_path, "--kill_at", "13", "--memory_tier", "false", killed=True)
+    assert not slots_dir(tmp_path / "run" / "smart_ckpt", "default").exists()
+    resumed = _run(tmp_path, "--resume", "--memory_tier", "false")
+    assert resumed["resumed_from"] == 10
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+
+
+def test_gc_persists_a_killed_runs_newest_slot_and_removes_the_slots(tmp_path: Path, capsys: pytest.CaptureFixture
+                                                                    ) -> None:
+    _run(tmp_path, "--kill_at", "13", "--kill_group", killed=True)
+    root = str(tmp_path / "run" / "smart_ckpt")
+    assert cli(["gc", root]) == 0
+    assert "persisted step 12 from the memory slots of steps 11, 12" in capsys.readouterr().out
+    assert _steps(tmp_path) == [5, 10, 12] and not slots_dir(root, "default").exists()

@@ -1,0 +1,95 @@
+"""The memory tier's slots (`store.slots`): private directories, two slots, persisted only into their own run's store.
+
+The slots' base directory is a temporary one here (``/dev/shm`` in use): the checks are the same.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dynamic_ckpt.constants import ALL_TIERS
+from hf_dynamic_ckpt.errors import UnsafePathError
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, Lineage, SaveRequest
+from hf_dynamic_ckpt.store.slots import (
+    adopt_newer,
+    keep_newest,
+    newest,
+    open_slots,
+    persist_newest,
+    slots_dir,
+)
+
+
+def _save(store: CheckpointStore, step: int, lineage: Lineage) -> None:
+    torch.manual_seed(step)
+    store.save(CheckpointState(step=step, weights={"w": torch.randn(4, 4)}, rng={"python": step}),
+               SaveRequest(step=step, tiers=ALL_TIERS - {"optimizer"}, reason="t", lineage=lineage))
+
+
+@pytest.fixture
+def disk(tmp_path: Path):
+    store = CheckpointStore(tmp_path / "disk")
+    yield store
+    store.close()
+
+
+def _started(store: CheckpointStore, lineage: Lineage) -> None:
+    store.fork(timeline=lineage.timeline, after_step=None, session=lineage.session)
+
+
+def test_two_slots_and_the_newest_persisted_once_into_its_own_run(tmp_path: Path, disk: CheckpointStore) -> None:
+    base = str(tmp_path / "shm")
+    os.mkdir(base)
+    run = Lineage(session=disk.session_id, timeline="t1")
+    _started(disk, run)
+    _save(disk, 10, run)
+    slots = open_slots(disk, read_only=False, base=base)
+    assert slots is not None
+    for step in (11, 12, 13):
+        keep_newest(slots)
+        _save(slots, step, run)
+    assert sorted(i.step for i in slots.list()) == [12, 13]
+    where = slots_dir(disk.root, "default", base=base)
+    assert oct(os.lstat(where).st_mode & 0o777) == "0o700" and oct(os.lstat(where.parent).st_mode & 0o777) == "0o700"
+    assert persist_newest(slots, disk) == 13
+    assert persist_newest(slots, disk) is None  # not twice
+    loaded = disk.load("step:13")
+    assert torch.equal(loaded.weights["w"], slots.load("step:13").weights["w"]) and loaded.rng == {"python": 13}
+    assert disk.verify("step:13") == []
+    slots.close()
+    assert adopt_newer(disk, base=base) is None  # nothing newer: the slots go
+    assert not where.exists()
+
+
+def test_a_slot_of_another_run_is_never_persisted(tmp_path: Path, disk: CheckpointStore) -> None:
+    base = str(tmp_path / "shm")
+    os.mkdir(base)
+    slots = open_slots(disk, read_only=False, base=base)
+    assert slots is not None
+    _save(slots, 7, Lineage(session="s", timeline="old-run"))  # the store was deleted and started again since
+    _started(disk, Lineage(session=disk.session_id, timeline="new-run"))
+    assert newest(slots).step == 7  # type: ignore[union-attr]
+    assert persist_newest(slots, disk) is None and disk.list() == []
+    slots.close()
+
+
+def test_slots_refuse_a_link_or_a_directory_others_can_write(tmp_path: Path, disk: CheckpointStore) -> None:
+    base = tmp_path / "shm"
+    base.mkdir()
+    where = slots_dir(disk.root, "default", base=str(base))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    where.parent.symlink_to(elsewhere)
+    with pytest.raises(UnsafePathError, match=r"is a symbolic link: the memory tier uses only a private directory"):
+        open_slots(disk, read_only=False, base=str(base))
+    assert list(elsewhere.iterdir()) == []  # nothing was created through the link
+    where.parent.unlink()
+    where.parent.mkdir(mode=0o777)
+    os.chmod(where.parent, 0o777)
+    with pytest.raises(UnsafePathError, match=r"mode 777: the memory tier uses only a private directory"):
+        open_slots(disk, read_only=False, base=str(base))
+    assert adopt_newer(disk, base=str(base)) is None  # a restart logs it and resumes from disk
