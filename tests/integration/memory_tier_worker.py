@@ -14,11 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from examples import toy_text  # noqa: E402
-from examples.toy import lora, tiny_qwen2  # noqa: E402
-from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint  # noqa: E402
+from examples import toy_text
+from examples.toy import lora, tiny_qwen2
+from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
 
 
 def main() -> None:
