@@ -176,11 +176,11 @@ class MemoryTier:
             self.turn_off(f"two slots of {info.bytes / 2**20:.1f} MiB do not fit in {slot_store.SHM_DIR} "
                           f"({free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, "
                           f"{slot_store.SHM_RESERVE_BYTES >> 20} MiB kept for data loaders and NCCL); give it more "
-                          "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory)")
+                          "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory)", remove=True)
             return
         if info.bytes > room.budget(self.config.runtime.memory_margin):
             self.turn_off(f"a second slot of {info.bytes / 2**20:.1f} MiB does not fit in the host memory left "
-                          f"({room.available_bytes / 2**20:.0f} MiB available)")
+                          f"({room.available_bytes / 2**20:.0f} MiB available)", remove=True)
             return
         if self.config.runtime.memory_every is None and info.bytes > SMALL_SLOT_BYTES and self.step_s:
             step_ms = self.step_s * 1e3
@@ -188,21 +188,23 @@ class MemoryTier:
             self.every = max(1, math.ceil(max(handle.blocking_ms / (budget * step_ms),
                                               (handle.write_ms or 0.0) / step_ms)))
 
-    def turn_off(self, why: str) -> None:
+    def turn_off(self, why: str, *, remove: bool = False) -> None:
+        """No more slots (one INFO line); the committed ones stay for a restart unless `remove` (they do not fit)."""
         logger.info("memory tier off: %s; restore points are on disk only", why)
         self.off_reason = why
         slots, self.slots = self.slots, None
         if slots is not None:
             slots.close()
-            slot_store.remove_slots(self.store.root, self.store.task_id)
+            if remove:
+                slot_store.remove_slots(self.store.root, self.store.task_id)
 
     def close(self, *, clean: bool) -> None:
         """Close the slots; a clean end (the final state on disk) removes them."""
-        if self.slots is not None:
-            self.slots.close()
-            self.slots = None
-            if clean:
-                slot_store.remove_slots(self.store.root, self.store.task_id)
+        slots, self.slots = self.slots, None
+        if slots is not None:
+            slots.close()
+        if clean and (slots is not None or self.off_reason is not None and self.config.runtime.memory_tier):
+            slot_store.remove_slots(self.store.root, self.store.task_id)
 
 
 def exit_after_preemption(config: SmartCkptConfig, signum: int | None) -> None:

@@ -22,7 +22,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from ..errors import DynamicCkptError, UnsafePathError
+from ..errors import CorruptCheckpointError, DynamicCkptError, UnsafePathError
 from .manifest import CheckpointInfo
 from .store import CheckpointStore
 
@@ -100,20 +100,20 @@ def keep_newest(slots: CheckpointStore) -> None:
 
 
 def persist_newest(slots: CheckpointStore, disk: CheckpointStore) -> int | None:
-    """Copy the newest slot into `disk` when it belongs to the disk store's current timeline (the run that wrote it
-    started there) and is newer than every checkpoint there; returns its step, or `None` when there is nothing to
-    persist."""
-    slot = newest(slots)
-    if slot is None:
-        return None
+    """Copy the newest usable slot into `disk` when it belongs to the disk store's current timeline (the run that
+    wrote it started there) and is newer than every checkpoint there (a slot that does not verify: the one before
+    it); returns its step, or `None` when there is nothing to persist."""
     current = (disk.timeline_record().get("current") or {}).get("timeline")
-    if slot.lineage is None or slot.lineage.timeline != current:
-        return None  # not the disk store's run (a store deleted and started again): never resurrected
-    on_disk = [i.step for i in disk.list(include_unhealthy=True, include_abandoned=True)]
-    if on_disk and max(on_disk) >= slot.step:
-        return None
-    disk.adopt(slots, slot.step)
-    return slot.step
+    on_disk = max((i.step for i in disk.list(include_unhealthy=True, include_abandoned=True)), default=-1)
+    for slot in sorted(slots.list(include_unhealthy=True, include_abandoned=True), key=lambda i: -i.step):
+        if slot.lineage is None or slot.lineage.timeline != current or slot.step <= on_disk:
+            return None  # another run's (a store deleted and started again: never resurrected), or not newer
+        try:
+            disk.adopt(slots, slot.step)
+            return slot.step
+        except CorruptCheckpointError as e:  # a damaged slot: the one before it
+            logger.warning("memory tier: the slot of step %d is damaged (%s); trying the one before it", slot.step, e)
+    return None
 
 
 def adopt_newer(disk: CheckpointStore, *, base: str = SHM_DIR) -> int | None:

@@ -28,8 +28,11 @@ def main() -> None:
     p.add_argument("--kill_group", action="store_true")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--memory_tier", default="true")
+    p.add_argument("--loop", default="trainer", choices=["trainer", "accelerate"])
     args = p.parse_args()
     out = Path(args.out)
+    if args.loop == "accelerate":
+        return accelerate_loop(args, out)
     losses: list[list[float]] = []
     callback = SmartCkptCallback(SmartCkptConfig(base_interval=5, runtime={
         "memory_tier": args.memory_tier == "true"}))
@@ -59,6 +62,49 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=ref)
     (out / ("resumed.json" if args.resume else "losses.json")).write_text(json.dumps(
         {"losses": losses, "resumed_from": ref and int(str(ref).rsplit("-", 1)[1])}))
+
+
+def accelerate_loop(args: argparse.Namespace, out: Path) -> None:
+    """The same job as a custom loop with `SmartCheckpointer` (16 steps of batch 4, loss per step)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from hf_dynamic_ckpt import SmartCheckpointer
+
+    set_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = lora(tiny_qwen2(vocab_size=128), dropout=0.1)
+    data = toy_text.random_token_dataset(num_examples=64, seq_len=16, vocab_size=128, seed=1)
+    rows = [{k: torch.tensor(data[i][k]) for k in ("input_ids", "attention_mask", "labels")} for i in range(len(data))]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4, shuffle=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    ckpt = SmartCheckpointer(accelerator, model, opt, None, loader, output_dir=str(out / "run"), config=SmartCkptConfig(
+        base_interval=5, runtime={"memory_tier": args.memory_tier == "true"}))
+    loaded = ckpt.resume("auto") if args.resume else None
+    losses: list[list[float]] = []
+    for _ in ckpt.epochs(1):
+        for batch in ckpt.loader:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            ckpt.before_update()
+            opt.step()
+            opt.zero_grad()
+            ckpt.after_update()
+            step = ckpt.step
+            losses.append([step, loss.item()])
+            if step == 1:
+                assert ckpt.run.engine.start(wait_s=120)
+            time.sleep(0.1)
+            if step == args.kill_at:
+                (out / "killed.json").write_text(json.dumps(losses))
+                if args.kill_group:
+                    os.killpg(0, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()
+    (out / ("resumed.json" if args.resume else "losses.json")).write_text(json.dumps(
+        {"losses": losses, "resumed_from": loaded.info.step if loaded is not None else None}))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ saves every 5 steps: the disk's newest is step 10) and the same command resumed 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,16 +16,18 @@ from pathlib import Path
 import pytest
 
 from hf_dynamic_ckpt.cli import main as cli
+from hf_dynamic_ckpt.constants import WEIGHTS_NAME
 from hf_dynamic_ckpt.store import CheckpointStore
 from hf_dynamic_ckpt.store.slots import slots_dir
 
 WORKER = Path(__file__).with_name("memory_tier_worker.py")
 
 
-def _run(out: Path, *args: str, killed: bool = False) -> dict:
+def _run(out: Path, *args: str, killed: bool = False, fault: str = "") -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_DYNAMIC_CKPT_FAULT": fault}
     proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out), *args], capture_output=True, text=True,
-                          timeout=600, start_new_session=True)
+                          timeout=600, start_new_session=True, env=env)
     if killed:
         assert proc.returncode == -9, proc.stderr[-3000:]
         return {"losses": json.loads((out / "killed.json").read_text())}
@@ -87,3 +90,37 @@ def test_gc_persists_a_killed_runs_newest_slot_and_removes_the_slots(tmp_path: P
     assert cli(["gc", root]) == 0
     assert "persisted step 12 from the memory slots of steps 11, 12" in capsys.readouterr().out
     assert _steps(tmp_path) == [5, 10, 12] and not slots_dir(root, "default").exists()
+
+
+def test_smart_checkpointer_killed_after_step_13_resumes_from_step_13(tmp_path: Path) -> None:
+    # A custom loop saves at `after_update`: the slot of step 13 is taken before the kill, and the restart (the
+    # whole process group killed: no watcher) persists it and resumes with nothing recomputed.
+    uninterrupted = {int(s): loss for s, loss in _run(tmp_path / "a", "--loop", "accelerate")["losses"]}
+    _run(tmp_path / "b", "--loop", "accelerate", "--kill_at", "13", "--kill_group", killed=True)
+    resumed = _run(tmp_path / "b", "--loop", "accelerate", "--resume")
+    assert resumed["resumed_from"] == 13 and [s for s, _ in resumed["losses"]] == [14, 15, 16]
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+
+
+def test_a_kill_during_a_slot_write_leaves_the_previous_slot_and_a_damaged_one_is_passed_over(
+        tmp_path: Path, uninterrupted: dict[int, float]) -> None:
+    # The writer process is killed while it writes the slot of step 12 (the library's test hook), then the whole job
+    # after step 13: the slot of step 11 is whole, and the restart resumes from it.
+    _run(tmp_path, "--kill_at", "13", "--kill_group", killed=True,
+         fault=f"write@step=12@name={WEIGHTS_NAME}:kill")
+    slots = slots_dir(tmp_path / "run" / "smart_ckpt", "default") / "default"
+    assert (slots / "step-11").is_dir() and not (slots / "step-12").exists()
+    resumed = _run(tmp_path, "--resume")
+    assert resumed["resumed_from"] == 11
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+    # The same kill, its slot of step 11 damaged (one byte of its weights): the restart resumes from disk.
+    damaged = tmp_path / "damaged"
+    _run(damaged, "--kill_at", "13", "--kill_group", killed=True, fault=f"write@step=12@name={WEIGHTS_NAME}:kill")
+    slots = slots_dir(damaged / "run" / "smart_ckpt", "default") / "default"
+    weights = slots / "step-11" / WEIGHTS_NAME
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    resumed = _run(damaged, "--resume")
+    assert resumed["resumed_from"] == 10
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
