@@ -28,6 +28,7 @@ from ..constants import Tier
 from ..errors import ConfigError, SaveError, fault
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
+from ..store.slots import keep_newest
 from .overlap import Overlap
 from .snapshot import Allocator, Snapshotter, collect, direct, scopes, shared_storage, tensors_in
 from .writer import PROCESS_WRITER_MIN_BUDGET, Job, OnBusy, ProcessWriter, SaveHandle, run_job
@@ -115,6 +116,11 @@ class SaveEngine:
         return self._snapshotter.nbytes
 
     @property
+    def writer_ready(self) -> bool:
+        """Whether the writer process takes saves now (never starts it)."""
+        return self._writer is not None and self._writer.ready
+
+    @property
     def writer_pid(self) -> int | None:
         """The writer process's id, once started."""
         return self._writer.pid if self._writer is not None else None
@@ -150,8 +156,9 @@ class SaveEngine:
             rng (`dict` or `RawRngState`, *optional*): RNG state to store instead of capturing it now.
             sampler (`dict`, *optional*): data position instead of `sources.sampler()`.
             extra (`Mapping`, *optional*): JSON-able data for the manifest's `extra`.
-            memory (`bool`, *optional*): into the memory tier's slots. Never synchronous: skipped (`handle.skipped`)
-                while the writer process is not up or still writes, or memory is short.
+            memory (`bool`, *optional*): into the memory tier's slots. In the background it is skipped
+                (`handle.skipped`) while the writer process is not up or still writes, or memory is short; with
+                `blocking` it is written on the calling thread.
 
         Raises:
             `SaveError`: the sources cannot provide the requested tiers (nothing was saved), or the engine is closed.
@@ -163,7 +170,7 @@ class SaveEngine:
         handle.memory = memory
         previous = self._job
         if memory and (self.slots is None or (previous is not None and not previous.handle.done())
-                       or self._ready_writer() is None):
+                       or (not blocking and self._ready_writer() is None)):
             handle.skipped = (f"memory slot of step {request.step} skipped: " + (
                 "no slots" if self.slots is None else "the writer process is still writing step "
                 f"{previous.handle.step}" if previous is not None and not previous.handle.done()
@@ -187,7 +194,7 @@ class SaveEngine:
         writer = self._ready_writer() if not blocking else None
         if writer is None:
             handle.staging = "sync"
-            return self._write_now(direct(live), request, handle, start)
+            return self._write_now(direct(live), request, handle, start, slots=memory)
         parts = scopes(live)
         needed, held = self._snapshotter.needed_bytes(parts), self._snapshotter.nbytes
         plan = self.last_plan = sysmem.plan_staging(needed, margin=self.memory_margin, headroom=self._headroom(),
@@ -320,13 +327,16 @@ class SaveEngine:
         last = self._last_committed
         return Job(state, waits, request, handle, f"step {last.step}" if last else "none written by this engine")
 
-    def _write_now(self, state: CheckpointState, request: SaveRequest, handle: SaveHandle, start: float
-                   ) -> SaveHandle:
+    def _write_now(self, state: CheckpointState, request: SaveRequest, handle: SaveHandle, start: float, *,
+                   slots: bool = False) -> SaveHandle:
         """Write on the calling thread (abortable from another one meanwhile) through the store's `save`, looked up
-        now (a wrapper set on the store after the engine exists applies)."""
+        now (a wrapper set on the store after the engine exists applies); with `slots`, into the memory tier's."""
         job = self._sync_job = self._new_job(state, [], request, handle)
+        target = self.slots if slots else self.store
         try:
-            run_job(job, lambda *args, **kwargs: self.store.save(*args, **kwargs))
+            if slots:
+                keep_newest(target)
+            run_job(job, lambda *args, **kwargs: target.save(*args, **kwargs))
         finally:
             self._sync_job = None
         self._settle(job)

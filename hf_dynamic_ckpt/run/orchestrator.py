@@ -295,7 +295,7 @@ class RunOrchestrator:
     @property
     def pending_save(self) -> Decision | None:
         """The save decided at the last `step_end` and held until `release()` (`hold_saves`), if any."""
-        return self._held.decision if self._held is not None else None
+        return self._held.decision if self._held is not None and not self._held.memory else None
 
     def _extra(self, decision: Decision) -> dict[str, Any]:
         """The manifest's `extra` of a save (this rank's): the integration's part, the run's own state, the model;
@@ -658,7 +658,8 @@ class RunOrchestrator:
         """`smart_ckpt/*` numbers for the training logs (saves, failed saves, last save step, stall, risk)."""
         self.saver.collect_finished()
         last = self.last_decision
-        held = self._held.step if self._held is not None else None  # decided, written once the step's logging ends
+        held = self._held.step if self._held is not None and not self._held.memory else None  # decided, written
+        # once the step's logging ends (a memory slot is no disk save)
         out = self.log.metrics(risk=last.risk if last is not None else None,
                                interval=last.interval if last is not None else None, held_step=held)
         if self.rollbacks.taken:

@@ -104,12 +104,17 @@ class MemoryTier:
     cannot be (the sync engine, several processes, `/dev/shm` or host memory too small for two slots). Every `every`
     steps the state of the step goes to a slot: every step for a slot of at most `SMALL_SLOT_BYTES`, else the
     fewest steps whose snapshot fits in `policy.overhead_budget` of their time and whose write the writer finishes
-    within them (`runtime.memory_every` fixes it). A slot skipped because the writer is still busy is counted."""
+    within them (`runtime.memory_every` fixes it). A slot skipped because the writer is still busy is counted. In the
+    first seconds of a run, before the writer process is up, a small slot is written on the training thread as
+    often as its measured write fits in the overhead budget (`write_early`)."""
 
     def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, world_size: int) -> None:
         self.config, self.store = config, store
         self.every = config.runtime.memory_every or 1
         self.saves = self.skipped = 0
+        self.early_every = 1
+        self.bytes: int | None = None
+        """The size of the last slot written."""
         self.last_step: int | None = None
         self.slots: CheckpointStore | None = None
         self.off_reason: str | None = None
@@ -131,8 +136,9 @@ class MemoryTier:
                 self.slots = slot_store.open_slots(store, read_only=False)
             except Exception as e:
                 self.off_reason = f"its slots cannot be created ({e})"
-        if self.off_reason is not None and config.runtime.memory_tier:
-            logger.info("memory tier off: %s; restore points are on disk only", self.off_reason)
+        if self.off_reason is not None and config.runtime.memory_tier:  # the sync engine: the user's own choice
+            logger.log(logging.DEBUG if self.off_reason.startswith("engine=") else logging.INFO,
+                       "memory tier off: %s; restore points are on disk only", self.off_reason)
 
     @property
     def on(self) -> bool:
@@ -148,6 +154,13 @@ class MemoryTier:
             self.step_s = per if self.step_s is None else 0.8 * self.step_s + 0.2 * per
         self._last_call = (step, now)
         return step % self.every == 0
+
+    def write_early(self, step: int) -> bool:
+        """Before the writer process is up: whether step `step`'s slot is written on the training thread, for a slot
+        of at most `SMALL_SLOT_BYTES`, every `early_every` steps (its measured write within the overhead budget)."""
+        if self.bytes is not None and self.bytes > SMALL_SLOT_BYTES:
+            return False
+        return step % self.early_every == 0
 
     def settle(self, handle: Any) -> None:
         """Learn from a finished slot write: its size fits or the tier goes off; its cost sets `every`."""
@@ -170,6 +183,10 @@ class MemoryTier:
         self.last_step = handle.step
         if info is None:
             return
+        self.bytes = info.bytes
+        if handle.staging == "sync" and self.step_s:  # written on the training thread: as often as the budget allows
+            budget = max(self.config.policy.overhead_budget, 1e-3) * self.step_s * 1e3
+            self.early_every = max(1, math.ceil(handle.blocking_ms / budget))
         free, total = slot_store.shm_room()
         room = sysmem.headroom(sysmem.find_memory_cgroup())
         if 2 * info.bytes + slot_store.SHM_RESERVE_BYTES > free + info.bytes:  # this slot is counted in `free`
@@ -203,7 +220,7 @@ class MemoryTier:
         slots, self.slots = self.slots, None
         if slots is not None:
             slots.close()
-        if clean and (slots is not None or self.off_reason is not None and self.config.runtime.memory_tier):
+        if clean and (slots is not None or (self.off_reason is not None and self.config.runtime.memory_tier)):
             slot_store.remove_slots(self.store.root, self.store.task_id)
 
 
@@ -269,8 +286,11 @@ class Saver:
                     extra: dict[str, Any] | None = None) -> None:
         """The state of `step` into a memory slot, in the background (never synchronous; see `MemoryTier`)."""
         tier = self.memory
-        if tier is None or not tier.due(step) or self._engine is None or not self._engine.start():
-            return  # before the writer process is up, nothing: a slot is never written on the training thread
+        if tier is None or not tier.due(step):
+            return
+        early = not self.engine.writer_ready  # not up yet (its first seconds; `start_writer` starts it)
+        if early and not tier.write_early(step):
+            return
         previous, self._memory_handle = self._memory_handle, None
         if previous is not None:
             if not previous.done() and tier.step_s:  # the previous slot's write: a bounded wait, then a skip
@@ -280,7 +300,11 @@ class Saver:
                 return
         request = SaveRequest(step=step, epoch=float(epoch), tiers=self.own_tiers, reason="memory tier",
                               kind="memory_tier", lineage=lineage)
-        self._memory_handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, memory=True)
+        self._memory_handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, memory=True,
+                                               blocking=early)
+        if early:
+            tier.settle(self._memory_handle)
+            self._memory_handle = None
 
     @property
     def started(self) -> bool:

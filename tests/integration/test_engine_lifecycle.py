@@ -101,7 +101,7 @@ def test_process_writer_isolates_snapshots_and_reports_failures(tmp_path):
     with pytest.raises(SaveError, match=r"save of step 6 \(interval\) failed: .*the previous checkpoint \(step 5\)"):
         failed.wait(120)
     assert store.resolve("auto").step == 5
-    (store.task_dir / f"step-6.tmp-{store.session_id}").unlink()
+    assert not (store.task_dir / f"step-6.tmp-{store.session_id}").exists()  # its own temporary name: cleared
     assert engine.save(sources, SaveRequest(step=7, tiers=ALL_TIERS, reason="interval"), rng=RNG).wait(120).step == 7
     pid = engine.writer_pid
     engine.close()
