@@ -674,6 +674,8 @@ class RunOrchestrator:
             `SaveError`: a save failed and `on_save_error="raise"` (with `"warn"`, failures are
                 counted and warned about, the same for the last save as for any other).
         """
+        if self._held is not None and self._held.memory:  # a slot of a step whose logging never came: not needed
+            self._held = None
         self.release()
         return self.saver.finish()
 

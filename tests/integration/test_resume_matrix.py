@@ -98,8 +98,10 @@ def test_trainer_resumes_exactly_on_two_ranks_with_persistent_workers(tmp_path: 
 
 def test_sigkill_after_an_evaluation_with_persistent_workers_then_the_same_command(tmp_path: Path) -> None:
     """A run that evaluates every 5 steps, killed a few steps into its second epoch (after two evaluations),
-    restarted at once with `resume_checkpoint(trainer, "auto")`: it resumes from the save at the epoch boundary,
-    and every step after it, and every evaluation, is the uninterrupted run's."""
+    restarted at once with `resume_checkpoint(trainer, "auto")`: it resumes from the memory tier's slot of the step
+    before the one the kill came after (the disk's newest is the save at the epoch boundary, step 12), and every step
+    after it,
+    and every evaluation, is the uninterrupted run's."""
     worker = REPO / "tests" / "integration" / "trainer_worker.py"
     common = ["--model", "lora", "--max_steps", "24", "--ga", "1", "--examples", "48", "--base_interval", "4",
               "--workers", "2", "--eval_steps", "5"]
@@ -117,8 +119,8 @@ def test_sigkill_after_an_evaluation_with_persistent_workers_then_the_same_comma
     killed = run("run", "--kill_at", "15")
     assert killed["killed"]
     resumed = run("run", "--resume", "auto")
-    assert resumed["resumed_from"] == 12
-    assert resumed["losses"] == reference["losses"][12:]
+    assert resumed["resumed_from"] == 14  # the memory tier's slot of step 14 (the disk's newest: 12)
+    assert resumed["losses"] == reference["losses"][14:]
     assert resumed["evals"] == reference["evals"] and set(reference["evals"]) == {"5", "10", "15", "20", "24"}
     assert resumed["trainable"] == reference["trainable"]
 
@@ -144,7 +146,7 @@ def test_sigkill_keeps_the_best_model_and_the_early_stop_step(tmp_path: Path) ->
     assert reference["global_step"] < 40, "the reference did not stop early: the test checks nothing"
     assert run("run", "--kill_at", "7")["killed"]
     resumed = run("run", "--resume", "auto")
-    assert resumed["resumed_from"] == 6
+    assert resumed["resumed_from"] == 6  # the disk's save of step 6 (the memory tier's newest slot: step 5)
     assert resumed["global_step"] == reference["global_step"]
     assert resumed["best"] == reference["best"]
     assert resumed["evals"] == reference["evals"]

@@ -58,13 +58,15 @@ def test_sigkill_then_resume_continues_bit_exactly(tmp_path: Path, reference: Pa
     assert crashed_from is None and max(crashed) == 7  # died right after step 7
     committed = sorted(int(p.name[5:]) for p in (tmp_path / "run/smart_ckpt/default").glob("step-*")
                        if "." not in p.name)
-    assert committed and max(committed) < 7
+    # The disk's step 6, and step 7 when the memory tier's slot of it (queued right before the kill) reached the
+    # writer process, which persists it when the loop is gone; the restart takes the newest.
+    assert committed and max(committed) in (6, 7)
 
     run_worker(tmp_path, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",
                "--final", "resumed.safetensors", *common)
     resumed_from, resumed = read_losses(tmp_path / "resume.jsonl")
     _, ref = read_losses(reference / "ref.jsonl")
-    assert resumed_from == max(committed)
+    assert resumed_from in (6, 7) and resumed_from >= max(committed)
     assert sorted(resumed) == list(range(resumed_from + 1, 11))
     # Every step after the restore point: identical step loss and micro-batch losses, to the bit.
     for step, row in resumed.items():
