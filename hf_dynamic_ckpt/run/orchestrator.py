@@ -43,13 +43,11 @@ from ..policy.triggers import RollbackRule, RollbackVerdict, Verdict
 from ..signals.frame import SignalFrame
 from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights, trainable_state_dict
 from ..state.flat import FlatKeeper
-from ..state.shards import ShardedState
+from ..state.sharded import ShardedState, ZeroGradSquares, ZeroState, ZeroUpdateSeam, sources_for, zero_optimizer
 from ..state.support import check_model
-from ..state.zero import ZeroGradSquares, ZeroState, ZeroUpdateSeam, zero_optimizer
 from ..store.remote import is_url
 from ..store.spec import Lineage, new_session_id
 from ..store.types import CheckpointInfo, LoadedCheckpoint
-from .fsdp import load_sharded, sources_for
 from .resume import (
     KEY_GRAD_PROBE,
     KEY_POLICY,
@@ -237,7 +235,7 @@ class RunOrchestrator:
             position (`Callable`, *optional*): the `(step, epoch)` that `pre_update` would be given, readable while
                 the step runs. Under DeepSpeed ZeRO the engine applies the update inside `backward`, before the
                 loop's `pre_update`: with `position`, `pre_update` runs inside the engine's step, before the first
-                partition is updated (`state.zero.ZeroUpdateSeam`), and the loop's call returns its decision.
+                partition is updated (`state.sharded.ZeroUpdateSeam`), and the loop's call returns its decision.
         """
         check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (state.support)
         if self.config.policy.skip_bad_update and zero_optimizer(optimizer) is not None:
@@ -774,7 +772,7 @@ class RunOrchestrator:
             fallback=fallback, expected=sharded.expected() if sharded is not None else expected,
             background_optimizer=background_optimizer and sharded is None, into=into if sharded is None else None)
         if resumption is not None and sharded is not None:
-            load_sharded(sharded, resumption.loaded)
+            sharded.load(resumption.loaded)
         return resumption
 
     def apply(self, resumption: Resumption, *, rollback: bool = False) -> None:
@@ -818,7 +816,7 @@ class RunOrchestrator:
         DeepSpeed engine exists) into the attached model and optimizer, once its optimizer tier is in."""
         assert self._sharded is not None, "attach() a sharded model first"
         self.complete_resume(loaded)
-        load_sharded(self._sharded, loaded)
+        self._sharded.load(loaded)
 
     def complete_resume(self, loaded: LoadedCheckpoint) -> None:
         """Wait for a background optimizer-tier read and fill it in (agreed: lost on one rank, lost on all)."""

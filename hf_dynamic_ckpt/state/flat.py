@@ -260,7 +260,7 @@ class FlatKeeper:
         self.on_move = on_move
         self.optimizer = optimizer
         self.weights = weights
-        from .shards import is_sharded_model
+        from .sharded import is_sharded_model
 
         # FSDP2 parameters are DTensor shards (never moved); the rest: `enabled`, or where it pays.
         self.enabled = not is_sharded_model(model) and (pays(model) if enabled is None else enabled)

@@ -54,7 +54,7 @@ from ..errors import (
 from ..jsonutil import json_safe
 from . import manifest as mf
 from .blobs import BlobStore
-from .hashing import FileEntry
+from .hashing import FileEntry, make_file_entry
 from .shard_files import write_shards
 from .spec import Codec, SaveRequest
 from .task import Task
@@ -267,7 +267,8 @@ def commit_save(task: Task, state: CheckpointState, request: SaveRequest, *, tim
         files, blobs = write_rank_files(plain, tmp, rank=spec.rank, blobs_dir=task.blobs, level=spec.compression_level,
                                         threads=spec.compression_threads, compression=spec.codec,
                                         paced=spec.pace_to_disk and task.remote is None, pace=task.l1_pace)
-        files.update(shard_files)
+        files.update((name, make_file_entry(tmp / name, tier=tier.value, rank=spec.rank))
+                     for name, tier in shard_files.items())
         write_done(task, tmp, files=files, blobs=blobs, tiers=state.tiers, sharded=shards)
         if task.remote is not None and spec.rank != 0:  # no shared directory: rank 0 reads the object store
             from .remote_sync import publish_rank

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2] / PKG
 # area -> modules (prefixes) it may import from the package. An area is a module or a folder.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "store": ("store", "constants", "errors", "jsonutil", "_version"),
-    "state": ("state", "constants", "errors", "jsonutil", "store.types", "store.spec"),
+    "state": ("state", "constants", "errors", "jsonutil", "store.types", "store.spec", "store.shard_files"),
     "signals": ("signals", "config", "constants", "errors", "jsonutil", "sysmem"),
     "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store.types"),
     "engine": ("engine", "store", "state", "config", "constants", "errors", "jsonutil", "sysmem"),

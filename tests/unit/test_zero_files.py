@@ -2,7 +2,8 @@
 
 The 2-process DeepSpeed runs are in tests/distributed/test_deepspeed.py; these pin the file-level pieces they rely on:
 `FlatReader` (a range from whichever ranks' chunks hold it), `gather_weights` (an export's whole tensors, from ZeRO
-runs and from FSDP2 blocks), and `check_sharding` (a ZeRO checkpoint resumes under ZeRO only).
+runs and from FSDP2 blocks), the chunk table's validation, and `check_sharding` (a ZeRO checkpoint resumes under
+ZeRO only).
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ import torch
 from safetensors.torch import save_file
 
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, IncompatibleStateError
-from hf_dynamic_ckpt.state.shards import check_sharding
-from hf_dynamic_ckpt.state.zero import ZeroExpected, zero_uncovered
-from hf_dynamic_ckpt.store.shard_files import FlatReader, gather_weights, is_flat, placeholders
+from hf_dynamic_ckpt.state.sharded import ZeroExpected, check_sharding
+from hf_dynamic_ckpt.store.shard_files import FlatReader, gather_weights, is_flat, placeholders, sharded_table
 
 
 def _run(shape: list[int], offset: int, size: int, file: str) -> dict[str, Any]:
-    total = 1
-    for n in shape:
-        total *= n
-    return {"shape": [total], "offset": [offset], "size": [size], "dtype": "float32", "tensor_shape": shape,
-            "file": file}
+    return {"shape": [int(torch.Size(shape).numel())], "offset": [offset], "size": [size], "dtype": "float32",
+            "tensor_shape": shape, "file": file}
+
+
+def _read(reader: FlatReader, part: str, key: str, start: int, stop: int) -> torch.Tensor:
+    out = torch.empty(stop - start)
+    reader.read_into(part, key, start, stop, out)
+    return out
 
 
 @pytest.fixture
@@ -47,23 +50,24 @@ def two_ranks(tmp_path: Path) -> tuple[Path, dict[str, Any], torch.Tensor]:
 
 def test_flat_reader_reads_any_range_from_the_ranks_that_hold_it(two_ranks) -> None:
     directory, table, full = two_ranks
-    reader = FlatReader(directory, table)
     flat = full.reshape(-1)
-    assert torch.equal(reader.read("weights", "w", 0, 12), flat)  # one process reading two ranks' partitions
-    assert torch.equal(reader.read("weights", "w", 3, 9), flat[3:9])  # a range across the boundary
-    assert torch.equal(reader.read("weights", "w", 6, 8), flat[6:8])
-    assert torch.equal(reader.read("optimizer", "state.w.exp_avg", 4, 6), -flat[4:6])
-    assert reader.keys("optimizer") == {"state.w.exp_avg"}
-    with pytest.raises(KeyError):
-        reader.read("optimizer", "state.w.exp_avg_sq", 0, 5)
+    with FlatReader(directory, table) as reader:
+        assert torch.equal(_read(reader, "weights", "w", 0, 12), flat)  # one process reading two ranks' partitions
+        assert torch.equal(_read(reader, "weights", "w", 3, 9), flat[3:9])  # a range across the boundary
+        assert torch.equal(_read(reader, "weights", "w", 6, 8), flat[6:8])
+        assert torch.equal(_read(reader, "optimizer", "state.w.exp_avg", 4, 6), -flat[4:6])
+        assert reader.keys("optimizer") == {"state.w.exp_avg"}
+        with pytest.raises(KeyError):
+            _read(reader, "optimizer", "state.w.exp_avg_sq", 0, 5)
 
 
 def test_flat_reader_names_a_range_no_rank_holds(two_ranks) -> None:
     directory, table, _ = two_ranks
     del table["ranks"]["1"]
-    with pytest.raises(CorruptCheckpointError, match=r"the saved chunks of 'w' cover its elements 3\.\.5 of 3\.\.9: "
-                                                     r"a rank's shard is missing\."):
-        FlatReader(directory, table).read("weights", "w", 3, 9)
+    with FlatReader(directory, table) as reader, pytest.raises(
+            CorruptCheckpointError, match=r"the saved chunks of 'w' cover its elements 3\.\.5 of 3\.\.9: a rank's "
+                                          r"shard is missing\."):
+        _read(reader, "weights", "w", 3, 9)
 
 
 def test_gather_weights_assembles_zero_runs_and_fsdp_blocks(two_ranks, tmp_path: Path) -> None:
@@ -87,19 +91,35 @@ def test_gather_weights_assembles_zero_runs_and_fsdp_blocks(two_ranks, tmp_path:
         gather_weights(tmp_path, blocks)
 
 
-def test_a_zero_checkpoint_resumes_under_zero_only() -> None:
+def test_a_chunk_table_naming_another_file_or_rank_is_corrupt(two_ranks) -> None:
+    _, table, _ = two_ranks
+    assert sharded_table({"world_size": 2, "extra": {"sharded": table}}) is table
+    for bad in ("weights-rank1.safetensors", "../weights-rank0.safetensors", "optimizer-rank0.safetensors"):
+        table["ranks"]["0"]["weights"]["w"]["file"] = bad  # only rank 0's own weights file may hold its weights
+        with pytest.raises(CorruptCheckpointError, match=r"chunk table is malformed"):
+            sharded_table({"world_size": 2, "extra": {"sharded": table}})
+    table["ranks"]["0"]["weights"]["w"]["file"] = "weights-rank0.safetensors"
+    with pytest.raises(CorruptCheckpointError, match=r"chunk table is malformed"):
+        sharded_table({"world_size": 1, "extra": {"sharded": table}})  # rank 1 of a one-process save
+
+
+def test_a_zero_checkpoint_resumes_under_zero_only(two_ranks) -> None:
+    _, table, _ = two_ranks
     zero_live = ZeroExpected(w=torch.empty(3, 4, device="meta"))
     plain_live = {"w": torch.empty(3, 4)}
-    sharded = {"extra": {"sharded": {}}}
-    check_sharding(6, sharded, zero_live, saved_flat=True)  # no error
+    zero_saved = {"extra": {"sharded": table}}
+    fsdp_saved = {"extra": {"sharded": {"format": table["format"], "world_size": 1, "ranks": {"0": {"weights": {
+        "w": {"shape": [3, 4], "offset": [0, 0], "size": [3, 4], "dtype": "float32",
+              "file": "weights-rank0.safetensors"}}}}}}}
+    check_sharding(6, zero_saved, zero_live)  # no error
     with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved under DeepSpeed ZeRO and this run does not: "
                                                      r"resume it in the set-up that saved it"):
-        check_sharding(6, sharded, plain_live, saved_flat=True)
+        check_sharding(6, zero_saved, plain_live)
     with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved without sharding and this run trains under "
                                                      r"ZeRO"):
         check_sharding(6, {"extra": {}}, zero_live)
     with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved sharded by FSDP2 and this run trains under"):
-        check_sharding(6, sharded, zero_live)
+        check_sharding(6, fsdp_saved, zero_live)
 
 
 def test_flat_reader_reads_a_range_straight_into_its_destination(two_ranks) -> None:
@@ -124,11 +144,9 @@ def test_flat_reader_refuses_a_file_shorter_than_its_chunk(two_ranks) -> None:
         reader.read_into("weights", "w", 0, 12, torch.empty(12))
 
 
-def test_moments_made_for_a_load_are_zero_where_no_fragment_writes() -> None:
-    # Two flat partitions; the first has fragments at [0, 3) and [5, 8) and padding at [3, 5) and [8, 10).
-    made = {0: [torch.full((10,), float("nan")), torch.full((10,), 7.0)], 1: [torch.full((4,), 7.0)]}
-    zero_uncovered(made, {0: [(5, 8), (0, 3)]})
-    for t in made[0]:
-        assert torch.equal(t[3:5], torch.zeros(2)) and torch.equal(t[8:], torch.zeros(2))
-    assert torch.isnan(made[0][0][:3]).all() and torch.equal(made[0][1][5:8], torch.full((3,), 7.0))
-    assert torch.equal(made[1][0], torch.zeros(4))  # no fragment at all
+def test_flat_reader_refuses_a_file_that_is_not_safetensors(two_ranks) -> None:
+    directory, table, _ = two_ranks
+    (directory / "weights-rank1.safetensors").write_bytes(b"\xff" * 64)  # a header length far beyond the file
+    with FlatReader(directory, table) as reader, pytest.raises(
+            CorruptCheckpointError, match=r"weights-rank1\.safetensors is not a readable safetensors file"):
+        reader.read_into("weights", "w", 0, 12, torch.empty(12))
