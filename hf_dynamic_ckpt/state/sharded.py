@@ -41,7 +41,7 @@ from ..constants import ALL_TIERS, KEY_SHARDED, SHARD_OPTIMIZER_KEY, Tier
 from ..constants import SHARD_PART_OPTIMIZER as OPTIMIZER
 from ..constants import SHARD_PART_WEIGHTS as WEIGHTS
 from ..errors import ConfigError, IncompatibleStateError, SaveError
-from ..store.shard_files import FlatReader, dcp_reader, is_flat, sharded_table
+from ..store.shard_files import ChunkReader, is_flat, sharded_table
 from ..store.types import LoadedCheckpoint
 from .model import trainable_state_dict
 from .sources import CachedWeights, StateSources
@@ -199,51 +199,37 @@ class ShardedState:
 
     def load(self, loaded: LoadedCheckpoint) -> None:
         """Read the checkpoint's L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the live model and
-        optimizer through `dcp.load` (a collective: the ranks exchange their load plans); DCP's planner reshards at
-        another world size. Then `loaded.weights` is `None` and `loaded.optimizer` the live optimizer's restored
+        optimizer: each rank reads its shards' blocks from whichever ranks' chunks hold them (another world size
+        reshards). Then `loaded.weights` is `None` and `loaded.optimizer` the live optimizer's restored
         `state_dict()`, so an integration's usual `apply` changes nothing.
 
         Raises:
-            `IncompatibleStateError`: the checkpoint is not an FSDP2 one, or DCP cannot map it onto the model.
+            `IncompatibleStateError`: the checkpoint is not an FSDP2 one, or lacks a tensor this model and optimizer
+                have.
         """
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
-            get_model_state_dict,
             get_optimizer_state_dict,
-            set_model_state_dict,
             set_optimizer_state_dict,
         )
 
         step = loaded.info.step
         check_sharding(step, loaded.manifest, self.expected())
-        table = sharded_table(loaded.manifest)
-        assert table is not None  # check_sharding: a sharded model's checkpoint is sharded
         groups: Any = loaded.optimizer.get("param_groups") if isinstance(loaded.optimizer, dict) else None
         opt = self.optimizer if groups is not None else None
         options = StateDictOptions(strict=False)
-        saved = {k for r in table["ranks"].values() for k in (r.get(WEIGHTS) or {})}
-        model = get_model_state_dict(self.model, options=options)
-        missing = sorted(saved - set(model))
-        if missing:
-            raise IncompatibleStateError(f"step {step} holds weights the model lacks: {missing[:10]}.")
-        model = {k: v for k, v in model.items() if k in saved}
-        state = {"model." + k: v for k, v in model.items()}  # the file's keys, prefixed by part (DCP reads in place)
+        # FQN-keyed live state; a fresh optimizer makes its state here (DCP steps it once with zero gradients).
         optim: Any = get_optimizer_state_dict(self.model, opt, options=options)["state"] if opt is not None else {}
-        state.update(("optim." + SHARD_OPTIMIZER_KEY.format(fqn=f, name=k), t) for f, per in optim.items()
-                     for k, t in per.items())
-        prefixes = {WEIGHTS: "model.", OPTIMIZER: "optim."} if opt is not None else {WEIGHTS: "model."}
-        try:
-            dcp.load(state, storage_reader=dcp_reader(Path(loaded.info.path), table, prefixes))
-        except Exception as e:  # DCP wraps every rank's error in a CheckpointException
-            raise IncompatibleStateError(f"step {step}: the saved shards do not fit this model and optimizer "
-                                         f"({type(e).__name__}: {str(e)[:500]}).") from e
-        set_model_state_dict(self.model, model, options=options)
+        tensors = [(WEIGHTS, key, t) for key, t in self.expected().items()]
+        tensors += [(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f, name=k), t) for f, per in optim.items()
+                    for k, t in per.items()]
+        with _reader(loaded) as reader, torch.no_grad():
+            for part, key, t in tensors:
+                reader.read_into(part, key, _local(t), self._chunk(key, t)["offset"])
         if opt is not None:
             set_optimizer_state_dict(self.model, opt, {"state": optim, "param_groups": groups}, options=options)
             loaded.optimizer = opt.state_dict()
         loaded.weights = None
-        logger.debug("step %d: sharded state read through DCP (saved by %s ranks)", step, table.get("world_size"))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -252,6 +238,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _reader(loaded: LoadedCheckpoint) -> ChunkReader:
+    table = sharded_table(loaded.manifest)
+    assert table is not None  # `check_sharding`: a sharded run's checkpoint is sharded
+    return ChunkReader(Path(loaded.info.path), table)
 
 
 # ------------------------------------------------------------------------------------------------------------- ZeRO
@@ -444,27 +436,14 @@ class ZeroState:
             `IncompatibleStateError`: the checkpoint is not a ZeRO one, or lacks a parameter or moment this run has.
             `CorruptCheckpointError`: a range this rank needs is in no rank's file.
         """
-        step = loaded.info.step
-        check_sharding(step, loaded.manifest, self.expected())
-        table = sharded_table(loaded.manifest)
-        assert table is not None  # check_sharding: a ZeRO checkpoint
+        check_sharding(loaded.info.step, loaded.manifest, self.expected())
         optimizer = loaded.optimizer if isinstance(loaded.optimizer, dict) and "param_groups" in loaded.optimizer \
             else None
-        with FlatReader(Path(loaded.info.path), table) as reader:
-            def read(part: str, key: str, start: int, stop: int, out: torch.Tensor) -> None:
-                try:
-                    reader.read_into(part, key, start, stop, out)
-                except KeyError:
-                    what = "weights" if part == WEIGHTS else "optimizer state"
-                    raise IncompatibleStateError(f"step {step} holds no {what} {key!r}, which this model and optimizer "
-                                                 "have: it was saved from another model or optimizer.") from None
-
-            moments = {key.rsplit(".", 1)[1] for key in reader.keys(OPTIMIZER)} - {MASTER}
-            self._read(read, optimizer, moments)
+        with _reader(loaded) as reader:
+            self._read(reader.read_into, optimizer, {k.rsplit(".", 1)[1] for k in reader.keys(OPTIMIZER)} - {MASTER})
         if optimizer is not None:
-            self._load_groups(optimizer, step=step)
+            self._load_groups(optimizer, step=loaded.info.step)
         loaded.weights = None
-        logger.debug("step %d: ZeRO stage %d state read (saved by %s ranks)", step, self.stage, table.get("world_size"))
 
     def _create_state(self, moments: set[str]) -> dict[int, list[torch.Tensor]]:
         """Make the optimizer state a fresh run has not yet (torch optimizers make it at their first step): the saved
@@ -485,8 +464,7 @@ class ZeroState:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
         return created
 
-    def _read(self, read: Callable[[str, str, int, int, torch.Tensor], None], optimizer: dict[str, Any] | None,
-              moments: set[str]) -> None:
+    def _read(self, read: Callable[..., None], optimizer: dict[str, Any] | None, moments: set[str]) -> None:
         created = self._create_state(moments) if optimizer is not None else {}
         params = dict(self.model.named_parameters())
         covered: dict[int, list[tuple[int, int]]] = {}
@@ -495,17 +473,16 @@ class ZeroState:
         try:
             with torch.no_grad():
                 for name, live in self._whole_weights().items():
-                    read(WEIGHTS, name, 0, live.numel(), live)
+                    read(WEIGHTS, name, live)
                 for f in self.fragments():
-                    stop = f.start + f.numel
                     if f.weight is not None:
-                        read(WEIGHTS, f.name, f.start, stop, f.weight)
+                        read(WEIGHTS, f.name, f.weight, [f.start])
                     if optimizer is None:
                         f.master.copy_(f.weight if f.weight is not None else
                                        params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel))
                         continue
                     for key, live in {MASTER: f.master, **f.states}.items():
-                        read(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=key), f.start, stop, live)
+                        read(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=key), live, [f.start])
                     covered.setdefault(f.flat, []).append((f.at, f.at + f.numel))
         except BaseException:
             for made in created.values():  # never leave uninitialised moments behind a failed load

@@ -12,24 +12,25 @@ rank; rank 0 writes the manifest last, as for any save):
 The manifest's ``extra["sharded"]`` is ``{"format", "world_size", "ranks": {"<R>": {"weights": {key: chunk},
 "optimizer": {key: chunk}}}}``, ``chunk = {"shape", "offset", "size", "dtype", "file"}``: DCP's
 `ChunkStorageMetadata` (a block of the global tensor, FSDP2) in JSON, or under ZeRO a run of the flattened tensor
-(1-D ``shape`` / ``offset`` / ``size``) with the tensor's own ``tensor_shape``. No pickle is written or read: DCP's
-``FileSystemWriter`` pickles its ``.metadata``, so `dcp_reader` gives DCP a `StorageReader` built from the JSON
-table, and `FlatReader` reads any range of a ZeRO run from whichever ranks' files hold it.
+(1-D ``shape`` / ``offset`` / ``size``) with the tensor's own ``tensor_shape``. No pickle is written or read (DCP's
+``FileSystemWriter`` pickles its ``.metadata``): `ChunkReader` reads any block of a tensor from whichever ranks'
+chunks hold it, which reshards to any world size as DCP's load planner would.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..constants import (
     KEY_RANK_CHUNKS,
@@ -41,7 +42,7 @@ from ..constants import (
     SHARDED_FORMAT,
     Tier,
 )
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, IncompatibleStateError
 
 PARTS = {SHARD_PART_WEIGHTS: Tier.WEIGHTS, SHARD_PART_OPTIMIZER: Tier.OPTIMIZER}
 
@@ -148,42 +149,21 @@ def gather_weights(directory: Path, table: Mapping[str, Any]) -> dict[str, torch
     Raises:
         `CorruptCheckpointError`: a chunk's file lacks its tensor, or the chunks leave part of a tensor uncovered.
     """
-    out = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in placeholders(table).items()}
-    filled: dict[str, int] = {}
-    seen: set[tuple[str, tuple[int, ...]]] = set()
-    files: dict[str, dict[str, torch.Tensor]] = {}
-    for _, parts in sorted(table["ranks"].items(), key=lambda kv: int(kv[0])):
-        for key, c in (parts.get(SHARD_PART_WEIGHTS) or {}).items():
-            if (key, tuple(c["offset"])) in seen:
-                continue  # a replica of a chunk already placed
-            seen.add((key, tuple(c["offset"])))
-            if c["file"] not in files:
-                try:
-                    files[c["file"]] = load_file(directory / c["file"])
-                except (SafetensorError, OSError) as e:
-                    raise CorruptCheckpointError(f"shard file {directory / c['file']} cannot be read ({e}).") from e
-            data = files[c["file"]].get(key)
-            if data is None:
-                raise CorruptCheckpointError(f"{directory / c['file']} lacks tensor {key!r} named by the manifest.")
-            target = out[key].view(-1) if "tensor_shape" in c else out[key]
-            for dim, (start, length) in enumerate(zip(c["offset"], c["size"])):
-                target = target.narrow(dim, start, length)
-            target.copy_(data.reshape(target.shape))
-            filled[key] = filled.get(key, 0) + target.numel()
-    short = sorted(k for k, t in out.items() if filled.get(k, 0) < t.numel())
-    if short:
-        raise CorruptCheckpointError(f"the saved chunks leave part of {short[:5]} uncovered: a rank's shard is "
-                                     "missing.")
+    out = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in placeholders(table).items()}
+    with ChunkReader(directory, table) as reader:
+        for key, t in out.items():
+            reader.read_into(SHARD_PART_WEIGHTS, key, t.view(-1) if is_flat(table) else t)
     return out
 
 
-class FlatReader:
-    """Reads ranges of flattened tensors from the shard files of a ZeRO checkpoint (`is_flat`): the chunks of any
-    ranks that cover `[start, stop)`, so another world size or ZeRO stage reads the same state.
+class ChunkReader:
+    """Reads any block of a saved tensor from the chunks of whichever ranks hold it: another world size (FSDP2, ZeRO)
+    or ZeRO stage reads the same state, each rank only the parts it needs, without a collective.
 
-    `read_into` reads each range with `pread` straight into the memory it belongs in (a ZeRO partition on the CPU:
-    one copy from the page cache, no mapping, no tensor in between); a device or other-dtype destination gets it
-    through one host tensor. A context manager: it keeps the files open.
+    A block that is one run of a chunk's bytes (every ZeRO fragment; FSDP2's row shards) is read with `pread`
+    straight into the memory it belongs in (a ZeRO partition on the CPU: one copy from the page cache, no mapping, no
+    tensor in between); a device or other-dtype destination gets it through one host tensor, any other block through
+    safetensors' `get_slice`. A context manager: it keeps the files open.
 
     Args:
         directory (`Path`): the checkpoint's directory (its files verified by the caller).
@@ -193,18 +173,13 @@ class FlatReader:
     def __init__(self, directory: Path, table: Mapping[str, Any]) -> None:
         self._dir = Path(directory)
         self._files: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}  # name -> (fd, {key: (begin, end)})
-        self._chunks: dict[tuple[str, str], list[tuple[int, int, str, torch.dtype]]] = {}
+        self._chunks: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for parts in table["ranks"].values():
             for part in PARTS:
-                for key, c in (parts.get(part) or {}).items():
-                    if len(c["offset"]) != 1:
-                        raise CorruptCheckpointError(f"chunk {key!r} is not a run of a flattened tensor.")
-                    self._chunks.setdefault((part, key), []).append((c["offset"][0], c["size"][0], c["file"],
-                                                                     _dtype(c)))
-        for chunks in self._chunks.values():
-            chunks.sort(key=lambda c: c[:2])
+                for key, chunk in (parts.get(part) or {}).items():
+                    self._chunks.setdefault((part, key), []).append(chunk)
 
-    def __enter__(self) -> FlatReader:
+    def __enter__(self) -> ChunkReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -219,6 +194,62 @@ class FlatReader:
     def keys(self, part: str) -> set[str]:
         """The tensors of `part` (`"weights"` / `"optimizer"`) that have chunks."""
         return {key for p, key in self._chunks if p == part}
+
+    def read_into(self, part: str, key: str, out: torch.Tensor, offset: Sequence[int] | None = None) -> None:
+        """Write the block of the saved `key` that starts at `offset` (`None`: 0) and has `out`'s shape into `out`
+        (a ZeRO run: `key` flattened, `out` 1-D).
+
+        Raises:
+            `IncompatibleStateError`: no chunk of `key` was saved (another model or optimizer saved it).
+            `CorruptCheckpointError`: the chunks do not cover the block (a missing rank's file), or a file holds less
+                than its chunk.
+        """
+        chunks = self._chunks.get((part, key))
+        if not chunks:
+            raise IncompatibleStateError(f"{self._dir.name} holds no {part} tensor {key!r}, which this run has: it "
+                                         "was saved from another model or optimizer.")
+        at = list(offset) if offset is not None else [0] * out.dim()
+        done, seen = 0, set()
+        for c in chunks:
+            if len(c["offset"]) != out.dim():
+                raise CorruptCheckpointError(f"{key!r} was saved with {len(c['offset'])} dimensions, not {out.dim()}.")
+            lo = [max(a, b) for a, b in zip(c["offset"], at)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(c["offset"], c["size"], at, out.shape)]
+            if tuple(c["offset"]) in seen or any(h <= low for low, h in zip(lo, hi)):
+                continue  # a replica of a chunk read already, or no overlap
+            seen.add(tuple(c["offset"]))
+            dest = out
+            for dim, (low, h) in enumerate(zip(lo, hi)):
+                dest = dest.narrow(dim, low - at[dim], h - low)
+            self._copy(c, key, [low - o for low, o in zip(lo, c["offset"])], dest)
+            done += dest.numel()
+        if done < out.numel():
+            raise CorruptCheckpointError(f"the saved chunks of {key!r} hold {done} of the {out.numel()} elements at "
+                                         f"{at}: a rank's shard is missing.")
+
+    def _copy(self, chunk: Mapping[str, Any], key: str, start: list[int], dest: torch.Tensor) -> None:
+        """Copy the block of `chunk` at `start` (chunk coordinates) and of `dest`'s shape into `dest`."""
+        name, size, dtype = chunk["file"], chunk["size"], _dtype(chunk)
+        fd, begin, end = self._entry(name, key)
+        if (end - begin) // dtype.itemsize < math.prod(size):
+            raise CorruptCheckpointError(f"{self._dir / name} holds {(end - begin) // dtype.itemsize} elements of "
+                                         f"{key!r}, fewer than the {math.prod(size)} its chunk names.")
+        direct = dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous()
+        if list(dest.shape[1:]) == size[1:]:  # whole rows of the chunk: one run of its bytes
+            into = dest if direct else torch.empty(dest.shape, dtype=dtype)
+            view = memoryview(into.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+            done, at = 0, begin + (start[0] if start else 0) * math.prod(size[1:]) * dtype.itemsize
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], at + done)
+                if n == 0:
+                    raise CorruptCheckpointError(f"{self._dir / name} is truncated inside tensor {key!r}.")
+                done += n
+        else:
+            direct = False
+            with safe_open(self._dir / name, framework="pt") as f:
+                into = f.get_slice(key)[tuple(slice(a, a + n) for a, n in zip(start, dest.shape))]
+        if not direct:
+            dest.copy_(into)
 
     def _entry(self, name: str, key: str) -> tuple[int, int, int]:
         """`(fd, first byte, end byte)` of tensor `key` in shard file `name`, its header validated by safetensors."""
@@ -238,130 +269,3 @@ class FlatReader:
         if key not in tensors:
             raise CorruptCheckpointError(f"{self._dir / name} lacks tensor {key!r} named by the manifest.")
         return fd, *tensors[key]
-
-    def read_into(self, part: str, key: str, start: int, stop: int, out: torch.Tensor) -> None:
-        """Write the elements `[start, stop)` of the flattened `key` into the 1-D `out` (of `stop - start` elements).
-
-        Raises:
-            `CorruptCheckpointError`: the chunks do not cover the range (a missing rank's file), or a file holds less
-                than its chunk.
-            `KeyError`: no chunk of `key` was saved (the caller names what is missing).
-        """
-        chunks = self._chunks.get((part, key))
-        if not chunks:
-            raise KeyError(key)
-        covered = start
-        for offset, size, name, dtype in chunks:
-            if offset > covered or covered >= stop:
-                break
-            hi = min(stop, offset + size)
-            if hi <= covered:
-                continue  # a replica, or a chunk before the range
-            fd, begin, end = self._entry(name, key)
-            if (end - begin) // dtype.itemsize < size:
-                raise CorruptCheckpointError(f"{self._dir / name} holds {(end - begin) // dtype.itemsize} elements of "
-                                             f"{key!r}, fewer than the {size} its chunk names.")
-            dest = out.narrow(0, covered - start, hi - covered)
-            direct = dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous()
-            into = dest if direct else torch.empty(hi - covered, dtype=dtype)
-            view = memoryview(into.detach().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-            done, at = 0, begin + (covered - offset) * dtype.itemsize
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], at + done)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{self._dir / name} is truncated inside tensor {key!r}.")
-                done += n
-            if not direct:
-                dest.copy_(into)
-            covered = hi
-        if covered < stop:
-            raise CorruptCheckpointError(f"the saved chunks of {key!r} cover its elements {start}..{covered} of "
-                                         f"{start}..{stop}: a rank's shard is missing.")
-
-    def read(self, part: str, key: str, start: int, stop: int) -> torch.Tensor:
-        """The elements `[start, stop)` of the flattened `key`, as a new tensor of the saved dtype (`read_into`)."""
-        chunks = self._chunks.get((part, key))
-        if not chunks:
-            raise KeyError(key)
-        out = torch.empty(stop - start, dtype=chunks[0][3])
-        self.read_into(part, key, start, stop, out)
-        return out
-
-
-def dcp_reader(directory: Path, table: Mapping[str, Any], prefixes: Mapping[str, str]) -> Any:
-    """A DCP `StorageReader` over the shard files of `directory` (verified by the caller): the metadata from the JSON
-    chunk table (the tensors of part `p` named `prefixes[p] + key`), the chunks read with `safe_open`."""
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.distributed.checkpoint.storage import StorageReader
-    from torch.futures import Future
-
-    entries: dict[str, TensorStorageMetadata] = {}
-    storage: dict[MetadataIndex, tuple[str, str]] = {}
-    for _, parts in sorted(table["ranks"].items(), key=lambda kv: int(kv[0])):
-        for part, prefix in prefixes.items():
-            for key, c in (parts.get(part) or {}).items():
-                md = entries.setdefault(prefix + key, TensorStorageMetadata(TensorProperties(dtype=_dtype(c)),
-                                                                            torch.Size(c["shape"]), []))
-                index = MetadataIndex(prefix + key, torch.Size(c["offset"]))
-                if index in storage or (0 in c["size"] and c["shape"] and 0 not in c["shape"]):
-                    continue  # a replica of a chunk already listed (HSDP, plain tensors), or an empty shard
-                md.chunks.append(ChunkStorageMetadata(torch.Size(c["offset"]), torch.Size(c["size"])))
-                storage[index] = (c["file"], key)
-    metadata = Metadata(state_dict_metadata=dict(entries))
-
-    class ShardReader(StorageReader):
-        """Reads chunks out of ``<part>-rank<R>.safetensors``; the metadata is the JSON table's."""
-
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            return metadata
-
-        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-            return plans
-
-        def read_data(self, plan: Any, planner: Any) -> Future[None]:
-            files: dict[str, Any] = {}
-            for req in plan.items:
-                if req.type == LoadItemType.BYTE_IO:
-                    raise CorruptCheckpointError(f"{req.storage_index.fqn}: sharded checkpoints hold tensors only.")
-                name, key = storage[req.storage_index]
-                try:
-                    if name not in files:
-                        files[name] = safe_open(directory / name, framework="pt")
-                    if not req.lengths:  # a 0-d tensor (a step count)
-                        tensor = files[name].get_tensor(key)
-                    else:
-                        tensor = files[name].get_slice(key)[tuple(slice(o, o + n) for o, n in
-                                                                  zip(req.storage_offsets, req.lengths))]
-                except (SafetensorError, OSError) as e:
-                    raise CorruptCheckpointError(f"{directory / name}: tensor {key!r} cannot be read ({e}).") from e
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    raise CorruptCheckpointError(f"{key!r} in {name}: chunk of size {tuple(tensor.size())} for a "
-                                                 f"target of size {tuple(target.size())}.")
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
-            fut: Future[None] = Future()
-            fut.set_result(None)
-            return fut
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return False
-
-    return ShardReader()
