@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..store.types import LoadedCheckpoint
-from .sharded import zero_optimizer
+from .sharded import sharded_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, sc
 
     When L1 was lost (`loaded.optimizer is None`), the optimizer stays fresh and the
     scheduler is moved to the checkpoint's step so the learning-rate schedule continues
-    where it was; a warning says so. A DeepSpeed ZeRO optimizer's L1 is read into its partitions by the
-    sharded load (`state.sharded.ZeroState.load`), not here.
+    where it was; a warning says so. A sharded optimizer's L1 (FSDP2, DeepSpeed ZeRO) is read into its
+    shards by the sharded load (`state.sharded.sharded_optimizer`), not here.
     """
     step = loaded.info.step
     if loaded.optimizer is not None and optimizer is not None:
-        if zero_optimizer(optimizer) is None:
+        if not sharded_optimizer(optimizer):
             optimizer.load_state_dict(loaded.optimizer)
     elif optimizer is not None:
         msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "

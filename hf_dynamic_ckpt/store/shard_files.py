@@ -73,11 +73,8 @@ def write_shards(state: Any, directory: Path, *, rank: int) -> tuple[Any, dict[s
         if missing:
             raise CorruptCheckpointError(f"rank {rank}: no chunk recorded for {part} tensor(s) {missing[:5]}.")
         save_file({k: t.detach().contiguous() for k, t in named.items()}, directory / name, {"format": "pt"})
-        fd = os.open(directory / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(directory / name, "rb") as f:
+            os.fsync(f.fileno())
         files[name] = PARTS[part]
         chunks[part] = {k: {**table[part][k], "file": name} for k in named}
     extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
@@ -106,8 +103,8 @@ def sharded_table(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
     for rank, parts in (table["ranks"] if ok else {}).items():
         ok = ok and isinstance(parts, dict) and str(rank).isdigit() and int(rank) < world
         for part in PARTS if ok else ():
-            file = SHARD_FILE_TEMPLATE.format(part=part, rank=rank)
-            ok = ok and all(isinstance(k, str) and _valid_chunk(c, file) for k, c in (parts.get(part) or {}).items())
+            chunks, file = parts.get(part) or {}, SHARD_FILE_TEMPLATE.format(part=part, rank=rank)
+            ok = ok and isinstance(chunks, dict) and all(_valid_chunk(c, file) for c in chunks.values())
     if not ok:
         raise CorruptCheckpointError(f"the manifest's extra[{KEY_SHARDED!r}] chunk table is malformed "
                                      f"({str(table)[:120]}); the checkpoint is damaged.")
@@ -117,11 +114,11 @@ def sharded_table(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
 def _valid_chunk(chunk: Any, file: str) -> bool:
     if not isinstance(chunk, dict) or chunk.get("file") != file or not isinstance(_dtype(chunk), torch.dtype):
         return False
-    dims: list[Any] = [chunk.get(k) for k in ("shape", "offset", "size")] + [chunk.get("tensor_shape", [])]
+    shape, offset, size, whole = dims = [chunk.get(k, []) for k in ("shape", "offset", "size", "tensor_shape")]
     if not all(isinstance(d, list) and all(isinstance(x, int) and x >= 0 for x in d) for d in dims):
         return False
-    shape, offset, size = dims[:3]
-    return len(shape) == len(offset) == len(size) and all(o + s <= n for n, o, s in zip(shape, offset, size))
+    flat = "tensor_shape" not in chunk or (len(shape) == 1 and math.prod(whole) == shape[0])  # a ZeRO run's tensor
+    return flat and len(shape) == len(offset) == len(size) and all(o + s <= n for n, o, s in zip(shape, offset, size))
 
 
 def _dtype(chunk: Mapping[str, Any]) -> Any:

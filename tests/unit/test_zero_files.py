@@ -101,6 +101,9 @@ def test_a_chunk_table_naming_another_file_or_rank_is_corrupt(two_ranks) -> None
     table["ranks"]["0"]["weights"]["w"]["file"] = "weights-rank0.safetensors"
     with pytest.raises(CorruptCheckpointError, match=r"chunk table is malformed"):
         sharded_table({"world_size": 1, "extra": {"sharded": table}})  # rank 1 of a one-process save
+    table["ranks"]["0"]["weights"]["w"]["tensor_shape"] = [4, 4]  # 16 elements for a run of 12
+    with pytest.raises(CorruptCheckpointError, match=r"chunk table is malformed"):
+        sharded_table({"world_size": 2, "extra": {"sharded": table}})
 
 
 def test_a_zero_checkpoint_resumes_under_zero_only(two_ranks) -> None:
