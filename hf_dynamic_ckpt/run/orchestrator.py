@@ -731,8 +731,8 @@ class RunOrchestrator:
         """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it.
 
         Checkpoints of the run that went past the restore point become *abandoned* (kept, restorable
-        by `step:N`, never chosen by `auto`), never deleted. A sharded (FSDP2) model is read through
-        DCP right after the plan (a collective). `background_optimizer`: read L1 in a thread, then
+        by `step:N`, never chosen by `auto`), never deleted. A sharded (FSDP2, ZeRO) model reads its shards
+        right after the plan (`state.sharded`). `background_optimizer`: read L1 in a thread, then
         `complete_resume(loaded)`.
 
         Args:
@@ -761,8 +761,7 @@ class RunOrchestrator:
 
     def _plan(self, ref: str, *, expected: Mapping[str, Any] | None,
               background_optimizer: bool = False, into: Mapping[str, Any] | None = None) -> Resumption | None:
-        """`plan_resume` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
-        collective) into the live objects."""
+        """`plan_resume` for this run; a sharded (FSDP2, ZeRO) model's shards are then read into the live objects."""
         sharded = self._sharded
         fallback = self.config.runtime.fallback_strategy
         if self._sources is not None and self._optimizer is None and self._scheduler is None and self._scaler is None:
