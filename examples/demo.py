@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from hf_dynamic_ckpt.constants import DEFAULT_TASK_ID, TIMELINE_NAME
 
 if TYPE_CHECKING:
-    from hf_dynamic_ckpt.store.types import CheckpointInfo
+    from hf_dynamic_ckpt.store import CheckpointInfo
 
 SESSIONS_NAME = "demo_sessions.jsonl"
 """In a run's output directory: one line per training process, in start order, with the session id that the
@@ -316,7 +316,7 @@ def _sessions(run_dir: Path) -> list[str]:
 def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) -> bool:
     """Print the demo report; returns whether the resumed losses equal the reference's."""
     from hf_dynamic_ckpt.extras.plot import plot_timeline
-    from hf_dynamic_ckpt.store.store import CheckpointStore
+    from hf_dynamic_ckpt.store import CheckpointStore
 
     run_store, ref_store = out / "run" / "smart_ckpt", out / "reference" / "smart_ckpt"
     rows = _timeline(run_store)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 
-FORMAT_VERSION = 1
-"""Version of the on-disk format written into every manifest. Readers refuse newer versions."""
+FORMAT_VERSION = 2
+"""Newest on-disk format version this library reads and writes (in every manifest; readers refuse newer ones). A
+manifest that records frozen weights by checksum (`KEY_FROZEN`) is version 2; any other is still written as 1."""
 
 # Store layout: <root>/<task_id>/step-<N>/...
 CATALOG_NAME = "catalog.db"
@@ -57,7 +58,8 @@ KEY_HEALTHY = "healthy"
 KEY_WORLD_SIZE = "world_size"
 KEY_CREATED_AT = "created_at"
 KEY_FILES = "files"
-KEY_BLOBS = "blobs"
+KEY_BLOBS = "blobs"  # checkpoints of earlier versions: frozen weights stored once per task, content-addressed
+KEY_FROZEN = "frozen"  # weights not written: {key: {"checksum", "dtype", "shape"}}, checked against the model
 KEY_SIGNALS = "signals"
 KEY_DEBUG_INFO = "debug_info"
 KEY_EXTRA = "extra"
@@ -89,7 +91,6 @@ ALL_TIERS: frozenset[Tier] = frozenset(Tier)
 TIMELINES_NAME = "timelines.json"  # per task: current timeline + abandoned checkpoints (one atomic record)
 REMOVED_LOG_NAME = "removed.jsonl"  # per task: one line per checkpoint (or tiers) retention removed, with its rule
 WRITER_LOCK_NAME = ".writer.lock"  # per task: POSIX record lock + holder (pid, host, session, since) of the one writer
-BLOBS_LOCK_NAME = ".blobs.lock"  # per task: saves (shared) vs blob collection (exclusive)
 ASIDE_SUFFIX = ".replaced"  # step-<N>.tmp-<sid>.replaced: committed copy set aside during a replace-commit
 TRASH_INFIX = ".deleted-"  # step-<N>.tmp-<sid>.deleted-<rand>: a checkpoint being deleted
 KEY_LINEAGE = "lineage"

@@ -134,7 +134,7 @@ def all_reduce_sum(value: float) -> float:
 
 
 def all_reduce_square_sums(values: Sequence[float]) -> list[float]:
-    """Per bucket, the sum over ranks of this rank's squared gradient-shard norms (`signals.dtensor_norms`),
+    """Per bucket, the sum over ranks of this rank's squared gradient-shard norms (`signals.probes.GradProbe`),
     in one float64 `all_reduce`; `values` as they are without a process group. NaN and inf propagate."""
     d = _dist()
     if not d or d.get_world_size() == 1 or not values:

@@ -82,7 +82,7 @@ FAULT_ENV = "HF_DYNAMIC_CKPT_FAULT"
 """Environment variable of the test hook `fault`: faults to inject at named points of the library."""
 
 _faults: tuple[str, list[dict[str, str]]] = ("", [])
-_hits: dict[str, int] = {}
+_hits: dict[int, int] = {}
 
 
 def fault(point: str, **where: object) -> None:
@@ -90,13 +90,18 @@ def fault(point: str, **where: object) -> None:
 
     The variable holds entries separated by ``;``, each ``POINT[@KEY=VALUE...]:ACTION[=ARG]``. An entry applies when
     its point is `point` and every ``KEY=VALUE`` filter equals what the call passes in `where` (``step``, ``rank``,
-    ``name``, ``op``) or, for ``nth=K``, when this is the K-th call of the point in this process. Actions:
+    ``name``, ``op``, ``path``, ``attempt``) and, for ``nth=K``, when this is the K-th call of the point that passes
+    those filters since the variable took its value. Actions:
     ``kill`` (SIGKILL this process), ``raise=ERRNO`` (an `OSError` with that errno name, e.g. ``ENOSPC``, ``EIO``),
     ``sleep=MS``, ``gate=DIR`` (create ``DIR/<point>.reached``, then wait until ``DIR/<point>.go`` exists) and
     ``log=FILE`` (append one JSON line: the point and `where`). Points: ``snapshot`` (a save's copy, before it),
-    ``write`` (a checkpoint file, `name`), ``commit`` (a checkpoint's final rename), ``fs`` (each change on the store's
-    disk, `op`), ``read`` (a checkpoint file read, `name`), ``read_optimizer`` (a resume's optimizer-tier read),
-    ``remote`` (an object-store call, `op`) and ``export`` (an export's files). Unset, it costs one lookup.
+    ``overlap_copy`` (an overlapped snapshot's host copy beside the next step: `step`), ``write`` (each checkpoint
+    file written: `step`, `rank`, `name`), ``commit`` (before a checkpoint's final rename: `step`), ``fs`` (each
+    change on the store's disk: `op` mkdir, rename, replace, unlink, rmtree or fsync, `path`), ``read`` (each
+    checkpoint file read or verified: `name`, `step`, `op` read or check: a checksum pass of its own),
+    ``read_optimizer`` (a resume's optimizer-tier read), ``remote`` (each object-store call: `op` put, get, stat,
+    read, list or rm, `name` the key under the task, `attempt`) and ``export`` (each file of an export before it is
+    synced, then its marker: `name`). Unset, it costs one lookup.
 
     Example:
         ```bash
@@ -109,12 +114,14 @@ def fault(point: str, **where: object) -> None:
     global _faults
     if _faults[0] != spec:
         _faults = (spec, [_parse_fault(entry) for entry in spec.split(";") if entry.strip()])
-    _hits[point] = count = _hits.get(point, 0) + 1
-    for entry in _faults[1]:
-        if entry["point"] != point or any(
-                (str(count) != value) if key == "nth" else (str(where.get(key)) != value)
-                for key, value in entry.items() if key not in ("point", "action", "arg")):
-            continue
+        _hits.clear()
+    fired = []
+    for k, entry in enumerate(_faults[1]):  # every matching entry counts this call, then they act in order
+        if entry["point"] == point and all(str(where.get(key)) == value for key, value in entry.items()
+                                           if key not in ("point", "action", "arg", "nth")):
+            _hits[k] = count = _hits.get(k, 0) + 1
+            fired += [entry] if entry.get("nth", str(count)) == str(count) else []
+    for entry in fired:
         action, arg = entry["action"], entry.get("arg", "")
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

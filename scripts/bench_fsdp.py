@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
     opt.zero_grad()
     params = sum(p.numel() for p in model.parameters())
     root = Path(args.root)
-    ck = RunOrchestrator(SmartCkptConfig(engine="thread", keep_last=2), root=root / "smart")
+    ck = RunOrchestrator(SmartCkptConfig(engine="sync", keep_last=2), root=root / "smart")
     ck.attach(model, optimizer=opt)
     ck.engine.wait()
 

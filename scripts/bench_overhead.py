@@ -9,8 +9,8 @@ interval `k` in every run:
 - `native`: `save_strategy="steps", save_steps=k` (weights + optimizer + scheduler + RNG,
             synchronous);
 - `smart`:  `callbacks=[SmartCkptCallback(SmartCkptConfig(base_interval=k))]` (default engine:
-            writer process), with `engine.prepare(...)` called right after the callback's
-            attach (what the orchestrator does; `--no-prepare` leaves it out).
+            writer process), with `engine.start()` called right after the callback's
+            attach (the orchestrator does it after the first step; `--no-prepare` leaves it out).
 
 Variants: `full` (full fine-tune, AdamW: ~0.5 GB of state) and `lora` (r=16 on q/k/v/o).
 Each configuration runs `--repeats` times, interleaved; the table reports medians:
@@ -122,7 +122,7 @@ def _run(variant: str, mode: str, args: argparse.Namespace, work: Path) -> dict[
                 def on_train_begin(self, *a: Any, **kw: Any) -> None:
                     assert smart is not None and smart.run is not None
                     ck = smart.run
-                    ck.engine.prepare(ck._sources)
+                    ck.engine.start()
 
             callbacks.append(Prepare())
     trainer = Trainer(model=_model(variant, args), args=targs, train_dataset=_dataset(args), callbacks=callbacks)
@@ -191,7 +191,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8, help="requested save interval (steps)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", default="full,lora")
-    p.add_argument("--no-prepare", action="store_true", help="do not call engine.prepare after attach")
+    p.add_argument("--no-prepare", action="store_true", help="do not call engine.start after attach")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     if args.quick:

@@ -4,7 +4,7 @@
 A plain loop, CPU, a ~45M-parameter Llama built from `LlamaConfig` (fp32, AdamW, a real optimizer state),
 two `SaveEngine`s in the same run, one with `overlap=False` (the whole copy at the save) and one with
 `overlap=True` (parameters and optimizer state copied beside the next step, `engine/overlap.py`), their
-buffers prepared ahead as a run does. Cycles alternate the two: `--clean-steps` timed steps, a save (its
+writer processes started ahead as a run does. Cycles alternate the two: `--clean-steps` timed steps, a save (its
 blocking time), the next step (timed: with overlap it runs beside the copy and waits for it at
 `optimizer.step()`), then the write is waited for, untimed. Per variant:
 
@@ -30,8 +30,7 @@ import torch
 
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:
@@ -78,8 +77,7 @@ def main() -> None:
     engines = {name: SaveEngine(CheckpointStore(work / name), mode=args.mode, overlap=name == "overlap")
                for name in ("sync copy", "overlap")}
     for engine in engines.values():
-        engine.prepare(sources, wait=True)
-        engine.wait_writer_ready(120)
+        engine.start(wait_s=120)
     rows: dict[str, dict[str, list[float]]] = {n: {"clean": [], "blocking": [], "next": [], "wait": []}
                                                for n in engines}
     step = 1

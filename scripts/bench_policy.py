@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.traces import RecordedTrace, inject_anomaly, load_trace, replay_frames
 from hf_dynamic_ckpt.config import SmartCkptConfig
-from hf_dynamic_ckpt.policy import RulePolicy, triggers
+from hf_dynamic_ckpt.policy import RulePolicy
+from hf_dynamic_ckpt.policy import rules as policy_rules
 from hf_dynamic_ckpt.signals.frame import SignalFrame
 
 TRACE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"
@@ -282,9 +283,9 @@ ONSET_STEPS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 15, 20, 25, 30]
 
 def _without_early_rules() -> dict[str, object]:
     """Switch the early rules off (only the history-based rules) and return what to restore."""
-    saved = {name: getattr(triggers, name) for name in ("_early", "_early_lr", "_first_step")}
+    saved = {name: getattr(policy_rules, name) for name in ("_early", "_early_lr", "_first_step")}
     for name in saved:
-        setattr(triggers, name, lambda *a, **k: None)
+        setattr(policy_rules, name, lambda *a, **k: None)
     return saved
 
 
@@ -331,7 +332,7 @@ def onset_table(k: int) -> None:
                         b, _ = _captured(shot, onset, cfg, k)
                     finally:
                         for attr, fn in saved.items():
-                            setattr(triggers, attr, fn)
+                            setattr(policy_rules, attr, fn)
                     n, cap, pinned, base = n + 1, cap + c, pinned + p, base + b
             totals[name][0] += cap if onset <= 10 else 0
             totals[name][1] += base if onset <= 10 else 0

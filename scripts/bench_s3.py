@@ -43,9 +43,7 @@ def main() -> None:
     import s3fs
     from moto.server import ThreadedMotoServer
 
-    from hf_dynamic_ckpt.store.spec import SaveRequest
-    from hf_dynamic_ckpt.store.store import CheckpointStore
-    from hf_dynamic_ckpt.store.types import CheckpointState
+    from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

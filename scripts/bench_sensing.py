@@ -32,13 +32,8 @@ from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.distributed import reduce_frame
 from hf_dynamic_ckpt.policy import RulePolicy
 from hf_dynamic_ckpt.run.sensing import PreemptionFlag
-from hf_dynamic_ckpt.signals import (
-    ClipNormRecorder,
-    GradProbe,
-    LossProbe,
-    MemoryProbe,
-    SignalFrame,
-)
+from hf_dynamic_ckpt.signals import SignalFrame
+from hf_dynamic_ckpt.signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe
 
 
 def build(kind: str) -> tuple[torch.nn.Module, int, int, str]:

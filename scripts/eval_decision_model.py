@@ -11,7 +11,7 @@ memory ramp: onset = the step memory crosses 92 %) and lead time (onset - the ne
 step). On the calm runs: false saves (saves of any kind but the regular interval) per 1000
 steps and pinned false captures. Overall: saves per 1000 steps and bytes written (weights =
 4 bytes per trainable parameter, optimizer = AdamW's two moments + 1 KiB, state 4 KiB).
-A second table injects anomalies (`extras.traces.inject_anomaly`) into the held-out calm
+A second table injects anomalies (`examples.traces.inject_anomaly`) into the held-out calm
 runs at 8 onsets each, for more onsets per kind. Last: the model's CPU time per step.
 
 Usage: python scripts/eval_decision_model.py [--model builtin] [--split test] [--k 5]

@@ -256,7 +256,7 @@ def summarize(rows: list[dict[str, Any]], out: Path, mode: str, anomalies: dict[
         kept = {int(p.name.split("-")[1]): True for p in (out / "trainer").glob("checkpoint-*")}
         kept_bytes = sum(_du(p) for p in (out / "trainer").glob("checkpoint-*"))
     else:
-        from hf_dynamic_ckpt.store.store import CheckpointStore
+        from hf_dynamic_ckpt.store import CheckpointStore
 
         store = CheckpointStore(out / "trainer" / "smart_ckpt", cleanup=False)
         infos = store.list(include_unhealthy=True)

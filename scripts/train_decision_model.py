@@ -2,12 +2,12 @@
 
 Reads `tests/data/traces/corpus.jsonl.gz` (`scripts/record_traces.py --corpus`), computes the
 12 features of every step with the library's own `FeatureExtractor` on the replayed frames
-(exactly what the policy computes online), labels every step (`extras.corpus`), and trains
+(exactly what the policy computes online), labels every step (`examples.corpus`), and trains
 `torch.nn.LSTM(12, 32, num_layers=2)` with two heads: `save_score` (sigmoid, BCE with a
 positive weight) and granularity (4 classes, cross-entropy on the labelled steps).
 
 Data: the `train` runs, plus augmented copies of the calm `train` runs with anomalies injected
-by `extras.traces.inject_anomaly` (a loss spike x`f`, a NaN gradient, an lr surge, at random
+by `examples.traces.inject_anomaly` (a loss spike x`f`, a NaN gradient, an lr surge, at random
 steps: exact up to the onset, which is all a capture reads), LoRA layer explosions (exact: the
 layer's norm x f and the global norm from the sum of squares) and approximate corrupt batches
 (loss x1.1-1.6 and gradient norms x2-8 for one step, the range measured on the corpus's
@@ -42,8 +42,15 @@ from torch import nn
 from examples.corpus import CAPTURE_K, CorpusRun, load_corpus
 from examples.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.config import SmartCkptConfig
-from hf_dynamic_ckpt.extras.features import FEATURE_NAMES, NUM_FEATURES, FeatureExtractor
-from hf_dynamic_ckpt.extras.learned import BUILTIN_PATH, MODEL_FORMAT, MODEL_VERSION, SAVE_THRESHOLD
+from hf_dynamic_ckpt.extras.learned import (
+    BUILTIN_PATH,
+    FEATURE_NAMES,
+    MODEL_FORMAT,
+    MODEL_VERSION,
+    NUM_FEATURES,
+    SAVE_THRESHOLD,
+    FeatureExtractor,
+)
 from hf_dynamic_ckpt.policy import RulePolicy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,7 @@
 """Save engine: snapshot (the only blocking part) + background writer + memory-aware staging."""
 
 from ..state.sources import CachedWeights, StateSources
-from .engine import OnBusy, SaveEngine, SaveHandle
+from .engine import SaveEngine
+from .writer import OnBusy, SaveHandle
 
 __all__ = ["CachedWeights", "OnBusy", "SaveEngine", "SaveHandle", "StateSources"]

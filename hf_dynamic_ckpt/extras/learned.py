@@ -1,25 +1,17 @@
-"""The learned double-check: a 2-layer LSTM over the frames' features, next to the rules.
+"""The learned double-check: its input features and a 2-layer LSTM over them, next to the rules.
 
-The rules (`RulePolicy`) stay the default and the safety net. With `learned_model` set, the
-policy also asks this model once per optimizer step, on the already-reduced frame (the
-same on every rank), for a `save_score` in [0, 1] and a granularity:
+The rules (`RulePolicy`) stay the default and the safety net. With `learned_model` set, the policy asks this model
+once per optimizer step, on the reduced frame (the same on every rank), for a `save_score` in [0, 1] and a
+granularity: a score >= `SAVE_THRESHOLD` where the rules do not save is an early save (`DecisionKind.LEARNED`: a
+pinned pre-update capture, or with `KEY_LAYERS_RNG`, memory pressure's answer, an unpinned save after the update
+with the cheaper tiers); a score < the veto threshold on a rule capture of a *soft* trigger vetoes it (hard triggers,
+non-finite values and a loss >= `HARD_LOSS_RATIO` x its baseline, never are); on a risk-edge save a cheaper
+granularity is taken. `docs/decision_model.md` defines the 12 features, the data, the training and the metrics.
 
-- `save_score >= SAVE_THRESHOLD` (0.68) where the rules do not save: an early save
-  (`DecisionKind.LEARNED`) - a pinned pre-update capture of the state before this update,
-  or, when the granularity is `KEY_LAYERS_RNG` (a memory-pressure answer), an unpinned save of
-  the state after it with the cheaper tier set;
-- `save_score < veto_threshold` on a rule capture of a *soft* trigger (a finite grad, LoRA,
-  lr or loss surge): the capture is vetoed as a false positive (logged). Hard triggers
-  (non-finite values, a loss explosion >= `HARD_LOSS_RATIO` x its baseline) are never vetoed;
-- on a rule's risk-edge save, a cheaper granularity than the rule's tier set is taken.
-
-Model file: safetensors only (never a pickle), `hf_dynamic_ckpt/extras/decision_model.safetensors`
-for `learned_model="builtin"`, written by `scripts/train_decision_model.py`; see
-`docs/decision_model.md` (features, data, training, metrics, limits). Inference is numpy
-(float64, a few small matrix-vector products, ~30-60 us per step on CPU).
-
-The policy knows this module only as a `policy.rules.DoubleCheck`: `RulePolicy` imports
-`check_factory` when `learned_model` is set, and nothing else of the core imports it.
+The model file is safetensors only (never a pickle): `decision_model.safetensors` here for
+``learned_model="builtin"``, written by `scripts/train_decision_model.py`. Inference is numpy (float64, a few
+small matrix-vector products per step). The policy knows this module only as a `policy.rules.DoubleCheck`:
+`RulePolicy` imports `check_factory` when `learned_model` is set, and nothing else of the core imports it.
 """
 
 from __future__ import annotations
@@ -31,6 +23,7 @@ import json
 import logging
 import math
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +36,25 @@ from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
 from ..policy.decision import MINIMAL_TIERS, Decision, DecisionKind
 from ..signals.frame import SignalFrame
-from .features import FEATURE_NAMES, NUM_FEATURES, FeatureExtractor
+from ..signals.stats import RollingWindow, linear_fit
 
 logger = logging.getLogger(__name__)
 
+FEATURE_NAMES: tuple[str, ...] = (
+    "loss_ratio", "loss_change", "loss_noise", "grad_ratio", "grad_vs_clip", "lora_ratio",
+    "lr_ratio", "mem_frac", "mem_trend", "step_time_ratio", "nonfinite", "history",
+)
+"""The 12 scale-free inputs, in order (defined in `docs/decision_model.md`; a model file names the ones it learnt)."""
+NUM_FEATURES = len(FEATURE_NAMES)
+CLIP: tuple[tuple[float, float], ...] = (
+    (-3.0, 8.0), (-4.0, 40.0), (-8.0, 2.0), (-5.0, 10.0), (-8.0, 10.0), (-3.0, 10.0),
+    (-5.0, 5.0), (0.0, 1.5), (-0.5, 1.0), (-3.0, 3.0), (0.0, 1.0), (0.0, 1.0),
+)
+"""(low, high) of each feature: one absurd value (a x1e6 loss) cannot leave the range the model was trained on."""
+WINDOW = 20  # finite values each ratio's baseline is taken over
+MEM_POINTS, MEM_HORIZON = 6, 50  # the memory trend: a line through the last 6 samples, extrapolated 50 steps
+HISTORY_FULL = 50  # steps after which the `history` feature is 1
+NOISE_FLOOR = 1e-4  # relative loss noise below this reads as this (log of 0 is -inf)
 BUILTIN = "builtin"
 BUILTIN_PATH = Path(__file__).with_name("decision_model.safetensors")
 MODEL_FORMAT = "hf_dynamic_ckpt.decision_model"
@@ -56,6 +64,79 @@ DEFAULT_VETO_THRESHOLD = 0.02  # below this score a soft rule capture is vetoed 
 HARD_LOSS_RATIO = 10.0  # a loss this many times its running median is an explosion: never vetoed
 MAX_MODEL_BYTES = 4 * 2**20  # a decision model is tens of KB; refuse to read anything far bigger
 LAYERS = 2
+
+
+def _finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def _log_ratio(value: float | None, baseline: float | None) -> float:
+    """log(value / baseline); 0 without a positive, finite value and baseline (a ratio without history)."""
+    if not _finite(value) or baseline is None or not baseline > 0.0 or not value > 0.0:  # type: ignore[operator]
+        return 0.0
+    return math.log(value / baseline)  # type: ignore[operator]
+
+
+class FeatureExtractor:
+    """Streaming features of the frames, one call per optimizer step: each frame is measured against the recent
+    values *before* it is folded in, so every rank computes the same features from the same frames, and a resumed
+    run continues from the restored windows (`state_dict`). Pure Python.
+
+    Example:
+        ```python
+        >>> fx = FeatureExtractor()
+        >>> fx.step(SignalFrame(step=1, loss=2.0, grad_norm=1.0, lr=1e-3))[FEATURE_NAMES.index("history")]
+        0.0
+        ```
+    """
+
+    def __init__(self) -> None:
+        self.loss, self.grad, self.time = RollingWindow(WINDOW), RollingWindow(WINDOW), RollingWindow(WINDOW)
+        self.lr: deque[float] = deque(maxlen=WINDOW)
+        self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
+        self.prev_loss: float | None = None
+        self.seen = 0
+
+    def step(self, frame: SignalFrame) -> list[float]:
+        """The frame's 12 features against the windows, then the frame folded into them."""
+        loss, grad, mem = frame.loss, frame.grad_norm, frame.mem_frac
+        baseline, noise = self.loss.median(), self.loss.diff_noise()
+        points = [*self.mem, (frame.step, float(mem))][-MEM_POINTS:] if _finite(mem) else list(self.mem)  # type: ignore[arg-type]
+        fit = linear_fit(points) if len(points) >= 3 else None
+        f = [_log_ratio(loss, baseline),
+             (loss - self.prev_loss) / abs(baseline)  # type: ignore[operator]
+             if _finite(loss) and _finite(self.prev_loss) and baseline else 0.0,
+             math.log(max(noise / abs(baseline), NOISE_FLOOR)) if noise is not None and baseline else 0.0,
+             _log_ratio(grad, self.grad.median()), _log_ratio(grad, frame.clip_norm),
+             _log_ratio(frame.lora_max_ratio, 1.0), _log_ratio(frame.lr, max(self.lr, default=None)),
+             points[-1][1] if points else 0.0, fit[0] * MEM_HORIZON if fit is not None else 0.0,
+             _log_ratio(frame.step_time_s, self.time.median()), 1.0 if frame.any_nonfinite else 0.0,
+             min(1.0, self.seen / HISTORY_FULL)]
+        for window, value in ((self.loss, loss), (self.grad, grad), (self.time, frame.step_time_s)):
+            if value is not None:
+                window.add(value)
+        if _finite(frame.lr):
+            self.lr.append(float(frame.lr))  # type: ignore[arg-type]
+        if _finite(mem):
+            self.mem.append((frame.step, float(mem)))  # type: ignore[arg-type]
+        self.prev_loss = loss if _finite(loss) else self.prev_loss
+        self.seen += 1
+        return [min(hi, max(lo, v)) for v, (lo, hi) in zip(f, CLIP)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss": self.loss.values, "grad": self.grad.values, "time": self.time.values, "lr": list(self.lr),
+                "mem": [[s, m] for s, m in self.mem], "prev_loss": self.prev_loss, "seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        fresh = FeatureExtractor()  # all or nothing: a malformed state raises before anything of self changes
+        for name in ("loss", "grad", "time"):
+            for v in state[name]:
+                getattr(fresh, name).add(float(v))
+        fresh.lr.extend(float(v) for v in state["lr"])
+        fresh.mem.extend((int(s), float(m)) for s, m in state["mem"])
+        fresh.prev_loss = None if state["prev_loss"] is None else float(state["prev_loss"])
+        fresh.seen = int(state["seen"])
+        self.__dict__.update(fresh.__dict__)
 
 
 class Granularity(enum.IntEnum):
@@ -106,22 +187,19 @@ class DecisionModel:
     def __init__(self, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None, *,
                  source: str = "decision model") -> None:
         self.metadata = dict(metadata or {})
-        self.source = source
         w = {k: np.asarray(v, dtype=np.float64) for k, v in tensors.items()}
-        missing = sorted({*self._names(), "score.weight", "score.bias", "granularity.weight", "granularity.bias",
-                          "features.mean", "features.std"} - set(w))
-        if missing:
-            raise ConfigError(f"{source} is not a decision model: tensors {missing} are missing; write one with "
-                              "scripts/train_decision_model.py.")
-        hidden = w["lstm.weight_hh_l0"].shape[-1]
+        hidden = w["lstm.weight_hh_l0"].shape[-1] if "lstm.weight_hh_l0" in w else 0
         expected = {"features.mean": (NUM_FEATURES,), "features.std": (NUM_FEATURES,), "score.weight": (1, hidden),
                     "score.bias": (1,), "granularity.weight": (len(Granularity), hidden),
                     "granularity.bias": (len(Granularity),)}
-        for layer in range(LAYERS):
-            n_in = NUM_FEATURES if layer == 0 else hidden
-            expected |= {f"lstm.weight_ih_l{layer}": (4 * hidden, n_in),
-                         f"lstm.weight_hh_l{layer}": (4 * hidden, hidden),
-                         f"lstm.bias_ih_l{layer}": (4 * hidden,), f"lstm.bias_hh_l{layer}": (4 * hidden,)}
+        for i in range(LAYERS):
+            expected |= {f"lstm.weight_ih_l{i}": (4 * hidden, hidden if i else NUM_FEATURES),
+                         f"lstm.weight_hh_l{i}": (4 * hidden, hidden),
+                         f"lstm.bias_ih_l{i}": (4 * hidden,), f"lstm.bias_hh_l{i}": (4 * hidden,)}
+        missing = sorted(set(expected) - set(w))
+        if missing:
+            raise ConfigError(f"{source} is not a decision model: tensors {missing} are missing; write one with "
+                              "scripts/train_decision_model.py.")
         for name, shape in expected.items():
             if w[name].shape != shape:
                 raise ConfigError(f"{source}: tensor {name} has shape {list(w[name].shape)}, expected {list(shape)} "
@@ -150,10 +228,6 @@ class DecisionModel:
         veto = self.metadata.get("veto_threshold")
         self.veto_threshold = float(veto) if veto is not None else DEFAULT_VETO_THRESHOLD
 
-    @staticmethod
-    def _names() -> list[str]:
-        return [f"lstm.{kind}_l{i}" for i in range(LAYERS) for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
-
     def initial_state(self) -> list[np.ndarray]:
         """`[h0, c0, h1, c1]`, zeros."""
         return [np.zeros(self.hidden) for _ in range(2 * LAYERS)]
@@ -172,18 +246,14 @@ class DecisionModel:
         return score, self.w_gran @ x + self.b_gran, new
 
 
-def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
-    """`"builtin"` -> the packaged weights; anything else is a path to a `.safetensors` file."""
-    return BUILTIN_PATH if os.fspath(spec) == BUILTIN else Path(spec)
-
-
 def load_model(spec: str | os.PathLike[str]) -> DecisionModel:
-    """Load a decision model (`"builtin"` or a `.safetensors` path), cached per file and modification time.
+    """Load a decision model (`"builtin"`: the packaged one, or a `.safetensors` path), cached per file and
+    modification time.
 
     Raises:
         `ConfigError`: the file is missing, too large, not safetensors, or not a decision model.
     """
-    path = resolve_model_path(spec)
+    path = BUILTIN_PATH if os.fspath(spec) == BUILTIN else Path(spec)
     try:
         st = path.stat()
     except OSError as e:
@@ -258,7 +328,11 @@ class LearnedCheck:
         for an early capture, the veto's log line)`."""
         op = self.opinion(frame)
         if rule is not None:
-            if not _is_hard(rule, frame, loss_baseline) and op.score < self.model.veto_threshold:
+            # Never vetoed: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its baseline).
+            hard = rule == "nonfinite" or frame.any_nonfinite or (
+                frame.loss is not None and loss_baseline is not None and loss_baseline > 0
+                and frame.loss >= HARD_LOSS_RATIO * loss_baseline)
+            if not hard and op.score < self.model.veto_threshold:
                 return None, None, f"pre-update capture ({rule}) vetoed by the learned model ({op.describe()})"
             return rule, None, None
         if op.save and op.granularity != Granularity.KEY_LAYERS_RNG and not frame.any_nonfinite:
@@ -308,24 +382,11 @@ class LearnedCheck:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         lstm = [np.asarray(v, dtype=np.float64) for v in state["lstm"]]
         if len(lstm) != 2 * LAYERS or any(v.shape != (self.model.hidden,) or not np.all(np.isfinite(v)) for v in lstm):
-            raise ConfigError("policy state of the learned model: lstm state "
-                              f"{json.dumps(state['lstm'])[:80]} does not "
-                              f"fit a {LAYERS}-layer LSTM of {self.model.hidden} units (another model wrote it).")
+            raise ConfigError(f"policy state of the learned model: lstm state {json.dumps(state['lstm'])[:80]} does "
+                              f"not fit a {LAYERS}-layer LSTM of {self.model.hidden} units (another model wrote it).")
         last = state["last_save"]
         if last is not None and (not isinstance(last, int) or isinstance(last, bool)):
             raise ConfigError(f"policy state of the learned model: last_save={last!r} is invalid: expected an int "
                               "or null.")
         self.features.load_state_dict(state["features"])
         self.state, self.last_save, self._cached = lstm, last, None
-
-
-
-def _is_hard(rule: str, frame: SignalFrame, loss_baseline: float | None) -> bool:
-    """A capture the model may never veto: non-finite values, or a loss explosion (>= `HARD_LOSS_RATIO` x its
-    baseline)."""
-    if rule == "nonfinite" or frame.any_nonfinite:
-        return True
-    loss = frame.loss
-    if loss is None or loss_baseline is None or not loss_baseline > 0:
-        return False
-    return loss >= HARD_LOSS_RATIO * loss_baseline

@@ -39,7 +39,7 @@ from ..constants import (
 )
 from ..errors import ConfigError
 from ..state import adapter_names, apply_weights, is_peft_model, own_weights, split_adapters
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 

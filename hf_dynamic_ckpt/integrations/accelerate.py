@@ -1,103 +1,537 @@
-"""Accelerate integration: the state-hook pair and `SmartCheckpointer` for custom loops.
+"""Accelerate integration: the `save_state` / `load_state` hook pair and `SmartCheckpointer` for custom loops.
 
-Both are thin adapters over `run.orchestrator.RunOrchestrator`, the orchestrator the Trainer
-callback uses too (probes -> policy -> snapshot/writer -> store; resume with fallback).
+Both are thin adapters over `run.orchestrator.RunOrchestrator`, the orchestrator the Trainer callback drives too.
 
-- `SmartStateHooks` registers on an `Accelerator` so that `accelerator.save_state(dir)`
-  commits a checkpoint to the tiered store and `accelerator.load_state(dir)` restores it.
-- `SmartCheckpointer` adds the signal-driven decisions to a custom loop: two calls per
-  step and one resume call at the start.
+- `SmartStateHooks`: `accelerator.save_state(dir)` commits a checkpoint to the tiered store and
+  `accelerator.load_state(dir)` restores it. Accelerate's hook API can only suppress the model files (by emptying
+  the `weights` list it passes); its optimizer, scheduler, sampler and RNG files are written regardless. The weights
+  (a PEFT model's adapter only) live in the store; `dir` receives a pointer file (`smart_ckpt.json`).
+- `SmartCheckpointer`: the signal-driven decisions in a custom loop, two calls per step and one resume call.
 
-What `save_state` still writes itself: Accelerate's hook API can only suppress the model
-files (by emptying the `weights` list it passes to the hook). Its optimizer, scheduler,
-sampler and RNG files are written to `dir` regardless; the weights, for a PEFT model only
-the adapter, live in the store. `dir` receives a small pointer file (`smart_ckpt.json`)
-naming the committed checkpoint; `load_state(dir)` follows it.
+A resume on another number of processes continues the same run (docs/elastic.md): the accumulation keeps the
+checkpoint's global batch, the data position stays in samples of the epoch's order (`integrations.position`), and
+Accelerate's prepared scheduler, which steps its wrapped scheduler once per process at every optimizer step, keeps
+the pace of the run it continues.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import distributed as dist
 from ..config import SmartCkptConfig
-from ..errors import ConfigError, weights_overwritten
+from ..constants import MANIFEST_NAME
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, SaveError, weights_overwritten
 from ..policy.decision import Decision, DecisionKind
-from ..run.elastic import StepRandomness
-from ..run.orchestrator import SaveEvent
+from ..run.elastic import KEY_BATCH, KEY_DRAWS_RANDOM, BatchGeometry, StepRandomness, plan_batch, world_change_note
+from ..run.orchestrator import RunOrchestrator, SaveEvent
 from ..run.rollback import Rollback
-from ..state.flat import FlatKeeper
+from ..state import (
+    apply_optimizer_state,
+    apply_weights,
+    frozen_weight_keys,
+    own_weights,
+    restore_rng_state,
+    trainable_state_dict,
+)
 from ..state.support import check_accelerator
-from ..store.types import LoadedCheckpoint
-from ._accelerate_elastic import apply_elastic, deepspeed_engine
-from ._accelerate_hooks import POINTER_NAME, SmartStateHooks, attach_state, make_orchestrator, store_root
-from ._accelerate_state import KEY_ACCELERATE, AccelerateState
-from ._position import ResumableLoader
+from ..store import LoadedCheckpoint
+from .position import KEY_DEALT, ResumableLoader
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["POINTER_NAME", "ResumableLoader", "SmartCheckpointer", "SmartStateHooks"]
 
+POINTER_NAME = "smart_ckpt.json"
+"""File `save_state` leaves in its output directory: which store checkpoint holds the state."""
+_POINTER_KEYS = ("root", "task_id", "step", "path")
+KEY_ACCELERATE = "accelerate"
+"""Key of this integration's entry in the manifest's `extra`."""
+KEY_SCHEDULER_PACE = "scheduler_pace"
+"""Key, in that entry, of the wrapped scheduler's steps per optimizer step."""
+_MODEL_PREFIX = "model_{}."
 
+
+# ------------------------------------------------------------------------------------------ the live objects
+class AccelerateState:
+    """What a checkpoint of an `Accelerator` run reads from and writes back into: L0 the trainable weights of every
+    prepared model (the second one's keys prefixed ``model_1.``), L1 the optimizer, scheduler and AMP scaler, L2 the
+    data position of a `ResumableLoader`. Counts the optimizer's real updates (not accumulation micro-steps): the
+    step a checkpoint is filed under.
+
+    Raises:
+        `ConfigError`: more than one optimizer or scheduler is prepared (a checkpoint holds one).
+    """
+
+    def __init__(self, accelerator: Any, *, models: list[torch.nn.Module] | None = None,
+                 loader: ResumableLoader | None = None) -> None:
+        self.accelerator, self._models, self.loader = accelerator, models, loader
+        for kind in ("_optimizers", "_schedulers"):
+            objs = getattr(accelerator, kind, [])
+            if len(objs) > 1:
+                raise ConfigError(f"accelerator prepared {len(objs)} {kind[1:]}: hf_dynamic_ckpt stores one optimizer "
+                                  "and one scheduler per checkpoint; prepare a single one (parameter groups work).")
+        self.scheduler_pace = natural_pace(self.scheduler, int(accelerator.num_processes))
+        self.optimizer_steps = 0
+        self._step_hook: Any = None
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if isinstance(inner, torch.optim.Optimizer):
+            # Adam-family optimizers keep a per-parameter step: hooks created mid-run file checkpoints right.
+            steps = [int(st["step"]) for st in inner.state.values() if isinstance(st, dict) and "step" in st]
+            self.optimizer_steps = max(steps, default=0)
+            self._step_hook = inner.register_step_post_hook(self._count)
+
+    def _count(self, *_: Any) -> None:
+        self.optimizer_steps += 1
+
+    def close(self) -> None:
+        """Stop counting optimizer steps (idempotent)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def models(self) -> list[torch.nn.Module]:
+        """The unwrapped models (no DDP wrapper), in `prepare` order."""
+        models = self._models if self._models is not None else list(self.accelerator._models)
+        if not models:
+            raise ConfigError("the accelerator has no prepared model: call accelerator.prepare(model, ...) first.")
+        return [self.accelerator.unwrap_model(m) for m in models]
+
+    @property
+    def optimizer(self) -> Any | None:
+        opts = getattr(self.accelerator, "_optimizers", [])
+        return opts[0] if opts else None
+
+    @property
+    def scheduler(self) -> Any | None:
+        scheds = getattr(self.accelerator, "_schedulers", [])
+        return scheds[0] if scheds else None
+
+    def _of_every_model(self, tensors: Callable[[torch.nn.Module], dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for i, model in enumerate(self.models()):
+            prefix = "" if i == 0 else _MODEL_PREFIX.format(i)
+            out.update({prefix + k: v for k, v in tensors(model).items()})
+        return out
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self._of_every_model(trainable_state_dict)
+
+    def read_targets(self) -> dict[str, torch.Tensor]:
+        """The models' own tensors a resume reads the weights file into (`state.own_weights`)."""
+        return self._of_every_model(own_weights)
+
+    def frozen_keys(self) -> frozenset[str]:
+        return frozenset(self._of_every_model(lambda m: dict.fromkeys(frozen_weight_keys(m))))
+
+    def epoch(self, *, boundary: bool = False) -> float:
+        """Fractional epoch of the data position (0.0 without a loader; whole epochs when it has no length)."""
+        if self.loader is None:
+            return 0.0
+        pos = self.loader.boundary_position() if boundary else self.loader.position()
+        try:
+            length = len(self.loader)
+        except TypeError:  # an iterable dataset
+            return float(pos["epoch"])
+        return pos["epoch"] + pos["batches_seen"] / max(length, 1)
+
+    def extra(self) -> dict[str, Any]:
+        return {KEY_ACCELERATE: {"optimizer_steps": self.optimizer_steps,
+                                 "num_processes": int(self.accelerator.num_processes),
+                                 KEY_SCHEDULER_PACE: self.scheduler_pace}}
+
+    def apply(self, loaded: LoadedCheckpoint) -> None:
+        """Load weights, optimizer, scheduler and scaler and arm the loader's exact resume (it re-applies the RNG once
+        the resumed epoch's first batch is fetched; without a loader the RNG goes back now).
+
+        Raises:
+            `IncompatibleStateError`: the saved weights do not fit the models.
+        """
+        if loaded.weights is not None:
+            models = self.models()
+            per_model: list[dict[str, torch.Tensor]] = [{} for _ in models]
+            for key, tensor in loaded.weights.items():
+                index = next((i for i in range(1, len(models)) if key.startswith(_MODEL_PREFIX.format(i))), 0)
+                per_model[index][key[len(_MODEL_PREFIX.format(index)):] if index else key] = tensor
+            for model, weights in zip(models, per_model):
+                apply_weights(model, weights)
+        apply_optimizer_state(loaded, optimizer=self.optimizer, scheduler=self.scheduler,
+                              scaler=getattr(self.accelerator, "scaler", None))
+        self.optimizer_steps = loaded.info.step
+        if self.loader is not None and loaded.sampler is not None:
+            self.loader.resume_from(loaded.sampler, rng=loaded.rng)
+        elif loaded.rng is not None:
+            restore_rng_state(loaded.rng)
+
+
+# ------------------------------------------------------------------------------------------ another world size
+def natural_pace(scheduler: Any, num_processes: int) -> int | None:
+    """Steps of the wrapped scheduler per optimizer step that `scheduler.step()` takes as Accelerate prepared it;
+    `None` for a scheduler that is not Accelerate's, steps at every call, or that a DeepSpeed engine steps itself."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    if not isinstance(scheduler, AcceleratedScheduler) or not scheduler.step_with_optimizer \
+            or type(scheduler).__name__ == "DeepSpeedSchedulerWrapper":  # the engine steps it, once per update
+        return None
+    return 1 if scheduler.split_batches else int(num_processes)
+
+
+def keep_pace(scheduler: Any, pace: int) -> None:
+    """Make `scheduler.step()` (an `AcceleratedScheduler`) step the wrapped scheduler `pace` times per optimizer
+    step, whatever the number of processes; accumulation micro-steps and skipped updates go as Accelerate has them."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        if not scheduler.gradient_state.sync_gradients or any(opt.step_was_skipped for opt in scheduler.optimizers):
+            AcceleratedScheduler.step(scheduler, *args, **kwargs)
+            return
+        inner = scheduler.scheduler
+        for _ in range(pace):
+            # As Accelerate does: a OneCycle schedule without drop_last stops at its total.
+            if not hasattr(inner, "total_steps") or inner._step_count <= inner.total_steps:
+                inner.step(*args, **kwargs)
+
+    scheduler.step = step
+
+
+def deepspeed_engine(accelerator: Any) -> Any | None:
+    """The DeepSpeed engine an `Accelerator` prepared (`None` without DeepSpeed, or before `prepare`)."""
+    return getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
+
+
+def apply_elastic(loaded: LoadedCheckpoint, *, state: AccelerateState, run: RunOrchestrator,
+                  accelerator: Any) -> None:
+    """Continue `loaded` on this run's number of processes: the accumulation that keeps its global batch (on the
+    accelerator, and a DeepSpeed engine's), the scheduler's pace, and rank 0's lines saying what changes.
+
+    Raises:
+        `GlobalBatchError`: `runtime.keep_global_batch` and no accumulation keeps the saved global batch.
+    """
+    sampler, saved_extra = loaded.sampler or {}, loaded.extra.get(KEY_ACCELERATE) or {}
+    saved_world, world, step = loaded.info.world_size, run.world_size, loaded.info.step
+    lines: list[tuple[int, str]] = []
+    saved = BatchGeometry.from_json(sampler.get(KEY_BATCH))
+    now = state.loader.geometry() if state.loader is not None else None
+    dealt = bool(sampler.get(KEY_DEALT, True))
+    if saved is not None and now is not None:
+        if not dealt:  # every rank reads every batch: a step's samples do not depend on the number of processes
+            saved, now = BatchGeometry(saved.per_device, 1, saved.accumulation), \
+                BatchGeometry(now.per_device, 1, now.accumulation)
+        plan = plan_batch(saved, now, keep=run.config.runtime.keep_global_batch, step=step, position_in="samples")
+        accelerator.gradient_accumulation_steps = plan.accumulation
+        engine = deepspeed_engine(accelerator)
+        if engine is not None:  # the engine scales the loss and reduces by its own accumulation: the same one
+            engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * engine.dp_world_size *
+                                        plan.accumulation)
+        if plan.warning is not None or plan.note is not None:
+            lines.append((logging.WARNING if plan.warning else logging.INFO, plan.warning or plan.note or ""))
+    elif saved_world != world and state.loader is not None:
+        lines.append((logging.WARNING, f"step {step} was saved by {saved_world} process(es) and is resumed by "
+                                       f"{world}, and it does not record its global batch: keep the per-device "
+                                       "batch x processes x gradient_accumulation_steps as it was"))
+    note = world_change_note(saved_world, world, sampler.get(KEY_DRAWS_RANDOM)) if dealt else None
+    if note is not None:  # with every rank reading every batch, a rank continuing rank 0's stream draws its masks
+        lines.append((logging.WARNING, f"step {step} was {note}"))
+    pace = state.scheduler_pace
+    saved_pace = saved_extra.get(KEY_SCHEDULER_PACE) if KEY_SCHEDULER_PACE in saved_extra else \
+        (saved_world if pace is not None and pace == world else None)
+    if isinstance(saved_pace, int) and pace is not None and saved_pace != pace:
+        keep_pace(state.scheduler, saved_pace)
+        state.scheduler_pace = saved_pace
+        lines.append((logging.INFO, f"step {step}: the learning-rate scheduler keeps the pace of the run it continues, "
+                                    f"{saved_pace} scheduler step(s) per optimizer step (accelerate's prepared "
+                                    f"scheduler steps once per process: {pace} on {world})"))
+    if run.rank == 0:
+        for level, line in lines:
+            run.announce.log(level, "smart_ckpt: %s", line)
+
+
+# ------------------------------------------------------------------------------------------ wiring
+def make_run(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.PathLike[str] | None,
+             state: AccelerateState, **attach: Any) -> RunOrchestrator:
+    """The run's orchestrator on the accelerator's rank and processes, attached to its live objects.
+
+    Raises:
+        `ConfigError`: the process group has more processes than the accelerator counts (every process would act
+            as rank 0 of a one-process run).
+    """
+    world = int(accelerator.num_processes)
+    if world == 1 and dist.world_size() > 1:
+        raise ConfigError(
+            f"the accelerator counts 1 process but the process group has {dist.world_size()}: every process would "
+            "checkpoint as rank 0 of a one-process run. Accelerate does this for DeepSpeed on a machine without "
+            "GPUs: create `PartialState(backend='gloo')` before the `Accelerator`, so that it counts them.")
+    if config.root is None and output_dir is None:
+        output_dir = getattr(accelerator, "project_dir", None)
+    run = RunOrchestrator(config, root=config.resolve_root(output_dir), rank=int(accelerator.process_index),
+                          world_size=world)
+    boundary, draws_random = attach.pop("boundary"), attach.pop("draws_random", None)
+    loader = state.loader
+    sampler: Callable[[], dict[str, Any]] | None = None
+    if loader is not None:
+        where = loader.boundary_position if boundary else loader.position
+        sampler = where if draws_random is None else (lambda: {**where(), KEY_DRAWS_RANDOM: draws_random()})
+    run.attach(state.models()[0], optimizer=state.optimizer, scheduler=state.scheduler,
+               scaler=getattr(accelerator, "scaler", None), weights=state.weights, frozen_keys=state.frozen_keys(),
+               extra=lambda decision: state.extra(), sampler=sampler, **attach)
+    return run
+
+
+def total_limit(accelerator: Any) -> int | None:
+    """`ProjectConfiguration.total_limit` when Accelerate names and rotates its checkpoint folders itself."""
+    project = getattr(accelerator, "project_configuration", None)
+    limit = getattr(project, "total_limit", None) if getattr(project, "automatic_checkpoint_naming", False) else None
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
+_REGISTER = ("register_save_state_pre_hook", "register_load_state_pre_hook")
+
+
+def keep_last(accelerator: Any, handles: list[Any]) -> None:
+    """Keep the pre-hooks of `handles` behind every other save / load pre-hook of `accelerator`, now and whenever
+    another is registered (`[]`: stop): ours empty Accelerate's `models` / `weights` lists. The accelerator's two
+    `register_*_pre_hook` methods get an instance-level wrapper holding the accelerator and the handles weakly."""
+    for name in _REGISTER:
+        if name in vars(accelerator):
+            delattr(accelerator, name)
+    if not handles:
+        return
+    owner, refs = weakref.ref(accelerator), [weakref.ref(h) for h in handles]
+
+    def to_end() -> None:
+        for handle in (ref() for ref in refs):
+            hooks = handle.hooks_dict_ref() if handle is not None else None
+            if hooks is not None and handle is not None and handle.id in hooks:
+                hooks[handle.id] = hooks.pop(handle.id)
+
+    for name in _REGISTER:
+        def register(hook: Any, _name: str = name) -> Any:
+            acc = owner()
+            assert acc is not None, "the accelerator is gone"
+            handle = getattr(type(acc), _name)(acc, hook)
+            to_end()
+            return handle
+
+        setattr(accelerator, name, register)
+    to_end()
+
+
+# ------------------------------------------------------------------------------------------ the hook pair
+class SmartStateHooks:
+    """`accelerator.save_state()` / `load_state()` through the tiered store.
+
+    - save: commits the current state as store checkpoint `step-<N>` (N: optimizer updates so far, pinned against
+      retention) synchronously on every rank, with the data position of `loader`; empties Accelerate's `weights`
+      list (no model file in the directory) and leaves `smart_ckpt.json` there (rank 0).
+    - load: follows `smart_ckpt.json` (or takes the directory as a store checkpoint path), verifies and loads the
+      checkpoint (fallback per `runtime.fallback_strategy`), puts weights, optimizer, scheduler and scaler back,
+      empties Accelerate's `models` list and arms `loader` for an exact continuation. A folder written without the
+      hooks is left to Accelerate, with one INFO line.
+
+    The pair always runs after every other save / load pre-hook of the accelerator, which see the full lists. With
+    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)` the store keeps at most N checkpoints
+    besides pinned captures (hooks that own their run retain with `keep_last=N`, no log-spaced history): the
+    checkpoint pinned for a folder Accelerate rotated away is unpinned at the next `save_state`, and retention
+    removes it.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): after `prepare(...)`.
+        dataloader (`torch.utils.data.DataLoader`, *optional*): the prepared training dataloader; iterate
+            `hooks.loader` instead of it for an exact data position.
+        config (`SmartCkptConfig`, *optional*): `root` and `task_id` name the store.
+        output_dir (`str`, *optional*): the store goes to `<output_dir>/smart_ckpt` when `config.root` is unset
+            (defaults to the accelerator's `project_dir`).
+
+    Example:
+        ```python
+        >>> hooks = SmartStateHooks(accelerator, train_dataloader, output_dir="out")
+        >>> hooks.register()
+        >>> for batch in hooks.loader:               # one epoch, exact position
+        ...     ...
+        >>> accelerator.save_state("out/state")      # -> out/smart_ckpt/default/step-<N>/
+        >>> accelerator.load_state("out/state")      # restores it
+        >>> hooks.close()
+        ```
+    """
+
+    def __init__(self, accelerator: Any, dataloader: Any | None = None, *, config: SmartCkptConfig | None = None,
+                 output_dir: str | os.PathLike[str] | None = None, run: RunOrchestrator | None = None,
+                 state: AccelerateState | None = None) -> None:
+        check_accelerator(accelerator)  # DeepSpeed / FSDP1: refused before anything is opened
+        self.accelerator = accelerator
+        config = config or SmartCkptConfig()
+        self.state = state or AccelerateState(
+            accelerator, loader=ResumableLoader(accelerator, dataloader) if dataloader is not None else None)
+        self._owns_run = run is None
+        if run is None:
+            limit = total_limit(accelerator)
+            if limit is not None:  # the user's bound on saved states holds in the store too
+                config = config.replace(keep_last=limit if config.keep_last is None else min(config.keep_last, limit),
+                                        policy={"keep_log_spaced": False})
+            # The hooks only save when asked: no preemption handlers (nobody would act on them).
+            run = make_run(config.replace(runtime={"preemption_signals": ()}), accelerator, output_dir, self.state,
+                           boundary=False)
+        self.run = run
+        self.handles: list[Any] = []
+        self.last_loaded: LoadedCheckpoint | None = None
+        self._pinned: set[int] = set()  # steps this object's save_state pinned
+
+    @property
+    def loader(self) -> ResumableLoader | None:
+        """The position-tracking view of the dataloader (iterate it: one epoch per `iter()`)."""
+        return self.state.loader
+
+    @property
+    def store(self) -> Any:
+        return self.run.store
+
+    def register(self) -> tuple[Any, Any]:
+        """Install the pair behind the accelerator's other save / load pre-hooks (also those registered later).
+
+        Returns:
+            `tuple`: the `torch.utils.hooks.RemovableHandle`s of the save and load pre-hooks.
+        """
+        self.handles = [self.accelerator.register_save_state_pre_hook(self._save_hook),
+                        self.accelerator.register_load_state_pre_hook(self._load_hook)]
+        keep_last(self.accelerator, self.handles)
+        return self.handles[0], self.handles[1]
+
+    def remove(self) -> None:
+        """Remove both hooks (idempotent); `save_state` / `load_state` behave as without them."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        keep_last(self.accelerator, [])
+
+    def close(self) -> None:
+        """Remove the hooks and, when this object created it, close the orchestrator."""
+        self.remove()
+        if self._owns_run:
+            self.run.close()
+            self.state.close()
+
+    def _save_hook(self, models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]],
+                   output_dir: str) -> None:
+        step = self.state.optimizer_steps
+        if self.run.rank == 0 and total_limit(self.accelerator) is not None:
+            # Accelerate has rotated its folders before this hook: their checkpoints are ordinary ones now.
+            self._unpin_rotated(Path(output_dir).parent)
+        # Pinned: a state the user asked for by name must outlive automatic retention.
+        event = self.run.save_now(step, self.state.epoch(), reason="save_state", pin=True, blocking=True)
+        if event.handle is not None:
+            event.handle.wait()  # re-raises the write error
+        if event.error is not None:
+            raise SaveError(f"save_state: the store did not commit step {event.step}: {event.error}")
+        weights.clear()  # Accelerate writes one model file per entry: the weights are in the store instead
+        if self.run.rank == 0:
+            pointer = {"root": str(self.run.store.root), "task_id": self.run.store.task_id, "step": step,
+                       "path": event.path}
+            tmp = Path(output_dir) / f".{POINTER_NAME}.tmp"
+            tmp.write_text(json.dumps(pointer, indent=1), encoding="utf-8")
+            os.replace(tmp, Path(output_dir) / POINTER_NAME)
+        self._pinned.add(step)
+        logger.info("save_state: step %d committed to %s", step, event.path or self.run.store.root)
+
+    def _unpin_rotated(self, folders: Path) -> None:
+        """Unpin the checkpoints `save_state` pinned for folders under `folders` that no longer exist."""
+        store = self.run.store
+        kept: set[int] = set()
+        for pointer_file in folders.glob(f"*/{POINTER_NAME}"):
+            try:
+                pointer = json.loads(pointer_file.read_text(encoding="utf-8"))
+                if pointer.get("task_id") == store.task_id:
+                    kept.add(int(pointer["step"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not ours to judge: its checkpoint stays pinned
+        for info in store.list(include_unhealthy=True, include_abandoned=True):
+            if info.pinned and info.step not in kept and (info.reason == "save_state" or info.step in self._pinned):
+                store.unpin(info)
+                self._pinned.discard(info.step)
+                logger.info("save_state: step %d is no longer pinned (its folder under %s was rotated away by "
+                            "total_limit); retention keeps or removes it like any other checkpoint", info.step, folders)
+
+    def _load_hook(self, models: list[torch.nn.Module], input_dir: str) -> None:
+        ref = self._ref_for(Path(input_dir))
+        if ref is None:
+            logger.info("load_state(%s): no %s and not a store checkpoint (a folder saved without the store's hooks): "
+                        "Accelerate loads it as it would without them; the store %s is not involved", input_dir,
+                        POINTER_NAME, self.run.store.root)
+            return
+        loaded = self.run.resume(ref, expected=self.state.weights())
+        if loaded is None:  # pragma: no cover - resume returns None only for "auto" on an empty store
+            raise CheckpointNotFoundError(f"load_state({input_dir!r}): the store {self.run.store.root} is empty.")
+        apply_elastic(loaded, state=self.state, run=self.run, accelerator=self.accelerator)
+        self.state.apply(loaded)
+        models.clear()  # the weights are restored from the store: Accelerate must not look for model files
+        self.last_loaded = loaded
+
+    def _ref_for(self, input_dir: Path) -> str | None:
+        """The checkpoint `input_dir`'s pointer names, the directory itself when it is a store checkpoint, else
+        `None` (a plain Accelerate folder)."""
+        pointer_file = input_dir / POINTER_NAME
+        if not pointer_file.is_file():
+            return str(input_dir) if (input_dir / MANIFEST_NAME).is_file() else None
+        try:
+            pointer = json.loads(pointer_file.read_text(encoding="utf-8"))
+            missing = [k for k in _POINTER_KEYS if k not in pointer]
+            if missing:
+                raise KeyError(", ".join(missing))
+        except (ValueError, KeyError) as e:
+            raise CorruptCheckpointError(
+                f"{pointer_file} is not a valid pointer ({type(e).__name__}: {e}); it should name the store "
+                f"checkpoint written by save_state. Pass the store checkpoint directory to load_state instead."
+            ) from e
+        if Path(pointer["root"]).resolve() != Path(self.run.store.root).resolve():
+            logger.warning("load_state: %s points into store %s, but this run's store is %s; loading by path",
+                           pointer_file, pointer["root"], self.run.store.root)
+        return str(pointer["path"]) if pointer["path"] else f"step:{int(pointer['step'])}"
+
+
+# ------------------------------------------------------------------------------------------ the custom loop
 class SmartCheckpointer:
     """Signal-driven, tiered, non-blocking checkpoints for a custom Accelerate loop.
 
-    One object, two calls per step and one resume call: the same orchestrator, policy,
-    engine and store as `SmartCkptCallback`. It also registers `SmartStateHooks`, so
-    `accelerator.save_state()` / `load_state()` go to the same store (not under DeepSpeed, where
-    Accelerate runs DeepSpeed's own save there). Under DeepSpeed ZeRO the engine steps inside
-    `accelerator.backward`; the same loop works (docs/deepspeed.md).
+    The same orchestrator, policy, engine and store as `SmartCkptCallback`. It also registers `SmartStateHooks`,
+    so `accelerator.save_state()` / `load_state()` go to the same store (not under DeepSpeed, where Accelerate runs
+    DeepSpeed's own save there). Under DeepSpeed ZeRO the engine steps inside `accelerator.backward`; the same loop
+    works (docs/deepspeed.md).
 
     Args:
         accelerator (`accelerate.Accelerator`): after `prepare(...)`.
         model (`torch.nn.Module`): the prepared model (PEFT models save the adapter only).
         optimizer (`torch.optim.Optimizer`): the prepared optimizer.
         scheduler (*optional*): the prepared LR scheduler.
-        dataloader (`torch.utils.data.DataLoader`, *optional*): the prepared training dataloader;
-            iterate `ckpt.loader` (one epoch per `iter()`) for an exact data position.
+        dataloader (`torch.utils.data.DataLoader`, *optional*): the prepared training dataloader; iterate
+            `ckpt.loader` (one epoch per `iter()`) for an exact data position.
         config (`SmartCkptConfig`, *optional*): defaults to `SmartCkptConfig()`.
         output_dir (`str`, *optional*): store at `<output_dir>/smart_ckpt` when `config.root` is unset.
-        consolidate (`bool`, *optional*): keep the trainable parameters and their optimizer state
-            in one flat buffer per device and dtype, so a snapshot is one copy (`state.flat`);
-            `None` (default): only for many small trainable tensors (LoRA), `True` / `False`: always / never.
 
     Example:
         ```python
-        >>> ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, train_dataloader,
-        ...                          config=SmartCkptConfig(), output_dir="out")
+        >>> ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, train_dataloader, output_dir="out")
         >>> ckpt.resume("auto")                          # None: fresh start
-        >>> while ckpt.step < max_steps and not ckpt.should_stop:
+        >>> for epoch in ckpt.epochs(num_epochs):
         ...     for batch in ckpt.loader:
         ...         with accelerator.accumulate(model):
         ...             accelerator.backward(model(**batch).loss)
-        ...             if accelerator.sync_gradients:
-        ...                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
         ...             ckpt.before_update()             # signals + pre-anomaly capture
         ...             optimizer.step(); scheduler.step(); optimizer.zero_grad()
         ...         ckpt.after_update()                  # the save decision
-        ...         if ckpt.step >= max_steps or ckpt.should_stop:
-        ...             break
         >>> ckpt.close()
         ```
     """
 
-    def __init__(
-        self,
-        accelerator: Any,
-        model: torch.nn.Module,
-        optimizer: Any,
-        scheduler: Any | None = None,
-        dataloader: Any | None = None,
-        *,
-        config: SmartCkptConfig | None = None,
-        output_dir: str | os.PathLike[str] | None = None,
-        consolidate: bool | None = None,
-    ) -> None:
+    def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any | None = None,
+                 dataloader: Any | None = None, *, config: SmartCkptConfig | None = None,
+                 output_dir: str | os.PathLike[str] | None = None) -> None:
         check_accelerator(accelerator, deepspeed=True)  # DeepSpeed without ZeRO / FSDP1: refused before anything
         self.accelerator = accelerator
         self._deepspeed = deepspeed_engine(accelerator) is not None
@@ -109,19 +543,17 @@ class SmartCheckpointer:
             raise ConfigError("scheduler is not the accelerator's prepared scheduler: pass the object "
                               "returned by accelerator.prepare(...).")
         loader = ResumableLoader(accelerator, dataloader) if dataloader is not None else None
-        # Whether a step's forward and backward draw random numbers (dropout): from the step's first batch (once
-        # the loader's iterator exists, whose creation draws too) to `before_update`; recorded with every save.
+        # Whether a step's forward and backward draw random numbers (dropout): from the step's first batch to
+        # `before_update`; recorded with every save.
         self._randomness = StepRandomness()
         if loader is not None:
             loader.on_batch = self._randomness.begin
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
-        self.run = make_orchestrator(self.config, accelerator, store_root(self.config, accelerator, output_dir))
-        attach_state(self.run, self.state, boundary=True, clip_owner=accelerator, consolidate=consolidate,
-                     draws_random=lambda: self._randomness.seen,
-                     position=lambda: (self.step, self.state.epoch(boundary=True)))
+        self.run = make_run(self.config, accelerator, output_dir, self.state, boundary=True, clip_owner=accelerator,
+                            draws_random=lambda: self._randomness.seen,
+                            position=lambda: (self.step, self.state.epoch(boundary=True)))
         self.hooks: SmartStateHooks | None = None
-        """The `save_state` / `load_state` hook pair on the same store; `None` under DeepSpeed, where `save_state`
-        runs DeepSpeed's own `save_checkpoint` whatever a hook does (`SmartStateHooks`)."""
+        """The `save_state` / `load_state` hook pair on the same store; `None` under DeepSpeed."""
         if not self._deepspeed:
             self.hooks = SmartStateHooks(accelerator, run=self.run, state=self.state)
             self.hooks.register()
@@ -131,15 +563,8 @@ class SmartCheckpointer:
         self._skipped_through = (-1, 0)  # (epoch, batch) up to which rollbacks left the data out
         self.loaded: LoadedCheckpoint | None = None
         self._lr: float | None = None
-        if loader is not None:
-            loader.mark_boundary()
+        self._mark()
         self.run.note_boundary(self.step)  # the starting state can be captured before the first update
-
-    # -- properties ------------------------------------------------------------------------
-    @property
-    def flat(self) -> FlatKeeper | None:
-        """The consolidated trainable state's keeper (`state.flat`)."""
-        return self.run.flat
 
     @property
     def step(self) -> int:
@@ -162,8 +587,7 @@ class SmartCheckpointer:
     @property
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step: the accelerator's, which `resume` sets to keep the checkpoint's global
-        batch on another number of processes (`docs/elastic.md`). A loop that counts micro-batches itself reads it
-        after `resume`."""
+        batch on another number of processes (docs/elastic.md)."""
         return int(self.accelerator.gradient_accumulation_steps)
 
     @property
@@ -180,13 +604,13 @@ class SmartCheckpointer:
         while self.epoch < num_epochs and not self.should_stop:
             yield self.epoch
 
-    # -- the loop --------------------------------------------------------------------------
-    def before_update(self) -> Decision | None:
-        """Call after `backward` (and clipping), before `optimizer.step()`.
+    def _mark(self) -> None:
+        if self.state.loader is not None:
+            self.state.loader.mark_boundary()
 
-        Reads the step's signals (loss, pre-clip gradient norm, LoRA layers, memory) and
-        lets the policy snapshot and pin the still-healthy state when the gradients surge.
-        A no-op (returns `None`) on gradient-accumulation micro-steps.
+    def before_update(self) -> Decision | None:
+        """Call after `backward` (and clipping), before `optimizer.step()`: the step's signals, and the pinned
+        snapshot of the still-healthy state when the gradients surge. A no-op (`None`) on accumulation micro-steps.
 
         Returns:
             `Decision | None`: with `skip_update`, the gradients were dropped.
@@ -199,20 +623,16 @@ class SmartCheckpointer:
         return self.run.pre_update(self.step, epoch=self.state.epoch(boundary=True))
 
     def after_update(self) -> Decision | None:
-        """Call after `optimizer.step()` / `scheduler.step()`: the save decision of this step.
-
-        Saves in the background when the policy says so; on a preemption signal commits a
-        checkpoint synchronously and sets `should_stop`. With `on_anomaly: rollback`, a confirmed
-        anomaly rolls the run back here (decision kind `rollback`, `last_rollback`): `step` is the
-        restore point's again, the model, optimizer, scheduler and RNG are its, and `loader` goes on
-        with the next batches (skipping `rollback_skip_batches` more). A no-op on accumulation micro-steps.
+        """Call after `optimizer.step()` / `scheduler.step()`: this step's save decision (a background save, or on
+        a preemption signal a synchronous one and `should_stop`). With `on_anomaly: rollback` a confirmed anomaly
+        rolls the run back here (decision kind `rollback`, `last_rollback`): `step` is the restore point's again, and
+        `loader` goes on with the next batches (skipping `rollback_skip_batches` more). A no-op on micro-steps.
         """
         if not self.accelerator.sync_gradients:
             return None
         if self._deepspeed:  # the engine stepped inside `accelerator.backward`; no torch optimizer step to count
             self.state.optimizer_steps += 1
-        if self.state.loader is not None:
-            self.state.loader.mark_boundary()
+        self._mark()
         decision = self.run.step_end(self.step, self.state.epoch(boundary=True), lr=self._lr)
         if decision.kind == DecisionKind.ROLLBACK:
             self._roll_back()
@@ -231,39 +651,36 @@ class SmartCheckpointer:
         self.state.optimizer_steps = done.to_step
         skipped = ""
         if loader is not None and seen_before is not None:
-            loader.after_rollback(rng=done.rng, skip=self.config.policy.rollback_skip_batches)
+            skip = self.config.policy.rollback_skip_batches
+            loader.after_rollback(rng=done.rng, skip=skip)
             loader.mark_boundary()
             start = done.loaded.sampler or {}
             first = int(start.get("batches_seen", 0)) + 1 if start.get("epoch") == seen_before[0] else 1
             if self._skipped_through[0] == seen_before[0]:  # an earlier rollback to it left some out already
                 first = max(first, self._skipped_through[1] + 1)
-            last = seen_before[1] + self.config.policy.rollback_skip_batches
-            self._skipped_through = (seen_before[0], last)
-            skipped = f"; skipped batches {first}..{last} of epoch {seen_before[0]}"
+            self._skipped_through = (seen_before[0], seen_before[1] + skip)
+            skipped = f"; skipped batches {first}..{seen_before[1] + skip} of epoch {seen_before[0]}"
         self.last_rollback = done
         if self.run.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
             self.run.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s)%s", done.from_step,
-                                       done.to_step, done.reason, skipped)
+                                      done.to_step, done.reason, skipped)
 
     def save_now(self, *, reason: str = "manual", blocking: bool = True) -> SaveEvent:
         """Save the state of the last completed step outside the policy (e.g. at the end)."""
-        if self.state.loader is not None:
-            self.state.loader.mark_boundary()
+        self._mark()
         return self.run.save_now(self.step, self.state.epoch(boundary=True), reason=reason, blocking=blocking)
 
     def resume(self, ref: str | None = "auto") -> LoadedCheckpoint | None:
-        """Restore a checkpoint on every rank before the loop (rank 0 chooses).
+        """Restore a checkpoint on every rank before the loop (one agreed restore point).
 
-        On another number of processes than the checkpoint's, the run continues the same run (`docs/elastic.md`):
-        the accelerator's gradient accumulation is set to keep the checkpoint's global batch
-        (`gradient_accumulation_steps`; `runtime.keep_global_batch`), the data position is kept in samples of the
-        epoch's order, Accelerate's prepared scheduler keeps the pace of the run it continues, and a rank the
-        checkpoint had not continues rank 0's random streams.
+        On another number of processes the run continues the same run (docs/elastic.md): the accumulation keeps the
+        checkpoint's global batch (`gradient_accumulation_steps`; `runtime.keep_global_batch`), the data position
+        stays in samples of the epoch's order, the prepared scheduler keeps its pace, and a rank the checkpoint had
+        not continues rank 0's random streams.
 
         Args:
-            ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy), `best`
-                (lowest loss), `fastest` (lowest recovery cost), `step:N`, or a path; `None`
-                starts fresh. `auto` on an empty store starts fresh.
+            ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy), `best` (lowest loss), `fastest`
+                (lowest recovery cost), `step:N`, or a path; `None` starts fresh, as `auto` on an empty store does.
 
         Returns:
             `LoadedCheckpoint | None`: what was restored (`None`: fresh start).
@@ -271,8 +688,7 @@ class SmartCheckpointer:
         Raises:
             `CheckpointNotFoundError`: an explicit `ref` names nothing loadable.
             `IncompatibleStateError`: the checkpoint does not fit the model.
-            `GlobalBatchError`: on another number of processes, no gradient accumulation keeps the checkpoint's
-                global batch with this per-device batch (the message names settings that would).
+            `GlobalBatchError`: on another number of processes, no accumulation keeps the global batch.
         """
         into = None if self.run.sharded else self.state.read_targets()
         loaded = self.run.resume(ref, expected=self.state.weights(), into=into)
@@ -280,15 +696,13 @@ class SmartCheckpointer:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)
             return None
         try:
-            apply_elastic(loaded, saved_extra=loaded.extra.get(KEY_ACCELERATE) or {}, state=self.state,
-                          run=self.run, accelerator=self.accelerator)
+            apply_elastic(loaded, state=self.state, run=self.run, accelerator=self.accelerator)
         except ConfigError as e:  # GlobalBatchError: the weights are in the model already
             if not into:
                 raise
             raise type(e)(f"{e}{weights_overwritten(f'the weights of step {loaded.info.step}')}") from None
         self.state.apply(loaded)
-        if self.state.loader is not None:
-            self.state.loader.mark_boundary()
+        self._mark()
         self.run.note_boundary(self.step, rng=loaded.rng)
         dist.barrier()
         self.loaded = loaded
@@ -301,11 +715,9 @@ class SmartCheckpointer:
         return self.run.metrics()
 
     def close(self, *, exit_if_preempted: bool = True) -> None:
-        """Wait for the last write, remove hooks and probes, close the store (idempotent).
-
-        After a preemption save the process then exits with `preemption_exit_code` (128 + the
-        signal by default) so the scheduler requeues the job; `exit_if_preempted=False` returns.
-        """
+        """Wait for the last write, remove hooks and probes, close the store (idempotent). After a preemption save
+        the process then exits with `preemption_exit_code` (128 + the signal by default) so the scheduler requeues
+        the job; `exit_if_preempted=False` returns."""
         if self.hooks is not None:
             self.hooks.remove()
         self.run.close()

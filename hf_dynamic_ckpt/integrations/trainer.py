@@ -58,11 +58,9 @@ from ..run.elastic import (
 from ..run.orchestrator import RunOrchestrator
 from ..run.rollback import Rollback
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
-from ..state.flat import FlatKeeper
 from ..state.sharded import zero_expected
 from ..state.support import check_accelerator, check_training_args
-from ..store.types import LoadedCheckpoint
-from ._position import KEY_LOADERS, LoaderSeeds
+from ..store import LoadedCheckpoint
 from ._trainer_folder import (
     KEY_DATA_STEPS,
     data_steps,
@@ -74,6 +72,7 @@ from ._trainer_folder import (
     resume_folder,
     skip_deepspeed_load,
 )
+from .position import KEY_LOADERS, LoaderSeeds
 
 logger = logging.getLogger(__name__)
 
@@ -90,10 +89,6 @@ class SmartCkptCallback(TrainerCallback):
         trainer (`transformers.Trainer`, *optional*): the trainer, for the pre-clip gradient
             norm, the AMP scaler and the flos. Found automatically when the callback is passed to
             `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it.
-        consolidate (`bool`, *optional*): keep the trainable parameters and their optimizer
-            state in one flat buffer per device and dtype, so a snapshot is one copy
-            (`hf_dynamic_ckpt.state.flat`). `None` (default): only for many small trainable
-            tensors (>= 32, <= 1 MiB on average: LoRA and other adapters); `True` / `False`: always / never.
 
     Example:
         ```python
@@ -103,8 +98,7 @@ class SmartCkptCallback(TrainerCallback):
         ```
     """
 
-    def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None,
-                 consolidate: bool | None = None) -> None:
+    def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None) -> None:
         self.config = config or SmartCkptConfig()
         if self.config.on_anomaly == OnAnomaly.ROLLBACK and self.config.policy.rollback_skip_batches:
             raise ConfigError(
@@ -112,7 +106,6 @@ class SmartCkptCallback(TrainerCallback):
                 "Trainer integration: Trainer's loop fetches its batches itself. A rollback there skips the batches "
                 "the anomaly consumed; set rollback_skip_batches=0 (or skip more in a custom loop with "
                 "SmartCheckpointer).")
-        self.consolidate = consolidate
         self.run: RunOrchestrator | None = None
         self._trainer: Callable[[], Any] = _no_trainer
         self.trainer = trainer
@@ -130,7 +123,7 @@ class SmartCkptCallback(TrainerCallback):
         self._in_train = False
         self._resumed_rng: dict[str, Any] | None = None  # restored once the first resumed step's batches are in
         self._rng_before_iterator = False  # ... or, at an epoch boundary, before the epoch's iterator is created
-        self._seeds = LoaderSeeds()  # the persistent loaders' iterators of the uninterrupted run (`_position`)
+        self._seeds = LoaderSeeds()  # the uninterrupted run's persistent loader iterators (`integrations.position`)
         self._eval_watch: Callable[[], None] | None = None  # takes the `get_eval_dataloader` wrapper off
         self._randomness = StepRandomness()
 
@@ -161,11 +154,6 @@ class SmartCkptCallback(TrainerCallback):
             self.run = RunOrchestrator(self.config, root=self.config.resolve_root(args.output_dir),
                                                 announce=logging.getLogger(ANNOUNCE_LOGGER))
         return self.run
-
-    @property
-    def flat(self) -> FlatKeeper | None:
-        """The consolidated trainable state's keeper (`state.flat`), once training began."""
-        return self.run.flat if self.run is not None else None
 
     def prepare_resume(self, trainer: Any, ref: str | os.PathLike[str] | None) -> str | None:
         """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder.
@@ -245,7 +233,7 @@ class SmartCkptCallback(TrainerCallback):
                   frozen_keys=frozen_weight_keys(model),
                   extra=self._save_extra, sampler=self._sampler, clip_owner=accelerator,
                   model_info=describe_model(model, tokenizer=getattr(self.trainer, "processing_class", None)),
-                  consolidate=self.consolidate, hold_saves=True,
+                  hold_saves=True,
                   position=lambda: (state.global_step, state.epoch))
         loaded = self._pending
         if retry:
@@ -299,7 +287,7 @@ class SmartCkptCallback(TrainerCallback):
             self._resumed_rng = None
         if train_dataloader is not None and (state.epoch or 0.0) >= 1:
             # The uninterrupted run created its iterator in the first epoch and only resets it now; a resumed run
-            # that creates it must not draw the workers' seed from the main generator (`integrations._position`).
+            # that creates it must not draw the workers' seed from the main generator (`integrations.position`).
             self._seeds.lend(train_dataloader)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -25,33 +26,28 @@ class DecisionKind(enum.StrEnum):
 
 
 MINIMAL_TIERS: frozenset[Tier] = frozenset({Tier.WEIGHTS, Tier.STATE})
-"""Smallest consistent restore point: weights plus RNG / data position / step (no optimizer).
-
-A resume from it continues exactly where the data and RNG were, with a fresh optimizer
-(the `level_0_only` fallback). It is what a save under memory pressure writes first.
-"""
+"""Smallest consistent restore point: weights plus RNG / data position / step, no optimizer. A resume from it continues
+exactly where the data and RNG were with a fresh optimizer (the `level_0_only` fallback); a save under memory pressure
+writes it first."""
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer for one step.
+    """The policy's answer for one step; integrations and the orchestrator act on it.
 
     Args:
         save (`bool`): take a checkpoint now.
         tiers (`frozenset[Tier]`, *optional*): what the checkpoint holds; empty when not saving.
-        reason (`str`, *optional*): why (logged, and stored in the manifest and catalog).
+        reason (`str`, *optional*): why, in words (logged, stored in the manifest and catalog).
         pin (`bool`, *optional*, defaults to `False`): retention must never delete it.
-        pre_update (`bool`, *optional*, defaults to `False`): from `RulePolicy.pre_update`:
-            save the state as it is *before* this step's optimizer update, i.e. the state
-            of step `frame.step - 1` (with the RNG states and data position of the end of
-            that step).
-        skip_update (`bool`, *optional*, defaults to `False`): the caller should skip this
-            step's optimizer update (and zero the gradients); only with `skip_bad_update`.
+        pre_update (`bool`, *optional*, defaults to `False`): from `RulePolicy.pre_update`: save the state *before*
+            this step's optimizer update, the state of step `frame.step - 1` (with that step's RNG and data position).
+        skip_update (`bool`, *optional*, defaults to `False`): the caller skips this step's optimizer update (and zeroes
+            the gradients); only with `skip_bad_update`.
         risk (`float`, *optional*, defaults to `0.0`): smoothed risk beta in [0, 1].
-        step (`int`, *optional*): the step count of the state to save (`frame.step`, or
-            `frame.step - 1` for a pre-update capture).
-        healthy (`bool`, *optional*, defaults to `True`): the state to save is believed sane
-            (no non-finite update has been applied to it); restore points must be healthy.
+        step (`int`, *optional*): the step of the state to save (`frame.step`, or `frame.step - 1` for a capture).
+        healthy (`bool`, *optional*, defaults to `True`): the state is believed sane (no non-finite update applied, no
+            bad update, training risk below the threshold); restore points must be healthy.
         interval (`float`, *optional*, defaults to `0.0`): the current regular interval in steps.
         kind (`DecisionKind`, *optional*): machine-readable reason; `NONE` when not saving.
     """
@@ -70,19 +66,9 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (tiers sorted) for logs, the manifest and the decision history."""
-        return {
-            "save": self.save,
-            "tiers": sorted(t.value for t in self.tiers),
-            "reason": self.reason,
-            "pin": self.pin,
-            "pre_update": self.pre_update,
-            "skip_update": self.skip_update,
-            "risk": round(self.risk, 6),
-            "step": self.step,
-            "healthy": self.healthy,
-            "interval": round(self.interval, 3),
-            "kind": self.kind.value,
-        }
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {
+            "tiers": sorted(t.value for t in self.tiers), "risk": round(self.risk, 6),
+            "interval": round(self.interval, 3), "kind": self.kind.value}
 
 
 NO_SAVE = Decision(save=False)

@@ -1,16 +1,12 @@
-"""What to keep (separate from when to save): pinned, the newest N, log-spaced history.
+"""What to keep (separate from when to save): pinned, the newest N, log-spaced history (docs/policy.md section 5).
 
-Log spacing: older checkpoints are grouped by age in steps into power-of-two buckets
-`[2^k, 2^(k+1))` behind the newest one, and only the *oldest* checkpoint of each
-bucket survives. A checkpoint only ever moves to higher buckets as training goes on,
-so the very first checkpoint is never thinned and the number kept grows like
-`log2(steps)`. Per-tier retention (`retention_days` of each tier, `storage_levels.level_N` in
-the config) then removes expired tiers from what is kept: the optimizer tier (7 days by
-default) goes before the weights (30 days), and a checkpoint whose weights expire is deleted whole.
-
-Abandoned checkpoints (of a timeline a resume forked away from) take no part in any of
-that: they are kept untouched until the live timeline has committed a step greater than
-theirs, then deleted whole; pinned ones never.
+Log spacing: older checkpoints are grouped by age in steps into power-of-two buckets `[2^k, 2^(k+1))` behind the newest
+one, and only the *oldest* checkpoint of each bucket survives. A checkpoint only ever moves to higher buckets as
+training goes on, so the first checkpoint is never thinned and the number kept grows like `log2(steps)`. Per-tier
+retention (`storage_levels.level_N.retention_days`) then removes expired tiers from what is kept: the optimizer tier
+(7 days by default) goes before the weights (30 days), and a checkpoint whose weights expire is deleted whole.
+Abandoned checkpoints (of a timeline a resume forked away from) take no part in that: they are kept until the live
+timeline has committed a greater step, then deleted whole; pinned ones never.
 """
 
 from __future__ import annotations
@@ -19,46 +15,36 @@ from collections.abc import Iterable, Mapping
 
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
-from ..store.types import CheckpointInfo, Removal
+from ..store import CheckpointInfo, Removal
 
 SECONDS_PER_DAY = 86400.0
 
 
 def tier_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | None]:
     """`{tier: retention_days}` from `config.storage_levels` (L0 weights, L1 optimizer, L2 state)."""
-    storage = config.storage_levels
-    return {
-        Tier.WEIGHTS: storage.level_0.retention_days,
-        Tier.OPTIMIZER: storage.level_1.retention_days,
-        Tier.STATE: storage.level_2.retention_days,
-    }
+    levels = config.storage_levels
+    return {Tier.WEIGHTS: levels.level_0.retention_days, Tier.OPTIMIZER: levels.level_1.retention_days,
+            Tier.STATE: levels.level_2.retention_days}
 
 
-def plan_retention(
-    infos: Iterable[CheckpointInfo],
-    *,
-    keep_last: int | None,
-    log_spaced: bool = True,
-    tier_retention: Mapping[Tier, float | None] | None = None,
-    now: float,
-) -> list[Removal]:
+def plan_retention(infos: Iterable[CheckpointInfo], *, keep_last: int | None, log_spaced: bool = True,
+                   tier_retention: Mapping[Tier, float | None] | None = None, now: float) -> list[Removal]:
     """Decide what to delete. Pure: reads only the infos given, deletes nothing.
 
     Args:
         infos (`Iterable[CheckpointInfo]`): the task's committed checkpoints (any order).
-        keep_last (`int`, *optional*): the newest this many are kept whole (never thinned, no tier expires);
-            `None` keeps every live checkpoint (only `tier_retention` still removes tiers by age).
-        log_spaced (`bool`, *optional*, defaults to `True`): keep the oldest checkpoint of each
-            power-of-two age bucket; `False` keeps only pinned + the newest `keep_last`.
-        tier_retention (`Mapping[Tier, float | None]`, *optional*): retention in days per tier
-            (`None`: forever), see `tier_retention_from_config`.
+        keep_last (`int`, *optional*): the newest this many are kept whole (never thinned, no tier expires); `None`
+            keeps every live checkpoint (only `tier_retention` still removes tiers by age).
+        log_spaced (`bool`, *optional*, defaults to `True`): keep the oldest checkpoint of each power-of-two age
+            bucket; `False` keeps only pinned + the newest `keep_last`.
+        tier_retention (`Mapping[Tier, float | None]`, *optional*): retention in days per tier (`None`: forever), see
+            `tier_retention_from_config`.
         now (`float`): current time (seconds since the epoch) for the per-tier ages.
 
     Returns:
-        `list[Removal]`: what to delete, oldest first, each with its `rule`. Tiers containing
-        `Tier.WEIGHTS` (they are then `ALL_TIERS`) mean delete the whole checkpoint; otherwise
-        delete only those tiers' files. Pinned checkpoints never appear; an abandoned
-        one appears (whole) once a live checkpoint of a greater step exists.
+        `list[Removal]`: what to delete, oldest first, each with its `rule`. Tiers containing `Tier.WEIGHTS` (they
+        are then `ALL_TIERS`) mean the whole checkpoint, otherwise only those tiers' files. Pinned checkpoints never
+        appear; an abandoned one appears (whole) once a live checkpoint of a greater step exists.
 
     Example:
         ```python
@@ -77,14 +63,8 @@ def plan_retention(
     return sorted(plan, key=lambda p: p.info.step)
 
 
-def _plan_live(
-    infos: list[CheckpointInfo],
-    *,
-    keep_last: int | None,
-    log_spaced: bool,
-    tier_retention: Mapping[Tier, float | None] | None,
-    now: float,
-) -> list[Removal]:
+def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced: bool,
+               tier_retention: Mapping[Tier, float | None] | None, now: float) -> list[Removal]:
     ordered = sorted(infos, key=lambda i: i.step, reverse=True)
     if not ordered:
         return []

@@ -1,48 +1,268 @@
-"""The rule policy: a dynamic save interval, risk-triggered saves and pre-anomaly capture.
+"""The rule policy: a dynamic save interval, risk-triggered saves, pre-anomaly capture, and the rollback rule.
 
-Pure: input `SignalFrame`s, output `Decision`s. No I/O, no clock, no torch, so every
-behaviour is a unit test on a list of numbers. The policy reads nothing but the frames and
-its own state: under DDP every rank feeds it the same reduced frame and takes the same
-decisions. See `docs/policy.md` for the formulas and every knob.
-
-`RulePolicy` composes small parts, each with its own state dict: `Baselines` (the running
-statistics), `Cadence` (interval, save cost, budget), `RiskSmoother`, and the triggers
-(`CaptureTrigger`, `PreemptionTrigger`, `RiskEdgeTrigger`, `MemoryRampTrigger`, `Health`).
-An optional `DoubleCheck` sits next to the rules: the learned model of `learned_model`
-(`extras.learned`), or any object with its methods.
+Pure: `SignalFrame`s in, `Decision`s with a reason out; no I/O, no clock, no torch, so every behaviour is a unit test
+on a list of numbers. The policy reads nothing but the frames and its own state: under DDP every rank feeds it the
+same reduced frame and takes the same decisions. The formulas, the rules and every knob: docs/policy.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
+import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..config import SmartCkptConfig
+from ..config import OnAnomaly, PolicyParams, SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
 from ..errors import ConfigError
 from ..jsonutil import safe_float as _j
 from ..signals.frame import SignalFrame
-from . import triggers
-from .baselines import Assessment, Baselines
-from .cadence import Cadence, Interval
+from ..signals.stats import MAD_TO_STD, Ema, RollingWindow, linear_fit
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2  # 2: composed parts; 1: flat fields (an older release), loaded as a fresh warm-up
-HISTORY_STEPS = 100
-DECISION_HISTORY = 1000
+STATE_VERSION = 2  # of `RulePolicy.state_dict()`; 1: an older release's flat layout, loaded as a fresh warm-up
+HISTORY_STEPS = 100  # steps kept in `RulePolicy.history`
+DECISION_HISTORY = 1000  # save decisions kept in `RulePolicy.decisions`
+MIN_HISTORY = 8  # values a statistic needs before it may raise risk (the early rules cover the steps before)
+GRAD_BASELINE_WINDOW = 50  # grad-norm steps whose median is the running baseline
+GRAD_SPREAD_K = 3.0  # a grad surge must also clear exp(k * relative spread) x the baseline (noisy runs need more)
+MEM_POINTS = 6  # memory samples in the trend fit
+LOSS_REL_FLOOR = 0.01  # a loss z-score never uses a scale below 1 % of the loss baseline
+MIN_ALPHA = 0.2  # the article's 1 - 0.8: stability can shorten the interval 5x at most
+CAPTURE_WARMUP = 20  # grad-norm / loss values before an ordinary (not extreme) surge may trigger a capture
+LOSS_JUMP_RATIO = 2.0  # a loss spike alone (no gradient evidence) captures only at >= 2x the loss baseline
+GRAD_CONFIRM_RATIO = 2.0  # ... or when the global / LoRA gradient ratio confirms it
+EARLY_FLOOR = 3  # below this many values the early bars double
+EARLY_LOSS_RATIO = 4.0  # early: loss >= 4x the median of the losses seen so far
+EARLY_GRAD_RATIO = 20.0  # early: grad norm >= 20x the median of the norms seen so far
+FIRST_STEP_CLIP_RATIO = 100.0  # first step: pre-clip grad norm >= 100x the clip norm
+BUDGET_WARN_AFTER = 2  # measured saves before an explicit interval is reported over budget (the first may be slow)
+MEMORY, NONFINITE = "memory", "nonfinite"  # risk components that say nothing about the weights' health
+FROM_USER, FROM_YOUNG_DALY = "from base_interval", "from Young/Daly"
+FROM_BOOTSTRAP = "from stability_window until a save cost is measured"
+
+
+def ramp(value: float, lo: float, hi: float) -> float:
+    """0 at or below `lo`, 1 at or above `hi`, linear in between (`hi > lo`)."""
+    return 0.0 if value <= lo else 1.0 if value >= hi else (value - lo) / (hi - lo)
+
+
+@dataclass
+class Assessment:
+    """Risk components of one frame (each in [0, 1], in the order they are judged) and the statistics behind them."""
+
+    loss_z: float | None = None
+    loss_ratio: float | None = None
+    grad_ratio: float | None = None
+    grad_excess: float | None = None
+    lora_ratio: float | None = None
+    lr_ratio: float | None = None
+    components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def beta(self) -> float:
+        return max(self.components.values(), default=0.0)
+
+    @property
+    def training_beta(self) -> float:
+        """`beta` of the finite anomalies (no memory, no non-finite): the risk that the weights go bad."""
+        return max((v for k, v in self.components.items() if k not in (MEMORY, NONFINITE)), default=0.0)
+
+    @property
+    def driver(self) -> str | None:
+        return max(self.components, key=lambda k: self.components[k]) if self.beta > 0.0 else None
+
+
+class Baselines:
+    """The recent loss, grad-norm and lr values and memory samples a frame is judged against: `assess(frame)` before
+    the frame is folded in (`fold`), so a spike is measured against the past; median / MAD keep one spike from moving
+    them. Window sizes follow `stability_window`."""
+
+    def __init__(self, config: PolicyParams) -> None:
+        self.config = config
+        self.loss = RollingWindow(config.stability_window)
+        self.grad = RollingWindow(min(config.stability_window, GRAD_BASELINE_WINDOW))
+        self.lr: deque[float] = deque(maxlen=config.stability_window)
+        self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
+
+    def assess(self, frame: SignalFrame) -> Assessment:
+        """Risk components of `frame` against the baselines (which it does not change)."""
+        c, a = self.config, Assessment()
+        if frame.any_nonfinite:
+            a.components[NONFINITE] = 1.0
+        if frame.loss is not None and math.isfinite(frame.loss) and len(self.loss) >= MIN_HISTORY:
+            a.loss_z, baseline = self.loss.robust_z(frame.loss, rel_floor=LOSS_REL_FLOOR), self.loss.median()
+            if baseline:
+                a.loss_ratio = frame.loss / abs(baseline)
+            if a.loss_z is not None:
+                a.components["loss_spike"] = ramp(a.loss_z, c.loss_spike_z / 2, c.loss_spike_z)
+        if frame.grad_norm is not None and math.isfinite(frame.grad_norm) and len(self.grad) >= MIN_HISTORY:
+            baseline = max(self.grad.median() or 0.0, 1e-12)
+            a.grad_ratio = frame.grad_norm / baseline
+            spread = MAD_TO_STD * (self.grad.mad() or 0.0) / baseline  # ~ sd of log(grad norm)
+            a.grad_excess = a.grad_ratio / math.exp(GRAD_SPREAD_K * spread)
+            a.components["grad_surge"] = ramp(a.grad_ratio, c.grad_surge_ratio / 2, c.grad_surge_ratio)
+        if frame.lora_max_ratio is not None and math.isfinite(frame.lora_max_ratio):
+            a.lora_ratio = frame.lora_max_ratio
+            a.components["lora_surge"] = ramp(a.lora_ratio, c.grad_surge_ratio / 2, c.grad_surge_ratio)
+        lr_ref = max(self.lr, default=0.0)
+        if frame.lr is not None and math.isfinite(frame.lr) and len(self.lr) >= MIN_HISTORY and lr_ref > 0:
+            a.lr_ratio = frame.lr / lr_ref
+            a.components["lr_surge"] = ramp(a.lr_ratio, (1.0 + c.lr_surge_ratio) / 2.0, c.lr_surge_ratio)
+        mem = frame.mem_frac if frame.mem_frac is not None or not self.mem else self.mem[-1][1]  # the last sample
+        if mem is not None and math.isfinite(mem):
+            a.components[MEMORY] = ramp(mem, c.memory_threshold - 0.1, c.memory_threshold)
+        return a
+
+    def alpha(self) -> float:
+        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline (scale-free)."""
+        noise, baseline = self.loss.diff_noise(), self.loss.median()
+        if len(self.loss) < MIN_HISTORY or not noise or not baseline:
+            return 1.0
+        return min(1.0, max(MIN_ALPHA, self.config.stability_cv / (noise / abs(baseline))))
+
+    def fold(self, frame: SignalFrame) -> None:
+        """Fold the frame into the loss / grad / lr baselines (after it was judged)."""
+        self.loss.add(frame.loss)
+        self.grad.add(frame.grad_norm)
+        if frame.lr is not None and math.isfinite(frame.lr):
+            self.lr.append(float(frame.lr))
+
+    def memory_forecast(self) -> tuple[float, float] | None:
+        """`(current, predicted in memory_lookahead steps)` from a line through the recent samples."""
+        fit = linear_fit(list(self.mem)) if len(self.mem) >= 3 else None
+        if fit is None:
+            return None
+        (step, current), (slope, intercept) = self.mem[-1], fit
+        return current, (slope * (step + self.config.memory_lookahead) + intercept if slope > 0 else current)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss": self.loss.values, "grad": self.grad.values, "lr": list(self.lr),
+                "mem": [[s, m] for s, m in self.mem]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the values; the window sizes follow the current config (the newest values are kept)."""
+        for window, key in ((self.loss, "loss"), (self.grad, "grad")):
+            window.load_state_dict({"maxlen": window.maxlen, "values": [float(v) for v in state[key]][-window.maxlen:]})
+        self.lr = deque((float(v) for v in state["lr"]), maxlen=self.config.stability_window)
+        self.mem = deque(((int(s), float(m)) for s, m in state["mem"]), maxlen=MEM_POINTS)
+
+
+def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, c: PolicyParams) -> str | None:
+    """The rule by which this step's update is bad, as reason text (`"grad_surge x10.0"`), or `None`.
+
+    Pure: the frame, its assessment and the baselines (not yet folded with it). In order: non-finite values; the global
+    grad norm (first step, early, or `>= grad_surge_ratio` x the running median that also clears the run's spread,
+    `r**2` before `CAPTURE_WARMUP` values); a LoRA layer surge; the learning rate (early, or `> lr_surge_ratio` x the
+    recent maximum); the loss (early, or a confirmed robust z-score). The early rules stand in while a statistic has
+    fewer than `MIN_HISTORY` values (docs/policy.md, "From the first step: early rules").
+    """
+    if frame.any_nonfinite:
+        return "nonfinite"
+    r = c.grad_surge_ratio
+    rule = _first_step(frame, baselines) or _early("early_grad", baselines.grad, frame.grad_norm, EARLY_GRAD_RATIO)
+    if rule:
+        return rule
+    if a.grad_ratio is not None and a.grad_excess is not None and a.grad_excess >= (
+            r if len(baselines.grad) >= CAPTURE_WARMUP else r * r):
+        return f"grad_surge x{a.grad_ratio:.1f}"
+    if a.lora_ratio is not None and a.lora_ratio >= r:
+        return f"lora_surge x{a.lora_ratio:.1f} in {frame.lora_max_layer}"
+    rule = _early_lr(frame, baselines, c)
+    if rule:
+        return rule
+    if a.lr_ratio is not None and a.lr_ratio > c.lr_surge_ratio:
+        return f"lr_surge x{a.lr_ratio:.1f}"
+    rule = _early("early_loss", baselines.loss, frame.loss, EARLY_LOSS_RATIO)
+    if rule:
+        return rule
+    if a.loss_z is not None and a.loss_z >= c.loss_spike_z and _loss_confirmed(frame, a, baselines):
+        return f"loss_spike z={a.loss_z:.1f}"
+    return None
+
+
+def _early(name: str, window: RollingWindow, value: float | None, bar: float) -> str | None:
+    """`value` >= `bar` x the median of the `n` values seen so far (1 <= n < MIN_HISTORY; 2x bar below EARLY_FLOOR)."""
+    n = len(window)
+    if value is None or not math.isfinite(value) or not 1 <= n < MIN_HISTORY:
+        return None
+    baseline = window.median()
+    if baseline is None or baseline <= 0.0:
+        return None  # a ratio to a non-positive baseline means nothing
+    ratio = value / baseline
+    if ratio < (bar if n >= EARLY_FLOOR else 2.0 * bar):
+        return None
+    return f"{name} x{ratio:.1f} (median of {n} step{'s' if n > 1 else ''})"
+
+
+def _early_lr(frame: SignalFrame, baselines: Baselines, c: PolicyParams) -> str | None:
+    """Before `MIN_HISTORY` rates: `lr > lr_surge_ratio**2` x the highest rate seen (warm-up at most doubles it)."""
+    n, lr = len(baselines.lr), frame.lr
+    if lr is None or not math.isfinite(lr) or not 1 <= n < MIN_HISTORY:
+        return None
+    ref = max(baselines.lr)
+    return None if ref <= 0.0 or lr <= c.lr_surge_ratio**2 * ref else f"early_lr x{lr / ref:.1f}"
+
+
+def _first_step(frame: SignalFrame, baselines: Baselines) -> str | None:
+    """No gradient seen yet: a pre-clip norm `>= FIRST_STEP_CLIP_RATIO` x the clip norm."""
+    g, clip = frame.grad_norm, frame.clip_norm
+    if len(baselines.grad) or g is None or clip is None or not math.isfinite(g) or not clip > 0.0:
+        return None
+    return None if g < FIRST_STEP_CLIP_RATIO * clip else f"first_step grad_norm {g:.4g} = x{g / clip:.0f} the clip " \
+                                                          f"norm {clip:g}"
+
+
+def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> bool:
+    """A loss spike is worth a pinned capture when it is large (>= `LOSS_JUMP_RATIO` x the baseline), the gradients
+    confirm it (a ratio >= `GRAD_CONFIRM_RATIO`) or there is no gradient signal: a one-step jump with ordinary
+    gradients (a hard batch) barely moves the weights."""
+    if a.loss_ratio is not None and a.loss_ratio >= LOSS_JUMP_RATIO:
+        return True
+    if len(baselines.loss) < CAPTURE_WARMUP:
+        return False  # early: only a doubled loss counts
+    if frame.grad_norm is None and frame.lora_max_ratio is None:
+        return True
+    return any(v is not None and v >= GRAD_CONFIRM_RATIO for v in (a.grad_ratio, a.lora_ratio))
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The regular interval (`steps`; `round(steps)` between saves), its base `T_base` and where that comes from
+    (`FROM_USER`, `FROM_YOUNG_DALY`, `FROM_BOOTSTRAP`), `alpha`, `beta`, and whether stability or risk shortened it or
+    the overhead budget widened it (only an interval the library derived)."""
+
+    steps: float
+    base: float
+    source: str
+    alpha: float
+    beta: float
+    shortened: bool = False
+    widened: bool = False
+    budget: float = 0.0
+
+    @property
+    def due(self) -> int:
+        return round(self.steps)
+
+    def reason(self) -> str:
+        """`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`, with why it moved."""
+        why = (", shortened by risk" if self.shortened else "") + (
+            f", widened by overhead_budget {self.budget:.1%}" if self.widened else "")
+        return f"interval {self.due} (base {self.base:.0f} {self.source}{why}, alpha {self.alpha:.2f}, " \
+               f"beta {self.beta:.2f})"
 
 
 class DoubleCheck(Protocol):
-    """A second opinion next to the rules, with its own per-step state (part of the policy state).
-
-    The rules stay the safety net: a double-check may veto a soft rule's capture or ask for an early
-    save, never drop a hard one. `RulePolicy` calls `review` and `capture` in `pre_update`,
-    `after_update` in `decide`, and saves its state under the key `"learned"`.
-    """
+    """A second opinion next to the rules, with its own per-step state (the policy state's `"learned"`). The rules
+    stay the safety net: it may veto a soft rule's capture or ask for an early save, never drop a hard one.
+    `RulePolicy` calls `review` and `capture` in `pre_update`, `after_update` in `decide`."""
 
     def review(self, frame: SignalFrame, rule: str | None, loss_baseline: float | None
                ) -> tuple[str | None, Any, str | None]:
@@ -60,27 +280,31 @@ class DoubleCheck(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class RulePolicy:
-    """Decides when to save and what, from per-step signals.
+# The triggers' flags in the policy state: (part, key) -> (attribute, the JSON types it takes).
+_FLAGS: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
+    ("capture", "last_step"): ("last_capture", (int, type(None))),
+    ("capture", "prev_nonfinite"): ("prev_nonfinite", (bool,)),
+    ("preemption", "done"): ("preempted", (bool,)),
+    ("edge", "armed"): ("edge_armed", (bool,)),
+    ("memory", "armed"): ("memory_armed", (bool,)),
+    ("health", "poisoned"): ("poisoned", (bool,)),
+}
 
-    - Regular saves every `T = T_base * alpha / (1 + risk_gain * beta)` steps, where
-      `T_base` is `config.base_interval` (kept as set) or Young/Daly `sqrt(2 * C * MTBF)`
-      (C = blocking save cost from `SignalFrame.save_blocking_s`, converted to steps with the
-      measured step time), `alpha` in [0.2, 1] shrinks it when the loss is noisy (scale-free),
-      `beta` is the smoothed risk; clamped to `[min_interval, max_interval]`; a derived
-      interval is widened to keep blocking time within `overhead_budget`.
-    - An immediate save on the rising edge of the smoothed risk past `risk_threshold`
-      (re-armed below `risk_release`); a minimal save (weights + state) when memory is
-      predicted to cross `memory_threshold` within `memory_lookahead` steps.
-    - `pre_update()`: a surge or non-finite gradient seen before the optimizer step asks
-      for a pinned save of the still-healthy state (`pre_update=True`), from the first step.
-    - A preemption flag asks for one full save, once.
-    - A save taken while the training risk is high or the step's update was bad is `healthy=False`.
+
+class RulePolicy:
+    """Decides when to save and what, from per-step signals (docs/policy.md section 2).
+
+    Regular saves every `T = T_base * alpha / (1 + risk_gain * beta)` steps (`T_base`: `base_interval`, or Young/Daly
+    from the measured save cost, widened to `overhead_budget`; `alpha`: loss stability; `beta`: smoothed risk), an
+    immediate save on the rising edge of the risk, a minimal one ahead of a memory ramp, one full save on preemption;
+    `pre_update()` captures the still-healthy state before a bad update (`capture_rule`). A non-finite update that went
+    through pauses saves until the signals are finite again; a save after a bad update or while the training risk is
+    high is `healthy=False`.
 
     Args:
-        config (`SmartCkptConfig`, *optional*): knobs; defaults to `SmartCkptConfig()`.
-        double_check (`Callable[[], DoubleCheck]`, *optional*): makes a fresh `DoubleCheck` (one per
-            policy state); defaults to the learned model of `config.policy.learned_model`, or none when unset.
+        config (`SmartCkptConfig`, *optional*): the settings; defaults to `SmartCkptConfig()`.
+        double_check (`Callable[[], DoubleCheck]`, *optional*): makes a fresh `DoubleCheck` (one per policy state);
+            defaults to the learned model of `config.policy.learned_model`, or none when unset.
 
     Example:
         ```python
@@ -90,19 +314,12 @@ class RulePolicy:
         ```
     """
 
-    baselines: Baselines
-    cadence: Cadence
-    smoother: triggers.RiskSmoother
-    capture: triggers.CaptureTrigger
-    preemption: triggers.PreemptionTrigger
-    edge: triggers.RiskEdgeTrigger
-    memory: triggers.MemoryRampTrigger
-    health: triggers.Health
     learned: DoubleCheck | None
     """The double-check (by default the learned model of `learned_model`); `None`: rules only."""
     history: deque[dict[str, Any]]
+    """The last `HISTORY_STEPS` steps: loss, grad norm, lr, risk, interval, and the decision."""
     decisions: deque[dict[str, Any]]
-    _judged: tuple[tuple[Any, ...], Assessment, str | None] | None  # pre_update's assessment, for decide
+    """The last `DECISION_HISTORY` save decisions (`Decision.to_dict()` and the step they were taken at)."""
 
     def __init__(self, config: SmartCkptConfig | None = None, *,
                  double_check: Callable[[], DoubleCheck] | None = None) -> None:
@@ -116,13 +333,33 @@ class RulePolicy:
 
             double_check = check_factory(c.learned_model)
         self._new_check = double_check
-        self._use(self._new_parts(), suppressed=(), history=(), decisions=())
+        self._reset()
         self._pre_step: int | None = None  # step whose pre_update ran (transient: within one step)
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
         self.last_bad_update: str | None = None
-        self.last_beta = 0.0
-        """The raw (unsmoothed) risk of the step judged last: what the step log records beside the smoothed one."""
         """Why the update of the last `pre_update`'s step is bad (the capture rule that fired), or `None`."""
+        self.last_beta = 0.0
+        """The raw (unsmoothed) risk of the step judged last, which the step log records beside the smoothed one."""
+
+    def _reset(self) -> None:
+        """A fresh state: empty statistics, every trigger armed, nothing saved."""
+        self.baselines = Baselines(self.config.policy)
+        self.step_time, self.save_cost = Ema(0.9), Ema(0.5)
+        self.train_time_s = self.blocking_s = 0.0
+        self.last_save_step: int | None = None
+        self.saves, self.budget_warned = 0, False
+        n = self.config.policy.risk_smoothing
+        self.betas: deque[float] = deque(maxlen=n)  # debounced raw betas, all components
+        self.training_betas: deque[float] = deque(maxlen=n)  # ... without memory and non-finite
+        self.prev_beta = self.prev_training_beta = 0.0
+        self.last_capture: int | None = None
+        self.prev_nonfinite = self.preempted = self.poisoned = False
+        self.edge_armed = self.memory_armed = True
+        self.learned = self._new_check() if self._new_check is not None else None
+        self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
+        self.history = deque(maxlen=HISTORY_STEPS)
+        self.decisions = deque(maxlen=DECISION_HISTORY)
+        self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
 
     # ------------------------------------------------------------------ views
     @property
@@ -133,67 +370,87 @@ class RulePolicy:
     @property
     def risk(self) -> float:
         """Smoothed risk beta: mean over `risk_smoothing` steps of the debounced raw beta."""
-        return self.smoother.risk
+        return sum(self.betas) / len(self.betas) if self.betas else 0.0
+
+    @property
+    def training_risk(self) -> float:
+        """`risk` without memory and non-finite values: whether the weights themselves are at risk."""
+        return sum(self.training_betas) / len(self.training_betas) if self.training_betas else 0.0
 
     def base_interval(self) -> float:
-        """`T_base` in steps: `config.base_interval`, else Young/Daly from measured costs
-        (`stability_window` before a save cost is known). Clamped to `[min_interval, max_interval]`."""
-        return self.cadence.base()[0]
+        """`T_base` in steps, clamped to `[min_interval, max_interval]` (see `current_interval`)."""
+        return self._base()[0]
 
     def current_interval(self) -> Interval:
-        """The current regular interval with its base and why it moved (shortened / widened)."""
-        return self.cadence.interval(self.alpha, self.risk)
+        """The regular interval: the base, shortened by stability and risk, widened by the budget when the library
+        derived it, clamped (`max_interval` wins over the budget)."""
+        c = self.config.policy
+        base, source = self._base()
+        t = base * self.alpha / (1.0 + c.risk_gain * self.risk)
+        steps = self._clamp(t)
+        shortened, widened = round(steps) < round(base), False
+        if source != FROM_USER:  # an interval the user set is never widened (the budget warning says so once)
+            cost, step = self.save_cost.value, self.step_time.value
+            wide = self._clamp(max(t, cost / (c.overhead_budget * step) if cost is not None and step else 0.0))
+            widened, steps = round(wide) > round(steps), wide
+        return Interval(steps, base, source, self.alpha, self.risk, shortened, widened, c.overhead_budget)
 
     def interval(self) -> float:
         """Current regular interval in steps (see `current_interval`)."""
         return self.current_interval().steps
 
+    def _base(self) -> tuple[float, str]:
+        c, cost, step = self.config, self.save_cost.value, self.step_time.value
+        if c.base_interval is not None:
+            return self._clamp(float(c.base_interval)), FROM_USER
+        if cost is None or not step:  # the first save measures the cost
+            return self._clamp(float(c.policy.stability_window)), FROM_BOOTSTRAP
+        return self._clamp(math.sqrt(2.0 * cost * c.policy.mtbf_hours * 3600.0) / step), FROM_YOUNG_DALY
+
+    def _clamp(self, t: float) -> float:
+        return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))
+
     # ------------------------------------------------------------------ decisions
     def pre_update(self, frame: SignalFrame) -> Decision:
-        """Check the step's gradients before `optimizer.step()`: capture the pre-update state?
+        """Check the step's gradients before `optimizer.step()`, while the weights are those of `frame.step - 1`.
 
-        Called when gradients are complete and the weights are still those of step
-        `frame.step - 1`. A rule of `triggers.capture_rule` (non-finite values; a global or
-        LoRA-layer grad-norm surge; a learning-rate jump; a confirmed loss spike; and, while
-        the windows are short, the early rules) asks to save that state now, pinned and
-        healthy. Finite triggers have a cooldown of `capture_cooldown` steps (one capture per
-        episode, no storms); non-finite ones fire on the first of a run of non-finite steps.
-
-        Args:
-            frame (`SignalFrame`): this step's loss and gradient signals (reduced across ranks).
+        A rule of `capture_rule` asks to save that state now, pinned and healthy. Finite triggers have a cooldown of
+        `capture_cooldown` steps (one capture per episode); non-finite ones fire on the first of a run of non-finite
+        steps.
 
         Returns:
-            `Decision`: `save=True, pre_update=True, pin=True, kind=CAPTURE` with `step =
-            frame.step - 1` and the rule in `reason`, or no save; `skip_update` follows
-            `skip_bad_update` for any bad update.
+            `Decision`: `save=True, pre_update=True, pin=True, kind=CAPTURE` with `step = frame.step - 1` and the rule
+            in `reason`, or no save; `skip_update` follows `skip_bad_update` for any bad update.
         """
         c = self.config.policy
         self._pre_step = frame.step
-        rule = self._judge(frame)[1]
-        early = None
+        rule, early = self._judge(frame)[1], None
         if self.learned is not None:  # may veto a soft rule's capture, or ask for one the rules do not take
             rule, early, veto = self.learned.review(frame, rule, self.baselines.loss.median())
             if veto:
                 logger.debug("step %d: %s", frame.step, veto)
-        self.last_bad_update = rule
-        nonfinite = frame.any_nonfinite
+        self.last_bad_update, nonfinite = rule, frame.any_nonfinite
         skip = c.skip_bad_update and rule is not None
         self._skip_step = frame.step if skip else None
-        was_nonfinite = self.capture.observe(nonfinite)
-        healthy = not self.health.poisoned
-        self.health.before_update(nonfinite, skip)
+        was_nonfinite, self.prev_nonfinite = self.prev_nonfinite, nonfinite
+        healthy = not self.poisoned
+        self.poisoned = self.poisoned or (nonfinite and not skip)  # the NaN/inf update is about to be applied
         if rule is None or not c.pre_anomaly_capture:
             if early is not None and c.pre_anomaly_capture and healthy and self.learned is not None and (
                     learned := self.learned.capture(frame, early, self.risk, self.interval(), self.cooldown)):
                 self._record(learned, frame.step)
                 return learned
             return Decision(save=False, skip_update=skip, risk=self.risk, healthy=healthy) if skip else NO_SAVE
-        suppressed = self.capture.suppression(frame.step, nonfinite=nonfinite, was_nonfinite=was_nonfinite,
-                                              healthy=healthy, cooldown=self.cooldown)
-        if suppressed:
-            self._suppress("capture", frame.step, f"pre-update capture ({rule}) suppressed: {suppressed}")
+        why = ("state already unhealthy (a non-finite update was applied)" if not healthy else
+               "non-finite run already captured" if nonfinite and was_nonfinite else None)
+        if why is None and not nonfinite and self.last_capture is not None and (
+                since := frame.step - self.last_capture) < self.cooldown:
+            why = f"capture cooldown ({since} of {self.cooldown} steps since the capture at step {self.last_capture})"
+        if why:
+            self._suppress("capture", frame.step, f"pre-update capture ({rule}) suppressed: {why}")
             return Decision(save=False, skip_update=skip, reason=f"suppressed: {rule}", risk=self.risk, healthy=healthy)
-        self._suppressed.discard("capture")
+        self.last_capture = frame.step
+        self.suppressed.discard("capture")
         decision = Decision(save=True, tiers=ALL_TIERS, reason=f"pre_update {rule}", pin=True, pre_update=True,
                             skip_update=skip, risk=self.risk, step=frame.step - 1, healthy=True,
                             interval=self.interval(), kind=DecisionKind.CAPTURE)
@@ -201,39 +458,47 @@ class RulePolicy:
         return decision
 
     def decide(self, frame: SignalFrame) -> Decision:
-        """Decide after the step's update whether to save the state of step `frame.step`.
-
-        Also folds the frame into the running statistics (loss window, grad baseline, risk,
-        memory trend, step time, save cost), so call it exactly once per optimizer step.
-
-        Args:
-            frame (`SignalFrame`): this step's signals (reduced across ranks).
-
-        Returns:
-            `Decision`: in priority order preemption (full, once), the rising edge of the
-            smoothed risk, a memory ramp (minimal tiers), the regular interval; else no save.
-            `healthy=False` when the state is poisoned, the step's update was bad (a capture
-            rule fired and the update was not skipped) or the training risk is high.
-        """
-        step = frame.step
-        self.cadence.start(step)
-        self.cadence.observe(frame)
-        warning = self.cadence.over_budget_warning()
+        """Whether to save the state of step `frame.step`, after its update: in priority order preemption (full,
+        once), the rising edge of the smoothed risk, a memory ramp (minimal tiers), the regular interval. Call it once
+        per optimizer step: it folds the frame into the statistics."""
+        step, c = frame.step, self.config.policy
+        if self.last_save_step is None:
+            self.last_save_step = step - 1  # the state training started from counts as saved
+        t, b = frame.step_time_s, frame.save_blocking_s  # b: the saves since the previous frame (None or 0: none)
+        if t is not None and math.isfinite(t) and t > 0:
+            self.step_time.add(t)
+            self.train_time_s += t
+        if b is not None and math.isfinite(b) and b > 0:
+            self.save_cost.add(b)
+            self.blocking_s += b
+        warning = self._over_budget()
         if warning:
             logger.warning("step %d: %s", step, warning)
         a, rule = self._judge(frame)
-        self.smoother.add(a)
-        self.health.after_update(frame, seen_before_update=self._pre_step == step)
-        self.baselines.observe_memory(frame)
-        healthy, why = self._health(frame, rule)
-        decision = self._choose(frame, a, healthy)
+        beta, training = a.beta, a.training_beta  # debounced: a risk counts once seen on two steps in a row
+        self.betas.append(min(beta, self.prev_beta))
+        self.training_betas.append(min(training, self.prev_training_beta))
+        self.prev_beta, self.prev_training_beta = beta, training
+        if frame.any_nonfinite:
+            self.poisoned = self.poisoned or self._pre_step != step  # no pre_update saw it: the update went through
+        elif frame.loss is not None or frame.grad_norm is not None:
+            self.poisoned = False  # finite signals computed from the current weights: they are sane
+        if frame.mem_frac is not None and math.isfinite(frame.mem_frac):
+            self.baselines.mem.append((step, frame.mem_frac))  # new samples only: the trend is fitted on real points
+        why = ""  # why the state after this step's update is no sane restore point
+        if self.poisoned:
+            why = "a non-finite update was applied"
+        elif rule is not None and self._skip_step != step:  # a skipped update left the weights as they were
+            why = f"this step's update was bad: {rule}"
+        elif self.training_risk >= c.risk_threshold:
+            why = f"training risk {self.training_risk:.2f} >= risk_threshold {c.risk_threshold}"
+        decision = self._choose(frame, a, healthy=not why)
         if self.learned is not None:  # a cheaper tier set, or an early save under memory pressure
-            decision = self.learned.after_update(frame, decision, healthy=healthy and not self.health.poisoned,
-                                                 last_save=self.cadence.last_save_step, config=self.config)
-        if decision.save and not healthy:
+            decision = self.learned.after_update(frame, decision, healthy=not why and not self.poisoned,
+                                                 last_save=self.last_save_step, config=self.config)
+        if decision.save and why:
             logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
-        # Update the baselines after judging the frame, so a spike is measured against the past.
-        self.baselines.fold(frame)
+        self.baselines.fold(frame)  # after judging the frame, so a spike is measured against the past
         self._judged = None
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
@@ -243,85 +508,93 @@ class RulePolicy:
         return decision
 
     def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
-        """The frame's assessment and capture rule against the baselines; `decide` reuses what
-        `pre_update` computed for the same frame (the baselines only change at the end of `decide`)."""
+        """The frame's assessment and capture rule; `decide` reuses what `pre_update` computed for the same frame (the
+        baselines only change at the end of `decide`)."""
         key = (frame.step, frame.loss, frame.grad_norm, frame.lora_max_ratio, frame.lora_max_layer, frame.nonfinite,
                frame.lr, frame.device_mem_frac, frame.host_mem_frac, frame.clip_norm)
-        if self._judged is not None and self._judged[0] == key:
-            return self._judged[1], self._judged[2]
-        a = self.baselines.assess(frame)
-        rule = triggers.capture_rule(frame, a, self.baselines, self.config.policy)
-        self._judged = (key, a, rule)
-        self.last_beta = a.beta
-        return a, rule
+        if self._judged is None or self._judged[0] != key:
+            a = self.baselines.assess(frame)
+            self._judged = (key, a, capture_rule(frame, a, self.baselines, self.config.policy))
+            self.last_beta = a.beta
+        return self._judged[1], self._judged[2]
 
-    def _health(self, frame: SignalFrame, rule: str | None) -> tuple[bool, str]:
-        """Whether the state after this step's update is a sane restore point, and why not."""
-        if self.health.poisoned:
-            return False, "a non-finite update was applied"
-        if rule is not None and self._skip_step != frame.step:  # a skipped update left the weights as they were
-            return False, f"this step's update was bad: {rule}"
-        if self.smoother.training_risk >= self.config.policy.risk_threshold:
-            risk = self.smoother.training_risk
-            return False, f"training risk {risk:.2f} >= risk_threshold {self.config.policy.risk_threshold}"
-        return True, ""
-
-    def _choose(self, frame: SignalFrame, a: Assessment, healthy: bool) -> Decision:
-        c = self.config.policy
-        step = frame.step
-        last = self.cadence.last_save_step
-        assert last is not None
-        beta, interval = self.risk, self.current_interval()
-        since = step - last
+    def _choose(self, frame: SignalFrame, a: Assessment, *, healthy: bool) -> Decision:
+        c, step = self.config.policy, frame.step
+        assert self.last_save_step is not None
+        beta, interval, since = self.risk, self.current_interval(), step - self.last_save_step
 
         def save(reason: str, kind: DecisionKind, tiers: frozenset[Tier] = ALL_TIERS) -> Decision:
             return Decision(save=True, tiers=tiers, reason=reason, risk=beta, step=step, healthy=healthy,
                             interval=interval.steps, kind=kind)
 
-        if self.preemption.fire(frame):
+        if frame.preempt and not self.preempted:
+            self.preempted = True
             return save("preemption", DecisionKind.PREEMPTION)
         if frame.preempt:
             self._suppress("preempt", step, "preemption flag still set: final save already taken")
-        if self.health.poisoned:
-            # Writing NaN weights would only push healthy restore points out of retention.
+        if self.poisoned:  # writing NaN weights would only push healthy restore points out of retention
             self._suppress("poisoned", step, "saves paused: a non-finite update was applied (state unhealthy)")
             return Decision(save=False, risk=beta, interval=interval.steps, healthy=False)
-        self._suppressed.discard("poisoned")
-
-        fired = self.edge.fire(beta, c)
-        if self.edge.armed:
-            self._suppressed.discard("edge")
+        self.suppressed.discard("poisoned")
+        self.edge_armed = self.edge_armed or beta < c.risk_release  # hysteresis: re-armed below risk_release
+        fired = self.edge_armed and beta >= c.risk_threshold
+        if fired:
+            self.edge_armed = False
+        elif self.edge_armed:
+            self.suppressed.discard("edge")
         if fired:
             detail = ", ".join(f"{k}={v:.2f}" for k, v in sorted(a.components.items()) if v > 0)
             reason = f"risk_edge beta={beta:.2f} ({detail or 'smoothed'})"
-            tiers = MINIMAL_TIERS if a.driver == "memory" else ALL_TIERS
+            cost = self.save_cost.value
             if since < c.min_interval:
                 self._suppress("edge", step, f"{reason} suppressed: {since} < min_interval {c.min_interval}")
-            elif not self.cadence.within_budget():
+            elif cost is not None and self.train_time_s > 0.0 and (
+                    self.blocking_s + cost) > c.overhead_budget * self.train_time_s:
                 self._suppress("edge", step, f"{reason} suppressed: over overhead_budget {c.overhead_budget:.1%}")
             else:
-                return save(reason, DecisionKind.RISK_EDGE, tiers)
-
-        ramp = self.memory.fire(self.baselines.memory_forecast(), c)
-        if self.memory.armed:
-            self._suppressed.discard("memory")
-        if ramp is not None:
+                return save(reason, DecisionKind.RISK_EDGE, MINIMAL_TIERS if a.driver == MEMORY else ALL_TIERS)
+        forecast, ramp_reason = self.baselines.memory_forecast(), None
+        if forecast is not None:  # fires once; re-armed once the forecast falls 5 points below (a plateau saves once)
+            current, predicted = forecast
+            if self.memory_armed and current < c.memory_threshold <= predicted:
+                self.memory_armed = False
+                ramp_reason = f"memory_ramp {current:.1%} -> {predicted:.1%} within {c.memory_lookahead} steps"
+            elif not self.memory_armed and predicted < c.memory_threshold - 0.05:
+                self.memory_armed = True
+        if self.memory_armed:
+            self.suppressed.discard("memory")
+        if ramp_reason is not None:
             if since >= c.min_interval:
-                return save(ramp, DecisionKind.MEMORY, MINIMAL_TIERS)
-            self._suppress("memory", step, f"{ramp} suppressed: {since} < min_interval {c.min_interval}")
-
+                return save(ramp_reason, DecisionKind.MEMORY, MINIMAL_TIERS)
+            self._suppress("memory", step, f"{ramp_reason} suppressed: {since} < min_interval {c.min_interval}")
         if since >= interval.due:
             return save(interval.reason(), DecisionKind.INTERVAL)
         return Decision(save=False, risk=beta, interval=interval.steps, healthy=healthy)
 
+    def _over_budget(self) -> str | None:
+        """Once per run: the message for an explicit `base_interval` whose saves cost more than `overhead_budget`."""
+        c, cost, step = self.config, self.save_cost.value, self.step_time.value
+        if c.base_interval is None or self.budget_warned or self.save_cost.count < BUDGET_WARN_AFTER or not step:
+            return None
+        assert cost is not None
+        overhead, budget = cost / (c.base_interval * step), c.policy.overhead_budget
+        if overhead <= budget:
+            return None
+        self.budget_warned = True
+        return (f"base_interval={c.base_interval}: a save blocks training {cost:.3f} s every {c.base_interval} steps "
+                f"of {step:.3f} s, {overhead:.1%} of training time, above overhead_budget={budget:.1%}. The interval "
+                f"you set is kept; base_interval={math.ceil(cost / (budget * step))} would stay within the budget "
+                "(or raise policy.overhead_budget, or leave base_interval unset to let the library choose).")
+
     def _suppress(self, key: str, step: int, message: str) -> None:
-        if key not in self._suppressed:
-            self._suppressed.add(key)
+        if key not in self.suppressed:
+            self.suppressed.add(key)
             logger.debug("step %d: %s", step, message)
 
     def _record(self, decision: Decision, step: int) -> None:
         assert decision.step is not None
-        self.cadence.note_save(decision.step)
+        self.last_save_step = decision.step if self.last_save_step is None else max(self.last_save_step, decision.step)
+        self.saves += 1
         entry = {"at_step": step, **decision.to_dict()}
         self.decisions.append(entry)
         logger.debug("step %d: save step %d (%s) tiers=%s%s%s", step, decision.step, decision.reason,
@@ -333,43 +606,25 @@ class RulePolicy:
         return [{k: h[k] for k in ("step", "loss", "grad_norm", "lr")} for h in list(self.history)[-DEBUG_INFO_STEPS:]]
 
     # ------------------------------------------------------------------ persistence
-    def _new_parts(self) -> dict[str, Any]:
-        """Fresh stateful parts for this policy's config, under their state-dict keys."""
-        c = self.config
-        parts: dict[str, Any] = {
-            # "levels" is the key the baselines have in every policy state saved so far (manifests on disk):
-            # under another key a checkpoint saved before would not restore its statistics.
-            "levels": Baselines(c), "cadence": Cadence(c), "smoother": triggers.RiskSmoother(c.policy.risk_smoothing),
-            "capture": triggers.CaptureTrigger(), "preemption": triggers.PreemptionTrigger(),
-            "edge": triggers.RiskEdgeTrigger(), "memory": triggers.MemoryRampTrigger(), "health": triggers.Health(),
-        }
-        if self._new_check is not None:
-            parts["learned"] = self._new_check()
-        return parts
-
-    def _use(self, parts: dict[str, Any], *, suppressed: Iterable[str], history: Iterable[dict[str, Any]],
-             decisions: Iterable[dict[str, Any]]) -> None:
-        """Make `parts` (from `_new_parts`) and the histories this policy's state."""
-        self._parts = parts
-        self.baselines, self.cadence, self.smoother = parts["levels"], parts["cadence"], parts["smoother"]
-        self.capture, self.preemption, self.edge = parts["capture"], parts["preemption"], parts["edge"]
-        self.memory, self.health, self.learned = parts["memory"], parts["health"], parts.get("learned")
-        self._suppressed = set(suppressed)
-        self.history = deque(history, maxlen=HISTORY_STEPS)
-        self.decisions = deque(decisions, maxlen=DECISION_HISTORY)
-        self._judged = None
-
     def state_dict(self) -> dict[str, Any]:
-        """Every part's state as strict JSON data, so a resumed run decides exactly the same."""
-        return {"version": STATE_VERSION, **{name: part.state_dict() for name, part in self._parts.items()},
-                "suppressed": sorted(self._suppressed), "history": list(self.history),
-                "decisions": list(self.decisions)}
+        """The whole state as strict JSON, so a resumed run decides exactly the same (the layout of docs/policy.md
+        section 4: `"levels"` holds the baselines, the key every saved state has)."""
+        state: dict[str, Any] = {"version": STATE_VERSION, "levels": self.baselines.state_dict(), "cadence": {
+            "step_time": self.step_time.state_dict(), "save_cost": self.save_cost.state_dict(),
+            "train_time_s": self.train_time_s, "blocking_s": self.blocking_s, "last_save_step": self.last_save_step,
+            "saves": self.saves, "budget_warned": self.budget_warned}, "smoother": {
+            "beta": list(self.betas), "training": list(self.training_betas), "prev_beta": self.prev_beta,
+            "prev_training": self.prev_training_beta}}
+        for (part, key), (attr, _) in _FLAGS.items():
+            state.setdefault(part, {})[key] = getattr(self, attr)
+        if self.learned is not None:
+            state["learned"] = self.learned.state_dict()
+        return state | {"suppressed": sorted(self.suppressed), "history": list(self.history),
+                        "decisions": list(self.decisions)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict()` returned (window sizes follow the current config).
-
-        A state of an older release's layout (version 1) cannot be mapped onto the parts: it is
-        not restored, the policy warms up again from the next frame (logged), never an error.
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict()` returned, all of it or nothing (window sizes follow the current config). A
+        version-1 state (an older release's layout) is not restored: the policy warms up again, with a warning.
 
         Raises:
             `ConfigError`: `state` is of an unknown version or malformed (nothing is changed then).
@@ -378,21 +633,122 @@ class RulePolicy:
         if version == 1:
             logger.warning("policy state version 1 (an older release) is not restored: the statistics warm up "
                            "again from the next step (early rules guard the first steps).")
-            self._use(self._new_parts(), suppressed=(), history=(), decisions=())
-            return
+            return self._reset()
         if version != STATE_VERSION:
             raise ConfigError(f"policy state version={version!r} is not supported: expected {STATE_VERSION} (or 1, "
                               "which restarts the statistics).")
-        parts = self._new_parts()
         try:
-            for name, part in parts.items():
-                if name != "learned" or name in state:  # saved without the model: the model starts afresh
-                    part.load_state_dict(state[name])
-            suppressed = [str(k) for k in state["suppressed"]]
-            history, decisions = list(state["history"]), list(state["decisions"])
+            baselines, emas = Baselines(self.config.policy), (Ema(0.9), Ema(0.5))
+            baselines.load_state_dict(state["levels"])
+            cadence, smoother, n = state["cadence"], state["smoother"], self.config.policy.risk_smoothing
+            for ema, key in zip(emas, ("step_time", "save_cost")):
+                ema.load_state_dict(cadence[key])
+            flags = {attr: state[part][key] for (part, key), (attr, _) in _FLAGS.items()}
+            for (part, key), (attr, types) in _FLAGS.items():
+                if not isinstance(flags[attr], types) or (bool not in types and isinstance(flags[attr], bool)):
+                    raise ConfigError(f"policy state: {part}.{key}={flags[attr]!r} is invalid: expected "
+                                      f"{' or '.join('null' if t is type(None) else t.__name__ for t in types)}.")
+            learned = self._new_check() if self._new_check is not None else None
+            if learned is not None and "learned" in state:  # saved without the model: the model starts afresh
+                learned.load_state_dict(state["learned"])
+            last = cadence["last_save_step"]
+            values = {"baselines": baselines, "step_time": emas[0], "save_cost": emas[1], "learned": learned,
+                      "train_time_s": float(cadence["train_time_s"]), "blocking_s": float(cadence["blocking_s"]),
+                      "last_save_step": None if last is None else int(last), "saves": int(cadence["saves"]),
+                      "budget_warned": bool(cadence["budget_warned"]),
+                      "betas": deque((float(v) for v in smoother["beta"]), maxlen=n),
+                      "training_betas": deque((float(v) for v in smoother["training"]), maxlen=n),
+                      "prev_beta": float(smoother["prev_beta"]), "prev_training_beta": float(smoother["prev_training"]),
+                      "suppressed": {str(k) for k in state["suppressed"]}, **flags,
+                      "history": deque(state["history"], maxlen=HISTORY_STEPS),
+                      "decisions": deque(state["decisions"], maxlen=DECISION_HISTORY), "_judged": None}
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"policy state is malformed ({type(e).__name__}: {e}); it was not written by "
                               "RulePolicy.state_dict() of this version: start without it.") from e
-        self._use(parts, suppressed=suppressed, history=history, decisions=decisions)
+        vars(self).update(values)
+
+
+class Verdict(enum.StrEnum):
+    """What the rollback rule answers for one step."""
+    NONE = "none"  # nothing to do (calm, or an anomaly not yet confirmed)
+    ROLLBACK = "rollback"  # confirmed: roll back to a restore point before `onset`
+    EXHAUSTED = "exhausted"  # confirmed, but max_rollbacks were taken within the window
+
+
+@dataclass(frozen=True)
+class RollbackVerdict:
+    """The rule's answer: `verdict`, the anomaly's first bad step (`onset`), why (`reason`), and the oldest step a
+    restore point may have (`earliest`, `step - rollback_window`)."""
+
+    verdict: Verdict = Verdict.NONE
+    onset: int | None = None
+    reason: str = ""
+    earliest: int = 0
+
+
+NO_ROLLBACK = RollbackVerdict()
+
+
+@dataclass
+class RollbackRule:
+    """When a confirmed anomaly rolls back (docs/rollback.md). Pure: per optimizer step it sees whether the update about
+    to be applied is bad (`capture_rule` fired); an anomaly starts at its first bad step (its onset, whose state the
+    policy captured) and `rollback_patience` bad steps in a row confirm it: a rollback to a healthy restore point
+    before the onset, at most `rollback_window` steps back, unless `max_rollbacks` were taken within that window.
+
+    Its state is the run's history of rollbacks, so it is *not* restored from the restore point a rollback returns to
+    (the policy's statistics are): a run never forgets that it rolled back.
+
+    Attributes:
+        streak (`int`): bad steps in a row so far.
+        onset (`int`, *optional*): the first bad step of the current run of them.
+        first_reason (`str`): the capture rule that fired at the onset.
+        taken (`list[int]`): the steps at which rollbacks were taken.
+    """
+
+    streak: int = 0
+    onset: int | None = None
+    first_reason: str = ""
+    taken: list[int] = field(default_factory=list)
+
+    def observe(self, step: int, rule: str | None, config: SmartCkptConfig) -> RollbackVerdict:
+        """One optimizer step: `rule` is why its update is bad (`None`: it is not)."""
+        c = config.policy
+        if config.on_anomaly != OnAnomaly.ROLLBACK:
+            return NO_ROLLBACK
+        if rule is None:
+            self.reset()
+            return NO_ROLLBACK
+        if self.streak == 0:
+            self.onset, self.first_reason = step, rule
+        self.streak += 1
+        if self.streak < c.rollback_patience:
+            return NO_ROLLBACK
+        onset = self.onset if self.onset is not None else step
+        reason = self.first_reason if self.streak == 1 else f"{self.first_reason}; {self.streak} bad steps in a row"
+        earliest = max(0, step - c.rollback_window)
+        recent = [s for s in self.taken if s >= earliest]
+        if len(recent) >= c.max_rollbacks:
+            return RollbackVerdict(Verdict.EXHAUSTED, onset, f"{reason}; {len(recent)} rollbacks within the last "
+                                   f"{c.rollback_window} steps (max_rollbacks={c.max_rollbacks})", earliest)
+        return RollbackVerdict(Verdict.ROLLBACK, onset, reason, earliest)
+
+    def taken_at(self, step: int) -> None:
+        """A rollback was taken at `step`: the anomaly is over (its bad steps are gone with the restore)."""
+        self.taken.append(step)
+        self.reset()
+
+    def reset(self) -> None:
+        """No anomaly in progress (a calm step, a rollback taken, or one that found no restore point)."""
+        self.streak, self.onset, self.first_reason = 0, None, ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.streak, onset = int(state.get("streak") or 0), state.get("onset")
+        self.onset = int(onset) if isinstance(onset, int) else None
+        self.first_reason = str(state.get("first_reason") or "")
+        self.taken = [int(s) for s in state.get("taken") or [] if isinstance(s, int)]

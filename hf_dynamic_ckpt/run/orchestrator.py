@@ -38,16 +38,12 @@ from ..constants import ALL_TIERS, KEY_RANK_CHUNKS, KEY_RNG_AT, RNG_AT_STEP_BEGI
 from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError
 from ..export import KEY_MODEL, describe_model
 from ..policy.decision import Decision, DecisionKind
-from ..policy.rules import RulePolicy
-from ..policy.triggers import RollbackRule, RollbackVerdict, Verdict
+from ..policy.rules import RollbackRule, RollbackVerdict, RulePolicy, Verdict
 from ..signals.frame import SignalFrame
-from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights, trainable_state_dict
-from ..state.flat import FlatKeeper
+from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights
 from ..state.sharded import ShardedState, ZeroGradSquares, ZeroState, ZeroUpdateSeam, sources_for, zero_optimizer
 from ..state.support import check_model
-from ..store.remote import is_url
-from ..store.spec import Lineage, new_session_id
-from ..store.types import CheckpointInfo, LoadedCheckpoint
+from ..store import CheckpointInfo, Lineage, LoadedCheckpoint, is_url, new_session_id
 from .resume import (
     KEY_GRAD_PROBE,
     KEY_POLICY,
@@ -157,8 +153,6 @@ class RunOrchestrator:
         self.lineage = Lineage(session=self.session_id, timeline=new_session_id())
         self.resumed: Resumption | None = None
         """The last resumption applied (`apply`)."""
-        self.flat: FlatKeeper | None = None
-        """Keeps the trainable state consolidated (`state.flat`); set by `attach`."""
         self.sensors: Sensors | None = None
         self.steplog = StepLog(self.store.task_dir, rank=self.rank)
         self._fork_pending = True  # a fresh timeline sets other timelines' checkpoints aside at its first save
@@ -178,8 +172,8 @@ class RunOrchestrator:
         self._position: Callable[[], tuple[int, float | None]] | None = None
         self._early: tuple[int, Decision] | None = None  # a decision taken inside the ZeRO engine's step
         self._probe_state: dict[str, Any] | None = None  # restored once the probes are attached
-        self._stepped = False  # the first step_end starts the save side (`prepare_buffers`)
-        self._prepared = False
+        self._stepped = False  # the first step_end starts the save side (`start_writer`)
+        self._started = False
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
         self._rollback_due: RollbackVerdict | None = None  # confirmed at pre_update, taken by rollback()
         self._rollback_step: int | None = None  # the step whose update was dropped for it
@@ -207,7 +201,6 @@ class RunOrchestrator:
         clip_owner: Any | None = None,
         loss_model: nn.Module | None = None,
         model_info: dict[str, Any] | None = None,
-        consolidate: bool | None = False,
         hold_saves: bool = False,
         position: Callable[[], tuple[int, float | None]] | None = None,
     ) -> None:
@@ -227,9 +220,6 @@ class RunOrchestrator:
             loss_model (`nn.Module`, *optional*): module whose forward output carries `loss`.
             model_info (`dict`, *optional*): what export needs to rebuild the model (`export.describe_model`,
                 the default); stored in every manifest's ``extra["model"]``.
-            consolidate (`bool`, *optional*, defaults to `False`): keep the trainable parameters and their
-                optimizer state in one flat buffer per device and dtype (`state.flat`): `True` always,
-                `None` where it pays (many small trainable tensors: LoRA), `False` never.
             hold_saves (`bool`, *optional*, defaults to `False`): a save decided at `step_end` is written at
                 the next `release()` (or `step_begin`), once the loop has logged the step.
             position (`Callable`, *optional*): the `(step, epoch)` that `pre_update` would be given, readable while
@@ -254,9 +244,6 @@ class RunOrchestrator:
             model, rank=self.rank, weights=weights, frozen_keys=frozen_keys, optimizer=optimizer, scheduler=scheduler,
             scaler=scaler, sampler=sampler)
         self.saver.own_tiers = own
-        self.flat = FlatKeeper(model, optimizer, weights=weights or (lambda: trainable_state_dict(model)),
-                               enabled=False if isinstance(self._sharded, ZeroState) else consolidate,
-                               on_move=self._state_moved)
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
         if isinstance(self._sharded, ZeroState) and self.sensors.grad.layer_names:  # gradients only in partitions
             grad = self.sensors.grad
@@ -267,26 +254,20 @@ class RunOrchestrator:
                 and (not self.sensors.grad.layer_names or self._sharded.trained_partitions() == 1):
             # The per-layer norms are whole at the first partition's step only when there is one (LoRA usually).
             self._zero_seam = ZeroUpdateSeam(self._sharded, self._pre_update_in_engine)
-        self._prepared = False
-        self.prepare_buffers()
+        self.start_writer()
         self.steplog.open()
         self._restore_probe_state()
 
-    def prepare_buffers(self) -> None:
-        """Prepare the snapshot buffers and copy plans in the background, ahead of the first save instead of in it:
-        once the run's first step has ended (the save engine starts then, so a resume only reads and the first
-        step runs alone), again after the trainable state moved (`state.flat`), and after a resume's background
-        optimizer-tier read, once it is in."""
-        if self._sources is None or not self._stepped:  # not attached, or before the first step: later
+    def start_writer(self) -> None:
+        """Start the save engine's writer process in the background, ready before the first save (a save that finds
+        it still starting writes synchronously): once the run's first step has ended (a resume only reads, and the
+        first step runs alone), and after a resume's background optimizer-tier read, once it is in."""
+        if self._started or self._sources is None or not self._stepped:  # not attached, or before the first step
             return
         if self.resumed is not None and self.resumed.pending is not None:
-            return  # it would compete with the read on the way to the first step: `complete_resume` prepares
-        self._prepared = True
-        self.engine.prepare(self._sources, self.saver.own_tiers)
-
-    def _state_moved(self) -> None:
-        self._prepared = False
-        self.prepare_buffers()
+            return  # it would compete with the read on the way to the first step: `complete_resume` starts it
+        self._started = True
+        self.engine.start()
 
     def detach(self) -> None:
         """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
@@ -469,10 +450,7 @@ class RunOrchestrator:
             self._zero_seam.arm()  # the next step's decision is taken inside the engine's step again
         if isinstance(self._sharded, ZeroState):
             self._sharded.note_boundary()
-        if self.flat is not None and self.flat.enabled:
-            self.flat.keep()  # after the update, before a snapshot: moves once (again after a resume), then checks
-        if not self._prepared:
-            self.prepare_buffers()
+        self.start_writer()
         self.saver.raise_pending()
         frame = self._frame if self._frame is not None and self._frame.step == step else self._measure(step)
         self._frame = None
@@ -621,10 +599,8 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ saving
     def _before_save(self, decision: Decision) -> None:
-        """What every save needs first, on every rank: the trainable state in place, this run's timeline
-        started (rank 0 sets other timelines' newer checkpoints aside)."""
-        if self.flat is not None and self.flat.enabled:
-            self.flat.keep()  # moved again if something replaced it since the step end (one copy per snapshot)
+        """What every save needs first, on every rank: this run's timeline started (rank 0 sets other timelines'
+        newer checkpoints aside)."""
         self._start_timeline()
 
     def _start_timeline(self) -> None:
@@ -825,12 +801,7 @@ class RunOrchestrator:
         try:
             fill_optimizer(resumption, resumption.pending.collect(self.world_size))
         finally:
-            if not self._prepared:
-                try:
-                    self.prepare_buffers()
-                except Exception as e:  # only a speed-up is lost: the first save allocates its buffers
-                    logger.warning("resume: preparing the snapshot buffers after the optimizer-tier read failed: %s",
-                                   e)
+            self.start_writer()
         self._announce(resumption)
 
     def _restore_statistics(self, resumption: Resumption, *, counters: bool = True) -> None:

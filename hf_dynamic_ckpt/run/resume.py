@@ -59,13 +59,11 @@ from ..errors import (
 from ..state.model import check_weights
 from ..state.optimizer import state_numel_bound
 from ..state.sharded import check_sharding
-from ..store.catalog import STATUS_CORRUPT, STATUS_OK
+from ..store import STATUS_CORRUPT, STATUS_OK, CheckpointInfo, Lineage, LoadedCheckpoint, check_frozen, new_session_id
 from ..store.shard_files import sharded_table
-from ..store.spec import Lineage, new_session_id
-from ..store.types import CheckpointInfo, LoadedCheckpoint
 
 if TYPE_CHECKING:
-    from ..store.store import CheckpointStore
+    from ..store import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +163,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     table = sharded_table(loaded.manifest)
     if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
         check_sharding(step, loaded.manifest, expected)
+        check_frozen(loaded, expected)  # weights not written: the model's own, checked against their records
         try:
             check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
         except IncompatibleStateError:

@@ -1,6 +1,6 @@
 """A rollback: the resume of a healthy restore point, applied to the live run instead of a new process.
 
-`policy.triggers.RollbackRule` confirms an anomaly; the orchestrator then picks the restore point
+`policy.rules.RollbackRule` confirms an anomaly; the orchestrator then picks the restore point
 (`choose_restore_point`: rank 0's choice, broadcast, so every rank returns to the same step),
 reads and verifies it like any resume (`resume.plan_resume`, agreed across ranks), puts the
 weights, optimizer, scheduler, scaler and RNG back into the live objects (`restore_live`), and
@@ -17,8 +17,7 @@ from typing import Any
 from .. import distributed as dist
 from ..constants import Tier
 from ..state import apply_optimizer_state, apply_weights, restore_rng_state
-from ..store.store import CheckpointStore
-from ..store.types import LoadedCheckpoint
+from ..store import CheckpointStore, LoadedCheckpoint
 
 NEEDED_TIERS = frozenset({Tier.WEIGHTS, Tier.OPTIMIZER, Tier.STATE})
 """A rollback restores all of them: a restore point missing one is not a candidate."""

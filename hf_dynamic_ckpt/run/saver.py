@@ -25,9 +25,7 @@ from ..policy.decision import Decision, DecisionKind
 from ..policy.retention import plan_retention, tier_retention_from_config
 from ..signals.frame import SignalFrame
 from ..state import RawRngState, StateSources
-from ..store.spec import Lineage, SaveRequest
-from ..store.store import CheckpointStore
-from ..store.types import CheckpointInfo
+from ..store import CheckpointInfo, CheckpointStore, Lineage, SaveRequest
 from .savelog import SaveEvent, SaveLog
 
 logger = logging.getLogger(__name__)
@@ -50,14 +48,13 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                    session_id: str) -> CheckpointStore:
     """This rank's store. Under DDP rank 0 opens first (it creates the catalog and takes the task's writer
     lock); its outcome, an error included, is what every rank acts on. The save engine is not started here:
-    `Saver.engine` starts it at its first use (the first save, or the buffers prepared after the first step),
+    `Saver.engine` starts it at its first use (the first save, or its writer process started after the first step),
     so a resume only reads."""
 
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
                                compression_level=config.storage_levels.level_1.compression_level,
                                compression=config.storage_levels.level_1.compression.value,
-                               pace_to_disk=config.storage_levels.level_1.pace_to_disk,
                                storage_options=config.remote.storage_options,
                                cache_dir=(Path(config.remote.cache_dir) / f"rank-{rank}"
                                           if config.remote.cache_dir else None),
@@ -121,7 +118,7 @@ class Saver:
 
     @property
     def engine(self) -> SaveEngine:
-        """The save engine (snapshot buffers, writer thread or process), started at its first use."""
+        """The save engine (snapshot buffers, writer process), created at its first use."""
         if self._engine is None:
             self._engine = SaveEngine(self.store, mode=self.config.engine,
                                       memory_margin=self.config.runtime.memory_margin,

@@ -23,8 +23,7 @@ from torch import nn
 from .. import distributed as dist
 from ..config import SmartCkptConfig
 from ..signals.frame import SignalFrame
-from ..signals.memory import MemoryProbe
-from ..signals.probes import ClipNormRecorder, GradProbe, LossProbe
+from ..signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe
 
 logger = logging.getLogger(__name__)
 

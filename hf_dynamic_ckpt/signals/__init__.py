@@ -1,37 +1,12 @@
-"""Sensing: one `SignalFrame` per optimizer step from cheap probes.
+"""Sensing: one `SignalFrame` per optimizer step, and the statistics the policy judges it with.
 
-`SignalFrame` and the statistics are plain Python; the probes (which need torch) load on
-first attribute access, so the pure policy can be imported without torch.
+`SignalFrame` and the statistics are plain Python (the policy imports them without torch); the probes that measure a
+step (`LossProbe`, `GradProbe`, `ClipNormRecorder`, `MemoryProbe`) need torch and live in `signals.probes`.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
 from .frame import SignalFrame
-from .stats import Ema, RollingWindow
+from .stats import Ema, LayerBaselines, RollingWindow, linear_fit
 
-if TYPE_CHECKING:
-    from .memory import MemoryProbe
-    from .probes import ClipNormRecorder, GradProbe, LossProbe, find_lora_layers
-
-_PROBES = {"ClipNormRecorder": ".probes", "GradProbe": ".probes", "LossProbe": ".probes", "MemoryProbe": ".memory",
-           "find_lora_layers": ".probes"}
-
-__all__ = [
-    "ClipNormRecorder",
-    "Ema",
-    "GradProbe",
-    "LossProbe",
-    "MemoryProbe",
-    "RollingWindow",
-    "SignalFrame",
-    "find_lora_layers",
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PROBES:
-        return getattr(importlib.import_module(_PROBES[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["Ema", "LayerBaselines", "RollingWindow", "SignalFrame", "linear_fit"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..store.types import LoadedCheckpoint
+from ..store import LoadedCheckpoint
 from .sharded import sharded_optimizer
 
 logger = logging.getLogger(__name__)

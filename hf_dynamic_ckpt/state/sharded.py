@@ -38,8 +38,8 @@ from ..constants import ALL_TIERS, KEY_SHARDED, SHARD_OPTIMIZER_KEY, Tier
 from ..constants import SHARD_PART_OPTIMIZER as OPTIMIZER
 from ..constants import SHARD_PART_WEIGHTS as WEIGHTS
 from ..errors import ConfigError, IncompatibleStateError, SaveError
+from ..store import LoadedCheckpoint
 from ..store.shard_files import ChunkReader, is_flat, sharded_table
-from ..store.types import LoadedCheckpoint
 from .model import trainable_state_dict
 from .sources import CachedWeights, StateSources
 from .support import check_zero

@@ -23,7 +23,7 @@ class StateSources:
         weights (`Callable[[], Mapping[str, torch.Tensor]]`, *optional*): returns the L0
             tensors under their saved names, e.g. `model.state_dict` or a PEFT adapter dict.
         frozen_keys (`frozenset[str]`, *optional*): weight names that never change between
-            saves (frozen base weights): stored once, content-addressed, never copied.
+            saves (frozen base weights): the engine neither copies nor writes them.
         optimizer (`torch.optim.Optimizer`, *optional*): L1; its `state_dict()` aliases live
             tensors, which the snapshot copies.
         scheduler (*optional*): object with `state_dict()` (LR scheduler), L1.

@@ -1,443 +1,592 @@
-"""The manifest: the one file that makes a checkpoint directory a committed checkpoint.
+"""A checkpoint's manifest, the checksums it records, its small JSON files, and the plain values passed around.
 
-It is written last, into the temporary directory, before the atomic rename. It lists every
-file of the checkpoint with its size, checksum, tier and rank, and carries its own checksum
-(`manifest_checksum`, over the canonical JSON of every other key) so a tampered or torn
-manifest is refused instead of trusted. The file itself is indented JSON with only finite
-numbers (non-finite floats become the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``),
-so ``jq`` reads it: ``jq '.debug_info[] | select(.loss > 3)' manifest.json``.
-
-The checkpoint's other small JSON files (RNG, sampler, ``optimizer.json``, the ranks' done files)
-are written and read here too (`write_json`, `read_json`), and so is the `CheckpointInfo` (the
-catalog row) a manifest describes (`info_from_manifest`; `broken_info` for a directory whose
-manifest cannot be trusted).
+The manifest is written last and lists every file with its size, checksum (``"xxh3_128:<hex>"``; an entry naming
+another algorithm is verified with that one), tier and rank; its own checksum (``manifest_checksum``: ``"sha256:"`` of
+the canonical JSON of every other key) refuses a tampered or torn manifest. It is indented strict JSON (non-finite
+floats are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``), so ``jq`` reads it. Frozen weights are not written:
+``frozen`` records each by checksum, dtype and shape, and the resume checks the model's own tensor (`check_frozen`);
+such a manifest is ``format_version`` 2, which an older reader refuses (it would export the model without them); any
+other is version 1. ``blobs`` is the table of a checkpoint of an earlier version, whose frozen weights live once per
+task under ``blobs/``. A manifest can only make the store touch allowlisted names in its own directory and 64-hex-digit
+blob digests; files are read without following a link and within a size bound.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import errno
 import functools
 import hashlib
+import io
 import json
+import mmap
 import os
 import platform
 import re
+import stat
 import time
+import uuid
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..constants import (
-    CHECKPOINT_FILE_NAMES,
-    CHECKSUM_ALGO,
-    DEBUG_INFO_STEPS,
-    FORMAT_VERSION,
-    KEY_BLOBS,
-    KEY_BYTES,
-    KEY_CHECKSUM,
-    KEY_CREATED_AT,
-    KEY_DEBUG_INFO,
-    KEY_EPOCH,
-    KEY_EXTRA,
-    KEY_FILES,
-    KEY_FORMAT_VERSION,
-    KEY_HEALTHY,
-    KEY_KIND,
-    KEY_LINEAGE,
-    KEY_MANIFEST_CHECKSUM,
-    KEY_PINNED,
-    KEY_RANK,
-    KEY_REASON,
-    KEY_RECOVERY_COST,
-    KEY_SESSION_ID,
-    KEY_SIGNALS,
-    KEY_SIZE,
-    KEY_STEP,
-    KEY_TASK_ID,
-    KEY_TIER,
-    KEY_TIERS,
-    KEY_TIMINGS,
-    KEY_VERSIONS,
-    KEY_WORLD_SIZE,
-    MANIFEST_NAME,
-    MAX_JSON_BYTES,
-    PINNED_MARKER,
-    STEP_DIR_PREFIX,
-    Tier,
-)
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, FormatVersionError
+from .. import constants as C
+from ..constants import Tier
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError, UnsafePathError
 from ..jsonutil import as_float, json_safe, loads_bounded
-from .blobs import is_digest
-from .catalog import STATUS_OK
-from .fs import create, is_file, lstat, read_bytes
-from .hashing import FileEntry, format_checksum, new_hasher
-from .spec import Lineage
-from .types import CheckpointInfo
 
-__all__ = ["KEY_BYTES", "KEY_RECOVERY_COST", "KEY_SESSION_ID", "broken_info", "build_manifest", "info_from_manifest",
-           "read_json", "read_manifest", "tiers_of", "validate_manifest", "with_changes", "without_tiers",
-           "write_json", "write_manifest"]
+if TYPE_CHECKING:
+    import torch
 
-_RNG_NAME_RE = re.compile(r"rng-rank(0|[1-9][0-9]{0,6})\.json")
-_SHARD_NAME_RE = re.compile(r"(?:weights|optimizer)-rank(0|[1-9][0-9]{0,6})\.safetensors")  # FSDP2 (`shard_files`)
-
-# Throughputs of the recovery-cost model (bytes per millisecond). Loading a file means
-# checksumming it first (sha256, ~0.5-1 GB/s on one core), then mapping (L0) or
-# decompressing + rebuilding the state (L1, zstd ~0.3-1 GB/s, plus per-tensor work).
-_L0_BYTES_PER_MS = 500_000.0
-_L1_BYTES_PER_MS = 200_000.0
-_PER_FILE_MS = 2.0
+STATUS_OK, STATUS_MISSING, STATUS_CORRUPT = "ok", "missing", "corrupt"
+FILE_CHECKSUM_ALGO, HASH_CHUNK = "xxh3_128", 8 << 20
+_RANK_FILE = re.compile(r"(?:rng-rank|weights-rank|optimizer-rank)(0|[1-9][0-9]{0,6})\.(?:json|safetensors)")
 
 
-def canonical_bytes(manifest: Mapping[str, Any]) -> bytes:
-    """The bytes the manifest checksum covers: sorted, compact JSON without the checksum key."""
-    body = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+class Codec(enum.StrEnum):
+    """Codec of the optimizer tier: independent zstd frames of byte-grouped floats, or raw bytes."""
 
+    ZSTD = "zstd"
+    NONE = "none"
 
-def compute_manifest_checksum(manifest: Mapping[str, Any]) -> str:
-    """``"<algo>:<hex>"`` of `canonical_bytes(manifest)`."""
-    return f"{CHECKSUM_ALGO}:{hashlib.new(CHECKSUM_ALGO, canonical_bytes(manifest)).hexdigest()}"
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries whose objects a checkpoint holds, for the manifest."""
-    return dict(_library_versions())
-
-
-@functools.lru_cache(maxsize=1)
-def _library_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    from .._version import VERSION
-
-    versions = {"hf_dynamic_ckpt": VERSION, "python": platform.python_version()}
-    for dist in ("torch", "transformers", "accelerate", "peft", "safetensors", "zstandard", "numpy"):
+    @classmethod
+    def parse(cls, value: Any, *, field: str = "storage_levels.level_1.compression") -> Codec:
+        """`value` as a `Codec` (`None`: ``"none"``); `ConfigError` naming `field` for anything else."""
         try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return versions
+            return cls.NONE if value is None else cls(getattr(value, "value", value))
+        except ValueError:
+            extra = " (gzip is not offered for L1: zstd level 1-3 is smaller and faster)" if value == "gzip" else ""
+            raise ConfigError(f"{field}={value!r} is invalid: expected 'zstd' or 'none'{extra}.") from None
 
 
-def estimate_recovery_cost_ms(files: Mapping[str, Mapping[str, Any]], blobs: Mapping[str, Mapping[str, Any]]) -> float:
-    """Estimated time to verify and load a checkpoint, from its bytes per tier.
+def new_session_id() -> str:
+    """A fresh session id (12 hex digits). Under DDP rank 0 makes one and broadcasts it."""
+    return uuid.uuid4().hex[:12]
 
-    The estimate is ``bytes / throughput`` per tier plus a fixed cost per file, with fixed
-    throughputs (L0: 500 MB/s, checksum + memory map; L1: 200 MB/s, checksum + zstd +
-    rebuilding the state; L2: per-file cost only). It ranks checkpoints for
-    ``resolve("fastest")``; it is not a measurement of this machine.
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSpec:
+    """What identifies and configures one rank's view of a store, in plain values (a writer process opens the same
+    store with `CheckpointStore.from_spec`); `CheckpointStore` documents the fields; `remote` is a URL root's
+    `RemoteSpec` (`root` is then its local cache)."""
+
+    root: str
+    task_id: str = C.DEFAULT_TASK_ID
+    rank: int = 0
+    world_size: int = 1
+    session_id: str = field(default_factory=new_session_id)
+    codec: Codec | str = Codec.ZSTD
+    compression_level: int = 1
+    compression_threads: int = 0
+    rank_timeout_s: float = 600.0
+    remote: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "codec", Codec.parse(self.codec, field="compression"))
+        object.__setattr__(self, "root", str(self.root))
+        task = self.task_id
+        for ok, message in (
+                (isinstance(task, str) and task and not {"/", "\\"} & set(task) and task[0] != "." and task != "blobs",
+                 f"task_id={task!r} is invalid: expected a non-empty name without '/' that does not start with '.'."),
+                (self.world_size >= 1 and 0 <= self.rank < self.world_size,
+                 f"rank={self.rank}, world_size={self.world_size} is invalid: expected 0 <= rank < world_size."),
+                (isinstance(self.session_id, str) and re.fullmatch(r"[A-Za-z0-9_-]+", self.session_id),
+                 f"session_id={self.session_id!r} is invalid: use letters, digits, '_' or '-' only."),
+                (self.rank_timeout_s > 0,
+                 f"rank_timeout_s={self.rank_timeout_s!r} is invalid: expected a positive number of seconds."),
+                (1 <= int(self.compression_level) <= 22,
+                 f"compression_level={self.compression_level!r} is invalid: expected 1 <= level <= 22.")):
+            if not ok:
+                raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lineage:
+    """Which run wrote a checkpoint: its `session`, its `timeline` (a run that starts fresh, or resumes from a
+    checkpoint older than its timeline's newest, starts a new one), and the checkpoint it resumed from
+    (`parent_step` of `parent_timeline`; `None`: a fresh start)."""
+
+    session: str
+    timeline: str
+    parent_step: int | None = None
+    parent_timeline: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"session": self.session, "timeline": self.timeline, "parent_step": self.parent_step,
+                "parent_timeline": self.parent_timeline}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Lineage:
+        step, timeline = data.get("parent_step"), data.get("parent_timeline")
+        return cls(session=str(data["session"]), timeline=str(data["timeline"]),
+                   parent_step=None if step is None else int(step), parent_timeline=None if timeline is None else
+                   str(timeline))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveRequest:
+    """What one save is and why; it reaches the manifest and the catalog as given.
 
     Args:
-        files (`Mapping[str, Mapping]`): the manifest's file entries.
-        blobs (`Mapping[str, Mapping]`): the manifest's blob records (``"size"`` each; read as L0).
-
-    Returns:
-        `float`: milliseconds, rounded to 0.1.
+        step (`int`): optimizer steps completed in the saved state.
+        epoch (`float`, *optional*, defaults to `0.0`): fractional epoch.
+        tiers (`frozenset[Tier]`, *optional*, defaults to all): tiers the decision asked for.
+        reason (`str`): human-readable reason; `kind` (defaults to `"manual"`): the machine-readable one.
+        pinned (`bool`, *optional*, defaults to `False`): retention never deletes it.
+        healthy (`bool`, *optional*, defaults to `True`): a valid target for ``auto`` / ``best``.
+        signals (`Mapping`, *optional*) / debug_info (`tuple[Mapping, ...]`): the signals at save time and of the
+            last steps. lineage (`Lineage`, *optional*): the run's session, timeline and parent.
     """
-    cost = 0.0
-    unique_blobs = {str(b.get("digest")): {KEY_SIZE: b.get("size", 0), KEY_TIER: Tier.WEIGHTS.value}
-                    for b in blobs.values()}
-    for entry in list(files.values()) + list(unique_blobs.values()):
-        size = float(entry.get(KEY_SIZE, 0))
-        tier = entry.get(KEY_TIER, Tier.WEIGHTS.value)
-        cost += _PER_FILE_MS
-        if tier == Tier.WEIGHTS.value:
-            cost += size / _L0_BYTES_PER_MS
-        elif tier == Tier.OPTIMIZER.value:
-            cost += size / _L1_BYTES_PER_MS
-    return round(cost, 1)
+
+    step: int
+    epoch: float = 0.0
+    tiers: frozenset[Tier] = C.ALL_TIERS
+    reason: str
+    kind: str = "manual"
+    pinned: bool = False
+    healthy: bool = True
+    signals: Mapping[str, Any] | None = None
+    debug_info: tuple[Mapping[str, Any], ...] = ()
+    lineage: Lineage | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", frozenset(Tier(t) for t in self.tiers))
+        object.__setattr__(self, "debug_info", tuple(self.debug_info or ()))
 
 
-def build_manifest(
-    *,
-    task_id: str,
-    step: int,
-    epoch: float,
-    reason: str,
-    tiers: frozenset[Tier] | set[Tier],
-    pinned: bool,
-    healthy: bool,
-    world_size: int,
-    files: Mapping[str, Mapping[str, Any]],
-    blobs: Mapping[str, Mapping[str, Any]],
-    session_id: str,
-    kind: str | None = None,
-    lineage: Mapping[str, Any] | None = None,
-    signals: Mapping[str, Any] | None = None,
-    debug_info: Collection[Mapping[str, Any]] | None = None,
-    extra: Mapping[str, Any] | None = None,
-    timings: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Assemble a manifest (with its checksum) from what the ranks wrote.
+def _tiers(weights: Any, l1: tuple[Any, ...], l2: tuple[Any, ...]) -> frozenset[Tier]:
+    return frozenset(t for t, held in ((Tier.WEIGHTS, weights is not None), (Tier.OPTIMIZER, l1 != (None,) * len(l1)),
+                                       (Tier.STATE, l2 != (None,) * len(l2))) if held)
+
+
+@dataclass
+class CheckpointState:
+    """What one rank hands to `CheckpointStore.save`: CPU tensors and JSON-able data.
 
     Args:
-        files (`Mapping[str, FileEntry]`): every file in the checkpoint directory.
-        blobs (`Mapping[str, dict]`): weight key -> ``{"digest", "dtype", "shape", "size"}`` of
-            deduplicated tensors (their files live in ``<task>/blobs/`` and are checked by digest).
-        kind (`str`, *optional*): machine-readable reason (`DecisionKind` value).
-        lineage (`Mapping`, *optional*): `Lineage.to_dict()` of the run that wrote it.
-        debug_info (`Collection[dict]`, *optional*): per-step records; only the last
-            `DEBUG_INFO_STEPS` are kept.
-
-    Returns:
-        `dict`: the manifest, `manifest_checksum` included.
+        step (`int`) / epoch (`float`, *optional*): optimizer steps completed, fractional epoch.
+        weights (`dict[str, torch.Tensor]`, *optional*): L0 under the model's keys (PEFT's for an adapter); tensors
+            sharing storage (tied weights) are stored once. Written by rank 0.
+        frozen (`Mapping[str, Mapping]`, *optional*): weights that never train, as `frozen_record`s, not written.
+        dedup_keys (`frozenset[str]`): keys of `weights` to record as `frozen` instead (the store computes them).
+        optimizer / scheduler / scaler (`dict`, *optional*): L1, the objects' `state_dict()`s. Written by rank 0.
+        rng (`dict`, *optional*): L2, this rank's RNG state (or an object with `to_json()`).
+        sampler (`dict`, *optional*): L2, the data position, written by rank 0.
+        extra (`dict`): JSON-able data for the manifest's `extra` (e.g. the Trainer state).
     """
-    manifest: dict[str, Any] = {
-        KEY_FORMAT_VERSION: FORMAT_VERSION,
-        KEY_TASK_ID: task_id,
-        KEY_STEP: int(step),
-        KEY_EPOCH: float(epoch),
-        KEY_REASON: reason,
-        KEY_TIERS: sorted(t.value for t in tiers),
-        KEY_PINNED: bool(pinned),
-        KEY_HEALTHY: bool(healthy),
-        KEY_WORLD_SIZE: int(world_size),
-        KEY_CREATED_AT: time.time(),
-        KEY_SESSION_ID: session_id,
-        KEY_FILES: {name: dict(entry) for name, entry in sorted(files.items())},
-        KEY_BLOBS: {key: dict(meta) for key, meta in sorted(blobs.items())},
-        KEY_BYTES: int(sum(int(e[KEY_SIZE]) for e in files.values())),
-        KEY_RECOVERY_COST: estimate_recovery_cost_ms(files, blobs),
-        KEY_SIGNALS: dict(signals or {}),
-        KEY_DEBUG_INFO: list(debug_info or [])[-DEBUG_INFO_STEPS:],
-        KEY_EXTRA: dict(extra or {}),
-        KEY_VERSIONS: library_versions(),
-        KEY_TIMINGS: dict(timings or {}),
-    }
-    if kind is not None:
-        manifest[KEY_KIND] = str(kind)
-    if lineage is not None:
-        manifest[KEY_LINEAGE] = dict(lineage)
-    manifest = json_safe(manifest)
-    manifest[KEY_MANIFEST_CHECKSUM] = compute_manifest_checksum(manifest)
-    return manifest
+
+    step: int
+    epoch: float = 0.0
+    weights: dict[str, Any] | None = None
+    frozen: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    dedup_keys: frozenset[str] = frozenset()
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    rng: dict[str, Any] | Any | None = None
+    sampler: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tiers(self) -> frozenset[Tier]:
+        return _tiers(self.weights, (self.optimizer, self.scheduler, self.scaler), (self.rng, self.sampler))
 
 
-def write_manifest(directory: Path, manifest: Mapping[str, Any], *, name: str = MANIFEST_NAME) -> Path:
-    """Write `manifest` as ``directory/name`` and fsync it (the caller renames the directory)."""
-    path = Path(directory) / name
-    _write_synced(path, json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n")
-    return path
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint as the catalog and `CheckpointStore.list()` describe it; `abandoned`: of a timeline a
+    later run forked away from (never chosen by ``auto``, ``best``, ``fastest``); `frozen`: the manifest's records of
+    weights not written; `blobs`: the blob table of a checkpoint of an earlier version."""
+
+    task_id: str
+    step: int
+    path: str
+    reason: str
+    tiers: frozenset[Tier]
+    bytes: int
+    loss: float | None
+    gpu_mem_percent: float | None
+    save_time: float
+    recovery_cost_ms: float | None
+    healthy: bool
+    pinned: bool
+    status: str  # "ok" | "missing" | "corrupt"
+    world_size: int = 1
+    blobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False, repr=False)
+    abandoned: bool = False
+    lineage: Lineage | None = None
+    frozen: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with create(path) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+class Removal(NamedTuple):
+    """One entry of a retention plan (`policy.retention.plan_retention`, applied by `CheckpointStore.prune`): the
+    checkpoint, what goes (a set with `Tier.WEIGHTS`: all of it), and the rule, recorded and named by ``ls``."""
+
+    info: CheckpointInfo
+    tiers: frozenset[Tier]
+    rule: str = "a retention plan"
 
 
-def write_json(path: Path, obj: Any, *, tier: Tier, rank: int | None) -> FileEntry:
-    """Write one of the checkpoint's small JSON files, fsync it, and return its manifest entry (checksum of the
-    bytes written)."""
-    data = json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
-    hasher = new_hasher()
-    hasher.update(data)
-    _write_synced(path, data)
-    return {KEY_SIZE: len(data), KEY_CHECKSUM: format_checksum(hasher), KEY_TIER: tier.value, KEY_RANK: rank}
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint's tiers, read back verified; `frozen`: the records of the weights it did not write."""
+
+    info: CheckpointInfo
+    manifest: dict[str, Any]
+    weights: dict[str, Any] | None = None
+    optimizer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    rng: dict[str, Any] | Any | None = None
+    sampler: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    frozen: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tiers(self) -> frozenset[Tier]:
+        return _tiers(self.weights, (self.optimizer, self.scheduler), (self.rng, self.sampler))
+
+
+@dataclass
+class GcReport:
+    """What `CheckpointStore.gc` or `prune` removed (`dry_run`: would remove): whole steps (`removed`, those of
+    abandoned timelines in `abandoned`), tiers of steps that stay (`trimmed`), unused blobs of an earlier version,
+    leftovers of interrupted saves (`temp_dirs`), `bytes_freed`, and why planned removals were `kept`."""
+
+    removed: list[int] = field(default_factory=list)
+    trimmed: dict[int, list[str]] = field(default_factory=dict)
+    abandoned: list[int] = field(default_factory=list)
+    blobs: list[str] = field(default_factory=list)
+    temp_dirs: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    kept: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+
+# -- files read without following links ---------------------------------------------------------------------------
+def open_read(path: str | os.PathLike[str]) -> io.BufferedReader:
+    """An existing file opened for reading; a symbolic link at `path` is refused (`UnsafePathError`)."""
+    try:
+        return open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symbolic link; the store never reads through links.") from e
+        raise
+
+
+def read_bytes(path: str | os.PathLike[str], *, limit: int) -> bytes:
+    """A file's bytes, at most `limit` of them (a larger file is `CorruptCheckpointError`)."""
+    with open_read(path) as f:
+        if (size := os.fstat(f.fileno()).st_size) > limit:
+            raise CorruptCheckpointError(f"{path} has {size} bytes, more than the {limit} a file of this kind may "
+                                         "have; the checkpoint is damaged or was not written by hf_dynamic_ckpt.")
+        return f.read(limit + 1)
+
+
+def lstat(path: str | os.PathLike[str]) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def is_kind(path: str | os.PathLike[str], kind: str) -> bool:
+    """Whether `path` is a real ``"dir"``, ``"file"`` or ``"link"`` (a link to a directory is a link)."""
+    st = lstat(path)
+    return st is not None and {"dir": stat.S_ISDIR, "file": stat.S_ISREG, "link": stat.S_ISLNK}[kind](st.st_mode)
+
+
+def listdir(path: str | os.PathLike[str]) -> list[str]:
+    """Names in a real directory, sorted; `[]` when it is missing or a link."""
+    try:
+        return sorted(os.listdir(path)) if is_kind(path, "dir") else []
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def read_json(path: Path) -> Any:
-    """Parse a JSON file of a checkpoint (bounded size and depth); anything wrong -> `CorruptCheckpointError`."""
+    """A JSON file of a checkpoint (bounded size and depth); anything wrong is `CorruptCheckpointError`."""
     try:
-        return loads_bounded(read_bytes(path, limit=MAX_JSON_BYTES))
+        return loads_bounded(read_bytes(path, limit=C.MAX_JSON_BYTES))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path} is unreadable or not JSON ({e}); the checkpoint is damaged.") from e
 
 
-def allowed_file_name(name: Any, world_size: int) -> bool:
-    """Whether a manifest may list `name`: a fixed allowlist plus ``rng-rank<R>.json`` for R < world size.
+def json_bytes(obj: Any) -> bytes:
+    """The bytes of one of a checkpoint's small JSON files (RNG, sampler, ``optimizer.json``, done files)."""
+    return json.dumps(obj, indent=1, sort_keys=True).encode() + b"\n"
 
-    Only single path components from this list ever become paths, so a manifest can never
-    make the store read, stat or delete anything outside the checkpoint's own directory.
+
+# -- checksums ----------------------------------------------------------------------------------------------------
+def new_hasher(algo: str | None = None) -> Any:
+    """A hash object of `algo`: ``xxh3_128`` (default), ``xxh3_64``, ``xxh64``, ``xxh32`` or a `hashlib` name."""
+    if (algo := algo or FILE_CHECKSUM_ALGO) in ("xxh3_128", "xxh3_64", "xxh64", "xxh32"):
+        import xxhash
+
+        return getattr(xxhash, algo)()
+    try:
+        return hashlib.new(algo)
+    except ValueError:
+        raise ValueError(f"Unknown checksum algorithm {algo!r}; use {FILE_CHECKSUM_ALGO!r} or a hashlib name.") \
+            from None
+
+
+def file_checksum(path: str | os.PathLike[str], algo: str | None = None) -> str:
+    """``"<algo>:<hex>"`` of a whole file (large files hashed through a map: no copy out of the page cache)."""
+    hasher = new_hasher(algo)
+    with open_read(path) as f:
+        if (size := os.fstat(f.fileno()).st_size) < 1 << 20:
+            hasher.update(f.read())
+        else:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+                for start in range(0, size, HASH_CHUNK):
+                    hasher.update(view[start : start + HASH_CHUNK])
+    return f"{algo or FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}"
+
+
+def entry_of(data: bytes, *, tier: Tier, rank: int | None) -> dict[str, Any]:
+    """The manifest entry of a file holding `data`."""
+    (hasher := new_hasher()).update(data)
+    return {C.KEY_SIZE: len(data), C.KEY_CHECKSUM: f"{FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}",
+            C.KEY_TIER: tier.value, C.KEY_RANK: rank}
+
+
+def raw_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor in row-major order (a view when contiguous)."""
+    import torch
+
+    return memoryview(b"") if t.numel() == 0 else \
+        t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def frozen_record(t: torch.Tensor) -> dict[str, Any]:
+    """The manifest record of a frozen weight: ``{"checksum": "xxh3_128:<hex>" of its bytes, "dtype", "shape"}``."""
+    t = t.detach().cpu()
+    (hasher := new_hasher()).update(raw_view(t))
+    return {"checksum": f"{FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}", "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape)}
+
+
+def check_frozen(loaded: LoadedCheckpoint, live: Mapping[str, Any]) -> None:
+    """Check the model's own frozen weights (`live`: its tensors by the same names, e.g. `expected_weights(model)`)
+    against the records of `loaded`, and put them into `loaded.weights`.
+
+    Raises:
+        `IncompatibleStateError`: a recorded weight is missing from `live` or holds other values (the model was not
+            built from the weights the run trained with); the message names them.
     """
-    if not isinstance(name, str):
-        return False
-    if name in CHECKPOINT_FILE_NAMES:
-        return True
-    m = _RNG_NAME_RE.fullmatch(name) or _SHARD_NAME_RE.fullmatch(name)
-    return m is not None and int(m.group(1)) < world_size
+    from ..errors import IncompatibleStateError
+
+    bad = sorted(k for k, rec in loaded.frozen.items() if live.get(k) is None or frozen_record(live[k]) != rec)
+    if bad:
+        raise IncompatibleStateError(
+            f"the model's frozen weights differ from those step {loaded.info.step} was trained with (it records them "
+            f"by checksum, not their values): {', '.join(bad[:10])}. Build the model from the same base weights.")
+    if loaded.weights is not None:
+        loaded.weights.update({k: live[k] for k in loaded.frozen})
 
 
-def _is_int(value: Any, *, low: int = 0) -> bool:
+# -- the manifest -------------------------------------------------------------------------------------------------
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """``"sha256:<hex>"`` of the sorted, compact JSON of every key but the checksum itself."""
+    body = {k: v for k, v in manifest.items() if k != C.KEY_MANIFEST_CHECKSUM}
+    data = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return f"{C.CHECKSUM_ALGO}:{hashlib.new(C.CHECKSUM_ALGO, data).hexdigest()}"
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> tuple[tuple[str, str], ...]:
+    from importlib import metadata
+
+    from .._version import VERSION
+
+    found = {"hf_dynamic_ckpt": VERSION, "python": platform.python_version()}
+    for dist in ("torch", "transformers", "accelerate", "peft", "safetensors", "zstandard", "numpy"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[dist] = metadata.version(dist)
+    return tuple(found.items())
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries whose objects a checkpoint holds, for the manifest."""
+    return dict(_versions())
+
+
+def recovery_cost_ms(files: Mapping[str, Mapping[str, Any]], blobs: Mapping[str, Mapping[str, Any]]) -> float:
+    """An estimate that ranks checkpoints for ``resolve("fastest")``: 2 ms per file, L0 at 500 MB/s, L1 at 200 MB/s."""
+    unique = {str(b.get("digest")): {C.KEY_SIZE: b.get("size", 0)} for b in blobs.values()}
+    rate = {Tier.WEIGHTS.value: 500_000.0, Tier.OPTIMIZER.value: 200_000.0}
+    return round(sum(2.0 + float(e.get(C.KEY_SIZE, 0)) / rate.get(e.get(C.KEY_TIER, "weights"), float("inf"))
+                     for e in [*files.values(), *unique.values()]), 1)
+
+
+def build_manifest(*, task_id: str, step: int, epoch: float, reason: str, tiers: Collection[Tier], pinned: bool,
+                   healthy: bool, world_size: int, files: Mapping[str, Mapping[str, Any]], session_id: str,
+                   frozen: Mapping[str, Mapping[str, Any]] | None = None, kind: str | None = None,
+                   lineage: Lineage | None = None, signals: Mapping[str, Any] | None = None,
+                   debug_info: Collection[Mapping[str, Any]] = (), extra: Mapping[str, Any] | None = None,
+                   timings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of what the ranks wrote, its checksum included (only the last `DEBUG_INFO_STEPS` records)."""
+    manifest = {
+        C.KEY_FORMAT_VERSION: C.FORMAT_VERSION if frozen else 1, C.KEY_TASK_ID: task_id, C.KEY_STEP: int(step),
+        C.KEY_EPOCH: float(epoch), C.KEY_REASON: reason, C.KEY_TIERS: sorted(t.value for t in tiers),
+        C.KEY_PINNED: bool(pinned), C.KEY_HEALTHY: bool(healthy), C.KEY_WORLD_SIZE: int(world_size),
+        C.KEY_CREATED_AT: time.time(), C.KEY_SESSION_ID: session_id, C.KEY_FILES: dict(sorted(files.items())),
+        C.KEY_BLOBS: {}, C.KEY_BYTES: sum(int(e[C.KEY_SIZE]) for e in files.values()),
+        C.KEY_RECOVERY_COST: recovery_cost_ms(files, {}), C.KEY_SIGNALS: dict(signals or {}),
+        C.KEY_DEBUG_INFO: list(debug_info)[-C.DEBUG_INFO_STEPS:], C.KEY_EXTRA: dict(extra or {}),
+        C.KEY_VERSIONS: library_versions(), C.KEY_TIMINGS: dict(timings or {}),
+        **({C.KEY_FROZEN: dict(sorted(frozen.items()))} if frozen else {}),
+        **({C.KEY_KIND: str(kind)} if kind is not None else {}),
+        **({C.KEY_LINEAGE: lineage.to_dict()} if lineage is not None else {})}
+    return with_changes(json_safe(manifest), {})
+
+
+def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False).encode() + b"\n"
+
+
+def _count(value: Any, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def _check_shape(manifest: dict[str, Any], where: str) -> None:
-    """Types of every key the store turns into paths, sizes or decisions."""
-    for key, kind in ((KEY_STEP, int), (KEY_FILES, dict), (KEY_TIERS, list), (KEY_TASK_ID, str)):
-        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
-            raise CorruptCheckpointError(f"{where}: manifest key {key!r} is missing or not a {kind.__name__}.")
-    world_size = manifest.get(KEY_WORLD_SIZE, 1)
-    if not _is_int(manifest[KEY_STEP]) or not _is_int(world_size, low=1):
-        raise CorruptCheckpointError(f"{where}: step={manifest[KEY_STEP]!r} / world_size={world_size!r} is invalid.")
-    if not all(isinstance(t, str) for t in manifest[KEY_TIERS]):
-        raise CorruptCheckpointError(f"{where}: manifest key 'tiers' must be a list of names.")
-    for name, entry in manifest[KEY_FILES].items():
-        if not allowed_file_name(name, world_size):
-            raise CorruptCheckpointError(
-                f"{where}: manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
-                f"({', '.join(sorted(CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json, weights-rank<R>.safetensors, "
-                "optimizer-rank<R>.safetensors); the manifest is damaged or hostile."
-            )
-        if not (isinstance(entry, dict) and _is_int(entry.get(KEY_SIZE)) and isinstance(entry.get(KEY_CHECKSUM), str)):
-            raise CorruptCheckpointError(f"{where}: manifest entry of file {name!r} lacks an integer size or a "
-                                         "checksum.")
-    blobs = manifest.get(KEY_BLOBS) or {}
-    if not isinstance(blobs, dict):
-        raise CorruptCheckpointError(f"{where}: manifest key 'blobs' is not an object.")
-    for key, rec in blobs.items():
-        if not (isinstance(rec, dict) and is_digest(rec.get("digest")) and isinstance(rec.get("dtype"), str)
-                and isinstance(rec.get("shape"), list) and all(_is_int(d) for d in rec["shape"])
-                and _is_int(rec.get("size", 0))):
-            raise CorruptCheckpointError(
-                f"{where}: blob record of weight {str(key)[:80]!r} is malformed (digest must be 64 hex digits, "
-                "dtype a name, shape a list of sizes); the manifest is damaged or hostile."
-            )
-    lineage = manifest.get(KEY_LINEAGE)
-    if lineage is not None and not (isinstance(lineage, dict) and isinstance(lineage.get("timeline"), str)
-                                    and isinstance(lineage.get("session"), str)):
-        raise CorruptCheckpointError(f"{where}: manifest key 'lineage' is malformed.")
+def allowed_file_name(name: Any, world_size: int) -> bool:
+    """Whether a manifest may list `name`: the fixed allowlist, or a rank file of a rank below `world_size`."""
+    m = _RANK_FILE.fullmatch(name) if isinstance(name, str) else None
+    return name in C.CHECKPOINT_FILE_NAMES or (m is not None and int(m.group(1)) < world_size)
 
 
-def validate_manifest(manifest: Any, *, where: str) -> dict[str, Any]:
-    """Check version, checksum and shape of a parsed manifest.
+def validate_manifest(m: Any, *, where: str) -> dict[str, Any]:
+    """Check version, checksum and the shape of every key the store turns into paths, sizes or decisions.
 
     Raises:
-        `FormatVersionError`: written by a newer on-disk format than this library reads.
-        `CorruptCheckpointError`: checksum mismatch, keys missing / of the wrong type, or a
-            file name outside the allowlist.
+        `FormatVersionError`: written by a newer format than this library reads.
+        `CorruptCheckpointError`: checksum mismatch, keys missing or of the wrong type, a name outside the allowlist.
     """
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpointError(f"{where}: the manifest is not a JSON object; the checkpoint is damaged.")
-    version = manifest.get(KEY_FORMAT_VERSION)
-    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
-        raise FormatVersionError(
-            f"{where}: format_version={version} is newer than the version this library reads "
-            f"({FORMAT_VERSION}); upgrade hf_dynamic_ckpt to load it."
-        )
-    recorded = manifest.get(KEY_MANIFEST_CHECKSUM)
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {why}")
+
+    if not isinstance(m, dict):
+        raise bad("the manifest is not a JSON object; the checkpoint is damaged.")
+    if _count(version := m.get(C.KEY_FORMAT_VERSION)) and int(version or 0) > C.FORMAT_VERSION:
+        raise FormatVersionError(f"{where}: format_version={version} is newer than the version this library reads "
+                                 f"({C.FORMAT_VERSION}); upgrade hf_dynamic_ckpt to load it.")
     try:
-        actual = compute_manifest_checksum(manifest)
+        actual = manifest_checksum(m)
     except (TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: the manifest cannot be re-encoded ({e}); the checkpoint is "
-                                     "damaged.") from e
-    if recorded != actual:
-        raise CorruptCheckpointError(
-            f"{where}: manifest checksum mismatch (recorded {recorded!r}, actual {actual!r}): the manifest was "
-            "modified or damaged after the commit; restore from another checkpoint."
-        )
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CorruptCheckpointError(f"{where}: format_version={version!r} is not a valid format version.")
-    _check_shape(manifest, where)
-    return manifest
+        raise bad(f"the manifest cannot be re-encoded ({e}); the checkpoint is damaged.") from e
+    if (recorded := m.get(C.KEY_MANIFEST_CHECKSUM)) != actual:
+        raise bad(f"manifest checksum mismatch (recorded {recorded!r}, actual {actual!r}): the manifest was modified "
+                  "or damaged after the commit; restore from another checkpoint.")
+    if not _count(version, 1):
+        raise bad(f"format_version={version!r} is not a valid format version.")
+    for key, kind in ((C.KEY_STEP, int), (C.KEY_FILES, dict), (C.KEY_TIERS, list), (C.KEY_TASK_ID, str)):
+        if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
+            raise bad(f"manifest key {key!r} is missing or not a {kind.__name__}.")
+    if not _count(m[C.KEY_STEP]) or not _count(world := m.get(C.KEY_WORLD_SIZE, 1), 1) or \
+            not all(isinstance(t, str) for t in m[C.KEY_TIERS]):
+        raise bad(f"step={m[C.KEY_STEP]!r} / world_size={world!r} / tiers is invalid.")
+    for name, entry in m[C.KEY_FILES].items():
+        if not allowed_file_name(name, world):
+            raise bad(f"manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
+                      f"({', '.join(sorted(C.CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json, weights-rank<R>.safetensors, "
+                      "optimizer-rank<R>.safetensors); the manifest is damaged or hostile.")
+        if not (isinstance(entry, dict) and _count(entry.get(C.KEY_SIZE)) and isinstance(entry.get(C.KEY_CHECKSUM),
+                                                                                          str)):
+            raise bad(f"manifest entry of file {name!r} lacks an integer size or a checksum.")
+    for table, what, needs in ((C.KEY_BLOBS, "blob", "digest must be 64 hex digits"),
+                               (C.KEY_FROZEN, "frozen", "checksum must be a string")):
+        if not isinstance(records := m.get(table) or {}, dict):
+            raise bad(f"manifest key {table!r} is not an object.")
+        for key, r in records.items():
+            if not (isinstance(r, dict) and isinstance(r.get("dtype"), str) and isinstance(r.get("shape"), list)
+                    and all(_count(d) for d in r["shape"]) and _count(r.get("size", 0)) and (
+                        isinstance(r.get("digest"), str) and re.fullmatch("[0-9a-f]{64}", r["digest"]) is not None
+                        if what == "blob" else isinstance(r.get("checksum"), str))):
+                raise bad(f"{what} record of weight {str(key)[:80]!r} is malformed ({needs}, dtype a name, shape a "
+                          "list of sizes); the manifest is damaged or hostile.")
+    if (lineage := m.get(C.KEY_LINEAGE)) is not None and not (isinstance(lineage, dict) and isinstance(
+            lineage.get("timeline"), str) and isinstance(lineage.get("session"), str)):
+        raise bad("manifest key 'lineage' is malformed.")
+    return m
 
 
 def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None,
                   task_id: str | None = None) -> dict[str, Any]:
-    """Read and validate ``directory/manifest.json`` (never through a link, at most `MAX_JSON_BYTES`).
-
-    Args:
-        directory (`str` or `os.PathLike`): a committed checkpoint directory.
-        step (`int`, *optional*): the step its directory name says; the manifest must agree.
-        task_id (`str`, *optional*): the task its parent directory names; the manifest must agree.
-
-    Returns:
-        `dict`: the manifest.
+    """Read and validate ``directory/manifest.json``; its step and task must be the directory's (`step`, `task_id`).
 
     Raises:
         `CheckpointNotFoundError`: there is no manifest (not a committed checkpoint).
-        `CorruptCheckpointError`: unreadable, not JSON, nested too deeply, checksum mismatch,
-            a disallowed file name, or a step / task that differs from the directory's.
+        `CorruptCheckpointError`: unreadable, not JSON, nested too deeply, damaged, hostile, or another step or task.
         `FormatVersionError`: written by a newer format version.
     """
-    path = Path(directory) / MANIFEST_NAME
+    path = Path(directory) / C.MANIFEST_NAME
     try:
-        raw = read_bytes(path, limit=MAX_JSON_BYTES)
+        manifest = validate_manifest(loads_bounded(read_bytes(path, limit=C.MAX_JSON_BYTES)), where=str(path))
     except (FileNotFoundError, NotADirectoryError) as e:
-        raise CheckpointNotFoundError(
-            f"{directory}: no {MANIFEST_NAME}, so this is not a committed checkpoint (an interrupted save "
-            "or another directory)."
-        ) from e
-    except IsADirectoryError as e:
-        raise CorruptCheckpointError(f"{path}: is a directory, expected the manifest file.") from e
-    except OSError as e:  # a link (UnsafePathError), EIO, EACCES
+        raise CheckpointNotFoundError(f"{directory}: no {C.MANIFEST_NAME}, so this is not a committed checkpoint (an "
+                                      "interrupted save or another directory).") from e
+    except OSError as e:  # a link (UnsafePathError), a directory, EIO, EACCES
         raise CorruptCheckpointError(f"{path}: the manifest cannot be read ({e}).") from e
-    try:
-        manifest = loads_bounded(raw)
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except ValueError as e:
+        if isinstance(e, CorruptCheckpointError | FormatVersionError):
+            raise
         raise CorruptCheckpointError(f"{path}: the manifest is not valid JSON ({e}); the checkpoint is damaged.") from e
-    manifest = validate_manifest(manifest, where=str(path))
-    if (step is not None and manifest[KEY_STEP] != step) or (task_id is not None and manifest[KEY_TASK_ID] != task_id):
+    if (step is not None and manifest[C.KEY_STEP] != step) or (task_id is not None and manifest[C.KEY_TASK_ID] !=
+                                                               task_id):
         raise CorruptCheckpointError(
-            f"{path}: the manifest says task {manifest[KEY_TASK_ID]!r} step {manifest[KEY_STEP]}, but it lives in "
-            f"{task_id!r}/{STEP_DIR_PREFIX}{step}; the directory is the truth, so this checkpoint is refused (it was "
-            "renamed or edited by hand)."
-        )
+            f"{path}: the manifest says task {manifest[C.KEY_TASK_ID]!r} step {manifest[C.KEY_STEP]}, but it lives in "
+            f"{task_id!r}/{C.STEP_DIR_PREFIX}{step}; the directory is the truth, so this checkpoint is refused (it "
+            "was renamed or edited by hand).")
     return manifest
 
 
 def tiers_of(manifest: Mapping[str, Any]) -> frozenset[Tier]:
-    """The manifest's tiers as `Tier` members (unknown names are ignored)."""
-    known = {t.value: t for t in Tier}
-    return frozenset(known[t] for t in manifest.get(KEY_TIERS, []) if t in known)
+    return frozenset(Tier(t) for t in manifest.get(C.KEY_TIERS, []) if t in {t.value for t in Tier})
+
+
+def with_changes(manifest: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `manifest` with `changes` applied and its checksum recomputed."""
+    new = {**{k: v for k, v in manifest.items() if k != C.KEY_MANIFEST_CHECKSUM}, **changes}
+    return {**new, C.KEY_MANIFEST_CHECKSUM: manifest_checksum(new)}
 
 
 def without_tiers(manifest: Mapping[str, Any], tiers: Collection[Tier]) -> tuple[dict[str, Any], set[str]]:
     """A copy of `manifest` that no longer holds `tiers` (re-checksummed), and the file names dropped."""
     values = {Tier(t).value for t in tiers}
-    drop = {n for n, e in manifest[KEY_FILES].items() if e.get(KEY_TIER) in values}
-    files = {n: e for n, e in manifest[KEY_FILES].items() if n not in drop}
-    blobs = {} if Tier.WEIGHTS.value in values else dict(manifest.get(KEY_BLOBS) or {})
-    new = with_changes(manifest, {KEY_FILES: files, KEY_BLOBS: blobs,
-                                  KEY_TIERS: sorted(set(manifest[KEY_TIERS]) - values),
-                                  KEY_BYTES: sum(int(e[KEY_SIZE]) for e in files.values()),
-                                  KEY_RECOVERY_COST: estimate_recovery_cost_ms(files, blobs)})
-    return new, drop
+    drop = {n for n, e in manifest[C.KEY_FILES].items() if e.get(C.KEY_TIER) in values}
+    files = {n: e for n, e in manifest[C.KEY_FILES].items() if n not in drop}
+    blobs = {} if Tier.WEIGHTS.value in values else dict(manifest.get(C.KEY_BLOBS) or {})
+    return with_changes(manifest, {C.KEY_FILES: files, C.KEY_BLOBS: blobs,
+                                   C.KEY_TIERS: sorted(set(manifest[C.KEY_TIERS]) - values),
+                                   C.KEY_BYTES: sum(int(e[C.KEY_SIZE]) for e in files.values()),
+                                   C.KEY_RECOVERY_COST: recovery_cost_ms(files, blobs)}), drop
 
 
-def with_changes(manifest: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of `manifest` with `changes` applied, re-checksummed (what `unpin` and tier deletion rewrite)."""
-    new = {k: v for k, v in manifest.items() if k != KEY_MANIFEST_CHECKSUM}
-    new.update(changes)
-    new[KEY_MANIFEST_CHECKSUM] = compute_manifest_checksum(new)
-    return new
-
-
-def info_from_manifest(manifest: Mapping[str, Any], path: Path, *, status: str = STATUS_OK,
-                       abandoned: bool = False) -> CheckpointInfo:
-    """The `CheckpointInfo` (catalog row) a valid manifest describes; the task is the directory's name."""
-    signals = manifest.get(KEY_SIGNALS) or {}
-    signals = signals if isinstance(signals, dict) else {}
-    gpu = as_float(signals.get("gpu_mem_percent"))
-    if gpu is None and as_float(signals.get("device_mem_frac")) is not None:
-        gpu = 100.0 * float(as_float(signals.get("device_mem_frac")) or 0.0)
-    loss = as_float(signals.get("loss"))
-    lineage = manifest.get(KEY_LINEAGE)
+def info_from_manifest(manifest: Mapping[str, Any], path: Path) -> CheckpointInfo:
+    """The `CheckpointInfo` a valid manifest describes; the task is the directory's parent's name."""
+    signals = manifest.get(C.KEY_SIGNALS) if isinstance(manifest.get(C.KEY_SIGNALS), dict) else {}
+    gpu, frac = as_float(signals.get("gpu_mem_percent")), as_float(signals.get("device_mem_frac"))  # type: ignore
+    loss, lineage = as_float(signals.get("loss")), manifest.get(C.KEY_LINEAGE)  # type: ignore[union-attr]
     return CheckpointInfo(
-        task_id=path.parent.name,
-        step=int(manifest[KEY_STEP]),
-        path=str(path),
-        reason=str(manifest.get(KEY_REASON, "")),
-        tiers=tiers_of(manifest),
-        bytes=int(manifest.get(KEY_BYTES, 0)),
+        task_id=path.parent.name, step=int(manifest[C.KEY_STEP]), path=str(path), reason=str(manifest.get(
+            C.KEY_REASON, "")), tiers=tiers_of(manifest), bytes=int(manifest.get(C.KEY_BYTES, 0)),
         loss=loss if loss is None or loss == loss else None,  # NaN is no loss to rank by
-        gpu_mem_percent=gpu,
-        save_time=float(manifest.get(KEY_CREATED_AT, 0.0)),
-        recovery_cost_ms=as_float(manifest.get(KEY_RECOVERY_COST)),
-        healthy=bool(manifest.get(KEY_HEALTHY, True)),
-        pinned=bool(manifest.get(KEY_PINNED, False)) or is_file(path / PINNED_MARKER),
-        status=status,
-        world_size=int(manifest.get(KEY_WORLD_SIZE, 1)),
-        blobs=dict(manifest.get(KEY_BLOBS) or {}),
-        abandoned=abandoned,
+        gpu_mem_percent=gpu if gpu is not None or frac is None else 100.0 * frac,
+        save_time=float(manifest.get(C.KEY_CREATED_AT, 0.0)), recovery_cost_ms=as_float(manifest.get(
+            C.KEY_RECOVERY_COST)), healthy=bool(manifest.get(C.KEY_HEALTHY, True)),
+        pinned=bool(manifest.get(C.KEY_PINNED, False)) or is_kind(path / C.PINNED_MARKER, "file"), status=STATUS_OK,
+        world_size=int(manifest.get(C.KEY_WORLD_SIZE, 1)), blobs=dict(manifest.get(C.KEY_BLOBS) or {}),
         lineage=Lineage.from_dict(lineage) if isinstance(lineage, dict) else None,
-    )
+        frozen=dict(manifest.get(C.KEY_FROZEN) or {}))
 
 
 def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointInfo:
-    """Catalog row of a directory whose manifest cannot be trusted."""
-    st = lstat(path)
+    """The catalog row of a directory whose manifest cannot be trusted."""
     return CheckpointInfo(task_id=task_id, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0,
-                          loss=None, gpu_mem_percent=None, save_time=st.st_mtime if st else 0.0, recovery_cost_ms=None,
-                          healthy=False, pinned=is_file(path / PINNED_MARKER), status=status)
+                          loss=None, gpu_mem_percent=None, save_time=st.st_mtime if (st := lstat(path)) else 0.0,
+                          recovery_cost_ms=None, healthy=False, pinned=is_kind(path / C.PINNED_MARKER, "file"),
+                          status=status)

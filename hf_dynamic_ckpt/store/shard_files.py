@@ -33,8 +33,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..constants import (
+    KEY_CHECKSUM,
+    KEY_RANK,
     KEY_RANK_CHUNKS,
     KEY_SHARDED,
+    KEY_SIZE,
+    KEY_TIER,
     SHARD_FILE_TEMPLATE,
     SHARD_OPTIMIZER_KEY,
     SHARD_PART_OPTIMIZER,
@@ -42,20 +46,22 @@ from ..constants import (
     SHARDED_FORMAT,
     Tier,
 )
-from ..errors import CorruptCheckpointError, IncompatibleStateError
+from ..errors import CorruptCheckpointError, IncompatibleStateError, fault
+from .manifest import CheckpointState, file_checksum
 
 PARTS = {SHARD_PART_WEIGHTS: Tier.WEIGHTS, SHARD_PART_OPTIMIZER: Tier.OPTIMIZER}
 
 
-def write_shards(state: Any, directory: Path, *, rank: int) -> tuple[Any, dict[str, Tier], dict[str, Any] | None]:
+def write_shards(state: CheckpointState, directory: Path, *, rank: int
+                 ) -> tuple[CheckpointState, dict[str, dict[str, Any]], dict[str, Any] | None]:
     """Write this rank's shard files of a sharded `CheckpointState` (one whose `extra` holds its chunk table) into
     `directory`, fsynced.
 
     Returns:
         `tuple`: the state left to write as usual (without its sharded tensors and chunk table; rank 0 keeps the
-        optimizer's `param_groups`, the scheduler and the scaler), the files written with their tiers (the commit
-        lists them with their size and checksum), and this rank's chunk table for the manifest (`None` and nothing
-        written for an unsharded state).
+        optimizer's `param_groups`, the scheduler and the scaler), the manifest entries of the files written (size,
+        checksum, tier, rank), and this rank's chunk table for the manifest (`None` and nothing written for an
+        unsharded state).
     """
     table = state.extra.get(KEY_RANK_CHUNKS)
     if not isinstance(table, dict):
@@ -65,17 +71,19 @@ def write_shards(state: Any, directory: Path, *, rank: int) -> tuple[Any, dict[s
     if optimizer is not None:
         tensors[SHARD_PART_OPTIMIZER] = {SHARD_OPTIMIZER_KEY.format(fqn=fqn, name=name): t
                                          for fqn, per in optimizer.pop("state", {}).items() for name, t in per.items()}
-    files: dict[str, Tier] = {}
+    files: dict[str, dict[str, Any]] = {}
     chunks: dict[str, Any] = {SHARD_PART_WEIGHTS: {}, SHARD_PART_OPTIMIZER: {}}
     for part, named in tensors.items():
         name = SHARD_FILE_TEMPLATE.format(part=part, rank=rank)
         missing = sorted(set(named) - set(table.get(part, {})))
         if missing:
             raise CorruptCheckpointError(f"rank {rank}: no chunk recorded for {part} tensor(s) {missing[:5]}.")
-        save_file({k: t.detach().contiguous() for k, t in named.items()}, directory / name, {"format": "pt"})
+        fault("write", step=state.step, rank=rank, name=name)
+        save_file({k: t.detach().cpu().contiguous() for k, t in named.items()}, directory / name, {"format": "pt"})
         with open(directory / name, "rb") as f:
             os.fsync(f.fileno())
-        files[name] = PARTS[part]
+        files[name] = {KEY_SIZE: (directory / name).stat().st_size, KEY_CHECKSUM: file_checksum(directory / name),
+                       KEY_TIER: PARTS[part].value, KEY_RANK: rank}
         chunks[part] = {k: {**table[part][k], "file": name} for k in named}
     extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
     rest = dataclasses.replace(state, weights=None, optimizer=optimizer if rank == 0 else None, extra=extra)

@@ -1,359 +1,361 @@
-"""`CheckpointStore`: the store's public face, a facade over collaborators that do not know it.
+"""`CheckpointStore`: tiered checkpoints of one task under a store root, committed atomically.
 
-Who owns what (each takes the `Task` and nothing of the store):
-
-- `task.Task`: one task directory: paths derived from the step, manifests checked against their
-  directory, catalog rows, the timelines record, the blob store, the object-store copy; `checkpoints`
-  and `resolve` over the synced catalog (the store re-verifies corrupt flags before it resolves a
-  named ref).
-- `catalog.Catalog`: the SQLite index and its one reconciliation with the manifests (`sync`, `rebuild`).
-- `reader`: `load`, `load_scheduler_only` and `verify` of a resolved checkpoint.
-- `commit`: the whole commit sequence of `save`.
-- `maintenance`: leftovers, `delete`, `prune`, `gc`, blob collection, `pin` and `unpin` markers.
-- `timelines`: the pure `fork` record; `lock.WriterLock`: one writer per task; `remote_sync`: the
-  object-store copy of a URL root.
-
-The store itself resolves references, checks that a change is allowed (read-only stores, rank 0,
-the task's own checkpoints), serialises changes under one lock and holds the writer lock.
-
-Layout::
-
-    <root>/catalog.db                       index (SQLite, WAL), rebuildable by `reindex`
-    <root>/<task_id>/step-<N>/              one committed checkpoint, manifest.json last
-    <root>/<task_id>/step-<N>.tmp-<sid>*    a save, replace or delete in progress (or interrupted)
-    <root>/<task_id>/blobs/                 content-addressed tensors shared by checkpoints
-    <root>/<task_id>/timelines.json         current timeline and abandoned checkpoints
-    <root>/<task_id>/.writer.lock           the one writer of the task (pid, host, session, since)
+Layout: ``<root>/catalog.db`` (the index, derived from the manifests); ``<root>/<task>/step-<N>/`` (a checkpoint, its
+``manifest.json`` written last); ``step-<N>.tmp-<session>`` (a save in progress; ``.replaced``: the copy a
+replace-commit set aside; ``.deleted-<hex8>``: one being deleted); ``timelines.json`` (current timeline, abandoned
+checkpoints), ``removed.jsonl`` (what retention removed, by which rule), ``.writer.lock`` (`lock`), and ``blobs/``
+(frozen weights of checkpoints written by earlier versions: read, verified and collected, never written).
 
 Invariants:
 
-- A directory is a checkpoint only once it is named ``step-<N>`` and holds a manifest
-  whose checksum matches and whose step and task are the directory's; both happen at the
-  atomic rename, after every file of every rank was fsynced. A crash at any instant leaves
-  each committed checkpoint intact (a replace-commit cut between its renames is undone at
-  the next open).
-- No tensor leaves `load` before the size and checksum of its file (and the content
-  digest of each blob) matched the manifest. Every parse error is `CorruptCheckpointError`.
-- Nothing outside the root is ever changed: names come from an allowlist, paths from the
-  step, and every change goes through `fs.LocalFS`, which refuses links and escapes.
-- Nothing is deleted on resume: `fork` marks newer checkpoints of other timelines abandoned.
-- `save` runs no collectives: ranks meet through ``done-rank<R>.json`` files.
+- A directory is a checkpoint only once it is named ``step-<N>`` and holds a manifest whose checksum matches and whose
+  step and task are the directory's. Every rank writes its files into the temporary directory and fsyncs them, then
+  publishes ``done-rank<R>.json`` (write, fsync, rename); rank 0 waits for all of them (no collective), writes the
+  manifest, fsyncs, renames the directory to ``step-<N>`` (the commit point), then writes the catalog row. A step of
+  another timeline or session is replaced by renaming the old copy aside, the new one in, then removing the old one;
+  the next open puts an aside copy back if a crash cut between the renames. Every instant keeps one committed copy.
+- No tensor leaves `load` before the size and checksum of its file matched the manifest. A failed check or read is
+  retried once, then the checkpoint is marked ``"corrupt"``; every parse error is `CorruptCheckpointError`.
+- Nothing outside the root is changed: paths come from the step and an allowlist of names, every change goes through
+  `_Disk`, which keeps it inside the root and never follows a link (``O_NOFOLLOW``). The catalog never decides alone:
+  a flag that would hide a checkpoint is re-read from its manifest, and paths are derived from the step.
+- Resume deletes nothing: `fork` marks other timelines' newer checkpoints abandoned; `prune` and `gc` remove them once
+  the current timeline has committed past them, never pinned ones. ``read_only=True`` changes nothing on disk.
 
-A URL root (``s3://...``) is a local cache with this layout plus its object-store copy, which
-the writer uploads before the local rename, manifest last (`remote_sync`, docs/storage.md).
-
-A user names a store by its directory (the one holding ``catalog.db`` and one folder per task)
-or by the training ``output_dir`` (its ``smart_ckpt/`` is the store, as
-`SmartCkptConfig.resolve_root` puts it). `find_root` turns either into the store directory; a
-path that holds no store is an error that says what to pass, never a place where a catalog gets
-created. Opened with ``read_only=True`` (what `load_checkpoint`, `export_checkpoint` and the read
-commands of `hf-dynamic-ckpt` do), a store changes nothing: its catalog is an in-memory copy of
-the file synced with the manifests, and the file stays byte for byte as the writer left it.
+A URL root is a local cache with this layout plus its object-store copy (`remote`). Fault points (`errors.fault`):
+``write`` (`step`, `rank`, `name`), ``commit`` (`step`), ``fs`` (`op`, `path`), ``read`` (`name`, `step`, `op`: read or
+check) and ``remote`` (`remote.Remote.call`).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
+import errno
+import hashlib
+import json
 import logging
 import os
+import re
+import shutil
 import sqlite3
+import struct
 import threading
+import time
+import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-from ..constants import (
-    ALL_TIERS,
-    BLOBS_DIR,
-    CATALOG_NAME,
-    DEFAULT_TASK_ID,
-    MANIFEST_NAME,
-    STEP_DIR_PREFIX,
-    TIMELINES_NAME,
-    Tier,
-)
+from .. import constants as C
+from ..constants import ALL_TIERS, Tier
+from ..errors import CheckpointNotFoundError as NotFound
 from ..errors import (
-    CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    DistributedError,
     DynamicCkptError,
+    FormatVersionError,
     SaveError,
     StoreNotWritableError,
+    UnsafePathError,
+    fault,
 )
-from . import maintenance as mt
-from . import reader
-from . import remote_sync as rs
+from ..jsonutil import json_safe, loads_bounded
+from . import manifest as mf
 from .catalog import Catalog
-from .commit import commit_save
-from .fs import LocalFS
 from .lock import DEFAULT_WAIT_S, WriterLock
+from .manifest import CheckpointInfo, CheckpointState, GcReport, Lineage, LoadedCheckpoint, SaveRequest, is_kind
+from .optpack import flatten_state, read_tensors, unflatten_state, write_tensors
 from .remote import Remote, split_root
-from .shard_files import gather_weights, sharded_table
-from .spec import Codec, Lineage, SaveRequest, StoreSpec, new_session_id
-from .task import NAMED_REFS, Task, parse_step_dir, step_dir_name
-from .timelines import fork_record
-from .types import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, Removal
+from .shard_files import is_sharded, placeholders, sharded_table, write_shards
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["CheckpointStore", "find_root", "parse_step_dir", "step_dir_name"]
-
 Ref = str | int | os.PathLike[str] | CheckpointInfo
-
-
-# -- finding a store from a path a user gives ----------------------------------------------------------------------
 STORE_DIR = "smart_ckpt"
 """The store's folder under a training `output_dir` (`SmartCkptConfig.resolve_root`)."""
+NAMED_REFS = ("auto", "best", "fastest")
+ALIASES_KEY = "hf_dynamic_ckpt.aliases"
+"""safetensors metadata of tied weights: ``{alias: stored key}`` as JSON; on load the alias is the same tensor."""
+_PASS = f"pass the store directory (the one holding {C.CATALOG_NAME}) or the training output_dir that holds " \
+        f"{STORE_DIR}/"
 
-_WHAT_TO_PASS = f"pass the store directory (the one holding {CATALOG_NAME}) or the training output_dir that holds " \
-                f"{STORE_DIR}/"
+
+def step_dir_name(step: int) -> str:
+    return f"{C.STEP_DIR_PREFIX}{int(step)}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed directory name (``step-12`` -> 12), else `None`."""
+    m = re.fullmatch(rf"{C.STEP_DIR_PREFIX}(0|[1-9][0-9]*)", name)
+    return int(m.group(1)) if m else None
 
 
 def task_dirs(root: Path) -> list[Path]:
-    """The task folders of a store directory: real folders (no links) that hold checkpoints or a timelines record."""
-    out = []
-    for p in sorted(root.iterdir()) if root.is_dir() else []:
-        if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != BLOBS_DIR:
-            try:
-                if any(c.name.startswith(STEP_DIR_PREFIX) or c.name == TIMELINES_NAME for c in p.iterdir()):
-                    out.append(p)
-            except OSError:
-                continue
-    return out
-
-
-def is_store(root: Path) -> bool:
-    """Whether `root` is a store directory (a catalog, or at least one task folder)."""
-    return root.is_dir() and ((root / CATALOG_NAME).is_file() or bool(task_dirs(root)))
+    """The task folders of a store directory: real folders holding checkpoints or a timelines record."""
+    return [root / n for n in mf.listdir(root) if not n.startswith(".") and n != C.BLOBS_DIR and any(
+        c.startswith(C.STEP_DIR_PREFIX) or c == C.TIMELINES_NAME for c in mf.listdir(root / n))]
 
 
 def find_root(path: str | os.PathLike[str]) -> Path:
     """The store directory of a local path: the store itself, or a training output_dir holding ``smart_ckpt/``.
 
-    Args:
-        path (`str` or `os.PathLike`): what the user passed as the store.
-
-    Returns:
-        `Path`: the store directory (`path`, or `path/smart_ckpt`).
-
     Raises:
         `CheckpointNotFoundError`: `path` does not exist or holds no store.
-        `ConfigError`: `path` is a file, or a task or checkpoint directory inside a store (the message names the
-            store directory to pass instead).
-
-    Example:
-        ```python
-        >>> find_root("out")  # a training output_dir
-        PosixPath('out/smart_ckpt')
-        ```
+        `ConfigError`: `path` is a file, or a task or checkpoint directory (the message names the store to pass).
     """
     root = Path(path)
-    if not root.exists():
-        raise CheckpointNotFoundError(f"root {root} does not exist; {_WHAT_TO_PASS}.")
     if not root.is_dir():
-        raise ConfigError(f"root {root} is a file, not a directory; {_WHAT_TO_PASS}.")
-    if (root / MANIFEST_NAME).exists() or any(p.name.startswith(STEP_DIR_PREFIX) for p in root.iterdir()):
-        store_root = root.parent.parent if (root / MANIFEST_NAME).exists() else root.parent
+        raise ConfigError(f"root {root} is a file, not a directory; {_PASS}.") if root.exists() else \
+            NotFound(f"root {root} does not exist; {_PASS}.")
+    if (root / C.MANIFEST_NAME).exists() or any(n.startswith(C.STEP_DIR_PREFIX) for n in os.listdir(root)):
+        store_root = root.parent.parent if (root / C.MANIFEST_NAME).exists() else root.parent
         raise ConfigError(f"root {root} is a checkpoint or task directory, not a store root; pass {store_root} (the "
-                          f"directory holding {CATALOG_NAME}) and name the checkpoint by its reference and task.")
-    if is_store(root):
-        return root
-    if is_store(root / STORE_DIR):
-        return root / STORE_DIR
-    raise CheckpointNotFoundError(f"no hf_dynamic_ckpt store under {root}: {_WHAT_TO_PASS}.")
+                          f"directory holding {C.CATALOG_NAME}) and name the checkpoint by its reference and task.")
+    for candidate in (root, root / STORE_DIR):
+        if candidate.is_dir() and ((candidate / C.CATALOG_NAME).is_file() or task_dirs(candidate)):
+            return candidate
+    raise NotFound(f"no hf_dynamic_ckpt store under {root}: {_PASS}.")
+
+
+class _Disk:
+    """Every change on disk: inside the root (the parent resolved), never through a link, a ``fs`` fault point."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(os.path.realpath(root))
+
+    def contained(self, path: str | os.PathLike[str], op: str = "", *, link_ok: bool = False) -> Path:
+        path, parent = Path(path), os.path.realpath(Path(path).parent)
+        if path.name in ("", ".", "..") or (parent != str(self.root) and not parent.startswith(f"{self.root}{os.sep}")):
+            raise UnsafePathError(f"{path} resolves to {parent}{os.sep}{path.name}, outside the store root "
+                                  f"{self.root}; refused (a symbolic link or a '..' in a name would make the store "
+                                  "touch files that are not its own).")
+        if not link_ok and is_kind(real := Path(parent) / path.name, "link"):
+            raise UnsafePathError(f"{real} is a symbolic link; the store never changes anything through links.")
+        if op:
+            fault("fs", op=op, path=str(Path(parent) / path.name))
+        return Path(parent) / path.name
+
+    def mkdir(self, path: Path) -> None:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.contained(path, "mkdir"))
+
+    def rename(self, src: Path, dst: Path, *, replace: bool = False) -> None:
+        (os.replace if replace else os.rename)(self.contained(src, "replace" if replace else "rename"),
+                                               self.contained(dst))
+
+    def remove(self, path: Path) -> None:
+        """Remove a file, or a real directory with the fd-based `shutil.rmtree` (never through a link; a link itself
+        goes, never its target; never the root); missing is fine."""
+        if is_kind(path, "dir"):
+            if (real := self.contained(path, "rmtree")) == self.root:
+                raise UnsafePathError(f"refusing to remove the store root {real}.")
+            shutil.rmtree(real)
+        elif mf.lstat(path) is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.contained(path, "unlink", link_ok=True))
+
+    def fsync(self, path: Path) -> None:
+        fault("fs", op="fsync", path=str(path))
+        fd = os.open(self.root if os.path.realpath(path) == str(self.root) else self.contained(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def create(self, path: Path, flags: int = os.O_TRUNC) -> BinaryIO:
+        return os.fdopen(os.open(self.contained(path), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | flags, 0o644), "ab")
+
+    def write(self, path: Path, data: bytes, *, atomic: str = "") -> None:
+        """`data` as `path`, fsynced; `atomic` (a tag): all or nothing, through a temporary file renamed over it."""
+        target, path = path, path.with_name(f".{path.name}{C.TMP_MARKER}{atomic}") if atomic else path
+        try:
+            with self.create(path) as f:
+                f.write(data)
+            self.fsync(path)
+            if atomic:
+                self.rename(path, target, replace=True)
+                self.fsync(target.parent)
+        finally:
+            if atomic:
+                self.remove(path)
+
+
+def _safetensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (views of a private map) and metadata of a safetensors file, its header validated by `safe_open`;
+    never through a link; any fault is `CorruptCheckpointError` naming the file."""
+    from safetensors import safe_open
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        why = "symbolic link: the store never reads through links" if e.errno == errno.ELOOP else e.strerror
+        raise CorruptCheckpointError(f"{what} file {path} is missing." if isinstance(e, FileNotFoundError) else
+                                     f"{what} file {path} cannot be read ({why}).") from e
+    try:  # opened through the descriptor: no link followed
+        with safe_open(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.offset_keys()}, dict(f.metadata() or {})
+    except Exception as e:  # SafetensorError, OSError, ...: whatever the parser's complaint
+        raise CorruptCheckpointError(f"{what} file {path} is not a valid safetensors file ({e}); the checkpoint is "
+                                     "corrupt, restore an older one.") from e
+    finally:
+        os.close(fd)
+
+
+def _tree_bytes(path: Path) -> int:
+    if not is_kind(path, "dir"):
+        return st.st_size if (st := mf.lstat(path)) is not None and is_kind(path, "file") else 0
+    return sum(os.lstat(os.path.join(d, n)).st_size for d, _, names in os.walk(path) for n in names)
 
 
 class CheckpointStore:
     """Tiered checkpoints of one task under a store root, committed atomically.
 
     Args:
-        root (`str` or `os.PathLike`): store directory; holds `catalog.db` and one folder per task.
+        root (`str` or `os.PathLike`): store directory (holds `catalog.db` and one folder per task), or a URL.
         task_id (`str`, *optional*, defaults to `"default"`): the run's folder under `root`.
-        rank (`int`, *optional*, defaults to `0`): this process's rank; rank 0 commits.
-        world_size (`int`, *optional*, defaults to `1`): number of ranks that write each save.
-        session_id (`str`, *optional*): names this run's temporary directories; must be the same
-            on every rank (broadcast it). Generated when `world_size == 1`.
-        compression_level (`int`, *optional*, defaults to `1`): zstd level of the optimizer tier.
-        compression_threads (`int`, *optional*, defaults to `0`): zstd threads (0: all CPUs).
-        pace_to_disk (`bool`, *optional*, defaults to `True`): see `StoreSpec`.
-        compression (`str` or `Codec`, *optional*, defaults to `"zstd"`): codec of the optimizer
-            tier, `"zstd"` or `"none"` (larger file, memory-mapped on load).
-        rank_timeout_s (`float`, *optional*, defaults to `600.0`): how long rank 0 waits for the
-            other ranks' files before giving up on a save (`DistributedError`).
-        cleanup (`bool`, *optional*, defaults to `True`): on rank 0, take the task's writer lock
-            (`StoreLockedError` if another live session holds it), finish or remove what
-            interrupted saves left, and sync the catalog with the directories. Readers (the
-            writer process, tools) pass `False`.
-        read_only (`bool`, *optional*, defaults to `False`): never write anything: the catalog is an
-            in-memory copy of the file (`Catalog.snapshot`) synced with the manifests; for read-only
-            media, concurrent readers and every command that only reads.
-        takeover (`bool`, *optional*, defaults to `False`): replace the writer lock of a holder
-            this host cannot see (another host) at once instead of waiting for it; never a running
-            holder of this host (see `lock`).
-        lock_wait_s (`float`, *optional*, defaults to `120.0`): how long to wait for the writer
-            lock of a holder this host cannot see (another host or container) before
-            `StoreLockedError`; a live holder of this host is refused at once, a dead one taken
-            over at once, and an earlier writer of this same process closed and replaced.
-        storage_options (`Mapping`, *optional*): fsspec options when `root` is a URL (``s3://...``;
-            never logged). `cache_dir` (default `remote.default_cache_dir`) is its local cache;
-            `retries` / `backoff_s` bound the retries of each object-store call (docs/storage.md).
+        rank (`int`, *optional*, defaults to `0`) / world_size (`int`, *optional*, defaults to `1`): this process's
+            rank (rank 0 commits) and the ranks that write each save.
+        session_id (`str`, *optional*): names this run's temporary directories; the same on every rank (broadcast
+            it). Generated when `world_size == 1`.
+        compression_level (`int`, *optional*, defaults to `1`) / compression_threads (`int`, *optional*, defaults
+            to `0`: every CPU) / compression (`str`, *optional*, defaults to `"zstd"`, or `"none"`): the optimizer tier.
+        rank_timeout_s (`float`, *optional*, defaults to `600.0`): how long rank 0 waits for the other ranks' files.
+        cleanup (`bool`, *optional*, defaults to `True`): on rank 0, take the task's writer lock, finish or remove
+            what interrupted saves left and sync the catalog. Readers (a writer process, tools) pass `False`.
+        read_only (`bool`, *optional*, defaults to `False`): change nothing on disk (read-only media, tools).
+        takeover (`bool`, *optional*, defaults to `False`): replace the lock of a holder this host cannot see at
+            once; never a running holder of this host. `lock_wait_s` (defaults to `120.0`): how long to wait for one.
+        storage_options (`Mapping`, *optional*) / cache_dir / retries (defaults to `5`) / backoff_s (defaults to
+            `0.5`): a URL root's fsspec options (never logged), local cache and retries of each call.
 
     Example:
         ```python
         >>> store = CheckpointStore("out/smart_ckpt", task_id="run1")
-        >>> state = CheckpointState(step=10, weights=model.state_dict())
-        >>> info = store.save(state, SaveRequest(step=10, reason="interval"))
+        >>> store.save(CheckpointState(step=10, weights=model.state_dict()), SaveRequest(step=10, reason="interval"))
         >>> store.load("auto").weights["lm_head.weight"].shape
         ```
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID, rank: int = 0,
+    def __init__(self, root: str | os.PathLike[str], *, task_id: str = C.DEFAULT_TASK_ID, rank: int = 0,
                  world_size: int = 1, session_id: str | None = None, compression_level: int = 1,
-                 compression_threads: int = 0, compression: Codec | str = Codec.ZSTD, pace_to_disk: bool = True,
+                 compression_threads: int = 0, compression: mf.Codec | str = mf.Codec.ZSTD,
                  rank_timeout_s: float = 600.0, cleanup: bool = True, read_only: bool = False, takeover: bool = False,
                  lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, retries: int = 5, backoff_s: float = 0.5) -> None:
-        root, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
-                                  retries=retries, backoff_s=backoff_s)
-        if session_id is None:
-            if world_size > 1:
-                raise ConfigError("session_id=None is invalid with world_size > 1: every rank must use the same id; "
-                                  "create one on rank 0 and broadcast it (distributed.broadcast_object).")
-            session_id = new_session_id()
-        try:
-            codec = Codec.parse(compression, field="compression")
-        except ConfigError:
-            raise ConfigError(f"compression={compression!r} is invalid for the optimizer tier: expected 'zstd' or "
-                              "'none'.") from None
-        spec = StoreSpec(root=str(Path(root).absolute()), task_id=task_id, rank=rank, world_size=world_size,
-                         session_id=session_id, codec=codec, compression_level=compression_level,
-                         compression_threads=compression_threads, pace_to_disk=bool(pace_to_disk),
-                         rank_timeout_s=float(rank_timeout_s), remote=remote)
-        self._open(spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=True, lock_wait_s=lock_wait_s)
+        local, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
+                                   retries=retries, backoff_s=backoff_s)
+        if session_id is None and world_size > 1:
+            raise ConfigError("session_id=None is invalid with world_size > 1: every rank must use the same id; "
+                              "create one on rank 0 and broadcast it (distributed.broadcast_object).")
+        self._open(mf.StoreSpec(root=str(Path(local).absolute()), task_id=task_id, rank=rank, world_size=world_size,
+                                session_id=session_id or mf.new_session_id(), codec=compression,
+                                compression_level=compression_level, compression_threads=compression_threads,
+                                rank_timeout_s=float(rank_timeout_s), remote=remote),
+                   cleanup=cleanup, read_only=read_only, takeover=takeover, pull=True, lock_wait_s=lock_wait_s)
 
     @classmethod
-    def from_spec(cls, spec: StoreSpec, *, cleanup: bool = True, read_only: bool = False,
-                  takeover: bool = False) -> CheckpointStore:
-        """Open the store `spec` describes (e.g. in a writer process: ``from_spec(store.spec, cleanup=False)``)."""
-        store = cls.__new__(cls)  # the alternate constructor: `_open` is what __init__ runs after building the spec
-        cls._open(store, spec, cleanup=cleanup, read_only=read_only, takeover=takeover, pull=cleanup)
+    def from_spec(cls, spec: mf.StoreSpec, *, cleanup: bool = True, read_only: bool = False) -> CheckpointStore:
+        """Open the store `spec` describes (a writer process: ``from_spec(store.spec, cleanup=False)``)."""
+        store = cls.__new__(cls)
+        cls._open(store, spec, cleanup=cleanup, read_only=read_only, takeover=False, pull=cleanup)
         return store
 
-    def _open(self, spec: StoreSpec, *, cleanup: bool, read_only: bool, takeover: bool, pull: bool = False,
+    def _open(self, spec: mf.StoreSpec, *, cleanup: bool, read_only: bool, takeover: bool, pull: bool,
               lock_wait_s: float = 0.0) -> None:
-        self.spec = spec
-        self.root = Path(spec.root).absolute()
-        self.read_only = read_only
-        self._lock = threading.RLock()
+        self.spec, self.root, self.read_only = spec, Path(spec.root).absolute(), read_only
+        self.task_dir, self._lock = self.root / spec.task_id, threading.RLock()
+        self.abort_reason: str | None = None
         self.remote = Remote(spec.remote, spec.task_id) if spec.remote is not None else None
         self.url = spec.remote.shown if spec.remote is not None else str(self.root)
-        writer = spec.rank == 0 and cleanup and not read_only
+        self._rechecked: set[tuple[int, float]] = set()
+        self._timelines_cache: tuple[Any, dict[str, Any]] | None = None
+        writer, self._memory = spec.rank == 0 and cleanup and not read_only, read_only
         if self.remote is None and self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"root={str(self.root)!r} is invalid: it is a file, not a directory; pass the store's "
                               "directory (new or existing), e.g. the folder next to it.")
-        if not read_only or self.remote is not None:
-            try:  # readers never create the task folder (a cache is not the store)
+        try:  # readers never create anything (a URL root's cache is not the store)
+            if not read_only or self.remote is not None:
                 self.root.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise self._not_writable(str(e)) from e
-        if writer and self.remote is None and not os.access(self.root, os.W_OK | os.X_OK):
-            raise self._not_writable("a read-only file system, or no write permission")
-        self.fs = LocalFS(self.root)
-        if self.fs.is_link(self.root / spec.task_id):
-            raise ConfigError(f"{self.root / spec.task_id} is a symbolic link; the store refuses to work through links "
-                              "(point root at the real directory instead).")
-        memory = read_only
-        if not read_only:
-            try:
-                catalog = Catalog(self.root / CATALOG_NAME)
-            except sqlite3.OperationalError as e:
-                if writer:
-                    raise self._not_writable(f"its catalog {self.root / CATALOG_NAME} cannot be opened: {e}") from e
-                logger.warning("catalog %s cannot be opened (%s); reading the manifests instead",
-                               self.root / CATALOG_NAME, e)
-                memory = True
-        self.catalog = Catalog.snapshot(self.root / CATALOG_NAME) if memory else catalog
-        self.task = Task(spec, self.fs, self.catalog, read_only=memory, remote=self.remote)
-        self._writer = WriterLock(self.task.dir, self.fs, session=spec.session_id)
-        if memory:
-            if self.remote is not None and pull:
-                rs.open_task(self.task, self.remote, writer=False)
-            self.task.sync()
-        elif writer:
+            if writer and self.remote is None and not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError("a read-only file system, or no write permission")
+            self.catalog = Catalog(None if read_only else self.root / C.CATALOG_NAME)
+        except sqlite3.OperationalError as e:
+            if writer:
+                raise self._not_writable(f"its catalog {self.root / C.CATALOG_NAME} cannot be opened: {e}") from e
+            logger.warning("catalog %s cannot be opened (%s); reading the manifests instead", self.root, e)
+            self._memory = True
+        except OSError as e:
+            raise self._not_writable(str(e)) from e
+        if self._memory:
+            self.catalog = Catalog.snapshot(self.root / C.CATALOG_NAME)
+        self._disk = _Disk(self.root)
+        if is_kind(self.task_dir, "link"):
+            raise ConfigError(f"{self.task_dir} is a symbolic link; the store refuses to work through links (point "
+                              "root at the real directory instead).")
+        self._writer = WriterLock(self.task_dir, session=spec.session_id)
+        if writer:
             self._writer.acquire(takeover=takeover, what=f"task {spec.task_id!r} under {self.url}", wait_s=lock_wait_s)
-            if self.remote is not None:
-                rs.open_task(self.task, self.remote, writer=True)
-            mt.remove_leftovers(self.task)
-            if self.catalog.rebuilt:
-                self.reindex()
-            else:
-                self.sync_catalog()
-        elif self.remote is not None and pull:  # other ranks and tools: their own cache of the manifests
-            rs.open_task(self.task, self.remote, writer=False)
+        if self.remote is not None and (pull or writer):
+            self._remote_open(writer=writer)
+        if writer:
+            self._remove_leftovers()
+        if writer and self.catalog.rebuilt:
+            self.reindex()
+        elif writer or self._memory or (self.remote is not None and pull):
             self.sync_catalog()
 
-    # -- properties the rest of the library reads ----------------------------------------------
     task_id = property(lambda self: self.spec.task_id)
     rank = property(lambda self: self.spec.rank)
     world_size = property(lambda self: self.spec.world_size)
     session_id = property(lambda self: self.spec.session_id)
-    compression_level = property(lambda self: self.spec.compression_level)
     compression_threads = property(lambda self: self.spec.compression_threads)
-    compression = property(lambda self: self.spec.codec.value)
-    rank_timeout_s = property(lambda self: self.spec.rank_timeout_s)
-    task_dir = property(lambda self: self.task.dir)
-    blobs = property(lambda self: self.task.blobs, doc="The task's `BlobStore` (the only code that touches blobs/).")
-    blobs_dir = property(lambda self: self.task.blobs.dir)
 
     def _not_writable(self, why: str) -> StoreNotWritableError:
         return StoreNotWritableError(
-            f"the store root {self.root} is not writable ({why}): this run could not save a checkpoint there. "
-            "Make it writable, or save to another root (SmartCkptConfig(root=...), --smart_ckpt_root) and resume "
-            f"from this store by path (resume_checkpoint(trainer, '{self.root / self.spec.task_id}/step-<N>')); "
-            "to only read it, open CheckpointStore(..., read_only=True) or use the hf-dynamic-ckpt read commands."
-        )
+            f"the store root {self.root} is not writable ({why}): this run could not save a checkpoint there. Make it "
+            "writable, or save to another root (SmartCkptConfig(root=...), --smart_ckpt_root) and resume from this "
+            f"store by path (resume_checkpoint(trainer, '{self.root / self.spec.task_id}/step-<N>')); to only read "
+            "it, open CheckpointStore(..., read_only=True) or use the hf-dynamic-ckpt read commands.")
 
-    # -- housekeeping ---------------------------------------------------------------------------
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise DynamicCkptError(f"{what} is refused: the store {self.root} was opened with read_only=True.")
+
     def ensure_root(self) -> bool:
-        """Rank 0: recreate the root, the task folder, the catalog and the writer lock when something deleted
-        them under a running writer (a cleanup script's ``rm -rf``); the catalog is rebuilt from the manifests
-        still on disk. The lock holder logs one WARNING; a save is then written as usual. Cheap (a few `stat`s).
+        """Rank 0: recreate the root, task folder, catalog and writer lock when something deleted them under a
+        running writer (a cleanup script's ``rm -rf``), the catalog rebuilt from the manifests left; one WARNING.
+        Cheap (a few `stat`s). Returns whether anything was recreated."""
+        def intact() -> bool:
+            return is_kind(self.task_dir, "dir") and not self.catalog.replaced() and not self._writer.moved()
 
-        Returns:
-            `bool`: whether anything was recreated.
-        """
-        if self.read_only or self.rank != 0 or self.remote is not None:
-            return False
-        # Checked without the store's lock: a save in flight holds it for its whole write.
-        task_gone = not self.fs.is_dir(self.task.dir)
-        catalog_gone = self.catalog.replaced()
-        lock_gone = self._writer.held and self._writer.moved()
-        if not (task_gone or catalog_gone or lock_gone):
+        if self.read_only or self.rank != 0 or self.remote is not None or intact():
             return False
         with self._lock:
-            if self.fs.is_dir(self.task.dir) and not self.catalog.replaced() and not self._writer.moved():
-                return False  # another thread of this process recreated it meanwhile
+            if intact():  # another thread of this process recreated it meanwhile
+                return False
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                self.fs.mkdir(self.task.dir)
-                self.fs.fsync_dir(self.root)
+                self._disk.mkdir(self.task_dir)
+                self._disk.fsync(self.root)
                 if self.catalog.replaced():
                     self.catalog.reopen()
-                self._writer.refresh(what=f"task {self.task_id!r} under {self.url}")
-                self.task.rebuild(all_tasks=True)
+                if self._writer.moved():  # the held lock file is gone: lock the new one
+                    self._writer.release()
+                    self._writer.acquire(what=f"task {self.task_id!r} under {self.url}")
+                self._rebuild(all_tasks=True)
             except OSError as e:
                 raise SaveError(f"the store root {self.root} was deleted and cannot be recreated: {e}") from e
-        if self._writer.held:
-            logger.warning("the store %s (task %r) was deleted while this run was writing it; recreated it, and "
-                           "the catalog from the manifests left on disk: saves continue, checkpoints deleted with it "
-                           "are gone", self.root, self.task_id)
+        logger.warning("the store %s (task %r) was deleted while this run was writing it; recreated it, and the "
+                       "catalog from the manifests left on disk: saves continue, checkpoints deleted with it are gone",
+                       self.root, self.task_id)
         return True
 
     def close(self) -> None:
-        """Close the catalog connection and release the writer lock (idempotent)."""
+        """Close the catalog and release the writer lock (idempotent)."""
         self.catalog.close()
         self._writer.release()
 
@@ -363,356 +365,1140 @@ class CheckpointStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def sync_catalog(self) -> None:
-        """Make this task's catalog rows agree with its directories (see `Catalog.sync`)."""
-        with self._lock:
-            self.task.sync()
-
-    def reindex(self) -> int:
-        """Rebuild the catalog from the manifests (every task under `root`; only this one when read-only).
-
-        Returns:
-            `int`: number of rows written. Directories with a damaged manifest get a row with
-            status ``"corrupt"``.
-        """
-        with self._lock:
-            if self.remote is not None:  # the object store is the truth: the cache first, then the catalog
-                rs.pull(self.task, self.remote)
-            n = self.task.rebuild(all_tasks=not self.task.read_only and self.remote is None)
-            logger.debug("reindexed %s: %d checkpoints", self.root, n)
-            return n
-
     def abort(self, reason: str) -> None:
-        """Make a save that waits for other ranks' files (rank 0) give up now, and every later one.
-
-        For the orchestrator's fatal-error path (a rank died): the waiting save raises
-        `DistributedError` naming `reason` within one poll interval instead of after
-        `rank_timeout_s`; nothing is committed. Thread-safe; `clear_abort` undoes it.
-        """
-        self.task.abort_reason = str(reason) or "aborted"
+        """Make a save waiting for other ranks' files (rank 0) give up now, and every later one, with
+        `DistributedError` naming `reason` (a rank died); `clear_abort` undoes it."""
+        self.abort_reason = str(reason) or "aborted"
 
     def clear_abort(self) -> None:
-        """Let saves wait for other ranks again after `abort`."""
-        self.task.abort_reason = None
+        self.abort_reason = None
 
-    def _remote(self, fn: Callable[..., Any], *args: Any) -> None:
-        if self.remote is not None:  # a URL root: the object store follows the cache
-            fn(self.task, self.remote, *args)
+    # -- the catalog ----------------------------------------------------------------------------------------------
+    def _catalog(self, work: Callable[[], Any]) -> None:
+        """A catalog change: best effort where the manifests stay the truth anyway (other ranks, read-only files)."""
+        try:
+            work()
+        except sqlite3.OperationalError as e:
+            if self.rank == 0 and not self._memory and "readonly" not in str(e).replace(" ", ""):
+                raise
+            logger.debug("catalog %s not updated (%s); the manifests stay the truth", self.catalog.path, e)
 
-    def _check_writable(self, what: str) -> None:
-        if self.read_only:
-            raise DynamicCkptError(f"{what} is refused: the store {self.root} was opened with read_only=True.")
+    def _record(self, info: CheckpointInfo) -> None:
+        self._catalog(lambda: self.catalog.upsert(info, root=self.root))
 
-    # -- finding and reading --------------------------------------------------------------------
+    def _set_status(self, info: CheckpointInfo, status: str) -> None:
+        if self._owns(info.path) is not None:
+            self._catalog(lambda: self.catalog.set_status(self.task_id, info.step, status))
+
+    def sync_catalog(self, *, recheck_hidden: bool = False, drop_missing: bool = False) -> None:
+        """Make this task's catalog rows agree with its directories and manifests (`Catalog.sync`)."""
+        with self._lock:
+            self._catalog(lambda: self.catalog.sync(
+                self.task_id, root=self.root, committed=self._committed(), scan=self._scan,
+                abandoned=self._abandoned(), recheck_hidden=recheck_hidden, drop_missing=drop_missing))
+
+    def reindex(self) -> int:
+        """Rebuild the catalog from the manifests (every task under `root`; only this one when read-only or a URL);
+        returns the rows written (a damaged manifest gets a ``"corrupt"`` row)."""
+        with self._lock:
+            if self.remote is not None:
+                self._pull()
+            return self._rebuild(all_tasks=not self._memory and self.remote is None)
+
+    def _rebuild(self, *, all_tasks: bool) -> int:
+        tasks = [self.root / n for n in mf.listdir(self.root) if not n.startswith(".") and n != C.BLOBS_DIR] \
+            if all_tasks else [self.task_dir]
+        return self.catalog.rebuild([i for t in tasks for i in self._scan_all(t)], root=self.root,
+                                    task_id=None if all_tasks else self.task_id)
+
+    # -- finding --------------------------------------------------------------------------------------------------
+    def _owns(self, path: str | os.PathLike[str]) -> int | None:
+        """The step when `path` is a checkpoint directory of this task, else `None`."""
+        path = Path(path).absolute()
+        same = path.parent == self.task_dir or os.path.realpath(path.parent) == os.path.realpath(self.task_dir)
+        return parse_step_dir(path.name) if same else None
+
+    def _committed(self, task_dir: Path | None = None) -> dict[int, Path]:
+        """Real ``step-<N>`` directories of a task (a link named like one is ignored, with a warning)."""
+        out, task_dir = {}, task_dir or self.task_dir
+        for name in mf.listdir(task_dir):
+            if (step := parse_step_dir(name)) is not None and is_kind(task_dir / name, "dir"):
+                out[step] = task_dir / name
+            elif step is not None and is_kind(task_dir / name, "link"):
+                logger.warning("%s is a symbolic link, not a checkpoint: the store ignores it and never follows it",
+                               task_dir / name)
+        return out
+
+    def _read_manifest(self, step: int, path: Path | None = None) -> dict[str, Any]:
+        """The manifest of `step`, read once more after a read error (a transient fault's usual shape)."""
+        path = path or self.task_dir / step_dir_name(step)
+        for attempt in (1, 2):
+            try:
+                fault("read", name=C.MANIFEST_NAME, step=step, op="read")
+                return mf.read_manifest(path, step=step, task_id=path.parent.name)
+            except NotFound:
+                raise
+            except OSError as e:  # the test hook's read error
+                error = CorruptCheckpointError(f"{path / C.MANIFEST_NAME}: the manifest cannot be read ({e}).")
+            except CorruptCheckpointError as e:
+                if not isinstance(e.__cause__, OSError):
+                    raise
+                error = e
+            if attempt == 2:
+                raise error
+        raise AssertionError("unreachable")
+
+    def _info(self, manifest: Mapping[str, Any], path: Path) -> CheckpointInfo:
+        info = mf.info_from_manifest(manifest, path)
+        return dataclasses.replace(info, abandoned=True) if (info.step, info.save_time) in self._abandoned() else info
+
+    def _scan(self, step: int, path: Path) -> CheckpointInfo | None:
+        """The checkpoint a directory's manifest describes; `None` without one; a ``"corrupt"`` row when unusable."""
+        try:
+            return self._info(self._read_manifest(step, path), path)
+        except NotFound:
+            return None
+        except (CorruptCheckpointError, FormatVersionError) as e:
+            logger.info("checkpoint %s has an unusable manifest: %s", path, e)
+            return mf.broken_info(path.parent.name, step, path, mf.STATUS_CORRUPT)
+
+    def _scan_all(self, task_dir: Path) -> list[CheckpointInfo]:
+        return [i for step, path in sorted(self._committed(task_dir).items()) if (i := self._scan(step, path))]
+
     def list(self, include_unhealthy: bool = False, include_abandoned: bool = False) -> builtins.list[CheckpointInfo]:
-        """Checkpoints of this task, newest first.
-
-        Args:
-            include_unhealthy (`bool`, *optional*, defaults to `False`): also list unhealthy
-                checkpoints and rows whose status is ``"missing"`` or ``"corrupt"``.
-            include_abandoned (`bool`, *optional*, defaults to `False`): also list checkpoints
-                of timelines a later run forked away from.
-        """
-        return self.task.checkpoints(include_unhealthy=include_unhealthy, include_abandoned=include_abandoned)
+        """Checkpoints of this task, newest first; `include_unhealthy` adds unhealthy ones and rows whose status is
+        ``"missing"`` or ``"corrupt"``, `include_abandoned` those of timelines a later run forked away from."""
+        self.sync_catalog(recheck_hidden=not include_unhealthy)  # a flag that hides a checkpoint is re-read first
+        abandoned = self._abandoned()
+        infos = [Catalog.to_info(r, root=self.root, abandoned=(int(r["step"]), float(r["save_time"])) in abandoned)
+                 for r in self.catalog.rows(self.task_id)]
+        return [i for i in infos if (include_unhealthy or (i.healthy and i.status == mf.STATUS_OK))
+                and (include_abandoned or not i.abandoned)]
 
     def resolve(self, ref: Ref) -> CheckpointInfo:
-        """Turn a restore-point ref into a checkpoint.
-
-        Args:
-            ref (`str`, `int`, `os.PathLike` or `CheckpointInfo`): ``"auto"`` (newest healthy
-                checkpoint with weights), ``"best"`` (lowest recorded loss), ``"fastest"``
-                (lowest estimated recovery cost), ``"step:N"`` or ``N`` (that step, whatever
-                its health or timeline), or the path of a checkpoint directory.
+        """The checkpoint a restore-point ref names: ``"auto"`` (the newest healthy one with weights), ``"best"``
+        (lowest recorded loss), ``"fastest"`` (lowest estimated recovery cost), ``"step:N"`` or ``N`` (that step,
+        whatever its health or timeline), a checkpoint directory, or a `CheckpointInfo`.
 
         Raises:
             `CheckpointNotFoundError`: nothing matches; the message lists the available steps.
         """
-        if not isinstance(ref, CheckpointInfo | int) and os.fspath(ref) in NAMED_REFS:
-            for step in self.task.to_recheck():  # a corrupt flag is re-verified once before it excludes
-                with contextlib.suppress(CheckpointNotFoundError):
-                    self.verify(step)
-        return self.task.resolve(ref)
+        text = ref if isinstance(ref, CheckpointInfo | int) else os.fspath(ref)
+        if isinstance(text, CheckpointInfo):
+            return text
+        if isinstance(text, int) or text.isdigit() or text.startswith("step:"):
+            try:
+                return self._by_step(int(text.removeprefix("step:") if isinstance(text, str) else text))
+            except ValueError as e:
+                raise NotFound(f"ref {text!r} is invalid: expected step:N with an integer N.") from e
+        if text not in NAMED_REFS:
+            return self._by_path(Path(text).absolute())
+        for row in self.catalog.rows(self.task_id):  # a corrupt flag is re-verified once before it excludes
+            key = (int(row["step"]), float(row["save_time"]))
+            if row["status"] == mf.STATUS_CORRUPT and row["healthy"] and key not in self._rechecked:
+                self._rechecked.add(key)
+                with contextlib.suppress(NotFound):
+                    self.verify(key[0])
+        found = [i for i in self.list() if Tier.WEIGHTS in i.tiers and (text != "best" or i.loss is not None)]
+        if not found:
+            raise NotFound(("resolve('best'): no healthy checkpoint records a loss; " if text == "best" else
+                            f"resolve({text!r}): no healthy committed checkpoint with weights; ")
+                           + f"{self._available()}.")
+        rank = {"auto": lambda i: (-i.step,), "best": lambda i: (i.loss, -i.step), "fastest": lambda i: (
+            float("inf") if i.recovery_cost_ms is None else i.recovery_cost_ms, -i.step)}[text]
+        return min(found, key=rank)  # type: ignore[arg-type]
 
-    def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None,
-             mmap: bool = True, l1_max_numel: int | None = None, weights_checksum: bool = True) -> LoadedCheckpoint:
-        """Verify, then read the requested tiers of a checkpoint.
+    def _available(self) -> str:
+        infos = sorted(self.list(include_unhealthy=True, include_abandoned=True), key=lambda i: i.step)
+        if not infos:
+            return f"the store has no checkpoints of task {self.task_id!r} under {self.root}"
+        flags = [[i.status] * (i.status != mf.STATUS_OK) + ["unhealthy"] * (not i.healthy and i.status == mf.STATUS_OK)
+                 + ["abandoned"] * i.abandoned for i in infos]
+        steps = ", ".join(f"{i.step}" + (f" ({', '.join(f)})" if f else "") for i, f in zip(infos, flags))
+        return f"available steps of task {self.task_id!r}: {steps}"
 
-        Every file read is checked (size, checksum; blobs by content digest) before any
-        tensor is returned; a failed check or read is retried once (a transient I/O error
-        must not cost a checkpoint). A tier the checkpoint does not hold is left `None`
-        with a note in `warnings`.
+    def _by_step(self, step: int) -> CheckpointInfo:
+        self.sync_catalog()
+        row = self.catalog.get(self.task_id, step)
+        if row is not None and row["status"] != mf.STATUS_MISSING:
+            return Catalog.to_info(row, root=self.root, abandoned=(step, float(row["save_time"])) in self._abandoned())
+        removed = self.removed().get(step)
+        why = f" (retention removed it: {removed.get('rule')}; keep_last: null and null retention_days keep every " \
+              "checkpoint, or pin one)" if removed and Tier.WEIGHTS.value in (removed.get("tiers") or ()) else ""
+        raise NotFound(f"step {step} has no committed checkpoint in {self.task_dir}{why}; {self._available()}.")
 
-        Args:
-            ref: anything `resolve` accepts (``"auto"``, ``"step:N"``, a path, ...).
-            tiers (`Collection[Tier]`, *optional*, defaults to all tiers): what to read.
-            rank (`int`, *optional*): whose RNG file to read; defaults to this store's rank.
-            mmap (`bool`, *optional*, defaults to `True`): weights backed by a read-only
-                memory map (no copy), and an uncompressed optimizer tier by a private one;
-                `False` reads both into memory.
-            l1_max_numel (`int`, *optional*): the most elements an optimizer-tier tensor may declare
-                (`state.optimizer.state_numel_bound` of the model); checked before anything is allocated.
-            weights_checksum (`bool`, *optional*, defaults to `True`): `False` checks the weights file's size and
-                header only, and leaves its checksum to `read_weights_into(..., verify=True)`, which must run before
-                any weight is used (a resume that reads the file into the model once, hashing as it reads).
+    def _by_path(self, path: Path) -> CheckpointInfo:
+        if (step := self._owns(path)) is not None:
+            return self._by_step(step)
+        native = "DeepSpeed's and Trainer's" if any(n.startswith("global_step") for n in mf.listdir(path)) \
+            else "Trainer's"
+        for wrong, why in ((is_kind(path, "link"), "is a symbolic link; the store never follows links. Pass the real "
+                                                   "directory"),
+                           (not is_kind(path, "dir"), "is neither 'auto', 'best', 'fastest', 'step:N' nor an existing "
+                                                      "checkpoint directory"),
+                           (C.TMP_MARKER in path.name, "is an unfinished save (temporary directory), not a checkpoint"),
+                           (not is_kind(path / C.MANIFEST_NAME, "file") and is_kind(path / C.TRAINER_STATE_NAME,
+                                                                                     "file"),
+                            f"is {native} own checkpoint folder, not one of this store: pass it to trainer.train("
+                            "resume_from_checkpoint=...) directly (Trainer loads it itself; SmartCkptCallback saves "
+                            "into the store from there on)"),
+                           (not is_kind(path / C.MANIFEST_NAME, "file"), f"is not a checkpoint directory (no "
+                                                                         f"{C.MANIFEST_NAME}); pass a step-<N> "
+                                                                         "directory of a store")):
+            if wrong:
+                raise NotFound(f"{path} {why}; {self._available()}.")
+        return mf.info_from_manifest(mf.read_manifest(path, step=parse_step_dir(path.name)), path)
 
-        Returns:
-            `LoadedCheckpoint`.
-
-        Raises:
-            `CheckpointNotFoundError`: `ref` names no committed checkpoint.
-            `CorruptCheckpointError`: a needed file is missing, truncated, altered or does not
-                parse (the message lists each problem), or the manifest is damaged.
-            `FormatVersionError`: the checkpoint was written by a newer format.
-            `IncompatibleStateError`: an optimizer-tier tensor is larger than `l1_max_numel` allows.
-        """
-        info = self.resolve(ref)
-        return reader.load(self.task, info, tiers=tiers, rank=self.rank if rank is None else rank, mmap=mmap,
-                           l1_max_numel=l1_max_numel, weights_checksum=weights_checksum)
-
-    def read_weights_into(self, loaded: LoadedCheckpoint, targets: Mapping[str, torch.Tensor], *,
-                          verify: bool = False, on_write: Callable[[], None] | None = None) -> set[str]:
-        """Read the weights file of `loaded` straight into `targets` (a model's own tensors: no mapping of the file,
-        no tensor in between); returns the keys read. A key is read where its target is a contiguous CPU tensor of
-        the stored dtype and shape, the rest is the caller's.
-
-        Args:
-            loaded (`LoadedCheckpoint`): what `load` returned for the checkpoint.
-            targets (`Mapping[str, Tensor]`): where each weight goes.
-            verify (`bool`, *optional*, defaults to `False`): hash the whole file as it is read and compare the
-                manifest's checksum (one pass, for a `load(..., weights_checksum=False)`); without it `load` has
-                verified the file.
-            on_write (`Callable[[], None]`, *optional*): called once, right before the first byte goes into a target.
-
-        Raises:
-            `CorruptCheckpointError`: the file cannot be read, does not parse or (with `verify`) fails its checksum
-                twice, which records the checkpoint as corrupt. The targets then hold what was read of the file:
-                they are not restored.
-        """
-        return reader.read_weights_into(self.task, loaded, targets, verify=verify, on_write=on_write)
-
-    def gather_weights(self, loaded: LoadedCheckpoint) -> None:
-        """Replace the placeholders of a sharded checkpoint's weights (FSDP2, DeepSpeed ZeRO; `load` reads names and
-        shapes only) with the whole tensors, assembled from every rank's shard files (verified by `load`). A
-        checkpoint that is not sharded is left as it is.
-
-        Raises:
-            `CorruptCheckpointError`: a shard lacks a tensor, or the shards leave part of one uncovered.
-        """
-        table = sharded_table(loaded.manifest)
-        if table is not None and loaded.weights is not None:
-            loaded.weights = gather_weights(Path(loaded.info.path), table)
-
-    def load_scheduler_only(self, ref: Ref) -> dict[str, Any] | None:
-        """Salvage the LR-scheduler state when the optimizer tensor file is broken.
-
-        The scheduler state holds no tensors, so it lives entirely in the verified
-        `optimizer.json`. Never raises for a damaged checkpoint: returns `None` when that
-        file is missing, altered, not JSON, or refers to tensors.
-        """
+    # -- reading --------------------------------------------------------------------------------------------------
+    def _manifest_of(self, info: CheckpointInfo) -> dict[str, Any]:
+        """The verified manifest of `info` (its files downloaded first under a URL root); a missing or damaged one is
+        recorded in the catalog."""
+        directory, own = Path(info.path), self._owns(info.path) is not None
         try:
-            info = self.resolve(ref)
-        except (DynamicCkptError, OSError):
-            return None
-        return reader.load_scheduler_only(self.task, info)
+            if self.remote is not None and own and is_kind(directory, "dir"):
+                self._materialize(info.step)
+        except OSError as e:
+            raise CorruptCheckpointError(f"step {info.step} could not be downloaded from {self.url}: {e}") from e
+        try:
+            return self._read_manifest(info.step) if own else mf.read_manifest(directory, step=parse_step_dir(
+                directory.name))
+        except (NotFound, CorruptCheckpointError) as e:
+            self._set_status(info, mf.STATUS_MISSING if isinstance(e, NotFound) else mf.STATUS_CORRUPT)
+            raise
 
-    def verify(self, ref: Ref) -> builtins.list[str]:
-        """Check a checkpoint completely: manifest, every file's size and checksum, blobs.
+    def _blob(self, directory: Path, digest: str) -> Path:
+        return (self.task_dir if self._owns(directory) is not None else directory.parent) / C.BLOBS_DIR / \
+            f"{digest}.safetensors"
 
-        Records the outcome in the catalog (status ``"ok"``, ``"corrupt"`` or ``"missing"``): the file of a
-        writable store, the in-memory copy of a ``read_only`` one.
-        Only files the manifest may name (an allowlist) in the checkpoint's own directory
-        are looked at.
+    def _problems(self, directory: Path, manifest: Mapping[str, Any], names: Iterable[str], *,
+                  hashed: Collection[str] = (), blobs: bool = False) -> builtins.list[str]:
+        """What is wrong with the listed files: missing, a link, size, checksum (with the entry's own algorithm;
+        `hashed`: checksummed as they are read, so size only here); `blobs`: also the blobs of an earlier version."""
+        problems = []
+        for name in names:
+            entry, path = manifest[C.KEY_FILES][name], directory / name
+            where = f"{name} (tier {entry.get(C.KEY_TIER)}" + (f", rank {entry[C.KEY_RANK]})" if
+                                                               entry.get(C.KEY_RANK) is not None else ")")
+            if (st := mf.lstat(path)) is None or not is_kind(path, "file"):
+                problems.append(f"{where}: " + ("file is missing" if st is None else
+                                                "not a regular file (a symbolic link or directory is refused)"))
+            elif st.st_size != entry[C.KEY_SIZE]:
+                problems.append(f"{where}: size {st.st_size} bytes, manifest says {entry[C.KEY_SIZE]} (truncated or "
+                                "overwritten)")
+            elif name not in hashed:
+                try:
+                    fault("read", name=name, step=manifest[C.KEY_STEP], op="check")
+                    actual = mf.file_checksum(path, algo=entry[C.KEY_CHECKSUM].partition(":")[0])
+                    if actual != entry[C.KEY_CHECKSUM]:
+                        problems.append(f"{where}: checksum mismatch ({actual} != {entry[C.KEY_CHECKSUM]}), the file "
+                                        "is corrupt")
+                except (ValueError, OSError) as e:
+                    problems.append(f"{where}: " + ("file is missing" if isinstance(e, FileNotFoundError) else str(e)))
+        seen: set[str] = set()
+        for key, rec in sorted((manifest.get(C.KEY_BLOBS) or {}).items()) if blobs else ():
+            if (path := self._blob(directory, rec["digest"])).name in seen:
+                continue
+            seen.add(path.name)
+            try:
+                fault("read", name=path.name, step=manifest[C.KEY_STEP], op="check")
+                tensor = None if mf.lstat(path) is None else _safetensors(path, "Blob")[0].get("tensor")
+                digest = hashlib.sha256(f"{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)}\n".encode()
+                                        + bytes(mf.raw_view(tensor))).hexdigest() if tensor is not None else None
+                problem = f"blob {path} is missing" if mf.lstat(path) is None else "" if digest == rec["digest"] \
+                    else f"blob {path} content does not match its digest (corrupt)"
+            except (CorruptCheckpointError, OSError) as e:
+                problem = f"blob {path} is unreadable: {e}"
+            problems += [f"{problem} (weight {key!r}, tier weights)"] if problem else []
+        return problems
+
+    def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None, mmap: bool = True,
+             l1_max_numel: int | None = None, weights_checksum: bool = True) -> LoadedCheckpoint:
+        """Verify, then read the requested tiers of a checkpoint (a failed check or read is retried once; a tier the
+        checkpoint does not hold is left `None` with a note in `warnings`).
 
         Args:
             ref: anything `resolve` accepts.
-
-        Returns:
-            `list[str]`: one line per problem; empty when the checkpoint is intact.
+            tiers (`Collection[Tier]`, *optional*, defaults to all tiers): what to read.
+            rank (`int`, *optional*): whose RNG file to read; defaults to this store's rank.
+            mmap (`bool`, *optional*, defaults to `True`): weights as views of a private map of the file (no copy).
+            l1_max_numel (`int`, *optional*): the most elements an optimizer-tier tensor may declare
+                (`state.optimizer.state_numel_bound`); checked before anything is allocated.
+            weights_checksum (`bool`, *optional*, defaults to `True`): `False` checks the weights file's size and
+                header only, leaving its checksum to `read_weights_into(..., verify=True)` before any weight is used.
 
         Raises:
-            `CheckpointNotFoundError`: `ref` names nothing, or the checkpoint was deleted
-                before or while it was verified (retention or gc ran meanwhile): a note, not a
-                problem of the checkpoint.
+            `CheckpointNotFoundError`: `ref` names no committed checkpoint.
+            `CorruptCheckpointError`: a needed file is missing, truncated, altered or does not parse (the message
+                lists each problem), or the manifest is damaged.
+            `FormatVersionError`: written by a newer format. `IncompatibleStateError`: beyond `l1_max_numel`.
+        """
+        info = self.resolve(ref)
+        directory, manifest, rank = Path(info.path), self._manifest_of(info), self.rank if rank is None else rank
+        held, wanted = mf.tiers_of(manifest), {Tier(t) for t in tiers}
+        loaded = LoadedCheckpoint(info=info, manifest=manifest, extra=dict(manifest.get(C.KEY_EXTRA) or {}))
+        loaded.warnings += [f"step {info.step} has no {t.value} tier (saved tiers: "
+                            f"{', '.join(sorted(h.value for h in held)) or 'none'})" for t in sorted(wanted - held)]
+        wanted &= held
+        rng, files = C.RNG_NAME_TEMPLATE.format(rank=rank), manifest[C.KEY_FILES]
+        names = [n for n, e in sorted(files.items()) if e.get(C.KEY_TIER) in {t.value for t in wanted}
+                 and (not n.startswith("rng-rank") or n == rng)]
+        if Tier.STATE in wanted and rng not in names and any(n.startswith("rng-rank") for n in files):
+            loaded.warnings.append(f"step {info.step} has no RNG state for rank {rank} (saved with world_size="
+                                   f"{manifest.get(C.KEY_WORLD_SIZE)}); this rank's random streams start fresh")
+        weights = Tier.WEIGHTS in wanted and not is_sharded(manifest)
+        for attempt in (1, 2):
+            found = self._problems(directory, manifest, names, blobs=weights, hashed={C.OPTIMIZER_NAME} | (
+                set() if weights_checksum else {C.WEIGHTS_NAME}))
+            found += [f"tier weights is recorded but {C.WEIGHTS_NAME} is not listed"] * (weights and C.WEIGHTS_NAME
+                                                                                           not in files)
+            if not found:
+                try:
+                    self._read_tiers(directory, manifest, wanted, names, loaded, mmap, l1_max_numel)
+                    return loaded
+                except (CorruptCheckpointError, OSError) as e:
+                    found = [str(e)]
+                    loaded.weights = loaded.optimizer = loaded.scheduler = loaded.scaler = None  # not this attempt's
+                    loaded.rng = loaded.sampler = None
+            if attempt == 1:
+                logger.debug("step %d: %s; reading it once more before giving up", info.step, "; ".join(found))
+        self._set_status(info, mf.STATUS_CORRUPT)
+        raise CorruptCheckpointError(f"checkpoint {directory} failed verification, nothing was loaded: "
+                                     + "; ".join(p.rstrip(".") for p in found)
+                                     + ". Restore another checkpoint (a resume falls back automatically).")
+
+    def _read_tiers(self, directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: builtins.list[str],
+                    loaded: LoadedCheckpoint, mmap: bool, l1_max_numel: int | None) -> None:
+        if Tier.WEIGHTS in wanted:
+            table = sharded_table(manifest)  # FSDP2 / ZeRO: names and global shapes; the shards are read later
+            loaded.weights = placeholders(table) if table is not None else self._read_weights(directory, manifest,
+                                                                                               mmap)
+            loaded.frozen = dict(manifest.get(C.KEY_FROZEN) or {})
+        if Tier.OPTIMIZER in wanted:
+            structure, tensors = mf.read_json(directory / C.OPTIMIZER_META_NAME), {}
+            if not isinstance(structure, dict):
+                raise CorruptCheckpointError(f"{directory / C.OPTIMIZER_META_NAME} is not a JSON object.")
+            if C.OPTIMIZER_NAME in names:
+                fault("read", name=C.OPTIMIZER_NAME, step=manifest[C.KEY_STEP], op="read")
+                with mf.open_read(directory / C.OPTIMIZER_NAME) as f:
+                    tensors = read_tensors(directory / C.OPTIMIZER_NAME, f, max_numel=l1_max_numel,
+                                           checksum=manifest[C.KEY_FILES][C.OPTIMIZER_NAME][C.KEY_CHECKSUM],
+                                           threads=self.compression_threads)
+            state = unflatten_state(structure, tensors)
+            loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in C.L1_PARTS)
+        for name in names if Tier.STATE in wanted else ():
+            if name == C.SAMPLER_NAME or name.startswith("rng-rank"):
+                if not isinstance(value := mf.read_json(directory / name), dict):
+                    raise CorruptCheckpointError(f"{directory / name} is not a JSON object; the checkpoint is damaged.")
+                loaded.sampler, loaded.rng = (value, loaded.rng) if name == C.SAMPLER_NAME else (loaded.sampler, value)
+
+    def _read_weights(self, directory: Path, manifest: Mapping[str, Any], mmap: bool) -> dict[str, torch.Tensor]:
+        path = directory / C.WEIGHTS_NAME
+        out, metadata = _safetensors(path, "Weights")
+        for key, rec in (manifest.get(C.KEY_BLOBS) or {}).items():  # frozen weights of an earlier version
+            t = _safetensors(blob := self._blob(directory, rec["digest"]), f"Blob of weight {key!r}")[0].get("tensor")
+            if t is None or str(t.dtype).removeprefix("torch.") != rec["dtype"] or list(t.shape) != rec["shape"]:
+                raise CorruptCheckpointError(f"Blob {blob} of weight {key!r} does not hold the manifest's "
+                                             f"{rec['dtype']}{rec['shape']}; the blob is corrupt.")
+            out[key] = t
+        out = out if mmap else {k: t.clone() for k, t in out.items()}
+        try:
+            aliases = loads_bounded(metadata.get(ALIASES_KEY) or "{}")
+        except ValueError as e:
+            raise CorruptCheckpointError(f"Alias map in {path} is not JSON: {metadata[ALIASES_KEY][:80]!r}.") from e
+        if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+            raise CorruptCheckpointError(f"Alias map in {path} is not a JSON object of key names: "
+                                         f"{metadata[ALIASES_KEY][:80]!r}.")
+        for alias, target in aliases.items():
+            if target not in out:
+                raise CorruptCheckpointError(f"Weight {alias!r} aliases {target!r}, which {path} does not hold.")
+            out[alias] = out[target]
+        return out
+
+    def read_weights_into(self, loaded: LoadedCheckpoint, targets: Mapping[str, torch.Tensor], *,
+                          verify: bool = False, on_write: Callable[[], None] | None = None) -> set[str]:
+        """Read the weights file of `loaded` straight into `targets` (a model's own tensors: no map of the file, no
+        tensor in between); returns the keys read: those whose target is a contiguous CPU tensor of the stored dtype
+        and shape. `verify` hashes every byte as it is read and compares the manifest's checksum (one pass, after a
+        ``load(..., weights_checksum=False)``); `on_write` is called once, right before the first byte lands.
+
+        Raises:
+            `CorruptCheckpointError`: the file cannot be read or does not parse, or (with `verify`) fails its checksum
+                twice, which records the checkpoint as corrupt; the targets then hold what was read.
+        """
+        path, step = Path(loaded.info.path) / C.WEIGHTS_NAME, loaded.info.step
+        expected = str(loaded.manifest[C.KEY_FILES][C.WEIGHTS_NAME][C.KEY_CHECKSUM]) if verify else None
+        for attempt in (1, 2):
+            try:
+                return self._read_into(path, targets, expected, step, on_write)
+            except CorruptCheckpointError as e:
+                if expected is None:
+                    raise
+                if attempt == 2:
+                    self._set_status(loaded.info, mf.STATUS_CORRUPT)
+                    raise CorruptCheckpointError(f"checkpoint {loaded.info.path} failed verification: "
+                                                 f"{str(e).rstrip('.')}. Restore another checkpoint (a resume falls "
+                                                 "back automatically).") from None
+                logger.debug("step %d: %s; reading it once more before giving up", step, e)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _read_into(path: Path, targets: Mapping[str, torch.Tensor], expected: str | None, step: int,
+                   on_write: Callable[[], None] | None) -> set[str]:
+        entries = [(k, t.dtype, list(t.shape), t.nbytes) for k, t in _safetensors(path, "Weights")[0].items()]
+        done, scratch = set(), memoryview(bytearray(mf.HASH_CHUNK)) if expected else None
+        try:
+            hasher = mf.new_hasher(expected.partition(":")[0]) if expected else None
+            fault("read", name=C.WEIGHTS_NAME, step=step, op="read")
+            with mf.open_read(path) as f:
+                head = f.read(8)
+                head += f.read(struct.unpack("<Q", head)[0])  # the header `_safetensors` validated
+                hasher.update(head) if hasher else None
+                for key, dtype, shape, nbytes in entries:  # in file order: one sequential pass
+                    t = targets.get(key)
+                    if t is not None and t.device.type == "cpu" and t.dtype == dtype and list(t.shape) == shape \
+                            and t.is_contiguous():
+                        done.add(key)
+                        view = t.detach().reshape(-1).view(torch.uint8).numpy().data.cast("B") if nbytes else None
+                        if view is not None and on_write is not None:
+                            on_write()
+                            on_write = None
+                    elif scratch is None:
+                        f.seek(nbytes, os.SEEK_CUR)
+                        continue
+                    else:
+                        view = None
+                    for lo in range(0, nbytes, mf.HASH_CHUNK):
+                        n = min(mf.HASH_CHUNK, nbytes - lo)
+                        part = view[lo : lo + n] if view is not None else scratch[:n]  # type: ignore[index]
+                        if f.readinto(part) != n:
+                            raise CorruptCheckpointError(f"Weights file {path} is truncated inside tensor {key!r}.")
+                        hasher.update(part) if hasher else None  # the chunk just read: still in the CPU's caches
+                hasher.update(f.read()) if hasher else None
+        except (OSError, ValueError) as e:  # ValueError: a checksum algorithm this library lacks
+            raise CorruptCheckpointError(f"Weights file {path}: {e}" if isinstance(e, ValueError) else
+                                         f"Weights file {path} cannot be read ({e}).") from e
+        if hasher is not None and f"{expected.partition(':')[0]}:{hasher.hexdigest()}" != expected:  # type: ignore
+            raise CorruptCheckpointError(f"Weights file {path}: checksum mismatch, the file is corrupt.")
+        return done
+
+    def gather_weights(self, loaded: LoadedCheckpoint) -> None:
+        """Replace the placeholders of a sharded checkpoint's weights (FSDP2, ZeRO) with the whole tensors,
+        assembled from every rank's verified shard files; a checkpoint that is not sharded stays as it is."""
+        from .shard_files import gather_weights
+
+        if (table := sharded_table(loaded.manifest)) is not None and loaded.weights is not None:
+            loaded.weights = gather_weights(Path(loaded.info.path), table)
+
+    def load_scheduler_only(self, ref: Ref) -> dict[str, Any] | None:
+        """The LR-scheduler state from a verified `optimizer.json` (it holds no tensors), for when the optimizer
+        tensors are lost; `None`, never an error, when that file is missing, altered or refers to tensors."""
+        try:
+            info = self.resolve(ref)
+            directory, manifest = Path(info.path), self._manifest_of(info)
+            if C.OPTIMIZER_META_NAME not in manifest[C.KEY_FILES] or \
+                    self._problems(directory, manifest, [C.OPTIMIZER_META_NAME]):
+                return None
+            structure = mf.read_json(directory / C.OPTIMIZER_META_NAME)
+            sched = unflatten_state(structure.get("scheduler"), {}) if isinstance(structure, dict) else None
+        except (DynamicCkptError, OSError):
+            return None
+        return sched if isinstance(sched, dict) else None
+
+    def verify(self, ref: Ref) -> builtins.list[str]:
+        """Check a checkpoint completely (manifest, every file's size and checksum, blobs of earlier versions) and
+        record the outcome in the catalog (in memory for a ``read_only`` store). Returns one line per problem.
+
+        Raises:
+            `CheckpointNotFoundError`: `ref` names nothing, or the checkpoint was deleted before or while it was
+                verified (retention or gc ran meanwhile): a note, not a problem of the checkpoint.
         """
         try:
             info = self.resolve(ref)
         except (CorruptCheckpointError, ValueError) as e:  # a path whose manifest is unusable
-            return [f"{MANIFEST_NAME}: {e}"]
-        return reader.verify(self.task, info)
+            return [f"{C.MANIFEST_NAME}: {e}"]
+        directory = Path(info.path)
+        gone = NotFound(f"step {info.step} ({directory}) was deleted before or while it was verified (retention or gc "
+                        "removed it); nothing to verify.")
+        try:
+            manifest = self._manifest_of(info)
+        except NotFound as e:
+            if mf.lstat(directory) is None:
+                raise gone from e
+            return [f"{C.MANIFEST_NAME}: missing ({e})"]
+        except (CorruptCheckpointError, ValueError) as e:
+            return [f"{C.MANIFEST_NAME}: {e}"]
+        files, tiers, sharded = manifest[C.KEY_FILES], mf.tiers_of(manifest), is_sharded(manifest)
+        structure = [(Tier.WEIGHTS, any(n.startswith("weights-rank") for n in files), "tier weights is recorded but no "
+                      "weights-rank<R>.safetensors file is listed") if sharded else
+                     (Tier.WEIGHTS, C.WEIGHTS_NAME in files, f"tier weights is recorded but {C.WEIGHTS_NAME} is not "
+                      "listed"), (Tier.OPTIMIZER, C.OPTIMIZER_META_NAME in files,
+                                  f"tier optimizer is recorded but {C.OPTIMIZER_META_NAME} is not listed")]
+        ranks = {e.get(C.KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
+        for _ in (1, 2):
+            found = [why for tier, ok, why in structure if tier in tiers and not ok]
+            found += [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
+                      for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
+            found += self._problems(directory, manifest, files, blobs=True)
+            if found and mf.lstat(directory / C.MANIFEST_NAME) is None:
+                self._set_status(info, mf.STATUS_MISSING)
+                raise gone
+            if not found:
+                break
+        self._set_status(info, mf.STATUS_CORRUPT if found else mf.STATUS_OK)
+        return found
 
-    # -- save -----------------------------------------------------------------------------------
-    def save(self, state: CheckpointState, request: SaveRequest, *, timings: dict[str, Any] | None = None,
+    # -- saving ---------------------------------------------------------------------------------------------------
+    def save(self, state: CheckpointState, request: SaveRequest, *, timings: Mapping[str, Any] | None = None,
              replace: bool = False, cancel: Callable[[], bool] | None = None) -> CheckpointInfo | None:
-        """Write this rank's part of a checkpoint; on rank 0, commit it once all ranks are done.
-
-        Rank 0 writes weights (L0), optimizer/scheduler/scaler (L1) and the sampler state;
-        every rank writes its own `rng-rank<R>.json`. Thread-safe; runs no collectives. A
-        step committed by the same timeline is not rewritten (its info is returned); one
-        committed by another timeline, another session or abandoned is replaced atomically.
+        """Write this rank's part of a checkpoint (rank 0: weights, optimizer tier, sampler; every rank: its
+        ``rng-rank<R>.json``); rank 0 commits it once every rank's files are durable. Thread-safe, no collectives. A
+        step this timeline committed is not rewritten (its info is returned); one of another timeline or session, or
+        abandoned, is replaced atomically.
 
         Args:
             state (`CheckpointState`): CPU tensors and JSON-able state of this rank.
-            request (`SaveRequest`): what the save is and why (reason, kind, pin, health,
-                signals, debug info, lineage); it reaches the manifest as given.
-            timings (`dict`, *optional*): caller's timings in ms (e.g. snapshot time).
-            replace (`bool`, *optional*, defaults to `False`): replace a committed copy of the
-                step whatever its timeline (pass the same on every rank).
-            cancel (`Callable[[], bool]`, *optional*): polled while rank 0 waits for the other
-                ranks' files; `True` gives up like `abort` (the engine's `SaveEngine.abort`).
+            request (`SaveRequest`): what the save is and why; it reaches the manifest as given.
+            timings (`dict`, *optional*): the caller's timings in ms (e.g. the snapshot's).
+            replace (`bool`, *optional*, defaults to `False`): replace a committed copy whatever its timeline.
+            cancel (`Callable[[], bool]`, *optional*): polled while rank 0 waits for other ranks; `True` gives up.
 
         Returns:
-            `CheckpointInfo` on rank 0 (also when the step was committed before), `None`
-            on other ranks once their files are durable.
+            `CheckpointInfo` on rank 0 (also when the step was committed before), `None` on other ranks.
 
         Raises:
-            `DistributedError`: rank 0 waited `rank_timeout_s` for other ranks; nothing is committed.
-            `SaveError`: writing failed, or `request.step` is not the state's step; the previous
-                checkpoints are untouched.
+            `DistributedError`: rank 0 waited `rank_timeout_s` for other ranks, or was aborted; nothing is committed.
+            `SaveError`: writing failed, or `request.step` is not the state's; the previous checkpoints are untouched.
         """
-        step = int(state.step)
-        if step < 0:
-            raise SaveError(f"step={step} is invalid: a checkpoint step must be >= 0.")
-        if request.step != step:
-            raise SaveError(f"SaveRequest.step={request.step} differs from the state's step {step}; pass the same "
+        if (step := int(state.step)) < 0 or request.step != step:
+            raise SaveError(f"step={step} is invalid: a checkpoint step must be >= 0." if step < 0 else
+                            f"SaveRequest.step={request.step} differs from the state's step {step}; pass the same "
                             "step.")
         self._check_writable("save")
         self.ensure_root()
         with self._lock:
-            # The blob lock keeps collection away from the blobs this save writes or names and from those of a
-            # committed copy of the step it may replace (until the new copy is in); a save with neither gives
-            # collection nothing to take.
-            guard = self.rank == 0 and (state.has_blobs or self.fs.lstat(self.task.step_dir(step)) is not None)
-            with self.blobs.lock(shared=True) if guard else contextlib.nullcontext(True):
-                info, replaced = commit_save(self.task, state, request, timings=timings, replace=replace, cancel=cancel)
-            if replaced:  # blobs only the replaced copy used can go, now that the save released its lock
-                mt.collect_blobs(self.task, GcReport())
+            info, replaced = self._save(state, request, timings, replace, cancel)
+            if replaced:  # blobs of an earlier version only the replaced copy used can go
+                self._collect_blobs(GcReport())
             return info
 
-    # -- management -----------------------------------------------------------------------------
-    def _own(self, ref: Ref, what: str) -> CheckpointInfo:
-        info = self.resolve(ref)
-        if self.task.owns(info.path) is None:
-            raise DynamicCkptError(f"{what} {info.path}: not a checkpoint of task {self.task_id!r} under {self.root}; "
-                                   "open a store on its own root and task.")
-        fresh = self.task.scan(info.step)
-        if fresh is None:
-            raise CheckpointNotFoundError(f"step {info.step} has no committed checkpoint in {self.task_dir}.")
-        return fresh
+    def _existing(self, request: SaveRequest, replace: bool) -> CheckpointInfo | bool:
+        """What is committed at the step, read from disk (the same answer on every rank): `False` (nothing), the info
+        to return (already committed by this timeline), or `True` (replace it)."""
+        if mf.lstat(path := self.task_dir / step_dir_name(request.step)) is None:
+            return False
+        try:
+            manifest = self._read_manifest(request.step)
+        except (NotFound, CorruptCheckpointError, FormatVersionError):
+            return True  # a directory without a usable manifest never blocks a save
+        info = mf.info_from_manifest(manifest, path)
+        if replace or (info.step, info.save_time) in self._abandoned():
+            return True
+        if request.lineage is not None and info.lineage is not None:
+            return True if info.lineage.timeline != request.lineage.timeline else info
+        return True if manifest.get(C.KEY_SESSION_ID) != self.session_id else info
 
-    def pin(self, ref: Ref) -> CheckpointInfo:
-        """Protect a checkpoint from retention and gc (writes a `PINNED` marker next to the manifest)."""
-        self._check_writable("pin")
-        with self._lock:
-            return mt.pin(self.task, self._own(ref, "pin"))
+    def _save(self, state: CheckpointState, request: SaveRequest, timings: Mapping[str, Any] | None, replace: bool,
+              cancel: Callable[[], bool] | None) -> tuple[CheckpointInfo | None, bool]:
+        step, rank, disk = request.step, self.rank, self._disk
+        try:  # under a URL root, this rank's cache has not seen rank 0's recent commits
+            self._refresh_step(step) if self.remote is not None and rank != 0 else None
+        except OSError as e:
+            raise SaveError(f"saving step {step} on rank {rank}: reading the bucket failed: {e}; nothing was written "
+                            "and the previous checkpoints are untouched.") from e
+        if isinstance(found := self._existing(request, replace), CheckpointInfo):
+            logger.debug("step %d is already committed at %s by this timeline; not rewritten", step, found.path)
+            self._record(found) if rank == 0 else None
+            return (found if rank == 0 else None), False
+        if not is_kind(self.task_dir, "dir"):  # a new task
+            disk.mkdir(self.task_dir)
+            disk.fsync(self.root)
+        tmp, t0 = self.task_dir / f"{step_dir_name(step)}{C.TMP_MARKER}{self.session_id}", time.perf_counter()
+        try:
+            disk.mkdir(tmp)
+            plain, shard_files, shards = write_shards(state, tmp, rank=rank)  # FSDP2 / ZeRO: this rank's shards
+            files, frozen = self._write_rank_files(plain, tmp, step)
+            files.update(shard_files)
+            disk.fsync(tmp)
+            done = tmp / C.RANK_DONE_TEMPLATE.format(rank=rank)
+            tiers = sorted(t.value for t in state.tiers) if rank == 0 else [Tier.STATE.value] * bool(files)
+            record = {"rank": rank, "session_id": self.session_id, "files": files, "tiers": tiers, "frozen": frozen}
+            disk.write(done, mf.json_bytes({**record, **({"sharded": shards} if shards else {})}), atomic="part")
+            if self.remote is not None and rank != 0:  # no shared directory: rank 0 reads the object store
+                for name in files:
+                    self.remote.put(tmp / name, step_dir_name(step), name)
+                self.remote.put(done, tmp.name, done.name)
+                disk.remove(tmp)
+        except Exception as e:
+            self._discard(tmp) if rank == 0 else None
+            raise e if isinstance(e, SaveError) else SaveError(
+                f"saving step {step} of task {self.task_id!r} to {tmp} failed on rank {rank}: {e}; the previous "
+                "checkpoints are untouched.") from e
+        if rank != 0:
+            return None, False
+        written = time.perf_counter()
+        parts = self._wait_for_ranks(tmp, step, cancel)
+        timings = {**dict(timings or {}), "write_ms": round(1000 * (written - t0), 2),
+                   "wait_ranks_ms": round(1000 * (time.perf_counter() - written), 2)}
+        try:
+            return self._commit(tmp, state, request, parts, timings)
+        except OSError as e:
+            self._discard(tmp)
+            raise SaveError(f"committing step {step} to {self.task_dir / step_dir_name(step)} failed: {e}; the "
+                            "previous checkpoints are untouched.") from e
 
-    def unpin(self, ref: Ref) -> CheckpointInfo:
-        """Undo `pin` (and a pin requested at save time: the manifest is rewritten atomically)."""
-        self._check_writable("unpin")
-        with self._lock:
-            return mt.unpin(self.task, self._own(ref, "unpin"))
+    def _write_rank_files(self, state: CheckpointState, tmp: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """This rank's files (rank 0: L0, L1, sampler; every rank: its RNG) and the frozen records of its weights."""
+        rank, files, frozen = self.rank, {}, {k: dict(v) for k, v in state.frozen.items()}
 
-    def delete(self, ref: Ref, *, tiers: Collection[Tier] | None = None, force: bool = False) -> None:
-        """Delete a checkpoint of this task, or only some of its tiers (blobs nobody uses go too).
+        def small(name: str, obj: Any, tier: Tier, owner: int | None) -> None:
+            fault("write", step=step, rank=rank, name=name)
+            self._disk.write(tmp / name, data := mf.json_bytes(obj))
+            files[name] = mf.entry_of(data, tier=tier, rank=owner)
 
-        Args:
-            ref: anything `resolve` accepts (the checkpoint must belong to this task).
-            tiers (`Collection[Tier]`, *optional*): only these tiers (e.g. `{Tier.OPTIMIZER}`).
-            force (`bool`, *optional*, defaults to `False`): also delete a pinned checkpoint.
+        if rank == 0 and state.weights is not None:
+            weights = dict(state.weights)
+            frozen.update({k: mf.frozen_record(weights.pop(k)) for k in sorted(state.dedup_keys & set(weights))})
+            files[C.WEIGHTS_NAME] = self._write_weights(weights, tmp / C.WEIGHTS_NAME, step)
+        if rank == 0 and any(getattr(state, p) is not None for p in C.L1_PARTS):
+            structure, tensors = flatten_state({p: getattr(state, p) for p in C.L1_PARTS})
+            fault("write", step=step, rank=rank, name=C.OPTIMIZER_NAME)
+            with self._disk.create(tmp / C.OPTIMIZER_NAME) as f:
+                size, checksum = write_tensors(tensors, f, codec=self.spec.codec, level=self.spec.compression_level,
+                                               threads=self.compression_threads)
+            self._disk.fsync(tmp / C.OPTIMIZER_NAME)
+            files[C.OPTIMIZER_NAME] = {C.KEY_SIZE: size, C.KEY_CHECKSUM: checksum, C.KEY_TIER: Tier.OPTIMIZER.value,
+                                       C.KEY_RANK: None}
+            small(C.OPTIMIZER_META_NAME, structure, Tier.OPTIMIZER, None)
+        if rank == 0 and state.sampler is not None:
+            small(C.SAMPLER_NAME, json_safe(state.sampler), Tier.STATE, None)
+        if state.rng is not None:  # a snapshot's raw capture converts itself
+            small(C.RNG_NAME_TEMPLATE.format(rank=rank), getattr(state.rng, "to_json", lambda: state.rng)(), Tier.STATE,
+                  rank)
+        return files, frozen
 
-        Raises:
-            `DynamicCkptError`: the checkpoint is pinned (read from disk) and `force` is not set.
-        """
-        self._check_writable("delete")
-        with self._lock:
-            info = self._own(ref, "delete")
-            if info.pinned and not force:
-                raise DynamicCkptError(f"step {info.step} ({info.path}) is pinned; pass force=True to delete it "
-                                       "anyway.")
-            mt.delete_checkpoint(self.task, info, None if tiers is None else {Tier(t) for t in tiers})
-            mt.collect_blobs(self.task, GcReport())
+    def _write_weights(self, weights: Mapping[str, Any], path: Path, step: int) -> dict[str, Any]:
+        """L0 with the `safetensors` package (metadata ``{"format": "pt"}``: an adapter's file is a drop-in
+        ``adapter_model.safetensors``); tied weights stored once, their aliases in the metadata."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        seen: dict[Any, str] = {}
+        for key, value in weights.items():
+            if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+                raise SaveError(f"Weight {key!r} has layout {value.layout}; convert it with `.to_dense()` first." if
+                                isinstance(value, torch.Tensor) else f"Weight {key!r} is a {type(value).__name__}, "
+                                "expected a torch.Tensor; pass the model's state_dict() (or the PEFT adapter dict).")
+            ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.stride(),
+                     value.dtype) if value.numel() else key
+            if ident in seen:
+                aliases[key] = seen[ident]
+                continue
+            seen[ident], t = key, value.detach().cpu().contiguous()
+            storage = t.untyped_storage().data_ptr() if t.numel() else key
+            tensors[key] = t.clone() if storage in seen else t  # views of one storage that differ: stored apart
+            seen[storage] = key
+        fault("write", step=step, rank=self.rank, name=C.WEIGHTS_NAME)
+        self._disk.create(path).close()  # a new regular file: never through a link
+        try:
+            save_file(tensors, path, {"format": "pt", **({ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
+                                                         if aliases else {})})
+        except (ValueError, TypeError, RuntimeError, KeyError) as e:  # KeyError: a dtype safetensors lacks
+            raise SaveError(f"the weights cannot be written as safetensors ({type(e).__name__}: {e}); cast them to a "
+                            "dtype it stores (float, int, bool, complex64).") from e
+        self._disk.fsync(path)
+        return {C.KEY_SIZE: path.stat().st_size, C.KEY_CHECKSUM: mf.file_checksum(path),
+                C.KEY_TIER: Tier.WEIGHTS.value, C.KEY_RANK: None}
+
+    def _wait_for_ranks(self, tmp: Path, step: int, cancel: Callable[[], bool] | None) -> builtins.list[dict]:
+        """Rank 0: every rank's done record, once all are there (polled: no collective)."""
+        deadline, world = time.monotonic() + self.spec.rank_timeout_s, self.world_size
+        names = [tmp / C.RANK_DONE_TEMPLATE.format(rank=r) for r in range(world)]
+        while missing := [r for r, p in enumerate(names) if not is_kind(p, "file") and not self._fetch_done(p)]:
+            given_up = self.abort_reason is not None or (cancel is not None and cancel())
+            if given_up or time.monotonic() >= deadline:
+                self._discard(tmp)
+                raise DistributedError(
+                    f"step {step}: gave up waiting for rank(s) {missing} of {world}: "
+                    f"{self.abort_reason or 'the save was aborted'} (CheckpointStore.abort); nothing was committed and "
+                    "the previous checkpoint stays the restore point." if given_up else
+                    f"step {step}: rank(s) {missing} of {world} did not finish writing within "
+                    f"{self.spec.rank_timeout_s:g} s (rank_timeout_s); nothing was committed and the previous "
+                    "checkpoint stays the restore point. Check those ranks' logs, or raise rank_timeout_s for slow "
+                    "storage.")
+            time.sleep(0.02 if self.remote is None or world == 1 else 0.25)
+        parts = []
+        for r, done in enumerate(names):
+            try:
+                part = mf.read_json(done)
+                ok = isinstance(part, dict) and part.get("rank") == r and isinstance(part.get("files"), dict) and \
+                    isinstance(part.get("tiers"), list) and isinstance(part.get("frozen", {}), dict)
+            except CorruptCheckpointError as e:
+                part, ok = {"error": str(e)}, False
+            if not ok:
+                raise DistributedError(f"{done} is malformed ({str(part)[:120]}); nothing was committed.")
+            if part.get("session_id") != self.session_id:
+                raise DistributedError(f"{done} belongs to session {part.get('session_id')!r}, not "
+                                       f"{self.session_id!r}; every rank must use the session_id broadcast by rank 0.")
+            parts.append(part)
+        return parts
+
+    def _discard(self, path: Path) -> None:
+        try:
+            self._disk.remove(path)
+        except OSError as e:  # a file in the way, a link: left for the next open's cleanup
+            logger.warning("could not remove %s: %s", path, e)
+
+    def _commit(self, tmp: Path, state: CheckpointState, request: SaveRequest, parts: builtins.list[dict],
+                timings: dict[str, Any]) -> tuple[CheckpointInfo, bool]:
+        step, files, frozen, chunks, tiers = request.step, dict[str, Any](), dict[str, Any](), {}, set[Tier]()
+        for part in parts:
+            files.update(part["files"])
+            frozen.update(part.get("frozen") or {})
+            tiers.update(Tier(t) for t in part["tiers"])
+            chunks.update({str(part["rank"]): part["sharded"]} if isinstance(part.get("sharded"), dict) else {})
+            self._disk.remove(tmp / C.RANK_DONE_TEMPLATE.format(rank=int(part["rank"])))
+        extra = {k: v for k, v in state.extra.items() if k != C.KEY_RANK_CHUNKS}
+        if chunks:  # every rank's chunk table, read back by `shard_files.sharded_table`
+            extra[C.KEY_SHARDED] = {"format": C.SHARDED_FORMAT, "world_size": self.world_size, "ranks": chunks}
+        manifest = mf.build_manifest(
+            task_id=self.task_id, step=step, epoch=state.epoch, reason=request.reason, kind=request.kind, tiers=tiers,
+            pinned=request.pinned, healthy=request.healthy, world_size=self.world_size, files=files, frozen=frozen,
+            session_id=self.session_id, lineage=request.lineage, signals=request.signals,
+            debug_info=request.debug_info, extra=extra, timings=timings)
+        fault("write", step=step, rank=0, name=C.MANIFEST_NAME)
+        self._disk.write(tmp / C.MANIFEST_NAME, mf.manifest_bytes(manifest))
+        self._disk.fsync(tmp)
+        if self.remote is not None:  # the object store's commit point (manifest uploaded last) comes first
+            self._publish(tmp, step, files)
+        final, aside = self.task_dir / step_dir_name(step), None
+        if mf.lstat(final) is not None:  # another timeline's copy, or a directory without a manifest
+            self._disk.rename(final, aside := final.with_name(f"{tmp.name}{C.ASIDE_SUFFIX}"))
+            self._disk.fsync(self.task_dir)
+        fault("commit", step=step)
+        self._disk.rename(tmp, final)  # the commit point
+        self._disk.fsync(self.task_dir)
+        if aside is not None:
+            self._discard(aside)
+        self._record(info := self._info(manifest, final))
+        logger.debug("committed %s step %d (%s; %d bytes)", self.task_id, step, request.reason, info.bytes)
+        return info, aside is not None
+
+    # -- timelines ------------------------------------------------------------------------------------------------
+    def _timelines(self) -> dict[str, Any]:
+        """The timelines record (``{"format": 1, "current", "abandoned", "forks"}``), cached by file identity; an
+        unreadable one is logged and read as empty (nothing counts as abandoned until a fork rewrites it)."""
+        path = self.task_dir / C.TIMELINES_NAME
+        empty: dict[str, Any] = {"format": 1, "current": None, "abandoned": [], "forks": []}
+        if (st := mf.lstat(path)) is None:
+            return empty
+        if self._timelines_cache is not None and self._timelines_cache[0] == (st.st_ino, st.st_size, st.st_mtime_ns):
+            return self._timelines_cache[1]
+        try:
+            record = mf.read_json(path)
+            if record.get("format") != 1 or not all(isinstance(e["step"], int) and isinstance(e["created_at"], int |
+                                                                                             float)
+                                                    for e in record["abandoned"]):
+                raise ValueError("unexpected content")
+        except (CorruptCheckpointError, AttributeError, KeyError, TypeError, ValueError) as e:
+            logger.error("%s is unreadable or malformed (%s); treating no checkpoint as abandoned. Retention will not "
+                         "remove abandoned checkpoints until a new fork rewrites it.", path, e)
+            record = {**empty, "unreadable": True}
+        self._timelines_cache = ((st.st_ino, st.st_size, st.st_mtime_ns), record)
+        return record
+
+    def _abandoned(self) -> set[tuple[int, float]]:
+        return {(e["step"], float(e["created_at"])) for e in self._timelines()["abandoned"]}
 
     def fork(self, *, timeline: str, after_step: int | None, session: str,
              parent: Lineage | None = None) -> builtins.list[int]:
-        """Start timeline `timeline`: newer checkpoints of other timelines become abandoned (rank 0).
-
-        Every committed checkpoint of another timeline with ``step > after_step`` (all of them
-        when `after_step` is `None`, a fresh start) is recorded as abandoned in one atomic
-        write of ``<task>/timelines.json``; the checkpoint `parent` resumes from stays
-        usable. Nothing is deleted: `prune`/`gc` remove abandoned checkpoints once this
-        timeline has committed a greater step, never pinned ones.
-
-        Returns:
-            `list[int]`: the steps newly abandoned.
-        """
+        """Start timeline `timeline` (rank 0): every committed checkpoint of another timeline with
+        ``step > after_step`` (all of them for `None`, a fresh start) is recorded abandoned in one atomic write of
+        ``timelines.json``; the checkpoint `parent` resumes from stays usable. Returns the steps newly abandoned."""
         self._check_writable("fork")
         if self.rank != 0:
             raise DynamicCkptError(f"fork() runs on rank 0 only (this store is rank {self.rank}); broadcast its "
                                    "result.")
         with self._lock:
-            infos = self.task.scan_all()
-            record, newly = fork_record(self.task.timelines.read(), infos, timeline=timeline, after_step=after_step,
-                                        session=session, parent=parent)
-            self.task.timelines.write(record, tag=self.session_id)
-            self._remote(rs.push_timelines)
-            self.task.sync()
-            if newly:
-                logger.debug("timeline %s starts after step %s: steps %s of other timelines are abandoned (kept, "
-                               "restorable by step:N; removed once this timeline passes them)", timeline, after_step,
-                               ", ".join(map(str, newly)))
-            return newly
+            infos, now, record = self._scan_all(self.task_dir), time.time(), self._timelines()
+            keys = {(i.step, i.save_time) for i in infos}
+            entries = {k: e for e in record["abandoned"] if (k := (e["step"], float(e["created_at"]))) in keys}
+            newly = []
+            for i in infos:
+                own, key = i.lineage.timeline if i.lineage else None, (i.step, i.save_time)
+                if parent is not None and parent.parent_step == i.step and parent.parent_timeline in (None, own):
+                    entries.pop(key, None)  # the checkpoint the new timeline continues is usable again
+                elif own != timeline and (after_step is None or i.step > after_step) and key not in entries:
+                    entries[key] = {"step": i.step, "created_at": i.save_time, "timeline": own, "by": timeline,
+                                    "session": i.lineage.session if i.lineage else None, "at": now}
+                    newly.append(i.step)
+            current = {"timeline": timeline, "session": session, "after_step": after_step, "since": now,
+                       "parent_step": parent.parent_step if parent else None,
+                       "parent_timeline": parent.parent_timeline if parent else None}
+            forks = [*record["forks"], {"timeline": timeline, "session": session, "after_step": after_step, "at": now}]
+            self._disk.write(self.task_dir / C.TIMELINES_NAME, mf.json_bytes({
+                "format": 1, "current": current, "abandoned": sorted(entries.values(), key=lambda e: (
+                    e["step"], e["created_at"])), "forks": forks[-100:]}), atomic=self.session_id)
+            if self.remote is not None:
+                self.remote.put(self.task_dir / C.TIMELINES_NAME, C.TIMELINES_NAME)
+            self.sync_catalog()
+            return sorted(newly)
+
+    # -- changing committed checkpoints ---------------------------------------------------------------------------
+    def _own(self, ref: Ref, what: str) -> CheckpointInfo:
+        """The checkpoint `ref` names as its directory describes it now; only one of this task."""
+        info = self.resolve(ref)
+        if self._owns(info.path) is None:
+            raise DynamicCkptError(f"{what} {info.path}: not a checkpoint of task {self.task_id!r} under {self.root}; "
+                                   "open a store on its own root and task.")
+        if (fresh := self._scan(info.step, self.task_dir / step_dir_name(info.step))) is None:
+            raise NotFound(f"step {info.step} has no committed checkpoint in {self.task_dir}.")
+        return fresh
+
+    def _rewrite_manifest(self, path: Path, manifest: dict[str, Any]) -> None:
+        self._disk.write(path / C.MANIFEST_NAME, mf.manifest_bytes(manifest), atomic="new")
+        self._record(self._info(manifest, path))
+
+    def pin(self, ref: Ref) -> CheckpointInfo:
+        """Protect a checkpoint from retention and gc (a ``PINNED`` marker next to its manifest)."""
+        return self._pin(ref, True)
+
+    def unpin(self, ref: Ref) -> CheckpointInfo:
+        """Undo `pin`, and a pin requested at save time (the manifest is rewritten atomically)."""
+        return self._pin(ref, False)
+
+    def _pin(self, ref: Ref, pinned: bool) -> CheckpointInfo:
+        self._check_writable("pin" if pinned else "unpin")
+        with self._lock:
+            path = Path((info := self._own(ref, "pin" if pinned else "unpin")).path)
+            if pinned:
+                self._disk.write(path / C.PINNED_MARKER, b"")
+            elif (manifest := self._read_manifest(info.step)).get(C.KEY_PINNED):
+                self._rewrite_manifest(path, mf.with_changes(manifest, {C.KEY_PINNED: False}))
+            self._disk.remove(path / C.PINNED_MARKER) if not pinned else None
+            self._disk.fsync(path)
+            self._mirror(info.step)
+            self._record(info := self._scan(info.step, path) or info)
+            return info
+
+    def delete(self, ref: Ref, *, tiers: Collection[Tier] | None = None, force: bool = False) -> None:
+        """Delete a checkpoint of this task, or only some of its tiers; `DynamicCkptError` when it is pinned (read
+        from disk) and `force` is not set."""
+        self._check_writable("delete")
+        with self._lock:
+            if (info := self._own(ref, "delete")).pinned and not force:
+                raise DynamicCkptError(f"step {info.step} ({info.path}) is pinned; pass force=True to delete it "
+                                       "anyway.")
+            self._delete(info, None if tiers is None else {Tier(t) for t in tiers})
+            self._collect_blobs(GcReport())
+
+    def _delete(self, info: CheckpointInfo, tiers: set[Tier] | None = None) -> int:
+        """Delete a checkpoint (renamed to a temporary name first: never half of one that looks committed), or some of
+        its tiers (the manifest rewritten before the files go); returns the bytes freed."""
+        path = self.task_dir / step_dir_name(info.step)
+        if tiers is not None and tiers != set(ALL_TIERS) and set(info.tiers) - tiers:
+            new, drop = mf.without_tiers(self._read_manifest(info.step), tiers)
+            self._rewrite_manifest(path, new)
+            freed = sum(_tree_bytes(path / n) for n in drop)
+            for name in drop:  # allowlisted single names (manifest validation)
+                self._disk.remove(path / name)
+            self._mirror(info.step)
+            return freed
+        if self.remote is not None:  # the object store first: its manifest goes, so no reader counts it any more
+            self.remote.remove(step_dir_name(info.step), C.MANIFEST_NAME)
+            self.remote.remove(step_dir_name(info.step))
+        trash = path.with_name(f"{path.name}{C.TMP_MARKER}{self.session_id}{C.TRASH_INFIX}{uuid.uuid4().hex[:8]}")
+        self._disk.rename(path, trash)
+        self._disk.fsync(self.task_dir)
+        self._catalog(lambda: self.catalog.remove(self.task_id, info.step))
+        freed = _tree_bytes(trash)
+        self._disk.remove(trash)
+        return freed
 
     def removed(self) -> dict[int, dict[str, Any]]:
-        """What retention removed from this task, by step: the latest record of each (``step``, ``tiers``,
-        ``rule`` in words, ``time``), oldest first."""
-        return dict(sorted(self.task.removed().items()))
+        """What retention removed from this task, by step: the latest record of each (``step``, ``tiers``, ``rule``
+        in words, ``time``), oldest first."""
+        out: dict[int, dict[str, Any]] = {}
+        with contextlib.suppress(OSError):
+            for line in mf.read_bytes(self.task_dir / C.REMOVED_LOG_NAME, limit=C.MAX_JSON_BYTES).splitlines():
+                with contextlib.suppress(ValueError):  # a line cut by a crash
+                    if isinstance(row := loads_bounded(line), dict) and isinstance(row.get("step"), int):
+                        out[row["step"]] = row
+        return dict(sorted(out.items()))
 
-    def prune(self, plan: Iterable[Removal]) -> GcReport:
-        """Apply a retention plan (`policy.retention.plan_retention`), then the abandoned-timeline rule.
+    def _note_removed(self, step: int, tiers: Iterable[Tier], rule: str) -> None:
+        """Record a removal by retention, with its rule (best effort: it only explains a missing step)."""
+        line = json.dumps({"step": int(step), "tiers": sorted(Tier(t).value for t in tiers), "rule": rule,
+                           "time": time.time()}, sort_keys=True)
+        try:
+            with self._disk.create(self.task_dir / C.REMOVED_LOG_NAME, os.O_APPEND) as f:
+                f.write(f"{line}\n".encode())
+        except OSError as e:
+            logger.debug("could not record the removal of step %d (%s)", step, e)
 
-        Each planned entry is re-read from disk first and kept when it is pinned there, was
-        replaced, or its health differs from what the plan read. Abandoned checkpoints the
-        current timeline has passed go too (never pinned ones), then unused blobs. It runs on the
-        training thread between saves, so it reads every manifest only when that can matter: when
-        the timelines record lists abandoned checkpoints, and for blobs only after a checkpoint
-        was removed (blobs lose users only then; `gc` collects those a failed save left).
-        """
+    def prune(self, plan: Iterable[mf.Removal]) -> GcReport:
+        """Apply a retention plan (`policy.retention.plan_retention`), then the abandoned-timeline rule. Each entry is
+        re-read from disk first and kept when it is pinned there, was replaced, is abandoned, or its health differs
+        from what the plan read; every removal is recorded with its rule (`removed`)."""
         self._check_writable("prune")
         report = GcReport()
         with self._lock:
-            mt.apply_plan(self.task, plan, report)
-            if self.task.timelines.abandoned():
-                mt.remove_abandoned(self.task, report)
+            for planned, tiers, rule in plan:
+                fresh = self._scan(planned.step, self.task_dir / step_dir_name(planned.step))
+                why = "is gone" if fresh is None else "was replaced since the plan was made" if \
+                    fresh.save_time != planned.save_time else "is pinned on disk" if fresh.pinned else \
+                    "is abandoned (removed by the abandoned-timeline rule)" if fresh.abandoned else \
+                    f"is {'healthy' if fresh.healthy else 'unhealthy'} on disk, unlike the catalog the plan read" \
+                    if fresh.healthy != planned.healthy else None
+                if why is not None or fresh is None:
+                    report.kept.append(f"step {planned.step} kept: it {why}")
+                    self._record(fresh) if fresh is not None else None
+                    continue
+                whole = Tier.WEIGHTS in tiers or not set(fresh.tiers) - set(tiers)
+                report.bytes_freed += self._delete(fresh, None if whole else set(tiers))
+                report.removed += [fresh.step] if whole else []
+                report.trimmed.update({} if whole else {fresh.step: sorted(Tier(t).value for t in tiers)})
+                self._note_removed(fresh.step, fresh.tiers if whole else tiers, rule)
+            if self._timelines()["abandoned"]:
+                self._remove_abandoned(report)
             if report.removed:
-                mt.collect_blobs(self.task, report)
+                self._collect_blobs(report)
         return report
 
     def gc(self, *, dry_run: bool = False) -> GcReport:
-        """Remove what nothing needs: passed abandoned checkpoints, leftovers, unused blobs.
-
-        `dry_run` only reports what would go and the bytes it would free (read-only stores too).
-
-        Raises:
-            `StoreLockedError`: another live session writes the task (gc needs the writer lock).
-        """
+        """Remove what nothing needs: passed abandoned checkpoints, leftovers of interrupted saves, unused blobs of
+        earlier versions (`dry_run`: only report, read-only stores too). `StoreLockedError` when another live
+        session writes the task."""
+        self._check_writable("gc") if not dry_run else None
         report = GcReport(dry_run=dry_run)
-        if not dry_run:
-            self._check_writable("gc")
         with self._lock:
-            took = not dry_run and not self._writer.held
-            if took:
-                self._writer.acquire(what=f"task {self.task_id!r} under {self.root}")
+            if took := not dry_run and not self._writer.held:
+                self._writer.acquire(what=f"task {self.task_id!r} under {self.url}")
             try:
-                for name, size in mt.remove_leftovers(self.task, dry_run=dry_run):
+                for name, size in self._remove_leftovers(dry_run=dry_run):
                     report.temp_dirs.append(name)
                     report.bytes_freed += size
                 if self.remote is not None:
-                    report.temp_dirs.extend(n for n, _ in rs.remove_leftovers(self.task, self.remote, dry_run=dry_run,
-                                                                              at_open=False, kept=report.kept))
-                mt.remove_abandoned(self.task, report)
-                mt.collect_blobs(self.task, report)
-                if not dry_run:
-                    self.task.sync(drop_missing=True)
+                    report.temp_dirs += self._remote_leftovers(dry_run=dry_run, at_open=False, kept=report.kept)
+                self._remove_abandoned(report)
+                self._collect_blobs(report)
+                self.sync_catalog(drop_missing=True) if not dry_run else None
             finally:
-                if took:
-                    self._writer.release()
+                self._writer.release() if took else None
         return report
+
+    def _remove_abandoned(self, report: GcReport) -> None:
+        infos, current = self._scan_all(self.task_dir), self._timelines()["current"]
+        top = max((i.step for i in infos if current and not i.abandoned and i.lineage is not None
+                   and i.lineage.timeline == current["timeline"]), default=None)
+        for i in (i for i in infos if i.abandoned):
+            if i.pinned or top is None or i.step >= top:
+                report.kept.append(f"step {i.step} kept: abandoned but pinned" if i.pinned else
+                                   f"step {i.step} kept: abandoned, the current timeline has not passed it yet")
+                continue
+            report.bytes_freed += _tree_bytes(Path(i.path)) if report.dry_run else self._delete(i)
+            report.removed.append(i.step)
+            report.abandoned.append(i.step)
+            self._note_removed(i.step, i.tiers, "abandoned timeline: the run went back before it and has saved past "
+                                                "it since") if not report.dry_run else None
+
+    def _remove_leftovers(self, *, dry_run: bool = False) -> builtins.list[tuple[str, int]]:
+        """Finish what interrupted saves, replace-commits and deletes left (the writer only): a copy set aside by a
+        replace-commit whose step has no committed directory is renamed back; then every temporary entry of other
+        sessions goes (this session's own ``step-<N>.tmp-<session>`` stays: other ranks may be writing into it)."""
+        names, removed, own = mf.listdir(self.task_dir), [], f"{C.TMP_MARKER}{self.session_id}"
+        for name in names if not dry_run else ():
+            final = self.task_dir / name.split(C.TMP_MARKER)[0]
+            if (step := parse_step_dir(final.name)) is None or not name.endswith(C.ASIDE_SUFFIX) or mf.lstat(final):
+                continue
+            try:
+                self._read_manifest(step, self.task_dir / name)
+            except (NotFound, CorruptCheckpointError, FormatVersionError) as e:
+                logger.error("step %s: the copy set aside by an interrupted replace (%s) is unusable (%s); left in "
+                             "place", step, name, e)
+                continue
+            self._disk.rename(self.task_dir / name, final)
+            self._disk.fsync(self.task_dir)
+            logger.warning("step %d: a replace-commit was interrupted between its renames; the previous copy is "
+                           "restored (%s -> %s)", step, name, final.name)
+        for name in mf.listdir(self.task_dir):
+            if name.endswith(C.ASIDE_SUFFIX) and mf.lstat(self.task_dir / name.split(C.TMP_MARKER)[0]) is None:
+                continue  # an unusable aside copy stays
+            if (name.startswith(C.STEP_DIR_PREFIX) and C.TMP_MARKER in name and not name.endswith(own)) or \
+                    name.startswith(f".{C.TIMELINES_NAME}{C.TMP_MARKER}"):
+                removed.append((name, _tree_bytes(self.task_dir / name)))
+                self._discard(self.task_dir / name) if not dry_run else None  # a link goes, never its target
+        blobs = self.task_dir / C.BLOBS_DIR
+        for name in mf.listdir(blobs) if not dry_run else ():  # a linked blobs/ lists nothing
+            self._disk.remove(blobs / name) if C.TMP_MARKER in name else None
+        return removed
+
+    def _collect_blobs(self, report: GcReport) -> None:
+        """Remove the blobs of earlier versions no committed checkpoint (nor a copy set aside) references."""
+        used, blobs = set(), self.task_dir / C.BLOBS_DIR
+        dirs = [*self._committed().items(), *((parse_step_dir(n.split(C.TMP_MARKER)[0]) or 0, self.task_dir / n)
+                                              for n in mf.listdir(self.task_dir) if n.endswith(C.ASIDE_SUFFIX))]
+        for step, path in dirs if is_kind(blobs, "dir") else ():
+            try:
+                used |= {b["digest"] for b in (self._read_manifest(step, path).get(C.KEY_BLOBS) or {}).values()}
+            except NotFound:
+                continue
+            except (CorruptCheckpointError, FormatVersionError):
+                return report.kept.append("blobs: not collected, a manifest of this task is unreadable")
+        for name in mf.listdir(blobs):
+            if C.TMP_MARKER not in name and name.split(".")[0] not in used:
+                report.blobs.append(name)
+                report.bytes_freed += _tree_bytes(blobs / name)
+                self._disk.remove(blobs / name) if not report.dry_run else None
+        if self.remote is not None:
+            self._remote_collect_blobs(report)
+
+    # -- a URL root: the cache and the object store ----------------------------------------------------------------
+    def _download(self, path: Path, *names: str) -> None:
+        """An object downloaded to `path`, all or nothing (under a temporary name renamed into place)."""
+        assert self.remote is not None
+        part = self._disk.contained(path.with_name(f".{path.name}{C.TMP_MARKER}{uuid.uuid4().hex[:8]}"))
+        try:
+            self.remote.get(part, *names)
+            self._disk.rename(part, path, replace=True)
+        finally:
+            self._disk.remove(part)
+
+    def _cache_manifest(self, name: str, data: bytes) -> None:
+        """A bucket's manifest into the cache as ``<name>/manifest.json``, when it differs."""
+        local = self.task_dir / name
+        if not is_kind(local / C.MANIFEST_NAME, "file") or (local / C.MANIFEST_NAME).read_bytes() != data:
+            tmp = local.with_name(f"{name}{C.TMP_MARKER}{self.session_id}.pull")
+            self._disk.remove(tmp)
+            self._disk.mkdir(tmp)
+            self._disk.write(tmp / C.MANIFEST_NAME, data)
+            self._disk.remove(local)
+            self._disk.rename(tmp, local)
+
+    def _pull(self) -> None:
+        """The cache holds exactly the bucket's manifests, pin markers and timelines (files come on demand)."""
+        assert self.remote is not None
+        self._disk.mkdir(self.task_dir)
+        if (timelines := self.remote.read(C.TIMELINES_NAME)) is not None:
+            self._disk.write(self.task_dir / C.TIMELINES_NAME, timelines, atomic=self.session_id)
+        for name, data in sorted((manifests := self.remote.manifests()).items()):
+            self._cache_manifest(name, data)
+            if (self.remote.size(name, C.PINNED_MARKER) is not None) != is_kind(marker := self.task_dir / name /
+                                                                                 C.PINNED_MARKER, "file"):
+                self._disk.write(marker, b"") if mf.lstat(marker) is None else self._disk.remove(marker)
+        for path in self._committed().values():
+            self._disk.remove(path) if path.name not in manifests else None
+
+    def _remote_open(self, *, writer: bool) -> None:
+        """The writer removes interrupted uploads and notes itself (object stores offer no lock: the note only makes
+        a second writer visible); then the cache is made to hold the bucket's manifests."""
+        assert self.remote is not None
+        if writer:
+            self._remote_leftovers(dry_run=False, at_open=True)
+            with contextlib.suppress(ValueError, OSError):
+                old = loads_bounded(self.remote.read(C.WRITER_LOCK_NAME, limit=4096) or b"null")
+                if isinstance(old, dict) and old.get("session") != self.session_id:
+                    logger.warning("%s/%s: session %s on %s (pid %s) wrote here last, since %s; object stores have "
+                                   "no lock, so make sure it has stopped: two writers on one task interleave their "
+                                   "checkpoints", self.url, self.task_id, old.get("session"), old.get("host"),
+                                   old.get("pid"), old.get("since"))
+            self.remote.put(json.dumps({"session": self.session_id, "host": os.uname().nodename, "pid": os.getpid(),
+                                        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(),
+                            C.WRITER_LOCK_NAME)
+        self._pull()
+
+    def _remote_leftovers(self, *, dry_run: bool, at_open: bool,
+                          kept: builtins.list[str] | None = None) -> builtins.list[str]:
+        """Other sessions' ``step-<N>.tmp-*`` prefixes, and ``step-<N>/`` prefixes without a manifest (partial
+        uploads): all of them at the writer's open, else only those at or below the newest committed step."""
+        assert self.remote is not None
+        self.remote.invalidate()
+        committed = {parse_step_dir(n) for n in self.remote.manifests()}
+        top, removed = max((s for s in committed if s is not None), default=-1), []
+        for n in self.remote.names():
+            partial = (step := parse_step_dir(n)) is not None and step not in committed
+            if partial and not at_open and step > top:  # type: ignore[operator]
+                (kept if kept is not None else []).append(
+                    f"remote:{n} kept: an upload without a manifest above the newest checkpoint (a save may be in "
+                    "flight); the writer's next open removes it if it was interrupted")
+            elif partial or (C.TMP_MARKER in n and parse_step_dir(n.split(C.TMP_MARKER)[0]) is not None
+                             and f"{C.TMP_MARKER}{self.session_id}" not in n):
+                removed.append(f"remote:{n}")
+                self.remote.remove(n) if not dry_run else None
+        return removed
+
+    def _remote_collect_blobs(self, report: GcReport) -> None:
+        assert self.remote is not None
+        used = set()
+        for name, data in self.remote.manifests().items():
+            try:
+                used |= {str(b.get("digest")) for b in (loads_bounded(data).get(C.KEY_BLOBS) or {}).values()}
+            except (ValueError, AttributeError):
+                return report.kept.append(f"remote blobs: not collected, the manifest of {name} is unreadable")
+        for n in self.remote.names(C.BLOBS_DIR):
+            if n.split(".")[0] not in used:
+                report.blobs.append(f"remote:{n}")
+                report.bytes_freed += self.remote.size(C.BLOBS_DIR, n) or 0
+                self.remote.remove(C.BLOBS_DIR, n) if not report.dry_run else None
+
+    def _materialize(self, step: int) -> None:
+        """Download what a cached checkpoint's manifest lists (blobs of an earlier version too) and the cache lacks."""
+        path, name, manifest = self.task_dir / step_dir_name(step), step_dir_name(step), self._read_manifest(step)
+        for fname, entry in manifest[C.KEY_FILES].items():
+            if (st := mf.lstat(path / fname)) is None or st.st_size != entry[C.KEY_SIZE]:
+                self._download(path / fname, name, fname)
+        for rec in (manifest.get(C.KEY_BLOBS) or {}).values():
+            if not is_kind(blob := self._blob(path, rec["digest"]), "file"):
+                self._disk.mkdir(blob.parent)
+                self._download(blob, C.BLOBS_DIR, blob.name)
+
+    def _refresh_step(self, step: int) -> None:
+        """Ranks > 0 before a save: the bucket's manifest of `step` and timelines into the cache, so that this rank
+        decides "already committed / replace / new" from the same files as rank 0."""
+        assert self.remote is not None
+        self.remote.invalidate()
+        self._disk.mkdir(self.task_dir)
+        if (timelines := self.remote.read(C.TIMELINES_NAME)) is not None:
+            self._disk.write(self.task_dir / C.TIMELINES_NAME, timelines, atomic=self.session_id)
+        if (data := self.remote.read(step_dir_name(step), C.MANIFEST_NAME)) is not None:
+            self._cache_manifest(step_dir_name(step), data)
+        else:
+            self._disk.remove(self.task_dir / step_dir_name(step))
+
+    def _fetch_done(self, done: Path) -> bool:
+        """Rank 0 under a URL root: another rank's done note copied from the bucket, when it is there."""
+        if self.remote is None or self.world_size == 1:
+            return False
+        self.remote.invalidate()
+        if self.remote.size(done.parent.name, done.name) is None:
+            return False
+        self._download(done, done.parent.name, done.name)
+        return True
+
+    def _publish(self, tmp: Path, step: int, files: Mapping[str, Any]) -> None:
+        """Rank 0, before the local rename: other ranks' files into the cache, then every file to the bucket and the
+        manifest last; a failed upload is removed where the endpoint allows (else by the next open or `gc`)."""
+        assert self.remote is not None
+        name = step_dir_name(step)
+        for fname in files:
+            self._download(tmp / fname, name, fname) if not is_kind(tmp / fname, "file") else None
+        self.remote.invalidate()
+        try:
+            self.remote.publish(tmp, name, sorted(files), replacing=self.remote.size(name, C.MANIFEST_NAME) is not None)
+            self.remote.remove(tmp.name) if self.world_size > 1 else None  # the other ranks' done notes
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.remote.remove(name)
+            raise
+
+    def _mirror(self, step: int) -> None:
+        """After a tier delete, pin or unpin: the bucket's copy of `step` follows the cache."""
+        if self.remote is not None:
+            local, name = self.task_dir / step_dir_name(step), step_dir_name(step)
+            keep = {*self._read_manifest(step)[C.KEY_FILES], C.MANIFEST_NAME}
+            self.remote.put(local / C.MANIFEST_NAME, name, C.MANIFEST_NAME)
+            if is_kind(local / C.PINNED_MARKER, "file"):
+                self.remote.put(b"", name, C.PINNED_MARKER)
+                keep.add(C.PINNED_MARKER)
+            for stale in set(self.remote.names(name)) - keep:
+                self.remote.remove(name, stale)

@@ -25,7 +25,7 @@ Every scenario runs in two modes:
 
 Two settings differ from `SmartCkptConfig()` in library mode, neither about what is compared:
 `keep_last=1000`, the counterpart of Trainer's default `save_total_limit=None` (upstream resumes
-from checkpoint-5 after the run that wrote checkpoint-45), and `engine="thread"` (one writer
+from checkpoint-5 after the run that wrote checkpoint-45), and `engine="sync"` (one writer
 process per Trainer would keep ~200 MiB alive per Trainer in this pytest process; the default
 process engine is exercised by `test_can_resume_training`).
 """
@@ -164,7 +164,7 @@ class MockCudaOOMCallback(TrainerCallback):
 # ---------------------------------------------------------------------- trainers per mode
 def smart_config(root: Path, interval: int, **overrides: Any) -> SmartCkptConfig:
     """The library-mode config: `base_interval=interval` at `root` (see the module docstring)."""
-    kw: dict[str, Any] = {"base_interval": interval, "root": str(root), "keep_last": 1000, "engine": "thread"}
+    kw: dict[str, Any] = {"base_interval": interval, "root": str(root), "keep_last": 1000, "engine": "sync"}
     kw.update(overrides)
     return SmartCkptConfig(**kw)
 

@@ -30,7 +30,7 @@ def train_and_save(root: str, *, sharded: bool) -> None:
         fully_shard(model[0])
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ck = RunOrchestrator(SmartCkptConfig(engine="thread", runtime={"preemption_signals": ()}), root=root)
+    ck = RunOrchestrator(SmartCkptConfig(engine="sync", runtime={"preemption_signals": ()}), root=root)
     ck.attach(model, optimizer=opt)
     for step in (1, 2):
         model(torch.randn(3, 4)).sum().backward()
@@ -50,7 +50,7 @@ def resume(root: str, *, sharded: bool) -> dict[str, object]:
     if sharded:
         fully_shard(model[0])
         fully_shard(model)
-    ck = RunOrchestrator(SmartCkptConfig(engine="thread", runtime={"preemption_signals": ()}), root=root)
+    ck = RunOrchestrator(SmartCkptConfig(engine="sync", runtime={"preemption_signals": ()}), root=root)
     ck.attach(model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1))
     try:
         ck.resume("step:1", expected=model.state_dict())  # what the integrations pass (the model check)

@@ -53,7 +53,9 @@ def main() -> None:
     if opts.mode == "lora":
         model = toy.lora(model, r=4, dropout=opts.dropout, seed=0)
     inner = model.base_model.model if opts.mode == "lora" else model
-    dataset = toy.random_token_dataset(num_examples=4 * opts.max_steps, seq_len=16, vocab_size=128, seed=1)
+    g = torch.Generator().manual_seed(1)  # a plain list of rows: the GPU machine has no `datasets`
+    dataset = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (4 * opts.max_steps, 16),
+                                                                          generator=g)]
     record: dict[str, Any] = {"losses": {}, "resumed_from": None, "error": None, "events": []}
     step = {"now": 0}
 

@@ -4,7 +4,7 @@
 
 Imports torch once, then per trial forks a child that opens the store (cleaning up what the
 previous victim left) and saves checkpoints in a loop (and deletes old ones, which
-collects blobs), kills it with SIGKILL after a random delay (on even trials counted from
+reads back), kills it with SIGKILL after a random delay (on even trials counted from
 the victim's first commit, so the store surely grows), and copies the store to
 ``SNAPSHOTS/trial-<k>`` for the test to inspect. Prints one JSON line with per-trial facts.
 Forking a process that has only imported torch (no threads, no open store) is safe.
@@ -28,14 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_dynamic_ckpt.store import (  # noqa: F401 (tensorpack: import before forking)
-    CheckpointState,
-    CheckpointStore,
-    SaveRequest,
-    tensorpack,
-)
-from hf_dynamic_ckpt.store import manifest as store_manifest
-from hf_dynamic_ckpt.store import weights as store_weights  # noqa: F401 (import before forking)
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest, frozen_record
 
 TASK = "crash"
 KEEP = 4
@@ -44,10 +37,11 @@ KEEP = 4
 def expected_state(step: int) -> CheckpointState:
     """The state saved at `step`: a pure function of the step, so a test can recompute it."""
     g = torch.Generator().manual_seed(step)
-    weights = {"w": torch.randn(64, 64, generator=g), "frozen": torch.full((512,), float(step // 5))}
+    weights = {"w": torch.randn(64, 64, generator=g)}
     optimizer = {"state": {0: {"exp_avg": torch.randn(64, 64, generator=g), "step": torch.tensor(float(step))}},
                  "param_groups": [{"lr": 0.1, "params": [0]}]}
-    return CheckpointState(step=step, weights=weights, dedup_keys=frozenset({"frozen"}), optimizer=optimizer,
+    frozen = {"frozen": frozen_record(torch.full((512,), float(step // 5)))}
+    return CheckpointState(step=step, weights=weights, frozen=frozen, optimizer=optimizer,
                            scheduler={"last_epoch": step}, rng={"s": step}, sampler={"batches": step})
 
 
@@ -78,7 +72,7 @@ def main() -> None:
     import safetensors.torch  # noqa: F401
     import zstandard  # noqa: F401
 
-    store_manifest.library_versions()
+    expected_state(1)  # imports what a save needs (zstandard, safetensors, xxhash) before forking
     rng = random.Random(seed)
     facts = []
     for k in range(trials):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from examples import demo
-from hf_dynamic_ckpt.store.store import CheckpointStore
+from hf_dynamic_ckpt.store import CheckpointStore
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Engine lifecycle end to end: hundreds of saves, exit/exception flushes, process mode, memory headroom."""
+"""Engine lifecycle end to end: hundreds of saves, exit/exception flushes, failures, memory headroom."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from hf_dynamic_ckpt.constants import ALL_TIERS, MANIFEST_NAME, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 pytestmark = pytest.mark.integration
 
@@ -54,10 +53,11 @@ def test_300_saves_do_not_leak_fds_threads_or_buffers(tmp_path):
     opt.step()
     sources = StateSources(weights=model.state_dict, optimizer=opt)
     with CheckpointStore(tmp_path / "ckpt") as store, SaveEngine(store) as engine:
+        assert engine.start(wait_s=120)
         for step in range(1, 11):
             engine.save(sources, SaveRequest(step=step, tiers=ALL_TIERS, reason="warm-up"), rng=RNG)
         engine.wait()
-        fds, threads, generation = _fds(), threading.active_count(), engine._snapshotter.pool.generation
+        fds, threads, held = _fds(), threading.active_count(), engine.buffer_bytes
         names = sorted(t.name for t in threading.enumerate())
         for step in range(11, 301):
             with torch.no_grad():
@@ -67,19 +67,19 @@ def test_300_saves_do_not_leak_fds_threads_or_buffers(tmp_path):
         # Nothing may grow (an unrelated descriptor closed by the GC may make it shrink).
         assert _fds() <= fds and threading.active_count() <= threads, (
             fds, threads, names, sorted(t.name for t in threading.enumerate()))
-        assert engine._snapshotter.pool.generation == generation  # buffers reused, never reallocated
-        assert last.step == 300 and len(store.list()) == 300
+        assert engine.buffer_bytes == held  # buffers reused
+        assert last.step == 300 and len(store.list()) == 300 and engine.writer_pid is not None
         assert torch.equal(store.load("step:300").weights["weight"], model.weight.detach())
 
 
-def test_process_mode_isolates_snapshot_and_reports_failures(tmp_path):
+def test_process_writer_isolates_snapshots_and_reports_failures(tmp_path):
     model = tiny_qwen2(seed=0, hidden_size=32, num_layers=1, vocab_size=128)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train_step(model, opt, 0)
     sources = StateSources(weights=model.state_dict, optimizer=opt)
     store = CheckpointStore(tmp_path / "ckpt")
-    engine = SaveEngine(store, mode="process")
-    assert engine.wait_writer_ready(120)  # saves before this would be written by a stand-in thread
+    engine = SaveEngine(store)
+    assert engine.start(wait_s=120)
     handles, expected = [], []
     for step in range(1, 6):
         expected.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -94,9 +94,8 @@ def test_process_mode_isolates_snapshot_and_reports_failures(tmp_path):
     for step, weights in enumerate(expected, start=1):
         loaded = store.load(f"step:{step}").weights
         assert all(torch.equal(loaded[k], v) for k, v in weights.items()), step
-    assert engine._snapshotter.pool.shared
 
-    # The task directory becomes unwritable (a file where the step folder must go).
+    # The task directory becomes unwritable for the writer process (a file where the step folder must go).
     (store.task_dir / f"step-6.tmp-{store.session_id}").write_text("in the way")
     failed = engine.save(sources, SaveRequest(step=6, tiers=ALL_TIERS, reason="interval"), rng=RNG)
     with pytest.raises(SaveError, match=r"save of step 6 \(interval\) failed: .*the previous checkpoint \(step 5\)"):
@@ -104,8 +103,7 @@ def test_process_mode_isolates_snapshot_and_reports_failures(tmp_path):
     assert store.resolve("auto").step == 5
     (store.task_dir / f"step-6.tmp-{store.session_id}").unlink()
     assert engine.save(sources, SaveRequest(step=7, tiers=ALL_TIERS, reason="interval"), rng=RNG).wait(120).step == 7
-    pid = engine._dispatch.writer.pid
-    assert psutil.pid_exists(pid)
+    pid = engine.writer_pid
     engine.close()
     assert not psutil.pid_exists(pid)  # the writer process was stopped and reaped
     engine.close()
@@ -125,28 +123,28 @@ def test_context_manager_flushes_on_exception(tmp_path):
 
 def test_interpreter_exit_after_an_exception_flushes_the_save_in_flight(tmp_path):
     root = tmp_path / "ckpt"
+    (tmp_path / "gate").mkdir()
     result = _run(
         """
-        import sys, time, torch
+        import os, pathlib, sys, threading, torch
+        sys.path.insert(0, "tests/unit")  # the writer process imports the gated store from there
+        from test_engine import GATE_ENV, GatedStore
         from hf_dynamic_ckpt.engine import SaveEngine
         from hf_dynamic_ckpt.state import StateSources
-        from hf_dynamic_ckpt.store import CheckpointStore
-        from hf_dynamic_ckpt.store.spec import SaveRequest
+        from hf_dynamic_ckpt.store import SaveRequest
         from hf_dynamic_ckpt.constants import Tier
-        store = CheckpointStore(sys.argv[1])
-        slow_save = store.save
-        def save(*a, **k):
-            time.sleep(1.0)  # still writing when the script dies
-            return slow_save(*a, **k)
-        store.save = save
+        os.environ[GATE_ENV] = sys.argv[2]  # the writer process holds the write until <gate>/go exists
+        store = GatedStore(sys.argv[1])
         w = {"w": torch.arange(10.0)}
         engine = SaveEngine(store)
+        assert engine.start(wait_s=120)
         handle = engine.save(StateSources(weights=lambda: w),
                              SaveRequest(step=7, tiers={Tier.WEIGHTS}, reason="last"))
         assert not handle.done()
+        threading.Timer(1.0, pathlib.Path(sys.argv[2], "go").touch).start()  # still writing when the script dies
         raise RuntimeError("training crashed")
         """,
-        str(root),
+        str(root), str(tmp_path / "gate"),
     )
     assert result.returncode == 1 and "RuntimeError: training crashed" in result.stderr
     manifest = json.loads((root / "default" / "step-7" / MANIFEST_NAME).read_text())
@@ -162,8 +160,7 @@ import psutil, torch
 torch.set_num_threads(1)
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 from hf_dynamic_ckpt.constants import ALL_TIERS
 
 mode, root, cgroup = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
@@ -185,13 +182,15 @@ cgroup.mkdir(parents=True, exist_ok=True)
 (cgroup / "memory.max").write_text(str(limit if mode == "tight" else 1 << 45))
 (cgroup / "memory.current").write_text(str(base))
 peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-engine = SaveEngine(store, memory_margin=0.05, cgroup_dir=cgroup)
+os.environ["HF_DYNAMIC_CKPT_CGROUP_DIR"] = str(cgroup)
+engine = SaveEngine(store, memory_margin=0.05)
+started = engine.start(wait_s=120)  # not under the tight limit: no room for a second interpreter
 handle = engine.save(sources, SaveRequest(step=1, tiers=ALL_TIERS, reason="x"), rng={"seed": 0})
 info = handle.wait()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before reading anything back
 ok = torch.equal(store.load("step:1").weights["p3"], params[3].detach())
 engine.close()
-print(json.dumps({"staging": handle.staging, "base": base, "limit": limit, "peak": peak,
+print(json.dumps({"staging": handle.staging, "started": started, "base": base, "limit": limit, "peak": peak,
                   "peak_before": peak_before, "snapshot_bytes": snapshot_bytes, "ok": ok, "step": info.step}))
 """
 
@@ -200,7 +199,7 @@ def test_memory_headroom_streams_and_peak_rss_stays_under_the_limit(tmp_path):
     tight = _run(_RSS_SCRIPT, "tight", str(tmp_path / "a"), str(tmp_path / "cg-a"))
     assert tight.returncode == 0, tight.stderr
     t = json.loads(tight.stdout.strip().splitlines()[-1])
-    assert t["staging"] == "streaming" and t["ok"] and t["step"] == 1
+    assert t["staging"] == "sync" and not t["started"] and t["ok"] and t["step"] == 1  # from the live tensors
     assert t["snapshot_bytes"] > t["limit"] - t["base"]
     assert t["peak_before"] <= t["limit"]  # setup itself fits, so the peak below is the save's
     assert t["peak"] <= t["limit"], f"peak RSS {t['peak']} above the cgroup limit {t['limit']}"
@@ -208,5 +207,5 @@ def test_memory_headroom_streams_and_peak_rss_stays_under_the_limit(tmp_path):
     roomy = _run(_RSS_SCRIPT, "roomy", str(tmp_path / "b"), str(tmp_path / "cg-b"))
     assert roomy.returncode == 0, roomy.stderr
     r = json.loads(roomy.stdout.strip().splitlines()[-1])
-    assert r["staging"] == "buffered" and r["ok"]
+    assert r["staging"] == "buffered" and r["started"] and r["ok"]
     assert r["peak"] - r["base"] >= r["snapshot_bytes"]

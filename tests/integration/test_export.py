@@ -30,10 +30,10 @@ TOKENS = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
 
 
 def _train(model: torch.nn.Module, root: Path, steps: int = 3) -> RunOrchestrator:
-    """A few real optimizer steps, then a save of the last one (thread writer, no policy saves)."""
+    """A few real optimizer steps, then a save of the last one (written on the training thread, no policy saves)."""
     torch.manual_seed(0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ck = RunOrchestrator(SmartCkptConfig(root=str(root), base_interval=1000, engine="thread",
+    ck = RunOrchestrator(SmartCkptConfig(root=str(root), base_interval=1000, engine="sync",
                                          policy={"pre_anomaly_capture": False}))
     ck.attach(model, optimizer=opt)
     model.train()
@@ -199,10 +199,11 @@ def test_overwrite_replaces_only_a_previous_export(tmp_path: Path, capsys: pytes
     store_files = _files(out)
     assert _cli(capsys, str(out), "step:24", str(exp), "--format", "hf")[:2] == (
         0, f"exported step 24 (step:24) as hf to {exp}\n")
-    assert sorted(p.name for p in exp.iterdir()) == ["config.json", EXPORT_MARKER, "model.safetensors"]
+    written = ["config.json", "generation_config.json", "model.safetensors"]  # as transformers' save_pretrained does
+    assert sorted(p.name for p in exp.iterdir()) == sorted([*written, EXPORT_MARKER])
     assert json.loads((exp / EXPORT_MARKER).read_text()) == {
         "export_version": 1, "store": str((out / "smart_ckpt").absolute()), "task": "default", "step": 24,
-        "ref": "step:24", "format": "hf", "files": ["config.json", "model.safetensors"], "library_version": VERSION}
+        "ref": "step:24", "format": "hf", "files": written, "library_version": VERSION}
     assert _cli(capsys, str(out), "auto", str(exp), "--format", "hf")[2] == (
         f"hf-dynamic-ckpt: error: {exp} exists: choose a new folder or pass overwrite=True (--overwrite).\n")
     assert export_checkpoint(out, "auto", exp, format="hf", overwrite=True) == exp
@@ -224,18 +225,12 @@ def test_overwrite_replaces_only_a_previous_export(tmp_path: Path, capsys: pytes
 
 
 def test_a_failed_export_leaves_the_previous_one_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt import export
-
     out, exp = tmp_path / "out", tmp_path / "exp"
     _store(out / "smart_ckpt", (24, 32))
     export_checkpoint(out, "step:24", exp, format="hf")
     previous = _files(exp)
-
-    def disk_full(tensors: object, path: Path, metadata: object = None) -> None:
-        path.write_bytes(b"partial")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(export, "_save", disk_full)
+    # The disk fills up while the new export's weights are written (the test hook's `export` point, per file).
+    monkeypatch.setenv("HF_DYNAMIC_CKPT_FAULT", "export@name=model.safetensors:raise=ENOSPC")
     with pytest.raises(OSError, match="No space left on device"):
         export_checkpoint(out, "auto", exp, format="hf", overwrite=True)
     assert _files(exp) == previous

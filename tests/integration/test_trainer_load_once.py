@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from transformers import Trainer, TrainingArguments
 
 from examples import toy
 from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
+from hf_dynamic_ckpt.errors import FAULT_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +58,11 @@ def test_the_weights_are_in_the_model_before_train_and_trainer_does_not_load_the
     make_trainer(tmp_path, 4, lora=lora).train()
     saved = stored_weights(tmp_path, 4)
     calls = count_loads(monkeypatch)
-    import hf_dynamic_ckpt.store.reader as reader
-
-    hashed: list[str] = []  # files hashed in a pass of their own (not as they are read)
-    real = reader.file_checksum
-    monkeypatch.setattr(reader, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
-                        or real(path, algo))
+    log = tmp_path / "checked.jsonl"  # files hashed in a pass of their own (not as they are read)
+    monkeypatch.setenv(FAULT_ENV, f"read@op=check:log={log}")
     trainer = make_trainer(tmp_path, 6, lora=lora)
     folder = resume_checkpoint(trainer, "auto")
+    hashed = [json.loads(line)["name"] for line in log.read_text().splitlines()] if log.exists() else []
     assert ("weights.safetensors" in hashed) == lora  # a full model's file: read once, hashed as it is read
     file = "adapter_model.safetensors" if lora else "model.safetensors"
     assert folder is not None and Path(folder, file).is_file()  # for a Trainer that loads it anyway

@@ -32,7 +32,7 @@ args = TrainingArguments(output_dir=out, max_steps=6, per_device_train_batch_siz
                          report_to=[] if report == "none" else [report], logging_steps=1, use_cpu=True,
                          disable_tqdm=True)
 trainer = Trainer(model=model, args=args, train_dataset=toy.random_token_dataset(num_examples=32),
-                  callbacks=[SmartCkptCallback(SmartCkptConfig(base_interval=2, engine="thread"))])
+                  callbacks=[SmartCkptCallback(SmartCkptConfig(base_interval=2, engine="sync"))])
 trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, None if resume == "no" else resume))
 """
 

@@ -96,8 +96,6 @@ def main() -> None:
                    help="train under DeepSpeed ZeRO of this stage (run with DS_ACCELERATOR=cpu)")
     p.add_argument("--record_layer_norms", action="store_true",
                    help="record what the gradient probe measures each step: (global norm, {LoRA layer: norm})")
-    p.add_argument("--consolidate", default=None, choices=["on", "off"],
-                   help="SmartCkptCallback(consolidate=...): trainable state in flat buffers (default: auto)")
     p.add_argument("--eval_steps", type=int, default=None, help="evaluate every N steps (16 eval rows)")
     p.add_argument("--eval_on_start", action="store_true")
     p.add_argument("--best", action="store_true",
@@ -113,19 +111,9 @@ def main() -> None:
     from hf_dynamic_ckpt.errors import RollbackError
 
     rank = int(os.environ.get("RANK", "0"))
-    if args.slow_snapshot_rank is not None and rank == args.slow_snapshot_rank:
+    if args.slow_snapshot_rank is not None:
         # A rank whose saves cost more (a slower disk, a busier host): its measured blocking time differs.
-        import time
-
-        from hf_dynamic_ckpt.engine import snapshot
-
-        original_take = snapshot.Snapshotter.take
-
-        def slow_take(self, *a, **kw):  # type: ignore[no-untyped-def]
-            time.sleep(args.slow_ms / 1000.0)
-            return original_take(self, *a, **kw)
-
-        snapshot.Snapshotter.take = slow_take  # type: ignore[method-assign]
+        os.environ["HF_DYNAMIC_CKPT_FAULT"] = f"snapshot@rank={args.slow_snapshot_rank}:sleep={args.slow_ms}"
 
     model = build_model(args.model, tie=args.tie, dropout=args.dropout)
     ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
@@ -206,7 +194,7 @@ def main() -> None:
     short = {} if args.default_policy else {"stability_window": 8, "overhead_budget": 1.0}
     config = SmartCkptConfig(base_interval=args.base_interval, on_anomaly=args.on_anomaly,
                              policy={**rollback, **short}, runtime={"keep_global_batch": not args.accept_global_batch})
-    cb = SmartCkptCallback(config, consolidate=None if args.consolidate is None else args.consolidate == "on")
+    cb = SmartCkptCallback(config)
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=args.per_device,
         gradient_accumulation_steps=args.ga, learning_rate=args.lr, warmup_steps=2, lr_scheduler_type="cosine",
@@ -357,17 +345,7 @@ def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed:
     with open(path, "w") as f:
         json.dump({"losses": losses, "resumed_from": resumed, "events": events, "killed": killed, **(after or {}),
                    "children": children, "saves_logged": saves_logged,
-                   "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else [],
-                   "flat": _flat_layout(cb)}, f)
-
-
-def _flat_layout(cb) -> dict | None:  # type: ignore[no-untyped-def]
-    """Whether the trainable state is consolidated now (and how often it was moved)."""
-    keeper = cb.flat
-    if keeper is None or keeper.state is None:
-        return None
-    return {"moves": keeper.moves, "intact": keeper.state.intact(), "params": len(keeper.state.params),
-            "state_tensors": len(keeper.state.entries)}
+                   "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else []}, f)
 
 
 if __name__ == "__main__":

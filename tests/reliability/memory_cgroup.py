@@ -36,9 +36,14 @@ class MemoryCgroup:
         own = sysmem.find_memory_cgroup()
         if own is None:
             raise CgroupUnavailable("no memory cgroup is mounted (/proc/self/cgroup + /proc/self/mountinfo)")
-        self.version = sysmem.cgroup_version(own)
-        mounts = sysmem.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
-        mount = mounts[self.version or 0].mount_point
+        self.version = 2 if (own / "memory.max").exists() else 1
+        mount = own
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():  # the hierarchy's mount point
+            fields, _, tail = line.partition(" - ")
+            fstype, _, options = [*tail.split(), "", "", ""][:3]
+            if (fstype == "cgroup2") if self.version == 2 else (fstype == "cgroup" and "memory" in options.split(",")):
+                mount = Path(fields.split()[4])
+                break
         errors = []
         for parent in dict.fromkeys([own, mount]):  # v2: a populated cgroup cannot have controllers in children
             path = parent / f"{name}-{os.getpid()}"
@@ -69,7 +74,10 @@ class MemoryCgroup:
 
     def peak_bytes(self) -> int | None:
         """Peak usage the kernel counted (page cache included); `None` where the kernel has no such file."""
-        return sysmem.read_int(self.path / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
+        try:
+            return int((self.path / ("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")).read_text())
+        except (OSError, ValueError):
+            return None
 
     def oom_kills(self) -> int:
         """How many processes the OOM killer killed in this cgroup."""

@@ -2,8 +2,7 @@
 
 An MLP of `--mib` MiB of float32 weights trained with AdamW (so ~3x that in state), with
 a forward pass whose activations a step allocates and frees. `--saves none` trains only;
-`--saves engine` saves every `--every` steps through `SaveEngine` (writer process by
-default, buffers prepared at attach as the Trainer callback does), then checks that the
+`--saves engine` saves every `--every` steps through `SaveEngine`, then checks that the
 last checkpoint loads back bit-equal to the live state. Writes `<out>/<tag>.json`.
 """
 
@@ -35,8 +34,7 @@ def main() -> None:
     from hf_dynamic_ckpt.constants import ALL_TIERS
     from hf_dynamic_ckpt.engine import SaveEngine
     from hf_dynamic_ckpt.state import StateSources
-    from hf_dynamic_ckpt.store import CheckpointStore
-    from hf_dynamic_ckpt.store.spec import SaveRequest
+    from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
     width = 1024
     layers = max(1, args.mib * (1 << 20) // (4 * width * width))
@@ -50,7 +48,6 @@ def main() -> None:
         store = CheckpointStore(os.path.join(args.out, "ckpt"))
         engine = SaveEngine(store, mode=args.mode)
         sources = StateSources(weights=model.state_dict, optimizer=opt)
-        engine.prepare(sources)  # what the Trainer callback does at attach
     handles = []
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -65,7 +62,7 @@ def main() -> None:
         infos = [h.wait() for h in handles]
         result["saves"] = [{"step": i.step, "staging": h.staging, "blocking_ms": h.blocking_ms}
                            for i, h in zip(infos, handles)]
-        result["writer"] = str(engine.mode)
+        result["writer_pid"] = engine.writer_pid
         engine.close()
         loaded = store.load(f"step:{infos[-1].step}")
         live = model.state_dict()

@@ -3,11 +3,12 @@
     python tests/reliability/replace_runner.py TEMPLATE SNAPSHOTS
 
 Builds TEMPLATE (steps 1 and 2 committed by one session), then counts the filesystem
-operations (mkdir, rename, replace, unlink, rmtree, fsync) that another session's save of
-step 2 with new content performs (a replace-commit). For every k in 1..N it copies
-TEMPLATE to ``SNAPSHOTS/trial-<k>``, forks a child that opens the copy and replaces step 2,
-and SIGKILLs the child from inside at its k-th operation. Prints one JSON line of facts.
-Forking a process that has only imported torch (no threads, no open store) is safe.
+operations (mkdir, rename, replace, unlink, rmtree, fsync: the store's ``fs`` fault point) that
+another session's save of step 2 with new content performs (a replace-commit). For every k in
+1..N it copies TEMPLATE to ``SNAPSHOTS/trial-<k>``, forks a child that opens the copy and
+replaces step 2 with ``HF_DYNAMIC_CKPT_FAULT=fs@nth=<k>:kill``, which SIGKILLs it right before its
+k-th operation. Prints one JSON line of facts. Forking a process that has only imported torch (no
+threads, no open store) is safe.
 """
 
 from __future__ import annotations
@@ -18,25 +19,20 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: store_helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from store_helpers import tiny_state
 
-from hf_dynamic_ckpt.store import (  # noqa: F401 (import before forking)
-    CheckpointStore,
-    SaveRequest,
-    manifest,
-    tensorpack,
-    weights,
-)
+from hf_dynamic_ckpt.errors import FAULT_ENV
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 TASK = "run"
-HOOKED = [(os, "mkdir"), (os, "rename"), (os, "replace"), (os, "unlink"), (os, "fsync"), (shutil, "rmtree")]
 
 
 def old_state(step: int):  # type: ignore[no-untyped-def]
@@ -48,27 +44,12 @@ def new_state(step: int):  # type: ignore[no-untyped-def]
     return dataclasses.replace(tiny_state(100 + step, frozen=2.0), step=step)
 
 
-def _hook(kill_at: int, counter: list[int]) -> None:
-    for module, name in HOOKED:
-        real = getattr(module, name)
-
-        def wrapped(*args, _real=real, **kwargs):  # type: ignore[no-untyped-def]
-            counter[0] += 1
-            if counter[0] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return _real(*args, **kwargs)
-
-        setattr(module, name, wrapped)
-
-
-def _child(root: Path, kill_at: int, write_fd: int) -> None:
+def _child(root: Path, kill_at: int, log: Path) -> None:
     try:
         torch.set_num_threads(1)
         store = CheckpointStore(root, task_id=TASK, session_id="new", compression_threads=1)
-        counter = [0]
-        _hook(kill_at, counter)
+        os.environ[FAULT_ENV] = f"fs:log={log}" if kill_at < 0 else f"fs@nth={kill_at}:kill"
         store.save(new_state(2), SaveRequest(step=2, reason="replacing"), replace=True)
-        os.write(write_fd, json.dumps(counter[0]).encode())
         os._exit(0)
     except BaseException:
         import traceback
@@ -78,25 +59,20 @@ def _child(root: Path, kill_at: int, write_fd: int) -> None:
 
 
 def _run(root: Path, kill_at: int) -> tuple[bool, int | None]:
-    read_fd, write_fd = os.pipe()
+    log = Path(tempfile.mkdtemp()) / "fs.jsonl"
     pid = os.fork()
     if pid == 0:
-        os.close(read_fd)
-        _child(root, kill_at, write_fd)
-    os.close(write_fd)
-    data = os.read(read_fd, 64)
-    os.close(read_fd)
+        _child(root, kill_at, log)
     _, status = os.waitpid(pid, 0)
     killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     if not killed and not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
         raise SystemExit(f"trial child failed with status {status}")
-    return killed, json.loads(data) if data else None
+    return killed, len(log.read_text().splitlines()) if log.exists() else None
 
 
 def main() -> None:
     template, snapshots = Path(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
-    manifest.library_versions()
     store = CheckpointStore(template, task_id=TASK, session_id="old", compression_threads=1)
     for step in (1, 2):
         store.save(old_state(step), SaveRequest(step=step, reason="original"))

@@ -8,7 +8,7 @@ good checkpoint look corrupt.
 
 from __future__ import annotations
 
-import errno
+import json
 import sqlite3
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from helpers import save_state
 from store_helpers import tiny_state
 
 from hf_dynamic_ckpt.constants import CATALOG_NAME, PINNED_MARKER, Tier
-from hf_dynamic_ckpt.errors import CorruptCheckpointError
+from hf_dynamic_ckpt.errors import FAULT_ENV, CorruptCheckpointError
 from hf_dynamic_ckpt.store import CheckpointStore, Removal
 
 
@@ -74,21 +74,14 @@ def test_a_real_corrupt_flag_stays(store: CheckpointStore) -> None:
     assert store.list(include_unhealthy=True)[0].status == "corrupt"
 
 
-def test_one_transient_read_error_is_retried(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hf_dynamic_ckpt.store.reader as reader
-
-    real = reader.file_checksum
-    calls = {"n": 0}
-
-    def flaky(path: object, algo: str | None = None) -> str:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise OSError(errno.EIO, "Input/output error", str(path))
-        return real(path, algo=algo)
-
-    monkeypatch.setattr(reader, "file_checksum", flaky)
+def test_one_transient_read_error_is_retried(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    log = tmp_path / "reads.jsonl"
+    monkeypatch.setenv(FAULT_ENV, f"read:log={log};read@name=weights.safetensors@nth=1:raise=EIO")
     loaded = store.load("step:5", tiers={Tier.WEIGHTS})
-    assert calls["n"] >= 2 and torch.equal(loaded.weights["w"], tiny_state(5).weights["w"])
+    assert torch.equal(loaded.weights["w"], tiny_state(5).weights["w"])
+    reads = [json.loads(line)["name"] for line in log.read_text().splitlines()]
+    assert reads.count("weights.safetensors") == 2  # the failed read, then the one that succeeded
     assert store.list()[0].status == "ok"
 
 

@@ -15,18 +15,11 @@ from pathlib import Path
 
 import pytest
 from helpers import save_state
-from store_helpers import Canary, read_manifest_json, tiny_state, write_manifest_json
+from store_helpers import Canary, file_checksum, read_manifest_json, tiny_state, write_manifest_json
 
 from hf_dynamic_ckpt.constants import OPTIMIZER_NAME, Tier
-from hf_dynamic_ckpt.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DynamicCkptError,
-    UnsafePathError,
-)
+from hf_dynamic_ckpt.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DynamicCkptError
 from hf_dynamic_ckpt.store import CheckpointStore, Removal
-from hf_dynamic_ckpt.store.fs import LocalFS
-from hf_dynamic_ckpt.store.hashing import file_checksum
 
 
 def _store(tmp_path: Path, **kw: object) -> CheckpointStore:
@@ -73,17 +66,20 @@ def test_manifest_file_names_outside_the_checkpoint_are_never_touched(tmp_path: 
     store.close()
     _store(tmp_path).close()  # a fresh open (cleanup, catalog sync) too
     assert canary.intact()
-    assert store.fs.is_dir(tmp_path / "root" / "run" / "step-1")
+    assert (tmp_path / "root" / "run" / "step-1").is_dir()
 
 
-def test_blob_digest_that_is_a_path_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("table", ["blobs", "frozen"])
+def test_blob_digest_that_is_a_path_is_refused(tmp_path: Path, table: str) -> None:
     canary = Canary(tmp_path / "outside", name="x.safetensors")
     store = _store(tmp_path)
     info = save_state(store, tiny_state(1, frozen=1.0), reason="r")
     manifest = read_manifest_json(Path(info.path))
-    manifest["blobs"]["frozen"]["digest"] = "../../../outside/x"
+    # A blob record is what an earlier version wrote for a frozen weight; a frozen record names no file at all.
+    manifest[table] = {"frozen": {"digest": "../../../outside/x", "dtype": "float32", "shape": [64], "size": 8}}
     write_manifest_json(Path(info.path), manifest)
-    with pytest.raises(CorruptCheckpointError, match="blob record of weight 'frozen' is malformed"):
+    with pytest.raises(CorruptCheckpointError, match=f"{table.removesuffix('s')} record of weight 'frozen' is "
+                                                     "malformed"):
         store.load("step:1")
     _every_operation(store, 1)
     store.close()
@@ -149,6 +145,7 @@ def test_leftover_links_are_removed_without_touching_their_targets(tmp_path: Pat
     save_state(store, tiny_state(1, frozen=1.0), reason="r")
     store.close()
     task = tmp_path / "root" / "run"
+    (task / "blobs").mkdir()  # the blob store of an earlier version
     (task / "step-3.tmp-old").symlink_to(outside, target_is_directory=True)
     (task / "blobs" / "x.safetensors.tmp-old").symlink_to(canary.path)
     _store(tmp_path, session_id="s2").close()
@@ -157,20 +154,23 @@ def test_leftover_links_are_removed_without_touching_their_targets(tmp_path: Pat
     assert canary.intact()
 
 
-def test_the_seam_refuses_escapes_and_links(tmp_path: Path) -> None:
-    canary = Canary(tmp_path / "outside")
-    root = tmp_path / "root"
-    (root / "run").mkdir(parents=True)
-    (root / "run" / "link").symlink_to(tmp_path / "outside", target_is_directory=True)
-    fs = LocalFS(root)
-    with pytest.raises(UnsafePathError, match="outside the store root"):
-        fs.unlink(root / "run" / ".." / ".." / "outside" / "canary.txt")
-    with pytest.raises(UnsafePathError, match="outside the store root"):
-        fs.unlink(root / "run" / "link" / "canary.txt")
-    with pytest.raises(UnsafePathError, match="symbolic link"):
-        fs.rmtree(root / "run" / "link")
-    with pytest.raises(UnsafePathError, match="symbolic link"):
-        fs.rename(root / "run" / "link", root / "run" / "moved")
-    with pytest.raises(UnsafePathError, match="never reads through links"):
-        fs.open_read(root / "run" / "link")
+def test_links_in_place_of_checkpoint_files_or_the_task_are_never_followed(tmp_path: Path) -> None:
+    canary = Canary(tmp_path / "outside", data=b"x" * 64)
+    store = _store(tmp_path)
+    info = save_state(store, tiny_state(1), reason="r")
+    save_state(store, tiny_state(2), reason="r")
+    directory = Path(info.path)
+    (directory / "sampler.json").unlink()
+    (directory / "sampler.json").symlink_to(canary.path)
+    (directory / "PINNED").symlink_to(canary.path)
+    assert store.verify("step:1") == ["sampler.json (tier state): not a regular file (a symbolic link or directory is "
+                                      "refused)"]
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        store.load("step:1")
+    _every_operation(store, 1)
+    store.close()
+    assert canary.intact() and not (tmp_path / "root" / "run" / "step-1").exists()
+    (tmp_path / "linked").symlink_to(tmp_path / "root" / "run", target_is_directory=True)
+    with pytest.raises(ConfigError, match="is a symbolic link; the store refuses to work through links"):
+        CheckpointStore(tmp_path, task_id="linked")
     assert canary.intact()

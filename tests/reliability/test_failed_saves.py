@@ -32,7 +32,7 @@ def _run(tmp_path: Path, fail_steps: set[int], steps: int, **cfg: object) -> tup
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=2, engine="thread", **cfg)  # type: ignore[arg-type]
+    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=2, engine="sync", **cfg)  # type: ignore[arg-type]
     ck = RunOrchestrator(config)
     ck.attach(model, optimizer=opt)
     real_save = ck.store.save

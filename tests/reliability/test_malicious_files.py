@@ -1,7 +1,8 @@
 """Every bad byte falls back: hostile files raise `CorruptCheckpointError`, within bounded memory.
 
-The failures it guards: float `data_offsets` or a list in the safetensors alias map giving a
-raw `TypeError`; an L1 header declaring 64 GiB giving a raw allocator `RuntimeError`;
+The failures it guards: float `data_offsets` (now refused by the safetensors package's parser) or a list
+in the safetensors alias map giving a raw `TypeError`; an L1 header declaring 64 GiB giving a raw allocator
+`RuntimeError`;
 `group_chunk_elems=1` in a 350-byte L1 file a `MemoryError` at 2.7 GB RSS after 31 s; a
 100k-deep JSON a `RecursionError` that stops the store from opening; a non-JSON
 `optimizer.json` aborting resume instead of the weights-only fallback.
@@ -80,13 +81,15 @@ def _chunk1_l1(directory: Path) -> None:
 CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "safetensors float data_offsets": (lambda d: replace_file(d, WEIGHTS_NAME, _safetensors(
         {"w": {"dtype": "F32", "shape": [8, 4], "data_offsets": [0.0, 128.0]}}, bytes(128))),
-        r"data_offsets \[0.0, 128.0\]; expected two non-negative integers"),
+        r"weights.safetensors is not a valid safetensors file \(Error while deserializing header: invalid JSON in "
+        r"header: invalid type: floating point `0.0`, expected usize"),
     "safetensors list in the alias map": (lambda d: replace_file(d, WEIGHTS_NAME, _safetensors(
         {"__metadata__": {"format": "pt", "hf_dynamic_ckpt.aliases": json.dumps({"v": ["w"]})},
          "w": {"dtype": "F32", "shape": [8, 4], "data_offsets": [0, 128]}}, bytes(128))),
         r"Alias map in .* is not a JSON object of key names"),
     "safetensors 100k-deep header": (lambda d: replace_file(d, WEIGHTS_NAME, struct.pack("<Q", len(DEEP)) + DEEP),
-                                     r"not a valid safetensors file \(JSON nested too deeply"),
+                                     r"not a valid safetensors file \(Error while deserializing header: invalid "
+                                     r"JSON in header: invalid type: sequence"),
     "L1 header declaring 64 GiB": (_huge_l1, r"declares 68719476736 bytes of tensors but holds a \d+-byte payload"),
     "L1 group_chunk_elems=1 in 350 bytes": (_chunk1_l1,
                                             r"declares 16777216 bytes of tensors but holds a 20-byte payload"),

@@ -3,9 +3,9 @@
 Each case first runs the training without saves in a fresh memory cgroup (v2 or v1, whichever
 the machine mounts) to measure its peak as the kernel counts it, then runs the same training
 with saves in another cgroup limited to that peak plus a margin smaller than a second copy
-of the state. Before the engine read cgroup v1 limits it could not see a cgroup v1 limit, prepared its
-shared-memory snapshot buffers at attach and started a writer process: the kernel OOM-killed
-the job. Needs root (CI runs as root); skipped, saying why, where no cgroup can be created.
+of the state. Before the engine read cgroup v1 limits it could not see a cgroup v1 limit and held a second copy
+of the state: the kernel OOM-killed the job. Needs root (CI runs as root); skipped, saying why, where no cgroup
+can be created.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def _no_save_peak(worker: str, out: Path, *args: str) -> tuple[int, dict]:
 
 
 def test_engine_saves_fit_under_a_limit_just_above_the_no_save_peak(tmp_path):
-    # 64 MiB of weights + 128 MiB of AdamW state: a second copy (192 MiB, shared memory) plus a
-    # writer process do not fit in the 160 MiB margin; streaming from the live tensors does. The
+    # 64 MiB of weights + 128 MiB of AdamW state: a second copy (192 MiB) and a writer process do not
+    # fit in the 160 MiB margin; saving synchronously from the live tensors does. The
     # margin must still hold the store's own write buffers (L1: up to 4 frames of 16 MiB in flight,
     # input and compressed output; about 100-130 MiB), which every path needs.
     peak, _ = _no_save_peak("memory_engine_worker.py", tmp_path, "--mib", "64")
@@ -60,8 +60,8 @@ def test_engine_saves_fit_under_a_limit_just_above_the_no_save_peak(tmp_path):
         r = _run(cg, "memory_engine_worker.py", tmp_path, "saves", "--saves", "engine", "--mib", "64")
     assert [s["step"] for s in r["saves"]] == [2, 4, 6]
     assert r["weights_equal"] and r["optimizer_equal"]  # the last save is the live state, bit for bit
-    assert {s["staging"] for s in r["saves"]} == {"streaming"}  # a buffered copy does not fit
-    assert r["writer"] == "thread"  # no second interpreter under this limit
+    assert {s["staging"] for s in r["saves"]} == {"sync"}  # from the live tensors: no copy, no second process
+    assert r["writer_pid"] is None
 
 
 @pytest.mark.slow
@@ -82,7 +82,7 @@ def test_trainer_native_and_smart_saves_fit_under_a_limit_and_resume_exactly(tmp
     events = smart["events"]
     assert [e["step"] for e in events] == [2, 4, 6]
     assert all(e["error"] is None and e["path"] for e in events), events
-    assert all(e["staging"] in ("buffered", "streaming") for e in events), events
+    assert all(e["staging"] in ("buffered", "streaming", "sync") for e in events), events
     # Resumable: from the first smart save, bit-exact with the uninterrupted run (no limit needed).
     with _cgroup("hfdc-resume") as cg:
         resumed = _run(cg, "memory_worker.py", tmp_path / "smart", "resumed", "--saves", "smart", *args,

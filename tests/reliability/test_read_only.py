@@ -13,6 +13,7 @@ real read-only bind mount (`unshare -rm`), and on a chmod-ed tree for non-root u
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from helpers import save_state
 from store_helpers import tiny_state, tree
 
 from hf_dynamic_ckpt.constants import CATALOG_NAME, Tier
-from hf_dynamic_ckpt.errors import CheckpointNotFoundError, DynamicCkptError
+from hf_dynamic_ckpt.errors import FAULT_ENV, CheckpointNotFoundError, DynamicCkptError
 from hf_dynamic_ckpt.store import CheckpointStore, Lineage
 
 
@@ -44,7 +45,7 @@ def _read_everything(store: CheckpointStore) -> dict[str, object]:
         "list": [i.step for i in store.list(include_unhealthy=True, include_abandoned=True)],
         "auto": store.resolve("auto").step,
         "verify": [store.verify(s) for s in (1, 2, 3)],
-        "weights": store.load("step:2", tiers={Tier.WEIGHTS}).weights["frozen"].sum().item(),
+        "weights": store.load("step:2", tiers={Tier.WEIGHTS}).frozen == tiny_state(2, frozen=1.0).frozen,
         "gc": store.gc(dry_run=True).abandoned,
     }
 
@@ -53,7 +54,7 @@ def test_read_only_store_changes_nothing_on_disk(root: Path) -> None:
     before = tree(root)
     store = CheckpointStore(root, task_id="run", read_only=True)
     seen = _read_everything(store)
-    assert seen == {"list": [3, 2, 1], "auto": 1, "verify": [[], [], []], "weights": 64.0, "gc": []}
+    assert seen == {"list": [3, 2, 1], "auto": 1, "verify": [[], [], []], "weights": True, "gc": []}
     for attempt in (lambda: save_state(store, tiny_state(4), reason="r"), lambda: store.delete("step:1"),
                     lambda: store.pin("step:1"), lambda: store.gc(),
                     lambda: store.fork(timeline="x", after_step=None, session="x")):
@@ -114,22 +115,33 @@ def test_readers_work_on_read_only_media(root: Path) -> None:
     assert tree(root) == before
 
 
-def test_verify_of_a_checkpoint_deleted_during_the_scan_is_a_note(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hf_dynamic_ckpt.store.reader as reader
+def test_verify_of_a_checkpoint_deleted_during_the_scan_is_a_note(root: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    import threading
 
     store = CheckpointStore(root, task_id="run", session_id="v")
     other = store.task_dir / "step-3"
-    real = reader.file_checksum
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv(FAULT_ENV, f"read@step=3@name=weights.safetensors:gate={gate}")
+    errors: list[BaseException] = []
 
-    def retention_runs_meanwhile(path: object, algo: str | None = None) -> str:
-        if other.exists():
-            shutil.rmtree(other)  # another process deletes the checkpoint mid-scan
-        return real(path, algo=algo)
+    def verify() -> None:
+        try:
+            store.verify("step:3")
+        except BaseException as e:
+            errors.append(e)
 
-    monkeypatch.setattr(reader, "file_checksum", retention_runs_meanwhile)
-    with pytest.raises(CheckpointNotFoundError, match=r"step 3 .* was deleted before or while it was verified"):
-        store.verify("step:3")
-    monkeypatch.undo()
+    thread = threading.Thread(target=verify)
+    thread.start()
+    while not (gate / "read.reached").exists():  # verify is checking step 3's files
+        thread.join(0.01)
+    shutil.rmtree(other)  # another process deletes the checkpoint mid-scan
+    (gate / "read.go").touch()
+    thread.join(60)
+    monkeypatch.delenv(FAULT_ENV)
+    assert len(errors) == 1 and isinstance(errors[0], CheckpointNotFoundError)
+    assert re.search(r"step 3 .* was deleted before or while it was verified", str(errors[0]))
     with pytest.raises(CheckpointNotFoundError, match="step 3 has no committed checkpoint"):
         store.verify("step:3")
     assert store.verify("step:2") == [] and torch.equal(store.load("step:2").weights["w"], tiny_state(2).weights["w"])

@@ -19,7 +19,7 @@ from helpers import save_state
 from store_helpers import read_manifest_json, tiny_state
 
 from hf_dynamic_ckpt.constants import TIMELINES_NAME, Tier
-from hf_dynamic_ckpt.errors import SaveError
+from hf_dynamic_ckpt.errors import FAULT_ENV, SaveError
 from hf_dynamic_ckpt.store import CheckpointStore, Lineage, SaveRequest
 
 T1 = Lineage(session="s1", timeline="t1")
@@ -108,14 +108,10 @@ def test_a_crash_while_forking_leaves_the_old_record_or_the_new_one(forked: Chec
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     store = forked
     before = (store.task_dir / TIMELINES_NAME).read_bytes()
-
-    def power_cut(*args: object, **kwargs: object) -> None:
-        raise OSError("power cut before the rename")
-
-    monkeypatch.setattr("hf_dynamic_ckpt.store.fs.os.replace", power_cut)
-    with pytest.raises(OSError, match="power cut"):
+    monkeypatch.setenv(FAULT_ENV, "fs@op=replace:raise=EIO")  # a power cut before the rename
+    with pytest.raises(OSError, match="injected"):
         store.fork(timeline="t9", after_step=None, session="s9")
-    monkeypatch.undo()
+    monkeypatch.delenv(FAULT_ENV)
     assert (store.task_dir / TIMELINES_NAME).read_bytes() == before
     assert not [p for p in store.task_dir.iterdir() if ".tmp-" in p.name]
     assert [i.step for i in store.list()] == [4, 2]
@@ -132,19 +128,19 @@ def test_save_request_reaches_the_manifest_unchanged(tmp_path: Path) -> None:
         "loss spike at step 3", "risk", True, False)
     assert manifest["signals"] == {"loss": "NaN"} and manifest["debug_info"] == [{"step": 3, "loss": 2.0}]
     assert manifest["lineage"] == T1.to_dict() and info.lineage == T1
-    assert info.blobs == {} and store.list(include_unhealthy=True)[0].lineage == T1
+    assert info.frozen == {} and store.list(include_unhealthy=True)[0].lineage == T1
     with pytest.raises(SaveError, match=r"SaveRequest.step=4 differs from the state's step 3"):
         store.save(tiny_state(3), SaveRequest(step=4, reason="x"))
     store.close()
 
 
-def test_info_blobs_come_from_the_manifest_everywhere(tmp_path: Path) -> None:
+def test_info_frozen_records_come_from_the_manifest_everywhere(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, task_id="run", session_id="s1")
     committed = save_state(store, tiny_state(1, frozen=3.0), reason="r")
-    expected = read_manifest_json(Path(committed.path))["blobs"]
-    assert dict(committed.blobs) == expected and set(expected) == {"frozen"}
-    assert dict(store.list()[0].blobs) == expected and dict(store.resolve("step:1").blobs) == expected
+    expected = read_manifest_json(Path(committed.path))["frozen"]
+    assert dict(committed.frozen) == expected and set(expected) == {"frozen"}
+    assert dict(store.list()[0].frozen) == expected and dict(store.resolve("step:1").frozen) == expected
     store.close()
     reopened = CheckpointStore(tmp_path, task_id="run", read_only=True)  # rebuilt from the manifests
-    assert dict(reopened.list()[0].blobs) == expected
+    assert dict(reopened.list()[0].frozen) == expected
     reopened.close()

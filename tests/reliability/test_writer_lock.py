@@ -61,7 +61,7 @@ print("done", flush=True)
 
 def _holder(root: Path, mode: str) -> tuple[subprocess.Popen[str], int | None]:
     """The first writer, and (mode "orphan") the pid of the child that inherited its open lock file."""
-    argv = [sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode, str(Path(__file__).parent)]
+    argv = [sys.executable, "-c", textwrap.dedent(HOLDER), str(root), mode, str(Path(__file__).parents[1])]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().split()
@@ -196,7 +196,7 @@ def test_a_second_writer_of_this_process_is_refused_while_the_first_is_open(tmp_
 
 def test_a_new_run_of_this_process_closes_the_earlier_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = tmp_path / "store"
-    config = SmartCkptConfig(root=str(root), task_id="run", base_interval=1, engine="thread")
+    config = SmartCkptConfig(root=str(root), task_id="run", base_interval=1, engine="sync")
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     first = RunOrchestrator(config)

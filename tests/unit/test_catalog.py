@@ -11,8 +11,7 @@ import torch
 from helpers import save_state
 
 from hf_dynamic_ckpt.constants import CATALOG_NAME, MANIFEST_NAME, Tier
-from hf_dynamic_ckpt.store import CheckpointInfo, CheckpointState, CheckpointStore
-from hf_dynamic_ckpt.store.catalog import Catalog
+from hf_dynamic_ckpt.store import Catalog, CheckpointInfo, CheckpointState, CheckpointStore
 
 
 def _save(store: CheckpointStore, step: int, **kw: Any) -> CheckpointInfo:
@@ -24,14 +23,16 @@ def _save(store: CheckpointStore, step: int, **kw: Any) -> CheckpointInfo:
     return info
 
 
+COLUMNS = ("task_id", "step", "loss", "gpu_mem_percent", "save_time", "file_path", "recovery_cost_ms", "tiers",
+           "bytes", "reason", "healthy", "pinned", "status", "world_size")
+
+
 def _rows(root: Path) -> list[dict[str, Any]]:
-    """All rows of a catalog, without the autoincrement id, from a fresh connection."""
+    """The rows of a catalog (the columns a reader of the file ranks and lists by), from a fresh connection."""
     conn = sqlite3.connect(root / CATALOG_NAME)
     conn.row_factory = sqlite3.Row
-    rows = [dict(r) for r in conn.execute("SELECT * FROM checkpoints ORDER BY task_id, step")]
+    rows = [{k: r[k] for k in COLUMNS} for r in conn.execute("SELECT * FROM checkpoints ORDER BY task_id, step")]
     conn.close()
-    for r in rows:
-        r.pop("id")
     return rows
 
 
@@ -188,6 +189,6 @@ def test_unusable_or_foreign_catalog_is_rebuilt_from_manifests(tmp_path: Path) -
     store = CheckpointStore(tmp_path, task_id="run")
     assert store.catalog.rebuilt and _rows(tmp_path) == before
     conn = sqlite3.connect(tmp_path / CATALOG_NAME)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     conn.close()
     store.close()

@@ -9,6 +9,7 @@ import pytest
 
 from hf_dynamic_ckpt.config import (
     GROUPS,
+    WARNED,
     Compression,
     FallbackStrategy,
     LevelConfig,
@@ -46,11 +47,13 @@ fallback_strategy: "level_0_only"  # level_0_only, level_0_1, full
 """
 
 
-def test_article_yaml_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt import _config_checks
+@pytest.fixture
+def notes_again() -> None:
+    """Each configuration note is logged once per process: forget the ones given so far."""
+    WARNED.clear()
 
-    monkeypatch.setattr(_config_checks, "_WARNED", set())
+
+def test_article_yaml_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture, notes_again: None) -> None:
     path = tmp_path / "checkpoint_config.yaml"
     path.write_text(ARTICLE_YAML)
     with caplog.at_level("INFO", logger="hf_dynamic_ckpt.config"):
@@ -147,17 +150,14 @@ def test_level_1_codec_must_be_zstd_or_none() -> None:
     assert cfg.storage_levels.level_1.compression is Compression.NONE
 
 
-def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCaptureFixture,
+def test_level_2_gzip_loads_but_says_it_is_not_applied(caplog: pytest.LogCaptureFixture, notes_again: None,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from hf_dynamic_ckpt import _config_checks as config_module
-
-    monkeypatch.setattr(config_module, "_WARNED", set())
     with caplog.at_level("WARNING", logger="hf_dynamic_ckpt.config"):
         SmartCkptConfig.from_dict({"storage_levels": {"level_2": {"compression": "gzip"}}})
         SmartCkptConfig.from_dict({"storage_levels": {"level_2": {"compression": "gzip"}}})
     assert caplog.text.count("storage_levels.level_2.compression='gzip' is not applied") == 1  # once per process
     caplog.clear()
-    monkeypatch.setattr(config_module, "_WARNED", set())
+    WARNED.clear()
     monkeypatch.setenv("RANK", "1")
     with caplog.at_level("WARNING", logger="hf_dynamic_ckpt.config"):
         SmartCkptConfig.from_dict({"storage_levels": {"level_2": {"compression": "gzip"}}})
@@ -227,7 +227,7 @@ def test_a_single_signal_name_is_a_list_of_one() -> None:
          "SmartCkptConfig() got an unknown keyword 'keep_lats' (did you mean 'keep_last'?): allowed keys are "),
         (lambda: OptimizerLevelConfig(compresion="zstd"),
          "OptimizerLevelConfig() got an unknown keyword 'compresion' (did you mean 'compression'?): allowed keys are "
-         "compression, compression_level, pace_to_disk, retention_days."),
+         "compression, compression_level, retention_days."),
         (lambda: LevelConfig(compression="zstd"),  # the weights and state tiers are never compressed
          "LevelConfig() got an unknown keyword 'compression': allowed keys are retention_days."),
         (lambda: SmartCkptConfig(stability_window=50),

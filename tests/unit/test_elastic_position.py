@@ -1,5 +1,5 @@
-"""The data position of an Accelerate loop on another number of processes (`integrations._position`) and the
-plan of such a resume (`integrations._accelerate_elastic`): kept in samples of the epoch's order, rounded down with
+"""The data position of an Accelerate loop on another number of processes (`integrations.position`) and the
+plan of such a resume (`integrations.accelerate.apply_elastic`): kept in samples of the epoch's order, rounded down with
 a warning, rank 0's epoch start for a rank the checkpoint had not, the order warning only where the order differs,
 the scheduler's pace."""
 
@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.errors import GlobalBatchError
-from hf_dynamic_ckpt.integrations._accelerate_elastic import keep_pace, natural_pace, plan_elastic
-from hf_dynamic_ckpt.integrations._position import (
+from hf_dynamic_ckpt.integrations.accelerate import apply_elastic, keep_pace, natural_pace
+from hf_dynamic_ckpt.integrations.position import (
     ResumableLoader,
     deals_batches,
     order_note,
@@ -155,38 +156,53 @@ def test_the_scheduler_keeps_the_pace_of_the_run_it_continues(accelerator) -> No
     assert sched.scheduler.last_epoch == 2
 
 
-def _loaded(sampler: dict, *, world_size: int, step: int = 6) -> SimpleNamespace:
-    return SimpleNamespace(sampler=sampler, info=SimpleNamespace(world_size=world_size, step=step), extra={})
+def _loaded(sampler: dict, *, world_size: int, step: int = 6, pace: int | None = None) -> SimpleNamespace:
+    extra = {"accelerate": {"scheduler_pace": pace}} if pace is not None else {}
+    return SimpleNamespace(sampler=sampler, info=SimpleNamespace(world_size=world_size, step=step), extra=extra)
 
 
-def test_the_plan_keeps_the_global_batch_and_says_what_differs(accelerator) -> None:
+def _plan(accelerator, loader, loaded, *, keep: bool = True, pace: int | None = None,
+          caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    """`apply_elastic` of `loaded` on one process; the lines it logs (level, message)."""
+    run = SimpleNamespace(world_size=1, rank=0, announce=logging.getLogger("hf_dynamic_ckpt.test"),
+                          config=SmartCkptConfig(runtime={"keep_global_batch": keep}))
+    sched = SimpleNamespace(step=None)
+    state = SimpleNamespace(loader=loader, scheduler_pace=pace, scheduler=sched)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_dynamic_ckpt.test"):
+        apply_elastic(loaded, state=state, run=run, accelerator=accelerator)  # type: ignore[arg-type]
+    return [(r.levelno, r.getMessage().removeprefix("smart_ckpt: ")) for r in caplog.records]
+
+
+def test_the_plan_keeps_the_global_batch_and_says_what_differs(accelerator, caplog, monkeypatch) -> None:
+    import hf_dynamic_ckpt.integrations.accelerate as acc_module
+
+    monkeypatch.setattr(acc_module, "keep_pace", lambda scheduler, pace: None)  # a stand-in scheduler
     loader = ResumableLoader(accelerator, _loader(accelerator))
     saved = {"batch": {"per_device": 2, "world_size": 2, "accumulation": 2}, "dealt": True, "draws_random": True}
-    plan = plan_elastic(_loaded(saved, world_size=2), loader=loader, world_size=1, keep=True, saved_pace=2, pace=1)
-    assert plan.accumulation == 4 and plan.pace == 2
-    levels = [level for level, _ in plan.lines]
-    texts = " | ".join(line for _, line in plan.lines)
+    lines = _plan(accelerator, loader, _loaded(saved, world_size=2, pace=2), pace=1, caplog=caplog)
+    assert accelerator.gradient_accumulation_steps == 4
+    levels = [level for level, _ in lines]
+    texts = " | ".join(line for _, line in lines)
     assert levels == [logging.INFO, logging.WARNING, logging.INFO]
     assert "gradient_accumulation_steps 1 -> 4: the same samples per optimizer step" in texts
     assert "each rank draws its own masks" in texts and "keeps the pace of the run it continues" in texts
     # A loader that gives every rank every batch: its global batch does not depend on the number of processes.
     accelerator.gradient_accumulation_steps = 2  # the same command as the checkpoint's
-    plan = plan_elastic(_loaded({**saved, "dealt": False}, world_size=2), loader=loader, world_size=1, keep=True,
-                        saved_pace=None, pace=None)
-    assert plan.accumulation == 2 and plan.lines == []
+    assert _plan(accelerator, loader, _loaded({**saved, "dealt": False}, world_size=2), caplog=caplog) == []
+    assert accelerator.gradient_accumulation_steps == 2
     with pytest.raises(GlobalBatchError):  # 3 samples per step: no accumulation of batches of 2 gives them
-        plan_elastic(_loaded({**saved, "batch": {"per_device": 1, "world_size": 3, "accumulation": 1}},
-                             world_size=3), loader=loader, world_size=1, keep=True, saved_pace=None, pace=None)
+        _plan(accelerator, loader, _loaded({**saved, "batch": {"per_device": 1, "world_size": 3, "accumulation": 1}},
+                                           world_size=3), caplog=caplog)
 
 
-def test_accepting_another_global_batch_warns_that_the_position_stays_in_samples(accelerator) -> None:
+def test_accepting_another_global_batch_warns_that_the_position_stays_in_samples(accelerator, caplog) -> None:
     loader = ResumableLoader(accelerator, _loader(accelerator))
     accelerator.gradient_accumulation_steps = 2
     saved = {"batch": {"per_device": 2, "world_size": 2, "accumulation": 2}, "dealt": True, "draws_random": False}
-    plan = plan_elastic(_loaded(saved, world_size=2), loader=loader, world_size=1, keep=False, saved_pace=None,
-                        pace=None)
-    assert plan.accumulation == 2
-    assert plan.lines == [(logging.WARNING, (
+    lines = _plan(accelerator, loader, _loaded(saved, world_size=2), keep=False, caplog=caplog)
+    assert accelerator.gradient_accumulation_steps == 2
+    assert lines == [(logging.WARNING, (
         "step 6 was saved with a global batch of 2 process(es) x 2 per device x 2 accumulation = 8 and is resumed "
         "with 1 process(es) x 2 per device x 2 accumulation = 4 (runtime.keep_global_batch=false): every optimizer "
         "step from here on averages 4 samples instead of 8; the step count and the learning-rate schedule's "

@@ -1,7 +1,7 @@
-"""Overlapped snapshots (`engine/overlap.py`): the parameters and optimizer state are copied beside the next step.
+"""Overlapped snapshots: the parameters and optimizer state are copied beside the next step.
 
-The copy is slowed down on purpose (`slow_copy`: the copy thread sleeps before it copies), so that each test can
-see where the training thread is while it runs: back from the save before the copy finished, through the next
+The copy is slowed down on purpose (`slow_copy`: `HF_DYNAMIC_CKPT_FAULT="overlap_copy:sleep=MS"`), so that each test
+can see where the training thread is while it runs: back from the save before the copy finished, through the next
 forward and backward, and held at the next optimizer step (or a rollback, a second save, ...) until it is done.
 """
 
@@ -16,30 +16,19 @@ from torch import nn
 
 from hf_dynamic_ckpt import SmartCkptConfig, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
-from hf_dynamic_ckpt.engine.overlap import PendingCopy
 from hf_dynamic_ckpt.errors import SaveError
 from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 from hf_dynamic_ckpt.run.rollback import restore_live
 from hf_dynamic_ckpt.state import StateSources
-from hf_dynamic_ckpt.store import CheckpointStore
-from hf_dynamic_ckpt.store.spec import SaveRequest
+from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 
 DELAY_S = 0.5
 
 
 @pytest.fixture
-def slow_copy(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The copy thread sleeps `DELAY_S` before each deferred copy; returns the times its copies finished."""
-    finished: list[float] = []
-    run = PendingCopy.run
-
-    def slow(self: PendingCopy) -> None:
-        time.sleep(DELAY_S)
-        run(self)
-        finished.append(time.perf_counter())
-
-    monkeypatch.setattr(PendingCopy, "run", slow)
-    return finished
+def slow_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each deferred copy sleeps `DELAY_S` before it copies."""
+    monkeypatch.setenv("HF_DYNAMIC_CKPT_FAULT", f"overlap_copy:sleep={DELAY_S * 1e3:.0f}")
 
 
 class Net(nn.Module):
@@ -74,8 +63,14 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _started(store: CheckpointStore, **kw: object) -> SaveEngine:
+    engine = SaveEngine(store, **kw)  # type: ignore[arg-type]
+    assert engine.start(wait_s=120)  # until then a save is written synchronously, with no copy to overlap
+    return engine
+
+
 def test_the_copy_runs_beside_the_next_forward_and_backward_and_the_optimizer_step_waits(tmp_path: Path,
-                                                                                         slow_copy: list[float]):
+                                                                                         slow_copy: None):
     model, opt = _setup()
     _backward(model)
     opt.step()
@@ -83,16 +78,16 @@ def test_the_copy_runs_beside_the_next_forward_and_backward_and_the_optimizer_st
     at_save = _state(model)
     moments = {k: v.clone() for k, v in opt.state[model.lin.weight].items()}
     store = CheckpointStore(tmp_path / "s")
-    with SaveEngine(store, overlap=True) as engine:
+    with _started(store, overlap=True) as engine:
         start = time.perf_counter()
         handle = engine.save(StateSources(weights=model.state_dict, optimizer=opt), _request(1))
         returned = time.perf_counter()
         assert handle.deferred is not None and handle.deferred.nbytes > 0
         assert returned - start < DELAY_S / 2 and handle.blocking_ms < DELAY_S * 1e3 / 2
         _backward(model)  # the next step's forward and backward run while the copy does
-        assert not handle.deferred.done() and not slow_copy, "the copy must still be running beside the step"
+        assert not handle.deferred.done(), "the copy must still be running beside the step"
         opt.step()  # the step pre-hook holds it until the copy is done
-        assert slow_copy and slow_copy[0] > returned + DELAY_S * 0.9
+        assert handle.deferred.done() and time.perf_counter() > returned + DELAY_S * 0.9
         assert handle.deferred.wait_ms is not None and handle.deferred.wait_ms > DELAY_S * 1e3 / 4
         assert not torch.equal(model.lin.weight, at_save["lin.weight"])  # the step did run, after the copy
         info = handle.wait()
@@ -102,14 +97,14 @@ def test_the_copy_runs_beside_the_next_forward_and_backward_and_the_optimizer_st
     assert all(torch.equal(saved[k], v) for k, v in moments.items())
 
 
-def test_a_buffer_the_forward_updates_is_saved_as_it_was_at_the_save(tmp_path: Path, slow_copy: list[float]):
+def test_a_buffer_the_forward_updates_is_saved_as_it_was_at_the_save(tmp_path: Path, slow_copy: None):
     model, opt = _setup(batchnorm=True)
     _backward(model)
     opt.step()
     opt.zero_grad()
     at_save = _state(model)
     store = CheckpointStore(tmp_path / "s")
-    with SaveEngine(store, overlap=True) as engine:
+    with _started(store, overlap=True) as engine:
         handle = engine.save(StateSources(weights=model.state_dict, optimizer=opt), _request(1))
         _backward(model)  # updates running_mean / running_var / num_batches_tracked in place
         assert handle.deferred is not None and not handle.deferred.done()  # the parameters' copy still runs
@@ -122,14 +117,14 @@ def test_a_buffer_the_forward_updates_is_saved_as_it_was_at_the_save(tmp_path: P
 
 
 def test_a_parameter_edited_before_the_copy_completed_fails_the_save_and_wait_snapshot_makes_it_safe(
-        tmp_path: Path, slow_copy: list[float]):
+        tmp_path: Path, slow_copy: None):
     model, opt = _setup()
     _backward(model)
     opt.step()
     opt.zero_grad()
     store = CheckpointStore(tmp_path / "s")
     sources = StateSources(weights=model.state_dict, optimizer=opt)
-    with SaveEngine(store, overlap=True) as engine:
+    with _started(store, overlap=True) as engine:
         handle = engine.save(sources, _request(1))
         with torch.no_grad():
             model.out.weight.mul_(0.5)  # a callback editing weights between steps, without waiting
@@ -146,12 +141,12 @@ def test_a_parameter_edited_before_the_copy_completed_fails_the_save_and_wait_sn
     assert torch.equal(store.load("step:2").weights["out.weight"], at_save["out.weight"])
 
 
-def test_a_second_save_and_an_emergency_save_wait_for_the_copy(tmp_path: Path, slow_copy: list[float]):
+def test_a_second_save_and_an_emergency_save_wait_for_the_copy(tmp_path: Path, slow_copy: None):
     model, opt = _setup()
     _backward(model)
     opt.step()
     sources = StateSources(weights=model.state_dict, optimizer=opt)
-    with SaveEngine(CheckpointStore(tmp_path / "s"), overlap=True) as engine:
+    with _started(CheckpointStore(tmp_path / "s"), overlap=True) as engine:
         first = engine.save(sources, _request(1))
         second = engine.save(sources, _request(2))
         assert first.deferred is not None and first.deferred.done() and first.wait().step == 1
@@ -180,7 +175,7 @@ def _train(steps: range, model: Net, opt: torch.optim.Optimizer, sched: object, 
 
 
 @pytest.mark.parametrize("ga", [1, 2])
-def test_a_resume_from_an_overlapped_save_is_bit_exact(tmp_path: Path, slow_copy: list[float], ga: int):
+def test_a_resume_from_an_overlapped_save_is_bit_exact(tmp_path: Path, slow_copy: None, ga: int):
     def make(seed: int) -> tuple[Net, torch.optim.Optimizer, object]:
         model, opt = _setup(seed)
         return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
@@ -189,11 +184,11 @@ def test_a_resume_from_an_overlapped_save_is_bit_exact(tmp_path: Path, slow_copy
     reference = _train(range(1, 7), model, opt, sched, ga)
     final = _state(model)
 
-    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, engine="thread",
-                             runtime={"overlap_snapshot": True})
+    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, runtime={"overlap_snapshot": True})
     run = RunOrchestrator(config)
     model, opt, sched = make(0)
     run.attach(model, optimizer=opt, scheduler=sched)
+    assert run.engine.start(wait_s=120)
     pending: list[object] = []
 
     def save() -> None:
@@ -218,12 +213,13 @@ def test_a_resume_from_an_overlapped_save_is_bit_exact(tmp_path: Path, slow_copy
     assert all(torch.equal(v, final[k]) for k, v in _state(model).items())
 
 
-def test_a_rollback_that_lands_while_a_copy_runs_waits_for_it(tmp_path: Path, slow_copy: list[float]):
-    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, engine="thread",
-                             on_anomaly="rollback", runtime={"overlap_snapshot": True})
+def test_a_rollback_that_lands_while_a_copy_runs_waits_for_it(tmp_path: Path, slow_copy: None):
+    config = SmartCkptConfig(root=str(tmp_path / "store"), base_interval=1000, on_anomaly="rollback",
+                             runtime={"overlap_snapshot": True})
     run = RunOrchestrator(config)
     model, opt = _setup()
     run.attach(model, optimizer=opt)
+    assert run.engine.start(wait_s=120)
     for step in range(3):
         run.step_begin()
         _backward(model)
@@ -249,20 +245,21 @@ def test_a_rollback_that_lands_while_a_copy_runs_waits_for_it(tmp_path: Path, sl
     run.close()
 
 
-def test_auto_overlaps_only_large_cuda_states_and_never_without_an_optimizer_step_to_hold(tmp_path: Path,
-                                                                                     monkeypatch):
+def test_auto_overlaps_only_large_cuda_states_and_never_without_an_optimizer_step_to_hold(tmp_path: Path):
     model, opt = _setup()
     _backward(model)
     opt.step()
     store = CheckpointStore(tmp_path / "s")
-    with SaveEngine(store, overlap=None) as engine:  # auto: a LoRA-sized state is copied at the save, as before
+    with _started(store, overlap=None) as engine:  # auto: a LoRA-sized state is copied at the save, as before
         assert engine.save(StateSources(weights=model.state_dict, optimizer=opt), _request(1)).deferred is None
-    from hf_dynamic_ckpt.engine import overlap as overlap_module
-
-    monkeypatch.setattr(overlap_module, "OVERLAP_MIN_BYTES", 0)
-    with SaveEngine(store, overlap=None) as engine:  # auto, host parameters of any size: copied at the save
-        assert engine.save(StateSources(weights=model.state_dict, optimizer=opt), _request(4)).deferred is None
-    with SaveEngine(store, overlap=True) as engine:  # nothing holds the next update until the copy is done
+    large = nn.Linear(2048, 2048, bias=False)  # 16 MiB of weights + 32 MiB of moments, on the host
+    large_opt = torch.optim.AdamW(large.parameters(), lr=1e-2)
+    large(torch.randn(2, 2048)).sum().backward()
+    large_opt.step()
+    with _started(store, overlap=None) as engine:  # auto, host parameters of any size: copied at the save
+        handle = engine.save(StateSources(weights=large.state_dict, optimizer=large_opt), _request(4))
+        assert handle.deferred is None
+    with _started(store, overlap=True) as engine:  # nothing holds the next update until the copy is done
         weights_only = SaveRequest(step=2, epoch=0.0, reason="test", tiers=frozenset({Tier.WEIGHTS, Tier.STATE}))
         assert engine.save(StateSources(weights=model.state_dict), weights_only).deferred is None
         handle = engine.save(StateSources(weights=model.state_dict, optimizer=opt), _request(3))

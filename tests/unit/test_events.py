@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hf_dynamic_ckpt.constants import Tier
 from hf_dynamic_ckpt.run.savelog import SaveEvent, SaveLog
-from hf_dynamic_ckpt.store.types import Tier
 
 
 def _event(step: int, staging: str, error: str | None = None) -> SaveEvent:

@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[2] / PKG
 # area -> modules (prefixes) it may import from the package. An area is a module or a folder.
 ALLOWED: dict[str, tuple[str, ...]] = {
     "store": ("store", "constants", "errors", "jsonutil", "_version"),
-    "state": ("state", "constants", "errors", "jsonutil", "store.types", "store.spec", "store.shard_files"),
+    "state": ("state", "constants", "errors", "jsonutil", "store"),
     "signals": ("signals", "config", "constants", "errors", "jsonutil", "sysmem"),
-    "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store.types"),
+    "policy": ("policy", "signals.frame", "signals.stats", "config", "constants", "errors", "jsonutil", "store"),
     "engine": ("engine", "store", "state", "config", "constants", "errors", "jsonutil", "sysmem"),
     "run": ("run", "store", "state", "signals", "policy", "engine", "config", "constants", "errors", "jsonutil",
             "distributed", "export", "sysmem"),
     "integrations": ("integrations", "run.orchestrator", "run.savelog", "run.rollback", "run.elastic", "state",
-                     "config", "constants", "errors", "distributed", "jsonutil", "store.types", "store.spec",
+                     "config", "constants", "errors", "distributed", "jsonutil", "store",
                      "policy.decision", "export"),
 }
 
@@ -42,7 +42,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # one function that needs it, so importing the core never loads an extra.
 EXTRAS_SITES: dict[tuple[str, str], str] = {
     # `hf-dynamic-ckpt plot ROOT` is a documented command; the figure code is an extra (matplotlib).
-    ("hf_dynamic_ckpt.cli.inspect", "hf_dynamic_ckpt.extras.plot"): "the `plot` command",
+    ("hf_dynamic_ckpt.cli", "hf_dynamic_ckpt.extras.plot"): "the `plot` command",
     # The documented `learned_model` key names a model file only the learned double-check reads; the policy
     # takes that check as a `policy.rules.DoubleCheck` (a protocol), so this import is the one tie.
     ("hf_dynamic_ckpt.policy.rules", "hf_dynamic_ckpt.extras.learned"): "the `learned_model` key",

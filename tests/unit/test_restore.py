@@ -5,20 +5,17 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import weakref
-from collections.abc import Callable
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import same_state, save_state
+from store_helpers import file_checksum, manifest_checksum
 
-import hf_dynamic_ckpt.store.tensorpack as tensorpack
-import hf_dynamic_ckpt.store.weights as weights
 from hf_dynamic_ckpt.config import FallbackStrategy
 from hf_dynamic_ckpt.constants import (
-    BLOBS_DIR,
     MANIFEST_NAME,
     OPTIMIZER_META_NAME,
     OPTIMIZER_NAME,
@@ -26,6 +23,7 @@ from hf_dynamic_ckpt.constants import (
     WEIGHTS_NAME,
 )
 from hf_dynamic_ckpt.errors import (
+    FAULT_ENV,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DistributedError,
@@ -34,17 +32,16 @@ from hf_dynamic_ckpt.errors import (
 )
 from hf_dynamic_ckpt.run.resume import plan_resume, read_optimizer_tier
 from hf_dynamic_ckpt.state.model import check_weights
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint
-from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint, frozen_record
 
 FROZEN = "embed.weight"
+FROZEN_VALUE = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+"""A weight that does not train: recorded by checksum, not written; the model holds it."""
 
 
 def _state(step: int) -> CheckpointState:
     g = torch.Generator().manual_seed(step)
-    weights = {"layer.weight": torch.randn(16, 8, generator=g), "layer.bias": torch.randn(16, generator=g),
-               FROZEN: torch.arange(64, dtype=torch.float32).reshape(8, 8)}
+    weights = {"layer.weight": torch.randn(16, 8, generator=g), "layer.bias": torch.randn(16, generator=g)}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(step)
         model = torch.nn.Linear(8, 16)
@@ -54,7 +51,8 @@ def _state(step: int) -> CheckpointState:
         model(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
         opt.step()
         sched.step()
-    return CheckpointState(step=step, weights=weights, dedup_keys=frozenset({FROZEN}), optimizer=opt.state_dict(),
+    return CheckpointState(step=step, weights=weights, frozen={FROZEN: frozen_record(FROZEN_VALUE)},
+                           optimizer=opt.state_dict(),
                            scheduler=sched.state_dict(), rng={"python": [step]}, sampler={"batches": step})
 
 
@@ -84,15 +82,15 @@ def _damage(path: Path, how: str) -> None:
 
 
 def _file(store: CheckpointStore, kind: str) -> Path:
-    if kind == "blob":
-        return next((store.task_dir / BLOBS_DIR).iterdir())
     return store.task_dir / "step-2" / kind
 
 
 def _assert_exact(loaded: Any, step: int) -> None:
     """Whatever was handed out equals what was saved at that step."""
     expected = _state(step)
-    assert same_state(loaded.weights, expected.weights)
+    weights = dict(loaded.weights)
+    assert FROZEN not in weights or torch.equal(weights.pop(FROZEN), FROZEN_VALUE)  # the model's own, checked
+    assert same_state(weights, expected.weights)
     if loaded.optimizer is not None:
         assert same_state(loaded.optimizer, expected.optimizer)
     if loaded.scheduler is not None:
@@ -111,18 +109,12 @@ def _assert_exact(loaded: Any, step: int) -> None:
         (OPTIMIZER_META_NAME, "weights_only"),
         ("rng-rank0.json", "no_state"),
         (SAMPLER_NAME, "no_state"),
-        ("blob", "error"),
     ],
 )
 def test_damaged_file_gives_documented_outcome(store: CheckpointStore, kind: str, outcome: str, how: str,
                                                caplog: pytest.LogCaptureFixture) -> None:
     _damage(_file(store, kind), how)
     caplog.set_level(logging.WARNING, logger="hf_dynamic_ckpt.run.resume")
-    if outcome == "error":  # the shared blob of the frozen tensor is referenced by every checkpoint
-        with pytest.raises(CheckpointNotFoundError,
-                           match=r"no loadable checkpoint at or below step 2 of task 'run' \(tried steps 2, 1\)"):
-            _resume(store, "auto")
-        return
     loaded = _resume(store, "auto")
     assert loaded.warnings and [r.getMessage() for r in caplog.records] == [f"resume: {w}" for w in loaded.warnings]
     if outcome == "older":
@@ -199,11 +191,21 @@ def test_newer_format_is_an_error_not_a_fallback(store: CheckpointStore) -> None
 
     path = store.task_dir / "step-2" / MANIFEST_NAME
     manifest = json.loads(path.read_text())
-    manifest["format_version"] = 2
-    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    manifest["format_version"] = 3
+    manifest["manifest_checksum"] = manifest_checksum(manifest)
     path.write_text(json.dumps(manifest))
-    with pytest.raises(FormatVersionError, match="format_version=2 is newer"):
+    with pytest.raises(FormatVersionError, match="format_version=3 is newer"):
         _resume(store, "auto")
+
+
+def test_a_model_whose_frozen_weights_differ_is_an_error_not_a_fallback(store: CheckpointStore) -> None:
+    # The frozen weight is recorded, not written: the model's own must be the one the run trained with.
+    expected = {**_targets(), FROZEN: FROZEN_VALUE + 1}
+    with pytest.raises(IncompatibleStateError, match=rf"frozen weights differ from those step 2 was trained with "
+                                                      rf"\(it records them by checksum, not their values\): {FROZEN}"):
+        _resume(store, "auto", expected=expected)
+    loaded = _resume(store, "auto", expected={**_targets(), FROZEN: FROZEN_VALUE.clone()})
+    assert loaded.info.step == 2 and torch.equal(loaded.weights[FROZEN], FROZEN_VALUE)
 
 
 def _rename_l1_tensor(store: CheckpointStore) -> str:
@@ -216,53 +218,53 @@ def _rename_l1_tensor(store: CheckpointStore) -> str:
     manifest_path = directory / MANIFEST_NAME
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][OPTIMIZER_META_NAME].update(size=path.stat().st_size, checksum=file_checksum(path))
-    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    manifest["manifest_checksum"] = manifest_checksum(manifest)
     manifest_path.write_text(json.dumps(manifest))
     return "State structure refers to tensor 'optimizer/state/0/exp_avg_x', which the tensor file does not hold"
 
 
-class _Reads:
-    """Every tensor a reader returned (weakly), and how many of them were still alive when each later read began."""
-
-    def __init__(self) -> None:
-        self.decoded: list[weakref.ref[torch.Tensor]] = []
-        self.alive_at_reads: list[int] = []
-
-    def alive(self) -> int:
-        return sum(r() is not None for r in self.decoded)
-
-    def spy(self, real: Callable[..., dict[str, torch.Tensor]]) -> Callable[..., dict[str, torch.Tensor]]:
-        def read(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
-            self.alive_at_reads.append(self.alive())
-            out = real(*args, **kwargs)
-            self.decoded.extend(weakref.ref(t) for t in out.values())
-            return out
-        return read
+def _new_tensors(before: set[int]) -> list[torch.Tensor]:
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and id(o) not in before]
 
 
 def test_a_failed_read_frees_what_it_decoded_before_the_retry_and_the_fallback(
-        store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     why = _rename_l1_tensor(store)
     info = store.resolve("step:2")
+    weights = len(_state(2).weights)  # an attempt's own weights, read before its optimizer tier
+    gc.collect()
     gc.disable()  # what a failed read decoded must go by reference counting, not wait for a collection
     try:
-        with monkeypatch.context() as m:  # every tier: the weights read before the optimizer tier failed too
-            reads = _Reads()
-            m.setattr(tensorpack, "read_tensor_file", reads.spy(tensorpack.read_tensor_file))
-            m.setattr(weights, "load_weights", reads.spy(weights.load_weights))
-            with pytest.raises(CorruptCheckpointError, match=why):
+        before = {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor)}
+        gate = tmp_path / "gate"
+        gate.mkdir()
+        # Held at the retry's read of the optimizer tier: the first attempt's tensors must be gone by then.
+        monkeypatch.setenv(FAULT_ENV, f"read@name={OPTIMIZER_NAME}@op=read@nth=2:gate={gate}")
+        errors: list[BaseException] = []
+
+        def load() -> None:
+            try:
                 store.load(info, mmap=False)
-            held = len(_state(2).weights)  # an attempt's own weights, read before its optimizer tier
-            assert reads.alive_at_reads == [0, held, 0, held] and reads.alive() == 0
+            except CorruptCheckpointError as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        while not (gate / "read.reached").exists():
+            thread.join(0.01)
+        held = len(_new_tensors(before))  # the retry's own weights, read before its optimizer tier
+        (gate / "read.go").touch()
+        thread.join(60)
+        monkeypatch.delenv(FAULT_ENV)
+        assert len(errors) == 1 and why in str(errors[0])
+        errors.clear()  # the exception holds the frames of the failed read
+        assert held == weights and _new_tensors(before) == []
         for resume in (lambda: read_optimizer_tier(store, info, 0, None),  # the resume's background read
                        lambda: plan_resume(store, "step:2", fallback=FallbackStrategy.FULL, mmap=False)):
-            with monkeypatch.context() as m:
-                reads = _Reads()
-                m.setattr(tensorpack, "read_tensor_file", reads.spy(tensorpack.read_tensor_file))
-                outcome = resume()
-                assert outcome is not None
-                assert reads.alive_at_reads == [0, 0, 0, 0] and reads.alive() == 0  # store.load's retry, then theirs
-                del outcome
+            outcome = resume()
+            assert outcome is not None
+            del outcome
+            assert _new_tensors(before) == []  # store.load's retry, then theirs: nothing of a failed read stays
     finally:
         gc.enable()
 
@@ -289,21 +291,18 @@ def test_check_weights_truncates_long_lists() -> None:
 
 
 def _targets() -> dict[str, torch.Tensor]:
-    """A model's own tensors for the trainable weights of `_state` (the frozen one is a blob, copied by the caller)."""
+    """A model's own tensors for the trainable weights of `_state` (the frozen one is the model's already)."""
     return {"layer.weight": torch.full((16, 8), -1.0), "layer.bias": torch.full((16,), -1.0)}
 
 
 def test_into_reads_the_weights_file_once_into_the_targets_as_it_verifies_it(
         store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hf_dynamic_ckpt.store.reader as reader
-
-    hashed: list[str] = []
-    real = reader.file_checksum
-    monkeypatch.setattr(reader, "file_checksum", lambda path, algo=None: hashed.append(Path(path).name)
-                        or real(path, algo))
+    log = store.root / "checked.jsonl"
+    monkeypatch.setenv(FAULT_ENV, f"read@op=check:log={log}")
     targets = _targets()
     memory = {k: t.data_ptr() for k, t in targets.items()}
     loaded = _resume(store, "auto", into=targets)
+    hashed = [json.loads(line)["name"] for line in log.read_text().splitlines()]
     assert loaded.info.step == 2 and WEIGHTS_NAME not in hashed  # no separate checksum pass over the file
     assert all(loaded.weights[k] is targets[k] and targets[k].data_ptr() == memory[k] for k in targets)
     _assert_exact(loaded, 2)
@@ -334,14 +333,14 @@ def test_into_when_no_candidate_is_usable_the_error_says_the_targets_were_overwr
 
 def test_into_weights_that_do_not_fit_the_model_leave_the_targets_untouched(store: CheckpointStore) -> None:
     targets = {"layer.weight": torch.full((16, 9), -1.0), "layer.bias": torch.full((16,), -1.0)}
-    expected = {**targets, FROZEN: torch.zeros(8, 8)}
+    expected = {**targets, FROZEN: FROZEN_VALUE}
     with pytest.raises(IncompatibleStateError, match="shape mismatch"):
         _resume(store, "auto", into=targets, expected=expected)
     assert all(bool((t == -1).all()) for t in targets.values())
 
 
 def _expected() -> dict[str, torch.Tensor]:
-    return {**_targets(), FROZEN: torch.zeros(8, 8)}
+    return {**_targets(), FROZEN: FROZEN_VALUE}
 
 
 def test_into_a_damaged_name_in_the_weights_header_is_a_corrupt_checkpoint_not_a_model_that_does_not_fit(
@@ -364,7 +363,7 @@ def test_into_a_read_that_fails_before_writing_leaves_the_targets_and_the_error_
         path = store.task_dir / f"step-{step}" / MANIFEST_NAME
         manifest = json.loads(path.read_text())
         manifest["files"][WEIGHTS_NAME]["checksum"] = "sha3_999:00"
-        manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+        manifest["manifest_checksum"] = manifest_checksum(manifest)
         path.write_text(json.dumps(manifest))
     targets = _targets()
     with pytest.raises(CheckpointNotFoundError, match=r"Unknown checksum algorithm 'sha3_999'") as e:

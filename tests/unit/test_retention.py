@@ -10,7 +10,7 @@ import pytest
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.policy import plan_retention, tier_retention_from_config
-from hf_dynamic_ckpt.store.types import CheckpointInfo, Removal
+from hf_dynamic_ckpt.store import CheckpointInfo, Removal
 
 DAY = 86400.0
 

@@ -14,16 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_dynamic_ckpt import distributed
 from hf_dynamic_ckpt.errors import DistributedError
-from hf_dynamic_ckpt.signals import (
-    ClipNormRecorder,
-    Ema,
-    GradProbe,
-    LossProbe,
-    MemoryProbe,
-    RollingWindow,
-    SignalFrame,
-)
-from hf_dynamic_ckpt.signals.stats import LayerBaselines, linear_fit
+from hf_dynamic_ckpt.signals import Ema, LayerBaselines, RollingWindow, SignalFrame, linear_fit
+from hf_dynamic_ckpt.signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe
 
 
 def tiny_lora_model() -> torch.nn.Module:

@@ -1,7 +1,9 @@
-"""CheckpointStore: bit-exact round trips, dedup, atomic commit, multi-rank, resolve, errors."""
+"""CheckpointStore: bit-exact round trips, frozen weights, atomic commit, multi-rank, resolve, errors."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import threading
 from pathlib import Path
@@ -11,10 +13,10 @@ import pytest
 import torch
 from helpers import save_state
 from safetensors import safe_open
+from store_helpers import file_checksum, manifest_checksum
 
 from examples import toy
 from hf_dynamic_ckpt.constants import (
-    BLOBS_DIR,
     MANIFEST_NAME,
     OPTIMIZER_META_NAME,
     OPTIMIZER_NAME,
@@ -30,12 +32,10 @@ from hf_dynamic_ckpt.errors import (
     DistributedError,
     DynamicCkptError,
     FormatVersionError,
+    IncompatibleStateError,
 )
 from hf_dynamic_ckpt.state.rng import capture_rng_state, restore_rng_state
-from hf_dynamic_ckpt.store import BlobRef, CheckpointState, CheckpointStore
-from hf_dynamic_ckpt.store.blobs import tensor_digest
-from hf_dynamic_ckpt.store.hashing import file_checksum
-from hf_dynamic_ckpt.store.manifest import compute_manifest_checksum
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, check_frozen, frozen_record
 
 
 def _train(model: torch.nn.Module, steps: int = 2, seed: int = 0) -> tuple[torch.optim.Optimizer, Any]:
@@ -187,40 +187,38 @@ def test_lora_second_checkpoint_writes_no_base_model_bytes(store: CheckpointStor
     weights_size = (second / WEIGHTS_NAME).stat().st_size
     assert adapter_bytes <= weights_size < adapter_bytes + 16_384  # data + header only
     assert weights_size < base_bytes / 20
-    assert not (store.task_dir / BLOBS_DIR).exists()
+    assert not (store.task_dir / "blobs").exists()
 
 
-def test_full_finetune_frozen_embedding_is_written_once(store: CheckpointStore) -> None:
+def test_full_finetune_frozen_embedding_is_recorded_not_written(store: CheckpointStore) -> None:
     model = toy.tiny_qwen2(seed=0)
     emb = "model.embed_tokens.weight"
     model.get_input_embeddings().weight.requires_grad_(False)
     opt, sched = _train(model, steps=1)
-    emb_bytes = model.state_dict()[emb].numel() * 4
+    live = model.state_dict()
+    state = _state(model, opt, sched, step=1)
+    record = frozen_record(state.weights.pop(emb))
+    assert record == {"checksum": record["checksum"], "dtype": "float32", "shape": list(live[emb].shape)}
+    info = save_state(store, dataclasses.replace(state, frozen={emb: record}), reason="interval")
+    assert info.frozen == {emb: record} and store.list()[0].frozen == {emb: record}
+    manifest = json.loads((Path(info.path) / MANIFEST_NAME).read_text())
+    assert manifest["frozen"] == {emb: record} and manifest["format_version"] == 2  # older readers refuse it
+    with safe_open(str(Path(info.path) / WEIGHTS_NAME), framework="pt") as f:
+        assert emb not in set(f.keys())
+    emb_bytes = live[emb].numel() * 4
+    assert manifest["files"][WEIGHTS_NAME]["size"] < sum(v.numel() * v.element_size() for v in live.values()) \
+        - emb_bytes + 16_384
 
-    save_state(store, _state(model, opt, sched, step=1, dedup_keys=frozenset({emb})), reason="interval")
-    blobs = list((store.task_dir / BLOBS_DIR).iterdir())
-    assert len(blobs) == 1 and blobs[0].stat().st_size >= emb_bytes
-    blob_stat = blobs[0].stat()
-
-    _train(model, steps=1)
-    state2 = _state(model, opt, sched, step=2, dedup_keys=frozenset({emb}))
-    save_state(store, state2, reason="interval")
-    # Third save passes a BlobRef, as the engine does for unchanged frozen tensors.
-    t = state2.weights[emb]
-    state3 = _state(model, opt, sched, step=3)
-    state3.weights[emb] = BlobRef(digest=tensor_digest(t), dtype="float32", shape=tuple(t.shape))
-    save_state(store, state3, reason="interval")
-
-    assert [p.name for p in (store.task_dir / BLOBS_DIR).iterdir()] == [blobs[0].name]
-    assert blobs[0].stat().st_mtime_ns == blob_stat.st_mtime_ns and blobs[0].stat().st_ino == blob_stat.st_ino
-    for step in (2, 3):
-        with safe_open(str(store.task_dir / f"step-{step}" / WEIGHTS_NAME), framework="pt") as f:
-            assert emb not in set(f.keys())
-        assert (store.task_dir / f"step-{step}" / WEIGHTS_NAME).stat().st_size < sum(
-            v.numel() * v.element_size() for v in state2.weights.values()) - emb_bytes + 16_384
-        loaded = store.load(f"step:{step}", tiers={Tier.WEIGHTS})
-        assert_same(state2.weights[emb], loaded.weights[emb])
-    assert_same(state2.weights, store.load("step:2", tiers={Tier.WEIGHTS}).weights)
+    loaded = store.load("step:1", tiers={Tier.WEIGHTS})
+    assert emb not in loaded.weights and loaded.frozen == {emb: record}
+    check_frozen(loaded, live)  # the model's own embedding matches: it takes the place of the weight not written
+    assert loaded.weights[emb] is live[emb] and set(loaded.weights) == set(live)
+    other = toy.tiny_qwen2(seed=1).state_dict()
+    with pytest.raises(IncompatibleStateError, match=rf"differ from those step 1 was trained with .*{emb}"):
+        check_frozen(store.load("step:1", tiers={Tier.WEIGHTS}), other)
+    # The transitional form (the keys named, their records computed by the store) writes the same manifest record.
+    state = _state(model, opt, sched, step=2, dedup_keys=frozenset({emb}))
+    assert store.load(save_state(store, state, reason="interval").path, tiers={Tier.WEIGHTS}).frozen == {emb: record}
 
 
 def test_manifest_lists_every_file_with_size_checksum_tier_rank(store: CheckpointStore) -> None:
@@ -235,8 +233,8 @@ def test_manifest_lists_every_file_with_size_checksum_tier_rank(store: Checkpoin
     assert manifest["files"][OPTIMIZER_NAME]["tier"] == "optimizer"
     assert manifest["signals"] == {"loss": "NaN", "grad_norm": "Infinity"}
     assert [d["step"] for d in manifest["debug_info"]] == list(range(5, 15))
-    assert manifest["format_version"] == 1 and "torch" in manifest["versions"]
-    assert manifest["manifest_checksum"] == compute_manifest_checksum(manifest)
+    assert manifest["format_version"] == 1 and "torch" in manifest["versions"] and "frozen" not in manifest
+    assert manifest["manifest_checksum"] == manifest_checksum(manifest)
     assert info.loss is None  # a NaN loss is not a loss to rank by
     assert sorted(p.name for p in Path(info.path).iterdir()) == sorted([*manifest["files"], MANIFEST_NAME])
 
@@ -258,11 +256,11 @@ def test_leftover_tmp_dirs_removed_on_open_except_own_session(tmp_path: Path) ->
     for d in (stale, own):
         d.mkdir()
         (d / WEIGHTS_NAME).write_bytes(b"partial")
-    (root / "run" / BLOBS_DIR).mkdir()
-    (root / "run" / BLOBS_DIR / "abc.safetensors.tmp-123").write_bytes(b"x")
+    (root / "run" / "blobs").mkdir()  # a blob store of an earlier version, with an interrupted write
+    (root / "run" / "blobs" / "abc.safetensors.tmp-123").write_bytes(b"x")
     s2 = CheckpointStore(root, task_id="run", session_id="new")
     assert not stale.exists() and own.exists()
-    assert list((root / "run" / BLOBS_DIR).iterdir()) == []
+    assert list((root / "run" / "blobs").iterdir()) == []
     assert [i.step for i in s2.list()] == [1]
     s3 = CheckpointStore(root, task_id="run", rank=1, world_size=2, session_id="other")  # not rank 0: no cleanup
     assert own.exists()
@@ -367,7 +365,7 @@ def _rewrite_manifest(directory: Path, fix_checksum: bool, **changes: Any) -> No
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
     manifest.update(changes)
     if fix_checksum:
-        manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+        manifest["manifest_checksum"] = manifest_checksum(manifest)
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
@@ -391,11 +389,7 @@ def test_tampered_or_unparsable_manifest_is_refused(store: CheckpointStore) -> N
 
 
 def test_verify_reports_each_problem(store: CheckpointStore) -> None:
-    model = toy.tiny_qwen2(seed=0, num_layers=1, hidden_size=32)
-    emb = "model.embed_tokens.weight"
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    info = save_state(store, CheckpointState(step=1, weights=weights, dedup_keys=frozenset({emb}), **{
-        k: getattr(_tiny_state(1), k) for k in ("optimizer", "scheduler", "rng", "sampler")}), reason="r")
+    info = save_state(store, _tiny_state(1), reason="r")
     directory = Path(info.path)
     assert store.verify("step:1") == []
     with open(directory / OPTIMIZER_NAME, "r+b") as f:
@@ -404,45 +398,37 @@ def test_verify_reports_each_problem(store: CheckpointStore) -> None:
     data = bytearray((directory / WEIGHTS_NAME).read_bytes())
     data[-1] ^= 0x01
     (directory / WEIGHTS_NAME).write_bytes(bytes(data))
-    blob = next((store.task_dir / BLOBS_DIR).iterdir())
-    blob.unlink()
     problems = store.verify("step:1")
-    assert len(problems) == 4
+    assert len(problems) == 3
     assert problems[0].startswith(f"{OPTIMIZER_NAME} (tier optimizer): size 10 bytes, manifest says")
     assert problems[1] == f"{SAMPLER_NAME} (tier state): file is missing"
     assert problems[2].startswith(f"{WEIGHTS_NAME} (tier weights): checksum mismatch")
-    assert problems[3] == f"blob {blob} is missing (weight {emb!r}, tier weights)"
     assert store.list(include_unhealthy=True)[0].status == "corrupt"
     with pytest.raises(CorruptCheckpointError, match="failed verification, nothing was loaded"):
         store.load("step:1", tiers={Tier.WEIGHTS})
 
 
 def test_pin_and_delete(store: CheckpointStore) -> None:
-    model = toy.tiny_qwen2(seed=0, num_layers=1, hidden_size=32)
-    emb = "model.embed_tokens.weight"
     for step in (1, 2, 3):
-        weights = {k: v.detach().clone() + (0 if k == emb else step) for k, v in model.state_dict().items()}
-        save_state(store, CheckpointState(step=step, weights=weights, dedup_keys=frozenset({emb}),
-                                   optimizer=_tiny_state(step).optimizer), reason="r")
+        save_state(store, _tiny_state(step), reason="r")
     assert store.pin("step:2").pinned
     assert (store.task_dir / "step-2" / PINNED_MARKER).exists()
     with pytest.raises(DynamicCkptError, match=r"step 2 .* is pinned; pass force=True"):
         store.delete("step:2")
     store.delete("step:1")
     assert not (store.task_dir / "step-1").exists() and [i.step for i in store.list()] == [3, 2]
-    assert len(list((store.task_dir / BLOBS_DIR).iterdir())) == 1  # still used by 2 and 3
 
     store.delete("step:3", tiers={Tier.OPTIMIZER})
     info3 = store.resolve("step:3")
-    assert info3.tiers == frozenset({Tier.WEIGHTS})
+    assert info3.tiers == frozenset({Tier.WEIGHTS, Tier.STATE})
     assert not (store.task_dir / "step-3" / OPTIMIZER_NAME).exists()
     assert store.verify("step:3") == []
     assert store.load("step:3").optimizer is None
 
     store.delete("step:2", force=True)
     store.delete("step:3")
-    assert list((store.task_dir / BLOBS_DIR).iterdir()) == []  # unreferenced blob collected
-    assert store.list(include_unhealthy=True) == []
+    assert store.list(include_unhealthy=True) == [] and sorted(p.name for p in store.task_dir.iterdir()) == [
+        ".writer.lock"]
 
 
 def test_concurrent_saves_from_threads_are_serialised(store: CheckpointStore) -> None:
@@ -462,9 +448,10 @@ def test_entries_are_verified_with_their_own_checksum_algorithm(store: Checkpoin
     info = save_state(store, _tiny_state(1), reason="r")
     directory = Path(info.path)
     manifest = json.loads((directory / MANIFEST_NAME).read_text())
-    manifest["files"][SAMPLER_NAME]["checksum"] = file_checksum(directory / SAMPLER_NAME, algo="sha256")
+    sampler = (directory / SAMPLER_NAME).read_bytes()
+    manifest["files"][SAMPLER_NAME]["checksum"] = f"sha256:{hashlib.sha256(sampler).hexdigest()}"
     manifest["files"][WEIGHTS_NAME]["checksum"] = "crc99:00"
-    manifest["manifest_checksum"] = compute_manifest_checksum(manifest)
+    manifest["manifest_checksum"] = manifest_checksum(manifest)
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
     problems = store.verify("step:1")
     assert len(problems) == 1
@@ -534,27 +521,6 @@ def test_cleanup_spares_temp_dirs_while_another_session_holds_the_task(tmp_path:
     third = CheckpointStore(tmp_path, task_id="run", session_id="after")
     assert not live_tmp.exists()
     third.close()
-
-
-def test_blob_collection_is_skipped_while_a_save_is_in_flight(tmp_path: Path) -> None:
-    # Two stores on one task, as the training process and a process-mode writer have.
-    writer = CheckpointStore(tmp_path, task_id="run", session_id="s", cleanup=False)
-    trainer = CheckpointStore(tmp_path, task_id="run", session_id="s", cleanup=False)
-    for step, value in ((1, 1.0), (2, 2.0)):
-        save_state(writer, CheckpointState(step=step, weights={"frozen": torch.full((64,), value)},
-                                    dedup_keys=frozenset({"frozen"})), reason="r")
-    blobs = trainer.blobs_dir
-    assert len(list(blobs.iterdir())) == 2
-    with writer.blobs.lock(shared=True):  # a save is in flight in the writer
-        trainer.delete("step:1")
-        assert len(list(blobs.iterdir())) == 2  # collection skipped, nothing pulled from under the save
-    save_state(trainer, CheckpointState(step=3, weights={"frozen": torch.full((64,), 2.0)},
-                                        dedup_keys=frozenset({"frozen"})), reason="r")
-    trainer.delete("step:3")  # no save in flight: the orphan of step 1 goes now
-    assert len(list(blobs.iterdir())) == 1
-    assert blobs.joinpath(f"{tensor_digest(torch.full((64,), 2.0))}.safetensors").exists()
-    writer.close()
-    trainer.close()
 
 
 def test_abort_makes_a_save_waiting_for_other_ranks_give_up_now(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
+from hf_dynamic_ckpt.cli import main
 from hf_dynamic_ckpt.constants import TIMELINE_NAME
-from hf_dynamic_ckpt.extras.plot import ROLLBACK_COLOUR, plot_timeline, timeline_figure
-from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, SaveRequest
-from hf_dynamic_ckpt.store.spec import Lineage
+from hf_dynamic_ckpt.extras.plot import ROLLBACK_COLOUR, timeline_figure
+from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, Lineage, SaveRequest
 
 
 def _row(step: int, risk: float, *saves: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +119,10 @@ def test_each_thing_once_and_apart(root: Path) -> None:
         plt.close(fig)
 
 
-def test_plot_timeline_writes_the_png(root: Path, tmp_path: Path) -> None:
-    png = plot_timeline(root, output=tmp_path / "t.png")
+def test_the_plot_command_writes_the_png(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "t.png"
+    assert main(["plot", str(root), "-o", str(png)]) == 0
+    assert capsys.readouterr().out == f"wrote {png}\n"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(root.parent)]) == 0  # the training output_dir; the default PNG goes under the task
+    assert (root / "default" / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

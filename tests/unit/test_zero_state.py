@@ -164,7 +164,7 @@ def test_a_scheduler_the_deepspeed_engine_steps_has_no_pace_to_keep() -> None:
     from accelerate.scheduler import AcceleratedScheduler
     from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
 
-    from hf_dynamic_ckpt.integrations._accelerate_elastic import natural_pace
+    from hf_dynamic_ckpt.integrations.accelerate import natural_pace
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer)

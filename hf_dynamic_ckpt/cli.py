@@ -1,0 +1,411 @@
+"""`hf-dynamic-ckpt` (or `python -m hf_dynamic_ckpt.cli`): inspect, check, manage and export a store.
+
+    ls ROOT [--task T] [--all] [--json]    show ROOT REF [--json]     verify ROOT [REF | --all]    reindex ROOT
+    pin|unpin ROOT REF    rm ROOT REF... [--force]    gc ROOT [--dry-run] [--json]    plot ROOT [-o PNG]
+    export ROOT REF OUT [--format peft|hf|merged] [--base PATH] [--overwrite]    (all but reindex: [--task T])
+
+ROOT is the store directory (holding ``catalog.db``), the training ``output_dir`` (its ``smart_ckpt/``) or a URL
+root (fsspec options as a JSON object in ``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``); REF is ``step:N``, ``N``, ``auto``,
+``best``, ``fastest`` or a checkpoint directory. Exit codes: 0 success, 1 problems found (`verify`), 2 bad usage, a
+path that holds no store, or a reference that names nothing. Commands that only look write nothing (a URL is read
+into a temporary cache); `verify` then records the statuses that changed in the catalog, best effort. `pin`,
+`unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run that saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shutil
+import sqlite3
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._version import VERSION
+from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES
+from .errors import CheckpointNotFoundError, ConfigError, DynamicCkptError
+from .run.steplog import read_rollbacks
+from .store import CheckpointInfo, CheckpointStore, find_root, task_dirs
+
+OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
+"""JSON object of fsspec storage options for a URL ROOT (e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``)."""
+
+
+# -- finding and opening the store ------------------------------------------------------------------------------------
+def _options() -> dict[str, Any]:
+    """The storage options of a URL ROOT (``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``)."""
+    with contextlib.suppress(ValueError):
+        if isinstance(value := json.loads(os.environ.get(OPTIONS_ENV) or "{}"), dict):
+            return value
+    raise ConfigError(f"{OPTIONS_ENV} is not a JSON object; set it to one such as "
+                      '{"endpoint_url": "http://127.0.0.1:9000"}.')
+
+
+def _where(args: argparse.Namespace, *, one: bool = False) -> tuple[Path | str, list[str]]:
+    """ROOT's store directory (`find_root`: the store or a training output_dir) or URL, and its tasks: the one asked
+    for, else every one (folders holding checkpoints; a URL's prefixes), or with `one` the only one."""
+    root = args.root if "://" in args.root else find_root(args.root)
+    if getattr(args, "task", None) is not None:
+        return root, [args.task]
+    if isinstance(root, Path):
+        found = [p.name for p in task_dirs(root)]
+    else:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(root, **_options())
+        found = []
+        with contextlib.suppress(FileNotFoundError):
+            found = sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)} - {""})
+        found = [n for n in found if not n.startswith(".") and n != BLOBS_DIR]
+    if one and len(found) > 1:
+        raise ConfigError(f"{root} holds several tasks ({', '.join(found)}); choose one with --task.")
+    return root, found or [DEFAULT_TASK_ID]
+
+
+def _open(args: argparse.Namespace, root: Path | str, task: str, mode: str = "read") -> CheckpointStore:
+    """The task's store: ``read`` writes nothing, ``write`` takes the writer lock (refused at once while another
+    process holds it: the error names the holder), ``gc`` lets `gc` take it, ``reindex`` rebuilds the catalog (of a
+    URL: the training cache of this machine)."""
+    if isinstance(root, str):
+        if mode == "reindex":
+            return CheckpointStore(root, task_id=task, storage_options=_options(), cleanup=False)
+        if args.cache is None:
+            args.cache = tempfile.mkdtemp(prefix="hf-dynamic-ckpt-")
+        return CheckpointStore(root, task_id=task, storage_options=_options(), cache_dir=args.cache,
+                               cleanup=mode == "write", read_only=mode == "read")
+    if mode == "read":
+        return CheckpointStore(root, task_id=task, read_only=True)
+    if mode != "reindex" and not (root / task).is_dir():
+        found = ", ".join(p.name for p in task_dirs(root))
+        raise ConfigError(f"task {task!r} has no folder under {root}; available: {found}.")
+    return CheckpointStore(root, task_id=task, cleanup=mode == "write", lock_wait_s=0.0)
+
+
+# -- printing ---------------------------------------------------------------------------------------------------------
+def human_size(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _number(v: Any) -> str:
+    """Floats to 4 significant digits (``0.1234567`` -> ``0.1235``); other values as they are."""
+    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
+
+
+def _time(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _dump(obj: Any) -> int:
+    print(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False, default=str))
+    return 0
+
+
+def _status(i: CheckpointInfo) -> str:
+    return "abandoned" if i.abandoned and i.status == "ok" else i.status
+
+
+def _progress(n: int, total: int, item: str) -> None:
+    """A counter on stderr: redrawn in place on a terminal, one line per item otherwise."""
+    text = f"verify [{'#' * (24 * n // total):.<24}] {n}/{total} {item}"
+    if sys.stderr.isatty():
+        text = "\r" + text.ljust(100)[:100] + ("\n" if n == total else "")
+    else:
+        text += "\n"
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+# -- commands that only look ------------------------------------------------------------------------------------------
+def _ls(args: argparse.Namespace) -> int:
+    root, tasks = _where(args)
+    infos: list[CheckpointInfo] = []
+    removed: list[tuple[str, dict[str, Any]]] = []
+    rollbacks: list[tuple[str, dict[str, Any]]] = []
+    for task in tasks:
+        with _open(args, root, task) as store:
+            infos += store.list(include_unhealthy=True, include_abandoned=args.all)
+            removed += [(task, r) for _, r in sorted(store.removed().items())]
+        if isinstance(root, Path):  # a local store's step log records its rollbacks
+            rollbacks += [(task, r) for r in read_rollbacks(root, task)]
+    if args.json:
+        return _dump([{"task": i.task_id, "step": i.step, "reason": i.reason, "tiers": sorted(t.value for t in i.tiers),
+                       "bytes": i.bytes, "loss": i.loss, "healthy": i.healthy, "pinned": i.pinned,
+                       "abandoned": i.abandoned, "status": i.status, "saved_at": i.save_time, "path": i.path,
+                       "recovery_cost_ms": i.recovery_cost_ms, "world_size": i.world_size} for i in infos])
+    if not infos:
+        print(f"no checkpoints under {root}" + (f" for task {args.task!r}" if args.task else ""))
+        return 0
+    _table([["TASK", "STEP", "REASON", "TIERS", "PROCS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"],
+            *([i.task_id, str(i.step), i.reason or "-", ",".join(sorted(t.value for t in i.tiers)) or "-",
+               str(i.world_size), human_size(i.bytes), "-" if i.loss is None else f"{i.loss:.4g}",
+               "yes" if i.healthy else "no", "yes" if i.pinned else "no", _status(i)] for i in infos)])
+    if pinned := sorted({i.reason or "-" for i in infos if i.pinned}):
+        print(f"pinned ({', '.join(pinned)}): kept whatever retention says until unpinned (`hf-dynamic-ckpt unpin ROOT "
+              "step:N`); a save_state checkpoint is unpinned once Accelerate rotates its folder away. The others are "
+              "kept by the run's retention (keep_last, log-spaced history; Accelerate's total_limit with the state "
+              "hooks).")
+    if removed:
+        more = "" if args.all or len(removed) <= 3 else f"; the last 3 of {len(removed)} (`--all` lists every one)"
+        print(f"removed by retention{more}, each with the rule that removed it:")  # the rules the store recorded
+        for task, r in removed if args.all else removed[-3:]:
+            tiers = r.get("tiers") or []
+            only = "" if "weights" in tiers else f" ({', '.join(tiers)} only)"
+            print(f"  {task}: step {r.get('step')}{only}: {r.get('rule')}")
+        print("  (to keep every checkpoint: train with keep_last: null and storage_levels.level_N.retention_days: "
+              "null, or pin it)")
+    if rollbacks:
+        print("rollbacks (the steps past each restore point were abandoned; `--all` lists their checkpoints):")
+        for task, r in rollbacks:
+            when = f" at {_time(float(r['time']))}" if isinstance(r.get("time"), int | float) else ""
+            print(f"  {task}: step {r.get('from_step')} -> step {r.get('to_step')}{when} ({r.get('reason')})")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    root, (task,) = _where(args, one=True)
+    with _open(args, root, task) as store:
+        info = store.resolve(args.ref)
+        m = store.load(info, tiers=()).manifest  # its checksum verified
+    if args.json:
+        return _dump(m)
+    print(f"checkpoint   {info.path}\ntask / step  {info.task_id} / {m.get('step')} (epoch {_number(m.get('epoch'))})\n"
+          f"reason       {m.get('reason')}\nsaved at     {_time(float(m.get('created_at', 0.0)))}\n"
+          f"tiers        {', '.join(m.get('tiers', [])) or '-'}\nhealthy      {'yes' if info.healthy else 'no'}    "
+          f"pinned {'yes' if info.pinned else 'no'}    status {_status(info)}\n"
+          f"world size   {m.get('world_size')}    format version {m.get('format_version')}")
+    if lineage := m.get("lineage") or {}:
+        parent = lineage.get("parent_step")
+        print(f"lineage      timeline {lineage.get('timeline')}, session {lineage.get('session')}, "
+              + (f"resumed from step {parent}" if parent is not None else "fresh start"))
+    blobs = {b["digest"]: int(b.get("size", 0)) for b in (m.get("blobs") or {}).values()}
+    print(f"size         {human_size(int(m.get('bytes', 0)))} in the directory"
+          + (f" + {human_size(sum(blobs.values()))} shared blobs ({len(m['blobs'])} tensors)" if blobs else "")
+          + f"\nrecovery     ~{_number(m.get('recovery_cost_ms'))} ms (estimate)\nfiles:")
+    _table([["  NAME", "TIER", "RANK", "SIZE", "CHECKSUM"]] + [
+        [f"  {name}", str(e.get("tier")), "-" if e.get("rank") is None else str(e["rank"]),
+         human_size(int(e.get("size", 0))), str(e.get("checksum"))[:23]]
+        for name, e in sorted(m.get(KEY_FILES, {}).items())])
+    if signals := m.get("signals") or {}:
+        print("signals:     " + ", ".join(f"{k}={_number(v)}" for k, v in sorted(signals.items())))
+    if debug := m.get("debug_info") or []:
+        keys = sorted({k for d in debug for k in d}, key=lambda k: (k != "step", k))
+        print("debug_info (last steps):")
+        _table([["  " + keys[0], *keys[1:]]] + [["  " + str(d.get(keys[0], "-")),
+                                                  *(_number(d.get(k, "-")) for k in keys[1:])] for d in debug])
+    if versions := m.get("versions") or {}:
+        print("versions:    " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    if args.ref is not None and args.all:
+        raise ConfigError("give either REF or --all, not both.")
+    root, tasks = _where(args, one=args.ref is not None)
+    changed: dict[str, list[int]] = {}
+    with contextlib.ExitStack() as stack:
+        targets = []
+        for task in tasks:
+            store = stack.enter_context(_open(args, root, task))
+            infos = ([store.resolve(args.ref)] if args.ref is not None else  # no REF: every one, abandoned too
+                     sorted(store.list(include_unhealthy=True, include_abandoned=True), key=lambda i: i.step))
+            targets += [(store, i) for i in infos]
+        if not targets:
+            print(f"no checkpoints under {root}")
+            return 0
+        if len(targets) == 1:
+            print(f"verifying {targets[0][1].task_id}/step-{targets[0][1].step} ({human_size(targets[0][1].bytes)}) "
+                  "...", file=sys.stderr)
+        bad = gone = 0
+        for n, (store, info) in enumerate(targets, 1):
+            label = f"{info.task_id}/step-{info.step}"
+            try:
+                problems = store.verify(info)
+            except CheckpointNotFoundError:
+                problems = None
+            if len(targets) > 1:
+                _progress(n, len(targets), label)
+            if problems is None:
+                gone += 1
+                print(f"GONE {label} (deleted while verifying, e.g. by retention; not a problem)")
+                continue
+            if ("corrupt" if problems else "ok") != info.status:
+                changed.setdefault(info.task_id, []).append(info.step)
+            bad += bool(problems)
+            print(f"FAIL {label}" if problems else f"OK   {label}", *(f"  - {p}" for p in problems), sep="\n")
+    if isinstance(root, Path) and (root / CATALOG_NAME).is_file():
+        for task, steps in changed.items():  # a later `ls` shows what verify found; the manifests stay the truth
+            with contextlib.suppress(DynamicCkptError, OSError, sqlite3.Error), \
+                    CheckpointStore(root, task_id=task, cleanup=False) as store:
+                for step in steps:  # a writable store records what its verify finds in the catalog file
+                    store.verify(f"step:{step}")
+    checked = len(targets) - gone
+    print(f"{checked - bad} of {checked} checkpoint(s) intact" + (f", {bad} with problems" if bad else "")
+          + (f"; {gone} deleted during the scan" if gone else ""))
+    return 1 if bad else 0
+
+
+def _reindex(args: argparse.Namespace) -> int:
+    root, tasks = _where(args)
+    n = damaged = 0
+    for task in tasks:
+        with _open(args, root, task, "reindex") as store:
+            store.reindex()
+            infos = store.list(include_unhealthy=True, include_abandoned=True)
+        n, damaged = n + len(infos), damaged + sum(i.status != "ok" for i in infos)
+    print(f"reindexed {root}: {n} checkpoint(s)" + (f", {damaged} with a damaged manifest" if damaged else ""))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .extras.plot import plot_timeline
+
+    root, tasks = _where(args)
+    print(f"wrote {plot_timeline(root, task_id=tasks[0], output=args.output)}")
+    return 0
+
+
+# -- commands that change the store, and export -----------------------------------------------------------------------
+def _pin(args: argparse.Namespace) -> int:
+    root, (task,) = _where(args, one=True)
+    with _open(args, root, task, "write") as store:
+        info = store.unpin(args.ref) if args.command == "unpin" else store.pin(args.ref)
+    print(f"{args.command}ned {info.task_id}/step-{info.step}")
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    root, (task,) = _where(args, one=True)
+    with _open(args, root, task, "write") as store:
+        for info in [store.resolve(ref) for ref in args.refs]:
+            if info.pinned and not args.force:
+                raise ConfigError(f"step {info.step} is pinned; `hf-dynamic-ckpt unpin` it first or pass --force.")
+            store.delete(info, force=args.force)
+            print(f"removed step {info.step} ({human_size(info.bytes)})")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    root, (task,) = _where(args, one=True)
+    with _open(args, root, task, "read" if args.dry_run else "gc") as store:
+        report = store.gc(dry_run=args.dry_run)
+    if args.json:
+        return _dump({**dataclasses.asdict(report), "dry_run": args.dry_run})
+    verb = "would remove" if args.dry_run else "removed"
+    for step in report.removed:
+        print(f"{verb} step {step}" + (" (abandoned timeline)" if step in report.abandoned else ""))
+    for name in report.temp_dirs:
+        print(f"{verb} leftover {name}")
+    if report.blobs:
+        print(f"{verb} {len(report.blobs)} unused blob(s)")
+    for why in report.kept:
+        print(f"kept: {why}")
+    print(f"{'would free' if args.dry_run else 'freed'} {human_size(report.bytes_freed)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import export_step
+
+    out, step, skipped = export_step(args.root, args.ref, args.out, format=args.format, base=args.base,
+                                     task_id=args.task, overwrite=args.overwrite)
+    print(*skipped, f"exported step {step} ({args.ref}) as {args.format} to {out}", sep="\n")
+    return 0
+
+
+# -- the parser -------------------------------------------------------------------------------------------------------
+def _arg(*flags: str, **kwargs: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    return flags, kwargs
+
+
+_ROOT = _arg("root", metavar="ROOT", help="store directory (holds catalog.db), the training output_dir, or a URL")
+_REF = _arg("ref", metavar="REF", help="step:N, N, auto, best, fastest, or a checkpoint directory")
+_TASK = _arg("--task", default=None, help="the task (needed when ROOT holds several; ls, verify: every task)")
+_JSON = _arg("--json", action="store_true", help="machine-readable JSON")
+SUBCOMMANDS: dict[str, tuple[Any, str, list[tuple[tuple[str, ...], dict[str, Any]]]]] = {
+    "ls": (_ls, "list the checkpoints of a store", [
+        _ROOT, _TASK, _arg("--all", action="store_true", help="also list abandoned checkpoints (timelines a resume "
+                                                               "left)"), _JSON]),
+    "show": (_show, "summarise one checkpoint's manifest", [_ROOT, _REF, _TASK, _JSON]),
+    "verify": (_verify, "check sizes and checksums of checkpoints (exit code 1 on problems)", [
+        _ROOT, _arg("ref", metavar="REF", nargs="?", default=None, help="one checkpoint (default: all)"),
+        _arg("--all", action="store_true", help="verify every checkpoint (the default without REF)"), _TASK]),
+    "reindex": (_reindex, "rebuild catalog.db from the manifests", [_ROOT]),
+    "plot": (_plot, "PNG timeline of a run: loss, grad norm, risk, saves, resumes", [
+        _ROOT, _TASK, _arg("--output", "-o", default=None, help="PNG path (default ROOT/TASK/timeline.png)")]),
+    "pin": (_pin, "protect a checkpoint from retention and gc", [_ROOT, _REF, _TASK]),
+    "unpin": (_pin, "undo pin", [_ROOT, _REF, _TASK]),
+    "rm": (_rm, "delete checkpoints (pinned ones need --force)", [
+        _ROOT, _arg("refs", metavar="REF", nargs="+", help="step:N, N, or a checkpoint directory"), _TASK,
+        _arg("--force", action="store_true", help="also delete pinned checkpoints")]),
+    "gc": (_gc, "remove what nothing needs: passed abandoned timelines, leftovers, unused blobs", [
+        _ROOT, _TASK, _arg("--dry-run", action="store_true", help="print what would go and the bytes it would free"),
+        _JSON]),
+    "export": (_export, "write a checkpoint as a folder PEFT / transformers load", [
+        _ROOT, _REF, _arg("out", metavar="OUT", help="folder to create"),
+        _arg("--format", choices=("peft", "hf", "merged"), default="peft",
+             help="peft: adapter folder; hf: full model; merged: base + adapter merged (needs --base)"),
+        _arg("--base", default=None, help="local folder with the base model weights (--format merged)"), _TASK,
+        _arg("--overwrite", action="store_true",
+             help="replace OUT if it is a previous export (holding hf_dynamic_ckpt_export.json and nothing else)")]),
+}
+"""Every command: name -> (function of the parsed arguments returning the exit code, help, arguments)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf-dynamic-ckpt` argument parser with every command of `SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(prog="hf-dynamic-ckpt",
+                                     description="Inspect, check, manage and export an hf_dynamic_ckpt store.")
+    parser.add_argument("--version", action="version", version=f"hf-dynamic-ckpt {VERSION}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (func, text, arguments) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=text)
+        for flags, kwargs in arguments:
+            p.add_argument(*flags, **kwargs)
+        p.set_defaults(func=func, cache=None)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `hf-dynamic-ckpt`; returns the exit code.
+
+    Example:
+        ```bash
+        hf-dynamic-ckpt ls out/smart_ckpt
+        hf-dynamic-ckpt verify out --all          # the training output_dir works too
+        ```
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except DynamicCkptError as e:
+        print(f"hf-dynamic-ckpt: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `hf-dynamic-ckpt ls ROOT | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        if args.cache is not None:
+            shutil.rmtree(args.cache, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
