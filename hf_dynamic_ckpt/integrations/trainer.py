@@ -58,8 +58,8 @@ from ..run.elastic import (
 from ..run.orchestrator import RunOrchestrator
 from ..run.rollback import Rollback
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
+from ..state.sharded import zero_expected
 from ..state.support import check_accelerator, check_training_args
-from ..state.zero import zero_expected
 from ..store import LoadedCheckpoint
 from ._trainer_folder import (
     KEY_DATA_STEPS,

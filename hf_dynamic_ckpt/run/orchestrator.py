@@ -41,11 +41,9 @@ from ..policy.decision import Decision, DecisionKind
 from ..policy.rules import RollbackRule, RollbackVerdict, RulePolicy, Verdict
 from ..signals.frame import SignalFrame
 from ..state import RngState, StateSources, capture_raw_rng_state, expected_weights
-from ..state.shards import ShardedState
+from ..state.sharded import ShardedState, ZeroGradSquares, ZeroState, ZeroUpdateSeam, sources_for, zero_optimizer
 from ..state.support import check_model
-from ..state.zero import ZeroGradSquares, ZeroState, ZeroUpdateSeam, zero_optimizer
 from ..store import CheckpointInfo, Lineage, LoadedCheckpoint, is_url, new_session_id
-from .fsdp import load_sharded, sources_for
 from .resume import (
     KEY_GRAD_PROBE,
     KEY_POLICY,
@@ -229,7 +227,7 @@ class RunOrchestrator:
             position (`Callable`, *optional*): the `(step, epoch)` that `pre_update` would be given, readable while
                 the step runs. Under DeepSpeed ZeRO the engine applies the update inside `backward`, before the
                 loop's `pre_update`: with `position`, `pre_update` runs inside the engine's step, before the first
-                partition is updated (`state.zero.ZeroUpdateSeam`), and the loop's call returns its decision.
+                partition is updated (`state.sharded.ZeroUpdateSeam`), and the loop's call returns its decision.
         """
         check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (state.support)
         if self.config.policy.skip_bad_update and zero_optimizer(optimizer) is not None:
@@ -726,8 +724,8 @@ class RunOrchestrator:
         """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it.
 
         Checkpoints of the run that went past the restore point become *abandoned* (kept, restorable
-        by `step:N`, never chosen by `auto`), never deleted. A sharded (FSDP2) model is read through
-        DCP right after the plan (a collective). `background_optimizer`: read L1 in a thread, then
+        by `step:N`, never chosen by `auto`), never deleted. A sharded (FSDP2, ZeRO) model reads its shards
+        right after the plan (`state.sharded`). `background_optimizer`: read L1 in a thread, then
         `complete_resume(loaded)`.
 
         Args:
@@ -756,8 +754,7 @@ class RunOrchestrator:
 
     def _plan(self, ref: str, *, expected: Mapping[str, Any] | None,
               background_optimizer: bool = False, into: Mapping[str, Any] | None = None) -> Resumption | None:
-        """`plan_resume` for this run; a sharded (FSDP2) model's shards are then read through DCP (a
-        collective) into the live objects."""
+        """`plan_resume` for this run; a sharded (FSDP2, ZeRO) model's shards are then read into the live objects."""
         sharded = self._sharded
         fallback = self.config.runtime.fallback_strategy
         if self._sources is not None and self._optimizer is None and self._scheduler is None and self._scaler is None:
@@ -767,7 +764,7 @@ class RunOrchestrator:
             fallback=fallback, expected=sharded.expected() if sharded is not None else expected,
             background_optimizer=background_optimizer and sharded is None, into=into if sharded is None else None)
         if resumption is not None and sharded is not None:
-            load_sharded(sharded, resumption.loaded)
+            sharded.load(resumption.loaded)
         return resumption
 
     def apply(self, resumption: Resumption, *, rollback: bool = False) -> None:
@@ -811,7 +808,7 @@ class RunOrchestrator:
         DeepSpeed engine exists) into the attached model and optimizer, once its optimizer tier is in."""
         assert self._sharded is not None, "attach() a sharded model first"
         self.complete_resume(loaded)
-        load_sharded(self._sharded, loaded)
+        self._sharded.load(loaded)
 
     def complete_resume(self, loaded: LoadedCheckpoint) -> None:
         """Wait for a background optimizer-tier read and fill it in (agreed: lost on one rank, lost on all)."""

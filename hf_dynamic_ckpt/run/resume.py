@@ -58,9 +58,9 @@ from ..errors import (
 )
 from ..state.model import check_weights
 from ..state.optimizer import state_numel_bound
-from ..state.shards import check_sharding
+from ..state.sharded import check_sharding
 from ..store import STATUS_CORRUPT, STATUS_OK, CheckpointInfo, Lineage, LoadedCheckpoint, check_frozen, new_session_id
-from ..store.shard_files import is_flat, sharded_table
+from ..store.shard_files import sharded_table
 
 if TYPE_CHECKING:
     from ..store import CheckpointStore
@@ -162,7 +162,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
         return _Outcome(step, False, f"step {step} holds no weights")
     table = sharded_table(loaded.manifest)
     if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
-        check_sharding(step, loaded.manifest, expected, saved_flat=table is not None and is_flat(table))
+        check_sharding(step, loaded.manifest, expected)
         check_frozen(loaded, expected)  # weights not written: the model's own, checked against their records
         try:
             check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back

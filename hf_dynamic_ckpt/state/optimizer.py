@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..store import LoadedCheckpoint
-from .zero import applied_optimizer
+from .sharded import sharded_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,14 @@ def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, sc
 
     When L1 was lost (`loaded.optimizer is None`), the optimizer stays fresh and the
     scheduler is moved to the checkpoint's step so the learning-rate schedule continues
-    where it was; a warning says so.
+    where it was; a warning says so. A sharded optimizer's L1 (FSDP2, DeepSpeed ZeRO) is read into its
+    shards by the sharded load (`state.sharded.sharded_optimizer`), not here.
     """
     step = loaded.info.step
-    applied = applied_optimizer(loaded)  # ZeRO: read into the partitions by the sharded load
     if loaded.optimizer is not None and optimizer is not None:
-        optimizer.load_state_dict(loaded.optimizer)
-    elif optimizer is not None and not applied:
+        if not sharded_optimizer(optimizer):
+            optimizer.load_state_dict(loaded.optimizer)
+    elif optimizer is not None:
         msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "
                "weights with a fresh optimizer (moments reset)")
         if not any("optimizer state" in w for w in loaded.warnings):  # restore already said it otherwise
@@ -54,7 +55,7 @@ def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, sc
     if scheduler is not None:
         if loaded.scheduler is not None:
             scheduler.load_state_dict(loaded.scheduler)
-            if loaded.optimizer is None and optimizer is not None and not applied:
+            if loaded.optimizer is None and optimizer is not None:
                 # A fresh optimizer still holds the schedule's initial rates: set the saved step's.
                 for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
                     group["lr"] = lr

@@ -2,13 +2,14 @@
 
 Supported: a single process, DDP (every rank holds the whole model; rank 0 writes it), FSDP2
 (`torch.distributed.fsdp.fully_shard`: every parameter is a `DTensor`; every rank writes its own
-shards, see `state.shards`), and DeepSpeed ZeRO stages 1-3 (every rank writes its fragments of the
-partitioned state, see `state.zero`). Refused with a `ConfigError` that names these: DeepSpeed
+shards, see `state.sharded`), and DeepSpeed ZeRO stages 1-3 (every rank writes its fragments of the
+partitioned state, see `state.sharded`). Refused with a `ConfigError` that names these: DeepSpeed
 without ZeRO (stage 0: its mixed-precision optimizers keep master weights this library does not
 read), the `save_state` hooks under DeepSpeed (`save_state` runs DeepSpeed's own pickled save
 whatever a hook does), a DeepSpeedEngine handed over as the model (pass `engine.module`), and FSDP1
 (`FullyShardedDataParallel` flat parameters hold one rank's slice of many tensors; a save from here
-would store rank 0's slice as if it were the model).
+would store rank 0's slice as if it were the model). Under ZeRO (`check_zero`): NVMe offload (the moments are not
+in memory) and ZeRO-3's partial optimizer offload (a second optimizer holds part of the state).
 """
 
 from __future__ import annotations
@@ -118,3 +119,21 @@ def check_model(model: nn.Module) -> None:
         if name == "FullyShardedDataParallel":
             raise _refuse("FSDP version 1 (the model contains a FullyShardedDataParallel module)", _FSDP1_WHY,
                           _FSDP1_FIX)
+
+
+def check_zero(zero: Any) -> None:
+    """Refuse the DeepSpeed ZeRO set-ups a save cannot read: NVMe offload, ZeRO-3's partial optimizer offload.
+
+    Raises:
+        `ConfigError`: naming the setting and the way out.
+    """
+    if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False) \
+            or getattr(zero, "optimizer_swapper", None) is not None:
+        raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO with NVMe offload (offload_optimizer / "
+                          "offload_param device 'nvme'): the optimizer state is not in memory for a save to read. "
+                          "Offload to 'cpu' (supported) or keep the state on the device.")
+    if getattr(zero, "offload_optimizer", False) and getattr(zero, "partial_offload", 1.0) != 1.0:
+        raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO-3 with partial optimizer offload "
+                          f"(offload_optimizer.ratio={zero.partial_offload}): the state of the sub-groups kept on the "
+                          "device lives in a second optimizer this library does not read. Offload all of it (ratio 1) "
+                          "or none.")

@@ -61,13 +61,15 @@ def test_smart_checkpointer_refuses_deepspeed_without_zero_before_opening_the_st
 def test_an_accelerator_that_counts_one_process_of_several_is_refused(tmp_path: Path, monkeypatch):
     # Accelerate under DeepSpeed on a machine without GPUs counts 1 process while the process group has more:
     # every process would checkpoint as rank 0 of a one-process run.
-    from hf_dynamic_ckpt import distributed
-    from hf_dynamic_ckpt.integrations.accelerate import make_run
+    from hf_dynamic_ckpt import SmartCheckpointer, distributed
 
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    acc = SimpleNamespace(process_index=0, num_processes=1)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = _accelerator("MULTI_CPU")
+    acc.process_index, acc.num_processes, acc._optimizers = 0, 1, [opt]
     with pytest.raises(ConfigError) as e:
-        make_run(SmartCkptConfig(), acc, str(tmp_path / "s"), None)  # type: ignore[arg-type]
+        SmartCheckpointer(acc, model, opt, output_dir=str(tmp_path / "s"))
     assert str(e.value) == (
         "the accelerator counts 1 process but the process group has 2: every process would checkpoint as rank 0 "
         "of a one-process run. Accelerate does this for DeepSpeed on a machine without GPUs: create "

@@ -1,8 +1,8 @@
-"""ZeRO checkpoints on disk: runs of flattened tensors read back across ranks, gathered whole, and the set-up check.
+"""Sharded checkpoints on disk: ZeRO runs and FSDP2 blocks read back across ranks, gathered whole, and the set-up check.
 
-The 2-process DeepSpeed runs are in tests/distributed/test_deepspeed.py; these pin the file-level pieces they rely on:
-`FlatReader` (a range from whichever ranks' chunks hold it), `gather_weights` (an export's whole tensors, from ZeRO
-runs and from FSDP2 blocks), and `check_sharding` (a ZeRO checkpoint resumes under ZeRO only).
+The 2-process runs are in tests/distributed/test_deepspeed.py and test_fsdp_resume.py; these pin the file-level pieces
+they rely on: `ChunkReader` (a range or block from whichever ranks' chunks hold it), `gather_weights` (an export's
+whole tensors), the chunk table's validation, and `check_sharding` (a ZeRO checkpoint resumes under ZeRO only).
 """
 
 from __future__ import annotations
@@ -15,17 +15,19 @@ import torch
 from safetensors.torch import save_file
 
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, IncompatibleStateError
-from hf_dynamic_ckpt.state.shards import check_sharding
-from hf_dynamic_ckpt.state.zero import ZeroExpected, zero_uncovered
-from hf_dynamic_ckpt.store.shard_files import FlatReader, gather_weights, is_flat, placeholders
+from hf_dynamic_ckpt.state.sharded import ZeroExpected, check_sharding
+from hf_dynamic_ckpt.store.shard_files import ChunkReader, gather_weights, is_flat, placeholders, sharded_table
 
 
 def _run(shape: list[int], offset: int, size: int, file: str) -> dict[str, Any]:
-    total = 1
-    for n in shape:
-        total *= n
-    return {"shape": [total], "offset": [offset], "size": [size], "dtype": "float32", "tensor_shape": shape,
-            "file": file}
+    return {"shape": [int(torch.Size(shape).numel())], "offset": [offset], "size": [size], "dtype": "float32",
+            "tensor_shape": shape, "file": file}
+
+
+def _read(reader: ChunkReader, part: str, key: str, start: int, stop: int) -> torch.Tensor:
+    out = torch.empty(stop - start)
+    reader.read_into(part, key, out, [start])
+    return out
 
 
 @pytest.fixture
@@ -47,23 +49,25 @@ def two_ranks(tmp_path: Path) -> tuple[Path, dict[str, Any], torch.Tensor]:
 
 def test_flat_reader_reads_any_range_from_the_ranks_that_hold_it(two_ranks) -> None:
     directory, table, full = two_ranks
-    reader = FlatReader(directory, table)
     flat = full.reshape(-1)
-    assert torch.equal(reader.read("weights", "w", 0, 12), flat)  # one process reading two ranks' partitions
-    assert torch.equal(reader.read("weights", "w", 3, 9), flat[3:9])  # a range across the boundary
-    assert torch.equal(reader.read("weights", "w", 6, 8), flat[6:8])
-    assert torch.equal(reader.read("optimizer", "state.w.exp_avg", 4, 6), -flat[4:6])
-    assert reader.keys("optimizer") == {"state.w.exp_avg"}
-    with pytest.raises(KeyError):
-        reader.read("optimizer", "state.w.exp_avg_sq", 0, 5)
+    with ChunkReader(directory, table) as reader:
+        assert torch.equal(_read(reader, "weights", "w", 0, 12), flat)  # one process reading two ranks' partitions
+        assert torch.equal(_read(reader, "weights", "w", 3, 9), flat[3:9])  # a range across the boundary
+        assert torch.equal(_read(reader, "weights", "w", 6, 8), flat[6:8])
+        assert torch.equal(_read(reader, "optimizer", "state.w.exp_avg", 4, 6), -flat[4:6])
+        assert reader.keys("optimizer") == {"state.w.exp_avg"}
+        with pytest.raises(IncompatibleStateError, match=r"holds no optimizer tensor 'state\.w\.exp_avg_sq', which "
+                                                         r"this run has: it was saved from another model or optimizer"):
+            _read(reader, "optimizer", "state.w.exp_avg_sq", 0, 5)
 
 
 def test_flat_reader_names_a_range_no_rank_holds(two_ranks) -> None:
     directory, table, _ = two_ranks
     del table["ranks"]["1"]
-    with pytest.raises(CorruptCheckpointError, match=r"the saved chunks of 'w' cover its elements 3\.\.5 of 3\.\.9: "
-                                                     r"a rank's shard is missing\."):
-        FlatReader(directory, table).read("weights", "w", 3, 9)
+    with ChunkReader(directory, table) as reader, pytest.raises(
+            CorruptCheckpointError, match=r"the saved chunks of 'w' hold 2 of the 6 elements at \[3\]: a rank's shard "
+                                          r"is missing\."):
+        _read(reader, "weights", "w", 3, 9)
 
 
 def test_gather_weights_assembles_zero_runs_and_fsdp_blocks(two_ranks, tmp_path: Path) -> None:
@@ -83,52 +87,92 @@ def test_gather_weights_assembles_zero_runs_and_fsdp_blocks(two_ranks, tmp_path:
     assert not is_flat(blocks)
     assert torch.equal(gather_weights(tmp_path, blocks)["w"], full)
     del blocks["ranks"]["1"]
-    with pytest.raises(CorruptCheckpointError, match=r"leave part of \['w'\] uncovered"):
+    with pytest.raises(CorruptCheckpointError, match=r"the saved chunks of 'w' hold 8 of the 12 elements at \[0, 0\]"):
         gather_weights(tmp_path, blocks)
 
 
-def test_a_zero_checkpoint_resumes_under_zero_only() -> None:
+def test_a_chunk_table_naming_another_file_or_rank_is_corrupt(two_ranks) -> None:
+    _, table, _ = two_ranks
+    assert sharded_table({"world_size": 2, "extra": {"sharded": table}}) is table
+    for bad in ("weights-rank1.safetensors", "../weights-rank0.safetensors", "optimizer-rank0.safetensors"):
+        table["ranks"]["0"]["weights"]["w"]["file"] = bad  # only rank 0's own weights file may hold its weights
+        with pytest.raises(CorruptCheckpointError, match=r"chunk table is malformed"):
+            sharded_table({"world_size": 2, "extra": {"sharded": table}})
+    table["ranks"]["0"]["weights"]["w"]["file"] = "weights-rank0.safetensors"
+    with pytest.raises(CorruptCheckpointError, match=r"chunk table is malformed"):
+        sharded_table({"world_size": 1, "extra": {"sharded": table}})  # rank 1 of a one-process save
+    table["ranks"]["0"]["weights"]["w"]["tensor_shape"] = [4, 4]  # 16 elements for a run of 12
+    with pytest.raises(CorruptCheckpointError, match=r"chunk table is malformed"):
+        sharded_table({"world_size": 2, "extra": {"sharded": table}})
+
+
+def test_a_zero_checkpoint_resumes_under_zero_only(two_ranks) -> None:
+    _, table, _ = two_ranks
     zero_live = ZeroExpected(w=torch.empty(3, 4, device="meta"))
     plain_live = {"w": torch.empty(3, 4)}
-    sharded = {"extra": {"sharded": {}}}
-    check_sharding(6, sharded, zero_live, saved_flat=True)  # no error
+    zero_saved = {"extra": {"sharded": table}}
+    fsdp_saved = {"extra": {"sharded": {"format": table["format"], "world_size": 1, "ranks": {"0": {"weights": {
+        "w": {"shape": [3, 4], "offset": [0, 0], "size": [3, 4], "dtype": "float32",
+              "file": "weights-rank0.safetensors"}}}}}}}
+    check_sharding(6, zero_saved, zero_live)  # no error
     with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved under DeepSpeed ZeRO and this run does not: "
                                                      r"resume it in the set-up that saved it"):
-        check_sharding(6, sharded, plain_live, saved_flat=True)
+        check_sharding(6, zero_saved, plain_live)
     with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved without sharding and this run trains under "
                                                      r"ZeRO"):
         check_sharding(6, {"extra": {}}, zero_live)
     with pytest.raises(IncompatibleStateError, match=r"^step 6 was saved sharded by FSDP2 and this run trains under"):
-        check_sharding(6, sharded, zero_live)
+        check_sharding(6, fsdp_saved, zero_live)
 
 
 def test_flat_reader_reads_a_range_straight_into_its_destination(two_ranks) -> None:
     directory, table, full = two_ranks
     flat = full.reshape(-1)
-    with FlatReader(directory, table) as reader:
+    with ChunkReader(directory, table) as reader:
         partition = torch.full((10,), 99.0)
-        reader.read_into("weights", "w", 3, 9, partition.narrow(0, 2, 6))  # a view: the range lands in place
+        reader.read_into("weights", "w", partition.narrow(0, 2, 6), [3])  # a view: the range lands in place
         assert torch.equal(partition[2:8], flat[3:9])
         assert torch.equal(partition[:2], torch.full((2,), 99.0)) and torch.equal(partition[8:], torch.full((2,), 99.0))
         wide = torch.zeros(6, dtype=torch.float64)  # another dtype: through one host tensor
-        reader.read_into("optimizer", "state.w.exp_avg", 3, 9, wide)
+        reader.read_into("optimizer", "state.w.exp_avg", wide, [3])
         assert torch.equal(wide, -flat[3:9].double())
 
 
 def test_flat_reader_refuses_a_file_shorter_than_its_chunk(two_ranks) -> None:
     directory, table, _ = two_ranks
     save_file({"w": torch.zeros(4)}, directory / "weights-rank1.safetensors")  # 4 elements, the chunk says 7
-    with FlatReader(directory, table) as reader, pytest.raises(
+    with ChunkReader(directory, table) as reader, pytest.raises(
             CorruptCheckpointError, match=r"weights-rank1\.safetensors holds 4 elements of 'w', fewer than the 7 its "
                                           r"chunk names\."):
-        reader.read_into("weights", "w", 0, 12, torch.empty(12))
+        reader.read_into("weights", "w", torch.empty(12))
 
 
-def test_moments_made_for_a_load_are_zero_where_no_fragment_writes() -> None:
-    # Two flat partitions; the first has fragments at [0, 3) and [5, 8) and padding at [3, 5) and [8, 10).
-    made = {0: [torch.full((10,), float("nan")), torch.full((10,), 7.0)], 1: [torch.full((4,), 7.0)]}
-    zero_uncovered(made, {0: [(5, 8), (0, 3)]})
-    for t in made[0]:
-        assert torch.equal(t[3:5], torch.zeros(2)) and torch.equal(t[8:], torch.zeros(2))
-    assert torch.isnan(made[0][0][:3]).all() and torch.equal(made[0][1][5:8], torch.full((3,), 7.0))
-    assert torch.equal(made[1][0], torch.zeros(4))  # no fragment at all
+def test_flat_reader_refuses_a_file_that_is_not_safetensors(two_ranks) -> None:
+    directory, table, _ = two_ranks
+    (directory / "weights-rank1.safetensors").write_bytes(b"\xff" * 64)  # a header length far beyond the file
+    with ChunkReader(directory, table) as reader, pytest.raises(
+            CorruptCheckpointError, match=r"weights-rank1\.safetensors is not a readable safetensors file"):
+        reader.read_into("weights", "w", torch.empty(12))
+
+
+def test_chunk_reader_reads_any_block_of_fsdp_shards(tmp_path: Path) -> None:
+    # Rows 0-1 on rank 0, row 2 on rank 1 (FSDP2's Shard(0)), and a step count every rank saved whole.
+    full = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    save_file({"w": full[:2].clone(), "step": torch.tensor(7.0)}, tmp_path / "weights-rank0.safetensors")
+    save_file({"w": full[2:].clone(), "step": torch.tensor(7.0)}, tmp_path / "weights-rank1.safetensors")
+    step = {"shape": [], "offset": [], "size": [], "dtype": "float32"}
+    table = {"format": "hf_dynamic_ckpt.dcp-chunks/1", "world_size": 2, "ranks": {
+        str(r): {"weights": {"w": {"shape": [3, 4], "offset": [2 * r, 0], "size": [2 - r, 4], "dtype": "float32",
+                                   "file": f"weights-rank{r}.safetensors"},
+                             "step": {**step, "file": f"weights-rank{r}.safetensors"}}} for r in (0, 1)}}
+    assert sharded_table({"world_size": 2, "extra": {"sharded": table}}) is table
+    with ChunkReader(tmp_path, table) as reader:
+        rows = torch.empty(2, 4)
+        reader.read_into("weights", "w", rows, [1, 0])  # another world size's shard: rows 1-2, from both ranks
+        assert torch.equal(rows, full[1:])
+        columns = torch.empty(3, 2)
+        reader.read_into("weights", "w", columns, [0, 1])  # a column block (Shard(1)): not one run of the files
+        assert torch.equal(columns, full[:, 1:3])
+        count = torch.tensor(0.0)
+        reader.read_into("weights", "step", count)
+        assert float(count) == 7.0

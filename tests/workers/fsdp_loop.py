@@ -177,7 +177,7 @@ def dcp_load(model, optimizer, scheduler, ckpt, path: str) -> int:
     # As a smart resume on another number of processes: the scheduler keeps the saved run's pace, and a rank the
     # saving run did not have continues rank 0's random streams.
     if extra["scheduler_pace"] != ckpt.state.scheduler_pace:
-        from hf_dynamic_ckpt.integrations._accelerate_elastic import keep_pace
+        from hf_dynamic_ckpt.integrations.accelerate import keep_pace
 
         keep_pace(scheduler, extra["scheduler_pace"])
     rng_file = os.path.join(path, f"rng-{torch.distributed.get_rank()}.json")

@@ -1,0 +1,618 @@
+"""Sharded training state (FSDP2, DeepSpeed ZeRO 1-3): what each rank saves, and how a resume puts it back.
+
+Every rank saves its own part of the partitioned state, without a collective, as chunks of the global tensors
+(`store.shard_files`: one safetensors file per rank and tier, the chunk tables in the manifest). A resume reads, on
+every rank, the blocks its own part covers from whichever ranks' chunks hold them: another world size (or ZeRO
+stage) reads the same state.
+
+- FSDP2 (`fully_shard`): parameters and moments are `DTensor`s; a rank saves its local shards, each a block of the
+  global tensor (DCP's own chunk, `__create_chunk_list__`).
+- DeepSpeed ZeRO: per parameter group, a flat fp32 buffer of master weights is partitioned over the ranks, the
+  moments in the same layout, and under stage 3 the model's parameters too (`param.ds_tensor`). Of every parameter
+  a rank holds one run of its flattened elements (a *fragment*: `param._hp_mapping` under stages 1 and 2, the
+  mapping DeepSpeed keeps for its universal checkpoints; `optimizer.grad_position` and `partition_numel()` under
+  stage 3). A save stores per trainable parameter its fragment of the master weights and moments
+  (`state.<fqn>.master`, `state.<fqn>.exp_avg`, ...) and, under stage 3, of the weights (stages 1 and 2: rank 0
+  stores the whole parameters), as runs of the flattened parameter (the chunk names its `tensor_shape`).
+
+Not DeepSpeed's `save_checkpoint`: it pickles, blocks every rank until written, and its files are tied to the world
+size and stage that wrote them. The fragments are views of the live buffers (the snapshot copies them), narrowed
+from the addresses: DeepSpeed's own views (`_hp_mapping.get_hp_fragment(key)`) exist under stages 1 and 2 only and
+are linked only after the engine's first step. Hyper-parameters, step counts and the loss scale: rank 0, in JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..constants import ALL_TIERS, KEY_SHARDED, SHARD_OPTIMIZER_KEY, Tier
+from ..constants import SHARD_PART_OPTIMIZER as OPTIMIZER
+from ..constants import SHARD_PART_WEIGHTS as WEIGHTS
+from ..errors import ConfigError, IncompatibleStateError, SaveError
+from ..store import LoadedCheckpoint
+from ..store.shard_files import ChunkReader, is_flat, sharded_table
+from .model import trainable_state_dict
+from .sources import CachedWeights, StateSources
+from .support import check_zero
+
+MASTER = "master"
+"""Name of the fp32 master weights among a ZeRO parameter's optimizer state (`state.<fqn>.master`)."""
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _is_dtensor(t: object) -> bool:
+    return hasattr(t, "__create_chunk_list__")  # DCP's own test of a DTensor
+
+
+def is_sharded_model(model: nn.Module) -> bool:
+    """Whether `model` holds `DTensor` parameters (FSDP2 `fully_shard`, or any DTensor parallelism)."""
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def zero_optimizer(optimizer: Any) -> Any | None:
+    """The DeepSpeed ZeRO optimizer inside `optimizer` (an Accelerate wrapper is unwrapped), or `None`."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if hasattr(candidate, "single_partition_of_fp32_groups") or hasattr(candidate, "fp32_partitioned_groups_flat"):
+            return candidate
+    return None
+
+
+def sharded_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer`'s state is put back by the sharded load (`ShardedState.load`, `ZeroState.load`), not by its
+    `load_state_dict`: a ZeRO optimizer, or one of `DTensor` parameters."""
+    return zero_optimizer(optimizer) is not None or any(
+        _is_dtensor(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"])
+
+
+def _state_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of a full fine-tune (no frozen parameter): state too, never partitioned."""
+    params = dict(model.named_parameters())
+    keys = set(model.state_dict()) - set(params) if all(p.requires_grad for p in params.values()) else set()
+    return {name: b for name, b in model.named_buffers() if name in keys}
+
+
+class ZeroExpected(dict):  # type: ignore[type-arg]
+    """What a ZeRO run's resume checks the saved weights against (`{name: meta tensor of the global shape}`); its
+    type tells `check_sharding` that the run is ZeRO's."""
+
+
+def zero_expected(model: nn.Module) -> ZeroExpected:
+    """`ZeroExpected` of `model`'s trainable parameters (stage 3 reports their shapes as `ds_shape`) and the buffers
+    of a full fine-tune, known before the DeepSpeed engine exists (Trainer's `resume_checkpoint`)."""
+    out = ZeroExpected((n, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), device="meta"))
+                       for n, p in model.named_parameters() if p.requires_grad)
+    out.update((n, torch.empty(tuple(b.shape), device="meta")) for n, b in _state_buffers(model).items())
+    return out
+
+
+def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """A ZeRO checkpoint resumes under ZeRO only (`expected` a `ZeroExpected`), an FSDP2 one into a sharded model
+    only, an unsharded one into an unsharded model only.
+
+    Raises:
+        `IncompatibleStateError`: the two differ (the same on every rank, before anything is changed).
+    """
+    extra = manifest.get("extra")
+    table = extra.get(KEY_SHARDED) if isinstance(extra, dict) else None
+    flat = isinstance(table, dict) and isinstance(table.get("ranks"), dict) and is_flat(table)
+    zero = isinstance(expected, ZeroExpected)
+    if flat != zero:
+        where = "under DeepSpeed ZeRO" if flat else ("sharded by FSDP2" if table is not None else "without sharding")
+        raise IncompatibleStateError(
+            f"step {step} was saved {where} and this run {'trains under ZeRO' if zero else 'does not'}: resume it "
+            "in the set-up that saved it (any ZeRO stage and number of processes for a ZeRO checkpoint), or export "
+            "its weights (`hf-dynamic-ckpt export`) and start a new run from them.")
+    live = any(_is_dtensor(v) for v in expected.values())
+    if not zero and table is not None and not live:
+        raise IncompatibleStateError(
+            f"step {step} was saved sharded (FSDP2: one file of shards per rank) and this model is not sharded: "
+            "resume it with the fully_shard-ed model through SmartCheckpointer or RunOrchestrator.attach + resume "
+            "(Trainer's resume_checkpoint does not read sharded checkpoints yet).")
+    if live and table is None:
+        raise IncompatibleStateError(
+            f"step {step} was saved without sharding (one full copy by rank 0) and this model is sharded "
+            "(fully_shard): resume it with the unsharded model it was saved from.")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if _is_dtensor(t) else t).detach()  # type: ignore[attr-defined]
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _reader(loaded: LoadedCheckpoint) -> ChunkReader:
+    table = sharded_table(loaded.manifest)
+    assert table is not None  # `check_sharding` ran: a sharded run's checkpoint is sharded
+    return ChunkReader(Path(loaded.info.path), table)
+
+
+# ------------------------------------------------------------------------------------------------------------ FSDP2
+class ShardedState:
+    """The FSDP2 state of this rank: local shards of L0 (trainable parameters; the buffers of a full fine-tune) and
+    of the optimizer state, keyed by FQN, and their chunks.
+
+    Args:
+        model (`nn.Module`): the `fully_shard`-ed model (parameters are DTensors).
+        optimizer (`torch.optim.Optimizer`, *optional*): its optimizer (an Accelerate wrapper is unwrapped).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any | None = None) -> None:
+        self.model = model
+        self.optimizer = getattr(optimizer, "optimizer", optimizer)
+        self._buffers = set(_state_buffers(model))
+        self._chunks: dict[str, tuple[int, tuple[int, ...], dict[str, Any]]] = {}
+
+    def expected(self) -> dict[str, torch.Tensor]:
+        """The L0 names with their global tensors (DTensors): what a save stores and the model check reads (walked
+        per save: a DTensor has no data pointer for `CachedWeights` to compare)."""
+        out: dict[str, torch.Tensor] = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        return out | {n: b for n, b in self.model.named_buffers() if n in self._buffers}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's local shards of L0 (aliases of the live shards; the snapshot copies them)."""
+        return {n: _local(t) for n, t in self.expected().items()}
+
+    def _optimizer(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
+        """`({fqn: {name: tensor}}, param_groups with FQNs)`. Not DCP's `get_optimizer_state_dict`: on an optimizer
+        without state it runs a step with zero gradients, which would change a run saved before its first update."""
+        names, opt = {id(p): n for n, p in self.model.named_parameters()}, self.optimizer  # type: dict[int, str], Any
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        groups = []
+        for group in opt.param_groups if opt is not None else []:
+            if any(id(p) not in names for p in group["params"]):
+                raise SaveError("an optimizer parameter is not a parameter of the model: a sharded save names "
+                                "optimizer state by the model's parameter names; optimize the model's parameters.")
+            groups.append({**group, "params": [names[id(p)] for p in group["params"]]})
+            for p in group["params"]:
+                for key, value in opt.state.get(p, {}).items():
+                    if not isinstance(value, torch.Tensor):
+                        raise SaveError(f"optimizer state {names[id(p)]}.{key} is a {type(value).__name__}, not a "
+                                        "tensor: sharded saves store tensor optimizer state only (Adam, AdamW, SGD).")
+                    state.setdefault(names[id(p)], {})[key] = value
+        return state, groups
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """`{"state": {fqn: {name: local shard}}, "param_groups": [... "params": [fqn, ...]]}`."""
+        state, groups = self._optimizer()
+        return {"state": {f: {k: _local(t) for k, t in per.items()} for f, per in state.items()},
+                "param_groups": groups}
+
+    def chunks(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """This rank's chunk table: `{"weights": {key: chunk}, "optimizer": {key: chunk}}` (JSON)."""
+        optimizer = {SHARD_OPTIMIZER_KEY.format(fqn=f, name=k): t for f, per in self._optimizer()[0].items()
+                     for k, t in per.items()}
+        parts = {WEIGHTS: self.expected(), OPTIMIZER: optimizer}
+        return {part: {key: self._chunk(key, t) for key, t in tensors.items()} for part, tensors in parts.items()}
+
+    def _chunk(self, key: str, t: torch.Tensor) -> dict[str, Any]:
+        """Where this rank's part of `t` lies in the global tensor (a DTensor's chunk as DCP computes it, kept per
+        live tensor since its mesh and placements decide it; a plain tensor is whole)."""
+        cached = self._chunks.get(key)
+        if cached is not None and cached[:2] == (id(t), tuple(t.shape)):
+            return cached[2]
+        local = _local(t)
+        offset, size = [0] * t.dim(), list(t.shape)
+        if _is_dtensor(t):
+            (chunk,) = t.__create_chunk_list__()  # type: ignore[attr-defined]
+            offset, size = [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes]
+            if size != list(local.shape):
+                raise SaveError(f"a DTensor's local shard has shape {tuple(local.shape)} but its placement says "
+                                f"{tuple(size)}: padded or uneven shards of this kind are not supported.")
+        out = {"shape": list(t.shape), "offset": offset, "size": size, "dtype": _dtype(local.dtype)}
+        self._chunks[key] = (id(t), tuple(t.shape), out)
+        return out
+
+    def load(self, loaded: LoadedCheckpoint) -> None:
+        """Read the checkpoint's L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the live shards;
+        then `loaded.weights` is `None` (applied; `apply_optimizer_state` leaves this optimizer to this load).
+
+        Raises:
+            `IncompatibleStateError`: the checkpoint is not an FSDP2 one, or lacks a tensor this run has.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        check_sharding(loaded.info.step, loaded.manifest, self.expected())
+        groups: Any = loaded.optimizer.get("param_groups") if isinstance(loaded.optimizer, dict) else None
+        opt, options = self.optimizer if groups is not None else None, StateDictOptions(strict=False)
+        # The live state keyed by FQN: a fresh optimizer makes it here (DCP steps it once with zero gradients).
+        optim: Any = get_optimizer_state_dict(self.model, opt, options=options)["state"] if opt is not None else {}
+        tensors = [(WEIGHTS, key, t) for key, t in self.expected().items()]
+        tensors += [(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f, name=k), t) for f, per in optim.items()
+                    for k, t in per.items()]
+        with _reader(loaded) as reader, torch.no_grad():
+            for part, key, t in tensors:
+                reader.read_into(part, key, _local(t), self._chunk(key, t)["offset"])
+        if opt is not None:
+            set_optimizer_state_dict(self.model, opt, {"state": optim, "param_groups": groups}, options=options)
+        loaded.weights = None
+
+
+# ------------------------------------------------------------------------------------------------------------- ZeRO
+@dataclass
+class Fragment:
+    """One rank's run `[start, start + numel)` of a parameter's flattened elements, and its live views."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    numel: int
+    flat: int  # the flat fp32 partition (a sub-group under stage 3) it lies in
+    at: int  # where in it
+    master: torch.Tensor
+    states: dict[str, torch.Tensor]
+    weight: torch.Tensor | None  # stage 3: this rank's partition of the live parameter
+
+    def chunk(self, dtype: torch.dtype) -> dict[str, Any]:
+        return _flat_chunk(self.shape, self.start, self.numel, dtype)
+
+
+def _flat_chunk(shape: Iterable[int], start: int, numel: int, dtype: torch.dtype) -> dict[str, Any]:
+    shape = [int(n) for n in shape]
+    return {"shape": [math.prod(shape)], "offset": [start], "size": [numel], "dtype": _dtype(dtype),
+            "tensor_shape": shape}
+
+
+class ZeroState:
+    """The DeepSpeed ZeRO state of this rank as a save reads it and a resume writes it: its fragments; the interface
+    of `ShardedState`.
+
+    Args:
+        model (`nn.Module`): the model the engine trains (`engine.module`).
+        optimizer: the ZeRO optimizer, or Accelerate's wrapper of it.
+        rank (`int`): this rank in the data-parallel group.
+
+    Raises:
+        `ConfigError`: not a ZeRO optimizer, or a set-up `support.check_zero` refuses.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any, *, rank: int) -> None:
+        zero = zero_optimizer(optimizer)
+        if zero is None:
+            raise ConfigError(f"{type(optimizer).__name__} is not a DeepSpeed ZeRO optimizer.")
+        check_zero(zero)
+        self.model, self.zero, self.rank = model, zero, rank
+        self.stage = 3 if hasattr(zero, "fp32_partitioned_groups_flat") else \
+            2 if getattr(zero, "partition_gradients", False) else 1
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._buffers = _state_buffers(model)
+        # The base optimizer's groups between steps: inside its step stages 1 and 2 swap the list for the one group
+        # being stepped, and a capture taken there (`ZeroUpdateSeam`) reads the hyper-parameters here.
+        self._base_groups: list[dict[str, Any]] = list(zero.optimizer.param_groups)
+        self.note_boundary()
+
+    def note_boundary(self) -> None:
+        """Remember the loss scaler at the end of a step: the engine updates it before the first partition's step,
+        so a capture inside that step (`ZeroUpdateSeam`) stores the one of the state it captures."""
+        scaler = getattr(self.zero, "loss_scaler", None)
+        values = {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
+        self._scaler = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+
+    @property
+    def skipped_update(self) -> bool:
+        """Whether the engine's last step skipped the update (an fp16 overflow: no partition was stepped)."""
+        return bool(getattr(self.zero, "overflow", False))
+
+    def flat_groups(self) -> list[torch.Tensor]:
+        """The flat fp32 partitions of this rank (one per parameter group; per sub-group under stage 3)."""
+        z = self.zero
+        return list(z.fp32_partitioned_groups_flat if self.stage == 3 else z.single_partition_of_fp32_groups)
+
+    def _param_groups(self) -> list[list[nn.Parameter]]:
+        return list(self.zero.fp16_groups if self.stage == 3 else self.zero.bit16_groups)
+
+    def trained_partitions(self) -> int:
+        """How many flat partitions hold trainable parameters (the same on every rank)."""
+        return sum(1 for params in self._param_groups() if any(p.requires_grad for p in params))
+
+    def _group(self, fi: int) -> dict[str, Any]:
+        """The base optimizer's hyper-parameter group of flat partition `fi` (stage 3: of its sub-group)."""
+        index = self.zero.sub_group_to_group_id.get(fi, fi) if self.stage == 3 else fi
+        return self._base_groups[index] if index < len(self._base_groups) else {}
+
+    def _name(self, p: nn.Parameter) -> str:
+        if id(p) not in self._names:
+            raise ConfigError("a parameter DeepSpeed optimizes is not a parameter of the model given to "
+                              "hf_dynamic_ckpt: pass the model the engine trains (engine.module).")
+        return self._names[id(p)]
+
+    def _states(self, flat: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in (self.zero.optimizer.state.get(flat) or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step count: per group
+                if value.shape != flat.shape:
+                    raise ConfigError(f"optimizer state {name}.{key} has shape {tuple(value.shape)}, not the shape of "
+                                      f"the flat fp32 partition {tuple(flat.shape)}: hf_dynamic_ckpt saves optimizers "
+                                      "with per-element state under ZeRO (Adam, AdamW, SGD with momentum, ...).")
+                out[key] = value
+        return out
+
+    def fragments(self) -> Iterator[Fragment]:
+        """This rank's fragments of every trainable parameter (views of the live buffers), in group order."""
+        flats = self.flat_groups()
+        for fi, params in enumerate(self._param_groups()):
+            for p in (p for p in params if p.requires_grad):
+                ds: Any = p  # stage 3's partitioned parameter (ds_* attributes)
+                weight = None
+                if self.stage == 3:
+                    group, at, _ = self.zero.grad_position[self.zero.get_param_id(p)]
+                    per = int(ds.partition_numel())  # rank R holds the elements from R * per (the last: padding)
+                    start = self.rank * per
+                    numel = max(0, min(per, int(ds.ds_numel) - start))
+                    if numel == 0:
+                        continue
+                    fi, at, shape, weight = int(group), int(at), tuple(ds.ds_shape), ds.ds_tensor.narrow(0, 0, numel)
+                else:
+                    mapping = getattr(p, "_hp_mapping", None)
+                    if mapping is None:
+                        continue  # no element of this parameter in this rank's partition
+                    start, numel = int(mapping.lp_fragment_address.start), int(mapping.lp_fragment_address.numel)
+                    at, shape = int(mapping.hp_fragment_address.start), tuple(p.shape)
+                name = self._name(p)
+                states = {k: v.narrow(0, at, numel) for k, v in self._states(flats[fi], name).items()}
+                yield Fragment(name, shape, start, numel, fi, at, flats[fi].narrow(0, at, numel), states, weight)
+
+    def _whole_weights(self) -> dict[str, torch.Tensor]:
+        """What every rank holds whole, flattened: the trainable parameters under stages 1 and 2, the buffers."""
+        params = {} if self.stage == 3 else {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        return {n: t.detach().reshape(-1) for n, t in (params | self._buffers).items()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's L0: its stage 3 partitions; rank 0 adds what every rank holds whole."""
+        out = self._whole_weights() if self.rank == 0 else {}
+        return out | {f.name: f.weight for f in self.fragments() if f.weight is not None}
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """`{"state": {fqn: {"master" | moment: fragment}}, "param_groups": [...], "zero": {...}}`."""
+        groups, flats = [], self.flat_groups()
+        for fi, params in enumerate(self._param_groups()):
+            step = (self.zero.optimizer.state.get(flats[fi]) or {}).get("step")
+            groups.append({**self._group(fi), "params": [self._name(p) for p in params if p.requires_grad],
+                           "step": float(step) if step is not None else None})
+        return {"state": {f.name: {MASTER: f.master, **f.states} for f in self.fragments()}, "param_groups": groups,
+                "zero": {"stage": self.stage, "loss_scaler": dict(self._scaler)}}
+
+    def chunks(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """This rank's chunk table: `{"weights": {key: chunk}, "optimizer": {key: chunk}}` (JSON)."""
+        shapes = {n: t.shape for n, t in [*self.model.named_parameters(), *self._buffers.items()]}
+        weights = {n: _flat_chunk(shapes[n], 0, t.numel(), t.dtype) for n, t in self._whole_weights().items()} \
+            if self.rank == 0 else {}
+        optimizer: dict[str, Any] = {}
+        for f in self.fragments():
+            if f.weight is not None:
+                weights[f.name] = f.chunk(f.weight.dtype)
+            optimizer.update((SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=k), f.chunk(t.dtype))
+                             for k, t in {MASTER: f.master, **f.states}.items())
+        return {WEIGHTS: weights, OPTIMIZER: optimizer}
+
+    def expected(self) -> ZeroExpected:
+        """The L0 names with their global shapes (`meta` tensors), for the model check of a resume."""
+        return zero_expected(self.model)
+
+    def load(self, loaded: LoadedCheckpoint) -> None:
+        """Write the checkpoint's state into the live model and partitions (each range straight into its partition).
+        With the optimizer tier (`loaded.optimizer` holds its `param_groups`): master weights and moments (made first
+        where the optimizer has not made them yet), step counts, hyper-parameters and loss scale; a checkpoint saved
+        before the first update leaves the optimizer without state, as it was. Without it: the master weights from
+        the weights, the moments as they are. Then `loaded.weights` is `None` (applied; `apply_optimizer_state`
+        leaves a ZeRO optimizer to this load).
+
+        Raises:
+            `IncompatibleStateError`: the checkpoint is not a ZeRO one, or lacks a parameter or moment this run has.
+            `CorruptCheckpointError`: a range this rank needs is in no rank's file.
+        """
+        check_sharding(loaded.info.step, loaded.manifest, self.expected())
+        optimizer = loaded.optimizer if isinstance(loaded.optimizer, dict) and "param_groups" in loaded.optimizer \
+            else None
+        with _reader(loaded) as reader:
+            moments = {key.rsplit(".", 1)[1] for key in reader.keys(OPTIMIZER)} - {MASTER}
+            self._read(reader.read_into, optimizer is not None, moments)
+        if optimizer is not None:
+            self._load_groups(optimizer, step=loaded.info.step)
+        loaded.weights = None
+
+    def _create_state(self, moments: set[str]) -> dict[int, list[torch.Tensor]]:
+        """Make the optimizer state a fresh run has not yet (torch optimizers make it at their first step): the saved
+        moments, uninitialised, and the step count; none when none was saved. Returns the moments made, per flat
+        partition."""
+        base, created = self.zero.optimizer, {}  # type: Any, dict[int, list[torch.Tensor]]
+        for fi, flat in enumerate(self.flat_groups()):
+            if not moments:
+                base.state.pop(flat, None)
+                continue
+            state = base.state[flat]
+            for key in moments - set(state):
+                state[key] = torch.empty_like(flat, memory_format=torch.preserve_format)
+                created.setdefault(fi, []).append(state[key])
+            if "step" not in state:
+                group = self._group(fi)
+                on_device = bool(group.get("fused") or group.get("capturable"))  # torch Adam's placement of it
+                state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
+        return created
+
+    def _read(self, read: Callable[..., None], with_optimizer: bool, moments: set[str]) -> None:
+        created = self._create_state(moments) if with_optimizer else {}
+        params = dict(self.model.named_parameters())
+        covered: dict[int, list[tuple[int, int]]] = {}
+        if self.stage == 3:  # as DeepSpeed's own load: no parameter gathered while its partition is written
+            self.zero.checkpoint_event_prologue()
+        try:
+            with torch.no_grad():
+                for name, live in self._whole_weights().items():
+                    read(WEIGHTS, name, live)
+                for f in self.fragments():
+                    if f.weight is not None:
+                        read(WEIGHTS, f.name, f.weight, [f.start])
+                    if not with_optimizer:
+                        f.master.copy_(f.weight if f.weight is not None else
+                                       params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel))
+                        continue
+                    for key, live in {MASTER: f.master, **f.states}.items():
+                        read(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=key), live, [f.start])
+                    covered.setdefault(f.flat, []).append((f.at, f.at + f.numel))
+        except BaseException:
+            for t in (t for made in created.values() for t in made):  # no uninitialised moments behind a failure
+                t.zero_()
+            raise
+        for fi, made in created.items():  # what no fragment covers (the last rank's padding) is zero
+            at = 0
+            for lo, hi in [*sorted(covered.get(fi, [])), (made[0].numel(), made[0].numel())]:
+                for t in made:
+                    t.narrow(0, at, max(0, lo - at)).zero_()
+                at = max(at, hi)
+        if self.stage == 3:  # the persistent (small, never released) parameters gathered again from the partitions
+            self.zero.checkpoint_event_epilogue()
+
+    def _load_groups(self, optimizer: dict[str, Any], *, step: int) -> None:
+        saved = optimizer["param_groups"]
+        if not isinstance(saved, list):
+            raise IncompatibleStateError(f"step {step}: the optimizer tier has no ZeRO param_groups; it was not saved "
+                                         "under DeepSpeed.")
+        by_name = {name: g for g in saved if isinstance(g, dict) for name in g.get("params") or []}
+        flats = self.flat_groups()
+        for fi, params in enumerate(self._param_groups()):
+            group = next((by_name[n] for n in (self._name(p) for p in params if p.requires_grad) if n in by_name), None)
+            if group is None:
+                continue
+            count = (self.zero.optimizer.state.get(flats[fi]) or {}).get("step")
+            if isinstance(group.get("step"), (int, float)) and isinstance(count, torch.Tensor):
+                count.fill_(float(group["step"]))
+            live = self._group(fi)
+            for key, value in group.items():  # the hyper-parameters a schedule moves (lr, momentum, betas ...)
+                if key not in ("params", "step") and key in live:
+                    live[key] = tuple(value) if isinstance(live[key], tuple) else value
+        scaler = getattr(self.zero, "loss_scaler", None)
+        for key, value in ((optimizer.get("zero") or {}).get("loss_scaler") or {}).items():
+            if key in _SCALER_FIELDS and hasattr(scaler, key):
+                setattr(scaler, key, value)
+        self.note_boundary()
+
+
+class ZeroGradSquares:
+    """This rank's squared gradient norms per bucket of parameters (e.g. per LoRA layer), read from the ZeRO gradient
+    partitions when the engine hands them to the optimizer (under ZeRO the gradients never reach `param.grad`).
+
+    A pre-hook on the wrapped torch optimizer's `step` (called once per flat partition) adds the squares of every
+    parameter's gradient fragment in that partition to its bucket; `pop()` returns the sums since the last pop. The
+    ranks' sums add up to the full gradients' squares (each element lies in one rank's partition; the caller adds
+    them across ranks). They are the gradients the optimizer steps with: after the engine's clipping, which scales
+    every gradient alike.
+
+    Args:
+        zero (`ZeroState`): the run's ZeRO state.
+        bucket (`Callable[[str], int]`): a parameter's bucket from its name.
+        buckets (`int`): how many buckets.
+    """
+
+    def __init__(self, zero: ZeroState, bucket: Callable[[str], int], buckets: int) -> None:
+        self._zero, self._bucket, self._n = zero, bucket, buckets
+        self._sq: list[float] | None = None
+        # (partition, bucket, offset, length) of every fragment: the layout is fixed once the engine exists (a load
+        # writes into it), so the walk over the parameters runs at the first step only.
+        self._layout: list[tuple[int, int, int, int]] | None = None
+        self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
+
+    def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        stepping = {id(t) for g in optimizer.param_groups for t in g["params"]}
+        grads = {i: g for i, flat in enumerate(self._zero.flat_groups())
+                 if id(flat) in stepping and (g := flat.grad) is not None}
+        if self._layout is None and grads:
+            self._layout = [(f.flat, self._bucket(f.name), f.at, f.numel) for f in self._zero.fragments()]
+        pieces = [(b, grads[fi].narrow(0, at, numel)) for fi, b, at, numel in self._layout or [] if fi in grads]
+        if pieces:
+            norms = torch.stack(torch._foreach_norm([g for _, g in pieces], 2.0)).to(torch.float64).tolist()
+            self._sq = self._sq or [0.0] * self._n
+            for (b, _), v in zip(pieces, norms):
+                self._sq[b] += v * v
+
+    def pop(self) -> list[float] | None:
+        """The squares per bucket since the last call (`None` when no step ran)."""
+        out, self._sq = self._sq, None
+        return out
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class ZeroUpdateSeam:
+    """Calls `before_update()` inside the engine's optimizer step, once per step: after the gradients are reduced and
+    the global norm is computed, before the first flat partition is updated (the state of the step before is still
+    whole: what a pre-update capture needs, and no training-loop callback sees under ZeRO).
+
+    A pre-hook on the wrapped torch optimizer's `step`, firing at the first call that steps a partition with elements
+    and a gradient (after the hook of `ZeroGradSquares`, registered first, has read it); `arm()` once the step has
+    ended makes it fire at the next one.
+
+    Args:
+        zero (`ZeroState`): the run's ZeRO state.
+        before_update (`Callable[[], None]`): what runs there.
+    """
+
+    def __init__(self, zero: ZeroState, before_update: Callable[[], None]) -> None:
+        self._zero, self._before_update = zero, before_update
+        self._armed = True
+        self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
+
+    @property
+    def norm(self) -> float | None:
+        """The engine's global gradient norm of this step (unscaled, before clipping), once its step computed it."""
+        value = getattr(self._zero.zero, "_global_grad_norm", None)
+        return None if value is None else float(value)
+
+    @property
+    def clip(self) -> float | None:
+        """The engine's clipping threshold (`gradient_clipping`; `None` when it does not clip)."""
+        value = float(getattr(self._zero.zero, "clip_grad", 0.0) or 0.0)
+        return value if value > 0 else None
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._armed and any(t.numel() > 0 and t.grad is not None for g in optimizer.param_groups
+                               for t in g["params"]):
+            self._armed = False
+            self._before_update()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[str, torch.Tensor]] | None,
+                frozen_keys: Iterable[str], optimizer: Any | None, scheduler: Any | None, scaler: Any | None,
+                sampler: Callable[[], dict[str, Any]] | None
+                ) -> tuple[ShardedState | ZeroState | None, StateSources, frozenset[Tier]]:
+    """`(sharded state or None, this rank's StateSources, the tiers this rank writes)` for `RunOrchestrator.attach`:
+    under ZeRO and FSDP2 every rank saves its own shards of L0 and L1 (the scheduler and scaler: rank 0), otherwise
+    (DDP) rank 0 alone saves L0 and L1."""
+    main = rank == 0
+    sharded = ZeroState(model, optimizer, rank=rank) if zero_optimizer(optimizer) is not None else \
+        ShardedState(model, optimizer) if is_sharded_model(model) else None
+    if sharded is not None:
+        source = SimpleNamespace(state_dict=sharded.optimizer_state_dict) if optimizer is not None else None
+        sources = StateSources(weights=sharded.weights, optimizer=source,  # type: ignore[arg-type]
+                               scheduler=scheduler if main else None, scaler=scaler if main else None, sampler=sampler)
+        return sharded, sources, ALL_TIERS if main or optimizer is not None else frozenset({Tier.WEIGHTS, Tier.STATE})
+    weights = weights or CachedWeights(model, partial(trainable_state_dict, model))
+    sources = StateSources(weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
+                           optimizer=optimizer if main else None, scheduler=scheduler if main else None,
+                           scaler=scaler if main else None, sampler=sampler)
+    if not main:
+        return None, sources, frozenset({Tier.STATE})
+    if optimizer is None and scheduler is None and scaler is None:  # a model trained without one (or not at all)
+        return None, sources, ALL_TIERS - {Tier.OPTIMIZER}
+    return None, sources, ALL_TIERS
