@@ -32,7 +32,7 @@ from typing import Any
 from ._version import VERSION
 from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES
 from .errors import CheckpointNotFoundError, ConfigError, DynamicCkptError
-from .run.steplog import read_rollbacks
+from .run.record import read_rollbacks
 from .store import CheckpointInfo, CheckpointStore, find_root, task_dirs
 
 OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"

@@ -1,6 +1,6 @@
 """Timeline plot of a run (`hf-dynamic-ckpt plot ROOT [--task T] [-o PNG]`): loss, gradient norm, risk, saves.
 
-Reads the task's step log (`run.steplog.read_step_log`: one row per optimizer step, split into segments where the
+Reads the task's step log (`run.record.read_step_log`: one row per optimizer step, split into segments where the
 run resumed or rolled back) and the committed checkpoints of the store (the save at the end of training comes after
 the last step's row). The steps a resume recomputed are drawn again from the restore point on, so a person sees what
 was lost and that the replay matches; each rollback is a band of its own, from the restore point to the step the
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..constants import DEFAULT_TASK_ID
 from ..errors import DynamicCkptError
-from ..run.steplog import read_step_log
+from ..run.record import read_step_log
 from ..store import CheckpointStore
 
 if TYPE_CHECKING:

@@ -32,8 +32,7 @@ from ..constants import MANIFEST_NAME
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, SaveError, weights_overwritten
 from ..policy.decision import Decision, DecisionKind
 from ..run.elastic import KEY_BATCH, KEY_DRAWS_RANDOM, BatchGeometry, StepRandomness, plan_batch, world_change_note
-from ..run.orchestrator import RunOrchestrator, SaveEvent
-from ..run.rollback import Rollback
+from ..run.orchestrator import Rollback, RunOrchestrator, SaveEvent
 from ..state import (
     apply_optimizer_state,
     apply_weights,
@@ -42,7 +41,7 @@ from ..state import (
     restore_rng_state,
     trainable_state_dict,
 )
-from ..state.support import check_accelerator
+from ..state.sources import check_accelerator
 from ..store import LoadedCheckpoint
 from .position import KEY_DEALT, ResumableLoader
 

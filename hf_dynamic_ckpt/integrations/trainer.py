@@ -55,11 +55,10 @@ from ..run.elastic import (
     plan_batch,
     world_change_note,
 )
-from ..run.orchestrator import RunOrchestrator
-from ..run.rollback import Rollback
+from ..run.orchestrator import Rollback, RunOrchestrator
 from ..state import apply_optimizer_state, expected_weights, frozen_weight_keys, restore_rng_state
 from ..state.sharded import zero_expected
-from ..state.support import check_accelerator, check_training_args
+from ..state.sources import check_accelerator, check_training_args
 from ..store import LoadedCheckpoint
 from ._trainer_folder import (
     KEY_DATA_STEPS,

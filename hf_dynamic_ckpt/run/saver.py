@@ -30,7 +30,7 @@ from ..signals.frame import SignalFrame
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointStore, Lineage, SaveRequest
 from ..store import slots as slot_store
-from .savelog import SaveEvent, SaveLog
+from .record import SaveEvent, SaveLog
 
 logger = logging.getLogger(__name__)
 

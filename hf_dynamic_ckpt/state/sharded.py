@@ -41,8 +41,7 @@ from ..errors import ConfigError, IncompatibleStateError, SaveError
 from ..store import LoadedCheckpoint
 from ..store.shard_files import ChunkReader, is_flat, sharded_table
 from .model import trainable_state_dict
-from .sources import CachedWeights, StateSources
-from .support import check_zero
+from .sources import CachedWeights, StateSources, check_zero
 
 MASTER = "master"
 """Name of the fp32 master weights among a ZeRO parameter's optimizer state (`state.<fqn>.master`)."""

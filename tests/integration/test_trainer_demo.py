@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dynamic_ckpt.run.steplog import read_step_log
+from hf_dynamic_ckpt.run.record import read_step_log
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,7 @@ from torch import nn
 from hf_dynamic_ckpt import SmartCkptConfig, Tier
 from hf_dynamic_ckpt.engine import SaveEngine
 from hf_dynamic_ckpt.errors import SaveError
-from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
-from hf_dynamic_ckpt.run.rollback import restore_live
+from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator, restore_live
 from hf_dynamic_ckpt.state import StateSources
 from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.run.savelog import SaveEvent, SaveLog
+from hf_dynamic_ckpt.run.record import SaveEvent, SaveLog
 
 
 def _event(step: int, staging: str, error: str | None = None) -> SaveEvent:
