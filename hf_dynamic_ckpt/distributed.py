@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .errors import DistributedError
-from .signals.frame import SignalFrame
+from .signals.stats import SignalFrame
 
 # Layout of the packed frame: (field, reduction). Missing values are packed as -inf so
 # MAX ignores them; the loss is packed twice (value, present) so SUM knows how many ranks had one.

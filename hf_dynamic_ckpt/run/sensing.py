@@ -22,8 +22,8 @@ from torch import nn
 
 from .. import distributed as dist
 from ..config import SmartCkptConfig
-from ..signals.frame import SignalFrame
 from ..signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe
+from ..signals.stats import SignalFrame
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,6 @@ step (`LossProbe`, `GradProbe`, `ClipNormRecorder`, `MemoryProbe`) need torch an
 
 from __future__ import annotations
 
-from .frame import SignalFrame
-from .stats import Ema, LayerBaselines, RollingWindow, linear_fit
+from .stats import Ema, LayerBaselines, RollingWindow, SignalFrame, linear_fit
 
 __all__ = ["Ema", "LayerBaselines", "RollingWindow", "SignalFrame", "linear_fit"]
