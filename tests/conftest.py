@@ -20,3 +20,18 @@ def _deterministic_threads():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _memory_tier_slots_of_this_session():
+    # Runs killed by a test keep their memory-tier slots in /dev/shm for a restart that some tests never make; the
+    # slots this session created go with it (those that were there before it stay).
+    from hf_dynamic_ckpt.store.slots import SHM_DIR, SHM_PREFIX
+
+    base = Path(SHM_DIR) / f"{SHM_PREFIX}{os.getuid()}"
+    before = set(os.listdir(base)) if base.is_dir() else set()
+    yield
+    import shutil
+
+    for name in (set(os.listdir(base)) if base.is_dir() else set()) - before:
+        shutil.rmtree(base / name, ignore_errors=True)
