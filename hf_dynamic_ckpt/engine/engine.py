@@ -169,16 +169,17 @@ class SaveEngine:
         handle = SaveHandle(request.step, request.reason)
         handle.memory = memory
         previous = self._job
-        if memory and (self.slots is None or (previous is not None and not previous.handle.done())
-                       or (not blocking and self._ready_writer() is None)):
-            handle.skipped = (f"memory slot of step {request.step} skipped: " + (
-                "no slots" if self.slots is None else "the writer process is still writing step "
-                f"{previous.handle.step}" if previous is not None and not previous.handle.done()
-                else "the writer process is not up"))
-            handle.blocking_ms = (time.perf_counter() - start) * 1e3
-            handle.settle(None)
-            return handle
-        if previous is not None and not previous.handle.done():
+        busy = previous.handle.step if previous is not None and not previous.handle.done() else None
+        if memory:
+            why = ("no slots" if self.slots is None else f"the writer process is still writing step {busy}"
+                   if busy is not None else "the writer process is not up"
+                   if not blocking and self._ready_writer() is None else None)
+            if why is not None:
+                handle.skipped = f"memory slot of step {request.step} skipped: {why}"
+                handle.blocking_ms = (time.perf_counter() - start) * 1e3
+                handle.settle(None)
+                return handle
+        if previous is not None and busy is not None:
             if self.on_busy == OnBusy.SKIP and not blocking:
                 handle.skipped = (f"save of step {request.step} ({request.reason}) skipped: step "
                                   f"{previous.handle.step} is still writing (on_busy='skip')")

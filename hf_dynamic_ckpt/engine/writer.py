@@ -29,9 +29,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import ConfigError, DynamicCkptError, SaveError
+from ..errors import ConfigError, DynamicCkptError, SaveError, StoreLockedError
 from ..state.rng import RawRngState
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
+from ..store.slots import keep_newest, persist_newest
 from .overlap import PendingCopy
 from .snapshot import Layout
 
@@ -227,9 +228,6 @@ def _persist(store_cls: Any, spec: Any, slots: Any) -> None:
     """The training process ended without stopping this writer (killed, or exited without `close()`): persist the
     newest slot when it is newer than the disk store, under the disk store's writer lock (handed over, never broken:
     a restart waits for it up to `runtime.lock_wait_s`)."""
-    from ..errors import StoreLockedError
-    from ..store.slots import persist_newest
-
     deadline = time.monotonic() + PERSIST_LOCK_WAIT_S
     while True:
         try:
@@ -255,8 +253,6 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
                 slots_spec: Any = None) -> None:
     """The writer process: map the layouts it is sent, write the saves it is sent, until told to stop. When the
     training process goes without a stop (EOF on the pipe, SIGTERM at its exit), the newest slot is persisted."""
-    from ..store.slots import keep_newest
-
     _renice(0, nice)  # the parent already did, right after the start; this covers a race
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _leave)  # multiprocessing terminates daemonic children at an unclean exit

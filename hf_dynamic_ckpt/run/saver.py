@@ -183,27 +183,34 @@ class MemoryTier:
         self.last_step = handle.step
         if info is None:
             return
-        self.bytes = info.bytes
+        resized, self.bytes = info.bytes != self.bytes, info.bytes
         if handle.staging == "sync" and self.step_s:  # written on the training thread: as often as the budget allows
             budget = max(self.config.policy.overhead_budget, 1e-3) * self.step_s * 1e3
             self.early_every = max(1, math.ceil(handle.blocking_ms / budget))
-        free, total = slot_store.shm_room()
-        room = sysmem.headroom(sysmem.find_memory_cgroup())
-        if 2 * info.bytes + slot_store.SHM_RESERVE_BYTES > free + info.bytes:  # this slot is counted in `free`
-            self.turn_off(f"two slots of {info.bytes / 2**20:.1f} MiB do not fit in {slot_store.SHM_DIR} "
-                          f"({free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, "
-                          f"{slot_store.SHM_RESERVE_BYTES >> 20} MiB kept for data loaders and NCCL); give it more "
-                          "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory)", remove=True)
-            return
-        if info.bytes > room.budget(self.config.runtime.memory_margin):
-            self.turn_off(f"a second slot of {info.bytes / 2**20:.1f} MiB does not fit in the host memory left "
-                          f"({room.available_bytes / 2**20:.0f} MiB available)", remove=True)
+        if resized and not self._fits(info.bytes):
             return
         if self.config.runtime.memory_every is None and info.bytes > SMALL_SLOT_BYTES and self.step_s:
             step_ms = self.step_s * 1e3
             budget = max(self.config.policy.overhead_budget, 1e-3)
             self.every = max(1, math.ceil(max(handle.blocking_ms / (budget * step_ms),
                                               (handle.write_ms or 0.0) / step_ms)))
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether two slots of `nbytes` fit in `/dev/shm` and the host memory left; if not, the tier goes off.
+        Checked when the slot's size changes (the first slot), not every step."""
+        free, total = slot_store.shm_room()
+        if 2 * nbytes + slot_store.SHM_RESERVE_BYTES > free + nbytes:  # this slot is counted in `free`
+            self.turn_off(f"two slots of {nbytes / 2**20:.1f} MiB do not fit in {slot_store.SHM_DIR} "
+                          f"({free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, "
+                          f"{slot_store.SHM_RESERVE_BYTES >> 20} MiB kept for data loaders and NCCL); give it more "
+                          "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory)", remove=True)
+            return False
+        room = sysmem.headroom(sysmem.find_memory_cgroup())
+        if nbytes > room.budget(self.config.runtime.memory_margin):
+            self.turn_off(f"a second slot of {nbytes / 2**20:.1f} MiB does not fit in the host memory left "
+                          f"({room.available_bytes / 2**20:.0f} MiB available)", remove=True)
+            return False
+        return True
 
     def turn_off(self, why: str, *, remove: bool = False) -> None:
         """No more slots (one INFO line); the committed ones stay for a restart unless `remove` (they do not fit)."""
@@ -220,7 +227,7 @@ class MemoryTier:
         slots, self.slots = self.slots, None
         if slots is not None:
             slots.close()
-        if clean and (slots is not None or (self.off_reason is not None and self.config.runtime.memory_tier)):
+        if clean and self.config.runtime.memory_tier:
             slot_store.remove_slots(self.store.root, self.store.task_id)
 
 
