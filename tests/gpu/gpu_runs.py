@@ -61,3 +61,22 @@ def tail(proc: subprocess.CompletedProcess[str]) -> str:
     err = proc.stderr
     at = err.find("Traceback")
     return err[at : at + 4000] if at >= 0 else err[-3000:]
+
+
+def copy_ms(nbytes: int) -> float:
+    """Device time of one device-to-host copy of `nbytes` into pinned memory (best of 3): what a snapshot moves."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del src, dst
+    return float(min(times))

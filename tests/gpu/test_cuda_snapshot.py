@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_runs import copy_ms as d2h_copy_ms
 
 from hf_dynamic_ckpt import Tier
 from hf_dynamic_ckpt.engine import SaveEngine
@@ -41,22 +42,6 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
-
-
-def _copy_ms(nbytes: int) -> float:
-    """Device time of one device-to-host copy of `nbytes` into pinned memory (the snapshot's floor)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(min(times))
 
 
 @pytest.mark.parametrize("overlap", [False, None])
@@ -101,7 +86,7 @@ def test_snapshot_is_pinned_asynchronous_and_exact(tmp_path: Any, overlap: bool 
     loaded = store.load(info)
     nbytes = sum(t.numel() * t.element_size() for t in loaded.weights.values())
     nbytes += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
-    copy_ms = _copy_ms(nbytes)
+    copy_ms = d2h_copy_ms(nbytes)
     record_property("state MB", f"{nbytes / 1e6:.0f}")
     record_property("save blocking ms (training blocked)", f"{handle.blocking_ms:.2f}")
     record_property("device-to-host copy of the same bytes ms (GB/s)", f"{copy_ms:.2f} ({nbytes / copy_ms / 1e6:.1f})")

@@ -18,29 +18,13 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_runs import copy_ms as d2h_copy_ms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 QWEN2_7B = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
             "num_key_value_heads": 4}
 STEPS, EVERY, SEQ = 14, 4, 512
-
-
-def _copy_ms(nbytes: int) -> float:
-    """Device time of one device-to-host copy of `nbytes` into pinned memory: what a save must move."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    del src, dst
-    return float(min(times))
 
 
 def _train(root: Path, mode: str, layers: int) -> dict[str, Any]:
@@ -114,7 +98,7 @@ def test_a_save_at_qwen2_7b_width_blocks_little_and_the_next_step_hides_its_copy
     clean = [s for s in steps if s > 2 and s not in after and s - 1 not in after]
     fb_clean = statistics.median(steps[s][0] for s in clean)
     opt_clean = statistics.median(steps[s][1] for s in clean)
-    copy_ms = _copy_ms(result["state_bytes"])
+    copy_ms = d2h_copy_ms(result["state_bytes"])
     fb_extra = statistics.median(steps[s][0] - fb_clean for s in after if s in steps)
     opt_extra = statistics.median(steps[s][1] - opt_clean for s in after if s in steps)
     hidden = 1 - max(0.0, fb_extra + opt_extra) / copy_ms
