@@ -452,9 +452,12 @@ def child(spec: dict[str, Any]) -> None:
         save_total_limit=3,  # rotation as ours keeps the newest 3: a 7B-width full fine-tune writes ~8 GB per save
     )
     callbacks: list[Any] = [Timer()]
-    if variant in ("smart", "prep", "ours_resume"):
+    if variant in ("tier_on", "tier_off"):  # the memory tier alone: no disk save before the final one
+        smart_every = 10**6
+    if variant in ("smart", "prep", "ours_resume", "tier_on", "tier_off"):
         root = (prep if variant == "ours_resume" and prep is not None else out) / "smart_ckpt"
         extra = {"memory_margin": spec["memory_margin"]} if spec.get("memory_margin") is not None else {}
+        extra["memory_tier"] = variant != "tier_off"
         if spec.get("overlap_snapshot") is not None:
             extra["overlap_snapshot"] = spec["overlap_snapshot"]
         engine = {"engine": spec["engine"]} if spec.get("engine") else {}
@@ -486,6 +489,19 @@ def child(spec: dict[str, Any]) -> None:
 
         timed(resume_module, "read_optimizer_tier", "L1 read + decode (background thread)")
         timed(smart, "_apply_resumed_optimizer", "wait for L1 + load it (before the first update)")
+    slot_ms: list[float] = []
+    if variant == "tier_on":  # the training thread's time per memory slot (the snapshot), from the engine's handle
+        from hf_dynamic_ckpt.engine import SaveEngine
+
+        save = SaveEngine.save
+
+        def save_timed(self: Any, *a: Any, **kw: Any) -> Any:
+            handle = save(self, *a, **kw)
+            if kw.get("memory") and not handle.skipped:
+                slot_ms.append(handle.blocking_ms)
+            return handle
+
+        SaveEngine.save = save_timed  # type: ignore[method-assign]
     start = time.time()
     marks["resume_start"] = start
     if variant == "ours_resume":
@@ -509,6 +525,10 @@ def child(spec: dict[str, Any]) -> None:
                           "write_ms": e.write_ms, "staging": e.staging, "path": e.path, "end": e.reason == "train_end",
                           "writer": marks["writers"].get(str(e.step))} for e in events]
         res.setdefault("buffer_bytes", 0)
+        tier = smart.run.saver.memory if smart.run is not None else None
+        if variant == "tier_on" and tier is not None:
+            res["tier"] = {"slot_ms": slot_ms, "every": tier.every, "saves": tier.saves, "skipped": tier.skipped,
+                           "bytes": tier.bytes, "off": tier.off_reason}
     Path(spec["result"]).write_text(json.dumps(res))
 
 
@@ -613,6 +633,24 @@ def run_mode(runner: Runner, args: argparse.Namespace, mode: str, layers: int) -
                 print(f"[{mode} #{rep}] {variant}: train {r['train_s']:.1f} s, median step "
                       f"{_median_step(r):.3f} s, saves {saves}" + (f", blocking ms {blocking}" if blocking else "")
                       + f", process {r['process_s']:.0f} s", flush=True)
+    tier: dict[str, list[dict[str, Any]]] = {"tier_off": [], "tier_on": []}
+    if "tier" in args.parts:  # the memory tier's per-step cost: the same run without it, interleaved
+        for rep in range(args.repeats):
+            for variant in tier:
+                out = root / f"{variant}-{rep}"
+                r = runner.run(_spec(args, mode, layers, base, variant, out), f"{mode} {variant} #{rep}")
+                shutil.rmtree(out, ignore_errors=True)
+                tier[variant].append(r)
+                t = r.get("tier") or {}
+                print(f"[{mode} #{rep}] {variant}: median step {_median_cycle(r):.3f} s" + (
+                    f", {t['saves']} slots of {(t['bytes'] or 0) / 2**20:.1f} MiB (every {t['every']}, "
+                    f"{t['skipped']} skipped), blocking median {statistics.median(t['slot_ms'] or [0]):.2f} ms"
+                    if t else ""), flush=True)
+        off = statistics.median(_median_cycle(r) for r in tier["tier_off"])
+        on = statistics.median(_median_cycle(r) for r in tier["tier_on"])
+        blocking = statistics.median(ms for r in tier["tier_on"] for ms in (r.get("tier") or {}).get("slot_ms") or [0])
+        print(f"[{mode}] memory tier: median step {on:.3f} s on / {off:.3f} s off = {on / off:.3f}x; slot blocking "
+              f"{blocking:.2f} ms = {100 * blocking / 1e3 / off:.2f} % of a step (goal for LoRA: <= 1 %)", flush=True)
     resume: dict[str, Any] = {"fresh": [], "native_resume": [], "ours_resume": []}
     if "resume" in args.parts:
         prep = root / "prep"
@@ -632,7 +670,7 @@ def run_mode(runner: Runner, args: argparse.Namespace, mode: str, layers: int) -
                       f"process {r['process_s']:.0f} s", flush=True)
         if not args.keep:
             shutil.rmtree(prep, ignore_errors=True)
-    return {"layers": layers, "trio": trio, "resume": resume}
+    return {"layers": layers, "trio": trio, "resume": resume, "tier": tier}
 
 
 def tier_bytes_native(path: Path) -> dict[str, int]:
@@ -662,6 +700,12 @@ def tier_bytes_ours(store: Path, step: int) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- numbers from results
+def _median_cycle(res: dict[str, Any]) -> float:
+    """Median time from one step's end to the next's (the step and what runs between steps: a held save)."""
+    ends = {int(k): v for k, v in res["step_end_wall"].items()}
+    return statistics.median(ends[s] - ends[s - 1] for s in ends if s > 2 and s - 1 in ends)
+
+
 def _median_step(res: dict[str, Any], skip: Sequence[int] = ()) -> float:
     times = [t for s, t, _ in res["steps"] if s > 2 and s not in skip] or [t for _, t, _ in res["steps"]]
     return statistics.median(times)
@@ -969,7 +1013,7 @@ def main() -> int:
     p.add_argument("--prep-steps", type=int, default=3, help="the resume's restore point")
     p.add_argument("--prep-interval", type=int, default=None,
                    help="ours saves every this many steps in the preparation run (default: --prep-steps)")
-    p.add_argument("--parts", default="trio,resume", help="comma list of trio, resume")
+    p.add_argument("--parts", default="trio,resume", help="comma list of trio, resume, tier")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--memory-margin", type=float, default=None, help="runtime.memory_margin (default: its)")
     p.add_argument("--overlap-snapshot", default="auto", choices=["auto", "true", "false"],

@@ -177,9 +177,10 @@ def child(a: argparse.Namespace) -> None:
     else:
         args = TrainingArguments(save_strategy="no", **common)  # type: ignore[arg-type]
         short = {} if a.stability_window is None else {"stability_window": a.stability_window}
-        smart = SmartCkptCallback(SmartCkptConfig(policy={**short, "mtbf_hours": a.mtbf_hours})
+        runtime = {"memory_tier": a.memory_tier == "true"}
+        smart = SmartCkptCallback(SmartCkptConfig(policy={**short, "mtbf_hours": a.mtbf_hours}, runtime=runtime)
                                   if a.smart_interval == "mtbf"
-                                  else SmartCkptConfig(base_interval=a.save_steps, policy=short))
+                                  else SmartCkptConfig(base_interval=a.save_steps, policy=short, runtime=runtime))
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=callbacks)
     for name in ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_rng_state"):
@@ -219,6 +220,7 @@ def run_job(a: argparse.Namespace, mode: str, model: str, out: Path, *, crashes:
            "--seq_len", str(a.seq_len), "--smart_interval", a.smart_interval, "--hidden", str(a.hidden),
            "--lr", str(a.lr), "--mtbf_hours", repr(mtbf_hours),
            *([] if a.stability_window is None else ["--stability_window", str(a.stability_window)]),
+           "--memory_tier", a.memory_tier,
            "--crashes", ",".join(map(str, crashes)), "--anomalies", ",".join(f"{s}:{k}" for s, k in anomalies.items())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(ROOT)}
@@ -315,6 +317,8 @@ def main() -> None:
     ap.add_argument("--stability_window", type=int, default=None,
                     help="(b)'s stability_window (also its capture cooldown); default: the library's 100, "
                          "sized for runs of thousands of steps")
+    ap.add_argument("--memory_tier", default="true", choices=["true", "false"],
+                    help="(b)'s runtime.memory_tier (on by default: the newest state in host memory every step)")
     ap.add_argument("--smart_interval", default="save_steps", choices=["save_steps", "mtbf"],
                     help="(b)'s calm interval: base_interval=--save_steps, or derived from the job's failure rate")
     a = ap.parse_args()

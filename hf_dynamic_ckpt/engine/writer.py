@@ -159,6 +159,10 @@ def run_job(job: Job, save: StoreSave) -> None:
 def _save_error(job: Job, cause: BaseException) -> SaveError:
     handle = job.handle
     detail = str(cause).rstrip(".") if isinstance(cause, DynamicCkptError) else f"{type(cause).__name__}: {cause}"
+    if handle.memory:  # the memory tier reports it, with what it does next (`MemoryTier.settle`)
+        error = SaveError(f"memory slot of step {handle.step} failed: {detail}")
+        error.__cause__ = cause
+        return error
     if job.aborted is not None:
         what, advice = f"save of step {handle.step} ({handle.reason}) aborted ({job.aborted}): {detail}", ""
     else:
@@ -224,10 +228,11 @@ def _leave(*_: Any) -> None:
     raise SystemExit(0)
 
 
-def _persist(store_cls: Any, spec: Any, slots: Any) -> None:
+def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> None:
     """The training process ended without stopping this writer (killed, or exited without `close()`): persist the
     newest slot when it is newer than the disk store, under the disk store's writer lock (handed over, never broken:
-    a restart waits for it up to `runtime.lock_wait_s`)."""
+    a restart waits for it up to `runtime.lock_wait_s`). Not when the slots' directory is no longer the one `opened`
+    at the start: a restart persisted and removed it (and may have made a new one)."""
     deadline = time.monotonic() + PERSIST_LOCK_WAIT_S
     while True:
         try:
@@ -240,6 +245,10 @@ def _persist(store_cls: Any, spec: Any, slots: Any) -> None:
                 return
             time.sleep(0.2)
     try:
+        now = os.lstat(slots.root) if os.path.lexists(slots.root) else None
+        if now is None or (now.st_ino, now.st_dev) != (opened.st_ino, opened.st_dev):
+            logger.info("memory tier: a restart took over the slots (it persisted them); nothing to do")
+            return
         step = persist_newest(slots, disk)
         if step is not None:
             logger.warning("memory tier: the training process ended; step %d persisted from host memory", step)
@@ -253,11 +262,14 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
                 slots_spec: Any = None) -> None:
     """The writer process: map the layouts it is sent, write the saves it is sent, until told to stop. When the
     training process goes without a stop (EOF on the pipe, SIGTERM at its exit), the newest slot is persisted."""
-    _renice(0, nice)  # the parent already did, right after the start; this covers a race
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _leave)  # multiprocessing terminates daemonic children at an unclean exit
     store = store_cls.from_spec(spec, cleanup=False)
     slots = type(store).from_spec(slots_spec, cleanup=False) if slots_spec is not None else None
+    opened = os.lstat(slots.root) if slots is not None else None
+    # Niced once up, not during its start-up: a niced import of torch beside a training process that keeps every
+    # core busy took seconds, and until then the memory tier's slots are written on the training thread.
+    _renice(0, nice)
     ready.set()
     views: dict[_Ref, torch.Tensor] = {}
     stopped = False
@@ -287,7 +299,7 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
         conn.close()
         if slots is not None:
             if not stopped and spec.rank == 0:
-                _persist(type(store), spec, slots)
+                _persist(type(store), spec, slots, opened)  # type: ignore[arg-type]
             slots.close()
 
 
@@ -316,7 +328,6 @@ class ProcessWriter:
             if main is not None:
                 sys.modules["__main__"] = main
         self.pid = self._proc.pid
-        _renice(self.pid or 0, target)  # at once: the interpreter's start-up already runs niced
         child.close()
         self._mapped: set[int] = set()  # layout keys the child maps
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=1)

@@ -94,7 +94,16 @@ MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5
 """A slot's write still running when the next slot is due is waited for up to half a step (at most 1 s); a longer
 one (or a disk save in flight) skips that step's slot, counted in `MemoryTier.skipped`."""
 SMALL_SLOT_BYTES = 64 << 20
-"""A slot at most this large is written every step (a LoRA adapter and its moments: a few MB, ~ms per step)."""
+"""A slot at most this large may be written on the training thread before the writer process is up."""
+EARLY_BURST_S = 60.0
+"""Slots written on the training thread before the writer process is up spend the overhead budget of this many
+seconds at once, then what it accrues: `policy.overhead_budget` of any window of the run, plus this window's share."""
+
+
+def slot_cadence(blocking_ms: float, write_ms: float, step_ms: float, budget: float) -> int:
+    """Every how many steps a slot is taken: the fewest whose snapshot (`blocking_ms` on the training thread) fits
+    in `budget` of their time and whose write (`write_ms`, the writer process's) ends within them."""
+    return max(1, math.ceil(max(blocking_ms / (max(budget, 1e-3) * step_ms), write_ms / step_ms)))
 
 
 class MemoryTier:
@@ -102,17 +111,20 @@ class MemoryTier:
 
     On by default (`runtime.memory_tier`) with the process writer, one process; off, with one INFO line, where it
     cannot be (the sync engine, several processes, `/dev/shm` or host memory too small for two slots). Every `every`
-    steps the state of the step goes to a slot: every step for a slot of at most `SMALL_SLOT_BYTES`, else the
-    fewest steps whose snapshot fits in `policy.overhead_budget` of their time and whose write the writer finishes
-    within them (`runtime.memory_every` fixes it). A slot skipped because the writer is still busy is counted. In the
-    first seconds of a run, before the writer process is up, a small slot is written on the training thread as
-    often as its measured write fits in the overhead budget (`write_early`)."""
+    steps the state of the step goes to a slot: the fewest steps whose snapshot fits in `policy.overhead_budget` of
+    their time and whose write the writer finishes within them, every step for a LoRA adapter at a real model's
+    pace (`runtime.memory_every` fixes it). A slot skipped because the writer is still busy is counted. In the
+    first seconds of a run, before the writer process is up, a small slot is written on the training thread while
+    the overhead budget allows (`write_early`: a token bucket that starts with `EARLY_BURST_S` of budget, enough for
+    every step of the writer's start-up, and refills at `policy.overhead_budget` of the time that passes)."""
 
     def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, world_size: int) -> None:
         self.config, self.store = config, store
         self.every = config.runtime.memory_every or 1
         self.saves = self.skipped = 0
-        self.early_every = 1
+        self.credit_ms = config.policy.overhead_budget * EARLY_BURST_S * 1e3
+        """Training-thread time left for early slots (`write_early`)."""
+        self._credited: float | None = None
         self.bytes: int | None = None
         """The size of the last slot written."""
         self.last_step: int | None = None
@@ -155,12 +167,15 @@ class MemoryTier:
         self._last_call = (step, now)
         return step % self.every == 0
 
-    def write_early(self, step: int) -> bool:
-        """Before the writer process is up: whether step `step`'s slot is written on the training thread, for a slot
-        of at most `SMALL_SLOT_BYTES`, every `early_every` steps (its measured write within the overhead budget)."""
-        if self.bytes is not None and self.bytes > SMALL_SLOT_BYTES:
-            return False
-        return step % self.early_every == 0
+    def write_early(self) -> bool:
+        """Before the writer process is up: whether this step's slot is written on the training thread, for a slot of
+        at most `SMALL_SLOT_BYTES`, while the budget's credit lasts (spent by `settle`, refilled here as time passes,
+        never above `EARLY_BURST_S` of budget)."""
+        budget, now = self.config.policy.overhead_budget, time.perf_counter()
+        if self._credited is not None:
+            self.credit_ms = min(budget * EARLY_BURST_S * 1e3, self.credit_ms + budget * (now - self._credited) * 1e3)
+        self._credited = now
+        return (self.bytes is None or self.bytes <= SMALL_SLOT_BYTES) and self.credit_ms > 0
 
     def settle(self, handle: Any) -> None:
         """Learn from a finished slot write: its size fits or the tier goes off; its cost sets `every`."""
@@ -174,7 +189,7 @@ class MemoryTier:
         if error is not None:
             cause = error.__cause__
             full = "No space left" in str(error) or getattr(cause, "errno", None) == errno.ENOSPC
-            self.turn_off(f"writing a slot failed ({error})" + (
+            self.turn_off(f"writing a slot failed ({error})", failed=True, remove=full, fix=(
                 f"; {slot_store.SHM_DIR} is too small: give the container more (docker run --shm-size=..., or a "
                 "Kubernetes emptyDir with medium: Memory mounted there)" if full else ""))
             return
@@ -184,16 +199,13 @@ class MemoryTier:
         if info is None:
             return
         resized, self.bytes = info.bytes != self.bytes, info.bytes
-        if handle.staging == "sync" and self.step_s:  # written on the training thread: as often as the budget allows
-            budget = max(self.config.policy.overhead_budget, 1e-3) * self.step_s * 1e3
-            self.early_every = max(1, math.ceil(handle.blocking_ms / budget))
+        if handle.staging == "sync":  # written on the training thread: paid from the budget's credit
+            self.credit_ms -= handle.blocking_ms
         if resized and not self._fits(info.bytes):
             return
-        if self.config.runtime.memory_every is None and info.bytes > SMALL_SLOT_BYTES and self.step_s:
-            step_ms = self.step_s * 1e3
-            budget = max(self.config.policy.overhead_budget, 1e-3)
-            self.every = max(1, math.ceil(max(handle.blocking_ms / (budget * step_ms),
-                                              (handle.write_ms or 0.0) / step_ms)))
+        if self.config.runtime.memory_every is None and handle.staging != "sync" and self.step_s:
+            self.every = slot_cadence(handle.blocking_ms, handle.write_ms or 0.0, self.step_s * 1e3,
+                                      self.config.policy.overhead_budget)
 
     def _fits(self, nbytes: int) -> bool:
         """Whether two slots of `nbytes` fit in `/dev/shm` and the host memory left; if not, the tier goes off.
@@ -212,9 +224,11 @@ class MemoryTier:
             return False
         return True
 
-    def turn_off(self, why: str, *, remove: bool = False) -> None:
-        """No more slots (one INFO line); the committed ones stay for a restart unless `remove` (they do not fit)."""
-        logger.info("memory tier off: %s; restore points are on disk only", why)
+    def turn_off(self, why: str, *, remove: bool = False, failed: bool = False, fix: str = "") -> None:
+        """No more slots: one line, INFO (WARNING if a write `failed`), with the `fix`; the committed slots stay for a
+        restart unless `remove` (they do not fit)."""
+        logger.log(logging.WARNING if failed else logging.INFO, "memory tier off: %s; restore points are on disk "
+                   "only%s", why, fix)
         self.off_reason = why
         slots, self.slots = self.slots, None
         if slots is not None:
@@ -296,7 +310,7 @@ class Saver:
         if tier is None or not tier.due(step):
             return
         early = not self.engine.writer_ready  # not up yet (its first seconds; `start_writer` starts it)
-        if early and not tier.write_early(step):
+        if early and not tier.write_early():
             return
         previous, self._memory_handle = self._memory_handle, None
         if previous is not None:

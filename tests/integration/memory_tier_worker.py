@@ -26,6 +26,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--kill_at", type=int, default=0)
     p.add_argument("--kill_group", action="store_true")
+    p.add_argument("--kill_once", action="store_true", help="only in torchrun's first attempt (a restart resumes)")
+    p.add_argument("--task", default="default")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--memory_tier", default="true")
     p.add_argument("--loop", default="trainer", choices=["trainer", "accelerate"])
@@ -34,8 +36,12 @@ def main() -> None:
     if args.loop == "accelerate":
         return accelerate_loop(args, out)
     losses: list[list[float]] = []
-    callback = SmartCkptCallback(SmartCkptConfig(base_interval=5, runtime={
-        "memory_tier": args.memory_tier == "true"}))
+    # A slot every step, as at a real model's pace (a snapshot of ~2 ms against a step of a second; these steps of
+    # 0.1 s on a loaded machine could make the budget's cadence 2, `slot_cadence`, tested on its own).
+    callback = SmartCkptCallback(SmartCkptConfig(base_interval=5, task_id=args.task, runtime={
+        "memory_tier": args.memory_tier == "true", "memory_every": 1}))
+    if args.kill_once and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        args.kill_at = 0
 
     class Pace(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
@@ -81,7 +87,7 @@ def accelerate_loop(args: argparse.Namespace, out: Path) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     ckpt = SmartCheckpointer(accelerator, model, opt, None, loader, output_dir=str(out / "run"), config=SmartCkptConfig(
-        base_interval=5, runtime={"memory_tier": args.memory_tier == "true"}))
+        base_interval=5, runtime={"memory_tier": args.memory_tier == "true", "memory_every": 1}))
     loaded = ckpt.resume("auto") if args.resume else None
     losses: list[list[float]] = []
     for _ in ckpt.epochs(1):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ def _run(out: Path, *args: str, killed: bool = False, fault: str = "") -> dict:
     env = {**os.environ, "HF_DYNAMIC_CKPT_FAULT": fault}
     proc = subprocess.run([sys.executable, str(WORKER), "--out", str(out), *args], capture_output=True, text=True,
                           timeout=600, start_new_session=True, env=env)
+    (out / "stderr.txt").write_text(proc.stderr)
     if killed:
         assert proc.returncode == -9, proc.stderr[-3000:]
         return {"losses": json.loads((out / "killed.json").read_text())}
@@ -124,3 +126,66 @@ def test_a_kill_during_a_slot_write_leaves_the_previous_slot_and_a_damaged_one_i
     resumed = _run(damaged, "--resume")
     assert resumed["resumed_from"] == 10
     assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_a_sigkill_at_a_seeded_random_step_resumes_from_the_step_before(tmp_path: Path, uninterrupted: dict[int, float],
+                                                                        seed: int) -> None:
+    kill = random.Random(seed).randint(3, 15)  # the step whose end the kill cuts: its slot is not yet written
+    _run(tmp_path, "--kill_at", str(kill), "--kill_group", killed=True)
+    resumed = _run(tmp_path, "--resume")
+    assert resumed["resumed_from"] == kill - 1, (kill, resumed["resumed_from"])
+    assert [s for s, _ in resumed["losses"]] == list(range(kill, 17))
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+    assert kill - 1 in _steps(tmp_path)  # the slot became a disk checkpoint
+
+
+def test_torchrun_restarts_the_killed_worker_and_it_resumes_from_memory(tmp_path: Path,
+                                                                        uninterrupted: dict[int, float]) -> None:
+    # torchrun --max-restarts 1: the worker is SIGKILLed after step 13, the agent tears down its process group (the
+    # writer process gets SIGTERM: it persists the newest slot) and starts the worker again, which resumes.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--max-restarts", "1",
+           "--master_port", str(29400 + os.getpid() % 500), str(WORKER), "--out", str(tmp_path), "--resume",
+           "--kill_at", "13", "--kill_once"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, start_new_session=True,
+                          env={**os.environ, "HF_DYNAMIC_CKPT_FAULT": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["resumed_from"] == 12
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+    slots = slots_dir(tmp_path / "run" / "smart_ckpt", "default")
+    left = sorted(str(p.relative_to(slots)) for p in slots.rglob("*")) if slots.exists() else None
+    assert 12 in _steps(tmp_path) and left is None, (left, proc.stderr[-3000:])
+
+
+def test_shm_full_turns_the_tier_off_with_the_fix_and_training_goes_on(tmp_path: Path,
+                                                                       uninterrupted: dict[int, float]) -> None:
+    # The slot write of step 7 finds /dev/shm full: one WARNING names the fix, the tier is off (its slots go, room for
+    # data loaders), disk saves go on, and a kill after step 13 resumes from the disk's step 10.
+    _run(tmp_path, "--kill_at", "13", "--kill_group", killed=True,
+         fault=f"write@step=7@name={WEIGHTS_NAME}:raise=ENOSPC")
+    log = (tmp_path / "stderr.txt").read_text()
+    assert log.count("memory tier off: writing a slot failed (memory slot of step 7 failed: ") == 1
+    assert "No space left on device" in log and "docker run --shm-size=" in log
+    assert "Free disk space" not in log  # not reported as a failed disk save
+    assert not slots_dir(tmp_path / "run" / "smart_ckpt", "default").exists()
+    resumed = _run(tmp_path, "--resume")
+    assert resumed["resumed_from"] == 10
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+
+
+def test_the_slots_of_another_task_are_never_read(tmp_path: Path) -> None:
+    # Task "a" is killed with slots in memory; task "b" in the same store starts and ends without touching them.
+    _run(tmp_path, "--kill_at", "13", "--kill_group", "--task", "a", killed=True)
+    a_slots = slots_dir(tmp_path / "run" / "smart_ckpt", "a") / "a"
+    assert a_slots.is_dir(), (tmp_path / "stderr.txt").read_text()[-3000:]
+    before = {p.name: p.stat().st_mtime_ns for p in a_slots.iterdir() if p.name.startswith("step-")}
+    resumed = _run(tmp_path, "--resume", "--task", "b")
+    assert resumed["resumed_from"] is None and len(resumed["losses"]) == 16
+    assert {p.name: p.stat().st_mtime_ns for p in a_slots.iterdir() if p.name.startswith("step-")} == before
+    assert sorted(before) == ["step-11", "step-12"]
+    store = CheckpointStore(tmp_path / "run" / "smart_ckpt", task_id="a", read_only=True)
+    try:
+        assert sorted(i.step for i in store.list(include_unhealthy=True)) == [5, 10]  # nothing of "a" persisted
+    finally:
+        store.close()

@@ -13,6 +13,7 @@ import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.errors import UnsafePathError
+from hf_dynamic_ckpt.run.saver import slot_cadence
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, Lineage, SaveRequest
 from hf_dynamic_ckpt.store.slots import (
     adopt_newer,
@@ -93,3 +94,14 @@ def test_slots_refuse_a_link_or_a_directory_others_can_write(tmp_path: Path, dis
     with pytest.raises(UnsafePathError, match=r"mode 777: the memory tier uses only a private directory"):
         open_slots(disk, read_only=False, base=str(base))
     assert adopt_newer(disk, base=str(base)) is None  # a restart logs it and resumes from disk
+
+
+@pytest.mark.parametrize(("blocking_ms", "write_ms", "step_ms", "every"), [
+    (20.0, 300.0, 1500.0, 1),  # a LoRA adapter at Qwen2-7B width: every step
+    (2.0, 5.0, 33.0, 4),  # the article job's 33 ms CPU steps: a 2 ms snapshot is 6 % of a step
+    (0.1, 250.0, 100.0, 3),  # a write longer than two steps: the writer ends it before the next slot
+    (1200.0, 30000.0, 6000.0, 10),  # a full fine-tune's state: the snapshot sets the pace
+])
+def test_slot_cadence_keeps_the_snapshot_within_the_budget_and_the_writer_ahead(
+        blocking_ms: float, write_ms: float, step_ms: float, every: int) -> None:
+    assert slot_cadence(blocking_ms, write_ms, step_ms, 0.02) == every
