@@ -35,7 +35,7 @@ from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
 from ..policy.decision import MINIMAL_TIERS, Decision, DecisionKind
-from ..signals.stats import RollingWindow, SignalFrame, linear_fit
+from ..signals import RollingWindow, SignalFrame, linear_fit
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from ..config import OnAnomaly, PolicyParams, SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
 from ..errors import ConfigError
 from ..jsonutil import safe_float as _j
-from ..signals.stats import MAD_TO_STD, Ema, RollingWindow, SignalFrame, linear_fit
+from ..signals import MAD_TO_STD, Ema, RollingWindow, SignalFrame, linear_fit
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
 
 logger = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackEr
 from ..export import KEY_MODEL, describe_model
 from ..policy.decision import Decision, DecisionKind
 from ..policy.rules import RollbackRule, RollbackVerdict, RulePolicy, Verdict
-from ..signals.stats import SignalFrame
+from ..signals import SignalFrame
 from ..state import (
     RngState,
     StateSources,

@@ -28,7 +28,7 @@ from ..constants import DEFAULT_TASK_ID, TIMELINE_NAME, Tier
 from ..errors import CheckpointNotFoundError
 from ..jsonutil import safe_float
 from ..policy.decision import Decision, DecisionKind
-from ..signals.stats import SignalFrame
+from ..signals import SignalFrame
 
 if TYPE_CHECKING:
     from ..engine import SaveHandle

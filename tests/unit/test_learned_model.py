@@ -35,7 +35,7 @@ from hf_dynamic_ckpt.extras.learned import (
     load_model,
 )
 from hf_dynamic_ckpt.policy import MINIMAL_TIERS, DecisionKind, RulePolicy
-from hf_dynamic_ckpt.signals.stats import SignalFrame
+from hf_dynamic_ckpt.signals import SignalFrame
 
 REPO = Path(__file__).resolve().parents[2]
 H = 32
