@@ -29,8 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._version import VERSION
-from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES
+from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES, VERSION
 from .errors import CheckpointNotFoundError, ConfigError, DynamicCkptError
 from .run.record import read_rollbacks
 from .store import CheckpointInfo, CheckpointStore, find_root, task_dirs

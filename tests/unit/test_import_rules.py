@@ -13,7 +13,7 @@ from pathlib import Path
 PKG = "hf_dynamic_ckpt"
 ROOT = Path(__file__).resolve().parents[2] / PKG
 LAYERS = [
-    {"_version", "constants", "errors", "jsonutil", "sysmem"},  # leaves: no package import
+    {"constants", "errors", "jsonutil", "sysmem"},  # leaves: no package import
     {"store"},  # checkpoints on disk
     {"config"},
     {"signals", "state"},  # one step's measurements; live objects <-> checkpoint state
