@@ -71,14 +71,6 @@ from ..constants import (
 from ..errors import ConfigError, weights_overwritten
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
-from ..run.elastic import (
-    KEY_BATCH,
-    KEY_DRAWS_RANDOM,
-    BatchGeometry,
-    StepRandomness,
-    plan_batch,
-    world_change_note,
-)
 from ..run.orchestrator import Rollback, RunOrchestrator
 from ..state import (
     adapter_names,
@@ -94,7 +86,16 @@ from ..state import (
 from ..state.sharded import zero_expected
 from ..state.sources import check_accelerator, check_training_args
 from ..store import LoadedCheckpoint
-from .position import KEY_LOADERS, LoaderSeeds
+from .position import (
+    KEY_BATCH,
+    KEY_DRAWS_RANDOM,
+    KEY_LOADERS,
+    BatchGeometry,
+    LoaderSeeds,
+    StepRandomness,
+    plan_batch,
+    world_change_note,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,7 @@ class SmartCkptCallback(TrainerCallback):
         return str(folder)
 
     def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator) -> None:
-        """Keep the checkpoint's global batch on this world size (`run.elastic`): set Trainer's accumulation before
+        """Keep the checkpoint's global batch on this world size (`plan_batch`): set Trainer's accumulation before
         `train()` counts its steps, and say what a change of world size keeps."""
         args, sampler = trainer.args, loaded.sampler or {}
         saved = BatchGeometry.from_json(sampler.get(KEY_BATCH))
