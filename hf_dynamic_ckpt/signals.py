@@ -314,7 +314,7 @@ class GradProbe:
     `pre_clip_norm` (what the clipping returned) the layer norms measured after it are rescaled by `pre / post`; with it
     and no LoRA layer nothing is computed. FSDP2 gradients count their local shards, the ranks' squares added through
     `sum_across_ranks` (a collective: `distributed.all_reduce_square_sums`). Where gradients never reach `.grad`
-    (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`state.sharded.ZeroGradSquares`).
+    (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`).
 
     Args:
         model (`torch.nn.Module`): the model (a PEFT model for per-layer norms).

@@ -35,12 +35,12 @@ from ..run.orchestrator import Rollback, RunOrchestrator, SaveEvent
 from ..state import (
     apply_optimizer_state,
     apply_weights,
+    check_accelerator,
     frozen_weight_keys,
     own_weights,
     restore_rng_state,
     trainable_state_dict,
 )
-from ..state.sources import check_accelerator
 from ..store import LoadedCheckpoint
 from .position import (
     KEY_BATCH,

@@ -51,7 +51,7 @@ import torch
 
 from .. import distributed as dist
 from ..errors import CorruptCheckpointError, GlobalBatchError
-from ..state.rng import capture_rng_state, restore_rng_state
+from ..state import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 

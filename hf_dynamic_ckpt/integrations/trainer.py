@@ -72,10 +72,13 @@ from ..errors import ConfigError, weights_overwritten
 from ..export import describe_model
 from ..policy.decision import Decision, DecisionKind
 from ..run.orchestrator import Rollback, RunOrchestrator
+from ..sharded import zero_expected
 from ..state import (
     adapter_names,
     apply_optimizer_state,
     apply_weights,
+    check_accelerator,
+    check_training_args,
     expected_weights,
     frozen_weight_keys,
     is_peft_model,
@@ -83,8 +86,6 @@ from ..state import (
     restore_rng_state,
     split_adapters,
 )
-from ..state.sharded import zero_expected
-from ..state.sources import check_accelerator, check_training_args
 from ..store import LoadedCheckpoint
 from .position import (
     KEY_BATCH,

@@ -22,7 +22,7 @@ from hf_dynamic_ckpt.integrations.position import (
     per_device_batch,
     rescale_batches_seen,
 )
-from hf_dynamic_ckpt.state.rng import capture_rng_state
+from hf_dynamic_ckpt.state import capture_rng_state
 
 
 def test_rescale_keeps_the_position_in_samples_of_the_order() -> None:

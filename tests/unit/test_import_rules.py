@@ -16,7 +16,7 @@ LAYERS = [
     {"store"},  # checkpoints on disk
     {"config"},
     {"signals", "state"},  # one step's measurements; live objects <-> checkpoint state
-    {"policy", "distributed", "engine", "export"},  # decisions; collectives; snapshot + writer; models out
+    {"policy", "distributed", "engine", "export", "sharded"},  # decisions; collectives; save engine; export; ZeRO
     {"run"},  # one run's orchestration
     {"integrations"},  # Trainer, Accelerate
     {"cli", "__init__"},  # the command line, the package root (lazy public names)
