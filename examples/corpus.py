@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.signals.stats import LayerBaselines, SignalFrame
+from hf_dynamic_ckpt.signals import LayerBaselines, SignalFrame
 
 CAPTURE_K = 5  # a capture is a healthy checkpoint of a step in [onset - K, onset - 1]
 RECOVERY = 10  # steps after an anomaly ends that stay unlabelled

@@ -315,7 +315,7 @@ def _sessions(run_dir: Path) -> list[str]:
 
 def report(out: Path, *, killed_after: int | None, durations: dict[str, float]) -> bool:
     """Print the demo report; returns whether the resumed losses equal the reference's."""
-    from hf_dynamic_ckpt.extras.plot import plot_timeline
+    from hf_dynamic_ckpt.run.record import plot_timeline
     from hf_dynamic_ckpt.store import CheckpointStore
 
     run_store, ref_store = out / "run" / "smart_ckpt", out / "reference" / "smart_ckpt"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.signals.stats import LayerBaselines, SignalFrame
+from hf_dynamic_ckpt.signals import LayerBaselines, SignalFrame
 
 
 @dataclass

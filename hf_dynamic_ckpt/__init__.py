@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import VERSION as __version__  # noqa: F401 - the package version
 from .config import SmartCkptArguments, SmartCkptConfig
 from .constants import FORMAT_VERSION, Tier
+from .constants import VERSION as __version__  # noqa: F401 - the package version
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,

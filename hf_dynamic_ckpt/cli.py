@@ -29,10 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._version import VERSION
-from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES
+from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES, VERSION
 from .errors import CheckpointNotFoundError, ConfigError, DynamicCkptError
-from .run.record import read_rollbacks
+from .run.record import plot_timeline, read_rollbacks
 from .store import CheckpointInfo, CheckpointStore, find_root, task_dirs
 
 OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
@@ -282,8 +281,6 @@ def _reindex(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .extras.plot import plot_timeline
-
     root, tasks = _where(args)
     print(f"wrote {plot_timeline(root, task_id=tasks[0], output=args.output)}")
     return 0

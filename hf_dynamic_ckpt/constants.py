@@ -1,8 +1,11 @@
-"""Every file name, manifest key and format number of the on-disk layout, in one place."""
+"""Every file name, manifest key and format number of the on-disk layout, in one place; the library's version."""
 
 from __future__ import annotations
 
 import enum
+
+VERSION = "0.2.0"
+"""The library's version: `hf_dynamic_ckpt.__version__`, recorded in every manifest and export; setup.cfg reads it."""
 
 FORMAT_VERSION = 2
 """Newest on-disk format version this library reads and writes (in every manifest; readers refuse newer ones). A

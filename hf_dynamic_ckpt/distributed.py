@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .errors import DistributedError
-from .signals.stats import SignalFrame
+from .signals import SignalFrame
 
 # Layout of the packed frame: (field, reduction). Missing values are packed as -inf so
 # MAX ignores them; the loss is packed twice (value, present) so SUM knows how many ranks had one.
@@ -134,7 +134,7 @@ def all_reduce_sum(value: float) -> float:
 
 
 def all_reduce_square_sums(values: Sequence[float]) -> list[float]:
-    """Per bucket, the sum over ranks of this rank's squared gradient-shard norms (`signals.probes.GradProbe`),
+    """Per bucket, the sum over ranks of this rank's squared gradient-shard norms (`signals.GradProbe`),
     in one float64 `all_reduce`; `values` as they are without a process group. NaN and inf propagate."""
     d = _dist()
     if not d or d.get_world_size() == 1 or not values:

@@ -31,10 +31,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._version import VERSION
-from .constants import ALL_TIERS, DEFAULT_TASK_ID, KEY_SHARDED, Tier
+from .constants import ALL_TIERS, DEFAULT_TASK_ID, KEY_SHARDED, VERSION, Tier
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, fault
-from .state.model import adapter_names, apply_weights, split_adapters
+from .state import adapter_names, apply_weights, split_adapters
 from .store import CheckpointInfo, CheckpointStore, LoadedCheckpoint, find_root
 
 logger = logging.getLogger(__name__)

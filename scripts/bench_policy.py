@@ -40,7 +40,7 @@ from examples.traces import RecordedTrace, inject_anomaly, load_trace, replay_fr
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.policy import RulePolicy
 from hf_dynamic_ckpt.policy import rules as policy_rules
-from hf_dynamic_ckpt.signals.stats import SignalFrame
+from hf_dynamic_ckpt.signals import SignalFrame
 
 TRACE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces"
 

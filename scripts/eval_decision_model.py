@@ -34,9 +34,9 @@ from examples.corpus import CAPTURE_K, CorpusRun, load_corpus
 from examples.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import Tier
-from hf_dynamic_ckpt.extras.learned import LearnedCheck, load_model
 from hf_dynamic_ckpt.policy import DecisionKind, RulePolicy
-from hf_dynamic_ckpt.signals.stats import SignalFrame
+from hf_dynamic_ckpt.policy.learned import LearnedCheck, load_model
+from hf_dynamic_ckpt.signals import SignalFrame
 
 CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "corpus.jsonl.gz"
 KINDS = ("loss_x", "bad_batch", "lora_explosion", "lr_surge", "nan_grad", "memory_ramp")

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from examples import toy
-from hf_dynamic_ckpt.signals.probes import GradProbe
+from hf_dynamic_ckpt.signals import GradProbe
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 MEM_CROSS = 0.92  # a memory ramp's capture onset: the step the process crosses this fraction of its limit

@@ -16,7 +16,7 @@ epoch (lowest validation save-score loss) and calibrate the veto threshold: half
 gives a validation onset that the rules capture (so no such capture would be vetoed), at most 0.05.
 The `test` runs are never read here (`scripts/eval_decision_model.py` reports on them).
 
-Output: `hf_dynamic_ckpt/extras/decision_model.safetensors` (safetensors, float32, with the
+Output: `hf_dynamic_ckpt/policy/decision_model.safetensors` (safetensors, float32, with the
 feature names, normalisation, thresholds and a training summary in its metadata).
 
 Usage: nice -n 10 python scripts/train_decision_model.py [--epochs 60] [--seed 0] [--out PATH]
@@ -42,7 +42,8 @@ from torch import nn
 from examples.corpus import CAPTURE_K, CorpusRun, load_corpus
 from examples.traces import RecordedTrace, inject_anomaly
 from hf_dynamic_ckpt.config import SmartCkptConfig
-from hf_dynamic_ckpt.extras.learned import (
+from hf_dynamic_ckpt.policy import RulePolicy
+from hf_dynamic_ckpt.policy.learned import (
     BUILTIN_PATH,
     FEATURE_NAMES,
     MODEL_FORMAT,
@@ -51,7 +52,6 @@ from hf_dynamic_ckpt.extras.learned import (
     SAVE_THRESHOLD,
     FeatureExtractor,
 )
-from hf_dynamic_ckpt.policy import RulePolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "data" / "traces" / "corpus.jsonl.gz"

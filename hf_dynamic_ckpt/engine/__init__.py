@@ -1,6 +1,6 @@
 """Save engine: snapshot (the only blocking part) + background writer + memory-aware staging."""
 
-from ..state.sources import CachedWeights, StateSources
+from ..state import CachedWeights, StateSources
 from .engine import SaveEngine
 from .writer import OnBusy, SaveHandle
 

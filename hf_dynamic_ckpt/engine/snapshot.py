@@ -27,8 +27,7 @@ import torch
 
 from ..constants import Tier
 from ..errors import SaveError
-from ..state.rng import RawRngState, capture_raw_rng_state
-from ..state.sources import StateSources
+from ..state import RawRngState, StateSources, capture_raw_rng_state
 from ..store import CheckpointState, frozen_record
 
 logger = logging.getLogger(__name__)

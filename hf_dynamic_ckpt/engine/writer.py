@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ConfigError, DynamicCkptError, SaveError, StoreLockedError
-from ..state.rng import RawRngState
+from ..state import RawRngState
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
 from ..store.slots import keep_newest, persist_newest
 from .overlap import PendingCopy

@@ -31,19 +31,27 @@ from ..config import SmartCkptConfig
 from ..constants import MANIFEST_NAME
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, SaveError, weights_overwritten
 from ..policy.decision import Decision, DecisionKind
-from ..run.elastic import KEY_BATCH, KEY_DRAWS_RANDOM, BatchGeometry, StepRandomness, plan_batch, world_change_note
 from ..run.orchestrator import Rollback, RunOrchestrator, SaveEvent
 from ..state import (
     apply_optimizer_state,
     apply_weights,
+    check_accelerator,
     frozen_weight_keys,
     own_weights,
     restore_rng_state,
     trainable_state_dict,
 )
-from ..state.sources import check_accelerator
 from ..store import LoadedCheckpoint
-from .position import KEY_DEALT, ResumableLoader
+from .position import (
+    KEY_BATCH,
+    KEY_DEALT,
+    KEY_DRAWS_RANDOM,
+    BatchGeometry,
+    ResumableLoader,
+    StepRandomness,
+    plan_batch,
+    world_change_note,
+)
 
 logger = logging.getLogger(__name__)
 

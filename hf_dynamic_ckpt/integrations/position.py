@@ -1,13 +1,12 @@
-"""Exact data position for Accelerate loops: batches seen, and the RNG that ordered the epoch.
+"""The exact data position of a run, on any number of processes: batches seen, the RNG that ordered the epoch,
+every loader's worker seed, and the batch geometry a resume on another world size keeps.
 
-`Accelerator.save_state` does not record how far a map-style dataloader got. This wrapper
-counts the batches it hands out and remembers, per epoch, the RNG states from just before
-the epoch's iterator was created (the permutation and the worker seeds are drawn then).
-On resume it restores those, skips the batches already seen with
-`accelerator.skip_first_batches`, and re-applies the RNG state of the moment of the save
-once the first batch has been fetched: creating the iterator consumed random numbers that
-the interrupted run had consumed long before the save, so applying the saved RNG earlier
-(as `load_state` does) leaves dropout masks shifted.
+Accelerate loops (`ResumableLoader`): `Accelerator.save_state` does not record how far a map-style dataloader got.
+This wrapper counts the batches it hands out and remembers, per epoch, the RNG states from just before the epoch's
+iterator was created (the permutation and the worker seeds are drawn then). On resume it restores those, skips the
+batches already seen with `accelerator.skip_first_batches`, and re-applies the RNG state of the moment of the save
+once the first batch has been fetched: creating the iterator consumed random numbers that the interrupted run had
+consumed long before the save, so applying the saved RNG earlier (as `load_state` does) leaves dropout masks shifted.
 
 A position whose epoch is complete (its last batch handed out: the length is reached, or the
 prepared loader says `end_of_dataloader`, which also covers iterable datasets without a length)
@@ -26,27 +25,33 @@ attribute, lent until its iterator exists): the main stream stays the uninterrup
 workers (augmentation in a dataset or a collator run by a worker) is not reproduced across a resume: its generators
 live in the worker processes.
 
-Another number of processes: the position records the batch geometry (`run.elastic.BatchGeometry`: per-device batch,
-processes, accumulation) and whether the loader deals its batches to the ranks (a loader prepared by Accelerate
-shards or dispatches them; an unprepared one gives every rank the same batches). A resume on another geometry keeps
-the position in samples of the epoch's order (`rescale_batches_seen`), and a rank the checkpoint had not starts the
-epoch from rank 0's state. The order itself is the same at any number of processes only when it does not come from
-the main random stream (`order_note`).
+Another number of processes (docs/elastic.md): a data-parallel step consumes a *global batch* of ``per_device x
+world_size x accumulation`` samples (`BatchGeometry`) of the sampler's order, which Trainer's and Accelerate's
+seedable samplers draw independently of the world size, so a run resumed on another world size continues the same run
+(up to float reduction order) while the global batch stays the same. `plan_batch` keeps it: the accumulation that
+restores it, or a `GlobalBatchError` naming the settings that would (``runtime.keep_global_batch: false`` accepts
+another and says what changes). The position records the geometry and whether the loader deals its batches to the
+ranks (a loader prepared by Accelerate shards or dispatches them; an unprepared one gives every rank the same
+batches); a resume on another geometry keeps the position in samples of the epoch's order (`rescale_batches_seen`),
+and a rank the checkpoint had not starts the epoch from rank 0's state. What cannot be kept is said where it differs:
+the order, when it comes from the main random stream (`order_note`), and the dropout masks, which each rank draws
+itself (`StepRandomness` records whether a step draws any).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import distributed as dist
-from ..errors import CorruptCheckpointError
-from ..run.elastic import KEY_BATCH, BatchGeometry
-from ..state.rng import capture_rng_state, restore_rng_state
+from ..errors import CorruptCheckpointError, GlobalBatchError
+from ..state import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +64,163 @@ KEY_EPOCH_START_GENERATOR = "epoch_start_generator"
 KEY_WORLD_SIZE = "world_size"
 KEY_DEALT = "dealt"  # the ranks read different batches of one order (Accelerate's sharding or dispatching)
 KEY_LOADERS = "loaders"  # {name: {"iterator": bool, "iteration": int}} of the other loaders the run iterates
+KEY_BATCH = "batch"
+"""Key of the batch geometry in a checkpoint's data position (sampler state)."""
+KEY_DRAWS_RANDOM = "draws_random"
+"""Key of `StepRandomness.seen` in a checkpoint's data position: a step drew random numbers on this rank."""
 
 
+# ---------------------------------------------------------------------------- batch geometry
+@dataclass(frozen=True)
+class BatchGeometry:
+    """Samples per optimizer step: ``per_device x world_size x accumulation``."""
+
+    per_device: int
+    world_size: int
+    accumulation: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device * self.world_size * self.accumulation
+
+    def describe(self) -> str:
+        return (f"{self.world_size} process(es) x {self.per_device} per device x {self.accumulation} accumulation "
+                f"= {self.global_batch}")
+
+    def to_json(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> BatchGeometry | None:
+        """The geometry a checkpoint recorded, or `None` (saved without one, or not three positive integers)."""
+        if not isinstance(value, dict):
+            return None
+        fields = [value.get(f.name) for f in dataclasses.fields(cls)]
+        ints = [v for v in fields if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        return cls(*ints) if len(ints) == len(fields) else None
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What a resume does with the batch: the accumulation to train with, and the line that says so."""
+
+    accumulation: int
+    note: str | None = None  # INFO: the world size changed, the global batch is kept
+    warning: str | None = None  # WARNING: the global batch changes (keep_global_batch=false)
+
+    @property
+    def keeps_global_batch(self) -> bool:
+        return self.warning is None
+
+
+def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, step: int | None = None,
+               position_in: str = "steps") -> BatchPlan:
+    """The accumulation a run resumed with geometry `now` trains with, from the `saved` one.
+
+    On the world size that saved the checkpoint, `now` as given: a per-device batch or accumulation changed there
+    is the user's choice (Trainer resumes with the new batch size, transformers#43708). On another world size, the
+    saved global batch, unless `keep` is off.
+
+    Args:
+        saved (`BatchGeometry`): what the checkpoint recorded.
+        now (`BatchGeometry`): the resumed run's settings as given (its per-device batch, world size, accumulation).
+        keep (`bool`, *optional*, defaults to `True`): keep the saved global batch by choosing the accumulation
+            (``runtime.keep_global_batch``); `False`: train with `now` as given.
+        step (`int`, *optional*): the checkpoint's step, for the messages.
+        position_in (`str`, *optional*, defaults to `"steps"`): how the resumed run keeps its data position when it
+            accepts another global batch: in optimizer steps (Trainer) or in `"samples"` of its order (Accelerate
+            loops), for the warning.
+
+    Raises:
+        `GlobalBatchError`: `keep` and no accumulation gives the saved global batch with `now`'s per-device batch
+            and world size; the message names the settings that would.
+    """
+    at = f"step {step}" if step is not None else "the checkpoint"
+    if now.world_size == saved.world_size:  # the run's own settings, as Trainer resumes them
+        return BatchPlan(now.accumulation)
+    if now.global_batch == saved.global_batch:
+        return BatchPlan(now.accumulation, note=f"{at} was saved by {saved.describe()} and is resumed by "
+                                                f"{now.describe()}: the same samples per optimizer step")
+    if not keep:
+        if position_in == "samples":
+            stays = "the step count and the learning-rate schedule's position stay in optimizer steps, the data " \
+                "position in samples of its order"
+        else:
+            stays = "the step count, the learning-rate schedule's position, max_steps and the data position stay in " \
+                "optimizer steps"
+            if step is not None:
+                stays += f"; the data continues at sample {step * now.global_batch} of its order (the interrupted " \
+                    f"run had read {step * saved.global_batch})"
+        return BatchPlan(now.accumulation, warning=(
+            f"{at} was saved with a global batch of {saved.describe()} and is resumed with {now.describe()} "
+            "(runtime.keep_global_batch=false): every optimizer step from here on averages "
+            f"{now.global_batch} samples instead of {saved.global_batch}; {stays}"))
+    per_rank_step = now.per_device * now.world_size
+    if saved.global_batch % per_rank_step:
+        raise GlobalBatchError(
+            f"{at} was saved with a global batch of {saved.describe()}; with {now.world_size} process(es) x "
+            f"{now.per_device} per device no gradient accumulation gives {saved.global_batch} samples per step. "
+            f"{_ways(saved.global_batch, now.world_size)}; or accept another global batch with "
+            "runtime.keep_global_batch=false.")
+    accumulation = saved.global_batch // per_rank_step
+    kept = dataclasses.replace(now, accumulation=accumulation)
+    changed = f"; gradient_accumulation_steps {now.accumulation} -> {accumulation}" \
+        if accumulation != now.accumulation else ""
+    return BatchPlan(accumulation, note=f"{at} was saved by {saved.describe()} and is resumed by {kept.describe()}"
+                                        f"{changed}: the same samples per optimizer step")
+
+
+def _ways(global_batch: int, world_size: int) -> str:
+    """The per-device batch x accumulation pairs that give `global_batch` on `world_size` processes."""
+    if global_batch % world_size:
+        sizes = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
+        return (f"{global_batch} samples do not divide over {world_size} process(es): resume on a process count "
+                f"that divides it ({', '.join(map(str, sizes[:8]))}{', ...' if len(sizes) > 8 else ''})")
+    per_rank = global_batch // world_size
+    pairs = [f"{b} x {per_rank // b}" for b in range(per_rank, 0, -1) if per_rank % b == 0][:6]
+    return (f"Keep it with per_device_train_batch_size x gradient_accumulation_steps = {per_rank}, e.g. "
+            f"{', '.join(pairs)}")
+
+
+class StepRandomness:
+    """Whether the forward and backward of a step draw random numbers on this rank (dropout, random masking inside
+    the model): compares the CPU (and the current CUDA device's) generator state at `begin` and at `end`. Sticky;
+    once seen, nothing more is compared."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._at_begin: list[torch.Tensor] | None = None
+
+    @staticmethod
+    def _states() -> list[torch.Tensor]:
+        states = [torch.get_rng_state()]
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states.append(torch.cuda.get_rng_state())
+        return states
+
+    def begin(self) -> None:
+        if not self.seen:
+            self._at_begin = self._states()
+
+    def end(self) -> None:
+        before, self._at_begin = self._at_begin, None
+        if before is not None and not self.seen:
+            after = self._states()
+            self.seen = len(before) != len(after) or not all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def world_change_note(saved_world: int, world: int, draws_random: bool | None) -> str | None:
+    """What a change of world size does not keep, or `None` when nothing differs (the same world size, or a model
+    whose steps draw no random numbers)."""
+    if saved_world == world or draws_random is False:
+        return None
+    why = "its steps draw random numbers (dropout)" if draws_random else \
+        "the checkpoint does not say whether its steps draw random numbers"
+    return (f"saved by {saved_world} process(es), resumed by {world}, and {why}: each rank draws its own masks, so "
+            "the masks of the resumed run differ from the interrupted one's (the samples of each step do not)")
+
+
+# ---------------------------------------------------------------------------- data position
 def _generator(dataloader: Any) -> torch.Generator | None:
     """The generator that orders the epoch (Accelerate's synchronized one, else the sampler's)."""
     gen = getattr(dataloader, "synchronized_generator", None)

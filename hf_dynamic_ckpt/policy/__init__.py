@@ -1,4 +1,5 @@
-"""Decision policy: when to save (`RulePolicy`), what (`Decision.tiers`), what to keep (retention)."""
+"""Decision policy: when to save (`RulePolicy`, with the optional learned double-check of `learned`), what
+(`Decision.tiers`), what to keep (retention)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ from ..config import OnAnomaly, PolicyParams, SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
 from ..errors import ConfigError
 from ..jsonutil import safe_float as _j
-from ..signals.stats import MAD_TO_STD, Ema, RollingWindow, SignalFrame, linear_fit
+from ..signals import MAD_TO_STD, Ema, RollingWindow, SignalFrame, linear_fit
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
+from .learned import check_factory
 
 logger = logging.getLogger(__name__)
 
@@ -326,10 +327,6 @@ class RulePolicy:
         c = self.config.policy
         self.cooldown = c.capture_cooldown if c.capture_cooldown is not None else c.stability_window
         if double_check is None and c.learned_model is not None:
-            # The core's one import of `extras/` outside the CLI (tests/unit/test_import_rules.py names it): the
-            # documented `learned_model` key names a model file, and only the learned double-check reads one.
-            from ..extras.learned import check_factory
-
             double_check = check_factory(c.learned_model)
         self._new_check = double_check
         self.memory_tier = False

@@ -49,18 +49,19 @@ from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackEr
 from ..export import KEY_MODEL, describe_model
 from ..policy.decision import Decision, DecisionKind
 from ..policy.rules import RollbackRule, RollbackVerdict, RulePolicy, Verdict
-from ..signals.stats import SignalFrame
+from ..sharded import ShardedState, ZeroGradSquares, ZeroState, ZeroUpdateSeam, sources_for
+from ..signals import SignalFrame
 from ..state import (
     RngState,
     StateSources,
     apply_optimizer_state,
     apply_weights,
     capture_raw_rng_state,
+    check_model,
     expected_weights,
     restore_rng_state,
+    zero_optimizer,
 )
-from ..state.sharded import ShardedState, ZeroGradSquares, ZeroState, ZeroUpdateSeam, sources_for, zero_optimizer
-from ..state.sources import check_model
 from ..store import CheckpointInfo, CheckpointStore, Lineage, LoadedCheckpoint, is_url, new_session_id
 from .record import METRIC_PREFIX, SaveEvent, StepLog
 from .resume import (

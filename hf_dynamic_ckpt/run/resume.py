@@ -56,9 +56,8 @@ from ..errors import (
     IncompatibleStateError,
     weights_overwritten,
 )
-from ..state.model import check_weights
-from ..state.optimizer import state_numel_bound
-from ..state.sharded import check_sharding
+from ..sharded import check_sharding
+from ..state import check_weights, state_numel_bound
 from ..store import STATUS_CORRUPT, STATUS_OK, CheckpointInfo, Lineage, LoadedCheckpoint, check_frozen, new_session_id
 from ..store.shard_files import sharded_table
 

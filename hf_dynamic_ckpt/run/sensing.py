@@ -22,8 +22,7 @@ from torch import nn
 
 from .. import distributed as dist
 from ..config import SmartCkptConfig
-from ..signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe
-from ..signals.stats import SignalFrame
+from ..signals import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe, SignalFrame
 
 logger = logging.getLogger(__name__)
 

@@ -401,7 +401,7 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
 def _versions() -> tuple[tuple[str, str], ...]:
     from importlib import metadata
 
-    from .._version import VERSION
+    from ..constants import VERSION
 
     found = {"hf_dynamic_ckpt": VERSION, "python": platform.python_version()}
     for dist in ("torch", "transformers", "accelerate", "peft", "safetensors", "zstandard", "numpy"):

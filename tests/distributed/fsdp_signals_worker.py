@@ -21,7 +21,7 @@ def main(out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hf_dynamic_ckpt.distributed import all_reduce_square_sums
-    from hf_dynamic_ckpt.signals.probes import GradProbe
+    from hf_dynamic_ckpt.signals import GradProbe
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import torch
 
 from hf_dynamic_ckpt import SmartCkptConfig
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.state.sources import SUPPORTED_SETUPS
+from hf_dynamic_ckpt.state import SUPPORTED_SETUPS
 
 SUPPORTED = "Supported setups: a single process; DDP"
 
@@ -78,7 +78,7 @@ def test_an_accelerator_that_counts_one_process_of_several_is_refused(tmp_path: 
 
 
 def test_deepspeed_without_zero_is_refused_for_trainer_too():
-    from hf_dynamic_ckpt.state.sources import check_accelerator
+    from hf_dynamic_ckpt.state import check_accelerator
 
     check_accelerator(_accelerator("DEEPSPEED", deepspeed_plugin=SimpleNamespace(zero_stage=3)), deepspeed=True)
     with pytest.raises(ConfigError) as e:
@@ -123,7 +123,7 @@ def test_fsdp2_plugin_and_ddp_are_not_refused(tmp_path: Path, kind: str, state: 
 
 
 def test_trainer_fsdp_arguments_are_refused_by_version_only():
-    from hf_dynamic_ckpt.state.sources import check_training_args
+    from hf_dynamic_ckpt.state import check_training_args
 
     check_training_args(SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config={"version": 2}))  # no error
     with pytest.raises(ConfigError, match=r"^hf_dynamic_ckpt does not support FSDP version 1 \(TrainingArguments\."
@@ -135,7 +135,7 @@ def test_trainer_fsdp_arguments_are_refused_by_version_only():
 def test_trainer_fsdp_arguments_version_1_refused_version_2_accepted(tmp_path: Path):
     from transformers import TrainingArguments
 
-    from hf_dynamic_ckpt.state.sources import check_training_args
+    from hf_dynamic_ckpt.state import check_training_args
 
     def args(**kw: object) -> TrainingArguments:
         return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], fsdp=True, **kw)

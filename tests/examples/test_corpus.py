@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from examples.corpus import CorpusRun, load_corpus
-from hf_dynamic_ckpt.extras.learned import Granularity
+from hf_dynamic_ckpt.policy.learned import Granularity
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "tests" / "data" / "traces" / "corpus.jsonl.gz"

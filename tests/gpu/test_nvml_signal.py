@@ -9,7 +9,7 @@ import pytest
 import torch
 
 # The one internal import of this check: the probe itself (no public API exposes one reading).
-from hf_dynamic_ckpt.signals.probes import MemoryProbe
+from hf_dynamic_ckpt.signals import MemoryProbe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

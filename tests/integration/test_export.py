@@ -16,9 +16,8 @@ from helpers import save_state
 
 from examples import toy
 from hf_dynamic_ckpt import ConfigError, SmartCkptConfig
-from hf_dynamic_ckpt._version import VERSION
 from hf_dynamic_ckpt.cli import main as cli_main
-from hf_dynamic_ckpt.constants import WEIGHTS_NAME
+from hf_dynamic_ckpt.constants import VERSION, WEIGHTS_NAME
 from hf_dynamic_ckpt.errors import CorruptCheckpointError
 from hf_dynamic_ckpt.export import EXPORT_MARKER, KEY_MODEL, describe_model, export_checkpoint, load_checkpoint
 from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 
 from examples import toy
 from hf_dynamic_ckpt import SmartCheckpointer, SmartCkptConfig
-from hf_dynamic_ckpt.extras.learned import FEATURE_NAMES, MODEL_FORMAT, MODEL_VERSION
+from hf_dynamic_ckpt.policy.learned import FEATURE_NAMES, MODEL_FORMAT, MODEL_VERSION
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The batch a resume on another number of processes trains with (`run.elastic`): kept, refused, or changed on
+"""The batch a resume on another number of processes trains with (`integrations.position`): kept, refused, or changed on
 request, with the exact lines a user reads; and what a change of world size says about random streams."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.errors import ConfigError, GlobalBatchError
-from hf_dynamic_ckpt.run.elastic import (
+from hf_dynamic_ckpt.integrations.position import (
     BatchGeometry,
     StepRandomness,
     plan_batch,

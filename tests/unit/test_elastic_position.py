@@ -15,14 +15,14 @@ from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.errors import GlobalBatchError
 from hf_dynamic_ckpt.integrations.accelerate import apply_elastic, keep_pace, natural_pace
 from hf_dynamic_ckpt.integrations.position import (
+    BatchGeometry,
     ResumableLoader,
     deals_batches,
     order_note,
     per_device_batch,
     rescale_batches_seen,
 )
-from hf_dynamic_ckpt.run.elastic import BatchGeometry
-from hf_dynamic_ckpt.state.rng import capture_rng_state
+from hf_dynamic_ckpt.state import capture_rng_state
 
 
 def test_rescale_keeps_the_position_in_samples_of_the_order() -> None:

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
-from hf_dynamic_ckpt.engine import CachedWeights, OnBusy, SaveEngine, SaveHandle
+from hf_dynamic_ckpt.engine import OnBusy, SaveEngine, SaveHandle
 from hf_dynamic_ckpt.errors import ConfigError, SaveError
-from hf_dynamic_ckpt.state import StateSources
+from hf_dynamic_ckpt.state import CachedWeights, StateSources
 from hf_dynamic_ckpt.store import CheckpointStore, SaveRequest, check_frozen
 from hf_dynamic_ckpt.sysmem import Headroom
 

@@ -22,7 +22,8 @@ from safetensors.numpy import save_file
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.extras.learned import (
+from hf_dynamic_ckpt.policy import MINIMAL_TIERS, DecisionKind, RulePolicy
+from hf_dynamic_ckpt.policy.learned import (
     BUILTIN_PATH,
     CLIP,
     FEATURE_NAMES,
@@ -34,8 +35,7 @@ from hf_dynamic_ckpt.extras.learned import (
     LearnedCheck,
     load_model,
 )
-from hf_dynamic_ckpt.policy import MINIMAL_TIERS, DecisionKind, RulePolicy
-from hf_dynamic_ckpt.signals.stats import SignalFrame
+from hf_dynamic_ckpt.signals import SignalFrame
 
 REPO = Path(__file__).resolve().parents[2]
 H = 32
@@ -211,7 +211,7 @@ def test_builtin_model_file_is_small_safetensors_in_package_data() -> None:
     assert model.hidden == 32 and 0.0 < model.veto_threshold <= 0.05
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
-    assert "extras/decision_model.safetensors" in cfg["options.package_data"]["hf_dynamic_ckpt"]
+    assert "policy/decision_model.safetensors" in cfg["options.package_data"]["hf_dynamic_ckpt"]
 
 
 # ---------------------------------------------------------------------- the role

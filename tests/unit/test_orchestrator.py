@@ -11,8 +11,7 @@ from torch import nn
 
 from hf_dynamic_ckpt import CheckpointNotFoundError, SmartCkptConfig
 from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
-from hf_dynamic_ckpt.state import apply_optimizer_state, fast_forward_scheduler
-from hf_dynamic_ckpt.state.rng import capture_rng_state
+from hf_dynamic_ckpt.state import apply_optimizer_state, capture_rng_state, fast_forward_scheduler
 
 
 class Net(nn.Module):
@@ -220,8 +219,7 @@ def _data_step(ck: RunOrchestrator, model: Net, opt: torch.optim.Optimizer, sche
 
 
 def _resume_into(ck: RunOrchestrator, spec: str, model: Net, opt: torch.optim.Optimizer, sched: object) -> int:
-    from hf_dynamic_ckpt.state import apply_weights
-    from hf_dynamic_ckpt.state.rng import restore_rng_state
+    from hf_dynamic_ckpt.state import apply_weights, restore_rng_state
 
     loaded = ck.resume(spec)
     assert loaded is not None

@@ -14,7 +14,7 @@ import pytest
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.constants import ALL_TIERS, Tier
 from hf_dynamic_ckpt.policy import MINIMAL_TIERS, Decision, DecisionKind, RulePolicy
-from hf_dynamic_ckpt.signals.stats import SignalFrame
+from hf_dynamic_ckpt.signals import SignalFrame
 
 
 def calm(step: int, *, seed: int = 0, scale: float = 1.0, **extra: object) -> SignalFrame:

@@ -19,7 +19,7 @@ import pytest
 from examples.traces import RecordedTrace, inject_anomaly, load_trace, replay_frames
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.policy import Decision, DecisionKind, RulePolicy
-from hf_dynamic_ckpt.signals.stats import SignalFrame
+from hf_dynamic_ckpt.signals import SignalFrame
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 CALM = sorted(TRACES.glob("calm_*.jsonl")) + sorted((TRACES / "early").glob("calm_*.jsonl"))

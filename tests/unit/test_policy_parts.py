@@ -14,7 +14,7 @@ from examples.traces import load_trace, replay_frames
 from hf_dynamic_ckpt.config import SmartCkptConfig
 from hf_dynamic_ckpt.errors import ConfigError
 from hf_dynamic_ckpt.policy import Decision, DecisionKind, RulePolicy
-from hf_dynamic_ckpt.signals.stats import SignalFrame
+from hf_dynamic_ckpt.signals import SignalFrame
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 STATE_V2 = Path(__file__).resolve().parents[1] / "data" / "policy_state_v2.json"

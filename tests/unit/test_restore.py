@@ -31,7 +31,7 @@ from hf_dynamic_ckpt.errors import (
     IncompatibleStateError,
 )
 from hf_dynamic_ckpt.run.resume import plan_resume, read_optimizer_tier
-from hf_dynamic_ckpt.state.model import check_weights
+from hf_dynamic_ckpt.state import check_weights
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, LoadedCheckpoint, frozen_record
 
 FROZEN = "embed.weight"

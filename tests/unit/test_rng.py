@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, FormatVersionError
-from hf_dynamic_ckpt.state.rng import (
+from hf_dynamic_ckpt.state import (
     RNG_FORMAT_VERSION,
     capture_raw_rng_state,
     capture_rng_state,
@@ -102,7 +102,7 @@ def test_cuda_states_without_matching_devices_warn_and_restore_the_rest(caplog: 
     n = (torch.cuda.device_count() if torch.cuda.is_available() else 0) + 1
     state["cuda"] = [fake_cuda] * n
     first = _draw()
-    with caplog.at_level(logging.WARNING, logger="hf_dynamic_ckpt.state.rng"):
+    with caplog.at_level(logging.WARNING, logger="hf_dynamic_ckpt.state"):
         restore_rng_state(state)
     assert f"holds {n} CUDA generator(s)" in caplog.text
     assert _draw()[:9] == first[:9]

@@ -14,8 +14,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_dynamic_ckpt import distributed
 from hf_dynamic_ckpt.errors import DistributedError
-from hf_dynamic_ckpt.signals import Ema, LayerBaselines, RollingWindow, SignalFrame, linear_fit
-from hf_dynamic_ckpt.signals.probes import ClipNormRecorder, GradProbe, LossProbe, MemoryProbe
+from hf_dynamic_ckpt.signals import (
+    ClipNormRecorder,
+    Ema,
+    GradProbe,
+    LayerBaselines,
+    LossProbe,
+    MemoryProbe,
+    RollingWindow,
+    SignalFrame,
+    linear_fit,
+)
 
 
 def tiny_lora_model() -> torch.nn.Module:

@@ -34,7 +34,7 @@ from hf_dynamic_ckpt.errors import (
     FormatVersionError,
     IncompatibleStateError,
 )
-from hf_dynamic_ckpt.state.rng import capture_rng_state, restore_rng_state
+from hf_dynamic_ckpt.state import capture_rng_state, restore_rng_state
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, check_frozen, frozen_record
 
 

@@ -18,7 +18,7 @@ import torch
 
 from hf_dynamic_ckpt.cli import main
 from hf_dynamic_ckpt.constants import TIMELINE_NAME
-from hf_dynamic_ckpt.extras.plot import ROLLBACK_COLOUR, timeline_figure
+from hf_dynamic_ckpt.run.record import ROLLBACK_COLOUR, timeline_figure
 from hf_dynamic_ckpt.store import CheckpointState, CheckpointStore, Lineage, SaveRequest
 
 

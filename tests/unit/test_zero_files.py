@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from hf_dynamic_ckpt.errors import CorruptCheckpointError, IncompatibleStateError
-from hf_dynamic_ckpt.state.sharded import ZeroExpected, check_sharding
+from hf_dynamic_ckpt.sharded import ZeroExpected, check_sharding
 from hf_dynamic_ckpt.store.shard_files import ChunkReader, gather_weights, is_flat, placeholders, sharded_table
 
 

@@ -1,4 +1,4 @@
-"""`state.sharded.ZeroState` on a stand-in for DeepSpeed's ZeRO optimizer (the attributes it reads, as DeepSpeed 0.19.8
+"""`sharded.ZeroState` on a stand-in for DeepSpeed's ZeRO optimizer (the attributes it reads, as DeepSpeed 0.19.8
 has them): what a save stores, what a capture taken inside the engine's step stores, and what a load puts back into
 the partitions, at the same and at another number of ranks. The runs under DeepSpeed itself are in
 tests/distributed/test_deepspeed*.py."""
@@ -14,7 +14,7 @@ import torch
 
 from hf_dynamic_ckpt.constants import KEY_RANK_CHUNKS, SHARDED_FORMAT
 from hf_dynamic_ckpt.errors import ConfigError
-from hf_dynamic_ckpt.state.sharded import ZeroGradSquares, ZeroState
+from hf_dynamic_ckpt.sharded import ZeroGradSquares, ZeroState
 from hf_dynamic_ckpt.store import CheckpointState
 from hf_dynamic_ckpt.store.shard_files import write_shards
 

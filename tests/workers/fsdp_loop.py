@@ -147,7 +147,7 @@ def dcp_save(model, optimizer, scheduler, ckpt, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hf_dynamic_ckpt.state.rng import capture_rng_state
+    from hf_dynamic_ckpt.state import capture_rng_state
 
     inner = getattr(optimizer, "optimizer", optimizer)
     msd, osd = get_state_dict(model, inner)

@@ -34,42 +34,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..constants import ALL_TIERS, KEY_SHARDED, SHARD_OPTIMIZER_KEY, Tier
-from ..constants import SHARD_PART_OPTIMIZER as OPTIMIZER
-from ..constants import SHARD_PART_WEIGHTS as WEIGHTS
-from ..errors import ConfigError, IncompatibleStateError, SaveError
-from ..store import LoadedCheckpoint
-from ..store.shard_files import ChunkReader, is_flat, sharded_table
-from .model import trainable_state_dict
-from .sources import CachedWeights, StateSources, check_zero
+from .constants import ALL_TIERS, KEY_SHARDED, SHARD_OPTIMIZER_KEY, Tier
+from .constants import SHARD_PART_OPTIMIZER as OPTIMIZER
+from .constants import SHARD_PART_WEIGHTS as WEIGHTS
+from .errors import ConfigError, IncompatibleStateError, SaveError
+from .state import CachedWeights, StateSources, check_zero, is_dtensor, trainable_state_dict, zero_optimizer
+from .store import LoadedCheckpoint
+from .store.shard_files import ChunkReader, is_flat, sharded_table
 
 MASTER = "master"
 """Name of the fp32 master weights among a ZeRO parameter's optimizer state (`state.<fqn>.master`)."""
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
-def _is_dtensor(t: object) -> bool:
-    return hasattr(t, "__create_chunk_list__")  # DCP's own test of a DTensor
-
-
 def is_sharded_model(model: nn.Module) -> bool:
     """Whether `model` holds `DTensor` parameters (FSDP2 `fully_shard`, or any DTensor parallelism)."""
-    return any(_is_dtensor(p) for p in model.parameters())
-
-
-def zero_optimizer(optimizer: Any) -> Any | None:
-    """The DeepSpeed ZeRO optimizer inside `optimizer` (an Accelerate wrapper is unwrapped), or `None`."""
-    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
-        if hasattr(candidate, "single_partition_of_fp32_groups") or hasattr(candidate, "fp32_partitioned_groups_flat"):
-            return candidate
-    return None
-
-
-def sharded_optimizer(optimizer: Any) -> bool:
-    """Whether `optimizer`'s state is put back by the sharded load (`ShardedState.load`, `ZeroState.load`), not by its
-    `load_state_dict`: a ZeRO optimizer, or one of `DTensor` parameters."""
-    return zero_optimizer(optimizer) is not None or any(
-        _is_dtensor(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"])
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def _state_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -110,7 +90,7 @@ def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str
             f"step {step} was saved {where} and this run {'trains under ZeRO' if zero else 'does not'}: resume it "
             "in the set-up that saved it (any ZeRO stage and number of processes for a ZeRO checkpoint), or export "
             "its weights (`hf-dynamic-ckpt export`) and start a new run from them.")
-    live = any(_is_dtensor(v) for v in expected.values())
+    live = any(is_dtensor(v) for v in expected.values())
     if not zero and table is not None and not live:
         raise IncompatibleStateError(
             f"step {step} was saved sharded (FSDP2: one file of shards per rank) and this model is not sharded: "
@@ -123,7 +103,7 @@ def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if _is_dtensor(t) else t).detach()  # type: ignore[attr-defined]
+    return (t.to_local() if is_dtensor(t) else t).detach()  # type: ignore[attr-defined]
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -202,7 +182,7 @@ class ShardedState:
             return cached[2]
         local = _local(t)
         offset, size = [0] * t.dim(), list(t.shape)
-        if _is_dtensor(t):
+        if is_dtensor(t):
             (chunk,) = t.__create_chunk_list__()  # type: ignore[attr-defined]
             offset, size = [int(o) for o in chunk.offsets], [int(s) for s in chunk.sizes]
             if size != list(local.shape):

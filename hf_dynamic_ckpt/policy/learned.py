@@ -10,8 +10,8 @@ granularity is taken. `docs/decision_model.md` defines the 12 features, the data
 
 The model file is safetensors only (never a pickle): `decision_model.safetensors` here for
 ``learned_model="builtin"``, written by `scripts/train_decision_model.py`. Inference is numpy (float64, a few
-small matrix-vector products per step). The policy knows this module only as a `policy.rules.DoubleCheck`:
-`RulePolicy` imports `check_factory` when `learned_model` is set, and nothing else of the core imports it.
+small matrix-vector products per step). The policy knows it only as a `policy.rules.DoubleCheck`, made by
+`check_factory` when `learned_model` is set.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import numpy as np
 from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
-from ..policy.decision import MINIMAL_TIERS, Decision, DecisionKind
-from ..signals.stats import RollingWindow, SignalFrame, linear_fit
+from ..signals import RollingWindow, SignalFrame, linear_fit
+from .decision import MINIMAL_TIERS, Decision, DecisionKind
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,657 @@
+"""A training run's live objects turned into a checkpoint's state, and back, on one process (`sharded` does it for
+partitioned state).
+
+- What a save reads: `StateSources`, `CachedWeights`. The engine only reads these; what they return aliases live
+  tensors, which a snapshot copies.
+- L0: `trainable_state_dict` is what the weights tier stores (a PEFT model's adapters only, under PEFT's key names;
+  every other model's full state dict); `apply_weights` is its inverse, after `check_weights` has compared names and
+  shapes with the live model.
+- L1: `apply_optimizer_state` puts optimizer, LR-scheduler and AMP-scaler state back into the live objects.
+- L2: the exact RNG state of one rank (Python's `random`, NumPy's global legacy `RandomState`, torch's CPU generator,
+  and every CUDA device's generator when CUDA is initialised) as versioned plain JSON (lists of ints, base64 for
+  torch's byte states), so a checkpoint's `rng-rank<R>.json` needs no pickle and restores the generators bit-exactly.
+- Which parallel setups a save can be trusted in, checked once at `attach` (never a silent wrong save). Supported: a
+  single process, DDP (every rank holds the whole model; rank 0 writes it), FSDP2 (`fully_shard`: every parameter is
+  a `DTensor`; every rank writes its own shards) and DeepSpeed ZeRO stages 1-3 (every rank writes its fragments of
+  the partitioned state), both in `sharded`. Refused with a `ConfigError` that names these: DeepSpeed without ZeRO
+  (stage 0: its mixed-precision optimizers keep master weights this library does not read), the `save_state` hooks
+  under DeepSpeed (`save_state` runs DeepSpeed's own pickled save whatever a hook does), a DeepSpeedEngine handed
+  over as the model (pass `engine.module`), and FSDP1 (`FullyShardedDataParallel` flat parameters hold one rank's
+  slice of many tensors; a save from here would store rank 0's slice as if it were the model). Under ZeRO
+  (`check_zero`): NVMe offload (the moments are not in memory) and ZeRO-3's partial optimizer offload (a second
+  optimizer holds part of the state).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+import operator
+import random
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .constants import ADAPTER_KEY_SEP
+from .errors import ConfigError, CorruptCheckpointError, FormatVersionError, IncompatibleStateError
+from .store import LoadedCheckpoint
+
+logger = logging.getLogger(__name__)
+
+_MAX_LISTED_KEYS = 10
+RNG_FORMAT_VERSION = 1
+"""Version of the JSON written by `capture_rng_state`; readers refuse newer versions."""
+_data_ptr = torch.Tensor.data_ptr
+
+
+# ---------------------------------------------------------------------------- what a save reads
+@dataclass
+class StateSources:
+    """The live objects a save copies from. The engine only reads them.
+
+    Args:
+        weights (`Callable[[], Mapping[str, torch.Tensor]]`, *optional*): returns the L0
+            tensors under their saved names, e.g. `model.state_dict` or a PEFT adapter dict.
+        frozen_keys (`frozenset[str]`, *optional*): weight names that never change between
+            saves (frozen base weights): the engine neither copies nor writes them.
+        optimizer (`torch.optim.Optimizer`, *optional*): L1; its `state_dict()` aliases live
+            tensors, which the snapshot copies.
+        scheduler (*optional*): object with `state_dict()` (LR scheduler), L1.
+        scaler (*optional*): object with `state_dict()` (AMP `GradScaler`), L1.
+        sampler (`Callable[[], dict]`, *optional*): JSON-able data position, L2.
+
+    Example:
+        ```python
+        >>> sources = StateSources(weights=model.state_dict, optimizer=optimizer)
+        ```
+    """
+
+    weights: Callable[[], Mapping[str, torch.Tensor]] | None = None
+    frozen_keys: frozenset[str] = frozenset()
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any | None = None
+    scaler: Any | None = None
+    sampler: Callable[[], dict[str, Any]] | None = None
+
+
+class CachedWeights:
+    """A `StateSources.weights` callable that builds its mapping once and reuses it.
+
+    `model.state_dict()` and `peft.get_peft_model_state_dict(model)` walk every module on
+    each call (tens of milliseconds on a 60M-parameter model, more than the copy of a LoRA
+    adapter). Their tensors alias the live parameters, so the mapping stays valid while no
+    parameter or buffer is replaced; that is checked on every call (storage pointer, shape,
+    dtype of each), and the mapping is rebuilt when something changed (`model.to(...)`,
+    a re-assigned parameter, a resized embedding).
+
+    Args:
+        model (`torch.nn.Module`): the model whose parameters the mapping aliases.
+        fn (`Callable[[], Mapping[str, torch.Tensor]]`): builds the mapping, e.g.
+            `model.state_dict` or `lambda: get_peft_model_state_dict(model)`.
+
+    Example:
+        ```python
+        >>> sources = StateSources(weights=CachedWeights(model, model.state_dict), optimizer=optimizer)
+        ```
+    """
+
+    def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self._model = model
+        self._fn = fn
+        self._slots: tuple[list[dict[str, Any]], list[str], list[Any]] = ([], [], [])
+        self._aliased: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._tables: list[dict[str, Any]] = []
+        self._sizes: list[int] = []
+        self._cache: dict[str, torch.Tensor] | None = None
+
+    def _record(self) -> None:
+        # Flat lists compared in C (`map`) per save: no module traversal (a PEFT model is deep). Every
+        # module and parameter/buffer slot is checked by identity; the data pointer only of the tensors
+        # the mapping aliases (a `.data =` elsewhere, e.g. on a frozen base weight, leaves it valid).
+        held = {t.data_ptr() for t in (self._cache or {}).values() if isinstance(t, torch.Tensor)}
+        tables: list[dict[str, Any]] = []
+        names: list[str] = []
+        objs: list[Any] = []
+        self._aliased, self._ptrs, self._tables = [], [], []
+        for module in self._model.modules():
+            for table in (module._modules, module._parameters, module._buffers):
+                self._tables.append(table)
+                for name, obj in table.items():  # `None` slots too: a tensor set in one later is noticed
+                    tables.append(table)
+                    names.append(name)
+                    objs.append(obj)
+                    if isinstance(obj, torch.Tensor) and obj.data_ptr() in held:
+                        self._aliased.append(obj)
+                        self._ptrs.append(obj.data_ptr())
+        self._slots = (tables, names, objs)
+        self._sizes = list(map(len, self._tables))  # a slot added anywhere
+
+    def _valid(self) -> bool:
+        tables, names, objs = self._slots
+        return (list(map(len, self._tables)) == self._sizes
+                and all(map(operator.is_, map(dict.get, tables, names), objs))
+                and list(map(_data_ptr, self._aliased)) == self._ptrs)
+
+    def __call__(self) -> Mapping[str, torch.Tensor]:
+        if self._cache is None or not self._valid():
+            self._cache = dict(self._fn())
+            self._record()
+        return self._cache
+
+
+# ---------------------------------------------------------------------------- L0: the model's weights
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether `model` is a PEFT model (adapter-only checkpoints)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """The PEFT adapters of `model` in a stable order (the active one first); `[]` for other models."""
+    if not is_peft_model(model):
+        return []
+    names = list(getattr(model, "peft_config", {}) or {})
+    active = getattr(model, "active_adapter", None)
+    if isinstance(active, str) and active in names:
+        names.remove(active)
+        names.insert(0, active)
+    return names
+
+
+def adapter_key(adapter: str, key: str) -> str:
+    """The L0 name of a PEFT key of `adapter` in a model with several adapters."""
+    return f"{adapter}{ADAPTER_KEY_SEP}{key}"
+
+
+def split_adapters(weights: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Inverse of `trainable_state_dict` for a PEFT model: `{adapter: {peft key: tensor}}`.
+
+    Keys without an adapter prefix belong to the only adapter (models with one adapter keep
+    PEFT's own key names, byte-identical with its ``adapter_model.safetensors``).
+    """
+    if len(names) <= 1:
+        return {names[0] if names else "default": dict(weights)}
+    out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
+    for key, tensor in weights.items():
+        adapter, sep, rest = key.partition(ADAPTER_KEY_SEP)
+        if not sep or adapter not in out:
+            raise IncompatibleStateError(
+                f"saved weight {key!r} names no adapter of the model (adapters: {', '.join(names)}); resume with the "
+                "adapters the checkpoint was saved with."
+            )
+        out[adapter][rest] = tensor
+    return out
+
+
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What L0 holds: a PEFT model's adapters only, else the full state dict.
+
+    A PEFT model with one adapter (whatever its name) is stored under PEFT's key names; with
+    several, every adapter, active or not, is stored under ``"<adapter>::<PEFT key>"``.
+    The tensors alias the live parameters; the engine copies them.
+    """
+    names = adapter_names(model)
+    if not names:
+        return dict(model.state_dict())
+    from peft import get_peft_model_state_dict
+
+    if len(names) == 1:
+        return dict(get_peft_model_state_dict(model, adapter_name=names[0]))
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        out.update({adapter_key(name, k): v for k, v in get_peft_model_state_dict(model, adapter_name=name).items()})
+    return out
+
+
+def own_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state-dict entries of a model without adapters that are a CPU parameter's or buffer's own memory: what
+    a resume can read the weights file straight into (`plan_resume(into=...)`); empty for a PEFT model (its
+    adapters go through PEFT's setter) or a model on another device. A state-dict hook that hands out converted
+    copies leaves those keys out: reading into them would not change the model."""
+    if adapter_names(model):
+        return {}
+    own = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel() and t.device.type == "cpu"}
+    return {k: t for k, t in model.state_dict().items() if t.data_ptr() in own}
+
+
+def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
+    """State-dict keys of parameters that do not train (stored once, content-addressed)."""
+    if is_peft_model(model):
+        return frozenset()
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    named = dict(model.named_parameters())
+    return frozenset(k for k in model.state_dict() if k in named and id(named[k]) not in trainable)
+
+
+def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy saved L0 tensors into the live model in place (after `check_weights`).
+
+    Raises:
+        `IncompatibleStateError`: names or shapes do not match the model.
+    """
+    names = adapter_names(model)
+    check_weights(weights, expected_weights(model))
+    if names:
+        from peft import set_peft_model_state_dict
+
+        for adapter, state in split_adapters(weights, names).items():
+            set_peft_model_state_dict(model, state, adapter_name=adapter)
+        return
+    model.load_state_dict(dict(weights), strict=False)
+
+
+def expected_weights(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """`trainable_state_dict(model)` for `check_weights`, buffers checked by name only.
+
+    A module may resize a buffer when it loads a state dict (Trainer loads with
+    `load_state_dict(strict=False)`, which lets it); parameters must keep their shapes.
+    """
+    out: dict[str, torch.Tensor | None] = dict(trainable_state_dict(model))
+    if not adapter_names(model):
+        for name, _ in model.named_buffers():
+            if name in out:
+                out[name] = None
+    return out
+
+
+def _fmt_keys(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
+    return shown + (f", ... and {len(keys) - _MAX_LISTED_KEYS} more" if len(keys) > _MAX_LISTED_KEYS else "")
+
+
+def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]) -> None:
+    """Check that saved weights fit a model's state dict, by key names and shapes.
+
+    Args:
+        saved (`Mapping[str, torch.Tensor]`): weights read from a checkpoint.
+        expected (`Mapping[str, torch.Tensor | None]`): what the model holds (e.g. `model.state_dict()`,
+            the PEFT adapter dict, or `expected_weights(model)`); a `None` entry is checked by name only.
+
+    Raises:
+        `IncompatibleStateError`: with the message
+
+            ``saved weights do not fit the model: <parts>. Resume with the model (and adapter)
+            configuration the checkpoint was saved from.``
+
+            where ``<parts>`` joins with ``"; "`` the non-empty ones of
+            ``missing from the checkpoint (N): k1, k2``,
+            ``unexpected in the checkpoint (N): k3`` and
+            ``shape mismatch (N): k4 saved [2, 3] vs model [2, 4]``; keys are sorted and at
+            most 10 are listed per part (``..., ... and M more``).
+
+    Example:
+        ```python
+        >>> check_weights({"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)})
+        IncompatibleStateError: saved weights do not fit the model: shape mismatch (1): w saved [2, 3] vs model
+        [2, 4]. ...
+        ```
+    """
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    mismatched = sorted(k for k in set(saved) & set(expected)
+                        if expected[k] is not None and tuple(saved[k].shape) != tuple(expected[k].shape))
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint ({len(missing)}): {_fmt_keys(missing)}")
+    if unexpected:
+        parts.append(f"unexpected in the checkpoint ({len(unexpected)}): {_fmt_keys(unexpected)}")
+    if mismatched:
+        shown = [f"{k} saved {list(saved[k].shape)} vs model {list(expected[k].shape)}" for k in mismatched]
+        parts.append(f"shape mismatch ({len(mismatched)}): {_fmt_keys(shown)}")
+    if parts:
+        raise IncompatibleStateError(
+            "saved weights do not fit the model: " + "; ".join(parts)
+            + ". Resume with the model (and adapter) configuration the checkpoint was saved from."
+        )
+
+
+# ---------------------------------------------------------------------------- L1: optimizer, scheduler, scaler
+def is_dtensor(t: object) -> bool:
+    return hasattr(t, "__create_chunk_list__")  # DCP's own test of a DTensor
+
+
+def zero_optimizer(optimizer: Any) -> Any | None:
+    """The DeepSpeed ZeRO optimizer inside `optimizer` (an Accelerate wrapper is unwrapped), or `None`."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if hasattr(candidate, "single_partition_of_fp32_groups") or hasattr(candidate, "fp32_partitioned_groups_flat"):
+            return candidate
+    return None
+
+
+def sharded_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer`'s state is put back by the sharded load (`ShardedState.load`, `ZeroState.load`), not by its
+    `load_state_dict`: a ZeRO optimizer, or one of `DTensor` parameters."""
+    return zero_optimizer(optimizer) is not None or any(
+        is_dtensor(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"])
+
+
+def state_numel_bound(params: Iterable[torch.Tensor | None]) -> int | None:
+    """The most elements one optimizer-state tensor of these parameters can hold, or `None` if none is known.
+
+    A parameter's own count covers element-wise state (Adam's moments, 8-bit states) and factored state
+    (Adafactor's row and column statistics); the square of its largest dimension covers a full-matrix
+    preconditioner (Shampoo). An L1 file declaring more cannot belong to this model, and is refused before
+    its tensors are allocated (`CheckpointStore.load(l1_max_numel=...)`).
+    """
+    bound = 0
+    for p in params:
+        if p is None:
+            continue
+        shape = tuple(p.shape)
+        bound = max(bound, math.prod(shape), max(shape, default=1) ** 2)
+    return bound or None
+
+
+def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, scheduler: Any | None,
+                          scaler: Any | None = None) -> None:
+    """Load L1 straight into the live optimizer / scheduler / scaler (no intermediate files).
+
+    When L1 was lost (`loaded.optimizer is None`), the optimizer stays fresh and the
+    scheduler is moved to the checkpoint's step so the learning-rate schedule continues
+    where it was; a warning says so. A sharded optimizer's L1 (FSDP2, DeepSpeed ZeRO) is read into its
+    shards by the sharded load (`sharded_optimizer`), not here.
+    """
+    step = loaded.info.step
+    if loaded.optimizer is not None and optimizer is not None:
+        if not sharded_optimizer(optimizer):
+            optimizer.load_state_dict(loaded.optimizer)
+    elif optimizer is not None:
+        msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "
+               "weights with a fresh optimizer (moments reset)")
+        if not any("optimizer state" in w for w in loaded.warnings):  # restore already said it otherwise
+            logger.warning(msg)
+        warnings.warn(msg, stacklevel=2)
+    if scheduler is not None:
+        if loaded.scheduler is not None:
+            scheduler.load_state_dict(loaded.scheduler)
+            if loaded.optimizer is None and optimizer is not None:
+                # A fresh optimizer still holds the schedule's initial rates: set the saved step's.
+                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                    group["lr"] = lr
+        else:
+            fast_forward_scheduler(scheduler, step)
+            logger.warning("resume from step %d: LR scheduler state not saved; schedule moved to step %d", step, step)
+    if scaler is not None and loaded.scaler is not None:
+        scaler.load_state_dict(loaded.scaler)
+
+
+def fast_forward_scheduler(scheduler: Any, step: int) -> None:
+    """Put a fresh LR scheduler at `step` (its optimizer's learning rates follow)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            # Closed form: every transformers schedule is a LambdaLR, O(1) for any step.
+            scheduler.last_epoch = step - 1
+            scheduler._step_count = step
+            scheduler.step()
+            return
+        for _ in range(step):
+            scheduler.step()
+
+
+# ---------------------------------------------------------------------------- L2: RNG
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8).clone()
+
+
+@dataclass(frozen=True, eq=False)
+class RawRngState:
+    """The generators' states as captured, before their conversion to JSON (`to_json`).
+
+    Every field is a copy the generators no longer touch (`random.getstate()`'s tuple,
+    NumPy's state dict with its own key array, torch's state tensors), so a later draw
+    cannot change it. Snapshots and the per-step boundary capture of the integrations keep
+    this form and the writer converts it (625 + 624 ints to lists, ~5 KB to base64), off the
+    training thread: on the 2-core CI machine a JSON capture took 0.13 ms warm / 0.20 ms with
+    cold caches, this one 0.09 / 0.14 (NumPy's `get_state` alone is ~0.04).
+    """
+
+    python: tuple[Any, ...]
+    numpy: Any
+    torch_cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...] | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The state in `capture_rng_state`'s JSON-able form."""
+        version, internal, gauss_next = self.python
+        st: Any = self.numpy
+        if isinstance(st, dict) and st.get("bit_generator") == "MT19937":
+            # The dict form and `tolist()` take ~0.1 ms, the legacy tuple and a per-element int() ~0.4 ms.
+            kind, keys, pos = "MT19937", st["state"]["key"], st["state"]["pos"]
+            has_gauss, cached_gaussian = st["has_gauss"], st["gauss"]
+        else:  # a replaced global bit generator: the legacy form says what it can
+            kind, keys, pos, has_gauss, cached_gaussian = st
+        return {
+            "format_version": RNG_FORMAT_VERSION,
+            "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+            "numpy": {"kind": kind, "keys": np.asarray(keys).tolist(), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+            "torch_cpu": _b64(self.torch_cpu),
+            "cuda": [_b64(t) for t in self.cuda] if self.cuda is not None else None,
+        }
+
+
+RngState = dict[str, Any] | RawRngState
+"""An RNG state as saves take it: JSON-able (`capture_rng_state`) or raw (`capture_raw_rng_state`)."""
+
+
+def capture_raw_rng_state() -> RawRngState:
+    """This process's RNG states, captured now and converted to JSON later (`RawRngState.to_json`)."""
+    st: Any = np.random.get_state(legacy=False)
+    if not (isinstance(st, dict) and st.get("bit_generator") == "MT19937"):
+        st = np.random.get_state(legacy=True)
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = tuple(torch.cuda.get_rng_state_all())
+    return RawRngState(python=random.getstate(), numpy=st, torch_cpu=torch.get_rng_state(), cuda=cuda)
+
+
+def rng_json(state: RawRngState | dict[str, Any] | None) -> dict[str, Any] | None:
+    """`state` in JSON-able form (a `RawRngState` converted; a dict or `None` as it is)."""
+    return state.to_json() if isinstance(state, RawRngState) else state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Captures this process's RNG states in JSON-able form.
+
+    Returns:
+        `dict[str, Any]`: `{"format_version", "python", "numpy", "torch_cpu", "cuda"}`;
+        `"cuda"` is a list with one base64 state per device, or `None` when CUDA is not
+        available or not initialised (capturing would initialise it).
+
+    Example:
+    ```python
+    >>> state = capture_rng_state()
+    >>> a = torch.rand(3)
+    >>> restore_rng_state(state)
+    >>> torch.equal(a, torch.rand(3))
+    True
+    ```
+    """
+    return capture_raw_rng_state().to_json()
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restores RNG states captured by `capture_rng_state` (after a JSON round trip).
+
+    CUDA states are restored when CUDA is available and the number of devices matches;
+    otherwise a warning is logged and the CUDA generators are left alone.
+
+    Args:
+        state (`dict[str, Any]`): the captured state.
+
+    Raises:
+        `FormatVersionError`: the state was written by a newer format version.
+        `CorruptCheckpointError`: a field is missing or malformed.
+    """
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if not isinstance(version, int):
+        raise CorruptCheckpointError(f"RNG state has no integer format_version (got {version!r}); the file is corrupt.")
+    if version > RNG_FORMAT_VERSION:
+        raise FormatVersionError(
+            f"RNG state has format_version {version}, newer than this library's {RNG_FORMAT_VERSION}; "
+            "upgrade hf_dynamic_ckpt to resume from it."
+        )
+    try:
+        py = state["python"]
+        py_state = (int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"])
+        npst = state["numpy"]
+        np_state = (str(npst["kind"]), np.asarray(npst["keys"], dtype=np.uint32), int(npst["pos"]),
+                    int(npst["has_gauss"]), float(npst["cached_gaussian"]))
+        torch_cpu = _unb64(state["torch_cpu"])
+        cuda = state.get("cuda")
+        cuda_states = [_unb64(s) for s in cuda] if cuda else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"RNG state is malformed ({type(e).__name__}: {e}); the file is corrupt.") from e
+    previous = (random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state())
+    try:
+        torch.set_rng_state(torch_cpu)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    except (TypeError, ValueError, IndexError, RuntimeError) as e:
+        # All or nothing: a half-restored set of generators would silently break exactness.
+        random.setstate(previous[0])
+        np.random.set_state(previous[1])
+        torch.set_rng_state(previous[2])
+        raise CorruptCheckpointError(f"RNG state was rejected by its generator ({e}); the file is corrupt.") from e
+    if cuda_states:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
+            torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            logger.warning("RNG state holds %d CUDA generator(s) but %d CUDA device(s) are visible; "
+                           "CUDA generators not restored, GPU randomness will differ.", len(cuda_states), have)
+
+
+# ---------------------------------------------------------------------------- supported parallel setups
+SUPPORTED_SETUPS = (
+    "a single process; DDP (torchrun / `accelerate launch --multi_gpu`, Trainer on several processes); "
+    "FSDP2 (`torch.distributed.fsdp.fully_shard`, or Accelerate's FSDP plugin with fsdp_version=2), with "
+    "`SmartCheckpointer` or the `RunOrchestrator` core; DeepSpeed ZeRO stages 1-3 under Trainer or "
+    "`SmartCheckpointer`"
+)
+"""The setups named by every refusal (see docs/fsdp.md)."""
+
+
+def _refuse(what: str, why: str, fix: str) -> ConfigError:
+    return ConfigError(f"hf_dynamic_ckpt does not support {what}: {why}. Supported setups: {SUPPORTED_SETUPS}. {fix}")
+
+
+_STAGE0_WHY = ("without ZeRO the engine's mixed-precision optimizer keeps the fp32 master weights in a form this "
+               "library does not read, and a save from here would miss them")
+_STAGE0_FIX = "Use ZeRO stage 1, 2 or 3 (zero_optimization.stage), which are supported."
+_FSDP1_WHY = ("its flat parameters hold one rank's slice of many tensors, and a save from here would store rank 0's "
+              "slice as if it were the model")
+_FSDP1_FIX = ("Use FSDP2: `fully_shard(module)` (torch >= 2.6), Accelerate's `FullyShardedDataParallelPlugin("
+              "fsdp_version=2)`, or Trainer's `fsdp_config={'version': 2}`.")
+
+
+def _accelerator_type(accelerator: Any) -> str:
+    state = getattr(accelerator, "state", None)
+    kind = getattr(accelerator, "distributed_type", None) or getattr(state, "distributed_type", None)
+    return str(getattr(kind, "value", kind) or "").upper()
+
+
+def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
+    """Refuse an `Accelerator` set up for DeepSpeed without ZeRO (or for DeepSpeed at all unless `deepspeed`: the
+    `save_state` hooks cannot work under it, Trainer and `SmartCheckpointer` do), or for FSDP version 1.
+
+    Raises:
+        `ConfigError`: naming the detected setup and the supported ones.
+    """
+    if accelerator is None:
+        return
+    kind = _accelerator_type(accelerator)
+    state = getattr(accelerator, "state", None)
+    plugin = getattr(state, "deepspeed_plugin", None) or getattr(accelerator, "deepspeed_plugin", None)
+    if kind == "DEEPSPEED" or plugin is not None:
+        stage = getattr(plugin, "zero_stage", None)
+        if not deepspeed:
+            raise _refuse("DeepSpeed with the save_state hooks (SmartStateHooks)",
+                          "under DeepSpeed, accelerator.save_state runs DeepSpeed's own save_checkpoint (pickles, "
+                          "every rank waits) and load_state its load_checkpoint, whatever a hook does",
+                          "In a custom loop use SmartCheckpointer (its saves, save_now() and resume(); "
+                          "docs/deepspeed.md), or Trainer with SmartCkptCallback.")
+        if stage not in (1, 2, 3):
+            raise _refuse(f"DeepSpeed without ZeRO (zero_optimization.stage={stage})", _STAGE0_WHY, _STAGE0_FIX)
+    if kind == "FSDP":
+        plugin = getattr(state, "fsdp_plugin", None) or getattr(accelerator, "fsdp_plugin", None)
+        version = getattr(plugin, "fsdp_version", 1)
+        if version != 2:
+            raise _refuse(f"FSDP version {version} (Accelerate's FSDP plugin)", _FSDP1_WHY, _FSDP1_FIX)
+
+
+def check_training_args(args: Any) -> None:
+    """Refuse `TrainingArguments` with FSDP version 1 (`fsdp=...` without version 2); DeepSpeed is checked on the
+    accelerator Trainer builds from them (`check_accelerator`).
+
+    Raises:
+        `ConfigError`: naming the detected setup and the supported ones.
+    """
+    if args is None:
+        return
+    fsdp = getattr(args, "fsdp", None)
+    if fsdp:
+        config = getattr(args, "fsdp_config", None) or {}
+        default = _trainer_fsdp_default()
+        version = config.get("version", config.get("fsdp_version", default)) if isinstance(config, dict) else default
+        if str(version) != "2":
+            raise _refuse(f"FSDP version {version} (TrainingArguments.fsdp={fsdp!r})", _FSDP1_WHY, _FSDP1_FIX)
+
+
+def _trainer_fsdp_default() -> int:
+    """The FSDP version Trainer uses without `fsdp_config["version"]`: 2 from transformers 5, else 1."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover
+        return 1
+    return 2 if int(transformers.__version__.split(".")[0]) >= 5 else 1
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse a DeepSpeedEngine as the model (its `module` is the model), and FSDP1 (`FullyShardedDataParallel`
+    anywhere inside).
+
+    Raises:
+        `ConfigError`: naming the detected wrapper and the supported setups.
+    """
+    for module in model.modules():
+        name = type(module).__name__
+        if name == "DeepSpeedEngine":
+            raise ConfigError("the model given is a DeepSpeedEngine: pass the model it trains (engine.module) and the "
+                              "engine's optimizer; hf_dynamic_ckpt reads the ZeRO partitions from the optimizer.")
+        if name == "FullyShardedDataParallel":
+            raise _refuse("FSDP version 1 (the model contains a FullyShardedDataParallel module)", _FSDP1_WHY,
+                          _FSDP1_FIX)
+
+
+def check_zero(zero: Any) -> None:
+    """Refuse the DeepSpeed ZeRO set-ups a save cannot read: NVMe offload, ZeRO-3's partial optimizer offload.
+
+    Raises:
+        `ConfigError`: naming the setting and the way out.
+    """
+    if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False) \
+            or getattr(zero, "optimizer_swapper", None) is not None:
+        raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO with NVMe offload (offload_optimizer / "
+                          "offload_param device 'nvme'): the optimizer state is not in memory for a save to read. "
+                          "Offload to 'cpu' (supported) or keep the state on the device.")
+    if getattr(zero, "offload_optimizer", False) and getattr(zero, "partial_offload", 1.0) != 1.0:
+        raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO-3 with partial optimizer offload "
+                          f"(offload_optimizer.ratio={zero.partial_offload}): the state of the sub-groups kept on the "
+                          "device lives in a second optimizer this library does not read. Offload all of it (ratio 1) "
+                          "or none.")
