@@ -244,9 +244,9 @@ class RunOrchestrator:
             position (`Callable`, *optional*): the `(step, epoch)` that `pre_update` would be given, readable while
                 the step runs. Under DeepSpeed ZeRO the engine applies the update inside `backward`, before the
                 loop's `pre_update`: with `position`, `pre_update` runs inside the engine's step, before the first
-                partition is updated (`state.sharded.ZeroUpdateSeam`), and the loop's call returns its decision.
+                partition is updated (`sharded.ZeroUpdateSeam`), and the loop's call returns its decision.
         """
-        check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (state.sources)
+        check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (`state.check_model`)
         if self.config.policy.skip_bad_update and zero_optimizer(optimizer) is not None:
             raise ConfigError("policy.skip_bad_update is not supported under DeepSpeed ZeRO: the engine applies the "
                               "update inside backward, and skipping it would mean dropping its partitions' gradients "
@@ -742,7 +742,7 @@ class RunOrchestrator:
 
         Checkpoints of the run that went past the restore point become *abandoned* (kept, restorable
         by `step:N`, never chosen by `auto`), never deleted. A sharded (FSDP2, ZeRO) model reads its shards
-        right after the plan (`state.sharded`). `background_optimizer`: read L1 in a thread, then
+        right after the plan (`sharded`). `background_optimizer`: read L1 in a thread, then
         `complete_resume(loaded)`.
 
         Args:

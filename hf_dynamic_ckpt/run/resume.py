@@ -224,7 +224,7 @@ def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int,
     damaged or foreign tier (`OptimizerOutcome.lost` says why, and the scheduler is salvaged when it can be).
 
     `max_numel`: the largest optimizer-state tensor the model's parameters can have; a larger one is refused
-    before it is allocated (`state.optimizer.state_numel_bound`). `mmap=False` copies an uncompressed tier
+    before it is allocated (`state.state_numel_bound`). `mmap=False` copies an uncompressed tier
     now (the background read: mapped, the first update would take a copy-on-write fault per page of the
     moments it writes, on the training thread); `True` maps it privately."""
     if Tier.OPTIMIZER not in info.tiers:
