@@ -524,7 +524,7 @@ class CheckpointStore:
 
     def _by_step(self, step: int) -> CheckpointInfo:
         self.sync_catalog()
-        row = self.catalog.get(self.task_id, step)
+        row = next((r for r in self.catalog.rows(self.task_id) if r["step"] == step), None)
         if row is not None and row["status"] != mf.STATUS_MISSING:
             return Catalog.to_info(row, root=self.root, abandoned=(step, float(row["save_time"])) in self._abandoned())
         removed = self.removed().get(step)
