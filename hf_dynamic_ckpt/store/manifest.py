@@ -25,7 +25,6 @@ import os
 import platform
 import re
 import stat
-import time
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .. import constants as C
 from ..constants import Tier
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError, UnsafePathError
-from ..jsonutil import as_float, json_safe, loads_bounded
+from ..jsonutil import as_float, loads_bounded
 
 if TYPE_CHECKING:
     import torch
@@ -398,7 +397,8 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _versions() -> tuple[tuple[str, str], ...]:
+def library_versions() -> tuple[tuple[str, str], ...]:
+    """Versions of the libraries whose objects a checkpoint holds, for the manifest (``dict()`` of it)."""
     from importlib import metadata
 
     from .._version import VERSION
@@ -410,39 +410,12 @@ def _versions() -> tuple[tuple[str, str], ...]:
     return tuple(found.items())
 
 
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries whose objects a checkpoint holds, for the manifest."""
-    return dict(_versions())
-
-
 def recovery_cost_ms(files: Mapping[str, Mapping[str, Any]], blobs: Mapping[str, Mapping[str, Any]]) -> float:
     """An estimate that ranks checkpoints for ``resolve("fastest")``: 2 ms per file, L0 at 500 MB/s, L1 at 200 MB/s."""
     unique = {str(b.get("digest")): {C.KEY_SIZE: b.get("size", 0)} for b in blobs.values()}
     rate = {Tier.WEIGHTS.value: 500_000.0, Tier.OPTIMIZER.value: 200_000.0}
     return round(sum(2.0 + float(e.get(C.KEY_SIZE, 0)) / rate.get(e.get(C.KEY_TIER, "weights"), float("inf"))
                      for e in [*files.values(), *unique.values()]), 1)
-
-
-def build_manifest(*, task_id: str, step: int, epoch: float, reason: str, tiers: Collection[Tier], pinned: bool,
-                   healthy: bool, world_size: int, files: Mapping[str, Mapping[str, Any]], session_id: str,
-                   frozen: Mapping[str, Mapping[str, Any]] | None = None, kind: str | None = None,
-                   lineage: Lineage | None = None, signals: Mapping[str, Any] | None = None,
-                   debug_info: Collection[Mapping[str, Any]] = (), extra: Mapping[str, Any] | None = None,
-                   timings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The manifest of what the ranks wrote, its checksum included (only the last `DEBUG_INFO_STEPS` records)."""
-    manifest = {
-        C.KEY_FORMAT_VERSION: C.FORMAT_VERSION if frozen else 1, C.KEY_TASK_ID: task_id, C.KEY_STEP: int(step),
-        C.KEY_EPOCH: float(epoch), C.KEY_REASON: reason, C.KEY_TIERS: sorted(t.value for t in tiers),
-        C.KEY_PINNED: bool(pinned), C.KEY_HEALTHY: bool(healthy), C.KEY_WORLD_SIZE: int(world_size),
-        C.KEY_CREATED_AT: time.time(), C.KEY_SESSION_ID: session_id, C.KEY_FILES: dict(sorted(files.items())),
-        C.KEY_BLOBS: {}, C.KEY_BYTES: sum(int(e[C.KEY_SIZE]) for e in files.values()),
-        C.KEY_RECOVERY_COST: recovery_cost_ms(files, {}), C.KEY_SIGNALS: dict(signals or {}),
-        C.KEY_DEBUG_INFO: list(debug_info)[-C.DEBUG_INFO_STEPS:], C.KEY_EXTRA: dict(extra or {}),
-        C.KEY_VERSIONS: library_versions(), C.KEY_TIMINGS: dict(timings or {}),
-        **({C.KEY_FROZEN: dict(sorted(frozen.items()))} if frozen else {}),
-        **({C.KEY_KIND: str(kind)} if kind is not None else {}),
-        **({C.KEY_LINEAGE: lineage.to_dict()} if lineage is not None else {})}
-    return with_changes(json_safe(manifest), {})
 
 
 def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:

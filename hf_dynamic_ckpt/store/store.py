@@ -1,10 +1,4 @@
-"""`CheckpointStore`: tiered checkpoints of one task under a store root, committed atomically.
-
-Layout: ``<root>/catalog.db`` (the index, derived from the manifests); ``<root>/<task>/step-<N>/`` (a checkpoint, its
-``manifest.json`` written last); ``step-<N>.tmp-<session>`` (a save in progress; ``.replaced``: the copy a
-replace-commit set aside; ``.deleted-<hex8>``: one being deleted); ``timelines.json`` (current timeline, abandoned
-checkpoints), ``removed.jsonl`` (what retention removed, by which rule), ``.writer.lock`` (`lock`), and ``blobs/``
-(frozen weights of checkpoints written by earlier versions: read, verified and collected, never written).
+"""`CheckpointStore`: tiered checkpoints of one task under a store root, committed atomically (docs/internals.md).
 
 Invariants:
 
@@ -411,8 +405,7 @@ class CheckpointStore:
             return self._rebuild(all_tasks=not self._memory and self.remote is None)
 
     def _rebuild(self, *, all_tasks: bool) -> int:
-        tasks = [self.root / n for n in mf.listdir(self.root) if not n.startswith(".") and n != C.BLOBS_DIR] \
-            if all_tasks else [self.task_dir]
+        tasks = task_dirs(self.root) if all_tasks else [self.task_dir]
         return self.catalog.rebuild([i for t in tasks for i in self._scan_all(t)], root=self.root,
                                     task_id=None if all_tasks else self.task_id)
 
@@ -439,18 +432,14 @@ class CheckpointStore:
         path = path or self.task_dir / step_dir_name(step)
         for attempt in (1, 2):
             try:
-                fault("read", name=C.MANIFEST_NAME, step=step, op="read")
+                try:
+                    fault("read", name=C.MANIFEST_NAME, step=step, op="read")
+                except OSError as e:  # the test hook's read error
+                    raise CorruptCheckpointError(f"{path / C.MANIFEST_NAME}: the manifest cannot be read ({e}).") from e
                 return mf.read_manifest(path, step=step, task_id=path.parent.name)
-            except NotFound:
-                raise
-            except OSError as e:  # the test hook's read error
-                error = CorruptCheckpointError(f"{path / C.MANIFEST_NAME}: the manifest cannot be read ({e}).")
             except CorruptCheckpointError as e:
-                if not isinstance(e.__cause__, OSError):
+                if attempt == 2 or not isinstance(e.__cause__, OSError):
                     raise
-                error = e
-            if attempt == 2:
-                raise error
         raise AssertionError("unreachable")
 
     def _info(self, manifest: Mapping[str, Any], path: Path) -> CheckpointInfo:
@@ -1066,16 +1055,31 @@ class CheckpointStore:
         extra = {k: v for k, v in state.extra.items() if k != C.KEY_RANK_CHUNKS}
         if chunks:  # every rank's chunk table, read back by `shard_files.sharded_table`
             extra[C.KEY_SHARDED] = {"format": C.SHARDED_FORMAT, "world_size": self.world_size, "ranks": chunks}
-        manifest = mf.build_manifest(
-            task_id=self.task_id, step=step, epoch=state.epoch, reason=request.reason, kind=request.kind, tiers=tiers,
-            pinned=request.pinned, healthy=request.healthy, world_size=self.world_size, files=files, frozen=frozen,
-            session_id=self.session_id, lineage=request.lineage, signals=request.signals,
-            debug_info=request.debug_info, extra=extra, timings=timings)
+        manifest = {  # only the last DEBUG_INFO_STEPS debug records; format 2 when it records frozen weights
+            C.KEY_FORMAT_VERSION: C.FORMAT_VERSION if frozen else 1, C.KEY_TASK_ID: self.task_id, C.KEY_STEP: step,
+            C.KEY_EPOCH: float(state.epoch), C.KEY_REASON: request.reason, C.KEY_TIERS: sorted(t.value for t in tiers),
+            C.KEY_PINNED: bool(request.pinned), C.KEY_HEALTHY: bool(request.healthy), C.KEY_WORLD_SIZE: self.world_size,
+            C.KEY_CREATED_AT: time.time(), C.KEY_SESSION_ID: self.session_id, C.KEY_FILES: dict(sorted(files.items())),
+            C.KEY_BLOBS: {}, C.KEY_BYTES: sum(int(e[C.KEY_SIZE]) for e in files.values()),
+            C.KEY_RECOVERY_COST: mf.recovery_cost_ms(files, {}), C.KEY_SIGNALS: dict(request.signals or {}),
+            C.KEY_DEBUG_INFO: list(request.debug_info)[-C.DEBUG_INFO_STEPS:], C.KEY_EXTRA: extra,
+            C.KEY_VERSIONS: dict(mf.library_versions()), C.KEY_TIMINGS: timings, C.KEY_KIND: str(request.kind),
+            **({C.KEY_FROZEN: dict(sorted(frozen.items()))} if frozen else {}),
+            **({C.KEY_LINEAGE: request.lineage.to_dict()} if request.lineage is not None else {})}
+        manifest = mf.with_changes(json_safe(manifest), {})
         fault("write", step=step, rank=0, name=C.MANIFEST_NAME)
         self._disk.write(tmp / C.MANIFEST_NAME, mf.manifest_bytes(manifest))
+        info, replaced = self._rename_in(tmp, manifest)
+        logger.debug("committed %s step %d (%s; %d bytes)", self.task_id, step, request.reason, info.bytes)
+        return info, replaced
+
+    def _rename_in(self, tmp: Path, manifest: dict[str, Any]) -> tuple[CheckpointInfo, bool]:
+        """Commit a complete temporary directory: fsync, the object store's commit point (manifest uploaded last), a
+        copy in the way set aside, the rename (the commit point), the aside copy removed, then the catalog row."""
+        step = manifest[C.KEY_STEP]
         self._disk.fsync(tmp)
-        if self.remote is not None:  # the object store's commit point (manifest uploaded last) comes first
-            self._publish(tmp, step, files)
+        if self.remote is not None:
+            self._publish(tmp, step, manifest[C.KEY_FILES])
         final, aside = self.task_dir / step_dir_name(step), None
         if mf.lstat(final) is not None:  # another timeline's copy, or a directory without a manifest
             self._disk.rename(final, aside := final.with_name(f"{tmp.name}{C.ASIDE_SUFFIX}"))
@@ -1086,7 +1090,6 @@ class CheckpointStore:
         if aside is not None:
             self._discard(aside)
         self._record(info := self._info(manifest, final))
-        logger.debug("committed %s step %d (%s; %d bytes)", self.task_id, step, request.reason, info.bytes)
         return info, aside is not None
 
     # -- timelines ------------------------------------------------------------------------------------------------
@@ -1139,17 +1142,10 @@ class CheckpointStore:
                     if name != C.MANIFEST_NAME:
                         self._copy_in(src / name, tmp / name)
                 self._copy_in(src / C.MANIFEST_NAME, tmp / C.MANIFEST_NAME)
-                self._disk.fsync(tmp)
-                manifest = self._read_manifest(step, tmp)
-                if self.remote is not None:  # the object store's commit point first, as for a save
-                    self._publish(tmp, step, manifest[C.KEY_FILES])
-                fault("commit", step=step)
-                self._disk.rename(tmp, final)
-                self._disk.fsync(self.task_dir)
+                info = self._rename_in(tmp, self._read_manifest(step, tmp))[0]
             except BaseException:
                 self._discard(tmp)
                 raise
-            self._record(info := self._info(manifest, final))
         logger.debug("adopted step %d of %s into %s", step, source.root, self.task_dir)
         return info
 
