@@ -60,6 +60,16 @@ class Codec(enum.StrEnum):
             raise ConfigError(f"{field}={value!r} is invalid: expected 'zstd' or 'none'{extra}.") from None
 
 
+def step_dir_name(step: int) -> str:
+    return f"{C.STEP_DIR_PREFIX}{int(step)}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed directory name (``step-12`` -> 12), else `None`."""
+    m = re.fullmatch(rf"{C.STEP_DIR_PREFIX}(0|[1-9][0-9]*)", name)
+    return int(m.group(1)) if m else None
+
+
 def new_session_id() -> str:
     """A fresh session id (12 hex digits). Under DDP rank 0 makes one and broadcasts it."""
     return uuid.uuid4().hex[:12]

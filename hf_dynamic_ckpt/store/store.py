@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import sqlite3
 import struct
@@ -76,16 +75,6 @@ ALIASES_KEY = "hf_dynamic_ckpt.aliases"
 """safetensors metadata of tied weights: ``{alias: stored key}`` as JSON; on load the alias is the same tensor."""
 _PASS = f"pass the store directory (the one holding {C.CATALOG_NAME}) or the training output_dir that holds " \
         f"{STORE_DIR}/"
-
-
-def step_dir_name(step: int) -> str:
-    return f"{C.STEP_DIR_PREFIX}{int(step)}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """The step of a committed directory name (``step-12`` -> 12), else `None`."""
-    m = re.fullmatch(rf"{C.STEP_DIR_PREFIX}(0|[1-9][0-9]*)", name)
-    return int(m.group(1)) if m else None
 
 
 def task_dirs(root: Path) -> list[Path]:
@@ -414,13 +403,13 @@ class CheckpointStore:
         """The step when `path` is a checkpoint directory of this task, else `None`."""
         path = Path(path).absolute()
         same = path.parent == self.task_dir or os.path.realpath(path.parent) == os.path.realpath(self.task_dir)
-        return parse_step_dir(path.name) if same else None
+        return mf.parse_step_dir(path.name) if same else None
 
     def _committed(self, task_dir: Path | None = None) -> dict[int, Path]:
         """Real ``step-<N>`` directories of a task (a link named like one is ignored, with a warning)."""
         out, task_dir = {}, task_dir or self.task_dir
         for name in mf.listdir(task_dir):
-            if (step := parse_step_dir(name)) is not None and is_kind(task_dir / name, "dir"):
+            if (step := mf.parse_step_dir(name)) is not None and is_kind(task_dir / name, "dir"):
                 out[step] = task_dir / name
             elif step is not None and is_kind(task_dir / name, "link"):
                 logger.warning("%s is a symbolic link, not a checkpoint: the store ignores it and never follows it",
@@ -429,7 +418,7 @@ class CheckpointStore:
 
     def _read_manifest(self, step: int, path: Path | None = None) -> dict[str, Any]:
         """The manifest of `step`, read once more after a read error (a transient fault's usual shape)."""
-        path = path or self.task_dir / step_dir_name(step)
+        path = path or self.task_dir / mf.step_dir_name(step)
         for attempt in (1, 2):
             try:
                 try:
@@ -541,7 +530,7 @@ class CheckpointStore:
                                                                          "directory of a store")):
             if wrong:
                 raise NotFound(f"{path} {why}; {self._available()}.")
-        return mf.info_from_manifest(mf.read_manifest(path, step=parse_step_dir(path.name)), path)
+        return mf.info_from_manifest(mf.read_manifest(path, step=mf.parse_step_dir(path.name)), path)
 
     # -- reading --------------------------------------------------------------------------------------------------
     def _manifest_of(self, info: CheckpointInfo) -> dict[str, Any]:
@@ -554,7 +543,7 @@ class CheckpointStore:
         except OSError as e:
             raise CorruptCheckpointError(f"step {info.step} could not be downloaded from {self.url}: {e}") from e
         try:
-            return self._read_manifest(info.step) if own else mf.read_manifest(directory, step=parse_step_dir(
+            return self._read_manifest(info.step) if own else mf.read_manifest(directory, step=mf.parse_step_dir(
                 directory.name))
         except (NotFound, CorruptCheckpointError) as e:
             self._set_status(info, mf.STATUS_MISSING if isinstance(e, NotFound) else mf.STATUS_CORRUPT)
@@ -878,7 +867,7 @@ class CheckpointStore:
     def _existing(self, request: SaveRequest, replace: bool) -> CheckpointInfo | bool:
         """What is committed at the step, read from disk (the same answer on every rank): `False` (nothing), the info
         to return (already committed by this timeline), or `True` (replace it)."""
-        if mf.lstat(path := self.task_dir / step_dir_name(request.step)) is None:
+        if mf.lstat(path := self.task_dir / mf.step_dir_name(request.step)) is None:
             return False
         try:
             manifest = self._read_manifest(request.step)
@@ -906,7 +895,7 @@ class CheckpointStore:
         if not is_kind(self.task_dir, "dir"):  # a new task
             disk.mkdir(self.task_dir)
             disk.fsync(self.root)
-        tmp, t0 = self.task_dir / f"{step_dir_name(step)}{C.TMP_MARKER}{self.session_id}", time.perf_counter()
+        tmp, t0 = self.task_dir / f"{mf.step_dir_name(step)}{C.TMP_MARKER}{self.session_id}", time.perf_counter()
         try:
             disk.mkdir(tmp)
             plain, shard_files, shards = write_shards(state, tmp, rank=rank)  # FSDP2 / ZeRO: this rank's shards
@@ -919,7 +908,7 @@ class CheckpointStore:
             disk.write(done, mf.json_bytes({**record, **({"sharded": shards} if shards else {})}), atomic="part")
             if self.remote is not None and rank != 0:  # no shared directory: rank 0 reads the object store
                 for name in files:
-                    self.remote.put(tmp / name, step_dir_name(step), name)
+                    self.remote.put(tmp / name, mf.step_dir_name(step), name)
                 self.remote.put(done, tmp.name, done.name)
                 disk.remove(tmp)
         except Exception as e:
@@ -937,7 +926,7 @@ class CheckpointStore:
             return self._commit(tmp, state, request, parts, timings)
         except OSError as e:
             self._discard(tmp)
-            raise SaveError(f"committing step {step} to {self.task_dir / step_dir_name(step)} failed: {e}; the "
+            raise SaveError(f"committing step {step} to {self.task_dir / mf.step_dir_name(step)} failed: {e}; the "
                             "previous checkpoints are untouched.") from e
 
     def _write_rank_files(self, state: CheckpointState, tmp: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -1080,7 +1069,7 @@ class CheckpointStore:
         self._disk.fsync(tmp)
         if self.remote is not None:
             self._publish(tmp, step, manifest[C.KEY_FILES])
-        final, aside = self.task_dir / step_dir_name(step), None
+        final, aside = self.task_dir / mf.step_dir_name(step), None
         if mf.lstat(final) is not None:  # another timeline's copy, or a directory without a manifest
             self._disk.rename(final, aside := final.with_name(f"{tmp.name}{C.ASIDE_SUFFIX}"))
             self._disk.fsync(self.task_dir)
@@ -1129,12 +1118,12 @@ class CheckpointStore:
         problems = source.verify(f"step:{step}")
         if problems:
             raise CorruptCheckpointError(f"step {step} of {source.root} does not verify: {'; '.join(problems)}")
-        src, final = source.task_dir / step_dir_name(step), self.task_dir / step_dir_name(step)
+        src, final = source.task_dir / mf.step_dir_name(step), self.task_dir / mf.step_dir_name(step)
         with self._lock:
             if mf.lstat(final) is not None:
                 raise DynamicCkptError(f"adopt: {final} exists already; nothing was copied.")
             self._disk.mkdir(self.task_dir)
-            tmp = self.task_dir / f"{step_dir_name(step)}{C.TMP_MARKER}{self.session_id}"
+            tmp = self.task_dir / f"{mf.step_dir_name(step)}{C.TMP_MARKER}{self.session_id}"
             self._disk.remove(tmp)
             self._disk.mkdir(tmp)
             try:
@@ -1198,7 +1187,7 @@ class CheckpointStore:
         if self._owns(info.path) is None:
             raise DynamicCkptError(f"{what} {info.path}: not a checkpoint of task {self.task_id!r} under {self.root}; "
                                    "open a store on its own root and task.")
-        if (fresh := self._scan(info.step, self.task_dir / step_dir_name(info.step))) is None:
+        if (fresh := self._scan(info.step, self.task_dir / mf.step_dir_name(info.step))) is None:
             raise NotFound(f"step {info.step} has no committed checkpoint in {self.task_dir}.")
         return fresh
 
@@ -1242,7 +1231,7 @@ class CheckpointStore:
     def _delete(self, info: CheckpointInfo, tiers: set[Tier] | None = None) -> int:
         """Delete a checkpoint (renamed to a temporary name first: never half of one that looks committed), or some of
         its tiers (the manifest rewritten before the files go); returns the bytes freed."""
-        path = self.task_dir / step_dir_name(info.step)
+        path = self.task_dir / mf.step_dir_name(info.step)
         if tiers is not None and tiers != set(ALL_TIERS) and set(info.tiers) - tiers:
             new, drop = mf.without_tiers(self._read_manifest(info.step), tiers)
             self._rewrite_manifest(path, new)
@@ -1252,8 +1241,8 @@ class CheckpointStore:
             self._mirror(info.step)
             return freed
         if self.remote is not None:  # the object store first: its manifest goes, so no reader counts it any more
-            self.remote.remove(step_dir_name(info.step), C.MANIFEST_NAME)
-            self.remote.remove(step_dir_name(info.step))
+            self.remote.remove(mf.step_dir_name(info.step), C.MANIFEST_NAME)
+            self.remote.remove(mf.step_dir_name(info.step))
         trash = path.with_name(f"{path.name}{C.TMP_MARKER}{self.session_id}{C.TRASH_INFIX}{uuid.uuid4().hex[:8]}")
         self._disk.rename(path, trash)
         self._disk.fsync(self.task_dir)
@@ -1291,7 +1280,7 @@ class CheckpointStore:
         report = GcReport()
         with self._lock:
             for planned, tiers, rule in plan:
-                fresh = self._scan(planned.step, self.task_dir / step_dir_name(planned.step))
+                fresh = self._scan(planned.step, self.task_dir / mf.step_dir_name(planned.step))
                 why = "is gone" if fresh is None else "was replaced since the plan was made" if \
                     fresh.save_time != planned.save_time else "is pinned on disk" if fresh.pinned else \
                     "is abandoned (removed by the abandoned-timeline rule)" if fresh.abandoned else \
@@ -1326,7 +1315,8 @@ class CheckpointStore:
                     report.temp_dirs.append(name)
                     report.bytes_freed += size
                 if self.remote is not None:
-                    report.temp_dirs += self._remote_leftovers(dry_run=dry_run, at_open=False, kept=report.kept)
+                    report.temp_dirs += self.remote.leftovers(self.session_id, dry_run=dry_run, at_open=False,
+                                                              kept=report.kept)
                 self._remove_abandoned(report)
                 self._collect_blobs(report)
                 self.sync_catalog(drop_missing=True) if not dry_run else None
@@ -1356,7 +1346,7 @@ class CheckpointStore:
         names, removed, own = mf.listdir(self.task_dir), [], f"{C.TMP_MARKER}{self.session_id}"
         for name in names if not dry_run else ():
             final = self.task_dir / name.split(C.TMP_MARKER)[0]
-            if (step := parse_step_dir(final.name)) is None or not name.endswith(C.ASIDE_SUFFIX) or mf.lstat(final):
+            if (step := mf.parse_step_dir(final.name)) is None or not name.endswith(C.ASIDE_SUFFIX) or mf.lstat(final):
                 continue
             try:
                 self._read_manifest(step, self.task_dir / name)
@@ -1383,7 +1373,7 @@ class CheckpointStore:
     def _collect_blobs(self, report: GcReport) -> None:
         """Remove the blobs of earlier versions no committed checkpoint (nor a copy set aside) references."""
         used, blobs = set(), self.task_dir / C.BLOBS_DIR
-        dirs = [*self._committed().items(), *((parse_step_dir(n.split(C.TMP_MARKER)[0]) or 0, self.task_dir / n)
+        dirs = [*self._committed().items(), *((mf.parse_step_dir(n.split(C.TMP_MARKER)[0]) or 0, self.task_dir / n)
                                               for n in mf.listdir(self.task_dir) if n.endswith(C.ASIDE_SUFFIX))]
         for step, path in dirs if is_kind(blobs, "dir") else ():
             try:
@@ -1398,7 +1388,7 @@ class CheckpointStore:
                 report.bytes_freed += _tree_bytes(blobs / name)
                 self._disk.remove(blobs / name) if not report.dry_run else None
         if self.remote is not None:
-            self._remote_collect_blobs(report)
+            self.remote.collect_blobs(report)
 
     # -- a URL root: the cache and the object store ----------------------------------------------------------------
     def _download(self, path: Path, *names: str) -> None:
@@ -1441,56 +1431,13 @@ class CheckpointStore:
         a second writer visible); then the cache is made to hold the bucket's manifests."""
         assert self.remote is not None
         if writer:
-            self._remote_leftovers(dry_run=False, at_open=True)
-            with contextlib.suppress(ValueError, OSError):
-                old = loads_bounded(self.remote.read(C.WRITER_LOCK_NAME, limit=4096) or b"null")
-                if isinstance(old, dict) and old.get("session") != self.session_id:
-                    logger.warning("%s/%s: session %s on %s (pid %s) wrote here last, since %s; object stores have "
-                                   "no lock, so make sure it has stopped: two writers on one task interleave their "
-                                   "checkpoints", self.url, self.task_id, old.get("session"), old.get("host"),
-                                   old.get("pid"), old.get("since"))
-            self.remote.put(json.dumps({"session": self.session_id, "host": os.uname().nodename, "pid": os.getpid(),
-                                        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(),
-                            C.WRITER_LOCK_NAME)
+            self.remote.leftovers(self.session_id, dry_run=False, at_open=True)
+            self.remote.note_writer(self.session_id)
         self._pull()
-
-    def _remote_leftovers(self, *, dry_run: bool, at_open: bool,
-                          kept: builtins.list[str] | None = None) -> builtins.list[str]:
-        """Other sessions' ``step-<N>.tmp-*`` prefixes, and ``step-<N>/`` prefixes without a manifest (partial
-        uploads): all of them at the writer's open, else only those at or below the newest committed step."""
-        assert self.remote is not None
-        self.remote.invalidate()
-        committed = {parse_step_dir(n) for n in self.remote.manifests()}
-        top, removed = max((s for s in committed if s is not None), default=-1), []
-        for n in self.remote.names():
-            partial = (step := parse_step_dir(n)) is not None and step not in committed
-            if partial and not at_open and step > top:  # type: ignore[operator]
-                (kept if kept is not None else []).append(
-                    f"remote:{n} kept: an upload without a manifest above the newest checkpoint (a save may be in "
-                    "flight); the writer's next open removes it if it was interrupted")
-            elif partial or (C.TMP_MARKER in n and parse_step_dir(n.split(C.TMP_MARKER)[0]) is not None
-                             and f"{C.TMP_MARKER}{self.session_id}" not in n):
-                removed.append(f"remote:{n}")
-                self.remote.remove(n) if not dry_run else None
-        return removed
-
-    def _remote_collect_blobs(self, report: GcReport) -> None:
-        assert self.remote is not None
-        used = set()
-        for name, data in self.remote.manifests().items():
-            try:
-                used |= {str(b.get("digest")) for b in (loads_bounded(data).get(C.KEY_BLOBS) or {}).values()}
-            except (ValueError, AttributeError):
-                return report.kept.append(f"remote blobs: not collected, the manifest of {name} is unreadable")
-        for n in self.remote.names(C.BLOBS_DIR):
-            if n.split(".")[0] not in used:
-                report.blobs.append(f"remote:{n}")
-                report.bytes_freed += self.remote.size(C.BLOBS_DIR, n) or 0
-                self.remote.remove(C.BLOBS_DIR, n) if not report.dry_run else None
 
     def _materialize(self, step: int) -> None:
         """Download what a cached checkpoint's manifest lists (blobs of an earlier version too) and the cache lacks."""
-        path, name, manifest = self.task_dir / step_dir_name(step), step_dir_name(step), self._read_manifest(step)
+        path, name, manifest = self.task_dir / mf.step_dir_name(step), mf.step_dir_name(step), self._read_manifest(step)
         for fname, entry in manifest[C.KEY_FILES].items():
             if (st := mf.lstat(path / fname)) is None or st.st_size != entry[C.KEY_SIZE]:
                 self._download(path / fname, name, fname)
@@ -1507,10 +1454,10 @@ class CheckpointStore:
         self._disk.mkdir(self.task_dir)
         if (timelines := self.remote.read(C.TIMELINES_NAME)) is not None:
             self._disk.write(self.task_dir / C.TIMELINES_NAME, timelines, atomic=self.session_id)
-        if (data := self.remote.read(step_dir_name(step), C.MANIFEST_NAME)) is not None:
-            self._cache_manifest(step_dir_name(step), data)
+        if (data := self.remote.read(mf.step_dir_name(step), C.MANIFEST_NAME)) is not None:
+            self._cache_manifest(mf.step_dir_name(step), data)
         else:
-            self._disk.remove(self.task_dir / step_dir_name(step))
+            self._disk.remove(self.task_dir / mf.step_dir_name(step))
 
     def _fetch_done(self, done: Path) -> bool:
         """Rank 0 under a URL root: another rank's done note copied from the bucket, when it is there."""
@@ -1526,7 +1473,7 @@ class CheckpointStore:
         """Rank 0, before the local rename: other ranks' files into the cache, then every file to the bucket and the
         manifest last; a failed upload is removed where the endpoint allows (else by the next open or `gc`)."""
         assert self.remote is not None
-        name = step_dir_name(step)
+        name = mf.step_dir_name(step)
         for fname in files:
             self._download(tmp / fname, name, fname) if not is_kind(tmp / fname, "file") else None
         self.remote.invalidate()
@@ -1541,11 +1488,4 @@ class CheckpointStore:
     def _mirror(self, step: int) -> None:
         """After a tier delete, pin or unpin: the bucket's copy of `step` follows the cache."""
         if self.remote is not None:
-            local, name = self.task_dir / step_dir_name(step), step_dir_name(step)
-            keep = {*self._read_manifest(step)[C.KEY_FILES], C.MANIFEST_NAME}
-            self.remote.put(local / C.MANIFEST_NAME, name, C.MANIFEST_NAME)
-            if is_kind(local / C.PINNED_MARKER, "file"):
-                self.remote.put(b"", name, C.PINNED_MARKER)
-                keep.add(C.PINNED_MARKER)
-            for stale in set(self.remote.names(name)) - keep:
-                self.remote.remove(name, stale)
+            self.remote.mirror(self.task_dir / mf.step_dir_name(step), self._read_manifest(step)[C.KEY_FILES])
