@@ -27,7 +27,7 @@ import re
 import stat
 import uuid
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -123,8 +123,7 @@ class Lineage:
     parent_timeline: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"session": self.session, "timeline": self.timeline, "parent_step": self.parent_step,
-                "parent_timeline": self.parent_timeline}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Lineage:

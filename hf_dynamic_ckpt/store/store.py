@@ -282,8 +282,11 @@ class CheckpointStore:
         self._writer = WriterLock(self.task_dir, session=spec.session_id)
         if writer:
             self._writer.acquire(takeover=takeover, what=f"task {spec.task_id!r} under {self.url}", wait_s=lock_wait_s)
+        if self.remote is not None and writer:  # interrupted uploads go; object stores have no lock: a note
+            self.remote.leftovers(self.session_id, dry_run=False, at_open=True)
+            self.remote.note_writer(self.session_id)
         if self.remote is not None and (pull or writer):
-            self._remote_open(writer=writer)
+            self._pull()
         if writer:
             self._remove_leftovers()
         if writer and self.catalog.rebuilt:
@@ -884,7 +887,7 @@ class CheckpointStore:
               cancel: Callable[[], bool] | None) -> tuple[CheckpointInfo | None, bool]:
         step, rank, disk = request.step, self.rank, self._disk
         try:  # under a URL root, this rank's cache has not seen rank 0's recent commits
-            self._refresh_step(step) if self.remote is not None and rank != 0 else None
+            self._pull(step) if self.remote is not None and rank != 0 else None
         except OSError as e:
             raise SaveError(f"saving step {step} on rank {rank}: reading the bucket failed: {e}; nothing was written "
                             "and the previous checkpoints are untouched.") from e
@@ -1343,24 +1346,21 @@ class CheckpointStore:
         """Finish what interrupted saves, replace-commits and deletes left (the writer only): a copy set aside by a
         replace-commit whose step has no committed directory is renamed back; then every temporary entry of other
         sessions goes (this session's own ``step-<N>.tmp-<session>`` stays: other ranks may be writing into it)."""
-        names, removed, own = mf.listdir(self.task_dir), [], f"{C.TMP_MARKER}{self.session_id}"
-        for name in names if not dry_run else ():
-            final = self.task_dir / name.split(C.TMP_MARKER)[0]
-            if (step := mf.parse_step_dir(final.name)) is None or not name.endswith(C.ASIDE_SUFFIX) or mf.lstat(final):
-                continue
-            try:
-                self._read_manifest(step, self.task_dir / name)
-            except (NotFound, CorruptCheckpointError, FormatVersionError) as e:
-                logger.error("step %s: the copy set aside by an interrupted replace (%s) is unusable (%s); left in "
-                             "place", step, name, e)
-                continue
-            self._disk.rename(self.task_dir / name, final)
-            self._disk.fsync(self.task_dir)
-            logger.warning("step %d: a replace-commit was interrupted between its renames; the previous copy is "
-                           "restored (%s -> %s)", step, name, final.name)
+        removed, own = [], f"{C.TMP_MARKER}{self.session_id}"
         for name in mf.listdir(self.task_dir):
-            if name.endswith(C.ASIDE_SUFFIX) and mf.lstat(self.task_dir / name.split(C.TMP_MARKER)[0]) is None:
-                continue  # an unusable aside copy stays
+            final = self.task_dir / name.split(C.TMP_MARKER)[0]
+            if name.endswith(C.ASIDE_SUFFIX) and mf.lstat(final) is None:  # restored, or (unusable) left in place
+                if not dry_run and (step := mf.parse_step_dir(final.name)) is not None:
+                    try:
+                        self._read_manifest(step, self.task_dir / name)
+                        self._disk.rename(self.task_dir / name, final)
+                        self._disk.fsync(self.task_dir)
+                        logger.warning("step %d: a replace-commit was interrupted between its renames; the previous "
+                                       "copy is restored (%s -> %s)", step, name, final.name)
+                    except (NotFound, CorruptCheckpointError, FormatVersionError) as e:
+                        logger.error("step %s: the copy set aside by an interrupted replace (%s) is unusable (%s); "
+                                     "left in place", step, name, e)
+                continue
             if (name.startswith(C.STEP_DIR_PREFIX) and C.TMP_MARKER in name and not name.endswith(own)) or \
                     name.startswith(f".{C.TIMELINES_NAME}{C.TMP_MARKER}"):
                 removed.append((name, _tree_bytes(self.task_dir / name)))
@@ -1412,12 +1412,19 @@ class CheckpointStore:
             self._disk.remove(local)
             self._disk.rename(tmp, local)
 
-    def _pull(self) -> None:
-        """The cache holds exactly the bucket's manifests, pin markers and timelines (files come on demand)."""
+    def _pull(self, step: int | None = None) -> None:
+        """The cache holds exactly the bucket's manifests, pin markers and timelines (files come on demand); `step`
+        (ranks > 0 before a save): the timelines and that step's manifest only, so that this rank decides "already
+        committed / replace / new" from the same files as rank 0."""
         assert self.remote is not None
+        self.remote.invalidate()
         self._disk.mkdir(self.task_dir)
         if (timelines := self.remote.read(C.TIMELINES_NAME)) is not None:
             self._disk.write(self.task_dir / C.TIMELINES_NAME, timelines, atomic=self.session_id)
+        if step is not None:
+            if (data := self.remote.read(name := mf.step_dir_name(step), C.MANIFEST_NAME)) is not None:
+                return self._cache_manifest(name, data)
+            return self._disk.remove(self.task_dir / name)
         for name, data in sorted((manifests := self.remote.manifests()).items()):
             self._cache_manifest(name, data)
             if (self.remote.size(name, C.PINNED_MARKER) is not None) != is_kind(marker := self.task_dir / name /
@@ -1425,15 +1432,6 @@ class CheckpointStore:
                 self._disk.write(marker, b"") if mf.lstat(marker) is None else self._disk.remove(marker)
         for path in self._committed().values():
             self._disk.remove(path) if path.name not in manifests else None
-
-    def _remote_open(self, *, writer: bool) -> None:
-        """The writer removes interrupted uploads and notes itself (object stores offer no lock: the note only makes
-        a second writer visible); then the cache is made to hold the bucket's manifests."""
-        assert self.remote is not None
-        if writer:
-            self.remote.leftovers(self.session_id, dry_run=False, at_open=True)
-            self.remote.note_writer(self.session_id)
-        self._pull()
 
     def _materialize(self, step: int) -> None:
         """Download what a cached checkpoint's manifest lists (blobs of an earlier version too) and the cache lacks."""
@@ -1445,19 +1443,6 @@ class CheckpointStore:
             if not is_kind(blob := self._blob(path, rec["digest"]), "file"):
                 self._disk.mkdir(blob.parent)
                 self._download(blob, C.BLOBS_DIR, blob.name)
-
-    def _refresh_step(self, step: int) -> None:
-        """Ranks > 0 before a save: the bucket's manifest of `step` and timelines into the cache, so that this rank
-        decides "already committed / replace / new" from the same files as rank 0."""
-        assert self.remote is not None
-        self.remote.invalidate()
-        self._disk.mkdir(self.task_dir)
-        if (timelines := self.remote.read(C.TIMELINES_NAME)) is not None:
-            self._disk.write(self.task_dir / C.TIMELINES_NAME, timelines, atomic=self.session_id)
-        if (data := self.remote.read(mf.step_dir_name(step), C.MANIFEST_NAME)) is not None:
-            self._cache_manifest(mf.step_dir_name(step), data)
-        else:
-            self._disk.remove(self.task_dir / mf.step_dir_name(step))
 
     def _fetch_done(self, done: Path) -> bool:
         """Rank 0 under a URL root: another rank's done note copied from the bucket, when it is there."""
