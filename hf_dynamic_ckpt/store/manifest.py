@@ -1,14 +1,9 @@
 """A checkpoint's manifest, the checksums it records, its small JSON files, and the plain values passed around.
 
-The manifest is written last and lists every file with its size, checksum (``"xxh3_128:<hex>"``; an entry naming
-another algorithm is verified with that one), tier and rank; its own checksum (``manifest_checksum``: ``"sha256:"`` of
-the canonical JSON of every other key) refuses a tampered or torn manifest. It is indented strict JSON (non-finite
-floats are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``), so ``jq`` reads it. Frozen weights are not written:
-``frozen`` records each by checksum, dtype and shape, and the resume checks the model's own tensor (`check_frozen`);
-such a manifest is ``format_version`` 2, which an older reader refuses (it would export the model without them); any
-other is version 1. ``blobs`` is the table of a checkpoint of an earlier version, whose frozen weights live once per
-task under ``blobs/``. A manifest can only make the store touch allowlisted names in its own directory and 64-hex-digit
-blob digests; files are read without following a link and within a size bound.
+The manifest is written last (its format: docs/internals.md); its own checksum refuses a tampered or torn manifest, and
+an entry naming another checksum algorithm than ``xxh3_128`` is verified with that one. A manifest can only make the
+store touch allowlisted names in its own directory and 64-hex-digit blob digests; files are read without following a
+link and within a size bound.
 """
 
 from __future__ import annotations
