@@ -15,7 +15,6 @@ import functools
 import hashlib
 import io
 import json
-import mmap
 import os
 import platform
 import re
@@ -338,16 +337,9 @@ def new_hasher(algo: str | None = None) -> Any:
 
 
 def file_checksum(path: str | os.PathLike[str], algo: str | None = None) -> str:
-    """``"<algo>:<hex>"`` of a whole file (large files hashed through a map: no copy out of the page cache)."""
-    hasher = new_hasher(algo)
+    """``"<algo>:<hex>"`` of a whole file, read without following a link."""
     with open_read(path) as f:
-        if (size := os.fstat(f.fileno()).st_size) < 1 << 20:
-            hasher.update(f.read())
-        else:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
-                for start in range(0, size, HASH_CHUNK):
-                    hasher.update(view[start : start + HASH_CHUNK])
-    return f"{algo or FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}"
+        return f"{algo or FILE_CHECKSUM_ALGO}:{hashlib.file_digest(f, lambda: new_hasher(algo)).hexdigest()}"
 
 
 def entry_of(data: bytes, *, tier: Tier, rank: int | None) -> dict[str, Any]:

@@ -516,24 +516,23 @@ class CheckpointStore:
     def _by_path(self, path: Path) -> CheckpointInfo:
         if (step := self._owns(path)) is not None:
             return self._by_step(step)
-        native = "DeepSpeed's and Trainer's" if any(n.startswith("global_step") for n in mf.listdir(path)) \
-            else "Trainer's"
-        for wrong, why in ((is_kind(path, "link"), "is a symbolic link; the store never follows links. Pass the real "
-                                                   "directory"),
-                           (not is_kind(path, "dir"), "is neither 'auto', 'best', 'fastest', 'step:N' nor an existing "
-                                                      "checkpoint directory"),
-                           (C.TMP_MARKER in path.name, "is an unfinished save (temporary directory), not a checkpoint"),
-                           (not is_kind(path / C.MANIFEST_NAME, "file") and is_kind(path / C.TRAINER_STATE_NAME,
-                                                                                     "file"),
-                            f"is {native} own checkpoint folder, not one of this store: pass it to trainer.train("
-                            "resume_from_checkpoint=...) directly (Trainer loads it itself; SmartCkptCallback saves "
-                            "into the store from there on)"),
-                           (not is_kind(path / C.MANIFEST_NAME, "file"), f"is not a checkpoint directory (no "
-                                                                         f"{C.MANIFEST_NAME}); pass a step-<N> "
-                                                                         "directory of a store")):
-            if wrong:
-                raise NotFound(f"{path} {why}; {self._available()}.")
-        return mf.info_from_manifest(mf.read_manifest(path, step=mf.parse_step_dir(path.name)), path)
+        if is_kind(path, "link"):
+            why = "is a symbolic link; the store never follows links. Pass the real directory"
+        elif not is_kind(path, "dir"):
+            why = "is neither 'auto', 'best', 'fastest', 'step:N' nor an existing checkpoint directory"
+        elif C.TMP_MARKER in path.name:
+            why = "is an unfinished save (temporary directory), not a checkpoint"
+        elif not is_kind(path / C.MANIFEST_NAME, "file") and is_kind(path / C.TRAINER_STATE_NAME, "file"):
+            native = "DeepSpeed's and Trainer's" if any(n.startswith("global_step") for n in mf.listdir(path)) else \
+                "Trainer's"
+            why = (f"is {native} own checkpoint folder, not one of this store: pass it to trainer.train("
+                   "resume_from_checkpoint=...) directly (Trainer loads it itself; SmartCkptCallback saves into the "
+                   "store from there on)")
+        elif not is_kind(path / C.MANIFEST_NAME, "file"):
+            why = f"is not a checkpoint directory (no {C.MANIFEST_NAME}); pass a step-<N> directory of a store"
+        else:
+            return mf.info_from_manifest(mf.read_manifest(path, step=mf.parse_step_dir(path.name)), path)
+        raise NotFound(f"{path} {why}; {self._available()}.")
 
     # -- reading --------------------------------------------------------------------------------------------------
     def _manifest_of(self, info: CheckpointInfo) -> dict[str, Any]:
@@ -820,11 +819,11 @@ class CheckpointStore:
                       "listed"), (Tier.OPTIMIZER, C.OPTIMIZER_META_NAME in files,
                                   f"tier optimizer is recorded but {C.OPTIMIZER_META_NAME} is not listed")]
         ranks = {e.get(C.KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
+        listed = [why for tier, ok, why in structure if tier in tiers and not ok]
+        listed += [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
+                   for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
         for _ in (1, 2):
-            found = [why for tier, ok, why in structure if tier in tiers and not ok]
-            found += [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
-                      for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
-            found += self._problems(directory, manifest, files, blobs=True)
+            found = listed + self._problems(directory, manifest, files, blobs=True)
             if found and mf.lstat(directory / C.MANIFEST_NAME) is None:
                 self._set_status(info, mf.STATUS_MISSING)
                 raise gone
@@ -1096,9 +1095,8 @@ class CheckpointStore:
             return self._timelines_cache[1]
         try:
             record = mf.read_json(path)
-            if record.get("format") != 1 or not all(isinstance(e["step"], int) and isinstance(e["created_at"], int |
-                                                                                             float)
-                                                    for e in record["abandoned"]):
+            ts = [(e["step"], e["created_at"]) for e in record["abandoned"]]
+            if record.get("format") != 1 or not all(isinstance(s, int) and isinstance(t, int | float) for s, t in ts):
                 raise ValueError("unexpected content")
         except (CorruptCheckpointError, AttributeError, KeyError, TypeError, ValueError) as e:
             logger.error("%s is unreadable or malformed (%s); treating no checkpoint as abandoned. Retention will not "
@@ -1130,10 +1128,8 @@ class CheckpointStore:
             self._disk.remove(tmp)
             self._disk.mkdir(tmp)
             try:
-                for name in sorted(mf.listdir(src)):  # the manifest last: written, never half a checkpoint
-                    if name != C.MANIFEST_NAME:
-                        self._copy_in(src / name, tmp / name)
-                self._copy_in(src / C.MANIFEST_NAME, tmp / C.MANIFEST_NAME)
+                for name in sorted(mf.listdir(src), key=lambda n: n == C.MANIFEST_NAME):  # the manifest last
+                    self._copy_in(src / name, tmp / name)
                 info = self._rename_in(tmp, self._read_manifest(step, tmp))[0]
             except BaseException:
                 self._discard(tmp)
