@@ -19,6 +19,7 @@ from .manifest import (
     check_frozen,
     frozen_record,
     new_session_id,
+    parse_step_dir,
     read_manifest,
 )
 from .optpack import usable_cpus
@@ -32,7 +33,7 @@ from .remote import (
     is_url,
     redact,
 )
-from .store import NAMED_REFS, CheckpointStore, find_root, parse_step_dir, task_dirs
+from .store import NAMED_REFS, CheckpointStore, find_root, task_dirs
 
 __all__ = ["NAMED_REFS", "STATUS_CORRUPT", "STATUS_MISSING", "STATUS_OK", "Catalog", "CheckpointInfo",
            "CheckpointState", "CheckpointStore", "Codec", "GcReport", "Lineage", "LoadedCheckpoint", "Remote",

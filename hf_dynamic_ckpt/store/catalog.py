@@ -1,13 +1,12 @@
 """The SQLite index of committed checkpoints (``<root>/catalog.db``, WAL): derived from the manifests, never the truth.
 
-One row per checkpoint with what `CheckpointInfo` needs to rank and list (lineage, frozen and blob records as JSON) and
-the identity of the manifest it was read from (`sig`): `sync` re-reads a manifest only when that changed or a flag that
-hides a checkpoint is to be re-checked. A torn, foreign or other-schema database is moved aside or dropped and rebuilt;
-readers of a ``read_only`` store work on `snapshot`, an in-memory copy. Paths are derived from task and step.
-"""
+One row per checkpoint, its path derived from task and step; `sync` re-reads a manifest only when its identity (`sig`)
+changed or a flag that hides it is re-checked. A torn, foreign or other-schema database is moved aside or dropped and
+rebuilt; a ``read_only`` store reads `snapshot`, an in-memory copy."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -15,7 +14,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,40 +24,38 @@ from .manifest import STATUS_CORRUPT, STATUS_MISSING, STATUS_OK, CheckpointInfo,
 
 logger = logging.getLogger(__name__)
 SCHEMA_VERSION = 2
+_SCHEMA = """CREATE TABLE checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, task_id TEXT NOT NULL, step INTEGER
+    NOT NULL, loss REAL, gpu_mem_percent REAL, save_time REAL NOT NULL, file_path TEXT NOT NULL, recovery_cost_ms REAL,
+    tiers TEXT NOT NULL, bytes INTEGER NOT NULL, reason TEXT NOT NULL, healthy INTEGER NOT NULL, pinned INTEGER
+    NOT NULL, status TEXT NOT NULL, world_size INTEGER NOT NULL, abandoned INTEGER NOT NULL DEFAULT 0, details TEXT,
+    sig TEXT, UNIQUE (task_id, step)); CREATE INDEX idx_checkpoints_task_step ON checkpoints (task_id, step);"""
 COLUMNS = ("task_id", "step", "loss", "gpu_mem_percent", "save_time", "file_path", "recovery_cost_ms", "tiers",
            "bytes", "reason", "healthy", "pinned", "status", "world_size", "abandoned", "details", "sig")
-_TYPES = ("TEXT NOT NULL", "INTEGER NOT NULL", "REAL", "REAL", "REAL NOT NULL", "TEXT NOT NULL", "REAL",
-          "TEXT NOT NULL", "INTEGER NOT NULL", "TEXT NOT NULL", "INTEGER NOT NULL", "INTEGER NOT NULL",
-          "TEXT NOT NULL", "INTEGER NOT NULL", "INTEGER NOT NULL DEFAULT 0", "TEXT", "TEXT")
-_SCHEMA = ("CREATE TABLE checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-           + ", ".join(f"{c} {t}" for c, t in zip(COLUMNS, _TYPES)) + ", UNIQUE (task_id, step)); "
-           "CREATE INDEX idx_checkpoints_task_step ON checkpoints (task_id, step);")
+_UPSERT = f"INSERT OR REPLACE INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_DELETE = "DELETE FROM checkpoints WHERE task_id=? AND step=?"
 
 
 def manifest_sig(directory: Path) -> str | None:
     """Identity of a checkpoint's manifest and pin marker (inode, size, mtime), without reading them."""
-    st = lstat(directory / MANIFEST_NAME)
-    return None if st is None else \
-        f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{int(lstat(directory / PINNED_MARKER) is not None)}"
+    st, pinned = lstat(directory / MANIFEST_NAME), lstat(directory / PINNED_MARKER) is not None
+    return None if st is None else f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{int(pinned)}"
 
 
 class Catalog:
     """One connection to a store root's catalog (`path` `None`: in memory), shared by threads under a lock; other
-    writers are waited for up to `busy_timeout_ms`."""
+    writers are waited for up to `busy_timeout_ms`. `rebuilt`: the file was unusable or of another schema and started
+    afresh (its rows are to be rebuilt)."""
 
     def __init__(self, path: str | os.PathLike[str] | None, *, busy_timeout_ms: int = 30_000) -> None:
         self.path, self.busy_timeout_ms = Path(path) if path is not None else None, int(busy_timeout_ms)
         self.rebuilt, self._lock = False, threading.Lock()
-        """`rebuilt`: the file was unusable or of another schema and started afresh (its rows are to be rebuilt)."""
         try:
             self._conn: sqlite3.Connection | None = self._connect()
-        except sqlite3.OperationalError:  # locked, unreachable: a real error, never a reason to rebuild
-            raise
         except sqlite3.DatabaseError as e:  # "file is not a database", a torn header
-            assert self.path is not None
+            if isinstance(e, sqlite3.OperationalError) or self.path is None:  # locked, unreachable: never a rebuild
+                raise
             aside = self.path.with_name(f"{self.path.name}.unusable-{int(time.time())}")
-            logger.warning("catalog %s is unusable (%s); moved to %s and rebuilt from the manifests", self.path, e,
-                           aside)
+            logger.warning("catalog %s is unusable (%s); moved to %s, rebuilt from the manifests", self.path, e, aside)
             os.replace(self.path, aside)
             for suffix in ("-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
@@ -67,8 +64,8 @@ class Catalog:
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path or ":memory:", timeout=self.busy_timeout_ms / 1000, check_same_thread=False,
                                isolation_level=None)
+        conn.row_factory = sqlite3.Row
         try:
-            conn.execute(f"PRAGMA busy_timeout={self.busy_timeout_ms}")
             if str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower() != "wal" and self.path:
                 logger.warning("catalog %s is not in WAL mode; readers may wait for writers", self.path)
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -83,8 +80,7 @@ class Catalog:
         return conn
 
     def _identity(self) -> tuple[int, int] | None:
-        st = lstat(self.path) if self.path else None
-        return None if st is None else (st.st_dev, st.st_ino)
+        return (st.st_dev, st.st_ino) if self.path and (st := lstat(self.path)) else None
 
     def replaced(self) -> bool:
         """Whether the file was deleted or replaced since this connection opened it (the root was deleted)."""
@@ -98,30 +94,20 @@ class Catalog:
 
     @classmethod
     def snapshot(cls, path: str | os.PathLike[str]) -> Catalog:
-        """An in-memory copy of the file at `path` for a reader, opened without creating or locking anything (through
-        a live writer's ``-wal`` and ``-shm``, else as immutable); a missing, torn or foreign file gives an empty copy.
-        Either way the caller syncs it with the manifests."""
-        cat = cls(None)
-        if not cat.copy_of(Path(path)):
+        """An in-memory copy of the file at `path` for a reader, opened without creating or locking anything (through a
+        live writer's ``-wal`` and ``-shm``, else as immutable); a missing, torn or foreign file gives an empty copy."""
+        cat, path, live = cls(None), Path(path), all(Path(f"{path}{s}").exists() for s in ("-wal", "-shm"))
+        try:
+            if path.is_file():
+                uri = f"{path.absolute().as_uri()}?{'mode=ro' if live else 'immutable=1'}"
+                with contextlib.closing(sqlite3.connect(uri, uri=True)) as src:
+                    if src.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+                        src.backup(cat._db())
+        except sqlite3.Error as e:
+            logger.debug("catalog %s not copied (%s); reading the manifests instead", path, e)
             cat.close()
             cat = cls(None)
         return cat
-
-    def copy_of(self, path: Path) -> bool:
-        """Fill this in-memory catalog with the rows of the file at `path` (`snapshot`); `False` when it is torn."""
-        live = all(Path(f"{path}{s}").exists() for s in ("-wal", "-shm"))
-        try:
-            if path.is_file():
-                src = sqlite3.connect(f"{path.absolute().as_uri()}?{'mode=ro' if live else 'immutable=1'}", uri=True)
-                try:
-                    if src.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
-                        src.backup(self._db())
-                finally:
-                    src.close()
-            return True
-        except sqlite3.Error as e:
-            logger.debug("catalog %s not copied (%s); reading the manifests instead", path, e)
-            return False
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -130,105 +116,63 @@ class Catalog:
 
     def close(self) -> None:
         with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+            conn, self._conn = self._conn, None
+            conn.close() if conn is not None else None
 
-    def journal_mode(self) -> str:
-        with self._lock:
-            return str(self._db().execute("PRAGMA journal_mode").fetchone()[0]).lower()
-
-    def _write(self, work: Callable[[sqlite3.Connection], Any]) -> None:
-        with self._lock:
-            (db := self._db()).execute("BEGIN IMMEDIATE")
-            try:
-                work(db)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-
-    @staticmethod
-    def _upsert(db: sqlite3.Connection, infos: Iterable[CheckpointInfo], root: str | os.PathLike[str]) -> None:
-        db.executemany(f"INSERT OR REPLACE INTO checkpoints ({', '.join(COLUMNS)}) VALUES "
-                       f"({', '.join('?' * len(COLUMNS))})", [_values(i, root) for i in infos])
+    def _write(self, *work: tuple[str, Iterable[Sequence[Any]]]) -> None:
+        """`executemany` of each ``(sql, rows)`` pair, in one transaction (COMMIT, or ROLLBACK on an exception)."""
+        with self._lock, (db := self._db()):
+            db.execute("BEGIN IMMEDIATE")
+            for sql, rows in work:
+                db.executemany(sql, rows)
 
     def upsert(self, info: CheckpointInfo, *, root: str | os.PathLike[str]) -> None:
-        self._write(lambda db: self._upsert(db, [info], root))
+        self._write((_UPSERT, [_values(info, root)]))
 
     def set_status(self, task_id: str, step: int, status: str) -> None:
-        self._write(lambda db: db.execute("UPDATE checkpoints SET status=? WHERE task_id=? AND step=?",
-                                          (status, task_id, step)))
+        self._write(("UPDATE checkpoints SET status=? WHERE task_id=? AND step=?", [(status, task_id, step)]))
 
     def remove(self, task_id: str, step: int) -> None:
-        self._write(lambda db: db.execute("DELETE FROM checkpoints WHERE task_id=? AND step=?", (task_id, step)))
+        self._write((_DELETE, [(task_id, step)]))
 
     def sync(self, task_id: str, *, root: str | os.PathLike[str], committed: Mapping[int, Path],
              scan: Callable[[int, Path], CheckpointInfo | None], abandoned: Collection[tuple[int, float]],
              recheck_hidden: bool = False, drop_missing: bool = False) -> None:
-        """Make the rows of `task_id` agree with its ``step-<N>`` directories (`committed`), reading a manifest
-        (`scan`) only where a row's manifest identity, status or abandoned flag is stale or (`recheck_hidden`) a flag
-        hides it. Rows of vanished checkpoints are marked ``"missing"`` (`drop_missing`: deleted); a ``"corrupt"``
-        finding stands while the save time is unchanged. Writes only what changed."""
+        """Make the rows of `task_id` agree with its ``step-<N>`` directories (`committed`), reading a manifest (`scan`)
+        only where a row's `sig`, status or abandoned flag is stale or (`recheck_hidden`) a flag hides it. Rows of
+        vanished checkpoints become ``"missing"`` (`drop_missing`: deleted); a ``"corrupt"`` finding stands while the
+        save time is unchanged. Writes only what changed."""
         rows, updates, present = {int(r["step"]): r for r in self.rows(task_id)}, [], set()
         for step, path in committed.items():
-            row = rows.get(step)
-            if row is not None and row["sig"] == manifest_sig(path) and row["status"] != STATUS_MISSING \
-                    and bool(row["abandoned"]) == ((step, float(row["save_time"])) in abandoned) \
+            if (row := rows.get(step)) is not None and row["sig"] == manifest_sig(path) and row["status"] != \
+                    STATUS_MISSING and bool(row["abandoned"]) == ((step, float(row["save_time"])) in abandoned) \
                     and not (recheck_hidden and not (row["healthy"] and row["status"] == STATUS_OK)):
                 present.add(step)
             elif (info := scan(step, path)) is not None:
                 present.add(step)
                 if row is not None and row["status"] == STATUS_CORRUPT and float(row["save_time"]) == info.save_time:
                     info = dataclasses.replace(info, status=STATUS_CORRUPT)
-                if row is None or _values(info, root) != tuple(row[c] for c in COLUMNS):
-                    updates.append(info)
+                if (values := _values(info, root)) != (row and tuple(row[c] for c in COLUMNS)):
+                    updates.append(values)
         drop = [(task_id, s) for s in rows if s not in present and drop_missing and s not in committed]
         miss = [(task_id, s) for s, r in rows.items() if s not in present and (task_id, s) not in drop
                 and r["status"] != STATUS_MISSING]
         if updates or drop or miss:
-            def work(db: sqlite3.Connection) -> None:
-                self._upsert(db, updates, root)
-                db.executemany("DELETE FROM checkpoints WHERE task_id=? AND step=?", drop)
-                db.executemany(f"UPDATE checkpoints SET status='{STATUS_MISSING}' WHERE task_id=? AND step=?", miss)
-            self._write(work)
+            self._write((_UPSERT, updates), (_DELETE, drop),
+                        (f"UPDATE checkpoints SET status='{STATUS_MISSING}' WHERE task_id=? AND step=?", miss))
 
     def rebuild(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str],
                 task_id: str | None = None) -> int:
         """Replace every row (of `task_id`, or all) with `infos`, in one transaction; returns the rows written."""
-        infos = sorted(infos, key=lambda i: (i.task_id, i.step))
-
-        def work(db: sqlite3.Connection) -> None:
-            db.execute("DELETE FROM checkpoints" + " WHERE task_id=?" * bool(task_id), (task_id,) if task_id else ())
-            self._upsert(db, infos, root)
-
-        self._write(work)
-        return len(infos)
-
-    @staticmethod
-    def record_statuses(path: str | os.PathLike[str], task_id: str, statuses: Mapping[int, str], *,
-                        busy_timeout_ms: int = 30_000) -> int:
-        """Write `verify` findings (``{step: status}``) into the file at `path` where they differ (never creating it):
-        the one write of a command that otherwise only reads. Returns the rows changed."""
-        if not statuses or not Path(path).is_file():
-            return 0
-        conn = sqlite3.connect(path, timeout=busy_timeout_ms / 1000, isolation_level=None)
-        try:
-            with conn:
-                return sum(conn.execute("UPDATE checkpoints SET status=? WHERE task_id=? AND step=? AND status!=?",
-                                        (s, task_id, int(step), s)).rowcount for step, s in statuses.items())
-        finally:
-            conn.close()
+        rows = [_values(i, root) for i in sorted(infos, key=lambda i: (i.task_id, i.step))]
+        self._write(("DELETE FROM checkpoints WHERE ?1 IS NULL OR task_id=?1", [(task_id,)]), (_UPSERT, rows))
+        return len(rows)
 
     def rows(self, task_id: str | None = None) -> list[dict[str, Any]]:
         """Every row (of one task, or all) as a dict, newest step first."""
         with self._lock:
-            cur = self._db().execute("SELECT * FROM checkpoints" + " WHERE task_id=?" * (task_id is not None)
-                                     + " ORDER BY task_id, step DESC", (task_id,) if task_id is not None else ())
-            return [dict(zip([d[0] for d in cur.description], r)) for r in cur.fetchall()]
-
-    def get(self, task_id: str, step: int) -> dict[str, Any] | None:
-        return next((r for r in self.rows(task_id) if r["step"] == step), None)
+            return [dict(r) for r in self._db().execute("SELECT * FROM checkpoints" + " WHERE task_id=?" * (
+                task_id is not None) + " ORDER BY task_id, step DESC", (task_id,) if task_id is not None else ())]
 
     @staticmethod
     def to_info(row: Mapping[str, Any], *, root: str | os.PathLike[str], abandoned: bool) -> CheckpointInfo:

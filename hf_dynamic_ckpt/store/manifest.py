@@ -1,14 +1,9 @@
 """A checkpoint's manifest, the checksums it records, its small JSON files, and the plain values passed around.
 
-The manifest is written last and lists every file with its size, checksum (``"xxh3_128:<hex>"``; an entry naming
-another algorithm is verified with that one), tier and rank; its own checksum (``manifest_checksum``: ``"sha256:"`` of
-the canonical JSON of every other key) refuses a tampered or torn manifest. It is indented strict JSON (non-finite
-floats are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``), so ``jq`` reads it. Frozen weights are not written:
-``frozen`` records each by checksum, dtype and shape, and the resume checks the model's own tensor (`check_frozen`);
-such a manifest is ``format_version`` 2, which an older reader refuses (it would export the model without them); any
-other is version 1. ``blobs`` is the table of a checkpoint of an earlier version, whose frozen weights live once per
-task under ``blobs/``. A manifest can only make the store touch allowlisted names in its own directory and 64-hex-digit
-blob digests; files are read without following a link and within a size bound.
+The manifest is written last (its format: docs/internals.md); its own checksum refuses a tampered or torn manifest, and
+an entry naming another checksum algorithm than ``xxh3_128`` is verified with that one. A manifest can only make the
+store touch allowlisted names in its own directory and 64-hex-digit blob digests; files are read without following a
+link and within a size bound.
 """
 
 from __future__ import annotations
@@ -20,22 +15,20 @@ import functools
 import hashlib
 import io
 import json
-import mmap
 import os
 import platform
 import re
 import stat
-import time
 import uuid
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import constants as C
 from ..constants import Tier
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError, UnsafePathError
-from ..jsonutil import as_float, json_safe, loads_bounded
+from ..jsonutil import as_float, loads_bounded
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +52,16 @@ class Codec(enum.StrEnum):
         except ValueError:
             extra = " (gzip is not offered for L1: zstd level 1-3 is smaller and faster)" if value == "gzip" else ""
             raise ConfigError(f"{field}={value!r} is invalid: expected 'zstd' or 'none'{extra}.") from None
+
+
+def step_dir_name(step: int) -> str:
+    return f"{C.STEP_DIR_PREFIX}{int(step)}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed directory name (``step-12`` -> 12), else `None`."""
+    m = re.fullmatch(rf"{C.STEP_DIR_PREFIX}(0|[1-9][0-9]*)", name)
+    return int(m.group(1)) if m else None
 
 
 def new_session_id() -> str:
@@ -114,8 +117,7 @@ class Lineage:
     parent_timeline: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"session": self.session, "timeline": self.timeline, "parent_step": self.parent_step,
-                "parent_timeline": self.parent_timeline}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Lineage:
@@ -335,16 +337,9 @@ def new_hasher(algo: str | None = None) -> Any:
 
 
 def file_checksum(path: str | os.PathLike[str], algo: str | None = None) -> str:
-    """``"<algo>:<hex>"`` of a whole file (large files hashed through a map: no copy out of the page cache)."""
-    hasher = new_hasher(algo)
+    """``"<algo>:<hex>"`` of a whole file, read without following a link."""
     with open_read(path) as f:
-        if (size := os.fstat(f.fileno()).st_size) < 1 << 20:
-            hasher.update(f.read())
-        else:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
-                for start in range(0, size, HASH_CHUNK):
-                    hasher.update(view[start : start + HASH_CHUNK])
-    return f"{algo or FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}"
+        return f"{algo or FILE_CHECKSUM_ALGO}:{hashlib.file_digest(f, lambda: new_hasher(algo)).hexdigest()}"
 
 
 def entry_of(data: bytes, *, tier: Tier, rank: int | None) -> dict[str, Any]:
@@ -398,7 +393,8 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _versions() -> tuple[tuple[str, str], ...]:
+def library_versions() -> tuple[tuple[str, str], ...]:
+    """Versions of the libraries whose objects a checkpoint holds, for the manifest (``dict()`` of it)."""
     from importlib import metadata
 
     from ..constants import VERSION
@@ -410,39 +406,12 @@ def _versions() -> tuple[tuple[str, str], ...]:
     return tuple(found.items())
 
 
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries whose objects a checkpoint holds, for the manifest."""
-    return dict(_versions())
-
-
 def recovery_cost_ms(files: Mapping[str, Mapping[str, Any]], blobs: Mapping[str, Mapping[str, Any]]) -> float:
     """An estimate that ranks checkpoints for ``resolve("fastest")``: 2 ms per file, L0 at 500 MB/s, L1 at 200 MB/s."""
     unique = {str(b.get("digest")): {C.KEY_SIZE: b.get("size", 0)} for b in blobs.values()}
     rate = {Tier.WEIGHTS.value: 500_000.0, Tier.OPTIMIZER.value: 200_000.0}
     return round(sum(2.0 + float(e.get(C.KEY_SIZE, 0)) / rate.get(e.get(C.KEY_TIER, "weights"), float("inf"))
                      for e in [*files.values(), *unique.values()]), 1)
-
-
-def build_manifest(*, task_id: str, step: int, epoch: float, reason: str, tiers: Collection[Tier], pinned: bool,
-                   healthy: bool, world_size: int, files: Mapping[str, Mapping[str, Any]], session_id: str,
-                   frozen: Mapping[str, Mapping[str, Any]] | None = None, kind: str | None = None,
-                   lineage: Lineage | None = None, signals: Mapping[str, Any] | None = None,
-                   debug_info: Collection[Mapping[str, Any]] = (), extra: Mapping[str, Any] | None = None,
-                   timings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The manifest of what the ranks wrote, its checksum included (only the last `DEBUG_INFO_STEPS` records)."""
-    manifest = {
-        C.KEY_FORMAT_VERSION: C.FORMAT_VERSION if frozen else 1, C.KEY_TASK_ID: task_id, C.KEY_STEP: int(step),
-        C.KEY_EPOCH: float(epoch), C.KEY_REASON: reason, C.KEY_TIERS: sorted(t.value for t in tiers),
-        C.KEY_PINNED: bool(pinned), C.KEY_HEALTHY: bool(healthy), C.KEY_WORLD_SIZE: int(world_size),
-        C.KEY_CREATED_AT: time.time(), C.KEY_SESSION_ID: session_id, C.KEY_FILES: dict(sorted(files.items())),
-        C.KEY_BLOBS: {}, C.KEY_BYTES: sum(int(e[C.KEY_SIZE]) for e in files.values()),
-        C.KEY_RECOVERY_COST: recovery_cost_ms(files, {}), C.KEY_SIGNALS: dict(signals or {}),
-        C.KEY_DEBUG_INFO: list(debug_info)[-C.DEBUG_INFO_STEPS:], C.KEY_EXTRA: dict(extra or {}),
-        C.KEY_VERSIONS: library_versions(), C.KEY_TIMINGS: dict(timings or {}),
-        **({C.KEY_FROZEN: dict(sorted(frozen.items()))} if frozen else {}),
-        **({C.KEY_KIND: str(kind)} if kind is not None else {}),
-        **({C.KEY_LINEAGE: lineage.to_dict()} if lineage is not None else {})}
-    return with_changes(json_safe(manifest), {})
 
 
 def manifest_bytes(manifest: Mapping[str, Any]) -> bytes:

@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import random
 import re
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..constants import MANIFEST_NAME, TMP_MARKER
+from ..constants import BLOBS_DIR, KEY_BLOBS, MANIFEST_NAME, PINNED_MARKER, TMP_MARKER, WRITER_LOCK_NAME
 from ..errors import ConfigError, DynamicCkptError, fault
+from ..jsonutil import loads_bounded
+from .manifest import GcReport, is_kind, parse_step_dir
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,7 +150,7 @@ class Remote:
         except ImportError as e:
             raise ConfigError(f"root={spec.shown!r} needs an fsspec backend that is not installed ({e}); for s3:// "
                               "install `hf_dynamic_ckpt[s3]` (s3fs), for gs:// gcsfs, for az:// adlfs.") from None
-        self.spec, self.base, self.retried = spec, str(path).rstrip("/"), 0
+        self.spec, self.base, self.retried, self.task_id = spec, str(path).rstrip("/"), 0, task_id
         self.prefix = f"{self.base}/{self.key_name(task_id)}"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,)
         self._dirs = bool({"file", "local"} & set(protocols))  # a file system, not an object store: make parents
@@ -261,3 +264,60 @@ class Remote:
         self.put(directory / MANIFEST_NAME, name, MANIFEST_NAME)
         for stale in set(self.names(name)) - {*files, MANIFEST_NAME, "PINNED"} if replacing else ():
             self.remove(name, stale)
+
+    def mirror(self, local: Path, files: Iterable[str]) -> None:
+        """Make the bucket's copy of a committed directory follow the cache's after a tier delete, pin or unpin: its
+        manifest, pin marker, and no file the manifest does not list."""
+        keep = {*files, MANIFEST_NAME}
+        self.put(local / MANIFEST_NAME, local.name, MANIFEST_NAME)
+        if is_kind(local / PINNED_MARKER, "file"):
+            self.put(b"", local.name, PINNED_MARKER)
+            keep.add(PINNED_MARKER)
+        for stale in set(self.names(local.name)) - keep:
+            self.remove(local.name, stale)
+
+    def note_writer(self, session: str) -> None:
+        """Record `session` as the task's writer, warning when another one wrote last (object stores offer no lock:
+        the note only makes a second writer visible)."""
+        with contextlib.suppress(ValueError, OSError):
+            old = loads_bounded(self.read(WRITER_LOCK_NAME, limit=4096) or b"null")
+            if isinstance(old, dict) and old.get("session") != session:
+                logger.warning("%s/%s: session %s on %s (pid %s) wrote here last, since %s; object stores have no "
+                               "lock, so make sure it has stopped: two writers on one task interleave their "
+                               "checkpoints", self.spec.shown, self.task_id, old.get("session"), old.get("host"),
+                               old.get("pid"), old.get("since"))
+        self.put(json.dumps({"session": session, "host": os.uname().nodename, "pid": os.getpid(),
+                             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), WRITER_LOCK_NAME)
+
+    def leftovers(self, session: str, *, dry_run: bool, at_open: bool, kept: list[str] | None = None) -> list[str]:
+        """Remove other sessions' ``step-<N>.tmp-*`` prefixes, and ``step-<N>/`` prefixes without a manifest (partial
+        uploads): all of them at the writer's open, else only those at or below the newest committed step; returns
+        them (`dry_run`: only that)."""
+        self.invalidate()
+        committed = {parse_step_dir(n) for n in self.manifests()}
+        top, removed = max((s for s in committed if s is not None), default=-1), []
+        for n in self.names():
+            partial = (step := parse_step_dir(n)) is not None and step not in committed
+            if partial and not at_open and step > top:  # type: ignore[operator]
+                (kept if kept is not None else []).append(
+                    f"remote:{n} kept: an upload without a manifest above the newest checkpoint (a save may be in "
+                    "flight); the writer's next open removes it if it was interrupted")
+            elif partial or (TMP_MARKER in n and parse_step_dir(n.split(TMP_MARKER)[0]) is not None
+                             and f"{TMP_MARKER}{session}" not in n):
+                removed.append(f"remote:{n}")
+                self.remove(n) if not dry_run else None
+        return removed
+
+    def collect_blobs(self, report: GcReport) -> None:
+        """Remove the blobs of an earlier version no manifest in the bucket references (`report.dry_run`: list them)."""
+        used = set()
+        for name, data in self.manifests().items():
+            try:
+                used |= {str(b.get("digest")) for b in (loads_bounded(data).get(KEY_BLOBS) or {}).values()}
+            except (ValueError, AttributeError):
+                return report.kept.append(f"remote blobs: not collected, the manifest of {name} is unreadable")
+        for n in self.names(BLOBS_DIR):
+            if n.split(".")[0] not in used:
+                report.blobs.append(f"remote:{n}")
+                report.bytes_freed += self.size(BLOBS_DIR, n) or 0
+                self.remove(BLOBS_DIR, n) if not report.dry_run else None

@@ -1,10 +1,4 @@
-"""`CheckpointStore`: tiered checkpoints of one task under a store root, committed atomically.
-
-Layout: ``<root>/catalog.db`` (the index, derived from the manifests); ``<root>/<task>/step-<N>/`` (a checkpoint, its
-``manifest.json`` written last); ``step-<N>.tmp-<session>`` (a save in progress; ``.replaced``: the copy a
-replace-commit set aside; ``.deleted-<hex8>``: one being deleted); ``timelines.json`` (current timeline, abandoned
-checkpoints), ``removed.jsonl`` (what retention removed, by which rule), ``.writer.lock`` (`lock`), and ``blobs/``
-(frozen weights of checkpoints written by earlier versions: read, verified and collected, never written).
+"""`CheckpointStore`: tiered checkpoints of one task under a store root, committed atomically (docs/internals.md).
 
 Invariants:
 
@@ -37,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import sqlite3
 import struct
@@ -82,16 +75,6 @@ ALIASES_KEY = "hf_dynamic_ckpt.aliases"
 """safetensors metadata of tied weights: ``{alias: stored key}`` as JSON; on load the alias is the same tensor."""
 _PASS = f"pass the store directory (the one holding {C.CATALOG_NAME}) or the training output_dir that holds " \
         f"{STORE_DIR}/"
-
-
-def step_dir_name(step: int) -> str:
-    return f"{C.STEP_DIR_PREFIX}{int(step)}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """The step of a committed directory name (``step-12`` -> 12), else `None`."""
-    m = re.fullmatch(rf"{C.STEP_DIR_PREFIX}(0|[1-9][0-9]*)", name)
-    return int(m.group(1)) if m else None
 
 
 def task_dirs(root: Path) -> list[Path]:
@@ -299,8 +282,11 @@ class CheckpointStore:
         self._writer = WriterLock(self.task_dir, session=spec.session_id)
         if writer:
             self._writer.acquire(takeover=takeover, what=f"task {spec.task_id!r} under {self.url}", wait_s=lock_wait_s)
+        if self.remote is not None and writer:  # interrupted uploads go; object stores have no lock: a note
+            self.remote.leftovers(self.session_id, dry_run=False, at_open=True)
+            self.remote.note_writer(self.session_id)
         if self.remote is not None and (pull or writer):
-            self._remote_open(writer=writer)
+            self._pull()
         if writer:
             self._remove_leftovers()
         if writer and self.catalog.rebuilt:
@@ -411,8 +397,7 @@ class CheckpointStore:
             return self._rebuild(all_tasks=not self._memory and self.remote is None)
 
     def _rebuild(self, *, all_tasks: bool) -> int:
-        tasks = [self.root / n for n in mf.listdir(self.root) if not n.startswith(".") and n != C.BLOBS_DIR] \
-            if all_tasks else [self.task_dir]
+        tasks = task_dirs(self.root) if all_tasks else [self.task_dir]
         return self.catalog.rebuild([i for t in tasks for i in self._scan_all(t)], root=self.root,
                                     task_id=None if all_tasks else self.task_id)
 
@@ -421,13 +406,13 @@ class CheckpointStore:
         """The step when `path` is a checkpoint directory of this task, else `None`."""
         path = Path(path).absolute()
         same = path.parent == self.task_dir or os.path.realpath(path.parent) == os.path.realpath(self.task_dir)
-        return parse_step_dir(path.name) if same else None
+        return mf.parse_step_dir(path.name) if same else None
 
     def _committed(self, task_dir: Path | None = None) -> dict[int, Path]:
         """Real ``step-<N>`` directories of a task (a link named like one is ignored, with a warning)."""
         out, task_dir = {}, task_dir or self.task_dir
         for name in mf.listdir(task_dir):
-            if (step := parse_step_dir(name)) is not None and is_kind(task_dir / name, "dir"):
+            if (step := mf.parse_step_dir(name)) is not None and is_kind(task_dir / name, "dir"):
                 out[step] = task_dir / name
             elif step is not None and is_kind(task_dir / name, "link"):
                 logger.warning("%s is a symbolic link, not a checkpoint: the store ignores it and never follows it",
@@ -436,21 +421,17 @@ class CheckpointStore:
 
     def _read_manifest(self, step: int, path: Path | None = None) -> dict[str, Any]:
         """The manifest of `step`, read once more after a read error (a transient fault's usual shape)."""
-        path = path or self.task_dir / step_dir_name(step)
+        path = path or self.task_dir / mf.step_dir_name(step)
         for attempt in (1, 2):
             try:
-                fault("read", name=C.MANIFEST_NAME, step=step, op="read")
+                try:
+                    fault("read", name=C.MANIFEST_NAME, step=step, op="read")
+                except OSError as e:  # the test hook's read error
+                    raise CorruptCheckpointError(f"{path / C.MANIFEST_NAME}: the manifest cannot be read ({e}).") from e
                 return mf.read_manifest(path, step=step, task_id=path.parent.name)
-            except NotFound:
-                raise
-            except OSError as e:  # the test hook's read error
-                error = CorruptCheckpointError(f"{path / C.MANIFEST_NAME}: the manifest cannot be read ({e}).")
             except CorruptCheckpointError as e:
-                if not isinstance(e.__cause__, OSError):
+                if attempt == 2 or not isinstance(e.__cause__, OSError):
                     raise
-                error = e
-            if attempt == 2:
-                raise error
         raise AssertionError("unreachable")
 
     def _info(self, manifest: Mapping[str, Any], path: Path) -> CheckpointInfo:
@@ -524,7 +505,7 @@ class CheckpointStore:
 
     def _by_step(self, step: int) -> CheckpointInfo:
         self.sync_catalog()
-        row = self.catalog.get(self.task_id, step)
+        row = next((r for r in self.catalog.rows(self.task_id) if r["step"] == step), None)
         if row is not None and row["status"] != mf.STATUS_MISSING:
             return Catalog.to_info(row, root=self.root, abandoned=(step, float(row["save_time"])) in self._abandoned())
         removed = self.removed().get(step)
@@ -535,24 +516,23 @@ class CheckpointStore:
     def _by_path(self, path: Path) -> CheckpointInfo:
         if (step := self._owns(path)) is not None:
             return self._by_step(step)
-        native = "DeepSpeed's and Trainer's" if any(n.startswith("global_step") for n in mf.listdir(path)) \
-            else "Trainer's"
-        for wrong, why in ((is_kind(path, "link"), "is a symbolic link; the store never follows links. Pass the real "
-                                                   "directory"),
-                           (not is_kind(path, "dir"), "is neither 'auto', 'best', 'fastest', 'step:N' nor an existing "
-                                                      "checkpoint directory"),
-                           (C.TMP_MARKER in path.name, "is an unfinished save (temporary directory), not a checkpoint"),
-                           (not is_kind(path / C.MANIFEST_NAME, "file") and is_kind(path / C.TRAINER_STATE_NAME,
-                                                                                     "file"),
-                            f"is {native} own checkpoint folder, not one of this store: pass it to trainer.train("
-                            "resume_from_checkpoint=...) directly (Trainer loads it itself; SmartCkptCallback saves "
-                            "into the store from there on)"),
-                           (not is_kind(path / C.MANIFEST_NAME, "file"), f"is not a checkpoint directory (no "
-                                                                         f"{C.MANIFEST_NAME}); pass a step-<N> "
-                                                                         "directory of a store")):
-            if wrong:
-                raise NotFound(f"{path} {why}; {self._available()}.")
-        return mf.info_from_manifest(mf.read_manifest(path, step=parse_step_dir(path.name)), path)
+        if is_kind(path, "link"):
+            why = "is a symbolic link; the store never follows links. Pass the real directory"
+        elif not is_kind(path, "dir"):
+            why = "is neither 'auto', 'best', 'fastest', 'step:N' nor an existing checkpoint directory"
+        elif C.TMP_MARKER in path.name:
+            why = "is an unfinished save (temporary directory), not a checkpoint"
+        elif not is_kind(path / C.MANIFEST_NAME, "file") and is_kind(path / C.TRAINER_STATE_NAME, "file"):
+            native = "DeepSpeed's and Trainer's" if any(n.startswith("global_step") for n in mf.listdir(path)) else \
+                "Trainer's"
+            why = (f"is {native} own checkpoint folder, not one of this store: pass it to trainer.train("
+                   "resume_from_checkpoint=...) directly (Trainer loads it itself; SmartCkptCallback saves into the "
+                   "store from there on)")
+        elif not is_kind(path / C.MANIFEST_NAME, "file"):
+            why = f"is not a checkpoint directory (no {C.MANIFEST_NAME}); pass a step-<N> directory of a store"
+        else:
+            return mf.info_from_manifest(mf.read_manifest(path, step=mf.parse_step_dir(path.name)), path)
+        raise NotFound(f"{path} {why}; {self._available()}.")
 
     # -- reading --------------------------------------------------------------------------------------------------
     def _manifest_of(self, info: CheckpointInfo) -> dict[str, Any]:
@@ -565,7 +545,7 @@ class CheckpointStore:
         except OSError as e:
             raise CorruptCheckpointError(f"step {info.step} could not be downloaded from {self.url}: {e}") from e
         try:
-            return self._read_manifest(info.step) if own else mf.read_manifest(directory, step=parse_step_dir(
+            return self._read_manifest(info.step) if own else mf.read_manifest(directory, step=mf.parse_step_dir(
                 directory.name))
         except (NotFound, CorruptCheckpointError) as e:
             self._set_status(info, mf.STATUS_MISSING if isinstance(e, NotFound) else mf.STATUS_CORRUPT)
@@ -839,11 +819,11 @@ class CheckpointStore:
                       "listed"), (Tier.OPTIMIZER, C.OPTIMIZER_META_NAME in files,
                                   f"tier optimizer is recorded but {C.OPTIMIZER_META_NAME} is not listed")]
         ranks = {e.get(C.KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
+        listed = [why for tier, ok, why in structure if tier in tiers and not ok]
+        listed += [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
+                   for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
         for _ in (1, 2):
-            found = [why for tier, ok, why in structure if tier in tiers and not ok]
-            found += [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
-                      for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
-            found += self._problems(directory, manifest, files, blobs=True)
+            found = listed + self._problems(directory, manifest, files, blobs=True)
             if found and mf.lstat(directory / C.MANIFEST_NAME) is None:
                 self._set_status(info, mf.STATUS_MISSING)
                 raise gone
@@ -889,7 +869,7 @@ class CheckpointStore:
     def _existing(self, request: SaveRequest, replace: bool) -> CheckpointInfo | bool:
         """What is committed at the step, read from disk (the same answer on every rank): `False` (nothing), the info
         to return (already committed by this timeline), or `True` (replace it)."""
-        if mf.lstat(path := self.task_dir / step_dir_name(request.step)) is None:
+        if mf.lstat(path := self.task_dir / mf.step_dir_name(request.step)) is None:
             return False
         try:
             manifest = self._read_manifest(request.step)
@@ -906,7 +886,7 @@ class CheckpointStore:
               cancel: Callable[[], bool] | None) -> tuple[CheckpointInfo | None, bool]:
         step, rank, disk = request.step, self.rank, self._disk
         try:  # under a URL root, this rank's cache has not seen rank 0's recent commits
-            self._refresh_step(step) if self.remote is not None and rank != 0 else None
+            self._pull(step) if self.remote is not None and rank != 0 else None
         except OSError as e:
             raise SaveError(f"saving step {step} on rank {rank}: reading the bucket failed: {e}; nothing was written "
                             "and the previous checkpoints are untouched.") from e
@@ -917,7 +897,7 @@ class CheckpointStore:
         if not is_kind(self.task_dir, "dir"):  # a new task
             disk.mkdir(self.task_dir)
             disk.fsync(self.root)
-        tmp, t0 = self.task_dir / f"{step_dir_name(step)}{C.TMP_MARKER}{self.session_id}", time.perf_counter()
+        tmp, t0 = self.task_dir / f"{mf.step_dir_name(step)}{C.TMP_MARKER}{self.session_id}", time.perf_counter()
         try:
             disk.mkdir(tmp)
             plain, shard_files, shards = write_shards(state, tmp, rank=rank)  # FSDP2 / ZeRO: this rank's shards
@@ -930,7 +910,7 @@ class CheckpointStore:
             disk.write(done, mf.json_bytes({**record, **({"sharded": shards} if shards else {})}), atomic="part")
             if self.remote is not None and rank != 0:  # no shared directory: rank 0 reads the object store
                 for name in files:
-                    self.remote.put(tmp / name, step_dir_name(step), name)
+                    self.remote.put(tmp / name, mf.step_dir_name(step), name)
                 self.remote.put(done, tmp.name, done.name)
                 disk.remove(tmp)
         except Exception as e:
@@ -948,7 +928,7 @@ class CheckpointStore:
             return self._commit(tmp, state, request, parts, timings)
         except OSError as e:
             self._discard(tmp)
-            raise SaveError(f"committing step {step} to {self.task_dir / step_dir_name(step)} failed: {e}; the "
+            raise SaveError(f"committing step {step} to {self.task_dir / mf.step_dir_name(step)} failed: {e}; the "
                             "previous checkpoints are untouched.") from e
 
     def _write_rank_files(self, state: CheckpointState, tmp: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -1066,17 +1046,32 @@ class CheckpointStore:
         extra = {k: v for k, v in state.extra.items() if k != C.KEY_RANK_CHUNKS}
         if chunks:  # every rank's chunk table, read back by `shard_files.sharded_table`
             extra[C.KEY_SHARDED] = {"format": C.SHARDED_FORMAT, "world_size": self.world_size, "ranks": chunks}
-        manifest = mf.build_manifest(
-            task_id=self.task_id, step=step, epoch=state.epoch, reason=request.reason, kind=request.kind, tiers=tiers,
-            pinned=request.pinned, healthy=request.healthy, world_size=self.world_size, files=files, frozen=frozen,
-            session_id=self.session_id, lineage=request.lineage, signals=request.signals,
-            debug_info=request.debug_info, extra=extra, timings=timings)
+        manifest = {  # only the last DEBUG_INFO_STEPS debug records; format 2 when it records frozen weights
+            C.KEY_FORMAT_VERSION: C.FORMAT_VERSION if frozen else 1, C.KEY_TASK_ID: self.task_id, C.KEY_STEP: step,
+            C.KEY_EPOCH: float(state.epoch), C.KEY_REASON: request.reason, C.KEY_TIERS: sorted(t.value for t in tiers),
+            C.KEY_PINNED: bool(request.pinned), C.KEY_HEALTHY: bool(request.healthy), C.KEY_WORLD_SIZE: self.world_size,
+            C.KEY_CREATED_AT: time.time(), C.KEY_SESSION_ID: self.session_id, C.KEY_FILES: dict(sorted(files.items())),
+            C.KEY_BLOBS: {}, C.KEY_BYTES: sum(int(e[C.KEY_SIZE]) for e in files.values()),
+            C.KEY_RECOVERY_COST: mf.recovery_cost_ms(files, {}), C.KEY_SIGNALS: dict(request.signals or {}),
+            C.KEY_DEBUG_INFO: list(request.debug_info)[-C.DEBUG_INFO_STEPS:], C.KEY_EXTRA: extra,
+            C.KEY_VERSIONS: dict(mf.library_versions()), C.KEY_TIMINGS: timings, C.KEY_KIND: str(request.kind),
+            **({C.KEY_FROZEN: dict(sorted(frozen.items()))} if frozen else {}),
+            **({C.KEY_LINEAGE: request.lineage.to_dict()} if request.lineage is not None else {})}
+        manifest = mf.with_changes(json_safe(manifest), {})
         fault("write", step=step, rank=0, name=C.MANIFEST_NAME)
         self._disk.write(tmp / C.MANIFEST_NAME, mf.manifest_bytes(manifest))
+        info, replaced = self._rename_in(tmp, manifest)
+        logger.debug("committed %s step %d (%s; %d bytes)", self.task_id, step, request.reason, info.bytes)
+        return info, replaced
+
+    def _rename_in(self, tmp: Path, manifest: dict[str, Any]) -> tuple[CheckpointInfo, bool]:
+        """Commit a complete temporary directory: fsync, the object store's commit point (manifest uploaded last), a
+        copy in the way set aside, the rename (the commit point), the aside copy removed, then the catalog row."""
+        step = manifest[C.KEY_STEP]
         self._disk.fsync(tmp)
-        if self.remote is not None:  # the object store's commit point (manifest uploaded last) comes first
-            self._publish(tmp, step, files)
-        final, aside = self.task_dir / step_dir_name(step), None
+        if self.remote is not None:
+            self._publish(tmp, step, manifest[C.KEY_FILES])
+        final, aside = self.task_dir / mf.step_dir_name(step), None
         if mf.lstat(final) is not None:  # another timeline's copy, or a directory without a manifest
             self._disk.rename(final, aside := final.with_name(f"{tmp.name}{C.ASIDE_SUFFIX}"))
             self._disk.fsync(self.task_dir)
@@ -1086,7 +1081,6 @@ class CheckpointStore:
         if aside is not None:
             self._discard(aside)
         self._record(info := self._info(manifest, final))
-        logger.debug("committed %s step %d (%s; %d bytes)", self.task_id, step, request.reason, info.bytes)
         return info, aside is not None
 
     # -- timelines ------------------------------------------------------------------------------------------------
@@ -1101,9 +1095,8 @@ class CheckpointStore:
             return self._timelines_cache[1]
         try:
             record = mf.read_json(path)
-            if record.get("format") != 1 or not all(isinstance(e["step"], int) and isinstance(e["created_at"], int |
-                                                                                             float)
-                                                    for e in record["abandoned"]):
+            ts = [(e["step"], e["created_at"]) for e in record["abandoned"]]
+            if record.get("format") != 1 or not all(isinstance(s, int) and isinstance(t, int | float) for s, t in ts):
                 raise ValueError("unexpected content")
         except (CorruptCheckpointError, AttributeError, KeyError, TypeError, ValueError) as e:
             logger.error("%s is unreadable or malformed (%s); treating no checkpoint as abandoned. Retention will not "
@@ -1126,30 +1119,21 @@ class CheckpointStore:
         problems = source.verify(f"step:{step}")
         if problems:
             raise CorruptCheckpointError(f"step {step} of {source.root} does not verify: {'; '.join(problems)}")
-        src, final = source.task_dir / step_dir_name(step), self.task_dir / step_dir_name(step)
+        src, final = source.task_dir / mf.step_dir_name(step), self.task_dir / mf.step_dir_name(step)
         with self._lock:
             if mf.lstat(final) is not None:
                 raise DynamicCkptError(f"adopt: {final} exists already; nothing was copied.")
             self._disk.mkdir(self.task_dir)
-            tmp = self.task_dir / f"{step_dir_name(step)}{C.TMP_MARKER}{self.session_id}"
+            tmp = self.task_dir / f"{mf.step_dir_name(step)}{C.TMP_MARKER}{self.session_id}"
             self._disk.remove(tmp)
             self._disk.mkdir(tmp)
             try:
-                for name in sorted(mf.listdir(src)):  # the manifest last: written, never half a checkpoint
-                    if name != C.MANIFEST_NAME:
-                        self._copy_in(src / name, tmp / name)
-                self._copy_in(src / C.MANIFEST_NAME, tmp / C.MANIFEST_NAME)
-                self._disk.fsync(tmp)
-                manifest = self._read_manifest(step, tmp)
-                if self.remote is not None:  # the object store's commit point first, as for a save
-                    self._publish(tmp, step, manifest[C.KEY_FILES])
-                fault("commit", step=step)
-                self._disk.rename(tmp, final)
-                self._disk.fsync(self.task_dir)
+                for name in sorted(mf.listdir(src), key=lambda n: n == C.MANIFEST_NAME):  # the manifest last
+                    self._copy_in(src / name, tmp / name)
+                info = self._rename_in(tmp, self._read_manifest(step, tmp))[0]
             except BaseException:
                 self._discard(tmp)
                 raise
-            self._record(info := self._info(manifest, final))
         logger.debug("adopted step %d of %s into %s", step, source.root, self.task_dir)
         return info
 
@@ -1202,7 +1186,7 @@ class CheckpointStore:
         if self._owns(info.path) is None:
             raise DynamicCkptError(f"{what} {info.path}: not a checkpoint of task {self.task_id!r} under {self.root}; "
                                    "open a store on its own root and task.")
-        if (fresh := self._scan(info.step, self.task_dir / step_dir_name(info.step))) is None:
+        if (fresh := self._scan(info.step, self.task_dir / mf.step_dir_name(info.step))) is None:
             raise NotFound(f"step {info.step} has no committed checkpoint in {self.task_dir}.")
         return fresh
 
@@ -1246,7 +1230,7 @@ class CheckpointStore:
     def _delete(self, info: CheckpointInfo, tiers: set[Tier] | None = None) -> int:
         """Delete a checkpoint (renamed to a temporary name first: never half of one that looks committed), or some of
         its tiers (the manifest rewritten before the files go); returns the bytes freed."""
-        path = self.task_dir / step_dir_name(info.step)
+        path = self.task_dir / mf.step_dir_name(info.step)
         if tiers is not None and tiers != set(ALL_TIERS) and set(info.tiers) - tiers:
             new, drop = mf.without_tiers(self._read_manifest(info.step), tiers)
             self._rewrite_manifest(path, new)
@@ -1256,8 +1240,8 @@ class CheckpointStore:
             self._mirror(info.step)
             return freed
         if self.remote is not None:  # the object store first: its manifest goes, so no reader counts it any more
-            self.remote.remove(step_dir_name(info.step), C.MANIFEST_NAME)
-            self.remote.remove(step_dir_name(info.step))
+            self.remote.remove(mf.step_dir_name(info.step), C.MANIFEST_NAME)
+            self.remote.remove(mf.step_dir_name(info.step))
         trash = path.with_name(f"{path.name}{C.TMP_MARKER}{self.session_id}{C.TRASH_INFIX}{uuid.uuid4().hex[:8]}")
         self._disk.rename(path, trash)
         self._disk.fsync(self.task_dir)
@@ -1295,7 +1279,7 @@ class CheckpointStore:
         report = GcReport()
         with self._lock:
             for planned, tiers, rule in plan:
-                fresh = self._scan(planned.step, self.task_dir / step_dir_name(planned.step))
+                fresh = self._scan(planned.step, self.task_dir / mf.step_dir_name(planned.step))
                 why = "is gone" if fresh is None else "was replaced since the plan was made" if \
                     fresh.save_time != planned.save_time else "is pinned on disk" if fresh.pinned else \
                     "is abandoned (removed by the abandoned-timeline rule)" if fresh.abandoned else \
@@ -1330,7 +1314,8 @@ class CheckpointStore:
                     report.temp_dirs.append(name)
                     report.bytes_freed += size
                 if self.remote is not None:
-                    report.temp_dirs += self._remote_leftovers(dry_run=dry_run, at_open=False, kept=report.kept)
+                    report.temp_dirs += self.remote.leftovers(self.session_id, dry_run=dry_run, at_open=False,
+                                                              kept=report.kept)
                 self._remove_abandoned(report)
                 self._collect_blobs(report)
                 self.sync_catalog(drop_missing=True) if not dry_run else None
@@ -1357,24 +1342,21 @@ class CheckpointStore:
         """Finish what interrupted saves, replace-commits and deletes left (the writer only): a copy set aside by a
         replace-commit whose step has no committed directory is renamed back; then every temporary entry of other
         sessions goes (this session's own ``step-<N>.tmp-<session>`` stays: other ranks may be writing into it)."""
-        names, removed, own = mf.listdir(self.task_dir), [], f"{C.TMP_MARKER}{self.session_id}"
-        for name in names if not dry_run else ():
-            final = self.task_dir / name.split(C.TMP_MARKER)[0]
-            if (step := parse_step_dir(final.name)) is None or not name.endswith(C.ASIDE_SUFFIX) or mf.lstat(final):
-                continue
-            try:
-                self._read_manifest(step, self.task_dir / name)
-            except (NotFound, CorruptCheckpointError, FormatVersionError) as e:
-                logger.error("step %s: the copy set aside by an interrupted replace (%s) is unusable (%s); left in "
-                             "place", step, name, e)
-                continue
-            self._disk.rename(self.task_dir / name, final)
-            self._disk.fsync(self.task_dir)
-            logger.warning("step %d: a replace-commit was interrupted between its renames; the previous copy is "
-                           "restored (%s -> %s)", step, name, final.name)
+        removed, own = [], f"{C.TMP_MARKER}{self.session_id}"
         for name in mf.listdir(self.task_dir):
-            if name.endswith(C.ASIDE_SUFFIX) and mf.lstat(self.task_dir / name.split(C.TMP_MARKER)[0]) is None:
-                continue  # an unusable aside copy stays
+            final = self.task_dir / name.split(C.TMP_MARKER)[0]
+            if name.endswith(C.ASIDE_SUFFIX) and mf.lstat(final) is None:  # restored, or (unusable) left in place
+                if not dry_run and (step := mf.parse_step_dir(final.name)) is not None:
+                    try:
+                        self._read_manifest(step, self.task_dir / name)
+                        self._disk.rename(self.task_dir / name, final)
+                        self._disk.fsync(self.task_dir)
+                        logger.warning("step %d: a replace-commit was interrupted between its renames; the previous "
+                                       "copy is restored (%s -> %s)", step, name, final.name)
+                    except (NotFound, CorruptCheckpointError, FormatVersionError) as e:
+                        logger.error("step %s: the copy set aside by an interrupted replace (%s) is unusable (%s); "
+                                     "left in place", step, name, e)
+                continue
             if (name.startswith(C.STEP_DIR_PREFIX) and C.TMP_MARKER in name and not name.endswith(own)) or \
                     name.startswith(f".{C.TIMELINES_NAME}{C.TMP_MARKER}"):
                 removed.append((name, _tree_bytes(self.task_dir / name)))
@@ -1387,7 +1369,7 @@ class CheckpointStore:
     def _collect_blobs(self, report: GcReport) -> None:
         """Remove the blobs of earlier versions no committed checkpoint (nor a copy set aside) references."""
         used, blobs = set(), self.task_dir / C.BLOBS_DIR
-        dirs = [*self._committed().items(), *((parse_step_dir(n.split(C.TMP_MARKER)[0]) or 0, self.task_dir / n)
+        dirs = [*self._committed().items(), *((mf.parse_step_dir(n.split(C.TMP_MARKER)[0]) or 0, self.task_dir / n)
                                               for n in mf.listdir(self.task_dir) if n.endswith(C.ASIDE_SUFFIX))]
         for step, path in dirs if is_kind(blobs, "dir") else ():
             try:
@@ -1402,7 +1384,7 @@ class CheckpointStore:
                 report.bytes_freed += _tree_bytes(blobs / name)
                 self._disk.remove(blobs / name) if not report.dry_run else None
         if self.remote is not None:
-            self._remote_collect_blobs(report)
+            self.remote.collect_blobs(report)
 
     # -- a URL root: the cache and the object store ----------------------------------------------------------------
     def _download(self, path: Path, *names: str) -> None:
@@ -1426,12 +1408,19 @@ class CheckpointStore:
             self._disk.remove(local)
             self._disk.rename(tmp, local)
 
-    def _pull(self) -> None:
-        """The cache holds exactly the bucket's manifests, pin markers and timelines (files come on demand)."""
+    def _pull(self, step: int | None = None) -> None:
+        """The cache holds exactly the bucket's manifests, pin markers and timelines (files come on demand); `step`
+        (ranks > 0 before a save): the timelines and that step's manifest only, so that this rank decides "already
+        committed / replace / new" from the same files as rank 0."""
         assert self.remote is not None
+        self.remote.invalidate()
         self._disk.mkdir(self.task_dir)
         if (timelines := self.remote.read(C.TIMELINES_NAME)) is not None:
             self._disk.write(self.task_dir / C.TIMELINES_NAME, timelines, atomic=self.session_id)
+        if step is not None:
+            if (data := self.remote.read(name := mf.step_dir_name(step), C.MANIFEST_NAME)) is not None:
+                return self._cache_manifest(name, data)
+            return self._disk.remove(self.task_dir / name)
         for name, data in sorted((manifests := self.remote.manifests()).items()):
             self._cache_manifest(name, data)
             if (self.remote.size(name, C.PINNED_MARKER) is not None) != is_kind(marker := self.task_dir / name /
@@ -1440,61 +1429,9 @@ class CheckpointStore:
         for path in self._committed().values():
             self._disk.remove(path) if path.name not in manifests else None
 
-    def _remote_open(self, *, writer: bool) -> None:
-        """The writer removes interrupted uploads and notes itself (object stores offer no lock: the note only makes
-        a second writer visible); then the cache is made to hold the bucket's manifests."""
-        assert self.remote is not None
-        if writer:
-            self._remote_leftovers(dry_run=False, at_open=True)
-            with contextlib.suppress(ValueError, OSError):
-                old = loads_bounded(self.remote.read(C.WRITER_LOCK_NAME, limit=4096) or b"null")
-                if isinstance(old, dict) and old.get("session") != self.session_id:
-                    logger.warning("%s/%s: session %s on %s (pid %s) wrote here last, since %s; object stores have "
-                                   "no lock, so make sure it has stopped: two writers on one task interleave their "
-                                   "checkpoints", self.url, self.task_id, old.get("session"), old.get("host"),
-                                   old.get("pid"), old.get("since"))
-            self.remote.put(json.dumps({"session": self.session_id, "host": os.uname().nodename, "pid": os.getpid(),
-                                        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(),
-                            C.WRITER_LOCK_NAME)
-        self._pull()
-
-    def _remote_leftovers(self, *, dry_run: bool, at_open: bool,
-                          kept: builtins.list[str] | None = None) -> builtins.list[str]:
-        """Other sessions' ``step-<N>.tmp-*`` prefixes, and ``step-<N>/`` prefixes without a manifest (partial
-        uploads): all of them at the writer's open, else only those at or below the newest committed step."""
-        assert self.remote is not None
-        self.remote.invalidate()
-        committed = {parse_step_dir(n) for n in self.remote.manifests()}
-        top, removed = max((s for s in committed if s is not None), default=-1), []
-        for n in self.remote.names():
-            partial = (step := parse_step_dir(n)) is not None and step not in committed
-            if partial and not at_open and step > top:  # type: ignore[operator]
-                (kept if kept is not None else []).append(
-                    f"remote:{n} kept: an upload without a manifest above the newest checkpoint (a save may be in "
-                    "flight); the writer's next open removes it if it was interrupted")
-            elif partial or (C.TMP_MARKER in n and parse_step_dir(n.split(C.TMP_MARKER)[0]) is not None
-                             and f"{C.TMP_MARKER}{self.session_id}" not in n):
-                removed.append(f"remote:{n}")
-                self.remote.remove(n) if not dry_run else None
-        return removed
-
-    def _remote_collect_blobs(self, report: GcReport) -> None:
-        assert self.remote is not None
-        used = set()
-        for name, data in self.remote.manifests().items():
-            try:
-                used |= {str(b.get("digest")) for b in (loads_bounded(data).get(C.KEY_BLOBS) or {}).values()}
-            except (ValueError, AttributeError):
-                return report.kept.append(f"remote blobs: not collected, the manifest of {name} is unreadable")
-        for n in self.remote.names(C.BLOBS_DIR):
-            if n.split(".")[0] not in used:
-                report.blobs.append(f"remote:{n}")
-                report.bytes_freed += self.remote.size(C.BLOBS_DIR, n) or 0
-                self.remote.remove(C.BLOBS_DIR, n) if not report.dry_run else None
-
     def _materialize(self, step: int) -> None:
         """Download what a cached checkpoint's manifest lists (blobs of an earlier version too) and the cache lacks."""
-        path, name, manifest = self.task_dir / step_dir_name(step), step_dir_name(step), self._read_manifest(step)
+        path, name, manifest = self.task_dir / mf.step_dir_name(step), mf.step_dir_name(step), self._read_manifest(step)
         for fname, entry in manifest[C.KEY_FILES].items():
             if (st := mf.lstat(path / fname)) is None or st.st_size != entry[C.KEY_SIZE]:
                 self._download(path / fname, name, fname)
@@ -1502,19 +1439,6 @@ class CheckpointStore:
             if not is_kind(blob := self._blob(path, rec["digest"]), "file"):
                 self._disk.mkdir(blob.parent)
                 self._download(blob, C.BLOBS_DIR, blob.name)
-
-    def _refresh_step(self, step: int) -> None:
-        """Ranks > 0 before a save: the bucket's manifest of `step` and timelines into the cache, so that this rank
-        decides "already committed / replace / new" from the same files as rank 0."""
-        assert self.remote is not None
-        self.remote.invalidate()
-        self._disk.mkdir(self.task_dir)
-        if (timelines := self.remote.read(C.TIMELINES_NAME)) is not None:
-            self._disk.write(self.task_dir / C.TIMELINES_NAME, timelines, atomic=self.session_id)
-        if (data := self.remote.read(step_dir_name(step), C.MANIFEST_NAME)) is not None:
-            self._cache_manifest(step_dir_name(step), data)
-        else:
-            self._disk.remove(self.task_dir / step_dir_name(step))
 
     def _fetch_done(self, done: Path) -> bool:
         """Rank 0 under a URL root: another rank's done note copied from the bucket, when it is there."""
@@ -1530,7 +1454,7 @@ class CheckpointStore:
         """Rank 0, before the local rename: other ranks' files into the cache, then every file to the bucket and the
         manifest last; a failed upload is removed where the endpoint allows (else by the next open or `gc`)."""
         assert self.remote is not None
-        name = step_dir_name(step)
+        name = mf.step_dir_name(step)
         for fname in files:
             self._download(tmp / fname, name, fname) if not is_kind(tmp / fname, "file") else None
         self.remote.invalidate()
@@ -1545,11 +1469,4 @@ class CheckpointStore:
     def _mirror(self, step: int) -> None:
         """After a tier delete, pin or unpin: the bucket's copy of `step` follows the cache."""
         if self.remote is not None:
-            local, name = self.task_dir / step_dir_name(step), step_dir_name(step)
-            keep = {*self._read_manifest(step)[C.KEY_FILES], C.MANIFEST_NAME}
-            self.remote.put(local / C.MANIFEST_NAME, name, C.MANIFEST_NAME)
-            if is_kind(local / C.PINNED_MARKER, "file"):
-                self.remote.put(b"", name, C.PINNED_MARKER)
-                keep.add(C.PINNED_MARKER)
-            for stale in set(self.remote.names(name)) - keep:
-                self.remote.remove(name, stale)
+            self.remote.mirror(self.task_dir / mf.step_dir_name(step), self._read_manifest(step)[C.KEY_FILES])

@@ -38,7 +38,6 @@ def _rows(root: Path) -> list[dict[str, Any]]:
 
 def test_wal_mode_and_task_step_index(tmp_path: Path) -> None:
     cat = Catalog(tmp_path / CATALOG_NAME)
-    assert cat.journal_mode() == "wal"
     conn = sqlite3.connect(tmp_path / CATALOG_NAME)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"  # persistent, seen by any connection
     (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name='idx_checkpoints_task_step'").fetchone()
