@@ -367,7 +367,7 @@ def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = Non
     Args:
         path (`Path`): the file's path, for messages.
         checksum (`str`, *optional*): the manifest's ``"<algo>:<hex>"`` of the file, verified in the same pass.
-        max_numel (`int`, *optional*): the most elements a tensor may declare (`state.optimizer.state_numel_bound`).
+        max_numel (`int`, *optional*): the most elements a tensor may declare (`state.state_numel_bound`).
         threads (`int`, *optional*, defaults to `0`: every usable CPU): frames decoded in parallel.
 
     Raises:

@@ -607,7 +607,7 @@ class CheckpointStore:
             rank (`int`, *optional*): whose RNG file to read; defaults to this store's rank.
             mmap (`bool`, *optional*, defaults to `True`): weights as views of a private map of the file (no copy).
             l1_max_numel (`int`, *optional*): the most elements an optimizer-tier tensor may declare
-                (`state.optimizer.state_numel_bound`); checked before anything is allocated.
+                (`state.state_numel_bound`); checked before anything is allocated.
             weights_checksum (`bool`, *optional*, defaults to `True`): `False` checks the weights file's size and
                 header only, leaving its checksum to `read_weights_into(..., verify=True)` before any weight is used.
 
