@@ -29,8 +29,7 @@ from ..errors import ConfigError, SaveError, fault
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
 from ..store.slots import keep_newest
-from .overlap import Overlap
-from .snapshot import Allocator, Snapshotter, collect, direct, scopes, shared_storage, tensors_in
+from .snapshot import Allocator, Overlap, Snapshotter, collect, direct, scopes, shared_storage, tensors_in
 from .writer import PROCESS_WRITER_MIN_BUDGET, Job, OnBusy, ProcessWriter, SaveHandle, run_job
 
 logger = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ class SaveEngine:
             this process's cgroup, or of `$HF_DYNAMIC_CKPT_CGROUP_DIR`).
         writer_nice (`int`, *optional*, defaults to `10`): nice increment of the writer process (`0`: none).
         overlap (`bool`, *optional*, defaults to `False`): copy the optimizer's parameters and state beside the
-            next forward and backward (`overlap.py`); `None`: only for CUDA parameters with at least 32 MiB.
+            next forward and backward (`Overlap`); `None`: only for CUDA parameters with at least 32 MiB.
         allocate (`Allocator`, *optional*, defaults to `snapshot.shared_storage`): where the snapshot buffers
             live; shared memory the writer process can map (a named shared-memory slot can be one).
         slots (`CheckpointStore`, *optional*): the memory tier's slots (`store.slots`), written by `save(memory=True)`

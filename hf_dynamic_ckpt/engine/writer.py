@@ -33,8 +33,7 @@ from ..errors import ConfigError, DynamicCkptError, SaveError, StoreLockedError
 from ..state import RawRngState
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
 from ..store.slots import keep_newest, persist_newest
-from .overlap import PendingCopy
-from .snapshot import Layout
+from .snapshot import Layout, PendingCopy
 
 logger = logging.getLogger(__name__)
 
