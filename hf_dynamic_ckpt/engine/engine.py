@@ -28,7 +28,7 @@ from ..constants import Tier
 from ..errors import ConfigError, SaveError, fault
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
-from ..store.slots import keep_newest
+from ..store.slots import EARLY_SLOT_MAX_BYTES, keep_newest, room_problem, tensor_bytes
 from .snapshot import Allocator, Overlap, Snapshotter, collect, direct, scopes, shared_storage, tensors_in
 from .writer import PROCESS_WRITER_MIN_BUDGET, Job, OnBusy, ProcessWriter, SaveHandle, run_job
 
@@ -92,6 +92,7 @@ class SaveEngine:
             headroom = lambda: sysmem.headroom(cgroup)  # noqa: E731
         self._headroom = headroom
         self._room: tuple[float, sysmem.Headroom] | None = None  # (when, what): reused by memory slots for a second
+        self._slot_fits = -1  # the size of the slots written on this thread whose room was checked
         self.slots = slots
         self.last_plan: sysmem.StagingPlan | None = None
         """The staging decision of the last background save (buffered or streaming, and why)."""
@@ -141,7 +142,8 @@ class SaveEngine:
                             self.memory_margin * 100)
                 self._no_writer = True
             else:
-                self._writer = ProcessWriter(self.store, nice=self.writer_nice, slots=self.slots)
+                self._writer = ProcessWriter(self.store, nice=self.writer_nice, slots=self.slots,
+                                             margin=self.memory_margin)
         deadline, writer = time.monotonic() + wait_s, self._writer
         while writer is not None and not writer.ready and not writer.failed and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -198,7 +200,21 @@ class SaveEngine:
         writer = self._ready_writer() if not blocking else None
         if writer is None:
             handle.staging = "sync"
-            return self._write_now(direct(live), request, handle, start, slots=memory)
+            state = direct(live)
+            if memory:  # before the writer is up: a small slot, on this thread, where two fit
+                nbytes = tensor_bytes([state.weights, state.optimizer])
+                if nbytes > EARLY_SLOT_MAX_BYTES:
+                    handle.skipped = (f"memory slot of step {request.step} skipped: {nbytes / 2**20:.0f} MiB is too "
+                                      "large to write on the training thread (the writer process, once up, does)")
+                    handle.blocking_ms = (time.perf_counter() - start) * 1e3
+                    handle.settle(None)
+                    return handle
+                if nbytes != self._slot_fits:
+                    if problem := room_problem(nbytes, self.slots, self.memory_margin):  # type: ignore[arg-type]
+                        handle.settle(None, SaveError(problem))
+                        return handle
+                    self._slot_fits = nbytes
+            return self._write_now(state, request, handle, start, slots=memory)
         parts = scopes(live)
         needed, held = self._snapshotter.needed_bytes(parts), self._snapshotter.nbytes
         room = self._room

@@ -32,7 +32,7 @@ import torch
 from ..errors import ConfigError, DynamicCkptError, SaveError, StoreLockedError
 from ..state import RawRngState
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
-from ..store.slots import keep_newest, persist_newest
+from ..store.slots import keep_newest, persist_newest, room_problem, tensor_bytes
 from .snapshot import Layout, PendingCopy
 
 logger = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> N
 
 
 def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, nice: int | None,
-                slots_spec: Any = None) -> None:
+                slots_spec: Any = None, margin: float = 0.15) -> None:
     """The writer process: map the layouts it is sent, write the saves it is sent, until told to stop. When the
     training process goes without a stop (EOF on the pipe, SIGTERM at its exit), the newest slot is persisted."""
     torch.set_num_threads(1)
@@ -271,7 +271,7 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
     _renice(0, nice)
     ready.set()
     views: dict[_Ref, torch.Tensor] = {}
-    stopped = False
+    stopped, fits = False, -1  # the slot size whose room was checked
     try:
         while (msg := conn.recv())[0] != "stop":  # EOFError: the training process ended (or was killed)
             if msg[0] == "layouts":  # the views of the layouts the parent holds, by `_Ref`
@@ -285,6 +285,10 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
             try:
                 if target is slots:
                     keep_newest(slots)  # two slots: the newest whole one and this one
+                    nbytes = tensor_bytes([state.weights, state.optimizer])
+                    if nbytes != fits and (problem := room_problem(nbytes, slots, margin)):
+                        raise SaveError(problem)
+                    fits = nbytes
                 reply: tuple[str, Any] = ("ok", target.save(state, request, timings=timings, cancel=cancel.is_set))
             except Exception as e:
                 reply = ("error", f"{type(e).__name__}: {e}")
@@ -311,14 +315,14 @@ class ProcessWriter:
     job's deferred copies, ships it, waits for the reply and forwards an abort (a shared event the child's store
     polls): it only waits, taking no CPU from training."""
 
-    def __init__(self, store: Any, *, nice: int = 0, slots: Any = None) -> None:
+    def __init__(self, store: Any, *, nice: int = 0, slots: Any = None, margin: float = 0.15) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._ready, self._cancel = ctx.Event(), ctx.Event()
         target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice) if nice > 0 else None
         self._proc = ctx.Process(target=_child_main, daemon=True, name="hf-dynamic-ckpt-writer", args=(
             type(store), beside_training(store.spec), child, self._ready, self._cancel, target,
-            slots.spec if slots is not None else None))
+            slots.spec if slots is not None else None, margin))
         main = sys.modules.get("__main__")  # spawn re-runs `__main__` in the child, which re-runs a training script
         sys.modules["__main__"] = types.ModuleType("__main__")  # without a `__main__` guard; the writer needs none
         try:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import distributed as dist
-from .. import sysmem
 from ..config import OnSaveError, SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..engine import SaveEngine
@@ -93,8 +92,6 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
 MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5
 """A slot's write still running when the next slot is due is waited for up to half a step (at most 1 s); a longer
 one (or a disk save in flight) skips that step's slot, counted in `MemoryTier.skipped`."""
-SMALL_SLOT_BYTES = 64 << 20
-"""A slot at most this large may be written on the training thread before the writer process is up."""
 EARLY_BURST_S = 60.0
 """Slots written on the training thread before the writer process is up spend the overhead budget of this many
 seconds at once, then what it accrues: `policy.overhead_budget` of any window of the run, plus this window's share."""
@@ -168,14 +165,14 @@ class MemoryTier:
         return step % self.every == 0
 
     def write_early(self) -> bool:
-        """Before the writer process is up: whether this step's slot is written on the training thread, for a slot of
-        at most `SMALL_SLOT_BYTES`, while the budget's credit lasts (spent by `settle`, refilled here as time passes,
-        never above `EARLY_BURST_S` of budget)."""
+        """Before the writer process is up: whether this step's slot is written on the training thread (a slot of at
+        most `EARLY_SLOT_MAX_BYTES`, the engine checks) while the budget's credit lasts (spent by `settle`, refilled
+        here as time passes, never above `EARLY_BURST_S` of budget)."""
         budget, now = self.config.policy.overhead_budget, time.perf_counter()
         if self._credited is not None:
             self.credit_ms = min(budget * EARLY_BURST_S * 1e3, self.credit_ms + budget * (now - self._credited) * 1e3)
         self._credited = now
-        return (self.bytes is None or self.bytes <= SMALL_SLOT_BYTES) and self.credit_ms > 0
+        return (self.bytes is None or self.bytes <= slot_store.EARLY_SLOT_MAX_BYTES) and self.credit_ms > 0
 
     def settle(self, handle: Any) -> None:
         """Learn from a finished slot write: its size fits or the tier goes off; its cost sets `every`."""
@@ -188,6 +185,9 @@ class MemoryTier:
         error = handle.exception()
         if error is not None:
             cause = error.__cause__
+            if "do not fit" in str(error):  # checked before the first slot of a size was written (`room_problem`)
+                self.turn_off(str(error).split("SaveError: ", 1)[-1], remove=True)
+                return
             full = "No space left" in str(error) or getattr(cause, "errno", None) == errno.ENOSPC
             self.turn_off(f"writing a slot failed ({error})", failed=True, remove=full, fix=(
                 f"; {slot_store.SHM_DIR} is too small: give the container more (docker run --shm-size=..., or a "
@@ -198,31 +198,12 @@ class MemoryTier:
         self.last_step = handle.step
         if info is None:
             return
-        resized, self.bytes = info.bytes != self.bytes, info.bytes
+        self.bytes = info.bytes
         if handle.staging == "sync":  # written on the training thread: paid from the budget's credit
             self.credit_ms -= handle.blocking_ms
-        if resized and not self._fits(info.bytes):
-            return
         if self.config.runtime.memory_every is None and handle.staging != "sync" and self.step_s:
             self.every = slot_cadence(handle.blocking_ms, handle.write_ms or 0.0, self.step_s * 1e3,
                                       self.config.policy.overhead_budget)
-
-    def _fits(self, nbytes: int) -> bool:
-        """Whether two slots of `nbytes` fit in `/dev/shm` and the host memory left; if not, the tier goes off.
-        Checked when the slot's size changes (the first slot), not every step."""
-        free, total = slot_store.shm_room()
-        if 2 * nbytes + slot_store.SHM_RESERVE_BYTES > free + nbytes:  # this slot is counted in `free`
-            self.turn_off(f"two slots of {nbytes / 2**20:.1f} MiB do not fit in {slot_store.SHM_DIR} "
-                          f"({free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB, "
-                          f"{slot_store.SHM_RESERVE_BYTES >> 20} MiB kept for data loaders and NCCL); give it more "
-                          "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory)", remove=True)
-            return False
-        room = sysmem.headroom(sysmem.find_memory_cgroup())
-        if nbytes > room.budget(self.config.runtime.memory_margin):
-            self.turn_off(f"a second slot of {nbytes / 2**20:.1f} MiB does not fit in the host memory left "
-                          f"({room.available_bytes / 2**20:.0f} MiB available)", remove=True)
-            return False
-        return True
 
     def turn_off(self, why: str, *, remove: bool = False, failed: bool = False, fix: str = "") -> None:
         """No more slots: one line, INFO (WARNING if a write `failed`), with the `fix`; the committed slots stay for a

@@ -20,8 +20,13 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from .. import sysmem
 from ..errors import CorruptCheckpointError, DynamicCkptError, UnsafePathError
 from .manifest import CheckpointInfo
 from .store import CheckpointStore
@@ -32,6 +37,8 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "hf-dynamic-ckpt-"
 SHM_RESERVE_BYTES = 256 << 20
 """`/dev/shm` room left to others (data-loader workers pass batches through it, NCCL's shared-memory transport)."""
+EARLY_SLOT_MAX_BYTES = 64 << 20
+"""A slot at most this large may be written on the training thread, before the writer process is up."""
 
 
 def slots_dir(root: str | os.PathLike[str], task_id: str, *, base: str = SHM_DIR) -> Path:
@@ -63,6 +70,31 @@ def secure(path: Path, *, create: bool) -> bool:
     """Check (and with `create`, make) the private directories from ``/dev/shm/hf-dynamic-ckpt-<uid>`` down to
     `path`; returns whether `path` exists."""
     return _checked(path.parent, create=create) and _checked(path, create=create)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors of a nested state (a checkpoint's weights and optimizer state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, list | tuple) else ()
+    return sum(tensor_bytes(v) for v in values)
+
+
+def room_problem(nbytes: int, slots: CheckpointStore, margin: float, *, base: str = SHM_DIR) -> str | None:
+    """Why two slots of `nbytes` do not fit, or `None`: `/dev/shm` must keep `SHM_RESERVE_BYTES` for others, the
+    host (or cgroup) memory `margin` free; the slots written already count as room (they are replaced). Checked
+    before the first slot of a size is written, never after: a slot that does not fit is never half written."""
+    ours = sum(f.stat().st_size for f in Path(slots.root).rglob("*") if f.is_file())
+    free, total = shm_room(base)
+    if 2 * nbytes + SHM_RESERVE_BYTES > free + ours:
+        return (f"two slots of {nbytes / 2**20:.1f} MiB do not fit in {base} ({free / 2**20:.0f} MiB free of "
+                f"{total / 2**20:.0f} MiB, {SHM_RESERVE_BYTES >> 20} MiB kept for data loaders and NCCL); give it "
+                "more (docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory)")
+    room = sysmem.headroom(sysmem.find_memory_cgroup())
+    if 2 * nbytes > room.budget(margin) + ours:
+        return (f"two slots of {nbytes / 2**20:.1f} MiB do not fit in the host memory left "
+                f"({room.available_bytes / 2**20:.0f} MiB available, {margin:.0%} kept free)")
+    return None
 
 
 def shm_room(base: str = SHM_DIR) -> tuple[int, int]:

@@ -21,6 +21,8 @@ from hf_dynamic_ckpt.store.slots import (
     newest,
     open_slots,
     persist_newest,
+    room_problem,
+    shm_room,
     slots_dir,
 )
 
@@ -105,3 +107,20 @@ def test_slots_refuse_a_link_or_a_directory_others_can_write(tmp_path: Path, dis
 def test_slot_cadence_keeps_the_snapshot_within_the_budget_and_the_writer_ahead(
         blocking_ms: float, write_ms: float, step_ms: float, every: int) -> None:
     assert slot_cadence(blocking_ms, write_ms, step_ms, 0.02) == every
+
+
+def test_two_slots_must_fit_in_shm_and_in_host_memory_before_the_first_is_written(tmp_path: Path,
+                                                                                  disk: CheckpointStore) -> None:
+    base = str(tmp_path / "shm")  # a directory on the disk: its free space plays /dev/shm
+    os.mkdir(base)
+    slots = open_slots(disk, read_only=False, base=base)
+    assert slots is not None
+    free, _ = shm_room(base)
+    assert room_problem(1 << 20, slots, 0.15, base=base) is None
+    problem = room_problem(free // 2, slots, 0.15, base=base)
+    assert problem is not None and problem.startswith(f"two slots of {free / 2 / 2**20:.1f} MiB do not fit in {base}")
+    assert "MiB kept for data loaders and NCCL); give it more (docker run --shm-size=..." in problem
+    problem = room_problem(1 << 20, slots, 0.99, base=base)  # 99 % of the host memory kept free: no room for 2 MiB
+    assert problem is not None and problem.startswith("two slots of 1.0 MiB do not fit in the host memory left (")
+    assert problem.endswith("MiB available, 99% kept free)")
+    slots.close()
