@@ -104,7 +104,7 @@ def test_sigkill_after_an_evaluation_with_persistent_workers_then_the_same_comma
     and every evaluation, is the uninterrupted run's."""
     worker = REPO / "tests" / "integration" / "trainer_worker.py"
     common = ["--model", "lora", "--max_steps", "24", "--ga", "1", "--examples", "48", "--base_interval", "4",
-              "--workers", "2", "--eval_steps", "5"]
+              "--workers", "2", "--eval_steps", "5", "--memory_every", "1"]  # a slot every step, as at a real pace
 
     def run(tag: str, *args: str) -> dict[str, Any]:
         # Output to a file, not a pipe: the killed run's orphaned workers would hold a pipe open.
@@ -122,6 +122,44 @@ def test_sigkill_after_an_evaluation_with_persistent_workers_then_the_same_comma
     assert resumed["resumed_from"] == 14  # the memory tier's slot of step 14 (the disk's newest: 12)
     assert resumed["losses"] == reference["losses"][14:]
     assert resumed["evals"] == reference["evals"] and set(reference["evals"]) == {"5", "10", "15", "20", "24"}
+    assert resumed["trainable"] == reference["trainable"]
+
+
+MEMORY_CASES = [  # (model, data-loader workers, evaluate every N steps or never, seed of the kill step)
+    pytest.param(*case, id="-".join(map(str, case)), marks=pytest.mark.slow)
+    for case in itertools.product(("lora", "full"), (0, 2), (None, 5), (1,))
+]
+
+
+@pytest.mark.parametrize("model,workers,eval_steps,seed", MEMORY_CASES)
+def test_sigkill_at_a_seeded_step_resumes_from_the_memory_tier(tmp_path: Path, model: str, workers: int,
+                                                                eval_steps: int | None, seed: int) -> None:
+    """The memory-tier axis: a SIGKILL after a step drawn from `seed` (disk saves every 4 steps), the same command
+    again: resumed from the slot of the step before (the killed step's own slot is taken after its end; a disk save of
+    it, every 4th step, may be written already), and every later loss and evaluation is the uninterrupted run's."""
+    import random
+
+    kill = random.Random(f"{model}{workers}{eval_steps}{seed}").randint(6, 22)
+    worker = REPO / "tests" / "integration" / "trainer_worker.py"
+    common = ["--model", model, "--max_steps", "24", "--ga", "1", "--examples", "48", "--base_interval", "4",
+              "--workers", str(workers), "--memory_every", "1",
+              *(["--eval_steps", str(eval_steps)] if eval_steps else [])]
+
+    def run(tag: str, *args: str) -> dict[str, Any]:
+        with open(tmp_path / f"{tag}.log", "w") as log:  # a file: a killed run's orphaned workers hold a pipe
+            subprocess.run([sys.executable, str(worker), "--out", str(tmp_path / tag), "--tag", tag, *common, *args],
+                           stdout=log, stderr=subprocess.STDOUT, timeout=600, cwd=tmp_path)
+        result = tmp_path / tag / f"{tag}-rank0.json"
+        assert result.exists(), (tmp_path / f"{tag}.log").read_text()[-4000:]
+        return json.loads(result.read_text())
+
+    reference = run("reference")
+    assert run("run", "--kill_at", str(kill))["killed"]
+    resumed = run("run", "--resume", "auto")
+    start = resumed["resumed_from"]  # the killed step's own state only where a disk save of it was already handed on
+    assert start == kill - 1 or (start == kill and kill % 4 == 0), (kill, start)
+    assert resumed["losses"] == reference["losses"][start:]
+    assert resumed["evals"] == reference["evals"]
     assert resumed["trainable"] == reference["trainable"]
 
 

@@ -102,6 +102,7 @@ def main() -> None:
                    help="load_best_model_at_end on eval_loss (Trainer's own saves every eval_steps, 2 kept)")
     p.add_argument("--early_stopping", type=int, default=None, help="EarlyStoppingCallback with this patience")
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--memory_every", type=int, default=None, help="runtime.memory_every (default: from its cost)")
     args = p.parse_args()
 
     from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
@@ -193,7 +194,8 @@ def main() -> None:
                 "on_rollbacks_exhausted": args.exhausted}
     short = {} if args.default_policy else {"stability_window": 8, "overhead_budget": 1.0}
     config = SmartCkptConfig(base_interval=args.base_interval, on_anomaly=args.on_anomaly,
-                             policy={**rollback, **short}, runtime={"keep_global_batch": not args.accept_global_batch})
+                             policy={**rollback, **short}, runtime={"keep_global_batch": not args.accept_global_batch,
+                                                                   "memory_every": args.memory_every})
     cb = SmartCkptCallback(config)
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "run"), max_steps=args.max_steps, per_device_train_batch_size=args.per_device,
