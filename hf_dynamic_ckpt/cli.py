@@ -1,15 +1,10 @@
-"""`hf-dynamic-ckpt` (or `python -m hf_dynamic_ckpt.cli`): inspect, check, manage and export a store.
-
-    ls ROOT [--task T] [--all] [--json]    show ROOT REF [--json]     verify ROOT [REF | --all]    reindex ROOT
-    pin|unpin ROOT REF    rm ROOT REF... [--force]    gc ROOT [--dry-run] [--json]    plot ROOT [-o PNG]
-    export ROOT REF OUT [--format peft|hf|merged] [--base PATH] [--overwrite]    (all but reindex: [--task T])
+"""`hf-dynamic-ckpt` (or `python -m hf_dynamic_ckpt.cli`): inspect, check, manage and export a store (``--help``).
 
 ROOT is the store directory (holding ``catalog.db``), the training ``output_dir`` (its ``smart_ckpt/``) or a URL
-root (fsspec options as a JSON object in ``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``); REF is ``step:N``, ``N``, ``auto``,
-``best``, ``fastest`` or a checkpoint directory. Exit codes: 0 success, 1 problems found (`verify`), 2 bad usage, a
-path that holds no store, or a reference that names nothing. Commands that only look write nothing (a URL is read
-into a temporary cache); `verify` then records the statuses that changed in the catalog, best effort. `pin`,
-`unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run that saves.
+root (fsspec options as a JSON object in ``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``). Exit codes: 0 success, 1 problems
+found (`verify`), 2 bad usage, a path that holds no store, or a reference that names nothing. Commands that only look
+write nothing (a URL is read into a temporary cache); `verify` then records the statuses that changed in the catalog,
+best effort. `pin`, `unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run.
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
 
 # -- finding and opening the store ------------------------------------------------------------------------------------
 def _options() -> dict[str, Any]:
-    """The storage options of a URL ROOT (``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``)."""
     with contextlib.suppress(ValueError):
         if isinstance(value := json.loads(os.environ.get(OPTIONS_ENV) or "{}"), dict):
             return value
@@ -49,8 +43,8 @@ def _options() -> dict[str, Any]:
 
 
 def _where(args: argparse.Namespace, *, one: bool = False) -> tuple[Path | str, list[str]]:
-    """ROOT's store directory (`find_root`: the store or a training output_dir) or URL, and its tasks: the one asked
-    for, else every one (folders holding checkpoints; a URL's prefixes), or with `one` the only one."""
+    """ROOT's store directory (`find_root`) or URL, and its tasks: the one asked for, else every one (folders
+    holding checkpoints; a URL's prefixes), or with `one` the only one."""
     root = args.root if "://" in args.root else find_root(args.root)
     if getattr(args, "task", None) is not None:
         return root, [args.task]
@@ -76,16 +70,29 @@ def _open(args: argparse.Namespace, root: Path | str, task: str, mode: str = "re
     if isinstance(root, str):
         if mode == "reindex":
             return CheckpointStore(root, task_id=task, storage_options=_options(), cleanup=False)
-        if args.cache is None:
-            args.cache = tempfile.mkdtemp(prefix="hf-dynamic-ckpt-")
+        args.cache = args.cache or tempfile.mkdtemp(prefix="hf-dynamic-ckpt-")
         return CheckpointStore(root, task_id=task, storage_options=_options(), cache_dir=args.cache,
                                cleanup=mode == "write", read_only=mode == "read")
     if mode == "read":
         return CheckpointStore(root, task_id=task, read_only=True)
     if mode != "reindex" and not (root / task).is_dir():
-        found = ", ".join(p.name for p in task_dirs(root))
-        raise ConfigError(f"task {task!r} has no folder under {root}; available: {found}.")
+        raise ConfigError(f"task {task!r} has no folder under {root}; available: "
+                          f"{', '.join(p.name for p in task_dirs(root))}.")
     return CheckpointStore(root, task_id=task, cleanup=mode == "write", lock_wait_s=0.0)
+
+
+def _slot_steps(store: CheckpointStore) -> list[int]:
+    """The steps in the memory tier's slots of `store`'s task (read only; none when unreadable)."""
+    from .store.slots import open_slots
+
+    try:
+        slots = open_slots(store, read_only=True)
+    except Exception:
+        return []
+    if slots is None:
+        return []
+    with slots:
+        return sorted(i.step for i in slots.list(include_unhealthy=True, include_abandoned=True))
 
 
 # -- printing ---------------------------------------------------------------------------------------------------------
@@ -98,8 +105,10 @@ def human_size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _number(v: Any) -> str:
-    """Floats to 4 significant digits (``0.1234567`` -> ``0.1235``); other values as they are."""
+def _fmt(v: Any) -> str:
+    """A value as the commands print it: floats to 4 significant digits, booleans as yes / no, `None` as ``-``."""
+    if isinstance(v, bool) or v is None:
+        return {True: "yes", False: "no", None: "-"}[v]
     return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
 
 
@@ -107,13 +116,14 @@ def _time(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _table(rows: list[list[str]]) -> None:
+def _table(rows: list[list[Any]], indent: str = "") -> None:
+    rows = [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        print(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
-def _dump(obj: Any) -> int:
+def _print_json(obj: Any) -> int:
     print(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False, default=str))
     return 0
 
@@ -122,24 +132,11 @@ def _status(i: CheckpointInfo) -> str:
     return "abandoned" if i.abandoned and i.status == "ok" else i.status
 
 
-def _progress(n: int, total: int, item: str) -> None:
-    """A counter on stderr: redrawn in place on a terminal, one line per item otherwise."""
-    text = f"verify [{'#' * (24 * n // total):.<24}] {n}/{total} {item}"
-    if sys.stderr.isatty():
-        text = "\r" + text.ljust(100)[:100] + ("\n" if n == total else "")
-    else:
-        text += "\n"
-    sys.stderr.write(text)
-    sys.stderr.flush()
-
-
 # -- commands that only look ------------------------------------------------------------------------------------------
 def _ls(args: argparse.Namespace) -> int:
     root, tasks = _where(args)
     infos: list[CheckpointInfo] = []
-    removed: list[tuple[str, dict[str, Any]]] = []
-    rollbacks: list[tuple[str, dict[str, Any]]] = []
-    in_memory: list[str] = []
+    removed, rollbacks, in_memory = [], [], []
     for task in tasks:
         with _open(args, root, task) as store:
             infos += store.list(include_unhealthy=True, include_abandoned=args.all)
@@ -149,20 +146,19 @@ def _ls(args: argparse.Namespace) -> int:
         if isinstance(root, Path):  # a local store's step log records its rollbacks
             rollbacks += [(task, r) for r in read_rollbacks(root, task)]
     if args.json:
-        return _dump([{"task": i.task_id, "step": i.step, "reason": i.reason, "tiers": sorted(t.value for t in i.tiers),
-                       "bytes": i.bytes, "loss": i.loss, "healthy": i.healthy, "pinned": i.pinned,
-                       "abandoned": i.abandoned, "status": i.status, "saved_at": i.save_time, "path": i.path,
-                       "recovery_cost_ms": i.recovery_cost_ms, "world_size": i.world_size} for i in infos])
+        return _print_json([{"task": i.task_id, "step": i.step, "reason": i.reason, "tiers": sorted(i.tiers),
+                             "bytes": i.bytes, "loss": i.loss, "healthy": i.healthy, "pinned": i.pinned,
+                             "abandoned": i.abandoned, "status": i.status, "saved_at": i.save_time, "path": i.path,
+                             "recovery_cost_ms": i.recovery_cost_ms, "world_size": i.world_size} for i in infos])
     if in_memory:
         print("in host memory (the memory tier's slots, docs/memory_tier.md): a live run's, or a killed run's that the "
               "next start (or `hf-dynamic-ckpt gc`) persists:", *in_memory, sep="\n")
     if not infos:
         print(f"no checkpoints under {root}" + (f" for task {args.task!r}" if args.task else ""))
         return 0
-    _table([["TASK", "STEP", "REASON", "TIERS", "PROCS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"],
-            *([i.task_id, str(i.step), i.reason or "-", ",".join(sorted(t.value for t in i.tiers)) or "-",
-               str(i.world_size), human_size(i.bytes), "-" if i.loss is None else f"{i.loss:.4g}",
-               "yes" if i.healthy else "no", "yes" if i.pinned else "no", _status(i)] for i in infos)])
+    _table([["TASK", "STEP", "REASON", "TIERS", "PROCS", "SIZE", "LOSS", "HEALTHY", "PINNED", "STATUS"], *(
+        [i.task_id, i.step, i.reason, ",".join(sorted(i.tiers)) or None, i.world_size, human_size(i.bytes), i.loss,
+         i.healthy, i.pinned, _status(i)] for i in infos)])
     if pinned := sorted({i.reason or "-" for i in infos if i.pinned}):
         print(f"pinned ({', '.join(pinned)}): kept whatever retention says until unpinned (`hf-dynamic-ckpt unpin ROOT "
               "step:N`); a save_state checkpoint is unpinned once Accelerate rotates its folder away. The others are "
@@ -172,8 +168,7 @@ def _ls(args: argparse.Namespace) -> int:
         more = "" if args.all or len(removed) <= 3 else f"; the last 3 of {len(removed)} (`--all` lists every one)"
         print(f"removed by retention{more}, each with the rule that removed it:")  # the rules the store recorded
         for task, r in removed if args.all else removed[-3:]:
-            tiers = r.get("tiers") or []
-            only = "" if "weights" in tiers else f" ({', '.join(tiers)} only)"
+            only = "" if "weights" in (tiers := r.get("tiers") or []) else f" ({', '.join(tiers)} only)"
             print(f"  {task}: step {r.get('step')}{only}: {r.get('rule')}")
         print("  (to keep every checkpoint: train with keep_last: null and storage_levels.level_N.retention_days: "
               "null, or pin it)")
@@ -191,34 +186,40 @@ def _show(args: argparse.Namespace) -> int:
         info = store.resolve(args.ref)
         m = store.load(info, tiers=()).manifest  # its checksum verified
     if args.json:
-        return _dump(m)
-    print(f"checkpoint   {info.path}\ntask / step  {info.task_id} / {m.get('step')} (epoch {_number(m.get('epoch'))})\n"
+        return _print_json(m)
+    print(f"checkpoint   {info.path}\ntask / step  {info.task_id} / {m.get('step')} (epoch {_fmt(m.get('epoch'))})\n"
           f"reason       {m.get('reason')}\nsaved at     {_time(float(m.get('created_at', 0.0)))}\n"
-          f"tiers        {', '.join(m.get('tiers', [])) or '-'}\nhealthy      {'yes' if info.healthy else 'no'}    "
-          f"pinned {'yes' if info.pinned else 'no'}    status {_status(info)}\n"
+          f"tiers        {', '.join(m.get('tiers', [])) or '-'}\nhealthy      {_fmt(info.healthy)}    "
+          f"pinned {_fmt(info.pinned)}    status {_status(info)}\n"
           f"world size   {m.get('world_size')}    format version {m.get('format_version')}")
     if lineage := m.get("lineage") or {}:
         parent = lineage.get("parent_step")
         print(f"lineage      timeline {lineage.get('timeline')}, session {lineage.get('session')}, "
               + (f"resumed from step {parent}" if parent is not None else "fresh start"))
-    blobs = {b["digest"]: int(b.get("size", 0)) for b in (m.get("blobs") or {}).values()}
+    blobs = [int(b.get("size", 0)) for b in (m.get("blobs") or {}).values()]
     print(f"size         {human_size(int(m.get('bytes', 0)))} in the directory"
-          + (f" + {human_size(sum(blobs.values()))} shared blobs ({len(m['blobs'])} tensors)" if blobs else "")
-          + f"\nrecovery     ~{_number(m.get('recovery_cost_ms'))} ms (estimate)\nfiles:")
-    _table([["  NAME", "TIER", "RANK", "SIZE", "CHECKSUM"]] + [
-        [f"  {name}", str(e.get("tier")), "-" if e.get("rank") is None else str(e["rank"]),
-         human_size(int(e.get("size", 0))), str(e.get("checksum"))[:23]]
-        for name, e in sorted(m.get(KEY_FILES, {}).items())])
+          + (f" + {human_size(sum(blobs))} shared blobs ({len(blobs)} tensors)" if blobs else "")
+          + f"\nrecovery     ~{_fmt(m.get('recovery_cost_ms'))} ms (estimate)\nfiles:")
+    _table([["NAME", "TIER", "RANK", "SIZE", "CHECKSUM"], *([name, e.get("tier"), e.get("rank"),
+            human_size(int(e.get("size", 0))), str(e.get("checksum"))[:23]]
+            for name, e in sorted(m.get(KEY_FILES, {}).items()))], indent="  ")
     if signals := m.get("signals") or {}:
-        print("signals:     " + ", ".join(f"{k}={_number(v)}" for k, v in sorted(signals.items())))
+        print("signals:     " + ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(signals.items())))
     if debug := m.get("debug_info") or []:
         keys = sorted({k for d in debug for k in d}, key=lambda k: (k != "step", k))
         print("debug_info (last steps):")
-        _table([["  " + keys[0], *keys[1:]]] + [["  " + str(d.get(keys[0], "-")),
-                                                  *(_number(d.get(k, "-")) for k in keys[1:])] for d in debug])
+        _table([keys, *([d.get(k) for k in keys] for d in debug)], indent="  ")
     if versions := m.get("versions") or {}:
         print("versions:    " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
     return 0
+
+
+def _progress(n: int, total: int, item: str) -> None:
+    """A counter on stderr: redrawn in place on a terminal, one line per item otherwise."""
+    text = f"verify [{'#' * (24 * n // total):.<24}] {n}/{total} {item}"
+    tty = sys.stderr.isatty()
+    sys.stderr.write(("\r" + text.ljust(100)[:100] + ("\n" if n == total else "")) if tty else text + "\n")
+    sys.stderr.flush()
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -226,6 +227,7 @@ def _verify(args: argparse.Namespace) -> int:
         raise ConfigError("give either REF or --all, not both.")
     root, tasks = _where(args, one=args.ref is not None)
     changed: dict[str, list[int]] = {}
+    bad = gone = 0
     with contextlib.ExitStack() as stack:
         targets = []
         for task in tasks:
@@ -239,7 +241,6 @@ def _verify(args: argparse.Namespace) -> int:
         if len(targets) == 1:
             print(f"verifying {targets[0][1].task_id}/step-{targets[0][1].step} ({human_size(targets[0][1].bytes)}) "
                   "...", file=sys.stderr)
-        bad = gone = 0
         for n, (store, info) in enumerate(targets, 1):
             label = f"{info.task_id}/step-{info.step}"
             try:
@@ -306,20 +307,6 @@ def _rm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _slot_steps(store: CheckpointStore) -> list[int]:
-    """The steps in the memory tier's slots of `store`'s task (read only; none when unreadable)."""
-    from .store.slots import open_slots
-
-    try:
-        slots = open_slots(store, read_only=True)
-    except Exception:
-        return []
-    if slots is None:
-        return []
-    with slots:
-        return sorted(i.step for i in slots.list(include_unhealthy=True, include_abandoned=True))
-
-
 def _gc(args: argparse.Namespace) -> int:
     from .store.slots import adopt_newer
 
@@ -331,7 +318,7 @@ def _gc(args: argparse.Namespace) -> int:
         if slots and not args.dry_run:  # the writer lock is ours: the run that wrote them is gone
             persisted = adopt_newer(store)
     if args.json:
-        return _dump({**dataclasses.asdict(report), "dry_run": args.dry_run})
+        return _print_json({**dataclasses.asdict(report), "dry_run": args.dry_run})
     verb = "would remove" if args.dry_run else "removed"
     for step in report.removed:
         print(f"{verb} step {step}" + (" (abandoned timeline)" if step in report.abandoned else ""))
@@ -359,55 +346,50 @@ def _export(args: argparse.Namespace) -> int:
 
 
 # -- the parser -------------------------------------------------------------------------------------------------------
-def _arg(*flags: str, **kwargs: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    return flags, kwargs
-
-
-_ROOT = _arg("root", metavar="ROOT", help="store directory (holds catalog.db), the training output_dir, or a URL")
-_REF = _arg("ref", metavar="REF", help="step:N, N, auto, best, fastest, or a checkpoint directory")
-_TASK = _arg("--task", default=None, help="the task (needed when ROOT holds several; ls, verify: every task)")
-_JSON = _arg("--json", action="store_true", help="machine-readable JSON")
-SUBCOMMANDS: dict[str, tuple[Any, str, list[tuple[tuple[str, ...], dict[str, Any]]]]] = {
-    "ls": (_ls, "list the checkpoints of a store", [
-        _ROOT, _TASK, _arg("--all", action="store_true", help="also list abandoned checkpoints (timelines a resume "
-                                                               "left)"), _JSON]),
-    "show": (_show, "summarise one checkpoint's manifest", [_ROOT, _REF, _TASK, _JSON]),
-    "verify": (_verify, "check sizes and checksums of checkpoints (exit code 1 on problems)", [
-        _ROOT, _arg("ref", metavar="REF", nargs="?", default=None, help="one checkpoint (default: all)"),
-        _arg("--all", action="store_true", help="verify every checkpoint (the default without REF)"), _TASK]),
-    "reindex": (_reindex, "rebuild catalog.db from the manifests", [_ROOT]),
-    "plot": (_plot, "PNG timeline of a run: loss, grad norm, risk, saves, resumes", [
-        _ROOT, _TASK, _arg("--output", "-o", default=None, help="PNG path (default ROOT/TASK/timeline.png)")]),
-    "pin": (_pin, "protect a checkpoint from retention and gc", [_ROOT, _REF, _TASK]),
-    "unpin": (_pin, "undo pin", [_ROOT, _REF, _TASK]),
-    "rm": (_rm, "delete checkpoints (pinned ones need --force)", [
-        _ROOT, _arg("refs", metavar="REF", nargs="+", help="step:N, N, or a checkpoint directory"), _TASK,
-        _arg("--force", action="store_true", help="also delete pinned checkpoints")]),
-    "gc": (_gc, "remove what nothing needs: passed abandoned timelines, leftovers, unused blobs", [
-        _ROOT, _TASK, _arg("--dry-run", action="store_true", help="print what would go and the bytes it would free"),
-        _JSON]),
-    "export": (_export, "write a checkpoint as a folder PEFT / transformers load", [
-        _ROOT, _REF, _arg("out", metavar="OUT", help="folder to create"),
-        _arg("--format", choices=("peft", "hf", "merged"), default="peft",
-             help="peft: adapter folder; hf: full model; merged: base + adapter merged (needs --base)"),
-        _arg("--base", default=None, help="local folder with the base model weights (--format merged)"), _TASK,
-        _arg("--overwrite", action="store_true",
-             help="replace OUT if it is a previous export (holding hf_dynamic_ckpt_export.json and nothing else)")]),
-}
-"""Every command: name -> (function of the parsed arguments returning the exit code, help, arguments)."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The `hf-dynamic-ckpt` argument parser with every command of `SUBCOMMANDS`."""
+    """The `hf-dynamic-ckpt` argument parser: a sub-command per command, its function in the `func` default."""
+    def shared(*flags: str, **kwargs: Any) -> argparse.ArgumentParser:  # a parent parser of one argument
+        parent = argparse.ArgumentParser(add_help=False)
+        parent.add_argument(*flags, **kwargs)
+        return parent
+
+    root = shared("root", metavar="ROOT", help="store directory (holds catalog.db), the training output_dir, or a URL")
+    ref = shared("ref", metavar="REF", help="step:N, N, auto, best, fastest, or a checkpoint directory")
+    task = shared("--task", default=None, help="the task (needed when ROOT holds several; ls, verify: every task)")
+    as_json = shared("--json", action="store_true", help="machine-readable JSON")
     parser = argparse.ArgumentParser(prog="hf-dynamic-ckpt",
                                      description="Inspect, check, manage and export an hf_dynamic_ckpt store.")
     parser.add_argument("--version", action="version", version=f"hf-dynamic-ckpt {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (func, text, arguments) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=text)
-        for flags, kwargs in arguments:
-            p.add_argument(*flags, **kwargs)
-        p.set_defaults(func=func, cache=None)
+
+    def add(name: str, func: Any, text: str, *parents: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        command = sub.add_parser(name, help=text, parents=[root, *parents])
+        command.set_defaults(func=func, cache=None)
+        return command
+
+    add("ls", _ls, "list the checkpoints of a store", task, as_json).add_argument(
+        "--all", action="store_true", help="also list abandoned checkpoints (timelines a resume left)")
+    add("show", _show, "summarise one checkpoint's manifest", ref, task, as_json)
+    verify = add("verify", _verify, "check sizes and checksums of checkpoints (exit code 1 on problems)", task)
+    verify.add_argument("ref", metavar="REF", nargs="?", default=None, help="one checkpoint (default: all)")
+    verify.add_argument("--all", action="store_true", help="verify every checkpoint (the default without REF)")
+    add("reindex", _reindex, "rebuild catalog.db from the manifests")
+    add("plot", _plot, "PNG timeline of a run: loss, grad norm, risk, saves, resumes", task).add_argument(
+        "--output", "-o", default=None, help="PNG path (default ROOT/TASK/timeline.png)")
+    add("pin", _pin, "protect a checkpoint from retention and gc", ref, task)
+    add("unpin", _pin, "undo pin", ref, task)
+    rm = add("rm", _rm, "delete checkpoints (pinned ones need --force)", task)
+    rm.add_argument("refs", metavar="REF", nargs="+", help="step:N, N, or a checkpoint directory")
+    rm.add_argument("--force", action="store_true", help="also delete pinned checkpoints")
+    add("gc", _gc, "remove what nothing needs: passed abandoned timelines, leftovers, unused blobs", task,
+        as_json).add_argument("--dry-run", action="store_true", help="print what would go and the bytes it would free")
+    export = add("export", _export, "write a checkpoint as a folder PEFT / transformers load", ref, task)
+    export.add_argument("out", metavar="OUT", help="folder to create")
+    export.add_argument("--format", choices=("peft", "hf", "merged"), default="peft",
+                        help="peft: adapter folder; hf: full model; merged: base + adapter merged (needs --base)")
+    export.add_argument("--base", default=None, help="local folder with the base model weights (--format merged)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it is a previous export (holding "
+                        "hf_dynamic_ckpt_export.json and nothing else)")
     return parser
 
 

@@ -1,8 +1,8 @@
 """Configuration: frozen dataclasses validated on construction, loadable from YAML in the same shape.
 
-`SmartCkptConfig` holds what a run sets and four groups of rarely changed constants; every setting, its default,
-range and effect: docs/policy.md section 6. A bad value raises ``ConfigError("policy.stability_window=2 is invalid:
-expected an integer >= 4.")``, an unknown key `UnknownConfigKeyError` naming the closest one (Trainer's included).
+Every setting, its default, range and effect: docs/policy.md section 6. A bad value raises
+``ConfigError("policy.stability_window=2 is invalid: expected an integer >= 4.")``, an unknown key
+`UnknownConfigKeyError` naming the closest one (Trainer's included).
 """
 
 from __future__ import annotations
@@ -27,39 +27,16 @@ from .errors import ConfigError, UnknownConfigKeyError
 logger = logging.getLogger(__name__)
 
 
-class Compression(enum.StrEnum):
-    """Codec of a tier: the optimizer tier (L1) is `zstd` or `none` (`gzip`: the article's level_2 key, not applied)."""
-    NONE, ZSTD, GZIP = "none", "zstd", "gzip"
-
-
-class FallbackStrategy(enum.StrEnum):
-    """What a resume does when a tier of the chosen checkpoint cannot be loaded."""
-    FULL = "full"  # every tier; a broken L1 resumes with a fresh optimizer, a broken L0 takes the next older one
-    LEVEL_0_1 = "level_0_1"  # a broken L1 moves to the next older checkpoint whose L1 is intact
-    LEVEL_0_ONLY = "level_0_only"  # weights and L2 state only; the optimizer starts fresh
-
-
-class OnSaveError(enum.StrEnum):
-    """What a failed save does to the run (the previous checkpoint stays the restore point)."""
-    WARN = "warn"  # one WARNING naming the step and the cause, counted in `smart_ckpt/failed_saves`
-    RAISE = "raise"  # the next policy step (or `finish()` for the last save) raises the `SaveError`
-
-
-class OnAnomaly(enum.StrEnum):
-    """What a confirmed anomaly (a non-finite, surging or spiking update) does (docs/rollback.md)."""
-    CAPTURE = "capture"  # the healthy state before it is saved and pinned; training goes on
-    ROLLBACK = "rollback"  # also, that state is restored in place and training continues with the next data
-
-
-class RollbacksExhausted(enum.StrEnum):
-    """What a confirmed anomaly does once `max_rollbacks` rollbacks were taken within `rollback_window` steps."""
-    STOP = "stop"  # raise `RollbackError`: the run keeps failing where it is
-    CONTINUE = "continue"  # train through it, as `on_anomaly: capture` does
-
-
-class EngineMode(enum.StrEnum):
-    """The background writer (docs/engine.md)."""
-    PROCESS, SYNC = "process", "sync"
+# The string settings, each value and its effect in docs/policy.md section 6. Compression: the optimizer tier (L1) is
+# `zstd` or `none` (`gzip`: the article's level_2 key, loaded and not applied); EngineMode: docs/engine.md; OnAnomaly:
+# docs/rollback.md; OnSaveError: the previous checkpoint stays the restore point whichever is chosen.
+Compression = enum.StrEnum("Compression", {"NONE": "none", "ZSTD": "zstd", "GZIP": "gzip"})
+FallbackStrategy = enum.StrEnum("FallbackStrategy", {"FULL": "full", "LEVEL_0_1": "level_0_1",
+                                                     "LEVEL_0_ONLY": "level_0_only"})
+OnSaveError = enum.StrEnum("OnSaveError", {"WARN": "warn", "RAISE": "raise"})
+OnAnomaly = enum.StrEnum("OnAnomaly", {"CAPTURE": "capture", "ROLLBACK": "rollback"})
+RollbacksExhausted = enum.StrEnum("RollbacksExhausted", {"STOP": "stop", "CONTINUE": "continue"})
+EngineMode = enum.StrEnum("EngineMode", {"PROCESS": "process", "SYNC": "sync"})
 
 
 def _num(v: Any, *, finite: bool = False, integer: bool = False) -> bool:
@@ -68,15 +45,20 @@ def _num(v: Any, *, finite: bool = False, integer: bool = False) -> bool:
     return isinstance(v, kind) and not isinstance(v, bool) and v == v and (not finite or math.isfinite(v))
 
 
-_int = functools.partial(_num, integer=True)
+def _int_ge(low: int, null: str | None = None) -> tuple[Callable[[Any, Any], bool], str]:
+    """The rule "an integer >= `low`"; with `null` (the rest of the message) `None` is valid too."""
+    return (lambda v, s: (null is not None and v is None) or (_num(v, integer=True) and v >= low)), \
+        f"an integer >= {low}{null or ''}"
+
+
 # A rule: `(ok(value, settings), allowed)`; `{name}` in `allowed` shows another setting's value.
 _BOOL = (lambda v, s: isinstance(v, bool), "true or false (a YAML boolean, not a string)")
-_GE1 = (lambda v, s: _int(v) and v >= 1, "an integer >= 1")
 _UNIT = (lambda v, s: _num(v) and 0 < v <= 1, "0 < value <= 1")
 _POSITIVE = (lambda v, s: _num(v) and v > 0, "a positive number")
+_HOURS = (lambda v, s: _num(v, finite=True) and v > 0, "a positive number of hours")
+_RATIO = (lambda v, s: _num(v) and v > 1, "a number > 1")
 _SECONDS = (lambda v, s: _num(v, finite=True) and v >= 0, "a number of seconds >= 0")
 _DAYS = (lambda v, s: v is None or (_num(v) and v > 0), "a positive number or null")
-_PATH = (lambda v, s: v is None or isinstance(v, str | os.PathLike), "a directory path or null")
 
 
 def _f(default: Any, ok: Callable[[Any, Any], bool] | None = None, allowed: str = "", *,
@@ -120,46 +102,40 @@ class _Settings:
             object.__setattr__(self, f.name, convert(value) if convert is not None and value is not None else value)
 
 
-def _learned_model(v: Any, s: Any) -> bool:  # a model file is safetensors, never a pickle
-    path = os.fspath(v) if isinstance(v, str | os.PathLike) else ""
-    return v is None or path == "builtin" or (path.endswith(".safetensors") and os.path.isfile(path))
-
-
 class PolicyParams(_Settings):
-    """The decision's constants (``policy:`` in YAML): intervals, risk, anomaly thresholds, rollback limits,
-    log-spaced retention, the learned double-check. The defaults are the tuned ones."""
+    """The decision's constants (``policy:`` in YAML); the defaults are the tuned ones."""
 
-    min_interval: int = _f(1, *_GE1)
-    max_interval: int = _f(2000, lambda v, s: _int(v) and v >= s.min_interval,
+    min_interval: int = _f(1, *_int_ge(1))
+    max_interval: int = _f(2000, lambda v, s: _num(v, integer=True) and v >= s.min_interval,
                            "an integer >= min_interval ({min_interval})")
-    mtbf_hours: float = _f(24.0, lambda v, s: _num(v, finite=True) and v > 0, "a positive number of hours")
-    node_mtbf_hours: float = _f(168.0, lambda v, s: _num(v, finite=True) and v > 0, "a positive number of hours")
+    mtbf_hours: float = _f(24.0, *_HOURS)
+    node_mtbf_hours: float = _f(168.0, *_HOURS)
     overhead_budget: float = _f(0.02, *_UNIT)
-    stability_window: int = _f(100, lambda v, s: _int(v) and v >= 4, "an integer >= 4")
+    stability_window: int = _f(100, *_int_ge(4))
     stability_cv: float = _f(0.1, _POSITIVE[0], "a positive number (relative loss noise counted as calm, e.g. 0.1)")
     risk_threshold: float = _f(0.68, *_UNIT)
     risk_release: float = _f(0.2, lambda v, s: _num(v) and 0 <= v < s.risk_threshold,
                              "0 <= value < risk_threshold ({risk_threshold})")
-    risk_smoothing: int = _f(10, *_GE1)
+    risk_smoothing: int = _f(10, *_int_ge(1))
     risk_gain: float = _f(4.0, lambda v, s: _num(v) and 0 < v <= 100, "0 < value <= 100")
     loss_spike_z: float = _f(6.0, *_POSITIVE)
-    grad_surge_ratio: float = _f(5.0, lambda v, s: _num(v) and v > 1, "a number > 1")
-    lr_surge_ratio: float = _f(2.0, lambda v, s: _num(v) and v > 1, "a number > 1")
+    grad_surge_ratio: float = _f(5.0, *_RATIO)
+    lr_surge_ratio: float = _f(2.0, *_RATIO)
     memory_threshold: float = _f(0.92, *_UNIT)
-    memory_sample_every: int = _f(5, *_GE1)
-    memory_lookahead: int = _f(50, *_GE1)
+    memory_sample_every: int = _f(5, *_int_ge(1))
+    memory_lookahead: int = _f(50, *_int_ge(1))
     pre_anomaly_capture: bool = _f(True, *_BOOL)
     skip_bad_update: bool = _f(False, *_BOOL)
-    capture_cooldown: int | None = _f(None, lambda v, s: v is None or (_int(v) and v >= 1),
-                                      "an integer >= 1 or null (use stability_window)")
-    rollback_patience: int = _f(1, *_GE1)
-    rollback_window: int = _f(100, *_GE1)
-    max_rollbacks: int = _f(5, *_GE1)
+    capture_cooldown: int | None = _f(None, *_int_ge(1, " or null (use stability_window)"))
+    rollback_patience: int = _f(1, *_int_ge(1))
+    rollback_window: int = _f(100, *_int_ge(1))
+    max_rollbacks: int = _f(5, *_int_ge(1))
     on_rollbacks_exhausted: RollbacksExhausted = RollbacksExhausted.STOP
-    rollback_skip_batches: int = _f(0, lambda v, s: _int(v) and v >= 0, "an integer >= 0")
+    rollback_skip_batches: int = _f(0, *_int_ge(0))
     keep_log_spaced: bool = _f(True, *_BOOL)
-    learned_model: str | None = _f(None, _learned_model, "'builtin', the path of an existing .safetensors decision "
-                                   "model, or null (rules only)", convert=os.fspath)
+    learned_model: str | None = _f(None, lambda v, s: v is None or (isinstance(v, str | os.PathLike) and (
+        os.fspath(v) == "builtin" or (os.fspath(v).endswith(".safetensors") and os.path.isfile(v)))),
+        "'builtin', the path of an existing .safetensors decision model, or null (rules only)", convert=os.fspath)
 
 
 class LevelConfig(_Settings):
@@ -173,7 +149,7 @@ class OptimizerLevelConfig(LevelConfig):
 
     compression: Compression = _f(Compression.ZSTD, lambda v, s: v != Compression.GZIP,
                                   "'zstd' or 'none' (gzip is not offered for L1: zstd level 1-3 is smaller and faster)")
-    compression_level: int = _f(1, lambda v, s: _int(v) and 1 <= v <= 19, "1 <= level <= 19")
+    compression_level: int = _f(1, lambda v, s: _num(v, integer=True) and 1 <= v <= 19, "1 <= level <= 19")
     retention_days: float | None = _f(7, *_DAYS)
 
 
@@ -181,26 +157,10 @@ WARNED: set[str] = set()
 """The configuration notes logged in this process (each once, on rank 0 only); clear it to hear them again."""
 
 
-def _seed_level(name: str, value: Any) -> Any:
-    """A tier's mapping without the article's keys that load and have no effect, one log line each: ``device`` (every
-    tier goes under `root`), ``compression`` of level_0 (must be ``none``: weights stay memory-mappable) and of
-    level_2 (a few KB of plain JSON)."""
-    data, rank = dict(value), int(os.environ.get("RANK", "0") or 0)
-    device, compression = data.pop("device", None), data.pop("compression", None) if name != "level_1" else None
-    if device is not None and rank == 0 and "device" not in WARNED:
-        logger.info("storage_levels.%s.device=%r is not applied: every tier is stored under root (the article's "
-                    "storage-class label loads, and has no effect)", name, device)
-        WARNED.add("device")
-    if compression is not None and _enum(Compression, f"storage_levels.{name}.compression", compression) != "none":
-        if name == "level_0":
-            raise ConfigError(f"storage_levels.level_0.compression={compression!r} is invalid: expected 'none' "
-                              "(weights stay uncompressed so they can be memory-mapped).")
-        if rank == 0 and "level_2.compression" not in WARNED:
-            logger.warning("storage_levels.level_2.compression=%r is not applied: L2 (RNG, data position, metadata) "
-                           "is a few KB of plain JSON kept readable by jq; set it to 'none' to silence this.",
-                           compression)
-            WARNED.add("level_2.compression")
-    return data
+def _note(key: str, level: int, message: str) -> None:
+    if key not in WARNED and int(os.environ.get("RANK", "0") or 0) == 0:
+        logger.log(level, message)
+        WARNED.add(key)
 
 
 class StorageLevels(_Settings):
@@ -213,19 +173,22 @@ class StorageLevels(_Settings):
     def __post_init__(self) -> None:
         for name in ("level_0", "level_1", "level_2"):
             value = getattr(self, name)
+            if isinstance(value, Mapping):  # the article's keys that load and have no effect: a log line each
+                value = dict(value)
+                device, codec = value.pop("device", None), value.pop("compression", None) if name != "level_1" else None
+                if device is not None:
+                    _note("device", logging.INFO, f"storage_levels.{name}.device={device!r} is not applied: every tier"
+                          " is stored under root (the article's storage-class label loads, and has no effect)")
+                if codec is not None and _enum(Compression, f"storage_levels.{name}.compression", codec) != "none":
+                    if name == "level_0":
+                        raise ConfigError(f"storage_levels.level_0.compression={codec!r} is invalid: expected 'none' "
+                                          "(weights stay uncompressed so they can be memory-mapped).")
+                    _note("level_2.compression", logging.WARNING, f"storage_levels.level_2.compression={codec!r} is "
+                          "not applied: L2 (RNG, data position, metadata) is a few KB of plain JSON kept readable by "
+                          "jq; set it to 'none' to silence this.")
             object.__setattr__(self, name, _build(
-                OptimizerLevelConfig if name == "level_1" else LevelConfig, f"storage_levels.{name}",
-                _seed_level(name, value) if isinstance(value, Mapping) else value,
+                OptimizerLevelConfig if name == "level_1" else LevelConfig, f"storage_levels.{name}", value,
                 "a mapping such as {retention_days: 7} (leave the key out for the defaults)."))
-
-
-class RemoteParams(_Settings):
-    """A URL root's object-store settings (``remote:`` in YAML, docs/storage.md)."""
-
-    cache_dir: str | None = _f(None, *_PATH, convert=os.fspath)
-    storage_options: Mapping[str, Any] | None = _f(None, convert=lambda v: _public_options(v))
-    retries: int = _f(5, lambda v, s: _int(v) and v >= 0, "an integer >= 0")
-    backoff_s: float = _f(0.5, *_SECONDS)
 
 
 def _public_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -234,30 +197,34 @@ def _public_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return check_public_options(options, "remote.storage_options")
 
 
-def _signal_names(v: Any, s: Any) -> bool:
-    names = [v] if isinstance(v, str) else v if isinstance(v, list | tuple) else None
-    return names is not None and all(isinstance(getattr(signal, str(n), None), signal.Signals) for n in names)
+class RemoteParams(_Settings):
+    """A URL root's object-store settings (``remote:`` in YAML, docs/storage.md)."""
+
+    cache_dir: str | None = _f(None, lambda v, s: v is None or isinstance(v, str | os.PathLike),
+                               "a directory path or null", convert=os.fspath)
+    storage_options: Mapping[str, Any] | None = _f(None, convert=_public_options)
+    retries: int = _f(5, *_int_ge(0))
+    backoff_s: float = _f(0.5, *_SECONDS)
 
 
 class RuntimeParams(_Settings):
-    """How the checkpointer behaves in the training process (``runtime:`` in YAML): preemption, the resume's
-    fallback, host memory, the overlapped snapshot, the writer lock, Trainer's logs, the global batch."""
+    """How the checkpointer behaves in the training process (``runtime:`` in YAML)."""
 
     fallback_strategy: FallbackStrategy = FallbackStrategy.FULL
     recovery_timeout_ms: int = _f(5000, *_POSITIVE)
-    preemption_signals: tuple[str, ...] = _f(("SIGTERM", "SIGUSR1"), _signal_names, "a list of signal names of this "
-                                             "platform such as ['SIGTERM', 'SIGUSR1'] (an empty list disables the "
-                                             "handlers)", convert=lambda v: (v,) if isinstance(v, str) else tuple(v))
+    preemption_signals: tuple[str, ...] = _f(("SIGTERM", "SIGUSR1"), lambda v, s: isinstance(v, str | list | tuple)
+        and all(isinstance(getattr(signal, str(n), None), signal.Signals) for n in ([v] if isinstance(v, str) else v)),
+        "a list of signal names of this platform such as ['SIGTERM', 'SIGUSR1'] (an empty list disables the handlers)",
+        convert=lambda v: (v,) if isinstance(v, str) else tuple(v))
     preemption_grace_s: float = _f(30.0, _POSITIVE[0], "a positive number of seconds")
-    preemption_exit_code: int | None = _f(None, lambda v, s: v is None or (_int(v) and 0 <= v <= 255),
+    preemption_exit_code: int | None = _f(None, lambda v, s: v is None or (_num(v, integer=True) and 0 <= v <= 255),
                                           "an integer 0..255 or null (128 + signal number)")
     memory_margin: float = _f(0.15, lambda v, s: _num(v) and 0 <= v < 1, "0 <= value < 1")
     overlap_snapshot: bool | None = _f(None, lambda v, s: v is None or isinstance(v, bool),
                                        "true, false or null (a YAML boolean, not a string)")
     lock_wait_s: float = _f(120.0, *_SECONDS)
     memory_tier: bool = _f(True, *_BOOL)
-    memory_every: int | None = _f(None, lambda v, s: v is None or (_int(v) and v >= 1),
-                                  "an integer >= 1 or null (every step for a small state, else from its cost)")
+    memory_every: int | None = _f(None, *_int_ge(1, " or null (every step for a small state, else from its cost)"))
     report_to_trainer: bool = _f(True, *_BOOL)
     keep_global_batch: bool = _f(True, *_BOOL)
 
@@ -292,10 +259,8 @@ def _check_keys(cls: type, keys: Iterable[Any], prefix: str | None) -> None:
     if group is not None and key in moved and not moved[key].startswith(f"{group}."):
         g, name = moved[key].split(".", 1)
         hint = f"it is {moved[key]}" + ("" if group else f" now: {g}={{{name!r}: ...}}, in YAML {g}: {{{name}: ...}}")
-    elif key in TRAINER_NAMES:
-        hint = f"Trainer's {key!r} is {TRAINER_NAMES[key]} here"
-    elif key in REMOVED:
-        hint = f"removed: {REMOVED[key]}"
+    elif key in TRAINER_NAMES or key in REMOVED:
+        hint = f"Trainer's {key!r} is {TRAINER_NAMES[key]} here" if key in TRAINER_NAMES else f"removed: {REMOVED[key]}"
     else:
         close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else ""
@@ -336,16 +301,15 @@ def _merge(current: Any, changes: Mapping[str, Any]) -> dict[str, Any]:
 
 class SmartCkptConfig(_Settings):
     """Everything the checkpointer can be told; `SmartCkptConfig()` works as is: seven settings a run may set and
-    four groups of rarely changed constants, each also given as a mapping as in YAML (docs/policy.md section 6), e.g.
+    four groups of rarely changed constants, each also given as a mapping as in YAML, e.g.
     ``SmartCkptConfig(base_interval=4, policy={"min_interval": 2})``."""
 
-    root: str | None = _f(None, _PATH[0], "a directory path (str) or null", convert=os.fspath)
+    root: str | None = _f(None, lambda v, s: v is None or isinstance(v, str | os.PathLike),
+                          "a directory path (str) or null", convert=os.fspath)
     task_id: str = _f(DEFAULT_TASK_ID, lambda v, s: isinstance(v, str) and v != "" and "/" not in v
                       and not v.startswith("."), "a non-empty name without '/' that does not start with '.'")
-    base_interval: int | None = _f(None, lambda v, s: v is None or (_int(v) and v >= 1),
-                                   "an integer >= 1 or null (derive it from the save cost)")
-    keep_last: int | None = _f(3, lambda v, s: v is None or (_int(v) and v >= 1),
-                               "an integer >= 1, or null to keep every checkpoint")
+    base_interval: int | None = _f(None, *_int_ge(1, " or null (derive it from the save cost)"))
+    keep_last: int | None = _f(3, *_int_ge(1, ", or null to keep every checkpoint"))
     engine: EngineMode = EngineMode.PROCESS
     on_anomaly: OnAnomaly = OnAnomaly.CAPTURE
     on_save_error: OnSaveError = OnSaveError.WARN

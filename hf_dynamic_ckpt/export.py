@@ -1,18 +1,16 @@
-"""Getting a model out of a checkpoint: `describe_model`, `load_checkpoint`, `export_checkpoint`.
+"""Getting a model out of a checkpoint: `describe_model`, `load_checkpoint`, `export_checkpoint` (docs/trainer.md).
 
-Every manifest records under ``extra["model"]`` what rebuilding the model needs (`describe_model`: its config, the
-PEFT config of each adapter, the base model's name and revision, the dtype). `export_checkpoint` writes a folder
-Hugging Face loads: ``peft`` (``adapter_config.json`` + ``adapter_model.safetensors`` per adapter, the others in
-sub-folders as PEFT does; ``PeftModel.from_pretrained(base, OUT)``), ``hf`` (the full model by transformers'
-``save_pretrained``) or ``merged`` (the base weights, ``base=``, with the adapter merged by PEFT's
-``merge_and_unload``); both of these load with ``AutoModelForCausalLM.from_pretrained(OUT)``.
+Every manifest records under ``extra["model"]`` what rebuilding the model needs (`describe_model`). An export is a
+folder Hugging Face loads: ``peft`` (PEFT's adapter folder, the active adapter at the top and the others in
+sub-folders), ``hf`` (transformers' ``save_pretrained`` of the full model) or ``merged`` (the base weights, ``base=``,
+with the active adapter merged by PEFT's ``merge_and_unload``).
 
-Reading opens the store so that nothing is created or changed there. ``auto``, ``best`` and ``fastest`` pass over a
-checkpoint that fails verification; each checkpoint they rank first but pass over is named, with the reason, in
-`LoadedCheckpoint.warnings` (and logged). An export is written into a temporary folder beside `out` and renamed into
-place, `EXPORT_MARKER` written last; ``overwrite=True`` replaces only an empty folder or a previous export holding
-nothing else (never the store, a folder holding it, the current directory or a folder holding that), and removes the
-previous export only once the new one is in place: a failed export leaves it as it was.
+Reading writes nothing in the store. ``auto``, ``best`` and ``fastest`` pass over a checkpoint that fails verification,
+and each checkpoint they rank first but pass over is named with the reason in `LoadedCheckpoint.warnings` (and logged).
+An export is written into a temporary folder beside `out` and renamed into place, `EXPORT_MARKER` written last;
+``overwrite=True`` replaces only an empty folder or a previous export holding nothing else (never the store, a folder
+holding it, the current directory or a folder holding that), and removes the previous export only once the new one is
+in place: a failed export leaves it as it was.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import secrets
 import shutil
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,40 +40,30 @@ KEY_MODEL = "model"
 """Key of the model description in the manifest's `extra`."""
 FORMATS = ("peft", "hf", "merged")
 EXPORT_MARKER = "hf_dynamic_ckpt_export.json"
-"""Written last into every export folder: what it holds (store, task, step, format, files). ``overwrite=True``
-replaces only a folder with this marker whose files are the ones it lists."""
-EXPORT_MARKER_VERSION = 1
-"""Version of the `EXPORT_MARKER` content (its ``"export_version"`` key)."""
-_NAMED_REFS = ("auto", "best", "fastest")
+"""Written last into every export folder: what it holds (``export_version`` 1; store, task, step, format, files).
+``overwrite=True`` replaces only a folder with this marker whose files are the ones it lists."""
+_RANK = {"auto": lambda i: (-i.step,), "best": lambda i: (float("inf") if i.loss is None else i.loss, -i.step),
+         "fastest": lambda i: (float("inf") if i.recovery_cost_ms is None else i.recovery_cost_ms, -i.step)}
+"""Where a named ref ranks a checkpoint, lowest first (the order of `CheckpointStore.resolve`)."""
 
 
 def _json_default(obj: Any) -> Any:
     """Config values as PEFT / transformers write them: sets as sorted lists, enums by value, dtypes by name."""
     if isinstance(obj, set | frozenset):
         return sorted(obj, key=str)
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    return str(obj).removeprefix("torch.")
+    return obj.value if isinstance(obj, enum.Enum) else str(obj).removeprefix("torch.")
 
 
 def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[str, Any]:
-    """What rebuilding `model` needs, as JSON (stored in every manifest's ``extra["model"]``).
-
-    Args:
-        model (`nn.Module`): a transformers model, a PEFT model over one, or any module.
-        tokenizer (*optional*): the run's tokenizer / processor; its ``name_or_path`` is recorded.
-
-    Returns:
-        `dict`: ``{"kind": "peft"|"transformers"|"module", "config": {...} | None, "adapters": {name: peft config},
-        "active_adapter", "base_model", "revision", "dtype", "tokenizer"}``.
-    """
+    """What rebuilding `model` (a transformers model, a PEFT model over one, or any module) needs, as JSON:
+    ``{"kind": "peft"|"transformers"|"module", "config", "adapters": {name: peft config}, "active_adapter",
+    "base_model", "revision", "dtype", "tokenizer"}`` (the `name_or_path` of `tokenizer`, a tokenizer or processor)."""
+    peft: Any = model  # a PEFT model when it has adapters
     names = adapter_names(model)
-    peft: Any = model
     base: Any = peft.get_base_model() if names else model
     adapters: dict[str, Any] = {name: peft.peft_config[name].to_dict() for name in names}
     config = base.config.to_dict() if hasattr(getattr(base, "config", None), "to_dict") else None
-    first = next(iter(model.parameters()), None)
-    adapter: dict[str, Any] = next(iter(adapters.values()), {})
+    first, adapter = next(iter(model.parameters()), None), next(iter(adapters.values()), dict[str, Any]())
     desc = {"kind": "peft" if names else "module" if config is None else "transformers", "config": config,
             "adapters": adapters, "active_adapter": names[0] if names else None,
             "base_model": adapter.get("base_model_name_or_path") or (config or {}).get("_name_or_path") or None,
@@ -89,15 +77,6 @@ def _open(root: str | os.PathLike[str], task_id: str | None) -> CheckpointStore:
     if "://" in os.fspath(root):
         return CheckpointStore(root, task_id=task_id or DEFAULT_TASK_ID, cleanup=False)
     return CheckpointStore(find_root(root), task_id=task_id or DEFAULT_TASK_ID, read_only=True)
-
-
-def _rank(ref: str, info: CheckpointInfo) -> tuple[float, ...]:
-    """Where `ref` (auto, best, fastest) ranks `info`, lowest first (the order of `CheckpointStore.resolve`)."""
-    if ref == "best":
-        return (float("inf") if info.loss is None else info.loss, -info.step)
-    if ref == "fastest":
-        return (float("inf") if info.recovery_cost_ms is None else info.recovery_cost_ms, -info.step)
-    return (-info.step,)
 
 
 def _why_hidden(store: CheckpointStore, info: CheckpointInfo) -> str:
@@ -117,7 +96,7 @@ def _why_hidden(store: CheckpointStore, info: CheckpointInfo) -> str:
 def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tuple[LoadedCheckpoint, list[str]]:
     """`store.load(ref)` with a sharded checkpoint's weights gathered whole. A named ref moves past a checkpoint
     that fails verification; each checkpoint it ranks before the chosen one gets a note (also first in `warnings`)."""
-    named = not isinstance(ref, int) and os.fspath(ref) in _NAMED_REFS
+    rank = None if isinstance(ref, int) else _RANK.get(os.fspath(ref))
     failed: dict[int, str] = {}
     while True:
         try:
@@ -131,15 +110,13 @@ def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tu
             loaded = store.load(info, tiers=tiers, mmap=False)
             break
         except CorruptCheckpointError as e:  # the load flagged it corrupt: the next resolve passes over it
-            if not named or info.step in failed:
+            if rank is None or info.step in failed:
                 raise
             failed[info.step] = str(e)
     store.gather_weights(loaded)  # a sharded (FSDP2 / ZeRO) checkpoint's whole tensors from every rank's files
-    if not named:
-        return loaded, []
-    chosen = _rank(str(ref), loaded.info)
-    notes = [f"skipped step {i.step}: {_why_hidden(store, i)}" for i in store.list(include_unhealthy=True)
-             if i.step != loaded.info.step and Tier.WEIGHTS in i.tiers and _rank(str(ref), i) < chosen]
+    notes = [] if rank is None else [
+        f"skipped step {i.step}: {_why_hidden(store, i)}" for i in store.list(include_unhealthy=True)
+        if i.step != loaded.info.step and Tier.WEIGHTS in i.tiers and rank(i) < rank(loaded.info)]
     loaded.warnings[:0] = notes
     return loaded, notes
 
@@ -154,9 +131,6 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
         model (`nn.Module`, *optional*): receives the weights (names and shapes checked).
         task_id (`str`, *optional*): the run's task (default ``"default"``).
         tiers (*optional*): what to read (default: every tier).
-
-    Returns:
-        `LoadedCheckpoint`: weights, optimizer / scheduler state, RNG, data position, manifest, warnings.
 
     Raises:
         `CheckpointNotFoundError`: `root` holds no store, or `ref` names no loadable checkpoint.
@@ -182,7 +156,7 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
 def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | os.PathLike[str], *,
                       format: str = "peft", base: str | os.PathLike[str] | None = None,
                       task_id: str | None = None, overwrite: bool = False) -> Path:
-    """Write a checkpoint as a folder that PEFT / transformers load (see the module docstring).
+    """Write a checkpoint as a folder that PEFT / transformers load (see the module docstring); returns `out`.
 
     Args:
         root (`str`): the store directory, the training output_dir holding it, or a URL root.
@@ -192,9 +166,6 @@ def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | o
         base (`str`, *optional*): the base model's folder (`merged`; default: the recorded name, offline).
         task_id (`str`, *optional*): the run's task.
         overwrite (`bool`, *optional*, defaults to `False`): replace `out` if it is empty or a previous export.
-
-    Returns:
-        `Path`: `out`.
 
     Raises:
         `ConfigError`: a format that is unknown or does not fit the checkpoint, an `out` that exists (without
@@ -207,25 +178,17 @@ def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | o
         PosixPath('adapter')
         ```
     """
-    exported = export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite)
-    for note in exported.skipped:
-        logger.warning("%s (%r chose step %d)", note, ref, exported.step)
-    return exported.path
-
-
-class Exported(NamedTuple):
-    """What `export_step` wrote: `out`, the step, and a ``skipped step N: why`` line per checkpoint `ref` ranked
-    first but passed over (the caller reports them: `export_checkpoint` logs them, the command line prints them)."""
-
-    path: Path
-    step: int
-    skipped: list[str]
+    path, step, skipped = export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite)
+    for note in skipped:
+        logger.warning("%s (%r chose step %d)", note, ref, step)
+    return path
 
 
 def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.PathLike[str], *, format: str = "peft",
                 base: str | os.PathLike[str] | None = None, task_id: str | None = None,
-                overwrite: bool = False) -> Exported:
-    """`export_checkpoint`, also returning the step exported and what `ref` passed over (not logged)."""
+                overwrite: bool = False) -> tuple[Path, int, list[str]]:
+    """`export_checkpoint` returning `out`, the step and a ``skipped step N: why`` line per checkpoint `ref` ranked
+    first but passed over, unlogged (the command line prints them)."""
     if format not in FORMATS:
         raise ConfigError(f"format={format!r} is invalid: expected one of {', '.join(FORMATS)}.")
     target = Path(out)
@@ -233,20 +196,18 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
         store_root = None if "://" in os.fspath(root) else store.root
         replaces = _check_target(target, overwrite=overwrite, store_root=store_root)
         loaded, skipped = _load(store, ref, {Tier.WEIGHTS})
-    step = loaded.info.step
+    step, desc = loaded.info.step, loaded.extra.get(KEY_MODEL)
     if loaded.weights is None:
         raise ConfigError(f"step {step} holds no weights tier ({'; '.join(loaded.warnings)}): export another "
                           "checkpoint (auto, best and fastest choose only ones with weights).")
-    desc = loaded.extra.get(KEY_MODEL)
     if not isinstance(desc, dict):
         raise ConfigError(f"step {step} records no model description (written before hf_dynamic_ckpt 0.2): rebuild "
                           "the model in a script and use load_checkpoint(root, ref, model=model) + "
                           "model.save_pretrained(out).")
-    peft = desc.get("kind") == "peft"
-    if format in ("peft", "merged") and not peft:
+    if format != "hf" and desc.get("kind") != "peft":
         raise ConfigError(f"format={format!r} needs a PEFT checkpoint; step {step} holds a full model: use "
                           "format='hf'.")
-    if format == "hf" and peft:
+    if format == "hf" and desc.get("kind") == "peft":
         raise ConfigError(f"format='hf' writes a full model; step {step} holds LoRA adapters only: use "
                           "format='peft', or format='merged' with the base weights.")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -256,36 +217,34 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
         if format == "hf":
             _write_hf(loaded, desc, tmp)
         elif format == "peft":
-            _write_peft(_adapter_weights(loaded, list(desc["adapters"])), desc, tmp)
+            _write_peft(_adapter_weights(loaded, desc), desc, tmp)
         else:
-            _write_merged(_adapter_weights(loaded, list(desc["adapters"])), desc, tmp, base)
-        _write_marker(tmp, {"store": os.fspath(store_root or root),
-                            "task": loaded.info.task_id, "step": step, "format": format,
-                            "ref": ref if isinstance(ref, int) else os.fspath(ref)})
+            _write_merged(_adapter_weights(loaded, desc), desc, tmp, base)
+        _write_marker(tmp, {"store": os.fspath(store_root or root), "task": loaded.info.task_id, "step": step,
+                            "format": format, "ref": ref if isinstance(ref, int) else os.fspath(ref)})
         _move_into_place(tmp, target, replaces=replaces)
     finally:
         if tmp.exists():  # the export failed before its rename: only this call's own folder goes
             shutil.rmtree(tmp)
-    return Exported(target, step, skipped)
+    return target, step, skipped
 
 
 # -- the export folder: checked before anything is read, written aside, renamed into place ---------------------------
 def _not_an_export(folder: Path) -> str | None:
     """Why `folder` is not a previous export holding only what its marker lists (None: it is one)."""
     marker = folder / EXPORT_MARKER
-    entries = {p.relative_to(folder).as_posix() for p in folder.rglob("*")}  # links are listed, not followed
+    entries = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))  # links are listed, not followed
     if not marker.is_file() or marker.is_symlink():
-        shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
-        return f"it is not a previous export (no {EXPORT_MARKER}; it holds {shown})"
+        return f"it is not a previous export (no {EXPORT_MARKER}; it holds {', '.join(entries[:5])}" \
+            f"{', ...' if len(entries) > 5 else ''})"
     try:
         files = [str(f) for f in json.loads(marker.read_text(encoding="utf-8"))["files"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {EXPORT_MARKER} cannot be read ({e})"
     expected = {EXPORT_MARKER, *files, *(p.as_posix() for f in files for p in Path(f).parents if p != Path("."))}
-    extra = sorted(entries - expected)
-    if extra:
-        return f"it holds files the export did not write ({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''})"
-    return None
+    extra = [e for e in entries if e not in expected]
+    return f"it holds files the export did not write ({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''})" \
+        if extra else None
 
 
 def _check_target(target: Path, *, overwrite: bool, store_root: Path | None) -> bool:
@@ -293,31 +252,27 @@ def _check_target(target: Path, *, overwrite: bool, store_root: Path | None) -> 
     if target.is_symlink():
         raise ConfigError(f"out={os.fspath(target)!r} is a symbolic link; an export never writes through links: pass "
                           "the real folder, or a new one.")
-    resolved = target.resolve()
-    if store_root is not None:
-        store = store_root.resolve()
-        where = ("is the store" if resolved == store else "holds the store" if resolved in store.parents
-                 else "is inside the store" if store in resolved.parents else None)
-        if where is not None:
-            raise ConfigError(f"out={os.fspath(target)!r} {where} {store_root}: an export never writes into or "
-                              f"replaces a store; pass a folder outside it, e.g. {store_root.parent / 'export'}.")
+    resolved, store = target.resolve(), (store_root or target).resolve()
+    if store_root is not None and (where := "is the store" if resolved == store else "holds the store" if resolved
+                                   in store.parents else "is inside the store" if store in resolved.parents else None):
+        raise ConfigError(f"out={os.fspath(target)!r} {where} {store_root}: an export never writes into or replaces a "
+                          f"store; pass a folder outside it, e.g. {store_root.parent / 'export'}.")
     if not target.exists():
         return False
     if not overwrite:
         raise ConfigError(f"{target} exists: choose a new folder or pass overwrite=True (--overwrite).")
-    cwd = Path.cwd().resolve()
-    if resolved == cwd or resolved in cwd.parents:
+    refuse = f"overwrite=True refuses to replace out={os.fspath(target)!r}:"
+    if resolved == (cwd := Path.cwd().resolve()) or resolved in cwd.parents:
         what = "the current directory" if resolved == cwd else f"a folder holding the current directory ({cwd})"
-        raise ConfigError(f"overwrite=True refuses to replace out={os.fspath(target)!r}: it is {what}; nothing was "
-                          f"deleted. Pass a new folder for the export, e.g. {os.path.join(target, 'export')}.")
+        raise ConfigError(f"{refuse} it is {what}; nothing was deleted. Pass a new folder for the export, e.g. "
+                          f"{os.path.join(target, 'export')}.")
     if not target.is_dir():
-        raise ConfigError(f"overwrite=True refuses to replace out={os.fspath(target)!r}: it is a file, not a previous "
-                          "export; nothing was deleted. Pass a new folder, or remove the file yourself.")
-    why = _not_an_export(target) if any(target.iterdir()) else None
-    if why is not None:
-        raise ConfigError(f"overwrite=True refuses to replace out={os.fspath(target)!r}: {why}; nothing was deleted. "
-                          f"overwrite replaces only a previous export (a folder holding {EXPORT_MARKER} and the files "
-                          "it lists): pass a new folder, or empty this one yourself.")
+        raise ConfigError(f"{refuse} it is a file, not a previous export; nothing was deleted. Pass a new folder, or "
+                          "remove the file yourself.")
+    if any(target.iterdir()) and (why := _not_an_export(target)) is not None:
+        raise ConfigError(f"{refuse} {why}; nothing was deleted. overwrite replaces only a previous export (a "
+                          f"folder holding {EXPORT_MARKER} and the files it lists): pass a new folder, or empty this "
+                          "one yourself.")
     return True
 
 
@@ -334,11 +289,11 @@ def _write_marker(folder: Path, record: dict[str, Any]) -> None:
     """Fsync what the export wrote, then write `EXPORT_MARKER`, listing it, last. The test hook's ``export`` point
     (`errors.fault`) fires before each file is synced (`name`) and before the marker."""
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    for name in [*files, EXPORT_MARKER]:
+    for name in files:
         fault("export", name=name)
-        if name != EXPORT_MARKER:
-            _fsync(folder / name)
-    body = {"export_version": EXPORT_MARKER_VERSION, **record, "files": files, "library_version": VERSION}
+        _fsync(folder / name)
+    fault("export", name=EXPORT_MARKER)
+    body = {"export_version": 1, **record, "files": files, "library_version": VERSION}
     (folder / EXPORT_MARKER).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     for path in [folder / EXPORT_MARKER, *(p for p in folder.rglob("*") if p.is_dir()), folder]:
         _fsync(path)
@@ -346,33 +301,28 @@ def _write_marker(folder: Path, record: dict[str, Any]) -> None:
 
 def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
     """Rename the complete export `tmp` to `target`; a previous export there is moved aside first and removed only
-    once the new one is in place (put back if the rename fails)."""
-    if not replaces or not any(target.iterdir()):
-        os.replace(tmp, target)  # onto nothing, or onto an empty folder (a POSIX rename replaces it)
-        _fsync(target.parent)
-        return
+    once the new one is in place (put back if the rename fails, kept if something wrote into it meanwhile)."""
     old = target.parent / f".{target.name}.export-old-{secrets.token_hex(4)}"
-    os.rename(target, old)
+    if replaces and any(target.iterdir()):  # onto nothing or an empty folder, a POSIX rename replaces it
+        os.rename(target, old)
     try:
-        os.rename(tmp, target)
+        os.replace(tmp, target)
     except OSError:
         with contextlib.suppress(OSError):
             os.rename(old, target)
         raise
     _fsync(target.parent)
-    why = _not_an_export(old)
-    if why is not None:  # something wrote into it between the check and the rename: keep it
+    if old.exists() and (why := _not_an_export(old)) is not None:
         logger.warning("the previous export %s was moved to %s and kept: %s", target, old, why)
-        return
-    shutil.rmtree(old)
+    elif old.exists():
+        shutil.rmtree(old)
 
 
 # -- the formats ------------------------------------------------------------------------------------------------------
-def _adapter_weights(loaded: LoadedCheckpoint, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def _adapter_weights(loaded: LoadedCheckpoint, desc: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     """`{adapter: {PEFT key: tensor}}`. A sharded save names the weights as the model's parameters
-    (``...lora_A.<adapter>.weight``); PEFT's keys leave the adapter out (``...lora_A.weight``), as
-    `peft.get_peft_model_state_dict` does."""
-    weights = loaded.weights or {}
+    (``...lora_A.<adapter>.weight``); PEFT's keys leave the adapter out (``...lora_A.weight``)."""
+    names, weights = list(desc["adapters"]), loaded.weights or {}
     if KEY_SHARDED not in loaded.extra:
         return split_adapters(weights, names)
     out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
@@ -382,18 +332,24 @@ def _adapter_weights(loaded: LoadedCheckpoint, names: list[str]) -> dict[str, di
     return out
 
 
+def _peft_config(desc: dict[str, Any], name: str) -> Any:
+    """The recorded config of adapter `name` as PEFT's own config object."""
+    from peft import PeftConfig
+
+    return PeftConfig.from_peft_type(**{k: v for k, v in desc["adapters"][name].items() if k != "auto_mapping"})
+
+
 def _write_peft(adapters: dict[str, dict[str, torch.Tensor]], desc: dict[str, Any], folder: Path) -> None:
-    """PEFT's folder: the active adapter (or the only one) at the top, every other in a sub-folder of its name.
-    The weights are the checkpoint's PEFT state dict as it is; the config is the recorded one, for inference."""
+    """PEFT's folder: the active adapter (or the only one) at the top, every other in a sub-folder of its name, each
+    the checkpoint's PEFT state dict as it is beside its config as PEFT writes it, for inference."""
     from safetensors.torch import save_file
 
     for name, weights in adapters.items():
         where = folder if name == desc.get("active_adapter") or len(adapters) == 1 else folder / name
-        where.mkdir(exist_ok=True)
-        config = {**desc["adapters"][name], "inference_mode": True}
-        (where / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
-                                                   encoding="utf-8")
-        save_file({k: t.contiguous() for k, t in weights.items()}, str(where / "adapter_model.safetensors"),
+        config = _peft_config(desc, name)
+        config.inference_mode = True
+        config.save_pretrained(os.fspath(where))
+        save_file({k: t.contiguous() for k, t in weights.items()}, where / "adapter_model.safetensors",
                   metadata={"format": "pt"})
 
 
@@ -402,10 +358,9 @@ def _write_hf(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path) -> N
     given the checkpoint's tensors (tied weights, shards and the config files as transformers writes them)."""
     import transformers
 
-    step = loaded.info.step
+    step, fix = loaded.info.step, "use load_checkpoint(root, ref, model=model) in a script instead."
     if not isinstance(desc.get("config"), dict):
-        raise ConfigError(f"step {step} holds a plain torch module (no transformers config): use "
-                          "load_checkpoint(root, ref, model=model) in a script instead.")
+        raise ConfigError(f"step {step} holds a plain torch module (no transformers config): {fix}")
     try:
         config = transformers.AutoConfig.for_model(**desc["config"])
     except (ValueError, KeyError, TypeError) as e:
@@ -416,25 +371,22 @@ def _write_hf(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path) -> N
         model = arch(config) if arch is not None else transformers.AutoModelForCausalLM.from_config(config)
     model.load_state_dict(loaded.weights or {}, strict=False, assign=True)
     model.tie_weights()
-    missing = [k for k, t in model.state_dict().items() if t.is_meta]
-    if missing:
+    if missing := [k for k, t in model.state_dict().items() if t.is_meta]:
         raise ConfigError(f"step {step} lacks weights of the model its config describes ({', '.join(missing[:5])}): "
-                          "use load_checkpoint(root, ref, model=model) in a script instead.")
+                          f"{fix}")
     model.save_pretrained(folder)
 
 
 def _write_merged(adapters: dict[str, dict[str, torch.Tensor]], desc: dict[str, Any], folder: Path,
                   base: str | os.PathLike[str] | None) -> None:
     """The base model with the active adapter merged in, by PEFT (`merge_and_unload`) and transformers."""
-    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+    from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    source = base or desc.get("base_model")
-    if not source:
+    if not (source := base or desc.get("base_model")):
         raise ConfigError("format='merged' needs the base weights: pass base=PATH (--base) to a local model folder.")
     model = AutoModelForCausalLM.from_pretrained(os.fspath(source), revision=desc.get("revision"))
     active = desc.get("active_adapter") or next(iter(adapters))
-    config = PeftConfig.from_peft_type(**{k: v for k, v in desc["adapters"][active].items() if k != "auto_mapping"})
-    peft_model = get_peft_model(model, config, adapter_name=active)
+    peft_model = get_peft_model(model, _peft_config(desc, active), adapter_name=active)
     set_peft_model_state_dict(peft_model, adapters[active], adapter_name=active)
     peft_model.merge_and_unload().save_pretrained(folder)

@@ -89,9 +89,10 @@ def _public() -> dict[str, str]:
 
 @cache
 def _commands() -> set[str]:
-    node = _scope(f"{PKG}.cli")["SUBCOMMANDS"]
-    assert isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Dict)
-    return {ast.literal_eval(k) for k in node.value.keys if k is not None}
+    """The commands `build_parser` of the CLI adds: the names its `add("name", ...)` calls give."""
+    node = _scope(f"{PKG}.cli")["build_parser"]
+    return {c.args[0].value for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+            and c.func.id == "add" and c.args and isinstance(c.args[0], ast.Constant)}
 
 
 def _problems(doc: str, text: str) -> list[str]:
