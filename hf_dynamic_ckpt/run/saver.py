@@ -98,9 +98,10 @@ seconds at once, then what it accrues: `policy.overhead_budget` of any window of
 
 
 def slot_cadence(blocking_ms: float, write_ms: float, step_ms: float, budget: float) -> int:
-    """Every how many steps a slot is taken: the fewest whose snapshot (`blocking_ms` on the training thread) fits
-    in `budget` of their time and whose write (`write_ms`, the writer process's) ends within them."""
-    return max(1, math.ceil(max(blocking_ms / (max(budget, 1e-3) * step_ms), write_ms / step_ms)))
+    """Every how many steps a slot is taken: the fewest whose training-thread time (`blocking_ms`: the snapshot and
+    any wait for the previous slot's write) fits in `budget` of their time and whose write (`write_ms`, the writer
+    process's) ends within two thirds of them, so the next slot rarely waits for it."""
+    return max(1, math.ceil(max(blocking_ms / (max(budget, 1e-3) * step_ms), 1.5 * write_ms / step_ms)))
 
 
 class MemoryTier:
@@ -119,6 +120,8 @@ class MemoryTier:
         self.config, self.store = config, store
         self.every = config.runtime.memory_every or 1
         self.saves = self.skipped = 0
+        self.wait_ms = 0.0
+        """The training thread's wait for a slot's write still running when the next was due (averaged)."""
         self.credit_ms = config.policy.overhead_budget * EARLY_BURST_S * 1e3
         """Training-thread time left for early slots (`write_early`)."""
         self._credited: float | None = None
@@ -202,7 +205,7 @@ class MemoryTier:
         if handle.staging == "sync":  # written on the training thread: paid from the budget's credit
             self.credit_ms -= handle.blocking_ms
         if self.config.runtime.memory_every is None and handle.staging != "sync" and self.step_s:
-            self.every = slot_cadence(handle.blocking_ms, handle.write_ms or 0.0, self.step_s * 1e3,
+            self.every = slot_cadence(handle.blocking_ms + self.wait_ms, handle.write_ms or 0.0, self.step_s * 1e3,
                                       self.config.policy.overhead_budget)
 
     def turn_off(self, why: str, *, remove: bool = False, failed: bool = False, fix: str = "") -> None:
@@ -295,8 +298,10 @@ class Saver:
             return
         previous, self._memory_handle = self._memory_handle, None
         if previous is not None:
+            waited = time.perf_counter()
             if not previous.done() and tier.step_s:  # the previous slot's write: a bounded wait, then a skip
                 previous.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * tier.step_s))
+            tier.wait_ms = 0.5 * tier.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
             tier.settle(previous)
             if tier.slots is None:
                 return

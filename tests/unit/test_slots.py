@@ -101,7 +101,8 @@ def test_slots_refuse_a_link_or_a_directory_others_can_write(tmp_path: Path, dis
 @pytest.mark.parametrize(("blocking_ms", "write_ms", "step_ms", "every"), [
     (20.0, 300.0, 1500.0, 1),  # a LoRA adapter at Qwen2-7B width: every step
     (2.0, 5.0, 33.0, 4),  # the article job's 33 ms CPU steps: a 2 ms snapshot is 6 % of a step
-    (0.1, 250.0, 100.0, 3),  # a write longer than two steps: the writer ends it before the next slot
+    (0.1, 250.0, 100.0, 4),  # a write of 2.5 steps: the writer ends it within two thirds of the slots' distance
+    (0.5, 25.0, 33.0, 2),  # a write of most of a step: every other step, not a wait at every step
     (1200.0, 30000.0, 6000.0, 10),  # a full fine-tune's state: the snapshot sets the pace
 ])
 def test_slot_cadence_keeps_the_snapshot_within_the_budget_and_the_writer_ahead(
