@@ -12,9 +12,9 @@ import enum
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ..config import OnAnomaly, PolicyParams, SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..jsonutil import safe_float as _j
 from ..signals import MAD_TO_STD, Ema, RollingWindow, SignalFrame, linear_fit
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
-from .learned import check_factory
+from .learned import LearnedCheck, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -259,27 +259,6 @@ class Interval:
                f"beta {self.beta:.2f})"
 
 
-class DoubleCheck(Protocol):
-    """A second opinion next to the rules, with its own per-step state (the policy state's `"learned"`). The rules
-    stay the safety net: it may veto a soft rule's capture or ask for an early save, never drop a hard one.
-    `RulePolicy` calls `review` and `capture` in `pre_update`, `after_update` in `decide`."""
-
-    def review(self, frame: SignalFrame, rule: str | None, loss_baseline: float | None
-               ) -> tuple[str | None, Any, str | None]:
-        """The capture rule after a veto, an early-capture request to pass to `capture` (or None), a veto's log line."""
-
-    def capture(self, frame: SignalFrame, early: Any, risk: float, interval: float, cooldown: int) -> Decision | None:
-        """The pre-update capture `early` (from `review`) asks for, or None."""
-
-    def after_update(self, frame: SignalFrame, decision: Decision, *, healthy: bool, last_save: int | None,
-                     config: SmartCkptConfig) -> Decision:
-        """The rules' decision after the update, kept or changed."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
 # The triggers' flags in the policy state: (part, key) -> (attribute, the JSON types it takes).
 _FLAGS: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
     ("capture", "last_step"): ("last_capture", (int, type(None))),
@@ -302,9 +281,8 @@ class RulePolicy:
     high is `healthy=False`.
 
     Args:
-        config (`SmartCkptConfig`, *optional*): the settings; defaults to `SmartCkptConfig()`.
-        double_check (`Callable[[], DoubleCheck]`, *optional*): makes a fresh `DoubleCheck` (one per policy state);
-            defaults to the learned model of `config.policy.learned_model`, or none when unset.
+        config (`SmartCkptConfig`, *optional*): the settings; defaults to `SmartCkptConfig()`. With
+            `policy.learned_model` set, the learned double-check (`LearnedCheck`) sits next to the rules.
 
     Example:
         ```python
@@ -314,21 +292,18 @@ class RulePolicy:
         ```
     """
 
-    learned: DoubleCheck | None
-    """The double-check (by default the learned model of `learned_model`); `None`: rules only."""
+    learned: LearnedCheck | None
+    """The learned double-check of `learned_model`; `None`: rules only."""
     history: deque[dict[str, Any]]
     """The last `HISTORY_STEPS` steps: loss, grad norm, lr, risk, interval, and the decision."""
     decisions: deque[dict[str, Any]]
     """The last `DECISION_HISTORY` save decisions (`Decision.to_dict()` and the step they were taken at)."""
 
-    def __init__(self, config: SmartCkptConfig | None = None, *,
-                 double_check: Callable[[], DoubleCheck] | None = None) -> None:
+    def __init__(self, config: SmartCkptConfig | None = None) -> None:
         self.config = config or SmartCkptConfig()
         c = self.config.policy
         self.cooldown = c.capture_cooldown if c.capture_cooldown is not None else c.stability_window
-        if double_check is None and c.learned_model is not None:
-            double_check = check_factory(c.learned_model)
-        self._new_check = double_check
+        self._model = load_model(c.learned_model) if c.learned_model is not None else None  # errors now
         self.memory_tier = False
         """Whether the newest state is kept in host memory too (then the interval follows `node_mtbf_hours`)."""
         self._reset()
@@ -353,7 +328,7 @@ class RulePolicy:
         self.last_capture: int | None = None
         self.prev_nonfinite = self.preempted = self.poisoned = False
         self.edge_armed = self.memory_armed = True
-        self.learned = self._new_check() if self._new_check is not None else None
+        self.learned = LearnedCheck(self._model) if self._model is not None else None
         self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
         self.history = deque(maxlen=HISTORY_STEPS)
         self.decisions = deque(maxlen=DECISION_HISTORY)
@@ -493,8 +468,8 @@ class RulePolicy:
             why = f"training risk {self.training_risk:.2f} >= risk_threshold {c.risk_threshold}"
         decision = self._choose(frame, a, healthy=not why)
         if self.learned is not None:  # a cheaper tier set, or an early save under memory pressure
-            decision = self.learned.after_update(frame, decision, healthy=not why and not self.poisoned,
-                                                 last_save=self.last_save_step, config=self.config)
+            may_save = not why and step - self.last_save_step >= c.min_interval  # healthy, past min_interval
+            decision = self.learned.after_update(frame, decision, may_save=may_save, cooldown=self.cooldown)
         if decision.save and why:
             logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
         self.baselines.fold(frame)  # after judging the frame, so a spike is measured against the past
@@ -647,7 +622,7 @@ class RulePolicy:
                 if not isinstance(flags[attr], types) or (bool not in types and isinstance(flags[attr], bool)):
                     raise ConfigError(f"policy state: {part}.{key}={flags[attr]!r} is invalid: expected "
                                       f"{' or '.join('null' if t is type(None) else t.__name__ for t in types)}.")
-            learned = self._new_check() if self._new_check is not None else None
+            learned = LearnedCheck(self._model) if self._model is not None else None
             if learned is not None and "learned" in state:  # saved without the model: the model starts afresh
                 learned.load_state_dict(state["learned"])
             last = cadence["last_save_step"]
