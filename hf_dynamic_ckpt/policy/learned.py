@@ -69,8 +69,7 @@ def _log_ratio(value: float | None, baseline: float | None) -> float:
 
 class FeatureExtractor:
     """Streaming features of the frames, one call per optimizer step: each frame is measured against the recent
-    values *before* it is folded in, so every rank computes the same features from the same frames, and a resumed
-    run continues from the restored windows (`state_dict`). Pure Python.
+    values *before* it is folded in; a resumed run continues from the restored windows (`state_dict`).
 
     Example:
         ```python
@@ -292,7 +291,7 @@ class LearnedCheck:
         self.last_save: int | None = None  # step of the model's own last early save (its own cooldown)
 
     def opinion(self, frame: SignalFrame) -> Opinion:
-        """The model's score and granularity for this step's frame (computed once per step)."""
+        """The model's score and granularity for this step's frame (the LSTM steps once per step)."""
         if self._cached is not None and self._cached[0] == frame.step:
             return self._cached[1]
         x = self.features.step(frame)

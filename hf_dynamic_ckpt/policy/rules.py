@@ -81,8 +81,7 @@ class Assessment:
 
 class Baselines:
     """The recent loss, grad-norm and lr values and memory samples a frame is judged against: `assess(frame)` before
-    the frame is folded in (`fold`), so a spike is measured against the past; median / MAD keep one spike from moving
-    them. Window sizes follow `stability_window`."""
+    the frame is folded in (`fold`), so a spike is measured against the past. Window sizes follow `stability_window`."""
 
     def __init__(self, config: PolicyParams) -> None:
         self.config = config
@@ -161,21 +160,18 @@ def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, c: Pol
     if frame.any_nonfinite:
         return "nonfinite"
     r = c.grad_surge_ratio
-    rule = _first_step(frame, baselines) or _early("early_grad", baselines.grad, frame.grad_norm, EARLY_GRAD_RATIO)
-    if rule:
+    if rule := _first_step(frame, baselines) or _early("early_grad", baselines.grad, frame.grad_norm, EARLY_GRAD_RATIO):
         return rule
     if a.grad_ratio is not None and a.grad_excess is not None and a.grad_excess >= (
             r if len(baselines.grad) >= CAPTURE_WARMUP else r * r):
         return f"grad_surge x{a.grad_ratio:.1f}"
     if a.lora_ratio is not None and a.lora_ratio >= r:
         return f"lora_surge x{a.lora_ratio:.1f} in {frame.lora_max_layer}"
-    rule = _early_lr(frame, baselines, c)
-    if rule:
+    if rule := _early_lr(frame, baselines, c):
         return rule
     if a.lr_ratio is not None and a.lr_ratio > c.lr_surge_ratio:
         return f"lr_surge x{a.lr_ratio:.1f}"
-    rule = _early("early_loss", baselines.loss, frame.loss, EARLY_LOSS_RATIO)
-    if rule:
+    if rule := _early("early_loss", baselines.loss, frame.loss, EARLY_LOSS_RATIO):
         return rule
     if a.loss_z is not None and a.loss_z >= c.loss_spike_z and _loss_confirmed(frame, a, baselines):
         return f"loss_spike z={a.loss_z:.1f}"
@@ -191,9 +187,8 @@ def _early(name: str, window: RollingWindow, value: float | None, bar: float) ->
     if baseline is None or baseline <= 0.0:
         return None  # a ratio to a non-positive baseline means nothing
     ratio = value / baseline
-    if ratio < (bar if n >= EARLY_FLOOR else 2.0 * bar):
-        return None
-    return f"{name} x{ratio:.1f} (median of {n} step{'s' if n > 1 else ''})"
+    return None if ratio < (bar if n >= EARLY_FLOOR else 2.0 * bar) else \
+        f"{name} x{ratio:.1f} (median of {n} step{'s' if n > 1 else ''})"
 
 
 def _early_lr(frame: SignalFrame, baselines: Baselines, c: PolicyParams) -> str | None:
@@ -229,9 +224,8 @@ def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> 
 
 @dataclass(frozen=True)
 class Interval:
-    """The regular interval (`steps`; `round(steps)` between saves), its base `T_base` and where that comes from
-    (`FROM_USER`, `FROM_YOUNG_DALY`, `FROM_BOOTSTRAP`), `alpha`, `beta`, and whether stability or risk shortened it or
-    the overhead budget widened it (only an interval the library derived)."""
+    """The regular interval (`round(steps)` between saves), its base `T_base`, where that comes from (`FROM_...`),
+    and whether risk shortened it or the overhead budget widened it."""
 
     steps: float
     base: float
@@ -574,8 +568,7 @@ class RulePolicy:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """The whole state as strict JSON, so a resumed run decides exactly the same (the layout of docs/policy.md
-        section 4: `"levels"` holds the baselines, the key every saved state has)."""
+        """The whole state as strict JSON (docs/policy.md section 4), so a resumed run decides exactly the same."""
         state: dict[str, Any] = {"version": STATE_VERSION, "levels": self.baselines.state_dict(),
                                  "cadence": {"step_time": self.step_time.state_dict(),
                                              "save_cost": self.save_cost.state_dict()},
@@ -655,14 +648,9 @@ class RollbackRule:
     policy captured) and `rollback_patience` bad steps in a row confirm it: a rollback to a healthy restore point
     before the onset, at most `rollback_window` steps back, unless `max_rollbacks` were taken within that window.
 
-    Its state is the run's history of rollbacks, so it is *not* restored from the restore point a rollback returns to
-    (the policy's statistics are): a run never forgets that it rolled back.
-
-    Attributes:
-        streak (`int`): bad steps in a row so far.
-        onset (`int`, *optional*): the first bad step of the current run of them.
-        first_reason (`str`): the capture rule that fired at the onset.
-        taken (`list[int]`): the steps at which rollbacks were taken.
+    Its state (`streak` bad steps in a row since `onset`, whose rule was `first_reason`; the steps rollbacks were
+    `taken` at) is the run's history of rollbacks, so it is *not* restored from the restore point a rollback returns
+    to (the policy's statistics are): a run never forgets that it rolled back.
     """
 
     streak: int = 0
