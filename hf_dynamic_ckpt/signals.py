@@ -1,13 +1,9 @@
-"""Signals: one `SignalFrame` per optimizer step, the probes that measure it, and the statistics the policy judges
-it with.
+"""Signals: one `SignalFrame` per optimizer step, the probes that measure it (at most one device sync each), and the
+statistics the policy judges it with (docs/policy.md section 1).
 
-The probes (`LossProbe`, `GradProbe`, `ClipNormRecorder`, `MemoryProbe`) measure one training step cheaply, with at
-most one device sync each: the loss, gradient norms, the pre-clip norm, memory. The preemption flag (a POSIX signal
-handler) is `run.sensing.PreemptionFlag`.
-
-Robust statistics (median / MAD) rather than mean / std: the values they summarise are the ones that hold outliers
-(loss spikes, gradient surges), and one spike must not move the baseline it is compared against. Every statistic is
-JSON-serialisable, so a resumed run continues exactly.
+Robust statistics (median / MAD), not mean / std: the values they summarise hold the outliers (loss spikes, gradient
+surges), and one spike must not move the baseline it is compared against. Every statistic is JSON-serialisable, so a
+resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -104,8 +100,7 @@ class RollingWindow:
 class LayerBaselines:
     """Each LoRA layer's gradient norm judged against the layer's own history (docs/policy.md, "Per-layer LoRA
     baselines"): `excess = norm / exp(median(log norms) + spread_k * 1.4826 * MAD(log norms))` over its last
-    `window` non-zero norms, once it has `warmup` of them. LoRA layers start with `lora_B = 0`, so their early norms
-    jump by orders of magnitude: a young baseline would read that as surges, and a swinging layer needs a larger jump.
+    `window` non-zero norms, once it has `warmup` of them.
 
     Args:
         window (`int`, *optional*, defaults to `50`): norms per layer in the robust baseline.
@@ -382,14 +377,10 @@ class GradProbe:
         norms = [math.sqrt(x) * scale for x in sq[:n]]
         return (pre if pre is not None else post), dict(zip(self.layer_names, norms))
 
-    def observe(self, layer_norms: Mapping[str, float]) -> tuple[float | None, str | None]:
-        """`LayerBaselines.observe`: `(max_ratio, layer)`, `(None, None)` while no layer is warmed up."""
-        return self.baselines.observe(layer_norms)
-
     def frame_fields(self, pre_clip_norm: float | torch.Tensor | None = None) -> dict[str, Any]:
         """`measure()` then `observe()`, as `SignalFrame` keyword arguments."""
         global_norm, layer_norms = self.measure(pre_clip_norm)
-        ratio, layer = self.observe(layer_norms)
+        ratio, layer = self.baselines.observe(layer_norms)
         nonfinite = any(v is not None and not math.isfinite(v) for v in (global_norm, ratio))
         return {"grad_norm": global_norm, "lora_max_ratio": ratio, "lora_max_layer": layer, "nonfinite": nonfinite}
 
@@ -451,10 +442,8 @@ def _removed(*args: Any, **kwargs: Any) -> Any:
 
 class MemoryProbe:
     """Device and host memory in use, as fractions, every `sample_every` steps (NVML every step costs throughput).
-
-    Device: the larger of the CUDA allocator's reserved bytes and NVML's used bytes (other processes and fragmentation
-    included; the NVML device found by UUID) over the device total. Host: `sysmem.headroom`, what the save engine
-    reads too: the binding cgroup's working set over its limit, else the machine's, whichever leaves less.
+    Device: the larger of the CUDA allocator's reserved bytes and NVML's used bytes over the device total. Host:
+    `sysmem.headroom`, which the save engine reads too.
 
     Args:
         sample_every (`int`, *optional*, defaults to `5`): steps between samples.
@@ -473,12 +462,9 @@ class MemoryProbe:
         self._nvml: Any = None  # the handle, or False once NVML failed (containers): the allocator's view remains
 
     def sample(self, step: int) -> tuple[float | None, float | None]:
-        """`(device_frac, host_frac)` on steps divisible by `sample_every`, else `(None, None)`."""
-        return (None, None) if step % self.sample_every else self.read()
-
-    def read(self) -> tuple[float | None, float | None]:
-        """`(device_frac, host_frac)` now; `None` for what cannot be measured."""
-        return self.device_fraction(), self.host_fraction()
+        """`(device_frac, host_frac)` on steps divisible by `sample_every`, else `(None, None)`; `None` for what
+        cannot be measured."""
+        return (None, None) if step % self.sample_every else (self.device_fraction(), self.host_fraction())
 
     def host_fraction(self) -> float | None:
         return sysmem.headroom(self.cgroup_dir).fraction

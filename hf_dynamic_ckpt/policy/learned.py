@@ -1,17 +1,10 @@
-"""The learned double-check: its input features and a 2-layer LSTM over them, next to the rules.
+"""The learned double-check next to the rules: 12 scale-free features of the frames and a 2-layer LSTM over them.
 
-The rules (`RulePolicy`) stay the default and the safety net. With `learned_model` set, the policy asks this model
-once per optimizer step, on the reduced frame (the same on every rank), for a `save_score` in [0, 1] and a
-granularity: a score >= `SAVE_THRESHOLD` where the rules do not save is an early save (`DecisionKind.LEARNED`: a
-pinned pre-update capture, or with `KEY_LAYERS_RNG`, memory pressure's answer, an unpinned save after the update
-with the cheaper tiers); a score < the veto threshold on a rule capture of a *soft* trigger vetoes it (hard triggers,
-non-finite values and a loss >= `HARD_LOSS_RATIO` x its baseline, never are); on a risk-edge save a cheaper
-granularity is taken. `docs/decision_model.md` defines the 12 features, the data, the training and the metrics.
-
-The model file is safetensors only (never a pickle): `decision_model.safetensors` here for
-``learned_model="builtin"``, written by `scripts/train_decision_model.py`. Inference is numpy (float64, a few
-small matrix-vector products per step). The policy knows it only as a `policy.rules.DoubleCheck`, made by
-`check_factory` when `learned_model` is set.
+Asked once per optimizer step on the reduced frame (the same on every rank), the model may ask for an early save
+(`DecisionKind.LEARNED`), take a cheaper tier set for a risk-edge save, or veto a rule capture of a *soft* trigger; the
+rules stay the safety net: a hard trigger (non-finite values, a loss >= `HARD_LOSS_RATIO` x its baseline) is never
+vetoed. The model file is safetensors only (never a pickle); inference is numpy float64. The features, the data, the
+training and the metrics: docs/decision_model.md.
 """
 
 from __future__ import annotations
@@ -24,14 +17,12 @@ import logging
 import math
 import os
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..config import SmartCkptConfig
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
 from ..signals import RollingWindow, SignalFrame, linear_fit
@@ -78,8 +69,7 @@ def _log_ratio(value: float | None, baseline: float | None) -> float:
 
 class FeatureExtractor:
     """Streaming features of the frames, one call per optimizer step: each frame is measured against the recent
-    values *before* it is folded in, so every rank computes the same features from the same frames, and a resumed
-    run continues from the restored windows (`state_dict`). Pure Python.
+    values *before* it is folded in; a resumed run continues from the restored windows (`state_dict`).
 
     Example:
         ```python
@@ -284,21 +274,10 @@ def _load(path: str, mtime_ns: int, size: int) -> DecisionModel:
     return DecisionModel(tensors, metadata, source=f"learned_model {path}")
 
 
-def check_factory(spec: str | os.PathLike[str]) -> Callable[[], LearnedCheck]:
-    """What `RulePolicy` uses for `learned_model=spec`: the model loaded now (errors now), a fresh check per call.
-
-    Raises:
-        `ConfigError`: as `load_model`.
-    """
-    return functools.partial(LearnedCheck, load_model(spec))
-
-
 class LearnedCheck:
-    """The model's per-step state (features, LSTM state) and the rules of its role.
-
-    `opinion(frame)` runs the model once per step (the result is kept for the step's other
-    calls); the LSTM state and feature windows are part of the policy state, so a resumed
-    run continues exactly.
+    """The model's per-step state (feature windows, LSTM state: part of the policy state, so a resumed run continues
+    exactly) and the rules of its role; `RulePolicy` asks `review` and `capture` in `pre_update`, `after_update` in
+    `decide`.
 
     Args:
         model (`DecisionModel`): from `load_model`.
@@ -312,7 +291,7 @@ class LearnedCheck:
         self.last_save: int | None = None  # step of the model's own last early save (its own cooldown)
 
     def opinion(self, frame: SignalFrame) -> Opinion:
-        """The model's score and granularity for this step's frame (computed once per step)."""
+        """The model's score and granularity for this step's frame (the LSTM steps once per step)."""
         if self._cached is not None and self._cached[0] == frame.step:
             return self._cached[1]
         x = self.features.step(frame)
@@ -346,22 +325,17 @@ class LearnedCheck:
                         pre_update=True, risk=risk, step=frame.step - 1, healthy=True, interval=interval,
                         kind=DecisionKind.LEARNED)
 
-    def after_update(self, frame: SignalFrame, decision: Decision, *, healthy: bool, last_save: int | None,
-                     config: SmartCkptConfig) -> Decision:
-        """`RulePolicy.decide`'s question: a cheaper tier set for a risk-edge save, or an early save of the
-        state after this update with the model's cheaper granularity (memory pressure), at least
-        `min_interval` after the last save and outside the model's cooldown (`capture_cooldown`)."""
+    def after_update(self, frame: SignalFrame, decision: Decision, *, may_save: bool, cooldown: int) -> Decision:
+        """`RulePolicy.decide`'s question: a cheaper tier set for a risk-edge save, or an early save of the state after
+        this update with the model's cheaper granularity (memory pressure) when `may_save` (healthy, `min_interval`
+        since the last save) and outside the model's cooldown."""
         op = self.opinion(frame)
-        since = frame.step - (last_save if last_save is not None else 0)
-        cooldown = (config.policy.capture_cooldown if config.policy.capture_cooldown is not None
-                    else config.policy.stability_window)
         tiers = op.granularity.tiers
         if decision.save:
             if decision.kind == DecisionKind.RISK_EDGE and tiers < decision.tiers:
                 return dataclasses.replace(decision, tiers=tiers, reason=f"{decision.reason}; learned {op.describe()}")
             return decision
-        if (op.save and op.granularity == Granularity.KEY_LAYERS_RNG and healthy and since >= config.policy.min_interval
-                and self._cooled(frame.step, cooldown)):
+        if op.save and op.granularity == Granularity.KEY_LAYERS_RNG and may_save and self._cooled(frame.step, cooldown):
             return Decision(save=True, tiers=tiers, reason=f"learned {op.describe()}", risk=decision.risk,
                             step=frame.step, healthy=True, interval=decision.interval, kind=DecisionKind.LEARNED)
         return decision

@@ -1,12 +1,9 @@
-"""What to keep (separate from when to save): pinned, the newest N, log-spaced history (docs/policy.md section 5).
+"""What to keep (separate from when to save): pinned, the newest N, log-spaced history, per-tier expiry, abandoned
+timelines (the rules: docs/policy.md section 5).
 
-Log spacing: older checkpoints are grouped by age in steps into power-of-two buckets `[2^k, 2^(k+1))` behind the newest
-one, and only the *oldest* checkpoint of each bucket survives. A checkpoint only ever moves to higher buckets as
-training goes on, so the first checkpoint is never thinned and the number kept grows like `log2(steps)`. Per-tier
-retention (`storage_levels.level_N.retention_days`) then removes expired tiers from what is kept: the optimizer tier
-(7 days by default) goes before the weights (30 days), and a checkpoint whose weights expire is deleted whole.
-Abandoned checkpoints (of a timeline a resume forked away from) take no part in that: they are kept until the live
-timeline has committed a greater step, then deleted whole; pinned ones never.
+Log spacing keeps the *oldest* checkpoint of each power-of-two age bucket `[2^k, 2^(k+1))` behind the newest: a
+checkpoint only ever moves to higher buckets as training goes on, so the first one is never thinned and the number kept
+grows like `log2(steps)`.
 """
 
 from __future__ import annotations
@@ -79,33 +76,26 @@ def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced
                for i in ordered if id(i) not in protected and not i.pinned}
     # Checkpoints whose weights expired go first, so thinning never keeps one that is about to vanish.
     dead = {k for k, tiers in expired.items() if Tier.WEIGHTS in tiers}
-    kept_by_bucket: dict[int, CheckpointInfo] = {}
-    if log_spaced and keep_last is not None:
-        for info in ordered:  # newest -> oldest: the last one seen in a bucket is its oldest
-            if id(info) in protected or info.pinned or id(info) in dead:
-                continue
-            kept_by_bucket[_bucket(newest - info.step)] = info
-    keep = protected | {id(i) for i in kept_by_bucket.values()}
-    if keep_last is None:
-        keep |= {id(i) for i in ordered}
-    kept_in_bucket = {b: i.step for b, i in kept_by_bucket.items()}
+    oldest_in_bucket: dict[int, CheckpointInfo] = {}  # filled newest -> oldest: the last one seen in a bucket
+    for info in ordered if log_spaced and keep_last is not None else ():
+        if id(info) in expired and id(info) not in dead:
+            oldest_in_bucket[_bucket(newest - info.step)] = info
+    keep = {id(i) for i in oldest_in_bucket.values()} | {id(i) for i in ordered if keep_last is None}
     plan: list[Removal] = []
     for info in reversed(ordered):
-        if info.pinned or id(info) in protected:
+        tiers = expired.get(id(info))
+        if tiers is None:  # pinned or protected
             continue
         if id(info) in dead:
             plan.append(Removal(info, ALL_TIERS, _expiry_rule(Tier.WEIGHTS, tier_retention)))
         elif id(info) not in keep:
-            if log_spaced:
-                age = newest - info.step
-                rule = (f"keep_last={keep_last} and log-spaced history (keep_log_spaced): one checkpoint per "
-                        f"power-of-two age bucket is kept, and step {info.step} ({age} steps behind step {newest}) "
-                        f"shares its bucket with the older step {kept_in_bucket.get(_bucket(age))}")
-            else:
-                rule = f"keep_last={keep_last} (keep_log_spaced=false): only the newest {keep_last} are kept"
+            age = newest - info.step
+            rule = (f"keep_last={keep_last} and log-spaced history (keep_log_spaced): one checkpoint per power-of-two "
+                    f"age bucket is kept, and step {info.step} ({age} steps behind step {newest}) shares its bucket "
+                    f"with the older step {oldest_in_bucket[_bucket(age)].step}") if log_spaced else \
+                f"keep_last={keep_last} (keep_log_spaced=false): only the newest {keep_last} are kept"
             plan.append(Removal(info, ALL_TIERS, rule))
-        elif expired[id(info)]:
-            tiers = expired[id(info)]
+        elif tiers:
             plan.append(Removal(info, tiers, "; ".join(_expiry_rule(t, tier_retention) for t in sorted(tiers))))
     return plan
 

@@ -14,7 +14,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ..config import OnAnomaly, PolicyParams, SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..jsonutil import safe_float as _j
 from ..signals import MAD_TO_STD, Ema, RollingWindow, SignalFrame, linear_fit
 from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
-from .learned import check_factory
+from .learned import LearnedCheck, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,7 @@ class Assessment:
 
 class Baselines:
     """The recent loss, grad-norm and lr values and memory samples a frame is judged against: `assess(frame)` before
-    the frame is folded in (`fold`), so a spike is measured against the past; median / MAD keep one spike from moving
-    them. Window sizes follow `stability_window`."""
+    the frame is folded in (`fold`), so a spike is measured against the past. Window sizes follow `stability_window`."""
 
     def __init__(self, config: PolicyParams) -> None:
         self.config = config
@@ -155,32 +154,24 @@ class Baselines:
 
 
 def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, c: PolicyParams) -> str | None:
-    """The rule by which this step's update is bad, as reason text (`"grad_surge x10.0"`), or `None`.
-
-    Pure: the frame, its assessment and the baselines (not yet folded with it). In order: non-finite values; the global
-    grad norm (first step, early, or `>= grad_surge_ratio` x the running median that also clears the run's spread,
-    `r**2` before `CAPTURE_WARMUP` values); a LoRA layer surge; the learning rate (early, or `> lr_surge_ratio` x the
-    recent maximum); the loss (early, or a confirmed robust z-score). The early rules stand in while a statistic has
-    fewer than `MIN_HISTORY` values (docs/policy.md, "From the first step: early rules").
-    """
+    """The rule by which this step's update is bad, as reason text (`"grad_surge x10.0"`), or `None`. Pure: the frame,
+    its assessment and the baselines not yet folded with it; the rules in their order, and the early ones that stand in
+    while a statistic has fewer than `MIN_HISTORY` values: docs/policy.md, "Pre-anomaly capture"."""
     if frame.any_nonfinite:
         return "nonfinite"
     r = c.grad_surge_ratio
-    rule = _first_step(frame, baselines) or _early("early_grad", baselines.grad, frame.grad_norm, EARLY_GRAD_RATIO)
-    if rule:
+    if rule := _first_step(frame, baselines) or _early("early_grad", baselines.grad, frame.grad_norm, EARLY_GRAD_RATIO):
         return rule
     if a.grad_ratio is not None and a.grad_excess is not None and a.grad_excess >= (
             r if len(baselines.grad) >= CAPTURE_WARMUP else r * r):
         return f"grad_surge x{a.grad_ratio:.1f}"
     if a.lora_ratio is not None and a.lora_ratio >= r:
         return f"lora_surge x{a.lora_ratio:.1f} in {frame.lora_max_layer}"
-    rule = _early_lr(frame, baselines, c)
-    if rule:
+    if rule := _early_lr(frame, baselines, c):
         return rule
     if a.lr_ratio is not None and a.lr_ratio > c.lr_surge_ratio:
         return f"lr_surge x{a.lr_ratio:.1f}"
-    rule = _early("early_loss", baselines.loss, frame.loss, EARLY_LOSS_RATIO)
-    if rule:
+    if rule := _early("early_loss", baselines.loss, frame.loss, EARLY_LOSS_RATIO):
         return rule
     if a.loss_z is not None and a.loss_z >= c.loss_spike_z and _loss_confirmed(frame, a, baselines):
         return f"loss_spike z={a.loss_z:.1f}"
@@ -196,9 +187,8 @@ def _early(name: str, window: RollingWindow, value: float | None, bar: float) ->
     if baseline is None or baseline <= 0.0:
         return None  # a ratio to a non-positive baseline means nothing
     ratio = value / baseline
-    if ratio < (bar if n >= EARLY_FLOOR else 2.0 * bar):
-        return None
-    return f"{name} x{ratio:.1f} (median of {n} step{'s' if n > 1 else ''})"
+    return None if ratio < (bar if n >= EARLY_FLOOR else 2.0 * bar) else \
+        f"{name} x{ratio:.1f} (median of {n} step{'s' if n > 1 else ''})"
 
 
 def _early_lr(frame: SignalFrame, baselines: Baselines, c: PolicyParams) -> str | None:
@@ -234,9 +224,8 @@ def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> 
 
 @dataclass(frozen=True)
 class Interval:
-    """The regular interval (`steps`; `round(steps)` between saves), its base `T_base` and where that comes from
-    (`FROM_USER`, `FROM_YOUNG_DALY`, `FROM_BOOTSTRAP`), `alpha`, `beta`, and whether stability or risk shortened it or
-    the overhead budget widened it (only an interval the library derived)."""
+    """The regular interval (`round(steps)` between saves), its base `T_base`, where that comes from (`FROM_...`),
+    and whether risk shortened it or the overhead budget widened it."""
 
     steps: float
     base: float
@@ -259,52 +248,37 @@ class Interval:
                f"beta {self.beta:.2f})"
 
 
-class DoubleCheck(Protocol):
-    """A second opinion next to the rules, with its own per-step state (the policy state's `"learned"`). The rules
-    stay the safety net: it may veto a soft rule's capture or ask for an early save, never drop a hard one.
-    `RulePolicy` calls `review` and `capture` in `pre_update`, `after_update` in `decide`."""
-
-    def review(self, frame: SignalFrame, rule: str | None, loss_baseline: float | None
-               ) -> tuple[str | None, Any, str | None]:
-        """The capture rule after a veto, an early-capture request to pass to `capture` (or None), a veto's log line."""
-
-    def capture(self, frame: SignalFrame, early: Any, risk: float, interval: float, cooldown: int) -> Decision | None:
-        """The pre-update capture `early` (from `review`) asks for, or None."""
-
-    def after_update(self, frame: SignalFrame, decision: Decision, *, healthy: bool, last_save: int | None,
-                     config: SmartCkptConfig) -> Decision:
-        """The rules' decision after the update, kept or changed."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-# The triggers' flags in the policy state: (part, key) -> (attribute, the JSON types it takes).
-_FLAGS: dict[tuple[str, str], tuple[str, tuple[type, ...]]] = {
+# The policy state's plain values in their JSON order: (part, key) -> (attribute, how a saved value is read: converted
+# by a function, or, for the triggers' flags, checked against the JSON types it may have).
+_PLAIN: dict[tuple[str, str], tuple[str, Callable[[Any], Any] | tuple[type, ...]]] = {
+    ("cadence", "train_time_s"): ("train_time_s", float), ("cadence", "blocking_s"): ("blocking_s", float),
+    ("cadence", "last_save_step"): ("last_save_step", lambda v: None if v is None else int(v)),
+    ("cadence", "saves"): ("saves", int), ("cadence", "budget_warned"): ("budget_warned", bool),
+    ("smoother", "prev_beta"): ("prev_beta", float), ("smoother", "prev_training"): ("prev_training_beta", float),
     ("capture", "last_step"): ("last_capture", (int, type(None))),
     ("capture", "prev_nonfinite"): ("prev_nonfinite", (bool,)),
-    ("preemption", "done"): ("preempted", (bool,)),
-    ("edge", "armed"): ("edge_armed", (bool,)),
-    ("memory", "armed"): ("memory_armed", (bool,)),
-    ("health", "poisoned"): ("poisoned", (bool,)),
+    ("preemption", "done"): ("preempted", (bool,)), ("edge", "armed"): ("edge_armed", (bool,)),
+    ("memory", "armed"): ("memory_armed", (bool,)), ("health", "poisoned"): ("poisoned", (bool,)),
 }
 
 
-class RulePolicy:
-    """Decides when to save and what, from per-step signals (docs/policy.md section 2).
+def _read(value: Any, read: Callable[[Any], Any] | tuple[type, ...], where: str) -> Any:
+    """A saved plain value, converted or type-checked (see `_PLAIN`)."""
+    if not isinstance(read, tuple):
+        return read(value)
+    if not isinstance(value, read) or (bool not in read and isinstance(value, bool)):
+        raise ConfigError(f"policy state: {where}={value!r} is invalid: expected "
+                          f"{' or '.join('null' if t is type(None) else t.__name__ for t in read)}.")
+    return value
 
-    Regular saves every `T = T_base * alpha / (1 + risk_gain * beta)` steps (`T_base`: `base_interval`, or Young/Daly
-    from the measured save cost, widened to `overhead_budget`; `alpha`: loss stability; `beta`: smoothed risk), an
-    immediate save on the rising edge of the risk, a minimal one ahead of a memory ramp, one full save on preemption;
-    `pre_update()` captures the still-healthy state before a bad update (`capture_rule`). A non-finite update that went
-    through pauses saves until the signals are finite again; a save after a bad update or while the training risk is
-    high is `healthy=False`.
+
+class RulePolicy:
+    """Decides when to save and what, from per-step signals: the regular interval, the rising edge of the risk, a
+    memory ramp, preemption, and the pre-update capture (`pre_update`); the formulas: docs/policy.md section 2.
 
     Args:
-        config (`SmartCkptConfig`, *optional*): the settings; defaults to `SmartCkptConfig()`.
-        double_check (`Callable[[], DoubleCheck]`, *optional*): makes a fresh `DoubleCheck` (one per policy state);
-            defaults to the learned model of `config.policy.learned_model`, or none when unset.
+        config (`SmartCkptConfig`, *optional*): the settings; defaults to `SmartCkptConfig()`. With
+            `policy.learned_model` set, the learned double-check (`LearnedCheck`) sits next to the rules.
 
     Example:
         ```python
@@ -314,21 +288,18 @@ class RulePolicy:
         ```
     """
 
-    learned: DoubleCheck | None
-    """The double-check (by default the learned model of `learned_model`); `None`: rules only."""
+    learned: LearnedCheck | None
+    """The learned double-check of `learned_model`; `None`: rules only."""
     history: deque[dict[str, Any]]
     """The last `HISTORY_STEPS` steps: loss, grad norm, lr, risk, interval, and the decision."""
     decisions: deque[dict[str, Any]]
     """The last `DECISION_HISTORY` save decisions (`Decision.to_dict()` and the step they were taken at)."""
 
-    def __init__(self, config: SmartCkptConfig | None = None, *,
-                 double_check: Callable[[], DoubleCheck] | None = None) -> None:
+    def __init__(self, config: SmartCkptConfig | None = None) -> None:
         self.config = config or SmartCkptConfig()
         c = self.config.policy
         self.cooldown = c.capture_cooldown if c.capture_cooldown is not None else c.stability_window
-        if double_check is None and c.learned_model is not None:
-            double_check = check_factory(c.learned_model)
-        self._new_check = double_check
+        self._model = load_model(c.learned_model) if c.learned_model is not None else None  # errors now
         self.memory_tier = False
         """Whether the newest state is kept in host memory too (then the interval follows `node_mtbf_hours`)."""
         self._reset()
@@ -353,7 +324,7 @@ class RulePolicy:
         self.last_capture: int | None = None
         self.prev_nonfinite = self.preempted = self.poisoned = False
         self.edge_armed = self.memory_armed = True
-        self.learned = self._new_check() if self._new_check is not None else None
+        self.learned = LearnedCheck(self._model) if self._model is not None else None
         self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
         self.history = deque(maxlen=HISTORY_STEPS)
         self.decisions = deque(maxlen=DECISION_HISTORY)
@@ -374,10 +345,6 @@ class RulePolicy:
     def training_risk(self) -> float:
         """`risk` without memory and non-finite values: whether the weights themselves are at risk."""
         return sum(self.training_betas) / len(self.training_betas) if self.training_betas else 0.0
-
-    def base_interval(self) -> float:
-        """`T_base` in steps, clamped to `[min_interval, max_interval]` (see `current_interval`)."""
-        return self._base()[0]
 
     def current_interval(self) -> Interval:
         """The regular interval: the base, shortened by stability and risk, widened by the budget when the library
@@ -411,11 +378,9 @@ class RulePolicy:
 
     # ------------------------------------------------------------------ decisions
     def pre_update(self, frame: SignalFrame) -> Decision:
-        """Check the step's gradients before `optimizer.step()`, while the weights are those of `frame.step - 1`.
-
-        A rule of `capture_rule` asks to save that state now, pinned and healthy. Finite triggers have a cooldown of
-        `capture_cooldown` steps (one capture per episode); non-finite ones fire on the first of a run of non-finite
-        steps.
+        """Check the step's gradients before `optimizer.step()`, while the weights are those of `frame.step - 1`: a
+        rule of `capture_rule` asks to save that state now, pinned and healthy (finite triggers once per
+        `capture_cooldown` steps, non-finite ones on the first of a run of them).
 
         Returns:
             `Decision`: `save=True, pre_update=True, pin=True, kind=CAPTURE` with `step = frame.step - 1` and the rule
@@ -493,8 +458,8 @@ class RulePolicy:
             why = f"training risk {self.training_risk:.2f} >= risk_threshold {c.risk_threshold}"
         decision = self._choose(frame, a, healthy=not why)
         if self.learned is not None:  # a cheaper tier set, or an early save under memory pressure
-            decision = self.learned.after_update(frame, decision, healthy=not why and not self.poisoned,
-                                                 last_save=self.last_save_step, config=self.config)
+            may_save = not why and step - self.last_save_step >= c.min_interval  # healthy, past min_interval
+            decision = self.learned.after_update(frame, decision, may_save=may_save, cooldown=self.cooldown)
         if decision.save and why:
             logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
         self.baselines.fold(frame)  # after judging the frame, so a spike is measured against the past
@@ -536,12 +501,10 @@ class RulePolicy:
             return Decision(save=False, risk=beta, interval=interval.steps, healthy=False)
         self.suppressed.discard("poisoned")
         self.edge_armed = self.edge_armed or beta < c.risk_release  # hysteresis: re-armed below risk_release
-        fired = self.edge_armed and beta >= c.risk_threshold
-        if fired:
-            self.edge_armed = False
-        elif self.edge_armed:
+        if self.edge_armed and beta < c.risk_threshold:
             self.suppressed.discard("edge")
-        if fired:
+        elif self.edge_armed:
+            self.edge_armed = False
             detail = ", ".join(f"{k}={v:.2f}" for k, v in sorted(a.components.items()) if v > 0)
             reason = f"risk_edge beta={beta:.2f} ({detail or 'smoothed'})"
             cost = self.save_cost.value
@@ -552,20 +515,19 @@ class RulePolicy:
                 self._suppress("edge", step, f"{reason} suppressed: over overhead_budget {c.overhead_budget:.1%}")
             else:
                 return save(reason, DecisionKind.RISK_EDGE, MINIMAL_TIERS if a.driver == MEMORY else ALL_TIERS)
-        forecast, ramp_reason = self.baselines.memory_forecast(), None
+        forecast = self.baselines.memory_forecast()
         if forecast is not None:  # fires once; re-armed once the forecast falls 5 points below (a plateau saves once)
             current, predicted = forecast
             if self.memory_armed and current < c.memory_threshold <= predicted:
                 self.memory_armed = False
-                ramp_reason = f"memory_ramp {current:.1%} -> {predicted:.1%} within {c.memory_lookahead} steps"
+                reason = f"memory_ramp {current:.1%} -> {predicted:.1%} within {c.memory_lookahead} steps"
+                if since >= c.min_interval:
+                    return save(reason, DecisionKind.MEMORY, MINIMAL_TIERS)
+                self._suppress("memory", step, f"{reason} suppressed: {since} < min_interval {c.min_interval}")
             elif not self.memory_armed and predicted < c.memory_threshold - 0.05:
                 self.memory_armed = True
         if self.memory_armed:
             self.suppressed.discard("memory")
-        if ramp_reason is not None:
-            if since >= c.min_interval:
-                return save(ramp_reason, DecisionKind.MEMORY, MINIMAL_TIERS)
-            self._suppress("memory", step, f"{ramp_reason} suppressed: {since} < min_interval {c.min_interval}")
         if since >= interval.due:
             return save(interval.reason(), DecisionKind.INTERVAL)
         return Decision(save=False, risk=beta, interval=interval.steps, healthy=healthy)
@@ -606,15 +568,12 @@ class RulePolicy:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """The whole state as strict JSON, so a resumed run decides exactly the same (the layout of docs/policy.md
-        section 4: `"levels"` holds the baselines, the key every saved state has)."""
-        state: dict[str, Any] = {"version": STATE_VERSION, "levels": self.baselines.state_dict(), "cadence": {
-            "step_time": self.step_time.state_dict(), "save_cost": self.save_cost.state_dict(),
-            "train_time_s": self.train_time_s, "blocking_s": self.blocking_s, "last_save_step": self.last_save_step,
-            "saves": self.saves, "budget_warned": self.budget_warned}, "smoother": {
-            "beta": list(self.betas), "training": list(self.training_betas), "prev_beta": self.prev_beta,
-            "prev_training": self.prev_training_beta}}
-        for (part, key), (attr, _) in _FLAGS.items():
+        """The whole state as strict JSON (docs/policy.md section 4), so a resumed run decides exactly the same."""
+        state: dict[str, Any] = {"version": STATE_VERSION, "levels": self.baselines.state_dict(),
+                                 "cadence": {"step_time": self.step_time.state_dict(),
+                                             "save_cost": self.save_cost.state_dict()},
+                                 "smoother": {"beta": list(self.betas), "training": list(self.training_betas)}}
+        for (part, key), (attr, _) in _PLAIN.items():
             state.setdefault(part, {})[key] = getattr(self, attr)
         if self.learned is not None:
             state["learned"] = self.learned.state_dict()
@@ -637,30 +596,22 @@ class RulePolicy:
             raise ConfigError(f"policy state version={version!r} is not supported: expected {STATE_VERSION} (or 1, "
                               "which restarts the statistics).")
         try:
-            baselines, emas = Baselines(self.config.policy), (Ema(0.9), Ema(0.5))
-            baselines.load_state_dict(state["levels"])
-            cadence, smoother, n = state["cadence"], state["smoother"], self.config.policy.risk_smoothing
-            for ema, key in zip(emas, ("step_time", "save_cost")):
-                ema.load_state_dict(cadence[key])
-            flags = {attr: state[part][key] for (part, key), (attr, _) in _FLAGS.items()}
-            for (part, key), (attr, types) in _FLAGS.items():
-                if not isinstance(flags[attr], types) or (bool not in types and isinstance(flags[attr], bool)):
-                    raise ConfigError(f"policy state: {part}.{key}={flags[attr]!r} is invalid: expected "
-                                      f"{' or '.join('null' if t is type(None) else t.__name__ for t in types)}.")
-            learned = self._new_check() if self._new_check is not None else None
+            values: dict[str, Any] = {"baselines": Baselines(self.config.policy), "step_time": Ema(0.9),
+                                      "save_cost": Ema(0.5)}
+            values["baselines"].load_state_dict(state["levels"])
+            for key in ("step_time", "save_cost"):
+                values[key].load_state_dict(state["cadence"][key])
+            values |= {attr: _read(state[part][key], read, f"{part}.{key}") for (part, key), (attr, read) in
+                       _PLAIN.items()}
+            learned = LearnedCheck(self._model) if self._model is not None else None
             if learned is not None and "learned" in state:  # saved without the model: the model starts afresh
                 learned.load_state_dict(state["learned"])
-            last = cadence["last_save_step"]
-            values = {"baselines": baselines, "step_time": emas[0], "save_cost": emas[1], "learned": learned,
-                      "train_time_s": float(cadence["train_time_s"]), "blocking_s": float(cadence["blocking_s"]),
-                      "last_save_step": None if last is None else int(last), "saves": int(cadence["saves"]),
-                      "budget_warned": bool(cadence["budget_warned"]),
-                      "betas": deque((float(v) for v in smoother["beta"]), maxlen=n),
-                      "training_betas": deque((float(v) for v in smoother["training"]), maxlen=n),
-                      "prev_beta": float(smoother["prev_beta"]), "prev_training_beta": float(smoother["prev_training"]),
-                      "suppressed": {str(k) for k in state["suppressed"]}, **flags,
-                      "history": deque(state["history"], maxlen=HISTORY_STEPS),
-                      "decisions": deque(state["decisions"], maxlen=DECISION_HISTORY), "_judged": None}
+            n, smoother = self.config.policy.risk_smoothing, state["smoother"]
+            values |= {"learned": learned, "betas": deque((float(v) for v in smoother["beta"]), maxlen=n),
+                       "training_betas": deque((float(v) for v in smoother["training"]), maxlen=n),
+                       "suppressed": {str(k) for k in state["suppressed"]}, "_judged": None,
+                       "history": deque(state["history"], maxlen=HISTORY_STEPS),
+                       "decisions": deque(state["decisions"], maxlen=DECISION_HISTORY)}
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -697,14 +648,9 @@ class RollbackRule:
     policy captured) and `rollback_patience` bad steps in a row confirm it: a rollback to a healthy restore point
     before the onset, at most `rollback_window` steps back, unless `max_rollbacks` were taken within that window.
 
-    Its state is the run's history of rollbacks, so it is *not* restored from the restore point a rollback returns to
-    (the policy's statistics are): a run never forgets that it rolled back.
-
-    Attributes:
-        streak (`int`): bad steps in a row so far.
-        onset (`int`, *optional*): the first bad step of the current run of them.
-        first_reason (`str`): the capture rule that fired at the onset.
-        taken (`list[int]`): the steps at which rollbacks were taken.
+    Its state (`streak` bad steps in a row since `onset`, whose rule was `first_reason`; the steps rollbacks were
+    `taken` at) is the run's history of rollbacks, so it is *not* restored from the restore point a rollback returns
+    to (the policy's statistics are): a run never forgets that it rolled back.
     """
 
     streak: int = 0

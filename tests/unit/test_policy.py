@@ -74,7 +74,7 @@ def test_young_daly_base_from_measured_cost() -> None:
     assert saved_steps(events) == [50]  # bootstrap: one stability window, to measure the cost
     assert run(policy, [calm(51, save_blocking_s=0.5)]) == []  # the save of step 50 blocked 0.5 s
     # T = sqrt(2 * 0.5 s * 3600 s) = 60 s = 600 steps of 0.1 s
-    assert policy.base_interval() == pytest.approx(600.0)
+    assert policy.current_interval().base == pytest.approx(600.0)
     events = run(policy, [calm(s) for s in range(52, 1300)])
     assert saved_steps(events) == [650, 1250]
 

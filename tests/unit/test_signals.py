@@ -152,17 +152,18 @@ def test_grad_probe_flags_surging_layer_and_nonfinite() -> None:
     model = tiny_lora_model()
     probe = GradProbe(model, warmup=3, spread_k=4.0)
     for _ in range(5):
-        ratio, _ = probe.observe(dict.fromkeys(probe.layer_names, 1.0))
+        ratio, _ = probe.baselines.observe(dict.fromkeys(probe.layer_names, 1.0))
     assert ratio == pytest.approx(1.0)
     target = probe.layer_names[2]
-    ratio, layer = probe.observe({n: (10.0 if n == target else 1.0) for n in probe.layer_names})
+    ratio, layer = probe.baselines.observe({n: (10.0 if n == target else 1.0) for n in probe.layer_names})
     assert layer == target and ratio == pytest.approx(10.0)
     assert probe.baselines.logs[target].median() == pytest.approx(0.0)  # the robust baseline ignores the one surge
     state = json.loads(json.dumps(probe.state_dict()))
     fresh = GradProbe(model, warmup=3, spread_k=4.0)
     fresh.load_state_dict(state)
     assert fresh.baselines.logs[target].values == probe.baselines.logs[target].values
-    assert fresh.observe({n: 10.0 for n in probe.layer_names}) == probe.observe({n: 10.0 for n in probe.layer_names})
+    surge = {n: 10.0 for n in probe.layer_names}
+    assert fresh.baselines.observe(surge) == probe.baselines.observe(surge)
 
     model(**batch(3)).loss.backward()
     next(p for p in model.parameters() if p.grad is not None).grad[0] = math.nan
