@@ -182,6 +182,8 @@ def _saves(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     assert [e.step for e in events] == list(range(interval, steps, interval)), [e.step for e in events]
     saved = {e.step for e in events}
     final = [e.step for e in cb.run.events if e.kind.value == "train_end"]
+    _progress("our saves: " + ", ".join(f"step {e.step} {e.staging} {e.blocking_ms:.0f} ms" for e in events)
+              + f"; last staging plan: {cb.run.engine.last_plan.reason if cb.run.engine.last_plan else None}")
     result = {"params": params, "ours": [e.blocking_ms / 1e3 for e in events],
               "hook": [t1 - t0 for s, t0, t1 in begins if s in saved], "ds": ds_saves,
               "writes": [(e.write_ms or 0.0) / 1e3 for e in events], "stall_logged": stall_logged,

@@ -265,12 +265,14 @@ class Copies:
         self.cats.append((region, [t.view(-1) for t in sources]))
         self.nbytes += region.numel() * region.element_size()
 
-    def run_host(self) -> None:
+    @torch.no_grad()  # sources may require grad (ZeRO's fp32 partitions): `cat(out=)` refuses them otherwise; and
+    def run_host(self) -> None:  # grad mode is per thread (deferred copies run on the writer's IPC thread)
         for region, flats in self.cats:
             torch.cat(flats, out=region)
         if self.host[0]:
             torch._foreach_copy_(*self.host)
 
+    @torch.no_grad()
     def issue_cuda(self, streams: dict[int, Any]) -> list[tuple[int, Any]]:
         """Queue the CUDA copies on a side stream per device (after the work already queued on the current stream);
         returns `(device, event)` pairs, recorded after them."""

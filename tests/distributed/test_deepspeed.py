@@ -35,7 +35,7 @@ def _store_files(run: Path) -> list[str]:
 def crash_and_resume(base: Path, stage: int, model: str) -> tuple[list[dict], list[dict], Path]:
     """The uninterrupted run, the run killed after step 7 (in ``base/crash``, kept), and its resume in a copy."""
     args = (*ARGS, "--deepspeed", str(stage), "--model", model)
-    ref = torchrun(base / "ref", "ref", *args, "--final", str(base / "ref" / "final.safetensors"))
+    ref = torchrun(base / "ref", "ref", *args, "--final", str(base / "ref" / "final.safetensors"), "--wait_writer")
     crash = torchrun(base / "crash", "crash", *args, "--kill_at", "7", expect_ok=False)
     assert all(c["killed"] for c in crash)
     shutil.copytree(base / "crash", base / "resume")
@@ -50,6 +50,9 @@ def assert_exact(base: Path, ref: list[dict], resumed: list[dict]) -> None:
         n = len(resumed[r]["losses"])
         assert n > 0 and resumed[r]["losses"] == ref[r]["losses"][-n:]
     assert ref[0]["losses"] != ref[1]["losses"]  # the ranks saw different data
+    for r in range(2):  # snapshots into the writer's buffers (ZeRO's fp32 partitions require grad), none streamed
+        staged = [(e["step"], e["staging"]) for e in ref[r]["events"]]
+        assert staged and all(how == "buffered" for _, how in staged), staged
     want, got = load_file(base / "ref" / "final.safetensors"), load_file(base / "resume" / "final.safetensors")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 

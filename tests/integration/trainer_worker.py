@@ -103,6 +103,7 @@ def main() -> None:
     p.add_argument("--early_stopping", type=int, default=None, help="EarlyStoppingCallback with this patience")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--memory_every", type=int, default=None, help="runtime.memory_every (default: from its cost)")
+    p.add_argument("--wait_writer", action="store_true", help="wait for the writer process after step 1")
     args = p.parse_args()
 
     from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
@@ -169,6 +170,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
+            if args.wait_writer and state.global_step == 1:  # saves go through the writer's buffers from step 2 on
+                assert cb.run is not None and cb.run.engine.start(wait_s=120)
             if args.kill_at is not None and state.global_step == args.kill_at:
                 # The crash comes after the last save committed on every rank: a known restore point.
                 cb.run.finish()
