@@ -29,7 +29,17 @@ from ..errors import ConfigError, SaveError, fault
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
 from ..store.slots import EARLY_SLOT_MAX_BYTES, keep_newest, room_problem, tensor_bytes
-from .snapshot import Allocator, Overlap, Snapshotter, collect, direct, scopes, shared_storage, tensors_in
+from .snapshot import (
+    Allocator,
+    NoBufferError,
+    Overlap,
+    Snapshotter,
+    collect,
+    direct,
+    scopes,
+    shared_storage,
+    tensors_in,
+)
 from .writer import PROCESS_WRITER_MIN_BUDGET, Job, OnBusy, ProcessWriter, SaveHandle, run_job
 
 logger = logging.getLogger(__name__)
@@ -229,9 +239,9 @@ class SaveEngine:
                                            lambda: sum(t.numel() * t.element_size() for p in parts for t in p.sources))
             try:
                 state, waits, later = self._snapshotter.take(live, parts, defer)
-            except (OSError, RuntimeError) as e:  # shared memory could not be reserved: /dev/shm too small
-                plan = self.last_plan = sysmem.StagingPlan("streaming", f"no shared memory for the snapshot buffers "
-                                                           f"({e}); enlarge /dev/shm, e.g. `docker run --shm-size`")
+            except NoBufferError as e:  # /dev/shm too small (anything else is a bug: it propagates)
+                plan = self.last_plan = sysmem.StagingPlan("streaming", f"{e}; enlarge /dev/shm, e.g. "
+                                                           "`docker run --shm-size`")
         if plan.mode == "streaming" and memory:
             handle.skipped = f"memory slot of step {request.step} skipped: {plan.reason}"
             handle.blocking_ms = (time.perf_counter() - start) * 1e3

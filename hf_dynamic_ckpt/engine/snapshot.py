@@ -324,7 +324,11 @@ class Snapshotter:
             if layout is None or layout.spec != scope.spec or (pinned and not layout.pinned):
                 self.layouts.pop(scope.name, None)  # freed before its replacement is allocated
                 nbytes = _offsets(scope.spec)[1]
-                storage = self.allocate(nbytes, pinned) if nbytes else torch.UntypedStorage(0)
+                try:
+                    storage = self.allocate(nbytes, pinned) if nbytes else torch.UntypedStorage(0)
+                except (OSError, RuntimeError) as e:
+                    raise NoBufferError(f"{nbytes / 2**20:.1f} MiB of {'pinned' if pinned else 'shared'} memory for "
+                                        f"the {scope.name} snapshot could not be reserved ({e})") from e
                 layout = self.layouts[scope.name] = Layout(scope.spec, storage, pinned=pinned)
             mask = later(scope) if later is not None else [False] * len(scope.sources)
             for dtype, members in layout.groups.items():
@@ -350,6 +354,10 @@ class Snapshotter:
         if released:
             logger.debug("released %.1f MiB of snapshot buffers", released / 2**20)
         return released
+
+
+class NoBufferError(RuntimeError):
+    """The snapshot's buffers could not be allocated (`/dev/shm` or pinned memory short): the save streams."""
 
 
 def direct(live: LiveState) -> CheckpointState:

@@ -548,7 +548,8 @@ def test_snapshot_buffers_in_shared_memory(store, tmp_path, monkeypatch, caplog)
     with _started(store, allocate=no_space) as engine:
         handle = engine.save(_sources(model, opt), SaveRequest(step=2, tiers=ALL_TIERS, reason="b"), rng=RNG)
         assert handle.done() and handle.staging == "streaming" and engine.buffer_bytes == 0
-    assert "no shared memory for the snapshot buffers" in caplog.text and "--shm-size" in caplog.text
+    assert "of shared memory for the weights snapshot could not be reserved (unable to reserve" in caplog.text
+    assert "--shm-size" in caplog.text
     _assert_state_equal(store.load(handle.wait()).weights, _clone(model.state_dict()))
 
 
