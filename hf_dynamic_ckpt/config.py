@@ -224,7 +224,7 @@ class RuntimeParams(_Settings):
                                        "true, false or null (a YAML boolean, not a string)")
     lock_wait_s: float = _f(120.0, *_SECONDS)
     memory_tier: bool = _f(True, *_BOOL)
-    memory_every: int | None = _f(None, *_int_ge(1, " or null (every step for a small state, else from its cost)"))
+    memory_every: int | None = _f(None, *_int_ge(1, " or null (from the slot's measured cost)"))
     report_to_trainer: bool = _f(True, *_BOOL)
     keep_global_batch: bool = _f(True, *_BOOL)
 
