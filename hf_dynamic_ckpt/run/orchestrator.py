@@ -655,7 +655,7 @@ class RunOrchestrator:
                 sampler = {**sampler, KEY_RNG_AT: RNG_AT_STEP_BEGIN}
         if memory:
             self.saver.save_memory(self._sources, step=step, epoch=epoch, lineage=self.lineage, rng=rng,
-                                   sampler=sampler, extra=self._extra(decision))
+                                   sampler=sampler, extra=self._extra(decision), healthy=decision.healthy)
             return None
         return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, frame=self.last_frame,
                                debug_info=self.policy.debug_info(), lineage=self.lineage, rng=rng, sampler=sampler,

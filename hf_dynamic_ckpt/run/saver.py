@@ -288,8 +288,9 @@ class Saver:
 
     def save_memory(self, sources: StateSources, *, step: int, epoch: float, lineage: Lineage,
                     rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
-                    extra: dict[str, Any] | None = None) -> None:
-        """The state of `step` into a memory slot, in the background (never synchronous; see `MemoryTier`)."""
+                    extra: dict[str, Any] | None = None, healthy: bool = True) -> None:
+        """The state of `step` into a memory slot, in the background (never synchronous; see `MemoryTier`). A slot of
+        a step the policy found unhealthy (inside an anomaly) says so: persisted, it is no `auto` restore point."""
         tier = self.memory
         if tier is None or not tier.due(step):
             return
@@ -306,7 +307,7 @@ class Saver:
             if tier.slots is None:
                 return
         request = SaveRequest(step=step, epoch=float(epoch), tiers=self.own_tiers, reason="memory tier",
-                              kind="memory_tier", lineage=lineage)
+                              kind="memory_tier", lineage=lineage, healthy=healthy)
         self._memory_handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, memory=True,
                                                blocking=early)
         if early:

@@ -134,18 +134,23 @@ def keep_newest(slots: CheckpointStore) -> None:
 def persist_newest(slots: CheckpointStore, disk: CheckpointStore) -> int | None:
     """Copy the newest usable slot into `disk` when it belongs to the disk store's current timeline (the run that
     wrote it started there) and is newer than every checkpoint there (a slot that does not verify: the one before
-    it); returns its step, or `None` when there is nothing to persist."""
+    it); when that slot is unhealthy (taken inside an anomaly), the newest healthy one newer than the disk's goes
+    too, so `auto` keeps its best restore point. Returns the newest step persisted, or `None`."""
     current = (disk.timeline_record().get("current") or {}).get("timeline")
     on_disk = max((i.step for i in disk.list(include_unhealthy=True, include_abandoned=True)), default=-1)
+    persisted = None
     for slot in sorted(slots.list(include_unhealthy=True, include_abandoned=True), key=lambda i: -i.step):
         if slot.lineage is None or slot.lineage.timeline != current or slot.step <= on_disk:
-            return None  # another run's (a store deleted and started again: never resurrected), or not newer
+            break  # another run's (a store deleted and started again: never resurrected), or not newer
         try:
             disk.adopt(slots, slot.step)
-            return slot.step
         except CorruptCheckpointError as e:  # a damaged slot: the one before it
             logger.warning("memory tier: the slot of step %d is damaged (%s); trying the one before it", slot.step, e)
-    return None
+            continue
+        persisted = slot.step if persisted is None else persisted
+        if slot.healthy:
+            break
+    return persisted
 
 
 def adopt_newer(disk: CheckpointStore, *, base: str = SHM_DIR) -> int | None:

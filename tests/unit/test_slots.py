@@ -125,3 +125,21 @@ def test_two_slots_must_fit_in_shm_and_in_host_memory_before_the_first_is_writte
     assert problem is not None and problem.startswith("two slots of 1.0 MiB do not fit in the host memory left (")
     assert problem.endswith("MiB available, 99% kept free)")
     slots.close()
+
+
+def test_an_unhealthy_newest_slot_is_persisted_with_the_newest_healthy_one(tmp_path: Path,
+                                                                          disk: CheckpointStore) -> None:
+    base = str(tmp_path / "shm")
+    os.mkdir(base)
+    run = Lineage(session=disk.session_id, timeline="t1")
+    _started(disk, run)
+    _save(disk, 10, run)
+    slots = open_slots(disk, read_only=False, base=base)
+    assert slots is not None
+    _save(slots, 12, run)
+    slots.save(CheckpointState(step=13, weights={"w": torch.randn(4, 4)}, rng={"python": 13}),
+               SaveRequest(step=13, tiers=ALL_TIERS - {"optimizer"}, reason="memory tier", lineage=run, healthy=False))
+    assert persist_newest(slots, disk) == 13  # inside an anomaly: persisted, and the healthy 12 with it
+    assert {i.step: i.healthy for i in disk.list(include_unhealthy=True)} == {10: True, 12: True, 13: False}
+    assert disk.resolve("auto").step == 12
+    slots.close()
