@@ -25,6 +25,7 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from ..errors import ConfigError, DynamicCkptError, SaveError, StoreLockedError
 from ..state import RawRngState
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
-from ..store.slots import keep_newest, persist_newest, room_problem, tensor_bytes
+from ..store.slots import keep_newest, persist_newest, room_problem, secure, tensor_bytes
 from .snapshot import Layout, PendingCopy
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,28 @@ def _leave(*_: Any) -> None:
     raise SystemExit(0)
 
 
+def _open_slots(store_cls: Any, spec: Any) -> Any:
+    """The memory tier's slots, or `None`: their directory is the tier's (private, checked), and one already removed
+    (the run ended while this process started) is not made again here (a store would create it with the default
+    mode); memory jobs are then answered as written nowhere."""
+    if spec is None:
+        return None
+    try:
+        return store_cls.from_spec(spec, cleanup=False) if secure(Path(spec.root), create=False) else None
+    except (OSError, DynamicCkptError) as e:
+        logger.warning("memory tier: the slots at %s cannot be opened (%s); this writer writes none", spec.root, e)
+        return None
+
+
+def _same_dir(path: Any, opened: os.stat_result | None) -> bool:
+    """Whether `path` is still the directory `opened` (not removed, not replaced)."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return opened is not None and (now.st_ino, now.st_dev) == (opened.st_ino, opened.st_dev)
+
+
 def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> None:
     """The training process ended without stopping this writer (killed, or exited without `close()`): persist the
     newest slot when it is newer than the disk store, under the disk store's writer lock (handed over, never broken:
@@ -244,8 +267,7 @@ def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> N
                 return
             time.sleep(0.2)
     try:
-        now = os.lstat(slots.root) if os.path.lexists(slots.root) else None
-        if now is None or (now.st_ino, now.st_dev) != (opened.st_ino, opened.st_dev):
+        if not _same_dir(slots.root, opened):
             logger.info("memory tier: a restart took over the slots (it persisted them); nothing to do")
             return
         step = persist_newest(slots, disk)
@@ -264,7 +286,7 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _leave)  # multiprocessing terminates daemonic children at an unclean exit
     store = store_cls.from_spec(spec, cleanup=False)
-    slots = type(store).from_spec(slots_spec, cleanup=False) if slots_spec is not None else None
+    slots = _open_slots(type(store), slots_spec)
     opened = os.lstat(slots.root) if slots is not None else None
     # Niced once up, not during its start-up: a niced import of torch beside a training process that keeps every
     # core busy took seconds, and until then the memory tier's slots are written on the training thread.
@@ -282,6 +304,9 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
             _, shipped, request, timings, memory = msg
             state = dataclasses.replace(shipped, **{f: _swap(getattr(shipped, f), views) for f in _FIELDS})
             target = slots if memory and slots is not None else store
+            if memory and (slots is None or not _same_dir(slots.root, opened)):  # removed: the run ended
+                conn.send(("ok", None))
+                continue
             try:
                 if target is slots:
                     keep_newest(slots)  # two slots: the newest whole one and this one
