@@ -96,24 +96,29 @@ def test_trainer_resumes_exactly_on_two_ranks_with_persistent_workers(tmp_path: 
         _assert_trainer_exact(result, 1)
 
 
+def _run_trainer_worker(tmp_path: Path, tag: str, *args: str) -> dict[str, Any]:
+    """`tests/integration/trainer_worker.py` once, its rank 0's result. Output to a file, not a pipe: a killed run's
+    orphaned data-loader workers would hold a pipe open."""
+    worker = REPO / "tests" / "integration" / "trainer_worker.py"
+    with open(tmp_path / f"{tag}.log", "w") as log:
+        subprocess.run([sys.executable, str(worker), "--out", str(tmp_path / tag), "--tag", tag, *args],
+                       stdout=log, stderr=subprocess.STDOUT, timeout=600, cwd=tmp_path)
+    result = tmp_path / tag / f"{tag}-rank0.json"
+    assert result.exists(), (tmp_path / f"{tag}.log").read_text()[-4000:]
+    return json.loads(result.read_text())
+
+
 def test_sigkill_after_an_evaluation_with_persistent_workers_then_the_same_command(tmp_path: Path) -> None:
     """A run that evaluates every 5 steps, killed a few steps into its second epoch (after two evaluations),
     restarted at once with `resume_checkpoint(trainer, "auto")`: it resumes from the memory tier's slot of the step
     before the one the kill came after (the disk's newest is the save at the epoch boundary, step 12), and every step
     after it,
     and every evaluation, is the uninterrupted run's."""
-    worker = REPO / "tests" / "integration" / "trainer_worker.py"
     common = ["--model", "lora", "--max_steps", "24", "--ga", "1", "--examples", "48", "--base_interval", "4",
               "--workers", "2", "--eval_steps", "5", "--memory_every", "1"]  # a slot every step, as at a real pace
 
     def run(tag: str, *args: str) -> dict[str, Any]:
-        # Output to a file, not a pipe: the killed run's orphaned workers would hold a pipe open.
-        with open(tmp_path / f"{tag}.log", "w") as log:
-            subprocess.run([sys.executable, str(worker), "--out", str(tmp_path / tag), "--tag", tag, *common, *args],
-                           stdout=log, stderr=subprocess.STDOUT, timeout=600, cwd=tmp_path)
-        result = tmp_path / tag / f"{tag}-rank0.json"
-        assert result.exists(), (tmp_path / f"{tag}.log").read_text()[-4000:]
-        return json.loads(result.read_text())
+        return _run_trainer_worker(tmp_path, tag, *common, *args)
 
     reference = run("reference")
     killed = run("run", "--kill_at", "15")
@@ -140,18 +145,12 @@ def test_sigkill_at_a_seeded_step_resumes_from_the_memory_tier(tmp_path: Path, m
     import random
 
     kill = random.Random(f"{model}{workers}{eval_steps}{seed}").randint(6, 22)
-    worker = REPO / "tests" / "integration" / "trainer_worker.py"
     common = ["--model", model, "--max_steps", "24", "--ga", "1", "--examples", "48", "--base_interval", "4",
               "--workers", str(workers), "--memory_every", "1",
               *(["--eval_steps", str(eval_steps)] if eval_steps else [])]
 
     def run(tag: str, *args: str) -> dict[str, Any]:
-        with open(tmp_path / f"{tag}.log", "w") as log:  # a file: a killed run's orphaned workers hold a pipe
-            subprocess.run([sys.executable, str(worker), "--out", str(tmp_path / tag), "--tag", tag, *common, *args],
-                           stdout=log, stderr=subprocess.STDOUT, timeout=600, cwd=tmp_path)
-        result = tmp_path / tag / f"{tag}-rank0.json"
-        assert result.exists(), (tmp_path / f"{tag}.log").read_text()[-4000:]
-        return json.loads(result.read_text())
+        return _run_trainer_worker(tmp_path, tag, *common, *args)
 
     reference = run("reference")
     assert run("run", "--kill_at", str(kill))["killed"]
