@@ -153,11 +153,13 @@ class RunOrchestrator:
             else:  # dropped without close(): what still holds the task
                 earlier.saver.close()
                 earlier.store.close()
-        self.store = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
-                                    session_id=self.session_id)
+        self.store, self.recovery = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
+                                                   session_id=self.session_id)
+        """`recovery`: a killed run's memory slots newer than the disk store (`SlotRecovery`), or `None`."""
         self.saver = Saver(config, self.store, rank=self.rank, announce=self.announce)
         self.memory = self.saver.open_memory(self.world_size)
         """The memory tier (`MemoryTier`): the newest state in host shared memory, persisted if the process dies."""
+        self.memory.recovery = self.recovery
         _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.saver)
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
@@ -175,6 +177,7 @@ class RunOrchestrator:
         self.sensors: Sensors | None = None
         self.steplog = StepLog(self.store.task_dir, rank=self.rank)
         self._fork_pending = True  # a fresh timeline sets other timelines' checkpoints aside at its first save
+        self._from_memory = False  # the last resume restored a killed run's memory slot (`SlotRecovery`)
         self._resume_event: dict[str, Any] | None = None  # the step log's resume entry, written by `_start_timeline`
         self._held: HeldSave | None = None
         self._sources: StateSources | None = None
@@ -637,6 +640,9 @@ class RunOrchestrator:
         if not self._fork_pending:
             return
         self._fork_pending = False
+        if self.recovery is not None:  # before the timeline moves past the killed run's slots (in the background
+            # when the run restored from them: its timeline continues theirs)
+            self.recovery.persist(background=self._from_memory)
         if self.rank == 0:
             start_timeline(self.store, self.lineage, after_step=self.lineage.parent_step)
         event, self._resume_event = self._resume_event, None
@@ -708,6 +714,8 @@ class RunOrchestrator:
             self.detach()
             if self.resumed is not None and self.resumed.pending is not None:
                 self.resumed.pending.close()
+            if self.recovery is not None:
+                self.recovery.close(remove=not self.memory.on)
             self.saver.close()
             self.store.close()
 
@@ -776,10 +784,26 @@ class RunOrchestrator:
         fallback = self.config.runtime.fallback_strategy
         if self._sources is not None and self._optimizer is None and self._scheduler is None and self._scaler is None:
             fallback = FallbackStrategy.LEVEL_0_ONLY  # attached without an optimizer: no optimizer tier to miss
-        resumption = plan_resume(
-            self.store, ref, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
-            fallback=fallback, expected=sharded.expected() if sharded is not None else expected,
-            background_optimizer=background_optimizer and sharded is None, into=into if sharded is None else None)
+        def plan(store: CheckpointStore, ref: str) -> Resumption | None:
+            return plan_resume(
+                store, ref, session_id=self.session_id, rank=self.rank, world_size=self.world_size,
+                fallback=fallback, expected=sharded.expected() if sharded is not None else expected,
+                background_optimizer=background_optimizer and sharded is None, into=into if sharded is None else None)
+
+        resumption, recovery, self._from_memory = None, self.recovery, False
+        if recovery is not None and recovery.busy and str(ref) == "auto":  # a killed run's slot: read from memory
+            try:
+                planned = plan(recovery.slots, f"step:{recovery.step}")
+                assert planned is not None, "a step is never a fresh start"
+                resumption, self._from_memory = replace(planned, ref="auto"), True
+                recovery.persist(background=True)
+            except DynamicCkptError as e:
+                logger.warning("memory tier: the slot of step %d cannot be restored (%s); resuming from the disk "
+                               "store", recovery.step, e)
+        if resumption is None:
+            if recovery is not None:  # first on disk: the choice among its checkpoints counts it
+                recovery.persist()
+            resumption = plan(self.store, ref)
         if resumption is not None and sharded is not None:
             sharded.load(resumption.loaded)
         return resumption

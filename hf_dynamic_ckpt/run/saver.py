@@ -12,6 +12,7 @@ import errno
 import logging
 import math
 import signal as _signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,74 @@ class HeldSave:
     """Into a memory slot (no disk save this step)."""
 
 
+class SlotRecovery:
+    """A killed run's memory slots newer than the disk store, found when a restart opens its store (one process):
+    `auto`'s restore point (`step`: read from host memory, `RunOrchestrator._plan`), and persisted to the disk store
+    before anything could replace them (the tier's next slot) or move the task's timeline past them (`persist`):
+    in the background once the run restored from it, before the choice of any other restore point, before a fresh
+    start's timeline. The killed run's own writer may still have persisted it: nothing is persisted twice."""
+
+    def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int) -> None:
+        self.disk, self.slots, self.step = disk, slots, step
+        self._thread: threading.Thread | None = None
+        self._done = False
+
+    @classmethod
+    def find(cls, disk: CheckpointStore) -> SlotRecovery | None:
+        """The recovery of `disk`'s task, or `None` (no slot newer than the disk store; nothing is written)."""
+        try:
+            slots = slot_store.open_slots(disk, read_only=True)
+        except (OSError, DynamicCkptError) as e:
+            logger.warning("memory tier: the slots of task %r cannot be read (%s); resuming from the disk store",
+                           disk.task_id, e)
+            return None
+        if slots is not None:
+            newer = slot_store.restore_point(slots, disk)
+            if newer is not None:
+                return cls(disk, slots, newer.step)
+            slots.close()
+        return None
+
+    @property
+    def busy(self) -> bool:
+        """Whether the slots are not all persisted yet (the memory tier writes none meanwhile)."""
+        return not self._done
+
+    def persist(self, *, background: bool = False) -> None:
+        """Persist the slots newer than the disk store (`slots.persist_newest`); `background`: in a thread, else
+        now (waiting for a thread already started). Never raises: a slot that cannot be persisted is logged."""
+        if self._done:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._persist, name="smart-ckpt-slot-persist", daemon=True)
+            self._thread.start()
+        if not background:
+            self._thread.join()
+
+    def _persist(self) -> None:
+        try:
+            step = slot_store.persist_newest(self.slots, self.disk)
+            if step is not None:
+                logger.info("memory tier: step %d, newer than the disk store, was persisted from host memory", step)
+        except (OSError, DynamicCkptError) as e:
+            logger.warning("memory tier: the newest slot could not be persisted (%s); it stays in host memory", e)
+        finally:
+            self._done = True
+
+    def close(self, *, remove: bool = False) -> None:
+        """Persist what is not yet (waiting for it) and release the slots' reader; `remove` the slots then (the
+        memory tier is off in this run: nothing else removes them)."""
+        self.persist()
+        self.slots.close()
+        if remove:
+            slot_store.remove_slots(self.disk.root, self.disk.task_id)
+
+
 def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
-                   session_id: str) -> CheckpointStore:
-    """This rank's store. Under DDP rank 0 opens first (it creates the catalog and takes the task's writer
-    lock); its outcome, an error included, is what every rank acts on. The save engine is not started here:
+                   session_id: str) -> tuple[CheckpointStore, SlotRecovery | None]:
+    """This rank's store, and a killed run's slots to restore from (one process; see `SlotRecovery`). Under DDP
+    rank 0 opens first (it creates the catalog and takes the task's writer lock, then persists a killed run's newest
+    slot); its outcome, an error included, is what every rank acts on. The save engine is not started here:
     `Saver.engine` starts it at its first use (the first save, or its writer process started after the first step),
     so a resume only reads."""
 
@@ -66,27 +131,24 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                                retries=config.remote.retries, backoff_s=config.remote.backoff_s,
                                lock_wait_s=config.runtime.lock_wait_s)
 
-    def open_and_adopt() -> CheckpointStore:  # rank 0: a killed run's newest slot first becomes a disk checkpoint
-        store = open_store()
-        if store.remote is None and not store.read_only:
-            slot_store.adopt_newer(store)
-        return store
+    def local(store: CheckpointStore) -> bool:
+        return store.remote is None and not store.read_only
 
     if world_size > 1:
         store, error = None, None
         if rank == 0:
             try:
-                store = open_and_adopt()
+                store = open_store()
+                if local(store):  # a one-process run's slots, restarted on several: persisted, read from disk
+                    slot_store.adopt_newer(store)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
         error = dist.broadcast_object(error)
         if error is not None:
             raise DistributedError(f"rank 0 could not open the store {root}: {error}")
-        if store is None:
-            store = open_store()
-    else:
-        store = open_and_adopt()
-    return store
+        return store if store is not None else open_store(), None
+    store = open_store()
+    return store, SlotRecovery.find(store) if local(store) else None
 
 
 MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5
@@ -133,6 +195,8 @@ class MemoryTier:
         self.step_s: float | None = None
         """Seconds per step, measured between the steps it is asked about."""
         self._last_call: tuple[int, float] | None = None
+        self.recovery: SlotRecovery | None = None
+        """A killed run's slots still to persist: no slot is written until they are (it would replace them)."""
         if not config.runtime.memory_tier:
             self.off_reason = "runtime.memory_tier=false"
         elif str(getattr(config.engine, "value", config.engine)) != "process":
@@ -165,7 +229,7 @@ class MemoryTier:
             per = (now - self._last_call[1]) / (step - self._last_call[0])
             self.step_s = per if self.step_s is None else 0.8 * self.step_s + 0.2 * per
         self._last_call = (step, now)
-        return step % self.every == 0
+        return step % self.every == 0 and (self.recovery is None or not self.recovery.busy)
 
     def write_early(self) -> bool:
         """Before the writer process is up: whether this step's slot is written on the training thread (a slot of at

@@ -131,17 +131,35 @@ def keep_newest(slots: CheckpointStore) -> None:
             slots.delete(f"step:{info.step}", force=True)
 
 
-def persist_newest(slots: CheckpointStore, disk: CheckpointStore) -> int | None:
-    """Copy the newest usable slot into `disk` when it belongs to the disk store's current timeline (the run that
-    wrote it started there) and is newer than every checkpoint there (a slot that does not verify: the one before
-    it); when that slot is unhealthy (taken inside an anomaly), the newest healthy one newer than the disk's goes
-    too, so `auto` keeps its best restore point. Returns the newest step persisted, or `None`."""
-    current = (disk.timeline_record().get("current") or {}).get("timeline")
+def _newer(slots: CheckpointStore, disk: CheckpointStore) -> list[CheckpointInfo]:
+    """The slots that may be persisted into `disk`, newest first: newer than every checkpoint there, and of the disk
+    store's current timeline (the run that wrote them started there) or the one it resumed from (a restart that
+    restored a slot and was killed before the slot reached the disk). Another run's slots never count (a store
+    deleted and started again: never resurrected)."""
+    record = disk.timeline_record().get("current") or {}
     on_disk = max((i.step for i in disk.list(include_unhealthy=True, include_abandoned=True)), default=-1)
-    persisted = None
+    found = []
     for slot in sorted(slots.list(include_unhealthy=True, include_abandoned=True), key=lambda i: -i.step):
-        if slot.lineage is None or slot.lineage.timeline != current or slot.step <= on_disk:
-            break  # another run's (a store deleted and started again: never resurrected), or not newer
+        own = slot.lineage.timeline if slot.lineage is not None else None
+        resumed_from = (own, slot.step) == (record.get("parent_timeline"), record.get("parent_step"))
+        if slot.step <= on_disk or own is None or (own != record.get("timeline") and not resumed_from):
+            break
+        found.append(slot)
+    return found
+
+
+def restore_point(slots: CheckpointStore, disk: CheckpointStore) -> CheckpointInfo | None:
+    """The slot `auto` restores from when it is newer than the disk store: the newest healthy one `persist_newest`
+    would persist (checked as it is read, like any restore point), or `None`."""
+    return next((s for s in _newer(slots, disk) if s.healthy), None)
+
+
+def persist_newest(slots: CheckpointStore, disk: CheckpointStore) -> int | None:
+    """Copy the newest usable slot into `disk` (see `_newer`; a slot that does not verify: the one before it); when
+    that slot is unhealthy (taken inside an anomaly), the newest healthy one newer than the disk's goes too, so
+    `auto` keeps its best restore point. Returns the newest step persisted, or `None`."""
+    persisted = None
+    for slot in _newer(slots, disk):
         try:
             disk.adopt(slots, slot.step)
         except CorruptCheckpointError as e:  # a damaged slot: the one before it

@@ -67,7 +67,8 @@ def main() -> None:
     ref = resume_checkpoint(trainer, "auto") if args.resume else None
     trainer.train(resume_from_checkpoint=ref)
     (out / ("resumed.json" if args.resume else "losses.json")).write_text(json.dumps(
-        {"losses": losses, "resumed_from": ref and int(str(ref).rsplit("-", 1)[1])}))
+        {"losses": losses, "resumed_from": ref and int(str(ref).rsplit("-", 1)[1]),
+         "resumed_path": callback.resumed_from and str(callback.resumed_from.info.path)}))
 
 
 def accelerate_loop(args: argparse.Namespace, out: Path) -> None:
@@ -110,7 +111,8 @@ def accelerate_loop(args: argparse.Namespace, out: Path) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close()
     (out / ("resumed.json" if args.resume else "losses.json")).write_text(json.dumps(
-        {"losses": losses, "resumed_from": loaded.info.step if loaded is not None else None}))
+        {"losses": losses, "resumed_from": loaded.info.step if loaded is not None else None,
+         "resumed_path": loaded and str(loaded.info.path)}))
 
 
 if __name__ == "__main__":

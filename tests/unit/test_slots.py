@@ -21,6 +21,7 @@ from hf_dynamic_ckpt.store.slots import (
     newest,
     open_slots,
     persist_newest,
+    restore_point,
     room_problem,
     shm_room,
     slots_dir,
@@ -77,6 +78,30 @@ def test_a_slot_of_another_run_is_never_persisted(tmp_path: Path, disk: Checkpoi
     _started(disk, Lineage(session=disk.session_id, timeline="new-run"))
     assert newest(slots).step == 7  # type: ignore[union-attr]
     assert persist_newest(slots, disk) is None and disk.list() == []
+    slots.close()
+
+
+def test_a_slot_restored_from_is_persisted_after_the_restart_moved_on(tmp_path: Path, disk: CheckpointStore) -> None:
+    # A restart restored step 12 from memory and started its own timeline, then was killed before the slot reached
+    # the disk: the slot is still persisted (the new timeline continues it); the killed run's step 11 is not.
+    base = str(tmp_path / "shm")
+    os.mkdir(base)
+    killed = Lineage(session="s1", timeline="t1")
+    _started(disk, killed)
+    _save(disk, 10, killed)
+    slots = open_slots(disk, read_only=False, base=base)
+    assert slots is not None
+    for step in (11, 12):
+        _save(slots, step, killed)
+    restart = Lineage(session="s2", timeline="t2", parent_step=12, parent_timeline="t1")
+    disk.fork(timeline="t2", after_step=12, session="s2", parent=restart)
+    assert restore_point(slots, disk).step == 12  # type: ignore[union-attr]
+    assert persist_newest(slots, disk) == 12 and sorted(i.step for i in disk.list()) == [10, 12]
+    assert restore_point(slots, disk) is None  # on disk now: `auto` reads it there
+    disk.fork(timeline="t3", after_step=10, session="s3", parent=Lineage(
+        session="s3", timeline="t3", parent_step=10, parent_timeline="t1"))
+    _save(slots, 13, killed)
+    assert persist_newest(slots, disk) is None  # t1's step 13 is neither t3's nor its restore point
     slots.close()
 
 
