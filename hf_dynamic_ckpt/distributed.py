@@ -20,7 +20,7 @@ from .signals import SignalFrame
 # Layout of the packed frame: (field, reduction). Missing values are packed as -inf so
 # MAX ignores them; the loss is packed twice (value, present) so SUM knows how many ranks had one.
 _MAX_FIELDS = ("grad_norm", "lora_max_ratio", "device_mem_frac", "host_mem_frac", "step_time_s", "lr",
-               "save_blocking_s", "clip_norm")
+               "save_blocking_s", "clip_norm", "slot_every", "slot_blocked")
 
 
 def _dist() -> Any:

@@ -215,6 +215,9 @@ class SignalFrame:
         save_blocking_s (`float`, *optional*): seconds this rank was blocked by its saves since its previous frame
             (MAX over ranks once reduced): the policy's only view of the save cost; `None` or `0`: no save.
         clip_norm (`float`, *optional*): the norm the loop clips to (`max_grad_norm`): judges the very first step.
+        slot_every, slot_blocked (`float`, *optional*): the memory tier's cadence on this rank and whether it cannot
+            take this step's slot (0: it can, 1: a write still runs, 2: the tier is off); MAX over ranks once
+            reduced, so every rank writes its part of the same slots (`MemoryTier.agree`).
     """
 
     step: int
@@ -230,6 +233,8 @@ class SignalFrame:
     preempt: bool = False
     save_blocking_s: float | None = None
     clip_norm: float | None = None
+    slot_every: float | None = None
+    slot_blocked: float | None = None
 
     @property
     def mem_frac(self) -> float | None:

@@ -309,7 +309,8 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
                 continue
             try:
                 if target is slots:
-                    keep_newest(slots)  # two slots: the newest whole one and this one
+                    if slots.rank == 0:  # one rank deletes
+                        keep_newest(slots)  # two slots: the newest whole one and this one
                     nbytes = tensor_bytes([state.weights, state.optimizer])
                     if nbytes != fits and (problem := room_problem(nbytes, slots, margin)):
                         raise SaveError(problem)

@@ -362,9 +362,11 @@ class RunOrchestrator:
         if self.sensors is None:
             return SignalFrame(step=step, save_blocking_s=self.log.take_blocking_s())
         try:
-            return self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
-                                        fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
-                                        clip_norm=clip_norm)
+            frame = self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
+                                         fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
+                                         clip_norm=clip_norm, slot=self.saver.slot_plan(step))
+            self.memory.agree(frame)
+            return frame
         except DistributedError:
             self._abort("a rank failed or diverged")
             raise
@@ -511,7 +513,7 @@ class RunOrchestrator:
                 self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame, memory=True)
                 return decision
             self._save(decision, step=step, epoch=epoch, at_step=step, memory=True)
-        self.policy.memory_tier = self.memory.on
+        self.policy.memory_tier = self.memory.agreed_on
         self._write_step_row(frame, decision)
         return decision
 
@@ -642,6 +644,7 @@ class RunOrchestrator:
         self._fork_pending = False
         if self.recovery is not None:  # before the timeline moves past the killed run's slots (in the background
             # when the run restored from them: its timeline continues theirs)
+            self.recovery.offered = True
             self.recovery.persist(background=self._from_memory)
         if self.rank == 0:
             start_timeline(self.store, self.lineage, after_step=self.lineage.parent_step)
@@ -791,7 +794,8 @@ class RunOrchestrator:
                 background_optimizer=background_optimizer and sharded is None, into=into if sharded is None else None)
 
         resumption, recovery, self._from_memory = None, self.recovery, False
-        if recovery is not None and recovery.busy and str(ref) == "auto":  # a killed run's slot: read from memory
+        if recovery is not None and not recovery.offered and str(ref) == "auto":  # a killed run's slot: from memory
+            recovery.offered = True
             try:
                 planned = plan(recovery.slots, f"step:{recovery.step}")
                 assert planned is not None, "a step is never a fresh start"

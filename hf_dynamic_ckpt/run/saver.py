@@ -12,6 +12,7 @@ import errno
 import logging
 import math
 import signal as _signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -57,10 +58,14 @@ class SlotRecovery:
     in the background once the run restored from it, before the choice of any other restore point, before a fresh
     start's timeline. The killed run's own writer may still have persisted it: nothing is persisted twice."""
 
-    def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int) -> None:
+    def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int, *, persists: bool = True) -> None:
         self.disk, self.slots, self.step = disk, slots, step
         self._thread: threading.Thread | None = None
-        self._done = False
+        self._done, self._persists = not persists, persists
+        """Persisted (or not this rank's to persist: rank 0 persists every rank's parts)."""
+        self.offered = False
+        """The slot was offered to a resume, or the timeline moved on: `auto` reads the disk from then on (the same
+        on every rank)."""
 
     @classmethod
     def find(cls, disk: CheckpointStore) -> SlotRecovery | None:
@@ -73,8 +78,10 @@ class SlotRecovery:
             return None
         if slots is not None:
             newer = slot_store.restore_point(slots, disk)
-            if newer is not None:
+            if newer is not None and newer.world_size == disk.world_size:
                 return cls(disk, slots, newer.step)
+            if newer is not None:  # another world size: persisted now, resumed from disk (the elastic path)
+                cls(disk, slots, newer.step).close()
             slots.close()
         return None
 
@@ -109,7 +116,7 @@ class SlotRecovery:
         memory tier is off in this run: nothing else removes them)."""
         self.persist()
         self.slots.close()
-        if remove:
+        if remove and self._persists:
             slot_store.remove_slots(self.disk.root, self.disk.task_id)
 
 
@@ -135,18 +142,27 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
         return store.remote is None and not store.read_only
 
     if world_size > 1:
-        store, error = None, None
+        store, error, step = None, None, None
         if rank == 0:
             try:
                 store = open_store()
-                if local(store):  # a one-process run's slots, restarted on several: persisted, read from disk
-                    slot_store.adopt_newer(store)
+                recovery = SlotRecovery.find(store) if local(store) else None
+                step = recovery.step if recovery is not None else None
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
-        error = dist.broadcast_object(error)
+        error, step = dist.broadcast_object((error, step))
         if error is not None:
             raise DistributedError(f"rank 0 could not open the store {root}: {error}")
-        return store if store is not None else open_store(), None
+        if store is None:
+            store = open_store()
+            recovery = None
+            if step is not None:  # every rank reads its part of the slot (one slot store per node)
+                slots = slot_store.open_slots(store, read_only=True)
+                if slots is None:
+                    raise DistributedError(f"rank {rank} does not see the memory slots rank 0 found under "
+                                           f"{slot_store.SHM_DIR}: are the ranks on one node?")
+                recovery = SlotRecovery(store, slots, step, persists=False)
+        return store, recovery
     store = open_store()
     return store, SlotRecovery.find(store) if local(store) else None
 
@@ -201,8 +217,6 @@ class MemoryTier:
             self.off_reason = "runtime.memory_tier=false"
         elif str(getattr(config.engine, "value", config.engine)) != "process":
             self.off_reason = "engine='sync' writes on the training thread"
-        elif world_size > 1:
-            self.off_reason = f"{world_size} processes (this version keeps slots for one process)"
         elif store.remote is not None:
             self.off_reason = "an object-store root (this version persists slots to local roots)"
         elif slot_store.shm_room()[1] == 0:
@@ -212,6 +226,20 @@ class MemoryTier:
                 self.slots = slot_store.open_slots(store, read_only=False)
             except Exception as e:
                 self.off_reason = f"its slots cannot be created ({e})"
+        self.world_size = world_size
+        self._agreed: tuple[int, int, float] | None = None
+        """Several ranks: (step, cadence, blocked) of the last frame, the same on every rank (`agree`)."""
+        if world_size > 1:  # on for every rank or for none; one slot store per node holds every rank's part
+            views = dist.all_gather_json({"host": socket.gethostname(), "off": self.off_reason})
+            hosts = {v["host"] for v in views}
+            why = next((f"rank {r}: {v['off']}" for r, v in enumerate(views) if v["off"]), None)
+            if why is None and len(hosts) > 1:
+                why = (f"the {world_size} ranks run on {len(hosts)} nodes (this version keeps the slots of the ranks "
+                       "of one node; docs/memory_tier.md)")
+            if why is not None and self.off_reason is None:
+                self.off_reason = why
+                self.slots.close() if self.slots is not None else None
+                self.slots = None
         if self.off_reason is not None and config.runtime.memory_tier:  # the sync engine: the user's own choice
             logger.log(logging.DEBUG if self.off_reason.startswith("engine=") else logging.INFO,
                        "memory tier off: %s; restore points are on disk only", self.off_reason)
@@ -219,6 +247,33 @@ class MemoryTier:
     @property
     def on(self) -> bool:
         return self.slots is not None
+
+    def plan(self, *, writing: bool) -> tuple[float, float]:
+        """This rank's (cadence, blocked) for the step's frame (`SignalFrame.slot_every`): blocked 2 when the tier is
+        off, 1 when a slot cannot be taken now (the writer process not up, a write in flight, a killed run's slot
+        still being persisted), else 0. `writing`: the engine is writing a save."""
+        if self.slots is None:
+            return float(self.every), 2.0
+        busy = writing or (self.recovery is not None and self.recovery.busy)
+        return float(self.every), 1.0 if busy else 0.0
+
+    def agree(self, frame: SignalFrame) -> None:
+        """Several ranks: take the cadence and the verdict of the reduced frame, so every rank writes its part of the
+        same slots (a slot commits once every rank's part is in) and the policy sees the same tier on every rank."""
+        if self.world_size > 1 and frame.slot_every is not None and frame.slot_blocked is not None:
+            self._agreed = (frame.step, max(1, int(frame.slot_every)), frame.slot_blocked)
+
+    @property
+    def cadence(self) -> int:
+        """Every how many steps a slot is taken (several ranks: as last agreed)."""
+        return self._agreed[1] if self._agreed is not None else self.every
+
+    @property
+    def agreed_on(self) -> bool:
+        """Whether the tier is on (several ranks: on every rank, as the last frame says)."""
+        if self.world_size == 1:
+            return self.on
+        return self.on and self._agreed is not None and self._agreed[2] < 2
 
     def due(self, step: int) -> bool:
         """Whether step `step`'s state goes to a slot (measures the step time as it goes)."""
@@ -229,6 +284,9 @@ class MemoryTier:
             per = (now - self._last_call[1]) / (step - self._last_call[0])
             self.step_s = per if self.step_s is None else 0.8 * self.step_s + 0.2 * per
         self._last_call = (step, now)
+        if self.world_size > 1:  # what every rank agreed in this step's frame
+            return self._agreed is not None and self._agreed[0] == step and self._agreed[2] == 0 and \
+                step % self._agreed[1] == 0
         return step % self.every == 0 and (self.recovery is None or not self.recovery.busy)
 
     def write_early(self) -> bool:
@@ -281,7 +339,7 @@ class MemoryTier:
         slots, self.slots = self.slots, None
         if slots is not None:
             slots.close()
-            if remove:
+            if remove and self.store.rank == 0:  # one store per node: rank 0's to remove
                 slot_store.remove_slots(self.store.root, self.store.task_id)
 
     def close(self, *, clean: bool) -> None:
@@ -289,7 +347,7 @@ class MemoryTier:
         slots, self.slots = self.slots, None
         if slots is not None:
             slots.close()
-        if clean and self.config.runtime.memory_tier:
+        if clean and self.config.runtime.memory_tier and self.store.rank == 0:
             slot_store.remove_slots(self.store.root, self.store.task_id)
 
 
@@ -349,6 +407,20 @@ class Saver:
                                       overlap=self.config.runtime.overlap_snapshot,
                                       slots=self.memory.slots if self.memory is not None else None)
         return self._engine
+
+    def slot_plan(self, step: int) -> tuple[float, float] | None:
+        """Several ranks: this rank's part of the agreement on step `step`'s slot (`MemoryTier.plan`), after the
+        bounded wait for its previous slot's write that one process does before the slot; one rank: `None`."""
+        tier, engine = self.memory, self._engine
+        if tier is None or tier.world_size == 1:
+            return None
+        handle = self._memory_handle
+        if handle is not None and not handle.done() and tier.step_s and step % tier.cadence == 0:
+            waited = time.perf_counter()
+            handle.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * tier.step_s))
+            tier.wait_ms = 0.5 * tier.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
+        writing = engine is None or not engine.writer_ready or engine.busy or (handle is not None and not handle.done())
+        return tier.plan(writing=writing)
 
     def save_memory(self, sources: StateSources, *, step: int, epoch: float, lineage: Lineage,
                     rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,

@@ -126,8 +126,11 @@ class Sensors:
         self._last_t: float | None = None
 
     def measure(self, step: int, *, save_blocking_s: float | None, fingerprint: float,
-                pre_clip_norm: float | None = None, clip_norm: float | None = None) -> SignalFrame:
+                pre_clip_norm: float | None = None, clip_norm: float | None = None,
+                slot: tuple[float, float] | None = None) -> SignalFrame:
         """This step's frame, reduced across ranks (identical on every rank).
+
+        `slot`: the memory tier's (`slot_every`, `slot_blocked`) on this rank (`MemoryTier.plan`).
 
         `pre_clip_norm`, `clip_norm`: the step's pre-clip global norm and the clipping threshold from elsewhere (a
         DeepSpeed engine's, read before the loop's `clip_grad_norm_` call); the recorder's value, of an earlier
@@ -149,7 +152,8 @@ class Sensors:
             step=step, loss=None if loss_t is None else float(loss_t), device_mem_frac=device_mem,
             host_mem_frac=host_mem, step_time_s=step_time, save_blocking_s=save_blocking_s,
             clip_norm=clip_norm if clip_norm is not None else self.clip.max_norm if self.clip is not None else None,
-            preempt=self.flag.is_set, **fields,
+            preempt=self.flag.is_set, slot_every=slot[0] if slot else None, slot_blocked=slot[1] if slot else None,
+            **fields,
         )
         return dist.reduce_frame(frame, layer_names=self.grad.layer_names, fingerprint=fingerprint)
 

@@ -85,6 +85,7 @@ class StoreSpec:
     compression_threads: int = 0
     rank_timeout_s: float = 600.0
     remote: Any = None
+    last_commits: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "codec", Codec.parse(self.codec, field="compression"))

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import constants as C
 from .. import sysmem
 from ..errors import CorruptCheckpointError, DynamicCkptError, UnsafePathError
 from .manifest import CheckpointInfo
@@ -114,7 +115,7 @@ def open_slots(disk: CheckpointStore, *, read_only: bool, base: str = SHM_DIR) -
         return None
     return CheckpointStore(where, task_id=disk.task_id, rank=disk.rank, world_size=disk.world_size,
                            session_id=disk.session_id, compression="none", read_only=read_only,
-                           cleanup=not read_only and disk.rank == 0, lock_wait_s=0.0)
+                           cleanup=not read_only and disk.rank == 0, lock_wait_s=0.0, last_commits=True)
 
 
 def newest(slots: CheckpointStore) -> CheckpointInfo | None:
@@ -124,11 +125,19 @@ def newest(slots: CheckpointStore) -> CheckpointInfo | None:
 
 
 def keep_newest(slots: CheckpointStore) -> None:
-    """Delete every slot but the newest (before a write: the two slots are the newest and the one being written)."""
+    """Delete every slot but the newest (before a write: the two slots are the newest and the one being written), and
+    the parts of older steps that never completed (a rank skipped its part: with several ranks no rank waits for
+    another, `CheckpointStore(last_commits=True)`; every rank finished its older parts once a newer slot committed)."""
     found = sorted(slots.list(include_unhealthy=True, include_abandoned=True), key=lambda i: i.step)
     for info in found[:-1]:
         with contextlib.suppress(DynamicCkptError):
             slots.delete(f"step:{info.step}", force=True)
+    if found and slots.world_size > 1:
+        for entry in slots.task_dir.glob(f"step-*{C.TMP_MARKER}*"):
+            step = entry.name[len("step-"):].split(".", 1)[0]
+            if step.isdigit() and int(step) < found[-1].step:
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def _newer(slots: CheckpointStore, disk: CheckpointStore) -> list[CheckpointInfo]:

@@ -228,7 +228,8 @@ class CheckpointStore:
                  compression_threads: int = 0, compression: mf.Codec | str = mf.Codec.ZSTD,
                  rank_timeout_s: float = 600.0, cleanup: bool = True, read_only: bool = False, takeover: bool = False,
                  lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None, retries: int = 5, backoff_s: float = 0.5) -> None:
+                 cache_dir: str | os.PathLike[str] | None = None, retries: int = 5, backoff_s: float = 0.5,
+                 last_commits: bool = False) -> None:
         local, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
                                    retries=retries, backoff_s=backoff_s)
         if session_id is None and world_size > 1:
@@ -237,7 +238,7 @@ class CheckpointStore:
         self._open(mf.StoreSpec(root=str(Path(local).absolute()), task_id=task_id, rank=rank, world_size=world_size,
                                 session_id=session_id or mf.new_session_id(), codec=compression,
                                 compression_level=compression_level, compression_threads=compression_threads,
-                                rank_timeout_s=float(rank_timeout_s), remote=remote),
+                                rank_timeout_s=float(rank_timeout_s), remote=remote, last_commits=last_commits),
                    cleanup=cleanup, read_only=read_only, takeover=takeover, pull=True, lock_wait_s=lock_wait_s)
 
     @classmethod
@@ -907,6 +908,11 @@ class CheckpointStore:
             done = tmp / C.RANK_DONE_TEMPLATE.format(rank=rank)
             tiers = sorted(t.value for t in state.tiers) if rank == 0 else [Tier.STATE.value] * bool(files)
             record = {"rank": rank, "session_id": self.session_id, "files": files, "tiers": tiers, "frozen": frozen}
+            if self.spec.last_commits and rank == 0:  # what the manifest needs, for whichever rank commits
+                record["commit"] = {"epoch": float(state.epoch), "extra": json_safe(dict(state.extra)),
+                                    "timings": json_safe(dict(timings or {})), "request": json_safe({
+                                        **dataclasses.asdict(request), "tiers": sorted(t.value for t in request.tiers),
+                                        "lineage": request.lineage.to_dict() if request.lineage else None})}
             disk.write(done, mf.json_bytes({**record, **({"sharded": shards} if shards else {})}), atomic="part")
             if self.remote is not None and rank != 0:  # no shared directory: rank 0 reads the object store
                 for name in files:
@@ -918,6 +924,8 @@ class CheckpointStore:
             raise e if isinstance(e, SaveError) else SaveError(
                 f"saving step {step} of task {self.task_id!r} to {tmp} failed on rank {rank}: {e}; the previous "
                 "checkpoints are untouched.") from e
+        if self.spec.last_commits and self.world_size > 1:
+            return self._commit_if_last(tmp, step), False
         if rank != 0:
             return None, False
         written = time.perf_counter()
@@ -930,6 +938,32 @@ class CheckpointStore:
             self._discard(tmp)
             raise SaveError(f"committing step {step} to {self.task_dir / mf.step_dir_name(step)} failed: {e}; the "
                             "previous checkpoints are untouched.") from e
+
+    def _commit_if_last(self, tmp: Path, step: int) -> CheckpointInfo | None:
+        """`last_commits`: the rank that finds every rank's part written commits (a claim file created exclusively
+        decides between two that find it at once); the others return `None` at once: no rank waits for another, and
+        a step some rank did not write never commits (`slots.keep_newest` removes it)."""
+        if not all(is_kind(tmp / C.RANK_DONE_TEMPLATE.format(rank=r), "file") for r in range(self.world_size)):
+            return None
+        try:
+            os.close(os.open(self._disk.contained(claim := tmp.with_name(f"{tmp.name}.claim")),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        except FileExistsError:
+            return None
+        try:
+            parts = self._wait_for_ranks(tmp, step, None)
+            own = parts[0].pop("commit", None)
+            if not isinstance(own, dict) or not isinstance(own.get("request"), dict):
+                raise DistributedError(f"step {step}: rank 0's part has no commit record; nothing was committed.")
+            fields = {**own["request"], "step": step, "debug_info": tuple(own["request"].get("debug_info") or ())}
+            fields["lineage"] = Lineage.from_dict(fields["lineage"]) if fields.get("lineage") else None
+            state = CheckpointState(step=step, epoch=float(own["epoch"]), extra=dict(own.get("extra") or {}))
+            return self._commit(tmp, state, SaveRequest(**fields), parts, dict(own.get("timings") or {}))[0]
+        except OSError as e:
+            self._discard(tmp)
+            raise SaveError(f"committing step {step} to {self.task_dir / mf.step_dir_name(step)} failed: {e}") from e
+        finally:
+            self._discard(claim)
 
     def _write_rank_files(self, state: CheckpointState, tmp: Path, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """This rank's files (rank 0: L0, L1, sampler; every rank: its RNG) and the frozen records of its weights."""

@@ -348,7 +348,8 @@ def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed:
     saves_logged = [[e["step"], e["smart_ckpt/saves"]] for e in trainer.state.log_history if "smart_ckpt/saves" in e] \
         if trainer is not None else []
     with open(path, "w") as f:
-        json.dump({"losses": losses, "resumed_from": resumed, "events": events, "killed": killed, **(after or {}),
+        json.dump({"losses": losses, "resumed_from": resumed, "events": events,
+                   "resumed_path": str(cb.resumed_from.info.path) if cb.resumed_from is not None else None, "killed": killed, **(after or {}),
                    "children": children, "saves_logged": saves_logged,
                    "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else []}, f)
 

@@ -1,0 +1,56 @@
+"""The memory tier on 2 DDP ranks (torchrun, gloo): one rank killed, the restart loses nothing.
+
+Both ranks run `tests/integration/trainer_worker.py` with a slot every step and no disk save before the end
+(`base_interval=100`): without the tier a crash would restart from scratch. Rank 1 SIGKILLs itself at the end of step
+7, after every rank's writes finished (the newest slot, step 6 unless the writer was still busy, holds both ranks'
+parts; step 7's is never taken: its logging never came); torchrun tears the job down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import trainer_torchrun
+
+from hf_dynamic_ckpt.cli import main as cli
+from hf_dynamic_ckpt.store import CheckpointStore
+from hf_dynamic_ckpt.store.slots import slots_dir
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
+ARGS = ("--model", "full", "--max_steps", "9", "--ga", "1", "--examples", "48", "--base_interval", "100",
+        "--memory_every", "1", "--wait_writer")
+
+
+def _steps(root: Path) -> list[int]:
+    with CheckpointStore(root, read_only=True) as store:
+        return sorted(i.step for i in store.list(include_unhealthy=True))
+
+
+def test_one_rank_killed_resumes_both_ranks_from_the_slot_of_the_step_before(tmp_path: Path) -> None:
+    ref = trainer_torchrun(tmp_path / "ref", "ref", *ARGS)
+    assert not slots_dir(tmp_path / "ref" / "run" / "smart_ckpt", "default").exists()  # a clean end removes them
+    out = tmp_path / "crash"
+    crash = trainer_torchrun(out, "crash", *ARGS, "--kill_at", "7", expect_ok=False)
+    assert all(c["killed"] for c in crash)
+    root = out / "run" / "smart_ckpt"
+    slots = CheckpointStore(slots_dir(root, "default"), read_only=True)
+    newest = max(i.step for i in slots.list(include_unhealthy=True))
+    slots.close()
+    assert newest >= 5, newest
+    slot = slots_dir(root, "default") / "default" / f"step-{newest}"
+    assert sorted(p.name for p in slot.glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]
+    # Where rank 0's writer process outlived its trainer it persisted the slot, and the restart would read that copy
+    # from disk; removed here, the restart finds the slot newer than the disk store, as after a kill of every process.
+    if newest in _steps(root):
+        assert cli(["rm", str(root), f"step:{newest}"]) == 0
+    assert _steps(root) == []
+    resumed = trainer_torchrun(out, "resume", *ARGS, "--resume", "auto")
+    for r in range(2):
+        assert resumed[r]["resumed_from"] == newest
+        assert Path(resumed[r]["resumed_path"]) == slot  # read from host memory on both ranks
+        assert resumed[r]["losses"] == ref[r]["losses"][newest:]  # bit-exact
+    assert ref[0]["losses"] != ref[1]["losses"]  # the ranks saw different data
+    assert newest in _steps(root)  # persisted by the restart
+    assert not slots_dir(root, "default").exists()  # the resumed run's clean end removed the slots
