@@ -52,7 +52,8 @@ class HeldSave:
 
 
 class SlotRecovery:
-    """A killed run's memory slots newer than the disk store, found when a restart opens its store (one process):
+    """A killed run's memory slots newer than the disk store, found when a restart opens its store (rank 0; the others
+    are told its step):
     `auto`'s restore point (`step`: read from host memory, `RunOrchestrator._plan`), and persisted to the disk store
     before anything could replace them (the tier's next slot) or move the task's timeline past them (`persist`):
     in the background once the run restored from it, before the choice of any other restore point, before a fresh
@@ -122,11 +123,10 @@ class SlotRecovery:
 
 def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
                    session_id: str) -> tuple[CheckpointStore, SlotRecovery | None]:
-    """This rank's store, and a killed run's slots to restore from (one process; see `SlotRecovery`). Under DDP
-    rank 0 opens first (it creates the catalog and takes the task's writer lock, then persists a killed run's newest
-    slot); its outcome, an error included, is what every rank acts on. The save engine is not started here:
-    `Saver.engine` starts it at its first use (the first save, or its writer process started after the first step),
-    so a resume only reads."""
+    """This rank's store, and a killed run's slots to restore from (see `SlotRecovery`). Under DDP rank 0 opens
+    first (it creates the catalog and takes the task's writer lock, then looks for a killed run's slot); its outcome,
+    an error included, is what every rank acts on. The save engine is not started here: `Saver.engine` starts it at
+    its first use (the first save, or its writer process started after the first step), so a resume only reads."""
 
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
@@ -185,8 +185,10 @@ def slot_cadence(blocking_ms: float, write_ms: float, step_ms: float, budget: fl
 class MemoryTier:
     """The run's memory tier (`store/slots.py`): whether it is on, which steps it snapshots, what it cost.
 
-    On by default (`runtime.memory_tier`) with the process writer, one process; off, with one INFO line, where it
-    cannot be (the sync engine, several processes, `/dev/shm` or host memory too small for two slots). Every `every`
+    On by default (`runtime.memory_tier`) with the process writer, on every rank or none (ranks of one node: one slot
+    store holds every rank's part, and the ranks agree on each slot in the step's frame, `agree`); off, with one INFO
+    line, where it cannot be (the sync engine, ranks on several nodes, `/dev/shm` or host memory too small for two
+    slots). Every `every`
     steps the state of the step goes to a slot: the fewest steps whose snapshot fits in `policy.overhead_budget` of
     their time and whose write the writer finishes within them, every step for a LoRA adapter at a real model's
     pace (`runtime.memory_every` fixes it). A slot skipped because the writer is still busy is counted. In the

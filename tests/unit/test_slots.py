@@ -105,6 +105,39 @@ def test_a_slot_restored_from_is_persisted_after_the_restart_moved_on(tmp_path: 
     slots.close()
 
 
+def test_with_two_ranks_the_last_part_in_commits_and_an_incomplete_step_goes(tmp_path: Path) -> None:
+    # Two ranks' views of one slot store (`last_commits`): no rank waits for the other; whichever writes its part last
+    # commits, with rank 0's manifest fields; a step rank 1 skipped never commits and goes once a newer one commits.
+    ranks = [CheckpointStore(tmp_path / "slots", rank=r, world_size=2, session_id="s", compression="none",
+                             last_commits=True, cleanup=r == 0) for r in (0, 1)]
+    run = Lineage(session="s", timeline="t1")
+
+    def part(rank: int, step: int) -> object:
+        state = CheckpointState(step=step, weights={"w": torch.full((2,), float(step))} if rank == 0 else None,
+                                rng={"python": [rank, step]}, extra={"k": step} if rank == 0 else {})
+        tiers = ALL_TIERS - {"optimizer"} if rank == 0 else {"state"}
+        return ranks[rank].save(state, SaveRequest(step=step, tiers=tiers, reason="memory tier", lineage=run))
+
+    assert part(1, 5) is None  # rank 0's part is not in yet: nothing committed, nobody waits
+    info = part(0, 5)
+    assert info is not None and info.step == 5  # rank 0's part came last: it committed
+    assert part(0, 6) is None
+    info = part(1, 6)
+    assert info is not None and info.reason == "memory tier" and info.lineage == run  # rank 1 committed, rank 0's fields
+    loaded = ranks[1].load("step:6", rank=1)
+    assert loaded.rng == {"python": [1, 6]} and loaded.extra == {"k": 6}
+    assert torch.equal(ranks[0].load("step:6").weights["w"], torch.full((2,), 6.0))
+    assert part(0, 7) is None  # rank 1 skipped step 7: it never commits
+    part(0, 8)
+    part(1, 8)
+    keep_newest(ranks[0])
+    assert sorted(i.step for i in ranks[0].list()) == [8]
+    assert sorted(p.name for p in (tmp_path / "slots" / "default").iterdir() if p.name.startswith("step-")) == [
+        "step-8"]  # step 7's part went with the older slots
+    for store in ranks:
+        store.close()
+
+
 def test_slots_refuse_a_link_or_a_directory_others_can_write(tmp_path: Path, disk: CheckpointStore) -> None:
     base = tmp_path / "shm"
     base.mkdir()
