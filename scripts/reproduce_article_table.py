@@ -10,9 +10,12 @@ optimizer steps with `Trainer` - runs under:
       with `SmartCkptConfig(base_interval=--save_steps)`: the user's interval kept as the calm
       interval (the migration from `save_steps`), everything else at its default (`--stability_window N`
       shortens the loss window and capture cooldown, 100 steps by default, for runs this short). With
-      `--smart_interval mtbf` it gets `mtbf_hours` = this job's real failure rate instead (what an
-      operator knows from their cluster; measured from run (a)'s step time) and derives the
-      interval itself (Young/Daly within the overhead budget).
+      `--smart_interval mtbf` it gets no `base_interval` and derives the interval itself (Young/Daly
+      within the overhead budget), with `mtbf_hours` = this job's real failure rate (what an operator
+      knows from their cluster; measured from run (a)'s step time). With the memory tier on (the
+      default) that rate is not what the interval uses: the crashes here are process kills on a live
+      node, which the slots cover, so the interval follows `policy.node_mtbf_hours` (default 168 h,
+      left at it: the user who drops `save_steps`); `mtbf_hours` counts only with `--memory_tier false`.
 
 Both see the same injected anomalies (a loss x30 for 3 steps, a batch of random tokens, an
 lr x10 for 10 steps, at onsets drawn from `--seed`) and the same crashes: SIGKILL at the end of
@@ -320,7 +323,8 @@ def main() -> None:
     ap.add_argument("--memory_tier", default="true", choices=["true", "false"],
                     help="(b)'s runtime.memory_tier (on by default: the newest state in host memory every step)")
     ap.add_argument("--smart_interval", default="save_steps", choices=["save_steps", "mtbf"],
-                    help="(b)'s calm interval: base_interval=--save_steps, or derived from the job's failure rate")
+                    help="(b)'s calm interval: base_interval=--save_steps, or derived by the library (from "
+                         "node_mtbf_hours with the memory tier on, from the job's failure rate with it off)")
     a = ap.parse_args()
     if a.child:
         child(a)
