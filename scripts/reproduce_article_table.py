@@ -20,7 +20,8 @@ optimizer steps with `Trainer` - runs under:
 Both see the same injected anomalies (a loss x30 for 3 steps, a batch of random tokens, an
 lr x10 for 10 steps, at onsets drawn from `--seed`) and the same crashes: SIGKILL at the end of
 steps drawn from `--seed`; each crash restarts the job, which resumes. Rows, per mode:
-checkpoints written, storage written and kept, mean blocking save stall, mean restore time,
+checkpoints written (to disk; for (b) with the memory tier, the slots a restart persisted,
+even if retention removed them later), storage written and kept, mean blocking save stall, mean restore time,
 throughput (tokens per second of `train()`, recomputed steps included), anomaly capture (a
 checkpoint of a step in [onset - K, onset - 1] kept at the end; for (b) a healthy one, which
 `auto` may resume from), and work lost to crashes (steps recomputed). The article's numbers
@@ -151,7 +152,9 @@ def child(a: argparse.Namespace) -> None:
             self.saves()
             if st.global_step in crashes and not (out / f"crashed-{st.global_step}").exists():
                 (out / f"crashed-{st.global_step}").touch()
-                emit(event="crash", step=st.global_step)
+                tier = smart.run.memory if smart is not None and smart.run is not None else None
+                emit(event="crash", step=st.global_step, **({} if tier is None or not tier.on else {"memory": {
+                    "every": tier.every, "slots": tier.saves, "skipped": tier.skipped, "last_slot": tier.last_step}}))
                 log.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -202,7 +205,9 @@ def child(a: argparse.Namespace) -> None:
     timers["resumed"] = float(resume is not None)
     start = int(Path(resume).name.split("-")[-1]) if resume is not None and a.mode == "fixed" else (
         smart.resumed_from.info.step if smart is not None and smart.resumed_from is not None else 0)
-    emit(event="start", resume_from=start if resume is not None else None, t=time.perf_counter())
+    loaded = smart.resumed_from if smart is not None else None  # (b) may resume from a slot it persisted just now
+    emit(event="start", resume_from=start if resume is not None else None, t=time.perf_counter(),
+         resume_bytes=loaded.info.bytes if loaded is not None else None)
     t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     emit(event="end", train_s=time.perf_counter() - t0, step=trainer.state.global_step)
@@ -268,6 +273,12 @@ def summarize(rows: list[dict[str, Any]], out: Path, mode: str, anomalies: dict[
         kept = {i.step: i.healthy and not getattr(i, "abandoned", False) for i in infos}
         store.close()
         kept_bytes = _du(out / "trainer" / "smart_ckpt")
+        for r in starts.values():  # a restored slot is persisted to disk first: a disk checkpoint (retention may
+            # have removed it by the end), unless that step was on disk already
+            if r["resume_from"] is not None and not any(s["step"] == r["resume_from"] and s["attempt"] < r["attempt"]
+                                                        for s in saves):
+                saves.append({"attempt": r["attempt"], "step": r["resume_from"], "bytes": r.get("resume_bytes"),
+                              "blocking_ms": None, "kind": "persisted_slot"})
         logged = {s["step"] for s in saves}
         saves += [{"step": i.step, "bytes": i.bytes, "blocking_ms": None} for i in infos if i.step not in logged]
     captured = [any(ok and onset - K <= s <= onset - 1 for s, ok in kept.items()) for onset in anomalies]
