@@ -10,14 +10,19 @@ optimizer steps with `Trainer` - runs under:
       with `SmartCkptConfig(base_interval=--save_steps)`: the user's interval kept as the calm
       interval (the migration from `save_steps`), everything else at its default (`--stability_window N`
       shortens the loss window and capture cooldown, 100 steps by default, for runs this short). With
-      `--smart_interval mtbf` it gets `mtbf_hours` = this job's real failure rate instead (what an
-      operator knows from their cluster; measured from run (a)'s step time) and derives the
-      interval itself (Young/Daly within the overhead budget).
+      `--smart_interval mtbf` it gets no `base_interval` and derives the interval itself (Young/Daly
+      within the overhead budget), with `mtbf_hours` = this job's real failure rate (what an operator
+      knows from their cluster; measured from run (a)'s step time). With the memory tier on (the
+      default) that rate is not what the interval uses: the crashes here are process kills on a live
+      node, which the slots cover, so the interval follows `policy.node_mtbf_hours` (default 168 h,
+      left at it: the user who drops `save_steps`); `mtbf_hours` should count only with `--memory_tier
+      false` (under Trainer it still does: docs/benchmarks.md, 2026-12-05).
 
 Both see the same injected anomalies (a loss x30 for 3 steps, a batch of random tokens, an
 lr x10 for 10 steps, at onsets drawn from `--seed`) and the same crashes: SIGKILL at the end of
 steps drawn from `--seed`; each crash restarts the job, which resumes. Rows, per mode:
-checkpoints written, storage written and kept, mean blocking save stall, mean restore time,
+checkpoints written (to disk; for (b) with the memory tier, the slots a restart persisted,
+even if retention removed them later), storage written and kept, mean blocking save stall, mean restore time,
 throughput (tokens per second of `train()`, recomputed steps included), anomaly capture (a
 checkpoint of a step in [onset - K, onset - 1] kept at the end; for (b) a healthy one, which
 `auto` may resume from), and work lost to crashes (steps recomputed). The article's numbers
@@ -148,7 +153,9 @@ def child(a: argparse.Namespace) -> None:
             self.saves()
             if st.global_step in crashes and not (out / f"crashed-{st.global_step}").exists():
                 (out / f"crashed-{st.global_step}").touch()
-                emit(event="crash", step=st.global_step)
+                tier = smart.run.memory if smart is not None and smart.run is not None else None
+                emit(event="crash", step=st.global_step, **({} if tier is None or not tier.on else {"memory": {
+                    "every": tier.every, "slots": tier.saves, "skipped": tier.skipped, "last_slot": tier.last_step}}))
                 log.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -199,7 +206,9 @@ def child(a: argparse.Namespace) -> None:
     timers["resumed"] = float(resume is not None)
     start = int(Path(resume).name.split("-")[-1]) if resume is not None and a.mode == "fixed" else (
         smart.resumed_from.info.step if smart is not None and smart.resumed_from is not None else 0)
-    emit(event="start", resume_from=start if resume is not None else None, t=time.perf_counter())
+    loaded = smart.resumed_from if smart is not None else None  # (b) may resume from a slot it persisted just now
+    emit(event="start", resume_from=start if resume is not None else None, t=time.perf_counter(),
+         resume_bytes=loaded.info.bytes if loaded is not None else None)
     t0 = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     emit(event="end", train_s=time.perf_counter() - t0, step=trainer.state.global_step)
@@ -265,6 +274,12 @@ def summarize(rows: list[dict[str, Any]], out: Path, mode: str, anomalies: dict[
         kept = {i.step: i.healthy and not getattr(i, "abandoned", False) for i in infos}
         store.close()
         kept_bytes = _du(out / "trainer" / "smart_ckpt")
+        for r in starts.values():  # a restored slot is persisted to disk first: a disk checkpoint (retention may
+            # have removed it by the end), unless that step was on disk already
+            if r["resume_from"] is not None and not any(s["step"] == r["resume_from"] and s["attempt"] < r["attempt"]
+                                                        for s in saves):
+                saves.append({"attempt": r["attempt"], "step": r["resume_from"], "bytes": r.get("resume_bytes"),
+                              "blocking_ms": None, "kind": "persisted_slot"})
         logged = {s["step"] for s in saves}
         saves += [{"step": i.step, "bytes": i.bytes, "blocking_ms": None} for i in infos if i.step not in logged]
     captured = [any(ok and onset - K <= s <= onset - 1 for s, ok in kept.items()) for onset in anomalies]
@@ -320,7 +335,8 @@ def main() -> None:
     ap.add_argument("--memory_tier", default="true", choices=["true", "false"],
                     help="(b)'s runtime.memory_tier (on by default: the newest state in host memory every step)")
     ap.add_argument("--smart_interval", default="save_steps", choices=["save_steps", "mtbf"],
-                    help="(b)'s calm interval: base_interval=--save_steps, or derived from the job's failure rate")
+                    help="(b)'s calm interval: base_interval=--save_steps, or derived by the library (from "
+                         "node_mtbf_hours with the memory tier on, from the job's failure rate with it off)")
     a = ap.parse_args()
     if a.child:
         child(a)
