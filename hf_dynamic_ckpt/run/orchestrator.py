@@ -359,17 +359,21 @@ class RunOrchestrator:
             self._boundary_step, self._boundary_at_begin = step, False
 
     def _measure(self, step: int, pre_clip_norm: float | None = None, clip_norm: float | None = None) -> SignalFrame:
+        """The step's frame (reduced across ranks), and what the memory tier agreed with it: the policy decides on it
+        knowing whether the slots cover a process's death (its interval then follows `policy.node_mtbf_hours`)."""
         if self.sensors is None:
-            return SignalFrame(step=step, save_blocking_s=self.log.take_blocking_s())
-        try:
-            frame = self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
-                                         fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
-                                         clip_norm=clip_norm, slot=self.saver.slot_plan(step))
+            frame = SignalFrame(step=step, save_blocking_s=self.log.take_blocking_s())
+        else:
+            try:
+                frame = self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
+                                             fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
+                                             clip_norm=clip_norm, slot=self.saver.slot_plan(step))
+            except DistributedError:
+                self._abort("a rank failed or diverged")
+                raise
             self.memory.agree(frame)
-            return frame
-        except DistributedError:
-            self._abort("a rank failed or diverged")
-            raise
+        self.policy.memory_tier = self.memory.agreed_on
+        return frame
 
     def pre_update(self, step: int, *, epoch: float | None = None) -> Decision:
         """Gradients are complete, the update not applied: measure, and capture if the policy says so.
@@ -513,7 +517,6 @@ class RunOrchestrator:
                 self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame, memory=True)
                 return decision
             self._save(decision, step=step, epoch=epoch, at_step=step, memory=True)
-        self.policy.memory_tier = self.memory.agreed_on
         self._write_step_row(frame, decision)
         return decision
 

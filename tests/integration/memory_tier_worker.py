@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--memory_tier", default="true")
     p.add_argument("--loop", default="trainer", choices=["trainer", "accelerate"])
+    p.add_argument("--base_interval", default="5", help="'none': the interval is the library's (Young/Daly)")
+    p.add_argument("--mtbf_hours", type=float, default=None)
     args = p.parse_args()
     out = Path(args.out)
     if args.loop == "accelerate":
@@ -38,7 +40,10 @@ def main() -> None:
     losses: list[list[float]] = []
     # A slot every step, as at a real model's pace (a snapshot of ~2 ms against a step of a second; these steps of
     # 0.1 s on a loaded machine could make the budget's cadence 2, `slot_cadence`, tested on its own).
-    callback = SmartCkptCallback(SmartCkptConfig(base_interval=5, task_id=args.task, runtime={
+    interval = None if args.base_interval == "none" else int(args.base_interval)
+    # A first disk save at step 4 measures the save's cost the interval is derived from (Young/Daly).
+    policy = {"mtbf_hours": args.mtbf_hours, "stability_window": 4} if args.mtbf_hours is not None else {}
+    callback = SmartCkptCallback(SmartCkptConfig(base_interval=interval, task_id=args.task, policy=policy, runtime={
         "memory_tier": args.memory_tier == "true", "memory_every": 1}))
     if args.kill_once and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.kill_at = 0

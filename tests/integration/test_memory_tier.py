@@ -191,3 +191,16 @@ def test_the_slots_of_another_task_are_never_read(tmp_path: Path) -> None:
         assert sorted(i.step for i in store.list(include_unhealthy=True)) == [5, 10]  # nothing of "a" persisted
     finally:
         store.close()
+
+
+def test_with_the_tier_the_librarys_interval_follows_node_failures_not_process_kills(tmp_path: Path) -> None:
+    # The interval left to the library (Young/Daly) with a process failure every 2 s (`mtbf_hours`): without the tier
+    # it saves to disk every few steps; with it the slots cover a process's death and the disk follows
+    # `policy.node_mtbf_hours` (168 h: no disk save in 16 steps but the first, which measures the save's cost, and the
+    # last).
+    args = ("--base_interval", "none", "--mtbf_hours", "0.0005")
+    _run(tmp_path / "off", *args, "--memory_tier", "false")
+    _run(tmp_path / "on", *args)
+    off, on = _steps(tmp_path / "off"), _steps(tmp_path / "on")
+    assert len(off) >= 4, off
+    assert on == [4, 16] and off[0] == 4, (on, off)
