@@ -30,8 +30,8 @@ from .. import distributed as dist
 from ..config import SmartCkptConfig
 from ..constants import MANIFEST_NAME
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, SaveError, weights_overwritten
-from ..policy.decision import Decision, DecisionKind
 from ..run.orchestrator import Rollback, RunOrchestrator, SaveEvent
+from ..signals import Decision, DecisionKind
 from ..state import (
     apply_optimizer_state,
     apply_weights,

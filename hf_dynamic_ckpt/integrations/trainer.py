@@ -70,9 +70,9 @@ from ..constants import (
 )
 from ..errors import ConfigError, weights_overwritten
 from ..export import describe_model
-from ..policy.decision import Decision, DecisionKind
 from ..run.orchestrator import Rollback, RunOrchestrator
 from ..sharded import zero_expected
+from ..signals import Decision, DecisionKind
 from ..state import (
     adapter_names,
     apply_optimizer_state,

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
+from ..signals import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
 from .retention import plan_retention, tier_retention_from_config
 from .rules import RulePolicy
 

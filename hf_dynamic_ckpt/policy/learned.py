@@ -25,8 +25,7 @@ import numpy as np
 
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
-from ..signals import RollingWindow, SignalFrame, linear_fit
-from .decision import MINIMAL_TIERS, Decision, DecisionKind
+from ..signals import MINIMAL_TIERS, Decision, DecisionKind, RollingWindow, SignalFrame, linear_fit
 
 logger = logging.getLogger(__name__)
 

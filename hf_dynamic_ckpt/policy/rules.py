@@ -20,8 +20,17 @@ from ..config import OnAnomaly, PolicyParams, SmartCkptConfig
 from ..constants import ALL_TIERS, DEBUG_INFO_STEPS, Tier
 from ..errors import ConfigError
 from ..jsonutil import safe_float as _j
-from ..signals import MAD_TO_STD, Ema, RollingWindow, SignalFrame, linear_fit
-from .decision import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
+from ..signals import (
+    MAD_TO_STD,
+    MINIMAL_TIERS,
+    NO_SAVE,
+    Decision,
+    DecisionKind,
+    Ema,
+    RollingWindow,
+    SignalFrame,
+    linear_fit,
+)
 from .learned import LearnedCheck, load_model
 
 logger = logging.getLogger(__name__)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -47,10 +48,9 @@ from ..config import FallbackStrategy, RollbacksExhausted, SmartCkptConfig
 from ..constants import ALL_TIERS, KEY_RANK_CHUNKS, KEY_RNG_AT, RNG_AT_STEP_BEGIN, Tier
 from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError
 from ..export import KEY_MODEL, describe_model
-from ..policy.decision import Decision, DecisionKind
 from ..policy.rules import RollbackRule, RollbackVerdict, RulePolicy, Verdict
 from ..sharded import ShardedState, ZeroGradSquares, ZeroState, ZeroUpdateSeam, sources_for
-from ..signals import SignalFrame
+from ..signals import Decision, DecisionKind, SignalFrame
 from ..state import (
     RngState,
     StateSources,
@@ -72,7 +72,6 @@ from .resume import (
     Resumption,
     fill_optimizer,
     plan_resume,
-    start_timeline,
 )
 from .saver import HeldSave, Saver, exit_after_preemption, open_run_store
 from .sensing import PreemptionFlag, Sensors
@@ -650,10 +649,31 @@ class RunOrchestrator:
             self.recovery.offered = True
             self.recovery.persist(background=self._from_memory)
         if self.rank == 0:
-            start_timeline(self.store, self.lineage, after_step=self.lineage.parent_step)
+            self._fork()
         event, self._resume_event = self._resume_event, None
         if event is not None:
             self.log_event("resume", **event)
+
+    def _fork(self) -> list[int]:
+        """Rank 0: make this run's timeline the task's current one; checkpoints of other timelines past the restore
+        point (every one, for a fresh start) are set aside as abandoned: kept, never chosen by `auto`. Returns the
+        steps newly abandoned (also named in one WARNING)."""
+        lineage = self.lineage
+        after_step = lineage.parent_step
+        parent = lineage if after_step is not None else None
+        abandoned = self.store.fork(timeline=lineage.timeline, after_step=after_step, session=lineage.session,
+                                    parent=parent)
+        if abandoned:
+            where = "the restore point" if after_step is not None else "this fresh start"
+            what = (f"checkpoints {', '.join(map(str, abandoned))} belong" if len(abandoned) > 1
+                    else f"checkpoint {abandoned[0]} belongs")
+            msg = (f"{what} to a run that went past {where} (step {after_step if after_step is not None else 0}); "
+                   "they are kept but abandoned: `auto`, `best` and `fastest` never choose them, "
+                   "`hf-dynamic-ckpt ls --all` lists them, `step:N` restores them, and retention removes them once "
+                   "this run has saved past them")
+            logger.warning(msg)
+            warnings.warn(msg, stacklevel=4)
+        return abandoned
 
     def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: RngState | None = None,
               sampler: dict[str, Any] | None = None, blocking: bool = False, rng_at_step_begin: bool = False,

@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..constants import DEFAULT_TASK_ID, TIMELINE_NAME, Tier
 from ..errors import CheckpointNotFoundError, DynamicCkptError
 from ..jsonutil import safe_float
-from ..policy.decision import Decision, DecisionKind
-from ..signals import SignalFrame
+from ..signals import Decision, DecisionKind, SignalFrame
 from ..store import CheckpointStore
 
 if TYPE_CHECKING:

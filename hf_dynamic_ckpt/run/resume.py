@@ -2,7 +2,7 @@
 rank), and plan it into a `Resumption`, which the run applies.
 
 `plan_resume` changes nothing: `RunOrchestrator.apply` makes the value the run's state (rank 0 sets the newer
-checkpoints of other timelines aside with `start_timeline` once the resumed run trains), and an in-process
+checkpoints of other timelines aside with `RunOrchestrator._fork` once the resumed run trains), and an in-process
 rollback applies a value built the same way to the live run. Besides the restore point it gathers what a run
 restores besides its live objects: the policy's and the probes' statistics, the save counters, the rollbacks.
 The optimizer tier may be read in a background thread while the caller builds its optimizer
@@ -59,6 +59,7 @@ from ..errors import (
 from ..sharded import check_sharding
 from ..state import check_weights, state_numel_bound
 from ..store import STATUS_CORRUPT, STATUS_OK, CheckpointInfo, Lineage, LoadedCheckpoint, check_frozen, new_session_id
+from ..store.manifest import is_sharded
 from ..store.shard_files import sharded_table
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
         return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
     if loaded.weights is None:
         return _Outcome(step, False, f"step {step} holds no weights")
-    table = sharded_table(loaded.manifest)
+    table = sharded_table(loaded.manifest) if is_sharded(loaded.manifest) else None
     if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
         check_sharding(step, loaded.manifest, expected)
         check_frozen(loaded, expected)  # weights not written: the model's own, checked against their records
@@ -492,7 +493,7 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
     assert loaded is not None
     # Every rank ends a round holding the weights of the last candidate it found usable (`_evaluate_until_usable`),
     # and the choice is one of them.
-    assert into is None or not into.touched or into.step == chosen or sharded_table(loaded.manifest) is not None
+    assert into is None or not into.touched or into.step == chosen or is_sharded(loaded.manifest)
     row = [r[chosen] for r in results]
     lost = [(i, o["optimizer_lost"]) for i, o in enumerate(row) if o["optimizer_lost"] is not None]
     # Weights only: degraded when the checkpoint held an optimizer state that is not restored.
@@ -527,7 +528,7 @@ def _evaluate_until_usable(store: CheckpointStore, candidates: list[CheckpointIn
         if outcome is None:
             outcome = evaluated[info.step] = _evaluate(store, info, **kwargs)
         elif outcome.usable and into is not None and into.touched and into.step != info.step \
-                and outcome.loaded is not None and sharded_table(outcome.loaded.manifest) is None:
+                and outcome.loaded is not None and not is_sharded(outcome.loaded.manifest):
             try:
                 into.read(store, outcome.loaded)
             except CorruptCheckpointError as e:
@@ -589,25 +590,3 @@ def fill_optimizer(resumption: Resumption, outcome: OptimizerOutcome) -> None:
     loaded.warnings.append(msg)
     logger.warning(msg)
     warnings.warn(msg, stacklevel=3)
-
-
-def start_timeline(store: CheckpointStore, lineage: Lineage, *, after_step: int | None) -> list[int]:
-    """Rank 0: make `lineage` the task's current timeline; checkpoints of other timelines past `after_step`
-    (every one, for a fresh start) are set aside as abandoned: kept, never chosen by `auto`.
-
-    Returns:
-        `list[int]`: the steps newly abandoned (also named in one WARNING).
-    """
-    parent = lineage if lineage.parent_step is not None else None
-    abandoned = store.fork(timeline=lineage.timeline, after_step=after_step, session=lineage.session, parent=parent)
-    if abandoned:
-        where = "the restore point" if after_step is not None else "this fresh start"
-        what = (f"checkpoints {', '.join(map(str, abandoned))} belong" if len(abandoned) > 1
-                else f"checkpoint {abandoned[0]} belongs")
-        msg = (f"{what} to a run that went past {where} (step {after_step if after_step is not None else 0}); "
-               "they are kept but abandoned: `auto`, `best` and `fastest` never choose them, "
-               "`hf-dynamic-ckpt ls --all` lists them, `step:N` restores them, and retention removes them once "
-               "this run has saved past them")
-        logger.warning(msg)
-        warnings.warn(msg, stacklevel=4)
-    return abandoned

@@ -25,9 +25,8 @@ from ..constants import ALL_TIERS, Tier
 from ..engine import SaveEngine
 from ..errors import DistributedError, DynamicCkptError, SaveError
 from ..jsonutil import json_safe
-from ..policy.decision import Decision, DecisionKind
 from ..policy.retention import plan_retention, tier_retention_from_config
-from ..signals import SignalFrame
+from ..signals import Decision, DecisionKind, SignalFrame
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointStore, Lineage, SaveRequest
 from ..store import slots as slot_store

@@ -18,6 +18,7 @@ from .manifest import (
     StoreSpec,
     check_frozen,
     frozen_record,
+    is_url,
     new_session_id,
     parse_step_dir,
     read_manifest,
@@ -30,7 +31,6 @@ from .remote import (
     check_public_options,
     check_url,
     default_cache_dir,
-    is_url,
     redact,
 )
 from .store import NAMED_REFS, CheckpointStore, find_root, task_dirs

@@ -562,3 +562,15 @@ def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointI
                           loss=None, gpu_mem_percent=None, save_time=st.st_mtime if (st := lstat(path)) else 0.0,
                           recovery_cost_ms=None, healthy=False, pinned=is_kind(path / C.PINNED_MARKER, "file"),
                           status=status)
+
+
+def is_sharded(manifest: Mapping[str, Any]) -> bool:
+    """Whether the manifest is a sharded checkpoint's (FSDP2, ZeRO; the table is validated by
+    `shard_files.sharded_table`)."""
+    extra = manifest.get(C.KEY_EXTRA)
+    return isinstance(extra, dict) and C.KEY_SHARDED in extra
+
+
+def is_url(root: object) -> bool:
+    """Whether a store root is a URL (``scheme://...``) rather than a local directory."""
+    return isinstance(root, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", root) is not None

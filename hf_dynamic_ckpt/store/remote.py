@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import random
-import re
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
@@ -29,7 +28,7 @@ from typing import Any, TypeVar
 from ..constants import BLOBS_DIR, KEY_BLOBS, MANIFEST_NAME, PINNED_MARKER, TMP_MARKER, WRITER_LOCK_NAME
 from ..errors import ConfigError, DynamicCkptError, fault
 from ..jsonutil import loads_bounded
-from .manifest import GcReport, is_kind, parse_step_dir
+from .manifest import GcReport, is_kind, is_url, parse_step_dir
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,11 +41,6 @@ _NO_RETRY = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirector
 
 class RemoteStorageError(DynamicCkptError, OSError):
     """An object-store operation failed after its retries (the message names the redacted URL)."""
-
-
-def is_url(root: object) -> bool:
-    """Whether a store root is a URL (``scheme://...``) rather than a local directory."""
-    return isinstance(root, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", root) is not None
 
 
 def redact(url: str) -> str:
@@ -131,8 +125,6 @@ def split_root(root: str | os.PathLike[str], *, rank: int, storage_options: Mapp
                backoff_s: float = 0.5) -> tuple[str | os.PathLike[str], RemoteSpec | None]:
     """A store root as (local directory, `RemoteSpec` or `None`): a URL maps to its cache directory."""
     if not is_url(root):
-        if storage_options:
-            raise ConfigError(f"storage_options are for URL roots (s3://...); root={root!r} is a local directory.")
         return root, None
     check_url(str(root))
     spec = RemoteSpec(str(root), storage_options or {}, retries=retries, backoff_s=backoff_s)

@@ -47,7 +47,7 @@ from ..constants import (
     Tier,
 )
 from ..errors import CorruptCheckpointError, IncompatibleStateError, fault
-from .manifest import CheckpointState, file_checksum
+from .manifest import CheckpointState, file_checksum, is_sharded
 
 PARTS = {SHARD_PART_WEIGHTS: Tier.WEIGHTS, SHARD_PART_OPTIMIZER: Tier.OPTIMIZER}
 
@@ -88,12 +88,6 @@ def write_shards(state: CheckpointState, directory: Path, *, rank: int
     extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
     rest = dataclasses.replace(state, weights=None, optimizer=optimizer if rank == 0 else None, extra=extra)
     return rest, files, chunks
-
-
-def is_sharded(manifest: Mapping[str, Any]) -> bool:
-    """Whether the manifest is a sharded checkpoint's (without validating the table)."""
-    extra = manifest.get("extra")
-    return isinstance(extra, dict) and KEY_SHARDED in extra
 
 
 def sharded_table(manifest: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -61,10 +61,20 @@ from ..jsonutil import json_safe, loads_bounded
 from . import manifest as mf
 from .catalog import Catalog
 from .lock import DEFAULT_WAIT_S, WriterLock
-from .manifest import CheckpointInfo, CheckpointState, GcReport, Lineage, LoadedCheckpoint, SaveRequest, is_kind
+from .manifest import (
+    CheckpointInfo,
+    CheckpointState,
+    GcReport,
+    Lineage,
+    LoadedCheckpoint,
+    SaveRequest,
+    is_kind,
+    is_sharded,
+    is_url,
+)
 from .optpack import flatten_state, read_tensors, unflatten_state, write_tensors
 from .remote import Remote, split_root
-from .shard_files import is_sharded, placeholders, sharded_table, write_shards
+from .shard_files import placeholders, sharded_table, write_shards
 
 logger = logging.getLogger(__name__)
 Ref = str | int | os.PathLike[str] | CheckpointInfo
@@ -230,8 +240,10 @@ class CheckpointStore:
                  lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, retries: int = 5, backoff_s: float = 0.5,
                  last_commits: bool = False) -> None:
+        if not is_url(root) and storage_options:
+            raise ConfigError(f"storage_options are for URL roots (s3://...); root={root!r} is a local directory.")
         local, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
-                                   retries=retries, backoff_s=backoff_s)
+                                   retries=retries, backoff_s=backoff_s) if is_url(root) else (root, None)
         if session_id is None and world_size > 1:
             raise ConfigError("session_id=None is invalid with world_size > 1: every rank must use the same id; "
                               "create one on rank 0 and broadcast it (distributed.broadcast_object).")
@@ -655,7 +667,8 @@ class CheckpointStore:
     def _read_tiers(self, directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: builtins.list[str],
                     loaded: LoadedCheckpoint, mmap: bool, l1_max_numel: int | None) -> None:
         if Tier.WEIGHTS in wanted:
-            table = sharded_table(manifest)  # FSDP2 / ZeRO: names and global shapes; the shards are read later
+            # FSDP2 / ZeRO: names and global shapes; the shards are read later
+            table = sharded_table(manifest) if is_sharded(manifest) else None
             loaded.weights = placeholders(table) if table is not None else self._read_weights(directory, manifest,
                                                                                                mmap)
             loaded.frozen = dict(manifest.get(C.KEY_FROZEN) or {})
@@ -772,7 +785,8 @@ class CheckpointStore:
         assembled from every rank's verified shard files; a checkpoint that is not sharded stays as it is."""
         from .shard_files import gather_weights
 
-        if (table := sharded_table(loaded.manifest)) is not None and loaded.weights is not None:
+        if is_sharded(loaded.manifest) and (table := sharded_table(loaded.manifest)) is not None and \
+                loaded.weights is not None:
             loaded.weights = gather_weights(Path(loaded.info.path), table)
 
     def load_scheduler_only(self, ref: Ref) -> dict[str, Any] | None:
@@ -901,7 +915,8 @@ class CheckpointStore:
         tmp, t0 = self.task_dir / f"{mf.step_dir_name(step)}{C.TMP_MARKER}{self.session_id}", time.perf_counter()
         try:
             disk.mkdir(tmp)
-            plain, shard_files, shards = write_shards(state, tmp, rank=rank)  # FSDP2 / ZeRO: this rank's shards
+            plain, shard_files, shards = write_shards(state, tmp, rank=rank) if isinstance(
+                state.extra.get(C.KEY_RANK_CHUNKS), dict) else (state, {}, None)  # FSDP2 / ZeRO: this rank's shards
             files, frozen = self._write_rank_files(plain, tmp, step)
             files.update(shard_files)
             disk.fsync(tmp)
