@@ -511,7 +511,7 @@ class RunOrchestrator:
             return decision  # the step log's row is written with the save, at release()
         elif decision.save:
             self._save(decision, step=step, epoch=epoch, at_step=step)
-        elif self.memory.on and not self.preempted:  # no disk save: the step's state goes to a memory slot
+        elif self.memory.agreed_on and not self.preempted:  # no disk save: the step's state goes to a memory slot
             if self.hold_saves:
                 self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame, memory=True)
                 return decision
@@ -685,7 +685,9 @@ class RunOrchestrator:
                 sampler = self._sources.sampler()
             if sampler is not None:
                 sampler = {**sampler, KEY_RNG_AT: RNG_AT_STEP_BEGIN}
-        if memory:
+        if memory:  # the slot's `extra` runs a collective under Trainer: only where due (agreed on every rank)
+            if not self.memory.due(step):
+                return None
             self.saver.save_memory(self._sources, step=step, epoch=epoch, lineage=self.lineage, rng=rng,
                                    sampler=sampler, extra=self._extra(decision), healthy=decision.healthy)
             return None

@@ -214,6 +214,7 @@ class MemoryTier:
         self._last_call: tuple[int, float] | None = None
         self.recovery: SlotRecovery | None = None
         """A killed run's slots still to persist: no slot is written until they are (it would replace them)."""
+        self._cleared = False
         if not config.runtime.memory_tier:
             self.off_reason = "runtime.memory_tier=false"
         elif str(getattr(config.engine, "value", config.engine)) != "process":
@@ -255,8 +256,7 @@ class MemoryTier:
         still being persisted), else 0. `writing`: the engine is writing a save."""
         if self.slots is None:
             return float(self.every), 2.0
-        busy = writing or (self.recovery is not None and self.recovery.busy)
-        return float(self.every), 1.0 if busy else 0.0
+        return float(self.every), 1.0 if writing or not self._ready() else 0.0
 
     def agree(self, frame: SignalFrame) -> None:
         """Several ranks: take the cadence and the verdict of the reduced frame, so every rank writes its part of the
@@ -277,18 +277,29 @@ class MemoryTier:
         return self.on and self._agreed is not None and self._agreed[2] < 2
 
     def due(self, step: int) -> bool:
-        """Whether step `step`'s state goes to a slot (measures the step time as it goes)."""
-        if self.slots is None:
-            return False
+        """Whether step `step`'s state goes to a slot (measures the step time as it goes). Several ranks: what they
+        agreed in the step's frame, the same on every rank even where this rank's tier turned off since (it then
+        writes nothing: `Saver.save_memory`)."""
         now = time.perf_counter()
         if self._last_call is not None and step > self._last_call[0]:
             per = (now - self._last_call[1]) / (step - self._last_call[0])
             self.step_s = per if self.step_s is None else 0.8 * self.step_s + 0.2 * per
         self._last_call = (step, now)
-        if self.world_size > 1:  # what every rank agreed in this step's frame
+        if self.world_size > 1:
             return self._agreed is not None and self._agreed[0] == step and self._agreed[2] == 0 and \
                 step % self._agreed[1] == 0
-        return step % self.every == 0 and (self.recovery is None or not self.recovery.busy)
+        return self.slots is not None and step % self.every == 0 and self._ready()
+
+    def _ready(self) -> bool:
+        """No killed run's slot is still to be persisted; the first time, the slots that are not this run's are
+        removed (rank 0; persisted already, or of another run): a new slot must never be ranked below them."""
+        if self.recovery is not None and self.recovery.busy:
+            return False
+        if not self._cleared:
+            self._cleared = True
+            if self.slots is not None and self.store.rank == 0:
+                slot_store.keep_newest(self.slots, keep=0)
+        return True
 
     def write_early(self) -> bool:
         """Before the writer process is up: whether this step's slot is written on the training thread (a slot of at

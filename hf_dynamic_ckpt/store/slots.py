@@ -124,20 +124,22 @@ def newest(slots: CheckpointStore) -> CheckpointInfo | None:
     return max(found, key=lambda i: i.step) if found else None
 
 
-def keep_newest(slots: CheckpointStore) -> None:
-    """Delete every slot but the newest (before a write: the two slots are the newest and the one being written), and
-    the parts of older steps that never completed (a rank skipped its part: with several ranks no rank waits for
-    another, `CheckpointStore(last_commits=True)`; every rank finished its older parts once a newer slot committed)."""
+def keep_newest(slots: CheckpointStore, *, keep: int = 1) -> None:
+    """Delete every slot but the newest `keep` (before a write: the two slots are the newest and the one being
+    written; `keep=0` before a run's first slot: the slots found then are a killed run's, persisted, or another run's),
+    and the parts of steps that never completed: older than the newest slot (a rank skipped its part: with several
+    ranks no rank waits for another, `CheckpointStore(last_commits=True)`; every rank finished its older parts once a
+    newer slot committed), or, with `keep=0`, another session's."""
     found = sorted(slots.list(include_unhealthy=True, include_abandoned=True), key=lambda i: i.step)
-    for info in found[:-1]:
+    for info in found[:len(found) - keep]:
         with contextlib.suppress(DynamicCkptError):
             slots.delete(f"step:{info.step}", force=True)
-    if found and slots.world_size > 1:
-        for entry in slots.task_dir.glob(f"step-*{C.TMP_MARKER}*"):
-            step = entry.name[len("step-"):].split(".", 1)[0]
-            if step.isdigit() and int(step) < found[-1].step:
-                with contextlib.suppress(OSError):
-                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    for entry in slots.task_dir.glob(f"step-*{C.TMP_MARKER}*") if found or not keep else ():
+        step = entry.name[len("step-"):].split(".", 1)[0]
+        if (keep and step.isdigit() and int(step) < found[-1].step) or (
+                not keep and not entry.name.split(C.TMP_MARKER, 1)[1].startswith(slots.session_id)):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def _newer(slots: CheckpointStore, disk: CheckpointStore) -> list[CheckpointInfo]:

@@ -28,11 +28,19 @@ def _steps(root: Path) -> list[int]:
         return sorted(i.step for i in store.list(include_unhealthy=True))
 
 
-def test_one_rank_killed_resumes_both_ranks_from_the_slot_of_the_step_before(tmp_path: Path) -> None:
-    ref = trainer_torchrun(tmp_path / "ref", "ref", *ARGS)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("zero", [None, pytest.param(2, marks=SLOW), pytest.param(3, marks=SLOW)],
+                         ids=["ddp", "zero2", "zero3"])
+def test_one_rank_killed_resumes_both_ranks_from_the_slot_of_the_step_before(tmp_path: Path, zero: int | None) -> None:
+    # Under DeepSpeed ZeRO every rank's part of a slot is its fragments of the master weights and moments.
+    args = (*ARGS, *(("--deepspeed", str(zero)) if zero else ()))
+    env = {"DS_ACCELERATOR": "cpu"} if zero else None
+    ref = trainer_torchrun(tmp_path / "ref", "ref", *args, env=env, timeout=600)
     assert not slots_dir(tmp_path / "ref" / "run" / "smart_ckpt", "default").exists()  # a clean end removes them
     out = tmp_path / "crash"
-    crash = trainer_torchrun(out, "crash", *ARGS, "--kill_at", "7", expect_ok=False)
+    crash = trainer_torchrun(out, "crash", *args, "--kill_at", "7", expect_ok=False, env=env, timeout=600)
     assert all(c["killed"] for c in crash)
     root = out / "run" / "smart_ckpt"
     slots = CheckpointStore(slots_dir(root, "default"), read_only=True)
@@ -41,12 +49,14 @@ def test_one_rank_killed_resumes_both_ranks_from_the_slot_of_the_step_before(tmp
     assert newest >= 5, newest
     slot = slots_dir(root, "default") / "default" / f"step-{newest}"
     assert sorted(p.name for p in slot.glob("rng-rank*.json")) == ["rng-rank0.json", "rng-rank1.json"]
+    if zero:  # each rank's fragments of the fp32 master weights and moments
+        assert {"optimizer-rank0.safetensors", "optimizer-rank1.safetensors"} <= {p.name for p in slot.iterdir()}
     # Where rank 0's writer process outlived its trainer it persisted the slot, and the restart would read that copy
     # from disk; removed here, the restart finds the slot newer than the disk store, as after a kill of every process.
     if newest in _steps(root):
         assert cli(["rm", str(root), f"step:{newest}"]) == 0
     assert _steps(root) == []
-    resumed = trainer_torchrun(out, "resume", *ARGS, "--resume", "auto")
+    resumed = trainer_torchrun(out, "resume", *args, "--resume", "auto", env=env, timeout=600)
     for r in range(2):
         assert resumed[r]["resumed_from"] == newest
         assert Path(resumed[r]["resumed_path"]) == slot  # read from host memory on both ranks
@@ -54,3 +64,21 @@ def test_one_rank_killed_resumes_both_ranks_from_the_slot_of_the_step_before(tmp
     assert ref[0]["losses"] != ref[1]["losses"]  # the ranks saw different data
     assert newest in _steps(root)  # persisted by the restart
     assert not slots_dir(root, "default").exists()  # the resumed run's clean end removed the slots
+
+
+def test_a_slot_write_failing_on_one_rank_turns_the_tier_off_on_every_rank_and_training_goes_on(tmp_path: Path) -> None:
+    # Rank 1's part of the first slot finds /dev/shm full (the library's test hook): rank 1's tier goes off with
+    # the WARNING, the next frame tells rank 0, and the ranks keep running the same collectives (the slot's `extra`
+    # sums the flos across ranks): the job ends as the uninterrupted one does.
+    ref = trainer_torchrun(tmp_path / "ref", "ref", *ARGS)
+    fault = "write@rank=1@name=rng-rank1.json@nth=1:raise=ENOSPC"  # in rank 1's writer process: its first slot
+    run = trainer_torchrun(tmp_path / "run", "run", *ARGS, env={"HF_DYNAMIC_CKPT_FAULT": fault})
+    for r in range(2):
+        assert run[r]["losses"] == ref[r]["losses"]
+    stderr = run[0]["stderr"]
+    assert stderr.count("memory tier off: writing a slot failed (memory slot of step ") == 1, stderr[-3000:]
+    failed = int(stderr.split("memory tier off: writing a slot failed (memory slot of step ")[1].split()[0])
+    assert "docker run --shm-size=" in stderr
+    slots = CheckpointStore(slots_dir(tmp_path / "run" / "run" / "smart_ckpt", "default"), read_only=True) if \
+        slots_dir(tmp_path / "run" / "run" / "smart_ckpt", "default").exists() else None
+    assert slots is None or max((i.step for i in slots.list()), default=0) < failed  # none after the failure
