@@ -8,10 +8,11 @@ parts; step 7's is never taken: its logging never came); torchrun tears the job 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from helpers import trainer_torchrun
+from helpers import REPO, read_loss_log, torchrun_worker, traceback_tail, trainer_torchrun
 
 from hf_dynamic_ckpt.cli import main as cli
 from hf_dynamic_ckpt.store import CheckpointStore
@@ -82,3 +83,36 @@ def test_a_slot_write_failing_on_one_rank_turns_the_tier_off_on_every_rank_and_t
     slots = CheckpointStore(slots_dir(tmp_path / "run" / "run" / "smart_ckpt", "default"), read_only=True) if \
         slots_dir(tmp_path / "run" / "run" / "smart_ckpt", "default").exists() else None
     assert slots is None or max((i.step for i in slots.list()), default=0) < failed  # none after the failure
+
+
+def test_fsdp2_killed_on_every_rank_resumes_each_ranks_shards_from_memory(tmp_path: Path) -> None:
+    # A custom loop (SmartCheckpointer) over an FSDP2 model: a slot every step holds each rank's shards; every rank is
+    # SIGKILLed right after step 7's `after_update` (its writer may finish that slot or not), and the restart reads
+    # each rank's shards of the newest slot from host memory.
+    worker = REPO / "tests" / "workers" / "fsdp_loop.py"
+    common = ["--max_steps", "10", "--base_interval", "100", "--memory_every", "1", "--wait_writer"]
+    crash = torchrun_worker(worker, tmp_path, "--output_dir", "run", "--losses", "crash.jsonl", "--kill_at_step", "7",
+                            *common)
+    assert crash.returncode != 0, traceback_tail(crash)
+    root = tmp_path / "run" / "smart_ckpt"
+    where = slots_dir(root, "default")
+    with CheckpointStore(where, read_only=True) as slots:
+        newest = max(i.step for i in slots.list(include_unhealthy=True))
+    assert newest >= 5, newest
+    names = {p.name for p in (where / "default" / f"step-{newest}").iterdir()}
+    assert {"weights-rank0.safetensors", "weights-rank1.safetensors", "optimizer-rank1.safetensors"} <= names
+    if newest in _steps(root):  # persisted by rank 0's writer process: removed, as if every process had been killed
+        assert cli(["rm", str(root), f"step:{newest}"]) == 0
+    ref = torchrun_worker(worker, tmp_path, "--output_dir", "ref", "--losses", "ref.jsonl", *common)
+    assert ref.returncode == 0, traceback_tail(ref)
+    res = torchrun_worker(worker, tmp_path, "--output_dir", "run", "--losses", "resume.jsonl", "--resume", "auto",
+                          *common)
+    assert res.returncode == 0, traceback_tail(res)
+    resumed_from, resumed = read_loss_log(tmp_path / "resume.jsonl")
+    _, uninterrupted = read_loss_log(tmp_path / "ref.jsonl")
+    first = json.loads((tmp_path / "resume.jsonl").read_text().splitlines()[0])
+    assert resumed_from == newest and Path(first["resumed_path"]).parent.parent == where
+    assert sorted(resumed) == list(range(newest + 1, 11))
+    for step, row in resumed.items():
+        assert row["loss"] == uninterrupted[step]["loss"], step  # float.hex: bit-equal
+    assert newest in _steps(root)  # persisted by the restart

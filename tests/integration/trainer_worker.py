@@ -349,7 +349,8 @@ def _dump(args: argparse.Namespace, rank: int, losses: list[str], cb, *, killed:
         if trainer is not None else []
     with open(path, "w") as f:
         json.dump({"losses": losses, "resumed_from": resumed, "events": events,
-                   "resumed_path": str(cb.resumed_from.info.path) if cb.resumed_from is not None else None, "killed": killed, **(after or {}),
+                   "resumed_path": str(cb.resumed_from.info.path) if cb.resumed_from is not None else None,
+                   "killed": killed, **(after or {}),
                    "children": children, "saves_logged": saves_logged,
                    "warnings": list(cb.resumed_from.warnings) if cb.resumed_from is not None else []}, f)
 

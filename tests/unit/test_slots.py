@@ -123,7 +123,7 @@ def test_with_two_ranks_the_last_part_in_commits_and_an_incomplete_step_goes(tmp
     assert info is not None and info.step == 5  # rank 0's part came last: it committed
     assert part(0, 6) is None
     info = part(1, 6)
-    assert info is not None and info.reason == "memory tier" and info.lineage == run  # rank 1 committed, rank 0's fields
+    assert info is not None and info.reason == "memory tier" and info.lineage == run  # by rank 1, rank 0's fields
     loaded = ranks[1].load("step:6", rank=1)
     assert loaded.rng == {"python": [1, 6]} and loaded.extra == {"k": 6}
     assert torch.equal(ranks[0].load("step:6").weights["w"], torch.full((2,), 6.0))

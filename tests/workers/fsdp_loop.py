@@ -52,6 +52,9 @@ def main() -> None:
     p.add_argument("--accelerate_fsdp", action="store_true",
                    help="shard with Accelerate's FSDP plugin (fsdp_version=2) instead of fully_shard; needs a GPU")
     p.add_argument("--log_info", action="store_true", help="show the library's INFO lines (the resume's plan)")
+    p.add_argument("--memory_tier", default="true", choices=["true", "false"])
+    p.add_argument("--memory_every", type=int, default=None, help="runtime.memory_every (default: from its cost)")
+    p.add_argument("--wait_writer", action="store_true", help="wait for the writer process after step 1")
     args = p.parse_args()
     if args.log_info:
         logging.basicConfig(level=logging.WARNING)
@@ -85,7 +88,8 @@ def main() -> None:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
-    config = SmartCkptConfig(base_interval=args.base_interval, keep_last=100, policy={"overhead_budget": 1.0})
+    config = SmartCkptConfig(base_interval=args.base_interval, keep_last=100, policy={"overhead_budget": 1.0},
+                             runtime={"memory_tier": args.memory_tier == "true", "memory_every": args.memory_every})
     ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, loader, config=config,
                              output_dir=args.output_dir)
     resumed_from = None
@@ -97,7 +101,9 @@ def main() -> None:
     main_rank = accelerator.is_main_process
     out = open(args.losses, "a", encoding="utf-8") if main_rank else None  # noqa: SIM115
     if out is not None:
-        out.write(json.dumps({"resumed_from": resumed_from, "world_size": accelerator.num_processes}) + "\n")
+        out.write(json.dumps({"resumed_from": resumed_from, "world_size": accelerator.num_processes,
+                              "resumed_path": str(loaded.info.path) if not args.dcp_resume and loaded else None})
+                  + "\n")
         out.flush()
     while ckpt.step < args.max_steps and not ckpt.should_stop:
         for inputs, targets in ckpt.loader:
@@ -115,6 +121,8 @@ def main() -> None:
                 out.write(json.dumps({"step": ckpt.step, "loss": float(loss.detach()).hex(),
                                       "grad_norm": frame.grad_norm, "save": decision.save}) + "\n")
                 out.flush()
+            if ckpt.step == 1 and args.wait_writer:
+                assert ckpt.run.engine.start(wait_s=120)
             if ckpt.step == args.dcp_save_at:
                 dcp_save(model, optimizer, scheduler, ckpt, f"dcp-{ckpt.step}")
             if ckpt.step == args.kill_at_step:
