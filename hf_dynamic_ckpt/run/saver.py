@@ -52,11 +52,10 @@ class HeldSave:
 
 class SlotRecovery:
     """A killed run's memory slots newer than the disk store, found when a restart opens its store (rank 0; the others
-    are told its step):
-    `auto`'s restore point (`step`: read from host memory, `RunOrchestrator._plan`), and persisted to the disk store
-    before anything could replace them (the tier's next slot) or move the task's timeline past them (`persist`):
-    in the background once the run restored from it, before the choice of any other restore point, before a fresh
-    start's timeline. The killed run's own writer may still have persisted it: nothing is persisted twice."""
+    are told its step): `auto`'s restore point (`step`: read from host memory, `RunOrchestrator._plan`), persisted to
+    the disk store before anything could replace them (the tier's next slot) or move the task's timeline past them
+    (`persist`): in the background once the run restored from it, before the choice of any other restore point, before
+    a fresh start's timeline. The killed run's own writer may have persisted it already: nothing is persisted twice."""
 
     def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int, *, persists: bool = True) -> None:
         self.disk, self.slots, self.step = disk, slots, step
