@@ -15,8 +15,8 @@ optimizer steps with `Trainer` - runs under:
       knows from their cluster; measured from run (a)'s step time). With the memory tier on (the
       default) that rate is not what the interval uses: the crashes here are process kills on a live
       node, which the slots cover, so the interval follows `policy.node_mtbf_hours` (default 168 h,
-      left at it: the user who drops `save_steps`); `mtbf_hours` should count only with `--memory_tier
-      false` (under Trainer it still does: docs/benchmarks.md, 2026-12-05).
+      left at it: the user who drops `save_steps`); `mtbf_hours` counts only with `--memory_tier
+      false`.
 
 Both see the same injected anomalies (a loss x30 for 3 steps, a batch of random tokens, an
 lr x10 for 10 steps, at onsets drawn from `--seed`) and the same crashes: SIGKILL at the end of
