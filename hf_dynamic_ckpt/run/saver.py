@@ -136,8 +136,8 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                                retries=config.remote.retries, backoff_s=config.remote.backoff_s,
                                lock_wait_s=config.runtime.lock_wait_s)
 
-    def local(store: CheckpointStore) -> bool:
-        return store.remote is None and not store.read_only
+    def local(store: CheckpointStore) -> bool:  # a URL root's slots are keyed by its local cache, on this node
+        return not store.read_only
 
     if world_size > 1:
         store, error, step = None, None, None
@@ -218,8 +218,6 @@ class MemoryTier:
             self.off_reason = "runtime.memory_tier=false"
         elif str(getattr(config.engine, "value", config.engine)) != "process":
             self.off_reason = "engine='sync' writes on the training thread"
-        elif store.remote is not None:
-            self.off_reason = "an object-store root (this version persists slots to local roots)"
         elif slot_store.shm_room()[1] == 0:
             self.off_reason = f"no {slot_store.SHM_DIR}"
         if self.off_reason is None:

@@ -33,6 +33,9 @@ def main() -> None:
     p.add_argument("--loop", default="trainer", choices=["trainer", "accelerate"])
     p.add_argument("--base_interval", default="5", help="'none': the interval is the library's (Young/Daly)")
     p.add_argument("--mtbf_hours", type=float, default=None)
+    p.add_argument("--root", default=None, help="the store root (e.g. s3://bucket/run); default <out>/run/smart_ckpt")
+    p.add_argument("--storage_options", default=None, help="JSON storage options of a URL root")
+    p.add_argument("--cache_dir", default=None)
     args = p.parse_args()
     out = Path(args.out)
     if args.loop == "accelerate":
@@ -43,8 +46,11 @@ def main() -> None:
     interval = None if args.base_interval == "none" else int(args.base_interval)
     # A first disk save at step 4 measures the save's cost the interval is derived from (Young/Daly).
     policy = {"mtbf_hours": args.mtbf_hours, "stability_window": 4} if args.mtbf_hours is not None else {}
-    callback = SmartCkptCallback(SmartCkptConfig(base_interval=interval, task_id=args.task, policy=policy, runtime={
-        "memory_tier": args.memory_tier == "true", "memory_every": 1}))
+    remote = {"storage_options": json.loads(args.storage_options or "{}"), "cache_dir": args.cache_dir} \
+        if args.root else {}
+    callback = SmartCkptCallback(SmartCkptConfig(
+        base_interval=interval, task_id=args.task, policy=policy, root=args.root, remote=remote,
+        runtime={"memory_tier": args.memory_tier == "true", "memory_every": 1}))
     if args.kill_once and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.kill_at = 0
 

@@ -299,3 +299,40 @@ def test_file_url_root_and_config_accept_urls(tmp_path):
         "weights.safetensors"]
     with CheckpointStore(url, task_id="t", cache_dir=tmp_path / "cache-b", read_only=True) as reader:
         assert_equal_state(reader.load("auto"), 5)
+
+
+def test_memory_tier_with_a_bucket_root_restores_from_memory_and_persists_into_the_bucket(s3_root, tmp_path):
+    # A Trainer run on an s3:// root, the whole job SIGKILLed after step 13, no disk save before (an upload in flight
+    # makes the writer process skip slots meanwhile: counted, docs/memory_tier.md): the slots are keyed by the root's
+    # local cache on this node; the restart restores step 12 from host memory, bit-exact, and persists it into the
+    # bucket.
+    import json as _json
+
+    from hf_dynamic_ckpt.store.slots import slots_dir
+
+    url, options = s3_root
+    worker = REPO / "tests" / "integration" / "memory_tier_worker.py"
+    cache = tmp_path / "cache"
+
+    def run(out: Path, *args: str, killed: bool = False) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, str(worker), "--out", str(out), *args], capture_output=True, text=True,
+                              timeout=600, start_new_session=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO), FAULT_ENV: ""})
+        (out / "stderr.txt").write_text(proc.stderr)
+        assert proc.returncode == (-9 if killed else 0), proc.stderr[-3000:]
+        return {} if killed else _json.loads((out / ("resumed.json" if "--resume" in args else "losses.json"))
+                                             .read_text())
+
+    uninterrupted = {int(s): loss for s, loss in run(tmp_path / "ref", "--base_interval", "100")["losses"]}
+    remote = ("--root", url, "--storage_options", _json.dumps(options), "--cache_dir", str(cache), "--base_interval",
+              "100")
+    run(tmp_path / "run", *remote, "--kill_at", "13", "--kill_group", killed=True)
+    resumed = run(tmp_path / "run", *remote, "--resume")
+    assert resumed["resumed_from"] == 12, (tmp_path / "run" / "stderr.txt").read_text()[-3000:]
+    slots = Path(resumed["resumed_path"]).parent.parent
+    assert slots.parent.name.startswith("hf-dynamic-ckpt-")  # read from host memory
+    assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+    keys = bucket_keys(url, options)
+    assert any(k.endswith("/default/step-12/manifest.json") for k in keys), keys
+    assert not slots.exists() and not slots_dir(cache / "rank-0", "default").exists()
