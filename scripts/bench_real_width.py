@@ -482,6 +482,14 @@ def child(spec: dict[str, Any]) -> None:
             marks.setdefault("first_step_end", time.time())
             marks["step_end_wall"][state.global_step] = time.time()
             marks["steps"].append((state.global_step, self.end - self.begin, self.busy))
+            if variant == "crash" and state.global_step == spec["prep_steps"] + 1:
+                # The slot of this step is due when the next begins, and skipped while the disk save of the step
+                # before is still writing (seconds for GBs): a long run's slots come long after its disk save.
+                started, engine = time.perf_counter(), _engine(smart)
+                while engine.busy and time.perf_counter() - started < 600:
+                    time.sleep(0.05)
+                marks["disk_wait_s"] = time.perf_counter() - started
+                self.end = time.perf_counter()
             if smart is not None and smart.run is not None and state.global_step == 1:
                 # The writer process starts after the first step; saves before it is up write synchronously. A run
                 # of days saves first long after; this one saves within seconds, so it waits for the writer here.
@@ -590,7 +598,7 @@ def child(spec: dict[str, Any]) -> None:
                           "writer": marks["writers"].get(str(e.step))} for e in events]
         res.setdefault("buffer_bytes", 0)
         tier = smart.run.saver.memory if smart.run is not None else None
-        if variant == "tier_on" and tier is not None:
+        if variant in ("tier_on", "crash") and tier is not None:
             res["tier"] = {"slot_ms": slot_ms, "every": tier.every, "saves": tier.saves, "skipped": tier.skipped,
                            "bytes": tier.bytes, "off": tier.off_reason}
     Path(spec["result"]).write_text(json.dumps(res))
@@ -627,7 +635,7 @@ class Runner:
         output, _ = proc.communicate()
         sampler.stop()
         (Path(spec["out"]) / "output.txt").write_text(output)  # the child's log (INFO lines of the library)
-        if proc.returncode != (-signal.SIGKILL if killed else 0) or not result.exists():
+        if proc.returncode not in ((0, -signal.SIGKILL) if killed else (0,)) or not result.exists():
             raise RunFailed(f"{label} failed (exit status {proc.returncode}):\n{output[-6000:]}")
         res: dict[str, Any] = json.loads(result.read_text())
         res["process_s"] = time.time() - started
@@ -756,8 +764,8 @@ def _restart_repeat(runner: Runner, args: argparse.Namespace, mode: str, layers:
     try:
         c = runner.run(_spec(args, mode, layers, base, "crash", crash), f"{mode} crash #{rep}", killed=True)
         if "slot_step" not in c:
-            raise RunFailed(f"{mode} crash #{rep} ended without a slot newer than its disk save (the memory tier "
-                            f"off?):\n{(crash / 'output.txt').read_text()[-6000:]}")
+            raise RunFailed(f"{mode} crash #{rep} ended without a slot newer than its disk save (memory tier: "
+                            f"{c.get('tier')}):\n{(crash / 'output.txt').read_text()[-6000:]}")
         runs = {"crash": c}
         for variant in ("restart_memory", "restart_disk"):
             _drop_cache([crash / "smart_ckpt"])  # cold: the disk store's pages (the slots are memory: never dropped)
