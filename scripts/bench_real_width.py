@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Save overhead, memory and resume at the widths of Qwen2-7B and Llama-3-8B, inside real `Trainer` runs.
+"""Save overhead, memory, resume and restart at the widths of Qwen2-7B and Llama-3-8B, inside real `Trainer` runs.
 
 The other benchmarks use models of 1-60M parameters with toy widths; users fine-tune Qwen2-7B /
 Llama-3-8B (hidden 3584-4096, intermediate 14336-18944, vocabulary 128-152k, untied). This one
@@ -34,10 +34,29 @@ weights, random tokens (batch 1 x 64 by default), one training thread, and measu
   itself is seconds at these widths and would hide the resume), and the table also shows it less a
   fresh start's time to the end of its first step. The losses of the two resumed steps must equal
   the preparation run's, to the bit, for both.
+- **restart** after a crash, from memory against disk, of the same checkpoint (`--parts restart`, not in the
+  default parts; `--repeats` times, each in a fresh work directory): a run with the memory tier on
+  (`runtime.memory_every=1`, a disk save at step P) waits after step P+1 for that disk save (a slot is skipped
+  while one writes), polls the slots with the store API until the slot of step P+1 is committed and SIGKILLs its
+  whole process group (its own session: the writer process dies too, so no watcher persists the slot); a fresh
+  process then `resume_checkpoint(trainer, "auto")`s, which must restore step P+1 from the slot under `/dev/shm`
+  (checked; the library copies the slot into the disk store in a background thread meanwhile); then, the store's
+  pages dropped, a fresh process resumes `step:P+1` from that copy on disk. Both timed as the resume part's (from
+  `resume_checkpoint` to the end of the first resumed step; also less the process's next step); their losses must
+  be bit-equal. A restart also runs with `memory_every=1` (the same command). Two slots of a full fine-tune's state
+  must fit in `/dev/shm` and the host memory beside the state and its snapshot buffers: with the 152k vocabulary
+  (1.09B untied embedding parameters) one 7B-width layer is 1.32B parameters, a slot of ~7.9 GB (bf16 weights and
+  moments) beside ~10.6 GB of training state and ~7.9 GB of buffers, more than a 24 GB machine holds (the tier turns
+  itself off: "do not fit"), so there `--layers 1 --vocab 32000` (hidden and intermediate widths kept: 0.46B
+  parameters, a 2.6 GiB checkpoint) measures it. `--vocab N` only changes the vocabulary (and
+  the base weights' file name); the per-layer cost, which the widths set, stays. Run it alone: a pytest session of
+  this repository under the same user removes, at its end, every slot directory made while it ran
+  (`tests/conftest.py`), a live run's too (the crash run then ends unkilled, or the restart reads from disk).
 
 Goals (each a ratio inside one run of this script): blocking per save < 1 % of a step (LoRA and full
 fine-tune); overhead per save <= 0.2x Trainer's; resume <= 0.5x Trainer's; the writer's private
-memory <= its staging buffers + its interpreter. The last lines print each with met / not met.
+memory <= its staging buffers + its interpreter; restart from memory <= 0.5x the disk resume (cold) of the same
+checkpoint. The last lines print each with met / not met.
 
 Modes: `lora` (bf16 base, LoRA r=16 on all seven projections, fp32 adapter: PEFT's default) and
 `full` (every weight trained in bf16, AdamW moments in bf16). `--layers auto` (default) takes as
@@ -66,6 +85,9 @@ run): per model ~10 min for LoRA and ~40 min for the full fine-tune with the def
     python scripts/bench_real_width.py --model llama3-8b --memory-margin 0.05 \
         --json bench_out/real_width/llama3-8b.json
     python recipes/estimate_sizes.py --measured bench_out/real_width/qwen2-7b.json bench_out/real_width/llama3-8b.json
+
+    python scripts/bench_real_width.py --mode full --parts restart --layers 1 --vocab 32000 --repeats 2
+    python scripts/bench_real_width.py --mode lora --parts restart --repeats 2    # ~5 min per mode
 
     python scripts/bench_real_width.py --smoke      # toy widths, LoRA only, six runs of ~5-10 s each
     python scripts/bench_real_width.py --report bench_out/real_width/qwen2-7b.json   # its tables again
