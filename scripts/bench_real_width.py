@@ -567,9 +567,12 @@ def child(spec: dict[str, Any]) -> None:
         timed(trainer, "_load_optimizer_and_scheduler", "Trainer loads optimizer + scheduler")
         timed(trainer, "_load_rng_state", "Trainer loads the RNG")
     if variant == "ours_resume" or restart:
+        from hf_dynamic_ckpt.integrations import trainer as trainer_module
         from hf_dynamic_ckpt.run import resume as resume_module
         from hf_dynamic_ckpt.store import slots as slots_module
 
+        # Inside resume_checkpoint: its weights file goes into Trainer's folder by a hard link, a copy from /dev/shm.
+        timed(trainer_module, "_write_weights", "of which: the weights into Trainer's folder (link, or copy)")
         timed(resume_module, "read_optimizer_tier", "L1 read + decode (background thread)")
         timed(smart, "_apply_resumed_optimizer", "wait for L1 + load it (before the first update)")
         timed(slots_module, "persist_newest", "persist the slot to disk (background thread)")
@@ -589,10 +592,11 @@ def child(spec: dict[str, Any]) -> None:
     start = time.time()
     marks["resume_start"] = start
     if variant == "ours_resume" or restart:
-        t = time.perf_counter()
         ref = "auto" if variant == "restart_memory" else f"step:{spec['restart_step' if restart else 'prep_steps']}"
+        label = "resume_checkpoint: choose, read + verify L0, link"
+        phases[label], t = 0.0, time.perf_counter()  # listed before the phases inside it
         path = resume_checkpoint(trainer, ref)
-        phases["resume_checkpoint: choose, read + verify L0, link"] = time.perf_counter() - t
+        phases[label] = time.perf_counter() - t
         if restart:  # the slot of the killed run from host memory; then the same step from the disk store
             from hf_dynamic_ckpt.store.slots import slots_dir
 
