@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Save overhead, memory and resume at the widths of Qwen2-7B and Llama-3-8B, inside real `Trainer` runs.
+"""Save overhead, memory, resume and restart at the widths of Qwen2-7B and Llama-3-8B, inside real `Trainer` runs.
 
 The other benchmarks use models of 1-60M parameters with toy widths; users fine-tune Qwen2-7B /
 Llama-3-8B (hidden 3584-4096, intermediate 14336-18944, vocabulary 128-152k, untied). This one
@@ -34,10 +34,29 @@ weights, random tokens (batch 1 x 64 by default), one training thread, and measu
   itself is seconds at these widths and would hide the resume), and the table also shows it less a
   fresh start's time to the end of its first step. The losses of the two resumed steps must equal
   the preparation run's, to the bit, for both.
+- **restart** after a crash, from memory against disk, of the same checkpoint (`--parts restart`, not in the
+  default parts; `--repeats` times, each in a fresh work directory): a run with the memory tier on
+  (`runtime.memory_every=1`, a disk save at step P) waits after step P+1 for that disk save (a slot is skipped
+  while one writes), polls the slots with the store API until the slot of step P+1 is committed and SIGKILLs its
+  whole process group (its own session: the writer process dies too, so no watcher persists the slot); a fresh
+  process then `resume_checkpoint(trainer, "auto")`s, which must restore step P+1 from the slot under `/dev/shm`
+  (checked; the library copies the slot into the disk store in a background thread meanwhile); then, the store's
+  pages dropped, a fresh process resumes `step:P+1` from that copy on disk. Both timed as the resume part's (from
+  `resume_checkpoint` to the end of the first resumed step; also less the process's next step); their losses must
+  be bit-equal. A restart also runs with `memory_every=1` (the same command). Two slots of a full fine-tune's state
+  must fit in `/dev/shm` and the host memory beside the state and its snapshot buffers: with the 152k vocabulary
+  (1.09B untied embedding parameters) one 7B-width layer is 1.32B parameters, a slot of ~7.9 GB (bf16 weights and
+  moments) beside ~10.6 GB of training state and ~7.9 GB of buffers, more than a 24 GB machine holds (the tier turns
+  itself off: "do not fit"), so there `--layers 1 --vocab 32000` (hidden and intermediate widths kept: 0.46B
+  parameters, a 2.6 GiB checkpoint) measures it. `--vocab N` only changes the vocabulary (and
+  the base weights' file name); the per-layer cost, which the widths set, stays. Run it alone: a pytest session of
+  this repository under the same user removes, at its end, every slot directory made while it ran
+  (`tests/conftest.py`), a live run's too (the crash run then ends unkilled, or the restart reads from disk).
 
 Goals (each a ratio inside one run of this script): blocking per save < 1 % of a step (LoRA and full
 fine-tune); overhead per save <= 0.2x Trainer's; resume <= 0.5x Trainer's; the writer's private
-memory <= its staging buffers + its interpreter. The last lines print each with met / not met.
+memory <= its staging buffers + its interpreter; restart from memory <= 0.5x the disk resume (cold) of the same
+checkpoint. The last lines print each with met / not met.
 
 Modes: `lora` (bf16 base, LoRA r=16 on all seven projections, fp32 adapter: PEFT's default) and
 `full` (every weight trained in bf16, AdamW moments in bf16). `--layers auto` (default) takes as
@@ -67,6 +86,9 @@ run): per model ~10 min for LoRA and ~40 min for the full fine-tune with the def
         --json bench_out/real_width/llama3-8b.json
     python recipes/estimate_sizes.py --measured bench_out/real_width/qwen2-7b.json bench_out/real_width/llama3-8b.json
 
+    python scripts/bench_real_width.py --mode full --parts restart --layers 1 --vocab 32000 --repeats 2
+    python scripts/bench_real_width.py --mode lora --parts restart --repeats 2    # ~5 min per mode
+
     python scripts/bench_real_width.py --smoke      # toy widths, LoRA only, six runs of ~5-10 s each
     python scripts/bench_real_width.py --report bench_out/real_width/qwen2-7b.json   # its tables again
 
@@ -81,6 +103,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -111,6 +134,13 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 RESUMED_STEPS = 2  # the first resumed step checks weights, RNG and data order; the second the optimizer state
 OVERHEAD_BYTES = 3 * GIB  # interpreters (training, writer), activations, allocator slack: for the layer fit
 TIERS = ("weights", "optimizer", "state")
+
+
+def set_vocab(model: str, vocab: int | None) -> None:
+    """`--vocab N`: the model's vocabulary is N, not its config's (in this process; children get it in their spec).
+    Only for a state that must fit this machine's memory several times over (`--parts restart`)."""
+    if vocab:
+        MODELS[model]["config"]["vocab_size"] = vocab
 
 
 # ----------------------------------------------------------------------------- the model, on paper
@@ -374,6 +404,7 @@ def _note_writers(callback: Any, labels: dict[str, str]) -> None:
 
 def child(spec: dict[str, Any]) -> None:
     """One training run in this fresh process; writes its measurements to `spec["result"]`."""
+    set_vocab(spec["model"], spec.get("vocab"))
     if spec["role"] == "base":
         _build_base(spec)
         return
@@ -387,12 +418,18 @@ def child(spec: dict[str, Any]) -> None:
 
     variant, out, cuda = spec["variant"], Path(spec["out"]), spec["device"] == "cuda"
     prep = Path(spec["prep"]) if spec.get("prep") else None
+    restart = variant in ("restart_memory", "restart_disk")  # after `crash`: from its memory slot, from disk
+    if variant == "crash" or restart:  # the library's INFO lines (the memory tier off, a slot persisted): output.txt
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     # The preparation run's Trainer saves the restore point only; ours may save more often (more stall samples).
     native_every = spec["prep_steps"] if variant == "prep" else spec["k"]
-    smart_every = (spec["prep_interval"] or spec["prep_steps"]) if variant in ("prep", "ours_resume") else spec["k"]
-    resumed_end = spec["prep_steps"] + RESUMED_STEPS
-    max_steps = {"fresh": 1, "prep": resumed_end, "native_resume": resumed_end, "ours_resume": resumed_end}.get(
-        variant, spec["steps"])
+    smart_every = (spec["prep_interval"] or spec["prep_steps"]) if variant in (
+        "prep", "ours_resume", "crash") or restart else spec["k"]
+    resumed_end = (spec["restart_step"] if restart else spec["prep_steps"]) + RESUMED_STEPS
+    max_steps = resumed_end if variant in ("prep", "native_resume", "ours_resume") or restart else {"fresh": 1}.get(
+        variant, spec["steps"])  # `crash` is killed long before its last step
     model = _load_model(spec)
     dataset = toy.random_token_dataset(num_examples=max(max_steps, spec["steps"]) * spec["batch"], seq_len=spec["seq"],
                                        vocab_size=MODELS[spec["model"]]["config"]["vocab_size"], seed=1)
@@ -406,6 +443,38 @@ def child(spec: dict[str, Any]) -> None:
             marks["losses"].append(output.loss.detach().double().item().hex())
 
     inner.register_forward_hook(record_loss)
+
+    def crash_once_committed(step: int) -> None:
+        """The crash run, as the step after `step` begins (the slot of `step` was just taken): once that slot is
+        committed (polled with the public store API), write the result and SIGKILL the whole process group, the
+        writer process too, so no watcher persists the slot. A slot skipped (a disk save still writing): the next."""
+        from hf_dynamic_ckpt.store import CheckpointStore
+        from hf_dynamic_ckpt.store.slots import slots_dir
+
+        tier, engine, t = smart.run.saver.memory, _engine(smart), time.perf_counter()
+        if not tier.on:
+            raise RuntimeError(f"the memory tier is off: {tier.off_reason}")
+        while True:
+            busy = engine.busy  # before the listing: a write that ends in between is listed
+            slots = CheckpointStore(slots_dir(root, smart_config.task_id), task_id=smart_config.task_id,
+                                    read_only=True)
+            try:
+                found = {i.step for i in slots.list(include_unhealthy=True, include_abandoned=True)}
+            finally:
+                slots.close()
+            if step in found:
+                break
+            if not busy:
+                return
+            if time.perf_counter() - t > 600:
+                raise RuntimeError(f"the slot of step {step} was not committed within 600 s")
+            time.sleep(0.05)
+        params = list(model.parameters())
+        Path(spec["result"]).write_text(json.dumps({
+            **marks, "slot_step": step, "global_step": step, "slot_wait_s": time.perf_counter() - t,
+            "slot_bytes": tier.bytes, "slots_skipped": tier.skipped, "params": sum(p.numel() for p in params),
+            "trainable": sum(p.numel() for p in params if p.requires_grad)}))
+        os.killpg(0, signal.SIGKILL)
 
     class Timer(TrainerCallback):
         """Per step: its time (on_step_begin -> on_step_end), the gap to the next step (where a save
@@ -425,6 +494,8 @@ def child(spec: dict[str, Any]) -> None:
             if engine is not None:  # the buffers are released when training ends: their size is read here
                 marks["buffer_bytes"] = max(marks.get("buffer_bytes", 0), engine.buffer_bytes)
                 _note_writers(smart, marks["writers"])
+            if variant == "crash" and state.global_step > spec["prep_steps"]:  # the slot of the step before: taken
+                crash_once_committed(state.global_step)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if cuda:
@@ -433,6 +504,14 @@ def child(spec: dict[str, Any]) -> None:
             marks.setdefault("first_step_end", time.time())
             marks["step_end_wall"][state.global_step] = time.time()
             marks["steps"].append((state.global_step, self.end - self.begin, self.busy))
+            if variant == "crash" and state.global_step == spec["prep_steps"] + 1:
+                # The slot of this step is due when the next begins, and skipped while the disk save of the step
+                # before is still writing (seconds for GBs): a long run's slots come long after its disk save.
+                started, engine = time.perf_counter(), _engine(smart)
+                while engine.busy and time.perf_counter() - started < 600:
+                    time.sleep(0.05)
+                marks["disk_wait_s"] = time.perf_counter() - started
+                self.end = time.perf_counter()
             if smart is not None and smart.run is not None and state.global_step == 1:
                 # The writer process starts after the first step; saves before it is up write synchronously. A run
                 # of days saves first long after; this one saves within seconds, so it waits for the writer here.
@@ -454,14 +533,17 @@ def child(spec: dict[str, Any]) -> None:
     callbacks: list[Any] = [Timer()]
     if variant in ("tier_on", "tier_off"):  # the memory tier alone: no disk save before the final one
         smart_every = 10**6
-    if variant in ("smart", "prep", "ours_resume", "tier_on", "tier_off"):
-        root = (prep if variant == "ours_resume" and prep is not None else out) / "smart_ckpt"
+    if variant in ("smart", "prep", "ours_resume", "tier_on", "tier_off", "crash") or restart:
+        root = (prep if (variant == "ours_resume" or restart) and prep is not None else out) / "smart_ckpt"
         extra = {"memory_margin": spec["memory_margin"]} if spec.get("memory_margin") is not None else {}
         extra["memory_tier"] = variant != "tier_off"
+        if variant == "crash" or restart:  # a slot every step: the crash loses no step (a restart: the same command)
+            extra["memory_every"] = 1
         if spec.get("overlap_snapshot") is not None:
             extra["overlap_snapshot"] = spec["overlap_snapshot"]
         engine = {"engine": spec["engine"]} if spec.get("engine") else {}
-        smart = SmartCkptCallback(SmartCkptConfig(base_interval=smart_every, root=str(root), runtime=extra, **engine))
+        smart_config = SmartCkptConfig(base_interval=smart_every, root=str(root), runtime=extra, **engine)
+        smart = SmartCkptCallback(smart_config)
         callbacks.insert(0, smart)
     trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)
@@ -480,15 +562,20 @@ def child(spec: dict[str, Any]) -> None:
 
         setattr(owner, name, wrapper)
 
-    if variant in ("native_resume", "ours_resume"):  # Trainer's own loading (ours: its second read of the weights)
+    if variant in ("native_resume", "ours_resume") or restart:  # Trainer's loading (ours: its second read of weights)
         timed(trainer, "_load_from_checkpoint", "Trainer loads the weights")
         timed(trainer, "_load_optimizer_and_scheduler", "Trainer loads optimizer + scheduler")
         timed(trainer, "_load_rng_state", "Trainer loads the RNG")
-    if variant == "ours_resume":
+    if variant == "ours_resume" or restart:
+        from hf_dynamic_ckpt.integrations import trainer as trainer_module
         from hf_dynamic_ckpt.run import resume as resume_module
+        from hf_dynamic_ckpt.store import slots as slots_module
 
+        # Inside resume_checkpoint: its weights file goes into Trainer's folder by a hard link, a copy from /dev/shm.
+        timed(trainer_module, "_write_weights", "of which: the weights into Trainer's folder (link, or copy)")
         timed(resume_module, "read_optimizer_tier", "L1 read + decode (background thread)")
         timed(smart, "_apply_resumed_optimizer", "wait for L1 + load it (before the first update)")
+        timed(slots_module, "persist_newest", "persist the slot to disk (background thread)")
     slot_ms: list[float] = []
     if variant == "tier_on":  # the training thread's time per memory slot (the snapshot), from the engine's handle
         from hf_dynamic_ckpt.engine import SaveEngine
@@ -504,10 +591,21 @@ def child(spec: dict[str, Any]) -> None:
         SaveEngine.save = save_timed  # type: ignore[method-assign]
     start = time.time()
     marks["resume_start"] = start
-    if variant == "ours_resume":
-        t = time.perf_counter()
-        path = resume_checkpoint(trainer, f"step:{spec['prep_steps']}")
-        phases["resume_checkpoint: choose, read + verify L0, link"] = time.perf_counter() - t
+    if variant == "ours_resume" or restart:
+        ref = "auto" if variant == "restart_memory" else f"step:{spec['restart_step' if restart else 'prep_steps']}"
+        label = "resume_checkpoint: choose, read + verify L0, link"
+        phases[label], t = 0.0, time.perf_counter()  # listed before the phases inside it
+        path = resume_checkpoint(trainer, ref)
+        phases[label] = time.perf_counter() - t
+        if restart:  # the slot of the killed run from host memory; then the same step from the disk store
+            from hf_dynamic_ckpt.store.slots import slots_dir
+
+            loaded, where = smart.resumed_from, slots_dir(root, smart_config.task_id)
+            marks["resumed_path"] = str(loaded.info.path)
+            from_memory = Path(loaded.info.path).is_relative_to(where)
+            if loaded.info.step != spec["restart_step"] or from_memory != (variant == "restart_memory"):
+                raise RuntimeError(f"{variant} resumed step {loaded.info.step} from {loaded.info.path}, not step "
+                                   f"{spec['restart_step']} from {'memory' if variant == 'restart_memory' else 'disk'}")
     elif variant == "native_resume":
         assert prep is not None
         path = str(prep / "trainer" / f"checkpoint-{spec['prep_steps']}")
@@ -526,7 +624,7 @@ def child(spec: dict[str, Any]) -> None:
                           "writer": marks["writers"].get(str(e.step))} for e in events]
         res.setdefault("buffer_bytes", 0)
         tier = smart.run.saver.memory if smart.run is not None else None
-        if variant == "tier_on" and tier is not None:
+        if variant in ("tier_on", "crash") and tier is not None:
             res["tier"] = {"slot_ms": slot_ms, "every": tier.every, "saves": tier.saves, "skipped": tier.skipped,
                            "bytes": tier.bytes, "off": tier.off_reason}
     Path(spec["result"]).write_text(json.dumps(res))
@@ -549,19 +647,21 @@ class Runner:
                     "PYTHONPYCACHEPREFIX": str(work / "pycache")}
         self.env.pop("PYTHONDONTWRITEBYTECODE", None)
 
-    def run(self, spec: dict[str, Any], label: str) -> dict[str, Any]:
+    def run(self, spec: dict[str, Any], label: str, *, killed: bool = False) -> dict[str, Any]:
+        """One run; `killed`: it SIGKILLs its own process group (its own session: this script lives on)."""
         result = Path(spec["out"]) / "result.json"
         result.parent.mkdir(parents=True, exist_ok=True)
         result.unlink(missing_ok=True)
         spec = {**spec, "result": str(result)}
         started = time.time()
         proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], env=self.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=killed)
         sampler = MemorySampler(proc.pid, self.args.mem_interval)
         sampler.start()
         output, _ = proc.communicate()
         sampler.stop()
-        if proc.returncode != 0 or not result.exists():
+        (Path(spec["out"]) / "output.txt").write_text(output)  # the child's log (INFO lines of the library)
+        if proc.returncode not in ((0, -signal.SIGKILL) if killed else (0,)) or not result.exists():
             raise RunFailed(f"{label} failed (exit status {proc.returncode}):\n{output[-6000:]}")
         res: dict[str, Any] = json.loads(result.read_text())
         res["process_s"] = time.time() - started
@@ -571,13 +671,14 @@ class Runner:
         return res
 
     def base_file(self, model: str, layers: int) -> Path:
-        """The base weights of (model, layers), generated once and reused while the file exists."""
-        path = self.work / f"base-{model}-{layers}.safetensors"
+        """The base weights of (model, layers[, vocab]), generated once and reused while the file exists."""
+        vocab = f"-v{self.args.vocab}" if self.args.vocab else ""
+        path = self.work / f"base-{model}-{layers}{vocab}.safetensors"
         if not path.exists():
             t0 = time.time()
             proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(
-                {"role": "base", "model": model, "layers": layers, "base": str(path)})], env=self.env,
-                capture_output=True, text=True)
+                {"role": "base", "model": model, "layers": layers, "vocab": self.args.vocab, "base": str(path)})],
+                env=self.env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RunFailed(f"generating {path.name} failed:\n{proc.stderr[-4000:]}")
             print(f"generated {path.name} ({path.stat().st_size / GIB:.2f} GiB) in {time.time() - t0:.0f} s",
@@ -592,8 +693,8 @@ def _spec(args: argparse.Namespace, mode: str, layers: int, base: Path | None, v
         variant, engine = "smart", "thread"
     elif variant == "smart" and args.compare_writers:
         engine = "process"
-    return {"role": "run", "engine": engine, "model": args.model, "mode": mode, "layers": layers, "variant": variant,
-            "out": str(out),
+    return {"role": "run", "engine": engine, "model": args.model, "vocab": args.vocab, "mode": mode, "layers": layers,
+            "variant": variant, "out": str(out),
             "base": str(base) if base else None, "steps": args.steps, "k": args.k, "seq": args.seq, "batch": args.batch,
             "device": args.device, "prep_steps": args.prep_steps, "prep_interval": args.prep_interval,
             "prep": str(prep) if prep else None,
@@ -670,7 +771,44 @@ def run_mode(runner: Runner, args: argparse.Namespace, mode: str, layers: int) -
                       f"process {r['process_s']:.0f} s", flush=True)
         if not args.keep:
             shutil.rmtree(prep, ignore_errors=True)
-    return {"layers": layers, "trio": trio, "resume": resume, "tier": tier}
+    restart: dict[str, list[dict[str, Any]]] = {"crash": [], "restart_memory": [], "restart_disk": [], "bytes": []}
+    if "restart" in args.parts:
+        for rep in range(args.repeats):
+            _restart_repeat(runner, args, mode, layers, base, root / f"restart-{rep}", rep, restart)
+    return {"layers": layers, "trio": trio, "resume": resume, "tier": tier, "restart": restart}
+
+
+def _restart_repeat(runner: Runner, args: argparse.Namespace, mode: str, layers: int, base: Path | None, work: Path,
+                    rep: int, restart: dict[str, list[dict[str, Any]]]) -> None:
+    """One repeat of the restart part in a fresh `work`: a run killed with its slot newer than its disk save, then
+    the same checkpoint from host memory (`auto`) and, after the store's pages are dropped, from the disk store."""
+    from hf_dynamic_ckpt import SmartCkptConfig
+    from hf_dynamic_ckpt.store.slots import remove_slots
+
+    crash = work / "crash"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        c = runner.run(_spec(args, mode, layers, base, "crash", crash), f"{mode} crash #{rep}", killed=True)
+        if "slot_step" not in c:
+            raise RunFailed(f"{mode} crash #{rep} ended without a slot newer than its disk save (memory tier: "
+                            f"{c.get('tier')}):\n{(crash / 'output.txt').read_text()[-6000:]}")
+        runs = {"crash": c}
+        for variant in ("restart_memory", "restart_disk"):
+            _drop_cache([crash / "smart_ckpt"])  # cold: the disk store's pages (the slots are memory: never dropped)
+            spec = {**_spec(args, mode, layers, base, variant, work / variant, crash), "restart_step": c["slot_step"]}
+            runs[variant] = runner.run(spec, f"{mode} {variant} #{rep}")
+        restart["bytes"].append(tier_bytes_ours(crash / "smart_ckpt", c["slot_step"]))
+    finally:  # a failed restart would leave GBs in /dev/shm
+        remove_slots(crash / "smart_ckpt", SmartCkptConfig().task_id)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    for variant, r in runs.items():
+        restart[variant].append(r)
+    m, d = (runs[v]["first_step_end"] - runs[v]["resume_start"] for v in ("restart_memory", "restart_disk"))
+    print(f"[{mode} #{rep}] restart of step {c['slot_step']} ({_fmt_bytes(sum(restart['bytes'][-1].values()))}): "
+          f"from memory {m:.2f} s, from disk (cold) {d:.2f} s to the first step's end = {m / d:.3f}x; losses "
+          f"bit-equal: {'yes' if runs['restart_memory']['losses'] == runs['restart_disk']['losses'] else 'NO'}",
+          flush=True)
 
 
 def tier_bytes_native(path: Path) -> dict[str, int]:
@@ -831,6 +969,25 @@ def summarize(mode: str, data: dict[str, Any]) -> dict[str, Any]:
         }
         s.setdefault("params", prep["params"])
         s.setdefault("trainable", prep["trainable"])
+    restart = data.get("restart") or {}
+    if restart.get("restart_disk"):
+        variants = ("restart_memory", "restart_disk")
+        t = {v: [r["first_step_end"] - r["resume_start"] for r in restart[v]] for v in variants}
+        second = {v: [r["steps"][1][1] for r in restart[v]] for v in variants}  # as the resume part's work
+        work = {v: [x - y for x, y in zip(t[v], second[v])] for v in variants}
+        s["restart"] = {
+            "to_step_end_s": t, "second_step_s": second, "work_s": work,
+            "ratios": [m / d for m, d in zip(*t.values())],
+            "ratio_literal": _ratio(_med(t["restart_memory"]), _med(t["restart_disk"])),
+            "ratio_work": _ratio(_med(work["restart_memory"]), _med(work["restart_disk"])),
+            "exact": [m["losses"] == d["losses"] for m, d in zip(*(restart[v] for v in variants))],
+            "step": [c["slot_step"] for c in restart["crash"]], "bytes": restart["bytes"],
+            "phases": {v: {label: [r.get("phases", {}).get(label, 0.0) for r in restart[v]]
+                           for label in dict.fromkeys(k for r in restart[v] for k in r.get("phases", {}))}
+                       for v in variants},
+        }
+        s.setdefault("params", restart["crash"][0]["params"])
+        s.setdefault("trainable", restart["crash"][0]["trainable"])
     return s
 
 
@@ -953,6 +1110,31 @@ def print_report(args: argparse.Namespace, summaries: list[dict[str, Any]],
                     if phases:
                         print(f"| {s['mode']} | {v.split('_')[0]} | "
                               + "; ".join(f"{label} {spread(values)}" for label, values in phases.items()) + " |")
+    rst = [s for s in summaries if "restart" in s]
+    if rst:
+        print("\nrestart after a crash (SIGKILL of the process group: no watcher), the same checkpoint each repeat: "
+              "the killed run's memory slot with resume_checkpoint(trainer, 'auto'), then from the disk store with "
+              "its pages dropped (cold)")
+        print("| mode | layers | params (trainable) | checkpoint | from memory: to first step end s | from disk "
+              "(cold) s | ratio (per repeat) | less the next step s: memory / disk (ratio) | losses bit-equal |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for s in rst:
+            r = s["restart"]
+            t, w = r["to_step_end_s"], r["work_s"]
+            size = _med([sum(b.values()) for b in r["bytes"]])
+            print(f"| {s['mode']} | {s['layers']} | {s['params'] / 1e9:.2f}B ({s['trainable'] / 1e6:.1f}M) | "
+                  f"{_fmt_bytes(size)} (step {r['step'][0]}) | {spread(t['restart_memory'])} | "
+                  f"{spread(t['restart_disk'])} | {_num(r['ratio_literal'])} "
+                  f"({', '.join(f'{x:.3f}' for x in r['ratios'])}) | {spread(w['restart_memory'])} / "
+                  f"{spread(w['restart_disk'])} ({_num(r['ratio_work'])}) | "
+                  f"{sum(r['exact'])}/{len(r['exact'])} |")
+        print("\n| mode | restart | where its time goes: s per phase, median [min-max] (the L1 read and the slot's "
+              "copy to disk run in background threads) |")
+        print("|---|---|---|")
+        for s in rst:
+            for v, phases in s["restart"]["phases"].items():
+                print(f"| {s['mode']} | {v.split('_')[1]} | "
+                      + "; ".join(f"{label} {spread(values)}" for label, values in phases.items()) + " |")
     goals = evaluate_goals(summaries)
     print("\nGoals (each a ratio measured in this run):")
     for name, met, detail in goals:
@@ -994,6 +1176,14 @@ def evaluate_goals(summaries: list[dict[str, Any]]) -> list[tuple[str, bool | No
                           None if ratio is None else ratio <= 0.5 and exact,
                           f"{_num(ratio)}x; with the step: {_num(r['ratio_literal'])}x; over a fresh start: "
                           f"{_num(r['ratio_over_fresh'])}x; losses bit-equal: {'yes' if exact else 'NO'}"))
+        if "restart" in s:
+            r = s["restart"]
+            exact, t = all(r["exact"]), r["to_step_end_s"]
+            goals.append((f"{mode}: restart from memory <= 0.5x disk resume (cold, same checkpoint; to the first "
+                          "step's end)", None if r["ratio_literal"] is None else r["ratio_literal"] <= 0.5 and exact,
+                          f"{_num(r['ratio_literal'])}x (medians {_med(t['restart_memory']):.2f} s / "
+                          f"{_med(t['restart_disk']):.2f} s); less the next step: {_num(r['ratio_work'])}x; losses "
+                          f"bit-equal: {'yes' if exact else 'NO'}"))
     return goals
 
 
@@ -1002,6 +1192,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2-7b", choices=sorted(MODELS))
     p.add_argument("--mode", default="both", choices=["lora", "full", "both"])
+    p.add_argument("--vocab", type=int, default=None,
+                   help="vocabulary size instead of the config's (a smaller state: see --parts restart)")
     p.add_argument("--layers", default="auto", help="decoder layers, or 'auto': as many as memory holds, up to "
                                                      "--max-layers")
     p.add_argument("--max-layers", type=int, default=2)
@@ -1013,7 +1205,7 @@ def main() -> int:
     p.add_argument("--prep-steps", type=int, default=3, help="the resume's restore point")
     p.add_argument("--prep-interval", type=int, default=None,
                    help="ours saves every this many steps in the preparation run (default: --prep-steps)")
-    p.add_argument("--parts", default="trio,resume", help="comma list of trio, resume, tier")
+    p.add_argument("--parts", default="trio,resume", help="comma list of trio, resume, tier, restart")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--memory-margin", type=float, default=None, help="runtime.memory_margin (default: its)")
     p.add_argument("--overlap-snapshot", default="auto", choices=["auto", "true", "false"],
@@ -1040,6 +1232,7 @@ def main() -> int:
     if args.report:
         return report(Path(args.report))
     args.parts = [x for x in args.parts.split(",") if x]
+    set_vocab(args.model, args.vocab)
     work = Path(args.out).absolute()
     work.mkdir(parents=True, exist_ok=True)
     runner = Runner(args, work)
@@ -1075,6 +1268,7 @@ def report(path: Path) -> int:
     data = json.loads(path.read_text())
     keys = ("model", "device", "batch", "seq", "steps", "k", "repeats")
     args = argparse.Namespace(**{key: data[key] for key in keys})
+    set_vocab(args.model, data["config"]["vocab_size"])  # a run with --vocab shows its own
     print(f"{path}: {', '.join(s['mode'] for s in data['summaries']) or 'no mode'} finished"
           + "".join(f"; {mode} FAILED: {error.splitlines()[0]}" for mode, error in data["failed"].items()))
     print_report(args, data["summaries"], None)
