@@ -7,8 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from s3_server import bucket_keys
@@ -22,10 +24,24 @@ COMMON = ["--max_steps", "8", "--grad_accum", "2", "--examples", "16", "--base_i
 
 
 def run_worker(tmp: Path, *args: str, expect_rc: int = 0) -> None:
+    """Run the worker in its own session and return when every process of that session has ended: a killed
+    worker's writer process outlives it and persists its newest memory slot into the bucket (the watcher)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(WORKER), *args], cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == expect_rc, proc.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, str(WORKER), *args], cwd=tmp, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == expect_rc, stderr[-3000:]
+    deadline = time.monotonic() + 120
+    while any(_in_session(p, proc.pid) for p in psutil.process_iter()):
+        assert time.monotonic() < deadline, "the worker's writer process did not end"
+        time.sleep(0.2)
+
+
+def _in_session(process: psutil.Process, sid: int) -> bool:
+    try:
+        return os.getsid(process.pid) == sid and process.status() != psutil.STATUS_ZOMBIE
+    except (OSError, psutil.Error):
+        return False
 
 
 def read_losses(path: Path) -> tuple[int | None, dict[int, dict]]:
@@ -41,7 +57,9 @@ def test_sigkill_then_resume_from_the_bucket_on_an_empty_cache_is_bit_exact(s3_r
                "--remote_cache_dir", "node-a", expect_rc=-9)
     committed = sorted({int(k.split("/")[2][5:]) for k in bucket_keys(url, options)
                         if k.endswith("/manifest.json") and k.split("/")[2].startswith("step-")})
-    assert committed and max(committed) < 7
+    # Disk saves at 3 and 6; the memory tier (on by default) keeps the newest step in host memory, and the killed
+    # worker's writer persists it into the bucket: step 7, or 6 when step 7's slot was skipped while 6 uploaded.
+    assert committed and max(committed) in (6, 7), committed
     assert not (tmp_path / "run/smart_ckpt").exists()  # nothing went to a local folder named like the URL
     run_worker(tmp_path, "--output_dir", "run2", "--losses", "resume.jsonl", "--resume", "auto", "--final",
                "resumed.safetensors", *COMMON, *remote, "--remote_cache_dir", "node-b")
