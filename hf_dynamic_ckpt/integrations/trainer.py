@@ -639,7 +639,7 @@ def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Pat
         folder.mkdir(parents=True)
         _write_trainer_state(folder, loaded, trainer)
         if not getattr(trainer, "is_deepspeed_enabled", False):
-            _write_weights(folder, loaded, trainer.model)
+            _write_weights(folder, loaded, trainer.model, read=not _loads_once(trainer))
     dist.barrier()
     return folder
 
@@ -718,7 +718,10 @@ def data_steps(loaded: LoadedCheckpoint) -> int:
     return value if isinstance(value, int) and value >= loaded.info.step else loaded.info.step
 
 
-def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any) -> None:
+def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any, *, read: bool = True) -> None:
+    """The weights file of `folder`: a hard link to the checkpoint's; where that cannot be (another file system: a
+    memory slot in /dev/shm), a copy when Trainer will `read` it, else a symbolic link (`load_once` puts the weights
+    in the model and skips Trainer's load; a copy cost 0.8 s per GiB of weights at restart, docs/benchmarks.md)."""
     if loaded.weights is None:
         raise ConfigError(f"checkpoint {loaded.info.path} has no weights tier; resume needs one (choose another step).")
     names = adapter_names(model)
@@ -740,9 +743,12 @@ def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any) -> None:
         try:
             os.link(source, target)
             return
-        except OSError as e:  # another filesystem: copying the weights is the price
-            logger.debug("hard link of %s failed (%s); copying", source, e)
-            shutil.copyfile(source, target)
+        except OSError as e:  # another file system
+            logger.debug("hard link of %s failed (%s); %s", source, e, "copying" if read else "linking")
+            if read:
+                shutil.copyfile(source, target)
+            else:
+                target.symlink_to(source.absolute())
             return
     _save_tensors(loaded.weights, target)  # deduplicated or aliased tensors live outside the file
 
@@ -784,7 +790,8 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
     Trainer's only hook for it is ``Trainer._load_from_checkpoint``: this instance's is wrapped, and the wrapper
     skips the load only for `folder`, once, into the model the weights went to; anything else (another path, a
     ``model_init`` that built a new model, a sharded model passed explicitly) goes to Trainer's own. A Trainer that
-    loads by another route reads the hard-linked file of the folder and gets the same weights.
+    loads by another route reads the hard-linked file of the folder and gets the same weights (restored from a memory
+    slot, a symbolic link to the slot's file: the same weights until the tier's next slot replaces that file).
 
     A DeepSpeed or FSDP Trainer loads the weights itself: nothing is done for it.
     """

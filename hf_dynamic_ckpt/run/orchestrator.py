@@ -471,6 +471,11 @@ class RunOrchestrator:
         self.release()
         if self.resumed is not None:
             self._start_timeline()
+        if self._from_memory and self.recovery is not None:
+            # The slot restored from goes to disk now, not beside the first step: on 2 cores the copy of a 2.6 GiB
+            # slot made that step 1.5-2x slower (docs/benchmarks.md). Until it is on disk the tier writes no slot,
+            # and a crash meanwhile leaves the slot to the next restart (it belongs to this timeline's parent).
+            self.recovery.persist(background=True)
         self._stepped = True
         self._early = None
         if self._zero_seam is not None:
@@ -644,10 +649,11 @@ class RunOrchestrator:
         if not self._fork_pending:
             return
         self._fork_pending = False
-        if self.recovery is not None:  # before the timeline moves past the killed run's slots (in the background
-            # when the run restored from them: its timeline continues theirs)
+        if self.recovery is not None:  # before the timeline moves past the killed run's slots; when the run restored
+            # from them (its timeline continues theirs), in the background once its first step has ended (`step_end`)
             self.recovery.offered = True
-            self.recovery.persist(background=self._from_memory)
+            if not self._from_memory:
+                self.recovery.persist()
         if self.rank == 0:
             self._fork()
         event, self._resume_event = self._resume_event, None
@@ -825,7 +831,6 @@ class RunOrchestrator:
                 planned = plan(recovery.slots, f"step:{recovery.step}")
                 assert planned is not None, "a step is never a fresh start"
                 resumption, self._from_memory = replace(planned, ref="auto"), True
-                recovery.persist(background=True)
             except DynamicCkptError as e:
                 logger.warning("memory tier: the slot of step %d cannot be restored (%s); resuming from the disk "
                                "store", recovery.step, e)
