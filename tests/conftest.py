@@ -34,4 +34,22 @@ def _memory_tier_slots_of_this_session():
     import shutil
 
     for name in (set(os.listdir(base)) if base.is_dir() else set()) - before:
-        shutil.rmtree(base / name, ignore_errors=True)
+        if not _held(base / name):  # a live run's (another process: a benchmark, a second pytest) stays
+            shutil.rmtree(base / name, ignore_errors=True)
+
+
+def _held(slots: Path) -> bool:
+    """Whether a live process holds the writer lock of a task in the slots' directory `slots`."""
+    import fcntl
+
+    from hf_dynamic_ckpt.constants import WRITER_LOCK_NAME
+
+    for lock in slots.glob(f"*/{WRITER_LOCK_NAME}"):
+        try:
+            with open(lock, "rb+") as f:
+                fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held
+            return True
+        except OSError:
+            continue
+    return False

@@ -16,8 +16,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -28,7 +30,7 @@ from ..constants import Tier
 from ..errors import ConfigError, SaveError, fault
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
-from ..store.slots import EARLY_SLOT_MAX_BYTES, keep_newest, room_problem, tensor_bytes
+from ..store.slots import EARLY_SLOT_MAX_BYTES, keep_newest, removed, room_problem, same_dir, tensor_bytes
 from .snapshot import (
     Allocator,
     NoBufferError,
@@ -104,6 +106,10 @@ class SaveEngine:
         self._room: tuple[float, sysmem.Headroom] | None = None  # (when, what): reused by memory slots for a second
         self._slot_fits = -1  # the size of the slots written on this thread whose room was checked
         self.slots = slots
+        self._slots_opened: os.stat_result | None = None  # `same_dir`: a removed slots' directory is not made again
+        if slots is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._slots_opened = os.lstat(slots.root)
         self.last_plan: sysmem.StagingPlan | None = None
         """The staging decision of the last background save (buffered or streaming, and why)."""
         self._snapshotter = Snapshotter(allocate)
@@ -364,8 +370,11 @@ class SaveEngine:
                    slots: bool = False) -> SaveHandle:
         """Write on the calling thread (abortable from another one meanwhile) through the store's `save`, looked up
         now (a wrapper set on the store after the engine exists applies); with `slots`, into the memory tier's."""
-        job = self._sync_job = self._new_job(state, [], request, handle)
         target = self.slots if slots else self.store
+        if slots and not same_dir(target.root, self._slots_opened):  # a store would make it again, not private
+            handle.settle(None, SaveError(f"memory slot of step {request.step} failed: {removed(target.root)}"))
+            return handle
+        job = self._sync_job = self._new_job(state, [], request, handle)
         try:
             if slots:
                 keep_newest(target)

@@ -33,7 +33,7 @@ import torch
 from ..errors import ConfigError, DynamicCkptError, SaveError, StoreLockedError
 from ..state import RawRngState
 from ..store import CheckpointInfo, CheckpointState, SaveRequest
-from ..store.slots import keep_newest, persist_newest, room_problem, secure, tensor_bytes
+from ..store.slots import keep_newest, persist_newest, removed, room_problem, same_dir, secure, tensor_bytes
 from .snapshot import Layout, PendingCopy
 
 logger = logging.getLogger(__name__)
@@ -241,15 +241,6 @@ def _open_slots(store_cls: Any, spec: Any) -> Any:
         return None
 
 
-def _same_dir(path: Any, opened: os.stat_result | None) -> bool:
-    """Whether `path` is still the directory `opened` (not removed, not replaced)."""
-    try:
-        now = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    return opened is not None and (now.st_ino, now.st_dev) == (opened.st_ino, opened.st_dev)
-
-
 def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> None:
     """The training process ended without stopping this writer (killed, or exited without `close()`): persist the
     newest slot when it is newer than the disk store, under the disk store's writer lock (handed over, never broken:
@@ -267,7 +258,7 @@ def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> N
                 return
             time.sleep(0.2)
     try:
-        if not _same_dir(slots.root, opened):
+        if not same_dir(slots.root, opened):
             logger.info("memory tier: a restart took over the slots (it persisted them); nothing to do")
             return
         step = persist_newest(slots, disk)
@@ -304,8 +295,8 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
             _, shipped, request, timings, memory = msg
             state = dataclasses.replace(shipped, **{f: _swap(getattr(shipped, f), views) for f in _FIELDS})
             target = slots if memory and slots is not None else store
-            if memory and (slots is None or not _same_dir(slots.root, opened)):  # removed: the run ended
-                conn.send(("ok", None))
+            if memory and (slots is None or not same_dir(slots.root, opened)):  # the run ended, or another process
+                conn.send(("error", f"SaveError: {removed(slots.root if slots is not None else slots_spec.root)}"))
                 continue
             try:
                 if target is slots:

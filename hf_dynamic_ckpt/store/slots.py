@@ -73,6 +73,22 @@ def secure(path: Path, *, create: bool) -> bool:
     return _checked(path.parent, create=create) and _checked(path, create=create)
 
 
+def same_dir(path: str | os.PathLike[str], opened: os.stat_result | None) -> bool:
+    """Whether `path` is still the directory `opened` (`os.lstat` when the slots were opened): not removed, not
+    replaced."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return opened is not None and (now.st_ino, now.st_dev) == (opened.st_ino, opened.st_dev)
+
+
+def removed(path: str | os.PathLike[str]) -> str:
+    """Why a slot is not written when its directory went under a live run (`same_dir` is false)."""
+    return (f"the slots' directory {path} was removed or replaced by another process while this run used it (a "
+            f"clean-up of {SHM_DIR}?); it is not made again")
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors of a nested state (a checkpoint's weights and optimizer state)."""
     if isinstance(obj, torch.Tensor):
@@ -212,5 +228,7 @@ def remove_slots(root: str | os.PathLike[str], task_id: str, *, base: str = SHM_
     """Remove the slots of a task (a clean end of training, `close()`, after a restart persisted them)."""
     where = slots_dir(root, task_id, base=base)
     with contextlib.suppress(FileNotFoundError, UnsafePathError):
-        if secure(where, create=False):
-            shutil.rmtree(where)
+        if _checked(where.parent, create=False):  # this user's private base directory
+            st = os.lstat(where)  # this user's directory, even one not private (made again by an older version)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                shutil.rmtree(where)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -19,6 +20,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from examples import toy_text
 from examples.toy import lora, tiny_qwen2
 from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig, resume_checkpoint
+from hf_dynamic_ckpt.store.slots import slots_dir
 
 
 def main() -> None:
@@ -36,6 +38,9 @@ def main() -> None:
     p.add_argument("--root", default=None, help="the store root (e.g. s3://bucket/run); default <out>/run/smart_ckpt")
     p.add_argument("--storage_options", default=None, help="JSON storage options of a URL root")
     p.add_argument("--cache_dir", default=None)
+    p.add_argument("--no_wait_writer", action="store_true", help="slots on the training thread until the writer is up")
+    p.add_argument("--remove_slots_at", type=int, default=None,
+                   help="another process removes the slots' directory after this step")
     args = p.parse_args()
     out = Path(args.out)
     if args.loop == "accelerate":
@@ -54,9 +59,16 @@ def main() -> None:
     if args.kill_once and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.kill_at = 0
 
+    slots = slots_dir(Path(args.root) if args.root else out / "run" / "smart_ckpt", args.task)
+    there: list[bool] = []  # whether the slots' directory exists at each step's end after it was removed
+
     class Pace(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
-            if state.global_step == 1:  # the writer process starts after the first step: wait for it here
+            if args.remove_slots_at is not None and state.global_step > args.remove_slots_at:
+                there.append(slots.exists())
+            if args.remove_slots_at and state.global_step == args.remove_slots_at:
+                shutil.rmtree(slots)
+            if state.global_step == 1 and not args.no_wait_writer:  # the writer process starts after the first step
                 assert callback.run is not None and callback.run.engine.start(wait_s=120)
             time.sleep(0.1)
             if state.global_step == args.kill_at:
@@ -79,7 +91,7 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=ref)
     (out / ("resumed.json" if args.resume else "losses.json")).write_text(json.dumps(
         {"losses": losses, "resumed_from": ref and int(str(ref).rsplit("-", 1)[1]),
-         "resumed_path": callback.resumed_from and str(callback.resumed_from.info.path)}))
+         "resumed_path": callback.resumed_from and str(callback.resumed_from.info.path), "slots_there": there}))
 
 
 def accelerate_loop(args: argparse.Namespace, out: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -174,6 +175,26 @@ def test_shm_full_turns_the_tier_off_with_the_fix_and_training_goes_on(tmp_path:
     resumed = _run(tmp_path, "--resume")
     assert resumed["resumed_from"] == 10
     assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
+
+
+@pytest.mark.parametrize("at", [1, 3], ids=["on-the-training-thread", "in-the-writer-process"])
+def test_slots_removed_under_a_live_run_turn_the_tier_off_and_are_not_made_again(
+        tmp_path: Path, uninterrupted: dict[int, float], at: int) -> None:
+    # Another process (a clean-up of /dev/shm) removes the slots' directory of a live run after step 1 (while the
+    # writer process starts, the slots are written on the training thread) or after step 3 (by the writer process): a
+    # slot fails with one WARNING, the tier is off, the directory is not made again (a store would make it with the
+    # default mode: refused by the next run), and training goes on, its losses those of the uninterrupted run.
+    result = _run(tmp_path, "--remove_slots_at", str(at), *(["--no_wait_writer"] if at == 1 else []))
+    log = (tmp_path / "stderr.txt").read_text()
+    failed = re.findall(r"memory tier off: writing a slot failed \(memory slot of step (\d+) failed: ", log)
+    # One slot fails: the next one, or one the writer process still writes when the directory goes.
+    assert len(failed) == 1 and at - 1 <= int(failed[0]) <= at + 1, log[-3000:]
+    # Found gone before the write, or gone under it.
+    assert log.count("was removed or replaced by another process while this run used it") + log.count(
+        "No such file or directory") == 1
+    assert result["slots_there"] == [False] * (16 - at)
+    assert all(loss == uninterrupted[int(s)] for s, loss in result["losses"])
+    assert _steps(tmp_path) == [5, 10, 15, 16]
 
 
 def test_the_slots_of_another_task_are_never_read(tmp_path: Path) -> None:
