@@ -128,7 +128,8 @@ def _callback(args: argparse.Namespace) -> Any:
     from hf_dynamic_ckpt import SmartCkptCallback, SmartCkptConfig
 
     return SmartCkptCallback(SmartCkptConfig(base_interval=args.interval,
-                                             policy={"stability_window": 8, "overhead_budget": 1.0}))
+                                             policy={"stability_window": 8, "overhead_budget": 1.0},
+                                             runtime={"memory_tier": args.memory_tier == "true"}))
 
 
 def _saves(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -300,7 +301,8 @@ def run_stage(args: argparse.Namespace, stage: int, root: Path) -> dict[str, Any
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            __file__, "--worker", "--stage", str(stage), "--root", str(root), "--repeats", str(args.repeats),
            "--interval", str(args.interval), "--hidden", str(args.hidden), "--layers", str(args.layers),
-           "--heads", str(args.heads), "--vocab", str(args.vocab), "--intermediate", str(args.intermediate)]
+           "--heads", str(args.heads), "--vocab", str(args.vocab), "--intermediate", str(args.intermediate),
+           "--memory_tier", args.memory_tier]
     start = time.perf_counter()
     lines: list[str] = []
     with tempfile.TemporaryFile("w+") as err:
@@ -383,6 +385,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--intermediate", type=int, default=0, help="MLP width (0: 2.75 x hidden)")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--memory_tier", default="true", choices=["true", "false"],
+                   help="the library's memory tier (on by default: a slot in /dev/shm at the budget's cadence)")
     p.add_argument("--root", default=None,
                    help="where the checkpoints go, kept (default: a temporary folder, removed after each stage)")
     p.add_argument("--json", default=None, help="also write the raw results here")
