@@ -66,13 +66,32 @@ class Catalog:
                                isolation_level=None)
         conn.row_factory = sqlite3.Row
         try:
-            if str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower() != "wal" and self.path:
+            # Two processes that open a new file at once: SQLite answers the journal-mode switch "locked" without
+            # calling the busy handler, so it is tried again within the same bound.
+            deadline = time.monotonic() + self.busy_timeout_ms / 1000
+            while True:
+                try:
+                    mode = str(conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
+                    break
+                except sqlite3.OperationalError as e:
+                    if "locked" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+            if mode != "wal" and self.path:
                 logger.warning("catalog %s is not in WAL mode; readers may wait for writers", self.path)
             conn.execute("PRAGMA synchronous=NORMAL")
-            if (version := conn.execute("PRAGMA user_version").fetchone()[0]) != SCHEMA_VERSION:  # not migrated
-                conn.executescript("DROP TABLE IF EXISTS checkpoints; DROP TABLE IF EXISTS checkpoint_details;"
-                                   + _SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};")
-                self.rebuilt = self.rebuilt or version != 0
+            if conn.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:  # not migrated
+                conn.execute("BEGIN IMMEDIATE")  # read again under the write lock: another process may have made it
+                try:
+                    if (version := conn.execute("PRAGMA user_version").fetchone()[0]) != SCHEMA_VERSION:
+                        for sql in ("DROP TABLE IF EXISTS checkpoints", "DROP TABLE IF EXISTS checkpoint_details",
+                                    *_SCHEMA.split(";")[:2], f"PRAGMA user_version={SCHEMA_VERSION}"):
+                            conn.execute(sql)
+                        self.rebuilt = self.rebuilt or version != 0
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
         except BaseException:
             conn.close()
             raise
