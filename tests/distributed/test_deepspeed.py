@@ -69,6 +69,7 @@ def zero3_full(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
     return (base, *crash_and_resume(base, 3, "full"))
 
 
+@pytest.mark.slow  # the default run's time: ZeRO-3 here and the ZeRO-2 loop (test_deepspeed_accelerate) stay in it
 def test_zero2_lora_killed_rank_resumes_exactly(zero2_lora: tuple[Path, list[dict], list[dict], Path]) -> None:
     base, ref, resumed, store = zero2_lora
     assert_exact(base, ref, resumed)
@@ -137,6 +138,7 @@ def test_zero2_sigterm_on_one_rank_saves_on_all_and_continues_exactly(
         assert n > 0 and resumed[r]["losses"] == ref[r]["losses"][-n:]
 
 
+@pytest.mark.slow  # needs the ZeRO-2 run above
 def test_zero_stores_verify_and_export_the_gathered_weights(zero2_lora: tuple[Path, list[dict], list[dict], Path],
                                                             zero3_full: tuple[Path, list[dict], list[dict], Path],
                                                             tmp_path: Path) -> None:

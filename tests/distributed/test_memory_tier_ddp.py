@@ -85,6 +85,7 @@ def test_a_slot_write_failing_on_one_rank_turns_the_tier_off_on_every_rank_and_t
     assert slots is None or max((i.step for i in slots.list()), default=0) < failed  # none after the failure
 
 
+@pytest.mark.slow  # the default run's time: the DDP kill above and FSDP2 from disk (test_fsdp_resume) stay in it
 def test_fsdp2_killed_on_every_rank_resumes_each_ranks_shards_from_memory(tmp_path: Path) -> None:
     # A custom loop (SmartCheckpointer) over an FSDP2 model: a slot every step holds each rank's shards; every rank is
     # SIGKILLed right after step 7's `after_update` (its writer may finish that slot or not), and the restart reads

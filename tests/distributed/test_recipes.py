@@ -62,6 +62,7 @@ def test_tiny_recipe_crash_resume_exact(tmp_path: Path, recipe: str):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the default run's time: the recipe under torchrun and the ZeRO-2 loop stay in it
 def test_tiny_qwen2_recipe_under_accelerate_launch_with_deepspeed_zero2_crash_resume_exact(tmp_path: Path):
     crash_resume_exact(tmp_path, "qwen2_7b_lora", ACCELERATE_ZERO2)
     step = next((tmp_path / "run" / "smart_ckpt" / "default").glob("step-*"))

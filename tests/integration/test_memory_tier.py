@@ -131,7 +131,7 @@ def test_a_kill_during_a_slot_write_leaves_the_previous_slot_and_a_damaged_one_i
     assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
 
 
-@pytest.mark.parametrize("seed", [3, 11])
+@pytest.mark.parametrize("seed", [3, pytest.param(11, marks=pytest.mark.slow)])
 def test_a_sigkill_at_a_seeded_random_step_resumes_from_the_step_before(tmp_path: Path, uninterrupted: dict[int, float],
                                                                         seed: int) -> None:
     kill = random.Random(seed).randint(3, 15)  # the step whose end the kill cuts: its slot is not yet written
