@@ -1,13 +1,10 @@
 """One writer per task: a POSIX record lock (`fcntl.lockf`) on ``<task>/.writer.lock`` held for the writer's life, and
-a holder record in it (pid, host, boot and pid-namespace ids, start time, session, since) for the messages.
-
-Who holds it decides: another open writer of this process is refused, one dropped without `release` taken over; a
-holder proven gone on this host (its pid is not running, or with another start time, or the host rebooted) whose lock
-is still held (an NFS server that has not expired a dead client's lease) is replaced at once by a new locked file
-renamed over it, with one WARNING; a holder this host cannot judge (another host or pid namespace) is waited for, then
-named in `StoreLockedError`; a live one of this host is refused at once. Record locks, not `flock`: a flock is shared by
-`fork()`, so a data-loader worker of a killed trainer kept it; a record lock dies with its process. Closing any
-descriptor of the file drops it, and locking twice succeeds: hence one registry of held files per process (`_HELD`).
+a holder record in it (pid, host, boot and pid-namespace ids, start time, session, since) for the messages; who is
+refused, waited for or taken over is docs/reliability.md, section 4. A holder proven gone whose lock is still held (an
+NFS server that has not expired a dead client's lease) is replaced by a new locked file renamed over it, never broken.
+Record locks, not `flock`: a flock is shared by `fork()`, so a data-loader worker of a killed trainer kept it; a record
+lock dies with its process. Closing any descriptor of the file drops it, and locking twice succeeds: hence one
+registry of held files per process (`_HELD`).
 """
 
 from __future__ import annotations

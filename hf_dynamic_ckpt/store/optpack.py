@@ -22,17 +22,15 @@ frame of them with content size and checksum, at most `ZSTD_MAX_RATIO` raw bytes
 bytes at 64-byte-aligned offsets, frames are ``frame_bytes`` slices of the payload.
 
 The writer compresses each part (a byte plane, or an ungrouped piece) on worker threads and keeps it where zstd makes it
-at most `KEEP_RATIO` of its size (a large part whose four probed slices do not get there is stored raw at once). The
-reader maps the file and goes through it once, in order, hashing every byte for the manifest's checksum while workers
-check each frame's xxh3 and decode it into the output tensors, two frames per worker in flight at most, each frame's
-pages handed back once decoded: a load peaks at about the size of what it returns.
+at most `KEEP_RATIO` of its size. The reader maps the file and reads it once, in order, hashing every byte for the
+manifest's checksum while workers check each frame's xxh3 and decode it into the output tensors (two frames per worker
+in flight, each frame's pages handed back once decoded): a load peaks at about the size of what it returns.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import json
 import math
 import mmap
@@ -44,6 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -74,11 +73,11 @@ def usable_cpus() -> int:
 
 def _pipeline(fn: Callable[..., Any], items: Iterator[tuple[Any, ...]], threads: int,
               done: Callable[[Any], None] = lambda _: None) -> None:
-    """`done(fn(*item))` for each item in order, on `threads` threads (0: every usable CPU), two per thread in flight
-    at most (`items` is read as they finish: the bound on memory)."""
+    """`done(fn(*item))` for each item in order on `threads` threads (0, -1: every usable CPU), at most two per thread
+    in flight (`items` is read as they finish: the bound on memory)."""
     if threads < -1:
         raise SaveError(f"threads={threads} is invalid; use 0 or -1 (auto), 1 (no workers) or N > 1.")
-    workers, pending = max(1, usable_cpus() if threads in (0, -1) else threads), deque[Future[Any]]()
+    workers, pending = max(1, usable_cpus() if threads <= 0 else threads), deque[Future[Any]]()
     with ThreadPoolExecutor(workers, thread_name_prefix="optpack") as pool:
         try:
             for item in items:
@@ -121,17 +120,22 @@ def _pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int,
             yield datas[i][p : min(p + gce * size, hi)], size, entries[i]["byte_grouped"]
 
 
+def _blocks(words: np.ndarray) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    """``(lo, hi, words[lo:hi], scratch)`` over cache-sized blocks, one scratch array for all (a fresh array per block
+    costs an mmap and page faults): whole-word shifts there are ~5x the strided byte copies (6 against 1 GB/s here)."""
+    scratch = np.empty(min(words.size, 1 << 16), words.dtype)
+    for lo in range(0, words.size, 1 << 16):
+        hi = min(lo + (1 << 16), words.size)
+        yield lo, hi, words[lo:hi], scratch[: hi - lo]
+
+
 def _planes(data: np.ndarray, size: int) -> list[np.ndarray]:
-    """A grouped piece's planes ``a[:, -1], a[:, -2], a[:, :-2]`` of ``a = data.reshape(-1, size)`` (the last one
-    only for size > 2): 4- and 2-byte elements are split as whole words in cache-sized blocks, as `_ungroup`."""
+    """A grouped piece's planes ``a[:, -1], a[:, -2], a[:, :-2]`` of ``a = data.reshape(-1, size)``."""
     n, a = data.size // size, data.reshape(-1, size)
     if size not in (2, 4):
         return [np.ascontiguousarray(p).reshape(-1) for p in (a[:, -1], a[:, -2], a[:, :-2])]
-    words, scratch = data.view(f"<u{size}"), np.empty(min(n, 1 << 16), f"<u{size}")
     out = [np.empty(n, np.uint8), np.empty(n, np.uint8), *([np.empty(2 * n, np.uint8)] if size == 4 else [])]
-    for lo in range(0, n, 1 << 16):
-        hi = min(lo + (1 << 16), n)
-        w, tmp = words[lo:hi], scratch[: hi - lo]
+    for lo, hi, w, tmp in _blocks(data.view(f"<u{size}")):
         for plane, shift in zip(out, (8 * size - 8, 8 * size - 16)):
             plane[lo:hi] = np.right_shift(w, shift, out=tmp)  # truncated to the byte
         if size == 4:
@@ -140,17 +144,12 @@ def _planes(data: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 def _ungroup(src: np.ndarray, dst: np.ndarray, size: int) -> None:
-    """A grouped piece's bytes `dst` from its planes `src`. 4- and 2-byte elements are assembled as whole words in
-    cache-sized blocks through one scratch array (a fresh array per block costs an mmap and page faults): ~5x the
-    strided copies (6 against 1 GB/s here), most of an L1 read's time otherwise."""
+    """A grouped piece's bytes `dst` from its planes `src` (the word-wise path is most of a read's speed)."""
     n, a = dst.size // size, dst.reshape(-1, size)
     if size not in (2, 4):
         a[:, -1], a[:, -2], a[:, :-2] = src[:n], src[n : 2 * n], src[2 * n :].reshape(n, size - 2)
         return
-    words, scratch = dst.view(f"<u{size}"), np.empty(min(n, 1 << 16), f"<u{size}")
-    for lo in range(0, n, 1 << 16):
-        hi = min(lo + (1 << 16), n)
-        w, tmp = words[lo:hi], scratch[: hi - lo]
+    for lo, hi, w, tmp in _blocks(dst.view(f"<u{size}")):
         w[:] = src[2 * n + 2 * lo : 2 * n + 2 * hi].view("<u2") if size == 4 else src[n + lo : n + hi]
         for plane, shift in ((src[n + lo : n + hi], 16), (src[lo:hi], 24)) if size == 4 else ((src[lo:hi], 8),):
             tmp[:] = plane
@@ -158,8 +157,7 @@ def _ungroup(src: np.ndarray, dst: np.ndarray, size: int) -> None:
 
 
 def _spans(entries: list[dict[str, Any]], lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
-    """(tensor index, its first and end byte, the frame's first byte) of what payload ``[lo, hi)`` of a "none"
-    container holds."""
+    """(tensor index, its first and end byte, the frame's first byte) of payload ``[lo, hi)`` of a "none" container."""
     for i, e in enumerate(entries):
         if (a := max(lo, e["offset"])) < (b := min(hi, e["offset"] + e["nbytes"])):
             yield i, a - e["offset"], b - e["offset"], a - lo
@@ -174,14 +172,15 @@ def _may_pay(cctx: Any, raw: np.ndarray, probe: int = 16 << 10) -> bool:
     return sum(len(cctx.compress(raw[j * step : j * step + probe].data)) for j in range(4)) <= KEEP_RATIO * 4 * probe
 
 
+def _bytes(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """Each contiguous CPU tensor's bytes, a flat uint8 array sharing its memory."""
+    return [t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8) for t in tensors]
+
+
 def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Codec | str = Codec.ZSTD,
                   level: int = 1, threads: int = 0) -> tuple[int, str]:
-    """Write `tensors` (`flatten_state`'s) as a version-3 container into the new file `f` (the caller syncs it).
-
-    Args:
-        codec (`Codec`, *optional*, defaults to `"zstd"`): or `"none"` (raw, aligned: larger, quicker to read).
-        level (`int`, *optional*, defaults to `1`): zstd level. threads (`int`, *optional*, defaults to `0`: every
-            usable CPU): parts compressed in parallel.
+    """Write `tensors` (`flatten_state`'s) as a version-3 container into the new file `f` (the caller syncs it): zstd
+    at `level` on `threads` threads (`_pipeline`), or with `codec="none"` raw and aligned (larger, quicker to read).
 
     Returns:
         `tuple[int, str]`: the file's size and checksum (``"xxh3_128:<hex>"``).
@@ -191,12 +190,12 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Co
     """
     import zstandard
 
-    codec, checked, entries, offset = Codec(codec), {}, [], 0
+    codec, checked, entries, offset = Codec(codec), [], [], 0
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or t.dtype not in DTYPES.values() or t.layout != torch.strided:
             raise SaveError(f"Tensor {name!r} ({type(t).__name__} {getattr(t, 'dtype', '')}) cannot go into the "
                             f"optimizer tier: expected a strided tensor of {', '.join(sorted(DTYPES))}.")
-        checked[name] = t = t.detach().cpu().contiguous()
+        checked.append(t := t.detach().cpu().contiguous())
         offset = -(-offset // ALIGN) * ALIGN if codec == Codec.NONE else offset
         entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                         "offset": offset, "nbytes": t.nbytes,
@@ -206,8 +205,7 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Co
                          "total_bytes": offset, "group_chunk_elems": GROUP_CHUNK_ELEMS, "frame_bytes": FRAME_BYTES,
                          "tensors": entries}, separators=(",", ":")).encode()
     header += b" " * (-(PREFIX.size + len(header) + CRC.size) % ALIGN)
-    datas = [t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8) for t in checked.values()]
-    hasher, index, local, sizes = new_hasher(), [], threading.local(), [0]
+    datas, hasher, index, local, sizes = _bytes(checked), new_hasher(), [], threading.local(), [0]
 
     def put(*chunks: Any) -> None:
         for chunk in chunks:
@@ -360,15 +358,11 @@ def _decode_parts(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> N
         pos, at = pos + stored, at + raw
 
 
-def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = None, max_numel: int | None = None,
+def read_tensors(path: Path, f: BinaryIO, *, checksum: str | None = None, max_numel: int | None = None,
                  threads: int = 0) -> dict[str, torch.Tensor]:
-    """Read and verify a container (any codec) from the open file `f`.
-
-    Args:
-        path (`Path`): the file's path, for messages.
-        checksum (`str`, *optional*): the manifest's ``"<algo>:<hex>"`` of the file, verified in the same pass.
-        max_numel (`int`, *optional*): the most elements a tensor may declare (`state.state_numel_bound`).
-        threads (`int`, *optional*, defaults to `0`: every usable CPU): frames decoded in parallel.
+    """Read and verify a container (any codec) from the open file `f` at `path`, decoding frames on `threads` threads
+    (`_pipeline`); `checksum` (the manifest's ``"<algo>:<hex>"``) is verified in the same pass, `max_numel` bounds
+    the elements a tensor may declare (`state.state_numel_bound`).
 
     Raises:
         `FormatVersionError`: another container version, in a file that has the manifest's checksum.
@@ -379,23 +373,17 @@ def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = Non
 
     algo = (checksum or ":").partition(":")[0]
     try:
-        hasher = new_hasher(algo) if checksum else None
+        hasher = new_hasher(algo) if checksum else SimpleNamespace(update=lambda _: None)
     except ValueError as e:
         raise CorruptCheckpointError(f"Tensor file {path}: {e}") from None
-
-    def digest() -> str:
-        assert hasher is not None
-        return f"{algo}:{hasher.hexdigest()}"
-
     try:
         h, start, index = read_header(f, path)
     except FormatVersionError:
-        if hasher is not None:  # a flipped version byte is damage, not a newer file
-            f.seek(0)
-            while chunk := f.read(1 << 20):
-                hasher.update(chunk)
-            if digest() != checksum:
-                raise CorruptCheckpointError(f"Tensor file {path} fails its checksum; the file is corrupt.") from None
+        f.seek(0)  # a flipped version byte is damage, not a newer file
+        while checksum and (chunk := f.read(1 << 20)):
+            hasher.update(chunk)
+        if checksum and f"{algo}:{hasher.hexdigest()}" != checksum:
+            raise CorruptCheckpointError(f"Tensor file {path} fails its checksum; the file is corrupt.") from None
         raise
     entries, gce = h["tensors"], h["group_chunk_elems"]
     for t in entries:
@@ -405,7 +393,7 @@ def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = Non
                 f"any state of this model's parameters holds ({max_numel}); this optimizer state does not belong to "
                 "this model (nothing was allocated).")
     out = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in entries]
-    dests = [t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8) for t in out]
+    dests = _bytes(out)
     # Frames are decoded from a read-only map (no copy of the stored bytes); each frame's pages are handed back once
     # it is decoded, so the load holds its output and a few frames, not the file as well.
     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -417,7 +405,7 @@ def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = Non
         if (lo := -(-at // mmap.PAGESIZE) * mmap.PAGESIZE) < (hi := (at + n) // mmap.PAGESIZE * mmap.PAGESIZE):
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
-    def _decode(k: int, data: memoryview, expected: int, frame: Any) -> None:
+    def _decode(k: int, data: memoryview, expected: int, frame: Any) -> None:  # `data` released by `decode`
         if xxhash.xxh3_64_intdigest(data) != expected:
             raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is corrupt.")
         if isinstance(frame, tuple):  # codec "none": a slice of the aligned payload
@@ -441,18 +429,17 @@ def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = Non
             pos += piece.size
 
     def items() -> Iterator[tuple[Any, ...]]:
-        hasher.update(view[:start]) if hasher else None  # the header: checked by `read_header`
-        plan = [(lo, min(lo + h["frame_bytes"], h["total_bytes"])) for lo in range(0, h["total_bytes"],
-                                                                                   h["frame_bytes"])] \
-            if h["codec"] == "none" else frames(entries, gce, h["frame_bytes"])
-        at = start
+        hasher.update(view[:start])  # the header: checked by `read_header`
+        total, fb, at = h["total_bytes"], h["frame_bytes"], start
+        plan = [(lo, min(lo + fb, total)) for lo in range(0, total, fb)] if h["codec"] == "none" else \
+            frames(entries, gce, fb)
         for k, ((n, expected), frame) in enumerate(zip(index, plan)):
             if hasattr(os, "posix_fadvise"):  # a cold cache: the disk reads ahead while these frames decode
                 os.posix_fadvise(f.fileno(), at, 64 << 20, os.POSIX_FADV_WILLNEED)
-            hasher.update(view[at : at + n]) if hasher else None  # in file order, while earlier frames decode
+            hasher.update(view[at : at + n])  # in file order, while earlier frames decode
             yield k, at, n, expected, frame
             at += n
-        hasher.update(view[at:]) if hasher else None
+        hasher.update(view[at:])
 
     try:
         _pipeline(decode, items(), threads if len(index) > 1 else 1)
@@ -463,7 +450,7 @@ def read_tensors(path: Path, f: io.BufferedReader, *, checksum: str | None = Non
         view.release()
         with contextlib.suppress(BufferError):  # a traceback may still hold a frame's view: closed when it goes
             mm.close()
-    if hasher is not None and digest() != checksum:
+    if checksum and f"{algo}:{hasher.hexdigest()}" != checksum:
         raise CorruptCheckpointError(f"Tensor file {path}: checksum mismatch ({hasher.hexdigest()} != {checksum}), "
                                      "the file is corrupt.")
     return {str(e["name"]): t for e, t in zip(entries, out)}

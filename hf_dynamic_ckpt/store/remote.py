@@ -102,7 +102,7 @@ class RemoteSpec:
     """
 
     url: str
-    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    storage_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
     retries: int = 5
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
@@ -142,8 +142,8 @@ class Remote:
         except ImportError as e:
             raise ConfigError(f"root={spec.shown!r} needs an fsspec backend that is not installed ({e}); for s3:// "
                               "install `hf_dynamic_ckpt[s3]` (s3fs), for gs:// gcsfs, for az:// adlfs.") from None
-        self.spec, self.base, self.retried, self.task_id = spec, str(path).rstrip("/"), 0, task_id
-        self.prefix = f"{self.base}/{self.key_name(task_id)}"
+        self.spec, self.retried, self.task_id = spec, 0, task_id
+        self.prefix = f"{str(path).rstrip('/')}/{self.key_name(task_id)}"
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple | list) else (self.fs.protocol,)
         self._dirs = bool({"file", "local"} & set(protocols))  # a file system, not an object store: make parents
 
@@ -154,13 +154,11 @@ class Remote:
                                      "names.")
         return name
 
-    def key(self, *names: str) -> str:
-        return "/".join([self.prefix, *map(self.key_name, names)])
-
     def call(self, op: str, names: tuple[str, ...], fn: Callable[[str], T]) -> T:
-        """`fn(key)`, retried with exponential backoff on transient errors (`fault` point ``remote``: `op`, `name`,
-        `attempt`); `FileNotFoundError` and the like at once, `RemoteStorageError` after the last retry."""
-        key, delay = self.key(*names) if names else self.prefix, float(self.spec.backoff_s)
+        """`fn(key)` of ``<prefix>/<names...>``, retried with exponential backoff on transient errors (`fault` point
+        ``remote``: `op`, `name`, `attempt`); `FileNotFoundError` and the like at once, `RemoteStorageError` after the
+        last retry."""
+        key, delay = "/".join([self.prefix, *map(self.key_name, names)]), float(self.spec.backoff_s)
         for attempt in range(1, int(self.spec.retries) + 2):
             try:
                 fault("remote", op=op, name="/".join(names), attempt=attempt)
@@ -211,16 +209,13 @@ class Remote:
             return None if size is None else self.call("read", names, self.fs.cat_file)
         return None
 
-    def names(self, *under: str, base: bool = False) -> list[str]:
-        """Plain names directly under ``<names...>`` (`base`: the task prefixes under the URL), sorted."""
+    def names(self, *under: str) -> list[str]:
+        """Plain names directly under ``<names...>``, sorted."""
         try:
-            entries = self.call("list", under, lambda key: self.fs.ls(self.base if base else key, detail=False))
+            entries = self.call("list", under, lambda key: self.fs.ls(key, detail=False))
         except FileNotFoundError:
             return []
         return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {"", ".", ".."})
-
-    def tasks(self) -> list[str]:
-        return self.names(base=True)
 
     def invalidate(self) -> None:
         """Forget cached listings (other ranks and processes change the bucket)."""
@@ -239,12 +234,8 @@ class Remote:
     def manifests(self) -> dict[str, bytes]:
         """Manifest bytes of every committed ``step-<N>`` of the task, by directory name (partial uploads have none)."""
         self.invalidate()
-        out = {}
-        for name in self.names():
-            data = self.read(name, MANIFEST_NAME) if name.startswith("step-") and TMP_MARKER not in name else None
-            if data is not None:
-                out[name] = data
-        return out
+        found = {n: self.read(n, MANIFEST_NAME) for n in self.names() if n.startswith("step-") and TMP_MARKER not in n}
+        return {n: data for n, data in found.items() if data is not None}
 
     def publish(self, directory: Path, name: str, files: list[str], *, replacing: bool) -> None:
         """Upload ``directory``'s `files` as ``<name>/``, its manifest last (the commit point); a copy it replaces

@@ -19,6 +19,7 @@ chunks hold it, which reshards to any world size as DCP's load planner would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -74,16 +75,15 @@ def write_shards(state: CheckpointState, directory: Path, *, rank: int
     files: dict[str, dict[str, Any]] = {}
     chunks: dict[str, Any] = {SHARD_PART_WEIGHTS: {}, SHARD_PART_OPTIMIZER: {}}
     for part, named in tensors.items():
-        name = SHARD_FILE_TEMPLATE.format(part=part, rank=rank)
-        missing = sorted(set(named) - set(table.get(part, {})))
-        if missing:
+        path = directory / (name := SHARD_FILE_TEMPLATE.format(part=part, rank=rank))
+        if missing := sorted(set(named) - set(table.get(part, {}))):
             raise CorruptCheckpointError(f"rank {rank}: no chunk recorded for {part} tensor(s) {missing[:5]}.")
         fault("write", step=state.step, rank=rank, name=name)
-        save_file({k: t.detach().cpu().contiguous() for k, t in named.items()}, directory / name, {"format": "pt"})
-        with open(directory / name, "rb") as f:
+        save_file({k: t.detach().cpu().contiguous() for k, t in named.items()}, path, {"format": "pt"})
+        with open(path, "rb") as f:
             os.fsync(f.fileno())
-        files[name] = {KEY_SIZE: (directory / name).stat().st_size, KEY_CHECKSUM: file_checksum(directory / name),
-                       KEY_TIER: PARTS[part].value, KEY_RANK: rank}
+        files[name] = {KEY_SIZE: path.stat().st_size, KEY_CHECKSUM: file_checksum(path), KEY_TIER: PARTS[part].value,
+                       KEY_RANK: rank}
         chunks[part] = {k: {**table[part][k], "file": name} for k in named}
     extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
     rest = dataclasses.replace(state, weights=None, optimizer=optimizer if rank == 0 else None, extra=extra)
@@ -155,18 +155,13 @@ def gather_weights(directory: Path, table: Mapping[str, Any]) -> dict[str, torch
     return out
 
 
-class ChunkReader:
-    """Reads any block of a saved tensor from the chunks of whichever ranks hold it: another world size (FSDP2, ZeRO)
-    or ZeRO stage reads the same state, each rank only the parts it needs, without a collective.
-
-    A block that is one run of a chunk's bytes (every ZeRO fragment; FSDP2's row shards) is read with `pread`
-    straight into the memory it belongs in (a ZeRO partition on the CPU: one copy from the page cache, no mapping, no
-    tensor in between); a device or other-dtype destination gets it through one host tensor, any other block through
-    safetensors' `get_slice`. A context manager: it keeps the files open.
-
-    Args:
-        directory (`Path`): the checkpoint's directory (its files verified by the caller).
-        table (`Mapping`): its chunk table (`sharded_table`).
+class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
+    """Reads any block of a saved tensor from the chunks of whichever ranks hold it (`table`, from `sharded_table`, of
+    the verified checkpoint in `directory`): another world size (FSDP2, ZeRO) or ZeRO stage reads the same state, each
+    rank only the parts it needs, without a collective. A block that is one run of a chunk's bytes (every ZeRO
+    fragment; FSDP2's row shards) is read with `pread` straight into the memory it belongs in (a ZeRO partition on the
+    CPU: one copy from the page cache); a device or other-dtype destination gets it through one host tensor, any other
+    block through safetensors' `get_slice`. A context manager: it keeps the files open.
     """
 
     def __init__(self, directory: Path, table: Mapping[str, Any]) -> None:
@@ -177,9 +172,6 @@ class ChunkReader:
             for part in PARTS:
                 for key, chunk in (parts.get(part) or {}).items():
                     self._chunks.setdefault((part, key), []).append(chunk)
-
-    def __enter__(self) -> ChunkReader:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -217,9 +209,7 @@ class ChunkReader:
             if tuple(c["offset"]) in seen or any(h <= low for low, h in zip(lo, hi)):
                 continue  # a replica of a chunk read already, or no overlap
             seen.add(tuple(c["offset"]))
-            dest = out
-            for dim, (low, h) in enumerate(zip(lo, hi)):
-                dest = dest.narrow(dim, low - at[dim], h - low)
+            dest = out[tuple(slice(low - a, h - a) for low, h, a in zip(lo, hi, at))]
             self._copy(c, key, [low - o for low, o in zip(lo, c["offset"])], dest)
             done += dest.numel()
         if done < out.numel():

@@ -76,11 +76,9 @@ def secure(path: Path, *, create: bool) -> bool:
 def same_dir(path: str | os.PathLike[str], opened: os.stat_result | None) -> bool:
     """Whether `path` is still the directory `opened` (`os.lstat` when the slots were opened): not removed, not
     replaced."""
-    try:
-        now = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    return opened is not None and (now.st_ino, now.st_dev) == (opened.st_ino, opened.st_dev)
+    with contextlib.suppress(FileNotFoundError):
+        return opened is not None and os.path.samestat(os.lstat(path), opened)
+    return False
 
 
 def removed(path: str | os.PathLike[str]) -> str:
@@ -92,9 +90,9 @@ def removed(path: str | os.PathLike[str]) -> str:
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors of a nested state (a checkpoint's weights and optimizer state)."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, list | tuple) else ()
-    return sum(tensor_bytes(v) for v in values)
+        return obj.nbytes
+    return sum(map(tensor_bytes, obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, list | tuple)
+                   else ()))
 
 
 def room_problem(nbytes: int, slots: CheckpointStore, margin: float, *, base: str = SHM_DIR) -> str | None:
@@ -116,11 +114,10 @@ def room_problem(nbytes: int, slots: CheckpointStore, margin: float, *, base: st
 
 def shm_room(base: str = SHM_DIR) -> tuple[int, int]:
     """(free, total) bytes of the file system under `base` (``/dev/shm``); (0, 0) without one."""
-    try:
-        st = os.statvfs(base)
-    except OSError:
-        return 0, 0
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    with contextlib.suppress(OSError):
+        usage = shutil.disk_usage(base)
+        return usage.free, usage.total
+    return 0, 0
 
 
 def open_slots(disk: CheckpointStore, *, read_only: bool, base: str = SHM_DIR) -> CheckpointStore | None:
@@ -132,12 +129,6 @@ def open_slots(disk: CheckpointStore, *, read_only: bool, base: str = SHM_DIR) -
     return CheckpointStore(where, task_id=disk.task_id, rank=disk.rank, world_size=disk.world_size,
                            session_id=disk.session_id, compression="none", read_only=read_only,
                            cleanup=not read_only and disk.rank == 0, lock_wait_s=0.0, last_commits=True)
-
-
-def newest(slots: CheckpointStore) -> CheckpointInfo | None:
-    """The newest committed slot, or `None`."""
-    found = slots.list(include_unhealthy=True, include_abandoned=True)
-    return max(found, key=lambda i: i.step) if found else None
 
 
 def keep_newest(slots: CheckpointStore, *, keep: int = 1) -> None:
@@ -203,21 +194,14 @@ def adopt_newer(disk: CheckpointStore, *, base: str = SHM_DIR) -> int | None:
     disk store (the guaranteed path; a watcher may have done it already), then remove the slots, all persisted or
     older. Returns the persisted step, or `None`. Never raises: a slot that cannot be used is logged and left."""
     try:
-        slots = open_slots(disk, read_only=True, base=base)
+        if (slots := open_slots(disk, read_only=True, base=base)) is None:
+            return None
+        with contextlib.closing(slots):
+            step = persist_newest(slots, disk)
     except (OSError, DynamicCkptError) as e:
-        logger.warning("memory tier: the slots of task %r cannot be read (%s); resuming from the disk store",
-                       disk.task_id, e)
+        logger.warning("memory tier: the slots of task %r could not be read or persisted (%s); resuming from the disk "
+                       "store", disk.task_id, e)
         return None
-    if slots is None:
-        return None
-    step = None
-    try:
-        step = persist_newest(slots, disk)
-    except (OSError, DynamicCkptError) as e:
-        logger.warning("memory tier: the newest slot could not be persisted (%s); resuming from the disk store", e)
-        return None
-    finally:
-        slots.close()
     if step is not None:
         logger.info("memory tier: step %d, newer than the disk store, was persisted from host memory", step)
     remove_slots(disk.root, disk.task_id, base=base)
