@@ -88,6 +88,7 @@ run): per model ~10 min for LoRA and ~40 min for the full fine-tune with the def
 
     python scripts/bench_real_width.py --mode full --parts restart --layers 1 --vocab 32000 --repeats 2
     python scripts/bench_real_width.py --mode lora --parts restart --repeats 2    # ~5 min per mode
+    # BENCH_PROFILE_RESUME=DIR: a cProfile of each restart's resume_checkpoint, in DIR/<variant>.txt
 
     python scripts/bench_real_width.py --smoke      # toy widths, LoRA only, six runs of ~5-10 s each
     python scripts/bench_real_width.py --report bench_out/real_width/qwen2-7b.json   # its tables again
@@ -595,8 +596,18 @@ def child(spec: dict[str, Any]) -> None:
         ref = "auto" if variant == "restart_memory" else f"step:{spec['restart_step' if restart else 'prep_steps']}"
         label = "resume_checkpoint: choose, read + verify L0, link"
         phases[label], t = 0.0, time.perf_counter()  # listed before the phases inside it
-        path = resume_checkpoint(trainer, ref)
-        phases[label] = time.perf_counter() - t
+        if prof_dir := os.environ.get("BENCH_PROFILE_RESUME"):  # where the resume's time goes: top 25 by own time
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            path = prof.runcall(resume_checkpoint, trainer, ref)
+            phases[label] = time.perf_counter() - t
+            with open(Path(prof_dir) / f"{variant}.txt", "a") as f:
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(25)
+        else:
+            path = resume_checkpoint(trainer, ref)
+            phases[label] = time.perf_counter() - t
         if restart:  # the slot of the killed run from host memory; then the same step from the disk store
             from hf_dynamic_ckpt.store.slots import slots_dir
 
