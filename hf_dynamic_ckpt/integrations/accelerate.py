@@ -1,17 +1,10 @@
-"""Accelerate integration: the `save_state` / `load_state` hook pair and `SmartCheckpointer` for custom loops.
+"""Accelerate integration (docs/accelerate.md): `SmartStateHooks`, the `save_state` / `load_state` hook pair, and
+`SmartCheckpointer` for custom loops; both thin adapters over `run.orchestrator.RunOrchestrator`.
 
-Both are thin adapters over `run.orchestrator.RunOrchestrator`, the orchestrator the Trainer callback drives too.
-
-- `SmartStateHooks`: `accelerator.save_state(dir)` commits a checkpoint to the tiered store and
-  `accelerator.load_state(dir)` restores it. Accelerate's hook API can only suppress the model files (by emptying
-  the `weights` list it passes); its optimizer, scheduler, sampler and RNG files are written regardless. The weights
-  (a PEFT model's adapter only) live in the store; `dir` receives a pointer file (`smart_ckpt.json`).
-- `SmartCheckpointer`: the signal-driven decisions in a custom loop, two calls per step and one resume call.
-
-A resume on another number of processes continues the same run (docs/elastic.md): the accumulation keeps the
-checkpoint's global batch, the data position stays in samples of the epoch's order (`integrations.position`), and
-Accelerate's prepared scheduler, which steps its wrapped scheduler once per process at every optimizer step, keeps
-the pace of the run it continues.
+Accelerate's hooks can only suppress the model files: the weights live in the store and the directory receives a
+pointer file (`smart_ckpt.json`). A resume on another number of processes continues the same run (docs/elastic.md):
+the accumulation keeps the global batch, the data position stays in samples of the epoch's order, and the prepared
+scheduler keeps the pace of the run it continues.
 """
 
 from __future__ import annotations

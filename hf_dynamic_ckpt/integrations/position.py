@@ -1,41 +1,19 @@
-"""The exact data position of a run, on any number of processes: batches seen, the RNG that ordered the epoch,
-every loader's worker seed, and the batch geometry a resume on another world size keeps.
+"""The exact data position of a run on any number of processes (docs/accelerate.md, docs/elastic.md).
 
-Accelerate loops (`ResumableLoader`): `Accelerator.save_state` does not record how far a map-style dataloader got.
-This wrapper counts the batches it hands out and remembers, per epoch, the RNG states from just before the epoch's
-iterator was created (the permutation and the worker seeds are drawn then). On resume it restores those, skips the
-batches already seen with `accelerator.skip_first_batches`, and re-applies the RNG state of the moment of the save
-once the first batch has been fetched: creating the iterator consumed random numbers that the interrupted run had
-consumed long before the save, so applying the saved RNG earlier (as `load_state` does) leaves dropout masks shifted.
+Invariants:
 
-A position whose epoch is complete (its last batch handed out: the length is reached, or the
-prepared loader says `end_of_dataloader`, which also covers iterable datasets without a length)
-is the next epoch's start: `(epoch + 1, 0)`, with the sampler generator's state of that moment.
-A resume from it creates the next epoch's iterator from the saved RNG, as the uninterrupted
-run did, and a `for epoch in range(ckpt.epoch, n)` loop loses no epoch.
-
-Every loader the run iterates is part of the position (`LoaderSeeds`): the training loader and the others the
-run evaluates on (a Trainer's eval loaders, the other loaders an `Accelerator` prepared). Creating a loader's
-iterator draws its workers' base seed from the main torch generator. A persistent loader (workers kept across
-epochs) creates it once and only resets it later, so a resumed run, whose loaders are new, would draw again where
-the uninterrupted run drew nothing, and every random number after it (dropout, the next epoch's order) would shift.
-The position records which loaders had their iterator at the save (and how often a prepared loader was iterated,
-its `set_epoch`); the resumed run creates each of those with a throwaway generator (the loader's `generator`
-attribute, lent until its iterator exists): the main stream stays the uninterrupted run's. Randomness inside the
-workers (augmentation in a dataset or a collator run by a worker) is not reproduced across a resume: its generators
-live in the worker processes.
-
-Another number of processes (docs/elastic.md): a data-parallel step consumes a *global batch* of ``per_device x
-world_size x accumulation`` samples (`BatchGeometry`) of the sampler's order, which Trainer's and Accelerate's
-seedable samplers draw independently of the world size, so a run resumed on another world size continues the same run
-(up to float reduction order) while the global batch stays the same. `plan_batch` keeps it: the accumulation that
-restores it, or a `GlobalBatchError` naming the settings that would (``runtime.keep_global_batch: false`` accepts
-another and says what changes). The position records the geometry and whether the loader deals its batches to the
-ranks (a loader prepared by Accelerate shards or dispatches them; an unprepared one gives every rank the same
-batches); a resume on another geometry keeps the position in samples of the epoch's order (`rescale_batches_seen`),
-and a rank the checkpoint had not starts the epoch from rank 0's state. What cannot be kept is said where it differs:
-the order, when it comes from the main random stream (`order_note`), and the dropout masks, which each rank draws
-itself (`StepRandomness` records whether a step draws any).
+- `ResumableLoader` records, per epoch, the RNG from just before the epoch's iterator was created, restores it on
+  resume, skips the batches seen, and re-applies the RNG of the save only once the first batch is fetched (creating
+  the iterator consumed numbers the interrupted run consumed long before the save).
+- A position whose epoch is complete (last batch handed out, or `end_of_dataloader`) is the next epoch's start
+  `(epoch + 1, 0)`: `for epoch in range(ckpt.epoch, n)` loses no epoch.
+- Every loader the run iterates is part of the position (`LoaderSeeds`): a persistent loader draws its workers'
+  seed from the main generator only when its iterator is first created, so the resumed run creates each iterator
+  the uninterrupted run already had with a throwaway generator. Randomness inside workers is not reproduced.
+- On another world size the global batch ``per_device x world_size x accumulation`` is kept (`plan_batch`, or a
+  `GlobalBatchError`), the position is kept in samples of the epoch's order (`rescale_batches_seen`), a rank the
+  checkpoint had not starts from rank 0's state, and what cannot be kept (`order_note`, dropout masks via
+  `StepRandomness`) is said.
 """
 
 from __future__ import annotations

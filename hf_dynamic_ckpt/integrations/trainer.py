@@ -1,40 +1,19 @@
-"""Hugging Face `Trainer` integration: `SmartCkptCallback` and `resume_checkpoint`.
+"""Hugging Face `Trainer` integration: `SmartCkptCallback` and `resume_checkpoint` (docs/trainer.md).
 
-A thin adapter over `hf_dynamic_ckpt.run.orchestrator.RunOrchestrator`:
+A thin adapter over `run.orchestrator.RunOrchestrator`. Invariants:
 
-- `on_train_begin`: installs the probes (loss hook, gradient norms, memory, SIGTERM flag,
-  the pre-clip norm recorder on `trainer.accelerator.clip_grad_norm_`).
-- `on_pre_optimizer_step`: after a `resume_checkpoint`, the first one loads the optimizer and
-  scheduler state straight from the store into the optimizer and scheduler Trainer created
-  (the store decodes it in the background meanwhile, overlapping the first forward and
-  backward; with an AMP `GradScaler` this happens at `on_train_begin`, since the first
-  backward needs the loss scale). Then the pre-update capture; `on_step_end`: the decision. The tensors of
-  a save are those of the step (RNG and data position taken at `on_step_end`), but the write
-  starts at the next `on_step_begin` (or `on_train_end`), once Trainer has logged the step,
-  evaluated and updated `best_*` and the flos: the stored `TrainerState` is the one Trainer
-  would have saved for that step.
-- `on_log`: `smart_ckpt/*` metrics; `on_train_end`: the final save, then the engine and the
-  store close (a second `train()` opens them again).
-
-Resume: `resume_checkpoint(trainer, ref)` chooses and verifies the restore point (one agreed
-outcome on every rank, checked against the model) and materialises a minimal Trainer folder
-(`materialise_trainer_folder`). Trainer then loads the weights, restores `global_step` and skips the
-batches already seen; the callback restores each rank's RNG at the moment the uninterrupted run
-had it: the RNG of a save is the one the next step started from, taken at its `on_step_begin`,
-and is restored at the resumed run's first `on_step_begin` (a save with no next step, at train
-end or on preemption, stores the RNG of its step's end: restored before a new epoch's iterator is
-created, else after the first fetch). That is what makes the resumed run bit-exact.
-
-The resume folder: ``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` (the stored `TrainerState`) and the
-weights as a hard link of the stored safetensors file (or, for several PEFT adapters, one file per adapter: the
-``default`` adapter at the top, the others in sub-folders named after them, which is how Trainer finds them). The
-callback has copied the verified weights into the model already (`load_once`): Trainer's own load of this folder is
-skipped, so the weights are read once; the file is there for a Trainer that loads anyway. No `optimizer.pt` /
-`scheduler.pt`: the callback loads L1 from the store straight into Trainer's optimizer. No `rng_state[_R].pth` either:
-the callback restores each rank's RNG itself, once the first resumed step has fetched its batches.
-
-The folder's location comes from this run's store (its root and task), never from a manifest, and only entries under
-``<root>/.resume`` that are real directories are ever removed.
+- A save holds the tensors of its step (RNG and data position taken at `on_step_end`), but is written at the next
+  `on_step_begin` (or `on_train_end`), once Trainer has logged, evaluated and updated `best_*` and the flos: the
+  stored `TrainerState` is the one Trainer would have saved for that step.
+- After `resume_checkpoint`, the optimizer tier decodes in the background and is loaded at the first
+  `on_pre_optimizer_step` (at `on_train_begin` with an AMP scaler: the first backward needs the loss scale).
+- Each rank's RNG goes back at the moment the uninterrupted run had it: a save's RNG is taken at the next step's
+  `on_step_begin` and restored at the resumed run's first one (an RNG of a step's end, before a new epoch's
+  iterator is created, else after the first fetch). That makes the resume bit-exact.
+- The resume folder ``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` and the weights as a hard link
+  of the stored file; no optimizer, scheduler or RNG files (the callback loads those itself), and Trainer's own
+  weight load of it is skipped (`load_once`). Its location comes from this run's store, never from a manifest,
+  and only real directories under ``<root>/.resume`` are ever removed.
 """
 
 from __future__ import annotations
