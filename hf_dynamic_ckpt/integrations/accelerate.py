@@ -22,7 +22,7 @@ import torch
 from .. import distributed as dist
 from ..config import SmartCkptConfig
 from ..constants import MANIFEST_NAME
-from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, SaveError, weights_overwritten
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, SaveError
 from ..run.orchestrator import Rollback, RunOrchestrator, SaveEvent
 from ..signals import Decision, DecisionKind
 from ..state import (
@@ -35,16 +35,7 @@ from ..state import (
     trainable_state_dict,
 )
 from ..store import LoadedCheckpoint
-from .position import (
-    KEY_BATCH,
-    KEY_DEALT,
-    KEY_DRAWS_RANDOM,
-    BatchGeometry,
-    ResumableLoader,
-    StepRandomness,
-    plan_batch,
-    world_change_note,
-)
+from .position import KEY_DRAWS_RANDOM, ResumableLoader, StepRandomness, resume_batch
 
 logger = logging.getLogger(__name__)
 
@@ -208,50 +199,35 @@ def deepspeed_engine(accelerator: Any) -> Any | None:
 
 
 def apply_elastic(loaded: LoadedCheckpoint, *, state: AccelerateState, run: RunOrchestrator,
-                  accelerator: Any) -> None:
+                  accelerator: Any, read_into: bool = False) -> None:
     """Continue `loaded` on this run's number of processes: the accumulation that keeps its global batch (on the
     accelerator, and a DeepSpeed engine's), the scheduler's pace, and rank 0's lines saying what changes.
 
     Raises:
         `GlobalBatchError`: `runtime.keep_global_batch` and no accumulation keeps the saved global batch.
     """
-    sampler, saved_extra = loaded.sampler or {}, loaded.extra.get(KEY_ACCELERATE) or {}
-    saved_world, world, step = loaded.info.world_size, run.world_size, loaded.info.step
-    lines: list[tuple[int, str]] = []
-    saved = BatchGeometry.from_json(sampler.get(KEY_BATCH))
-    now = state.loader.geometry() if state.loader is not None else None
-    dealt = bool(sampler.get(KEY_DEALT, True))
-    if saved is not None and now is not None:
-        if not dealt:  # every rank reads every batch: a step's samples do not depend on the number of processes
-            saved, now = BatchGeometry(saved.per_device, 1, saved.accumulation), \
-                BatchGeometry(now.per_device, 1, now.accumulation)
-        plan = plan_batch(saved, now, keep=run.config.runtime.keep_global_batch, step=step, position_in="samples")
+    saved_extra, saved_world, world, step = loaded.extra.get(KEY_ACCELERATE) or {}, loaded.info.world_size, \
+        run.world_size, loaded.info.step
+    say = run.announce if run.rank == 0 else None
+    plan = resume_batch(loaded, state.loader.geometry() if state.loader is not None else None, world=world,
+                        keep=run.config.runtime.keep_global_batch, say=say, read_into=read_into,
+                        position_in="samples", data=state.loader is not None)
+    if plan is not None:
         accelerator.gradient_accumulation_steps = plan.accumulation
         engine = deepspeed_engine(accelerator)
         if engine is not None:  # the engine scales the loss and reduces by its own accumulation: the same one
             engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * engine.dp_world_size *
                                         plan.accumulation)
-        if plan.warning is not None or plan.note is not None:
-            lines.append((logging.WARNING if plan.warning else logging.INFO, plan.warning or plan.note or ""))
-    elif saved_world != world and state.loader is not None:
-        lines.append((logging.WARNING, f"step {step} was saved by {saved_world} process(es) and is resumed by "
-                                       f"{world}, and it does not record its global batch: keep the per-device "
-                                       "batch x processes x gradient_accumulation_steps as it was"))
-    note = world_change_note(saved_world, world, sampler.get(KEY_DRAWS_RANDOM)) if dealt else None
-    if note is not None:  # with every rank reading every batch, a rank continuing rank 0's stream draws its masks
-        lines.append((logging.WARNING, f"step {step} was {note}"))
     pace = state.scheduler_pace
     saved_pace = saved_extra.get(KEY_SCHEDULER_PACE) if KEY_SCHEDULER_PACE in saved_extra else \
         (saved_world if pace is not None and pace == world else None)
     if isinstance(saved_pace, int) and pace is not None and saved_pace != pace:
         keep_pace(state.scheduler, saved_pace)
         state.scheduler_pace = saved_pace
-        lines.append((logging.INFO, f"step {step}: the learning-rate scheduler keeps the pace of the run it continues, "
-                                    f"{saved_pace} scheduler step(s) per optimizer step (accelerate's prepared "
-                                    f"scheduler steps once per process: {pace} on {world})"))
-    if run.rank == 0:
-        for level, line in lines:
-            run.announce.log(level, "smart_ckpt: %s", line)
+        if say is not None:
+            say.info("smart_ckpt: step %d: the learning-rate scheduler keeps the pace of the run it continues, %d "
+                     "scheduler step(s) per optimizer step (accelerate's prepared scheduler steps once per process: "
+                     "%s on %d)", step, saved_pace, pace, world)
 
 
 # ------------------------------------------------------------------------------------------ wiring
@@ -695,12 +671,7 @@ class SmartCheckpointer:
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)
             return None
-        try:
-            apply_elastic(loaded, state=self.state, run=self.run, accelerator=self.accelerator)
-        except ConfigError as e:  # GlobalBatchError: the weights are in the model already
-            if not into:
-                raise
-            raise type(e)(f"{e}{weights_overwritten(f'the weights of step {loaded.info.step}')}") from None
+        apply_elastic(loaded, state=self.state, run=self.run, accelerator=self.accelerator, read_into=bool(into))
         self.state.apply(loaded)
         self._mark()
         self.run.note_boundary(self.step, rng=loaded.rng)

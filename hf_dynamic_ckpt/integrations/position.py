@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from .. import distributed as dist
-from ..errors import CorruptCheckpointError, GlobalBatchError
+from ..errors import CorruptCheckpointError, GlobalBatchError, weights_overwritten
 from ..state import capture_rng_state, restore_rng_state
+from ..store import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,46 @@ def world_change_note(saved_world: int, world: int, draws_random: bool | None) -
         "the checkpoint does not say whether its steps draw random numbers"
     return (f"saved by {saved_world} process(es), resumed by {world}, and {why}: each rank draws its own masks, so "
             "the masks of the resumed run differ from the interrupted one's (the samples of each step do not)")
+
+
+def resume_batch(loaded: LoadedCheckpoint, now: BatchGeometry | None, *, world: int, keep: bool,
+                 say: logging.Logger | None, read_into: bool, position_in: str = "steps",
+                 data: bool = True) -> BatchPlan | None:
+    """The batch plan of a resume of `loaded` by a run of geometry `now` on `world` processes (`None` where either
+    does not record one), after `say` (rank 0's logger, else `None`) has said what a change of world size keeps.
+
+    `data`: the run tracks a data position. A loader that does not deal its batches (every rank reads every batch)
+    keeps a step's samples on any number of processes: only its per-device batch and accumulation count.
+
+    Raises:
+        `GlobalBatchError`: `keep` and no accumulation keeps the saved global batch (saying that the model's weights
+            were overwritten when the resume had `read_into` them).
+    """
+    sampler, step, saved_world = loaded.sampler or {}, loaded.info.step, loaded.info.world_size
+    saved, dealt = BatchGeometry.from_json(sampler.get(KEY_BATCH)), bool(sampler.get(KEY_DEALT, True))
+    plan, lines = None, []
+    if saved is not None and now is not None:
+        if not dealt:
+            saved, now = dataclasses.replace(saved, world_size=1), dataclasses.replace(now, world_size=1)
+        try:
+            plan = plan_batch(saved, now, keep=keep, step=step, position_in=position_in)
+        except GlobalBatchError as e:
+            if not read_into:
+                raise
+            raise GlobalBatchError(f"{e}{weights_overwritten(f'the weights of step {step}')}") from None
+        if plan.warning is not None or plan.note is not None:
+            lines.append((logging.WARNING if plan.warning else logging.INFO, plan.warning or plan.note or ""))
+    elif saved_world != world and data:
+        lines.append((logging.WARNING, f"step {step} was saved by {saved_world} process(es) and is resumed by "
+                                       f"{world}, and it does not record its global batch: keep the per-device "
+                                       "batch x processes x gradient_accumulation_steps as it was"))
+    note = world_change_note(saved_world, world, sampler.get(KEY_DRAWS_RANDOM)) if dealt else None
+    if note is not None:  # with every rank reading every batch, a rank continuing rank 0's stream draws its masks
+        lines.append((logging.WARNING, f"step {step} was {note}"))
+    for level, line in lines:
+        if say is not None:
+            say.log(level, "smart_ckpt: %s", line)
+    return plan
 
 
 # ---------------------------------------------------------------------------- data position

@@ -47,7 +47,7 @@ from ..constants import (
     TRAINER_WEIGHTS_NAME,
     WEIGHTS_NAME,
 )
-from ..errors import ConfigError, weights_overwritten
+from ..errors import ConfigError
 from ..export import describe_model
 from ..run.orchestrator import Rollback, RunOrchestrator
 from ..sharded import zero_expected
@@ -73,8 +73,7 @@ from .position import (
     BatchGeometry,
     LoaderSeeds,
     StepRandomness,
-    plan_batch,
-    world_change_note,
+    resume_batch,
 )
 
 logger = logging.getLogger(__name__)
@@ -175,12 +174,7 @@ class SmartCkptCallback(TrainerCallback):
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
-        try:
-            self._plan_batch(trainer, loaded, ck)
-        except ConfigError as e:  # GlobalBatchError: the weights are in the model already
-            if not into:
-                raise
-            raise type(e)(f"{e}{weights_overwritten(f'the weights of step {loaded.info.step}')}") from None
+        self._plan_batch(trainer, loaded, ck, read_into=bool(into))
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
         if zero:
             skip_deepspeed_load(trainer, folder)
@@ -193,31 +187,18 @@ class SmartCkptCallback(TrainerCallback):
         self.resumed_from = loaded
         return str(folder)
 
-    def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator) -> None:
-        """Keep the checkpoint's global batch on this world size (`plan_batch`): set Trainer's accumulation before
-        `train()` counts its steps, and say what a change of world size keeps."""
-        args, sampler = trainer.args, loaded.sampler or {}
-        saved = BatchGeometry.from_json(sampler.get(KEY_BATCH))
+    def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator, *, read_into: bool) -> None:
+        """Keep the checkpoint's global batch on this world size (`resume_batch`): set Trainer's accumulation before
+        `train()` counts its steps."""
+        args = trainer.args
         now = BatchGeometry(int(trainer._train_batch_size), dist.world_size(), int(args.gradient_accumulation_steps))
-        saved_world = loaded.info.world_size
-        say = ck.announce if ck.rank == 0 else None
-        if saved is None:
-            if saved_world != now.world_size and say is not None:
-                say.warning("smart_ckpt: step %d was saved by %d process(es) and is resumed by %d, and it does not "
-                            "record its global batch: keep per_device_train_batch_size x processes x "
-                            "gradient_accumulation_steps as it was", loaded.info.step, saved_world, now.world_size)
+        plan = resume_batch(loaded, now, world=now.world_size, keep=self.config.runtime.keep_global_batch,
+                            say=ck.announce if ck.rank == 0 else None, read_into=read_into)
+        if plan is None:
             return
-        plan = plan_batch(saved, now, keep=self.config.runtime.keep_global_batch, step=loaded.info.step)
         if plan.accumulation != now.accumulation and getattr(trainer, "is_deepspeed_enabled", False):
             _deepspeed_accumulation(trainer, now, plan.accumulation)
         args.gradient_accumulation_steps = plan.accumulation
-        if plan.warning is not None and say is not None:
-            say.warning("smart_ckpt: %s", plan.warning)
-        elif plan.note is not None and say is not None:
-            say.info("smart_ckpt: %s", plan.note)
-        note = world_change_note(saved_world, now.world_size, sampler.get(KEY_DRAWS_RANDOM))
-        if note is not None and say is not None:
-            say.warning("smart_ckpt: step %d was %s", loaded.info.step, note)
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
