@@ -53,10 +53,9 @@ _MODEL_PREFIX = "model_{}."
 
 # ------------------------------------------------------------------------------------------ the live objects
 class AccelerateState:
-    """What a checkpoint of an `Accelerator` run reads from and writes back into: L0 the trainable weights of every
-    prepared model (the second one's keys prefixed ``model_1.``), L1 the optimizer, scheduler and AMP scaler, L2 the
-    data position of a `ResumableLoader`. Counts the optimizer's real updates (not accumulation micro-steps): the
-    step a checkpoint is filed under.
+    """The live objects of an `Accelerator` run: L0 the trainable weights of every prepared model (the second one's
+    keys prefixed ``model_1.``), L1 optimizer, scheduler and scaler, L2 a `ResumableLoader`'s position. Counts real
+    optimizer updates (not micro-steps): the step a checkpoint is filed under.
 
     Raises:
         `ConfigError`: more than one optimizer or scheduler is prepared (a checkpoint holds one).
@@ -302,21 +301,14 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
 
 # ------------------------------------------------------------------------------------------ the hook pair
 class SmartStateHooks:
-    """`accelerator.save_state()` / `load_state()` through the tiered store.
+    """`accelerator.save_state()` / `load_state()` through the tiered store (docs/accelerate.md).
 
-    - save: commits the current state as store checkpoint `step-<N>` (N: optimizer updates so far, pinned against
-      retention) synchronously on every rank, with the data position of `loader`; empties Accelerate's `weights`
-      list (no model file in the directory) and leaves `smart_ckpt.json` there (rank 0).
-    - load: follows `smart_ckpt.json` (or takes the directory as a store checkpoint path), verifies and loads the
-      checkpoint (fallback per `runtime.fallback_strategy`), puts weights, optimizer, scheduler and scaler back,
-      empties Accelerate's `models` list and arms `loader` for an exact continuation. A folder written without the
-      hooks is left to Accelerate, with one INFO line.
-
-    The pair always runs after every other save / load pre-hook of the accelerator, which see the full lists. With
-    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)` the store keeps at most N checkpoints
-    besides pinned captures (hooks that own their run retain with `keep_last=N`, no log-spaced history): the
-    checkpoint pinned for a folder Accelerate rotated away is unpinned at the next `save_state`, and retention
-    removes it.
+    `save_state` commits store checkpoint `step-<N>` (N: optimizer updates, pinned against retention) on every rank
+    and leaves `smart_ckpt.json` instead of model files; `load_state` follows it (or takes a store checkpoint path),
+    puts the state back and arms `loader`; a folder written without the hooks is left to Accelerate. The pair runs
+    after every other pre-hook of the accelerator, which see the full lists. With
+    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)` the store keeps at most N checkpoints:
+    one pinned for a folder Accelerate rotated away is unpinned at the next `save_state`.
 
     Args:
         accelerator (`accelerate.Accelerator`): after `prepare(...)`.
@@ -475,10 +467,8 @@ class SmartStateHooks:
 class SmartCheckpointer:
     """Signal-driven, tiered, non-blocking checkpoints for a custom Accelerate loop.
 
-    The same orchestrator, policy, engine and store as `SmartCkptCallback`. It also registers `SmartStateHooks`,
-    so `accelerator.save_state()` / `load_state()` go to the same store (not under DeepSpeed, where Accelerate runs
-    DeepSpeed's own save there). Under DeepSpeed ZeRO the engine steps inside `accelerator.backward`; the same loop
-    works (docs/deepspeed.md).
+    It also registers `SmartStateHooks` on the same store (not under DeepSpeed, where Accelerate runs DeepSpeed's
+    own `save_state`); under ZeRO the same loop works (docs/deepspeed.md).
 
     Args:
         accelerator (`accelerate.Accelerator`): after `prepare(...)`.
@@ -647,12 +637,8 @@ class SmartCheckpointer:
         return self.run.save_now(self.step, self.state.epoch(boundary=True), reason=reason, blocking=blocking)
 
     def resume(self, ref: str | None = "auto") -> LoadedCheckpoint | None:
-        """Restore a checkpoint on every rank before the loop (one agreed restore point).
-
-        On another number of processes the run continues the same run (docs/elastic.md): the accumulation keeps the
-        checkpoint's global batch (`gradient_accumulation_steps`; `runtime.keep_global_batch`), the data position
-        stays in samples of the epoch's order, the prepared scheduler keeps its pace, and a rank the checkpoint had
-        not continues rank 0's random streams.
+        """Restore a checkpoint on every rank before the loop (one agreed restore point); on another number of
+        processes the run continues the same run (docs/elastic.md, `gradient_accumulation_steps`).
 
         Args:
             ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy), `best` (lowest loss), `fastest`

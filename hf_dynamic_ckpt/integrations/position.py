@@ -96,19 +96,10 @@ def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, s
                position_in: str = "steps") -> BatchPlan:
     """The accumulation a run resumed with geometry `now` trains with, from the `saved` one.
 
-    On the world size that saved the checkpoint, `now` as given: a per-device batch or accumulation changed there
-    is the user's choice (Trainer resumes with the new batch size, transformers#43708). On another world size, the
-    saved global batch, unless `keep` is off.
-
-    Args:
-        saved (`BatchGeometry`): what the checkpoint recorded.
-        now (`BatchGeometry`): the resumed run's settings as given (its per-device batch, world size, accumulation).
-        keep (`bool`, *optional*, defaults to `True`): keep the saved global batch by choosing the accumulation
-            (``runtime.keep_global_batch``); `False`: train with `now` as given.
-        step (`int`, *optional*): the checkpoint's step, for the messages.
-        position_in (`str`, *optional*, defaults to `"steps"`): how the resumed run keeps its data position when it
-            accepts another global batch: in optimizer steps (Trainer) or in `"samples"` of its order (Accelerate
-            loops), for the warning.
+    On the world size that saved the checkpoint, `now` as given (a changed per-device batch or accumulation is the
+    user's choice, as Trainer resumes it, transformers#43708); on another one, the saved global batch unless `keep`
+    (``runtime.keep_global_batch``) is off. `position_in` says, for the warning, whether the resumed run keeps its
+    data position in optimizer `"steps"` (Trainer) or `"samples"` of its order (Accelerate loops).
 
     Raises:
         `GlobalBatchError`: `keep` and no accumulation gives the saved global batch with `now`'s per-device batch
@@ -350,17 +341,12 @@ def has_iterator(dataloader: Any) -> bool:
 
 
 class LoaderSeeds:
-    """The persistent data loaders of a run, created in a resumed run without drawing from the main generator where
-    the uninterrupted run had created them before.
-
-    A persistent loader creates its iterator once (its workers' base seed drawn from the main generator) and only
-    resets it at later `iter()`s. Where the uninterrupted run reset an iterator, a resumed run creates one: `lend`
-    gives such a loader a throwaway generator until its iterator exists (`settle`). The training loader's iterator
-    existed at the start of every epoch after the first (the position's epoch says so); the others' are part of the
-    data position: `record` (at a save) says per loader whether the run held its iterator and, for a loader prepared
-    by Accelerate, how often it was iterated (its `iteration`: the epoch its `set_epoch` gets); `arm` (at a resume)
-    and `resume(name, loader)` (when the resumed run first meets the loader) put both back. Loaders the resumed run
-    has not met yet are recorded as the checkpoint had them, so a second resume continues the same run too.
+    """The persistent data loaders of a run, whose iterators a resumed run creates without drawing from the main
+    generator where the uninterrupted run had them already: `lend` gives such a loader a throwaway generator until
+    its iterator exists (`settle`). `record` (at a save) says per loader whether the run held its iterator and how
+    often a prepared loader was iterated; `arm` (at a resume) and `resume(name, loader)` (when the resumed run first
+    meets it) put both back. Loaders not met yet are recorded as the checkpoint had them (a second resume continues
+    the same run).
     """
 
     def __init__(self) -> None:

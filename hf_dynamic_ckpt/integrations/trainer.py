@@ -109,7 +109,7 @@ class SmartCkptCallback(TrainerCallback):
                 "the anomaly consumed; set rollback_skip_batches=0 (or skip more in a custom loop with "
                 "SmartCheckpointer).")
         self.run: RunOrchestrator | None = None
-        self._trainer: Callable[[], Any] = _no_trainer
+        self._trainer: Callable[[], Any] = lambda: None
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
         self.last_rollback: Rollback | None = None
@@ -139,7 +139,7 @@ class SmartCkptCallback(TrainerCallback):
 
     @trainer.setter
     def trainer(self, trainer: Any | None) -> None:
-        self._trainer = _no_trainer if trainer is None else weakref.ref(trainer)
+        self._trainer = (lambda: None) if trainer is None else weakref.ref(trainer)
 
     def set_trainer(self, trainer: Any) -> None:
         """Give the callback its trainer (as Trainer does for its JIT checkpoint callback)."""
@@ -458,10 +458,6 @@ def _deepspeed_accumulation(trainer: Any, now: BatchGeometry, accumulation: int)
             config["train_batch_size"] = now.per_device * now.world_size * accumulation
 
 
-def _no_trainer() -> None:
-    return None
-
-
 def _restore_callback_states(trainer: Any, stored: dict[str, Any], say: logging.Logger | None) -> None:
     """Set the attributes `stored` (`TrainerState.stateful_callbacks`) holds on the trainer's callbacks of the same
     classes, in order (the `TrainerControl` is Trainer's to restore)."""
@@ -522,16 +518,6 @@ def _calling_trainer() -> Any | None:
     return None
 
 
-def _find_callback(trainer: Any) -> SmartCkptCallback:
-    for cb in trainer.callback_handler.callbacks:
-        if isinstance(cb, SmartCkptCallback):
-            return cb
-    raise ConfigError(
-        "resume_checkpoint(trainer, ...) found no SmartCkptCallback in trainer.callback_handler.callbacks: "
-        "create the Trainer with callbacks=[SmartCkptCallback(SmartCkptConfig())]."
-    )
-
-
 def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto") -> str | None:
     """The `resume_from_checkpoint` argument for `trainer.train`, from the smart checkpoint store.
 
@@ -562,7 +548,11 @@ def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto")
         >>> trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, "auto"))
         ```
     """
-    return _find_callback(trainer).prepare_resume(trainer, ref)
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, SmartCkptCallback):
+            return cb.prepare_resume(trainer, ref)
+    raise ConfigError("resume_checkpoint(trainer, ...) found no SmartCkptCallback in trainer.callback_handler."
+                      "callbacks: create the Trainer with callbacks=[SmartCkptCallback(SmartCkptConfig())].")
 
 
 # ---------------------------------------------------------------------------- the resume folder
@@ -611,14 +601,10 @@ _WRAPPERS: list[Any] = []
 
 
 def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
-    """Make `Trainer.train(resume_from_checkpoint=folder)` under DeepSpeed leave the engine's state to the callback.
-
-    Trainer resumes a DeepSpeed run with ``deepspeed_load_checkpoint(engine, folder)`` (DeepSpeed's own pickled
-    ``global_step*`` files, which the folder does not have: it raises) and then loads ``folder/scheduler.pt``
-    (``Trainer._load_optimizer_and_scheduler``). The first is a name of ``transformers.trainer``, wrapped once per
-    process: the wrapper skips the folders registered here and calls DeepSpeed's load for any other path; the second
-    is this instance's method, wrapped once for `folder`. The callback then reads the weights, master weights and
-    moments into the engine's partitions, and the scheduler, at ``on_train_begin`` (the engine exists by then).
+    """Make `Trainer.train(resume_from_checkpoint=folder)` under DeepSpeed leave the engine's state to the callback
+    (read into the engine's partitions at ``on_train_begin``): ``transformers.trainer.deepspeed_load_checkpoint`` is
+    wrapped once per process and skips the registered folders, this instance's ``_load_optimizer_and_scheduler``
+    once for `folder`; the folder has neither DeepSpeed's ``global_step*`` files nor ``scheduler.pt``.
     """
     import transformers.trainer as trainer_module
 
@@ -634,19 +620,25 @@ def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
 
         _WRAPPERS.append(deepspeed_load_checkpoint)
         trainer_module.deepspeed_load_checkpoint = deepspeed_load_checkpoint  # type: ignore[assignment]
-    original = trainer._load_optimizer_and_scheduler
-    own = vars(trainer).get("_load_optimizer_and_scheduler")
+    _skip_once(trainer, "_load_optimizer_and_scheduler", folder)
 
-    def _load_optimizer_and_scheduler(checkpoint: str | None) -> None:
-        if checkpoint is not None and os.path.abspath(checkpoint) == target:
+
+def _skip_once(trainer: Any, name: str, folder: Path, applies: Callable[..., bool] | None = None) -> None:
+    """Wrap this instance's ``trainer.<name>(checkpoint, ...)``: the first call for `folder` (that `applies` to)
+    does nothing and takes the wrapper off (an override of the instance's is put back); any other goes through."""
+    original, own, target = getattr(trainer, name), vars(trainer).get(name), os.path.abspath(folder)
+
+    def wrapper(checkpoint: str | None, *args: Any) -> Any:
+        if checkpoint is not None and os.path.abspath(checkpoint) == target and (applies is None or applies(*args)):
             if own is None:
-                del trainer._load_optimizer_and_scheduler
+                delattr(trainer, name)
             else:
-                trainer._load_optimizer_and_scheduler = own
+                setattr(trainer, name, own)
+            logger.debug("%s: Trainer's %s skipped, the callback did it", folder, name)
             return None
-        return original(checkpoint)
+        return original(checkpoint, *args)
 
-    trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+    setattr(trainer, name, wrapper)
 
 
 def forget_deepspeed_skip(folder: Path) -> None:
@@ -679,9 +671,8 @@ def data_steps(loaded: LoadedCheckpoint) -> int:
 
 
 def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any, *, read: bool = True) -> None:
-    """The weights file of `folder`: a hard link to the checkpoint's; where that cannot be (another file system: a
-    memory slot in /dev/shm), a copy when Trainer will `read` it, else a symbolic link (`load_once` puts the weights
-    in the model and skips Trainer's load; a copy cost 0.8 s per GiB of weights at restart, docs/benchmarks.md)."""
+    """The weights file of `folder`: a hard link to the checkpoint's; on another file system (a memory slot) a copy
+    when Trainer will `read` it, else a symbolic link (a copy cost 0.8 s per GiB at restart, docs/benchmarks.md)."""
     if loaded.weights is None:
         raise ConfigError(f"checkpoint {loaded.info.path} has no weights tier; resume needs one (choose another step).")
     names = adapter_names(model)
@@ -739,21 +730,10 @@ def _loads_once(trainer: Any) -> bool:
 
 def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> None:
     """Put the verified weights of `loaded` into `trainer.model` now and make `Trainer.train` skip its second load of
-    `folder` (a read of the whole file into new tensors, then a copy, the model and those tensors in memory at once).
-
-    A full model's parameters and buffers are read straight from the stored file into their own memory (no
-    mapping, no tensor in between), normally by the resume itself as it verifies the file (`read_targets`: one
-    pass, `loaded.weights` then names the model's tensors); what cannot be (a blob-stored frozen weight, another
-    dtype or device) is copied from `loaded.weights`, which then names the model's tensors; a PEFT model's adapters
-    go through PEFT's setter.
-
-    Trainer's only hook for it is ``Trainer._load_from_checkpoint``: this instance's is wrapped, and the wrapper
-    skips the load only for `folder`, once, into the model the weights went to; anything else (another path, a
-    ``model_init`` that built a new model, a sharded model passed explicitly) goes to Trainer's own. A Trainer that
-    loads by another route reads the hard-linked file of the folder and gets the same weights (restored from a memory
-    slot, a symbolic link to the slot's file: the same weights until the tier's next slot replaces that file).
-
-    A DeepSpeed or FSDP Trainer loads the weights itself: nothing is done for it.
+    `folder`, once, into that model (anything else goes to Trainer's own load). A full model's tensors are read
+    straight from the stored file (normally by the resume itself, `read_targets`); what cannot be is copied from
+    `loaded.weights`, which then names the model's tensors; adapters go through PEFT's setter. DeepSpeed and FSDP
+    Trainers load the weights themselves: nothing is done for them.
     """
     if loaded.weights is None or not _loads_once(trainer):
         return
@@ -762,21 +742,8 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
         apply_weights(model, loaded.weights)
     else:
         _read_into_model(model, loaded, store)
-    original = trainer._load_from_checkpoint
-    own = vars(trainer).get("_load_from_checkpoint")  # an override of this instance's, put back as it was
-    target = os.path.abspath(folder)
-
-    def _load_from_checkpoint(resume_from_checkpoint: str, model_arg: Any = None) -> None:
-        if model_arg is None and trainer.model is model and os.path.abspath(resume_from_checkpoint) == target:
-            if own is None:  # once: the wrapper takes itself off
-                del trainer._load_from_checkpoint
-            else:
-                trainer._load_from_checkpoint = own
-            logger.debug("weights of %s are in the model already: Trainer's load skipped", folder)
-            return None
-        return original(resume_from_checkpoint, model_arg)
-
-    trainer._load_from_checkpoint = _load_from_checkpoint
+    _skip_once(trainer, "_load_from_checkpoint", folder,
+               lambda model_arg=None: model_arg is None and trainer.model is model)
 
 
 def _read_into_model(model: Any, loaded: LoadedCheckpoint, store: Any) -> None:
