@@ -158,10 +158,8 @@ class SmartCkptCallback(TrainerCallback):
         return self.run
 
     def prepare_resume(self, trainer: Any, ref: str | os.PathLike[str] | None) -> str | None:
-        """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder.
-
-        The optimizer tier is read in the background while Trainer builds and prepares the optimizer, and is
-        loaded into them at the first update (`on_pre_optimizer_step`)."""
+        """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder (the optimizer tier
+        decodes in the background until the first update, `on_pre_optimizer_step`)."""
         self.set_trainer(trainer)
         if ref is None:
             return None
@@ -379,11 +377,8 @@ class SmartCkptCallback(TrainerCallback):
         ck.exit_if_preempted()  # 128 + signal: the scheduler requeues the job (preemption_exit_code)
 
     def _apply_resumed_optimizer(self) -> None:
-        """Wait for the resumed optimizer tier (agreed across ranks) and load it into Trainer's optimizer and scheduler.
-
-        Called at the first `on_pre_optimizer_step` after a resume (or at `on_train_end` when no update ran):
-        the first update is the first thing that reads the optimizer state, so its forward and backward
-        overlap the L1 decode that `resume_checkpoint` started."""
+        """Wait for the resumed optimizer tier (agreed across ranks) and load it into Trainer's optimizer and scheduler,
+        at the first update (its forward and backward overlap the decode) or at `on_train_end` when none ran."""
         unapplied, self._unapplied = self._unapplied, None
         if unapplied is not None and self.run is not None:
             loaded, optimizer, scheduler = unapplied
