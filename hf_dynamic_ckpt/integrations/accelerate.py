@@ -1,17 +1,10 @@
-"""Accelerate integration: the `save_state` / `load_state` hook pair and `SmartCheckpointer` for custom loops.
+"""Accelerate integration (docs/accelerate.md): `SmartStateHooks`, the `save_state` / `load_state` hook pair, and
+`SmartCheckpointer` for custom loops; both thin adapters over `run.orchestrator.RunOrchestrator`.
 
-Both are thin adapters over `run.orchestrator.RunOrchestrator`, the orchestrator the Trainer callback drives too.
-
-- `SmartStateHooks`: `accelerator.save_state(dir)` commits a checkpoint to the tiered store and
-  `accelerator.load_state(dir)` restores it. Accelerate's hook API can only suppress the model files (by emptying
-  the `weights` list it passes); its optimizer, scheduler, sampler and RNG files are written regardless. The weights
-  (a PEFT model's adapter only) live in the store; `dir` receives a pointer file (`smart_ckpt.json`).
-- `SmartCheckpointer`: the signal-driven decisions in a custom loop, two calls per step and one resume call.
-
-A resume on another number of processes continues the same run (docs/elastic.md): the accumulation keeps the
-checkpoint's global batch, the data position stays in samples of the epoch's order (`integrations.position`), and
-Accelerate's prepared scheduler, which steps its wrapped scheduler once per process at every optimizer step, keeps
-the pace of the run it continues.
+Accelerate's hooks can only suppress the model files: the weights live in the store and the directory receives a
+pointer file (`smart_ckpt.json`). A resume on another number of processes continues the same run (docs/elastic.md):
+the accumulation keeps the global batch, the data position stays in samples of the epoch's order, and the prepared
+scheduler keeps the pace of the run it continues.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import torch
 from .. import distributed as dist
 from ..config import SmartCkptConfig
 from ..constants import MANIFEST_NAME
-from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, SaveError, weights_overwritten
+from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, SaveError
 from ..run.orchestrator import Rollback, RunOrchestrator, SaveEvent
 from ..signals import Decision, DecisionKind
 from ..state import (
@@ -42,16 +35,7 @@ from ..state import (
     trainable_state_dict,
 )
 from ..store import LoadedCheckpoint
-from .position import (
-    KEY_BATCH,
-    KEY_DEALT,
-    KEY_DRAWS_RANDOM,
-    BatchGeometry,
-    ResumableLoader,
-    StepRandomness,
-    plan_batch,
-    world_change_note,
-)
+from .position import KEY_DRAWS_RANDOM, ResumableLoader, StepRandomness, resume_batch
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +53,9 @@ _MODEL_PREFIX = "model_{}."
 
 # ------------------------------------------------------------------------------------------ the live objects
 class AccelerateState:
-    """What a checkpoint of an `Accelerator` run reads from and writes back into: L0 the trainable weights of every
-    prepared model (the second one's keys prefixed ``model_1.``), L1 the optimizer, scheduler and AMP scaler, L2 the
-    data position of a `ResumableLoader`. Counts the optimizer's real updates (not accumulation micro-steps): the
-    step a checkpoint is filed under.
+    """The live objects of an `Accelerator` run: L0 the trainable weights of every prepared model (the second one's
+    keys prefixed ``model_1.``), L1 optimizer, scheduler and scaler, L2 a `ResumableLoader`'s position. Counts real
+    optimizer updates (not micro-steps): the step a checkpoint is filed under.
 
     Raises:
         `ConfigError`: more than one optimizer or scheduler is prepared (a checkpoint holds one).
@@ -215,50 +198,35 @@ def deepspeed_engine(accelerator: Any) -> Any | None:
 
 
 def apply_elastic(loaded: LoadedCheckpoint, *, state: AccelerateState, run: RunOrchestrator,
-                  accelerator: Any) -> None:
+                  accelerator: Any, read_into: bool = False) -> None:
     """Continue `loaded` on this run's number of processes: the accumulation that keeps its global batch (on the
     accelerator, and a DeepSpeed engine's), the scheduler's pace, and rank 0's lines saying what changes.
 
     Raises:
         `GlobalBatchError`: `runtime.keep_global_batch` and no accumulation keeps the saved global batch.
     """
-    sampler, saved_extra = loaded.sampler or {}, loaded.extra.get(KEY_ACCELERATE) or {}
-    saved_world, world, step = loaded.info.world_size, run.world_size, loaded.info.step
-    lines: list[tuple[int, str]] = []
-    saved = BatchGeometry.from_json(sampler.get(KEY_BATCH))
-    now = state.loader.geometry() if state.loader is not None else None
-    dealt = bool(sampler.get(KEY_DEALT, True))
-    if saved is not None and now is not None:
-        if not dealt:  # every rank reads every batch: a step's samples do not depend on the number of processes
-            saved, now = BatchGeometry(saved.per_device, 1, saved.accumulation), \
-                BatchGeometry(now.per_device, 1, now.accumulation)
-        plan = plan_batch(saved, now, keep=run.config.runtime.keep_global_batch, step=step, position_in="samples")
+    saved_extra, saved_world, world, step = loaded.extra.get(KEY_ACCELERATE) or {}, loaded.info.world_size, \
+        run.world_size, loaded.info.step
+    say = run.announce if run.rank == 0 else None
+    plan = resume_batch(loaded, state.loader.geometry() if state.loader is not None else None, world=world,
+                        keep=run.config.runtime.keep_global_batch, say=say, read_into=read_into,
+                        position_in="samples", data=state.loader is not None)
+    if plan is not None:
         accelerator.gradient_accumulation_steps = plan.accumulation
         engine = deepspeed_engine(accelerator)
         if engine is not None:  # the engine scales the loss and reduces by its own accumulation: the same one
             engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * engine.dp_world_size *
                                         plan.accumulation)
-        if plan.warning is not None or plan.note is not None:
-            lines.append((logging.WARNING if plan.warning else logging.INFO, plan.warning or plan.note or ""))
-    elif saved_world != world and state.loader is not None:
-        lines.append((logging.WARNING, f"step {step} was saved by {saved_world} process(es) and is resumed by "
-                                       f"{world}, and it does not record its global batch: keep the per-device "
-                                       "batch x processes x gradient_accumulation_steps as it was"))
-    note = world_change_note(saved_world, world, sampler.get(KEY_DRAWS_RANDOM)) if dealt else None
-    if note is not None:  # with every rank reading every batch, a rank continuing rank 0's stream draws its masks
-        lines.append((logging.WARNING, f"step {step} was {note}"))
     pace = state.scheduler_pace
     saved_pace = saved_extra.get(KEY_SCHEDULER_PACE) if KEY_SCHEDULER_PACE in saved_extra else \
         (saved_world if pace is not None and pace == world else None)
     if isinstance(saved_pace, int) and pace is not None and saved_pace != pace:
         keep_pace(state.scheduler, saved_pace)
         state.scheduler_pace = saved_pace
-        lines.append((logging.INFO, f"step {step}: the learning-rate scheduler keeps the pace of the run it continues, "
-                                    f"{saved_pace} scheduler step(s) per optimizer step (accelerate's prepared "
-                                    f"scheduler steps once per process: {pace} on {world})"))
-    if run.rank == 0:
-        for level, line in lines:
-            run.announce.log(level, "smart_ckpt: %s", line)
+        if say is not None:
+            say.info("smart_ckpt: step %d: the learning-rate scheduler keeps the pace of the run it continues, %d "
+                     "scheduler step(s) per optimizer step (accelerate's prepared scheduler steps once per process: "
+                     "%s on %d)", step, saved_pace, pace, world)
 
 
 # ------------------------------------------------------------------------------------------ wiring
@@ -333,21 +301,14 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
 
 # ------------------------------------------------------------------------------------------ the hook pair
 class SmartStateHooks:
-    """`accelerator.save_state()` / `load_state()` through the tiered store.
+    """`accelerator.save_state()` / `load_state()` through the tiered store (docs/accelerate.md).
 
-    - save: commits the current state as store checkpoint `step-<N>` (N: optimizer updates so far, pinned against
-      retention) synchronously on every rank, with the data position of `loader`; empties Accelerate's `weights`
-      list (no model file in the directory) and leaves `smart_ckpt.json` there (rank 0).
-    - load: follows `smart_ckpt.json` (or takes the directory as a store checkpoint path), verifies and loads the
-      checkpoint (fallback per `runtime.fallback_strategy`), puts weights, optimizer, scheduler and scaler back,
-      empties Accelerate's `models` list and arms `loader` for an exact continuation. A folder written without the
-      hooks is left to Accelerate, with one INFO line.
-
-    The pair always runs after every other save / load pre-hook of the accelerator, which see the full lists. With
-    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)` the store keeps at most N checkpoints
-    besides pinned captures (hooks that own their run retain with `keep_last=N`, no log-spaced history): the
-    checkpoint pinned for a folder Accelerate rotated away is unpinned at the next `save_state`, and retention
-    removes it.
+    `save_state` commits store checkpoint `step-<N>` (N: optimizer updates, pinned against retention) on every rank
+    and leaves `smart_ckpt.json` instead of model files; `load_state` follows it (or takes a store checkpoint path),
+    puts the state back and arms `loader`; a folder written without the hooks is left to Accelerate. The pair runs
+    after every other pre-hook of the accelerator, which see the full lists. With
+    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)` the store keeps at most N checkpoints:
+    one pinned for a folder Accelerate rotated away is unpinned at the next `save_state`.
 
     Args:
         accelerator (`accelerate.Accelerator`): after `prepare(...)`.
@@ -506,10 +467,8 @@ class SmartStateHooks:
 class SmartCheckpointer:
     """Signal-driven, tiered, non-blocking checkpoints for a custom Accelerate loop.
 
-    The same orchestrator, policy, engine and store as `SmartCkptCallback`. It also registers `SmartStateHooks`,
-    so `accelerator.save_state()` / `load_state()` go to the same store (not under DeepSpeed, where Accelerate runs
-    DeepSpeed's own save there). Under DeepSpeed ZeRO the engine steps inside `accelerator.backward`; the same loop
-    works (docs/deepspeed.md).
+    It also registers `SmartStateHooks` on the same store (not under DeepSpeed, where Accelerate runs DeepSpeed's
+    own `save_state`); under ZeRO the same loop works (docs/deepspeed.md).
 
     Args:
         accelerator (`accelerate.Accelerator`): after `prepare(...)`.
@@ -678,12 +637,8 @@ class SmartCheckpointer:
         return self.run.save_now(self.step, self.state.epoch(boundary=True), reason=reason, blocking=blocking)
 
     def resume(self, ref: str | None = "auto") -> LoadedCheckpoint | None:
-        """Restore a checkpoint on every rank before the loop (one agreed restore point).
-
-        On another number of processes the run continues the same run (docs/elastic.md): the accumulation keeps the
-        checkpoint's global batch (`gradient_accumulation_steps`; `runtime.keep_global_batch`), the data position
-        stays in samples of the epoch's order, the prepared scheduler keeps its pace, and a rank the checkpoint had
-        not continues rank 0's random streams.
+        """Restore a checkpoint on every rank before the loop (one agreed restore point); on another number of
+        processes the run continues the same run (docs/elastic.md, `gradient_accumulation_steps`).
 
         Args:
             ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy), `best` (lowest loss), `fastest`
@@ -702,12 +657,7 @@ class SmartCheckpointer:
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)
             return None
-        try:
-            apply_elastic(loaded, state=self.state, run=self.run, accelerator=self.accelerator)
-        except ConfigError as e:  # GlobalBatchError: the weights are in the model already
-            if not into:
-                raise
-            raise type(e)(f"{e}{weights_overwritten(f'the weights of step {loaded.info.step}')}") from None
+        apply_elastic(loaded, state=self.state, run=self.run, accelerator=self.accelerator, read_into=bool(into))
         self.state.apply(loaded)
         self._mark()
         self.run.note_boundary(self.step, rng=loaded.rng)

@@ -1,41 +1,19 @@
-"""The exact data position of a run, on any number of processes: batches seen, the RNG that ordered the epoch,
-every loader's worker seed, and the batch geometry a resume on another world size keeps.
+"""The exact data position of a run on any number of processes (docs/accelerate.md, docs/elastic.md).
 
-Accelerate loops (`ResumableLoader`): `Accelerator.save_state` does not record how far a map-style dataloader got.
-This wrapper counts the batches it hands out and remembers, per epoch, the RNG states from just before the epoch's
-iterator was created (the permutation and the worker seeds are drawn then). On resume it restores those, skips the
-batches already seen with `accelerator.skip_first_batches`, and re-applies the RNG state of the moment of the save
-once the first batch has been fetched: creating the iterator consumed random numbers that the interrupted run had
-consumed long before the save, so applying the saved RNG earlier (as `load_state` does) leaves dropout masks shifted.
+Invariants:
 
-A position whose epoch is complete (its last batch handed out: the length is reached, or the
-prepared loader says `end_of_dataloader`, which also covers iterable datasets without a length)
-is the next epoch's start: `(epoch + 1, 0)`, with the sampler generator's state of that moment.
-A resume from it creates the next epoch's iterator from the saved RNG, as the uninterrupted
-run did, and a `for epoch in range(ckpt.epoch, n)` loop loses no epoch.
-
-Every loader the run iterates is part of the position (`LoaderSeeds`): the training loader and the others the
-run evaluates on (a Trainer's eval loaders, the other loaders an `Accelerator` prepared). Creating a loader's
-iterator draws its workers' base seed from the main torch generator. A persistent loader (workers kept across
-epochs) creates it once and only resets it later, so a resumed run, whose loaders are new, would draw again where
-the uninterrupted run drew nothing, and every random number after it (dropout, the next epoch's order) would shift.
-The position records which loaders had their iterator at the save (and how often a prepared loader was iterated,
-its `set_epoch`); the resumed run creates each of those with a throwaway generator (the loader's `generator`
-attribute, lent until its iterator exists): the main stream stays the uninterrupted run's. Randomness inside the
-workers (augmentation in a dataset or a collator run by a worker) is not reproduced across a resume: its generators
-live in the worker processes.
-
-Another number of processes (docs/elastic.md): a data-parallel step consumes a *global batch* of ``per_device x
-world_size x accumulation`` samples (`BatchGeometry`) of the sampler's order, which Trainer's and Accelerate's
-seedable samplers draw independently of the world size, so a run resumed on another world size continues the same run
-(up to float reduction order) while the global batch stays the same. `plan_batch` keeps it: the accumulation that
-restores it, or a `GlobalBatchError` naming the settings that would (``runtime.keep_global_batch: false`` accepts
-another and says what changes). The position records the geometry and whether the loader deals its batches to the
-ranks (a loader prepared by Accelerate shards or dispatches them; an unprepared one gives every rank the same
-batches); a resume on another geometry keeps the position in samples of the epoch's order (`rescale_batches_seen`),
-and a rank the checkpoint had not starts the epoch from rank 0's state. What cannot be kept is said where it differs:
-the order, when it comes from the main random stream (`order_note`), and the dropout masks, which each rank draws
-itself (`StepRandomness` records whether a step draws any).
+- `ResumableLoader` records, per epoch, the RNG from just before the epoch's iterator was created, restores it on
+  resume, skips the batches seen, and re-applies the RNG of the save only once the first batch is fetched (creating
+  the iterator consumed numbers the interrupted run consumed long before the save).
+- A position whose epoch is complete (last batch handed out, or `end_of_dataloader`) is the next epoch's start
+  `(epoch + 1, 0)`: `for epoch in range(ckpt.epoch, n)` loses no epoch.
+- Every loader the run iterates is part of the position (`LoaderSeeds`): a persistent loader draws its workers'
+  seed from the main generator only when its iterator is first created, so the resumed run creates each iterator
+  the uninterrupted run already had with a throwaway generator. Randomness inside workers is not reproduced.
+- On another world size the global batch ``per_device x world_size x accumulation`` is kept (`plan_batch`, or a
+  `GlobalBatchError`), the position is kept in samples of the epoch's order (`rescale_batches_seen`), a rank the
+  checkpoint had not starts from rank 0's state, and what cannot be kept (`order_note`, dropout masks via
+  `StepRandomness`) is said.
 """
 
 from __future__ import annotations
@@ -50,8 +28,9 @@ from typing import Any
 import torch
 
 from .. import distributed as dist
-from ..errors import CorruptCheckpointError, GlobalBatchError
+from ..errors import CorruptCheckpointError, GlobalBatchError, weights_overwritten
 from ..state import capture_rng_state, restore_rng_state
+from ..store import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -117,19 +96,10 @@ def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, s
                position_in: str = "steps") -> BatchPlan:
     """The accumulation a run resumed with geometry `now` trains with, from the `saved` one.
 
-    On the world size that saved the checkpoint, `now` as given: a per-device batch or accumulation changed there
-    is the user's choice (Trainer resumes with the new batch size, transformers#43708). On another world size, the
-    saved global batch, unless `keep` is off.
-
-    Args:
-        saved (`BatchGeometry`): what the checkpoint recorded.
-        now (`BatchGeometry`): the resumed run's settings as given (its per-device batch, world size, accumulation).
-        keep (`bool`, *optional*, defaults to `True`): keep the saved global batch by choosing the accumulation
-            (``runtime.keep_global_batch``); `False`: train with `now` as given.
-        step (`int`, *optional*): the checkpoint's step, for the messages.
-        position_in (`str`, *optional*, defaults to `"steps"`): how the resumed run keeps its data position when it
-            accepts another global batch: in optimizer steps (Trainer) or in `"samples"` of its order (Accelerate
-            loops), for the warning.
+    On the world size that saved the checkpoint, `now` as given (a changed per-device batch or accumulation is the
+    user's choice, as Trainer resumes it, transformers#43708); on another one, the saved global batch unless `keep`
+    (``runtime.keep_global_batch``) is off. `position_in` says, for the warning, whether the resumed run keeps its
+    data position in optimizer `"steps"` (Trainer) or `"samples"` of its order (Accelerate loops).
 
     Raises:
         `GlobalBatchError`: `keep` and no accumulation gives the saved global batch with `now`'s per-device batch
@@ -218,6 +188,46 @@ def world_change_note(saved_world: int, world: int, draws_random: bool | None) -
         "the checkpoint does not say whether its steps draw random numbers"
     return (f"saved by {saved_world} process(es), resumed by {world}, and {why}: each rank draws its own masks, so "
             "the masks of the resumed run differ from the interrupted one's (the samples of each step do not)")
+
+
+def resume_batch(loaded: LoadedCheckpoint, now: BatchGeometry | None, *, world: int, keep: bool,
+                 say: logging.Logger | None, read_into: bool, position_in: str = "steps",
+                 data: bool = True) -> BatchPlan | None:
+    """The batch plan of a resume of `loaded` by a run of geometry `now` on `world` processes (`None` where either
+    does not record one), after `say` (rank 0's logger, else `None`) has said what a change of world size keeps.
+
+    `data`: the run tracks a data position. A loader that does not deal its batches (every rank reads every batch)
+    keeps a step's samples on any number of processes: only its per-device batch and accumulation count.
+
+    Raises:
+        `GlobalBatchError`: `keep` and no accumulation keeps the saved global batch (saying that the model's weights
+            were overwritten when the resume had `read_into` them).
+    """
+    sampler, step, saved_world = loaded.sampler or {}, loaded.info.step, loaded.info.world_size
+    saved, dealt = BatchGeometry.from_json(sampler.get(KEY_BATCH)), bool(sampler.get(KEY_DEALT, True))
+    plan, lines = None, []
+    if saved is not None and now is not None:
+        if not dealt:
+            saved, now = dataclasses.replace(saved, world_size=1), dataclasses.replace(now, world_size=1)
+        try:
+            plan = plan_batch(saved, now, keep=keep, step=step, position_in=position_in)
+        except GlobalBatchError as e:
+            if not read_into:
+                raise
+            raise GlobalBatchError(f"{e}{weights_overwritten(f'the weights of step {step}')}") from None
+        if plan.warning is not None or plan.note is not None:
+            lines.append((logging.WARNING if plan.warning else logging.INFO, plan.warning or plan.note or ""))
+    elif saved_world != world and data:
+        lines.append((logging.WARNING, f"step {step} was saved by {saved_world} process(es) and is resumed by "
+                                       f"{world}, and it does not record its global batch: keep the per-device "
+                                       "batch x processes x gradient_accumulation_steps as it was"))
+    note = world_change_note(saved_world, world, sampler.get(KEY_DRAWS_RANDOM)) if dealt else None
+    if note is not None:  # with every rank reading every batch, a rank continuing rank 0's stream draws its masks
+        lines.append((logging.WARNING, f"step {step} was {note}"))
+    for level, line in lines:
+        if say is not None:
+            say.log(level, "smart_ckpt: %s", line)
+    return plan
 
 
 # ---------------------------------------------------------------------------- data position
@@ -331,17 +341,12 @@ def has_iterator(dataloader: Any) -> bool:
 
 
 class LoaderSeeds:
-    """The persistent data loaders of a run, created in a resumed run without drawing from the main generator where
-    the uninterrupted run had created them before.
-
-    A persistent loader creates its iterator once (its workers' base seed drawn from the main generator) and only
-    resets it at later `iter()`s. Where the uninterrupted run reset an iterator, a resumed run creates one: `lend`
-    gives such a loader a throwaway generator until its iterator exists (`settle`). The training loader's iterator
-    existed at the start of every epoch after the first (the position's epoch says so); the others' are part of the
-    data position: `record` (at a save) says per loader whether the run held its iterator and, for a loader prepared
-    by Accelerate, how often it was iterated (its `iteration`: the epoch its `set_epoch` gets); `arm` (at a resume)
-    and `resume(name, loader)` (when the resumed run first meets the loader) put both back. Loaders the resumed run
-    has not met yet are recorded as the checkpoint had them, so a second resume continues the same run too.
+    """The persistent data loaders of a run, whose iterators a resumed run creates without drawing from the main
+    generator where the uninterrupted run had them already: `lend` gives such a loader a throwaway generator until
+    its iterator exists (`settle`). `record` (at a save) says per loader whether the run held its iterator and how
+    often a prepared loader was iterated; `arm` (at a resume) and `resume(name, loader)` (when the resumed run first
+    meets it) put both back. Loaders not met yet are recorded as the checkpoint had them (a second resume continues
+    the same run).
     """
 
     def __init__(self) -> None:

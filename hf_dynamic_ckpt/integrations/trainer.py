@@ -1,40 +1,19 @@
-"""Hugging Face `Trainer` integration: `SmartCkptCallback` and `resume_checkpoint`.
+"""Hugging Face `Trainer` integration: `SmartCkptCallback` and `resume_checkpoint` (docs/trainer.md).
 
-A thin adapter over `hf_dynamic_ckpt.run.orchestrator.RunOrchestrator`:
+A thin adapter over `run.orchestrator.RunOrchestrator`. Invariants:
 
-- `on_train_begin`: installs the probes (loss hook, gradient norms, memory, SIGTERM flag,
-  the pre-clip norm recorder on `trainer.accelerator.clip_grad_norm_`).
-- `on_pre_optimizer_step`: after a `resume_checkpoint`, the first one loads the optimizer and
-  scheduler state straight from the store into the optimizer and scheduler Trainer created
-  (the store decodes it in the background meanwhile, overlapping the first forward and
-  backward; with an AMP `GradScaler` this happens at `on_train_begin`, since the first
-  backward needs the loss scale). Then the pre-update capture; `on_step_end`: the decision. The tensors of
-  a save are those of the step (RNG and data position taken at `on_step_end`), but the write
-  starts at the next `on_step_begin` (or `on_train_end`), once Trainer has logged the step,
-  evaluated and updated `best_*` and the flos: the stored `TrainerState` is the one Trainer
-  would have saved for that step.
-- `on_log`: `smart_ckpt/*` metrics; `on_train_end`: the final save, then the engine and the
-  store close (a second `train()` opens them again).
-
-Resume: `resume_checkpoint(trainer, ref)` chooses and verifies the restore point (one agreed
-outcome on every rank, checked against the model) and materialises a minimal Trainer folder
-(`materialise_trainer_folder`). Trainer then loads the weights, restores `global_step` and skips the
-batches already seen; the callback restores each rank's RNG at the moment the uninterrupted run
-had it: the RNG of a save is the one the next step started from, taken at its `on_step_begin`,
-and is restored at the resumed run's first `on_step_begin` (a save with no next step, at train
-end or on preemption, stores the RNG of its step's end: restored before a new epoch's iterator is
-created, else after the first fetch). That is what makes the resumed run bit-exact.
-
-The resume folder: ``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` (the stored `TrainerState`) and the
-weights as a hard link of the stored safetensors file (or, for several PEFT adapters, one file per adapter: the
-``default`` adapter at the top, the others in sub-folders named after them, which is how Trainer finds them). The
-callback has copied the verified weights into the model already (`load_once`): Trainer's own load of this folder is
-skipped, so the weights are read once; the file is there for a Trainer that loads anyway. No `optimizer.pt` /
-`scheduler.pt`: the callback loads L1 from the store straight into Trainer's optimizer. No `rng_state[_R].pth` either:
-the callback restores each rank's RNG itself, once the first resumed step has fetched its batches.
-
-The folder's location comes from this run's store (its root and task), never from a manifest, and only entries under
-``<root>/.resume`` that are real directories are ever removed.
+- A save holds the tensors of its step (RNG and data position taken at `on_step_end`), but is written at the next
+  `on_step_begin` (or `on_train_end`), once Trainer has logged, evaluated and updated `best_*` and the flos: the
+  stored `TrainerState` is the one Trainer would have saved for that step.
+- After `resume_checkpoint`, the optimizer tier decodes in the background and is loaded at the first
+  `on_pre_optimizer_step` (at `on_train_begin` with an AMP scaler: the first backward needs the loss scale).
+- Each rank's RNG goes back at the moment the uninterrupted run had it: a save's RNG is taken at the next step's
+  `on_step_begin` and restored at the resumed run's first one (an RNG of a step's end, before a new epoch's
+  iterator is created, else after the first fetch). That makes the resume bit-exact.
+- The resume folder ``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` and the weights as a hard link
+  of the stored file; no optimizer, scheduler or RNG files (the callback loads those itself), and Trainer's own
+  weight load of it is skipped (`load_once`). Its location comes from this run's store, never from a manifest,
+  and only real directories under ``<root>/.resume`` are ever removed.
 """
 
 from __future__ import annotations
@@ -68,7 +47,7 @@ from ..constants import (
     TRAINER_WEIGHTS_NAME,
     WEIGHTS_NAME,
 )
-from ..errors import ConfigError, weights_overwritten
+from ..errors import ConfigError
 from ..export import describe_model
 from ..run.orchestrator import Rollback, RunOrchestrator
 from ..sharded import zero_expected
@@ -94,8 +73,7 @@ from .position import (
     BatchGeometry,
     LoaderSeeds,
     StepRandomness,
-    plan_batch,
-    world_change_note,
+    resume_batch,
 )
 
 logger = logging.getLogger(__name__)
@@ -131,7 +109,7 @@ class SmartCkptCallback(TrainerCallback):
                 "the anomaly consumed; set rollback_skip_batches=0 (or skip more in a custom loop with "
                 "SmartCheckpointer).")
         self.run: RunOrchestrator | None = None
-        self._trainer: Callable[[], Any] = _no_trainer
+        self._trainer: Callable[[], Any] = lambda: None
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
         self.last_rollback: Rollback | None = None
@@ -161,7 +139,7 @@ class SmartCkptCallback(TrainerCallback):
 
     @trainer.setter
     def trainer(self, trainer: Any | None) -> None:
-        self._trainer = _no_trainer if trainer is None else weakref.ref(trainer)
+        self._trainer = (lambda: None) if trainer is None else weakref.ref(trainer)
 
     def set_trainer(self, trainer: Any) -> None:
         """Give the callback its trainer (as Trainer does for its JIT checkpoint callback)."""
@@ -180,10 +158,8 @@ class SmartCkptCallback(TrainerCallback):
         return self.run
 
     def prepare_resume(self, trainer: Any, ref: str | os.PathLike[str] | None) -> str | None:
-        """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder.
-
-        The optimizer tier is read in the background while Trainer builds and prepares the optimizer, and is
-        loaded into them at the first update (`on_pre_optimizer_step`)."""
+        """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder (the optimizer tier
+        decodes in the background until the first update, `on_pre_optimizer_step`)."""
         self.set_trainer(trainer)
         if ref is None:
             return None
@@ -196,12 +172,7 @@ class SmartCkptCallback(TrainerCallback):
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
-        try:
-            self._plan_batch(trainer, loaded, ck)
-        except ConfigError as e:  # GlobalBatchError: the weights are in the model already
-            if not into:
-                raise
-            raise type(e)(f"{e}{weights_overwritten(f'the weights of step {loaded.info.step}')}") from None
+        self._plan_batch(trainer, loaded, ck, read_into=bool(into))
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
         if zero:
             skip_deepspeed_load(trainer, folder)
@@ -214,31 +185,18 @@ class SmartCkptCallback(TrainerCallback):
         self.resumed_from = loaded
         return str(folder)
 
-    def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator) -> None:
-        """Keep the checkpoint's global batch on this world size (`plan_batch`): set Trainer's accumulation before
-        `train()` counts its steps, and say what a change of world size keeps."""
-        args, sampler = trainer.args, loaded.sampler or {}
-        saved = BatchGeometry.from_json(sampler.get(KEY_BATCH))
+    def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator, *, read_into: bool) -> None:
+        """Keep the checkpoint's global batch on this world size (`resume_batch`): set Trainer's accumulation before
+        `train()` counts its steps."""
+        args = trainer.args
         now = BatchGeometry(int(trainer._train_batch_size), dist.world_size(), int(args.gradient_accumulation_steps))
-        saved_world = loaded.info.world_size
-        say = ck.announce if ck.rank == 0 else None
-        if saved is None:
-            if saved_world != now.world_size and say is not None:
-                say.warning("smart_ckpt: step %d was saved by %d process(es) and is resumed by %d, and it does not "
-                            "record its global batch: keep per_device_train_batch_size x processes x "
-                            "gradient_accumulation_steps as it was", loaded.info.step, saved_world, now.world_size)
+        plan = resume_batch(loaded, now, world=now.world_size, keep=self.config.runtime.keep_global_batch,
+                            say=ck.announce if ck.rank == 0 else None, read_into=read_into)
+        if plan is None:
             return
-        plan = plan_batch(saved, now, keep=self.config.runtime.keep_global_batch, step=loaded.info.step)
         if plan.accumulation != now.accumulation and getattr(trainer, "is_deepspeed_enabled", False):
             _deepspeed_accumulation(trainer, now, plan.accumulation)
         args.gradient_accumulation_steps = plan.accumulation
-        if plan.warning is not None and say is not None:
-            say.warning("smart_ckpt: %s", plan.warning)
-        elif plan.note is not None and say is not None:
-            say.info("smart_ckpt: %s", plan.note)
-        note = world_change_note(saved_world, now.world_size, sampler.get(KEY_DRAWS_RANDOM))
-        if note is not None and say is not None:
-            say.warning("smart_ckpt: step %d was %s", loaded.info.step, note)
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -419,11 +377,8 @@ class SmartCkptCallback(TrainerCallback):
         ck.exit_if_preempted()  # 128 + signal: the scheduler requeues the job (preemption_exit_code)
 
     def _apply_resumed_optimizer(self) -> None:
-        """Wait for the resumed optimizer tier (agreed across ranks) and load it into Trainer's optimizer and scheduler.
-
-        Called at the first `on_pre_optimizer_step` after a resume (or at `on_train_end` when no update ran):
-        the first update is the first thing that reads the optimizer state, so its forward and backward
-        overlap the L1 decode that `resume_checkpoint` started."""
+        """Wait for the resumed optimizer tier (agreed across ranks) and load it into Trainer's optimizer and scheduler,
+        at the first update (its forward and backward overlap the decode) or at `on_train_end` when none ran."""
         unapplied, self._unapplied = self._unapplied, None
         if unapplied is not None and self.run is not None:
             loaded, optimizer, scheduler = unapplied
@@ -498,10 +453,6 @@ def _deepspeed_accumulation(trainer: Any, now: BatchGeometry, accumulation: int)
             config["train_batch_size"] = now.per_device * now.world_size * accumulation
 
 
-def _no_trainer() -> None:
-    return None
-
-
 def _restore_callback_states(trainer: Any, stored: dict[str, Any], say: logging.Logger | None) -> None:
     """Set the attributes `stored` (`TrainerState.stateful_callbacks`) holds on the trainer's callbacks of the same
     classes, in order (the `TrainerControl` is Trainer's to restore)."""
@@ -562,16 +513,6 @@ def _calling_trainer() -> Any | None:
     return None
 
 
-def _find_callback(trainer: Any) -> SmartCkptCallback:
-    for cb in trainer.callback_handler.callbacks:
-        if isinstance(cb, SmartCkptCallback):
-            return cb
-    raise ConfigError(
-        "resume_checkpoint(trainer, ...) found no SmartCkptCallback in trainer.callback_handler.callbacks: "
-        "create the Trainer with callbacks=[SmartCkptCallback(SmartCkptConfig())]."
-    )
-
-
 def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto") -> str | None:
     """The `resume_from_checkpoint` argument for `trainer.train`, from the smart checkpoint store.
 
@@ -602,7 +543,11 @@ def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto")
         >>> trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, "auto"))
         ```
     """
-    return _find_callback(trainer).prepare_resume(trainer, ref)
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, SmartCkptCallback):
+            return cb.prepare_resume(trainer, ref)
+    raise ConfigError("resume_checkpoint(trainer, ...) found no SmartCkptCallback in trainer.callback_handler."
+                      "callbacks: create the Trainer with callbacks=[SmartCkptCallback(SmartCkptConfig())].")
 
 
 # ---------------------------------------------------------------------------- the resume folder
@@ -651,14 +596,10 @@ _WRAPPERS: list[Any] = []
 
 
 def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
-    """Make `Trainer.train(resume_from_checkpoint=folder)` under DeepSpeed leave the engine's state to the callback.
-
-    Trainer resumes a DeepSpeed run with ``deepspeed_load_checkpoint(engine, folder)`` (DeepSpeed's own pickled
-    ``global_step*`` files, which the folder does not have: it raises) and then loads ``folder/scheduler.pt``
-    (``Trainer._load_optimizer_and_scheduler``). The first is a name of ``transformers.trainer``, wrapped once per
-    process: the wrapper skips the folders registered here and calls DeepSpeed's load for any other path; the second
-    is this instance's method, wrapped once for `folder`. The callback then reads the weights, master weights and
-    moments into the engine's partitions, and the scheduler, at ``on_train_begin`` (the engine exists by then).
+    """Make `Trainer.train(resume_from_checkpoint=folder)` under DeepSpeed leave the engine's state to the callback
+    (read into the engine's partitions at ``on_train_begin``): ``transformers.trainer.deepspeed_load_checkpoint`` is
+    wrapped once per process and skips the registered folders, this instance's ``_load_optimizer_and_scheduler``
+    once for `folder`; the folder has neither DeepSpeed's ``global_step*`` files nor ``scheduler.pt``.
     """
     import transformers.trainer as trainer_module
 
@@ -674,19 +615,25 @@ def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
 
         _WRAPPERS.append(deepspeed_load_checkpoint)
         trainer_module.deepspeed_load_checkpoint = deepspeed_load_checkpoint  # type: ignore[assignment]
-    original = trainer._load_optimizer_and_scheduler
-    own = vars(trainer).get("_load_optimizer_and_scheduler")
+    _skip_once(trainer, "_load_optimizer_and_scheduler", folder)
 
-    def _load_optimizer_and_scheduler(checkpoint: str | None) -> None:
-        if checkpoint is not None and os.path.abspath(checkpoint) == target:
+
+def _skip_once(trainer: Any, name: str, folder: Path, applies: Callable[..., bool] | None = None) -> None:
+    """Wrap this instance's ``trainer.<name>(checkpoint, ...)``: the first call for `folder` (that `applies` to)
+    does nothing and takes the wrapper off (an override of the instance's is put back); any other goes through."""
+    original, own, target = getattr(trainer, name), vars(trainer).get(name), os.path.abspath(folder)
+
+    def wrapper(checkpoint: str | None, *args: Any) -> Any:
+        if checkpoint is not None and os.path.abspath(checkpoint) == target and (applies is None or applies(*args)):
             if own is None:
-                del trainer._load_optimizer_and_scheduler
+                delattr(trainer, name)
             else:
-                trainer._load_optimizer_and_scheduler = own
+                setattr(trainer, name, own)
+            logger.debug("%s: Trainer's %s skipped, the callback did it", folder, name)
             return None
-        return original(checkpoint)
+        return original(checkpoint, *args)
 
-    trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+    setattr(trainer, name, wrapper)
 
 
 def forget_deepspeed_skip(folder: Path) -> None:
@@ -719,9 +666,8 @@ def data_steps(loaded: LoadedCheckpoint) -> int:
 
 
 def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any, *, read: bool = True) -> None:
-    """The weights file of `folder`: a hard link to the checkpoint's; where that cannot be (another file system: a
-    memory slot in /dev/shm), a copy when Trainer will `read` it, else a symbolic link (`load_once` puts the weights
-    in the model and skips Trainer's load; a copy cost 0.8 s per GiB of weights at restart, docs/benchmarks.md)."""
+    """The weights file of `folder`: a hard link to the checkpoint's; on another file system (a memory slot) a copy
+    when Trainer will `read` it, else a symbolic link (a copy cost 0.8 s per GiB at restart, docs/benchmarks.md)."""
     if loaded.weights is None:
         raise ConfigError(f"checkpoint {loaded.info.path} has no weights tier; resume needs one (choose another step).")
     names = adapter_names(model)
@@ -779,21 +725,10 @@ def _loads_once(trainer: Any) -> bool:
 
 def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> None:
     """Put the verified weights of `loaded` into `trainer.model` now and make `Trainer.train` skip its second load of
-    `folder` (a read of the whole file into new tensors, then a copy, the model and those tensors in memory at once).
-
-    A full model's parameters and buffers are read straight from the stored file into their own memory (no
-    mapping, no tensor in between), normally by the resume itself as it verifies the file (`read_targets`: one
-    pass, `loaded.weights` then names the model's tensors); what cannot be (a blob-stored frozen weight, another
-    dtype or device) is copied from `loaded.weights`, which then names the model's tensors; a PEFT model's adapters
-    go through PEFT's setter.
-
-    Trainer's only hook for it is ``Trainer._load_from_checkpoint``: this instance's is wrapped, and the wrapper
-    skips the load only for `folder`, once, into the model the weights went to; anything else (another path, a
-    ``model_init`` that built a new model, a sharded model passed explicitly) goes to Trainer's own. A Trainer that
-    loads by another route reads the hard-linked file of the folder and gets the same weights (restored from a memory
-    slot, a symbolic link to the slot's file: the same weights until the tier's next slot replaces that file).
-
-    A DeepSpeed or FSDP Trainer loads the weights itself: nothing is done for it.
+    `folder`, once, into that model (anything else goes to Trainer's own load). A full model's tensors are read
+    straight from the stored file (normally by the resume itself, `read_targets`); what cannot be is copied from
+    `loaded.weights`, which then names the model's tensors; adapters go through PEFT's setter. DeepSpeed and FSDP
+    Trainers load the weights themselves: nothing is done for them.
     """
     if loaded.weights is None or not _loads_once(trainer):
         return
@@ -802,21 +737,8 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
         apply_weights(model, loaded.weights)
     else:
         _read_into_model(model, loaded, store)
-    original = trainer._load_from_checkpoint
-    own = vars(trainer).get("_load_from_checkpoint")  # an override of this instance's, put back as it was
-    target = os.path.abspath(folder)
-
-    def _load_from_checkpoint(resume_from_checkpoint: str, model_arg: Any = None) -> None:
-        if model_arg is None and trainer.model is model and os.path.abspath(resume_from_checkpoint) == target:
-            if own is None:  # once: the wrapper takes itself off
-                del trainer._load_from_checkpoint
-            else:
-                trainer._load_from_checkpoint = own
-            logger.debug("weights of %s are in the model already: Trainer's load skipped", folder)
-            return None
-        return original(resume_from_checkpoint, model_arg)
-
-    trainer._load_from_checkpoint = _load_from_checkpoint
+    _skip_once(trainer, "_load_from_checkpoint", folder,
+               lambda model_arg=None: model_arg is None and trainer.model is model)
 
 
 def _read_into_model(model: Any, loaded: LoadedCheckpoint, store: Any) -> None:
