@@ -710,7 +710,8 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, float]:
-        """`smart_ckpt/*` numbers for the training logs (saves, failed saves, last save step, stall, risk)."""
+        """`smart_ckpt/*` numbers for the training logs (saves, failed saves, last save step, stall, risk; with the
+        memory tier the slots written and skipped)."""
         self.saver.collect_finished()
         last = self.last_decision
         held = self._held.step if self._held is not None and not self._held.memory else None  # decided, written
@@ -719,6 +720,10 @@ class RunOrchestrator:
                                interval=last.interval if last is not None else None, held_step=held)
         if self.rollbacks.taken:
             out[f"{METRIC_PREFIX}rollbacks"] = float(len(self.rollbacks.taken))
+        if (tier := self.saver.memory) is not None and (tier.off_reason is None or tier.saves or tier.skipped):
+            # a slot skipped (its writer busy) widens what a crash loses; a tier that never ran has no numbers
+            out[f"{METRIC_PREFIX}memory_slots"] = float(tier.saves)
+            out[f"{METRIC_PREFIX}memory_slots_skipped"] = float(tier.skipped)
         return out
 
     # ------------------------------------------------------------------ shutdown

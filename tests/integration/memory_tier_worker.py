@@ -61,6 +61,7 @@ def main() -> None:
 
     slots = slots_dir(Path(args.root) if args.root else out / "run" / "smart_ckpt", args.task)
     there: list[bool] = []  # whether the slots' directory exists at each step's end after it was removed
+    memory: dict[str, float] = {}  # the memory tier's numbers in the last training log
 
     class Pace(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):  # type: ignore[no-untyped-def]
@@ -80,6 +81,7 @@ def main() -> None:
         def on_log(self, a, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
             if logs and "loss" in logs:
                 losses.append([state.global_step, logs["loss"]])
+                memory.update({k: v for k, v in logs.items() if k.startswith("smart_ckpt/memory")})
 
     targs = TrainingArguments(output_dir=str(out / "run"), max_steps=16, per_device_train_batch_size=4,
                               learning_rate=1e-3, use_cpu=True, save_strategy="no", report_to=[], logging_steps=1,
@@ -91,7 +93,8 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=ref)
     (out / ("resumed.json" if args.resume else "losses.json")).write_text(json.dumps(
         {"losses": losses, "resumed_from": ref and int(str(ref).rsplit("-", 1)[1]),
-         "resumed_path": callback.resumed_from and str(callback.resumed_from.info.path), "slots_there": there}))
+         "resumed_path": callback.resumed_from and str(callback.resumed_from.info.path), "slots_there": there,
+         "memory_metrics": memory}))
 
 
 def accelerate_loop(args: argparse.Namespace, out: Path) -> None:

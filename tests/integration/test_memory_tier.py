@@ -39,11 +39,25 @@ def _run(out: Path, *args: str, killed: bool = False, fault: str = "") -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+def uninterrupted_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("uninterrupted")
     result = _run(out)
     assert not slots_dir(out / "run" / "smart_ckpt", "default").exists()  # a clean end removes the slots
-    return {int(s): loss for s, loss in result["losses"]}
+    return result
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run: dict) -> dict[int, float]:
+    return {int(s): loss for s, loss in uninterrupted_run["losses"]}
+
+
+def test_the_training_logs_count_the_slots_written_and_skipped(uninterrupted_run: dict) -> None:
+    # A slot is due every step (16): each is written or counted as skipped (a disk save or the previous slot still
+    # writing), never both, so a user sees in the logs when the tier fell behind.
+    m = uninterrupted_run["memory_metrics"]
+    assert set(m) == {"smart_ckpt/memory_slots", "smart_ckpt/memory_slots_skipped"}, m
+    assert m["smart_ckpt/memory_slots"] >= 1 and m["smart_ckpt/memory_slots"] + m["smart_ckpt/memory_slots_skipped"] \
+        <= 16, m
 
 
 def _steps(out: Path) -> list[int]:
@@ -84,7 +98,7 @@ def test_memory_tier_off_writes_no_slot_and_resumes_from_disk(tmp_path: Path, un
     _run(tmp_path, "--kill_at", "13", "--memory_tier", "false", killed=True)
     assert not slots_dir(tmp_path / "run" / "smart_ckpt", "default").exists()
     resumed = _run(tmp_path, "--resume", "--memory_tier", "false")
-    assert resumed["resumed_from"] == 10
+    assert resumed["resumed_from"] == 10 and resumed["memory_metrics"] == {}
     assert all(loss == uninterrupted[int(s)] for s, loss in resumed["losses"])
 
 
