@@ -85,7 +85,8 @@ class Catalog:
                 try:
                     if (version := conn.execute("PRAGMA user_version").fetchone()[0]) != SCHEMA_VERSION:
                         for sql in ("DROP TABLE IF EXISTS checkpoints", "DROP TABLE IF EXISTS checkpoint_details",
-                                    *_SCHEMA.split(";")[:2], f"PRAGMA user_version={SCHEMA_VERSION}"):
+                                    *(stmt for stmt in _SCHEMA.split(";") if stmt.strip()),
+                                    f"PRAGMA user_version={SCHEMA_VERSION}"):
                             conn.execute(sql)
                         self.rebuilt = self.rebuilt or version != 0
                     conn.execute("COMMIT")
