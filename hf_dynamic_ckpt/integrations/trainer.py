@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import has_length
 
 from .. import distributed as dist
 from ..config import OnAnomaly, SmartCkptConfig
@@ -116,6 +117,8 @@ class SmartCkptCallback(TrainerCallback):
         self.data_steps = 0
         """Optimizer-step windows of data consumed: the step count, plus the windows a rollback skipped."""
         self._skipped_through = 0  # data position up to which rollbacks left the batches out
+        self._epoch: tuple[int, int] | None = None  # loader without a length: (epoch index, data_steps at its start)
+        self._resumed_epoch: tuple[int, int] | None = None  # ... the resumed run's, taken at its first epoch begin
         self._pending: LoadedCheckpoint | None = None  # applied at every train begin of this train() (retries)
         self._unapplied: tuple[LoadedCheckpoint, Any, Any] | None = None  # (loaded, optimizer, scheduler)
         self._state: TrainerState | None = None
@@ -221,13 +224,17 @@ class SmartCkptCallback(TrainerCallback):
         if retry:
             # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
             ck.restart_timeline(state.global_step)
-        if loaded is not None and state.global_step == data_steps(loaded) != loaded.info.step:
-            # The folder named the data position (a rollback skipped data): the true step goes back now, with
-            # the two counters Trainer set from it before this event (its last logged step, its start step).
+        if loaded is not None and state.global_step == folder_step(loaded, args.max_steps) != loaded.info.step:
+            # The folder named the data position (a rollback skipped data, or a loader without a length): the
+            # true step goes back now, with the two counters Trainer set from it before this event (its last
+            # logged step, its start step).
             state.global_step = loaded.info.step
             trainer: Any = self.trainer
             trainer._globalstep_last_logged = trainer._initial_global_step = loaded.info.step
         self.data_steps = data_steps(loaded) if loaded is not None else state.global_step
+        at = _epoch_windows(loaded)
+        self._epoch = None
+        self._resumed_epoch = (at[0], self.data_steps - at[1]) if at is not None else None
         if loaded is not None:
             if loaded.info.step != state.global_step:
                 raise ConfigError(
@@ -251,7 +258,7 @@ class SmartCkptCallback(TrainerCallback):
         # the uninterrupted run had before a new epoch's iterator drew from it: restored before that iterator at an
         # epoch boundary (`on_epoch_begin`), else once the first batches are fetched, as Trainer does.
         self._rng_before_iterator = loaded is not None and (loaded.sampler or {}).get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN \
-            and float(state.epoch or 0.0).is_integer()
+            and (float(state.epoch or 0.0).is_integer() or self._resumed_epoch is not None)
         if loaded is not None:
             # What the uninterrupted run's callbacks counted (EarlyStoppingCallback's patience), whatever
             # `restore_callback_states_from_checkpoint` says: the resumed run stops where that run would have.
@@ -264,10 +271,17 @@ class SmartCkptCallback(TrainerCallback):
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
-        if self._resumed_rng is not None and self._rng_before_iterator:
+        epoch, resumed = float(state.epoch or 0.0), None
+        if train_dataloader is not None and not has_length(train_dataloader):
+            # Trainer counts such a loader's epochs as it runs out: the position is (epoch, windows into it). An
+            # RNG taken at a step's end goes back at the next epoch's begin if the resumed epoch runs out first.
+            resumed, self._resumed_epoch = self._resumed_epoch, None
+            self._epoch = resumed or (self._epoch[0] + 1 if self._epoch else 0, self.data_steps)
+            epoch = self._epoch[0]
+        if self._resumed_rng is not None and self._rng_before_iterator and resumed is None:
             restore_rng_state(self._resumed_rng)
             self._resumed_rng = None
-        if train_dataloader is not None and (state.epoch or 0.0) >= 1:
+        if train_dataloader is not None and epoch >= 1:
             # The uninterrupted run created its iterator in the first epoch and only resets it now; a resumed run
             # that creates it must not draw the workers' seed from the main generator (`integrations.position`).
             self._seeds.lend(train_dataloader)
@@ -420,9 +434,13 @@ class SmartCkptCallback(TrainerCallback):
         # Taken when the save is written (the next step's begin): after the step's evaluation, as the resumed run
         # continues from there.
         eval_loaders = getattr(trainer, "_eval_dataloaders", None) or {}  # Trainer keeps persistent ones by name
-        return {"kind": "trainer", "global_step": state.global_step if state else None, KEY_DATA_STEPS: self.data_steps,
-                "epoch": state.epoch if state else None, KEY_BATCH: batch, KEY_DRAWS_RANDOM: self._randomness.seen,
-                KEY_LOADERS: self._seeds.record(eval_loaders)}
+        out: dict[str, Any] = {
+            "kind": "trainer", "global_step": state.global_step if state else None, KEY_DATA_STEPS: self.data_steps,
+            "epoch": state.epoch if state else None, KEY_BATCH: batch, KEY_DRAWS_RANDOM: self._randomness.seen,
+            KEY_LOADERS: self._seeds.record(eval_loaders)}
+        if self._epoch is not None:
+            out[KEY_EPOCH_WINDOWS] = [self._epoch[0], self.data_steps - self._epoch[1]]
+        return out
 
     def _move_first(self) -> None:
         """Run before the reporting callbacks, so the `smart_ckpt/*` metrics reach them in `on_log`."""
@@ -573,6 +591,8 @@ def remove_resume_folders(root: Path, task_id: str, step: int | None = None) -> 
 
 KEY_DATA_STEPS = "data_steps"
 """Key of the Trainer data position in a checkpoint's sampler state: optimizer-step windows consumed."""
+KEY_EPOCH_WINDOWS = "epoch_windows"
+"""... and, for a training loader without a length (an iterable dataset), [epoch, windows consumed in it]."""
 
 
 def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str) -> Path:
@@ -654,7 +674,7 @@ def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any) -
     # Trainer derives the data to skip from global_step. After a rollback the run has consumed more batches than
     # it applied updates (the rolled-back ones), so the folder names the data position; `SmartCkptCallback` puts
     # the true step back at train begin.
-    state["global_step"] = data_steps(loaded)
+    state["global_step"] = folder_step(loaded, trainer.args.max_steps)
     (folder / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -663,6 +683,26 @@ def data_steps(loaded: LoadedCheckpoint) -> int:
     sampler = loaded.sampler or {}
     value = sampler.get(KEY_DATA_STEPS) if sampler.get("kind") == "trainer" else None
     return value if isinstance(value, int) and value >= loaded.info.step else loaded.info.step
+
+
+def _epoch_windows(loaded: LoadedCheckpoint | None) -> tuple[int, int] | None:
+    value = (loaded.sampler or {}).get(KEY_EPOCH_WINDOWS) if loaded is not None else None
+    if isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value):
+        return value[0], value[1]
+    return None
+
+
+def folder_step(loaded: LoadedCheckpoint, max_steps: int) -> int:
+    """The `global_step` the resume folder names, from which Trainer derives the data to skip.
+
+    Trainer skips ``global_step % per_epoch`` windows of epoch ``global_step // per_epoch``; for a loader without a
+    length it takes ``per_epoch = max_steps``, although such a loader's epochs end when its data runs out, so the
+    folder names ``epoch * max_steps + windows`` (the true step goes back at train begin).
+    """
+    at = _epoch_windows(loaded)
+    if at is not None and at[1] < max_steps:
+        return at[0] * max_steps + at[1]
+    return data_steps(loaded)
 
 
 def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any, *, read: bool = True) -> None:

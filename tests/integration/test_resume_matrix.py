@@ -88,6 +88,21 @@ def test_trainer_resumes_exactly(tmp_path: Path, model: str, ga: int, workers: i
     _assert_trainer_exact(result, ga)
 
 
+@pytest.mark.parametrize("model,ga,workers,persistent,evaluate", [
+    pytest.param(*TRAINER_DEFAULT, id="-".join(map(str, TRAINER_DEFAULT))),
+    pytest.param("full", 1, 0, False, "off", id="full-1-0-off", marks=pytest.mark.slow)])
+def test_trainer_resumes_exactly_on_an_iterable_dataset(tmp_path: Path, model: str, ga: int, workers: int,
+                                                        persistent: bool, evaluate: str) -> None:
+    """The same data as an iterable dataset without a length: Trainer counts its epochs as the data runs out, not
+    from the step, so the data position is the epoch and the windows into it (the clean exit after the first epoch
+    saves at that step's end: the resumed epoch runs out at once and the next one starts from the saved RNG)."""
+    points = [BEFORE_FIRST_EVAL, *trainer_epochs.RESUME_POINTS] if evaluate == "steps" else trainer_epochs.RESUME_POINTS
+    [result] = _run_trainer(tmp_path, model, ga, workers, persistent, "--iterable", "--clean_exit", "--points",
+                            ",".join(map(str, points)), evaluate=evaluate)
+    assert sorted(map(int, result["resumed"])) == sorted(points)
+    _assert_trainer_exact(result, ga)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_trainer_resumes_exactly_on_two_ranks_with_persistent_workers(tmp_path: Path) -> None:
@@ -108,6 +123,7 @@ def _run_trainer_worker(tmp_path: Path, tag: str, *args: str) -> dict[str, Any]:
     return json.loads(result.read_text())
 
 
+@pytest.mark.slow  # the default run has this promise through a client script: tests/integration/test_trl_sft.py
 def test_sigkill_after_an_evaluation_with_persistent_workers_then_the_same_command(tmp_path: Path) -> None:
     """A run that evaluates every 5 steps, killed a few steps into its second epoch (after two evaluations),
     restarted at once with `resume_checkpoint(trainer, "auto")`: it resumes from the memory tier's slot of the step

@@ -8,7 +8,9 @@ with a store of their own resume from the uninterrupted run's checkpoint of that
 (`resume_checkpoint(trainer, path)`) and train to the end. Last, a run that stops cleanly after
 the first epoch (`control.should_training_stop`) and the same command started again with
 `resume_checkpoint(trainer, "auto")`. Every training micro-batch's loss is recorded as float.hex,
-with a digest of its batch; rank R writes `<out>/rank<R>.json`.
+with a digest of its batch; rank R writes `<out>/rank<R>.json`. `--iterable` trains on the same data as an
+iterable dataset without a length (shuffled with a buffer, two shards): Trainer then runs `max_steps` and ends an
+epoch when the data runs out.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def _train(args: argparse.Namespace, out: Path, *, seed: int, resume: str | None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = _model(args.model, seed)
     examples = STEPS_PER_EPOCH * BATCH * args.ga * world
-    ds = toy.random_token_dataset(num_examples=examples, seq_len=16, vocab_size=128, seed=1)
+    ds: Any = toy.random_token_dataset(num_examples=examples, seq_len=16, vocab_size=128, seed=1)
+    if args.iterable:
+        ds = ds.to_iterable_dataset(num_shards=2).shuffle(seed=3, buffer_size=16)
     evaluating = args.eval != "off"
     eval_ds: Any = toy.random_token_dataset(num_examples=16, seq_len=16, vocab_size=128, seed=2) if evaluating else None
     if args.eval == "start":  # and a dict of two eval datasets (one loader each)
@@ -70,6 +74,7 @@ def _train(args: argparse.Namespace, out: Path, *, seed: int, resume: str | None
 
     targs = TrainingArguments(
         output_dir=str(out), num_train_epochs=EPOCHS, per_device_train_batch_size=BATCH,
+        max_steps=EPOCHS * STEPS_PER_EPOCH if args.iterable else -1,
         gradient_accumulation_steps=args.ga, learning_rate=1e-2, warmup_steps=2, lr_scheduler_type="cosine",
         save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True,
         dataloader_num_workers=args.workers, dataloader_persistent_workers=args.persistent and args.workers > 0,
@@ -92,6 +97,7 @@ def main() -> None:
     p.add_argument("--ga", type=int, default=1)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--persistent", action="store_true")
+    p.add_argument("--iterable", action="store_true", help="the data as an iterable dataset without a length")
     p.add_argument("--points", default=",".join(map(str, RESUME_POINTS)))
     p.add_argument("--clean_exit", action="store_true", help="also: stop after epoch 0, then resume 'auto'")
     p.add_argument("--eval", choices=["off", "steps", "start"], default="off",
