@@ -1,10 +1,7 @@
 """Signals: one `SignalFrame` per optimizer step, the probes that measure it (at most one device sync each), the
-statistics the policy judges it with (docs/policy.md section 1), and the policy's answer (`Decision`).
-
-Robust statistics (median / MAD), not mean / std: the values they summarise hold the outliers (loss spikes, gradient
-surges), and one spike must not move the baseline it is compared against. Every statistic is JSON-serialisable, so a
-resumed run continues exactly.
-"""
+statistics the policy judges it with (docs/policy.md section 1), and the policy's answer (`Decision`). Robust
+statistics (median / MAD): one spike must not move the baseline it is compared against. Every statistic is
+JSON-serialisable, so a resumed run continues exactly."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ from .jsonutil import safe_float
 
 logger = logging.getLogger(__name__)
 
-MAD_TO_STD = 1.4826
-"""Scale factor turning a median absolute deviation into a normal standard deviation."""
+MAD_TO_STD = 1.4826  # turns a median absolute deviation into a normal standard deviation
 
 
 class RollingWindow:
@@ -102,14 +98,7 @@ class RollingWindow:
 class LayerBaselines:
     """Each LoRA layer's gradient norm judged against the layer's own history (docs/policy.md, "Per-layer LoRA
     baselines"): `excess = norm / exp(median(log norms) + spread_k * 1.4826 * MAD(log norms))` over its last
-    `window` non-zero norms, once it has `warmup` of them.
-
-    Args:
-        window (`int`, *optional*, defaults to `50`): norms per layer in the robust baseline.
-        warmup (`int`, *optional*, defaults to `30`): non-zero norms a layer needs before it is judged.
-        spread_k (`float`, *optional*, defaults to `4.0`): robust standard deviations of the log-norm a layer may move
-            without counting as a surge.
-    """
+    `window` non-zero norms, once it has `warmup` of them."""
 
     def __init__(self, window: int = 50, warmup: int = 30, spread_k: float = 4.0) -> None:
         if warmup < 1 or window < warmup or spread_k < 0:
@@ -197,44 +186,25 @@ def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | N
 
 @dataclass
 class SignalFrame:
-    """Signals of one optimizer step, as the decision policy sees them (docs/policy.md section 1).
+    """Signals of one optimizer step, as the decision policy sees them (each field: docs/policy.md section 1). Every
+    field but `step` may be `None` (a probe not wired, a memory sample not due). Under DDP the frame is reduced across
+    ranks (`distributed.reduce_frame`) before the policy sees it, so every rank decides on the same numbers."""
 
-    Every field but `step` may be `None` (a probe not wired, a memory sample not due). Under DDP the frame is reduced
-    across ranks (`distributed.reduce_frame`) before the policy sees it, so every rank decides on the same numbers.
-
-    Args:
-        step (`int`): optimizer steps completed after this step's update (Trainer's `global_step` once the step
-            ends); in `RulePolicy.pre_update` the model still holds the state of `step - 1`.
-        loss (`float`, *optional*): the step's loss, summed over its micro-batches (and ranks).
-        grad_norm (`float`, *optional*): pre-clip global L2 norm of the gradients.
-        lora_max_ratio (`float`, *optional*): max over LoRA layers of the layer's norm over its own baseline.
-        lora_max_layer (`str`, *optional*): the layer reaching `lora_max_ratio`.
-        nonfinite (`bool`, *optional*, defaults to `False`): a gradient or the loss is NaN/inf.
-        device_mem_frac, host_mem_frac (`float`, *optional*): accelerator / host (or cgroup) memory in use.
-        step_time_s (`float`, *optional*): wall time of the step.
-        lr (`float`, *optional*): learning rate of the first parameter group, as used by this update.
-        preempt (`bool`, *optional*, defaults to `False`): a preemption signal arrived.
-        save_blocking_s (`float`, *optional*): seconds this rank was blocked by its saves since its previous frame
-            (MAX over ranks once reduced): the policy's only view of the save cost; `None` or `0`: no save.
-        clip_norm (`float`, *optional*): the norm the loop clips to (`max_grad_norm`): judges the very first step.
-        slot_every, slot_blocked (`float`, *optional*): the memory tier's cadence on this rank and whether it cannot
-            take this step's slot (0: it can, 1: a write still runs, 2: the tier is off); MAX over ranks once
-            reduced, so every rank writes its part of the same slots (`MemoryTier.agree`).
-    """
-
-    step: int
-    loss: float | None = None
-    grad_norm: float | None = None
-    lora_max_ratio: float | None = None
+    step: int  # optimizer steps completed after this update; in `RulePolicy.pre_update` the model holds `step - 1`'s
+    loss: float | None = None  # summed over the step's micro-batches (and ranks)
+    grad_norm: float | None = None  # pre-clip global L2 norm
+    lora_max_ratio: float | None = None  # max over LoRA layers of the layer's norm over its own baseline
     lora_max_layer: str | None = None
-    nonfinite: bool = False
+    nonfinite: bool = False  # a gradient or the loss is NaN/inf
     device_mem_frac: float | None = None
     host_mem_frac: float | None = None
     step_time_s: float | None = None
-    lr: float | None = None
+    lr: float | None = None  # of the first parameter group, as used by this update
     preempt: bool = False
-    save_blocking_s: float | None = None
-    clip_norm: float | None = None
+    save_blocking_s: float | None = None  # this rank's save blocking since its previous frame (MAX over ranks); 0: none
+    clip_norm: float | None = None  # the norm the loop clips to (`max_grad_norm`): judges the very first step
+    # The memory tier's cadence on this rank and whether it cannot take this step's slot (0: it can, 1: a write still
+    # runs, 2: the tier is off); MAX over ranks once reduced, so every rank writes the same slots (`MemoryTier.agree`).
     slot_every: float | None = None
     slot_blocked: float | None = None
 
@@ -255,15 +225,10 @@ class SignalFrame:
                 for f in dataclasses.fields(self)}
 
 
-# ---------------------------------------------------------------------------- probes
 class LossProbe:
     """Sums the step's micro-batch losses (`outputs.loss`) through a forward hook, in training mode only (evaluation
     forwards stay out); the sum stays a detached tensor on the model's device: one sync when `pop()`'s caller reads it.
-
-    Args:
-        model (`torch.nn.Module`, *optional*): module whose forward output has a `loss` (a `ModelOutput` or a dict);
-            `None`: the loop feeds the probe through `add`.
-    """
+    Without a `model` (whose output has a `loss`) the loop feeds the probe through `add`."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self._sum: torch.Tensor | None = None
@@ -317,12 +282,7 @@ class GradProbe:
     and no LoRA layer nothing is computed. FSDP2 gradients count their local shards, the ranks' squares added through
     `sum_across_ranks` (a collective: `distributed.all_reduce_square_sums`). Where gradients never reach `.grad`
     (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`).
-
-    Args:
-        model (`torch.nn.Module`): the model (a PEFT model for per-layer norms).
-        window, warmup, spread_k (*optional*, defaults to `50`, `30`, `4.0`): each layer's `LayerBaselines`.
-        sum_across_ranks (`Callable[[list[float]], list[float]]`, *optional*): per bucket, the sum over ranks.
-    """
+    `window`, `warmup`, `spread_k`: each layer's `LayerBaselines`."""
 
     def __init__(self, model: nn.Module, *, window: int = 50, warmup: int = 30, spread_k: float = 4.0,
                  sum_across_ranks: Callable[[list[float]], list[float]] | None = None) -> None:
@@ -450,14 +410,8 @@ def _removed(*args: Any, **kwargs: Any) -> Any:
 class MemoryProbe:
     """Device and host memory in use, as fractions, every `sample_every` steps (NVML every step costs throughput).
     Device: the larger of the CUDA allocator's reserved bytes and NVML's used bytes over the device total. Host:
-    `sysmem.headroom`, which the save engine reads too.
-
-    Args:
-        sample_every (`int`, *optional*, defaults to `5`): steps between samples.
-        cgroup_dir (`str`, `Path` or `bool`, *optional*): the memory cgroup to read; `None` finds this process's,
-            `False` never reads one.
-        device (`int`, *optional*): CUDA device index; defaults to the current device.
-    """
+    `sysmem.headroom`, which the save engine reads too. `cgroup_dir`: the memory cgroup to read (`None`: this
+    process's, `False`: none); `device`: the CUDA index (default: the current one)."""
 
     def __init__(self, sample_every: int = 5, *, cgroup_dir: str | Path | bool | None = None,
                  device: int | None = None) -> None:
@@ -513,44 +467,26 @@ class DecisionKind(enum.StrEnum):
     ROLLBACK = "rollback"  # no save: a confirmed anomaly, the run returns to a restore point before it
 
 
+# Smallest consistent restore point: weights plus RNG / data position / step, no optimizer. A resume from it continues
+# exactly with a fresh optimizer (the `level_0_only` fallback); a save under memory pressure writes it first.
 MINIMAL_TIERS: frozenset[Tier] = frozenset({Tier.WEIGHTS, Tier.STATE})
-"""Smallest consistent restore point: weights plus RNG / data position / step, no optimizer. A resume from it continues
-exactly where the data and RNG were with a fresh optimizer (the `level_0_only` fallback); a save under memory pressure
-writes it first."""
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer for one step; integrations and the orchestrator act on it.
+    """The policy's answer for one step; integrations and the orchestrator act on it."""
 
-    Args:
-        save (`bool`): take a checkpoint now.
-        tiers (`frozenset[Tier]`, *optional*): what the checkpoint holds; empty when not saving.
-        reason (`str`, *optional*): why, in words (logged, stored in the manifest and catalog).
-        pin (`bool`, *optional*, defaults to `False`): retention must never delete it.
-        pre_update (`bool`, *optional*, defaults to `False`): from `RulePolicy.pre_update`: save the state *before*
-            this step's optimizer update, the state of step `frame.step - 1` (with that step's RNG and data position).
-        skip_update (`bool`, *optional*, defaults to `False`): the caller skips this step's optimizer update (and zeroes
-            the gradients); only with `skip_bad_update`.
-        risk (`float`, *optional*, defaults to `0.0`): smoothed risk beta in [0, 1].
-        step (`int`, *optional*): the step of the state to save (`frame.step`, or `frame.step - 1` for a capture).
-        healthy (`bool`, *optional*, defaults to `True`): the state is believed sane (no non-finite update applied, no
-            bad update, training risk below the threshold); restore points must be healthy.
-        interval (`float`, *optional*, defaults to `0.0`): the current regular interval in steps.
-        kind (`DecisionKind`, *optional*): machine-readable reason; `NONE` when not saving.
-    """
-
-    save: bool
-    tiers: frozenset[Tier] = frozenset()
-    reason: str = ""
-    pin: bool = False
-    pre_update: bool = False
-    skip_update: bool = False
-    risk: float = 0.0
-    step: int | None = None
-    healthy: bool = True
-    interval: float = 0.0
-    kind: DecisionKind = DecisionKind.NONE
+    save: bool  # take a checkpoint now
+    tiers: frozenset[Tier] = frozenset()  # what the checkpoint holds; empty when not saving
+    reason: str = ""  # why, in words (logged, stored in the manifest and catalog)
+    pin: bool = False  # retention must never delete it
+    pre_update: bool = False  # save the state before this step's update: of `frame.step - 1`, with its RNG and data
+    skip_update: bool = False  # the caller skips this step's update (and zeroes the gradients): `skip_bad_update`
+    risk: float = 0.0  # smoothed risk beta in [0, 1]
+    step: int | None = None  # the step of the state to save (`frame.step`, or `frame.step - 1` for a capture)
+    healthy: bool = True  # believed sane (no non-finite or bad update, training risk < threshold): restore points are
+    interval: float = 0.0  # the current regular interval in steps
+    kind: DecisionKind = DecisionKind.NONE  # machine-readable reason; `NONE` when not saving
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (tiers sorted) for logs, the manifest and the decision history."""

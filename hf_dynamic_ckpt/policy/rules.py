@@ -1,9 +1,6 @@
-"""The rule policy: a dynamic save interval, risk-triggered saves, pre-anomaly capture, and the rollback rule.
-
-Pure: `SignalFrame`s in, `Decision`s with a reason out; no I/O, no clock, no torch, so every behaviour is a unit test
-on a list of numbers. The policy reads nothing but the frames and its own state: under DDP every rank feeds it the
-same reduced frame and takes the same decisions. The formulas, the rules and every knob: docs/policy.md.
-"""
+"""The rule policy: a dynamic save interval, risk-triggered saves, pre-anomaly capture, and the rollback rule (docs/
+policy.md). Pure: `SignalFrame`s in, `Decision`s with a reason out (no I/O, no clock, no torch); it reads nothing but
+the frames and its own state, so under DDP every rank takes the same decisions on the same reduced frame."""
 
 from __future__ import annotations
 
@@ -82,10 +79,6 @@ class Assessment:
     def training_beta(self) -> float:
         """`beta` of the finite anomalies (no memory, no non-finite): the risk that the weights go bad."""
         return max((v for k, v in self.components.items() if k not in (MEMORY, NONFINITE)), default=0.0)
-
-    @property
-    def driver(self) -> str | None:
-        return max(self.components, key=lambda k: self.components[k]) if self.beta > 0.0 else None
 
 
 class Baselines:
@@ -283,11 +276,8 @@ def _read(value: Any, read: Callable[[Any], Any] | tuple[type, ...], where: str)
 
 class RulePolicy:
     """Decides when to save and what, from per-step signals: the regular interval, the rising edge of the risk, a
-    memory ramp, preemption, and the pre-update capture (`pre_update`); the formulas: docs/policy.md section 2.
-
-    Args:
-        config (`SmartCkptConfig`, *optional*): the settings; defaults to `SmartCkptConfig()`. With
-            `policy.learned_model` set, the learned double-check (`LearnedCheck`) sits next to the rules.
+    memory ramp, preemption, and the pre-update capture (`pre_update`); the formulas: docs/policy.md section 2. With
+    `policy.learned_model` set, the learned double-check (`learned`, a `LearnedCheck`) sits next to the rules.
 
     Example:
         ```python
@@ -298,26 +288,20 @@ class RulePolicy:
     """
 
     learned: LearnedCheck | None
-    """The learned double-check of `learned_model`; `None`: rules only."""
-    history: deque[dict[str, Any]]
-    """The last `HISTORY_STEPS` steps: loss, grad norm, lr, risk, interval, and the decision."""
-    decisions: deque[dict[str, Any]]
-    """The last `DECISION_HISTORY` save decisions (`Decision.to_dict()` and the step they were taken at)."""
+    history: deque[dict[str, Any]]  # the last HISTORY_STEPS steps: loss, grad norm, lr, risk, interval, the decision
+    decisions: deque[dict[str, Any]]  # the last DECISION_HISTORY save decisions (to_dict() and the step taken at)
 
     def __init__(self, config: SmartCkptConfig | None = None) -> None:
         self.config = config or SmartCkptConfig()
         c = self.config.policy
         self.cooldown = c.capture_cooldown if c.capture_cooldown is not None else c.stability_window
         self._model = load_model(c.learned_model) if c.learned_model is not None else None  # errors now
-        self.memory_tier = False
-        """Whether the newest state is kept in host memory too (then the interval follows `node_mtbf_hours`)."""
+        self.memory_tier = False  # the newest state is kept in host memory too: the interval follows node_mtbf_hours
         self._reset()
         self._pre_step: int | None = None  # step whose pre_update ran (transient: within one step)
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
-        self.last_bad_update: str | None = None
-        """Why the update of the last `pre_update`'s step is bad (the capture rule that fired), or `None`."""
-        self.last_beta = 0.0
-        """The raw (unsmoothed) risk of the step judged last, which the step log records beside the smoothed one."""
+        self.last_bad_update: str | None = None  # the capture rule that fired in the last pre_update, or None
+        self.last_beta = 0.0  # the raw (unsmoothed) risk of the step judged last, for the step log
 
     def _reset(self) -> None:
         """A fresh state: empty statistics, every trigger armed, nothing saved."""
@@ -337,9 +321,7 @@ class RulePolicy:
         self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
         self.history = deque(maxlen=HISTORY_STEPS)
         self.decisions = deque(maxlen=DECISION_HISTORY)
-        self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
 
-    # ------------------------------------------------------------------ views
     @property
     def alpha(self) -> float:
         """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline."""
@@ -385,16 +367,11 @@ class RulePolicy:
     def _clamp(self, t: float) -> float:
         return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))
 
-    # ------------------------------------------------------------------ decisions
     def pre_update(self, frame: SignalFrame) -> Decision:
         """Check the step's gradients before `optimizer.step()`, while the weights are those of `frame.step - 1`: a
-        rule of `capture_rule` asks to save that state now, pinned and healthy (finite triggers once per
-        `capture_cooldown` steps, non-finite ones on the first of a run of them).
-
-        Returns:
-            `Decision`: `save=True, pre_update=True, pin=True, kind=CAPTURE` with `step = frame.step - 1` and the rule
-            in `reason`, or no save; `skip_update` follows `skip_bad_update` for any bad update.
-        """
+        rule of `capture_rule` saves that state now (`pre_update=True, pin=True, kind=CAPTURE, step=frame.step - 1`;
+        finite triggers once per `capture_cooldown` steps, non-finite ones on the first of a run of them);
+        `skip_update` follows `skip_bad_update` for any bad update."""
         c = self.config.policy
         self._pre_step = frame.step
         rule, early = self._judge(frame)[1], None
@@ -472,7 +449,6 @@ class RulePolicy:
         if decision.save and why:
             logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
         self.baselines.fold(frame)  # after judging the frame, so a spike is measured against the past
-        self._judged = None
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
                              "save": decision.save, "reason": decision.reason})
@@ -481,15 +457,11 @@ class RulePolicy:
         return decision
 
     def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
-        """The frame's assessment and capture rule; `decide` reuses what `pre_update` computed for the same frame (the
-        baselines only change at the end of `decide`)."""
-        key = (frame.step, frame.loss, frame.grad_norm, frame.lora_max_ratio, frame.lora_max_layer, frame.nonfinite,
-               frame.lr, frame.device_mem_frac, frame.host_mem_frac, frame.clip_norm)
-        if self._judged is None or self._judged[0] != key:
-            a = self.baselines.assess(frame)
-            self._judged = (key, a, capture_rule(frame, a, self.baselines, self.config.policy))
-            self.last_beta = a.beta
-        return self._judged[1], self._judged[2]
+        """The frame's assessment and capture rule (the same in `pre_update` and `decide`: the baselines only change at
+        the end of `decide`)."""
+        a = self.baselines.assess(frame)
+        self.last_beta = a.beta
+        return a, capture_rule(frame, a, self.baselines, self.config.policy)
 
     def _choose(self, frame: SignalFrame, a: Assessment, *, healthy: bool) -> Decision:
         c, step = self.config.policy, frame.step
@@ -523,7 +495,8 @@ class RulePolicy:
                     self.blocking_s + cost) > c.overhead_budget * self.train_time_s:
                 self._suppress("edge", step, f"{reason} suppressed: over overhead_budget {c.overhead_budget:.1%}")
             else:
-                return save(reason, DecisionKind.RISK_EDGE, MINIMAL_TIERS if a.driver == MEMORY else ALL_TIERS)
+                memory = a.beta > 0.0 and max(a.components, key=a.components.__getitem__) == MEMORY  # the driver
+                return save(reason, DecisionKind.RISK_EDGE, MINIMAL_TIERS if memory else ALL_TIERS)
         forecast = self.baselines.memory_forecast()
         if forecast is not None:  # fires once; re-armed once the forecast falls 5 points below (a plateau saves once)
             current, predicted = forecast
@@ -575,7 +548,6 @@ class RulePolicy:
         """The last `DEBUG_INFO_STEPS` steps' loss, grad norm and learning rate (for the manifest)."""
         return [{k: h[k] for k in ("step", "loss", "grad_norm", "lr")} for h in list(self.history)[-DEBUG_INFO_STEPS:]]
 
-    # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """The whole state as strict JSON (docs/policy.md section 4), so a resumed run decides exactly the same."""
         state: dict[str, Any] = {"version": STATE_VERSION, "levels": self.baselines.state_dict(),
@@ -618,7 +590,7 @@ class RulePolicy:
             n, smoother = self.config.policy.risk_smoothing, state["smoother"]
             values |= {"learned": learned, "betas": deque((float(v) for v in smoother["beta"]), maxlen=n),
                        "training_betas": deque((float(v) for v in smoother["training"]), maxlen=n),
-                       "suppressed": {str(k) for k in state["suppressed"]}, "_judged": None,
+                       "suppressed": {str(k) for k in state["suppressed"]},
                        "history": deque(state["history"], maxlen=HISTORY_STEPS),
                        "decisions": deque(state["decisions"], maxlen=DECISION_HISTORY)}
         except ConfigError:
@@ -629,18 +601,15 @@ class RulePolicy:
         vars(self).update(values)
 
 
-class Verdict(enum.StrEnum):
-    """What the rollback rule answers for one step."""
-    NONE = "none"  # nothing to do (calm, or an anomaly not yet confirmed)
-    ROLLBACK = "rollback"  # confirmed: roll back to a restore point before `onset`
-    EXHAUSTED = "exhausted"  # confirmed, but max_rollbacks were taken within the window
+# What the rollback rule answers for one step: nothing to do (calm, or not yet confirmed), roll back to a restore point
+# before `onset`, or confirmed but max_rollbacks were taken within the window.
+Verdict = enum.StrEnum("Verdict", {"NONE": "none", "ROLLBACK": "rollback", "EXHAUSTED": "exhausted"})
 
 
 @dataclass(frozen=True)
 class RollbackVerdict:
     """The rule's answer: `verdict`, the anomaly's first bad step (`onset`), why (`reason`), and the oldest step a
     restore point may have (`earliest`, `step - rollback_window`)."""
-
     verdict: Verdict = Verdict.NONE
     onset: int | None = None
     reason: str = ""
@@ -653,15 +622,11 @@ NO_ROLLBACK = RollbackVerdict()
 @dataclass
 class RollbackRule:
     """When a confirmed anomaly rolls back (docs/rollback.md). Pure: per optimizer step it sees whether the update about
-    to be applied is bad (`capture_rule` fired); an anomaly starts at its first bad step (its onset, whose state the
-    policy captured) and `rollback_patience` bad steps in a row confirm it: a rollback to a healthy restore point
-    before the onset, at most `rollback_window` steps back, unless `max_rollbacks` were taken within that window.
-
-    Its state (`streak` bad steps in a row since `onset`, whose rule was `first_reason`; the steps rollbacks were
-    `taken` at) is the run's history of rollbacks, so it is *not* restored from the restore point a rollback returns
-    to (the policy's statistics are): a run never forgets that it rolled back.
-    """
-
+    to be applied is bad (`capture_rule` fired); `rollback_patience` bad steps in a row from the first (the onset, whose
+    state the policy captured) confirm it: a rollback to a healthy restore point before the onset, at most
+    `rollback_window` steps back, unless `max_rollbacks` were taken within that window. Its state (`streak` bad steps
+    since `onset`, whose rule was `first_reason`; the steps rollbacks were `taken` at) is the run's history, so it is
+    *not* restored from the restore point a rollback returns to: a run never forgets that it rolled back."""
     streak: int = 0
     onset: int | None = None
     first_reason: str = ""
