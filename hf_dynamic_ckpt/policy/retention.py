@@ -1,10 +1,7 @@
 """What to keep (separate from when to save): pinned, the newest N, log-spaced history, per-tier expiry, abandoned
-timelines (the rules: docs/policy.md section 5).
-
-Log spacing keeps the *oldest* checkpoint of each power-of-two age bucket `[2^k, 2^(k+1))` behind the newest: a
-checkpoint only ever moves to higher buckets as training goes on, so the first one is never thinned and the number kept
-grows like `log2(steps)`.
-"""
+timelines (docs/policy.md section 5). Log spacing keeps the *oldest* checkpoint of each power-of-two age bucket
+`[2^k, 2^(k+1))` behind the newest: a checkpoint only ever moves to higher buckets, so the first one is never thinned
+and the number kept grows like `log2(steps)`."""
 
 from __future__ import annotations
 
@@ -15,39 +12,22 @@ from ..constants import ALL_TIERS, Tier
 from ..store import CheckpointInfo, Removal
 
 SECONDS_PER_DAY = 86400.0
+_TIER_KEY = {Tier.WEIGHTS: "level_0", Tier.OPTIMIZER: "level_1", Tier.STATE: "level_2"}
 
 
 def tier_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | None]:
     """`{tier: retention_days}` from `config.storage_levels` (L0 weights, L1 optimizer, L2 state)."""
-    levels = config.storage_levels
-    return {Tier.WEIGHTS: levels.level_0.retention_days, Tier.OPTIMIZER: levels.level_1.retention_days,
-            Tier.STATE: levels.level_2.retention_days}
+    return {tier: getattr(config.storage_levels, key).retention_days for tier, key in _TIER_KEY.items()}
 
 
 def plan_retention(infos: Iterable[CheckpointInfo], *, keep_last: int | None, log_spaced: bool = True,
                    tier_retention: Mapping[Tier, float | None] | None = None, now: float) -> list[Removal]:
-    """Decide what to delete. Pure: reads only the infos given, deletes nothing.
-
-    Args:
-        infos (`Iterable[CheckpointInfo]`): the task's committed checkpoints (any order).
-        keep_last (`int`, *optional*): the newest this many are kept whole (never thinned, no tier expires); `None`
-            keeps every live checkpoint (only `tier_retention` still removes tiers by age).
-        log_spaced (`bool`, *optional*, defaults to `True`): keep the oldest checkpoint of each power-of-two age
-            bucket; `False` keeps only pinned + the newest `keep_last`.
-        tier_retention (`Mapping[Tier, float | None]`, *optional*): retention in days per tier (`None`: forever), see
-            `tier_retention_from_config`.
-        now (`float`): current time (seconds since the epoch) for the per-tier ages.
-
-    Returns:
-        `list[Removal]`: what to delete, oldest first, each with its `rule`. Tiers containing `Tier.WEIGHTS` (they
-        are then `ALL_TIERS`) mean the whole checkpoint, otherwise only those tiers' files. Pinned checkpoints never
-        appear; an abandoned one appears (whole) once a live checkpoint of a greater step exists.
-
-    Example:
-        ```python
-        >>> plan = plan_retention(store.list(include_unhealthy=True), keep_last=3, now=time.time())
-        ```
-    """
+    """What to delete of `infos` (the task's committed checkpoints, any order), oldest first, each with its `rule`.
+    Pure: reads only the infos given, deletes nothing. The newest `keep_last` are kept whole (`None`: every live one,
+    only `tier_retention`, days per tier, still removes tiers by age at `now`); `log_spaced` keeps the oldest of each
+    power-of-two age bucket too. A removal with `Tier.WEIGHTS` (then `ALL_TIERS`) is the whole checkpoint, else only
+    those tiers' files. Pinned checkpoints never appear; an abandoned one appears (whole) once a live checkpoint of a
+    greater step exists."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} is invalid: expected an integer >= 1, or None (keep every one).")
     infos = list(infos)
@@ -69,8 +49,7 @@ def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced
     # keep_last=None keeps every checkpoint: nothing is thinned, only tiers expire by age (never the newest's).
     protected = {id(i) for i in ordered[:1 if keep_last is None else keep_last]}
     # Keep the newest healthy checkpoint too: it is the restore point `auto` resolves to.
-    healthy = next((i for i in ordered if i.healthy), None)
-    if healthy is not None:
+    if (healthy := next((i for i in ordered if i.healthy), None)) is not None:
         protected.add(id(healthy))
     expired = {id(i): _expired_tiers(i, tier_retention, now)
                for i in ordered if id(i) not in protected and not i.pinned}
@@ -98,9 +77,6 @@ def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced
         elif tiers:
             plan.append(Removal(info, tiers, "; ".join(_expiry_rule(t, tier_retention) for t in sorted(tiers))))
     return plan
-
-
-_TIER_KEY = {Tier.WEIGHTS: "level_0", Tier.OPTIMIZER: "level_1", Tier.STATE: "level_2"}
 
 
 def _expiry_rule(tier: Tier, tier_retention: Mapping[Tier, float | None] | None) -> str:
