@@ -42,29 +42,28 @@ class RollingWindow:
     def __len__(self) -> int:
         return len(self._values)
 
-    def add(self, value: float | None) -> bool:
-        """Append `value` if it is finite; returns whether it was kept."""
-        if value is None or not math.isfinite(value):
-            return False
-        self._values.append(float(value))
-        self._cache.clear()
-        return True
+    def add(self, value: float | None) -> None:
+        """Append `value` if it is finite."""
+        if value is not None and math.isfinite(value):
+            self._values.append(float(value))
+            self._cache.clear()
 
     @property
     def values(self) -> list[float]:
         return list(self._values)
 
-    def median(self) -> float | None:
-        if "median" not in self._cache:  # statistics.median (one C sort) beats numpy ~6x on ~100 values
-            self._cache["median"] = statistics.median(self._values) if self._values else None
-        return self._cache["median"]
+    def _cached(self, key: str, compute: Callable[[], float | None]) -> float | None:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def median(self) -> float | None:  # statistics.median (one C sort) beats numpy ~6x on ~100 values
+        return self._cached("median", lambda: statistics.median(self._values) if self._values else None)
 
     def mad(self) -> float | None:
         """Median absolute deviation from the median (unscaled)."""
-        if "mad" not in self._cache:
-            med = self.median()
-            self._cache["mad"] = None if med is None else statistics.median([abs(v - med) for v in self._values])
-        return self._cache["mad"]
+        return None if (med := self.median()) is None else self._cached(
+            "mad", lambda: statistics.median([abs(v - med) for v in self._values]))
 
     def robust_z(self, value: float, *, rel_floor: float = 0.0) -> float | None:
         """Robust standard deviations `value` lies above the median; the scale is `max(1.4826 * MAD, rel_floor *
@@ -78,13 +77,12 @@ class RollingWindow:
     def diff_noise(self) -> float | None:
         """Robust standard deviation of the step-to-step noise, `1.4826 * MAD(differences) / sqrt(2)`: a linear
         trend (a loss that falls steadily) is not noise."""
-        if len(self._values) < 3:
-            return None
-        if "diff_noise" not in self._cache:
-            diffs = [b - a for a, b in itertools.pairwise(self._values)]
-            med = statistics.median(diffs)
-            self._cache["diff_noise"] = MAD_TO_STD * statistics.median([abs(d - med) for d in diffs]) / math.sqrt(2.0)
-        return self._cache["diff_noise"]
+        return None if len(self._values) < 3 else self._cached("diff_noise", self._diff_noise)
+
+    def _diff_noise(self) -> float:
+        diffs = [b - a for a, b in itertools.pairwise(self._values)]
+        med = statistics.median(diffs)
+        return MAD_TO_STD * statistics.median([abs(d - med) for d in diffs]) / math.sqrt(2.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"maxlen": self.maxlen, "values": list(self._values)}
@@ -151,13 +149,11 @@ class Ema:
             raise ValueError(f"decay={decay} is invalid: expected 0 <= decay < 1.")
         self.decay, self.raw, self.count = decay, 0.0, 0
 
-    def add(self, value: float | None) -> bool:
-        """Fold in `value` if it is finite; returns whether it was used."""
-        if value is None or not math.isfinite(value):
-            return False
-        self.raw = self.decay * self.raw + (1.0 - self.decay) * float(value)
-        self.count += 1
-        return True
+    def add(self, value: float | None) -> None:
+        """Fold in `value` if it is finite."""
+        if value is not None and math.isfinite(value):
+            self.raw = self.decay * self.raw + (1.0 - self.decay) * float(value)
+            self.count += 1
 
     @property
     def value(self) -> float | None:

@@ -562,12 +562,9 @@ class RulePolicy:
                         "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what `state_dict()` returned, all of it or nothing (window sizes follow the current config). A
-        version-1 state (an older release's layout) is not restored: the policy warms up again, with a warning.
-
-        Raises:
-            `ConfigError`: `state` is of an unknown version or malformed (nothing is changed then).
-        """
+        """Restore what `state_dict()` returned, all of it or nothing (window sizes follow the current config); a
+        `ConfigError` for a state of an unknown version or malformed. A version-1 state (an older release's layout) is
+        not restored: the policy warms up again, with a warning."""
         version = state.get("version")
         if version == 1:
             logger.warning("policy state version 1 (an older release) is not restored: the statistics warm up "
