@@ -289,7 +289,6 @@ def _merge(current: Any, changes: Mapping[str, Any]) -> dict[str, Any]:
 
 class _StrictLoader(yaml.SafeLoader):
     """`yaml.safe_load`'s plain data, refusing a key given twice in one mapping (`path`: for the message)."""
-
     path = ""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -394,7 +393,6 @@ class SmartCkptConfig(_Settings):
 @dataclass(kw_only=True)
 class SmartCkptArguments:
     """Command-line arguments for scripts built on `transformers.HfArgumentParser`; `to_config()` makes the config."""
-
     resume_from_smart_checkpoint: str | None = field(default=None, metadata={"help": "Resume point: auto | best | "
                                                      "fastest | step:N | PATH (auto starts fresh on an empty store)."})
     smart_ckpt_config: str | None = field(default=None, metadata={"help": "Path of a checkpoint_config.yaml."})

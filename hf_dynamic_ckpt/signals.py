@@ -185,7 +185,6 @@ class SignalFrame:
     """Signals of one optimizer step, as the decision policy sees them (each field: docs/policy.md section 1). Every
     field but `step` may be `None` (a probe not wired, a memory sample not due). Under DDP the frame is reduced across
     ranks (`distributed.reduce_frame`) before the policy sees it, so every rank decides on the same numbers."""
-
     step: int  # optimizer steps completed after this update; in `RulePolicy.pre_update` the model holds `step - 1`'s
     loss: float | None = None  # summed over the step's micro-batches (and ranks)
     grad_norm: float | None = None  # pre-clip global L2 norm
@@ -450,7 +449,6 @@ class MemoryProbe:
 
 class DecisionKind(enum.StrEnum):
     """Why a save happens, as a value code can branch on (`Decision.reason` stays human text)."""
-
     NONE = "none"  # no save
     INTERVAL = "interval"  # the regular (possibly risk-shortened) interval elapsed
     RISK_EDGE = "risk_edge"  # smoothed risk rose past risk_threshold
@@ -471,7 +469,6 @@ MINIMAL_TIERS: frozenset[Tier] = frozenset({Tier.WEIGHTS, Tier.STATE})
 @dataclass(frozen=True)
 class Decision:
     """The policy's answer for one step; integrations and the orchestrator act on it."""
-
     save: bool  # take a checkpoint now
     tiers: frozenset[Tier] = frozenset()  # what the checkpoint holds; empty when not saving
     reason: str = ""  # why, in words (logged, stored in the manifest and catalog)

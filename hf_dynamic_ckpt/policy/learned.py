@@ -86,8 +86,7 @@ class FeatureExtractor:
              _log_ratio(frame.step_time_s, self.time.median()), 1.0 if frame.any_nonfinite else 0.0,
              min(1.0, self.seen / HISTORY_FULL)]
         for window, value in ((self.loss, loss), (self.grad, grad), (self.time, frame.step_time_s)):
-            if value is not None:
-                window.add(value)
+            window.add(value)
         if _finite(frame.lr):
             self.lr.append(float(frame.lr))  # type: ignore[arg-type]
         if _finite(mem):

@@ -62,7 +62,6 @@ def ramp(value: float, lo: float, hi: float) -> float:
 @dataclass
 class Assessment:
     """Risk components of one frame (each in [0, 1], in the order they are judged) and the statistics behind them."""
-
     loss_z: float | None = None
     loss_ratio: float | None = None
     grad_ratio: float | None = None
@@ -228,7 +227,6 @@ def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> 
 class Interval:
     """The regular interval (`round(steps)` between saves), its base `T_base`, where that comes from (`FROM_...`),
     and whether risk shortened it or the overhead budget widened it."""
-
     steps: float
     base: float
     source: str
@@ -286,7 +284,6 @@ class RulePolicy:
         [False, False, False, True, False, False, False, True]
         ```
     """
-
     learned: LearnedCheck | None
     history: deque[dict[str, Any]]  # the last HISTORY_STEPS steps: loss, grad norm, lr, risk, interval, the decision
     decisions: deque[dict[str, Any]]  # the last DECISION_HISTORY save decisions (to_dict() and the step taken at)
@@ -421,8 +418,7 @@ class RulePolicy:
         if b is not None and math.isfinite(b) and b > 0:
             self.save_cost.add(b)
             self.blocking_s += b
-        warning = self._over_budget()
-        if warning:
+        if warning := self._over_budget():
             logger.warning("step %d: %s", step, warning)
         a, rule = self._judge(frame)
         beta, training = a.beta, a.training_beta  # debounced: a risk counts once seen on two steps in a row
