@@ -51,14 +51,13 @@ def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced
     # Keep the newest healthy checkpoint too: it is the restore point `auto` resolves to.
     if (healthy := next((i for i in ordered if i.healthy), None)) is not None:
         protected.add(id(healthy))
-    expired = {id(i): _expired_tiers(i, tier_retention, now)
-               for i in ordered if id(i) not in protected and not i.pinned}
+    days = tier_retention or {}  # the tiers older than their retention, of each checkpoint that may lose any
+    expired = {id(i): frozenset(t for t in i.tiers if (d := days.get(t)) is not None and (now - i.save_time) /
+                                SECONDS_PER_DAY > d) for i in ordered if id(i) not in protected and not i.pinned}
     # Checkpoints whose weights expired go first, so thinning never keeps one that is about to vanish.
     dead = {k for k, tiers in expired.items() if Tier.WEIGHTS in tiers}
-    oldest_in_bucket: dict[int, CheckpointInfo] = {}  # filled newest -> oldest: the last one seen in a bucket
-    for info in ordered if log_spaced and keep_last is not None else ():
-        if id(info) in expired and id(info) not in dead:
-            oldest_in_bucket[_bucket(newest - info.step)] = info
+    oldest_in_bucket = {_bucket(newest - i.step): i for i in ordered if id(i) in expired and id(i) not in dead} if \
+        log_spaced and keep_last is not None else {}  # newest -> oldest: the last one seen in a bucket stays
     keep = {id(i) for i in oldest_in_bucket.values()} | {id(i) for i in ordered if keep_last is None}
     plan: list[Removal] = []
     for info in reversed(ordered):
@@ -83,14 +82,6 @@ def _expiry_rule(tier: Tier, tier_retention: Mapping[Tier, float | None] | None)
     days = (tier_retention or {}).get(tier)
     return (f"the {tier.value} tier is older than storage_levels.{_TIER_KEY[tier]}.retention_days={days:g}"
             if days is not None else f"the {tier.value} tier expired")
-
-
-def _expired_tiers(info: CheckpointInfo, tier_retention: Mapping[Tier, float | None] | None,
-                   now: float) -> frozenset[Tier]:
-    if not tier_retention:
-        return frozenset()
-    age_days = (now - info.save_time) / SECONDS_PER_DAY
-    return frozenset(t for t in info.tiers if (days := tier_retention.get(t)) is not None and age_days > days)
 
 
 def _bucket(age_steps: int) -> int:
