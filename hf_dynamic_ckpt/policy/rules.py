@@ -225,27 +225,15 @@ def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> 
 
 @dataclass(frozen=True)
 class Interval:
-    """The regular interval (`round(steps)` between saves), its base `T_base`, where that comes from (`FROM_...`),
-    and whether risk shortened it or the overhead budget widened it."""
+    """The regular interval (`due = round(steps)` between saves), its base `T_base`, and the `reason` of a save at it
+    (`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`: where the base comes from, why it moved)."""
     steps: float
     base: float
-    source: str
-    alpha: float
-    beta: float
-    shortened: bool = False
-    widened: bool = False
-    budget: float = 0.0
+    reason: str
 
     @property
     def due(self) -> int:
         return round(self.steps)
-
-    def reason(self) -> str:
-        """`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`, with why it moved."""
-        why = (", shortened by risk" if self.shortened else "") + (
-            f", widened by overhead_budget {self.budget:.1%}" if self.widened else "")
-        return f"interval {self.due} (base {self.base:.0f} {self.source}{why}, alpha {self.alpha:.2f}, " \
-               f"beta {self.beta:.2f})"
 
 
 # The policy state's plain values in their JSON order: (part, key) -> (attribute, how a saved value is read: converted
@@ -337,16 +325,17 @@ class RulePolicy:
     def current_interval(self) -> Interval:
         """The regular interval: the base, shortened by stability and risk, widened by the budget when the library
         derived it, clamped (`max_interval` wins over the budget)."""
-        c = self.config.policy
-        base, source = self._base()
-        t = base * self.alpha / (1.0 + c.risk_gain * self.risk)
+        c, (base, source), alpha, risk = self.config.policy, self._base(), self.alpha, self.risk
+        t = base * alpha / (1.0 + c.risk_gain * risk)
         steps = self._clamp(t)
-        shortened, widened = round(steps) < round(base), False
+        why = ", shortened by risk" if round(steps) < round(base) else ""
         if source != FROM_USER:  # an interval the user set is never widened (the budget warning says so once)
             cost, step = self.save_cost.value, self.step_time.value
             wide = self._clamp(max(t, cost / (c.overhead_budget * step) if cost is not None and step else 0.0))
-            widened, steps = round(wide) > round(steps), wide
-        return Interval(steps, base, source, self.alpha, self.risk, shortened, widened, c.overhead_budget)
+            why += f", widened by overhead_budget {c.overhead_budget:.1%}" if round(wide) > round(steps) else ""
+            steps = wide
+        return Interval(steps, base, f"interval {round(steps)} (base {base:.0f} {source}{why}, alpha {alpha:.2f}, "
+                                     f"beta {risk:.2f})")
 
     def interval(self) -> float:
         """Current regular interval in steps (see `current_interval`)."""
@@ -507,7 +496,7 @@ class RulePolicy:
         if self.memory_armed:
             self.suppressed.discard("memory")
         if since >= interval.due:
-            return save(interval.reason(), DecisionKind.INTERVAL)
+            return save(interval.reason, DecisionKind.INTERVAL)
         return Decision(save=False, risk=beta, interval=interval.steps, healthy=healthy)
 
     def _over_budget(self) -> str | None:
