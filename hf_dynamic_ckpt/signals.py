@@ -258,14 +258,10 @@ def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # peft is optional
         return {}
-    layers: dict[str, list[nn.Parameter]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            subs = [getattr(module, attr, None) for attr in LoraLayer.adapter_layer_names]
-            params = [p for sub in subs if isinstance(sub, nn.Module) for p in sub.parameters() if p.requires_grad]
-            if params:
-                layers[name] = params
-    return layers
+    layers = {name: [p for sub in (getattr(module, attr, None) for attr in LoraLayer.adapter_layer_names)
+                     if isinstance(sub, nn.Module) for p in sub.parameters() if p.requires_grad]
+              for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    return {name: params for name, params in layers.items() if params}
 
 
 class GradProbe:

@@ -257,8 +257,7 @@ class LearnedCheck:
         """The model's score and granularity for this step's frame (the LSTM steps once per step)."""
         if self._cached is not None and self._cached[0] == frame.step:
             return self._cached[1]
-        x = self.features.step(frame)
-        score, logits, self.state = self.model.step(x, self.state)
+        score, logits, self.state = self.model.step(self.features.step(frame), self.state)
         opinion = Opinion(score=score, granularity=Granularity(int(np.argmax(logits))))
         self._cached = (frame.step, opinion)
         return opinion
@@ -276,17 +275,14 @@ class LearnedCheck:
             if not hard and op.score < self.model.veto_threshold:
                 return None, None, f"pre-update capture ({rule}) vetoed by the learned model ({op.describe()})"
             return rule, None, None
-        if op.save and op.granularity != Granularity.KEY_LAYERS_RNG and not frame.any_nonfinite:
-            return None, op, None
-        return None, None, None
+        early = op.save and op.granularity != Granularity.KEY_LAYERS_RNG and not frame.any_nonfinite
+        return None, op if early else None, None
 
     def capture(self, frame: SignalFrame, op: Opinion, risk: float, interval: float, cooldown: int) -> Decision | None:
         """The early pre-update capture the model asked for (pinned, like a rule's), unless within its cooldown."""
-        if not self._cooled(frame.step, cooldown):
-            return None
         return Decision(save=True, tiers=op.granularity.tiers, reason=f"learned {op.describe()}", pin=True,
                         pre_update=True, risk=risk, step=frame.step - 1, healthy=True, interval=interval,
-                        kind=DecisionKind.LEARNED)
+                        kind=DecisionKind.LEARNED) if self._cooled(frame.step, cooldown) else None
 
     def after_update(self, frame: SignalFrame, decision: Decision, *, may_save: bool, cooldown: int) -> Decision:
         """`RulePolicy.decide`'s question: a cheaper tier set for a risk-edge save, or an early save of the state after
