@@ -4,6 +4,7 @@ the frames and its own state, so under DDP every rank takes the same decisions o
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import logging
@@ -558,29 +559,27 @@ class RulePolicy:
         if version != STATE_VERSION:
             raise ConfigError(f"policy state version={version!r} is not supported: expected {STATE_VERSION} (or 1, "
                               "which restarts the statistics).")
+        fresh = copy.copy(self)
+        fresh._reset()  # filled from `state`, then taken over whole
         try:
-            values: dict[str, Any] = {"baselines": Baselines(self.config.policy), "step_time": Ema(0.9),
-                                      "save_cost": Ema(0.5)}
-            values["baselines"].load_state_dict(state["levels"])
+            fresh.baselines.load_state_dict(state["levels"])
             for key in ("step_time", "save_cost"):
-                values[key].load_state_dict(state["cadence"][key])
-            values |= {attr: _read(state[part][key], read, f"{part}.{key}") for (part, key), (attr, read) in
-                       _PLAIN.items()}
-            learned = LearnedCheck(self._model) if self._model is not None else None
-            if learned is not None and "learned" in state:  # saved without the model: the model starts afresh
-                learned.load_state_dict(state["learned"])
-            n, smoother = self.config.policy.risk_smoothing, state["smoother"]
-            values |= {"learned": learned, "betas": deque((float(v) for v in smoother["beta"]), maxlen=n),
-                       "training_betas": deque((float(v) for v in smoother["training"]), maxlen=n),
-                       "suppressed": {str(k) for k in state["suppressed"]},
-                       "history": deque(state["history"], maxlen=HISTORY_STEPS),
-                       "decisions": deque(state["decisions"], maxlen=DECISION_HISTORY)}
+                getattr(fresh, key).load_state_dict(state["cadence"][key])
+            for (part, key), (attr, read) in _PLAIN.items():
+                setattr(fresh, attr, _read(state[part][key], read, f"{part}.{key}"))
+            if fresh.learned is not None and "learned" in state:  # saved without the model: the model starts afresh
+                fresh.learned.load_state_dict(state["learned"])
+            fresh.betas.extend(float(v) for v in state["smoother"]["beta"])
+            fresh.training_betas.extend(float(v) for v in state["smoother"]["training"])
+            fresh.suppressed = {str(k) for k in state["suppressed"]}
+            fresh.history.extend(state["history"])
+            fresh.decisions.extend(state["decisions"])
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"policy state is malformed ({type(e).__name__}: {e}); it was not written by "
                               "RulePolicy.state_dict() of this version: start without it.") from e
-        vars(self).update(values)
+        vars(self).update(vars(fresh))
 
 
 # What the rollback rule answers for one step: nothing to do (calm, or not yet confirmed), roll back to a restore point
