@@ -12,7 +12,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,14 +30,16 @@ MAD_TO_STD = 1.4826  # turns a median absolute deviation into a normal standard 
 
 
 class RollingWindow:
-    """The last `maxlen` finite values with robust summaries (cached until the next `add`)."""
+    """The last `maxlen` finite values (`values`: the first ones) with robust summaries, cached until the next `add`."""
 
-    def __init__(self, maxlen: int) -> None:
+    def __init__(self, maxlen: int, values: Iterable[Any] = ()) -> None:
         if maxlen < 1:
             raise ValueError(f"maxlen={maxlen} is invalid: expected an integer >= 1.")
         self.maxlen = maxlen
         self._values: deque[float] = deque(maxlen=maxlen)
         self._cache: dict[str, float | None] = {}
+        for v in values:
+            self.add(float(v))
 
     def __len__(self) -> int:
         return len(self._values)
@@ -117,9 +119,8 @@ class LayerBaselines:
     def observe(self, norms: Mapping[str, float]) -> tuple[float | None, str | None]:
         """Judge this step's per-layer norms, then fold them in: `(max excess, layer)` over the warmed-up layers,
         `(None, None)` while none is; a non-finite norm gives `(inf, layer)` and leaves every baseline untouched."""
-        for name, norm in norms.items():
-            if not math.isfinite(norm):
-                return math.inf, name
+        if (bad := next((name for name, norm in norms.items() if not math.isfinite(norm)), None)) is not None:
+            return math.inf, bad
         best: tuple[float | None, str | None] = (None, None)
         for name, norm in norms.items():
             ratio = self.excess(name, norm)
@@ -134,11 +135,8 @@ class LayerBaselines:
                 "logs": {name: w.values for name, w in self.logs.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.logs = {}
-        for name, values in state.get("logs", {}).items():
-            self.logs[name] = w = RollingWindow(self.window)
-            for v in values[-self.window:]:
-                w.add(float(v))
+        self.logs = {name: RollingWindow(self.window, values[-self.window:])
+                     for name, values in state.get("logs", {}).items()}
 
 
 class Ema:

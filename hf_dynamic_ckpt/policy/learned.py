@@ -102,8 +102,7 @@ class FeatureExtractor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         fresh = FeatureExtractor()  # all or nothing: a malformed state raises before anything of self changes
         for name in ("loss", "grad", "time"):
-            for v in state[name]:
-                getattr(fresh, name).add(float(v))
+            setattr(fresh, name, RollingWindow(WINDOW, state[name]))
         fresh.lr.extend(float(v) for v in state["lr"])
         fresh.mem.extend((int(s), float(m)) for s, m in state["mem"])
         fresh.prev_loss = None if state["prev_loss"] is None else float(state["prev_loss"])
