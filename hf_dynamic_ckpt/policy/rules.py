@@ -375,8 +375,7 @@ class RulePolicy:
         if rule is None or not c.pre_anomaly_capture:
             if early is not None and c.pre_anomaly_capture and healthy and self.learned is not None and (
                     learned := self.learned.capture(frame, early, self.risk, self.interval(), self.cooldown)):
-                self._record(learned, frame.step)
-                return learned
+                return self._record(learned, frame.step)
             return Decision(save=False, skip_update=skip, risk=self.risk, healthy=healthy) if skip else NO_SAVE
         why = ("state already unhealthy (a non-finite update was applied)" if not healthy else
                "non-finite run already captured" if nonfinite and was_nonfinite else None)
@@ -388,11 +387,9 @@ class RulePolicy:
             return Decision(save=False, skip_update=skip, reason=f"suppressed: {rule}", risk=self.risk, healthy=healthy)
         self.last_capture = frame.step
         self.suppressed.discard("capture")
-        decision = Decision(save=True, tiers=ALL_TIERS, reason=f"pre_update {rule}", pin=True, pre_update=True,
-                            skip_update=skip, risk=self.risk, step=frame.step - 1, healthy=True,
-                            interval=self.interval(), kind=DecisionKind.CAPTURE)
-        self._record(decision, frame.step)
-        return decision
+        return self._record(Decision(save=True, tiers=ALL_TIERS, reason=f"pre_update {rule}", pin=True, pre_update=True,
+                                     skip_update=skip, risk=self.risk, step=frame.step - 1, healthy=True,
+                                     interval=self.interval(), kind=DecisionKind.CAPTURE), frame.step)
 
     def decide(self, frame: SignalFrame) -> Decision:
         """Whether to save the state of step `frame.step`, after its update: in priority order preemption (full,
@@ -438,9 +435,7 @@ class RulePolicy:
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
                              "save": decision.save, "reason": decision.reason})
-        if decision.save:
-            self._record(decision, step)
-        return decision
+        return self._record(decision, step) if decision.save else decision
 
     def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
         """The frame's assessment and capture rule (the same in `pre_update` and `decide`: the baselines only change at
@@ -520,7 +515,7 @@ class RulePolicy:
             self.suppressed.add(key)
             logger.debug("step %d: %s", step, message)
 
-    def _record(self, decision: Decision, step: int) -> None:
+    def _record(self, decision: Decision, step: int) -> Decision:
         assert decision.step is not None
         self.last_save_step = decision.step if self.last_save_step is None else max(self.last_save_step, decision.step)
         self.saves += 1
@@ -529,6 +524,7 @@ class RulePolicy:
         logger.debug("step %d: save step %d (%s) tiers=%s%s%s", step, decision.step, decision.reason,
                      ",".join(entry["tiers"]), " pinned" if decision.pin else "",
                      "" if decision.healthy else " unhealthy")
+        return decision
 
     def debug_info(self) -> list[dict[str, Any]]:
         """The last `DEBUG_INFO_STEPS` steps' loss, grad norm and learning rate (for the manifest)."""
