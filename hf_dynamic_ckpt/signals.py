@@ -263,15 +263,12 @@ def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 class GradProbe:
-    """The pre-clip global gradient norm and per-LoRA-layer norms, each layer judged by `LayerBaselines` against its
-    own history (`lora_max_ratio`: how far the most unusual layer lies above its normal ceiling).
-
-    Call `frame_fields()` once per step with complete gradients. Clipping scales every gradient alike, so with
-    `pre_clip_norm` (what the clipping returned) the layer norms measured after it are rescaled by `pre / post`; with it
-    and no LoRA layer nothing is computed. FSDP2 gradients count their local shards, the ranks' squares added through
-    `sum_across_ranks` (a collective: `distributed.all_reduce_square_sums`). Where gradients never reach `.grad`
-    (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`).
-    `window`, `warmup`, `spread_k`: each layer's `LayerBaselines`."""
+    """The pre-clip global gradient norm and per-LoRA-layer norms, each layer judged by a `LayerBaselines` (`window`,
+    `warmup`, `spread_k`) against its own history; `frame_fields()` once per step with complete gradients. Clipping
+    scales every gradient alike, so with `pre_clip_norm` (what the clipping returned) the layer norms measured after it
+    are rescaled by `pre / post`; with it and no LoRA layer nothing is computed. FSDP2 gradients count their local
+    shards, the ranks' squares added through `sum_across_ranks` (a collective); where gradients never reach `.grad`
+    (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`)."""
 
     def __init__(self, model: nn.Module, *, window: int = 50, warmup: int = 30, spread_k: float = 4.0,
                  sum_across_ranks: Callable[[list[float]], list[float]] | None = None) -> None:
