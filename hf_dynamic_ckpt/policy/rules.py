@@ -273,9 +273,6 @@ class RulePolicy:
         [False, False, False, True, False, False, False, True]
         ```
     """
-    learned: LearnedCheck | None
-    history: deque[dict[str, Any]]  # the last HISTORY_STEPS steps: loss, grad norm, lr, risk, interval, the decision
-    decisions: deque[dict[str, Any]]  # the last DECISION_HISTORY save decisions (to_dict() and the step taken at)
 
     def __init__(self, config: SmartCkptConfig | None = None) -> None:
         self.config = config or SmartCkptConfig()
@@ -305,8 +302,8 @@ class RulePolicy:
         self.edge_armed = self.memory_armed = True
         self.learned = LearnedCheck(self._model) if self._model is not None else None
         self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
-        self.history = deque(maxlen=HISTORY_STEPS)
-        self.decisions = deque(maxlen=DECISION_HISTORY)
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)  # loss, grad norm, lr, risk, the decision
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_HISTORY)  # to_dict() and the step taken at
         self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
 
     @property
