@@ -155,8 +155,7 @@ class DecisionModel:
             expected |= {f"lstm.weight_ih_l{i}": (4 * hidden, hidden if i else NUM_FEATURES),
                          f"lstm.weight_hh_l{i}": (4 * hidden, hidden),
                          f"lstm.bias_ih_l{i}": (4 * hidden,), f"lstm.bias_hh_l{i}": (4 * hidden,)}
-        missing = sorted(set(expected) - set(w))
-        if missing:
+        if missing := sorted(set(expected) - set(w)):
             raise ConfigError(f"{source} is not a decision model: tensors {missing} are missing; write one with "
                               "scripts/train_decision_model.py.")
         for name, shape in expected.items():

@@ -164,8 +164,7 @@ def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, c: Pol
     r = c.grad_surge_ratio
     if rule := _first_step(frame, baselines) or _early("early_grad", baselines.grad, frame.grad_norm, EARLY_GRAD_RATIO):
         return rule
-    if a.grad_ratio is not None and a.grad_excess is not None and a.grad_excess >= (
-            r if len(baselines.grad) >= CAPTURE_WARMUP else r * r):
+    if a.grad_excess is not None and a.grad_excess >= (r if len(baselines.grad) >= CAPTURE_WARMUP else r * r):
         return f"grad_surge x{a.grad_ratio:.1f}"
     if a.lora_ratio is not None and a.lora_ratio >= r:
         return f"lora_surge x{a.lora_ratio:.1f} in {frame.lora_max_layer}"
@@ -185,8 +184,7 @@ def _early(name: str, window: RollingWindow, value: float | None, bar: float) ->
     n = len(window)
     if value is None or not math.isfinite(value) or not 1 <= n < MIN_HISTORY:
         return None
-    baseline = window.median()
-    if baseline is None or baseline <= 0.0:
+    if (baseline := window.median() or 0.0) <= 0.0:
         return None  # a ratio to a non-positive baseline means nothing
     ratio = value / baseline
     return None if ratio < (bar if n >= EARLY_FLOOR else 2.0 * bar) else \
@@ -472,10 +470,9 @@ class RulePolicy:
             self.edge_armed = False
             detail = ", ".join(f"{k}={v:.2f}" for k, v in sorted(a.components.items()) if v > 0)
             reason = f"risk_edge beta={beta:.2f} ({detail or 'smoothed'})"
-            cost = self.save_cost.value
             if since < c.min_interval:
                 self._suppress("edge", step, f"{reason} suppressed: {since} < min_interval {c.min_interval}")
-            elif cost is not None and self.train_time_s > 0.0 and (
+            elif (cost := self.save_cost.value) is not None and self.train_time_s > 0.0 and (
                     self.blocking_s + cost) > c.overhead_budget * self.train_time_s:
                 self._suppress("edge", step, f"{reason} suppressed: over overhead_budget {c.overhead_budget:.1%}")
             else:
