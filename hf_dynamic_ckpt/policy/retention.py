@@ -31,21 +31,8 @@ def plan_retention(infos: Iterable[CheckpointInfo], *, keep_last: int | None, lo
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} is invalid: expected an integer >= 1, or None (keep every one).")
     infos = list(infos)
-    plan = _plan_live([i for i in infos if not i.abandoned], keep_last=keep_last, log_spaced=log_spaced,
-                      tier_retention=tier_retention, now=now)
-    newest_live = max((i.step for i in infos if not i.abandoned), default=None)
-    plan += [Removal(i, ALL_TIERS, f"abandoned timeline: the run went back before step {i.step} and has saved "
-                                   f"past it since (step {newest_live})")
-             for i in infos if i.abandoned and not i.pinned and newest_live is not None and newest_live > i.step]
-    return sorted(plan, key=lambda p: p.info.step)
-
-
-def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced: bool,
-               tier_retention: Mapping[Tier, float | None] | None, now: float) -> list[Removal]:
-    ordered = sorted(infos, key=lambda i: i.step, reverse=True)
-    if not ordered:
-        return []
-    newest = ordered[0].step
+    ordered = sorted((i for i in infos if not i.abandoned), key=lambda i: i.step, reverse=True)  # the live ones
+    newest = ordered[0].step if ordered else -1
     # keep_last=None keeps every checkpoint: nothing is thinned, only tiers expire by age (never the newest's).
     protected = {id(i) for i in ordered[:1 if keep_last is None else keep_last]}
     # Keep the newest healthy checkpoint too: it is the restore point `auto` resolves to.
@@ -75,7 +62,10 @@ def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced
             plan.append(Removal(info, ALL_TIERS, rule))
         elif tiers:
             plan.append(Removal(info, tiers, "; ".join(_expiry_rule(t, tier_retention) for t in sorted(tiers))))
-    return plan
+    plan += [Removal(i, ALL_TIERS, f"abandoned timeline: the run went back before step {i.step} and has saved "
+                                   f"past it since (step {newest})")
+             for i in infos if i.abandoned and not i.pinned and ordered and newest > i.step]
+    return sorted(plan, key=lambda p: p.info.step)
 
 
 def _expiry_rule(tier: Tier, tier_retention: Mapping[Tier, float | None] | None) -> str:
