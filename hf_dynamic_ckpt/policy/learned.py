@@ -9,7 +9,6 @@ import dataclasses
 import enum
 import functools
 import json
-import logging
 import math
 import os
 from collections import deque
@@ -23,16 +22,14 @@ from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
 from ..signals import MINIMAL_TIERS, Decision, DecisionKind, RollingWindow, SignalFrame, linear_fit
 
-logger = logging.getLogger(__name__)
-
-# The 12 scale-free inputs, in order (defined in docs/decision_model.md; a model file names the ones it learnt).
-FEATURE_NAMES: tuple[str, ...] = ("loss_ratio", "loss_change", "loss_noise", "grad_ratio", "grad_vs_clip", "lora_ratio",
-                                  "lr_ratio", "mem_frac", "mem_trend", "step_time_ratio", "nonfinite", "history")
+# The 12 scale-free inputs in order (docs/decision_model.md; a model file names the ones it learnt) and the (low, high)
+# each is clipped to: one absurd value (a x1e6 loss) cannot leave the range the model was trained on.
+_FEAT = {"loss_ratio": (-3.0, 8.0), "loss_change": (-4.0, 40.0), "loss_noise": (-8.0, 2.0), "grad_ratio": (-5.0, 10.0),
+         "grad_vs_clip": (-8.0, 10.0), "lora_ratio": (-3.0, 10.0), "lr_ratio": (-5.0, 5.0), "mem_frac": (0.0, 1.5),
+         "mem_trend": (-0.5, 1.0), "step_time_ratio": (-3.0, 3.0), "nonfinite": (0.0, 1.0), "history": (0.0, 1.0)}
+FEATURE_NAMES: tuple[str, ...] = tuple(_FEAT)
+CLIP: tuple[tuple[float, float], ...] = tuple(_FEAT.values())
 NUM_FEATURES = len(FEATURE_NAMES)
-# (low, high) of each feature: one absurd value (a x1e6 loss) cannot leave the range the model was trained on.
-CLIP: tuple[tuple[float, float], ...] = ((-3.0, 8.0), (-4.0, 40.0), (-8.0, 2.0), (-5.0, 10.0), (-8.0, 10.0),
-                                         (-3.0, 10.0), (-5.0, 5.0), (0.0, 1.5), (-0.5, 1.0), (-3.0, 3.0), (0.0, 1.0),
-                                         (0.0, 1.0))
 WINDOW = 20  # finite values each ratio's baseline is taken over
 MEM_POINTS, MEM_HORIZON = 6, 50  # the memory trend: a line through the last 6 samples, extrapolated 50 steps
 HISTORY_FULL = 50  # steps after which the `history` feature is 1
