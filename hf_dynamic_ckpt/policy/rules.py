@@ -322,12 +322,19 @@ class RulePolicy:
     def current_interval(self) -> Interval:
         """The regular interval: the base, shortened by stability and risk, widened by the budget when the library
         derived it, clamped (`max_interval` wins over the budget)."""
-        c, (base, source), alpha, risk = self.config.policy, self._base(), self.alpha, self.risk
+        c, cost, step = self.config.policy, self.save_cost.value, self.step_time.value
+        if self.config.base_interval is not None:
+            base, source = float(self.config.base_interval), FROM_USER
+        elif cost is None or not step:  # the first save measures the cost
+            base, source = float(c.stability_window), FROM_BOOTSTRAP
+        else:  # with the memory tier its slots cover the process failures: the disk covers the node's
+            mtbf = c.node_mtbf_hours if self.memory_tier else c.mtbf_hours
+            base, source = math.sqrt(2.0 * cost * mtbf * 3600.0) / step, FROM_YOUNG_DALY
+        base, alpha, risk = self._clamp(base), self.alpha, self.risk
         t = base * alpha / (1.0 + c.risk_gain * risk)
         steps = self._clamp(t)
         why = ", shortened by risk" if round(steps) < round(base) else ""
         if source != FROM_USER:  # an interval the user set is never widened (the budget warning says so once)
-            cost, step = self.save_cost.value, self.step_time.value
             wide = self._clamp(max(t, cost / (c.overhead_budget * step) if cost is not None and step else 0.0))
             why += f", widened by overhead_budget {c.overhead_budget:.1%}" if round(wide) > round(steps) else ""
             steps = wide
@@ -337,15 +344,6 @@ class RulePolicy:
     def interval(self) -> float:
         """Current regular interval in steps (see `current_interval`)."""
         return self.current_interval().steps
-
-    def _base(self) -> tuple[float, str]:
-        c, cost, step = self.config, self.save_cost.value, self.step_time.value
-        if c.base_interval is not None:
-            return self._clamp(float(c.base_interval)), FROM_USER
-        if cost is None or not step:  # the first save measures the cost
-            return self._clamp(float(c.policy.stability_window)), FROM_BOOTSTRAP
-        mtbf = c.policy.node_mtbf_hours if self.memory_tier else c.policy.mtbf_hours  # the slots cover the rest
-        return self._clamp(math.sqrt(2.0 * cost * mtbf * 3600.0) / step), FROM_YOUNG_DALY
 
     def _clamp(self, t: float) -> float:
         return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))
