@@ -1,9 +1,6 @@
-"""Configuration: frozen dataclasses validated on construction, loadable from YAML in the same shape.
-
-Every setting, its default, range and effect: docs/policy.md section 6. A bad value raises
-``ConfigError("policy.stability_window=2 is invalid: expected an integer >= 4.")``, an unknown key
-`UnknownConfigKeyError` naming the closest one (Trainer's included).
-"""
+"""Configuration: frozen dataclasses validated on construction, loadable from YAML in the same shape (every setting:
+docs/policy.md section 6). A bad value raises ``ConfigError("policy.stability_window=2 is invalid: expected an integer
+>= 4.")``, an unknown key `UnknownConfigKeyError` naming the closest one (Trainer's included)."""
 
 from __future__ import annotations
 
@@ -20,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, dataclass_transform
+
+import yaml
 
 from .constants import DEFAULT_TASK_ID
 from .errors import ConfigError, UnknownConfigKeyError
@@ -41,8 +40,8 @@ EngineMode = enum.StrEnum("EngineMode", {"PROCESS": "process", "SYNC": "sync"})
 
 def _num(v: Any, *, finite: bool = False, integer: bool = False) -> bool:
     """An int (a float unless `integer`), never a bool (YAML's `true` is no interval), NaN or (`finite`) inf."""
-    kind = int if integer else int | float
-    return isinstance(v, kind) and not isinstance(v, bool) and v == v and (not finite or math.isfinite(v))
+    return isinstance(v, int if integer else int | float) and not isinstance(v, bool) and v == v and (
+        not finite or math.isfinite(v))
 
 
 def _int_ge(low: int, null: str | None = None) -> tuple[Callable[[Any, Any], bool], str]:
@@ -71,8 +70,8 @@ def _enum(cls: type[enum.Enum], name: str, value: Any) -> Any:
     try:
         return cls(value)
     except ValueError:
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ConfigError(f"{name}={value!r} is invalid: expected one of {allowed}.") from None
+        raise ConfigError(f"{name}={value!r} is invalid: expected one of {', '.join(repr(m.value) for m in cls)}.") \
+            from None
 
 
 @dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(field,))
@@ -104,7 +103,6 @@ class _Settings:
 
 class PolicyParams(_Settings):
     """The decision's constants (``policy:`` in YAML); the defaults are the tuned ones."""
-
     min_interval: int = _f(1, *_int_ge(1))
     max_interval: int = _f(2000, lambda v, s: _num(v, integer=True) and v >= s.min_interval,
                            "an integer >= min_interval ({min_interval})")
@@ -140,13 +138,11 @@ class PolicyParams(_Settings):
 
 class LevelConfig(_Settings):
     """Retention of the weights tier (``storage_levels.level_0``) or the state tier (``level_2``)."""
-
     retention_days: float | None = _f(None, *_DAYS)
 
 
 class OptimizerLevelConfig(LevelConfig):
     """Storage of the optimizer tier (``storage_levels.level_1``): the one tier that is compressed."""
-
     compression: Compression = _f(Compression.ZSTD, lambda v, s: v != Compression.GZIP,
                                   "'zstd' or 'none' (gzip is not offered for L1: zstd level 1-3 is smaller and faster)")
     compression_level: int = _f(1, lambda v, s: _num(v, integer=True) and 1 <= v <= 19, "1 <= level <= 19")
@@ -165,7 +161,6 @@ def _note(key: str, level: int, message: str) -> None:
 
 class StorageLevels(_Settings):
     """Per-tier storage (``storage_levels:`` in YAML): each tier's retention and the optimizer tier's codec."""
-
     level_0: LevelConfig = field(default_factory=lambda: LevelConfig(retention_days=30))
     level_1: OptimizerLevelConfig = field(default_factory=OptimizerLevelConfig)
     level_2: LevelConfig = field(default_factory=lambda: LevelConfig(retention_days=90))
@@ -199,7 +194,6 @@ def _public_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 class RemoteParams(_Settings):
     """A URL root's object-store settings (``remote:`` in YAML, docs/storage.md)."""
-
     cache_dir: str | None = _f(None, lambda v, s: v is None or isinstance(v, str | os.PathLike),
                                "a directory path or null", convert=os.fspath)
     storage_options: Mapping[str, Any] | None = _f(None, convert=_public_options)
@@ -209,7 +203,6 @@ class RemoteParams(_Settings):
 
 class RuntimeParams(_Settings):
     """How the checkpointer behaves in the training process (``runtime:`` in YAML)."""
-
     fallback_strategy: FallbackStrategy = FallbackStrategy.FULL
     recovery_timeout_ms: int = _f(5000, *_POSITIVE)
     preemption_signals: tuple[str, ...] = _f(("SIGTERM", "SIGUSR1"), lambda v, s: isinstance(v, str | list | tuple)
@@ -248,10 +241,8 @@ def _check_keys(cls: type, keys: Iterable[Any], prefix: str | None) -> None:
     """Refuse the first key `cls` has no setting for, given as a keyword (`prefix=None`) or as the YAML key
     `<prefix><key>`: the error names the closest valid key (or where the key lives now) and every allowed one."""
     names = sorted(f.name for f in dataclasses.fields(cls))
-    unknown = sorted(str(k) for k in keys if k not in names)
-    if not unknown:
+    if (key := min((str(k) for k in keys if k not in names), default=None)) is None:
         return
-    key = unknown[0]
     moved = {f.name: f"{g}.{f.name}" for g, c in GROUPS.items() if g != "storage_levels" for f in dataclasses.fields(c)}
     moved |= {f"remote_{f.name}": f"remote.{f.name}" for f in dataclasses.fields(RemoteParams)}
     group = prefix.split(".")[0] if prefix is not None else (
@@ -262,8 +253,7 @@ def _check_keys(cls: type, keys: Iterable[Any], prefix: str | None) -> None:
     elif key in TRAINER_NAMES or key in REMOVED:
         hint = f"Trainer's {key!r} is {TRAINER_NAMES[key]} here" if key in TRAINER_NAMES else f"removed: {REMOVED[key]}"
     else:
-        close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}?" if close else ""
+        hint = f"did you mean {c[0]!r}?" if (c := difflib.get_close_matches(key, names, n=1, cutoff=0.6)) else ""
     what = f"unknown config key {prefix}{key!r}" if prefix is not None else f"{cls.__name__}() got an unknown keyword "\
         f"{key!r}"
     raise UnknownConfigKeyError(f"{what}{f' ({hint})' if hint else ''}: allowed keys are {', '.join(names)}.")
@@ -293,17 +283,29 @@ def _build(cls: type, where: str, value: Any, expected: str = "") -> Any:
 def _merge(current: Any, changes: Mapping[str, Any]) -> dict[str, Any]:
     """`current`'s settings with `changes`; a nested group's mapping changes only the keys it names."""
     data = {f.name: getattr(current, f.name) for f in dataclasses.fields(current)}
-    for key, value in changes.items():
-        inner = data.get(key)
-        data[key] = _merge(inner, value) if isinstance(value, Mapping) and dataclasses.is_dataclass(inner) else value
-    return data
+    return data | {k: _merge(data[k], v) if isinstance(v, Mapping) and dataclasses.is_dataclass(data.get(k)) else v
+                   for k, v in changes.items()}
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.safe_load`'s plain data, refusing a key given twice in one mapping (`path`: for the message)."""
+    path = ""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1  # type: ignore[no-untyped-call]
+            if isinstance(key, str) and key in seen:
+                raise ConfigError(f"{self.path}: key {key!r} is given twice, on line {seen[key]} and line {line}; keep "
+                                  "one (YAML would silently use the last).")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 class SmartCkptConfig(_Settings):
     """Everything the checkpointer can be told; `SmartCkptConfig()` works as is: seven settings a run may set and
     four groups of rarely changed constants, each also given as a mapping as in YAML, e.g.
     ``SmartCkptConfig(base_interval=4, policy={"min_interval": 2})``."""
-
     root: str | None = _f(None, lambda v, s: v is None or isinstance(v, str | os.PathLike),
                           "a directory path (str) or null", convert=os.fspath)
     task_id: str = _f(DEFAULT_TASK_ID, lambda v, s: isinstance(v, str) and v != "" and "/" not in v
@@ -340,26 +342,21 @@ class SmartCkptConfig(_Settings):
             if not is_url(path):
                 raise ConfigError(f"root={path!r} is invalid: expected a directory path or a URL such as s3://bucket/run.")
             check_url(path)
-        for where in () if is_url(path) else (Path(path), *Path(path).parents):  # the nearest existing one decides
-            if where.exists() and not where.is_dir():
-                fix = (" (the store goes under <output_dir>/smart_ckpt)" if name == "output_dir" else ", such as "
-                       f"root={os.path.join(os.path.dirname(where), 'smart_ckpt')!r}, or leave root unset for "
-                       "<output_dir>/smart_ckpt")
-                file = "it" if where == Path(path) else repr(str(where))
-                raise ConfigError(f"{name}={path!r} is invalid: {file} is a file, not a directory; the store is a "
-                                  "folder (catalog.db and one folder per task): pass a folder path, new or existing"
-                                  f"{fix}.")
-            if where.exists():
-                break
+        # The nearest existing folder or file on the way up decides.
+        where = next((w for w in (() if is_url(path) else (Path(path), *Path(path).parents)) if w.exists()), None)
+        if where is not None and not where.is_dir():
+            fix = (" (the store goes under <output_dir>/smart_ckpt)" if name == "output_dir" else ", such as "
+                   f"root={os.path.join(os.path.dirname(where), 'smart_ckpt')!r}, or leave root unset for "
+                   "<output_dir>/smart_ckpt")
+            raise ConfigError(f"{name}={path!r} is invalid: {'it' if where == Path(path) else repr(str(where))} is a "
+                              "file, not a directory; the store is a folder (catalog.db and one folder per task): pass "
+                              f"a folder path, new or existing{fix}.")
         return path if name == "root" else os.path.join(path, "smart_ckpt")
 
     def replace(self, **changes: Any) -> SmartCkptConfig:
         """A copy with `changes`; a group's mapping changes only the keys it names
         (``config.replace(policy={"min_interval": 5})`` keeps the other policy settings)."""
-        for name in GROUPS:
-            if isinstance(changes.get(name), Mapping):
-                changes[name] = _merge(getattr(self, name), changes[name])
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+        return dataclasses.replace(self, **_merge(self, changes))  # type: ignore[type-var]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SmartCkptConfig:
@@ -378,22 +375,10 @@ class SmartCkptConfig(_Settings):
     def from_yaml(cls, path: str | os.PathLike[str]) -> SmartCkptConfig:
         """Read a ``checkpoint_config.yaml`` (the shape of `to_dict()`). An unknown key is an error naming it, a key
         given twice in one mapping an error naming both lines (PyYAML would silently keep the last)."""
-        import yaml
-
-        class StrictLoader(yaml.SafeLoader):  # plain data only, as safe_load
-            def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-                seen: dict[Any, int] = {}
-                for key_node, _ in node.value:
-                    key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1  # type: ignore[no-untyped-call]
-                    if isinstance(key, str) and key in seen:
-                        raise ConfigError(f"{os.fspath(path)}: key {key!r} is given twice, on line {seen[key]} and "
-                                          f"line {line}; keep one (YAML would silently use the last).")
-                    seen[key] = line
-                return super().construct_mapping(node, deep=deep)
-
+        loader = type("Loader", (_StrictLoader,), {"path": os.fspath(path)})
         try:
             with open(path, encoding="utf-8") as f:
-                data = yaml.load(f, Loader=StrictLoader) or {}
+                data = yaml.load(f, Loader=loader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{os.fspath(path)} is not valid YAML: {e}") from e
         if not isinstance(data, Mapping):
@@ -408,7 +393,6 @@ class SmartCkptConfig(_Settings):
 @dataclass(kw_only=True)
 class SmartCkptArguments:
     """Command-line arguments for scripts built on `transformers.HfArgumentParser`; `to_config()` makes the config."""
-
     resume_from_smart_checkpoint: str | None = field(default=None, metadata={"help": "Resume point: auto | best | "
                                                      "fastest | step:N | PATH (auto starts fresh on an empty store)."})
     smart_ckpt_config: str | None = field(default=None, metadata={"help": "Path of a checkpoint_config.yaml."})

@@ -1,10 +1,7 @@
 """Signals: one `SignalFrame` per optimizer step, the probes that measure it (at most one device sync each), the
-statistics the policy judges it with (docs/policy.md section 1), and the policy's answer (`Decision`).
-
-Robust statistics (median / MAD), not mean / std: the values they summarise hold the outliers (loss spikes, gradient
-surges), and one spike must not move the baseline it is compared against. Every statistic is JSON-serialisable, so a
-resumed run continues exactly.
-"""
+statistics the policy judges it with (docs/policy.md section 1), and the policy's answer (`Decision`). Robust
+statistics (median / MAD): one spike must not move the baseline it is compared against. Every statistic is
+JSON-serialisable, so a resumed run continues exactly."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,30 +26,29 @@ from .jsonutil import safe_float
 
 logger = logging.getLogger(__name__)
 
-MAD_TO_STD = 1.4826
-"""Scale factor turning a median absolute deviation into a normal standard deviation."""
+MAD_TO_STD = 1.4826  # turns a median absolute deviation into a normal standard deviation
 
 
 class RollingWindow:
-    """The last `maxlen` finite values with robust summaries (cached until the next `add`)."""
+    """The last `maxlen` finite values (`values`: the first ones) with robust summaries, cached until the next `add`."""
 
-    def __init__(self, maxlen: int) -> None:
+    def __init__(self, maxlen: int, values: Iterable[Any] = ()) -> None:
         if maxlen < 1:
             raise ValueError(f"maxlen={maxlen} is invalid: expected an integer >= 1.")
         self.maxlen = maxlen
         self._values: deque[float] = deque(maxlen=maxlen)
         self._cache: dict[str, float | None] = {}
+        for v in values:
+            self.add(float(v))
 
     def __len__(self) -> int:
         return len(self._values)
 
-    def add(self, value: float | None) -> bool:
-        """Append `value` if it is finite; returns whether it was kept."""
-        if value is None or not math.isfinite(value):
-            return False
-        self._values.append(float(value))
-        self._cache.clear()
-        return True
+    def add(self, value: float | None) -> None:
+        """Append `value` if it is finite."""
+        if value is not None and math.isfinite(value):
+            self._values.append(float(value))
+            self._cache.clear()
 
     @property
     def values(self) -> list[float]:
@@ -102,14 +98,7 @@ class RollingWindow:
 class LayerBaselines:
     """Each LoRA layer's gradient norm judged against the layer's own history (docs/policy.md, "Per-layer LoRA
     baselines"): `excess = norm / exp(median(log norms) + spread_k * 1.4826 * MAD(log norms))` over its last
-    `window` non-zero norms, once it has `warmup` of them.
-
-    Args:
-        window (`int`, *optional*, defaults to `50`): norms per layer in the robust baseline.
-        warmup (`int`, *optional*, defaults to `30`): non-zero norms a layer needs before it is judged.
-        spread_k (`float`, *optional*, defaults to `4.0`): robust standard deviations of the log-norm a layer may move
-            without counting as a surge.
-    """
+    `window` non-zero norms, once it has `warmup` of them."""
 
     def __init__(self, window: int = 50, warmup: int = 30, spread_k: float = 4.0) -> None:
         if warmup < 1 or window < warmup or spread_k < 0:
@@ -130,9 +119,8 @@ class LayerBaselines:
     def observe(self, norms: Mapping[str, float]) -> tuple[float | None, str | None]:
         """Judge this step's per-layer norms, then fold them in: `(max excess, layer)` over the warmed-up layers,
         `(None, None)` while none is; a non-finite norm gives `(inf, layer)` and leaves every baseline untouched."""
-        for name, norm in norms.items():
-            if not math.isfinite(norm):
-                return math.inf, name
+        if (bad := next((name for name, norm in norms.items() if not math.isfinite(norm)), None)) is not None:
+            return math.inf, bad
         best: tuple[float | None, str | None] = (None, None)
         for name, norm in norms.items():
             ratio = self.excess(name, norm)
@@ -147,11 +135,8 @@ class LayerBaselines:
                 "logs": {name: w.values for name, w in self.logs.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.logs = {}
-        for name, values in state.get("logs", {}).items():
-            self.logs[name] = w = RollingWindow(self.window)
-            for v in values[-self.window:]:
-                w.add(float(v))
+        self.logs = {name: RollingWindow(self.window, values[-self.window:])
+                     for name, values in state.get("logs", {}).items()}
 
 
 class Ema:
@@ -162,13 +147,11 @@ class Ema:
             raise ValueError(f"decay={decay} is invalid: expected 0 <= decay < 1.")
         self.decay, self.raw, self.count = decay, 0.0, 0
 
-    def add(self, value: float | None) -> bool:
-        """Fold in `value` if it is finite; returns whether it was used."""
-        if value is None or not math.isfinite(value):
-            return False
-        self.raw = self.decay * self.raw + (1.0 - self.decay) * float(value)
-        self.count += 1
-        return True
+    def add(self, value: float | None) -> None:
+        """Fold in `value` if it is finite."""
+        if value is not None and math.isfinite(value):
+            self.raw = self.decay * self.raw + (1.0 - self.decay) * float(value)
+            self.count += 1
 
     @property
     def value(self) -> float | None:
@@ -197,44 +180,24 @@ def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | N
 
 @dataclass
 class SignalFrame:
-    """Signals of one optimizer step, as the decision policy sees them (docs/policy.md section 1).
-
-    Every field but `step` may be `None` (a probe not wired, a memory sample not due). Under DDP the frame is reduced
-    across ranks (`distributed.reduce_frame`) before the policy sees it, so every rank decides on the same numbers.
-
-    Args:
-        step (`int`): optimizer steps completed after this step's update (Trainer's `global_step` once the step
-            ends); in `RulePolicy.pre_update` the model still holds the state of `step - 1`.
-        loss (`float`, *optional*): the step's loss, summed over its micro-batches (and ranks).
-        grad_norm (`float`, *optional*): pre-clip global L2 norm of the gradients.
-        lora_max_ratio (`float`, *optional*): max over LoRA layers of the layer's norm over its own baseline.
-        lora_max_layer (`str`, *optional*): the layer reaching `lora_max_ratio`.
-        nonfinite (`bool`, *optional*, defaults to `False`): a gradient or the loss is NaN/inf.
-        device_mem_frac, host_mem_frac (`float`, *optional*): accelerator / host (or cgroup) memory in use.
-        step_time_s (`float`, *optional*): wall time of the step.
-        lr (`float`, *optional*): learning rate of the first parameter group, as used by this update.
-        preempt (`bool`, *optional*, defaults to `False`): a preemption signal arrived.
-        save_blocking_s (`float`, *optional*): seconds this rank was blocked by its saves since its previous frame
-            (MAX over ranks once reduced): the policy's only view of the save cost; `None` or `0`: no save.
-        clip_norm (`float`, *optional*): the norm the loop clips to (`max_grad_norm`): judges the very first step.
-        slot_every, slot_blocked (`float`, *optional*): the memory tier's cadence on this rank and whether it cannot
-            take this step's slot (0: it can, 1: a write still runs, 2: the tier is off); MAX over ranks once
-            reduced, so every rank writes its part of the same slots (`MemoryTier.agree`).
-    """
-
-    step: int
-    loss: float | None = None
-    grad_norm: float | None = None
-    lora_max_ratio: float | None = None
+    """Signals of one optimizer step, as the decision policy sees them (each field: docs/policy.md section 1). Every
+    field but `step` may be `None` (a probe not wired, a memory sample not due). Under DDP the frame is reduced across
+    ranks (`distributed.reduce_frame`) before the policy sees it, so every rank decides on the same numbers."""
+    step: int  # optimizer steps completed after this update; in `RulePolicy.pre_update` the model holds `step - 1`'s
+    loss: float | None = None  # summed over the step's micro-batches (and ranks)
+    grad_norm: float | None = None  # pre-clip global L2 norm
+    lora_max_ratio: float | None = None  # max over LoRA layers of the layer's norm over its own baseline
     lora_max_layer: str | None = None
-    nonfinite: bool = False
+    nonfinite: bool = False  # a gradient or the loss is NaN/inf
     device_mem_frac: float | None = None
     host_mem_frac: float | None = None
     step_time_s: float | None = None
-    lr: float | None = None
+    lr: float | None = None  # of the first parameter group, as used by this update
     preempt: bool = False
-    save_blocking_s: float | None = None
-    clip_norm: float | None = None
+    save_blocking_s: float | None = None  # this rank's save blocking since its previous frame (MAX over ranks); 0: none
+    clip_norm: float | None = None  # the norm the loop clips to (`max_grad_norm`): judges the very first step
+    # The memory tier's cadence on this rank and whether it cannot take this step's slot (0: it can, 1: a write still
+    # runs, 2: the tier is off); MAX over ranks once reduced, so every rank writes the same slots (`MemoryTier.agree`).
     slot_every: float | None = None
     slot_blocked: float | None = None
 
@@ -255,15 +218,10 @@ class SignalFrame:
                 for f in dataclasses.fields(self)}
 
 
-# ---------------------------------------------------------------------------- probes
 class LossProbe:
     """Sums the step's micro-batch losses (`outputs.loss`) through a forward hook, in training mode only (evaluation
     forwards stay out); the sum stays a detached tensor on the model's device: one sync when `pop()`'s caller reads it.
-
-    Args:
-        model (`torch.nn.Module`, *optional*): module whose forward output has a `loss` (a `ModelOutput` or a dict);
-            `None`: the loop feeds the probe through `add`.
-    """
+    Without a `model` (whose output has a `loss`) the loop feeds the probe through `add`."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self._sum: torch.Tensor | None = None
@@ -298,31 +256,19 @@ def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # peft is optional
         return {}
-    layers: dict[str, list[nn.Parameter]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            subs = [getattr(module, attr, None) for attr in LoraLayer.adapter_layer_names]
-            params = [p for sub in subs if isinstance(sub, nn.Module) for p in sub.parameters() if p.requires_grad]
-            if params:
-                layers[name] = params
-    return layers
+    layers = {name: [p for sub in (getattr(module, attr, None) for attr in LoraLayer.adapter_layer_names)
+                     if isinstance(sub, nn.Module) for p in sub.parameters() if p.requires_grad]
+              for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    return {name: params for name, params in layers.items() if params}
 
 
 class GradProbe:
-    """The pre-clip global gradient norm and per-LoRA-layer norms, each layer judged by `LayerBaselines` against its
-    own history (`lora_max_ratio`: how far the most unusual layer lies above its normal ceiling).
-
-    Call `frame_fields()` once per step with complete gradients. Clipping scales every gradient alike, so with
-    `pre_clip_norm` (what the clipping returned) the layer norms measured after it are rescaled by `pre / post`; with it
-    and no LoRA layer nothing is computed. FSDP2 gradients count their local shards, the ranks' squares added through
-    `sum_across_ranks` (a collective: `distributed.all_reduce_square_sums`). Where gradients never reach `.grad`
-    (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`).
-
-    Args:
-        model (`torch.nn.Module`): the model (a PEFT model for per-layer norms).
-        window, warmup, spread_k (*optional*, defaults to `50`, `30`, `4.0`): each layer's `LayerBaselines`.
-        sum_across_ranks (`Callable[[list[float]], list[float]]`, *optional*): per bucket, the sum over ranks.
-    """
+    """The pre-clip global gradient norm and per-LoRA-layer norms, each layer judged by a `LayerBaselines` (`window`,
+    `warmup`, `spread_k`) against its own history; `frame_fields()` once per step with complete gradients. Clipping
+    scales every gradient alike, so with `pre_clip_norm` (what the clipping returned) the layer norms measured after it
+    are rescaled by `pre / post`; with it and no LoRA layer nothing is computed. FSDP2 gradients count their local
+    shards, the ranks' squares added through `sum_across_ranks` (a collective); where gradients never reach `.grad`
+    (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`)."""
 
     def __init__(self, model: nn.Module, *, window: int = 50, warmup: int = 30, spread_k: float = 4.0,
                  sum_across_ranks: Callable[[list[float]], list[float]] | None = None) -> None:
@@ -450,14 +396,8 @@ def _removed(*args: Any, **kwargs: Any) -> Any:
 class MemoryProbe:
     """Device and host memory in use, as fractions, every `sample_every` steps (NVML every step costs throughput).
     Device: the larger of the CUDA allocator's reserved bytes and NVML's used bytes over the device total. Host:
-    `sysmem.headroom`, which the save engine reads too.
-
-    Args:
-        sample_every (`int`, *optional*, defaults to `5`): steps between samples.
-        cgroup_dir (`str`, `Path` or `bool`, *optional*): the memory cgroup to read; `None` finds this process's,
-            `False` never reads one.
-        device (`int`, *optional*): CUDA device index; defaults to the current device.
-    """
+    `sysmem.headroom`, which the save engine reads too. `cgroup_dir`: the memory cgroup to read (`None`: this
+    process's, `False`: none); `device`: the CUDA index (default: the current one)."""
 
     def __init__(self, sample_every: int = 5, *, cgroup_dir: str | Path | bool | None = None,
                  device: int | None = None) -> None:
@@ -500,7 +440,6 @@ class MemoryProbe:
 
 class DecisionKind(enum.StrEnum):
     """Why a save happens, as a value code can branch on (`Decision.reason` stays human text)."""
-
     NONE = "none"  # no save
     INTERVAL = "interval"  # the regular (possibly risk-shortened) interval elapsed
     RISK_EDGE = "risk_edge"  # smoothed risk rose past risk_threshold
@@ -513,44 +452,25 @@ class DecisionKind(enum.StrEnum):
     ROLLBACK = "rollback"  # no save: a confirmed anomaly, the run returns to a restore point before it
 
 
+# Smallest consistent restore point: weights plus RNG / data position / step, no optimizer. A resume from it continues
+# exactly with a fresh optimizer (the `level_0_only` fallback); a save under memory pressure writes it first.
 MINIMAL_TIERS: frozenset[Tier] = frozenset({Tier.WEIGHTS, Tier.STATE})
-"""Smallest consistent restore point: weights plus RNG / data position / step, no optimizer. A resume from it continues
-exactly where the data and RNG were with a fresh optimizer (the `level_0_only` fallback); a save under memory pressure
-writes it first."""
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer for one step; integrations and the orchestrator act on it.
-
-    Args:
-        save (`bool`): take a checkpoint now.
-        tiers (`frozenset[Tier]`, *optional*): what the checkpoint holds; empty when not saving.
-        reason (`str`, *optional*): why, in words (logged, stored in the manifest and catalog).
-        pin (`bool`, *optional*, defaults to `False`): retention must never delete it.
-        pre_update (`bool`, *optional*, defaults to `False`): from `RulePolicy.pre_update`: save the state *before*
-            this step's optimizer update, the state of step `frame.step - 1` (with that step's RNG and data position).
-        skip_update (`bool`, *optional*, defaults to `False`): the caller skips this step's optimizer update (and zeroes
-            the gradients); only with `skip_bad_update`.
-        risk (`float`, *optional*, defaults to `0.0`): smoothed risk beta in [0, 1].
-        step (`int`, *optional*): the step of the state to save (`frame.step`, or `frame.step - 1` for a capture).
-        healthy (`bool`, *optional*, defaults to `True`): the state is believed sane (no non-finite update applied, no
-            bad update, training risk below the threshold); restore points must be healthy.
-        interval (`float`, *optional*, defaults to `0.0`): the current regular interval in steps.
-        kind (`DecisionKind`, *optional*): machine-readable reason; `NONE` when not saving.
-    """
-
-    save: bool
-    tiers: frozenset[Tier] = frozenset()
-    reason: str = ""
-    pin: bool = False
-    pre_update: bool = False
-    skip_update: bool = False
-    risk: float = 0.0
-    step: int | None = None
-    healthy: bool = True
-    interval: float = 0.0
-    kind: DecisionKind = DecisionKind.NONE
+    """The policy's answer for one step; integrations and the orchestrator act on it."""
+    save: bool  # take a checkpoint now
+    tiers: frozenset[Tier] = frozenset()  # what the checkpoint holds; empty when not saving
+    reason: str = ""  # why, in words (logged, stored in the manifest and catalog)
+    pin: bool = False  # retention must never delete it
+    pre_update: bool = False  # save the state before this step's update: of `frame.step - 1`, with its RNG and data
+    skip_update: bool = False  # the caller skips this step's update (and zeroes the gradients): `skip_bad_update`
+    risk: float = 0.0  # smoothed risk beta in [0, 1]
+    step: int | None = None  # the step of the state to save (`frame.step`, or `frame.step - 1` for a capture)
+    healthy: bool = True  # believed sane (no non-finite or bad update, training risk < threshold): restore points are
+    interval: float = 0.0  # the current regular interval in steps
+    kind: DecisionKind = DecisionKind.NONE  # machine-readable reason; `NONE` when not saving
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (tiers sorted) for logs, the manifest and the decision history."""

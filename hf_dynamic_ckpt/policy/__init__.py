@@ -7,12 +7,5 @@ from ..signals import MINIMAL_TIERS, NO_SAVE, Decision, DecisionKind
 from .retention import plan_retention, tier_retention_from_config
 from .rules import RulePolicy
 
-__all__ = [
-    "MINIMAL_TIERS",
-    "NO_SAVE",
-    "Decision",
-    "DecisionKind",
-    "RulePolicy",
-    "plan_retention",
-    "tier_retention_from_config",
-]
+__all__ = ["MINIMAL_TIERS", "NO_SAVE", "Decision", "DecisionKind", "RulePolicy", "plan_retention",
+           "tier_retention_from_config"]

@@ -1,11 +1,7 @@
-"""The learned double-check next to the rules: 12 scale-free features of the frames and a 2-layer LSTM over them.
-
-Asked once per optimizer step on the reduced frame (the same on every rank), the model may ask for an early save
-(`DecisionKind.LEARNED`), take a cheaper tier set for a risk-edge save, or veto a rule capture of a *soft* trigger; the
-rules stay the safety net: a hard trigger (non-finite values, a loss >= `HARD_LOSS_RATIO` x its baseline) is never
-vetoed. The model file is safetensors only (never a pickle); inference is numpy float64. The features, the data, the
-training and the metrics: docs/decision_model.md.
-"""
+"""The learned double-check next to the rules: 12 scale-free features of the frames and a 2-layer LSTM over them
+(docs/decision_model.md). Asked once per step on the reduced frame, the model may ask for an early save (`LEARNED`),
+take a cheaper tier set for a risk-edge save, or veto a rule capture of a *soft* trigger; a hard trigger (non-finite
+values, a loss >= `HARD_LOSS_RATIO` x its baseline) is never vetoed. Safetensors only (no pickle); numpy float64."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import dataclasses
 import enum
 import functools
 import json
-import logging
 import math
 import os
 from collections import deque
@@ -27,19 +22,14 @@ from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
 from ..signals import MINIMAL_TIERS, Decision, DecisionKind, RollingWindow, SignalFrame, linear_fit
 
-logger = logging.getLogger(__name__)
-
-FEATURE_NAMES: tuple[str, ...] = (
-    "loss_ratio", "loss_change", "loss_noise", "grad_ratio", "grad_vs_clip", "lora_ratio",
-    "lr_ratio", "mem_frac", "mem_trend", "step_time_ratio", "nonfinite", "history",
-)
-"""The 12 scale-free inputs, in order (defined in `docs/decision_model.md`; a model file names the ones it learnt)."""
+# The 12 scale-free inputs in order (docs/decision_model.md; a model file names the ones it learnt) and the (low, high)
+# each is clipped to: one absurd value (a x1e6 loss) cannot leave the range the model was trained on.
+_FEAT = {"loss_ratio": (-3.0, 8.0), "loss_change": (-4.0, 40.0), "loss_noise": (-8.0, 2.0), "grad_ratio": (-5.0, 10.0),
+         "grad_vs_clip": (-8.0, 10.0), "lora_ratio": (-3.0, 10.0), "lr_ratio": (-5.0, 5.0), "mem_frac": (0.0, 1.5),
+         "mem_trend": (-0.5, 1.0), "step_time_ratio": (-3.0, 3.0), "nonfinite": (0.0, 1.0), "history": (0.0, 1.0)}
+FEATURE_NAMES: tuple[str, ...] = tuple(_FEAT)
+CLIP: tuple[tuple[float, float], ...] = tuple(_FEAT.values())
 NUM_FEATURES = len(FEATURE_NAMES)
-CLIP: tuple[tuple[float, float], ...] = (
-    (-3.0, 8.0), (-4.0, 40.0), (-8.0, 2.0), (-5.0, 10.0), (-8.0, 10.0), (-3.0, 10.0),
-    (-5.0, 5.0), (0.0, 1.5), (-0.5, 1.0), (-3.0, 3.0), (0.0, 1.0), (0.0, 1.0),
-)
-"""(low, high) of each feature: one absurd value (a x1e6 loss) cannot leave the range the model was trained on."""
 WINDOW = 20  # finite values each ratio's baseline is taken over
 MEM_POINTS, MEM_HORIZON = 6, 50  # the memory trend: a line through the last 6 samples, extrapolated 50 steps
 HISTORY_FULL = 50  # steps after which the `history` feature is 1
@@ -68,15 +58,7 @@ def _log_ratio(value: float | None, baseline: float | None) -> float:
 
 class FeatureExtractor:
     """Streaming features of the frames, one call per optimizer step: each frame is measured against the recent
-    values *before* it is folded in; a resumed run continues from the restored windows (`state_dict`).
-
-    Example:
-        ```python
-        >>> fx = FeatureExtractor()
-        >>> fx.step(SignalFrame(step=1, loss=2.0, grad_norm=1.0, lr=1e-3))[FEATURE_NAMES.index("history")]
-        0.0
-        ```
-    """
+    values *before* it is folded in; a resumed run continues from the restored windows (`state_dict`)."""
 
     def __init__(self) -> None:
         self.loss, self.grad, self.time = RollingWindow(WINDOW), RollingWindow(WINDOW), RollingWindow(WINDOW)
@@ -101,8 +83,7 @@ class FeatureExtractor:
              _log_ratio(frame.step_time_s, self.time.median()), 1.0 if frame.any_nonfinite else 0.0,
              min(1.0, self.seen / HISTORY_FULL)]
         for window, value in ((self.loss, loss), (self.grad, grad), (self.time, frame.step_time_s)):
-            if value is not None:
-                window.add(value)
+            window.add(value)
         if _finite(frame.lr):
             self.lr.append(float(frame.lr))  # type: ignore[arg-type]
         if _finite(mem):
@@ -118,8 +99,7 @@ class FeatureExtractor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         fresh = FeatureExtractor()  # all or nothing: a malformed state raises before anything of self changes
         for name in ("loss", "grad", "time"):
-            for v in state[name]:
-                getattr(fresh, name).add(float(v))
+            setattr(fresh, name, RollingWindow(WINDOW, state[name]))
         fresh.lr.extend(float(v) for v in state["lr"])
         fresh.mem.extend((int(s), float(m)) for s, m in state["mem"])
         fresh.prev_loss = None if state["prev_loss"] is None else float(state["prev_loss"])
@@ -129,7 +109,6 @@ class FeatureExtractor:
 
 class Granularity(enum.IntEnum):
     """The article's granularity classes and the tier set each one saves."""
-
     EVERYTHING = 0
     WEIGHTS_ONLY = 1
     WEIGHTS_OPTIMIZER = 2
@@ -144,7 +123,6 @@ class Granularity(enum.IntEnum):
 @dataclass(frozen=True)
 class Opinion:
     """The model's answer for one step."""
-
     score: float
     granularity: Granularity
 
@@ -157,20 +135,10 @@ class Opinion:
 
 
 class DecisionModel:
-    """The trained weights (numpy, float64) and one LSTM step.
-
-    Tensors as `torch.nn.LSTM(12, H, num_layers=2)` names them (`lstm.weight_ih_l0`, ...), plus
-    `score.weight` (1, H), `score.bias` (1), `granularity.weight` (4, H), `granularity.bias` (4),
-    `features.mean` / `features.std` (12): inputs are standardised before the LSTM.
-
-    Args:
-        tensors (`dict[str, np.ndarray]`): the tensors above.
-        metadata (`dict[str, str]`, *optional*): the file's metadata (`veto_threshold`, training notes).
-        source (`str`, *optional*): where they came from, for error messages.
-
-    Raises:
-        `ConfigError`: a tensor is missing, of the wrong shape, or not finite.
-    """
+    """The trained weights (numpy, float64) and one LSTM step. `tensors`: as `torch.nn.LSTM(12, H, num_layers=2)`
+    names them (`lstm.weight_ih_l0`, ...), plus `score.weight` (1, H), `score.bias` (1), `granularity.weight` (4, H),
+    `granularity.bias` (4), `features.mean` / `features.std` (12, the inputs' standardisation); `metadata`: the file's
+    (`veto_threshold`, training notes). `ConfigError`: a tensor is missing, of the wrong shape, or not finite."""
 
     def __init__(self, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None, *,
                  source: str = "decision model") -> None:
@@ -184,8 +152,7 @@ class DecisionModel:
             expected |= {f"lstm.weight_ih_l{i}": (4 * hidden, hidden if i else NUM_FEATURES),
                          f"lstm.weight_hh_l{i}": (4 * hidden, hidden),
                          f"lstm.bias_ih_l{i}": (4 * hidden,), f"lstm.bias_hh_l{i}": (4 * hidden,)}
-        missing = sorted(set(expected) - set(w))
-        if missing:
+        if missing := sorted(set(expected) - set(w)):
             raise ConfigError(f"{source} is not a decision model: tensors {missing} are missing; write one with "
                               "scripts/train_decision_model.py.")
         for name, shape in expected.items():
@@ -236,11 +203,7 @@ class DecisionModel:
 
 def load_model(spec: str | os.PathLike[str]) -> DecisionModel:
     """Load a decision model (`"builtin"`: the packaged one, or a `.safetensors` path), cached per file and
-    modification time.
-
-    Raises:
-        `ConfigError`: the file is missing, too large, not safetensors, or not a decision model.
-    """
+    modification time; `ConfigError`: the file is missing, too large, not safetensors, or not a decision model."""
     path = BUILTIN_PATH if os.fspath(spec) == BUILTIN else Path(spec)
     try:
         st = path.stat()
@@ -276,11 +239,7 @@ def _load(path: str, mtime_ns: int, size: int) -> DecisionModel:
 class LearnedCheck:
     """The model's per-step state (feature windows, LSTM state: part of the policy state, so a resumed run continues
     exactly) and the rules of its role; `RulePolicy` asks `review` and `capture` in `pre_update`, `after_update` in
-    `decide`.
-
-    Args:
-        model (`DecisionModel`): from `load_model`.
-    """
+    `decide`."""
 
     def __init__(self, model: DecisionModel) -> None:
         self.model = model
@@ -293,8 +252,7 @@ class LearnedCheck:
         """The model's score and granularity for this step's frame (the LSTM steps once per step)."""
         if self._cached is not None and self._cached[0] == frame.step:
             return self._cached[1]
-        x = self.features.step(frame)
-        score, logits, self.state = self.model.step(x, self.state)
+        score, logits, self.state = self.model.step(self.features.step(frame), self.state)
         opinion = Opinion(score=score, granularity=Granularity(int(np.argmax(logits))))
         self._cached = (frame.step, opinion)
         return opinion
@@ -312,17 +270,14 @@ class LearnedCheck:
             if not hard and op.score < self.model.veto_threshold:
                 return None, None, f"pre-update capture ({rule}) vetoed by the learned model ({op.describe()})"
             return rule, None, None
-        if op.save and op.granularity != Granularity.KEY_LAYERS_RNG and not frame.any_nonfinite:
-            return None, op, None
-        return None, None, None
+        early = op.save and op.granularity != Granularity.KEY_LAYERS_RNG and not frame.any_nonfinite
+        return None, op if early else None, None
 
     def capture(self, frame: SignalFrame, op: Opinion, risk: float, interval: float, cooldown: int) -> Decision | None:
         """The early pre-update capture the model asked for (pinned, like a rule's), unless within its cooldown."""
-        if not self._cooled(frame.step, cooldown):
-            return None
         return Decision(save=True, tiers=op.granularity.tiers, reason=f"learned {op.describe()}", pin=True,
                         pre_update=True, risk=risk, step=frame.step - 1, healthy=True, interval=interval,
-                        kind=DecisionKind.LEARNED)
+                        kind=DecisionKind.LEARNED) if self._cooled(frame.step, cooldown) else None
 
     def after_update(self, frame: SignalFrame, decision: Decision, *, may_save: bool, cooldown: int) -> Decision:
         """`RulePolicy.decide`'s question: a cheaper tier set for a risk-edge save, or an early save of the state after

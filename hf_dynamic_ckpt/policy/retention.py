@@ -1,10 +1,7 @@
 """What to keep (separate from when to save): pinned, the newest N, log-spaced history, per-tier expiry, abandoned
-timelines (the rules: docs/policy.md section 5).
-
-Log spacing keeps the *oldest* checkpoint of each power-of-two age bucket `[2^k, 2^(k+1))` behind the newest: a
-checkpoint only ever moves to higher buckets as training goes on, so the first one is never thinned and the number kept
-grows like `log2(steps)`.
-"""
+timelines (docs/policy.md section 5). Log spacing keeps the *oldest* checkpoint of each power-of-two age bucket
+`[2^k, 2^(k+1))` behind the newest: a checkpoint only ever moves to higher buckets, so the first one is never thinned
+and the number kept grows like `log2(steps)`."""
 
 from __future__ import annotations
 
@@ -15,71 +12,39 @@ from ..constants import ALL_TIERS, Tier
 from ..store import CheckpointInfo, Removal
 
 SECONDS_PER_DAY = 86400.0
+_TIER_KEY = {Tier.WEIGHTS: "level_0", Tier.OPTIMIZER: "level_1", Tier.STATE: "level_2"}
 
 
 def tier_retention_from_config(config: SmartCkptConfig) -> dict[Tier, float | None]:
     """`{tier: retention_days}` from `config.storage_levels` (L0 weights, L1 optimizer, L2 state)."""
-    levels = config.storage_levels
-    return {Tier.WEIGHTS: levels.level_0.retention_days, Tier.OPTIMIZER: levels.level_1.retention_days,
-            Tier.STATE: levels.level_2.retention_days}
+    return {tier: getattr(config.storage_levels, key).retention_days for tier, key in _TIER_KEY.items()}
 
 
 def plan_retention(infos: Iterable[CheckpointInfo], *, keep_last: int | None, log_spaced: bool = True,
                    tier_retention: Mapping[Tier, float | None] | None = None, now: float) -> list[Removal]:
-    """Decide what to delete. Pure: reads only the infos given, deletes nothing.
-
-    Args:
-        infos (`Iterable[CheckpointInfo]`): the task's committed checkpoints (any order).
-        keep_last (`int`, *optional*): the newest this many are kept whole (never thinned, no tier expires); `None`
-            keeps every live checkpoint (only `tier_retention` still removes tiers by age).
-        log_spaced (`bool`, *optional*, defaults to `True`): keep the oldest checkpoint of each power-of-two age
-            bucket; `False` keeps only pinned + the newest `keep_last`.
-        tier_retention (`Mapping[Tier, float | None]`, *optional*): retention in days per tier (`None`: forever), see
-            `tier_retention_from_config`.
-        now (`float`): current time (seconds since the epoch) for the per-tier ages.
-
-    Returns:
-        `list[Removal]`: what to delete, oldest first, each with its `rule`. Tiers containing `Tier.WEIGHTS` (they
-        are then `ALL_TIERS`) mean the whole checkpoint, otherwise only those tiers' files. Pinned checkpoints never
-        appear; an abandoned one appears (whole) once a live checkpoint of a greater step exists.
-
-    Example:
-        ```python
-        >>> plan = plan_retention(store.list(include_unhealthy=True), keep_last=3, now=time.time())
-        ```
-    """
+    """What to delete of `infos` (the task's committed checkpoints, any order), oldest first, each with its `rule`.
+    Pure: reads only the infos given, deletes nothing. The newest `keep_last` are kept whole (`None`: every live one,
+    only `tier_retention`, days per tier, still removes tiers by age at `now`); `log_spaced` keeps the oldest of each
+    power-of-two age bucket too. A removal with `Tier.WEIGHTS` (then `ALL_TIERS`) is the whole checkpoint, else only
+    those tiers' files. Pinned checkpoints never appear; an abandoned one appears (whole) once a live checkpoint of a
+    greater step exists."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} is invalid: expected an integer >= 1, or None (keep every one).")
     infos = list(infos)
-    plan = _plan_live([i for i in infos if not i.abandoned], keep_last=keep_last, log_spaced=log_spaced,
-                      tier_retention=tier_retention, now=now)
-    newest_live = max((i.step for i in infos if not i.abandoned), default=None)
-    plan += [Removal(i, ALL_TIERS, f"abandoned timeline: the run went back before step {i.step} and has saved "
-                                   f"past it since (step {newest_live})")
-             for i in infos if i.abandoned and not i.pinned and newest_live is not None and newest_live > i.step]
-    return sorted(plan, key=lambda p: p.info.step)
-
-
-def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced: bool,
-               tier_retention: Mapping[Tier, float | None] | None, now: float) -> list[Removal]:
-    ordered = sorted(infos, key=lambda i: i.step, reverse=True)
-    if not ordered:
-        return []
-    newest = ordered[0].step
+    ordered = sorted((i for i in infos if not i.abandoned), key=lambda i: i.step, reverse=True)  # the live ones
+    newest = ordered[0].step if ordered else -1
     # keep_last=None keeps every checkpoint: nothing is thinned, only tiers expire by age (never the newest's).
     protected = {id(i) for i in ordered[:1 if keep_last is None else keep_last]}
     # Keep the newest healthy checkpoint too: it is the restore point `auto` resolves to.
-    healthy = next((i for i in ordered if i.healthy), None)
-    if healthy is not None:
+    if (healthy := next((i for i in ordered if i.healthy), None)) is not None:
         protected.add(id(healthy))
-    expired = {id(i): _expired_tiers(i, tier_retention, now)
-               for i in ordered if id(i) not in protected and not i.pinned}
+    days = tier_retention or {}  # the tiers older than their retention, of each checkpoint that may lose any
+    expired = {id(i): frozenset(t for t in i.tiers if (d := days.get(t)) is not None and (now - i.save_time) /
+                                SECONDS_PER_DAY > d) for i in ordered if id(i) not in protected and not i.pinned}
     # Checkpoints whose weights expired go first, so thinning never keeps one that is about to vanish.
     dead = {k for k, tiers in expired.items() if Tier.WEIGHTS in tiers}
-    oldest_in_bucket: dict[int, CheckpointInfo] = {}  # filled newest -> oldest: the last one seen in a bucket
-    for info in ordered if log_spaced and keep_last is not None else ():
-        if id(info) in expired and id(info) not in dead:
-            oldest_in_bucket[_bucket(newest - info.step)] = info
+    oldest_in_bucket = {_bucket(newest - i.step): i for i in ordered if id(i) in expired and id(i) not in dead} if \
+        log_spaced and keep_last is not None else {}  # newest -> oldest: the last one seen in a bucket stays
     keep = {id(i) for i in oldest_in_bucket.values()} | {id(i) for i in ordered if keep_last is None}
     plan: list[Removal] = []
     for info in reversed(ordered):
@@ -97,24 +62,16 @@ def _plan_live(infos: list[CheckpointInfo], *, keep_last: int | None, log_spaced
             plan.append(Removal(info, ALL_TIERS, rule))
         elif tiers:
             plan.append(Removal(info, tiers, "; ".join(_expiry_rule(t, tier_retention) for t in sorted(tiers))))
-    return plan
-
-
-_TIER_KEY = {Tier.WEIGHTS: "level_0", Tier.OPTIMIZER: "level_1", Tier.STATE: "level_2"}
+    plan += [Removal(i, ALL_TIERS, f"abandoned timeline: the run went back before step {i.step} and has saved "
+                                   f"past it since (step {newest})")
+             for i in infos if i.abandoned and not i.pinned and ordered and newest > i.step]
+    return sorted(plan, key=lambda p: p.info.step)
 
 
 def _expiry_rule(tier: Tier, tier_retention: Mapping[Tier, float | None] | None) -> str:
     days = (tier_retention or {}).get(tier)
     return (f"the {tier.value} tier is older than storage_levels.{_TIER_KEY[tier]}.retention_days={days:g}"
             if days is not None else f"the {tier.value} tier expired")
-
-
-def _expired_tiers(info: CheckpointInfo, tier_retention: Mapping[Tier, float | None] | None,
-                   now: float) -> frozenset[Tier]:
-    if not tier_retention:
-        return frozenset()
-    age_days = (now - info.save_time) / SECONDS_PER_DAY
-    return frozenset(t for t in info.tiers if (days := tier_retention.get(t)) is not None and age_days > days)
 
 
 def _bucket(age_steps: int) -> int:

@@ -1,12 +1,10 @@
-"""The rule policy: a dynamic save interval, risk-triggered saves, pre-anomaly capture, and the rollback rule.
-
-Pure: `SignalFrame`s in, `Decision`s with a reason out; no I/O, no clock, no torch, so every behaviour is a unit test
-on a list of numbers. The policy reads nothing but the frames and its own state: under DDP every rank feeds it the
-same reduced frame and takes the same decisions. The formulas, the rules and every knob: docs/policy.md.
-"""
+"""The rule policy: a dynamic save interval, risk-triggered saves, pre-anomaly capture, and the rollback rule (docs/
+policy.md). Pure: `SignalFrame`s in, `Decision`s with a reason out (no I/O, no clock, no torch); it reads nothing but
+the frames and its own state, so under DDP every rank takes the same decisions on the same reduced frame."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import logging
@@ -65,7 +63,6 @@ def ramp(value: float, lo: float, hi: float) -> float:
 @dataclass
 class Assessment:
     """Risk components of one frame (each in [0, 1], in the order they are judged) and the statistics behind them."""
-
     loss_z: float | None = None
     loss_ratio: float | None = None
     grad_ratio: float | None = None
@@ -82,10 +79,6 @@ class Assessment:
     def training_beta(self) -> float:
         """`beta` of the finite anomalies (no memory, no non-finite): the risk that the weights go bad."""
         return max((v for k, v in self.components.items() if k not in (MEMORY, NONFINITE)), default=0.0)
-
-    @property
-    def driver(self) -> str | None:
-        return max(self.components, key=lambda k: self.components[k]) if self.beta > 0.0 else None
 
 
 class Baselines:
@@ -171,8 +164,7 @@ def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, c: Pol
     r = c.grad_surge_ratio
     if rule := _first_step(frame, baselines) or _early("early_grad", baselines.grad, frame.grad_norm, EARLY_GRAD_RATIO):
         return rule
-    if a.grad_ratio is not None and a.grad_excess is not None and a.grad_excess >= (
-            r if len(baselines.grad) >= CAPTURE_WARMUP else r * r):
+    if a.grad_excess is not None and a.grad_excess >= (r if len(baselines.grad) >= CAPTURE_WARMUP else r * r):
         return f"grad_surge x{a.grad_ratio:.1f}"
     if a.lora_ratio is not None and a.lora_ratio >= r:
         return f"lora_surge x{a.lora_ratio:.1f} in {frame.lora_max_layer}"
@@ -192,8 +184,7 @@ def _early(name: str, window: RollingWindow, value: float | None, bar: float) ->
     n = len(window)
     if value is None or not math.isfinite(value) or not 1 <= n < MIN_HISTORY:
         return None
-    baseline = window.median()
-    if baseline is None or baseline <= 0.0:
+    if (baseline := window.median() or 0.0) <= 0.0:
         return None  # a ratio to a non-positive baseline means nothing
     ratio = value / baseline
     return None if ratio < (bar if n >= EARLY_FLOOR else 2.0 * bar) else \
@@ -233,28 +224,15 @@ def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> 
 
 @dataclass(frozen=True)
 class Interval:
-    """The regular interval (`round(steps)` between saves), its base `T_base`, where that comes from (`FROM_...`),
-    and whether risk shortened it or the overhead budget widened it."""
-
+    """The regular interval (`due = round(steps)` between saves), its base `T_base`, and the `reason` of a save at it
+    (`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`: where the base comes from, why it moved)."""
     steps: float
     base: float
-    source: str
-    alpha: float
-    beta: float
-    shortened: bool = False
-    widened: bool = False
-    budget: float = 0.0
+    reason: str
 
     @property
     def due(self) -> int:
         return round(self.steps)
-
-    def reason(self) -> str:
-        """`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`, with why it moved."""
-        why = (", shortened by risk" if self.shortened else "") + (
-            f", widened by overhead_budget {self.budget:.1%}" if self.widened else "")
-        return f"interval {self.due} (base {self.base:.0f} {self.source}{why}, alpha {self.alpha:.2f}, " \
-               f"beta {self.beta:.2f})"
 
 
 # The policy state's plain values in their JSON order: (part, key) -> (attribute, how a saved value is read: converted
@@ -283,11 +261,8 @@ def _read(value: Any, read: Callable[[Any], Any] | tuple[type, ...], where: str)
 
 class RulePolicy:
     """Decides when to save and what, from per-step signals: the regular interval, the rising edge of the risk, a
-    memory ramp, preemption, and the pre-update capture (`pre_update`); the formulas: docs/policy.md section 2.
-
-    Args:
-        config (`SmartCkptConfig`, *optional*): the settings; defaults to `SmartCkptConfig()`. With
-            `policy.learned_model` set, the learned double-check (`LearnedCheck`) sits next to the rules.
+    memory ramp, preemption, and the pre-update capture (`pre_update`); the formulas: docs/policy.md section 2. With
+    `policy.learned_model` set, the learned double-check (`learned`, a `LearnedCheck`) sits next to the rules.
 
     Example:
         ```python
@@ -297,27 +272,17 @@ class RulePolicy:
         ```
     """
 
-    learned: LearnedCheck | None
-    """The learned double-check of `learned_model`; `None`: rules only."""
-    history: deque[dict[str, Any]]
-    """The last `HISTORY_STEPS` steps: loss, grad norm, lr, risk, interval, and the decision."""
-    decisions: deque[dict[str, Any]]
-    """The last `DECISION_HISTORY` save decisions (`Decision.to_dict()` and the step they were taken at)."""
-
     def __init__(self, config: SmartCkptConfig | None = None) -> None:
         self.config = config or SmartCkptConfig()
         c = self.config.policy
         self.cooldown = c.capture_cooldown if c.capture_cooldown is not None else c.stability_window
         self._model = load_model(c.learned_model) if c.learned_model is not None else None  # errors now
-        self.memory_tier = False
-        """Whether the newest state is kept in host memory too (then the interval follows `node_mtbf_hours`)."""
+        self.memory_tier = False  # the newest state is kept in host memory too: the interval follows node_mtbf_hours
         self._reset()
         self._pre_step: int | None = None  # step whose pre_update ran (transient: within one step)
         self._skip_step: int | None = None  # step whose update pre_update asked to skip
-        self.last_bad_update: str | None = None
-        """Why the update of the last `pre_update`'s step is bad (the capture rule that fired), or `None`."""
-        self.last_beta = 0.0
-        """The raw (unsmoothed) risk of the step judged last, which the step log records beside the smoothed one."""
+        self.last_bad_update: str | None = None  # the capture rule that fired in the last pre_update, or None
+        self.last_beta = 0.0  # the raw (unsmoothed) risk of the step judged last, for the step log
 
     def _reset(self) -> None:
         """A fresh state: empty statistics, every trigger armed, nothing saved."""
@@ -335,11 +300,10 @@ class RulePolicy:
         self.edge_armed = self.memory_armed = True
         self.learned = LearnedCheck(self._model) if self._model is not None else None
         self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
-        self.history = deque(maxlen=HISTORY_STEPS)
-        self.decisions = deque(maxlen=DECISION_HISTORY)
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)  # loss, grad norm, lr, risk, the decision
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_HISTORY)  # to_dict() and the step taken at
         self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
 
-    # ------------------------------------------------------------------ views
     @property
     def alpha(self) -> float:
         """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline."""
@@ -358,43 +322,37 @@ class RulePolicy:
     def current_interval(self) -> Interval:
         """The regular interval: the base, shortened by stability and risk, widened by the budget when the library
         derived it, clamped (`max_interval` wins over the budget)."""
-        c = self.config.policy
-        base, source = self._base()
-        t = base * self.alpha / (1.0 + c.risk_gain * self.risk)
+        c, cost, step = self.config.policy, self.save_cost.value, self.step_time.value
+        if self.config.base_interval is not None:
+            base, source = float(self.config.base_interval), FROM_USER
+        elif cost is None or not step:  # the first save measures the cost
+            base, source = float(c.stability_window), FROM_BOOTSTRAP
+        else:  # with the memory tier its slots cover the process failures: the disk covers the node's
+            mtbf = c.node_mtbf_hours if self.memory_tier else c.mtbf_hours
+            base, source = math.sqrt(2.0 * cost * mtbf * 3600.0) / step, FROM_YOUNG_DALY
+        base, alpha, risk = self._clamp(base), self.alpha, self.risk
+        t = base * alpha / (1.0 + c.risk_gain * risk)
         steps = self._clamp(t)
-        shortened, widened = round(steps) < round(base), False
+        why = ", shortened by risk" if round(steps) < round(base) else ""
         if source != FROM_USER:  # an interval the user set is never widened (the budget warning says so once)
-            cost, step = self.save_cost.value, self.step_time.value
             wide = self._clamp(max(t, cost / (c.overhead_budget * step) if cost is not None and step else 0.0))
-            widened, steps = round(wide) > round(steps), wide
-        return Interval(steps, base, source, self.alpha, self.risk, shortened, widened, c.overhead_budget)
+            why += f", widened by overhead_budget {c.overhead_budget:.1%}" if round(wide) > round(steps) else ""
+            steps = wide
+        return Interval(steps, base, f"interval {round(steps)} (base {base:.0f} {source}{why}, alpha {alpha:.2f}, "
+                                     f"beta {risk:.2f})")
 
     def interval(self) -> float:
         """Current regular interval in steps (see `current_interval`)."""
         return self.current_interval().steps
 
-    def _base(self) -> tuple[float, str]:
-        c, cost, step = self.config, self.save_cost.value, self.step_time.value
-        if c.base_interval is not None:
-            return self._clamp(float(c.base_interval)), FROM_USER
-        if cost is None or not step:  # the first save measures the cost
-            return self._clamp(float(c.policy.stability_window)), FROM_BOOTSTRAP
-        mtbf = c.policy.node_mtbf_hours if self.memory_tier else c.policy.mtbf_hours  # the slots cover the rest
-        return self._clamp(math.sqrt(2.0 * cost * mtbf * 3600.0) / step), FROM_YOUNG_DALY
-
     def _clamp(self, t: float) -> float:
         return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))
 
-    # ------------------------------------------------------------------ decisions
     def pre_update(self, frame: SignalFrame) -> Decision:
         """Check the step's gradients before `optimizer.step()`, while the weights are those of `frame.step - 1`: a
-        rule of `capture_rule` asks to save that state now, pinned and healthy (finite triggers once per
-        `capture_cooldown` steps, non-finite ones on the first of a run of them).
-
-        Returns:
-            `Decision`: `save=True, pre_update=True, pin=True, kind=CAPTURE` with `step = frame.step - 1` and the rule
-            in `reason`, or no save; `skip_update` follows `skip_bad_update` for any bad update.
-        """
+        rule of `capture_rule` saves that state now (`pre_update=True, pin=True, kind=CAPTURE, step=frame.step - 1`;
+        finite triggers once per `capture_cooldown` steps, non-finite ones on the first of a run of them);
+        `skip_update` follows `skip_bad_update` for any bad update."""
         c = self.config.policy
         self._pre_step = frame.step
         rule, early = self._judge(frame)[1], None
@@ -411,8 +369,7 @@ class RulePolicy:
         if rule is None or not c.pre_anomaly_capture:
             if early is not None and c.pre_anomaly_capture and healthy and self.learned is not None and (
                     learned := self.learned.capture(frame, early, self.risk, self.interval(), self.cooldown)):
-                self._record(learned, frame.step)
-                return learned
+                return self._record(learned, frame.step)
             return Decision(save=False, skip_update=skip, risk=self.risk, healthy=healthy) if skip else NO_SAVE
         why = ("state already unhealthy (a non-finite update was applied)" if not healthy else
                "non-finite run already captured" if nonfinite and was_nonfinite else None)
@@ -424,11 +381,9 @@ class RulePolicy:
             return Decision(save=False, skip_update=skip, reason=f"suppressed: {rule}", risk=self.risk, healthy=healthy)
         self.last_capture = frame.step
         self.suppressed.discard("capture")
-        decision = Decision(save=True, tiers=ALL_TIERS, reason=f"pre_update {rule}", pin=True, pre_update=True,
-                            skip_update=skip, risk=self.risk, step=frame.step - 1, healthy=True,
-                            interval=self.interval(), kind=DecisionKind.CAPTURE)
-        self._record(decision, frame.step)
-        return decision
+        return self._record(Decision(save=True, tiers=ALL_TIERS, reason=f"pre_update {rule}", pin=True, pre_update=True,
+                                     skip_update=skip, risk=self.risk, step=frame.step - 1, healthy=True,
+                                     interval=self.interval(), kind=DecisionKind.CAPTURE), frame.step)
 
     def decide(self, frame: SignalFrame) -> Decision:
         """Whether to save the state of step `frame.step`, after its update: in priority order preemption (full,
@@ -444,8 +399,7 @@ class RulePolicy:
         if b is not None and math.isfinite(b) and b > 0:
             self.save_cost.add(b)
             self.blocking_s += b
-        warning = self._over_budget()
-        if warning:
+        if warning := self._over_budget():
             logger.warning("step %d: %s", step, warning)
         a, rule = self._judge(frame)
         beta, training = a.beta, a.training_beta  # debounced: a risk counts once seen on two steps in a row
@@ -476,9 +430,7 @@ class RulePolicy:
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
                              "save": decision.save, "reason": decision.reason})
-        if decision.save:
-            self._record(decision, step)
-        return decision
+        return self._record(decision, step) if decision.save else decision
 
     def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
         """The frame's assessment and capture rule; `decide` reuses what `pre_update` computed for the same frame (the
@@ -516,14 +468,14 @@ class RulePolicy:
             self.edge_armed = False
             detail = ", ".join(f"{k}={v:.2f}" for k, v in sorted(a.components.items()) if v > 0)
             reason = f"risk_edge beta={beta:.2f} ({detail or 'smoothed'})"
-            cost = self.save_cost.value
             if since < c.min_interval:
                 self._suppress("edge", step, f"{reason} suppressed: {since} < min_interval {c.min_interval}")
-            elif cost is not None and self.train_time_s > 0.0 and (
+            elif (cost := self.save_cost.value) is not None and self.train_time_s > 0.0 and (
                     self.blocking_s + cost) > c.overhead_budget * self.train_time_s:
                 self._suppress("edge", step, f"{reason} suppressed: over overhead_budget {c.overhead_budget:.1%}")
             else:
-                return save(reason, DecisionKind.RISK_EDGE, MINIMAL_TIERS if a.driver == MEMORY else ALL_TIERS)
+                memory = a.beta > 0.0 and max(a.components, key=a.components.__getitem__) == MEMORY  # the driver
+                return save(reason, DecisionKind.RISK_EDGE, MINIMAL_TIERS if memory else ALL_TIERS)
         forecast = self.baselines.memory_forecast()
         if forecast is not None:  # fires once; re-armed once the forecast falls 5 points below (a plateau saves once)
             current, predicted = forecast
@@ -538,7 +490,7 @@ class RulePolicy:
         if self.memory_armed:
             self.suppressed.discard("memory")
         if since >= interval.due:
-            return save(interval.reason(), DecisionKind.INTERVAL)
+            return save(interval.reason, DecisionKind.INTERVAL)
         return Decision(save=False, risk=beta, interval=interval.steps, healthy=healthy)
 
     def _over_budget(self) -> str | None:
@@ -561,7 +513,7 @@ class RulePolicy:
             self.suppressed.add(key)
             logger.debug("step %d: %s", step, message)
 
-    def _record(self, decision: Decision, step: int) -> None:
+    def _record(self, decision: Decision, step: int) -> Decision:
         assert decision.step is not None
         self.last_save_step = decision.step if self.last_save_step is None else max(self.last_save_step, decision.step)
         self.saves += 1
@@ -570,12 +522,12 @@ class RulePolicy:
         logger.debug("step %d: save step %d (%s) tiers=%s%s%s", step, decision.step, decision.reason,
                      ",".join(entry["tiers"]), " pinned" if decision.pin else "",
                      "" if decision.healthy else " unhealthy")
+        return decision
 
     def debug_info(self) -> list[dict[str, Any]]:
         """The last `DEBUG_INFO_STEPS` steps' loss, grad norm and learning rate (for the manifest)."""
         return [{k: h[k] for k in ("step", "loss", "grad_norm", "lr")} for h in list(self.history)[-DEBUG_INFO_STEPS:]]
 
-    # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """The whole state as strict JSON (docs/policy.md section 4), so a resumed run decides exactly the same."""
         state: dict[str, Any] = {"version": STATE_VERSION, "levels": self.baselines.state_dict(),
@@ -590,12 +542,9 @@ class RulePolicy:
                         "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what `state_dict()` returned, all of it or nothing (window sizes follow the current config). A
-        version-1 state (an older release's layout) is not restored: the policy warms up again, with a warning.
-
-        Raises:
-            `ConfigError`: `state` is of an unknown version or malformed (nothing is changed then).
-        """
+        """Restore what `state_dict()` returned, all of it or nothing (window sizes follow the current config); a
+        `ConfigError` for a state of an unknown version or malformed. A version-1 state (an older release's layout) is
+        not restored: the policy warms up again, with a warning."""
         version = state.get("version")
         if version == 1:
             logger.warning("policy state version 1 (an older release) is not restored: the statistics warm up "
@@ -604,43 +553,38 @@ class RulePolicy:
         if version != STATE_VERSION:
             raise ConfigError(f"policy state version={version!r} is not supported: expected {STATE_VERSION} (or 1, "
                               "which restarts the statistics).")
+        fresh = copy.copy(self)
+        fresh._reset()  # filled from `state`, then taken over whole
         try:
-            values: dict[str, Any] = {"baselines": Baselines(self.config.policy), "step_time": Ema(0.9),
-                                      "save_cost": Ema(0.5)}
-            values["baselines"].load_state_dict(state["levels"])
+            fresh.baselines.load_state_dict(state["levels"])
             for key in ("step_time", "save_cost"):
-                values[key].load_state_dict(state["cadence"][key])
-            values |= {attr: _read(state[part][key], read, f"{part}.{key}") for (part, key), (attr, read) in
-                       _PLAIN.items()}
-            learned = LearnedCheck(self._model) if self._model is not None else None
-            if learned is not None and "learned" in state:  # saved without the model: the model starts afresh
-                learned.load_state_dict(state["learned"])
-            n, smoother = self.config.policy.risk_smoothing, state["smoother"]
-            values |= {"learned": learned, "betas": deque((float(v) for v in smoother["beta"]), maxlen=n),
-                       "training_betas": deque((float(v) for v in smoother["training"]), maxlen=n),
-                       "suppressed": {str(k) for k in state["suppressed"]}, "_judged": None,
-                       "history": deque(state["history"], maxlen=HISTORY_STEPS),
-                       "decisions": deque(state["decisions"], maxlen=DECISION_HISTORY)}
+                getattr(fresh, key).load_state_dict(state["cadence"][key])
+            for (part, key), (attr, read) in _PLAIN.items():
+                setattr(fresh, attr, _read(state[part][key], read, f"{part}.{key}"))
+            if fresh.learned is not None and "learned" in state:  # saved without the model: the model starts afresh
+                fresh.learned.load_state_dict(state["learned"])
+            fresh.betas.extend(float(v) for v in state["smoother"]["beta"])
+            fresh.training_betas.extend(float(v) for v in state["smoother"]["training"])
+            fresh.suppressed = {str(k) for k in state["suppressed"]}
+            fresh.history.extend(state["history"])
+            fresh.decisions.extend(state["decisions"])
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"policy state is malformed ({type(e).__name__}: {e}); it was not written by "
                               "RulePolicy.state_dict() of this version: start without it.") from e
-        vars(self).update(values)
+        vars(self).update(vars(fresh))
 
 
-class Verdict(enum.StrEnum):
-    """What the rollback rule answers for one step."""
-    NONE = "none"  # nothing to do (calm, or an anomaly not yet confirmed)
-    ROLLBACK = "rollback"  # confirmed: roll back to a restore point before `onset`
-    EXHAUSTED = "exhausted"  # confirmed, but max_rollbacks were taken within the window
+# What the rollback rule answers for one step: nothing to do (calm, or not yet confirmed), roll back to a restore point
+# before `onset`, or confirmed but max_rollbacks were taken within the window.
+Verdict = enum.StrEnum("Verdict", {"NONE": "none", "ROLLBACK": "rollback", "EXHAUSTED": "exhausted"})
 
 
 @dataclass(frozen=True)
 class RollbackVerdict:
     """The rule's answer: `verdict`, the anomaly's first bad step (`onset`), why (`reason`), and the oldest step a
     restore point may have (`earliest`, `step - rollback_window`)."""
-
     verdict: Verdict = Verdict.NONE
     onset: int | None = None
     reason: str = ""
@@ -653,15 +597,11 @@ NO_ROLLBACK = RollbackVerdict()
 @dataclass
 class RollbackRule:
     """When a confirmed anomaly rolls back (docs/rollback.md). Pure: per optimizer step it sees whether the update about
-    to be applied is bad (`capture_rule` fired); an anomaly starts at its first bad step (its onset, whose state the
-    policy captured) and `rollback_patience` bad steps in a row confirm it: a rollback to a healthy restore point
-    before the onset, at most `rollback_window` steps back, unless `max_rollbacks` were taken within that window.
-
-    Its state (`streak` bad steps in a row since `onset`, whose rule was `first_reason`; the steps rollbacks were
-    `taken` at) is the run's history of rollbacks, so it is *not* restored from the restore point a rollback returns
-    to (the policy's statistics are): a run never forgets that it rolled back.
-    """
-
+    to be applied is bad (`capture_rule` fired); `rollback_patience` bad steps in a row from the first (the onset, whose
+    state the policy captured) confirm it: a rollback to a healthy restore point before the onset, at most
+    `rollback_window` steps back, unless `max_rollbacks` were taken within that window. Its state (`streak` bad steps
+    since `onset`, whose rule was `first_reason`; the steps rollbacks were `taken` at) is the run's history, so it is
+    *not* restored from the restore point a rollback returns to: a run never forgets that it rolled back."""
     streak: int = 0
     onset: int | None = None
     first_reason: str = ""
