@@ -105,8 +105,10 @@ def test_trainer_resumes_exactly_on_an_iterable_dataset(tmp_path: Path, model: s
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_trainer_resumes_exactly_on_two_ranks_with_persistent_workers(tmp_path: Path) -> None:
-    results = _run_trainer(tmp_path, "lora", 1, 2, True, "--points", "8,12", nproc=2, evaluate="steps")
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
+def test_trainer_resumes_exactly_on_two_ranks_with_persistent_workers(tmp_path: Path, iterable: bool) -> None:
+    results = _run_trainer(tmp_path, "lora", 1, 2, True, "--points", "8,12", *(["--iterable"] if iterable else []),
+                           nproc=2, evaluate="steps")
     for result in results:
         _assert_trainer_exact(result, 1)
 
