@@ -1,20 +1,10 @@
-"""The run's own record: what the training loop saw of its saves, one row per step, and the timeline figure.
+"""The run's own record: its saves (`SaveEvent`, `SaveLog`, the `smart_ckpt/*` metrics), one row per step
+(`StepLog`, ``<root>/<task>/timeline.jsonl``, strict JSON so ``jq`` reads it) and the timeline figure.
 
-`SaveEvent`s and the `smart_ckpt/*` metrics: the catalog and the manifests hold the committed facts; this is the run's
-own log (step, reason, blocking time, bytes once committed, or the error), which the timeline, the metrics and the demo
-report read.
-
-``<root>/<task>/timeline.jsonl`` (the step log) is written by rank 0 of the `RunOrchestrator` (`StepLog`) and read by
-`timeline_figure` and the demo (`read_step_log`). Each step row holds the reduced signals, the smoothed risk (`risk`),
-the step's raw risk (`beta`) and the saves taken during the step (with their `kind`); a resume adds an
-``{"event": "resume", ...}`` line, which starts a new segment when read back. Numbers are strict JSON
-(`jsonutil.safe_float`), so ``jq`` reads the file.
-
-The figure (`plot_timeline`, `hf-dynamic-ckpt plot ROOT [--task T] [-o PNG]`): loss, gradient norm, risk and saves,
-with the committed checkpoints of the store (the save at the end of training comes after the last step's row). The
-steps a resume recomputed are drawn again from the restore point on, so a person sees what was lost and that the replay
-matches; each rollback is a band of its own, from the restore point to the step the anomaly was confirmed at. The risk
-panel shows each step's raw risk (`beta`, thin) and the policy's smoothed risk. matplotlib is imported only there.
+The catalog and the manifests hold the committed facts; this is what the training loop saw (reason, blocking time,
+bytes once committed, or the error). A resume or rollback line starts a new segment when the log is read back
+(`read_step_log`); the figure draws each segment, the saves and the store's checkpoints (`plot_timeline`, the
+``plot`` command). matplotlib is imported only there.
 """
 
 from __future__ import annotations
@@ -48,21 +38,9 @@ METRIC_PREFIX = "smart_ckpt/"
 class SaveEvent:
     """One save as the training loop saw it (the catalog holds the committed facts).
 
-    Args:
-        step (`int`): step of the saved state.
-        at_step (`int`): step during which the save was taken (`step + 1` for a pre-update capture).
-        reason (`str`): the policy's reason (human text).
-        tiers (`frozenset[Tier]`): what was saved.
-        pinned (`bool`): protected from retention.
-        blocking_ms (`float`): time training was stopped by the save.
-        kind (`DecisionKind`): machine-readable reason.
-        bytes (`int`, *optional*): bytes on disk once committed (rank 0).
-        write_ms (`float`, *optional*): background write time once committed.
-        path (`str`, *optional*): the committed directory (rank 0).
-        error (`str`, *optional*): why the save failed or was skipped.
-        staging (`str`, *optional*): how the state was staged: `"buffered"` (copied, written in
-            the background), `"streaming"` (written synchronously from the live tensors: memory
-            was short) or `"sync"` (a blocking save).
+    `at_step`: the step during which it was taken (`step + 1` for a pre-update capture); `bytes`, `write_ms`, `path`
+    once committed (rank 0); `error`: why it failed or was skipped; `staging`: `"buffered"` (copied, written in the
+    background), `"streaming"` (written from the live tensors: memory was short) or `"sync"` (a blocking save).
     """
 
     step: int
@@ -247,29 +225,37 @@ class StepLog:
             self.close()
 
 
+def _log_rows(root: str | os.PathLike[str], task_id: str) -> list[dict[str, Any]] | None:
+    """The step log's JSON objects (a line cut by a crash is skipped), or `None` when the task has none."""
+    path = Path(root) / task_id / TIMELINE_NAME
+    if not path.is_file():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def read_step_log(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
     """The step log as segments: one list of step rows per stretch of training, split where the run restarted
-    from an earlier step (a `resume` event: a new process; a `rollback` event: the same process went back).
-
-    A segment after a resume starts with ``{"resume_from": step}``, after a rollback with
+    from an earlier step. A segment after a resume starts with ``{"resume_from": step}``, after a rollback with
     ``{"rollback_to": step, "rollback_from": step, "reason": ...}``.
 
     Raises:
         `CheckpointNotFoundError`: the task has no step log.
     """
-    path = Path(root) / task_id / TIMELINE_NAME
-    if not path.is_file():
-        raise CheckpointNotFoundError(f"{path} does not exist: ROOT must be a store written by SmartCkptCallback / "
-                                      "SmartCheckpointer (pass the directory holding catalog.db, and --task if not "
-                                      "'default').")
+    rows = _log_rows(root, task_id)
+    if rows is None:
+        raise CheckpointNotFoundError(f"{Path(root) / task_id / TIMELINE_NAME} does not exist: ROOT must be a store "
+                                      "written by SmartCkptCallback / SmartCheckpointer (pass the directory holding "
+                                      "catalog.db, and --task if not 'default').")
     segments: list[list[dict[str, Any]]] = [[]]
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a crash
-            continue
+    for row in rows:
         if row.get("event") == "resume":
             segments.append([{"resume_from": row.get("step")}])
         elif row.get("event") == "rollback":
@@ -281,20 +267,9 @@ def read_step_log(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) 
 
 
 def read_rollbacks(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[dict[str, Any]]:
-    """The rollbacks the step log records, oldest first: ``{"from_step", "to_step", "reason", "time"}`` each
-    (none when the task has no step log)."""
-    path = Path(root) / task_id / TIMELINE_NAME
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("event") == "rollback":
-            out.append({k: row.get(k) for k in ("from_step", "to_step", "reason", "time")})
-    return out
+    """The rollbacks the step log records, oldest first: ``{"from_step", "to_step", "reason", "time"}`` each."""
+    return [{k: row.get(k) for k in ("from_step", "to_step", "reason", "time")}
+            for row in _log_rows(root, task_id) or () if row.get("event") == "rollback"]
 
 
 # ---------------------------------------------------------------------------- the figure
