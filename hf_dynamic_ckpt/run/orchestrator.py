@@ -1,32 +1,18 @@
 """The one orchestrator both integrations drive: probes -> policy -> snapshot/writer -> store, and the resume.
 
-`RunOrchestrator` is framework-free: it knows torch modules, optimizers and schedulers, never
-`Trainer` or `Accelerator`. It owns the run's collaborators and applies what they return; none
-of them calls back into it. An integration calls, per optimizer step:
+`RunOrchestrator` is framework-free (torch modules, optimizers and schedulers; never `Trainer` or `Accelerator`). It
+owns the run's collaborators and applies what they return; none of them calls back into it. Per optimizer step an
+integration calls `pre_update(step)` (gradients complete, weights not updated; `skip_update`: the gradients were
+dropped), `step_end(step, epoch)` (after the update; kind `PREEMPTION`: a checkpoint is committed, stop) and, with
+`hold_saves`, `release()` (the step's logging is done: write now); `resume(ref)` comes back (`resume.plan_resume`
+plans a `Resumption`, agreed on every rank, and `apply` makes it the run's state). Under DDP every rank calls the
+same methods in the same order: the signals are reduced in one collective per step, which also compares a
+fingerprint of the decisions so far (ranks that would diverge raise the same `DistributedError`).
 
-```
-pre_update(step)                      # gradients complete, weights not yet updated
-    -> Decision (skip_update: this step's gradients were dropped)
-step_end(step, epoch)                 # after optimizer.step / scheduler.step / zero_grad
-    -> Decision (kind PREEMPTION: a checkpoint is committed, the run should stop)
-release()                             # only with hold_saves: the step's logging is done, write now
-```
-
-and `resume(ref)` to come back: `resume.plan_resume` reads, verifies and plans the restore
-point into a `Resumption` (one agreed outcome on every rank) and `apply` makes it the run's
-state. Under DDP every rank calls the same methods in the same order: the signals are reduced in
-one collective per step, the policy reads nothing else, and the reduction also compares a
-fingerprint of the decisions so far: ranks that would diverge raise the same `DistributedError`.
-
-A rollback: the resume of a healthy restore point, applied to the live run instead of a new process.
-
-`policy.rules.RollbackRule` confirms an anomaly; the orchestrator then picks the restore point
-(`choose_restore_point`: rank 0's choice, broadcast, so every rank returns to the same step),
-reads and verifies it like any resume (`resume.plan_resume`, agreed across ranks), puts the
-weights, optimizer, scheduler, scaler and RNG back into the live objects (`restore_live`), and
-applies the `Resumption` (the new timeline, the policy's statistics). What it did is a
-`Rollback`, which the integration finishes with what only it knows: Trainer's step counter and
-logging bookkeeping, a custom loop's data position.
+A rollback is the resume of a healthy restore point applied to the live run: `policy.rules.RollbackRule` confirms
+an anomaly, rank 0 picks the restore point (`choose_restore_point`, broadcast), it is read and verified like any
+resume, put back into the live objects (`restore_live`) and applied; the integration finishes the `Rollback` with
+what only it knows (Trainer's step counter, a custom loop's data position).
 """
 
 from __future__ import annotations
@@ -73,7 +59,7 @@ from .resume import (
     fill_optimizer,
     plan_resume,
 )
-from .saver import HeldSave, Saver, exit_after_preemption, open_run_store
+from .saver import HeldSave, Saver, open_run_store
 from .sensing import PreemptionFlag, Sensors
 
 logger = logging.getLogger(__name__)
@@ -85,9 +71,8 @@ SaveExtra = Callable[[Decision], dict[str, Any]]
 
 @dataclass
 class _OpenRun:
-    """An open run of this process as `_RUNS` keeps it: the run itself weakly (a dropped Trainer must not stay alive
-    for it), its saver (engine) and store strongly (a run collected without `close()` still holds the task's writer
-    lock through them, its engine's writer keeps them alive: the next run of the task closes them)."""
+    """An open run as `_RUNS` keeps it: the run weakly (a dropped Trainer must not stay alive for it), its saver and
+    store strongly (a run collected without `close()` still holds the task's writer lock: the next run closes them)."""
 
     run: weakref.ref[RunOrchestrator]
     session_id: str
@@ -104,15 +89,8 @@ def _run_key(root: str | Path, task_id: str, rank: int) -> str:
 
 
 class RunOrchestrator:
-    """Signal-driven, tiered, non-blocking checkpointing of one training run.
-
-    Args:
-        config (`SmartCkptConfig`): the knobs; `config.root` or `root` names the store.
-        root (`str` or `Path`, *optional*): store directory (overrides `config.root`).
-        rank, world_size (`int`, *optional*): this process's rank and the number of ranks; default: the
-            process group's.
-        announce (`logging.Logger`, *optional*): where the one INFO line per save and the resume line go
-            (the Trainer callback passes a child of transformers' logger, so `--log_level info` shows them).
+    """Signal-driven, tiered, non-blocking checkpointing of one training run. `root` overrides `config.root`; `rank`
+    and `world_size` default to the process group's; `announce` gets the INFO line per save and the resume line.
 
     Example:
         ```python
@@ -227,26 +205,14 @@ class RunOrchestrator:
     ) -> None:
         """Install the probes and remember what a save reads.
 
-        Args:
-            model (`nn.Module`): the trained model (gradients and LoRA layers are read from it).
-            optimizer, scheduler, scaler (*optional*): L1 sources.
-            weights (`Callable`, *optional*): returns the L0 tensors (default: the trainable weights, cached).
-            frozen_keys (`Iterable[str]`, *optional*): weight names that never change (stored once).
-            extra (`Callable[[Decision], dict]`, *optional*): the integration's JSON-able part of the manifest's
-                `extra` for one save. Called on every rank right before each save (every rank takes the same
-                saves, so it may run a collective); the run adds its own state (policy, probes, save counts).
-            sampler (`Callable`, *optional*): JSON-able data position (L2).
-            clip_owner (*optional*): object whose `clip_grad_norm_` returns the pre-clip norm
-                (an `accelerate.Accelerator`); wrapped so the policy sees the pre-clip norm.
-            loss_model (`nn.Module`, *optional*): module whose forward output carries `loss`.
-            model_info (`dict`, *optional*): what export needs to rebuild the model (`export.describe_model`,
-                the default); stored in every manifest's ``extra["model"]``.
-            hold_saves (`bool`, *optional*, defaults to `False`): a save decided at `step_end` is written at
-                the next `release()` (or `step_begin`), once the loop has logged the step.
-            position (`Callable`, *optional*): the `(step, epoch)` that `pre_update` would be given, readable while
-                the step runs. Under DeepSpeed ZeRO the engine applies the update inside `backward`, before the
-                loop's `pre_update`: with `position`, `pre_update` runs inside the engine's step, before the first
-                partition is updated (`sharded.ZeroUpdateSeam`), and the loop's call returns its decision.
+        `weights`: the L0 tensors (default: the trainable weights); `frozen_keys`: never change (stored once);
+        `extra`: the integration's JSON-able part of a manifest's `extra`, called on every rank right before each
+        save (it may run a collective); `sampler`: the data position (L2); `clip_owner`: its `clip_grad_norm_` is
+        wrapped so the policy sees the pre-clip norm; `loss_model`: its output carries `loss`; `model_info`: what
+        export needs (``extra["model"]``, default `export.describe_model`); `hold_saves`: a save decided at
+        `step_end` is written at the next `release()` or `step_begin`; `position`: the `(step, epoch)` `pre_update`
+        would be given, readable while the step runs: under DeepSpeed ZeRO (the update is applied inside
+        `backward`) `pre_update` then runs inside the engine's step (`sharded.ZeroUpdateSeam`).
         """
         check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (`state.check_model`)
         if self.config.policy.skip_bad_update and zero_optimizer(optimizer) is not None:
@@ -315,22 +281,15 @@ class RunOrchestrator:
         return self._held.decision if self._held is not None and not self._held.memory else None
 
     def _extra(self, decision: Decision) -> dict[str, Any]:
-        """The manifest's `extra` of a save (this rank's): the integration's part, the run's own state, the model;
-        a sharded run's chunk table."""
+        """A save's manifest `extra` (this rank's): the integration's part, the run's own state, the model, a sharded
+        run's chunk table."""
         out = dict(self._integration_extra(decision)) if self._integration_extra is not None else {}
-        out.update(self.extra_state())
-        out[KEY_MODEL] = self._model_info
-        if self._sharded is not None:
-            out[KEY_RANK_CHUNKS] = self._sharded.chunks()
-        return out
-
-    def extra_state(self) -> dict[str, Any]:
-        """The run's own state as a manifest's `extra` stores it: the policy, the gradient probe, the save counters,
-        the rollbacks taken."""
-        out: dict[str, Any] = {KEY_POLICY: self.policy.state_dict(), KEY_SAVE_LOG: self.log.counts_for_save(),
-                               KEY_ROLLBACKS: self.rollbacks.state_dict()}
+        out.update({KEY_POLICY: self.policy.state_dict(), KEY_SAVE_LOG: self.log.counts_for_save(),
+                    KEY_ROLLBACKS: self.rollbacks.state_dict(), KEY_MODEL: self._model_info})
         if self.sensors is not None:
             out[KEY_GRAD_PROBE] = self.sensors.grad.state_dict()
+        if self._sharded is not None:
+            out[KEY_RANK_CHUNKS] = self._sharded.chunks()
         return out
 
     # ------------------------------------------------------------------ per step
@@ -367,8 +326,9 @@ class RunOrchestrator:
                 frame = self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
                                              fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
                                              clip_norm=clip_norm, slot=self.saver.slot_plan(step))
-            except DistributedError:
-                self._abort("a rank failed or diverged")
+            except DistributedError:  # a commit waiting for other ranks gives up now
+                self.store.abort("a rank failed or diverged")
+                self.saver.abort("a rank failed or diverged")
                 raise
             self.memory.agree(frame)
         self.policy.memory_tier = self.memory.agreed_on
@@ -413,8 +373,14 @@ class RunOrchestrator:
         self._frame = frame
         decision = self.policy.pre_update(frame)
         if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
-            if late:
-                decision = self._no_capture_under_zero(decision, step)
+            if late:  # ZeRO outside the engine's step: the update is applied, a capture would file it under `step`
+                if not self._warned_zero_capture and self.rank == 0:
+                    self.announce.warning(
+                        "smart_ckpt: step %d: %s, but the DeepSpeed engine applied the update before the step's "
+                        "signals were read here: the state before it cannot be captured (not captured; the newest "
+                        "checkpoint before it stays the restore point; said once per run)", step + 1, decision.reason)
+                self._warned_zero_capture = True
+                decision = replace(decision, save=False, pin=False)
             elif self._boundary_step == step and self._boundary_rng is not None:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
                            rng=self._boundary_rng, rng_at_step_begin=self._boundary_at_begin)
@@ -423,8 +389,16 @@ class RunOrchestrator:
                              step + 1, decision.reason, step)
         # After the capture: the capture stores the rule's state from before this step, as a resume replays it.
         verdict = self.rollbacks.observe(frame.step, self.policy.last_bad_update, self.config)
+        if verdict.verdict == Verdict.EXHAUSTED and \
+                self.config.policy.on_rollbacks_exhausted == RollbacksExhausted.STOP:
+            raise RollbackError(
+                f"step {frame.step}: an anomaly ({verdict.reason}) and no rollback left; the run keeps failing here. "
+                f"Rollbacks were taken at steps {', '.join(map(str, self.rollbacks.taken))}. Lower the learning rate, "
+                "look at the data of the failing steps, raise policy.max_rollbacks, or set "
+                "policy.on_rollbacks_exhausted='continue' to train through it (the pre-anomaly captures stay pinned).")
         if verdict.verdict == Verdict.EXHAUSTED:
-            self._rollbacks_exhausted(frame.step, verdict)
+            logger.warning("step %d: an anomaly (%s) and no rollback left (on_rollbacks_exhausted=continue): training "
+                           "through it", frame.step, verdict.reason)
         elif verdict.verdict == Verdict.ROLLBACK:
             # The update is not applied: the next `rollback()` returns to a state from before the anomaly.
             self._rollback_due, self._rollback_step = verdict, frame.step
@@ -436,29 +410,6 @@ class RunOrchestrator:
             for p in self._model.parameters():
                 p.grad = None
         return decision
-
-    def _no_capture_under_zero(self, decision: Decision, step: int) -> Decision:
-        """Under DeepSpeed ZeRO, outside the engine's step (no `position`, or per-layer norms spread over several
-        partitions): the update is applied already, and a capture now would file the updated state under `step`."""
-        if not self._warned_zero_capture:
-            self._warned_zero_capture = True
-            if self.rank == 0:
-                self.announce.warning(
-                    "smart_ckpt: step %d: %s, but the DeepSpeed engine applied the update before the step's signals "
-                    "were read here: the state before it cannot be captured (not captured; the newest checkpoint "
-                    "before it stays the restore point; said once per run)", step + 1, decision.reason)
-        return replace(decision, save=False, pin=False)
-
-    def _rollbacks_exhausted(self, step: int, verdict: RollbackVerdict) -> None:
-        """A confirmed anomaly with no rollback left: stop (`RollbackError`), or train through it."""
-        if self.config.policy.on_rollbacks_exhausted == RollbacksExhausted.STOP:
-            raise RollbackError(
-                f"step {step}: an anomaly ({verdict.reason}) and no rollback left; the run keeps failing here. "
-                f"Rollbacks were taken at steps {', '.join(map(str, self.rollbacks.taken))}. Lower the learning rate, "
-                "look at the data of the failing steps, raise policy.max_rollbacks, or set "
-                "policy.on_rollbacks_exhausted='continue' to train through it (the pre-anomaly captures stay pinned).")
-        logger.warning("step %d: an anomaly (%s) and no rollback left (on_rollbacks_exhausted=continue): training "
-                       "through it", step, verdict.reason)
 
     def step_end(self, step: int, epoch: float, *, lr: float | None = None) -> Decision:
         """After the update of step `step` (updates completed): decide, and save or stop on preemption.
@@ -505,7 +456,7 @@ class RunOrchestrator:
             assert self._sources is not None, "attach() first"
             flag = self.preemption_flag
             self.preempt_signal = flag.signum if flag is not None else None
-            self._before_save(decision)
+            self._start_timeline()
             self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
                                  frame=frame, debug_info=self.policy.debug_info(), lineage=self.lineage,
                                  extra=self._extra(decision))
@@ -557,20 +508,11 @@ class RunOrchestrator:
     def rollback(self, *, restore_rng: bool = True) -> Rollback | None:
         """Take the rollback the last `pre_update` confirmed (no-op without one). Call on every rank alike.
 
-        Waits for the writes in flight (the capture of the anomaly's onset among them), then returns to the
-        newest healthy checkpoint before the onset and at most `rollback_window` steps back (rank 0 chooses,
-        every rank returns to it): it is read and verified like a resume, put back into the live model,
-        optimizer, scheduler, scaler and (`restore_rng`) RNG, and applied like a `Resumption`: the steps past
-        it become an abandoned timeline, the policy's and probes' statistics are those of the restore point.
-        The run's save counters and rollback history go on.
-
-        Args:
-            restore_rng (`bool`, *optional*, defaults to `True`): restore the RNG now; `False` leaves it to the
-                caller, in `Rollback.rng` (a loop that fetches its next batch first, as a resume does).
-
-        Returns:
-            `Rollback | None`: what was done, or `None` when there was nothing to do or no restore point within
-            `rollback_window` (then the anomaly is trained through, with a warning).
+        Waits for the writes in flight (the onset's capture among them), returns to the newest healthy checkpoint
+        before the onset and at most `rollback_window` steps back, reads and verifies it like a resume, puts it back
+        into the live objects (the RNG too with `restore_rng`, else it is left in `Rollback.rng`) and applies it: the
+        steps past it become an abandoned timeline; the save counters and rollback history go on. `None`: nothing to
+        do, or no restore point (the anomaly is trained through, with a warning).
         """
         verdict, at = self._rollback_due, self._rollback_step
         self._rollback_due = self._rollback_step = None
@@ -601,27 +543,20 @@ class RunOrchestrator:
         self.note_boundary(resumption.step, rng=loaded.rng)
         done = Rollback(from_step=at, to_step=resumption.step, reason=verdict.reason,
                         rng=None if restore_rng else loaded.rng, loaded=loaded)
-        self.log_event("rollback", from_step=at, to_step=done.to_step, reason=done.reason)
+        self.steplog.event("rollback", from_step=at, to_step=done.to_step, reason=done.reason)
         return done
 
     def wait_snapshot(self) -> None:
-        """Wait until the last save's snapshot no longer reads the live parameters and optimizer state.
-
-        With an overlapped snapshot (`runtime.overlap_snapshot`) they are copied beside the next step's forward and
-        backward; the next `optimizer.step()`, a rollback, a resume, a preemption save and `close()` wait for the
-        copy by themselves. Code that changes parameters or optimizer state in place between a save and the next
-        optimizer step (a callback that edits weights) calls this first; otherwise that save fails with a
-        `SaveError` (nothing committed) instead of storing a mix of two states.
-        """
+        """Wait until the last save's snapshot no longer reads the live parameters and optimizer state (an
+        overlapped snapshot copies them beside the next step). Code that edits them in place between a save and the
+        next optimizer step calls this first; otherwise that save fails with a `SaveError` (nothing committed)."""
         self.saver.wait_snapshot()
 
     def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
                  pin: bool = False, blocking: bool = True) -> SaveEvent:
-        """Save the current state of `step` outside the policy (e.g. the end of training).
-
-        When this run already saved `step` with these tiers (the policy's save of the same step), that save is the
-        one returned (pinned with `pin`, waited for with `blocking`): the state is the same, and a second save of
-        the step would race the first one's commit."""
+        """Save the current state of `step` outside the policy (e.g. the end of training). A save of `step` with
+        these tiers taken already is the one returned (pinned with `pin`, waited for with `blocking`): a second one
+        would race its commit."""
         self.release()
         kind = DecisionKind.TRAIN_END if reason == "train_end" else DecisionKind.MANUAL
         decision = Decision(save=True, tiers=frozenset(tiers), reason=reason, pin=pin, step=step, kind=kind)
@@ -637,15 +572,11 @@ class RunOrchestrator:
         return event
 
     # ------------------------------------------------------------------ saving
-    def _before_save(self, decision: Decision) -> None:
-        """What every save needs first, on every rank: this run's timeline started (rank 0 sets other timelines'
-        newer checkpoints aside)."""
-        self._start_timeline()
-
     def _start_timeline(self) -> None:
         """The run's timeline starts (a fresh run's at its first save, a resumed run's when it first trains or
-        saves): rank 0 sets other timelines' newer checkpoints aside, and a resume is written to the step log.
-        A resume that never trains changes nothing in the store."""
+        saves; a resume that never trains changes nothing in the store): rank 0 makes it the task's current one,
+        setting other timelines' checkpoints past the restore point (every one, for a fresh start) aside as
+        abandoned (kept, never chosen by `auto`; one WARNING), and a resume is written to the step log."""
         if not self._fork_pending:
             return
         self._fork_pending = False
@@ -654,38 +585,28 @@ class RunOrchestrator:
             self.recovery.offered = True
             if not self._from_memory:
                 self.recovery.persist()
-        if self.rank == 0:
-            self._fork()
-        event, self._resume_event = self._resume_event, None
-        if event is not None:
-            self.log_event("resume", **event)
-
-    def _fork(self) -> list[int]:
-        """Rank 0: make this run's timeline the task's current one; checkpoints of other timelines past the restore
-        point (every one, for a fresh start) are set aside as abandoned: kept, never chosen by `auto`. Returns the
-        steps newly abandoned (also named in one WARNING)."""
-        lineage = self.lineage
-        after_step = lineage.parent_step
-        parent = lineage if after_step is not None else None
-        abandoned = self.store.fork(timeline=lineage.timeline, after_step=after_step, session=lineage.session,
-                                    parent=parent)
+        lineage, after = self.lineage, self.lineage.parent_step
+        abandoned = self.store.fork(timeline=lineage.timeline, after_step=after, session=lineage.session,
+                                    parent=lineage if after is not None else None) if self.rank == 0 else []
         if abandoned:
-            where = "the restore point" if after_step is not None else "this fresh start"
             what = (f"checkpoints {', '.join(map(str, abandoned))} belong" if len(abandoned) > 1
                     else f"checkpoint {abandoned[0]} belongs")
-            msg = (f"{what} to a run that went past {where} (step {after_step if after_step is not None else 0}); "
+            msg = (f"{what} to a run that went past "
+                   f"{'the restore point' if after is not None else 'this fresh start'} (step {after or 0}); "
                    "they are kept but abandoned: `auto`, `best` and `fastest` never choose them, "
                    "`hf-dynamic-ckpt ls --all` lists them, `step:N` restores them, and retention removes them once "
                    "this run has saved past them")
             logger.warning(msg)
-            warnings.warn(msg, stacklevel=4)
-        return abandoned
+            warnings.warn(msg, stacklevel=3)
+        event, self._resume_event = self._resume_event, None
+        if event is not None:
+            self.steplog.event("resume", **event)
 
     def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: RngState | None = None,
               sampler: dict[str, Any] | None = None, blocking: bool = False, rng_at_step_begin: bool = False,
               memory: bool = False) -> SaveEvent | None:
         assert self._sources is not None, "attach() first"
-        self._before_save(decision)
+        self._start_timeline()  # on every rank before any save
         if rng_at_step_begin:  # the data position says so: a resume restores it once the next step's batches are in
             if sampler is None and self._sources.sampler is not None:
                 sampler = self._sources.sampler()
@@ -703,10 +624,6 @@ class RunOrchestrator:
 
     def _write_step_row(self, frame: SignalFrame, decision: Decision) -> None:
         self.steplog.step(frame, decision, self.log.events, beta=self.policy.last_beta)
-
-    def log_event(self, kind: str, **data: Any) -> None:
-        """Append a non-step event (e.g. a resume) to the step log (rank 0)."""
-        self.steplog.event(kind, **data)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, float]:
@@ -771,15 +688,14 @@ class RunOrchestrator:
         return self._closed
 
     def exit_if_preempted(self) -> None:
-        """After a preemption save, end the process with `preemption_exit_code` (128 + signal by default), so a
-        scheduler requeues the job instead of reading it as finished. Call it once training stopped and closed."""
-        if self.preempted:
-            exit_after_preemption(self.config, self.preempt_signal)
-
-    def _abort(self, why: str) -> None:
-        """A fatal error (a rank died or diverged): a commit waiting for other ranks gives up now."""
-        self.store.abort(why)
-        self.saver.abort(why)
+        """After a preemption save, end the process with `preemption_exit_code` (128 + the signal by default, 143 for
+        SIGTERM; nothing for 0), so a scheduler requeues the job. Call it once training stopped and closed."""
+        code = self.config.runtime.preemption_exit_code
+        if code is None:
+            code = 128 + int(self.preempt_signal) if self.preempt_signal is not None else 143
+        if self.preempted and code:
+            logger.warning("preempted: training state committed; exiting with status %d so the job is requeued", code)
+            raise SystemExit(code)
 
     # ------------------------------------------------------------------ resume
     def resume(self, ref: str | None, *, background_optimizer: bool = False,

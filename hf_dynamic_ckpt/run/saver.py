@@ -360,16 +360,6 @@ class MemoryTier:
             slot_store.remove_slots(self.store.root, self.store.task_id)
 
 
-def exit_after_preemption(config: SmartCkptConfig, signum: int | None) -> None:
-    """Raise `SystemExit(preemption_exit_code)`: 128 + the signal by default (143 for SIGTERM); nothing for 0."""
-    code = config.runtime.preemption_exit_code
-    if code is None:
-        code = 128 + int(signum) if signum is not None else 143
-    if code:
-        logger.warning("preempted: training state committed; exiting with status %d so the job is requeued", code)
-        raise SystemExit(code)
-
-
 def human_bytes(n: int | None) -> str:
     """``1.3 MiB``-style size (binary units)."""
     if n is None:
