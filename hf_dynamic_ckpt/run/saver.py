@@ -1,9 +1,8 @@
-"""The save path of one run: a decision becomes a `SaveRequest`, a snapshot, a committed checkpoint.
+"""The save path of one run: a decision becomes a `SaveRequest`, a snapshot, a committed checkpoint; and the memory
+tier (`MemoryTier`) and a killed run's slots (`SlotRecovery`).
 
-`Saver` owns the engine calls, the run's `SaveLog`, the error policy (`on_save_error`) and
-retention after each commit. It is used by `RunOrchestrator` only, which hands it everything a
-save needs (the orchestrator has started the run's timeline and gathered the manifest's `extra`
-first); it runs no collectives and calls nothing back.
+`Saver` owns the engine calls, the run's `SaveLog`, the error policy (`on_save_error`) and retention after each
+commit. Only `RunOrchestrator` uses it; it runs no collectives and calls nothing back.
 """
 
 from __future__ import annotations
@@ -51,11 +50,9 @@ class HeldSave:
 
 
 class SlotRecovery:
-    """A killed run's memory slots newer than the disk store, found when a restart opens its store (rank 0; the others
-    are told its step): `auto`'s restore point (`step`: read from host memory, `RunOrchestrator._plan`), persisted to
-    the disk store before anything could replace them (the tier's next slot) or move the task's timeline past them
-    (`persist`): in the background once the run restored from it, before the choice of any other restore point, before
-    a fresh start's timeline. The killed run's own writer may have persisted it already: nothing is persisted twice."""
+    """A killed run's memory slots newer than the disk store (found by rank 0 when a restart opens its store): `auto`'s
+    restore point (`RunOrchestrator._plan`), persisted to disk (`persist`, never twice) before the tier's next slot
+    could replace them or the task's timeline move past them."""
 
     def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int, *, persists: bool = True) -> None:
         self.disk, self.slots, self.step = disk, slots, step
@@ -111,8 +108,7 @@ class SlotRecovery:
             self._done = True
 
     def close(self, *, remove: bool = False) -> None:
-        """Persist what is not yet (waiting for it) and release the slots' reader; `remove` the slots then (the
-        memory tier is off in this run: nothing else removes them)."""
+        """Persist what is not yet (waiting for it), release the slots' reader; `remove` them (the tier is off)."""
         self.persist()
         self.slots.close()
         if remove and self._persists:
@@ -121,10 +117,9 @@ class SlotRecovery:
 
 def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
                    session_id: str) -> tuple[CheckpointStore, SlotRecovery | None]:
-    """This rank's store, and a killed run's slots to restore from (see `SlotRecovery`). Under DDP rank 0 opens
-    first (it creates the catalog and takes the task's writer lock, then looks for a killed run's slot); its outcome,
-    an error included, is what every rank acts on. The save engine is not started here: `Saver.engine` starts it at
-    its first use (the first save, or its writer process started after the first step), so a resume only reads."""
+    """This rank's store, and a killed run's slots to restore from. Under DDP rank 0 opens first (the catalog, the
+    task's writer lock, the slots); its outcome, an error included, is what every rank acts on. No engine is started
+    (`Saver.engine`, at its first use): a resume only reads. A URL root (read-only here) has no slots."""
 
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
@@ -136,15 +131,12 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                                retries=config.remote.retries, backoff_s=config.remote.backoff_s,
                                lock_wait_s=config.runtime.lock_wait_s)
 
-    def local(store: CheckpointStore) -> bool:  # a URL root's slots are keyed by its local cache, on this node
-        return not store.read_only
-
     if world_size > 1:
         store, error, step = None, None, None
         if rank == 0:
             try:
                 store = open_store()
-                recovery = SlotRecovery.find(store) if local(store) else None
+                recovery = SlotRecovery.find(store) if not store.read_only else None
                 step = recovery.step if recovery is not None else None
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
@@ -162,7 +154,7 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                 recovery = SlotRecovery(store, slots, step, persists=False)
         return store, recovery
     store = open_store()
-    return store, SlotRecovery.find(store) if local(store) else None
+    return store, SlotRecovery.find(store) if not store.read_only else None
 
 
 MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5
@@ -181,18 +173,12 @@ def slot_cadence(blocking_ms: float, write_ms: float, step_ms: float, budget: fl
 
 
 class MemoryTier:
-    """The run's memory tier (`store/slots.py`): whether it is on, which steps it snapshots, what it cost.
-
-    On by default (`runtime.memory_tier`) with the process writer, on every rank or none (ranks of one node: one slot
-    store holds every rank's part, and the ranks agree on each slot in the step's frame, `agree`); off, with one INFO
-    line, where it cannot be (the sync engine, ranks on several nodes, `/dev/shm` or host memory too small for two
-    slots). Every `every`
-    steps the state of the step goes to a slot: the fewest steps whose snapshot fits in `policy.overhead_budget` of
-    their time and whose write the writer finishes within them, every step for a LoRA adapter at a real model's
-    pace (`runtime.memory_every` fixes it). A slot skipped because the writer is still busy is counted. In the
-    first seconds of a run, before the writer process is up, a small slot is written on the training thread while
-    the overhead budget allows (`write_early`: a token bucket that starts with `EARLY_BURST_S` of budget, enough for
-    every step of the writer's start-up, and refills at `policy.overhead_budget` of the time that passes)."""
+    """The run's memory tier (`store/slots.py`, docs/memory_tier.md): whether it is on, which steps it snapshots, what
+    it cost. On every rank or none (one slot store per node; the ranks agree on each slot in the step's frame,
+    `agree`); off, with one INFO line, where it cannot be. Every `every` steps (`slot_cadence`, or
+    `runtime.memory_every`) a step's state goes to a slot; a slot skipped because the writer is busy is counted.
+    Before the writer process is up, small slots are written on the training thread while the overhead budget allows
+    (`write_early`, a token bucket)."""
 
     def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, world_size: int) -> None:
         self.config, self.store = config, store
@@ -286,6 +272,13 @@ class MemoryTier:
             return self._agreed is not None and self._agreed[0] == step and self._agreed[2] == 0 and \
                 step % self._agreed[1] == 0
         return self.slots is not None and step % self.every == 0 and self._ready()
+
+    def wait_for(self, handle: Any) -> None:
+        """The bounded wait for the previous slot's write (`MEMORY_WAIT_S`), averaged into `wait_ms`."""
+        waited = time.perf_counter()
+        if not handle.done() and self.step_s:
+            handle.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * self.step_s))
+        self.wait_ms = 0.5 * self.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
 
     def _ready(self) -> bool:
         """No killed run's slot is still to be persisted; the first time, the slots that are not this run's are
@@ -415,9 +408,7 @@ class Saver:
             return None
         handle = self._memory_handle
         if handle is not None and not handle.done() and tier.step_s and step % tier.cadence == 0:
-            waited = time.perf_counter()
-            handle.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * tier.step_s))
-            tier.wait_ms = 0.5 * tier.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
+            tier.wait_for(handle)
         writing = engine is None or not engine.writer_ready or engine.busy or (handle is not None and not handle.done())
         return tier.plan(writing=writing)
 
@@ -434,10 +425,7 @@ class Saver:
             return
         previous, self._memory_handle = self._memory_handle, None
         if previous is not None:
-            waited = time.perf_counter()
-            if not previous.done() and tier.step_s:  # the previous slot's write: a bounded wait, then a skip
-                previous.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * tier.step_s))
-            tier.wait_ms = 0.5 * tier.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
+            tier.wait_for(previous)
             tier.settle(previous)
             if tier.slots is None:
                 return
@@ -471,35 +459,30 @@ class Saver:
         if self._engine is not None:
             self._engine.abort(why)
 
-    def request(self, decision: Decision, *, step: int, epoch: float, tiers: frozenset[Tier],
-                frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
-        return SaveRequest(step=step, epoch=float(epoch), tiers=tiers, reason=decision.reason, kind=decision.kind.value,
-                           pinned=decision.pin, healthy=decision.healthy,
-                           signals=json_safe(frame.to_dict()) if frame is not None else None,
-                           debug_info=tuple(debug_info), lineage=lineage)
-
-    def _prepare(self, decision: Decision) -> frozenset[Tier]:
+    def _request(self, decision: Decision, *, step: int, epoch: float, frame: SignalFrame | None,
+                 debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
+        """The request of a save, after rank 0 recreated a root deleted mid-run. Rank 0 writes weights and optimizer;
+        every rank its own RNG file (FSDP2: and its shards)."""
         try:
-            self.store.ensure_root()  # rank 0: a root deleted mid-run is recreated before the save is written
+            self.store.ensure_root()
         except DynamicCkptError as e:
             logger.warning("the store root cannot be recreated (%s); this save will fail", e)
-        # Rank 0 writes weights and optimizer; every rank writes its own RNG file (FSDP2: and its shards).
-        return frozenset(decision.tiers or ALL_TIERS) & self.own_tiers
+        return SaveRequest(step=step, epoch=float(epoch), tiers=frozenset(decision.tiers or ALL_TIERS) & self.own_tiers,
+                           reason=decision.reason, kind=decision.kind.value, pinned=decision.pin,
+                           healthy=decision.healthy, signals=json_safe(frame.to_dict()) if frame is not None else None,
+                           debug_info=tuple(debug_info), lineage=lineage)
 
     def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
              frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
              rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
              extra: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
         """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it."""
-        tiers = self._prepare(decision)
-        request = self.request(decision, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
-                               lineage=lineage)
+        request = self._request(decision, step=step, epoch=epoch, frame=frame, debug_info=debug_info, lineage=lineage)
         handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, blocking=blocking)
-        event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
-                          pinned=decision.pin, blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle,
-                          staging=handle.staging)
-        if handle.skipped:
-            event.error = handle.skipped
+        event = SaveEvent(step=step, at_step=at_step, reason=decision.reason,
+                          tiers=frozenset(decision.tiers or request.tiers), pinned=decision.pin,
+                          blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle, staging=handle.staging,
+                          error=handle.skipped or None)
         self.log.add(event)
         logger.debug("save step %d (%s): blocked %.1f ms, staging %s", step, decision.reason, handle.blocking_ms,
                      handle.staging)
@@ -510,8 +493,8 @@ class Saver:
     def emergency(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, signum: int | None,
                   frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
                   extra: dict[str, Any] | None = None) -> SaveEvent:
-        """The preemption save: synchronous, within `preemption_grace_s`, most valuable tiers first."""
-        tiers = self._prepare(decision)
+        """The preemption save: synchronous, within `preemption_grace_s`, most valuable tiers first (the engine's
+        reason is "emergency: ...")."""
         start = time.perf_counter()
         name = "preemption"
         if signum is not None:
@@ -519,16 +502,16 @@ class Saver:
                 name = f"preemption: {_signal.Signals(signum).name}"
             except ValueError:
                 name = f"preemption: signal {signum}"
-        emergency = Decision(save=True, tiers=tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
-        request = self.request(emergency, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
-                               lineage=lineage)
-        # The engine writes the most valuable tiers first within the grace period; its reason is "emergency: ...".
+        emergency = Decision(save=True, tiers=decision.tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
+        request = self._request(emergency, step=step, epoch=epoch, frame=frame, debug_info=debug_info,
+                                lineage=lineage)
         info = self.engine.emergency_save(sources, request, deadline_s=self.config.runtime.preemption_grace_s,
                                           extra=extra)
         blocking_ms = (time.perf_counter() - start) * 1e3
-        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else tiers,
-                          pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
-                          bytes=info.bytes if info else None, path=info.path if info else None, staging="sync")
+        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}",
+                          tiers=info.tiers if info else request.tiers, pinned=False, blocking_ms=blocking_ms,
+                          kind=DecisionKind.PREEMPTION, bytes=info.bytes if info else None,
+                          path=info.path if info else None, staging="sync")
         self.log.add(event)
         dist.barrier()
         logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
