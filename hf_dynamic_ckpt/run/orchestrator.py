@@ -174,8 +174,8 @@ class RunOrchestrator:
         self._stepped = False  # the first step_end starts the save side (`start_writer`)
         self._started = False
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
-        self._rollback_due: RollbackVerdict | None = None  # confirmed at pre_update, taken by rollback()
-        self._rollback_step: int | None = None  # the step whose update was dropped for it
+        self._rollback: tuple[RollbackVerdict, int] | None = None  # confirmed at pre_update for the step whose
+        # update was dropped, taken by rollback()
         self._boundary_rng: RngState | None = None  # RNG at the end of the previous step (or the next one's start)
         self._boundary_step: int | None = None
         self._boundary_at_begin = False  # `_boundary_rng` was taken at a `step_begin`
@@ -294,13 +294,10 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ per step
     def step_begin(self) -> None:
-        """Start of an optimizer step whose batches are fetched (Trainer's `on_step_begin`, with `hold_saves`).
-
-        The RNG now is what the step's forward starts from, in an uninterrupted run as in one resumed from the
-        previous step (which restores it once it has fetched the same batches). A save held since the previous
-        `step_end` stores it and is written now (`release`); so does a capture before this step's update: the
-        iterator a new epoch creates, an evaluation or a data collator may have drawn since `step_end`.
-        """
+        """Start of an optimizer step whose batches are fetched (Trainer's `on_step_begin`, with `hold_saves`). The
+        RNG now is what the step's forward starts from (a resume restores it once it has fetched the same batches): a
+        held save stores it and is written now, and so does a capture before this step's update (an epoch's new
+        iterator, an evaluation or a collator may have drawn since `step_end`)."""
         if self._held is not None or self._boundary_step is not None:
             rng = capture_raw_rng_state()
             if self._held is not None:
@@ -335,12 +332,9 @@ class RunOrchestrator:
         return frame
 
     def pre_update(self, step: int, *, epoch: float | None = None) -> Decision:
-        """Gradients are complete, the update not applied: measure, and capture if the policy says so.
-
-        `step` counts the updates completed *before* this one (Trainer's `global_step`); `epoch` is
-        that state's fractional epoch. With `skip_update` in the returned decision the gradients
-        were dropped (`param.grad = None`), so the optimizer skips the update.
-        """
+        """Gradients are complete, the update not applied: measure, and capture if the policy says so. `step`
+        counts the updates completed before this one (Trainer's `global_step`). With `skip_update` the gradients
+        were dropped (`param.grad = None`), so the optimizer skips the update."""
         if self._early is not None:  # taken inside the ZeRO engine's step (`ZeroUpdateSeam`)
             early_step, decision = self._early
             self._early = None
@@ -401,7 +395,7 @@ class RunOrchestrator:
                            "through it", frame.step, verdict.reason)
         elif verdict.verdict == Verdict.ROLLBACK:
             # The update is not applied: the next `rollback()` returns to a state from before the anomaly.
-            self._rollback_due, self._rollback_step = verdict, frame.step
+            self._rollback = verdict, frame.step
             decision = Decision(save=False, skip_update=True, reason=f"rollback: {verdict.reason}", risk=decision.risk,
                                 step=frame.step, healthy=False, kind=DecisionKind.ROLLBACK)
         if decision.skip_update and self._model is not None:
@@ -412,13 +406,9 @@ class RunOrchestrator:
         return decision
 
     def step_end(self, step: int, epoch: float, *, lr: float | None = None) -> Decision:
-        """After the update of step `step` (updates completed): decide, and save or stop on preemption.
-
-        `lr` (the rate this step used) only fills the frame when `pre_update` could not read it.
-        With `kind == DecisionKind.PREEMPTION` a checkpoint has been committed synchronously and
-        `self.preempted` is set: the caller should stop. Raises the `SaveError` of an earlier
-        failed save when `on_save_error="raise"`.
-        """
+        """After the update of step `step`: decide, and save (`lr`, this step's rate, fills the frame when
+        `pre_update` could not read it). With kind `PREEMPTION` a checkpoint is committed and `preempted` set: stop.
+        Raises an earlier failed save's `SaveError` with `on_save_error="raise"`."""
         self.release()
         if self.resumed is not None:
             self._start_timeline()
@@ -439,10 +429,10 @@ class RunOrchestrator:
         self._frame = None
         if frame.lr is None:
             frame.lr = lr
-        if self._rollback_due is not None and self._rollback_step == step:
+        if self._rollback is not None and self._rollback[1] == step:
             # No save and no statistics of a step about to be undone; `rollback()` comes next (should it find no
             # restore point, training goes on from this step's boundary, noted below).
-            decision = Decision(save=False, reason=f"rollback: {self._rollback_due.reason}", step=step,
+            decision = Decision(save=False, reason=f"rollback: {self._rollback[0].reason}", step=step,
                                 risk=self.policy.risk, healthy=False, kind=DecisionKind.ROLLBACK)
         else:
             decision = self.policy.decide(frame)
@@ -453,13 +443,9 @@ class RunOrchestrator:
         else:
             self.note_boundary(step)
         if decision.save and decision.kind == DecisionKind.PREEMPTION:
-            assert self._sources is not None, "attach() first"
             flag = self.preemption_flag
             self.preempt_signal = flag.signum if flag is not None else None
-            self._start_timeline()
-            self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
-                                 frame=frame, debug_info=self.policy.debug_info(), lineage=self.lineage,
-                                 extra=self._extra(decision))
+            self._save(decision, step=step, epoch=epoch, at_step=step)
             self.preempted = True
         elif decision.save and self.hold_saves:
             # The data position is taken when the save is written, after the step's evaluation.
@@ -503,7 +489,7 @@ class RunOrchestrator:
     @property
     def rollback_due(self) -> bool:
         """A rollback was confirmed at the last `pre_update` and is not taken yet (`rollback()`)."""
-        return self._rollback_due is not None
+        return self._rollback is not None
 
     def rollback(self, *, restore_rng: bool = True) -> Rollback | None:
         """Take the rollback the last `pre_update` confirmed (no-op without one). Call on every rank alike.
@@ -514,10 +500,9 @@ class RunOrchestrator:
         steps past it become an abandoned timeline; the save counters and rollback history go on. `None`: nothing to
         do, or no restore point (the anomaly is trained through, with a warning).
         """
-        verdict, at = self._rollback_due, self._rollback_step
-        self._rollback_due = self._rollback_step = None
-        if verdict is None or at is None:
+        if self._rollback is None:
             return None
+        (verdict, at), self._rollback = self._rollback, None
         assert self._model is not None and verdict.onset is not None, "attach() first"
         self.saver.wait_snapshot()  # restore_live writes the tensors a snapshot may still be copying
         self.saver.finish()  # the capture must be committed before it is read back
@@ -618,9 +603,13 @@ class RunOrchestrator:
             self.saver.save_memory(self._sources, step=step, epoch=epoch, lineage=self.lineage, rng=rng,
                                    sampler=sampler, extra=self._extra(decision), healthy=decision.healthy)
             return None
-        return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, frame=self.last_frame,
-                               debug_info=self.policy.debug_info(), lineage=self.lineage, rng=rng, sampler=sampler,
-                               extra=self._extra(decision), blocking=blocking)
+        common: dict[str, Any] = {"frame": self.last_frame, "debug_info": self.policy.debug_info(),
+                                  "lineage": self.lineage, "extra": self._extra(decision)}
+        if decision.kind == DecisionKind.PREEMPTION:  # synchronous, within the grace period
+            return self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
+                                        **common)
+        return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, rng=rng,
+                               sampler=sampler, blocking=blocking, **common)
 
     def _write_step_row(self, frame: SignalFrame, decision: Decision) -> None:
         self.steplog.step(frame, decision, self.log.events, beta=self.policy.last_beta)
@@ -645,12 +634,8 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ shutdown
     def finish(self) -> CheckpointInfo | None:
-        """Write a held save, wait for the last background write and settle every save.
-
-        Raises:
-            `SaveError`: a save failed and `on_save_error="raise"` (with `"warn"`, failures are
-                counted and warned about, the same for the last save as for any other).
-        """
+        """Write a held save, wait for the last background write and settle every save (a failed one raises its
+        `SaveError` with `on_save_error="raise"`; with `"warn"` it is counted and warned about)."""
         if self._held is not None and self._held.memory:  # a slot of a step whose logging never came: not needed
             self._held = None
         self.release()
@@ -680,7 +665,7 @@ class RunOrchestrator:
         commit, a save decided but not written yet is dropped (its step's logging never came, and writing it could
         run a collective on this rank alone), a pending rollback is dropped, and this run closes."""
         self._held = None
-        self._rollback_due = self._rollback_step = None
+        self._rollback = None
         self.close()
 
     @property
@@ -701,23 +686,11 @@ class RunOrchestrator:
     def resume(self, ref: str | None, *, background_optimizer: bool = False,
                expected: Mapping[str, Any] | None = None,
                into: Mapping[str, Any] | None = None) -> LoadedCheckpoint | None:
-        """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it.
-
-        Checkpoints of the run that went past the restore point become *abandoned* (kept, restorable
-        by `step:N`, never chosen by `auto`), never deleted. A sharded (FSDP2, ZeRO) model reads its shards
-        right after the plan (`sharded`). `background_optimizer`: read L1 in a thread, then
-        `complete_resume(loaded)`.
-
-        Args:
-            ref (`str`, *optional*): `auto`, `best`, `fastest`, `step:N` or a path; `None` starts fresh.
-            background_optimizer (`bool`, *optional*, defaults to `False`): see above.
-            expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping; the saved weights
-                must fit it (names and shapes) on every rank.
-            into (`Mapping[str, Tensor]`, *optional*): the model's own tensors by weight name, to read the
-                weights file into as it is verified (`plan_resume`); not for a sharded model.
-
-        Returns:
-            `LoadedCheckpoint | None`: this rank's view, or `None` for a fresh start (`auto`, empty store).
+        """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it; `None` starts
+        fresh (so does `auto` on an empty store). Checkpoints that went past the restore point become abandoned
+        (kept, restorable by `step:N`, never chosen by `auto`). A sharded (FSDP2, ZeRO) model reads its shards right
+        after the plan. `background_optimizer`: read L1 in a thread, then `complete_resume(loaded)`; `expected`: the
+        model's L0 mapping, which the saved weights must fit on every rank; `into`: see `plan_resume` (not sharded).
 
         Raises:
             The same error on every rank: `CheckpointNotFoundError`, `IncompatibleStateError`,
@@ -863,13 +836,9 @@ NEEDED_TIERS = frozenset({Tier.WEIGHTS, Tier.OPTIMIZER, Tier.STATE})
 class Rollback:
     """What a rollback did.
 
-    Attributes:
-        from_step (`int`): the step the run had reached (its last update was not applied).
-        to_step (`int`): the restore point: the run continues from its state.
-        reason (`str`): the anomaly that was confirmed.
-        rng (`dict`, *optional*): the restore point's RNG state, when the integration applies it itself
-            (after the next batch is fetched, as a resume does); `None` when it was applied already.
-        loaded (`LoadedCheckpoint`): the restore point as read.
+    `from_step`: the step the run had reached (its last update not applied); `to_step`: the restore point; `reason`:
+    the anomaly confirmed; `rng`: the restore point's RNG state when the integration applies it itself (after the
+    next batch is fetched, as a resume does), `None` when applied already; `loaded`: the restore point as read.
     """
 
     from_step: int
