@@ -133,8 +133,8 @@ class RunOrchestrator:
         self.store, self.recovery = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
                                                    session_id=self.session_id)
         """`recovery`: a killed run's memory slots newer than the disk store (`SlotRecovery`), or `None`."""
-        self.saver = Saver(config, self.store, rank=self.rank, announce=self.announce)
-        self.memory = self.saver.open_memory(self.world_size)
+        self.saver = Saver(config, self.store, rank=self.rank, world_size=self.world_size, announce=self.announce)
+        self.memory = self.saver.memory
         """The memory tier (`MemoryTier`): the newest state in host shared memory, persisted if the process dies."""
         self.memory.recovery = self.recovery
         _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.saver)
@@ -186,23 +186,12 @@ class RunOrchestrator:
     engine = property(lambda self: self.saver.engine, doc="The save engine, started at its first use (`Saver.engine`).")
     events = property(lambda self: self.saver.log.events, doc="Every save of this run, in order.")
 
-    def attach(
-        self,
-        model: nn.Module,
-        *,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any | None = None,
-        scaler: Any | None = None,
-        weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
-        frozen_keys: Iterable[str] = (),
-        extra: SaveExtra | None = None,
-        sampler: Callable[[], dict[str, Any]] | None = None,
-        clip_owner: Any | None = None,
-        loss_model: nn.Module | None = None,
-        model_info: dict[str, Any] | None = None,
-        hold_saves: bool = False,
-        position: Callable[[], tuple[int, float | None]] | None = None,
-    ) -> None:
+    def attach(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None,
+               scaler: Any | None = None, weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+               frozen_keys: Iterable[str] = (), extra: SaveExtra | None = None,
+               sampler: Callable[[], dict[str, Any]] | None = None, clip_owner: Any | None = None,
+               loss_model: nn.Module | None = None, model_info: dict[str, Any] | None = None, hold_saves: bool = False,
+               position: Callable[[], tuple[int, float | None]] | None = None) -> None:
         """Install the probes and remember what a save reads.
 
         `weights`: the L0 tensors (default: the trainable weights); `frozen_keys`: never change (stored once);
@@ -626,7 +615,7 @@ class RunOrchestrator:
                                interval=last.interval if last is not None else None, held_step=held)
         if self.rollbacks.taken:
             out[f"{METRIC_PREFIX}rollbacks"] = float(len(self.rollbacks.taken))
-        if (tier := self.saver.memory) is not None and (tier.off_reason is None or tier.saves or tier.skipped):
+        if (tier := self.memory).off_reason is None or tier.saves or tier.skipped:
             # a slot skipped (its writer busy) widens what a crash loses; a tier that never ran has no numbers
             out[f"{METRIC_PREFIX}memory_slots"] = float(tier.saves)
             out[f"{METRIC_PREFIX}memory_slots_skipped"] = float(tier.skipped)

@@ -354,11 +354,6 @@ def plan_resume(
                       elapsed_ms=(time.perf_counter() - start) * 1e3)
 
 
-def _error_payload(e: Exception) -> dict[str, str]:
-    name = type(e).__name__ if type(e).__name__ in _ERRORS else DynamicCkptError.__name__
-    return {"type": name, "message": str(e)}
-
-
 def _raise_agreed(reports: list[dict[str, Any]]) -> None:
     for rank, report in enumerate(reports):
         err = report.get("error")
@@ -381,43 +376,39 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
     """
     fallback = FallbackStrategy(fallback)
     evaluated: dict[int, _Outcome] = {}
-    report: dict[str, Any] = {"fresh": False, "candidates": [], "error": None, "results": []}
     infos: dict[int, CheckpointInfo] = {}
-    try:
-        candidates = _candidates(store, ref)
-        infos = {i.step: i for i in candidates}
-        report["candidates"] = [i.step for i in candidates]
-        _evaluate_until_usable(store, candidates, evaluated, rank=rank, world_size=world_size,
-                               fallback=fallback, mmap=mmap, expected=expected, into=into)
-    except CheckpointNotFoundError as e:
-        if ref == "auto" and not store.list(include_unhealthy=True):
-            report["fresh"] = True
-        else:
-            report["error"] = _error_payload(e)
-    except DynamicCkptError as e:
-        report["error"] = _error_payload(e)
-    report["results"] = [o.to_dict() for o in evaluated.values()]
+    reference: list[int] | None = None  # the candidates as rank 0 listed them, once shared
+    pending: int | None = None
     while True:
+        report: dict[str, Any] = {"fresh": False, "candidates": reference or [], "error": None, "results": []}
+        try:
+            if reference is None:
+                todo = _candidates(store, ref)
+                infos = {i.step: i for i in todo}
+                report["candidates"] = [i.step for i in todo]
+            else:  # some rank has not tried `pending` yet: everyone evaluates from there on (a rare second round)
+                todo = [infos.get(s) or store.resolve(f"step:{s}") for s in reference[reference.index(pending or 0):]]
+            _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size, fallback=fallback,
+                                   mmap=mmap, expected=expected, into=into)
+        except DynamicCkptError as e:
+            if reference is None and isinstance(e, CheckpointNotFoundError) and ref == "auto" \
+                    and not store.list(include_unhealthy=True):
+                report["fresh"] = True
+            else:
+                name = type(e).__name__ if type(e).__name__ in _ERRORS else DynamicCkptError.__name__
+                report["error"] = {"type": name, "message": str(e)}
+        report["results"] = [o.to_dict() for o in evaluated.values()]
         reports = dist.all_gather_json(report) if world_size > 1 else [report]
         if reports[0]["fresh"]:
             return None
         _raise_agreed(reports)
-        reference: list[int] = reports[0]["candidates"]
+        reference = reports[0]["candidates"]
         results = [{int(o["step"]): o for o in r["results"]} for r in reports]
         chosen, pending, skipped = _choose(reference, results)
         if chosen is not None:
             break
         if pending is None:
             raise _none_usable(reference, results, store)
-        # Some rank has not tried `pending` yet: everyone evaluates from there on (rare second round).
-        report = {"fresh": False, "candidates": reference, "error": None, "results": []}
-        try:
-            todo = [infos.get(s) or store.resolve(f"step:{s}") for s in reference[reference.index(pending):]]
-            _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size, fallback=fallback,
-                                   mmap=mmap, expected=expected, into=into)
-        except DynamicCkptError as e:
-            report["error"] = _error_payload(e)
-        report["results"] = [o.to_dict() for o in evaluated.values()]
     mine = evaluated[chosen]
     loaded = mine.loaded
     assert loaded is not None

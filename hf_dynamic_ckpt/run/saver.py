@@ -368,27 +368,16 @@ def human_bytes(n: int | None) -> str:
 class Saver:
     """Turns decisions into saves and keeps their record (see the module docstring)."""
 
-    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, rank: int,
-                 announce: logging.Logger | None = None) -> None:
-        self.config = config
-        self.store = store
+    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, rank: int, world_size: int,
+                 announce: logging.Logger) -> None:
+        self.config, self.store, self.rank, self.announce = config, store, rank, announce
         self._engine: SaveEngine | None = None
-        self.rank = rank
         self.log = SaveLog()
-        self.announce = announce if announce is not None else logger
-        """Where the one INFO line per save goes."""
         self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
         """The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too)."""
         self._raise_next: SaveError | None = None
-        self.memory: MemoryTier | None = None
-        """The memory tier, once `open_memory` ran (the orchestrator's `attach`)."""
+        self.memory = MemoryTier(config, store, world_size=world_size)  # before the engine: its writer writes slots
         self._memory_handle: Any = None
-
-    def open_memory(self, world_size: int) -> MemoryTier:
-        """Open the memory tier (before the engine exists: its writer process writes the slots)."""
-        if self.memory is None:
-            self.memory = MemoryTier(self.config, self.store, world_size=world_size)
-        return self.memory
 
     @property
     def engine(self) -> SaveEngine:
@@ -397,14 +386,14 @@ class Saver:
             self._engine = SaveEngine(self.store, mode=self.config.engine,
                                       memory_margin=self.config.runtime.memory_margin,
                                       overlap=self.config.runtime.overlap_snapshot,
-                                      slots=self.memory.slots if self.memory is not None else None)
+                                      slots=self.memory.slots)
         return self._engine
 
     def slot_plan(self, step: int) -> tuple[float, float] | None:
         """Several ranks: this rank's part of the agreement on step `step`'s slot (`MemoryTier.plan`), after the
         bounded wait for its previous slot's write that one process does before the slot; one rank: `None`."""
         tier, engine = self.memory, self._engine
-        if tier is None or tier.world_size == 1:
+        if tier.world_size == 1:
             return None
         handle = self._memory_handle
         if handle is not None and not handle.done() and tier.step_s and step % tier.cadence == 0:
@@ -415,11 +404,9 @@ class Saver:
     def save_memory(self, sources: StateSources, *, step: int, epoch: float, lineage: Lineage,
                     rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
                     extra: dict[str, Any] | None = None, healthy: bool = True) -> None:
-        """The state of `step` into a memory slot, in the background (never synchronous; see `MemoryTier`). A slot of
-        a step the policy found unhealthy (inside an anomaly) says so: persisted, it is no `auto` restore point."""
+        """The state of `step`, due (`MemoryTier.due`), into a memory slot, in the background (see `MemoryTier`). A slot
+        of a step the policy found unhealthy says so: persisted, it is no `auto` restore point."""
         tier = self.memory
-        if tier is None or not tier.due(step):
-            return
         early = not self.engine.writer_ready  # not up yet (its first seconds; `start_writer` starts it)
         if early and not tier.write_early():
             return
@@ -447,8 +434,7 @@ class Saver:
         the run ended with its final state on disk, so its slots go)."""
         if self._engine is not None:
             self._engine.close()
-        if self.memory is not None:
-            self.memory.close(clean=clean)
+        self.memory.close(clean=clean)
 
     def wait_snapshot(self) -> None:
         """Wait until the last snapshot no longer reads the live parameters and optimizer state (`SaveEngine`)."""
