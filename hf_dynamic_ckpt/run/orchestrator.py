@@ -247,15 +247,10 @@ class RunOrchestrator:
 
     def detach(self) -> None:
         """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
-        if self.sensors is not None:
-            self.sensors.remove()
-            self.sensors = None
-        if self._zero_grads is not None:
-            self._zero_grads.remove()
-            self._zero_grads = None
-        if self._zero_seam is not None:
-            self._zero_seam.remove()
-            self._zero_seam = None
+        for name in ("sensors", "_zero_grads", "_zero_seam"):
+            if (probe := getattr(self, name)) is not None:
+                probe.remove()
+                setattr(self, name, None)
         self._early = None
         self.steplog.close()
 
@@ -752,13 +747,12 @@ class RunOrchestrator:
 
     @property
     def sharded(self) -> bool:
-        """Whether the attached model's state is saved and read as shards (FSDP2, DeepSpeed ZeRO): a resume reads
-        them itself (`resume`'s `into` is not used)."""
+        """Whether the attached model's state is saved and read as shards (FSDP2, ZeRO; `resume`'s `into` unused)."""
         return self._sharded is not None
 
     @property
     def zero(self) -> bool:
-        """Whether the attached model trains under DeepSpeed ZeRO (its state is saved and read as fragments)."""
+        """Whether the attached model trains under DeepSpeed ZeRO."""
         return isinstance(self._sharded, ZeroState)
 
     def read_sharded(self, loaded: LoadedCheckpoint) -> None:
@@ -780,7 +774,7 @@ class RunOrchestrator:
         self._announce(resumption)
 
     def _restore_statistics(self, resumption: Resumption, *, counters: bool = True) -> None:
-        """The policy's statistics (and with `counters` the save counts and rollback history) now; the gradient
+        """The policy's statistics (with `counters` the save counts and rollback history too) now; the gradient
         probe's once it is attached."""
         if counters and resumption.save_counts is not None:
             self.saver.log.continue_counts(resumption.save_counts)
@@ -817,10 +811,6 @@ class RunOrchestrator:
                 "; degraded: fresh optimizer" if resumption.degraded else "")
 
 
-NEEDED_TIERS = frozenset({Tier.WEIGHTS, Tier.OPTIMIZER, Tier.STATE})
-"""A rollback restores all of them: a restore point missing one is not a candidate."""
-
-
 @dataclass(frozen=True)
 class Rollback:
     """What a rollback did.
@@ -839,11 +829,12 @@ class Rollback:
 
 def choose_restore_point(store: CheckpointStore, *, rank: int, world_size: int, before: int, earliest: int
                          ) -> int | None:
-    """The newest healthy, committed, not abandoned checkpoint of the task with all tiers and a step in
+    """The newest healthy, committed, not abandoned checkpoint of the task with all tiers (a rollback restores them
+    all) and a step in
     ``[earliest, before)``: rank 0 reads its store, every rank gets its answer (`None`: there is none)."""
     choice = None
     if rank == 0:
-        candidates = [i.step for i in store.list() if earliest <= i.step < before and i.tiers >= NEEDED_TIERS]
+        candidates = [i.step for i in store.list() if earliest <= i.step < before and i.tiers >= ALL_TIERS]
         choice = max(candidates, default=None)
     return dist.broadcast_object(choice) if world_size > 1 else choice
 

@@ -157,12 +157,9 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
     return store, SlotRecovery.find(store) if not store.read_only else None
 
 
-MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5
-"""A slot's write still running when the next slot is due is waited for up to half a step (at most 1 s); a longer
-one (or a disk save in flight) skips that step's slot, counted in `MemoryTier.skipped`."""
-EARLY_BURST_S = 60.0
-"""Slots written on the training thread before the writer process is up spend the overhead budget of this many
-seconds at once, then what it accrues: `policy.overhead_budget` of any window of the run, plus this window's share."""
+MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5  # a slot's write still running when the next is due: waited for up to
+# half a step (at most 1 s); longer (or a disk save in flight) skips that step's slot (`MemoryTier.skipped`)
+EARLY_BURST_S = 60.0  # early slots (before the writer is up) may spend this many seconds of overhead budget at once
 
 
 def slot_cadence(blocking_ms: float, write_ms: float, step_ms: float, budget: float) -> int:
@@ -233,17 +230,9 @@ class MemoryTier:
     def on(self) -> bool:
         return self.slots is not None
 
-    def plan(self, *, writing: bool) -> tuple[float, float]:
-        """This rank's (cadence, blocked) for the step's frame (`SignalFrame.slot_every`): blocked 2 when the tier is
-        off, 1 when a slot cannot be taken now (the writer process not up, a write in flight, a killed run's slot
-        still being persisted), else 0. `writing`: the engine is writing a save."""
-        if self.slots is None:
-            return float(self.every), 2.0
-        return float(self.every), 1.0 if writing or not self._ready() else 0.0
-
     def agree(self, frame: SignalFrame) -> None:
-        """Several ranks: take the cadence and the verdict of the reduced frame, so every rank writes its part of the
-        same slots (a slot commits once every rank's part is in) and the policy sees the same tier on every rank."""
+        """Several ranks: take the reduced frame's cadence and verdict, so every rank writes its part of the same slots
+        and the policy sees the same tier on every rank."""
         if self.world_size > 1 and frame.slot_every is not None and frame.slot_blocked is not None:
             self._agreed = (frame.step, max(1, int(frame.slot_every)), frame.slot_blocked)
 
@@ -271,7 +260,7 @@ class MemoryTier:
         if self.world_size > 1:
             return self._agreed is not None and self._agreed[0] == step and self._agreed[2] == 0 and \
                 step % self._agreed[1] == 0
-        return self.slots is not None and step % self.every == 0 and self._ready()
+        return self.slots is not None and step % self.every == 0 and self.ready()
 
     def wait_for(self, handle: Any) -> None:
         """The bounded wait for the previous slot's write (`MEMORY_WAIT_S`), averaged into `wait_ms`."""
@@ -280,7 +269,7 @@ class MemoryTier:
             handle.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * self.step_s))
         self.wait_ms = 0.5 * self.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
 
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         """No killed run's slot is still to be persisted; the first time, the slots that are not this run's are
         removed (rank 0; persisted already, or of another run): a new slot must never be ranked below them."""
         if self.recovery is not None and self.recovery.busy:
@@ -390,16 +379,19 @@ class Saver:
         return self._engine
 
     def slot_plan(self, step: int) -> tuple[float, float] | None:
-        """Several ranks: this rank's part of the agreement on step `step`'s slot (`MemoryTier.plan`), after the
-        bounded wait for its previous slot's write that one process does before the slot; one rank: `None`."""
+        """Several ranks (one rank: `None`): this rank's (cadence, blocked) for step `step`'s frame, after the bounded
+        wait for its previous slot's write: blocked 2 when the tier is off, 1 when a slot cannot be taken now (the
+        writer not up, a write in flight, a killed run's slot being persisted), else 0."""
         tier, engine = self.memory, self._engine
         if tier.world_size == 1:
             return None
         handle = self._memory_handle
         if handle is not None and not handle.done() and tier.step_s and step % tier.cadence == 0:
             tier.wait_for(handle)
-        writing = engine is None or not engine.writer_ready or engine.busy or (handle is not None and not handle.done())
-        return tier.plan(writing=writing)
+        if tier.slots is None:
+            return float(tier.every), 2.0
+        busy = engine is None or not engine.writer_ready or engine.busy or (handle is not None and not handle.done())
+        return float(tier.every), 1.0 if busy or not tier.ready() else 0.0
 
     def save_memory(self, sources: StateSources, *, step: int, epoch: float, lineage: Lineage,
                     rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
