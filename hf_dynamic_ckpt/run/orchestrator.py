@@ -426,22 +426,18 @@ class RunOrchestrator:
             self._boundary_step, self._boundary_rng, self._boundary_at_begin = step, None, False
         else:
             self.note_boundary(step)
+        memory = not decision.save and self.memory.agreed_on and not self.preempted  # no disk save: a memory slot
         if decision.save and decision.kind == DecisionKind.PREEMPTION:
             flag = self.preemption_flag
             self.preempt_signal = flag.signum if flag is not None else None
             self._save(decision, step=step, epoch=epoch, at_step=step)
             self.preempted = True
-        elif decision.save and self.hold_saves:
+        elif (decision.save or memory) and self.hold_saves:
             # The data position is taken when the save is written, after the step's evaluation.
-            self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame)
+            self._held = HeldSave(decision, step, epoch, self._boundary_rng, frame, memory=memory)
             return decision  # the step log's row is written with the save, at release()
-        elif decision.save:
-            self._save(decision, step=step, epoch=epoch, at_step=step)
-        elif self.memory.agreed_on and not self.preempted:  # no disk save: the step's state goes to a memory slot
-            if self.hold_saves:
-                self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame, memory=True)
-                return decision
-            self._save(decision, step=step, epoch=epoch, at_step=step, memory=True)
+        elif decision.save or memory:
+            self._save(decision, step=step, epoch=epoch, at_step=step, memory=memory)
         self._write_step_row(frame, decision)
         return decision
 
@@ -451,7 +447,7 @@ class RunOrchestrator:
         if held is None:
             return None
         event = self._save(held.decision, step=held.step, epoch=held.epoch, at_step=held.step, rng=held.rng,
-                           sampler=held.sampler, rng_at_step_begin=held.rng_at_step_begin, memory=held.memory)
+                           rng_at_step_begin=held.rng_at_step_begin, memory=held.memory)
         self._write_step_row(held.frame, held.decision)
         return event
 

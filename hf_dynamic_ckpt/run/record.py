@@ -66,13 +66,9 @@ class SaveEvent:
 
 
 class SaveLog:
-    """The run's `SaveEvent`s, with the counters behind the `smart_ckpt/*` metrics.
-
-    The blocking time of saves accumulates twice: until `metrics()` reports it (`stall_ms`), and until
-    the next signal frame carries it to the policy (`take_blocking_s`). An overlapped snapshot's copy
-    (`handle.deferred`) blocks later, where the next optimizer step waits for it: that wait counts once it
-    happened, at the next `take_blocking_s`.
-    """
+    """The run's `SaveEvent`s, with the counters behind the `smart_ckpt/*` metrics. Blocking time accumulates twice:
+    until `metrics()` reports it (`stall_ms`) and until the next frame carries it to the policy (`take_blocking_s`;
+    an overlapped copy's wait at the next optimizer step counts once it happened)."""
 
     def __init__(self) -> None:
         self.events: list[SaveEvent] = []
@@ -117,8 +113,7 @@ class SaveLog:
         return {"saves": self.earlier_saves + done + 1, "failed_saves": self.earlier_failed + self.failed}
 
     def continue_counts(self, counts: dict[str, Any]) -> None:
-        """Continue the run's counters from a resumed checkpoint's (`counts_for_save`), so that the
-        `smart_ckpt/saves` curve of a run does not drop at every restart."""
+        """Continue the run's counters from a resumed checkpoint's (`counts_for_save`): no drop at a restart."""
         saves, failed = counts.get("saves"), counts.get("failed_saves")
         if isinstance(saves, int) and saves >= 0:
             self.earlier_saves = saves
@@ -126,18 +121,14 @@ class SaveLog:
             self.earlier_failed = failed
 
     def restart(self) -> None:
-        """The run restarted from an earlier step (a retry, a rollback): earlier saves belong to another timeline.
-        They still count in `smart_ckpt/saves` (they were taken); `find`, `last_ok` and `last_save_step` see only
-        the current timeline's."""
+        """The run restarted from an earlier step (a retry, a rollback): earlier saves still count in
+        `smart_ckpt/saves`, but `find`, `last_ok` and `last_save_step` see only the current timeline's."""
         self._start = len(self.events)
 
     def metrics(self, *, risk: float | None, interval: float | None, held_step: int | None = None) -> dict[str, float]:
         """`smart_ckpt/saves`, `failed_saves` (of the run: a resumed run continues the counts), `streamed_saves`,
-        `last_save_step`, `stall_ms` (since the last call), `risk`, `interval`.
-
-        `held_step`: a save decided for that step whose write starts after the step's logging; it
-        counts as taken.
-        """
+        `last_save_step`, `stall_ms` (since the last call), `risk`, `interval`. `held_step`: a save decided for that
+        step, written after the step's logging, counts as taken."""
         done = [e.step for e in self.events if e.error is None]
         current = [e.step for e in self.events[self._start:] if e.error is None]
         if held_step is not None:
@@ -161,15 +152,8 @@ class SaveLog:
 
 
 class StepLog:
-    """The run's step log, ``<task_dir>/timeline.jsonl``: written by rank 0 only (line-buffered).
-
-    Rows are written while attached (`open`); events may come before (a resume) and are appended to the file
-    directly then.
-
-    Args:
-        task_dir (`Path`): the task's folder in the store (created when the file is first opened).
-        rank (`int`): this rank; other ranks write nothing.
-    """
+    """The run's step log, ``<task_dir>/timeline.jsonl``, written by rank 0 only (line-buffered): rows while
+    attached (`open`), events (a resume) also before."""
 
     def __init__(self, task_dir: Path, *, rank: int) -> None:
         self.task_dir = task_dir
@@ -190,12 +174,8 @@ class StepLog:
 
     def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent], *, beta: float | None = None
              ) -> None:
-        """One row for the step `frame.step`, with the saves of `events` taken during it; `beta` is the step's raw
-        risk (the smoothed one, `risk`, discounts a single step's and is what the interval follows).
-
-        `events` is the run's whole save log; only entries appended since the previous row are
-        looked at (no scan of the history per step).
-        """
+        """One row for the step `frame.step`, with the saves of `events` (the whole log; only entries appended since
+        the previous row are looked at) taken during it; `beta`: the step's raw risk (`risk` is the smoothed one)."""
         if self._file is None:
             return
         saves = [e for e in events[self._seen:] if e.at_step == frame.step]
@@ -308,20 +288,12 @@ def _checkpoints(root: str | os.PathLike[str], task_id: str) -> list[dict[str, A
 
 def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID, title: str | None = None,
                     risk_threshold: float | None = None) -> Figure:
-    """The figure `plot_timeline` writes: loss, gradient norm and risk panels over steps.
+    """The figure `plot_timeline` writes: loss, gradient norm and risk panels over steps of the store at `root`
+    (`risk_threshold`: a dashed line on the risk panel; close the figure with `matplotlib.pyplot.close`).
 
     Its artists carry a `gid` to find them by (`fig.findobj`): ``"risk"`` (a line per segment), ``"save:<kind>"``
     (a marker per save), ``"rollback-band"`` / ``"rollback-label"`` (one per rollback, each in its own lane),
     ``"resume-label"``.
-
-    Args:
-        root (`str` or `os.PathLike`): the store directory.
-        task_id (`str`, *optional*, defaults to `"default"`): the run.
-        title (`str`, *optional*): figure title.
-        risk_threshold (`float`, *optional*): drawn as a dashed line on the risk panel.
-
-    Returns:
-        `matplotlib.figure.Figure`: the figure (close it with `matplotlib.pyplot.close`).
     """
     import matplotlib
 

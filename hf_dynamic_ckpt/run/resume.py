@@ -194,13 +194,10 @@ class OptimizerOutcome:
 
 def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int, max_numel: int | None, *,
                         mmap: bool = False) -> OptimizerOutcome:
-    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a
-    damaged or foreign tier (`OptimizerOutcome.lost` says why, and the scheduler is salvaged when it can be).
-
-    `max_numel`: the largest optimizer-state tensor the model's parameters can have; a larger one is refused
-    before it is allocated (`state.state_numel_bound`). `mmap=False` copies an uncompressed tier
-    now (the background read: mapped, the first update would take a copy-on-write fault per page of the
-    moments it writes, on the training thread); `True` maps it privately."""
+    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a damaged
+    or foreign tier (`lost` says why; the scheduler is salvaged when it can be). A tensor above `max_numel`
+    (`state.state_numel_bound`) is refused before it is allocated. `mmap=False` copies an uncompressed tier now (the
+    background read: mapped, the first update would fault per page on the training thread)."""
     if Tier.OPTIMIZER not in info.tiers:
         return OptimizerOutcome(None, None, None, lost="the checkpoint was saved without it")
     try:
@@ -226,11 +223,8 @@ def optimizer_lost_message(step: int, why: str) -> str:
 
 
 def _candidates(store: CheckpointStore, ref: Ref) -> list[CheckpointInfo]:
-    """The resolved checkpoint, then every older usable one of the task (newest first).
-
-    For ``auto``, newer checkpoints whose manifest cannot be read come first: `auto` passes over them, but the
-    resume tries each (a manifest read, cheap) so that it says why it fell back, and a manifest of a newer format
-    stops it (`FormatVersionError`) instead of resuming an older step in silence."""
+    """The resolved checkpoint, then every older usable one of the task (newest first). For ``auto``, newer ones
+    whose manifest cannot be read come first, so the resume says why it fell back (and a newer format stops it)."""
     first = store.resolve(ref)
     newer: list[CheckpointInfo] = []
     older: list[CheckpointInfo] = []
@@ -368,11 +362,9 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
            into: _Into | None = None) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
     """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start.
 
-    Each rank tries the candidates (the resolved checkpoint, then older ones) with `_evaluate`: weights, the
-    model check against `expected`, the optimizer tier per `fallback`, its own RNG file. One JSON all-gather
-    shares the findings; every rank then picks the newest candidate usable on all ranks. When a rank has not
-    tried that candidate yet (it stopped at an earlier one usable for itself), another round evaluates it; the
-    common case is a single round.
+    Each rank tries the candidates (`_evaluate`), one JSON all-gather shares the findings, and every rank picks the
+    newest candidate usable on all ranks; one a rank has not tried yet (it stopped at an older one usable for
+    itself) takes another round.
     """
     fallback = FallbackStrategy(fallback)
     evaluated: dict[int, _Outcome] = {}
@@ -438,11 +430,8 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
 
 def _evaluate_until_usable(store: CheckpointStore, candidates: list[CheckpointInfo], evaluated: dict[int, _Outcome],
                            **kwargs: Any) -> None:
-    """Try `candidates` in order (reusing earlier results) until one is usable on this rank.
-
-    With `into`, the targets then hold that candidate's weights: an earlier result reused after a newer candidate
-    was read over them (a round that starts above it: the ranks listed different candidates) is read again here,
-    before the findings are shared, so a failure is a finding like any other."""
+    """Try `candidates` in order (reusing earlier results) until one is usable on this rank. With `into`, the
+    targets then hold its weights (an earlier result is read again if a newer candidate was read over them)."""
     into: _Into | None = kwargs.get("into")
     for info in candidates:
         outcome = evaluated.get(info.step)

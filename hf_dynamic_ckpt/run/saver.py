@@ -42,11 +42,9 @@ class HeldSave:
     step: int
     epoch: float
     rng: dict[str, Any] | RawRngState | None
-    sampler: dict[str, Any] | None
     frame: SignalFrame
     rng_at_step_begin: bool = False
-    memory: bool = False
-    """Into a memory slot (no disk save this step)."""
+    memory: bool = False  # into a memory slot (no disk save this step)
 
 
 class SlotRecovery:
@@ -57,11 +55,8 @@ class SlotRecovery:
     def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int, *, persists: bool = True) -> None:
         self.disk, self.slots, self.step = disk, slots, step
         self._thread: threading.Thread | None = None
-        self._done, self._persists = not persists, persists
-        """Persisted (or not this rank's to persist: rank 0 persists every rank's parts)."""
-        self.offered = False
-        """The slot was offered to a resume, or the timeline moved on: `auto` reads the disk from then on (the same
-        on every rank)."""
+        self._done, self._persists = not persists, persists  # rank 0 persists every rank's parts
+        self.offered = False  # offered to a resume, or the timeline moved on: `auto` reads the disk (every rank)
 
     @classmethod
     def find(cls, disk: CheckpointStore) -> SlotRecovery | None:
@@ -83,12 +78,12 @@ class SlotRecovery:
 
     @property
     def busy(self) -> bool:
-        """Whether the slots are not all persisted yet (the memory tier writes none meanwhile)."""
+        """The slots are not all persisted yet (the memory tier writes none meanwhile)."""
         return not self._done
 
     def persist(self, *, background: bool = False) -> None:
-        """Persist the slots newer than the disk store (`slots.persist_newest`); `background`: in a thread, else
-        now (waiting for a thread already started). Never raises: a slot that cannot be persisted is logged."""
+        """Persist the slots newer than the disk store, in a thread with `background`, else now (waiting for a
+        thread already started). Never raises: a slot that cannot be persisted is logged."""
         if self._done:
             return
         if self._thread is None:
@@ -422,8 +417,7 @@ class Saver:
         return self._engine is not None
 
     def close(self, *, clean: bool = True) -> None:
-        """Close the engine if it was started (its writes in flight commit first), then the memory tier (`clean`:
-        the run ended with its final state on disk, so its slots go)."""
+        """Close the engine if started (its writes in flight commit), then the memory tier (`clean`: its slots go)."""
         if self._engine is not None:
             self._engine.close()
         self.memory.close(clean=clean)
@@ -536,8 +530,7 @@ class Saver:
 
     def collect_finished(self) -> None:
         for event in self.log.events[-4:]:
-            if event.handle is not None:
-                self.collect(event)
+            self.collect(event)
 
     def raise_pending(self) -> None:
         """Raise the first failed save's error once (`on_save_error="raise"`)."""
