@@ -1,18 +1,11 @@
 """The one orchestrator both integrations drive: probes -> policy -> snapshot/writer -> store, and the resume.
 
-`RunOrchestrator` is framework-free (torch modules, optimizers and schedulers; never `Trainer` or `Accelerator`). It
-owns the run's collaborators and applies what they return; none of them calls back into it. Per optimizer step an
-integration calls `pre_update(step)` (gradients complete, weights not updated; `skip_update`: the gradients were
-dropped), `step_end(step, epoch)` (after the update; kind `PREEMPTION`: a checkpoint is committed, stop) and, with
-`hold_saves`, `release()` (the step's logging is done: write now); `resume(ref)` comes back (`resume.plan_resume`
-plans a `Resumption`, agreed on every rank, and `apply` makes it the run's state). Under DDP every rank calls the
-same methods in the same order: the signals are reduced in one collective per step, which also compares a
-fingerprint of the decisions so far (ranks that would diverge raise the same `DistributedError`).
-
-A rollback is the resume of a healthy restore point applied to the live run: `policy.rules.RollbackRule` confirms
-an anomaly, rank 0 picks the restore point (`choose_restore_point`, broadcast), it is read and verified like any
-resume, put back into the live objects (`restore_live`) and applied; the integration finishes the `Rollback` with
-what only it knows (Trainer's step counter, a custom loop's data position).
+`RunOrchestrator` is framework-free (never `Trainer` or `Accelerator`); it owns the run's collaborators and applies
+what they return (none calls back into it). Under DDP every rank calls the same methods in the same order: the signals
+are reduced in one collective per step, which also compares a fingerprint of the decisions so far (ranks that would
+diverge raise the same `DistributedError`). A rollback is the resume of a healthy restore point applied to the live
+run (`rollback`); the integration finishes the `Rollback` with what only it knows (Trainer's step counter, a custom
+loop's data position).
 """
 
 from __future__ import annotations
@@ -84,10 +77,6 @@ _RUNS: dict[str, _OpenRun] = {}
 """The open runs of this process, by task and rank: a new run closes the earlier one first (`hand_over`)."""
 
 
-def _run_key(root: str | Path, task_id: str, rank: int) -> str:
-    return f"{root if is_url(root) else os.path.abspath(root)}#{task_id}#{rank}"
-
-
 class RunOrchestrator:
     """Signal-driven, tiered, non-blocking checkpointing of one training run. `root` overrides `config.root`; `rank`
     and `world_size` default to the process group's; `announce` gets the INFO line per save and the resume line.
@@ -118,7 +107,7 @@ class RunOrchestrator:
         session = new_session_id() if self.rank == 0 else None
         self.session_id: str = dist.broadcast_object(session) if self.world_size > 1 else session  # type: ignore[assignment]
         self.announce = announce if announce is not None else logger
-        self._key = _run_key(root, config.task_id, self.rank)
+        self._key = f"{root if is_url(root) else os.path.abspath(root)}#{config.task_id}#{self.rank}"
         earlier = _RUNS.pop(self._key, None)
         if earlier is not None:  # a notebook cell re-run after an exception, another Trainer
             logger.info("task %r under %s: this process already runs on it (session %s); that run is closed first "

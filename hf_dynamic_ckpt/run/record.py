@@ -274,8 +274,8 @@ def _kind(save: dict[str, Any]) -> str:
     return next((k for p, k in _LEGACY_KINDS.items() if str(save.get("reason", "")).startswith(p)), "interval")
 
 
-def _checkpoints(root: str | os.PathLike[str], task_id: str) -> list[dict[str, Any]]:
-    """The store's checkpoints as ``{"step", "reason"}`` (none, with a warning, when they cannot be read)."""
+def _checkpoints(root: str | os.PathLike[str], task_id: str) -> list[tuple[str, int]]:
+    """The store's checkpoints as ``(kind, step)`` (none, with a warning, when they cannot be read)."""
     try:
         with CheckpointStore(root, task_id=task_id, read_only=True) as store:
             infos = store.list(include_unhealthy=True, include_abandoned=True)
@@ -283,7 +283,7 @@ def _checkpoints(root: str | os.PathLike[str], task_id: str) -> list[dict[str, A
         logger.warning("plot: the checkpoints of %s are not readable (%s); only the step log's saves are marked",
                        root, e)
         return []
-    return [{"step": i.step, "reason": i.reason} for i in sorted(infos, key=lambda i: i.step)]
+    return [(_kind({"reason": i.reason}), i.step) for i in sorted(infos, key=lambda i: i.step)]
 
 
 def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID, title: str | None = None,
@@ -342,7 +342,7 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
             rollbacks += 1
         saves += [(_kind(save), save["step"]) for r in rows for save in r.get("saves", [])]
     listed = {step for _, step in saves}
-    saves += [(_kind(c), c["step"]) for c in _checkpoints(root, task_id) if c["step"] not in listed]
+    saves += [c for c in _checkpoints(root, task_id) if c[1] not in listed]
     for kind, step in saves:
         colour, marker = SAVE_STYLES.get(kind, SAVE_STYLES["interval"])
         for ax, alpha in ((ax_loss, 0.45), (ax_risk, 0.3)):

@@ -348,15 +348,6 @@ def plan_resume(
                       elapsed_ms=(time.perf_counter() - start) * 1e3)
 
 
-def _raise_agreed(reports: list[dict[str, Any]]) -> None:
-    for rank, report in enumerate(reports):
-        err = report.get("error")
-        if err:
-            cls = _ERRORS.get(err["type"], DynamicCkptError)
-            prefix = "" if len(reports) == 1 or rank == 0 else f"rank {rank}: "
-            raise cls(prefix + err["message"])
-
-
 def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fallback: FallbackStrategy,
            expected: Mapping[str, Any] | None, mmap: bool,
            into: _Into | None = None) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
@@ -393,7 +384,8 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
         reports = dist.all_gather_json(report) if world_size > 1 else [report]
         if reports[0]["fresh"]:
             return None
-        _raise_agreed(reports)
+        for r, err in ((r, o["error"]) for r, o in enumerate(reports) if o.get("error")):  # any rank's, on every rank
+            raise _ERRORS.get(err["type"], DynamicCkptError)(("" if r == 0 else f"rank {r}: ") + err["message"])
         reference = reports[0]["candidates"]
         results = [{int(o["step"]): o for o in r["results"]} for r in reports]
         chosen, pending, skipped = _choose(reference, results)
