@@ -119,27 +119,23 @@ class RunOrchestrator:
             else:  # dropped without close(): what still holds the task
                 earlier.saver.close()
                 earlier.store.close()
+        # `recovery`: a killed run's memory slots newer than the disk store (`SlotRecovery`), or `None`.
         self.store, self.recovery = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
                                                    session_id=self.session_id)
-        """`recovery`: a killed run's memory slots newer than the disk store (`SlotRecovery`), or `None`."""
         self.saver = Saver(config, self.store, rank=self.rank, world_size=self.world_size, announce=self.announce)
-        self.memory = self.saver.memory
-        """The memory tier (`MemoryTier`): the newest state in host shared memory, persisted if the process dies."""
+        self.memory = self.saver.memory  # the newest state in host shared memory, persisted if the process dies
         self.memory.recovery = self.recovery
         _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.saver)
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
-        self.rollbacks = RollbackRule()
-        """The run's rollbacks (`on_anomaly: rollback`): kept across them, restored by a resume."""
+        self.rollbacks = RollbackRule()  # the rollbacks taken (`on_anomaly: rollback`), restored by a resume
         self.last_frame: SignalFrame | None = None
         self.last_decision: Decision | None = None
         self.preempted = False
         self.preempt_signal: int | None = None
-        self.hold_saves = False
-        """`step_end`'s save waits for `release()` (Trainer: the step's logging and evaluation first)."""
+        self.hold_saves = False  # `step_end`'s save waits for `release()` (Trainer: the step's logging first)
         self.lineage = Lineage(session=self.session_id, timeline=new_session_id())
-        self.resumed: Resumption | None = None
-        """The last resumption applied (`apply`)."""
+        self.resumed: Resumption | None = None  # the last resumption applied (`apply`)
         self.sensors: Sensors | None = None
         self.steplog = StepLog(self.store.task_dir, rank=self.rank)
         self._fork_pending = True  # a fresh timeline sets other timelines' checkpoints aside at its first save

@@ -73,8 +73,7 @@ class _Outcome:
     loaded: LoadedCheckpoint | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "usable": self.usable, "reason": self.reason,
-                "optimizer_lost": self.optimizer_lost, "scheduler_salvaged": self.scheduler_salvaged}
+        return {k: v for k, v in vars(self).items() if k != "loaded"}
 
 
 @dataclass
@@ -127,9 +126,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     try:
         loaded = _retry_once(lambda: store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap,
                                                 weights_checksum=into is None))
-    except FormatVersionError:
-        raise
-    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # a FormatVersionError propagates
         return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
     if loaded.weights is None:
         return _Outcome(step, False, f"step {step} holds no weights")

@@ -176,21 +176,16 @@ class MemoryTier:
         self.config, self.store = config, store
         self.every = config.runtime.memory_every or 1
         self.saves = self.skipped = 0
-        self.wait_ms = 0.0
-        """The training thread's wait for a slot's write still running when the next was due (averaged)."""
-        self.credit_ms = config.policy.overhead_budget * EARLY_BURST_S * 1e3
-        """Training-thread time left for early slots (`write_early`)."""
+        self.wait_ms = 0.0  # the training thread's wait for the previous slot's write (averaged)
+        self.credit_ms = config.policy.overhead_budget * EARLY_BURST_S * 1e3  # time left for early slots
         self._credited: float | None = None
-        self.bytes: int | None = None
-        """The size of the last slot written."""
+        self.bytes: int | None = None  # the size of the last slot written
         self.last_step: int | None = None
         self.slots: CheckpointStore | None = None
         self.off_reason: str | None = None
-        self.step_s: float | None = None
-        """Seconds per step, measured between the steps it is asked about."""
+        self.step_s: float | None = None  # seconds per step, measured between the steps it is asked about
         self._last_call: tuple[int, float] | None = None
-        self.recovery: SlotRecovery | None = None
-        """A killed run's slots still to persist: no slot is written until they are (it would replace them)."""
+        self.recovery: SlotRecovery | None = None  # a killed run's slots: no slot is written until they are persisted
         self._cleared = False
         if not config.runtime.memory_tier:
             self.off_reason = "runtime.memory_tier=false"
@@ -204,8 +199,7 @@ class MemoryTier:
             except Exception as e:
                 self.off_reason = f"its slots cannot be created ({e})"
         self.world_size = world_size
-        self._agreed: tuple[int, int, float] | None = None
-        """Several ranks: (step, cadence, blocked) of the last frame, the same on every rank (`agree`)."""
+        self._agreed: tuple[int, int, float] | None = None  # several ranks: the last frame's (step, cadence, blocked)
         if world_size > 1:  # on for every rank or for none; one slot store per node holds every rank's part
             views = dist.all_gather_json({"host": socket.gethostname(), "off": self.off_reason})
             hosts = {v["host"] for v in views}
@@ -357,8 +351,8 @@ class Saver:
         self.config, self.store, self.rank, self.announce = config, store, rank, announce
         self._engine: SaveEngine | None = None
         self.log = SaveLog()
+        # The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too).
         self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
-        """The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too)."""
         self._raise_next: SaveError | None = None
         self.memory = MemoryTier(config, store, world_size=world_size)  # before the engine: its writer writes slots
         self._memory_handle: Any = None
