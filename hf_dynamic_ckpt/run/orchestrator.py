@@ -59,8 +59,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RunOrchestrator", "SaveEvent"]
 
-SaveExtra = Callable[[Decision], dict[str, Any]]
-"""An integration's part of a manifest's `extra` for one save (e.g. Trainer's state), given the decision."""
+SaveExtra = Callable[[Decision], dict[str, Any]]  # an integration's part of a save's manifest `extra`
 
 @dataclass
 class _OpenRun:

@@ -100,12 +100,12 @@ class SaveLog:
         return value if value > 0 else None
 
     def last_ok(self) -> SaveEvent | None:
-        """The newest successful (or still writing) save of the current timeline."""
-        return next((e for e in reversed(self.events[self._start:]) if e.error is None), None)
+        return self.find(None)
 
-    def find(self, step: int) -> SaveEvent | None:
-        """The newest successful (or still writing) save of `step` in the current timeline."""
-        return next((e for e in reversed(self.events[self._start:]) if e.step == step and e.error is None), None)
+    def find(self, step: int | None) -> SaveEvent | None:
+        """The newest successful (or still writing) save of `step` (any step: `None`) in the current timeline."""
+        return next((e for e in reversed(self.events[self._start:]) if e.error is None and step in (None, e.step)),
+                    None)
 
     def counts_for_save(self) -> dict[str, int]:
         """The run's save counters as a save being taken now stores them (itself included)."""

@@ -94,16 +94,7 @@ class _Into:
 
         keys = store.read_weights_into(loaded, self.targets, verify=True, on_write=writing)
         self.step = loaded.info.step
-        for key in keys:
-            loaded.weights[key] = self.targets[key]
-
-    def note(self) -> str:
-        """What an error raised after a read into the targets adds ('' when nothing was written)."""
-        if not self.touched:
-            return ""
-        held = "the bytes of a checkpoint that failed its checksum" if self.step is None \
-            else f"the weights of step {self.step}"
-        return weights_overwritten(held)
+        loaded.weights.update((key, self.targets[key]) for key in keys)
 
 
 def _retry_once(fn: Callable[[], Any]) -> Any:
@@ -324,7 +315,9 @@ def plan_resume(
     except DynamicCkptError as e:
         if target is None or not target.touched:
             raise
-        raise type(e)(f"{e}{target.note()}") from None
+        held = "the bytes of a checkpoint that failed its checksum" if target.step is None \
+            else f"the weights of step {target.step}"
+        raise type(e)(f"{e}{weights_overwritten(held)}") from None
     if agreed is None:
         return None
     loaded, degraded, skipped = agreed
@@ -405,11 +398,9 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
         if not all(o["scheduler_salvaged"] for o in row):
             loaded.scheduler = None
         loaded.warnings.insert(0, optimizer_lost_message(chosen, agreed_loss(lost, world_size)))
-    if skipped:
-        notes = []
-        for s in skipped:
-            reason = _skip_reason(results, s)
-            notes.append(f"{reason}{' ' if reason.endswith(',') else '; '}falling back to the next older checkpoint")
+    notes = [f"{r}{' ' if r.endswith(',') else '; '}falling back to the next older checkpoint"
+             for r in (_skip_reason(results, s) for s in skipped)]
+    if notes:
         notes[-1] += f": using step {chosen} instead"
         loaded.warnings[:0] = notes
     for message in loaded.warnings:

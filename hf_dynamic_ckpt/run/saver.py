@@ -332,15 +332,11 @@ class MemoryTier:
 
 
 def human_bytes(n: int | None) -> str:
-    """``1.3 MiB``-style size (binary units)."""
+    """``1.3 MiB``-style size (binary units, at most GiB)."""
     if n is None:
         return "? B"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
+    exp = min(3, max(0, (int(n).bit_length() - 1) // 10))
+    return f"{n:.0f} B" if exp == 0 else f"{n / 1024 ** exp:.1f} {('KiB', 'MiB', 'GiB')[exp - 1]}"
 
 
 class Saver:
@@ -534,11 +530,10 @@ class Saver:
 
     def finish(self) -> CheckpointInfo | None:
         """Wait for the write in flight and settle every save (errors per `on_save_error`)."""
-        info: CheckpointInfo | None = None
         try:
             info = self._engine.wait() if self._engine is not None else None
-        except SaveError:
-            info = None  # settled (warned about, or raised per on_save_error) below
+        except SaveError:  # settled (warned about, or raised per on_save_error) below
+            info = None
         for event in self.log.events:
             self.collect(event)
         self.raise_pending()
