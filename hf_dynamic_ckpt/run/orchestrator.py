@@ -194,9 +194,8 @@ class RunOrchestrator:
                               "inside DeepSpeed's step. Set skip_bad_update=False (the default), or "
                               "on_anomaly='rollback' to undo a bad update.")
         self.detach()
-        self._model = model
-        self._optimizer = optimizer
-        self._scheduler, self._scaler = scheduler, scaler  # every rank's, for a rollback (rank 0 alone saves them)
+        # Every rank's live objects, for a rollback (rank 0 alone saves the optimizer tier).
+        self._model, self._optimizer, self._scheduler, self._scaler = model, optimizer, scheduler, scaler
         self._integration_extra = extra
         self._model_info = model_info if model_info is not None else describe_model(model)
         self.hold_saves = hold_saves
@@ -222,10 +221,9 @@ class RunOrchestrator:
         """Start the save engine's writer process in the background, ready before the first save (a save that finds
         it still starting writes synchronously): once the run's first step has ended (a resume only reads, and the
         first step runs alone), and after a resume's background optimizer-tier read, once it is in."""
-        if self._started or self._sources is None or not self._stepped:  # not attached, or before the first step
-            return
-        if self.resumed is not None and self.resumed.pending is not None:
-            return  # it would compete with the read on the way to the first step: `complete_resume` starts it
+        if self._started or self._sources is None or not self._stepped \
+                or (self.resumed is not None and self.resumed.pending is not None):
+            return  # not attached, before the first step, or an L1 read on its way (`complete_resume` starts it)
         self._started = True
         self.engine.start()
 
@@ -292,8 +290,8 @@ class RunOrchestrator:
                                              fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
                                              clip_norm=clip_norm, slot=self.saver.slot_plan(step))
             except DistributedError:  # a commit waiting for other ranks gives up now
-                self.store.abort("a rank failed or diverged")
-                self.saver.abort("a rank failed or diverged")
+                for part in (self.store, self.saver):
+                    part.abort("a rank failed or diverged")
                 raise
             self.memory.agree(frame)
         self.policy.memory_tier = self.memory.agreed_on
@@ -303,11 +301,9 @@ class RunOrchestrator:
         """Gradients are complete, the update not applied: measure, and capture if the policy says so. `step`
         counts the updates completed before this one (Trainer's `global_step`). With `skip_update` the gradients
         were dropped (`param.grad = None`), so the optimizer skips the update."""
-        if self._early is not None:  # taken inside the ZeRO engine's step (`ZeroUpdateSeam`)
-            early_step, decision = self._early
-            self._early = None
-            if early_step == step:
-                return decision
+        early, self._early = self._early, None
+        if early is not None and early[0] == step:  # taken inside the ZeRO engine's step (`ZeroUpdateSeam`)
+            return early[1]
         late = isinstance(self._sharded, ZeroState) and not self._sharded.skipped_update  # updated in backward
         return self._pre_update(step, epoch=epoch, late=late)
 
@@ -625,9 +621,8 @@ class RunOrchestrator:
             self.store.close()
 
     def hand_over(self) -> None:
-        """A later run of this process takes the task (a notebook re-run, another Trainer): the writes in flight
-        commit, a save decided but not written yet is dropped (its step's logging never came, and writing it could
-        run a collective on this rank alone), a pending rollback is dropped, and this run closes."""
+        """A later run of this process takes the task: the writes in flight commit, a held save (writing it could run
+        a collective on this rank alone) and a pending rollback are dropped, and this run closes."""
         self._held = None
         self._rollback = None
         self.close()
@@ -701,11 +696,9 @@ class RunOrchestrator:
         return resumption
 
     def apply(self, resumption: Resumption, *, rollback: bool = False) -> None:
-        """Make a resumption the run's state: its timeline continues from the restore point (once it trains or
-        saves, rank 0 sets the newer checkpoints of other timelines aside), the policy and the probes continue from
-        their stored state, and the resume is announced (once the optimizer tier is in, when it is read in the
-        background). A resume also continues the stored save counters and rollback history; a `rollback` keeps the
-        run's own. The live model, optimizer and RNG are the caller's to restore (`rollback` restores them)."""
+        """Make a resumption the run's state: its timeline continues from the restore point (`_start_timeline`), the
+        policy and probes (and, unless a `rollback`, the save counters and rollback history) continue from their
+        stored state, and the resume is announced once the optimizer tier is in. The live objects are the caller's."""
         info = resumption.loaded.info
         self.lineage = resumption.lineage
         self.resumed = resumption
@@ -793,12 +786,9 @@ class RunOrchestrator:
 
 @dataclass(frozen=True)
 class Rollback:
-    """What a rollback did.
-
-    `from_step`: the step the run had reached (its last update not applied); `to_step`: the restore point; `reason`:
-    the anomaly confirmed; `rng`: the restore point's RNG state when the integration applies it itself (after the
-    next batch is fetched, as a resume does), `None` when applied already; `loaded`: the restore point as read.
-    """
+    """What a rollback did: `from_step`, the step the run had reached (its last update not applied); `to_step`, the
+    restore point; `reason`, the anomaly confirmed; `rng`, the restore point's RNG state when the integration applies
+    it itself (after the next batch is fetched, as a resume does), else `None`; `loaded`, the restore point as read."""
 
     from_step: int
     to_step: int

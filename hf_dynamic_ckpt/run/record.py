@@ -224,11 +224,7 @@ def _log_rows(root: str | os.PathLike[str], task_id: str) -> list[dict[str, Any]
 def read_step_log(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
     """The step log as segments: one list of step rows per stretch of training, split where the run restarted
     from an earlier step. A segment after a resume starts with ``{"resume_from": step}``, after a rollback with
-    ``{"rollback_to": step, "rollback_from": step, "reason": ...}``.
-
-    Raises:
-        `CheckpointNotFoundError`: the task has no step log.
-    """
+    ``{"rollback_to": step, "rollback_from": step, "reason": ...}``. `CheckpointNotFoundError`: no step log."""
     rows = _log_rows(root, task_id)
     if rows is None:
         raise CheckpointNotFoundError(f"{Path(root) / task_id / TIMELINE_NAME} does not exist: ROOT must be a store "
@@ -378,14 +374,8 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
 def plot_timeline(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID,
                   output: str | os.PathLike[str] | None = None, title: str | None = None,
                   risk_threshold: float | None = None) -> Path:
-    """Draw `timeline_figure` into a PNG: `output`, by default ``<root>/<task>/timeline.png``; returns its path.
-
-    Example:
-        ```python
-        >>> plot_timeline("out/smart_ckpt")
-        PosixPath('out/smart_ckpt/default/timeline.png')
-        ```
-    """
+    """Draw `timeline_figure` into a PNG: `output`, by default ``<root>/<task>/timeline.png``; returns its path
+    (``plot_timeline("out/smart_ckpt")`` -> ``out/smart_ckpt/default/timeline.png``)."""
     import matplotlib.pyplot as plt
 
     fig = timeline_figure(root, task_id=task_id, title=title, risk_threshold=risk_threshold)

@@ -292,17 +292,11 @@ def plan_resume(
 ) -> Resumption | None:
     """Choose, verify and load the restore point on every rank (a collective: every rank passes the same `ref`:
     ``auto``, ``best``, ``fastest``, ``step:N`` or a checkpoint path) into a `Resumption`; `None` when `ref` is
-    ``auto`` and the store holds no checkpoint (a fresh start, decided by rank 0).
-
-    `expected`: the model's L0 mapping, which the saved weights must fit on every rank (it bounds the optimizer
-    tier's tensors); `background_optimizer` (``full`` only): read the optimizer tier in a thread
-    (`Resumption.pending`); `into`: the model's own tensors by weight name, read into and hashed in one pass
-    (`loaded.weights` then names them; a candidate failing its checksum leaves its bytes there until an older one
-    is read over them, and an error then says the model's weights were overwritten).
-
-    Raises:
-        The same error on every rank: `CheckpointNotFoundError`, `IncompatibleStateError`, `FormatVersionError`,
-        `DistributedError`.
+    ``auto`` and the store holds no checkpoint (a fresh start, decided by rank 0). Errors are raised alike on every
+    rank. `expected`: the model's L0 mapping, which the saved weights must fit (it bounds the optimizer tier's
+    tensors); `background_optimizer` (``full`` only): `Resumption.pending`; `into`: the model's own tensors by
+    weight name, read into and hashed in one pass (a candidate failing its checksum leaves its bytes there until an
+    older one is read over them, and an error then says the model's weights were overwritten).
     """
     start = time.perf_counter()
     fallback = FallbackStrategy(fallback)
@@ -341,12 +335,9 @@ def plan_resume(
 def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fallback: FallbackStrategy,
            expected: Mapping[str, Any] | None, mmap: bool,
            into: _Into | None = None) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
-    """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start.
-
-    Each rank tries the candidates (`_evaluate`), one JSON all-gather shares the findings, and every rank picks the
-    newest candidate usable on all ranks; one a rank has not tried yet (it stopped at an older one usable for
-    itself) takes another round.
-    """
+    """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start. Each
+    rank tries the candidates (`_evaluate`), one JSON all-gather shares the findings, every rank picks the newest
+    candidate usable on all ranks; one a rank has not tried yet (it stopped at an older one) takes another round."""
     fallback = FallbackStrategy(fallback)
     evaluated: dict[int, _Outcome] = {}
     infos: dict[int, CheckpointInfo] = {}

@@ -165,12 +165,10 @@ def slot_cadence(blocking_ms: float, write_ms: float, step_ms: float, budget: fl
 
 
 class MemoryTier:
-    """The run's memory tier (`store/slots.py`, docs/memory_tier.md): whether it is on, which steps it snapshots, what
-    it cost. On every rank or none (one slot store per node; the ranks agree on each slot in the step's frame,
-    `agree`); off, with one INFO line, where it cannot be. Every `every` steps (`slot_cadence`, or
-    `runtime.memory_every`) a step's state goes to a slot; a slot skipped because the writer is busy is counted.
-    Before the writer process is up, small slots are written on the training thread while the overhead budget allows
-    (`write_early`, a token bucket)."""
+    """The run's memory tier (`store/slots.py`, docs/memory_tier.md): on every rank or none (one slot store per node,
+    the ranks agree on each slot in the step's frame), off with one INFO line where it cannot be. Every `every` steps
+    (`slot_cadence`, or `runtime.memory_every`) a step's state goes to a slot (skipped, and counted, while the writer
+    is busy); before the writer is up, small slots are written on the training thread (`write_early`)."""
 
     def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, world_size: int) -> None:
         self.config, self.store = config, store
