@@ -1,32 +1,11 @@
 """The one orchestrator both integrations drive: probes -> policy -> snapshot/writer -> store, and the resume.
 
-`RunOrchestrator` is framework-free: it knows torch modules, optimizers and schedulers, never
-`Trainer` or `Accelerator`. It owns the run's collaborators and applies what they return; none
-of them calls back into it. An integration calls, per optimizer step:
-
-```
-pre_update(step)                      # gradients complete, weights not yet updated
-    -> Decision (skip_update: this step's gradients were dropped)
-step_end(step, epoch)                 # after optimizer.step / scheduler.step / zero_grad
-    -> Decision (kind PREEMPTION: a checkpoint is committed, the run should stop)
-release()                             # only with hold_saves: the step's logging is done, write now
-```
-
-and `resume(ref)` to come back: `resume.plan_resume` reads, verifies and plans the restore
-point into a `Resumption` (one agreed outcome on every rank) and `apply` makes it the run's
-state. Under DDP every rank calls the same methods in the same order: the signals are reduced in
-one collective per step, the policy reads nothing else, and the reduction also compares a
-fingerprint of the decisions so far: ranks that would diverge raise the same `DistributedError`.
-
-A rollback: the resume of a healthy restore point, applied to the live run instead of a new process.
-
-`policy.rules.RollbackRule` confirms an anomaly; the orchestrator then picks the restore point
-(`choose_restore_point`: rank 0's choice, broadcast, so every rank returns to the same step),
-reads and verifies it like any resume (`resume.plan_resume`, agreed across ranks), puts the
-weights, optimizer, scheduler, scaler and RNG back into the live objects (`restore_live`), and
-applies the `Resumption` (the new timeline, the policy's statistics). What it did is a
-`Rollback`, which the integration finishes with what only it knows: Trainer's step counter and
-logging bookkeeping, a custom loop's data position.
+`RunOrchestrator` is framework-free (never `Trainer` or `Accelerator`); it owns the run's collaborators and applies
+what they return (none calls back into it). Under DDP every rank calls the same methods in the same order: the signals
+are reduced in one collective per step, which also compares a fingerprint of the decisions so far (ranks that would
+diverge raise the same `DistributedError`). A rollback is the resume of a healthy restore point applied to the live
+run (`rollback`); the integration finishes the `Rollback` with what only it knows (Trainer's step counter, a custom
+loop's data position).
 """
 
 from __future__ import annotations
@@ -73,21 +52,19 @@ from .resume import (
     fill_optimizer,
     plan_resume,
 )
-from .saver import HeldSave, Saver, exit_after_preemption, open_run_store
+from .saver import HeldSave, Saver, open_run_store
 from .sensing import PreemptionFlag, Sensors
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RunOrchestrator", "SaveEvent"]
 
-SaveExtra = Callable[[Decision], dict[str, Any]]
-"""An integration's part of a manifest's `extra` for one save (e.g. Trainer's state), given the decision."""
+SaveExtra = Callable[[Decision], dict[str, Any]]  # an integration's part of a save's manifest `extra`
 
 @dataclass
 class _OpenRun:
-    """An open run of this process as `_RUNS` keeps it: the run itself weakly (a dropped Trainer must not stay alive
-    for it), its saver (engine) and store strongly (a run collected without `close()` still holds the task's writer
-    lock through them, its engine's writer keeps them alive: the next run of the task closes them)."""
+    """An open run as `_RUNS` keeps it: the run weakly (a dropped Trainer must not stay alive for it), its saver and
+    store strongly (a run collected without `close()` still holds the task's writer lock: the next run closes them)."""
 
     run: weakref.ref[RunOrchestrator]
     session_id: str
@@ -99,20 +76,9 @@ _RUNS: dict[str, _OpenRun] = {}
 """The open runs of this process, by task and rank: a new run closes the earlier one first (`hand_over`)."""
 
 
-def _run_key(root: str | Path, task_id: str, rank: int) -> str:
-    return f"{root if is_url(root) else os.path.abspath(root)}#{task_id}#{rank}"
-
-
 class RunOrchestrator:
-    """Signal-driven, tiered, non-blocking checkpointing of one training run.
-
-    Args:
-        config (`SmartCkptConfig`): the knobs; `config.root` or `root` names the store.
-        root (`str` or `Path`, *optional*): store directory (overrides `config.root`).
-        rank, world_size (`int`, *optional*): this process's rank and the number of ranks; default: the
-            process group's.
-        announce (`logging.Logger`, *optional*): where the one INFO line per save and the resume line go
-            (the Trainer callback passes a child of transformers' logger, so `--log_level info` shows them).
+    """Signal-driven, tiered, non-blocking checkpointing of one training run. `root` overrides `config.root`; `rank`
+    and `world_size` default to the process group's; `announce` gets the INFO line per save and the resume line.
 
     Example:
         ```python
@@ -140,7 +106,7 @@ class RunOrchestrator:
         session = new_session_id() if self.rank == 0 else None
         self.session_id: str = dist.broadcast_object(session) if self.world_size > 1 else session  # type: ignore[assignment]
         self.announce = announce if announce is not None else logger
-        self._key = _run_key(root, config.task_id, self.rank)
+        self._key = f"{root if is_url(root) else os.path.abspath(root)}#{config.task_id}#{self.rank}"
         earlier = _RUNS.pop(self._key, None)
         if earlier is not None:  # a notebook cell re-run after an exception, another Trainer
             logger.info("task %r under %s: this process already runs on it (session %s); that run is closed first "
@@ -152,27 +118,23 @@ class RunOrchestrator:
             else:  # dropped without close(): what still holds the task
                 earlier.saver.close()
                 earlier.store.close()
+        # `recovery`: a killed run's memory slots newer than the disk store (`SlotRecovery`), or `None`.
         self.store, self.recovery = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
                                                    session_id=self.session_id)
-        """`recovery`: a killed run's memory slots newer than the disk store (`SlotRecovery`), or `None`."""
-        self.saver = Saver(config, self.store, rank=self.rank, announce=self.announce)
-        self.memory = self.saver.open_memory(self.world_size)
-        """The memory tier (`MemoryTier`): the newest state in host shared memory, persisted if the process dies."""
+        self.saver = Saver(config, self.store, rank=self.rank, world_size=self.world_size, announce=self.announce)
+        self.memory = self.saver.memory  # the newest state in host shared memory, persisted if the process dies
         self.memory.recovery = self.recovery
         _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.saver)
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
-        self.rollbacks = RollbackRule()
-        """The run's rollbacks (`on_anomaly: rollback`): kept across them, restored by a resume."""
+        self.rollbacks = RollbackRule()  # the rollbacks taken (`on_anomaly: rollback`), restored by a resume
         self.last_frame: SignalFrame | None = None
         self.last_decision: Decision | None = None
         self.preempted = False
         self.preempt_signal: int | None = None
-        self.hold_saves = False
-        """`step_end`'s save waits for `release()` (Trainer: the step's logging and evaluation first)."""
+        self.hold_saves = False  # `step_end`'s save waits for `release()` (Trainer: the step's logging first)
         self.lineage = Lineage(session=self.session_id, timeline=new_session_id())
-        self.resumed: Resumption | None = None
-        """The last resumption applied (`apply`)."""
+        self.resumed: Resumption | None = None  # the last resumption applied (`apply`)
         self.sensors: Sensors | None = None
         self.steplog = StepLog(self.store.task_dir, rank=self.rank)
         self._fork_pending = True  # a fresh timeline sets other timelines' checkpoints aside at its first save
@@ -196,8 +158,8 @@ class RunOrchestrator:
         self._stepped = False  # the first step_end starts the save side (`start_writer`)
         self._started = False
         self._frame: SignalFrame | None = None  # reduced frame of the step in progress
-        self._rollback_due: RollbackVerdict | None = None  # confirmed at pre_update, taken by rollback()
-        self._rollback_step: int | None = None  # the step whose update was dropped for it
+        self._rollback: tuple[RollbackVerdict, int] | None = None  # confirmed at pre_update for the step whose
+        # update was dropped, taken by rollback()
         self._boundary_rng: RngState | None = None  # RNG at the end of the previous step (or the next one's start)
         self._boundary_step: int | None = None
         self._boundary_at_begin = False  # `_boundary_rng` was taken at a `step_begin`
@@ -208,45 +170,22 @@ class RunOrchestrator:
     engine = property(lambda self: self.saver.engine, doc="The save engine, started at its first use (`Saver.engine`).")
     events = property(lambda self: self.saver.log.events, doc="Every save of this run, in order.")
 
-    def attach(
-        self,
-        model: nn.Module,
-        *,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any | None = None,
-        scaler: Any | None = None,
-        weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
-        frozen_keys: Iterable[str] = (),
-        extra: SaveExtra | None = None,
-        sampler: Callable[[], dict[str, Any]] | None = None,
-        clip_owner: Any | None = None,
-        loss_model: nn.Module | None = None,
-        model_info: dict[str, Any] | None = None,
-        hold_saves: bool = False,
-        position: Callable[[], tuple[int, float | None]] | None = None,
-    ) -> None:
+    def attach(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None,
+               scaler: Any | None = None, weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+               frozen_keys: Iterable[str] = (), extra: SaveExtra | None = None,
+               sampler: Callable[[], dict[str, Any]] | None = None, clip_owner: Any | None = None,
+               loss_model: nn.Module | None = None, model_info: dict[str, Any] | None = None, hold_saves: bool = False,
+               position: Callable[[], tuple[int, float | None]] | None = None) -> None:
         """Install the probes and remember what a save reads.
 
-        Args:
-            model (`nn.Module`): the trained model (gradients and LoRA layers are read from it).
-            optimizer, scheduler, scaler (*optional*): L1 sources.
-            weights (`Callable`, *optional*): returns the L0 tensors (default: the trainable weights, cached).
-            frozen_keys (`Iterable[str]`, *optional*): weight names that never change (stored once).
-            extra (`Callable[[Decision], dict]`, *optional*): the integration's JSON-able part of the manifest's
-                `extra` for one save. Called on every rank right before each save (every rank takes the same
-                saves, so it may run a collective); the run adds its own state (policy, probes, save counts).
-            sampler (`Callable`, *optional*): JSON-able data position (L2).
-            clip_owner (*optional*): object whose `clip_grad_norm_` returns the pre-clip norm
-                (an `accelerate.Accelerator`); wrapped so the policy sees the pre-clip norm.
-            loss_model (`nn.Module`, *optional*): module whose forward output carries `loss`.
-            model_info (`dict`, *optional*): what export needs to rebuild the model (`export.describe_model`,
-                the default); stored in every manifest's ``extra["model"]``.
-            hold_saves (`bool`, *optional*, defaults to `False`): a save decided at `step_end` is written at
-                the next `release()` (or `step_begin`), once the loop has logged the step.
-            position (`Callable`, *optional*): the `(step, epoch)` that `pre_update` would be given, readable while
-                the step runs. Under DeepSpeed ZeRO the engine applies the update inside `backward`, before the
-                loop's `pre_update`: with `position`, `pre_update` runs inside the engine's step, before the first
-                partition is updated (`sharded.ZeroUpdateSeam`), and the loop's call returns its decision.
+        `weights`: the L0 tensors (default: the trainable weights); `frozen_keys`: never change (stored once);
+        `extra`: the integration's JSON-able part of a manifest's `extra`, called on every rank right before each
+        save (it may run a collective); `sampler`: the data position (L2); `clip_owner`: its `clip_grad_norm_` is
+        wrapped so the policy sees the pre-clip norm; `loss_model`: its output carries `loss`; `model_info`: what
+        export needs (``extra["model"]``, default `export.describe_model`); `hold_saves`: a save decided at
+        `step_end` is written at the next `release()` or `step_begin`; `position`: the `(step, epoch)` `pre_update`
+        would be given, readable while the step runs: under DeepSpeed ZeRO (the update is applied inside
+        `backward`) `pre_update` then runs inside the engine's step (`sharded.ZeroUpdateSeam`).
         """
         check_model(model)  # DeepSpeed / FSDP1 wrappers: refused (`state.check_model`)
         if self.config.policy.skip_bad_update and zero_optimizer(optimizer) is not None:
@@ -255,9 +194,8 @@ class RunOrchestrator:
                               "inside DeepSpeed's step. Set skip_bad_update=False (the default), or "
                               "on_anomaly='rollback' to undo a bad update.")
         self.detach()
-        self._model = model
-        self._optimizer = optimizer
-        self._scheduler, self._scaler = scheduler, scaler  # every rank's, for a rollback (rank 0 alone saves them)
+        # Every rank's live objects, for a rollback (rank 0 alone saves the optimizer tier).
+        self._model, self._optimizer, self._scheduler, self._scaler = model, optimizer, scheduler, scaler
         self._integration_extra = extra
         self._model_info = model_info if model_info is not None else describe_model(model)
         self.hold_saves = hold_saves
@@ -283,24 +221,18 @@ class RunOrchestrator:
         """Start the save engine's writer process in the background, ready before the first save (a save that finds
         it still starting writes synchronously): once the run's first step has ended (a resume only reads, and the
         first step runs alone), and after a resume's background optimizer-tier read, once it is in."""
-        if self._started or self._sources is None or not self._stepped:  # not attached, or before the first step
-            return
-        if self.resumed is not None and self.resumed.pending is not None:
-            return  # it would compete with the read on the way to the first step: `complete_resume` starts it
+        if self._started or self._sources is None or not self._stepped \
+                or (self.resumed is not None and self.resumed.pending is not None):
+            return  # not attached, before the first step, or an L1 read on its way (`complete_resume` starts it)
         self._started = True
         self.engine.start()
 
     def detach(self) -> None:
         """Remove the probes and signal handlers (idempotent). Pending writes keep going."""
-        if self.sensors is not None:
-            self.sensors.remove()
-            self.sensors = None
-        if self._zero_grads is not None:
-            self._zero_grads.remove()
-            self._zero_grads = None
-        if self._zero_seam is not None:
-            self._zero_seam.remove()
-            self._zero_seam = None
+        for name in ("sensors", "_zero_grads", "_zero_seam"):
+            if (probe := getattr(self, name)) is not None:
+                probe.remove()
+                setattr(self, name, None)
         self._early = None
         self.steplog.close()
 
@@ -315,33 +247,23 @@ class RunOrchestrator:
         return self._held.decision if self._held is not None and not self._held.memory else None
 
     def _extra(self, decision: Decision) -> dict[str, Any]:
-        """The manifest's `extra` of a save (this rank's): the integration's part, the run's own state, the model;
-        a sharded run's chunk table."""
+        """A save's manifest `extra` (this rank's): the integration's part, the run's own state, the model, a sharded
+        run's chunk table."""
         out = dict(self._integration_extra(decision)) if self._integration_extra is not None else {}
-        out.update(self.extra_state())
-        out[KEY_MODEL] = self._model_info
+        out.update({KEY_POLICY: self.policy.state_dict(), KEY_SAVE_LOG: self.log.counts_for_save(),
+                    KEY_ROLLBACKS: self.rollbacks.state_dict(), KEY_MODEL: self._model_info})
+        if self.sensors is not None:
+            out[KEY_GRAD_PROBE] = self.sensors.grad.state_dict()
         if self._sharded is not None:
             out[KEY_RANK_CHUNKS] = self._sharded.chunks()
         return out
 
-    def extra_state(self) -> dict[str, Any]:
-        """The run's own state as a manifest's `extra` stores it: the policy, the gradient probe, the save counters,
-        the rollbacks taken."""
-        out: dict[str, Any] = {KEY_POLICY: self.policy.state_dict(), KEY_SAVE_LOG: self.log.counts_for_save(),
-                               KEY_ROLLBACKS: self.rollbacks.state_dict()}
-        if self.sensors is not None:
-            out[KEY_GRAD_PROBE] = self.sensors.grad.state_dict()
-        return out
-
     # ------------------------------------------------------------------ per step
     def step_begin(self) -> None:
-        """Start of an optimizer step whose batches are fetched (Trainer's `on_step_begin`, with `hold_saves`).
-
-        The RNG now is what the step's forward starts from, in an uninterrupted run as in one resumed from the
-        previous step (which restores it once it has fetched the same batches). A save held since the previous
-        `step_end` stores it and is written now (`release`); so does a capture before this step's update: the
-        iterator a new epoch creates, an evaluation or a data collator may have drawn since `step_end`.
-        """
+        """Start of an optimizer step whose batches are fetched (Trainer's `on_step_begin`, with `hold_saves`). The
+        RNG now is what the step's forward starts from (a resume restores it once it has fetched the same batches): a
+        held save stores it and is written now, and so does a capture before this step's update (an epoch's new
+        iterator, an evaluation or a collator may have drawn since `step_end`)."""
         if self._held is not None or self._boundary_step is not None:
             rng = capture_raw_rng_state()
             if self._held is not None:
@@ -367,25 +289,21 @@ class RunOrchestrator:
                 frame = self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
                                              fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
                                              clip_norm=clip_norm, slot=self.saver.slot_plan(step))
-            except DistributedError:
-                self._abort("a rank failed or diverged")
+            except DistributedError:  # a commit waiting for other ranks gives up now
+                for part in (self.store, self.saver):
+                    part.abort("a rank failed or diverged")
                 raise
             self.memory.agree(frame)
         self.policy.memory_tier = self.memory.agreed_on
         return frame
 
     def pre_update(self, step: int, *, epoch: float | None = None) -> Decision:
-        """Gradients are complete, the update not applied: measure, and capture if the policy says so.
-
-        `step` counts the updates completed *before* this one (Trainer's `global_step`); `epoch` is
-        that state's fractional epoch. With `skip_update` in the returned decision the gradients
-        were dropped (`param.grad = None`), so the optimizer skips the update.
-        """
-        if self._early is not None:  # taken inside the ZeRO engine's step (`ZeroUpdateSeam`)
-            early_step, decision = self._early
-            self._early = None
-            if early_step == step:
-                return decision
+        """Gradients are complete, the update not applied: measure, and capture if the policy says so. `step`
+        counts the updates completed before this one (Trainer's `global_step`). With `skip_update` the gradients
+        were dropped (`param.grad = None`), so the optimizer skips the update."""
+        early, self._early = self._early, None
+        if early is not None and early[0] == step:  # taken inside the ZeRO engine's step (`ZeroUpdateSeam`)
+            return early[1]
         late = isinstance(self._sharded, ZeroState) and not self._sharded.skipped_update  # updated in backward
         return self._pre_update(step, epoch=epoch, late=late)
 
@@ -413,8 +331,14 @@ class RunOrchestrator:
         self._frame = frame
         decision = self.policy.pre_update(frame)
         if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
-            if late:
-                decision = self._no_capture_under_zero(decision, step)
+            if late:  # ZeRO outside the engine's step: the update is applied, a capture would file it under `step`
+                if not self._warned_zero_capture and self.rank == 0:
+                    self.announce.warning(
+                        "smart_ckpt: step %d: %s, but the DeepSpeed engine applied the update before the step's "
+                        "signals were read here: the state before it cannot be captured (not captured; the newest "
+                        "checkpoint before it stays the restore point; said once per run)", step + 1, decision.reason)
+                self._warned_zero_capture = True
+                decision = replace(decision, save=False, pin=False)
             elif self._boundary_step == step and self._boundary_rng is not None:
                 self._save(decision, step=step, epoch=epoch if epoch is not None else 0.0, at_step=step + 1,
                            rng=self._boundary_rng, rng_at_step_begin=self._boundary_at_begin)
@@ -423,11 +347,19 @@ class RunOrchestrator:
                              step + 1, decision.reason, step)
         # After the capture: the capture stores the rule's state from before this step, as a resume replays it.
         verdict = self.rollbacks.observe(frame.step, self.policy.last_bad_update, self.config)
+        if verdict.verdict == Verdict.EXHAUSTED and \
+                self.config.policy.on_rollbacks_exhausted == RollbacksExhausted.STOP:
+            raise RollbackError(
+                f"step {frame.step}: an anomaly ({verdict.reason}) and no rollback left; the run keeps failing here. "
+                f"Rollbacks were taken at steps {', '.join(map(str, self.rollbacks.taken))}. Lower the learning rate, "
+                "look at the data of the failing steps, raise policy.max_rollbacks, or set "
+                "policy.on_rollbacks_exhausted='continue' to train through it (the pre-anomaly captures stay pinned).")
         if verdict.verdict == Verdict.EXHAUSTED:
-            self._rollbacks_exhausted(frame.step, verdict)
+            logger.warning("step %d: an anomaly (%s) and no rollback left (on_rollbacks_exhausted=continue): training "
+                           "through it", frame.step, verdict.reason)
         elif verdict.verdict == Verdict.ROLLBACK:
             # The update is not applied: the next `rollback()` returns to a state from before the anomaly.
-            self._rollback_due, self._rollback_step = verdict, frame.step
+            self._rollback = verdict, frame.step
             decision = Decision(save=False, skip_update=True, reason=f"rollback: {verdict.reason}", risk=decision.risk,
                                 step=frame.step, healthy=False, kind=DecisionKind.ROLLBACK)
         if decision.skip_update and self._model is not None:
@@ -437,37 +369,10 @@ class RunOrchestrator:
                 p.grad = None
         return decision
 
-    def _no_capture_under_zero(self, decision: Decision, step: int) -> Decision:
-        """Under DeepSpeed ZeRO, outside the engine's step (no `position`, or per-layer norms spread over several
-        partitions): the update is applied already, and a capture now would file the updated state under `step`."""
-        if not self._warned_zero_capture:
-            self._warned_zero_capture = True
-            if self.rank == 0:
-                self.announce.warning(
-                    "smart_ckpt: step %d: %s, but the DeepSpeed engine applied the update before the step's signals "
-                    "were read here: the state before it cannot be captured (not captured; the newest checkpoint "
-                    "before it stays the restore point; said once per run)", step + 1, decision.reason)
-        return replace(decision, save=False, pin=False)
-
-    def _rollbacks_exhausted(self, step: int, verdict: RollbackVerdict) -> None:
-        """A confirmed anomaly with no rollback left: stop (`RollbackError`), or train through it."""
-        if self.config.policy.on_rollbacks_exhausted == RollbacksExhausted.STOP:
-            raise RollbackError(
-                f"step {step}: an anomaly ({verdict.reason}) and no rollback left; the run keeps failing here. "
-                f"Rollbacks were taken at steps {', '.join(map(str, self.rollbacks.taken))}. Lower the learning rate, "
-                "look at the data of the failing steps, raise policy.max_rollbacks, or set "
-                "policy.on_rollbacks_exhausted='continue' to train through it (the pre-anomaly captures stay pinned).")
-        logger.warning("step %d: an anomaly (%s) and no rollback left (on_rollbacks_exhausted=continue): training "
-                       "through it", step, verdict.reason)
-
     def step_end(self, step: int, epoch: float, *, lr: float | None = None) -> Decision:
-        """After the update of step `step` (updates completed): decide, and save or stop on preemption.
-
-        `lr` (the rate this step used) only fills the frame when `pre_update` could not read it.
-        With `kind == DecisionKind.PREEMPTION` a checkpoint has been committed synchronously and
-        `self.preempted` is set: the caller should stop. Raises the `SaveError` of an earlier
-        failed save when `on_save_error="raise"`.
-        """
+        """After the update of step `step`: decide, and save (`lr`, this step's rate, fills the frame when
+        `pre_update` could not read it). With kind `PREEMPTION` a checkpoint is committed and `preempted` set: stop.
+        Raises an earlier failed save's `SaveError` with `on_save_error="raise"`."""
         self.release()
         if self.resumed is not None:
             self._start_timeline()
@@ -488,10 +393,10 @@ class RunOrchestrator:
         self._frame = None
         if frame.lr is None:
             frame.lr = lr
-        if self._rollback_due is not None and self._rollback_step == step:
+        if self._rollback is not None and self._rollback[1] == step:
             # No save and no statistics of a step about to be undone; `rollback()` comes next (should it find no
             # restore point, training goes on from this step's boundary, noted below).
-            decision = Decision(save=False, reason=f"rollback: {self._rollback_due.reason}", step=step,
+            decision = Decision(save=False, reason=f"rollback: {self._rollback[0].reason}", step=step,
                                 risk=self.policy.risk, healthy=False, kind=DecisionKind.ROLLBACK)
         else:
             decision = self.policy.decide(frame)
@@ -501,26 +406,18 @@ class RunOrchestrator:
             self._boundary_step, self._boundary_rng, self._boundary_at_begin = step, None, False
         else:
             self.note_boundary(step)
+        memory = not decision.save and self.memory.agreed_on and not self.preempted  # no disk save: a memory slot
         if decision.save and decision.kind == DecisionKind.PREEMPTION:
-            assert self._sources is not None, "attach() first"
             flag = self.preemption_flag
             self.preempt_signal = flag.signum if flag is not None else None
-            self._before_save(decision)
-            self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
-                                 frame=frame, debug_info=self.policy.debug_info(), lineage=self.lineage,
-                                 extra=self._extra(decision))
-            self.preempted = True
-        elif decision.save and self.hold_saves:
-            # The data position is taken when the save is written, after the step's evaluation.
-            self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame)
-            return decision  # the step log's row is written with the save, at release()
-        elif decision.save:
             self._save(decision, step=step, epoch=epoch, at_step=step)
-        elif self.memory.agreed_on and not self.preempted:  # no disk save: the step's state goes to a memory slot
-            if self.hold_saves:
-                self._held = HeldSave(decision, step, epoch, self._boundary_rng, None, frame, memory=True)
-                return decision
-            self._save(decision, step=step, epoch=epoch, at_step=step, memory=True)
+            self.preempted = True
+        elif (decision.save or memory) and self.hold_saves:
+            # The data position is taken when the save is written, after the step's evaluation.
+            self._held = HeldSave(decision, step, epoch, self._boundary_rng, frame, memory=memory)
+            return decision  # the step log's row is written with the save, at release()
+        elif decision.save or memory:
+            self._save(decision, step=step, epoch=epoch, at_step=step, memory=memory)
         self._write_step_row(frame, decision)
         return decision
 
@@ -530,7 +427,7 @@ class RunOrchestrator:
         if held is None:
             return None
         event = self._save(held.decision, step=held.step, epoch=held.epoch, at_step=held.step, rng=held.rng,
-                           sampler=held.sampler, rng_at_step_begin=held.rng_at_step_begin, memory=held.memory)
+                           rng_at_step_begin=held.rng_at_step_begin, memory=held.memory)
         self._write_step_row(held.frame, held.decision)
         return event
 
@@ -552,30 +449,20 @@ class RunOrchestrator:
     @property
     def rollback_due(self) -> bool:
         """A rollback was confirmed at the last `pre_update` and is not taken yet (`rollback()`)."""
-        return self._rollback_due is not None
+        return self._rollback is not None
 
     def rollback(self, *, restore_rng: bool = True) -> Rollback | None:
         """Take the rollback the last `pre_update` confirmed (no-op without one). Call on every rank alike.
 
-        Waits for the writes in flight (the capture of the anomaly's onset among them), then returns to the
-        newest healthy checkpoint before the onset and at most `rollback_window` steps back (rank 0 chooses,
-        every rank returns to it): it is read and verified like a resume, put back into the live model,
-        optimizer, scheduler, scaler and (`restore_rng`) RNG, and applied like a `Resumption`: the steps past
-        it become an abandoned timeline, the policy's and probes' statistics are those of the restore point.
-        The run's save counters and rollback history go on.
-
-        Args:
-            restore_rng (`bool`, *optional*, defaults to `True`): restore the RNG now; `False` leaves it to the
-                caller, in `Rollback.rng` (a loop that fetches its next batch first, as a resume does).
-
-        Returns:
-            `Rollback | None`: what was done, or `None` when there was nothing to do or no restore point within
-            `rollback_window` (then the anomaly is trained through, with a warning).
+        Waits for the writes in flight (the onset's capture among them), returns to the newest healthy checkpoint
+        before the onset and at most `rollback_window` steps back, reads and verifies it like a resume, puts it back
+        into the live objects (the RNG too with `restore_rng`, else it is left in `Rollback.rng`) and applies it: the
+        steps past it become an abandoned timeline; the save counters and rollback history go on. `None`: nothing to
+        do, or no restore point (the anomaly is trained through, with a warning).
         """
-        verdict, at = self._rollback_due, self._rollback_step
-        self._rollback_due = self._rollback_step = None
-        if verdict is None or at is None:
+        if self._rollback is None:
             return None
+        (verdict, at), self._rollback = self._rollback, None
         assert self._model is not None and verdict.onset is not None, "attach() first"
         self.saver.wait_snapshot()  # restore_live writes the tensors a snapshot may still be copying
         self.saver.finish()  # the capture must be committed before it is read back
@@ -601,27 +488,20 @@ class RunOrchestrator:
         self.note_boundary(resumption.step, rng=loaded.rng)
         done = Rollback(from_step=at, to_step=resumption.step, reason=verdict.reason,
                         rng=None if restore_rng else loaded.rng, loaded=loaded)
-        self.log_event("rollback", from_step=at, to_step=done.to_step, reason=done.reason)
+        self.steplog.event("rollback", from_step=at, to_step=done.to_step, reason=done.reason)
         return done
 
     def wait_snapshot(self) -> None:
-        """Wait until the last save's snapshot no longer reads the live parameters and optimizer state.
-
-        With an overlapped snapshot (`runtime.overlap_snapshot`) they are copied beside the next step's forward and
-        backward; the next `optimizer.step()`, a rollback, a resume, a preemption save and `close()` wait for the
-        copy by themselves. Code that changes parameters or optimizer state in place between a save and the next
-        optimizer step (a callback that edits weights) calls this first; otherwise that save fails with a
-        `SaveError` (nothing committed) instead of storing a mix of two states.
-        """
+        """Wait until the last save's snapshot no longer reads the live parameters and optimizer state (an
+        overlapped snapshot copies them beside the next step). Code that edits them in place between a save and the
+        next optimizer step calls this first; otherwise that save fails with a `SaveError` (nothing committed)."""
         self.saver.wait_snapshot()
 
     def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
                  pin: bool = False, blocking: bool = True) -> SaveEvent:
-        """Save the current state of `step` outside the policy (e.g. the end of training).
-
-        When this run already saved `step` with these tiers (the policy's save of the same step), that save is the
-        one returned (pinned with `pin`, waited for with `blocking`): the state is the same, and a second save of
-        the step would race the first one's commit."""
+        """Save the current state of `step` outside the policy (e.g. the end of training). A save of `step` with
+        these tiers taken already is the one returned (pinned with `pin`, waited for with `blocking`): a second one
+        would race its commit."""
         self.release()
         kind = DecisionKind.TRAIN_END if reason == "train_end" else DecisionKind.MANUAL
         decision = Decision(save=True, tiers=frozenset(tiers), reason=reason, pin=pin, step=step, kind=kind)
@@ -637,15 +517,11 @@ class RunOrchestrator:
         return event
 
     # ------------------------------------------------------------------ saving
-    def _before_save(self, decision: Decision) -> None:
-        """What every save needs first, on every rank: this run's timeline started (rank 0 sets other timelines'
-        newer checkpoints aside)."""
-        self._start_timeline()
-
     def _start_timeline(self) -> None:
         """The run's timeline starts (a fresh run's at its first save, a resumed run's when it first trains or
-        saves): rank 0 sets other timelines' newer checkpoints aside, and a resume is written to the step log.
-        A resume that never trains changes nothing in the store."""
+        saves; a resume that never trains changes nothing in the store): rank 0 makes it the task's current one,
+        setting other timelines' checkpoints past the restore point (every one, for a fresh start) aside as
+        abandoned (kept, never chosen by `auto`; one WARNING), and a resume is written to the step log."""
         if not self._fork_pending:
             return
         self._fork_pending = False
@@ -654,38 +530,28 @@ class RunOrchestrator:
             self.recovery.offered = True
             if not self._from_memory:
                 self.recovery.persist()
-        if self.rank == 0:
-            self._fork()
-        event, self._resume_event = self._resume_event, None
-        if event is not None:
-            self.log_event("resume", **event)
-
-    def _fork(self) -> list[int]:
-        """Rank 0: make this run's timeline the task's current one; checkpoints of other timelines past the restore
-        point (every one, for a fresh start) are set aside as abandoned: kept, never chosen by `auto`. Returns the
-        steps newly abandoned (also named in one WARNING)."""
-        lineage = self.lineage
-        after_step = lineage.parent_step
-        parent = lineage if after_step is not None else None
-        abandoned = self.store.fork(timeline=lineage.timeline, after_step=after_step, session=lineage.session,
-                                    parent=parent)
+        lineage, after = self.lineage, self.lineage.parent_step
+        abandoned = self.store.fork(timeline=lineage.timeline, after_step=after, session=lineage.session,
+                                    parent=lineage if after is not None else None) if self.rank == 0 else []
         if abandoned:
-            where = "the restore point" if after_step is not None else "this fresh start"
             what = (f"checkpoints {', '.join(map(str, abandoned))} belong" if len(abandoned) > 1
                     else f"checkpoint {abandoned[0]} belongs")
-            msg = (f"{what} to a run that went past {where} (step {after_step if after_step is not None else 0}); "
+            msg = (f"{what} to a run that went past "
+                   f"{'the restore point' if after is not None else 'this fresh start'} (step {after or 0}); "
                    "they are kept but abandoned: `auto`, `best` and `fastest` never choose them, "
                    "`hf-dynamic-ckpt ls --all` lists them, `step:N` restores them, and retention removes them once "
                    "this run has saved past them")
             logger.warning(msg)
-            warnings.warn(msg, stacklevel=4)
-        return abandoned
+            warnings.warn(msg, stacklevel=3)
+        event, self._resume_event = self._resume_event, None
+        if event is not None:
+            self.steplog.event("resume", **event)
 
     def _save(self, decision: Decision, *, step: int, epoch: float, at_step: int, rng: RngState | None = None,
               sampler: dict[str, Any] | None = None, blocking: bool = False, rng_at_step_begin: bool = False,
               memory: bool = False) -> SaveEvent | None:
         assert self._sources is not None, "attach() first"
-        self._before_save(decision)
+        self._start_timeline()  # on every rank before any save
         if rng_at_step_begin:  # the data position says so: a resume restores it once the next step's batches are in
             if sampler is None and self._sources.sampler is not None:
                 sampler = self._sources.sampler()
@@ -697,16 +563,16 @@ class RunOrchestrator:
             self.saver.save_memory(self._sources, step=step, epoch=epoch, lineage=self.lineage, rng=rng,
                                    sampler=sampler, extra=self._extra(decision), healthy=decision.healthy)
             return None
-        return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, frame=self.last_frame,
-                               debug_info=self.policy.debug_info(), lineage=self.lineage, rng=rng, sampler=sampler,
-                               extra=self._extra(decision), blocking=blocking)
+        common: dict[str, Any] = {"frame": self.last_frame, "debug_info": self.policy.debug_info(),
+                                  "lineage": self.lineage, "extra": self._extra(decision)}
+        if decision.kind == DecisionKind.PREEMPTION:  # synchronous, within the grace period
+            return self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
+                                        **common)
+        return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, rng=rng,
+                               sampler=sampler, blocking=blocking, **common)
 
     def _write_step_row(self, frame: SignalFrame, decision: Decision) -> None:
         self.steplog.step(frame, decision, self.log.events, beta=self.policy.last_beta)
-
-    def log_event(self, kind: str, **data: Any) -> None:
-        """Append a non-step event (e.g. a resume) to the step log (rank 0)."""
-        self.steplog.event(kind, **data)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, float]:
@@ -720,7 +586,7 @@ class RunOrchestrator:
                                interval=last.interval if last is not None else None, held_step=held)
         if self.rollbacks.taken:
             out[f"{METRIC_PREFIX}rollbacks"] = float(len(self.rollbacks.taken))
-        if (tier := self.saver.memory) is not None and (tier.off_reason is None or tier.saves or tier.skipped):
+        if (tier := self.memory).off_reason is None or tier.saves or tier.skipped:
             # a slot skipped (its writer busy) widens what a crash loses; a tier that never ran has no numbers
             out[f"{METRIC_PREFIX}memory_slots"] = float(tier.saves)
             out[f"{METRIC_PREFIX}memory_slots_skipped"] = float(tier.skipped)
@@ -728,12 +594,8 @@ class RunOrchestrator:
 
     # ------------------------------------------------------------------ shutdown
     def finish(self) -> CheckpointInfo | None:
-        """Write a held save, wait for the last background write and settle every save.
-
-        Raises:
-            `SaveError`: a save failed and `on_save_error="raise"` (with `"warn"`, failures are
-                counted and warned about, the same for the last save as for any other).
-        """
+        """Write a held save, wait for the last background write and settle every save (a failed one raises its
+        `SaveError` with `on_save_error="raise"`; with `"warn"` it is counted and warned about)."""
         if self._held is not None and self._held.memory:  # a slot of a step whose logging never came: not needed
             self._held = None
         self.release()
@@ -759,11 +621,10 @@ class RunOrchestrator:
             self.store.close()
 
     def hand_over(self) -> None:
-        """A later run of this process takes the task (a notebook re-run, another Trainer): the writes in flight
-        commit, a save decided but not written yet is dropped (its step's logging never came, and writing it could
-        run a collective on this rank alone), a pending rollback is dropped, and this run closes."""
+        """A later run of this process takes the task: the writes in flight commit, a held save (writing it could run
+        a collective on this rank alone) and a pending rollback are dropped, and this run closes."""
         self._held = None
-        self._rollback_due = self._rollback_step = None
+        self._rollback = None
         self.close()
 
     @property
@@ -771,37 +632,24 @@ class RunOrchestrator:
         return self._closed
 
     def exit_if_preempted(self) -> None:
-        """After a preemption save, end the process with `preemption_exit_code` (128 + signal by default), so a
-        scheduler requeues the job instead of reading it as finished. Call it once training stopped and closed."""
-        if self.preempted:
-            exit_after_preemption(self.config, self.preempt_signal)
-
-    def _abort(self, why: str) -> None:
-        """A fatal error (a rank died or diverged): a commit waiting for other ranks gives up now."""
-        self.store.abort(why)
-        self.saver.abort(why)
+        """After a preemption save, end the process with `preemption_exit_code` (128 + the signal by default, 143 for
+        SIGTERM; nothing for 0), so a scheduler requeues the job. Call it once training stopped and closed."""
+        code = self.config.runtime.preemption_exit_code
+        if code is None:
+            code = 128 + int(self.preempt_signal) if self.preempt_signal is not None else 143
+        if self.preempted and code:
+            logger.warning("preempted: training state committed; exiting with status %d so the job is requeued", code)
+            raise SystemExit(code)
 
     # ------------------------------------------------------------------ resume
     def resume(self, ref: str | None, *, background_optimizer: bool = False,
                expected: Mapping[str, Any] | None = None,
                into: Mapping[str, Any] | None = None) -> LoadedCheckpoint | None:
-        """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it.
-
-        Checkpoints of the run that went past the restore point become *abandoned* (kept, restorable
-        by `step:N`, never chosen by `auto`), never deleted. A sharded (FSDP2, ZeRO) model reads its shards
-        right after the plan (`sharded`). `background_optimizer`: read L1 in a thread, then
-        `complete_resume(loaded)`.
-
-        Args:
-            ref (`str`, *optional*): `auto`, `best`, `fastest`, `step:N` or a path; `None` starts fresh.
-            background_optimizer (`bool`, *optional*, defaults to `False`): see above.
-            expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping; the saved weights
-                must fit it (names and shapes) on every rank.
-            into (`Mapping[str, Tensor]`, *optional*): the model's own tensors by weight name, to read the
-                weights file into as it is verified (`plan_resume`); not for a sharded model.
-
-        Returns:
-            `LoadedCheckpoint | None`: this rank's view, or `None` for a fresh start (`auto`, empty store).
+        """Choose, verify and load a restore point (one agreed outcome on every rank) and `apply` it; `None` starts
+        fresh (so does `auto` on an empty store). Checkpoints that went past the restore point become abandoned
+        (kept, restorable by `step:N`, never chosen by `auto`). A sharded (FSDP2, ZeRO) model reads its shards right
+        after the plan. `background_optimizer`: read L1 in a thread, then `complete_resume(loaded)`; `expected`: the
+        model's L0 mapping, which the saved weights must fit on every rank; `into`: see `plan_resume` (not sharded).
 
         Raises:
             The same error on every rank: `CheckpointNotFoundError`, `IncompatibleStateError`,
@@ -848,11 +696,9 @@ class RunOrchestrator:
         return resumption
 
     def apply(self, resumption: Resumption, *, rollback: bool = False) -> None:
-        """Make a resumption the run's state: its timeline continues from the restore point (once it trains or
-        saves, rank 0 sets the newer checkpoints of other timelines aside), the policy and the probes continue from
-        their stored state, and the resume is announced (once the optimizer tier is in, when it is read in the
-        background). A resume also continues the stored save counters and rollback history; a `rollback` keeps the
-        run's own. The live model, optimizer and RNG are the caller's to restore (`rollback` restores them)."""
+        """Make a resumption the run's state: its timeline continues from the restore point (`_start_timeline`), the
+        policy and probes (and, unless a `rollback`, the save counters and rollback history) continue from their
+        stored state, and the resume is announced once the optimizer tier is in. The live objects are the caller's."""
         info = resumption.loaded.info
         self.lineage = resumption.lineage
         self.resumed = resumption
@@ -874,13 +720,12 @@ class RunOrchestrator:
 
     @property
     def sharded(self) -> bool:
-        """Whether the attached model's state is saved and read as shards (FSDP2, DeepSpeed ZeRO): a resume reads
-        them itself (`resume`'s `into` is not used)."""
+        """Whether the attached model's state is saved and read as shards (FSDP2, ZeRO; `resume`'s `into` unused)."""
         return self._sharded is not None
 
     @property
     def zero(self) -> bool:
-        """Whether the attached model trains under DeepSpeed ZeRO (its state is saved and read as fragments)."""
+        """Whether the attached model trains under DeepSpeed ZeRO."""
         return isinstance(self._sharded, ZeroState)
 
     def read_sharded(self, loaded: LoadedCheckpoint) -> None:
@@ -902,7 +747,7 @@ class RunOrchestrator:
         self._announce(resumption)
 
     def _restore_statistics(self, resumption: Resumption, *, counters: bool = True) -> None:
-        """The policy's statistics (and with `counters` the save counts and rollback history) now; the gradient
+        """The policy's statistics (with `counters` the save counts and rollback history too) now; the gradient
         probe's once it is attached."""
         if counters and resumption.save_counts is not None:
             self.saver.log.continue_counts(resumption.save_counts)
@@ -939,22 +784,11 @@ class RunOrchestrator:
                 "; degraded: fresh optimizer" if resumption.degraded else "")
 
 
-NEEDED_TIERS = frozenset({Tier.WEIGHTS, Tier.OPTIMIZER, Tier.STATE})
-"""A rollback restores all of them: a restore point missing one is not a candidate."""
-
-
 @dataclass(frozen=True)
 class Rollback:
-    """What a rollback did.
-
-    Attributes:
-        from_step (`int`): the step the run had reached (its last update was not applied).
-        to_step (`int`): the restore point: the run continues from its state.
-        reason (`str`): the anomaly that was confirmed.
-        rng (`dict`, *optional*): the restore point's RNG state, when the integration applies it itself
-            (after the next batch is fetched, as a resume does); `None` when it was applied already.
-        loaded (`LoadedCheckpoint`): the restore point as read.
-    """
+    """What a rollback did: `from_step`, the step the run had reached (its last update not applied); `to_step`, the
+    restore point; `reason`, the anomaly confirmed; `rng`, the restore point's RNG state when the integration applies
+    it itself (after the next batch is fetched, as a resume does), else `None`; `loaded`, the restore point as read."""
 
     from_step: int
     to_step: int
@@ -965,11 +799,12 @@ class Rollback:
 
 def choose_restore_point(store: CheckpointStore, *, rank: int, world_size: int, before: int, earliest: int
                          ) -> int | None:
-    """The newest healthy, committed, not abandoned checkpoint of the task with all tiers and a step in
+    """The newest healthy, committed, not abandoned checkpoint of the task with all tiers (a rollback restores them
+    all) and a step in
     ``[earliest, before)``: rank 0 reads its store, every rank gets its answer (`None`: there is none)."""
     choice = None
     if rank == 0:
-        candidates = [i.step for i in store.list() if earliest <= i.step < before and i.tiers >= NEEDED_TIERS]
+        candidates = [i.step for i in store.list() if earliest <= i.step < before and i.tiers >= ALL_TIERS]
         choice = max(candidates, default=None)
     return dist.broadcast_object(choice) if world_size > 1 else choice
 

@@ -1,20 +1,10 @@
-"""The run's own record: what the training loop saw of its saves, one row per step, and the timeline figure.
+"""The run's own record: its saves (`SaveEvent`, `SaveLog`, the `smart_ckpt/*` metrics), one row per step
+(`StepLog`, ``<root>/<task>/timeline.jsonl``, strict JSON so ``jq`` reads it) and the timeline figure.
 
-`SaveEvent`s and the `smart_ckpt/*` metrics: the catalog and the manifests hold the committed facts; this is the run's
-own log (step, reason, blocking time, bytes once committed, or the error), which the timeline, the metrics and the demo
-report read.
-
-``<root>/<task>/timeline.jsonl`` (the step log) is written by rank 0 of the `RunOrchestrator` (`StepLog`) and read by
-`timeline_figure` and the demo (`read_step_log`). Each step row holds the reduced signals, the smoothed risk (`risk`),
-the step's raw risk (`beta`) and the saves taken during the step (with their `kind`); a resume adds an
-``{"event": "resume", ...}`` line, which starts a new segment when read back. Numbers are strict JSON
-(`jsonutil.safe_float`), so ``jq`` reads the file.
-
-The figure (`plot_timeline`, `hf-dynamic-ckpt plot ROOT [--task T] [-o PNG]`): loss, gradient norm, risk and saves,
-with the committed checkpoints of the store (the save at the end of training comes after the last step's row). The
-steps a resume recomputed are drawn again from the restore point on, so a person sees what was lost and that the replay
-matches; each rollback is a band of its own, from the restore point to the step the anomaly was confirmed at. The risk
-panel shows each step's raw risk (`beta`, thin) and the policy's smoothed risk. matplotlib is imported only there.
+The catalog and the manifests hold the committed facts; this is what the training loop saw (reason, blocking time,
+bytes once committed, or the error). A resume or rollback line starts a new segment when the log is read back
+(`read_step_log`); the figure draws each segment, the saves and the store's checkpoints (`plot_timeline`, the
+``plot`` command). matplotlib is imported only there.
 """
 
 from __future__ import annotations
@@ -48,21 +38,9 @@ METRIC_PREFIX = "smart_ckpt/"
 class SaveEvent:
     """One save as the training loop saw it (the catalog holds the committed facts).
 
-    Args:
-        step (`int`): step of the saved state.
-        at_step (`int`): step during which the save was taken (`step + 1` for a pre-update capture).
-        reason (`str`): the policy's reason (human text).
-        tiers (`frozenset[Tier]`): what was saved.
-        pinned (`bool`): protected from retention.
-        blocking_ms (`float`): time training was stopped by the save.
-        kind (`DecisionKind`): machine-readable reason.
-        bytes (`int`, *optional*): bytes on disk once committed (rank 0).
-        write_ms (`float`, *optional*): background write time once committed.
-        path (`str`, *optional*): the committed directory (rank 0).
-        error (`str`, *optional*): why the save failed or was skipped.
-        staging (`str`, *optional*): how the state was staged: `"buffered"` (copied, written in
-            the background), `"streaming"` (written synchronously from the live tensors: memory
-            was short) or `"sync"` (a blocking save).
+    `at_step`: the step during which it was taken (`step + 1` for a pre-update capture); `bytes`, `write_ms`, `path`
+    once committed (rank 0); `error`: why it failed or was skipped; `staging`: `"buffered"` (copied, written in the
+    background), `"streaming"` (written from the live tensors: memory was short) or `"sync"` (a blocking save).
     """
 
     step: int
@@ -88,13 +66,9 @@ class SaveEvent:
 
 
 class SaveLog:
-    """The run's `SaveEvent`s, with the counters behind the `smart_ckpt/*` metrics.
-
-    The blocking time of saves accumulates twice: until `metrics()` reports it (`stall_ms`), and until
-    the next signal frame carries it to the policy (`take_blocking_s`). An overlapped snapshot's copy
-    (`handle.deferred`) blocks later, where the next optimizer step waits for it: that wait counts once it
-    happened, at the next `take_blocking_s`.
-    """
+    """The run's `SaveEvent`s, with the counters behind the `smart_ckpt/*` metrics. Blocking time accumulates twice:
+    until `metrics()` reports it (`stall_ms`) and until the next frame carries it to the policy (`take_blocking_s`;
+    an overlapped copy's wait at the next optimizer step counts once it happened)."""
 
     def __init__(self) -> None:
         self.events: list[SaveEvent] = []
@@ -126,12 +100,12 @@ class SaveLog:
         return value if value > 0 else None
 
     def last_ok(self) -> SaveEvent | None:
-        """The newest successful (or still writing) save of the current timeline."""
-        return next((e for e in reversed(self.events[self._start:]) if e.error is None), None)
+        return self.find(None)
 
-    def find(self, step: int) -> SaveEvent | None:
-        """The newest successful (or still writing) save of `step` in the current timeline."""
-        return next((e for e in reversed(self.events[self._start:]) if e.step == step and e.error is None), None)
+    def find(self, step: int | None) -> SaveEvent | None:
+        """The newest successful (or still writing) save of `step` (any step: `None`) in the current timeline."""
+        return next((e for e in reversed(self.events[self._start:]) if e.error is None and step in (None, e.step)),
+                    None)
 
     def counts_for_save(self) -> dict[str, int]:
         """The run's save counters as a save being taken now stores them (itself included)."""
@@ -139,8 +113,7 @@ class SaveLog:
         return {"saves": self.earlier_saves + done + 1, "failed_saves": self.earlier_failed + self.failed}
 
     def continue_counts(self, counts: dict[str, Any]) -> None:
-        """Continue the run's counters from a resumed checkpoint's (`counts_for_save`), so that the
-        `smart_ckpt/saves` curve of a run does not drop at every restart."""
+        """Continue the run's counters from a resumed checkpoint's (`counts_for_save`): no drop at a restart."""
         saves, failed = counts.get("saves"), counts.get("failed_saves")
         if isinstance(saves, int) and saves >= 0:
             self.earlier_saves = saves
@@ -148,18 +121,14 @@ class SaveLog:
             self.earlier_failed = failed
 
     def restart(self) -> None:
-        """The run restarted from an earlier step (a retry, a rollback): earlier saves belong to another timeline.
-        They still count in `smart_ckpt/saves` (they were taken); `find`, `last_ok` and `last_save_step` see only
-        the current timeline's."""
+        """The run restarted from an earlier step (a retry, a rollback): earlier saves still count in
+        `smart_ckpt/saves`, but `find`, `last_ok` and `last_save_step` see only the current timeline's."""
         self._start = len(self.events)
 
     def metrics(self, *, risk: float | None, interval: float | None, held_step: int | None = None) -> dict[str, float]:
         """`smart_ckpt/saves`, `failed_saves` (of the run: a resumed run continues the counts), `streamed_saves`,
-        `last_save_step`, `stall_ms` (since the last call), `risk`, `interval`.
-
-        `held_step`: a save decided for that step whose write starts after the step's logging; it
-        counts as taken.
-        """
+        `last_save_step`, `stall_ms` (since the last call), `risk`, `interval`. `held_step`: a save decided for that
+        step, written after the step's logging, counts as taken."""
         done = [e.step for e in self.events if e.error is None]
         current = [e.step for e in self.events[self._start:] if e.error is None]
         if held_step is not None:
@@ -183,15 +152,8 @@ class SaveLog:
 
 
 class StepLog:
-    """The run's step log, ``<task_dir>/timeline.jsonl``: written by rank 0 only (line-buffered).
-
-    Rows are written while attached (`open`); events may come before (a resume) and are appended to the file
-    directly then.
-
-    Args:
-        task_dir (`Path`): the task's folder in the store (created when the file is first opened).
-        rank (`int`): this rank; other ranks write nothing.
-    """
+    """The run's step log, ``<task_dir>/timeline.jsonl``, written by rank 0 only (line-buffered): rows while
+    attached (`open`), events (a resume) also before."""
 
     def __init__(self, task_dir: Path, *, rank: int) -> None:
         self.task_dir = task_dir
@@ -212,12 +174,8 @@ class StepLog:
 
     def step(self, frame: SignalFrame, decision: Decision, events: list[SaveEvent], *, beta: float | None = None
              ) -> None:
-        """One row for the step `frame.step`, with the saves of `events` taken during it; `beta` is the step's raw
-        risk (the smoothed one, `risk`, discounts a single step's and is what the interval follows).
-
-        `events` is the run's whole save log; only entries appended since the previous row are
-        looked at (no scan of the history per step).
-        """
+        """One row for the step `frame.step`, with the saves of `events` (the whole log; only entries appended since
+        the previous row are looked at) taken during it; `beta`: the step's raw risk (`risk` is the smoothed one)."""
         if self._file is None:
             return
         saves = [e for e in events[self._seen:] if e.at_step == frame.step]
@@ -247,29 +205,33 @@ class StepLog:
             self.close()
 
 
-def read_step_log(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
-    """The step log as segments: one list of step rows per stretch of training, split where the run restarted
-    from an earlier step (a `resume` event: a new process; a `rollback` event: the same process went back).
-
-    A segment after a resume starts with ``{"resume_from": step}``, after a rollback with
-    ``{"rollback_to": step, "rollback_from": step, "reason": ...}``.
-
-    Raises:
-        `CheckpointNotFoundError`: the task has no step log.
-    """
+def _log_rows(root: str | os.PathLike[str], task_id: str) -> list[dict[str, Any]] | None:
+    """The step log's JSON objects (a line cut by a crash is skipped), or `None` when the task has none."""
     path = Path(root) / task_id / TIMELINE_NAME
     if not path.is_file():
-        raise CheckpointNotFoundError(f"{path} does not exist: ROOT must be a store written by SmartCkptCallback / "
-                                      "SmartCheckpointer (pass the directory holding catalog.db, and --task if not "
-                                      "'default').")
-    segments: list[list[dict[str, Any]]] = [[]]
+        return None
+    rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a crash
+        except json.JSONDecodeError:
             continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def read_step_log(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
+    """The step log as segments: one list of step rows per stretch of training, split where the run restarted
+    from an earlier step. A segment after a resume starts with ``{"resume_from": step}``, after a rollback with
+    ``{"rollback_to": step, "rollback_from": step, "reason": ...}``. `CheckpointNotFoundError`: no step log."""
+    rows = _log_rows(root, task_id)
+    if rows is None:
+        raise CheckpointNotFoundError(f"{Path(root) / task_id / TIMELINE_NAME} does not exist: ROOT must be a store "
+                                      "written by SmartCkptCallback / SmartCheckpointer (pass the directory holding "
+                                      "catalog.db, and --task if not 'default').")
+    segments: list[list[dict[str, Any]]] = [[]]
+    for row in rows:
         if row.get("event") == "resume":
             segments.append([{"resume_from": row.get("step")}])
         elif row.get("event") == "rollback":
@@ -281,20 +243,9 @@ def read_step_log(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) 
 
 
 def read_rollbacks(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[dict[str, Any]]:
-    """The rollbacks the step log records, oldest first: ``{"from_step", "to_step", "reason", "time"}`` each
-    (none when the task has no step log)."""
-    path = Path(root) / task_id / TIMELINE_NAME
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("event") == "rollback":
-            out.append({k: row.get(k) for k in ("from_step", "to_step", "reason", "time")})
-    return out
+    """The rollbacks the step log records, oldest first: ``{"from_step", "to_step", "reason", "time"}`` each."""
+    return [{k: row.get(k) for k in ("from_step", "to_step", "reason", "time")}
+            for row in _log_rows(root, task_id) or () if row.get("event") == "rollback"]
 
 
 # ---------------------------------------------------------------------------- the figure
@@ -319,8 +270,8 @@ def _kind(save: dict[str, Any]) -> str:
     return next((k for p, k in _LEGACY_KINDS.items() if str(save.get("reason", "")).startswith(p)), "interval")
 
 
-def _checkpoints(root: str | os.PathLike[str], task_id: str) -> list[dict[str, Any]]:
-    """The store's checkpoints as ``{"step", "reason"}`` (none, with a warning, when they cannot be read)."""
+def _checkpoints(root: str | os.PathLike[str], task_id: str) -> list[tuple[str, int]]:
+    """The store's checkpoints as ``(kind, step)`` (none, with a warning, when they cannot be read)."""
     try:
         with CheckpointStore(root, task_id=task_id, read_only=True) as store:
             infos = store.list(include_unhealthy=True, include_abandoned=True)
@@ -328,25 +279,17 @@ def _checkpoints(root: str | os.PathLike[str], task_id: str) -> list[dict[str, A
         logger.warning("plot: the checkpoints of %s are not readable (%s); only the step log's saves are marked",
                        root, e)
         return []
-    return [{"step": i.step, "reason": i.reason} for i in sorted(infos, key=lambda i: i.step)]
+    return [(_kind({"reason": i.reason}), i.step) for i in sorted(infos, key=lambda i: i.step)]
 
 
 def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID, title: str | None = None,
                     risk_threshold: float | None = None) -> Figure:
-    """The figure `plot_timeline` writes: loss, gradient norm and risk panels over steps.
+    """The figure `plot_timeline` writes: loss, gradient norm and risk panels over steps of the store at `root`
+    (`risk_threshold`: a dashed line on the risk panel; close the figure with `matplotlib.pyplot.close`).
 
     Its artists carry a `gid` to find them by (`fig.findobj`): ``"risk"`` (a line per segment), ``"save:<kind>"``
     (a marker per save), ``"rollback-band"`` / ``"rollback-label"`` (one per rollback, each in its own lane),
     ``"resume-label"``.
-
-    Args:
-        root (`str` or `os.PathLike`): the store directory.
-        task_id (`str`, *optional*, defaults to `"default"`): the run.
-        title (`str`, *optional*): figure title.
-        risk_threshold (`float`, *optional*): drawn as a dashed line on the risk panel.
-
-    Returns:
-        `matplotlib.figure.Figure`: the figure (close it with `matplotlib.pyplot.close`).
     """
     import matplotlib
 
@@ -395,7 +338,7 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
             rollbacks += 1
         saves += [(_kind(save), save["step"]) for r in rows for save in r.get("saves", [])]
     listed = {step for _, step in saves}
-    saves += [(_kind(c), c["step"]) for c in _checkpoints(root, task_id) if c["step"] not in listed]
+    saves += [c for c in _checkpoints(root, task_id) if c[1] not in listed]
     for kind, step in saves:
         colour, marker = SAVE_STYLES.get(kind, SAVE_STYLES["interval"])
         for ax, alpha in ((ax_loss, 0.45), (ax_risk, 0.3)):
@@ -431,14 +374,8 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
 def plot_timeline(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID,
                   output: str | os.PathLike[str] | None = None, title: str | None = None,
                   risk_threshold: float | None = None) -> Path:
-    """Draw `timeline_figure` into a PNG: `output`, by default ``<root>/<task>/timeline.png``; returns its path.
-
-    Example:
-        ```python
-        >>> plot_timeline("out/smart_ckpt")
-        PosixPath('out/smart_ckpt/default/timeline.png')
-        ```
-    """
+    """Draw `timeline_figure` into a PNG: `output`, by default ``<root>/<task>/timeline.png``; returns its path
+    (``plot_timeline("out/smart_ckpt")`` -> ``out/smart_ckpt/default/timeline.png``)."""
     import matplotlib.pyplot as plt
 
     fig = timeline_figure(root, task_id=task_id, title=title, risk_threshold=risk_threshold)

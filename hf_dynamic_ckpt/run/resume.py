@@ -1,36 +1,16 @@
-"""A resume: choose a restore point, verify it, load it tier by tier with fallback (one agreed outcome on every
-rank), and plan it into a `Resumption`, which the run applies.
+"""A resume: choose a restore point, verify it, load it tier by tier with fallback, and plan it into a `Resumption`
+(read, nothing applied: `RunOrchestrator.apply` makes it the run's state; a rollback applies one to the live run).
 
-`plan_resume` changes nothing: `RunOrchestrator.apply` makes the value the run's state (rank 0 sets the newer
-checkpoints of other timelines aside with `RunOrchestrator._fork` once the resumed run trains), and an in-process
-rollback applies a value built the same way to the live run. Besides the restore point it gathers what a run
-restores besides its live objects: the policy's and the probes' statistics, the save counters, the rollbacks.
-The optimizer tier may be read in a background thread while the caller builds its optimizer
-(`PendingOptimizerRead`); `RunOrchestrator.complete_resume` collects it, with one outcome agreed across ranks
-(lost on one rank: lost on all).
+A broken tier falls back per `config.FallbackStrategy` (docs/policy.md, `fallback_strategy`): broken weights: the next
+older checkpoint; a broken optimizer tier: weights only with ``full`` (the scheduler salvaged when it can be), the next
+older checkpoint with ``level_0_1``; broken RNG / data-loader state: fresh streams in one process, not usable under
+several ranks. Every warning is logged and kept in `LoadedCheckpoint.warnings`. The optimizer tier may be read in a
+background thread (`PendingOptimizerRead`) until `RunOrchestrator.complete_resume`.
 
-Outcomes per broken tier (see `config.FallbackStrategy`):
-
-==================  ===========================================  ==============================
-broken tier         ``full`` (default)                           ``level_0_1``
-==================  ===========================================  ==============================
-L0 weights          next older checkpoint, warning naming both   same
-L1 optimizer        weights only: optimizer/scaler `None`,        next older checkpoint whose
-                    scheduler salvaged from ``optimizer.json``    L0 and L1 are intact
-                    when intact; warning
-L2 state            RNG/sampler `None`, warning (one process);    same
-                    not usable under several ranks
-==================  ===========================================  ==============================
-
-With ``level_0_only`` the optimizer tier is not read at all. Every warning is also logged
-(``logging.WARNING``) and kept in `LoadedCheckpoint.warnings`.
-
-Under several ranks `plan_resume` makes every outcome one agreed value: each rank evaluates
-the candidates itself (its own RNG file, the shared tiers, the model check), the ranks
-exchange their findings in one JSON all-gather, and every rank applies the same rule to the
-same table: the restore point is the newest candidate usable on every rank, the optimizer
-tier is used only if every rank could read it, and an error on any rank is raised, with the
-same message, on every rank. No rank can continue while another raises or waits.
+Under several ranks every outcome is one agreed value: each rank evaluates the candidates itself, the findings are
+exchanged in one JSON all-gather, and every rank applies the same rule to the same table (the newest candidate usable
+on every rank; the optimizer tier only if every rank read it; an error on any rank raised, with the same message, on
+every rank). No rank can continue while another raises or waits.
 """
 
 from __future__ import annotations
@@ -70,9 +50,7 @@ logger = logging.getLogger(__name__)
 KEY_POLICY = "policy"
 KEY_GRAD_PROBE = "grad_probe"
 KEY_SAVE_LOG = "save_log"
-KEY_ROLLBACKS = "rollbacks"
-"""Keys of a manifest's `extra` that hold the run's own state (the policy, the gradient probe, the save counts,
-the rollbacks taken)."""
+KEY_ROLLBACKS = "rollbacks"  # keys of a manifest's `extra` that hold the run's own state
 
 Ref = str | int | os.PathLike[str] | CheckpointInfo
 
@@ -95,26 +73,20 @@ class _Outcome:
     loaded: LoadedCheckpoint | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "usable": self.usable, "reason": self.reason,
-                "optimizer_lost": self.optimizer_lost, "scheduler_salvaged": self.scheduler_salvaged}
+        return {k: v for k, v in vars(self).items() if k != "loaded"}
 
 
 @dataclass
 class _Into:
-    """The model's own tensors a resume reads the weights file into, hashing as it reads (one pass over the file
-    instead of a checksum pass, then a read)."""
+    """The model's own tensors a resume reads the weights file into, hashing as it reads (one pass)."""
 
     targets: Mapping[str, Any]
     step: int | None = None  # whose verified weights the targets hold
     touched: bool = False  # some read wrote into them
 
     def read(self, store: CheckpointStore, loaded: LoadedCheckpoint) -> None:
-        """Read `loaded`'s weights file into the targets, verified; `loaded.weights` then names them.
-
-        Raises:
-            `CorruptCheckpointError`: as `CheckpointStore.read_weights_into` (`step` is then `None` if a byte was
-                written).
-        """
+        """Read `loaded`'s weights file into the targets, verified; `loaded.weights` then names them (a
+        `CorruptCheckpointError` leaves `step` `None` if a byte was written)."""
         assert loaded.weights is not None
 
         def writing() -> None:
@@ -122,16 +94,7 @@ class _Into:
 
         keys = store.read_weights_into(loaded, self.targets, verify=True, on_write=writing)
         self.step = loaded.info.step
-        for key in keys:
-            loaded.weights[key] = self.targets[key]
-
-    def note(self) -> str:
-        """What an error raised after a read into the targets adds ('' when nothing was written)."""
-        if not self.touched:
-            return ""
-        held = "the bytes of a checkpoint that failed its checksum" if self.step is None \
-            else f"the weights of step {self.step}"
-        return weights_overwritten(held)
+        loaded.weights.update((key, self.targets[key]) for key in keys)
 
 
 def _retry_once(fn: Callable[[], Any]) -> Any:
@@ -154,9 +117,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     try:
         loaded = _retry_once(lambda: store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap,
                                                 weights_checksum=into is None))
-    except FormatVersionError:
-        raise
-    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # a FormatVersionError propagates
         return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
     if loaded.weights is None:
         return _Outcome(step, False, f"step {step} holds no weights")
@@ -221,29 +182,20 @@ class OptimizerOutcome:
 
 def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int, max_numel: int | None, *,
                         mmap: bool = False) -> OptimizerOutcome:
-    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a
-    damaged or foreign tier (`OptimizerOutcome.lost` says why, and the scheduler is salvaged when it can be).
-
-    `max_numel`: the largest optimizer-state tensor the model's parameters can have; a larger one is refused
-    before it is allocated (`state.state_numel_bound`). `mmap=False` copies an uncompressed tier
-    now (the background read: mapped, the first update would take a copy-on-write fault per page of the
-    moments it writes, on the training thread); `True` maps it privately."""
+    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a damaged
+    or foreign tier (`lost` says why; the scheduler is salvaged when it can be). A tensor above `max_numel`
+    (`state.state_numel_bound`) is refused before it is allocated. `mmap=False` copies an uncompressed tier now (the
+    background read: mapped, the first update would fault per page on the training thread)."""
     if Tier.OPTIMIZER not in info.tiers:
         return OptimizerOutcome(None, None, None, lost="the checkpoint was saved without it")
     try:
-        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap, l1_max_numel=max_numel)
-    except IncompatibleStateError as e:  # declared larger than the model allows: nothing was allocated
-        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=str(e))
-    except CorruptCheckpointError as e:
-        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
+        opt = _retry_once(lambda: store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap,
+                                             l1_max_numel=max_numel))
+    except (CorruptCheckpointError, IncompatibleStateError) as e:  # damaged, or larger than the model allows
+        lost = str(e)  # the message only: the exception's frames may hold what the failed read decoded
     else:
         return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
-    logger.debug("resume: retrying a failed read once (%s)", first)
-    try:  # a transient read error; retried once the first attempt's exception is gone
-        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap, l1_max_numel=max_numel)
-    except (CorruptCheckpointError, IncompatibleStateError):
-        return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=first)
-    return OptimizerOutcome(opt.optimizer, opt.scheduler, opt.scaler)
+    return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=lost)
 
 
 def agreed_loss(lost_on: list[tuple[int, str]], world_size: int) -> str:
@@ -259,11 +211,8 @@ def optimizer_lost_message(step: int, why: str) -> str:
 
 
 def _candidates(store: CheckpointStore, ref: Ref) -> list[CheckpointInfo]:
-    """The resolved checkpoint, then every older usable one of the task (newest first).
-
-    For ``auto``, newer checkpoints whose manifest cannot be read come first: `auto` passes over them, but the
-    resume tries each (a manifest read, cheap) so that it says why it fell back, and a manifest of a newer format
-    stops it (`FormatVersionError`) instead of resuming an older step in silence."""
+    """The resolved checkpoint, then every older usable one of the task (newest first). For ``auto``, newer ones
+    whose manifest cannot be read come first, so the resume says why it fell back (and a newer format stops it)."""
     first = store.resolve(ref)
     newer: list[CheckpointInfo] = []
     older: list[CheckpointInfo] = []
@@ -278,14 +227,7 @@ def _candidates(store: CheckpointStore, ref: Ref) -> list[CheckpointInfo]:
 
 # ---------------------------------------------------------------------- every rank, agreed
 class PendingOptimizerRead:
-    """The optimizer tier of a checkpoint, read in a background thread until `collect`.
-
-    Args:
-        store (`CheckpointStore`): where to read.
-        info (`CheckpointInfo`): the chosen restore point.
-        rank (`int`): this rank (whose files to read).
-        max_numel (`int`, *optional*): the largest optimizer-state tensor the model can have.
-    """
+    """The optimizer tier of `info` (this rank's files), read in a background thread until `collect`."""
 
     def __init__(self, store: CheckpointStore, info: CheckpointInfo, *, rank: int, max_numel: int | None) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="smart-ckpt-l1")
@@ -312,20 +254,10 @@ class PendingOptimizerRead:
 
 @dataclass
 class Resumption:
-    """What a resume hands the run: read and verified, nothing applied yet.
-
-    Attributes:
-        loaded (`LoadedCheckpoint`): this rank's view of the restore point (its own RNG); with a
-            `pending` read, the optimizer tier is filled in by `RunOrchestrator.complete_resume`.
-        ref (`str`): what was asked for (`auto`, `step:N`, a path, ...).
-        lineage (`Lineage`): the timeline the run continues on (its parent: the restore point).
-        degraded (`bool`): the optimizer state is not restored (a weights-only resume).
-        skipped (`list[int]`): newer candidates passed over because some rank could not use them.
-        policy_state, probe_state, save_counts, rollback_state (`dict`, *optional*): the run's own state
-            at the restore point (the manifest's `extra`).
-        pending (`PendingOptimizerRead`, *optional*): the optimizer tier, still being read.
-        elapsed_ms (`float`): how long planning took.
-    """
+    """What a resume hands the run: read and verified, nothing applied yet. `loaded`: this rank's view of the
+    restore point; `lineage`: the timeline the run continues on; `degraded`: the optimizer state is not restored;
+    `skipped`: newer candidates passed over; `*_state`, `save_counts`: the run's own state at the restore point (the
+    manifest's `extra`); `pending`: the optimizer tier, still being read."""
 
     loaded: LoadedCheckpoint
     ref: str
@@ -345,12 +277,6 @@ class Resumption:
         return self.loaded.info.step
 
 
-def run_state(loaded: LoadedCheckpoint, key: str) -> dict[str, Any] | None:
-    """One part of the run's own state stored in a checkpoint's `extra` (`KEY_POLICY`, ...; absent: `None`)."""
-    value = loaded.extra.get(key)
-    return value if isinstance(value, dict) and value else None
-
-
 def plan_resume(
     store: CheckpointStore,
     ref: Ref,
@@ -364,34 +290,13 @@ def plan_resume(
     background_optimizer: bool = False,
     into: Mapping[str, Any] | None = None,
 ) -> Resumption | None:
-    """Choose, verify and load the restore point on every rank (one agreed outcome) into a `Resumption`.
-
-    Every rank calls it with the same `ref` (a collective under a process group).
-
-    Args:
-        store (`CheckpointStore`): this rank's store.
-        ref: ``"auto"``, ``"best"``, ``"fastest"``, ``"step:N"`` or a checkpoint path (another store's too).
-        session_id (`str`, *optional*): the resuming run's session (the new lineage's); a new one by default.
-        rank, world_size (`int`, *optional*): this rank and the number of ranks (a collective when > 1).
-        fallback (`FallbackStrategy`, *optional*): what a broken tier does (see the module docstring).
-        expected (`Mapping[str, Tensor]`, *optional*): the model's L0 mapping: the saved weights must fit it on
-            every rank, and it bounds the optimizer tier's tensors.
-        mmap (`bool`, *optional*, defaults to `True`): memory-map the weights.
-        background_optimizer (`bool`, *optional*): with the `full` strategy, read the optimizer tier in a
-            background thread (`Resumption.pending`).
-        into (`Mapping[str, Tensor]`, *optional*): the model's own tensors by weight name: the weights file is
-            read straight into them and hashed as it is read (one pass); `loaded.weights` then names them for the
-            keys read (a contiguous CPU target of the stored dtype and shape), the rest stay mapped. A candidate
-            that fails its checksum leaves its bytes there until an older one is read over them; when none is
-            usable the error says that the model's weights were overwritten.
-
-    Returns:
-        `Resumption | None`: `None` when `ref` is ``"auto"`` and the store holds no checkpoint at all (a fresh
-        start; decided by rank 0).
-
-    Raises:
-        The same error on every rank: `CheckpointNotFoundError` (nothing usable on every rank),
-        `IncompatibleStateError` (the weights do not fit the model), `FormatVersionError`, `DistributedError`.
+    """Choose, verify and load the restore point on every rank (a collective: every rank passes the same `ref`:
+    ``auto``, ``best``, ``fastest``, ``step:N`` or a checkpoint path) into a `Resumption`; `None` when `ref` is
+    ``auto`` and the store holds no checkpoint (a fresh start, decided by rank 0). Errors are raised alike on every
+    rank. `expected`: the model's L0 mapping, which the saved weights must fit (it bounds the optimizer tier's
+    tensors); `background_optimizer` (``full`` only): `Resumption.pending`; `into`: the model's own tensors by
+    weight name, read into and hashed in one pass (a candidate failing its checksum leaves its bytes there until an
+    older one is read over them, and an error then says the model's weights were overwritten).
     """
     start = time.perf_counter()
     fallback = FallbackStrategy(fallback)
@@ -404,7 +309,9 @@ def plan_resume(
     except DynamicCkptError as e:
         if target is None or not target.touched:
             raise
-        raise type(e)(f"{e}{target.note()}") from None
+        held = "the bytes of a checkpoint that failed its checksum" if target.step is None \
+            else f"the weights of step {target.step}"
+        raise type(e)(f"{e}{weights_overwritten(held)}") from None
     if agreed is None:
         return None
     loaded, degraded, skipped = agreed
@@ -417,77 +324,56 @@ def plan_resume(
         # L1 in the catalog first and turn a weights-only resume into a fallback.
         bound = state_numel_bound(expected.values()) if expected is not None else None
         pending = PendingOptimizerRead(store, loaded.info, rank=rank, max_numel=bound)
+    state = {k: v if isinstance(v, dict) and v else None
+             for k, v in ((k, loaded.extra.get(k)) for k in (KEY_POLICY, KEY_GRAD_PROBE, KEY_SAVE_LOG, KEY_ROLLBACKS))}
     return Resumption(loaded=loaded, ref=str(ref), lineage=lineage, degraded=degraded and not deferred,
-                      skipped=skipped, policy_state=run_state(loaded, KEY_POLICY),
-                      probe_state=run_state(loaded, KEY_GRAD_PROBE), save_counts=run_state(loaded, KEY_SAVE_LOG),
-                      rollback_state=run_state(loaded, KEY_ROLLBACKS), pending=pending,
+                      skipped=skipped, policy_state=state[KEY_POLICY], probe_state=state[KEY_GRAD_PROBE],
+                      save_counts=state[KEY_SAVE_LOG], rollback_state=state[KEY_ROLLBACKS], pending=pending,
                       elapsed_ms=(time.perf_counter() - start) * 1e3)
-
-
-def _error_payload(e: Exception) -> dict[str, str]:
-    name = type(e).__name__ if type(e).__name__ in _ERRORS else DynamicCkptError.__name__
-    return {"type": name, "message": str(e)}
-
-
-def _raise_agreed(reports: list[dict[str, Any]]) -> None:
-    for rank, report in enumerate(reports):
-        err = report.get("error")
-        if err:
-            cls = _ERRORS.get(err["type"], DynamicCkptError)
-            prefix = "" if len(reports) == 1 or rank == 0 else f"rank {rank}: "
-            raise cls(prefix + err["message"])
 
 
 def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fallback: FallbackStrategy,
            expected: Mapping[str, Any] | None, mmap: bool,
            into: _Into | None = None) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
-    """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start.
-
-    Each rank tries the candidates (the resolved checkpoint, then older ones) with `_evaluate`: weights, the
-    model check against `expected`, the optimizer tier per `fallback`, its own RNG file. One JSON all-gather
-    shares the findings; every rank then picks the newest candidate usable on all ranks. When a rank has not
-    tried that candidate yet (it stopped at an earlier one usable for itself), another round evaluates it; the
-    common case is a single round.
-    """
+    """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start. Each
+    rank tries the candidates (`_evaluate`), one JSON all-gather shares the findings, every rank picks the newest
+    candidate usable on all ranks; one a rank has not tried yet (it stopped at an older one) takes another round."""
     fallback = FallbackStrategy(fallback)
     evaluated: dict[int, _Outcome] = {}
-    report: dict[str, Any] = {"fresh": False, "candidates": [], "error": None, "results": []}
     infos: dict[int, CheckpointInfo] = {}
-    try:
-        candidates = _candidates(store, ref)
-        infos = {i.step: i for i in candidates}
-        report["candidates"] = [i.step for i in candidates]
-        _evaluate_until_usable(store, candidates, evaluated, rank=rank, world_size=world_size,
-                               fallback=fallback, mmap=mmap, expected=expected, into=into)
-    except CheckpointNotFoundError as e:
-        if ref == "auto" and not store.list(include_unhealthy=True):
-            report["fresh"] = True
-        else:
-            report["error"] = _error_payload(e)
-    except DynamicCkptError as e:
-        report["error"] = _error_payload(e)
-    report["results"] = [o.to_dict() for o in evaluated.values()]
+    reference: list[int] | None = None  # the candidates as rank 0 listed them, once shared
+    pending: int | None = None
     while True:
+        report: dict[str, Any] = {"fresh": False, "candidates": reference or [], "error": None, "results": []}
+        try:
+            if reference is None:
+                todo = _candidates(store, ref)
+                infos = {i.step: i for i in todo}
+                report["candidates"] = [i.step for i in todo]
+            else:  # some rank has not tried `pending` yet: everyone evaluates from there on (a rare second round)
+                todo = [infos.get(s) or store.resolve(f"step:{s}") for s in reference[reference.index(pending or 0):]]
+            _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size, fallback=fallback,
+                                   mmap=mmap, expected=expected, into=into)
+        except DynamicCkptError as e:
+            if reference is None and isinstance(e, CheckpointNotFoundError) and ref == "auto" \
+                    and not store.list(include_unhealthy=True):
+                report["fresh"] = True
+            else:
+                name = type(e).__name__ if type(e).__name__ in _ERRORS else DynamicCkptError.__name__
+                report["error"] = {"type": name, "message": str(e)}
+        report["results"] = [o.to_dict() for o in evaluated.values()]
         reports = dist.all_gather_json(report) if world_size > 1 else [report]
         if reports[0]["fresh"]:
             return None
-        _raise_agreed(reports)
-        reference: list[int] = reports[0]["candidates"]
+        for r, err in ((r, o["error"]) for r, o in enumerate(reports) if o.get("error")):  # any rank's, on every rank
+            raise _ERRORS.get(err["type"], DynamicCkptError)(("" if r == 0 else f"rank {r}: ") + err["message"])
+        reference = reports[0]["candidates"]
         results = [{int(o["step"]): o for o in r["results"]} for r in reports]
         chosen, pending, skipped = _choose(reference, results)
         if chosen is not None:
             break
         if pending is None:
             raise _none_usable(reference, results, store)
-        # Some rank has not tried `pending` yet: everyone evaluates from there on (rare second round).
-        report = {"fresh": False, "candidates": reference, "error": None, "results": []}
-        try:
-            todo = [infos.get(s) or store.resolve(f"step:{s}") for s in reference[reference.index(pending):]]
-            _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size, fallback=fallback,
-                                   mmap=mmap, expected=expected, into=into)
-        except DynamicCkptError as e:
-            report["error"] = _error_payload(e)
-        report["results"] = [o.to_dict() for o in evaluated.values()]
     mine = evaluated[chosen]
     loaded = mine.loaded
     assert loaded is not None
@@ -503,11 +389,9 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
         if not all(o["scheduler_salvaged"] for o in row):
             loaded.scheduler = None
         loaded.warnings.insert(0, optimizer_lost_message(chosen, agreed_loss(lost, world_size)))
-    if skipped:
-        notes = []
-        for s in skipped:
-            reason = _skip_reason(results, s)
-            notes.append(f"{reason}{' ' if reason.endswith(',') else '; '}falling back to the next older checkpoint")
+    notes = [f"{r}{' ' if r.endswith(',') else '; '}falling back to the next older checkpoint"
+             for r in (_skip_reason(results, s) for s in skipped)]
+    if notes:
         notes[-1] += f": using step {chosen} instead"
         loaded.warnings[:0] = notes
     for message in loaded.warnings:
@@ -517,11 +401,8 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
 
 def _evaluate_until_usable(store: CheckpointStore, candidates: list[CheckpointInfo], evaluated: dict[int, _Outcome],
                            **kwargs: Any) -> None:
-    """Try `candidates` in order (reusing earlier results) until one is usable on this rank.
-
-    With `into`, the targets then hold that candidate's weights: an earlier result reused after a newer candidate
-    was read over them (a round that starts above it: the ranks listed different candidates) is read again here,
-    before the findings are shared, so a failure is a finding like any other."""
+    """Try `candidates` in order (reusing earlier results) until one is usable on this rank. With `into`, the
+    targets then hold its weights (an earlier result is read again if a newer candidate was read over them)."""
     into: _Into | None = kwargs.get("into")
     for info in candidates:
         outcome = evaluated.get(info.step)

@@ -1,9 +1,8 @@
-"""The save path of one run: a decision becomes a `SaveRequest`, a snapshot, a committed checkpoint.
+"""The save path of one run: a decision becomes a `SaveRequest`, a snapshot, a committed checkpoint; and the memory
+tier (`MemoryTier`) and a killed run's slots (`SlotRecovery`).
 
-`Saver` owns the engine calls, the run's `SaveLog`, the error policy (`on_save_error`) and
-retention after each commit. It is used by `RunOrchestrator` only, which hands it everything a
-save needs (the orchestrator has started the run's timeline and gathered the manifest's `extra`
-first); it runs no collectives and calls nothing back.
+`Saver` owns the engine calls, the run's `SaveLog`, the error policy (`on_save_error`) and retention after each
+commit. Only `RunOrchestrator` uses it; it runs no collectives and calls nothing back.
 """
 
 from __future__ import annotations
@@ -43,28 +42,21 @@ class HeldSave:
     step: int
     epoch: float
     rng: dict[str, Any] | RawRngState | None
-    sampler: dict[str, Any] | None
     frame: SignalFrame
     rng_at_step_begin: bool = False
-    memory: bool = False
-    """Into a memory slot (no disk save this step)."""
+    memory: bool = False  # into a memory slot (no disk save this step)
 
 
 class SlotRecovery:
-    """A killed run's memory slots newer than the disk store, found when a restart opens its store (rank 0; the others
-    are told its step): `auto`'s restore point (`step`: read from host memory, `RunOrchestrator._plan`), persisted to
-    the disk store before anything could replace them (the tier's next slot) or move the task's timeline past them
-    (`persist`): in the background once the run restored from it, before the choice of any other restore point, before
-    a fresh start's timeline. The killed run's own writer may have persisted it already: nothing is persisted twice."""
+    """A killed run's memory slots newer than the disk store (found by rank 0 when a restart opens its store): `auto`'s
+    restore point (`RunOrchestrator._plan`), persisted to disk (`persist`, never twice) before the tier's next slot
+    could replace them or the task's timeline move past them."""
 
     def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int, *, persists: bool = True) -> None:
         self.disk, self.slots, self.step = disk, slots, step
         self._thread: threading.Thread | None = None
-        self._done, self._persists = not persists, persists
-        """Persisted (or not this rank's to persist: rank 0 persists every rank's parts)."""
-        self.offered = False
-        """The slot was offered to a resume, or the timeline moved on: `auto` reads the disk from then on (the same
-        on every rank)."""
+        self._done, self._persists = not persists, persists  # rank 0 persists every rank's parts
+        self.offered = False  # offered to a resume, or the timeline moved on: `auto` reads the disk (every rank)
 
     @classmethod
     def find(cls, disk: CheckpointStore) -> SlotRecovery | None:
@@ -86,12 +78,12 @@ class SlotRecovery:
 
     @property
     def busy(self) -> bool:
-        """Whether the slots are not all persisted yet (the memory tier writes none meanwhile)."""
+        """The slots are not all persisted yet (the memory tier writes none meanwhile)."""
         return not self._done
 
     def persist(self, *, background: bool = False) -> None:
-        """Persist the slots newer than the disk store (`slots.persist_newest`); `background`: in a thread, else
-        now (waiting for a thread already started). Never raises: a slot that cannot be persisted is logged."""
+        """Persist the slots newer than the disk store, in a thread with `background`, else now (waiting for a
+        thread already started). Never raises: a slot that cannot be persisted is logged."""
         if self._done:
             return
         if self._thread is None:
@@ -111,8 +103,7 @@ class SlotRecovery:
             self._done = True
 
     def close(self, *, remove: bool = False) -> None:
-        """Persist what is not yet (waiting for it) and release the slots' reader; `remove` the slots then (the
-        memory tier is off in this run: nothing else removes them)."""
+        """Persist what is not yet (waiting for it), release the slots' reader; `remove` them (the tier is off)."""
         self.persist()
         self.slots.close()
         if remove and self._persists:
@@ -121,10 +112,9 @@ class SlotRecovery:
 
 def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, world_size: int,
                    session_id: str) -> tuple[CheckpointStore, SlotRecovery | None]:
-    """This rank's store, and a killed run's slots to restore from (see `SlotRecovery`). Under DDP rank 0 opens
-    first (it creates the catalog and takes the task's writer lock, then looks for a killed run's slot); its outcome,
-    an error included, is what every rank acts on. The save engine is not started here: `Saver.engine` starts it at
-    its first use (the first save, or its writer process started after the first step), so a resume only reads."""
+    """This rank's store, and a killed run's slots to restore from. Under DDP rank 0 opens first (the catalog, the
+    task's writer lock, the slots); its outcome, an error included, is what every rank acts on. No engine is started
+    (`Saver.engine`, at its first use): a resume only reads. A URL root (read-only here) has no slots."""
 
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
@@ -136,15 +126,12 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                                retries=config.remote.retries, backoff_s=config.remote.backoff_s,
                                lock_wait_s=config.runtime.lock_wait_s)
 
-    def local(store: CheckpointStore) -> bool:  # a URL root's slots are keyed by its local cache, on this node
-        return not store.read_only
-
     if world_size > 1:
         store, error, step = None, None, None
         if rank == 0:
             try:
                 store = open_store()
-                recovery = SlotRecovery.find(store) if local(store) else None
+                recovery = SlotRecovery.find(store) if not store.read_only else None
                 step = recovery.step if recovery is not None else None
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
@@ -162,15 +149,12 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                 recovery = SlotRecovery(store, slots, step, persists=False)
         return store, recovery
     store = open_store()
-    return store, SlotRecovery.find(store) if local(store) else None
+    return store, SlotRecovery.find(store) if not store.read_only else None
 
 
-MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5
-"""A slot's write still running when the next slot is due is waited for up to half a step (at most 1 s); a longer
-one (or a disk save in flight) skips that step's slot, counted in `MemoryTier.skipped`."""
-EARLY_BURST_S = 60.0
-"""Slots written on the training thread before the writer process is up spend the overhead budget of this many
-seconds at once, then what it accrues: `policy.overhead_budget` of any window of the run, plus this window's share."""
+MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5  # a slot's write still running when the next is due: waited for up to
+# half a step (at most 1 s); longer (or a disk save in flight) skips that step's slot (`MemoryTier.skipped`)
+EARLY_BURST_S = 60.0  # early slots (before the writer is up) may spend this many seconds of overhead budget at once
 
 
 def slot_cadence(blocking_ms: float, write_ms: float, step_ms: float, budget: float) -> int:
@@ -181,38 +165,25 @@ def slot_cadence(blocking_ms: float, write_ms: float, step_ms: float, budget: fl
 
 
 class MemoryTier:
-    """The run's memory tier (`store/slots.py`): whether it is on, which steps it snapshots, what it cost.
-
-    On by default (`runtime.memory_tier`) with the process writer, on every rank or none (ranks of one node: one slot
-    store holds every rank's part, and the ranks agree on each slot in the step's frame, `agree`); off, with one INFO
-    line, where it cannot be (the sync engine, ranks on several nodes, `/dev/shm` or host memory too small for two
-    slots). Every `every`
-    steps the state of the step goes to a slot: the fewest steps whose snapshot fits in `policy.overhead_budget` of
-    their time and whose write the writer finishes within them, every step for a LoRA adapter at a real model's
-    pace (`runtime.memory_every` fixes it). A slot skipped because the writer is still busy is counted. In the
-    first seconds of a run, before the writer process is up, a small slot is written on the training thread while
-    the overhead budget allows (`write_early`: a token bucket that starts with `EARLY_BURST_S` of budget, enough for
-    every step of the writer's start-up, and refills at `policy.overhead_budget` of the time that passes)."""
+    """The run's memory tier (`store/slots.py`, docs/memory_tier.md): on every rank or none (one slot store per node,
+    the ranks agree on each slot in the step's frame), off with one INFO line where it cannot be. Every `every` steps
+    (`slot_cadence`, or `runtime.memory_every`) a step's state goes to a slot (skipped, and counted, while the writer
+    is busy); before the writer is up, small slots are written on the training thread (`write_early`)."""
 
     def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, world_size: int) -> None:
         self.config, self.store = config, store
         self.every = config.runtime.memory_every or 1
         self.saves = self.skipped = 0
-        self.wait_ms = 0.0
-        """The training thread's wait for a slot's write still running when the next was due (averaged)."""
-        self.credit_ms = config.policy.overhead_budget * EARLY_BURST_S * 1e3
-        """Training-thread time left for early slots (`write_early`)."""
+        self.wait_ms = 0.0  # the training thread's wait for the previous slot's write (averaged)
+        self.credit_ms = config.policy.overhead_budget * EARLY_BURST_S * 1e3  # time left for early slots
         self._credited: float | None = None
-        self.bytes: int | None = None
-        """The size of the last slot written."""
+        self.bytes: int | None = None  # the size of the last slot written
         self.last_step: int | None = None
         self.slots: CheckpointStore | None = None
         self.off_reason: str | None = None
-        self.step_s: float | None = None
-        """Seconds per step, measured between the steps it is asked about."""
+        self.step_s: float | None = None  # seconds per step, measured between the steps it is asked about
         self._last_call: tuple[int, float] | None = None
-        self.recovery: SlotRecovery | None = None
-        """A killed run's slots still to persist: no slot is written until they are (it would replace them)."""
+        self.recovery: SlotRecovery | None = None  # a killed run's slots: no slot is written until they are persisted
         self._cleared = False
         if not config.runtime.memory_tier:
             self.off_reason = "runtime.memory_tier=false"
@@ -226,8 +197,7 @@ class MemoryTier:
             except Exception as e:
                 self.off_reason = f"its slots cannot be created ({e})"
         self.world_size = world_size
-        self._agreed: tuple[int, int, float] | None = None
-        """Several ranks: (step, cadence, blocked) of the last frame, the same on every rank (`agree`)."""
+        self._agreed: tuple[int, int, float] | None = None  # several ranks: the last frame's (step, cadence, blocked)
         if world_size > 1:  # on for every rank or for none; one slot store per node holds every rank's part
             views = dist.all_gather_json({"host": socket.gethostname(), "off": self.off_reason})
             hosts = {v["host"] for v in views}
@@ -247,17 +217,9 @@ class MemoryTier:
     def on(self) -> bool:
         return self.slots is not None
 
-    def plan(self, *, writing: bool) -> tuple[float, float]:
-        """This rank's (cadence, blocked) for the step's frame (`SignalFrame.slot_every`): blocked 2 when the tier is
-        off, 1 when a slot cannot be taken now (the writer process not up, a write in flight, a killed run's slot
-        still being persisted), else 0. `writing`: the engine is writing a save."""
-        if self.slots is None:
-            return float(self.every), 2.0
-        return float(self.every), 1.0 if writing or not self._ready() else 0.0
-
     def agree(self, frame: SignalFrame) -> None:
-        """Several ranks: take the cadence and the verdict of the reduced frame, so every rank writes its part of the
-        same slots (a slot commits once every rank's part is in) and the policy sees the same tier on every rank."""
+        """Several ranks: take the reduced frame's cadence and verdict, so every rank writes its part of the same slots
+        and the policy sees the same tier on every rank."""
         if self.world_size > 1 and frame.slot_every is not None and frame.slot_blocked is not None:
             self._agreed = (frame.step, max(1, int(frame.slot_every)), frame.slot_blocked)
 
@@ -285,9 +247,16 @@ class MemoryTier:
         if self.world_size > 1:
             return self._agreed is not None and self._agreed[0] == step and self._agreed[2] == 0 and \
                 step % self._agreed[1] == 0
-        return self.slots is not None and step % self.every == 0 and self._ready()
+        return self.slots is not None and step % self.every == 0 and self.ready()
 
-    def _ready(self) -> bool:
+    def wait_for(self, handle: Any) -> None:
+        """The bounded wait for the previous slot's write (`MEMORY_WAIT_S`), averaged into `wait_ms`."""
+        waited = time.perf_counter()
+        if not handle.done() and self.step_s:
+            handle.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * self.step_s))
+        self.wait_ms = 0.5 * self.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
+
+    def ready(self) -> bool:
         """No killed run's slot is still to be persisted; the first time, the slots that are not this run's are
         removed (rank 0; persisted already, or of another run): a new slot must never be ranked below them."""
         if self.recovery is not None and self.recovery.busy:
@@ -360,52 +329,27 @@ class MemoryTier:
             slot_store.remove_slots(self.store.root, self.store.task_id)
 
 
-def exit_after_preemption(config: SmartCkptConfig, signum: int | None) -> None:
-    """Raise `SystemExit(preemption_exit_code)`: 128 + the signal by default (143 for SIGTERM); nothing for 0."""
-    code = config.runtime.preemption_exit_code
-    if code is None:
-        code = 128 + int(signum) if signum is not None else 143
-    if code:
-        logger.warning("preempted: training state committed; exiting with status %d so the job is requeued", code)
-        raise SystemExit(code)
-
-
 def human_bytes(n: int | None) -> str:
-    """``1.3 MiB``-style size (binary units)."""
+    """``1.3 MiB``-style size (binary units, at most GiB)."""
     if n is None:
         return "? B"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
+    exp = min(3, max(0, (int(n).bit_length() - 1) // 10))
+    return f"{n:.0f} B" if exp == 0 else f"{n / 1024 ** exp:.1f} {('KiB', 'MiB', 'GiB')[exp - 1]}"
 
 
 class Saver:
     """Turns decisions into saves and keeps their record (see the module docstring)."""
 
-    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, rank: int,
-                 announce: logging.Logger | None = None) -> None:
-        self.config = config
-        self.store = store
+    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, rank: int, world_size: int,
+                 announce: logging.Logger) -> None:
+        self.config, self.store, self.rank, self.announce = config, store, rank, announce
         self._engine: SaveEngine | None = None
-        self.rank = rank
         self.log = SaveLog()
-        self.announce = announce if announce is not None else logger
-        """Where the one INFO line per save goes."""
+        # The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too).
         self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
-        """The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too)."""
         self._raise_next: SaveError | None = None
-        self.memory: MemoryTier | None = None
-        """The memory tier, once `open_memory` ran (the orchestrator's `attach`)."""
+        self.memory = MemoryTier(config, store, world_size=world_size)  # before the engine: its writer writes slots
         self._memory_handle: Any = None
-
-    def open_memory(self, world_size: int) -> MemoryTier:
-        """Open the memory tier (before the engine exists: its writer process writes the slots)."""
-        if self.memory is None:
-            self.memory = MemoryTier(self.config, self.store, world_size=world_size)
-        return self.memory
 
     @property
     def engine(self) -> SaveEngine:
@@ -414,40 +358,36 @@ class Saver:
             self._engine = SaveEngine(self.store, mode=self.config.engine,
                                       memory_margin=self.config.runtime.memory_margin,
                                       overlap=self.config.runtime.overlap_snapshot,
-                                      slots=self.memory.slots if self.memory is not None else None)
+                                      slots=self.memory.slots)
         return self._engine
 
     def slot_plan(self, step: int) -> tuple[float, float] | None:
-        """Several ranks: this rank's part of the agreement on step `step`'s slot (`MemoryTier.plan`), after the
-        bounded wait for its previous slot's write that one process does before the slot; one rank: `None`."""
+        """Several ranks (one rank: `None`): this rank's (cadence, blocked) for step `step`'s frame, after the bounded
+        wait for its previous slot's write: blocked 2 when the tier is off, 1 when a slot cannot be taken now (the
+        writer not up, a write in flight, a killed run's slot being persisted), else 0."""
         tier, engine = self.memory, self._engine
-        if tier is None or tier.world_size == 1:
+        if tier.world_size == 1:
             return None
         handle = self._memory_handle
         if handle is not None and not handle.done() and tier.step_s and step % tier.cadence == 0:
-            waited = time.perf_counter()
-            handle.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * tier.step_s))
-            tier.wait_ms = 0.5 * tier.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
-        writing = engine is None or not engine.writer_ready or engine.busy or (handle is not None and not handle.done())
-        return tier.plan(writing=writing)
+            tier.wait_for(handle)
+        if tier.slots is None:
+            return float(tier.every), 2.0
+        busy = engine is None or not engine.writer_ready or engine.busy or (handle is not None and not handle.done())
+        return float(tier.every), 1.0 if busy or not tier.ready() else 0.0
 
     def save_memory(self, sources: StateSources, *, step: int, epoch: float, lineage: Lineage,
                     rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
                     extra: dict[str, Any] | None = None, healthy: bool = True) -> None:
-        """The state of `step` into a memory slot, in the background (never synchronous; see `MemoryTier`). A slot of
-        a step the policy found unhealthy (inside an anomaly) says so: persisted, it is no `auto` restore point."""
+        """The state of `step`, due (`MemoryTier.due`), into a memory slot, in the background (see `MemoryTier`). A slot
+        of a step the policy found unhealthy says so: persisted, it is no `auto` restore point."""
         tier = self.memory
-        if tier is None or not tier.due(step):
-            return
         early = not self.engine.writer_ready  # not up yet (its first seconds; `start_writer` starts it)
         if early and not tier.write_early():
             return
         previous, self._memory_handle = self._memory_handle, None
         if previous is not None:
-            waited = time.perf_counter()
-            if not previous.done() and tier.step_s:  # the previous slot's write: a bounded wait, then a skip
-                previous.join(min(MEMORY_WAIT_S, MEMORY_WAIT_SHARE * tier.step_s))
-            tier.wait_ms = 0.5 * tier.wait_ms + 0.5 * (time.perf_counter() - waited) * 1e3
+            tier.wait_for(previous)
             tier.settle(previous)
             if tier.slots is None:
                 return
@@ -465,12 +405,10 @@ class Saver:
         return self._engine is not None
 
     def close(self, *, clean: bool = True) -> None:
-        """Close the engine if it was started (its writes in flight commit first), then the memory tier (`clean`:
-        the run ended with its final state on disk, so its slots go)."""
+        """Close the engine if started (its writes in flight commit), then the memory tier (`clean`: its slots go)."""
         if self._engine is not None:
             self._engine.close()
-        if self.memory is not None:
-            self.memory.close(clean=clean)
+        self.memory.close(clean=clean)
 
     def wait_snapshot(self) -> None:
         """Wait until the last snapshot no longer reads the live parameters and optimizer state (`SaveEngine`)."""
@@ -481,35 +419,30 @@ class Saver:
         if self._engine is not None:
             self._engine.abort(why)
 
-    def request(self, decision: Decision, *, step: int, epoch: float, tiers: frozenset[Tier],
-                frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
-        return SaveRequest(step=step, epoch=float(epoch), tiers=tiers, reason=decision.reason, kind=decision.kind.value,
-                           pinned=decision.pin, healthy=decision.healthy,
-                           signals=json_safe(frame.to_dict()) if frame is not None else None,
-                           debug_info=tuple(debug_info), lineage=lineage)
-
-    def _prepare(self, decision: Decision) -> frozenset[Tier]:
+    def _request(self, decision: Decision, *, step: int, epoch: float, frame: SignalFrame | None,
+                 debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
+        """The request of a save, after rank 0 recreated a root deleted mid-run. Rank 0 writes weights and optimizer;
+        every rank its own RNG file (FSDP2: and its shards)."""
         try:
-            self.store.ensure_root()  # rank 0: a root deleted mid-run is recreated before the save is written
+            self.store.ensure_root()
         except DynamicCkptError as e:
             logger.warning("the store root cannot be recreated (%s); this save will fail", e)
-        # Rank 0 writes weights and optimizer; every rank writes its own RNG file (FSDP2: and its shards).
-        return frozenset(decision.tiers or ALL_TIERS) & self.own_tiers
+        return SaveRequest(step=step, epoch=float(epoch), tiers=frozenset(decision.tiers or ALL_TIERS) & self.own_tiers,
+                           reason=decision.reason, kind=decision.kind.value, pinned=decision.pin,
+                           healthy=decision.healthy, signals=json_safe(frame.to_dict()) if frame is not None else None,
+                           debug_info=tuple(debug_info), lineage=lineage)
 
     def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
              frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
              rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
              extra: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
         """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it."""
-        tiers = self._prepare(decision)
-        request = self.request(decision, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
-                               lineage=lineage)
+        request = self._request(decision, step=step, epoch=epoch, frame=frame, debug_info=debug_info, lineage=lineage)
         handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, blocking=blocking)
-        event = SaveEvent(step=step, at_step=at_step, reason=decision.reason, tiers=frozenset(decision.tiers or tiers),
-                          pinned=decision.pin, blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle,
-                          staging=handle.staging)
-        if handle.skipped:
-            event.error = handle.skipped
+        event = SaveEvent(step=step, at_step=at_step, reason=decision.reason,
+                          tiers=frozenset(decision.tiers or request.tiers), pinned=decision.pin,
+                          blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle, staging=handle.staging,
+                          error=handle.skipped or None)
         self.log.add(event)
         logger.debug("save step %d (%s): blocked %.1f ms, staging %s", step, decision.reason, handle.blocking_ms,
                      handle.staging)
@@ -520,8 +453,8 @@ class Saver:
     def emergency(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, signum: int | None,
                   frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
                   extra: dict[str, Any] | None = None) -> SaveEvent:
-        """The preemption save: synchronous, within `preemption_grace_s`, most valuable tiers first."""
-        tiers = self._prepare(decision)
+        """The preemption save: synchronous, within `preemption_grace_s`, most valuable tiers first (the engine's
+        reason is "emergency: ...")."""
         start = time.perf_counter()
         name = "preemption"
         if signum is not None:
@@ -529,16 +462,16 @@ class Saver:
                 name = f"preemption: {_signal.Signals(signum).name}"
             except ValueError:
                 name = f"preemption: signal {signum}"
-        emergency = Decision(save=True, tiers=tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
-        request = self.request(emergency, step=step, epoch=epoch, tiers=tiers, frame=frame, debug_info=debug_info,
-                               lineage=lineage)
-        # The engine writes the most valuable tiers first within the grace period; its reason is "emergency: ...".
+        emergency = Decision(save=True, tiers=decision.tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
+        request = self._request(emergency, step=step, epoch=epoch, frame=frame, debug_info=debug_info,
+                                lineage=lineage)
         info = self.engine.emergency_save(sources, request, deadline_s=self.config.runtime.preemption_grace_s,
                                           extra=extra)
         blocking_ms = (time.perf_counter() - start) * 1e3
-        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}", tiers=info.tiers if info else tiers,
-                          pinned=False, blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
-                          bytes=info.bytes if info else None, path=info.path if info else None, staging="sync")
+        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}",
+                          tiers=info.tiers if info else request.tiers, pinned=False, blocking_ms=blocking_ms,
+                          kind=DecisionKind.PREEMPTION, bytes=info.bytes if info else None,
+                          path=info.path if info else None, staging="sync")
         self.log.add(event)
         dist.barrier()
         logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
@@ -585,8 +518,7 @@ class Saver:
 
     def collect_finished(self) -> None:
         for event in self.log.events[-4:]:
-            if event.handle is not None:
-                self.collect(event)
+            self.collect(event)
 
     def raise_pending(self) -> None:
         """Raise the first failed save's error once (`on_save_error="raise"`)."""
@@ -596,11 +528,10 @@ class Saver:
 
     def finish(self) -> CheckpointInfo | None:
         """Wait for the write in flight and settle every save (errors per `on_save_error`)."""
-        info: CheckpointInfo | None = None
         try:
             info = self._engine.wait() if self._engine is not None else None
-        except SaveError:
-            info = None  # settled (warned about, or raised per on_save_error) below
+        except SaveError:  # settled (warned about, or raised per on_save_error) below
+            info = None
         for event in self.log.events:
             self.collect(event)
         self.raise_pending()

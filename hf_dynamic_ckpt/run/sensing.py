@@ -1,12 +1,8 @@
 """The sensing layer of one run: the probes a `RunOrchestrator` installs, and the per-step frame.
 
-`Sensors.measure` reads every probe once per optimizer step and reduces the frame across
-ranks in one collective (`distributed.reduce_frame`), so the policy on every rank sees the
-same numbers; the frame also carries the rank's save blocking time and a fingerprint of the
-decisions taken so far, which the reduction compares.
-
-`PreemptionFlag` is how a POSIX signal (SIGTERM, SIGUSR1) becomes the frame's `preempt`: the
-handler only sets a flag, the save happens at the next step boundary.
+`Sensors.measure` reads every probe once per optimizer step and reduces the frame across ranks in one collective
+(`distributed.reduce_frame`, which also compares a fingerprint of the decisions so far), so the policy on every rank
+sees the same numbers. `PreemptionFlag` turns a POSIX signal into the frame's `preempt`.
 """
 
 from __future__ import annotations
@@ -30,21 +26,8 @@ logger = logging.getLogger(__name__)
 class PreemptionFlag:
     """Signal handlers that only set a flag; the save happens at the next step boundary.
 
-    Any previous Python handler is chained (called after the flag is set), so a
-    framework's own handler keeps working. The default action (terminate) is *not*
-    chained: not dying immediately is the point. `install()` and `uninstall()` are
-    idempotent; handlers can only be installed from the main thread.
-
-    Args:
-        signals (`Iterable[str | int]`, *optional*, defaults to `("SIGTERM", "SIGUSR1")`).
-
-    Example:
-        ```python
-        >>> flag = PreemptionFlag()
-        >>> flag.install()
-        >>> if flag.is_set: ...   # at a step boundary: save once, then exit
-        >>> flag.uninstall()
-        ```
+    A previous Python handler is chained (called after the flag is set); the default action (terminate) is not: not
+    dying immediately is the point. `install()` (main thread only) and `uninstall()` are idempotent.
     """
 
     def __init__(self, signals: Iterable[str | int] = ("SIGTERM", "SIGUSR1")) -> None:
@@ -97,23 +80,10 @@ class PreemptionFlag:
                 logger.debug("handler of %s was replaced after install; leaving it", sig.name)
         self._previous = {}
 
-    def __enter__(self) -> PreemptionFlag:
-        self.install()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
 
 class Sensors:
-    """Loss hook, gradient norms (incl. LoRA layers), memory, preemption flag and pre-clip norm.
-
-    Args:
-        config (`SmartCkptConfig`): memory sampling period and preemption signals.
-        model (`nn.Module`): the trained model (gradients and LoRA layers are read from it).
-        loss_model (`nn.Module`, *optional*): module whose forward output carries `loss`.
-        clip_owner (*optional*): object whose `clip_grad_norm_` returns the pre-clip norm.
-    """
+    """Loss hook (on `loss_model`, default `model`), gradient norms (incl. LoRA layers), memory, preemption flag and
+    the pre-clip norm of `clip_owner.clip_grad_norm_`."""
 
     def __init__(self, config: SmartCkptConfig, model: nn.Module, *, loss_model: nn.Module | None = None,
                  clip_owner: Any | None = None) -> None:
@@ -128,22 +98,15 @@ class Sensors:
     def measure(self, step: int, *, save_blocking_s: float | None, fingerprint: float,
                 pre_clip_norm: float | None = None, clip_norm: float | None = None,
                 slot: tuple[float, float] | None = None) -> SignalFrame:
-        """This step's frame, reduced across ranks (identical on every rank).
-
-        `slot`: the memory tier's (`slot_every`, `slot_blocked`) on this rank (`MemoryTier.plan`).
-
-        `pre_clip_norm`, `clip_norm`: the step's pre-clip global norm and the clipping threshold from elsewhere (a
-        DeepSpeed engine's, read before the loop's `clip_grad_norm_` call); the recorder's value, of an earlier
-        call, is dropped then.
+        """This step's frame, reduced across ranks (identical on every rank). `slot`: this rank's `MemoryTier.plan`;
+        `pre_clip_norm`, `clip_norm`: from elsewhere (a DeepSpeed engine's), replacing the recorder's.
 
         Raises:
             `DistributedError`: another rank died, or the ranks' fingerprints differ.
         """
         loss_t = self.loss.pop()
         pre_clip = self.clip.pop() if self.clip is not None else None
-        if pre_clip_norm is not None:
-            pre_clip = pre_clip_norm
-        fields = self.grad.frame_fields(pre_clip)
+        fields = self.grad.frame_fields(pre_clip_norm if pre_clip_norm is not None else pre_clip)
         device_mem, host_mem = self.mem.sample(step)
         now = time.perf_counter()
         step_time = None if self._last_t is None else now - self._last_t
