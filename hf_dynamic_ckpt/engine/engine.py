@@ -35,6 +35,7 @@ from .snapshot import (
     Allocator,
     NoBufferError,
     Overlap,
+    PendingCopy,
     Snapshotter,
     collect,
     direct,
@@ -52,6 +53,12 @@ DEFAULT_THROUGHPUT = 100e6
 MEMORY_ROOM_TTL_S = 1.0
 """A memory slot into snapshot buffers already held reuses a memory headroom read this recent (reading the cgroup
 files took ~0.7 ms of each step's ~2 ms slot); a disk save, or one that allocates buffers, always reads it."""
+
+
+def _skip(handle: SaveHandle, why: str, start: float) -> SaveHandle:
+    handle.skipped, handle.blocking_ms = why, (time.perf_counter() - start) * 1e3
+    handle.settle(None)
+    return handle
 
 
 class SaveEngine:
@@ -196,18 +203,12 @@ class SaveEngine:
                    if busy is not None else "the writer process is not up"
                    if not blocking and self._ready_writer() is None else None)
             if why is not None:
-                handle.skipped = f"memory slot of step {request.step} skipped: {why}"
-                handle.blocking_ms = (time.perf_counter() - start) * 1e3
-                handle.settle(None)
-                return handle
+                return _skip(handle, f"memory slot of step {request.step} skipped: {why}", start)
         if previous is not None and busy is not None:
             if self.on_busy == OnBusy.SKIP and not blocking:
-                handle.skipped = (f"save of step {request.step} ({request.reason}) skipped: step "
-                                  f"{previous.handle.step} is still writing (on_busy='skip')")
-                logger.info(handle.skipped)
-                handle.blocking_ms = (time.perf_counter() - start) * 1e3
-                handle.settle(None)
-                return handle
+                logger.info(why := f"save of step {request.step} ({request.reason}) skipped: step "
+                                   f"{previous.handle.step} is still writing (on_busy='skip')")
+                return _skip(handle, why, start)
             previous.handle.join()  # its error, if any, is reported through its own handle
         self._settle(previous)
         fault("snapshot", step=request.step, rank=getattr(self.store, "rank", 0))
@@ -220,11 +221,8 @@ class SaveEngine:
             if memory:  # before the writer is up: a small slot, on this thread, where two fit
                 nbytes = tensor_bytes([state.weights, state.optimizer])
                 if nbytes > EARLY_SLOT_MAX_BYTES:
-                    handle.skipped = (f"memory slot of step {request.step} skipped: {nbytes / 2**20:.0f} MiB is too "
-                                      "large to write on the training thread (the writer process, once up, does)")
-                    handle.blocking_ms = (time.perf_counter() - start) * 1e3
-                    handle.settle(None)
-                    return handle
+                    return _skip(handle, f"memory slot of step {request.step} skipped: {nbytes / 2**20:.0f} MiB is "
+                                 "too large to write on the training thread (the writer process, once up, does)", start)
                 if nbytes != self._slot_fits:
                     if problem := room_problem(nbytes, self.slots, self.memory_margin):  # type: ignore[arg-type]
                         handle.settle(None, SaveError(problem))
@@ -249,10 +247,7 @@ class SaveEngine:
                 plan = self.last_plan = sysmem.StagingPlan("streaming", f"{e}; enlarge /dev/shm, e.g. "
                                                            "`docker run --shm-size`")
         if plan.mode == "streaming" and memory:
-            handle.skipped = f"memory slot of step {request.step} skipped: {plan.reason}"
-            handle.blocking_ms = (time.perf_counter() - start) * 1e3
-            handle.settle(None)
-            return handle
+            return _skip(handle, f"memory slot of step {request.step} skipped: {plan.reason}", start)
         if plan.mode == "streaming":
             # Short of memory: the first such save of the run at WARNING, later ones at DEBUG.
             logger.log(logging.DEBUG if self._streamed else logging.WARNING,
@@ -264,7 +259,8 @@ class SaveEngine:
             return self._write_now(direct(live), request, handle, start)
         if defer is not None:
             # The CUDA part is queued now, the current stream not ordered after it; the gate orders the next step.
-            handle.deferred = self._overlap.start(request.step, later, later.issue_cuda(self._snapshotter.streams))
+            handle.deferred = self._overlap.pending = PendingCopy(request.step, later,
+                                                                  later.issue_cuda(self._snapshotter.streams))
             waits.append(handle.deferred)
         del live
         handle.blocking_ms = (time.perf_counter() - start) * 1e3

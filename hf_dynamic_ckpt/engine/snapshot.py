@@ -1,15 +1,9 @@
 """Snapshot: the only part of a save that blocks training.
 
-`collect` reads the live objects (`StateSources`) without copying a large tensor; `Snapshotter.take` copies the
-weights and optimizer state into host buffers it holds and reuses at every later save (one storage per scope,
-`"weights"` and `"optimizer"`, a view per tensor, reallocated when a shape or dtype changes), so that no later
-step changes what the writer reads. The storage comes from an `Allocator`, shared memory the writer process maps;
-a named shared-memory slot can be one, and the snapshot is then copied into it directly. CUDA sources go to
-page-locked buffers with `non_blocking` copies on a side stream that first waits for the current stream, ordered
-by an event before the next step's kernels and the writer. Frozen weights (`StateSources.frozen_keys`) are left
-out: the engine never copies or writes them. The second half (`Overlap`, `PendingCopy`) defers the copy of large
-parameters and moments to run beside the next forward and backward; its invariants are written there.
-"""
+`collect` reads the live objects without copying a large tensor; `Snapshotter.take` copies weights and optimizer
+state into reusable shared host buffers (one storage per scope, a view per tensor; CUDA sources: pinned, copied on
+a side stream ordered by events). Frozen weights are never copied. `Overlap` defers large copies beside the next
+step (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -41,12 +35,9 @@ _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def new_shared_storage(nbytes: int, *, directory: str = SHM_DIR) -> torch.UntypedStorage | None:
-    """A shared-memory storage of `nbytes` bytes, its pages reserved (`None` where that is not possible).
-
-    `torch.UntypedStorage._new_shared` reserves the pages (`posix_fallocate`: a full `/dev/shm` is an error, not a
-    SIGBUS at first touch) holding the GIL, which stalled training 0.1-0.6 s per 700 MiB. Here the file is created
-    `O_EXCL | O_NOFOLLOW`, owner-only, unlinked at once (nothing left after a crash), sized and reserved through
-    `os` calls, which release the GIL; torch only maps it."""
+    """A shared-memory storage of `nbytes` bytes, its pages reserved (`None` where that is not possible): like
+    `torch.UntypedStorage._new_shared`, but reserved without the GIL held (that stalled training 0.1-0.6 s per
+    700 MiB); the file is owner-only, `O_EXCL | O_NOFOLLOW`, unlinked at once."""
     fallocate = getattr(os, "posix_fallocate", None)
     from_fd = getattr(torch.UntypedStorage, "_new_shared_fd_cpu", None)
     if nbytes <= 0 or fallocate is None or from_fd is None or not os.path.isdir(directory):
@@ -245,9 +236,8 @@ def scopes(live: LiveState) -> list[Scope]:
 
 
 class Copies:
-    """Copies into buffers: a host dtype group of contiguous sources with one `torch.cat(out=region)` (at Qwen2-7B
-    LoRA width, 1,176 tensors, what one copy of a consolidated buffer costs; `_foreach_copy_` +1.6 to +2.4 ms),
-    other host sources with one `torch._foreach_copy_` (exact for non-contiguous tensors), CUDA ones on a stream."""
+    """Copies into buffers: a host dtype group of contiguous sources with one `torch.cat(out=region)` (faster than
+    `_foreach_copy_` for many small tensors), other host sources with `torch._foreach_copy_`, CUDA ones on a stream."""
 
     def __init__(self) -> None:
         self.cats: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
@@ -381,17 +371,8 @@ def direct(live: LiveState) -> CheckpointState:
 # through `.data`) fails the save, naming `SaveEngine.wait_snapshot()`.
 
 OVERLAP_MIN_BYTES = 32 << 20
-"""`overlap=None` (auto) defers the copy of CUDA parameters whose weights and optimizer state hold at least this
-much: a LoRA adapter's few MB copy in about a millisecond. Host parameters are not overlapped in auto: their copy
-runs on the cores that train (a 45M full fine-tune on 2 cores: 0.14x the blocking per save but 1.6x its total
-cost), where a CUDA copy is a DMA on a side stream."""
-
-
-def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The `torch.optim.Optimizer` that steps (accelerate's `AcceleratedOptimizer` wraps one), else `None`."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+"""`overlap=None` (auto) defers CUDA parameters with at least this much weights and optimizer state (host copies
+would run on the cores that train: 1.6x the total cost on 2 cores)."""
 
 
 def _key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
@@ -483,8 +464,10 @@ class Overlap:
                  ) -> Callable[[Scope], list[bool]] | None:
         """Which sources of a scope a save of `live` copies later (the optimizer's parameters, its `state`'s tensors);
         `None`: everything now."""
-        inner = innermost_optimizer(optimizer)
-        if self.setting is False or inner is None or live.optimizer is None:
+        inner = optimizer  # the optimizer that steps (accelerate's `AcceleratedOptimizer` wraps one)
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer
+        if self.setting is False or not isinstance(inner, torch.optim.Optimizer) or live.optimizer is None:
             return None
         if self.setting is None:
             local = [getattr(p, "_local_tensor", p) for group in inner.param_groups for p in group["params"]]
@@ -499,12 +482,7 @@ class Overlap:
         state = {id(t) for t in tensors_in(live.optimizer.get("state"), [])}
         return lambda scope: [_key(t) in params if scope.name == "weights" else id(t) in state for t in scope.sources]
 
-    def start(self, step: int, copies: Copies, events: list[tuple[int, Any]]) -> PendingCopy:
-        """Arm the gate with the copies left to run (CUDA ones already queued: `events`)."""
-        self.pending = PendingCopy(step, copies, events)
-        return self.pending
-
-    def _on_step(self, *_: Any) -> None:
+    def _on_step(self, *_: Any) -> None:  # a hook must return None
         self.wait()
 
     def wait(self) -> float:

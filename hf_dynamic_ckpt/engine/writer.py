@@ -1,12 +1,8 @@
 """One save as a unit of work (`Job`, `SaveHandle`, `run_job`) and the writer process that writes it.
 
-`run_job` alone turns a snapshot into a committed checkpoint and settles the handle (on the calling thread for a
-synchronous save, on the `ProcessWriter`'s IPC thread otherwise); it never calls back into the engine, and a
-failure becomes a `SaveError` on the handle, never an exception in the training loop. The writer process is
-spawned (a fork would copy the training process's threads and CUDA state), opens its own store (a SQLite
-connection must not cross processes), runs niced, compresses on the CPUs training leaves, and maps the shared
-snapshot buffers once per layout. Against a writer thread at Qwen2-7B width (`bench_real_width.py
---compare-writers`), a save cost training 0.23 vs 0.26 s (LoRA), 2.4 vs 3.5 s (full fine-tune).
+`run_job` turns a snapshot into a committed checkpoint and settles the handle; it never calls back into the engine,
+and a failure becomes a `SaveError` on the handle, never an exception in the training loop. The writer process is
+spawned (not forked: threads, CUDA), opens its own store, runs niced and maps the shared buffers once per layout.
 """
 
 from __future__ import annotations
@@ -209,8 +205,7 @@ class _Ref(NamedTuple):
 
 
 def _swap(obj: Any, table: Any) -> Any:
-    """`obj` with each tensor (by `id`) and `_Ref` among the leaves of its dicts, lists and tuples that `table`
-    holds replaced by what it maps it to."""
+    """`obj` with its tensors (by `id`) and `_Ref`s that `table` maps replaced."""
     if isinstance(obj, dict):
         return {k: _swap(v, table) for k, v in obj.items()}
     if isinstance(obj, list | tuple) and not isinstance(obj, _Ref):
@@ -229,9 +224,7 @@ def _leave(*_: Any) -> None:
 
 
 def _open_slots(store_cls: Any, spec: Any) -> Any:
-    """The memory tier's slots, or `None`: their directory is the tier's (private, checked), and one already removed
-    (the run ended while this process started) is not made again here (a store would create it with the default
-    mode); memory jobs are then answered as written nowhere."""
+    """The memory tier's slots, or `None` (then memory jobs fail): a removed directory is not made again here."""
     if spec is None:
         return None
     try:
@@ -242,10 +235,8 @@ def _open_slots(store_cls: Any, spec: Any) -> Any:
 
 
 def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> None:
-    """The training process ended without stopping this writer (killed, or exited without `close()`): persist the
-    newest slot when it is newer than the disk store, under the disk store's writer lock (handed over, never broken:
-    a restart waits for it up to `runtime.lock_wait_s`). Not when the slots' directory is no longer the one `opened`
-    at the start: a restart persisted and removed it (and may have made a new one)."""
+    """The training process ended without stopping this writer: persist the newest slot if newer than the disk
+    store, under its writer lock (waited for, never broken), unless a restart already took the slots over."""
     deadline = time.monotonic() + PERSIST_LOCK_WAIT_S
     while True:
         try:
@@ -327,10 +318,8 @@ _FIELDS = ("weights", "optimizer")
 
 
 class ProcessWriter:
-    """Writes jobs with `type(store).from_spec(store.spec, cleanup=False)` opened in a spawned process, `nice` steps
-    below training. Usable once `ready` (a few seconds to import torch and open the store). Its IPC thread runs a
-    job's deferred copies, ships it, waits for the reply and forwards an abort (a shared event the child's store
-    polls): it only waits, taking no CPU from training."""
+    """Writes jobs through `type(store).from_spec(store.spec)` in a spawned process, `nice` steps below training,
+    once `ready`. Its IPC thread runs a job's deferred copies, ships it, waits and forwards an abort."""
 
     def __init__(self, store: Any, *, nice: int = 0, slots: Any = None, margin: float = 0.15) -> None:
         ctx = mp.get_context("spawn")
