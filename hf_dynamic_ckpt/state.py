@@ -51,11 +51,6 @@ class StateSources:
         scheduler (*optional*): object with `state_dict()` (LR scheduler), L1.
         scaler (*optional*): object with `state_dict()` (AMP `GradScaler`), L1.
         sampler (`Callable[[], dict]`, *optional*): JSON-able data position, L2.
-
-    Example:
-        ```python
-        >>> sources = StateSources(weights=model.state_dict, optimizer=optimizer)
-        ```
     """
 
     weights: Callable[[], Mapping[str, torch.Tensor]] | None = None
@@ -74,22 +69,11 @@ class CachedWeights:
         model (`torch.nn.Module`): the model whose parameters the mapping aliases.
         fn (`Callable[[], Mapping[str, torch.Tensor]]`): builds the mapping, e.g.
             `model.state_dict` or `lambda: get_peft_model_state_dict(model)`.
-
-    Example:
-        ```python
-        >>> sources = StateSources(weights=CachedWeights(model, model.state_dict), optimizer=optimizer)
-        ```
     """
 
     def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-        self._model = model
-        self._fn = fn
-        self._slots: tuple[list[dict[str, Any]], list[str], list[Any]] = ([], [], [])
-        self._aliased: list[torch.Tensor] = []
-        self._ptrs: list[int] = []
-        self._tables: list[dict[str, Any]] = []
-        self._sizes: list[int] = []
-        self._cache: dict[str, torch.Tensor] | None = None
+        self._model, self._fn = model, fn
+        self._cache: dict[str, torch.Tensor] | None = None  # the tables below are recorded with it
 
     def _record(self) -> None:
         # Flat lists compared in C (`map`) per save: no module traversal (a PEFT model is deep). Every
@@ -99,7 +83,9 @@ class CachedWeights:
         tables: list[dict[str, Any]] = []
         names: list[str] = []
         objs: list[Any] = []
-        self._aliased, self._ptrs, self._tables = [], [], []
+        self._aliased: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._tables: list[dict[str, Any]] = []
         for module in self._model.modules():
             for table in (module._modules, module._parameters, module._buffers):
                 self._tables.append(table)
@@ -285,42 +271,22 @@ def zero_optimizer(optimizer: Any) -> Any | None:
     return None
 
 
-def sharded_optimizer(optimizer: Any) -> bool:
-    """Whether `optimizer`'s state is put back by the sharded load (`ShardedState.load`, `ZeroState.load`), not by its
-    `load_state_dict`: a ZeRO optimizer, or one of `DTensor` parameters."""
-    return zero_optimizer(optimizer) is not None or any(
-        is_dtensor(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"])
-
-
 def state_numel_bound(params: Iterable[torch.Tensor | None]) -> int | None:
-    """The most elements one optimizer-state tensor of these parameters can hold, or `None` if none is known.
-
-    A parameter's own count covers element-wise state (Adam's moments, 8-bit states) and factored state
-    (Adafactor's row and column statistics); the square of its largest dimension covers a full-matrix
-    preconditioner (Shampoo). An L1 file declaring more cannot belong to this model, and is refused before
-    its tensors are allocated (`CheckpointStore.load(l1_max_numel=...)`).
-    """
-    bound = 0
-    for p in params:
-        if p is None:
-            continue
-        shape = tuple(p.shape)
-        bound = max(bound, math.prod(shape), max(shape, default=1) ** 2)
-    return bound or None
+    """The most elements one optimizer-state tensor of these parameters can hold (a parameter's count, or the square
+    of its largest dimension: Shampoo), or `None`; an L1 file declaring more is refused before it is allocated."""
+    shapes = [tuple(p.shape) for p in params if p is not None]
+    return max((max(math.prod(s), max(s, default=1) ** 2) for s in shapes), default=0) or None
 
 
 def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, scheduler: Any | None,
                           scaler: Any | None = None) -> None:
-    """Load L1 straight into the live optimizer / scheduler / scaler (no intermediate files).
-
-    When L1 was lost (`loaded.optimizer is None`), the optimizer stays fresh and the
-    scheduler is moved to the checkpoint's step so the learning-rate schedule continues
-    where it was; a warning says so. A sharded optimizer's L1 (FSDP2, DeepSpeed ZeRO) is read into its
-    shards by the sharded load (`sharded_optimizer`), not here.
-    """
+    """Load L1 into the live optimizer / scheduler / scaler. Without L1 the optimizer stays fresh and the scheduler
+    moves to the checkpoint's step (with a warning). A sharded optimizer's L1 (a ZeRO optimizer, or `DTensor`
+    parameters) is read into its shards by the sharded load, not here."""
     step = loaded.info.step
     if loaded.optimizer is not None and optimizer is not None:
-        if not sharded_optimizer(optimizer):
+        if zero_optimizer(optimizer) is None and not any(
+                is_dtensor(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"]):
             optimizer.load_state_dict(loaded.optimizer)
     elif optimizer is not None:
         msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "
@@ -417,17 +383,8 @@ def rng_json(state: RawRngState | dict[str, Any] | None) -> dict[str, Any] | Non
 
 def capture_rng_state() -> dict[str, Any]:
     """Captures this process's RNG states in JSON-able form: `{"format_version", "python", "numpy", "torch_cpu",
-    "cuda"}` (`"cuda"`: a base64 state per device, `None` when CUDA is not initialised).
-
-    Example:
-    ```python
-    >>> state = capture_rng_state()
-    >>> a = torch.rand(3)
-    >>> restore_rng_state(state)
-    >>> torch.equal(a, torch.rand(3))
-    True
-    ```
-    """
+    "cuda"}` (`"cuda"`: a base64 state per device, `None` when CUDA is not initialised); `restore_rng_state`
+    puts it back."""
     return capture_raw_rng_state().to_json()
 
 

@@ -51,8 +51,7 @@ MODES = ("process", "sync")
 DEFAULT_THROUGHPUT = 100e6
 """Bytes/s assumed for the emergency-save estimate before any save was measured."""
 MEMORY_ROOM_TTL_S = 1.0
-"""A memory slot into snapshot buffers already held reuses a memory headroom read this recent (reading the cgroup
-files took ~0.7 ms of each step's ~2 ms slot); a disk save, or one that allocates buffers, always reads it."""
+"""A memory slot into buffers already held reuses a headroom read this recent (reading it costs ~0.7 ms)."""
 
 
 def _skip(handle: SaveHandle, why: str, start: float) -> SaveHandle:
@@ -82,16 +81,6 @@ class SaveEngine:
         slots (`CheckpointStore`, *optional*): the memory tier's slots (`store.slots`), written by `save(memory=True)`
             through the writer process, which persists the newest one when the training process dies.
 
-    Example:
-        ```python
-        >>> engine = SaveEngine(CheckpointStore("ckpt"))
-        >>> sources = StateSources(weights=model.state_dict, optimizer=optimizer)
-        >>> handle = engine.save(sources, SaveRequest(step=100, epoch=0.3, reason="interval"))
-        >>> optimizer.step()        # safe: the snapshot is already taken
-        >>> handle.wait().step
-        100
-        >>> engine.close()
-        ```
     """
 
     def __init__(self, store: Any, *, mode: str = "process", memory_margin: float = 0.15,
@@ -153,9 +142,8 @@ class SaveEngine:
         return self._writer.pid if self._writer is not None else None
 
     def start(self, *, wait_s: float = 0.0) -> bool:
-        """Start the writer process in the background (idempotent; a save starts it too) and wait up to `wait_s`
-        seconds until it takes saves (saves never wait for it: they write synchronously until then, and always
-        under a cgroup limit leaving less than `PROCESS_WRITER_MIN_BUDGET`). Returns whether it takes saves."""
+        """Start the writer process (idempotent; none under a cgroup limit leaving less than
+        `PROCESS_WRITER_MIN_BUDGET`) and wait up to `wait_s` s until it takes saves; returns whether it does."""
         self._check_open()
         if self.mode == "process" and self._writer is None and not self._no_writer:
             room = self._headroom()
@@ -178,19 +166,9 @@ class SaveEngine:
         """Snapshot the requested tiers and write them, in the background unless `blocking`. Returns once the state
         is copied (the next optimizer step may run at once); write errors surface through `SaveHandle.wait()`.
 
-        Args:
-            sources (`StateSources`): live objects to copy from.
-            request (`SaveRequest`): the save's metadata, handed to the store unchanged.
-            rng (`dict` or `RawRngState`, *optional*): RNG state to store instead of capturing it now.
-            sampler (`dict`, *optional*): data position instead of `sources.sampler()`.
-            extra (`Mapping`, *optional*): JSON-able data for the manifest's `extra`.
-            memory (`bool`, *optional*): into the memory tier's slots. In the background it is skipped
-                (`handle.skipped`) while the writer process is not up or still writes, or memory is short; with
-                `blocking` it is written on the calling thread.
-
-        Raises:
-            `SaveError`: the sources cannot provide the requested tiers (nothing was saved), or the engine is closed.
-        """
+        `rng` and `sampler` replace what is captured now, `extra` goes to the manifest. `memory`: into the memory
+        tier's slots; in the background skipped (`handle.skipped`) while the writer is not up or busy, or memory is
+        short. Raises `SaveError` when the sources cannot provide the tiers, or the engine is closed."""
         self._check_open()
         start = time.perf_counter()
         self._overlap.wait()  # a copy still running beside the previous step reads the buffers this save fills
@@ -272,11 +250,9 @@ class SaveEngine:
     def emergency_save(self, sources: StateSources, request: SaveRequest, *, deadline_s: float,
                        rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
                        extra: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
-        """Save synchronously from the live tensors within `deadline_s` (a preemption's grace period); returns the
-        committed `CheckpointInfo` (`None` on ranks > 0) or raises `SaveError`. L2 and L0 are always written, L1 only
-        if the throughput measured on earlier saves (100 MB/s before the first) says it fits in 80 % of the time
-        left; a background save still writing gets at most half the deadline. `request.tiers` becomes what is
-        written, its reason is prefixed with `"emergency: "`; `rng`, `sampler`, `extra` as in `save`."""
+        """Save synchronously from the live tensors within `deadline_s`; returns the `CheckpointInfo` (`None` on ranks
+        > 0) or raises `SaveError`. L2 and L0 always, L1 if the measured throughput says it fits in 80 % of the time
+        left; a save still writing gets at most half the deadline. The reason is prefixed with `"emergency: "`."""
         self._check_open()
         start = time.monotonic()
         self._overlap.wait()
@@ -311,19 +287,16 @@ class SaveEngine:
         return handle.wait()
 
     def abort(self, reason: str) -> None:
-        """Make the save in progress give up instead of waiting for other ranks (a fatal error under DDP: rank 0's
-        writer may be waiting for the files of a rank that died). It commits nothing and its handle fails with a
-        `SaveError` naming `reason`; a save not yet started is not started; later saves are unaffected. Safe from
-        any thread; nothing happens without a save in progress."""
+        """Make the save in progress give up (commit nothing, its handle fails naming `reason`) instead of waiting for
+        ranks that died; later saves are unaffected. Safe from any thread."""
         for job in (self._job, self._sync_job):
             if job is not None and not job.handle.done() and job.aborted is None:
                 job.aborted = reason
                 logger.warning("aborting the save of step %d: %s", job.handle.step, reason)
 
     def wait_snapshot(self) -> float:
-        """Wait until the last snapshot no longer reads the live tensors (`overlap`); call it before changing
-        parameters or optimizer state in place between a save and the next `optimizer.step()` (which waits by
-        itself). Returns the milliseconds waited."""
+        """Wait until the last snapshot no longer reads the live tensors (`overlap`): before changing parameters or
+        optimizer state in place ahead of the next `optimizer.step()`. Returns the milliseconds waited."""
         return self._overlap.wait()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
@@ -364,8 +337,8 @@ class SaveEngine:
 
     def _write_now(self, state: CheckpointState, request: SaveRequest, handle: SaveHandle, start: float, *,
                    slots: bool = False) -> SaveHandle:
-        """Write on the calling thread (abortable from another one meanwhile) through the store's `save`, looked up
-        now (a wrapper set on the store after the engine exists applies); with `slots`, into the memory tier's."""
+        """Write on the calling thread (abortable) through the store's `save`, looked up now (a wrapper set later
+        applies); with `slots`, into the memory tier's."""
         target = self.slots if slots else self.store
         if slots and not same_dir(target.root, self._slots_opened):  # a store would make it again, not private
             handle.settle(None, SaveError(f"memory slot of step {request.step} failed: {removed(target.root)}"))

@@ -38,8 +38,7 @@ StoreSave = Callable[..., "CheckpointInfo | None"]
 """`CheckpointStore.save(state, request, *, timings, cancel)`; `cancel()` is `True` once the save should give up."""
 
 PROCESS_WRITER_MIN_BUDGET = 4 << 30
-"""Under a cgroup limit, the budget below which no writer process starts (saves are written synchronously): a
-second interpreter with torch costs a few hundred MiB, and what a training step will take is not known yet."""
+"""Under a cgroup limit, the budget below which no writer process (a second interpreter) starts."""
 
 
 class OnBusy(enum.StrEnum):
@@ -62,13 +61,9 @@ class OnBusy(enum.StrEnum):
 
 
 class SaveHandle:
-    """A save in progress: `done()`, `wait()` (re-raises the background error).
-
-    Attributes: `step`, `reason`; `blocking_ms` (how long `SaveEngine.save` blocked the training thread: a wait for
-    the previous save, the snapshot, the write when synchronous); `staging` (`"buffered"`, `"streaming"` or
-    `"sync"`); `skipped` (why, with `on_busy="skip"`); `write_ms` (the writer's time, once done); `writer`
-    (`"process"` or `"sync"`); `deferred` (with overlap: the `PendingCopy` that runs beside the next step).
-    """
+    """A save in progress: `done()`, `wait()` (re-raises the background error). `blocking_ms`: the training thread's
+    time in `SaveEngine.save`; `staging`: `"buffered"`, `"streaming"` or `"sync"`; `skipped`: why; `write_ms`;
+    `writer`: `"process"` or `"sync"`; `deferred`: the overlap's `PendingCopy`."""
 
     def __init__(self, step: int, reason: str) -> None:
         self.step, self.reason = step, reason
@@ -113,9 +108,8 @@ class SaveHandle:
 
 @dataclass
 class Job:
-    """One save: its `state` (dropped once written), what to wait for before reading it (`waits`: CUDA events, the
-    deferred copies), the `request` (handed to the store unchanged), the `handle`, the checkpoint that stays the
-    restore point if it fails (`"step 12"`), and the reason of an `abort`."""
+    """One save: its `state` (dropped once written), what to wait for before reading it (`waits`), the `request`,
+    the `handle`, the checkpoint that stays the restore point if it fails, and the reason of an `abort`."""
 
     state: CheckpointState
     waits: list[Any]
@@ -172,8 +166,7 @@ def _save_error(job: Job, cause: BaseException) -> SaveError:
 
 
 def writer_threads(training_threads: int | None = None, local_world_size: int | None = None) -> int:
-    """zstd threads for the writer process: this rank's share of the CPUs (`LOCAL_WORLD_SIZE` per node) less training's
-    threads, at least 1 (2 cores, 42M full fine-tune: steps +6.5 to +19 % slower with 2 threads, +6 to +14 % with 1)."""
+    """zstd threads for the writer process: this rank's share of the CPUs less training's threads, at least 1."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     training = torch.get_num_threads() if training_threads is None else training_threads
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if local_world_size is None else local_world_size
@@ -181,8 +174,7 @@ def writer_threads(training_threads: int | None = None, local_world_size: int | 
 
 
 def beside_training(spec: Any) -> Any:
-    """The store's spec for the writer process: `writer_threads()` where it asks for every CPU
-    (`compression_threads=0`); a count set on the store is kept (synchronous saves keep every CPU)."""
+    """The store's spec for the writer process: `writer_threads()` where it asks for every CPU (`0`)."""
     if getattr(spec, "compression_threads", None) == 0:
         return dataclasses.replace(spec, compression_threads=writer_threads())
     return spec
@@ -263,8 +255,8 @@ def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> N
 
 def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, nice: int | None,
                 slots_spec: Any = None, margin: float = 0.15) -> None:
-    """The writer process: map the layouts it is sent, write the saves it is sent, until told to stop. When the
-    training process goes without a stop (EOF on the pipe, SIGTERM at its exit), the newest slot is persisted."""
+    """The writer process: map the layouts and write the saves it is sent until told to stop; if the training
+    process goes without a stop, the newest slot is persisted."""
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _leave)  # multiprocessing terminates daemonic children at an unclean exit
     store = store_cls.from_spec(spec, cleanup=False)
