@@ -460,11 +460,8 @@ _FSDP1_FIX = ("Use FSDP2: `fully_shard(module)` (torch >= 2.6), Accelerate's `Fu
 
 def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
     """Refuse an `Accelerator` set up for DeepSpeed without ZeRO (or for DeepSpeed at all unless `deepspeed`: the
-    `save_state` hooks cannot work under it, Trainer and `SmartCheckpointer` do), or for FSDP version 1.
-
-    Raises:
-        `ConfigError`: naming the detected setup and the supported ones.
-    """
+    `save_state` hooks cannot work under it, Trainer and `SmartCheckpointer` do), or for FSDP version 1, with a
+    `ConfigError` naming the detected setup and the supported ones."""
     if accelerator is None:
         return
     state = getattr(accelerator, "state", None)
@@ -490,11 +487,7 @@ def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
 
 def check_training_args(args: Any) -> None:
     """Refuse `TrainingArguments` with FSDP version 1 (`fsdp=...` without version 2); DeepSpeed is checked on the
-    accelerator Trainer builds from them (`check_accelerator`).
-
-    Raises:
-        `ConfigError`: naming the detected setup and the supported ones.
-    """
+    accelerator Trainer builds from them (`check_accelerator`). Raises `ConfigError`."""
     if args is None:
         return
     fsdp = getattr(args, "fsdp", None)
@@ -512,12 +505,8 @@ def check_training_args(args: Any) -> None:
 
 
 def check_model(model: nn.Module) -> None:
-    """Refuse a DeepSpeedEngine as the model (its `module` is the model), and FSDP1 (`FullyShardedDataParallel`
-    anywhere inside).
-
-    Raises:
-        `ConfigError`: naming the detected wrapper and the supported setups.
-    """
+    """Refuse (`ConfigError`) a DeepSpeedEngine as the model (its `module` is the model), and FSDP1
+    (`FullyShardedDataParallel` anywhere inside)."""
     for module in model.modules():
         name = type(module).__name__
         if name == "DeepSpeedEngine":
@@ -529,11 +518,7 @@ def check_model(model: nn.Module) -> None:
 
 
 def check_zero(zero: Any) -> None:
-    """Refuse the DeepSpeed ZeRO set-ups a save cannot read: NVMe offload, ZeRO-3's partial optimizer offload.
-
-    Raises:
-        `ConfigError`: naming the setting and the way out.
-    """
+    """Refuse (`ConfigError`) the ZeRO set-ups a save cannot read: NVMe offload, ZeRO-3's partial optimizer offload."""
     if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False) \
             or getattr(zero, "optimizer_swapper", None) is not None:
         raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO with NVMe offload (offload_optimizer / "

@@ -41,7 +41,6 @@ from .snapshot import (
     direct,
     scopes,
     shared_storage,
-    tensors_in,
 )
 from .writer import PROCESS_WRITER_MIN_BUDGET, Job, OnBusy, ProcessWriter, SaveHandle, run_job
 
@@ -217,8 +216,7 @@ class SaveEngine:
         logger.debug("staging: %s", plan.reason)
         defer = None
         if plan.mode == "buffered":
-            defer = self._overlap.deferral(sources.optimizer, live,
-                                           lambda: sum(t.numel() * t.element_size() for p in parts for t in p.sources))
+            defer = self._overlap.deferral(sources.optimizer, live, lambda: tensor_bytes([p.sources for p in parts]))
             try:
                 state, waits, later = self._snapshotter.take(live, parts, defer)
             except NoBufferError as e:  # /dev/shm too small (anything else is a bug: it propagates)
@@ -268,8 +266,7 @@ class SaveEngine:
         live = collect(sources, step=request.step, epoch=request.epoch, tiers=tiers, rng=rng, sampler=sampler,
                        extra=extra, frozen=self._frozen)
         left_s = deadline_s - (time.monotonic() - start)
-        l0 = sum(t.numel() * t.element_size() for t in (live.weights or {}).values())
-        l1 = sum(t.numel() * t.element_size() for t in tensors_in(live.optimizer, []))
+        l0, l1 = tensor_bytes(live.weights or {}), tensor_bytes(live.optimizer or {})
         if Tier.OPTIMIZER in tiers and (l0 + l1) / self._throughput > 0.8 * left_s:  # L0 + L1 would not be written
             logger.warning("emergency save of step %d: dropping the optimizer tier (%.1f MiB); weights + state need "
                            "~%.1f s of the %.1f s left at %.0f MB/s", request.step, l1 / 2**20,
