@@ -1,25 +1,11 @@
 """A training run's live objects turned into a checkpoint's state, and back, on one process (`sharded` does it for
 partitioned state).
 
-- What a save reads: `StateSources`, `CachedWeights`. The engine only reads these; what they return aliases live
-  tensors, which a snapshot copies.
-- L0: `trainable_state_dict` is what the weights tier stores (a PEFT model's adapters only, under PEFT's key names;
-  every other model's full state dict); `apply_weights` is its inverse, after `check_weights` has compared names and
-  shapes with the live model.
-- L1: `apply_optimizer_state` puts optimizer, LR-scheduler and AMP-scaler state back into the live objects.
-- L2: the exact RNG state of one rank (Python's `random`, NumPy's global legacy `RandomState`, torch's CPU generator,
-  and every CUDA device's generator when CUDA is initialised) as versioned plain JSON (lists of ints, base64 for
-  torch's byte states), so a checkpoint's `rng-rank<R>.json` needs no pickle and restores the generators bit-exactly.
-- Which parallel setups a save can be trusted in, checked once at `attach` (never a silent wrong save). Supported: a
-  single process, DDP (every rank holds the whole model; rank 0 writes it), FSDP2 (`fully_shard`: every parameter is
-  a `DTensor`; every rank writes its own shards) and DeepSpeed ZeRO stages 1-3 (every rank writes its fragments of
-  the partitioned state), both in `sharded`. Refused with a `ConfigError` that names these: DeepSpeed without ZeRO
-  (stage 0: its mixed-precision optimizers keep master weights this library does not read), the `save_state` hooks
-  under DeepSpeed (`save_state` runs DeepSpeed's own pickled save whatever a hook does), a DeepSpeedEngine handed
-  over as the model (pass `engine.module`), and FSDP1 (`FullyShardedDataParallel` flat parameters hold one rank's
-  slice of many tensors; a save from here would store rank 0's slice as if it were the model). Under ZeRO
-  (`check_zero`): NVMe offload (the moments are not in memory) and ZeRO-3's partial optimizer offload (a second
-  optimizer holds part of the state).
+- What a save reads: `StateSources`, `CachedWeights` (aliasing live tensors, which a snapshot copies).
+- L0: `trainable_state_dict` (a PEFT model's adapters only, else the full state dict); `apply_weights` after
+  `check_weights`. L1: `apply_optimizer_state`. L2: one rank's exact RNG state as versioned plain JSON (no pickle).
+- The parallel setups a save can be trusted in, checked once at `attach` (docs/fsdp.md): a single process, DDP,
+  FSDP2 and DeepSpeed ZeRO 1-3; the others are refused with a `ConfigError` naming the supported ones.
 """
 
 from __future__ import annotations
@@ -65,11 +51,6 @@ class StateSources:
         scheduler (*optional*): object with `state_dict()` (LR scheduler), L1.
         scaler (*optional*): object with `state_dict()` (AMP `GradScaler`), L1.
         sampler (`Callable[[], dict]`, *optional*): JSON-able data position, L2.
-
-    Example:
-        ```python
-        >>> sources = StateSources(weights=model.state_dict, optimizer=optimizer)
-        ```
     """
 
     weights: Callable[[], Mapping[str, torch.Tensor]] | None = None
@@ -81,35 +62,18 @@ class StateSources:
 
 
 class CachedWeights:
-    """A `StateSources.weights` callable that builds its mapping once and reuses it.
-
-    `model.state_dict()` and `peft.get_peft_model_state_dict(model)` walk every module on
-    each call (tens of milliseconds on a 60M-parameter model, more than the copy of a LoRA
-    adapter). Their tensors alias the live parameters, so the mapping stays valid while no
-    parameter or buffer is replaced; that is checked on every call (storage pointer, shape,
-    dtype of each), and the mapping is rebuilt when something changed (`model.to(...)`,
-    a re-assigned parameter, a resized embedding).
+    """A `StateSources.weights` callable that builds its mapping once (`state_dict()` walks every module: tens of
+    ms) and reuses it while no module, parameter or buffer of `model` was replaced (checked at every call).
 
     Args:
         model (`torch.nn.Module`): the model whose parameters the mapping aliases.
         fn (`Callable[[], Mapping[str, torch.Tensor]]`): builds the mapping, e.g.
             `model.state_dict` or `lambda: get_peft_model_state_dict(model)`.
-
-    Example:
-        ```python
-        >>> sources = StateSources(weights=CachedWeights(model, model.state_dict), optimizer=optimizer)
-        ```
     """
 
     def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-        self._model = model
-        self._fn = fn
-        self._slots: tuple[list[dict[str, Any]], list[str], list[Any]] = ([], [], [])
-        self._aliased: list[torch.Tensor] = []
-        self._ptrs: list[int] = []
-        self._tables: list[dict[str, Any]] = []
-        self._sizes: list[int] = []
-        self._cache: dict[str, torch.Tensor] | None = None
+        self._model, self._fn = model, fn
+        self._cache: dict[str, torch.Tensor] | None = None  # the tables below are recorded with it
 
     def _record(self) -> None:
         # Flat lists compared in C (`map`) per save: no module traversal (a PEFT model is deep). Every
@@ -119,7 +83,9 @@ class CachedWeights:
         tables: list[dict[str, Any]] = []
         names: list[str] = []
         objs: list[Any] = []
-        self._aliased, self._ptrs, self._tables = [], [], []
+        self._aliased: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._tables: list[dict[str, Any]] = []
         for module in self._model.modules():
             for table in (module._modules, module._parameters, module._buffers):
                 self._tables.append(table)
@@ -168,17 +134,9 @@ def adapter_names(model: nn.Module) -> list[str]:
     return names
 
 
-def adapter_key(adapter: str, key: str) -> str:
-    """The L0 name of a PEFT key of `adapter` in a model with several adapters."""
-    return f"{adapter}{ADAPTER_KEY_SEP}{key}"
-
-
 def split_adapters(weights: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """Inverse of `trainable_state_dict` for a PEFT model: `{adapter: {peft key: tensor}}`.
-
-    Keys without an adapter prefix belong to the only adapter (models with one adapter keep
-    PEFT's own key names, byte-identical with its ``adapter_model.safetensors``).
-    """
+    """Inverse of `trainable_state_dict` for a PEFT model: `{adapter: {peft key: tensor}}` (one adapter: PEFT's
+    own key names)."""
     if len(names) <= 1:
         return {names[0] if names else "default": dict(weights)}
     out: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
@@ -194,12 +152,8 @@ def split_adapters(weights: Mapping[str, torch.Tensor], names: list[str]) -> dic
 
 
 def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What L0 holds: a PEFT model's adapters only, else the full state dict.
-
-    A PEFT model with one adapter (whatever its name) is stored under PEFT's key names; with
-    several, every adapter, active or not, is stored under ``"<adapter>::<PEFT key>"``.
-    The tensors alias the live parameters; the engine copies them.
-    """
+    """What L0 holds: a PEFT model's adapters only (several: under ``"<adapter>::<PEFT key>"``), else the full state
+    dict. The tensors alias the live parameters."""
     names = adapter_names(model)
     if not names:
         return dict(model.state_dict())
@@ -209,7 +163,8 @@ def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return dict(get_peft_model_state_dict(model, adapter_name=names[0]))
     out: dict[str, torch.Tensor] = {}
     for name in names:
-        out.update({adapter_key(name, k): v for k, v in get_peft_model_state_dict(model, adapter_name=name).items()})
+        adapter = get_peft_model_state_dict(model, adapter_name=name)
+        out.update({f"{name}{ADAPTER_KEY_SEP}{k}": v for k, v in adapter.items()})
     return out
 
 
@@ -251,11 +206,8 @@ def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None
 
 
 def expected_weights(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """`trainable_state_dict(model)` for `check_weights`, buffers checked by name only.
-
-    A module may resize a buffer when it loads a state dict (Trainer loads with
-    `load_state_dict(strict=False)`, which lets it); parameters must keep their shapes.
-    """
+    """`trainable_state_dict(model)` for `check_weights`, buffers checked by name only (a module may resize one
+    when it loads a state dict)."""
     out: dict[str, torch.Tensor | None] = dict(trainable_state_dict(model))
     if not adapter_names(model):
         for name, _ in model.named_buffers():
@@ -278,16 +230,7 @@ def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]
             the PEFT adapter dict, or `expected_weights(model)`); a `None` entry is checked by name only.
 
     Raises:
-        `IncompatibleStateError`: with the message
-
-            ``saved weights do not fit the model: <parts>. Resume with the model (and adapter)
-            configuration the checkpoint was saved from.``
-
-            where ``<parts>`` joins with ``"; "`` the non-empty ones of
-            ``missing from the checkpoint (N): k1, k2``,
-            ``unexpected in the checkpoint (N): k3`` and
-            ``shape mismatch (N): k4 saved [2, 3] vs model [2, 4]``; keys are sorted and at
-            most 10 are listed per part (``..., ... and M more``).
+        `IncompatibleStateError`: listing the missing, unexpected and mismatched keys (sorted, at most 10 each).
 
     Example:
         ```python
@@ -328,42 +271,22 @@ def zero_optimizer(optimizer: Any) -> Any | None:
     return None
 
 
-def sharded_optimizer(optimizer: Any) -> bool:
-    """Whether `optimizer`'s state is put back by the sharded load (`ShardedState.load`, `ZeroState.load`), not by its
-    `load_state_dict`: a ZeRO optimizer, or one of `DTensor` parameters."""
-    return zero_optimizer(optimizer) is not None or any(
-        is_dtensor(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"])
-
-
 def state_numel_bound(params: Iterable[torch.Tensor | None]) -> int | None:
-    """The most elements one optimizer-state tensor of these parameters can hold, or `None` if none is known.
-
-    A parameter's own count covers element-wise state (Adam's moments, 8-bit states) and factored state
-    (Adafactor's row and column statistics); the square of its largest dimension covers a full-matrix
-    preconditioner (Shampoo). An L1 file declaring more cannot belong to this model, and is refused before
-    its tensors are allocated (`CheckpointStore.load(l1_max_numel=...)`).
-    """
-    bound = 0
-    for p in params:
-        if p is None:
-            continue
-        shape = tuple(p.shape)
-        bound = max(bound, math.prod(shape), max(shape, default=1) ** 2)
-    return bound or None
+    """The most elements one optimizer-state tensor of these parameters can hold (a parameter's count, or the square
+    of its largest dimension: Shampoo), or `None`; an L1 file declaring more is refused before it is allocated."""
+    shapes = [tuple(p.shape) for p in params if p is not None]
+    return max((max(math.prod(s), max(s, default=1) ** 2) for s in shapes), default=0) or None
 
 
 def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, scheduler: Any | None,
                           scaler: Any | None = None) -> None:
-    """Load L1 straight into the live optimizer / scheduler / scaler (no intermediate files).
-
-    When L1 was lost (`loaded.optimizer is None`), the optimizer stays fresh and the
-    scheduler is moved to the checkpoint's step so the learning-rate schedule continues
-    where it was; a warning says so. A sharded optimizer's L1 (FSDP2, DeepSpeed ZeRO) is read into its
-    shards by the sharded load (`sharded_optimizer`), not here.
-    """
+    """Load L1 into the live optimizer / scheduler / scaler. Without L1 the optimizer stays fresh and the scheduler
+    moves to the checkpoint's step (with a warning). A sharded optimizer's L1 (a ZeRO optimizer, or `DTensor`
+    parameters) is read into its shards by the sharded load, not here."""
     step = loaded.info.step
     if loaded.optimizer is not None and optimizer is not None:
-        if not sharded_optimizer(optimizer):
+        if zero_optimizer(optimizer) is None and not any(
+                is_dtensor(p) for g in getattr(optimizer, "param_groups", []) for p in g["params"]):
             optimizer.load_state_dict(loaded.optimizer)
     elif optimizer is not None:
         msg = (f"resume from step {step}: optimizer state (L1) not restored; training continues from the saved "
@@ -410,15 +333,8 @@ def _unb64(s: str) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class RawRngState:
-    """The generators' states as captured, before their conversion to JSON (`to_json`).
-
-    Every field is a copy the generators no longer touch (`random.getstate()`'s tuple,
-    NumPy's state dict with its own key array, torch's state tensors), so a later draw
-    cannot change it. Snapshots and the per-step boundary capture of the integrations keep
-    this form and the writer converts it (625 + 624 ints to lists, ~5 KB to base64), off the
-    training thread: on the 2-core CI machine a JSON capture took 0.13 ms warm / 0.20 ms with
-    cold caches, this one 0.09 / 0.14 (NumPy's `get_state` alone is ~0.04).
-    """
+    """The generators' states as captured (copies no later draw changes), converted to JSON by `to_json` off the
+    training thread (the writer does it)."""
 
     python: tuple[Any, ...]
     numpy: Any
@@ -466,33 +382,15 @@ def rng_json(state: RawRngState | dict[str, Any] | None) -> dict[str, Any] | Non
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Captures this process's RNG states in JSON-able form.
-
-    Returns:
-        `dict[str, Any]`: `{"format_version", "python", "numpy", "torch_cpu", "cuda"}`;
-        `"cuda"` is a list with one base64 state per device, or `None` when CUDA is not
-        available or not initialised (capturing would initialise it).
-
-    Example:
-    ```python
-    >>> state = capture_rng_state()
-    >>> a = torch.rand(3)
-    >>> restore_rng_state(state)
-    >>> torch.equal(a, torch.rand(3))
-    True
-    ```
-    """
+    """Captures this process's RNG states in JSON-able form: `{"format_version", "python", "numpy", "torch_cpu",
+    "cuda"}` (`"cuda"`: a base64 state per device, `None` when CUDA is not initialised); `restore_rng_state`
+    puts it back."""
     return capture_raw_rng_state().to_json()
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restores RNG states captured by `capture_rng_state` (after a JSON round trip).
-
-    CUDA states are restored when CUDA is available and the number of devices matches;
-    otherwise a warning is logged and the CUDA generators are left alone.
-
-    Args:
-        state (`dict[str, Any]`): the captured state.
+    """Restores RNG states captured by `capture_rng_state`, all or nothing (CUDA ones only where the number of
+    devices matches; otherwise a warning).
 
     Raises:
         `FormatVersionError`: the state was written by a newer format version.
@@ -560,23 +458,15 @@ _FSDP1_FIX = ("Use FSDP2: `fully_shard(module)` (torch >= 2.6), Accelerate's `Fu
               "fsdp_version=2)`, or Trainer's `fsdp_config={'version': 2}`.")
 
 
-def _accelerator_type(accelerator: Any) -> str:
-    state = getattr(accelerator, "state", None)
-    kind = getattr(accelerator, "distributed_type", None) or getattr(state, "distributed_type", None)
-    return str(getattr(kind, "value", kind) or "").upper()
-
-
 def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
     """Refuse an `Accelerator` set up for DeepSpeed without ZeRO (or for DeepSpeed at all unless `deepspeed`: the
-    `save_state` hooks cannot work under it, Trainer and `SmartCheckpointer` do), or for FSDP version 1.
-
-    Raises:
-        `ConfigError`: naming the detected setup and the supported ones.
-    """
+    `save_state` hooks cannot work under it, Trainer and `SmartCheckpointer` do), or for FSDP version 1, with a
+    `ConfigError` naming the detected setup and the supported ones."""
     if accelerator is None:
         return
-    kind = _accelerator_type(accelerator)
     state = getattr(accelerator, "state", None)
+    kind = getattr(accelerator, "distributed_type", None) or getattr(state, "distributed_type", None)
+    kind = str(getattr(kind, "value", kind) or "").upper()
     plugin = getattr(state, "deepspeed_plugin", None) or getattr(accelerator, "deepspeed_plugin", None)
     if kind == "DEEPSPEED" or plugin is not None:
         stage = getattr(plugin, "zero_stage", None)
@@ -597,38 +487,26 @@ def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
 
 def check_training_args(args: Any) -> None:
     """Refuse `TrainingArguments` with FSDP version 1 (`fsdp=...` without version 2); DeepSpeed is checked on the
-    accelerator Trainer builds from them (`check_accelerator`).
-
-    Raises:
-        `ConfigError`: naming the detected setup and the supported ones.
-    """
+    accelerator Trainer builds from them (`check_accelerator`). Raises `ConfigError`."""
     if args is None:
         return
     fsdp = getattr(args, "fsdp", None)
     if fsdp:
         config = getattr(args, "fsdp_config", None) or {}
-        default = _trainer_fsdp_default()
+        try:  # Trainer's default without `fsdp_config["version"]`: 2 from transformers 5, else 1
+            import transformers
+
+            default = 2 if int(transformers.__version__.split(".")[0]) >= 5 else 1
+        except ImportError:  # pragma: no cover
+            default = 1
         version = config.get("version", config.get("fsdp_version", default)) if isinstance(config, dict) else default
         if str(version) != "2":
             raise _refuse(f"FSDP version {version} (TrainingArguments.fsdp={fsdp!r})", _FSDP1_WHY, _FSDP1_FIX)
 
 
-def _trainer_fsdp_default() -> int:
-    """The FSDP version Trainer uses without `fsdp_config["version"]`: 2 from transformers 5, else 1."""
-    try:
-        import transformers
-    except ImportError:  # pragma: no cover
-        return 1
-    return 2 if int(transformers.__version__.split(".")[0]) >= 5 else 1
-
-
 def check_model(model: nn.Module) -> None:
-    """Refuse a DeepSpeedEngine as the model (its `module` is the model), and FSDP1 (`FullyShardedDataParallel`
-    anywhere inside).
-
-    Raises:
-        `ConfigError`: naming the detected wrapper and the supported setups.
-    """
+    """Refuse (`ConfigError`) a DeepSpeedEngine as the model (its `module` is the model), and FSDP1
+    (`FullyShardedDataParallel` anywhere inside)."""
     for module in model.modules():
         name = type(module).__name__
         if name == "DeepSpeedEngine":
@@ -640,11 +518,7 @@ def check_model(model: nn.Module) -> None:
 
 
 def check_zero(zero: Any) -> None:
-    """Refuse the DeepSpeed ZeRO set-ups a save cannot read: NVMe offload, ZeRO-3's partial optimizer offload.
-
-    Raises:
-        `ConfigError`: naming the setting and the way out.
-    """
+    """Refuse (`ConfigError`) the ZeRO set-ups a save cannot read: NVMe offload, ZeRO-3's partial optimizer offload."""
     if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False) \
             or getattr(zero, "optimizer_swapper", None) is not None:
         raise ConfigError("hf_dynamic_ckpt does not support DeepSpeed ZeRO with NVMe offload (offload_optimizer / "

@@ -35,12 +35,12 @@ from .snapshot import (
     Allocator,
     NoBufferError,
     Overlap,
+    PendingCopy,
     Snapshotter,
     collect,
     direct,
     scopes,
     shared_storage,
-    tensors_in,
 )
 from .writer import PROCESS_WRITER_MIN_BUDGET, Job, OnBusy, ProcessWriter, SaveHandle, run_job
 
@@ -50,8 +50,13 @@ MODES = ("process", "sync")
 DEFAULT_THROUGHPUT = 100e6
 """Bytes/s assumed for the emergency-save estimate before any save was measured."""
 MEMORY_ROOM_TTL_S = 1.0
-"""A memory slot into snapshot buffers already held reuses a memory headroom read this recent (reading the cgroup
-files took ~0.7 ms of each step's ~2 ms slot); a disk save, or one that allocates buffers, always reads it."""
+"""A memory slot into buffers already held reuses a headroom read this recent (reading it costs ~0.7 ms)."""
+
+
+def _skip(handle: SaveHandle, why: str, start: float) -> SaveHandle:
+    handle.skipped, handle.blocking_ms = why, (time.perf_counter() - start) * 1e3
+    handle.settle(None)
+    return handle
 
 
 class SaveEngine:
@@ -75,16 +80,6 @@ class SaveEngine:
         slots (`CheckpointStore`, *optional*): the memory tier's slots (`store.slots`), written by `save(memory=True)`
             through the writer process, which persists the newest one when the training process dies.
 
-    Example:
-        ```python
-        >>> engine = SaveEngine(CheckpointStore("ckpt"))
-        >>> sources = StateSources(weights=model.state_dict, optimizer=optimizer)
-        >>> handle = engine.save(sources, SaveRequest(step=100, epoch=0.3, reason="interval"))
-        >>> optimizer.step()        # safe: the snapshot is already taken
-        >>> handle.wait().step
-        100
-        >>> engine.close()
-        ```
     """
 
     def __init__(self, store: Any, *, mode: str = "process", memory_margin: float = 0.15,
@@ -146,9 +141,8 @@ class SaveEngine:
         return self._writer.pid if self._writer is not None else None
 
     def start(self, *, wait_s: float = 0.0) -> bool:
-        """Start the writer process in the background (idempotent; a save starts it too) and wait up to `wait_s`
-        seconds until it takes saves (saves never wait for it: they write synchronously until then, and always
-        under a cgroup limit leaving less than `PROCESS_WRITER_MIN_BUDGET`). Returns whether it takes saves."""
+        """Start the writer process (idempotent; none under a cgroup limit leaving less than
+        `PROCESS_WRITER_MIN_BUDGET`) and wait up to `wait_s` s until it takes saves; returns whether it does."""
         self._check_open()
         if self.mode == "process" and self._writer is None and not self._no_writer:
             room = self._headroom()
@@ -171,19 +165,9 @@ class SaveEngine:
         """Snapshot the requested tiers and write them, in the background unless `blocking`. Returns once the state
         is copied (the next optimizer step may run at once); write errors surface through `SaveHandle.wait()`.
 
-        Args:
-            sources (`StateSources`): live objects to copy from.
-            request (`SaveRequest`): the save's metadata, handed to the store unchanged.
-            rng (`dict` or `RawRngState`, *optional*): RNG state to store instead of capturing it now.
-            sampler (`dict`, *optional*): data position instead of `sources.sampler()`.
-            extra (`Mapping`, *optional*): JSON-able data for the manifest's `extra`.
-            memory (`bool`, *optional*): into the memory tier's slots. In the background it is skipped
-                (`handle.skipped`) while the writer process is not up or still writes, or memory is short; with
-                `blocking` it is written on the calling thread.
-
-        Raises:
-            `SaveError`: the sources cannot provide the requested tiers (nothing was saved), or the engine is closed.
-        """
+        `rng` and `sampler` replace what is captured now, `extra` goes to the manifest. `memory`: into the memory
+        tier's slots; in the background skipped (`handle.skipped`) while the writer is not up or busy, or memory is
+        short. Raises `SaveError` when the sources cannot provide the tiers, or the engine is closed."""
         self._check_open()
         start = time.perf_counter()
         self._overlap.wait()  # a copy still running beside the previous step reads the buffers this save fills
@@ -196,18 +180,12 @@ class SaveEngine:
                    if busy is not None else "the writer process is not up"
                    if not blocking and self._ready_writer() is None else None)
             if why is not None:
-                handle.skipped = f"memory slot of step {request.step} skipped: {why}"
-                handle.blocking_ms = (time.perf_counter() - start) * 1e3
-                handle.settle(None)
-                return handle
+                return _skip(handle, f"memory slot of step {request.step} skipped: {why}", start)
         if previous is not None and busy is not None:
             if self.on_busy == OnBusy.SKIP and not blocking:
-                handle.skipped = (f"save of step {request.step} ({request.reason}) skipped: step "
-                                  f"{previous.handle.step} is still writing (on_busy='skip')")
-                logger.info(handle.skipped)
-                handle.blocking_ms = (time.perf_counter() - start) * 1e3
-                handle.settle(None)
-                return handle
+                logger.info(why := f"save of step {request.step} ({request.reason}) skipped: step "
+                                   f"{previous.handle.step} is still writing (on_busy='skip')")
+                return _skip(handle, why, start)
             previous.handle.join()  # its error, if any, is reported through its own handle
         self._settle(previous)
         fault("snapshot", step=request.step, rank=getattr(self.store, "rank", 0))
@@ -220,11 +198,8 @@ class SaveEngine:
             if memory:  # before the writer is up: a small slot, on this thread, where two fit
                 nbytes = tensor_bytes([state.weights, state.optimizer])
                 if nbytes > EARLY_SLOT_MAX_BYTES:
-                    handle.skipped = (f"memory slot of step {request.step} skipped: {nbytes / 2**20:.0f} MiB is too "
-                                      "large to write on the training thread (the writer process, once up, does)")
-                    handle.blocking_ms = (time.perf_counter() - start) * 1e3
-                    handle.settle(None)
-                    return handle
+                    return _skip(handle, f"memory slot of step {request.step} skipped: {nbytes / 2**20:.0f} MiB is "
+                                 "too large to write on the training thread (the writer process, once up, does)", start)
                 if nbytes != self._slot_fits:
                     if problem := room_problem(nbytes, self.slots, self.memory_margin):  # type: ignore[arg-type]
                         handle.settle(None, SaveError(problem))
@@ -241,18 +216,14 @@ class SaveEngine:
         logger.debug("staging: %s", plan.reason)
         defer = None
         if plan.mode == "buffered":
-            defer = self._overlap.deferral(sources.optimizer, live,
-                                           lambda: sum(t.numel() * t.element_size() for p in parts for t in p.sources))
+            defer = self._overlap.deferral(sources.optimizer, live, lambda: tensor_bytes([p.sources for p in parts]))
             try:
                 state, waits, later = self._snapshotter.take(live, parts, defer)
             except NoBufferError as e:  # /dev/shm too small (anything else is a bug: it propagates)
                 plan = self.last_plan = sysmem.StagingPlan("streaming", f"{e}; enlarge /dev/shm, e.g. "
                                                            "`docker run --shm-size`")
         if plan.mode == "streaming" and memory:
-            handle.skipped = f"memory slot of step {request.step} skipped: {plan.reason}"
-            handle.blocking_ms = (time.perf_counter() - start) * 1e3
-            handle.settle(None)
-            return handle
+            return _skip(handle, f"memory slot of step {request.step} skipped: {plan.reason}", start)
         if plan.mode == "streaming":
             # Short of memory: the first such save of the run at WARNING, later ones at DEBUG.
             logger.log(logging.DEBUG if self._streamed else logging.WARNING,
@@ -264,7 +235,8 @@ class SaveEngine:
             return self._write_now(direct(live), request, handle, start)
         if defer is not None:
             # The CUDA part is queued now, the current stream not ordered after it; the gate orders the next step.
-            handle.deferred = self._overlap.start(request.step, later, later.issue_cuda(self._snapshotter.streams))
+            handle.deferred = self._overlap.pending = PendingCopy(request.step, later,
+                                                                  later.issue_cuda(self._snapshotter.streams))
             waits.append(handle.deferred)
         del live
         handle.blocking_ms = (time.perf_counter() - start) * 1e3
@@ -276,11 +248,9 @@ class SaveEngine:
     def emergency_save(self, sources: StateSources, request: SaveRequest, *, deadline_s: float,
                        rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
                        extra: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
-        """Save synchronously from the live tensors within `deadline_s` (a preemption's grace period); returns the
-        committed `CheckpointInfo` (`None` on ranks > 0) or raises `SaveError`. L2 and L0 are always written, L1 only
-        if the throughput measured on earlier saves (100 MB/s before the first) says it fits in 80 % of the time
-        left; a background save still writing gets at most half the deadline. `request.tiers` becomes what is
-        written, its reason is prefixed with `"emergency: "`; `rng`, `sampler`, `extra` as in `save`."""
+        """Save synchronously from the live tensors within `deadline_s`; returns the `CheckpointInfo` (`None` on ranks
+        > 0) or raises `SaveError`. L2 and L0 always, L1 if the measured throughput says it fits in 80 % of the time
+        left; a save still writing gets at most half the deadline. The reason is prefixed with `"emergency: "`."""
         self._check_open()
         start = time.monotonic()
         self._overlap.wait()
@@ -296,8 +266,7 @@ class SaveEngine:
         live = collect(sources, step=request.step, epoch=request.epoch, tiers=tiers, rng=rng, sampler=sampler,
                        extra=extra, frozen=self._frozen)
         left_s = deadline_s - (time.monotonic() - start)
-        l0 = sum(t.numel() * t.element_size() for t in (live.weights or {}).values())
-        l1 = sum(t.numel() * t.element_size() for t in tensors_in(live.optimizer, []))
+        l0, l1 = tensor_bytes(live.weights or {}), tensor_bytes(live.optimizer or {})
         if Tier.OPTIMIZER in tiers and (l0 + l1) / self._throughput > 0.8 * left_s:  # L0 + L1 would not be written
             logger.warning("emergency save of step %d: dropping the optimizer tier (%.1f MiB); weights + state need "
                            "~%.1f s of the %.1f s left at %.0f MB/s", request.step, l1 / 2**20,
@@ -315,19 +284,16 @@ class SaveEngine:
         return handle.wait()
 
     def abort(self, reason: str) -> None:
-        """Make the save in progress give up instead of waiting for other ranks (a fatal error under DDP: rank 0's
-        writer may be waiting for the files of a rank that died). It commits nothing and its handle fails with a
-        `SaveError` naming `reason`; a save not yet started is not started; later saves are unaffected. Safe from
-        any thread; nothing happens without a save in progress."""
+        """Make the save in progress give up (commit nothing, its handle fails naming `reason`) instead of waiting for
+        ranks that died; later saves are unaffected. Safe from any thread."""
         for job in (self._job, self._sync_job):
             if job is not None and not job.handle.done() and job.aborted is None:
                 job.aborted = reason
                 logger.warning("aborting the save of step %d: %s", job.handle.step, reason)
 
     def wait_snapshot(self) -> float:
-        """Wait until the last snapshot no longer reads the live tensors (`overlap`); call it before changing
-        parameters or optimizer state in place between a save and the next `optimizer.step()` (which waits by
-        itself). Returns the milliseconds waited."""
+        """Wait until the last snapshot no longer reads the live tensors (`overlap`): before changing parameters or
+        optimizer state in place ahead of the next `optimizer.step()`. Returns the milliseconds waited."""
         return self._overlap.wait()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
@@ -368,8 +334,8 @@ class SaveEngine:
 
     def _write_now(self, state: CheckpointState, request: SaveRequest, handle: SaveHandle, start: float, *,
                    slots: bool = False) -> SaveHandle:
-        """Write on the calling thread (abortable from another one meanwhile) through the store's `save`, looked up
-        now (a wrapper set on the store after the engine exists applies); with `slots`, into the memory tier's."""
+        """Write on the calling thread (abortable) through the store's `save`, looked up now (a wrapper set later
+        applies); with `slots`, into the memory tier's."""
         target = self.slots if slots else self.store
         if slots and not same_dir(target.root, self._slots_opened):  # a store would make it again, not private
             handle.settle(None, SaveError(f"memory slot of step {request.step} failed: {removed(target.root)}"))

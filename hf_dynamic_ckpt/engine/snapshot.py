@@ -1,15 +1,9 @@
 """Snapshot: the only part of a save that blocks training.
 
-`collect` reads the live objects (`StateSources`) without copying a large tensor; `Snapshotter.take` copies the
-weights and optimizer state into host buffers it holds and reuses at every later save (one storage per scope,
-`"weights"` and `"optimizer"`, a view per tensor, reallocated when a shape or dtype changes), so that no later
-step changes what the writer reads. The storage comes from an `Allocator`, shared memory the writer process maps;
-a named shared-memory slot can be one, and the snapshot is then copied into it directly. CUDA sources go to
-page-locked buffers with `non_blocking` copies on a side stream that first waits for the current stream, ordered
-by an event before the next step's kernels and the writer. Frozen weights (`StateSources.frozen_keys`) are left
-out: the engine never copies or writes them. The second half (`Overlap`, `PendingCopy`) defers the copy of large
-parameters and moments to run beside the next forward and backward; its invariants are written there.
-"""
+`collect` reads the live objects without copying a large tensor; `Snapshotter.take` copies weights and optimizer
+state into reusable shared host buffers (one storage per scope, a view per tensor; CUDA sources: pinned, copied on
+a side stream ordered by events). Frozen weights are never copied. `Overlap` defers large copies beside the next
+step (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -41,12 +35,9 @@ _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def new_shared_storage(nbytes: int, *, directory: str = SHM_DIR) -> torch.UntypedStorage | None:
-    """A shared-memory storage of `nbytes` bytes, its pages reserved (`None` where that is not possible).
-
-    `torch.UntypedStorage._new_shared` reserves the pages (`posix_fallocate`: a full `/dev/shm` is an error, not a
-    SIGBUS at first touch) holding the GIL, which stalled training 0.1-0.6 s per 700 MiB. Here the file is created
-    `O_EXCL | O_NOFOLLOW`, owner-only, unlinked at once (nothing left after a crash), sized and reserved through
-    `os` calls, which release the GIL; torch only maps it."""
+    """A shared-memory storage of `nbytes` bytes, its pages reserved (`None` where that is not possible): like
+    `torch.UntypedStorage._new_shared`, but reserved without the GIL held (that stalled training 0.1-0.6 s per
+    700 MiB); the file is owner-only, `O_EXCL | O_NOFOLLOW`, unlinked at once."""
     fallocate = getattr(os, "posix_fallocate", None)
     from_fd = getattr(torch.UntypedStorage, "_new_shared_fd_cpu", None)
     if nbytes <= 0 or fallocate is None or from_fd is None or not os.path.isdir(directory):
@@ -73,8 +64,7 @@ Allocator = Callable[[int, bool], torch.UntypedStorage]
 
 
 def shared_storage(nbytes: int, pinned: bool) -> torch.UntypedStorage:
-    """The default `Allocator`: shared memory (`new_shared_storage`) that the writer process maps, page-locked in
-    place for CUDA sources (as DCP's async staging does); unpinned when the storage is freed."""
+    """The default `Allocator`: shared memory the writer process maps, page-locked in place for CUDA sources."""
     storage = new_shared_storage(nbytes) or torch.UntypedStorage._new_shared(nbytes)
     if pinned and nbytes:
         try:
@@ -175,10 +165,9 @@ class LiveState:
 def collect(sources: StateSources, *, step: int, epoch: float, tiers: Iterable[Tier],
             rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
             extra: Mapping[str, Any] | None = None, frozen: dict[tuple[Any, ...], Any] | None = None) -> LiveState:
-    """Read `sources` for `tiers`: large tensors aliased, small state deep-copied, RNG captured raw unless given
-    (the writer converts a `RawRngState` to JSON, off the training thread), frozen weights recorded by checksum
-    (`frozen`: a cache of their records, by tensor identity and version: hashed once per run). Raises `SaveError`
-    when the sources cannot provide a requested tier or a weight is not a tensor."""
+    """Read `sources` for `tiers`: large tensors aliased, small state deep-copied, RNG captured raw unless given,
+    frozen weights recorded by checksum (cached in `frozen` by tensor version). Raises `SaveError` when the sources
+    cannot provide a tier or a weight is not a tensor."""
     tiers = frozenset(Tier(t) for t in tiers)
     live = LiveState(step=step, epoch=epoch, extra=clone_small(dict(extra)) if extra is not None else {})
     if Tier.WEIGHTS in tiers:
@@ -236,18 +225,16 @@ def scopes(live: LiveState) -> list[Scope]:
                 seen[key] = len(sources)
                 sources.append(t)
             index.append(seen[key])
-        out.append(Scope("weights", sources, index, tuple((tuple(t.shape), t.dtype) for t in sources)))
+        out.append(("weights", sources, index))
     if live.optimizer is not None:
         sources = tensors_in(live.optimizer, [])
-        out.append(Scope("optimizer", sources, list(range(len(sources))),
-                         tuple((tuple(t.shape), t.dtype) for t in sources)))
-    return out
+        out.append(("optimizer", sources, list(range(len(sources)))))
+    return [Scope(name, ts, slots, tuple((tuple(t.shape), t.dtype) for t in ts)) for name, ts, slots in out]
 
 
 class Copies:
-    """Copies into buffers: a host dtype group of contiguous sources with one `torch.cat(out=region)` (at Qwen2-7B
-    LoRA width, 1,176 tensors, what one copy of a consolidated buffer costs; `_foreach_copy_` +1.6 to +2.4 ms),
-    other host sources with one `torch._foreach_copy_` (exact for non-contiguous tensors), CUDA ones on a stream."""
+    """Copies into buffers: a host dtype group of contiguous sources with one `torch.cat(out=region)` (faster than
+    `_foreach_copy_` for many small tensors), other host sources with `torch._foreach_copy_`, CUDA ones on a stream."""
 
     def __init__(self) -> None:
         self.cats: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
@@ -314,9 +301,8 @@ class Snapshotter:
 
     def take(self, live: LiveState, scopes: list[Scope],
              later: Callable[[Scope], list[bool]] | None = None) -> tuple[CheckpointState, list[Any], Copies]:
-        """Copy `scopes` into the held buffers (allocated or replaced where their spec changed), except the sources
-        `later` marks (`Overlap`). Returns the state, the events of its CUDA copies in flight (the current stream
-        is ordered after them; the writer synchronizes them before it reads) and the copies left to run."""
+        """Copy `scopes` into the held buffers (reallocated where their spec changed), except what `later` marks.
+        Returns the state, the events of its CUDA copies in flight and the copies left to run."""
         now, deferred, outputs = Copies(), Copies(), {}
         for scope in scopes:
             pinned = any(t.is_cuda for t in scope.sources)
@@ -361,37 +347,20 @@ class NoBufferError(RuntimeError):
 
 
 def direct(live: LiveState) -> CheckpointState:
-    """A snapshot that refers to the live tensors (CUDA ones moved to the host): only while training waits for
-    the write (synchronous, streaming and emergency saves), so it never holds a second copy of the state."""
+    """A snapshot that refers to the live tensors (CUDA ones moved to the host), for saves training waits for."""
     weights = {k: v.to("cpu") for k, v in live.weights.items()} if live.weights is not None else None
     moved = (t.detach().to("cpu") for t in tensors_in(live.optimizer, []))
     return live.state(weights, substitute(live.optimizer, moved) if live.optimizer is not None else None)
 
 
-# -- overlapped snapshots --------------------------------------------------------------------------------------------
-# Overlapped snapshots: the parameters and optimizer moments are copied while the next forward and backward run.
-#
-# Forward and backward leave the optimizer's parameters and `state` alone, so their copy waits for the next
-# `optimizer.step()` (CUDA tensors: queued at the save on a side stream the current stream is not ordered after;
-# host tensors: copied by the writer's IPC thread before it ships the job); everything else is copied at the save.
-# Invariants: a step and a `load_state_dict` pre-hook on the innermost optimizer hold the next real
-# `optimizer.step()` until the copy is done (CUDA: the current stream is ordered after it, no host wait); the engine
-# waits there too before a second save, an emergency save, `wait()` and `close()`, `RunOrchestrator` before a
-# rollback and a resume. A deferred tensor changed before its copy was complete or ordered (version counter; not
-# through `.data`) fails the save, naming `SaveEngine.wait_snapshot()`.
+# -- overlapped snapshots: the optimizer's parameters and `state` are copied beside the next forward and backward --
+# Invariants: step and `load_state_dict` pre-hooks on the innermost optimizer hold the next `optimizer.step()` until
+# the copy is done (CUDA: stream-ordered); the engine waits before a second save, an emergency save, `wait()`,
+# `close()`. A deferred tensor changed before its copy (version counter) fails the save.
 
 OVERLAP_MIN_BYTES = 32 << 20
-"""`overlap=None` (auto) defers the copy of CUDA parameters whose weights and optimizer state hold at least this
-much: a LoRA adapter's few MB copy in about a millisecond. Host parameters are not overlapped in auto: their copy
-runs on the cores that train (a 45M full fine-tune on 2 cores: 0.14x the blocking per save but 1.6x its total
-cost), where a CUDA copy is a DMA on a side stream."""
-
-
-def innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The `torch.optim.Optimizer` that steps (accelerate's `AcceleratedOptimizer` wraps one), else `None`."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+"""`overlap=None` (auto) defers CUDA parameters with at least this much weights and optimizer state (host copies
+would run on the cores that train: 1.6x the total cost on 2 cores)."""
 
 
 def _key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
@@ -400,9 +369,8 @@ def _key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
 
 
 class PendingCopy:
-    """The copies one save left to run beside the next step (`SaveHandle.deferred`): `nbytes` of them, `copy_ms`
-    (host copies), `wait_ms` (how long the training thread waited for them at the gate), `error` (the copy failed,
-    or a copied tensor changed before it was complete)."""
+    """The copies one save left to run beside the next step (`SaveHandle.deferred`): `nbytes`, `copy_ms` (host),
+    `wait_ms` (the training thread's wait at the gate), `error` (failed, or a tensor changed before its copy)."""
 
     def __init__(self, step: int, copies: Copies, events: list[tuple[int, Any]]) -> None:
         self.step, self.nbytes = step, copies.nbytes
@@ -469,9 +437,8 @@ class PendingCopy:
 
 
 class Overlap:
-    """An engine's overlap `setting` (`True`: whenever an optimizer step can be gated; `None`, auto: CUDA parameters
-    with at least `OVERLAP_MIN_BYTES` of weights and optimizer state; `False`: never) and its step gate. The hooks
-    refer to the gate, never to the engine (the engine's finalizer must be able to run)."""
+    """An engine's overlap `setting` (`True`, `None`: auto, `OVERLAP_MIN_BYTES`, `False`) and its step gate. The
+    hooks refer to the gate, never to the engine (the engine's finalizer must be able to run)."""
 
     def __init__(self, setting: bool | None) -> None:
         self.setting = setting
@@ -481,10 +448,11 @@ class Overlap:
 
     def deferral(self, optimizer: Any, live: LiveState, nbytes: Callable[[], int]
                  ) -> Callable[[Scope], list[bool]] | None:
-        """Which sources of a scope a save of `live` copies later (the optimizer's parameters, its `state`'s tensors);
-        `None`: everything now."""
-        inner = innermost_optimizer(optimizer)
-        if self.setting is False or inner is None or live.optimizer is None:
+        """Which sources of a scope a save copies later (the optimizer's parameters and `state`); `None`: none."""
+        inner = optimizer  # the optimizer that steps (accelerate's `AcceleratedOptimizer` wraps one)
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer
+        if self.setting is False or not isinstance(inner, torch.optim.Optimizer) or live.optimizer is None:
             return None
         if self.setting is None:
             local = [getattr(p, "_local_tensor", p) for group in inner.param_groups for p in group["params"]]
@@ -499,12 +467,7 @@ class Overlap:
         state = {id(t) for t in tensors_in(live.optimizer.get("state"), [])}
         return lambda scope: [_key(t) in params if scope.name == "weights" else id(t) in state for t in scope.sources]
 
-    def start(self, step: int, copies: Copies, events: list[tuple[int, Any]]) -> PendingCopy:
-        """Arm the gate with the copies left to run (CUDA ones already queued: `events`)."""
-        self.pending = PendingCopy(step, copies, events)
-        return self.pending
-
-    def _on_step(self, *_: Any) -> None:
+    def _on_step(self, *_: Any) -> None:  # a hook must return None
         self.wait()
 
     def wait(self) -> float:

@@ -1,12 +1,8 @@
 """One save as a unit of work (`Job`, `SaveHandle`, `run_job`) and the writer process that writes it.
 
-`run_job` alone turns a snapshot into a committed checkpoint and settles the handle (on the calling thread for a
-synchronous save, on the `ProcessWriter`'s IPC thread otherwise); it never calls back into the engine, and a
-failure becomes a `SaveError` on the handle, never an exception in the training loop. The writer process is
-spawned (a fork would copy the training process's threads and CUDA state), opens its own store (a SQLite
-connection must not cross processes), runs niced, compresses on the CPUs training leaves, and maps the shared
-snapshot buffers once per layout. Against a writer thread at Qwen2-7B width (`bench_real_width.py
---compare-writers`), a save cost training 0.23 vs 0.26 s (LoRA), 2.4 vs 3.5 s (full fine-tune).
+`run_job` turns a snapshot into a committed checkpoint and settles the handle; it never calls back into the engine,
+and a failure becomes a `SaveError` on the handle, never an exception in the training loop. The writer process is
+spawned (not forked: threads, CUDA), opens its own store, runs niced and maps the shared buffers once per layout.
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ StoreSave = Callable[..., "CheckpointInfo | None"]
 """`CheckpointStore.save(state, request, *, timings, cancel)`; `cancel()` is `True` once the save should give up."""
 
 PROCESS_WRITER_MIN_BUDGET = 4 << 30
-"""Under a cgroup limit, the budget below which no writer process starts (saves are written synchronously): a
-second interpreter with torch costs a few hundred MiB, and what a training step will take is not known yet."""
+"""Under a cgroup limit, the budget below which no writer process (a second interpreter) starts."""
 
 
 class OnBusy(enum.StrEnum):
@@ -66,13 +61,9 @@ class OnBusy(enum.StrEnum):
 
 
 class SaveHandle:
-    """A save in progress: `done()`, `wait()` (re-raises the background error).
-
-    Attributes: `step`, `reason`; `blocking_ms` (how long `SaveEngine.save` blocked the training thread: a wait for
-    the previous save, the snapshot, the write when synchronous); `staging` (`"buffered"`, `"streaming"` or
-    `"sync"`); `skipped` (why, with `on_busy="skip"`); `write_ms` (the writer's time, once done); `writer`
-    (`"process"` or `"sync"`); `deferred` (with overlap: the `PendingCopy` that runs beside the next step).
-    """
+    """A save in progress: `done()`, `wait()` (re-raises the background error). `blocking_ms`: the training thread's
+    time in `SaveEngine.save`; `staging`: `"buffered"`, `"streaming"` or `"sync"`; `skipped`: why; `write_ms`;
+    `writer`: `"process"` or `"sync"`; `deferred`: the overlap's `PendingCopy`."""
 
     def __init__(self, step: int, reason: str) -> None:
         self.step, self.reason = step, reason
@@ -117,9 +108,8 @@ class SaveHandle:
 
 @dataclass
 class Job:
-    """One save: its `state` (dropped once written), what to wait for before reading it (`waits`: CUDA events, the
-    deferred copies), the `request` (handed to the store unchanged), the `handle`, the checkpoint that stays the
-    restore point if it fails (`"step 12"`), and the reason of an `abort`."""
+    """One save: its `state` (dropped once written), what to wait for before reading it (`waits`), the `request`,
+    the `handle`, the checkpoint that stays the restore point if it fails, and the reason of an `abort`."""
 
     state: CheckpointState
     waits: list[Any]
@@ -176,8 +166,7 @@ def _save_error(job: Job, cause: BaseException) -> SaveError:
 
 
 def writer_threads(training_threads: int | None = None, local_world_size: int | None = None) -> int:
-    """zstd threads for the writer process: this rank's share of the CPUs (`LOCAL_WORLD_SIZE` per node) less training's
-    threads, at least 1 (2 cores, 42M full fine-tune: steps +6.5 to +19 % slower with 2 threads, +6 to +14 % with 1)."""
+    """zstd threads for the writer process: this rank's share of the CPUs less training's threads, at least 1."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     training = torch.get_num_threads() if training_threads is None else training_threads
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if local_world_size is None else local_world_size
@@ -185,8 +174,7 @@ def writer_threads(training_threads: int | None = None, local_world_size: int | 
 
 
 def beside_training(spec: Any) -> Any:
-    """The store's spec for the writer process: `writer_threads()` where it asks for every CPU
-    (`compression_threads=0`); a count set on the store is kept (synchronous saves keep every CPU)."""
+    """The store's spec for the writer process: `writer_threads()` where it asks for every CPU (`0`)."""
     if getattr(spec, "compression_threads", None) == 0:
         return dataclasses.replace(spec, compression_threads=writer_threads())
     return spec
@@ -209,8 +197,7 @@ class _Ref(NamedTuple):
 
 
 def _swap(obj: Any, table: Any) -> Any:
-    """`obj` with each tensor (by `id`) and `_Ref` among the leaves of its dicts, lists and tuples that `table`
-    holds replaced by what it maps it to."""
+    """`obj` with its tensors (by `id`) and `_Ref`s that `table` maps replaced."""
     if isinstance(obj, dict):
         return {k: _swap(v, table) for k, v in obj.items()}
     if isinstance(obj, list | tuple) and not isinstance(obj, _Ref):
@@ -229,9 +216,7 @@ def _leave(*_: Any) -> None:
 
 
 def _open_slots(store_cls: Any, spec: Any) -> Any:
-    """The memory tier's slots, or `None`: their directory is the tier's (private, checked), and one already removed
-    (the run ended while this process started) is not made again here (a store would create it with the default
-    mode); memory jobs are then answered as written nowhere."""
+    """The memory tier's slots, or `None` (then memory jobs fail): a removed directory is not made again here."""
     if spec is None:
         return None
     try:
@@ -242,10 +227,8 @@ def _open_slots(store_cls: Any, spec: Any) -> Any:
 
 
 def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> None:
-    """The training process ended without stopping this writer (killed, or exited without `close()`): persist the
-    newest slot when it is newer than the disk store, under the disk store's writer lock (handed over, never broken:
-    a restart waits for it up to `runtime.lock_wait_s`). Not when the slots' directory is no longer the one `opened`
-    at the start: a restart persisted and removed it (and may have made a new one)."""
+    """The training process ended without stopping this writer: persist the newest slot if newer than the disk
+    store, under its writer lock (waited for, never broken), unless a restart already took the slots over."""
     deadline = time.monotonic() + PERSIST_LOCK_WAIT_S
     while True:
         try:
@@ -272,8 +255,8 @@ def _persist(store_cls: Any, spec: Any, slots: Any, opened: os.stat_result) -> N
 
 def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, nice: int | None,
                 slots_spec: Any = None, margin: float = 0.15) -> None:
-    """The writer process: map the layouts it is sent, write the saves it is sent, until told to stop. When the
-    training process goes without a stop (EOF on the pipe, SIGTERM at its exit), the newest slot is persisted."""
+    """The writer process: map the layouts and write the saves it is sent until told to stop; if the training
+    process goes without a stop, the newest slot is persisted."""
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _leave)  # multiprocessing terminates daemonic children at an unclean exit
     store = store_cls.from_spec(spec, cleanup=False)
@@ -327,10 +310,8 @@ _FIELDS = ("weights", "optimizer")
 
 
 class ProcessWriter:
-    """Writes jobs with `type(store).from_spec(store.spec, cleanup=False)` opened in a spawned process, `nice` steps
-    below training. Usable once `ready` (a few seconds to import torch and open the store). Its IPC thread runs a
-    job's deferred copies, ships it, waits for the reply and forwards an abort (a shared event the child's store
-    polls): it only waits, taking no CPU from training."""
+    """Writes jobs through `type(store).from_spec(store.spec)` in a spawned process, `nice` steps below training,
+    once `ready`. Its IPC thread runs a job's deferred copies, ships it, waits and forwards an abort."""
 
     def __init__(self, store: Any, *, nice: int = 0, slots: Any = None, margin: float = 0.15) -> None:
         ctx = mp.get_context("spawn")
