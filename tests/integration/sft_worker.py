@@ -3,8 +3,9 @@
 TRL's `SFTTrainer` on raw text (it tokenizes, truncates and, with `--packing`, packs), `peft_config` (TRL wraps the
 model), TRL's defaults (gradient checkpointing on, bf16 autocast), evaluation every 3 steps, two persistent
 data-loader workers, and `SmartCkptCallback()` with every setting at its default. `--kill_at N` SIGKILLs the whole
-process group (data-loader workers and the library's writer too: nothing outlives the job) at the end of step N. Writes `<out>/<tag>.json`: every training micro-batch loss as a hex
-float, the evaluation losses, and the checkpoint resumed from (and where it was read).
+process group (data-loader workers and the library's writer too: nothing outlives the job) at the end of step N.
+Writes `<out>/<tag>.json`: every training micro-batch loss as a hex float, the evaluation losses, and the checkpoint
+resumed from (and where it was read).
 """
 
 from __future__ import annotations
