@@ -1243,10 +1243,9 @@ class CheckpointStore:
             path = Path((info := self._own(ref, "pin" if pinned else "unpin")).path)
             if pinned:
                 self._disk.write(path / C.PINNED_MARKER, b"")
-            else:
-                if (manifest := self._read_manifest(info.step)).get(C.KEY_PINNED):
-                    self._rewrite_manifest(path, mf.with_changes(manifest, {C.KEY_PINNED: False}))
-                self._disk.remove(path / C.PINNED_MARKER)
+            elif (manifest := self._read_manifest(info.step)).get(C.KEY_PINNED):
+                self._rewrite_manifest(path, mf.with_changes(manifest, {C.KEY_PINNED: False}))
+            self._disk.remove(path / C.PINNED_MARKER) if not pinned else None
             self._disk.fsync(path)
             self._mirror(info.step)
             self._record(info := self._scan(info.step, path) or info)
