@@ -51,16 +51,12 @@ def json_safe(obj: Any) -> Any:
 
 def as_float(value: Any) -> float | None:
     """Inverse of `json_safe` for one number: ``"NaN"`` -> nan; anything else unusable -> `None`."""
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         return None
-    if isinstance(value, int | float):
+    try:
         return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+    except ValueError:
+        return None
 
 
 def nesting_depth(obj: Any, *, limit: int | None = None) -> int:
@@ -83,15 +79,8 @@ def nesting_depth(obj: Any, *, limit: int | None = None) -> int:
 
 
 def loads_bounded(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
-    """`json.loads` that refuses documents nested deeper than `max_depth`.
-
-    The parser itself stops at the interpreter's recursion limit (caught here); the depth
-    check after parsing keeps the recursive code that walks the result (e.g.
-    `unflatten_state`) far from that limit.
-
-    Raises:
-        `ValueError`: invalid JSON, or nesting deeper than `max_depth`.
-    """
+    """`json.loads` that raises `ValueError` for invalid JSON or nesting deeper than `max_depth` (the parser's own
+    recursion limit is caught; the depth check keeps recursive walkers such as `unflatten_state` far from it)."""
     try:
         obj = json.loads(data)
     except RecursionError as e:

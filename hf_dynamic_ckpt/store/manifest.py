@@ -369,12 +369,8 @@ def frozen_record(t: torch.Tensor) -> dict[str, Any]:
 
 def check_frozen(loaded: LoadedCheckpoint, live: Mapping[str, Any]) -> None:
     """Check the model's own frozen weights (`live`: its tensors by the same names, e.g. `expected_weights(model)`)
-    against the records of `loaded`, and put them into `loaded.weights`.
-
-    Raises:
-        `IncompatibleStateError`: a recorded weight is missing from `live` or holds other values (the model was not
-            built from the weights the run trained with); the message names them.
-    """
+    against the records of `loaded`, and put them into `loaded.weights`; `IncompatibleStateError` names each
+    recorded weight missing from `live` or holding other values (the model was not built from the trained weights)."""
     from ..errors import IncompatibleStateError
 
     bad = sorted(k for k, rec in loaded.frozen.items() if live.get(k) is None or frozen_record(live[k]) != rec)
@@ -432,12 +428,8 @@ def allowed_file_name(name: Any, world_size: int) -> bool:
 
 
 def validate_manifest(m: Any, *, where: str) -> dict[str, Any]:
-    """Check version, checksum and the shape of every key the store turns into paths, sizes or decisions.
-
-    Raises:
-        `FormatVersionError`: written by a newer format than this library reads.
-        `CorruptCheckpointError`: checksum mismatch, keys missing or of the wrong type, a name outside the allowlist.
-    """
+    """Check version (newer: `FormatVersionError`), checksum and the shape of every key the store turns into paths,
+    sizes or decisions (a mismatch, a key missing or mistyped, a name off the allowlist: `CorruptCheckpointError`)."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: {why}")
 
@@ -489,12 +481,8 @@ def validate_manifest(m: Any, *, where: str) -> dict[str, Any]:
 def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None,
                   task_id: str | None = None) -> dict[str, Any]:
     """Read and validate ``directory/manifest.json``; its step and task must be the directory's (`step`, `task_id`).
-
-    Raises:
-        `CheckpointNotFoundError`: there is no manifest (not a committed checkpoint).
-        `CorruptCheckpointError`: unreadable, not JSON, nested too deeply, damaged, hostile, or another step or task.
-        `FormatVersionError`: written by a newer format version.
-    """
+    No manifest: `CheckpointNotFoundError`; unreadable, not JSON, too deep, damaged, hostile, or another step or task:
+    `CorruptCheckpointError`; a newer format: `FormatVersionError`."""
     path = Path(directory) / C.MANIFEST_NAME
     try:
         manifest = validate_manifest(loads_bounded(read_bytes(path, limit=C.MAX_JSON_BYTES)), where=str(path))
@@ -565,8 +553,7 @@ def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointI
 
 
 def is_sharded(manifest: Mapping[str, Any]) -> bool:
-    """Whether the manifest is a sharded checkpoint's (FSDP2, ZeRO; the table is validated by
-    `shard_files.sharded_table`)."""
+    """Whether the manifest is a sharded checkpoint's (FSDP2, ZeRO; `shard_files.sharded_table` validates it)."""
     extra = manifest.get(C.KEY_EXTRA)
     return isinstance(extra, dict) and C.KEY_SHARDED in extra
 

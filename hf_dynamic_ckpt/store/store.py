@@ -535,16 +535,16 @@ class CheckpointStore:
             why = "is neither 'auto', 'best', 'fastest', 'step:N' nor an existing checkpoint directory"
         elif C.TMP_MARKER in path.name:
             why = "is an unfinished save (temporary directory), not a checkpoint"
-        elif not is_kind(path / C.MANIFEST_NAME, "file") and is_kind(path / C.TRAINER_STATE_NAME, "file"):
+        elif is_kind(path / C.MANIFEST_NAME, "file"):
+            return mf.info_from_manifest(mf.read_manifest(path, step=mf.parse_step_dir(path.name)), path)
+        elif is_kind(path / C.TRAINER_STATE_NAME, "file"):
             native = "DeepSpeed's and Trainer's" if any(n.startswith("global_step") for n in mf.listdir(path)) else \
                 "Trainer's"
             why = (f"is {native} own checkpoint folder, not one of this store: pass it to trainer.train("
                    "resume_from_checkpoint=...) directly (Trainer loads it itself; SmartCkptCallback saves into the "
                    "store from there on)")
-        elif not is_kind(path / C.MANIFEST_NAME, "file"):
-            why = f"is not a checkpoint directory (no {C.MANIFEST_NAME}); pass a step-<N> directory of a store"
         else:
-            return mf.info_from_manifest(mf.read_manifest(path, step=mf.parse_step_dir(path.name)), path)
+            why = f"is not a checkpoint directory (no {C.MANIFEST_NAME}); pass a step-<N> directory of a store"
         raise NotFound(f"{path} {why}; {self._available()}.")
 
     # -- reading --------------------------------------------------------------------------------------------------
@@ -612,17 +612,11 @@ class CheckpointStore:
     def load(self, ref: Ref, *, tiers: Collection[Tier] = ALL_TIERS, rank: int | None = None, mmap: bool = True,
              l1_max_numel: int | None = None, weights_checksum: bool = True) -> LoadedCheckpoint:
         """Verify, then read the requested tiers of a checkpoint (a failed check or read is retried once; a tier the
-        checkpoint does not hold is left `None` with a note in `warnings`).
-
-        Args:
-            ref: anything `resolve` accepts.
-            tiers (`Collection[Tier]`, *optional*, defaults to all tiers): what to read.
-            rank (`int`, *optional*): whose RNG file to read; defaults to this store's rank.
-            mmap (`bool`, *optional*, defaults to `True`): weights as views of a private map of the file (no copy).
-            l1_max_numel (`int`, *optional*): the most elements an optimizer-tier tensor may declare
-                (`state.state_numel_bound`); checked before anything is allocated.
-            weights_checksum (`bool`, *optional*, defaults to `True`): `False` checks the weights file's size and
-                header only, leaving its checksum to `read_weights_into(..., verify=True)` before any weight is used.
+        checkpoint does not hold is left `None` with a note in `warnings`). `ref`: anything `resolve` accepts; `rank`:
+        whose RNG file (default: this store's); `mmap`: weights as views of a private map of the file (no copy);
+        `l1_max_numel`: the most elements an optimizer-tier tensor may declare (`state.state_numel_bound`), checked
+        before anything is allocated; `weights_checksum=False` checks the weights file's size and header only,
+        leaving its checksum to `read_weights_into(..., verify=True)` before any weight is used.
 
         Raises:
             `CheckpointNotFoundError`: `ref` names no committed checkpoint.
@@ -853,17 +847,9 @@ class CheckpointStore:
         """Write this rank's part of a checkpoint (rank 0: weights, optimizer tier, sampler; every rank: its
         ``rng-rank<R>.json``); rank 0 commits it once every rank's files are durable. Thread-safe, no collectives. A
         step this timeline committed is not rewritten (its info is returned); one of another timeline or session, or
-        abandoned, is replaced atomically.
-
-        Args:
-            state (`CheckpointState`): CPU tensors and JSON-able state of this rank.
-            request (`SaveRequest`): what the save is and why; it reaches the manifest as given.
-            timings (`dict`, *optional*): the caller's timings in ms (e.g. the snapshot's).
-            replace (`bool`, *optional*, defaults to `False`): replace a committed copy whatever its timeline.
-            cancel (`Callable[[], bool]`, *optional*): polled while rank 0 waits for other ranks; `True` gives up.
-
-        Returns:
-            `CheckpointInfo` on rank 0 (also when the step was committed before), `None` on other ranks.
+        abandoned, is replaced atomically (`replace`: whatever its timeline). `timings`: the caller's, in ms; `cancel`:
+        polled while rank 0 waits for other ranks, `True` gives up. Returns the `CheckpointInfo` on rank 0 (also when
+        the step was committed before), `None` on other ranks.
 
         Raises:
             `DistributedError`: rank 0 waited `rank_timeout_s` for other ranks, or was aborted; nothing is committed.
