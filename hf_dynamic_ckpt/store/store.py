@@ -986,9 +986,7 @@ class CheckpointStore:
         ``adapter_model.safetensors``); tied weights stored once, their aliases in the metadata."""
         from safetensors.torch import save_file
 
-        tensors: dict[str, torch.Tensor] = {}
-        aliases: dict[str, str] = {}
-        seen: dict[Any, str] = {}
+        tensors, aliases, seen = dict[str, torch.Tensor](), dict[str, str](), dict[Any, str]()
         for key, value in weights.items():
             if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
                 raise SaveError(f"Weight {key!r} has layout {value.layout}; convert it with `.to_dense()` first." if
