@@ -1,24 +1,11 @@
-"""`CheckpointStore`: tiered checkpoints of one task under a store root, committed atomically (docs/internals.md).
+"""`CheckpointStore`: tiered checkpoints of one task under a store root, committed atomically.
 
-Invariants:
-
-- A directory is a checkpoint only once it is named ``step-<N>`` and holds a manifest whose checksum matches and whose
-  step and task are the directory's. Every rank writes its files into the temporary directory and fsyncs them, then
-  publishes ``done-rank<R>.json`` (write, fsync, rename); rank 0 waits for all of them (no collective), writes the
-  manifest, fsyncs, renames the directory to ``step-<N>`` (the commit point), then writes the catalog row. A step of
-  another timeline or session is replaced by renaming the old copy aside, the new one in, then removing the old one;
-  the next open puts an aside copy back if a crash cut between the renames. Every instant keeps one committed copy.
-- No tensor leaves `load` before the size and checksum of its file matched the manifest. A failed check or read is
-  retried once, then the checkpoint is marked ``"corrupt"``; every parse error is `CorruptCheckpointError`.
-- Nothing outside the root is changed: paths come from the step and an allowlist of names, every change goes through
-  `_Disk`, which keeps it inside the root and never follows a link (``O_NOFOLLOW``). The catalog never decides alone:
-  a flag that would hide a checkpoint is re-read from its manifest, and paths are derived from the step.
-- Resume deletes nothing: `fork` marks other timelines' newer checkpoints abandoned; `prune` and `gc` remove them once
-  the current timeline has committed past them, never pinned ones. ``read_only=True`` changes nothing on disk.
-
-A URL root is a local cache with this layout plus its object-store copy (`remote`). Fault points (`errors.fault`):
-``write`` (`step`, `rank`, `name`), ``commit`` (`step`), ``fs`` (`op`, `path`), ``read`` (`name`, `step`, `op`: read or
-check) and ``remote`` (`remote.Remote.call`).
+The commit protocol and its invariants are docs/internals.md's ("The commit protocol"): a checkpoint is a ``step-<N>``
+directory whose manifest verifies; every change goes through `_Disk` (inside the root, no link followed); no tensor
+leaves `load` before its file's size and checksum matched (a failed check or read is retried once, then the
+checkpoint is marked ``"corrupt"``); resume deletes nothing; ``read_only=True`` changes nothing on disk. A URL root is
+a local cache with this layout plus its object-store copy (`remote`). Fault points: ``write`` (`step`, `rank`,
+`name`), ``commit`` (`step`), ``fs`` (`op`, `path`), ``read`` (`name`, `step`, `op`: read or check), ``remote``.
 """
 
 from __future__ import annotations
@@ -26,7 +13,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
@@ -136,9 +122,11 @@ class _Disk:
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.contained(path, "mkdir"))
 
-    def rename(self, src: Path, dst: Path, *, replace: bool = False) -> None:
+    def rename(self, src: Path, dst: Path, *, replace: bool = False, sync: bool = False) -> None:
+        """`sync`: the directory is fsynced after."""
         (os.replace if replace else os.rename)(self.contained(src, "replace" if replace else "rename"),
                                                self.contained(dst))
+        self.fsync(dst.parent) if sync else None
 
     def remove(self, path: Path) -> None:
         """Remove a file, or a real directory with the fd-based `shutil.rmtree` (never through a link; a link itself
@@ -170,8 +158,7 @@ class _Disk:
                 f.write(data)
             self.fsync(path)
             if atomic:
-                self.rename(path, target, replace=True)
-                self.fsync(target.parent)
+                self.rename(path, target, replace=True, sync=True)
         finally:
             if atomic:
                 self.remove(path)
@@ -183,19 +170,17 @@ def _safetensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[s
     from safetensors import safe_open
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = mf.open_read(path)
     except OSError as e:
-        why = "symbolic link: the store never reads through links" if e.errno == errno.ELOOP else e.strerror
+        why = "symbolic link: the store never reads through links" if isinstance(e, UnsafePathError) else e.strerror
         raise CorruptCheckpointError(f"{what} file {path} is missing." if isinstance(e, FileNotFoundError) else
                                      f"{what} file {path} cannot be read ({why}).") from e
     try:  # opened through the descriptor: no link followed
-        with safe_open(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path, framework="pt") as f:
+        with fd, safe_open(f"/proc/self/fd/{fd.fileno()}" if os.path.isdir("/proc/self/fd") else path, "pt") as f:
             return {k: f.get_tensor(k) for k in f.offset_keys()}, dict(f.metadata() or {})
     except Exception as e:  # SafetensorError, OSError, ...: whatever the parser's complaint
         raise CorruptCheckpointError(f"{what} file {path} is not a valid safetensors file ({e}); the checkpoint is "
                                      "corrupt, restore an older one.") from e
-    finally:
-        os.close(fd)
 
 
 def _tree_bytes(path: Path) -> int:
@@ -1001,9 +986,7 @@ class CheckpointStore:
         ``adapter_model.safetensors``); tied weights stored once, their aliases in the metadata."""
         from safetensors.torch import save_file
 
-        tensors: dict[str, torch.Tensor] = {}
-        aliases: dict[str, str] = {}
-        seen: dict[Any, str] = {}
+        tensors, aliases, seen = dict[str, torch.Tensor](), dict[str, str](), dict[Any, str]()
         for key, value in weights.items():
             if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
                 raise SaveError(f"Weight {key!r} has layout {value.layout}; convert it with `.to_dense()` first." if
@@ -1108,11 +1091,9 @@ class CheckpointStore:
             self._publish(tmp, step, manifest[C.KEY_FILES])
         final, aside = self.task_dir / mf.step_dir_name(step), None
         if mf.lstat(final) is not None:  # another timeline's copy, or a directory without a manifest
-            self._disk.rename(final, aside := final.with_name(f"{tmp.name}{C.ASIDE_SUFFIX}"))
-            self._disk.fsync(self.task_dir)
+            self._disk.rename(final, aside := final.with_name(f"{tmp.name}{C.ASIDE_SUFFIX}"), sync=True)
         fault("commit", step=step)
-        self._disk.rename(tmp, final)  # the commit point
-        self._disk.fsync(self.task_dir)
+        self._disk.rename(tmp, final, sync=True)  # the commit point
         if aside is not None:
             self._discard(aside)
         self._record(info := self._info(manifest, final))
@@ -1278,8 +1259,7 @@ class CheckpointStore:
             self.remote.remove(mf.step_dir_name(info.step), C.MANIFEST_NAME)
             self.remote.remove(mf.step_dir_name(info.step))
         trash = path.with_name(f"{path.name}{C.TMP_MARKER}{self.session_id}{C.TRASH_INFIX}{uuid.uuid4().hex[:8]}")
-        self._disk.rename(path, trash)
-        self._disk.fsync(self.task_dir)
+        self._disk.rename(path, trash, sync=True)
         self._catalog(lambda: self.catalog.remove(self.task_id, info.step))
         freed = _tree_bytes(trash)
         self._disk.remove(trash)
@@ -1384,8 +1364,7 @@ class CheckpointStore:
                 if not dry_run and (step := mf.parse_step_dir(final.name)) is not None:
                     try:
                         self._read_manifest(step, self.task_dir / name)
-                        self._disk.rename(self.task_dir / name, final)
-                        self._disk.fsync(self.task_dir)
+                        self._disk.rename(self.task_dir / name, final, sync=True)
                         logger.warning("step %d: a replace-commit was interrupted between its renames; the previous "
                                        "copy is restored (%s -> %s)", step, name, final.name)
                     except (NotFound, CorruptCheckpointError, FormatVersionError) as e:
