@@ -26,7 +26,7 @@ from typing import Any
 
 from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES, VERSION
 from .errors import CheckpointNotFoundError, ConfigError, DynamicCkptError
-from .run.record import plot_timeline, read_rollbacks
+from .run.record import human_size, plot_timeline, read_rollbacks
 from .store import CheckpointInfo, CheckpointStore, find_root, task_dirs
 
 OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
@@ -96,15 +96,6 @@ def _slot_steps(store: CheckpointStore) -> list[int]:
 
 
 # -- printing ---------------------------------------------------------------------------------------------------------
-def human_size(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def _fmt(v: Any) -> str:
     """A value as the commands print it: floats to 4 significant digits, booleans as yes / no, `None` as ``-``."""
     if isinstance(v, bool) or v is None:

@@ -34,6 +34,17 @@ logger = logging.getLogger(__name__)
 METRIC_PREFIX = "smart_ckpt/"
 
 
+def human_size(n: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units; ``"? B"`` for an unknown size)."""
+    if n is None:
+        return "? B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 @dataclass
 class SaveEvent:
     """One save as the training loop saw it (the catalog holds the committed facts).

@@ -29,7 +29,7 @@ from ..signals import Decision, DecisionKind, SignalFrame
 from ..state import RawRngState, StateSources
 from ..store import CheckpointInfo, CheckpointStore, Lineage, SaveRequest
 from ..store import slots as slot_store
-from .record import SaveEvent, SaveLog
+from .record import SaveEvent, SaveLog, human_size
 
 logger = logging.getLogger(__name__)
 
@@ -329,14 +329,6 @@ class MemoryTier:
             slot_store.remove_slots(self.store.root, self.store.task_id)
 
 
-def human_bytes(n: int | None) -> str:
-    """``1.3 MiB``-style size (binary units, at most GiB)."""
-    if n is None:
-        return "? B"
-    exp = min(3, max(0, (int(n).bit_length() - 1) // 10))
-    return f"{n:.0f} B" if exp == 0 else f"{n / 1024 ** exp:.1f} {('KiB', 'MiB', 'GiB')[exp - 1]}"
-
-
 class Saver:
     """Turns decisions into saves and keeps their record (see the module docstring)."""
 
@@ -510,7 +502,7 @@ class Saver:
             event.bytes, event.path = info.bytes, info.path
             streamed = ", streamed: no memory for snapshot buffers" if event.staging == "streaming" else ""
             self.announce.info("smart_ckpt: saved step %d (%s%s): %s, training blocked %.0f ms%s", event.step,
-                               event.reason, ", pinned" if event.pinned else "", human_bytes(info.bytes),
+                               event.reason, ", pinned" if event.pinned else "", human_size(info.bytes),
                                event.blocking_ms, streamed)
             if event.pinned and not info.pinned:
                 self.store.pin(info)
@@ -553,4 +545,4 @@ class Saver:
             return
         if report.removed or report.trimmed:
             logger.debug("retention removed steps %s, trimmed %s, freed %s", report.removed, report.trimmed,
-                         human_bytes(report.bytes_freed))
+                         human_size(report.bytes_freed))
