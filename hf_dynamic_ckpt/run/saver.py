@@ -152,8 +152,9 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
     return store, SlotRecovery.find(store) if not store.read_only else None
 
 
-MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5  # a slot's write still running when the next is due: waited for up to
-# half a step (at most 1 s); longer (or a disk save in flight) skips that step's slot (`MemoryTier.skipped`)
+# A slot's write still running when the next is due is waited for up to half a step (at most 1 s); a longer one (or
+# a disk save in flight) skips that step's slot (`MemoryTier.skipped`).
+MEMORY_WAIT_S, MEMORY_WAIT_SHARE = 1.0, 0.5
 EARLY_BURST_S = 60.0  # early slots (before the writer is up) may spend this many seconds of overhead budget at once
 
 
