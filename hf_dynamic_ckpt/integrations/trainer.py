@@ -57,6 +57,7 @@ from ..state import (
     adapter_names,
     apply_optimizer_state,
     apply_weights,
+    capture_rng_state,
     check_accelerator,
     check_training_args,
     expected_weights,
@@ -128,6 +129,8 @@ class SmartCkptCallback(TrainerCallback):
         self._in_train = False
         self._resumed_rng: dict[str, Any] | None = None  # restored once the first resumed step's batches are in
         self._rng_before_iterator = False  # ... or, at an epoch boundary, before the epoch's iterator is created
+        self._epoch_rng: dict[str, Any] | None = None  # every rank's RNG at the running epoch's begin (`KEY_EPOCH_RNG`)
+        self._resumed_epoch_rng: dict[str, Any] | None = None  # ... the checkpoint's, restored at its epoch's begin
         self._seeds = LoaderSeeds()  # the uninterrupted run's persistent loader iterators (`integrations.position`)
         self._eval_watch: Callable[[], None] | None = None  # takes the `get_eval_dataloader` wrapper off
         self._randomness = StepRandomness()
@@ -254,6 +257,7 @@ class SmartCkptCallback(TrainerCallback):
         # The state training starts from can be captured before the first update (step-1 anomalies).
         ck.note_boundary(state.global_step, rng=loaded.rng if loaded is not None else None)
         self._resumed_rng = loaded.rng if loaded is not None else None
+        self._resumed_epoch_rng = (loaded.sampler or {}).get(KEY_EPOCH_RNG) if loaded is not None else None
         # An RNG taken at the end of its step (a save at train end or on preemption, or by an earlier version) is what
         # the uninterrupted run had before a new epoch's iterator drew from it: restored before that iterator at an
         # epoch boundary (`on_epoch_begin`), else once the first batches are fetched, as Trainer does.
@@ -281,6 +285,14 @@ class SmartCkptCallback(TrainerCallback):
         if self._resumed_rng is not None and self._rng_before_iterator and resumed is None:
             restore_rng_state(self._resumed_rng)
             self._resumed_rng = None
+        # A sampler may draw the epoch's order from the global generator when the iterator is created (Trainer's
+        # `LengthGroupedSampler`), after the previous steps drew from it: a resumed run entering the epoch of its
+        # checkpoint starts it from this rank's generator as the uninterrupted run began it.
+        started, self._resumed_epoch_rng = self._resumed_epoch_rng, None
+        if isinstance(started, dict) and started.get("epoch") == int(epoch) and started.get("ranks"):
+            ranks = started["ranks"]
+            restore_rng_state(ranks[dist.rank()] if dist.rank() < len(ranks) else ranks[0])
+        self._epoch_rng = {"epoch": int(epoch), "ranks": dist.all_gather_json(capture_rng_state())}
         if train_dataloader is not None and epoch >= 1:
             # The uninterrupted run created its iterator in the first epoch and only resets it now; a resumed run
             # that creates it must not draw the workers' seed from the main generator (`integrations.position`).
@@ -440,6 +452,8 @@ class SmartCkptCallback(TrainerCallback):
             KEY_LOADERS: self._seeds.record(eval_loaders)}
         if self._epoch is not None:
             out[KEY_EPOCH_WINDOWS] = [self._epoch[0], self.data_steps - self._epoch[1]]
+        if self._epoch_rng is not None:
+            out[KEY_EPOCH_RNG] = self._epoch_rng
         return out
 
     def _move_first(self) -> None:
@@ -593,6 +607,8 @@ KEY_DATA_STEPS = "data_steps"
 """Key of the Trainer data position in a checkpoint's sampler state: optimizer-step windows consumed."""
 KEY_EPOCH_WINDOWS = "epoch_windows"
 """... and, for a training loader without a length (an iterable dataset), [epoch, windows consumed in it]."""
+KEY_EPOCH_RNG = "epoch_rng"
+"""... and `{"epoch": E, "ranks": [every rank's RNG at epoch E's begin]}` (the epoch the next step belongs to)."""
 
 
 def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str) -> Path:

@@ -103,12 +103,27 @@ def test_trainer_resumes_exactly_on_an_iterable_dataset(tmp_path: Path, model: s
     _assert_trainer_exact(result, ga)
 
 
+@pytest.mark.parametrize("model,ga,workers,persistent,evaluate", [
+    pytest.param(*TRAINER_DEFAULT, id="-".join(map(str, TRAINER_DEFAULT))),
+    pytest.param("full", 1, 0, False, "off", id="full-1-0-off", marks=pytest.mark.slow)])
+def test_trainer_resumes_exactly_when_the_sampler_draws_from_the_global_generator(
+        tmp_path: Path, model: str, ga: int, workers: int, persistent: bool, evaluate: str) -> None:
+    """`train_sampling_strategy="group_by_length"`: Trainer's `LengthGroupedSampler` draws each epoch's order from the
+    global torch generator when the epoch's iterator is created, after the steps before it have drawn from it. A
+    resume at the epoch boundary or inside the second epoch reads that epoch in the order the uninterrupted run did."""
+    points = [BEFORE_FIRST_EVAL, *trainer_epochs.RESUME_POINTS] if evaluate == "steps" else trainer_epochs.RESUME_POINTS
+    [result] = _run_trainer(tmp_path, model, ga, workers, persistent, "--sampling", "group_by_length",
+                            "--clean_exit", "--points", ",".join(map(str, points)), evaluate=evaluate)
+    assert sorted(map(int, result["resumed"])) == sorted(points)
+    _assert_trainer_exact(result, ga)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
-def test_trainer_resumes_exactly_on_two_ranks_with_persistent_workers(tmp_path: Path, iterable: bool) -> None:
-    results = _run_trainer(tmp_path, "lora", 1, 2, True, "--points", "8,12", *(["--iterable"] if iterable else []),
-                           nproc=2, evaluate="steps")
+@pytest.mark.parametrize("data", ["map-style", "iterable", "group_by_length"])
+def test_trainer_resumes_exactly_on_two_ranks_with_persistent_workers(tmp_path: Path, data: str) -> None:
+    extra = {"map-style": [], "iterable": ["--iterable"], "group_by_length": ["--sampling", "group_by_length"]}[data]
+    results = _run_trainer(tmp_path, "lora", 1, 2, True, "--points", "8,12,16", *extra, nproc=2, evaluate="steps")
     for result in results:
         _assert_trainer_exact(result, 1)
 

@@ -10,7 +10,8 @@ the first epoch (`control.should_training_stop`) and the same command started ag
 `resume_checkpoint(trainer, "auto")`. Every training micro-batch's loss is recorded as float.hex,
 with a digest of its batch; rank R writes `<out>/rank<R>.json`. `--iterable` trains on the same data as an
 iterable dataset without a length (shuffled with a buffer, two shards): Trainer then runs `max_steps` and ends an
-epoch when the data runs out.
+epoch when the data runs out. `--sampling group_by_length` uses Trainer's `LengthGroupedSampler`, whose order is drawn
+from the global torch generator as each epoch's iterator is created.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _train(args: argparse.Namespace, out: Path, *, seed: int, resume: str | None
         save_strategy="no", report_to=[], use_cpu=True, logging_steps=1, seed=42, disable_tqdm=True,
         dataloader_num_workers=args.workers, dataloader_persistent_workers=args.persistent and args.workers > 0,
         eval_strategy="steps" if evaluating else "no", eval_steps=EVAL_STEPS, per_device_eval_batch_size=BATCH,
-        eval_on_start=args.eval == "start")
+        eval_on_start=args.eval == "start", train_sampling_strategy=args.sampling)
     callback = SmartCkptCallback(SmartCkptConfig(base_interval=4, keep_last=None,
                                                  policy={"stability_window": 8, "overhead_budget": 1.0}))
     trainer = Trainer(model=model, args=targs, train_dataset=ds, eval_dataset=eval_ds, callbacks=[callback, Stop()])
@@ -98,6 +99,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--iterable", action="store_true", help="the data as an iterable dataset without a length")
+    p.add_argument("--sampling", default="random", help="Trainer's train_sampling_strategy (`group_by_length` draws "
+                   "each epoch's order from the global torch generator when its iterator is created)")
     p.add_argument("--points", default=",".join(map(str, RESUME_POINTS)))
     p.add_argument("--clean_exit", action="store_true", help="also: stop after epoch 0, then resume 'auto'")
     p.add_argument("--eval", choices=["off", "steps", "start"], default="off",
