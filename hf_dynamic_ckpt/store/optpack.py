@@ -99,8 +99,8 @@ def _pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int,
 
 
 def _blocks(words: np.ndarray) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
-    """``(lo, hi, words[lo:hi], scratch)`` over cache-sized blocks, one scratch array for all (a fresh array per block
-    costs an mmap and page faults): whole-word shifts there are ~5x the strided byte copies (6 against 1 GB/s here)."""
+    """``(lo, hi, words[lo:hi], scratch)`` over cache-sized blocks, one scratch array for all: whole-word shifts there
+    are ~5x the strided byte copies."""
     scratch = np.empty(min(words.size, 1 << 16), words.dtype)
     for lo in range(0, words.size, 1 << 16):
         hi = min(lo + (1 << 16), words.size)
@@ -338,7 +338,7 @@ def read_tensors(path: Path, f: BinaryIO, *, checksum: str | None = None, max_nu
         h, start, index = read_header(f, path)
     except FormatVersionError:
         f.seek(0)  # a flipped version byte is damage, not a newer file
-        if checksum and f"{algo}:{hashlib.file_digest(f, lambda: hasher).hexdigest()}" != checksum:
+        if checksum and f"{algo}:{hashlib.file_digest(f, lambda: hasher).hexdigest()}" != checksum:  # type: ignore[arg-type]
             raise CorruptCheckpointError(f"Tensor file {path} fails its checksum; the file is corrupt.") from None
         raise
     entries, gce = h["tensors"], h["group_chunk_elems"]
@@ -350,8 +350,7 @@ def read_tensors(path: Path, f: BinaryIO, *, checksum: str | None = None, max_nu
                 "this model (nothing was allocated).")
     out = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in entries]
     dests = _bytes(out)
-    # Frames are decoded from a read-only map (no copy of the stored bytes); each frame's pages are handed back once
-    # it is decoded, so the load holds its output and a few frames, not the file as well.
+    # Frames are decoded from a read-only map, each frame's pages handed back once decoded: the load holds its output.
     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view, local = memoryview(mm), threading.local()
 
