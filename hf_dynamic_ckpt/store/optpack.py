@@ -183,12 +183,12 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Co
         table, parts = [], []
         for data, size, grouped in _pieces(frame, entries, GROUP_CHUNK_ELEMS, datas):
             for raw in _planes(data, size) if grouped else [data]:
-                # A large part is compressed only if four 16 KiB slices across it pay: the low mantissa bytes of
-                # trained floats never compress, and compressing them whole would double the writer's CPU.
+                # A large part is compressed only if four slices across it pay: the low mantissa bytes of trained
+                # floats never compress, and compressing them whole would double the writer's CPU.
                 step = (raw.nbytes - PROBE) // 3
-                packed = cctx.compress(raw.data) if raw.nbytes <= 16 * PROBE or sum(
-                    len(cctx.compress(raw[j * step : j * step + PROBE].data)) for j in range(4)
-                ) <= KEEP_RATIO * 4 * PROBE else raw
+                pays = raw.nbytes <= 16 * PROBE or sum(len(cctx.compress(raw[j * step : j * step + PROBE].data))
+                                                       for j in range(4)) <= KEEP_RATIO * 4 * PROBE
+                packed = cctx.compress(raw.data) if pays else raw
                 keep = len(packed) <= KEEP_RATIO * raw.nbytes  # compressed only where it pays
                 table.append(PART.pack(int(keep), raw.nbytes, len(packed) if keep else raw.nbytes))
                 parts.append(packed if keep else raw)
