@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import psutil
+
 from ..constants import WRITER_LOCK_NAME
 from ..errors import StoreLockedError
 from ..jsonutil import loads_bounded
@@ -63,12 +65,8 @@ def judge(holder: dict[str, Any] | None, here: dict[str, Any] | None = None) -> 
         return HolderState.GONE  # recorded before this machine last booted
     if holder.get("pidns") and here.get("pidns") and holder["pidns"] != here["pidns"]:
         return HolderState.UNKNOWN  # another container: its pids are not ours
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not psutil.pid_exists(pid):  # (a process of another user exists)
         return HolderState.GONE
-    except PermissionError:
-        pass  # runs, as another user
     now = _start(pid)  # another start time: the pid was reused
     return HolderState.GONE if None not in (now, holder.get("start")) and now != holder["start"] else HolderState.ALIVE
 
