@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime as dt
 import enum
 import fcntl
 import json
@@ -73,8 +72,8 @@ def judge(holder: dict[str, Any] | None, here: dict[str, Any] | None = None) -> 
 
 def describe(holder: dict[str, Any] | None) -> str:
     since = (holder or {}).get("since")
-    when = f", since {dt.datetime.fromtimestamp(since, tz=dt.UTC):%Y-%m-%d %H:%M:%S} UTC ({time.time() - since:.0f} " \
-           "s ago)" if isinstance(since, int | float) else ""
+    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(since))} UTC ({time.time() - since:.0f} s ago)" \
+        if isinstance(since, int | float) else ""
     return f"pid {holder.get('pid')} on host {holder.get('host')}, session {holder.get('session')}{when}" if holder \
         else "a process that did not record itself"
 
