@@ -1,19 +1,14 @@
-"""One writer per task: a POSIX record lock (`fcntl.lockf`) on ``<task>/.writer.lock`` held for the writer's life, and
-a holder record in it (pid, host, boot and pid-namespace ids, start time, session, since) for the messages; who is
-refused, waited for or taken over is docs/reliability.md, section 4. A holder proven gone whose lock is still held (an
-NFS server that has not expired a dead client's lease) is replaced by a new locked file renamed over it, never broken.
-Record locks, not `flock`: a flock is shared by `fork()`, so a data-loader worker of a killed trainer kept it; a record
-lock dies with its process. Closing any descriptor of the file drops it, and locking twice succeeds: hence one
-registry of held files per process (`_HELD`).
+"""One writer per task: a POSIX record lock (`fcntl.lockf`, not `flock`, which a forked child keeps) on
+``<task>/.writer.lock`` and a holder record in it; who is refused, waited for or taken over is docs/reliability.md,
+section 4. A held lock whose holder is proven gone is replaced by a new locked file renamed over it, never broken.
+Closing any descriptor of the file drops the lock and locking twice succeeds: hence one registry per process (`_HELD`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime as dt
 import enum
-import errno
 import fcntl
 import json
 import logging
@@ -22,8 +17,11 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import psutil
 
 from ..constants import WRITER_LOCK_NAME
 from ..errors import StoreLockedError
@@ -40,24 +38,21 @@ class HolderState(enum.Enum):
     ALIVE, GONE, UNKNOWN = "alive on this host", "gone", "cannot be told from this host"
 
 
-def _text(path: str) -> str:
+def _proc(path: str, read: Callable[[str], str] = lambda p: Path(p).read_text().strip()) -> str | None:
     with contextlib.suppress(OSError):
-        return Path(path).read_text().strip()
-    return ""
+        return read(path) or None
+    return None
 
 
 def _start(pid: int) -> str | None:
     """The kernel's start time of `pid`: tells a reused pid from the original."""
-    text = _text(f"/proc/{pid}/stat")
+    text = _proc(f"/proc/{pid}/stat") or ""
     return text.rsplit(")", 1)[1].split()[19] if ")" in text else None
 
 
 def this_host() -> dict[str, Any]:
-    try:
-        pidns: str | None = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pidns = None
-    return {"host": socket.gethostname(), "boot": _text("/proc/sys/kernel/random/boot_id") or None, "pidns": pidns}
+    return {"host": socket.gethostname(), "boot": _proc("/proc/sys/kernel/random/boot_id"),
+            "pidns": _proc("/proc/self/ns/pid", os.readlink)}
 
 
 def judge(holder: dict[str, Any] | None, here: dict[str, Any] | None = None) -> HolderState:
@@ -69,20 +64,16 @@ def judge(holder: dict[str, Any] | None, here: dict[str, Any] | None = None) -> 
         return HolderState.GONE  # recorded before this machine last booted
     if holder.get("pidns") and here.get("pidns") and holder["pidns"] != here["pidns"]:
         return HolderState.UNKNOWN  # another container: its pids are not ours
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not psutil.pid_exists(pid):  # (a process of another user exists)
         return HolderState.GONE
-    except PermissionError:
-        pass  # runs, as another user
     now = _start(pid)  # another start time: the pid was reused
     return HolderState.GONE if None not in (now, holder.get("start")) and now != holder["start"] else HolderState.ALIVE
 
 
 def describe(holder: dict[str, Any] | None) -> str:
     since = (holder or {}).get("since")
-    when = f", since {dt.datetime.fromtimestamp(since, tz=dt.UTC):%Y-%m-%d %H:%M:%S} UTC ({time.time() - since:.0f} " \
-           "s ago)" if isinstance(since, int | float) else ""
+    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(since))} UTC ({time.time() - since:.0f} s ago)" \
+        if isinstance(since, int | float) else ""
     return f"pid {holder.get('pid')} on host {holder.get('host')}, session {holder.get('session')}{when}" if holder \
         else "a process that did not record itself"
 
@@ -103,12 +94,12 @@ def _locked(path: Path) -> tuple[BinaryIO, bool]:
     f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644), "r+b")
     try:
         fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return f, True
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):
-            f.close()
-            raise
+    except (BlockingIOError, PermissionError):  # EAGAIN, EACCES: held by another process
         return f, False
+    except BaseException:
+        f.close()
+        raise
+    return f, True
 
 
 def read_holder(task_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -131,9 +122,7 @@ class WriterLock:
 
     @property
     def held(self) -> bool:
-        with _HELD_LOCK:
-            entry = _HELD.get(str(self.path))
-        return self._file is not None and entry is not None and entry[1]() is self
+        return self._file is not None and _HELD.get(str(self.path), (None, lambda: None))[1]() is self
 
     def _register(self, f: BinaryIO) -> None:
         with _HELD_LOCK:
@@ -142,7 +131,7 @@ class WriterLock:
                     "start": _start(os.getpid())})
 
     def acquire(self, *, takeover: bool = False, what: str = "task", wait_s: float = 0.0) -> None:
-        """Take the lock, or raise `StoreLockedError` naming the holder and the fix (the module docstring)."""
+        """Take the lock, or raise `StoreLockedError` naming the holder and the fix (docs/reliability.md)."""
         deadline, since, note = time.monotonic() + max(0.0, wait_s), 0.0, 0.0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while not self.held:
@@ -171,8 +160,22 @@ class WriterLock:
                     "on one task interleave their checkpoints and report each other's saves as their own; give this "
                     "run its own task_id, wait for that run to end, or "
                     f"{'takeover=True never replaces a running holder' if takeover else 'stop it first'}.")
-            if state is HolderState.GONE or takeover:
-                return self._take_over(holder, what, forced=state is not HolderState.GONE, inode=inode)
+            if state is HolderState.GONE or takeover:  # a new locked file renamed over the held one
+                g, locked = _locked(tmp := self.path.with_name(f"{self.path.name}.tmp-{self.session}"))
+                try:
+                    if not locked or os.lstat(self.path).st_ino != inode:
+                        raise StoreLockedError(f"{what}: another session is taking the writer lock over; retry.")
+                    os.replace(tmp, self.path)
+                    if os.lstat(self.path).st_ino != os.fstat(g.fileno()).st_ino:  # another taker renamed after us
+                        raise StoreLockedError(f"{what}: another session took the writer lock over at the same time; "
+                                               "retry.")
+                except BaseException:
+                    g.close()
+                    raise
+                logger.warning("%s: took the writer lock over from %s, which is no longer running (its lock was still "
+                               "held: an NFS server that has not yet expired it)" if state is HolderState.GONE else
+                               "%s: replaced the writer lock of %s (takeover=True)", what, describe(holder))
+                return self._register(g)
             if now >= deadline:
                 raise StoreLockedError(
                     f"{what} is being written by another session: {describe(holder)}, which this host cannot see "
@@ -188,27 +191,10 @@ class WriterLock:
                 since, note = since or now, now + 15.0
             time.sleep(min(0.5, max(0.0, deadline - now)))
 
-    def _take_over(self, holder: dict[str, Any] | None, what: str, *, forced: bool, inode: int) -> None:
-        g, locked = _locked(self.path.with_name(f"{self.path.name}.tmp-{self.session}"))
-        try:
-            if not locked or os.lstat(self.path).st_ino != inode:
-                raise StoreLockedError(f"{what}: another session is taking the writer lock over; retry.")
-            os.replace(self.path.with_name(f"{self.path.name}.tmp-{self.session}"), self.path)
-            if os.lstat(self.path).st_ino != os.fstat(g.fileno()).st_ino:  # another taker renamed after us
-                raise StoreLockedError(f"{what}: another session took the writer lock over at the same time; retry.")
-        except BaseException:
-            g.close()
-            raise
-        logger.warning("%s: replaced the writer lock of %s (takeover=True)" if forced else "%s: took the writer lock "
-                       "over from %s, which is no longer running (its lock was still held: an NFS server that has "
-                       "not yet expired it)", what, describe(holder))
-        self._register(g)
-
     def moved(self) -> bool:
         """Whether the held lock file is no longer the one at its path (the task directory was deleted)."""
-        f = self._file
         try:
-            return self.held and f is not None and os.lstat(self.path).st_ino != os.fstat(f.fileno()).st_ino
+            return self.held and os.lstat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino  # type: ignore[union-attr]
         except FileNotFoundError:
             return True
 

@@ -1,36 +1,15 @@
 """The optimizer tier (L1): state dicts as a JSON structure plus one verified tensor container, without pickle.
 
-`flatten_state` splits the optimizer, scheduler and scaler `state_dict()`s into a JSON structure (``optimizer.json``)
-and ``{path: tensor}``, which `write_tensors` stores in ``optimizer.tensors.zst``; `read_tensors` and `unflatten_state`
-put them back exactly (int keys, tuples, ``inf``/``nan``/``-0.0``, 0-dim tensors). A structure or container that does
-not add up is `CorruptCheckpointError`, and nothing is allocated that the file's bytes do not back.
-
-Container version 3::
-
-    b"HFDCTP01" | header length u64 | header JSON (space-padded: the payload starts 64-byte aligned) | CRC32 u32
-    | N frames | N x (stored length u64, xxh3_64 of the stored frame u64) | payload length u64 | N u64
-    | CRC32 of the index and those two u32 | b"HFDCTEND"
-
-The header holds ``format``, ``version``, ``codec`` (``"zstd"`` | ``"none"``), ``level``, ``total_bytes``,
-``group_chunk_elems``, ``frame_bytes`` and ``tensors`` (``name``, ``dtype``, ``shape``, ``offset``, ``nbytes``,
-``byte_grouped``). ``"zstd"``: each tensor's bytes are cut into pieces of at most ``group_chunk_elems`` elements, packed
-in order into frames of up to ``frame_bytes`` raw bytes (a larger piece is a frame of its own; the reader recomputes
-this plan, `frames`). A byte-grouped piece of a float tensor is ``[a[:, -1] | a[:, -2] | a[:, :-2].ravel()]`` of its
-bytes as an ``(elements, itemsize)`` array. A stored frame is ``part count u32 | count x (kind u8, raw length u64,
-stored length u64) | the parts``, covering the frame's raw bytes in order: kind 0 the bytes themselves, kind 1 one zstd
-frame of them with content size and checksum, at most `ZSTD_MAX_RATIO` raw bytes per stored byte. ``"none"``: the raw
-bytes at 64-byte-aligned offsets, frames are ``frame_bytes`` slices of the payload.
-
-The writer compresses each part (a byte plane, or an ungrouped piece) on worker threads and keeps it where zstd makes it
-at most `KEEP_RATIO` of its size. The reader maps the file and reads it once, in order, hashing every byte for the
-manifest's checksum while workers check each frame's xxh3 and decode it into the output tensors (two frames per worker
-in flight, each frame's pages handed back once decoded): a load peaks at about the size of what it returns.
+`flatten_state` / `unflatten_state` round-trip the structure exactly, `write_tensors` / `read_tensors` the container
+(version 3; layout and reader in docs/internals.md). A structure or container that does not add up is
+`CorruptCheckpointError`, and nothing is allocated that the file's bytes do not back.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import math
 import mmap
@@ -42,7 +21,6 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -56,7 +34,7 @@ from .manifest import FILE_CHECKSUM_ALGO, Codec, new_hasher
 MAGIC, FOOTER_MAGIC, FORMAT_NAME, VERSION = b"HFDCTP01", b"HFDCTEND", "hf_dynamic_ckpt.tensorpack", 3
 PREFIX, CRC, FRAME, PART = struct.Struct("<8sQ"), struct.Struct("<I"), struct.Struct("<QQ"), struct.Struct("<BQQ")
 FOOTER_SIZE, ALIGN, FRAME_BYTES, GROUP_CHUNK_ELEMS = FRAME.size + CRC.size + 8, 64, 16 << 20, 1 << 22
-ZSTD_MAX_RATIO, KEEP_RATIO = 1 << 15, 0.9  # a 4-byte RLE block of zstd yields 128 KiB
+ZSTD_MAX_RATIO, KEEP_RATIO, PROBE = 1 << 15, 0.9, 16 << 10  # a 4-byte RLE block of zstd yields 128 KiB
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128,
@@ -121,8 +99,8 @@ def _pieces(frame: list[Run], entries: list[dict[str, Any]], gce: int,
 
 
 def _blocks(words: np.ndarray) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
-    """``(lo, hi, words[lo:hi], scratch)`` over cache-sized blocks, one scratch array for all (a fresh array per block
-    costs an mmap and page faults): whole-word shifts there are ~5x the strided byte copies (6 against 1 GB/s here)."""
+    """``(lo, hi, words[lo:hi], scratch)`` over cache-sized blocks, one scratch array for all: whole-word shifts there
+    are ~5x the strided byte copies."""
     scratch = np.empty(min(words.size, 1 << 16), words.dtype)
     for lo in range(0, words.size, 1 << 16):
         hi = min(lo + (1 << 16), words.size)
@@ -163,15 +141,6 @@ def _spans(entries: list[dict[str, Any]], lo: int, hi: int) -> Iterator[tuple[in
             yield i, a - e["offset"], b - e["offset"], a - lo
 
 
-def _may_pay(cctx: Any, raw: np.ndarray, probe: int = 16 << 10) -> bool:
-    """Whether zstd may make `raw` at most `KEEP_RATIO` of its size, judged on four slices across it: the low
-    mantissa bytes of trained floats never compress, and compressing them whole would double the writer's CPU."""
-    if raw.nbytes <= 16 * probe:
-        return True
-    step = (raw.nbytes - probe) // 3
-    return sum(len(cctx.compress(raw[j * step : j * step + probe].data)) for j in range(4)) <= KEEP_RATIO * 4 * probe
-
-
 def _bytes(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     """Each contiguous CPU tensor's bytes, a flat uint8 array sharing its memory."""
     return [t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8) for t in tensors]
@@ -179,15 +148,9 @@ def _bytes(tensors: list[torch.Tensor]) -> list[np.ndarray]:
 
 def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Codec | str = Codec.ZSTD,
                   level: int = 1, threads: int = 0) -> tuple[int, str]:
-    """Write `tensors` (`flatten_state`'s) as a version-3 container into the new file `f` (the caller syncs it): zstd
-    at `level` on `threads` threads (`_pipeline`), or with `codec="none"` raw and aligned (larger, quicker to read).
-
-    Returns:
-        `tuple[int, str]`: the file's size and checksum (``"xxh3_128:<hex>"``).
-
-    Raises:
-        `SaveError`: a value that is not a strided tensor of a supported dtype.
-    """
+    """Write `tensors` (`flatten_state`'s) as a container into the new file `f` (the caller syncs it): zstd at `level`
+    on `threads` threads (`_pipeline`), or `codec="none"` raw and aligned. Returns the file's size and checksum
+    (``"xxh3_128:<hex>"``); a value that is not a strided tensor of a supported dtype is a `SaveError`."""
     import zstandard
 
     codec, checked, entries, offset = Codec(codec), [], [], 0
@@ -205,34 +168,37 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Co
                          "total_bytes": offset, "group_chunk_elems": GROUP_CHUNK_ELEMS, "frame_bytes": FRAME_BYTES,
                          "tensors": entries}, separators=(",", ":")).encode()
     header += b" " * (-(PREFIX.size + len(header) + CRC.size) % ALIGN)
-    datas, hasher, index, local, sizes = _bytes(checked), new_hasher(), [], threading.local(), [0]
+    datas, hasher, index, local = _bytes(checked), new_hasher(), [], threading.local()
 
-    def put(*chunks: Any) -> None:
+    def put(*chunks: Any) -> int:
+        digest = xxhash.xxh3_64()
         for chunk in chunks:
             hasher.update(chunk)
+            digest.update(chunk)
             f.write(chunk)
-            sizes[0] += memoryview(chunk).nbytes
+        return digest.intdigest()
 
     def encode(frame: list[Run]) -> list[Any]:
         cctx = local.cctx = getattr(local, "cctx", None) or zstandard.ZstdCompressor(level=level, write_checksum=True)
         table, parts = [], []
         for data, size, grouped in _pieces(frame, entries, GROUP_CHUNK_ELEMS, datas):
             for raw in _planes(data, size) if grouped else [data]:
-                packed = cctx.compress(raw.data) if _may_pay(cctx, raw) else raw
+                # A large part is compressed only if four slices across it pay: the low mantissa bytes of trained
+                # floats never compress, and compressing them whole would double the writer's CPU.
+                step = (raw.nbytes - PROBE) // 3
+                pays = raw.nbytes <= 16 * PROBE or sum(len(cctx.compress(raw[j * step : j * step + PROBE].data))
+                                                       for j in range(4)) <= KEEP_RATIO * 4 * PROBE
+                packed = cctx.compress(raw.data) if pays else raw
                 keep = len(packed) <= KEEP_RATIO * raw.nbytes  # compressed only where it pays
                 table.append(PART.pack(int(keep), raw.nbytes, len(packed) if keep else raw.nbytes))
                 parts.append(packed if keep else raw)
         return [struct.pack("<I", len(table)) + b"".join(table), *parts]
 
     def sealed(chunks: list[Any]) -> None:
-        digest = xxhash.xxh3_64()
-        for chunk in chunks:
-            digest.update(chunk)
-        put(*chunks)
-        index.append(FRAME.pack(sum(memoryview(c).nbytes for c in chunks), digest.intdigest()))
+        index.append(FRAME.pack(sum(memoryview(c).nbytes for c in chunks), put(*chunks)))
 
     put(PREFIX.pack(MAGIC, len(header)), header, CRC.pack(zlib.crc32(header)))
-    start = sizes[0]
+    start = f.tell()
     if codec == Codec.ZSTD:
         _pipeline(encode, ((fr,) for fr in frames(entries, GROUP_CHUNK_ELEMS, FRAME_BYTES)), threads, sealed)
     for lo in range(0, offset, FRAME_BYTES) if codec == Codec.NONE else ():
@@ -240,10 +206,10 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], f: BinaryIO, *, codec: Co
         for i, a, b, at in _spans(entries, lo, lo + buf.size):
             buf[at : at + b - a] = datas[i][a:b]
         sealed([buf])
-    body = b"".join(index) + FRAME.pack(sizes[0] - start, len(index))
+    body = b"".join(index) + FRAME.pack(f.tell() - start, len(index))
     put(body + CRC.pack(zlib.crc32(body)) + FOOTER_MAGIC)
     f.flush()
-    return sizes[0], f"{FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}"
+    return f.tell(), f"{FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}"
 
 
 def _count(value: Any) -> bool:
@@ -252,11 +218,8 @@ def _count(value: Any) -> bool:
 
 def read_header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int, list[tuple[int, int]]]:
     """A container's header, payload offset and frames (stored length, xxh3_64), all checked against each other and
-    the file's size before anything is allocated.
-
-    Raises:
-        `FormatVersionError`: a container version other than 3. `CorruptCheckpointError`: anything else.
-    """
+    the file's size before anything is allocated: `FormatVersionError` for another version, else
+    `CorruptCheckpointError`."""
     def bad(what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"Tensor file {path} {what}; the file is corrupt.")
 
@@ -360,29 +323,22 @@ def _decode_parts(dctx: Any, data: memoryview, out: np.ndarray, where: str) -> N
 
 def read_tensors(path: Path, f: BinaryIO, *, checksum: str | None = None, max_numel: int | None = None,
                  threads: int = 0) -> dict[str, torch.Tensor]:
-    """Read and verify a container (any codec) from the open file `f` at `path`, decoding frames on `threads` threads
-    (`_pipeline`); `checksum` (the manifest's ``"<algo>:<hex>"``) is verified in the same pass, `max_numel` bounds
-    the elements a tensor may declare (`state.state_numel_bound`).
-
-    Raises:
-        `FormatVersionError`: another container version, in a file that has the manifest's checksum.
-        `CorruptCheckpointError`: missing, truncated, altered, hostile or trailing data.
-        `IncompatibleStateError`: a tensor declares more than `max_numel` elements (nothing was allocated).
-    """
+    """Read and verify a container from the open file `f` at `path`, decoding frames on `threads` threads; `checksum`
+    (the manifest's ``"<algo>:<hex>"``) is verified in the same pass. `FormatVersionError`: another version in a file
+    that has that checksum; `IncompatibleStateError`: a tensor of more than `max_numel` elements (nothing allocated);
+    `CorruptCheckpointError`: missing, truncated, altered, hostile or trailing data."""
     import zstandard
 
     algo = (checksum or ":").partition(":")[0]
     try:
-        hasher = new_hasher(algo) if checksum else SimpleNamespace(update=lambda _: None)
+        hasher = new_hasher(algo)
     except ValueError as e:
         raise CorruptCheckpointError(f"Tensor file {path}: {e}") from None
     try:
         h, start, index = read_header(f, path)
     except FormatVersionError:
         f.seek(0)  # a flipped version byte is damage, not a newer file
-        while checksum and (chunk := f.read(1 << 20)):
-            hasher.update(chunk)
-        if checksum and f"{algo}:{hasher.hexdigest()}" != checksum:
+        if checksum and f"{algo}:{hashlib.file_digest(f, lambda: hasher).hexdigest()}" != checksum:  # type: ignore[arg-type]
             raise CorruptCheckpointError(f"Tensor file {path} fails its checksum; the file is corrupt.") from None
         raise
     entries, gce = h["tensors"], h["group_chunk_elems"]
@@ -394,39 +350,34 @@ def read_tensors(path: Path, f: BinaryIO, *, checksum: str | None = None, max_nu
                 "this model (nothing was allocated).")
     out = [torch.empty(e["shape"], dtype=DTYPES[e["dtype"]]) for e in entries]
     dests = _bytes(out)
-    # Frames are decoded from a read-only map (no copy of the stored bytes); each frame's pages are handed back once
-    # it is decoded, so the load holds its output and a few frames, not the file as well.
+    # Frames are decoded from a read-only map, each frame's pages handed back once decoded: the load holds its output.
     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view, local = memoryview(mm), threading.local()
 
     def decode(k: int, at: int, n: int, expected: int, frame: Any) -> None:
         with view[at : at + n] as data:
-            _decode(k, data, expected, frame)
+            if xxhash.xxh3_64_intdigest(data) != expected:
+                raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is "
+                                             "corrupt.")
+            for i, a, b, pos in _spans(entries, *frame) if isinstance(frame, tuple) else ():  # codec "none"
+                dests[i][a:b] = np.frombuffer(data, np.uint8, b - a, pos)
+            if isinstance(frame, list):
+                want, (i0, lo0, hi0) = sum(hi - lo for _, lo, hi in frame), frame[0]
+                direct = len(frame) == 1 and not entries[i0]["byte_grouped"]  # the frame is a slice of the tensor
+                if not direct and getattr(local, "buf", np.empty(0, np.uint8)).size < want:
+                    local.buf = np.empty(want, np.uint8)
+                local.dctx = getattr(local, "dctx", None) or zstandard.ZstdDecompressor()
+                _decode_parts(local.dctx, data, buf := dests[i0][lo0:hi0] if direct else local.buf[:want],
+                              f"Tensor file {path}: frame {k}")
+                pos = 0
+                for piece, size, grouped in () if direct else _pieces(frame, entries, gce, dests):
+                    if grouped:
+                        _ungroup(buf[pos : pos + piece.size], piece, size)
+                    else:
+                        piece[:] = buf[pos : pos + piece.size]
+                    pos += piece.size
         if (lo := -(-at // mmap.PAGESIZE) * mmap.PAGESIZE) < (hi := (at + n) // mmap.PAGESIZE * mmap.PAGESIZE):
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-
-    def _decode(k: int, data: memoryview, expected: int, frame: Any) -> None:  # `data` released by `decode`
-        if xxhash.xxh3_64_intdigest(data) != expected:
-            raise CorruptCheckpointError(f"Tensor file {path}: frame {k} fails its xxh3 checksum; the file is corrupt.")
-        if isinstance(frame, tuple):  # codec "none": a slice of the aligned payload
-            for i, a, b, at in _spans(entries, *frame):
-                dests[i][a:b] = np.frombuffer(data, np.uint8, b - a, at)
-            return
-        want = sum(hi - lo for _, lo, hi in frame)
-        i0, lo0, hi0 = frame[0]
-        direct = len(frame) == 1 and not entries[i0]["byte_grouped"]  # the frame's bytes are a slice of the tensor
-        if not direct and getattr(local, "buf", np.empty(0, np.uint8)).size < want:
-            local.buf = np.empty(want, np.uint8)
-        local.dctx = getattr(local, "dctx", None) or zstandard.ZstdDecompressor()
-        _decode_parts(local.dctx, data, buf := dests[i0][lo0:hi0] if direct else local.buf[:want],
-                      f"Tensor file {path}: frame {k}")
-        pos = 0
-        for piece, size, grouped in () if direct else _pieces(frame, entries, gce, dests):
-            if grouped:
-                _ungroup(buf[pos : pos + piece.size], piece, size)
-            else:
-                piece[:] = buf[pos : pos + piece.size]
-            pos += piece.size
 
     def items() -> Iterator[tuple[Any, ...]]:
         hasher.update(view[:start])  # the header: checked by `read_header`

@@ -1,13 +1,7 @@
-"""Object-store roots (``s3://``, ``gs://``, ``az://``, ``file://``, ...) through fsspec.
-
-A URL root is a local cache directory with the ordinary layout (the store works there) plus its copy under
-``<url>/<task>/``. A checkpoint exists on the object store iff its ``manifest.json`` does: it is uploaded last (after
-every file) and removed first (before a replace or a delete), so an upload cut short is never a checkpoint; the
-writer's next open removes it. Ranks without a shared directory publish their files and then a
-``step-<N>.tmp-<session>/done-rank<R>.json`` note for rank 0. Every key is built from plain names under the task's
-prefix and every deletion proves it stays there; every call is retried with exponential backoff on transient errors.
-Credentials come from the usual fsspec configuration (environment, ``~/.aws``, instance roles) or code; they never
-enter a message, a log line, a spec's repr or a config file (`check_public_options`).
+"""Object-store roots (``s3://``, ``gs://``, ``az://``, ``file://``, ...) through fsspec: a local cache directory with
+the ordinary layout plus its copy under ``<url>/<task>/`` (docs/storage.md). A checkpoint exists there iff its manifest
+does: uploaded last, removed first. Keys are built from plain names under the task's prefix; credentials never enter a
+message, a log line, a spec's repr or a config file.
 """
 
 from __future__ import annotations
@@ -91,15 +85,8 @@ def default_cache_dir(url: str, rank: int) -> Path:
 
 @dataclass(frozen=True)
 class RemoteSpec:
-    """Where a store's objects live and how calls to them are retried (`storage_options` never shown).
-
-    Args:
-        url (`str`): the store root URL (``s3://bucket/prefix``).
-        storage_options (`Mapping`, *optional*): fsspec options (``endpoint_url``, ``client_kwargs``, ...).
-        retries (`int`, *optional*, defaults to `5`): retries of one failed call.
-        backoff_s (`float`, *optional*, defaults to `0.5`): first backoff; doubles per retry (with jitter), at most
-            `backoff_max_s`.
-    """
+    """Where a store's objects live (the root URL, fsspec `storage_options`, never shown) and how a failed call is
+    retried: `retries` times, the first pause `backoff_s`, doubling (with jitter), at most `backoff_max_s`."""
 
     url: str
     storage_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -194,11 +181,10 @@ class Remote:
 
     def size(self, *names: str) -> int | None:
         """The object's size, `None` when there is none."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             info = self.call("stat", names, self.fs.info)
-        except FileNotFoundError:
-            return None
-        return None if info.get("type") == "directory" else int(info.get("size") or 0)
+            return None if info.get("type") == "directory" else int(info.get("size") or 0)
+        return None
 
     def read(self, *names: str, limit: int = 64 << 20) -> bytes | None:
         """A small object's bytes (at most `limit`), `None` when there is none."""
@@ -211,15 +197,14 @@ class Remote:
 
     def names(self, *under: str) -> list[str]:
         """Plain names directly under ``<names...>``, sorted."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             entries = self.call("list", under, lambda key: self.fs.ls(key, detail=False))
-        except FileNotFoundError:
-            return []
-        return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {"", ".", ".."})
+            return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {"", ".", ".."})
+        return []
 
     def invalidate(self) -> None:
         """Forget cached listings (other ranks and processes change the bucket)."""
-        getattr(self.fs, "invalidate_cache", lambda: None)()
+        self.fs.invalidate_cache()
 
     def remove(self, *names: str) -> None:
         """Delete ``<names...>`` and everything under it (never the task prefix itself; missing is fine)."""
@@ -228,8 +213,7 @@ class Remote:
         for name in self.names(*names) if self.size(*names) is None else []:
             self.remove(*names, name)
         with contextlib.suppress(FileNotFoundError):
-            self.call("rm", names, lambda key: self.fs.rm_file(key) if self.fs.isfile(key) else
-                      getattr(self.fs, "rmdir", lambda k: None)(key))
+            self.call("rm", names, lambda key: self.fs.rm_file(key) if self.fs.isfile(key) else self.fs.rmdir(key))
 
     def manifests(self) -> dict[str, bytes]:
         """Manifest bytes of every committed ``step-<N>`` of the task, by directory name (partial uploads have none)."""
