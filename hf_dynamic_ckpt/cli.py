@@ -50,49 +50,40 @@ def _where(args: argparse.Namespace, *, one: bool = False) -> tuple[Path | str, 
         return root, [args.task]
     if isinstance(root, Path):
         found = [p.name for p in task_dirs(root)]
-    else:
+    else:  # a URL's prefixes
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(root, **_options())
-        found = []
+        (fs, path), entries = fsspec.core.url_to_fs(root, **_options()), []
         with contextlib.suppress(FileNotFoundError):
-            found = sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)} - {""})
-        found = [n for n in found if not n.startswith(".") and n != BLOBS_DIR]
+            entries = fs.ls(path, detail=False)
+        found = sorted({n for e in entries if (n := str(e).rstrip("/").rsplit("/")[-1]) and n[0] != "."} - {BLOBS_DIR})
     if one and len(found) > 1:
         raise ConfigError(f"{root} holds several tasks ({', '.join(found)}); choose one with --task.")
     return root, found or [DEFAULT_TASK_ID]
 
 
 def _open(args: argparse.Namespace, root: Path | str, task: str, mode: str = "read") -> CheckpointStore:
-    """The task's store: ``read`` writes nothing, ``write`` takes the writer lock (refused at once while another
-    process holds it: the error names the holder), ``gc`` lets `gc` take it, ``reindex`` rebuilds the catalog (of a
-    URL: the training cache of this machine)."""
+    """The task's store: ``read`` writes nothing, ``write`` takes the writer lock (of a local store: refused at once
+    while another process holds it, the error names the holder), ``gc`` lets `gc` take it, ``reindex`` rebuilds the
+    catalog (of a URL: the training cache of this machine; the others read a URL into a temporary cache)."""
     if isinstance(root, str):
-        if mode == "reindex":
-            return CheckpointStore(root, task_id=task, storage_options=_options(), cleanup=False)
-        args.cache = args.cache or tempfile.mkdtemp(prefix="hf-dynamic-ckpt-")
-        return CheckpointStore(root, task_id=task, storage_options=_options(), cache_dir=args.cache,
-                               cleanup=mode == "write", read_only=mode == "read")
-    if mode == "read":
-        return CheckpointStore(root, task_id=task, read_only=True)
-    if mode != "reindex" and not (root / task).is_dir():
+        args.cache = args.cache or (None if mode == "reindex" else tempfile.mkdtemp(prefix="hf-dynamic-ckpt-"))
+    elif mode in ("write", "gc") and not (root / task).is_dir():
         raise ConfigError(f"task {task!r} has no folder under {root}; available: "
                           f"{', '.join(p.name for p in task_dirs(root))}.")
-    return CheckpointStore(root, task_id=task, cleanup=mode == "write", lock_wait_s=0.0)
+    return CheckpointStore(root, task_id=task, cleanup=mode == "write", read_only=mode == "read", **(
+        {"storage_options": _options(), "cache_dir": args.cache} if isinstance(root, str) else {"lock_wait_s": 0.0}))
 
 
 def _slot_steps(store: CheckpointStore) -> list[int]:
     """The steps in the memory tier's slots of `store`'s task (read only; none when unreadable)."""
     from .store.slots import open_slots
 
-    try:
-        slots = open_slots(store, read_only=True)
-    except Exception:
-        return []
-    if slots is None:
-        return []
-    with slots:
-        return sorted(i.step for i in slots.list(include_unhealthy=True, include_abandoned=True))
+    with contextlib.suppress(Exception):
+        if (slots := open_slots(store, read_only=True)) is not None:
+            with slots:
+                return sorted(i.step for i in slots.list(include_unhealthy=True, include_abandoned=True))
+    return []
 
 
 # -- printing ---------------------------------------------------------------------------------------------------------
@@ -385,14 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `hf-dynamic-ckpt`; returns the exit code.
-
-    Example:
-        ```bash
-        hf-dynamic-ckpt ls out/smart_ckpt
-        hf-dynamic-ckpt verify out --all          # the training output_dir works too
-        ```
-    """
+    """Entry point of `hf-dynamic-ckpt` (``hf-dynamic-ckpt ls out``); returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
