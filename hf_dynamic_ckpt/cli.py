@@ -1,10 +1,9 @@
 """`hf-dynamic-ckpt` (or `python -m hf_dynamic_ckpt.cli`): inspect, check, manage and export a store (``--help``).
 
-ROOT is the store directory (holding ``catalog.db``), the training ``output_dir`` (its ``smart_ckpt/``) or a URL
-root (fsspec options as a JSON object in ``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``). Exit codes: 0 success, 1 problems
-found (`verify`), 2 bad usage, a path that holds no store, or a reference that names nothing. Commands that only look
-write nothing (a URL is read into a temporary cache); `verify` then records the statuses that changed in the catalog,
-best effort. `pin`, `unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run.
+ROOT: the store directory, the training ``output_dir`` or a URL (fsspec options: `OPTIONS_ENV`). Exit codes: 0 success,
+1 problems found (`verify`), 2 bad usage, a path that holds no store, or a reference that names nothing. Commands
+that only look write nothing (`verify` records the statuses that changed in the catalog, best effort); `pin`,
+`unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def _where(args: argparse.Namespace, *, one: bool = False) -> tuple[Path | str, 
         return root, [args.task]
     if isinstance(root, Path):
         found = [p.name for p in task_dirs(root)]
-    else:  # a URL's prefixes
+    else:
         import fsspec
 
         (fs, path), entries = fsspec.core.url_to_fs(root, **_options()), []
@@ -75,12 +74,12 @@ def _open(args: argparse.Namespace, root: Path | str, task: str, mode: str = "re
         {"storage_options": _options(), "cache_dir": args.cache} if isinstance(root, str) else {"lock_wait_s": 0.0}))
 
 
-def _slot_steps(store: CheckpointStore) -> list[int]:
-    """The steps in the memory tier's slots of `store`'s task (read only; none when unreadable)."""
+def _slot_steps(store: CheckpointStore, root: Path | str) -> list[int]:
+    """The steps in the memory tier's slots of a local store's task (read only; none when unreadable)."""
     from .store.slots import open_slots
 
     with contextlib.suppress(Exception):
-        if (slots := open_slots(store, read_only=True)) is not None:
+        if isinstance(root, Path) and (slots := open_slots(store, read_only=True)) is not None:
             with slots:
                 return sorted(i.step for i in slots.list(include_unhealthy=True, include_abandoned=True))
     return []
@@ -123,7 +122,7 @@ def _ls(args: argparse.Namespace) -> int:
         with _open(args, root, task) as store:
             infos += store.list(include_unhealthy=True, include_abandoned=args.all)
             removed += [(task, r) for _, r in sorted(store.removed().items())]
-            if isinstance(root, Path) and (steps := _slot_steps(store)):
+            if steps := _slot_steps(store, root):
                 in_memory.append(f"  {task}: step {', '.join(map(str, steps))}")
         if isinstance(root, Path):  # a local store's step log records its rollbacks
             rollbacks += [(task, r) for r in read_rollbacks(root, task)]
@@ -196,14 +195,6 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(n: int, total: int, item: str) -> None:
-    """A counter on stderr: redrawn in place on a terminal, one line per item otherwise."""
-    text = f"verify [{'#' * (24 * n // total):.<24}] {n}/{total} {item}"
-    tty = sys.stderr.isatty()
-    sys.stderr.write(("\r" + text.ljust(100)[:100] + ("\n" if n == total else "")) if tty else text + "\n")
-    sys.stderr.flush()
-
-
 def _verify(args: argparse.Namespace) -> int:
     if args.ref is not None and args.all:
         raise ConfigError("give either REF or --all, not both.")
@@ -220,17 +211,18 @@ def _verify(args: argparse.Namespace) -> int:
         if not targets:
             print(f"no checkpoints under {root}")
             return 0
-        if len(targets) == 1:
-            print(f"verifying {targets[0][1].task_id}/step-{targets[0][1].step} ({human_size(targets[0][1].bytes)}) "
-                  "...", file=sys.stderr)
         for n, (store, info) in enumerate(targets, 1):
-            label = f"{info.task_id}/step-{info.step}"
+            label, total, tty = f"{info.task_id}/step-{info.step}", len(targets), sys.stderr.isatty()
+            if total == 1:
+                print(f"verifying {label} ({human_size(info.bytes)}) ...", file=sys.stderr)
             try:
                 problems = store.verify(info)
             except CheckpointNotFoundError:
                 problems = None
-            if len(targets) > 1:
-                _progress(n, len(targets), label)
+            if total > 1:  # a counter: redrawn in place on a terminal, one line per checkpoint otherwise
+                text = f"verify [{'#' * (24 * n // total):.<24}] {n}/{total} {label}"
+                print("\r" + text.ljust(100)[:100] if tty else text, end="\n" if n == total or not tty else "",
+                      file=sys.stderr, flush=True)
             if problems is None:
                 gone += 1
                 print(f"GONE {label} (deleted while verifying, e.g. by retention; not a problem)")
@@ -253,13 +245,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _reindex(args: argparse.Namespace) -> int:
     root, tasks = _where(args)
-    n = damaged = 0
+    infos: list[CheckpointInfo] = []
     for task in tasks:
         with _open(args, root, task, "reindex") as store:
             store.reindex()
-            infos = store.list(include_unhealthy=True, include_abandoned=True)
-        n, damaged = n + len(infos), damaged + sum(i.status != "ok" for i in infos)
-    print(f"reindexed {root}: {n} checkpoint(s)" + (f", {damaged} with a damaged manifest" if damaged else ""))
+            infos += store.list(include_unhealthy=True, include_abandoned=True)
+    damaged = sum(i.status != "ok" for i in infos)
+    print(f"reindexed {root}: {len(infos)} checkpoint(s)" + (f", {damaged} with a damaged manifest" if damaged else ""))
     return 0
 
 
@@ -296,7 +288,7 @@ def _gc(args: argparse.Namespace) -> int:
     persisted: int | None = None
     with _open(args, root, task, "read" if args.dry_run else "gc") as store:
         report = store.gc(dry_run=args.dry_run)
-        slots = _slot_steps(store) if isinstance(root, Path) else []
+        slots = _slot_steps(store, root)
         if slots and not args.dry_run:  # the writer lock is ours: the run that wrote them is gone
             persisted = adopt_newer(store)
     if args.json:
