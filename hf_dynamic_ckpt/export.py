@@ -1,8 +1,8 @@
-"""Getting a model out of a checkpoint: `describe_model`, `load_checkpoint`, `export_checkpoint` (docs/trainer.md,
-"Notes"). Reading writes nothing in the store. An export is written into a temporary folder beside `out`,
-`EXPORT_MARKER` last, and renamed into place; ``overwrite=True`` replaces only an empty folder or a previous export
-holding nothing else (never the store, a folder holding it, the current directory or a folder holding that), and
-removes the previous export only once the new one is in place: a failed export leaves it as it was.
+"""Getting a model out of a checkpoint: `describe_model`, `load_checkpoint`, `export_checkpoint` (docs/trainer.md).
+
+Reading writes nothing in the store. An export is written beside `out`, `EXPORT_MARKER` last, and renamed into place;
+``overwrite=True`` replaces only an empty folder or a previous export holding nothing else (never the store, a folder
+holding it, the current directory or a folder holding that), once the new one is in place: a failed export leaves it.
 """
 
 from __future__ import annotations
@@ -116,17 +116,11 @@ def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier], *,
 
 def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, model: nn.Module | None = None,
                     task_id: str | None = None, tiers: Collection[Tier] = ALL_TIERS) -> LoadedCheckpoint:
-    """Read a checkpoint (verified) for a plain script; with `model`, put its weights into it (names and shapes
-    checked). Writes nothing. `root`: the store directory, the training output_dir holding it, or a URL; `ref`:
-    `auto`, `best`, `fastest`, `step:N` or a path; `tiers`: what to read.
-
-    Raises:
-        `CheckpointNotFoundError`: `root` holds no store, or `ref` names no loadable checkpoint.
-        `ConfigError`: `root` is a file or a task / checkpoint folder, or `model` is given and there are no weights.
-        `CorruptCheckpointError`: `ref` names one checkpoint (`step:N`, a path) and it fails verification.
-
-    Example: ``load_checkpoint("out", "best", model=AutoModelForCausalLM.from_config(config))``
-    """
+    """Read a checkpoint (verified; writes nothing) for a plain script; with `model`, put its weights into it (names
+    and shapes checked). `root`: the store directory, the training output_dir holding it, or a URL; `ref`: `auto`,
+    `best`, `fastest`, `step:N` or a path. Raises `CheckpointNotFoundError` (no store, or `ref` names no loadable
+    checkpoint), `ConfigError` (`root` is a file or a task / checkpoint folder; `model` and no weights) or
+    `CorruptCheckpointError` (`ref` names one checkpoint, `step:N` or a path, and it fails verification)."""
     with _open(root, task_id) as store:
         loaded = _load(store, ref, tiers)[0]
     if model is not None:
@@ -139,16 +133,11 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
 def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | os.PathLike[str], *,
                       format: str = "peft", base: str | os.PathLike[str] | None = None,
                       task_id: str | None = None, overwrite: bool = False) -> Path:
-    """Write a checkpoint as a folder that PEFT / transformers load (see the module docstring); returns `out`.
-    `format`: ``peft`` (PEFT's adapter folder: the active adapter at the top, the others in sub-folders), ``hf``
-    (transformers' ``save_pretrained`` of the full model) or ``merged`` (the base weights, `base`, default the
-    recorded name, with the active adapter merged by PEFT's ``merge_and_unload``).
-
-    Raises:
-        `ConfigError`: a format that is unknown or does not fit the checkpoint, an `out` that exists (without
-            `overwrite`) or may not be replaced (nothing is deleted), or no recorded model description.
-        `CheckpointNotFoundError`: `root` holds no store, or `ref` names no loadable checkpoint.
-    """
+    """Write a checkpoint as a folder that PEFT / transformers load; returns `out`. `format`: ``peft`` (PEFT's adapter
+    folder), ``hf`` (transformers' ``save_pretrained`` of the full model) or ``merged`` (the base weights, `base`,
+    default the recorded name, with the active adapter merged by PEFT's ``merge_and_unload``). Raises `ConfigError`
+    (a format unknown or unfit, an `out` that exists without `overwrite` or may not be replaced, no recorded model
+    description) or `CheckpointNotFoundError` (no store, or `ref` names no loadable checkpoint)."""
     return export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite, log=True)[0]
 
 
@@ -343,10 +332,10 @@ def _write_merged(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path,
     from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
+    adapters = _adapters(loaded, desc)
     if not (source := base or desc.get("base_model")):
         raise ConfigError("format='merged' needs the base weights: pass base=PATH (--base) to a local model folder.")
     model = AutoModelForCausalLM.from_pretrained(os.fspath(source), revision=desc.get("revision"))
-    adapters = _adapters(loaded, desc)
     active = desc.get("active_adapter") or next(iter(adapters))
     peft_model = get_peft_model(model, _peft_config(desc, active), adapter_name=active)
     set_peft_model_state_dict(peft_model, adapters[active], adapter_name=active)
