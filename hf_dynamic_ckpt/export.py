@@ -280,11 +280,11 @@ def _adapters(loaded: LoadedCheckpoint, desc: dict[str, Any]) -> dict[str, dict[
     return out
 
 
-def _peft_config(desc: dict[str, Any], name: str) -> Any:
-    """The recorded config of adapter `name` as PEFT's own config object."""
+def _peft_config(desc: dict[str, Any], name: str, **kw: Any) -> Any:
+    """The recorded config of adapter `name` as PEFT's own config object, with the fields `kw`."""
     from peft import PeftConfig
 
-    return PeftConfig.from_peft_type(**{k: v for k, v in desc["adapters"][name].items() if k != "auto_mapping"})
+    return PeftConfig.from_peft_type(**{k: v for k, v in desc["adapters"][name].items() if k != "auto_mapping"} | kw)
 
 
 def _write_peft(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path, base: Any) -> None:
@@ -295,9 +295,7 @@ def _write_peft(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path, ba
     adapters = _adapters(loaded, desc)
     for name, weights in adapters.items():
         where = folder if name == desc.get("active_adapter") or len(adapters) == 1 else folder / name
-        config = _peft_config(desc, name)
-        config.inference_mode = True
-        config.save_pretrained(os.fspath(where))
+        _peft_config(desc, name, inference_mode=True).save_pretrained(os.fspath(where))
         save_file({k: t.contiguous() for k, t in weights.items()}, where / "adapter_model.safetensors",
                   metadata={"format": "pt"})
 
