@@ -124,8 +124,7 @@ def _ls(args: argparse.Namespace) -> int:
             removed += [(task, r) for _, r in sorted(store.removed().items())]
             if steps := _slot_steps(store, root):
                 in_memory.append(f"  {task}: step {', '.join(map(str, steps))}")
-        if isinstance(root, Path):  # a local store's step log records its rollbacks
-            rollbacks += [(task, r) for r in read_rollbacks(root, task)]
+        rollbacks += [(task, r) for r in read_rollbacks(root, task)] if isinstance(root, Path) else []  # its step log
     if args.json:
         return _print_json([{"task": i.task_id, "step": i.step, "reason": i.reason, "tiers": sorted(i.tiers),
                              "bytes": i.bytes, "loss": i.loss, "healthy": i.healthy, "pinned": i.pinned,
