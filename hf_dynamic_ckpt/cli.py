@@ -1,10 +1,9 @@
 """`hf-dynamic-ckpt` (or `python -m hf_dynamic_ckpt.cli`): inspect, check, manage and export a store (``--help``).
 
-ROOT is the store directory (holding ``catalog.db``), the training ``output_dir`` (its ``smart_ckpt/``) or a URL
-root (fsspec options as a JSON object in ``$HF_DYNAMIC_CKPT_STORAGE_OPTIONS``). Exit codes: 0 success, 1 problems
-found (`verify`), 2 bad usage, a path that holds no store, or a reference that names nothing. Commands that only look
-write nothing (a URL is read into a temporary cache); `verify` then records the statuses that changed in the catalog,
-best effort. `pin`, `unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run.
+ROOT: the store directory, the training ``output_dir`` or a URL (fsspec options: `OPTIONS_ENV`). Exit codes: 0 success,
+1 problems found (`verify`), 2 bad usage, a path that holds no store, or a reference that names nothing. Commands
+that only look write nothing (`verify` records the statuses that changed in the catalog, best effort); `pin`,
+`unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run.
 """
 
 from __future__ import annotations
@@ -53,46 +52,37 @@ def _where(args: argparse.Namespace, *, one: bool = False) -> tuple[Path | str, 
     else:
         import fsspec
 
-        fs, path = fsspec.core.url_to_fs(root, **_options())
-        found = []
+        (fs, path), entries = fsspec.core.url_to_fs(root, **_options()), []
         with contextlib.suppress(FileNotFoundError):
-            found = sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False)} - {""})
-        found = [n for n in found if not n.startswith(".") and n != BLOBS_DIR]
+            entries = fs.ls(path, detail=False)
+        found = sorted({n for e in entries if (n := str(e).rstrip("/").rsplit("/")[-1]) and n[0] != "."} - {BLOBS_DIR})
     if one and len(found) > 1:
         raise ConfigError(f"{root} holds several tasks ({', '.join(found)}); choose one with --task.")
     return root, found or [DEFAULT_TASK_ID]
 
 
 def _open(args: argparse.Namespace, root: Path | str, task: str, mode: str = "read") -> CheckpointStore:
-    """The task's store: ``read`` writes nothing, ``write`` takes the writer lock (refused at once while another
-    process holds it: the error names the holder), ``gc`` lets `gc` take it, ``reindex`` rebuilds the catalog (of a
-    URL: the training cache of this machine)."""
+    """The task's store: ``read`` writes nothing, ``write`` takes the writer lock (of a local store: refused at once
+    while another process holds it, the error names the holder), ``gc`` lets `gc` take it, ``reindex`` rebuilds the
+    catalog (of a URL: the training cache of this machine; the others read a URL into a temporary cache)."""
     if isinstance(root, str):
-        if mode == "reindex":
-            return CheckpointStore(root, task_id=task, storage_options=_options(), cleanup=False)
-        args.cache = args.cache or tempfile.mkdtemp(prefix="hf-dynamic-ckpt-")
-        return CheckpointStore(root, task_id=task, storage_options=_options(), cache_dir=args.cache,
-                               cleanup=mode == "write", read_only=mode == "read")
-    if mode == "read":
-        return CheckpointStore(root, task_id=task, read_only=True)
-    if mode != "reindex" and not (root / task).is_dir():
+        args.cache = args.cache or (None if mode == "reindex" else tempfile.mkdtemp(prefix="hf-dynamic-ckpt-"))
+    elif mode in ("write", "gc") and not (root / task).is_dir():
         raise ConfigError(f"task {task!r} has no folder under {root}; available: "
                           f"{', '.join(p.name for p in task_dirs(root))}.")
-    return CheckpointStore(root, task_id=task, cleanup=mode == "write", lock_wait_s=0.0)
+    return CheckpointStore(root, task_id=task, cleanup=mode == "write", read_only=mode == "read", **(
+        {"storage_options": _options(), "cache_dir": args.cache} if isinstance(root, str) else {"lock_wait_s": 0.0}))
 
 
-def _slot_steps(store: CheckpointStore) -> list[int]:
-    """The steps in the memory tier's slots of `store`'s task (read only; none when unreadable)."""
+def _slot_steps(store: CheckpointStore, root: Path | str) -> list[int]:
+    """The steps in the memory tier's slots of a local store's task (read only; none when unreadable)."""
     from .store.slots import open_slots
 
-    try:
-        slots = open_slots(store, read_only=True)
-    except Exception:
-        return []
-    if slots is None:
-        return []
-    with slots:
-        return sorted(i.step for i in slots.list(include_unhealthy=True, include_abandoned=True))
+    with contextlib.suppress(Exception):
+        if isinstance(root, Path) and (slots := open_slots(store, read_only=True)) is not None:
+            with slots:
+                return sorted(i.step for i in slots.list(include_unhealthy=True, include_abandoned=True))
+    return []
 
 
 # -- printing ---------------------------------------------------------------------------------------------------------
@@ -132,10 +122,9 @@ def _ls(args: argparse.Namespace) -> int:
         with _open(args, root, task) as store:
             infos += store.list(include_unhealthy=True, include_abandoned=args.all)
             removed += [(task, r) for _, r in sorted(store.removed().items())]
-            if isinstance(root, Path) and (steps := _slot_steps(store)):
+            if steps := _slot_steps(store, root):
                 in_memory.append(f"  {task}: step {', '.join(map(str, steps))}")
-        if isinstance(root, Path):  # a local store's step log records its rollbacks
-            rollbacks += [(task, r) for r in read_rollbacks(root, task)]
+        rollbacks += [(task, r) for r in read_rollbacks(root, task)] if isinstance(root, Path) else []  # its step log
     if args.json:
         return _print_json([{"task": i.task_id, "step": i.step, "reason": i.reason, "tiers": sorted(i.tiers),
                              "bytes": i.bytes, "loss": i.loss, "healthy": i.healthy, "pinned": i.pinned,
@@ -205,14 +194,6 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(n: int, total: int, item: str) -> None:
-    """A counter on stderr: redrawn in place on a terminal, one line per item otherwise."""
-    text = f"verify [{'#' * (24 * n // total):.<24}] {n}/{total} {item}"
-    tty = sys.stderr.isatty()
-    sys.stderr.write(("\r" + text.ljust(100)[:100] + ("\n" if n == total else "")) if tty else text + "\n")
-    sys.stderr.flush()
-
-
 def _verify(args: argparse.Namespace) -> int:
     if args.ref is not None and args.all:
         raise ConfigError("give either REF or --all, not both.")
@@ -229,17 +210,18 @@ def _verify(args: argparse.Namespace) -> int:
         if not targets:
             print(f"no checkpoints under {root}")
             return 0
-        if len(targets) == 1:
-            print(f"verifying {targets[0][1].task_id}/step-{targets[0][1].step} ({human_size(targets[0][1].bytes)}) "
-                  "...", file=sys.stderr)
         for n, (store, info) in enumerate(targets, 1):
-            label = f"{info.task_id}/step-{info.step}"
+            label, total, tty = f"{info.task_id}/step-{info.step}", len(targets), sys.stderr.isatty()
+            if total == 1:
+                print(f"verifying {label} ({human_size(info.bytes)}) ...", file=sys.stderr)
             try:
                 problems = store.verify(info)
             except CheckpointNotFoundError:
                 problems = None
-            if len(targets) > 1:
-                _progress(n, len(targets), label)
+            if total > 1:  # a counter: redrawn in place on a terminal, one line per checkpoint otherwise
+                text = f"verify [{'#' * (24 * n // total):.<24}] {n}/{total} {label}"
+                print("\r" + text.ljust(100)[:100] if tty else text, end="\n" if n == total or not tty else "",
+                      file=sys.stderr, flush=True)
             if problems is None:
                 gone += 1
                 print(f"GONE {label} (deleted while verifying, e.g. by retention; not a problem)")
@@ -262,13 +244,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _reindex(args: argparse.Namespace) -> int:
     root, tasks = _where(args)
-    n = damaged = 0
+    infos: list[CheckpointInfo] = []
     for task in tasks:
         with _open(args, root, task, "reindex") as store:
             store.reindex()
-            infos = store.list(include_unhealthy=True, include_abandoned=True)
-        n, damaged = n + len(infos), damaged + sum(i.status != "ok" for i in infos)
-    print(f"reindexed {root}: {n} checkpoint(s)" + (f", {damaged} with a damaged manifest" if damaged else ""))
+            infos += store.list(include_unhealthy=True, include_abandoned=True)
+    damaged = sum(i.status != "ok" for i in infos)
+    print(f"reindexed {root}: {len(infos)} checkpoint(s)" + (f", {damaged} with a damaged manifest" if damaged else ""))
     return 0
 
 
@@ -305,7 +287,7 @@ def _gc(args: argparse.Namespace) -> int:
     persisted: int | None = None
     with _open(args, root, task, "read" if args.dry_run else "gc") as store:
         report = store.gc(dry_run=args.dry_run)
-        slots = _slot_steps(store) if isinstance(root, Path) else []
+        slots = _slot_steps(store, root)
         if slots and not args.dry_run:  # the writer lock is ours: the run that wrote them is gone
             persisted = adopt_newer(store)
     if args.json:
@@ -385,14 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `hf-dynamic-ckpt`; returns the exit code.
-
-    Example:
-        ```bash
-        hf-dynamic-ckpt ls out/smart_ckpt
-        hf-dynamic-ckpt verify out --all          # the training output_dir works too
-        ```
-    """
+    """Entry point of `hf-dynamic-ckpt` (``hf-dynamic-ckpt ls out``); returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -1,16 +1,8 @@
 """Getting a model out of a checkpoint: `describe_model`, `load_checkpoint`, `export_checkpoint` (docs/trainer.md).
 
-Every manifest records under ``extra["model"]`` what rebuilding the model needs (`describe_model`). An export is a
-folder Hugging Face loads: ``peft`` (PEFT's adapter folder, the active adapter at the top and the others in
-sub-folders), ``hf`` (transformers' ``save_pretrained`` of the full model) or ``merged`` (the base weights, ``base=``,
-with the active adapter merged by PEFT's ``merge_and_unload``).
-
-Reading writes nothing in the store. ``auto``, ``best`` and ``fastest`` pass over a checkpoint that fails verification,
-and each checkpoint they rank first but pass over is named with the reason in `LoadedCheckpoint.warnings` (and logged).
-An export is written into a temporary folder beside `out` and renamed into place, `EXPORT_MARKER` written last;
+Reading writes nothing in the store. An export is written beside `out`, `EXPORT_MARKER` last, and renamed into place;
 ``overwrite=True`` replaces only an empty folder or a previous export holding nothing else (never the store, a folder
-holding it, the current directory or a folder holding that), and removes the previous export only once the new one is
-in place: a failed export leaves it as it was.
+holding it, the current directory or a folder holding that), once the new one is in place: a failed export leaves it.
 """
 
 from __future__ import annotations
@@ -37,11 +29,10 @@ from .store import CheckpointInfo, CheckpointStore, LoadedCheckpoint, find_root
 logger = logging.getLogger(__name__)
 
 KEY_MODEL = "model"
-"""Key of the model description in the manifest's `extra`."""
-FORMATS = ("peft", "hf", "merged")
+"""Key of the model description (`describe_model`) in the manifest's `extra`."""
 EXPORT_MARKER = "hf_dynamic_ckpt_export.json"
-"""Written last into every export folder: what it holds (``export_version`` 1; store, task, step, format, files).
-``overwrite=True`` replaces only a folder with this marker whose files are the ones it lists."""
+"""Written last into every export folder: ``export_version`` 1, store, task, step, format, ref, files (`overwrite`
+replaces only a folder holding this marker and the files it lists)."""
 _RANK = {"auto": lambda i: (-i.step,), "best": lambda i: (float("inf") if i.loss is None else i.loss, -i.step),
          "fastest": lambda i: (float("inf") if i.recovery_cost_ms is None else i.recovery_cost_ms, -i.step)}
 """Where a named ref ranks a checkpoint, lowest first (the order of `CheckpointStore.resolve`)."""
@@ -64,19 +55,19 @@ def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[st
     adapters: dict[str, Any] = {name: peft.peft_config[name].to_dict() for name in names}
     config = base.config.to_dict() if hasattr(getattr(base, "config", None), "to_dict") else None
     first, adapter = next(iter(model.parameters()), None), next(iter(adapters.values()), dict[str, Any]())
-    desc = {"kind": "peft" if names else "module" if config is None else "transformers", "config": config,
-            "adapters": adapters, "active_adapter": names[0] if names else None,
-            "base_model": adapter.get("base_model_name_or_path") or (config or {}).get("_name_or_path") or None,
-            "revision": adapter.get("revision"), "dtype": first.dtype if first is not None else None,
-            "tokenizer": getattr(tokenizer, "name_or_path", None) or None}
-    return json.loads(json.dumps(desc, default=_json_default))
+    return json.loads(json.dumps({
+        "kind": "peft" if names else "module" if config is None else "transformers", "config": config,
+        "adapters": adapters, "active_adapter": names[0] if names else None,
+        "base_model": adapter.get("base_model_name_or_path") or (config or {}).get("_name_or_path") or None,
+        "revision": adapter.get("revision"), "dtype": first.dtype if first is not None else None,
+        "tokenizer": getattr(tokenizer, "name_or_path", None) or None}, default=_json_default))
 
 
 def _open(root: str | os.PathLike[str], task_id: str | None) -> CheckpointStore:
     """The store opened to read: nothing is created or changed (a URL root is read into the local cache only)."""
-    if "://" in os.fspath(root):
-        return CheckpointStore(root, task_id=task_id or DEFAULT_TASK_ID, cleanup=False)
-    return CheckpointStore(find_root(root), task_id=task_id or DEFAULT_TASK_ID, read_only=True)
+    url = "://" in os.fspath(root)
+    return CheckpointStore(root if url else find_root(root), task_id=task_id or DEFAULT_TASK_ID, cleanup=False,
+                           read_only=not url)
 
 
 def _why_hidden(store: CheckpointStore, info: CheckpointInfo) -> str:
@@ -93,59 +84,45 @@ def _why_hidden(store: CheckpointStore, info: CheckpointInfo) -> str:
             f"pass step:{info.step} to take it")
 
 
-def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier]) -> tuple[LoadedCheckpoint, list[str]]:
+def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier], *,
+          log: bool = True) -> tuple[LoadedCheckpoint, list[str]]:
     """`store.load(ref)` with a sharded checkpoint's weights gathered whole. A named ref moves past a checkpoint
-    that fails verification; each checkpoint it ranks before the chosen one gets a note (also first in `warnings`)."""
+    that fails verification; each checkpoint it ranks before the chosen one gets a note (first in `warnings`, and
+    logged with `log`)."""
     rank = None if isinstance(ref, int) else _RANK.get(os.fspath(ref))
     failed: dict[int, str] = {}
     while True:
         try:
-            info = store.resolve(ref)
-        except CheckpointNotFoundError as e:
-            if not failed:
-                raise
-            raise CheckpointNotFoundError(f"{e} Passed over: " + "; ".join(
-                f"step {step}: {why}" for step, why in sorted(failed.items(), reverse=True))) from e
-        try:
-            loaded = store.load(info, tiers=tiers, mmap=False)
+            loaded = store.load(info := store.resolve(ref), tiers=tiers, mmap=False)
             break
         except CorruptCheckpointError as e:  # the load flagged it corrupt: the next resolve passes over it
             if rank is None or info.step in failed:
                 raise
             failed[info.step] = str(e)
+        except CheckpointNotFoundError as e:
+            if not failed:
+                raise
+            raise CheckpointNotFoundError(f"{e} Passed over: " + "; ".join(
+                f"step {step}: {why}" for step, why in sorted(failed.items(), reverse=True))) from e
     store.gather_weights(loaded)  # a sharded (FSDP2 / ZeRO) checkpoint's whole tensors from every rank's files
     notes = [] if rank is None else [
         f"skipped step {i.step}: {_why_hidden(store, i)}" for i in store.list(include_unhealthy=True)
         if i.step != loaded.info.step and Tier.WEIGHTS in i.tiers and rank(i) < rank(loaded.info)]
     loaded.warnings[:0] = notes
+    for note in notes if log else []:
+        logger.warning("%s (%r chose step %d)", note, ref, loaded.info.step)
     return loaded, notes
 
 
 def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, model: nn.Module | None = None,
                     task_id: str | None = None, tiers: Collection[Tier] = ALL_TIERS) -> LoadedCheckpoint:
-    """Read a checkpoint (verified) for a plain script; with `model`, put its weights into it. Writes nothing.
-
-    Args:
-        root (`str`): the store directory (``out/smart_ckpt``), the training output_dir holding it (``out``), or a URL.
-        ref (`str` or `int`, *optional*, defaults to `"auto"`): `auto`, `best`, `fastest`, `step:N` or a path.
-        model (`nn.Module`, *optional*): receives the weights (names and shapes checked).
-        task_id (`str`, *optional*): the run's task (default ``"default"``).
-        tiers (*optional*): what to read (default: every tier).
-
-    Raises:
-        `CheckpointNotFoundError`: `root` holds no store, or `ref` names no loadable checkpoint.
-        `ConfigError`: `root` is a file or a task / checkpoint folder, or `model` is given and there are no weights.
-        `CorruptCheckpointError`: `ref` names one checkpoint (`step:N`, a path) and it fails verification.
-
-    Example:
-        ```python
-        >>> load_checkpoint("out", "best", model=AutoModelForCausalLM.from_config(config))
-        ```
-    """
+    """Read a checkpoint (verified; writes nothing) for a plain script; with `model`, put its weights into it (names
+    and shapes checked). `root`: the store directory, the training output_dir holding it, or a URL; `ref`: `auto`,
+    `best`, `fastest`, `step:N` or a path. Raises `CheckpointNotFoundError` (no store, or `ref` names no loadable
+    checkpoint), `ConfigError` (`root` is a file or a task / checkpoint folder; `model` and no weights) or
+    `CorruptCheckpointError` (`ref` names one checkpoint, `step:N` or a path, and it fails verification)."""
     with _open(root, task_id) as store:
-        loaded, skipped = _load(store, ref, tiers)
-    for note in skipped:
-        logger.warning("%s (%r chose step %d)", note, ref, loaded.info.step)
+        loaded = _load(store, ref, tiers)[0]
     if model is not None:
         if loaded.weights is None:
             raise ConfigError(f"step {loaded.info.step} holds no weights tier; choose another checkpoint.")
@@ -156,46 +133,26 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
 def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | os.PathLike[str], *,
                       format: str = "peft", base: str | os.PathLike[str] | None = None,
                       task_id: str | None = None, overwrite: bool = False) -> Path:
-    """Write a checkpoint as a folder that PEFT / transformers load (see the module docstring); returns `out`.
-
-    Args:
-        root (`str`): the store directory, the training output_dir holding it, or a URL root.
-        ref (`str` or `int`): `auto`, `best`, `fastest`, `step:N` or a path.
-        out (`str`): the folder to create.
-        format (`str`, *optional*, defaults to `"peft"`): `peft`, `hf` or `merged`.
-        base (`str`, *optional*): the base model's folder (`merged`; default: the recorded name, offline).
-        task_id (`str`, *optional*): the run's task.
-        overwrite (`bool`, *optional*, defaults to `False`): replace `out` if it is empty or a previous export.
-
-    Raises:
-        `ConfigError`: a format that is unknown or does not fit the checkpoint, an `out` that exists (without
-            `overwrite`) or may not be replaced (nothing is deleted), or no recorded model description.
-        `CheckpointNotFoundError`: `root` holds no store, or `ref` names no loadable checkpoint.
-
-    Example:
-        ```python
-        >>> export_checkpoint("out", "auto", "adapter", format="peft")
-        PosixPath('adapter')
-        ```
-    """
-    path, step, skipped = export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite)
-    for note in skipped:
-        logger.warning("%s (%r chose step %d)", note, ref, step)
-    return path
+    """Write a checkpoint as a folder that PEFT / transformers load; returns `out`. `format`: ``peft`` (PEFT's adapter
+    folder), ``hf`` (transformers' ``save_pretrained`` of the full model) or ``merged`` (the base weights, `base`,
+    default the recorded name, with the active adapter merged by PEFT's ``merge_and_unload``). Raises `ConfigError`
+    (a format unknown or unfit, an `out` that exists without `overwrite` or may not be replaced, no recorded model
+    description) or `CheckpointNotFoundError` (no store, or `ref` names no loadable checkpoint)."""
+    return export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite, log=True)[0]
 
 
 def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.PathLike[str], *, format: str = "peft",
-                base: str | os.PathLike[str] | None = None, task_id: str | None = None,
-                overwrite: bool = False) -> tuple[Path, int, list[str]]:
+                base: str | os.PathLike[str] | None = None, task_id: str | None = None, overwrite: bool = False,
+                log: bool = False) -> tuple[Path, int, list[str]]:
     """`export_checkpoint` returning `out`, the step and a ``skipped step N: why`` line per checkpoint `ref` ranked
-    first but passed over, unlogged (the command line prints them)."""
-    if format not in FORMATS:
-        raise ConfigError(f"format={format!r} is invalid: expected one of {', '.join(FORMATS)}.")
+    first but passed over, logged with `log` (the command line prints them)."""
+    if format not in _WRITERS:
+        raise ConfigError(f"format={format!r} is invalid: expected one of {', '.join(_WRITERS)}.")
     target = Path(out)
     with _open(root, task_id) as store:
         store_root = None if "://" in os.fspath(root) else store.root
         replaces = _check_target(target, overwrite=overwrite, store_root=store_root)
-        loaded, skipped = _load(store, ref, {Tier.WEIGHTS})
+        loaded, skipped = _load(store, ref, {Tier.WEIGHTS}, log=log)
     step, desc = loaded.info.step, loaded.extra.get(KEY_MODEL)
     if loaded.weights is None:
         raise ConfigError(f"step {step} holds no weights tier ({'; '.join(loaded.warnings)}): export another "
@@ -204,22 +161,14 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
         raise ConfigError(f"step {step} records no model description (written before hf_dynamic_ckpt 0.2): rebuild "
                           "the model in a script and use load_checkpoint(root, ref, model=model) + "
                           "model.save_pretrained(out).")
-    if format != "hf" and desc.get("kind") != "peft":
-        raise ConfigError(f"format={format!r} needs a PEFT checkpoint; step {step} holds a full model: use "
-                          "format='hf'.")
-    if format == "hf" and desc.get("kind") == "peft":
-        raise ConfigError(f"format='hf' writes a full model; step {step} holds LoRA adapters only: use "
-                          "format='peft', or format='merged' with the base weights.")
+    if (format == "hf") == (desc.get("kind") == "peft"):
+        raise ConfigError(f"format='hf' writes a full model; step {step} holds LoRA adapters only: use format='peft', "
+                          "or format='merged' with the base weights." if format == "hf" else f"format={format!r} "
+                          f"needs a PEFT checkpoint; step {step} holds a full model: use format='hf'.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.export-tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    (tmp := target.parent / f".{target.name}.export-tmp-{secrets.token_hex(4)}").mkdir()
     try:
-        if format == "hf":
-            _write_hf(loaded, desc, tmp)
-        elif format == "peft":
-            _write_peft(_adapter_weights(loaded, desc), desc, tmp)
-        else:
-            _write_merged(_adapter_weights(loaded, desc), desc, tmp, base)
+        _WRITERS[format](loaded, desc, tmp, base)
         _write_marker(tmp, {"store": os.fspath(store_root or root), "task": loaded.info.task_id, "step": step,
                             "format": format, "ref": ref if isinstance(ref, int) else os.fspath(ref)})
         _move_into_place(tmp, target, replaces=replaces)
@@ -232,19 +181,20 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
 # -- the export folder: checked before anything is read, written aside, renamed into place ---------------------------
 def _not_an_export(folder: Path) -> str | None:
     """Why `folder` is not a previous export holding only what its marker lists (None: it is one)."""
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
     marker = folder / EXPORT_MARKER
     entries = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))  # links are listed, not followed
     if not marker.is_file() or marker.is_symlink():
-        return f"it is not a previous export (no {EXPORT_MARKER}; it holds {', '.join(entries[:5])}" \
-            f"{', ...' if len(entries) > 5 else ''})"
+        return f"it is not a previous export (no {EXPORT_MARKER}; it holds {some(entries)})"
     try:
         files = [str(f) for f in json.loads(marker.read_text(encoding="utf-8"))["files"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {EXPORT_MARKER} cannot be read ({e})"
     expected = {EXPORT_MARKER, *files, *(p.as_posix() for f in files for p in Path(f).parents if p != Path("."))}
     extra = [e for e in entries if e not in expected]
-    return f"it holds files the export did not write ({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''})" \
-        if extra else None
+    return f"it holds files the export did not write ({some(extra)})" if extra else None
 
 
 def _check_target(target: Path, *, overwrite: bool, store_root: Path | None) -> bool:
@@ -277,8 +227,7 @@ def _check_target(target: Path, *, overwrite: bool, store_root: Path | None) -> 
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file or a directory to disk."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)  # a file or a directory
     try:
         os.fsync(fd)
     finally:
@@ -289,10 +238,9 @@ def _write_marker(folder: Path, record: dict[str, Any]) -> None:
     """Fsync what the export wrote, then write `EXPORT_MARKER`, listing it, last. The test hook's ``export`` point
     (`errors.fault`) fires before each file is synced (`name`) and before the marker."""
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    for name in files:
+    for name in [*files, EXPORT_MARKER]:
         fault("export", name=name)
-        _fsync(folder / name)
-    fault("export", name=EXPORT_MARKER)
+        _fsync(folder / name) if name != EXPORT_MARKER else None
     body = {"export_version": 1, **record, "files": files, "library_version": VERSION}
     (folder / EXPORT_MARKER).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     for path in [folder / EXPORT_MARKER, *(p for p in folder.rglob("*") if p.is_dir()), folder]:
@@ -318,8 +266,8 @@ def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
         shutil.rmtree(old)
 
 
-# -- the formats ------------------------------------------------------------------------------------------------------
-def _adapter_weights(loaded: LoadedCheckpoint, desc: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+# -- the formats: each writes the checkpoint into a folder ------------------------------------------------------------
+def _adapters(loaded: LoadedCheckpoint, desc: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     """`{adapter: {PEFT key: tensor}}`. A sharded save names the weights as the model's parameters
     (``...lora_A.<adapter>.weight``); PEFT's keys leave the adapter out (``...lora_A.weight``)."""
     names, weights = list(desc["adapters"]), loaded.weights or {}
@@ -332,28 +280,27 @@ def _adapter_weights(loaded: LoadedCheckpoint, desc: dict[str, Any]) -> dict[str
     return out
 
 
-def _peft_config(desc: dict[str, Any], name: str) -> Any:
-    """The recorded config of adapter `name` as PEFT's own config object."""
+def _peft_config(desc: dict[str, Any], name: str, **kw: Any) -> Any:
+    """The recorded config of adapter `name` as PEFT's own config object, with the fields `kw`."""
     from peft import PeftConfig
 
-    return PeftConfig.from_peft_type(**{k: v for k, v in desc["adapters"][name].items() if k != "auto_mapping"})
+    return PeftConfig.from_peft_type(**{k: v for k, v in desc["adapters"][name].items() if k != "auto_mapping"} | kw)
 
 
-def _write_peft(adapters: dict[str, dict[str, torch.Tensor]], desc: dict[str, Any], folder: Path) -> None:
+def _write_peft(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path, base: Any) -> None:
     """PEFT's folder: the active adapter (or the only one) at the top, every other in a sub-folder of its name, each
     the checkpoint's PEFT state dict as it is beside its config as PEFT writes it, for inference."""
     from safetensors.torch import save_file
 
+    adapters = _adapters(loaded, desc)
     for name, weights in adapters.items():
         where = folder if name == desc.get("active_adapter") or len(adapters) == 1 else folder / name
-        config = _peft_config(desc, name)
-        config.inference_mode = True
-        config.save_pretrained(os.fspath(where))
+        _peft_config(desc, name, inference_mode=True).save_pretrained(os.fspath(where))
         save_file({k: t.contiguous() for k, t in weights.items()}, where / "adapter_model.safetensors",
                   metadata={"format": "pt"})
 
 
-def _write_hf(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path) -> None:
+def _write_hf(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path, base: Any) -> None:
     """transformers' own `save_pretrained` of the model the recorded config describes, built on the meta device and
     given the checkpoint's tensors (tied weights, shards and the config files as transformers writes them)."""
     import transformers
@@ -377,12 +324,13 @@ def _write_hf(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path) -> N
     model.save_pretrained(folder)
 
 
-def _write_merged(adapters: dict[str, dict[str, torch.Tensor]], desc: dict[str, Any], folder: Path,
+def _write_merged(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path,
                   base: str | os.PathLike[str] | None) -> None:
     """The base model with the active adapter merged in, by PEFT (`merge_and_unload`) and transformers."""
     from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
+    adapters = _adapters(loaded, desc)
     if not (source := base or desc.get("base_model")):
         raise ConfigError("format='merged' needs the base weights: pass base=PATH (--base) to a local model folder.")
     model = AutoModelForCausalLM.from_pretrained(os.fspath(source), revision=desc.get("revision"))
@@ -390,3 +338,7 @@ def _write_merged(adapters: dict[str, dict[str, torch.Tensor]], desc: dict[str, 
     peft_model = get_peft_model(model, _peft_config(desc, active), adapter_name=active)
     set_peft_model_state_dict(peft_model, adapters[active], adapter_name=active)
     peft_model.merge_and_unload().save_pretrained(folder)
+
+
+_WRITERS = {"peft": _write_peft, "hf": _write_hf, "merged": _write_merged}
+"""The formats, each its writer (`export_checkpoint`)."""
