@@ -23,19 +23,20 @@ def _deterministic_threads():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _memory_tier_slots_of_this_session():
+def _memory_tier_slots_of_this_session(tmp_path_factory: pytest.TempPathFactory):
     # Runs killed by a test keep their memory-tier slots in /dev/shm for a restart that some tests never make; the
-    # slots this session created go with it (those that were there before it stay).
-    from hf_dynamic_ckpt.store.slots import SHM_DIR, SHM_PREFIX
+    # slots of this session's stores (under its base temporary directory) go with it, once no live process holds
+    # them. Never another session's: a second pytest (or a script) may have killed a run and be about to restart it.
+    from hf_dynamic_ckpt.store.slots import slots_dir
 
-    base = Path(SHM_DIR) / f"{SHM_PREFIX}{os.getuid()}"
-    before = set(os.listdir(base)) if base.is_dir() else set()
     yield
     import shutil
 
-    for name in (set(os.listdir(base)) if base.is_dir() else set()) - before:
-        if not _held(base / name):  # a live run's (another process: a benchmark, a second pytest) stays
-            shutil.rmtree(base / name, ignore_errors=True)
+    for catalog in tmp_path_factory.getbasetemp().rglob("catalog.db"):
+        for task in (p for p in catalog.parent.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            slots = slots_dir(catalog.parent, task.name)
+            if slots.is_dir() and not _held(slots):
+                shutil.rmtree(slots, ignore_errors=True)
 
 
 def _held(slots: Path) -> bool:
