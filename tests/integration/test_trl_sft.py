@@ -1,4 +1,5 @@
-"""A client script as most LoRA fine-tunes are written: TRL's `SFTTrainer` with `SmartCkptCallback()` (defaults).
+"""A client script as most LoRA fine-tunes are written: TRL's `SFTTrainer` with `SmartCkptCallback()` (defaults);
+and the same job as TRL's `DPOTrainer` (slow).
 
 Evaluation during training, two data-loader workers, LoRA through `peft_config`: a SIGKILL of the whole job at the
 end of step 7 loses one step (the restart reads step 6 from host memory) and the resumed run's micro-batch and
@@ -46,3 +47,20 @@ def test_sfttrainer_killed_after_step_7_resumes_from_memory_bit_exact(tmp_path: 
     assert 1 <= recomputed <= 2  # step 7's micro-batches (gradient accumulation 2) and nothing more
     assert resumed["evals"] == reference["evals"]
     assert not slots.exists()  # the clean end removed the slots
+
+
+@pytest.mark.slow
+def test_dpotrainer_killed_after_step_7_resumes_from_memory_bit_exact(tmp_path: Path) -> None:
+    """The same job as a preference fine-tune (`DPOTrainer`, LoRA: its reference model is the base with the adapter
+    off): one step lost, read from host memory, every micro-batch's DPO loss and every evaluation bit-equal."""
+    reference = _run(tmp_path / "reference", "run", "--trainer", "dpo")
+    assert reference["resumed"] is None and len(reference["losses"]) == 20 and len(reference["evals"]) == 4
+    killed = _run(tmp_path / "job", "killed", "--kill_at", "7", "--trainer", "dpo", killed=True)
+    assert killed["losses"] == reference["losses"][:14]  # steps 1-7, gradient accumulation 2
+    slots = slots_dir(tmp_path / "job" / "run" / "smart_ckpt", "default")
+    resumed = _run(tmp_path / "job", "resumed", "--trainer", "dpo")
+    assert resumed["resumed"].endswith("default-step-6")
+    assert Path(resumed["resumed_path"]).parent.parent == slots
+    assert resumed["losses"] == reference["losses"][12:]  # steps 7-10
+    assert resumed["evals"] == reference["evals"]
+    assert not slots.exists()
