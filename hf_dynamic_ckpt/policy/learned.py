@@ -82,8 +82,7 @@ class FeatureExtractor:
             window.add(value)
         if _finite(frame.lr):
             self.lr.append(float(frame.lr))  # type: ignore[arg-type]
-        if _finite(mem):
-            self.mem.append((frame.step, float(mem)))  # type: ignore[arg-type]
+        self.mem = deque(points, maxlen=MEM_POINTS)
         self.prev_loss = loss if _finite(loss) else self.prev_loss
         self.seen += 1
         return [min(hi, max(lo, v)) for v, (lo, hi) in zip(f, CLIP)]

@@ -143,10 +143,8 @@ class StepLog:
     attached (`open`), events (a resume) also before."""
 
     def __init__(self, task_dir: Path, *, rank: int) -> None:
-        self.task_dir = task_dir
-        self.rank = rank
+        self.task_dir, self.rank, self._seen = task_dir, rank, 0
         self._file: Any = None
-        self._seen = 0
 
     def open(self) -> None:
         if self.rank == 0 and self._file is None:

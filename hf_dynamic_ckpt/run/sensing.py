@@ -43,8 +43,7 @@ class PreemptionFlag:
     def _handler(self, signum: int, frame: Any) -> None:
         # No logging here: a handler may interrupt code that holds the logging lock.
         self.set(signum)
-        previous = self._previous.get(signal.Signals(signum))
-        if callable(previous):
+        if callable(previous := self._previous.get(signal.Signals(signum))):
             previous(signum, frame)
 
     def install(self) -> bool:
