@@ -122,10 +122,8 @@ class SaveLog:
         self._start = len(self.events)
 
     def metrics(self, *, risk: float | None, interval: float | None, held_step: int | None = None) -> dict[str, float]:
-        """`smart_ckpt/saves`, `failed_saves` (of the run: a resumed run continues the counts), `streamed_saves`
-        (written from the live tensors: snapshot buffers did not fit), `last_save_step`, `stall_ms` (since the last
-        call), `risk`, `interval`. `held_step`: a save decided for that step, written after the step's logging, counts
-        as taken."""
+        """The `smart_ckpt/*` metrics of docs/trainer.md (`stall_ms`: since the last call; the counts: of the run).
+        `held_step`: a save decided for that step, written after the step's logging, counts as taken."""
         done = [e for e in self.events if e.error is None]
         last = held_step if held_step is not None else getattr(self.find(), "step", None)
         out = {"saves": float(self.earlier_saves + len(done) + (held_step is not None)),
