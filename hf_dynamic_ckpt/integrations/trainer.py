@@ -385,7 +385,7 @@ class SmartCkptCallback(TrainerCallback):
             if ck.rollback_due:  # confirmed at the last step: the final state is the restore point's, not N-1's
                 self._roll_back(state)
             ck.release()
-            last = ck.log.last_ok()
+            last = ck.log.find()
             if not ck.preempted and state.global_step > 0 and (last is None or last.step < state.global_step):
                 # The final state is the most valuable restore point; the write overlaps nothing.
                 ck.save_now(state.global_step, state.epoch or 0.0, reason="train_end", blocking=False)

@@ -1,7 +1,5 @@
-"""The learned double-check next to the rules: 12 scale-free features of the frames and a 2-layer LSTM over them
-(docs/decision_model.md). Asked once per step on the reduced frame, the model may ask for an early save (`LEARNED`),
-take a cheaper tier set for a risk-edge save, or veto a rule capture of a *soft* trigger; a hard trigger (non-finite
-values, a loss >= `HARD_LOSS_RATIO` x its baseline) is never vetoed. Safetensors only (no pickle); numpy float64."""
+"""The learned double-check next to the rules: 12 scale-free features of the frames and a 2-layer LSTM over them, its
+role (early save, cheaper tiers, veto of a *soft* rule capture, never of a hard one) as docs/decision_model.md says."""
 
 from __future__ import annotations
 
@@ -34,10 +32,8 @@ WINDOW = 20  # finite values each ratio's baseline is taken over
 MEM_POINTS, MEM_HORIZON = 6, 50  # the memory trend: a line through the last 6 samples, extrapolated 50 steps
 HISTORY_FULL = 50  # steps after which the `history` feature is 1
 NOISE_FLOOR = 1e-4  # relative loss noise below this reads as this (log of 0 is -inf)
-BUILTIN = "builtin"
-BUILTIN_PATH = Path(__file__).with_name("decision_model.safetensors")
-MODEL_FORMAT = "hf_dynamic_ckpt.decision_model"
-MODEL_VERSION = "1"
+BUILTIN, BUILTIN_PATH = "builtin", Path(__file__).with_name("decision_model.safetensors")
+MODEL_FORMAT, MODEL_VERSION = "hf_dynamic_ckpt.decision_model", "1"
 SAVE_THRESHOLD = 0.68  # the article's: save when save_score > 0.68
 DEFAULT_VETO_THRESHOLD = 0.02  # below this score a soft rule capture is vetoed (the file may set its own)
 HARD_LOSS_RATIO = 10.0  # a loss this many times its running median is an explosion: never vetoed
@@ -86,8 +82,7 @@ class FeatureExtractor:
             window.add(value)
         if _finite(frame.lr):
             self.lr.append(float(frame.lr))  # type: ignore[arg-type]
-        if _finite(mem):
-            self.mem.append((frame.step, float(mem)))  # type: ignore[arg-type]
+        self.mem = deque(points, maxlen=MEM_POINTS)
         self.prev_loss = loss if _finite(loss) else self.prev_loss
         self.seen += 1
         return [min(hi, max(lo, v)) for v, (lo, hi) in zip(f, CLIP)]
@@ -116,8 +111,7 @@ class Granularity(enum.IntEnum):
 
     @property
     def tiers(self) -> frozenset[Tier]:
-        return {0: ALL_TIERS, 1: frozenset({Tier.WEIGHTS}), 2: frozenset({Tier.WEIGHTS, Tier.OPTIMIZER}),
-                3: MINIMAL_TIERS}[int(self)]
+        return (ALL_TIERS, frozenset({Tier.WEIGHTS}), frozenset({Tier.WEIGHTS, Tier.OPTIMIZER}), MINIMAL_TIERS)[self]
 
 
 @dataclass(frozen=True)
@@ -135,10 +129,9 @@ class Opinion:
 
 
 class DecisionModel:
-    """The trained weights (numpy, float64) and one LSTM step. `tensors`: as `torch.nn.LSTM(12, H, num_layers=2)`
-    names them (`lstm.weight_ih_l0`, ...), plus `score.weight` (1, H), `score.bias` (1), `granularity.weight` (4, H),
-    `granularity.bias` (4), `features.mean` / `features.std` (12, the inputs' standardisation); `metadata`: the file's
-    (`veto_threshold`, training notes). `ConfigError`: a tensor is missing, of the wrong shape, or not finite."""
+    """The trained weights (numpy, float64) and one LSTM step. `tensors`: named as `torch.nn.LSTM(12, H, num_layers=2)`
+    names them (`lstm.weight_ih_l0`, ...), plus the heads `score.*`, `granularity.*` and the inputs' standardisation
+    `features.mean` / `features.std`; `ConfigError`: a tensor is missing, of the wrong shape, or not finite."""
 
     def __init__(self, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None, *,
                  source: str = "decision model") -> None:
@@ -164,14 +157,13 @@ class DecisionModel:
         if np.any(w["features.std"] <= 0.0):
             raise ConfigError(f"{source}: features.std must be > 0 everywhere.")
         self.hidden = hidden
-        self.mean, self.std = w["features.mean"], w["features.std"]
         # One tanh per layer: sigmoid(z) = 0.5 + 0.5 * tanh(z / 2), so the input, forget and output
         # gate rows (torch's order: i, f, g, o) are halved and mapped back with `_a * t + _c`.
         half = np.ones(4 * hidden)
         half[: 2 * hidden], half[3 * hidden :] = 0.5, 0.5
         # The standardisation (x - mean) / std is folded into the first layer's input weights and bias.
-        w_in = w["lstm.weight_ih_l0"] / self.std
-        folded = {0: (w_in, w["lstm.bias_ih_l0"] - w_in @ self.mean)}
+        w_in = w["lstm.weight_ih_l0"] / w["features.std"]
+        folded = {0: (w_in, w["lstm.bias_ih_l0"] - w_in @ w["features.mean"])}
         self._w, self._b = [], []
         for i in range(LAYERS):
             w_ih, b_ih = folded.get(i, (w[f"lstm.weight_ih_l{i}"], w[f"lstm.bias_ih_l{i}"]))
@@ -180,8 +172,7 @@ class DecisionModel:
         self._a, self._c = half.copy(), np.where(half == 0.5, 0.5, 0.0)
         self.w_score, self.b_score = w["score.weight"][0], float(w["score.bias"][0])
         self.w_gran, self.b_gran = w["granularity.weight"], w["granularity.bias"]
-        veto = self.metadata.get("veto_threshold")
-        self.veto_threshold = float(veto) if veto is not None else DEFAULT_VETO_THRESHOLD
+        self.veto_threshold = float(self.metadata.get("veto_threshold", DEFAULT_VETO_THRESHOLD))
 
     def initial_state(self) -> list[np.ndarray]:
         """`[h0, c0, h1, c1]`, zeros."""
@@ -242,9 +233,7 @@ class LearnedCheck:
     `decide`."""
 
     def __init__(self, model: DecisionModel) -> None:
-        self.model = model
-        self.features = FeatureExtractor()
-        self.state = model.initial_state()
+        self.model, self.features, self.state = model, FeatureExtractor(), model.initial_state()
         self._cached: tuple[int, Opinion] | None = None
         self.last_save: int | None = None  # step of the model's own last early save (its own cooldown)
 
@@ -253,9 +242,8 @@ class LearnedCheck:
         if self._cached is not None and self._cached[0] == frame.step:
             return self._cached[1]
         score, logits, self.state = self.model.step(self.features.step(frame), self.state)
-        opinion = Opinion(score=score, granularity=Granularity(int(np.argmax(logits))))
-        self._cached = (frame.step, opinion)
-        return opinion
+        self._cached = (frame.step, Opinion(score=score, granularity=Granularity(int(np.argmax(logits)))))
+        return self._cached[1]
 
     def review(self, frame: SignalFrame, rule: str | None, loss_baseline: float | None
                ) -> tuple[str | None, Opinion | None, str | None]:
@@ -285,18 +273,16 @@ class LearnedCheck:
         since the last save) and outside the model's cooldown."""
         op = self.opinion(frame)
         tiers = op.granularity.tiers
-        if decision.save:
-            if decision.kind == DecisionKind.RISK_EDGE and tiers < decision.tiers:
-                return dataclasses.replace(decision, tiers=tiers, reason=f"{decision.reason}; learned {op.describe()}")
-            return decision
-        if op.save and op.granularity == Granularity.KEY_LAYERS_RNG and may_save and self._cooled(frame.step, cooldown):
+        if decision.save and decision.kind == DecisionKind.RISK_EDGE and tiers < decision.tiers:
+            return dataclasses.replace(decision, tiers=tiers, reason=f"{decision.reason}; learned {op.describe()}")
+        if not decision.save and op.save and op.granularity == Granularity.KEY_LAYERS_RNG and may_save \
+                and self._cooled(frame.step, cooldown):
             return Decision(save=True, tiers=tiers, reason=f"learned {op.describe()}", risk=decision.risk,
                             step=frame.step, healthy=True, interval=decision.interval, kind=DecisionKind.LEARNED)
         return decision
 
     def _cooled(self, step: int, cooldown: int) -> bool:
-        """Whether an early save at `step` is outside the model's own cooldown (then it is recorded).
-        Its own: a false early save must not hold back a rule capture of a real anomaly."""
+        """Whether an early save at `step` is outside the model's own cooldown (then it is recorded)."""
         if self.last_save is not None and step - self.last_save < cooldown:
             return False
         self.last_save = step
@@ -311,8 +297,7 @@ class LearnedCheck:
         if len(lstm) != 2 * LAYERS or any(v.shape != (self.model.hidden,) or not np.all(np.isfinite(v)) for v in lstm):
             raise ConfigError(f"policy state of the learned model: lstm state {json.dumps(state['lstm'])[:80]} does "
                               f"not fit a {LAYERS}-layer LSTM of {self.model.hidden} units (another model wrote it).")
-        last = state["last_save"]
-        if last is not None and (not isinstance(last, int) or isinstance(last, bool)):
+        if (last := state["last_save"]) is not None and (not isinstance(last, int) or isinstance(last, bool)):
             raise ConfigError(f"policy state of the learned model: last_save={last!r} is invalid: expected an int "
                               "or null.")
         self.features.load_state_dict(state["features"])

@@ -1,14 +1,12 @@
 """The run's own record: its saves (`SaveEvent`, `SaveLog`, the `smart_ckpt/*` metrics), one row per step
-(`StepLog`, ``<root>/<task>/timeline.jsonl``, strict JSON so ``jq`` reads it) and the timeline figure.
-
-The catalog and the manifests hold the committed facts; this is what the training loop saw (reason, blocking time,
-bytes once committed, or the error). A resume or rollback line starts a new segment when the log is read back
-(`read_step_log`); the figure draws each segment, the saves and the store's checkpoints (`plot_timeline`, the
-``plot`` command). matplotlib is imported only there.
-"""
+(`StepLog`, ``<root>/<task>/timeline.jsonl``, strict JSON so ``jq`` reads it) and the timeline figure
+(`plot_timeline`, the ``plot`` command; matplotlib is imported only there). The catalog and the manifests hold the
+committed facts; this is what the training loop saw."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -47,12 +45,10 @@ def human_size(n: float | None) -> str:
 
 @dataclass
 class SaveEvent:
-    """One save as the training loop saw it (the catalog holds the committed facts).
-
-    `at_step`: the step during which it was taken (`step + 1` for a pre-update capture); `bytes`, `write_ms`, `path`
-    once committed (rank 0); `error`: why it failed or was skipped; `staging`: `"buffered"` (copied, written in the
-    background), `"streaming"` (written from the live tensors: memory was short) or `"sync"` (a blocking save).
-    """
+    """One save as the training loop saw it. `at_step`: the step during which it was taken (`step + 1` for a
+    pre-update capture); `bytes`, `write_ms`, `path` once committed (rank 0); `error`: why it failed or was skipped;
+    `staging`: `"buffered"` (copied, written in the background), `"streaming"` (written from the live tensors: memory
+    was short) or `"sync"` (a blocking save)."""
 
     step: int
     at_step: int
@@ -69,11 +65,10 @@ class SaveEvent:
     staging: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "at_step": self.at_step, "reason": self.reason, "kind": self.kind.value,
-                "tiers": sorted(t.value for t in self.tiers), "pinned": self.pinned,
-                "blocking_ms": round(self.blocking_ms, 3), "bytes": self.bytes,
-                "write_ms": None if self.write_ms is None else round(self.write_ms, 3),
-                "path": self.path, "error": self.error, "staging": self.staging}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "handle"}
+        return out | {"kind": self.kind.value, "tiers": sorted(t.value for t in self.tiers),
+                      "blocking_ms": round(self.blocking_ms, 3),
+                      "write_ms": None if self.write_ms is None else round(self.write_ms, 3)}
 
 
 class SaveLog:
@@ -83,21 +78,16 @@ class SaveLog:
 
     def __init__(self) -> None:
         self.events: list[SaveEvent] = []
-        self.failed = 0
-        self.earlier_saves = 0
-        """Saves of the run before this process (restored from the resumed checkpoint: `continue_counts`)."""
-        self.earlier_failed = 0
+        self.failed = self.earlier_saves = self.earlier_failed = 0  # earlier: the run's before this process
         self._start = 0  # index of the first event of the current timeline
-        self._stall_ms = 0.0
-        self._blocking_s = 0.0
+        self._stall_ms = self._blocking_s = 0.0
         self._overlapped: list[Any] = []  # `PendingCopy`s whose wait at the optimizer step is not counted yet
 
     def add(self, event: SaveEvent) -> SaveEvent:
         self.events.append(event)
         self._stall_ms += event.blocking_ms
         self._blocking_s += event.blocking_ms / 1e3
-        deferred = getattr(event.handle, "deferred", None)
-        if deferred is not None:
+        if (deferred := getattr(event.handle, "deferred", None)) is not None:
             self._overlapped.append(deferred)
         return event
 
@@ -110,10 +100,7 @@ class SaveLog:
         value, self._blocking_s = self._blocking_s + waited_ms / 1e3, 0.0
         return value if value > 0 else None
 
-    def last_ok(self) -> SaveEvent | None:
-        return self.find(None)
-
-    def find(self, step: int | None) -> SaveEvent | None:
+    def find(self, step: int | None = None) -> SaveEvent | None:
         """The newest successful (or still writing) save of `step` (any step: `None`) in the current timeline."""
         return next((e for e in reversed(self.events[self._start:]) if e.error is None and step in (None, e.step)),
                     None)
@@ -125,41 +112,28 @@ class SaveLog:
 
     def continue_counts(self, counts: dict[str, Any]) -> None:
         """Continue the run's counters from a resumed checkpoint's (`counts_for_save`): no drop at a restart."""
-        saves, failed = counts.get("saves"), counts.get("failed_saves")
-        if isinstance(saves, int) and saves >= 0:
-            self.earlier_saves = saves
-        if isinstance(failed, int) and failed >= 0:
-            self.earlier_failed = failed
+        for key, name in (("saves", "earlier_saves"), ("failed_saves", "earlier_failed")):
+            if isinstance(value := counts.get(key), int) and value >= 0:
+                setattr(self, name, value)
 
     def restart(self) -> None:
         """The run restarted from an earlier step (a retry, a rollback): earlier saves still count in
-        `smart_ckpt/saves`, but `find`, `last_ok` and `last_save_step` see only the current timeline's."""
+        `smart_ckpt/saves`, but `find` and `last_save_step` see only the current timeline's."""
         self._start = len(self.events)
 
     def metrics(self, *, risk: float | None, interval: float | None, held_step: int | None = None) -> dict[str, float]:
-        """`smart_ckpt/saves`, `failed_saves` (of the run: a resumed run continues the counts), `streamed_saves`,
-        `last_save_step`, `stall_ms` (since the last call), `risk`, `interval`. `held_step`: a save decided for that
-        step, written after the step's logging, counts as taken."""
-        done = [e.step for e in self.events if e.error is None]
-        current = [e.step for e in self.events[self._start:] if e.error is None]
-        if held_step is not None:
-            done.append(held_step)
-            current.append(held_step)
-        out: dict[str, float] = {
-            f"{METRIC_PREFIX}saves": float(self.earlier_saves + len(done)),
-            f"{METRIC_PREFIX}failed_saves": float(self.earlier_failed + self.failed),
-            # saves written synchronously from the live tensors because snapshot buffers did not fit
-            f"{METRIC_PREFIX}streamed_saves": float(sum(e.staging == "streaming" for e in self.events
-                                                        if e.error is None)),
-            f"{METRIC_PREFIX}stall_ms": round(self._stall_ms, 3),
-            f"{METRIC_PREFIX}risk": round(risk, 6) if risk is not None else 0.0,
-        }
-        if current:
-            out[f"{METRIC_PREFIX}last_save_step"] = float(current[-1])
-        if interval:
-            out[f"{METRIC_PREFIX}interval"] = round(interval, 3)
+        """The `smart_ckpt/*` metrics of docs/trainer.md (`stall_ms`: since the last call; the counts: of the run).
+        `held_step`: a save decided for that step, written after the step's logging, counts as taken."""
+        done = [e for e in self.events if e.error is None]
+        last = held_step if held_step is not None else getattr(self.find(), "step", None)
+        out = {"saves": float(self.earlier_saves + len(done) + (held_step is not None)),
+               "failed_saves": float(self.earlier_failed + self.failed),
+               "streamed_saves": float(sum(e.staging == "streaming" for e in done)),
+               "stall_ms": round(self._stall_ms, 3), "risk": round(risk, 6) if risk is not None else 0.0,
+               "last_save_step": None if last is None else float(last),
+               "interval": round(interval, 3) if interval else None}
         self._stall_ms = 0.0
-        return out
+        return {METRIC_PREFIX + k: v for k, v in out.items() if v is not None}
 
 
 class StepLog:
@@ -167,10 +141,8 @@ class StepLog:
     attached (`open`), events (a resume) also before."""
 
     def __init__(self, task_dir: Path, *, rank: int) -> None:
-        self.task_dir = task_dir
-        self.rank = rank
+        self.task_dir, self.rank, self._seen = task_dir, rank, 0
         self._file: Any = None
-        self._seen = 0
 
     def open(self) -> None:
         if self.rank == 0 and self._file is None:
@@ -195,13 +167,11 @@ class StepLog:
             "step": frame.step, "loss": safe_float(frame.loss), "grad_norm": safe_float(frame.grad_norm),
             "lora_max_ratio": safe_float(frame.lora_max_ratio), "lr": safe_float(frame.lr),
             "risk": round(decision.risk, 6), "beta": None if beta is None else round(beta, 6),
-            "mem": safe_float(frame.mem_frac),
-            "step_time_s": safe_float(frame.step_time_s), "time": time.time(),
+            "mem": safe_float(frame.mem_frac), "step_time_s": safe_float(frame.step_time_s), "time": time.time(),
         }
-        saved = [{"step": e.step, "reason": e.reason, "kind": e.kind.value, "pinned": e.pinned,
-                  "blocking_ms": round(e.blocking_ms, 3)} for e in saves]
-        if saved:
-            row["saves"] = saved
+        if saves:
+            row["saves"] = [{"step": e.step, "reason": e.reason, "kind": e.kind.value, "pinned": e.pinned,
+                             "blocking_ms": round(e.blocking_ms, 3)} for e in saves]
         self._file.write(json.dumps(row) + "\n")
 
     def event(self, kind: str, **data: Any) -> None:
@@ -223,13 +193,9 @@ def _log_rows(root: str | os.PathLike[str], task_id: str) -> list[dict[str, Any]
         return None
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+        with contextlib.suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return [row for row in rows if isinstance(row, dict)]
 
 
 def read_step_log(root: str | os.PathLike[str], task_id: str = DEFAULT_TASK_ID) -> list[list[dict[str, Any]]]:
@@ -281,27 +247,12 @@ def _kind(save: dict[str, Any]) -> str:
     return next((k for p, k in _LEGACY_KINDS.items() if str(save.get("reason", "")).startswith(p)), "interval")
 
 
-def _checkpoints(root: str | os.PathLike[str], task_id: str) -> list[tuple[str, int]]:
-    """The store's checkpoints as ``(kind, step)`` (none, with a warning, when they cannot be read)."""
-    try:
-        with CheckpointStore(root, task_id=task_id, read_only=True) as store:
-            infos = store.list(include_unhealthy=True, include_abandoned=True)
-    except (DynamicCkptError, OSError) as e:
-        logger.warning("plot: the checkpoints of %s are not readable (%s); only the step log's saves are marked",
-                       root, e)
-        return []
-    return [(_kind({"reason": i.reason}), i.step) for i in sorted(infos, key=lambda i: i.step)]
-
-
 def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK_ID, title: str | None = None,
                     risk_threshold: float | None = None) -> Figure:
     """The figure `plot_timeline` writes: loss, gradient norm and risk panels over steps of the store at `root`
-    (`risk_threshold`: a dashed line on the risk panel; close the figure with `matplotlib.pyplot.close`).
-
-    Its artists carry a `gid` to find them by (`fig.findobj`): ``"risk"`` (a line per segment), ``"save:<kind>"``
-    (a marker per save), ``"rollback-band"`` / ``"rollback-label"`` (one per rollback, each in its own lane),
-    ``"resume-label"``.
-    """
+    (`risk_threshold`: a dashed line on the risk panel). Its artists carry a `gid` (`fig.findobj`): ``"risk"`` (a line
+    per segment), ``"save:<kind>"`` (a marker per save), ``"rollback-band"`` / ``"rollback-label"`` (one per rollback,
+    each in its own lane), ``"resume-label"``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -348,10 +299,19 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
                 ax.axvspan(start, end, color=ROLLBACK_COLOUR, alpha=0.06, lw=0)
             rollbacks += 1
         saves += [(_kind(save), save["step"]) for r in rows for save in r.get("saves", [])]
+    try:  # the store's checkpoints the step log does not list (the train-end one)
+        with CheckpointStore(root, task_id=task_id, read_only=True) as store:
+            infos = store.list(include_unhealthy=True, include_abandoned=True)
+    except (DynamicCkptError, OSError) as e:
+        logger.warning("plot: the checkpoints of %s are not readable (%s); only the step log's saves are marked",
+                       root, e)
+        infos = []
     listed = {step for _, step in saves}
-    saves += [c for c in _checkpoints(root, task_id) if c[1] not in listed]
+    saves += [(_kind({"reason": i.reason}), i.step) for i in sorted(infos, key=lambda c: c.step)
+              if i.step not in listed]
+    styles = {k: SAVE_STYLES.get(k, SAVE_STYLES["interval"]) for k, _ in saves}
     for kind, step in saves:
-        colour, marker = SAVE_STYLES.get(kind, SAVE_STYLES["interval"])
+        colour, marker = styles[kind]
         for ax, alpha in ((ax_loss, 0.45), (ax_risk, 0.3)):
             ax.axvline(step, color=colour, alpha=alpha, lw=1.1, ls=":" if kind == "capture" else "-", zorder=1)
         # The markers sit in a strip along the top, above the bands, so none hides behind a band's edge.
@@ -359,9 +319,8 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
                      markeredgecolor="black", markeredgewidth=0.5, ls="", transform=top, clip_on=False, zorder=6,
                      gid=f"save:{kind}")
     handles = [Line2D([], [], color=c, ls=s, label=lbl) for k, (c, s, lbl) in SEGMENT_STYLES.items() if k in kinds]
-    handles += [Line2D([], [], color=SAVE_STYLES.get(k, SAVE_STYLES["interval"])[0], ls="", markeredgecolor="black",
-                       marker=SAVE_STYLES.get(k, SAVE_STYLES["interval"])[1], markeredgewidth=0.5, label=f"save: {k}")
-                for k in dict.fromkeys(k for k, _ in saves)]
+    handles += [Line2D([], [], color=c, ls="", markeredgecolor="black", marker=m, markeredgewidth=0.5,
+                       label=f"save: {k}") for k, (c, m) in styles.items()]
     if rollbacks:
         handles.append(Line2D([], [], color=ROLLBACK_COLOUR, alpha=0.35, lw=6,
                               label="rollback: restore point .. step it was confirmed at"))

@@ -1,9 +1,6 @@
-"""The sensing layer of one run: the probes a `RunOrchestrator` installs, and the per-step frame.
-
-`Sensors.measure` reads every probe once per optimizer step and reduces the frame across ranks in one collective
-(`distributed.reduce_frame`, which also compares a fingerprint of the decisions so far), so the policy on every rank
-sees the same numbers. `PreemptionFlag` turns a POSIX signal into the frame's `preempt`.
-"""
+"""The sensing layer of one run: the probes a `RunOrchestrator` installs, read once per optimizer step into a frame
+that is reduced across ranks in one collective (`distributed.reduce_frame`, which also compares a fingerprint of the
+decisions so far), so the policy on every rank sees the same numbers."""
 
 from __future__ import annotations
 
@@ -24,40 +21,29 @@ logger = logging.getLogger(__name__)
 
 
 class PreemptionFlag:
-    """Signal handlers that only set a flag; the save happens at the next step boundary.
-
-    A previous Python handler is chained (called after the flag is set); the default action (terminate) is not: not
-    dying immediately is the point. `install()` (main thread only) and `uninstall()` are idempotent.
-    """
+    """Signal handlers that only set the flag (`is_set`, the frame's `preempt`); the save happens at the next step
+    boundary. A previous Python handler is chained (called after the flag is set); the default action (terminate) is
+    not: not dying immediately is the point. `install()` (main thread only) and `uninstall()` are idempotent."""
 
     def __init__(self, signals: Iterable[str | int] = ("SIGTERM", "SIGUSR1")) -> None:
         self.signals = [signal.Signals[s] if isinstance(s, str) else signal.Signals(s) for s in signals]
         self._previous: dict[signal.Signals, Any] = {}
-        self._event = threading.Event()
         self.signum: int | None = None
+        self.is_set = False
 
-    @property
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
+    installed = property(lambda self: bool(self._previous))
 
     def set(self, signum: int | None = None) -> None:
         """Raise the flag by hand (e.g. from a scheduler's HTTP notice)."""
-        self.signum = signum
-        self._event.set()
+        self.signum, self.is_set = signum, True
 
     def clear(self) -> None:
-        self.signum = None
-        self._event.clear()
+        self.signum, self.is_set = None, False
 
     def _handler(self, signum: int, frame: Any) -> None:
         # No logging here: a handler may interrupt code that holds the logging lock.
         self.set(signum)
-        previous = self._previous.get(signal.Signals(signum))
-        if callable(previous):
+        if callable(previous := self._previous.get(signal.Signals(signum))):
             previous(signum, frame)
 
     def install(self) -> bool:
@@ -98,26 +84,20 @@ class Sensors:
     def measure(self, step: int, *, save_blocking_s: float | None, fingerprint: float,
                 pre_clip_norm: float | None = None, clip_norm: float | None = None,
                 slot: tuple[float, float] | None = None) -> SignalFrame:
-        """This step's frame, reduced across ranks (identical on every rank). `slot`: this rank's `MemoryTier.plan`;
-        `pre_clip_norm`, `clip_norm`: from elsewhere (a DeepSpeed engine's), replacing the recorder's.
-
-        Raises:
-            `DistributedError`: another rank died, or the ranks' fingerprints differ.
-        """
+        """This step's frame, identical on every rank (`DistributedError`: another rank died, or the ranks'
+        fingerprints differ). `slot`: this rank's `MemoryTier.plan`; `pre_clip_norm`, `clip_norm`: from elsewhere (a
+        DeepSpeed engine's), replacing the recorder's."""
         loss_t = self.loss.pop()
         pre_clip = self.clip.pop() if self.clip is not None else None
         fields = self.grad.frame_fields(pre_clip_norm if pre_clip_norm is not None else pre_clip)
         device_mem, host_mem = self.mem.sample(step)
-        now = time.perf_counter()
-        step_time = None if self._last_t is None else now - self._last_t
-        self._last_t = now
+        self._last_t, last = time.perf_counter(), self._last_t
         frame = SignalFrame(
             step=step, loss=None if loss_t is None else float(loss_t), device_mem_frac=device_mem,
-            host_mem_frac=host_mem, step_time_s=step_time, save_blocking_s=save_blocking_s,
+            host_mem_frac=host_mem, step_time_s=None if last is None else self._last_t - last,
+            save_blocking_s=save_blocking_s, preempt=self.flag.is_set,
             clip_norm=clip_norm if clip_norm is not None else self.clip.max_norm if self.clip is not None else None,
-            preempt=self.flag.is_set, slot_every=slot[0] if slot else None, slot_blocked=slot[1] if slot else None,
-            **fields,
-        )
+            slot_every=slot[0] if slot else None, slot_blocked=slot[1] if slot else None, **fields)
         return dist.reduce_frame(frame, layer_names=self.grad.layer_names, fingerprint=fingerprint)
 
     def remove(self) -> None:

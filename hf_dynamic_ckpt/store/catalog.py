@@ -1,8 +1,5 @@
-"""The SQLite index of committed checkpoints (``<root>/catalog.db``, WAL): derived from the manifests, never the truth.
-
-One row per checkpoint, its path derived from task and step; `sync` re-reads a manifest only when its identity (`sig`)
-changed or a flag that hides it is re-checked. A torn, foreign or other-schema database is moved aside or dropped and
-rebuilt; a ``read_only`` store reads `snapshot`, an in-memory copy."""
+"""The SQLite index of committed checkpoints (``<root>/catalog.db``, WAL): derived from the manifests, never the truth
+(docs/reliability.md). A torn, foreign or other-schema file is moved aside or dropped and rebuilt."""
 
 from __future__ import annotations
 
@@ -29,9 +26,7 @@ _SCHEMA = """CREATE TABLE checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, tas
     tiers TEXT NOT NULL, bytes INTEGER NOT NULL, reason TEXT NOT NULL, healthy INTEGER NOT NULL, pinned INTEGER
     NOT NULL, status TEXT NOT NULL, world_size INTEGER NOT NULL, abandoned INTEGER NOT NULL DEFAULT 0, details TEXT,
     sig TEXT, UNIQUE (task_id, step)); CREATE INDEX idx_checkpoints_task_step ON checkpoints (task_id, step);"""
-COLUMNS = ("task_id", "step", "loss", "gpu_mem_percent", "save_time", "file_path", "recovery_cost_ms", "tiers",
-           "bytes", "reason", "healthy", "pinned", "status", "world_size", "abandoned", "details", "sig")
-_UPSERT = f"INSERT OR REPLACE INTO checkpoints ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+_UPSERT = f"INSERT OR REPLACE INTO checkpoints VALUES (NULL{', ?' * 17})"  # a new id, then the columns (`_values`)
 _DELETE = "DELETE FROM checkpoints WHERE task_id=? AND step=?"
 
 
@@ -42,9 +37,8 @@ def manifest_sig(directory: Path) -> str | None:
 
 
 class Catalog:
-    """One connection to a store root's catalog (`path` `None`: in memory), shared by threads under a lock; other
-    writers are waited for up to `busy_timeout_ms`. `rebuilt`: the file was unusable or of another schema and started
-    afresh (its rows are to be rebuilt)."""
+    """One connection to a store root's catalog (`path` `None`: in memory), shared by threads under a lock; `rebuilt`:
+    the file was unusable or of another schema and started afresh (its rows are to be rebuilt)."""
 
     def __init__(self, path: str | os.PathLike[str] | None, *, busy_timeout_ms: int = 30_000) -> None:
         self.path, self.busy_timeout_ms = Path(path) if path is not None else None, int(busy_timeout_ms)
@@ -81,18 +75,13 @@ class Catalog:
                 logger.warning("catalog %s is not in WAL mode; readers may wait for writers", self.path)
             conn.execute("PRAGMA synchronous=NORMAL")
             if conn.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:  # not migrated
-                conn.execute("BEGIN IMMEDIATE")  # read again under the write lock: another process may have made it
-                try:
+                with conn:  # read again under the write lock: another process may have made it
+                    conn.execute("BEGIN IMMEDIATE")
                     if (version := conn.execute("PRAGMA user_version").fetchone()[0]) != SCHEMA_VERSION:
-                        for sql in ("DROP TABLE IF EXISTS checkpoints", "DROP TABLE IF EXISTS checkpoint_details",
-                                    *(stmt for stmt in _SCHEMA.split(";") if stmt.strip()),
-                                    f"PRAGMA user_version={SCHEMA_VERSION}"):
-                            conn.execute(sql)
+                        for sql in (f"DROP TABLE IF EXISTS checkpoints; DROP TABLE IF EXISTS checkpoint_details; "
+                                    f"{_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}").split(";"):
+                            conn.execute(sql)  # not `executescript`: it would COMMIT the lock away first
                         self.rebuilt = self.rebuilt or version != 0
-                    conn.execute("COMMIT")
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
         except BaseException:
             conn.close()
             raise
@@ -158,10 +147,9 @@ class Catalog:
     def sync(self, task_id: str, *, root: str | os.PathLike[str], committed: Mapping[int, Path],
              scan: Callable[[int, Path], CheckpointInfo | None], abandoned: Collection[tuple[int, float]],
              recheck_hidden: bool = False, drop_missing: bool = False) -> None:
-        """Make the rows of `task_id` agree with its ``step-<N>`` directories (`committed`), reading a manifest (`scan`)
-        only where a row's `sig`, status or abandoned flag is stale or (`recheck_hidden`) a flag hides it. Rows of
-        vanished checkpoints become ``"missing"`` (`drop_missing`: deleted); a ``"corrupt"`` finding stands while the
-        save time is unchanged. Writes only what changed."""
+        """Make the rows of `task_id` agree with its directories (`committed`), reading a manifest (`scan`) only where a
+        row is stale or (`recheck_hidden`) a flag hides it; vanished ones become ``"missing"`` (`drop_missing`: go), a
+        ``"corrupt"`` finding stands while the save time is unchanged."""
         rows, updates, present = {int(r["step"]): r for r in self.rows(task_id)}, [], set()
         for step, path in committed.items():
             if (row := rows.get(step)) is not None and row["sig"] == manifest_sig(path) and row["status"] != \
@@ -172,7 +160,7 @@ class Catalog:
                 present.add(step)
                 if row is not None and row["status"] == STATUS_CORRUPT and float(row["save_time"]) == info.save_time:
                     info = dataclasses.replace(info, status=STATUS_CORRUPT)
-                if (values := _values(info, root)) != (row and tuple(row[c] for c in COLUMNS)):
+                if (values := _values(info, root)) != (row and tuple(row.values())[1:]):
                     updates.append(values)
         drop = [(task_id, s) for s in rows if s not in present and drop_missing and s not in committed]
         miss = [(task_id, s) for s, r in rows.items() if s not in present and (task_id, s) not in drop
@@ -203,13 +191,12 @@ class Catalog:
         except (ValueError, KeyError, TypeError, AttributeError):
             details, lineage = {}, None
         return CheckpointInfo(
-            task_id=row["task_id"], step=int(row["step"]), reason=row["reason"], bytes=int(row["bytes"]),
-            path=os.path.join(os.fspath(root), row["task_id"], f"{STEP_DIR_PREFIX}{int(row['step'])}"),
-            tiers=frozenset(Tier(t) for t in row["tiers"].split(",") if t), loss=row["loss"],
-            gpu_mem_percent=row["gpu_mem_percent"], save_time=float(row["save_time"]),
-            recovery_cost_ms=row["recovery_cost_ms"], healthy=bool(row["healthy"]), pinned=bool(row["pinned"]),
-            status=row["status"], world_size=int(row["world_size"]), blobs=details.get("blobs") or {},
-            abandoned=abandoned, lineage=lineage, frozen=details.get("frozen") or {})
+            **{k: row[k] for k in ("task_id", "reason", "loss", "gpu_mem_percent", "recovery_cost_ms", "status")},
+            step=int(row["step"]), path=os.path.join(root, row["task_id"], f"{STEP_DIR_PREFIX}{int(row['step'])}"),
+            tiers=frozenset(Tier(t) for t in row["tiers"].split(",") if t), bytes=int(row["bytes"]),
+            save_time=float(row["save_time"]), healthy=bool(row["healthy"]), pinned=bool(row["pinned"]),
+            world_size=int(row["world_size"]), blobs=details.get("blobs") or {}, abandoned=abandoned, lineage=lineage,
+            frozen=details.get("frozen") or {})
 
 
 def _values(i: CheckpointInfo, root: str | os.PathLike[str]) -> tuple[Any, ...]:
