@@ -23,21 +23,17 @@ _MAX_FIELDS = ("grad_norm", "lora_max_ratio", "device_mem_frac", "host_mem_frac"
 
 
 def _dist() -> Any:
-    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return None
-    return torch.distributed
+    return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
 
 
 def rank() -> int:
     """This process's global rank (0 without a process group)."""
-    d = _dist()
-    return d.get_rank() if d else 0
+    return d.get_rank() if (d := _dist()) else 0
 
 
 def world_size() -> int:
     """Number of processes (1 without a process group)."""
-    d = _dist()
-    return d.get_world_size() if d else 1
+    return d.get_world_size() if (d := _dist()) else 1
 
 
 def is_main() -> bool:
@@ -93,11 +89,10 @@ def all_gather_json(obj: Any) -> list[Any]:
 def all_reduce_square_sums(values: Sequence[float]) -> list[float]:
     """Per bucket, the sum over ranks of this rank's squared gradient-shard norms (`signals.GradProbe`), in one float64
     `all_reduce`; `values` as they are without a process group. NaN and inf propagate."""
-    d = _dist()
-    if not d or d.get_world_size() == 1 or not values:
+    if world_size() == 1 or not values:
         return list(values)
     t = torch.tensor(list(values), dtype=torch.float64, device=_device())
-    d.all_reduce(t)
+    torch.distributed.all_reduce(t)
     return t.cpu().tolist()
 
 
@@ -152,11 +147,10 @@ def reduce_frame(frame: SignalFrame, *, layer_names: Sequence[str] = (), fingerp
     `fingerprint` sums up this rank's save decisions so far (e.g. how many it took): differing ones raise the same
     `DistributedError` on every rank.
     """
-    d = _dist()
-    if not d or d.get_world_size() == 1:
+    if (world := world_size()) == 1:
         return frame
     local = pack_frame(frame, layer_names, fingerprint).to(_device())
-    gathered = torch.empty(d.get_world_size() * local.numel(), dtype=local.dtype, device=local.device)
+    gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
     try:
         _gather(gathered, local)
     except RuntimeError as e:  # gloo/NCCL: a peer died (SIGKILL, OOM) or the group is broken
@@ -165,6 +159,6 @@ def reduce_frame(frame: SignalFrame, *, layer_names: Sequence[str] = (), fingerp
             "has most likely died. Nothing after the last committed checkpoint is saved; restart the job to "
             "resume from it."
         ) from e
-    rows = gathered.view(d.get_world_size(), -1).cpu()
+    rows = gathered.view(world, -1).cpu()
     check_fingerprints(rows, frame.step)
     return combine_frames(frame.step, rows, layer_names)

@@ -30,8 +30,7 @@ from .state import CachedWeights, StateSources, check_zero, is_dtensor, trainabl
 from .store import LoadedCheckpoint
 from .store.shard_files import ChunkReader, is_flat, sharded_table
 
-MASTER = "master"
-"""Name of the fp32 master weights among a ZeRO parameter's optimizer state (`state.<fqn>.master`)."""
+MASTER = "master"  # the fp32 master weights among a ZeRO parameter's optimizer state (`state.<fqn>.master`)
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
@@ -84,17 +83,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if is_dtensor(t) else t).detach()  # type: ignore[attr-defined]
 
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _reader(loaded: LoadedCheckpoint) -> ChunkReader:
     table = sharded_table(loaded.manifest)
     assert table is not None  # `check_sharding` ran: a sharded run's checkpoint is sharded
     return ChunkReader(Path(loaded.info.path), table)
 
 
-# ------------------------------------------------------------------------------------------------------------ FSDP2
 class ShardedState:
     """The FSDP2 state of this rank (a `fully_shard`-ed `model`; an Accelerate `optimizer` wrapper is unwrapped):
     local shards of L0 (trainable parameters; the buffers of a full fine-tune) and of the optimizer state, by FQN."""
@@ -156,7 +150,7 @@ class ShardedState:
             if size != list(local.shape):
                 raise SaveError(f"a DTensor's local shard has shape {tuple(local.shape)} but its placement says "
                                 f"{tuple(size)}: padded or uneven shards of this kind are not supported.")
-        out = {"shape": list(t.shape), "offset": offset, "size": size, "dtype": _dtype(local.dtype)}
+        out = {"shape": list(t.shape), "offset": offset, "size": size, "dtype": str(local.dtype).removeprefix("torch.")}
         self._chunks[key] = (id(t), tuple(t.shape), out)
         return out
 
@@ -181,7 +175,6 @@ class ShardedState:
         loaded.weights = None
 
 
-# ------------------------------------------------------------------------------------------------------------- ZeRO
 @dataclass
 class Fragment:
     """One rank's run `[start, start + numel)` of a parameter's flattened elements, and its live views."""
@@ -199,8 +192,8 @@ class Fragment:
 
 def _flat_chunk(shape: Iterable[int], start: int, numel: int, dtype: torch.dtype) -> dict[str, Any]:
     shape = [int(n) for n in shape]
-    return {"shape": [math.prod(shape)], "offset": [start], "size": [numel], "dtype": _dtype(dtype),
-            "tensor_shape": shape}
+    return {"shape": [math.prod(shape)], "offset": [start], "size": [numel],
+            "dtype": str(dtype).removeprefix("torch."), "tensor_shape": shape}
 
 
 class ZeroState:
