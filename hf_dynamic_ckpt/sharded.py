@@ -447,8 +447,7 @@ class ZeroUpdateSeam:
     (after `ZeroGradSquares`' hook, registered first); `arm()` once the step has ended makes it fire at the next one."""
 
     def __init__(self, zero: ZeroState, before_update: Callable[[], None]) -> None:
-        self._zero, self._before_update = zero, before_update
-        self._armed = True
+        self._zero, self._before_update, self._armed = zero, before_update, True
         self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
 
     @property
@@ -486,10 +485,11 @@ def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[st
     main = rank == 0
     sharded = ZeroState(model, optimizer, rank=rank) if zero_optimizer(optimizer) is not None else \
         ShardedState(model, optimizer) if any(is_dtensor(p) for p in model.parameters()) else None
-    kept = {"scheduler": scheduler, "scaler": scaler} if main else {}
+    kept: dict[str, Any] = {"scheduler": scheduler, "scaler": scaler} if main else {}
     if sharded is not None:
         source = SimpleNamespace(state_dict=sharded.optimizer_state_dict) if optimizer is not None else None
-        sources = StateSources(weights=sharded.weights, optimizer=source, sampler=sampler, **kept)  # type: ignore[arg-type]
+        sources = StateSources(weights=sharded.weights, optimizer=source,  # type: ignore[arg-type]
+                               sampler=sampler, **kept)
         return sharded, sources, ALL_TIERS if main or optimizer is not None else frozenset({Tier.WEIGHTS, Tier.STATE})
     weights = weights or CachedWeights(model, partial(trainable_state_dict, model))
     sources = StateSources(weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
