@@ -1,24 +1,12 @@
-"""Sharded training state (FSDP2, DeepSpeed ZeRO 1-3): what each rank saves, and how a resume puts it back.
-
-Every rank saves its own part of the partitioned state, without a collective, as chunks of the global tensors
-(`store.shard_files`: one safetensors file per rank and tier, the chunk tables in the manifest). A resume reads, on
-every rank, the blocks its own part covers from whichever ranks' chunks hold them: another world size (or ZeRO
-stage) reads the same state.
-
-- FSDP2 (`fully_shard`): parameters and moments are `DTensor`s; a rank saves its local shards, each a block of the
-  global tensor (DCP's own chunk, `__create_chunk_list__`).
-- DeepSpeed ZeRO: per parameter group, a flat fp32 buffer of master weights is partitioned over the ranks, the
-  moments in the same layout, and under stage 3 the model's parameters too (`param.ds_tensor`). Of every parameter
-  a rank holds one run of its flattened elements (a *fragment*: `param._hp_mapping` under stages 1 and 2, the
-  mapping DeepSpeed keeps for its universal checkpoints; `optimizer.grad_position` and `partition_numel()` under
-  stage 3). A save stores per trainable parameter its fragment of the master weights and moments
-  (`state.<fqn>.master`, `state.<fqn>.exp_avg`, ...) and, under stage 3, of the weights (stages 1 and 2: rank 0
-  stores the whole parameters), as runs of the flattened parameter (the chunk names its `tensor_shape`).
+"""Sharded training state (FSDP2, DeepSpeed ZeRO 1-3): what each rank saves, and how a resume puts it back
+(docs/fsdp.md, docs/deepspeed.md). Every rank saves its own part of the partitioned state, without a collective, as
+chunks of the global tensors (`store.shard_files`); a resume reads, on every rank, the blocks its own part covers
+from whichever ranks' chunks hold them: another world size (or ZeRO stage) reads the same state.
 
 Not DeepSpeed's `save_checkpoint`: it pickles, blocks every rank until written, and its files are tied to the world
-size and stage that wrote them. The fragments are views of the live buffers (the snapshot copies them), narrowed
+size and stage that wrote them. The ZeRO fragments are views of the live buffers (the snapshot copies them), narrowed
 from the addresses: DeepSpeed's own views (`_hp_mapping.get_hp_fragment(key)`) exist under stages 1 and 2 only and
-are linked only after the engine's first step. Hyper-parameters, step counts and the loss scale: rank 0, in JSON.
+are linked only after the engine's first step.
 """
 
 from __future__ import annotations
@@ -42,14 +30,8 @@ from .state import CachedWeights, StateSources, check_zero, is_dtensor, trainabl
 from .store import LoadedCheckpoint
 from .store.shard_files import ChunkReader, is_flat, sharded_table
 
-MASTER = "master"
-"""Name of the fp32 master weights among a ZeRO parameter's optimizer state (`state.<fqn>.master`)."""
+MASTER = "master"  # the fp32 master weights among a ZeRO parameter's optimizer state (`state.<fqn>.master`)
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-
-
-def is_sharded_model(model: nn.Module) -> bool:
-    """Whether `model` holds `DTensor` parameters (FSDP2 `fully_shard`, or any DTensor parallelism)."""
-    return any(is_dtensor(p) for p in model.parameters())
 
 
 def _state_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -60,8 +42,7 @@ def _state_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class ZeroExpected(dict):  # type: ignore[type-arg]
-    """What a ZeRO run's resume checks the saved weights against (`{name: meta tensor of the global shape}`); its
-    type tells `check_sharding` that the run is ZeRO's."""
+    """A ZeRO run's `{name: meta tensor of the global shape}` for the model check; its type tells `check_sharding`."""
 
 
 def zero_expected(model: nn.Module) -> ZeroExpected:
@@ -75,11 +56,7 @@ def zero_expected(model: nn.Module) -> ZeroExpected:
 
 def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
     """A ZeRO checkpoint resumes under ZeRO only (`expected` a `ZeroExpected`), an FSDP2 one into a sharded model
-    only, an unsharded one into an unsharded model only.
-
-    Raises:
-        `IncompatibleStateError`: the two differ (the same on every rank, before anything is changed).
-    """
+    only, an unsharded one into an unsharded model only, else `IncompatibleStateError` (before anything changes)."""
     extra = manifest.get("extra")
     table = extra.get(KEY_SHARDED) if isinstance(extra, dict) else None
     flat = isinstance(table, dict) and isinstance(table.get("ranks"), dict) and is_flat(table)
@@ -106,25 +83,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if is_dtensor(t) else t).detach()  # type: ignore[attr-defined]
 
 
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _reader(loaded: LoadedCheckpoint) -> ChunkReader:
     table = sharded_table(loaded.manifest)
     assert table is not None  # `check_sharding` ran: a sharded run's checkpoint is sharded
     return ChunkReader(Path(loaded.info.path), table)
 
 
-# ------------------------------------------------------------------------------------------------------------ FSDP2
 class ShardedState:
-    """The FSDP2 state of this rank: local shards of L0 (trainable parameters; the buffers of a full fine-tune) and
-    of the optimizer state, keyed by FQN, and their chunks.
-
-    Args:
-        model (`nn.Module`): the `fully_shard`-ed model (parameters are DTensors).
-        optimizer (`torch.optim.Optimizer`, *optional*): its optimizer (an Accelerate wrapper is unwrapped).
-    """
+    """The FSDP2 state of this rank (a `fully_shard`-ed `model`; an Accelerate `optimizer` wrapper is unwrapped):
+    local shards of L0 (trainable parameters; the buffers of a full fine-tune) and of the optimizer state, by FQN."""
 
     def __init__(self, model: nn.Module, optimizer: Any | None = None) -> None:
         self.model = model
@@ -133,13 +100,11 @@ class ShardedState:
         self._chunks: dict[str, tuple[int, tuple[int, ...], dict[str, Any]]] = {}
 
     def expected(self) -> dict[str, torch.Tensor]:
-        """The L0 names with their global tensors (DTensors): what a save stores and the model check reads (walked
-        per save: a DTensor has no data pointer for `CachedWeights` to compare)."""
+        """L0 by name, global DTensors (walked per save: a DTensor has no data pointer for `CachedWeights`)."""
         out: dict[str, torch.Tensor] = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         return out | {n: b for n, b in self.model.named_buffers() if n in self._buffers}
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """This rank's local shards of L0 (aliases of the live shards; the snapshot copies them)."""
         return {n: _local(t) for n, t in self.expected().items()}
 
     def _optimizer(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
@@ -162,21 +127,18 @@ class ShardedState:
         return state, groups
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        """`{"state": {fqn: {name: local shard}}, "param_groups": [... "params": [fqn, ...]]}`."""
         state, groups = self._optimizer()
         return {"state": {f: {k: _local(t) for k, t in per.items()} for f, per in state.items()},
                 "param_groups": groups}
 
     def chunks(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """This rank's chunk table: `{"weights": {key: chunk}, "optimizer": {key: chunk}}` (JSON)."""
         optimizer = {SHARD_OPTIMIZER_KEY.format(fqn=f, name=k): t for f, per in self._optimizer()[0].items()
                      for k, t in per.items()}
         parts = {WEIGHTS: self.expected(), OPTIMIZER: optimizer}
         return {part: {key: self._chunk(key, t) for key, t in tensors.items()} for part, tensors in parts.items()}
 
     def _chunk(self, key: str, t: torch.Tensor) -> dict[str, Any]:
-        """Where this rank's part of `t` lies in the global tensor (a DTensor's chunk as DCP computes it, kept per
-        live tensor since its mesh and placements decide it; a plain tensor is whole)."""
+        """This rank's block of `t` (DCP's chunk, cached per live tensor: its mesh and placements decide it)."""
         cached = self._chunks.get(key)
         if cached is not None and cached[:2] == (id(t), tuple(t.shape)):
             return cached[2]
@@ -188,28 +150,20 @@ class ShardedState:
             if size != list(local.shape):
                 raise SaveError(f"a DTensor's local shard has shape {tuple(local.shape)} but its placement says "
                                 f"{tuple(size)}: padded or uneven shards of this kind are not supported.")
-        out = {"shape": list(t.shape), "offset": offset, "size": size, "dtype": _dtype(local.dtype)}
+        out = {"shape": list(t.shape), "offset": offset, "size": size, "dtype": str(local.dtype).removeprefix("torch.")}
         self._chunks[key] = (id(t), tuple(t.shape), out)
         return out
 
     def load(self, loaded: LoadedCheckpoint) -> None:
-        """Read the checkpoint's L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the live shards;
-        then `loaded.weights` is `None` (applied; `apply_optimizer_state` leaves this optimizer to this load).
-
-        Raises:
-            `IncompatibleStateError`: the checkpoint is not an FSDP2 one, or lacks a tensor this run has.
-        """
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
+        """Read L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the live shards; then
+        `loaded.weights` is `None` (applied; `apply_optimizer_state` leaves this optimizer to this load)."""
+        from torch.distributed.checkpoint import state_dict as dcp
 
         check_sharding(loaded.info.step, loaded.manifest, self.expected())
         groups: Any = loaded.optimizer.get("param_groups") if isinstance(loaded.optimizer, dict) else None
-        opt, options = self.optimizer if groups is not None else None, StateDictOptions(strict=False)
+        opt, options = self.optimizer if groups is not None else None, dcp.StateDictOptions(strict=False)
         # The live state keyed by FQN: a fresh optimizer makes it here (DCP steps it once with zero gradients).
-        optim: Any = get_optimizer_state_dict(self.model, opt, options=options)["state"] if opt is not None else {}
+        optim: Any = dcp.get_optimizer_state_dict(self.model, opt, options=options)["state"] if opt is not None else {}
         tensors = [(WEIGHTS, key, t) for key, t in self.expected().items()]
         tensors += [(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f, name=k), t) for f, per in optim.items()
                     for k, t in per.items()]
@@ -217,11 +171,10 @@ class ShardedState:
             for part, key, t in tensors:
                 reader.read_into(part, key, _local(t), self._chunk(key, t)["offset"])
         if opt is not None:
-            set_optimizer_state_dict(self.model, opt, {"state": optim, "param_groups": groups}, options=options)
+            dcp.set_optimizer_state_dict(self.model, opt, {"state": optim, "param_groups": groups}, options=options)
         loaded.weights = None
 
 
-# ------------------------------------------------------------------------------------------------------------- ZeRO
 @dataclass
 class Fragment:
     """One rank's run `[start, start + numel)` of a parameter's flattened elements, and its live views."""
@@ -236,28 +189,17 @@ class Fragment:
     states: dict[str, torch.Tensor]
     weight: torch.Tensor | None  # stage 3: this rank's partition of the live parameter
 
-    def chunk(self, dtype: torch.dtype) -> dict[str, Any]:
-        return _flat_chunk(self.shape, self.start, self.numel, dtype)
-
 
 def _flat_chunk(shape: Iterable[int], start: int, numel: int, dtype: torch.dtype) -> dict[str, Any]:
     shape = [int(n) for n in shape]
-    return {"shape": [math.prod(shape)], "offset": [start], "size": [numel], "dtype": _dtype(dtype),
-            "tensor_shape": shape}
+    return {"shape": [math.prod(shape)], "offset": [start], "size": [numel],
+            "dtype": str(dtype).removeprefix("torch."), "tensor_shape": shape}
 
 
 class ZeroState:
-    """The DeepSpeed ZeRO state of this rank as a save reads it and a resume writes it: its fragments; the interface
-    of `ShardedState`.
-
-    Args:
-        model (`nn.Module`): the model the engine trains (`engine.module`).
-        optimizer: the ZeRO optimizer, or Accelerate's wrapper of it.
-        rank (`int`): this rank in the data-parallel group.
-
-    Raises:
-        `ConfigError`: not a ZeRO optimizer, or a set-up `support.check_zero` refuses.
-    """
+    """The DeepSpeed ZeRO state of this rank (`engine.module`, the ZeRO optimizer or Accelerate's wrapper, the rank in
+    the data-parallel group) as a save reads it and a resume writes it; the interface of `ShardedState`. `ConfigError`
+    for an optimizer that is not ZeRO's or a set-up `check_zero` refuses."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, rank: int) -> None:
         zero = zero_optimizer(optimizer)
@@ -275,8 +217,8 @@ class ZeroState:
         self.note_boundary()
 
     def note_boundary(self) -> None:
-        """Remember the loss scaler at the end of a step: the engine updates it before the first partition's step,
-        so a capture inside that step (`ZeroUpdateSeam`) stores the one of the state it captures."""
+        """Remember the loss scaler at a step's end: the engine updates it before the first partition's step, so a
+        capture inside that step (`ZeroUpdateSeam`) stores the one of the state it captures."""
         scaler = getattr(self.zero, "loss_scaler", None)
         values = {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
         self._scaler = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
@@ -295,7 +237,6 @@ class ZeroState:
         return list(self.zero.fp16_groups if self.stage == 3 else self.zero.bit16_groups)
 
     def trained_partitions(self) -> int:
-        """How many flat partitions hold trainable parameters (the same on every rank)."""
         return sum(1 for params in self._param_groups() if any(p.requires_grad for p in params))
 
     def _group(self, fi: int) -> dict[str, Any]:
@@ -350,13 +291,11 @@ class ZeroState:
         params = {} if self.stage == 3 else {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         return {n: t.detach().reshape(-1) for n, t in (params | self._buffers).items()}
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """This rank's L0: its stage 3 partitions; rank 0 adds what every rank holds whole."""
+    def weights(self) -> dict[str, torch.Tensor]:  # stage 3 partitions; rank 0 adds what every rank holds whole
         out = self._whole_weights() if self.rank == 0 else {}
         return out | {f.name: f.weight for f in self.fragments() if f.weight is not None}
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        """`{"state": {fqn: {"master" | moment: fragment}}, "param_groups": [...], "zero": {...}}`."""
         groups, flats = [], self.flat_groups()
         for fi, params in enumerate(self._param_groups()):
             step = (self.zero.optimizer.state.get(flats[fi]) or {}).get("step")
@@ -366,87 +305,69 @@ class ZeroState:
                 "zero": {"stage": self.stage, "loss_scaler": dict(self._scaler)}}
 
     def chunks(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """This rank's chunk table: `{"weights": {key: chunk}, "optimizer": {key: chunk}}` (JSON)."""
         shapes = {n: t.shape for n, t in [*self.model.named_parameters(), *self._buffers.items()]}
         weights = {n: _flat_chunk(shapes[n], 0, t.numel(), t.dtype) for n, t in self._whole_weights().items()} \
             if self.rank == 0 else {}
         optimizer: dict[str, Any] = {}
         for f in self.fragments():
+            run = partial(_flat_chunk, f.shape, f.start, f.numel)
             if f.weight is not None:
-                weights[f.name] = f.chunk(f.weight.dtype)
-            optimizer.update((SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=k), f.chunk(t.dtype))
+                weights[f.name] = run(f.weight.dtype)
+            optimizer.update((SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=k), run(t.dtype))
                              for k, t in {MASTER: f.master, **f.states}.items())
         return {WEIGHTS: weights, OPTIMIZER: optimizer}
 
     def expected(self) -> ZeroExpected:
-        """The L0 names with their global shapes (`meta` tensors), for the model check of a resume."""
         return zero_expected(self.model)
 
     def load(self, loaded: LoadedCheckpoint) -> None:
-        """Write the checkpoint's state into the live model and partitions (each range straight into its partition).
-        With the optimizer tier (`loaded.optimizer` holds its `param_groups`): master weights and moments (made first
-        where the optimizer has not made them yet), step counts, hyper-parameters and loss scale; a checkpoint saved
-        before the first update leaves the optimizer without state, as it was. Without it: the master weights from
-        the weights, the moments as they are. Then `loaded.weights` is `None` (applied; `apply_optimizer_state`
-        leaves a ZeRO optimizer to this load).
-
-        Raises:
-            `IncompatibleStateError`: the checkpoint is not a ZeRO one, or lacks a parameter or moment this run has.
-            `CorruptCheckpointError`: a range this rank needs is in no rank's file.
-        """
+        """Write the checkpoint's state into the live model and partitions, each range straight into its partition;
+        then `loaded.weights` is `None` (applied; `apply_optimizer_state` leaves a ZeRO optimizer to this load). With
+        the optimizer tier (`loaded.optimizer` holds its `param_groups`): master weights and moments, step counts,
+        hyper-parameters and loss scale; without it: the master weights from the weights, the moments as they are."""
         check_sharding(loaded.info.step, loaded.manifest, self.expected())
         optimizer = loaded.optimizer if isinstance(loaded.optimizer, dict) and "param_groups" in loaded.optimizer \
             else None
         with _reader(loaded) as reader:
+            read, base = reader.read_into, self.zero.optimizer  # type: Callable[..., None], Any
             moments = {key.rsplit(".", 1)[1] for key in reader.keys(OPTIMIZER)} - {MASTER}
-            self._read(reader.read_into, optimizer is not None, moments)
-        if optimizer is not None:
-            self._load_groups(optimizer, step=loaded.info.step)
-        loaded.weights = None
-
-    def _create_state(self, moments: set[str]) -> dict[int, list[torch.Tensor]]:
-        """Make the optimizer state a fresh run has not yet (torch optimizers make it at their first step): the saved
-        moments, uninitialised, and the step count; none when none was saved. Returns the moments made, per flat
-        partition."""
-        base, created = self.zero.optimizer, {}  # type: Any, dict[int, list[torch.Tensor]]
-        for fi, flat in enumerate(self.flat_groups()):
-            if not moments:
-                base.state.pop(flat, None)
-                continue
-            state = base.state[flat]
-            for key in moments - set(state):
-                state[key] = torch.empty_like(flat, memory_format=torch.preserve_format)
-                created.setdefault(fi, []).append(state[key])
-            if "step" not in state:
-                group = self._group(fi)
-                on_device = bool(group.get("fused") or group.get("capturable"))  # torch Adam's placement of it
-                state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
-        return created
-
-    def _read(self, read: Callable[..., None], with_optimizer: bool, moments: set[str]) -> None:
-        created = self._create_state(moments) if with_optimizer else {}
-        params = dict(self.model.named_parameters())
-        covered: dict[int, list[tuple[int, int]]] = {}
-        if self.stage == 3:  # as DeepSpeed's own load: no parameter gathered while its partition is written
-            self.zero.checkpoint_event_prologue()
-        try:
-            with torch.no_grad():
-                for name, live in self._whole_weights().items():
-                    read(WEIGHTS, name, live)
-                for f in self.fragments():
-                    if f.weight is not None:
-                        read(WEIGHTS, f.name, f.weight, [f.start])
-                    if not with_optimizer:
-                        f.master.copy_(f.weight if f.weight is not None else
-                                       params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel))
-                        continue
-                    for key, live in {MASTER: f.master, **f.states}.items():
-                        read(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=key), live, [f.start])
-                    covered.setdefault(f.flat, []).append((f.at, f.at + f.numel))
-        except BaseException:
-            for t in (t for made in created.values() for t in made):  # no uninitialised moments behind a failure
-                t.zero_()
-            raise
+            # The state a fresh run has not made yet (torch optimizers make it at their first step): the saved
+            # moments, uninitialised, and the step count; none when none was saved (as it was before the first update).
+            created: dict[int, list[torch.Tensor]] = {}
+            for fi, flat in enumerate(self.flat_groups() if optimizer is not None else []):
+                if not moments:
+                    base.state.pop(flat, None)
+                    continue
+                state = base.state[flat]
+                for key in moments - set(state):
+                    state[key] = torch.empty_like(flat, memory_format=torch.preserve_format)
+                    created.setdefault(fi, []).append(state[key])
+                if "step" not in state:
+                    group = self._group(fi)
+                    on_device = bool(group.get("fused") or group.get("capturable"))  # torch Adam's placement of it
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
+            params = dict(self.model.named_parameters())
+            covered: dict[int, list[tuple[int, int]]] = {}
+            if self.stage == 3:  # as DeepSpeed's own load: no parameter gathered while its partition is written
+                self.zero.checkpoint_event_prologue()
+            try:
+                with torch.no_grad():
+                    for name, live in self._whole_weights().items():
+                        read(WEIGHTS, name, live)
+                    for f in self.fragments():
+                        if f.weight is not None:
+                            read(WEIGHTS, f.name, f.weight, [f.start])
+                        if optimizer is None:
+                            f.master.copy_(f.weight if f.weight is not None else
+                                           params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel))
+                            continue
+                        for key, live in {MASTER: f.master, **f.states}.items():
+                            read(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=key), live, [f.start])
+                        covered.setdefault(f.flat, []).append((f.at, f.at + f.numel))
+            except BaseException:
+                for t in (t for made in created.values() for t in made):  # no uninitialised moments behind a failure
+                    t.zero_()
+                raise
         for fi, made in created.items():  # what no fragment covers (the last rank's padding) is zero
             at = 0
             for lo, hi in [*sorted(covered.get(fi, [])), (made[0].numel(), made[0].numel())]:
@@ -455,6 +376,9 @@ class ZeroState:
                 at = max(at, hi)
         if self.stage == 3:  # the persistent (small, never released) parameters gathered again from the partitions
             self.zero.checkpoint_event_epilogue()
+        if optimizer is not None:
+            self._load_groups(optimizer, step=loaded.info.step)
+        loaded.weights = None
 
     def _load_groups(self, optimizer: dict[str, Any], *, step: int) -> None:
         saved = optimizer["param_groups"]
@@ -482,20 +406,10 @@ class ZeroState:
 
 
 class ZeroGradSquares:
-    """This rank's squared gradient norms per bucket of parameters (e.g. per LoRA layer), read from the ZeRO gradient
-    partitions when the engine hands them to the optimizer (under ZeRO the gradients never reach `param.grad`).
-
-    A pre-hook on the wrapped torch optimizer's `step` (called once per flat partition) adds the squares of every
-    parameter's gradient fragment in that partition to its bucket; `pop()` returns the sums since the last pop. The
-    ranks' sums add up to the full gradients' squares (each element lies in one rank's partition; the caller adds
-    them across ranks). They are the gradients the optimizer steps with: after the engine's clipping, which scales
-    every gradient alike.
-
-    Args:
-        zero (`ZeroState`): the run's ZeRO state.
-        bucket (`Callable[[str], int]`): a parameter's bucket from its name.
-        buckets (`int`): how many buckets.
-    """
+    """This rank's squared gradient norms per `bucket(name)` of parameters (of `buckets`), read from the ZeRO gradient
+    partitions by a pre-hook on the wrapped torch optimizer's `step` (once per flat partition; docs/deepspeed.md,
+    "Signals"); `pop()` returns the sums since the last pop, the caller adds them across ranks. They are after the
+    engine's clipping, which scales every gradient alike."""
 
     def __init__(self, zero: ZeroState, bucket: Callable[[str], int], buckets: int) -> None:
         self._zero, self._bucket, self._n = zero, bucket, buckets
@@ -518,8 +432,7 @@ class ZeroGradSquares:
             for (b, _), v in zip(pieces, norms):
                 self._sq[b] += v * v
 
-    def pop(self) -> list[float] | None:
-        """The squares per bucket since the last call (`None` when no step ran)."""
+    def pop(self) -> list[float] | None:  # `None` when no step ran
         out, self._sq = self._sq, None
         return out
 
@@ -528,22 +441,13 @@ class ZeroGradSquares:
 
 
 class ZeroUpdateSeam:
-    """Calls `before_update()` inside the engine's optimizer step, once per step: after the gradients are reduced and
-    the global norm is computed, before the first flat partition is updated (the state of the step before is still
-    whole: what a pre-update capture needs, and no training-loop callback sees under ZeRO).
-
-    A pre-hook on the wrapped torch optimizer's `step`, firing at the first call that steps a partition with elements
-    and a gradient (after the hook of `ZeroGradSquares`, registered first, has read it); `arm()` once the step has
-    ended makes it fire at the next one.
-
-    Args:
-        zero (`ZeroState`): the run's ZeRO state.
-        before_update (`Callable[[], None]`): what runs there.
-    """
+    """Calls `before_update()` inside the engine's optimizer step, once per step, after the gradients are reduced and
+    the global norm computed, before the first flat partition is updated (docs/deepspeed.md, "Signals"): a pre-hook on
+    the wrapped torch optimizer's `step`, firing at the first call that steps a partition with elements and a gradient
+    (after `ZeroGradSquares`' hook, registered first); `arm()` once the step has ended makes it fire at the next one."""
 
     def __init__(self, zero: ZeroState, before_update: Callable[[], None]) -> None:
-        self._zero, self._before_update = zero, before_update
-        self._armed = True
+        self._zero, self._before_update, self._armed = zero, before_update, True
         self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
 
     @property
@@ -580,18 +484,17 @@ def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[st
     (DDP) rank 0 alone saves L0 and L1."""
     main = rank == 0
     sharded = ZeroState(model, optimizer, rank=rank) if zero_optimizer(optimizer) is not None else \
-        ShardedState(model, optimizer) if is_sharded_model(model) else None
+        ShardedState(model, optimizer) if any(is_dtensor(p) for p in model.parameters()) else None
+    kept: dict[str, Any] = {"scheduler": scheduler, "scaler": scaler} if main else {}
     if sharded is not None:
         source = SimpleNamespace(state_dict=sharded.optimizer_state_dict) if optimizer is not None else None
         sources = StateSources(weights=sharded.weights, optimizer=source,  # type: ignore[arg-type]
-                               scheduler=scheduler if main else None, scaler=scaler if main else None, sampler=sampler)
+                               sampler=sampler, **kept)
         return sharded, sources, ALL_TIERS if main or optimizer is not None else frozenset({Tier.WEIGHTS, Tier.STATE})
     weights = weights or CachedWeights(model, partial(trainable_state_dict, model))
     sources = StateSources(weights=weights if main else None, frozen_keys=frozenset(frozen_keys),
-                           optimizer=optimizer if main else None, scheduler=scheduler if main else None,
-                           scaler=scaler if main else None, sampler=sampler)
+                           optimizer=optimizer if main else None, sampler=sampler, **kept)
     if not main:
         return None, sources, frozenset({Tier.STATE})
-    if optimizer is None and scheduler is None and scaler is None:  # a model trained without one (or not at all)
-        return None, sources, ALL_TIERS - {Tier.OPTIMIZER}
-    return None, sources, ALL_TIERS
+    untrained = optimizer is None and scheduler is None and scaler is None  # no optimizer tier (or not trained at all)
+    return None, sources, ALL_TIERS - {Tier.OPTIMIZER} if untrained else ALL_TIERS

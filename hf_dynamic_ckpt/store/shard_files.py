@@ -1,20 +1,9 @@
-"""Sharded checkpoints on disk (FSDP2, DeepSpeed ZeRO): one safetensors file per rank and tier, chunk tables in JSON.
-
-Layout of a sharded ``step-<N>/`` (every file is in the manifest's file table with its size, checksum, tier and
-rank; rank 0 writes the manifest last, as for any save):
-
-- ``weights-rank<R>.safetensors``: rank R's chunks of L0 (keys: parameter FQNs);
-- ``optimizer-rank<R>.safetensors``: rank R's chunks of the optimizer state (keys ``state.<fqn>.<name>``, DCP's
-  flattened names);
-- ``optimizer.tensors.zst`` / ``optimizer.json`` (rank 0): ``param_groups``, scheduler, scaler, as unsharded;
-- ``rng-rank<R>.json``, ``sampler.json``: L2 as usual.
-
-The manifest's ``extra["sharded"]`` is ``{"format", "world_size", "ranks": {"<R>": {"weights": {key: chunk},
-"optimizer": {key: chunk}}}}``, ``chunk = {"shape", "offset", "size", "dtype", "file"}``: DCP's
-`ChunkStorageMetadata` (a block of the global tensor, FSDP2) in JSON, or under ZeRO a run of the flattened tensor
-(1-D ``shape`` / ``offset`` / ``size``) with the tensor's own ``tensor_shape``. No pickle is written or read (DCP's
-``FileSystemWriter`` pickles its ``.metadata``): `ChunkReader` reads any block of a tensor from whichever ranks'
-chunks hold it, which reshards to any world size as DCP's load planner would.
+"""Sharded checkpoints on disk (FSDP2, DeepSpeed ZeRO): one safetensors file per rank and tier
+(``weights-rank<R>.safetensors``, ``optimizer-rank<R>.safetensors``), and the chunk tables in the manifest's
+``extra["sharded"]`` (layout: docs/fsdp.md; ZeRO's runs of flattened tensors, which name their ``tensor_shape``:
+docs/deepspeed.md). No pickle is written or read (DCP's ``FileSystemWriter`` pickles its ``.metadata``):
+`ChunkReader` reads any block of a tensor from whichever ranks' chunks hold it, which reshards to any world size as
+DCP's load planner would.
 """
 
 from __future__ import annotations
@@ -33,82 +22,60 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..constants import (
-    KEY_CHECKSUM,
-    KEY_RANK,
-    KEY_RANK_CHUNKS,
-    KEY_SHARDED,
-    KEY_SIZE,
-    KEY_TIER,
-    SHARD_FILE_TEMPLATE,
-    SHARD_OPTIMIZER_KEY,
-    SHARD_PART_OPTIMIZER,
-    SHARD_PART_WEIGHTS,
-    SHARDED_FORMAT,
-    Tier,
-)
+from .. import constants as C
+from ..constants import SHARD_PART_OPTIMIZER as OPTIMIZER
+from ..constants import SHARD_PART_WEIGHTS as WEIGHTS
 from ..errors import CorruptCheckpointError, IncompatibleStateError, fault
 from .manifest import CheckpointState, file_checksum, is_sharded
 
-PARTS = {SHARD_PART_WEIGHTS: Tier.WEIGHTS, SHARD_PART_OPTIMIZER: Tier.OPTIMIZER}
+PARTS = {WEIGHTS: C.Tier.WEIGHTS, OPTIMIZER: C.Tier.OPTIMIZER}
 
 
 def write_shards(state: CheckpointState, directory: Path, *, rank: int
-                 ) -> tuple[CheckpointState, dict[str, dict[str, Any]], dict[str, Any] | None]:
-    """Write this rank's shard files of a sharded `CheckpointState` (one whose `extra` holds its chunk table) into
-    `directory`, fsynced.
-
-    Returns:
-        `tuple`: the state left to write as usual (without its sharded tensors and chunk table; rank 0 keeps the
-        optimizer's `param_groups`, the scheduler and the scaler), the manifest entries of the files written (size,
-        checksum, tier, rank), and this rank's chunk table for the manifest (`None` and nothing written for an
-        unsharded state).
-    """
-    table = state.extra.get(KEY_RANK_CHUNKS)
-    if not isinstance(table, dict):
-        return state, {}, None
+                 ) -> tuple[CheckpointState, dict[str, dict[str, Any]], dict[str, Any]]:
+    """Write this rank's shard files of a sharded `CheckpointState` (its `extra` holds its chunk table) into
+    `directory`, fsynced. Returns the state left to write as usual (rank 0 keeps the optimizer's `param_groups`, the
+    scheduler and the scaler), the manifest entries of the files written, and this rank's chunk table."""
+    table = state.extra[C.KEY_RANK_CHUNKS]
     optimizer = dict(state.optimizer) if state.optimizer is not None else None
-    tensors = {SHARD_PART_WEIGHTS: state.weights} if state.weights is not None else {}
+    tensors = {WEIGHTS: state.weights} if state.weights is not None else {}
     if optimizer is not None:
-        tensors[SHARD_PART_OPTIMIZER] = {SHARD_OPTIMIZER_KEY.format(fqn=fqn, name=name): t
+        tensors[OPTIMIZER] = {C.SHARD_OPTIMIZER_KEY.format(fqn=fqn, name=name): t
                                          for fqn, per in optimizer.pop("state", {}).items() for name, t in per.items()}
     files: dict[str, dict[str, Any]] = {}
-    chunks: dict[str, Any] = {SHARD_PART_WEIGHTS: {}, SHARD_PART_OPTIMIZER: {}}
+    chunks: dict[str, Any] = {WEIGHTS: {}, OPTIMIZER: {}}
     for part, named in tensors.items():
-        path = directory / (name := SHARD_FILE_TEMPLATE.format(part=part, rank=rank))
+        path = directory / (name := C.SHARD_FILE_TEMPLATE.format(part=part, rank=rank))
         if missing := sorted(set(named) - set(table.get(part, {}))):
             raise CorruptCheckpointError(f"rank {rank}: no chunk recorded for {part} tensor(s) {missing[:5]}.")
         fault("write", step=state.step, rank=rank, name=name)
         save_file({k: t.detach().cpu().contiguous() for k, t in named.items()}, path, {"format": "pt"})
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        files[name] = {KEY_SIZE: path.stat().st_size, KEY_CHECKSUM: file_checksum(path), KEY_TIER: PARTS[part].value,
-                       KEY_RANK: rank}
+        files[name] = {C.KEY_SIZE: path.stat().st_size, C.KEY_CHECKSUM: file_checksum(path),
+                       C.KEY_TIER: PARTS[part].value, C.KEY_RANK: rank}
         chunks[part] = {k: {**table[part][k], "file": name} for k in named}
-    extra = {k: v for k, v in state.extra.items() if k != KEY_RANK_CHUNKS}
+    extra = {k: v for k, v in state.extra.items() if k != C.KEY_RANK_CHUNKS}
     rest = dataclasses.replace(state, weights=None, optimizer=optimizer if rank == 0 else None, extra=extra)
     return rest, files, chunks
 
 
 def sharded_table(manifest: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The chunk tables of a sharded checkpoint, or `None` for an unsharded one.
-
-    Raises:
-        `CorruptCheckpointError`: the table is malformed, or names a file other than its rank's shard file.
-    """
+    """The chunk tables of a sharded checkpoint, or `None` for an unsharded one; `CorruptCheckpointError` when it is
+    malformed or names a file other than its rank's shard file."""
     if not is_sharded(manifest):
         return None
-    table = manifest["extra"][KEY_SHARDED]
+    table = manifest["extra"][C.KEY_SHARDED]
     world = manifest.get("world_size", 1)
-    ok = isinstance(table, dict) and table.get("format") == SHARDED_FORMAT and isinstance(table.get("ranks"), dict) \
+    ok = isinstance(table, dict) and table.get("format") == C.SHARDED_FORMAT and isinstance(table.get("ranks"), dict) \
         and isinstance(world, int)
     for rank, parts in (table["ranks"] if ok else {}).items():
         ok = ok and isinstance(parts, dict) and str(rank).isdigit() and int(rank) < world
         for part in PARTS if ok else ():
-            chunks, file = parts.get(part) or {}, SHARD_FILE_TEMPLATE.format(part=part, rank=rank)
+            chunks, file = parts.get(part) or {}, C.SHARD_FILE_TEMPLATE.format(part=part, rank=rank)
             ok = ok and isinstance(chunks, dict) and all(_valid_chunk(c, file) for c in chunks.values())
     if not ok:
-        raise CorruptCheckpointError(f"the manifest's extra[{KEY_SHARDED!r}] chunk table is malformed "
+        raise CorruptCheckpointError(f"the manifest's extra[{C.KEY_SHARDED!r}] chunk table is malformed "
                                      f"({str(table)[:120]}); the checkpoint is damaged.")
     return table
 
@@ -138,35 +105,29 @@ def placeholders(table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """L0 of a sharded checkpoint as `meta` tensors of the global shapes: what the model check of a resume reads
     before the shards are read into the live model (table from `sharded_table`)."""
     return {key: torch.empty(c.get("tensor_shape", c["shape"]), dtype=_dtype(c), device="meta")
-            for r in table["ranks"].values() for key, c in (r.get(SHARD_PART_WEIGHTS) or {}).items()}
+            for r in table["ranks"].values() for key, c in (r.get(WEIGHTS) or {}).items()}
 
 
 def gather_weights(directory: Path, table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The whole weights of a sharded checkpoint (FSDP2 blocks or ZeRO runs), assembled on the CPU from every rank's
-    chunks: what an export writes (no process group, no DCP, no DeepSpeed).
-
-    Raises:
-        `CorruptCheckpointError`: a chunk's file lacks its tensor, or the chunks leave part of a tensor uncovered.
-    """
+    chunks: what an export writes (no process group, no DCP, no DeepSpeed)."""
     out = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in placeholders(table).items()}
     with ChunkReader(directory, table) as reader:
         for key, t in out.items():
-            reader.read_into(SHARD_PART_WEIGHTS, key, t.view(-1) if is_flat(table) else t)
+            reader.read_into(WEIGHTS, key, t.view(-1) if is_flat(table) else t)
     return out
 
 
 class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
     """Reads any block of a saved tensor from the chunks of whichever ranks hold it (`table`, from `sharded_table`, of
-    the verified checkpoint in `directory`): another world size (FSDP2, ZeRO) or ZeRO stage reads the same state, each
-    rank only the parts it needs, without a collective. A block that is one run of a chunk's bytes (every ZeRO
-    fragment; FSDP2's row shards) is read with `pread` straight into the memory it belongs in (a ZeRO partition on the
-    CPU: one copy from the page cache); a device or other-dtype destination gets it through one host tensor, any other
-    block through safetensors' `get_slice`. A context manager: it keeps the files open.
-    """
+    the verified checkpoint in `directory`), without a collective. A block that is one run of a chunk's bytes (every
+    ZeRO fragment; FSDP2's row shards) is read with `pread` straight into the memory it belongs in; a device or
+    other-dtype destination gets it through one host tensor, any other block through safetensors' `get_slice`. A
+    context manager: it keeps the files open."""
 
     def __init__(self, directory: Path, table: Mapping[str, Any]) -> None:
         self._dir = Path(directory)
-        self._files: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}  # name -> (fd, {key: (begin, end)})
+        self._files: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
         self._chunks: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for parts in table["ranks"].values():
             for part in PARTS:
@@ -174,27 +135,16 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
                     self._chunks.setdefault((part, key), []).append(chunk)
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the files read so far (idempotent)."""
         for fd, _ in self._files.values():
             os.close(fd)
         self._files.clear()
 
     def keys(self, part: str) -> set[str]:
-        """The tensors of `part` (`"weights"` / `"optimizer"`) that have chunks."""
         return {key for p, key in self._chunks if p == part}
 
     def read_into(self, part: str, key: str, out: torch.Tensor, offset: Sequence[int] | None = None) -> None:
         """Write the block of the saved `key` that starts at `offset` (`None`: 0) and has `out`'s shape into `out`
-        (a ZeRO run: `key` flattened, `out` 1-D).
-
-        Raises:
-            `IncompatibleStateError`: no chunk of `key` was saved (another model or optimizer saved it).
-            `CorruptCheckpointError`: the chunks do not cover the block (a missing rank's file), or a file holds less
-                than its chunk.
-        """
+        (a ZeRO run: `key` flattened, `out` 1-D)."""
         chunks = self._chunks.get((part, key))
         if not chunks:
             raise IncompatibleStateError(f"{self._dir.name} holds no {part} tensor {key!r}, which this run has: it "
@@ -219,7 +169,21 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
     def _copy(self, chunk: Mapping[str, Any], key: str, start: list[int], dest: torch.Tensor) -> None:
         """Copy the block of `chunk` at `start` (chunk coordinates) and of `dest`'s shape into `dest`."""
         name, size, dtype = chunk["file"], chunk["size"], _dtype(chunk)
-        fd, begin, end = self._entry(name, key)
+        if name not in self._files:  # (fd, {key: (first byte, end byte)}), the header validated by safetensors first
+            path = self._dir / name
+            try:
+                safe_open(path, framework="pt")  # bounds, offsets and dtypes checked before anything is read
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except (SafetensorError, OSError) as e:
+                raise CorruptCheckpointError(f"shard file {path} is not a readable safetensors file ({e}).") from e
+            n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
+            header = json.loads(os.pread(fd, n, 8))
+            self._files[name] = (fd, {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
+                                      for k, v in header.items() if k != "__metadata__"})
+        fd, tensors = self._files[name]
+        if key not in tensors:
+            raise CorruptCheckpointError(f"{self._dir / name} lacks tensor {key!r} named by the manifest.")
+        begin, end = tensors[key]
         if (end - begin) // dtype.itemsize < math.prod(size):
             raise CorruptCheckpointError(f"{self._dir / name} holds {(end - begin) // dtype.itemsize} elements of "
                                          f"{key!r}, fewer than the {math.prod(size)} its chunk names.")
@@ -239,22 +203,3 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
                 into = f.get_slice(key)[tuple(slice(a, a + n) for a, n in zip(start, dest.shape))]
         if not direct:
             dest.copy_(into)
-
-    def _entry(self, name: str, key: str) -> tuple[int, int, int]:
-        """`(fd, first byte, end byte)` of tensor `key` in shard file `name`, its header validated by safetensors."""
-        if name not in self._files:
-            path = self._dir / name
-            try:
-                with safe_open(path, framework="pt"):  # bounds, offsets and dtypes checked before anything is read
-                    pass
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except (SafetensorError, OSError) as e:
-                raise CorruptCheckpointError(f"shard file {path} is not a readable safetensors file ({e}).") from e
-            n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
-            header = json.loads(os.pread(fd, n, 8))
-            self._files[name] = (fd, {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
-                                      for k, v in header.items() if k != "__metadata__"})
-        fd, tensors = self._files[name]
-        if key not in tensors:
-            raise CorruptCheckpointError(f"{self._dir / name} lacks tensor {key!r} named by the manifest.")
-        return fd, *tensors[key]
