@@ -2,18 +2,15 @@
 
 A thin adapter over `run.orchestrator.RunOrchestrator`. Invariants:
 
-- A save holds the tensors of its step (RNG and data position taken at `on_step_end`), but is written at the next
-  `on_step_begin` (or `on_train_end`), once Trainer has logged, evaluated and updated `best_*` and the flos: the
-  stored `TrainerState` is the one Trainer would have saved for that step.
-- After `resume_checkpoint`, the optimizer tier decodes in the background and is loaded at the first
+- A save holds its step's tensors but is written at the next `on_step_begin` (or `on_train_end`), after Trainer has
+  logged, evaluated and updated `best_*` and the flos: its `TrainerState` is the one Trainer would have saved.
+- After `resume_checkpoint` the optimizer tier decodes in the background and is loaded at the first
   `on_pre_optimizer_step` (at `on_train_begin` with an AMP scaler: the first backward needs the loss scale).
-- Each rank's RNG goes back at the moment the uninterrupted run had it: a save's RNG is taken at the next step's
-  `on_step_begin` and restored at the resumed run's first one (an RNG of a step's end, before a new epoch's
-  iterator is created, else after the first fetch). That makes the resume bit-exact.
-- The resume folder ``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` and the weights as a hard link
-  of the stored file; no optimizer, scheduler or RNG files (the callback loads those itself), and Trainer's own
-  weight load of it is skipped (`load_once`). Its location comes from this run's store, never from a manifest,
-  and only real directories under ``<root>/.resume`` are ever removed.
+- A save's RNG is taken at the next step's `on_step_begin` and restored at the resumed run's first one (an RNG of a
+  step's end: before a new epoch's iterator is created, else after the first fetch). The resume is bit-exact.
+- The resume folder ``<root>/.resume/<task>-step-<N>/`` holds `trainer_state.json` and the weights (a hard link), no
+  optimizer, scheduler or RNG files, and Trainer's own weight load of it is skipped (`load_once`). Its location comes
+  from this run's store, never from a manifest; only real directories under ``<root>/.resume`` are ever removed.
 """
 
 from __future__ import annotations
@@ -21,11 +18,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import glob
+import itertools
 import json
 import logging
 import os
 import shutil
 import sys
+import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import has_length
 
 from .. import distributed as dist
@@ -80,26 +81,14 @@ from .position import (
 
 logger = logging.getLogger(__name__)
 
-ANNOUNCE_LOGGER = "transformers.integrations.smart_ckpt"
-"""The logger of the one line per save and the resume line in a Trainer run (a child of transformers')."""
-
 
 class SmartCkptCallback(TrainerCallback):
-    """Signal-driven, tiered, non-blocking checkpoints for `transformers.Trainer`.
+    """Signal-driven, tiered, non-blocking checkpoints for `transformers.Trainer` (docs/trainer.md).
 
     Args:
-        config (`SmartCkptConfig`, *optional*): the knobs; `SmartCkptConfig()` stores under
-            `<output_dir>/smart_ckpt`.
-        trainer (`transformers.Trainer`, *optional*): the trainer, for the pre-clip gradient
-            norm, the AMP scaler and the flos. Found automatically when the callback is passed to
-            `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it.
-
-    Example:
-        ```python
-        >>> trainer = Trainer(model=model, args=args, train_dataset=ds,
-        ...                   callbacks=[SmartCkptCallback(SmartCkptConfig())])
-        >>> trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, "auto"))
-        ```
+        config (`SmartCkptConfig`, *optional*): the knobs; `SmartCkptConfig()` stores under `<output_dir>/smart_ckpt`.
+        trainer (`transformers.Trainer`, *optional*): for the pre-clip gradient norm, the AMP scaler and the flos.
+            Found when the callback is passed to `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it.
     """
 
     def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None) -> None:
@@ -111,12 +100,10 @@ class SmartCkptCallback(TrainerCallback):
                 "the anomaly consumed; set rollback_skip_batches=0 (or skip more in a custom loop with "
                 "SmartCheckpointer).")
         self.run: RunOrchestrator | None = None
-        self._trainer: Callable[[], Any] = lambda: None
         self.trainer = trainer
         self.resumed_from: LoadedCheckpoint | None = None
         self.last_rollback: Rollback | None = None
-        self.data_steps = 0
-        """Optimizer-step windows of data consumed: the step count, plus the windows a rollback skipped."""
+        self.data_steps = 0  # optimizer-step windows of data consumed: the step count plus those rollbacks skipped
         self._skipped_through = 0  # data position up to which rollbacks left the batches out
         self._epoch: tuple[int, int] | None = None  # loader without a length: (epoch index, data_steps at its start)
         self._resumed_epoch: tuple[int, int] | None = None  # ... the resumed run's, taken at its first epoch begin
@@ -138,47 +125,51 @@ class SmartCkptCallback(TrainerCallback):
     # ------------------------------------------------------------------ wiring
     @property
     def trainer(self) -> Any | None:
-        """The trainer this callback serves (held weakly: `trainer -> callback -> trainer` would be a reference
-        cycle, and a Trainer freed by the garbage collector instead of when its last name goes frees its persistent
-        data-loader workers in arbitrary order: their shutdown then waits 5 s per worker)."""
+        """The trainer served, held weakly: a `trainer -> callback -> trainer` cycle freed by the garbage collector
+        frees its persistent data-loader workers in arbitrary order (their shutdown then waits 5 s per worker)."""
         return self._trainer()
 
     @trainer.setter
     def trainer(self, trainer: Any | None) -> None:
-        self._trainer = (lambda: None) if trainer is None else weakref.ref(trainer)
-
-    def set_trainer(self, trainer: Any) -> None:
-        """Give the callback its trainer (as Trainer does for its JIT checkpoint callback)."""
-        self.trainer = trainer
+        self._trainer: Callable[[], Any] = (lambda: None) if trainer is None else weakref.ref(trainer)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self.trainer is None:
-            self.trainer = _calling_trainer()
+        if self.trainer is None:  # the `Trainer` whose `__init__` runs this (callbacks get no reference to it)
+            from transformers import Trainer
+
+            frames = itertools.islice(traceback.walk_stack(sys._getframe()), 12)
+            self.trainer = next((f.f_locals["self"] for f, _ in frames if isinstance(f.f_locals.get("self"), Trainer)),
+                                None)
 
     def get_run(self, args: TrainingArguments) -> RunOrchestrator:
         """The run's `RunOrchestrator` (a new one after a finished `train()`; its store under `config.resolve_root`)."""
         if self.run is None or self.run.closed:
             # The save and resume lines follow Trainer's verbosity (--log_level, set_verbosity_info()).
             self.run = RunOrchestrator(self.config, root=self.config.resolve_root(args.output_dir),
-                                                announce=logging.getLogger(ANNOUNCE_LOGGER))
+                                       announce=logging.getLogger("transformers.integrations.smart_ckpt"))
         return self.run
 
     def prepare_resume(self, trainer: Any, ref: str | os.PathLike[str] | None) -> str | None:
-        """`resume_checkpoint` on this callback: plan the resume and materialise Trainer's folder (the optimizer tier
-        decodes in the background until the first update, `on_pre_optimizer_step`)."""
-        self.set_trainer(trainer)
+        """`resume_checkpoint` on this callback: plan the resume, keep the checkpoint's global batch on this world size
+        (`resume_batch`: Trainer's accumulation set before `train()` counts its steps), materialise Trainer's folder."""
+        self.trainer = trainer
         if ref is None:
             return None
-        ck = self.get_run(trainer.args)
+        ck, args = self.get_run(trainer.args), trainer.args
         zero = bool(getattr(trainer, "is_deepspeed_enabled", False))  # ZeRO: read into the engine at train begin
-        into = None if zero else read_targets(trainer)
-        loaded = ck.resume(os.fspath(ref), background_optimizer=True,
-                           expected=zero_expected(trainer.model) if zero else expected_weights(trainer.model),
-                           into=into)
+        into = (own_weights(trainer.model) or None) if _loads_once(trainer) else None  # read here for `load_once`
+        loaded = ck.resume(os.fspath(ref), background_optimizer=True, into=into,
+                           expected=zero_expected(trainer.model) if zero else expected_weights(trainer.model))
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
-        self._plan_batch(trainer, loaded, ck, read_into=bool(into))
+        now = BatchGeometry(int(trainer._train_batch_size), dist.world_size(), int(args.gradient_accumulation_steps))
+        plan = resume_batch(loaded, now, world=now.world_size, keep=self.config.runtime.keep_global_batch,
+                            say=ck.announce if ck.rank == 0 else None, read_into=bool(into))
+        if plan is not None:
+            if plan.accumulation != now.accumulation and zero:
+                _deepspeed_accumulation(trainer, now, plan.accumulation)
+            args.gradient_accumulation_steps = plan.accumulation
         folder = materialise_trainer_folder(loaded, trainer, Path(ck.root), ck.store.task_id)
         if zero:
             skip_deepspeed_load(trainer, folder)
@@ -187,73 +178,77 @@ class SmartCkptCallback(TrainerCallback):
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
             # (not when this callback goes: a later Trainer of the process may have prepared the same folder again).
             atexit.register(remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
-        self._pending = loaded
-        self.resumed_from = loaded
+        self._pending = self.resumed_from = loaded
         return str(folder)
-
-    def _plan_batch(self, trainer: Any, loaded: LoadedCheckpoint, ck: RunOrchestrator, *, read_into: bool) -> None:
-        """Keep the checkpoint's global batch on this world size (`resume_batch`): set Trainer's accumulation before
-        `train()` counts its steps."""
-        args = trainer.args
-        now = BatchGeometry(int(trainer._train_batch_size), dist.world_size(), int(args.gradient_accumulation_steps))
-        plan = resume_batch(loaded, now, world=now.world_size, keep=self.config.runtime.keep_global_batch,
-                            say=ck.announce if ck.rank == 0 else None, read_into=read_into)
-        if plan is None:
-            return
-        if plan.accumulation != now.accumulation and getattr(trainer, "is_deepspeed_enabled", False):
-            _deepspeed_accumulation(trainer, now, plan.accumulation)
-        args.gradient_accumulation_steps = plan.accumulation
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, optimizer: Any = None, lr_scheduler: Any = None,
                        **kwargs: Any) -> None:
+        trainer: Any = self.trainer
+        accelerator = getattr(trainer, "accelerator", None)
+        scaler = getattr(accelerator, "scaler", None)
         check_training_args(args)  # DeepSpeed / FSDP1: refused before the first step, never a wrong save
-        check_accelerator(getattr(self.trainer, "accelerator", None), deepspeed=True)
+        check_accelerator(accelerator, deepspeed=True)
         ck = self.get_run(args)
         retry, self._in_train = self._in_train, True
         self._state, self._control = state, control
-        self._move_first()
-        accelerator = getattr(self.trainer, "accelerator", None)
-        scaler = getattr(accelerator, "scaler", None)
+        callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+        if self in callbacks:  # first, so that the reporting callbacks see the `smart_ckpt/*` metrics in `on_log`
+            callbacks.remove(self)
+            callbacks.insert(0, self)
         assert model is not None, "Trainer passes the model to callbacks"
         ck.attach(model, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler,
                   frozen_keys=frozen_weight_keys(model),
                   extra=self._save_extra, sampler=self._sampler, clip_owner=accelerator,
-                  model_info=describe_model(model, tokenizer=getattr(self.trainer, "processing_class", None)),
+                  model_info=describe_model(model, tokenizer=getattr(trainer, "processing_class", None)),
                   hold_saves=True,
                   position=lambda: (state.global_step, state.epoch))
-        loaded = self._pending
-        if retry:
-            # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
+        if retry:  # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
             ck.restart_timeline(state.global_step)
-        if loaded is not None and state.global_step == folder_step(loaded, args.max_steps) != loaded.info.step:
-            # The folder named the data position (a rollback skipped data, or a loader without a length): the
-            # true step goes back now, with the two counters Trainer set from it before this event (its last
-            # logged step, its start step).
-            state.global_step = loaded.info.step
-            trainer: Any = self.trainer
-            trainer._globalstep_last_logged = trainer._initial_global_step = loaded.info.step
-        self.data_steps = data_steps(loaded) if loaded is not None else state.global_step
-        at = _epoch_windows(loaded)
-        self._epoch = None
-        self._resumed_epoch = (at[0], self.data_steps - at[1]) if at is not None else None
+        loaded, self._epoch, self._resumed_epoch = self._pending, None, None
+        self.data_steps = state.global_step
         if loaded is not None:
+            if state.global_step == folder_step(loaded, args.max_steps) != loaded.info.step:
+                # The folder named the data position (a rollback skipped data, or a loader without a length): the
+                # true step goes back now, with the two counters Trainer set from it before this event (its last
+                # logged step, its start step).
+                state.global_step = trainer._globalstep_last_logged = trainer._initial_global_step = loaded.info.step
+            self.data_steps = data_steps(loaded)
+            if (at := _epoch_windows(loaded)) is not None:
+                self._resumed_epoch = (at[0], self.data_steps - at[1])
             if loaded.info.step != state.global_step:
                 raise ConfigError(
                     f"resume_checkpoint prepared step {loaded.info.step} but Trainer resumed at global_step "
                     f"{state.global_step}: pass the path resume_checkpoint returned to "
                     "trainer.train(resume_from_checkpoint=...)."
                 )
-            if ck.zero:  # the engine exists now: its partitions are read before the first forward
-                ck.read_sharded(loaded)
+            if ck.zero or scaler is not None:  # ZeRO: the engine exists now, its partitions are read before the
+                # first forward; AMP: the first backward needs the loss scale
+                ck.read_sharded(loaded) if ck.zero else ck.complete_resume(loaded)
                 apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
-                forget_deepspeed_skip(resume_folder(ck.root, ck.store.task_id, loaded.info.step))
-            elif scaler is None:  # L1 is applied right before the first update: it decodes during the forward/backward
+            else:  # L1 is applied right before the first update: it decodes during the forward/backward
                 self._unapplied = (loaded, optimizer, lr_scheduler)
-            else:  # the loss scale is needed by the first backward
-                ck.complete_resume(loaded)
-                apply_optimizer_state(loaded, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler)
+            if ck.zero:
+                _DEEPSPEED_SKIPS.discard(os.path.abspath(resume_folder(ck.root, ck.store.task_id, loaded.info.step)))
+            # What the uninterrupted run's callbacks counted (EarlyStoppingCallback's patience), whatever
+            # `restore_callback_states_from_checkpoint` says: the resumed run stops where that run would have. Set on
+            # the callbacks of the same classes, in order (the `TrainerControl` is Trainer's to restore).
+            stored: dict[str, Any] = state.stateful_callbacks if isinstance(state.stateful_callbacks, dict) else {}
+            restored = set()
+            for name, states in stored.items():
+                mine = [cb for cb in callbacks if isinstance(cb, ExportableState) and type(cb).__name__ == name]
+                for cb, saved in zip(mine, states if isinstance(states, list) else [states]):
+                    for key, value in ((saved.get("attributes") if isinstance(saved, dict) else None) or {}).items():
+                        setattr(cb, key, value)
+                    restored.add(name)
+            if restored and ck.rank == 0:
+                ck.announce.info("smart_ckpt: restored the state of %s from the checkpoint",
+                                 ", ".join(sorted(restored)))
+            # The eval loaders whose persistent iterator the uninterrupted run held: met when Trainer asks for them.
+            self._seeds.arm((loaded.sampler or {}).get(KEY_LOADERS))
+            if self._eval_watch is None:
+                self._eval_watch = _watch_eval_loaders(trainer, self._seeds)
         # The state training starts from can be captured before the first update (step-1 anomalies).
         ck.note_boundary(state.global_step, rng=loaded.rng if loaded is not None else None)
         self._resumed_rng = loaded.rng if loaded is not None else None
@@ -263,15 +258,6 @@ class SmartCkptCallback(TrainerCallback):
         # epoch boundary (`on_epoch_begin`), else once the first batches are fetched, as Trainer does.
         self._rng_before_iterator = loaded is not None and (loaded.sampler or {}).get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN \
             and (float(state.epoch or 0.0).is_integer() or self._resumed_epoch is not None)
-        if loaded is not None:
-            # What the uninterrupted run's callbacks counted (EarlyStoppingCallback's patience), whatever
-            # `restore_callback_states_from_checkpoint` says: the resumed run stops where that run would have.
-            stored: dict[str, Any] = state.stateful_callbacks if isinstance(state.stateful_callbacks, dict) else {}
-            _restore_callback_states(self.trainer, stored, ck.announce if ck.rank == 0 else None)
-            # The eval loaders whose persistent iterator the uninterrupted run held: met when Trainer asks for them.
-            self._seeds.arm((loaded.sampler or {}).get(KEY_LOADERS))
-            if self._eval_watch is None:
-                self._eval_watch = _watch_eval_loaders(self.trainer, self._seeds)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
@@ -331,8 +317,7 @@ class SmartCkptCallback(TrainerCallback):
         if ck is None:
             return
         self.data_steps += 1
-        decision = ck.step_end(state.global_step, state.epoch or 0.0, lr=self._lr)
-        if decision.kind == DecisionKind.ROLLBACK:
+        if ck.step_end(state.global_step, state.epoch or 0.0, lr=self._lr).kind == DecisionKind.ROLLBACK:
             control.should_log = True  # the abandoned steps' loss is logged now, before the step count goes back
         if ck.preempted:
             control.should_training_stop = True
@@ -341,7 +326,7 @@ class SmartCkptCallback(TrainerCallback):
         """At the start of the step after a confirmed anomaly (its batches are fetched, as a resume's first ones
         are): restore the run in place and put Trainer's step counter back (`docs/rollback.md`)."""
         trainer: Any = self.trainer
-        assert self.run is not None and trainer is not None, "a rollback needs the Trainer (set_trainer)"
+        assert self.run is not None and trainer is not None, "a rollback needs the Trainer (SmartCkptCallback.trainer)"
         done = self.run.rollback()
         if done is None:
             return
@@ -362,8 +347,8 @@ class SmartCkptCallback(TrainerCallback):
         trainer._globalstep_last_logged = done.to_step
         self.last_rollback = done
         if self.run.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
-            self.run.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s); skipped "
-                                               "batches %d..%d", done.from_step, done.to_step, done.reason, first, last)
+            self.run.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s); skipped batches %d..%d",
+                                      done.from_step, done.to_step, done.reason, first, last)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
@@ -413,38 +398,28 @@ class SmartCkptCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ state for saves
     def _save_extra(self, decision: Decision) -> dict[str, Any]:
-        """Every rank, right before each save: the `TrainerState` Trainer would have stored for the saved step,
-        with the flos it would have counted by then (summed over ranks: a collective, which every rank runs
-        since every rank takes the same saves)."""
+        """Every rank, right before each save: the `TrainerState` Trainer would have stored for the saved step, with
+        the flos it would have counted by then (summed over ranks: a collective, which every rank runs since every
+        rank takes the same saves) and what `Trainer._save_checkpoint` records of the callbacks and the control."""
         if self._state is None:
             return {}
         current = self._flos_at_begin if decision.kind == DecisionKind.CAPTURE else \
             float(getattr(self.trainer, "current_flos", 0.0) or 0.0)
         state = dataclasses.asdict(self._state)
         state["total_flos"] = float(self._state.total_flos) + dist.all_reduce_sum(current)
-        state["stateful_callbacks"] = self._stateful_callbacks(state.get("stateful_callbacks") or {})
-        return {KEY_TRAINER_STATE: state}
-
-    def _stateful_callbacks(self, current: dict[str, Any]) -> dict[str, Any]:
-        """What `Trainer._save_checkpoint` records: each exportable callback's and the control's state."""
-        from transformers.trainer_callback import ExportableState
-
-        handler = getattr(self.trainer, "callback_handler", None)
-        objs = [*getattr(handler, "callbacks", []), *([self._control] if self._control is not None else [])]
-        out = dict(current)
-        for cb in objs:
+        stateful = state["stateful_callbacks"] = dict(state.get("stateful_callbacks") or {})
+        for cb in [*getattr(getattr(self.trainer, "callback_handler", None), "callbacks", []), self._control]:
             if isinstance(cb, ExportableState):
                 name = type(cb).__name__
-                out[name] = [*out[name], cb.state()] if isinstance(out.get(name), list) else cb.state()
-        return out
+                stateful[name] = [*stateful[name], cb.state()] if isinstance(stateful.get(name), list) else cb.state()
+        return {KEY_TRAINER_STATE: state}
 
     def _sampler(self) -> dict[str, Any]:
-        state = self._state
-        trainer: Any = self.trainer
-        batch = BatchGeometry(int(trainer._train_batch_size), dist.world_size(),
-                              int(trainer.args.gradient_accumulation_steps)).to_json() if trainer is not None else None
         # Taken when the save is written (the next step's begin): after the step's evaluation, as the resumed run
         # continues from there.
+        state, trainer = self._state, self.trainer
+        batch = BatchGeometry(int(trainer._train_batch_size), dist.world_size(),
+                              int(trainer.args.gradient_accumulation_steps)).to_json() if trainer is not None else None
         eval_loaders = getattr(trainer, "_eval_dataloaders", None) or {}  # Trainer keeps persistent ones by name
         out: dict[str, Any] = {
             "kind": "trainer", "global_step": state.global_step if state else None, KEY_DATA_STEPS: self.data_steps,
@@ -456,21 +431,12 @@ class SmartCkptCallback(TrainerCallback):
             out[KEY_EPOCH_RNG] = self._epoch_rng
         return out
 
-    def _move_first(self) -> None:
-        """Run before the reporting callbacks, so the `smart_ckpt/*` metrics reach them in `on_log`."""
-        handler = getattr(self.trainer, "callback_handler", None)
-        if handler is None or self not in handler.callbacks or handler.callbacks[0] is self:
-            return
-        handler.callbacks.remove(self)
-        handler.callbacks.insert(0, self)
-
 
 def _deepspeed_accumulation(trainer: Any, now: BatchGeometry, accumulation: int) -> None:
     """Under DeepSpeed the accumulation is also in the engine's config, filled from the arguments when they were
     made (``"auto"``): set it there too, with the global batch it gives (``train_batch_size``)."""
-    args = trainer.args
     plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
-    candidates = (getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
+    candidates = (getattr(getattr(trainer.args, "hf_deepspeed_config", None), "config", None),
                   getattr(getattr(plugin, "hf_ds_config", None), "config", None),
                   getattr(plugin, "deepspeed_config", None))
     for config in {id(c): c for c in candidates if isinstance(c, dict)}.values():
@@ -485,95 +451,47 @@ def _deepspeed_accumulation(trainer: Any, now: BatchGeometry, accumulation: int)
             config["train_batch_size"] = now.per_device * now.world_size * accumulation
 
 
-def _restore_callback_states(trainer: Any, stored: dict[str, Any], say: logging.Logger | None) -> None:
-    """Set the attributes `stored` (`TrainerState.stateful_callbacks`) holds on the trainer's callbacks of the same
-    classes, in order (the `TrainerControl` is Trainer's to restore)."""
-    from transformers.trainer_callback import ExportableState
-
-    callbacks = [cb for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
-                 if isinstance(cb, ExportableState)]
-    restored = []
-    for name, states in stored.items():
-        mine = [cb for cb in callbacks if type(cb).__name__ == name]
-        for cb, saved in zip(mine, states if isinstance(states, list) else [states]):
-            attributes = saved.get("attributes") if isinstance(saved, dict) else None
-            for key, value in (attributes or {}).items():
-                setattr(cb, key, value)
-            restored.append(name)
-    if restored and say is not None:
-        say.info("smart_ckpt: restored the state of %s from the checkpoint", ", ".join(sorted(set(restored))))
-
-
 def _watch_eval_loaders(trainer: Any, seeds: LoaderSeeds) -> Callable[[], None]:
     """Show `seeds` every eval loader `trainer.get_eval_dataloader` hands out (named as Trainer keys them: the
     dataset's name, else `"eval"`) before it is iterated; returns what takes the wrapper off again. Holds the
     trainer weakly (the callback holding this is the trainer's)."""
-    ref = weakref.ref(trainer)
-    own = trainer.__dict__.get("get_eval_dataloader")
-    method = type(trainer).get_eval_dataloader
+    ref, own, method = weakref.ref(trainer), vars(trainer).get("get_eval_dataloader"), type(trainer).get_eval_dataloader
 
     def get_eval_dataloader(eval_dataset: Any = None) -> Any:
         loader = own(eval_dataset) if own is not None else method(ref(), eval_dataset)
         seeds.resume(eval_dataset if isinstance(eval_dataset, str) else "eval", loader)
         return loader
 
-    trainer.get_eval_dataloader = get_eval_dataloader
-
     def take_off() -> None:
         current = ref()
-        if current is not None and current.__dict__.get("get_eval_dataloader") is get_eval_dataloader:
-            if own is None:
-                del current.get_eval_dataloader
-            else:
-                current.get_eval_dataloader = own
+        if current is not None and vars(current).get("get_eval_dataloader") is get_eval_dataloader:
+            _put_back(current, "get_eval_dataloader", own)
 
+    trainer.get_eval_dataloader = get_eval_dataloader
     return take_off
 
 
-def _calling_trainer() -> Any | None:
-    """The `Trainer` whose `__init__` is running (callbacks get no reference to it otherwise)."""
-    from transformers import Trainer
-
-    frame: Any = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            break
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
+def _put_back(obj: Any, name: str, own: Any) -> None:
+    """Take an instance's wrapper `name` off: its own earlier attribute `own` goes back, else the class's shows."""
+    if own is None:
+        delattr(obj, name)
+    else:
+        setattr(obj, name, own)
 
 
 def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto") -> str | None:
-    """The `resume_from_checkpoint` argument for `trainer.train`, from the smart checkpoint store.
+    """The `resume_from_checkpoint` argument for `trainer.train`, from the store of the trainer's `SmartCkptCallback`.
 
-    Chooses and verifies the restore point (one agreed outcome on every rank; a broken
-    checkpoint falls back to an older one, a broken optimizer tier resumes with a fresh
-    optimizer, each with a warning; the weights must fit the model), then prepares a minimal
-    Trainer checkpoint folder for it. Checkpoints of the run that went past the restore point
-    are kept, marked abandoned. The optimizer and scheduler state are loaded by the callback
-    at train begin, directly from the store.
-
-    Args:
-        trainer (`transformers.Trainer`): a trainer created with a `SmartCkptCallback`.
-        ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy checkpoint;
-            a fresh start when the store is empty), `best`, `fastest`, `step:N`, a checkpoint
-            path, or `None` (fresh start).
-
-    Returns:
-        `str | None`: the folder to pass to `trainer.train(resume_from_checkpoint=...)`, or
-        `None` to start fresh.
+    Chooses and verifies the restore point (one agreed outcome on every rank; a broken checkpoint falls back to an
+    older one, a broken optimizer tier resumes with a fresh optimizer, each with a warning; the weights must fit the
+    model) and prepares a minimal Trainer checkpoint folder for it (docs/trainer.md). `ref`: `auto` (newest healthy
+    checkpoint; a fresh start when the store is empty), `best`, `fastest`, `step:N`, a checkpoint path, or `None`
+    (fresh start). Returns the folder for `trainer.train(resume_from_checkpoint=...)`, or `None` to start fresh.
 
     Raises:
         `ConfigError`: the trainer has no `SmartCkptCallback`.
         `CheckpointNotFoundError`: an explicit ref names nothing loadable.
         `IncompatibleStateError`: the saved weights do not fit the model.
-
-    Example:
-        ```python
-        >>> trainer.train(resume_from_checkpoint=resume_checkpoint(trainer, "auto"))
-        ```
     """
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, SmartCkptCallback):
@@ -592,43 +510,44 @@ def remove_resume_folders(root: Path, task_id: str, step: int | None = None) -> 
     """Remove this task's resume folders (only the one of `step`, when given): real directories directly under
     ``<root>/.resume`` only."""
     base = Path(root).absolute() / RESUME_DIR
-    if not base.is_dir() or base.is_symlink():
-        return
-    prefix = f"{task_id}-step-"
-    for entry in base.iterdir():
-        if (entry.name == f"{prefix}{step}" if step is not None else entry.name.startswith(prefix)) \
-                and entry.is_dir() and not entry.is_symlink():
+    for entry in [] if base.is_symlink() else base.glob(f"{glob.escape(task_id)}-step-{'*' if step is None else step}"):
+        if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
     with contextlib.suppress(OSError):
         base.rmdir()  # only when empty: other tasks' folders stay
 
 
-KEY_DATA_STEPS = "data_steps"
-"""Key of the Trainer data position in a checkpoint's sampler state: optimizer-step windows consumed."""
-KEY_EPOCH_WINDOWS = "epoch_windows"
-"""... and, for a training loader without a length (an iterable dataset), [epoch, windows consumed in it]."""
-KEY_EPOCH_RNG = "epoch_rng"
-"""... and `{"epoch": E, "ranks": [every rank's RNG at epoch E's begin]}` (the epoch the next step belongs to)."""
+KEY_DATA_STEPS = "data_steps"  # the Trainer data position in a sampler state: optimizer-step windows consumed
+KEY_EPOCH_WINDOWS = "epoch_windows"  # ... with a training loader without a length: [epoch, windows consumed in it]
+KEY_EPOCH_RNG = "epoch_rng"  # ... {"epoch": E, "ranks": [every rank's RNG at epoch E's begin]} (the next step's epoch)
 
 
 def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Path, task_id: str) -> Path:
     """Write the folder for `loaded` (rank 0; every rank waits for it); returns it. Under DeepSpeed it holds the
     Trainer state only: the callback reads the ZeRO state into the engine at train begin (`skip_deepspeed_load`)."""
-    folder = resume_folder(root, task_id, loaded.info.step)
+    folder, args = resume_folder(root, task_id, loaded.info.step), trainer.args
     if dist.is_main():
         remove_resume_folders(root, task_id)
         folder.mkdir(parents=True)
-        _write_trainer_state(folder, loaded, trainer)
+        state = loaded.extra.get(KEY_TRAINER_STATE)
+        if state is None:  # saved by another integration: the step and epoch are enough to resume
+            state = dataclasses.asdict(TrainerState(
+                global_step=loaded.info.step, epoch=float(loaded.manifest.get(KEY_EPOCH) or 0.0),
+                train_batch_size=trainer._train_batch_size, logging_steps=args.logging_steps,
+                eval_steps=args.eval_steps, save_steps=args.save_steps))
+        # Trainer derives the data to skip from global_step. After a rollback the run has consumed more batches than
+        # it applied updates (the rolled-back ones), so the folder names the data position; `SmartCkptCallback` puts
+        # the true step back at train begin.
+        state = {**state, "global_step": folder_step(loaded, args.max_steps)}
+        (folder / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if not getattr(trainer, "is_deepspeed_enabled", False):
             _write_weights(folder, loaded, trainer.model, read=not _loads_once(trainer))
     dist.barrier()
     return folder
 
 
-_DEEPSPEED_SKIPS: set[str] = set()
-"""Resume folders whose DeepSpeed load Trainer skips (`skip_deepspeed_load`)."""
-_WRAPPERS: list[Any] = []
-"""The wrapper `skip_deepspeed_load` put in place of ``transformers.trainer.deepspeed_load_checkpoint`` (once)."""
+_DEEPSPEED_SKIPS: set[str] = set()  # resume folders whose DeepSpeed load Trainer skips (`skip_deepspeed_load`)
+_WRAPPERS: list[Any] = []  # what `skip_deepspeed_load` put in place of transformers' `deepspeed_load_checkpoint`
 
 
 def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
@@ -639,8 +558,7 @@ def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
     """
     import transformers.trainer as trainer_module
 
-    target = os.path.abspath(folder)
-    _DEEPSPEED_SKIPS.add(target)
+    _DEEPSPEED_SKIPS.add(os.path.abspath(folder))
     current = trainer_module.deepspeed_load_checkpoint
     if current not in _WRAPPERS:
         def deepspeed_load_checkpoint(engine: Any, checkpoint_path: str, *args: Any, **kwargs: Any) -> Any:
@@ -656,42 +574,17 @@ def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
 
 def _skip_once(trainer: Any, name: str, folder: Path, applies: Callable[..., bool] | None = None) -> None:
     """Wrap this instance's ``trainer.<name>(checkpoint, ...)``: the first call for `folder` (that `applies` to)
-    does nothing and takes the wrapper off (an override of the instance's is put back); any other goes through."""
+    does nothing and takes the wrapper off; any other goes through."""
     original, own, target = getattr(trainer, name), vars(trainer).get(name), os.path.abspath(folder)
 
     def wrapper(checkpoint: str | None, *args: Any) -> Any:
         if checkpoint is not None and os.path.abspath(checkpoint) == target and (applies is None or applies(*args)):
-            if own is None:
-                delattr(trainer, name)
-            else:
-                setattr(trainer, name, own)
+            _put_back(trainer, name, own)
             logger.debug("%s: Trainer's %s skipped, the callback did it", folder, name)
             return None
         return original(checkpoint, *args)
 
     setattr(trainer, name, wrapper)
-
-
-def forget_deepspeed_skip(folder: Path) -> None:
-    """The folder was used (or removed): a later DeepSpeed load of the same path is DeepSpeed's again."""
-    _DEEPSPEED_SKIPS.discard(os.path.abspath(folder))
-
-
-def _write_trainer_state(folder: Path, loaded: LoadedCheckpoint, trainer: Any) -> None:
-    state = loaded.extra.get(KEY_TRAINER_STATE)
-    if state is None:  # saved by another integration: the step and epoch are enough to resume
-        args = trainer.args
-        ts = TrainerState(global_step=loaded.info.step, epoch=float(loaded.manifest.get(KEY_EPOCH) or 0.0),
-                          train_batch_size=trainer._train_batch_size, logging_steps=args.logging_steps,
-                          eval_steps=args.eval_steps, save_steps=args.save_steps)
-        state = dataclasses.asdict(ts)
-    else:
-        state = dict(state)
-    # Trainer derives the data to skip from global_step. After a rollback the run has consumed more batches than
-    # it applied updates (the rolled-back ones), so the folder names the data position; `SmartCkptCallback` puts
-    # the true step back at train begin.
-    state["global_step"] = folder_step(loaded, trainer.args.max_steps)
-    (folder / TRAINER_STATE_NAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def data_steps(loaded: LoadedCheckpoint) -> int:
@@ -701,24 +594,19 @@ def data_steps(loaded: LoadedCheckpoint) -> int:
     return value if isinstance(value, int) and value >= loaded.info.step else loaded.info.step
 
 
-def _epoch_windows(loaded: LoadedCheckpoint | None) -> tuple[int, int] | None:
-    value = (loaded.sampler or {}).get(KEY_EPOCH_WINDOWS) if loaded is not None else None
+def _epoch_windows(loaded: LoadedCheckpoint) -> tuple[int, int] | None:
+    value = (loaded.sampler or {}).get(KEY_EPOCH_WINDOWS)
     if isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value):
         return value[0], value[1]
     return None
 
 
 def folder_step(loaded: LoadedCheckpoint, max_steps: int) -> int:
-    """The `global_step` the resume folder names, from which Trainer derives the data to skip.
-
-    Trainer skips ``global_step % per_epoch`` windows of epoch ``global_step // per_epoch``; for a loader without a
-    length it takes ``per_epoch = max_steps``, although such a loader's epochs end when its data runs out, so the
-    folder names ``epoch * max_steps + windows`` (the true step goes back at train begin).
-    """
+    """The `global_step` the resume folder names, from which Trainer derives the data to skip: for a loader without
+    a length Trainer takes ``max_steps`` windows per epoch, although such a loader's epochs end when its data runs
+    out, so the folder names ``epoch * max_steps + windows`` (the true step goes back at train begin)."""
     at = _epoch_windows(loaded)
-    if at is not None and at[1] < max_steps:
-        return at[0] * max_steps + at[1]
-    return data_steps(loaded)
+    return at[0] * max_steps + at[1] if at is not None and at[1] < max_steps else data_steps(loaded)
 
 
 def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any, *, read: bool = True) -> None:
@@ -740,38 +628,29 @@ def _write_weights(folder: Path, loaded: LoadedCheckpoint, model: Any, *, read: 
     from safetensors import safe_open
 
     with safe_open(str(source), framework="pt") as f:
-        same_keys = set(f.keys()) == set(loaded.weights)
-    if same_keys:
-        try:
-            os.link(source, target)
-            return
-        except OSError as e:  # another file system
-            logger.debug("hard link of %s failed (%s); %s", source, e, "copying" if read else "linking")
-            if read:
-                shutil.copyfile(source, target)
-            else:
-                target.symlink_to(source.absolute())
-            return
-    _save_tensors(loaded.weights, target)  # deduplicated or aliased tensors live outside the file
+        keys = set(f.keys())
+    if keys != set(loaded.weights):  # deduplicated or aliased tensors live outside the file
+        return _save_tensors(loaded.weights, target)
+    try:
+        os.link(source, target)
+    except OSError as e:  # another file system
+        logger.debug("hard link of %s failed (%s); %s", source, e, "copying" if read else "linking")
+        if read:
+            shutil.copyfile(source, target)
+        else:
+            target.symlink_to(source.absolute())
 
 
 def _save_tensors(weights: dict[str, torch.Tensor], target: Path) -> None:
     from safetensors.torch import save_file
 
-    seen: set[int] = set()
+    seen: set[int | None] = set()  # storages already in the file: a tensor sharing one is written as a copy
     tensors = {}
     for key, t in weights.items():
         ptr = t.untyped_storage().data_ptr() if t.numel() else None
-        tensors[key] = t.clone().contiguous() if ptr is not None and ptr in seen else t.contiguous()
-        if ptr is not None:
-            seen.add(ptr)
+        tensors[key] = t.clone().contiguous() if ptr in seen else t.contiguous()
+        seen.add(ptr)
     save_file(tensors, str(target))
-
-
-def read_targets(trainer: Any) -> dict[str, Any] | None:
-    """The tensors a resume reads the weights file into for `load_once` (`state.own_weights`), or `None` where
-    `load_once` leaves the weights to Trainer or to PEFT's setter."""
-    return (own_weights(trainer.model) or None) if _loads_once(trainer) else None
 
 
 def _loads_once(trainer: Any) -> bool:
@@ -782,7 +661,7 @@ def _loads_once(trainer: Any) -> bool:
 def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> None:
     """Put the verified weights of `loaded` into `trainer.model` now and make `Trainer.train` skip its second load of
     `folder`, once, into that model (anything else goes to Trainer's own load). A full model's tensors are read
-    straight from the stored file (normally by the resume itself, `read_targets`); what cannot be is copied from
+    straight from the stored file (normally by the resume itself, into `own_weights`); what cannot be is copied from
     `loaded.weights`, which then names the model's tensors; adapters go through PEFT's setter. DeepSpeed and FSDP
     Trainers load the weights themselves: nothing is done for them.
     """
@@ -791,27 +670,20 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
     model = trainer.model
     if adapter_names(model):  # adapters are small: PEFT's own setter, which knows their key names
         apply_weights(model, loaded.weights)
-    else:
-        _read_into_model(model, loaded, store)
+    else:  # the weights were checked against the model by the resume already
+        live = model.state_dict()
+        own = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
+        # Read by the resume already: the key's loaded tensor is the model's own.
+        done = {k for k, v in loaded.weights.items()
+                if k in live and live[k].numel() and v.data_ptr() == live[k].data_ptr()}
+        targets = {k: live[k] for k in loaded.weights if k not in done and k in live and live[k].data_ptr() in own}
+        if targets:
+            done |= store.read_weights_into(loaded, targets)
+        written = {live[k].data_ptr() for k in done if live[k].numel()}
+        rest = {k: v for k, v in loaded.weights.items()
+                if k not in done and not (k in live and live[k].numel() and live[k].data_ptr() in written)}
+        if rest:  # a tied alias whose tensor was read is skipped above; the rest is copied as Trainer would
+            model.load_state_dict(rest, strict=False)
+        loaded.weights = {k: live.get(k, v) for k, v in loaded.weights.items()}  # the file's mapping can go
     _skip_once(trainer, "_load_from_checkpoint", folder,
                lambda model_arg=None: model_arg is None and trainer.model is model)
-
-
-def _read_into_model(model: Any, loaded: LoadedCheckpoint, store: Any) -> None:
-    """`load_once` for a model without adapters (the weights already checked against it by the resume)."""
-    assert loaded.weights is not None
-    live = model.state_dict()
-    own = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
-    # Read by the resume already: the key's loaded tensor is the model's own.
-    done = {k for k, v in loaded.weights.items()
-            if k in live and live[k].numel() and v.data_ptr() == live[k].data_ptr()}
-    targets = {k: live[k] for k in loaded.weights
-               if k not in done and k in live and live[k].data_ptr() in own}
-    if targets:
-        done |= store.read_weights_into(loaded, targets)
-    written = {live[k].data_ptr() for k in done if live[k].numel()}
-    rest = {k: v for k, v in loaded.weights.items()
-            if k not in done and not (k in live and live[k].numel() and live[k].data_ptr() in written)}
-    if rest:  # a tied alias whose tensor was read is skipped above; the rest is copied as Trainer would
-        model.load_state_dict(rest, strict=False)
-    loaded.weights = {k: live.get(k, v) for k, v in loaded.weights.items()}  # the file's mapping can go
