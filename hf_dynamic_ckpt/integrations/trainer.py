@@ -122,7 +122,6 @@ class SmartCkptCallback(TrainerCallback):
         self._eval_watch: Callable[[], None] | None = None  # takes the `get_eval_dataloader` wrapper off
         self._randomness = StepRandomness()
 
-    # ------------------------------------------------------------------ wiring
     @property
     def trainer(self) -> Any | None:
         """The trainer served, held weakly: a `trainer -> callback -> trainer` cycle freed by the garbage collector
@@ -181,7 +180,6 @@ class SmartCkptCallback(TrainerCallback):
         self._pending = self.resumed_from = loaded
         return str(folder)
 
-    # ------------------------------------------------------------------ events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, optimizer: Any = None, lr_scheduler: Any = None,
                        **kwargs: Any) -> None:
@@ -198,11 +196,9 @@ class SmartCkptCallback(TrainerCallback):
             callbacks.remove(self)
             callbacks.insert(0, self)
         assert model is not None, "Trainer passes the model to callbacks"
-        ck.attach(model, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler,
-                  frozen_keys=frozen_weight_keys(model),
-                  extra=self._save_extra, sampler=self._sampler, clip_owner=accelerator,
+        ck.attach(model, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler, clip_owner=accelerator,
+                  frozen_keys=frozen_weight_keys(model), extra=self._save_extra, sampler=self._sampler, hold_saves=True,
                   model_info=describe_model(model, tokenizer=getattr(trainer, "processing_class", None)),
-                  hold_saves=True,
                   position=lambda: (state.global_step, state.epoch))
         if retry:  # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
             ck.restart_timeline(state.global_step)
@@ -221,8 +217,7 @@ class SmartCkptCallback(TrainerCallback):
                 raise ConfigError(
                     f"resume_checkpoint prepared step {loaded.info.step} but Trainer resumed at global_step "
                     f"{state.global_step}: pass the path resume_checkpoint returned to "
-                    "trainer.train(resume_from_checkpoint=...)."
-                )
+                    "trainer.train(resume_from_checkpoint=...).")
             if ck.zero or scaler is not None:  # ZeRO: the engine exists now, its partitions are read before the
                 # first forward; AMP: the first backward needs the loss scale
                 ck.read_sharded(loaded) if ck.zero else ck.complete_resume(loaded)
@@ -313,14 +308,12 @@ class SmartCkptCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        ck = self.run
-        if ck is None:
-            return
-        self.data_steps += 1
-        if ck.step_end(state.global_step, state.epoch or 0.0, lr=self._lr).kind == DecisionKind.ROLLBACK:
-            control.should_log = True  # the abandoned steps' loss is logged now, before the step count goes back
-        if ck.preempted:
-            control.should_training_stop = True
+        if (ck := self.run) is not None:
+            self.data_steps += 1
+            if ck.step_end(state.global_step, state.epoch or 0.0, lr=self._lr).kind == DecisionKind.ROLLBACK:
+                control.should_log = True  # the abandoned steps' loss is logged now, before the step count goes back
+            if ck.preempted:
+                control.should_training_stop = True
 
     def _roll_back(self, state: TrainerState) -> None:
         """At the start of the step after a confirmed anomaly (its batches are fetched, as a resume's first ones
@@ -352,12 +345,10 @@ class SmartCkptCallback(TrainerCallback):
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:
-        if self.run is None or logs is None or not self.config.runtime.report_to_trainer:
-            return
-        metrics = self.run.metrics()
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
+        if self.run is not None and logs is not None and self.config.runtime.report_to_trainer:
+            logs.update(metrics := self.run.metrics())
+            if state.log_history and state.log_history[-1].get("step") == state.global_step:
+                state.log_history[-1].update(metrics)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -396,7 +387,6 @@ class SmartCkptCallback(TrainerCallback):
             self.run.complete_resume(loaded)
             apply_optimizer_state(loaded, optimizer=optimizer, scheduler=scheduler, scaler=None)
 
-    # ------------------------------------------------------------------ state for saves
     def _save_extra(self, decision: Decision) -> dict[str, Any]:
         """Every rank, right before each save: the `TrainerState` Trainer would have stored for the saved step, with
         the flos it would have counted by then (summed over ranks: a collective, which every rank runs since every
@@ -465,18 +455,10 @@ def _watch_eval_loaders(trainer: Any, seeds: LoaderSeeds) -> Callable[[], None]:
     def take_off() -> None:
         current = ref()
         if current is not None and vars(current).get("get_eval_dataloader") is get_eval_dataloader:
-            _put_back(current, "get_eval_dataloader", own)
+            delattr(current, "get_eval_dataloader") if own is None else setattr(current, "get_eval_dataloader", own)
 
     trainer.get_eval_dataloader = get_eval_dataloader
     return take_off
-
-
-def _put_back(obj: Any, name: str, own: Any) -> None:
-    """Take an instance's wrapper `name` off: its own earlier attribute `own` goes back, else the class's shows."""
-    if own is None:
-        delattr(obj, name)
-    else:
-        setattr(obj, name, own)
 
 
 def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto") -> str | None:
@@ -487,11 +469,8 @@ def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto")
     model) and prepares a minimal Trainer checkpoint folder for it (docs/trainer.md). `ref`: `auto` (newest healthy
     checkpoint; a fresh start when the store is empty), `best`, `fastest`, `step:N`, a checkpoint path, or `None`
     (fresh start). Returns the folder for `trainer.train(resume_from_checkpoint=...)`, or `None` to start fresh.
-
-    Raises:
-        `ConfigError`: the trainer has no `SmartCkptCallback`.
-        `CheckpointNotFoundError`: an explicit ref names nothing loadable.
-        `IncompatibleStateError`: the saved weights do not fit the model.
+    Raises `ConfigError` (the trainer has no `SmartCkptCallback`), `CheckpointNotFoundError` (an explicit ref names
+    nothing loadable), `IncompatibleStateError` (the saved weights do not fit the model).
     """
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, SmartCkptCallback):
@@ -547,27 +526,23 @@ def materialise_trainer_folder(loaded: LoadedCheckpoint, trainer: Any, root: Pat
 
 
 _DEEPSPEED_SKIPS: set[str] = set()  # resume folders whose DeepSpeed load Trainer skips (`skip_deepspeed_load`)
-_WRAPPERS: list[Any] = []  # what `skip_deepspeed_load` put in place of transformers' `deepspeed_load_checkpoint`
 
 
 def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
     """Make `Trainer.train(resume_from_checkpoint=folder)` under DeepSpeed leave the engine's state to the callback
-    (read into the engine's partitions at ``on_train_begin``): ``transformers.trainer.deepspeed_load_checkpoint`` is
-    wrapped once per process and skips the registered folders, this instance's ``_load_optimizer_and_scheduler``
-    once for `folder`; the folder has neither DeepSpeed's ``global_step*`` files nor ``scheduler.pt``.
-    """
+    (the folder has no ``global_step*`` files): transformers' ``deepspeed_load_checkpoint`` is wrapped once per process
+    to skip the registered folders, this instance's ``_load_optimizer_and_scheduler`` once for `folder`."""
     import transformers.trainer as trainer_module
 
     _DEEPSPEED_SKIPS.add(os.path.abspath(folder))
     current = trainer_module.deepspeed_load_checkpoint
-    if current not in _WRAPPERS:
+    if getattr(current, "__module__", None) != __name__:  # not wrapped yet
         def deepspeed_load_checkpoint(engine: Any, checkpoint_path: str, *args: Any, **kwargs: Any) -> Any:
             if os.path.abspath(checkpoint_path) in _DEEPSPEED_SKIPS:
                 logger.debug("%s: the ZeRO state is read by SmartCkptCallback at train begin", checkpoint_path)
                 return None
             return current(engine, checkpoint_path, *args, **kwargs)
 
-        _WRAPPERS.append(deepspeed_load_checkpoint)
         trainer_module.deepspeed_load_checkpoint = deepspeed_load_checkpoint  # type: ignore[assignment]
     _skip_once(trainer, "_load_optimizer_and_scheduler", folder)
 
@@ -579,7 +554,7 @@ def _skip_once(trainer: Any, name: str, folder: Path, applies: Callable[..., boo
 
     def wrapper(checkpoint: str | None, *args: Any) -> Any:
         if checkpoint is not None and os.path.abspath(checkpoint) == target and (applies is None or applies(*args)):
-            _put_back(trainer, name, own)
+            delattr(trainer, name) if own is None else setattr(trainer, name, own)  # an override of its own goes back
             logger.debug("%s: Trainer's %s skipped, the callback did it", folder, name)
             return None
         return original(checkpoint, *args)
@@ -595,10 +570,9 @@ def data_steps(loaded: LoadedCheckpoint) -> int:
 
 
 def _epoch_windows(loaded: LoadedCheckpoint) -> tuple[int, int] | None:
-    value = (loaded.sampler or {}).get(KEY_EPOCH_WINDOWS)
-    if isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value):
-        return value[0], value[1]
-    return None
+    value: Any = (loaded.sampler or {}).get(KEY_EPOCH_WINDOWS)
+    ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)
+    return (value[0], value[1]) if ok else None
 
 
 def folder_step(loaded: LoadedCheckpoint, max_steps: int) -> int:
@@ -659,12 +633,9 @@ def _loads_once(trainer: Any) -> bool:
 
 
 def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> None:
-    """Put the verified weights of `loaded` into `trainer.model` now and make `Trainer.train` skip its second load of
-    `folder`, once, into that model (anything else goes to Trainer's own load). A full model's tensors are read
-    straight from the stored file (normally by the resume itself, into `own_weights`); what cannot be is copied from
-    `loaded.weights`, which then names the model's tensors; adapters go through PEFT's setter. DeepSpeed and FSDP
-    Trainers load the weights themselves: nothing is done for them.
-    """
+    """Put the verified weights of `loaded` into `trainer.model` now (a full model's read from the stored file, by the
+    resume itself where it could, into `own_weights`; adapters through PEFT's setter) and make `Trainer.train` skip its
+    second load of `folder`, once, into that model. DeepSpeed and FSDP Trainers load the weights themselves."""
     if loaded.weights is None or not _loads_once(trainer):
         return
     model = trainer.model
