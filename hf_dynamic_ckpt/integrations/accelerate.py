@@ -35,13 +35,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["POINTER_NAME", "ResumableLoader", "SmartCheckpointer", "SmartStateHooks"]
 
-POINTER_NAME = "smart_ckpt.json"
-"""File `save_state` leaves in its output directory: which store checkpoint holds the state."""
+POINTER_NAME = "smart_ckpt.json"  # what `save_state` leaves in its folder: which store checkpoint holds the state
 _POINTER_KEYS = ("root", "task_id", "step", "path")
-KEY_ACCELERATE = "accelerate"
-"""Key of this integration's entry in the manifest's `extra`."""
-KEY_SCHEDULER_PACE = "scheduler_pace"
-"""Key, in that entry, of the wrapped scheduler's steps per optimizer step."""
+KEY_ACCELERATE = "accelerate"  # this integration's entry in the manifest's `extra`
+KEY_SCHEDULER_PACE = "scheduler_pace"  # in that entry: the wrapped scheduler's steps per optimizer step
 _MODEL_PREFIX = "model_{}."
 
 
@@ -85,20 +82,15 @@ class AccelerateState:
 
     @property
     def optimizer(self) -> Any | None:
-        opts = getattr(self.accelerator, "_optimizers", [])
-        return opts[0] if opts else None
+        return next(iter(getattr(self.accelerator, "_optimizers", [])), None)
 
     @property
     def scheduler(self) -> Any | None:
-        scheds = getattr(self.accelerator, "_schedulers", [])
-        return scheds[0] if scheds else None
+        return next(iter(getattr(self.accelerator, "_schedulers", [])), None)
 
     def _of_every_model(self, tensors: Callable[[torch.nn.Module], dict[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for i, model in enumerate(self.models()):
-            prefix = "" if i == 0 else _MODEL_PREFIX.format(i)
-            out.update({prefix + k: v for k, v in tensors(model).items()})
-        return out
+        return {(_MODEL_PREFIX.format(i) if i else "") + k: v for i, model in enumerate(self.models())
+                for k, v in tensors(model).items()}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self._of_every_model(trainable_state_dict)
@@ -251,9 +243,9 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
     owner, refs = weakref.ref(accelerator), [weakref.ref(h) for h in handles]
 
     def to_end() -> None:
-        for handle in (ref() for ref in refs):
-            hooks = handle.hooks_dict_ref() if handle is not None else None
-            if hooks is not None and handle is not None and handle.id in hooks:
+        for handle in filter(None, (ref() for ref in refs)):
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
                 hooks[handle.id] = hooks.pop(handle.id)
 
     for name in _REGISTER:

@@ -34,10 +34,8 @@ KEY_EPOCH_START_GENERATOR = "epoch_start_generator"
 KEY_WORLD_SIZE = "world_size"
 KEY_DEALT = "dealt"  # the ranks read different batches of one order (Accelerate's sharding or dispatching)
 KEY_LOADERS = "loaders"  # {name: {"iterator": bool, "iteration": int}} of the other loaders the run iterates
-KEY_BATCH = "batch"
-"""Key of the batch geometry in a checkpoint's data position (sampler state)."""
-KEY_DRAWS_RANDOM = "draws_random"
-"""Key of `StepRandomness.seen` in a checkpoint's data position: a step drew random numbers on this rank."""
+KEY_BATCH = "batch"  # the `BatchGeometry`
+KEY_DRAWS_RANDOM = "draws_random"  # `StepRandomness.seen`: a step drew random numbers on this rank
 
 
 # ---------------------------------------------------------------------------- batch geometry
@@ -63,9 +61,7 @@ class BatchGeometry:
     @classmethod
     def from_json(cls, value: Any) -> BatchGeometry | None:
         """`None`: saved without one, or not three positive integers."""
-        if not isinstance(value, dict):
-            return None
-        fields = [value.get(f.name) for f in dataclasses.fields(cls)]
+        fields = [value.get(f.name) for f in dataclasses.fields(cls)] if isinstance(value, dict) else [None]
         ints = [v for v in fields if isinstance(v, int) and not isinstance(v, bool) and v > 0]
         return cls(*ints) if len(ints) == len(fields) else None
 
@@ -205,15 +201,6 @@ def _generator(dataloader: Any) -> torch.Generator | None:
     return next((gen for gen in gens if isinstance(gen, torch.Generator)), None)
 
 
-def _order_sampler(dataloader: Any) -> Any:
-    """The sampler that orders the epoch's samples (under Accelerate's batch-sampler shard)."""
-    sampler = getattr(dataloader, "sampler", None)
-    batch_sampler = sampler if isinstance(sampler, torch.utils.data.BatchSampler) else \
-        getattr(dataloader, "batch_sampler", None)
-    batch_sampler = getattr(batch_sampler, "batch_sampler", batch_sampler)  # accelerate's BatchSamplerShard
-    return getattr(batch_sampler, "sampler", None)
-
-
 def deals_batches(dataloader: Any) -> bool:
     """`dataloader` was prepared by Accelerate: its ranks read different batches (sharded or dispatched)."""
     from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
@@ -244,7 +231,10 @@ def rescale_batches_seen(seen: int, saved: BatchGeometry, now: BatchGeometry, *,
 
 def order_note(dataloader: Any, *, saved_generator: bool) -> str | None:
     """Why the epoch order of a dealing `dataloader` differs between two numbers of processes (`None`: it does not)."""
-    sampler = _order_sampler(dataloader)
+    sampler = getattr(dataloader, "sampler", None)  # the sampler that orders the epoch's samples
+    batch_sampler = sampler if isinstance(sampler, torch.utils.data.BatchSampler) else \
+        getattr(dataloader, "batch_sampler", None)
+    sampler = getattr(getattr(batch_sampler, "batch_sampler", batch_sampler), "sampler", None)  # under a shard
     if not isinstance(sampler, torch.utils.data.RandomSampler):
         return None  # sequential (or a custom sampler, which orders as it orders)
     from accelerate.data_loader import SeedableRandomSampler
@@ -291,13 +281,10 @@ class LoaderSeeds:
     def record(self, loaders: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         out = {name: dict(entry) for name, entry in self._due.items()}
         for name, loader in loaders.items():
-            if loader is None or name in self._due:
-                continue
-            entry: dict[str, Any] = {"iterator": has_iterator(loader)}
-            iteration = getattr(loader, "iteration", None)
-            if isinstance(iteration, int):
-                entry["iteration"] = iteration
-            out[name] = entry
+            if loader is not None and name not in self._due:
+                iteration = getattr(loader, "iteration", None)
+                out[name] = {"iterator": has_iterator(loader), **({"iteration": iteration} if isinstance(iteration, int)
+                                                                   else {})}
         return out
 
     def arm(self, recorded: Mapping[str, Any] | None) -> None:
@@ -345,7 +332,7 @@ class ResumableLoader:
         self._epoch_start_gen: str | None = None
         self._source: Any = None  # what the running epoch iterates (the loader, or its skipping copy)
         self._boundary: dict[str, Any] | None = None
-        self._pending: dict[str, Any] | None = None
+        self._resuming = False  # armed by `resume_from`, not iterated yet
         self._pending_rng: dict[str, Any] | None = None
         self._skip = 0
         self.on_batch: Callable[[], None] | None = None
@@ -367,40 +354,21 @@ class ResumableLoader:
         except TypeError:
             return None
 
-    def _epoch_complete(self) -> bool:
-        """The running epoch handed out its last batch (its iterator has not raised `StopIteration` yet)."""
-        if not self._epoch_start_rngs or self.batches_seen == 0:
-            return False
-        if getattr(self._source, "end_of_dataloader", False):  # accelerate's loaders look one batch ahead
-            return True
-        length = self.length()
-        return length is not None and self.batches_seen >= length
-
     def position(self) -> dict[str, Any]:
         """JSON-able position now: epoch, batches handed out in it, the epoch-start RNG of every rank (before an
         epoch's iterator exists, or once its last batch is out: that (the next) epoch's start, the generator now)."""
-        if self._pending is not None:  # armed by `resume_from`, not iterated yet
-            epoch, seen, starts, gen = self.epoch, self._pending["seen"], list(self._pending["starts"]), \
-                self._pending["gen"]
-        elif self._epoch_start_rngs and not self._epoch_complete():
-            epoch, seen, starts, gen = self.epoch, self.batches_seen, list(self._epoch_start_rngs), \
-                self._epoch_start_gen
+        length, seen, src = self.length(), self.batches_seen, self._source  # complete: the epoch's last batch is out
+        complete = seen > 0 and (getattr(src, "end_of_dataloader", False) or (length is not None and seen >= length))
+        if self._epoch_start_rngs and (self._resuming or not complete):
+            epoch, starts, gen = self.epoch, list(self._epoch_start_rngs), self._epoch_start_gen
         else:
             epoch = self.epoch + 1 if self._epoch_start_rngs else self.epoch
             seen, starts, gen = 0, [], _gen_b64(_generator(self.dataloader))
         geometry = self.geometry()
-        return {
-            "version": POSITION_VERSION,
-            KEY_EPOCH: epoch,
-            KEY_BATCHES_SEEN: seen,
-            KEY_WORLD_SIZE: dist.world_size(),
-            KEY_BATCH: geometry.to_json() if geometry is not None else None,
-            KEY_DEALT: deals_batches(self.dataloader),
-            KEY_EPOCH_START_GENERATOR: gen,
-            KEY_EPOCH_START_RNG: starts,
-            KEY_SKIP: self._skip,
-            KEY_LOADERS: self.seeds.record(self.other_loaders()),
-        }
+        return {"version": POSITION_VERSION, KEY_EPOCH: epoch, KEY_BATCHES_SEEN: seen,
+                KEY_WORLD_SIZE: dist.world_size(), KEY_BATCH: geometry.to_json() if geometry is not None else None,
+                KEY_DEALT: deals_batches(self.dataloader), KEY_EPOCH_START_GENERATOR: gen, KEY_EPOCH_START_RNG: starts,
+                KEY_SKIP: self._skip, KEY_LOADERS: self.seeds.record(self.other_loaders())}
 
     def geometry(self) -> BatchGeometry | None:
         """This run's batch geometry (`None` when the loader does not say its batch size)."""
@@ -428,7 +396,6 @@ class ResumableLoader:
                 f"data position {position!r:.200} has no integer {KEY_EPOCH!r}/{KEY_BATCHES_SEEN!r}; "
                 "the sampler state of this checkpoint is corrupt."
             ) from e
-        rank, world = dist.rank(), dist.world_size()
         self.seeds.arm(position.get(KEY_LOADERS) if isinstance(position.get(KEY_LOADERS), dict) else None)
         for name, loader in self.other_loaders().items():  # prepared already: met now
             self.seeds.resume(name, loader)
@@ -437,24 +404,17 @@ class ResumableLoader:
         starts = list(position.get(KEY_EPOCH_START_RNG) or [])
         gen = position.get(KEY_EPOCH_START_GENERATOR)
         saved_world = position.get(KEY_WORLD_SIZE) if isinstance(position.get(KEY_WORLD_SIZE), int) else len(starts)
-        seen = self._rescale(epoch, seen, position, saved_world=saved_world or world)
+        seen = self._rescale(epoch, seen, position, saved_world=saved_world or dist.world_size())
         length = self.length()
         if starts and length is not None and seen >= length:  # the epoch was complete: the next one's start
             epoch, seen, starts, gen = epoch + 1, 0, [], None
-        self._boundary, self._source = None, None
-        if not starts:
-            # Saved before the epoch's iterator existed: the saved RNG is what creating it will draw from.
-            self.epoch, self.batches_seen, self._pending, self._pending_rng = epoch, 0, None, None
-            self._epoch_start_rngs, self._epoch_start_gen = [], None
+        self.epoch, self.batches_seen, self._boundary, self._source = epoch, seen if starts else 0, None, None
+        self._epoch_start_rngs, self._epoch_start_gen, self._resuming = starts, gen if starts else None, bool(starts)
+        self._pending_rng = rng if starts else None
+        if not starts:  # saved before the epoch's iterator existed: the saved RNG is what creating it will draw from
             _set_gen(_generator(self.dataloader), gen)
             if rng is not None:
                 restore_rng_state(rng)
-            return
-        self.epoch, self.batches_seen = epoch, seen
-        # A rank the checkpoint had not starts the epoch from rank 0's state (as its RNG continues rank 0's).
-        self._pending = {"seen": seen, "gen": gen, "starts": starts,
-                         "rng0": starts[rank] if rank < len(starts) else starts[0]}
-        self._pending_rng = rng
 
     def _rescale(self, epoch: int, seen: int, position: dict[str, Any], *, saved_world: int) -> int:
         """`seen` (batches per rank of the saved run) on this run's geometry; rank 0 says what is not kept."""
@@ -497,17 +457,16 @@ class ResumableLoader:
         dl = self.dataloader
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(self.epoch)
-        pending, self._pending = self._pending, None
-        gen = _generator(dl)
+        resuming, self._resuming, gen = self._resuming, False, _generator(dl)
         if self.epoch > 0:  # the uninterrupted run created its iterator in epoch 0 (a skipping copy takes the lent one)
             self.seeds.lend(dl)
-        if pending is not None:
-            if pending["rng0"] is not None:
-                restore_rng_state(pending["rng0"])
-            _set_gen(gen, pending["gen"])
-            self._epoch_start_rngs, self._epoch_start_gen = pending["starts"], pending["gen"]
-            source = self.accelerator.skip_first_batches(dl, pending["seen"]) if pending["seen"] else dl
-            self.batches_seen = pending["seen"]
+        if resuming:
+            # A rank the checkpoint had not starts the epoch from rank 0's state (as its RNG continues rank 0's).
+            starts, rank = self._epoch_start_rngs, dist.rank()
+            if (rng0 := starts[rank] if rank < len(starts) else starts[0]) is not None:
+                restore_rng_state(rng0)
+            _set_gen(gen, self._epoch_start_gen)
+            source = self.accelerator.skip_first_batches(dl, self.batches_seen) if self.batches_seen else dl
             # A resume continues at an optimizer-step boundary: the accelerator's micro-batch count starts an
             # accumulation window, as in a new process (`load_state` puts back the saved run's count, which is not a
             # multiple of another accumulation).
