@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.scheduler import AcceleratedScheduler
 
 from .. import distributed as dist
 from ..config import SmartCkptConfig
@@ -137,8 +138,6 @@ class AccelerateState:
 def natural_pace(scheduler: Any, num_processes: int) -> int | None:
     """Steps of the wrapped scheduler per optimizer step as Accelerate prepared it; `None` for a scheduler that is
     not Accelerate's, steps at every call, or that a DeepSpeed engine steps itself."""
-    from accelerate.scheduler import AcceleratedScheduler
-
     if not isinstance(scheduler, AcceleratedScheduler) or not scheduler.step_with_optimizer \
             or type(scheduler).__name__ == "DeepSpeedSchedulerWrapper":  # the engine steps it, once per update
         return None
@@ -148,8 +147,6 @@ def natural_pace(scheduler: Any, num_processes: int) -> int | None:
 def keep_pace(scheduler: Any, pace: int) -> None:
     """Make `scheduler.step()` (an `AcceleratedScheduler`) step the wrapped scheduler `pace` times per optimizer
     step, whatever the number of processes."""
-    from accelerate.scheduler import AcceleratedScheduler
-
     def step(*args: Any, **kwargs: Any) -> None:
         if not scheduler.gradient_state.sync_gradients or any(opt.step_was_skipped for opt in scheduler.optimizers):
             AcceleratedScheduler.step(scheduler, *args, **kwargs)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, SeedableRandomSampler
 
 from .. import distributed as dist
 from ..errors import CorruptCheckpointError, GlobalBatchError, weights_overwritten
@@ -83,10 +84,7 @@ def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, s
     at = f"step {step}" if step is not None else "the checkpoint"
     if now.world_size == saved.world_size:  # the run's own settings, as Trainer resumes them
         return BatchPlan(now.accumulation)
-    if now.global_batch == saved.global_batch:
-        return BatchPlan(now.accumulation, note=f"{at} was saved by {saved.describe()} and is resumed by "
-                                                f"{now.describe()}: the same samples per optimizer step")
-    if not keep:
+    if not keep and now.global_batch != saved.global_batch:
         if position_in == "samples":
             stays = "the step count and the learning-rate schedule's position stay in optimizer steps, the data " \
                 "position in samples of its order"
@@ -203,8 +201,6 @@ def _generator(dataloader: Any) -> torch.Generator | None:
 
 def deals_batches(dataloader: Any) -> bool:
     """`dataloader` was prepared by Accelerate: its ranks read different batches (sharded or dispatched)."""
-    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
-
     return isinstance(dataloader, DataLoaderShard | DataLoaderDispatcher)
 
 
@@ -237,8 +233,6 @@ def order_note(dataloader: Any, *, saved_generator: bool) -> str | None:
     sampler = getattr(getattr(batch_sampler, "batch_sampler", batch_sampler), "sampler", None)  # under a shard
     if not isinstance(sampler, torch.utils.data.RandomSampler):
         return None  # sequential (or a custom sampler, which orders as it orders)
-    from accelerate.data_loader import SeedableRandomSampler
-
     if isinstance(sampler, SeedableRandomSampler) or (saved_generator and _generator(dataloader) is not None):
         return None
     return ("the sampler draws the epoch's order from the main random stream (a shuffling DataLoader without a "
