@@ -318,19 +318,14 @@ class ResumableLoader:
     """Iterate the accelerator's prepared `dataloader` one epoch per `iter()`, tracking an exact position."""
 
     def __init__(self, accelerator: Any, dataloader: Any) -> None:
-        self.accelerator = accelerator
-        self.dataloader = dataloader
-        self.epoch = 0
-        self.batches_seen = 0
+        self.accelerator, self.dataloader, self.epoch, self.batches_seen, self._skip = accelerator, dataloader, 0, 0, 0
         self._epoch_start_rngs: list[Any] = []  # empty: the epoch's iterator does not exist yet
         self._epoch_start_gen: str | None = None
         self._source: Any = None  # what the running epoch iterates (the loader, or its skipping copy)
         self._boundary: dict[str, Any] | None = None
         self._resuming = False  # armed by `resume_from`, not iterated yet
         self._pending_rng: dict[str, Any] | None = None
-        self._skip = 0
-        self.on_batch: Callable[[], None] | None = None
-        """Called with each batch handed out, once the resumed RNG is in (`SmartCheckpointer`: a step begins)."""
+        self.on_batch: Callable[[], None] | None = None  # with each batch handed out, once the resumed RNG is in
         self.seeds = LoaderSeeds()
 
     def other_loaders(self) -> dict[str, Any]:
@@ -460,18 +455,15 @@ class ResumableLoader:
             if (rng0 := starts[rank] if rank < len(starts) else starts[0]) is not None:
                 restore_rng_state(rng0)
             _set_gen(gen, self._epoch_start_gen)
-            source = self.accelerator.skip_first_batches(dl, self.batches_seen) if self.batches_seen else dl
-            # A resume continues at an optimizer-step boundary: the accelerator's micro-batch count starts an
-            # accumulation window, as in a new process (`load_state` puts back the saved run's count, which is not a
-            # multiple of another accumulation).
+            self._source = self.accelerator.skip_first_batches(dl, self.batches_seen) if self.batches_seen else dl
+            # At an optimizer-step boundary the accelerator's micro-batch count starts an accumulation window, as in a
+            # new process (`load_state` puts back the saved run's, not a multiple of another accumulation).
             self.accelerator.step = 0
             logger.debug("resuming epoch %d after %d batches", self.epoch, self.batches_seen)
         else:
-            self._epoch_start_rngs = dist.all_gather_json(capture_rng_state())
-            self._epoch_start_gen = _gen_b64(gen)
-            source, self.batches_seen = dl, 0
-        self._source = source
-        it = iter(source)
+            self._epoch_start_rngs, self._epoch_start_gen = dist.all_gather_json(capture_rng_state()), _gen_b64(gen)
+            self._source, self.batches_seen = dl, 0
+        it = iter(self._source)
         while True:
             try:
                 batch = next(it)
@@ -489,8 +481,7 @@ class ResumableLoader:
             if self.on_batch is not None:
                 self.on_batch()
             yield batch
-        self.epoch += 1
-        self.batches_seen = 0
-        self._epoch_start_rngs, self._epoch_start_gen, self._source = [], None, None
+        self.epoch, self.batches_seen, self._epoch_start_rngs, self._epoch_start_gen, self._source = \
+            self.epoch + 1, 0, [], None, None
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(self.epoch)
