@@ -115,8 +115,7 @@ class AccelerateState:
                                  KEY_SCHEDULER_PACE: self.scheduler_pace}}
 
     def apply(self, loaded: LoadedCheckpoint) -> None:
-        """Load weights, optimizer, scheduler and scaler and arm the loader's exact resume (without a loader the RNG
-        goes back now)."""
+        """Load weights, optimizer, scheduler and scaler; arm the loader's exact resume (or put the RNG back now)."""
         if loaded.weights is not None:
             models = self.models()
             per_model: list[dict[str, torch.Tensor]] = [{} for _ in models]
@@ -372,8 +371,7 @@ class SmartStateHooks:
         self.last_loaded = loaded
 
     def _ref_for(self, input_dir: Path) -> str | None:
-        """The checkpoint `input_dir`'s pointer names, the directory itself when it is a store checkpoint, else
-        `None`."""
+        """What `input_dir`'s pointer names, `input_dir` itself when it is a store checkpoint, else `None`."""
         pointer_file = input_dir / POINTER_NAME
         if not pointer_file.is_file():
             return str(input_dir) if (input_dir / MANIFEST_NAME).is_file() else None

@@ -134,10 +134,8 @@ class StepRandomness:
 
     @staticmethod
     def _states() -> list[torch.Tensor]:
-        states = [torch.get_rng_state()]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            states.append(torch.cuda.get_rng_state())
-        return states
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return [torch.get_rng_state(), *([torch.cuda.get_rng_state()] if cuda else [])]
 
     def begin(self) -> None:
         if not self.seen:
@@ -194,7 +192,8 @@ def resume_batch(loaded: LoadedCheckpoint, now: BatchGeometry | None, *, world: 
 # ---------------------------------------------------------------------------- data position
 def _generator(dataloader: Any) -> torch.Generator | None:
     """The generator that orders the epoch (Accelerate's synchronized one, else the sampler's)."""
-    samplers = (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", 0))
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    samplers = (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None))
     gens = [getattr(dataloader, "synchronized_generator", None), *(getattr(s, "generator", None) for s in samplers)]
     return next((gen for gen in gens if isinstance(gen, torch.Generator)), None)
 
@@ -218,11 +217,8 @@ def per_device_batch(dataloader: Any) -> int | None:
 def rescale_batches_seen(seen: int, saved: BatchGeometry, now: BatchGeometry, *, dealt: bool) -> tuple[int, int]:
     """`seen` batches per rank of `saved` as batches per rank of `now`, and the samples of the order it repeats: the
     position in samples (a batch of a `dealt` loader spans every rank) rounded down to a whole batch of `now`."""
-    width_saved = saved.per_device * (saved.world_size if dealt else 1)
-    width_now = now.per_device * (now.world_size if dealt else 1)
-    samples = seen * width_saved
-    batches = samples // width_now
-    return batches, samples - batches * width_now
+    width_saved, width_now = (g.per_device * (g.world_size if dealt else 1) for g in (saved, now))
+    return divmod(seen * width_saved, width_now)
 
 
 def order_note(dataloader: Any, *, saved_generator: bool) -> str | None:
@@ -277,8 +273,9 @@ class LoaderSeeds:
         for name, loader in loaders.items():
             if loader is not None and name not in self._due:
                 iteration = getattr(loader, "iteration", None)
-                out[name] = {"iterator": has_iterator(loader), **({"iteration": iteration} if isinstance(iteration, int)
-                                                                   else {})}
+                out[name] = {"iterator": has_iterator(loader)}
+                if isinstance(iteration, int):
+                    out[name]["iteration"] = iteration
         return out
 
     def arm(self, recorded: Mapping[str, Any] | None) -> None:
