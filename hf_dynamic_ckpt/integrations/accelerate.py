@@ -1,11 +1,5 @@
-"""Accelerate integration (docs/accelerate.md): `SmartStateHooks`, the `save_state` / `load_state` hook pair, and
-`SmartCheckpointer` for custom loops; both thin adapters over `run.orchestrator.RunOrchestrator`.
-
-Accelerate's hooks can only suppress the model files: the weights live in the store and the directory receives a
-pointer file (`smart_ckpt.json`). A resume on another number of processes continues the same run (docs/elastic.md):
-the accumulation keeps the global batch, the data position stays in samples of the epoch's order, and the prepared
-scheduler keeps the pace of the run it continues.
-"""
+"""Accelerate integration (docs/accelerate.md, docs/elastic.md): `SmartStateHooks`, the `save_state` / `load_state`
+hook pair, and `SmartCheckpointer` for custom loops; both thin adapters over `run.orchestrator.RunOrchestrator`."""
 
 from __future__ import annotations
 
@@ -18,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.scheduler import AcceleratedScheduler
 
 from .. import distributed as dist
 from ..config import SmartCkptConfig
@@ -41,25 +36,18 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["POINTER_NAME", "ResumableLoader", "SmartCheckpointer", "SmartStateHooks"]
 
-POINTER_NAME = "smart_ckpt.json"
-"""File `save_state` leaves in its output directory: which store checkpoint holds the state."""
+POINTER_NAME = "smart_ckpt.json"  # what `save_state` leaves in its folder: which store checkpoint holds the state
 _POINTER_KEYS = ("root", "task_id", "step", "path")
-KEY_ACCELERATE = "accelerate"
-"""Key of this integration's entry in the manifest's `extra`."""
-KEY_SCHEDULER_PACE = "scheduler_pace"
-"""Key, in that entry, of the wrapped scheduler's steps per optimizer step."""
+KEY_ACCELERATE = "accelerate"  # this integration's entry in the manifest's `extra`
+KEY_SCHEDULER_PACE = "scheduler_pace"  # in that entry: the wrapped scheduler's steps per optimizer step
 _MODEL_PREFIX = "model_{}."
 
 
 # ------------------------------------------------------------------------------------------ the live objects
 class AccelerateState:
     """The live objects of an `Accelerator` run: L0 the trainable weights of every prepared model (the second one's
-    keys prefixed ``model_1.``), L1 optimizer, scheduler and scaler, L2 a `ResumableLoader`'s position. Counts real
-    optimizer updates (not micro-steps): the step a checkpoint is filed under.
-
-    Raises:
-        `ConfigError`: more than one optimizer or scheduler is prepared (a checkpoint holds one).
-    """
+    keys prefixed ``model_1.``), L1 optimizer, scheduler and scaler, L2 a `ResumableLoader`'s position. Counts
+    optimizer updates (not micro-steps): the step a checkpoint is filed under."""
 
     def __init__(self, accelerator: Any, *, models: list[torch.nn.Module] | None = None,
                  loader: ResumableLoader | None = None) -> None:
@@ -83,13 +71,11 @@ class AccelerateState:
         self.optimizer_steps += 1
 
     def close(self) -> None:
-        """Stop counting optimizer steps (idempotent)."""
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
 
     def models(self) -> list[torch.nn.Module]:
-        """The unwrapped models (no DDP wrapper), in `prepare` order."""
         models = self._models if self._models is not None else list(self.accelerator._models)
         if not models:
             raise ConfigError("the accelerator has no prepared model: call accelerator.prepare(model, ...) first.")
@@ -97,26 +83,20 @@ class AccelerateState:
 
     @property
     def optimizer(self) -> Any | None:
-        opts = getattr(self.accelerator, "_optimizers", [])
-        return opts[0] if opts else None
+        return next(iter(getattr(self.accelerator, "_optimizers", [])), None)
 
     @property
     def scheduler(self) -> Any | None:
-        scheds = getattr(self.accelerator, "_schedulers", [])
-        return scheds[0] if scheds else None
+        return next(iter(getattr(self.accelerator, "_schedulers", [])), None)
 
     def _of_every_model(self, tensors: Callable[[torch.nn.Module], dict[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for i, model in enumerate(self.models()):
-            prefix = "" if i == 0 else _MODEL_PREFIX.format(i)
-            out.update({prefix + k: v for k, v in tensors(model).items()})
-        return out
+        return {(_MODEL_PREFIX.format(i) if i else "") + k: v for i, model in enumerate(self.models())
+                for k, v in tensors(model).items()}
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self._of_every_model(trainable_state_dict)
 
     def read_targets(self) -> dict[str, torch.Tensor]:
-        """The models' own tensors a resume reads the weights file into (`state.own_weights`)."""
         return self._of_every_model(own_weights)
 
     def frozen_keys(self) -> frozenset[str]:
@@ -126,12 +106,8 @@ class AccelerateState:
         """Fractional epoch of the data position (0.0 without a loader; whole epochs when it has no length)."""
         if self.loader is None:
             return 0.0
-        pos = self.loader.boundary_position() if boundary else self.loader.position()
-        try:
-            length = len(self.loader)
-        except TypeError:  # an iterable dataset
-            return float(pos["epoch"])
-        return pos["epoch"] + pos["batches_seen"] / max(length, 1)
+        pos, length = self.loader.boundary_position() if boundary else self.loader.position(), self.loader.length()
+        return float(pos["epoch"]) if length is None else pos["epoch"] + pos["batches_seen"] / max(length, 1)
 
     def extra(self) -> dict[str, Any]:
         return {KEY_ACCELERATE: {"optimizer_steps": self.optimizer_steps,
@@ -139,12 +115,7 @@ class AccelerateState:
                                  KEY_SCHEDULER_PACE: self.scheduler_pace}}
 
     def apply(self, loaded: LoadedCheckpoint) -> None:
-        """Load weights, optimizer, scheduler and scaler and arm the loader's exact resume (it re-applies the RNG once
-        the resumed epoch's first batch is fetched; without a loader the RNG goes back now).
-
-        Raises:
-            `IncompatibleStateError`: the saved weights do not fit the models.
-        """
+        """Load weights, optimizer, scheduler and scaler; arm the loader's exact resume (or put the RNG back now)."""
         if loaded.weights is not None:
             models = self.models()
             per_model: list[dict[str, torch.Tensor]] = [{} for _ in models]
@@ -164,10 +135,8 @@ class AccelerateState:
 
 # ------------------------------------------------------------------------------------------ another world size
 def natural_pace(scheduler: Any, num_processes: int) -> int | None:
-    """Steps of the wrapped scheduler per optimizer step that `scheduler.step()` takes as Accelerate prepared it;
-    `None` for a scheduler that is not Accelerate's, steps at every call, or that a DeepSpeed engine steps itself."""
-    from accelerate.scheduler import AcceleratedScheduler
-
+    """Steps of the wrapped scheduler per optimizer step as Accelerate prepared it; `None` for a scheduler that is
+    not Accelerate's, steps at every call, or that a DeepSpeed engine steps itself."""
     if not isinstance(scheduler, AcceleratedScheduler) or not scheduler.step_with_optimizer \
             or type(scheduler).__name__ == "DeepSpeedSchedulerWrapper":  # the engine steps it, once per update
         return None
@@ -176,9 +145,7 @@ def natural_pace(scheduler: Any, num_processes: int) -> int | None:
 
 def keep_pace(scheduler: Any, pace: int) -> None:
     """Make `scheduler.step()` (an `AcceleratedScheduler`) step the wrapped scheduler `pace` times per optimizer
-    step, whatever the number of processes; accumulation micro-steps and skipped updates go as Accelerate has them."""
-    from accelerate.scheduler import AcceleratedScheduler
-
+    step, whatever the number of processes."""
     def step(*args: Any, **kwargs: Any) -> None:
         if not scheduler.gradient_state.sync_gradients or any(opt.step_was_skipped for opt in scheduler.optimizers):
             AcceleratedScheduler.step(scheduler, *args, **kwargs)
@@ -199,12 +166,8 @@ def deepspeed_engine(accelerator: Any) -> Any | None:
 
 def apply_elastic(loaded: LoadedCheckpoint, *, state: AccelerateState, run: RunOrchestrator,
                   accelerator: Any, read_into: bool = False) -> None:
-    """Continue `loaded` on this run's number of processes: the accumulation that keeps its global batch (on the
-    accelerator, and a DeepSpeed engine's), the scheduler's pace, and rank 0's lines saying what changes.
-
-    Raises:
-        `GlobalBatchError`: `runtime.keep_global_batch` and no accumulation keeps the saved global batch.
-    """
+    """Continue `loaded` on this run's number of processes: the accumulation that keeps its global batch (also a
+    DeepSpeed engine's), the scheduler's pace, and rank 0's lines saying what changes."""
     saved_extra, saved_world, world, step = loaded.extra.get(KEY_ACCELERATE) or {}, loaded.info.world_size, \
         run.world_size, loaded.info.step
     say = run.announce if run.rank == 0 else None
@@ -232,12 +195,7 @@ def apply_elastic(loaded: LoadedCheckpoint, *, state: AccelerateState, run: RunO
 # ------------------------------------------------------------------------------------------ wiring
 def make_run(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.PathLike[str] | None,
              state: AccelerateState, **attach: Any) -> RunOrchestrator:
-    """The run's orchestrator on the accelerator's rank and processes, attached to its live objects.
-
-    Raises:
-        `ConfigError`: the process group has more processes than the accelerator counts (every process would act
-            as rank 0 of a one-process run).
-    """
+    """The run's orchestrator on the accelerator's rank and processes, attached to its live objects."""
     world = int(accelerator.num_processes)
     if world == 1 and dist.world_size() > 1:
         raise ConfigError(
@@ -272,8 +230,7 @@ _REGISTER = ("register_save_state_pre_hook", "register_load_state_pre_hook")
 
 def keep_last(accelerator: Any, handles: list[Any]) -> None:
     """Keep the pre-hooks of `handles` behind every other save / load pre-hook of `accelerator`, now and whenever
-    another is registered (`[]`: stop): ours empty Accelerate's `models` / `weights` lists. The accelerator's two
-    `register_*_pre_hook` methods get an instance-level wrapper holding the accelerator and the handles weakly."""
+    another is registered (`[]`: stop), with an instance-level wrapper of its `register_*_pre_hook` methods."""
     for name in _REGISTER:
         if name in vars(accelerator):
             delattr(accelerator, name)
@@ -282,9 +239,9 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
     owner, refs = weakref.ref(accelerator), [weakref.ref(h) for h in handles]
 
     def to_end() -> None:
-        for handle in (ref() for ref in refs):
-            hooks = handle.hooks_dict_ref() if handle is not None else None
-            if hooks is not None and handle is not None and handle.id in hooks:
+        for handle in filter(None, (ref() for ref in refs)):
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
                 hooks[handle.id] = hooks.pop(handle.id)
 
     for name in _REGISTER:
@@ -301,34 +258,10 @@ def keep_last(accelerator: Any, handles: list[Any]) -> None:
 
 # ------------------------------------------------------------------------------------------ the hook pair
 class SmartStateHooks:
-    """`accelerator.save_state()` / `load_state()` through the tiered store (docs/accelerate.md).
-
-    `save_state` commits store checkpoint `step-<N>` (N: optimizer updates, pinned against retention) on every rank
-    and leaves `smart_ckpt.json` instead of model files; `load_state` follows it (or takes a store checkpoint path),
-    puts the state back and arms `loader`; a folder written without the hooks is left to Accelerate. The pair runs
-    after every other pre-hook of the accelerator, which see the full lists. With
-    `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)` the store keeps at most N checkpoints:
-    one pinned for a folder Accelerate rotated away is unpinned at the next `save_state`.
-
-    Args:
-        accelerator (`accelerate.Accelerator`): after `prepare(...)`.
-        dataloader (`torch.utils.data.DataLoader`, *optional*): the prepared training dataloader; iterate
-            `hooks.loader` instead of it for an exact data position.
-        config (`SmartCkptConfig`, *optional*): `root` and `task_id` name the store.
-        output_dir (`str`, *optional*): the store goes to `<output_dir>/smart_ckpt` when `config.root` is unset
-            (defaults to the accelerator's `project_dir`).
-
-    Example:
-        ```python
-        >>> hooks = SmartStateHooks(accelerator, train_dataloader, output_dir="out")
-        >>> hooks.register()
-        >>> for batch in hooks.loader:               # one epoch, exact position
-        ...     ...
-        >>> accelerator.save_state("out/state")      # -> out/smart_ckpt/default/step-<N>/
-        >>> accelerator.load_state("out/state")      # restores it
-        >>> hooks.close()
-        ```
-    """
+    """`accelerator.save_state()` / `load_state()` through the tiered store (docs/accelerate.md): `save_state`
+    commits `step-<N>` (pinned) and leaves `smart_ckpt.json` instead of model files, `load_state` follows it (or
+    takes a store checkpoint path) and arms `loader`. The store goes to `<output_dir>/smart_ckpt` when `config.root`
+    is unset (`output_dir` defaults to the accelerator's `project_dir`)."""
 
     def __init__(self, accelerator: Any, dataloader: Any | None = None, *, config: SmartCkptConfig | None = None,
                  output_dir: str | os.PathLike[str] | None = None, run: RunOrchestrator | None = None,
@@ -362,18 +295,14 @@ class SmartStateHooks:
         return self.run.store
 
     def register(self) -> tuple[Any, Any]:
-        """Install the pair behind the accelerator's other save / load pre-hooks (also those registered later).
-
-        Returns:
-            `tuple`: the `torch.utils.hooks.RemovableHandle`s of the save and load pre-hooks.
-        """
+        """Install the pair behind the accelerator's other pre-hooks (also later ones); returns both handles."""
         self.handles = [self.accelerator.register_save_state_pre_hook(self._save_hook),
                         self.accelerator.register_load_state_pre_hook(self._load_hook)]
         keep_last(self.accelerator, self.handles)
         return self.handles[0], self.handles[1]
 
     def remove(self) -> None:
-        """Remove both hooks (idempotent); `save_state` / `load_state` behave as without them."""
+        """Remove both hooks (idempotent)."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -442,8 +371,7 @@ class SmartStateHooks:
         self.last_loaded = loaded
 
     def _ref_for(self, input_dir: Path) -> str | None:
-        """The checkpoint `input_dir`'s pointer names, the directory itself when it is a store checkpoint, else
-        `None` (a plain Accelerate folder)."""
+        """What `input_dir`'s pointer names, `input_dir` itself when it is a store checkpoint, else `None`."""
         pointer_file = input_dir / POINTER_NAME
         if not pointer_file.is_file():
             return str(input_dir) if (input_dir / MANIFEST_NAME).is_file() else None
@@ -465,35 +393,9 @@ class SmartStateHooks:
 
 # ------------------------------------------------------------------------------------------ the custom loop
 class SmartCheckpointer:
-    """Signal-driven, tiered, non-blocking checkpoints for a custom Accelerate loop.
-
-    It also registers `SmartStateHooks` on the same store (not under DeepSpeed, where Accelerate runs DeepSpeed's
-    own `save_state`); under ZeRO the same loop works (docs/deepspeed.md).
-
-    Args:
-        accelerator (`accelerate.Accelerator`): after `prepare(...)`.
-        model (`torch.nn.Module`): the prepared model (PEFT models save the adapter only).
-        optimizer (`torch.optim.Optimizer`): the prepared optimizer.
-        scheduler (*optional*): the prepared LR scheduler.
-        dataloader (`torch.utils.data.DataLoader`, *optional*): the prepared training dataloader; iterate
-            `ckpt.loader` (one epoch per `iter()`) for an exact data position.
-        config (`SmartCkptConfig`, *optional*): defaults to `SmartCkptConfig()`.
-        output_dir (`str`, *optional*): store at `<output_dir>/smart_ckpt` when `config.root` is unset.
-
-    Example:
-        ```python
-        >>> ckpt = SmartCheckpointer(accelerator, model, optimizer, scheduler, train_dataloader, output_dir="out")
-        >>> ckpt.resume("auto")                          # None: fresh start
-        >>> for epoch in ckpt.epochs(num_epochs):
-        ...     for batch in ckpt.loader:
-        ...         with accelerator.accumulate(model):
-        ...             accelerator.backward(model(**batch).loss)
-        ...             ckpt.before_update()             # signals + pre-anomaly capture
-        ...             optimizer.step(); scheduler.step(); optimizer.zero_grad()
-        ...         ckpt.after_update()                  # the save decision
-        >>> ckpt.close()
-        ```
-    """
+    """Signal-driven, tiered, non-blocking checkpoints for a custom Accelerate loop (docs/accelerate.md): pass the
+    prepared objects; iterate `ckpt.loader` for an exact data position. It also registers `SmartStateHooks` on the
+    same store (not under DeepSpeed, where Accelerate runs DeepSpeed's own `save_state`; docs/deepspeed.md)."""
 
     def __init__(self, accelerator: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any | None = None,
                  dataloader: Any | None = None, *, config: SmartCkptConfig | None = None,
@@ -502,30 +404,24 @@ class SmartCheckpointer:
         self.accelerator = accelerator
         self._deepspeed = deepspeed_engine(accelerator) is not None
         self.config = config or SmartCkptConfig()
-        if optimizer not in accelerator._optimizers:
-            raise ConfigError("optimizer is not the accelerator's prepared optimizer: pass the object "
-                              "returned by accelerator.prepare(...).")
-        if scheduler is not None and scheduler not in accelerator._schedulers:
-            raise ConfigError("scheduler is not the accelerator's prepared scheduler: pass the object "
-                              "returned by accelerator.prepare(...).")
+        for name, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
+            if (obj is not None or name == "optimizer") and obj not in getattr(accelerator, f"_{name}s"):
+                raise ConfigError(f"{name} is not the accelerator's prepared {name}: pass the object returned by "
+                                  "accelerator.prepare(...).")
         loader = ResumableLoader(accelerator, dataloader) if dataloader is not None else None
-        # Whether a step's forward and backward draw random numbers (dropout): from the step's first batch to
-        # `before_update`; recorded with every save.
-        self._randomness = StepRandomness()
+        self._randomness = StepRandomness()  # from a step's first batch to `before_update`; recorded with every save
         if loader is not None:
             loader.on_batch = self._randomness.begin
         self.state = AccelerateState(accelerator, models=[model], loader=loader)
         self.run = make_run(self.config, accelerator, output_dir, self.state, boundary=True, clip_owner=accelerator,
                             draws_random=lambda: self._randomness.seen,
                             position=lambda: (self.step, self.state.epoch(boundary=True)))
-        self.hooks: SmartStateHooks | None = None
-        """The `save_state` / `load_state` hook pair on the same store; `None` under DeepSpeed."""
+        self.hooks: SmartStateHooks | None = None  # `None` under DeepSpeed
         if not self._deepspeed:
             self.hooks = SmartStateHooks(accelerator, run=self.run, state=self.state)
             self.hooks.register()
         self.last_decision: Decision | None = None
-        self.last_rollback: Rollback | None = None
-        """The last rollback (`on_anomaly: rollback`): `after_update` returned a decision of kind `rollback`."""
+        self.last_rollback: Rollback | None = None  # `on_anomaly: rollback`: the last one
         self._skipped_through = (-1, 0)  # (epoch, batch) up to which rollbacks left the data out
         self.loaded: LoadedCheckpoint | None = None
         self._lr: float | None = None
@@ -534,12 +430,11 @@ class SmartCheckpointer:
 
     @property
     def step(self) -> int:
-        """Optimizer updates completed (restored by `resume`)."""
+        """Optimizer updates completed."""
         return self.state.optimizer_steps
 
     @property
     def loader(self) -> ResumableLoader:
-        """Iterate this instead of the dataloader: one epoch per `iter()`, resumed exactly."""
         if self.state.loader is None:
             raise ConfigError("SmartCheckpointer was created without a dataloader: pass dataloader=... to track "
                               "the data position.")
@@ -547,13 +442,11 @@ class SmartCheckpointer:
 
     @property
     def epoch(self) -> int:
-        """Index of the epoch the loader is in (or starts next)."""
         return self.state.loader.epoch if self.state.loader is not None else 0
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step: the accelerator's, which `resume` sets to keep the checkpoint's global
-        batch on another number of processes (docs/elastic.md)."""
+        """The accelerator's, which `resume` sets to keep the checkpoint's global batch (docs/elastic.md)."""
         return int(self.accelerator.gradient_accumulation_steps)
 
     @property
@@ -575,12 +468,8 @@ class SmartCheckpointer:
             self.state.loader.mark_boundary()
 
     def before_update(self) -> Decision | None:
-        """Call after `backward` (and clipping), before `optimizer.step()`: the step's signals, and the pinned
-        snapshot of the still-healthy state when the gradients surge. A no-op (`None`) on accumulation micro-steps.
-
-        Returns:
-            `Decision | None`: with `skip_update`, the gradients were dropped.
-        """
+        """Call after `backward` (and clipping), before `optimizer.step()`: the step's signals and pre-anomaly
+        capture; with `skip_update` the gradients were dropped. A no-op (`None`) on accumulation micro-steps."""
         if not self.accelerator.sync_gradients:
             return None
         self._randomness.end()  # the step's forward and backward ran
@@ -589,11 +478,8 @@ class SmartCheckpointer:
         return self.run.pre_update(self.step, epoch=self.state.epoch(boundary=True))
 
     def after_update(self) -> Decision | None:
-        """Call after `optimizer.step()` / `scheduler.step()`: this step's save decision (a background save, or on
-        a preemption signal a synchronous one and `should_stop`). With `on_anomaly: rollback` a confirmed anomaly
-        rolls the run back here (decision kind `rollback`, `last_rollback`): `step` is the restore point's again, and
-        `loader` goes on with the next batches (skipping `rollback_skip_batches` more). A no-op on micro-steps.
-        """
+        """Call after `optimizer.step()` / `scheduler.step()`: this step's save decision, or a rollback (kind
+        `rollback`, `last_rollback`; `loader` goes on with the next batches). A no-op on micro-steps."""
         if not self.accelerator.sync_gradients:
             return None
         if self._deepspeed:  # the engine stepped inside `accelerator.backward`; no torch optimizer step to count
@@ -608,7 +494,6 @@ class SmartCheckpointer:
         return decision
 
     def _roll_back(self) -> None:
-        """Restore the run in place; the data goes on from where it is (plus `rollback_skip_batches`)."""
         loader = self.state.loader
         seen_before = (loader.epoch, loader.batches_seen) if loader is not None else None
         done = self.run.rollback(restore_rng=loader is None)  # with a loader: after its next batch is fetched
@@ -637,21 +522,8 @@ class SmartCheckpointer:
         return self.run.save_now(self.step, self.state.epoch(boundary=True), reason=reason, blocking=blocking)
 
     def resume(self, ref: str | None = "auto") -> LoadedCheckpoint | None:
-        """Restore a checkpoint on every rank before the loop (one agreed restore point); on another number of
-        processes the run continues the same run (docs/elastic.md, `gradient_accumulation_steps`).
-
-        Args:
-            ref (`str`, *optional*, defaults to `"auto"`): `auto` (newest healthy), `best` (lowest loss), `fastest`
-                (lowest recovery cost), `step:N`, or a path; `None` starts fresh, as `auto` on an empty store does.
-
-        Returns:
-            `LoadedCheckpoint | None`: what was restored (`None`: fresh start).
-
-        Raises:
-            `CheckpointNotFoundError`: an explicit `ref` names nothing loadable.
-            `IncompatibleStateError`: the checkpoint does not fit the model.
-            `GlobalBatchError`: on another number of processes, no accumulation keeps the global batch.
-        """
+        """Restore `ref` (`auto`, `best`, `fastest`, `step:N`, a path; `None`: fresh) on every rank before the loop;
+        on another number of processes the run continues the same run (docs/elastic.md). `None`: fresh start."""
         into = None if self.run.sharded else self.state.read_targets()
         loaded = self.run.resume(ref, expected=self.state.weights(), into=into)
         if loaded is None:
@@ -672,9 +544,8 @@ class SmartCheckpointer:
         return self.run.metrics()
 
     def close(self, *, exit_if_preempted: bool = True) -> None:
-        """Wait for the last write, remove hooks and probes, close the store (idempotent). After a preemption save
-        the process then exits with `preemption_exit_code` (128 + the signal by default) so the scheduler requeues
-        the job; `exit_if_preempted=False` returns."""
+        """Wait for the last write, remove hooks and probes, close the store (idempotent); after a preemption save
+        exit with `preemption_exit_code` unless not `exit_if_preempted`."""
         if self.hooks is not None:
             self.hooks.remove()
         self.run.close()

@@ -1,31 +1,23 @@
-"""The exact data position of a run on any number of processes (docs/accelerate.md, docs/elastic.md).
-
-Invariants:
-
-- `ResumableLoader` records, per epoch, the RNG from just before the epoch's iterator was created, restores it on
-  resume, skips the batches seen, and re-applies the RNG of the save only once the first batch is fetched (creating
-  the iterator consumed numbers the interrupted run consumed long before the save).
-- A position whose epoch is complete (last batch handed out, or `end_of_dataloader`) is the next epoch's start
-  `(epoch + 1, 0)`: `for epoch in range(ckpt.epoch, n)` loses no epoch.
-- Every loader the run iterates is part of the position (`LoaderSeeds`): a persistent loader draws its workers'
-  seed from the main generator only when its iterator is first created, so the resumed run creates each iterator
-  the uninterrupted run already had with a throwaway generator. Randomness inside workers is not reproduced.
-- On another world size the global batch ``per_device x world_size x accumulation`` is kept (`plan_batch`, or a
-  `GlobalBatchError`), the position is kept in samples of the epoch's order (`rescale_batches_seen`), a rank the
-  checkpoint had not starts from rank 0's state, and what cannot be kept (`order_note`, dropout masks via
-  `StepRandomness`) is said.
+"""The exact data position of a run on any number of processes (docs/accelerate.md, "Exact data position and RNG";
+docs/elastic.md). Invariants: the saved RNG goes back only once the resumed epoch's first batch is fetched; a
+complete epoch's position is the next one's start `(epoch + 1, 0)`; every loader the run iterates is part of the
+position (`LoaderSeeds`); on another world size the global batch is kept (`plan_batch`) and the position is kept in
+samples of the epoch's order (`rescale_batches_seen`), a rank the checkpoint had not starts from rank 0's state, and
+what cannot be kept is said.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, SeedableRandomSampler
 
 from .. import distributed as dist
 from ..errors import CorruptCheckpointError, GlobalBatchError, weights_overwritten
@@ -43,10 +35,8 @@ KEY_EPOCH_START_GENERATOR = "epoch_start_generator"
 KEY_WORLD_SIZE = "world_size"
 KEY_DEALT = "dealt"  # the ranks read different batches of one order (Accelerate's sharding or dispatching)
 KEY_LOADERS = "loaders"  # {name: {"iterator": bool, "iteration": int}} of the other loaders the run iterates
-KEY_BATCH = "batch"
-"""Key of the batch geometry in a checkpoint's data position (sampler state)."""
-KEY_DRAWS_RANDOM = "draws_random"
-"""Key of `StepRandomness.seen` in a checkpoint's data position: a step drew random numbers on this rank."""
+KEY_BATCH = "batch"  # the `BatchGeometry`
+KEY_DRAWS_RANDOM = "draws_random"  # `StepRandomness.seen`: a step drew random numbers on this rank
 
 
 # ---------------------------------------------------------------------------- batch geometry
@@ -71,10 +61,8 @@ class BatchGeometry:
 
     @classmethod
     def from_json(cls, value: Any) -> BatchGeometry | None:
-        """The geometry a checkpoint recorded, or `None` (saved without one, or not three positive integers)."""
-        if not isinstance(value, dict):
-            return None
-        fields = [value.get(f.name) for f in dataclasses.fields(cls)]
+        """`None`: saved without one, or not three positive integers."""
+        fields = [value.get(f.name) for f in dataclasses.fields(cls)] if isinstance(value, dict) else [None]
         ints = [v for v in fields if isinstance(v, int) and not isinstance(v, bool) and v > 0]
         return cls(*ints) if len(ints) == len(fields) else None
 
@@ -87,31 +75,16 @@ class BatchPlan:
     note: str | None = None  # INFO: the world size changed, the global batch is kept
     warning: str | None = None  # WARNING: the global batch changes (keep_global_batch=false)
 
-    @property
-    def keeps_global_batch(self) -> bool:
-        return self.warning is None
-
 
 def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, step: int | None = None,
                position_in: str = "steps") -> BatchPlan:
-    """The accumulation a run resumed with geometry `now` trains with, from the `saved` one.
-
-    On the world size that saved the checkpoint, `now` as given (a changed per-device batch or accumulation is the
-    user's choice, as Trainer resumes it, transformers#43708); on another one, the saved global batch unless `keep`
-    (``runtime.keep_global_batch``) is off. `position_in` says, for the warning, whether the resumed run keeps its
-    data position in optimizer `"steps"` (Trainer) or `"samples"` of its order (Accelerate loops).
-
-    Raises:
-        `GlobalBatchError`: `keep` and no accumulation gives the saved global batch with `now`'s per-device batch
-            and world size; the message names the settings that would.
-    """
+    """The accumulation a run resumed with geometry `now` trains with: on the saving world size `now`'s own (as
+    Trainer resumes, transformers#43708), on another the `saved` global batch unless not `keep`, else a
+    `GlobalBatchError` naming the settings that would keep it. `position_in`: `"steps"` (Trainer) or `"samples"`."""
     at = f"step {step}" if step is not None else "the checkpoint"
     if now.world_size == saved.world_size:  # the run's own settings, as Trainer resumes them
         return BatchPlan(now.accumulation)
-    if now.global_batch == saved.global_batch:
-        return BatchPlan(now.accumulation, note=f"{at} was saved by {saved.describe()} and is resumed by "
-                                                f"{now.describe()}: the same samples per optimizer step")
-    if not keep:
+    if not keep and now.global_batch != saved.global_batch:
         if position_in == "samples":
             stays = "the step count and the learning-rate schedule's position stay in optimizer steps, the data " \
                 "position in samples of its order"
@@ -141,7 +114,6 @@ def plan_batch(saved: BatchGeometry, now: BatchGeometry, *, keep: bool = True, s
 
 
 def _ways(global_batch: int, world_size: int) -> str:
-    """The per-device batch x accumulation pairs that give `global_batch` on `world_size` processes."""
     if global_batch % world_size:
         sizes = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
         return (f"{global_batch} samples do not divide over {world_size} process(es): resume on a process count "
@@ -153,9 +125,8 @@ def _ways(global_batch: int, world_size: int) -> str:
 
 
 class StepRandomness:
-    """Whether the forward and backward of a step draw random numbers on this rank (dropout, random masking inside
-    the model): compares the CPU (and the current CUDA device's) generator state at `begin` and at `end`. Sticky;
-    once seen, nothing more is compared."""
+    """Whether a step's forward and backward draw random numbers on this rank (dropout): the CPU (and CUDA)
+    generator state at `begin` against `end`. Sticky."""
 
     def __init__(self) -> None:
         self.seen = False
@@ -163,10 +134,8 @@ class StepRandomness:
 
     @staticmethod
     def _states() -> list[torch.Tensor]:
-        states = [torch.get_rng_state()]
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            states.append(torch.cuda.get_rng_state())
-        return states
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return [torch.get_rng_state(), *([torch.cuda.get_rng_state()] if cuda else [])]
 
     def begin(self) -> None:
         if not self.seen:
@@ -180,8 +149,7 @@ class StepRandomness:
 
 
 def world_change_note(saved_world: int, world: int, draws_random: bool | None) -> str | None:
-    """What a change of world size does not keep, or `None` when nothing differs (the same world size, or a model
-    whose steps draw no random numbers)."""
+    """What a change of world size does not keep (`None`: the same world size, or steps drawing no random numbers)."""
     if saved_world == world or draws_random is False:
         return None
     why = "its steps draw random numbers (dropout)" if draws_random else \
@@ -193,19 +161,13 @@ def world_change_note(saved_world: int, world: int, draws_random: bool | None) -
 def resume_batch(loaded: LoadedCheckpoint, now: BatchGeometry | None, *, world: int, keep: bool,
                  say: logging.Logger | None, read_into: bool, position_in: str = "steps",
                  data: bool = True) -> BatchPlan | None:
-    """The batch plan of a resume of `loaded` by a run of geometry `now` on `world` processes (`None` where either
-    does not record one), after `say` (rank 0's logger, else `None`) has said what a change of world size keeps.
-
-    `data`: the run tracks a data position. A loader that does not deal its batches (every rank reads every batch)
-    keeps a step's samples on any number of processes: only its per-device batch and accumulation count.
-
-    Raises:
-        `GlobalBatchError`: `keep` and no accumulation keeps the saved global batch (saying that the model's weights
-            were overwritten when the resume had `read_into` them).
-    """
+    """The batch plan of a resume of `loaded` by geometry `now` on `world` processes (`None` where either records
+    none), after `say` (rank 0's logger, else `None`) said what a change of world size keeps. `data`: the run tracks
+    a data position. A loader that does not deal its batches keeps a step's samples on any number of processes.
+    Raises `GlobalBatchError` as `plan_batch` (saying the weights were overwritten when the resume had `read_into`)."""
     sampler, step, saved_world = loaded.sampler or {}, loaded.info.step, loaded.info.world_size
     saved, dealt = BatchGeometry.from_json(sampler.get(KEY_BATCH)), bool(sampler.get(KEY_DEALT, True))
-    plan, lines = None, []
+    plan, tell = None, say.log if say is not None else (lambda *_: None)
     if saved is not None and now is not None:
         if not dealt:
             saved, now = dataclasses.replace(saved, world_size=1), dataclasses.replace(now, world_size=1)
@@ -215,50 +177,29 @@ def resume_batch(loaded: LoadedCheckpoint, now: BatchGeometry | None, *, world: 
             if not read_into:
                 raise
             raise GlobalBatchError(f"{e}{weights_overwritten(f'the weights of step {step}')}") from None
-        if plan.warning is not None or plan.note is not None:
-            lines.append((logging.WARNING if plan.warning else logging.INFO, plan.warning or plan.note or ""))
+        if plan.warning or plan.note:
+            tell(logging.WARNING if plan.warning else logging.INFO, "smart_ckpt: %s", plan.warning or plan.note)
     elif saved_world != world and data:
-        lines.append((logging.WARNING, f"step {step} was saved by {saved_world} process(es) and is resumed by "
-                                       f"{world}, and it does not record its global batch: keep the per-device "
-                                       "batch x processes x gradient_accumulation_steps as it was"))
+        tell(logging.WARNING, "smart_ckpt: %s", f"step {step} was saved by {saved_world} process(es) and is resumed "
+             f"by {world}, and it does not record its global batch: keep the per-device batch x processes x "
+             "gradient_accumulation_steps as it was")
     note = world_change_note(saved_world, world, sampler.get(KEY_DRAWS_RANDOM)) if dealt else None
     if note is not None:  # with every rank reading every batch, a rank continuing rank 0's stream draws its masks
-        lines.append((logging.WARNING, f"step {step} was {note}"))
-    for level, line in lines:
-        if say is not None:
-            say.log(level, "smart_ckpt: %s", line)
+        tell(logging.WARNING, "smart_ckpt: %s", f"step {step} was {note}")
     return plan
 
 
 # ---------------------------------------------------------------------------- data position
 def _generator(dataloader: Any) -> torch.Generator | None:
     """The generator that orders the epoch (Accelerate's synchronized one, else the sampler's)."""
-    gen = getattr(dataloader, "synchronized_generator", None)
-    if isinstance(gen, torch.Generator):
-        return gen
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for holder in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        gen = getattr(holder, "generator", None)
-        if isinstance(gen, torch.Generator):
-            return gen
-    return None
-
-
-def _order_sampler(dataloader: Any) -> Any:
-    """The sampler that orders the epoch's samples (under Accelerate's batch-sampler shard, and the placeholder
-    `sampler` a DataLoader built from a batch sampler gets)."""
-    sampler = getattr(dataloader, "sampler", None)
-    batch_sampler = sampler if isinstance(sampler, torch.utils.data.BatchSampler) else \
-        getattr(dataloader, "batch_sampler", None)
-    batch_sampler = getattr(batch_sampler, "batch_sampler", batch_sampler)  # accelerate's BatchSamplerShard
-    return getattr(batch_sampler, "sampler", None)
+    samplers = (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None))
+    gens = [getattr(dataloader, "synchronized_generator", None), *(getattr(s, "generator", None) for s in samplers)]
+    return next((gen for gen in gens if isinstance(gen, torch.Generator)), None)
 
 
 def deals_batches(dataloader: Any) -> bool:
-    """`dataloader` was prepared by Accelerate: its ranks read different batches (sharded or dispatched), and it
-    would deal them out on any number of processes (an unprepared loader gives every rank every batch)."""
-    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
-
+    """`dataloader` was prepared by Accelerate: its ranks read different batches (sharded or dispatched)."""
     return isinstance(dataloader, DataLoaderShard | DataLoaderDispatcher)
 
 
@@ -274,30 +215,20 @@ def per_device_batch(dataloader: Any) -> int | None:
 
 
 def rescale_batches_seen(seen: int, saved: BatchGeometry, now: BatchGeometry, *, dealt: bool) -> tuple[int, int]:
-    """A position of `seen` batches per rank under the `saved` geometry as batches per rank under `now`, and the
-    samples of the order it repeats.
-
-    The ranks of a dealing loader read ``per_device x world_size`` samples of the order per batch each, those of
-    another loader ``per_device`` (every rank the same): the position in samples is kept, rounded down to a whole
-    batch of `now` (the samples between are read again).
-    """
-    width_saved = saved.per_device * (saved.world_size if dealt else 1)
-    width_now = now.per_device * (now.world_size if dealt else 1)
-    samples = seen * width_saved
-    batches = samples // width_now
-    return batches, samples - batches * width_now
+    """`seen` batches per rank of `saved` as batches per rank of `now`, and the samples of the order it repeats: the
+    position in samples (a batch of a `dealt` loader spans every rank) rounded down to a whole batch of `now`."""
+    width_saved, width_now = (g.per_device * (g.world_size if dealt else 1) for g in (saved, now))
+    return divmod(seen * width_saved, width_now)
 
 
 def order_note(dataloader: Any, *, saved_generator: bool) -> str | None:
-    """Why the epoch order of a dealing `dataloader` differs between two numbers of processes, `None` when it does
-    not: a seedable sampler draws it from its seed and the epoch, a generator from the state the position stored;
-    a shuffling sampler without a generator draws it from the main random stream (Accelerate adds a generator
-    only with more than one process)."""
-    sampler = _order_sampler(dataloader)
+    """Why the epoch order of a dealing `dataloader` differs between two numbers of processes (`None`: it does not)."""
+    sampler = getattr(dataloader, "sampler", None)  # the sampler that orders the epoch's samples
+    batch_sampler = sampler if isinstance(sampler, torch.utils.data.BatchSampler) else \
+        getattr(dataloader, "batch_sampler", None)
+    sampler = getattr(getattr(batch_sampler, "batch_sampler", batch_sampler), "sampler", None)  # under a shard
     if not isinstance(sampler, torch.utils.data.RandomSampler):
         return None  # sequential (or a custom sampler, which orders as it orders)
-    from accelerate.data_loader import SeedableRandomSampler
-
     if isinstance(sampler, SeedableRandomSampler) or (saved_generator and _generator(dataloader) is not None):
         return None
     return ("the sampler draws the epoch's order from the main random stream (a shuffling DataLoader without a "
@@ -321,19 +252,6 @@ def persistent_workers(dataloader: Any) -> bool:
     return bool(getattr(dataloader, "persistent_workers", False)) and int(getattr(dataloader, "num_workers", 0)) > 0
 
 
-def throwaway_seed(dataloader: Any) -> Callable[[], None]:
-    """Make the next iterator of `dataloader` draw its workers' base seed from a throwaway generator instead of the
-    main one; returns what puts the loader's own generator back (call it once the iterator exists)."""
-    inner = getattr(dataloader, "base_dataloader", dataloader)  # accelerate's loaders wrap a torch DataLoader
-    own = inner.generator
-    inner.generator = torch.Generator()
-
-    def put_back() -> None:
-        inner.generator = own
-
-    return put_back
-
-
 def has_iterator(dataloader: Any) -> bool:
     """`dataloader` holds its persistent iterator (created once, reset at every later `iter()`)."""
     inner = getattr(dataloader, "base_dataloader", dataloader)
@@ -341,13 +259,10 @@ def has_iterator(dataloader: Any) -> bool:
 
 
 class LoaderSeeds:
-    """The persistent data loaders of a run, whose iterators a resumed run creates without drawing from the main
-    generator where the uninterrupted run had them already: `lend` gives such a loader a throwaway generator until
-    its iterator exists (`settle`). `record` (at a save) says per loader whether the run held its iterator and how
-    often a prepared loader was iterated; `arm` (at a resume) and `resume(name, loader)` (when the resumed run first
-    meets it) put both back. Loaders not met yet are recorded as the checkpoint had them (a second resume continues
-    the same run).
-    """
+    """The persistent loaders whose iterators a resumed run creates without drawing from the main generator where
+    the uninterrupted run had them (`lend` a throwaway generator until the iterator exists, `settle`). `record` (a
+    save) says per loader whether its iterator existed and its `iteration`; `arm` (a resume) and `resume(name,
+    loader)` (first met) put both back; loaders not met yet are recorded as the checkpoint had them."""
 
     def __init__(self) -> None:
         self._due: dict[str, dict[str, Any]] = {}
@@ -356,21 +271,17 @@ class LoaderSeeds:
     def record(self, loaders: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         out = {name: dict(entry) for name, entry in self._due.items()}
         for name, loader in loaders.items():
-            if loader is None or name in self._due:
-                continue
-            entry: dict[str, Any] = {"iterator": has_iterator(loader)}
-            iteration = getattr(loader, "iteration", None)
-            if isinstance(iteration, int):
-                entry["iteration"] = iteration
-            out[name] = entry
+            if loader is not None and name not in self._due:
+                iteration = getattr(loader, "iteration", None)
+                out[name] = {"iterator": has_iterator(loader)}
+                if isinstance(iteration, int):
+                    out[name]["iteration"] = iteration
         return out
 
     def arm(self, recorded: Mapping[str, Any] | None) -> None:
         self._due = {str(name): dict(entry) for name, entry in (recorded or {}).items() if isinstance(entry, dict)}
 
     def resume(self, name: str, loader: Any) -> None:
-        """The resumed run meets `loader` (called `name`) before iterating it: its `iteration` goes back to the
-        checkpoint's, and it is lent a throwaway generator when the uninterrupted run held its iterator."""
         entry = self._due.pop(name, None)
         if entry is None or loader is None:
             return
@@ -380,10 +291,11 @@ class LoaderSeeds:
             self.lend(loader)
 
     def lend(self, loader: Any) -> None:
-        """Until its iterator exists, `loader` (persistent, without one now) draws its workers' seed from a throwaway
-        generator."""
+        """Until its iterator exists, `loader` (persistent) draws its workers' base seed from a throwaway generator."""
         if persistent_workers(loader) and not has_iterator(loader) and id(loader) not in self._lent:
-            self._lent[id(loader)] = (loader, throwaway_seed(loader))
+            inner = getattr(loader, "base_dataloader", loader)  # accelerate's loaders wrap a torch DataLoader
+            self._lent[id(loader)] = (loader, functools.partial(setattr, inner, "generator", inner.generator))
+            inner.generator = torch.Generator()
 
     def settle(self) -> None:
         """Give back the generators of the loaders whose iterator exists now."""
@@ -400,35 +312,17 @@ class LoaderSeeds:
 
 
 class ResumableLoader:
-    """Iterate a prepared dataloader one epoch per `iter()`, tracking an exact position.
-
-    Args:
-        accelerator (`accelerate.Accelerator`): provides `skip_first_batches`.
-        dataloader (`torch.utils.data.DataLoader`): the prepared training dataloader.
-
-    Example:
-        ```python
-        >>> loader = ResumableLoader(accelerator, train_dataloader)
-        >>> while loader.epoch < num_epochs:
-        ...     for batch in loader:
-        ...         ...
-        ```
-    """
+    """Iterate the accelerator's prepared `dataloader` one epoch per `iter()`, tracking an exact position."""
 
     def __init__(self, accelerator: Any, dataloader: Any) -> None:
-        self.accelerator = accelerator
-        self.dataloader = dataloader
-        self.epoch = 0
-        self.batches_seen = 0
+        self.accelerator, self.dataloader, self.epoch, self.batches_seen, self._skip = accelerator, dataloader, 0, 0, 0
         self._epoch_start_rngs: list[Any] = []  # empty: the epoch's iterator does not exist yet
         self._epoch_start_gen: str | None = None
         self._source: Any = None  # what the running epoch iterates (the loader, or its skipping copy)
         self._boundary: dict[str, Any] | None = None
-        self._pending: dict[str, Any] | None = None
+        self._resuming = False  # armed by `resume_from`, not iterated yet
         self._pending_rng: dict[str, Any] | None = None
-        self._skip = 0
-        self.on_batch: Callable[[], None] | None = None
-        """Called with each batch handed out, once the resumed RNG is in (`SmartCheckpointer`: a step begins)."""
+        self.on_batch: Callable[[], None] | None = None  # with each batch handed out, once the resumed RNG is in
         self.seeds = LoaderSeeds()
 
     def other_loaders(self) -> dict[str, Any]:
@@ -439,49 +333,28 @@ class ResumableLoader:
     def __len__(self) -> int:
         return len(self.dataloader)
 
-    def _length(self) -> int | None:
-        """Batches per epoch on this rank, `None` when the loader has no length (an iterable dataset)."""
+    def length(self) -> int | None:
+        """Batches per epoch on this rank, `None` for an iterable dataset."""
         try:
             return len(self.dataloader)
         except TypeError:
             return None
 
-    def _epoch_complete(self) -> bool:
-        """The running epoch handed out its last batch (its iterator has not raised `StopIteration` yet)."""
-        if not self._epoch_start_rngs or self.batches_seen == 0:
-            return False
-        if getattr(self._source, "end_of_dataloader", False):  # accelerate's loaders look one batch ahead
-            return True
-        length = self._length()
-        return length is not None and self.batches_seen >= length
-
     def position(self) -> dict[str, Any]:
-        """JSON-able position now: epoch, batches handed out in it, and the epoch-start RNG of every rank.
-
-        Before an epoch's iterator exists (and once the epoch's last batch is out) it is the start of that
-        (the next) epoch: no epoch-start RNG, the sampler generator's state now."""
-        if self._pending is not None:  # armed by `resume_from`, not iterated yet
-            epoch, seen, starts, gen = self.epoch, self._pending["seen"], list(self._pending["starts"]), \
-                self._pending["gen"]
-        elif self._epoch_start_rngs and not self._epoch_complete():
-            epoch, seen, starts, gen = self.epoch, self.batches_seen, list(self._epoch_start_rngs), \
-                self._epoch_start_gen
+        """JSON-able position now: epoch, batches handed out in it, the epoch-start RNG of every rank (before an
+        epoch's iterator exists, or once its last batch is out: that (the next) epoch's start, the generator now)."""
+        length, seen, src = self.length(), self.batches_seen, self._source  # complete: the epoch's last batch is out
+        complete = seen > 0 and (getattr(src, "end_of_dataloader", False) or (length is not None and seen >= length))
+        if self._epoch_start_rngs and (self._resuming or not complete):
+            epoch, starts, gen = self.epoch, list(self._epoch_start_rngs), self._epoch_start_gen
         else:
             epoch = self.epoch + 1 if self._epoch_start_rngs else self.epoch
             seen, starts, gen = 0, [], _gen_b64(_generator(self.dataloader))
         geometry = self.geometry()
-        return {
-            "version": POSITION_VERSION,
-            KEY_EPOCH: epoch,
-            KEY_BATCHES_SEEN: seen,
-            KEY_WORLD_SIZE: dist.world_size(),
-            KEY_BATCH: geometry.to_json() if geometry is not None else None,
-            KEY_DEALT: deals_batches(self.dataloader),
-            KEY_EPOCH_START_GENERATOR: gen,
-            KEY_EPOCH_START_RNG: starts,
-            KEY_SKIP: self._skip,
-            KEY_LOADERS: self.seeds.record(self.other_loaders()),
-        }
+        return {"version": POSITION_VERSION, KEY_EPOCH: epoch, KEY_BATCHES_SEEN: seen,
+                KEY_WORLD_SIZE: dist.world_size(), KEY_BATCH: geometry.to_json() if geometry is not None else None,
+                KEY_DEALT: deals_batches(self.dataloader), KEY_EPOCH_START_GENERATOR: gen, KEY_EPOCH_START_RNG: starts,
+                KEY_SKIP: self._skip, KEY_LOADERS: self.seeds.record(self.other_loaders())}
 
     def geometry(self) -> BatchGeometry | None:
         """This run's batch geometry (`None` when the loader does not say its batch size)."""
@@ -492,28 +365,16 @@ class ResumableLoader:
         return BatchGeometry(per_device, dist.world_size(), accumulation)
 
     def mark_boundary(self) -> None:
-        """Remember the position at an optimizer-step boundary (what `boundary_position` returns).
-
-        A save taken before the next update (a pre-anomaly capture) holds the state of the
-        last completed step, while the loader has already handed out the next step's batches.
-        """
+        """Remember the position at an optimizer-step boundary: a pre-anomaly capture holds the last completed step
+        while the loader has handed out the next step's batches."""
         self._boundary = self.position()
 
     def boundary_position(self) -> dict[str, Any]:
-        """The position at the last `mark_boundary()` (the live one before any)."""
         return dict(self._boundary) if self._boundary is not None else self.position()
 
     def resume_from(self, position: dict[str, Any], *, rng: dict[str, Any] | None) -> None:
-        """Arm the next `iter()` to continue exactly after `position`.
-
-        Args:
-            position (`dict`): what `position()` returned at save time.
-            rng (`dict`, *optional*): this rank's RNG at save time; applied after the first
-                batch of the resumed epoch is fetched (or at its end if none is left).
-
-        Raises:
-            `CorruptCheckpointError`: `position` lacks the epoch or the batch count.
-        """
+        """Arm the next `iter()` to continue exactly after `position` (what `position()` returned); `rng` (this
+        rank's at the save) goes back once the resumed epoch's first batch is fetched."""
         try:
             epoch, seen = int(position[KEY_EPOCH]), int(position[KEY_BATCHES_SEEN])
         except (KeyError, TypeError, ValueError) as e:
@@ -521,7 +382,6 @@ class ResumableLoader:
                 f"data position {position!r:.200} has no integer {KEY_EPOCH!r}/{KEY_BATCHES_SEEN!r}; "
                 "the sampler state of this checkpoint is corrupt."
             ) from e
-        rank, world = dist.rank(), dist.world_size()
         self.seeds.arm(position.get(KEY_LOADERS) if isinstance(position.get(KEY_LOADERS), dict) else None)
         for name, loader in self.other_loaders().items():  # prepared already: met now
             self.seeds.resume(name, loader)
@@ -530,28 +390,20 @@ class ResumableLoader:
         starts = list(position.get(KEY_EPOCH_START_RNG) or [])
         gen = position.get(KEY_EPOCH_START_GENERATOR)
         saved_world = position.get(KEY_WORLD_SIZE) if isinstance(position.get(KEY_WORLD_SIZE), int) else len(starts)
-        seen = self._rescale(epoch, seen, position, saved_world=saved_world or world)
-        length = self._length()
+        seen = self._rescale(epoch, seen, position, saved_world=saved_world or dist.world_size())
+        length = self.length()
         if starts and length is not None and seen >= length:  # the epoch was complete: the next one's start
             epoch, seen, starts, gen = epoch + 1, 0, [], None
-        self._boundary, self._source = None, None
-        if not starts:
-            # Saved before the epoch's iterator existed: the saved RNG is what creating it will draw from.
-            self.epoch, self.batches_seen, self._pending, self._pending_rng = epoch, 0, None, None
-            self._epoch_start_rngs, self._epoch_start_gen = [], None
+        self.epoch, self.batches_seen, self._boundary, self._source = epoch, seen if starts else 0, None, None
+        self._epoch_start_rngs, self._epoch_start_gen, self._resuming = starts, gen if starts else None, bool(starts)
+        self._pending_rng = rng if starts else None
+        if not starts:  # saved before the epoch's iterator existed: the saved RNG is what creating it will draw from
             _set_gen(_generator(self.dataloader), gen)
             if rng is not None:
                 restore_rng_state(rng)
-            return
-        self.epoch, self.batches_seen = epoch, seen
-        # A rank the checkpoint had not starts the epoch from rank 0's state (as its RNG continues rank 0's).
-        self._pending = {"seen": seen, "gen": gen, "starts": starts,
-                         "rng0": starts[rank] if rank < len(starts) else starts[0]}
-        self._pending_rng = rng
 
     def _rescale(self, epoch: int, seen: int, position: dict[str, Any], *, saved_world: int) -> int:
-        """`seen` (batches per rank of the saved run) on this run's geometry; says what a change of world size
-        does not keep (rank 0)."""
+        """`seen` (batches per rank of the saved run) on this run's geometry; rank 0 says what is not kept."""
         world, say = dist.world_size(), dist.rank() == 0
         saved, now = BatchGeometry.from_json(position.get(KEY_BATCH)), self.geometry()
         dealt = bool(position.get(KEY_DEALT, deals_batches(self.dataloader)))
@@ -582,8 +434,8 @@ class ResumableLoader:
         return batches
 
     def after_rollback(self, *, rng: dict[str, Any] | None, skip: int = 0) -> None:
-        """The run rolled back without rewinding the data: apply `rng` (the restore point's RNG) once the next
-        batch is fetched, as a resume does, and skip `skip` more batches (`rollback_skip_batches`)."""
+        """A rollback without rewinding the data: `rng` goes back once the next batch is fetched, `skip` more
+        batches are left out."""
         self._pending_rng = rng
         self._skip += max(0, int(skip))
 
@@ -591,28 +443,24 @@ class ResumableLoader:
         dl = self.dataloader
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(self.epoch)
-        pending, self._pending = self._pending, None
-        gen = _generator(dl)
+        resuming, self._resuming, gen = self._resuming, False, _generator(dl)
         if self.epoch > 0:  # the uninterrupted run created its iterator in epoch 0 (a skipping copy takes the lent one)
             self.seeds.lend(dl)
-        if pending is not None:
-            if pending["rng0"] is not None:
-                restore_rng_state(pending["rng0"])
-            _set_gen(gen, pending["gen"])
-            self._epoch_start_rngs, self._epoch_start_gen = pending["starts"], pending["gen"]
-            source = self.accelerator.skip_first_batches(dl, pending["seen"]) if pending["seen"] else dl
-            self.batches_seen = pending["seen"]
-            # A resume continues at an optimizer-step boundary: the accelerator's micro-batch count starts an
-            # accumulation window, as in a new process (`load_state` puts back the saved run's count, which is not a
-            # multiple of another accumulation).
+        if resuming:
+            # A rank the checkpoint had not starts the epoch from rank 0's state (as its RNG continues rank 0's).
+            starts, rank = self._epoch_start_rngs, dist.rank()
+            if (rng0 := starts[rank] if rank < len(starts) else starts[0]) is not None:
+                restore_rng_state(rng0)
+            _set_gen(gen, self._epoch_start_gen)
+            self._source = self.accelerator.skip_first_batches(dl, self.batches_seen) if self.batches_seen else dl
+            # At an optimizer-step boundary the accelerator's micro-batch count starts an accumulation window, as in a
+            # new process (`load_state` puts back the saved run's, not a multiple of another accumulation).
             self.accelerator.step = 0
             logger.debug("resuming epoch %d after %d batches", self.epoch, self.batches_seen)
         else:
-            self._epoch_start_rngs = dist.all_gather_json(capture_rng_state())
-            self._epoch_start_gen = _gen_b64(gen)
-            source, self.batches_seen = dl, 0
-        self._source = source
-        it = iter(source)
+            self._epoch_start_rngs, self._epoch_start_gen = dist.all_gather_json(capture_rng_state()), _gen_b64(gen)
+            self._source, self.batches_seen = dl, 0
+        it = iter(self._source)
         while True:
             try:
                 batch = next(it)
@@ -620,7 +468,9 @@ class ResumableLoader:
                 break
             finally:
                 self.seeds.settle()  # an iterator created since (this one, an eval loader's) gives its seed back
-                self._apply_pending_rng()
+                if self._pending_rng is not None:
+                    restore_rng_state(self._pending_rng)
+                    self._pending_rng = None
             self.batches_seen += 1
             if self._skip:
                 self._skip -= 1  # a batch after a rollback that `rollback_skip_batches` leaves out
@@ -628,13 +478,7 @@ class ResumableLoader:
             if self.on_batch is not None:
                 self.on_batch()
             yield batch
-        self.epoch += 1
-        self.batches_seen = 0
-        self._epoch_start_rngs, self._epoch_start_gen, self._source = [], None, None
+        self.epoch, self.batches_seen, self._epoch_start_rngs, self._epoch_start_gen, self._source = \
+            self.epoch + 1, 0, [], None, None
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(self.epoch)
-
-    def _apply_pending_rng(self) -> None:
-        if self._pending_rng is not None:
-            restore_rng_state(self._pending_rng)
-            self._pending_rng = None

@@ -32,7 +32,7 @@ def test_on_the_same_world_size_the_settings_given_are_used() -> None:
 
 def test_fewer_processes_with_the_same_command_raise_the_accumulation() -> None:
     plan = plan_batch(TWO_BY_TWO, BatchGeometry(4, 1, 2), step=6)
-    assert plan.accumulation == 4 and plan.keeps_global_batch and plan.warning is None
+    assert plan.accumulation == 4 and plan.warning is None
     assert plan.note == ("step 6 was saved by 2 process(es) x 4 per device x 2 accumulation = 16 and is resumed by "
                          "1 process(es) x 4 per device x 4 accumulation = 16; gradient_accumulation_steps 2 -> 4: the "
                          "same samples per optimizer step")
@@ -63,7 +63,7 @@ def test_a_global_batch_no_accumulation_gives_is_refused_with_the_settings_that_
 
 def test_accepting_another_global_batch_keeps_the_settings_and_warns_what_changes() -> None:
     plan = plan_batch(TWO_BY_TWO, BatchGeometry(4, 1, 2), keep=False, step=6)
-    assert plan.accumulation == 2 and not plan.keeps_global_batch and plan.note is None
+    assert plan.accumulation == 2 and plan.warning is not None and plan.note is None
     assert plan.warning == (
         "step 6 was saved with a global batch of 2 process(es) x 4 per device x 2 accumulation = 16 and is resumed "
         "with 1 process(es) x 4 per device x 2 accumulation = 8 (runtime.keep_global_batch=false): every optimizer "
