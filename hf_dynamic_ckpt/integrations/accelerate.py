@@ -346,8 +346,11 @@ class SmartStateHooks:
                 pointer = json.loads(pointer_file.read_text(encoding="utf-8"))
                 if pointer.get("task_id") == store.task_id:
                     kept.add(int(pointer["step"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # not ours to judge: its checkpoint stays pinned
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                # Which checkpoint it names cannot be told: every one stays pinned until it can.
+                logger.warning("save_state: %s cannot be read (%s); no checkpoint is unpinned this time", pointer_file,
+                               e)
+                return
         for info in store.list(include_unhealthy=True, include_abandoned=True):
             if info.pinned and info.step not in kept and (info.reason == "save_state" or info.step in self._pinned):
                 store.unpin(info)

@@ -108,6 +108,36 @@ def test_total_limit_bounds_the_saved_states_in_the_store_too(tmp_path: Path, ke
     assert sorted(p.name for p in (tmp_path / "store" / "default").glob("step-*")) == ["step-3", "step-4"]
 
 
+def test_a_folder_whose_pointer_cannot_be_read_keeps_every_checkpoint_pinned(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A rotated folder's checkpoint is unpinned only when every remaining folder says which step it holds: one whose
+    pointer cannot be read (edited by hand, cut by a full disk) might name any of them."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=str(tmp_path / "project"), automatic_checkpoint_naming=True,
+                                   total_limit=2)
+    accelerator = Accelerator(cpu=True, project_config=project)
+    model, optimizer = _linear(accelerator)
+    hooks = SmartStateHooks(accelerator, config=SmartCkptConfig(root=str(tmp_path / "store"), keep_last=1))
+    hooks.register()
+    for _ in range(2):
+        _step(model, optimizer)
+        accelerator.save_state()
+    damaged = tmp_path / "project" / "checkpoints" / "checkpoint_1" / POINTER_NAME
+    damaged.write_text('{"root": ', encoding="utf-8")
+    _step(model, optimizer)
+    with caplog.at_level(logging.WARNING, logger="hf_dynamic_ckpt"):
+        accelerator.save_state()  # Accelerate rotates checkpoint_0 away
+    hooks.close()
+    with CheckpointStore(tmp_path / "store", read_only=True) as store:
+        kept = {i.step: i.pinned for i in store.list(include_unhealthy=True, include_abandoned=True)}
+    assert kept == {1: True, 2: True, 3: True}
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("hf_dynamic_ckpt")] == [
+        f"save_state: {damaged} cannot be read (Expecting value: line 1 column 10 (char 9)); no checkpoint is "
+        "unpinned this time"]
+
+
 @pytest.mark.parametrize("registered", ["before", "after"])
 def test_other_pre_hooks_see_the_full_lists_whichever_was_registered_first(tmp_path: Path, registered: str) -> None:
     """Accelerate's documented hook pattern indexes `models[0]` / `weights[0]`: the store's pair always runs last."""
