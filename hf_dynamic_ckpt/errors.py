@@ -99,7 +99,8 @@ def fault(point: str, **where: object) -> None:
     file written: `step`, `rank`, `name`), ``commit`` (before a checkpoint's final rename: `step`), ``fs`` (each
     change on the store's disk: `op` mkdir, rename, replace, unlink, rmtree or fsync, `path`), ``read`` (each
     checkpoint file read or verified: `name`, `step`, `op` read or check: a checksum pass of its own),
-    ``read_optimizer`` (a resume's optimizer-tier read), ``remote`` (each object-store call: `op` put, get, stat,
+    ``read_optimizer`` (a resume's optimizer-tier read), ``resume`` (a resume's listing of its candidates, on each
+    rank: `rank`), ``remote`` (each object-store call: `op` put, get, stat,
     read, list or rm, `name` the key under the task, `attempt`) and ``export`` (each file of an export before it is
     synced, then its marker: `name`). Unset, it costs one lookup.
 

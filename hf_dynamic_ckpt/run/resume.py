@@ -34,6 +34,7 @@ from ..errors import (
     DynamicCkptError,
     FormatVersionError,
     IncompatibleStateError,
+    fault,
     weights_overwritten,
 )
 from ..sharded import check_sharding
@@ -345,22 +346,31 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
     pending: int | None = None
     while True:
         report: dict[str, Any] = {"fresh": False, "candidates": reference or [], "error": None, "results": []}
-        try:
-            if reference is None:
-                todo = _candidates(store, ref)
-                infos = {i.step: i for i in todo}
-                report["candidates"] = [i.step for i in todo]
-            else:  # some rank has not tried `pending` yet: everyone evaluates from there on (a rare second round)
-                todo = [infos.get(s) or store.resolve(f"step:{s}") for s in reference[reference.index(pending or 0):]]
-            _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size, fallback=fallback,
-                                   mmap=mmap, expected=expected, into=into)
-        except DynamicCkptError as e:
-            if reference is None and isinstance(e, CheckpointNotFoundError) and ref == "auto" \
-                    and not store.list(include_unhealthy=True):
-                report["fresh"] = True
-            else:
-                name = type(e).__name__ if type(e).__name__ in _ERRORS else DynamicCkptError.__name__
-                report["error"] = {"type": name, "message": str(e)}
+        todo: list[CheckpointInfo] = []
+        for listing in (True, False):
+            if not listing and reference is None and world_size > 1:
+                # Every rank lists before any evaluates: a failed read records the checkpoint as corrupt in the
+                # catalog, and rank 0's list (the reference) must not depend on how far another rank got.
+                dist.barrier()
+            try:
+                if not listing:
+                    _evaluate_until_usable(store, todo, evaluated, rank=rank, world_size=world_size,
+                                           fallback=fallback, mmap=mmap, expected=expected, into=into)
+                elif reference is None:
+                    fault("resume", rank=rank)
+                    todo = _candidates(store, ref)
+                    infos = {i.step: i for i in todo}
+                    report["candidates"] = [i.step for i in todo]
+                else:  # some rank has not tried `pending` yet: everyone evaluates from there on (a rare second round)
+                    todo = [infos.get(s) or store.resolve(f"step:{s}")
+                            for s in reference[reference.index(pending or 0):]]
+            except DynamicCkptError as e:
+                if reference is None and isinstance(e, CheckpointNotFoundError) and ref == "auto" \
+                        and not store.list(include_unhealthy=True):
+                    report["fresh"] = True
+                else:
+                    name = type(e).__name__ if type(e).__name__ in _ERRORS else DynamicCkptError.__name__
+                    report["error"] = {"type": name, "message": str(e)}
         report["results"] = [o.to_dict() for o in evaluated.values()]
         reports = dist.all_gather_json(report) if world_size > 1 else [report]
         if reports[0]["fresh"]:

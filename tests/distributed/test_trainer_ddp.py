@@ -53,11 +53,13 @@ def test_checkpoint_missing_one_ranks_files_is_never_chosen(crashed: tuple[Path,
     out = base / "missing"
     shutil.copytree(base / "crash", out)
     (out / "run" / "smart_ckpt" / "default" / "step-6" / "rng-rank1.json").unlink()
-    resumed = torchrun(out, "resume", *ARGS, "--resume", "auto")
+    # Rank 0 lists the candidates after rank 1 has failed to read step 6 (which records it as corrupt in the
+    # catalog): the ranks still agree on what they tried, and rank 0 says why step 6 was skipped.
+    resumed = torchrun(out, "resume", *ARGS, "--resume", "auto", "--rank0_fault", "resume:sleep=3000")
     for r in range(2):
         assert resumed[r]["resumed_from"] == 3
         assert resumed[r]["losses"] == ref[r]["losses"][3:]
-    assert "step 6 is not complete on every rank" in resumed[0]["stderr"]
+    assert "step 6 is not complete on every rank: rank 1: " in resumed[0]["stderr"]
 
 
 def test_ddp_sigterm_on_one_rank_saves_on_all_and_continues_exactly(crashed: tuple[Path, list[dict]],

@@ -104,6 +104,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--memory_every", type=int, default=None, help="runtime.memory_every (default: from its cost)")
     p.add_argument("--wait_writer", action="store_true", help="wait for the writer process after step 1")
+    p.add_argument("--rank0_fault", default=None, help="HF_DYNAMIC_CKPT_FAULT for rank 0 alone")
     args = p.parse_args()
 
     from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
@@ -116,6 +117,8 @@ def main() -> None:
     if args.slow_snapshot_rank is not None:
         # A rank whose saves cost more (a slower disk, a busier host): its measured blocking time differs.
         os.environ["HF_DYNAMIC_CKPT_FAULT"] = f"snapshot@rank={args.slow_snapshot_rank}:sleep={args.slow_ms}"
+    if args.rank0_fault and rank == 0:
+        os.environ["HF_DYNAMIC_CKPT_FAULT"] = args.rank0_fault
 
     model = build_model(args.model, tie=args.tie, dropout=args.dropout)
     ds = toy.random_token_dataset(num_examples=args.examples, seq_len=16, vocab_size=128, seed=1)
