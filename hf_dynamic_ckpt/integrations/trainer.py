@@ -488,9 +488,10 @@ def resume_folder(root: Path, task_id: str, step: int) -> Path:
 def remove_resume_folders(root: Path, task_id: str, step: int | None = None) -> None:
     """Remove this task's resume folders (only the one of `step`, when given): real directories directly under
     ``<root>/.resume`` only."""
-    base = Path(root).absolute() / RESUME_DIR
-    for entry in [] if base.is_symlink() else base.glob(f"{glob.escape(task_id)}-step-{'*' if step is None else step}"):
-        if entry.is_dir() and not entry.is_symlink():
+    base, prefix = Path(root).absolute() / RESUME_DIR, f"{task_id}-step-"
+    for entry in [] if base.is_symlink() else base.glob(f"{glob.escape(prefix)}{'*' if step is None else step}"):
+        # `<task>-step-<N>` exactly: task `a`'s folders are not those of a task `a-step-3`
+        if entry.name.removeprefix(prefix).isdigit() and entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
     with contextlib.suppress(OSError):
         base.rmdir()  # only when empty: other tasks' folders stay

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,11 @@ def run_worker(out: Path, tag: str, *args: str, expect_rc: int = 0) -> dict:
     return result
 
 
-def crash_and_resume(tmp_path: Path, *args: str, kill_at: int, ga: int = 2) -> tuple[dict, dict, dict]:
+def crash_and_resume(tmp_path: Path, *args: str, kill_at: int, ga: int = 2,
+                     before_resume: Callable[[], None] = lambda: None) -> tuple[dict, dict, dict]:
     ref = run_worker(tmp_path / "ref", "ref", *args)
     crash = run_worker(tmp_path / "crash", "crash", *args, "--kill_at", str(kill_at), expect_rc=-signal.SIGKILL)
+    before_resume()
     resumed = run_worker(tmp_path / "crash", "resume", *args, "--resume", "auto")
     return ref, crash, resumed
 
@@ -53,9 +56,14 @@ def assert_exact(ref: dict, crash: dict, resumed: dict, *, expect_step: int, ga:
 def test_full_finetune_mid_epoch_ga2_dropout_tied_embeddings(tmp_path: Path) -> None:
     # saves at 3 and 6 (interval 3); killed at 7 -> resume at 6, mid-epoch 2 (steps 6..10).
     # Tied input/output embeddings: the store keeps the shared tensor once (aliased).
+    # Another task of the store whose name starts like this one's keeps its resume folder (`default-step-3` is a
+    # task id; this run's folders are `default-step-<N>`).
+    other = tmp_path / "crash" / "run" / "smart_ckpt" / ".resume" / "default-step-3-step-2"
     ref, crash, resumed = crash_and_resume(tmp_path, "--model", "full", "--max_steps", "9", "--ga", "2", "--tie",
-                                           kill_at=7)
+                                           kill_at=7, before_resume=lambda: (other.mkdir(parents=True),
+                                                                             (other / "trainer_state.json").touch()))
     assert_exact(ref, crash, resumed, expect_step=6, ga=2)
+    assert sorted(p.name for p in other.parent.iterdir()) == [other.name] and (other / "trainer_state.json").is_file()
     # Only the restore-point step and later saves come from the resumed run.
     assert [e["step"] for e in crash["events"]] == [3, 6]
     assert all(e["bytes"] and e["bytes"] > 0 for e in crash["events"])
