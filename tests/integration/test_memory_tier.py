@@ -73,10 +73,11 @@ def test_a_sigkill_after_step_13_resumes_from_step_12_bit_exact(tmp_path: Path, 
                                                                  group: bool, capsys: pytest.CaptureFixture) -> None:
     _run(tmp_path, "--kill_at", "13", *(["--kill_group"] if group else []), killed=True)
     slots = slots_dir(tmp_path / "run" / "smart_ckpt", "default")
-    if group:  # nothing outlived the job: the disk has step 10, host memory has steps 11 and 12
+    if group:  # nothing outlived the job: the disk has step 10, host memory has step 12 (and 11, unless its slot
+        # was skipped while step 10's disk save still wrote: a busy machine)
         assert _steps(tmp_path) == [5, 10]
-        assert sorted(p.name for p in (slots / "default").iterdir() if p.name.startswith("step-")) == [
-            "step-11", "step-12"]
+        held = sorted(p.name for p in (slots / "default").iterdir() if p.name.startswith("step-"))
+        assert held in (["step-11", "step-12"], ["step-12"]), held
         assert cli(["ls", str(tmp_path / "run" / "smart_ckpt")]) == 0  # shows them, changes nothing
         assert "in host memory" in capsys.readouterr().out and _steps(tmp_path) == [5, 10] and slots.exists()
     else:  # the watcher (the writer process) persisted the newest slot within seconds
