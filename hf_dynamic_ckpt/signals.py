@@ -95,6 +95,31 @@ class RollingWindow:
         self._cache.clear()
 
 
+class Windows:
+    """The recent values a frame is measured against: a `RollingWindow` per name of `sizes` (e.g. `loss`, `grad`), the
+    last `lr` learning rates and the last `mem` `(step, memory fraction)` samples. `state_dict()` is JSON in that order;
+    `load_state_dict()` restores all of it or nothing, the sizes stay (the newest values are kept)."""
+    loss: RollingWindow
+    grad: RollingWindow
+
+    def __init__(self, *, lr: int, mem: int, **sizes: int) -> None:
+        self._names = tuple(sizes)
+        for name, size in sizes.items():
+            setattr(self, name, RollingWindow(size))
+        self.lr: deque[float] = deque(maxlen=lr)
+        self.mem: deque[tuple[int, float]] = deque(maxlen=mem)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**{name: getattr(self, name).values for name in self._names}, "lr": list(self.lr),
+                "mem": [[s, m] for s, m in self.mem]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        windows = {name: RollingWindow(getattr(self, name).maxlen, state[name]) for name in self._names}
+        lr = deque((float(v) for v in state["lr"]), maxlen=self.lr.maxlen)
+        mem = deque(((int(s), float(m)) for s, m in state["mem"]), maxlen=self.mem.maxlen)
+        vars(self).update(windows, lr=lr, mem=mem)
+
+
 class LayerBaselines:
     """Each LoRA layer's gradient norm judged against the layer's own history (docs/policy.md, "Per-layer LoRA
     baselines"): `excess = norm / exp(median(log norms) + spread_k * 1.4826 * MAD(log norms))` over its last

@@ -10,6 +10,7 @@ import json
 import math
 import os
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
-from ..signals import MINIMAL_TIERS, Decision, DecisionKind, RollingWindow, SignalFrame, linear_fit
+from ..signals import MINIMAL_TIERS, Decision, DecisionKind, RollingWindow, SignalFrame, Windows, linear_fit
 
 # The 12 scale-free inputs in order (docs/decision_model.md; a model file names the ones it learnt) and the (low, high)
 # each is clipped to: one absurd value (a x1e6 loss) cannot leave the range the model was trained on.
@@ -52,14 +53,13 @@ def _log_ratio(value: float | None, baseline: float | None) -> float:
     return math.log(value / baseline)  # type: ignore[operator]
 
 
-class FeatureExtractor:
+class FeatureExtractor(Windows):
     """Streaming features of the frames, one call per optimizer step: each frame is measured against the recent
     values *before* it is folded in; a resumed run continues from the restored windows (`state_dict`)."""
+    time: RollingWindow
 
     def __init__(self) -> None:
-        self.loss, self.grad, self.time = RollingWindow(WINDOW), RollingWindow(WINDOW), RollingWindow(WINDOW)
-        self.lr: deque[float] = deque(maxlen=WINDOW)
-        self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
+        super().__init__(loss=WINDOW, grad=WINDOW, time=WINDOW, lr=WINDOW, mem=MEM_POINTS)
         self.prev_loss: float | None = None
         self.seen = 0
 
@@ -88,18 +88,12 @@ class FeatureExtractor:
         return [min(hi, max(lo, v)) for v, (lo, hi) in zip(f, CLIP)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loss": self.loss.values, "grad": self.grad.values, "time": self.time.values, "lr": list(self.lr),
-                "mem": [[s, m] for s, m in self.mem], "prev_loss": self.prev_loss, "seen": self.seen}
+        return super().state_dict() | {"prev_loss": self.prev_loss, "seen": self.seen}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        fresh = FeatureExtractor()  # all or nothing: a malformed state raises before anything of self changes
-        for name in ("loss", "grad", "time"):
-            setattr(fresh, name, RollingWindow(WINDOW, state[name]))
-        fresh.lr.extend(float(v) for v in state["lr"])
-        fresh.mem.extend((int(s), float(m)) for s, m in state["mem"])
-        fresh.prev_loss = None if state["prev_loss"] is None else float(state["prev_loss"])
-        fresh.seen = int(state["seen"])
-        self.__dict__.update(fresh.__dict__)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        prev, seen = None if state["prev_loss"] is None else float(state["prev_loss"]), int(state["seen"])
+        super().load_state_dict(state)  # all or nothing: a malformed state raises before anything of self changes
+        self.prev_loss, self.seen = prev, seen
 
 
 class Granularity(enum.IntEnum):

@@ -27,6 +27,7 @@ from ..signals import (
     Ema,
     RollingWindow,
     SignalFrame,
+    Windows,
     linear_fit,
 )
 from .learned import LearnedCheck, load_model
@@ -81,16 +82,14 @@ class Assessment:
         return max((v for k, v in self.components.items() if k not in (MEMORY, NONFINITE)), default=0.0)
 
 
-class Baselines:
+class Baselines(Windows):
     """The recent loss, grad-norm and lr values and memory samples a frame is judged against: `assess(frame)` before
     the frame is folded in (`fold`), so a spike is measured against the past. Window sizes follow `stability_window`."""
 
     def __init__(self, config: PolicyParams) -> None:
+        super().__init__(loss=config.stability_window, grad=min(config.stability_window, GRAD_BASELINE_WINDOW),
+                         lr=config.stability_window, mem=MEM_POINTS)
         self.config = config
-        self.loss = RollingWindow(config.stability_window)
-        self.grad = RollingWindow(min(config.stability_window, GRAD_BASELINE_WINDOW))
-        self.lr: deque[float] = deque(maxlen=config.stability_window)
-        self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
 
     def assess(self, frame: SignalFrame) -> Assessment:
         """Risk components of `frame` against the baselines (which it does not change)."""
@@ -121,13 +120,6 @@ class Baselines:
             a.components[MEMORY] = ramp(mem, c.memory_threshold - 0.1, c.memory_threshold)
         return a
 
-    def alpha(self) -> float:
-        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline (scale-free)."""
-        noise, baseline = self.loss.diff_noise(), self.loss.median()
-        if len(self.loss) < MIN_HISTORY or not noise or not baseline:
-            return 1.0
-        return min(1.0, max(MIN_ALPHA, self.config.stability_cv / (noise / abs(baseline))))
-
     def fold(self, frame: SignalFrame) -> None:
         """Fold the frame into the loss / grad / lr baselines (after it was judged)."""
         self.loss.add(frame.loss)
@@ -142,17 +134,6 @@ class Baselines:
             return None
         (step, current), (slope, intercept) = self.mem[-1], fit
         return current, (slope * (step + self.config.memory_lookahead) + intercept if slope > 0 else current)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loss": self.loss.values, "grad": self.grad.values, "lr": list(self.lr),
-                "mem": [[s, m] for s, m in self.mem]}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the values; the window sizes follow the current config (the newest values are kept)."""
-        for window, key in ((self.loss, "loss"), (self.grad, "grad")):
-            window.load_state_dict({"maxlen": window.maxlen, "values": [float(v) for v in state[key]][-window.maxlen:]})
-        self.lr = deque((float(v) for v in state["lr"]), maxlen=self.config.stability_window)
-        self.mem = deque(((int(s), float(m)) for s, m in state["mem"]), maxlen=MEM_POINTS)
 
 
 def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, c: PolicyParams) -> str | None:
@@ -306,8 +287,12 @@ class RulePolicy:
 
     @property
     def alpha(self) -> float:
-        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline."""
-        return self.baselines.alpha()
+        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline (scale-free)."""
+        loss = self.baselines.loss
+        noise, baseline = loss.diff_noise(), loss.median()
+        if len(loss) < MIN_HISTORY or not noise or not baseline:
+            return 1.0
+        return min(1.0, max(MIN_ALPHA, self.config.policy.stability_cv / (noise / abs(baseline))))
 
     @property
     def risk(self) -> float:
@@ -341,10 +326,6 @@ class RulePolicy:
         return Interval(steps, base, f"interval {round(steps)} (base {base:.0f} {source}{why}, alpha {alpha:.2f}, "
                                      f"beta {risk:.2f})")
 
-    def interval(self) -> float:
-        """Current regular interval in steps (see `current_interval`)."""
-        return self.current_interval().steps
-
     def _clamp(self, t: float) -> float:
         return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))
 
@@ -368,7 +349,8 @@ class RulePolicy:
         self.poisoned = self.poisoned or (nonfinite and not skip)  # the NaN/inf update is about to be applied
         if rule is None or not c.pre_anomaly_capture:
             if early is not None and c.pre_anomaly_capture and healthy and self.learned is not None and (
-                    learned := self.learned.capture(frame, early, self.risk, self.interval(), self.cooldown)):
+                    learned := self.learned.capture(frame, early, self.risk, self.current_interval().steps,
+                                                    self.cooldown)):
                 return self._record(learned, frame.step)
             return Decision(save=False, skip_update=skip, risk=self.risk, healthy=healthy) if skip else NO_SAVE
         why = ("state already unhealthy (a non-finite update was applied)" if not healthy else
@@ -383,7 +365,7 @@ class RulePolicy:
         self.suppressed.discard("capture")
         return self._record(Decision(save=True, tiers=ALL_TIERS, reason=f"pre_update {rule}", pin=True, pre_update=True,
                                      skip_update=skip, risk=self.risk, step=frame.step - 1, healthy=True,
-                                     interval=self.interval(), kind=DecisionKind.CAPTURE), frame.step)
+                                     interval=self.current_interval().steps, kind=DecisionKind.CAPTURE), frame.step)
 
     def decide(self, frame: SignalFrame) -> Decision:
         """Whether to save the state of step `frame.step`, after its update: in priority order preemption (full,
