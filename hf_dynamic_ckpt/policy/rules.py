@@ -205,15 +205,11 @@ def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> 
 
 @dataclass(frozen=True)
 class Interval:
-    """The regular interval (`due = round(steps)` between saves), its base `T_base`, and the `reason` of a save at it
-    (`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`: where the base comes from, why it moved)."""
+    """The regular interval (a save once `round(steps)` steps passed), its base `T_base`, and the `reason` of a save
+    at it (`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`: the base's source, why it moved."""
     steps: float
     base: float
     reason: str
-
-    @property
-    def due(self) -> int:
-        return round(self.steps)
 
 
 # The policy state's plain values in their JSON order: (part, key) -> (attribute, how a saved value is read: converted
@@ -417,8 +413,7 @@ class RulePolicy:
     def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
         """The frame's assessment and capture rule; `decide` reuses what `pre_update` computed for the same frame (the
         baselines only change at the end of `decide`)."""
-        key = (frame.step, frame.loss, frame.grad_norm, frame.lora_max_ratio, frame.lora_max_layer, frame.nonfinite,
-               frame.lr, frame.device_mem_frac, frame.host_mem_frac, frame.clip_norm)
+        key = dataclasses.astuple(frame)
         if self._judged is None or self._judged[0] != key:
             a = self.baselines.assess(frame)
             self._judged = (key, a, capture_rule(frame, a, self.baselines, self.config.policy))
@@ -471,7 +466,7 @@ class RulePolicy:
                 self.memory_armed = True
         if self.memory_armed:
             self.suppressed.discard("memory")
-        if since >= interval.due:
+        if since >= round(interval.steps):
             return save(interval.reason, DecisionKind.INTERVAL)
         return Decision(save=False, risk=beta, interval=interval.steps, healthy=healthy)
 
