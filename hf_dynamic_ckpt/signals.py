@@ -30,7 +30,8 @@ MAD_TO_STD = 1.4826  # turns a median absolute deviation into a normal standard 
 
 
 class RollingWindow:
-    """The last `maxlen` finite values (`values`: the first ones) with robust summaries, cached until the next `add`."""
+    """The last `maxlen` finite values (`values`: the first ones) with robust summaries, cached until the next `add`;
+    `RollingWindow(maxlen, window.values)` restores one."""
 
     def __init__(self, maxlen: int, values: Iterable[Any] = ()) -> None:
         if maxlen < 1:
@@ -85,14 +86,6 @@ class RollingWindow:
             med = statistics.median(diffs)
             self._cache["diff_noise"] = MAD_TO_STD * statistics.median([abs(d - med) for d in diffs]) / math.sqrt(2.0)
         return self._cache["diff_noise"]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"maxlen": self.maxlen, "values": list(self._values)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.maxlen = int(state["maxlen"])
-        self._values = deque((float(v) for v in state["values"]), maxlen=self.maxlen)
-        self._cache.clear()
 
 
 class Windows:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import json
 import math
 import os
@@ -187,19 +186,15 @@ class DecisionModel:
 
 
 def load_model(spec: str | os.PathLike[str]) -> DecisionModel:
-    """Load a decision model (`"builtin"`: the packaged one, or a `.safetensors` path), cached per file and
-    modification time; `ConfigError`: the file is missing, too large, not safetensors, or not a decision model."""
+    """Load a decision model (`"builtin"`: the packaged one, or a `.safetensors` path); `ConfigError`: the file is
+    missing, too large, not safetensors, or not a decision model."""
     path = BUILTIN_PATH if os.fspath(spec) == BUILTIN else Path(spec)
     try:
-        st = path.stat()
+        size = path.stat().st_size
     except OSError as e:
         raise ConfigError(f"learned_model={os.fspath(spec)!r}: {path} cannot be read ({e.strerror}); use 'builtin', "
                           "the path of a model written by scripts/train_decision_model.py, or null.") from e
-    return _load(str(path.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _load(path: str, mtime_ns: int, size: int) -> DecisionModel:
+    path = path.resolve()
     if size > MAX_MODEL_BYTES:
         raise ConfigError(f"learned_model {path} is {size} bytes: a decision model is tens of KB "
                           f"(limit {MAX_MODEL_BYTES}); this is not one.")
