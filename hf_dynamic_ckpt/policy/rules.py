@@ -279,7 +279,6 @@ class RulePolicy:
         self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)  # loss, grad norm, lr, risk, the decision
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_HISTORY)  # to_dict() and the step taken at
-        self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
 
     @property
     def alpha(self) -> float:
@@ -404,21 +403,17 @@ class RulePolicy:
         if decision.save and why:
             logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
         self.baselines.fold(frame)  # after judging the frame, so a spike is measured against the past
-        self._judged = None
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
                              "save": decision.save, "reason": decision.reason})
         return self._record(decision, step) if decision.save else decision
 
     def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
-        """The frame's assessment and capture rule; `decide` reuses what `pre_update` computed for the same frame (the
-        baselines only change at the end of `decide`)."""
-        key = dataclasses.astuple(frame)
-        if self._judged is None or self._judged[0] != key:
-            a = self.baselines.assess(frame)
-            self._judged = (key, a, capture_rule(frame, a, self.baselines, self.config.policy))
-            self.last_beta = a.beta
-        return self._judged[1], self._judged[2]
+        """The frame's assessment and capture rule (pure: the baselines only change at the end of `decide`, so
+        `pre_update` and `decide` judge a frame alike)."""
+        a = self.baselines.assess(frame)
+        self.last_beta = a.beta
+        return a, capture_rule(frame, a, self.baselines, self.config.policy)
 
     def _choose(self, frame: SignalFrame, a: Assessment, *, healthy: bool) -> Decision:
         c, step = self.config.policy, frame.step
