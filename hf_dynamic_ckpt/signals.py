@@ -88,10 +88,13 @@ class RollingWindow:
         return self._cache["diff_noise"]
 
 
+_FRAME_FIELDS = {"loss": "loss", "grad": "grad_norm", "time": "step_time_s"}  # `Windows` name: `SignalFrame` field
+
+
 class Windows:
-    """The recent values a frame is measured against: a `RollingWindow` per name of `sizes` (e.g. `loss`, `grad`), the
-    last `lr` learning rates and the last `mem` `(step, memory fraction)` samples. `state_dict()` is JSON in that order;
-    `load_state_dict()` restores all of it or nothing, the sizes stay (the newest values are kept)."""
+    """The recent values a frame is measured against: a `RollingWindow` per name of `sizes` (`loss`, `grad`, `time`),
+    the last `lr` learning rates and the last `mem` `(step, memory fraction)` samples. `state_dict()` is JSON in that
+    order; `load_state_dict()` restores all of it or nothing, the sizes stay (the newest values are kept)."""
     loss: RollingWindow
     grad: RollingWindow
     lr: deque[float]
@@ -101,6 +104,13 @@ class Windows:
         self._names = tuple(sizes)
         vars(self).update({n: RollingWindow(size) for n, size in sizes.items()}, lr=deque(maxlen=lr),
                           mem=deque(maxlen=mem))
+
+    def fold(self, frame: SignalFrame) -> None:
+        """Add the frame's finite values (after it was measured against the windows)."""
+        for n in self._names:
+            getattr(self, n).add(getattr(frame, _FRAME_FIELDS[n]))
+        if frame.lr is not None and math.isfinite(frame.lr):
+            self.lr.append(float(frame.lr))
 
     def state_dict(self) -> dict[str, Any]:
         return {n: getattr(self, n).values for n in self._names} | {"lr": list(self.lr),

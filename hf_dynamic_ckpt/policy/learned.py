@@ -77,10 +77,7 @@ class FeatureExtractor(Windows):
              points[-1][1] if points else 0.0, fit[0] * MEM_HORIZON if fit is not None else 0.0,
              _log_ratio(frame.step_time_s, self.time.median()), 1.0 if frame.any_nonfinite else 0.0,
              min(1.0, self.seen / HISTORY_FULL)]
-        for window, value in ((self.loss, loss), (self.grad, grad), (self.time, frame.step_time_s)):
-            window.add(value)
-        if _finite(frame.lr):
-            self.lr.append(float(frame.lr))  # type: ignore[arg-type]
+        self.fold(frame)
         self.mem = deque(points, maxlen=MEM_POINTS)
         self.prev_loss = loss if _finite(loss) else self.prev_loss
         self.seen += 1

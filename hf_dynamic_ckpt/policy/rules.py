@@ -120,13 +120,6 @@ class Baselines(Windows):
             a.components[MEMORY] = ramp(mem, c.memory_threshold - 0.1, c.memory_threshold)
         return a
 
-    def fold(self, frame: SignalFrame) -> None:
-        """Fold the frame into the loss / grad / lr baselines (after it was judged)."""
-        self.loss.add(frame.loss)
-        self.grad.add(frame.grad_norm)
-        if frame.lr is not None and math.isfinite(frame.lr):
-            self.lr.append(float(frame.lr))
-
     def memory_forecast(self) -> tuple[float, float] | None:
         """`(current, predicted in memory_lookahead steps)` from a line through the recent samples."""
         fit = linear_fit(list(self.mem)) if len(self.mem) >= 3 else None
