@@ -8,7 +8,6 @@ import enum
 import json
 import math
 import os
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +65,9 @@ class FeatureExtractor(Windows):
         """The frame's 12 features against the windows, then the frame folded into them."""
         loss, grad, mem = frame.loss, frame.grad_norm, frame.mem_frac
         baseline, noise = self.loss.median(), self.loss.diff_noise()
-        points = [*self.mem, (frame.step, float(mem))][-MEM_POINTS:] if _finite(mem) else list(self.mem)  # type: ignore[arg-type]
+        if _finite(mem):
+            self.mem.append((frame.step, float(mem)))  # type: ignore[arg-type]
+        points = self.mem
         fit = linear_fit(points) if len(points) >= 3 else None
         f = [_log_ratio(loss, baseline),
              (loss - self.prev_loss) / abs(baseline)  # type: ignore[operator]
@@ -78,7 +79,6 @@ class FeatureExtractor(Windows):
              _log_ratio(frame.step_time_s, self.time.median()), 1.0 if frame.any_nonfinite else 0.0,
              min(1.0, self.seen / HISTORY_FULL)]
         self.fold(frame)
-        self.mem = deque(points, maxlen=MEM_POINTS)
         self.prev_loss = loss if _finite(loss) else self.prev_loss
         self.seen += 1
         return [min(hi, max(lo, v)) for v, (lo, hi) in zip(f, CLIP)]
