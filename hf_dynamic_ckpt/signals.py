@@ -22,7 +22,7 @@ from torch import nn
 
 from . import sysmem
 from .constants import Tier
-from .jsonutil import safe_float
+from .jsonutil import json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +240,8 @@ class SignalFrame:
                                      for v in (self.loss, self.grad_norm, self.lora_max_ratio))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (non-finite floats as `"NaN"`, `"Infinity"`, `"-Infinity"`: `jsonutil.safe_float`)."""
-        return {f.name: safe_float(v) if isinstance(v := getattr(self, f.name), float) else v
-                for f in dataclasses.fields(self)}
+        """JSON-able form (non-finite floats as `"NaN"`, `"Infinity"`, `"-Infinity"`: `jsonutil.json_safe`)."""
+        return json_safe(dataclasses.asdict(self))  # type: ignore[no-any-return]
 
 
 class LossProbe:
