@@ -147,6 +147,4 @@ def _parse_fault(entry: str) -> dict[str, str]:
     if not point or name not in ("kill", "raise", "sleep", "gate", "log"):
         raise ConfigError(f"{FAULT_ENV} entry {entry!r} is invalid: expected POINT[@KEY=VALUE...]:ACTION[=ARG] with "
                           "ACTION one of kill, raise=ERRNO, sleep=MS, gate=DIR, log=FILE.")
-    out = dict(f.split("=", 1) for f in filters if "=" in f)
-    out.update(point=point, action=name, arg=arg)
-    return out
+    return dict(f.split("=", 1) for f in filters if "=" in f) | {"point": point, "action": name, "arg": arg}

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import sysmem
 from .constants import Tier
-from .jsonutil import safe_float
+from .jsonutil import json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,8 @@ MAD_TO_STD = 1.4826  # turns a median absolute deviation into a normal standard 
 
 
 class RollingWindow:
-    """The last `maxlen` finite values (`values`: the first ones) with robust summaries, cached until the next `add`."""
+    """The last `maxlen` finite values (`values`: the first ones) with robust summaries, cached until the next `add`;
+    `RollingWindow(maxlen, window.values)` restores one."""
 
     def __init__(self, maxlen: int, values: Iterable[Any] = ()) -> None:
         if maxlen < 1:
@@ -86,13 +87,39 @@ class RollingWindow:
             self._cache["diff_noise"] = MAD_TO_STD * statistics.median([abs(d - med) for d in diffs]) / math.sqrt(2.0)
         return self._cache["diff_noise"]
 
+
+_FRAME_FIELDS = {"loss": "loss", "grad": "grad_norm", "time": "step_time_s"}  # `Windows` name: `SignalFrame` field
+
+
+class Windows:
+    """The recent values a frame is measured against: a `RollingWindow` per name of `sizes` (`loss`, `grad`, `time`),
+    the last `lr` learning rates and the last `mem` `(step, memory fraction)` samples. `state_dict()` is JSON in that
+    order; `load_state_dict()` restores all of it or nothing, the sizes stay (the newest values are kept)."""
+    loss: RollingWindow
+    grad: RollingWindow
+    lr: deque[float]
+    mem: deque[tuple[int, float]]
+
+    def __init__(self, *, lr: int, mem: int, **sizes: int) -> None:
+        self._names = tuple(sizes)
+        vars(self).update({n: RollingWindow(size) for n, size in sizes.items()}, lr=deque(maxlen=lr),
+                          mem=deque(maxlen=mem))
+
+    def fold(self, frame: SignalFrame) -> None:
+        """Add the frame's finite values (after it was measured against the windows)."""
+        for n in self._names:
+            getattr(self, n).add(getattr(frame, _FRAME_FIELDS[n]))
+        if frame.lr is not None and math.isfinite(frame.lr):
+            self.lr.append(float(frame.lr))
+
     def state_dict(self) -> dict[str, Any]:
-        return {"maxlen": self.maxlen, "values": list(self._values)}
+        return {n: getattr(self, n).values for n in self._names} | {"lr": list(self.lr),
+                                                                     "mem": [list(m) for m in self.mem]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.maxlen = int(state["maxlen"])
-        self._values = deque((float(v) for v in state["values"]), maxlen=self.maxlen)
-        self._cache.clear()
+        vars(self).update({n: RollingWindow(getattr(self, n).maxlen, state[n]) for n in self._names},
+                          lr=deque((float(v) for v in state["lr"]), maxlen=self.lr.maxlen),
+                          mem=deque(((int(s), float(m)) for s, m in state["mem"]), maxlen=self.mem.maxlen))
 
 
 class LayerBaselines:
@@ -213,9 +240,8 @@ class SignalFrame:
                                      for v in (self.loss, self.grad_norm, self.lora_max_ratio))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (non-finite floats as `"NaN"`, `"Infinity"`, `"-Infinity"`: `jsonutil.safe_float`)."""
-        return {f.name: safe_float(v) if isinstance(v := getattr(self, f.name), float) else v
-                for f in dataclasses.fields(self)}
+        """JSON-able form (non-finite floats as `"NaN"`, `"Infinity"`, `"-Infinity"`: `jsonutil.json_safe`)."""
+        return json_safe(dataclasses.asdict(self))  # type: ignore[no-any-return]
 
 
 class LossProbe:
@@ -297,16 +323,7 @@ class GradProbe:
         present = [(i, p.grad) for i, p in enumerate(self._params) if p.grad is not None]
         if (pre is not None and not n) or (not present and self.partition_squares is None):
             return pre, {}
-        if not present:  # every rank calls this: the sum across ranks is a collective
-            given = self.partition_squares() if self.partition_squares is not None else None
-            sq = given if given is not None and len(given) == n + 1 else [0.0] * (n + 1)
-            sq = self.sum_across_ranks(sq) if self.sum_across_ranks is not None else sq
-            post = math.sqrt(sum(sq))
-            if not post > 0.0 and math.isfinite(post):
-                return pre, {}  # no gradient reached the optimizer this step
-            norms = [math.sqrt(x) * pre / post if pre is not None and math.isfinite(post) else math.sqrt(x)
-                     for x in sq[:n]]
-            return (pre if pre is not None else post), dict(zip(self.layer_names, norms))
+        sq, sharded = [0.0] * (n + 1), [0.0] * (n + 1)  # squares per bucket: this rank's whole ones, shards' to sum
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor, float]]] = {}
         for i, g in present:  # a DTensor counts its local shard, 1 / replicas of it over replicated mesh dimensions
             weight = 1.0 / math.prod(size for size, p in zip(g.device_mesh.shape, g.placements)  # type: ignore[attr-defined]
@@ -316,16 +333,20 @@ class GradProbe:
         items = [item for group in groups.values() for item in group]
         stacked = [torch.stack(torch._foreach_norm([g for _, g, _ in group], 2.0)).to(items[0][1].device, torch.float64)
                    for group in groups.values()]
-        sq, sharded = [0.0] * (n + 1), [0.0] * (n + 1)
-        for (i, _, weight), v in zip(items, (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).tolist()):
+        for (i, _, weight), v in zip(items, (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).tolist()
+                                     if stacked else []):
             if weight:  # NaN and inf propagate: a non-finite shard on any rank makes the norm non-finite
                 sharded[self._bucket[i]] += v * v * weight
             else:
                 sq[self._bucket[i]] += v * v
-        if any(weight for *_, weight in items):
+        given = self.partition_squares() if not items and self.partition_squares is not None else None
+        sharded = given if given is not None and len(given) == n + 1 else sharded
+        if not items or any(weight for *_, weight in items):  # every rank calls this: a collective
             total = self.sum_across_ranks(sharded) if self.sum_across_ranks is not None else sharded
             sq = [a + b for a, b in zip(sq, total)]
         post = math.sqrt(sum(sq))  # NaN and inf propagate: the non-finite flag relies on it
+        if not present and not post > 0.0 and math.isfinite(post):
+            return pre, {}  # no gradient reached the optimizer this step
         scale = pre / post if pre is not None and math.isfinite(post) and post > 0.0 else 1.0
         norms = [math.sqrt(x) * scale for x in sq[:n]]
         return (pre if pre is not None else post), dict(zip(self.layer_names, norms))

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import json
 import math
 import os
-from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 
 from ..constants import ALL_TIERS, Tier
 from ..errors import ConfigError
-from ..signals import MINIMAL_TIERS, Decision, DecisionKind, RollingWindow, SignalFrame, linear_fit
+from ..signals import MINIMAL_TIERS, Decision, DecisionKind, RollingWindow, SignalFrame, Windows, linear_fit
 
 # The 12 scale-free inputs in order (docs/decision_model.md; a model file names the ones it learnt) and the (low, high)
 # each is clipped to: one absurd value (a x1e6 loss) cannot leave the range the model was trained on.
@@ -52,14 +51,13 @@ def _log_ratio(value: float | None, baseline: float | None) -> float:
     return math.log(value / baseline)  # type: ignore[operator]
 
 
-class FeatureExtractor:
+class FeatureExtractor(Windows):
     """Streaming features of the frames, one call per optimizer step: each frame is measured against the recent
     values *before* it is folded in; a resumed run continues from the restored windows (`state_dict`)."""
+    time: RollingWindow
 
     def __init__(self) -> None:
-        self.loss, self.grad, self.time = RollingWindow(WINDOW), RollingWindow(WINDOW), RollingWindow(WINDOW)
-        self.lr: deque[float] = deque(maxlen=WINDOW)
-        self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
+        super().__init__(loss=WINDOW, grad=WINDOW, time=WINDOW, lr=WINDOW, mem=MEM_POINTS)
         self.prev_loss: float | None = None
         self.seen = 0
 
@@ -67,7 +65,9 @@ class FeatureExtractor:
         """The frame's 12 features against the windows, then the frame folded into them."""
         loss, grad, mem = frame.loss, frame.grad_norm, frame.mem_frac
         baseline, noise = self.loss.median(), self.loss.diff_noise()
-        points = [*self.mem, (frame.step, float(mem))][-MEM_POINTS:] if _finite(mem) else list(self.mem)  # type: ignore[arg-type]
+        if _finite(mem):
+            self.mem.append((frame.step, float(mem)))  # type: ignore[arg-type]
+        points = self.mem
         fit = linear_fit(points) if len(points) >= 3 else None
         f = [_log_ratio(loss, baseline),
              (loss - self.prev_loss) / abs(baseline)  # type: ignore[operator]
@@ -78,28 +78,18 @@ class FeatureExtractor:
              points[-1][1] if points else 0.0, fit[0] * MEM_HORIZON if fit is not None else 0.0,
              _log_ratio(frame.step_time_s, self.time.median()), 1.0 if frame.any_nonfinite else 0.0,
              min(1.0, self.seen / HISTORY_FULL)]
-        for window, value in ((self.loss, loss), (self.grad, grad), (self.time, frame.step_time_s)):
-            window.add(value)
-        if _finite(frame.lr):
-            self.lr.append(float(frame.lr))  # type: ignore[arg-type]
-        self.mem = deque(points, maxlen=MEM_POINTS)
+        self.fold(frame)
         self.prev_loss = loss if _finite(loss) else self.prev_loss
         self.seen += 1
         return [min(hi, max(lo, v)) for v, (lo, hi) in zip(f, CLIP)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loss": self.loss.values, "grad": self.grad.values, "time": self.time.values, "lr": list(self.lr),
-                "mem": [[s, m] for s, m in self.mem], "prev_loss": self.prev_loss, "seen": self.seen}
+        return super().state_dict() | {"prev_loss": self.prev_loss, "seen": self.seen}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        fresh = FeatureExtractor()  # all or nothing: a malformed state raises before anything of self changes
-        for name in ("loss", "grad", "time"):
-            setattr(fresh, name, RollingWindow(WINDOW, state[name]))
-        fresh.lr.extend(float(v) for v in state["lr"])
-        fresh.mem.extend((int(s), float(m)) for s, m in state["mem"])
-        fresh.prev_loss = None if state["prev_loss"] is None else float(state["prev_loss"])
-        fresh.seen = int(state["seen"])
-        self.__dict__.update(fresh.__dict__)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        prev, seen = None if state["prev_loss"] is None else float(state["prev_loss"]), int(state["seen"])
+        super().load_state_dict(state)  # all or nothing: a malformed state raises before anything of self changes
+        self.prev_loss, self.seen = prev, seen
 
 
 class Granularity(enum.IntEnum):
@@ -193,19 +183,15 @@ class DecisionModel:
 
 
 def load_model(spec: str | os.PathLike[str]) -> DecisionModel:
-    """Load a decision model (`"builtin"`: the packaged one, or a `.safetensors` path), cached per file and
-    modification time; `ConfigError`: the file is missing, too large, not safetensors, or not a decision model."""
+    """Load a decision model (`"builtin"`: the packaged one, or a `.safetensors` path); `ConfigError`: the file is
+    missing, too large, not safetensors, or not a decision model."""
     path = BUILTIN_PATH if os.fspath(spec) == BUILTIN else Path(spec)
     try:
-        st = path.stat()
+        size = path.stat().st_size
     except OSError as e:
         raise ConfigError(f"learned_model={os.fspath(spec)!r}: {path} cannot be read ({e.strerror}); use 'builtin', "
                           "the path of a model written by scripts/train_decision_model.py, or null.") from e
-    return _load(str(path.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _load(path: str, mtime_ns: int, size: int) -> DecisionModel:
+    path = path.resolve()
     if size > MAX_MODEL_BYTES:
         raise ConfigError(f"learned_model {path} is {size} bytes: a decision model is tens of KB "
                           f"(limit {MAX_MODEL_BYTES}); this is not one.")

@@ -27,6 +27,7 @@ from ..signals import (
     Ema,
     RollingWindow,
     SignalFrame,
+    Windows,
     linear_fit,
 )
 from .learned import LearnedCheck, load_model
@@ -81,16 +82,14 @@ class Assessment:
         return max((v for k, v in self.components.items() if k not in (MEMORY, NONFINITE)), default=0.0)
 
 
-class Baselines:
+class Baselines(Windows):
     """The recent loss, grad-norm and lr values and memory samples a frame is judged against: `assess(frame)` before
     the frame is folded in (`fold`), so a spike is measured against the past. Window sizes follow `stability_window`."""
 
     def __init__(self, config: PolicyParams) -> None:
+        super().__init__(loss=config.stability_window, grad=min(config.stability_window, GRAD_BASELINE_WINDOW),
+                         lr=config.stability_window, mem=MEM_POINTS)
         self.config = config
-        self.loss = RollingWindow(config.stability_window)
-        self.grad = RollingWindow(min(config.stability_window, GRAD_BASELINE_WINDOW))
-        self.lr: deque[float] = deque(maxlen=config.stability_window)
-        self.mem: deque[tuple[int, float]] = deque(maxlen=MEM_POINTS)
 
     def assess(self, frame: SignalFrame) -> Assessment:
         """Risk components of `frame` against the baselines (which it does not change)."""
@@ -121,20 +120,6 @@ class Baselines:
             a.components[MEMORY] = ramp(mem, c.memory_threshold - 0.1, c.memory_threshold)
         return a
 
-    def alpha(self) -> float:
-        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline (scale-free)."""
-        noise, baseline = self.loss.diff_noise(), self.loss.median()
-        if len(self.loss) < MIN_HISTORY or not noise or not baseline:
-            return 1.0
-        return min(1.0, max(MIN_ALPHA, self.config.stability_cv / (noise / abs(baseline))))
-
-    def fold(self, frame: SignalFrame) -> None:
-        """Fold the frame into the loss / grad / lr baselines (after it was judged)."""
-        self.loss.add(frame.loss)
-        self.grad.add(frame.grad_norm)
-        if frame.lr is not None and math.isfinite(frame.lr):
-            self.lr.append(float(frame.lr))
-
     def memory_forecast(self) -> tuple[float, float] | None:
         """`(current, predicted in memory_lookahead steps)` from a line through the recent samples."""
         fit = linear_fit(list(self.mem)) if len(self.mem) >= 3 else None
@@ -142,17 +127,6 @@ class Baselines:
             return None
         (step, current), (slope, intercept) = self.mem[-1], fit
         return current, (slope * (step + self.config.memory_lookahead) + intercept if slope > 0 else current)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loss": self.loss.values, "grad": self.grad.values, "lr": list(self.lr),
-                "mem": [[s, m] for s, m in self.mem]}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the values; the window sizes follow the current config (the newest values are kept)."""
-        for window, key in ((self.loss, "loss"), (self.grad, "grad")):
-            window.load_state_dict({"maxlen": window.maxlen, "values": [float(v) for v in state[key]][-window.maxlen:]})
-        self.lr = deque((float(v) for v in state["lr"]), maxlen=self.config.stability_window)
-        self.mem = deque(((int(s), float(m)) for s, m in state["mem"]), maxlen=MEM_POINTS)
 
 
 def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, c: PolicyParams) -> str | None:
@@ -224,15 +198,11 @@ def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> 
 
 @dataclass(frozen=True)
 class Interval:
-    """The regular interval (`due = round(steps)` between saves), its base `T_base`, and the `reason` of a save at it
-    (`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`: where the base comes from, why it moved)."""
+    """The regular interval (a save once `round(steps)` steps passed), its base `T_base`, and the `reason` of a save
+    at it (`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`: the base's source, why it moved."""
     steps: float
     base: float
     reason: str
-
-    @property
-    def due(self) -> int:
-        return round(self.steps)
 
 
 # The policy state's plain values in their JSON order: (part, key) -> (attribute, how a saved value is read: converted
@@ -302,12 +272,15 @@ class RulePolicy:
         self.suppressed: set[str] = set()  # triggers whose suppression was logged (once per episode)
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_STEPS)  # loss, grad norm, lr, risk, the decision
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISION_HISTORY)  # to_dict() and the step taken at
-        self._judged: tuple[tuple[Any, ...], Assessment, str | None] | None = None  # pre_update's, for decide
 
     @property
     def alpha(self) -> float:
-        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline."""
-        return self.baselines.alpha()
+        """Stability factor in [0.2, 1]: `stability_cv / cv`, cv = loss noise / loss baseline (scale-free)."""
+        loss = self.baselines.loss
+        noise, baseline = loss.diff_noise(), loss.median()
+        if len(loss) < MIN_HISTORY or not noise or not baseline:
+            return 1.0
+        return min(1.0, max(MIN_ALPHA, self.config.policy.stability_cv / (noise / abs(baseline))))
 
     @property
     def risk(self) -> float:
@@ -341,10 +314,6 @@ class RulePolicy:
         return Interval(steps, base, f"interval {round(steps)} (base {base:.0f} {source}{why}, alpha {alpha:.2f}, "
                                      f"beta {risk:.2f})")
 
-    def interval(self) -> float:
-        """Current regular interval in steps (see `current_interval`)."""
-        return self.current_interval().steps
-
     def _clamp(self, t: float) -> float:
         return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))
 
@@ -368,7 +337,8 @@ class RulePolicy:
         self.poisoned = self.poisoned or (nonfinite and not skip)  # the NaN/inf update is about to be applied
         if rule is None or not c.pre_anomaly_capture:
             if early is not None and c.pre_anomaly_capture and healthy and self.learned is not None and (
-                    learned := self.learned.capture(frame, early, self.risk, self.interval(), self.cooldown)):
+                    learned := self.learned.capture(frame, early, self.risk, self.current_interval().steps,
+                                                    self.cooldown)):
                 return self._record(learned, frame.step)
             return Decision(save=False, skip_update=skip, risk=self.risk, healthy=healthy) if skip else NO_SAVE
         why = ("state already unhealthy (a non-finite update was applied)" if not healthy else
@@ -383,7 +353,7 @@ class RulePolicy:
         self.suppressed.discard("capture")
         return self._record(Decision(save=True, tiers=ALL_TIERS, reason=f"pre_update {rule}", pin=True, pre_update=True,
                                      skip_update=skip, risk=self.risk, step=frame.step - 1, healthy=True,
-                                     interval=self.interval(), kind=DecisionKind.CAPTURE), frame.step)
+                                     interval=self.current_interval().steps, kind=DecisionKind.CAPTURE), frame.step)
 
     def decide(self, frame: SignalFrame) -> Decision:
         """Whether to save the state of step `frame.step`, after its update: in priority order preemption (full,
@@ -426,22 +396,17 @@ class RulePolicy:
         if decision.save and why:
             logger.debug("step %d: the checkpoint of step %d is marked unhealthy (%s)", step, step, why)
         self.baselines.fold(frame)  # after judging the frame, so a spike is measured against the past
-        self._judged = None
         self.history.append({"step": step, "loss": _j(frame.loss), "grad_norm": _j(frame.grad_norm), "lr": _j(frame.lr),
                              "risk": round(self.risk, 6), "interval": round(decision.interval, 3),
                              "save": decision.save, "reason": decision.reason})
         return self._record(decision, step) if decision.save else decision
 
     def _judge(self, frame: SignalFrame) -> tuple[Assessment, str | None]:
-        """The frame's assessment and capture rule; `decide` reuses what `pre_update` computed for the same frame (the
-        baselines only change at the end of `decide`)."""
-        key = (frame.step, frame.loss, frame.grad_norm, frame.lora_max_ratio, frame.lora_max_layer, frame.nonfinite,
-               frame.lr, frame.device_mem_frac, frame.host_mem_frac, frame.clip_norm)
-        if self._judged is None or self._judged[0] != key:
-            a = self.baselines.assess(frame)
-            self._judged = (key, a, capture_rule(frame, a, self.baselines, self.config.policy))
-            self.last_beta = a.beta
-        return self._judged[1], self._judged[2]
+        """The frame's assessment and capture rule (pure: the baselines only change at the end of `decide`, so
+        `pre_update` and `decide` judge a frame alike)."""
+        a = self.baselines.assess(frame)
+        self.last_beta = a.beta
+        return a, capture_rule(frame, a, self.baselines, self.config.policy)
 
     def _choose(self, frame: SignalFrame, a: Assessment, *, healthy: bool) -> Decision:
         c, step = self.config.policy, frame.step
@@ -489,7 +454,7 @@ class RulePolicy:
                 self.memory_armed = True
         if self.memory_armed:
             self.suppressed.discard("memory")
-        if since >= interval.due:
+        if since >= round(interval.steps):
             return save(interval.reason, DecisionKind.INTERVAL)
         return Decision(save=False, risk=beta, interval=interval.steps, healthy=healthy)
 

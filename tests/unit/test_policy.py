@@ -83,10 +83,10 @@ def test_interval_shrinks_with_risk_not_grows() -> None:
     cfg = SmartCkptConfig(base_interval=100, policy={"risk_gain": 4.0})
     policy = RulePolicy(cfg)
     run(policy, [calm(s) for s in range(1, 30)])
-    calm_interval = policy.interval()
+    calm_interval = policy.current_interval().steps
     run(policy, [calm(s, device_mem_frac=0.99) for s in range(30, 45)])
     assert policy.risk == pytest.approx(1.0)
-    assert policy.interval() == pytest.approx(calm_interval / 5.0)  # T_base * alpha / (1 + k * beta)
+    assert policy.current_interval().steps == pytest.approx(calm_interval / 5.0)  # T_base * alpha / (1 + k * beta)
 
 
 def test_alpha_is_scale_free() -> None:

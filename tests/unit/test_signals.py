@@ -56,9 +56,8 @@ def test_rolling_window_robust_summaries_ignore_outliers_and_nan() -> None:
     assert w.median() == 4.0
     assert w.mad() == 1.0
     assert w.robust_z(4.0 + 1.4826 * 6) == pytest.approx(6.0)
-    restored = RollingWindow(1)
-    restored.load_state_dict(w.state_dict())
-    assert restored.values == w.values and restored.maxlen == 5
+    restored = RollingWindow(5, w.values)
+    assert restored.values == w.values and restored.median() == 4.0
 
 
 def test_diff_noise_ignores_a_linear_trend() -> None:
