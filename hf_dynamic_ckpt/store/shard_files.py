@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
-import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -120,14 +118,12 @@ def gather_weights(directory: Path, table: Mapping[str, Any]) -> dict[str, torch
 
 class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
     """Reads any block of a saved tensor from the chunks of whichever ranks hold it (`table`, from `sharded_table`, of
-    the verified checkpoint in `directory`), without a collective. A block that is one run of a chunk's bytes (every
-    ZeRO fragment; FSDP2's row shards) is read with `pread` straight into the memory it belongs in; a device or
-    other-dtype destination gets it through one host tensor, any other block through safetensors' `get_slice`. A
-    context manager: it keeps the files open."""
+    the verified checkpoint in `directory`), without a collective, through safetensors' `get_slice` (a file's
+    tensor must have its chunk's size). A context manager: it keeps the files open."""
 
     def __init__(self, directory: Path, table: Mapping[str, Any]) -> None:
         self._dir = Path(directory)
-        self._files: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}
+        self._files: dict[str, Any] = {}  # open safetensors files by name
         self._chunks: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for parts in table["ranks"].values():
             for part in PARTS:
@@ -135,8 +131,8 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
                     self._chunks.setdefault((part, key), []).append(chunk)
 
     def __exit__(self, *exc: object) -> None:
-        for fd, _ in self._files.values():
-            os.close(fd)
+        for f in self._files.values():
+            f.__exit__(None, None, None)
         self._files.clear()
 
     def keys(self, part: str) -> set[str]:
@@ -168,38 +164,17 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
 
     def _copy(self, chunk: Mapping[str, Any], key: str, start: list[int], dest: torch.Tensor) -> None:
         """Copy the block of `chunk` at `start` (chunk coordinates) and of `dest`'s shape into `dest`."""
-        name, size, dtype = chunk["file"], chunk["size"], _dtype(chunk)
-        if name not in self._files:  # (fd, {key: (first byte, end byte)}), the header validated by safetensors first
-            path = self._dir / name
+        name, size = chunk["file"], chunk["size"]
+        if name not in self._files:  # safetensors checks the header's bounds, offsets and dtypes at the open
             try:
-                safe_open(path, framework="pt")  # bounds, offsets and dtypes checked before anything is read
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                self._files[name] = safe_open(self._dir / name, framework="pt")
             except (SafetensorError, OSError) as e:
-                raise CorruptCheckpointError(f"shard file {path} is not a readable safetensors file ({e}).") from e
-            n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
-            header = json.loads(os.pread(fd, n, 8))
-            self._files[name] = (fd, {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
-                                      for k, v in header.items() if k != "__metadata__"})
-        fd, tensors = self._files[name]
-        if key not in tensors:
+                raise CorruptCheckpointError(f"shard file {self._dir / name} is not a readable safetensors file "
+                                             f"({e}).") from e
+        if key not in (f := self._files[name]).keys():
             raise CorruptCheckpointError(f"{self._dir / name} lacks tensor {key!r} named by the manifest.")
-        begin, end = tensors[key]
-        if (end - begin) // dtype.itemsize < math.prod(size):
-            raise CorruptCheckpointError(f"{self._dir / name} holds {(end - begin) // dtype.itemsize} elements of "
-                                         f"{key!r}, fewer than the {math.prod(size)} its chunk names.")
-        direct = dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous()
-        if list(dest.shape[1:]) == size[1:]:  # whole rows of the chunk: one run of its bytes
-            into = dest if direct else torch.empty(dest.shape, dtype=dtype)
-            view = memoryview(into.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-            done, at = 0, begin + (start[0] if start else 0) * math.prod(size[1:]) * dtype.itemsize
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], at + done)
-                if n == 0:
-                    raise CorruptCheckpointError(f"{self._dir / name} is truncated inside tensor {key!r}.")
-                done += n
-        else:
-            direct = False
-            with safe_open(self._dir / name, framework="pt") as f:
-                into = f.get_slice(key)[tuple(slice(a, a + n) for a, n in zip(start, dest.shape))]
-        if not direct:
-            dest.copy_(into)
+        if (saved := f.get_slice(key)).get_shape() != size:
+            n, wanted = math.prod(saved.get_shape()), math.prod(size)
+            raise CorruptCheckpointError(f"{self._dir / name} holds {n} elements of {key!r}, "
+                                         f"{'fewer than' if n < wanted else 'not'} the {wanted} its chunk names.")
+        dest.copy_(saved[tuple(slice(a, a + n) for a, n in zip(start, dest.shape))])
