@@ -257,20 +257,17 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
 
     fig, axes = plt.subplots(3, 1, figsize=(13, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.3]})
     ax_loss, ax_grad, ax_risk = axes
     top = ax_loss.get_xaxis_transform()  # x in steps, y in axes fraction
     saves: list[tuple[str, int]] = []
-    kinds: list[str] = []
     rollbacks = resumes = 0
     for i, seg in enumerate(read_step_log(root, task_id)):
         rows, head = [r for r in seg if "step" in r], seg[0]
         steps = [r["step"] for r in rows]
         kind = "run" if i == 0 else "rollback" if head.get("rollback_to") is not None else "resume"
         colour, style, label = SEGMENT_STYLES[kind]
-        kinds.append(kind)
         for ax, key, kw in ((ax_loss, "loss", {"lw": 1.4, "label": label}), (ax_grad, "grad_norm", {"lw": 1.2}),
                             (ax_risk, "risk", {"lw": 1.2, "gid": "risk"}),
                             (ax_risk, "beta", {"lw": 0.8, "alpha": 0.45, "gid": "beta"})):
@@ -291,7 +288,7 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
             # the lower panels shade the steps that were undone.
             lane = 0.86 - 0.08 * rollbacks
             ax_loss.axvspan(start, end, ymin=lane, ymax=lane + 0.06, color=ROLLBACK_COLOUR, alpha=0.35, lw=0,
-                            gid="rollback-band")
+                            gid="rollback-band", label="rollback: restore point .. step it was confirmed at")
             ax_loss.annotate(f"rollback {rollbacks + 1}: {end} -> {start}", (end, lane + 0.03), xycoords=top,
                              xytext=(4, 0), textcoords="offset points", va="center", fontsize=8, color="darkred",
                              gid="rollback-label")
@@ -309,21 +306,14 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
     listed = {step for _, step in saves}
     saves += [(_kind({"reason": i.reason}), i.step) for i in sorted(infos, key=lambda c: c.step)
               if i.step not in listed]
-    styles = {k: SAVE_STYLES.get(k, SAVE_STYLES["interval"]) for k, _ in saves}
     for kind, step in saves:
-        colour, marker = styles[kind]
+        colour, marker = SAVE_STYLES.get(kind, SAVE_STYLES["interval"])
         for ax, alpha in ((ax_loss, 0.45), (ax_risk, 0.3)):
             ax.axvline(step, color=colour, alpha=alpha, lw=1.1, ls=":" if kind == "capture" else "-", zorder=1)
         # The markers sit in a strip along the top, above the bands, so none hides behind a band's edge.
         ax_loss.plot([step], [0.96], marker=marker, color=colour, markersize=11 if kind == "capture" else 7,
                      markeredgecolor="black", markeredgewidth=0.5, ls="", transform=top, clip_on=False, zorder=6,
-                     gid=f"save:{kind}")
-    handles = [Line2D([], [], color=c, ls=s, label=lbl) for k, (c, s, lbl) in SEGMENT_STYLES.items() if k in kinds]
-    handles += [Line2D([], [], color=c, ls="", markeredgecolor="black", marker=m, markeredgewidth=0.5,
-                       label=f"save: {k}") for k, (c, m) in styles.items()]
-    if rollbacks:
-        handles.append(Line2D([], [], color=ROLLBACK_COLOUR, alpha=0.35, lw=6,
-                              label="rollback: restore point .. step it was confirmed at"))
+                     gid=f"save:{kind}", label=f"save: {kind}")
     if risk_threshold is not None:
         ax_risk.axhline(risk_threshold, color="grey", ls=":", lw=1)
     ax_loss.set(ylabel="loss (step, log scale)", yscale="log")
@@ -335,7 +325,9 @@ def timeline_figure(root: str | os.PathLike[str], *, task_id: str = DEFAULT_TASK
     ax_grad.set(ylabel="grad norm (pre-clip)", yscale="log")
     ax_risk.set(ylabel="risk: beta (thin),\nsmoothed", ylim=(-0.05, 1.05), xlabel="optimizer step")
     # Outside the panel: inside, it would cover whichever steps the run's curves happen to reach there.
-    ax_loss.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    legend = {label: h for h, label in zip(*ax_loss.get_legend_handles_labels())}  # one entry per label
+    ax_loss.legend(legend.values(), legend.keys(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                   borderaxespad=0.0)
     fig.suptitle(title or f"{Path(root).name}/{task_id}: loss, gradient norm, risk and checkpoints")
     fig.tight_layout()
     return fig
