@@ -1,8 +1,7 @@
 """One writer per task: a POSIX record lock (`fcntl.lockf`, not `flock`, which a forked child keeps) on
-``<task>/.writer.lock`` and a holder record in it; who is refused, waited for or taken over is docs/reliability.md,
-section 4. A held lock whose holder is proven gone is replaced by a new locked file renamed over it, never broken.
-Closing any descriptor of the file drops the lock and locking twice succeeds: hence one registry per process (`_HELD`).
-"""
+``<task>/.writer.lock`` holding a holder record (docs/reliability.md, section 4). A held lock of a holder proven gone is
+replaced by a new locked file renamed over it. Closing any descriptor of the file drops the lock, and locking twice
+succeeds: hence one registry per process (`_HELD`)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def _proc(path: str, read: Callable[[str], str] = lambda p: Path(p).read_text().
     return None
 
 
-def _start(pid: int) -> str | None:
-    """The kernel's start time of `pid`: tells a reused pid from the original."""
+def _start(pid: int) -> str | None:  # the kernel's start time of `pid`: tells a reused pid from the original
     text = _proc(f"/proc/{pid}/stat") or ""
     return text.rsplit(")", 1)[1].split()[19] if ")" in text else None
 
@@ -79,7 +77,7 @@ def describe(holder: dict[str, Any] | None) -> str:
 
 
 def _record(f: BinaryIO, new: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Write `new` as the file's record, or read it (`None` when there is none)."""
+    """Write `new` as the file's record, or read it (`None`: none)."""
     if new is not None:
         os.pwrite(f.fileno(), data := json.dumps(new, sort_keys=True).encode(), 0)
         os.ftruncate(f.fileno(), len(data))
@@ -131,7 +129,7 @@ class WriterLock:
                     "start": _start(os.getpid())})
 
     def acquire(self, *, takeover: bool = False, what: str = "task", wait_s: float = 0.0) -> None:
-        """Take the lock, or raise `StoreLockedError` naming the holder and the fix (docs/reliability.md)."""
+        """Take the lock, or raise `StoreLockedError` naming the holder and the fix."""
         deadline, since, note = time.monotonic() + max(0.0, wait_s), 0.0, 0.0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while not self.held:
@@ -163,12 +161,10 @@ class WriterLock:
             if state is HolderState.GONE or takeover:  # a new locked file renamed over the held one
                 g, locked = _locked(tmp := self.path.with_name(f"{self.path.name}.tmp-{self.session}"))
                 try:
-                    if not locked or os.lstat(self.path).st_ino != inode:
+                    if locked and os.lstat(self.path).st_ino == inode:
+                        os.replace(tmp, self.path)
+                    if not locked or os.lstat(self.path).st_ino != os.fstat(g.fileno()).st_ino:  # a taker was first
                         raise StoreLockedError(f"{what}: another session is taking the writer lock over; retry.")
-                    os.replace(tmp, self.path)
-                    if os.lstat(self.path).st_ino != os.fstat(g.fileno()).st_ino:  # another taker renamed after us
-                        raise StoreLockedError(f"{what}: another session took the writer lock over at the same time; "
-                                               "retry.")
                 except BaseException:
                     g.close()
                     raise
@@ -199,7 +195,7 @@ class WriterLock:
             return True
 
     def release(self) -> None:
-        """Release the lock (idempotent); the record stays, marked released."""
+        """Release the lock (idempotent); the record stays, marked released (a courtesy: the close drops the lock)."""
         f, self._file = self._file, None
         with _HELD_LOCK:
             if f is None or _HELD.get(str(self.path), (None,))[0] is not f:
@@ -209,7 +205,7 @@ class WriterLock:
 
 
 def _released(f: BinaryIO) -> None:
-    with contextlib.suppress(OSError):  # the record is a courtesy; the lock goes with the close
+    with contextlib.suppress(OSError):
         _record(f, {**(_record(f) or {}), "released": time.time()})
     f.close()
 
