@@ -28,6 +28,7 @@ _SCHEMA = """CREATE TABLE checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, tas
     sig TEXT, UNIQUE (task_id, step)); CREATE INDEX idx_checkpoints_task_step ON checkpoints (task_id, step);"""
 _UPSERT = f"INSERT OR REPLACE INTO checkpoints VALUES (NULL{', ?' * 17})"  # a new id, then the columns (`_values`)
 _DELETE = "DELETE FROM checkpoints WHERE task_id=? AND step=?"
+_SET_STATUS = "UPDATE checkpoints SET status=? WHERE task_id=? AND step=?"
 
 
 def manifest_sig(directory: Path) -> str | None:
@@ -37,8 +38,7 @@ def manifest_sig(directory: Path) -> str | None:
 
 
 class Catalog:
-    """One connection to a store root's catalog (`path` `None`: in memory), shared by threads under a lock; `rebuilt`:
-    the file was unusable or of another schema and started afresh (its rows are to be rebuilt)."""
+    """One connection to a store's catalog (`path` `None`: in memory) shared by threads; `rebuilt`: started afresh."""
 
     def __init__(self, path: str | os.PathLike[str] | None, *, busy_timeout_ms: int = 30_000) -> None:
         self.path, self.busy_timeout_ms = Path(path) if path is not None else None, int(busy_timeout_ms)
@@ -60,8 +60,7 @@ class Catalog:
                                isolation_level=None)
         conn.row_factory = sqlite3.Row
         try:
-            # Two processes that open a new file at once: SQLite answers the journal-mode switch "locked" without
-            # calling the busy handler, so it is tried again within the same bound.
+            # Two processes opening a new file: the journal-mode switch answers "locked" without the busy handler.
             deadline = time.monotonic() + self.busy_timeout_ms / 1000
             while True:
                 try:
@@ -91,12 +90,10 @@ class Catalog:
     def _identity(self) -> tuple[int, int] | None:
         return (st.st_dev, st.st_ino) if self.path and (st := lstat(self.path)) else None
 
-    def replaced(self) -> bool:
-        """Whether the file was deleted or replaced since this connection opened it (the root was deleted)."""
+    def replaced(self) -> bool:  # the file was deleted or replaced since this connection opened it
         return self.path is not None and self._conn is not None and self._identity() != self._ident
 
-    def reopen(self) -> None:
-        """Connect again to the file at `path` (created empty if missing: its rows are then to be rebuilt)."""
+    def reopen(self) -> None:  # connect again to the file at `path` (created empty if missing: to be rebuilt)
         with self._lock:
             self._db().close()
             self._conn, self.rebuilt = self._connect(), True
@@ -112,10 +109,10 @@ class Catalog:
                 with contextlib.closing(sqlite3.connect(uri, uri=True)) as src:
                     if src.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
                         src.backup(cat._db())
-        except sqlite3.Error as e:
-            logger.debug("catalog %s not copied (%s); reading the manifests instead", path, e)
+        except sqlite3.Error as e:  # the manifests are read instead
+            logger.debug("catalog %s not copied (%s)", path, e)
             cat.close()
-            cat = cls(None)
+            return cls(None)
         return cat
 
     def _db(self) -> sqlite3.Connection:
@@ -139,7 +136,7 @@ class Catalog:
         self._write((_UPSERT, [_values(info, root)]))
 
     def set_status(self, task_id: str, step: int, status: str) -> None:
-        self._write(("UPDATE checkpoints SET status=? WHERE task_id=? AND step=?", [(status, task_id, step)]))
+        self._write((_SET_STATUS, [(status, task_id, step)]))
 
     def remove(self, task_id: str, step: int) -> None:
         self._write((_DELETE, [(task_id, step)]))
@@ -147,9 +144,9 @@ class Catalog:
     def sync(self, task_id: str, *, root: str | os.PathLike[str], committed: Mapping[int, Path],
              scan: Callable[[int, Path], CheckpointInfo | None], abandoned: Collection[tuple[int, float]],
              recheck_hidden: bool = False, drop_missing: bool = False) -> None:
-        """Make the rows of `task_id` agree with its directories (`committed`), reading a manifest (`scan`) only where a
-        row is stale or (`recheck_hidden`) a flag hides it; vanished ones become ``"missing"`` (`drop_missing`: go), a
-        ``"corrupt"`` finding stands while the save time is unchanged."""
+        """Make the rows of `task_id` agree with its directories (`committed`), reading a manifest (`scan`) where a row
+        is stale or (`recheck_hidden`) hidden; vanished ones become missing (`drop_missing`: go); corrupt stands while
+        the save time is unchanged."""
         rows, updates, present = {int(r["step"]): r for r in self.rows(task_id)}, [], set()
         for step, path in committed.items():
             if (row := rows.get(step)) is not None and row["sig"] == manifest_sig(path) and row["status"] != \
@@ -162,12 +159,12 @@ class Catalog:
                     info = dataclasses.replace(info, status=STATUS_CORRUPT)
                 if (values := _values(info, root)) != (row and tuple(row.values())[1:]):
                     updates.append(values)
-        drop = [(task_id, s) for s in rows if s not in present and drop_missing and s not in committed]
-        miss = [(task_id, s) for s, r in rows.items() if s not in present and (task_id, s) not in drop
-                and r["status"] != STATUS_MISSING]
+        gone = [s for s in rows if s not in present]
+        drop = [(task_id, s) for s in gone if drop_missing and s not in committed]
+        miss = [(STATUS_MISSING, task_id, s) for s in gone if (task_id, s) not in drop
+                and rows[s]["status"] != STATUS_MISSING]
         if updates or drop or miss:
-            self._write((_UPSERT, updates), (_DELETE, drop),
-                        (f"UPDATE checkpoints SET status='{STATUS_MISSING}' WHERE task_id=? AND step=?", miss))
+            self._write((_UPSERT, updates), (_DELETE, drop), (_SET_STATUS, miss))
 
     def rebuild(self, infos: Iterable[CheckpointInfo], *, root: str | os.PathLike[str],
                 task_id: str | None = None) -> int:
@@ -179,8 +176,8 @@ class Catalog:
     def rows(self, task_id: str | None = None) -> list[dict[str, Any]]:
         """Every row (of one task, or all) as a dict, newest step first."""
         with self._lock:
-            return [dict(r) for r in self._db().execute("SELECT * FROM checkpoints" + " WHERE task_id=?" * (
-                task_id is not None) + " ORDER BY task_id, step DESC", (task_id,) if task_id is not None else ())]
+            return [dict(r) for r in self._db().execute(
+                "SELECT * FROM checkpoints WHERE ?1 IS NULL OR task_id=?1 ORDER BY task_id, step DESC", (task_id,))]
 
     @staticmethod
     def to_info(row: Mapping[str, Any], *, root: str | os.PathLike[str], abandoned: bool) -> CheckpointInfo:

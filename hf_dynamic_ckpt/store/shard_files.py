@@ -123,7 +123,7 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
 
     def __init__(self, directory: Path, table: Mapping[str, Any]) -> None:
         self._dir = Path(directory)
-        self._files: dict[str, Any] = {}  # open safetensors files by name
+        self._files: dict[str, tuple[Any, set[str]]] = {}  # name: (open safetensors file, its keys)
         self._chunks: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for parts in table["ranks"].values():
             for part in PARTS:
@@ -131,7 +131,7 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
                     self._chunks.setdefault((part, key), []).append(chunk)
 
     def __exit__(self, *exc: object) -> None:
-        for f in self._files.values():
+        for f, _ in self._files.values():
             f.__exit__(None, None, None)
         self._files.clear()
 
@@ -167,13 +167,14 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
         name, size = chunk["file"], chunk["size"]
         if name not in self._files:  # safetensors checks the header's bounds, offsets and dtypes at the open
             try:
-                self._files[name] = safe_open(self._dir / name, framework="pt")
+                f = safe_open(self._dir / name, framework="pt")
+                self._files[name] = (f, set(f.keys()))
             except (SafetensorError, OSError) as e:
                 raise CorruptCheckpointError(f"shard file {self._dir / name} is not a readable safetensors file "
                                              f"({e}).") from e
-        if key not in (f := self._files[name]).keys():
+        if key not in (files := self._files[name])[1]:
             raise CorruptCheckpointError(f"{self._dir / name} lacks tensor {key!r} named by the manifest.")
-        if (saved := f.get_slice(key)).get_shape() != size:
+        if (saved := files[0].get_slice(key)).get_shape() != size:
             n, wanted = math.prod(saved.get_shape()), math.prod(size)
             raise CorruptCheckpointError(f"{self._dir / name} holds {n} elements of {key!r}, "
                                          f"{'fewer than' if n < wanted else 'not'} the {wanted} its chunk names.")
