@@ -1,10 +1,7 @@
 """`hf-dynamic-ckpt` (or `python -m hf_dynamic_ckpt.cli`): inspect, check, manage and export a store (``--help``).
-
-ROOT: the store directory, the training ``output_dir`` or a URL (fsspec options: `OPTIONS_ENV`). Exit codes: 0 success,
-1 problems found (`verify`), 2 bad usage, a path that holds no store, or a reference that names nothing. Commands
-that only look write nothing (`verify` records the statuses that changed in the catalog, best effort); `pin`,
-`unpin`, `rm` and `gc` take the task's writer lock: they refuse to run beside a training run.
-"""
+Exit codes: 0 success, 1 problems found (`verify`), 2 bad usage, no store, or a reference that names nothing. Commands
+that only look write nothing (`verify` records changed statuses in the catalog); `pin`, `unpin`, `rm` and `gc` take
+the task's writer lock: they refuse to run beside a training run."""
 
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
 """JSON object of fsspec storage options for a URL ROOT (e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``)."""
 
 
-# -- finding and opening the store ------------------------------------------------------------------------------------
 def _options() -> dict[str, Any]:
     with contextlib.suppress(ValueError):
         if isinstance(value := json.loads(os.environ.get(OPTIONS_ENV) or "{}"), dict):
@@ -42,8 +38,7 @@ def _options() -> dict[str, Any]:
 
 
 def _where(args: argparse.Namespace, *, one: bool = False) -> tuple[Path | str, list[str]]:
-    """ROOT's store directory (`find_root`) or URL, and its tasks: the one asked for, else every one (folders
-    holding checkpoints; a URL's prefixes), or with `one` the only one."""
+    """ROOT's store directory or URL, and its tasks: the one asked for, else every one (with `one`: the only one)."""
     root = args.root if "://" in args.root else find_root(args.root)
     if getattr(args, "task", None) is not None:
         return root, [args.task]
@@ -62,9 +57,8 @@ def _where(args: argparse.Namespace, *, one: bool = False) -> tuple[Path | str, 
 
 
 def _open(args: argparse.Namespace, root: Path | str, task: str, mode: str = "read") -> CheckpointStore:
-    """The task's store: ``read`` writes nothing, ``write`` takes the writer lock (of a local store: refused at once
-    while another process holds it, the error names the holder), ``gc`` lets `gc` take it, ``reindex`` rebuilds the
-    catalog (of a URL: the training cache of this machine; the others read a URL into a temporary cache)."""
+    """The task's store: ``read`` writes nothing, ``write`` takes the writer lock at once or fails, ``gc`` lets `gc`
+    take it, ``reindex`` rebuilds the catalog (a URL's: this machine's cache; the others use a temporary one)."""
     if isinstance(root, str):
         args.cache = args.cache or (None if mode == "reindex" else tempfile.mkdtemp(prefix="hf-dynamic-ckpt-"))
     elif mode in ("write", "gc") and not (root / task).is_dir():
@@ -85,7 +79,6 @@ def _slot_steps(store: CheckpointStore, root: Path | str) -> list[int]:
     return []
 
 
-# -- printing ---------------------------------------------------------------------------------------------------------
 def _fmt(v: Any) -> str:
     """A value as the commands print it: floats to 4 significant digits, booleans as yes / no, `None` as ``-``."""
     if isinstance(v, bool) or v is None:
@@ -113,7 +106,6 @@ def _status(i: CheckpointInfo) -> str:
     return "abandoned" if i.abandoned and i.status == "ok" else i.status
 
 
-# -- commands that only look ------------------------------------------------------------------------------------------
 def _ls(args: argparse.Namespace) -> int:
     root, tasks = _where(args)
     infos: list[CheckpointInfo] = []
@@ -260,7 +252,6 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- commands that change the store, and export -----------------------------------------------------------------------
 def _pin(args: argparse.Namespace) -> int:
     root, (task,) = _where(args, one=True)
     with _open(args, root, task, "write") as store:
@@ -318,7 +309,6 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- the parser -------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The `hf-dynamic-ckpt` argument parser: a sub-command per command, its function in the `func` default."""
     def shared(*flags: str, **kwargs: Any) -> argparse.ArgumentParser:  # a parent parser of one argument

@@ -1,9 +1,6 @@
-"""Getting a model out of a checkpoint: `describe_model`, `load_checkpoint`, `export_checkpoint` (docs/trainer.md).
-
-Reading writes nothing in the store. An export is written beside `out`, `EXPORT_MARKER` last, and renamed into place;
-``overwrite=True`` replaces only an empty folder or a previous export holding nothing else (never the store, a folder
-holding it, the current directory or a folder holding that), once the new one is in place: a failed export leaves it.
-"""
+"""Getting a model out of a checkpoint: `describe_model`, `load_checkpoint`, `export_checkpoint` (docs/trainer.md,
+"Notes"). Reading writes nothing in the store; an export is written beside `out`, `EXPORT_MARKER` last, and renamed
+into place; a failed one leaves a previous export as it was."""
 
 from __future__ import annotations
 
@@ -31,11 +28,10 @@ logger = logging.getLogger(__name__)
 KEY_MODEL = "model"
 """Key of the model description (`describe_model`) in the manifest's `extra`."""
 EXPORT_MARKER = "hf_dynamic_ckpt_export.json"
-"""Written last into every export folder: ``export_version`` 1, store, task, step, format, ref, files (`overwrite`
-replaces only a folder holding this marker and the files it lists)."""
+"""Written last into every export: ``export_version`` 1, store, task, step, format, ref, files."""
 _RANK = {"auto": lambda i: (-i.step,), "best": lambda i: (float("inf") if i.loss is None else i.loss, -i.step),
          "fastest": lambda i: (float("inf") if i.recovery_cost_ms is None else i.recovery_cost_ms, -i.step)}
-"""Where a named ref ranks a checkpoint, lowest first (the order of `CheckpointStore.resolve`)."""
+"""A named ref's order of the checkpoints, lowest first (as `CheckpointStore.resolve`'s)."""
 
 
 def _json_default(obj: Any) -> Any:
@@ -46,9 +42,8 @@ def _json_default(obj: Any) -> Any:
 
 
 def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[str, Any]:
-    """What rebuilding `model` (a transformers model, a PEFT model over one, or any module) needs, as JSON:
-    ``{"kind": "peft"|"transformers"|"module", "config", "adapters": {name: peft config}, "active_adapter",
-    "base_model", "revision", "dtype", "tokenizer"}`` (the `name_or_path` of `tokenizer`, a tokenizer or processor)."""
+    """What rebuilding `model` (transformers, PEFT over it, or any module) needs, as JSON: kind ("peft", "transformers",
+    "module"), config, adapters (their PEFT configs), active_adapter, base_model, revision, dtype, tokenizer."""
     peft: Any = model  # a PEFT model when it has adapters
     names = adapter_names(model)
     base: Any = peft.get_base_model() if names else model
@@ -64,7 +59,7 @@ def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[st
 
 
 def _open(root: str | os.PathLike[str], task_id: str | None) -> CheckpointStore:
-    """The store opened to read: nothing is created or changed (a URL root is read into the local cache only)."""
+    """The store opened to read (a URL's into the local cache only)."""
     url = "://" in os.fspath(root)
     return CheckpointStore(root if url else find_root(root), task_id=task_id or DEFAULT_TASK_ID, cleanup=False,
                            read_only=not url)
@@ -86,9 +81,8 @@ def _why_hidden(store: CheckpointStore, info: CheckpointInfo) -> str:
 
 def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier], *,
           log: bool = True) -> tuple[LoadedCheckpoint, list[str]]:
-    """`store.load(ref)` with a sharded checkpoint's weights gathered whole. A named ref moves past a checkpoint
-    that fails verification; each checkpoint it ranks before the chosen one gets a note (first in `warnings`, and
-    logged with `log`)."""
+    """`store.load(ref)`, a sharded checkpoint's weights gathered whole; a named ref moves past one that fails
+    verification, and each one it ranks before the chosen one gets a note (first in `warnings`; logged with `log`)."""
     rank = None if isinstance(ref, int) else _RANK.get(os.fspath(ref))
     failed: dict[int, str] = {}
     while True:
@@ -116,11 +110,9 @@ def _load(store: CheckpointStore, ref: str | int, tiers: Collection[Tier], *,
 
 def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, model: nn.Module | None = None,
                     task_id: str | None = None, tiers: Collection[Tier] = ALL_TIERS) -> LoadedCheckpoint:
-    """Read a checkpoint (verified; writes nothing) for a plain script; with `model`, put its weights into it (names
-    and shapes checked). `root`: the store directory, the training output_dir holding it, or a URL; `ref`: `auto`,
-    `best`, `fastest`, `step:N` or a path. Raises `CheckpointNotFoundError` (no store, or `ref` names no loadable
-    checkpoint), `ConfigError` (`root` is a file or a task / checkpoint folder; `model` and no weights) or
-    `CorruptCheckpointError` (`ref` names one checkpoint, `step:N` or a path, and it fails verification)."""
+    """Read a checkpoint, verified, writing nothing; with `model`, put its weights into it (names and shapes checked).
+    `root`: the store, the training output_dir holding it, or a URL; `ref`: auto, best, fastest, step:N or a path.
+    Raises `CheckpointNotFoundError`, `ConfigError` or `CorruptCheckpointError` (`ref` names one that fails)."""
     with _open(root, task_id) as store:
         loaded = _load(store, ref, tiers)[0]
     if model is not None:
@@ -133,19 +125,17 @@ def load_checkpoint(root: str | os.PathLike[str], ref: str | int = "auto", *, mo
 def export_checkpoint(root: str | os.PathLike[str], ref: str | int, out: str | os.PathLike[str], *,
                       format: str = "peft", base: str | os.PathLike[str] | None = None,
                       task_id: str | None = None, overwrite: bool = False) -> Path:
-    """Write a checkpoint as a folder that PEFT / transformers load; returns `out`. `format`: ``peft`` (PEFT's adapter
-    folder), ``hf`` (transformers' ``save_pretrained`` of the full model) or ``merged`` (the base weights, `base`,
-    default the recorded name, with the active adapter merged by PEFT's ``merge_and_unload``). Raises `ConfigError`
-    (a format unknown or unfit, an `out` that exists without `overwrite` or may not be replaced, no recorded model
-    description) or `CheckpointNotFoundError` (no store, or `ref` names no loadable checkpoint)."""
+    """Write a checkpoint as a folder that PEFT / transformers load; returns `out`. `format`: ``peft`` (the adapters),
+    ``hf`` (the full model) or ``merged`` (`base`, default the recorded base model, with the active adapter merged).
+    `overwrite` replaces only an empty folder or a previous export holding nothing else. Raises `ConfigError` or
+    `CheckpointNotFoundError`."""
     return export_step(root, ref, out, format=format, base=base, task_id=task_id, overwrite=overwrite, log=True)[0]
 
 
 def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.PathLike[str], *, format: str = "peft",
                 base: str | os.PathLike[str] | None = None, task_id: str | None = None, overwrite: bool = False,
                 log: bool = False) -> tuple[Path, int, list[str]]:
-    """`export_checkpoint` returning `out`, the step and a ``skipped step N: why`` line per checkpoint `ref` ranked
-    first but passed over, logged with `log` (the command line prints them)."""
+    """`export_checkpoint`, returning also the step and a ``skipped step N: why`` line per checkpoint passed over."""
     if format not in _WRITERS:
         raise ConfigError(f"format={format!r} is invalid: expected one of {', '.join(_WRITERS)}.")
     target = Path(out)
@@ -178,9 +168,8 @@ def export_step(root: str | os.PathLike[str], ref: str | int, out: str | os.Path
     return target, step, skipped
 
 
-# -- the export folder: checked before anything is read, written aside, renamed into place ---------------------------
 def _not_an_export(folder: Path) -> str | None:
-    """Why `folder` is not a previous export holding only what its marker lists (None: it is one)."""
+    """Why `folder` is not a previous export holding only what its marker lists (`None`: it is)."""
     def some(names: list[str]) -> str:
         return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
@@ -198,7 +187,7 @@ def _not_an_export(folder: Path) -> str | None:
 
 
 def _check_target(target: Path, *, overwrite: bool, store_root: Path | None) -> bool:
-    """Refuse an `out` that an export must not write or replace; returns whether `out` exists and is replaced."""
+    """Refuse an `out` an export must not write or replace; returns whether `out` is replaced."""
     if target.is_symlink():
         raise ConfigError(f"out={os.fspath(target)!r} is a symbolic link; an export never writes through links: pass "
                           "the real folder, or a new one.")
@@ -235,8 +224,7 @@ def _fsync(path: Path) -> None:
 
 
 def _write_marker(folder: Path, record: dict[str, Any]) -> None:
-    """Fsync what the export wrote, then write `EXPORT_MARKER`, listing it, last. The test hook's ``export`` point
-    (`errors.fault`) fires before each file is synced (`name`) and before the marker."""
+    """Fsync what the export wrote, then write `EXPORT_MARKER` listing it (`errors.fault` ``export`` before each)."""
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     for name in [*files, EXPORT_MARKER]:
         fault("export", name=name)
@@ -248,8 +236,8 @@ def _write_marker(folder: Path, record: dict[str, Any]) -> None:
 
 
 def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
-    """Rename the complete export `tmp` to `target`; a previous export there is moved aside first and removed only
-    once the new one is in place (put back if the rename fails, kept if something wrote into it meanwhile)."""
+    """Rename `tmp` to `target`; a previous export there is moved aside, then removed (put back if the rename fails,
+    kept if something wrote into it meanwhile)."""
     old = target.parent / f".{target.name}.export-old-{secrets.token_hex(4)}"
     if replaces and any(target.iterdir()):  # onto nothing or an empty folder, a POSIX rename replaces it
         os.rename(target, old)
@@ -266,10 +254,8 @@ def _move_into_place(tmp: Path, target: Path, *, replaces: bool) -> None:
         shutil.rmtree(old)
 
 
-# -- the formats: each writes the checkpoint into a folder ------------------------------------------------------------
 def _adapters(loaded: LoadedCheckpoint, desc: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
-    """`{adapter: {PEFT key: tensor}}`. A sharded save names the weights as the model's parameters
-    (``...lora_A.<adapter>.weight``); PEFT's keys leave the adapter out (``...lora_A.weight``)."""
+    """`{adapter: {PEFT key: tensor}}` (a sharded save's keys, the parameters' names, hold the adapter's)."""
     names, weights = list(desc["adapters"]), loaded.weights or {}
     if KEY_SHARDED not in loaded.extra:
         return split_adapters(weights, names)
@@ -281,15 +267,13 @@ def _adapters(loaded: LoadedCheckpoint, desc: dict[str, Any]) -> dict[str, dict[
 
 
 def _peft_config(desc: dict[str, Any], name: str, **kw: Any) -> Any:
-    """The recorded config of adapter `name` as PEFT's own config object, with the fields `kw`."""
     from peft import PeftConfig
 
     return PeftConfig.from_peft_type(**{k: v for k, v in desc["adapters"][name].items() if k != "auto_mapping"} | kw)
 
 
 def _write_peft(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path, base: Any) -> None:
-    """PEFT's folder: the active adapter (or the only one) at the top, every other in a sub-folder of its name, each
-    the checkpoint's PEFT state dict as it is beside its config as PEFT writes it, for inference."""
+    """PEFT's folder, as `save_pretrained` writes it: the active (or only) adapter at the top, others in sub-folders."""
     from safetensors.torch import save_file
 
     adapters = _adapters(loaded, desc)
@@ -301,8 +285,7 @@ def _write_peft(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path, ba
 
 
 def _write_hf(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path, base: Any) -> None:
-    """transformers' own `save_pretrained` of the model the recorded config describes, built on the meta device and
-    given the checkpoint's tensors (tied weights, shards and the config files as transformers writes them)."""
+    """transformers' `save_pretrained` of the recorded config's model, built on the meta device, given the tensors."""
     import transformers
 
     step, fix = loaded.info.step, "use load_checkpoint(root, ref, model=model) in a script instead."
@@ -326,7 +309,6 @@ def _write_hf(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path, base
 
 def _write_merged(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path,
                   base: str | os.PathLike[str] | None) -> None:
-    """The base model with the active adapter merged in, by PEFT (`merge_and_unload`) and transformers."""
     from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -341,4 +323,3 @@ def _write_merged(loaded: LoadedCheckpoint, desc: dict[str, Any], folder: Path,
 
 
 _WRITERS = {"peft": _write_peft, "hf": _write_hf, "merged": _write_merged}
-"""The formats, each its writer (`export_checkpoint`)."""
