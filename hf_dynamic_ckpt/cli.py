@@ -24,6 +24,7 @@ from .constants import BLOBS_DIR, CATALOG_NAME, DEFAULT_TASK_ID, KEY_FILES, VERS
 from .errors import CheckpointNotFoundError, ConfigError, DynamicCkptError
 from .run.record import human_size, plot_timeline, read_rollbacks
 from .store import CheckpointInfo, CheckpointStore, find_root, task_dirs
+from .store.catalog import Catalog
 
 OPTIONS_ENV = "HF_DYNAMIC_CKPT_STORAGE_OPTIONS"
 """JSON object of fsspec storage options for a URL ROOT (e.g. ``{"endpoint_url": "http://127.0.0.1:9000"}``)."""
@@ -190,7 +191,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.ref is not None and args.all:
         raise ConfigError("give either REF or --all, not both.")
     root, tasks = _where(args, one=args.ref is not None)
-    changed: dict[str, list[int]] = {}
+    changed: dict[tuple[str, int], str] = {}  # the statuses verify found otherwise than the catalog
     bad = gone = 0
     with contextlib.ExitStack() as stack:
         targets = []
@@ -218,16 +219,14 @@ def _verify(args: argparse.Namespace) -> int:
                 gone += 1
                 print(f"GONE {label} (deleted while verifying, e.g. by retention; not a problem)")
                 continue
-            if ("corrupt" if problems else "ok") != info.status:
-                changed.setdefault(info.task_id, []).append(info.step)
+            if (status := "corrupt" if problems else "ok") != info.status:
+                changed[info.task_id, info.step] = status
             bad += bool(problems)
             print(f"FAIL {label}" if problems else f"OK   {label}", *(f"  - {p}" for p in problems), sep="\n")
-    if isinstance(root, Path) and (root / CATALOG_NAME).is_file():
-        for task, steps in changed.items():  # a later `ls` shows what verify found; the manifests stay the truth
-            with contextlib.suppress(DynamicCkptError, OSError, sqlite3.Error), \
-                    CheckpointStore(root, task_id=task, cleanup=False) as store:
-                for step in steps:  # a writable store records what its verify finds in the catalog file
-                    store.verify(f"step:{step}")
+    if changed and isinstance(root, Path) and (root / CATALOG_NAME).is_file():  # a later `ls` shows them
+        with contextlib.suppress(OSError, sqlite3.Error), contextlib.closing(Catalog(root / CATALOG_NAME)) as catalog:
+            for (task, step), status in changed.items():
+                catalog.set_status(task, step, status)
     checked = len(targets) - gone
     print(f"{checked - bad} of {checked} checkpoint(s) intact" + (f", {bad} with problems" if bad else "")
           + (f"; {gone} deleted during the scan" if gone else ""))
