@@ -109,8 +109,7 @@ class Catalog:
                 with contextlib.closing(sqlite3.connect(uri, uri=True)) as src:
                     if src.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
                         src.backup(cat._db())
-        except sqlite3.Error as e:  # the manifests are read instead
-            logger.debug("catalog %s not copied (%s)", path, e)
+        except sqlite3.Error:  # the manifests are read instead
             cat.close()
             return cls(None)
         return cat
@@ -125,8 +124,7 @@ class Catalog:
             conn, self._conn = self._conn, None
             conn.close() if conn is not None else None
 
-    def _write(self, *work: tuple[str, Iterable[Sequence[Any]]]) -> None:
-        """`executemany` of each ``(sql, rows)`` pair, in one transaction (COMMIT, or ROLLBACK on an exception)."""
+    def _write(self, *work: tuple[str, Iterable[Sequence[Any]]]) -> None:  # executemany each, in one transaction
         with self._lock, (db := self._db()):
             db.execute("BEGIN IMMEDIATE")
             for sql, rows in work:
@@ -173,15 +171,13 @@ class Catalog:
         self._write(("DELETE FROM checkpoints WHERE ?1 IS NULL OR task_id=?1", [(task_id,)]), (_UPSERT, rows))
         return len(rows)
 
-    def rows(self, task_id: str | None = None) -> list[dict[str, Any]]:
-        """Every row (of one task, or all) as a dict, newest step first."""
+    def rows(self, task_id: str | None = None) -> list[dict[str, Any]]:  # of one task or all, newest step first
         with self._lock:
             return [dict(r) for r in self._db().execute(
                 "SELECT * FROM checkpoints WHERE ?1 IS NULL OR task_id=?1 ORDER BY task_id, step DESC", (task_id,))]
 
     @staticmethod
     def to_info(row: Mapping[str, Any], *, root: str | os.PathLike[str], abandoned: bool) -> CheckpointInfo:
-        """A row as a `CheckpointInfo`, its path derived from task and step."""
         try:
             details = loads_bounded(row["details"] or "{}")
             lineage = Lineage.from_dict(details["lineage"]) if details.get("lineage") else None
