@@ -60,10 +60,8 @@ class PreemptionFlag:
     def uninstall(self) -> None:
         """Put the previous handlers back where ours is still the active one (idempotent)."""
         for sig, previous in self._previous.items():
-            if signal.getsignal(sig) == self._handler:
+            if signal.getsignal(sig) == self._handler:  # else another handler replaced ours: it stays
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-            else:
-                logger.debug("handler of %s was replaced after install; leaving it", sig.name)
         self._previous = {}
 
 
