@@ -167,6 +167,8 @@ class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
         name, size = chunk["file"], chunk["size"]
         if name not in self._files:  # safetensors checks the header's bounds, offsets and dtypes at the open
             try:
+                if (self._dir / name).is_symlink():  # the store never reads through links
+                    raise OSError("a symbolic link")
                 f = safe_open(self._dir / name, framework="pt")
                 self._files[name] = (f, set(f.keys()))
             except (SafetensorError, OSError) as e:
