@@ -332,34 +332,48 @@ class ZeroState:
             read, base = reader.read_into, self.zero.optimizer  # type: Callable[..., None], Any
             moments = {key.rsplit(".", 1)[1] for key in reader.keys(OPTIMIZER)} - {MASTER}
             # The state a fresh run has not made yet (torch optimizers make it at their first step): the saved
-            # moments, zero where no fragment is read into them (the last rank's padding), and the step count; none
-            # when none was saved (as it was before the first update).
+            # moments, uninitialised, and the step count; none when none was saved (as it was before the first update).
+            created: dict[int, list[torch.Tensor]] = {}
             for fi, flat in enumerate(self.flat_groups() if optimizer is not None else []):
                 if not moments:
                     base.state.pop(flat, None)
                     continue
                 state = base.state[flat]
                 for key in moments - set(state):
-                    state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+                    state[key] = torch.empty_like(flat, memory_format=torch.preserve_format)
+                    created.setdefault(fi, []).append(state[key])
                 if "step" not in state:
                     group = self._group(fi)
                     on_device = bool(group.get("fused") or group.get("capturable"))  # torch Adam's placement of it
                     state["step"] = torch.zeros((), dtype=torch.float32, device=flat.device if on_device else "cpu")
             params = dict(self.model.named_parameters())
+            covered: dict[int, list[tuple[int, int]]] = {}
             if self.stage == 3:  # as DeepSpeed's own load: no parameter gathered while its partition is written
                 self.zero.checkpoint_event_prologue()
-            with torch.no_grad():
-                for name, live in self._whole_weights().items():
-                    read(WEIGHTS, name, live)
-                for f in self.fragments():
-                    if f.weight is not None:
-                        read(WEIGHTS, f.name, f.weight, [f.start])
-                    if optimizer is None:
-                        f.master.copy_(f.weight if f.weight is not None else
-                                       params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel))
-                        continue
-                    for key, live in {MASTER: f.master, **f.states}.items():
-                        read(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=key), live, [f.start])
+            try:
+                with torch.no_grad():
+                    for name, live in self._whole_weights().items():
+                        read(WEIGHTS, name, live)
+                    for f in self.fragments():
+                        if f.weight is not None:
+                            read(WEIGHTS, f.name, f.weight, [f.start])
+                        if optimizer is None:
+                            f.master.copy_(f.weight if f.weight is not None else
+                                           params[f.name].detach().reshape(-1).narrow(0, f.start, f.numel))
+                            continue
+                        for key, live in {MASTER: f.master, **f.states}.items():
+                            read(OPTIMIZER, SHARD_OPTIMIZER_KEY.format(fqn=f.name, name=key), live, [f.start])
+                        covered.setdefault(f.flat, []).append((f.at, f.at + f.numel))
+            except BaseException:
+                for t in (t for made in created.values() for t in made):  # no uninitialised moments behind a failure
+                    t.zero_()
+                raise
+        for fi, made in created.items():  # what no fragment covers (the last rank's padding) is zero
+            at = 0
+            for lo, hi in [*sorted(covered.get(fi, [])), (made[0].numel(), made[0].numel())]:
+                for t in made:
+                    t.narrow(0, at, max(0, lo - at)).zero_()
+                at = max(at, hi)
         if self.stage == 3:  # the persistent (small, never released) parameters gathered again from the partitions
             self.zero.checkpoint_event_epilogue()
         if optimizer is not None:
