@@ -47,17 +47,7 @@ from ..jsonutil import json_safe, loads_bounded
 from . import manifest as mf
 from .catalog import Catalog
 from .lock import DEFAULT_WAIT_S, WriterLock
-from .manifest import (
-    CheckpointInfo,
-    CheckpointState,
-    GcReport,
-    Lineage,
-    LoadedCheckpoint,
-    SaveRequest,
-    is_kind,
-    is_sharded,
-    is_url,
-)
+from .manifest import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, SaveRequest, is_kind
 from .optpack import flatten_state, read_tensors, unflatten_state, write_tensors
 from .remote import Remote, split_root
 from .shard_files import placeholders, sharded_table, write_shards
@@ -107,16 +97,16 @@ class _Disk:
         self.root = Path(os.path.realpath(root))
 
     def contained(self, path: str | os.PathLike[str], op: str = "", *, link_ok: bool = False) -> Path:
-        path, parent = Path(path), os.path.realpath(Path(path).parent)
-        if path.name in ("", ".", "..") or (parent != str(self.root) and not parent.startswith(f"{self.root}{os.sep}")):
-            raise UnsafePathError(f"{path} resolves to {parent}{os.sep}{path.name}, outside the store root "
-                                  f"{self.root}; refused (a symbolic link or a '..' in a name would make the store "
-                                  "touch files that are not its own).")
-        if not link_ok and is_kind(real := Path(parent) / path.name, "link"):
-            raise UnsafePathError(f"{real} is a symbolic link; the store never changes anything through links.")
-        if op:
-            fault("fs", op=op, path=str(Path(parent) / path.name))
-        return Path(parent) / path.name
+        path, parent = Path(path), Path(os.path.realpath(Path(path).parent))
+        if path.name in ("", ".", "..") or not parent.is_relative_to(self.root):
+            raise UnsafePathError(f"{path} resolves to {parent / path.name}, outside the store root {self.root}; "
+                                  "refused (a symbolic link or a '..' in a name would make the store touch files that "
+                                  "are not its own).")
+        if not link_ok and is_kind(parent / path.name, "link"):
+            raise UnsafePathError(f"{parent / path.name} is a symbolic link; the store never changes anything through "
+                                  "links.")
+        fault("fs", op=op, path=str(parent / path.name)) if op else None
+        return parent / path.name
 
     def mkdir(self, path: Path) -> None:
         with contextlib.suppress(FileExistsError):
@@ -157,11 +147,9 @@ class _Disk:
             with self.create(path) as f:
                 f.write(data)
             self.fsync(path)
-            if atomic:
-                self.rename(path, target, replace=True, sync=True)
+            self.rename(path, target, replace=True, sync=True) if atomic else None
         finally:
-            if atomic:
-                self.remove(path)
+            self.remove(path) if atomic else None
 
 
 def _safetensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -225,10 +213,10 @@ class CheckpointStore:
                  lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, retries: int = 5, backoff_s: float = 0.5,
                  last_commits: bool = False) -> None:
-        if not is_url(root) and storage_options:
+        if not mf.is_url(root) and storage_options:
             raise ConfigError(f"storage_options are for URL roots (s3://...); root={root!r} is a local directory.")
         local, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
-                                   retries=retries, backoff_s=backoff_s) if is_url(root) else (root, None)
+                                   retries=retries, backoff_s=backoff_s) if mf.is_url(root) else (root, None)
         if session_id is None and world_size > 1:
             raise ConfigError("session_id=None is invalid with world_size > 1: every rank must use the same id; "
                               "create one on rank 0 and broadcast it (distributed.broadcast_object).")
@@ -553,11 +541,15 @@ class CheckpointStore:
         return (self.task_dir if self._owns(directory) is not None else directory.parent) / C.BLOBS_DIR / \
             f"{digest}.safetensors"
 
-    def _problems(self, directory: Path, manifest: Mapping[str, Any], names: Iterable[str], *,
-                  hashed: Collection[str] = (), blobs: bool = False) -> builtins.list[str]:
+    def _problems(self, directory: Path, manifest: Mapping[str, Any], names: Iterable[str], *, tiers: Collection[Tier]
+                  = (), hashed: Collection[str] = (), blobs: bool = False) -> builtins.list[str]:
         """What is wrong with the listed files: missing, a link, size, checksum (with the entry's own algorithm;
-        `hashed`: checksummed as they are read, so size only here); `blobs`: also the blobs of an earlier version."""
-        problems = []
+        `hashed`: checksummed as they are read, so size only here); a tier of `tiers` whose file is not listed;
+        `blobs`: also the blobs of an earlier version."""
+        needs = {Tier.WEIGHTS: "weights-rank<R>.safetensors" if mf.is_sharded(manifest) else C.WEIGHTS_NAME,
+                 Tier.OPTIMIZER: C.OPTIMIZER_META_NAME}
+        problems = [f"tier {t.value} is recorded but {n} is not listed" for t, n in needs.items() if t in tiers
+                    and not any(f.startswith(n.split("<")[0]) for f in manifest[C.KEY_FILES])]
         for name in names:
             entry, path = manifest[C.KEY_FILES][name], directory / name
             where = f"{name} (tier {entry.get(C.KEY_TIER)}" + (f", rank {entry[C.KEY_RANK]})" if
@@ -577,18 +569,16 @@ class CheckpointStore:
                                         "is corrupt")
                 except (ValueError, OSError) as e:
                     problems.append(f"{where}: " + ("file is missing" if isinstance(e, FileNotFoundError) else str(e)))
-        seen: set[str] = set()
-        for key, rec in sorted((manifest.get(C.KEY_BLOBS) or {}).items()) if blobs else ():
-            if (path := self._blob(directory, rec["digest"])).name in seen:
-                continue
-            seen.add(path.name)
+        paths = {self._blob(directory, rec["digest"]): key for key, rec in sorted(
+            (manifest.get(C.KEY_BLOBS) or {}).items(), reverse=True)} if blobs else {}
+        for path, key in sorted(paths.items(), key=lambda p: p[1]):  # one check per blob, named by its first weight
             try:
                 fault("read", name=path.name, step=manifest[C.KEY_STEP], op="check")
-                tensor = None if mf.lstat(path) is None else _safetensors(path, "Blob")[0].get("tensor")
-                digest = hashlib.sha256(f"{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)}\n".encode()
-                                        + bytes(mf.raw_view(tensor))).hexdigest() if tensor is not None else None
-                problem = f"blob {path} is missing" if mf.lstat(path) is None else "" if digest == rec["digest"] \
-                    else f"blob {path} content does not match its digest (corrupt)"
+                tensor = _safetensors(path, "Blob")[0].get("tensor") if mf.lstat(path) is not None else None
+                problem = f"blob {path} is missing" if mf.lstat(path) is None else "" if tensor is not None and \
+                    hashlib.sha256(f"{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)}\n".encode()
+                                   + bytes(mf.raw_view(tensor))).hexdigest() == path.stem else \
+                    f"blob {path} content does not match its digest (corrupt)"
             except (CorruptCheckpointError, OSError) as e:
                 problem = f"blob {path} is unreadable: {e}"
             problems += [f"{problem} (weight {key!r}, tier weights)"] if problem else []
@@ -622,12 +612,9 @@ class CheckpointStore:
         if Tier.STATE in wanted and rng not in names and any(n.startswith("rng-rank") for n in files):
             loaded.warnings.append(f"step {info.step} has no RNG state for rank {rank} (saved with world_size="
                                    f"{manifest.get(C.KEY_WORLD_SIZE)}); this rank's random streams start fresh")
-        weights = Tier.WEIGHTS in wanted and not is_sharded(manifest)
         for attempt in (1, 2):
-            found = self._problems(directory, manifest, names, blobs=weights, hashed={C.OPTIMIZER_NAME} | (
-                set() if weights_checksum else {C.WEIGHTS_NAME}))
-            found += [f"tier weights is recorded but {C.WEIGHTS_NAME} is not listed"] * (weights and C.WEIGHTS_NAME
-                                                                                           not in files)
+            found = self._problems(directory, manifest, names, tiers=wanted, blobs=Tier.WEIGHTS in wanted, hashed={
+                C.OPTIMIZER_NAME} | (set() if weights_checksum else {C.WEIGHTS_NAME}))
             if not found:
                 try:
                     self._read_tiers(directory, manifest, wanted, names, loaded, mmap, l1_max_numel)
@@ -647,7 +634,7 @@ class CheckpointStore:
                     loaded: LoadedCheckpoint, mmap: bool, l1_max_numel: int | None) -> None:
         if Tier.WEIGHTS in wanted:
             # FSDP2 / ZeRO: names and global shapes; the shards are read later
-            table = sharded_table(manifest) if is_sharded(manifest) else None
+            table = sharded_table(manifest) if mf.is_sharded(manifest) else None
             loaded.weights = placeholders(table) if table is not None else self._read_weights(directory, manifest,
                                                                                                mmap)
             loaded.frozen = dict(manifest.get(C.KEY_FROZEN) or {})
@@ -764,7 +751,7 @@ class CheckpointStore:
         assembled from every rank's verified shard files; a checkpoint that is not sharded stays as it is."""
         from .shard_files import gather_weights
 
-        if is_sharded(loaded.manifest) and (table := sharded_table(loaded.manifest)) is not None and \
+        if mf.is_sharded(loaded.manifest) and (table := sharded_table(loaded.manifest)) is not None and \
                 loaded.weights is not None:
             loaded.weights = gather_weights(Path(loaded.info.path), table)
 
@@ -806,18 +793,12 @@ class CheckpointStore:
             return [f"{C.MANIFEST_NAME}: missing ({e})"]
         except (CorruptCheckpointError, ValueError) as e:
             return [f"{C.MANIFEST_NAME}: {e}"]
-        files, tiers, sharded = manifest[C.KEY_FILES], mf.tiers_of(manifest), is_sharded(manifest)
-        structure = [(Tier.WEIGHTS, any(n.startswith("weights-rank") for n in files), "tier weights is recorded but no "
-                      "weights-rank<R>.safetensors file is listed") if sharded else
-                     (Tier.WEIGHTS, C.WEIGHTS_NAME in files, f"tier weights is recorded but {C.WEIGHTS_NAME} is not "
-                      "listed"), (Tier.OPTIMIZER, C.OPTIMIZER_META_NAME in files,
-                                  f"tier optimizer is recorded but {C.OPTIMIZER_META_NAME} is not listed")]
+        files = manifest[C.KEY_FILES]
         ranks = {e.get(C.KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
-        listed = [why for tier, ok, why in structure if tier in tiers and not ok]
-        listed += [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
-                   for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
+        listed = [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
+                  for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
         for _ in (1, 2):
-            found = listed + self._problems(directory, manifest, files, blobs=True)
+            found = listed + self._problems(directory, manifest, files, tiers=mf.tiers_of(manifest), blobs=True)
             if found and mf.lstat(directory / C.MANIFEST_NAME) is None:
                 self._set_status(info, mf.STATUS_MISSING)
                 raise gone
@@ -862,11 +843,9 @@ class CheckpointStore:
         except (NotFound, CorruptCheckpointError, FormatVersionError):
             return True  # a directory without a usable manifest never blocks a save
         info = mf.info_from_manifest(manifest, path)
-        if replace or (info.step, info.save_time) in self._abandoned():
-            return True
-        if request.lineage is not None and info.lineage is not None:
-            return True if info.lineage.timeline != request.lineage.timeline else info
-        return True if manifest.get(C.KEY_SESSION_ID) != self.session_id else info
+        same = info.lineage.timeline == request.lineage.timeline if request.lineage and info.lineage else \
+            manifest.get(C.KEY_SESSION_ID) == self.session_id
+        return True if replace or not same or (info.step, info.save_time) in self._abandoned() else info
 
     def _save(self, state: CheckpointState, request: SaveRequest, timings: Mapping[str, Any] | None, replace: bool,
               cancel: Callable[[], bool] | None) -> tuple[CheckpointInfo | None, bool]:
@@ -895,10 +874,9 @@ class CheckpointStore:
             tiers = sorted(t.value for t in state.tiers) if rank == 0 else [Tier.STATE.value] * bool(files)
             record = {"rank": rank, "session_id": self.session_id, "files": files, "tiers": tiers, "frozen": frozen}
             if self.spec.last_commits and rank == 0:  # what the manifest needs, for whichever rank commits
-                record["commit"] = {"epoch": float(state.epoch), "extra": json_safe(dict(state.extra)),
-                                    "timings": json_safe(dict(timings or {})), "request": json_safe({
-                                        **dataclasses.asdict(request), "tiers": sorted(t.value for t in request.tiers),
-                                        "lineage": request.lineage.to_dict() if request.lineage else None})}
+                record["commit"] = {"epoch": float(state.epoch), "extra": json_safe(dict(state.extra)), "timings":
+                                    json_safe(dict(timings or {})), "request": json_safe({**dataclasses.asdict(
+                                        request), "tiers": sorted(t.value for t in request.tiers)})}
             disk.write(done, mf.json_bytes({**record, **({"sharded": shards} if shards else {})}), atomic="part")
             if self.remote is not None and rank != 0:  # no shared directory: rank 0 reads the object store
                 for name in files:
@@ -932,8 +910,7 @@ class CheckpointStore:
         if not all(is_kind(tmp / C.RANK_DONE_TEMPLATE.format(rank=r), "file") for r in range(self.world_size)):
             return None
         try:
-            os.close(os.open(self._disk.contained(claim := tmp.with_name(f"{tmp.name}.claim")),
-                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            self._disk.create(claim := tmp.with_name(f"{tmp.name}.claim"), os.O_EXCL).close()
         except FileExistsError:
             return None
         try:
@@ -941,8 +918,8 @@ class CheckpointStore:
             own = parts[0].pop("commit", None)
             if not isinstance(own, dict) or not isinstance(own.get("request"), dict):
                 raise DistributedError(f"step {step}: rank 0's part has no commit record; nothing was committed.")
-            fields = {**own["request"], "step": step, "debug_info": tuple(own["request"].get("debug_info") or ())}
-            fields["lineage"] = Lineage.from_dict(fields["lineage"]) if fields.get("lineage") else None
+            fields = {**own["request"], "step": step, "lineage": mf.Lineage.from_dict(lineage) if (
+                lineage := own["request"].get("lineage")) else None}
             state = CheckpointState(step=step, epoch=float(own["epoch"]), extra=dict(own.get("extra") or {}))
             return self._commit(tmp, state, SaveRequest(**fields), parts, dict(own.get("timings") or {}))[0]
         except OSError as e:
@@ -1162,7 +1139,7 @@ class CheckpointStore:
             os.fsync(fout.fileno())
 
     def fork(self, *, timeline: str, after_step: int | None, session: str,
-             parent: Lineage | None = None) -> builtins.list[int]:
+             parent: mf.Lineage | None = None) -> builtins.list[int]:
         """Start timeline `timeline` (rank 0): every committed checkpoint of another timeline with
         ``step > after_step`` (all of them for `None`, a fresh start) is recorded abandoned in one atomic write of
         ``timelines.json``; the checkpoint `parent` resumes from stays usable. Returns the steps newly abandoned."""
