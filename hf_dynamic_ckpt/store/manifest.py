@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import constants as C
+from .. import errors
 from ..constants import Tier
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError, UnsafePathError
 from ..jsonutil import as_float, loads_bounded
@@ -482,6 +483,7 @@ def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None,
     `CorruptCheckpointError`; a newer format: `FormatVersionError`."""
     path = Path(directory) / C.MANIFEST_NAME
     try:
+        errors.fault("read", name=C.MANIFEST_NAME, step=step, op="read")  # a test hook
         manifest = validate_manifest(loads_bounded(read_bytes(path, limit=C.MAX_JSON_BYTES)), where=str(path))
     except (FileNotFoundError, NotADirectoryError) as e:
         raise CheckpointNotFoundError(f"{directory}: no {C.MANIFEST_NAME}, so this is not a committed checkpoint (an "

@@ -408,17 +408,12 @@ class CheckpointStore:
     def _read_manifest(self, step: int, path: Path | None = None) -> dict[str, Any]:
         """The manifest of `step`, read once more after a read error (a transient fault's usual shape)."""
         path = path or self.task_dir / mf.step_dir_name(step)
-        for attempt in (1, 2):
-            try:
-                try:
-                    fault("read", name=C.MANIFEST_NAME, step=step, op="read")
-                except OSError as e:  # the test hook's read error
-                    raise CorruptCheckpointError(f"{path / C.MANIFEST_NAME}: the manifest cannot be read ({e}).") from e
-                return mf.read_manifest(path, step=step, task_id=path.parent.name)
-            except CorruptCheckpointError as e:
-                if attempt == 2 or not isinstance(e.__cause__, OSError):
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return mf.read_manifest(path, step=step, task_id=path.parent.name)
+        except CorruptCheckpointError as e:
+            if not isinstance(e.__cause__, OSError):
+                raise
+        return mf.read_manifest(path, step=step, task_id=path.parent.name)
 
     def _info(self, manifest: Mapping[str, Any], path: Path) -> CheckpointInfo:
         info = mf.info_from_manifest(manifest, path)
@@ -616,13 +611,12 @@ class CheckpointStore:
             found = self._problems(directory, manifest, names, tiers=wanted, blobs=Tier.WEIGHTS in wanted, hashed={
                 C.OPTIMIZER_NAME} | (set() if weights_checksum else {C.WEIGHTS_NAME}))
             if not found:
-                try:
-                    self._read_tiers(directory, manifest, wanted, names, loaded, mmap, l1_max_numel)
-                    return loaded
+                try:  # each attempt fills a fresh copy
+                    self._read_tiers(directory, manifest, wanted, names, out := dataclasses.replace(loaded), mmap,
+                                     l1_max_numel)
+                    return out
                 except (CorruptCheckpointError, OSError) as e:
                     found = [str(e)]
-                    loaded.weights = loaded.optimizer = loaded.scheduler = loaded.scaler = None  # not this attempt's
-                    loaded.rng = loaded.sampler = None
             if attempt == 1:
                 logger.debug("step %d: %s; reading it once more before giving up", info.step, "; ".join(found))
         self._set_status(info, mf.STATUS_CORRUPT)
@@ -632,11 +626,9 @@ class CheckpointStore:
 
     def _read_tiers(self, directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: builtins.list[str],
                     loaded: LoadedCheckpoint, mmap: bool, l1_max_numel: int | None) -> None:
-        if Tier.WEIGHTS in wanted:
-            # FSDP2 / ZeRO: names and global shapes; the shards are read later
+        if Tier.WEIGHTS in wanted:  # FSDP2 / ZeRO: names and global shapes; the shards are read later
             table = sharded_table(manifest) if mf.is_sharded(manifest) else None
-            loaded.weights = placeholders(table) if table is not None else self._read_weights(directory, manifest,
-                                                                                               mmap)
+            loaded.weights = self._read_weights(directory, manifest, mmap) if table is None else placeholders(table)
             loaded.frozen = dict(manifest.get(C.KEY_FROZEN) or {})
         if Tier.OPTIMIZER in wanted:
             structure, tensors = mf.read_json(directory / C.OPTIMIZER_META_NAME), {}
@@ -650,11 +642,11 @@ class CheckpointStore:
                                            threads=self.compression_threads)
             state = unflatten_state(structure, tensors)
             loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in C.L1_PARTS)
-        for name in names if Tier.STATE in wanted else ():
-            if name == C.SAMPLER_NAME or name.startswith("rng-rank"):
-                if not isinstance(value := mf.read_json(directory / name), dict):
-                    raise CorruptCheckpointError(f"{directory / name} is not a JSON object; the checkpoint is damaged.")
-                loaded.sampler, loaded.rng = (value, loaded.rng) if name == C.SAMPLER_NAME else (loaded.sampler, value)
+        for name in (n for n in names if n == C.SAMPLER_NAME or n.startswith("rng-rank")) if Tier.STATE in wanted \
+                else ():
+            if not isinstance(value := mf.read_json(directory / name), dict):
+                raise CorruptCheckpointError(f"{directory / name} is not a JSON object; the checkpoint is damaged.")
+            setattr(loaded, "sampler" if name == C.SAMPLER_NAME else "rng", value)
 
     def _read_weights(self, directory: Path, manifest: Mapping[str, Any], mmap: bool) -> dict[str, torch.Tensor]:
         path = directory / C.WEIGHTS_NAME
@@ -667,12 +659,12 @@ class CheckpointStore:
             out[key] = t
         out = out if mmap else {k: t.clone() for k, t in out.items()}
         try:
-            aliases = loads_bounded(metadata.get(ALIASES_KEY) or "{}")
+            if not isinstance(aliases := loads_bounded(metadata.get(ALIASES_KEY) or "{}"), dict) or \
+                    not all(isinstance(v, str) for v in aliases.values()):
+                raise ValueError("another type")
         except ValueError as e:
-            raise CorruptCheckpointError(f"Alias map in {path} is not JSON: {metadata[ALIASES_KEY][:80]!r}.") from e
-        if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
-            raise CorruptCheckpointError(f"Alias map in {path} is not a JSON object of key names: "
-                                         f"{metadata[ALIASES_KEY][:80]!r}.")
+            raise CorruptCheckpointError(f"Alias map in {path} is not a JSON object of key names ({e}): "
+                                         f"{metadata[ALIASES_KEY][:80]!r}.") from e
         for alias, target in aliases.items():
             if target not in out:
                 raise CorruptCheckpointError(f"Weight {alias!r} aliases {target!r}, which {path} does not hold.")
