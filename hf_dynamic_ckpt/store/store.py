@@ -1003,11 +1003,10 @@ class CheckpointStore:
         for r, done in enumerate(names):
             try:
                 part = mf.read_json(done)
-                ok = isinstance(part, dict) and part.get("rank") == r and isinstance(part.get("files"), dict) and \
-                    isinstance(part.get("tiers"), list) and isinstance(part.get("frozen", {}), dict)
             except CorruptCheckpointError as e:
-                part, ok = {"error": str(e)}, False
-            if not ok:
+                part = {"error": str(e)}
+            if not (isinstance(part, dict) and part.get("rank") == r and isinstance(part.get("files"), dict) and
+                    isinstance(part.get("tiers"), list) and isinstance(part.get("frozen", {}), dict)):
                 raise DistributedError(f"{done} is malformed ({str(part)[:120]}); nothing was committed.")
             if part.get("session_id") != self.session_id:
                 raise DistributedError(f"{done} belongs to session {part.get('session_id')!r}, not "
@@ -1101,8 +1100,7 @@ class CheckpointStore:
         self._check_writable("adopt")
         if source.task_id != self.task_id:
             raise DynamicCkptError(f"adopt: task {source.task_id!r} is not this store's task {self.task_id!r}.")
-        problems = source.verify(f"step:{step}")
-        if problems:
+        if problems := source.verify(f"step:{step}"):
             raise CorruptCheckpointError(f"step {step} of {source.root} does not verify: {'; '.join(problems)}")
         src, final = source.task_dir / mf.step_dir_name(step), self.task_dir / mf.step_dir_name(step)
         with self._lock:
@@ -1114,21 +1112,16 @@ class CheckpointStore:
             self._disk.mkdir(tmp)
             try:
                 for name in sorted(mf.listdir(src), key=lambda n: n == C.MANIFEST_NAME):  # the manifest last
-                    self._copy_in(src / name, tmp / name)
+                    if not is_kind(src / name, "file"):
+                        raise UnsafePathError(f"{src / name} is not a regular file; a checkpoint holds only files.")
+                    shutil.copyfile(src / name, self._disk.contained(tmp / name))
+                    self._disk.fsync(tmp / name)
                 info = self._rename_in(tmp, self._read_manifest(step, tmp))[0]
             except BaseException:
                 self._discard(tmp)
                 raise
         logger.debug("adopted step %d of %s into %s", step, source.root, self.task_dir)
         return info
-
-    def _copy_in(self, src: Path, dst: Path) -> None:
-        if not is_kind(src, "file"):
-            raise UnsafePathError(f"{src} is not a regular file; a checkpoint holds only files.")
-        with open(src, "rb", buffering=0) as fin, self._disk.create(dst) as fout:
-            shutil.copyfileobj(fin, fout, 16 << 20)
-            fout.flush()
-            os.fsync(fout.fileno())
 
     def fork(self, *, timeline: str, after_step: int | None, session: str,
              parent: mf.Lineage | None = None) -> builtins.list[int]:
