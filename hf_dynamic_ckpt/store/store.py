@@ -820,10 +820,7 @@ class CheckpointStore:
         self._check_writable("save")
         self.ensure_root()
         with self._lock:
-            info, replaced = self._save(state, request, timings, replace, cancel)
-            if replaced:  # blobs of an earlier version only the replaced copy used can go
-                self._collect_blobs(GcReport())
-            return info
+            return self._save(state, request, timings, replace, cancel)
 
     def _existing(self, request: SaveRequest, replace: bool) -> CheckpointInfo | bool:
         """What is committed at the step, read from disk (the same answer on every rank): `False` (nothing), the info
@@ -840,7 +837,7 @@ class CheckpointStore:
         return True if replace or not same or (info.step, info.save_time) in self._abandoned() else info
 
     def _save(self, state: CheckpointState, request: SaveRequest, timings: Mapping[str, Any] | None, replace: bool,
-              cancel: Callable[[], bool] | None) -> tuple[CheckpointInfo | None, bool]:
+              cancel: Callable[[], bool] | None) -> CheckpointInfo | None:
         step, rank, disk = request.step, self.rank, self._disk
         try:  # under a URL root, this rank's cache has not seen rank 0's recent commits
             self._pull(step) if self.remote is not None and rank != 0 else None
@@ -850,7 +847,7 @@ class CheckpointStore:
         if isinstance(found := self._existing(request, replace), CheckpointInfo):
             logger.debug("step %d is already committed at %s by this timeline; not rewritten", step, found.path)
             self._record(found) if rank == 0 else None
-            return (found if rank == 0 else None), False
+            return found if rank == 0 else None
         if not is_kind(self.task_dir, "dir"):  # a new task
             disk.mkdir(self.task_dir)
             disk.fsync(self.root)
@@ -881,9 +878,9 @@ class CheckpointStore:
                 f"saving step {step} of task {self.task_id!r} to {tmp} failed on rank {rank}: {e}; the previous "
                 "checkpoints are untouched.") from e
         if self.spec.last_commits and self.world_size > 1:
-            return self._commit_if_last(tmp, step), False
+            return self._commit_if_last(tmp, step)
         if rank != 0:
-            return None, False
+            return None
         written = time.perf_counter()
         parts = self._wait_for_ranks(tmp, step, cancel)
         timings = {**dict(timings or {}), "write_ms": round(1000 * (written - t0), 2),
@@ -913,7 +910,7 @@ class CheckpointStore:
             fields = {**own["request"], "step": step, "lineage": mf.Lineage.from_dict(lineage) if (
                 lineage := own["request"].get("lineage")) else None}
             state = CheckpointState(step=step, epoch=float(own["epoch"]), extra=dict(own.get("extra") or {}))
-            return self._commit(tmp, state, SaveRequest(**fields), parts, dict(own.get("timings") or {}))[0]
+            return self._commit(tmp, state, SaveRequest(**fields), parts, dict(own.get("timings") or {}))
         except OSError as e:
             self._discard(tmp)
             raise SaveError(f"committing step {step} to {self.task_dir / mf.step_dir_name(step)} failed: {e}") from e
@@ -1021,7 +1018,7 @@ class CheckpointStore:
             logger.warning("could not remove %s: %s", path, e)
 
     def _commit(self, tmp: Path, state: CheckpointState, request: SaveRequest, parts: builtins.list[dict],
-                timings: dict[str, Any]) -> tuple[CheckpointInfo, bool]:
+                timings: dict[str, Any]) -> CheckpointInfo:
         step, files, frozen, chunks, tiers = request.step, dict[str, Any](), dict[str, Any](), {}, set[Tier]()
         for part in parts:
             files.update(part["files"])
@@ -1046,11 +1043,11 @@ class CheckpointStore:
         manifest = mf.with_changes(json_safe(manifest), {})
         fault("write", step=step, rank=0, name=C.MANIFEST_NAME)
         self._disk.write(tmp / C.MANIFEST_NAME, mf.manifest_bytes(manifest))
-        info, replaced = self._rename_in(tmp, manifest)
+        info = self._rename_in(tmp, manifest)
         logger.debug("committed %s step %d (%s; %d bytes)", self.task_id, step, request.reason, info.bytes)
-        return info, replaced
+        return info
 
-    def _rename_in(self, tmp: Path, manifest: dict[str, Any]) -> tuple[CheckpointInfo, bool]:
+    def _rename_in(self, tmp: Path, manifest: dict[str, Any]) -> CheckpointInfo:
         """Commit a complete temporary directory: fsync, the object store's commit point (manifest uploaded last), a
         copy in the way set aside, the rename (the commit point), the aside copy removed, then the catalog row."""
         step = manifest[C.KEY_STEP]
@@ -1065,7 +1062,8 @@ class CheckpointStore:
         if aside is not None:
             self._discard(aside)
         self._record(info := self._info(manifest, final))
-        return info, aside is not None
+        self._collect_blobs(GcReport()) if aside is not None else None  # blobs only the replaced copy used go
+        return info
 
     # -- timelines ------------------------------------------------------------------------------------------------
     def _timelines(self) -> dict[str, Any]:
@@ -1116,7 +1114,7 @@ class CheckpointStore:
                         raise UnsafePathError(f"{src / name} is not a regular file; a checkpoint holds only files.")
                     shutil.copyfile(src / name, self._disk.contained(tmp / name))
                     self._disk.fsync(tmp / name)
-                info = self._rename_in(tmp, self._read_manifest(step, tmp))[0]
+                info = self._rename_in(tmp, self._read_manifest(step, tmp))
             except BaseException:
                 self._discard(tmp)
                 raise
@@ -1146,12 +1144,11 @@ class CheckpointStore:
                                     "session": i.lineage.session if i.lineage else None, "at": now}
                     newly.append(i.step)
             current = {"timeline": timeline, "session": session, "after_step": after_step, "since": now,
-                       "parent_step": parent.parent_step if parent else None,
-                       "parent_timeline": parent.parent_timeline if parent else None}
+                       **{k: getattr(parent, k, None) for k in ("parent_step", "parent_timeline")}}
             forks = [*record["forks"], {"timeline": timeline, "session": session, "after_step": after_step, "at": now}]
             self._disk.write(self.task_dir / C.TIMELINES_NAME, mf.json_bytes({
-                "format": 1, "current": current, "abandoned": sorted(entries.values(), key=lambda e: (
-                    e["step"], e["created_at"])), "forks": forks[-100:]}), atomic=self.session_id)
+                "format": 1, "current": current, "abandoned": [entries[k] for k in sorted(entries)],
+                "forks": forks[-100:]}), atomic=self.session_id)
             if self.remote is not None:
                 self.remote.put(self.task_dir / C.TIMELINES_NAME, C.TIMELINES_NAME)
             self.sync_catalog()
@@ -1184,13 +1181,12 @@ class CheckpointStore:
         self._check_writable("pin" if pinned else "unpin")
         with self._lock:
             path = Path((info := self._own(ref, "pin" if pinned else "unpin")).path)
-            if pinned:
-                self._disk.write(path / C.PINNED_MARKER, b"")
-            elif (manifest := self._read_manifest(info.step)).get(C.KEY_PINNED):
+            if not pinned and (manifest := self._read_manifest(info.step)).get(C.KEY_PINNED):
                 self._rewrite_manifest(path, mf.with_changes(manifest, {C.KEY_PINNED: False}))
-            self._disk.remove(path / C.PINNED_MARKER) if not pinned else None
+            self._disk.write(path / C.PINNED_MARKER, b"") if pinned else self._disk.remove(path / C.PINNED_MARKER)
             self._disk.fsync(path)
-            self._mirror(info.step)
+            if self.remote is not None:  # the bucket's copy follows
+                self.remote.mirror(path, self._read_manifest(info.step)[C.KEY_FILES])
             self._record(info := self._scan(info.step, path) or info)
             return info
 
@@ -1215,7 +1211,7 @@ class CheckpointStore:
             freed = sum(_tree_bytes(path / n) for n in drop)
             for name in drop:  # allowlisted single names (manifest validation)
                 self._disk.remove(path / name)
-            self._mirror(info.step)
+            self.remote.mirror(path, new[C.KEY_FILES]) if self.remote is not None else None
             return freed
         if self.remote is not None:  # the object store first: its manifest goes, so no reader counts it any more
             self.remote.remove(mf.step_dir_name(info.step), C.MANIFEST_NAME)
@@ -1441,8 +1437,3 @@ class CheckpointStore:
             with contextlib.suppress(Exception):
                 self.remote.remove(name)
             raise
-
-    def _mirror(self, step: int) -> None:
-        """After a tier delete, pin or unpin: the bucket's copy of `step` follows the cache."""
-        if self.remote is not None:
-            self.remote.mirror(self.task_dir / mf.step_dir_name(step), self._read_manifest(step)[C.KEY_FILES])
