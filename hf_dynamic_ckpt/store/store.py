@@ -485,10 +485,9 @@ class CheckpointStore:
         return f"available steps of task {self.task_id!r}: {steps}"
 
     def _by_step(self, step: int) -> CheckpointInfo:
-        self.sync_catalog()
-        row = next((r for r in self.catalog.rows(self.task_id) if r["step"] == step), None)
-        if row is not None and row["status"] != mf.STATUS_MISSING:
-            return Catalog.to_info(row, root=self.root, abandoned=(step, float(row["save_time"])) in self._abandoned())
+        infos = self.list(include_unhealthy=True, include_abandoned=True)
+        if info := next((i for i in infos if i.step == step and i.status != mf.STATUS_MISSING), None):
+            return info
         removed = self.removed().get(step)
         why = f" (retention removed it: {removed.get('rule')}; keep_last: null and null retention_days keep every " \
               "checkpoint, or pin one)" if removed and Tier.WEIGHTS.value in (removed.get("tiers") or ()) else ""
