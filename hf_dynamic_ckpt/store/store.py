@@ -274,7 +274,7 @@ class CheckpointStore:
         if self.remote is not None and (pull or writer):
             self._pull()
         if writer:
-            self._remove_leftovers()
+            self._remove_leftovers(GcReport())
         if writer and self.catalog.rebuilt:
             self.reindex()
         elif writer or self._memory or (self.remote is not None and pull):
@@ -1282,9 +1282,7 @@ class CheckpointStore:
             if took := not dry_run and not self._writer.held:
                 self._writer.acquire(what=f"task {self.task_id!r} under {self.url}")
             try:
-                for name, size in self._remove_leftovers(dry_run=dry_run):
-                    report.temp_dirs.append(name)
-                    report.bytes_freed += size
+                self._remove_leftovers(report)
                 if self.remote is not None:
                     report.temp_dirs += self.remote.leftovers(self.session_id, dry_run=dry_run, at_open=False,
                                                               kept=report.kept)
@@ -1310,11 +1308,11 @@ class CheckpointStore:
             self._note_removed(i.step, i.tiers, "abandoned timeline: the run went back before it and has saved past "
                                                 "it since") if not report.dry_run else None
 
-    def _remove_leftovers(self, *, dry_run: bool = False) -> builtins.list[tuple[str, int]]:
+    def _remove_leftovers(self, report: GcReport) -> None:
         """Finish what interrupted saves, replace-commits and deletes left (the writer only): a copy set aside by a
         replace-commit whose step has no committed directory is renamed back; then every temporary entry of other
         sessions goes (this session's own ``step-<N>.tmp-<session>`` stays: other ranks may be writing into it)."""
-        removed, own = [], f"{C.TMP_MARKER}{self.session_id}"
+        own, dry_run = f"{C.TMP_MARKER}{self.session_id}", report.dry_run
         for name in mf.listdir(self.task_dir):
             final = self.task_dir / name.split(C.TMP_MARKER)[0]
             if name.endswith(C.ASIDE_SUFFIX) and mf.lstat(final) is None:  # restored, or (unusable) left in place
@@ -1330,12 +1328,12 @@ class CheckpointStore:
                 continue
             if (name.startswith(C.STEP_DIR_PREFIX) and C.TMP_MARKER in name and not name.endswith(own)) or \
                     name.startswith(f".{C.TIMELINES_NAME}{C.TMP_MARKER}"):
-                removed.append((name, _tree_bytes(self.task_dir / name)))
+                report.temp_dirs.append(name)
+                report.bytes_freed += _tree_bytes(self.task_dir / name)
                 self._discard(self.task_dir / name) if not dry_run else None  # a link goes, never its target
         blobs = self.task_dir / C.BLOBS_DIR
         for name in mf.listdir(blobs) if not dry_run else ():  # a linked blobs/ lists nothing
             self._disk.remove(blobs / name) if C.TMP_MARKER in name else None
-        return removed
 
     def _collect_blobs(self, report: GcReport) -> None:
         """Remove the blobs of earlier versions no committed checkpoint (nor a copy set aside) references."""
