@@ -568,10 +568,10 @@ class CheckpointStore:
         for path, key in sorted(paths.items(), key=lambda p: p[1]):  # one check per blob, named by its first weight
             try:
                 fault("read", name=path.name, step=manifest[C.KEY_STEP], op="check")
-                tensor = _safetensors(path, "Blob")[0].get("tensor") if mf.lstat(path) is not None else None
-                problem = f"blob {path} is missing" if mf.lstat(path) is None else "" if tensor is not None and \
-                    hashlib.sha256(f"{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)}\n".encode()
-                                   + bytes(mf.raw_view(tensor))).hexdigest() == path.stem else \
+                t = _safetensors(path, "Blob")[0].get("tensor") if mf.lstat(path) is not None else None
+                digest = t is not None and hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}\n"
+                                                          .encode() + bytes(mf.raw_view(t))).hexdigest()
+                problem = f"blob {path} is missing" if mf.lstat(path) is None else "" if digest == path.stem else \
                     f"blob {path} content does not match its digest (corrupt)"
             except (CorruptCheckpointError, OSError) as e:
                 problem = f"blob {path} is unreadable: {e}"
