@@ -10,9 +10,10 @@ hostile ``[[[[...]]]]`` must not end in a `RecursionError`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 NAN = "NaN"
@@ -24,14 +25,9 @@ MAX_DEPTH = 64
 
 def safe_float(value: float | None) -> float | str | None:
     """One number as strict JSON: finite floats stay, NaN/inf become their strings, `None` stays."""
-    if value is None:
-        return None
-    value = float(value)
-    if math.isnan(value):
-        return NAN
-    if math.isinf(value):
-        return POS_INF if value > 0 else NEG_INF
-    return value
+    if value is None or math.isfinite(value := float(value)):
+        return value
+    return NAN if math.isnan(value) else POS_INF if value > 0 else NEG_INF
 
 
 def json_safe(obj: Any) -> Any:
@@ -51,30 +47,19 @@ def json_safe(obj: Any) -> Any:
 
 def as_float(value: Any) -> float | None:
     """Inverse of `json_safe` for one number: ``"NaN"`` -> nan; anything else unusable -> `None`."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        return None
+    with contextlib.suppress(ValueError):
+        return None if isinstance(value, bool) or not isinstance(value, int | float | str) else float(value)
+    return None
 
 
 def nesting_depth(obj: Any, *, limit: int | None = None) -> int:
     """Deepest list/dict nesting of a parsed JSON value (iterative; stops early past `limit`)."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(obj, 1)]
-    while stack:
+    deepest, stack = 0, [(obj, 1)]
+    while stack and (limit is None or deepest <= limit):
         node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Iterable[Any] = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if limit is not None and deepest > limit:
-            return deepest
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
     return deepest
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import constants as C
+from .. import errors
 from ..constants import Tier
 from ..errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, FormatVersionError, UnsafePathError
 from ..jsonutil import as_float, loads_bounded
@@ -445,14 +446,16 @@ def validate_manifest(m: Any, *, where: str) -> dict[str, Any]:
     if (recorded := m.get(C.KEY_MANIFEST_CHECKSUM)) != actual:
         raise bad(f"manifest checksum mismatch (recorded {recorded!r}, actual {actual!r}): the manifest was modified "
                   "or damaged after the commit; restore from another checkpoint.")
-    if not _count(version, 1):
-        raise bad(f"format_version={version!r} is not a valid format version.")
-    for key, kind in ((C.KEY_STEP, int), (C.KEY_FILES, dict), (C.KEY_TIERS, list), (C.KEY_TASK_ID, str)):
-        if not isinstance(m.get(key), kind) or isinstance(m.get(key), bool):
-            raise bad(f"manifest key {key!r} is missing or not a {kind.__name__}.")
-    if not _count(m[C.KEY_STEP]) or not _count(world := m.get(C.KEY_WORLD_SIZE, 1), 1) or \
-            not all(isinstance(t, str) for t in m[C.KEY_TIERS]):
-        raise bad(f"step={m[C.KEY_STEP]!r} / world_size={world!r} / tiers is invalid.")
+    world, lineage, tiers = m.get(C.KEY_WORLD_SIZE, 1), m.get(C.KEY_LINEAGE), m.get(C.KEY_TIERS)
+    for key, ok in ((C.KEY_FORMAT_VERSION, _count(version, 1)), (C.KEY_STEP, _count(m.get(C.KEY_STEP))),
+                    (C.KEY_WORLD_SIZE, _count(world, 1)), (C.KEY_TASK_ID, isinstance(m.get(C.KEY_TASK_ID), str)),
+                    (C.KEY_FILES, isinstance(m.get(C.KEY_FILES), dict)),
+                    (C.KEY_TIERS, isinstance(tiers, list) and all(isinstance(t, str) for t in tiers)),
+                    *((table, isinstance(m.get(table) or {}, dict)) for table in (C.KEY_BLOBS, C.KEY_FROZEN)),
+                    (C.KEY_LINEAGE, lineage is None or (isinstance(lineage, dict) and isinstance(
+                        lineage.get("timeline"), str) and isinstance(lineage.get("session"), str)))):
+        if not ok:
+            raise bad(f"manifest key {key!r} is missing or malformed ({str(m.get(key))[:80]!r}).")
     for name, entry in m[C.KEY_FILES].items():
         if not allowed_file_name(name, world):
             raise bad(f"manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
@@ -463,18 +466,13 @@ def validate_manifest(m: Any, *, where: str) -> dict[str, Any]:
             raise bad(f"manifest entry of file {name!r} lacks an integer size or a checksum.")
     for table, what, needs in ((C.KEY_BLOBS, "blob", "digest must be 64 hex digits"),
                                (C.KEY_FROZEN, "frozen", "checksum must be a string")):
-        if not isinstance(records := m.get(table) or {}, dict):
-            raise bad(f"manifest key {table!r} is not an object.")
-        for key, r in records.items():
+        for key, r in (m.get(table) or {}).items():
             if not (isinstance(r, dict) and isinstance(r.get("dtype"), str) and isinstance(r.get("shape"), list)
                     and all(_count(d) for d in r["shape"]) and _count(r.get("size", 0)) and (
                         isinstance(r.get("digest"), str) and re.fullmatch("[0-9a-f]{64}", r["digest"]) is not None
                         if what == "blob" else isinstance(r.get("checksum"), str))):
                 raise bad(f"{what} record of weight {str(key)[:80]!r} is malformed ({needs}, dtype a name, shape a "
                           "list of sizes); the manifest is damaged or hostile.")
-    if (lineage := m.get(C.KEY_LINEAGE)) is not None and not (isinstance(lineage, dict) and isinstance(
-            lineage.get("timeline"), str) and isinstance(lineage.get("session"), str)):
-        raise bad("manifest key 'lineage' is malformed.")
     return m
 
 
@@ -485,6 +483,7 @@ def read_manifest(directory: str | os.PathLike[str], *, step: int | None = None,
     `CorruptCheckpointError`; a newer format: `FormatVersionError`."""
     path = Path(directory) / C.MANIFEST_NAME
     try:
+        errors.fault("read", name=C.MANIFEST_NAME, step=step, op="read")  # a test hook
         manifest = validate_manifest(loads_bounded(read_bytes(path, limit=C.MAX_JSON_BYTES)), where=str(path))
     except (FileNotFoundError, NotADirectoryError) as e:
         raise CheckpointNotFoundError(f"{directory}: no {C.MANIFEST_NAME}, so this is not a committed checkpoint (an "

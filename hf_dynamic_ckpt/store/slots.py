@@ -115,8 +115,7 @@ def room_problem(nbytes: int, slots: CheckpointStore, margin: float, *, base: st
 def shm_room(base: str = SHM_DIR) -> tuple[int, int]:
     """(free, total) bytes of the file system under `base` (``/dev/shm``); (0, 0) without one."""
     with contextlib.suppress(OSError):
-        usage = shutil.disk_usage(base)
-        return usage.free, usage.total
+        return (usage := shutil.disk_usage(base)).free, usage.total
     return 0, 0
 
 

@@ -47,17 +47,7 @@ from ..jsonutil import json_safe, loads_bounded
 from . import manifest as mf
 from .catalog import Catalog
 from .lock import DEFAULT_WAIT_S, WriterLock
-from .manifest import (
-    CheckpointInfo,
-    CheckpointState,
-    GcReport,
-    Lineage,
-    LoadedCheckpoint,
-    SaveRequest,
-    is_kind,
-    is_sharded,
-    is_url,
-)
+from .manifest import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, SaveRequest, is_kind
 from .optpack import flatten_state, read_tensors, unflatten_state, write_tensors
 from .remote import Remote, split_root
 from .shard_files import placeholders, sharded_table, write_shards
@@ -107,16 +97,16 @@ class _Disk:
         self.root = Path(os.path.realpath(root))
 
     def contained(self, path: str | os.PathLike[str], op: str = "", *, link_ok: bool = False) -> Path:
-        path, parent = Path(path), os.path.realpath(Path(path).parent)
-        if path.name in ("", ".", "..") or (parent != str(self.root) and not parent.startswith(f"{self.root}{os.sep}")):
-            raise UnsafePathError(f"{path} resolves to {parent}{os.sep}{path.name}, outside the store root "
-                                  f"{self.root}; refused (a symbolic link or a '..' in a name would make the store "
-                                  "touch files that are not its own).")
-        if not link_ok and is_kind(real := Path(parent) / path.name, "link"):
-            raise UnsafePathError(f"{real} is a symbolic link; the store never changes anything through links.")
-        if op:
-            fault("fs", op=op, path=str(Path(parent) / path.name))
-        return Path(parent) / path.name
+        path, parent = Path(path), Path(os.path.realpath(Path(path).parent))
+        if path.name in ("", ".", "..") or not parent.is_relative_to(self.root):
+            raise UnsafePathError(f"{path} resolves to {parent / path.name}, outside the store root {self.root}; "
+                                  "refused (a symbolic link or a '..' in a name would make the store touch files that "
+                                  "are not its own).")
+        if not link_ok and is_kind(parent / path.name, "link"):
+            raise UnsafePathError(f"{parent / path.name} is a symbolic link; the store never changes anything through "
+                                  "links.")
+        fault("fs", op=op, path=str(parent / path.name)) if op else None
+        return parent / path.name
 
     def mkdir(self, path: Path) -> None:
         with contextlib.suppress(FileExistsError):
@@ -157,11 +147,9 @@ class _Disk:
             with self.create(path) as f:
                 f.write(data)
             self.fsync(path)
-            if atomic:
-                self.rename(path, target, replace=True, sync=True)
+            self.rename(path, target, replace=True, sync=True) if atomic else None
         finally:
-            if atomic:
-                self.remove(path)
+            self.remove(path) if atomic else None
 
 
 def _safetensors(path: Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -225,10 +213,10 @@ class CheckpointStore:
                  lock_wait_s: float = DEFAULT_WAIT_S, storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, retries: int = 5, backoff_s: float = 0.5,
                  last_commits: bool = False) -> None:
-        if not is_url(root) and storage_options:
+        if not mf.is_url(root) and storage_options:
             raise ConfigError(f"storage_options are for URL roots (s3://...); root={root!r} is a local directory.")
         local, remote = split_root(root, rank=rank, storage_options=storage_options, cache_dir=cache_dir,
-                                   retries=retries, backoff_s=backoff_s) if is_url(root) else (root, None)
+                                   retries=retries, backoff_s=backoff_s) if mf.is_url(root) else (root, None)
         if session_id is None and world_size > 1:
             raise ConfigError("session_id=None is invalid with world_size > 1: every rank must use the same id; "
                               "create one on rank 0 and broadcast it (distributed.broadcast_object).")
@@ -286,7 +274,7 @@ class CheckpointStore:
         if self.remote is not None and (pull or writer):
             self._pull()
         if writer:
-            self._remove_leftovers()
+            self._remove_leftovers(GcReport())
         if writer and self.catalog.rebuilt:
             self.reindex()
         elif writer or self._memory or (self.remote is not None and pull):
@@ -420,17 +408,12 @@ class CheckpointStore:
     def _read_manifest(self, step: int, path: Path | None = None) -> dict[str, Any]:
         """The manifest of `step`, read once more after a read error (a transient fault's usual shape)."""
         path = path or self.task_dir / mf.step_dir_name(step)
-        for attempt in (1, 2):
-            try:
-                try:
-                    fault("read", name=C.MANIFEST_NAME, step=step, op="read")
-                except OSError as e:  # the test hook's read error
-                    raise CorruptCheckpointError(f"{path / C.MANIFEST_NAME}: the manifest cannot be read ({e}).") from e
-                return mf.read_manifest(path, step=step, task_id=path.parent.name)
-            except CorruptCheckpointError as e:
-                if attempt == 2 or not isinstance(e.__cause__, OSError):
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return mf.read_manifest(path, step=step, task_id=path.parent.name)
+        except CorruptCheckpointError as e:
+            if not isinstance(e.__cause__, OSError):
+                raise
+        return mf.read_manifest(path, step=step, task_id=path.parent.name)
 
     def _info(self, manifest: Mapping[str, Any], path: Path) -> CheckpointInfo:
         info = mf.info_from_manifest(manifest, path)
@@ -502,10 +485,9 @@ class CheckpointStore:
         return f"available steps of task {self.task_id!r}: {steps}"
 
     def _by_step(self, step: int) -> CheckpointInfo:
-        self.sync_catalog()
-        row = next((r for r in self.catalog.rows(self.task_id) if r["step"] == step), None)
-        if row is not None and row["status"] != mf.STATUS_MISSING:
-            return Catalog.to_info(row, root=self.root, abandoned=(step, float(row["save_time"])) in self._abandoned())
+        infos = self.list(include_unhealthy=True, include_abandoned=True)
+        if info := next((i for i in infos if i.step == step and i.status != mf.STATUS_MISSING), None):
+            return info
         removed = self.removed().get(step)
         why = f" (retention removed it: {removed.get('rule')}; keep_last: null and null retention_days keep every " \
               "checkpoint, or pin one)" if removed and Tier.WEIGHTS.value in (removed.get("tiers") or ()) else ""
@@ -553,11 +535,15 @@ class CheckpointStore:
         return (self.task_dir if self._owns(directory) is not None else directory.parent) / C.BLOBS_DIR / \
             f"{digest}.safetensors"
 
-    def _problems(self, directory: Path, manifest: Mapping[str, Any], names: Iterable[str], *,
-                  hashed: Collection[str] = (), blobs: bool = False) -> builtins.list[str]:
+    def _problems(self, directory: Path, manifest: Mapping[str, Any], names: Iterable[str], *, tiers: Collection[Tier]
+                  = (), hashed: Collection[str] = (), blobs: bool = False) -> builtins.list[str]:
         """What is wrong with the listed files: missing, a link, size, checksum (with the entry's own algorithm;
-        `hashed`: checksummed as they are read, so size only here); `blobs`: also the blobs of an earlier version."""
-        problems = []
+        `hashed`: checksummed as they are read, so size only here); a tier of `tiers` whose file is not listed;
+        `blobs`: also the blobs of an earlier version."""
+        needs = {Tier.WEIGHTS: "weights-rank<R>.safetensors" if mf.is_sharded(manifest) else C.WEIGHTS_NAME,
+                 Tier.OPTIMIZER: C.OPTIMIZER_META_NAME}
+        problems = [f"tier {t.value} is recorded but {n} is not listed" for t, n in needs.items() if t in tiers
+                    and not any(f.startswith(n.split("<")[0]) for f in manifest[C.KEY_FILES])]
         for name in names:
             entry, path = manifest[C.KEY_FILES][name], directory / name
             where = f"{name} (tier {entry.get(C.KEY_TIER)}" + (f", rank {entry[C.KEY_RANK]})" if
@@ -577,18 +563,16 @@ class CheckpointStore:
                                         "is corrupt")
                 except (ValueError, OSError) as e:
                     problems.append(f"{where}: " + ("file is missing" if isinstance(e, FileNotFoundError) else str(e)))
-        seen: set[str] = set()
-        for key, rec in sorted((manifest.get(C.KEY_BLOBS) or {}).items()) if blobs else ():
-            if (path := self._blob(directory, rec["digest"])).name in seen:
-                continue
-            seen.add(path.name)
+        paths = {self._blob(directory, rec["digest"]): key for key, rec in sorted(
+            (manifest.get(C.KEY_BLOBS) or {}).items(), reverse=True)} if blobs else {}
+        for path, key in sorted(paths.items(), key=lambda p: p[1]):  # one check per blob, named by its first weight
             try:
                 fault("read", name=path.name, step=manifest[C.KEY_STEP], op="check")
-                tensor = None if mf.lstat(path) is None else _safetensors(path, "Blob")[0].get("tensor")
-                digest = hashlib.sha256(f"{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)}\n".encode()
-                                        + bytes(mf.raw_view(tensor))).hexdigest() if tensor is not None else None
-                problem = f"blob {path} is missing" if mf.lstat(path) is None else "" if digest == rec["digest"] \
-                    else f"blob {path} content does not match its digest (corrupt)"
+                t = _safetensors(path, "Blob")[0].get("tensor") if mf.lstat(path) is not None else None
+                digest = t is not None and hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}\n"
+                                                          .encode() + bytes(mf.raw_view(t))).hexdigest()
+                problem = f"blob {path} is missing" if mf.lstat(path) is None else "" if digest == path.stem else \
+                    f"blob {path} content does not match its digest (corrupt)"
             except (CorruptCheckpointError, OSError) as e:
                 problem = f"blob {path} is unreadable: {e}"
             problems += [f"{problem} (weight {key!r}, tier weights)"] if problem else []
@@ -622,20 +606,16 @@ class CheckpointStore:
         if Tier.STATE in wanted and rng not in names and any(n.startswith("rng-rank") for n in files):
             loaded.warnings.append(f"step {info.step} has no RNG state for rank {rank} (saved with world_size="
                                    f"{manifest.get(C.KEY_WORLD_SIZE)}); this rank's random streams start fresh")
-        weights = Tier.WEIGHTS in wanted and not is_sharded(manifest)
         for attempt in (1, 2):
-            found = self._problems(directory, manifest, names, blobs=weights, hashed={C.OPTIMIZER_NAME} | (
-                set() if weights_checksum else {C.WEIGHTS_NAME}))
-            found += [f"tier weights is recorded but {C.WEIGHTS_NAME} is not listed"] * (weights and C.WEIGHTS_NAME
-                                                                                           not in files)
+            found = self._problems(directory, manifest, names, tiers=wanted, blobs=Tier.WEIGHTS in wanted, hashed={
+                C.OPTIMIZER_NAME} | (set() if weights_checksum else {C.WEIGHTS_NAME}))
             if not found:
-                try:
-                    self._read_tiers(directory, manifest, wanted, names, loaded, mmap, l1_max_numel)
-                    return loaded
+                try:  # each attempt fills a fresh copy
+                    self._read_tiers(directory, manifest, wanted, names, out := dataclasses.replace(loaded), mmap,
+                                     l1_max_numel)
+                    return out
                 except (CorruptCheckpointError, OSError) as e:
                     found = [str(e)]
-                    loaded.weights = loaded.optimizer = loaded.scheduler = loaded.scaler = None  # not this attempt's
-                    loaded.rng = loaded.sampler = None
             if attempt == 1:
                 logger.debug("step %d: %s; reading it once more before giving up", info.step, "; ".join(found))
         self._set_status(info, mf.STATUS_CORRUPT)
@@ -645,11 +625,9 @@ class CheckpointStore:
 
     def _read_tiers(self, directory: Path, manifest: Mapping[str, Any], wanted: set[Tier], names: builtins.list[str],
                     loaded: LoadedCheckpoint, mmap: bool, l1_max_numel: int | None) -> None:
-        if Tier.WEIGHTS in wanted:
-            # FSDP2 / ZeRO: names and global shapes; the shards are read later
-            table = sharded_table(manifest) if is_sharded(manifest) else None
-            loaded.weights = placeholders(table) if table is not None else self._read_weights(directory, manifest,
-                                                                                               mmap)
+        if Tier.WEIGHTS in wanted:  # FSDP2 / ZeRO: names and global shapes; the shards are read later
+            table = sharded_table(manifest) if mf.is_sharded(manifest) else None
+            loaded.weights = self._read_weights(directory, manifest, mmap) if table is None else placeholders(table)
             loaded.frozen = dict(manifest.get(C.KEY_FROZEN) or {})
         if Tier.OPTIMIZER in wanted:
             structure, tensors = mf.read_json(directory / C.OPTIMIZER_META_NAME), {}
@@ -663,11 +641,11 @@ class CheckpointStore:
                                            threads=self.compression_threads)
             state = unflatten_state(structure, tensors)
             loaded.optimizer, loaded.scheduler, loaded.scaler = (state.get(p) for p in C.L1_PARTS)
-        for name in names if Tier.STATE in wanted else ():
-            if name == C.SAMPLER_NAME or name.startswith("rng-rank"):
-                if not isinstance(value := mf.read_json(directory / name), dict):
-                    raise CorruptCheckpointError(f"{directory / name} is not a JSON object; the checkpoint is damaged.")
-                loaded.sampler, loaded.rng = (value, loaded.rng) if name == C.SAMPLER_NAME else (loaded.sampler, value)
+        for name in (n for n in names if n == C.SAMPLER_NAME or n.startswith("rng-rank")) if Tier.STATE in wanted \
+                else ():
+            if not isinstance(value := mf.read_json(directory / name), dict):
+                raise CorruptCheckpointError(f"{directory / name} is not a JSON object; the checkpoint is damaged.")
+            setattr(loaded, "sampler" if name == C.SAMPLER_NAME else "rng", value)
 
     def _read_weights(self, directory: Path, manifest: Mapping[str, Any], mmap: bool) -> dict[str, torch.Tensor]:
         path = directory / C.WEIGHTS_NAME
@@ -680,12 +658,12 @@ class CheckpointStore:
             out[key] = t
         out = out if mmap else {k: t.clone() for k, t in out.items()}
         try:
-            aliases = loads_bounded(metadata.get(ALIASES_KEY) or "{}")
+            if not isinstance(aliases := loads_bounded(metadata.get(ALIASES_KEY) or "{}"), dict) or \
+                    not all(isinstance(v, str) for v in aliases.values()):
+                raise ValueError("another type")
         except ValueError as e:
-            raise CorruptCheckpointError(f"Alias map in {path} is not JSON: {metadata[ALIASES_KEY][:80]!r}.") from e
-        if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
-            raise CorruptCheckpointError(f"Alias map in {path} is not a JSON object of key names: "
-                                         f"{metadata[ALIASES_KEY][:80]!r}.")
+            raise CorruptCheckpointError(f"Alias map in {path} is not a JSON object of key names ({e}): "
+                                         f"{metadata[ALIASES_KEY][:80]!r}.") from e
         for alias, target in aliases.items():
             if target not in out:
                 raise CorruptCheckpointError(f"Weight {alias!r} aliases {target!r}, which {path} does not hold.")
@@ -764,7 +742,7 @@ class CheckpointStore:
         assembled from every rank's verified shard files; a checkpoint that is not sharded stays as it is."""
         from .shard_files import gather_weights
 
-        if is_sharded(loaded.manifest) and (table := sharded_table(loaded.manifest)) is not None and \
+        if mf.is_sharded(loaded.manifest) and (table := sharded_table(loaded.manifest)) is not None and \
                 loaded.weights is not None:
             loaded.weights = gather_weights(Path(loaded.info.path), table)
 
@@ -806,18 +784,12 @@ class CheckpointStore:
             return [f"{C.MANIFEST_NAME}: missing ({e})"]
         except (CorruptCheckpointError, ValueError) as e:
             return [f"{C.MANIFEST_NAME}: {e}"]
-        files, tiers, sharded = manifest[C.KEY_FILES], mf.tiers_of(manifest), is_sharded(manifest)
-        structure = [(Tier.WEIGHTS, any(n.startswith("weights-rank") for n in files), "tier weights is recorded but no "
-                      "weights-rank<R>.safetensors file is listed") if sharded else
-                     (Tier.WEIGHTS, C.WEIGHTS_NAME in files, f"tier weights is recorded but {C.WEIGHTS_NAME} is not "
-                      "listed"), (Tier.OPTIMIZER, C.OPTIMIZER_META_NAME in files,
-                                  f"tier optimizer is recorded but {C.OPTIMIZER_META_NAME} is not listed")]
+        files = manifest[C.KEY_FILES]
         ranks = {e.get(C.KEY_RANK) for n, e in files.items() if n.startswith("rng-rank")}
-        listed = [why for tier, ok, why in structure if tier in tiers and not ok]
-        listed += [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
-                   for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
+        listed = [f"{C.RNG_NAME_TEMPLATE.format(rank=r)} (tier state, rank {r}): rank file is not listed"
+                  for r in range(int(manifest.get(C.KEY_WORLD_SIZE, 1))) if ranks and r not in ranks]
         for _ in (1, 2):
-            found = listed + self._problems(directory, manifest, files, blobs=True)
+            found = listed + self._problems(directory, manifest, files, tiers=mf.tiers_of(manifest), blobs=True)
             if found and mf.lstat(directory / C.MANIFEST_NAME) is None:
                 self._set_status(info, mf.STATUS_MISSING)
                 raise gone
@@ -847,10 +819,7 @@ class CheckpointStore:
         self._check_writable("save")
         self.ensure_root()
         with self._lock:
-            info, replaced = self._save(state, request, timings, replace, cancel)
-            if replaced:  # blobs of an earlier version only the replaced copy used can go
-                self._collect_blobs(GcReport())
-            return info
+            return self._save(state, request, timings, replace, cancel)
 
     def _existing(self, request: SaveRequest, replace: bool) -> CheckpointInfo | bool:
         """What is committed at the step, read from disk (the same answer on every rank): `False` (nothing), the info
@@ -862,14 +831,12 @@ class CheckpointStore:
         except (NotFound, CorruptCheckpointError, FormatVersionError):
             return True  # a directory without a usable manifest never blocks a save
         info = mf.info_from_manifest(manifest, path)
-        if replace or (info.step, info.save_time) in self._abandoned():
-            return True
-        if request.lineage is not None and info.lineage is not None:
-            return True if info.lineage.timeline != request.lineage.timeline else info
-        return True if manifest.get(C.KEY_SESSION_ID) != self.session_id else info
+        same = info.lineage.timeline == request.lineage.timeline if request.lineage and info.lineage else \
+            manifest.get(C.KEY_SESSION_ID) == self.session_id
+        return True if replace or not same or (info.step, info.save_time) in self._abandoned() else info
 
     def _save(self, state: CheckpointState, request: SaveRequest, timings: Mapping[str, Any] | None, replace: bool,
-              cancel: Callable[[], bool] | None) -> tuple[CheckpointInfo | None, bool]:
+              cancel: Callable[[], bool] | None) -> CheckpointInfo | None:
         step, rank, disk = request.step, self.rank, self._disk
         try:  # under a URL root, this rank's cache has not seen rank 0's recent commits
             self._pull(step) if self.remote is not None and rank != 0 else None
@@ -879,7 +846,7 @@ class CheckpointStore:
         if isinstance(found := self._existing(request, replace), CheckpointInfo):
             logger.debug("step %d is already committed at %s by this timeline; not rewritten", step, found.path)
             self._record(found) if rank == 0 else None
-            return (found if rank == 0 else None), False
+            return found if rank == 0 else None
         if not is_kind(self.task_dir, "dir"):  # a new task
             disk.mkdir(self.task_dir)
             disk.fsync(self.root)
@@ -895,10 +862,9 @@ class CheckpointStore:
             tiers = sorted(t.value for t in state.tiers) if rank == 0 else [Tier.STATE.value] * bool(files)
             record = {"rank": rank, "session_id": self.session_id, "files": files, "tiers": tiers, "frozen": frozen}
             if self.spec.last_commits and rank == 0:  # what the manifest needs, for whichever rank commits
-                record["commit"] = {"epoch": float(state.epoch), "extra": json_safe(dict(state.extra)),
-                                    "timings": json_safe(dict(timings or {})), "request": json_safe({
-                                        **dataclasses.asdict(request), "tiers": sorted(t.value for t in request.tiers),
-                                        "lineage": request.lineage.to_dict() if request.lineage else None})}
+                record["commit"] = {"epoch": float(state.epoch), "extra": json_safe(dict(state.extra)), "timings":
+                                    json_safe(dict(timings or {})), "request": json_safe({**dataclasses.asdict(
+                                        request), "tiers": sorted(t.value for t in request.tiers)})}
             disk.write(done, mf.json_bytes({**record, **({"sharded": shards} if shards else {})}), atomic="part")
             if self.remote is not None and rank != 0:  # no shared directory: rank 0 reads the object store
                 for name in files:
@@ -911,9 +877,9 @@ class CheckpointStore:
                 f"saving step {step} of task {self.task_id!r} to {tmp} failed on rank {rank}: {e}; the previous "
                 "checkpoints are untouched.") from e
         if self.spec.last_commits and self.world_size > 1:
-            return self._commit_if_last(tmp, step), False
+            return self._commit_if_last(tmp, step)
         if rank != 0:
-            return None, False
+            return None
         written = time.perf_counter()
         parts = self._wait_for_ranks(tmp, step, cancel)
         timings = {**dict(timings or {}), "write_ms": round(1000 * (written - t0), 2),
@@ -932,8 +898,7 @@ class CheckpointStore:
         if not all(is_kind(tmp / C.RANK_DONE_TEMPLATE.format(rank=r), "file") for r in range(self.world_size)):
             return None
         try:
-            os.close(os.open(self._disk.contained(claim := tmp.with_name(f"{tmp.name}.claim")),
-                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            self._disk.create(claim := tmp.with_name(f"{tmp.name}.claim"), os.O_EXCL).close()
         except FileExistsError:
             return None
         try:
@@ -941,10 +906,10 @@ class CheckpointStore:
             own = parts[0].pop("commit", None)
             if not isinstance(own, dict) or not isinstance(own.get("request"), dict):
                 raise DistributedError(f"step {step}: rank 0's part has no commit record; nothing was committed.")
-            fields = {**own["request"], "step": step, "debug_info": tuple(own["request"].get("debug_info") or ())}
-            fields["lineage"] = Lineage.from_dict(fields["lineage"]) if fields.get("lineage") else None
+            fields = {**own["request"], "step": step, "lineage": mf.Lineage.from_dict(lineage) if (
+                lineage := own["request"].get("lineage")) else None}
             state = CheckpointState(step=step, epoch=float(own["epoch"]), extra=dict(own.get("extra") or {}))
-            return self._commit(tmp, state, SaveRequest(**fields), parts, dict(own.get("timings") or {}))[0]
+            return self._commit(tmp, state, SaveRequest(**fields), parts, dict(own.get("timings") or {}))
         except OSError as e:
             self._discard(tmp)
             raise SaveError(f"committing step {step} to {self.task_dir / mf.step_dir_name(step)} failed: {e}") from e
@@ -1034,11 +999,10 @@ class CheckpointStore:
         for r, done in enumerate(names):
             try:
                 part = mf.read_json(done)
-                ok = isinstance(part, dict) and part.get("rank") == r and isinstance(part.get("files"), dict) and \
-                    isinstance(part.get("tiers"), list) and isinstance(part.get("frozen", {}), dict)
             except CorruptCheckpointError as e:
-                part, ok = {"error": str(e)}, False
-            if not ok:
+                part = {"error": str(e)}
+            if not (isinstance(part, dict) and part.get("rank") == r and isinstance(part.get("files"), dict) and
+                    isinstance(part.get("tiers"), list) and isinstance(part.get("frozen", {}), dict)):
                 raise DistributedError(f"{done} is malformed ({str(part)[:120]}); nothing was committed.")
             if part.get("session_id") != self.session_id:
                 raise DistributedError(f"{done} belongs to session {part.get('session_id')!r}, not "
@@ -1053,7 +1017,7 @@ class CheckpointStore:
             logger.warning("could not remove %s: %s", path, e)
 
     def _commit(self, tmp: Path, state: CheckpointState, request: SaveRequest, parts: builtins.list[dict],
-                timings: dict[str, Any]) -> tuple[CheckpointInfo, bool]:
+                timings: dict[str, Any]) -> CheckpointInfo:
         step, files, frozen, chunks, tiers = request.step, dict[str, Any](), dict[str, Any](), {}, set[Tier]()
         for part in parts:
             files.update(part["files"])
@@ -1078,11 +1042,11 @@ class CheckpointStore:
         manifest = mf.with_changes(json_safe(manifest), {})
         fault("write", step=step, rank=0, name=C.MANIFEST_NAME)
         self._disk.write(tmp / C.MANIFEST_NAME, mf.manifest_bytes(manifest))
-        info, replaced = self._rename_in(tmp, manifest)
+        info = self._rename_in(tmp, manifest)
         logger.debug("committed %s step %d (%s; %d bytes)", self.task_id, step, request.reason, info.bytes)
-        return info, replaced
+        return info
 
-    def _rename_in(self, tmp: Path, manifest: dict[str, Any]) -> tuple[CheckpointInfo, bool]:
+    def _rename_in(self, tmp: Path, manifest: dict[str, Any]) -> CheckpointInfo:
         """Commit a complete temporary directory: fsync, the object store's commit point (manifest uploaded last), a
         copy in the way set aside, the rename (the commit point), the aside copy removed, then the catalog row."""
         step = manifest[C.KEY_STEP]
@@ -1097,7 +1061,8 @@ class CheckpointStore:
         if aside is not None:
             self._discard(aside)
         self._record(info := self._info(manifest, final))
-        return info, aside is not None
+        self._collect_blobs(GcReport()) if aside is not None else None  # blobs only the replaced copy used go
+        return info
 
     # -- timelines ------------------------------------------------------------------------------------------------
     def _timelines(self) -> dict[str, Any]:
@@ -1132,8 +1097,7 @@ class CheckpointStore:
         self._check_writable("adopt")
         if source.task_id != self.task_id:
             raise DynamicCkptError(f"adopt: task {source.task_id!r} is not this store's task {self.task_id!r}.")
-        problems = source.verify(f"step:{step}")
-        if problems:
+        if problems := source.verify(f"step:{step}"):
             raise CorruptCheckpointError(f"step {step} of {source.root} does not verify: {'; '.join(problems)}")
         src, final = source.task_dir / mf.step_dir_name(step), self.task_dir / mf.step_dir_name(step)
         with self._lock:
@@ -1145,24 +1109,19 @@ class CheckpointStore:
             self._disk.mkdir(tmp)
             try:
                 for name in sorted(mf.listdir(src), key=lambda n: n == C.MANIFEST_NAME):  # the manifest last
-                    self._copy_in(src / name, tmp / name)
-                info = self._rename_in(tmp, self._read_manifest(step, tmp))[0]
+                    if not is_kind(src / name, "file"):
+                        raise UnsafePathError(f"{src / name} is not a regular file; a checkpoint holds only files.")
+                    shutil.copyfile(src / name, self._disk.contained(tmp / name))
+                    self._disk.fsync(tmp / name)
+                info = self._rename_in(tmp, self._read_manifest(step, tmp))
             except BaseException:
                 self._discard(tmp)
                 raise
         logger.debug("adopted step %d of %s into %s", step, source.root, self.task_dir)
         return info
 
-    def _copy_in(self, src: Path, dst: Path) -> None:
-        if not is_kind(src, "file"):
-            raise UnsafePathError(f"{src} is not a regular file; a checkpoint holds only files.")
-        with open(src, "rb", buffering=0) as fin, self._disk.create(dst) as fout:
-            shutil.copyfileobj(fin, fout, 16 << 20)
-            fout.flush()
-            os.fsync(fout.fileno())
-
     def fork(self, *, timeline: str, after_step: int | None, session: str,
-             parent: Lineage | None = None) -> builtins.list[int]:
+             parent: mf.Lineage | None = None) -> builtins.list[int]:
         """Start timeline `timeline` (rank 0): every committed checkpoint of another timeline with
         ``step > after_step`` (all of them for `None`, a fresh start) is recorded abandoned in one atomic write of
         ``timelines.json``; the checkpoint `parent` resumes from stays usable. Returns the steps newly abandoned."""
@@ -1184,12 +1143,11 @@ class CheckpointStore:
                                     "session": i.lineage.session if i.lineage else None, "at": now}
                     newly.append(i.step)
             current = {"timeline": timeline, "session": session, "after_step": after_step, "since": now,
-                       "parent_step": parent.parent_step if parent else None,
-                       "parent_timeline": parent.parent_timeline if parent else None}
+                       **{k: getattr(parent, k, None) for k in ("parent_step", "parent_timeline")}}
             forks = [*record["forks"], {"timeline": timeline, "session": session, "after_step": after_step, "at": now}]
             self._disk.write(self.task_dir / C.TIMELINES_NAME, mf.json_bytes({
-                "format": 1, "current": current, "abandoned": sorted(entries.values(), key=lambda e: (
-                    e["step"], e["created_at"])), "forks": forks[-100:]}), atomic=self.session_id)
+                "format": 1, "current": current, "abandoned": [entries[k] for k in sorted(entries)],
+                "forks": forks[-100:]}), atomic=self.session_id)
             if self.remote is not None:
                 self.remote.put(self.task_dir / C.TIMELINES_NAME, C.TIMELINES_NAME)
             self.sync_catalog()
@@ -1222,13 +1180,12 @@ class CheckpointStore:
         self._check_writable("pin" if pinned else "unpin")
         with self._lock:
             path = Path((info := self._own(ref, "pin" if pinned else "unpin")).path)
-            if pinned:
-                self._disk.write(path / C.PINNED_MARKER, b"")
-            elif (manifest := self._read_manifest(info.step)).get(C.KEY_PINNED):
+            if not pinned and (manifest := self._read_manifest(info.step)).get(C.KEY_PINNED):
                 self._rewrite_manifest(path, mf.with_changes(manifest, {C.KEY_PINNED: False}))
-            self._disk.remove(path / C.PINNED_MARKER) if not pinned else None
+            self._disk.write(path / C.PINNED_MARKER, b"") if pinned else self._disk.remove(path / C.PINNED_MARKER)
             self._disk.fsync(path)
-            self._mirror(info.step)
+            if self.remote is not None:  # the bucket's copy follows
+                self.remote.mirror(path, self._read_manifest(info.step)[C.KEY_FILES])
             self._record(info := self._scan(info.step, path) or info)
             return info
 
@@ -1253,7 +1210,7 @@ class CheckpointStore:
             freed = sum(_tree_bytes(path / n) for n in drop)
             for name in drop:  # allowlisted single names (manifest validation)
                 self._disk.remove(path / name)
-            self._mirror(info.step)
+            self.remote.mirror(path, new[C.KEY_FILES]) if self.remote is not None else None
             return freed
         if self.remote is not None:  # the object store first: its manifest goes, so no reader counts it any more
             self.remote.remove(mf.step_dir_name(info.step), C.MANIFEST_NAME)
@@ -1325,9 +1282,7 @@ class CheckpointStore:
             if took := not dry_run and not self._writer.held:
                 self._writer.acquire(what=f"task {self.task_id!r} under {self.url}")
             try:
-                for name, size in self._remove_leftovers(dry_run=dry_run):
-                    report.temp_dirs.append(name)
-                    report.bytes_freed += size
+                self._remove_leftovers(report)
                 if self.remote is not None:
                     report.temp_dirs += self.remote.leftovers(self.session_id, dry_run=dry_run, at_open=False,
                                                               kept=report.kept)
@@ -1353,11 +1308,11 @@ class CheckpointStore:
             self._note_removed(i.step, i.tiers, "abandoned timeline: the run went back before it and has saved past "
                                                 "it since") if not report.dry_run else None
 
-    def _remove_leftovers(self, *, dry_run: bool = False) -> builtins.list[tuple[str, int]]:
+    def _remove_leftovers(self, report: GcReport) -> None:
         """Finish what interrupted saves, replace-commits and deletes left (the writer only): a copy set aside by a
         replace-commit whose step has no committed directory is renamed back; then every temporary entry of other
         sessions goes (this session's own ``step-<N>.tmp-<session>`` stays: other ranks may be writing into it)."""
-        removed, own = [], f"{C.TMP_MARKER}{self.session_id}"
+        own, dry_run = f"{C.TMP_MARKER}{self.session_id}", report.dry_run
         for name in mf.listdir(self.task_dir):
             final = self.task_dir / name.split(C.TMP_MARKER)[0]
             if name.endswith(C.ASIDE_SUFFIX) and mf.lstat(final) is None:  # restored, or (unusable) left in place
@@ -1373,12 +1328,12 @@ class CheckpointStore:
                 continue
             if (name.startswith(C.STEP_DIR_PREFIX) and C.TMP_MARKER in name and not name.endswith(own)) or \
                     name.startswith(f".{C.TIMELINES_NAME}{C.TMP_MARKER}"):
-                removed.append((name, _tree_bytes(self.task_dir / name)))
+                report.temp_dirs.append(name)
+                report.bytes_freed += _tree_bytes(self.task_dir / name)
                 self._discard(self.task_dir / name) if not dry_run else None  # a link goes, never its target
         blobs = self.task_dir / C.BLOBS_DIR
         for name in mf.listdir(blobs) if not dry_run else ():  # a linked blobs/ lists nothing
             self._disk.remove(blobs / name) if C.TMP_MARKER in name else None
-        return removed
 
     def _collect_blobs(self, report: GcReport) -> None:
         """Remove the blobs of earlier versions no committed checkpoint (nor a copy set aside) references."""
@@ -1479,8 +1434,3 @@ class CheckpointStore:
             with contextlib.suppress(Exception):
                 self.remote.remove(name)
             raise
-
-    def _mirror(self, step: int) -> None:
-        """After a tier delete, pin or unpin: the bucket's copy of `step` follows the cache."""
-        if self.remote is not None:
-            self.remote.mirror(self.task_dir / mf.step_dir_name(step), self._read_manifest(step)[C.KEY_FILES])
