@@ -395,8 +395,8 @@ class SmartCkptCallback(TrainerCallback):
         state = dataclasses.asdict(train_state)
         state["total_flos"] = float(train_state.total_flos) + dist.all_reduce_sum(current)
         callbacks = [*getattr(getattr(self.trainer, "callback_handler", None), "callbacks", []), control]
-        state["stateful_callbacks"] = TrainerState(
-            stateful_callbacks=[cb for cb in callbacks if isinstance(cb, ExportableState)]).stateful_callbacks
+        exportable: Any = [cb for cb in callbacks if isinstance(cb, ExportableState)]
+        state["stateful_callbacks"] = TrainerState(stateful_callbacks=exportable).stateful_callbacks
         return {KEY_TRAINER_STATE: state}
 
     def _sampler(self, state: TrainerState) -> dict[str, Any]:
