@@ -108,7 +108,6 @@ class SmartCkptCallback(TrainerCallback):
         self.data_steps = 0  # optimizer-step windows of data consumed: the step count plus those rollbacks skipped
         self._skipped_through = 0  # data position up to which rollbacks left the batches out
         self._epoch: tuple[int, int] | None = None  # loader without a length: (epoch index, data_steps at its start)
-        self._resumed_epoch: tuple[int, int] | None = None  # ... the resumed run's, taken at its first epoch begin
         self._pending: LoadedCheckpoint | None = None  # applied at every train begin of this train() (retries)
         self._unapplied: tuple[LoadedCheckpoint, Any, Any] | None = None  # (loaded, optimizer, scheduler)
         self._lr: float | None = None
@@ -202,7 +201,7 @@ class SmartCkptCallback(TrainerCallback):
                   position=lambda: (state.global_step, state.epoch))
         if retry:  # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
             ck.restart_timeline(state.global_step)
-        loaded, self._epoch, self._resumed_epoch = self._pending, None, None
+        loaded, self._epoch = self._pending, None
         self.data_steps, sampler = state.global_step, (loaded.sampler or {}) if loaded is not None else {}
         if loaded is not None:
             if state.global_step == folder_step(loaded, args.max_steps) != loaded.info.step:
@@ -211,8 +210,6 @@ class SmartCkptCallback(TrainerCallback):
                 # logged step, its start step).
                 state.global_step = trainer._globalstep_last_logged = trainer._initial_global_step = loaded.info.step
             self.data_steps = data_steps(loaded)
-            if (at := _epoch_windows(loaded)) is not None:
-                self._resumed_epoch = (at[0], self.data_steps - at[1])
             if loaded.info.step != state.global_step:
                 raise ConfigError(
                     f"resume_checkpoint prepared step {loaded.info.step} but Trainer resumed at global_step "
@@ -251,7 +248,7 @@ class SmartCkptCallback(TrainerCallback):
         # the uninterrupted run had before a new epoch's iterator drew from it: restored before that iterator at an
         # epoch boundary (`on_epoch_begin`), else once the first batches are fetched, as Trainer does.
         self._rng_before_iterator = sampler.get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN and \
-            (float(state.epoch or 0.0).is_integer() or self._resumed_epoch is not None)
+            (float(state.epoch or 0.0).is_integer() or _epoch_windows(sampler) is not None)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
@@ -259,7 +256,8 @@ class SmartCkptCallback(TrainerCallback):
         if train_dataloader is not None and not has_length(train_dataloader):
             # Trainer counts such a loader's epochs as it runs out: the position is (epoch, windows into it). An
             # RNG taken at a step's end goes back at the next epoch's begin if the resumed epoch runs out first.
-            resumed, self._resumed_epoch = self._resumed_epoch, None
+            at = _epoch_windows(self._pending.sampler or {}) if self._epoch is None and self._pending else None
+            resumed = (at[0], self.data_steps - at[1]) if at is not None else None  # this train()'s first epoch
             self._epoch = resumed or (self._epoch[0] + 1 if self._epoch else 0, self.data_steps)
             epoch = self._epoch[0]
         if self._resumed_rng is not None and self._rng_before_iterator and resumed is None:
@@ -569,8 +567,8 @@ def data_steps(loaded: LoadedCheckpoint) -> int:
     return value if isinstance(value, int) and value >= loaded.info.step else loaded.info.step
 
 
-def _epoch_windows(loaded: LoadedCheckpoint) -> tuple[int, int] | None:
-    value: Any = (loaded.sampler or {}).get(KEY_EPOCH_WINDOWS)
+def _epoch_windows(sampler: dict[str, Any]) -> tuple[int, int] | None:
+    value: Any = sampler.get(KEY_EPOCH_WINDOWS)
     ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)
     return (value[0], value[1]) if ok else None
 
@@ -579,7 +577,7 @@ def folder_step(loaded: LoadedCheckpoint, max_steps: int) -> int:
     """The `global_step` the resume folder names, from which Trainer derives the data to skip: for a loader without
     a length Trainer takes ``max_steps`` windows per epoch, although such a loader's epochs end when its data runs
     out, so the folder names ``epoch * max_steps + windows`` (the true step goes back at train begin)."""
-    at = _epoch_windows(loaded)
+    at = _epoch_windows(loaded.sampler or {})
     return at[0] * max_steps + at[1] if at is not None and at[1] < max_steps else data_steps(loaded)
 
 
