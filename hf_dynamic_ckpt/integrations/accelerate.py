@@ -96,9 +96,6 @@ class AccelerateState:
     def weights(self) -> dict[str, torch.Tensor]:
         return self._of_every_model(trainable_state_dict)
 
-    def read_targets(self) -> dict[str, torch.Tensor]:
-        return self._of_every_model(own_weights)
-
     def frozen_keys(self) -> frozenset[str]:
         return frozenset(self._of_every_model(lambda m: dict.fromkeys(frozen_weight_keys(m))))
 
@@ -194,7 +191,8 @@ def apply_elastic(loaded: LoadedCheckpoint, *, state: AccelerateState, run: RunO
 
 # ------------------------------------------------------------------------------------------ wiring
 def make_run(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.PathLike[str] | None,
-             state: AccelerateState, **attach: Any) -> RunOrchestrator:
+             state: AccelerateState, *, boundary: bool, draws_random: Callable[[], bool] | None = None,
+             **attach: Any) -> RunOrchestrator:
     """The run's orchestrator on the accelerator's rank and processes, attached to its live objects."""
     world = int(accelerator.num_processes)
     if world == 1 and dist.world_size() > 1:
@@ -202,14 +200,10 @@ def make_run(config: SmartCkptConfig, accelerator: Any, output_dir: str | os.Pat
             f"the accelerator counts 1 process but the process group has {dist.world_size()}: every process would "
             "checkpoint as rank 0 of a one-process run. Accelerate does this for DeepSpeed on a machine without "
             "GPUs: create `PartialState(backend='gloo')` before the `Accelerator`, so that it counts them.")
-    if config.root is None and output_dir is None:
-        output_dir = getattr(accelerator, "project_dir", None)
-    run = RunOrchestrator(config, root=config.resolve_root(output_dir), rank=int(accelerator.process_index),
-                          world_size=world)
-    boundary, draws_random = attach.pop("boundary"), attach.pop("draws_random", None)
-    loader = state.loader
+    root = config.resolve_root(output_dir if output_dir is not None else getattr(accelerator, "project_dir", None))
+    run = RunOrchestrator(config, root=root, rank=int(accelerator.process_index), world_size=world)
     sampler: Callable[[], dict[str, Any]] | None = None
-    if loader is not None:
+    if (loader := state.loader) is not None:
         where = loader.boundary_position if boundary else loader.position
         sampler = where if draws_random is None else (lambda: {**where(), KEY_DRAWS_RANDOM: draws_random()})
     run.attach(state.models()[0], optimizer=state.optimizer, scheduler=state.scheduler,
@@ -497,23 +491,22 @@ class SmartCheckpointer:
         return decision
 
     def _roll_back(self) -> None:
-        loader = self.state.loader
-        seen_before = (loader.epoch, loader.batches_seen) if loader is not None else None
+        loader, skipped = self.state.loader, ""
         done = self.run.rollback(restore_rng=loader is None)  # with a loader: after its next batch is fetched
         if done is None:
             return
         self.state.optimizer_steps = done.to_step
-        skipped = ""
-        if loader is not None and seen_before is not None:
-            skip = self.config.policy.rollback_skip_batches
+        if loader is not None:  # the data is not rewound: the loader is where the anomaly left it
+            epoch, skip = loader.epoch, self.config.policy.rollback_skip_batches
+            last = loader.batches_seen + skip
             loader.after_rollback(rng=done.rng, skip=skip)
             loader.mark_boundary()
             start = done.loaded.sampler or {}
-            first = int(start.get("batches_seen", 0)) + 1 if start.get("epoch") == seen_before[0] else 1
-            if self._skipped_through[0] == seen_before[0]:  # an earlier rollback to it left some out already
+            first = int(start.get("batches_seen", 0)) + 1 if start.get("epoch") == epoch else 1
+            if self._skipped_through[0] == epoch:  # an earlier rollback to it left some out already
                 first = max(first, self._skipped_through[1] + 1)
-            self._skipped_through = (seen_before[0], seen_before[1] + skip)
-            skipped = f"; skipped batches {first}..{seen_before[1] + skip} of epoch {seen_before[0]}"
+            self._skipped_through = (epoch, last)
+            skipped = f"; skipped batches {first}..{last} of epoch {epoch}"
         self.last_rollback = done
         if self.run.rank == 0:  # one line for the run (every rank took the same, agreed rollback)
             self.run.announce.warning("smart_ckpt: rolled back from step %d to step %d (%s)%s", done.from_step,
@@ -527,7 +520,7 @@ class SmartCheckpointer:
     def resume(self, ref: str | None = "auto") -> LoadedCheckpoint | None:
         """Restore `ref` (`auto`, `best`, `fastest`, `step:N`, a path; `None`: fresh) on every rank before the loop;
         on another number of processes the run continues the same run (docs/elastic.md). `None`: fresh start."""
-        into = None if self.run.sharded else self.state.read_targets()
+        into = None if self.run.sharded else self.state._of_every_model(own_weights)
         loaded = self.run.resume(ref, expected=self.state.weights(), into=into)
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)

@@ -190,6 +190,18 @@ def resume_batch(loaded: LoadedCheckpoint, now: BatchGeometry | None, *, world: 
 
 
 # ---------------------------------------------------------------------------- data position
+def rank_rngs() -> list[Any]:
+    """Every rank's RNG now (a collective): an epoch's start, restored with `restore_rank_rng`."""
+    return dist.all_gather_json(capture_rng_state())
+
+
+def restore_rank_rng(ranks: list[Any]) -> None:
+    """This rank's RNG of `ranks` goes back; a rank the checkpoint had not takes rank 0's (as its RNG continues
+    rank 0's)."""
+    if (rng := ranks[dist.rank()] if dist.rank() < len(ranks) else ranks[0]) is not None:
+        restore_rng_state(rng)
+
+
 def _generator(dataloader: Any) -> torch.Generator | None:
     """The generator that orders the epoch (Accelerate's synchronized one, else the sampler's)."""
     batch_sampler = getattr(dataloader, "batch_sampler", None)
@@ -272,10 +284,8 @@ class LoaderSeeds:
         out = {name: dict(entry) for name, entry in self._due.items()}
         for name, loader in loaders.items():
             if loader is not None and name not in self._due:
-                iteration = getattr(loader, "iteration", None)
-                out[name] = {"iterator": has_iterator(loader)}
-                if isinstance(iteration, int):
-                    out[name]["iteration"] = iteration
+                at = getattr(loader, "iteration", None)
+                out[name] = {"iterator": has_iterator(loader), **({"iteration": at} if isinstance(at, int) else {})}
         return out
 
     def arm(self, recorded: Mapping[str, Any] | None) -> None:
@@ -320,7 +330,6 @@ class ResumableLoader:
         self._epoch_start_gen: str | None = None
         self._source: Any = None  # what the running epoch iterates (the loader, or its skipping copy)
         self._boundary: dict[str, Any] | None = None
-        self._resuming = False  # armed by `resume_from`, not iterated yet
         self._pending_rng: dict[str, Any] | None = None
         self.on_batch: Callable[[], None] | None = None  # with each batch handed out, once the resumed RNG is in
         self.seeds = LoaderSeeds()
@@ -345,7 +354,7 @@ class ResumableLoader:
         epoch's iterator exists, or once its last batch is out: that (the next) epoch's start, the generator now)."""
         length, seen, src = self.length(), self.batches_seen, self._source  # complete: the epoch's last batch is out
         complete = seen > 0 and (getattr(src, "end_of_dataloader", False) or (length is not None and seen >= length))
-        if self._epoch_start_rngs and (self._resuming or not complete):
+        if self._epoch_start_rngs and not complete:  # (armed by `resume_from`: not complete)
             epoch, starts, gen = self.epoch, list(self._epoch_start_rngs), self._epoch_start_gen
         else:
             epoch = self.epoch + 1 if self._epoch_start_rngs else self.epoch
@@ -359,10 +368,8 @@ class ResumableLoader:
     def geometry(self) -> BatchGeometry | None:
         """This run's batch geometry (`None` when the loader does not say its batch size)."""
         per_device = per_device_batch(self.dataloader)
-        if per_device is None:
-            return None
         accumulation = int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1)
-        return BatchGeometry(per_device, dist.world_size(), accumulation)
+        return None if per_device is None else BatchGeometry(per_device, dist.world_size(), accumulation)
 
     def mark_boundary(self) -> None:
         """Remember the position at an optimizer-step boundary: a pre-anomaly capture holds the last completed step
@@ -378,10 +385,9 @@ class ResumableLoader:
         try:
             epoch, seen = int(position[KEY_EPOCH]), int(position[KEY_BATCHES_SEEN])
         except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(
-                f"data position {position!r:.200} has no integer {KEY_EPOCH!r}/{KEY_BATCHES_SEEN!r}; "
-                "the sampler state of this checkpoint is corrupt."
-            ) from e
+            raise CorruptCheckpointError(f"data position {position!r:.200} has no integer {KEY_EPOCH!r}/"
+                                         f"{KEY_BATCHES_SEEN!r}; the sampler state of this checkpoint is corrupt.") \
+                from e
         self.seeds.arm(position.get(KEY_LOADERS) if isinstance(position.get(KEY_LOADERS), dict) else None)
         for name, loader in self.other_loaders().items():  # prepared already: met now
             self.seeds.resume(name, loader)
@@ -395,7 +401,7 @@ class ResumableLoader:
         if starts and length is not None and seen >= length:  # the epoch was complete: the next one's start
             epoch, seen, starts, gen = epoch + 1, 0, [], None
         self.epoch, self.batches_seen, self._boundary, self._source = epoch, seen if starts else 0, None, None
-        self._epoch_start_rngs, self._epoch_start_gen, self._resuming = starts, gen if starts else None, bool(starts)
+        self._epoch_start_rngs, self._epoch_start_gen = starts, gen if starts else None
         self._pending_rng = rng if starts else None
         if not starts:  # saved before the epoch's iterator existed: the saved RNG is what creating it will draw from
             _set_gen(_generator(self.dataloader), gen)
@@ -443,14 +449,11 @@ class ResumableLoader:
         dl = self.dataloader
         if hasattr(dl, "set_epoch"):
             dl.set_epoch(self.epoch)
-        resuming, self._resuming, gen = self._resuming, False, _generator(dl)
+        resuming, gen = self._source is None and bool(self._epoch_start_rngs), _generator(dl)  # armed by `resume_from`
         if self.epoch > 0:  # the uninterrupted run created its iterator in epoch 0 (a skipping copy takes the lent one)
             self.seeds.lend(dl)
         if resuming:
-            # A rank the checkpoint had not starts the epoch from rank 0's state (as its RNG continues rank 0's).
-            starts, rank = self._epoch_start_rngs, dist.rank()
-            if (rng0 := starts[rank] if rank < len(starts) else starts[0]) is not None:
-                restore_rng_state(rng0)
+            restore_rank_rng(self._epoch_start_rngs)
             _set_gen(gen, self._epoch_start_gen)
             self._source = self.accelerator.skip_first_batches(dl, self.batches_seen) if self.batches_seen else dl
             # At an optimizer-step boundary the accelerator's micro-batch count starts an accumulation window, as in a
@@ -458,7 +461,7 @@ class ResumableLoader:
             self.accelerator.step = 0
             logger.debug("resuming epoch %d after %d batches", self.epoch, self.batches_seen)
         else:
-            self._epoch_start_rngs, self._epoch_start_gen = dist.all_gather_json(capture_rng_state()), _gen_b64(gen)
+            self._epoch_start_rngs, self._epoch_start_gen = rank_rngs(), _gen_b64(gen)
             self._source, self.batches_seen = dl, 0
         it = iter(self._source)
         while True:

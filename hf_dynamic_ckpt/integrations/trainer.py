@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import glob
 import itertools
 import json
@@ -58,7 +59,6 @@ from ..state import (
     adapter_names,
     apply_optimizer_state,
     apply_weights,
-    capture_rng_state,
     check_accelerator,
     check_training_args,
     expected_weights,
@@ -76,6 +76,8 @@ from .position import (
     BatchGeometry,
     LoaderSeeds,
     StepRandomness,
+    rank_rngs,
+    restore_rank_rng,
     resume_batch,
 )
 
@@ -106,11 +108,8 @@ class SmartCkptCallback(TrainerCallback):
         self.data_steps = 0  # optimizer-step windows of data consumed: the step count plus those rollbacks skipped
         self._skipped_through = 0  # data position up to which rollbacks left the batches out
         self._epoch: tuple[int, int] | None = None  # loader without a length: (epoch index, data_steps at its start)
-        self._resumed_epoch: tuple[int, int] | None = None  # ... the resumed run's, taken at its first epoch begin
         self._pending: LoadedCheckpoint | None = None  # applied at every train begin of this train() (retries)
         self._unapplied: tuple[LoadedCheckpoint, Any, Any] | None = None  # (loaded, optimizer, scheduler)
-        self._state: TrainerState | None = None
-        self._control: TrainerControl | None = None
         self._lr: float | None = None
         self._flos_at_begin = 0.0
         self._in_train = False
@@ -162,7 +161,7 @@ class SmartCkptCallback(TrainerCallback):
         if loaded is None:
             ck.announce.info("smart_ckpt: the store at %s holds no checkpoint; starting fresh", ck.root)
             return None
-        now = BatchGeometry(int(trainer._train_batch_size), dist.world_size(), int(args.gradient_accumulation_steps))
+        now = _geometry(trainer)
         plan = resume_batch(loaded, now, world=now.world_size, keep=self.config.runtime.keep_global_batch,
                             say=ck.announce if ck.rank == 0 else None, read_into=bool(into))
         if plan is not None:
@@ -173,7 +172,7 @@ class SmartCkptCallback(TrainerCallback):
         if zero:
             skip_deepspeed_load(trainer, folder)
         else:
-            load_once(trainer, loaded, folder, ck.store)
+            load_once(trainer, loaded, folder)
         if dist.is_main():  # `on_train_end` removes it; a process that resumes and never trains, when it ends
             # (not when this callback goes: a later Trainer of the process may have prepared the same folder again).
             atexit.register(remove_resume_folders, Path(ck.root), ck.store.task_id, loaded.info.step)
@@ -190,20 +189,20 @@ class SmartCkptCallback(TrainerCallback):
         check_accelerator(accelerator, deepspeed=True)
         ck = self.get_run(args)
         retry, self._in_train = self._in_train, True
-        self._state, self._control = state, control
         callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
         if self in callbacks:  # first, so that the reporting callbacks see the `smart_ckpt/*` metrics in `on_log`
             callbacks.remove(self)
             callbacks.insert(0, self)
         assert model is not None, "Trainer passes the model to callbacks"
         ck.attach(model, optimizer=optimizer, scheduler=lr_scheduler, scaler=scaler, clip_owner=accelerator,
-                  frozen_keys=frozen_weight_keys(model), extra=self._save_extra, sampler=self._sampler, hold_saves=True,
+                  frozen_keys=frozen_weight_keys(model), extra=functools.partial(self._save_extra, state, control),
+                  sampler=functools.partial(self._sampler, state), hold_saves=True,
                   model_info=describe_model(model, tokenizer=getattr(trainer, "processing_class", None)),
                   position=lambda: (state.global_step, state.epoch))
         if retry:  # auto_find_batch_size restarted the loop: the failed attempt's saves are another timeline.
             ck.restart_timeline(state.global_step)
-        loaded, self._epoch, self._resumed_epoch = self._pending, None, None
-        self.data_steps = state.global_step
+        loaded, self._epoch = self._pending, None
+        self.data_steps, sampler = state.global_step, (loaded.sampler or {}) if loaded is not None else {}
         if loaded is not None:
             if state.global_step == folder_step(loaded, args.max_steps) != loaded.info.step:
                 # The folder named the data position (a rollback skipped data, or a loader without a length): the
@@ -211,8 +210,6 @@ class SmartCkptCallback(TrainerCallback):
                 # logged step, its start step).
                 state.global_step = trainer._globalstep_last_logged = trainer._initial_global_step = loaded.info.step
             self.data_steps = data_steps(loaded)
-            if (at := _epoch_windows(loaded)) is not None:
-                self._resumed_epoch = (at[0], self.data_steps - at[1])
             if loaded.info.step != state.global_step:
                 raise ConfigError(
                     f"resume_checkpoint prepared step {loaded.info.step} but Trainer resumed at global_step "
@@ -241,18 +238,17 @@ class SmartCkptCallback(TrainerCallback):
                 ck.announce.info("smart_ckpt: restored the state of %s from the checkpoint",
                                  ", ".join(sorted(restored)))
             # The eval loaders whose persistent iterator the uninterrupted run held: met when Trainer asks for them.
-            self._seeds.arm((loaded.sampler or {}).get(KEY_LOADERS))
+            self._seeds.arm(sampler.get(KEY_LOADERS))
             if self._eval_watch is None:
                 self._eval_watch = _watch_eval_loaders(trainer, self._seeds)
         # The state training starts from can be captured before the first update (step-1 anomalies).
-        ck.note_boundary(state.global_step, rng=loaded.rng if loaded is not None else None)
-        self._resumed_rng = loaded.rng if loaded is not None else None
-        self._resumed_epoch_rng = (loaded.sampler or {}).get(KEY_EPOCH_RNG) if loaded is not None else None
+        self._resumed_rng, self._resumed_epoch_rng = getattr(loaded, "rng", None), sampler.get(KEY_EPOCH_RNG)
+        ck.note_boundary(state.global_step, rng=self._resumed_rng)
         # An RNG taken at the end of its step (a save at train end or on preemption, or by an earlier version) is what
         # the uninterrupted run had before a new epoch's iterator drew from it: restored before that iterator at an
         # epoch boundary (`on_epoch_begin`), else once the first batches are fetched, as Trainer does.
-        self._rng_before_iterator = loaded is not None and (loaded.sampler or {}).get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN \
-            and (float(state.epoch or 0.0).is_integer() or self._resumed_epoch is not None)
+        self._rng_before_iterator = sampler.get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN and \
+            (float(state.epoch or 0.0).is_integer() or _epoch_windows(sampler) is not None)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        train_dataloader: Any = None, **kwargs: Any) -> None:
@@ -260,7 +256,8 @@ class SmartCkptCallback(TrainerCallback):
         if train_dataloader is not None and not has_length(train_dataloader):
             # Trainer counts such a loader's epochs as it runs out: the position is (epoch, windows into it). An
             # RNG taken at a step's end goes back at the next epoch's begin if the resumed epoch runs out first.
-            resumed, self._resumed_epoch = self._resumed_epoch, None
+            at = _epoch_windows(self._pending.sampler or {}) if self._epoch is None and self._pending else None
+            resumed = (at[0], self.data_steps - at[1]) if at is not None else None  # this train()'s first epoch
             self._epoch = resumed or (self._epoch[0] + 1 if self._epoch else 0, self.data_steps)
             epoch = self._epoch[0]
         if self._resumed_rng is not None and self._rng_before_iterator and resumed is None:
@@ -271,9 +268,8 @@ class SmartCkptCallback(TrainerCallback):
         # checkpoint starts it from this rank's generator as the uninterrupted run began it.
         started, self._resumed_epoch_rng = self._resumed_epoch_rng, None
         if isinstance(started, dict) and started.get("epoch") == int(epoch) and started.get("ranks"):
-            ranks = started["ranks"]
-            restore_rng_state(ranks[dist.rank()] if dist.rank() < len(ranks) else ranks[0])
-        self._epoch_rng = {"epoch": int(epoch), "ranks": dist.all_gather_json(capture_rng_state())}
+            restore_rank_rng(started["ranks"])
+        self._epoch_rng = {"epoch": int(epoch), "ranks": rank_rngs()}
         if train_dataloader is not None and epoch >= 1:
             # The uninterrupted run created its iterator in the first epoch and only resets it now; a resumed run
             # that creates it must not draw the workers' seed from the main generator (`integrations.position`).
@@ -387,39 +383,40 @@ class SmartCkptCallback(TrainerCallback):
             self.run.complete_resume(loaded)
             apply_optimizer_state(loaded, optimizer=optimizer, scheduler=scheduler, scaler=None)
 
-    def _save_extra(self, decision: Decision) -> dict[str, Any]:
+    def _save_extra(self, train_state: TrainerState, control: TrainerControl, decision: Decision) -> dict[str, Any]:
         """Every rank, right before each save: the `TrainerState` Trainer would have stored for the saved step, with
         the flos it would have counted by then (summed over ranks: a collective, which every rank runs since every
-        rank takes the same saves) and what `Trainer._save_checkpoint` records of the callbacks and the control."""
-        if self._state is None:
-            return {}
+        rank takes the same saves) and the state of the callbacks and the control now, in `TrainerState`'s own form
+        (one entry per class, a list for several of one class)."""
         current = self._flos_at_begin if decision.kind == DecisionKind.CAPTURE else \
             float(getattr(self.trainer, "current_flos", 0.0) or 0.0)
-        state = dataclasses.asdict(self._state)
-        state["total_flos"] = float(self._state.total_flos) + dist.all_reduce_sum(current)
-        stateful = state["stateful_callbacks"] = dict(state.get("stateful_callbacks") or {})
-        for cb in [*getattr(getattr(self.trainer, "callback_handler", None), "callbacks", []), self._control]:
-            if isinstance(cb, ExportableState):
-                name = type(cb).__name__
-                stateful[name] = [*stateful[name], cb.state()] if isinstance(stateful.get(name), list) else cb.state()
+        state = dataclasses.asdict(train_state)
+        state["total_flos"] = float(train_state.total_flos) + dist.all_reduce_sum(current)
+        callbacks = [*getattr(getattr(self.trainer, "callback_handler", None), "callbacks", []), control]
+        exportable: Any = [cb for cb in callbacks if isinstance(cb, ExportableState)]
+        state["stateful_callbacks"] = TrainerState(stateful_callbacks=exportable).stateful_callbacks
         return {KEY_TRAINER_STATE: state}
 
-    def _sampler(self) -> dict[str, Any]:
+    def _sampler(self, state: TrainerState) -> dict[str, Any]:
         # Taken when the save is written (the next step's begin): after the step's evaluation, as the resumed run
         # continues from there.
-        state, trainer = self._state, self.trainer
-        batch = BatchGeometry(int(trainer._train_batch_size), dist.world_size(),
-                              int(trainer.args.gradient_accumulation_steps)).to_json() if trainer is not None else None
+        trainer = self.trainer
+        batch = _geometry(trainer).to_json() if trainer is not None else None
         eval_loaders = getattr(trainer, "_eval_dataloaders", None) or {}  # Trainer keeps persistent ones by name
         out: dict[str, Any] = {
-            "kind": "trainer", "global_step": state.global_step if state else None, KEY_DATA_STEPS: self.data_steps,
-            "epoch": state.epoch if state else None, KEY_BATCH: batch, KEY_DRAWS_RANDOM: self._randomness.seen,
+            "kind": "trainer", "global_step": state.global_step, KEY_DATA_STEPS: self.data_steps,
+            "epoch": state.epoch, KEY_BATCH: batch, KEY_DRAWS_RANDOM: self._randomness.seen,
             KEY_LOADERS: self._seeds.record(eval_loaders)}
         if self._epoch is not None:
             out[KEY_EPOCH_WINDOWS] = [self._epoch[0], self.data_steps - self._epoch[1]]
         if self._epoch_rng is not None:
             out[KEY_EPOCH_RNG] = self._epoch_rng
         return out
+
+
+def _geometry(trainer: Any) -> BatchGeometry:
+    args = trainer.args
+    return BatchGeometry(int(trainer._train_batch_size), dist.world_size(), int(args.gradient_accumulation_steps))
 
 
 def _deepspeed_accumulation(trainer: Any, now: BatchGeometry, accumulation: int) -> None:
@@ -570,8 +567,8 @@ def data_steps(loaded: LoadedCheckpoint) -> int:
     return value if isinstance(value, int) and value >= loaded.info.step else loaded.info.step
 
 
-def _epoch_windows(loaded: LoadedCheckpoint) -> tuple[int, int] | None:
-    value: Any = (loaded.sampler or {}).get(KEY_EPOCH_WINDOWS)
+def _epoch_windows(sampler: dict[str, Any]) -> tuple[int, int] | None:
+    value: Any = sampler.get(KEY_EPOCH_WINDOWS)
     ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)
     return (value[0], value[1]) if ok else None
 
@@ -580,7 +577,7 @@ def folder_step(loaded: LoadedCheckpoint, max_steps: int) -> int:
     """The `global_step` the resume folder names, from which Trainer derives the data to skip: for a loader without
     a length Trainer takes ``max_steps`` windows per epoch, although such a loader's epochs end when its data runs
     out, so the folder names ``epoch * max_steps + windows`` (the true step goes back at train begin)."""
-    at = _epoch_windows(loaded)
+    at = _epoch_windows(loaded.sampler or {})
     return at[0] * max_steps + at[1] if at is not None and at[1] < max_steps else data_steps(loaded)
 
 
@@ -633,10 +630,10 @@ def _loads_once(trainer: Any) -> bool:
                 or not callable(getattr(trainer, "_load_from_checkpoint", None)))
 
 
-def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) -> None:
-    """Put the verified weights of `loaded` into `trainer.model` now (a full model's read from the stored file, by the
-    resume itself where it could, into `own_weights`; adapters through PEFT's setter) and make `Trainer.train` skip its
-    second load of `folder`, once, into that model. DeepSpeed and FSDP Trainers load the weights themselves."""
+def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path) -> None:
+    """Put the verified weights of `loaded` into `trainer.model` now (a full model's read from the stored file by the
+    resume itself into `own_weights`, where it could; adapters through PEFT's setter) and make `Trainer.train` skip
+    its second load of `folder`, once, into that model. DeepSpeed and FSDP Trainers load the weights themselves."""
     if loaded.weights is None or not _loads_once(trainer):
         return
     model = trainer.model
@@ -644,16 +641,11 @@ def load_once(trainer: Any, loaded: LoadedCheckpoint, folder: Path, store: Any) 
         apply_weights(model, loaded.weights)
     else:  # the weights were checked against the model by the resume already
         live = model.state_dict()
-        own = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t.numel()}
-        # Read by the resume already: the key's loaded tensor is the model's own.
-        done = {k for k, v in loaded.weights.items()
-                if k in live and live[k].numel() and v.data_ptr() == live[k].data_ptr()}
-        targets = {k: live[k] for k in loaded.weights if k not in done and k in live and live[k].data_ptr() in own}
-        if targets:
-            done |= store.read_weights_into(loaded, targets)
-        written = {live[k].data_ptr() for k in done if live[k].numel()}
+        # Read by the resume already (every CPU tensor of the stored dtype): the key's loaded tensor is the model's own.
+        written = {v.data_ptr() for k, v in loaded.weights.items()
+                   if k in live and live[k].numel() and v.data_ptr() == live[k].data_ptr()}
         rest = {k: v for k, v in loaded.weights.items()
-                if k not in done and not (k in live and live[k].numel() and live[k].data_ptr() in written)}
+                if not (k in live and live[k].numel() and live[k].data_ptr() in written)}
         if rest:  # a tied alias whose tensor was read is skipped above; the rest is copied as Trainer would
             model.load_state_dict(rest, strict=False)
         loaded.weights = {k: live.get(k, v) for k, v in loaded.weights.items()}  # the file's mapping can go
