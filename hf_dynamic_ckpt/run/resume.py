@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 KEY_POLICY = "policy"
 KEY_GRAD_PROBE = "grad_probe"
 KEY_SAVE_LOG = "save_log"
-KEY_ROLLBACKS = "rollbacks"  # keys of a manifest's `extra` that hold the run's own state
+KEY_ROLLBACKS = "rollbacks"
+RUN_STATE = (KEY_POLICY, KEY_GRAD_PROBE, KEY_SAVE_LOG, KEY_ROLLBACKS)  # keys of a manifest's `extra`: the run's state
 
 Ref = str | int | os.PathLike[str] | CheckpointInfo
 
@@ -98,17 +99,6 @@ class _Into:
         loaded.weights.update((key, self.targets[key]) for key in keys)
 
 
-def _retry_once(fn: Callable[[], Any]) -> Any:
-    """`fn()`, tried a second time after a `CorruptCheckpointError` (a transient read error must not
-    cost a restore point; a real corruption fails twice)."""
-    try:
-        return fn()
-    except CorruptCheckpointError as e:
-        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
-    logger.debug("resume: retrying a failed read once (%s)", first)
-    return fn()
-
-
 def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_size: int,
               fallback: FallbackStrategy, mmap: bool, expected: Mapping[str, Any] | None,
               into: _Into | None = None) -> _Outcome:
@@ -116,8 +106,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     verified), optimizer per `fallback`, own L2."""
     step = info.step
     try:
-        loaded = _retry_once(lambda: store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap,
-                                                weights_checksum=into is None))
+        loaded = store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap, weights_checksum=into is None)
     except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # a FormatVersionError propagates
         return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
     if loaded.weights is None:
@@ -158,7 +147,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     # position: ranks seeded alike hold the same streams, as those of an uninterrupted run on this many would.
     own = rank if rank < info.world_size else 0
     try:
-        state = _retry_once(lambda: store.load(info, tiers={Tier.STATE}, rank=own, mmap=mmap))
+        state = store.load(info, tiers={Tier.STATE}, rank=own, mmap=mmap)
     except CorruptCheckpointError as e:
         if world_size > 1:  # every rank must continue its own random streams, or none is exact
             return _Outcome(step, False, f"rank {rank}'s RNG / data-loader state of step {step} cannot be "
@@ -183,15 +172,14 @@ class OptimizerOutcome:
 
 def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int, max_numel: int | None, *,
                         mmap: bool = False) -> OptimizerOutcome:
-    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a damaged
-    or foreign tier (`lost` says why; the scheduler is salvaged when it can be). A tensor above `max_numel`
-    (`state.state_numel_bound`) is refused before it is allocated. `mmap=False` copies an uncompressed tier now (the
-    background read: mapped, the first update would fault per page on the training thread)."""
+    """The optimizer tier of `info` on this rank (`CheckpointStore.load` retries a failed read once); never raises
+    for a damaged or foreign tier (`lost` says why; the scheduler is salvaged when it can be). A tensor above
+    `max_numel` (`state.state_numel_bound`) is refused before it is allocated. `mmap=False` copies an uncompressed
+    tier now (the background read: mapped, the first update would fault per page on the training thread)."""
     if Tier.OPTIMIZER not in info.tiers:
         return OptimizerOutcome(None, None, None, lost="the checkpoint was saved without it")
     try:
-        opt = _retry_once(lambda: store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap,
-                                             l1_max_numel=max_numel))
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap, l1_max_numel=max_numel)
     except (CorruptCheckpointError, IncompatibleStateError) as e:  # damaged, or larger than the model allows
         lost = str(e)  # the message only: the exception's frames may hold what the failed read decoded
     else:
@@ -257,18 +245,14 @@ class PendingOptimizerRead:
 class Resumption:
     """What a resume hands the run: read and verified, nothing applied yet. `loaded`: this rank's view of the
     restore point; `lineage`: the timeline the run continues on; `degraded`: the optimizer state is not restored;
-    `skipped`: newer candidates passed over; `*_state`, `save_counts`: the run's own state at the restore point (the
-    manifest's `extra`); `pending`: the optimizer tier, still being read."""
+    `state`: the run's own state at the restore point by `RUN_STATE` key (the manifest's `extra`; `None`: not
+    saved); `pending`: the optimizer tier, still being read."""
 
     loaded: LoadedCheckpoint
     ref: str
     lineage: Lineage
     degraded: bool = False
-    skipped: list[int] = field(default_factory=list)
-    policy_state: dict[str, Any] | None = None
-    probe_state: dict[str, Any] | None = None
-    save_counts: dict[str, Any] | None = None
-    rollback_state: dict[str, Any] | None = None
+    state: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     pending: PendingOptimizerRead | None = field(default=None, repr=False)
     elapsed_ms: float = 0.0
 
@@ -315,7 +299,7 @@ def plan_resume(
         raise type(e)(f"{e}{weights_overwritten(held)}") from None
     if agreed is None:
         return None
-    loaded, degraded, skipped = agreed
+    loaded, degraded = agreed
     parent = loaded.info.lineage
     lineage = Lineage(session=session_id or new_session_id(), timeline=new_session_id(),
                       parent_step=loaded.info.step, parent_timeline=parent.timeline if parent is not None else None)
@@ -325,18 +309,15 @@ def plan_resume(
         # L1 in the catalog first and turn a weights-only resume into a fallback.
         bound = state_numel_bound(expected.values()) if expected is not None else None
         pending = PendingOptimizerRead(store, loaded.info, rank=rank, max_numel=bound)
-    state = {k: v if isinstance(v, dict) and v else None
-             for k, v in ((k, loaded.extra.get(k)) for k in (KEY_POLICY, KEY_GRAD_PROBE, KEY_SAVE_LOG, KEY_ROLLBACKS))}
-    return Resumption(loaded=loaded, ref=str(ref), lineage=lineage, degraded=degraded and not deferred,
-                      skipped=skipped, policy_state=state[KEY_POLICY], probe_state=state[KEY_GRAD_PROBE],
-                      save_counts=state[KEY_SAVE_LOG], rollback_state=state[KEY_ROLLBACKS], pending=pending,
-                      elapsed_ms=(time.perf_counter() - start) * 1e3)
+    state = {k: v if isinstance(v, dict) and v else None for k, v in ((k, loaded.extra.get(k)) for k in RUN_STATE)}
+    return Resumption(loaded=loaded, ref=str(ref), lineage=lineage, degraded=degraded and not deferred, state=state,
+                      pending=pending, elapsed_ms=(time.perf_counter() - start) * 1e3)
 
 
 def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fallback: FallbackStrategy,
            expected: Mapping[str, Any] | None, mmap: bool,
-           into: _Into | None = None) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
-    """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start. Each
+           into: _Into | None = None) -> tuple[LoadedCheckpoint, bool] | None:
+    """The agreed restore point: (this rank's loaded state, degraded), or `None` for a fresh start. Each
     rank tries the candidates (`_evaluate`), one JSON all-gather shares the findings, every rank picks the newest
     candidate usable on all ranks; one a rank has not tried yet (it stopped at an older one) takes another round."""
     fallback = FallbackStrategy(fallback)
@@ -406,7 +387,7 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
         loaded.warnings[:0] = notes
     for message in loaded.warnings:
         logger.warning("resume: %s", message)
-    return loaded, degraded, skipped
+    return loaded, degraded
 
 
 def _evaluate_until_usable(store: CheckpointStore, candidates: list[CheckpointInfo], evaluated: dict[int, _Outcome],

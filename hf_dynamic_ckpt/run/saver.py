@@ -208,8 +208,7 @@ class MemoryTier:
                        "of one node; docs/memory_tier.md)")
             if why is not None and self.off_reason is None:
                 self.off_reason = why
-                self.slots.close() if self.slots is not None else None
-                self.slots = None
+                self.close(clean=False)
         if self.off_reason is not None and config.runtime.memory_tier:  # the sync engine: the user's own choice
             logger.log(logging.DEBUG if self.off_reason.startswith("engine=") else logging.INFO,
                        "memory tier off: %s; restore points are on disk only", self.off_reason)
@@ -315,14 +314,10 @@ class MemoryTier:
         logger.log(logging.WARNING if failed else logging.INFO, "memory tier off: %s; restore points are on disk "
                    "only%s", why, fix)
         self.off_reason = why
-        slots, self.slots = self.slots, None
-        if slots is not None:
-            slots.close()
-            if remove and self.store.rank == 0:  # one store per node: rank 0's to remove
-                slot_store.remove_slots(self.store.root, self.store.task_id)
+        self.close(clean=remove)
 
     def close(self, *, clean: bool) -> None:
-        """Close the slots; a clean end (the final state on disk) removes them."""
+        """Close the slots; a clean end (the final state on disk) removes them (rank 0: one store per node)."""
         slots, self.slots = self.slots, None
         if slots is not None:
             slots.close()
@@ -428,9 +423,32 @@ class Saver:
     def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
              frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
              rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
-             extra: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
-        """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it."""
+             extra: dict[str, Any] | None = None, blocking: bool = False, signum: int | None = None) -> SaveEvent:
+        """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it. The
+        preemption save (kind `PREEMPTION`, its `signum`): synchronous, within `preemption_grace_s`, most valuable
+        tiers first (the engine's reason is "emergency: ...")."""
+        start = time.perf_counter()
+        if preempted := decision.kind == DecisionKind.PREEMPTION:
+            name = "preemption"
+            if signum is not None:
+                try:
+                    name = f"preemption: {_signal.Signals(signum).name}"
+                except ValueError:
+                    name = f"preemption: signal {signum}"
+            decision = Decision(save=True, tiers=decision.tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
         request = self._request(decision, step=step, epoch=epoch, frame=frame, debug_info=debug_info, lineage=lineage)
+        if preempted:
+            info = self.engine.emergency_save(sources, request, deadline_s=self.config.runtime.preemption_grace_s,
+                                              extra=extra)
+            blocking_ms = (time.perf_counter() - start) * 1e3
+            event = SaveEvent(step=step, at_step=step, reason=f"emergency: {decision.reason}",
+                              tiers=info.tiers if info else request.tiers, pinned=False, blocking_ms=blocking_ms,
+                              kind=DecisionKind.PREEMPTION, bytes=info.bytes if info else None,
+                              path=info.path if info else None, staging="sync")
+            self.log.add(event)
+            dist.barrier()
+            logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
+            return event
         handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, blocking=blocking)
         event = SaveEvent(step=step, at_step=at_step, reason=decision.reason,
                           tiers=frozenset(decision.tiers or request.tiers), pinned=decision.pin,
@@ -441,33 +459,6 @@ class Saver:
                      handle.staging)
         if handle.done():
             self.collect(event)
-        return event
-
-    def emergency(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, signum: int | None,
-                  frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
-                  extra: dict[str, Any] | None = None) -> SaveEvent:
-        """The preemption save: synchronous, within `preemption_grace_s`, most valuable tiers first (the engine's
-        reason is "emergency: ...")."""
-        start = time.perf_counter()
-        name = "preemption"
-        if signum is not None:
-            try:
-                name = f"preemption: {_signal.Signals(signum).name}"
-            except ValueError:
-                name = f"preemption: signal {signum}"
-        emergency = Decision(save=True, tiers=decision.tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
-        request = self._request(emergency, step=step, epoch=epoch, frame=frame, debug_info=debug_info,
-                                lineage=lineage)
-        info = self.engine.emergency_save(sources, request, deadline_s=self.config.runtime.preemption_grace_s,
-                                          extra=extra)
-        blocking_ms = (time.perf_counter() - start) * 1e3
-        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}",
-                          tiers=info.tiers if info else request.tiers, pinned=False, blocking_ms=blocking_ms,
-                          kind=DecisionKind.PREEMPTION, bytes=info.bytes if info else None,
-                          path=info.path if info else None, staging="sync")
-        self.log.add(event)
-        dist.barrier()
-        logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
         return event
 
     def pin_existing(self, step: int, decision: Decision) -> bool:
