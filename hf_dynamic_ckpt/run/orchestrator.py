@@ -49,7 +49,6 @@ from .resume import (
     KEY_ROLLBACKS,
     KEY_SAVE_LOG,
     Resumption,
-    fill_optimizer,
     plan_resume,
 )
 from .saver import HeldSave, Saver, open_run_store
@@ -735,7 +734,7 @@ class RunOrchestrator:
         if resumption is None or resumption.pending is None or resumption.loaded is not loaded:
             return
         try:
-            fill_optimizer(resumption, resumption.pending.collect(self.world_size))
+            resumption.complete(self.world_size)
         finally:
             self.start_writer()
         self._announce(resumption)
@@ -744,8 +743,8 @@ class RunOrchestrator:
         """The policy's statistics (with `counters` the save counts and rollback history too) now; the gradient
         probe's once it is attached."""
         state = resumption.state
-        if counters and state.get(KEY_SAVE_LOG) is not None:
-            self.saver.log.continue_counts(state[KEY_SAVE_LOG])
+        if counters and (counts := state.get(KEY_SAVE_LOG)) is not None:
+            self.saver.log.continue_counts(counts)
         for key, target in ((KEY_ROLLBACKS, self.rollbacks if counters else None), (KEY_POLICY, self.policy)):
             _load_state(key, target, state.get(key))
         self._probe_state = state.get(KEY_GRAD_PROBE)

@@ -216,25 +216,11 @@ def _candidates(store: CheckpointStore, ref: Ref) -> list[CheckpointInfo]:
 
 # ---------------------------------------------------------------------- every rank, agreed
 class PendingOptimizerRead:
-    """The optimizer tier of `info` (this rank's files), read in a background thread until `collect`."""
+    """The optimizer tier of `info` (this rank's files), read in a background thread until `Resumption.complete`."""
 
     def __init__(self, store: CheckpointStore, info: CheckpointInfo, *, rank: int, max_numel: int | None) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="smart-ckpt-l1")
-        self._future: Future[OptimizerOutcome] = self._pool.submit(read_optimizer_tier, store, info, rank, max_numel)
-
-    def collect(self, world_size: int) -> OptimizerOutcome:
-        """Wait for the read; a loss on any rank is a loss on every rank (one all-gather when `world_size > 1`)."""
-        try:
-            mine = self._future.result()
-        finally:
-            self.close()
-        report = {"lost": mine.lost, "scheduler": mine.scheduler is not None}
-        reports = dist.all_gather_json(report) if world_size > 1 else [report]
-        lost_on = [(r, o["lost"]) for r, o in enumerate(reports) if o["lost"] is not None]
-        if not lost_on:
-            return mine
-        scheduler = mine.scheduler if all(o["scheduler"] for o in reports) else None
-        return OptimizerOutcome(None, scheduler, None, lost=agreed_loss(lost_on, world_size))
+        self.future: Future[OptimizerOutcome] = self._pool.submit(read_optimizer_tier, store, info, rank, max_numel)
 
     def close(self) -> None:
         """Wait for the thread and release it (idempotent)."""
@@ -260,6 +246,29 @@ class Resumption:
     def step(self) -> int:
         """The step of the restore point."""
         return self.loaded.info.step
+
+    def complete(self, world_size: int) -> None:
+        """Wait for the `pending` optimizer-tier read and put it into `loaded`: a loss on any rank is a loss on every
+        rank (one all-gather when `world_size > 1`), recorded, warned about, and the resumption `degraded`."""
+        assert self.pending is not None
+        try:
+            mine = self.pending.future.result()
+        finally:
+            self.pending.close()
+        report = {"lost": mine.lost, "scheduler": mine.scheduler is not None}
+        reports = dist.all_gather_json(report) if world_size > 1 else [report]
+        lost_on = [(r, o["lost"]) for r, o in enumerate(reports) if o["lost"] is not None]
+        loaded, self.pending = self.loaded, None
+        if not lost_on:
+            loaded.optimizer, loaded.scheduler, loaded.scaler = mine.optimizer, mine.scheduler, mine.scaler
+            return
+        loaded.optimizer = loaded.scaler = None
+        loaded.scheduler = mine.scheduler if all(o["scheduler"] for o in reports) else None
+        self.degraded = True
+        msg = optimizer_lost_message(loaded.info.step, agreed_loss(lost_on, world_size))
+        loaded.warnings.append(msg)
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=3)
 
 
 def plan_resume(
@@ -446,19 +455,3 @@ def _none_usable(reference: list[int], results: list[dict[int, dict[str, Any]]],
         f"no loadable checkpoint at or below step {reference[0]} of task {store.task_id!r} (tried steps {tried}): "
         f"{reasons}. Run `hf-dynamic-ckpt verify` on the store, or start fresh."
     )
-
-
-def fill_optimizer(resumption: Resumption, outcome: OptimizerOutcome) -> None:
-    """Put a collected optimizer tier into the resumption's checkpoint (or record why it is lost)."""
-    loaded = resumption.loaded
-    resumption.pending = None
-    if outcome.lost is None:
-        loaded.optimizer, loaded.scheduler, loaded.scaler = outcome.optimizer, outcome.scheduler, outcome.scaler
-        return
-    loaded.optimizer = loaded.scaler = None
-    loaded.scheduler = outcome.scheduler
-    resumption.degraded = True
-    msg = optimizer_lost_message(loaded.info.step, outcome.lost)
-    loaded.warnings.append(msg)
-    logger.warning(msg)
-    warnings.warn(msg, stacklevel=3)
