@@ -187,14 +187,14 @@ def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int,
     return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=lost)
 
 
-def agreed_loss(lost_on: list[tuple[int, str]], world_size: int) -> str:
-    """Why the optimizer tier is lost on every rank, from the (rank, why) of the ranks that could not read it."""
-    rank, why = lost_on[0]
-    return why + ("" if world_size == 1 else f" (rank {rank})" if len(lost_on) < world_size else " (every rank)")
-
-
-def optimizer_lost_message(step: int, why: str) -> str:
-    """The warning of a weights-only resume from `step`."""
+def _lose_optimizer(loaded: LoadedCheckpoint, lost_on: list[tuple[int, str]], world_size: int, *,
+                    scheduler: bool) -> str:
+    """Drop `loaded`'s optimizer state, lost on the ranks of `lost_on` (rank, why), its scheduler too unless every
+    rank salvaged it (`scheduler`); returns the warning of a weights-only resume."""
+    loaded.optimizer = loaded.scaler = None
+    loaded.scheduler = loaded.scheduler if scheduler else None
+    (rank, why), step = lost_on[0], loaded.info.step
+    why += "" if world_size == 1 else f" (rank {rank})" if len(lost_on) < world_size else " (every rank)"
     return (f"resuming from weights only: optimizer state of step {step} is lost ({why}); "
             f"the learning-rate schedule continues at step {step}")
 
@@ -259,13 +259,11 @@ class Resumption:
         reports = dist.all_gather_json(report) if world_size > 1 else [report]
         lost_on = [(r, o["lost"]) for r, o in enumerate(reports) if o["lost"] is not None]
         loaded, self.pending = self.loaded, None
+        loaded.optimizer, loaded.scheduler, loaded.scaler = mine.optimizer, mine.scheduler, mine.scaler
         if not lost_on:
-            loaded.optimizer, loaded.scheduler, loaded.scaler = mine.optimizer, mine.scheduler, mine.scaler
             return
-        loaded.optimizer = loaded.scaler = None
-        loaded.scheduler = mine.scheduler if all(o["scheduler"] for o in reports) else None
         self.degraded = True
-        msg = optimizer_lost_message(loaded.info.step, agreed_loss(lost_on, world_size))
+        msg = _lose_optimizer(loaded, lost_on, world_size, scheduler=all(o["scheduler"] for o in reports))
         loaded.warnings.append(msg)
         logger.warning(msg)
         warnings.warn(msg, stacklevel=3)
@@ -385,10 +383,8 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
     # Weights only: degraded when the checkpoint held an optimizer state that is not restored.
     degraded = bool(lost) or (fallback == FallbackStrategy.LEVEL_0_ONLY and Tier.OPTIMIZER in loaded.info.tiers)
     if lost:
-        loaded.optimizer = loaded.scaler = None
-        if not all(o["scheduler_salvaged"] for o in row):
-            loaded.scheduler = None
-        loaded.warnings.insert(0, optimizer_lost_message(chosen, agreed_loss(lost, world_size)))
+        loaded.warnings.insert(0, _lose_optimizer(loaded, lost, world_size,
+                                                  scheduler=all(o["scheduler_salvaged"] for o in row)))
     notes = [f"{r}{' ' if r.endswith(',') else '; '}falling back to the next older checkpoint"
              for r in (_skip_reason(results, s) for s in skipped)]
     if notes:

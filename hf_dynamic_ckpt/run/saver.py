@@ -179,7 +179,6 @@ class MemoryTier:
         self.credit_ms = config.policy.overhead_budget * EARLY_BURST_S * 1e3  # time left for early slots
         self._credited: float | None = None
         self.bytes: int | None = None  # the size of the last slot written
-        self.last_step: int | None = None
         self.slots: CheckpointStore | None = None
         self.off_reason: str | None = None
         self.step_s: float | None = None  # seconds per step, measured between the steps it is asked about
@@ -286,19 +285,19 @@ class MemoryTier:
             logger.debug("%s", handle.skipped)
             return
         error = handle.exception()
-        if error is not None:
-            cause = error.__cause__
-            if "do not fit" in str(error):  # checked before the first slot of a size was written (`room_problem`)
-                self.turn_off(str(error).split("SaveError: ", 1)[-1], remove=True)
-                return
-            full = "No space left" in str(error) or getattr(cause, "errno", None) == errno.ENOSPC
-            self.turn_off(f"writing a slot failed ({error})", failed=True, remove=full, fix=(
-                f"; {slot_store.SHM_DIR} is too small: give the container more (docker run --shm-size=..., or a "
-                "Kubernetes emptyDir with medium: Memory mounted there)" if full else ""))
+        if error is not None:  # no more slots: one line (WARNING if a write failed); the committed slots stay for a
+            # restart unless they do not fit: checked before the first slot of a size was written (`room_problem`)
+            fit = "do not fit" not in str(error)
+            full = "No space left" in str(error) or getattr(error.__cause__, "errno", None) == errno.ENOSPC
+            self.off_reason = f"writing a slot failed ({error})" if fit else str(error).split("SaveError: ", 1)[-1]
+            logger.log(logging.WARNING if fit else logging.INFO, "memory tier off: %s; restore points are on disk "
+                       "only%s", self.off_reason, f"; {slot_store.SHM_DIR} is too small: give the container more "
+                       "(docker run --shm-size=..., or a Kubernetes emptyDir with medium: Memory mounted there)"
+                       if full and fit else "")
+            self.close(clean=full or not fit)
             return
         info = handle.wait(0)
         self.saves += 1
-        self.last_step = handle.step
         if info is None:
             return
         self.bytes = info.bytes
@@ -307,14 +306,6 @@ class MemoryTier:
         if self.config.runtime.memory_every is None and handle.staging != "sync" and self.step_s:
             self.every = slot_cadence(handle.blocking_ms + self.wait_ms, handle.write_ms or 0.0, self.step_s * 1e3,
                                       self.config.policy.overhead_budget)
-
-    def turn_off(self, why: str, *, remove: bool = False, failed: bool = False, fix: str = "") -> None:
-        """No more slots: one line, INFO (WARNING if a write `failed`), with the `fix`; the committed slots stay for a
-        restart unless `remove` (they do not fit)."""
-        logger.log(logging.WARNING if failed else logging.INFO, "memory tier off: %s; restore points are on disk "
-                   "only%s", why, fix)
-        self.off_reason = why
-        self.close(clean=remove)
 
     def close(self, *, clean: bool) -> None:
         """Close the slots; a clean end (the final state on disk) removes them (rank 0: one store per node)."""
