@@ -105,33 +105,27 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     """Try one checkpoint on this rank: weights (+ model check; with `into`, read into the model as they are
     verified), optimizer per `fallback`, own L2."""
     step = info.step
-    try:
+    try:  # a FormatVersionError propagates, and so does an IncompatibleStateError: not a reason to fall back
         loaded = store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap, weights_checksum=into is None)
-    except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # a FormatVersionError propagates
-        return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
-    if loaded.weights is None:
-        return _Outcome(step, False, f"step {step} holds no weights")
-    table = sharded_table(loaded.manifest) if is_sharded(loaded.manifest) else None
-    if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
-        check_sharding(step, loaded.manifest, expected)
-        check_frozen(loaded, expected)  # weights not written: the model's own, checked against their records
-        try:
-            check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
-        except IncompatibleStateError:
-            if into is None or table is not None:
-                raise
-            # The names and shapes came from a header not yet hashed: a damaged one is a corrupt checkpoint (a
-            # fallback), not a model that does not fit. Its checksum, on this path only, decides which.
+        if loaded.weights is None:
+            return _Outcome(step, False, f"step {step} holds no weights")
+        table = sharded_table(loaded.manifest) if is_sharded(loaded.manifest) else None
+        if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
+            check_sharding(step, loaded.manifest, expected)
+            check_frozen(loaded, expected)  # weights not written: the model's own, checked against their records
             try:
+                check_weights(loaded.weights, expected)
+            except IncompatibleStateError:
+                if into is None or table is not None:
+                    raise
+                # The names and shapes came from a header not yet hashed: a damaged one is a corrupt checkpoint (a
+                # fallback), not a model that does not fit. Its checksum, on this path only, decides which.
                 store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=True)
-            except CorruptCheckpointError as e:
-                return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
-            raise
-    if into is not None and table is None:  # the file's checksum: only now, as it is read into the model
-        try:
+                raise
+        if into is not None and table is None:  # the file's checksum: only now, as it is read into the model
             into.read(store, loaded)
-        except CorruptCheckpointError as e:
-            return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
     outcome = _Outcome(step, True, loaded=loaded)
     if fallback != FallbackStrategy.LEVEL_0_ONLY:
         bound = state_numel_bound(expected.values()) if expected is not None else None
