@@ -321,7 +321,6 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
     """The agreed restore point: (this rank's loaded state, degraded), or `None` for a fresh start. Each
     rank tries the candidates (`_evaluate`), one JSON all-gather shares the findings, every rank picks the newest
     candidate usable on all ranks; one a rank has not tried yet (it stopped at an older one) takes another round."""
-    fallback = FallbackStrategy(fallback)
     evaluated: dict[int, _Outcome] = {}
     infos: dict[int, CheckpointInfo] = {}
     reference: list[int] | None = None  # the candidates as rank 0 listed them, once shared
@@ -366,8 +365,7 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
             break
         if pending is None:
             raise _none_usable(reference, results, store)
-    mine = evaluated[chosen]
-    loaded = mine.loaded
+    loaded = evaluated[chosen].loaded
     assert loaded is not None
     # Every rank ends a round holding the weights of the last candidate it found usable (`_evaluate_until_usable`),
     # and the choice is one of them.
