@@ -418,7 +418,7 @@ class RunOrchestrator:
             return decision  # the step log's row is written with the save, at release()
         elif decision.save or memory:
             self._save(decision, step=step, epoch=epoch, at_step=step, memory=memory)
-        self._write_step_row(frame, decision)
+        self.steplog.step(frame, decision, self.log.events, beta=self.policy.last_beta)
         return decision
 
     def release(self) -> SaveEvent | None:
@@ -428,7 +428,7 @@ class RunOrchestrator:
             return None
         event = self._save(held.decision, step=held.step, epoch=held.epoch, at_step=held.step, rng=held.rng,
                            rng_at_step_begin=held.rng_at_step_begin, memory=held.memory)
-        self._write_step_row(held.frame, held.decision)
+        self.steplog.step(held.frame, held.decision, self.log.events, beta=self.policy.last_beta)
         return event
 
     def restart_timeline(self, step: int) -> None:
@@ -570,9 +570,6 @@ class RunOrchestrator:
                                   "lineage": self.lineage, "extra": self._extra(decision)}
         return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, rng=rng,
                                sampler=sampler, blocking=blocking, signum=self.preempt_signal, **common)
-
-    def _write_step_row(self, frame: SignalFrame, decision: Decision) -> None:
-        self.steplog.step(frame, decision, self.log.events, beta=self.policy.last_beta)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, float]:

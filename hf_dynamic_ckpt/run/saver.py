@@ -55,7 +55,8 @@ class SlotRecovery:
     def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int, *, persists: bool = True) -> None:
         self.disk, self.slots, self.step = disk, slots, step
         self._thread: threading.Thread | None = None
-        self._done, self._persists = not persists, persists  # rank 0 persists every rank's parts
+        # `persisted`: tried (the memory tier writes no slot until then); rank 0 persists every rank's parts
+        self.persisted, self._persists = not persists, persists
         self.offered = False  # offered to a resume, or the timeline moved on: `auto` reads the disk (every rank)
 
     @classmethod
@@ -76,15 +77,10 @@ class SlotRecovery:
             slots.close()
         return None
 
-    @property
-    def busy(self) -> bool:
-        """The slots are not all persisted yet (the memory tier writes none meanwhile)."""
-        return not self._done
-
     def persist(self, *, background: bool = False) -> None:
         """Persist the slots newer than the disk store, in a thread with `background`, else now (waiting for a
         thread already started). Never raises: a slot that cannot be persisted is logged."""
-        if self._done:
+        if self.persisted:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._persist, name="smart-ckpt-slot-persist", daemon=True)
@@ -100,7 +96,7 @@ class SlotRecovery:
         except (OSError, DynamicCkptError) as e:
             logger.warning("memory tier: the newest slot could not be persisted (%s); it stays in host memory", e)
         finally:
-            self._done = True
+            self.persisted = True
 
     def close(self, *, remove: bool = False) -> None:
         """Persist what is not yet (waiting for it), release the slots' reader; `remove` them (the tier is off)."""
@@ -258,7 +254,7 @@ class MemoryTier:
     def ready(self) -> bool:
         """No killed run's slot is still to be persisted; the first time, the slots that are not this run's are
         removed (rank 0; persisted already, or of another run): a new slot must never be ranked below them."""
-        if self.recovery is not None and self.recovery.busy:
+        if self.recovery is not None and not self.recovery.persisted:
             return False
         if not self._cleared:
             self._cleared = True
