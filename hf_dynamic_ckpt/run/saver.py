@@ -122,30 +122,28 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                                retries=config.remote.retries, backoff_s=config.remote.backoff_s,
                                lock_wait_s=config.runtime.lock_wait_s)
 
-    if world_size > 1:
-        store, error, step = None, None, None
-        if rank == 0:
-            try:
-                store = open_store()
-                recovery = SlotRecovery.find(store) if not store.read_only else None
-                step = recovery.step if recovery is not None else None
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-        error, step = dist.broadcast_object((error, step))
-        if error is not None:
-            raise DistributedError(f"rank 0 could not open the store {root}: {error}")
-        if store is None:
+    if world_size == 1:
+        alone = open_store()
+        return alone, SlotRecovery.find(alone) if not alone.read_only else None
+    store, recovery, error = None, None, None
+    if rank == 0:
+        try:
             store = open_store()
-            recovery = None
-            if step is not None:  # every rank reads its part of the slot (one slot store per node)
-                slots = slot_store.open_slots(store, read_only=True)
-                if slots is None:
-                    raise DistributedError(f"rank {rank} does not see the memory slots rank 0 found under "
-                                           f"{slot_store.SHM_DIR}: are the ranks on one node?")
-                recovery = SlotRecovery(store, slots, step, persists=False)
-        return store, recovery
-    store = open_store()
-    return store, SlotRecovery.find(store) if not store.read_only else None
+            recovery = SlotRecovery.find(store) if not store.read_only else None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    error, step = dist.broadcast_object((error, recovery.step if recovery is not None else None))
+    if error is not None:
+        raise DistributedError(f"rank 0 could not open the store {root}: {error}")
+    if store is None:
+        store = open_store()
+        if step is not None:  # every rank reads its part of the slot (one slot store per node)
+            slots = slot_store.open_slots(store, read_only=True)
+            if slots is None:
+                raise DistributedError(f"rank {rank} does not see the memory slots rank 0 found under "
+                                       f"{slot_store.SHM_DIR}: are the ranks on one node?")
+            recovery = SlotRecovery(store, slots, step, persists=False)
+    return store, recovery
 
 
 # A slot's write still running when the next is due is waited for up to half a step (at most 1 s); a longer one (or
