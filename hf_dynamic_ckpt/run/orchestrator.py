@@ -49,7 +49,6 @@ from .resume import (
     KEY_ROLLBACKS,
     KEY_SAVE_LOG,
     Resumption,
-    fill_optimizer,
     plan_resume,
 )
 from .saver import HeldSave, Saver, open_run_store
@@ -73,7 +72,7 @@ class _OpenRun:
 
 
 _RUNS: dict[str, _OpenRun] = {}
-"""The open runs of this process, by task and rank: a new run closes the earlier one first (`hand_over`)."""
+"""The open runs of this process, by task and rank: a new run closes the earlier one first."""
 
 
 class RunOrchestrator:
@@ -113,8 +112,9 @@ class RunOrchestrator:
                         "(its writes in flight commit) and session %s takes over", config.task_id, root,
                         earlier.session_id, self.session_id)
             run = earlier.run()
-            if run is not None:
-                run.hand_over()
+            if run is not None:  # the writes in flight commit; a held save (writing it could run a collective on
+                run._held = run._rollback = None  # this rank alone) and a pending rollback are dropped
+                run.close()
             else:  # dropped without close(): what still holds the task
                 earlier.saver.close()
                 earlier.store.close()
@@ -418,7 +418,7 @@ class RunOrchestrator:
             return decision  # the step log's row is written with the save, at release()
         elif decision.save or memory:
             self._save(decision, step=step, epoch=epoch, at_step=step, memory=memory)
-        self._write_step_row(frame, decision)
+        self.steplog.step(frame, decision, self.log.events, beta=self.policy.last_beta)
         return decision
 
     def release(self) -> SaveEvent | None:
@@ -428,7 +428,7 @@ class RunOrchestrator:
             return None
         event = self._save(held.decision, step=held.step, epoch=held.epoch, at_step=held.step, rng=held.rng,
                            rng_at_step_begin=held.rng_at_step_begin, memory=held.memory)
-        self._write_step_row(held.frame, held.decision)
+        self.steplog.step(held.frame, held.decision, self.log.events, beta=self.policy.last_beta)
         return event
 
     def restart_timeline(self, step: int) -> None:
@@ -466,8 +466,11 @@ class RunOrchestrator:
         assert self._model is not None and verdict.onset is not None, "attach() first"
         self.saver.wait_snapshot()  # restore_live writes the tensors a snapshot may still be copying
         self.saver.finish()  # the capture must be committed before it is read back
-        target = choose_restore_point(self.store, rank=self.rank, world_size=self.world_size, before=verdict.onset,
-                                      earliest=verdict.earliest)
+        # The newest healthy, committed, not abandoned checkpoint with all tiers (a rollback restores them all) in
+        # [earliest, onset): rank 0 reads its store, every rank gets its answer.
+        target = max((i.step for i in self.store.list() if verdict.earliest <= i.step < verdict.onset
+                      and i.tiers >= ALL_TIERS), default=None) if self.rank == 0 else None
+        target = dist.broadcast_object(target) if self.world_size > 1 else target
         resumption, why = None, f"no complete healthy checkpoint lies between step {verdict.earliest} and it"
         if target is not None:
             try:
@@ -565,14 +568,8 @@ class RunOrchestrator:
             return None
         common: dict[str, Any] = {"frame": self.last_frame, "debug_info": self.policy.debug_info(),
                                   "lineage": self.lineage, "extra": self._extra(decision)}
-        if decision.kind == DecisionKind.PREEMPTION:  # synchronous, within the grace period
-            return self.saver.emergency(self._sources, decision, step=step, epoch=epoch, signum=self.preempt_signal,
-                                        **common)
         return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, rng=rng,
-                               sampler=sampler, blocking=blocking, **common)
-
-    def _write_step_row(self, frame: SignalFrame, decision: Decision) -> None:
-        self.steplog.step(frame, decision, self.log.events, beta=self.policy.last_beta)
+                               sampler=sampler, blocking=blocking, signum=self.preempt_signal, **common)
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, float]:
@@ -619,13 +616,6 @@ class RunOrchestrator:
                 self.recovery.close(remove=not self.memory.on)
             self.saver.close()
             self.store.close()
-
-    def hand_over(self) -> None:
-        """A later run of this process takes the task: the writes in flight commit, a held save (writing it could run
-        a collective on this rank alone) and a pending rollback are dropped, and this run closes."""
-        self._held = None
-        self._rollback = None
-        self.close()
 
     @property
     def closed(self) -> bool:
@@ -741,7 +731,7 @@ class RunOrchestrator:
         if resumption is None or resumption.pending is None or resumption.loaded is not loaded:
             return
         try:
-            fill_optimizer(resumption, resumption.pending.collect(self.world_size))
+            resumption.complete(self.world_size)
         finally:
             self.start_writer()
         self._announce(resumption)
@@ -749,30 +739,18 @@ class RunOrchestrator:
     def _restore_statistics(self, resumption: Resumption, *, counters: bool = True) -> None:
         """The policy's statistics (with `counters` the save counts and rollback history too) now; the gradient
         probe's once it is attached."""
-        if counters and resumption.save_counts is not None:
-            self.saver.log.continue_counts(resumption.save_counts)
-        if counters and resumption.rollback_state is not None:
-            try:
-                self.rollbacks.load_state_dict(resumption.rollback_state)
-            except (TypeError, ValueError) as e:
-                logger.warning("resume: rollback history not restored (%s); it restarts empty", e)
-        if resumption.policy_state is not None:
-            try:
-                self.policy.load_state_dict(resumption.policy_state)
-            except Exception as e:
-                logger.warning("resume: policy statistics not restored (%s); they restart from scratch", e)
-        self._probe_state = resumption.probe_state
+        state = resumption.state
+        if counters and (counts := state.get(KEY_SAVE_LOG)) is not None:
+            self.saver.log.continue_counts(counts)
+        for key, target in ((KEY_ROLLBACKS, self.rollbacks if counters else None), (KEY_POLICY, self.policy)):
+            _load_state(key, target, state.get(key))
+        self._probe_state = state.get(KEY_GRAD_PROBE)
         self._restore_probe_state()
 
     def _restore_probe_state(self) -> None:
-        state, grad = self._probe_state, self.sensors.grad if self.sensors is not None else None
-        if state is None or grad is None:
-            return
-        self._probe_state = None
-        try:
-            grad.load_state_dict(state)
-        except Exception as e:
-            logger.warning("resume: gradient-probe statistics not restored (%s); they restart from scratch", e)
+        if self.sensors is not None and self._probe_state is not None:
+            _load_state(KEY_GRAD_PROBE, self.sensors.grad, self._probe_state)
+            self._probe_state = None
 
     def _announce(self, resumption: Resumption) -> None:
         """The one `resumed from` line (WARNING, rank 0): step, reason, tiers, degraded or not."""
@@ -782,6 +760,20 @@ class RunOrchestrator:
                 "smart_ckpt: resumed from step %d (%s; tiers %s%s)", loaded.info.step, loaded.info.reason,
                 ",".join(sorted(t.value for t in loaded.tiers)),
                 "; degraded: fresh optimizer" if resumption.degraded else "")
+
+
+_NOT_RESTORED = {KEY_ROLLBACKS: "rollback history not restored (%s); it restarts empty",
+                 KEY_POLICY: "policy statistics not restored (%s); they restart from scratch",
+                 KEY_GRAD_PROBE: "gradient-probe statistics not restored (%s); they restart from scratch"}
+
+
+def _load_state(key: str, target: Any, state: dict[str, Any] | None) -> None:
+    """`target.load_state_dict(state)` (no target or state: nothing); one that fails restarts empty, with a warning."""
+    if target is not None and state is not None:
+        try:
+            target.load_state_dict(state)
+        except Exception as e:
+            logger.warning("resume: " + _NOT_RESTORED[key], e)
 
 
 @dataclass(frozen=True)
@@ -795,18 +787,6 @@ class Rollback:
     reason: str
     rng: dict[str, Any] | None
     loaded: LoadedCheckpoint
-
-
-def choose_restore_point(store: CheckpointStore, *, rank: int, world_size: int, before: int, earliest: int
-                         ) -> int | None:
-    """The newest healthy, committed, not abandoned checkpoint of the task with all tiers (a rollback restores them
-    all) and a step in
-    ``[earliest, before)``: rank 0 reads its store, every rank gets its answer (`None`: there is none)."""
-    choice = None
-    if rank == 0:
-        candidates = [i.step for i in store.list() if earliest <= i.step < before and i.tiers >= ALL_TIERS]
-        choice = max(candidates, default=None)
-    return dist.broadcast_object(choice) if world_size > 1 else choice
 
 
 def restore_live(loaded: LoadedCheckpoint, *, model: Any, optimizer: Any | None, scheduler: Any | None,

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 KEY_POLICY = "policy"
 KEY_GRAD_PROBE = "grad_probe"
 KEY_SAVE_LOG = "save_log"
-KEY_ROLLBACKS = "rollbacks"  # keys of a manifest's `extra` that hold the run's own state
+KEY_ROLLBACKS = "rollbacks"
+RUN_STATE = (KEY_POLICY, KEY_GRAD_PROBE, KEY_SAVE_LOG, KEY_ROLLBACKS)  # keys of a manifest's `extra`: the run's state
 
 Ref = str | int | os.PathLike[str] | CheckpointInfo
 
@@ -98,51 +99,33 @@ class _Into:
         loaded.weights.update((key, self.targets[key]) for key in keys)
 
 
-def _retry_once(fn: Callable[[], Any]) -> Any:
-    """`fn()`, tried a second time after a `CorruptCheckpointError` (a transient read error must not
-    cost a restore point; a real corruption fails twice)."""
-    try:
-        return fn()
-    except CorruptCheckpointError as e:
-        first = str(e)  # the message only: the exception's frames may hold what the failed read decoded
-    logger.debug("resume: retrying a failed read once (%s)", first)
-    return fn()
-
-
 def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_size: int,
               fallback: FallbackStrategy, mmap: bool, expected: Mapping[str, Any] | None,
               into: _Into | None = None) -> _Outcome:
     """Try one checkpoint on this rank: weights (+ model check; with `into`, read into the model as they are
     verified), optimizer per `fallback`, own L2."""
     step = info.step
-    try:
-        loaded = _retry_once(lambda: store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap,
-                                                weights_checksum=into is None))
-    except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # a FormatVersionError propagates
-        return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
-    if loaded.weights is None:
-        return _Outcome(step, False, f"step {step} holds no weights")
-    table = sharded_table(loaded.manifest) if is_sharded(loaded.manifest) else None
-    if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
-        check_sharding(step, loaded.manifest, expected)
-        check_frozen(loaded, expected)  # weights not written: the model's own, checked against their records
-        try:
-            check_weights(loaded.weights, expected)  # IncompatibleStateError: not a reason to fall back
-        except IncompatibleStateError:
-            if into is None or table is not None:
-                raise
-            # The names and shapes came from a header not yet hashed: a damaged one is a corrupt checkpoint (a
-            # fallback), not a model that does not fit. Its checksum, on this path only, decides which.
+    try:  # a FormatVersionError propagates, and so does an IncompatibleStateError: not a reason to fall back
+        loaded = store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=mmap, weights_checksum=into is None)
+        if loaded.weights is None:
+            return _Outcome(step, False, f"step {step} holds no weights")
+        table = sharded_table(loaded.manifest) if is_sharded(loaded.manifest) else None
+        if expected is not None:  # FSDP2 / ZeRO <-> unsharded: refused before any fork
+            check_sharding(step, loaded.manifest, expected)
+            check_frozen(loaded, expected)  # weights not written: the model's own, checked against their records
             try:
+                check_weights(loaded.weights, expected)
+            except IncompatibleStateError:
+                if into is None or table is not None:
+                    raise
+                # The names and shapes came from a header not yet hashed: a damaged one is a corrupt checkpoint (a
+                # fallback), not a model that does not fit. Its checksum, on this path only, decides which.
                 store.load(info, tiers={Tier.WEIGHTS}, rank=rank, mmap=True)
-            except CorruptCheckpointError as e:
-                return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
-            raise
-    if into is not None and table is None:  # the file's checksum: only now, as it is read into the model
-        try:
+                raise
+        if into is not None and table is None:  # the file's checksum: only now, as it is read into the model
             into.read(store, loaded)
-        except CorruptCheckpointError as e:
-            return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
+    except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+        return _Outcome(step, False, f"weights of step {step} cannot be loaded ({e})")
     outcome = _Outcome(step, True, loaded=loaded)
     if fallback != FallbackStrategy.LEVEL_0_ONLY:
         bound = state_numel_bound(expected.values()) if expected is not None else None
@@ -158,7 +141,7 @@ def _evaluate(store: CheckpointStore, info: CheckpointInfo, *, rank: int, world_
     # position: ranks seeded alike hold the same streams, as those of an uninterrupted run on this many would.
     own = rank if rank < info.world_size else 0
     try:
-        state = _retry_once(lambda: store.load(info, tiers={Tier.STATE}, rank=own, mmap=mmap))
+        state = store.load(info, tiers={Tier.STATE}, rank=own, mmap=mmap)
     except CorruptCheckpointError as e:
         if world_size > 1:  # every rank must continue its own random streams, or none is exact
             return _Outcome(step, False, f"rank {rank}'s RNG / data-loader state of step {step} cannot be "
@@ -183,15 +166,14 @@ class OptimizerOutcome:
 
 def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int, max_numel: int | None, *,
                         mmap: bool = False) -> OptimizerOutcome:
-    """The optimizer tier of `info` on this rank, read once more after a transient error; never raises for a damaged
-    or foreign tier (`lost` says why; the scheduler is salvaged when it can be). A tensor above `max_numel`
-    (`state.state_numel_bound`) is refused before it is allocated. `mmap=False` copies an uncompressed tier now (the
-    background read: mapped, the first update would fault per page on the training thread)."""
+    """The optimizer tier of `info` on this rank (`CheckpointStore.load` retries a failed read once); never raises
+    for a damaged or foreign tier (`lost` says why; the scheduler is salvaged when it can be). A tensor above
+    `max_numel` (`state.state_numel_bound`) is refused before it is allocated. `mmap=False` copies an uncompressed
+    tier now (the background read: mapped, the first update would fault per page on the training thread)."""
     if Tier.OPTIMIZER not in info.tiers:
         return OptimizerOutcome(None, None, None, lost="the checkpoint was saved without it")
     try:
-        opt = _retry_once(lambda: store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap,
-                                             l1_max_numel=max_numel))
+        opt = store.load(info, tiers={Tier.OPTIMIZER}, rank=rank, mmap=mmap, l1_max_numel=max_numel)
     except (CorruptCheckpointError, IncompatibleStateError) as e:  # damaged, or larger than the model allows
         lost = str(e)  # the message only: the exception's frames may hold what the failed read decoded
     else:
@@ -199,14 +181,14 @@ def read_optimizer_tier(store: CheckpointStore, info: CheckpointInfo, rank: int,
     return OptimizerOutcome(None, store.load_scheduler_only(info), None, lost=lost)
 
 
-def agreed_loss(lost_on: list[tuple[int, str]], world_size: int) -> str:
-    """Why the optimizer tier is lost on every rank, from the (rank, why) of the ranks that could not read it."""
-    rank, why = lost_on[0]
-    return why + ("" if world_size == 1 else f" (rank {rank})" if len(lost_on) < world_size else " (every rank)")
-
-
-def optimizer_lost_message(step: int, why: str) -> str:
-    """The warning of a weights-only resume from `step`."""
+def _lose_optimizer(loaded: LoadedCheckpoint, lost_on: list[tuple[int, str]], world_size: int, *,
+                    scheduler: bool) -> str:
+    """Drop `loaded`'s optimizer state, lost on the ranks of `lost_on` (rank, why), its scheduler too unless every
+    rank salvaged it (`scheduler`); returns the warning of a weights-only resume."""
+    loaded.optimizer = loaded.scaler = None
+    loaded.scheduler = loaded.scheduler if scheduler else None
+    (rank, why), step = lost_on[0], loaded.info.step
+    why += "" if world_size == 1 else f" (rank {rank})" if len(lost_on) < world_size else " (every rank)"
     return (f"resuming from weights only: optimizer state of step {step} is lost ({why}); "
             f"the learning-rate schedule continues at step {step}")
 
@@ -228,25 +210,11 @@ def _candidates(store: CheckpointStore, ref: Ref) -> list[CheckpointInfo]:
 
 # ---------------------------------------------------------------------- every rank, agreed
 class PendingOptimizerRead:
-    """The optimizer tier of `info` (this rank's files), read in a background thread until `collect`."""
+    """The optimizer tier of `info` (this rank's files), read in a background thread until `Resumption.complete`."""
 
     def __init__(self, store: CheckpointStore, info: CheckpointInfo, *, rank: int, max_numel: int | None) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="smart-ckpt-l1")
-        self._future: Future[OptimizerOutcome] = self._pool.submit(read_optimizer_tier, store, info, rank, max_numel)
-
-    def collect(self, world_size: int) -> OptimizerOutcome:
-        """Wait for the read; a loss on any rank is a loss on every rank (one all-gather when `world_size > 1`)."""
-        try:
-            mine = self._future.result()
-        finally:
-            self.close()
-        report = {"lost": mine.lost, "scheduler": mine.scheduler is not None}
-        reports = dist.all_gather_json(report) if world_size > 1 else [report]
-        lost_on = [(r, o["lost"]) for r, o in enumerate(reports) if o["lost"] is not None]
-        if not lost_on:
-            return mine
-        scheduler = mine.scheduler if all(o["scheduler"] for o in reports) else None
-        return OptimizerOutcome(None, scheduler, None, lost=agreed_loss(lost_on, world_size))
+        self.future: Future[OptimizerOutcome] = self._pool.submit(read_optimizer_tier, store, info, rank, max_numel)
 
     def close(self) -> None:
         """Wait for the thread and release it (idempotent)."""
@@ -257,18 +225,14 @@ class PendingOptimizerRead:
 class Resumption:
     """What a resume hands the run: read and verified, nothing applied yet. `loaded`: this rank's view of the
     restore point; `lineage`: the timeline the run continues on; `degraded`: the optimizer state is not restored;
-    `skipped`: newer candidates passed over; `*_state`, `save_counts`: the run's own state at the restore point (the
-    manifest's `extra`); `pending`: the optimizer tier, still being read."""
+    `state`: the run's own state at the restore point by `RUN_STATE` key (the manifest's `extra`; `None`: not
+    saved); `pending`: the optimizer tier, still being read."""
 
     loaded: LoadedCheckpoint
     ref: str
     lineage: Lineage
     degraded: bool = False
-    skipped: list[int] = field(default_factory=list)
-    policy_state: dict[str, Any] | None = None
-    probe_state: dict[str, Any] | None = None
-    save_counts: dict[str, Any] | None = None
-    rollback_state: dict[str, Any] | None = None
+    state: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     pending: PendingOptimizerRead | None = field(default=None, repr=False)
     elapsed_ms: float = 0.0
 
@@ -276,6 +240,27 @@ class Resumption:
     def step(self) -> int:
         """The step of the restore point."""
         return self.loaded.info.step
+
+    def complete(self, world_size: int) -> None:
+        """Wait for the `pending` optimizer-tier read and put it into `loaded`: a loss on any rank is a loss on every
+        rank (one all-gather when `world_size > 1`), recorded, warned about, and the resumption `degraded`."""
+        assert self.pending is not None
+        try:
+            mine = self.pending.future.result()
+        finally:
+            self.pending.close()
+        report = {"lost": mine.lost, "scheduler": mine.scheduler is not None}
+        reports = dist.all_gather_json(report) if world_size > 1 else [report]
+        lost_on = [(r, o["lost"]) for r, o in enumerate(reports) if o["lost"] is not None]
+        loaded, self.pending = self.loaded, None
+        loaded.optimizer, loaded.scheduler, loaded.scaler = mine.optimizer, mine.scheduler, mine.scaler
+        if not lost_on:
+            return
+        self.degraded = True
+        msg = _lose_optimizer(loaded, lost_on, world_size, scheduler=all(o["scheduler"] for o in reports))
+        loaded.warnings.append(msg)
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=3)
 
 
 def plan_resume(
@@ -315,7 +300,7 @@ def plan_resume(
         raise type(e)(f"{e}{weights_overwritten(held)}") from None
     if agreed is None:
         return None
-    loaded, degraded, skipped = agreed
+    loaded, degraded = agreed
     parent = loaded.info.lineage
     lineage = Lineage(session=session_id or new_session_id(), timeline=new_session_id(),
                       parent_step=loaded.info.step, parent_timeline=parent.timeline if parent is not None else None)
@@ -325,21 +310,17 @@ def plan_resume(
         # L1 in the catalog first and turn a weights-only resume into a fallback.
         bound = state_numel_bound(expected.values()) if expected is not None else None
         pending = PendingOptimizerRead(store, loaded.info, rank=rank, max_numel=bound)
-    state = {k: v if isinstance(v, dict) and v else None
-             for k, v in ((k, loaded.extra.get(k)) for k in (KEY_POLICY, KEY_GRAD_PROBE, KEY_SAVE_LOG, KEY_ROLLBACKS))}
-    return Resumption(loaded=loaded, ref=str(ref), lineage=lineage, degraded=degraded and not deferred,
-                      skipped=skipped, policy_state=state[KEY_POLICY], probe_state=state[KEY_GRAD_PROBE],
-                      save_counts=state[KEY_SAVE_LOG], rollback_state=state[KEY_ROLLBACKS], pending=pending,
-                      elapsed_ms=(time.perf_counter() - start) * 1e3)
+    state = {k: v if isinstance(v, dict) and v else None for k, v in ((k, loaded.extra.get(k)) for k in RUN_STATE)}
+    return Resumption(loaded=loaded, ref=str(ref), lineage=lineage, degraded=degraded and not deferred, state=state,
+                      pending=pending, elapsed_ms=(time.perf_counter() - start) * 1e3)
 
 
 def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fallback: FallbackStrategy,
            expected: Mapping[str, Any] | None, mmap: bool,
-           into: _Into | None = None) -> tuple[LoadedCheckpoint, bool, list[int]] | None:
-    """The agreed restore point: (this rank's loaded state, degraded, skipped), or `None` for a fresh start. Each
+           into: _Into | None = None) -> tuple[LoadedCheckpoint, bool] | None:
+    """The agreed restore point: (this rank's loaded state, degraded), or `None` for a fresh start. Each
     rank tries the candidates (`_evaluate`), one JSON all-gather shares the findings, every rank picks the newest
     candidate usable on all ranks; one a rank has not tried yet (it stopped at an older one) takes another round."""
-    fallback = FallbackStrategy(fallback)
     evaluated: dict[int, _Outcome] = {}
     infos: dict[int, CheckpointInfo] = {}
     reference: list[int] | None = None  # the candidates as rank 0 listed them, once shared
@@ -384,8 +365,7 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
             break
         if pending is None:
             raise _none_usable(reference, results, store)
-    mine = evaluated[chosen]
-    loaded = mine.loaded
+    loaded = evaluated[chosen].loaded
     assert loaded is not None
     # Every rank ends a round holding the weights of the last candidate it found usable (`_evaluate_until_usable`),
     # and the choice is one of them.
@@ -395,10 +375,8 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
     # Weights only: degraded when the checkpoint held an optimizer state that is not restored.
     degraded = bool(lost) or (fallback == FallbackStrategy.LEVEL_0_ONLY and Tier.OPTIMIZER in loaded.info.tiers)
     if lost:
-        loaded.optimizer = loaded.scaler = None
-        if not all(o["scheduler_salvaged"] for o in row):
-            loaded.scheduler = None
-        loaded.warnings.insert(0, optimizer_lost_message(chosen, agreed_loss(lost, world_size)))
+        loaded.warnings.insert(0, _lose_optimizer(loaded, lost, world_size,
+                                                  scheduler=all(o["scheduler_salvaged"] for o in row)))
     notes = [f"{r}{' ' if r.endswith(',') else '; '}falling back to the next older checkpoint"
              for r in (_skip_reason(results, s) for s in skipped)]
     if notes:
@@ -406,7 +384,7 @@ def _agree(store: CheckpointStore, ref: Ref, *, rank: int, world_size: int, fall
         loaded.warnings[:0] = notes
     for message in loaded.warnings:
         logger.warning("resume: %s", message)
-    return loaded, degraded, skipped
+    return loaded, degraded
 
 
 def _evaluate_until_usable(store: CheckpointStore, candidates: list[CheckpointInfo], evaluated: dict[int, _Outcome],
@@ -465,19 +443,3 @@ def _none_usable(reference: list[int], results: list[dict[int, dict[str, Any]]],
         f"no loadable checkpoint at or below step {reference[0]} of task {store.task_id!r} (tried steps {tried}): "
         f"{reasons}. Run `hf-dynamic-ckpt verify` on the store, or start fresh."
     )
-
-
-def fill_optimizer(resumption: Resumption, outcome: OptimizerOutcome) -> None:
-    """Put a collected optimizer tier into the resumption's checkpoint (or record why it is lost)."""
-    loaded = resumption.loaded
-    resumption.pending = None
-    if outcome.lost is None:
-        loaded.optimizer, loaded.scheduler, loaded.scaler = outcome.optimizer, outcome.scheduler, outcome.scaler
-        return
-    loaded.optimizer = loaded.scaler = None
-    loaded.scheduler = outcome.scheduler
-    resumption.degraded = True
-    msg = optimizer_lost_message(loaded.info.step, outcome.lost)
-    loaded.warnings.append(msg)
-    logger.warning(msg)
-    warnings.warn(msg, stacklevel=3)

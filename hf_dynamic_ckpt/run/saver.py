@@ -55,7 +55,8 @@ class SlotRecovery:
     def __init__(self, disk: CheckpointStore, slots: CheckpointStore, step: int, *, persists: bool = True) -> None:
         self.disk, self.slots, self.step = disk, slots, step
         self._thread: threading.Thread | None = None
-        self._done, self._persists = not persists, persists  # rank 0 persists every rank's parts
+        # `persisted`: tried (the memory tier writes no slot until then); rank 0 persists every rank's parts
+        self.persisted, self._persists = not persists, persists
         self.offered = False  # offered to a resume, or the timeline moved on: `auto` reads the disk (every rank)
 
     @classmethod
@@ -76,15 +77,10 @@ class SlotRecovery:
             slots.close()
         return None
 
-    @property
-    def busy(self) -> bool:
-        """The slots are not all persisted yet (the memory tier writes none meanwhile)."""
-        return not self._done
-
     def persist(self, *, background: bool = False) -> None:
         """Persist the slots newer than the disk store, in a thread with `background`, else now (waiting for a
         thread already started). Never raises: a slot that cannot be persisted is logged."""
-        if self._done:
+        if self.persisted:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._persist, name="smart-ckpt-slot-persist", daemon=True)
@@ -100,7 +96,7 @@ class SlotRecovery:
         except (OSError, DynamicCkptError) as e:
             logger.warning("memory tier: the newest slot could not be persisted (%s); it stays in host memory", e)
         finally:
-            self._done = True
+            self.persisted = True
 
     def close(self, *, remove: bool = False) -> None:
         """Persist what is not yet (waiting for it), release the slots' reader; `remove` them (the tier is off)."""
@@ -126,30 +122,28 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                                retries=config.remote.retries, backoff_s=config.remote.backoff_s,
                                lock_wait_s=config.runtime.lock_wait_s)
 
-    if world_size > 1:
-        store, error, step = None, None, None
-        if rank == 0:
-            try:
-                store = open_store()
-                recovery = SlotRecovery.find(store) if not store.read_only else None
-                step = recovery.step if recovery is not None else None
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-        error, step = dist.broadcast_object((error, step))
-        if error is not None:
-            raise DistributedError(f"rank 0 could not open the store {root}: {error}")
-        if store is None:
+    if world_size == 1:
+        alone = open_store()
+        return alone, SlotRecovery.find(alone) if not alone.read_only else None
+    store, recovery, error = None, None, None
+    if rank == 0:
+        try:
             store = open_store()
-            recovery = None
-            if step is not None:  # every rank reads its part of the slot (one slot store per node)
-                slots = slot_store.open_slots(store, read_only=True)
-                if slots is None:
-                    raise DistributedError(f"rank {rank} does not see the memory slots rank 0 found under "
-                                           f"{slot_store.SHM_DIR}: are the ranks on one node?")
-                recovery = SlotRecovery(store, slots, step, persists=False)
-        return store, recovery
-    store = open_store()
-    return store, SlotRecovery.find(store) if not store.read_only else None
+            recovery = SlotRecovery.find(store) if not store.read_only else None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    error, step = dist.broadcast_object((error, recovery.step if recovery is not None else None))
+    if error is not None:
+        raise DistributedError(f"rank 0 could not open the store {root}: {error}")
+    if store is None:
+        store = open_store()
+        if step is not None:  # every rank reads its part of the slot (one slot store per node)
+            slots = slot_store.open_slots(store, read_only=True)
+            if slots is None:
+                raise DistributedError(f"rank {rank} does not see the memory slots rank 0 found under "
+                                       f"{slot_store.SHM_DIR}: are the ranks on one node?")
+            recovery = SlotRecovery(store, slots, step, persists=False)
+    return store, recovery
 
 
 # A slot's write still running when the next is due is waited for up to half a step (at most 1 s); a longer one (or
@@ -179,7 +173,6 @@ class MemoryTier:
         self.credit_ms = config.policy.overhead_budget * EARLY_BURST_S * 1e3  # time left for early slots
         self._credited: float | None = None
         self.bytes: int | None = None  # the size of the last slot written
-        self.last_step: int | None = None
         self.slots: CheckpointStore | None = None
         self.off_reason: str | None = None
         self.step_s: float | None = None  # seconds per step, measured between the steps it is asked about
@@ -208,8 +201,7 @@ class MemoryTier:
                        "of one node; docs/memory_tier.md)")
             if why is not None and self.off_reason is None:
                 self.off_reason = why
-                self.slots.close() if self.slots is not None else None
-                self.slots = None
+                self.close(clean=False)
         if self.off_reason is not None and config.runtime.memory_tier:  # the sync engine: the user's own choice
             logger.log(logging.DEBUG if self.off_reason.startswith("engine=") else logging.INFO,
                        "memory tier off: %s; restore points are on disk only", self.off_reason)
@@ -260,7 +252,7 @@ class MemoryTier:
     def ready(self) -> bool:
         """No killed run's slot is still to be persisted; the first time, the slots that are not this run's are
         removed (rank 0; persisted already, or of another run): a new slot must never be ranked below them."""
-        if self.recovery is not None and self.recovery.busy:
+        if self.recovery is not None and not self.recovery.persisted:
             return False
         if not self._cleared:
             self._cleared = True
@@ -287,19 +279,19 @@ class MemoryTier:
             logger.debug("%s", handle.skipped)
             return
         error = handle.exception()
-        if error is not None:
-            cause = error.__cause__
-            if "do not fit" in str(error):  # checked before the first slot of a size was written (`room_problem`)
-                self.turn_off(str(error).split("SaveError: ", 1)[-1], remove=True)
-                return
-            full = "No space left" in str(error) or getattr(cause, "errno", None) == errno.ENOSPC
-            self.turn_off(f"writing a slot failed ({error})", failed=True, remove=full, fix=(
-                f"; {slot_store.SHM_DIR} is too small: give the container more (docker run --shm-size=..., or a "
-                "Kubernetes emptyDir with medium: Memory mounted there)" if full else ""))
+        if error is not None:  # no more slots: one line (WARNING if a write failed); the committed slots stay for a
+            # restart unless they do not fit: checked before the first slot of a size was written (`room_problem`)
+            fit = "do not fit" not in str(error)
+            full = "No space left" in str(error) or getattr(error.__cause__, "errno", None) == errno.ENOSPC
+            self.off_reason = f"writing a slot failed ({error})" if fit else str(error).split("SaveError: ", 1)[-1]
+            logger.log(logging.WARNING if fit else logging.INFO, "memory tier off: %s; restore points are on disk "
+                       "only%s", self.off_reason, f"; {slot_store.SHM_DIR} is too small: give the container more "
+                       "(docker run --shm-size=..., or a Kubernetes emptyDir with medium: Memory mounted there)"
+                       if full and fit else "")
+            self.close(clean=full or not fit)
             return
         info = handle.wait(0)
         self.saves += 1
-        self.last_step = handle.step
         if info is None:
             return
         self.bytes = info.bytes
@@ -309,20 +301,8 @@ class MemoryTier:
             self.every = slot_cadence(handle.blocking_ms + self.wait_ms, handle.write_ms or 0.0, self.step_s * 1e3,
                                       self.config.policy.overhead_budget)
 
-    def turn_off(self, why: str, *, remove: bool = False, failed: bool = False, fix: str = "") -> None:
-        """No more slots: one line, INFO (WARNING if a write `failed`), with the `fix`; the committed slots stay for a
-        restart unless `remove` (they do not fit)."""
-        logger.log(logging.WARNING if failed else logging.INFO, "memory tier off: %s; restore points are on disk "
-                   "only%s", why, fix)
-        self.off_reason = why
-        slots, self.slots = self.slots, None
-        if slots is not None:
-            slots.close()
-            if remove and self.store.rank == 0:  # one store per node: rank 0's to remove
-                slot_store.remove_slots(self.store.root, self.store.task_id)
-
     def close(self, *, clean: bool) -> None:
-        """Close the slots; a clean end (the final state on disk) removes them."""
+        """Close the slots; a clean end (the final state on disk) removes them (rank 0: one store per node)."""
         slots, self.slots = self.slots, None
         if slots is not None:
             slots.close()
@@ -428,9 +408,32 @@ class Saver:
     def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
              frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
              rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
-             extra: dict[str, Any] | None = None, blocking: bool = False) -> SaveEvent:
-        """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it."""
+             extra: dict[str, Any] | None = None, blocking: bool = False, signum: int | None = None) -> SaveEvent:
+        """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it. The
+        preemption save (kind `PREEMPTION`, its `signum`): synchronous, within `preemption_grace_s`, most valuable
+        tiers first (the engine's reason is "emergency: ...")."""
+        start = time.perf_counter()
+        if preempted := decision.kind == DecisionKind.PREEMPTION:
+            name = "preemption"
+            if signum is not None:
+                try:
+                    name = f"preemption: {_signal.Signals(signum).name}"
+                except ValueError:
+                    name = f"preemption: signal {signum}"
+            decision = Decision(save=True, tiers=decision.tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
         request = self._request(decision, step=step, epoch=epoch, frame=frame, debug_info=debug_info, lineage=lineage)
+        if preempted:
+            info = self.engine.emergency_save(sources, request, deadline_s=self.config.runtime.preemption_grace_s,
+                                              extra=extra)
+            blocking_ms = (time.perf_counter() - start) * 1e3
+            event = SaveEvent(step=step, at_step=step, reason=f"emergency: {decision.reason}",
+                              tiers=info.tiers if info else request.tiers, pinned=False, blocking_ms=blocking_ms,
+                              kind=DecisionKind.PREEMPTION, bytes=info.bytes if info else None,
+                              path=info.path if info else None, staging="sync")
+            self.log.add(event)
+            dist.barrier()
+            logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
+            return event
         handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, blocking=blocking)
         event = SaveEvent(step=step, at_step=at_step, reason=decision.reason,
                           tiers=frozenset(decision.tiers or request.tiers), pinned=decision.pin,
@@ -441,33 +444,6 @@ class Saver:
                      handle.staging)
         if handle.done():
             self.collect(event)
-        return event
-
-    def emergency(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, signum: int | None,
-                  frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
-                  extra: dict[str, Any] | None = None) -> SaveEvent:
-        """The preemption save: synchronous, within `preemption_grace_s`, most valuable tiers first (the engine's
-        reason is "emergency: ...")."""
-        start = time.perf_counter()
-        name = "preemption"
-        if signum is not None:
-            try:
-                name = f"preemption: {_signal.Signals(signum).name}"
-            except ValueError:
-                name = f"preemption: signal {signum}"
-        emergency = Decision(save=True, tiers=decision.tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
-        request = self._request(emergency, step=step, epoch=epoch, frame=frame, debug_info=debug_info,
-                                lineage=lineage)
-        info = self.engine.emergency_save(sources, request, deadline_s=self.config.runtime.preemption_grace_s,
-                                          extra=extra)
-        blocking_ms = (time.perf_counter() - start) * 1e3
-        event = SaveEvent(step=step, at_step=step, reason=f"emergency: {name}",
-                          tiers=info.tiers if info else request.tiers, pinned=False, blocking_ms=blocking_ms,
-                          kind=DecisionKind.PREEMPTION, bytes=info.bytes if info else None,
-                          path=info.path if info else None, staging="sync")
-        self.log.add(event)
-        dist.barrier()
-        logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
         return event
 
     def pin_existing(self, step: int, decision: Decision) -> bool:
