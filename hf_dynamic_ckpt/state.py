@@ -337,20 +337,14 @@ class RawRngState:
     training thread (the writer does it)."""
 
     python: tuple[Any, ...]
-    numpy: Any
+    numpy: tuple[Any, ...]
     torch_cpu: torch.Tensor
     cuda: tuple[torch.Tensor, ...] | None
 
     def to_json(self) -> dict[str, Any]:
         """The state in `capture_rng_state`'s JSON-able form."""
         version, internal, gauss_next = self.python
-        st: Any = self.numpy
-        if isinstance(st, dict) and st.get("bit_generator") == "MT19937":
-            # The dict form and `tolist()` take ~0.1 ms, the legacy tuple and a per-element int() ~0.4 ms.
-            kind, keys, pos = "MT19937", st["state"]["key"], st["state"]["pos"]
-            has_gauss, cached_gaussian = st["has_gauss"], st["gauss"]
-        else:  # a replaced global bit generator: the legacy form says what it can
-            kind, keys, pos, has_gauss, cached_gaussian = st
+        kind, keys, pos, has_gauss, cached_gaussian = self.numpy  # numpy's legacy tuple (its fastest form)
         return {
             "format_version": RNG_FORMAT_VERSION,
             "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
@@ -367,18 +361,9 @@ RngState = dict[str, Any] | RawRngState
 
 def capture_raw_rng_state() -> RawRngState:
     """This process's RNG states, captured now and converted to JSON later (`RawRngState.to_json`)."""
-    st: Any = np.random.get_state(legacy=False)
-    if not (isinstance(st, dict) and st.get("bit_generator") == "MT19937"):
-        st = np.random.get_state(legacy=True)
-    cuda = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = tuple(torch.cuda.get_rng_state_all())
-    return RawRngState(python=random.getstate(), numpy=st, torch_cpu=torch.get_rng_state(), cuda=cuda)
-
-
-def rng_json(state: RawRngState | dict[str, Any] | None) -> dict[str, Any] | None:
-    """`state` in JSON-able form (a `RawRngState` converted; a dict or `None` as it is)."""
-    return state.to_json() if isinstance(state, RawRngState) else state
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return RawRngState(python=random.getstate(), numpy=np.random.get_state(legacy=True),  # type: ignore[arg-type]
+                       torch_cpu=torch.get_rng_state(), cuda=cuda)
 
 
 def capture_rng_state() -> dict[str, Any]:
