@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import io
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -22,7 +24,7 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -189,22 +191,14 @@ def _renice(pid: int, nice: int | None) -> None:
         logger.debug("could not lower the writer's priority: %s", e)
 
 
-class _Ref(NamedTuple):
-    """A snapshot buffer named for the writer process: view `at` of layout `key`."""
-
-    key: int
-    at: int
-
-
-def _swap(obj: Any, table: Any) -> Any:
-    """`obj` with its tensors (by `id`) and `_Ref`s that `table` maps replaced."""
-    if isinstance(obj, dict):
-        return {k: _swap(v, table) for k, v in obj.items()}
-    if isinstance(obj, list | tuple) and not isinstance(obj, _Ref):
-        items = [_swap(v, table) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    key = id(obj) if isinstance(obj, torch.Tensor) else obj if isinstance(obj, _Ref) else None
-    return table.get(key, obj) if key is not None else obj
+def _dumps(obj: Any, refs: dict[int, tuple[int, int]]) -> bytes:
+    """`obj` pickled with each snapshot buffer (a tensor `refs` maps by `id`) as its `(layout key, view)`, which
+    the writer process resolves to its own mapping of the view (`persistent_load`)."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, pickle.HIGHEST_PROTOCOL)
+    pickler.persistent_id = lambda o: refs.get(id(o)) if isinstance(o, torch.Tensor) else None  # type: ignore[method-assign]
+    pickler.dump(obj)
+    return buf.getvalue()
 
 
 PERSIST_LOCK_WAIT_S = 60.0
@@ -266,17 +260,18 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
     # core busy took seconds, and until then the memory tier's slots are written on the training thread.
     _renice(0, nice)
     ready.set()
-    views: dict[_Ref, torch.Tensor] = {}
+    views: dict[tuple[int, int], torch.Tensor] = {}
     stopped, fits = False, -1  # the slot size whose room was checked
     try:
         while (msg := conn.recv())[0] != "stop":  # EOFError: the training process ended (or was killed)
-            if msg[0] == "layouts":  # the views of the layouts the parent holds, by `_Ref`
-                views = {r: v for r, v in views.items() if r.key in msg[2]}
+            if msg[0] == "layouts":  # the views of the layouts the parent holds, by (layout key, view)
+                views = {r: v for r, v in views.items() if r[0] in msg[2]}
                 for k, (flat, s) in msg[1].items():
-                    views.update((_Ref(k, i), v) for i, v in enumerate(Layout(s, flat.untyped_storage()).views))
+                    views.update(((k, i), v) for i, v in enumerate(Layout(s, flat.untyped_storage()).views))
                 continue
-            _, shipped, request, timings, memory = msg
-            state = dataclasses.replace(shipped, **{f: _swap(getattr(shipped, f), views) for f in _FIELDS})
+            unpickler = pickle.Unpickler(io.BytesIO(msg[1]))
+            unpickler.persistent_load = views.__getitem__  # type: ignore[method-assign]
+            state, request, timings, memory = unpickler.load()
             target = slots if memory and slots is not None else store
             if memory and (slots is None or not same_dir(slots.root, opened)):  # the run ended, or another process
                 conn.send(("error", f"SaveError: {removed(slots.root if slots is not None else slots_spec.root)}"))
@@ -292,7 +287,7 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
                 reply: tuple[str, Any] = ("ok", target.save(state, request, timings=timings, cancel=cancel.is_set))
             except Exception as e:
                 reply = ("error", f"{type(e).__name__}: {e}")
-            del state, shipped
+            del state
             conn.send(reply)
         stopped = True
     except (EOFError, OSError, KeyboardInterrupt, SystemExit):
@@ -304,9 +299,6 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
             if not stopped and spec.rank == 0:
                 _persist(type(store), spec, slots, opened)  # type: ignore[arg-type]
             slots.close()
-
-
-_FIELDS = ("weights", "optimizer")
 
 
 class ProcessWriter:
@@ -367,10 +359,9 @@ class ProcessWriter:
         if not self._proc.is_alive():
             raise SaveError(f"the writer process {self._proc.pid} exited with code {self._proc.exitcode}")
         self._send_layouts(layouts)
-        refs = {id(v): _Ref(lay.key, i) for lay in layouts for i, v in enumerate(lay.views)}
-        shipped = dataclasses.replace(state, **{f: _swap(getattr(state, f), refs) for f in _FIELDS})
+        refs = {id(v): (lay.key, i) for lay in layouts for i, v in enumerate(lay.views)}
         self._cancel.clear()  # one job at a time: an abort of an earlier job is spent
-        self._conn.send(("save", shipped, request, dict(timings), memory))
+        self._conn.send(("save", _dumps((state, request, dict(timings), memory), refs)))
         try:
             while not self._conn.poll(0.05):  # polls, so that an abort reaches the child while it waits for ranks
                 if cancel() and not self._cancel.is_set():
