@@ -80,23 +80,13 @@ class CachedWeights:
         # module and parameter/buffer slot is checked by identity; the data pointer only of the tensors
         # the mapping aliases (a `.data =` elsewhere, e.g. on a frozen base weight, leaves it valid).
         held = {t.data_ptr() for t in (self._cache or {}).values() if isinstance(t, torch.Tensor)}
-        tables: list[dict[str, Any]] = []
-        names: list[str] = []
-        objs: list[Any] = []
-        self._aliased: list[torch.Tensor] = []
-        self._ptrs: list[int] = []
-        self._tables: list[dict[str, Any]] = []
-        for module in self._model.modules():
-            for table in (module._modules, module._parameters, module._buffers):
-                self._tables.append(table)
-                for name, obj in table.items():  # `None` slots too: a tensor set in one later is noticed
-                    tables.append(table)
-                    names.append(name)
-                    objs.append(obj)
-                    if isinstance(obj, torch.Tensor) and obj.data_ptr() in held:
-                        self._aliased.append(obj)
-                        self._ptrs.append(obj.data_ptr())
-        self._slots = (tables, names, objs)
+        self._tables: list[dict[str, Any]] = [
+            table for m in self._model.modules() for table in (m._modules, m._parameters, m._buffers)]
+        # `None` slots too: a tensor set in one later is noticed
+        slots = [(table, name, obj) for table in self._tables for name, obj in table.items()]
+        self._slots = tuple(map(list, zip(*slots))) if slots else ([], [], [])
+        self._aliased = [o for _, _, o in slots if isinstance(o, torch.Tensor) and o.data_ptr() in held]
+        self._ptrs = list(map(_data_ptr, self._aliased))
         self._sizes = list(map(len, self._tables))  # a slot added anywhere
 
     def _valid(self) -> bool:
@@ -243,14 +233,10 @@ def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]
     unexpected = sorted(set(saved) - set(expected))
     mismatched = sorted(k for k in set(saved) & set(expected)
                         if expected[k] is not None and tuple(saved[k].shape) != tuple(expected[k].shape))
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint ({len(missing)}): {_fmt_keys(missing)}")
-    if unexpected:
-        parts.append(f"unexpected in the checkpoint ({len(unexpected)}): {_fmt_keys(unexpected)}")
-    if mismatched:
-        shown = [f"{k} saved {list(saved[k].shape)} vs model {list(expected[k].shape)}" for k in mismatched]
-        parts.append(f"shape mismatch ({len(mismatched)}): {_fmt_keys(shown)}")
+    shapes = [f"{k} saved {list(saved[k].shape)} vs model {list(expected[k].shape)}" for k in mismatched]
+    parts = [f"{what} ({len(keys)}): {_fmt_keys(keys)}" for what, keys in (
+        ("missing from the checkpoint", missing), ("unexpected in the checkpoint", unexpected),
+        ("shape mismatch", shapes)) if keys]
     if parts:
         raise IncompatibleStateError(
             "saved weights do not fit the model: " + "; ".join(parts)
@@ -478,13 +464,8 @@ def check_training_args(args: Any) -> None:
     fsdp = getattr(args, "fsdp", None)
     if fsdp:
         config = getattr(args, "fsdp_config", None) or {}
-        try:  # Trainer's default without `fsdp_config["version"]`: 2 from transformers 5, else 1
-            import transformers
-
-            default = 2 if int(transformers.__version__.split(".")[0]) >= 5 else 1
-        except ImportError:  # pragma: no cover
-            default = 1
-        version = config.get("version", config.get("fsdp_version", default)) if isinstance(config, dict) else default
+        # Without `fsdp_config["version"]`, Trainer uses FSDP2 (transformers >= 5, which this library requires).
+        version = config.get("version", config.get("fsdp_version", 2)) if isinstance(config, dict) else 2
         if str(version) != "2":
             raise _refuse(f"FSDP version {version} (TrainingArguments.fsdp={fsdp!r})", _FSDP1_WHY, _FSDP1_FIX)
 

@@ -213,7 +213,6 @@ class SaveEngine:
             room = self._room = (time.monotonic(), self._headroom())
         plan = self.last_plan = sysmem.plan_staging(needed, margin=self.memory_margin, headroom=room[1],
                                                     held_bytes=held)
-        logger.debug("staging: %s", plan.reason)
         defer = None
         if plan.mode == "buffered":
             defer = self._overlap.deferral(sources.optimizer, live, lambda: tensor_bytes([p.sources for p in parts]))
@@ -222,9 +221,9 @@ class SaveEngine:
             except NoBufferError as e:  # /dev/shm too small (anything else is a bug: it propagates)
                 plan = self.last_plan = sysmem.StagingPlan("streaming", f"{e}; enlarge /dev/shm, e.g. "
                                                            "`docker run --shm-size`")
-        if plan.mode == "streaming" and memory:
-            return _skip(handle, f"memory slot of step {request.step} skipped: {plan.reason}", start)
         if plan.mode == "streaming":
+            if memory:
+                return _skip(handle, f"memory slot of step {request.step} skipped: {plan.reason}", start)
             # Short of memory: the first such save of the run at WARNING, later ones at DEBUG.
             logger.log(logging.DEBUG if self._streamed else logging.WARNING,
                        "save of step %d streams synchronously: %s", request.step, plan.reason)
@@ -356,9 +355,8 @@ class SaveEngine:
         if job is None or job.settled or not job.handle.done():
             return
         job.settled = True
-        if job.handle.memory:  # a slot is no disk restore point, and tmpfs is no measure of the disk's speed
-            return
-        info = job.handle.wait(0) if job.handle.exception() is None else None
+        # A slot is no disk restore point, and tmpfs is no measure of the disk's speed.
+        info = job.handle.wait(0) if job.handle.exception() is None and not job.handle.memory else None
         if info is None:
             return
         self._last_committed = info
@@ -371,9 +369,9 @@ class SaveEngine:
         # Runs close() on the engine's __dict__: a weakref.finalize callback must not reference the engine.
         state["_closed"] = True
         state["_overlap"].close()  # before the writer stops: its IPC thread runs the deferred host copies
-        if state["_writer"] is not None:
-            state["_writer"].stop()
-            state["_writer"] = None
+        writer, state["_writer"] = state["_writer"], None
+        if writer is not None:
+            writer.stop()
         state["_snapshotter"].release()
 
     def _check_open(self) -> None:

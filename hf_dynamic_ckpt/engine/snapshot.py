@@ -82,15 +82,17 @@ Spec = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 """(shape, dtype) of each tensor a scope's buffers hold, in copy order."""
 
 
-def _offsets(spec: Spec) -> tuple[list[int], int]:
-    """Byte offset of each tensor (those of one dtype packed together, each dtype's run 64-byte aligned), total."""
-    offsets, total = [0] * len(spec), 0
-    for dtype in dict.fromkeys(d for _, d in spec):
+def _offsets(spec: Spec) -> tuple[list[int], int, dict[torch.dtype, list[int]]]:
+    """Byte offset of each tensor (those of one dtype packed together, each dtype's run 64-byte aligned), the total,
+    and the indices of each dtype's tensors."""
+    offsets, total, groups = [0] * len(spec), 0, dict[torch.dtype, list[int]]()
+    for i, (_, d) in enumerate(spec):
+        groups.setdefault(d, []).append(i)
+    for dtype, members in groups.items():
         total = -(-total // 64) * 64
-        for i, (shape, d) in enumerate(spec):
-            if d == dtype:
-                offsets[i], total = total, total + math.prod(shape) * d.itemsize
-    return offsets, total
+        for i in members:
+            offsets[i], total = total, total + math.prod(spec[i][0]) * dtype.itemsize
+    return offsets, total, groups
 
 
 class Layout:
@@ -99,15 +101,11 @@ class Layout:
 
     def __init__(self, spec: Spec, storage: torch.UntypedStorage, *, pinned: bool = False) -> None:
         self.spec, self.pinned, self.key = spec, pinned, next(_counter)
-        offsets, self.nbytes = _offsets(spec)
+        offsets, self.nbytes, self.groups = _offsets(spec)
         self.flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        sizes = [math.prod(shape) * d.itemsize for shape, d in spec]
-        self.views = [self.flat[o:o + n].view(d).view(shape) for (shape, d), o, n in zip(spec, offsets, sizes)]
-        self.groups: dict[torch.dtype, list[int]] = {}
-        for i, (_, d) in enumerate(spec):
-            self.groups.setdefault(d, []).append(i)
-        self.regions = {d: self.flat[offsets[m[0]]:offsets[m[-1]] + sizes[m[-1]]].view(d)
-                        for d, m in self.groups.items()}
+        ends = [o + math.prod(shape) * d.itemsize for (shape, d), o in zip(spec, offsets)]
+        self.views = [self.flat[o:e].view(d).view(shape) for (shape, d), o, e in zip(spec, offsets, ends)]
+        self.regions = {d: self.flat[offsets[m[0]]:ends[m[-1]]].view(d) for d, m in self.groups.items()}
 
 
 # -- walks over nested state dicts ---------------------------------------------------------------------------------
@@ -184,9 +182,7 @@ def collect(sources: StateSources, *, step: int, epoch: float, tiers: Iterable[T
                 continue
             key = (name, tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype)
             cache = frozen if frozen is not None else {}
-            if key not in cache:
-                cache[key] = frozen_record(tensor)
-            live.frozen[name] = cache[key]
+            live.frozen[name] = cache[key] if key in cache else cache.setdefault(key, frozen_record(tensor))
     if Tier.OPTIMIZER in tiers:
         if sources.optimizer is None and sources.scheduler is None and sources.scaler is None:
             raise SaveError("tiers include 'optimizer' but StateSources has no optimizer, scheduler or "

@@ -142,9 +142,6 @@ def run_job(job: Job, save: StoreSave) -> None:
     finally:
         del job.state, job.waits  # the buffers or live tensors are not referred to any longer
         handle.write_ms = (time.perf_counter() - start) * 1e3
-    if error is None:
-        logger.debug("committed step %d (%s): blocking %.1f ms, write %.1f ms", handle.step, handle.reason,
-                     handle.blocking_ms, handle.write_ms)
     handle.settle(info, error)
 
 
@@ -182,15 +179,6 @@ def beside_training(spec: Any) -> Any:
     return spec
 
 
-def _renice(pid: int, nice: int | None) -> None:
-    """Raise the nice value of `pid` (0: this thread, on Linux) to `nice`; best effort, never lowers it."""
-    try:
-        if nice is not None and os.getpriority(os.PRIO_PROCESS, pid) < nice:
-            os.setpriority(os.PRIO_PROCESS, pid, nice)
-    except OSError as e:
-        logger.debug("could not lower the writer's priority: %s", e)
-
-
 def _dumps(obj: Any, refs: dict[int, tuple[int, int]]) -> bytes:
     """`obj` pickled with each snapshot buffer (a tensor `refs` maps by `id`) as its `(layout key, view)`, which
     the writer process resolves to its own mapping of the view (`persistent_load`)."""
@@ -203,10 +191,6 @@ def _dumps(obj: Any, refs: dict[int, tuple[int, int]]) -> bytes:
 
 PERSIST_LOCK_WAIT_S = 60.0
 """How long a watcher waits for the disk store's writer lock (the training process's emergency save holds it)."""
-
-
-def _leave(*_: Any) -> None:
-    raise SystemExit(0)
 
 
 def _open_slots(store_cls: Any, spec: Any) -> Any:
@@ -252,13 +236,17 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
     """The writer process: map the layouts and write the saves it is sent until told to stop; if the training
     process goes without a stop, the newest slot is persisted."""
     torch.set_num_threads(1)
-    signal.signal(signal.SIGTERM, _leave)  # multiprocessing terminates daemonic children at an unclean exit
+    # multiprocessing terminates daemonic children at an unclean exit: leave through `finally` (persist a slot)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     store = store_cls.from_spec(spec, cleanup=False)
     slots = _open_slots(type(store), slots_spec)
     opened = os.lstat(slots.root) if slots is not None else None
     # Niced once up, not during its start-up: a niced import of torch beside a training process that keeps every
-    # core busy took seconds, and until then the memory tier's slots are written on the training thread.
-    _renice(0, nice)
+    # core busy took seconds, and until then the memory tier's slots are written on the training thread. Best effort,
+    # never lowered.
+    with contextlib.suppress(OSError):
+        if nice is not None and os.getpriority(os.PRIO_PROCESS, 0) < nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
     ready.set()
     views: dict[tuple[int, int], torch.Tensor] = {}
     stopped, fits = False, -1  # the slot size whose room was checked
