@@ -386,16 +386,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         cuda_states = [_unb64(s) for s in cuda] if cuda else None
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"RNG state is malformed ({type(e).__name__}: {e}); the file is corrupt.") from e
-    previous = (random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state())
+    generators: list[tuple[Callable[[Any], Any], Any, Any]] = [
+        (torch.set_rng_state, torch_cpu, torch.get_rng_state()),
+        (np.random.set_state, np_state, np.random.get_state(legacy=True)),
+        (random.setstate, py_state, random.getstate())]
     try:
-        torch.set_rng_state(torch_cpu)
-        np.random.set_state(np_state)
-        random.setstate(py_state)
+        for set_state, new, _ in generators:
+            set_state(new)
     except (TypeError, ValueError, IndexError, RuntimeError) as e:
-        # All or nothing: a half-restored set of generators would silently break exactness.
-        random.setstate(previous[0])
-        np.random.set_state(previous[1])
-        torch.set_rng_state(previous[2])
+        for set_state, _, old in generators:  # all or nothing: a half-restored set would silently break exactness
+            set_state(old)
         raise CorruptCheckpointError(f"RNG state was rejected by its generator ({e}); the file is corrupt.") from e
     if cuda_states:
         if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -94,10 +95,8 @@ class SaveEngine:
         if not 0.0 <= memory_margin < 1.0:
             raise ConfigError(f"memory_margin={memory_margin!r} is invalid: expected 0 <= value < 1.")
         self.store, self.mode, self.memory_margin, self.writer_nice = store, mode, memory_margin, int(writer_nice)
-        if headroom is None:
-            cgroup = sysmem.find_memory_cgroup()  # once: parsing mountinfo per save would cost ~1 ms of blocking
-            headroom = lambda: sysmem.headroom(cgroup)  # noqa: E731
-        self._headroom = headroom
+        # The cgroup is found once: parsing mountinfo per save would cost ~1 ms of blocking.
+        self._headroom = headroom or functools.partial(sysmem.headroom, sysmem.find_memory_cgroup())
         self._room: tuple[float, sysmem.Headroom] | None = None  # (when, what): reused by memory slots for a second
         self._slot_fits = -1  # the size of the slots written on this thread whose room was checked
         self.slots = slots
@@ -171,8 +170,7 @@ class SaveEngine:
         self._check_open()
         start = time.perf_counter()
         self._overlap.wait()  # a copy still running beside the previous step reads the buffers this save fills
-        handle = SaveHandle(request.step, request.reason)
-        handle.memory = memory
+        handle = SaveHandle(request.step, request.reason, memory=memory)
         previous = self._job
         busy = previous.handle.step if previous is not None and not previous.handle.done() else None
         if memory:

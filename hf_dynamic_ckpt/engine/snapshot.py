@@ -193,8 +193,8 @@ def collect(sources: StateSources, *, step: int, epoch: float, tiers: Iterable[T
     if Tier.STATE in tiers:
         live.rng = rng if isinstance(rng, RawRngState) else clone_small(rng) if rng is not None \
             else capture_raw_rng_state()
-        position = sampler if sampler is not None else sources.sampler() if sources.sampler is not None else None
-        live.sampler = clone_small(position) if position is not None else None
+        live.sampler = clone_small(sampler if sampler is not None  # clone_small(None) is None
+                                   else sources.sampler() if sources.sampler is not None else None)
     return live
 
 

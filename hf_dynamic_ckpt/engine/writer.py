@@ -67,14 +67,14 @@ class SaveHandle:
     time in `SaveEngine.save`; `staging`: `"buffered"`, `"streaming"` or `"sync"`; `skipped`: why; `write_ms`;
     `writer`: `"process"` or `"sync"`; `deferred`: the overlap's `PendingCopy`."""
 
-    def __init__(self, step: int, reason: str) -> None:
+    def __init__(self, step: int, reason: str, *, memory: bool = False) -> None:
         self.step, self.reason = step, reason
         self.blocking_ms = 0.0
         self.staging = "buffered"
         self.skipped: str | None = None
         self.write_ms: float | None = None
         self.writer = "sync"
-        self.memory = False
+        self.memory = memory
         """A save into the memory tier's slots (`SaveEngine.save(memory=True)`), not the disk store."""
         self.deferred: PendingCopy | None = None
         self._event = threading.Event()
