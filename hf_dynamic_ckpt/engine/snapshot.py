@@ -236,17 +236,14 @@ class Copies:
         self.cats: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self.host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.cuda: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self.nbytes = 0
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dsts, srcs = self.cuda if src.is_cuda else self.host
         dsts.append(dst)
         srcs.append(src)
-        self.nbytes += src.numel() * src.element_size()
 
     def cat(self, region: torch.Tensor, sources: list[torch.Tensor]) -> None:
         self.cats.append((region, [t.view(-1) for t in sources]))
-        self.nbytes += region.numel() * region.element_size()
 
     @torch.no_grad()  # sources may require grad (ZeRO's fp32 partitions): `cat(out=)` refuses them otherwise; and
     def run_host(self) -> None:  # grad mode is per thread (deferred copies run on the writer's IPC thread)
@@ -369,13 +366,13 @@ class PendingCopy:
     `wait_ms` (the training thread's wait at the gate), `error` (failed, or a tensor changed before its copy)."""
 
     def __init__(self, step: int, copies: Copies, events: list[tuple[int, Any]]) -> None:
-        self.step, self.nbytes = step, copies.nbytes
+        self._watched = copies.host[1] + copies.cuda[1]
+        self.step, self.nbytes = step, sum(t.nbytes for t in self._watched)
         self.error: BaseException | None = None
         self.copy_ms: float | None = None
         self.wait_ms: float | None = None
         self._copies: Copies | None = copies if copies.host[0] or copies.cats else None
-        self._events, self._unordered = events, list(events)
-        self._watched = copies.host[1] + copies.cuda[1]
+        self._events = events
         self._versions = [t._version for t in self._watched]
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -403,9 +400,8 @@ class PendingCopy:
 
     def release(self) -> None:
         """At the gate: wait for the host copies, order the current streams after the CUDA ones, check versions."""
-        self._done.wait()
-        events, self._unordered = self._unordered, []
-        for device, event in events:
+        self._done.wait()  # (once: `Overlap.wait` hands the pending copy over)
+        for device, event in self._events:
             torch.cuda.current_stream(device).wait_event(event)
         self._check()
 
