@@ -116,12 +116,8 @@ def adapter_names(model: nn.Module) -> list[str]:
     """The PEFT adapters of `model` in a stable order (the active one first); `[]` for other models."""
     if not is_peft_model(model):
         return []
-    names = list(getattr(model, "peft_config", {}) or {})
     active = getattr(model, "active_adapter", None)
-    if isinstance(active, str) and active in names:
-        names.remove(active)
-        names.insert(0, active)
-    return names
+    return sorted(getattr(model, "peft_config", {}) or {}, key=lambda name: name != active)  # stable
 
 
 def split_adapters(weights: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -151,11 +147,8 @@ def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     if len(names) == 1:
         return dict(get_peft_model_state_dict(model, adapter_name=names[0]))
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        adapter = get_peft_model_state_dict(model, adapter_name=name)
-        out.update({f"{name}{ADAPTER_KEY_SEP}{k}": v for k, v in adapter.items()})
-    return out
+    return {f"{name}{ADAPTER_KEY_SEP}{k}": v for name in names
+            for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
 
 
 def own_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -173,9 +166,8 @@ def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
     """State-dict keys of parameters that do not train (stored once, content-addressed)."""
     if is_peft_model(model):
         return frozenset()
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
     named = dict(model.named_parameters())
-    return frozenset(k for k in model.state_dict() if k in named and id(named[k]) not in trainable)
+    return frozenset(k for k in model.state_dict() if k in named and not named[k].requires_grad)
 
 
 def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
@@ -200,9 +192,7 @@ def expected_weights(model: nn.Module) -> dict[str, torch.Tensor | None]:
     when it loads a state dict)."""
     out: dict[str, torch.Tensor | None] = dict(trainable_state_dict(model))
     if not adapter_names(model):
-        for name, _ in model.named_buffers():
-            if name in out:
-                out[name] = None
+        out.update({name: None for name, _ in model.named_buffers() if name in out})
     return out
 
 
