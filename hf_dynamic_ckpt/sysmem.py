@@ -148,20 +148,19 @@ def headroom(cgroup_dir: Path | None) -> Headroom:
         >>> room.budget(0.15) > 0  # a snapshot of that many bytes fits above a 15 % margin
         ```
     """
-    best: tuple[int, int, Path, int] | None = None
+    best: tuple[int, int, Path] | None = None
     version = _version(cgroup_dir) if cgroup_dir is not None else None
     level = cgroup_dir
     while version is not None and level is not None:
         found = _level(level, version, own=level == cgroup_dir)
         if found is not None and (best is None or found[0] - found[1] < best[0] - best[1]):
-            best = (*found, level, version)
+            best = (*found, level)
         level = level.parent if level.parent != level and _version(level.parent) == version else None
     vm = psutil.virtual_memory()
-    rss = psutil.Process().memory_info().rss
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; updated lazily
-    transient = max(0, peak - rss)
+    transient = max(0, peak - psutil.Process().memory_info().rss)
     if best is not None and best[0] - best[1] <= vm.available:
-        return Headroom(best[0], max(0, best[0] - best[1]), "cgroup", transient, f"cgroup v{best[3]} {best[2]}")
+        return Headroom(best[0], max(0, best[0] - best[1]), "cgroup", transient, f"cgroup v{version} {best[2]}")
     return Headroom(int(vm.total), int(vm.available), "host", transient, "host MemAvailable")
 
 

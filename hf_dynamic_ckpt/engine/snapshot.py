@@ -242,9 +242,6 @@ class Copies:
         dsts.append(dst)
         srcs.append(src)
 
-    def cat(self, region: torch.Tensor, sources: list[torch.Tensor]) -> None:
-        self.cats.append((region, [t.view(-1) for t in sources]))
-
     @torch.no_grad()  # sources may require grad (ZeRO's fp32 partitions): `cat(out=)` refuses them otherwise; and
     def run_host(self) -> None:  # grad mode is per thread (deferred copies run on the writer's IPC thread)
         for region, flats in self.cats:
@@ -313,7 +310,7 @@ class Snapshotter:
             for dtype, members in layout.groups.items():
                 group = [scope.sources[i] for i in members]
                 if not any(mask[i] for i in members) and all(not t.is_cuda and t.is_contiguous() for t in group):
-                    now.cat(layout.regions[dtype], group)
+                    now.cats.append((layout.regions[dtype], [t.view(-1) for t in group]))
                     continue
                 for i in members:
                     (deferred if mask[i] else now).add(layout.views[i], scope.sources[i])
