@@ -422,9 +422,7 @@ _FSDP1_FIX = ("Use FSDP2: `fully_shard(module)` (torch >= 2.6), Accelerate's `Fu
 def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
     """Refuse an `Accelerator` set up for DeepSpeed without ZeRO (or for DeepSpeed at all unless `deepspeed`: the
     `save_state` hooks cannot work under it, Trainer and `SmartCheckpointer` do), or for FSDP version 1, with a
-    `ConfigError` naming the detected setup and the supported ones."""
-    if accelerator is None:
-        return
+    `ConfigError` naming the detected setup and the supported ones (`None`: nothing to check)."""
     state = getattr(accelerator, "state", None)
     kind = getattr(accelerator, "distributed_type", None) or getattr(state, "distributed_type", None)
     kind = str(getattr(kind, "value", kind) or "").upper()
@@ -448,9 +446,7 @@ def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
 
 def check_training_args(args: Any) -> None:
     """Refuse `TrainingArguments` with FSDP version 1 (`fsdp=...` without version 2); DeepSpeed is checked on the
-    accelerator Trainer builds from them (`check_accelerator`). Raises `ConfigError`."""
-    if args is None:
-        return
+    accelerator Trainer builds from them (`check_accelerator`). Raises `ConfigError`; `None`: nothing to check."""
     fsdp = getattr(args, "fsdp", None)
     if fsdp:
         config = getattr(args, "fsdp_config", None) or {}
