@@ -180,11 +180,11 @@ def beside_training(spec: Any) -> Any:
 
 
 def _dumps(obj: Any, refs: dict[int, tuple[int, int]]) -> bytes:
-    """`obj` pickled with each snapshot buffer (a tensor `refs` maps by `id`) as its `(layout key, view)`, which
-    the writer process resolves to its own mapping of the view (`persistent_load`)."""
+    """`obj` pickled with each snapshot buffer (a view `refs` maps by `id`; alive, so no other object has its id) as
+    its `(layout key, view)`, which the writer process resolves to its own mapping of the view (`persistent_load`)."""
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, pickle.HIGHEST_PROTOCOL)
-    pickler.persistent_id = lambda o: refs.get(id(o)) if isinstance(o, torch.Tensor) else None  # type: ignore[method-assign]
+    pickler.persistent_id = lambda o: refs.get(id(o))  # type: ignore[method-assign]
     pickler.dump(obj)
     return buf.getvalue()
 
