@@ -80,23 +80,13 @@ class CachedWeights:
         # module and parameter/buffer slot is checked by identity; the data pointer only of the tensors
         # the mapping aliases (a `.data =` elsewhere, e.g. on a frozen base weight, leaves it valid).
         held = {t.data_ptr() for t in (self._cache or {}).values() if isinstance(t, torch.Tensor)}
-        tables: list[dict[str, Any]] = []
-        names: list[str] = []
-        objs: list[Any] = []
-        self._aliased: list[torch.Tensor] = []
-        self._ptrs: list[int] = []
-        self._tables: list[dict[str, Any]] = []
-        for module in self._model.modules():
-            for table in (module._modules, module._parameters, module._buffers):
-                self._tables.append(table)
-                for name, obj in table.items():  # `None` slots too: a tensor set in one later is noticed
-                    tables.append(table)
-                    names.append(name)
-                    objs.append(obj)
-                    if isinstance(obj, torch.Tensor) and obj.data_ptr() in held:
-                        self._aliased.append(obj)
-                        self._ptrs.append(obj.data_ptr())
-        self._slots = (tables, names, objs)
+        self._tables: list[dict[str, Any]] = [
+            table for m in self._model.modules() for table in (m._modules, m._parameters, m._buffers)]
+        # `None` slots too: a tensor set in one later is noticed
+        slots = [(table, name, obj) for table in self._tables for name, obj in table.items()]
+        self._slots = tuple(map(list, zip(*slots))) if slots else ([], [], [])
+        self._aliased = [o for _, _, o in slots if isinstance(o, torch.Tensor) and o.data_ptr() in held]
+        self._ptrs = list(map(_data_ptr, self._aliased))
         self._sizes = list(map(len, self._tables))  # a slot added anywhere
 
     def _valid(self) -> bool:
@@ -126,12 +116,8 @@ def adapter_names(model: nn.Module) -> list[str]:
     """The PEFT adapters of `model` in a stable order (the active one first); `[]` for other models."""
     if not is_peft_model(model):
         return []
-    names = list(getattr(model, "peft_config", {}) or {})
     active = getattr(model, "active_adapter", None)
-    if isinstance(active, str) and active in names:
-        names.remove(active)
-        names.insert(0, active)
-    return names
+    return sorted(getattr(model, "peft_config", {}) or {}, key=lambda name: name != active)  # stable
 
 
 def split_adapters(weights: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -161,11 +147,8 @@ def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     if len(names) == 1:
         return dict(get_peft_model_state_dict(model, adapter_name=names[0]))
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        adapter = get_peft_model_state_dict(model, adapter_name=name)
-        out.update({f"{name}{ADAPTER_KEY_SEP}{k}": v for k, v in adapter.items()})
-    return out
+    return {f"{name}{ADAPTER_KEY_SEP}{k}": v for name in names
+            for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
 
 
 def own_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -183,9 +166,8 @@ def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
     """State-dict keys of parameters that do not train (stored once, content-addressed)."""
     if is_peft_model(model):
         return frozenset()
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
     named = dict(model.named_parameters())
-    return frozenset(k for k in model.state_dict() if k in named and id(named[k]) not in trainable)
+    return frozenset(k for k in model.state_dict() if k in named and not named[k].requires_grad)
 
 
 def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
@@ -210,9 +192,7 @@ def expected_weights(model: nn.Module) -> dict[str, torch.Tensor | None]:
     when it loads a state dict)."""
     out: dict[str, torch.Tensor | None] = dict(trainable_state_dict(model))
     if not adapter_names(model):
-        for name, _ in model.named_buffers():
-            if name in out:
-                out[name] = None
+        out.update({name: None for name, _ in model.named_buffers() if name in out})
     return out
 
 
@@ -243,14 +223,10 @@ def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]
     unexpected = sorted(set(saved) - set(expected))
     mismatched = sorted(k for k in set(saved) & set(expected)
                         if expected[k] is not None and tuple(saved[k].shape) != tuple(expected[k].shape))
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint ({len(missing)}): {_fmt_keys(missing)}")
-    if unexpected:
-        parts.append(f"unexpected in the checkpoint ({len(unexpected)}): {_fmt_keys(unexpected)}")
-    if mismatched:
-        shown = [f"{k} saved {list(saved[k].shape)} vs model {list(expected[k].shape)}" for k in mismatched]
-        parts.append(f"shape mismatch ({len(mismatched)}): {_fmt_keys(shown)}")
+    shapes = [f"{k} saved {list(saved[k].shape)} vs model {list(expected[k].shape)}" for k in mismatched]
+    parts = [f"{what} ({len(keys)}): {_fmt_keys(keys)}" for what, keys in (
+        ("missing from the checkpoint", missing), ("unexpected in the checkpoint", unexpected),
+        ("shape mismatch", shapes)) if keys]
     if parts:
         raise IncompatibleStateError(
             "saved weights do not fit the model: " + "; ".join(parts)
@@ -337,20 +313,14 @@ class RawRngState:
     training thread (the writer does it)."""
 
     python: tuple[Any, ...]
-    numpy: Any
+    numpy: tuple[Any, ...]
     torch_cpu: torch.Tensor
     cuda: tuple[torch.Tensor, ...] | None
 
     def to_json(self) -> dict[str, Any]:
         """The state in `capture_rng_state`'s JSON-able form."""
         version, internal, gauss_next = self.python
-        st: Any = self.numpy
-        if isinstance(st, dict) and st.get("bit_generator") == "MT19937":
-            # The dict form and `tolist()` take ~0.1 ms, the legacy tuple and a per-element int() ~0.4 ms.
-            kind, keys, pos = "MT19937", st["state"]["key"], st["state"]["pos"]
-            has_gauss, cached_gaussian = st["has_gauss"], st["gauss"]
-        else:  # a replaced global bit generator: the legacy form says what it can
-            kind, keys, pos, has_gauss, cached_gaussian = st
+        kind, keys, pos, has_gauss, cached_gaussian = self.numpy  # numpy's legacy tuple (its fastest form)
         return {
             "format_version": RNG_FORMAT_VERSION,
             "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
@@ -367,18 +337,9 @@ RngState = dict[str, Any] | RawRngState
 
 def capture_raw_rng_state() -> RawRngState:
     """This process's RNG states, captured now and converted to JSON later (`RawRngState.to_json`)."""
-    st: Any = np.random.get_state(legacy=False)
-    if not (isinstance(st, dict) and st.get("bit_generator") == "MT19937"):
-        st = np.random.get_state(legacy=True)
-    cuda = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = tuple(torch.cuda.get_rng_state_all())
-    return RawRngState(python=random.getstate(), numpy=st, torch_cpu=torch.get_rng_state(), cuda=cuda)
-
-
-def rng_json(state: RawRngState | dict[str, Any] | None) -> dict[str, Any] | None:
-    """`state` in JSON-able form (a `RawRngState` converted; a dict or `None` as it is)."""
-    return state.to_json() if isinstance(state, RawRngState) else state
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return RawRngState(python=random.getstate(), numpy=np.random.get_state(legacy=True),  # type: ignore[arg-type]
+                       torch_cpu=torch.get_rng_state(), cuda=cuda)
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -415,16 +376,16 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         cuda_states = [_unb64(s) for s in cuda] if cuda else None
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"RNG state is malformed ({type(e).__name__}: {e}); the file is corrupt.") from e
-    previous = (random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state())
+    generators: list[tuple[Callable[[Any], Any], Any, Any]] = [
+        (torch.set_rng_state, torch_cpu, torch.get_rng_state()),
+        (np.random.set_state, np_state, np.random.get_state(legacy=True)),
+        (random.setstate, py_state, random.getstate())]
     try:
-        torch.set_rng_state(torch_cpu)
-        np.random.set_state(np_state)
-        random.setstate(py_state)
+        for set_state, new, _ in generators:
+            set_state(new)
     except (TypeError, ValueError, IndexError, RuntimeError) as e:
-        # All or nothing: a half-restored set of generators would silently break exactness.
-        random.setstate(previous[0])
-        np.random.set_state(previous[1])
-        torch.set_rng_state(previous[2])
+        for set_state, _, old in generators:  # all or nothing: a half-restored set would silently break exactness
+            set_state(old)
         raise CorruptCheckpointError(f"RNG state was rejected by its generator ({e}); the file is corrupt.") from e
     if cuda_states:
         if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
@@ -461,9 +422,7 @@ _FSDP1_FIX = ("Use FSDP2: `fully_shard(module)` (torch >= 2.6), Accelerate's `Fu
 def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
     """Refuse an `Accelerator` set up for DeepSpeed without ZeRO (or for DeepSpeed at all unless `deepspeed`: the
     `save_state` hooks cannot work under it, Trainer and `SmartCheckpointer` do), or for FSDP version 1, with a
-    `ConfigError` naming the detected setup and the supported ones."""
-    if accelerator is None:
-        return
+    `ConfigError` naming the detected setup and the supported ones (`None`: nothing to check)."""
     state = getattr(accelerator, "state", None)
     kind = getattr(accelerator, "distributed_type", None) or getattr(state, "distributed_type", None)
     kind = str(getattr(kind, "value", kind) or "").upper()
@@ -487,19 +446,12 @@ def check_accelerator(accelerator: Any, *, deepspeed: bool = False) -> None:
 
 def check_training_args(args: Any) -> None:
     """Refuse `TrainingArguments` with FSDP version 1 (`fsdp=...` without version 2); DeepSpeed is checked on the
-    accelerator Trainer builds from them (`check_accelerator`). Raises `ConfigError`."""
-    if args is None:
-        return
+    accelerator Trainer builds from them (`check_accelerator`). Raises `ConfigError`; `None`: nothing to check."""
     fsdp = getattr(args, "fsdp", None)
     if fsdp:
         config = getattr(args, "fsdp_config", None) or {}
-        try:  # Trainer's default without `fsdp_config["version"]`: 2 from transformers 5, else 1
-            import transformers
-
-            default = 2 if int(transformers.__version__.split(".")[0]) >= 5 else 1
-        except ImportError:  # pragma: no cover
-            default = 1
-        version = config.get("version", config.get("fsdp_version", default)) if isinstance(config, dict) else default
+        # Without `fsdp_config["version"]`, Trainer uses FSDP2 (transformers >= 5, which this library requires).
+        version = config.get("version", config.get("fsdp_version", 2)) if isinstance(config, dict) else 2
         if str(version) != "2":
             raise _refuse(f"FSDP version {version} (TrainingArguments.fsdp={fsdp!r})", _FSDP1_WHY, _FSDP1_FIX)
 

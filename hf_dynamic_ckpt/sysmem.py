@@ -76,30 +76,28 @@ def _stat(directory: Path) -> dict[str, int]:
     return {key: int(value) for key, _, value in pairs if value.strip().isdigit()}
 
 
+_FILES = {2: ("memory.max", "memory.high", "memory.current"),  # per cgroup version: two limits, the usage
+          1: ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes", "memory.usage_in_bytes")}
+
+
 def _version(directory: Path) -> int | None:  # os.path, not Path: the probe runs inside every save
-    exists = os.path.exists
-    return 2 if exists(f"{directory}/memory.max") else 1 if exists(f"{directory}/memory.limit_in_bytes") else None
+    return next((v for v in (2, 1) if os.path.exists(f"{directory}/{_FILES[v][0]}")), None)
 
 
 def _level(directory: Path, version: int, *, own: bool) -> tuple[int, int] | None:
     """`(limit, working set)` of one cgroup level, `None` without a limit. Limits are read first: a level without
     one (usually every ancestor) costs no usage or `memory.stat` read."""
-    stat: dict[str, int] = {}
-    if version == 2:
-        limits = [_int(f"{directory}/memory.max"), _int(f"{directory}/memory.high")]
-    else:
-        limits = [_int(f"{directory}/memory.limit_in_bytes"), _int(f"{directory}/memory.memsw.limit_in_bytes")]
-        if own:  # limits of ancestors the container cannot see (use_hierarchy=1, always on recent kernels)
-            stat = _stat(directory)
-            limits += [stat.get("hierarchical_memory_limit"), stat.get("hierarchical_memsw_limit")]
+    *limit_files, usage_file = _FILES[version]
+    limits = [_int(f"{directory}/{name}") for name in limit_files]
+    # v1: limits of ancestors the container cannot see (use_hierarchy=1, always on recent kernels)
+    stat = _stat(directory) if own and version == 1 else {}
+    limits += [stat.get("hierarchical_memory_limit"), stat.get("hierarchical_memsw_limit")]
     found = [x for x in limits if x is not None]
-    usage = _int(f"{directory}/memory.{'current' if version == 2 else 'usage_in_bytes'}") if found else None
+    usage = _int(f"{directory}/{usage_file}") if found else None
     if usage is None:
         return None
-    stat = stat or _stat(directory)
-    inactive = stat.get("inactive_file", 0) if version == 2 else stat.get("total_inactive_file",
-                                                                           stat.get("inactive_file", 0))
-    return min(found), max(0, usage - inactive)
+    stat = stat or _stat(directory)  # v1's usage counts the children: so does its total_inactive_file (v2: none)
+    return min(found), max(0, usage - stat.get("total_inactive_file", stat.get("inactive_file", 0)))
 
 
 def find_memory_cgroup(proc_cgroup: Path = Path("/proc/self/cgroup"),
@@ -150,20 +148,19 @@ def headroom(cgroup_dir: Path | None) -> Headroom:
         >>> room.budget(0.15) > 0  # a snapshot of that many bytes fits above a 15 % margin
         ```
     """
-    best: tuple[int, int, Path, int] | None = None
+    best: tuple[int, int, Path] | None = None
     version = _version(cgroup_dir) if cgroup_dir is not None else None
     level = cgroup_dir
     while version is not None and level is not None:
         found = _level(level, version, own=level == cgroup_dir)
         if found is not None and (best is None or found[0] - found[1] < best[0] - best[1]):
-            best = (*found, level, version)
+            best = (*found, level)
         level = level.parent if level.parent != level and _version(level.parent) == version else None
     vm = psutil.virtual_memory()
-    rss = psutil.Process().memory_info().rss
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux; updated lazily
-    transient = max(0, peak - rss)
+    transient = max(0, peak - psutil.Process().memory_info().rss)
     if best is not None and best[0] - best[1] <= vm.available:
-        return Headroom(best[0], max(0, best[0] - best[1]), "cgroup", transient, f"cgroup v{best[3]} {best[2]}")
+        return Headroom(best[0], max(0, best[0] - best[1]), "cgroup", transient, f"cgroup v{version} {best[2]}")
     return Headroom(int(vm.total), int(vm.available), "host", transient, "host MemAvailable")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -94,10 +95,8 @@ class SaveEngine:
         if not 0.0 <= memory_margin < 1.0:
             raise ConfigError(f"memory_margin={memory_margin!r} is invalid: expected 0 <= value < 1.")
         self.store, self.mode, self.memory_margin, self.writer_nice = store, mode, memory_margin, int(writer_nice)
-        if headroom is None:
-            cgroup = sysmem.find_memory_cgroup()  # once: parsing mountinfo per save would cost ~1 ms of blocking
-            headroom = lambda: sysmem.headroom(cgroup)  # noqa: E731
-        self._headroom = headroom
+        # The cgroup is found once: parsing mountinfo per save would cost ~1 ms of blocking.
+        self._headroom = headroom or functools.partial(sysmem.headroom, sysmem.find_memory_cgroup())
         self._room: tuple[float, sysmem.Headroom] | None = None  # (when, what): reused by memory slots for a second
         self._slot_fits = -1  # the size of the slots written on this thread whose room was checked
         self.slots = slots
@@ -171,8 +170,7 @@ class SaveEngine:
         self._check_open()
         start = time.perf_counter()
         self._overlap.wait()  # a copy still running beside the previous step reads the buffers this save fills
-        handle = SaveHandle(request.step, request.reason)
-        handle.memory = memory
+        handle = SaveHandle(request.step, request.reason, memory=memory)
         previous = self._job
         busy = previous.handle.step if previous is not None and not previous.handle.done() else None
         if memory:
@@ -213,7 +211,6 @@ class SaveEngine:
             room = self._room = (time.monotonic(), self._headroom())
         plan = self.last_plan = sysmem.plan_staging(needed, margin=self.memory_margin, headroom=room[1],
                                                     held_bytes=held)
-        logger.debug("staging: %s", plan.reason)
         defer = None
         if plan.mode == "buffered":
             defer = self._overlap.deferral(sources.optimizer, live, lambda: tensor_bytes([p.sources for p in parts]))
@@ -222,9 +219,9 @@ class SaveEngine:
             except NoBufferError as e:  # /dev/shm too small (anything else is a bug: it propagates)
                 plan = self.last_plan = sysmem.StagingPlan("streaming", f"{e}; enlarge /dev/shm, e.g. "
                                                            "`docker run --shm-size`")
-        if plan.mode == "streaming" and memory:
-            return _skip(handle, f"memory slot of step {request.step} skipped: {plan.reason}", start)
         if plan.mode == "streaming":
+            if memory:
+                return _skip(handle, f"memory slot of step {request.step} skipped: {plan.reason}", start)
             # Short of memory: the first such save of the run at WARNING, later ones at DEBUG.
             logger.log(logging.DEBUG if self._streamed else logging.WARNING,
                        "save of step %d streams synchronously: %s", request.step, plan.reason)
@@ -356,9 +353,8 @@ class SaveEngine:
         if job is None or job.settled or not job.handle.done():
             return
         job.settled = True
-        if job.handle.memory:  # a slot is no disk restore point, and tmpfs is no measure of the disk's speed
-            return
-        info = job.handle.wait(0) if job.handle.exception() is None else None
+        # A slot is no disk restore point, and tmpfs is no measure of the disk's speed.
+        info = job.handle.wait(0) if job.handle.exception() is None and not job.handle.memory else None
         if info is None:
             return
         self._last_committed = info
@@ -371,9 +367,9 @@ class SaveEngine:
         # Runs close() on the engine's __dict__: a weakref.finalize callback must not reference the engine.
         state["_closed"] = True
         state["_overlap"].close()  # before the writer stops: its IPC thread runs the deferred host copies
-        if state["_writer"] is not None:
-            state["_writer"].stop()
-            state["_writer"] = None
+        writer, state["_writer"] = state["_writer"], None
+        if writer is not None:
+            writer.stop()
         state["_snapshotter"].release()
 
     def _check_open(self) -> None:

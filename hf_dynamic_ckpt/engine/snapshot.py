@@ -82,15 +82,17 @@ Spec = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 """(shape, dtype) of each tensor a scope's buffers hold, in copy order."""
 
 
-def _offsets(spec: Spec) -> tuple[list[int], int]:
-    """Byte offset of each tensor (those of one dtype packed together, each dtype's run 64-byte aligned), total."""
-    offsets, total = [0] * len(spec), 0
-    for dtype in dict.fromkeys(d for _, d in spec):
+def _offsets(spec: Spec) -> tuple[list[int], int, dict[torch.dtype, list[int]]]:
+    """Byte offset of each tensor (those of one dtype packed together, each dtype's run 64-byte aligned), the total,
+    and the indices of each dtype's tensors."""
+    offsets, total, groups = [0] * len(spec), 0, dict[torch.dtype, list[int]]()
+    for i, (_, d) in enumerate(spec):
+        groups.setdefault(d, []).append(i)
+    for dtype, members in groups.items():
         total = -(-total // 64) * 64
-        for i, (shape, d) in enumerate(spec):
-            if d == dtype:
-                offsets[i], total = total, total + math.prod(shape) * d.itemsize
-    return offsets, total
+        for i in members:
+            offsets[i], total = total, total + math.prod(spec[i][0]) * dtype.itemsize
+    return offsets, total, groups
 
 
 class Layout:
@@ -99,15 +101,11 @@ class Layout:
 
     def __init__(self, spec: Spec, storage: torch.UntypedStorage, *, pinned: bool = False) -> None:
         self.spec, self.pinned, self.key = spec, pinned, next(_counter)
-        offsets, self.nbytes = _offsets(spec)
+        offsets, self.nbytes, self.groups = _offsets(spec)
         self.flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        sizes = [math.prod(shape) * d.itemsize for shape, d in spec]
-        self.views = [self.flat[o:o + n].view(d).view(shape) for (shape, d), o, n in zip(spec, offsets, sizes)]
-        self.groups: dict[torch.dtype, list[int]] = {}
-        for i, (_, d) in enumerate(spec):
-            self.groups.setdefault(d, []).append(i)
-        self.regions = {d: self.flat[offsets[m[0]]:offsets[m[-1]] + sizes[m[-1]]].view(d)
-                        for d, m in self.groups.items()}
+        ends = [o + math.prod(shape) * d.itemsize for (shape, d), o in zip(spec, offsets)]
+        self.views = [self.flat[o:e].view(d).view(shape) for (shape, d), o, e in zip(spec, offsets, ends)]
+        self.regions = {d: self.flat[offsets[m[0]]:ends[m[-1]]].view(d) for d, m in self.groups.items()}
 
 
 # -- walks over nested state dicts ---------------------------------------------------------------------------------
@@ -184,9 +182,7 @@ def collect(sources: StateSources, *, step: int, epoch: float, tiers: Iterable[T
                 continue
             key = (name, tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype)
             cache = frozen if frozen is not None else {}
-            if key not in cache:
-                cache[key] = frozen_record(tensor)
-            live.frozen[name] = cache[key]
+            live.frozen[name] = cache[key] if key in cache else cache.setdefault(key, frozen_record(tensor))
     if Tier.OPTIMIZER in tiers:
         if sources.optimizer is None and sources.scheduler is None and sources.scaler is None:
             raise SaveError("tiers include 'optimizer' but StateSources has no optimizer, scheduler or "
@@ -197,8 +193,8 @@ def collect(sources: StateSources, *, step: int, epoch: float, tiers: Iterable[T
     if Tier.STATE in tiers:
         live.rng = rng if isinstance(rng, RawRngState) else clone_small(rng) if rng is not None \
             else capture_raw_rng_state()
-        position = sampler if sampler is not None else sources.sampler() if sources.sampler is not None else None
-        live.sampler = clone_small(position) if position is not None else None
+        live.sampler = clone_small(sampler if sampler is not None  # clone_small(None) is None
+                                   else sources.sampler() if sources.sampler is not None else None)
     return live
 
 
@@ -240,17 +236,11 @@ class Copies:
         self.cats: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         self.host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.cuda: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self.nbytes = 0
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dsts, srcs = self.cuda if src.is_cuda else self.host
         dsts.append(dst)
         srcs.append(src)
-        self.nbytes += src.numel() * src.element_size()
-
-    def cat(self, region: torch.Tensor, sources: list[torch.Tensor]) -> None:
-        self.cats.append((region, [t.view(-1) for t in sources]))
-        self.nbytes += region.numel() * region.element_size()
 
     @torch.no_grad()  # sources may require grad (ZeRO's fp32 partitions): `cat(out=)` refuses them otherwise; and
     def run_host(self) -> None:  # grad mode is per thread (deferred copies run on the writer's IPC thread)
@@ -320,7 +310,7 @@ class Snapshotter:
             for dtype, members in layout.groups.items():
                 group = [scope.sources[i] for i in members]
                 if not any(mask[i] for i in members) and all(not t.is_cuda and t.is_contiguous() for t in group):
-                    now.cat(layout.regions[dtype], group)
+                    now.cats.append((layout.regions[dtype], [t.view(-1) for t in group]))
                     continue
                 for i in members:
                     (deferred if mask[i] else now).add(layout.views[i], scope.sources[i])
@@ -373,13 +363,13 @@ class PendingCopy:
     `wait_ms` (the training thread's wait at the gate), `error` (failed, or a tensor changed before its copy)."""
 
     def __init__(self, step: int, copies: Copies, events: list[tuple[int, Any]]) -> None:
-        self.step, self.nbytes = step, copies.nbytes
+        self._watched = copies.host[1] + copies.cuda[1]
+        self.step, self.nbytes = step, sum(t.nbytes for t in self._watched)
         self.error: BaseException | None = None
         self.copy_ms: float | None = None
         self.wait_ms: float | None = None
         self._copies: Copies | None = copies if copies.host[0] or copies.cats else None
-        self._events, self._unordered = events, list(events)
-        self._watched = copies.host[1] + copies.cuda[1]
+        self._events = events
         self._versions = [t._version for t in self._watched]
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -407,9 +397,8 @@ class PendingCopy:
 
     def release(self) -> None:
         """At the gate: wait for the host copies, order the current streams after the CUDA ones, check versions."""
-        self._done.wait()
-        events, self._unordered = self._unordered, []
-        for device, event in events:
+        self._done.wait()  # (once: `Overlap.wait` hands the pending copy over)
+        for device, event in self._events:
             torch.cuda.current_stream(device).wait_event(event)
         self._check()
 

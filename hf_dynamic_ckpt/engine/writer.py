@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import io
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -22,7 +24,7 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -65,14 +67,14 @@ class SaveHandle:
     time in `SaveEngine.save`; `staging`: `"buffered"`, `"streaming"` or `"sync"`; `skipped`: why; `write_ms`;
     `writer`: `"process"` or `"sync"`; `deferred`: the overlap's `PendingCopy`."""
 
-    def __init__(self, step: int, reason: str) -> None:
+    def __init__(self, step: int, reason: str, *, memory: bool = False) -> None:
         self.step, self.reason = step, reason
         self.blocking_ms = 0.0
         self.staging = "buffered"
         self.skipped: str | None = None
         self.write_ms: float | None = None
         self.writer = "sync"
-        self.memory = False
+        self.memory = memory
         """A save into the memory tier's slots (`SaveEngine.save(memory=True)`), not the disk store."""
         self.deferred: PendingCopy | None = None
         self._event = threading.Event()
@@ -140,9 +142,6 @@ def run_job(job: Job, save: StoreSave) -> None:
     finally:
         del job.state, job.waits  # the buffers or live tensors are not referred to any longer
         handle.write_ms = (time.perf_counter() - start) * 1e3
-    if error is None:
-        logger.debug("committed step %d (%s): blocking %.1f ms, write %.1f ms", handle.step, handle.reason,
-                     handle.blocking_ms, handle.write_ms)
     handle.settle(info, error)
 
 
@@ -180,39 +179,18 @@ def beside_training(spec: Any) -> Any:
     return spec
 
 
-def _renice(pid: int, nice: int | None) -> None:
-    """Raise the nice value of `pid` (0: this thread, on Linux) to `nice`; best effort, never lowers it."""
-    try:
-        if nice is not None and os.getpriority(os.PRIO_PROCESS, pid) < nice:
-            os.setpriority(os.PRIO_PROCESS, pid, nice)
-    except OSError as e:
-        logger.debug("could not lower the writer's priority: %s", e)
-
-
-class _Ref(NamedTuple):
-    """A snapshot buffer named for the writer process: view `at` of layout `key`."""
-
-    key: int
-    at: int
-
-
-def _swap(obj: Any, table: Any) -> Any:
-    """`obj` with its tensors (by `id`) and `_Ref`s that `table` maps replaced."""
-    if isinstance(obj, dict):
-        return {k: _swap(v, table) for k, v in obj.items()}
-    if isinstance(obj, list | tuple) and not isinstance(obj, _Ref):
-        items = [_swap(v, table) for v in obj]
-        return items if isinstance(obj, list) else tuple(items)
-    key = id(obj) if isinstance(obj, torch.Tensor) else obj if isinstance(obj, _Ref) else None
-    return table.get(key, obj) if key is not None else obj
+def _dumps(obj: Any, refs: dict[int, tuple[int, int]]) -> bytes:
+    """`obj` pickled with each snapshot buffer (a view `refs` maps by `id`; alive, so no other object has its id) as
+    its `(layout key, view)`, which the writer process resolves to its own mapping of the view (`persistent_load`)."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, pickle.HIGHEST_PROTOCOL)
+    pickler.persistent_id = lambda o: refs.get(id(o))  # type: ignore[method-assign]
+    pickler.dump(obj)
+    return buf.getvalue()
 
 
 PERSIST_LOCK_WAIT_S = 60.0
 """How long a watcher waits for the disk store's writer lock (the training process's emergency save holds it)."""
-
-
-def _leave(*_: Any) -> None:
-    raise SystemExit(0)
 
 
 def _open_slots(store_cls: Any, spec: Any) -> Any:
@@ -258,25 +236,30 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
     """The writer process: map the layouts and write the saves it is sent until told to stop; if the training
     process goes without a stop, the newest slot is persisted."""
     torch.set_num_threads(1)
-    signal.signal(signal.SIGTERM, _leave)  # multiprocessing terminates daemonic children at an unclean exit
+    # multiprocessing terminates daemonic children at an unclean exit: leave through `finally` (persist a slot)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     store = store_cls.from_spec(spec, cleanup=False)
     slots = _open_slots(type(store), slots_spec)
     opened = os.lstat(slots.root) if slots is not None else None
     # Niced once up, not during its start-up: a niced import of torch beside a training process that keeps every
-    # core busy took seconds, and until then the memory tier's slots are written on the training thread.
-    _renice(0, nice)
+    # core busy took seconds, and until then the memory tier's slots are written on the training thread. Best effort,
+    # never lowered.
+    with contextlib.suppress(OSError):
+        if nice is not None and os.getpriority(os.PRIO_PROCESS, 0) < nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
     ready.set()
-    views: dict[_Ref, torch.Tensor] = {}
+    views: dict[tuple[int, int], torch.Tensor] = {}
     stopped, fits = False, -1  # the slot size whose room was checked
     try:
         while (msg := conn.recv())[0] != "stop":  # EOFError: the training process ended (or was killed)
-            if msg[0] == "layouts":  # the views of the layouts the parent holds, by `_Ref`
-                views = {r: v for r, v in views.items() if r.key in msg[2]}
+            if msg[0] == "layouts":  # the views of the layouts the parent holds, by (layout key, view)
+                views = {r: v for r, v in views.items() if r[0] in msg[2]}
                 for k, (flat, s) in msg[1].items():
-                    views.update((_Ref(k, i), v) for i, v in enumerate(Layout(s, flat.untyped_storage()).views))
+                    views.update(((k, i), v) for i, v in enumerate(Layout(s, flat.untyped_storage()).views))
                 continue
-            _, shipped, request, timings, memory = msg
-            state = dataclasses.replace(shipped, **{f: _swap(getattr(shipped, f), views) for f in _FIELDS})
+            unpickler = pickle.Unpickler(io.BytesIO(msg[1]))
+            unpickler.persistent_load = views.__getitem__  # type: ignore[method-assign]
+            state, request, timings, memory = unpickler.load()
             target = slots if memory and slots is not None else store
             if memory and (slots is None or not same_dir(slots.root, opened)):  # the run ended, or another process
                 conn.send(("error", f"SaveError: {removed(slots.root if slots is not None else slots_spec.root)}"))
@@ -292,7 +275,7 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
                 reply: tuple[str, Any] = ("ok", target.save(state, request, timings=timings, cancel=cancel.is_set))
             except Exception as e:
                 reply = ("error", f"{type(e).__name__}: {e}")
-            del state, shipped
+            del state
             conn.send(reply)
         stopped = True
     except (EOFError, OSError, KeyboardInterrupt, SystemExit):
@@ -304,9 +287,6 @@ def _child_main(store_cls: Any, spec: Any, conn: Any, ready: Any, cancel: Any, n
             if not stopped and spec.rank == 0:
                 _persist(type(store), spec, slots, opened)  # type: ignore[arg-type]
             slots.close()
-
-
-_FIELDS = ("weights", "optimizer")
 
 
 class ProcessWriter:
@@ -367,10 +347,9 @@ class ProcessWriter:
         if not self._proc.is_alive():
             raise SaveError(f"the writer process {self._proc.pid} exited with code {self._proc.exitcode}")
         self._send_layouts(layouts)
-        refs = {id(v): _Ref(lay.key, i) for lay in layouts for i, v in enumerate(lay.views)}
-        shipped = dataclasses.replace(state, **{f: _swap(getattr(state, f), refs) for f in _FIELDS})
+        refs = {id(v): (lay.key, i) for lay in layouts for i, v in enumerate(lay.views)}
         self._cancel.clear()  # one job at a time: an abort of an earlier job is spent
-        self._conn.send(("save", shipped, request, dict(timings), memory))
+        self._conn.send(("save", _dumps((state, request, dict(timings), memory), refs)))
         try:
             while not self._conn.poll(0.05):  # polls, so that an abort reaches the child while it waits for ranks
                 if cancel() and not self._cancel.is_set():
