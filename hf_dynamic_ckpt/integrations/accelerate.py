@@ -96,6 +96,9 @@ class AccelerateState:
     def weights(self) -> dict[str, torch.Tensor]:
         return self._of_every_model(trainable_state_dict)
 
+    def read_targets(self) -> dict[str, torch.Tensor]:
+        return self._of_every_model(own_weights)
+
     def frozen_keys(self) -> frozenset[str]:
         return frozenset(self._of_every_model(lambda m: dict.fromkeys(frozen_weight_keys(m))))
 
@@ -520,7 +523,7 @@ class SmartCheckpointer:
     def resume(self, ref: str | None = "auto") -> LoadedCheckpoint | None:
         """Restore `ref` (`auto`, `best`, `fastest`, `step:N`, a path; `None`: fresh) on every rank before the loop;
         on another number of processes the run continues the same run (docs/elastic.md). `None`: fresh start."""
-        into = None if self.run.sharded else self.state._of_every_model(own_weights)
+        into = None if self.run.sharded else self.state.read_targets()
         loaded = self.run.resume(ref, expected=self.state.weights(), into=into)
         if loaded is None:
             logger.info("resume(%r): nothing to resume, starting fresh", ref)

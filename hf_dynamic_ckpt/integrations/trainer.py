@@ -242,12 +242,13 @@ class SmartCkptCallback(TrainerCallback):
             if self._eval_watch is None:
                 self._eval_watch = _watch_eval_loaders(trainer, self._seeds)
         # The state training starts from can be captured before the first update (step-1 anomalies).
-        self._resumed_rng, self._resumed_epoch_rng = getattr(loaded, "rng", None), sampler.get(KEY_EPOCH_RNG)
+        self._resumed_rng, self._resumed_epoch_rng = loaded.rng if loaded is not None else None, \
+            sampler.get(KEY_EPOCH_RNG)
         ck.note_boundary(state.global_step, rng=self._resumed_rng)
         # An RNG taken at the end of its step (a save at train end or on preemption, or by an earlier version) is what
         # the uninterrupted run had before a new epoch's iterator drew from it: restored before that iterator at an
         # epoch boundary (`on_epoch_begin`), else once the first batches are fetched, as Trainer does.
-        self._rng_before_iterator = sampler.get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN and \
+        self._rng_before_iterator = loaded is not None and sampler.get(KEY_RNG_AT) != RNG_AT_STEP_BEGIN and \
             (float(state.epoch or 0.0).is_integer() or _epoch_windows(sampler) is not None)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
