@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from hf_dynamic_ckpt.errors import StoreLockedError
 from hf_dynamic_ckpt.run.orchestrator import RunOrchestrator
 from hf_dynamic_ckpt.store import CheckpointStore, Lineage, SaveRequest
 from hf_dynamic_ckpt.store.lock import HolderState, judge, read_holder, this_host
+from hf_dynamic_ckpt.store.slots import slots_dir
 
 HOLDER = """
 import os, socket, sys, time, torch
@@ -219,6 +221,37 @@ def test_a_new_run_of_this_process_closes_the_earlier_run(tmp_path: Path, caplog
     assert refused in _refused_by_another_process(root)
     second.close()
     assert RunOrchestrator(config).session_id  # released: taken without closing anything
+
+
+def test_a_run_dropped_without_close_is_closed_by_the_next_run_of_this_process(tmp_path: Path) -> None:
+    # The default engine (a writer process) and memory tier: the run is dropped without close() (an exception unwound
+    # the loop that owned it). The next run of this process closes what the dropped one still held: its writes
+    # commit, its writer process ends, its memory slots go, and the lock passes.
+    import multiprocessing
+
+    root = tmp_path / "store"
+    config = SmartCkptConfig(root=str(root), task_id="run", base_interval=2)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = RunOrchestrator(config)
+    first.attach(model, optimizer=opt)
+    first.start_writer()
+    for step in (1, 2, 3):
+        model(torch.ones(2, 4)).sum().backward()
+        first.pre_update(step - 1)
+        opt.step()
+        opt.zero_grad()
+        first.step_end(step, epoch=0.0)
+    session, dropped, slots = first.session_id, weakref.ref(first), slots_dir(root, "run")
+    assert multiprocessing.active_children() and list(slots.glob("run/step-*"))  # its writer process, its slots
+    del first
+    gc.collect()
+    assert dropped() is None
+    second = RunOrchestrator(config)
+    assert multiprocessing.active_children() == [] and not list(slots.glob("run/step-*"))  # closed, its slots gone
+    assert 2 in [i.step for i in second.store.list()]  # its disk save committed
+    assert read_holder(root / "run")["session"] == second.session_id != session  # type: ignore[index]
+    second.close()
 
 
 def test_a_holder_on_another_host_is_waited_for_then_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
