@@ -48,7 +48,7 @@ def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[st
         "adapters": adapters, "active_adapter": names[0] if names else None,
         "base_model": adapter.get("base_model_name_or_path") or (config or {}).get("_name_or_path") or None,
         "revision": adapter.get("revision"), "dtype": first.dtype if first is not None else None,
-        "tokenizer": getattr(tokenizer, "name_or_path", None) or None},  # config values as PEFT / transformers write them
+        "tokenizer": getattr(tokenizer, "name_or_path", None) or None},  # values as PEFT / transformers write them
         default=lambda o: sorted(o, key=str) if isinstance(o, set | frozenset) else o.value if isinstance(o, enum.Enum)
         else str(o).removeprefix("torch.")))
 
