@@ -86,13 +86,12 @@ def default_cache_dir(url: str, rank: int) -> Path:
 @dataclass(frozen=True)
 class RemoteSpec:
     """Where a store's objects live (the root URL, fsspec `storage_options`, never shown) and how a failed call is
-    retried: `retries` times, the first pause `backoff_s`, doubling (with jitter), at most `backoff_max_s`."""
+    retried: `retries` times, the first pause `backoff_s`, doubling (with jitter), at most 10 s."""
 
     url: str
     storage_options: Mapping[str, Any] = field(default_factory=dict, compare=False)
     retries: int = 5
     backoff_s: float = 0.5
-    backoff_max_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
@@ -102,9 +101,7 @@ class RemoteSpec:
     def __repr__(self) -> str:
         return f"RemoteSpec(url={self.shown!r}, retries={self.retries}, backoff_s={self.backoff_s})"
 
-    @property
-    def shown(self) -> str:
-        return redact(self.url)
+    shown = property(lambda self: redact(self.url))
 
 
 def split_root(root: str | os.PathLike[str], *, rank: int, storage_options: Mapping[str, Any] | None = None,
@@ -160,7 +157,7 @@ class Remote:
                     raise RemoteStorageError(f"{op} {'/'.join(names)} on {self.spec.shown} failed after {attempt} "
                                              f"attempt(s): {msg}") from None
                 self.retried += 1
-                pause = min(delay, float(self.spec.backoff_max_s)) * random.uniform(0.5, 1.0)
+                pause = min(delay, 10.0) * random.uniform(0.5, 1.0)
                 logger.debug("%s on %s failed (%s); retry %d/%d in %.2f s", op, self.spec.shown, msg, attempt,
                              self.spec.retries, pause)
                 time.sleep(pause)
@@ -202,8 +199,7 @@ class Remote:
             return sorted({str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries} - {"", ".", ".."})
         return []
 
-    def invalidate(self) -> None:
-        """Forget cached listings (other ranks and processes change the bucket)."""
+    def invalidate(self) -> None:  # other ranks and processes change the bucket
         self.fs.invalidate_cache()
 
     def remove(self, *names: str) -> None:
@@ -229,18 +225,16 @@ class Remote:
         for fname in files:
             self.put(directory / fname, name, fname)
         self.put(directory / MANIFEST_NAME, name, MANIFEST_NAME)
-        for stale in set(self.names(name)) - {*files, MANIFEST_NAME, "PINNED"} if replacing else ():
+        for stale in set(self.names(name)) - {*files, MANIFEST_NAME, PINNED_MARKER} if replacing else ():
             self.remove(name, stale)
 
     def mirror(self, local: Path, files: Iterable[str]) -> None:
         """Make the bucket's copy of a committed directory follow the cache's after a tier delete, pin or unpin: its
         manifest, pin marker, and no file the manifest does not list."""
-        keep = {*files, MANIFEST_NAME}
         self.put(local / MANIFEST_NAME, local.name, MANIFEST_NAME)
-        if is_kind(local / PINNED_MARKER, "file"):
+        if pinned := is_kind(local / PINNED_MARKER, "file"):
             self.put(b"", local.name, PINNED_MARKER)
-            keep.add(PINNED_MARKER)
-        for stale in set(self.names(local.name)) - keep:
+        for stale in set(self.names(local.name)) - {*files, MANIFEST_NAME, *[PINNED_MARKER][:pinned]}:
             self.remove(local.name, stale)
 
     def note_writer(self, session: str) -> None:
