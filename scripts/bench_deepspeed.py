@@ -157,7 +157,7 @@ def _saves(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 _quiet()
             elif step % interval == interval - 1 and step < steps - 1:  # DeepSpeed's, once our last write committed
                 assert cb.run is not None
-                cb.run.saver.finish()
+                cb.run.finish()
                 _quiet()
                 engine = self.trainer.model_wrapped
                 t0 = time.perf_counter()

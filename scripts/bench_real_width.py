@@ -452,7 +452,7 @@ def child(spec: dict[str, Any]) -> None:
         from hf_dynamic_ckpt.store import CheckpointStore
         from hf_dynamic_ckpt.store.slots import slots_dir
 
-        tier, engine, t = smart.run.saver.memory, _engine(smart), time.perf_counter()
+        tier, engine, t = smart.run.memory, _engine(smart), time.perf_counter()
         if not tier.on:
             raise RuntimeError(f"the memory tier is off: {tier.off_reason}")
         while True:
@@ -634,7 +634,7 @@ def child(spec: dict[str, Any]) -> None:
                           "write_ms": e.write_ms, "staging": e.staging, "path": e.path, "end": e.reason == "train_end",
                           "writer": marks["writers"].get(str(e.step))} for e in events]
         res.setdefault("buffer_bytes", 0)
-        tier = smart.run.saver.memory if smart.run is not None else None
+        tier = smart.run.memory if smart.run is not None else None
         if variant in ("tier_on", "crash") and tier is not None:
             res["tier"] = {"slot_ms": slot_ms, "every": tier.every, "saves": tier.saves, "skipped": tier.skipped,
                            "bytes": tier.bytes, "off": tier.off_reason}

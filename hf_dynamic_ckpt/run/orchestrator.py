@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal as _signal
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -23,10 +25,13 @@ import torch
 from torch import nn
 
 from .. import distributed as dist
-from ..config import FallbackStrategy, RollbacksExhausted, SmartCkptConfig
+from ..config import FallbackStrategy, OnSaveError, RollbacksExhausted, SmartCkptConfig
 from ..constants import ALL_TIERS, KEY_RANK_CHUNKS, KEY_RNG_AT, RNG_AT_STEP_BEGIN, Tier
-from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError
+from ..engine import SaveEngine
+from ..errors import ConfigError, DistributedError, DynamicCkptError, RollbackError, SaveError
 from ..export import KEY_MODEL, describe_model
+from ..jsonutil import json_safe
+from ..policy.retention import plan_retention, tier_retention_from_config
 from ..policy.rules import RollbackRule, RollbackVerdict, RulePolicy, Verdict
 from ..sharded import ShardedState, ZeroGradSquares, ZeroState, ZeroUpdateSeam, sources_for
 from ..signals import Decision, DecisionKind, SignalFrame
@@ -41,8 +46,8 @@ from ..state import (
     restore_rng_state,
     zero_optimizer,
 )
-from ..store import CheckpointInfo, CheckpointStore, Lineage, LoadedCheckpoint, is_url, new_session_id
-from .record import METRIC_PREFIX, SaveEvent, StepLog
+from ..store import CheckpointInfo, CheckpointStore, Lineage, LoadedCheckpoint, SaveRequest, is_url, new_session_id
+from .record import METRIC_PREFIX, SaveEvent, SaveLog, StepLog, human_size
 from .resume import (
     KEY_GRAD_PROBE,
     KEY_POLICY,
@@ -51,7 +56,7 @@ from .resume import (
     Resumption,
     plan_resume,
 )
-from .saver import HeldSave, Saver, open_run_store
+from .saver import HeldSave, MemoryTier, open_run_store
 from .sensing import PreemptionFlag, Sensors
 
 logger = logging.getLogger(__name__)
@@ -62,13 +67,15 @@ SaveExtra = Callable[[Decision], dict[str, Any]]  # an integration's part of a s
 
 @dataclass
 class _OpenRun:
-    """An open run as `_RUNS` keeps it: the run weakly (a dropped Trainer must not stay alive for it), its saver and
-    store strongly (a run collected without `close()` still holds the task's writer lock: the next run closes them)."""
+    """An open run as `_RUNS` keeps it: the run weakly (a dropped Trainer must not stay alive for it), its engine,
+    memory tier and store strongly (a run collected without `close()` still holds the task's writer lock: the next run
+    closes them)."""
 
     run: weakref.ref[RunOrchestrator]
     session_id: str
     store: Any
-    saver: Any
+    memory: Any
+    engine: Any = None
 
 
 _RUNS: dict[str, _OpenRun] = {}
@@ -116,15 +123,24 @@ class RunOrchestrator:
                 run._held = run._rollback = None  # this rank alone) and a pending rollback are dropped
                 run.close()
             else:  # dropped without close(): what still holds the task
-                earlier.saver.close()
+                if earlier.engine is not None:
+                    earlier.engine.close()
+                earlier.memory.close(clean=True)
                 earlier.store.close()
         # `recovery`: a killed run's memory slots newer than the disk store (`SlotRecovery`), or `None`.
         self.store, self.recovery = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
                                                    session_id=self.session_id)
-        self.saver = Saver(config, self.store, rank=self.rank, world_size=self.world_size, announce=self.announce)
-        self.memory = self.saver.memory  # the newest state in host shared memory, persisted if the process dies
+        # the newest state in host shared memory, persisted if the process dies; before the engine (its writer writes
+        # the slots)
+        self.memory = MemoryTier(config, self.store, world_size=self.world_size)
         self.memory.recovery = self.recovery
-        _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.saver)
+        self._engine: SaveEngine | None = None
+        self.log = SaveLog()  # the run's saves and their counters
+        # The tiers this rank writes (`attach` sets them: FSDP2 ranks write their shards too).
+        self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if self.rank == 0 else frozenset({Tier.STATE})
+        self._raise_next: SaveError | None = None
+        self._memory_handle: Any = None
+        _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.memory)
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
         self.rollbacks = RollbackRule()  # the rollbacks taken (`on_anomaly: rollback`), restored by a resume
@@ -166,9 +182,23 @@ class RunOrchestrator:
         self._closed = False
 
     # ------------------------------------------------------------------ wiring
-    log = property(lambda self: self.saver.log, doc="The run's saves and their counters (`SaveLog`).")
-    engine = property(lambda self: self.saver.engine, doc="The save engine, started at its first use (`Saver.engine`).")
-    events = property(lambda self: self.saver.log.events, doc="Every save of this run, in order.")
+    events = property(lambda self: self.log.events, doc="Every save of this run, in order.")
+
+    @property
+    def engine(self) -> SaveEngine:
+        """The save engine (snapshot buffers, writer process), created at its first use."""
+        if self._engine is None:
+            self._engine = SaveEngine(self.store, mode=self.config.engine,
+                                      memory_margin=self.config.runtime.memory_margin,
+                                      overlap=self.config.runtime.overlap_snapshot, slots=self.memory.slots)
+            if (entry := _RUNS.get(self._key)) is not None and entry.run() is self:
+                entry.engine = self._engine
+        return self._engine
+
+    @property
+    def started(self) -> bool:
+        """Whether the engine was started (a run that only resumed, or never saved, has none)."""
+        return self._engine is not None
 
     def attach(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None,
                scaler: Any | None = None, weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
@@ -202,7 +232,7 @@ class RunOrchestrator:
         self._sharded, self._sources, own = sources_for(  # FSDP2: every rank saves its own shards
             model, rank=self.rank, weights=weights, frozen_keys=frozen_keys, optimizer=optimizer, scheduler=scheduler,
             scaler=scaler, sampler=sampler)
-        self.saver.own_tiers = own
+        self.own_tiers = own
         self.sensors = Sensors(self.config, model, loss_model=loss_model, clip_owner=clip_owner)
         if isinstance(self._sharded, ZeroState) and self.sensors.grad.layer_names:  # gradients only in partitions
             grad = self.sensors.grad
@@ -288,10 +318,11 @@ class RunOrchestrator:
             try:
                 frame = self.sensors.measure(step, save_blocking_s=self.log.take_blocking_s(),
                                              fingerprint=float(len(self.log.events)), pre_clip_norm=pre_clip_norm,
-                                             clip_norm=clip_norm, slot=self.saver.slot_plan(step))
+                                             clip_norm=clip_norm, slot=self._slot_plan(step))
             except DistributedError:  # a commit waiting for other ranks gives up now
-                for part in (self.store, self.saver):
-                    part.abort("a rank failed or diverged")
+                for part in (self.store, self._engine):
+                    if part is not None:
+                        part.abort("a rank failed or diverged")
                 raise
             self.memory.agree(frame)
         self.policy.memory_tier = self.memory.agreed_on
@@ -316,7 +347,7 @@ class RunOrchestrator:
                                     clip_norm=self._zero_seam.clip)
         self._early = (step, decision)
         if decision.save:
-            self.saver.wait_snapshot()
+            self.wait_snapshot()
 
     def _pre_update(self, step: int, *, epoch: float | None, late: bool = False, pre_clip_norm: float | None = None,
                     clip_norm: float | None = None) -> Decision:
@@ -330,7 +361,7 @@ class RunOrchestrator:
             frame.lr = float(groups[0]["lr"])  # the rate this update will use (the LR-surge trigger reads it)
         self._frame = frame
         decision = self.policy.pre_update(frame)
-        if decision.save and not self.saver.pin_existing(step, decision):  # else: a checkpoint of `step` exists
+        if decision.save and not self._pin_existing(step, decision):  # else: a checkpoint of `step` exists
             if late:  # ZeRO outside the engine's step: the update is applied, a capture would file it under `step`
                 if not self._warned_zero_capture and self.rank == 0:
                     self.announce.warning(
@@ -388,7 +419,7 @@ class RunOrchestrator:
         if isinstance(self._sharded, ZeroState):
             self._sharded.note_boundary()
         self.start_writer()
-        self.saver.raise_pending()
+        self._raise_pending()
         frame = self._frame if self._frame is not None and self._frame.step == step else self._measure(step)
         self._frame = None
         if frame.lr is None:
@@ -401,7 +432,7 @@ class RunOrchestrator:
         else:
             decision = self.policy.decide(frame)
         self.last_frame, self.last_decision = frame, decision
-        self.saver.collect_finished()
+        self._collect_finished()
         if self.hold_saves:  # the RNG the next step starts from is taken at its `step_begin`
             self._boundary_step, self._boundary_rng, self._boundary_at_begin = step, None, False
         else:
@@ -440,7 +471,7 @@ class RunOrchestrator:
         self.lineage = Lineage(session=self.session_id, timeline=new_session_id(), parent_step=parent,
                                parent_timeline=self.lineage.parent_timeline if parent is not None else None)
         self._fork_pending = True
-        self.saver.log.restart()
+        self.log.restart()
         self.policy = RulePolicy(self.config)
         if resumed is not None:
             self._restore_statistics(resumed)
@@ -464,8 +495,8 @@ class RunOrchestrator:
             return None
         (verdict, at), self._rollback = self._rollback, None
         assert self._model is not None and verdict.onset is not None, "attach() first"
-        self.saver.wait_snapshot()  # restore_live writes the tensors a snapshot may still be copying
-        self.saver.finish()  # the capture must be committed before it is read back
+        self.wait_snapshot()  # restore_live writes the tensors a snapshot may still be copying
+        self._settle()  # the capture must be committed before it is read back
         # The newest healthy, committed, not abandoned checkpoint with all tiers (a rollback restores them all) in
         # [earliest, onset): rank 0 reads its store, every rank gets its answer.
         target = max((i.step for i in self.store.list() if verdict.earliest <= i.step < verdict.onset
@@ -486,7 +517,7 @@ class RunOrchestrator:
         restore_live(loaded, model=self._model, optimizer=self._optimizer, scheduler=self._scheduler,
                      scaler=self._scaler, rng=restore_rng, weights_applied=self._sharded is not None)
         self.rollbacks.taken_at(at)
-        self.saver.log.restart()  # the saves past the restore point belong to the abandoned timeline
+        self.log.restart()  # the saves past the restore point belong to the abandoned timeline
         self.apply(resumption, rollback=True)
         self.note_boundary(resumption.step, rng=loaded.rng)
         done = Rollback(from_step=at, to_step=resumption.step, reason=verdict.reason,
@@ -498,7 +529,8 @@ class RunOrchestrator:
         """Wait until the last save's snapshot no longer reads the live parameters and optimizer state (an
         overlapped snapshot copies them beside the next step). Code that edits them in place between a save and the
         next optimizer step calls this first; otherwise that save fails with a `SaveError` (nothing committed)."""
-        self.saver.wait_snapshot()
+        if self._engine is not None:
+            self._engine.wait_snapshot()
 
     def save_now(self, step: int, epoch: float, *, reason: str = "manual", tiers: Iterable[Tier] = ALL_TIERS,
                  pin: bool = False, blocking: bool = True) -> SaveEvent:
@@ -508,12 +540,12 @@ class RunOrchestrator:
         self.release()
         kind = DecisionKind.TRAIN_END if reason == "train_end" else DecisionKind.MANUAL
         decision = Decision(save=True, tiers=frozenset(tiers), reason=reason, pin=pin, step=step, kind=kind)
-        existing = self.saver.log.find(step)
+        existing = self.log.find(step)
         if existing is not None and decision.tiers <= existing.tiers:
             if pin:
-                self.saver.pin_existing(step, decision)
+                self._pin_existing(step, decision)
             if blocking and existing.handle is not None:
-                self.saver.finish()
+                self._settle()
             return existing
         event = self._save(decision, step=step, epoch=epoch, at_step=step, blocking=blocking)
         assert event is not None
@@ -561,21 +593,173 @@ class RunOrchestrator:
             if sampler is not None:
                 sampler = {**sampler, KEY_RNG_AT: RNG_AT_STEP_BEGIN}
         if memory:  # the slot's `extra` runs a collective under Trainer: only where due (agreed on every rank)
-            if not self.memory.due(step):
-                return None
-            self.saver.save_memory(self._sources, step=step, epoch=epoch, lineage=self.lineage, rng=rng,
-                                   sampler=sampler, extra=self._extra(decision), healthy=decision.healthy)
+            if self.memory.due(step):
+                self._save_memory(decision, step=step, epoch=epoch, rng=rng, sampler=sampler,
+                                  extra=self._extra(decision))
             return None
-        common: dict[str, Any] = {"frame": self.last_frame, "debug_info": self.policy.debug_info(),
-                                  "lineage": self.lineage, "extra": self._extra(decision)}
-        return self.saver.save(self._sources, decision, step=step, epoch=epoch, at_step=at_step, rng=rng,
-                               sampler=sampler, blocking=blocking, signum=self.preempt_signal, **common)
+        frame, debug_info, extra = self.last_frame, self.policy.debug_info(), self._extra(decision)
+        start = time.perf_counter()
+        if preempted := decision.kind == DecisionKind.PREEMPTION:  # synchronous, within `preemption_grace_s`, most
+            # valuable tiers first (the engine's reason is "emergency: ...")
+            name, signum = "preemption", self.preempt_signal
+            if signum is not None:
+                try:
+                    name = f"preemption: {_signal.Signals(signum).name}"
+                except ValueError:
+                    name = f"preemption: signal {signum}"
+            decision = Decision(save=True, tiers=decision.tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
+        try:  # after rank 0 recreated a root deleted mid-run
+            self.store.ensure_root()
+        except DynamicCkptError as e:
+            logger.warning("the store root cannot be recreated (%s); this save will fail", e)
+        # Rank 0 writes weights and optimizer; every rank its own RNG file (FSDP2: and its shards).
+        request = SaveRequest(step=step, epoch=float(epoch), reason=decision.reason, kind=decision.kind.value,
+                              tiers=frozenset(decision.tiers or ALL_TIERS) & self.own_tiers, pinned=decision.pin,
+                              healthy=decision.healthy, debug_info=tuple(debug_info), lineage=self.lineage,
+                              signals=json_safe(frame.to_dict()) if frame is not None else None)
+        if preempted:
+            info = self.engine.emergency_save(self._sources, request,
+                                              deadline_s=self.config.runtime.preemption_grace_s, extra=extra)
+            blocking_ms = (time.perf_counter() - start) * 1e3
+            event = self.log.add(SaveEvent(step=step, at_step=step, reason=f"emergency: {decision.reason}",
+                                           tiers=info.tiers if info else request.tiers, pinned=False,
+                                           blocking_ms=blocking_ms, kind=DecisionKind.PREEMPTION,
+                                           bytes=info.bytes if info else None, path=info.path if info else None,
+                                           staging="sync"))
+            dist.barrier()
+            logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
+            return event
+        handle = self.engine.save(self._sources, request, rng=rng, sampler=sampler, extra=extra, blocking=blocking)
+        event = self.log.add(SaveEvent(step=step, at_step=at_step, reason=decision.reason,
+                                       tiers=frozenset(decision.tiers or request.tiers), pinned=decision.pin,
+                                       blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle,
+                                       staging=handle.staging, error=handle.skipped or None))
+        logger.debug("save step %d (%s): blocked %.1f ms, staging %s", step, decision.reason, handle.blocking_ms,
+                     handle.staging)
+        if handle.done():
+            self._collect(event)
+        return event
+
+    def _save_memory(self, decision: Decision, *, step: int, epoch: float, rng: RngState | None,
+                     sampler: dict[str, Any] | None, extra: dict[str, Any]) -> None:
+        """The state of `step`, due (`MemoryTier.due`), into a memory slot, in the background (see `MemoryTier`). A slot
+        of a step the policy found unhealthy says so: persisted, it is no `auto` restore point."""
+        assert self._sources is not None
+        tier = self.memory
+        early = not self.engine.writer_ready  # not up yet (its first seconds; `start_writer` starts it)
+        if early and not tier.write_early():
+            return
+        previous, self._memory_handle = self._memory_handle, None
+        if previous is not None:
+            tier.wait_for(previous)
+            tier.settle(previous)
+            if tier.slots is None:
+                return
+        request = SaveRequest(step=step, epoch=float(epoch), tiers=self.own_tiers, reason="memory tier",
+                              kind="memory_tier", lineage=self.lineage, healthy=decision.healthy)
+        self._memory_handle = self.engine.save(self._sources, request, rng=rng, sampler=sampler, extra=extra,
+                                               memory=True, blocking=early)
+        if early:
+            tier.settle(self._memory_handle)
+            self._memory_handle = None
+
+    def _slot_plan(self, step: int) -> tuple[float, float] | None:
+        """Several ranks (one rank: `None`): this rank's (cadence, blocked) for step `step`'s frame, after the bounded
+        wait for its previous slot's write: blocked 2 when the tier is off, 1 when a slot cannot be taken now (the
+        writer not up, a write in flight, a killed run's slot being persisted), else 0."""
+        tier, engine = self.memory, self._engine
+        if tier.world_size == 1:
+            return None
+        handle = self._memory_handle
+        if handle is not None and not handle.done() and tier.step_s and step % tier.cadence == 0:
+            tier.wait_for(handle)
+        if tier.slots is None:
+            return float(tier.every), 2.0
+        busy = engine is None or not engine.writer_ready or engine.busy or (handle is not None and not handle.done())
+        return float(tier.every), 1.0 if busy or not tier.ready() else 0.0
+
+    def _pin_existing(self, step: int, decision: Decision) -> bool:
+        """A pre-update capture of `step` when a save of `step` exists already: pin that one, no second copy."""
+        saved = self.log.find(step)
+        if saved is None:
+            return False
+        logger.debug("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
+        saved.pinned = True
+        if saved.handle is None and saved.path is not None and self.rank == 0:
+            self.store.pin(f"step:{step}")
+        return True
+
+    def _collect(self, event: SaveEvent) -> None:
+        """Settle a finished save: record bytes and path, pin, apply retention; or count and warn a failure."""
+        handle = event.handle
+        if handle is None or not handle.done():
+            return
+        event.handle = None
+        exc = handle.exception()
+        if exc is not None:
+            event.error = f"{type(exc).__name__}: {exc}"
+            self.log.failed += 1
+            # The engine has logged the one WARNING of this failure (with its cause); count it here.
+            logger.debug("save of step %d failed (on_save_error=%s; failed saves so far: %d): %s", event.step,
+                         self.config.on_save_error.value, self.log.failed, exc)
+            if self.config.on_save_error == OnSaveError.RAISE and self._raise_next is None:
+                self._raise_next = exc if isinstance(exc, SaveError) else SaveError(str(exc))
+            return
+        info = handle.wait()
+        event.write_ms = handle.write_ms
+        if info is not None:
+            event.bytes, event.path = info.bytes, info.path
+            streamed = ", streamed: no memory for snapshot buffers" if event.staging == "streaming" else ""
+            self.announce.info("smart_ckpt: saved step %d (%s%s): %s, training blocked %.0f ms%s", event.step,
+                               event.reason, ", pinned" if event.pinned else "", human_size(info.bytes),
+                               event.blocking_ms, streamed)
+            if event.pinned and not info.pinned:
+                self.store.pin(info)
+            self._prune()
+
+    def _collect_finished(self) -> None:
+        for event in self.log.events[-4:]:
+            self._collect(event)
+
+    def _raise_pending(self) -> None:
+        """Raise the first failed save's error once (`on_save_error="raise"`)."""
+        error, self._raise_next = self._raise_next, None
+        if error is not None:
+            raise error
+
+    def _settle(self) -> CheckpointInfo | None:
+        """Wait for the write in flight and settle every save (errors per `on_save_error`)."""
+        try:
+            info = self._engine.wait() if self._engine is not None else None
+        except SaveError:  # settled (warned about, or raised per on_save_error) below
+            info = None
+        for event in self.log.events:
+            self._collect(event)
+        self._raise_pending()
+        return info
+
+    def _prune(self) -> None:
+        """Apply retention (rank 0, between saves): keep pinned, the last N, log-spaced history."""
+        if self.rank != 0 or (self._engine is not None and self._engine.busy):
+            return
+        c = self.config
+        try:
+            plan = plan_retention(self.store.list(include_unhealthy=True, include_abandoned=True),
+                                  keep_last=c.keep_last, log_spaced=c.policy.keep_log_spaced,
+                                  tier_retention=tier_retention_from_config(c), now=time.time())
+            report = self.store.prune(plan)  # re-reads each entry from disk; abandoned ones once passed
+        except Exception as e:  # retention must never stop training
+            logger.warning("retention: skipped this time (%s)", e)
+            return
+        if report.removed or report.trimmed:
+            logger.debug("retention removed steps %s, trimmed %s, freed %s", report.removed, report.trimmed,
+                         human_size(report.bytes_freed))
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict[str, float]:
         """`smart_ckpt/*` numbers for the training logs (saves, failed saves, last save step, stall, risk; with the
         memory tier the slots written and skipped)."""
-        self.saver.collect_finished()
+        self._collect_finished()
         last = self.last_decision
         held = self._held.step if self._held is not None and not self._held.memory else None  # decided, written
         # once the step's logging ends (a memory slot is no disk save)
@@ -596,7 +780,7 @@ class RunOrchestrator:
         if self._held is not None and self._held.memory:  # a slot of a step whose logging never came: not needed
             self._held = None
         self.release()
-        return self.saver.finish()
+        return self._settle()
 
     def close(self) -> None:
         """Wait for pending writes, remove the probes, close the engine and the store (idempotent)."""
@@ -614,7 +798,9 @@ class RunOrchestrator:
                 self.resumed.pending.close()
             if self.recovery is not None:
                 self.recovery.close(remove=not self.memory.on)
-            self.saver.close()
+            if self._engine is not None:  # its writes in flight commit; then the memory tier (clean: its slots go)
+                self._engine.close()
+            self.memory.close(clean=True)
             self.store.close()
 
     @property
@@ -647,7 +833,7 @@ class RunOrchestrator:
         """
         if ref is None:
             return None
-        self.saver.wait_snapshot()  # the caller loads into the tensors a snapshot of this run may still be copying
+        self.wait_snapshot()  # the caller loads into the tensors a snapshot of this run may still be copying
         resumption = self._plan(ref, expected=expected, background_optimizer=background_optimizer, into=into)
         if resumption is None:
             return None
@@ -741,7 +927,7 @@ class RunOrchestrator:
         probe's once it is attached."""
         state = resumption.state
         if counters and (counts := state.get(KEY_SAVE_LOG)) is not None:
-            self.saver.log.continue_counts(counts)
+            self.log.continue_counts(counts)
         for key, target in ((KEY_ROLLBACKS, self.rollbacks if counters else None), (KEY_POLICY, self.policy)):
             _load_state(key, target, state.get(key))
         self._probe_state = state.get(KEY_GRAD_PROBE)

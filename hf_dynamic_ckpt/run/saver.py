@@ -1,8 +1,5 @@
-"""The save path of one run: a decision becomes a `SaveRequest`, a snapshot, a committed checkpoint; and the memory
-tier (`MemoryTier`) and a killed run's slots (`SlotRecovery`).
-
-`Saver` owns the engine calls, the run's `SaveLog`, the error policy (`on_save_error`) and retention after each
-commit. Only `RunOrchestrator` uses it; it runs no collectives and calls nothing back.
+"""The save side's parts that `RunOrchestrator` (which owns the save path) keeps: the held save (`HeldSave`), the
+run's store (`open_run_store`), the memory tier (`MemoryTier`) and a killed run's slots (`SlotRecovery`).
 """
 
 from __future__ import annotations
@@ -10,7 +7,6 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import signal as _signal
 import socket
 import threading
 import time
@@ -19,17 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import distributed as dist
-from ..config import OnSaveError, SmartCkptConfig
-from ..constants import ALL_TIERS, Tier
-from ..engine import SaveEngine
-from ..errors import DistributedError, DynamicCkptError, SaveError
-from ..jsonutil import json_safe
-from ..policy.retention import plan_retention, tier_retention_from_config
-from ..signals import Decision, DecisionKind, SignalFrame
-from ..state import RawRngState, StateSources
-from ..store import CheckpointInfo, CheckpointStore, Lineage, SaveRequest
+from ..config import SmartCkptConfig
+from ..errors import DistributedError, DynamicCkptError
+from ..signals import Decision, SignalFrame
+from ..state import RawRngState
+from ..store import CheckpointStore
 from ..store import slots as slot_store
-from .record import SaveEvent, SaveLog, human_size
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +101,7 @@ def open_run_store(config: SmartCkptConfig, root: str | Path, *, rank: int, worl
                    session_id: str) -> tuple[CheckpointStore, SlotRecovery | None]:
     """This rank's store, and a killed run's slots to restore from. Under DDP rank 0 opens first (the catalog, the
     task's writer lock, the slots); its outcome, an error included, is what every rank acts on. No engine is started
-    (`Saver.engine`, at its first use): a resume only reads. A URL root (read-only here) has no slots."""
+    (`RunOrchestrator.engine`, at its first use): a resume only reads. A URL root (read-only here) has no slots."""
 
     def open_store() -> CheckpointStore:
         return CheckpointStore(root, task_id=config.task_id, rank=rank, world_size=world_size, session_id=session_id,
@@ -231,7 +222,7 @@ class MemoryTier:
     def due(self, step: int) -> bool:
         """Whether step `step`'s state goes to a slot (measures the step time as it goes). Several ranks: what they
         agreed in the step's frame, the same on every rank even where this rank's tier turned off since (it then
-        writes nothing: `Saver.save_memory`)."""
+        writes nothing: `RunOrchestrator._save`)."""
         now = time.perf_counter()
         if self._last_call is not None and step > self._last_call[0]:
             per = (now - self._last_call[1]) / (step - self._last_call[0])
@@ -308,218 +299,3 @@ class MemoryTier:
             slots.close()
         if clean and self.config.runtime.memory_tier and self.store.rank == 0:
             slot_store.remove_slots(self.store.root, self.store.task_id)
-
-
-class Saver:
-    """Turns decisions into saves and keeps their record (see the module docstring)."""
-
-    def __init__(self, config: SmartCkptConfig, store: CheckpointStore, *, rank: int, world_size: int,
-                 announce: logging.Logger) -> None:
-        self.config, self.store, self.rank, self.announce = config, store, rank, announce
-        self._engine: SaveEngine | None = None
-        self.log = SaveLog()
-        # The tiers this rank writes (`RunOrchestrator.attach` sets them: FSDP2 ranks write their shards too).
-        self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if rank == 0 else frozenset({Tier.STATE})
-        self._raise_next: SaveError | None = None
-        self.memory = MemoryTier(config, store, world_size=world_size)  # before the engine: its writer writes slots
-        self._memory_handle: Any = None
-
-    @property
-    def engine(self) -> SaveEngine:
-        """The save engine (snapshot buffers, writer process), created at its first use."""
-        if self._engine is None:
-            self._engine = SaveEngine(self.store, mode=self.config.engine,
-                                      memory_margin=self.config.runtime.memory_margin,
-                                      overlap=self.config.runtime.overlap_snapshot,
-                                      slots=self.memory.slots)
-        return self._engine
-
-    def slot_plan(self, step: int) -> tuple[float, float] | None:
-        """Several ranks (one rank: `None`): this rank's (cadence, blocked) for step `step`'s frame, after the bounded
-        wait for its previous slot's write: blocked 2 when the tier is off, 1 when a slot cannot be taken now (the
-        writer not up, a write in flight, a killed run's slot being persisted), else 0."""
-        tier, engine = self.memory, self._engine
-        if tier.world_size == 1:
-            return None
-        handle = self._memory_handle
-        if handle is not None and not handle.done() and tier.step_s and step % tier.cadence == 0:
-            tier.wait_for(handle)
-        if tier.slots is None:
-            return float(tier.every), 2.0
-        busy = engine is None or not engine.writer_ready or engine.busy or (handle is not None and not handle.done())
-        return float(tier.every), 1.0 if busy or not tier.ready() else 0.0
-
-    def save_memory(self, sources: StateSources, *, step: int, epoch: float, lineage: Lineage,
-                    rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
-                    extra: dict[str, Any] | None = None, healthy: bool = True) -> None:
-        """The state of `step`, due (`MemoryTier.due`), into a memory slot, in the background (see `MemoryTier`). A slot
-        of a step the policy found unhealthy says so: persisted, it is no `auto` restore point."""
-        tier = self.memory
-        early = not self.engine.writer_ready  # not up yet (its first seconds; `start_writer` starts it)
-        if early and not tier.write_early():
-            return
-        previous, self._memory_handle = self._memory_handle, None
-        if previous is not None:
-            tier.wait_for(previous)
-            tier.settle(previous)
-            if tier.slots is None:
-                return
-        request = SaveRequest(step=step, epoch=float(epoch), tiers=self.own_tiers, reason="memory tier",
-                              kind="memory_tier", lineage=lineage, healthy=healthy)
-        self._memory_handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, memory=True,
-                                               blocking=early)
-        if early:
-            tier.settle(self._memory_handle)
-            self._memory_handle = None
-
-    @property
-    def started(self) -> bool:
-        """Whether the engine was started (a run that only resumed, or never saved, has none)."""
-        return self._engine is not None
-
-    def close(self, *, clean: bool = True) -> None:
-        """Close the engine if started (its writes in flight commit), then the memory tier (`clean`: its slots go)."""
-        if self._engine is not None:
-            self._engine.close()
-        self.memory.close(clean=clean)
-
-    def wait_snapshot(self) -> None:
-        """Wait until the last snapshot no longer reads the live parameters and optimizer state (`SaveEngine`)."""
-        if self._engine is not None:
-            self._engine.wait_snapshot()
-
-    def abort(self, why: str) -> None:
-        if self._engine is not None:
-            self._engine.abort(why)
-
-    def _request(self, decision: Decision, *, step: int, epoch: float, frame: SignalFrame | None,
-                 debug_info: list[dict[str, Any]], lineage: Lineage) -> SaveRequest:
-        """The request of a save, after rank 0 recreated a root deleted mid-run. Rank 0 writes weights and optimizer;
-        every rank its own RNG file (FSDP2: and its shards)."""
-        try:
-            self.store.ensure_root()
-        except DynamicCkptError as e:
-            logger.warning("the store root cannot be recreated (%s); this save will fail", e)
-        return SaveRequest(step=step, epoch=float(epoch), tiers=frozenset(decision.tiers or ALL_TIERS) & self.own_tiers,
-                           reason=decision.reason, kind=decision.kind.value, pinned=decision.pin,
-                           healthy=decision.healthy, signals=json_safe(frame.to_dict()) if frame is not None else None,
-                           debug_info=tuple(debug_info), lineage=lineage)
-
-    def save(self, sources: StateSources, decision: Decision, *, step: int, epoch: float, at_step: int,
-             frame: SignalFrame | None, debug_info: list[dict[str, Any]], lineage: Lineage,
-             rng: dict[str, Any] | RawRngState | None = None, sampler: dict[str, Any] | None = None,
-             extra: dict[str, Any] | None = None, blocking: bool = False, signum: int | None = None) -> SaveEvent:
-        """Snapshot now, write in the background (or now with `blocking`); returns the run's record of it. The
-        preemption save (kind `PREEMPTION`, its `signum`): synchronous, within `preemption_grace_s`, most valuable
-        tiers first (the engine's reason is "emergency: ...")."""
-        start = time.perf_counter()
-        if preempted := decision.kind == DecisionKind.PREEMPTION:
-            name = "preemption"
-            if signum is not None:
-                try:
-                    name = f"preemption: {_signal.Signals(signum).name}"
-                except ValueError:
-                    name = f"preemption: signal {signum}"
-            decision = Decision(save=True, tiers=decision.tiers, reason=name, kind=DecisionKind.PREEMPTION, step=step)
-        request = self._request(decision, step=step, epoch=epoch, frame=frame, debug_info=debug_info, lineage=lineage)
-        if preempted:
-            info = self.engine.emergency_save(sources, request, deadline_s=self.config.runtime.preemption_grace_s,
-                                              extra=extra)
-            blocking_ms = (time.perf_counter() - start) * 1e3
-            event = SaveEvent(step=step, at_step=step, reason=f"emergency: {decision.reason}",
-                              tiers=info.tiers if info else request.tiers, pinned=False, blocking_ms=blocking_ms,
-                              kind=DecisionKind.PREEMPTION, bytes=info.bytes if info else None,
-                              path=info.path if info else None, staging="sync")
-            self.log.add(event)
-            dist.barrier()
-            logger.warning("preemption: committed step %d in %.0f ms; stopping training", step, blocking_ms)
-            return event
-        handle = self.engine.save(sources, request, rng=rng, sampler=sampler, extra=extra, blocking=blocking)
-        event = SaveEvent(step=step, at_step=at_step, reason=decision.reason,
-                          tiers=frozenset(decision.tiers or request.tiers), pinned=decision.pin,
-                          blocking_ms=handle.blocking_ms, kind=decision.kind, handle=handle, staging=handle.staging,
-                          error=handle.skipped or None)
-        self.log.add(event)
-        logger.debug("save step %d (%s): blocked %.1f ms, staging %s", step, decision.reason, handle.blocking_ms,
-                     handle.staging)
-        if handle.done():
-            self.collect(event)
-        return event
-
-    def pin_existing(self, step: int, decision: Decision) -> bool:
-        """A pre-update capture of `step` when a save of `step` exists already: pin that one, no second copy."""
-        saved = self.log.find(step)
-        if saved is None:
-            return False
-        logger.debug("step %d: %s -> pinning the checkpoint of step %d", step + 1, decision.reason, step)
-        saved.pinned = True
-        if saved.handle is None and saved.path is not None and self.rank == 0:
-            self.store.pin(f"step:{step}")
-        return True
-
-    def collect(self, event: SaveEvent) -> None:
-        """Settle a finished save: record bytes and path, pin, apply retention; or count and warn a failure."""
-        handle = event.handle
-        if handle is None or not handle.done():
-            return
-        event.handle = None
-        exc = handle.exception()
-        if exc is not None:
-            event.error = f"{type(exc).__name__}: {exc}"
-            self.log.failed += 1
-            # The engine has logged the one WARNING of this failure (with its cause); count it here.
-            logger.debug("save of step %d failed (on_save_error=%s; failed saves so far: %d): %s", event.step,
-                         self.config.on_save_error.value, self.log.failed, exc)
-            if self.config.on_save_error == OnSaveError.RAISE and self._raise_next is None:
-                self._raise_next = exc if isinstance(exc, SaveError) else SaveError(str(exc))
-            return
-        info = handle.wait()
-        event.write_ms = handle.write_ms
-        if info is not None:
-            event.bytes, event.path = info.bytes, info.path
-            streamed = ", streamed: no memory for snapshot buffers" if event.staging == "streaming" else ""
-            self.announce.info("smart_ckpt: saved step %d (%s%s): %s, training blocked %.0f ms%s", event.step,
-                               event.reason, ", pinned" if event.pinned else "", human_size(info.bytes),
-                               event.blocking_ms, streamed)
-            if event.pinned and not info.pinned:
-                self.store.pin(info)
-            self.prune()
-
-    def collect_finished(self) -> None:
-        for event in self.log.events[-4:]:
-            self.collect(event)
-
-    def raise_pending(self) -> None:
-        """Raise the first failed save's error once (`on_save_error="raise"`)."""
-        error, self._raise_next = self._raise_next, None
-        if error is not None:
-            raise error
-
-    def finish(self) -> CheckpointInfo | None:
-        """Wait for the write in flight and settle every save (errors per `on_save_error`)."""
-        try:
-            info = self._engine.wait() if self._engine is not None else None
-        except SaveError:  # settled (warned about, or raised per on_save_error) below
-            info = None
-        for event in self.log.events:
-            self.collect(event)
-        self.raise_pending()
-        return info
-
-    def prune(self) -> None:
-        """Apply retention (rank 0, between saves): keep pinned, the last N, log-spaced history."""
-        if self.rank != 0 or (self._engine is not None and self._engine.busy):
-            return
-        c = self.config
-        try:
-            plan = plan_retention(self.store.list(include_unhealthy=True, include_abandoned=True),
-                                  keep_last=c.keep_last,
-                                  log_spaced=c.policy.keep_log_spaced, tier_retention=tier_retention_from_config(c),
-                                  now=time.time())
-            report = self.store.prune(plan)  # re-reads each entry from disk; abandoned ones once passed
-        except Exception as e:  # retention must never stop training
-            logger.warning("retention: skipped this time (%s)", e)
-            return
-        if report.removed or report.trimmed:
-            logger.debug("retention removed steps %s, trimmed %s, freed %s", report.removed, report.trimmed,
-                         human_size(report.bytes_freed))

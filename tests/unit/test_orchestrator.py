@@ -340,7 +340,7 @@ def test_the_save_side_starts_after_the_first_step_and_after_a_background_optimi
     monkeypatch.setattr(SaveEngine, "start", start)
 
     ck, model, opt, sched = make(tmp_path)
-    assert prepared == [] and not ck.saver.started  # attached, not stepped yet
+    assert prepared == [] and not ck.started  # attached, not stepped yet
     for step in range(2):
         train_step(ck, model, opt, sched, step)
     assert prepared[:1] == [1]  # at the end of the first step (a save calls it again: idempotent)
@@ -361,12 +361,12 @@ def test_the_save_side_starts_after_the_first_step_and_after_a_background_optimi
     loaded = ck2.resume("step:2", background_optimizer=True)
     assert loaded is not None and loaded.optimizer is None
     ck2.attach(model2, optimizer=opt2, scheduler=sched2)
-    assert prepared == [] and not ck2.saver.started  # the resume read, built no save side
+    assert prepared == [] and not ck2.started  # the resume read, built no save side
     gate.set()
     ck2.complete_resume(loaded)
-    assert prepared == [] and loaded.optimizer is not None and not ck2.saver.started  # the first step first
+    assert prepared == [] and loaded.optimizer is not None and not ck2.started  # the first step first
     train_step(ck2, model2, opt2, sched2, 2)
-    assert prepared == [1] and ck2.saver.started
+    assert prepared == [1] and ck2.started
     ck2.attach(model2, optimizer=opt2, scheduler=sched2)  # after the first step: the writer runs already
     assert prepared[0] == 1 and ck2.engine.writer_pid is not None
     ck2.close()
