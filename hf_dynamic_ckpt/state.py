@@ -39,19 +39,10 @@ _data_ptr = torch.Tensor.data_ptr
 # ---------------------------------------------------------------------------- what a save reads
 @dataclass
 class StateSources:
-    """The live objects a save copies from. The engine only reads them.
-
-    Args:
-        weights (`Callable[[], Mapping[str, torch.Tensor]]`, *optional*): returns the L0
-            tensors under their saved names, e.g. `model.state_dict` or a PEFT adapter dict.
-        frozen_keys (`frozenset[str]`, *optional*): weight names that never change between
-            saves (frozen base weights): the engine neither copies nor writes them.
-        optimizer (`torch.optim.Optimizer`, *optional*): L1; its `state_dict()` aliases live
-            tensors, which the snapshot copies.
-        scheduler (*optional*): object with `state_dict()` (LR scheduler), L1.
-        scaler (*optional*): object with `state_dict()` (AMP `GradScaler`), L1.
-        sampler (`Callable[[], dict]`, *optional*): JSON-able data position, L2.
-    """
+    """The live objects a save copies from (the engine only reads them): `weights` returns the L0 tensors under their
+    saved names; `frozen_keys` never change between saves (neither copied nor written); optimizer, scheduler and
+    scaler are L1 (`state_dict()` aliases live tensors, which the snapshot copies); `sampler` returns the JSON-able
+    data position (L2)."""
 
     weights: Callable[[], Mapping[str, torch.Tensor]] | None = None
     frozen_keys: frozenset[str] = frozenset()
@@ -63,13 +54,7 @@ class StateSources:
 
 class CachedWeights:
     """A `StateSources.weights` callable that builds its mapping once (`state_dict()` walks every module: tens of
-    ms) and reuses it while no module, parameter or buffer of `model` was replaced (checked at every call).
-
-    Args:
-        model (`torch.nn.Module`): the model whose parameters the mapping aliases.
-        fn (`Callable[[], Mapping[str, torch.Tensor]]`): builds the mapping, e.g.
-            `model.state_dict` or `lambda: get_peft_model_state_dict(model)`.
-    """
+    ms) and reuses it while no module, parameter or buffer of `model` was replaced (checked at every call)."""
 
     def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         self._model, self._fn = model, fn
@@ -202,23 +187,9 @@ def _fmt_keys(keys: list[str]) -> str:
 
 
 def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]) -> None:
-    """Check that saved weights fit a model's state dict, by key names and shapes.
-
-    Args:
-        saved (`Mapping[str, torch.Tensor]`): weights read from a checkpoint.
-        expected (`Mapping[str, torch.Tensor | None]`): what the model holds (e.g. `model.state_dict()`,
-            the PEFT adapter dict, or `expected_weights(model)`); a `None` entry is checked by name only.
-
-    Raises:
-        `IncompatibleStateError`: listing the missing, unexpected and mismatched keys (sorted, at most 10 each).
-
-    Example:
-        ```python
-        >>> check_weights({"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)})
-        IncompatibleStateError: saved weights do not fit the model: shape mismatch (1): w saved [2, 3] vs model
-        [2, 4]. ...
-        ```
-    """
+    """Check that `saved` weights fit `expected` (what the model holds; a `None` entry is checked by name only) by key
+    names and shapes, else `IncompatibleStateError` listing the missing, unexpected and mismatched keys (sorted, at
+    most 10 each)."""
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     mismatched = sorted(k for k in set(saved) & set(expected)
