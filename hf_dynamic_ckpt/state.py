@@ -31,8 +31,7 @@ from .store import LoadedCheckpoint
 logger = logging.getLogger(__name__)
 
 _MAX_LISTED_KEYS = 10
-RNG_FORMAT_VERSION = 1
-"""Version of the JSON written by `capture_rng_state`; readers refuse newer versions."""
+RNG_FORMAT_VERSION = 1  # of `capture_rng_state`'s JSON; readers refuse newer versions
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -89,7 +88,6 @@ class CachedWeights:
 
 # ---------------------------------------------------------------------------- L0: the model's weights
 def is_peft_model(model: nn.Module) -> bool:
-    """Whether `model` is a PEFT model (adapter-only checkpoints)."""
     try:
         from peft import PeftModel
     except ImportError:
@@ -156,11 +154,7 @@ def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
 
 
 def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy saved L0 tensors into the live model in place (after `check_weights`).
-
-    Raises:
-        `IncompatibleStateError`: names or shapes do not match the model.
-    """
+    """Copy saved L0 tensors into the live model in place (`IncompatibleStateError` from `check_weights` first)."""
     names = adapter_names(model)
     check_weights(weights, expected_weights(model))
     if names:
@@ -256,7 +250,6 @@ def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, sc
 
 
 def fast_forward_scheduler(scheduler: Any, step: int) -> None:
-    """Put a fresh LR scheduler at `step` (its optimizer's learning rates follow)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
         if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
@@ -280,8 +273,7 @@ def _unb64(s: str) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class RawRngState:
-    """The generators' states as captured (copies no later draw changes), converted to JSON by `to_json` off the
-    training thread (the writer does it)."""
+    """The generators' states as captured (copies), converted to JSON by `to_json` off the training thread."""
 
     python: tuple[Any, ...]
     numpy: tuple[Any, ...]
@@ -289,7 +281,6 @@ class RawRngState:
     cuda: tuple[torch.Tensor, ...] | None
 
     def to_json(self) -> dict[str, Any]:
-        """The state in `capture_rng_state`'s JSON-able form."""
         version, internal, gauss_next = self.python
         kind, keys, pos, has_gauss, cached_gaussian = self.numpy  # numpy's legacy tuple (its fastest form)
         return {
@@ -302,32 +293,23 @@ class RawRngState:
         }
 
 
-RngState = dict[str, Any] | RawRngState
-"""An RNG state as saves take it: JSON-able (`capture_rng_state`) or raw (`capture_raw_rng_state`)."""
+RngState = dict[str, Any] | RawRngState  # JSON-able (`capture_rng_state`) or raw (`capture_raw_rng_state`)
 
 
 def capture_raw_rng_state() -> RawRngState:
-    """This process's RNG states, captured now and converted to JSON later (`RawRngState.to_json`)."""
     cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return RawRngState(python=random.getstate(), numpy=np.random.get_state(legacy=True),  # type: ignore[arg-type]
                        torch_cpu=torch.get_rng_state(), cuda=cuda)
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Captures this process's RNG states in JSON-able form: `{"format_version", "python", "numpy", "torch_cpu",
-    "cuda"}` (`"cuda"`: a base64 state per device, `None` when CUDA is not initialised); `restore_rng_state`
-    puts it back."""
+    """This process's RNG states as JSON (`"cuda"`: a base64 state per device, `None` when CUDA is not initialised)."""
     return capture_raw_rng_state().to_json()
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restores RNG states captured by `capture_rng_state`, all or nothing (CUDA ones only where the number of
-    devices matches; otherwise a warning).
-
-    Raises:
-        `FormatVersionError`: the state was written by a newer format version.
-        `CorruptCheckpointError`: a field is missing or malformed.
-    """
+    """Restore `capture_rng_state`'s states, all or nothing (CUDA ones only where the device count matches, else a
+    warning). Raises `FormatVersionError` (a newer format), `CorruptCheckpointError` (a field missing or malformed)."""
     version = state.get("format_version") if isinstance(state, dict) else None
     if not isinstance(version, int):
         raise CorruptCheckpointError(f"RNG state has no integer format_version (got {version!r}); the file is corrupt.")
@@ -368,13 +350,12 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- supported parallel setups
-SUPPORTED_SETUPS = (
+SUPPORTED_SETUPS = (  # named by every refusal (docs/fsdp.md)
     "a single process; DDP (torchrun / `accelerate launch --multi_gpu`, Trainer on several processes); "
     "FSDP2 (`torch.distributed.fsdp.fully_shard`, or Accelerate's FSDP plugin with fsdp_version=2), with "
     "`SmartCheckpointer` or the `RunOrchestrator` core; DeepSpeed ZeRO stages 1-3 under Trainer or "
     "`SmartCheckpointer`"
 )
-"""The setups named by every refusal (see docs/fsdp.md)."""
 
 
 def _refuse(what: str, why: str, fix: str) -> ConfigError:
