@@ -31,27 +31,17 @@ from .store import LoadedCheckpoint
 logger = logging.getLogger(__name__)
 
 _MAX_LISTED_KEYS = 10
-RNG_FORMAT_VERSION = 1
-"""Version of the JSON written by `capture_rng_state`; readers refuse newer versions."""
+RNG_FORMAT_VERSION = 1  # of `capture_rng_state`'s JSON; readers refuse newer versions
 _data_ptr = torch.Tensor.data_ptr
 
 
 # ---------------------------------------------------------------------------- what a save reads
 @dataclass
 class StateSources:
-    """The live objects a save copies from. The engine only reads them.
-
-    Args:
-        weights (`Callable[[], Mapping[str, torch.Tensor]]`, *optional*): returns the L0
-            tensors under their saved names, e.g. `model.state_dict` or a PEFT adapter dict.
-        frozen_keys (`frozenset[str]`, *optional*): weight names that never change between
-            saves (frozen base weights): the engine neither copies nor writes them.
-        optimizer (`torch.optim.Optimizer`, *optional*): L1; its `state_dict()` aliases live
-            tensors, which the snapshot copies.
-        scheduler (*optional*): object with `state_dict()` (LR scheduler), L1.
-        scaler (*optional*): object with `state_dict()` (AMP `GradScaler`), L1.
-        sampler (`Callable[[], dict]`, *optional*): JSON-able data position, L2.
-    """
+    """The live objects a save copies from (the engine only reads them): `weights` returns the L0 tensors under their
+    saved names; `frozen_keys` never change between saves (neither copied nor written); optimizer, scheduler and
+    scaler are L1 (`state_dict()` aliases live tensors, which the snapshot copies); `sampler` returns the JSON-able
+    data position (L2)."""
 
     weights: Callable[[], Mapping[str, torch.Tensor]] | None = None
     frozen_keys: frozenset[str] = frozenset()
@@ -63,13 +53,7 @@ class StateSources:
 
 class CachedWeights:
     """A `StateSources.weights` callable that builds its mapping once (`state_dict()` walks every module: tens of
-    ms) and reuses it while no module, parameter or buffer of `model` was replaced (checked at every call).
-
-    Args:
-        model (`torch.nn.Module`): the model whose parameters the mapping aliases.
-        fn (`Callable[[], Mapping[str, torch.Tensor]]`): builds the mapping, e.g.
-            `model.state_dict` or `lambda: get_peft_model_state_dict(model)`.
-    """
+    ms) and reuses it while no module, parameter or buffer of `model` was replaced (checked at every call)."""
 
     def __init__(self, model: torch.nn.Module, fn: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         self._model, self._fn = model, fn
@@ -104,7 +88,6 @@ class CachedWeights:
 
 # ---------------------------------------------------------------------------- L0: the model's weights
 def is_peft_model(model: nn.Module) -> bool:
-    """Whether `model` is a PEFT model (adapter-only checkpoints)."""
     try:
         from peft import PeftModel
     except ImportError:
@@ -171,11 +154,7 @@ def frozen_weight_keys(model: nn.Module) -> frozenset[str]:
 
 
 def apply_weights(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy saved L0 tensors into the live model in place (after `check_weights`).
-
-    Raises:
-        `IncompatibleStateError`: names or shapes do not match the model.
-    """
+    """Copy saved L0 tensors into the live model in place (`IncompatibleStateError` from `check_weights` first)."""
     names = adapter_names(model)
     check_weights(weights, expected_weights(model))
     if names:
@@ -202,23 +181,9 @@ def _fmt_keys(keys: list[str]) -> str:
 
 
 def check_weights(saved: Mapping[str, torch.Tensor], expected: Mapping[str, Any]) -> None:
-    """Check that saved weights fit a model's state dict, by key names and shapes.
-
-    Args:
-        saved (`Mapping[str, torch.Tensor]`): weights read from a checkpoint.
-        expected (`Mapping[str, torch.Tensor | None]`): what the model holds (e.g. `model.state_dict()`,
-            the PEFT adapter dict, or `expected_weights(model)`); a `None` entry is checked by name only.
-
-    Raises:
-        `IncompatibleStateError`: listing the missing, unexpected and mismatched keys (sorted, at most 10 each).
-
-    Example:
-        ```python
-        >>> check_weights({"w": torch.zeros(2, 3)}, {"w": torch.zeros(2, 4)})
-        IncompatibleStateError: saved weights do not fit the model: shape mismatch (1): w saved [2, 3] vs model
-        [2, 4]. ...
-        ```
-    """
+    """Check that `saved` weights fit `expected` (what the model holds; a `None` entry is checked by name only) by key
+    names and shapes, else `IncompatibleStateError` listing the missing, unexpected and mismatched keys (sorted, at
+    most 10 each)."""
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     mismatched = sorted(k for k in set(saved) & set(expected)
@@ -285,7 +250,6 @@ def apply_optimizer_state(loaded: LoadedCheckpoint, *, optimizer: Any | None, sc
 
 
 def fast_forward_scheduler(scheduler: Any, step: int) -> None:
-    """Put a fresh LR scheduler at `step` (its optimizer's learning rates follow)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
         if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
@@ -309,8 +273,7 @@ def _unb64(s: str) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class RawRngState:
-    """The generators' states as captured (copies no later draw changes), converted to JSON by `to_json` off the
-    training thread (the writer does it)."""
+    """The generators' states as captured (copies), converted to JSON by `to_json` off the training thread."""
 
     python: tuple[Any, ...]
     numpy: tuple[Any, ...]
@@ -318,7 +281,6 @@ class RawRngState:
     cuda: tuple[torch.Tensor, ...] | None
 
     def to_json(self) -> dict[str, Any]:
-        """The state in `capture_rng_state`'s JSON-able form."""
         version, internal, gauss_next = self.python
         kind, keys, pos, has_gauss, cached_gaussian = self.numpy  # numpy's legacy tuple (its fastest form)
         return {
@@ -331,32 +293,23 @@ class RawRngState:
         }
 
 
-RngState = dict[str, Any] | RawRngState
-"""An RNG state as saves take it: JSON-able (`capture_rng_state`) or raw (`capture_raw_rng_state`)."""
+RngState = dict[str, Any] | RawRngState  # JSON-able (`capture_rng_state`) or raw (`capture_raw_rng_state`)
 
 
 def capture_raw_rng_state() -> RawRngState:
-    """This process's RNG states, captured now and converted to JSON later (`RawRngState.to_json`)."""
     cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return RawRngState(python=random.getstate(), numpy=np.random.get_state(legacy=True),  # type: ignore[arg-type]
                        torch_cpu=torch.get_rng_state(), cuda=cuda)
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Captures this process's RNG states in JSON-able form: `{"format_version", "python", "numpy", "torch_cpu",
-    "cuda"}` (`"cuda"`: a base64 state per device, `None` when CUDA is not initialised); `restore_rng_state`
-    puts it back."""
+    """This process's RNG states as JSON (`"cuda"`: a base64 state per device, `None` when CUDA is not initialised)."""
     return capture_raw_rng_state().to_json()
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restores RNG states captured by `capture_rng_state`, all or nothing (CUDA ones only where the number of
-    devices matches; otherwise a warning).
-
-    Raises:
-        `FormatVersionError`: the state was written by a newer format version.
-        `CorruptCheckpointError`: a field is missing or malformed.
-    """
+    """Restore `capture_rng_state`'s states, all or nothing (CUDA ones only where the device count matches, else a
+    warning). Raises `FormatVersionError` (a newer format), `CorruptCheckpointError` (a field missing or malformed)."""
     version = state.get("format_version") if isinstance(state, dict) else None
     if not isinstance(version, int):
         raise CorruptCheckpointError(f"RNG state has no integer format_version (got {version!r}); the file is corrupt.")
@@ -397,13 +350,12 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- supported parallel setups
-SUPPORTED_SETUPS = (
+SUPPORTED_SETUPS = (  # named by every refusal (docs/fsdp.md)
     "a single process; DDP (torchrun / `accelerate launch --multi_gpu`, Trainer on several processes); "
     "FSDP2 (`torch.distributed.fsdp.fully_shard`, or Accelerate's FSDP plugin with fsdp_version=2), with "
     "`SmartCheckpointer` or the `RunOrchestrator` core; DeepSpeed ZeRO stages 1-3 under Trainer or "
     "`SmartCheckpointer`"
 )
-"""The setups named by every refusal (see docs/fsdp.md)."""
 
 
 def _refuse(what: str, why: str, fix: str) -> ConfigError:

@@ -8,7 +8,6 @@ what cannot be kept is said.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import functools
 import logging
@@ -21,7 +20,7 @@ from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, Seedab
 
 from .. import distributed as dist
 from ..errors import CorruptCheckpointError, GlobalBatchError, weights_overwritten
-from ..state import capture_rng_state, restore_rng_state
+from ..state import _b64, _unb64, capture_rng_state, restore_rng_state
 from ..store import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,6 @@ KEY_DRAWS_RANDOM = "draws_random"  # `StepRandomness.seen`: a step drew random n
 # ---------------------------------------------------------------------------- batch geometry
 @dataclass(frozen=True)
 class BatchGeometry:
-    """Samples per optimizer step: ``per_device x world_size x accumulation``."""
 
     per_device: int
     world_size: int
@@ -69,7 +67,7 @@ class BatchGeometry:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """What a resume does with the batch: the accumulation to train with, and the line that says so."""
+    """The accumulation a resume trains with, and the line that says so."""
 
     accumulation: int
     note: str | None = None  # INFO: the world size changed, the global batch is kept
@@ -125,8 +123,7 @@ def _ways(global_batch: int, world_size: int) -> str:
 
 
 class StepRandomness:
-    """Whether a step's forward and backward draw random numbers on this rank (dropout): the CPU (and CUDA)
-    generator state at `begin` against `end`. Sticky."""
+    """Sticky: a step's forward and backward drew random numbers on this rank (the generators at `begin` vs `end`)."""
 
     def __init__(self) -> None:
         self.seen = False
@@ -191,7 +188,7 @@ def resume_batch(loaded: LoadedCheckpoint, now: BatchGeometry | None, *, world: 
 
 # ---------------------------------------------------------------------------- data position
 def rank_rngs() -> list[Any]:
-    """Every rank's RNG now (a collective): an epoch's start, restored with `restore_rank_rng`."""
+    """Every rank's RNG now (a collective), restored with `restore_rank_rng`."""
     return dist.all_gather_json(capture_rng_state())
 
 
@@ -251,21 +248,19 @@ def order_note(dataloader: Any, *, saved_generator: bool) -> str | None:
 
 
 def _gen_b64(gen: torch.Generator | None) -> str | None:
-    return None if gen is None else base64.b64encode(gen.get_state().numpy().tobytes()).decode("ascii")
+    return None if gen is None else _b64(gen.get_state())
 
 
 def _set_gen(gen: torch.Generator | None, state: str | None) -> None:
     if gen is not None and state is not None:
-        gen.set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8).clone())
+        gen.set_state(_unb64(state))
 
 
 def persistent_workers(dataloader: Any) -> bool:
-    """`dataloader` keeps its worker processes (and its iterator) from one epoch to the next."""
     return bool(getattr(dataloader, "persistent_workers", False)) and int(getattr(dataloader, "num_workers", 0)) > 0
 
 
 def has_iterator(dataloader: Any) -> bool:
-    """`dataloader` holds its persistent iterator (created once, reset at every later `iter()`)."""
     inner = getattr(dataloader, "base_dataloader", dataloader)
     return getattr(inner, "_iterator", None) is not None
 
@@ -308,14 +303,13 @@ class LoaderSeeds:
             inner.generator = torch.Generator()
 
     def settle(self) -> None:
-        """Give back the generators of the loaders whose iterator exists now."""
         for key, (loader, put_back) in list(self._lent.items()):
             if has_iterator(loader):
                 put_back()
                 del self._lent[key]
 
     def give_back(self) -> None:
-        """Every lent generator goes back (training ends); loaders not met yet stay due."""
+        """Every lent generator goes back; loaders not met yet stay due."""
         for _, put_back in self._lent.values():
             put_back()
         self._lent.clear()
@@ -335,7 +329,7 @@ class ResumableLoader:
         self.seeds = LoaderSeeds()
 
     def other_loaders(self) -> dict[str, Any]:
-        """The other loaders the accelerator prepared (an eval loader), named by their order of preparation."""
+        """The other loaders the accelerator prepared, named by their order of preparation."""
         others = [dl for dl in getattr(self.accelerator, "_dataloaders", None) or [] if dl is not self.dataloader]
         return {f"prepared-{i}": dl for i, dl in enumerate(others)}
 
@@ -343,7 +337,7 @@ class ResumableLoader:
         return len(self.dataloader)
 
     def length(self) -> int | None:
-        """Batches per epoch on this rank, `None` for an iterable dataset."""
+        """`None` for an iterable dataset."""
         try:
             return len(self.dataloader)
         except TypeError:
@@ -366,7 +360,6 @@ class ResumableLoader:
                 KEY_SKIP: self._skip, KEY_LOADERS: self.seeds.record(self.other_loaders())}
 
     def geometry(self) -> BatchGeometry | None:
-        """This run's batch geometry (`None` when the loader does not say its batch size)."""
         per_device = per_device_batch(self.dataloader)
         accumulation = int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1)
         return None if per_device is None else BatchGeometry(per_device, dist.world_size(), accumulation)

@@ -85,13 +85,9 @@ logger = logging.getLogger(__name__)
 
 
 class SmartCkptCallback(TrainerCallback):
-    """Signal-driven, tiered, non-blocking checkpoints for `transformers.Trainer` (docs/trainer.md).
-
-    Args:
-        config (`SmartCkptConfig`, *optional*): the knobs; `SmartCkptConfig()` stores under `<output_dir>/smart_ckpt`.
-        trainer (`transformers.Trainer`, *optional*): for the pre-clip gradient norm, the AMP scaler and the flos.
-            Found when the callback is passed to `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it.
-    """
+    """Signal-driven, tiered, non-blocking checkpoints for `transformers.Trainer` (docs/trainer.md). `trainer` (for
+    the pre-clip gradient norm, the AMP scaler and the flos) is found when the callback is passed to
+    `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it."""
 
     def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None) -> None:
         self.config = config or SmartCkptConfig()
@@ -123,8 +119,8 @@ class SmartCkptCallback(TrainerCallback):
 
     @property
     def trainer(self) -> Any | None:
-        """The trainer served, held weakly: a `trainer -> callback -> trainer` cycle freed by the garbage collector
-        frees its persistent data-loader workers in arbitrary order (their shutdown then waits 5 s per worker)."""
+        """Held weakly: a `trainer -> callback -> trainer` cycle freed by the garbage collector frees its persistent
+        data-loader workers in arbitrary order (their shutdown then waits 5 s per worker)."""
         return self._trainer()
 
     @trainer.setter
@@ -440,9 +436,8 @@ def _deepspeed_accumulation(trainer: Any, now: BatchGeometry, accumulation: int)
 
 
 def _watch_eval_loaders(trainer: Any, seeds: LoaderSeeds) -> Callable[[], None]:
-    """Show `seeds` every eval loader `trainer.get_eval_dataloader` hands out (named as Trainer keys them: the
-    dataset's name, else `"eval"`) before it is iterated; returns what takes the wrapper off again. Holds the
-    trainer weakly (the callback holding this is the trainer's)."""
+    """Show `seeds` every eval loader `trainer.get_eval_dataloader` hands out (named as Trainer keys them) before it
+    is iterated; returns what takes the wrapper off. Holds the trainer weakly."""
     ref, own, method = weakref.ref(trainer), vars(trainer).get("get_eval_dataloader"), type(trainer).get_eval_dataloader
 
     def get_eval_dataloader(eval_dataset: Any = None) -> Any:
@@ -479,7 +474,6 @@ def resume_checkpoint(trainer: Any, ref: str | os.PathLike[str] | None = "auto")
 
 # ---------------------------------------------------------------------------- the resume folder
 def resume_folder(root: Path, task_id: str, step: int) -> Path:
-    """``<root>/.resume/<task>-step-<N>`` (from this run's store, never from a manifest)."""
     return Path(root).absolute() / RESUME_DIR / f"{task_id}-step-{int(step)}"
 
 
@@ -528,9 +522,9 @@ _DEEPSPEED_SKIPS: set[str] = set()  # resume folders whose DeepSpeed load Traine
 
 
 def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
-    """Make `Trainer.train(resume_from_checkpoint=folder)` under DeepSpeed leave the engine's state to the callback
-    (the folder has no ``global_step*`` files): transformers' ``deepspeed_load_checkpoint`` is wrapped once per process
-    to skip the registered folders, this instance's ``_load_optimizer_and_scheduler`` once for `folder`."""
+    """Make `Trainer.train(resume_from_checkpoint=folder)` under DeepSpeed leave the engine's state to the callback:
+    transformers' ``deepspeed_load_checkpoint`` skips the registered folders (wrapped once per process), this
+    instance's ``_load_optimizer_and_scheduler`` skips `folder` once."""
     import transformers.trainer as trainer_module
 
     _DEEPSPEED_SKIPS.add(os.path.abspath(folder))
@@ -547,8 +541,8 @@ def skip_deepspeed_load(trainer: Any, folder: Path) -> None:
 
 
 def _skip_once(trainer: Any, name: str, folder: Path, applies: Callable[..., bool] | None = None) -> None:
-    """Wrap this instance's ``trainer.<name>(checkpoint, ...)``: the first call for `folder` (that `applies` to)
-    does nothing and takes the wrapper off; any other goes through."""
+    """The first call of this instance's ``trainer.<name>(checkpoint, ...)`` for `folder` (that `applies` to) does
+    nothing and takes the wrapper off."""
     original, own, target = getattr(trainer, name), vars(trainer).get(name), os.path.abspath(folder)
 
     def wrapper(checkpoint: str | None, *args: Any) -> Any:
@@ -562,7 +556,7 @@ def _skip_once(trainer: Any, name: str, folder: Path, applies: Callable[..., boo
 
 
 def data_steps(loaded: LoadedCheckpoint) -> int:
-    """Optimizer-step windows of data the run had consumed at `loaded` (its step, unless a rollback skipped some)."""
+    """Optimizer-step windows of data consumed at `loaded` (its step, unless a rollback skipped some)."""
     sampler = loaded.sampler or {}
     value = sampler.get(KEY_DATA_STEPS) if sampler.get("kind") == "trainer" else None
     return value if isinstance(value, int) and value >= loaded.info.step else loaded.info.step
