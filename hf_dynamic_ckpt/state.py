@@ -263,11 +263,11 @@ def fast_forward_scheduler(scheduler: Any, step: int) -> None:
 
 
 # ---------------------------------------------------------------------------- L2: RNG
-def _b64(t: torch.Tensor) -> str:
+def state_b64(t: torch.Tensor) -> str:  # a generator state as JSON text (RNG and sampler positions)
     return base64.b64encode(t.numpy().tobytes()).decode("ascii")
 
 
-def _unb64(s: str) -> torch.Tensor:
+def state_unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8).clone()
 
 
@@ -288,8 +288,8 @@ class RawRngState:
             "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
             "numpy": {"kind": kind, "keys": np.asarray(keys).tolist(), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-            "torch_cpu": _b64(self.torch_cpu),
-            "cuda": [_b64(t) for t in self.cuda] if self.cuda is not None else None,
+            "torch_cpu": state_b64(self.torch_cpu),
+            "cuda": [state_b64(t) for t in self.cuda] if self.cuda is not None else None,
         }
 
 
@@ -324,9 +324,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         npst = state["numpy"]
         np_state = (str(npst["kind"]), np.asarray(npst["keys"], dtype=np.uint32), int(npst["pos"]),
                     int(npst["has_gauss"]), float(npst["cached_gaussian"]))
-        torch_cpu = _unb64(state["torch_cpu"])
+        torch_cpu = state_unb64(state["torch_cpu"])
         cuda = state.get("cuda")
-        cuda_states = [_unb64(s) for s in cuda] if cuda else None
+        cuda_states = [state_unb64(s) for s in cuda] if cuda else None
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"RNG state is malformed ({type(e).__name__}: {e}); the file is corrupt.") from e
     generators: list[tuple[Callable[[Any], Any], Any, Any]] = [

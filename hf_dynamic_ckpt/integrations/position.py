@@ -20,7 +20,7 @@ from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, Seedab
 
 from .. import distributed as dist
 from ..errors import CorruptCheckpointError, GlobalBatchError, weights_overwritten
-from ..state import _b64, _unb64, capture_rng_state, restore_rng_state
+from ..state import capture_rng_state, restore_rng_state, state_b64, state_unb64
 from ..store import LoadedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -248,12 +248,12 @@ def order_note(dataloader: Any, *, saved_generator: bool) -> str | None:
 
 
 def _gen_b64(gen: torch.Generator | None) -> str | None:
-    return None if gen is None else _b64(gen.get_state())
+    return None if gen is None else state_b64(gen.get_state())
 
 
 def _set_gen(gen: torch.Generator | None, state: str | None) -> None:
     if gen is not None and state is not None:
-        gen.set_state(_unb64(state))
+        gen.set_state(state_unb64(state))
 
 
 def persistent_workers(dataloader: Any) -> bool:

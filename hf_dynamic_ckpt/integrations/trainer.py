@@ -85,9 +85,13 @@ logger = logging.getLogger(__name__)
 
 
 class SmartCkptCallback(TrainerCallback):
-    """Signal-driven, tiered, non-blocking checkpoints for `transformers.Trainer` (docs/trainer.md). `trainer` (for
-    the pre-clip gradient norm, the AMP scaler and the flos) is found when the callback is passed to
-    `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it."""
+    """Signal-driven, tiered, non-blocking checkpoints for `transformers.Trainer` (docs/trainer.md).
+
+    Args:
+        config (`SmartCkptConfig`, *optional*): the knobs; `SmartCkptConfig()` stores under `<output_dir>/smart_ckpt`.
+        trainer (`transformers.Trainer`, *optional*): for the pre-clip gradient norm, the AMP scaler and the flos.
+            Found when the callback is passed to `Trainer(callbacks=[...])`; `resume_checkpoint` also sets it.
+    """
 
     def __init__(self, config: SmartCkptConfig | None = None, *, trainer: Any | None = None) -> None:
         self.config = config or SmartCkptConfig()
