@@ -427,7 +427,10 @@ class CheckpointStore:
             return None
         except (CorruptCheckpointError, FormatVersionError) as e:
             logger.info("checkpoint %s has an unusable manifest: %s", path, e)
-            return mf.broken_info(path.parent.name, step, path, mf.STATUS_CORRUPT)
+            return CheckpointInfo(  # the catalog row of a directory whose manifest cannot be trusted
+                task_id=path.parent.name, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0, loss=None,
+                gpu_mem_percent=None, save_time=st.st_mtime if (st := mf.lstat(path)) else 0.0, recovery_cost_ms=None,
+                healthy=False, pinned=is_kind(path / C.PINNED_MARKER, "file"), status=mf.STATUS_CORRUPT)
 
     def _scan_all(self, task_dir: Path) -> list[CheckpointInfo]:
         return [i for step, path in sorted(self._committed(task_dir).items()) if (i := self._scan(step, path))]
@@ -923,7 +926,9 @@ class CheckpointStore:
         def small(name: str, obj: Any, tier: Tier, owner: int | None) -> None:
             fault("write", step=step, rank=rank, name=name)
             self._disk.write(tmp / name, data := mf.json_bytes(obj))
-            files[name] = mf.entry_of(data, tier=tier, rank=owner)
+            (h := mf.new_hasher()).update(data)
+            files[name] = {C.KEY_SIZE: len(data), C.KEY_CHECKSUM: f"{mf.FILE_CHECKSUM_ALGO}:{h.hexdigest()}",
+                           C.KEY_TIER: tier.value, C.KEY_RANK: owner}
 
         if rank == 0 and state.weights is not None:
             weights = dict(state.weights)
@@ -1168,15 +1173,13 @@ class CheckpointStore:
         self._disk.write(path / C.MANIFEST_NAME, mf.manifest_bytes(manifest), atomic="new")
         self._record(self._info(manifest, path))
 
-    def pin(self, ref: Ref) -> CheckpointInfo:
-        """Protect a checkpoint from retention and gc (a ``PINNED`` marker next to its manifest)."""
-        return self._pin(ref, True)
-
     def unpin(self, ref: Ref) -> CheckpointInfo:
         """Undo `pin`, and a pin requested at save time (the manifest is rewritten atomically)."""
-        return self._pin(ref, False)
+        return self.pin(ref, pinned=False)
 
-    def _pin(self, ref: Ref, pinned: bool) -> CheckpointInfo:
+    def pin(self, ref: Ref, *, pinned: bool = True) -> CheckpointInfo:
+        """Protect a checkpoint from retention and gc (a ``PINNED`` marker next to its manifest); `pinned=False`:
+        `unpin`."""
         self._check_writable("pin" if pinned else "unpin")
         with self._lock:
             path = Path((info := self._own(ref, "pin" if pinned else "unpin")).path)
