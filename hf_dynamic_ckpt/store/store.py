@@ -50,7 +50,7 @@ from .lock import DEFAULT_WAIT_S, WriterLock
 from .manifest import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, SaveRequest, is_kind
 from .optpack import flatten_state, read_tensors, unflatten_state, write_tensors
 from .remote import Remote, split_root
-from .shard_files import placeholders, sharded_table, write_shards
+from .shard_files import gather_weights, placeholders, sharded_table, write_shards
 
 logger = logging.getLogger(__name__)
 Ref = str | int | os.PathLike[str] | CheckpointInfo
@@ -743,8 +743,6 @@ class CheckpointStore:
     def gather_weights(self, loaded: LoadedCheckpoint) -> None:
         """Replace the placeholders of a sharded checkpoint's weights (FSDP2, ZeRO) with the whole tensors,
         assembled from every rank's verified shard files; a checkpoint that is not sharded stays as it is."""
-        from .shard_files import gather_weights
-
         if mf.is_sharded(loaded.manifest) and (table := sharded_table(loaded.manifest)) is not None and \
                 loaded.weights is not None:
             loaded.weights = gather_weights(Path(loaded.info.path), table)
