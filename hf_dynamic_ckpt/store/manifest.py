@@ -345,13 +345,6 @@ def file_checksum(path: str | os.PathLike[str], algo: str | None = None) -> str:
         return f"{algo or FILE_CHECKSUM_ALGO}:{hashlib.file_digest(f, lambda: new_hasher(algo)).hexdigest()}"
 
 
-def entry_of(data: bytes, *, tier: Tier, rank: int | None) -> dict[str, Any]:
-    """The manifest entry of a file holding `data`."""
-    (hasher := new_hasher()).update(data)
-    return {C.KEY_SIZE: len(data), C.KEY_CHECKSUM: f"{FILE_CHECKSUM_ALGO}:{hasher.hexdigest()}",
-            C.KEY_TIER: tier.value, C.KEY_RANK: rank}
-
-
 def raw_view(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor in row-major order (a view when contiguous)."""
     import torch
@@ -422,12 +415,6 @@ def _count(value: Any, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def allowed_file_name(name: Any, world_size: int) -> bool:
-    """Whether a manifest may list `name`: the fixed allowlist, or a rank file of a rank below `world_size`."""
-    m = _RANK_FILE.fullmatch(name) if isinstance(name, str) else None
-    return name in C.CHECKPOINT_FILE_NAMES or (m is not None and int(m.group(1)) < world_size)
-
-
 def validate_manifest(m: Any, *, where: str) -> dict[str, Any]:
     """Check version (newer: `FormatVersionError`), checksum and the shape of every key the store turns into paths,
     sizes or decisions (a mismatch, a key missing or mistyped, a name off the allowlist: `CorruptCheckpointError`)."""
@@ -457,7 +444,8 @@ def validate_manifest(m: Any, *, where: str) -> dict[str, Any]:
         if not ok:
             raise bad(f"manifest key {key!r} is missing or malformed ({str(m.get(key))[:80]!r}).")
     for name, entry in m[C.KEY_FILES].items():
-        if not allowed_file_name(name, world):
+        rank_file = _RANK_FILE.fullmatch(name) if isinstance(name, str) else None  # a rank below world_size
+        if name not in C.CHECKPOINT_FILE_NAMES and (rank_file is None or int(rank_file.group(1)) >= world):
             raise bad(f"manifest lists file {str(name)[:80]!r}, which is not an allowed file name of a checkpoint "
                       f"({', '.join(sorted(C.CHECKPOINT_FILE_NAMES))}, rng-rank<R>.json, weights-rank<R>.safetensors, "
                       "optimizer-rank<R>.safetensors); the manifest is damaged or hostile.")
@@ -541,14 +529,6 @@ def info_from_manifest(manifest: Mapping[str, Any], path: Path) -> CheckpointInf
         world_size=int(manifest.get(C.KEY_WORLD_SIZE, 1)), blobs=dict(manifest.get(C.KEY_BLOBS) or {}),
         lineage=Lineage.from_dict(lineage) if isinstance(lineage, dict) else None,
         frozen=dict(manifest.get(C.KEY_FROZEN) or {}))
-
-
-def broken_info(task_id: str, step: int, path: Path, status: str) -> CheckpointInfo:
-    """The catalog row of a directory whose manifest cannot be trusted."""
-    return CheckpointInfo(task_id=task_id, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0,
-                          loss=None, gpu_mem_percent=None, save_time=st.st_mtime if (st := lstat(path)) else 0.0,
-                          recovery_cost_ms=None, healthy=False, pinned=is_kind(path / C.PINNED_MARKER, "file"),
-                          status=status)
 
 
 def is_sharded(manifest: Mapping[str, Any]) -> bool:

@@ -50,7 +50,7 @@ from .lock import DEFAULT_WAIT_S, WriterLock
 from .manifest import CheckpointInfo, CheckpointState, GcReport, LoadedCheckpoint, SaveRequest, is_kind
 from .optpack import flatten_state, read_tensors, unflatten_state, write_tensors
 from .remote import Remote, split_root
-from .shard_files import placeholders, sharded_table, write_shards
+from .shard_files import gather_weights, placeholders, sharded_table, write_shards
 
 logger = logging.getLogger(__name__)
 Ref = str | int | os.PathLike[str] | CheckpointInfo
@@ -427,7 +427,10 @@ class CheckpointStore:
             return None
         except (CorruptCheckpointError, FormatVersionError) as e:
             logger.info("checkpoint %s has an unusable manifest: %s", path, e)
-            return mf.broken_info(path.parent.name, step, path, mf.STATUS_CORRUPT)
+            return CheckpointInfo(  # the catalog row of a directory whose manifest cannot be trusted
+                task_id=path.parent.name, step=step, path=str(path), reason="", tiers=frozenset(), bytes=0, loss=None,
+                gpu_mem_percent=None, save_time=st.st_mtime if (st := mf.lstat(path)) else 0.0, recovery_cost_ms=None,
+                healthy=False, pinned=is_kind(path / C.PINNED_MARKER, "file"), status=mf.STATUS_CORRUPT)
 
     def _scan_all(self, task_dir: Path) -> list[CheckpointInfo]:
         return [i for step, path in sorted(self._committed(task_dir).items()) if (i := self._scan(step, path))]
@@ -740,8 +743,6 @@ class CheckpointStore:
     def gather_weights(self, loaded: LoadedCheckpoint) -> None:
         """Replace the placeholders of a sharded checkpoint's weights (FSDP2, ZeRO) with the whole tensors,
         assembled from every rank's verified shard files; a checkpoint that is not sharded stays as it is."""
-        from .shard_files import gather_weights
-
         if mf.is_sharded(loaded.manifest) and (table := sharded_table(loaded.manifest)) is not None and \
                 loaded.weights is not None:
             loaded.weights = gather_weights(Path(loaded.info.path), table)
@@ -923,7 +924,9 @@ class CheckpointStore:
         def small(name: str, obj: Any, tier: Tier, owner: int | None) -> None:
             fault("write", step=step, rank=rank, name=name)
             self._disk.write(tmp / name, data := mf.json_bytes(obj))
-            files[name] = mf.entry_of(data, tier=tier, rank=owner)
+            (h := mf.new_hasher()).update(data)
+            files[name] = {C.KEY_SIZE: len(data), C.KEY_CHECKSUM: f"{mf.FILE_CHECKSUM_ALGO}:{h.hexdigest()}",
+                           C.KEY_TIER: tier.value, C.KEY_RANK: owner}
 
         if rank == 0 and state.weights is not None:
             weights = dict(state.weights)
@@ -1168,15 +1171,13 @@ class CheckpointStore:
         self._disk.write(path / C.MANIFEST_NAME, mf.manifest_bytes(manifest), atomic="new")
         self._record(self._info(manifest, path))
 
-    def pin(self, ref: Ref) -> CheckpointInfo:
-        """Protect a checkpoint from retention and gc (a ``PINNED`` marker next to its manifest)."""
-        return self._pin(ref, True)
-
     def unpin(self, ref: Ref) -> CheckpointInfo:
         """Undo `pin`, and a pin requested at save time (the manifest is rewritten atomically)."""
-        return self._pin(ref, False)
+        return self.pin(ref, pinned=False)
 
-    def _pin(self, ref: Ref, pinned: bool) -> CheckpointInfo:
+    def pin(self, ref: Ref, *, pinned: bool = True) -> CheckpointInfo:
+        """Protect a checkpoint from retention and gc (a ``PINNED`` marker next to its manifest); `pinned=False`:
+        `unpin`."""
         self._check_writable("pin" if pinned else "unpin")
         with self._lock:
             path = Path((info := self._own(ref, "pin" if pinned else "unpin")).path)
