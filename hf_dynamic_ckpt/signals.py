@@ -1,7 +1,5 @@
-"""Signals: one `SignalFrame` per optimizer step, the probes that measure it (at most one device sync each), the
-statistics the policy judges it with (docs/policy.md section 1), and the policy's answer (`Decision`). Robust
-statistics (median / MAD): one spike must not move the baseline it is compared against. Every statistic is
-JSON-serialisable, so a resumed run continues exactly."""
+"""Signals: one `SignalFrame` per optimizer step, its probes (at most one device sync each), the robust statistics
+the policy judges it with (docs/policy.md section 1; JSON state, so a resume continues exactly), and `Decision`."""
 
 from __future__ import annotations
 
@@ -92,9 +90,8 @@ _FRAME_FIELDS = {"loss": "loss", "grad": "grad_norm", "time": "step_time_s"}  # 
 
 
 class Windows:
-    """The recent values a frame is measured against: a `RollingWindow` per name of `sizes` (`loss`, `grad`, `time`),
-    the last `lr` learning rates and the last `mem` `(step, memory fraction)` samples. `state_dict()` is JSON in that
-    order; `load_state_dict()` restores all of it or nothing, the sizes stay (the newest values are kept)."""
+    """A `RollingWindow` per name of `sizes` (`loss`, `grad`, `time`), the last `lr` rates and `mem` `(step, memory
+    fraction)` samples; `load_state_dict()` restores all or nothing, the sizes stay (the newest values are kept)."""
     loss: RollingWindow
     grad: RollingWindow
     lr: deque[float]
@@ -123,9 +120,8 @@ class Windows:
 
 
 class LayerBaselines:
-    """Each LoRA layer's gradient norm judged against the layer's own history (docs/policy.md, "Per-layer LoRA
-    baselines"): `excess = norm / exp(median(log norms) + spread_k * 1.4826 * MAD(log norms))` over its last
-    `window` non-zero norms, once it has `warmup` of them."""
+    """Each LoRA layer's gradient norm against its own last `window` non-zero log norms, once it has `warmup` of
+    them (docs/policy.md, "Per-layer LoRA baselines")."""
 
     def __init__(self, window: int = 50, warmup: int = 30, spread_k: float = 4.0) -> None:
         if warmup < 1 or window < warmup or spread_k < 0:
@@ -207,9 +203,8 @@ def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | N
 
 @dataclass
 class SignalFrame:
-    """Signals of one optimizer step, as the decision policy sees them (each field: docs/policy.md section 1). Every
-    field but `step` may be `None` (a probe not wired, a memory sample not due). Under DDP the frame is reduced across
-    ranks (`distributed.reduce_frame`) before the policy sees it, so every rank decides on the same numbers."""
+    """Signals of one optimizer step (docs/policy.md section 1); every field but `step` may be `None`. Under DDP
+    reduced across ranks (`distributed.reduce_frame`) first, so every rank decides on the same numbers."""
     step: int  # optimizer steps completed after this update; in `RulePolicy.pre_update` the model holds `step - 1`'s
     loss: float | None = None  # summed over the step's micro-batches (and ranks)
     grad_norm: float | None = None  # pre-clip global L2 norm
@@ -245,9 +240,8 @@ class SignalFrame:
 
 
 class LossProbe:
-    """Sums the step's micro-batch losses (`outputs.loss`) through a forward hook, in training mode only (evaluation
-    forwards stay out); the sum stays a detached tensor on the model's device: one sync when `pop()`'s caller reads it.
-    Without a `model` (whose output has a `loss`) the loop feeds the probe through `add`."""
+    """Sums the step's training-mode micro-batch losses (`outputs.loss`, a forward hook; without a `model`, `add`)
+    as a detached device tensor: one sync when `pop()`'s caller reads it."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self._sum: torch.Tensor | None = None
@@ -289,12 +283,10 @@ def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 class GradProbe:
-    """The pre-clip global gradient norm and per-LoRA-layer norms, each layer judged by a `LayerBaselines` (`window`,
-    `warmup`, `spread_k`) against its own history; `frame_fields()` once per step with complete gradients. Clipping
-    scales every gradient alike, so with `pre_clip_norm` (what the clipping returned) the layer norms measured after it
-    are rescaled by `pre / post`; with it and no LoRA layer nothing is computed. FSDP2 gradients count their local
-    shards, the ranks' squares added through `sum_across_ranks` (a collective); where gradients never reach `.grad`
-    (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`)."""
+    """The pre-clip global gradient norm and per-LoRA-layer norms (judged by a `LayerBaselines`); `frame_fields()`
+    once per step. With `pre_clip_norm` the layer norms measured after clipping are rescaled by `pre / post` (nothing
+    is computed without LoRA layers). FSDP2 shards' squares are summed by `sum_across_ranks` (a collective); under
+    ZeRO `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`)."""
 
     def __init__(self, model: nn.Module, *, window: int = 50, warmup: int = 30, spread_k: float = 4.0,
                  sum_across_ranks: Callable[[list[float]], list[float]] | None = None) -> None:
@@ -368,9 +360,8 @@ class GradProbe:
 
 
 class ClipNormRecorder:
-    """Wraps a `clip_grad_norm_` method (`accelerator.clip_grad_norm_`, what `Trainer` calls) and keeps the pre-clip
-    norm it returns (`pop()`) and the `max_norm` of its last call (`SignalFrame.clip_norm`): no extra work, no code
-    in the loop. `remove()` restores the method."""
+    """Wraps a `clip_grad_norm_` method (`accelerator.clip_grad_norm_`) to keep the pre-clip norm it returns (`pop()`)
+    and its last `max_norm` (`SignalFrame.clip_norm`); `remove()` restores the method."""
 
     def __init__(self, owner: Any, attr: str = "clip_grad_norm_") -> None:
         self.owner, self.attr = owner, attr
@@ -415,10 +406,8 @@ def _removed(*args: Any, **kwargs: Any) -> Any:
 
 
 class MemoryProbe:
-    """Device and host memory in use, as fractions, every `sample_every` steps (NVML every step costs throughput).
-    Device: the larger of the CUDA allocator's reserved bytes and NVML's used bytes over the device total. Host:
-    `sysmem.headroom`, which the save engine reads too. `cgroup_dir`: the memory cgroup to read (`None`: this
-    process's, `False`: none); `device`: the CUDA index (default: the current one)."""
+    """Device (max of the allocator's reserved and NVML's used bytes) and host (`sysmem.headroom`) memory fractions
+    every `sample_every` steps. `cgroup_dir`: the memory cgroup (`None`: this process's, `False`: none)."""
 
     def __init__(self, sample_every: int = 5, *, cgroup_dir: str | Path | bool | None = None,
                  device: int | None = None) -> None:
@@ -480,7 +469,7 @@ MINIMAL_TIERS: frozenset[Tier] = frozenset({Tier.WEIGHTS, Tier.STATE})
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer for one step; integrations and the orchestrator act on it."""
+    """The policy's answer for one step."""
     save: bool  # take a checkpoint now
     tiers: frozenset[Tier] = frozenset()  # what the checkpoint holds; empty when not saving
     reason: str = ""  # why, in words (logged, stored in the manifest and catalog)
