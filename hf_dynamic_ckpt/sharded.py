@@ -101,8 +101,7 @@ class ShardedState:
         return {n: _local(t) for n, t in self.expected().items()}
 
     def _optimizer(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
-        """`({fqn: {name: tensor}}, param_groups with FQNs)`. Not DCP's `get_optimizer_state_dict`: on an optimizer
-        without state it runs a step with zero gradients, which would change a run saved before its first update."""
+        """`({fqn: {name: tensor}}, param_groups with FQNs)`; not DCP's, which steps a state-less optimizer."""
         names, opt = {id(p): n for n, p in self.model.named_parameters()}, self.optimizer  # type: dict[int, str], Any
         state: dict[str, dict[str, torch.Tensor]] = {}
         groups = []
@@ -148,8 +147,8 @@ class ShardedState:
         return out
 
     def load(self, loaded: LoadedCheckpoint) -> None:
-        """Read L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the live shards; then
-        `loaded.weights` is `None` (applied; `apply_optimizer_state` leaves this optimizer to this load)."""
+        """Read L0 (and L1 with `loaded.optimizer`'s `param_groups`) into the live shards; `loaded.weights` is then
+        `None` (applied)."""
         from torch.distributed.checkpoint import state_dict as dcp
 
         check_sharding(loaded.info.step, loaded.manifest, self.expected())
@@ -203,14 +202,12 @@ class ZeroState:
             2 if getattr(zero, "partition_gradients", False) else 1
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._buffers = _state_buffers(model)
-        # The base optimizer's groups between steps: inside its step stages 1 and 2 swap the list for the one group
-        # being stepped, and a capture taken there (`ZeroUpdateSeam`) reads the hyper-parameters here.
+        # The base optimizer's groups between steps (stages 1 and 2 swap the list inside its step)
         self._base_groups: list[dict[str, Any]] = list(zero.optimizer.param_groups)
         self.note_boundary()
 
     def note_boundary(self) -> None:
-        """Remember the loss scaler at a step's end: the engine updates it before the first partition's step, so a
-        capture inside that step (`ZeroUpdateSeam`) stores the one of the state it captures."""
+        """Remember the loss scaler at a step's end, for a capture inside the next step (`ZeroUpdateSeam`)."""
         scaler = getattr(self.zero, "loss_scaler", None)
         values = {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
         self._scaler = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}

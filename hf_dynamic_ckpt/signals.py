@@ -28,8 +28,7 @@ MAD_TO_STD = 1.4826  # turns a median absolute deviation into a normal standard 
 
 
 class RollingWindow:
-    """The last `maxlen` finite values (`values`: the first ones) with robust summaries, cached until the next `add`;
-    `RollingWindow(maxlen, window.values)` restores one."""
+    """The last `maxlen` finite values with robust summaries cached until the next `add`."""
 
     def __init__(self, maxlen: int, values: Iterable[Any] = ()) -> None:
         if maxlen < 1:
@@ -66,8 +65,7 @@ class RollingWindow:
         return self._cache["mad"]
 
     def robust_z(self, value: float, *, rel_floor: float = 0.0) -> float | None:
-        """Robust standard deviations `value` lies above the median; the scale is `max(1.4826 * MAD, rel_floor *
-        |median|)`, so a nearly constant series does not turn a tiny wobble into a huge z-score."""
+        """Robust z of `value`, its scale at least `rel_floor * |median|` (a flat series makes no huge z-scores)."""
         if len(self._values) < 2 or not math.isfinite(value):
             return None
         med = self.median()
@@ -75,8 +73,7 @@ class RollingWindow:
         return (value - med) / max(MAD_TO_STD * (self.mad() or 0.0), rel_floor * abs(med), 1e-12)
 
     def diff_noise(self) -> float | None:
-        """Robust standard deviation of the step-to-step noise, `1.4826 * MAD(differences) / sqrt(2)`: a linear
-        trend (a loss that falls steadily) is not noise."""
+        """Robust standard deviation of the step-to-step noise (a linear trend is not noise)."""
         if len(self._values) < 3:
             return None
         if "diff_noise" not in self._cache:
@@ -140,8 +137,8 @@ class LayerBaselines:
         return math.exp(math.log(norm) - med - self.spread_k * MAD_TO_STD * mad)
 
     def observe(self, norms: Mapping[str, float]) -> tuple[float | None, str | None]:
-        """Judge this step's per-layer norms, then fold them in: `(max excess, layer)` over the warmed-up layers,
-        `(None, None)` while none is; a non-finite norm gives `(inf, layer)` and leaves every baseline untouched."""
+        """`(max excess, layer)` of this step's norms (`(None, None)` while none warmed up), then folded in; a
+        non-finite norm gives `(inf, layer)` and leaves every baseline untouched."""
         if (bad := next((name for name, norm in norms.items() if not math.isfinite(norm)), None)) is not None:
             return math.inf, bad
         best: tuple[float | None, str | None] = (None, None)
@@ -307,8 +304,7 @@ class GradProbe:
         return self._bucket_by_name.get(name, len(self.layer_names))
 
     def measure(self, pre_clip_norm: float | torch.Tensor | None = None) -> tuple[float | None, dict[str, float]]:
-        """`(global_norm, {layer: norm})` of the gradients now in `.grad`, both pre-clip: `None` without gradients,
-        NaN / inf where a gradient is not finite."""
+        """Pre-clip `(global_norm, {layer: norm})` of `.grad` (`None` without gradients; NaN / inf propagate)."""
         # A DTensor (FSDP2: `clip_grad_norm_`'s result, the gradients) has `full_tensor` / `to_local`.
         pre = None if pre_clip_norm is None else float(getattr(pre_clip_norm, "full_tensor", lambda: pre_clip_norm)())
         n = len(self.layer_names)
@@ -388,8 +384,8 @@ class ClipNormRecorder:
         return norm
 
     def remove(self) -> None:
-        """Restore the original method (idempotent) and let go of the owner: the wrapper and this recorder reference
-        each other, and a cycle holding an `Accelerator` leaves its data loaders' workers to the garbage collector."""
+        """Restore the original method (idempotent) and let go of the owner (a cycle holding an `Accelerator` would
+        leave its data loaders' workers to the garbage collector)."""
         if self.owner is None:
             return
         if getattr(self.owner, self.attr, None) is self._wrapper:
@@ -419,8 +415,7 @@ class MemoryProbe:
         self._nvml: Any = None  # the handle, or False once NVML failed (containers): the allocator's view remains
 
     def sample(self, step: int) -> tuple[float | None, float | None]:
-        """`(device_frac, host_frac)` on steps divisible by `sample_every`, else `(None, None)`; `None` for what
-        cannot be measured."""
+        """`(device_frac, host_frac)` on steps divisible by `sample_every`, else `(None, None)`."""
         return (None, None) if step % self.sample_every else (self.device_fraction(), self.host_fraction())
 
     def host_fraction(self) -> float | None:
