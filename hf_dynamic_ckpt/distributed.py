@@ -1,8 +1,5 @@
-"""Rank helpers and the one collective that makes every rank take the same decision.
-
-Everything here is a no-op (or the identity) without an initialised process group, so single-process code calls the
-same functions. Objects are exchanged as JSON bytes, never pickled (`broadcast_object_list` unpickles what it gets).
-"""
+"""Rank helpers and the one collective that makes every rank take the same decision; no-ops without a process group.
+Objects travel as JSON bytes, never pickled (`broadcast_object_list` unpickles what it gets)."""
 
 from __future__ import annotations
 
@@ -56,7 +53,7 @@ def _gather(out: torch.Tensor, local: torch.Tensor) -> None:
 
 
 def _gather_json(obj: Any, what: str) -> list[Any]:
-    """Every rank's `obj` as JSON bytes in uint8 tensors: one gather of the lengths, one of the padded payloads."""
+    """Every rank's `obj`: one gather of the JSON lengths, one of the padded payloads."""
     try:
         payload = json.dumps(obj, allow_nan=True).encode()
     except (TypeError, ValueError) as e:
@@ -139,14 +136,8 @@ def check_fingerprints(rows: torch.Tensor, step: int) -> None:
 
 
 def reduce_frame(frame: SignalFrame, *, layer_names: Sequence[str] = (), fingerprint: float = 0.0) -> SignalFrame:
-    """Reduce a frame across ranks in ONE collective (an all-gather of the packed frames, reduced by the same code on
-    every rank) so every rank decides the same; `frame` itself without a process group.
-
-    SUM for the loss, MAX for the gradient norms, the LoRA ratio, memory, step time and learning rate, OR for the
-    non-finite and preemption flags; the LoRA layer travels as an index into `layer_names` (the same on every rank).
-    `fingerprint` sums up this rank's save decisions so far (e.g. how many it took): differing ones raise the same
-    `DistributedError` on every rank.
-    """
+    """Reduce a frame across ranks in ONE all-gather, reduced alike on every rank (SUM loss, MAX the rest, OR the
+    flags); differing `fingerprint`s (this rank's save decisions so far) raise one `DistributedError` everywhere."""
     if (world := world_size()) == 1:
         return frame
     local = pack_frame(frame, layer_names, fingerprint).to(_device())

@@ -1,13 +1,8 @@
-"""Sharded training state (FSDP2, DeepSpeed ZeRO 1-3): what each rank saves, and how a resume puts it back
-(docs/fsdp.md, docs/deepspeed.md). Every rank saves its own part of the partitioned state, without a collective, as
-chunks of the global tensors (`store.shard_files`); a resume reads, on every rank, the blocks its own part covers
-from whichever ranks' chunks hold them: another world size (or ZeRO stage) reads the same state.
-
-Not DeepSpeed's `save_checkpoint`: it pickles, blocks every rank until written, and its files are tied to the world
-size and stage that wrote them. The ZeRO fragments are views of the live buffers (the snapshot copies them), narrowed
-from the addresses: DeepSpeed's own views (`_hp_mapping.get_hp_fragment(key)`) exist under stages 1 and 2 only and
-are linked only after the engine's first step.
-"""
+"""Sharded training state (FSDP2, DeepSpeed ZeRO 1-3; docs/fsdp.md, docs/deepspeed.md): every rank saves its own
+part as chunks of the global tensors (`store.shard_files`), without a collective; a resume reads on every rank the
+blocks its part covers from whichever ranks' chunks hold them, so another world size (or ZeRO stage) reads the same
+state. The ZeRO fragments are views of the live buffers narrowed from the addresses (DeepSpeed's own views exist
+under stages 1 and 2 only, after the first step)."""
 
 from __future__ import annotations
 
@@ -46,8 +41,7 @@ class ZeroExpected(dict):  # type: ignore[type-arg]
 
 
 def zero_expected(model: nn.Module) -> ZeroExpected:
-    """`ZeroExpected` of `model`'s trainable parameters (stage 3 reports their shapes as `ds_shape`) and the buffers
-    of a full fine-tune, known before the DeepSpeed engine exists (Trainer's `resume_checkpoint`)."""
+    """`ZeroExpected` of `model`'s trainable parameters (stage 3: `ds_shape`) and a full fine-tune's buffers."""
     out = ZeroExpected((n, torch.empty(tuple(getattr(p, "ds_shape", p.shape)), device="meta"))
                        for n, p in model.named_parameters() if p.requires_grad)
     out.update((n, torch.empty(tuple(b.shape), device="meta")) for n, b in _state_buffers(model).items())
@@ -55,8 +49,8 @@ def zero_expected(model: nn.Module) -> ZeroExpected:
 
 
 def check_sharding(step: int, manifest: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
-    """A ZeRO checkpoint resumes under ZeRO only (`expected` a `ZeroExpected`), an FSDP2 one into a sharded model
-    only, an unsharded one into an unsharded model only, else `IncompatibleStateError` (before anything changes)."""
+    """`IncompatibleStateError` (before anything changes) unless a ZeRO checkpoint resumes under ZeRO (`expected` a
+    `ZeroExpected`), an FSDP2 one into a sharded model, an unsharded one into an unsharded model."""
     extra = manifest.get("extra")
     table = extra.get(KEY_SHARDED) if isinstance(extra, dict) else None
     flat = isinstance(table, dict) and isinstance(table.get("ranks"), dict) and is_flat(table)
@@ -90,8 +84,7 @@ def _reader(loaded: LoadedCheckpoint) -> ChunkReader:
 
 
 class ShardedState:
-    """The FSDP2 state of this rank (a `fully_shard`-ed `model`; an Accelerate `optimizer` wrapper is unwrapped):
-    local shards of L0 (trainable parameters; the buffers of a full fine-tune) and of the optimizer state, by FQN."""
+    """This rank's FSDP2 state (`fully_shard`-ed `model`; an Accelerate wrapper is unwrapped), local shards by FQN."""
 
     def __init__(self, model: nn.Module, optimizer: Any | None = None) -> None:
         self.model = model
@@ -108,8 +101,7 @@ class ShardedState:
         return {n: _local(t) for n, t in self.expected().items()}
 
     def _optimizer(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
-        """`({fqn: {name: tensor}}, param_groups with FQNs)`. Not DCP's `get_optimizer_state_dict`: on an optimizer
-        without state it runs a step with zero gradients, which would change a run saved before its first update."""
+        """`({fqn: {name: tensor}}, param_groups with FQNs)`; not DCP's, which steps a state-less optimizer."""
         names, opt = {id(p): n for n, p in self.model.named_parameters()}, self.optimizer  # type: dict[int, str], Any
         state: dict[str, dict[str, torch.Tensor]] = {}
         groups = []
@@ -155,8 +147,8 @@ class ShardedState:
         return out
 
     def load(self, loaded: LoadedCheckpoint) -> None:
-        """Read L0 (and L1, when `loaded.optimizer` holds its `param_groups`) into the live shards; then
-        `loaded.weights` is `None` (applied; `apply_optimizer_state` leaves this optimizer to this load)."""
+        """Read L0 (and L1 with `loaded.optimizer`'s `param_groups`) into the live shards; `loaded.weights` is then
+        `None` (applied)."""
         from torch.distributed.checkpoint import state_dict as dcp
 
         check_sharding(loaded.info.step, loaded.manifest, self.expected())
@@ -197,9 +189,8 @@ def _flat_chunk(shape: Iterable[int], start: int, numel: int, dtype: torch.dtype
 
 
 class ZeroState:
-    """The DeepSpeed ZeRO state of this rank (`engine.module`, the ZeRO optimizer or Accelerate's wrapper, the rank in
-    the data-parallel group) as a save reads it and a resume writes it; the interface of `ShardedState`. `ConfigError`
-    for an optimizer that is not ZeRO's or a set-up `check_zero` refuses."""
+    """This rank's DeepSpeed ZeRO state (`engine.module`, the ZeRO optimizer or Accelerate's wrapper), with the
+    interface of `ShardedState`; `ConfigError` for an optimizer that is not ZeRO's or a set-up `check_zero` refuses."""
 
     def __init__(self, model: nn.Module, optimizer: Any, *, rank: int) -> None:
         zero = zero_optimizer(optimizer)
@@ -211,14 +202,12 @@ class ZeroState:
             2 if getattr(zero, "partition_gradients", False) else 1
         self._names = {id(p): name for name, p in model.named_parameters()}
         self._buffers = _state_buffers(model)
-        # The base optimizer's groups between steps: inside its step stages 1 and 2 swap the list for the one group
-        # being stepped, and a capture taken there (`ZeroUpdateSeam`) reads the hyper-parameters here.
+        # The base optimizer's groups between steps (stages 1 and 2 swap the list inside its step)
         self._base_groups: list[dict[str, Any]] = list(zero.optimizer.param_groups)
         self.note_boundary()
 
     def note_boundary(self) -> None:
-        """Remember the loss scaler at a step's end: the engine updates it before the first partition's step, so a
-        capture inside that step (`ZeroUpdateSeam`) stores the one of the state it captures."""
+        """Remember the loss scaler at a step's end, for a capture inside the next step (`ZeroUpdateSeam`)."""
         scaler = getattr(self.zero, "loss_scaler", None)
         values = {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
         self._scaler = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
@@ -405,19 +394,29 @@ class ZeroState:
         self.note_boundary()
 
 
-class ZeroGradSquares:
+class _StepHook:
+    """A pre-hook on the wrapped torch optimizer's `step` (once per flat partition); `remove()` detaches it."""
+
+    _hook: Callable[[Any, Any, Any], None]
+
+    def __init__(self, zero: ZeroState) -> None:
+        self._zero, self._handle = zero, zero.zero.optimizer.register_step_pre_hook(self._hook)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class ZeroGradSquares(_StepHook):
     """This rank's squared gradient norms per `bucket(name)` of parameters (of `buckets`), read from the ZeRO gradient
-    partitions by a pre-hook on the wrapped torch optimizer's `step` (once per flat partition; docs/deepspeed.md,
-    "Signals"); `pop()` returns the sums since the last pop, the caller adds them across ranks. They are after the
-    engine's clipping, which scales every gradient alike."""
+    partitions (docs/deepspeed.md, "Signals"; after the engine's clipping); `pop()` returns the sums since the last
+    pop, the caller adds them across ranks."""
 
     def __init__(self, zero: ZeroState, bucket: Callable[[str], int], buckets: int) -> None:
-        self._zero, self._bucket, self._n = zero, bucket, buckets
+        self._bucket, self._n = bucket, buckets
         self._sq: list[float] | None = None
-        # (partition, bucket, offset, length) of every fragment: the layout is fixed once the engine exists (a load
-        # writes into it), so the walk over the parameters runs at the first step only.
+        # (partition, bucket, offset, length) of every fragment, fixed once the engine exists: walked at the first step
         self._layout: list[tuple[int, int, int, int]] | None = None
-        self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
+        super().__init__(zero)
 
     def _hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         stepping = {id(t) for g in optimizer.param_groups for t in g["params"]}
@@ -436,19 +435,15 @@ class ZeroGradSquares:
         out, self._sq = self._sq, None
         return out
 
-    def remove(self) -> None:
-        self._handle.remove()
 
-
-class ZeroUpdateSeam:
+class ZeroUpdateSeam(_StepHook):
     """Calls `before_update()` inside the engine's optimizer step, once per step, after the gradients are reduced and
-    the global norm computed, before the first flat partition is updated (docs/deepspeed.md, "Signals"): a pre-hook on
-    the wrapped torch optimizer's `step`, firing at the first call that steps a partition with elements and a gradient
-    (after `ZeroGradSquares`' hook, registered first); `arm()` once the step has ended makes it fire at the next one."""
+    the global norm computed, before the first flat partition with elements and a gradient is updated (after
+    `ZeroGradSquares`' hook, registered first; docs/deepspeed.md, "Signals"); `arm()` makes it fire at the next one."""
 
     def __init__(self, zero: ZeroState, before_update: Callable[[], None]) -> None:
-        self._zero, self._before_update, self._armed = zero, before_update, True
-        self._handle = zero.zero.optimizer.register_step_pre_hook(self._hook)
+        self._before_update, self._armed = before_update, True
+        super().__init__(zero)
 
     @property
     def norm(self) -> float | None:
@@ -471,17 +466,13 @@ class ZeroUpdateSeam:
             self._armed = False
             self._before_update()
 
-    def remove(self) -> None:
-        self._handle.remove()
-
 
 def sources_for(model: nn.Module, *, rank: int, weights: Callable[[], Mapping[str, torch.Tensor]] | None,
                 frozen_keys: Iterable[str], optimizer: Any | None, scheduler: Any | None, scaler: Any | None,
                 sampler: Callable[[], dict[str, Any]] | None
                 ) -> tuple[ShardedState | ZeroState | None, StateSources, frozenset[Tier]]:
-    """`(sharded state or None, this rank's StateSources, the tiers this rank writes)` for `RunOrchestrator.attach`:
-    under ZeRO and FSDP2 every rank saves its own shards of L0 and L1 (the scheduler and scaler: rank 0), otherwise
-    (DDP) rank 0 alone saves L0 and L1."""
+    """`(sharded state or None, this rank's StateSources, its tiers)`: under ZeRO and FSDP2 every rank saves its
+    shards of L0 and L1 (scheduler and scaler: rank 0), otherwise rank 0 alone saves L0 and L1."""
     main = rank == 0
     sharded = ZeroState(model, optimizer, rank=rank) if zero_optimizer(optimizer) is not None else \
         ShardedState(model, optimizer) if any(is_dtensor(p) for p in model.parameters()) else None

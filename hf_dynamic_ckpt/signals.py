@@ -1,7 +1,5 @@
-"""Signals: one `SignalFrame` per optimizer step, the probes that measure it (at most one device sync each), the
-statistics the policy judges it with (docs/policy.md section 1), and the policy's answer (`Decision`). Robust
-statistics (median / MAD): one spike must not move the baseline it is compared against. Every statistic is
-JSON-serialisable, so a resumed run continues exactly."""
+"""Signals: one `SignalFrame` per optimizer step, its probes (at most one device sync each), the robust statistics
+the policy judges it with (docs/policy.md section 1; JSON state, so a resume continues exactly), and `Decision`."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ MAD_TO_STD = 1.4826  # turns a median absolute deviation into a normal standard 
 
 
 class RollingWindow:
-    """The last `maxlen` finite values (`values`: the first ones) with robust summaries, cached until the next `add`;
-    `RollingWindow(maxlen, window.values)` restores one."""
+    """The last `maxlen` finite values with robust summaries cached until the next `add`."""
 
     def __init__(self, maxlen: int, values: Iterable[Any] = ()) -> None:
         if maxlen < 1:
@@ -68,8 +65,7 @@ class RollingWindow:
         return self._cache["mad"]
 
     def robust_z(self, value: float, *, rel_floor: float = 0.0) -> float | None:
-        """Robust standard deviations `value` lies above the median; the scale is `max(1.4826 * MAD, rel_floor *
-        |median|)`, so a nearly constant series does not turn a tiny wobble into a huge z-score."""
+        """Robust z of `value`, its scale at least `rel_floor * |median|` (a flat series makes no huge z-scores)."""
         if len(self._values) < 2 or not math.isfinite(value):
             return None
         med = self.median()
@@ -77,8 +73,7 @@ class RollingWindow:
         return (value - med) / max(MAD_TO_STD * (self.mad() or 0.0), rel_floor * abs(med), 1e-12)
 
     def diff_noise(self) -> float | None:
-        """Robust standard deviation of the step-to-step noise, `1.4826 * MAD(differences) / sqrt(2)`: a linear
-        trend (a loss that falls steadily) is not noise."""
+        """Robust standard deviation of the step-to-step noise (a linear trend is not noise)."""
         if len(self._values) < 3:
             return None
         if "diff_noise" not in self._cache:
@@ -92,9 +87,8 @@ _FRAME_FIELDS = {"loss": "loss", "grad": "grad_norm", "time": "step_time_s"}  # 
 
 
 class Windows:
-    """The recent values a frame is measured against: a `RollingWindow` per name of `sizes` (`loss`, `grad`, `time`),
-    the last `lr` learning rates and the last `mem` `(step, memory fraction)` samples. `state_dict()` is JSON in that
-    order; `load_state_dict()` restores all of it or nothing, the sizes stay (the newest values are kept)."""
+    """A `RollingWindow` per name of `sizes` (`loss`, `grad`, `time`), the last `lr` rates and `mem` `(step, memory
+    fraction)` samples; `load_state_dict()` restores all or nothing, the sizes stay (the newest values are kept)."""
     loss: RollingWindow
     grad: RollingWindow
     lr: deque[float]
@@ -123,9 +117,8 @@ class Windows:
 
 
 class LayerBaselines:
-    """Each LoRA layer's gradient norm judged against the layer's own history (docs/policy.md, "Per-layer LoRA
-    baselines"): `excess = norm / exp(median(log norms) + spread_k * 1.4826 * MAD(log norms))` over its last
-    `window` non-zero norms, once it has `warmup` of them."""
+    """Each LoRA layer's gradient norm against its own last `window` non-zero log norms, once it has `warmup` of
+    them (docs/policy.md, "Per-layer LoRA baselines")."""
 
     def __init__(self, window: int = 50, warmup: int = 30, spread_k: float = 4.0) -> None:
         if warmup < 1 or window < warmup or spread_k < 0:
@@ -144,8 +137,8 @@ class LayerBaselines:
         return math.exp(math.log(norm) - med - self.spread_k * MAD_TO_STD * mad)
 
     def observe(self, norms: Mapping[str, float]) -> tuple[float | None, str | None]:
-        """Judge this step's per-layer norms, then fold them in: `(max excess, layer)` over the warmed-up layers,
-        `(None, None)` while none is; a non-finite norm gives `(inf, layer)` and leaves every baseline untouched."""
+        """`(max excess, layer)` of this step's norms (`(None, None)` while none warmed up), then folded in; a
+        non-finite norm gives `(inf, layer)` and leaves every baseline untouched."""
         if (bad := next((name for name, norm in norms.items() if not math.isfinite(norm)), None)) is not None:
             return math.inf, bad
         best: tuple[float | None, str | None] = (None, None)
@@ -207,9 +200,8 @@ def linear_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | N
 
 @dataclass
 class SignalFrame:
-    """Signals of one optimizer step, as the decision policy sees them (each field: docs/policy.md section 1). Every
-    field but `step` may be `None` (a probe not wired, a memory sample not due). Under DDP the frame is reduced across
-    ranks (`distributed.reduce_frame`) before the policy sees it, so every rank decides on the same numbers."""
+    """Signals of one optimizer step (docs/policy.md section 1); every field but `step` may be `None`. Under DDP
+    reduced across ranks (`distributed.reduce_frame`) first, so every rank decides on the same numbers."""
     step: int  # optimizer steps completed after this update; in `RulePolicy.pre_update` the model holds `step - 1`'s
     loss: float | None = None  # summed over the step's micro-batches (and ranks)
     grad_norm: float | None = None  # pre-clip global L2 norm
@@ -245,9 +237,8 @@ class SignalFrame:
 
 
 class LossProbe:
-    """Sums the step's micro-batch losses (`outputs.loss`) through a forward hook, in training mode only (evaluation
-    forwards stay out); the sum stays a detached tensor on the model's device: one sync when `pop()`'s caller reads it.
-    Without a `model` (whose output has a `loss`) the loop feeds the probe through `add`."""
+    """Sums the step's training-mode micro-batch losses (`outputs.loss`, a forward hook; without a `model`, `add`)
+    as a detached device tensor: one sync when `pop()`'s caller reads it."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self._sum: torch.Tensor | None = None
@@ -289,12 +280,10 @@ def find_lora_layers(model: nn.Module) -> dict[str, list[nn.Parameter]]:
 
 
 class GradProbe:
-    """The pre-clip global gradient norm and per-LoRA-layer norms, each layer judged by a `LayerBaselines` (`window`,
-    `warmup`, `spread_k`) against its own history; `frame_fields()` once per step with complete gradients. Clipping
-    scales every gradient alike, so with `pre_clip_norm` (what the clipping returned) the layer norms measured after it
-    are rescaled by `pre / post`; with it and no LoRA layer nothing is computed. FSDP2 gradients count their local
-    shards, the ranks' squares added through `sum_across_ranks` (a collective); where gradients never reach `.grad`
-    (DeepSpeed ZeRO), `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`)."""
+    """The pre-clip global gradient norm and per-LoRA-layer norms (judged by a `LayerBaselines`); `frame_fields()`
+    once per step. With `pre_clip_norm` the layer norms measured after clipping are rescaled by `pre / post` (nothing
+    is computed without LoRA layers). FSDP2 shards' squares are summed by `sum_across_ranks` (a collective); under
+    ZeRO `partition_squares` gives this rank's squares per bucket (`sharded.ZeroGradSquares`)."""
 
     def __init__(self, model: nn.Module, *, window: int = 50, warmup: int = 30, spread_k: float = 4.0,
                  sum_across_ranks: Callable[[list[float]], list[float]] | None = None) -> None:
@@ -315,8 +304,7 @@ class GradProbe:
         return self._bucket_by_name.get(name, len(self.layer_names))
 
     def measure(self, pre_clip_norm: float | torch.Tensor | None = None) -> tuple[float | None, dict[str, float]]:
-        """`(global_norm, {layer: norm})` of the gradients now in `.grad`, both pre-clip: `None` without gradients,
-        NaN / inf where a gradient is not finite."""
+        """Pre-clip `(global_norm, {layer: norm})` of `.grad` (`None` without gradients; NaN / inf propagate)."""
         # A DTensor (FSDP2: `clip_grad_norm_`'s result, the gradients) has `full_tensor` / `to_local`.
         pre = None if pre_clip_norm is None else float(getattr(pre_clip_norm, "full_tensor", lambda: pre_clip_norm)())
         n = len(self.layer_names)
@@ -368,9 +356,8 @@ class GradProbe:
 
 
 class ClipNormRecorder:
-    """Wraps a `clip_grad_norm_` method (`accelerator.clip_grad_norm_`, what `Trainer` calls) and keeps the pre-clip
-    norm it returns (`pop()`) and the `max_norm` of its last call (`SignalFrame.clip_norm`): no extra work, no code
-    in the loop. `remove()` restores the method."""
+    """Wraps a `clip_grad_norm_` method (`accelerator.clip_grad_norm_`) to keep the pre-clip norm it returns (`pop()`)
+    and its last `max_norm` (`SignalFrame.clip_norm`); `remove()` restores the method."""
 
     def __init__(self, owner: Any, attr: str = "clip_grad_norm_") -> None:
         self.owner, self.attr = owner, attr
@@ -397,8 +384,8 @@ class ClipNormRecorder:
         return norm
 
     def remove(self) -> None:
-        """Restore the original method (idempotent) and let go of the owner: the wrapper and this recorder reference
-        each other, and a cycle holding an `Accelerator` leaves its data loaders' workers to the garbage collector."""
+        """Restore the original method (idempotent) and let go of the owner (a cycle holding an `Accelerator` would
+        leave its data loaders' workers to the garbage collector)."""
         if self.owner is None:
             return
         if getattr(self.owner, self.attr, None) is self._wrapper:
@@ -415,10 +402,8 @@ def _removed(*args: Any, **kwargs: Any) -> Any:
 
 
 class MemoryProbe:
-    """Device and host memory in use, as fractions, every `sample_every` steps (NVML every step costs throughput).
-    Device: the larger of the CUDA allocator's reserved bytes and NVML's used bytes over the device total. Host:
-    `sysmem.headroom`, which the save engine reads too. `cgroup_dir`: the memory cgroup to read (`None`: this
-    process's, `False`: none); `device`: the CUDA index (default: the current one)."""
+    """Device (max of the allocator's reserved and NVML's used bytes) and host (`sysmem.headroom`) memory fractions
+    every `sample_every` steps. `cgroup_dir`: the memory cgroup (`None`: this process's, `False`: none)."""
 
     def __init__(self, sample_every: int = 5, *, cgroup_dir: str | Path | bool | None = None,
                  device: int | None = None) -> None:
@@ -430,8 +415,7 @@ class MemoryProbe:
         self._nvml: Any = None  # the handle, or False once NVML failed (containers): the allocator's view remains
 
     def sample(self, step: int) -> tuple[float | None, float | None]:
-        """`(device_frac, host_frac)` on steps divisible by `sample_every`, else `(None, None)`; `None` for what
-        cannot be measured."""
+        """`(device_frac, host_frac)` on steps divisible by `sample_every`, else `(None, None)`."""
         return (None, None) if step % self.sample_every else (self.device_fraction(), self.host_fraction())
 
     def host_fraction(self) -> float | None:
@@ -480,7 +464,7 @@ MINIMAL_TIERS: frozenset[Tier] = frozenset({Tier.WEIGHTS, Tier.STATE})
 
 @dataclass(frozen=True)
 class Decision:
-    """The policy's answer for one step; integrations and the orchestrator act on it."""
+    """The policy's answer for one step."""
     save: bool  # take a checkpoint now
     tiers: frozenset[Tier] = frozenset()  # what the checkpoint holds; empty when not saving
     reason: str = ""  # why, in words (logged, stored in the manifest and catalog)

@@ -52,8 +52,7 @@ def _log_ratio(value: float | None, baseline: float | None) -> float:
 
 
 class FeatureExtractor(Windows):
-    """Streaming features of the frames, one call per optimizer step: each frame is measured against the recent
-    values *before* it is folded in; a resumed run continues from the restored windows (`state_dict`)."""
+    """Streaming features, one call per step: each frame measured against the windows *before* it is folded in."""
     time: RollingWindow
 
     def __init__(self) -> None:
@@ -119,9 +118,8 @@ class Opinion:
 
 
 class DecisionModel:
-    """The trained weights (numpy, float64) and one LSTM step. `tensors`: named as `torch.nn.LSTM(12, H, num_layers=2)`
-    names them (`lstm.weight_ih_l0`, ...), plus the heads `score.*`, `granularity.*` and the inputs' standardisation
-    `features.mean` / `features.std`; `ConfigError`: a tensor is missing, of the wrong shape, or not finite."""
+    """The trained weights (numpy, float64; named as `torch.nn.LSTM(12, H, num_layers=2)`'s, plus `score.*`,
+    `granularity.*`, `features.mean` / `features.std`) and one LSTM step; `ConfigError` for a bad tensor."""
 
     def __init__(self, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None, *,
                  source: str = "decision model") -> None:
@@ -214,9 +212,8 @@ def load_model(spec: str | os.PathLike[str]) -> DecisionModel:
 
 
 class LearnedCheck:
-    """The model's per-step state (feature windows, LSTM state: part of the policy state, so a resumed run continues
-    exactly) and the rules of its role; `RulePolicy` asks `review` and `capture` in `pre_update`, `after_update` in
-    `decide`."""
+    """The model's per-step state (part of the policy state) and the rules of its role (`review`, `capture` in
+    `pre_update`; `after_update` in `decide`)."""
 
     def __init__(self, model: DecisionModel) -> None:
         self.model, self.features, self.state = model, FeatureExtractor(), model.initial_state()
@@ -254,9 +251,8 @@ class LearnedCheck:
                         kind=DecisionKind.LEARNED) if self._cooled(frame.step, cooldown) else None
 
     def after_update(self, frame: SignalFrame, decision: Decision, *, may_save: bool, cooldown: int) -> Decision:
-        """`RulePolicy.decide`'s question: a cheaper tier set for a risk-edge save, or an early save of the state after
-        this update with the model's cheaper granularity (memory pressure) when `may_save` (healthy, `min_interval`
-        since the last save) and outside the model's cooldown."""
+        """A cheaper tier set for a risk-edge save, or an early save with the model's cheaper granularity (memory
+        pressure) when `may_save` and outside the model's cooldown."""
         op = self.opinion(frame)
         tiers = op.granularity.tiers
         if decision.save and decision.kind == DecisionKind.RISK_EDGE and tiers < decision.tiers:

@@ -1,6 +1,5 @@
-"""The rule policy: a dynamic save interval, risk-triggered saves, pre-anomaly capture, and the rollback rule (docs/
-policy.md). Pure: `SignalFrame`s in, `Decision`s with a reason out (no I/O, no clock, no torch); it reads nothing but
-the frames and its own state, so under DDP every rank takes the same decisions on the same reduced frame."""
+"""The rule policy and the rollback rule (docs/policy.md). Pure: frames and its own state in, `Decision`s out (no
+I/O, clock or torch), so under DDP every rank decides the same on the same reduced frame."""
 
 from __future__ import annotations
 
@@ -63,7 +62,7 @@ def ramp(value: float, lo: float, hi: float) -> float:
 
 @dataclass
 class Assessment:
-    """Risk components of one frame (each in [0, 1], in the order they are judged) and the statistics behind them."""
+    """Risk components of one frame (each in [0, 1]) and the statistics behind them."""
     loss_z: float | None = None
     loss_ratio: float | None = None
     grad_ratio: float | None = None
@@ -83,8 +82,7 @@ class Assessment:
 
 
 class Baselines(Windows):
-    """The recent loss, grad-norm and lr values and memory samples a frame is judged against: `assess(frame)` before
-    the frame is folded in (`fold`), so a spike is measured against the past. Window sizes follow `stability_window`."""
+    """The windows a frame is judged against (`assess` before `fold`, so a spike is measured against the past)."""
 
     def __init__(self, config: PolicyParams) -> None:
         super().__init__(loss=config.stability_window, grad=min(config.stability_window, GRAD_BASELINE_WINDOW),
@@ -130,9 +128,8 @@ class Baselines(Windows):
 
 
 def capture_rule(frame: SignalFrame, a: Assessment, baselines: Baselines, c: PolicyParams) -> str | None:
-    """The rule by which this step's update is bad, as reason text (`"grad_surge x10.0"`), or `None`. Pure: the frame,
-    its assessment and the baselines not yet folded with it; the rules in their order, and the early ones that stand in
-    while a statistic has fewer than `MIN_HISTORY` values: docs/policy.md, "Pre-anomaly capture"."""
+    """The rule by which this step's update is bad, as reason text (`"grad_surge x10.0"`), or `None`; pure, against
+    the baselines not yet folded with the frame (docs/policy.md, "Pre-anomaly capture")."""
     if frame.any_nonfinite:
         return "nonfinite"
     r = c.grad_surge_ratio
@@ -184,9 +181,8 @@ def _first_step(frame: SignalFrame, baselines: Baselines) -> str | None:
 
 
 def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> bool:
-    """A loss spike is worth a pinned capture when it is large (>= `LOSS_JUMP_RATIO` x the baseline), the gradients
-    confirm it (a ratio >= `GRAD_CONFIRM_RATIO`) or there is no gradient signal: a one-step jump with ordinary
-    gradients (a hard batch) barely moves the weights."""
+    """A loss spike captures when large, confirmed by the gradients, or without a gradient signal (a hard batch with
+    ordinary gradients barely moves the weights)."""
     if a.loss_ratio is not None and a.loss_ratio >= LOSS_JUMP_RATIO:
         return True
     if len(baselines.loss) < CAPTURE_WARMUP:
@@ -198,8 +194,7 @@ def _loss_confirmed(frame: SignalFrame, a: Assessment, baselines: Baselines) -> 
 
 @dataclass(frozen=True)
 class Interval:
-    """The regular interval (a save once `round(steps)` steps passed), its base `T_base`, and the `reason` of a save
-    at it (`"interval 4 (base 4 from base_interval, alpha 1.00, beta 0.00)"`: the base's source, why it moved."""
+    """The regular interval (a save once `round(steps)` steps passed), its base, and the `reason` of a save at it."""
     steps: float
     base: float
     reason: str
@@ -230,17 +225,8 @@ def _read(value: Any, read: Callable[[Any], Any] | tuple[type, ...], where: str)
 
 
 class RulePolicy:
-    """Decides when to save and what, from per-step signals: the regular interval, the rising edge of the risk, a
-    memory ramp, preemption, and the pre-update capture (`pre_update`); the formulas: docs/policy.md section 2. With
-    `policy.learned_model` set, the learned double-check (`learned`, a `LearnedCheck`) sits next to the rules.
-
-    Example:
-        ```python
-        >>> policy = RulePolicy(SmartCkptConfig(base_interval=4))
-        >>> [policy.decide(SignalFrame(step=s, loss=2.0)).save for s in range(1, 9)]
-        [False, False, False, True, False, False, False, True]
-        ```
-    """
+    """When to save and what (docs/policy.md section 2): the regular interval, the risk's rising edge, a memory
+    ramp, preemption, the pre-update capture; with `policy.learned_model`, a `LearnedCheck` (`learned`) beside them."""
 
     def __init__(self, config: SmartCkptConfig | None = None) -> None:
         self.config = config or SmartCkptConfig()
@@ -293,8 +279,7 @@ class RulePolicy:
         return sum(self.training_betas) / len(self.training_betas) if self.training_betas else 0.0
 
     def current_interval(self) -> Interval:
-        """The regular interval: the base, shortened by stability and risk, widened by the budget when the library
-        derived it, clamped (`max_interval` wins over the budget)."""
+        """The base, shortened by stability and risk, widened by the budget if derived, clamped."""
         c, cost, step = self.config.policy, self.save_cost.value, self.step_time.value
         if self.config.base_interval is not None:
             base, source = float(self.config.base_interval), FROM_USER
@@ -318,10 +303,8 @@ class RulePolicy:
         return min(float(self.config.policy.max_interval), max(float(self.config.policy.min_interval), t))
 
     def pre_update(self, frame: SignalFrame) -> Decision:
-        """Check the step's gradients before `optimizer.step()`, while the weights are those of `frame.step - 1`: a
-        rule of `capture_rule` saves that state now (`pre_update=True, pin=True, kind=CAPTURE, step=frame.step - 1`;
-        finite triggers once per `capture_cooldown` steps, non-finite ones on the first of a run of them);
-        `skip_update` follows `skip_bad_update` for any bad update."""
+        """Before `optimizer.step()` (weights of `frame.step - 1`): a `capture_rule` saves that state, pinned (finite
+        rules once per `capture_cooldown`, non-finite on the first of a run); `skip_update`: `skip_bad_update`."""
         c = self.config.policy
         self._pre_step = frame.step
         rule, early = self._judge(frame)[1], None
@@ -356,9 +339,8 @@ class RulePolicy:
                                      interval=self.current_interval().steps, kind=DecisionKind.CAPTURE), frame.step)
 
     def decide(self, frame: SignalFrame) -> Decision:
-        """Whether to save the state of step `frame.step`, after its update: in priority order preemption (full,
-        once), the rising edge of the smoothed risk, a memory ramp (minimal tiers), the regular interval. Call it once
-        per optimizer step: it folds the frame into the statistics."""
+        """Whether to save step `frame.step` after its update (preemption, risk edge, memory ramp, interval, in that
+        order). Once per optimizer step: it folds the frame into the statistics."""
         step, c = frame.step, self.config.policy
         if self.last_save_step is None:
             self.last_save_step = step - 1  # the state training started from counts as saved
@@ -507,9 +489,8 @@ class RulePolicy:
                         "decisions": list(self.decisions)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what `state_dict()` returned, all of it or nothing (window sizes follow the current config); a
-        `ConfigError` for a state of an unknown version or malformed. A version-1 state (an older release's layout) is
-        not restored: the policy warms up again, with a warning."""
+        """Restore a `state_dict()`, all or nothing (`ConfigError`: unknown version or malformed); version 1 warms up
+        again, with a warning."""
         version = state.get("version")
         if version == 1:
             logger.warning("policy state version 1 (an older release) is not restored: the statistics warm up "
@@ -541,15 +522,12 @@ class RulePolicy:
         vars(self).update(vars(fresh))
 
 
-# What the rollback rule answers for one step: nothing to do (calm, or not yet confirmed), roll back to a restore point
-# before `onset`, or confirmed but max_rollbacks were taken within the window.
 Verdict = enum.StrEnum("Verdict", {"NONE": "none", "ROLLBACK": "rollback", "EXHAUSTED": "exhausted"})
 
 
 @dataclass(frozen=True)
 class RollbackVerdict:
-    """The rule's answer: `verdict`, the anomaly's first bad step (`onset`), why (`reason`), and the oldest step a
-    restore point may have (`earliest`, `step - rollback_window`)."""
+    """The rule's answer: the anomaly's first bad step (`onset`) and the oldest step a restore point may have."""
     verdict: Verdict = Verdict.NONE
     onset: int | None = None
     reason: str = ""
@@ -561,12 +539,9 @@ NO_ROLLBACK = RollbackVerdict()
 
 @dataclass
 class RollbackRule:
-    """When a confirmed anomaly rolls back (docs/rollback.md). Pure: per optimizer step it sees whether the update about
-    to be applied is bad (`capture_rule` fired); `rollback_patience` bad steps in a row from the first (the onset, whose
-    state the policy captured) confirm it: a rollback to a healthy restore point before the onset, at most
-    `rollback_window` steps back, unless `max_rollbacks` were taken within that window. Its state (`streak` bad steps
-    since `onset`, whose rule was `first_reason`; the steps rollbacks were `taken` at) is the run's history, so it is
-    *not* restored from the restore point a rollback returns to: a run never forgets that it rolled back."""
+    """When a confirmed anomaly rolls back (docs/rollback.md): `rollback_patience` bad updates in a row from the
+    onset, unless `max_rollbacks` were taken within `rollback_window`. Its state is the run's history: *not* restored
+    from the restore point a rollback returns to (a run never forgets that it rolled back)."""
     streak: int = 0
     onset: int | None = None
     first_reason: str = ""

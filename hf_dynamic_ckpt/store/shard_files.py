@@ -1,10 +1,6 @@
-"""Sharded checkpoints on disk (FSDP2, DeepSpeed ZeRO): one safetensors file per rank and tier
-(``weights-rank<R>.safetensors``, ``optimizer-rank<R>.safetensors``), and the chunk tables in the manifest's
-``extra["sharded"]`` (layout: docs/fsdp.md; ZeRO's runs of flattened tensors, which name their ``tensor_shape``:
-docs/deepspeed.md). No pickle is written or read (DCP's ``FileSystemWriter`` pickles its ``.metadata``):
-`ChunkReader` reads any block of a tensor from whichever ranks' chunks hold it, which reshards to any world size as
-DCP's load planner would.
-"""
+"""Sharded checkpoints on disk (FSDP2, DeepSpeed ZeRO): one safetensors file per rank and tier and the chunk tables
+in the manifest's ``extra["sharded"]`` (docs/fsdp.md, docs/deepspeed.md); no pickle. `ChunkReader` reads any block
+from whichever ranks' chunks hold it, so a resume reshards to any world size."""
 
 from __future__ import annotations
 
@@ -100,15 +96,13 @@ def is_flat(table: Mapping[str, Any]) -> bool:
 
 
 def placeholders(table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """L0 of a sharded checkpoint as `meta` tensors of the global shapes: what the model check of a resume reads
-    before the shards are read into the live model (table from `sharded_table`)."""
+    """L0 of a sharded checkpoint as `meta` tensors of the global shapes (for the model check of a resume)."""
     return {key: torch.empty(c.get("tensor_shape", c["shape"]), dtype=_dtype(c), device="meta")
             for r in table["ranks"].values() for key, c in (r.get(WEIGHTS) or {}).items()}
 
 
 def gather_weights(directory: Path, table: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The whole weights of a sharded checkpoint (FSDP2 blocks or ZeRO runs), assembled on the CPU from every rank's
-    chunks: what an export writes (no process group, no DCP, no DeepSpeed)."""
+    """The whole weights of a sharded checkpoint, assembled on the CPU from every rank's chunks (for an export)."""
     out = {key: torch.empty(t.shape, dtype=t.dtype) for key, t in placeholders(table).items()}
     with ChunkReader(directory, table) as reader:
         for key, t in out.items():
@@ -117,9 +111,8 @@ def gather_weights(directory: Path, table: Mapping[str, Any]) -> dict[str, torch
 
 
 class ChunkReader(contextlib.AbstractContextManager["ChunkReader"]):
-    """Reads any block of a saved tensor from the chunks of whichever ranks hold it (`table`, from `sharded_table`, of
-    the verified checkpoint in `directory`), without a collective, through safetensors' `get_slice` (a file's
-    tensor must have its chunk's size). A context manager: it keeps the files open."""
+    """Reads any block of a saved tensor from the chunks of whichever ranks hold it (`table` from `sharded_table`),
+    without a collective, through safetensors' `get_slice`; a context manager (it keeps the files open)."""
 
     def __init__(self, directory: Path, table: Mapping[str, Any]) -> None:
         self._dir = Path(directory)
