@@ -77,6 +77,13 @@ class _OpenRun:
     memory: Any
     engine: Any = None
 
+    def close_parts(self) -> None:
+        """Close the engine (its writes in flight commit), the memory tier (clean: its slots go) and the store."""
+        if self.engine is not None:
+            self.engine.close()
+        self.memory.close(clean=True)
+        self.store.close()
+
 
 _RUNS: dict[str, _OpenRun] = {}
 """The open runs of this process, by task and rank: a new run closes the earlier one first."""
@@ -123,10 +130,7 @@ class RunOrchestrator:
                 run._held = run._rollback = None  # this rank alone) and a pending rollback are dropped
                 run.close()
             else:  # dropped without close(): what still holds the task
-                if earlier.engine is not None:
-                    earlier.engine.close()
-                earlier.memory.close(clean=True)
-                earlier.store.close()
+                earlier.close_parts()
         # `recovery`: a killed run's memory slots newer than the disk store (`SlotRecovery`), or `None`.
         self.store, self.recovery = open_run_store(config, root, rank=self.rank, world_size=self.world_size,
                                                    session_id=self.session_id)
@@ -140,7 +144,7 @@ class RunOrchestrator:
         self.own_tiers: frozenset[Tier] = frozenset(ALL_TIERS) if self.rank == 0 else frozenset({Tier.STATE})
         self._raise_next: SaveError | None = None
         self._memory_handle: Any = None
-        _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.memory)
+        self._open = _RUNS[self._key] = _OpenRun(weakref.ref(self), self.session_id, self.store, self.memory)
         self.root = Path(self.store.root) if is_url(root) else Path(root)  # URL root: its local cache (step log)
         self.policy = RulePolicy(config)
         self.rollbacks = RollbackRule()  # the rollbacks taken (`on_anomaly: rollback`), restored by a resume
@@ -191,8 +195,7 @@ class RunOrchestrator:
             self._engine = SaveEngine(self.store, mode=self.config.engine,
                                       memory_margin=self.config.runtime.memory_margin,
                                       overlap=self.config.runtime.overlap_snapshot, slots=self.memory.slots)
-            if (entry := _RUNS.get(self._key)) is not None and entry.run() is self:
-                entry.engine = self._engine
+            self._open.engine = self._engine
         return self._engine
 
     @property
@@ -787,8 +790,7 @@ class RunOrchestrator:
         if self._closed:
             return
         self._closed = True
-        entry = _RUNS.get(self._key)
-        if entry is not None and entry.run() is self:
+        if _RUNS.get(self._key) is self._open:
             del _RUNS[self._key]
         try:
             self.finish()
@@ -798,10 +800,7 @@ class RunOrchestrator:
                 self.resumed.pending.close()
             if self.recovery is not None:
                 self.recovery.close(remove=not self.memory.on)
-            if self._engine is not None:  # its writes in flight commit; then the memory tier (clean: its slots go)
-                self._engine.close()
-            self.memory.close(clean=True)
-            self.store.close()
+            self._open.close_parts()
 
     @property
     def closed(self) -> bool:
