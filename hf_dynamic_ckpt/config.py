@@ -186,12 +186,17 @@ class StorageLevels(_Settings):
                 "a mapping such as {retention_days: 7} (leave the key out for the defaults)."))
 
 
+def _public_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    from .store import check_public_options  # never credentials: the config is logged and saved
+
+    return check_public_options(options, "remote.storage_options")
+
+
 class RemoteParams(_Settings):
     """A URL root's object-store settings (``remote:`` in YAML, docs/storage.md)."""
     cache_dir: str | None = _f(None, lambda v, s: v is None or isinstance(v, str | os.PathLike),
                                "a directory path or null", convert=os.fspath)
-    storage_options: Mapping[str, Any] | None = _f(None, convert=lambda v: __import__(  # never credentials (logged)
-        "hf_dynamic_ckpt.store", fromlist=["_"]).check_public_options(v, "remote.storage_options"))
+    storage_options: Mapping[str, Any] | None = _f(None, convert=_public_options)
     retries: int = _f(5, *_int_ge(0))
     backoff_s: float = _f(0.5, *_SECONDS)
 

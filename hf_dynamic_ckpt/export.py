@@ -34,6 +34,13 @@ _RANK = {"auto": lambda i: (-i.step,), "best": lambda i: (float("inf") if i.loss
 """A named ref's order of the checkpoints, lowest first (as `CheckpointStore.resolve`'s)."""
 
 
+def _json_default(obj: Any) -> Any:
+    """Config values as PEFT / transformers write them: sets as sorted lists, enums by value, dtypes by name."""
+    if isinstance(obj, set | frozenset):
+        return sorted(obj, key=str)
+    return obj.value if isinstance(obj, enum.Enum) else str(obj).removeprefix("torch.")
+
+
 def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[str, Any]:
     """What rebuilding `model` (transformers, PEFT over it, or any module) needs, as JSON: kind ("peft", "transformers",
     "module"), config, adapters (their PEFT configs), active_adapter, base_model, revision, dtype, tokenizer."""
@@ -48,9 +55,7 @@ def describe_model(model: nn.Module, *, tokenizer: Any | None = None) -> dict[st
         "adapters": adapters, "active_adapter": names[0] if names else None,
         "base_model": adapter.get("base_model_name_or_path") or (config or {}).get("_name_or_path") or None,
         "revision": adapter.get("revision"), "dtype": first.dtype if first is not None else None,
-        "tokenizer": getattr(tokenizer, "name_or_path", None) or None},  # values as PEFT / transformers write them
-        default=lambda o: sorted(o, key=str) if isinstance(o, set | frozenset) else o.value if isinstance(o, enum.Enum)
-        else str(o).removeprefix("torch.")))
+        "tokenizer": getattr(tokenizer, "name_or_path", None) or None}, default=_json_default))
 
 
 def _open(root: str | os.PathLike[str], task_id: str | None) -> CheckpointStore:

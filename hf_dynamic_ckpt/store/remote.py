@@ -101,7 +101,9 @@ class RemoteSpec:
     def __repr__(self) -> str:
         return f"RemoteSpec(url={self.shown!r}, retries={self.retries}, backoff_s={self.backoff_s})"
 
-    shown = property(lambda self: redact(self.url))
+    @property
+    def shown(self) -> str:
+        return redact(self.url)
 
 
 def split_root(root: str | os.PathLike[str], *, rank: int, storage_options: Mapping[str, Any] | None = None,
@@ -231,10 +233,12 @@ class Remote:
     def mirror(self, local: Path, files: Iterable[str]) -> None:
         """Make the bucket's copy of a committed directory follow the cache's after a tier delete, pin or unpin: its
         manifest, pin marker, and no file the manifest does not list."""
+        keep = {*files, MANIFEST_NAME}
         self.put(local / MANIFEST_NAME, local.name, MANIFEST_NAME)
-        if pinned := is_kind(local / PINNED_MARKER, "file"):
+        if is_kind(local / PINNED_MARKER, "file"):
             self.put(b"", local.name, PINNED_MARKER)
-        for stale in set(self.names(local.name)) - {*files, MANIFEST_NAME, *[PINNED_MARKER][:pinned]}:
+            keep.add(PINNED_MARKER)
+        for stale in set(self.names(local.name)) - keep:
             self.remove(local.name, stale)
 
     def note_writer(self, session: str) -> None:
